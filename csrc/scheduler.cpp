@@ -1,0 +1,638 @@
+// Event scheduler implementation. See scheduler.h for the model.
+//
+// Ordering is tracked with vector clocks: every slot counts its records and
+// remembers, per other slot, the newest record it has already waited on
+// (directly or through a chain of waits). A wait that is already implied is
+// skipped, so a stage stream waits on the caller's source event once per run
+// and never twice on the same producer.
+#include "scheduler.h"
+
+#include <c10/core/impl/VirtualGuardImpl.h>
+
+#include <algorithm>
+#include <stdexcept>
+
+namespace mpstream {
+
+const char* op_name(OpCode op) {
+  switch (op) {
+    case OpCode::kWait:
+      return "wait";
+    case OpCode::kRecord:
+      return "record";
+    case OpCode::kRun:
+      return "run";
+    case OpCode::kSync:
+      return "sync";
+  }
+  return "unknown";
+}
+
+struct Scheduler::Slot {
+  SlotSpec spec;
+  std::optional<c10::Stream> stream;
+  int32_t pool = 0;
+  int32_t ref = 0;  // caller slot (index into slots_) of this slot's device
+  std::vector<int64_t> vc;
+  int32_t latest = -1;  // newest event recorded here during this run
+};
+
+struct Scheduler::EventRec {
+  int32_t pool = 0;
+  std::optional<c10::Event> event;  // device pools only, made at first record
+  int32_t slot = -1;
+  int64_t seq = 0;
+  std::vector<int64_t> vc;
+  int32_t refs = 0;
+};
+
+struct Scheduler::TimedTask {
+  Kind kind;
+  int32_t stage;
+  int32_t micro;
+  int32_t slot;
+  int32_t start_slot;
+  std::optional<c10::Event> start;
+  std::optional<c10::Event> end;
+  int64_t host_start_ns = 0;
+  int64_t host_end_ns = 0;
+};
+
+struct Scheduler::Open {
+  int32_t task = -1;  // -1: a gradient copy outside the schedule
+  Kind kind = Kind::kForward;
+  int32_t stage = 0;
+  int32_t micro = 0;
+  int32_t issue = -1;
+  int32_t rec = -1;
+  std::optional<c10::Stream> prev_issue;
+  std::optional<c10::Stream> prev_rec;
+  int32_t timed = -1;
+  bool active = false;
+};
+
+namespace {
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+c10::Stream make_stream(const SlotSpec& spec) {
+  return c10::Stream::unpack3(*spec.stream_id, spec.device_index,
+                              static_cast<c10::DeviceType>(spec.device_type));
+}
+
+std::optional<c10::Stream> exchange(const std::optional<c10::Stream>& stream) {
+  if (!stream) {
+    return std::nullopt;
+  }
+  c10::impl::VirtualGuardImpl impl(stream->device_type());
+  return impl.exchangeStream(*stream);
+}
+
+void restore(const std::optional<c10::Stream>& prev) {
+  if (prev) {
+    c10::impl::VirtualGuardImpl impl(prev->device_type());
+    impl.exchangeStream(*prev);
+  }
+}
+
+}  // namespace
+
+Scheduler::Scheduler(std::vector<SlotSpec> stage_slots, std::vector<SlotSpec> caller_slots,
+                     std::vector<int32_t> caller_of_stage)
+    : caller_of_stage_(std::move(caller_of_stage)) {
+  if (stage_slots.empty() || stage_slots.size() % 2 != 0) {
+    throw std::invalid_argument("stage_slots must hold two slots (compute, copy) per stage");
+  }
+  stages_ = static_cast<int32_t>(stage_slots.size() / 2);
+  if (static_cast<int32_t>(caller_of_stage_.size()) != stages_) {
+    throw std::invalid_argument("caller_of_stage must have one entry per stage");
+  }
+  for (int32_t c : caller_of_stage_) {
+    if (c < 0 || c >= static_cast<int32_t>(caller_slots.size())) {
+      throw std::invalid_argument("caller_of_stage refers to a missing caller slot");
+    }
+  }
+  std::vector<SlotSpec> all = std::move(stage_slots);
+  for (auto& spec : caller_slots) {
+    all.push_back(std::move(spec));
+  }
+  std::vector<std::tuple<int8_t, int8_t, bool>> pools;
+  const size_t n = all.size();
+  for (size_t i = 0; i < n; ++i) {
+    Slot slot;
+    slot.spec = all[i];
+    if (slot.spec.stream_id) {
+      slot.stream = make_stream(slot.spec);
+    }
+    const auto key = std::make_tuple(slot.spec.device_type, slot.spec.device_index,
+                                     slot.spec.stream_id.has_value());
+    auto it = std::find(pools.begin(), pools.end(), key);
+    slot.pool = static_cast<int32_t>(it - pools.begin());
+    if (it == pools.end()) {
+      pools.push_back(key);
+    }
+    slot.vc.assign(n, 0);
+    slots_.push_back(std::move(slot));
+  }
+  const int32_t first_caller = 2 * stages_;
+  for (int32_t s = 0; s < stages_; ++s) {
+    const int32_t c = first_caller + caller_of_stage_[s];
+    const auto& cs = slots_[c].spec;
+    for (int32_t slot : {compute_slot(s), copy_slot(s)}) {
+      const auto& spec = slots_[slot].spec;
+      if (spec.device_type != cs.device_type || spec.device_index != cs.device_index) {
+        throw std::invalid_argument("stage " + std::to_string(s) +
+                                    ": slot device differs from its caller slot's device");
+      }
+      slots_[slot].ref = c;
+    }
+  }
+  for (int32_t c = first_caller; c < static_cast<int32_t>(n); ++c) {
+    slots_[c].ref = c;
+  }
+  free_.resize(pools.size());
+  reference_.resize(n);
+}
+
+Scheduler::~Scheduler() {
+  // Streams a failed task made current must not outlive the scheduler.
+  for (auto& o : open_) {
+    if (o && o->active) {
+      restore_streams(*o);
+    }
+  }
+}
+
+std::vector<SlotSpec> Scheduler::slots() const {
+  std::vector<SlotSpec> out;
+  for (const auto& s : slots_) {
+    out.push_back(s.spec);
+  }
+  return out;
+}
+
+int32_t Scheduler::caller_slot(int32_t stage) const {
+  return 2 * stages_ + caller_of_stage_[stage];
+}
+
+std::pair<int32_t, int32_t> Scheduler::task_slots(const Task& t) const {
+  switch (t.kind) {
+    case Kind::kForward:
+    case Kind::kBackward:
+      return {compute_slot(t.stage), compute_slot(t.stage)};
+    case Kind::kCopy:
+      return {t.stage >= 0 ? copy_slot(t.stage) : -1, copy_slot(t.stage + 1)};
+    case Kind::kCopyGrad:
+      return {copy_slot(t.stage + 1), copy_slot(t.stage)};
+  }
+  throw std::logic_error("unknown task kind");
+}
+
+int32_t Scheduler::wait_slot(const Task& t) const {
+  const auto [issue, rec] = task_slots(t);
+  return issue >= 0 ? issue : rec;
+}
+
+int32_t Scheduler::acquire(int32_t slot) {
+  const int32_t pool = slots_[slot].pool;
+  auto& free = free_[pool];
+  if (!free.empty()) {
+    const int32_t id = free.back();
+    free.pop_back();
+    return id;
+  }
+  EventRec rec;
+  rec.pool = pool;
+  events_.push_back(std::move(rec));
+  return static_cast<int32_t>(events_.size() - 1);
+}
+
+void Scheduler::unref(int32_t event) {
+  auto& rec = events_[event];
+  if (--rec.refs == 0) {
+    free_[rec.pool].push_back(event);
+  }
+}
+
+void Scheduler::log(OpCode op, int32_t slot, int32_t event, int32_t task, Kind kind,
+                    int32_t stage, int32_t micro) {
+  if (recording_) {
+    plan_.push_back(PlanOp{op, slot, event, task, kind, stage, micro});
+  }
+}
+
+int32_t Scheduler::record(int32_t slot, int32_t task, Kind kind, int32_t stage,
+                          int32_t micro) {
+  Slot& s = slots_[slot];
+  const int32_t id = acquire(slot);
+  EventRec& rec = events_[id];
+  rec.slot = slot;
+  rec.seq = ++s.vc[slot];
+  rec.vc = s.vc;
+  if (s.stream) {
+    if (!rec.event) {
+      rec.event.emplace(s.stream->device_type());
+    }
+    rec.event->record(*s.stream);
+  }
+  rec.refs = 1;  // held as the slot's latest
+  if (s.latest >= 0) {
+    unref(s.latest);
+  }
+  s.latest = id;
+  log(OpCode::kRecord, slot, id, task, kind, stage, micro);
+  return id;
+}
+
+void Scheduler::wait(int32_t slot, int32_t event, int32_t task, Kind kind, int32_t stage,
+                     int32_t micro) {
+  const EventRec& rec = events_[event];
+  Slot& s = slots_[slot];
+  if (rec.slot == slot || s.vc[rec.slot] >= rec.seq) {
+    return;  // same stream, or already ordered through an earlier wait
+  }
+  OpCode op = OpCode::kWait;
+  if (rec.event && s.stream) {
+    rec.event->block(*s.stream);
+  } else if (rec.event) {
+    // Placeholder consumer (host work) after device work: block the host.
+    rec.event->synchronize();
+    op = OpCode::kSync;
+  }
+  for (size_t i = 0; i < s.vc.size(); ++i) {
+    s.vc[i] = std::max(s.vc[i], rec.vc[i]);
+  }
+  log(op, slot, event, task, kind, stage, micro);
+}
+
+void Scheduler::begin_run(std::shared_ptr<const Schedule> schedule,
+                          const std::vector<std::optional<int64_t>>& caller_streams) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (running_) {
+    throw std::runtime_error(
+        "a pipeline run is already in progress on this scheduler (a forward "
+        "re-entered the same Pipe?)");
+  }
+  if (!schedule) {
+    throw std::invalid_argument("begin_run needs a schedule");
+  }
+  if (schedule->layout.stages != stages_) {
+    throw std::invalid_argument("schedule has " + std::to_string(schedule->layout.stages) +
+                                " stages, the scheduler " + std::to_string(stages_));
+  }
+  const int32_t first_caller = 2 * stages_;
+  const size_t callers = slots_.size() - first_caller;
+  if (caller_streams.size() != callers) {
+    throw std::invalid_argument("begin_run needs one caller stream per caller slot (" +
+                                std::to_string(callers) + ")");
+  }
+  for (auto& s : slots_) {
+    if (s.latest >= 0) {
+      unref(s.latest);
+      s.latest = -1;
+    }
+    std::fill(s.vc.begin(), s.vc.end(), 0);
+  }
+  for (size_t c = 0; c < callers; ++c) {
+    Slot& s = slots_[first_caller + c];
+    if (caller_streams[c] && !s.spec.stream_id) {
+      throw std::invalid_argument("caller slot '" + s.spec.name +
+                                  "' is a placeholder but got a stream");
+    }
+    if (!caller_streams[c] && s.spec.stream_id) {
+      throw std::invalid_argument("caller slot '" + s.spec.name + "' needs a stream");
+    }
+    if (caller_streams[c]) {
+      s.spec.stream_id = caller_streams[c];
+      s.stream = make_stream(s.spec);
+    }
+  }
+  schedule_ = std::move(schedule);
+  const size_t n = schedule_->tasks.size();
+  task_event_.assign(n, -1);
+  pending_.assign(n, 0);
+  // A dependency recorded on the slot that waits for it is ordered by the
+  // stream itself; only cross-slot dependencies keep an event alive.
+  for (const auto& t : schedule_->tasks) {
+    const int32_t at = wait_slot(t);
+    for (int32_t d : t.deps) {
+      if (task_slots(schedule_->tasks[d]).second != at) {
+        ++pending_[d];
+      }
+    }
+  }
+  if (timing_) {
+    ensure_reference();
+  }
+  for (size_t c = 0; c < callers; ++c) {
+    record(first_caller + static_cast<int32_t>(c), -1, Kind::kForward, -1, -1);
+  }
+  running_ = true;
+}
+
+int64_t Scheduler::open(int32_t task, Kind kind, int32_t stage, int32_t micro, int32_t issue,
+                        int32_t rec) {
+  int64_t handle;
+  if (!open_free_.empty()) {
+    handle = open_free_.back();
+    open_free_.pop_back();
+  } else {
+    open_.push_back(std::make_unique<Open>());
+    handle = static_cast<int64_t>(open_.size() - 1);
+  }
+  Open& o = *open_[handle];
+  o = Open{};
+  o.task = task;
+  o.kind = kind;
+  o.stage = stage;
+  o.micro = micro;
+  o.issue = issue;
+  o.rec = rec;
+  o.active = true;
+  log(OpCode::kRun, issue >= 0 ? issue : rec, -1, task, kind, stage, micro);
+  if (issue >= 0 && issue != rec) {
+    // A cross-device copy makes the destination's current stream wait for
+    // the source's (PyTorch's copy barrier), so the receiving slot inherits
+    // everything the issuing slot is ordered after.
+    auto& to = slots_[rec].vc;
+    const auto& from = slots_[issue].vc;
+    for (size_t i = 0; i < to.size(); ++i) {
+      to[i] = std::max(to[i], from[i]);
+    }
+  }
+  if (issue >= 0) {
+    o.prev_issue = exchange(slots_[issue].stream);
+  }
+  if (rec != issue) {
+    o.prev_rec = exchange(slots_[rec].stream);
+  }
+  if (timing_) {
+    timing_mark(o, true);
+  }
+  return handle;
+}
+
+void Scheduler::restore_streams(Open& o) {
+  restore(o.prev_rec);
+  restore(o.prev_issue);
+  o.prev_rec.reset();
+  o.prev_issue.reset();
+}
+
+int64_t Scheduler::begin(int32_t task) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!running_) {
+    throw std::runtime_error("begin() outside a run; call begin_run() first");
+  }
+  if (task < 0 || task >= static_cast<int32_t>(schedule_->tasks.size())) {
+    throw std::out_of_range("task index " + std::to_string(task) + " out of range");
+  }
+  const Task& t = schedule_->tasks[task];
+  const auto [issue, rec] = task_slots(t);
+  const int32_t at = issue >= 0 ? issue : rec;
+  for (int32_t d : t.deps) {
+    if (task_event_[d] < 0) {
+      throw std::runtime_error("task " + std::to_string(task) + " began before its dependency " +
+                               std::to_string(d) + " ended");
+    }
+  }
+  for (int32_t d : t.deps) {
+    if (task_slots(schedule_->tasks[d]).second == at) {
+      continue;  // same stream: program order
+    }
+    const int32_t ev = task_event_[d];
+    wait(at, ev, task, t.kind, t.stage, t.micro);
+    --pending_[d];
+    unref(ev);
+  }
+  // After the data dependencies: a producer on the same device has usually
+  // waited on the source already, which makes this wait implied.
+  if (t.kind == Kind::kForward || t.kind == Kind::kBackward) {
+    const int32_t source = slots_[caller_slot(t.stage)].latest;
+    if (source >= 0) {
+      wait(at, source, task, t.kind, t.stage, t.micro);
+    }
+  }
+  return open(task, t.kind, t.stage, t.micro, issue, rec);
+}
+
+int64_t Scheduler::begin_grad_copy(int32_t stage, int32_t micro) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (stage < 0 || stage + 1 >= stages_) {
+    throw std::out_of_range("gradient copy from stage " + std::to_string(stage + 1) +
+                            " to " + std::to_string(stage) + " is outside the pipeline");
+  }
+  return open(-1, Kind::kCopyGrad, stage, micro, copy_slot(stage + 1), copy_slot(stage));
+}
+
+void Scheduler::finish_open(Open& o) {
+  if (timing_ && o.timed < 0) {
+    timing_mark(o, true);  // timing switched on mid-task
+  }
+  if (timing_) {
+    timing_mark(o, false);
+  }
+  const int32_t ev = record(o.rec, o.task, o.kind, o.stage, o.micro);
+  if (o.task >= 0) {
+    task_event_[o.task] = ev;
+    events_[ev].refs += pending_[o.task];
+  } else {
+    // Gradient copy: the stage's compute stream consumes the gradient.
+    wait(compute_slot(o.stage), ev, -1, o.kind, o.stage, o.micro);
+  }
+  restore_streams(o);
+  o.active = false;
+}
+
+void Scheduler::end(int64_t handle) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (handle < 0 || handle >= static_cast<int64_t>(open_.size()) || !open_[handle]->active) {
+    throw std::invalid_argument("end() got a handle that is not open: " + std::to_string(handle));
+  }
+  Open& o = *open_[handle];
+  if (o.task >= 0 && !running_) {
+    throw std::runtime_error("end() of a scheduled task after its run was aborted");
+  }
+  finish_open(o);
+  open_free_.push_back(handle);
+}
+
+void Scheduler::join() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!running_) {
+    throw std::runtime_error("join() outside a run");
+  }
+  const int32_t first_caller = 2 * stages_;
+  for (int32_t c = first_caller; c < static_cast<int32_t>(slots_.size()); ++c) {
+    for (int32_t x = 0; x < first_caller; ++x) {
+      if (slots_[x].ref == c && slots_[x].latest >= 0) {
+        wait(c, slots_[x].latest, -1, Kind::kForward, -1, -1);
+      }
+    }
+  }
+  release_run();
+}
+
+void Scheduler::release_run() {
+  for (size_t i = 0; i < task_event_.size(); ++i) {
+    const int32_t ev = task_event_[i];
+    if (ev >= 0) {
+      for (; pending_[i] > 0; --pending_[i]) {
+        unref(ev);
+      }
+    }
+  }
+  for (auto& s : slots_) {
+    if (s.latest >= 0) {
+      unref(s.latest);
+      s.latest = -1;
+    }
+  }
+  task_event_.clear();
+  pending_.clear();
+  schedule_.reset();
+  running_ = false;
+}
+
+void Scheduler::abort() {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (int64_t h = static_cast<int64_t>(open_.size()) - 1; h >= 0; --h) {
+    Open& o = *open_[h];
+    if (o.active && o.task >= 0) {
+      restore_streams(o);
+      o.active = false;
+      open_free_.push_back(h);
+    }
+  }
+  if (running_) {
+    release_run();
+  }
+}
+
+bool Scheduler::running() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return running_;
+}
+
+void Scheduler::set_recording(bool on) {
+  std::lock_guard<std::mutex> lock(mu_);
+  recording_ = on;
+}
+
+bool Scheduler::recording() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return recording_;
+}
+
+std::vector<PlanOp> Scheduler::plan() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return plan_;
+}
+
+void Scheduler::clear_plan() {
+  std::lock_guard<std::mutex> lock(mu_);
+  plan_.clear();
+}
+
+void Scheduler::set_timing(bool on) {
+  std::lock_guard<std::mutex> lock(mu_);
+  timing_ = on;
+  if (on && running_) {
+    ensure_reference();
+  }
+}
+
+bool Scheduler::timing() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return timing_;
+}
+
+void Scheduler::ensure_reference() {
+  if (have_reference_) {
+    return;
+  }
+  host_t0_ = std::chrono::steady_clock::now();
+  const int32_t first_caller = 2 * stages_;
+  for (int32_t c = first_caller; c < static_cast<int32_t>(slots_.size()); ++c) {
+    const Slot& s = slots_[c];
+    if (!s.spec.stream_id) {
+      continue;
+    }
+    reference_[c].emplace(s.stream->device_type(), c10::EventFlag::BACKEND_DEFAULT);
+    reference_[c]->record(*s.stream);
+  }
+  have_reference_ = true;
+}
+
+void Scheduler::timing_mark(Open& o, bool start) {
+  ensure_reference();
+  if (start) {
+    TimedTask t{o.kind, o.stage, o.micro, o.rec, o.issue >= 0 ? o.issue : o.rec};
+    o.timed = static_cast<int32_t>(timed_.size());
+    timed_.push_back(std::move(t));
+  }
+  TimedTask& t = timed_[o.timed];
+  const Slot& s = slots_[start ? t.start_slot : t.slot];
+  if (s.stream) {
+    auto& ev = start ? t.start : t.end;
+    ev.emplace(s.stream->device_type(), c10::EventFlag::BACKEND_DEFAULT);
+    ev->record(*s.stream);
+  } else {
+    (start ? t.host_start_ns : t.host_end_ns) = now_ns();
+  }
+}
+
+std::vector<Timing> Scheduler::timings() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<Timing> out;
+  const int64_t t0 = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                         host_t0_.time_since_epoch())
+                         .count();
+  auto ms = [&](int32_t slot, const std::optional<c10::Event>& ev, int64_t host_ns) {
+    if (ev) {
+      const auto& ref = reference_[slots_[slot].ref];
+      ref->synchronize();
+      ev->synchronize();
+      return ref->elapsedTime(*ev);
+    }
+    return static_cast<double>(host_ns - t0) / 1e6;
+  };
+  for (const auto& t : timed_) {
+    if (t.host_end_ns == 0 && !t.end) {
+      continue;  // still open
+    }
+    out.push_back(Timing{t.kind, t.stage, t.micro, t.slot,
+                         ms(t.start_slot, t.start, t.host_start_ns),
+                         ms(t.slot, t.end, t.host_end_ns)});
+  }
+  return out;
+}
+
+void Scheduler::clear_timings() {
+  std::lock_guard<std::mutex> lock(mu_);
+  timed_.clear();
+  for (auto& r : reference_) {
+    r.reset();
+  }
+  have_reference_ = false;
+}
+
+int64_t Scheduler::events_created() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<int64_t>(events_.size());
+}
+
+int64_t Scheduler::events_free() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  int64_t n = 0;
+  for (const auto& f : free_) {
+    n += static_cast<int64_t>(f.size());
+  }
+  return n;
+}
+
+}  // namespace mpstream

@@ -1,0 +1,169 @@
+// The event scheduler: turns a schedule's data dependencies into stream waits
+// and records, with pooled events, an optional log of every stream operation
+// (the plan) and optional per-task timing.
+//
+// Streams live in slots: slot 2s is stage s's compute stream, slot 2s + 1 its
+// copy stream, and one caller slot per device stands for the stream the user
+// was on when the run started. A slot without a stream is a placeholder: its
+// work runs on the host in issue order, so waits on it are bookkeeping only.
+// With every slot a placeholder the scheduler runs on no device at all and
+// the plan shows what it would issue (recording mode).
+#pragma once
+
+#include <c10/core/Event.h>
+#include <c10/core/Stream.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "schedule.h"
+
+namespace mpstream {
+
+struct SlotSpec {
+  int8_t device_type = 0;   // c10::DeviceType as an integer
+  int8_t device_index = -1;
+  std::optional<int64_t> stream_id;  // none: placeholder
+  std::string name;
+};
+
+enum class OpCode : int8_t {
+  kWait = 0,    // slot waits on an event recorded on another slot
+  kRecord = 1,  // event recorded on slot
+  kRun = 2,     // the task's own work is issued on slot
+  kSync = 3,    // the host blocks on an event (placeholder consumer)
+};
+
+const char* op_name(OpCode op);
+
+struct PlanOp {
+  OpCode op;
+  int32_t slot;
+  int32_t event;  // -1 for kRun
+  int32_t task;   // index in the run's schedule; -1 outside a task
+  Kind kind;
+  int32_t stage;
+  int32_t micro;
+};
+
+struct Timing {
+  Kind kind;
+  int32_t stage;
+  int32_t micro;
+  int32_t slot;
+  double start_ms;
+  double end_ms;
+};
+
+class Scheduler {
+ public:
+  // stage_slots: two per stage (compute, copy). caller_slots: one per device.
+  // caller_of_stage[s]: index into caller_slots for stage s's device.
+  Scheduler(std::vector<SlotSpec> stage_slots, std::vector<SlotSpec> caller_slots,
+            std::vector<int32_t> caller_of_stage);
+  ~Scheduler();
+
+  int32_t num_stages() const { return stages_; }
+  std::vector<SlotSpec> slots() const;
+
+  // Starts a run of `schedule`; caller_streams gives the user's current
+  // stream id per caller slot (none for placeholders). Records one source
+  // event per caller slot: every stage stream waits on it before its first
+  // task, so work the user enqueued earlier (an optimizer step) is visible.
+  void begin_run(std::shared_ptr<const Schedule> schedule,
+                 const std::vector<std::optional<int64_t>>& caller_streams);
+  // Waits on the task's dependencies, makes its streams current and returns
+  // a handle for end().
+  int64_t begin(int32_t task);
+  // Records the task's completion event and restores the previous streams.
+  void end(int64_t handle);
+  // Every caller slot waits on the latest work of every slot on its device.
+  // Ends the run and returns all run events to the pool.
+  void join();
+  // Restores any streams a failed task left current and releases all
+  // events. Safe to call at any time; the next run starts clean.
+  void abort();
+  bool running() const;
+
+  // A gradient copy issued by autograd outside the schedule: the gradient of
+  // stage `stage + 1`'s input moves to `stage`. end() makes stage `stage`'s
+  // compute stream wait for it.
+  int64_t begin_grad_copy(int32_t stage, int32_t micro);
+
+  // Recording of every stream operation.
+  void set_recording(bool on);
+  bool recording() const;
+  std::vector<PlanOp> plan() const;
+  void clear_plan();
+
+  // Per-task timing: device events on streams, host clock on placeholders.
+  void set_timing(bool on);
+  bool timing() const;
+  std::vector<Timing> timings();  // blocks until the timed work finished
+  void clear_timings();
+
+  // Pool introspection, for tests: events ever created, and free now.
+  int64_t events_created() const;
+  int64_t events_free() const;
+
+ private:
+  struct Slot;
+  struct EventRec;
+  struct Open;
+  struct TimedTask;
+
+  int32_t compute_slot(int32_t stage) const { return 2 * stage; }
+  int32_t copy_slot(int32_t stage) const { return 2 * stage + 1; }
+  int32_t caller_slot(int32_t stage) const;
+  // (issue slot or -1, record slot) of a scheduled task.
+  std::pair<int32_t, int32_t> task_slots(const Task& t) const;
+  // The slot a task's waits go to: where its work is issued.
+  int32_t wait_slot(const Task& t) const;
+
+  int32_t acquire(int32_t slot);
+  void unref(int32_t event);
+  int32_t record(int32_t slot, int32_t task, Kind kind, int32_t stage, int32_t micro);
+  void wait(int32_t slot, int32_t event, int32_t task, Kind kind, int32_t stage,
+            int32_t micro);
+  void log(OpCode op, int32_t slot, int32_t event, int32_t task, Kind kind,
+           int32_t stage, int32_t micro);
+  int64_t open(int32_t task, Kind kind, int32_t stage, int32_t micro,
+               int32_t issue, int32_t rec);
+  void finish_open(Open& o);
+  void restore_streams(Open& o);
+  void release_run();
+  void ensure_reference();
+  void timing_mark(Open& o, bool start);
+
+  int32_t stages_ = 0;
+  std::vector<Slot> slots_;
+  std::vector<int32_t> caller_of_stage_;
+  std::vector<EventRec> events_;
+  std::vector<std::vector<int32_t>> free_;  // per pool key
+  std::vector<std::unique_ptr<Open>> open_;
+  std::vector<int64_t> open_free_;
+
+  std::shared_ptr<const Schedule> schedule_;
+  std::vector<int32_t> task_event_;
+  std::vector<int32_t> pending_;
+  bool running_ = false;
+
+  bool recording_ = false;
+  std::vector<PlanOp> plan_;
+
+  bool timing_ = false;
+  bool have_reference_ = false;
+  std::chrono::steady_clock::time_point host_t0_;
+  std::vector<std::optional<c10::Event>> reference_;  // per caller slot
+  std::vector<TimedTask> timed_;
+
+  mutable std::mutex mu_;
+};
+
+}  // namespace mpstream

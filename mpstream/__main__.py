@@ -1,0 +1,9 @@
+"""``python -m mpstream``: the same commands as the ``mpstream`` script."""
+
+from __future__ import annotations
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

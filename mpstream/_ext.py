@@ -1,0 +1,74 @@
+"""Loads ``mpstream._C`` and checks it was built for the installed torch.
+
+A C++ extension compiled against one torch may load against another and
+fail later with an unrelated symbol error, or not load at all. This module
+turns both cases into one message: which torch it was built for, which torch
+is installed, and the command that rebuilds it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+__all__ = ["ExtensionError", "load", "REBUILD_COMMAND"]
+
+REBUILD_COMMAND = "pip install --no-build-isolation --no-deps -e ."
+
+
+class ExtensionError(ImportError):
+    """mpstream's C++ extension is missing or was built for another torch."""
+
+
+def _stamped_version() -> str | None:
+    stamp = Path(__file__).with_name("_build.json")
+    try:
+        return str(json.loads(stamp.read_text())["torch"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _message(problem: str, built_for: str | None) -> str:
+    built = built_for if built_for is not None else "unknown (no build stamp)"
+    return (
+        f"{problem}\n"
+        f"  built for torch: {built}\n"
+        f"  installed torch: {torch.__version__}\n"
+        f"Rebuild it against the installed torch from the mpstream checkout:\n"
+        f"  {REBUILD_COMMAND}\n"
+        f"(or: python setup.py build_ext --inplace)"
+    )
+
+
+def load() -> ModuleType:
+    """Imports ``mpstream._C`` and verifies its torch version.
+
+    Returns:
+        The extension module.
+
+    Raises:
+        ExtensionError: the extension is missing, fails to load, or was
+            compiled against a torch other than the one installed.
+    """
+    try:
+        ext = importlib.import_module("mpstream._C")
+    except ModuleNotFoundError as exc:
+        if exc.name != "mpstream._C":
+            raise
+        raise ExtensionError(
+            _message("mpstream's C++ extension mpstream._C is not built.", _stamped_version())
+        ) from exc
+    except ImportError as exc:
+        raise ExtensionError(
+            _message(f"mpstream._C failed to load: {exc}", _stamped_version())
+        ) from exc
+    built_for = str(ext.torch_version())
+    if built_for != torch.__version__:
+        raise ExtensionError(
+            _message("mpstream._C was built against a different torch.", built_for)
+        )
+    return ext

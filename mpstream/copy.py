@@ -1,0 +1,89 @@
+"""Autograd functions that move micro-batches between stage devices.
+
+The scheduler makes the copy streams current before :class:`Copy` runs, so
+the forward copy is issued on them and autograd records them as the node's
+stream. The backward copy of the gradient is opened through the scheduler
+too: it runs on the same copy streams and ends with the receiving stage's
+compute stream waiting on an event recorded after it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from .stream import CPU_STREAM, AnyStream, record_stream
+
+if TYPE_CHECKING:
+    from .scheduler import EventScheduler
+
+__all__ = ["Copy", "move"]
+
+
+def move(x: Tensor, device: torch.device) -> Tensor:
+    """Copies ``x`` to ``device`` on the current streams.
+
+    Host-to-device copies from pinned memory and device-to-device copies are
+    asynchronous; copies into host memory block, so host work that follows
+    never reads a tensor still in flight.
+    """
+    if x.device == device:
+        return x
+    non_blocking = device.type == "cuda" and (x.is_cuda or x.is_pinned())
+    return x.to(device, non_blocking=non_blocking)
+
+
+class Copy(torch.autograd.Function):
+    """Moves stage ``stage``'s output to stage ``stage + 1`` (``-1``: the input)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, sched: EventScheduler, stage: int, micro: int, *inputs: Tensor
+    ) -> tuple[Tensor, ...]:
+        dst = sched.devices[stage + 1]
+        reader: AnyStream | None = sched.copy_streams[stage] if stage >= 0 else CPU_STREAM
+        consumer = sched.compute_streams[stage + 1]
+        outputs = []
+        for x in inputs:
+            y = move(x, dst)
+            if reader is not None:
+                record_stream(x, reader)
+            if consumer is not None:
+                record_stream(y, consumer)
+            outputs.append(y)
+        ctx.sched = sched
+        ctx.stage = stage
+        ctx.micro = micro
+        ctx.src_devices = [x.device for x in inputs]
+        ctx.mark_non_differentiable(*[y for y in outputs if not y.is_floating_point()])
+        ctx.set_materialize_grads(False)
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Any, ...]:
+        sched: EventScheduler = ctx.sched
+        stage: int = ctx.stage
+        if stage < 0:
+            # Gradient of the batch itself: the caller's device, plain copy.
+            moved = [None if g is None else move(g, d) for g, d in zip(grads, ctx.src_devices)]
+            return (None, None, None, *moved)
+        handle = sched.begin_grad_copy(stage, ctx.micro)
+        try:
+            reader = sched.copy_streams[stage + 1]
+            consumer = sched.compute_streams[stage]
+            result: list[Tensor | None] = []
+            for g, d in zip(grads, ctx.src_devices):
+                if g is None:
+                    result.append(None)
+                    continue
+                y = move(g, d)
+                if reader is not None:
+                    record_stream(g, reader)
+                if consumer is not None:
+                    record_stream(y, consumer)
+                result.append(y)
+        finally:
+            sched.end(handle)
+        return (None, None, None, *result)

@@ -1,0 +1,188 @@
+"""Splitting an ``nn.Sequential`` into pipeline stages and placing them.
+
+Two styles are accepted. Either every child of the Sequential is one stage and
+already sits on its device (the tutorial's and the removed ``torch Pipe``'s
+style), or a ``balance`` (layers per stage) and ``devices`` partition the
+layers and move each partition (torchgpipe's style).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .stream import device_type_code
+
+__all__ = ["Stages", "split_module", "module_device", "check_positive"]
+
+DeviceLike = str | int | torch.device
+
+
+@dataclass
+class Stages:
+    """The result of splitting: layers in order and their grouping."""
+
+    layers: list[tuple[str, nn.Module]]
+    partitions: list[nn.Sequential]
+    devices: list[torch.device]
+    balance: list[int]
+
+
+def check_positive(name: str, value: object) -> int:
+    """Returns ``value`` if it is an int >= 1.
+
+    Raises:
+        TypeError: not an int.
+        ValueError: smaller than 1.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1, got {value}")
+    return value
+
+
+def module_device(module: nn.Module, what: str) -> torch.device | None:
+    """The one device of ``module``'s parameters and buffers (None if it has none).
+
+    Raises:
+        ValueError: they sit on several devices.
+    """
+    devices = {t.device for t in module.parameters()} | {t.device for t in module.buffers()}
+    if len(devices) > 1:
+        names = ", ".join(sorted(str(d) for d in devices))
+        raise ValueError(f"{what} has parameters on several devices ({names}); a stage sits on one")
+    return next(iter(devices)) if devices else None
+
+
+def _layers(module: nn.Module, balance_given: bool) -> list[tuple[str, nn.Module]]:
+    if not isinstance(module, nn.Sequential):
+        if balance_given:
+            raise TypeError(
+                f"balance partitions an nn.Sequential by layers; got {type(module).__name__}"
+            )
+        raise TypeError(
+            f"Pipe needs an nn.Sequential whose children are the stages, or balance= and "
+            f"devices= to partition one; got {type(module).__name__}"
+        )
+    layers = [(name, child) for name, child in module._modules.items() if child is not None]
+    if not layers:
+        raise ValueError("Pipe got an empty nn.Sequential")
+    seen: dict[int, str] = {}
+    for name, child in layers:
+        if id(child) in seen:
+            raise ValueError(
+                f"layers '{seen[id(child)]}' and '{name}' are the same module; each layer may "
+                f"appear once in a pipeline"
+            )
+        seen[id(child)] = name
+    owner: dict[int, str] = {}
+    for name, child in layers:
+        for p in child.parameters():
+            if id(p) in owner and owner[id(p)] != name:
+                raise ValueError(
+                    f"layers '{owner[id(p)]}' and '{name}' share a parameter; a pipeline "
+                    f"cannot tie weights across layers"
+                )
+            owner[id(p)] = name
+    return layers
+
+
+def _as_partition(group: list[tuple[str, nn.Module]]) -> nn.Sequential:
+    if len(group) == 1 and isinstance(group[0][1], nn.Sequential):
+        return group[0][1]
+    return nn.Sequential(OrderedDict(group))
+
+
+def _placed(layers: list[tuple[str, nn.Module]]) -> Stages:
+    found = [
+        module_device(child, f"stage {i} ('{name}')") for i, (name, child) in enumerate(layers)
+    ]
+    devices: list[torch.device] = []
+    for i, d in enumerate(found):
+        if d is None:
+            before = [x for x in found[:i] if x is not None]
+            after = [x for x in found[i:] if x is not None]
+            d = before[-1] if before else (after[0] if after else torch.device("cpu"))
+        device_type_code(d)
+        devices.append(d)
+    return Stages(layers, [_as_partition([lay]) for lay in layers], devices, [1] * len(layers))
+
+
+def _default_devices(stages: int) -> list[torch.device]:
+    if not torch.cuda.is_available():
+        return [torch.device("cpu")] * stages
+    count = torch.cuda.device_count()
+    if stages > count:
+        raise ValueError(
+            f"balance has {stages} stages but only {count} CUDA device(s) exist; pass "
+            f"devices= explicitly (several stages may share a device, e.g. "
+            f"devices=['cuda:0'] * {stages})"
+        )
+    return [torch.device("cuda", i) for i in range(stages)]
+
+
+def _check_balance(balance: Sequence[int], total: int) -> list[int]:
+    if isinstance(balance, (str, bytes)) or not isinstance(balance, Sequence):
+        raise TypeError(f"balance must be a list of ints, got {type(balance).__name__}")
+    out = [check_positive(f"balance[{i}]", b) for i, b in enumerate(balance)]
+    if not out:
+        raise ValueError("balance is empty; it needs one entry (layer count) per stage")
+    if sum(out) != total:
+        raise ValueError(f"balance {out} sums to {sum(out)} but the module has {total} layers")
+    return out
+
+
+def split_module(
+    module: nn.Module,
+    balance: Sequence[int] | None = None,
+    devices: Sequence[DeviceLike] | None = None,
+) -> Stages:
+    """Splits ``module`` into stages.
+
+    Args:
+        module: an ``nn.Sequential``.
+        balance: layers per stage. Without it every child is one stage.
+        devices: the device of each stage. With ``balance``, each partition
+            is moved there; without it, each child is moved there (one device
+            per child). If both are omitted the children stay where they are.
+
+    Returns:
+        The layers, partitions, stage devices and balance.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Sequential``; bad argument types.
+        ValueError: a layer appears twice, layers share parameters, a stage
+            spans devices, or balance/devices do not fit the module.
+    """
+    layers = _layers(module, balance is not None)
+    if balance is None and devices is None:
+        return _placed(layers)
+    bal = _check_balance(balance, len(layers)) if balance is not None else [1] * len(layers)
+    if devices is None:
+        devs = _default_devices(len(bal))
+    else:
+        if isinstance(devices, (str, torch.device)) or not isinstance(devices, Sequence):
+            raise TypeError("devices must be a list with one device per stage")
+        devs = [torch.device(d) for d in devices]
+        if len(devs) != len(bal):
+            what = "balance has" if balance is not None else "the module has"
+            raise ValueError(
+                f"devices has {len(devs)} entries but {what} {len(bal)} stages; give one "
+                f"device per stage"
+            )
+    for d in devs:
+        device_type_code(d)
+    partitions = []
+    start = 0
+    for count, device in zip(bal, devs):
+        group = layers[start : start + count]
+        for _, layer in group:
+            layer.to(device)
+        partitions.append(_as_partition(group))
+        start += count
+    return Stages(layers, partitions, devs, bal)

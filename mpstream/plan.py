@@ -1,0 +1,211 @@
+"""Recording and verifying event plans.
+
+:func:`record_plan` runs the C++ scheduler over a schedule without any device
+and returns every stream operation it would issue. :func:`verify_plan`
+checks the one property that matters: each task runs after the tasks whose
+tensors it reads, through same-stream order or through an event recorded
+after the producer and waited on before the consumer. Data dependencies are
+derived here from what each task means, not taken from the scheduler, so the
+check is independent of the code it checks.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .schedule import Kind, Schedule
+from .scheduler import EventScheduler, PlanOp
+
+__all__ = ["Plan", "PlanError", "record_plan", "verify_plan"]
+
+
+class PlanError(AssertionError):
+    """A plan lets a task run before a tensor it reads is ready."""
+
+
+@dataclass
+class Plan:
+    """A recorded plan: the operations and what each slot is."""
+
+    ops: list[PlanOp]
+    slot_names: list[str]
+    slot_devices: list[torch.device]
+    stages: int
+
+    def __str__(self) -> str:
+        lines = []
+        for op in self.ops:
+            if op.task == -1 and op.stage == -1:
+                what = "source" if op.op == "record" else "join"
+            else:
+                what = f"{op.kind}(stage={op.stage}, micro={op.micro})"
+            ev = f" e{op.event}" if op.event >= 0 else ""
+            lines.append(f"{op.op:6s} {self.slot_names[op.slot]:28s}{ev:5s} {what}")
+        return "\n".join(lines)
+
+
+def record_plan(
+    schedule: str,
+    stages: int,
+    chunks: int,
+    devices: Sequence[str | torch.device] | None = None,
+    *,
+    input_device: str | torch.device | None = None,
+    backward: bool = False,
+) -> Plan:
+    """Records the stream operations of a whole run without any device.
+
+    Args:
+        schedule: ``'gpipe'`` or ``'1f1b'``.
+        stages: number of stages.
+        chunks: number of micro-batches.
+        devices: the device of each stage (they need not exist here);
+            default ``cuda:0`` .. ``cuda:{stages-1}``.
+        input_device: where the batch sits; default the first stage's device.
+        backward: schedule backward tasks too.
+
+    Returns:
+        The recorded :class:`Plan`.
+    """
+    devs = [torch.device(d) for d in (devices or [f"cuda:{i}" for i in range(stages)])]
+    if len(devs) != stages:
+        raise ValueError(f"devices has {len(devs)} entries for {stages} stages")
+    src = torch.device(input_device) if input_device is not None else devs[0]
+    copy_in = [src != devs[0]] + [devs[s] != devs[s - 1] for s in range(1, stages)]
+    sched = Schedule(schedule, stages, chunks, copy_in, backward=backward)
+    runner = EventScheduler(devs, virtual=True)
+    runner.recording = True
+    runner.begin_run(sched)
+    for task in sched.tasks:
+        runner.end(runner.begin(task.index))
+    runner.join()
+    return Plan(runner.plan(), runner.slot_names, runner.slot_devices, stages)
+
+
+def _producers(
+    op: PlanOp, present: set[tuple[str, int, int]], stages: int
+) -> list[tuple[str, int, int]]:
+    """What ``op``'s task reads, by (kind, stage, micro)."""
+    kind, s, m = op.kind, op.stage, op.micro
+    if kind == Kind.FORWARD.label:
+        if ("copy", s - 1, m) in present:
+            return [("copy", s - 1, m)]
+        return [("forward", s - 1, m)] if s > 0 else []
+    if kind == Kind.COPY.label:
+        return [("forward", s, m)] if s >= 0 else []
+    if kind == Kind.BACKWARD.label:
+        deps = [("forward", s, m)]
+        if s + 1 < stages:
+            grad = ("copy_grad", s, m)
+            deps.append(grad if grad in present else ("backward", s + 1, m))
+        return deps
+    if kind == Kind.COPY_GRAD.label and op.task >= 0:
+        return [("backward", s + 1, m)]
+    return []
+
+
+def verify_plan(plan: Plan) -> None:
+    """Checks that every task is ordered after what it reads.
+
+    Every slot is treated as an independent stream: only program order on a
+    slot and record→wait edges order work across slots (plus, for a copy,
+    the copy engine's own barrier from its issuing stream to the stream its
+    completion is recorded on). Each stage compute must also be ordered after
+    the caller's source event of its device, and each caller slot after the
+    last work of every stream on its device.
+
+    Raises:
+        PlanError: listing every violation.
+    """
+    ops = plan.ops
+    n = len(ops)
+    edges: dict[int, list[int]] = defaultdict(list)
+    last_on_slot: dict[int, int] = {}
+    last_record: dict[int, int] = {}
+    run_of: dict[tuple[str, int, int, int], int] = {}
+    done: dict[tuple[str, int, int], int] = {}
+    source: dict[int, int] = {}
+    caller_first = 2 * plan.stages
+    for i, op in enumerate(ops):
+        if op.slot in last_on_slot:
+            edges[last_on_slot[op.slot]].append(i)
+        last_on_slot[op.slot] = i
+        key = (op.kind, op.stage, op.micro, op.task)
+        if op.op == "record":
+            last_record[op.event] = i
+            if op.task == -1 and op.stage == -1 and op.slot >= caller_first:
+                source[op.slot] = i
+            if key in run_of:
+                edges[run_of.pop(key)].append(i)
+                done[(op.kind, op.stage, op.micro)] = i
+        elif op.op in ("wait", "sync"):
+            if op.event not in last_record:
+                raise PlanError(f"op {i} waits on event {op.event}, which was never recorded")
+            edges[last_record[op.event]].append(i)
+        elif op.op == "run":
+            run_of[key] = i
+
+    reach_cache: dict[int, set[int]] = {}
+
+    def reach(a: int) -> set[int]:
+        if a not in reach_cache:
+            seen = {a}
+            stack = [a]
+            while stack:
+                for b in edges[stack.pop()]:
+                    if b not in seen:
+                        seen.add(b)
+                        stack.append(b)
+            reach_cache[a] = seen
+        return reach_cache[a]
+
+    present = {(op.kind, op.stage, op.micro) for op in ops if op.op == "run"}
+    problems: list[str] = []
+    caller_of = {
+        s: caller_first
+        + [d for d in plan.slot_devices[caller_first:]].index(plan.slot_devices[2 * s])
+        for s in range(plan.stages)
+    }
+    for i, op in enumerate(ops):
+        if op.op != "run":
+            continue
+        what = f"{op.kind}(stage={op.stage}, micro={op.micro})"
+        for dep in _producers(op, present, plan.stages):
+            if dep not in done:
+                problems.append(f"{what} reads {dep}, which never completed before it")
+            elif i not in reach(done[dep]):
+                problems.append(
+                    f"{what} is not ordered after {dep[0]}(stage={dep[1]}, micro={dep[2]})"
+                )
+        if op.kind in ("forward", "backward"):
+            src = source.get(caller_of[op.stage])
+            if src is not None and i not in reach(src):
+                problems.append(f"{what} is not ordered after the caller's source event")
+        if op.kind == "copy_grad" and op.task == -1:
+            compute = 2 * op.stage
+            later = [j for j in range(i + 1, n) if ops[j].slot == compute]
+            if not any(j in reach(i) for j in later):
+                problems.append(f"{what}: stage {op.stage}'s compute stream never waits for it")
+    # The run ends with the join (waits on caller slots); records after it
+    # (gradient copies issued by autograd) are ordered by autograd's own
+    # final sync, not by the join.
+    end = 1 + max(
+        [i for i, op in enumerate(ops) if op.task >= 0]
+        + [i for i, op in enumerate(ops) if op.slot >= caller_first and op.op != "record"],
+        default=-1,
+    )
+    for c in range(caller_first, len(plan.slot_names)):
+        joins = [j for j in range(end) if ops[j].slot == c]
+        for x in range(caller_first):
+            if plan.slot_devices[x] != plan.slot_devices[c]:
+                continue
+            records = [j for j in range(end) if ops[j].slot == x and ops[j].op == "record"]
+            if records and not any(j in reach(records[-1]) for j in joins):
+                caller, stream = plan.slot_names[c], plan.slot_names[x]
+                problems.append(f"{caller} is not ordered after the last work on {stream}")
+    if problems:
+        raise PlanError("invalid plan:\n  " + "\n  ".join(problems))

@@ -1,0 +1,95 @@
+"""Stream helpers that treat CPU and CUDA alike.
+
+CUDA stages get real streams; a CPU stage gets the :data:`CPU_STREAM`
+placeholder, on which work simply runs on the host in issue order. Every
+stream decision in mpstream goes through these helpers, so the same code path
+runs (and is tested) on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "CPUStream",
+    "CPU_STREAM",
+    "AnyStream",
+    "new_stream",
+    "current_stream",
+    "is_cuda",
+    "stream_id",
+    "record_stream",
+    "device_type_code",
+]
+
+
+class CPUStream:
+    """Placeholder stream for CPU devices: host work needs no ordering."""
+
+    device = torch.device("cpu")
+
+    def __repr__(self) -> str:
+        return "CPUStream()"
+
+
+CPU_STREAM = CPUStream()
+
+AnyStream = torch.cuda.Stream | CPUStream
+
+# c10::DeviceType values of the device types mpstream schedules.
+_DEVICE_TYPE_CODES = {"cpu": 0, "cuda": 1}
+
+
+def device_type_code(device: torch.device) -> int:
+    """Returns c10's integer code for ``device.type``.
+
+    Raises:
+        ValueError: the device type is not one mpstream schedules.
+    """
+    try:
+        return _DEVICE_TYPE_CODES[device.type]
+    except KeyError:
+        raise ValueError(
+            f"mpstream runs stages on 'cuda' and 'cpu' devices; got {device}"
+        ) from None
+
+
+def new_stream(device: torch.device) -> AnyStream:
+    """A fresh stream on ``device`` (the placeholder on CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+    device_type_code(device)
+    return CPU_STREAM
+
+
+def current_stream(device: torch.device) -> AnyStream:
+    """The calling thread's current stream on ``device``."""
+    if device.type == "cuda":
+        return torch.cuda.current_stream(device)
+    return CPU_STREAM
+
+
+def is_cuda(stream: AnyStream) -> bool:
+    """Whether ``stream`` is a real CUDA stream."""
+    return not isinstance(stream, CPUStream)
+
+
+def stream_id(stream: AnyStream) -> int | None:
+    """The id the C++ scheduler uses for ``stream``; None for the placeholder."""
+    if isinstance(stream, CPUStream):
+        return None
+    return int(stream.stream_id)
+
+
+def record_stream(tensor: torch.Tensor, stream: AnyStream) -> None:
+    """Tells the caching allocator that ``stream`` uses ``tensor``.
+
+    Without it, memory freed by the allocating stream could be handed out
+    again while ``stream`` still reads it. Only same-device CUDA streams need
+    (or accept) this.
+    """
+    if isinstance(stream, CPUStream) or not tensor.is_cuda:
+        return
+    if tensor.device.index != stream.device.index:
+        return
+    tensor.record_stream(stream)

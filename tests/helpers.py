@@ -1,0 +1,54 @@
+"""Models and comparisons shared by the tests."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+
+def mlp(widths: Sequence[int], dtype: torch.dtype = torch.float64) -> nn.Sequential:
+    """Linear+Tanh layers of the given widths (float64 so sums compare exactly)."""
+    layers: list[nn.Module] = []
+    for a, b in zip(widths[:-1], widths[1:]):
+        layers += [nn.Linear(a, b), nn.Tanh()]
+    return nn.Sequential(*layers).to(dtype)
+
+
+def staged(model: nn.Sequential, balance: Sequence[int]) -> nn.Sequential:
+    """Groups ``model``'s layers into one child per stage (the tutorial's style)."""
+    children = list(model)
+    parts = []
+    start = 0
+    for n in balance:
+        parts.append(nn.Sequential(*children[start : start + n]))
+        start += n
+    return nn.Sequential(*parts)
+
+
+def assert_same_grads(a: nn.Module, b: nn.Module) -> None:
+    """Every parameter gradient of ``a`` equals ``b``'s, in registration order."""
+    pa, pb = list(a.named_parameters()), list(b.named_parameters())
+    assert len(pa) == len(pb)
+    for (name, x), (_, y) in zip(pa, pb):
+        assert x.grad is not None, f"no gradient for {name}"
+        torch.testing.assert_close(x.grad, y.grad, msg=f"gradient of {name}")
+
+
+def reference_on_micro_batches(
+    model: nn.Module, x: Tensor, split_size: int, loss: Callable[[Tensor], Tensor]
+) -> Tensor:
+    """Runs ``model`` on each micro-batch, concatenates, back-propagates once.
+
+    The reference for BatchNorm in train mode, which normalises each
+    micro-batch on its own.
+    """
+    out = torch.cat([model(part) for part in x.split(split_size)])
+    loss(out).backward()
+    return out
+
+
+def clone(model: nn.Module) -> nn.Module:
+    return copy.deepcopy(model)

@@ -1,0 +1,388 @@
+"""mpstream.Pipe on CPU: transparency against the plain model, the
+Sequential-like surface, placement rules and every error case."""
+
+from __future__ import annotations
+
+import copy
+import io
+from collections import OrderedDict
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from mpstream import Pipe
+from tests.helpers import assert_same_grads, mlp, reference_on_micro_batches, staged
+
+BATCH = 12
+SPLITS = [1, 3, 7, BATCH, 20]  # 7 does not divide 12; 20 exceeds it
+
+
+def check_transparent(model: nn.Module, pipe: Pipe, x: Tensor) -> None:
+    x_pipe = x.clone().requires_grad_()
+    x_ref = x.clone().requires_grad_()
+    out = pipe(x_pipe)
+    ref = model(x_ref)
+    torch.testing.assert_close(out, ref)
+    (out * torch.arange(out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+    (ref * torch.arange(ref.numel(), dtype=ref.dtype).view_as(ref)).sum().backward()
+    torch.testing.assert_close(x_pipe.grad, x_ref.grad)
+    assert_same_grads(pipe, model)
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+@pytest.mark.parametrize("split_size", SPLITS)
+def test_split_sizes_match_single_device(stages: int, split_size: int) -> None:
+    model = mlp([5, 8, 7, 6, 4])  # 8 layers
+    ref = copy.deepcopy(model)
+    balance = {2: [4, 4], 3: [3, 3, 2], 4: [2, 2, 2, 2]}[stages]
+    pipe = Pipe(model, split_size=split_size, balance=balance, devices=["cpu"] * stages)
+    check_transparent(ref, pipe, torch.randn(BATCH, 5, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 5, 12, 30])
+def test_chunks_match_single_device(chunks: int) -> None:
+    model = mlp([5, 8, 4])
+    ref = copy.deepcopy(model)
+    pipe = Pipe(staged(model, [2, 2]), chunks=chunks)
+    check_transparent(ref, pipe, torch.randn(BATCH, 5, dtype=torch.float64))
+
+
+def test_micro_batches_reach_stages_in_order_with_the_right_sizes() -> None:
+    seen: list[tuple[int, int]] = []
+
+    class Spy(nn.Module):
+        def __init__(self, stage: int) -> None:
+            super().__init__()
+            self.stage = stage
+
+        def forward(self, x: Tensor) -> Tensor:
+            seen.append((self.stage, x.size(0)))
+            return x + 1
+
+    pipe = Pipe(nn.Sequential(Spy(0), Spy(1)), split_size=5)
+    out = pipe(torch.zeros(12, 1))
+    torch.testing.assert_close(out, torch.full((12, 1), 2.0))
+    assert seen == [(0, 5), (0, 5), (1, 5), (0, 2), (1, 5), (1, 2)]
+
+
+class TupleStage(nn.Module):
+    """Takes (x, y), returns (x', y') with both transformed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4).double()
+        self.b = nn.Linear(3, 3).double()
+
+    def forward(self, xy: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        x, y = xy
+        return torch.tanh(self.a(x)), self.b(y) * x[:, :3]
+
+
+class Merge(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(7, 2).double()
+
+    def forward(self, xy: tuple[Tensor, Tensor]) -> Tensor:
+        return self.lin(torch.cat(xy, dim=1))
+
+
+@pytest.mark.parametrize("split_size", [1, 5, 12])
+@pytest.mark.parametrize("as_list", [False, True])
+def test_tuple_inputs_and_outputs(split_size: int, as_list: bool) -> None:
+    model = nn.Sequential(TupleStage(), TupleStage(), Merge())
+    ref = copy.deepcopy(model)
+    pipe = Pipe(model, split_size=split_size)
+    x = torch.randn(BATCH, 4, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(BATCH, 3, dtype=torch.float64, requires_grad=True)
+    out = pipe([x, y] if as_list else (x, y))
+    xr, yr = x.detach().clone().requires_grad_(), y.detach().clone().requires_grad_()
+    expected = ref((xr, yr))
+    torch.testing.assert_close(out, expected)
+    out.sum().backward()
+    expected.sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad)
+    torch.testing.assert_close(y.grad, yr.grad)
+    assert_same_grads(pipe, ref)
+
+
+def test_tuple_output_is_gathered_per_element() -> None:
+    pipe = Pipe(nn.Sequential(TupleStage(), TupleStage()), split_size=5)
+    x, y = torch.randn(BATCH, 4, dtype=torch.float64), torch.randn(BATCH, 3, dtype=torch.float64)
+    out = pipe((x, y))
+    assert isinstance(out, tuple) and [o.shape[0] for o in out] == [BATCH, BATCH]
+
+
+def batchnorm_model() -> nn.Sequential:
+    return nn.Sequential(
+        nn.Linear(6, 8),
+        nn.BatchNorm1d(8),
+        nn.ReLU(),
+        nn.Linear(8, 8),
+        nn.BatchNorm1d(8),
+        nn.Linear(8, 3),
+    ).double()
+
+
+@pytest.mark.parametrize("split_size", [3, 5, 12])
+def test_batchnorm_train_mode_matches_per_micro_batch_reference(split_size: int) -> None:
+    model = batchnorm_model()
+    ref = copy.deepcopy(model)
+    pipe = Pipe(model, split_size=split_size, balance=[3, 3], devices=["cpu", "cpu"])
+    x = torch.randn(BATCH, 6, dtype=torch.float64)
+    out = pipe(x)
+    (out**2).sum().backward()
+    expected = reference_on_micro_batches(ref, x, split_size, lambda o: (o**2).sum())
+    torch.testing.assert_close(out, expected)
+    assert_same_grads(pipe, ref)
+    for name, buf in pipe.named_buffers():
+        torch.testing.assert_close(buf, dict(ref.named_buffers())[name], msg=name)
+
+
+def test_batchnorm_eval_mode_matches_whole_batch() -> None:
+    model = batchnorm_model()
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm1d):
+            m.running_mean.uniform_(-1, 1)
+            m.running_var.uniform_(0.5, 2)
+    ref = copy.deepcopy(model).eval()
+    pipe = Pipe(model, split_size=5, balance=[3, 3], devices=["cpu", "cpu"]).eval()
+    check_transparent(ref, pipe, torch.randn(BATCH, 6, dtype=torch.float64))
+
+
+def test_no_grad_forward() -> None:
+    model = mlp([4, 4, 4])
+    pipe = Pipe(staged(copy.deepcopy(model), [2, 2]), chunks=3)
+    with torch.no_grad():
+        out = pipe(torch.randn(6, 4, dtype=torch.float64))
+    assert not out.requires_grad
+
+
+def test_optimizer_step_matches() -> None:
+    model = mlp([4, 6, 2])
+    ref = copy.deepcopy(model)
+    pipe = Pipe(staged(model, [2, 2]), split_size=2)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(3):
+        x = torch.randn(7, 4, dtype=torch.float64)
+        for o, m in ((opt, pipe), (opt_ref, ref)):
+            o.zero_grad()
+            m(x).pow(2).mean().backward()
+            o.step()
+    for a, b in zip(pipe.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b)
+
+
+# -- Sequential-like surface ---------------------------------------------------
+
+
+def test_sequential_like_access() -> None:
+    layers = [nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2)]
+    pipe = Pipe(nn.Sequential(*layers), balance=[2, 1], devices=["cpu", "cpu"], chunks=4)
+    assert len(pipe) == 3
+    assert list(pipe) == layers
+    assert pipe[0] is layers[0] and pipe[-1] is layers[2]
+    assert list(pipe[1:]) == layers[1:]
+    assert pipe.devices == [torch.device("cpu")] * 2
+    assert pipe.balance == [2, 1]
+    assert isinstance(pipe.partitions, nn.ModuleList)
+    assert all(isinstance(p, nn.Sequential) for p in pipe.partitions)
+    assert [list(p) for p in pipe.partitions] == [layers[:2], layers[2:]]
+    assert pipe.chunks == 4 and pipe.split_size is None
+    pipe.split_size = 3
+    assert pipe.split_size == 3 and pipe.chunks is None
+    pipe.chunks = 2
+    assert pipe.chunks == 2 and pipe.split_size is None
+    assert "chunks=2" in repr(pipe)
+
+
+@pytest.mark.parametrize("style", ["children", "balance"])
+def test_state_dict_keys_are_the_wrapped_sequential_keys(style: str) -> None:
+    model = nn.Sequential(
+        OrderedDict([("embed", nn.Linear(3, 4)), ("act", nn.ReLU()), ("head", nn.Linear(4, 2))])
+    )
+    plain = copy.deepcopy(model)
+    if style == "children":
+        pipe = Pipe(model)
+    else:
+        pipe = Pipe(model, balance=[2, 1], devices=["cpu", "cpu"])
+    assert list(pipe.state_dict()) == list(plain.state_dict())
+    other = Pipe(copy.deepcopy(plain), balance=[1, 2], devices=["cpu", "cpu"])
+    for p in plain.parameters():
+        p.data.add_(1.0)
+    pipe.load_state_dict(plain.state_dict())
+    other.load_state_dict(pipe.state_dict())
+    for a, b in zip(other.parameters(), plain.parameters()):
+        torch.testing.assert_close(a, b)
+
+
+def test_placement_is_fixed_but_dtype_converts() -> None:
+    pipe = Pipe(staged(mlp([2, 2, 2], dtype=torch.float32), [2, 2]), chunks=2)
+    for move in (
+        lambda: pipe.cuda(),
+        lambda: pipe.cpu(),
+        lambda: pipe.to("cpu"),
+        lambda: pipe.to(torch.device("cpu"), torch.float64),
+        lambda: pipe.to(torch.ones(1, dtype=torch.float64)),
+    ):
+        with pytest.raises(TypeError, match="placed at construction"):
+            move()
+    assert pipe.to(torch.float64) is pipe
+    assert all(p.dtype == torch.float64 for p in pipe.parameters())
+    assert all(p.dtype == torch.float64 for part in pipe.partitions for p in part.parameters())
+    out = pipe(torch.randn(4, 2, dtype=torch.float64))
+    assert out.dtype == torch.float64
+    pipe.half()
+    assert all(p.dtype == torch.float16 for p in pipe.parameters())
+    assert pipe(torch.randn(4, 2, dtype=torch.float16)).dtype == torch.float16
+    pipe.to(dtype=torch.float32)
+    assert all(p.dtype == torch.float32 for p in pipe.parameters())
+
+
+def test_deepcopy_and_save_rebuild_the_runtime() -> None:
+    model = mlp([3, 4, 2])
+    pipe = Pipe(staged(model, [2, 2]), chunks=2)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    expected = pipe(x)
+    twin = copy.deepcopy(pipe)
+    torch.testing.assert_close(twin(x), expected)
+    assert twin.scheduler is not pipe.scheduler
+    assert twin.partitions[0] is twin[0], "partitions must be the copied layers"
+    assert twin.partitions[0] is not pipe.partitions[0]
+    buf = io.BytesIO()
+    torch.save(pipe, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    torch.testing.assert_close(loaded(x), expected)
+
+
+def test_train_and_eval_reach_every_layer() -> None:
+    pipe = Pipe(nn.Sequential(nn.Dropout(0.5), nn.Linear(2, 2)), chunks=2)
+    pipe.eval()
+    assert not any(m.training for m in pipe.modules())
+    assert not any(m.training for part in pipe.partitions for m in part.modules())
+    pipe.train()
+    assert all(m.training for part in pipe.partitions for m in part.modules())
+
+
+# -- errors ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"chunks": 0}, ValueError, "chunks must be at least 1"),
+        ({"chunks": -2}, ValueError, "chunks must be at least 1"),
+        ({"split_size": 0}, ValueError, "split_size must be at least 1"),
+        ({"chunks": 2, "split_size": 3}, ValueError, "either chunks or split_size"),
+        ({"chunks": 2.0}, TypeError, "chunks must be an int"),
+        ({"split_size": True}, TypeError, "split_size must be an int"),
+    ],
+)
+def test_bad_micro_batching(kwargs: dict[str, object], error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        Pipe(nn.Sequential(nn.Linear(2, 2)), **kwargs)  # type: ignore[arg-type]
+
+
+def test_setters_validate() -> None:
+    pipe = Pipe(nn.Sequential(nn.Linear(2, 2)), chunks=2)
+    with pytest.raises(ValueError, match="split_size must be at least 1"):
+        pipe.split_size = 0
+    with pytest.raises(ValueError, match="chunks must be at least 1"):
+        pipe.chunks = 0
+    assert pipe.chunks == 2
+
+
+def test_module_errors() -> None:
+    with pytest.raises(TypeError, match="nn.Sequential"):
+        Pipe(nn.Linear(2, 2))
+    lin = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="same module"):
+        Pipe(nn.Sequential(OrderedDict([("a", lin), ("b", lin)])))
+    child = nn.Module()
+    child.register_parameter("w", nn.Parameter(torch.ones(1)))
+    child.register_buffer("b", torch.ones(1, device="meta"))
+    with pytest.raises(ValueError, match="several devices"):
+        Pipe(nn.Sequential(child))
+
+
+@pytest.mark.parametrize("bad", [None, 3, "x", [torch.ones(2, 2), 1]])
+def test_non_tensor_input(bad: object) -> None:
+    pipe = Pipe(nn.Sequential(nn.Linear(2, 2)), chunks=2)
+    with pytest.raises(TypeError):
+        pipe(bad)  # type: ignore[arg-type]
+
+
+def test_empty_batch() -> None:
+    pipe = Pipe(nn.Sequential(nn.Linear(2, 2)), chunks=2)
+    with pytest.raises(ValueError, match="empty batch"):
+        pipe(torch.ones(0, 2))
+
+
+class Bad(nn.Module):
+    def __init__(self, result: object) -> None:
+        super().__init__()
+        self.result = result
+
+    def forward(self, x: Tensor) -> object:
+        return self.result
+
+
+@pytest.mark.parametrize("result", [[torch.ones(1)], None, {"x": 1}, (torch.ones(1), 2)])
+def test_bad_stage_output_names_the_stage(result: object) -> None:
+    pipe = Pipe(nn.Sequential(nn.Linear(2, 2), Bad(result)), chunks=2)
+    with pytest.raises(TypeError, match="stage 1 returned"):
+        pipe(torch.ones(4, 2))
+    assert not pipe.scheduler.native.running
+
+
+class Boom(Exception):
+    pass
+
+
+class FailOn(nn.Module):
+    """Raises on the n-th call; counts calls."""
+
+    def __init__(self, fail_at: int | None) -> None:
+        super().__init__()
+        self.fail_at = fail_at
+        self.calls = 0
+        self.error = Boom("stage failed")
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        if self.fail_at is not None and self.calls == self.fail_at:
+            raise self.error
+        return x * 2
+
+
+@pytest.mark.parametrize("failing_stage", [0, 1, 2])
+def test_stage_exception_propagates_and_later_micro_batches_do_not_start(
+    failing_stage: int,
+) -> None:
+    stages = [FailOn(3 if s == failing_stage else None) for s in range(3)]
+    pipe = Pipe(nn.Sequential(*stages), split_size=1)
+    x = torch.ones(8, 1)
+    with pytest.raises(Boom) as info:
+        pipe(x)
+    assert info.value is stages[failing_stage].error
+    # Micro-batch 2 failed at stage s in clock cycle 2 + s. Stage 0 is at most
+    # one cycle ahead of each later stage, so it never started micro-batch 4+.
+    assert stages[0].calls <= 2 + failing_stage + 1
+    for s in range(failing_stage + 1, 3):
+        assert stages[s].calls <= 2
+    assert not pipe.scheduler.native.running
+    assert pipe.scheduler.events_free == pipe.scheduler.events_created
+    for st in stages:
+        st.fail_at = None
+    torch.testing.assert_close(pipe(x), x * 8)
+
+
+def test_torch_error_in_a_stage_leaves_the_pipe_usable() -> None:
+    pipe = Pipe(nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 3)), chunks=2)
+    with pytest.raises(RuntimeError, match="shapes"):
+        pipe(torch.ones(4, 5))
+    assert not pipe.scheduler.native.running
+    assert pipe(torch.ones(4, 2)).shape == (4, 3)

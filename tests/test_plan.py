@@ -1,0 +1,98 @@
+"""The recorded event plan orders every task after what it reads."""
+
+from __future__ import annotations
+
+import pytest
+
+from mpstream.plan import Plan, PlanError, record_plan, verify_plan
+
+LAYOUTS = {
+    "distinct": lambda n: [f"cuda:{i}" for i in range(n)],
+    "one-gpu": lambda n: ["cuda:0"] * n,
+    "mixed": lambda n: [f"cuda:{i // 2}" for i in range(n)],
+    "cpu": lambda n: ["cpu"] * n,
+}
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize(("stages", "chunks"), [(1, 1), (1, 3), (2, 1), (2, 4), (3, 5), (4, 8)])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("input_device", [None, "cpu"])
+def test_plans_are_valid(
+    schedule: str, stages: int, chunks: int, layout: str, input_device: str | None
+) -> None:
+    for backward in (False, True) if schedule == "gpipe" else (True,):
+        plan = record_plan(
+            schedule,
+            stages,
+            chunks,
+            LAYOUTS[layout](stages),
+            input_device=input_device,
+            backward=backward,
+        )
+        verify_plan(plan)
+        runs = [op for op in plan.ops if op.op == "run"]
+        assert len({(op.kind, op.stage, op.micro) for op in runs}) == len(runs)
+
+
+def test_source_waits_are_issued_once_and_only_when_not_implied() -> None:
+    plan = record_plan("gpipe", 3, 6, ["cuda:0", "cuda:0", "cuda:1"])
+    sources = {op.event for op in plan.ops if op.op == "record" and op.task == -1}
+
+    def source_waits(slot: int) -> int:
+        return sum(op.op == "wait" and op.slot == slot and op.event in sources for op in plan.ops)
+
+    # Stage 0 and stage 2 (first on cuda:1) wait once; stage 1 inherits the
+    # wait from stage 0 on the same device through its data dependency.
+    assert [source_waits(slot) for slot in (0, 2, 4)] == [1, 0, 1]
+
+
+def test_every_wait_is_needed() -> None:
+    """Dropping any single wait from a valid plan makes it invalid."""
+    plan = record_plan(
+        "gpipe", 3, 4, ["cuda:0", "cuda:1", "cuda:1"], input_device="cpu", backward=True
+    )
+    verify_plan(plan)
+    waits = [i for i, op in enumerate(plan.ops) if op.op == "wait"]
+    assert waits
+    for i in waits:
+        broken = Plan(
+            plan.ops[:i] + plan.ops[i + 1 :], plan.slot_names, plan.slot_devices, plan.stages
+        )
+        with pytest.raises(PlanError):
+            verify_plan(broken)
+
+
+def test_reusing_an_event_too_early_is_caught() -> None:
+    plan = record_plan("gpipe", 2, 3, ["cuda:0", "cuda:1"])
+    ops = list(plan.ops)
+    copy_event = next(op.event for op in ops if op.op == "record" and op.kind == "copy")
+    wait_at = next(
+        i
+        for i, op in enumerate(ops)
+        if op.op == "wait" and op.kind == "forward" and op.stage == 1 and op.event == copy_event
+    )
+    # The pool hands the copy's event to stage 0's compute stream before the
+    # consumer waited: the wait now sees that record, not the copy's.
+    ops.insert(wait_at, ops[wait_at]._replace(op="record", slot=0, task=99))
+    with pytest.raises(PlanError, match=r"forward\(stage=1, micro=0\) is not ordered after copy"):
+        verify_plan(Plan(ops, plan.slot_names, plan.slot_devices, plan.stages))
+
+
+def test_plan_uses_few_events() -> None:
+    plan = record_plan("gpipe", 4, 32, [f"cuda:{i}" for i in range(4)])
+    events = {op.event for op in plan.ops if op.event >= 0}
+    tasks = sum(1 for op in plan.ops if op.op == "run")
+    assert tasks > 200
+    assert len(events) <= 16, "the pool should recycle events, not make one per task"
+
+
+def test_plan_prints_readably() -> None:
+    text = str(record_plan("gpipe", 2, 2, ["cuda:0", "cuda:1"]))
+    assert "source" in text and "join" in text
+    assert "stage0.copy@cuda:0" in text and "forward(stage=1, micro=1)" in text
+
+
+def test_record_plan_checks_devices() -> None:
+    with pytest.raises(ValueError, match="2 entries for 3 stages"):
+        record_plan("gpipe", 3, 2, ["cuda:0", "cuda:1"])
