@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: all setup build run test check bench clean
+.PHONY: all setup build run test check bench bench-suite clean
 
 all: test
 
@@ -25,20 +25,27 @@ setup: $(VENV)/.built
 
 build: setup
 
-# The main job: the tutorial's training experiment through the single-device
-# ResNet50, the tutorial's models and mpstream (CPU-sized without a GPU).
+# The main job: `mpstream bench`, the tutorial's training experiment through
+# the single-device ResNet50, the tutorial's models and mpstream, with the
+# tutorial's figures and a JSON in mpstream-bench/ (--quick without a GPU).
 run: setup
-	$(VENV)/bin/mpstream bench --quick
+	$(VENV)/bin/mpstream bench $$($(PY) -c "import torch; print('' if torch.cuda.is_available() else '--quick')")
 
-# The whole test suite (CUDA tests skip without a GPU; benchmarks run once,
-# untimed).
+# The whole test suite: unit tests (CUDA tests skip without a GPU), then the
+# benchmark suite once each, untimed.
 test: setup
 	$(PY) -m pytest tests -q $(PYTEST_ARGS)
+	$(PY) -m pytest benchmarks -q --benchmark-disable $(PYTEST_ARGS)
+
+# The benchmark suite, timed; results saved under .benchmarks/ for
+# `pytest benchmarks --benchmark-compare`.
+bench-suite: setup
+	$(PY) -m pytest benchmarks --benchmark-autosave --benchmark-json=benchmark.json
 
 # Static checks: types and lint.
 check: setup
 	$(PY) -m mypy
-	$(VENV)/bin/ruff check mpstream tests
+	$(VENV)/bin/ruff check mpstream tests benchmarks
 
 bench: setup
 	$(VENV)/bin/mpstream bench

@@ -86,59 +86,44 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("stream_id", &SlotSpec::stream_id)
       .def_readonly("name", &SlotSpec::name);
 
-  // Every Scheduler method takes its mutex, and event records/waits may call
-  // back into Python (the CUDA sanitizer's trace hooks re-acquire the GIL).
-  // Holding the GIL while waiting for the mutex could then deadlock, so every
-  // binding releases the GIL before entering the scheduler.
-  using release = py::call_guard<py::gil_scoped_release>;
+  // The GIL stays held in every call. Event records and waits may call back
+  // into Python (the CUDA sanitizer's trace hooks take the GIL), so a thread
+  // that released the GIL while holding the scheduler's mutex could deadlock
+  // against one holding the GIL and waiting for the mutex. Holding the GIL
+  // throughout rules that out, and the calls are short.
   py::class_<Scheduler>(m, "Scheduler")
       .def(py::init<std::vector<SlotSpec>, std::vector<SlotSpec>, std::vector<int32_t>>(),
            py::arg("stage_slots"), py::arg("caller_slots"), py::arg("caller_of_stage"))
       .def_property_readonly("num_stages", &Scheduler::num_stages)
-      .def("slots", &Scheduler::slots, release())
-      .def("begin_run", &Scheduler::begin_run, py::arg("schedule"), py::arg("caller_streams"),
-           release())
-      .def("begin", &Scheduler::begin, py::arg("task"), release())
-      .def("end", &Scheduler::end, py::arg("handle"), release())
-      .def("join", &Scheduler::join, release())
-      .def("abort", &Scheduler::abort, release())
-      .def_property_readonly("running", py::cpp_function(&Scheduler::running, release()))
-      .def("begin_grad_copy", &Scheduler::begin_grad_copy, py::arg("stage"), py::arg("micro"),
-           release())
-      .def_property("recording", py::cpp_function(&Scheduler::recording, release()),
-                    py::cpp_function(&Scheduler::set_recording, release()))
+      .def("slots", &Scheduler::slots)
+      .def("begin_run", &Scheduler::begin_run, py::arg("schedule"), py::arg("caller_streams"))
+      .def("begin", &Scheduler::begin, py::arg("task"))
+      .def("end", &Scheduler::end, py::arg("handle"))
+      .def("join", &Scheduler::join)
+      .def("abort", &Scheduler::abort)
+      .def_property_readonly("running", &Scheduler::running)
+      .def("begin_grad_copy", &Scheduler::begin_grad_copy, py::arg("stage"), py::arg("micro"))
+      .def_property("recording", &Scheduler::recording, &Scheduler::set_recording)
       .def("plan",
            [](const Scheduler& s) {
-             std::vector<PlanOp> ops;
-             {
-               py::gil_scoped_release nogil;
-               ops = s.plan();
-             }
              py::list out;
-             for (const auto& p : ops) {
+             for (const auto& p : s.plan()) {
                out.append(plan_op(p));
              }
              return out;
            })
-      .def("clear_plan", &Scheduler::clear_plan, release())
-      .def_property("timing", py::cpp_function(&Scheduler::timing, release()),
-                    py::cpp_function(&Scheduler::set_timing, release()))
+      .def("clear_plan", &Scheduler::clear_plan)
+      .def_property("timing", &Scheduler::timing, &Scheduler::set_timing)
       .def("timings",
            [](Scheduler& s) {
-             std::vector<Timing> ts;
-             {
-               py::gil_scoped_release nogil;
-               ts = s.timings();
-             }
              py::list out;
-             for (const auto& t : ts) {
+             for (const auto& t : s.timings()) {
                out.append(py::make_tuple(t.stage, t.micro, mpstream::kind_name(t.kind), t.slot,
                                          t.start_ms, t.end_ms));
              }
              return out;
            })
-      .def("clear_timings", &Scheduler::clear_timings, release())
-      .def_property_readonly("events_created",
-                             py::cpp_function(&Scheduler::events_created, release()))
-      .def_property_readonly("events_free", py::cpp_function(&Scheduler::events_free, release()));
+      .def("clear_timings", &Scheduler::clear_timings)
+      .def_property_readonly("events_created", &Scheduler::events_created)
+      .def_property_readonly("events_free", &Scheduler::events_free);
 }

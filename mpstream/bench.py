@@ -1,29 +1,55 @@
 """The tutorial's experiment, timed: single device vs the tutorial's models vs mpstream.
 
 Each measurement is one call of the tutorial's ``train`` (``num_batches``
-mini-batches of random images, MSELoss, SGD), with device work synchronised
-inside the timed region and warm-up calls excluded, as in the tutorial's
-``timeit.repeat(number=1)``.
+mini-batches of random images, MSELoss, SGD) timed with the host clock, with
+device work synchronised inside the timed region and warm-up calls excluded,
+like the tutorial's ``timeit.repeat(number=1)``. :func:`run` measures the
+four models at one split size and sweeps the split size for both pipelines;
+:func:`save` writes the JSON and the tutorial's three figures.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
+import json
+import platform
 import statistics
+import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-from . import tutorial
+from . import __version__, tutorial
 
-__all__ = ["Config", "Measurement", "QUICK", "FULL", "detect_devices", "time_train", "experiment"]
+__all__ = [
+    "Config",
+    "Measurement",
+    "Results",
+    "QUICK",
+    "FULL",
+    "MODELS",
+    "PIPELINES",
+    "detect_devices",
+    "make_model",
+    "time_train",
+    "run",
+    "save",
+    "table",
+]
+
+MODELS = ("single device", "model parallel", "tutorial pipeline", "mpstream")
+PIPELINES = ("tutorial pipeline", "mpstream")
 
 
 @dataclass(frozen=True)
 class Config:
-    """Sizes and repetitions of the experiment."""
+    """Sizes and repetitions of the experiment (defaults: the tutorial's)."""
 
     num_batches: int = 3
     batch_size: int = 120
@@ -37,7 +63,9 @@ class Config:
 
 
 FULL = Config()
-# Sized so the whole quick run takes about a minute on two CPU cores.
+# CPU-sized: the whole run (four models and the sweep) takes about a minute
+# on two cores. Images stay 64x64 so layer4 keeps 2x2 activations and
+# BatchNorm works down to a split size of 1.
 QUICK = Config(
     num_batches=2,
     batch_size=16,
@@ -52,7 +80,7 @@ QUICK = Config(
 
 @dataclass
 class Measurement:
-    """Times of one model configuration, in seconds."""
+    """Seconds per ``train`` call of one model configuration."""
 
     model: str
     split_size: int | None
@@ -70,6 +98,32 @@ class Measurement:
     def median(self) -> float:
         return statistics.median(self.times)
 
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "split_size": self.split_size,
+            "times_s": self.times,
+            "mean_s": self.mean,
+            "std_s": self.std,
+            "median_s": self.median,
+        }
+
+
+@dataclass
+class Results:
+    """Everything one ``mpstream bench`` run measured."""
+
+    config: Config
+    devices: tuple[torch.device, torch.device]
+    models: list[Measurement]
+    sweep: list[Measurement]
+
+    def get(self, model: str, split_size: int | None = None) -> Measurement:
+        for m in self.models + self.sweep:
+            if m.model == model and (split_size is None or m.split_size == split_size):
+                return m
+        raise KeyError((model, split_size))
+
 
 def detect_devices(spec: str | None = None) -> tuple[torch.device, torch.device]:
     """The two devices of the experiment.
@@ -79,119 +133,241 @@ def detect_devices(spec: str | None = None) -> tuple[torch.device, torch.device]
             both halves on ``cuda:0``, else both on the CPU.
 
     Raises:
-        ValueError: ``spec`` does not name exactly two valid devices.
+        ValueError: ``spec`` does not name exactly two usable devices.
     """
-    if spec is not None:
-        parts = [p.strip() for p in spec.split(",") if p.strip()]
-        if len(parts) != 2:
-            raise ValueError(f"--devices needs two comma-separated devices, got {spec!r}")
+    if spec is None:
+        if torch.cuda.is_available():
+            second = 1 if torch.cuda.device_count() > 1 else 0
+            return torch.device("cuda", 0), torch.device("cuda", second)
+        return torch.device("cpu"), torch.device("cpu")
+    parts = [p.strip() for p in spec.split(",") if p.strip()]
+    if len(parts) != 2:
+        raise ValueError(f"--devices needs two comma-separated devices, got {spec!r}")
+    devs = []
+    for p in parts:
         try:
-            devs = [torch.device(p) for p in parts]
-        except RuntimeError as exc:
-            raise ValueError(f"--devices: {exc}") from None
-        for d in devs:
-            if d.type not in ("cpu", "cuda"):
-                raise ValueError(f"--devices: {d} is not a cpu or cuda device")
-            if d.type == "cuda":
-                if not torch.cuda.is_available():
-                    raise ValueError(f"--devices: {d} requested but CUDA is not available")
-                if (d.index or 0) >= torch.cuda.device_count():
-                    raise ValueError(
-                        f"--devices: {d} does not exist ({torch.cuda.device_count()} GPU(s))"
-                    )
-        return devs[0], devs[1]
-    if torch.cuda.is_available():
-        second = 1 if torch.cuda.device_count() > 1 else 0
-        return torch.device("cuda", 0), torch.device("cuda", second)
-    return torch.device("cpu"), torch.device("cpu")
+            d = torch.device(p)
+        except RuntimeError:
+            raise ValueError(f"--devices: {p!r} is not a device name") from None
+        if d.type not in ("cpu", "cuda"):
+            raise ValueError(f"--devices: {d} is not a cpu or cuda device")
+        if d.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"--devices: {d} requested but CUDA is not available")
+            count = torch.cuda.device_count()
+            if d.index is None:
+                d = torch.device("cuda", 0)
+            if d.index is not None and d.index >= count:
+                raise ValueError(f"--devices: {d} does not exist ({count} GPU(s))")
+        devs.append(d)
+    return devs[0], devs[1]
 
 
-def _sync(devices: tuple[torch.device, ...]) -> None:
-    for d in devices:
+def device_name(device: torch.device) -> str:
+    """A human name for ``device``: the GPU model or the CPU."""
+    if device.type == "cuda":
+        return str(torch.cuda.get_device_name(device))
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def make_model(
+    name: str, dev0: torch.device, dev1: torch.device, config: Config, split_size: int
+) -> nn.Module:
+    """One of :data:`MODELS`, freshly initialised.
+
+    Raises:
+        ValueError: an unknown model name.
+    """
+    n = config.num_classes
+    if name == "single device":
+        return tutorial.single_device_resnet50(dev0, n)
+    if name == "model parallel":
+        return tutorial.ModelParallelResNet50(dev0, dev1, n)
+    if name == "tutorial pipeline":
+        return tutorial.PipelineParallelResNet50(dev0, dev1, split_size, n)
+    if name == "mpstream":
+        return tutorial.StreamPipelineResNet50(dev0, dev1, split_size, n)
+    raise ValueError(f"unknown model {name!r}; valid: {', '.join(MODELS)}")
+
+
+def synchronize(devices: Sequence[torch.device]) -> None:
+    """Waits for all work queued on ``devices``."""
+    for d in set(devices):
         if d.type == "cuda":
             torch.cuda.synchronize(d)
 
 
-def time_train(model: nn.Module, config: Config, devices: tuple[torch.device, ...]) -> list[float]:
-    """Times ``config.repeat`` calls of the tutorial's train loop.
+def train_once(model: nn.Module, config: Config, devices: Sequence[torch.device]) -> float:
+    """One synchronised call of the tutorial's train loop; returns seconds."""
+    synchronize(devices)
+    start = time.perf_counter()
+    tutorial.train(
+        model,
+        num_batches=config.num_batches,
+        batch_size=config.batch_size,
+        image_w=config.image_w,
+        image_h=config.image_h,
+        num_classes=config.num_classes,
+        input_device=devices[0],
+    )
+    synchronize(devices)
+    return time.perf_counter() - start
 
-    Returns:
-        Seconds per call, warm-up calls excluded.
-    """
+
+def time_train(
+    model: nn.Module,
+    config: Config,
+    devices: Sequence[torch.device],
+    tick: Callable[[], None] | None = None,
+) -> list[float]:
+    """Times ``config.repeat`` train calls after ``config.warmup`` untimed ones."""
     times = []
     for i in range(config.warmup + config.repeat):
-        _sync(devices)
-        start = time.perf_counter()
-        tutorial.train(
-            model,
-            num_batches=config.num_batches,
-            batch_size=config.batch_size,
-            image_w=config.image_w,
-            image_h=config.image_h,
-            num_classes=config.num_classes,
-            input_device=devices[0],
-        )
-        _sync(devices)
+        seconds = train_once(model, config, devices)
         if i >= config.warmup:
-            times.append(time.perf_counter() - start)
+            times.append(seconds)
+        if tick is not None:
+            tick()
     return times
 
 
-ModelFactory = Callable[[], nn.Module]
+def calls(config: Config, sweep: bool) -> int:
+    """Number of train calls :func:`run` makes (for progress bars)."""
+    sizes = set(config.split_sizes) | {config.split_size} if sweep else {config.split_size}
+    configurations = len(MODELS) - len(PIPELINES) + len(PIPELINES) * len(sizes)
+    return (config.warmup + config.repeat) * configurations
 
 
-def factories(
-    dev0: torch.device, dev1: torch.device, config: Config, split_size: int
-) -> dict[str, tuple[ModelFactory, int | None]]:
-    """The four models of the comparison, by display name."""
-    n = config.num_classes
-    return {
-        "single device": (lambda: tutorial.single_device_resnet50(dev0, n), None),
-        "model parallel": (lambda: tutorial.ModelParallelResNet50(dev0, dev1, n), None),
-        "tutorial pipeline": (
-            lambda: tutorial.PipelineParallelResNet50(dev0, dev1, split_size, n),
-            split_size,
-        ),
-        "mpstream": (
-            lambda: tutorial.StreamPipelineResNet50(dev0, dev1, split_size, n),
-            split_size,
-        ),
-    }
-
-
-def experiment(
+def run(
     config: Config,
     dev0: torch.device,
     dev1: torch.device,
     *,
-    progress: Callable[[str], None] | None = None,
-) -> list[Measurement]:
-    """Times the four models at ``config.split_size``.
+    sweep: bool = True,
+    tick: Callable[[], None] | None = None,
+    status: Callable[[str], None] | None = None,
+) -> Results:
+    """Measures the four models and, with ``sweep``, both pipelines at every split size.
+
+    All configurations are built first and timed round-robin, one call each
+    per round with the starting point rotating, so slow drift of the machine
+    (clocks, temperature, other load) spreads over all of them instead of
+    biasing the ratios.
+    """
+    devices = (dev0, dev1)
+    main = [(name, config.split_size if name in PIPELINES else None) for name in MODELS]
+    swept: list[tuple[str, int | None]] = (
+        [(name, s) for name in PIPELINES for s in config.split_sizes] if sweep else []
+    )
+    # The main split size usually appears in the sweep too: time it once.
+    keys = list(dict.fromkeys(main + swept))
+    models: dict[tuple[str, int | None], nn.Module] = {}
+    measured = {key: Measurement(*key) for key in keys}
+    for key in keys:
+        name, split = key
+        torch.manual_seed(0)
+        models[key] = make_model(name, dev0, dev1, config, split or config.split_size)
+        for _ in range(config.warmup):
+            if status is not None:
+                status(f"warm-up: {_label(key)}")
+            train_once(models[key], config, devices)
+            if tick is not None:
+                tick()
+    for r in range(config.repeat):
+        shift = r % len(keys)
+        for key in keys[shift:] + keys[:shift]:
+            if status is not None:
+                status(f"round {r + 1}/{config.repeat}: {_label(key)}")
+            measured[key].times.append(train_once(models[key], config, devices))
+            if tick is not None:
+                tick()
+    return Results(config, devices, [measured[k] for k in main], [measured[k] for k in swept])
+
+
+def _label(key: tuple[str, int | None]) -> str:
+    name, split = key
+    return name if split is None else f"{name} (split {split})"
+
+
+def git_commit() -> str | None:
+    """The checkout's commit, if mpstream runs from a git checkout."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def metadata(devices: Sequence[torch.device]) -> dict[str, Any]:
+    """Where and with what a run was measured."""
+    return {
+        "mpstream": __version__,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "git_commit": git_commit(),
+        "devices": [str(d) for d in devices],
+        "device_names": [device_name(d) for d in devices],
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "cpu_threads": torch.get_num_threads(),
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def to_json(results: Results) -> dict[str, Any]:
+    """The JSON document of a run."""
+    single = results.get("single device").mean
+    return {
+        **metadata(results.devices),
+        "config": dataclasses.asdict(results.config),
+        "timing": (
+            "host clock around synchronised train() calls; warm-up calls excluded; "
+            "configurations timed round-robin"
+        ),
+        "models": [{**m.to_json(), "speedup_vs_single": single / m.mean} for m in results.models],
+        "split_sweep": [m.to_json() for m in results.sweep],
+    }
+
+
+def save(results: Results, out: Path, *, plots: bool = True) -> list[Path]:
+    """Writes ``results.json`` and the tutorial's three figures into ``out``.
 
     Returns:
-        One measurement per model, in display order.
+        The files written.
     """
-    out = []
-    for name, (make, split) in factories(dev0, dev1, config, config.split_size).items():
-        if progress is not None:
-            progress(name)
-        torch.manual_seed(0)
-        model = make()
-        out.append(Measurement(name, split, time_train(model, config, (dev0, dev1))))
-        del model
-    return out
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / "results.json"]
+    written[0].write_text(json.dumps(to_json(results), indent=2) + "\n")
+    if plots:
+        from . import figures
+
+        written += figures.tutorial_figures(results, out)
+    return written
 
 
-def table(results: list[Measurement], reference: str = "single device") -> str:
-    """A text table: mean ± std per model and speed-up against ``reference``."""
-    ref = next((r.mean for r in results if r.model == reference), None)
-    lines = [
-        f"{'model':<20} {'split':>5} {'mean ± std (s)':>18} {'median (s)':>11} {'speed-up':>9}"
-    ]
-    for r in results:
+def table(results: Results) -> str:
+    """Mean ± std per model and speed-up against the single device."""
+    ref = results.get("single device").mean
+    header = f"{'model':<18} {'split':>5} {'mean ± std (s)':>17} {'median (s)':>10} {'speed-up':>8}"
+    lines = [header, "-" * len(header)]
+    for r in results.models:
         split = "-" if r.split_size is None else str(r.split_size)
-        speed = f"{ref / r.mean:8.2f}x" if ref else "-"
         lines.append(
-            f"{r.model:<20} {split:>5} {r.mean:>9.3f} ± {r.std:<6.3f} {r.median:>11.3f} {speed:>9}"
+            f"{r.model:<18} {split:>5} {r.mean:>9.3f} ± {r.std:<5.3f} {r.median:>10.3f} "
+            f"{ref / r.mean:>7.2f}x"
         )
+    if results.sweep:
+        lines.append("")
+        lines.append("split-size sweep, mean (s): " + "  ".join(PIPELINES))
+        for s in results.config.split_sizes:
+            row = [f"{results.get(p, s).mean:.3f}" for p in PIPELINES]
+            lines.append(f"  split {s:>3}: " + "  ".join(f"{v:>17}" for v in row))
     return "\n".join(lines)

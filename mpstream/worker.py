@@ -21,7 +21,7 @@ from .copy import Copy
 from .microbatch import Value, check_output
 from .schedule import Kind, Schedule
 from .scheduler import EventScheduler
-from .stream import AnyStream, current_stream, record_stream
+from .stream import AnyStream, current_stream, is_cuda, record_stream
 
 __all__ = ["Worker", "range_name"]
 
@@ -65,44 +65,51 @@ class Worker:
             current stream of the last device.
         """
         sched = self.sched
-        compute = sched.compute_streams
-        last = len(self.partitions) - 1
+        native = sched.native  # the hot loop calls the C++ scheduler directly
+        parts = self.partitions
+        last = len(parts) - 1
+        # record_stream is only needed (and only valid) for CUDA streams.
+        readers = [s if s is not None and is_cuda(s) else None for s in sched.compute_streams]
         caller = current_stream(sched.devices[last])
-        values = list(batches)
+        caller_reader = caller if is_cuda(caller) else None
         copy_in = schedule.copy_in
         profiling = torch._C._autograd._profiler_enabled()
-        sched.begin_run(schedule)
+        values = list(batches)
+        native.begin_run(schedule.native, sched.caller_streams())
         try:
             for task in schedule.tasks:
                 s, m = task.stage, task.micro
                 if task.kind is Kind.FORWARD:
                     x = values[m]
-                    if not copy_in[s]:
+                    if readers[s] is not None and not copy_in[s]:
                         # Read on this stage's stream, allocated on another.
-                        _protect(x, compute[s])
-                    handle = sched.begin(task.index)
+                        _protect(x, readers[s])
+                    handle = native.begin(task.index)
                     if profiling:
                         with profiler.record_function(range_name(task.kind, s, m)):
-                            y = self.partitions[s](x)
+                            y = parts[s](x)
                     else:
-                        y = self.partitions[s](x)
-                    sched.end(handle)
-                    values[m] = check_output(y, s)
-                    if s == last:
-                        _protect(values[m], caller)
+                        y = parts[s](x)
+                    native.end(handle)
+                    if type(y) is not Tensor:
+                        y = check_output(y, s)
+                    values[m] = y
+                    if s == last and caller_reader is not None:
+                        _protect(y, caller_reader)
                 elif task.kind is Kind.COPY:
-                    handle = sched.begin(task.index)
+                    value = values[m]
+                    handle = native.begin(task.index)
                     if profiling:
                         with profiler.record_function(range_name(task.kind, s, m)):
-                            moved = Copy.apply(sched, s, m, *_tensors(values[m]))
+                            moved = Copy.apply(sched, s, m, *_tensors(value))
                     else:
-                        moved = Copy.apply(sched, s, m, *_tensors(values[m]))
-                    sched.end(handle)
-                    values[m] = moved[0] if isinstance(values[m], Tensor) else tuple(moved)
+                        moved = Copy.apply(sched, s, m, *_tensors(value))
+                    native.end(handle)
+                    values[m] = moved[0] if isinstance(value, Tensor) else tuple(moved)
                 else:
                     raise RuntimeError(f"forward schedules have no {task.kind.label} tasks")
-            sched.join()
+            native.join()
         except BaseException:
-            sched.abort()
+            native.abort()
             raise
         return values

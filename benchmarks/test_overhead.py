@@ -1,0 +1,111 @@
+"""Group ``overhead``: what the runtime itself costs on the host.
+
+(a) Issue cost per task (one stage x one micro-batch) of mpstream's C++
+    event scheduler against the same plan issued from Python.
+(b) mpstream against a plain Python loop over the same stages and
+    micro-batches, on the CPU: the ratio is the runtime's own cost.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from mpstream import Pipe
+from mpstream.schedule import Schedule
+from mpstream.scheduler import EventScheduler
+from mpstream.tutorial import StreamPipelineResNet50
+
+from .pyscheduler import PyEventScheduler
+
+STAGES, MICROS = 4, 32
+
+
+def _issue_devices() -> list[torch.device]:
+    # One GPU holds every stage (separate streams); without a GPU, the CPU.
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    return [device] * STAGES
+
+
+def _schedule(devices: list[torch.device]) -> Schedule:
+    copy_in = [False] + [devices[s] != devices[s - 1] for s in range(1, STAGES)]
+    return Schedule("gpipe", STAGES, MICROS, copy_in, backward=True)
+
+
+def _run_cpp(sched: EventScheduler, schedule: Schedule) -> None:
+    # As the worker does: the C++ scheduler's methods, called directly.
+    native = sched.native
+    native.begin_run(schedule.native, sched.caller_streams())
+    for task in schedule.tasks:
+        native.end(native.begin(task.index))
+    native.join()
+
+
+@pytest.mark.benchmark(group="overhead")
+def test_issue_cost_cpp(benchmark: object) -> None:
+    devices = _issue_devices()
+    schedule, sched = _schedule(devices), EventScheduler(devices)
+    benchmark.extra_info.update(tasks=len(schedule), device=str(devices[0]))  # type: ignore[attr-defined]
+    benchmark.pedantic(_run_cpp, args=(sched, schedule), rounds=200, warmup_rounds=5)  # type: ignore[attr-defined]
+
+
+@pytest.mark.benchmark(group="overhead")
+def test_issue_cost_python(benchmark: object) -> None:
+    devices = _issue_devices()
+    schedule, sched = _schedule(devices), PyEventScheduler(devices)
+    benchmark.extra_info.update(tasks=len(schedule), device=str(devices[0]))  # type: ignore[attr-defined]
+    benchmark.pedantic(sched.run, args=(schedule,), rounds=200, warmup_rounds=5)  # type: ignore[attr-defined]
+
+
+def _loop_step(stages: list[nn.Module], x: Tensor, split: int) -> None:
+    out = []
+    for part in x.split(split):
+        for stage in stages:
+            part = stage(part)
+        out.append(part)
+    torch.cat(out).pow(2).mean().backward()
+
+
+def _pipe_step(pipe: nn.Module, x: Tensor) -> None:
+    pipe(x).pow(2).mean().backward()
+
+
+def _tiny() -> tuple[nn.Sequential, Tensor, int]:
+    stages = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(STAGES)])
+    return stages, torch.randn(MICROS * 4, 64), 4
+
+
+@pytest.mark.benchmark(group="overhead")
+def test_cpu_tiny_plain_loop(benchmark: object) -> None:
+    stages, x, split = _tiny()
+    benchmark.extra_info.update(stages=STAGES, micro_batches=MICROS)  # type: ignore[attr-defined]
+    benchmark.pedantic(_loop_step, args=(list(stages), x, split), rounds=30, warmup_rounds=3)  # type: ignore[attr-defined]
+
+
+@pytest.mark.benchmark(group="overhead")
+def test_cpu_tiny_mpstream(benchmark: object) -> None:
+    stages, x, split = _tiny()
+    pipe = Pipe(stages, split_size=split)
+    benchmark.extra_info.update(stages=STAGES, micro_batches=MICROS)  # type: ignore[attr-defined]
+    benchmark.pedantic(_pipe_step, args=(pipe, x), rounds=30, warmup_rounds=3)  # type: ignore[attr-defined]
+
+
+def _resnet() -> tuple[StreamPipelineResNet50, Tensor, int]:
+    torch.manual_seed(0)
+    model = StreamPipelineResNet50("cpu", "cpu", split_size=4, num_classes=1000)
+    return model, torch.randn(16, 3, 64, 64), 4
+
+
+@pytest.mark.benchmark(group="overhead")
+def test_cpu_resnet_plain_loop(benchmark: object) -> None:
+    model, x, split = _resnet()
+    benchmark.pedantic(
+        _loop_step, args=([model.seq1, model.head], x, split), rounds=5, warmup_rounds=1
+    )  # type: ignore[attr-defined]
+
+
+@pytest.mark.benchmark(group="overhead")
+def test_cpu_resnet_mpstream(benchmark: object) -> None:
+    model, x, _ = _resnet()
+    benchmark.pedantic(_pipe_step, args=(model, x), rounds=5, warmup_rounds=1)  # type: ignore[attr-defined]

@@ -1,0 +1,116 @@
+"""The tutorial's figures, with mpstream added (matplotlib, no display needed)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .bench import Results
+
+__all__ = ["bar_chart", "split_curves", "tutorial_figures"]
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def bar_chart(
+    means: Sequence[float],
+    stds: Sequence[float],
+    labels: Sequence[str],
+    path: Path,
+    title: str = "",
+) -> Path:
+    """The tutorial's bar chart: mean execution time with std error bars."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(means), 4.2))
+    x = range(len(means))
+    ax.bar(x, means, yerr=stds, align="center", alpha=0.5, ecolor="red", capsize=10, width=0.6)
+    ax.set_ylabel("ResNet50 execution time (s)")
+    ax.set_xticks(list(x))
+    ax.set_xticklabels(labels, fontsize=9)
+    ax.yaxis.grid(True)
+    if title:
+        ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def split_curves(
+    curves: Mapping[str, tuple[Sequence[int], Sequence[float], Sequence[float]]],
+    path: Path,
+    title: str = "",
+) -> Path:
+    """Execution time against split size, one curve with error bars per pipeline."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    ticks: set[int] = set()
+    for (label, (sizes, means, stds)), marker in zip(curves.items(), "os^v"):
+        ax.errorbar(sizes, means, yerr=stds, marker=marker, capsize=4, label=label)
+        ticks.update(sizes)
+    ax.set_ylabel("ResNet50 execution time (s)")
+    ax.set_xlabel("Pipeline split size")
+    ax.set_xticks(sorted(ticks))
+    ax.yaxis.grid(True)
+    ax.legend()
+    if title:
+        ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def tutorial_figures(results: Results, out: Path) -> list[Path]:
+    """``mp_vs_rn.png``, ``mp_vs_rn_vs_pp.png`` and ``split_size_tradeoff.png``."""
+    dev0, dev1 = results.devices
+    single = "Single GPU" if dev0.type == "cuda" else "Single device"
+    c = results.config
+    where = f"{dev0} | {dev1}" if dev0 != dev1 else f"both halves on {dev0}"
+    title = f"{where}; {c.num_batches} x {c.batch_size} images of {c.image_w}x{c.image_h}"
+    mp, rn = results.get("model parallel"), results.get("single device")
+    pp, ms = results.get("tutorial pipeline"), results.get("mpstream")
+    paths = [
+        bar_chart(
+            [mp.mean, rn.mean],
+            [mp.std, rn.std],
+            ["Model Parallel", single],
+            out / "mp_vs_rn.png",
+            title,
+        ),
+        bar_chart(
+            [mp.mean, rn.mean, pp.mean, ms.mean],
+            [mp.std, rn.std, pp.std, ms.std],
+            [
+                "Model Parallel",
+                single,
+                f"Pipelining\n(tutorial, {pp.split_size})",
+                f"mpstream\n(streams, {ms.split_size})",
+            ],
+            out / "mp_vs_rn_vs_pp.png",
+            title,
+        ),
+    ]
+    if results.sweep:
+        curves = {}
+        for name, label in (
+            ("tutorial pipeline", "tutorial (default stream)"),
+            ("mpstream", "mpstream (streams + events)"),
+        ):
+            ms_ = [m for m in results.sweep if m.model == name]
+            curves[label] = (
+                [int(m.split_size or 0) for m in ms_],
+                [m.mean for m in ms_],
+                [m.std for m in ms_],
+            )
+        paths.append(split_curves(curves, out / "split_size_tradeoff.png", title))
+    return paths
