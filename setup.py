@@ -73,8 +73,10 @@ setup(
             name="mpstream._C",
             sources=[
                 "csrc/bindings.cpp",
+                "csrc/events.cpp",
                 "csrc/schedule.cpp",
                 "csrc/scheduler.cpp",
+                "csrc/timing.cpp",
             ],
             include_dirs=[str(GENERATED)],
             extra_compile_args=["-O2", "-Wall"],

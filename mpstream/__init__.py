@@ -8,6 +8,8 @@ micro-batch's copy overlaps the next one's compute.
 from __future__ import annotations
 
 from ._ext import ExtensionError
+from .balance import balance_by_size, balance_by_time
+from .batchnorm import DeferredBatchNorm
 from .pipe import Pipe
 from .plan import Plan, PlanError, record_plan, verify_plan
 from .schedule import SCHEDULES, Kind, Schedule, Task
@@ -17,6 +19,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Pipe",
+    "balance_by_time",
+    "balance_by_size",
+    "DeferredBatchNorm",
     "EventScheduler",
     "Schedule",
     "SCHEDULES",

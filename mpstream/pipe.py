@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
+from .balance import balance_by_size, balance_by_time
+from .batchnorm import DeferredBatchNorm, deferred_norms
+from .checkpoint import check_mode, checkpoint_stop
 from .microbatch import Value, as_value, batch_device, gather, scatter
 from .partition import DeviceLike, check_positive, split_module
-from .schedule import Schedule
+from .schedule import SCHEDULES, Schedule
 from .scheduler import EventScheduler
 from .worker import Worker
+
+REDUCTIONS = ("mean", "sum")
 
 __all__ = ["Pipe"]
 
@@ -34,14 +40,28 @@ class Pipe(nn.Module):
         split_size: micro-batch size (like ``torch.split``); give at most one
             of ``chunks`` and ``split_size``; neither means one micro-batch.
         balance: layers per stage; the module's children are partitioned
-            and each partition moved to its entry of ``devices``.
+            and each partition moved to its entry of ``devices``. ``'time'``
+            or ``'size'`` profiles the layers on ``sample`` and picks the
+            split that minimises the slowest (or largest) stage.
         devices: one device per stage (several stages may share a device).
+        checkpoint: ``'never'`` (default), ``'except_last'`` or ``'always'``:
+            which micro-batches keep only their stage inputs and recompute the
+            rest during backward (on the stage's stream; never in eval mode).
+        deferred_batch_norm: replace BatchNorm layers by
+            :class:`~mpstream.batchnorm.DeferredBatchNorm`, whose running
+            statistics are updated once per mini-batch as the single-device
+            model would.
+        schedule: order of :meth:`train_step`: ``'gpipe'`` (fill-drain) or
+            ``'1f1b'`` (at most ``stages - s`` micro-batches in flight on
+            stage ``s``). ``pipe(x)`` always runs fill-drain.
+        sample: a representative micro-batch, for ``balance='time'|'size'``.
 
     Raises:
         TypeError: ``module`` is not an ``nn.Sequential``; ``chunks`` or
             ``split_size`` is not an int.
         ValueError: ``chunks``/``split_size`` < 1 or both given; a layer is
-            repeated; a stage spans devices; balance/devices do not fit.
+            repeated; a stage spans devices; balance/devices do not fit; an
+            unknown checkpoint mode or schedule.
 
     Example::
 
@@ -56,14 +76,27 @@ class Pipe(nn.Module):
         chunks: int | None = None,
         *,
         split_size: int | None = None,
-        balance: Sequence[int] | None = None,
+        balance: Sequence[int] | str | None = None,
         devices: Sequence[DeviceLike] | None = None,
+        checkpoint: str = "never",
+        deferred_batch_norm: bool = False,
+        schedule: str = "gpipe",
+        sample: Value | None = None,
     ) -> None:
         super().__init__()
         if chunks is not None and split_size is not None:
             raise ValueError("give either chunks or split_size, not both")
         self._chunks = None if chunks is None else check_positive("chunks", chunks)
         self._split_size = None if split_size is None else check_positive("split_size", split_size)
+        self.checkpoint = check_mode(checkpoint)
+        if schedule not in SCHEDULES:
+            valid = ", ".join(repr(x) for x in SCHEDULES)
+            raise ValueError(f"schedule must be one of {valid}; got {schedule!r}")
+        self.schedule = schedule
+        if deferred_batch_norm:
+            module = DeferredBatchNorm.convert(module)
+        if isinstance(balance, str):
+            balance = _auto_balance(module, balance, devices, sample)
         stages = split_module(module, balance, devices)
         for name, layer in stages.layers:
             self.add_module(name, layer)
@@ -125,19 +158,33 @@ class Pipe(nn.Module):
             self.__dict__["_runtime"] = rt
         return rt  # type: ignore[no-any-return]
 
-    def schedule_for(self, micros: int, input_device: torch.device) -> Schedule:
-        """The (cached) forward schedule for ``micros`` micro-batches."""
+    def schedule_for(
+        self, micros: int, input_device: torch.device, *, training_step: bool = False
+    ) -> Schedule:
+        """The (cached) schedule for ``micros`` micro-batches.
+
+        Forward-only runs are fill-drain; a training step uses
+        :attr:`schedule` with backward tasks.
+        """
         devs = self.__dict__["_devices"]
-        key = ("gpipe", micros, input_device)
+        name = self.schedule if training_step else "gpipe"
+        key = (name, micros, input_device, training_step)
         cache = self._rt()[2]
         sched = cache.get(key)
         if sched is None:
             copy_in = [input_device != devs[0]] + [
                 devs[s] != devs[s - 1] for s in range(1, len(devs))
             ]
-            sched = Schedule("gpipe", len(devs), micros, copy_in)
+            sched = Schedule(name, len(devs), micros, copy_in, backward=training_step)
             cache[key] = sched
         return sched
+
+    def _prepare(self, micros: int) -> int:
+        """Per-run setup; returns how many micro-batches to checkpoint."""
+        for norm in deferred_norms(self):
+            norm.expected = micros
+        training = self.training and torch.is_grad_enabled()
+        return checkpoint_stop(self.checkpoint, micros, training)
 
     # -- running -------------------------------------------------------
     def forward(self, x: Value | list[torch.Tensor]) -> Value:
@@ -160,7 +207,66 @@ class Pipe(nn.Module):
         micro = scatter(value, self._chunks, self._split_size)
         schedule = self.schedule_for(len(micro), batch_device(value))
         _, worker, _ = self._rt()
-        return gather(worker.forward(micro, schedule))
+        stop = self._prepare(len(micro))
+        return gather(worker.forward(micro, schedule, stop))
+
+    def train_step(
+        self,
+        inputs: Value | list[Tensor],
+        target: Value | list[Tensor],
+        loss_fn: Callable[[Any, Any], Tensor],
+        *,
+        reduction: str = "mean",
+    ) -> Tensor:
+        """Forward and backward of every micro-batch in :attr:`schedule` order.
+
+        Gradients accumulate into ``.grad`` as if ``loss_fn`` had been applied
+        to the whole batch: each micro-batch's loss is weighted by its share
+        of the batch (``reduction='mean'``, for losses that average over the
+        batch) or by 1 (``reduction='sum'``). Call ``optimizer.step()`` after.
+
+        Args:
+            inputs: the batch, as for :meth:`forward`.
+            target: targets with the same batch size, split the same way and
+                moved to the last stage's device.
+            loss_fn: ``loss_fn(output, target) -> scalar`` per micro-batch.
+            reduction: how ``loss_fn`` reduces over the batch.
+
+        Returns:
+            The whole-batch loss (detached), on the last stage's device.
+
+        Raises:
+            TypeError: bad inputs or targets, a stage returned a non-tensor, or
+                ``loss_fn`` returned something other than a scalar tensor.
+            ValueError: empty batch, targets of another batch size, or an
+                unknown ``reduction``.
+
+        If anything raises, the gradients and BatchNorm statistics are restored
+        to what they were before the call. Gradients that existed before the
+        call are cloned up front for that purpose.
+        """
+        if reduction not in REDUCTIONS:
+            valid = ", ".join(repr(r) for r in REDUCTIONS)
+            raise ValueError(f"reduction must be one of {valid}; got {reduction!r}")
+        value = as_value(inputs)
+        labels = as_value(target, "target")
+        batch = _batch_size(value)
+        if _batch_size(labels) != batch:
+            raise ValueError(f"target has batch size {_batch_size(labels)} but inputs have {batch}")
+        micro = scatter(value, self._chunks, self._split_size)
+        micro_targets = scatter(labels, self._chunks, self._split_size)
+        weights = [_batch_size(m) / batch if reduction == "mean" else 1.0 for m in micro]
+        schedule = self.schedule_for(len(micro), batch_device(value), training_step=True)
+        _, worker, _ = self._rt()
+        snapshot = _Snapshot(self)
+        try:
+            with torch.enable_grad():
+                stop = self._prepare(len(micro))
+                losses = worker.train(micro, micro_targets, schedule, loss_fn, weights, stop)
+        except BaseException:
+            snapshot.restore()
+            raise
+        return torch.stack(losses).sum()
 
     # -- Sequential-like access -----------------------------------------
     def __len__(self) -> int:
@@ -210,3 +316,48 @@ class Pipe(nn.Module):
         )
         devs = ", ".join(str(d) for d in self.__dict__["_devices"])
         return f"{split}, balance={self.__dict__['_balance']}, devices=[{devs}]"
+
+
+def _batch_size(value: Value) -> int:
+    first = value if isinstance(value, Tensor) else value[0]
+    return int(first.size(0))
+
+
+def _auto_balance(
+    module: nn.Module, how: str, devices: Sequence[DeviceLike] | None, sample: Value | None
+) -> list[int]:
+    if how not in ("time", "size"):
+        raise ValueError(f"balance must be a list of ints, 'time' or 'size'; got {how!r}")
+    if devices is None:
+        raise ValueError(f"balance={how!r} needs devices= (one per stage) to know how many stages")
+    if sample is None:
+        raise ValueError(f"balance={how!r} needs sample= (a representative micro-batch) to profile")
+    stages = len(devices)
+    device = torch.device(devices[0])
+    if how == "time":
+        return balance_by_time(module, sample, stages, device=device)
+    return balance_by_size(module, sample, stages, device=device)
+
+
+class _Snapshot:
+    """Gradients and BatchNorm state of a pipe, restorable after a failure."""
+
+    def __init__(self, pipe: Pipe) -> None:
+        self.grads = [
+            (p, None if p.grad is None else p.grad.detach().clone()) for p in pipe.parameters()
+        ]
+        self.norms = [
+            (m, [b.detach().clone() for b in m.buffers(recurse=False)])
+            for m in pipe.modules()
+            if isinstance(m, _BatchNorm)
+        ]
+
+    def restore(self) -> None:
+        for p, g in self.grads:
+            p.grad = g
+        for m, buffers in self.norms:
+            # Through .data: graphs still alive may have saved these buffers.
+            for b, saved in zip(m.buffers(recurse=False), buffers):
+                b.data.copy_(saved)
+            if isinstance(m, DeferredBatchNorm):
+                m.reset_accumulation()

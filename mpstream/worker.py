@@ -11,13 +11,16 @@ events released) before the exception propagates, and no later task starts.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from torch import Tensor, nn
 from torch.autograd import profiler
 
-from .copy import Copy
+from .boundary import GradSink, cut
+from .checkpoint import checkpointed
+from .copy import Copy, move
 from .microbatch import Value, check_output
 from .schedule import Kind, Schedule
 from .scheduler import EventScheduler
@@ -29,6 +32,16 @@ __all__ = ["Worker", "range_name"]
 def range_name(kind: Kind, stage: int, micro: int) -> str:
     """The ``record_function`` name of a task: kind, stage and micro-batch."""
     return f"mpstream/{kind.label}/stage{stage}/mb{micro}"
+
+
+def _range(profiling: bool, kind: Kind, stage: int, micro: int) -> AbstractContextManager[object]:
+    if profiling:
+        return profiler.record_function(range_name(kind, stage, micro))
+    return nullcontext()
+
+
+def _like(value: Value, tensors: Sequence[Tensor]) -> Value:
+    return tensors[0] if isinstance(value, Tensor) else tuple(tensors)
 
 
 def _tensors(value: Value) -> tuple[Tensor, ...]:
@@ -53,12 +66,15 @@ class Worker:
         self.partitions = list(partitions)
         self.sched = sched
 
-    def forward(self, batches: list[Value], schedule: Schedule) -> list[Value]:
+    def forward(
+        self, batches: list[Value], schedule: Schedule, checkpoint_stop: int = 0
+    ) -> list[Value]:
         """Runs every task of ``schedule`` over the micro-batches.
 
         Args:
             batches: micro-batches on the input device.
             schedule: a forward schedule for this pipeline.
+            checkpoint_stop: micro-batches below this index are checkpointed.
 
         Returns:
             The last stage's output per micro-batch, ready on the caller's
@@ -85,11 +101,12 @@ class Worker:
                         # Read on this stage's stream, allocated on another.
                         _protect(x, readers[s])
                     handle = native.begin(task.index)
+                    stage = parts[s]
                     if profiling:
                         with profiler.record_function(range_name(task.kind, s, m)):
-                            y = parts[s](x)
+                            y = checkpointed(stage, x) if m < checkpoint_stop else stage(x)
                     else:
-                        y = parts[s](x)
+                        y = checkpointed(stage, x) if m < checkpoint_stop else stage(x)
                     native.end(handle)
                     if type(y) is not Tensor:
                         y = check_output(y, s)
@@ -113,3 +130,167 @@ class Worker:
             native.abort()
             raise
         return values
+
+    def train(
+        self,
+        batches: list[Value],
+        targets: list[Value],
+        schedule: Schedule,
+        loss_fn: Callable[[Value, Value], Tensor],
+        weights: Sequence[float],
+        checkpoint_stop: int = 0,
+    ) -> list[Tensor]:
+        """Runs forward and backward of every micro-batch in ``schedule``'s order.
+
+        The graph is cut at every stage input (:mod:`~mpstream.boundary`), so
+        each stage's backward is its own task; gradients of stage inputs
+        travel back as explicit gradient-copy tasks. Parameter gradients
+        accumulate through autograd as usual.
+
+        Args:
+            batches: input micro-batches.
+            targets: target micro-batches, moved to the last stage's device.
+            schedule: a schedule with backward tasks (``gpipe`` or ``1f1b``).
+            loss_fn: ``loss_fn(output, target)`` returning a scalar.
+            weights: factor of each micro-batch's loss.
+            checkpoint_stop: micro-batches below this index are checkpointed.
+
+        Returns:
+            The weighted loss of each micro-batch (detached), ready on the
+            caller's current stream of the last device.
+
+        Raises:
+            TypeError: a stage returned a non-tensor, or ``loss_fn`` did not
+                return a scalar tensor.
+        """
+        sched = self.sched
+        native = sched.native
+        parts = self.partitions
+        last = len(parts) - 1
+        devices = sched.devices
+        readers = [s if s is not None and is_cuda(s) else None for s in sched.compute_streams]
+        copiers = [s if s is not None and is_cuda(s) else None for s in sched.copy_streams]
+        caller = current_stream(devices[last])
+        caller_reader = caller if is_cuda(caller) else None
+        copy_in = schedule.copy_in
+        profiling = torch._C._autograd._profiler_enabled()
+        values: list[Value | None] = list(batches)
+        roots: dict[tuple[int, int], tuple[Tensor, ...]] = {}
+        sinks: dict[tuple[int, int], GradSink] = {}
+        grads: dict[int, tuple[Tensor | None, ...]] = {}
+        losses: list[Tensor] = []
+        native.begin_run(schedule.native, sched.caller_streams())
+        try:
+            for task in schedule.tasks:
+                kind, s, m = task.kind, task.stage, task.micro
+                if kind is Kind.FORWARD:
+                    x = values[m]
+                    assert x is not None
+                    if readers[s] is not None and not copy_in[s]:
+                        _protect(x, readers[s])
+                    if s > 0:
+                        sinks[(s, m)] = sink = GradSink()
+                        x = _like(x, cut(sink, _tensors(x)))
+                    handle = native.begin(task.index)
+                    with _range(profiling, kind, s, m):
+                        stage = parts[s]
+                        y = checkpointed(stage, x) if m < checkpoint_stop else stage(x)
+                        y = check_output(y, s)
+                        if s == last:
+                            loss = _loss(loss_fn, y, targets[m], devices[s], readers[s], weights[m])
+                            roots[(s, m)] = (loss,)
+                            losses.append(loss.detach())
+                            del loss
+                    native.end(handle)
+                    if s < last:
+                        roots[(s, m)] = _tensors(y)
+                    values[m] = y if s < last else None
+                    # Locals must not keep a finished micro-batch's graph
+                    # alive: 1F1B's memory bound counts on it.
+                    del x, y
+                elif kind is Kind.COPY:
+                    value = values[m]
+                    assert value is not None
+                    dst = devices[s + 1]
+                    handle = native.begin(task.index)
+                    with _range(profiling, kind, s, m), torch.no_grad():
+                        moved = [move(t, dst) for t in _tensors(value)]
+                    native.end(handle)
+                    if s >= 0:
+                        _protect(value, copiers[s])
+                    moved_value = _like(value, moved)
+                    _protect(moved_value, readers[s + 1])
+                    values[m] = moved_value
+                elif kind is Kind.BACKWARD:
+                    handle = native.begin(task.index)
+                    with _range(profiling, kind, s, m):
+                        _backward(roots.pop((s, m)), None if s == last else grads.pop(m))
+                    native.end(handle)
+                    if s > 0:
+                        captured = sinks.pop((s, m)).grads or ()
+                        grads[m] = captured
+                        if not copy_in[s]:
+                            _protect_all(captured, readers[s - 1])
+                elif kind is Kind.COPY_GRAD:
+                    # Gradient of stage s + 1's input, back to stage s.
+                    outgoing = grads[m]
+                    handle = native.begin(task.index)
+                    with _range(profiling, kind, s, m), torch.no_grad():
+                        moved_grads = tuple(
+                            None if g is None else move(g, devices[s]) for g in outgoing
+                        )
+                    native.end(handle)
+                    _protect_all(outgoing, copiers[s + 1])
+                    _protect_all(moved_grads, readers[s])
+                    grads[m] = moved_grads
+            native.join()
+        except BaseException:
+            native.abort()
+            raise
+        if caller_reader is not None:
+            for loss in losses:
+                record_stream(loss, caller_reader)
+        return losses
+
+
+def _backward(roots: tuple[Tensor, ...], grads: tuple[Tensor | None, ...] | None) -> None:
+    """One stage's backward; its references die with this frame."""
+    if grads is None:
+        torch.autograd.backward(roots)
+        return
+    pairs = [(t, g) for t, g in zip(roots, grads) if g is not None and t.requires_grad]
+    if pairs:
+        torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+
+
+def _protect_all(tensors: Sequence[Tensor | None], stream: AnyStream | None) -> None:
+    if stream is not None:
+        for t in tensors:
+            if t is not None:
+                record_stream(t, stream)
+
+
+def _loss(
+    loss_fn: Callable[[Value, Value], Tensor],
+    output: Value,
+    target: Value,
+    device: torch.device,
+    reader: AnyStream | None,
+    weight: float,
+) -> Tensor:
+    """The weighted loss of one micro-batch, on the last stage's stream."""
+    moved = _like(target, [move(t, device) for t in _tensors(target)])
+    if reader is not None:
+        _protect(moved, reader)
+    return _scalar(loss_fn(output, moved)) * weight
+
+
+def _scalar(loss: object) -> Tensor:
+    if not isinstance(loss, Tensor) or loss.numel() != 1:
+        what = (
+            f"a tensor of shape {tuple(loss.shape)}"
+            if isinstance(loss, Tensor)
+            else type(loss).__name__
+        )
+        raise TypeError(f"loss_fn must return a scalar tensor, got {what}")
+    return loss.reshape(())

@@ -14,10 +14,25 @@ from mpstream import bench, cli
 from mpstream.figures import tutorial_figures
 
 TINY = [
-    "--quick", "--repeat", "2", "--warmup", "0", "--batch-size", "4", "--image-size", "32",
-    "--num-batches", "1", "--split-size", "2", "--split-sizes", "2,4", "--num-classes", "10",
+    "--quick",
+    "--repeat",
+    "2",
+    "--warmup",
+    "0",
+    "--batch-size",
+    "4",
+    "--image-size",
+    "32",
+    "--num-batches",
+    "1",
+    "--split-size",
+    "2",
+    "--split-sizes",
+    "2,4",
+    "--num-classes",
+    "10",
     "--no-progress",
-]  # fmt: skip
+]
 
 
 def test_bench_writes_json_and_the_three_figures(

@@ -1,0 +1,65 @@
+// Private parts of the Scheduler shared by its implementation files.
+#pragma once
+
+#include <c10/core/impl/VirtualGuardImpl.h>
+
+#include <chrono>
+#include <optional>
+#include <vector>
+
+#include "scheduler.h"
+
+namespace mpstream {
+
+struct Scheduler::Slot {
+  SlotSpec spec;
+  std::optional<c10::Stream> stream;
+  int32_t pool = 0;
+  int32_t ref = 0;  // caller slot (index into slots_) of this slot's device
+  std::vector<int64_t> vc;
+  int32_t latest = -1;  // newest event recorded here during this run
+};
+
+struct Scheduler::EventRec {
+  int32_t pool = 0;
+  std::optional<c10::Event> event;  // device pools only, made at first record
+  int32_t slot = -1;
+  int64_t seq = 0;
+  std::vector<int64_t> vc;
+  int32_t refs = 0;
+};
+
+struct Scheduler::TimedTask {
+  Kind kind;
+  int32_t stage;
+  int32_t micro;
+  int32_t slot;
+  int32_t start_slot;
+  std::optional<c10::Event> start;
+  std::optional<c10::Event> end;
+  int64_t host_start_ns = 0;
+  int64_t host_end_ns = 0;
+};
+
+struct Scheduler::Open {
+  int32_t task = -1;  // -1: a gradient copy outside the schedule
+  Kind kind = Kind::kForward;
+  int32_t stage = 0;
+  int32_t micro = 0;
+  int32_t issue = -1;
+  int32_t rec = -1;
+  std::optional<c10::Stream> prev_issue;
+  std::optional<c10::Stream> prev_rec;
+  int32_t timed = -1;
+  bool active = false;
+};
+
+namespace detail {
+
+int64_t now_ns();
+c10::Stream make_stream(const SlotSpec& spec);
+std::optional<c10::Stream> exchange(const std::optional<c10::Stream>& stream);
+void restore(const std::optional<c10::Stream>& prev);
+
+}  // namespace detail
+}  // namespace mpstream

@@ -1,0 +1,126 @@
+// Observation of a scheduler: the recorded plan, per-task timing (device
+// events on streams, the host clock on placeholders) and pool statistics.
+#include "scheduler_impl.h"
+
+namespace mpstream {
+
+using detail::now_ns;
+
+void Scheduler::set_recording(bool on) {
+  std::lock_guard<std::mutex> lock(mu_);
+  recording_ = on;
+}
+
+bool Scheduler::recording() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return recording_;
+}
+
+std::vector<PlanOp> Scheduler::plan() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return plan_;
+}
+
+void Scheduler::clear_plan() {
+  std::lock_guard<std::mutex> lock(mu_);
+  plan_.clear();
+}
+
+void Scheduler::set_timing(bool on) {
+  std::lock_guard<std::mutex> lock(mu_);
+  timing_ = on;
+  if (on && running_) {
+    ensure_reference();
+  }
+}
+
+bool Scheduler::timing() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return timing_;
+}
+
+void Scheduler::ensure_reference() {
+  if (have_reference_) {
+    return;
+  }
+  host_t0_ = std::chrono::steady_clock::now();
+  const int32_t first_caller = 2 * stages_;
+  for (int32_t c = first_caller; c < static_cast<int32_t>(slots_.size()); ++c) {
+    const Slot& s = slots_[c];
+    if (!s.spec.stream_id) {
+      continue;
+    }
+    reference_[c].emplace(s.stream->device_type(), c10::EventFlag::BACKEND_DEFAULT);
+    reference_[c]->record(*s.stream);
+  }
+  have_reference_ = true;
+}
+
+void Scheduler::timing_mark(Open& o, bool start) {
+  ensure_reference();
+  if (start) {
+    TimedTask t{o.kind, o.stage, o.micro, o.rec, o.issue >= 0 ? o.issue : o.rec};
+    o.timed = static_cast<int32_t>(timed_.size());
+    timed_.push_back(std::move(t));
+  }
+  TimedTask& t = timed_[o.timed];
+  const Slot& s = slots_[start ? t.start_slot : t.slot];
+  if (s.stream) {
+    auto& ev = start ? t.start : t.end;
+    ev.emplace(s.stream->device_type(), c10::EventFlag::BACKEND_DEFAULT);
+    ev->record(*s.stream);
+  } else {
+    (start ? t.host_start_ns : t.host_end_ns) = now_ns();
+  }
+}
+
+std::vector<Timing> Scheduler::timings() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<Timing> out;
+  const int64_t t0 = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                         host_t0_.time_since_epoch())
+                         .count();
+  auto ms = [&](int32_t slot, const std::optional<c10::Event>& ev, int64_t host_ns) {
+    if (ev) {
+      const auto& ref = reference_[slots_[slot].ref];
+      ref->synchronize();
+      ev->synchronize();
+      return ref->elapsedTime(*ev);
+    }
+    return static_cast<double>(host_ns - t0) / 1e6;
+  };
+  for (const auto& t : timed_) {
+    if (t.host_end_ns == 0 && !t.end) {
+      continue;  // still open
+    }
+    out.push_back(Timing{t.kind, t.stage, t.micro, t.slot,
+                         ms(t.start_slot, t.start, t.host_start_ns),
+                         ms(t.slot, t.end, t.host_end_ns)});
+  }
+  return out;
+}
+
+void Scheduler::clear_timings() {
+  std::lock_guard<std::mutex> lock(mu_);
+  timed_.clear();
+  for (auto& r : reference_) {
+    r.reset();
+  }
+  have_reference_ = false;
+}
+
+int64_t Scheduler::events_created() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<int64_t>(events_.size());
+}
+
+int64_t Scheduler::events_free() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  int64_t n = 0;
+  for (const auto& f : free_) {
+    n += static_cast<int64_t>(f.size());
+  }
+  return n;
+}
+
+}  // namespace mpstream

@@ -1,0 +1,233 @@
+"""Automatic balancing: profile each layer, split to minimise the slowest stage.
+
+:func:`profile_layers` runs an ``nn.Sequential`` layer by layer on a sample
+batch and measures each layer's forward + backward time, the bytes it keeps
+for backward plus its output, and its parameter (and gradient) bytes.
+:func:`partition` then finds the contiguous split into ``stages`` parts whose
+largest cost is smallest (exact dynamic programme).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from .boundary import GradSink, cut
+from .microbatch import Value, as_value
+
+__all__ = [
+    "LayerProfile",
+    "profile_layers",
+    "partition",
+    "balance_by_time",
+    "balance_by_size",
+    "stage_costs",
+]
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """What one layer costs on the profiled sample."""
+
+    name: str
+    forward_ms: float
+    backward_ms: float
+    activation_bytes: int
+    parameter_bytes: int
+
+    @property
+    def time_ms(self) -> float:
+        return self.forward_ms + self.backward_ms
+
+    @property
+    def size_bytes(self) -> int:
+        return self.activation_bytes + self.parameter_bytes
+
+
+def partition(costs: Sequence[float], stages: int) -> list[int]:
+    """Contiguous split of ``costs`` into ``stages`` non-empty parts.
+
+    Minimises the largest part's sum; among equal optima, the one found first
+    from the left.
+
+    Args:
+        costs: one non-negative cost per layer.
+        stages: number of parts.
+
+    Returns:
+        The balance: layers per part.
+
+    Raises:
+        ValueError: fewer layers than stages, ``stages`` < 1, or a negative cost.
+    """
+    n = len(costs)
+    if stages < 1:
+        raise ValueError(f"stages must be at least 1, got {stages}")
+    if n < stages:
+        raise ValueError(f"cannot split {n} layers into {stages} non-empty stages")
+    if any(c < 0 for c in costs):
+        raise ValueError("layer costs must not be negative")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + float(c))
+    inf = float("inf")
+    # best[k][i]: smallest max over splits of the first i layers into k parts.
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, stages + 1):
+        for i in range(k, n - (stages - k) + 1):
+            for j in range(k - 1, i):
+                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                if value < best[k][i]:
+                    best[k][i], cut[k][i] = value, j
+    balance = []
+    i = n
+    for k in range(stages, 0, -1):
+        j = cut[k][i]
+        balance.append(i - j)
+        i = j
+    return balance[::-1]
+
+
+def stage_costs(costs: Sequence[float], balance: Sequence[int]) -> list[float]:
+    """The summed cost of each stage of ``balance``."""
+    out, start = [], 0
+    for count in balance:
+        out.append(float(sum(costs[start : start + count])))
+        start += count
+    return out
+
+
+def _tensors(value: Value) -> tuple[Tensor, ...]:
+    return (value,) if isinstance(value, Tensor) else value
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _note_storage(saved: dict[int, int], t: Tensor) -> Tensor:
+    saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return t
+
+
+def profile_layers(
+    module: nn.Module,
+    sample: Value,
+    *,
+    device: torch.device | str | None = None,
+    repeat: int = 3,
+) -> list[LayerProfile]:
+    """Measures every layer of an ``nn.Sequential`` on ``sample``.
+
+    A deep copy of ``module`` is profiled on ``device`` (default: where the
+    module's first parameter is), so the module itself is left untouched.
+    Times are medians over ``repeat`` runs after one warm-up, synchronised.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Sequential``.
+    """
+    if not isinstance(module, nn.Sequential):
+        raise TypeError(
+            f"balancing profiles an nn.Sequential layer by layer; got {type(module).__name__}"
+        )
+    if repeat < 1:
+        raise ValueError(f"repeat must be at least 1, got {repeat}")
+    first = next(module.parameters(), None)
+    dev = (
+        torch.device(device)
+        if device is not None
+        else (first.device if first is not None else torch.device("cpu"))
+    )
+    model = copy.deepcopy(module).to(dev)
+    x: Value = tuple(t.to(dev) for t in _tensors(as_value(sample, "sample")))
+    if isinstance(sample, Tensor):
+        x = x[0]
+    out = []
+    for name, layer in model.named_children():
+        fwd, bwd = [], []
+        saved: dict[int, int] = {}
+        y: Value = x
+        for i in range(repeat + 1):
+            # Non-leaf inputs that require grad: layers may start in place.
+            inputs = cut(GradSink(), _tensors(x))
+            arg: Value = inputs[0] if isinstance(x, Tensor) else inputs
+            saved.clear()
+            pack = functools.partial(_note_storage, saved)
+            _sync(dev)
+            start = time.perf_counter()
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                y = layer(arg)
+            _sync(dev)
+            middle = time.perf_counter()
+            outs = [t for t in _tensors(y) if t.requires_grad]
+            if outs:
+                torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+            _sync(dev)
+            end = time.perf_counter()
+            if i > 0:
+                fwd.append((middle - start) * 1e3)
+                bwd.append((end - middle) * 1e3)
+            layer.zero_grad(set_to_none=True)
+        params = sum(_nbytes(p) for p in layer.parameters())
+        activations = sum(saved.values()) + sum(_nbytes(t) for t in _tensors(y))
+        out.append(
+            LayerProfile(
+                name, statistics.median(fwd), statistics.median(bwd), activations, 2 * params
+            )
+        )
+        x = tuple(t.detach() for t in _tensors(y)) if not isinstance(y, Tensor) else y.detach()
+    return out
+
+
+def balance_by_time(
+    module: nn.Module,
+    sample: Value,
+    stages: int,
+    *,
+    device: torch.device | str | None = None,
+    repeat: int = 3,
+) -> list[int]:
+    """The split of ``module`` into ``stages`` with the smallest slowest stage (time).
+
+    Args:
+        module: an ``nn.Sequential``.
+        sample: a representative batch (a micro-batch is best).
+        stages: number of stages.
+        device: where to profile (default: the module's device).
+        repeat: timed runs per layer (median).
+
+    Returns:
+        The balance: layers per stage.
+    """
+    profiles = profile_layers(module, sample, device=device, repeat=repeat)
+    return partition([p.time_ms for p in profiles], stages)
+
+
+def balance_by_size(
+    module: nn.Module,
+    sample: Value,
+    stages: int,
+    *,
+    device: torch.device | str | None = None,
+) -> list[int]:
+    """The split with the smallest largest stage in memory.
+
+    Memory per layer: the bytes it saves for backward plus its output (on
+    ``sample``), and its parameters and their gradients.
+    """
+    profiles = profile_layers(module, sample, device=device, repeat=1)
+    return partition([float(p.size_bytes) for p in profiles], stages)

@@ -1,0 +1,152 @@
+"""Deferred BatchNorm: running statistics updated once per mini-batch.
+
+Pipelining normalises each micro-batch on its own (as the single-device model
+would on that micro-batch), but a plain BatchNorm would also update its
+running statistics once per micro-batch, with micro-batch statistics.
+:class:`DeferredBatchNorm` instead accumulates per-channel sums over the
+micro-batches of a mini-batch and updates the running statistics once, with
+the whole mini-batch's mean and unbiased variance: what the single-device
+model computes on the whole batch.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from .checkpoint import is_recomputing
+
+__all__ = ["DeferredBatchNorm", "convert_deferred_batch_norm", "deferred_norms"]
+
+
+class DeferredBatchNorm(_BatchNorm):
+    """BatchNorm for any input rank (N, C, ...) with deferred statistics.
+
+    Set :attr:`expected` to the number of micro-batches of the coming
+    mini-batch (``Pipe`` does this on every forward); the running statistics
+    are updated after that many training-mode forwards.
+    """
+
+    expected: int
+    sum: Tensor
+    sum_squares: Tensor
+    count: Tensor
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(num_features, eps, momentum, affine, True, device, dtype)
+        # Accumulated in float64 so sum-of-squares stays accurate; not part of
+        # state_dict, so checkpoints match the plain model's keys.
+        kw = {"device": device, "dtype": torch.float64}
+        self.register_buffer("sum", torch.zeros(num_features, **kw), persistent=False)  # type: ignore[arg-type]
+        self.register_buffer("sum_squares", torch.zeros(num_features, **kw), persistent=False)  # type: ignore[arg-type]
+        self.register_buffer("count", torch.zeros((), **kw), persistent=False)  # type: ignore[arg-type]
+        self.expected = 1
+        self.tracked = 0
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (N, C, ...), got {input.dim()}D")
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        # .half()/.to(dtype) convert floating buffers; the accumulators stay
+        # float64 whatever the layer's dtype.
+        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        for name in ("sum", "sum_squares", "count"):
+            buf = self._buffers[name]
+            if buf is not None and buf.dtype != torch.float64:
+                self._buffers[name] = buf.to(torch.float64)
+        return self
+
+    def reset_accumulation(self) -> None:
+        """Drops statistics accumulated for an unfinished mini-batch."""
+        self.sum.zero_()
+        self.sum_squares.zero_()
+        self.count.zero_()
+        self.tracked = 0
+
+    def forward(self, input: Tensor) -> Tensor:
+        self._check_input_dim(input)
+        if not self.training:
+            return super().forward(input)
+        out = F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
+        if is_recomputing():
+            return out
+        with torch.no_grad():
+            dims = [0, *range(2, input.dim())]
+            x = input.detach().to(torch.float64)
+            self.sum += x.sum(dims)
+            self.sum_squares += (x * x).sum(dims)
+            self.count += x.numel() // x.size(1)
+            self.tracked += 1
+            if self.tracked >= self.expected:
+                self._commit()
+        return out
+
+    def _commit(self) -> None:
+        mean = self.sum / self.count
+        var = (self.sum_squares / self.count - mean * mean).clamp_(min=0)
+        unbiased = var * self.count / (self.count - 1).clamp(min=1)
+        # Through .data, as BatchNorm's own update: graphs of earlier eval-mode
+        # forwards may have saved these buffers.
+        running_mean = cast(Tensor, self.running_mean).data
+        running_var = cast(Tensor, self.running_var).data
+        tracked = cast(Tensor, self.num_batches_tracked)
+        tracked += 1
+        factor = 1.0 / float(tracked) if self.momentum is None else self.momentum
+        running_mean.mul_(1 - factor).add_(mean.to(running_mean.dtype), alpha=factor)
+        running_var.mul_(1 - factor).add_(unbiased.to(running_var.dtype), alpha=factor)
+        self.reset_accumulation()
+
+    @classmethod
+    def convert(cls, module: nn.Module) -> nn.Module:
+        """Replaces every BatchNorm in ``module`` (in place) with a deferred one.
+
+        Parameters and buffers are reused, so optimizers and state_dict keys
+        are unaffected. Returns ``module`` (or its replacement if it is
+        itself a BatchNorm).
+        """
+        if isinstance(module, _BatchNorm) and not isinstance(module, cls):
+            if not module.track_running_stats:
+                return module
+            new = cls(
+                module.num_features,
+                module.eps,
+                module.momentum,
+                module.affine,
+                device=cast(Tensor, module.running_mean).device,
+            )
+            if module.affine:
+                new.weight = module.weight
+                new.bias = module.bias
+            new.running_mean = module.running_mean
+            new.running_var = module.running_var
+            new.num_batches_tracked = module.num_batches_tracked
+            new.train(module.training)
+            return new
+        for name, child in module.named_children():
+            replaced = cls.convert(child)
+            if replaced is not child:
+                setattr(module, name, replaced)
+        return module
+
+
+def convert_deferred_batch_norm(module: nn.Module) -> nn.Module:
+    """Module-level alias of :meth:`DeferredBatchNorm.convert`."""
+    return DeferredBatchNorm.convert(module)
+
+
+def deferred_norms(module: nn.Module) -> list[DeferredBatchNorm]:
+    """The deferred BatchNorm layers inside ``module``."""
+    return [m for m in module.modules() if isinstance(m, DeferredBatchNorm)]

@@ -1,0 +1,105 @@
+"""Automatic balancing: exact partitions, profiling, and Pipe(balance='time'|'size')."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from mpstream import Pipe
+from mpstream.balance import (
+    balance_by_size,
+    balance_by_time,
+    partition,
+    profile_layers,
+    stage_costs,
+)
+
+
+def brute_force(costs: list[float], stages: int) -> float:
+    best = float("inf")
+    for cuts in itertools.combinations(range(1, len(costs)), stages - 1):
+        bounds = [0, *cuts, len(costs)]
+        best = min(best, max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_partition_is_optimal(seed: int) -> None:
+    rng = random.Random(seed)
+    costs = [rng.uniform(0, 10) for _ in range(rng.randint(3, 9))]
+    stages = rng.randint(1, len(costs))
+    balance = partition(costs, stages)
+    assert len(balance) == stages and sum(balance) == len(costs) and min(balance) >= 1
+    assert max(stage_costs(costs, balance)) == pytest.approx(brute_force(costs, stages))
+
+
+def test_partition_examples_and_errors() -> None:
+    assert partition([1, 1, 1, 1], 2) == [2, 2]
+    assert partition([5, 1, 1, 1, 1, 1], 2) == [1, 5]
+    assert partition([1, 2, 3], 3) == [1, 1, 1]
+    with pytest.raises(ValueError, match="cannot split 2 layers into 3"):
+        partition([1, 1], 3)
+    with pytest.raises(ValueError, match="at least 1"):
+        partition([1, 1], 0)
+    with pytest.raises(ValueError, match="negative"):
+        partition([1, -1], 1)
+
+
+class Slow(nn.Module):
+    def __init__(self, ms: float) -> None:
+        super().__init__()
+        self.ms = ms
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        time.sleep(self.ms / 1e3)
+        return self.lin(x)
+
+
+def test_balance_by_time_isolates_the_slow_layer() -> None:
+    model = nn.Sequential(Slow(1), Slow(1), Slow(1), Slow(40), Slow(1), Slow(1))
+    assert balance_by_time(model, torch.randn(2, 4), 3, repeat=2) == [3, 1, 2]
+
+
+def test_balance_by_size_follows_parameters() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 512), nn.Linear(512, 4))
+    assert balance_by_size(model, torch.randn(2, 4), 2) == [3, 1]
+
+
+def test_profile_leaves_the_module_alone_and_handles_in_place_layers() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 2))
+    before = [p.detach().clone() for p in model.parameters()]
+    profiles = profile_layers(model, torch.randn(3, 4), repeat=1)
+    assert [p.name for p in profiles] == ["0", "1", "2"]
+    assert all(p.time_ms >= 0 and p.activation_bytes > 0 for p in profiles)
+    assert profiles[1].parameter_bytes == 0 and profiles[0].parameter_bytes == 2 * (16 + 4) * 4
+    assert all(p.grad is None for p in model.parameters())
+    for a, b in zip(model.parameters(), before):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(TypeError, match="nn.Sequential"):
+        profile_layers(nn.Linear(2, 2), torch.randn(1, 2))
+
+
+@pytest.mark.parametrize("how", ["time", "size"])
+def test_pipe_balances_automatically(how: str) -> None:
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(6)])
+    pipe = Pipe(
+        model, chunks=2, balance=how, devices=["cpu", "cpu", "cpu"], sample=torch.randn(4, 8)
+    )
+    assert sum(pipe.balance) == 6 and len(pipe.balance) == 3
+    assert pipe(torch.randn(4, 8)).shape == (4, 8)
+
+
+def test_pipe_auto_balance_errors() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="needs sample="):
+        Pipe(model, balance="time", devices=["cpu", "cpu"])
+    with pytest.raises(ValueError, match="needs devices="):
+        Pipe(model, balance="size", sample=torch.randn(1, 2))
+    with pytest.raises(ValueError, match="'time' or 'size'"):
+        Pipe(model, balance="speed", devices=["cpu", "cpu"], sample=torch.randn(1, 2))
