@@ -119,11 +119,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              py::list out;
              for (const auto& t : s.timings()) {
                out.append(py::make_tuple(t.stage, t.micro, mpstream::kind_name(t.kind), t.slot,
-                                         t.start_ms, t.end_ms));
+                                         t.start_ms, t.end_ms, t.run));
              }
              return out;
            })
       .def("clear_timings", &Scheduler::clear_timings)
+      .def("begin_mark", &Scheduler::begin_mark, py::arg("kind"), py::arg("stage"), py::arg("micro"))
+      .def("end_mark", &Scheduler::end_mark, py::arg("mark"))
       .def_property_readonly("events_created", &Scheduler::events_created)
       .def_property_readonly("events_free", &Scheduler::events_free);
 }

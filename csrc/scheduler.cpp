@@ -167,6 +167,7 @@ void Scheduler::begin_run(std::shared_ptr<const Schedule> schedule,
   if (timing_) {
     ensure_reference();
   }
+  ++runs_;
   for (size_t c = 0; c < callers; ++c) {
     record(first_caller + static_cast<int32_t>(c), -1, Kind::kForward, -1, -1);
   }

@@ -59,6 +59,7 @@ struct Timing {
   int32_t slot;
   double start_ms;
   double end_ms;
+  int64_t run;  // which run (begin_run call since timing was cleared)
 };
 
 class Scheduler {
@@ -107,6 +108,13 @@ class Scheduler {
   bool timing() const;
   std::vector<Timing> timings();  // blocks until the timed work finished
   void clear_timings();
+  // Times work the scheduler does not issue itself: a stage's backward run
+  // by autograd. begin_mark records a start on the stage's compute slot (the
+  // caller must have that stream current, as autograd does for the stage's
+  // nodes); end_mark the end. Returns -1 (and end_mark ignores it) when
+  // timing is off.
+  int64_t begin_mark(Kind kind, int32_t stage, int32_t micro);
+  void end_mark(int64_t mark);
 
   // Pool introspection, for tests: events ever created, and free now.
   int64_t events_created() const;
@@ -162,6 +170,8 @@ class Scheduler {
   std::chrono::steady_clock::time_point host_t0_;
   std::vector<std::optional<c10::Event>> reference_;  // per caller slot
   std::vector<TimedTask> timed_;
+  int64_t runs_ = 0;  // begin_run calls since timing was cleared
+  int64_t timing_generation_ = 0;  // bumped by clear_timings
 
   mutable std::mutex mu_;
 };

@@ -39,6 +39,8 @@ struct Scheduler::TimedTask {
   std::optional<c10::Event> end;
   int64_t host_start_ns = 0;
   int64_t host_end_ns = 0;
+  int64_t run = 0;
+  bool done = false;
 };
 
 struct Scheduler::Open {
@@ -51,6 +53,7 @@ struct Scheduler::Open {
   std::optional<c10::Stream> prev_issue;
   std::optional<c10::Stream> prev_rec;
   int32_t timed = -1;
+  int64_t timed_generation = 0;  // a clear_timings in between voids `timed`
   bool active = false;
 };
 

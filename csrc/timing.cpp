@@ -60,8 +60,12 @@ void Scheduler::timing_mark(Open& o, bool start) {
   ensure_reference();
   if (start) {
     TimedTask t{o.kind, o.stage, o.micro, o.rec, o.issue >= 0 ? o.issue : o.rec};
+    t.run = runs_;
     o.timed = static_cast<int32_t>(timed_.size());
+    o.timed_generation = timing_generation_;
     timed_.push_back(std::move(t));
+  } else if (o.timed < 0 || o.timed_generation != timing_generation_) {
+    return;  // started before the timings were cleared
   }
   TimedTask& t = timed_[o.timed];
   const Slot& s = slots_[start ? t.start_slot : t.slot];
@@ -72,6 +76,36 @@ void Scheduler::timing_mark(Open& o, bool start) {
   } else {
     (start ? t.host_start_ns : t.host_end_ns) = now_ns();
   }
+  t.done = !start;
+}
+
+int64_t Scheduler::begin_mark(Kind kind, int32_t stage, int32_t micro) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!timing_) {
+    return -1;
+  }
+  if (stage < 0 || stage >= stages_) {
+    throw std::out_of_range("mark for stage " + std::to_string(stage) + " outside the pipeline");
+  }
+  Open o;
+  o.kind = kind;
+  o.stage = stage;
+  o.micro = micro;
+  o.issue = o.rec = compute_slot(stage);
+  timing_mark(o, true);
+  // The generation rides along so a mark from before clear_timings is void.
+  return (timing_generation_ << 32) | o.timed;
+}
+
+void Scheduler::end_mark(int64_t mark) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (mark < 0) {
+    return;  // timing was off when the mark began
+  }
+  Open o;
+  o.timed = static_cast<int32_t>(mark & 0xffffffff);
+  o.timed_generation = mark >> 32;
+  timing_mark(o, false);
 }
 
 std::vector<Timing> Scheduler::timings() {
@@ -90,12 +124,12 @@ std::vector<Timing> Scheduler::timings() {
     return static_cast<double>(host_ns - t0) / 1e6;
   };
   for (const auto& t : timed_) {
-    if (t.host_end_ns == 0 && !t.end) {
+    if (!t.done) {
       continue;  // still open
     }
     out.push_back(Timing{t.kind, t.stage, t.micro, t.slot,
                          ms(t.start_slot, t.start, t.host_start_ns),
-                         ms(t.slot, t.end, t.host_end_ns)});
+                         ms(t.slot, t.end, t.host_end_ns), t.run});
   }
   return out;
 }
@@ -103,6 +137,8 @@ std::vector<Timing> Scheduler::timings() {
 void Scheduler::clear_timings() {
   std::lock_guard<std::mutex> lock(mu_);
   timed_.clear();
+  runs_ = 0;
+  ++timing_generation_;
   for (auto& r : reference_) {
     r.reset();
   }

@@ -8,17 +8,33 @@ micro-batch's copy overlaps the next one's compute.
 from __future__ import annotations
 
 from ._ext import ExtensionError
+from ._version import __version__
 from .balance import balance_by_size, balance_by_time
 from .batchnorm import DeferredBatchNorm
+from .cost_model import Costs, Prediction, Simulation, predict, simulate
+from .cost_model import fit as simulate_fit
 from .pipe import Pipe
 from .plan import Plan, PlanError, record_plan, verify_plan
+from .profiling import profile
 from .schedule import SCHEDULES, Kind, Schedule, Task
 from .scheduler import EventScheduler, PlanOp, TaskTiming
-
-__version__ = "0.1.0"
+from .timeline import Span, Summary, Timeline
+from .tuning import TuneResult, tune
 
 __all__ = [
     "Pipe",
+    "profile",
+    "tune",
+    "TuneResult",
+    "simulate",
+    "simulate_fit",
+    "predict",
+    "Costs",
+    "Prediction",
+    "Simulation",
+    "Timeline",
+    "Span",
+    "Summary",
     "balance_by_time",
     "balance_by_size",
     "DeferredBatchNorm",

@@ -41,6 +41,7 @@ class LayerProfile:
     backward_ms: float
     activation_bytes: int
     parameter_bytes: int
+    output_bytes: int = 0
 
     @property
     def time_ms(self) -> float:
@@ -183,11 +184,10 @@ def profile_layers(
                 bwd.append((end - middle) * 1e3)
             layer.zero_grad(set_to_none=True)
         params = sum(_nbytes(p) for p in layer.parameters())
-        activations = sum(saved.values()) + sum(_nbytes(t) for t in _tensors(y))
+        output = sum(_nbytes(t) for t in _tensors(y))
+        fwd_ms, bwd_ms = statistics.median(fwd), statistics.median(bwd)
         out.append(
-            LayerProfile(
-                name, statistics.median(fwd), statistics.median(bwd), activations, 2 * params
-            )
+            LayerProfile(name, fwd_ms, bwd_ms, sum(saved.values()) + output, 2 * params, output)
         )
         x = tuple(t.detach() for t in _tensors(y)) if not isinstance(y, Tensor) else y.detach()
     return out

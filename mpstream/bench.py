@@ -25,7 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import __version__, tutorial
+from . import tutorial
+from ._version import __version__
+from .stream import synchronize
 
 __all__ = [
     "Config",
@@ -37,6 +39,7 @@ __all__ = [
     "PIPELINES",
     "detect_devices",
     "make_model",
+    "synchronize",
     "time_train",
     "run",
     "save",
@@ -188,13 +191,6 @@ def make_model(
     if name == "mpstream":
         return tutorial.StreamPipelineResNet50(dev0, dev1, split_size, n)
     raise ValueError(f"unknown model {name!r}; valid: {', '.join(MODELS)}")
-
-
-def synchronize(devices: Sequence[torch.device]) -> None:
-    """Waits for all work queued on ``devices``."""
-    for d in set(devices):
-        if d.type == "cuda":
-            torch.cuda.synchronize(d)
 
 
 def train_once(model: nn.Module, config: Config, devices: Sequence[torch.device]) -> float:

@@ -9,10 +9,12 @@ compute stream waiting on an event recorded after it.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+from torch.autograd import profiler
 
 from .stream import CPU_STREAM, AnyStream, record_stream
 
@@ -69,21 +71,25 @@ class Copy(torch.autograd.Function):
             # Gradient of the batch itself: the caller's device, plain copy.
             moved = [None if g is None else move(g, d) for g, d in zip(grads, ctx.src_devices)]
             return (None, None, None, *moved)
+        scope: AbstractContextManager[object] = nullcontext()
+        if torch._C._autograd._profiler_enabled():
+            scope = profiler.record_function(f"mpstream/copy_grad/stage{stage}/mb{ctx.micro}")
+        reader = sched.copy_streams[stage + 1]
+        consumer = sched.compute_streams[stage]
+        result: list[Tensor | None] = []
         handle = sched.begin_grad_copy(stage, ctx.micro)
         try:
-            reader = sched.copy_streams[stage + 1]
-            consumer = sched.compute_streams[stage]
-            result: list[Tensor | None] = []
-            for g, d in zip(grads, ctx.src_devices):
-                if g is None:
-                    result.append(None)
-                    continue
-                y = move(g, d)
-                if reader is not None:
-                    record_stream(g, reader)
-                if consumer is not None:
-                    record_stream(y, consumer)
-                result.append(y)
+            with scope:
+                for g, d in zip(grads, ctx.src_devices):
+                    if g is None:
+                        result.append(None)
+                        continue
+                    y = move(g, d)
+                    if reader is not None:
+                        record_stream(g, reader)
+                    if consumer is not None:
+                        record_stream(y, consumer)
+                    result.append(y)
         finally:
             sched.end(handle)
         return (None, None, None, *result)

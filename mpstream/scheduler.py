@@ -43,7 +43,12 @@ class PlanOp(NamedTuple):
 
 
 class TaskTiming(NamedTuple):
-    """When a task ran, in milliseconds from the timing reference."""
+    """When a task ran, in milliseconds from the timing reference.
+
+    ``run`` counts the runs (forwards or training steps) since the timings
+    were last cleared, starting at 1; autograd's backward work belongs to the
+    run whose forward built its graph.
+    """
 
     stage: int
     micro: int
@@ -51,6 +56,7 @@ class TaskTiming(NamedTuple):
     stream: str
     start_ms: float
     end_ms: float
+    run: int
 
 
 class EventScheduler:
@@ -155,8 +161,8 @@ class EventScheduler:
     def timings(self) -> list[TaskTiming]:
         """Per-task start/end times; blocks until the timed work is done."""
         return [
-            TaskTiming(s, m, kind, self.slot_names[slot], start, end)
-            for s, m, kind, slot, start, end in self.native.timings()
+            TaskTiming(s, m, kind, self.slot_names[slot], start, end, run)
+            for s, m, kind, slot, start, end, run in self.native.timings()
         ]
 
     def clear_timings(self) -> None:

@@ -8,6 +8,8 @@ runs (and is tested) on a machine without a GPU.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 __all__ = [
@@ -19,6 +21,7 @@ __all__ = [
     "is_cuda",
     "stream_id",
     "record_stream",
+    "synchronize",
     "device_type_code",
 ]
 
@@ -79,6 +82,13 @@ def stream_id(stream: AnyStream) -> int | None:
     if isinstance(stream, CPUStream):
         return None
     return int(stream.stream_id)
+
+
+def synchronize(devices: Iterable[torch.device]) -> None:
+    """Blocks the host until all work queued on ``devices`` has finished."""
+    for d in set(devices):
+        if d.type == "cuda":
+            torch.cuda.synchronize(d)
 
 
 def record_stream(tensor: torch.Tensor, stream: AnyStream) -> None:

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd import profiler
 
+from . import marks
 from .boundary import GradSink, cut
 from .checkpoint import checkpointed
 from .copy import Copy, move
@@ -90,6 +91,8 @@ class Worker:
         caller_reader = caller if is_cuda(caller) else None
         copy_in = schedule.copy_in
         profiling = torch._C._autograd._profiler_enabled()
+        # While timing, mark where autograd will run each stage's backward.
+        marking = native.timing and torch.is_grad_enabled()
         values = list(batches)
         native.begin_run(schedule.native, sched.caller_streams())
         try:
@@ -102,14 +105,18 @@ class Worker:
                         _protect(x, readers[s])
                     handle = native.begin(task.index)
                     stage = parts[s]
+                    if marking:
+                        x, stage_marks = marks.enter(native, s, m, x)
                     if profiling:
                         with profiler.record_function(range_name(task.kind, s, m)):
                             y = checkpointed(stage, x) if m < checkpoint_stop else stage(x)
                     else:
                         y = checkpointed(stage, x) if m < checkpoint_stop else stage(x)
-                    native.end(handle)
                     if type(y) is not Tensor:
                         y = check_output(y, s)
+                    if marking:
+                        y = marks.leave(stage_marks, y)
+                    native.end(handle)
                     values[m] = y
                     if s == last and caller_reader is not None:
                         _protect(y, caller_reader)

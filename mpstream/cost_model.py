@@ -1,0 +1,266 @@
+"""A cost model of pipelined execution: predicted step time and timeline.
+
+:func:`simulate` replays a schedule (the same task lists the C++ scheduler
+issues) on modelled streams. Each stream runs its tasks in issue order; a
+task starts when its streams are free and its dependencies have finished.
+
+- ``overlap=True`` models mpstream: a compute stream per stage, and each copy
+  on the copy streams of both its devices.
+- ``overlap=False`` models the tutorial's default-stream pipeline: one stream
+  per device, copies block both devices' streams, and within a clock cycle
+  later stages are issued first, as the tutorial's loop does.
+
+Host issue time is not modelled. :func:`fit` turns a measured timeline into
+costs; :func:`predict` scales per-layer costs to ``p`` devices.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .balance import partition, stage_costs
+from .schedule import Kind, Schedule, Task
+from .timeline import Span, Timeline
+
+__all__ = ["Costs", "Simulation", "simulate", "fit", "predict", "Prediction"]
+
+Cost = float | tuple[float, float]
+
+
+@dataclass
+class Costs:
+    """Per micro-batch costs in milliseconds.
+
+    Attributes:
+        stage_times: per stage, (forward, backward).
+        copy_times: per boundary s -> s + 1, (forward copy, gradient copy).
+    """
+
+    stage_times: list[tuple[float, float]]
+    copy_times: list[tuple[float, float]]
+
+
+@dataclass
+class Simulation:
+    """A simulated step."""
+
+    step_ms: float
+    timeline: Timeline
+    schedule: str
+    overlap: bool
+
+    def summary(self, *, echo: bool = True) -> object:
+        return self.timeline.summary(echo=echo)
+
+    def plot(self, path: str, *, title: str | None = None) -> object:
+        return self.timeline.plot(path, title=title)
+
+
+def _pair(cost: Cost, what: str) -> tuple[float, float]:
+    pair = (
+        (float(cost), 0.0) if isinstance(cost, (int, float)) else (float(cost[0]), float(cost[1]))
+    )
+    if pair[0] < 0 or pair[1] < 0:
+        raise ValueError(f"{what} must not be negative, got {cost}")
+    return pair
+
+
+def _tutorial_order(tasks: list[Task]) -> list[Task]:
+    # The tutorial's loop runs stage 1's compute of the previous micro-batch
+    # before stage 0's compute (and copy) of the next: later stages first
+    # within a clock cycle. A copy belongs to its producer's cycle.
+    forward = [t for t in tasks if t.kind in (Kind.FORWARD, Kind.COPY)]
+    rest = [t for t in tasks if t.kind not in (Kind.FORWARD, Kind.COPY)]
+
+    def key(t: Task) -> tuple[int, int, int]:
+        stage = max(t.stage, 0)
+        return (stage + t.micro, -stage, 1 if t.kind is Kind.COPY else 0)
+
+    return sorted(forward, key=key) + rest
+
+
+def simulate(
+    stage_times: Sequence[Cost],
+    copy_times: Cost | Sequence[Cost] = 0.0,
+    chunks: int = 1,
+    schedule: str = "gpipe",
+    overlap: bool = True,
+    *,
+    backward: bool | None = None,
+    devices: Sequence[str] | None = None,
+) -> Simulation:
+    """Predicts a pipelined step.
+
+    Args:
+        stage_times: per stage, the forward time of one micro-batch, or a
+            (forward, backward) pair.
+        copy_times: per boundary (or one for all), the copy time of one
+            micro-batch's activations, or a (forward, gradient) pair.
+        chunks: number of micro-batches.
+        schedule: ``'gpipe'`` or ``'1f1b'`` (which needs backward times).
+        overlap: mpstream's streams (True) or the default streams (False).
+        backward: include backward tasks; default: whether any stage has a
+            backward time.
+        devices: device label of each stage; stages sharing a device share
+            its stream when ``overlap`` is False, and need no copy between
+            them. Default: one device per stage.
+
+    Returns:
+        The predicted step time and its timeline.
+
+    Raises:
+        ValueError: inconsistent lengths, negative costs, or 1F1B without
+            backward times.
+    """
+    stages = [_pair(c, f"stage {i} time") for i, c in enumerate(stage_times)]
+    n = len(stages)
+    if n < 1:
+        raise ValueError("simulate needs at least one stage time")
+    if isinstance(copy_times, (int, float, tuple)):
+        copies = [_pair(copy_times, "copy time")] * max(n - 1, 0)
+    else:
+        copies = [_pair(c, f"copy time {i}") for i, c in enumerate(copy_times)]
+        if len(copies) != n - 1:
+            raise ValueError(
+                f"copy_times needs {n - 1} entries (one per boundary), got {len(copies)}"
+            )
+    devs = list(devices) if devices is not None else [f"device{i}" for i in range(n)]
+    if len(devs) != n:
+        raise ValueError(f"devices needs {n} entries, got {len(devs)}")
+    with_backward = any(b > 0 for _, b in stages) if backward is None else backward
+    if schedule == "1f1b" and not with_backward:
+        raise ValueError("1f1b interleaves backwards: give (forward, backward) stage times")
+    copy_in = [False] + [devs[s] != devs[s - 1] for s in range(1, n)]
+    sched = Schedule(schedule, n, chunks, copy_in, backward=with_backward)
+    tasks = _tutorial_order(sched.tasks) if not overlap else sched.tasks
+
+    def streams(t: Task) -> tuple[str, ...]:
+        if t.kind in (Kind.FORWARD, Kind.BACKWARD):
+            return (f"stage{t.stage}.compute",) if overlap else (devs[t.stage],)
+        src, dst = (t.stage, t.stage + 1) if t.kind is Kind.COPY else (t.stage + 1, t.stage)
+        if overlap:
+            return (f"stage{src}.copy", f"stage{dst}.copy")
+        return (devs[src], devs[dst])
+
+    def cost(t: Task) -> float:
+        if t.kind is Kind.FORWARD:
+            return stages[t.stage][0]
+        if t.kind is Kind.BACKWARD:
+            return stages[t.stage][1]
+        boundary = t.stage
+        return copies[boundary][0] if t.kind is Kind.COPY else copies[boundary][1]
+
+    free: dict[str, float] = defaultdict(float)
+    end: dict[int, float] = {}
+    spans = []
+    for t in tasks:
+        on = streams(t)
+        start = max([free[s] for s in on] + [end[d] for d in t.deps])
+        end[t.index] = start + cost(t)
+        for s in on:
+            free[s] = end[t.index]
+        spans.append(
+            Span(
+                t.stage,
+                t.micro,
+                t.kind.label,
+                on[-1] if t.kind is Kind.COPY else on[0],
+                start,
+                end[t.index],
+            )
+        )
+    if overlap:
+        rows = {f"stage{s}.{r}": devs[s] for s in range(n) for r in ("compute", "copy")}
+    else:
+        rows = {d: d for d in dict.fromkeys(devs)}
+    meta = {
+        "stage_times": stages,
+        "copy_times": copies,
+        "chunks": chunks,
+        "schedule": schedule,
+        "overlap": overlap,
+    }
+    timeline = Timeline(spans, rows, "simulated", meta)
+    step = max(end.values()) if end else 0.0
+    return Simulation(step, timeline, schedule, overlap)
+
+
+def fit(timeline: Timeline) -> Costs:
+    """Median per-micro-batch costs of each stage and boundary in a measured timeline.
+
+    Raises:
+        ValueError: the timeline has no compute spans.
+    """
+    groups: dict[tuple[str, int], list[float]] = defaultdict(list)
+    for s in timeline.spans:
+        groups[(s.kind, s.stage)].append(s.duration_ms)
+    stages = timeline.stages
+    if not any(k in ("forward", "backward") for k, _ in groups):
+        raise ValueError("the timeline has no compute spans to fit")
+
+    def median(kind: str, stage: int) -> float:
+        values = groups.get((kind, stage))
+        return statistics.median(values) if values else 0.0
+
+    return Costs(
+        [(median("forward", s), median("backward", s)) for s in range(stages)],
+        [(median("copy", s), median("copy_grad", s)) for s in range(stages - 1)],
+    )
+
+
+@dataclass
+class Prediction:
+    """A pipeline on ``stages`` devices, predicted from per-layer costs."""
+
+    stages: int
+    balance: list[int]
+    step_ms: float
+    single_device_ms: float
+    simulation: Simulation
+
+    @property
+    def speedup(self) -> float:
+        return self.single_device_ms / self.step_ms
+
+
+def predict(
+    layer_times: Sequence[Cost],
+    stages: int,
+    chunks: int,
+    *,
+    copy_times: Cost | Sequence[Cost] = 0.0,
+    balance: Sequence[int] | None = None,
+    schedule: str = "gpipe",
+    overlap: bool = True,
+) -> Prediction:
+    """Predicts the step time of ``stages`` devices from per-layer costs.
+
+    Args:
+        layer_times: per layer, the cost of one micro-batch (forward or
+            (forward, backward)), e.g. from :func:`mpstream.balance.profile_layers`.
+        stages: number of devices, one stage each.
+        chunks: micro-batches per step.
+        copy_times: per boundary (or one for all).
+        balance: layers per stage; default the split that minimises the
+            slowest stage.
+        schedule: ``'gpipe'`` or ``'1f1b'``.
+        overlap: mpstream's streams or the default streams.
+
+    Returns:
+        The prediction, with the single-device time (every layer on one
+        device, ``chunks`` micro-batches, no copies) for the speed-up.
+    """
+    pairs = [_pair(c, f"layer {i} time") for i, c in enumerate(layer_times)]
+    totals = [f + b for f, b in pairs]
+    chosen = list(balance) if balance is not None else partition(totals, stages)
+    forward = stage_costs([f for f, _ in pairs], chosen)
+    backward = stage_costs([b for _, b in pairs], chosen)
+    with_backward = any(b > 0 for b in backward)
+    sim = simulate(
+        list(zip(forward, backward)), copy_times, chunks, schedule, overlap, backward=with_backward
+    )
+    single = chunks * sum(totals)
+    return Prediction(stages, chosen, sim.step_ms, single, sim)

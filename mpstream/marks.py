@@ -1,0 +1,91 @@
+"""Timing a stage's backward when autograd, not the scheduler, runs it.
+
+After ``pipe(x)``, ``loss.backward()`` runs each stage's backward inside
+autograd, so no scheduler task brackets it. While timing is on, the forward
+wraps each stage's output in :class:`_Begin` and its input in :class:`_End`:
+identities whose backward records a start mark when the gradient reaches the
+stage's output and an end mark when it leaves the stage's input. Autograd
+runs both on the stage's compute stream (the stream their forward ran on), so
+on a GPU the marks are events on that stream.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import _ext
+from .microbatch import Value
+
+__all__ = ["StageMarks", "enter", "leave"]
+
+_BACKWARD = _ext.load().Kind.backward
+
+# Requires grad so the end mark fires even when the stage input does not.
+_ANCHOR = torch.empty(0, requires_grad=True)
+
+
+class StageMarks:
+    """Links the begin and end marks of one stage's backward on one micro-batch."""
+
+    __slots__ = ("native", "stage", "micro", "mark")
+
+    def __init__(self, native: Any, stage: int, micro: int) -> None:
+        self.native = native
+        self.stage = stage
+        self.micro = micro
+        self.mark = -1
+
+
+def _detached(tensors: tuple[Tensor, ...], ctx: Any) -> tuple[Tensor, ...]:
+    out = tuple(t.detach() for t in tensors)
+    ctx.mark_non_differentiable(*[t for t in out if not t.is_floating_point()])
+    ctx.set_materialize_grads(False)
+    return out
+
+
+class _Begin(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, marks: StageMarks, *outputs: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+        ctx.marks = marks
+        return _detached(outputs, ctx)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Any, ...]:
+        m: StageMarks = ctx.marks
+        m.mark = m.native.begin_mark(_BACKWARD, m.stage, m.micro)
+        return (None, *grads)
+
+
+class _End(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, marks: StageMarks, anchor: Tensor, *inputs: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+        ctx.marks = marks
+        return _detached(inputs, ctx)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Any, ...]:
+        m: StageMarks = ctx.marks
+        m.native.end_mark(m.mark)
+        return (None, None, *grads)
+
+
+def _like(value: Value, tensors: tuple[Tensor, ...]) -> Value:
+    return tensors[0] if isinstance(value, Tensor) else tensors
+
+
+def _tensors(value: Value) -> tuple[Tensor, ...]:
+    return (value,) if isinstance(value, Tensor) else value
+
+
+def enter(native: Any, stage: int, micro: int, x: Value) -> tuple[Value, StageMarks]:
+    """Wraps a stage input; call inside the stage's task."""
+    marks = StageMarks(native, stage, micro)
+    return _like(x, _End.apply(marks, _ANCHOR, *_tensors(x))), marks
+
+
+def leave(marks: StageMarks, y: Value) -> Value:
+    """Wraps a stage output; call inside the stage's task."""
+    return _like(y, _Begin.apply(marks, *_tensors(y)))

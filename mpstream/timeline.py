@@ -1,0 +1,326 @@
+"""Per-stream timelines of pipeline tasks: summaries, Chrome traces, Gantt charts.
+
+A :class:`Timeline` is a list of :class:`Span` (one task on one stream) from
+either a measured run (:func:`mpstream.profile`) or the cost model
+(:func:`mpstream.simulate`); both get the same summary, trace and plot.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Span", "Timeline", "Summary", "COMPUTE", "COPIES"]
+
+COMPUTE = ("forward", "backward")
+COPIES = ("copy", "copy_grad")
+_COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "copy": "#55A868", "copy_grad": "#C44E52"}
+
+
+@dataclass(frozen=True)
+class Span:
+    """One task: what it did, on which stream, and when (milliseconds)."""
+
+    stage: int
+    micro: int
+    kind: str
+    stream: str
+    start_ms: float
+    end_ms: float
+    run: int = 1
+
+    @property
+    def duration_ms(self) -> float:
+        return self.end_ms - self.start_ms
+
+    @property
+    def stages(self) -> tuple[int, ...]:
+        """The stages whose devices this task runs on (both ends of a copy)."""
+        if self.kind == "copy":
+            return tuple(s for s in (self.stage, self.stage + 1) if s >= 0)
+        if self.kind == "copy_grad":
+            return (self.stage + 1, self.stage)
+        return (self.stage,)
+
+
+def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def _length(intervals: Sequence[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _overlap(a: float, b: float, union: Sequence[tuple[float, float]]) -> float:
+    return sum(max(0.0, min(b, y) - max(a, x)) for x, y in union)
+
+
+@dataclass
+class Summary:
+    """What a timeline says about the pipeline, averaged over its runs.
+
+    Attributes:
+        makespan_ms: first start to last end of a run.
+        bubble_fraction: share of stage-time (stages x makespan) in which a
+            stage computed nothing.
+        copy_hidden_fraction: share of copy time during which a stage on the
+            copy's source or destination device was computing (None without
+            copies).
+        stage_busy_ms: per stage, the time its compute stream was busy.
+        runs: how many runs were averaged.
+        per_run: the same numbers for each run.
+    """
+
+    makespan_ms: float
+    bubble_fraction: float
+    copy_hidden_fraction: float | None
+    stage_busy_ms: list[float]
+    runs: int
+    per_run: list[dict[str, Any]] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        hidden = (
+            "-" if self.copy_hidden_fraction is None else f"{100 * self.copy_hidden_fraction:.1f}%"
+        )
+        lines = [
+            f"runs: {self.runs}",
+            f"makespan: {self.makespan_ms:.3f} ms",
+            f"bubble fraction: {100 * self.bubble_fraction:.1f}%",
+            f"copy time hidden behind compute: {hidden}",
+        ]
+        for s, busy in enumerate(self.stage_busy_ms):
+            share = busy / self.makespan_ms if self.makespan_ms > 0 else 0.0
+            lines.append(f"stage {s} busy: {busy:.3f} ms ({100 * share:.1f}%)")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "makespan_ms": self.makespan_ms,
+            "bubble_fraction": self.bubble_fraction,
+            "copy_hidden_fraction": self.copy_hidden_fraction,
+            "stage_busy_ms": self.stage_busy_ms,
+            "runs": self.runs,
+            "per_run": self.per_run,
+        }
+
+
+@dataclass
+class Timeline:
+    """Tasks on streams.
+
+    Attributes:
+        spans: the tasks.
+        stream_devices: device name of each stream, in row order.
+        source: ``'measured'`` or ``'simulated'``.
+        meta: free-form description (devices, torch version, parameters).
+    """
+
+    spans: list[Span]
+    stream_devices: dict[str, str]
+    source: str = "measured"
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def streams(self) -> list[str]:
+        return list(self.stream_devices)
+
+    @property
+    def stages(self) -> int:
+        return 1 + max((max(s.stages) for s in self.spans), default=-1)
+
+    def runs(self) -> list[int]:
+        return sorted({s.run for s in self.spans})
+
+    def select(self, run: int) -> Timeline:
+        """The spans of one run."""
+        return Timeline(
+            [s for s in self.spans if s.run == run], self.stream_devices, self.source, self.meta
+        )
+
+    def _run_summary(self, spans: list[Span], stages: int) -> dict[str, Any]:
+        start = min(s.start_ms for s in spans)
+        makespan = max(s.end_ms for s in spans) - start
+        compute = {
+            st: _union((s.start_ms, s.end_ms) for s in spans if s.kind in COMPUTE and s.stage == st)
+            for st in range(stages)
+        }
+        busy = [_length(compute[st]) for st in range(stages)]
+        bubble = 1.0 - sum(busy) / (stages * makespan) if makespan > 0 and stages else 0.0
+        copies = [s for s in spans if s.kind in COPIES]
+        copy_total = sum(s.duration_ms for s in copies)
+        hidden: float | None = None
+        if copies and copy_total > 0:
+            covered = 0.0
+            for c in copies:
+                near = _union(iv for st in c.stages for iv in compute.get(st, []))
+                covered += _overlap(c.start_ms, c.end_ms, near)
+            hidden = covered / copy_total
+        return {
+            "makespan_ms": makespan,
+            "bubble_fraction": bubble,
+            "copy_hidden_fraction": hidden,
+            "stage_busy_ms": busy,
+        }
+
+    def summary(self, *, echo: bool = True) -> Summary:
+        """Bubble fraction, hidden copy fraction and per-stage busy time.
+
+        Args:
+            echo: also print the summary.
+
+        Raises:
+            ValueError: the timeline is empty.
+        """
+        if not self.spans:
+            raise ValueError("the timeline is empty: nothing was recorded")
+        stages = self.stages
+        per_run = [
+            self._run_summary([s for s in self.spans if s.run == r], stages) for r in self.runs()
+        ]
+        hidden = [
+            r["copy_hidden_fraction"] for r in per_run if r["copy_hidden_fraction"] is not None
+        ]
+        result = Summary(
+            makespan_ms=statistics.fmean(r["makespan_ms"] for r in per_run),
+            bubble_fraction=statistics.fmean(r["bubble_fraction"] for r in per_run),
+            copy_hidden_fraction=statistics.fmean(hidden) if hidden else None,
+            stage_busy_ms=[
+                statistics.fmean(r["stage_busy_ms"][st] for r in per_run) for st in range(stages)
+            ],
+            runs=len(per_run),
+            per_run=per_run,
+        )
+        if echo:
+            print(result)
+        return result
+
+    def chrome_trace(self) -> dict[str, Any]:
+        """The timeline as a Chrome trace: one process per device, one thread per stream."""
+        devices = list(dict.fromkeys(self.stream_devices.values()))
+        pid = {d: i for i, d in enumerate(devices)}
+        tid = {s: i for i, s in enumerate(self.stream_devices)}
+        events: list[dict[str, Any]] = []
+        for d in devices:
+            events.append({"name": "process_name", "ph": "M", "pid": pid[d], "args": {"name": d}})
+        for s, d in self.stream_devices.items():
+            events.append(
+                {
+                    "name": "thread_name",
+                    "ph": "M",
+                    "pid": pid[d],
+                    "tid": tid[s],
+                    "args": {"name": s},
+                }
+            )
+            events.append(
+                {
+                    "name": "thread_sort_index",
+                    "ph": "M",
+                    "pid": pid[d],
+                    "tid": tid[s],
+                    "args": {"sort_index": tid[s]},
+                }
+            )
+        for span in self.spans:
+            events.append(
+                {
+                    "name": f"{span.kind} s{span.stage} mb{span.micro}",
+                    "cat": span.kind,
+                    "ph": "X",
+                    "ts": span.start_ms * 1e3,
+                    "dur": max(span.duration_ms, 0.0) * 1e3,
+                    "pid": pid[self.stream_devices[span.stream]],
+                    "tid": tid[span.stream],
+                    "args": {"stage": span.stage, "micro": span.micro, "run": span.run},
+                }
+            )
+        return {
+            "traceEvents": events,
+            "displayTimeUnit": "ms",
+            "otherData": {"source": self.source, **self.meta},
+        }
+
+    def export_chrome_trace(self, path: str | Path) -> Path:
+        """Writes the Chrome-trace JSON (loadable in Perfetto or chrome://tracing)."""
+        out = Path(path)
+        out.write_text(json.dumps(self.chrome_trace()))
+        return out
+
+    def plot(self, path: str | Path, *, title: str | None = None, run: int | None = None) -> Path:
+        """Draws a Gantt chart: one row per stream, bars labelled by micro-batch.
+
+        Args:
+            path: the PNG to write.
+            title: the figure title (default: what the timeline is).
+            run: only this run (default: the last one).
+
+        Raises:
+            ValueError: the timeline is empty.
+        """
+        if not self.spans:
+            raise ValueError("the timeline is empty: nothing was recorded")
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
+
+        chosen = run if run is not None else self.runs()[-1]
+        spans = [s for s in self.spans if s.run == chosen]
+        rows = [s for s in self.stream_devices if any(sp.stream == s for sp in spans)]
+        t0 = min(s.start_ms for s in spans)
+        width = max(s.end_ms for s in spans) - t0
+        fig, ax = plt.subplots(figsize=(11, 0.55 * len(rows) + 1.6))
+        for y, stream in enumerate(rows):
+            for s in (sp for sp in spans if sp.stream == stream):
+                ax.broken_barh(
+                    [(s.start_ms - t0, s.duration_ms)],
+                    (y - 0.4, 0.8),
+                    facecolors=_COLORS.get(s.kind, "grey"),
+                    edgecolor="white",
+                    linewidth=0.5,
+                )
+                if s.duration_ms > width / 80:
+                    ax.text(
+                        s.start_ms - t0 + s.duration_ms / 2,
+                        y,
+                        str(s.micro),
+                        ha="center",
+                        va="center",
+                        fontsize=7,
+                        color="white",
+                    )
+        ax.set_yticks(range(len(rows)))
+        ax.set_yticklabels(rows, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlabel("time (ms)")
+        ax.set_xlim(0, width * 1.01 if width > 0 else 1)
+        kinds = [k for k in _COLORS if any(s.kind == k for s in spans)]
+        ax.legend(
+            handles=[Patch(color=_COLORS[k], label=k) for k in kinds],
+            loc="lower right",
+            bbox_to_anchor=(1.0, 1.0),
+            fontsize=8,
+            ncol=len(kinds),
+            frameon=False,
+        )
+        ax.set_title(
+            title or f"{self.source} timeline (run {chosen}); numbers are micro-batches",
+            fontsize=9,
+            loc="left",
+        )
+        fig.tight_layout()
+        out = Path(path)
+        fig.savefig(out, dpi=120)
+        plt.close(fig)
+        return out

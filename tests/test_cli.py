@@ -1,0 +1,88 @@
+"""``mpstream tune`` and ``mpstream trace`` end to end at a tiny size."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mpstream import cli
+
+TINY = [
+    "--batch-size", "4", "--image-size", "32", "--num-classes", "10", "--num-batches", "1",
+    "--split-size", "2", "--repeat", "1", "--warmup", "0", "--no-progress",
+]  # fmt: skip
+
+
+def test_tune_writes_the_curve_and_uses_the_cache(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = [
+        "tune",
+        *TINY,
+        "--split-sizes",
+        "2,4",
+        "--cache",
+        str(tmp_path / "c.json"),
+        "--out",
+        str(tmp_path),
+    ]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "best: split size" in out and "from cache" not in out
+    doc = json.loads((tmp_path / "tune.json").read_text())
+    assert [p["split_size"] for p in doc["curve"]] == [2, 4]
+    assert (tmp_path / "tune_tradeoff.png").read_bytes().startswith(b"\x89PNG")
+    assert cli.main(args) == 0
+    assert "(from cache)" in capsys.readouterr().out
+
+
+def test_tune_with_balances(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = [
+        "tune",
+        *TINY,
+        "--split-sizes",
+        "2",
+        "--balances",
+        "tutorial,9:14",
+        "--no-cache",
+        "--out",
+        str(tmp_path),
+    ]
+    assert cli.main(args) == 0
+    doc = json.loads((tmp_path / "tune.json").read_text())
+    assert [p["balance"] for p in doc["curve"]] == [[11, 12], [9, 14]]
+
+
+@pytest.mark.parametrize(
+    ("balances", "message"), [("5:5", "23 blocks"), ("fast", "not 'tutorial'")]
+)
+def test_tune_rejects_bad_balances(
+    balances: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["tune", *TINY, "--balances", balances, "--no-cache", "--out", str(tmp_path)]
+    assert cli.main(args) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_trace_writes_trace_timeline_and_report(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["trace", *TINY, "--split-sizes", "2,4", "--out", str(tmp_path)]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "cost model vs measured" in out and "predictions (cost model, not measured" in out
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    tracks = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert {"stage0.compute@cpu", "stage1.compute@cpu"} <= tracks
+    assert (tmp_path / "timeline.png").read_bytes().startswith(b"\x89PNG")
+    report = json.loads((tmp_path / "trace_report.json").read_text())
+    assert [r["split_size"] for r in report["cost_model_validation"]] == [2, 4]
+    assert {(r["devices"], r["split"]) for r in report["predictions"]["rows"]} == {
+        (2, "tutorial-style"),
+        (2, "balanced"),
+        (4, "tutorial-style"),
+        (4, "balanced"),
+    }
+    assert report["trace_summary"]["makespan_ms"] > 0

@@ -1,0 +1,110 @@
+"""The cost model reproduces hand-computed pipeline times exactly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mpstream.cost_model import fit, predict, simulate
+from mpstream.timeline import Span, Timeline
+
+SHAPES = [(1, 1), (1, 5), (2, 1), (2, 4), (3, 8), (4, 8), (5, 3)]
+
+
+@pytest.mark.parametrize(("stages", "micros"), SHAPES)
+def test_fill_drain_forward(stages: int, micros: int) -> None:
+    f = 2.5
+    assert simulate([f] * stages, 0.0, micros).step_ms == pytest.approx((micros + stages - 1) * f)
+
+
+@pytest.mark.parametrize(("stages", "micros"), SHAPES)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("ratio", [1.0, 2.0])
+def test_forward_and_backward(stages: int, micros: int, schedule: str, ratio: float) -> None:
+    f, b = 1.5, 1.5 * ratio
+    # Uniform stages: both schedules take (M + S - 1)(f + b); 1F1B saves memory, not time.
+    expected = (micros + stages - 1) * (f + b)
+    assert simulate([(f, b)] * stages, 0.0, micros, schedule).step_ms == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("micros", [1, 2, 6])
+def test_copies_overlap_on_streams_and_stall_the_default_stream(micros: int) -> None:
+    f, c = 3.0, 1.0
+    # mpstream: the copy of micro-batch m overlaps the compute of m + 1, so
+    # it only adds its latency once.
+    assert simulate([f, f], c, micros).step_ms == pytest.approx(micros * f + c + f)
+    # The tutorial's default streams: every copy blocks both devices.
+    assert simulate([f, f], c, micros, overlap=False).step_ms == pytest.approx(micros * (f + c) + f)
+
+
+def test_stages_sharing_a_device_serialise_without_overlap() -> None:
+    f = 2.0
+    sim = simulate([f, f], 5.0, 4, overlap=False, devices=["host", "host"])
+    assert sim.step_ms == pytest.approx(2 * 4 * f)  # no copy between same-device stages
+    assert simulate([f, f], 5.0, 4, devices=["gpu", "gpu"]).step_ms == pytest.approx(5 * f)
+
+
+def test_bubble_fraction_of_the_simulated_timeline() -> None:
+    stages, micros = 4, 8
+    sim = simulate([(1.0, 2.0)] * stages, 0.0, micros)
+    summary = sim.timeline.summary(echo=False)
+    assert summary.bubble_fraction == pytest.approx((stages - 1) / (micros + stages - 1))
+    assert sim.timeline.source == "simulated"
+
+
+def test_simulated_timeline_plots_and_traces(tmp_path: Path) -> None:
+    sim = simulate([(1.0, 2.0), (1.5, 3.0)], (0.5, 0.5), 4, "1f1b")
+    assert sim.plot(str(tmp_path / "sim.png")).read_bytes().startswith(b"\x89PNG")
+    sim.timeline.export_chrome_trace(tmp_path / "sim.json")
+    kinds = {s.kind for s in sim.timeline.spans}
+    assert kinds == {"forward", "backward", "copy", "copy_grad"}
+
+
+def test_invalid_inputs() -> None:
+    with pytest.raises(ValueError, match="at least one stage"):
+        simulate([], 0.0, 1)
+    with pytest.raises(ValueError, match="one per boundary"):
+        simulate([1.0, 1.0, 1.0], [0.1], 2)
+    with pytest.raises(ValueError, match="negative"):
+        simulate([-1.0], 0.0, 1)
+    with pytest.raises(ValueError, match="1f1b"):
+        simulate([1.0, 1.0], 0.0, 2, "1f1b")
+    with pytest.raises(ValueError, match="valid schedules"):
+        simulate([1.0], 0.0, 1, "zigzag")
+
+
+def test_fit_takes_medians_per_stage_and_boundary() -> None:
+    spans = [
+        Span(0, 0, "forward", "a", 0, 2),
+        Span(0, 1, "forward", "a", 2, 4),
+        Span(0, 2, "forward", "a", 4, 9),
+        Span(1, 0, "forward", "b", 3, 6),
+        Span(1, 0, "backward", "b", 6, 12),
+        Span(0, 0, "backward", "a", 12, 16),
+        Span(0, 0, "copy", "c", 2, 3),
+        Span(0, 0, "copy_grad", "c", 12, 12.5),
+    ]
+    costs = fit(Timeline(spans, {"a": "d0", "b": "d1", "c": "d1"}))
+    assert costs.stage_times == [(2.0, 4.0), (3.0, 6.0)]
+    assert costs.copy_times == [(1.0, 0.5)]
+    with pytest.raises(ValueError, match="no compute spans"):
+        fit(Timeline([Span(0, 0, "copy", "c", 0, 1)], {"c": "d"}))
+
+
+def test_fit_then_simulate_reproduces_a_constant_cost_timeline() -> None:
+    truth = simulate([(1.0, 2.0), (1.0, 2.0), (1.0, 2.0)], (0.25, 0.25), 6)
+    costs = fit(truth.timeline)
+    again = simulate(costs.stage_times, costs.copy_times, 6)
+    assert again.step_ms == pytest.approx(truth.step_ms)
+
+
+def test_predict_balances_and_reports_speedup() -> None:
+    layers = [(1.0, 2.0)] * 8
+    pred = predict(layers, 2, 8)
+    assert pred.balance == [4, 4]
+    assert pred.single_device_ms == pytest.approx(8 * 8 * 3.0)
+    assert pred.step_ms == pytest.approx((8 + 1) * 4 * 3.0)
+    assert pred.speedup == pytest.approx(64 * 3.0 / (9 * 12.0))
+    four = predict(layers, 4, 8, balance=[2, 2, 2, 2])
+    assert four.speedup > pred.speedup
