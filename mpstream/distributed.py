@@ -1,0 +1,385 @@
+"""Data parallelism over pipelines: one :class:`~mpstream.Pipe` per process under DDP.
+
+Every process (launched by ``torchrun``) builds the same pipeline over its own
+devices and wraps it in ``torch.nn.parallel.DistributedDataParallel``; PyTorch's
+process group averages the gradients over the processes. Two ways to train:
+
+* ``loss_fn(ddp(x), y).backward()``: DDP's own reducer syncs the gradients
+  while the pipeline's backward runs. Works for every schedule and checkpoint
+  mode; the forward is fill-drain whatever :attr:`Pipe.schedule` says.
+* :func:`train_step`: :meth:`Pipe.train_step` (1F1B or GPipe order, any
+  checkpoint mode) followed by an explicit all-reduce of the gradients.
+  DDP's reducer cannot do it: its hooks expect every gradient to be
+  accumulated once per step, and ``train_step`` accumulates one micro-batch at
+  a time outside ``DDP.forward``; ``ddp.module.train_step`` alone would leave
+  each process with its own, unsynchronised gradients.
+
+:func:`wrap` builds the DDP module and rejects, before any step runs, the
+options that cannot work with a pipeline. :func:`map_location` maps a
+checkpoint saved by one process's stage devices onto another's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from .microbatch import Value
+from .partition import DeviceLike
+from .pipe import Pipe
+
+__all__ = [
+    "wrap",
+    "train_step",
+    "sync_gradients",
+    "sync_buffers",
+    "map_location",
+    "check_placement",
+]
+
+# Bucket size for gradient and buffer collectives when DDP does not say
+# (DDP's own default).
+_BUCKET_BYTES = 25 * 1024 * 1024
+
+# Which device types a process-group backend can run collectives on, for
+# groups whose backend config is a bare name rather than "cpu:gloo,cuda:nccl".
+_BACKEND_DEVICES = {"gloo": {"cpu", "cuda"}, "nccl": {"cuda"}}
+
+# DDP arguments that would move inputs or outputs between devices: the pipe
+# places its stages itself and returns the output on the last stage's device.
+_PLACEMENT_ARGS = ("device_ids", "output_device")
+
+# DDP options that cannot work with a pipeline, and why.
+_UNSUPPORTED = {
+    "mixed_precision": (
+        "DDP's (private) mixed precision casts the parameters on one side stream of the "
+        "current device from forward hooks, which train_step's per-stage calls bypass; use "
+        "torch.autocast or a lower-precision model instead"
+    ),
+    "delay_all_reduce_named_params": (
+        "the delayed all-reduce keeps those gradients in one buffer on device_ids[0] or the "
+        "CPU, and is launched from a gradient hook that train_step triggers once per "
+        "micro-batch"
+    ),
+}
+_UNSUPPORTED["param_to_hook_all_reduce"] = _UNSUPPORTED["delay_all_reduce_named_params"]
+
+
+def wrap(pipe: Pipe, **ddp_kwargs: Any) -> DistributedDataParallel:
+    """Wraps a pipeline in ``DistributedDataParallel`` after checking it can work.
+
+    Every schedule and checkpoint mode works, with ``ddp(x)`` + ``backward()``
+    and with :func:`train_step`; so do ``find_unused_parameters``,
+    ``static_graph``, ``gradient_as_bucket_view`` and bucket sizes. DDP sees a
+    multi-device module (or a CPU one), so ``device_ids`` stays ``None``.
+
+    Args:
+        pipe: the pipeline of this process, stages already on its devices.
+        **ddp_kwargs: passed to ``DistributedDataParallel`` (``process_group``,
+            ``find_unused_parameters``, ``broadcast_buffers``, ...).
+
+    Returns:
+        ``DistributedDataParallel(pipe, device_ids=None, ...)``.
+
+    Raises:
+        TypeError: ``pipe`` is not a :class:`~mpstream.Pipe`.
+        RuntimeError: ``torch.distributed`` is not initialised.
+        ValueError: ``device_ids``/``output_device`` given; ``mixed_precision``
+            or delayed all-reduce requested; stages on several device types;
+            the process group's backend cannot reduce tensors on the stages'
+            device type (NCCL with CPU stages).
+    """
+    if not isinstance(pipe, Pipe):
+        raise TypeError(f"wrap takes an mpstream.Pipe, got {type(pipe).__name__}")
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialised: call torch.distributed.init_process_group() "
+            "first (torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT for it)"
+        )
+    for name in _PLACEMENT_ARGS:
+        if ddp_kwargs.get(name) is not None:
+            raise ValueError(
+                f"{name}={ddp_kwargs[name]!r}: a Pipe places its stages itself and returns its "
+                f"output on the last stage's device, so DistributedDataParallel must not move "
+                f"inputs or outputs; leave {name}=None"
+            )
+    for name, why in _UNSUPPORTED.items():
+        if ddp_kwargs.get(name) is not None:
+            raise ValueError(f"{name} is not supported with an mpstream.Pipe: {why}")
+    group = ddp_kwargs.get("process_group")
+    if group is None and ddp_kwargs.get("device_mesh") is not None:
+        group = ddp_kwargs["device_mesh"].get_group(mesh_dim=0)
+    check_placement(pipe.devices, dist.get_backend_config(group))
+    ddp_kwargs.pop("device_ids", None)
+    ddp_kwargs.pop("output_device", None)
+    return DistributedDataParallel(pipe, device_ids=None, output_device=None, **ddp_kwargs)
+
+
+def check_placement(devices: Sequence[torch.device], backend_config: str) -> None:
+    """Checks that a process group can reduce gradients of stages on ``devices``.
+
+    Args:
+        devices: the stage devices of one process's pipeline.
+        backend_config: ``torch.distributed.get_backend_config(group)``, e.g.
+            ``'cpu:gloo,cuda:nccl'`` or ``'nccl'``.
+
+    Raises:
+        ValueError: the stages sit on several device types (DDP holds one
+            device type per module), or the backend has no collectives for
+            their device type.
+    """
+    types = sorted({d.type for d in devices})
+    if len(types) > 1:
+        listed = ", ".join(str(d) for d in devices)
+        raise ValueError(
+            f"the pipeline's stages are on several device types ({listed}); "
+            f"DistributedDataParallel needs all of one process's stages on one type "
+            f"(all CUDA, or all CPU)"
+        )
+    supported = _supported_device_types(backend_config)
+    if supported is not None and types[0] not in supported:
+        hint = " (use gloo for CPU stages)" if types[0] == "cpu" else ""
+        raise ValueError(
+            f"the process group's backend ({backend_config}) has no collectives for "
+            f"{types[0]} tensors, where the pipeline's stages are{hint}"
+        )
+
+
+def _supported_device_types(config: str) -> set[str] | None:
+    """Device types a backend config covers; None when it is not recognised."""
+    if ":" in config:
+        return {part.split(":", 1)[0].strip() for part in config.split(",") if ":" in part}
+    return _BACKEND_DEVICES.get(config.strip().lower())
+
+
+def _check_ddp_pipe(ddp: object, what: str) -> Pipe:
+    if not isinstance(ddp, DistributedDataParallel):
+        raise TypeError(f"{what} takes a DistributedDataParallel module, got {type(ddp).__name__}")
+    if not isinstance(ddp.module, Pipe):
+        raise TypeError(
+            f"{what} needs DistributedDataParallel around an mpstream.Pipe, got one around "
+            f"{type(ddp.module).__name__}"
+        )
+    for name in ("mixed_precision", "_delay_all_reduce_params"):
+        # Built without wrap(): these act in DDP's forward and per-gradient hooks.
+        if getattr(ddp, name, None):
+            raise ValueError(f"{what} does not support DistributedDataParallel's {name.strip('_')}")
+    if getattr(ddp, "_comm_hooks", None):
+        raise ValueError(
+            f"{what} averages the gradients with its own all-reduce; the communication hook "
+            f"registered on this DistributedDataParallel would be ignored"
+        )
+    return ddp.module
+
+
+def train_step(
+    ddp: DistributedDataParallel,
+    inputs: Value | list[Tensor],
+    target: Value | list[Tensor],
+    loss_fn: Callable[[Any, Any], Tensor],
+    *,
+    reduction: str = "mean",
+) -> Tensor:
+    """:meth:`Pipe.train_step` of this process, then gradients averaged over processes.
+
+    The pipeline runs forward and backward of every micro-batch in its
+    :attr:`~mpstream.Pipe.schedule` order with its checkpoint mode; then the
+    accumulated gradients are all-reduced and divided by the group size, as
+    DDP does. With equal per-process batches and ``reduction='mean'`` the
+    result equals one process's ``train_step`` on the concatenated batch.
+
+    As DDP's forward does, buffers (BatchNorm statistics) are first broadcast
+    from the group's first process when ``ddp.broadcast_buffers`` is true.
+    Inside ``ddp.no_sync()`` the gradients only accumulate locally; the next
+    call outside it averages the accumulated sum, as with DDP.
+
+    Call it on every process of the group, with the same pipeline; do not mix
+    it with a ``ddp(x)`` whose backward has not run (DDP would then expect
+    gradients and reduce a partial one).
+
+    Args:
+        ddp: the pipeline wrapped by :func:`wrap` (or by
+            ``DistributedDataParallel`` directly).
+        inputs: this process's share of the batch.
+        target: its targets.
+        loss_fn: ``loss_fn(output, target) -> scalar`` per micro-batch.
+        reduction: how ``loss_fn`` reduces over the batch (``'mean'`` or
+            ``'sum'``).
+
+    Returns:
+        This process's loss on its share (detached, not averaged over
+        processes), on the last stage's device.
+
+    Raises:
+        TypeError: ``ddp`` is not a DDP module around a Pipe, or the
+            pipeline's :meth:`~mpstream.Pipe.train_step` rejects the batch.
+        ValueError: DDP mixed precision, delayed all-reduce or a
+            communication hook is set (train_step reduces the gradients
+            itself), a gradient is sparse, or bad inputs as for
+            :meth:`~mpstream.Pipe.train_step`.
+    """
+    pipe = _check_ddp_pipe(ddp, "train_step")
+    if ddp.broadcast_buffers:
+        sync_buffers(ddp)
+    # DDP's reducer arms its gradient hooks only in DDP.forward, which is not
+    # called here, so the pipeline's per-micro-batch backward runs unhooked.
+    loss = pipe.train_step(inputs, target, loss_fn, reduction=reduction)
+    if ddp.require_backward_grad_sync:
+        sync_gradients(ddp)
+    return loss
+
+
+def sync_gradients(ddp: DistributedDataParallel) -> None:
+    """Averages the ``.grad`` of the wrapped module's parameters over ``ddp``'s group.
+
+    Parameters that do not require grad, and those DDP was told to ignore,
+    are left alone. A parameter with a gradient on some processes only gets
+    the average of the others' with zeros (DDP's ``find_unused_parameters``
+    rule); one without a gradient anywhere keeps ``grad=None``. Gradients are
+    flattened into buckets per device and dtype, one all-reduce each.
+
+    Args:
+        ddp: a DistributedDataParallel module; every process of its group
+            must call this.
+
+    Raises:
+        ValueError: a gradient is sparse.
+    """
+    group = ddp.process_group
+    params = _synced_parameters(ddp)
+    if not params:
+        return
+    for name, p in params:
+        if p.grad is not None and p.grad.is_sparse:
+            raise ValueError(f"gradient of {name} is sparse; sync_gradients reduces dense ones")
+    with torch.no_grad():
+        # Which parameters got a gradient somewhere: every process must put
+        # the same tensors into the same buckets, or the collectives mismatch.
+        present = torch.tensor(
+            [p.grad is not None for _, p in params], dtype=torch.int32, device=params[0][1].device
+        )
+        dist.all_reduce(present, group=group)
+        grads: list[Tensor] = []
+        for (_, p), count in zip(params, present.tolist()):
+            if count == 0:
+                continue
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        size = dist.get_world_size(group)
+        cap = int(getattr(ddp, "bucket_bytes_cap", _BUCKET_BYTES))
+        pending = []
+        for bucket in _buckets(grads, cap):
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            work = dist.all_reduce(flat, group=group, async_op=True)
+            pending.append((bucket, flat, work))
+        for bucket, flat, work in pending:
+            assert work is not None
+            work.wait()
+            flat.div_(size)
+            _unflatten_into(flat, bucket)
+
+
+def sync_buffers(ddp: DistributedDataParallel) -> None:
+    """Copies the wrapped module's buffers from the group's first process to all.
+
+    What DDP's forward does with ``broadcast_buffers=True``: BatchNorm running
+    statistics (and any other buffer DDP does not ignore) become rank 0's.
+
+    Args:
+        ddp: a DistributedDataParallel module; every process of its group
+            must call this.
+    """
+    group = ddp.process_group
+    ignored = ddp.parameters_to_ignore
+    buffers = [b for name, b in ddp.module.named_buffers() if name not in ignored]
+    if not buffers:
+        return
+    src = dist.get_global_rank(group, 0)
+    is_src = dist.get_rank(group) == 0
+    cap = int(getattr(ddp, "bucket_bytes_cap", _BUCKET_BYTES))
+    with torch.no_grad():
+        for bucket in _buckets(buffers, cap):
+            flat = torch.cat([b.reshape(-1) for b in bucket])
+            dist.broadcast(flat, src=src, group=group)
+            if not is_src:
+                # Through .data: graphs still alive may have saved these
+                # buffers, and an in-place write would bump their versions.
+                _unflatten_into(flat, [b.data for b in bucket])
+
+
+def map_location(
+    saved_devices: Sequence[DeviceLike], devices: Sequence[DeviceLike]
+) -> dict[str, str]:
+    """``torch.load``'s ``map_location`` from the saving process's stages to ours.
+
+    A checkpoint saved by rank 0 holds tensors on rank 0's stage devices
+    (``cuda:0``, ``cuda:1``, ...); another process loads stage ``s``'s tensors
+    straight onto its own stage ``s`` device instead of rank 0's.
+
+    Args:
+        saved_devices: the stage devices of the process that saved.
+        devices: this process's stage devices (``pipe.devices``).
+
+    Returns:
+        ``{'cuda:0': 'cuda:2', ...}``; on CPU ``{'cpu': 'cpu'}``.
+
+    Raises:
+        ValueError: the pipelines have different numbers of stages, or one
+            saved device would have to go to two different devices.
+    """
+    if len(saved_devices) != len(devices):
+        raise ValueError(
+            f"the checkpoint's pipeline has {len(saved_devices)} stages and this one "
+            f"{len(devices)}; map_location pairs stages one to one"
+        )
+    mapping: dict[str, str] = {}
+    for stage, (src, dst) in enumerate(zip(saved_devices, devices)):
+        key, value = str(torch.device(src)), str(torch.device(dst))
+        if mapping.setdefault(key, value) != value:
+            raise ValueError(
+                f"stage {stage}: saved device {key} maps to both {mapping[key]} and {value}; "
+                f"the two pipelines share devices between stages differently"
+            )
+    return mapping
+
+
+def _synced_parameters(ddp: DistributedDataParallel) -> list[tuple[str, nn.Parameter]]:
+    ignored = ddp.parameters_to_ignore
+    return [
+        (name, p)
+        for name, p in ddp.module.named_parameters()
+        if p.requires_grad and name not in ignored
+    ]
+
+
+def _buckets(tensors: Sequence[Tensor], cap: int) -> Iterator[list[Tensor]]:
+    """Groups tensors by device and dtype, in order, at most ``cap`` bytes each."""
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    for group in groups.values():
+        bucket: list[Tensor] = []
+        size = 0
+        for t in group:
+            nbytes = t.numel() * t.element_size()
+            if bucket and size + nbytes > cap:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append(t)
+            size += nbytes
+        if bucket:
+            yield bucket
+
+
+def _unflatten_into(flat: Tensor, tensors: Sequence[Tensor]) -> None:
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        t.copy_(flat[offset : offset + n].view_as(t))
+        offset += n

@@ -1,0 +1,459 @@
+"""mpstream.distributed: pipelines under DistributedDataParallel.
+
+Two processes with two CPU stages each train over gloo (loopback only, a
+FileStore for the rendezvous); after each step their parameters must equal a
+single process's on the whole batch, for the DDP forward/backward path and for
+``mpstream.distributed.train_step``, with every schedule and checkpoint mode.
+The example script is run end to end with ``torchrun`` too, resume included.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+import subprocess
+import sys
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from mpstream import Pipe
+from mpstream import distributed as mpdist
+from tests.helpers import mlp
+
+ROOT = Path(__file__).resolve().parents[1]
+WORLD = 2
+BATCH = 8  # global batch: 4 per process, 2 micro-batches of 2
+SPLIT = 2
+LR = 0.1
+WIDTHS = [5, 8, 6, 3]  # three Linear+Tanh layers: balance [2, 4]
+BALANCE = [2, 4]
+# Bounds so a broken collective fails the test instead of hanging it.
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
+LAUNCH_TIMEOUT = 240.0
+SCRIPT_TIMEOUT = 240.0
+
+
+@dataclass(frozen=True)
+class Case:
+    """One training run: a step kind per step, and the pipeline's options.
+
+    Step kinds: ``forward`` (``loss(ddp(x)).backward()``), ``train_step``
+    (``mpstream.distributed.train_step``), ``no_sync`` (``train_step`` inside
+    ``ddp.no_sync()``, no optimizer step: the gradient accumulates into the
+    next step's).
+    """
+
+    steps: tuple[str, ...]
+    schedule: str = "gpipe"
+    checkpoint: str = "never"
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+def _cases() -> dict[str, Case]:
+    cases = {}
+    for path in ("forward", "train_step"):
+        for schedule in ("gpipe", "1f1b"):
+            for mode in ("never", "except_last", "always"):
+                cases[f"{path}-{schedule}-{mode}"] = Case((path, path), schedule, mode)
+    options: dict[str, dict[str, Any]] = {
+        "find_unused": {"find_unused_parameters": True},
+        "static_graph": {"static_graph": True},
+        "bucket_view": {"gradient_as_bucket_view": True},
+        "tiny_buckets": {"bucket_cap_mb": 1e-4},
+    }
+    for name, opts in options.items():
+        for path in ("forward", "train_step"):
+            cases[f"{path}-{name}"] = Case((path, path), "1f1b", "always", opts)
+    cases["alternate"] = Case(("forward", "train_step", "forward", "train_step"), "1f1b", "always")
+    cases["no_sync"] = Case(("no_sync", "train_step"), "1f1b", "except_last")
+    return cases
+
+
+CASES = _cases()
+
+
+def batches(steps: int) -> list[tuple[Tensor, Tensor]]:
+    """The global batch of each step, the same in every process."""
+    g = torch.Generator().manual_seed(1234)
+    return [
+        (
+            torch.randn(BATCH, WIDTHS[0], generator=g, dtype=torch.float64),
+            torch.randn(BATCH, WIDTHS[-1], generator=g, dtype=torch.float64),
+        )
+        for _ in range(steps)
+    ]
+
+
+def initial_model(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return mlp(WIDTHS)
+
+
+def reference(case: Case) -> dict[str, Tensor]:
+    """One process, whole batches, no pipeline: parameters after ``case``'s steps."""
+    model = initial_model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for kind, (x, y) in zip(case.steps, batches(len(case.steps))):
+        nn.MSELoss()(model(x), y).backward()
+        if kind != "no_sync":
+            opt.step()
+            opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+# -- what each process runs --------------------------------------------------
+
+
+def _run_case(case: Case, rank: int) -> dict[str, Tensor]:
+    # Rank 1 starts from other weights: DDP's initial broadcast must fix them.
+    pipe = Pipe(
+        initial_model(seed=rank),
+        split_size=SPLIT,
+        balance=BALANCE,
+        devices=["cpu", "cpu"],
+        schedule=case.schedule,
+        checkpoint=case.checkpoint,
+    )
+    ddp = mpdist.wrap(pipe, **case.options)
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    loss_fn = nn.MSELoss()
+    for kind, (x, y) in zip(case.steps, batches(len(case.steps))):
+        xs, ys = x.chunk(WORLD)[rank], y.chunk(WORLD)[rank]
+        if kind == "forward":
+            loss_fn(ddp(xs), ys).backward()
+        elif kind == "train_step":
+            mpdist.train_step(ddp, xs, ys, loss_fn)
+        else:
+            with ddp.no_sync():
+                mpdist.train_step(ddp, xs, ys, loss_fn)
+        if kind != "no_sync":
+            opt.step()
+            opt.zero_grad()
+    return {k: v.detach().clone() for k, v in pipe.state_dict().items()}
+
+
+def _run_gradient_presence(rank: int) -> dict[str, Tensor | None]:
+    """Gradients set by hand: present on both ranks, on one, on none."""
+    pipe = Pipe(initial_model(), balance=BALANCE, devices=["cpu", "cpu"])
+    ddp = mpdist.wrap(pipe)
+    weights = [p for name, p in pipe.named_parameters() if name.endswith("weight")]
+    both, one, none = weights
+    both.grad = torch.full_like(both, 1.0 + 2.0 * rank)  # 1 and 3: mean 2
+    one.grad = torch.full_like(one, 4.0) if rank == 1 else None  # mean with zeros: 2
+    none.grad = None
+    mpdist.sync_gradients(ddp)
+    return {"both": both.grad, "one": one.grad, "none": none.grad}
+
+
+def _norm_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(5, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 6), nn.BatchNorm1d(6)
+    ).double()
+
+
+def _run_buffers(rank: int, path: str) -> dict[str, Tensor]:
+    """Two steps with BatchNorm; the second must start from rank 0's statistics."""
+    pipe = Pipe(
+        _norm_model(),
+        split_size=SPLIT,
+        balance=[3, 2],
+        devices=["cpu", "cpu"],
+        schedule="1f1b",
+        checkpoint="always",
+        deferred_batch_norm=True,
+    )
+    ddp = mpdist.wrap(pipe)
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    out: dict[str, Tensor] = {}
+    for step, (x, _) in enumerate(batches(2)):
+        xs = x.chunk(WORLD)[rank]
+        ys = torch.ones(xs.size(0), 6, dtype=torch.float64)
+        if path == "forward":
+            nn.MSELoss()(ddp(xs), ys).backward()
+        else:
+            mpdist.train_step(ddp, xs, ys, nn.MSELoss())
+        opt.step()
+        opt.zero_grad()
+        out.update({f"{k}@{step}": v.clone() for k, v in pipe.state_dict().items()})
+    mpdist.sync_buffers(ddp)
+    out.update({f"{k}@synced": v.clone() for k, v in pipe.state_dict().items()})
+    return out
+
+
+def _worker(rank: int, store_path: str, out_dir: str) -> None:
+    try:
+        if sys.platform.startswith("linux"):
+            # gloo's data connections over loopback only.
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        torch.set_num_threads(1)
+        store = dist.FileStore(store_path, WORLD)
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=WORLD, timeout=COLLECTIVE_TIMEOUT
+        )
+        results: dict[str, Any] = {name: _run_case(case, rank) for name, case in CASES.items()}
+        results["presence"] = _run_gradient_presence(rank)
+        results["buffers-forward"] = _run_buffers(rank, "forward")
+        results["buffers-train_step"] = _run_buffers(rank, "train_step")
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+        dist.destroy_process_group()
+    except BaseException:
+        (Path(out_dir) / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+
+
+def launch(worker: Callable[[int, str, str], None], out_dir: Path) -> list[dict[str, Any]]:
+    """Runs ``worker`` in WORLD spawned processes; returns what each saved."""
+    ctx = mp.get_context("spawn")
+    store = str(out_dir / "store")
+    procs = [ctx.Process(target=worker, args=(r, store, str(out_dir))) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(LAUNCH_TIMEOUT)
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for r in hung:
+        procs[r].kill()
+        procs[r].join()
+    errors = "\n".join(f.read_text() for f in sorted(out_dir.glob("rank*.err")))
+    assert not hung, f"ranks {hung} still running after {LAUNCH_TIMEOUT} s\n{errors}"
+    codes = [p.exitcode for p in procs]
+    assert codes == [0] * WORLD, f"exit codes {codes}\n{errors}"
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return launch(_worker, tmp_path_factory.mktemp("ddp"))
+
+
+# -- two processes ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_parameters_equal_the_single_process_whole_batch(
+    ranks: list[dict[str, Any]], name: str
+) -> None:
+    expected = reference(CASES[name])
+    for rank, results in enumerate(ranks):
+        got = results[name]
+        assert list(got) == list(expected)
+        for key in expected:
+            torch.testing.assert_close(got[key], expected[key], msg=f"rank {rank}: {key}")
+
+
+def test_sync_gradients_averages_with_zeros_and_keeps_none(ranks: list[dict[str, Any]]) -> None:
+    for results in ranks:
+        grads = results["presence"]
+        torch.testing.assert_close(grads["both"], torch.full_like(grads["both"], 2.0))
+        torch.testing.assert_close(grads["one"], torch.full_like(grads["one"], 2.0))
+        assert grads["none"] is None
+
+
+def test_train_step_handles_buffers_as_the_ddp_forward_does(ranks: list[dict[str, Any]]) -> None:
+    for rank, results in enumerate(ranks):
+        forward, stepped = results["buffers-forward"], results["buffers-train_step"]
+        assert forward.keys() == stepped.keys()
+        for key in forward:
+            torch.testing.assert_close(stepped[key], forward[key], msg=f"rank {rank}: {key}")
+    # Each rank's statistics are its own after a step; sync_buffers makes them rank 0's.
+    r0, r1 = ranks[0]["buffers-train_step"], ranks[1]["buffers-train_step"]
+    assert not torch.equal(r0["1.running_mean@1"], r1["1.running_mean@1"])
+    for key in ("1.running_mean", "1.running_var", "4.running_var", "1.num_batches_tracked"):
+        torch.testing.assert_close(r1[f"{key}@synced"], r0[f"{key}@1"])
+
+
+# -- one process: validation -------------------------------------------------------
+
+
+@pytest.fixture
+def group(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A one-process gloo group on an in-memory store, loopback only."""
+    if sys.platform.startswith("linux") and "GLOO_SOCKET_IFNAME" not in os.environ:
+        monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def small_pipe(**kwargs: Any) -> Pipe:
+    return Pipe(
+        initial_model(), split_size=SPLIT, balance=BALANCE, devices=["cpu", "cpu"], **kwargs
+    )
+
+
+def test_wrap_needs_a_pipe() -> None:
+    with pytest.raises(TypeError, match="mpstream.Pipe, got Sequential"):
+        mpdist.wrap(initial_model())  # type: ignore[arg-type]
+
+
+def test_wrap_needs_an_initialised_process_group() -> None:
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        mpdist.wrap(small_pipe())
+
+
+@pytest.mark.parametrize("name", ["device_ids", "output_device"])
+def test_wrap_rejects_device_placement(group: None, name: str) -> None:
+    with pytest.raises(ValueError, match=f"{name}=.*leave {name}=None"):
+        mpdist.wrap(small_pipe(), **{name: [0] if name == "device_ids" else 0})
+
+
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [
+        ("mixed_precision", "forward hooks"),
+        ("delay_all_reduce_named_params", "once per micro-batch"),
+        ("param_to_hook_all_reduce", "once per micro-batch"),
+    ],
+)
+def test_wrap_rejects_what_cannot_work_with_a_pipeline(group: None, name: str, why: str) -> None:
+    pipe = small_pipe()
+    with pytest.raises(ValueError, match=f"{name} is not supported .*{why}"):
+        mpdist.wrap(pipe, **{name: object()})
+
+
+@pytest.mark.parametrize(
+    ("devices", "config", "message"),
+    [
+        (["cpu", "cuda:0"], "cpu:gloo,cuda:nccl", "several device types"),
+        (["cpu", "cpu"], "cuda:nccl", r"backend \(cuda:nccl\) has no collectives for cpu"),
+        (["cpu", "cpu"], "nccl", "use gloo for CPU stages"),
+        (["cuda:0", "cuda:1"], "cpu:gloo", "no collectives for cuda"),
+    ],
+)
+def test_check_placement_rejects(devices: list[str], config: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        mpdist.check_placement([torch.device(d) for d in devices], config)
+
+
+@pytest.mark.parametrize(
+    ("devices", "config"),
+    [
+        (["cpu", "cpu"], "cpu:gloo"),
+        (["cpu", "cpu"], "gloo"),
+        (["cuda:0", "cuda:1"], "cpu:gloo,cuda:nccl"),
+        (["cuda:0", "cuda:0"], "nccl"),
+        (["cuda:0"], "some_custom_backend"),
+    ],
+)
+def test_check_placement_accepts(devices: list[str], config: str) -> None:
+    mpdist.check_placement([torch.device(d) for d in devices], config)
+
+
+def test_one_process_train_step_equals_the_pipes(group: None) -> None:
+    pipe = small_pipe(schedule="1f1b", checkpoint="always")
+    ref = copy.deepcopy(pipe)
+    ddp = mpdist.wrap(pipe)
+    assert isinstance(ddp, DistributedDataParallel) and ddp.module is pipe
+    x, y = batches(1)[0]
+    loss = mpdist.train_step(ddp, x, y, nn.MSELoss())
+    torch.testing.assert_close(loss, ref.train_step(x, y, nn.MSELoss()))
+    for a, b in zip(pipe.parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_train_step_needs_ddp_around_a_pipe(group: None) -> None:
+    x, y = batches(1)[0]
+    with pytest.raises(TypeError, match="DistributedDataParallel module, got Pipe"):
+        mpdist.train_step(small_pipe(), x, y, nn.MSELoss())  # type: ignore[arg-type]
+    plain = DistributedDataParallel(initial_model())
+    with pytest.raises(TypeError, match="around an mpstream.Pipe, got one around Sequential"):
+        mpdist.train_step(plain, x, y, nn.MSELoss())
+
+
+def test_train_step_refuses_to_ignore_a_comm_hook(group: None) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    ddp = mpdist.wrap(small_pipe())
+    ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+    x, y = batches(1)[0]
+    with pytest.raises(ValueError, match="communication hook .* would be ignored"):
+        mpdist.train_step(ddp, x, y, nn.MSELoss())
+
+
+def test_sync_gradients_rejects_sparse_gradients(group: None) -> None:
+    pipe = Pipe(nn.Sequential(nn.Embedding(4, 3, sparse=True), nn.Linear(3, 2)))
+    ddp = DistributedDataParallel(pipe)
+    pipe[0](torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(ValueError, match="gradient of 0.weight is sparse"):
+        mpdist.sync_gradients(ddp)
+
+
+def test_map_location_pairs_stage_devices() -> None:
+    assert mpdist.map_location(["cuda:0", "cuda:1"], ["cuda:2", "cuda:3"]) == {
+        "cuda:0": "cuda:2",
+        "cuda:1": "cuda:3",
+    }
+    assert mpdist.map_location(["cuda:0", "cuda:0"], ["cuda:1", "cuda:1"]) == {"cuda:0": "cuda:1"}
+    assert mpdist.map_location(["cpu", "cpu"], [torch.device("cpu")] * 2) == {"cpu": "cpu"}
+    with pytest.raises(ValueError, match="has 2 stages and this one 3"):
+        mpdist.map_location(["cpu", "cpu"], ["cpu"] * 3)
+    with pytest.raises(ValueError, match="cuda:0 maps to both cuda:2 and cuda:3"):
+        mpdist.map_location(["cuda:0", "cuda:0"], ["cuda:2", "cuda:3"])
+
+
+# -- the example script --------------------------------------------------------------
+
+
+def run_example(cwd: Path, *args: str) -> str:
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={WORLD}",
+        str(ROOT / "examples" / "ddp_pipeline.py"),
+        "--cpu",
+        "--stages=2",
+        "--steps=1",
+        "--batch-size=4",
+        "--image-size=32",
+        "--dataset-size=16",
+        "--num-classes=10",
+        *args,
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    if sys.platform.startswith("linux"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    done = subprocess.run(
+        command, cwd=cwd, env=env, capture_output=True, text=True, timeout=SCRIPT_TIMEOUT
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "replicas in sync: yes" in done.stdout, done.stdout
+    return done.stdout
+
+
+@pytest.mark.slow
+def test_example_trains_saves_and_resumes(tmp_path: Path) -> None:
+    once = run_example(tmp_path, "--epochs=2", "--ckpt=once.pt")
+    assert "epoch 1 step 0 loss" in once
+    run_example(tmp_path, "--epochs=1", "--ckpt=twice.pt")
+    resumed = run_example(tmp_path, "--epochs=2", "--ckpt=twice.pt", "--resume")
+    assert "resumed from twice.pt at epoch 1" in resumed
+    assert "epoch 0 step" not in resumed
+    # Stopping after epoch 0 and resuming trains exactly as running through.
+    a = torch.load(tmp_path / "once.pt", weights_only=True)
+    b = torch.load(tmp_path / "twice.pt", weights_only=True)
+    assert a["epoch"] == b["epoch"] == 2
+    for key, value in a["model"].items():
+        assert torch.equal(value, b["model"][key]), key
+    momentum_a, momentum_b = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert momentum_a.keys() == momentum_b.keys()
+    for index in momentum_a:
+        assert torch.equal(
+            momentum_a[index]["momentum_buffer"], momentum_b[index]["momentum_buffer"]
+        ), f"momentum of parameter {index}"
