@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from .boundary import GradSink, cut
-from .microbatch import Value, as_value
+from .microbatch import Value, as_value, tensors_of
 
 __all__ = [
     "LayerProfile",
@@ -107,10 +107,6 @@ def stage_costs(costs: Sequence[float], balance: Sequence[int]) -> list[float]:
     return out
 
 
-def _tensors(value: Value) -> tuple[Tensor, ...]:
-    return (value,) if isinstance(value, Tensor) else value
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -154,7 +150,7 @@ def profile_layers(
         else (first.device if first is not None else torch.device("cpu"))
     )
     model = copy.deepcopy(module).to(dev)
-    x: Value = tuple(t.to(dev) for t in _tensors(as_value(sample, "sample")))
+    x: Value = tuple(t.to(dev) for t in tensors_of(as_value(sample, "sample")))
     if isinstance(sample, Tensor):
         x = x[0]
     out = []
@@ -164,7 +160,7 @@ def profile_layers(
         y: Value = x
         for i in range(repeat + 1):
             # Non-leaf inputs that require grad: layers may start in place.
-            inputs = cut(GradSink(), _tensors(x))
+            inputs = cut(GradSink(), tensors_of(x))
             arg: Value = inputs[0] if isinstance(x, Tensor) else inputs
             saved.clear()
             pack = functools.partial(_note_storage, saved)
@@ -174,7 +170,7 @@ def profile_layers(
                 y = layer(arg)
             _sync(dev)
             middle = time.perf_counter()
-            outs = [t for t in _tensors(y) if t.requires_grad]
+            outs = [t for t in tensors_of(y) if t.requires_grad]
             if outs:
                 torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
             _sync(dev)
@@ -184,12 +180,12 @@ def profile_layers(
                 bwd.append((end - middle) * 1e3)
             layer.zero_grad(set_to_none=True)
         params = sum(_nbytes(p) for p in layer.parameters())
-        output = sum(_nbytes(t) for t in _tensors(y))
+        output = sum(_nbytes(t) for t in tensors_of(y))
         fwd_ms, bwd_ms = statistics.median(fwd), statistics.median(bwd)
         out.append(
             LayerProfile(name, fwd_ms, bwd_ms, sum(saved.values()) + output, 2 * params, output)
         )
-        x = tuple(t.detach() for t in _tensors(y)) if not isinstance(y, Tensor) else y.detach()
+        x = tuple(t.detach() for t in tensors_of(y)) if not isinstance(y, Tensor) else y.detach()
     return out
 
 

@@ -37,6 +37,23 @@ def move(x: Tensor, device: torch.device) -> Tensor:
     return x.to(device, non_blocking=non_blocking)
 
 
+def _move(
+    x: Tensor, device: torch.device, reader: AnyStream | None, consumer: AnyStream | None
+) -> Tensor:
+    """Moves ``x`` and marks both tensors for the streams that use them.
+
+    ``x`` is read by the copy on ``reader`` (it was allocated on another
+    stream); the result, allocated on the copy stream, is read by
+    ``consumer``.
+    """
+    y = move(x, device)
+    if reader is not None:
+        record_stream(x, reader)
+    if consumer is not None:
+        record_stream(y, consumer)
+    return y
+
+
 class Copy(torch.autograd.Function):
     """Moves stage ``stage``'s output to stage ``stage + 1`` (``-1``: the input)."""
 
@@ -44,17 +61,9 @@ class Copy(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: Any, sched: EventScheduler, stage: int, micro: int, *inputs: Tensor
     ) -> tuple[Tensor, ...]:
-        dst = sched.devices[stage + 1]
         reader: AnyStream | None = sched.copy_streams[stage] if stage >= 0 else CPU_STREAM
-        consumer = sched.compute_streams[stage + 1]
-        outputs = []
-        for x in inputs:
-            y = move(x, dst)
-            if reader is not None:
-                record_stream(x, reader)
-            if consumer is not None:
-                record_stream(y, consumer)
-            outputs.append(y)
+        dst = sched.devices[stage + 1]
+        outputs = [_move(x, dst, reader, sched.compute_streams[stage + 1]) for x in inputs]
         ctx.sched = sched
         ctx.stage = stage
         ctx.micro = micro
@@ -74,22 +83,14 @@ class Copy(torch.autograd.Function):
         scope: AbstractContextManager[object] = nullcontext()
         if torch._C._autograd._profiler_enabled():
             scope = profiler.record_function(f"mpstream/copy_grad/stage{stage}/mb{ctx.micro}")
-        reader = sched.copy_streams[stage + 1]
-        consumer = sched.compute_streams[stage]
-        result: list[Tensor | None] = []
+        reader, consumer = sched.copy_streams[stage + 1], sched.compute_streams[stage]
         handle = sched.begin_grad_copy(stage, ctx.micro)
         try:
             with scope:
-                for g, d in zip(grads, ctx.src_devices):
-                    if g is None:
-                        result.append(None)
-                        continue
-                    y = move(g, d)
-                    if reader is not None:
-                        record_stream(g, reader)
-                    if consumer is not None:
-                        record_stream(y, consumer)
-                    result.append(y)
+                result = [
+                    None if g is None else _move(g, d, reader, consumer)
+                    for g, d in zip(grads, ctx.src_devices)
+                ]
         finally:
             sched.end(handle)
         return (None, None, None, *result)

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from . import _ext
-from .microbatch import Value
+from .microbatch import Value, rebuild, tensors_of
 
 __all__ = ["StageMarks", "enter", "leave"]
 
@@ -72,20 +72,12 @@ class _End(torch.autograd.Function):
         return (None, None, *grads)
 
 
-def _like(value: Value, tensors: tuple[Tensor, ...]) -> Value:
-    return tensors[0] if isinstance(value, Tensor) else tensors
-
-
-def _tensors(value: Value) -> tuple[Tensor, ...]:
-    return (value,) if isinstance(value, Tensor) else value
-
-
 def enter(native: Any, stage: int, micro: int, x: Value) -> tuple[Value, StageMarks]:
     """Wraps a stage input; call inside the stage's task."""
     marks = StageMarks(native, stage, micro)
-    return _like(x, _End.apply(marks, _ANCHOR, *_tensors(x))), marks
+    return rebuild(x, _End.apply(marks, _ANCHOR, *tensors_of(x))), marks
 
 
 def leave(marks: StageMarks, y: Value) -> Value:
     """Wraps a stage output; call inside the stage's task."""
-    return _like(y, _Begin.apply(marks, *_tensors(y)))
+    return rebuild(y, _Begin.apply(marks, *tensors_of(y)))

@@ -13,10 +13,29 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["Value", "as_value", "batch_device", "scatter", "gather", "check_output"]
+__all__ = [
+    "Value",
+    "as_value",
+    "batch_device",
+    "scatter",
+    "gather",
+    "check_output",
+    "tensors_of",
+    "rebuild",
+]
 
 # What flows between stages: one tensor, or a tuple of tensors.
 Value = Tensor | tuple[Tensor, ...]
+
+
+def tensors_of(value: Value) -> tuple[Tensor, ...]:
+    """The tensors of a value, as a tuple."""
+    return (value,) if isinstance(value, Tensor) else value
+
+
+def rebuild(value: Value, tensors: Sequence[Tensor]) -> Value:
+    """``tensors`` shaped like ``value``: one tensor, or a tuple."""
+    return tensors[0] if isinstance(value, Tensor) else tuple(tensors)
 
 
 def as_value(x: object, what: str = "input") -> Value:

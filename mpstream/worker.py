@@ -22,7 +22,7 @@ from . import marks
 from .boundary import GradSink, cut
 from .checkpoint import checkpointed
 from .copy import Copy, move
-from .microbatch import Value, check_output
+from .microbatch import Value, check_output, rebuild, tensors_of
 from .schedule import Kind, Schedule
 from .scheduler import EventScheduler
 from .stream import AnyStream, current_stream, is_cuda, record_stream
@@ -41,17 +41,9 @@ def _range(profiling: bool, kind: Kind, stage: int, micro: int) -> AbstractConte
     return nullcontext()
 
 
-def _like(value: Value, tensors: Sequence[Tensor]) -> Value:
-    return tensors[0] if isinstance(value, Tensor) else tuple(tensors)
-
-
-def _tensors(value: Value) -> tuple[Tensor, ...]:
-    return (value,) if isinstance(value, Tensor) else value
-
-
 def _protect(value: Value, stream: AnyStream | None) -> None:
     if stream is not None:
-        for t in _tensors(value):
+        for t in tensors_of(value):
             record_stream(t, stream)
 
 
@@ -125,9 +117,9 @@ class Worker:
                     handle = native.begin(task.index)
                     if profiling:
                         with profiler.record_function(range_name(task.kind, s, m)):
-                            moved = Copy.apply(sched, s, m, *_tensors(value))
+                            moved = Copy.apply(sched, s, m, *tensors_of(value))
                     else:
-                        moved = Copy.apply(sched, s, m, *_tensors(value))
+                        moved = Copy.apply(sched, s, m, *tensors_of(value))
                     native.end(handle)
                     values[m] = moved[0] if isinstance(value, Tensor) else tuple(moved)
                 else:
@@ -197,7 +189,7 @@ class Worker:
                         _protect(x, readers[s])
                     if s > 0:
                         sinks[(s, m)] = sink = GradSink()
-                        x = _like(x, cut(sink, _tensors(x)))
+                        x = rebuild(x, cut(sink, tensors_of(x)))
                     handle = native.begin(task.index)
                     with _range(profiling, kind, s, m):
                         stage = parts[s]
@@ -210,7 +202,7 @@ class Worker:
                             del loss
                     native.end(handle)
                     if s < last:
-                        roots[(s, m)] = _tensors(y)
+                        roots[(s, m)] = tensors_of(y)
                     values[m] = y if s < last else None
                     # Locals must not keep a finished micro-batch's graph
                     # alive: 1F1B's memory bound counts on it.
@@ -221,11 +213,11 @@ class Worker:
                     dst = devices[s + 1]
                     handle = native.begin(task.index)
                     with _range(profiling, kind, s, m), torch.no_grad():
-                        moved = [move(t, dst) for t in _tensors(value)]
+                        moved = [move(t, dst) for t in tensors_of(value)]
                     native.end(handle)
                     if s >= 0:
                         _protect(value, copiers[s])
-                    moved_value = _like(value, moved)
+                    moved_value = rebuild(value, moved)
                     _protect(moved_value, readers[s + 1])
                     values[m] = moved_value
                 elif kind is Kind.BACKWARD:
@@ -286,7 +278,7 @@ def _loss(
     weight: float,
 ) -> Tensor:
     """The weighted loss of one micro-batch, on the last stage's stream."""
-    moved = _like(target, [move(t, device) for t in _tensors(target)])
+    moved = rebuild(target, [move(t, device) for t in tensors_of(target)])
     if reader is not None:
         _protect(moved, reader)
     return _scalar(loss_fn(output, moved)) * weight

@@ -16,17 +16,18 @@ from mpstream.tuning import TuneResult, candidate_split_sizes, default_cache, tu
 class Curve(nn.Module):
     """A model whose step time is a U-shaped function of its split size."""
 
-    def __init__(self, best: int = 6, step_ms: float = 4.0) -> None:
+    def __init__(self, best: int = 6, step_ms: float = 4.0, floor_ms: float = 3.0) -> None:
         super().__init__()
         self.lin = nn.Linear(2, 2)
         self.split_size = 1
         self.best = best
         self.step_ms = step_ms
+        self.floor_ms = floor_ms
         self.calls: list[int] = []
 
     def forward(self, x: Tensor) -> Tensor:
         self.calls.append(self.split_size)
-        time.sleep((3.0 + self.step_ms * abs(self.split_size - self.best)) / 1e3)
+        time.sleep((self.floor_ms + self.step_ms * abs(self.split_size - self.best)) / 1e3)
         return self.lin(x)
 
 
@@ -82,7 +83,8 @@ def test_factory_with_balances_and_plot(tmp_path: Path) -> None:
 
     def factory(split_size: int, balance: list[int] | None) -> nn.Module:
         built.append((split_size, balance))
-        model = Curve(best=4 if balance == [1, 1] else 8)
+        # Balance [1, 1] is fastest at split 4; [2, 0] is best at 8 but slower.
+        model = Curve(best=4, floor_ms=3.0) if balance == [1, 1] else Curve(best=8, floor_ms=9.0)
         model.split_size = split_size
         return model
 
