@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -170,6 +171,13 @@ def device_name(device: torch.device) -> str:
     """A human name for ``device``: the GPU model or the CPU."""
     if device.type == "cuda":
         return str(torch.cuda.get_device_name(device))
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} threads)"
+    except OSError:
+        pass
     return platform.processor() or platform.machine() or "cpu"
 
 
