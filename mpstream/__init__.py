@@ -17,7 +17,7 @@ from .pipe import Pipe
 from .plan import Plan, PlanError, record_plan, verify_plan
 from .profiling import profile
 from .schedule import SCHEDULES, Kind, Schedule, Task
-from .scheduler import EventScheduler, PlanOp, TaskTiming
+from .scheduler import EventScheduler, PlanOp
 from .timeline import Span, Summary, Timeline
 from .tuning import TuneResult, tune
 
@@ -46,7 +46,6 @@ __all__ = [
     "Plan",
     "PlanOp",
     "PlanError",
-    "TaskTiming",
     "record_plan",
     "verify_plan",
     "ExtensionError",

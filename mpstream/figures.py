@@ -9,16 +9,27 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .bench import Results
 
-__all__ = ["bar_chart", "split_curves", "tutorial_figures"]
+__all__ = ["bar_chart", "split_curves", "tutorial_figures", "pyplot", "save"]
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend (no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save(fig: Any, ax: Any, path: Path, title: str = "", **title_kw: Any) -> Path:
+    """Titles, lays out, writes and closes a figure."""
+    if title:
+        ax.set_title(title, fontsize=9, **title_kw)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    pyplot().close(fig)
+    return path
 
 
 def bar_chart(
@@ -29,7 +40,7 @@ def bar_chart(
     title: str = "",
 ) -> Path:
     """The tutorial's bar chart: mean execution time with std error bars."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(means), 4.2))
     x = range(len(means))
     ax.bar(x, means, yerr=stds, align="center", alpha=0.5, ecolor="red", capsize=10, width=0.6)
@@ -37,12 +48,7 @@ def bar_chart(
     ax.set_xticks(list(x))
     ax.set_xticklabels(labels, fontsize=9)
     ax.yaxis.grid(True)
-    if title:
-        ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save(fig, ax, path, title)
 
 
 def split_curves(
@@ -51,7 +57,7 @@ def split_curves(
     title: str = "",
 ) -> Path:
     """Execution time against split size, one curve with error bars per pipeline."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     ticks: set[int] = set()
     for (label, (sizes, means, stds)), marker in zip(curves.items(), "os^v"):
@@ -62,12 +68,7 @@ def split_curves(
     ax.set_xticks(sorted(ticks))
     ax.yaxis.grid(True)
     ax.legend()
-    if title:
-        ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save(fig, ax, path, title)
 
 
 def tutorial_figures(results: Results, out: Path) -> list[Path]:

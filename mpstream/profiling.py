@@ -13,6 +13,7 @@ marks on the stage's stream. Afterwards ``prof`` is a
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 
 from .pipe import Pipe
-from .timeline import Span, Timeline
+from .timeline import Timeline
 
 __all__ = ["profile", "Profile", "pipes_in"]
 
@@ -52,10 +53,8 @@ class Profile(Timeline):
             for name, device in zip(sched.slot_names, sched.slot_devices):
                 if not name.startswith("caller@"):
                     self.stream_devices[prefix + name] = str(device)
-            for t in sched.timings():
-                self.spans.append(
-                    Span(t.stage, t.micro, t.kind, prefix + t.stream, t.start_ms, t.end_ms, t.run)
-                )
+            for span in sched.timings():
+                self.spans.append(dataclasses.replace(span, stream=prefix + span.stream))
         self.meta["devices"] = sorted({str(d) for p in self._pipes for d in p.devices})
         self.recording = False
 

@@ -17,8 +17,9 @@ import torch
 from . import _ext
 from .schedule import Schedule
 from .stream import AnyStream, current_stream, device_type_code, new_stream, stream_id
+from .timeline import Span
 
-__all__ = ["EventScheduler", "PlanOp", "TaskTiming"]
+__all__ = ["EventScheduler", "PlanOp"]
 
 _C = _ext.load()
 
@@ -40,23 +41,6 @@ class PlanOp(NamedTuple):
     kind: str
     stage: int
     micro: int
-
-
-class TaskTiming(NamedTuple):
-    """When a task ran, in milliseconds from the timing reference.
-
-    ``run`` counts the runs (forwards or training steps) since the timings
-    were last cleared, starting at 1; autograd's backward work belongs to the
-    run whose forward built its graph.
-    """
-
-    stage: int
-    micro: int
-    kind: str
-    stream: str
-    start_ms: float
-    end_ms: float
-    run: int
 
 
 class EventScheduler:
@@ -158,10 +142,16 @@ class EventScheduler:
     def timing(self, on: bool) -> None:
         self.native.timing = on
 
-    def timings(self) -> list[TaskTiming]:
-        """Per-task start/end times; blocks until the timed work is done."""
+    def timings(self) -> list[Span]:
+        """Per-task start/end times; blocks until the timed work is done.
+
+        Times are milliseconds from the timing reference; ``run`` counts the
+        runs (forwards or training steps) since the timings were cleared,
+        from 1, and autograd's backward belongs to the run whose forward
+        built its graph.
+        """
         return [
-            TaskTiming(s, m, kind, self.slot_names[slot], start, end, run)
+            Span(s, m, kind, self.slot_names[slot], start, end, run)
             for s, m, kind, slot, start, end, run in self.native.timings()
         ]
 

@@ -269,11 +269,11 @@ class Timeline:
         """
         if not self.spans:
             raise ValueError("the timeline is empty: nothing was recorded")
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
         from matplotlib.patches import Patch
+
+        from .figures import pyplot, save
+
+        plt = pyplot()
 
         chosen = run if run is not None else self.runs()[-1]
         spans = [s for s in self.spans if s.run == chosen]
@@ -314,13 +314,5 @@ class Timeline:
             ncol=len(kinds),
             frameon=False,
         )
-        ax.set_title(
-            title or f"{self.source} timeline (run {chosen}); numbers are micro-batches",
-            fontsize=9,
-            loc="left",
-        )
-        fig.tight_layout()
-        out = Path(path)
-        fig.savefig(out, dpi=120)
-        plt.close(fig)
-        return out
+        heading = title or f"{self.source} timeline (run {chosen}); numbers are micro-batches"
+        return save(fig, ax, Path(path), heading, loc="left")
