@@ -59,10 +59,13 @@ class Simulation:
         return self.timeline.plot(path, title=title)
 
 
-def _pair(cost: Cost, what: str) -> tuple[float, float]:
-    pair = (
-        (float(cost), 0.0) if isinstance(cost, (int, float)) else (float(cost[0]), float(cost[1]))
-    )
+def _pair(cost: Cost, what: str, *, both: bool = False) -> tuple[float, float]:
+    """A (forward, backward) pair. A single number is the forward alone, or
+    both directions with ``both`` (a gradient is as large as its activation)."""
+    if isinstance(cost, (int, float)):
+        pair = (float(cost), float(cost) if both else 0.0)
+    else:
+        pair = (float(cost[0]), float(cost[1]))
     if pair[0] < 0 or pair[1] < 0:
         raise ValueError(f"{what} must not be negative, got {cost}")
     return pair
@@ -98,7 +101,8 @@ def simulate(
         stage_times: per stage, the forward time of one micro-batch, or a
             (forward, backward) pair.
         copy_times: per boundary (or one for all), the copy time of one
-            micro-batch's activations, or a (forward, gradient) pair.
+            micro-batch's activations (its gradient's copy takes as long), or
+            a (forward, gradient) pair.
         chunks: number of micro-batches.
         schedule: ``'gpipe'`` or ``'1f1b'`` (which needs backward times).
         overlap: mpstream's streams (True) or the default streams (False).
@@ -120,9 +124,9 @@ def simulate(
     if n < 1:
         raise ValueError("simulate needs at least one stage time")
     if isinstance(copy_times, (int, float, tuple)):
-        copies = [_pair(copy_times, "copy time")] * max(n - 1, 0)
+        copies = [_pair(copy_times, "copy time", both=True)] * max(n - 1, 0)
     else:
-        copies = [_pair(c, f"copy time {i}") for i, c in enumerate(copy_times)]
+        copies = [_pair(c, f"copy time {i}", both=True) for i, c in enumerate(copy_times)]
         if len(copies) != n - 1:
             raise ValueError(
                 f"copy_times needs {n - 1} entries (one per boundary), got {len(copies)}"

@@ -108,3 +108,12 @@ def test_predict_balances_and_reports_speedup() -> None:
     assert pred.speedup == pytest.approx(64 * 3.0 / (9 * 12.0))
     four = predict(layers, 4, 8, balance=[2, 2, 2, 2])
     assert four.speedup > pred.speedup
+
+
+def test_a_single_copy_time_applies_to_gradient_copies_too() -> None:
+    f, b, c = 1.0, 2.0, 0.5
+    sim = simulate([(f, b), (f, b)], c, 1)
+    grad_copies = [s for s in sim.timeline.spans if s.kind == "copy_grad"]
+    assert [s.duration_ms for s in grad_copies] == [c]
+    # One micro-batch through two stages and back: every task on the critical path.
+    assert sim.step_ms == pytest.approx(2 * f + c + 2 * b + c)
