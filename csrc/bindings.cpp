@@ -31,6 +31,15 @@ std::shared_ptr<Schedule> make(const std::string& name, int32_t stages, int32_t 
   return std::make_shared<Schedule>(mpstream::make_schedule(name, layout, backward));
 }
 
+void lock_without_gil(std::unique_lock<std::mutex>& lock) {
+  if (PyGILState_Check()) {
+    py::gil_scoped_release nogil;
+    lock.lock();
+  } else {
+    lock.lock();  // e.g. timings(), which already released the GIL
+  }
+}
+
 py::tuple plan_op(const PlanOp& p) {
   return py::make_tuple(mpstream::op_name(p.op), p.slot, p.event, p.task,
                         mpstream::kind_name(p.kind), p.stage, p.micro);
@@ -86,13 +95,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("stream_id", &SlotSpec::stream_id)
       .def_readonly("name", &SlotSpec::name);
 
-  // The GIL stays held in every call. Event records and waits may call back
-  // into Python (the CUDA sanitizer's trace hooks take the GIL), so a thread
-  // that released the GIL while holding the scheduler's mutex could deadlock
-  // against one holding the GIL and waiting for the mutex. Holding the GIL
-  // throughout rules that out, and the calls are short.
+  // The scheduler's methods take its mutex, and event records and waits may
+  // run Python inside it (the CUDA sanitizer's trace hooks take the GIL, and
+  // Python code can hand the GIL to another thread). A thread that waited for
+  // the mutex while holding the GIL would then deadlock with the one inside,
+  // so a contended lock is waited for with the GIL released; uncontended
+  // calls (the forward loop) keep the GIL and cost nothing extra.
   py::class_<Scheduler>(m, "Scheduler")
-      .def(py::init<std::vector<SlotSpec>, std::vector<SlotSpec>, std::vector<int32_t>>(),
+      .def(py::init([](std::vector<SlotSpec> stage_slots, std::vector<SlotSpec> caller_slots,
+                       std::vector<int32_t> caller_of_stage) {
+             auto s = std::make_unique<Scheduler>(std::move(stage_slots), std::move(caller_slots),
+                                                  std::move(caller_of_stage));
+             s->set_contention_hook(&lock_without_gil);
+             return s;
+           }),
            py::arg("stage_slots"), py::arg("caller_slots"), py::arg("caller_of_stage"))
       .def_property_readonly("num_stages", &Scheduler::num_stages)
       .def("slots", &Scheduler::slots)
@@ -116,15 +132,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property("timing", &Scheduler::timing, &Scheduler::set_timing)
       .def("timings",
            [](Scheduler& s) {
+             std::vector<Timing> ts;
+             {
+               // Blocks until the timed work finished: let other threads run.
+               py::gil_scoped_release nogil;
+               ts = s.timings();
+             }
              py::list out;
-             for (const auto& t : s.timings()) {
+             for (const auto& t : ts) {
                out.append(py::make_tuple(t.stage, t.micro, mpstream::kind_name(t.kind), t.slot,
                                          t.start_ms, t.end_ms, t.run));
              }
              return out;
            })
       .def("clear_timings", &Scheduler::clear_timings)
-      .def("begin_mark", &Scheduler::begin_mark, py::arg("kind"), py::arg("stage"), py::arg("micro"))
+      .def("begin_mark", &Scheduler::begin_mark, py::arg("kind"), py::arg("stage"),
+           py::arg("micro"))
       .def("end_mark", &Scheduler::end_mark, py::arg("mark"))
       .def_property_readonly("events_created", &Scheduler::events_created)
       .def_property_readonly("events_free", &Scheduler::events_free);

@@ -54,6 +54,21 @@ void restore(const std::optional<c10::Stream>& prev) {
   }
 }
 
+std::optional<c10::Device> exchange_device(const std::optional<c10::Stream>& stream) {
+  if (!stream) {
+    return std::nullopt;
+  }
+  c10::impl::VirtualGuardImpl impl(stream->device_type());
+  return impl.exchangeDevice(stream->device());
+}
+
+void restore_device(const std::optional<c10::Device>& prev) {
+  if (prev) {
+    c10::impl::VirtualGuardImpl impl(prev->type());
+    impl.setDevice(*prev);
+  }
+}
+
 }  // namespace detail
 
 int32_t Scheduler::acquire(int32_t slot) {

@@ -9,8 +9,10 @@
 namespace mpstream {
 
 using detail::exchange;
+using detail::exchange_device;
 using detail::make_stream;
 using detail::restore;
+using detail::restore_device;
 
 Scheduler::Scheduler(std::vector<SlotSpec> stage_slots, std::vector<SlotSpec> caller_slots,
                      std::vector<int32_t> caller_of_stage)
@@ -78,6 +80,18 @@ Scheduler::~Scheduler() {
   }
 }
 
+std::unique_lock<std::mutex> Scheduler::acquire() const {
+  std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
+  if (!lock.owns_lock()) {
+    if (contention_) {
+      contention_(lock);
+    } else {
+      lock.lock();
+    }
+  }
+  return lock;
+}
+
 std::vector<SlotSpec> Scheduler::slots() const {
   std::vector<SlotSpec> out;
   for (const auto& s : slots_) {
@@ -110,7 +124,7 @@ int32_t Scheduler::wait_slot(const Task& t) const {
 
 void Scheduler::begin_run(std::shared_ptr<const Schedule> schedule,
                           const std::vector<std::optional<int64_t>>& caller_streams) {
-  std::lock_guard<std::mutex> lock(mu_);
+  const auto lock = acquire();
   if (running_) {
     throw std::runtime_error(
         "a pipeline run is already in progress on this scheduler (a forward "
@@ -193,17 +207,12 @@ int64_t Scheduler::open(int32_t task, Kind kind, int32_t stage, int32_t micro, i
   o.issue = issue;
   o.rec = rec;
   o.active = true;
-  log(OpCode::kRun, issue >= 0 ? issue : rec, -1, task, kind, stage, micro);
-  if (issue >= 0 && issue != rec) {
-    // A cross-device copy makes the destination's current stream wait for
-    // the source's (PyTorch's copy barrier), so the receiving slot inherits
-    // everything the issuing slot is ordered after.
-    auto& to = slots_[rec].vc;
-    const auto& from = slots_[issue].vc;
-    for (size_t i = 0; i < to.size(); ++i) {
-      to[i] = std::max(to[i], from[i]);
-    }
-  }
+  const int32_t at = issue >= 0 ? issue : rec;
+  log(OpCode::kRun, at, -1, task, kind, stage, micro);
+  // The task's device becomes current too: code in a stage that asks for
+  // the current device (factory calls with device="cuda", current_stream(),
+  // custom kernels) must land on the stage's device and stream.
+  o.prev_device = exchange_device(slots_[at].stream);
   if (issue >= 0) {
     o.prev_issue = exchange(slots_[issue].stream);
   }
@@ -219,12 +228,14 @@ int64_t Scheduler::open(int32_t task, Kind kind, int32_t stage, int32_t micro, i
 void Scheduler::restore_streams(Open& o) {
   restore(o.prev_rec);
   restore(o.prev_issue);
+  restore_device(o.prev_device);
   o.prev_rec.reset();
   o.prev_issue.reset();
+  o.prev_device.reset();
 }
 
 int64_t Scheduler::begin(int32_t task) {
-  std::lock_guard<std::mutex> lock(mu_);
+  const auto lock = acquire();
   if (!running_) {
     throw std::runtime_error("begin() outside a run; call begin_run() first");
   }
@@ -250,9 +261,12 @@ int64_t Scheduler::begin(int32_t task) {
     unref(ev);
   }
   // After the data dependencies: a producer on the same device has usually
-  // waited on the source already, which makes this wait implied.
-  if (t.kind == Kind::kForward || t.kind == Kind::kBackward) {
-    const int32_t source = slots_[caller_slot(t.stage)].latest;
+  // waited on the source already, which makes this wait implied. The input
+  // copy waits too: the caller may have filled a pinned buffer with an
+  // asynchronous copy on its stream.
+  const bool input_copy = t.kind == Kind::kCopy && t.stage < 0;
+  if (t.kind == Kind::kForward || t.kind == Kind::kBackward || input_copy) {
+    const int32_t source = slots_[caller_slot(input_copy ? 0 : t.stage)].latest;
     if (source >= 0) {
       wait(at, source, task, t.kind, t.stage, t.micro);
     }
@@ -261,7 +275,7 @@ int64_t Scheduler::begin(int32_t task) {
 }
 
 int64_t Scheduler::begin_grad_copy(int32_t stage, int32_t micro) {
-  std::lock_guard<std::mutex> lock(mu_);
+  const auto lock = acquire();
   if (stage < 0 || stage + 1 >= stages_) {
     throw std::out_of_range("gradient copy from stage " + std::to_string(stage + 1) +
                             " to " + std::to_string(stage) + " is outside the pipeline");
@@ -270,6 +284,14 @@ int64_t Scheduler::begin_grad_copy(int32_t stage, int32_t micro) {
 }
 
 void Scheduler::finish_open(Open& o) {
+  if (o.issue >= 0 && o.issue != o.rec) {
+    // A copy runs on its issuing slot; order the receiving slot after it
+    // with an event of our own instead of relying on PyTorch's internal
+    // cross-device copy barrier, which is absent when nothing had to move
+    // and invisible to the CUDA sanitizer.
+    const int32_t done = record(o.issue, o.task, o.kind, o.stage, o.micro);
+    wait(o.rec, done, o.task, o.kind, o.stage, o.micro);
+  }
   if (timing_ && o.timed < 0) {
     timing_mark(o, true);  // timing switched on mid-task
   }
@@ -289,7 +311,7 @@ void Scheduler::finish_open(Open& o) {
 }
 
 void Scheduler::end(int64_t handle) {
-  std::lock_guard<std::mutex> lock(mu_);
+  const auto lock = acquire();
   if (handle < 0 || handle >= static_cast<int64_t>(open_.size()) || !open_[handle]->active) {
     throw std::invalid_argument("end() got a handle that is not open: " + std::to_string(handle));
   }
@@ -302,19 +324,35 @@ void Scheduler::end(int64_t handle) {
 }
 
 void Scheduler::join() {
-  std::lock_guard<std::mutex> lock(mu_);
+  const auto lock = acquire();
   if (!running_) {
     throw std::runtime_error("join() outside a run");
   }
+  caller_waits();
+  release_run();
+}
+
+void Scheduler::caller_waits() {
   const int32_t first_caller = 2 * stages_;
   for (int32_t c = first_caller; c < static_cast<int32_t>(slots_.size()); ++c) {
+    std::vector<int32_t> latest;
     for (int32_t x = 0; x < first_caller; ++x) {
       if (slots_[x].ref == c && slots_[x].latest >= 0) {
-        wait(c, slots_[x].latest, -1, Kind::kForward, -1, -1);
+        latest.push_back(slots_[x].latest);
+      }
+    }
+    // Skip an event another candidate was recorded after: waiting on that
+    // one implies it.
+    for (int32_t e : latest) {
+      const EventRec& rec = events_[e];
+      const bool implied = std::any_of(latest.begin(), latest.end(), [&](int32_t other) {
+        return other != e && events_[other].vc[rec.slot] >= rec.seq;
+      });
+      if (!implied) {
+        wait(c, e, -1, Kind::kForward, -1, -1);
       }
     }
   }
-  release_run();
 }
 
 void Scheduler::release_run() {
@@ -339,7 +377,7 @@ void Scheduler::release_run() {
 }
 
 void Scheduler::abort() {
-  std::lock_guard<std::mutex> lock(mu_);
+  const auto lock = acquire();
   for (int64_t h = static_cast<int64_t>(open_.size()) - 1; h >= 0; --h) {
     Open& o = *open_[h];
     if (o.active && o.task >= 0) {
@@ -349,12 +387,19 @@ void Scheduler::abort() {
     }
   }
   if (running_) {
+    // Work already queued by the failed run may still be running; the
+    // caller's next work (restoring state, say) must come after it. A
+    // device error here must not hide the exception that caused the abort.
+    try {
+      caller_waits();
+    } catch (const std::exception&) {
+    }
     release_run();
   }
 }
 
 bool Scheduler::running() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  const auto lock = acquire();
   return running_;
 }
 

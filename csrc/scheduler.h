@@ -120,6 +120,12 @@ class Scheduler {
   int64_t events_created() const;
   int64_t events_free() const;
 
+  // Called with the (unlocked) lock when another thread holds the
+  // scheduler; must lock it. The Python bindings release the GIL here, so
+  // no thread ever waits for the scheduler while holding the GIL.
+  using ContentionHook = void (*)(std::unique_lock<std::mutex>&);
+  void set_contention_hook(ContentionHook hook) { contention_ = hook; }
+
  private:
   struct Slot;
   struct EventRec;
@@ -146,6 +152,7 @@ class Scheduler {
   void finish_open(Open& o);
   void restore_streams(Open& o);
   void release_run();
+  void caller_waits();  // every caller slot after every slot on its device
   void ensure_reference();
   void timing_mark(Open& o, bool start);
 
@@ -173,7 +180,10 @@ class Scheduler {
   int64_t runs_ = 0;  // begin_run calls since timing was cleared
   int64_t timing_generation_ = 0;  // bumped by clear_timings
 
+  std::unique_lock<std::mutex> acquire() const;
+
   mutable std::mutex mu_;
+  ContentionHook contention_ = nullptr;
 };
 
 }  // namespace mpstream

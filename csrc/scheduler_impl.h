@@ -52,6 +52,7 @@ struct Scheduler::Open {
   int32_t rec = -1;
   std::optional<c10::Stream> prev_issue;
   std::optional<c10::Stream> prev_rec;
+  std::optional<c10::Device> prev_device;
   int32_t timed = -1;
   int64_t timed_generation = 0;  // a clear_timings in between voids `timed`
   bool active = false;
@@ -63,6 +64,10 @@ int64_t now_ns();
 c10::Stream make_stream(const SlotSpec& spec);
 std::optional<c10::Stream> exchange(const std::optional<c10::Stream>& stream);
 void restore(const std::optional<c10::Stream>& prev);
+// Makes the stream's device current (device streams only); returns the
+// previous device for restore_device.
+std::optional<c10::Device> exchange_device(const std::optional<c10::Stream>& stream);
+void restore_device(const std::optional<c10::Device>& prev);
 
 }  // namespace detail
 }  // namespace mpstream

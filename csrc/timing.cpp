@@ -7,27 +7,27 @@ namespace mpstream {
 using detail::now_ns;
 
 void Scheduler::set_recording(bool on) {
-  std::lock_guard<std::mutex> lock(mu_);
+  const auto lock = acquire();
   recording_ = on;
 }
 
 bool Scheduler::recording() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  const auto lock = acquire();
   return recording_;
 }
 
 std::vector<PlanOp> Scheduler::plan() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  const auto lock = acquire();
   return plan_;
 }
 
 void Scheduler::clear_plan() {
-  std::lock_guard<std::mutex> lock(mu_);
+  const auto lock = acquire();
   plan_.clear();
 }
 
 void Scheduler::set_timing(bool on) {
-  std::lock_guard<std::mutex> lock(mu_);
+  const auto lock = acquire();
   timing_ = on;
   if (on && running_) {
     ensure_reference();
@@ -35,7 +35,7 @@ void Scheduler::set_timing(bool on) {
 }
 
 bool Scheduler::timing() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  const auto lock = acquire();
   return timing_;
 }
 
@@ -80,7 +80,7 @@ void Scheduler::timing_mark(Open& o, bool start) {
 }
 
 int64_t Scheduler::begin_mark(Kind kind, int32_t stage, int32_t micro) {
-  std::lock_guard<std::mutex> lock(mu_);
+  const auto lock = acquire();
   if (!timing_) {
     return -1;
   }
@@ -98,7 +98,7 @@ int64_t Scheduler::begin_mark(Kind kind, int32_t stage, int32_t micro) {
 }
 
 void Scheduler::end_mark(int64_t mark) {
-  std::lock_guard<std::mutex> lock(mu_);
+  const auto lock = acquire();
   if (mark < 0) {
     return;  // timing was off when the mark began
   }
@@ -109,7 +109,7 @@ void Scheduler::end_mark(int64_t mark) {
 }
 
 std::vector<Timing> Scheduler::timings() {
-  std::lock_guard<std::mutex> lock(mu_);
+  const auto lock = acquire();
   std::vector<Timing> out;
   const int64_t t0 = std::chrono::duration_cast<std::chrono::nanoseconds>(
                          host_t0_.time_since_epoch())
@@ -135,7 +135,7 @@ std::vector<Timing> Scheduler::timings() {
 }
 
 void Scheduler::clear_timings() {
-  std::lock_guard<std::mutex> lock(mu_);
+  const auto lock = acquire();
   timed_.clear();
   runs_ = 0;
   ++timing_generation_;
@@ -146,12 +146,12 @@ void Scheduler::clear_timings() {
 }
 
 int64_t Scheduler::events_created() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  const auto lock = acquire();
   return static_cast<int64_t>(events_.size());
 }
 
 int64_t Scheduler::events_free() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  const auto lock = acquire();
   int64_t n = 0;
   for (const auto& f : free_) {
     n += static_cast<int64_t>(f.size());

@@ -126,6 +126,14 @@ def _default_devices(stages: int) -> list[torch.device]:
     return [torch.device("cuda", i) for i in range(stages)]
 
 
+def _indexed(device: torch.device) -> torch.device:
+    """``cuda`` means the current CUDA device: make the index explicit, since
+    streams and events belong to one device."""
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _check_balance(balance: Sequence[int], total: int) -> list[int]:
     if isinstance(balance, (str, bytes)) or not isinstance(balance, Sequence):
         raise TypeError(f"balance must be a list of ints, got {type(balance).__name__}")
@@ -168,7 +176,7 @@ def split_module(
     else:
         if isinstance(devices, (str, torch.device)) or not isinstance(devices, Sequence):
             raise TypeError("devices must be a list with one device per stage")
-        devs = [torch.device(d) for d in devices]
+        devs = [_indexed(torch.device(d)) for d in devices]
         if len(devs) != len(bal):
             what = "balance has" if balance is not None else "the module has"
             raise ValueError(

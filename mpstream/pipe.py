@@ -192,7 +192,9 @@ class Pipe(nn.Module):
 
         Args:
             x: a Tensor or a tuple/list of Tensors, split along dim 0. It may
-                sit on the CPU (pinned or not) or on any device.
+                sit on the CPU or on any device. From pinned CPU memory the
+                copies are asynchronous, as ``x.to(device, non_blocking=True)``:
+                do not overwrite the buffer before the output is used.
 
         Returns:
             The output on the last stage's device, concatenated along dim 0:
@@ -224,6 +226,7 @@ class Pipe(nn.Module):
         to the whole batch: each micro-batch's loss is weighted by its share
         of the batch (``reduction='mean'``, for losses that average over the
         batch) or by 1 (``reduction='sum'``). Call ``optimizer.step()`` after.
+        Only parameters get gradients: inputs and targets are detached.
 
         Args:
             inputs: the batch, as for :meth:`forward`.
@@ -248,8 +251,10 @@ class Pipe(nn.Module):
         if reduction not in REDUCTIONS:
             valid = ", ".join(repr(r) for r in REDUCTIONS)
             raise ValueError(f"reduction must be one of {valid}; got {reduction!r}")
-        value = as_value(inputs)
-        labels = as_value(target, "target")
+        # Parameter gradients only: inputs are detached, so whether x.grad
+        # fills cannot depend on where the batch sits.
+        value = _detached(as_value(inputs))
+        labels = _detached(as_value(target, "target"))
         batch = _batch_size(value)
         if _batch_size(labels) != batch:
             raise ValueError(f"target has batch size {_batch_size(labels)} but inputs have {batch}")
@@ -316,6 +321,10 @@ class Pipe(nn.Module):
         )
         devs = ", ".join(str(d) for d in self.__dict__["_devices"])
         return f"{split}, balance={self.__dict__['_balance']}, devices=[{devs}]"
+
+
+def _detached(value: Value) -> Value:
+    return value.detach() if isinstance(value, Tensor) else tuple(t.detach() for t in value)
 
 
 def _batch_size(value: Value) -> int:

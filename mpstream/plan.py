@@ -112,11 +112,13 @@ def verify_plan(plan: Plan) -> None:
     """Checks that every task is ordered after what it reads.
 
     Every slot is treated as an independent stream: only program order on a
-    slot and record→wait edges order work across slots (plus, for a copy,
-    the copy engine's own barrier from its issuing stream to the stream its
-    completion is recorded on). Each stage compute must also be ordered after
-    the caller's source event of its device, and each caller slot after the
-    last work of every stream on its device.
+    slot and record→wait edges order work across slots (no implicit barrier
+    is assumed for copies). A task is ready when an op after its ``run`` on
+    the same slot, or anything ordered after that, is reached, so each
+    consumer's ``run`` must be reachable from each producer's ``run``. Each
+    stage compute must also be ordered after the caller's source event of
+    its device, and each caller slot after the last work of every stream on
+    its device.
 
     Raises:
         PlanError: listing every violation.
@@ -126,7 +128,6 @@ def verify_plan(plan: Plan) -> None:
     edges: dict[int, list[int]] = defaultdict(list)
     last_on_slot: dict[int, int] = {}
     last_record: dict[int, int] = {}
-    run_of: dict[tuple[str, int, int, int], int] = {}
     done: dict[tuple[str, int, int], int] = {}
     source: dict[int, int] = {}
     caller_first = 2 * plan.stages
@@ -134,20 +135,16 @@ def verify_plan(plan: Plan) -> None:
         if op.slot in last_on_slot:
             edges[last_on_slot[op.slot]].append(i)
         last_on_slot[op.slot] = i
-        key = (op.kind, op.stage, op.micro, op.task)
         if op.op == "record":
             last_record[op.event] = i
             if op.task == -1 and op.stage == -1 and op.slot >= caller_first:
                 source[op.slot] = i
-            if key in run_of:
-                edges[run_of.pop(key)].append(i)
-                done[(op.kind, op.stage, op.micro)] = i
         elif op.op in ("wait", "sync"):
             if op.event not in last_record:
                 raise PlanError(f"op {i} waits on event {op.event}, which was never recorded")
             edges[last_record[op.event]].append(i)
         elif op.op == "run":
-            run_of[key] = i
+            done[(op.kind, op.stage, op.micro)] = i
 
     reach_cache: dict[int, set[int]] = {}
 
@@ -181,8 +178,9 @@ def verify_plan(plan: Plan) -> None:
                 problems.append(
                     f"{what} is not ordered after {dep[0]}(stage={dep[1]}, micro={dep[2]})"
                 )
-        if op.kind in ("forward", "backward"):
-            src = source.get(caller_of[op.stage])
+        input_copy = op.kind == "copy" and op.stage == -1
+        if op.kind in ("forward", "backward") or input_copy:
+            src = source.get(caller_of[0 if input_copy else op.stage])
             if src is not None and i not in reach(src):
                 problems.append(f"{what} is not ordered after the caller's source event")
         if op.kind == "copy_grad" and op.task == -1:

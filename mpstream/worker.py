@@ -92,10 +92,12 @@ class Worker:
                 s, m = task.stage, task.micro
                 if task.kind is Kind.FORWARD:
                     x = values[m]
+                    handle = native.begin(task.index)
                     if readers[s] is not None and not copy_in[s]:
                         # Read on this stage's stream, allocated on another.
+                        # Inside the task, so record_stream itself is issued
+                        # on the stream that reads.
                         _protect(x, readers[s])
-                    handle = native.begin(task.index)
                     stage = parts[s]
                     if marking:
                         x, stage_marks = marks.enter(native, s, m, x)
@@ -110,8 +112,6 @@ class Worker:
                         y = marks.leave(stage_marks, y)
                     native.end(handle)
                     values[m] = y
-                    if s == last and caller_reader is not None:
-                        _protect(y, caller_reader)
                 elif task.kind is Kind.COPY:
                     value = values[m]
                     handle = native.begin(task.index)
@@ -128,6 +128,11 @@ class Worker:
         except BaseException:
             native.abort()
             raise
+        if caller_reader is not None:
+            # The outputs were allocated on the last stage's stream; after the
+            # join the caller's stream reads them.
+            for value in values:
+                _protect(value, caller_reader)
         return values
 
     def train(
@@ -182,15 +187,18 @@ class Worker:
         try:
             for task in schedule.tasks:
                 kind, s, m = task.kind, task.stage, task.micro
+                # Everything a task issues, record_stream and the boundary
+                # cut included, happens between begin and end: on the task's
+                # streams, so autograd nodes and the allocator see them there.
                 if kind is Kind.FORWARD:
                     x = values[m]
                     assert x is not None
+                    handle = native.begin(task.index)
                     if readers[s] is not None and not copy_in[s]:
                         _protect(x, readers[s])
                     if s > 0:
                         sinks[(s, m)] = sink = GradSink()
                         x = rebuild(x, cut(sink, tensors_of(x)))
-                    handle = native.begin(task.index)
                     with _range(profiling, kind, s, m):
                         stage = parts[s]
                         y = checkpointed(stage, x) if m < checkpoint_stop else stage(x)
@@ -213,23 +221,22 @@ class Worker:
                     dst = devices[s + 1]
                     handle = native.begin(task.index)
                     with _range(profiling, kind, s, m), torch.no_grad():
-                        moved = [move(t, dst) for t in tensors_of(value)]
-                    native.end(handle)
+                        moved_value = rebuild(value, [move(t, dst) for t in tensors_of(value)])
                     if s >= 0:
                         _protect(value, copiers[s])
-                    moved_value = rebuild(value, moved)
                     _protect(moved_value, readers[s + 1])
+                    native.end(handle)
                     values[m] = moved_value
                 elif kind is Kind.BACKWARD:
                     handle = native.begin(task.index)
                     with _range(profiling, kind, s, m):
                         _backward(roots.pop((s, m)), None if s == last else grads.pop(m))
-                    native.end(handle)
                     if s > 0:
                         captured = sinks.pop((s, m)).grads or ()
                         grads[m] = captured
                         if not copy_in[s]:
                             _protect_all(captured, readers[s - 1])
+                    native.end(handle)
                 elif kind is Kind.COPY_GRAD:
                     # Gradient of stage s + 1's input, back to stage s.
                     outgoing = grads[m]
@@ -238,9 +245,9 @@ class Worker:
                         moved_grads = tuple(
                             None if g is None else move(g, devices[s]) for g in outgoing
                         )
-                    native.end(handle)
                     _protect_all(outgoing, copiers[s + 1])
                     _protect_all(moved_grads, readers[s])
+                    native.end(handle)
                     grads[m] = moved_grads
             native.join()
         except BaseException:

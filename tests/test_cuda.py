@@ -32,7 +32,10 @@ BATCH = 12
 def run_and_compare(model: nn.Sequential, pipe: Pipe, x: Tensor) -> None:
     """Forward + backward on the pipe (input on ``x``'s device) and on the CPU model."""
     x_ref = x.detach().cpu().clone().requires_grad_()
-    x_pipe = x.detach().clone().requires_grad_()
+    x_pipe = x.detach().clone()
+    if x.is_pinned():
+        x_pipe = x_pipe.pin_memory()  # clone() does not keep pinning
+    x_pipe.requires_grad_()
     out = pipe(x_pipe)
     ref = model(x_ref)
     assert out.device == pipe.devices[-1]
@@ -98,6 +101,60 @@ def test_tutorial_resnet50_on_one_gpu_matches_cpu() -> None:
     grads = dict(cpu.named_parameters())
     for name, p in gpu.named_parameters():
         torch.testing.assert_close(p.grad.cpu(), grads[name].grad, msg=name)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
+@pytest.mark.parametrize("devices", [["cuda:0"] * 3, "two"])
+def test_train_step_on_gpus_matches_cpu(schedule: str, checkpoint: str, devices: object) -> None:
+    if devices == "two":
+        if torch.cuda.device_count() < 2:
+            pytest.skip("needs two CUDA devices")
+        devices = ["cuda:0", "cuda:1", "cuda:1"]
+    model = mlp([5, 8, 7, 4])
+    ref = copy.deepcopy(model)
+    pipe = Pipe(
+        copy.deepcopy(model),
+        split_size=3,
+        balance=[2, 2, 2],
+        devices=devices,
+        schedule=schedule,
+        checkpoint=checkpoint,
+    )  # type: ignore[arg-type]
+    x, y = torch.randn(BATCH, 5, dtype=torch.float64), torch.randn(BATCH, 4, dtype=torch.float64)
+    loss = pipe.train_step(x.pin_memory(), y, nn.MSELoss())
+    expected = nn.MSELoss()(ref(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss.cpu(), expected.detach())
+    for (name, a), b in zip(pipe.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad.cpu(), b.grad, msg=name)
+
+
+@two_gpus
+def test_stage_code_runs_with_its_device_current() -> None:
+    seen: list[tuple[int, int, int]] = []
+
+    class Probe(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x: Tensor) -> Tensor:
+            seen.append(
+                (
+                    x.device.index,
+                    torch.cuda.current_device(),
+                    torch.cuda.current_stream().device.index,
+                )
+            )
+            return self.lin(x) + torch.ones(1, device="cuda")  # the current device's
+
+    pipe = Pipe(
+        nn.Sequential(Probe(), Probe()), balance=[1, 1], devices=["cuda:0", "cuda:1"], chunks=2
+    )
+    pipe(torch.ones(4, 2, device="cuda:0")).sum().backward()
+    assert seen and all(d == current == stream for d, current, stream in seen)
+    assert torch.cuda.current_device() == 0
 
 
 class Sleep(nn.Module):
@@ -251,6 +308,7 @@ SANITIZED = textwrap.dedent(
     """
     import torch
     from torch import nn
+    import mpstream
     from mpstream import Pipe
     from mpstream.tutorial import StreamPipelineResNet50
 
@@ -265,6 +323,17 @@ SANITIZED = textwrap.dedent(
         opt.step()
     net = StreamPipelineResNet50(devices[0], devices[-1], split_size=4, num_classes=10)
     net(torch.randn(8, 3, 64, 64, device=devices[0])).sum().backward()
+    for schedule, checkpoint in (("gpipe", "never"), ("1f1b", "except_last")):
+        stepper = Pipe(nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64))
+                                       for _ in devices]),
+                       split_size=4, balance=[1] * len(devices), devices=devices,
+                       schedule=schedule, checkpoint=checkpoint, deferred_batch_norm=True)
+        for _ in range(2):
+            stepper.train_step(torch.randn(12, 64).pin_memory(), torch.randn(12, 64),
+                               nn.MSELoss())
+    with mpstream.profile(pipe) as prof:
+        pipe(torch.randn(10, 64, device=devices[0])).sum().backward()
+    assert prof.spans
     torch.cuda.synchronize()
     print("sanitized run finished")
     """

@@ -66,11 +66,11 @@ def test_every_wait_is_needed() -> None:
 def test_reusing_an_event_too_early_is_caught() -> None:
     plan = record_plan("gpipe", 2, 3, ["cuda:0", "cuda:1"])
     ops = list(plan.ops)
-    copy_event = next(op.event for op in ops if op.op == "record" and op.kind == "copy")
+    copy_events = {op.event for op in ops if op.op == "record" and op.kind == "copy"}
     wait_at = next(
         i
         for i, op in enumerate(ops)
-        if op.op == "wait" and op.kind == "forward" and op.stage == 1 and op.event == copy_event
+        if op.op == "wait" and op.kind == "forward" and op.stage == 1 and op.event in copy_events
     )
     # The pool hands the copy's event to stage 0's compute stream before the
     # consumer waited: the wait now sees that record, not the copy's.
@@ -79,12 +79,22 @@ def test_reusing_an_event_too_early_is_caught() -> None:
         verify_plan(Plan(ops, plan.slot_names, plan.slot_devices, plan.stages))
 
 
+def test_input_copies_wait_on_the_source() -> None:
+    plan = record_plan("gpipe", 2, 2, ["cuda:0", "cuda:1"], input_device="cpu")
+    verify_plan(plan)
+    sources = {op.event for op in plan.ops if op.op == "record" and op.task == -1}
+    first_copy = next(i for i, op in enumerate(plan.ops) if op.kind == "copy" and op.stage == -1)
+    assert plan.ops[first_copy].op == "wait" and plan.ops[first_copy].event in sources
+
+
 def test_plan_uses_few_events() -> None:
-    plan = record_plan("gpipe", 4, 32, [f"cuda:{i}" for i in range(4)])
-    events = {op.event for op in plan.ops if op.event >= 0}
-    tasks = sum(1 for op in plan.ops if op.op == "run")
-    assert tasks > 200
-    assert len(events) <= 16, "the pool should recycle events, not make one per task"
+    def events(micros: int, backward: bool) -> int:
+        plan = record_plan("gpipe", 4, micros, [f"cuda:{i}" for i in range(4)], backward=backward)
+        return len({op.event for op in plan.ops if op.event >= 0})
+
+    for backward in (False, True):
+        # The pool recycles: the count depends on the stages, not the micro-batches.
+        assert events(64, backward) == events(8, backward) <= 6 * 4
 
 
 def test_plan_prints_readably() -> None:

@@ -85,13 +85,17 @@ def test_grad_copy_orders_the_receiving_compute_stream() -> None:
     sched.recording = True
     sched.end(sched.begin_grad_copy(0, 3))
     ops = sched.plan()
+    # The copy runs on the sending slot, which records an event the receiving
+    # copy slot waits on; its completion event then orders the compute slot.
     assert [(op.op, sched.slot_names[op.slot]) for op in ops] == [
         ("run", "stage1.copy@cuda:1"),
+        ("record", "stage1.copy@cuda:1"),
+        ("wait", "stage0.copy@cuda:0"),
         ("record", "stage0.copy@cuda:0"),
         ("wait", "stage0.compute@cuda:0"),
     ]
     assert all(op.kind == "copy_grad" and op.stage == 0 and op.micro == 3 for op in ops)
-    assert ops[1].event == ops[2].event
+    assert ops[1].event == ops[2].event and ops[3].event == ops[4].event
 
 
 def test_recording_toggles_and_clears() -> None:
