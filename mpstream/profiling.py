@@ -9,6 +9,11 @@ marks on the stage's stream. Afterwards ``prof`` is a
 :class:`~mpstream.timeline.Timeline`. Stage and copy work also shows up in
 ``torch.profiler`` as ``record_function`` ranges named
 ``mpstream/<kind>/stage<s>/mb<m>``.
+
+Device times are measured against one reference event per device, recorded
+on the caller's streams at the same host moment when timing starts, so
+devices are aligned to within that moment's launch skew; a copy's start and
+end are read on its two devices.
 """
 
 from __future__ import annotations
