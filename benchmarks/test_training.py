@@ -12,11 +12,14 @@ peak per device; CPU: the peak bytes saved for backward, from
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import Tensor, nn
 
-from mpstream import Pipe
+from mpstream import Pipe, bench
+from mpstream.analysis import batch
 from mpstream.balance import balance_by_time, profile_layers, stage_costs
 from mpstream.bench import synchronize
 from mpstream.memory import SavedTensorTracker
@@ -30,10 +33,10 @@ CLASSES = 1000
 
 
 def _data(device: torch.device) -> tuple[Tensor, Tensor]:
-    x = torch.randn(BATCH, 3, IMAGE, IMAGE, device=device)
-    y = torch.zeros(BATCH, CLASSES, device=device)
-    y[torch.arange(BATCH), torch.randint(0, CLASSES, (BATCH,))] = 1
-    return x, y
+    config = dataclasses.replace(
+        bench.QUICK, batch_size=BATCH, image_w=IMAGE, image_h=IMAGE, num_classes=CLASSES
+    )
+    return batch(config, device)
 
 
 def _pipe(devices: tuple[torch.device, torch.device], balance: list[int], **kw: object) -> Pipe:

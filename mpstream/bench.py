@@ -41,7 +41,6 @@ __all__ = [
     "detect_devices",
     "make_model",
     "synchronize",
-    "time_train",
     "run",
     "save",
     "table",
@@ -216,23 +215,6 @@ def train_once(model: nn.Module, config: Config, devices: Sequence[torch.device]
     )
     synchronize(devices)
     return time.perf_counter() - start
-
-
-def time_train(
-    model: nn.Module,
-    config: Config,
-    devices: Sequence[torch.device],
-    tick: Callable[[], None] | None = None,
-) -> list[float]:
-    """Times ``config.repeat`` train calls after ``config.warmup`` untimed ones."""
-    times = []
-    for i in range(config.warmup + config.repeat):
-        seconds = train_once(model, config, devices)
-        if i >= config.warmup:
-            times.append(seconds)
-        if tick is not None:
-            tick()
-    return times
 
 
 def calls(config: Config, sweep: bool) -> int:

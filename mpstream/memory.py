@@ -75,10 +75,6 @@ class SavedTensorTracker:
                 self.current_bytes -= entry[1]
                 del self._refs[key]
 
-    def reset_peak(self) -> None:
-        """Starts a new peak from the current level."""
-        self.peak_bytes = self.current_bytes
-
     def __enter__(self) -> SavedTensorTracker:
         self._hooks.__enter__()
         return self

@@ -41,6 +41,11 @@ def _range(profiling: bool, kind: Kind, stage: int, micro: int) -> AbstractConte
     return nullcontext()
 
 
+def _cuda_only(streams: Sequence[AnyStream | None]) -> list[AnyStream | None]:
+    """The streams record_stream applies to: CUDA ones; None for the rest."""
+    return [s if s is not None and is_cuda(s) else None for s in streams]
+
+
 def _protect(value: Value, stream: AnyStream | None) -> None:
     if stream is not None:
         for t in tensors_of(value):
@@ -78,9 +83,8 @@ class Worker:
         parts = self.partitions
         last = len(parts) - 1
         # record_stream is only needed (and only valid) for CUDA streams.
-        readers = [s if s is not None and is_cuda(s) else None for s in sched.compute_streams]
-        caller = current_stream(sched.devices[last])
-        caller_reader = caller if is_cuda(caller) else None
+        readers = _cuda_only(sched.compute_streams)
+        (caller_reader,) = _cuda_only([current_stream(sched.devices[last])])
         copy_in = schedule.copy_in
         profiling = torch._C._autograd._profiler_enabled()
         # While timing, mark where autograd will run each stage's backward.
@@ -121,7 +125,7 @@ class Worker:
                     else:
                         moved = Copy.apply(sched, s, m, *tensors_of(value))
                     native.end(handle)
-                    values[m] = moved[0] if isinstance(value, Tensor) else tuple(moved)
+                    values[m] = rebuild(value, moved)
                 else:
                     raise RuntimeError(f"forward schedules have no {task.kind.label} tasks")
             native.join()
@@ -172,10 +176,9 @@ class Worker:
         parts = self.partitions
         last = len(parts) - 1
         devices = sched.devices
-        readers = [s if s is not None and is_cuda(s) else None for s in sched.compute_streams]
-        copiers = [s if s is not None and is_cuda(s) else None for s in sched.copy_streams]
-        caller = current_stream(devices[last])
-        caller_reader = caller if is_cuda(caller) else None
+        readers = _cuda_only(sched.compute_streams)
+        copiers = _cuda_only(sched.copy_streams)
+        (caller_reader,) = _cuda_only([current_stream(devices[last])])
         copy_in = schedule.copy_in
         profiling = torch._C._autograd._profiler_enabled()
         values: list[Value | None] = list(batches)
