@@ -34,6 +34,9 @@ class PyEventScheduler:
         cuda = [d.type == "cuda" for d in self.devices]
         self.compute = [torch.cuda.Stream(d) if c else None for d, c in zip(self.devices, cuda)]
         self.copy = [torch.cuda.Stream(d) if c else None for d, c in zip(self.devices, cuda)]
+        self.io = {
+            d: torch.cuda.Stream(d) if d.type == "cuda" else None for d in dict.fromkeys(devices)
+        }
         self._free: dict[torch.device, list[object]] = defaultdict(list)
 
     def _event(self, device: torch.device) -> object:
@@ -45,9 +48,12 @@ class PyEventScheduler:
     def _slots(self, kind: Kind, stage: int) -> tuple[object, int, object, int]:
         if kind in (Kind.FORWARD, Kind.BACKWARD):
             return self.compute[stage], stage, self.compute[stage], stage
+        if kind is Kind.COPY and stage < 0:
+            return None, -1, self.io[self.devices[0]], 0
+        if kind is Kind.TARGET:
+            return None, -1, self.io[self.devices[stage]], stage
         if kind is Kind.COPY:
-            issue = self.copy[stage] if stage >= 0 else None
-            return issue, stage, self.copy[stage + 1], stage + 1
+            return self.copy[stage], stage, self.copy[stage + 1], stage + 1
         return self.copy[stage + 1], stage + 1, self.copy[stage], stage
 
     def run(self, schedule: Schedule) -> None:

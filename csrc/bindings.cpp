@@ -23,11 +23,12 @@ using mpstream::Timing;
 namespace {
 
 std::shared_ptr<Schedule> make(const std::string& name, int32_t stages, int32_t micros,
-                               std::vector<bool> copy_in, bool backward) {
+                               std::vector<bool> copy_in, bool backward, bool copy_target) {
   mpstream::Layout layout;
   layout.stages = stages;
   layout.micros = micros;
   layout.copy_in = std::move(copy_in);
+  layout.copy_target = copy_target;
   return std::make_shared<Schedule>(mpstream::make_schedule(name, layout, backward));
 }
 
@@ -56,7 +57,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .value("forward", Kind::kForward)
       .value("backward", Kind::kBackward)
       .value("copy", Kind::kCopy)
-      .value("copy_grad", Kind::kCopyGrad);
+      .value("copy_grad", Kind::kCopyGrad)
+      .value("target", Kind::kTarget);
 
   py::class_<Task>(m, "Task")
       .def_readonly("index", &Task::index)
@@ -75,11 +77,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("stages", [](const Schedule& s) { return s.layout.stages; })
       .def_property_readonly("micros", [](const Schedule& s) { return s.layout.micros; })
       .def_property_readonly("copy_in", [](const Schedule& s) { return s.layout.copy_in; })
+      .def_property_readonly("copy_target",
+                             [](const Schedule& s) { return s.layout.copy_target; })
       .def_readonly("tasks", &Schedule::tasks)
       .def_readonly("outputs", &Schedule::outputs);
 
   m.def("make_schedule", &make, py::arg("name"), py::arg("stages"), py::arg("micros"),
-        py::arg("copy_in"), py::arg("backward") = false,
+        py::arg("copy_in"), py::arg("backward") = false, py::arg("copy_target") = false,
         "Ordered tasks with dependencies for a schedule ('gpipe' or '1f1b').");
   m.def("schedule_names", &mpstream::schedule_names);
 
@@ -103,13 +107,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // calls (the forward loop) keep the GIL and cost nothing extra.
   py::class_<Scheduler>(m, "Scheduler")
       .def(py::init([](std::vector<SlotSpec> stage_slots, std::vector<SlotSpec> caller_slots,
-                       std::vector<int32_t> caller_of_stage) {
+                       std::vector<int32_t> caller_of_stage, std::vector<SlotSpec> io_slots) {
              auto s = std::make_unique<Scheduler>(std::move(stage_slots), std::move(caller_slots),
-                                                  std::move(caller_of_stage));
+                                                  std::move(caller_of_stage),
+                                                  std::move(io_slots));
              s->set_contention_hook(&lock_without_gil);
              return s;
            }),
-           py::arg("stage_slots"), py::arg("caller_slots"), py::arg("caller_of_stage"))
+           py::arg("stage_slots"), py::arg("caller_slots"), py::arg("caller_of_stage"),
+           py::arg("io_slots"))
       .def_property_readonly("num_stages", &Scheduler::num_stages)
       .def("slots", &Scheduler::slots)
       .def("begin_run", &Scheduler::begin_run, py::arg("schedule"), py::arg("caller_streams"))
@@ -119,6 +125,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("abort", &Scheduler::abort)
       .def_property_readonly("running", &Scheduler::running)
       .def("begin_grad_copy", &Scheduler::begin_grad_copy, py::arg("stage"), py::arg("micro"))
+      .def_property("autograd_orders_grad_copies", &Scheduler::autograd_orders_grad_copies,
+                    &Scheduler::set_autograd_orders_grad_copies)
       .def_property("recording", &Scheduler::recording, &Scheduler::set_recording)
       .def("plan",
            [](const Scheduler& s) {
@@ -150,5 +158,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("micro"))
       .def("end_mark", &Scheduler::end_mark, py::arg("mark"))
       .def_property_readonly("events_created", &Scheduler::events_created)
-      .def_property_readonly("events_free", &Scheduler::events_free);
+      .def_property_readonly("events_free", &Scheduler::events_free)
+      .def_property_readonly("timing_events_created", &Scheduler::timing_events_created);
 }

@@ -22,6 +22,8 @@ const char* op_name(OpCode op) {
       return "run";
     case OpCode::kSync:
       return "sync";
+    case OpCode::kAutograd:
+      return "autograd";
   }
   return "unknown";
 }

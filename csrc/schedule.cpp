@@ -18,6 +18,8 @@ const char* kind_name(Kind kind) {
       return "copy";
     case Kind::kCopyGrad:
       return "copy_grad";
+    case Kind::kTarget:
+      return "target";
   }
   return "unknown";
 }
@@ -41,15 +43,23 @@ class Builder {
     } else if (s > 0) {
       deps.push_back(find(Kind::kForward, s - 1, m));
     }
+    if (layout_.copy_target && s == layout_.stages - 1) {
+      deps.push_back(find(Kind::kTarget, s, m));  // the loss reads it
+    }
     add(Kind::kForward, s, m, std::move(deps));
     if (s + 1 < layout_.stages && layout_.copy_in[s + 1]) {
       add(Kind::kCopy, s, m, {find(Kind::kForward, s, m)});
     }
   }
 
+  // The host-side transfers of micro-batch m: its input and, in a training
+  // step, its target. Issued ahead of the compute that reads them.
   void input_copy(int32_t m) {
     if (layout_.copy_in[0] && !has(Kind::kCopy, -1, m)) {
       add(Kind::kCopy, -1, m, {});
+    }
+    if (layout_.copy_target && !has(Kind::kTarget, layout_.stages - 1, m)) {
+      add(Kind::kTarget, layout_.stages - 1, m, {});
     }
   }
 
@@ -245,6 +255,9 @@ Schedule make_schedule(const std::string& name, const Layout& layout, bool backw
     throw std::invalid_argument("copy_in must have one entry per stage (" +
                                 std::to_string(layout.stages) + "), got " +
                                 std::to_string(layout.copy_in.size()));
+  }
+  if (layout.copy_target && !backward && name == "gpipe") {
+    throw std::invalid_argument("target copies belong to training steps (backward=true)");
   }
   Builder b(layout);
   if (name == "gpipe") {

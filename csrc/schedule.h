@@ -17,6 +17,7 @@ enum class Kind : int8_t {
   kBackward = 1,  // stage `stage` back-propagates micro-batch `micro`
   kCopy = 2,      // output of `stage` moves to `stage + 1` (-1: the input)
   kCopyGrad = 3,  // gradient of `stage + 1`'s input moves back to `stage`
+  kTarget = 4,    // the target of micro-batch `micro` moves to the last stage
 };
 
 const char* kind_name(Kind kind);
@@ -32,11 +33,14 @@ struct Task {
 // Which stage boundaries move data between devices. copy_in[s] is true when
 // stage s receives its input through a copy (copy_in[0]: the batch itself is
 // not on stage 0's device). Same-device boundaries need no copy task: the
-// consumer waits directly on the producer's event.
+// consumer waits directly on the producer's event. copy_target: a training
+// step's targets are not on the last stage's device, so each micro-batch's
+// target moves there in a task of its own, issued with the input copies.
 struct Layout {
   int32_t stages = 0;
   int32_t micros = 0;
   std::vector<bool> copy_in;
+  bool copy_target = false;
 };
 
 struct Schedule {

@@ -15,7 +15,7 @@ using detail::restore;
 using detail::restore_device;
 
 Scheduler::Scheduler(std::vector<SlotSpec> stage_slots, std::vector<SlotSpec> caller_slots,
-                     std::vector<int32_t> caller_of_stage)
+                     std::vector<int32_t> caller_of_stage, std::vector<SlotSpec> io_slots)
     : caller_of_stage_(std::move(caller_of_stage)) {
   if (stage_slots.empty() || stage_slots.size() % 2 != 0) {
     throw std::invalid_argument("stage_slots must hold two slots (compute, copy) per stage");
@@ -29,8 +29,22 @@ Scheduler::Scheduler(std::vector<SlotSpec> stage_slots, std::vector<SlotSpec> ca
       throw std::invalid_argument("caller_of_stage refers to a missing caller slot");
     }
   }
+  if (io_slots.size() != caller_slots.size()) {
+    throw std::invalid_argument("io_slots must hold one slot per caller slot");
+  }
+  for (size_t c = 0; c < io_slots.size(); ++c) {
+    if (io_slots[c].device_type != caller_slots[c].device_type ||
+        io_slots[c].device_index != caller_slots[c].device_index) {
+      throw std::invalid_argument("io slot " + std::to_string(c) +
+                                  " is not on its caller slot's device");
+    }
+  }
+  callers_ = static_cast<int32_t>(caller_slots.size());
   std::vector<SlotSpec> all = std::move(stage_slots);
   for (auto& spec : caller_slots) {
+    all.push_back(std::move(spec));
+  }
+  for (auto& spec : io_slots) {
     all.push_back(std::move(spec));
   }
   std::vector<std::tuple<int8_t, int8_t, bool>> pools;
@@ -64,10 +78,12 @@ Scheduler::Scheduler(std::vector<SlotSpec> stage_slots, std::vector<SlotSpec> ca
       slots_[slot].ref = c;
     }
   }
-  for (int32_t c = first_caller; c < static_cast<int32_t>(n); ++c) {
+  for (int32_t c = first_caller; c < first_caller + callers_; ++c) {
     slots_[c].ref = c;
+    slots_[c + callers_].ref = c;  // its io slot
   }
   free_.resize(pools.size());
+  timing_free_.resize(pools.size());
   reference_.resize(n);
 }
 
@@ -104,15 +120,30 @@ int32_t Scheduler::caller_slot(int32_t stage) const {
   return 2 * stages_ + caller_of_stage_[stage];
 }
 
+int32_t Scheduler::io_slot(int32_t stage) const {
+  return caller_slot(stage) + callers_;
+}
+
+bool Scheduler::same_device(int32_t a, int32_t b) const {
+  const auto& x = slots_[a].spec;
+  const auto& y = slots_[b].spec;
+  return x.device_type == y.device_type && x.device_index == y.device_index;
+}
+
 std::pair<int32_t, int32_t> Scheduler::task_slots(const Task& t) const {
   switch (t.kind) {
     case Kind::kForward:
     case Kind::kBackward:
       return {compute_slot(t.stage), compute_slot(t.stage)};
     case Kind::kCopy:
-      return {t.stage >= 0 ? copy_slot(t.stage) : -1, copy_slot(t.stage + 1)};
+      // The input comes from the host (or the caller's device): it lands on
+      // the io slot of stage 0's device.
+      return t.stage >= 0 ? std::make_pair(copy_slot(t.stage), copy_slot(t.stage + 1))
+                          : std::make_pair(-1, io_slot(0));
     case Kind::kCopyGrad:
       return {copy_slot(t.stage + 1), copy_slot(t.stage)};
+    case Kind::kTarget:
+      return {-1, io_slot(t.stage)};
   }
   throw std::logic_error("unknown task kind");
 }
@@ -138,7 +169,7 @@ void Scheduler::begin_run(std::shared_ptr<const Schedule> schedule,
                                 " stages, the scheduler " + std::to_string(stages_));
   }
   const int32_t first_caller = 2 * stages_;
-  const size_t callers = slots_.size() - first_caller;
+  const auto callers = static_cast<size_t>(callers_);
   if (caller_streams.size() != callers) {
     throw std::invalid_argument("begin_run needs one caller stream per caller slot (" +
                                 std::to_string(callers) + ")");
@@ -180,6 +211,7 @@ void Scheduler::begin_run(std::shared_ptr<const Schedule> schedule,
   }
   if (timing_) {
     ensure_reference();
+    harvest_timings();
   }
   ++runs_;
   for (size_t c = 0; c < callers; ++c) {
@@ -216,7 +248,11 @@ int64_t Scheduler::open(int32_t task, Kind kind, int32_t stage, int32_t micro, i
   if (issue >= 0) {
     o.prev_issue = exchange(slots_[issue].stream);
   }
-  if (rec != issue) {
+  // Across devices both ends are current (a copy runs on the source's
+  // stream, the result is allocated on the destination's). On one device
+  // only one stream can be current: the issuing one, which the task's waits
+  // went to, so the copy runs after what it reads.
+  if (rec != issue && (issue < 0 || !same_device(issue, rec))) {
     o.prev_rec = exchange(slots_[rec].stream);
   }
   if (timing_) {
@@ -261,11 +297,12 @@ int64_t Scheduler::begin(int32_t task) {
     unref(ev);
   }
   // After the data dependencies: a producer on the same device has usually
-  // waited on the source already, which makes this wait implied. The input
-  // copy waits too: the caller may have filled a pinned buffer with an
-  // asynchronous copy on its stream.
+  // waited on the source already, which makes this wait implied. Input and
+  // target transfers wait too: the caller may have filled a pinned buffer
+  // with an asynchronous copy on its stream.
   const bool input_copy = t.kind == Kind::kCopy && t.stage < 0;
-  if (t.kind == Kind::kForward || t.kind == Kind::kBackward || input_copy) {
+  if (t.kind == Kind::kForward || t.kind == Kind::kBackward || input_copy ||
+      t.kind == Kind::kTarget) {
     const int32_t source = slots_[caller_slot(input_copy ? 0 : t.stage)].latest;
     if (source >= 0) {
       wait(at, source, task, t.kind, t.stage, t.micro);
@@ -284,12 +321,13 @@ int64_t Scheduler::begin_grad_copy(int32_t stage, int32_t micro) {
 }
 
 void Scheduler::finish_open(Open& o) {
+  int32_t done = -1;
   if (o.issue >= 0 && o.issue != o.rec) {
     // A copy runs on its issuing slot; order the receiving slot after it
-    // with an event of our own instead of relying on PyTorch's internal
-    // cross-device copy barrier, which is absent when nothing had to move
-    // and invisible to the CUDA sanitizer.
-    const int32_t done = record(o.issue, o.task, o.kind, o.stage, o.micro);
+    // with an event of our own. PyTorch's cross-device copy has a barrier
+    // of its own, but a copy between streams of one device has none, and
+    // the plan must show every ordering it relies on.
+    done = record(o.issue, o.task, o.kind, o.stage, o.micro);
     wait(o.rec, done, o.task, o.kind, o.stage, o.micro);
   }
   if (timing_ && o.timed < 0) {
@@ -302,8 +340,16 @@ void Scheduler::finish_open(Open& o) {
   if (o.task >= 0) {
     task_event_[o.task] = ev;
     events_[ev].refs += pending_[o.task];
+  } else if (autograd_orders_) {
+    // Gradient copy: autograd's engine makes the consumer's stream (stage
+    // `stage`'s compute stream) wait on the copy node's stream, the sending
+    // copy slot, just before the consumer runs, on the consumer's device
+    // thread. Waiting here instead, on this device's thread, could land
+    // between another micro-batch's backward kernels on that stream.
+    log(OpCode::kAutograd, compute_slot(o.stage), done, -1, o.kind, o.stage, o.micro);
   } else {
-    // Gradient copy: the stage's compute stream consumes the gradient.
+    // Older torch orders the consumer only after its own device's default
+    // stream: order it here.
     wait(compute_slot(o.stage), ev, -1, o.kind, o.stage, o.micro);
   }
   restore_streams(o);
@@ -334,10 +380,10 @@ void Scheduler::join() {
 
 void Scheduler::caller_waits() {
   const int32_t first_caller = 2 * stages_;
-  for (int32_t c = first_caller; c < static_cast<int32_t>(slots_.size()); ++c) {
+  for (int32_t c = first_caller; c < first_caller + callers_; ++c) {
     std::vector<int32_t> latest;
-    for (int32_t x = 0; x < first_caller; ++x) {
-      if (slots_[x].ref == c && slots_[x].latest >= 0) {
+    for (int32_t x = 0; x < static_cast<int32_t>(slots_.size()); ++x) {
+      if (!is_caller(x) && slots_[x].ref == c && slots_[x].latest >= 0) {
         latest.push_back(slots_[x].latest);
       }
     }
@@ -378,24 +424,50 @@ void Scheduler::release_run() {
 
 void Scheduler::abort() {
   const auto lock = acquire();
+  // A device error in here must not hide the exception that caused the
+  // abort, nor keep the rest of the cleanup from running.
   for (int64_t h = static_cast<int64_t>(open_.size()) - 1; h >= 0; --h) {
     Open& o = *open_[h];
-    if (o.active && o.task >= 0) {
-      restore_streams(o);
-      o.active = false;
-      open_free_.push_back(h);
+    if (!o.active || o.task < 0) {
+      continue;
     }
+    if (running_) {
+      // Kernels the failed task queued after begin() have no event yet:
+      // mark where they end on each of its streams, so that the caller's
+      // streams wait for them below.
+      try {
+        if (o.issue >= 0) {
+          record(o.issue, o.task, o.kind, o.stage, o.micro);
+        }
+        if (o.rec != o.issue) {
+          record(o.rec, o.task, o.kind, o.stage, o.micro);
+        }
+      } catch (const std::exception&) {
+      }
+    }
+    restore_streams(o);
+    o.active = false;
+    open_free_.push_back(h);
   }
   if (running_) {
     // Work already queued by the failed run may still be running; the
-    // caller's next work (restoring state, say) must come after it. A
-    // device error here must not hide the exception that caused the abort.
+    // caller's next work (restoring state, say) must come after it.
     try {
       caller_waits();
     } catch (const std::exception&) {
     }
     release_run();
   }
+}
+
+void Scheduler::set_autograd_orders_grad_copies(bool on) {
+  const auto lock = acquire();
+  autograd_orders_ = on;
+}
+
+bool Scheduler::autograd_orders_grad_copies() const {
+  const auto lock = acquire();
+  return autograd_orders_;
 }
 
 bool Scheduler::running() const {

@@ -3,8 +3,10 @@
 // (the plan) and optional per-task timing.
 //
 // Streams live in slots: slot 2s is stage s's compute stream, slot 2s + 1 its
-// copy stream, and one caller slot per device stands for the stream the user
-// was on when the run started. A slot without a stream is a placeholder: its
+// copy stream; then one caller slot per device, the stream the user was on
+// when the run started; then one io slot per device, the stream that moves
+// the batch in from the host (inputs, targets) so those transfers never queue
+// behind inter-stage copies. A slot without a stream is a placeholder: its
 // work runs on the host in issue order, so waits on it are bookkeeping only.
 // With every slot a placeholder the scheduler runs on no device at all and
 // the plan shows what it would issue (recording mode).
@@ -38,6 +40,8 @@ enum class OpCode : int8_t {
   kRecord = 1,  // event recorded on slot
   kRun = 2,     // the task's own work is issued on slot
   kSync = 3,    // the host blocks on an event (placeholder consumer)
+  kAutograd = 4,  // autograd's engine makes slot wait on event before the
+                  // consumer of a gradient copy runs (logged, not issued)
 };
 
 const char* op_name(OpCode op);
@@ -66,8 +70,9 @@ class Scheduler {
  public:
   // stage_slots: two per stage (compute, copy). caller_slots: one per device.
   // caller_of_stage[s]: index into caller_slots for stage s's device.
+  // io_slots: one per caller slot, on the same device.
   Scheduler(std::vector<SlotSpec> stage_slots, std::vector<SlotSpec> caller_slots,
-            std::vector<int32_t> caller_of_stage);
+            std::vector<int32_t> caller_of_stage, std::vector<SlotSpec> io_slots);
   ~Scheduler();
 
   int32_t num_stages() const { return stages_; }
@@ -87,15 +92,23 @@ class Scheduler {
   // Every caller slot waits on the latest work of every slot on its device.
   // Ends the run and returns all run events to the pool.
   void join();
-  // Restores any streams a failed task left current and releases all
-  // events. Safe to call at any time; the next run starts clean.
+  // Ends a failed run: records an event on the streams of every task still
+  // open (work it queued after begin() has no event otherwise), makes the
+  // caller's streams wait on everything the run queued, restores the streams
+  // and releases all events. Safe to call at any time; the next run starts
+  // clean.
   void abort();
   bool running() const;
 
   // A gradient copy issued by autograd outside the schedule: the gradient of
-  // stage `stage + 1`'s input moves to `stage`. end() makes stage `stage`'s
-  // compute stream wait for it.
+  // stage `stage + 1`'s input moves to `stage`. The copy runs on the sending
+  // copy slot. Stage `stage`'s compute stream must wait for it before the
+  // consumer's kernels: autograd's engine does that itself, right before it
+  // runs the consumer, when `autograd_orders_grad_copies` is set (torch >=
+  // 2.8); otherwise end() issues the wait, from the sending device's thread.
   int64_t begin_grad_copy(int32_t stage, int32_t micro);
+  void set_autograd_orders_grad_copies(bool on);
+  bool autograd_orders_grad_copies() const;
 
   // Recording of every stream operation.
   void set_recording(bool on);
@@ -104,6 +117,10 @@ class Scheduler {
   void clear_plan();
 
   // Per-task timing: device events on streams, host clock on placeholders.
+  // Switching timing on records the reference events (one per device, on
+  // the caller's streams) if there are none yet. Timing events come from a
+  // pool: each run's begin_run turns the finished tasks' events into times
+  // and returns them, so only work still in flight holds events.
   void set_timing(bool on);
   bool timing() const;
   std::vector<Timing> timings();  // blocks until the timed work finished
@@ -119,6 +136,7 @@ class Scheduler {
   // Pool introspection, for tests: events ever created, and free now.
   int64_t events_created() const;
   int64_t events_free() const;
+  int64_t timing_events_created() const;
 
   // Called with the (unlocked) lock when another thread holds the
   // scheduler; must lock it. The Python bindings release the GIL here, so
@@ -135,6 +153,11 @@ class Scheduler {
   int32_t compute_slot(int32_t stage) const { return 2 * stage; }
   int32_t copy_slot(int32_t stage) const { return 2 * stage + 1; }
   int32_t caller_slot(int32_t stage) const;
+  int32_t io_slot(int32_t stage) const;
+  bool is_caller(int32_t slot) const {
+    return slot >= 2 * stages_ && slot < 2 * stages_ + callers_;
+  }
+  bool same_device(int32_t a, int32_t b) const;
   // (issue slot or -1, record slot) of a scheduled task.
   std::pair<int32_t, int32_t> task_slots(const Task& t) const;
   // The slot a task's waits go to: where its work is issued.
@@ -155,8 +178,14 @@ class Scheduler {
   void caller_waits();  // every caller slot after every slot on its device
   void ensure_reference();
   void timing_mark(Open& o, bool start);
+  int32_t acquire_timing_event(int32_t slot);
+  // Turns a finished task's events into times and returns them to the pool;
+  // without `wait`, only if they have completed. Returns whether resolved.
+  bool resolve(TimedTask& t, bool wait);
+  void harvest_timings();
 
   int32_t stages_ = 0;
+  int32_t callers_ = 0;
   std::vector<Slot> slots_;
   std::vector<int32_t> caller_of_stage_;
   std::vector<EventRec> events_;
@@ -171,12 +200,17 @@ class Scheduler {
 
   bool recording_ = false;
   std::vector<PlanOp> plan_;
+  bool autograd_orders_ = false;
 
   bool timing_ = false;
   bool have_reference_ = false;
   std::chrono::steady_clock::time_point host_t0_;
   std::vector<std::optional<c10::Event>> reference_;  // per caller slot
   std::vector<TimedTask> timed_;
+  size_t unresolved_from_ = 0;  // timed_[i] for i below this are resolved
+  std::vector<std::optional<c10::Event>> timing_events_;
+  std::vector<int32_t> timing_event_pool_;  // pool key of each timing event
+  std::vector<std::vector<int32_t>> timing_free_;  // per pool key
   int64_t runs_ = 0;  // begin_run calls since timing was cleared
   int64_t timing_generation_ = 0;  // bumped by clear_timings
 

@@ -35,12 +35,15 @@ struct Scheduler::TimedTask {
   int32_t micro;
   int32_t slot;
   int32_t start_slot;
-  std::optional<c10::Event> start;
-  std::optional<c10::Event> end;
+  int32_t start = -1;  // pooled timing events (device slots), -1 for none
+  int32_t end = -1;
   int64_t host_start_ns = 0;
   int64_t host_end_ns = 0;
+  double start_ms = 0;
+  double end_ms = 0;
   int64_t run = 0;
   bool done = false;
+  bool resolved = false;
 };
 
 struct Scheduler::Open {

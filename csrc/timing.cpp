@@ -29,7 +29,10 @@ void Scheduler::clear_plan() {
 void Scheduler::set_timing(bool on) {
   const auto lock = acquire();
   timing_ = on;
-  if (on && running_) {
+  if (on) {
+    // Now rather than at the next run: a caller that synchronized its
+    // devices first gets references recorded on idle streams, which align
+    // the devices' clocks to within the launch skew of these records.
     ensure_reference();
   }
 }
@@ -45,15 +48,29 @@ void Scheduler::ensure_reference() {
   }
   host_t0_ = std::chrono::steady_clock::now();
   const int32_t first_caller = 2 * stages_;
-  for (int32_t c = first_caller; c < static_cast<int32_t>(slots_.size()); ++c) {
+  for (int32_t c = first_caller; c < first_caller + callers_; ++c) {
     const Slot& s = slots_[c];
-    if (!s.spec.stream_id) {
+    if (!s.stream) {
       continue;
     }
     reference_[c].emplace(s.stream->device_type(), c10::EventFlag::BACKEND_DEFAULT);
     reference_[c]->record(*s.stream);
   }
   have_reference_ = true;
+}
+
+int32_t Scheduler::acquire_timing_event(int32_t slot) {
+  const Slot& s = slots_[slot];
+  auto& free = timing_free_[s.pool];
+  if (!free.empty()) {
+    const int32_t id = free.back();
+    free.pop_back();
+    return id;
+  }
+  timing_events_.emplace_back();
+  timing_events_.back().emplace(s.stream->device_type(), c10::EventFlag::BACKEND_DEFAULT);
+  timing_event_pool_.push_back(s.pool);
+  return static_cast<int32_t>(timing_events_.size() - 1);
 }
 
 void Scheduler::timing_mark(Open& o, bool start) {
@@ -68,15 +85,62 @@ void Scheduler::timing_mark(Open& o, bool start) {
     return;  // started before the timings were cleared
   }
   TimedTask& t = timed_[o.timed];
-  const Slot& s = slots_[start ? t.start_slot : t.slot];
+  const int32_t slot = start ? t.start_slot : t.slot;
+  const Slot& s = slots_[slot];
   if (s.stream) {
-    auto& ev = start ? t.start : t.end;
-    ev.emplace(s.stream->device_type(), c10::EventFlag::BACKEND_DEFAULT);
-    ev->record(*s.stream);
+    const int32_t ev = acquire_timing_event(slot);
+    timing_events_[ev]->record(*s.stream);
+    (start ? t.start : t.end) = ev;
   } else {
     (start ? t.host_start_ns : t.host_end_ns) = now_ns();
   }
   t.done = !start;
+}
+
+bool Scheduler::resolve(TimedTask& t, bool wait) {
+  if (t.resolved || !t.done) {
+    return t.resolved;
+  }
+  const int64_t t0 = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                         host_t0_.time_since_epoch())
+                         .count();
+  auto ready = [&](int32_t slot, int32_t ev) {
+    if (ev < 0) {
+      return true;
+    }
+    const auto& ref = reference_[slots_[slot].ref];
+    if (wait) {
+      ref->synchronize();
+      timing_events_[ev]->synchronize();
+      return true;
+    }
+    return ref->query() && timing_events_[ev]->query();
+  };
+  if (!ready(t.start_slot, t.start) || !ready(t.slot, t.end)) {
+    return false;
+  }
+  auto ms = [&](int32_t slot, int32_t& ev, int64_t host_ns) {
+    if (ev < 0) {
+      return static_cast<double>(host_ns - t0) / 1e6;
+    }
+    const double out = reference_[slots_[slot].ref]->elapsedTime(*timing_events_[ev]);
+    timing_free_[timing_event_pool_[ev]].push_back(ev);
+    ev = -1;
+    return out;
+  };
+  t.start_ms = ms(t.start_slot, t.start, t.host_start_ns);
+  t.end_ms = ms(t.slot, t.end, t.host_end_ns);
+  t.resolved = true;
+  return true;
+}
+
+void Scheduler::harvest_timings() {
+  for (size_t i = unresolved_from_; i < timed_.size(); ++i) {
+    resolve(timed_[i], false);
+  }
+  while (unresolved_from_ < timed_.size() && timed_[unresolved_from_].resolved) {
+    ++unresolved_from_;
+  }
 }
 
 int64_t Scheduler::begin_mark(Kind kind, int32_t stage, int32_t micro) {
@@ -111,38 +175,37 @@ void Scheduler::end_mark(int64_t mark) {
 std::vector<Timing> Scheduler::timings() {
   const auto lock = acquire();
   std::vector<Timing> out;
-  const int64_t t0 = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                         host_t0_.time_since_epoch())
-                         .count();
-  auto ms = [&](int32_t slot, const std::optional<c10::Event>& ev, int64_t host_ns) {
-    if (ev) {
-      const auto& ref = reference_[slots_[slot].ref];
-      ref->synchronize();
-      ev->synchronize();
-      return ref->elapsedTime(*ev);
-    }
-    return static_cast<double>(host_ns - t0) / 1e6;
-  };
-  for (const auto& t : timed_) {
-    if (!t.done) {
+  for (auto& t : timed_) {
+    if (!resolve(t, true)) {
       continue;  // still open
     }
-    out.push_back(Timing{t.kind, t.stage, t.micro, t.slot,
-                         ms(t.start_slot, t.start, t.host_start_ns),
-                         ms(t.slot, t.end, t.host_end_ns), t.run});
+    out.push_back(Timing{t.kind, t.stage, t.micro, t.slot, t.start_ms, t.end_ms, t.run});
   }
   return out;
 }
 
 void Scheduler::clear_timings() {
   const auto lock = acquire();
+  for (auto& t : timed_) {
+    for (int32_t ev : {t.start, t.end}) {
+      if (ev >= 0) {
+        // Recorded work may still be running: a later record on a pooled
+        // event simply replaces this one.
+        timing_free_[timing_event_pool_[ev]].push_back(ev);
+      }
+    }
+  }
   timed_.clear();
+  unresolved_from_ = 0;
   runs_ = 0;
   ++timing_generation_;
   for (auto& r : reference_) {
     r.reset();
   }
   have_reference_ = false;
+  if (timing_) {
+    ensure_reference();
+  }
 }
 
 int64_t Scheduler::events_created() const {
@@ -157,6 +220,11 @@ int64_t Scheduler::events_free() const {
     n += static_cast<int64_t>(f.size());
   }
   return n;
+}
+
+int64_t Scheduler::timing_events_created() const {
+  const auto lock = acquire();
+  return static_cast<int64_t>(timing_events_.size());
 }
 
 }  // namespace mpstream

@@ -104,9 +104,16 @@ class DeferredBatchNorm(_BatchNorm):
         running_var = cast(Tensor, self.running_var).data
         tracked = cast(Tensor, self.num_batches_tracked)
         tracked += 1
-        factor = 1.0 / float(tracked) if self.momentum is None else self.momentum
-        running_mean.mul_(1 - factor).add_(mean.to(running_mean.dtype), alpha=factor)
-        running_var.mul_(1 - factor).add_(unbiased.to(running_var.dtype), alpha=factor)
+        mean, unbiased = mean.to(running_mean.dtype), unbiased.to(running_var.dtype)
+        if self.momentum is None:
+            # A cumulative average: the factor 1/tracked stays on the device
+            # (float(tracked) would synchronize the host once per layer).
+            factor = tracked.reciprocal().to(running_mean.dtype)
+            running_mean.lerp_(mean, factor)
+            running_var.lerp_(unbiased, factor)
+        else:
+            running_mean.mul_(1 - self.momentum).add_(mean, alpha=self.momentum)
+            running_var.mul_(1 - self.momentum).add_(unbiased, alpha=self.momentum)
         self.reset_accumulation()
 
     @classmethod

@@ -3,8 +3,12 @@
 The scheduler makes the copy streams current before :class:`Copy` runs, so
 the forward copy is issued on them and autograd records them as the node's
 stream. The backward copy of the gradient is opened through the scheduler
-too: it runs on the same copy streams and ends with the receiving stage's
-compute stream waiting on an event recorded after it.
+too: it runs on the same copy streams, and the receiving stage's compute
+stream is ordered after it (by autograd's engine, or by the scheduler on
+torch versions whose engine does not; see
+:data:`~mpstream.scheduler.AUTOGRAD_ORDERS_GRAD_COPIES`). The input batch
+moves from the host on the io stream of stage 0's device
+(:mod:`~mpstream.transfer`).
 """
 
 from __future__ import annotations
@@ -16,29 +20,67 @@ import torch
 from torch import Tensor
 from torch.autograd import profiler
 
-from .stream import CPU_STREAM, AnyStream, record_stream
+from .stream import AnyStream, record_stream
+from .transfer import GradLink, to_device, to_host
 
 if TYPE_CHECKING:
     from .scheduler import EventScheduler
 
-__all__ = ["Copy", "move"]
+__all__ = ["Copy", "Route", "move"]
 
 
-def move(x: Tensor, device: torch.device) -> Tensor:
+def move(x: Tensor, device: torch.device, *, force: bool = False) -> Tensor:
     """Copies ``x`` to ``device`` on the current streams.
 
-    Host-to-device copies from pinned memory and device-to-device copies are
-    asynchronous; copies into host memory block, so host work that follows
-    never reads a tensor still in flight.
+    Device-to-device copies and copies from pinned memory are asynchronous;
+    copies into host memory block, so host work that follows never reads a
+    tensor still in flight. With ``force``, a tensor already on ``device`` is
+    copied too (the data flow of stages on separate devices, on one device).
     """
     if x.device == device:
-        return x
-    non_blocking = device.type == "cuda" and (x.is_cuda or x.is_pinned())
-    return x.to(device, non_blocking=non_blocking)
+        return x.clone() if force else x
+    return to_device(x, device)
+
+
+class Route:
+    """Where one :class:`Copy` goes, and how.
+
+    Attributes:
+        sched: the pipeline's scheduler (streams, devices, grad-copy tasks).
+        stage: the source stage; -1 for the input batch.
+        micro: the micro-batch.
+        force: copy even between stages on the same device.
+        staging: for the input batch, a pinned buffer per tensor (or None).
+        link: for a host input that requires grad, where the asynchronous
+            gradient copy leaves its event (see :class:`~.transfer.HostWait`).
+    """
+
+    __slots__ = ("sched", "stage", "micro", "force", "staging", "link")
+
+    def __init__(
+        self,
+        sched: EventScheduler,
+        stage: int,
+        micro: int,
+        force: bool = False,
+        staging: tuple[Tensor | None, ...] | None = None,
+        link: GradLink | None = None,
+    ) -> None:
+        self.sched = sched
+        self.stage = stage
+        self.micro = micro
+        self.force = force
+        self.staging = staging
+        self.link = link
 
 
 def _move(
-    x: Tensor, device: torch.device, reader: AnyStream | None, consumer: AnyStream | None
+    x: Tensor,
+    device: torch.device,
+    reader: AnyStream | None,
+    consumer: AnyStream | None,
+    force: bool,
+    staging: Tensor | None = None,
 ) -> Tensor:
     """Moves ``x`` and marks both tensors for the streams that use them.
 
@@ -46,7 +88,7 @@ def _move(
     stream); the result, allocated on the copy stream, is read by
     ``consumer``.
     """
-    y = move(x, device)
+    y = to_device(x, device, staging) if staging is not None else move(x, device, force=force)
     if reader is not None:
         record_stream(x, reader)
     if consumer is not None:
@@ -55,18 +97,22 @@ def _move(
 
 
 class Copy(torch.autograd.Function):
-    """Moves stage ``stage``'s output to stage ``stage + 1`` (``-1``: the input)."""
+    """Moves stage ``route.stage``'s output to the next stage (``-1``: the input)."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, sched: EventScheduler, stage: int, micro: int, *inputs: Tensor
-    ) -> tuple[Tensor, ...]:
-        reader: AnyStream | None = sched.copy_streams[stage] if stage >= 0 else CPU_STREAM
+    def forward(ctx: Any, route: Route, *inputs: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+        sched, stage = route.sched, route.stage
         dst = sched.devices[stage + 1]
-        outputs = [_move(x, dst, reader, sched.compute_streams[stage + 1]) for x in inputs]
-        ctx.sched = sched
-        ctx.stage = stage
-        ctx.micro = micro
+        if stage >= 0:
+            reader: AnyStream | None = sched.copy_streams[stage]
+        else:
+            reader = None  # the batch: read on the io stream, host memory or the caller's
+        staging = route.staging or (None,) * len(inputs)
+        consumer = sched.compute_streams[stage + 1]
+        outputs = [
+            _move(x, dst, reader, consumer, route.force, buf) for x, buf in zip(inputs, staging)
+        ]
+        ctx.route = route
         ctx.src_devices = [x.device for x in inputs]
         ctx.mark_non_differentiable(*[y for y in outputs if not y.is_floating_point()])
         ctx.set_materialize_grads(False)
@@ -74,23 +120,26 @@ class Copy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Any, ...]:
-        sched: EventScheduler = ctx.sched
-        stage: int = ctx.stage
+        route: Route = ctx.route
+        sched, stage = route.sched, route.stage
         if stage < 0:
-            # Gradient of the batch itself: the caller's device, plain copy.
-            moved = [None if g is None else move(g, d) for g, d in zip(grads, ctx.src_devices)]
-            return (None, None, None, *moved)
+            # Gradient of the batch itself, on the io stream (this node's).
+            moved = [
+                None if g is None else to_host(g, d, route.link)
+                for g, d in zip(grads, ctx.src_devices)
+            ]
+            return (None, *moved)
         scope: AbstractContextManager[object] = nullcontext()
         if torch._C._autograd._profiler_enabled():
-            scope = profiler.record_function(f"mpstream/copy_grad/stage{stage}/mb{ctx.micro}")
+            scope = profiler.record_function(f"mpstream/copy_grad/stage{stage}/mb{route.micro}")
         reader, consumer = sched.copy_streams[stage + 1], sched.compute_streams[stage]
-        handle = sched.begin_grad_copy(stage, ctx.micro)
+        handle = sched.begin_grad_copy(stage, route.micro)
         try:
             with scope:
                 result = [
-                    None if g is None else _move(g, d, reader, consumer)
+                    None if g is None else _move(g, d, reader, consumer, route.force)
                     for g, d in zip(grads, ctx.src_devices)
                 ]
         finally:
             sched.end(handle)
-        return (None, None, None, *result)
+        return (None, *result)

@@ -18,6 +18,7 @@ __all__ = [
     "as_value",
     "batch_device",
     "scatter",
+    "split",
     "gather",
     "check_output",
     "tensors_of",
@@ -104,17 +105,19 @@ def scatter(value: Value, chunks: int | None, split_size: int | None) -> list[Va
         The micro-batches, each a Tensor or tuple like ``value``.
     """
 
-    def split(t: Tensor) -> tuple[Tensor, ...]:
-        if split_size is not None:
-            return torch.split(t, split_size, dim=0)
-        if chunks is None or chunks == 1:
-            return (t,)
-        return t.chunk(chunks, dim=0)
-
     if isinstance(value, Tensor):
-        return list(split(value))
-    parts = [split(t) for t in value]
+        return list(split(value, chunks, split_size))
+    parts = [split(t, chunks, split_size) for t in value]
     return [tuple(p[i] for p in parts) for i in range(len(parts[0]))]
+
+
+def split(t: Tensor, chunks: int | None, split_size: int | None) -> tuple[Tensor, ...]:
+    """One tensor's micro-batches, as :func:`scatter` splits every tensor."""
+    if split_size is not None:
+        return torch.split(t, split_size, dim=0)
+    if chunks is None or chunks == 1:
+        return (t,)
+    return t.chunk(chunks, dim=0)
 
 
 def check_output(out: object, stage: int) -> Value:

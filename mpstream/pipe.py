@@ -12,11 +12,13 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from .balance import balance_by_size, balance_by_time
 from .batchnorm import DeferredBatchNorm, deferred_norms
 from .checkpoint import check_mode, checkpoint_stop
-from .microbatch import Value, as_value, batch_device, gather, scatter
+from .microbatch import Value, as_value, batch_device, gather, scatter, split
 from .partition import DeviceLike, check_positive, split_module
 from .schedule import SCHEDULES, Schedule
 from .scheduler import EventScheduler
-from .worker import Worker
+from .stream import current_stream, record_stream
+from .transfer import host_staging
+from .worker import Staging, Worker
 
 REDUCTIONS = ("mean", "sum")
 
@@ -55,6 +57,12 @@ class Pipe(nn.Module):
             ``'1f1b'`` (at most ``stages - s`` micro-batches in flight on
             stage ``s``). ``pipe(x)`` always runs fill-drain.
         sample: a representative micro-batch, for ``balance='time'|'size'``.
+        force_copies: for experiments: copy every micro-batch between
+            consecutive stages (and its gradient back) on the copy streams
+            even when they share a device, as between two GPUs. With all
+            stages on one GPU this runs the data flow of a multi-GPU layout,
+            device-to-device copies included; results are unchanged, the
+            copies cost time and memory.
 
     Raises:
         TypeError: ``module`` is not an ``nn.Sequential``; ``chunks`` or
@@ -82,6 +90,7 @@ class Pipe(nn.Module):
         deferred_batch_norm: bool = False,
         schedule: str = "gpipe",
         sample: Value | None = None,
+        force_copies: bool = False,
     ) -> None:
         super().__init__()
         if chunks is not None and split_size is not None:
@@ -106,6 +115,7 @@ class Pipe(nn.Module):
         self.__dict__["_devices"] = list(stages.devices)
         self.__dict__["_balance"] = list(stages.balance)
         self.__dict__["_runtime"] = None
+        self.force_copies = bool(force_copies)
 
     # -- configuration -------------------------------------------------
     @property
@@ -154,28 +164,38 @@ class Pipe(nn.Module):
         rt = self.__dict__["_runtime"]
         if rt is None:
             sched = EventScheduler(self.devices)
-            rt = (sched, Worker(list(self.partitions), sched), {})
+            rt = (sched, Worker(list(self.partitions), sched, self.force_copies), {})
             self.__dict__["_runtime"] = rt
         return rt  # type: ignore[no-any-return]
 
     def schedule_for(
-        self, micros: int, input_device: torch.device, *, training_step: bool = False
+        self,
+        micros: int,
+        input_device: torch.device,
+        *,
+        training_step: bool = False,
+        target_device: torch.device | None = None,
     ) -> Schedule:
         """The (cached) schedule for ``micros`` micro-batches.
 
         Forward-only runs are fill-drain; a training step uses
-        :attr:`schedule` with backward tasks.
+        :attr:`schedule` with backward tasks, and a transfer task per
+        micro-batch when the targets sit on ``target_device``, not on the
+        last stage's device.
         """
         devs = self.__dict__["_devices"]
         name = self.schedule if training_step else "gpipe"
-        key = (name, micros, input_device, training_step)
+        copy_target = training_step and target_device not in (None, devs[-1])
+        key = (name, micros, input_device, training_step, copy_target, self.force_copies)
         cache = self._rt()[2]
         sched = cache.get(key)
         if sched is None:
             copy_in = [input_device != devs[0]] + [
-                devs[s] != devs[s - 1] for s in range(1, len(devs))
+                self.force_copies or devs[s] != devs[s - 1] for s in range(1, len(devs))
             ]
-            sched = Schedule(name, len(devs), micros, copy_in, backward=training_step)
+            sched = Schedule(
+                name, len(devs), micros, copy_in, backward=training_step, copy_target=copy_target
+            )
             cache[key] = sched
         return sched
 
@@ -192,9 +212,15 @@ class Pipe(nn.Module):
 
         Args:
             x: a Tensor or a tuple/list of Tensors, split along dim 0. It may
-                sit on the CPU or on any device. From pinned CPU memory the
-                copies are asynchronous, as ``x.to(device, non_blocking=True)``:
-                do not overwrite the buffer before the output is used.
+                sit on the CPU or on any device. Host memory moves to the
+                first stage's device in transfer tasks on its io stream, which
+                never block the host: pageable tensors pass through pinned
+                buffers (a host copy of the batch per step), pinned ones
+                (``DataLoader(pin_memory=True)``) move directly, as
+                ``x.to(device, non_blocking=True)`` would: do not overwrite a
+                pinned batch before the output is used. When ``x`` requires
+                grad, its gradient comes back asynchronously and the backward
+                call returns once it is in place.
 
         Returns:
             The output on the last stage's device, concatenated along dim 0:
@@ -209,8 +235,19 @@ class Pipe(nn.Module):
         micro = scatter(value, self._chunks, self._split_size)
         schedule = self.schedule_for(len(micro), batch_device(value))
         _, worker, _ = self._rt()
+        staging = self._staging(value, self.devices[0])
         stop = self._prepare(len(micro))
-        return gather(worker.forward(micro, schedule, stop))
+        return gather(worker.forward(micro, schedule, stop, staging))
+
+    def _staging(self, value: Value, device: torch.device) -> list[Staging] | None:
+        """Per micro-batch pinned buffers for ``value``'s pageable tensors."""
+        buffers = host_staging(value, device)
+        if buffers is None:
+            return None
+        # Split like the batch itself (same sizes along dim 0).
+        parts = [None if b is None else split(b, self._chunks, self._split_size) for b in buffers]
+        micros = max(len(p) for p in parts if p is not None)
+        return [tuple(None if p is None else p[i] for p in parts) for i in range(micros)]
 
     def train_step(
         self,
@@ -244,9 +281,13 @@ class Pipe(nn.Module):
             ValueError: empty batch, targets of another batch size, or an
                 unknown ``reduction``.
 
-        If anything raises, the gradients and BatchNorm statistics are restored
-        to what they were before the call. Gradients that existed before the
-        call are cloned up front for that purpose.
+        Inputs and targets in host memory move in transfer tasks that never
+        block the host (see :meth:`forward`). If anything raises, the
+        gradients and BatchNorm statistics are restored to what they were
+        before the call. For that, each stage's existing gradients (under
+        gradient accumulation) are cloned on its stream when its first
+        backward of the step begins; a step that starts with no gradients,
+        or fails before the backward, clones nothing.
         """
         if reduction not in REDUCTIONS:
             valid = ", ".join(repr(r) for r in REDUCTIONS)
@@ -261,13 +302,30 @@ class Pipe(nn.Module):
         micro = scatter(value, self._chunks, self._split_size)
         micro_targets = scatter(labels, self._chunks, self._split_size)
         weights = [_batch_size(m) / batch if reduction == "mean" else 1.0 for m in micro]
-        schedule = self.schedule_for(len(micro), batch_device(value), training_step=True)
+        schedule = self.schedule_for(
+            len(micro),
+            batch_device(value),
+            training_step=True,
+            target_device=batch_device(labels),
+        )
         _, worker, _ = self._rt()
+        staging = self._staging(value, self.devices[0])
+        target_staging = self._staging(labels, self.devices[-1])
         snapshot = _Snapshot(self)
         try:
             with torch.enable_grad():
                 stop = self._prepare(len(micro))
-                losses = worker.train(micro, micro_targets, schedule, loss_fn, weights, stop)
+                losses = worker.train(
+                    micro,
+                    micro_targets,
+                    schedule,
+                    loss_fn,
+                    weights,
+                    stop,
+                    staging,
+                    target_staging,
+                    snapshot.save_grads,
+                )
         except BaseException:
             snapshot.restore()
             raise
@@ -349,20 +407,33 @@ def _auto_balance(
 
 
 class _Snapshot:
-    """Gradients and BatchNorm state of a pipe, restorable after a failure."""
+    """Gradients and BatchNorm state of a pipe, restorable after a failure.
+
+    BatchNorm buffers (small) are cloned up front. Gradients are saved per
+    stage by :meth:`save_grads`, which the worker calls inside the stage's
+    first backward task: nothing accumulates into them before that.
+    """
 
     def __init__(self, pipe: Pipe) -> None:
-        self.grads = [
-            (p, None if p.grad is None else p.grad.detach().clone()) for p in pipe.parameters()
-        ]
+        self.partitions = list(pipe.partitions)
+        self.grads: dict[int, tuple[nn.Parameter, Tensor | None]] = {}
         self.norms = [
             (m, [b.detach().clone() for b in m.buffers(recurse=False)])
             for m in pipe.modules()
             if isinstance(m, _BatchNorm)
         ]
 
+    def save_grads(self, stage: int) -> None:
+        """Saves the gradients of ``stage``'s parameters (on the current stream)."""
+        for p in self.partitions[stage].parameters():
+            if id(p) not in self.grads:
+                self.grads[id(p)] = (p, None if p.grad is None else p.grad.detach().clone())
+
     def restore(self) -> None:
-        for p, g in self.grads:
+        for p, g in self.grads.values():
+            if g is not None:
+                # Cloned on a stage stream; the caller's stream uses it now.
+                record_stream(g, current_stream(g.device))
             p.grad = g
         for m, buffers in self.norms:
             # Through .data: graphs still alive may have saved these buffers.

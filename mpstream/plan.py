@@ -36,6 +36,11 @@ class Plan:
     slot_devices: list[torch.device]
     stages: int
 
+    @property
+    def callers(self) -> list[int]:
+        """The caller slots (the user's streams), one per device."""
+        return [i for i, name in enumerate(self.slot_names) if name.startswith("caller@")]
+
     def __str__(self) -> str:
         lines = []
         for op in self.ops:
@@ -55,7 +60,9 @@ def record_plan(
     devices: Sequence[str | torch.device] | None = None,
     *,
     input_device: str | torch.device | None = None,
+    target_device: str | torch.device | None = None,
     backward: bool = False,
+    force_copies: bool = False,
 ) -> Plan:
     """Records the stream operations of a whole run without any device.
 
@@ -66,7 +73,11 @@ def record_plan(
         devices: the device of each stage (they need not exist here);
             default ``cuda:0`` .. ``cuda:{stages-1}``.
         input_device: where the batch sits; default the first stage's device.
+        target_device: where a training step's targets sit; default the last
+            stage's device (no target transfers). Needs ``backward``.
         backward: schedule backward tasks too.
+        force_copies: copy between every pair of stages, as
+            ``Pipe(force_copies=True)``.
 
     Returns:
         The recorded :class:`Plan`.
@@ -75,8 +86,9 @@ def record_plan(
     if len(devs) != stages:
         raise ValueError(f"devices has {len(devs)} entries for {stages} stages")
     src = torch.device(input_device) if input_device is not None else devs[0]
-    copy_in = [src != devs[0]] + [devs[s] != devs[s - 1] for s in range(1, stages)]
-    sched = Schedule(schedule, stages, chunks, copy_in, backward=backward)
+    copy_in = [src != devs[0]] + [force_copies or devs[s] != devs[s - 1] for s in range(1, stages)]
+    copy_target = target_device is not None and torch.device(target_device) != devs[-1]
+    sched = Schedule(schedule, stages, chunks, copy_in, backward=backward, copy_target=copy_target)
     runner = EventScheduler(devs, virtual=True)
     runner.recording = True
     runner.begin_run(sched)
@@ -92,9 +104,10 @@ def _producers(
     """What ``op``'s task reads, by (kind, stage, micro)."""
     kind, s, m = op.kind, op.stage, op.micro
     if kind == Kind.FORWARD.label:
+        target = [("target", s, m)] if ("target", s, m) in present else []
         if ("copy", s - 1, m) in present:
-            return [("copy", s - 1, m)]
-        return [("forward", s - 1, m)] if s > 0 else []
+            return [("copy", s - 1, m), *target]
+        return ([("forward", s - 1, m)] if s > 0 else []) + target
     if kind == Kind.COPY.label:
         return [("forward", s, m)] if s >= 0 else []
     if kind == Kind.BACKWARD.label:
@@ -113,12 +126,13 @@ def verify_plan(plan: Plan) -> None:
 
     Every slot is treated as an independent stream: only program order on a
     slot and record→wait edges order work across slots (no implicit barrier
-    is assumed for copies). A task is ready when an op after its ``run`` on
-    the same slot, or anything ordered after that, is reached, so each
-    consumer's ``run`` must be reachable from each producer's ``run``. Each
-    stage compute must also be ordered after the caller's source event of
-    its device, and each caller slot after the last work of every stream on
-    its device.
+    is assumed for copies; an ``autograd`` op is the wait autograd's engine
+    issues itself before a gradient copy's consumer). A task is ready when an
+    op after its ``run`` on the same slot, or anything ordered after that, is
+    reached, so each consumer's ``run`` must be reachable from each
+    producer's ``run``. Each stage compute and each transfer from the host
+    must also be ordered after the caller's source event of its device, and
+    each caller slot after the last work of every stream on its device.
 
     Raises:
         PlanError: listing every violation.
@@ -130,16 +144,16 @@ def verify_plan(plan: Plan) -> None:
     last_record: dict[int, int] = {}
     done: dict[tuple[str, int, int], int] = {}
     source: dict[int, int] = {}
-    caller_first = 2 * plan.stages
+    callers = plan.callers
     for i, op in enumerate(ops):
         if op.slot in last_on_slot:
             edges[last_on_slot[op.slot]].append(i)
         last_on_slot[op.slot] = i
         if op.op == "record":
             last_record[op.event] = i
-            if op.task == -1 and op.stage == -1 and op.slot >= caller_first:
+            if op.task == -1 and op.stage == -1 and op.slot in callers:
                 source[op.slot] = i
-        elif op.op in ("wait", "sync"):
+        elif op.op in ("wait", "sync", "autograd"):
             if op.event not in last_record:
                 raise PlanError(f"op {i} waits on event {op.event}, which was never recorded")
             edges[last_record[op.event]].append(i)
@@ -163,8 +177,7 @@ def verify_plan(plan: Plan) -> None:
     present = {(op.kind, op.stage, op.micro) for op in ops if op.op == "run"}
     problems: list[str] = []
     caller_of = {
-        s: caller_first
-        + [d for d in plan.slot_devices[caller_first:]].index(plan.slot_devices[2 * s])
+        s: next(c for c in callers if plan.slot_devices[c] == plan.slot_devices[2 * s])
         for s in range(plan.stages)
     }
     for i, op in enumerate(ops):
@@ -179,7 +192,7 @@ def verify_plan(plan: Plan) -> None:
                     f"{what} is not ordered after {dep[0]}(stage={dep[1]}, micro={dep[2]})"
                 )
         input_copy = op.kind == "copy" and op.stage == -1
-        if op.kind in ("forward", "backward") or input_copy:
+        if op.kind in ("forward", "backward", "target") or input_copy:
             src = source.get(caller_of[0 if input_copy else op.stage])
             if src is not None and i not in reach(src):
                 problems.append(f"{what} is not ordered after the caller's source event")
@@ -193,13 +206,13 @@ def verify_plan(plan: Plan) -> None:
     # final sync, not by the join.
     end = 1 + max(
         [i for i, op in enumerate(ops) if op.task >= 0]
-        + [i for i, op in enumerate(ops) if op.slot >= caller_first and op.op != "record"],
+        + [i for i, op in enumerate(ops) if op.slot in callers and op.op != "record"],
         default=-1,
     )
-    for c in range(caller_first, len(plan.slot_names)):
+    for c in callers:
         joins = [j for j in range(end) if ops[j].slot == c]
-        for x in range(caller_first):
-            if plan.slot_devices[x] != plan.slot_devices[c]:
+        for x in range(len(plan.slot_names)):
+            if x in callers or plan.slot_devices[x] != plan.slot_devices[c]:
                 continue
             records = [j for j in range(end) if ops[j].slot == x and ops[j].op == "record"]
             if records and not any(j in reach(records[-1]) for j in joins):

@@ -11,14 +11,15 @@ marks on the stage's stream. Afterwards ``prof`` is a
 ``mpstream/<kind>/stage<s>/mb<m>``.
 
 Device times are measured against one reference event per device, recorded
-on the caller's streams at the same host moment when timing starts, so
-devices are aligned to within that moment's launch skew; a copy's start and
-end are read on its two devices.
+on the caller's streams when the block starts. The devices are synchronized
+first, so each reference marks the same moment on every device to within
+the launch skew of the records (microseconds); a copy's start and end are
+read on its two devices. Host-clock times (CPU stages) share the block's
+start as their zero.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -27,7 +28,8 @@ import torch
 from torch import nn
 
 from .pipe import Pipe
-from .timeline import Timeline
+from .stream import synchronize
+from .timeline import Span, Timeline
 
 __all__ = ["profile", "Profile", "pipes_in"]
 
@@ -55,11 +57,14 @@ class Profile(Timeline):
         for i, pipe in enumerate(self._pipes):
             sched = pipe.scheduler
             prefix = f"pipe{i}/" if many else ""
+            times = sched.timings()
+            used = {t.stream for t in times}
             for name, device in zip(sched.slot_names, sched.slot_devices):
-                if not name.startswith("caller@"):
+                # io streams only carry host transfers: a row only if used.
+                if not name.startswith("caller@") and (not name.startswith("io@") or name in used):
                     self.stream_devices[prefix + name] = str(device)
-            for span in sched.timings():
-                self.spans.append(dataclasses.replace(span, stream=prefix + span.stream))
+            for t in times:
+                self.spans.append(Span(*t._replace(stream=prefix + t.stream)))
         self.meta["devices"] = sorted({str(d) for p in self._pipes for d in p.devices})
         self.recording = False
 
@@ -83,6 +88,8 @@ def profile(model: nn.Module) -> Iterator[Profile]:
     if not pipes:
         raise ValueError(f"{type(model).__name__} contains no mpstream.Pipe to profile")
     previous: list[Any] = []
+    # Idle streams when the references are recorded: see the module docstring.
+    synchronize(d for pipe in pipes for d in pipe.devices)
     for pipe in pipes:
         sched = pipe.scheduler
         previous.append(sched.timing)

@@ -1,27 +1,67 @@
 """Typed wrapper over the C++ event scheduler.
 
 :class:`EventScheduler` owns one compute stream and one copy stream per stage
-and hands them to ``mpstream._C.Scheduler``, which makes each task's stream
-wait on the events of the tasks it depends on, records its completion event
-from a per-device pool, and can log every stream operation (the plan) and
-time every task.
+and one io stream per device (transfers from the host) and hands them to
+``mpstream._C.Scheduler``, which makes each task's stream wait on the events
+of the tasks it depends on, records its completion event from a per-device
+pool, and can log every stream operation (the plan) and time every task.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import warnings
+import weakref
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
 from . import _ext
 from .schedule import Schedule
-from .stream import AnyStream, current_stream, device_type_code, new_stream, stream_id
-from .timeline import Span
+from .stream import AnyStream, current_stream, device_type_code, is_cuda, new_stream, stream_id
 
-__all__ = ["EventScheduler", "PlanOp"]
+__all__ = [
+    "EventScheduler",
+    "PlanOp",
+    "TaskTime",
+    "StreamAliasWarning",
+    "AUTOGRAD_ORDERS_GRAD_COPIES",
+]
 
 _C = _ext.load()
+
+# Since torch 2.8 (pytorch/pytorch#151079), autograd's engine makes a node's
+# stream wait on the streams that produced its incoming gradients right
+# before the node runs (torch/csrc/autograd/engine.cpp, Engine::
+# evaluate_function, "Ensure that the incoming gradients are ready"). A
+# gradient copy's consumer is then ordered after the copy on its own device's
+# thread, at the right point in its stream. Earlier versions only synchronize
+# the consumer with its device's default stream when the producer node sits
+# on another device (torch/csrc/autograd/input_buffer.cpp, InputBuffer::add,
+# case 3), so the scheduler must issue the wait itself.
+AUTOGRAD_ORDERS_GRAD_COPIES: bool = torch.__version__ >= (2, 8)  # type: ignore[operator]
+
+
+class StreamAliasWarning(RuntimeWarning):
+    """Two pipeline streams are the same CUDA stream: their work serialises."""
+
+
+class TaskTime(NamedTuple):
+    """When one task ran, as the scheduler timed it (milliseconds)."""
+
+    stage: int
+    micro: int
+    kind: str
+    stream: str
+    start_ms: float
+    end_ms: float
+    run: int
+
+
+# Schedulers whose streams are alive, to spot streams shared between pipes.
+_LIVE: weakref.WeakSet[EventScheduler] = weakref.WeakSet()
+_warned_across_pipes = False
 
 
 class PlanOp(NamedTuple):
@@ -66,6 +106,7 @@ class EventScheduler:
 
         self.compute_streams = [stream(d) for d in self.devices]
         self.copy_streams = [stream(d) for d in self.devices]
+        self.io_streams = [stream(d) for d in callers]
         stage_slots = []
         self.slot_names: list[str] = []
         for s, d in enumerate(self.devices):
@@ -79,9 +120,68 @@ class EventScheduler:
             self.slot_names.append(name)
             caller = None if virtual else current_stream(d)
             caller_slots.append(self._spec(d, caller, name))
+        io_slots = []
+        for d, st in zip(callers, self.io_streams):
+            name = f"io@{d}"
+            self.slot_names.append(name)
+            io_slots.append(self._spec(d, st, name))
         caller_of_stage = [callers.index(d) for d in self.devices]
-        self.slot_devices = [d for d in self.devices for _ in range(2)] + callers
-        self.native: Any = _C.Scheduler(stage_slots, caller_slots, caller_of_stage)
+        self.slot_devices = [d for d in self.devices for _ in range(2)] + callers + callers
+        self.native: Any = _C.Scheduler(stage_slots, caller_slots, caller_of_stage, io_slots)
+        self.native.autograd_orders_grad_copies = AUTOGRAD_ORDERS_GRAD_COPIES
+        if not virtual:
+            self._check_aliasing()
+            _LIVE.add(self)
+
+    def named_streams(self) -> Iterator[tuple[str, AnyStream]]:
+        """The pipeline's own streams (compute, copy, io) with their slot names."""
+        per_stage = [st for pair in zip(self.compute_streams, self.copy_streams) for st in pair]
+        for name, st in zip(self.slot_names[: len(per_stage)], per_stage):
+            if st is not None:
+                yield name, st
+        io_names = self.slot_names[-len(self.io_streams) :]
+        for name, st in zip(io_names, self.io_streams):
+            if st is not None:
+                yield name, st
+
+    def _check_aliasing(self) -> None:
+        # torch.cuda.Stream() hands out a fixed pool of streams per device
+        # round-robin (32 per priority), so many stages on one GPU, or many
+        # live pipes, end up sharing streams: correct, but serialised.
+        global _warned_across_pipes
+        owners: dict[tuple[int, int], list[str]] = defaultdict(list)
+        for name, st in self.named_streams():
+            if is_cuda(st):
+                owners[(st.device.index, stream_id(st) or 0)].append(name)
+        shared = [names for names in owners.values() if len(names) > 1]
+        if shared:
+            pairs = "; ".join(" = ".join(names) for names in shared)
+            warnings.warn(
+                f"mpstream: these pipeline streams are one and the same CUDA stream, so their "
+                f"work serialises (results stay correct): {pairs}. PyTorch hands out "
+                f"{len(owners)} distinct pooled streams here; put fewer stages on one device.",
+                StreamAliasWarning,
+                stacklevel=4,
+            )
+        if _warned_across_pipes:
+            return
+        for other in list(_LIVE):
+            clashes = [
+                f"{name} (another live Pipe's)"
+                for name, st in other.named_streams()
+                if is_cuda(st) and (st.device.index, stream_id(st) or 0) in owners
+            ]
+            if clashes:
+                _warned_across_pipes = True
+                warnings.warn(
+                    "mpstream: this Pipe's streams are shared with another live Pipe: "
+                    f"{', '.join(clashes[:4])}. PyTorch's stream pool is exhausted; work "
+                    f"on shared streams serialises. Delete pipes you no longer use. "
+                    f"(Warned once per process.)",
+                    StreamAliasWarning,
+                    stacklevel=4,
+                )
+                return
 
     @staticmethod
     def _spec(device: torch.device, stream: AnyStream | None, name: str) -> Any:
@@ -142,7 +242,7 @@ class EventScheduler:
     def timing(self, on: bool) -> None:
         self.native.timing = on
 
-    def timings(self) -> list[Span]:
+    def timings(self) -> list[TaskTime]:
         """Per-task start/end times; blocks until the timed work is done.
 
         Times are milliseconds from the timing reference; ``run`` counts the
@@ -151,7 +251,7 @@ class EventScheduler:
         built its graph.
         """
         return [
-            Span(s, m, kind, self.slot_names[slot], start, end, run)
+            TaskTime(s, m, kind, self.slot_names[slot], start, end, run)
             for s, m, kind, slot, start, end, run in self.native.timings()
         ]
 
@@ -165,3 +265,7 @@ class EventScheduler:
     @property
     def events_free(self) -> int:
         return int(self.native.events_free)
+
+    @property
+    def timing_events_created(self) -> int:
+        return int(self.native.timing_events_created)

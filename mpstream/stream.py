@@ -95,8 +95,11 @@ def record_stream(tensor: torch.Tensor, stream: AnyStream) -> None:
     """Tells the caching allocator that ``stream`` uses ``tensor``.
 
     Without it, memory freed by the allocating stream could be handed out
-    again while ``stream`` still reads it. Only same-device CUDA streams need
-    (or accept) this.
+    again while ``stream`` still reads it. Skipped for a stream of another
+    device: the allocator would accept it, but mpstream's only cross-device
+    use (a peer copy, which PyTorch issues on the source device's stream) is
+    already ordered before the destination's later frees by the copy's
+    events.
     """
     if isinstance(stream, CPUStream) or not tensor.is_cuda:
         return

@@ -17,8 +17,14 @@ from typing import Any
 __all__ = ["Span", "Timeline", "Summary", "COMPUTE", "COPIES"]
 
 COMPUTE = ("forward", "backward")
-COPIES = ("copy", "copy_grad")
-_COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "copy": "#55A868", "copy_grad": "#C44E52"}
+COPIES = ("copy", "copy_grad", "target")
+_COLORS = {
+    "forward": "#4C72B0",
+    "backward": "#DD8452",
+    "copy": "#55A868",
+    "copy_grad": "#C44E52",
+    "target": "#8172B3",
+}
 
 
 @dataclass(frozen=True)

@@ -2,11 +2,13 @@
 
 One host thread walks the task list in order. For every task the scheduler
 first makes the task's stream wait on the events it depends on and makes that
-stream current; the task's work is then enqueued (a stage's forward, or a
-:class:`~mpstream.copy.Copy`), and the scheduler records its completion event.
-Kernels are asynchronous, so the walk runs ahead of the device and the
-streams overlap. If anything raises, the run is aborted (streams restored,
-events released) before the exception propagates, and no later task starts.
+stream current; the task's work is then enqueued (a stage's forward, a
+:class:`~mpstream.copy.Copy`, a host transfer), and the scheduler records its
+completion event. Kernels and copies are asynchronous and nothing here waits
+for the device, so the walk runs ahead of the device and the streams
+overlap. If anything raises, the run is aborted (the caller's streams ordered
+after everything queued, streams restored, events released) before the
+exception propagates, and no later task starts.
 """
 
 from __future__ import annotations
@@ -21,11 +23,16 @@ from torch.autograd import profiler
 from . import marks
 from .boundary import GradSink, cut
 from .checkpoint import checkpointed
-from .copy import Copy, move
+from .copy import Copy, Route, move
 from .microbatch import Value, check_output, rebuild, tensors_of
 from .schedule import Kind, Schedule
 from .scheduler import EventScheduler
 from .stream import AnyStream, current_stream, is_cuda, record_stream
+from .transfer import GradLink, HostWait, to_device
+
+# Pinned staging buffers of one micro-batch, one entry per tensor (see
+# mpstream.transfer.host_staging), or None when nothing needs staging.
+Staging = tuple[Tensor | None, ...] | None
 
 __all__ = ["Worker", "range_name"]
 
@@ -58,14 +65,22 @@ class Worker:
     Args:
         partitions: one module per stage.
         sched: the event scheduler owning the stage streams.
+        force_copies: copy between stages even on the same device.
     """
 
-    def __init__(self, partitions: Sequence[nn.Module], sched: EventScheduler) -> None:
+    def __init__(
+        self, partitions: Sequence[nn.Module], sched: EventScheduler, force_copies: bool = False
+    ) -> None:
         self.partitions = list(partitions)
         self.sched = sched
+        self.force_copies = force_copies
 
     def forward(
-        self, batches: list[Value], schedule: Schedule, checkpoint_stop: int = 0
+        self,
+        batches: list[Value],
+        schedule: Schedule,
+        checkpoint_stop: int = 0,
+        staging: Sequence[Staging] | None = None,
     ) -> list[Value]:
         """Runs every task of ``schedule`` over the micro-batches.
 
@@ -73,6 +88,7 @@ class Worker:
             batches: micro-batches on the input device.
             schedule: a forward schedule for this pipeline.
             checkpoint_stop: micro-batches below this index are checkpointed.
+            staging: per micro-batch, pinned buffers for its input transfer.
 
         Returns:
             The last stage's output per micro-batch, ready on the caller's
@@ -86,6 +102,8 @@ class Worker:
         readers = _cuda_only(sched.compute_streams)
         (caller_reader,) = _cuda_only([current_stream(sched.devices[last])])
         copy_in = schedule.copy_in
+        force = self.force_copies
+        host_grads = torch.is_grad_enabled() and sched.devices[0].type == "cuda"
         profiling = torch._C._autograd._profiler_enabled()
         # While timing, mark where autograd will run each stage's backward.
         marking = native.timing and torch.is_grad_enabled()
@@ -119,11 +137,21 @@ class Worker:
                 elif task.kind is Kind.COPY:
                     value = values[m]
                     handle = native.begin(task.index)
+                    tensors = tensors_of(value)
+                    if s < 0:
+                        route = Route(sched, s, m, staging=staging[m] if staging else None)
+                        if host_grads and any(t.requires_grad and not t.is_cuda for t in tensors):
+                            # The input's gradient comes back asynchronously;
+                            # the host consumer waits for it (transfer.py).
+                            route.link = GradLink()
+                            tensors = HostWait.apply(route.link, *tensors)
+                    else:
+                        route = Route(sched, s, m, force)
                     if profiling:
                         with profiler.record_function(range_name(task.kind, s, m)):
-                            moved = Copy.apply(sched, s, m, *tensors_of(value))
+                            moved = Copy.apply(route, *tensors)
                     else:
-                        moved = Copy.apply(sched, s, m, *tensors_of(value))
+                        moved = Copy.apply(route, *tensors)
                     native.end(handle)
                     values[m] = rebuild(value, moved)
                 else:
@@ -147,6 +175,9 @@ class Worker:
         loss_fn: Callable[[Value, Value], Tensor],
         weights: Sequence[float],
         checkpoint_stop: int = 0,
+        staging: Sequence[Staging] | None = None,
+        target_staging: Sequence[Staging] | None = None,
+        before_backward: Callable[[int], None] | None = None,
     ) -> list[Tensor]:
         """Runs forward and backward of every micro-batch in ``schedule``'s order.
 
@@ -157,11 +188,17 @@ class Worker:
 
         Args:
             batches: input micro-batches.
-            targets: target micro-batches, moved to the last stage's device.
+            targets: target micro-batches; unless on the last stage's device,
+                the schedule has a target task per micro-batch that moves it.
             schedule: a schedule with backward tasks (``gpipe`` or ``1f1b``).
             loss_fn: ``loss_fn(output, target)`` returning a scalar.
             weights: factor of each micro-batch's loss.
             checkpoint_stop: micro-batches below this index are checkpointed.
+            staging: per micro-batch, pinned buffers for its input transfer.
+            target_staging: per micro-batch, pinned buffers for its target.
+            before_backward: called with a stage's index inside its first
+                backward task, on its stream, before any gradient of the step
+                accumulates into its parameters.
 
         Returns:
             The weighted loss of each micro-batch (detached), ready on the
@@ -180,8 +217,11 @@ class Worker:
         copiers = _cuda_only(sched.copy_streams)
         (caller_reader,) = _cuda_only([current_stream(devices[last])])
         copy_in = schedule.copy_in
+        force = self.force_copies
         profiling = torch._C._autograd._profiler_enabled()
         values: list[Value | None] = list(batches)
+        labels = list(targets)
+        backward_seen: set[int] = set()
         roots: dict[tuple[int, int], tuple[Tensor, ...]] = {}
         sinks: dict[tuple[int, int], GradSink] = {}
         grads: dict[int, tuple[Tensor | None, ...]] = {}
@@ -207,7 +247,7 @@ class Worker:
                         y = checkpointed(stage, x) if m < checkpoint_stop else stage(x)
                         y = check_output(y, s)
                         if s == last:
-                            loss = _loss(loss_fn, y, targets[m], devices[s], readers[s], weights[m])
+                            loss = _loss(loss_fn, y, labels[m], readers[s], weights[m])
                             roots[(s, m)] = (loss,)
                             losses.append(loss.detach())
                             del loss
@@ -224,14 +264,28 @@ class Worker:
                     dst = devices[s + 1]
                     handle = native.begin(task.index)
                     with _range(profiling, kind, s, m), torch.no_grad():
-                        moved_value = rebuild(value, [move(t, dst) for t in tensors_of(value)])
+                        if s < 0:
+                            moved_value = _transfer(value, dst, staging[m] if staging else None)
+                        else:
+                            moved = [move(t, dst, force=force) for t in tensors_of(value)]
+                            moved_value = rebuild(value, moved)
                     if s >= 0:
                         _protect(value, copiers[s])
                     _protect(moved_value, readers[s + 1])
                     native.end(handle)
                     values[m] = moved_value
+                elif kind is Kind.TARGET:
+                    handle = native.begin(task.index)
+                    with _range(profiling, kind, s, m), torch.no_grad():
+                        buffers = target_staging[m] if target_staging else None
+                        labels[m] = _transfer(labels[m], devices[last], buffers)
+                    _protect(labels[m], readers[last])
+                    native.end(handle)
                 elif kind is Kind.BACKWARD:
                     handle = native.begin(task.index)
+                    if before_backward is not None and s not in backward_seen:
+                        backward_seen.add(s)
+                        before_backward(s)
                     with _range(profiling, kind, s, m):
                         _backward(roots.pop((s, m)), None if s == last else grads.pop(m))
                     if s > 0:
@@ -246,7 +300,8 @@ class Worker:
                     handle = native.begin(task.index)
                     with _range(profiling, kind, s, m), torch.no_grad():
                         moved_grads = tuple(
-                            None if g is None else move(g, devices[s]) for g in outgoing
+                            None if g is None else move(g, devices[s], force=force)
+                            for g in outgoing
                         )
                     _protect_all(outgoing, copiers[s + 1])
                     _protect_all(moved_grads, readers[s])
@@ -279,19 +334,27 @@ def _protect_all(tensors: Sequence[Tensor | None], stream: AnyStream | None) -> 
                 record_stream(t, stream)
 
 
+def _transfer(value: Value, device: torch.device, staging: Staging) -> Value:
+    """Moves a micro-batch (or its target) from the host or the caller's device."""
+    buffers = staging or (None,) * len(tensors_of(value))
+    return rebuild(value, [to_device(t, device, b) for t, b in zip(tensors_of(value), buffers)])
+
+
 def _loss(
     loss_fn: Callable[[Value, Value], Tensor],
     output: Value,
     target: Value,
-    device: torch.device,
     reader: AnyStream | None,
     weight: float,
 ) -> Tensor:
-    """The weighted loss of one micro-batch, on the last stage's stream."""
-    moved = rebuild(target, [move(t, device) for t in tensors_of(target)])
+    """The weighted loss of one micro-batch, on the last stage's stream.
+
+    ``target`` sits on the last stage's device: moved there by its target
+    task, or put there by the caller (then allocated on the caller's stream).
+    """
     if reader is not None:
-        _protect(moved, reader)
-    return _scalar(loss_fn(output, moved)) * weight
+        _protect(target, reader)
+    return _scalar(loss_fn(output, target)) * weight
 
 
 def _scalar(loss: object) -> Tensor:

@@ -80,22 +80,35 @@ def test_misuse_is_reported() -> None:
         sched.begin_grad_copy(1, 0)
 
 
-def test_grad_copy_orders_the_receiving_compute_stream() -> None:
+@pytest.mark.parametrize("autograd_orders", [True, False])
+def test_grad_copy_orders_the_receiving_compute_stream(autograd_orders: bool) -> None:
     sched = virtual(2)
+    sched.native.autograd_orders_grad_copies = autograd_orders
     sched.recording = True
     sched.end(sched.begin_grad_copy(0, 3))
     ops = sched.plan()
     # The copy runs on the sending slot, which records an event the receiving
-    # copy slot waits on; its completion event then orders the compute slot.
+    # copy slot waits on. The compute slot is then ordered after the copy:
+    # by autograd's engine on current torch (logged, not issued: it waits on
+    # the copy node's stream, the sending slot), else by a wait issued here.
+    last = ("autograd" if autograd_orders else "wait", "stage0.compute@cuda:0")
     assert [(op.op, sched.slot_names[op.slot]) for op in ops] == [
         ("run", "stage1.copy@cuda:1"),
         ("record", "stage1.copy@cuda:1"),
         ("wait", "stage0.copy@cuda:0"),
         ("record", "stage0.copy@cuda:0"),
-        ("wait", "stage0.compute@cuda:0"),
+        last,
     ]
     assert all(op.kind == "copy_grad" and op.stage == 0 and op.micro == 3 for op in ops)
-    assert ops[1].event == ops[2].event and ops[3].event == ops[4].event
+    assert ops[1].event == ops[2].event
+    assert ops[4].event == (ops[1].event if autograd_orders else ops[3].event)
+
+
+def test_autograd_ordering_follows_the_installed_torch() -> None:
+    from mpstream.scheduler import AUTOGRAD_ORDERS_GRAD_COPIES
+
+    assert AUTOGRAD_ORDERS_GRAD_COPIES == (torch.__version__ >= (2, 8))  # type: ignore[operator]
+    assert virtual(2).native.autograd_orders_grad_copies == AUTOGRAD_ORDERS_GRAD_COPIES
 
 
 def test_recording_toggles_and_clears() -> None:

@@ -1,0 +1,130 @@
+"""Host ↔ device transfers that never block the host thread.
+
+A pipeline's batch (and a training step's targets) often sits in host
+memory. Moving it with ``x.to(device)`` from pageable memory synchronizes the
+copy's stream, so the host would wait for whatever that stream had queued
+and could no longer run ahead of the device. Instead:
+
+- pageable tensors are staged through pinned memory: one buffer per tensor
+  per step, from PyTorch's caching host allocator, which hands the same
+  memory back on later steps once the copies that read it have finished
+  (it tracks them with events); each micro-batch's slice is filled on the
+  host inside its transfer task, then moved with ``non_blocking=True``;
+- pinned tensors (``DataLoader(pin_memory=True)``) skip the staging copy;
+- the gradient of an input that requires grad comes back into pinned memory
+  asynchronously on the device's autograd thread; :class:`HostWait` makes
+  the host-side consumer (run by autograd on the calling thread) wait for
+  it, so the device's thread keeps issuing backward kernels meanwhile.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .microbatch import Value, tensors_of
+from .stream import current_stream, record_stream
+
+__all__ = ["host_staging", "to_device", "to_host", "GradLink", "HostWait"]
+
+
+def _pageable(t: Tensor) -> bool:
+    return t.device.type == "cpu" and not t.is_pinned()
+
+
+def host_staging(value: Value, device: torch.device) -> tuple[Tensor | None, ...] | None:
+    """Pinned buffers for the pageable tensors of ``value`` bound to ``device``.
+
+    Returns:
+        One entry per tensor of ``value`` (a pinned buffer of its shape and
+        dtype, or None when it needs none), or None when nothing needs
+        staging: ``device`` is not a CUDA device, or every tensor already
+        sits on a device or in pinned memory.
+    """
+    if device.type != "cuda":
+        return None
+    tensors = tensors_of(value)
+    if not any(_pageable(t) for t in tensors):
+        return None
+    return tuple(
+        torch.empty(t.shape, dtype=t.dtype, pin_memory=True) if _pageable(t) else None
+        for t in tensors
+    )
+
+
+def to_device(x: Tensor, device: torch.device, staging: Tensor | None = None) -> Tensor:
+    """Moves ``x`` to ``device`` on the current stream without blocking the host.
+
+    Args:
+        x: the tensor (a micro-batch's slice).
+        device: where it goes.
+        staging: a pinned buffer shaped like ``x``; a pageable ``x`` is
+            copied into it on the host first.
+
+    Copies into host memory (a CPU stage fed from a GPU) still block: host
+    work that follows must not read a tensor still in flight.
+    """
+    if x.device == device:
+        return x
+    if staging is not None:
+        staging.copy_(x)
+        return staging.to(device, non_blocking=True)
+    non_blocking = device.type == "cuda" and (x.is_cuda or x.is_pinned())
+    return x.to(device, non_blocking=non_blocking)
+
+
+class GradLink:
+    """Carries the event of an asynchronous gradient copy to the host."""
+
+    __slots__ = ("event",)
+
+    def __init__(self) -> None:
+        self.event: torch.cuda.Event | None = None
+
+
+def to_host(grad: Tensor, device: torch.device, link: GradLink | None) -> Tensor:
+    """Copies a gradient back to its input's ``device``.
+
+    A CUDA gradient bound for the host lands in pinned memory asynchronously;
+    the event recorded after it goes to ``link``, for :class:`HostWait`.
+    Other moves are plain copies.
+    """
+    if grad.device == device:
+        return grad
+    if device.type != "cpu" or not grad.is_cuda or link is None:
+        return grad.to(device)
+    out = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=True)
+    stream = current_stream(grad.device)
+    record_stream(grad, stream)  # produced on the stage's stream
+    out.copy_(grad, non_blocking=True)
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    event.record(stream)  # type: ignore[arg-type]
+    link.event = event
+    return out
+
+
+class HostWait(torch.autograd.Function):
+    """Identity on host tensors; in backward, waits for their gradients' copy.
+
+    Applied to a host input before it moves to a device. Its backward runs on
+    autograd's CPU thread (the caller's), after the device thread queued the
+    asynchronous copy of the gradient into ``link``'s pinned memory.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, link: GradLink, *inputs: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+        ctx.link = link
+        outputs = tuple(x.detach() for x in inputs)
+        ctx.mark_non_differentiable(*[y for y in outputs if not y.is_floating_point()])
+        ctx.set_materialize_grads(False)
+        return outputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        event = ctx.link.event
+        if event is not None:
+            event.synchronize()
+            ctx.link.event = None
+        return (None, *grads)
