@@ -317,7 +317,14 @@ int64_t Scheduler::begin_grad_copy(int32_t stage, int32_t micro) {
     throw std::out_of_range("gradient copy from stage " + std::to_string(stage + 1) +
                             " to " + std::to_string(stage) + " is outside the pipeline");
   }
-  return open(-1, Kind::kCopyGrad, stage, micro, copy_slot(stage + 1), copy_slot(stage));
+  // Autograd runs the Copy node on the stream its forward made current for
+  // its outputs, and has made that stream wait for the incoming gradient:
+  // the copy must run there. Across devices that is the receiving side of
+  // the forward copy (stage + 1's copy slot); on one device, where only the
+  // forward copy's issuing slot was current, it is stage `stage`'s.
+  const int32_t node = same_device(copy_slot(stage), copy_slot(stage + 1)) ? copy_slot(stage)
+                                                                           : copy_slot(stage + 1);
+  return open(-1, Kind::kCopyGrad, stage, micro, node, copy_slot(stage));
 }
 
 void Scheduler::finish_open(Open& o) {
@@ -337,6 +344,9 @@ void Scheduler::finish_open(Open& o) {
     timing_mark(o, false);
   }
   const int32_t ev = record(o.rec, o.task, o.kind, o.stage, o.micro);
+  if (done < 0) {
+    done = ev;  // the work ran on the receiving slot itself
+  }
   if (o.task >= 0) {
     task_event_[o.task] = ev;
     events_[ev].refs += pending_[o.task];
@@ -433,15 +443,14 @@ void Scheduler::abort() {
     }
     if (running_) {
       // Kernels the failed task queued after begin() have no event yet:
-      // mark where they end on each of its streams, so that the caller's
-      // streams wait for them below.
+      // mark where they end, as end() would (a copy's receiving stream
+      // after its issuing one), so that the callers wait for them below.
       try {
-        if (o.issue >= 0) {
-          record(o.issue, o.task, o.kind, o.stage, o.micro);
+        if (o.issue >= 0 && o.issue != o.rec) {
+          const int32_t done = record(o.issue, o.task, o.kind, o.stage, o.micro);
+          wait(o.rec, done, o.task, o.kind, o.stage, o.micro);
         }
-        if (o.rec != o.issue) {
-          record(o.rec, o.task, o.kind, o.stage, o.micro);
-        }
+        record(o.rec, o.task, o.kind, o.stage, o.micro);
       } catch (const std::exception&) {
       }
     }

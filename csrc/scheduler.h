@@ -101,8 +101,10 @@ class Scheduler {
   bool running() const;
 
   // A gradient copy issued by autograd outside the schedule: the gradient of
-  // stage `stage + 1`'s input moves to `stage`. The copy runs on the sending
-  // copy slot. Stage `stage`'s compute stream must wait for it before the
+  // stage `stage + 1`'s input moves to `stage`. The copy runs on the stream
+  // of the forward copy's autograd node (the sending copy slot across
+  // devices, the receiving one on one device). Stage `stage`'s compute
+  // stream must wait for it before the
   // consumer's kernels: autograd's engine does that itself, right before it
   // runs the consumer, when `autograd_orders_grad_copies` is set (torch >=
   // 2.8); otherwise end() issues the wait, from the sending device's thread.

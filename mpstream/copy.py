@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 from torch.autograd import profiler
 
-from .stream import AnyStream, record_stream
+from .stream import AnyStream, current_stream, record_stream
 from .transfer import GradLink, to_device, to_host
 
 if TYPE_CHECKING:
@@ -132,14 +132,19 @@ class Copy(torch.autograd.Function):
         scope: AbstractContextManager[object] = nullcontext()
         if torch._C._autograd._profiler_enabled():
             scope = profiler.record_function(f"mpstream/copy_grad/stage{stage}/mb{route.micro}")
-        reader, consumer = sched.copy_streams[stage + 1], sched.compute_streams[stage]
+        consumer = sched.compute_streams[stage]
         handle = sched.begin_grad_copy(stage, route.micro)
         try:
             with scope:
-                result = [
-                    None if g is None else _move(g, d, reader, consumer, route.force)
-                    for g, d in zip(grads, ctx.src_devices)
-                ]
+                result: list[Tensor | None] = []
+                for g, d in zip(grads, ctx.src_devices):
+                    if g is None:
+                        result.append(None)
+                        continue
+                    # The scheduler made the stream that reads g current
+                    # (this node's; see Scheduler::begin_grad_copy).
+                    reader = current_stream(g.device)
+                    result.append(_move(g, d, reader, consumer, route.force))
         finally:
             sched.end(handle)
         return (None, *result)

@@ -197,9 +197,18 @@ def verify_plan(plan: Plan) -> None:
             if src is not None and i not in reach(src):
                 problems.append(f"{what} is not ordered after the caller's source event")
         if op.kind == "copy_grad" and op.task == -1:
+            # Autograd runs the consumer (this micro-batch's backward of
+            # the stage) on the stage's compute stream: a wait of its own
+            # (ours, or autograd's engine's) must order it after the copy.
             compute = 2 * op.stage
-            later = [j for j in range(i + 1, n) if ops[j].slot == compute]
-            if not any(j in reach(i) for j in later):
+            orders = [
+                j
+                for j in range(i + 1, n)
+                if ops[j].slot == compute
+                and ops[j].op in ("wait", "sync", "autograd")
+                and (ops[j].kind, ops[j].stage, ops[j].micro) == (op.kind, op.stage, op.micro)
+            ]
+            if not any(j in reach(i) for j in orders):
                 problems.append(f"{what}: stage {op.stage}'s compute stream never waits for it")
     # The run ends with the join (waits on caller slots); records after it
     # (gradient copies issued by autograd) are ordered by autograd's own

@@ -61,18 +61,21 @@ def to_device(x: Tensor, device: torch.device, staging: Tensor | None = None) ->
         x: the tensor (a micro-batch's slice).
         device: where it goes.
         staging: a pinned buffer shaped like ``x``; a pageable ``x`` is
-            copied into it on the host first.
+            copied into it on the host first. Without one, a pageable ``x``
+            bound for a GPU gets a buffer of its own from the caching host
+            allocator (a CPU stage's output, say).
 
     Copies into host memory (a CPU stage fed from a GPU) still block: host
     work that follows must not read a tensor still in flight.
     """
     if x.device == device:
         return x
+    if staging is None and device.type == "cuda" and _pageable(x):
+        staging = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
     if staging is not None:
         staging.copy_(x)
         return staging.to(device, non_blocking=True)
-    non_blocking = device.type == "cuda" and (x.is_cuda or x.is_pinned())
-    return x.to(device, non_blocking=non_blocking)
+    return x.to(device, non_blocking=device.type == "cuda")
 
 
 class GradLink:

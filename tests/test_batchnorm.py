@@ -207,3 +207,24 @@ def test_eval_mode_does_not_accumulate() -> None:
 def test_rejects_1d_input() -> None:
     with pytest.raises(ValueError, match="at least 2D"):
         DeferredBatchNorm(3)(torch.randn(3))
+
+
+def test_cumulative_average_stays_on_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """momentum=None needs 1 / num_batches_tracked; computing it as a Python
+    float would synchronize the host with the device once per layer."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, momentum=None)).double()
+    ref = copy.deepcopy(model)
+    pipe = Pipe(model, chunks=2, deferred_batch_norm=True, balance=[1, 1], devices=["cpu"] * 2)
+
+    def no_host_read(self: torch.Tensor) -> float:
+        raise AssertionError("float() of a tensor")
+
+    for _ in range(3):
+        x = torch.randn(8, 4, dtype=torch.float64)
+        ref(x)
+        with monkeypatch.context() as m:
+            m.setattr(torch.Tensor, "__float__", no_host_read)
+            pipe(x)
+    norm = pipe[1]
+    torch.testing.assert_close(norm.running_mean, ref[1].running_mean)
+    torch.testing.assert_close(norm.running_var, ref[1].running_var)

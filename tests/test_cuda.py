@@ -58,10 +58,17 @@ def test_stages_on_one_gpu_match_cpu(stages: int, split_size: int) -> None:
     run_and_compare(model, pipe, torch.randn(BATCH, 5, dtype=torch.float64, device="cuda:0"))
 
 
+@pytest.mark.parametrize("force_copies", [False, True])
 @pytest.mark.parametrize("pinned", [False, True])
-def test_cpu_input_is_copied_on_the_copy_stream(pinned: bool) -> None:
+def test_cpu_input_and_its_gradient_match_cpu(pinned: bool, force_copies: bool) -> None:
     model = mlp([5, 8, 4])
-    pipe = Pipe(copy.deepcopy(model), chunks=3, balance=[2, 2], devices=["cuda:0", "cuda:0"])
+    pipe = Pipe(
+        copy.deepcopy(model),
+        chunks=3,
+        balance=[2, 2],
+        devices=["cuda:0", "cuda:0"],
+        force_copies=force_copies,
+    )
     x = torch.randn(BATCH, 5, dtype=torch.float64)
     run_and_compare(model, pipe, x.pin_memory() if pinned else x)
 
@@ -105,23 +112,24 @@ def test_tutorial_resnet50_on_one_gpu_matches_cpu() -> None:
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
-@pytest.mark.parametrize("devices", [["cuda:0"] * 3, "two"])
-def test_train_step_on_gpus_matches_cpu(schedule: str, checkpoint: str, devices: object) -> None:
-    if devices == "two":
-        if torch.cuda.device_count() < 2:
-            pytest.skip("needs two CUDA devices")
-        devices = ["cuda:0", "cuda:1", "cuda:1"]
+@pytest.mark.parametrize("devices", ["one", "forced", "two"])
+def test_train_step_on_gpus_matches_cpu(schedule: str, checkpoint: str, devices: str) -> None:
+    if devices == "two" and torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    layout = ["cuda:0", "cuda:1", "cuda:1"] if devices == "two" else ["cuda:0"] * 3
     model = mlp([5, 8, 7, 4])
     ref = copy.deepcopy(model)
     pipe = Pipe(
         copy.deepcopy(model),
         split_size=3,
         balance=[2, 2, 2],
-        devices=devices,
+        devices=layout,
         schedule=schedule,
         checkpoint=checkpoint,
-    )  # type: ignore[arg-type]
+        force_copies=devices == "forced",
+    )
     x, y = torch.randn(BATCH, 5, dtype=torch.float64), torch.randn(BATCH, 4, dtype=torch.float64)
+    # Pinned input, pageable targets: both move in transfer tasks.
     loss = pipe.train_step(x.pin_memory(), y, nn.MSELoss())
     expected = nn.MSELoss()(ref(x), y)
     expected.backward()
@@ -324,13 +332,22 @@ SANITIZED = textwrap.dedent(
     net = StreamPipelineResNet50(devices[0], devices[-1], split_size=4, num_classes=10)
     net(torch.randn(8, 3, 64, 64, device=devices[0])).sum().backward()
     for schedule, checkpoint in (("gpipe", "never"), ("1f1b", "except_last")):
-        stepper = Pipe(nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64))
-                                       for _ in devices]),
-                       split_size=4, balance=[1] * len(devices), devices=devices,
-                       schedule=schedule, checkpoint=checkpoint, deferred_batch_norm=True)
-        for _ in range(2):
-            stepper.train_step(torch.randn(12, 64).pin_memory(), torch.randn(12, 64),
-                               nn.MSELoss())
+        for force in (False, True):
+            stepper = Pipe(nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64))
+                                           for _ in devices]),
+                           split_size=4, balance=[1] * len(devices), devices=devices,
+                           schedule=schedule, checkpoint=checkpoint, deferred_batch_norm=True,
+                           force_copies=force)
+            for _ in range(2):
+                stepper.train_step(torch.randn(12, 64).pin_memory(), torch.randn(12, 64),
+                                   nn.MSELoss())
+            x = torch.randn(12, 64, requires_grad=True)  # pageable, needs its gradient
+            stepper(x).sum().backward()
+            assert x.grad is not None
+    mixed = Pipe(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)), split_size=3,
+                 balance=[1, 1], devices=["cpu", devices[-1]])
+    mixed(torch.randn(10, 64, requires_grad=True)).sum().backward()
+    mixed.train_step(torch.randn(10, 64), torch.randn(10, 64), nn.MSELoss())
     with mpstream.profile(pipe) as prof:
         pipe(torch.randn(10, 64, device=devices[0])).sum().backward()
     assert prof.spans
@@ -364,3 +381,329 @@ def test_cuda_sanitizer_reports_no_race_across_gpus() -> None:
     result = sanitized(["cuda:0", "cuda:1"])
     assert "CSAN detected" not in result.stderr, result.stderr[-4000:]
     assert result.returncode == 0, result.stderr[-4000:]
+
+
+# -- the hot path: no host synchronization, transfers on the io stream -------------
+
+
+def norm_mlp() -> nn.Sequential:
+    """Linear layers with BatchNorms, one of them a cumulative average."""
+    return nn.Sequential(
+        nn.Linear(16, 32), nn.BatchNorm1d(32, momentum=None), nn.Tanh(),
+        nn.Linear(32, 32), nn.BatchNorm1d(32), nn.Tanh(), nn.Linear(32, 8),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("pinned", [True, False])
+def test_no_host_synchronization_in_a_step(schedule: str, pinned: bool) -> None:
+    """Forward, backward and train_step never make the host wait for the
+    device: CUDA's sync debug mode raises on any synchronizing call."""
+    pipe = Pipe(
+        norm_mlp().cuda(),
+        split_size=4,
+        balance=[3, 3, 1],
+        devices=["cuda:0"] * 3,
+        schedule=schedule,
+        checkpoint="except_last",
+        deferred_batch_norm=True,
+        force_copies=True,
+    )
+    x, y = torch.randn(16, 16), torch.randn(16, 8)
+    if pinned:
+        x, y = x.pin_memory(), y.pin_memory()
+
+    def step() -> None:
+        pipe(x).pow(2).mean().backward()
+        pipe.train_step(x, y, nn.MSELoss())
+
+    step()  # warm-up: allocator, cuBLAS handles, pinned blocks
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+def _stream_spy(monkeypatch: pytest.MonkeyPatch, module: str, name: str) -> list[int]:
+    """Records the current stream's id whenever ``module.name`` is called."""
+    import importlib
+
+    target = importlib.import_module(module)
+    real = getattr(target, name)
+    seen: list[int] = []
+
+    def spy(x: Tensor, device: torch.device, *args: object, **kwargs: object) -> Tensor:
+        where = device if device.type == "cuda" else x.device
+        seen.append(torch.cuda.current_stream(where).stream_id)
+        return real(x, device, *args, **kwargs)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(target, name, spy)
+    return seen
+
+
+def test_inputs_and_targets_move_on_the_io_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    pipe = Pipe(mlp([5, 8, 4]).float().cuda(), chunks=3, balance=[2, 2], devices=["cuda:0"] * 2)
+    io = pipe.scheduler.io_streams[0].stream_id  # type: ignore[union-attr]
+    in_forward = _stream_spy(monkeypatch, "mpstream.copy", "to_device")
+    in_train = _stream_spy(monkeypatch, "mpstream.worker", "to_device")
+    x, y = torch.randn(BATCH, 5), torch.randn(BATCH, 4)
+    pipe(x).sum().backward()
+    pipe.train_step(x.pin_memory(), y, nn.MSELoss())
+    assert in_forward == [io] * 3
+    assert in_train == [io] * 6  # 3 inputs, 3 targets
+    sched = pipe.scheduler
+    sched.timing = True
+    pipe.train_step(x, y, nn.MSELoss())
+    spans = sched.timings()
+    sched.timing = False
+    transfers = [t for t in spans if (t.kind, t.stage) == ("copy", -1) or t.kind == "target"]
+    assert len(transfers) == 6 and {t.stream for t in transfers} == {"io@cuda:0"}
+
+
+def test_forced_copies_run_on_the_sending_copy_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    pipe = Pipe(
+        mlp([5, 8, 7, 4]).float().cuda(), chunks=2, balance=[2, 2, 2], devices=["cuda:0"] * 3,
+        force_copies=True,
+    )  # fmt: skip
+    copies = [st.stream_id for st in pipe.scheduler.copy_streams]  # type: ignore[union-attr]
+    seen = _stream_spy(monkeypatch, "mpstream.copy", "move")
+    x = torch.randn(BATCH, 5, device="cuda")
+    out = pipe(x)
+    assert seen == [copies[0], copies[0], copies[1], copies[1]]  # stage 0 -> 1, then 1 -> 2
+    seen.clear()
+    out.sum().backward()
+    # Gradients go back on the stream of each forward copy's autograd node,
+    # which autograd made wait for the incoming gradient.
+    assert sorted(seen) == sorted([copies[0], copies[0], copies[1], copies[1]])
+
+
+# -- overlap that fails when streams serialise ----------------------------------------
+
+
+class SleepFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: object, x: Tensor, forward: int, backward: int) -> Tensor:  # type: ignore[override]
+        torch.cuda._sleep(forward)
+        ctx.backward = backward  # type: ignore[attr-defined]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: object, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+        torch.cuda._sleep(ctx.backward)  # type: ignore[attr-defined]
+        return grad.clone(), None, None
+
+
+class SleepStage(nn.Module):
+    """``forward`` and ``backward`` cycles of GPU sleep per micro-batch."""
+
+    def __init__(self, forward: int, backward: int) -> None:
+        super().__init__()
+        self.cycles = (forward, backward)
+        self.w = nn.Parameter(torch.ones(1, device="cuda"))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return SleepFn.apply(x * self.w, *self.cycles)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("how", ["forward+backward", "train_step"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_backward_overlaps_too(how: str, schedule: str) -> None:
+    stage_ms, micros = 2.0, 8
+    cycles = int(cycles_per_ms() * stage_ms)
+    pipe = Pipe(
+        nn.Sequential(SleepStage(cycles, cycles), SleepStage(cycles, cycles)),
+        chunks=micros, devices=["cuda:0", "cuda:0"], schedule=schedule,
+    )  # fmt: skip
+    x, y = torch.zeros(micros, 4, device="cuda"), torch.zeros(micros, 4, device="cuda")
+
+    def step() -> None:
+        if how == "train_step":
+            pipe.train_step(x, y, nn.MSELoss())
+        else:
+            pipe(x).sum().backward()
+
+    measured = time_ms(step)
+    serial = 2 * micros * 2 * stage_ms  # every forward and backward one after another
+    ideal = 2 * (micros + 1) * stage_ms  # two stages overlapping, fill and drain
+    assert measured < 0.75 * serial, (measured, serial, ideal)
+    assert measured > 0.9 * ideal, (measured, ideal)
+
+
+def test_host_to_device_copies_overlap_compute() -> None:
+    """Pinned input moves on the io stream while the stage computes."""
+    stage_ms, micros = 2.0, 8
+    cycles = int(cycles_per_ms() * stage_ms)
+    probe = torch.empty(64 << 20, dtype=torch.uint8).pin_memory()
+    gbps = probe.numel() / time_ms(lambda: probe.to("cuda", non_blocking=True)) / 1e6
+    rows = int(gbps * 1e6 * stage_ms / (4 * 1024))  # one micro-batch copies for ~stage_ms
+    x = torch.zeros(micros * rows, 1024).pin_memory()
+    copy_ms = time_ms(lambda: x[:rows].to("cuda", non_blocking=True))
+
+    class Stage(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            torch.cuda._sleep(cycles)
+            return x[:1]
+
+    pipe = Pipe(nn.Sequential(Stage()), chunks=micros, devices=["cuda:0"])
+    measured = time_ms(lambda: pipe(x))
+    serial = micros * (copy_ms + stage_ms)
+    overlapped = copy_ms + micros * max(copy_ms, stage_ms)
+    assert overlapped < 0.7 * serial, "calibration: copies too short to tell"
+    assert measured < (overlapped + serial) / 2, (measured, overlapped, serial)
+
+
+def test_device_copies_overlap_compute_on_one_gpu() -> None:
+    """With force_copies, device-to-device copies between two stages on one
+    GPU run on the copy streams while both stages compute."""
+    stage_ms, micros = 1.5, 8
+    cycles = int(cycles_per_ms() * stage_ms)
+    probe = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    gbps = probe.numel() / time_ms(lambda: probe.clone()) / 1e6
+    big = torch.ones(int(gbps * 1e6 * stage_ms) // 4, device="cuda")  # ~stage_ms to copy
+    copy_ms = time_ms(lambda: big.clone())
+
+    class Emit(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            torch.cuda._sleep(cycles)
+            return big.view(1, -1).expand(x.shape[0], -1)[:1]
+
+    class Take(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            torch.cuda._sleep(cycles)
+            return x[:, :1] + 1
+
+    pipe = Pipe(
+        nn.Sequential(Emit(), Take()), chunks=micros, devices=["cuda:0"] * 2, force_copies=True
+    )
+    x = torch.zeros(micros, 1, device="cuda")
+    measured = time_ms(lambda: pipe(x))
+    # Copies serialised with stage 0's compute vs on a stream of their own.
+    serialised = micros * (stage_ms + copy_ms) + stage_ms
+    overlapped = micros * max(stage_ms, copy_ms) + stage_ms + copy_ms
+    assert overlapped < 0.75 * serialised, "calibration: copies too short to tell"
+    assert measured < (overlapped + serialised) / 2, (measured, overlapped, serialised)
+
+
+# -- the allocator: freed blocks are not reused while another stream reads ------------
+
+
+@pytest.mark.parametrize("force_copies", [False, True])
+@pytest.mark.parametrize("how", ["forward+backward", "train_step"])
+def test_allocator_reuse_keeps_results_exact(force_copies: bool, how: str) -> None:
+    """Stage 0 is fast and scribbles over fresh memory; stage 1 sleeps before
+    it reads its input. A tensor freed by the host while another stream
+    still has to read it, without record_stream, would be handed to stage 0's
+    next allocation and overwritten: the results would differ."""
+    cycles = int(cycles_per_ms() * 2.0)
+
+    class Scribble(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(64, 64).double()
+
+        def forward(self, x: Tensor) -> Tensor:
+            junk = torch.full((x.shape[0], 64), float("nan"), dtype=x.dtype, device=x.device)
+            del junk
+            return self.lin(x) * 2 + 1
+
+    class Late(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(64, 8).double()
+
+        def forward(self, x: Tensor) -> Tensor:
+            torch.cuda._sleep(cycles)
+            return self.lin(x)
+
+    model = nn.Sequential(Scribble(), Late())
+    ref = copy.deepcopy(model)
+    pipe = Pipe(
+        model.cuda(), split_size=2, devices=["cuda:0", "cuda:0"], force_copies=force_copies
+    )
+    x, y = torch.randn(16, 64, dtype=torch.float64), torch.randn(16, 8, dtype=torch.float64)
+    for _ in range(3):
+        pipe.zero_grad()
+        ref.zero_grad()
+        if how == "train_step":
+            loss = pipe.train_step(x, y, nn.MSELoss())
+            expected = nn.MSELoss()(ref(x), y)
+            expected.backward()
+            torch.testing.assert_close(loss.cpu(), expected.detach())
+        else:
+            out = pipe(x.cuda())
+            expected = ref(x)
+            torch.testing.assert_close(out.cpu(), expected)
+            out.pow(2).sum().backward()
+            expected.pow(2).sum().backward()
+        for (name, a), b in zip(pipe.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(a.grad.cpu(), b.grad, msg=name)
+
+
+# -- failures, timing, stream pool ----------------------------------------------------
+
+
+def test_a_failed_step_restores_state_after_its_queued_kernels() -> None:
+    """loss_fn fails after the last stage's kernels were queued: the restore
+    (on the caller's stream) is ordered after them, and the next step works."""
+    model = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64), nn.Linear(64, 8)).cuda()
+    pipe = Pipe(model, split_size=4, balance=[2, 1], devices=["cuda:0"] * 2, schedule="1f1b")
+    x, y = torch.randn(16, 64, device="cuda"), torch.randn(16, 8, device="cuda")
+    pipe.train_step(x, y, nn.MSELoss())
+    grads = [p.grad.clone() for p in pipe.parameters()]  # type: ignore[union-attr]
+    stats = [b.clone() for b in pipe.buffers()]
+    with pytest.raises(TypeError, match="scalar"):
+        pipe.train_step(x, y, nn.MSELoss(reduction="none"))
+    for p, g in zip(pipe.parameters(), grads):
+        torch.testing.assert_close(p.grad, g)
+    for b, saved in zip(pipe.buffers(), stats):
+        torch.testing.assert_close(b, saved)
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    pipe.train_step(x, y, nn.MSELoss())
+
+
+def test_timing_events_are_pooled() -> None:
+    pipe = Pipe(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)).cuda(), chunks=4)
+    sched = pipe.scheduler
+    sched.timing = True
+    x = torch.randn(8, 8, device="cuda")
+    for _ in range(30):
+        pipe(x)
+        torch.cuda.synchronize()
+    assert len(sched.timings()) == 30 * 8
+    sched.timing = False
+    # Two events per task of one run (and the run in flight), not per run.
+    assert sched.timing_events_created <= 2 * 2 * 8
+
+
+def test_too_many_stages_on_one_gpu_warn_about_shared_streams() -> None:
+    from mpstream.scheduler import StreamAliasWarning
+
+    layers = nn.Sequential(*[nn.Linear(4, 4) for _ in range(20)]).cuda()
+    pipe = Pipe(layers, balance=[1] * 20, devices=["cuda:0"] * 20)
+    with pytest.warns(StreamAliasWarning, match="stage0.compute@cuda:0 = "):
+        assert pipe.scheduler is not None
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_cpu_stage_then_cuda_stage_matches_cpu(schedule: str) -> None:
+    """A CPU stage feeding a GPU stage: its pageable output moves through a
+    pinned buffer; the gradient comes back with a blocking copy."""
+    model = mlp([5, 8, 7, 4])
+    ref = copy.deepcopy(model)
+    pipe = Pipe(
+        copy.deepcopy(model), split_size=3, balance=[2, 4], devices=["cpu", "cuda:0"],
+        schedule=schedule,
+    )  # fmt: skip
+    run_and_compare(model, pipe, torch.randn(BATCH, 5, dtype=torch.float64))
+    pipe.zero_grad()
+    x, y = torch.randn(BATCH, 5, dtype=torch.float64), torch.randn(BATCH, 4, dtype=torch.float64)
+    loss = pipe.train_step(x, y, nn.MSELoss())
+    expected = nn.MSELoss()(ref(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss.cpu(), expected.detach())
+    for (name, a), b in zip(pipe.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad.cpu(), b.grad, msg=name)

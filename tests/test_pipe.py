@@ -386,3 +386,28 @@ def test_torch_error_in_a_stage_leaves_the_pipe_usable() -> None:
         pipe(torch.ones(4, 5))
     assert not pipe.scheduler.native.running
     assert pipe(torch.ones(4, 2)).shape == (4, 3)
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("split_size", [3, 7])
+def test_forced_copies_are_transparent_and_really_copy(stages: int, split_size: int) -> None:
+    model = mlp([5, 8, 7, 6, 4])
+    ref = copy.deepcopy(model)
+    balance = {2: [4, 4], 3: [3, 3, 2]}[stages]
+    pipe = Pipe(
+        model, split_size=split_size, balance=balance, devices=["cpu"] * stages, force_copies=True
+    )
+    sched = pipe.scheduler
+    sched.recording = True
+    check_transparent(ref, pipe, torch.randn(BATCH, 5, dtype=torch.float64))
+    runs = {(op.kind, op.stage) for op in sched.plan() if op.op == "run"}
+    assert {("copy", s) for s in range(stages - 1)} <= runs
+    assert {("copy_grad", s) for s in range(stages - 1)} <= runs
+    # Each boundary hands the next stage a copy, not the producer's tensor.
+    seen: list[int] = []
+    first = pipe.partitions[1]
+    first.register_forward_pre_hook(lambda m, args: seen.append(args[0].data_ptr()))
+    produced: list[int] = []
+    pipe.partitions[0].register_forward_hook(lambda m, a, out: produced.append(out.data_ptr()))
+    pipe(torch.randn(BATCH, 5, dtype=torch.float64))
+    assert produced and not set(produced) & set(seen)

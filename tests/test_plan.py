@@ -106,3 +106,68 @@ def test_plan_prints_readably() -> None:
 def test_record_plan_checks_devices() -> None:
     with pytest.raises(ValueError, match="2 entries for 3 stages"):
         record_plan("gpipe", 3, 2, ["cuda:0", "cuda:1"])
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("layout", ["distinct", "one-gpu"])
+def test_host_transfers_run_on_the_io_stream_and_order_their_readers(
+    schedule: str, layout: str
+) -> None:
+    devices = LAYOUTS[layout](3)
+    plan = record_plan(
+        schedule, 3, 4, devices, input_device="cpu", target_device="cpu", backward=True
+    )
+    verify_plan(plan)
+    runs = [op for op in plan.ops if op.op == "run"]
+    inputs = [op for op in runs if op.kind == "copy" and op.stage == -1]
+    targets = [op for op in runs if op.kind == "target"]
+    assert [op.micro for op in inputs] == [op.micro for op in targets] == [0, 1, 2, 3]
+    assert {plan.slot_names[op.slot] for op in inputs} == {f"io@{devices[0]}"}
+    assert {plan.slot_names[op.slot] for op in targets} == {f"io@{devices[-1]}"}
+    # Never behind inter-stage copies: nothing else runs on an io stream.
+    io_slots = {i for i, name in enumerate(plan.slot_names) if name.startswith("io@")}
+    assert all(op.kind in ("copy", "target") for op in runs if op.slot in io_slots)
+
+
+def test_dropping_a_target_wait_is_caught() -> None:
+    plan = record_plan("1f1b", 2, 3, ["cuda:0", "cuda:1"], target_device="cpu", backward=True)
+    verify_plan(plan)
+    recorded: dict[int, str] = {}  # event -> kind of its latest record (events are reused)
+    waits = []
+    for i, op in enumerate(plan.ops):
+        if op.op == "record":
+            recorded[op.event] = op.kind
+        elif op.op == "wait" and recorded[op.event] == "target":
+            waits.append(i)
+    assert len(waits) == 3
+    for i in waits:
+        broken = Plan(plan.ops[:i] + plan.ops[i + 1 :], *_meta(plan))
+        with pytest.raises(PlanError, match=r"forward\(stage=1, micro=\d\) is not ordered after"):
+            verify_plan(broken)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_forced_copies_on_one_device_are_planned_and_valid(schedule: str, stages: int) -> None:
+    plan = record_plan(
+        schedule, stages, 5, ["cuda:0"] * stages, input_device="cpu", backward=True,
+        force_copies=True,
+    )
+    verify_plan(plan)
+    runs = {(op.kind, op.stage, op.micro) for op in plan.ops if op.op == "run"}
+    for s in range(stages - 1):
+        assert {("copy", s, m) for m in range(5)} <= runs
+        assert {("copy_grad", s, m) for m in range(5)} <= runs
+    # The copy is issued on the sending stage's copy stream, whose events
+    # the receiving copy stream then waits on.
+    copy_runs = [op for op in plan.ops if op.op == "run" and op.kind == "copy" and op.stage >= 0]
+    assert all(plan.slot_names[op.slot] == f"stage{op.stage}.copy@cuda:0" for op in copy_runs)
+
+
+def test_target_device_needs_a_training_schedule() -> None:
+    with pytest.raises(ValueError, match="training steps"):
+        record_plan("gpipe", 2, 2, ["cuda:0", "cuda:1"], target_device="cpu")
+
+
+def _meta(plan: Plan) -> tuple[list[str], list[object], int]:
+    return plan.slot_names, plan.slot_devices, plan.stages  # type: ignore[return-value]

@@ -3,12 +3,14 @@ gradient copies run (and are planned) exactly as across devices."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
 
 from mpstream.microbatch import gather, scatter
-from mpstream.plan import Plan, verify_plan
+from mpstream.plan import Plan, PlanError, verify_plan
 from mpstream.schedule import Schedule
 from mpstream.scheduler import EventScheduler
 from mpstream.worker import Worker, range_name
@@ -23,9 +25,15 @@ def build(stages: int, micros: int) -> tuple[Worker, Schedule, list[nn.Module]]:
     return Worker(parts, sched), schedule, [model]
 
 
+@pytest.mark.parametrize("autograd_orders", [True, False])
 @pytest.mark.parametrize(("stages", "split"), [(2, 3), (3, 2), (4, 5)])
-def test_forced_copies_match_and_plan_forward_and_backward(stages: int, split: int) -> None:
+def test_forced_copies_match_and_plan_forward_and_backward(
+    stages: int, split: int, autograd_orders: bool
+) -> None:
+    """Both ways of ordering a gradient copy's consumer give a valid plan:
+    autograd's own wait (torch >= 2.8) or the scheduler's."""
     worker, _, (model,) = build(stages, 1)
+    worker.sched.native.autograd_orders_grad_copies = autograd_orders
     x = torch.randn(10, 6, dtype=torch.float64, requires_grad=True)
     micro = scatter(x, None, split)
     schedule = Schedule("gpipe", stages, len(micro), [True] * stages)
@@ -49,6 +57,18 @@ def test_forced_copies_match_and_plan_forward_and_backward(stages: int, split: i
         (op.stage, op.micro) for op in plan.ops if op.kind == "copy_grad" and op.op == "run"
     }
     assert grad_copies == {(s, m) for s in range(stages - 1) for m in range(len(micro))}
+    orderings = [i for i, op in enumerate(plan.ops) if op.kind == "copy_grad" and op.slot % 2 == 0]
+    assert orderings and {plan.ops[i].op for i in orderings} == {
+        "autograd" if autograd_orders else "wait"
+    }
+    for i in orderings:  # each is needed
+        broken = Plan(plan.ops[:i] + plan.ops[i + 1 :], *plan_meta(plan))
+        with pytest.raises(PlanError, match="compute stream never waits"):
+            verify_plan(broken)
+
+
+def plan_meta(plan: Plan) -> tuple[list[str], list[torch.device], int]:
+    return plan.slot_names, plan.slot_devices, plan.stages
 
 
 def test_non_float_tensors_cross_without_gradients() -> None:
@@ -91,3 +111,32 @@ def test_profiler_sees_stage_and_copy_ranges() -> None:
     names = {e.name for e in prof.events()}
     assert {"mpstream/forward/stage0/mb0", "mpstream/forward/stage1/mb1"} <= names
     assert "mpstream/copy/stage0/mb1" in names and "mpstream/copy/stage-1/mb0" in names
+
+
+def test_the_hot_path_never_reads_a_tensor_on_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU, reading a tensor's value on the host (item(), float(),
+    bool(), ...) synchronizes with the device. Nothing in a pipelined
+    forward, backward or train_step may do it; on the CPU such a read is
+    caught by making it raise."""
+    from mpstream import Pipe
+
+    def no_host_read(self: torch.Tensor, *args: object) -> object:
+        raise AssertionError("a tensor was read on the host")
+
+    model = nn.Sequential(
+        nn.Linear(6, 6), nn.BatchNorm1d(6, momentum=None), nn.Tanh(), nn.Linear(6, 6),
+        nn.BatchNorm1d(6), nn.Linear(6, 2),
+    ).double()
+    pipes = [
+        Pipe(copy.deepcopy(model), split_size=3, balance=[3, 3], devices=["cpu"] * 2,
+             schedule=schedule, checkpoint=checkpoint, deferred_batch_norm=True,
+             force_copies=True)
+        for schedule in ("gpipe", "1f1b")
+        for checkpoint in ("never", "always")
+    ]
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
+    for name in ("item", "tolist", "__float__", "__int__", "__bool__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, no_host_read)
+    for pipe in pipes:
+        pipe(x.requires_grad_()).pow(2).mean().backward()
+        pipe.train_step(x, y, nn.MSELoss())
