@@ -22,12 +22,17 @@ using mpstream::Timing;
 
 namespace {
 
-std::shared_ptr<Schedule> make(const std::string& name, int32_t stages, int32_t micros,
-                               std::vector<bool> copy_in, bool backward, bool copy_target) {
+std::shared_ptr<Schedule> make(const std::string& name, int32_t micros,
+                               std::vector<std::vector<int32_t>> reads,
+                               std::vector<int32_t> device, int32_t input_device,
+                               bool force_copies, bool backward, bool copy_target) {
   mpstream::Layout layout;
-  layout.stages = stages;
+  layout.stages = static_cast<int32_t>(reads.size());
   layout.micros = micros;
-  layout.copy_in = std::move(copy_in);
+  layout.reads = std::move(reads);
+  layout.device = std::move(device);
+  layout.input_device = input_device;
+  layout.force_copies = force_copies;
   layout.copy_target = copy_target;
   return std::make_shared<Schedule>(mpstream::make_schedule(name, layout, backward));
 }
@@ -42,8 +47,8 @@ void lock_without_gil(std::unique_lock<std::mutex>& lock) {
 }
 
 py::tuple plan_op(const PlanOp& p) {
-  return py::make_tuple(mpstream::op_name(p.op), p.slot, p.event, p.task,
-                        mpstream::kind_name(p.kind), p.stage, p.micro);
+  return py::make_tuple(mpstream::op_name(p.op), p.slot, p.event, p.who.task,
+                        mpstream::kind_name(p.who.kind), p.who.stage, p.who.micro, p.who.peer);
 }
 
 }  // namespace
@@ -65,6 +70,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("kind", &Task::kind)
       .def_readonly("stage", &Task::stage)
       .def_readonly("micro", &Task::micro)
+      .def_readonly("peer", &Task::peer)
       .def_readonly("deps", &Task::deps)
       .def("__repr__", [](const Task& t) {
         return std::string("Task(") + std::to_string(t.index) + ", " +
@@ -76,15 +82,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("name", &Schedule::name)
       .def_property_readonly("stages", [](const Schedule& s) { return s.layout.stages; })
       .def_property_readonly("micros", [](const Schedule& s) { return s.layout.micros; })
-      .def_property_readonly("copy_in", [](const Schedule& s) { return s.layout.copy_in; })
+      .def_property_readonly("reads", [](const Schedule& s) { return s.layout.reads; })
+      .def_property_readonly("device", [](const Schedule& s) { return s.layout.device; })
+      .def_property_readonly("input_device",
+                             [](const Schedule& s) { return s.layout.input_device; })
+      .def_property_readonly("force_copies",
+                             [](const Schedule& s) { return s.layout.force_copies; })
       .def_property_readonly("copy_target",
                              [](const Schedule& s) { return s.layout.copy_target; })
       .def_readonly("tasks", &Schedule::tasks)
       .def_readonly("outputs", &Schedule::outputs);
 
-  m.def("make_schedule", &make, py::arg("name"), py::arg("stages"), py::arg("micros"),
-        py::arg("copy_in"), py::arg("backward") = false, py::arg("copy_target") = false,
-        "Ordered tasks with dependencies for a schedule ('gpipe' or '1f1b').");
+  m.def("make_schedule", &make, py::arg("name"), py::arg("micros"), py::arg("reads"),
+        py::arg("device"), py::arg("input_device"), py::arg("force_copies") = false,
+        py::arg("backward") = false, py::arg("copy_target") = false,
+        "Ordered tasks with dependencies for a schedule ('gpipe' or '1f1b') over a stage "
+        "graph: reads[s] lists the stages stage s reads (-1: the input), device[s] labels "
+        "its device.");
   m.def("schedule_names", &mpstream::schedule_names);
 
   py::class_<SlotSpec>(m, "SlotSpec")
@@ -124,7 +138,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("join", &Scheduler::join)
       .def("abort", &Scheduler::abort)
       .def_property_readonly("running", &Scheduler::running)
-      .def("begin_grad_copy", &Scheduler::begin_grad_copy, py::arg("stage"), py::arg("micro"))
+      .def("begin_grad_copy", &Scheduler::begin_grad_copy, py::arg("stage"), py::arg("peer"),
+           py::arg("micro"))
       .def_property("autograd_orders_grad_copies", &Scheduler::autograd_orders_grad_copies,
                     &Scheduler::set_autograd_orders_grad_copies)
       .def_property("recording", &Scheduler::recording, &Scheduler::set_recording)
@@ -149,7 +164,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              py::list out;
              for (const auto& t : ts) {
                out.append(py::make_tuple(t.stage, t.micro, mpstream::kind_name(t.kind), t.slot,
-                                         t.start_ms, t.end_ms, t.run));
+                                         t.start_ms, t.end_ms, t.run, t.peer));
              }
              return out;
            })

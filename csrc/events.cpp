@@ -94,15 +94,13 @@ void Scheduler::unref(int32_t event) {
   }
 }
 
-void Scheduler::log(OpCode op, int32_t slot, int32_t event, int32_t task, Kind kind,
-                    int32_t stage, int32_t micro) {
+void Scheduler::log(OpCode op, int32_t slot, int32_t event, const Who& who) {
   if (recording_) {
-    plan_.push_back(PlanOp{op, slot, event, task, kind, stage, micro});
+    plan_.push_back(PlanOp{op, slot, event, who});
   }
 }
 
-int32_t Scheduler::record(int32_t slot, int32_t task, Kind kind, int32_t stage,
-                          int32_t micro) {
+int32_t Scheduler::record(int32_t slot, const Who& who) {
   Slot& s = slots_[slot];
   const int32_t id = acquire(slot);
   EventRec& rec = events_[id];
@@ -120,12 +118,11 @@ int32_t Scheduler::record(int32_t slot, int32_t task, Kind kind, int32_t stage,
     unref(s.latest);
   }
   s.latest = id;
-  log(OpCode::kRecord, slot, id, task, kind, stage, micro);
+  log(OpCode::kRecord, slot, id, who);
   return id;
 }
 
-void Scheduler::wait(int32_t slot, int32_t event, int32_t task, Kind kind, int32_t stage,
-                     int32_t micro) {
+void Scheduler::wait(int32_t slot, int32_t event, const Who& who) {
   const EventRec& rec = events_[event];
   Slot& s = slots_[slot];
   if (rec.slot == slot || s.vc[rec.slot] >= rec.seq) {
@@ -142,7 +139,7 @@ void Scheduler::wait(int32_t slot, int32_t event, int32_t task, Kind kind, int32
   for (size_t i = 0; i < s.vc.size(); ++i) {
     s.vc[i] = std::max(s.vc[i], rec.vc[i]);
   }
-  log(op, slot, event, task, kind, stage, micro);
+  log(op, slot, event, who);
 }
 
 }  // namespace mpstream

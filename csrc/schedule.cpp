@@ -1,4 +1,5 @@
-// Schedule generation: fill-drain (GPipe clock cycles) and 1F1B.
+// Schedule generation over a stage graph: fill-drain (GPipe clock cycles)
+// and 1F1B.
 #include "schedule.h"
 
 #include <algorithm>
@@ -28,51 +29,148 @@ std::vector<std::string> schedule_names() {
   return {"gpipe", "1f1b"};
 }
 
+Layout chain_layout(int32_t micros, const std::vector<bool>& copy_in) {
+  Layout l;
+  l.stages = static_cast<int32_t>(copy_in.size());
+  l.micros = micros;
+  int32_t device = 0;
+  l.input_device = copy_in.empty() || !copy_in[0] ? 0 : -1;
+  for (int32_t s = 0; s < l.stages; ++s) {
+    if (s > 0 && copy_in[s]) {
+      ++device;
+    }
+    l.device.push_back(device);
+    l.reads.push_back({s - 1});
+  }
+  return l;
+}
+
 namespace {
 
+// The stages on one device that read one producer's outputs: one copy task
+// brings the value there (when it crosses devices), received by `peer`.
+struct Group {
+  int32_t producer;
+  int32_t peer;
+  std::vector<int32_t> readers;
+  bool copy;
+};
+
+void check(const Layout& l) {
+  if (l.stages < 1) {
+    throw std::invalid_argument("a schedule needs at least one stage, got " +
+                                std::to_string(l.stages));
+  }
+  if (l.micros < 1) {
+    throw std::invalid_argument("a schedule needs at least one micro-batch, got " +
+                                std::to_string(l.micros));
+  }
+  if (static_cast<int32_t>(l.reads.size()) != l.stages ||
+      static_cast<int32_t>(l.device.size()) != l.stages) {
+    throw std::invalid_argument("reads and device must have one entry per stage (" +
+                                std::to_string(l.stages) + ")");
+  }
+  for (int32_t s = 0; s < l.stages; ++s) {
+    int32_t previous = -2;
+    for (int32_t p : l.reads[s]) {
+      if (p < -1 || p >= s || p <= previous) {
+        throw std::invalid_argument(
+            "stage " + std::to_string(s) + " reads stage " + std::to_string(p) +
+            ": a stage reads earlier stages (or -1, the input), each once, in order");
+      }
+      previous = p;
+    }
+  }
+}
+
 // Appends tasks in issue order and resolves their dependencies by
-// (kind, stage, micro), so generators only decide the order.
+// (kind, stage, peer, micro), so generators only decide the order.
 class Builder {
  public:
-  explicit Builder(const Layout& layout) : layout_(layout) {}
+  explicit Builder(const Layout& layout)
+      : layout_(layout), groups_(static_cast<size_t>(layout.stages) + 1) {
+    for (int32_t q = 0; q < layout.stages; ++q) {
+      for (int32_t p : layout.reads[q]) {
+        auto& groups = groups_[p + 1];
+        auto it = std::find_if(groups.begin(), groups.end(), [&](const Group& g) {
+          return layout.device[g.peer] == layout.device[q];
+        });
+        if (it != groups.end()) {
+          it->readers.push_back(q);
+          continue;
+        }
+        const bool copy = p < 0 ? layout.input_device != layout.device[q]
+                                : layout.force_copies || layout.device[p] != layout.device[q];
+        groups.push_back(Group{p, q, {q}, copy});
+      }
+    }
+  }
 
   void forward(int32_t s, int32_t m) {
     std::vector<int32_t> deps;
-    if (layout_.copy_in[s]) {
-      deps.push_back(find(Kind::kCopy, s - 1, m));
-    } else if (s > 0) {
-      deps.push_back(find(Kind::kForward, s - 1, m));
+    for (int32_t p : layout_.reads[s]) {
+      const Group& g = group_of(p, s);
+      if (g.copy) {
+        deps.push_back(find(Kind::kCopy, p, g.peer, m));
+      } else if (p >= 0) {
+        deps.push_back(find(Kind::kForward, p, p, m));
+      }
     }
     if (layout_.copy_target && s == layout_.stages - 1) {
-      deps.push_back(find(Kind::kTarget, s, m));  // the loss reads it
+      deps.push_back(find(Kind::kTarget, s, s, m));  // the loss reads it
     }
-    add(Kind::kForward, s, m, std::move(deps));
-    if (s + 1 < layout_.stages && layout_.copy_in[s + 1]) {
-      add(Kind::kCopy, s, m, {find(Kind::kForward, s, m)});
+    add(Kind::kForward, s, s, m, std::move(deps));
+    for (const Group& g : groups_[s + 1]) {
+      if (g.copy) {
+        add(Kind::kCopy, s, g.peer, m, {find(Kind::kForward, s, s, m)});
+      }
     }
   }
 
   // The host-side transfers of micro-batch m: its input and, in a training
   // step, its target. Issued ahead of the compute that reads them.
   void input_copy(int32_t m) {
-    if (layout_.copy_in[0] && !has(Kind::kCopy, -1, m)) {
-      add(Kind::kCopy, -1, m, {});
+    for (const Group& g : groups_[0]) {
+      if (g.copy && !has(Kind::kCopy, -1, g.peer, m)) {
+        add(Kind::kCopy, -1, g.peer, m, {});
+      }
     }
-    if (layout_.copy_target && !has(Kind::kTarget, layout_.stages - 1, m)) {
-      add(Kind::kTarget, layout_.stages - 1, m, {});
+    const int32_t last = layout_.stages - 1;
+    if (layout_.copy_target && !has(Kind::kTarget, last, last, m)) {
+      add(Kind::kTarget, last, last, m, {});
     }
   }
 
   void backward(int32_t s, int32_t m) {
-    std::vector<int32_t> deps{find(Kind::kForward, s, m)};
-    if (s + 1 < layout_.stages) {
-      deps.push_back(
-          layout_.copy_in[s + 1] ? find(Kind::kCopyGrad, s, m)
-                                 : find(Kind::kBackward, s + 1, m));
+    std::vector<int32_t> deps{find(Kind::kForward, s, s, m)};
+    for (const Group& g : groups_[s + 1]) {
+      if (g.copy) {
+        deps.push_back(find(Kind::kCopyGrad, s, g.peer, m));
+      } else {
+        for (int32_t q : g.readers) {
+          deps.push_back(find(Kind::kBackward, q, q, m));
+        }
+      }
     }
-    add(Kind::kBackward, s, m, std::move(deps));
-    if (s > 0 && layout_.copy_in[s]) {
-      add(Kind::kCopyGrad, s - 1, m, {find(Kind::kBackward, s, m)});
+    add(Kind::kBackward, s, s, m, std::move(deps));
+    // The gradient of a value copied to this device goes back once every
+    // stage here that read it has back-propagated.
+    for (int32_t p : layout_.reads[s]) {
+      const Group& g = group_of(p, s);
+      if (p < 0 || !g.copy) {
+        continue;
+      }
+      std::vector<int32_t> readers;
+      for (int32_t q : g.readers) {
+        if (!has(Kind::kBackward, q, q, m)) {
+          readers.clear();
+          break;
+        }
+        readers.push_back(find(Kind::kBackward, q, q, m));
+      }
+      if (!readers.empty()) {
+        add(Kind::kCopyGrad, p, g.peer, m, std::move(readers));
+      }
     }
   }
 
@@ -81,52 +179,65 @@ class Builder {
     out.name = name;
     out.layout = layout_;
     for (int32_t m = 0; m < layout_.micros; ++m) {
-      out.outputs.push_back(find(Kind::kForward, layout_.stages - 1, m));
+      const int32_t last = layout_.stages - 1;
+      out.outputs.push_back(find(Kind::kForward, last, last, m));
     }
     out.tasks = std::move(tasks_);
     return out;
   }
 
  private:
-  using Key = std::tuple<int8_t, int32_t, int32_t>;
+  using Key = std::tuple<int8_t, int32_t, int32_t, int32_t>;
 
-  static Key key(Kind k, int32_t s, int32_t m) {
-    return Key{static_cast<int8_t>(k), s, m};
+  static Key key(Kind k, int32_t s, int32_t peer, int32_t m) {
+    return Key{static_cast<int8_t>(k), s, peer, m};
   }
 
-  bool has(Kind k, int32_t s, int32_t m) const {
-    return index_.count(key(k, s, m)) != 0;
+  const Group& group_of(int32_t producer, int32_t reader) const {
+    for (const Group& g : groups_[producer + 1]) {
+      if (std::find(g.readers.begin(), g.readers.end(), reader) != g.readers.end()) {
+        return g;
+      }
+    }
+    throw std::logic_error("stage " + std::to_string(reader) + " does not read " +
+                           std::to_string(producer));
   }
 
-  int32_t find(Kind k, int32_t s, int32_t m) const {
-    auto it = index_.find(key(k, s, m));
+  bool has(Kind k, int32_t s, int32_t peer, int32_t m) const {
+    return index_.count(key(k, s, peer, m)) != 0;
+  }
+
+  int32_t find(Kind k, int32_t s, int32_t peer, int32_t m) const {
+    auto it = index_.find(key(k, s, peer, m));
     if (it == index_.end()) {
-      throw std::logic_error(
-          std::string("schedule issues a task before its dependency ") +
-          kind_name(k) + "(stage " + std::to_string(s) + ", micro-batch " +
-          std::to_string(m) + ")");
+      throw std::logic_error(std::string("schedule issues a task before its dependency ") +
+                             kind_name(k) + "(stage " + std::to_string(s) + ", micro-batch " +
+                             std::to_string(m) + ")");
     }
     return it->second;
   }
 
-  void add(Kind k, int32_t s, int32_t m, std::vector<int32_t> deps) {
+  void add(Kind k, int32_t s, int32_t peer, int32_t m, std::vector<int32_t> deps) {
     Task t;
     t.index = static_cast<int32_t>(tasks_.size());
     t.kind = k;
     t.stage = s;
+    t.peer = peer;
     t.micro = m;
     t.deps = std::move(deps);
-    index_[key(k, s, m)] = t.index;
+    index_[key(k, s, peer, m)] = t.index;
     tasks_.push_back(std::move(t));
   }
 
   Layout layout_;
+  std::vector<std::vector<Group>> groups_;  // per producer + 1
   std::vector<Task> tasks_;
   std::map<Key, int32_t> index_;
 };
 
 // Forwards in clock cycles: at cycle k stage s runs micro-batch k - s. Each
 // input copy is issued one cycle ahead so it overlaps the previous compute.
+// Every read goes to an earlier stage, so the cycles are a topological order.
 void gpipe_forward(Builder& b, const Layout& l) {
   b.input_copy(0);
   for (int32_t k = 0; k < l.micros + l.stages - 1; ++k) {
@@ -159,8 +270,9 @@ void gpipe_backward(Builder& b, const Layout& l) {
 // 1F1B: stage s runs min(stages - s - 1, micros) warm-up forwards, then
 // alternates one forward and one backward, then drains. The per-stage
 // sequences are merged into one issue order by simulating unit-cost forwards
-// and double-cost backwards and sorting by start time, which is a
-// topological order because every consumer starts after its producer ends.
+// and double-cost backwards over the stage graph and sorting by start time,
+// which is a topological order because every consumer starts after its
+// producers end.
 void one_f_one_b(Builder& b, const Layout& l) {
   struct Op {
     bool backward;
@@ -168,6 +280,14 @@ void one_f_one_b(Builder& b, const Layout& l) {
     int32_t micro;
     int64_t start = 0;
   };
+  std::vector<std::vector<int32_t>> readers(l.stages);
+  for (int32_t q = 0; q < l.stages; ++q) {
+    for (int32_t p : l.reads[q]) {
+      if (p >= 0) {
+        readers[p].push_back(q);
+      }
+    }
+  }
   std::vector<std::vector<Op>> per_stage(l.stages);
   for (int32_t s = 0; s < l.stages; ++s) {
     const int32_t warmup = std::min(l.stages - s - 1, l.micros);
@@ -184,7 +304,7 @@ void one_f_one_b(Builder& b, const Layout& l) {
       per_stage[s].push_back({true, s, bw++});
     }
   }
-  // finish[s][m] for forwards and backwards; -1 while not simulated.
+  // End times of forwards and backwards; -1 while not simulated.
   std::vector<std::vector<int64_t>> f_end(l.stages, std::vector<int64_t>(l.micros, -1));
   std::vector<std::vector<int64_t>> b_end(l.stages, std::vector<int64_t>(l.micros, -1));
   std::vector<size_t> next(l.stages, 0);
@@ -202,13 +322,17 @@ void one_f_one_b(Builder& b, const Layout& l) {
       }
       Op op = per_stage[s][next[s]];
       int64_t ready = free_at[s];
-      if (!op.backward && s > 0) {
-        if (f_end[s - 1][op.micro] < 0) continue;
-        ready = std::max(ready, f_end[s - 1][op.micro]);
+      bool blocked = false;
+      for (int32_t q : op.backward ? readers[s] : l.reads[s]) {
+        if (q < 0) {
+          continue;
+        }
+        const int64_t end = (op.backward ? b_end : f_end)[q][op.micro];
+        blocked = blocked || end < 0;
+        ready = std::max(ready, end);
       }
-      if (op.backward && s + 1 < l.stages) {
-        if (b_end[s + 1][op.micro] < 0) continue;
-        ready = std::max(ready, b_end[s + 1][op.micro]);
+      if (blocked) {
+        continue;
       }
       op.start = ready;
       const int64_t end = ready + (op.backward ? 2 : 1);
@@ -243,19 +367,7 @@ void one_f_one_b(Builder& b, const Layout& l) {
 }  // namespace
 
 Schedule make_schedule(const std::string& name, const Layout& layout, bool backward) {
-  if (layout.stages < 1) {
-    throw std::invalid_argument("a schedule needs at least one stage, got " +
-                                std::to_string(layout.stages));
-  }
-  if (layout.micros < 1) {
-    throw std::invalid_argument("a schedule needs at least one micro-batch, got " +
-                                std::to_string(layout.micros));
-  }
-  if (static_cast<int32_t>(layout.copy_in.size()) != layout.stages) {
-    throw std::invalid_argument("copy_in must have one entry per stage (" +
-                                std::to_string(layout.stages) + "), got " +
-                                std::to_string(layout.copy_in.size()));
-  }
+  check(layout);
   if (layout.copy_target && !backward && name == "gpipe") {
     throw std::invalid_argument("target copies belong to training steps (backward=true)");
   }

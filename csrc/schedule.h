@@ -4,6 +4,12 @@
 // names the earlier tasks whose outputs it reads; the scheduler turns those
 // edges into CUDA event waits, so the order here only decides *when* work is
 // enqueued, never whether it is correct.
+//
+// Stages form a graph, not only a chain: stage s reads the outputs of any
+// earlier stages (a skip connection reads one several stages back) and the
+// pipeline's input. A value crosses to another device once per receiving
+// device, in a copy task shared by every stage there that reads it, and its
+// gradient comes back the same way.
 #pragma once
 
 #include <cstdint>
@@ -15,8 +21,8 @@ namespace mpstream {
 enum class Kind : int8_t {
   kForward = 0,   // stage `stage` computes micro-batch `micro`
   kBackward = 1,  // stage `stage` back-propagates micro-batch `micro`
-  kCopy = 2,      // output of `stage` moves to `stage + 1` (-1: the input)
-  kCopyGrad = 3,  // gradient of `stage + 1`'s input moves back to `stage`
+  kCopy = 2,      // output of `stage` (-1: the input) moves to stage `peer`'s device
+  kCopyGrad = 3,  // gradient of that value moves back from `peer`'s device to `stage`
   kTarget = 4,    // the target of micro-batch `micro` moves to the last stage
 };
 
@@ -27,19 +33,28 @@ struct Task {
   Kind kind = Kind::kForward;
   int32_t stage = 0;
   int32_t micro = 0;
+  // For copies and gradient copies: the first stage on the receiving device
+  // that reads the value (its copy stream receives it); else `stage`.
+  int32_t peer = 0;
   std::vector<int32_t> deps;  // indices of tasks whose outputs this one reads
 };
 
-// Which stage boundaries move data between devices. copy_in[s] is true when
-// stage s receives its input through a copy (copy_in[0]: the batch itself is
-// not on stage 0's device). Same-device boundaries need no copy task: the
-// consumer waits directly on the producer's event. copy_target: a training
-// step's targets are not on the last stage's device, so each micro-batch's
-// target moves there in a task of its own, issued with the input copies.
+// The stage graph and where data moves. reads[s] lists the stages whose
+// outputs stage s reads (-1: the pipeline's input), in increasing order;
+// the last stage also reads every stage the pipeline's output comes from.
+// device[s] labels stage s's device (equal labels, same device) and
+// input_device the input's. A read crosses devices, and needs a copy task,
+// when the labels differ, or always between stages with force_copies.
+// copy_target: a training step's targets are not on the last stage's
+// device, so each micro-batch's target moves there in a task of its own,
+// issued with the input copies.
 struct Layout {
   int32_t stages = 0;
   int32_t micros = 0;
-  std::vector<bool> copy_in;
+  std::vector<std::vector<int32_t>> reads;
+  std::vector<int32_t> device;
+  int32_t input_device = 0;
+  bool force_copies = false;
   bool copy_target = false;
 };
 
@@ -48,9 +63,13 @@ struct Schedule {
   Layout layout;
   std::vector<Task> tasks;
   // Tasks the caller consumes at the end of a run (the last stage's outputs
-  // for a forward; the last backward per stage for a training step).
+  // for a forward).
   std::vector<int32_t> outputs;
 };
+
+// A chain of stages: stage s reads stage s - 1; copy_in[s] says whether that
+// read (copy_in[0]: the input) crosses devices.
+Layout chain_layout(int32_t micros, const std::vector<bool>& copy_in);
 
 // Names accepted by make_schedule.
 std::vector<std::string> schedule_names();

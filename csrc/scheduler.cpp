@@ -137,11 +137,11 @@ std::pair<int32_t, int32_t> Scheduler::task_slots(const Task& t) const {
       return {compute_slot(t.stage), compute_slot(t.stage)};
     case Kind::kCopy:
       // The input comes from the host (or the caller's device): it lands on
-      // the io slot of stage 0's device.
-      return t.stage >= 0 ? std::make_pair(copy_slot(t.stage), copy_slot(t.stage + 1))
-                          : std::make_pair(-1, io_slot(0));
+      // the io slot of the receiving stage's device.
+      return t.stage >= 0 ? std::make_pair(copy_slot(t.stage), copy_slot(t.peer))
+                          : std::make_pair(-1, io_slot(t.peer));
     case Kind::kCopyGrad:
-      return {copy_slot(t.stage + 1), copy_slot(t.stage)};
+      return {copy_slot(t.peer), copy_slot(t.stage)};
     case Kind::kTarget:
       return {-1, io_slot(t.stage)};
   }
@@ -215,13 +215,12 @@ void Scheduler::begin_run(std::shared_ptr<const Schedule> schedule,
   }
   ++runs_;
   for (size_t c = 0; c < callers; ++c) {
-    record(first_caller + static_cast<int32_t>(c), -1, Kind::kForward, -1, -1);
+    record(first_caller + static_cast<int32_t>(c), Who{});
   }
   running_ = true;
 }
 
-int64_t Scheduler::open(int32_t task, Kind kind, int32_t stage, int32_t micro, int32_t issue,
-                        int32_t rec) {
+int64_t Scheduler::open(const Who& who, int32_t issue, int32_t rec) {
   int64_t handle;
   if (!open_free_.empty()) {
     handle = open_free_.back();
@@ -232,15 +231,16 @@ int64_t Scheduler::open(int32_t task, Kind kind, int32_t stage, int32_t micro, i
   }
   Open& o = *open_[handle];
   o = Open{};
-  o.task = task;
-  o.kind = kind;
-  o.stage = stage;
-  o.micro = micro;
+  o.task = who.task;
+  o.kind = who.kind;
+  o.stage = who.stage;
+  o.peer = who.peer;
+  o.micro = who.micro;
   o.issue = issue;
   o.rec = rec;
   o.active = true;
   const int32_t at = issue >= 0 ? issue : rec;
-  log(OpCode::kRun, at, -1, task, kind, stage, micro);
+  log(OpCode::kRun, at, -1, who);
   // The task's device becomes current too: code in a stage that asks for
   // the current device (factory calls with device="cuda", current_stream(),
   // custom kernels) must land on the stage's device and stream.
@@ -279,6 +279,7 @@ int64_t Scheduler::begin(int32_t task) {
     throw std::out_of_range("task index " + std::to_string(task) + " out of range");
   }
   const Task& t = schedule_->tasks[task];
+  const Who who{task, t.kind, t.stage, t.peer, t.micro};
   const auto [issue, rec] = task_slots(t);
   const int32_t at = issue >= 0 ? issue : rec;
   for (int32_t d : t.deps) {
@@ -292,7 +293,7 @@ int64_t Scheduler::begin(int32_t task) {
       continue;  // same stream: program order
     }
     const int32_t ev = task_event_[d];
-    wait(at, ev, task, t.kind, t.stage, t.micro);
+    wait(at, ev, who);
     --pending_[d];
     unref(ev);
   }
@@ -303,28 +304,28 @@ int64_t Scheduler::begin(int32_t task) {
   const bool input_copy = t.kind == Kind::kCopy && t.stage < 0;
   if (t.kind == Kind::kForward || t.kind == Kind::kBackward || input_copy ||
       t.kind == Kind::kTarget) {
-    const int32_t source = slots_[caller_slot(input_copy ? 0 : t.stage)].latest;
+    const int32_t source = slots_[caller_slot(input_copy ? t.peer : t.stage)].latest;
     if (source >= 0) {
-      wait(at, source, task, t.kind, t.stage, t.micro);
+      wait(at, source, who);
     }
   }
-  return open(task, t.kind, t.stage, t.micro, issue, rec);
+  return open(who, issue, rec);
 }
 
-int64_t Scheduler::begin_grad_copy(int32_t stage, int32_t micro) {
+int64_t Scheduler::begin_grad_copy(int32_t stage, int32_t peer, int32_t micro) {
   const auto lock = acquire();
-  if (stage < 0 || stage + 1 >= stages_) {
-    throw std::out_of_range("gradient copy from stage " + std::to_string(stage + 1) +
-                            " to " + std::to_string(stage) + " is outside the pipeline");
+  if (stage < 0 || peer <= stage || peer >= stages_) {
+    throw std::out_of_range("gradient copy from stage " + std::to_string(peer) + " to " +
+                            std::to_string(stage) + " is outside the pipeline");
   }
   // Autograd runs the Copy node on the stream its forward made current for
   // its outputs, and has made that stream wait for the incoming gradient:
   // the copy must run there. Across devices that is the receiving side of
-  // the forward copy (stage + 1's copy slot); on one device, where only the
+  // the forward copy (`peer`'s copy slot); on one device, where only the
   // forward copy's issuing slot was current, it is stage `stage`'s.
-  const int32_t node = same_device(copy_slot(stage), copy_slot(stage + 1)) ? copy_slot(stage)
-                                                                           : copy_slot(stage + 1);
-  return open(-1, Kind::kCopyGrad, stage, micro, node, copy_slot(stage));
+  const int32_t node = same_device(copy_slot(stage), copy_slot(peer)) ? copy_slot(stage)
+                                                                      : copy_slot(peer);
+  return open(Who{-1, Kind::kCopyGrad, stage, peer, micro}, node, copy_slot(stage));
 }
 
 void Scheduler::finish_open(Open& o) {
@@ -334,8 +335,8 @@ void Scheduler::finish_open(Open& o) {
     // with an event of our own. PyTorch's cross-device copy has a barrier
     // of its own, but a copy between streams of one device has none, and
     // the plan must show every ordering it relies on.
-    done = record(o.issue, o.task, o.kind, o.stage, o.micro);
-    wait(o.rec, done, o.task, o.kind, o.stage, o.micro);
+    done = record(o.issue, o.who());
+    wait(o.rec, done, o.who());
   }
   if (timing_ && o.timed < 0) {
     timing_mark(o, true);  // timing switched on mid-task
@@ -343,7 +344,7 @@ void Scheduler::finish_open(Open& o) {
   if (timing_) {
     timing_mark(o, false);
   }
-  const int32_t ev = record(o.rec, o.task, o.kind, o.stage, o.micro);
+  const int32_t ev = record(o.rec, o.who());
   if (done < 0) {
     done = ev;  // the work ran on the receiving slot itself
   }
@@ -356,11 +357,11 @@ void Scheduler::finish_open(Open& o) {
     // copy slot, just before the consumer runs, on the consumer's device
     // thread. Waiting here instead, on this device's thread, could land
     // between another micro-batch's backward kernels on that stream.
-    log(OpCode::kAutograd, compute_slot(o.stage), done, -1, o.kind, o.stage, o.micro);
+    log(OpCode::kAutograd, compute_slot(o.stage), done, o.who());
   } else {
     // Older torch orders the consumer only after its own device's default
     // stream: order it here.
-    wait(compute_slot(o.stage), ev, -1, o.kind, o.stage, o.micro);
+    wait(compute_slot(o.stage), ev, o.who());
   }
   restore_streams(o);
   o.active = false;
@@ -405,7 +406,7 @@ void Scheduler::caller_waits() {
         return other != e && events_[other].vc[rec.slot] >= rec.seq;
       });
       if (!implied) {
-        wait(c, e, -1, Kind::kForward, -1, -1);
+        wait(c, e, Who{});
       }
     }
   }
@@ -447,10 +448,10 @@ void Scheduler::abort() {
       // after its issuing one), so that the callers wait for them below.
       try {
         if (o.issue >= 0 && o.issue != o.rec) {
-          const int32_t done = record(o.issue, o.task, o.kind, o.stage, o.micro);
-          wait(o.rec, done, o.task, o.kind, o.stage, o.micro);
+          const int32_t done = record(o.issue, o.who());
+          wait(o.rec, done, o.who());
         }
-        record(o.rec, o.task, o.kind, o.stage, o.micro);
+        record(o.rec, o.who());
       } catch (const std::exception&) {
       }
     }

@@ -46,19 +46,27 @@ enum class OpCode : int8_t {
 
 const char* op_name(OpCode op);
 
+// Which work an operation belongs to: a task of the run's schedule (or -1
+// outside one: the source, the join, autograd's gradient copies).
+struct Who {
+  int32_t task = -1;
+  Kind kind = Kind::kForward;
+  int32_t stage = -1;
+  int32_t peer = -1;
+  int32_t micro = -1;
+};
+
 struct PlanOp {
   OpCode op;
   int32_t slot;
   int32_t event;  // -1 for kRun
-  int32_t task;   // index in the run's schedule; -1 outside a task
-  Kind kind;
-  int32_t stage;
-  int32_t micro;
+  Who who;
 };
 
 struct Timing {
   Kind kind;
   int32_t stage;
+  int32_t peer;
   int32_t micro;
   int32_t slot;
   double start_ms;
@@ -101,14 +109,15 @@ class Scheduler {
   bool running() const;
 
   // A gradient copy issued by autograd outside the schedule: the gradient of
-  // stage `stage + 1`'s input moves to `stage`. The copy runs on the stream
+  // the value stage `stage` sent to stage `peer`'s device moves back to
+  // `stage`. The copy runs on the stream
   // of the forward copy's autograd node (the sending copy slot across
   // devices, the receiving one on one device). Stage `stage`'s compute
   // stream must wait for it before the
   // consumer's kernels: autograd's engine does that itself, right before it
   // runs the consumer, when `autograd_orders_grad_copies` is set (torch >=
   // 2.8); otherwise end() issues the wait, from the sending device's thread.
-  int64_t begin_grad_copy(int32_t stage, int32_t micro);
+  int64_t begin_grad_copy(int32_t stage, int32_t peer, int32_t micro);
   void set_autograd_orders_grad_copies(bool on);
   bool autograd_orders_grad_copies() const;
 
@@ -167,13 +176,10 @@ class Scheduler {
 
   int32_t acquire(int32_t slot);
   void unref(int32_t event);
-  int32_t record(int32_t slot, int32_t task, Kind kind, int32_t stage, int32_t micro);
-  void wait(int32_t slot, int32_t event, int32_t task, Kind kind, int32_t stage,
-            int32_t micro);
-  void log(OpCode op, int32_t slot, int32_t event, int32_t task, Kind kind,
-           int32_t stage, int32_t micro);
-  int64_t open(int32_t task, Kind kind, int32_t stage, int32_t micro,
-               int32_t issue, int32_t rec);
+  int32_t record(int32_t slot, const Who& who);
+  void wait(int32_t slot, int32_t event, const Who& who);
+  void log(OpCode op, int32_t slot, int32_t event, const Who& who);
+  int64_t open(const Who& who, int32_t issue, int32_t rec);
   void finish_open(Open& o);
   void restore_streams(Open& o);
   void release_run();

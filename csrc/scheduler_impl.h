@@ -32,6 +32,7 @@ struct Scheduler::EventRec {
 struct Scheduler::TimedTask {
   Kind kind;
   int32_t stage;
+  int32_t peer;
   int32_t micro;
   int32_t slot;
   int32_t start_slot;
@@ -50,6 +51,7 @@ struct Scheduler::Open {
   int32_t task = -1;  // -1: a gradient copy outside the schedule
   Kind kind = Kind::kForward;
   int32_t stage = 0;
+  int32_t peer = 0;
   int32_t micro = 0;
   int32_t issue = -1;
   int32_t rec = -1;
@@ -59,6 +61,8 @@ struct Scheduler::Open {
   int32_t timed = -1;
   int64_t timed_generation = 0;  // a clear_timings in between voids `timed`
   bool active = false;
+
+  Who who() const { return Who{task, kind, stage, peer, micro}; }
 };
 
 namespace detail {

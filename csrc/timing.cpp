@@ -76,7 +76,7 @@ int32_t Scheduler::acquire_timing_event(int32_t slot) {
 void Scheduler::timing_mark(Open& o, bool start) {
   ensure_reference();
   if (start) {
-    TimedTask t{o.kind, o.stage, o.micro, o.rec, o.issue >= 0 ? o.issue : o.rec};
+    TimedTask t{o.kind, o.stage, o.peer, o.micro, o.rec, o.issue >= 0 ? o.issue : o.rec};
     t.run = runs_;
     o.timed = static_cast<int32_t>(timed_.size());
     o.timed_generation = timing_generation_;
@@ -153,7 +153,7 @@ int64_t Scheduler::begin_mark(Kind kind, int32_t stage, int32_t micro) {
   }
   Open o;
   o.kind = kind;
-  o.stage = stage;
+  o.stage = o.peer = stage;
   o.micro = micro;
   o.issue = o.rec = compute_slot(stage);
   timing_mark(o, true);
@@ -179,7 +179,8 @@ std::vector<Timing> Scheduler::timings() {
     if (!resolve(t, true)) {
       continue;  // still open
     }
-    out.push_back(Timing{t.kind, t.stage, t.micro, t.slot, t.start_ms, t.end_ms, t.run});
+    out.push_back(
+        Timing{t.kind, t.stage, t.peer, t.micro, t.slot, t.start_ms, t.end_ms, t.run});
   }
   return out;
 }

@@ -20,8 +20,6 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils import checkpoint as torch_checkpoint
 
-from .microbatch import Value
-
 __all__ = ["MODES", "check_mode", "checkpoint_stop", "is_recomputing", "checkpointed"]
 
 MODES = ("always", "except_last", "never")
@@ -82,11 +80,11 @@ def _recompute(stage: nn.Module) -> Iterator[None]:
                 b.data.copy_(copy)
 
 
-def checkpointed(stage: nn.Module, x: Value) -> Any:
-    """Runs ``stage(x)`` keeping only ``x``; backward recomputes the rest."""
+def checkpointed(stage: nn.Module, *args: Any) -> Any:
+    """Runs ``stage(*args)`` keeping only ``args``; backward recomputes the rest."""
     return torch_checkpoint.checkpoint(
         stage,
-        x,
+        *args,
         use_reentrant=False,
         preserve_rng_state=True,
         context_fn=lambda: (nullcontext(), _recompute(stage)),

@@ -48,6 +48,9 @@ class Route:
     Attributes:
         sched: the pipeline's scheduler (streams, devices, grad-copy tasks).
         stage: the source stage; -1 for the input batch.
+        peer: the receiving stage (the first one on its device that reads
+            the value; its copy stream, or its device's io stream for the
+            input, receives it).
         micro: the micro-batch.
         force: copy even between stages on the same device.
         staging: for the input batch, a pinned buffer per tensor (or None).
@@ -55,12 +58,13 @@ class Route:
             gradient copy leaves its event (see :class:`~.transfer.HostWait`).
     """
 
-    __slots__ = ("sched", "stage", "micro", "force", "staging", "link")
+    __slots__ = ("sched", "stage", "peer", "micro", "force", "staging", "link")
 
     def __init__(
         self,
         sched: EventScheduler,
         stage: int,
+        peer: int,
         micro: int,
         force: bool = False,
         staging: tuple[Tensor | None, ...] | None = None,
@@ -68,6 +72,7 @@ class Route:
     ) -> None:
         self.sched = sched
         self.stage = stage
+        self.peer = peer
         self.micro = micro
         self.force = force
         self.staging = staging
@@ -97,18 +102,18 @@ def _move(
 
 
 class Copy(torch.autograd.Function):
-    """Moves stage ``route.stage``'s output to the next stage (``-1``: the input)."""
+    """Moves stage ``route.stage``'s outputs (``-1``: inputs) to ``route.peer``'s device."""
 
     @staticmethod
     def forward(ctx: Any, route: Route, *inputs: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
         sched, stage = route.sched, route.stage
-        dst = sched.devices[stage + 1]
+        dst = sched.devices[route.peer]
         if stage >= 0:
             reader: AnyStream | None = sched.copy_streams[stage]
         else:
             reader = None  # the batch: read on the io stream, host memory or the caller's
         staging = route.staging or (None,) * len(inputs)
-        consumer = sched.compute_streams[stage + 1]
+        consumer = sched.compute_streams[route.peer]
         outputs = [
             _move(x, dst, reader, consumer, route.force, buf) for x, buf in zip(inputs, staging)
         ]
@@ -133,7 +138,7 @@ class Copy(torch.autograd.Function):
         if torch._C._autograd._profiler_enabled():
             scope = profiler.record_function(f"mpstream/copy_grad/stage{stage}/mb{route.micro}")
         consumer = sched.compute_streams[stage]
-        handle = sched.begin_grad_copy(stage, route.micro)
+        handle = sched.begin_grad_copy(stage, route.peer, route.micro)
         try:
             with scope:
                 result: list[Tensor | None] = []

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from . import _ext
-from .microbatch import Value, rebuild, tensors_of
+from .microbatch import leaves, rebuild_leaves
 
 __all__ = ["StageMarks", "enter", "leave"]
 
@@ -72,12 +72,23 @@ class _End(torch.autograd.Function):
         return (None, None, *grads)
 
 
-def enter(native: Any, stage: int, micro: int, x: Value) -> tuple[Value, StageMarks]:
-    """Wraps a stage input; call inside the stage's task."""
+def _wrap(value: Any, apply: Any) -> Any:
+    items, spec = leaves(value)
+    where = [i for i, t in enumerate(items) if isinstance(t, Tensor)]
+    if not where:
+        return value
+    for i, t in zip(where, apply(*[items[i] for i in where])):
+        items[i] = t
+    return rebuild_leaves(items, spec)
+
+
+def enter(native: Any, stage: int, micro: int, args: list[Any]) -> tuple[list[Any], StageMarks]:
+    """Wraps a stage's arguments; call inside the stage's task."""
     marks = StageMarks(native, stage, micro)
-    return rebuild(x, _End.apply(marks, _ANCHOR, *tensors_of(x))), marks
+    wrapped = _wrap(tuple(args), lambda *ts: _End.apply(marks, _ANCHOR, *ts))
+    return list(wrapped), marks
 
 
-def leave(marks: StageMarks, y: Value) -> Value:
-    """Wraps a stage output; call inside the stage's task."""
-    return rebuild(y, _Begin.apply(marks, *tensors_of(y)))
+def leave(marks: StageMarks, y: Any) -> Any:
+    """Wraps a stage's outputs; call inside the stage's task."""
+    return _wrap(y, lambda *ts: _Begin.apply(marks, *ts))

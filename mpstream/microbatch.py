@@ -1,36 +1,81 @@
-"""Micro-batch scatter and gather.
+"""Micro-batch scatter and gather over any structure of values.
 
-A batch is a Tensor or a tuple of Tensors whose first dimension is the batch.
-Scatter splits it into micro-batches (by count like ``torch.chunk`` or by size
-like ``torch.split``); gather concatenates per-micro-batch outputs back along
-dim 0. Both validate their input and say exactly what is wrong.
+A pipeline's inputs, the values stages pass on and its outputs are nested
+tuples, lists and dicts (PyTorch's pytrees) whose leaves are tensors or plain
+values (int, float, bool, str, None, ...). Scatter splits every tensor leaf
+along dim 0 (by count like ``torch.chunk`` or by size like ``torch.split``)
+and gives every micro-batch the plain leaves and :class:`NoChunk` tensors
+whole; gather concatenates tensor leaves back along dim 0 and lists the plain
+ones per micro-batch. Both validate and say exactly what is wrong.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils import _pytree as pytree
 
 __all__ = [
     "Value",
+    "NoChunk",
+    "PLAIN",
     "as_value",
     "batch_device",
     "scatter",
     "split",
     "gather",
     "check_output",
+    "leaves",
     "tensors_of",
     "rebuild",
 ]
 
-# What flows between stages: one tensor, or a tuple of tensors.
+# What flows between the stages of a chain: one tensor, or a tuple of them
+# (any pytree in general; this alias names the common case).
 Value = Tensor | tuple[Tensor, ...]
+
+# Leaves that are not tensors but may flow between stages and out.
+PLAIN = (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device)
+
+
+class NoChunk:
+    """An input tensor that is not split: every micro-batch gets it whole.
+
+    Args:
+        tensor: the tensor (a mask, an embedding table, ...).
+
+    Raises:
+        TypeError: ``tensor`` is not a Tensor.
+    """
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: Tensor) -> None:
+        if not isinstance(tensor, Tensor):
+            raise TypeError(f"NoChunk wraps a Tensor, got {type(tensor).__name__}")
+        self.tensor = tensor
+
+    def __repr__(self) -> str:
+        return f"NoChunk({tuple(self.tensor.shape)})"
+
+
+def leaves(value: Any) -> tuple[list[Any], pytree.TreeSpec | None]:
+    """The leaves of ``value`` and its structure (None: ``value`` is a Tensor)."""
+    if type(value) is Tensor:
+        return [value], None
+    return pytree.tree_flatten(value)
+
+
+def rebuild_leaves(items: Sequence[Any], spec: pytree.TreeSpec | None) -> Any:
+    """The inverse of :func:`leaves`."""
+    return items[0] if spec is None else pytree.tree_unflatten(list(items), spec)
 
 
 def tensors_of(value: Value) -> tuple[Tensor, ...]:
-    """The tensors of a value, as a tuple."""
+    """The tensors of a Tensor-or-tuple value, as a tuple."""
     return (value,) if isinstance(value, Tensor) else value
 
 
@@ -40,7 +85,7 @@ def rebuild(value: Value, tensors: Sequence[Tensor]) -> Value:
 
 
 def as_value(x: object, what: str = "input") -> Value:
-    """Validates a pipeline input and normalises a list to a tuple.
+    """Validates a Tensor-or-tuple batch and normalises a list to a tuple.
 
     Raises:
         TypeError: ``x`` is not a Tensor or a tuple/list of Tensors.
@@ -77,38 +122,24 @@ def as_value(x: object, what: str = "input") -> Value:
     return value
 
 
-def batch_device(value: Value) -> torch.device:
-    """The device all tensors of ``value`` sit on.
+def batch_device(value: Any) -> torch.device:
+    """The device all split tensors of ``value`` sit on (``NoChunk`` included).
 
     Raises:
-        ValueError: the tensors sit on different devices.
+        ValueError: the tensors sit on different devices, or there is none.
     """
-    tensors = (value,) if isinstance(value, Tensor) else value
-    devices = {t.device for t in tensors}
+    devices = set()
+    for leaf in leaves(value)[0]:
+        if isinstance(leaf, NoChunk):
+            leaf = leaf.tensor
+        if isinstance(leaf, Tensor):
+            devices.add(leaf.device)
     if len(devices) > 1:
         names = ", ".join(sorted(str(d) for d in devices))
         raise ValueError(f"input tensors sit on several devices ({names}); put them on one")
-    return tensors[0].device
-
-
-def scatter(value: Value, chunks: int | None, split_size: int | None) -> list[Value]:
-    """Splits ``value`` into micro-batches along dim 0.
-
-    Args:
-        value: a validated batch (see :func:`as_value`).
-        chunks: number of micro-batches, as ``torch.chunk`` (fewer when the
-            batch is smaller; the last may be smaller).
-        split_size: micro-batch size, as ``torch.split``. Exactly one of
-            ``chunks`` and ``split_size`` is given, or neither (one chunk).
-
-    Returns:
-        The micro-batches, each a Tensor or tuple like ``value``.
-    """
-
-    if isinstance(value, Tensor):
-        return list(split(value, chunks, split_size))
-    parts = [split(t, chunks, split_size) for t in value]
-    return [tuple(p[i] for p in parts) for i in range(len(parts[0]))]
+    if not devices:
+        raise ValueError("the input holds no tensor")
+    return devices.pop()
 
 
 def split(t: Tensor, chunks: int | None, split_size: int | None) -> tuple[Tensor, ...]:
@@ -120,45 +151,117 @@ def split(t: Tensor, chunks: int | None, split_size: int | None) -> tuple[Tensor
     return t.chunk(chunks, dim=0)
 
 
-def check_output(out: object, stage: int) -> Value:
-    """Validates what a stage returned.
+def scatter(
+    value: Any, chunks: int | None, split_size: int | None, what: str = "input"
+) -> list[Any]:
+    """Splits ``value`` into micro-batches.
+
+    Args:
+        value: any structure of tensors, :class:`NoChunk` and plain values
+            (the tuple of a pipeline's arguments, say).
+        chunks: number of micro-batches, as ``torch.chunk`` (fewer when the
+            batch is smaller; the last may be smaller).
+        split_size: micro-batch size, as ``torch.split``. Exactly one of
+            ``chunks`` and ``split_size`` is given, or neither (one chunk).
+        what: how errors name ``value``.
+
+    Returns:
+        The micro-batches, each structured like ``value``.
 
     Raises:
-        TypeError: naming the stage, when ``out`` is not a Tensor or a tuple
-            of Tensors.
+        TypeError: ``value`` holds no tensor to split, or a leaf that is
+            neither a tensor, ``NoChunk`` nor a plain value.
+        ValueError: a tensor to split is a scalar or empty, or tensors split
+            into different numbers of micro-batches.
     """
-    if isinstance(out, Tensor):
-        return out
-    if isinstance(out, tuple) and out and all(isinstance(t, Tensor) for t in out):
-        return out
-    if isinstance(out, tuple):
-        kinds = ", ".join(type(t).__name__ for t in out) or "empty"
-        detail = f"a tuple of ({kinds})"
-    else:
-        detail = type(out).__name__
-    raise TypeError(
-        f"stage {stage} returned {detail}; a stage must return a Tensor or a tuple of Tensors"
-    )
+    items, spec = leaves(value)
+    parts: list[tuple[Tensor, ...] | None] = []
+    for i, leaf in enumerate(items):
+        if isinstance(leaf, Tensor):
+            if leaf.dim() == 0:
+                raise ValueError(
+                    f"{what} tensor {i} is a scalar; it needs a batch dimension (dim 0), or "
+                    f"wrap it in mpstream.NoChunk to give it whole to every micro-batch"
+                )
+            if leaf.size(0) == 0:
+                raise ValueError(f"{what} is an empty batch (size 0 along dim 0)")
+            parts.append(split(leaf, chunks, split_size))
+        elif isinstance(leaf, NoChunk) or isinstance(leaf, PLAIN):
+            parts.append(None)
+        else:
+            raise TypeError(
+                f"{what} holds a {type(leaf).__name__}; mpstream splits tensors and passes "
+                f"plain values (int, float, bool, str, None) and NoChunk tensors to every "
+                f"micro-batch"
+            )
+    counts = {len(p) for p in parts if p is not None}
+    if not counts:
+        raise TypeError(f"{what} holds no tensor to split into micro-batches")
+    if len(counts) > 1:
+        sizes = sorted({t.size(0) for t in items if isinstance(t, Tensor)})
+        raise ValueError(
+            f"{what} tensors of batch sizes {sizes} split into different numbers of "
+            f"micro-batches ({sorted(counts)}); give tensors the same batch size, or wrap "
+            f"those not to split in mpstream.NoChunk"
+        )
+    (micros,) = counts
+    return [
+        rebuild_leaves(
+            [
+                p[m] if p is not None else (leaf.tensor if isinstance(leaf, NoChunk) else leaf)
+                for p, leaf in zip(parts, items)
+            ],
+            spec,
+        )
+        for m in range(micros)
+    ]
 
 
-def gather(outputs: Sequence[Value]) -> Value:
-    """Concatenates per-micro-batch outputs along dim 0.
+def check_output(out: Any, stage: int) -> Any:
+    """Validates what a stage returned: tensors and plain values in any structure.
+
+    Raises:
+        TypeError: naming the stage and the offending value's type.
+    """
+    if type(out) is Tensor:
+        return out
+    for leaf in leaves(out)[0]:
+        if not isinstance(leaf, (Tensor, *PLAIN)):
+            raise TypeError(
+                f"stage {stage} returned a {type(leaf).__name__}; values between stages are "
+                f"tensors, plain values (int, float, bool, str, None) and tuples, lists and "
+                f"dicts of them"
+            )
+    return out
+
+
+def gather(outputs: Sequence[Any]) -> Any:
+    """Joins per-micro-batch outputs: tensors along dim 0, plain values in lists.
 
     Raises:
         ValueError: the micro-batches returned different structures, or a
-            scalar output that cannot be concatenated.
+            scalar tensor that cannot be concatenated.
     """
-    first = outputs[0]
-    if isinstance(first, Tensor):
-        if any(not isinstance(o, Tensor) for o in outputs):
-            raise ValueError("the last stage returned a Tensor for some micro-batches only")
-        tensors = [o for o in outputs if isinstance(o, Tensor)]
-        return _cat(tensors, "output")
-    width = len(first)
-    if any(isinstance(o, Tensor) or len(o) != width for o in outputs):
-        raise ValueError("the last stage returned differently shaped tuples across micro-batches")
-    columns = zip(*[o for o in outputs if not isinstance(o, Tensor)])
-    return tuple(_cat(list(col), f"output[{i}]") for i, col in enumerate(columns))
+    first, spec = leaves(outputs[0])
+    columns: list[list[Any]] = [[leaf] for leaf in first]
+    for out in outputs[1:]:
+        items, other = leaves(out)
+        if other != spec or len(items) != len(first):
+            raise ValueError(
+                "the last stage returned differently shaped values across micro-batches"
+            )
+        for column, leaf in zip(columns, items):
+            column.append(leaf)
+    joined: list[Any] = []
+    for i, column in enumerate(columns):
+        tensors = [leaf for leaf in column if isinstance(leaf, Tensor)]
+        if not tensors:
+            joined.append(column)
+        elif len(tensors) != len(column):
+            raise ValueError(f"output leaf {i} is a tensor for some micro-batches only")
+        else:
+            joined.append(_cat(tensors, f"output leaf {i}" if spec is not None else "output"))
+    return rebuild_leaves(joined, spec)
 
 
 def _cat(tensors: list[Tensor], what: str) -> Tensor:

@@ -8,16 +8,18 @@ layers and move each partition (torchgpipe's style).
 
 from __future__ import annotations
 
+import inspect
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from .stream import device_type_code
 
-__all__ = ["Stages", "split_module", "module_device", "check_positive"]
+__all__ = ["Stages", "Chain", "split_module", "module_device", "check_positive", "takes_several"]
 
 DeviceLike = str | int | torch.device
 
@@ -27,7 +29,7 @@ class Stages:
     """The result of splitting: layers in order and their grouping."""
 
     layers: list[tuple[str, nn.Module]]
-    partitions: list[nn.Sequential]
+    partitions: Sequence[nn.Module]
     devices: list[torch.device]
     balance: list[int]
 
@@ -92,10 +94,47 @@ def _layers(module: nn.Module, balance_given: bool) -> list[tuple[str, nn.Module
     return layers
 
 
-def _as_partition(group: list[tuple[str, nn.Module]]) -> nn.Sequential:
-    if len(group) == 1 and isinstance(group[0][1], nn.Sequential):
-        return group[0][1]
-    return nn.Sequential(OrderedDict(group))
+def takes_several(module: nn.Module) -> bool:
+    """Whether ``module.forward`` takes more than one positional argument."""
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):  # builtins without a signature
+        return False
+    positional = [
+        p
+        for p in params
+        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ]
+    varargs = any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)
+    return varargs or len(positional) > 1
+
+
+class Chain(nn.Sequential):
+    """A stage of a Sequential pipeline: its layers one after the other.
+
+    Unlike ``nn.Sequential``, it takes several inputs, and a tuple reaching
+    a layer whose ``forward`` takes several arguments is spread into them
+    (the removed ``torch.distributed.pipeline.sync.Pipe``'s convention); a
+    layer taking one gets the tuple whole (``nn.Sequential``'s and
+    torchgpipe's).
+    """
+
+    def __init__(self, layers: OrderedDict[str, nn.Module]) -> None:
+        super().__init__(layers)
+        self._spread = [takes_several(layer) for layer in self]
+
+    def forward(self, *args: Any) -> Any:  # type: ignore[override]
+        for layer, spread in zip(self, self._spread):
+            if spread and len(args) == 1 and isinstance(args[0], tuple):
+                args = args[0]
+            elif not spread and len(args) > 1:
+                args = (args,)
+            args = (layer(*args),)
+        return args[0]
+
+
+def _as_partition(group: list[tuple[str, nn.Module]]) -> Chain:
+    return Chain(OrderedDict(group))
 
 
 def _placed(layers: list[tuple[str, nn.Module]]) -> Stages:

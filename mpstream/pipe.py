@@ -8,11 +8,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils import _pytree as pytree
 
 from .balance import balance_by_size, balance_by_time
 from .batchnorm import DeferredBatchNorm, deferred_norms
 from .checkpoint import check_mode, checkpoint_stop
-from .microbatch import Value, as_value, batch_device, gather, scatter, split
+from .graph import Routes, StageGraph
+from .microbatch import Value, batch_device, gather, leaves, scatter, split
 from .partition import DeviceLike, check_positive, split_module
 from .schedule import SCHEDULES, Schedule
 from .scheduler import EventScheduler
@@ -115,6 +117,8 @@ class Pipe(nn.Module):
         self.__dict__["_devices"] = list(stages.devices)
         self.__dict__["_balance"] = list(stages.balance)
         self.__dict__["_runtime"] = None
+        self.__dict__["_graph"] = StageGraph.chain(len(stages.partitions))
+        self.__dict__["_bind"] = None  # traced modules bind call arguments
         self.force_copies = bool(force_copies)
 
     # -- configuration -------------------------------------------------
@@ -164,9 +168,15 @@ class Pipe(nn.Module):
         rt = self.__dict__["_runtime"]
         if rt is None:
             sched = EventScheduler(self.devices)
-            rt = (sched, Worker(list(self.partitions), sched, self.force_copies), {})
+            worker = Worker(list(self.partitions), sched, self.force_copies, self.graph)
+            rt = (sched, worker, {})
             self.__dict__["_runtime"] = rt
         return rt  # type: ignore[no-any-return]
+
+    @property
+    def graph(self) -> StageGraph:
+        """Where each stage's arguments come from (a chain for a Sequential)."""
+        return self.__dict__["_graph"]  # type: ignore[no-any-return]
 
     def schedule_for(
         self,
@@ -190,11 +200,22 @@ class Pipe(nn.Module):
         cache = self._rt()[2]
         sched = cache.get(key)
         if sched is None:
-            copy_in = [input_device != devs[0]] + [
-                self.force_copies or devs[s] != devs[s - 1] for s in range(1, len(devs))
-            ]
+            labels = list(dict.fromkeys(devs))
+            routes = self._rt()[1].routes(
+                Routes(
+                    self.graph,
+                    [labels.index(d) for d in devs],
+                    labels.index(input_device) if input_device in labels else -1,
+                    self.force_copies,
+                ).topology
+            )
             sched = Schedule(
-                name, len(devs), micros, copy_in, backward=training_step, copy_target=copy_target
+                name,
+                len(devs),
+                micros,
+                routes.topology,
+                backward=training_step,
+                copy_target=copy_target,
             )
             cache[key] = sched
         return sched
@@ -206,40 +227,66 @@ class Pipe(nn.Module):
         training = self.training and torch.is_grad_enabled()
         return checkpoint_stop(self.checkpoint, micros, training)
 
+    def _inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        """The pipeline's positional inputs for a call."""
+        binder = self.__dict__["_bind"]
+        if binder is not None:
+            return binder(args, kwargs)  # type: ignore[no-any-return]
+        if kwargs:
+            names = ", ".join(sorted(kwargs))
+            raise TypeError(
+                f"a Pipe over an nn.Sequential takes positional inputs only; got keyword "
+                f"argument(s) {names}"
+            )
+        if not args:
+            raise TypeError("Pipe needs at least one input")
+        # A list is the batch as a tuple of tensors (torchgpipe's style).
+        return tuple(tuple(a) if isinstance(a, list) else a for a in args)
+
     # -- running -------------------------------------------------------
-    def forward(self, x: Value | list[torch.Tensor]) -> Value:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Runs the pipeline on a batch.
 
         Args:
-            x: a Tensor or a tuple/list of Tensors, split along dim 0. It may
-                sit on the CPU or on any device. Host memory moves to the
-                first stage's device in transfer tasks on its io stream, which
-                never block the host: pageable tensors pass through pinned
-                buffers (a host copy of the batch per step), pinned ones
-                (``DataLoader(pin_memory=True)``) move directly, as
-                ``x.to(device, non_blocking=True)`` would: do not overwrite a
-                pinned batch before the output is used. When ``x`` requires
-                grad, its gradient comes back asynchronously and the backward
-                call returns once it is in place.
+            *args: the inputs, as the wrapped module takes them (and
+                ``**kwargs`` for a traced module). Every tensor is split
+                along dim 0 into micro-batches (all into as many);
+                :class:`~mpstream.NoChunk` tensors and plain values (int,
+                float, bool, str, None) reach every micro-batch whole. A
+                Sequential's first layer gets the inputs as positional
+                arguments, and each layer the previous one's output: a tuple
+                spread into positional arguments when the layer takes
+                several. Inputs may sit on the CPU or on any device. Host
+                memory moves to the device in transfer tasks on its io
+                stream, which never block the host: pageable tensors pass
+                through pinned buffers (a host copy of the batch per step),
+                pinned ones (``DataLoader(pin_memory=True)``) move directly,
+                as ``x.to(device, non_blocking=True)`` would: do not
+                overwrite a pinned batch before the output is used. When an
+                input requires grad, its gradient comes back asynchronously
+                and the backward call returns once it is in place.
 
         Returns:
-            The output on the last stage's device, concatenated along dim 0:
-            a Tensor or a tuple of Tensors, as the last stage returns.
+            The output on the last stage's device: tensors concatenated along
+            dim 0, plain values listed per micro-batch, in the structure the
+            module returns.
 
         Raises:
-            TypeError: a non-tensor input, or a stage returned something other
-                than a Tensor or a tuple of Tensors (the stage is named).
-            ValueError: an empty batch, or tensors of different batch sizes.
+            TypeError: no tensor to split, an unsupported input or stage
+                output (the stage is named), keyword arguments to a
+                Sequential pipe.
+            ValueError: an empty batch, or tensors that split into different
+                numbers of micro-batches.
         """
-        value = as_value(x)
-        micro = scatter(value, self._chunks, self._split_size)
-        schedule = self.schedule_for(len(micro), batch_device(value))
+        inputs = self._inputs(args, kwargs)
+        micro = scatter(inputs, self._chunks, self._split_size)
+        schedule = self.schedule_for(len(micro), batch_device(inputs))
         _, worker, _ = self._rt()
-        staging = self._staging(value, self.devices[0])
+        staging = self._staging(inputs, self.devices[0])
         stop = self._prepare(len(micro))
         return gather(worker.forward(micro, schedule, stop, staging))
 
-    def _staging(self, value: Value, device: torch.device) -> list[Staging] | None:
+    def _staging(self, value: Any, device: torch.device) -> list[Staging] | None:
         """Per micro-batch pinned buffers for ``value``'s pageable tensors."""
         buffers = host_staging(value, device)
         if buffers is None:
@@ -251,8 +298,8 @@ class Pipe(nn.Module):
 
     def train_step(
         self,
-        inputs: Value | list[Tensor],
-        target: Value | list[Tensor],
+        inputs: Any,
+        target: Any,
         loss_fn: Callable[[Any, Any], Tensor],
         *,
         reduction: str = "mean",
@@ -266,9 +313,10 @@ class Pipe(nn.Module):
         Only parameters get gradients: inputs and targets are detached.
 
         Args:
-            inputs: the batch, as for :meth:`forward`.
-            target: targets with the same batch size, split the same way and
-                moved to the last stage's device.
+            inputs: the batch: one input, or a tuple of the module's
+                positional inputs (split as :meth:`forward` splits them).
+            target: targets split the same way (any structure of tensors
+                and plain values) and moved to the last stage's device.
             loss_fn: ``loss_fn(output, target) -> scalar`` per micro-batch.
             reduction: how ``loss_fn`` reduces over the batch.
 
@@ -276,8 +324,9 @@ class Pipe(nn.Module):
             The whole-batch loss (detached), on the last stage's device.
 
         Raises:
-            TypeError: bad inputs or targets, a stage returned a non-tensor, or
-                ``loss_fn`` returned something other than a scalar tensor.
+            TypeError: bad inputs or targets, a stage returned an unsupported
+                value, or ``loss_fn`` returned something other than a scalar
+                tensor.
             ValueError: empty batch, targets of another batch size, or an
                 unknown ``reduction``.
 
@@ -294,22 +343,32 @@ class Pipe(nn.Module):
             raise ValueError(f"reduction must be one of {valid}; got {reduction!r}")
         # Parameter gradients only: inputs are detached, so whether x.grad
         # fills cannot depend on where the batch sits.
-        value = _detached(as_value(inputs))
-        labels = _detached(as_value(target, "target"))
-        batch = _batch_size(value)
-        if _batch_size(labels) != batch:
-            raise ValueError(f"target has batch size {_batch_size(labels)} but inputs have {batch}")
-        micro = scatter(value, self._chunks, self._split_size)
-        micro_targets = scatter(labels, self._chunks, self._split_size)
-        weights = [_batch_size(m) / batch if reduction == "mean" else 1.0 for m in micro]
+        if self.__dict__["_bind"] is not None and isinstance(inputs, tuple):
+            args = self._inputs(inputs, {})
+        else:
+            args = self._inputs((inputs,), {})
+        args = _detached(args)
+        labels = _detached(target)
+        micro = scatter(args, self._chunks, self._split_size)
+        micro_targets = scatter(labels, self._chunks, self._split_size, "target")
+        sizes = [_batch_size(m) for m in micro]
+        batch = sum(sizes)
+        target_sizes = [_batch_size(t) for t in micro_targets]
+        if target_sizes != sizes:
+            raise ValueError(
+                f"target has batch size {sum(target_sizes)} but inputs have {batch}"
+                if sum(target_sizes) != batch
+                else f"target splits into micro-batches {target_sizes}, inputs into {sizes}"
+            )
+        weights = [n / batch if reduction == "mean" else 1.0 for n in sizes]
         schedule = self.schedule_for(
             len(micro),
-            batch_device(value),
+            batch_device(args),
             training_step=True,
             target_device=batch_device(labels),
         )
         _, worker, _ = self._rt()
-        staging = self._staging(value, self.devices[0])
+        staging = self._staging(args, self.devices[0])
         target_staging = self._staging(labels, self.devices[-1])
         snapshot = _Snapshot(self)
         try:
@@ -381,13 +440,16 @@ class Pipe(nn.Module):
         return f"{split}, balance={self.__dict__['_balance']}, devices=[{devs}]"
 
 
-def _detached(value: Value) -> Value:
-    return value.detach() if isinstance(value, Tensor) else tuple(t.detach() for t in value)
+def _detached(value: Any) -> Any:
+    return pytree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, value)
 
 
-def _batch_size(value: Value) -> int:
-    first = value if isinstance(value, Tensor) else value[0]
-    return int(first.size(0))
+def _batch_size(value: Any) -> int:
+    """The size along dim 0 of the first split tensor of a micro-batch."""
+    for leaf in leaves(value)[0]:
+        if isinstance(leaf, Tensor):
+            return int(leaf.size(0))
+    raise TypeError("the batch holds no tensor")
 
 
 def _auto_balance(

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .schedule import Kind, Schedule
+from .schedule import Kind, Schedule, Topology
 from .scheduler import EventScheduler, PlanOp
 
 __all__ = ["Plan", "PlanError", "record_plan", "verify_plan"]
@@ -35,6 +35,11 @@ class Plan:
     slot_names: list[str]
     slot_devices: list[torch.device]
     stages: int
+    reads: tuple[tuple[int, ...], ...] | None = None  # the stage graph; None: a chain
+
+    def producers(self, stage: int) -> tuple[int, ...]:
+        """The stages ``stage`` reads (-1: the input)."""
+        return self.reads[stage] if self.reads is not None else (stage - 1,)
 
     @property
     def callers(self) -> list[int]:
@@ -48,6 +53,8 @@ class Plan:
                 what = "source" if op.op == "record" else "join"
             else:
                 what = f"{op.kind}(stage={op.stage}, micro={op.micro})"
+                if op.kind in ("copy", "copy_grad") and op.peer != op.stage + 1:
+                    what = f"{op.kind}(stage={op.stage}, peer={op.peer}, micro={op.micro})"
             ev = f" e{op.event}" if op.event >= 0 else ""
             lines.append(f"{op.op:6s} {self.slot_names[op.slot]:28s}{ev:5s} {what}")
         return "\n".join(lines)
@@ -63,6 +70,7 @@ def record_plan(
     target_device: str | torch.device | None = None,
     backward: bool = False,
     force_copies: bool = False,
+    reads: Sequence[Sequence[int]] | None = None,
 ) -> Plan:
     """Records the stream operations of a whole run without any device.
 
@@ -78,6 +86,9 @@ def record_plan(
         backward: schedule backward tasks too.
         force_copies: copy between every pair of stages, as
             ``Pipe(force_copies=True)``.
+        reads: the stage graph: per stage, the stages it reads (-1: the
+            input), as :attr:`~mpstream.schedule.Topology.reads`; default a
+            chain.
 
     Returns:
         The recorded :class:`Plan`.
@@ -86,38 +97,68 @@ def record_plan(
     if len(devs) != stages:
         raise ValueError(f"devices has {len(devs)} entries for {stages} stages")
     src = torch.device(input_device) if input_device is not None else devs[0]
-    copy_in = [src != devs[0]] + [force_copies or devs[s] != devs[s - 1] for s in range(1, stages)]
+    labels = list(dict.fromkeys(devs))
+    graph = tuple(tuple(r) for r in reads) if reads is not None else None
+    topology = Topology(
+        graph if graph is not None else tuple((s - 1,) for s in range(stages)),
+        tuple(labels.index(d) for d in devs),
+        labels.index(src) if src in labels else -1,
+        force_copies,
+    )
     copy_target = target_device is not None and torch.device(target_device) != devs[-1]
-    sched = Schedule(schedule, stages, chunks, copy_in, backward=backward, copy_target=copy_target)
+    sched = Schedule(schedule, stages, chunks, topology, backward=backward, copy_target=copy_target)
     runner = EventScheduler(devs, virtual=True)
     runner.recording = True
     runner.begin_run(sched)
     for task in sched.tasks:
         runner.end(runner.begin(task.index))
     runner.join()
-    return Plan(runner.plan(), runner.slot_names, runner.slot_devices, stages)
+    return Plan(runner.plan(), runner.slot_names, runner.slot_devices, stages, graph)
 
 
-def _producers(
-    op: PlanOp, present: set[tuple[str, int, int]], stages: int
-) -> list[tuple[str, int, int]]:
-    """What ``op``'s task reads, by (kind, stage, micro)."""
-    kind, s, m = op.kind, op.stage, op.micro
+# A task, as verify_plan names it: (kind, stage, peer, micro).
+Key = tuple[str, int, int, int]
+
+
+def _producers(op: PlanOp, plan: Plan, copies: dict[tuple[str, int, int], list[int]]) -> list[Key]:
+    """What ``op``'s task reads, derived from what the task means.
+
+    ``copies[(kind, producer, micro)]`` lists the peers of the copies (or
+    gradient copies) of that producer's value: the one whose peer shares a
+    reader's device is the one that reader gets it from.
+    """
+    kind, s, m, peer = op.kind, op.stage, op.micro, op.peer
+    device = plan.slot_devices
+
+    def via(p: int, q: int, what: str) -> int | None:
+        """The peer of the copy that brings p's value to q's device."""
+        for g in copies.get((what, p, m), []):
+            if device[2 * g] == device[2 * q]:
+                return g
+        return None
+
     if kind == Kind.FORWARD.label:
-        target = [("target", s, m)] if ("target", s, m) in present else []
-        if ("copy", s - 1, m) in present:
-            return [("copy", s - 1, m), *target]
-        return ([("forward", s - 1, m)] if s > 0 else []) + target
+        deps: list[Key] = []
+        for p in plan.producers(s):
+            g = via(p, s, "copy")
+            if g is not None:
+                deps.append(("copy", p, g, m))
+            elif p >= 0:
+                deps.append(("forward", p, p, m))
+        if ("target", s, m) in copies:
+            deps.append(("target", s, s, m))
+        return deps
     if kind == Kind.COPY.label:
-        return [("forward", s, m)] if s >= 0 else []
+        return [("forward", s, s, m)] if s >= 0 else []
+    readers = [q for q in range(plan.stages) if s in plan.producers(q)]
     if kind == Kind.BACKWARD.label:
-        deps = [("forward", s, m)]
-        if s + 1 < stages:
-            grad = ("copy_grad", s, m)
-            deps.append(grad if grad in present else ("backward", s + 1, m))
+        deps = [("forward", s, s, m)]
+        for q in readers:
+            g = via(s, q, "copy_grad")
+            deps.append(("copy_grad", s, g, m) if g is not None else ("backward", q, q, m))
         return deps
     if kind == Kind.COPY_GRAD.label and op.task >= 0:
-        return [("backward", s + 1, m)]
+        return [("backward", q, q, m) for q in readers if device[2 * q] == device[2 * peer]]
     return []
 
 
@@ -142,7 +183,7 @@ def verify_plan(plan: Plan) -> None:
     edges: dict[int, list[int]] = defaultdict(list)
     last_on_slot: dict[int, int] = {}
     last_record: dict[int, int] = {}
-    done: dict[tuple[str, int, int], int] = {}
+    done: dict[Key, int] = {}
     source: dict[int, int] = {}
     callers = plan.callers
     for i, op in enumerate(ops):
@@ -158,7 +199,7 @@ def verify_plan(plan: Plan) -> None:
                 raise PlanError(f"op {i} waits on event {op.event}, which was never recorded")
             edges[last_record[op.event]].append(i)
         elif op.op == "run":
-            done[(op.kind, op.stage, op.micro)] = i
+            done[(op.kind, op.stage, op.peer, op.micro)] = i
 
     reach_cache: dict[int, set[int]] = {}
 
@@ -174,7 +215,10 @@ def verify_plan(plan: Plan) -> None:
             reach_cache[a] = seen
         return reach_cache[a]
 
-    present = {(op.kind, op.stage, op.micro) for op in ops if op.op == "run"}
+    copies: dict[tuple[str, int, int], list[int]] = defaultdict(list)
+    for op in ops:
+        if op.op == "run" and op.kind in ("copy", "copy_grad", "target"):
+            copies[(op.kind, op.stage, op.micro)].append(op.peer)
     problems: list[str] = []
     caller_of = {
         s: next(c for c in callers if plan.slot_devices[c] == plan.slot_devices[2 * s])
@@ -184,16 +228,16 @@ def verify_plan(plan: Plan) -> None:
         if op.op != "run":
             continue
         what = f"{op.kind}(stage={op.stage}, micro={op.micro})"
-        for dep in _producers(op, present, plan.stages):
+        for dep in _producers(op, plan, copies):
             if dep not in done:
                 problems.append(f"{what} reads {dep}, which never completed before it")
             elif i not in reach(done[dep]):
                 problems.append(
-                    f"{what} is not ordered after {dep[0]}(stage={dep[1]}, micro={dep[2]})"
+                    f"{what} is not ordered after {dep[0]}(stage={dep[1]}, micro={dep[3]})"
                 )
         input_copy = op.kind == "copy" and op.stage == -1
         if op.kind in ("forward", "backward", "target") or input_copy:
-            src = source.get(caller_of[0 if input_copy else op.stage])
+            src = source.get(caller_of[op.peer if input_copy else op.stage])
             if src is not None and i not in reach(src):
                 problems.append(f"{what} is not ordered after the caller's source event")
         if op.kind == "copy_grad" and op.task == -1:
@@ -206,7 +250,8 @@ def verify_plan(plan: Plan) -> None:
                 for j in range(i + 1, n)
                 if ops[j].slot == compute
                 and ops[j].op in ("wait", "sync", "autograd")
-                and (ops[j].kind, ops[j].stage, ops[j].micro) == (op.kind, op.stage, op.micro)
+                and (ops[j].kind, ops[j].stage, ops[j].peer, ops[j].micro)
+                == (op.kind, op.stage, op.peer, op.micro)
             ]
             if not any(j in reach(i) for j in orders):
                 problems.append(f"{what}: stage {op.stage}'s compute stream never waits for it")

@@ -15,7 +15,7 @@ from typing import Any
 
 from . import _ext
 
-__all__ = ["Kind", "Task", "Schedule", "SCHEDULES"]
+__all__ = ["Kind", "Task", "Topology", "Schedule", "SCHEDULES"]
 
 _C = _ext.load()
 
@@ -44,11 +44,14 @@ class Task:
         index: position in the schedule.
         kind: compute (forward/backward), copy (copy/copy_grad) or the
             transfer of a training step's target (target).
-        stage: the computing stage; for a copy the source stage (-1 is the
-            input batch); for a gradient copy the receiving stage; for a
-            target the last stage, which receives it.
+        stage: the computing stage; for a copy the producing stage (-1 is
+            the input batch); for a gradient copy the stage receiving the
+            gradient; for a target the last stage, which receives it.
         micro: the micro-batch.
         deps: indices of the tasks whose outputs this one reads.
+        peer: for copies and gradient copies, the stage whose copy stream
+            receives the value (the first stage on that device reading it);
+            otherwise ``stage``.
     """
 
     index: int
@@ -56,6 +59,51 @@ class Task:
     stage: int
     micro: int
     deps: tuple[int, ...]
+    peer: int = -1
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Which stages read which, and which reads cross devices.
+
+    Attributes:
+        reads: per stage, the stages whose outputs it reads, ascending
+            (-1: the pipeline's input). The last stage also reads every stage
+            the pipeline's output comes from.
+        devices: a label per stage; equal labels mean one device.
+        input_device: the label of the input's device.
+        force_copies: copy between stages even on one device.
+    """
+
+    reads: tuple[tuple[int, ...], ...]
+    devices: tuple[int, ...]
+    input_device: int = 0
+    force_copies: bool = False
+
+    @property
+    def stages(self) -> int:
+        return len(self.reads)
+
+    @classmethod
+    def chain(cls, copy_in: Sequence[bool]) -> Topology:
+        """Stage s reads stage s - 1; ``copy_in[s]`` says whether that read
+        (``copy_in[0]``: the input) crosses devices."""
+        devices, label = [], 0
+        for s, crosses in enumerate(copy_in):
+            label += int(s > 0 and bool(crosses))
+            devices.append(label)
+        first = bool(copy_in[0]) if len(copy_in) else False
+        return cls(
+            tuple((s - 1,) for s in range(len(copy_in))),
+            tuple(devices),
+            -1 if first else 0,
+        )
+
+    def copies(self, producer: int, reader: int) -> bool:
+        """Whether ``reader``'s read of ``producer`` crosses devices."""
+        if producer < 0:
+            return self.input_device != self.devices[reader]
+        return self.force_copies or self.devices[producer] != self.devices[reader]
 
 
 class Schedule:
@@ -65,7 +113,8 @@ class Schedule:
         name: ``'gpipe'`` (fill-drain clock cycles) or ``'1f1b'``.
         stages: number of pipeline stages.
         micros: number of micro-batches.
-        copy_in: per stage, whether its input arrives by a device copy
+        layout: a :class:`Topology` (any stage graph), or for a chain of
+            stages, per stage whether its input arrives by a device copy
             (``copy_in[0]``: the batch is not on stage 0's device).
         backward: include backward tasks (``'1f1b'`` always does).
         copy_target: a training step's targets are not on the last stage's
@@ -81,24 +130,36 @@ class Schedule:
         name: str,
         stages: int,
         micros: int,
-        copy_in: Sequence[bool],
+        layout: Topology | Sequence[bool],
         backward: bool = False,
         copy_target: bool = False,
     ) -> None:
         if name not in SCHEDULES:
             valid = ", ".join(repr(s) for s in SCHEDULES)
             raise ValueError(f"unknown schedule {name!r}; valid schedules: {valid}")
+        topology = layout if isinstance(layout, Topology) else Topology.chain(layout)
+        if topology.stages != stages:
+            raise ValueError(
+                f"the layout needs one entry per stage ({stages}), got {topology.stages}"
+            )
         self.native: Any = _C.make_schedule(
-            name, stages, micros, list(copy_in), backward, copy_target
+            name,
+            micros,
+            [list(r) for r in topology.reads],
+            list(topology.devices),
+            topology.input_device,
+            topology.force_copies,
+            backward,
+            copy_target,
         )
         self.name = name
         self.stages = stages
         self.micros = micros
-        self.copy_in = tuple(bool(c) for c in copy_in)
+        self.topology = topology
         self.backward = backward or name == "1f1b"
         self.copy_target = copy_target
         self.tasks: list[Task] = [
-            Task(t.index, Kind(int(t.kind)), t.stage, t.micro, tuple(t.deps))
+            Task(t.index, Kind(int(t.kind)), t.stage, t.micro, tuple(t.deps), t.peer)
             for t in self.native.tasks
         ]
         self.outputs: tuple[int, ...] = tuple(self.native.outputs)

@@ -57,6 +57,7 @@ class TaskTime(NamedTuple):
     start_ms: float
     end_ms: float
     run: int
+    peer: int = -1
 
 
 # Schedulers whose streams are alive, to spot streams shared between pipes.
@@ -69,9 +70,12 @@ class PlanOp(NamedTuple):
 
     ``op`` is ``'wait'`` (``slot`` waits on ``event``), ``'record'``
     (``event`` recorded on ``slot``), ``'run'`` (the task's work issued on
-    ``slot``) or ``'sync'`` (the host blocks on ``event``). ``task`` is the
-    index in the schedule, -1 for the run's source/join and for gradient
-    copies issued by autograd.
+    ``slot``), ``'sync'`` (the host blocks on ``event``) or ``'autograd'``
+    (autograd's engine makes ``slot`` wait on ``event`` before a gradient
+    copy's consumer runs; logged, not issued). ``task`` is the index in the
+    schedule, -1 for the run's source/join and for gradient copies issued by
+    autograd. ``peer`` is the receiving stage of a copy (see
+    :class:`~mpstream.schedule.Task`).
     """
 
     op: str
@@ -81,6 +85,7 @@ class PlanOp(NamedTuple):
     kind: str
     stage: int
     micro: int
+    peer: int = -1
 
 
 class EventScheduler:
@@ -215,9 +220,9 @@ class EventScheduler:
         """Ends a failed run: restores streams and releases its events."""
         self.native.abort()
 
-    def begin_grad_copy(self, stage: int, micro: int) -> int:
-        """Opens an autograd-issued gradient copy from ``stage + 1`` to ``stage``."""
-        return int(self.native.begin_grad_copy(stage, micro))
+    def begin_grad_copy(self, stage: int, peer: int, micro: int) -> int:
+        """Opens an autograd-issued gradient copy from ``peer``'s device to ``stage``."""
+        return int(self.native.begin_grad_copy(stage, peer, micro))
 
     @property
     def recording(self) -> bool:
@@ -251,8 +256,8 @@ class EventScheduler:
         built its graph.
         """
         return [
-            TaskTime(s, m, kind, self.slot_names[slot], start, end, run)
-            for s, m, kind, slot, start, end, run in self.native.timings()
+            TaskTime(s, m, kind, self.slot_names[slot], start, end, run, peer)
+            for s, m, kind, slot, start, end, run, peer in self.native.timings()
         ]
 
     def clear_timings(self) -> None:

@@ -38,6 +38,7 @@ class Span:
     start_ms: float
     end_ms: float
     run: int = 1
+    peer: int = -1  # a copy's receiving stage (default: the next one)
 
     @property
     def duration_ms(self) -> float:
@@ -46,10 +47,11 @@ class Span:
     @property
     def stages(self) -> tuple[int, ...]:
         """The stages whose devices this task runs on (both ends of a copy)."""
+        peer = self.peer if self.peer >= 0 else self.stage + 1
         if self.kind == "copy":
-            return tuple(s for s in (self.stage, self.stage + 1) if s >= 0)
+            return tuple(s for s in (self.stage, peer) if s >= 0)
         if self.kind == "copy_grad":
-            return (self.stage + 1, self.stage)
+            return (peer, self.stage)
         return (self.stage,)
 
 

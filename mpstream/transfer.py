@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .microbatch import Value, tensors_of
+from .microbatch import leaves
 from .stream import current_stream, record_stream
 
 __all__ = ["host_staging", "to_device", "to_host", "GradLink", "HostWait"]
@@ -34,23 +34,26 @@ def _pageable(t: Tensor) -> bool:
     return t.device.type == "cpu" and not t.is_pinned()
 
 
-def host_staging(value: Value, device: torch.device) -> tuple[Tensor | None, ...] | None:
-    """Pinned buffers for the pageable tensors of ``value`` bound to ``device``.
+def host_staging(value: Any, device: torch.device) -> tuple[Tensor | None, ...] | None:
+    """Pinned buffers for the pageable tensors of ``value`` bound for ``device``.
 
     Returns:
-        One entry per tensor of ``value`` (a pinned buffer of its shape and
-        dtype, or None when it needs none), or None when nothing needs
-        staging: ``device`` is not a CUDA device, or every tensor already
-        sits on a device or in pinned memory.
+        One entry per leaf of ``value`` (a pinned buffer of its shape and
+        dtype for a pageable tensor, None for anything else, ``NoChunk``
+        included: it moves whole for each micro-batch), or None when nothing
+        needs staging: ``device`` is not a CUDA device, or every tensor
+        already sits on a device or in pinned memory.
     """
     if device.type != "cuda":
         return None
-    tensors = tensors_of(value)
-    if not any(_pageable(t) for t in tensors):
+    items = leaves(value)[0]
+    if not any(isinstance(t, Tensor) and _pageable(t) for t in items):
         return None
     return tuple(
-        torch.empty(t.shape, dtype=t.dtype, pin_memory=True) if _pageable(t) else None
-        for t in tensors
+        torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        if isinstance(t, Tensor) and _pageable(t)
+        else None
+        for t in items
     )
 
 

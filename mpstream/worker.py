@@ -3,38 +3,41 @@
 One host thread walks the task list in order. For every task the scheduler
 first makes the task's stream wait on the events it depends on and makes that
 stream current; the task's work is then enqueued (a stage's forward, a
-:class:`~mpstream.copy.Copy`, a host transfer), and the scheduler records its
-completion event. Kernels and copies are asynchronous and nothing here waits
-for the device, so the walk runs ahead of the device and the streams
-overlap. If anything raises, the run is aborted (the caller's streams ordered
-after everything queued, streams restored, events released) before the
-exception propagates, and no later task starts.
+:class:`~mpstream.copy.Copy` along a hop of the stage graph, a host
+transfer), and the scheduler records its completion event. Kernels and
+copies are asynchronous and nothing here waits for the device, so the walk
+runs ahead of the device and the streams overlap. If anything raises, the run
+is aborted (the caller's streams ordered after everything queued, streams
+restored, events released) before the exception propagates, and no later
+task starts. :mod:`~mpstream.training` runs training steps the same way.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.autograd import profiler
 
 from . import marks
-from .boundary import GradSink, cut
 from .checkpoint import checkpointed
-from .copy import Copy, Route, move
-from .microbatch import Value, check_output, rebuild, tensors_of
-from .schedule import Kind, Schedule
+from .copy import Copy, Route
+from .graph import ALL, Hop, Routes, StageGraph
+from .microbatch import leaves, rebuild_leaves
+from .schedule import Kind, Schedule, Topology
 from .scheduler import EventScheduler
 from .stream import AnyStream, current_stream, is_cuda, record_stream
-from .transfer import GradLink, HostWait, to_device
+from .transfer import GradLink, HostWait
+from .values import Flow, tensor_leaves
 
-# Pinned staging buffers of one micro-batch, one entry per tensor (see
-# mpstream.transfer.host_staging), or None when nothing needs staging.
+__all__ = ["Worker", "range_name", "Staging", "protect", "cuda_only", "task_range"]
+
+# Pinned staging buffers of one micro-batch, one entry per leaf of its inputs
+# (see mpstream.transfer.host_staging), or None when nothing needs staging.
 Staging = tuple[Tensor | None, ...] | None
-
-__all__ = ["Worker", "range_name"]
 
 
 def range_name(kind: Kind, stage: int, micro: int) -> str:
@@ -42,118 +45,165 @@ def range_name(kind: Kind, stage: int, micro: int) -> str:
     return f"mpstream/{kind.label}/stage{stage}/mb{micro}"
 
 
-def _range(profiling: bool, kind: Kind, stage: int, micro: int) -> AbstractContextManager[object]:
+def task_range(
+    profiling: bool, kind: Kind, stage: int, micro: int
+) -> AbstractContextManager[object]:
+    """A ``record_function`` range for the task while profiling, else nothing."""
     if profiling:
         return profiler.record_function(range_name(kind, stage, micro))
     return nullcontext()
 
 
-def _cuda_only(streams: Sequence[AnyStream | None]) -> list[AnyStream | None]:
+def cuda_only(streams: Sequence[AnyStream | None]) -> list[AnyStream | None]:
     """The streams record_stream applies to: CUDA ones; None for the rest."""
     return [s if s is not None and is_cuda(s) else None for s in streams]
 
 
-def _protect(value: Value, stream: AnyStream | None) -> None:
+def protect(values: Sequence[Any], stream: AnyStream | None) -> None:
+    """Marks every tensor among ``values`` as used by ``stream``."""
     if stream is not None:
-        for t in tensors_of(value):
+        for t in tensor_leaves(values):
             record_stream(t, stream)
 
 
+def hop_leaves(values: Sequence[Any]) -> tuple[list[Any], list[Any], list[int]]:
+    """Flattens a hop's values: all leaves, their structures, tensor positions."""
+    items: list[Any] = []
+    specs: list[Any] = []
+    for v in values:
+        flat, spec = leaves(v)
+        items.extend(flat)
+        specs.append((spec, len(flat)))
+    return items, specs, [i for i, x in enumerate(items) if isinstance(x, Tensor)]
+
+
+def rebuild_hop(items: Sequence[Any], specs: Sequence[Any]) -> list[Any]:
+    """The inverse of :func:`hop_leaves`."""
+    out, start = [], 0
+    for spec, count in specs:
+        out.append(rebuild_leaves(items[start : start + count], spec))
+        start += count
+    return out
+
+
 class Worker:
-    """Runs forward schedules over a pipeline's partitions.
+    """Runs schedules over a pipeline's stages.
 
     Args:
-        partitions: one module per stage.
+        partitions: one callable module per stage.
         sched: the event scheduler owning the stage streams.
         force_copies: copy between stages even on the same device.
+        graph: where each stage's arguments come from (default: a chain).
     """
 
     def __init__(
-        self, partitions: Sequence[nn.Module], sched: EventScheduler, force_copies: bool = False
+        self,
+        partitions: Sequence[nn.Module],
+        sched: EventScheduler,
+        force_copies: bool = False,
+        graph: StageGraph | None = None,
     ) -> None:
         self.partitions = list(partitions)
         self.sched = sched
         self.force_copies = force_copies
+        self.graph = graph or StageGraph.chain(len(self.partitions))
+        self._routes: dict[Topology, Routes] = {}
+
+    def routes(self, topology: Topology) -> Routes:
+        """The hops of this worker's graph for a schedule's topology (cached)."""
+        routes = self._routes.get(topology)
+        if routes is None:
+            routes = Routes(
+                self.graph, topology.devices, topology.input_device, topology.force_copies
+            )
+            if routes.topology != topology:
+                raise ValueError("the schedule was built for another stage graph")
+            self._routes[topology] = routes
+        return routes
 
     def forward(
         self,
-        batches: list[Value],
+        batches: Sequence[tuple[Any, ...]],
         schedule: Schedule,
         checkpoint_stop: int = 0,
         staging: Sequence[Staging] | None = None,
-    ) -> list[Value]:
+    ) -> list[Any]:
         """Runs every task of ``schedule`` over the micro-batches.
 
         Args:
-            batches: micro-batches on the input device.
+            batches: per micro-batch, the pipeline's positional inputs.
             schedule: a forward schedule for this pipeline.
             checkpoint_stop: micro-batches below this index are checkpointed.
-            staging: per micro-batch, pinned buffers for its input transfer.
+            staging: per micro-batch, pinned buffers for its input transfers.
 
         Returns:
-            The last stage's output per micro-batch, ready on the caller's
-            current stream of the last device.
+            The pipeline's output per micro-batch, on the last stage's device,
+            ready on the caller's current stream there.
         """
         sched = self.sched
         native = sched.native  # the hot loop calls the C++ scheduler directly
         parts = self.partitions
         last = len(parts) - 1
+        routes = self.routes(schedule.topology)
+        flow = Flow(routes, batches)
         # record_stream is only needed (and only valid) for CUDA streams.
-        readers = _cuda_only(sched.compute_streams)
-        (caller_reader,) = _cuda_only([current_stream(sched.devices[last])])
-        copy_in = schedule.copy_in
+        readers = cuda_only(sched.compute_streams)
+        (caller_reader,) = cuda_only([current_stream(sched.devices[last])])
         force = self.force_copies
-        host_grads = torch.is_grad_enabled() and sched.devices[0].type == "cuda"
+        grad = torch.is_grad_enabled()
         profiling = torch._C._autograd._profiler_enabled()
         # While timing, mark where autograd will run each stage's backward.
-        marking = native.timing and torch.is_grad_enabled()
-        values = list(batches)
+        marking = native.timing and grad
+        results: list[Any] = [None] * len(batches)
         native.begin_run(schedule.native, sched.caller_streams())
         try:
             for task in schedule.tasks:
                 s, m = task.stage, task.micro
                 if task.kind is Kind.FORWARD:
-                    x = values[m]
                     handle = native.begin(task.index)
-                    if readers[s] is not None and not copy_in[s]:
+                    pairs, received = flow.args(s, m)
+                    args = [v for _, v in pairs]
+                    if readers[s] is not None and not received:
                         # Read on this stage's stream, allocated on another.
                         # Inside the task, so record_stream itself is issued
                         # on the stream that reads.
-                        _protect(x, readers[s])
+                        protect(args, readers[s])
                     stage = parts[s]
                     if marking:
-                        x, stage_marks = marks.enter(native, s, m, x)
-                    if profiling:
-                        with profiler.record_function(range_name(task.kind, s, m)):
-                            y = checkpointed(stage, x) if m < checkpoint_stop else stage(x)
-                    else:
-                        y = checkpointed(stage, x) if m < checkpoint_stop else stage(x)
-                    if type(y) is not Tensor:
-                        y = check_output(y, s)
+                        args, stage_marks = marks.enter(native, s, m, args)
+                    with task_range(profiling, task.kind, s, m):
+                        y = checkpointed(stage, *args) if m < checkpoint_stop else stage(*args)
                     if marking:
                         y = marks.leave(stage_marks, y)
+                    flow.store(s, m, y)
+                    if s == last:
+                        results[m] = flow.result(m)
+                    flow.release(s, m)
                     native.end(handle)
-                    values[m] = y
+                    del pairs, args, y
                 elif task.kind is Kind.COPY:
-                    value = values[m]
                     handle = native.begin(task.index)
-                    tensors = tensors_of(value)
+                    hop = routes.by_task[(s, task.peer)]
+                    items, specs, where = hop_leaves(flow.hop_values(hop, m))
+                    tensors = [items[i] for i in where]
                     if s < 0:
-                        route = Route(sched, s, m, staging=staging[m] if staging else None)
-                        if host_grads and any(t.requires_grad and not t.is_cuda for t in tensors):
+                        buffers = _subset(staging, m, hop, flow.outputs_of(-1, m), where)
+                        route = Route(sched, s, task.peer, m, staging=buffers)
+                        if grad and sched.devices[task.peer].type == "cuda" and any(
+                            t.requires_grad and not t.is_cuda for t in tensors
+                        ):
                             # The input's gradient comes back asynchronously;
                             # the host consumer waits for it (transfer.py).
                             route.link = GradLink()
-                            tensors = HostWait.apply(route.link, *tensors)
+                            tensors = list(HostWait.apply(route.link, *tensors))
                     else:
-                        route = Route(sched, s, m, force)
-                    if profiling:
-                        with profiler.record_function(range_name(task.kind, s, m)):
-                            moved = Copy.apply(route, *tensors)
-                    else:
+                        route = Route(sched, s, task.peer, m, force=force)
+                    with task_range(profiling, task.kind, s, m):
                         moved = Copy.apply(route, *tensors)
+                    for i, t in zip(where, moved):
+                        items[i] = t
+                    flow.put_moved(hop, m, rebuild_hop(items, specs))
                     native.end(handle)
-                    values[m] = rebuild(value, moved)
                 else:
                     raise RuntimeError(f"forward schedules have no {task.kind.label} tasks")
             native.join()
@@ -163,16 +213,15 @@ class Worker:
         if caller_reader is not None:
             # The outputs were allocated on the last stage's stream; after the
             # join the caller's stream reads them.
-            for value in values:
-                _protect(value, caller_reader)
-        return values
+            protect(results, caller_reader)
+        return results
 
     def train(
         self,
-        batches: list[Value],
-        targets: list[Value],
+        batches: Sequence[tuple[Any, ...]],
+        targets: Sequence[Any],
         schedule: Schedule,
-        loss_fn: Callable[[Value, Value], Tensor],
+        loss_fn: Callable[[Any, Any], Tensor],
         weights: Sequence[float],
         checkpoint_stop: int = 0,
         staging: Sequence[Staging] | None = None,
@@ -181,188 +230,44 @@ class Worker:
     ) -> list[Tensor]:
         """Runs forward and backward of every micro-batch in ``schedule``'s order.
 
-        The graph is cut at every stage input (:mod:`~mpstream.boundary`), so
-        each stage's backward is its own task; gradients of stage inputs
-        travel back as explicit gradient-copy tasks. Parameter gradients
-        accumulate through autograd as usual.
-
-        Args:
-            batches: input micro-batches.
-            targets: target micro-batches; unless on the last stage's device,
-                the schedule has a target task per micro-batch that moves it.
-            schedule: a schedule with backward tasks (``gpipe`` or ``1f1b``).
-            loss_fn: ``loss_fn(output, target)`` returning a scalar.
-            weights: factor of each micro-batch's loss.
-            checkpoint_stop: micro-batches below this index are checkpointed.
-            staging: per micro-batch, pinned buffers for its input transfer.
-            target_staging: per micro-batch, pinned buffers for its target.
-            before_backward: called with a stage's index inside its first
-                backward task, on its stream, before any gradient of the step
-                accumulates into its parameters.
-
-        Returns:
-            The weighted loss of each micro-batch (detached), ready on the
-            caller's current stream of the last device.
-
-        Raises:
-            TypeError: a stage returned a non-tensor, or ``loss_fn`` did not
-                return a scalar tensor.
+        See :func:`mpstream.training.run` for the arguments.
         """
-        sched = self.sched
-        native = sched.native
-        parts = self.partitions
-        last = len(parts) - 1
-        devices = sched.devices
-        readers = _cuda_only(sched.compute_streams)
-        copiers = _cuda_only(sched.copy_streams)
-        (caller_reader,) = _cuda_only([current_stream(devices[last])])
-        copy_in = schedule.copy_in
-        force = self.force_copies
-        profiling = torch._C._autograd._profiler_enabled()
-        values: list[Value | None] = list(batches)
-        labels = list(targets)
-        backward_seen: set[int] = set()
-        roots: dict[tuple[int, int], tuple[Tensor, ...]] = {}
-        sinks: dict[tuple[int, int], GradSink] = {}
-        grads: dict[int, tuple[Tensor | None, ...]] = {}
-        losses: list[Tensor] = []
-        native.begin_run(schedule.native, sched.caller_streams())
-        try:
-            for task in schedule.tasks:
-                kind, s, m = task.kind, task.stage, task.micro
-                # Everything a task issues, record_stream and the boundary
-                # cut included, happens between begin and end: on the task's
-                # streams, so autograd nodes and the allocator see them there.
-                if kind is Kind.FORWARD:
-                    x = values[m]
-                    assert x is not None
-                    handle = native.begin(task.index)
-                    if readers[s] is not None and not copy_in[s]:
-                        _protect(x, readers[s])
-                    if s > 0:
-                        sinks[(s, m)] = sink = GradSink()
-                        x = rebuild(x, cut(sink, tensors_of(x)))
-                    with _range(profiling, kind, s, m):
-                        stage = parts[s]
-                        y = checkpointed(stage, x) if m < checkpoint_stop else stage(x)
-                        y = check_output(y, s)
-                        if s == last:
-                            loss = _loss(loss_fn, y, labels[m], readers[s], weights[m])
-                            roots[(s, m)] = (loss,)
-                            losses.append(loss.detach())
-                            del loss
-                    native.end(handle)
-                    if s < last:
-                        roots[(s, m)] = tensors_of(y)
-                    values[m] = y if s < last else None
-                    # Locals must not keep a finished micro-batch's graph
-                    # alive: 1F1B's memory bound counts on it.
-                    del x, y
-                elif kind is Kind.COPY:
-                    value = values[m]
-                    assert value is not None
-                    dst = devices[s + 1]
-                    handle = native.begin(task.index)
-                    with _range(profiling, kind, s, m), torch.no_grad():
-                        if s < 0:
-                            moved_value = _transfer(value, dst, staging[m] if staging else None)
-                        else:
-                            moved = [move(t, dst, force=force) for t in tensors_of(value)]
-                            moved_value = rebuild(value, moved)
-                    if s >= 0:
-                        _protect(value, copiers[s])
-                    _protect(moved_value, readers[s + 1])
-                    native.end(handle)
-                    values[m] = moved_value
-                elif kind is Kind.TARGET:
-                    handle = native.begin(task.index)
-                    with _range(profiling, kind, s, m), torch.no_grad():
-                        buffers = target_staging[m] if target_staging else None
-                        labels[m] = _transfer(labels[m], devices[last], buffers)
-                    _protect(labels[m], readers[last])
-                    native.end(handle)
-                elif kind is Kind.BACKWARD:
-                    handle = native.begin(task.index)
-                    if before_backward is not None and s not in backward_seen:
-                        backward_seen.add(s)
-                        before_backward(s)
-                    with _range(profiling, kind, s, m):
-                        _backward(roots.pop((s, m)), None if s == last else grads.pop(m))
-                    if s > 0:
-                        captured = sinks.pop((s, m)).grads or ()
-                        grads[m] = captured
-                        if not copy_in[s]:
-                            _protect_all(captured, readers[s - 1])
-                    native.end(handle)
-                elif kind is Kind.COPY_GRAD:
-                    # Gradient of stage s + 1's input, back to stage s.
-                    outgoing = grads[m]
-                    handle = native.begin(task.index)
-                    with _range(profiling, kind, s, m), torch.no_grad():
-                        moved_grads = tuple(
-                            None if g is None else move(g, devices[s], force=force)
-                            for g in outgoing
-                        )
-                    _protect_all(outgoing, copiers[s + 1])
-                    _protect_all(moved_grads, readers[s])
-                    native.end(handle)
-                    grads[m] = moved_grads
-            native.join()
-        except BaseException:
-            native.abort()
-            raise
-        if caller_reader is not None:
-            for loss in losses:
-                record_stream(loss, caller_reader)
-        return losses
+        from .training import run
 
-
-def _backward(roots: tuple[Tensor, ...], grads: tuple[Tensor | None, ...] | None) -> None:
-    """One stage's backward; its references die with this frame."""
-    if grads is None:
-        torch.autograd.backward(roots)
-        return
-    pairs = [(t, g) for t, g in zip(roots, grads) if g is not None and t.requires_grad]
-    if pairs:
-        torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
-
-
-def _protect_all(tensors: Sequence[Tensor | None], stream: AnyStream | None) -> None:
-    if stream is not None:
-        for t in tensors:
-            if t is not None:
-                record_stream(t, stream)
-
-
-def _transfer(value: Value, device: torch.device, staging: Staging) -> Value:
-    """Moves a micro-batch (or its target) from the host or the caller's device."""
-    buffers = staging or (None,) * len(tensors_of(value))
-    return rebuild(value, [to_device(t, device, b) for t, b in zip(tensors_of(value), buffers)])
-
-
-def _loss(
-    loss_fn: Callable[[Value, Value], Tensor],
-    output: Value,
-    target: Value,
-    reader: AnyStream | None,
-    weight: float,
-) -> Tensor:
-    """The weighted loss of one micro-batch, on the last stage's stream.
-
-    ``target`` sits on the last stage's device: moved there by its target
-    task, or put there by the caller (then allocated on the caller's stream).
-    """
-    if reader is not None:
-        _protect(target, reader)
-    return _scalar(loss_fn(output, target)) * weight
-
-
-def _scalar(loss: object) -> Tensor:
-    if not isinstance(loss, Tensor) or loss.numel() != 1:
-        what = (
-            f"a tensor of shape {tuple(loss.shape)}"
-            if isinstance(loss, Tensor)
-            else type(loss).__name__
+        return run(
+            self,
+            batches,
+            targets,
+            schedule,
+            loss_fn,
+            weights,
+            checkpoint_stop,
+            staging,
+            target_staging,
+            before_backward,
         )
-        raise TypeError(f"loss_fn must return a scalar tensor, got {what}")
-    return loss.reshape(())
+
+
+def _subset(
+    staging: Sequence[Staging] | None,
+    m: int,
+    hop: Hop,
+    inputs: Sequence[Any],
+    where: Sequence[int],
+) -> Staging:
+    """The staging buffers of an input hop's tensors (its leaves at ``where``).
+
+    ``staging[m]`` lines up with the leaves of all of micro-batch ``m``'s
+    inputs; the hop moves those of ``hop.indices``.
+    """
+    if not staging or staging[m] is None:
+        return None
+    buffers = staging[m]
+    assert buffers is not None
+    if hop.indices == (ALL,):
+        positions: Sequence[int] = range(len(buffers))
+    else:
+        counts = [len(leaves(x)[0]) for x in inputs]
+        starts = [sum(counts[:k]) for k in range(len(counts))]
+        positions = [starts[k] + j for k in hop.indices for j in range(counts[k])]
+    return tuple(buffers[positions[i]] for i in where)

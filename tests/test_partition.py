@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from mpstream.partition import split_module
+from mpstream.partition import Chain, split_module, takes_several
 
 
 def test_children_are_stages_and_keep_their_devices() -> None:
@@ -19,10 +19,39 @@ def test_children_are_stages_and_keep_their_devices() -> None:
     assert [list(p) for p in stages.partitions] == [[a], [b]]
 
 
-def test_sequential_children_are_used_as_partitions() -> None:
+def test_sequential_children_are_the_stages() -> None:
     inner = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
     stages = split_module(nn.Sequential(inner, nn.Linear(2, 2)))
-    assert stages.partitions[0] is inner
+    assert list(stages.partitions[0]) == [inner]
+
+
+class Pair(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, x * 2
+
+
+class Add(nn.Module):
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x + y
+
+
+class Whole(nn.Module):
+    def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return pair[0] - pair[1]
+
+
+def test_a_tuple_is_spread_over_a_layer_taking_several_arguments() -> None:
+    chain = Chain(OrderedDict([("pair", Pair()), ("add", Add())]))
+    torch.testing.assert_close(chain(torch.ones(2)), torch.full((2,), 3.0))
+    chain = Chain(OrderedDict([("pair", Pair()), ("whole", Whole())]))
+    torch.testing.assert_close(chain(torch.ones(2)), torch.full((2,), -1.0))
+    # Several inputs: spread over the first layer, or given whole as a tuple.
+    torch.testing.assert_close(
+        Chain(OrderedDict(add=Add()))(torch.ones(1), torch.ones(1)), torch.full((1,), 2.0)
+    )
+    whole = Chain(OrderedDict(whole=Whole()))
+    torch.testing.assert_close(whole(torch.ones(1), torch.ones(1)), torch.zeros(1))
+    assert takes_several(Add()) and not takes_several(nn.Linear(1, 1))
 
 
 def test_parameterless_children_inherit_a_neighbour_device() -> None:

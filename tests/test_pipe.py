@@ -249,7 +249,7 @@ def test_deepcopy_and_save_rebuild_the_runtime() -> None:
     twin = copy.deepcopy(pipe)
     torch.testing.assert_close(twin(x), expected)
     assert twin.scheduler is not pipe.scheduler
-    assert twin.partitions[0] is twin[0], "partitions must be the copied layers"
+    assert twin.partitions[0][0] is twin[0], "partitions must hold the copied layers"
     assert twin.partitions[0] is not pipe.partitions[0]
     buf = io.BytesIO()
     torch.save(pipe, buf)
@@ -330,12 +330,29 @@ class Bad(nn.Module):
         return self.result
 
 
-@pytest.mark.parametrize("result", [[torch.ones(1)], None, {"x": 1}, (torch.ones(1), 2)])
+@pytest.mark.parametrize("result", [object(), {1, 2}, (torch.ones(1), nn.Linear(1, 1))])
 def test_bad_stage_output_names_the_stage(result: object) -> None:
     pipe = Pipe(nn.Sequential(nn.Linear(2, 2), Bad(result)), chunks=2)
-    with pytest.raises(TypeError, match="stage 1 returned"):
+    with pytest.raises(TypeError, match="stage 1 returned a"):
         pipe(torch.ones(4, 2))
     assert not pipe.scheduler.native.running
+
+
+@pytest.mark.parametrize(
+    ("result", "gathered"),
+    [
+        ([torch.ones(1)], [torch.ones(2)]),
+        (None, [None, None]),
+        ({"x": 1}, {"x": [1, 1]}),
+        ((torch.ones(1), 2), (torch.ones(2), [2, 2])),
+    ],
+)
+def test_any_structure_of_tensors_and_plain_values_comes_out(
+    result: object, gathered: object
+) -> None:
+    pipe = Pipe(nn.Sequential(nn.Linear(2, 2), Bad(result)), chunks=2)
+    out = pipe(torch.ones(4, 2))
+    torch.testing.assert_close(out, gathered)
 
 
 class Boom(Exception):

@@ -77,7 +77,7 @@ def test_misuse_is_reported() -> None:
     with pytest.raises(ValueError, match="3 stages"):
         sched.begin_run(Schedule("gpipe", 3, 2, [False] * 3))
     with pytest.raises(IndexError, match="outside the pipeline"):
-        sched.begin_grad_copy(1, 0)
+        sched.begin_grad_copy(1, 2, 0)
 
 
 @pytest.mark.parametrize("autograd_orders", [True, False])
@@ -85,7 +85,7 @@ def test_grad_copy_orders_the_receiving_compute_stream(autograd_orders: bool) ->
     sched = virtual(2)
     sched.native.autograd_orders_grad_copies = autograd_orders
     sched.recording = True
-    sched.end(sched.begin_grad_copy(0, 3))
+    sched.end(sched.begin_grad_copy(0, 1, 3))
     ops = sched.plan()
     # The copy runs on the sending slot, which records an event the receiving
     # copy slot waits on. The compute slot is then ordered after the copy:
@@ -261,7 +261,7 @@ def test_grad_copy_on_one_device_runs_on_the_forward_copys_stream() -> None:
     sched = EventScheduler([torch.device("cuda", 0)] * 2, virtual=True)
     sched.native.autograd_orders_grad_copies = True
     sched.recording = True
-    sched.end(sched.begin_grad_copy(0, 1))
+    sched.end(sched.begin_grad_copy(0, 1, 1))
     ops = sched.plan()
     assert [(op.op, sched.slot_names[op.slot]) for op in ops] == [
         ("run", "stage0.copy@cuda:0"),

@@ -224,7 +224,7 @@ def test_train_step_plan_with_forced_copies_is_valid() -> None:
         sched.recording = True
         sched.clear_plan()
         weights = [len(m) / BATCH for m in micro]  # type: ignore[arg-type]
-        losses = worker.train(micro, targets, schedule, nn.MSELoss(), weights)
+        losses = worker.train([(b,) for b in micro], targets, schedule, nn.MSELoss(), weights)
         verify_plan(Plan(sched.plan(), sched.slot_names, sched.slot_devices, 3))
         kinds = {op.kind for op in sched.plan() if op.op == "run"}
         assert kinds == {"forward", "backward", "copy", "copy_grad"}
@@ -328,7 +328,8 @@ def test_target_tasks_move_targets_ahead_of_the_last_stage() -> None:
         schedule = Schedule(name, 2, len(micro), [False, False], backward=True, copy_target=True)
         sched.recording = True
         sched.clear_plan()
-        losses = worker.train(micro, targets, schedule, nn.MSELoss(), [0.4, 0.4, 0.2])
+        batches = [(b,) for b in micro]
+        losses = worker.train(batches, targets, schedule, nn.MSELoss(), [0.4, 0.4, 0.2])
         plan = Plan(sched.plan(), sched.slot_names, sched.slot_devices, 2)
         verify_plan(plan)
         runs = [op for op in plan.ops if op.op == "run"]

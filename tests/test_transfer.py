@@ -93,7 +93,8 @@ def test_input_transfer_tasks_use_their_slice(monkeypatch: pytest.MonkeyPatch) -
     x, buffer = torch.randn(5, 2), torch.zeros(5, 2)
     micro = scatter(x, None, 2)
     staging = [(b,) for b in buffer.split(2)]
-    worker.forward(micro, Schedule("gpipe", 2, 3, [True, False]), staging=staging)
+    batches = [(b,) for b in micro]
+    worker.forward(batches, Schedule("gpipe", 2, 3, [True, False]), staging=staging)
     assert calls == [(2, buffer.data_ptr()), (2, buffer[2:].data_ptr()), (1, buffer[4:].data_ptr())]
 
 

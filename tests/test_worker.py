@@ -38,7 +38,7 @@ def test_forced_copies_match_and_plan_forward_and_backward(
     micro = scatter(x, None, split)
     schedule = Schedule("gpipe", stages, len(micro), [True] * stages)
     worker.sched.recording = True
-    out = gather(worker.forward(micro, schedule))
+    out = gather(worker.forward([(b,) for b in micro], schedule))
     out.pow(2).sum().backward()
 
     x_ref = x.detach().clone().requires_grad_()
@@ -87,7 +87,8 @@ def test_non_float_tensors_cross_without_gradients() -> None:
     worker = Worker(parts, EventScheduler([torch.device("cpu")] * 2))
     x = (torch.randn(6, 4), torch.arange(6))
     micro = scatter(x, 3, None)
-    out = gather(worker.forward(micro, Schedule("gpipe", 2, len(micro), [True, True])))
+    batches = [(b,) for b in micro]
+    out = gather(worker.forward(batches, Schedule("gpipe", 2, len(micro), [True, True])))
     assert isinstance(out, tuple)
     assert not out[1].requires_grad and out[1].dtype == torch.int64
     torch.testing.assert_close(out[1], x[1])
@@ -107,7 +108,7 @@ def test_profiler_sees_stage_and_copy_ranges() -> None:
     micro = scatter(torch.randn(4, 6, dtype=torch.float64), 2, None)
     schedule = Schedule("gpipe", 2, 2, [True, True])
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        worker.forward(micro, schedule)
+        worker.forward([(b,) for b in micro], schedule)
     names = {e.name for e in prof.events()}
     assert {"mpstream/forward/stage0/mb0", "mpstream/forward/stage1/mb1"} <= names
     assert "mpstream/copy/stage0/mb1" in names and "mpstream/copy/stage-1/mb0" in names

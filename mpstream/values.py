@@ -1,0 +1,158 @@
+"""The values of one pipeline run, per micro-batch.
+
+:class:`Flow` holds what the tasks of a run pass each other: every stage's
+outputs on its own device, and the copies that hops brought to other
+devices. It assembles a stage's arguments from them, stores its outputs,
+drops values once their last reader has run (1F1B's memory bound counts on
+it), and builds the pipeline's result on the last stage's device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch import Tensor
+from torch.utils import _pytree as pytree
+
+from .graph import ALL, Hop, Ref, Routes
+from .microbatch import check_output, leaves
+
+__all__ = ["Flow", "tensor_leaves"]
+
+
+def tensor_leaves(values: Sequence[Any]) -> list[Tensor]:
+    """The tensors among ``values``' leaves, in order."""
+    out: list[Tensor] = []
+    for v in values:
+        if type(v) is Tensor:
+            out.append(v)
+        else:
+            out.extend(t for t in leaves(v)[0] if isinstance(t, Tensor))
+    return out
+
+
+class Flow:
+    """Values of one run.
+
+    Args:
+        routes: the stage graph and its hops on this run's devices.
+        batches: per micro-batch, the tuple of the pipeline's positional
+            inputs.
+    """
+
+    def __init__(self, routes: Routes, batches: Sequence[tuple[Any, ...]]) -> None:
+        graph = routes.graph
+        self.routes = routes
+        self.stages = graph.stages
+        self.outputs = graph.outputs
+        for b in batches:
+            if not isinstance(b, tuple):
+                raise TypeError(f"a micro-batch is the tuple of its inputs, got {type(b).__name__}")
+        self.outs: list[list[tuple[Any, ...] | None]] = [
+            [b] + [None] * self.stages for b in batches
+        ]
+        self.moved: list[dict[tuple[int, int], tuple[Any, ...]]] = [{} for _ in batches]
+        # Per stage: (ref, hop) for each argument.
+        self.plan = [
+            [(r, routes.hop(r.stage, q)) for r in refs] for q, refs in enumerate(graph.args)
+        ]
+        last = self.stages - 1
+        self.result_refs = [(r, routes.hop(r.stage, last)) for r in graph.result_refs()]
+        self.result_spec = pytree.tree_structure(
+            graph.result, is_leaf=lambda x: isinstance(x, Ref)
+        )
+        # Producers whose values can be dropped after each stage's forward.
+        self.done_after: list[list[int]] = [[] for _ in range(self.stages)]
+        for p, q in routes.last_reader.items():
+            self.done_after[q].append(p)
+
+    def _source(self, ref: Ref, hop: Hop | None, m: int) -> tuple[Any, ...]:
+        if hop is not None:
+            return self.moved[m][(hop.producer, hop.peer)]
+        src = self.outs[m][ref.stage + 1]
+        assert src is not None, f"stage {ref.stage}'s output of micro-batch {m} is gone"
+        return src
+
+    def args(self, q: int, m: int) -> tuple[list[tuple[Ref, Any]], bool]:
+        """Stage ``q``'s arguments for micro-batch ``m``, each with what it is
+        (``Ref(-1, ALL)`` expands to one ref per input), and whether all of
+        them were copied to it by hops it receives itself (so the copies
+        already marked them for its stream)."""
+        out: list[tuple[Ref, Any]] = []
+        received = True
+        for ref, hop in self.plan[q]:
+            src = self._source(ref, hop, m)
+            if ref.index == ALL:
+                out.extend((Ref(ref.stage, i), v) for i, v in enumerate(src))
+            else:
+                out.append((ref, src[ref.index]))
+            received = received and hop is not None and hop.peer == q
+        return out, received
+
+    def result_sources(self, m: int) -> list[tuple[Ref, Any]]:
+        """The values of the result that other stages than the last produced."""
+        last = self.stages - 1
+        seen: dict[Ref, Any] = {}
+        for ref, hop in self.result_refs:
+            if ref.stage != last and ref not in seen:
+                seen[ref] = self._source(ref, hop, m)[ref.index]
+        return list(seen.items())
+
+    def store(self, q: int, m: int, y: Any) -> None:
+        """Keeps stage ``q``'s output (validated)."""
+        if self.outputs[q] > 1:
+            if not isinstance(y, tuple) or len(y) != self.outputs[q]:
+                raise TypeError(
+                    f"stage {q} returned {type(y).__name__}; it should return a tuple of its "
+                    f"{self.outputs[q]} outputs"
+                )
+            for item in y:
+                check_output(item, q)
+            self.outs[m][q + 1] = y
+        else:
+            if type(y) is not Tensor:
+                check_output(y, q)
+            self.outs[m][q + 1] = (y,)
+
+    def release(self, q: int, m: int) -> None:
+        """Drops the values no stage after ``q`` reads (call after its forward)."""
+        for p in self.done_after[q]:
+            self.outs[m][p + 1] = None
+            for key in [k for k in self.moved[m] if k[0] == p]:
+                del self.moved[m][key]
+
+    def outputs_of(self, q: int, m: int) -> tuple[Any, ...]:
+        out = self.outs[m][q + 1]
+        assert out is not None
+        return out
+
+    def hop_values(self, hop: Hop, m: int) -> list[Any]:
+        """The values a hop moves, in ``hop.indices`` order (every input for ALL)."""
+        src = self.outs[m][hop.producer + 1]
+        assert src is not None
+        if hop.indices == (ALL,):
+            return list(src)
+        return [src[k] for k in hop.indices]
+
+    def put_moved(self, hop: Hop, m: int, values: Sequence[Any]) -> None:
+        """Keeps the values a hop brought, indexable like the producer's outputs."""
+        if hop.indices == (ALL,):
+            self.moved[m][(hop.producer, hop.peer)] = tuple(values)
+            return
+        size = max(hop.indices) + 1
+        slots: list[Any] = [None] * size
+        for k, v in zip(hop.indices, values):
+            slots[k] = v
+        self.moved[m][(hop.producer, hop.peer)] = tuple(slots)
+
+    def result(self, m: int, replaced: dict[Ref, Any] | None = None) -> Any:
+        """The pipeline's output for micro-batch ``m``, on the last stage's
+        device (with ``replaced`` values instead of the stored ones)."""
+        items = []
+        for ref, hop in self.result_refs:
+            if replaced is not None and ref in replaced:
+                items.append(replaced[ref])
+            else:
+                items.append(self._source(ref, hop, m)[ref.index])
+        return pytree.tree_unflatten(items, self.result_spec)
