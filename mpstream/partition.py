@@ -19,7 +19,15 @@ from torch import nn
 
 from .stream import device_type_code
 
-__all__ = ["Stages", "Chain", "split_module", "module_device", "check_positive", "takes_several"]
+__all__ = [
+    "Stages",
+    "Chain",
+    "split_module",
+    "stage_devices",
+    "module_device",
+    "check_positive",
+    "takes_several",
+]
 
 DeviceLike = str | int | torch.device
 
@@ -165,6 +173,35 @@ def _default_devices(stages: int) -> list[torch.device]:
     return [torch.device("cuda", i) for i in range(stages)]
 
 
+def stage_devices(devices: Sequence[DeviceLike] | None, stages: int, what: str) -> list[torch.device]:
+    """One device per stage: ``devices`` checked, or the default placement.
+
+    Args:
+        devices: the user's list, or None for one CUDA device per stage (the
+            CPU without CUDA).
+        stages: how many stages there are.
+        what: how errors name the source of ``stages`` ("balance has").
+
+    Raises:
+        TypeError: ``devices`` is not a list.
+        ValueError: it has the wrong length or an unsupported device type.
+    """
+    if devices is None:
+        devs = _default_devices(stages)
+    else:
+        if isinstance(devices, (str, torch.device)) or not isinstance(devices, Sequence):
+            raise TypeError("devices must be a list with one device per stage")
+        devs = [_indexed(torch.device(d)) for d in devices]
+        if len(devs) != stages:
+            raise ValueError(
+                f"devices has {len(devs)} entries but {what} {stages} stages; give one "
+                f"device per stage"
+            )
+    for d in devs:
+        device_type_code(d)
+    return devs
+
+
 def _indexed(device: torch.device) -> torch.device:
     """``cuda`` means the current CUDA device: make the index explicit, since
     streams and events belong to one device."""
@@ -210,20 +247,8 @@ def split_module(
     if balance is None and devices is None:
         return _placed(layers)
     bal = _check_balance(balance, len(layers)) if balance is not None else [1] * len(layers)
-    if devices is None:
-        devs = _default_devices(len(bal))
-    else:
-        if isinstance(devices, (str, torch.device)) or not isinstance(devices, Sequence):
-            raise TypeError("devices must be a list with one device per stage")
-        devs = [_indexed(torch.device(d)) for d in devices]
-        if len(devs) != len(bal):
-            what = "balance has" if balance is not None else "the module has"
-            raise ValueError(
-                f"devices has {len(devs)} entries but {what} {len(bal)} stages; give one "
-                f"device per stage"
-            )
-    for d in devs:
-        device_type_code(d)
+    what = "balance has" if balance is not None else "the module has"
+    devs = stage_devices(devices, len(bal), what)
     partitions = []
     start = 0
     for count, device in zip(bal, devs):

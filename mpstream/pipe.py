@@ -15,11 +15,12 @@ from .batchnorm import DeferredBatchNorm, deferred_norms
 from .checkpoint import check_mode, checkpoint_stop
 from .graph import Routes, StageGraph
 from .microbatch import Value, batch_device, gather, leaves, scatter, split
-from .partition import DeviceLike, check_positive, split_module
+from .partition import DeviceLike, check_positive, split_module, stage_devices
 from .schedule import SCHEDULES, Schedule
 from .scheduler import EventScheduler
 from .stream import current_stream, record_stream
 from .transfer import host_staging
+from .trace import place, rebind, trace
 from .worker import Staging, Worker
 
 REDUCTIONS = ("mean", "sum")
@@ -38,8 +39,9 @@ class Pipe(nn.Module):
     On CPU the streams are placeholders and the results are the same.
 
     Args:
-        module: an ``nn.Sequential``. Without ``balance``/``devices`` each
-            child is one stage and must already sit on its device.
+        module: an ``nn.Sequential``, or with ``split_points`` any module
+            ``torch.fx`` can trace. A Sequential without
+            ``balance``/``devices`` has one stage per child, already placed.
         chunks: number of micro-batches (like ``torch.chunk``).
         split_size: micro-batch size (like ``torch.split``); give at most one
             of ``chunks`` and ``split_size``; neither means one micro-batch.
@@ -65,13 +67,22 @@ class Pipe(nn.Module):
             stages on one GPU this runs the data flow of a multi-GPU layout,
             device-to-device copies included; results are unchanged, the
             copies cost time and memory.
+        split_points: trace ``module`` with ``torch.fx`` and begin a new
+            stage where each named submodule (as in ``named_modules()``:
+            ``"layer3"``, ``"blocks.6"``) is first called; ``devices`` then
+            has ``len(split_points) + 1`` entries. A value one stage produces
+            and a later one reads (a skip connection) goes straight there.
+        leaf_modules: with ``split_points``, submodules (qualified names or
+            types) not to trace into: each runs whole inside one stage.
 
     Raises:
-        TypeError: ``module`` is not an ``nn.Sequential``; ``chunks`` or
-            ``split_size`` is not an int.
+        TypeError: ``module`` is neither an ``nn.Sequential`` nor given
+            ``split_points``; tracing failed; ``chunks`` or ``split_size``
+            is not an int.
         ValueError: ``chunks``/``split_size`` < 1 or both given; a layer is
             repeated; a stage spans devices; balance/devices do not fit; an
-            unknown checkpoint mode or schedule.
+            unknown checkpoint mode, schedule or split point; a tensor shared
+            by stages on different devices.
 
     Example::
 
@@ -93,6 +104,8 @@ class Pipe(nn.Module):
         schedule: str = "gpipe",
         sample: Value | None = None,
         force_copies: bool = False,
+        split_points: Sequence[str] | None = None,
+        leaf_modules: Sequence[str | type[nn.Module]] = (),
     ) -> None:
         super().__init__()
         if chunks is not None and split_size is not None:
@@ -106,6 +119,11 @@ class Pipe(nn.Module):
         self.schedule = schedule
         if deferred_batch_norm:
             module = DeferredBatchNorm.convert(module)
+        self.__dict__["_runtime"] = None
+        self.force_copies = bool(force_copies)
+        if split_points is not None:
+            self._traced(module, split_points, balance, devices, sample, leaf_modules)
+            return
         if isinstance(balance, str):
             balance = _auto_balance(module, balance, devices, sample)
         stages = split_module(module, balance, devices)
@@ -116,10 +134,71 @@ class Pipe(nn.Module):
         self.__dict__["_partitions"] = nn.ModuleList(stages.partitions)
         self.__dict__["_devices"] = list(stages.devices)
         self.__dict__["_balance"] = list(stages.balance)
-        self.__dict__["_runtime"] = None
         self.__dict__["_graph"] = StageGraph.chain(len(stages.partitions))
         self.__dict__["_bind"] = None  # traced modules bind call arguments
-        self.force_copies = bool(force_copies)
+        self.__dict__["_root"] = None
+
+    def _traced(
+        self,
+        module: nn.Module,
+        split_points: Sequence[str],
+        balance: Sequence[int] | str | None,
+        devices: Sequence[DeviceLike] | None,
+        sample: Any,
+        leaf_modules: Sequence[str | type[nn.Module]],
+    ) -> None:
+        """Construction for a module split by ``torch.fx`` at ``split_points``."""
+        if balance is not None:
+            raise TypeError(
+                "balance= partitions an nn.Sequential by layer counts; a traced module is "
+                "split at split_points= (or give no split_points and balance='time'|'size')"
+            )
+        traced = trace(module, split_points, leaf_modules=leaf_modules)
+        count = len(traced.partitions)
+        devs = stage_devices(devices, count, "split_points make")
+        place(module, traced, devs)
+        # The module's own children and tensors, so state_dict keys are its.
+        for name, child in module.named_children():
+            self._adopt(name, child, self.add_module)
+        for name, param in module._parameters.items():
+            self._adopt(name, param, self.register_parameter)
+        for name, buf in module._buffers.items():
+            persistent = name not in module._non_persistent_buffers_set
+            self._adopt(name, buf, lambda n, b: self.register_buffer(n, b, persistent=persistent))
+        self.__dict__["_partitions"] = nn.ModuleList(traced.partitions)
+        self.__dict__["_devices"] = devs
+        self.__dict__["_balance"] = [
+            sum(n.op.startswith("call") for n in p.graph.nodes) for p in traced.partitions
+        ]
+        self.__dict__["_graph"] = traced.graph
+        self.__dict__["_bind"] = traced.bind
+        self.__dict__["_root"] = module
+        self.__dict__["_split_points"] = list(split_points)
+        self.register_load_state_dict_post_hook(_rebind_after_load)
+
+    def _adopt(self, name: str, value: Any, register: Callable[[str, Any], None]) -> None:
+        if name in self.__dict__ or hasattr(type(self), name):
+            raise ValueError(
+                f"the module's attribute '{name}' clashes with Pipe's own '{name}'; rename it"
+            )
+        register(name, value)
+
+    def _rebind(self) -> None:
+        """Points the stages' own references at the module's current tensors."""
+        root = self.__dict__.get("_root")
+        if root is None:
+            return
+        for name, param in self._parameters.items():
+            root._parameters[name] = param
+        for name, buf in self._buffers.items():
+            root._buffers[name] = buf
+        for part in self.partitions:
+            rebind(part, root)  # type: ignore[arg-type]
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Pipe:  # type: ignore[override]
+        super()._apply(fn, recurse)
+        self._rebind()
+        return self
 
     # -- configuration -------------------------------------------------
     @property
@@ -466,6 +545,10 @@ def _auto_balance(
     if how == "time":
         return balance_by_time(module, sample, stages, device=device)
     return balance_by_size(module, sample, stages, device=device)
+
+
+def _rebind_after_load(pipe: nn.Module, keys: Any) -> None:
+    pipe._rebind()  # type: ignore[operator]
 
 
 class _Snapshot:
