@@ -173,7 +173,9 @@ def _default_devices(stages: int) -> list[torch.device]:
     return [torch.device("cuda", i) for i in range(stages)]
 
 
-def stage_devices(devices: Sequence[DeviceLike] | None, stages: int, what: str) -> list[torch.device]:
+def stage_devices(
+    devices: Sequence[DeviceLike] | None, stages: int, what: str
+) -> list[torch.device]:
     """One device per stage: ``devices`` checked, or the default placement.
 
     Args:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -19,8 +20,8 @@ from .partition import DeviceLike, check_positive, split_module, stage_devices
 from .schedule import SCHEDULES, Schedule
 from .scheduler import EventScheduler
 from .stream import current_stream, record_stream
-from .transfer import host_staging
 from .trace import place, rebind, trace
+from .transfer import host_staging
 from .worker import Staging, Worker
 
 REDUCTIONS = ("mean", "sum")
@@ -163,8 +164,8 @@ class Pipe(nn.Module):
         for name, param in module._parameters.items():
             self._adopt(name, param, self.register_parameter)
         for name, buf in module._buffers.items():
-            persistent = name not in module._non_persistent_buffers_set
-            self._adopt(name, buf, lambda n, b: self.register_buffer(n, b, persistent=persistent))
+            keep = name not in module._non_persistent_buffers_set
+            self._adopt(name, buf, functools.partial(self.register_buffer, persistent=keep))
         self.__dict__["_partitions"] = nn.ModuleList(traced.partitions)
         self.__dict__["_devices"] = devs
         self.__dict__["_balance"] = [
@@ -174,7 +175,7 @@ class Pipe(nn.Module):
         self.__dict__["_bind"] = traced.bind
         self.__dict__["_root"] = module
         self.__dict__["_split_points"] = list(split_points)
-        self.register_load_state_dict_post_hook(_rebind_after_load)
+        self.register_load_state_dict_post_hook(_rebind_after_load)  # type: ignore[no-untyped-call]
 
     def _adopt(self, name: str, value: Any, register: Callable[[str, Any], None]) -> None:
         if name in self.__dict__ or hasattr(type(self), name):
@@ -196,7 +197,7 @@ class Pipe(nn.Module):
             rebind(part, root)  # type: ignore[arg-type]
 
     def _apply(self, fn: Any, recurse: bool = True) -> Pipe:  # type: ignore[override]
-        super()._apply(fn, recurse)
+        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
         self._rebind()
         return self
 

@@ -19,7 +19,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, fx, nn
@@ -64,7 +64,11 @@ class _Tracer(fx.Tracer):
         return bool(super().is_leaf_module(m, qualname))
 
     def call_module(
-        self, m: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        m: nn.Module,
+        forward: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
     ) -> Any:
         self.path.append(self.path_of_module(m))
         try:
@@ -113,7 +117,9 @@ def _inside(owner: str, point: str) -> bool:
     return owner == point or owner.startswith(point + ".")
 
 
-def _stage_of_nodes(gm: fx.GraphModule, points: Sequence[str], module: nn.Module) -> dict[fx.Node, int]:
+def _stage_of_nodes(
+    gm: fx.GraphModule, points: Sequence[str], module: nn.Module
+) -> dict[fx.Node, int]:
     """The stage of every compute node: how many split points began before it."""
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     begins = []
@@ -149,6 +155,10 @@ def _stage_of_nodes(gm: fx.GraphModule, points: Sequence[str], module: nn.Module
     return stage_of
 
 
+def _part(top: fx.GraphModule, name: str) -> fx.GraphModule:
+    return cast(fx.GraphModule, top.get_submodule(name))
+
+
 def _attr_name(target: str) -> str:
     return "_attr_" + target.replace(".", "_")
 
@@ -164,7 +174,7 @@ def _inline_attrs(top: fx.GraphModule, root: nn.Module) -> None:
     attribute to the tensor's qualified name in ``root``.
     """
     for call in [n for n in top.graph.nodes if n.op == "call_module"]:
-        part = top.get_submodule(str(call.target))
+        part = _part(top, str(call.target))
         attrs: dict[str, str] = getattr(part, "_mpstream_attrs", {})
         holders = [n for n in part.graph.nodes if n.op == "placeholder"]
         keep_args = []
@@ -241,7 +251,7 @@ def _stage_graph(top: fx.GraphModule, count: int) -> tuple[StageGraph, list[str]
         elif node.op == "call_module":
             s = int(str(node.target).rsplit("_", 1)[1])
             args[s] = tuple(refs[a] for a in node.args)  # type: ignore[index]
-            part = top.get_submodule(str(node.target))
+            part = _part(top, str(node.target))
             out = next(n for n in part.graph.nodes if n.op == "output")
             returned = out.args[0]
             outputs[s] = len(returned) if isinstance(returned, (tuple, list)) else 1
@@ -301,9 +311,7 @@ def trace(
     _inline_attrs(top, module)
     count = len(split_points) + 1
     graph, inputs = _stage_graph(top, count)
-    partitions: list[fx.GraphModule] = [
-        top.get_submodule(f"submod_{s}") for s in range(count)  # type: ignore[misc]
-    ]
+    partitions = [_part(top, f"submod_{s}") for s in range(count)]
     return Traced(
         partitions,
         graph,
@@ -320,8 +328,8 @@ def place(module: nn.Module, traced: Traced, devices: Sequence[torch.device]) ->
             weights are not silently copied).
     """
     users: dict[str, list[int]] = defaultdict(list)
-    for s, names in enumerate(traced.tensors):
-        for name in names:
+    for s, used in enumerate(traced.tensors):
+        for name in sorted(used):
             users[name].append(s)
     by_identity: dict[int, list[tuple[str, int]]] = defaultdict(list)
     for name, stages in users.items():
