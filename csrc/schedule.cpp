@@ -89,11 +89,15 @@ class Builder {
  public:
   explicit Builder(const Layout& layout)
       : layout_(layout), groups_(static_cast<size_t>(layout.stages) + 1) {
+    // With force_copies every stage counts as a device of its own (the data
+    // flow of one device per stage), except for reads of the input, which
+    // move only when it sits elsewhere.
     for (int32_t q = 0; q < layout.stages; ++q) {
       for (int32_t p : layout.reads[q]) {
         auto& groups = groups_[p + 1];
+        const bool own = layout.force_copies && p >= 0;
         auto it = std::find_if(groups.begin(), groups.end(), [&](const Group& g) {
-          return layout.device[g.peer] == layout.device[q];
+          return own ? g.peer == q : layout.device[g.peer] == layout.device[q];
         });
         if (it != groups.end()) {
           it->readers.push_back(q);

@@ -44,7 +44,8 @@ struct Task {
 // the last stage also reads every stage the pipeline's output comes from.
 // device[s] labels stage s's device (equal labels, same device) and
 // input_device the input's. A read crosses devices, and needs a copy task,
-// when the labels differ, or always between stages with force_copies.
+// when the labels differ, or always between stages with force_copies (then
+// each reading stage gets its own copy, as if every stage had a device).
 // copy_target: a training step's targets are not on the last stage's
 // device, so each micro-batch's target moves there in a task of its own,
 // issued with the input copies.

@@ -288,12 +288,25 @@ int64_t Scheduler::begin(int32_t task) {
                                std::to_string(d) + " ended");
     }
   }
+  // A dependency recorded before another one it was ordered before (its
+  // event is in the other's vector clock) needs no wait of its own: a
+  // stage reading a skip connection and the stage after it waits only on
+  // the latter.
+  const auto implied = [&](int32_t d) {
+    const EventRec& rec = events_[task_event_[d]];
+    return std::any_of(t.deps.begin(), t.deps.end(), [&](int32_t other) {
+      return other != d && task_slots(schedule_->tasks[other]).second != at &&
+             events_[task_event_[other]].vc[rec.slot] >= rec.seq;
+    });
+  };
   for (int32_t d : t.deps) {
     if (task_slots(schedule_->tasks[d]).second == at) {
       continue;  // same stream: program order
     }
     const int32_t ev = task_event_[d];
-    wait(at, ev, who);
+    if (!implied(d)) {
+      wait(at, ev, who);
+    }
     --pending_[d];
     unref(ev);
   }

@@ -13,16 +13,22 @@ from .balance import balance_by_size, balance_by_time
 from .batchnorm import DeferredBatchNorm
 from .cost_model import Costs, Prediction, Simulation, predict, simulate
 from .cost_model import fit as simulate_fit
+from .graph import Ref, StageGraph
+from .microbatch import NoChunk
 from .pipe import Pipe
 from .plan import Plan, PlanError, record_plan, verify_plan
 from .profiling import profile
-from .schedule import SCHEDULES, Kind, Schedule, Task
+from .schedule import SCHEDULES, Kind, Schedule, Task, Topology
 from .scheduler import EventScheduler, PlanOp
 from .timeline import Span, Summary, Timeline
 from .tuning import TuneResult, tune
 
 __all__ = [
     "Pipe",
+    "NoChunk",
+    "StageGraph",
+    "Ref",
+    "Topology",
     "profile",
     "tune",
     "TuneResult",

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 from .balance import partition, stage_costs
-from .schedule import Kind, Schedule, Task
+from .schedule import Kind, Schedule, Task, Topology
 from .timeline import Span, Timeline
 
 __all__ = ["Costs", "Simulation", "simulate", "fit", "predict", "Prediction"]
@@ -37,10 +38,13 @@ class Costs:
     Attributes:
         stage_times: per stage, (forward, backward).
         copy_times: per boundary s -> s + 1, (forward copy, gradient copy).
+        hops: per copy of a stage graph, (producer, receiving stage) ->
+            (forward copy, gradient copy); skips included.
     """
 
     stage_times: list[tuple[float, float]]
     copy_times: list[tuple[float, float]]
+    hops: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -87,13 +91,14 @@ def _tutorial_order(tasks: list[Task]) -> list[Task]:
 
 def simulate(
     stage_times: Sequence[Cost],
-    copy_times: Cost | Sequence[Cost] = 0.0,
+    copy_times: Cost | Sequence[Cost] | Mapping[tuple[int, int], Cost] = 0.0,
     chunks: int = 1,
     schedule: str = "gpipe",
     overlap: bool = True,
     *,
     backward: bool | None = None,
     devices: Sequence[str] | None = None,
+    reads: Sequence[Sequence[int]] | None = None,
 ) -> Simulation:
     """Predicts a pipelined step.
 
@@ -102,7 +107,9 @@ def simulate(
             (forward, backward) pair.
         copy_times: per boundary (or one for all), the copy time of one
             micro-batch's activations (its gradient's copy takes as long), or
-            a (forward, gradient) pair.
+            a (forward, gradient) pair. For a stage graph (``reads``): one
+            for all, one per producing stage, or a mapping from (producer,
+            receiving stage) to the time of that copy.
         chunks: number of micro-batches.
         schedule: ``'gpipe'`` or ``'1f1b'`` (which needs backward times).
         overlap: mpstream's streams (True) or the default streams (False).
@@ -111,6 +118,9 @@ def simulate(
         devices: device label of each stage; stages sharing a device share
             its stream when ``overlap`` is False, and need no copy between
             them. Default: one device per stage.
+        reads: the stage graph, per stage the stages it reads (-1: the
+            input); default a chain. A value goes to each device reading it
+            in one copy, as mpstream's schedules move it.
 
     Returns:
         The predicted step time and its timeline.
@@ -123,28 +133,29 @@ def simulate(
     n = len(stages)
     if n < 1:
         raise ValueError("simulate needs at least one stage time")
-    if isinstance(copy_times, (int, float, tuple)):
-        copies = [_pair(copy_times, "copy time", both=True)] * max(n - 1, 0)
-    else:
-        copies = [_pair(c, f"copy time {i}", both=True) for i, c in enumerate(copy_times)]
-        if len(copies) != n - 1:
-            raise ValueError(
-                f"copy_times needs {n - 1} entries (one per boundary), got {len(copies)}"
-            )
+    graph = tuple(tuple(r) for r in reads) if reads is not None else None
+    if graph is not None and len(graph) != n:
+        raise ValueError(f"reads needs {n} entries (one per stage), got {len(graph)}")
+    copy_cost = _copy_costs(copy_times, n, graph is None)
     devs = list(devices) if devices is not None else [f"device{i}" for i in range(n)]
     if len(devs) != n:
         raise ValueError(f"devices needs {n} entries, got {len(devs)}")
     with_backward = any(b > 0 for _, b in stages) if backward is None else backward
     if schedule == "1f1b" and not with_backward:
         raise ValueError("1f1b interleaves backwards: give (forward, backward) stage times")
-    copy_in = [False] + [devs[s] != devs[s - 1] for s in range(1, n)]
-    sched = Schedule(schedule, n, chunks, copy_in, backward=with_backward)
+    labels = list(dict.fromkeys(devs))
+    topology = Topology(
+        graph if graph is not None else tuple((s - 1,) for s in range(n)),
+        tuple(labels.index(d) for d in devs),
+        labels.index(devs[0]),
+    )
+    sched = Schedule(schedule, n, chunks, topology, backward=with_backward)
     tasks = _tutorial_order(sched.tasks) if not overlap else sched.tasks
 
     def streams(t: Task) -> tuple[str, ...]:
         if t.kind in (Kind.FORWARD, Kind.BACKWARD):
             return (f"stage{t.stage}.compute",) if overlap else (devs[t.stage],)
-        src, dst = (t.stage, t.stage + 1) if t.kind is Kind.COPY else (t.stage + 1, t.stage)
+        src, dst = (t.stage, t.peer) if t.kind is Kind.COPY else (t.peer, t.stage)
         if overlap:
             return (f"stage{src}.copy", f"stage{dst}.copy")
         return (devs[src], devs[dst])
@@ -154,8 +165,8 @@ def simulate(
             return stages[t.stage][0]
         if t.kind is Kind.BACKWARD:
             return stages[t.stage][1]
-        boundary = t.stage
-        return copies[boundary][0] if t.kind is Kind.COPY else copies[boundary][1]
+        forward, gradient = copy_cost(t.stage, t.peer)
+        return float(forward if t.kind is Kind.COPY else gradient)
 
     free: dict[str, float] = defaultdict(float)
     end: dict[int, float] = {}
@@ -174,15 +185,18 @@ def simulate(
                 on[-1] if t.kind is Kind.COPY else on[0],
                 start,
                 end[t.index],
+                peer=t.peer if t.kind in (Kind.COPY, Kind.COPY_GRAD) else -1,
             )
         )
     if overlap:
         rows = {f"stage{s}.{r}": devs[s] for s in range(n) for r in ("compute", "copy")}
     else:
         rows = {d: d for d in dict.fromkeys(devs)}
+    hop_pairs = sorted({(t.stage, t.peer) for t in sched.tasks if t.kind is Kind.COPY})
     meta = {
         "stage_times": stages,
-        "copy_times": copies,
+        "copy_times": [copy_cost(p, q) for p, q in hop_pairs],
+        "copies": [f"{p}->{q}" for p, q in hop_pairs],
         "chunks": chunks,
         "schedule": schedule,
         "overlap": overlap,
@@ -192,6 +206,23 @@ def simulate(
     return Simulation(step, timeline, schedule, overlap)
 
 
+def _copy_costs(
+    copy_times: Cost | Sequence[Cost] | Mapping[tuple[int, int], Cost], n: int, chain: bool
+) -> Any:
+    """A function (producer, receiving stage) -> (forward, gradient) copy time."""
+    if isinstance(copy_times, (int, float, tuple)):
+        both = _pair(copy_times, "copy time", both=True)
+        return lambda p, q: both
+    if isinstance(copy_times, Mapping):
+        hops = {k: _pair(c, f"copy time {k}", both=True) for k, c in copy_times.items()}
+        return lambda p, q: hops.get((p, q), (0.0, 0.0))
+    per = [_pair(c, f"copy time {i}", both=True) for i, c in enumerate(copy_times)]
+    if len(per) != n - 1:
+        what = "one per boundary" if chain else "one per producing stage but the last"
+        raise ValueError(f"copy_times needs {n - 1} entries ({what}), got {len(per)}")
+    return lambda p, q: per[p] if 0 <= p < len(per) else (0.0, 0.0)
+
+
 def fit(timeline: Timeline) -> Costs:
     """Median per-micro-batch costs of each stage and boundary in a measured timeline.
 
@@ -199,8 +230,13 @@ def fit(timeline: Timeline) -> Costs:
         ValueError: the timeline has no compute spans.
     """
     groups: dict[tuple[str, int], list[float]] = defaultdict(list)
+    hops: dict[tuple[str, int, int], list[float]] = defaultdict(list)
     for s in timeline.spans:
         groups[(s.kind, s.stage)].append(s.duration_ms)
+        if s.kind in ("copy", "copy_grad") and s.stage >= 0:
+            hops[(s.kind, s.stage, s.stages[0] if s.kind == "copy_grad" else s.stages[-1])].append(
+                s.duration_ms
+            )
     stages = timeline.stages
     if not any(k in ("forward", "backward") for k, _ in groups):
         raise ValueError("the timeline has no compute spans to fit")
@@ -209,9 +245,15 @@ def fit(timeline: Timeline) -> Costs:
         values = groups.get((kind, stage))
         return statistics.median(values) if values else 0.0
 
+    def hop(kind: str, p: int, q: int) -> float:
+        values = hops.get((kind, p, q))
+        return statistics.median(values) if values else 0.0
+
+    pairs = {(p, q) for _, p, q in hops}
     return Costs(
         [(median("forward", s), median("backward", s)) for s in range(stages)],
         [(median("copy", s), median("copy_grad", s)) for s in range(stages - 1)],
+        {(p, q): (hop("copy", p, q), hop("copy_grad", p, q)) for p, q in sorted(pairs)},
     )
 
 

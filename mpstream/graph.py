@@ -8,8 +8,9 @@ each stage reads the one output of the stage before it.
 
 :class:`Routes` adds the devices: a value read on another device moves in one
 copy task per producer and receiving device (a :class:`Hop`), shared by every
-stage there that reads it, received on the copy stream of the first of them,
-exactly as the C++ schedule generates its copy tasks.
+stage there that reads it, received on the copy stream of the first of them
+(with ``force_copies``, one per reading stage), exactly as the C++ schedule
+generates its copy tasks.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class StageGraph:
             returns a tuple, whose items are its outputs; with one, whatever
             it returns is its output 0.
         result: the pipeline's output: a :class:`Ref` or a structure
-            (tuple, list, dict) of them.
+            (tuple, list, dict) of refs and constants.
     """
 
     args: tuple[tuple[Ref, ...], ...]
@@ -65,8 +66,9 @@ class StageGraph:
         return len(self.args)
 
     def result_refs(self) -> list[Ref]:
-        refs: list[Ref] = pytree.tree_leaves(self.result, is_leaf=lambda x: isinstance(x, Ref))
-        return refs
+        """The refs among the result's leaves (the others are constants)."""
+        items = pytree.tree_leaves(self.result, is_leaf=lambda x: isinstance(x, Ref))
+        return [x for x in items if isinstance(x, Ref)]
 
     def reads(self) -> tuple[tuple[int, ...], ...]:
         """Per stage, the producers it reads; the last stage also reads those
@@ -124,10 +126,13 @@ class Routes:
         for r in graph.result_refs():
             if r.stage != last:
                 needs.setdefault((r.stage, last), set()).add(r.index)
-        groups: dict[tuple[int, int], list[int]] = {}  # (producer, device label) -> readers
+        # Readers grouped by device (by stage with force_copies, as if each
+        # stage had a device; the inputs still go by device).
+        groups: dict[tuple[int, int], list[int]] = {}
         for q in range(graph.stages):
             for p in reads[q]:
-                groups.setdefault((p, devices[q]), []).append(q)
+                key = q if force_copies and p >= 0 else devices[q]
+                groups.setdefault((p, key), []).append(q)
         self.hops: dict[tuple[int, int], Hop] = {}  # (producer, reader) -> hop
         self.by_task: dict[tuple[int, int], Hop] = {}  # (producer, peer) -> hop
         for (p, _), readers in groups.items():

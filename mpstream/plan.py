@@ -131,11 +131,12 @@ def _producers(op: PlanOp, plan: Plan, copies: dict[tuple[str, int, int], list[i
     device = plan.slot_devices
 
     def via(p: int, q: int, what: str) -> int | None:
-        """The peer of the copy that brings p's value to q's device."""
-        for g in copies.get((what, p, m), []):
-            if device[2 * g] == device[2 * q]:
-                return g
-        return None
+        """The peer of the copy that brings p's value to q's device (q's own
+        copy if there is one: forced copies go to each reading stage)."""
+        peers = copies.get((what, p, m), [])
+        if q in peers:
+            return q
+        return next((g for g in peers if device[2 * g] == device[2 * q]), None)
 
     if kind == Kind.FORWARD.label:
         deps: list[Key] = []
@@ -158,7 +159,7 @@ def _producers(op: PlanOp, plan: Plan, copies: dict[tuple[str, int, int], list[i
             deps.append(("copy_grad", s, g, m) if g is not None else ("backward", q, q, m))
         return deps
     if kind == Kind.COPY_GRAD.label and op.task >= 0:
-        return [("backward", q, q, m) for q in readers if device[2 * q] == device[2 * peer]]
+        return [("backward", q, q, m) for q in readers if via(s, q, "copy_grad") == peer]
     return []
 
 

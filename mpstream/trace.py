@@ -57,6 +57,7 @@ class _Tracer(fx.Tracer):
         self.leaf_names = {x for x in leaves if isinstance(x, str)}
         self.leaf_types = tuple(x for x in leaves if isinstance(x, type))
         self.path: list[str] = []
+        self.failed_in: str | None = None  # the innermost submodule that raised
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         if qualname in self.leaf_names or (self.leaf_types and isinstance(m, self.leaf_types)):
@@ -73,6 +74,10 @@ class _Tracer(fx.Tracer):
         self.path.append(self.path_of_module(m))
         try:
             return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            if self.failed_in is None:
+                self.failed_in = self.path[-1]
+            raise
         finally:
             self.path.pop()
 
@@ -82,13 +87,18 @@ def _trace(module: nn.Module, leaves: Sequence[str | type[nn.Module]]) -> fx.Gra
     try:
         graph = tracer.trace(module)
     except Exception as exc:
-        where = f" inside submodule '{tracer.path[-1]}'" if tracer.path else ""
+        inner = tracer.failed_in
+        where = f" inside submodule '{inner}'" if inner else " in its own forward"
+        advice = (
+            f"Mark that submodule as a leaf (Pipe(..., leaf_modules=['{inner}'])), which runs "
+            f"it whole inside one stage, or pass an nn.Sequential of stages."
+            if inner
+            else "Pass an nn.Sequential of stages, or move that code into a submodule and "
+            "mark it as a leaf (Pipe(..., leaf_modules=[...]))."
+        )
         raise TypeError(
             f"torch.fx could not trace {type(module).__name__}{where}: "
-            f"{type(exc).__name__}: {exc}\n"
-            f"Mark the submodule that does this as a leaf (Pipe(..., leaf_modules=["
-            f"'{tracer.path[-1] if tracer.path else 'name'}'])), which runs it whole "
-            f"inside one stage, or pass an nn.Sequential of stages."
+            f"{type(exc).__name__}: {exc}\n{advice}"
         ) from exc
     return fx.GraphModule(tracer.root, graph, type(module).__name__)
 

@@ -58,10 +58,14 @@ class Flow:
             [(r, routes.hop(r.stage, q)) for r in refs] for q, refs in enumerate(graph.args)
         ]
         last = self.stages - 1
-        self.result_refs = [(r, routes.hop(r.stage, last)) for r in graph.result_refs()]
-        self.result_spec = pytree.tree_structure(
+        # The result's leaves: refs, or constants the module returns as such.
+        items, self.result_spec = pytree.tree_flatten(
             graph.result, is_leaf=lambda x: isinstance(x, Ref)
         )
+        self.result_items = [
+            (x, routes.hop(x.stage, last)) if isinstance(x, Ref) else (x, None) for x in items
+        ]
+        self.result_refs = [(r, hop) for r, hop in self.result_items if isinstance(r, Ref)]
         # Producers whose values can be dropped after each stage's forward.
         self.done_after: list[list[int]] = [[] for _ in range(self.stages)]
         for p, q in routes.last_reader.items():
@@ -150,8 +154,10 @@ class Flow:
         """The pipeline's output for micro-batch ``m``, on the last stage's
         device (with ``replaced`` values instead of the stored ones)."""
         items = []
-        for ref, hop in self.result_refs:
-            if replaced is not None and ref in replaced:
+        for ref, hop in self.result_items:
+            if not isinstance(ref, Ref):
+                items.append(ref)
+            elif replaced is not None and ref in replaced:
                 items.append(replaced[ref])
             else:
                 items.append(self._source(ref, hop, m)[ref.index])

@@ -117,3 +117,14 @@ def test_a_single_copy_time_applies_to_gradient_copies_too() -> None:
     assert [s.duration_ms for s in grad_copies] == [c]
     # One micro-batch through two stages and back: every task on the critical path.
     assert sim.step_ms == pytest.approx(2 * f + c + 2 * b + c)
+
+
+def test_a_stage_graph_with_a_skip() -> None:
+    # Stage 2 reads stages 0 and 1; stage 0's two copies share its copy stream.
+    hops = {(0, 1): 1.0, (0, 2): 1.0, (1, 2): 1.0}
+    sim = simulate([1.0, 1.0, 1.0], hops, 1, reads=[(-1,), (0,), (0, 1)])
+    copies = sorted((s.stage, s.peer, s.start_ms) for s in sim.timeline.spans if s.kind == "copy")
+    assert copies == [(0, 1, 1.0), (0, 2, 2.0), (1, 2, 3.0)]
+    assert sim.step_ms == pytest.approx(5.0)
+    with pytest.raises(ValueError, match="reads needs 3 entries"):
+        simulate([1.0, 1.0, 1.0], 0.0, 1, reads=[(-1,), (0,)])
