@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from mpstream import Pipe
+from mpstream import NoChunk, Pipe
 from tests.helpers import assert_same_grads, mlp, reference_on_micro_batches, staged
 
 BATCH = 12
@@ -428,3 +428,42 @@ def test_forced_copies_are_transparent_and_really_copy(stages: int, split_size: 
     pipe.partitions[0].register_forward_hook(lambda m, a, out: produced.append(out.data_ptr()))
     pipe(torch.randn(BATCH, 5, dtype=torch.float64))
     assert produced and not set(produced) & set(seen)
+
+
+class Attend(nn.Module):
+    """Takes two arguments and returns a tuple with a plain value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, int]:
+        return self.lin(x) * mask, mask, 3
+
+
+class UseAll(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x: Tensor, mask: Tensor, n: int) -> Tensor:
+        return self.lin(x * mask) * n
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_several_inputs_spread_tuples_and_plain_values(schedule: str) -> None:
+    model = nn.Sequential(Attend(), UseAll()).double()
+    ref = copy.deepcopy(model)
+    pipe = Pipe(model, split_size=2, balance=[1, 1], devices=["cpu"] * 2, schedule=schedule)
+    x, mask = torch.randn(5, 4, dtype=torch.float64), torch.rand(5, 4, dtype=torch.float64)
+    # What nn.Sequential cannot do: two inputs, and a tuple spread over three.
+    expected = ref[1](*ref[0](x, mask))
+    torch.testing.assert_close(pipe(x, mask), expected)
+    y = torch.randn(5, 2, dtype=torch.float64)
+    loss = pipe.train_step((x, mask), y, nn.MSELoss())
+    want = nn.MSELoss()(expected, y)
+    want.backward()
+    torch.testing.assert_close(loss, want.detach())
+    assert_same_grads(pipe, ref)
+    out = pipe(x, NoChunk(torch.ones(4, dtype=torch.float64)))
+    assert out.shape == (5, 2)
