@@ -55,6 +55,15 @@ class Span:
         return (self.stage,)
 
 
+def _label(span: Span) -> str:
+    """A task's name in traces: kind, stage (both ends of a copy), micro-batch."""
+    if span.kind in ("copy", "copy_grad"):
+        src, dst = span.stages[0], span.stages[-1]
+        source = f"s{src}" if span.stage >= 0 else "input"
+        return f"{span.kind} {source}->s{dst} mb{span.micro}"
+    return f"{span.kind} s{span.stage} mb{span.micro}"
+
+
 def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
     merged: list[tuple[float, float]] = []
     for a, b in sorted(intervals):
@@ -242,7 +251,7 @@ class Timeline:
         for span in self.spans:
             events.append(
                 {
-                    "name": f"{span.kind} s{span.stage} mb{span.micro}",
+                    "name": _label(span),
                     "cat": span.kind,
                     "ph": "X",
                     "ts": span.start_ms * 1e3,
