@@ -1,8 +1,10 @@
 """Automatic balancing: profile each layer, split to minimise the slowest stage.
 
 :func:`profile_layers` runs an ``nn.Sequential`` layer by layer on a sample
-batch and measures each layer's forward + backward time, the bytes it keeps
-for backward plus its output, and its parameter (and gradient) bytes.
+batch, in training mode (the mode a pipeline is balanced for, whatever mode
+the module is in), and measures each layer's forward + backward time, the
+bytes it keeps for backward plus its output, and its parameter (and
+gradient) bytes; ``balance_by_size`` can add the optimizer's state.
 :func:`partition` then finds the contiguous split into ``stages`` parts whose
 largest cost is smallest (exact dynamic programme).
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 import statistics
 import time
 from collections.abc import Sequence
@@ -50,6 +53,11 @@ class LayerProfile:
     @property
     def size_bytes(self) -> int:
         return self.activation_bytes + self.parameter_bytes
+
+    def training_bytes(self, param_scale: float = 0.0) -> float:
+        """:attr:`size_bytes` plus ``param_scale`` bytes of optimizer state per parameter byte."""
+        # parameter_bytes counts each parameter twice: itself and its gradient.
+        return self.size_bytes + param_scale * self.parameter_bytes / 2
 
 
 def partition(costs: Sequence[float], stages: int) -> list[int]:
@@ -131,8 +139,10 @@ def profile_layers(
     """Measures every layer of an ``nn.Sequential`` on ``sample``.
 
     A deep copy of ``module`` is profiled on ``device`` (default: where the
-    module's first parameter is), so the module itself is left untouched.
-    Times are medians over ``repeat`` runs after one warm-up, synchronised.
+    module's first parameter is), in training mode (dropout active,
+    BatchNorm on batch statistics: what the pipeline trains with), so the
+    module itself, its mode included, is left untouched. Times are medians
+    over ``repeat`` runs after one warm-up, synchronised.
 
     Raises:
         TypeError: ``module`` is not an ``nn.Sequential``.
@@ -149,7 +159,7 @@ def profile_layers(
         if device is not None
         else (first.device if first is not None else torch.device("cpu"))
     )
-    model = copy.deepcopy(module).to(dev)
+    model = copy.deepcopy(module).to(dev).train()
     x: Value = tuple(t.to(dev) for t in tensors_of(as_value(sample, "sample")))
     if isinstance(sample, Tensor):
         x = x[0]
@@ -219,11 +229,30 @@ def balance_by_size(
     stages: int,
     *,
     device: torch.device | str | None = None,
+    param_scale: float = 0.0,
 ) -> list[int]:
     """The split with the smallest largest stage in memory.
 
     Memory per layer: the bytes it saves for backward plus its output (on
-    ``sample``), and its parameters and their gradients.
+    ``sample``), its parameters and their gradients, and ``param_scale``
+    bytes of optimizer state per parameter byte.
+
+    Args:
+        module: an ``nn.Sequential``.
+        sample: a representative batch (a micro-batch is best).
+        stages: number of stages.
+        device: where to profile (default: the module's device).
+        param_scale: optimizer state per parameter byte: 0 for plain SGD,
+            1 for SGD with momentum, 2 for Adam (two moments).
+
+    Returns:
+        The balance: layers per stage.
+
+    Raises:
+        ValueError: ``param_scale`` is negative or not finite.
     """
+    scale = float(param_scale)
+    if not math.isfinite(scale) or scale < 0:
+        raise ValueError(f"param_scale must be a finite number >= 0, got {param_scale!r}")
     profiles = profile_layers(module, sample, device=device, repeat=1)
-    return partition([float(p.size_bytes) for p in profiles], stages)
+    return partition([p.training_bytes(scale) for p in profiles], stages)

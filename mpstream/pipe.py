@@ -10,8 +10,10 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .balance import balance_by_size, balance_by_time
-from .batchnorm import DeferredBatchNorm, deferred_norms
+from .batchnorm import DeferredBatchNorm, deferred_norms, deferred_update
 from .checkpoint import check_mode, checkpoint_stop
+from .compiling import CompileOption, compile_options, compile_stages
+from .errors import stage_labels
 from .microbatch import Value, as_value, batch_device, gather, scatter, split
 from .partition import DeviceLike, check_positive, split_module
 from .schedule import SCHEDULES, Schedule
@@ -63,13 +65,19 @@ class Pipe(nn.Module):
             stages on one GPU this runs the data flow of a multi-GPU layout,
             device-to-device copies included; results are unchanged, the
             copies cost time and memory.
+        compile: ``True`` or a dict of ``torch.compile`` keyword arguments
+            (e.g. ``{"backend": "aot_eager"}``): each stage's partition is
+            compiled. The layers stay registered uncompiled, so
+            ``state_dict`` keys do not change.
 
     Raises:
         TypeError: ``module`` is not an ``nn.Sequential``; ``chunks`` or
             ``split_size`` is not an int.
         ValueError: ``chunks``/``split_size`` < 1 or both given; a layer is
-            repeated; a stage spans devices; balance/devices do not fit; an
-            unknown checkpoint mode or schedule.
+            repeated; layers on different devices share a parameter; a stage
+            spans devices or sits on a device that does not exist;
+            balance/devices do not fit; an unknown checkpoint mode or
+            schedule.
 
     Example::
 
@@ -91,6 +99,7 @@ class Pipe(nn.Module):
         schedule: str = "gpipe",
         sample: Value | None = None,
         force_copies: bool = False,
+        compile: CompileOption = False,
     ) -> None:
         super().__init__()
         if chunks is not None and split_size is not None:
@@ -98,6 +107,7 @@ class Pipe(nn.Module):
         self._chunks = None if chunks is None else check_positive("chunks", chunks)
         self._split_size = None if split_size is None else check_positive("split_size", split_size)
         self.checkpoint = check_mode(checkpoint)
+        compile_kwargs = compile_options(compile)  # before any layer moves
         if schedule not in SCHEDULES:
             valid = ", ".join(repr(x) for x in SCHEDULES)
             raise ValueError(f"schedule must be one of {valid}; got {schedule!r}")
@@ -115,6 +125,7 @@ class Pipe(nn.Module):
         self.__dict__["_devices"] = list(stages.devices)
         self.__dict__["_balance"] = list(stages.balance)
         self.__dict__["_runtime"] = None
+        self.__dict__["_compile"] = compile_kwargs
         self.force_copies = bool(force_copies)
 
     # -- configuration -------------------------------------------------
@@ -164,7 +175,9 @@ class Pipe(nn.Module):
         rt = self.__dict__["_runtime"]
         if rt is None:
             sched = EventScheduler(self.devices)
-            rt = (sched, Worker(list(self.partitions), sched, self.force_copies), {})
+            stages = compile_stages(list(self.partitions), self.__dict__["_compile"])
+            labels = stage_labels(list(self._modules), self.balance, self.devices)
+            rt = (sched, Worker(stages, sched, self.force_copies, labels), {})
             self.__dict__["_runtime"] = rt
         return rt  # type: ignore[no-any-return]
 
@@ -230,6 +243,12 @@ class Pipe(nn.Module):
             TypeError: a non-tensor input, or a stage returned something other
                 than a Tensor or a tuple of Tensors (the stage is named).
             ValueError: an empty batch, or tensors of different batch sizes.
+
+        An exception raised in a stage reaches the caller unchanged, with a
+        note naming the stage, micro-batch and task (a backward that autograd
+        runs later raises from its engine, without a note); the statistics a
+        :class:`~mpstream.batchnorm.DeferredBatchNorm` had accumulated for
+        the failed batch are dropped (they update only once all stages finish).
         """
         value = as_value(x)
         micro = scatter(value, self._chunks, self._split_size)
@@ -237,7 +256,9 @@ class Pipe(nn.Module):
         _, worker, _ = self._rt()
         staging = self._staging(value, self.devices[0])
         stop = self._prepare(len(micro))
-        return gather(worker.forward(micro, schedule, stop, staging))
+        with deferred_update(self, len(micro)):
+            outputs = worker.forward(micro, schedule, stop, staging)
+        return gather(outputs)
 
     def _staging(self, value: Value, device: torch.device) -> list[Staging] | None:
         """Per micro-batch pinned buffers for ``value``'s pageable tensors."""
@@ -256,6 +277,7 @@ class Pipe(nn.Module):
         loss_fn: Callable[[Any, Any], Tensor],
         *,
         reduction: str = "mean",
+        scaler: torch.amp.GradScaler | None = None,
     ) -> Tensor:
         """Forward and backward of every micro-batch in :attr:`schedule` order.
 
@@ -271,13 +293,19 @@ class Pipe(nn.Module):
                 moved to the last stage's device.
             loss_fn: ``loss_fn(output, target) -> scalar`` per micro-batch.
             reduction: how ``loss_fn`` reduces over the batch.
+            scaler: a ``torch.amp.GradScaler``: each micro-batch's weighted
+                loss is scaled by ``scaler.scale`` before its backward, so the
+                gradients are scaled; call ``scaler.step(optimizer)`` and
+                ``scaler.update()`` after, as usual.
 
         Returns:
-            The whole-batch loss (detached), on the last stage's device.
+            The whole-batch loss (detached, unscaled), on the last stage's
+            device.
 
         Raises:
-            TypeError: bad inputs or targets, a stage returned a non-tensor, or
-                ``loss_fn`` returned something other than a scalar tensor.
+            TypeError: bad inputs or targets, a stage returned a non-tensor,
+                ``loss_fn`` returned something other than a scalar tensor, or
+                ``scaler`` is not a ``GradScaler``.
             ValueError: empty batch, targets of another batch size, or an
                 unknown ``reduction``.
 
@@ -292,6 +320,8 @@ class Pipe(nn.Module):
         if reduction not in REDUCTIONS:
             valid = ", ".join(repr(r) for r in REDUCTIONS)
             raise ValueError(f"reduction must be one of {valid}; got {reduction!r}")
+        if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+            raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
         # Parameter gradients only: inputs are detached, so whether x.grad
         # fills cannot depend on where the batch sits.
         value = _detached(as_value(inputs))
@@ -325,6 +355,7 @@ class Pipe(nn.Module):
                     staging,
                     target_staging,
                     snapshot.save_grads,
+                    None if scaler is None else scaler.scale,
                 )
         except BaseException:
             snapshot.restore()

@@ -8,7 +8,9 @@ completion event. Kernels and copies are asynchronous and nothing here waits
 for the device, so the walk runs ahead of the device and the streams
 overlap. If anything raises, the run is aborted (the caller's streams ordered
 after everything queued, streams restored, events released) before the
-exception propagates, and no later task starts.
+exception propagates, and no later task starts; the exception carries a note
+saying which task of which stage and micro-batch raised it
+(:mod:`~mpstream.errors`).
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from . import marks
 from .boundary import GradSink, cut
 from .checkpoint import checkpointed
 from .copy import Copy, Route, move
+from .errors import annotate, raised_in, task_note
 from .microbatch import Value, check_output, rebuild, tensors_of
-from .schedule import Kind, Schedule
+from .schedule import Kind, Schedule, Task
 from .scheduler import EventScheduler
 from .stream import AnyStream, current_stream, is_cuda, record_stream
 from .transfer import GradLink, HostWait, to_device
@@ -66,14 +69,27 @@ class Worker:
         partitions: one module per stage.
         sched: the event scheduler owning the stage streams.
         force_copies: copy between stages even on the same device.
+        labels: how error notes name each stage (default ``stage s of n``).
     """
 
     def __init__(
-        self, partitions: Sequence[nn.Module], sched: EventScheduler, force_copies: bool = False
+        self,
+        partitions: Sequence[nn.Module],
+        sched: EventScheduler,
+        force_copies: bool = False,
+        labels: Sequence[str] | None = None,
     ) -> None:
         self.partitions = list(partitions)
         self.sched = sched
         self.force_copies = force_copies
+        n = len(self.partitions)
+        self.labels = list(labels) if labels else [f"stage {s} of {n}" for s in range(n)]
+
+    def _annotate(self, exc: BaseException, task: Task | None, micros: int) -> None:
+        # Only errors: an interrupt is not the task's fault.
+        if task is not None and isinstance(exc, Exception):
+            in_loss = task.kind is Kind.FORWARD and raised_in(exc, _loss.__code__)
+            annotate(exc, task_note(task, micros, self.labels, in_loss))
 
     def forward(
         self,
@@ -108,6 +124,7 @@ class Worker:
         # While timing, mark where autograd will run each stage's backward.
         marking = native.timing and torch.is_grad_enabled()
         values = list(batches)
+        task: Task | None = None
         native.begin_run(schedule.native, sched.caller_streams())
         try:
             for task in schedule.tasks:
@@ -156,9 +173,11 @@ class Worker:
                     values[m] = rebuild(value, moved)
                 else:
                     raise RuntimeError(f"forward schedules have no {task.kind.label} tasks")
+            task = None
             native.join()
-        except BaseException:
+        except BaseException as exc:
             native.abort()
+            self._annotate(exc, task, len(batches))
             raise
         if caller_reader is not None:
             # The outputs were allocated on the last stage's stream; after the
@@ -178,6 +197,7 @@ class Worker:
         staging: Sequence[Staging] | None = None,
         target_staging: Sequence[Staging] | None = None,
         before_backward: Callable[[int], None] | None = None,
+        scale: Callable[[Tensor], Tensor] | None = None,
     ) -> list[Tensor]:
         """Runs forward and backward of every micro-batch in ``schedule``'s order.
 
@@ -199,6 +219,9 @@ class Worker:
             before_backward: called with a stage's index inside its first
                 backward task, on its stream, before any gradient of the step
                 accumulates into its parameters.
+            scale: applied to each weighted loss, inside the last stage's
+                forward task, before its backward (``GradScaler.scale``); the
+                returned losses stay unscaled.
 
         Returns:
             The weighted loss of each micro-batch (detached), ready on the
@@ -226,6 +249,7 @@ class Worker:
         sinks: dict[tuple[int, int], GradSink] = {}
         grads: dict[int, tuple[Tensor | None, ...]] = {}
         losses: list[Tensor] = []
+        task: Task | None = None
         native.begin_run(schedule.native, sched.caller_streams())
         try:
             for task in schedule.tasks:
@@ -248,7 +272,7 @@ class Worker:
                         y = check_output(y, s)
                         if s == last:
                             loss = _loss(loss_fn, y, labels[m], readers[s], weights[m])
-                            roots[(s, m)] = (loss,)
+                            roots[(s, m)] = (loss if scale is None else scale(loss),)
                             losses.append(loss.detach())
                             del loss
                     native.end(handle)
@@ -307,9 +331,11 @@ class Worker:
                     _protect_all(moved_grads, readers[s])
                     native.end(handle)
                     grads[m] = moved_grads
+            task = None
             native.join()
-        except BaseException:
+        except BaseException as exc:
             native.abort()
+            self._annotate(exc, task, len(batches))
             raise
         if caller_reader is not None:
             for loss in losses:
