@@ -11,6 +11,7 @@ from ._ext import ExtensionError
 from ._version import __version__
 from .balance import balance_by_size, balance_by_time
 from .batchnorm import DeferredBatchNorm
+from .checkpoint import is_checkpointing, is_recomputing
 from .cost_model import Costs, Prediction, Simulation, predict, simulate
 from .cost_model import fit as simulate_fit
 from .graph import Ref, StageGraph
@@ -44,6 +45,8 @@ __all__ = [
     "balance_by_time",
     "balance_by_size",
     "DeferredBatchNorm",
+    "is_checkpointing",
+    "is_recomputing",
     "EventScheduler",
     "Schedule",
     "SCHEDULES",

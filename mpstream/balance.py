@@ -1,8 +1,10 @@
 """Automatic balancing: profile each layer, split to minimise the slowest stage.
 
 :func:`profile_layers` runs an ``nn.Sequential`` layer by layer on a sample
-batch and measures each layer's forward + backward time, the bytes it keeps
-for backward plus its output, and its parameter (and gradient) bytes.
+batch, in training mode (the mode a pipeline is balanced for, whatever mode
+the module is in), and measures each layer's forward + backward time, the
+bytes it keeps for backward plus its output, and its parameter (and
+gradient) bytes; ``balance_by_size`` can add the optimizer's state.
 :func:`partition` then finds the contiguous split into ``stages`` parts whose
 largest cost is smallest (exact dynamic programme).
 """
@@ -11,20 +13,27 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils import _pytree as pytree
 
 from .boundary import GradSink, cut
-from .microbatch import Value, as_value, tensors_of
+from .microbatch import Value, as_value, leaves, rebuild_leaves, tensors_of
+from .trace import call_units, trace
 
 __all__ = [
     "LayerProfile",
     "profile_layers",
+    "profile_call",
+    "profile_units",
+    "split_points_by",
     "partition",
     "balance_by_time",
     "balance_by_size",
@@ -50,6 +59,11 @@ class LayerProfile:
     @property
     def size_bytes(self) -> int:
         return self.activation_bytes + self.parameter_bytes
+
+    def training_bytes(self, param_scale: float = 0.0) -> float:
+        """:attr:`size_bytes` plus ``param_scale`` bytes of optimizer state per parameter byte."""
+        # parameter_bytes counts each parameter twice: itself and its gradient.
+        return self.size_bytes + param_scale * self.parameter_bytes / 2
 
 
 def partition(costs: Sequence[float], stages: int) -> list[int]:
@@ -131,8 +145,10 @@ def profile_layers(
     """Measures every layer of an ``nn.Sequential`` on ``sample``.
 
     A deep copy of ``module`` is profiled on ``device`` (default: where the
-    module's first parameter is), so the module itself is left untouched.
-    Times are medians over ``repeat`` runs after one warm-up, synchronised.
+    module's first parameter is), in training mode (dropout active,
+    BatchNorm on batch statistics: what the pipeline trains with), so the
+    module itself, its mode included, is left untouched. Times are medians
+    over ``repeat`` runs after one warm-up, synchronised.
 
     Raises:
         TypeError: ``module`` is not an ``nn.Sequential``.
@@ -149,44 +165,111 @@ def profile_layers(
         if device is not None
         else (first.device if first is not None else torch.device("cpu"))
     )
-    model = copy.deepcopy(module).to(dev)
+    model = copy.deepcopy(module).to(dev).train()
     x: Value = tuple(t.to(dev) for t in tensors_of(as_value(sample, "sample")))
     if isinstance(sample, Tensor):
         x = x[0]
     out = []
     for name, layer in model.named_children():
-        fwd, bwd = [], []
-        saved: dict[int, int] = {}
-        y: Value = x
-        for i in range(repeat + 1):
-            # Non-leaf inputs that require grad: layers may start in place.
-            inputs = cut(GradSink(), tensors_of(x))
-            arg: Value = inputs[0] if isinstance(x, Tensor) else inputs
-            saved.clear()
-            pack = functools.partial(_note_storage, saved)
-            _sync(dev)
-            start = time.perf_counter()
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                y = layer(arg)
-            _sync(dev)
-            middle = time.perf_counter()
-            outs = [t for t in tensors_of(y) if t.requires_grad]
-            if outs:
-                torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
-            _sync(dev)
-            end = time.perf_counter()
-            if i > 0:
-                fwd.append((middle - start) * 1e3)
-                bwd.append((end - middle) * 1e3)
-            layer.zero_grad(set_to_none=True)
-        params = sum(_nbytes(p) for p in layer.parameters())
-        output = sum(_nbytes(t) for t in tensors_of(y))
-        fwd_ms, bwd_ms = statistics.median(fwd), statistics.median(bwd)
-        out.append(
-            LayerProfile(name, fwd_ms, bwd_ms, sum(saved.values()) + output, 2 * params, output)
-        )
+        profile, y = profile_call(name, layer, (x,), dev, repeat)
+        out.append(profile)
         x = tuple(t.detach() for t in tensors_of(y)) if not isinstance(y, Tensor) else y.detach()
     return out
+
+
+def profile_call(
+    name: str, layer: nn.Module, args: tuple[Any, ...], device: torch.device, repeat: int
+) -> tuple[LayerProfile, Any]:
+    """Times ``layer(*args)`` forward and backward and counts its bytes.
+
+    Returns:
+        The profile, and the layer's output (of the last run).
+    """
+    fwd, bwd = [], []
+    saved: dict[int, int] = {}
+    y: Any = None
+    items, spec = leaves(args)
+    where = [i for i, t in enumerate(items) if isinstance(t, Tensor)]
+    for i in range(repeat + 1):
+        # Non-leaf inputs that require grad: layers may start in place.
+        cut_items = list(items)
+        for j, t in zip(where, cut(GradSink(), tuple(items[k] for k in where))):
+            cut_items[j] = t
+        call_args = rebuild_leaves(cut_items, spec)
+        saved.clear()
+        pack = functools.partial(_note_storage, saved)
+        _sync(device)
+        start = time.perf_counter()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = layer(*call_args)
+        _sync(device)
+        middle = time.perf_counter()
+        outs = [t for t in leaves(y)[0] if isinstance(t, Tensor) and t.requires_grad]
+        if outs:
+            torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+        _sync(device)
+        end = time.perf_counter()
+        if i > 0:
+            fwd.append((middle - start) * 1e3)
+            bwd.append((end - middle) * 1e3)
+        layer.zero_grad(set_to_none=True)
+    params = sum(_nbytes(p) for p in layer.parameters())
+    output = sum(_nbytes(t) for t in leaves(y)[0] if isinstance(t, Tensor))
+    fwd_ms, bwd_ms = statistics.median(fwd), statistics.median(bwd)
+    profile = LayerProfile(name, fwd_ms, bwd_ms, sum(saved.values()) + output, 2 * params, output)
+    return profile, y
+
+
+def profile_units(
+    module: nn.Module,
+    sample: Any,
+    *,
+    device: torch.device | str | None = None,
+    repeat: int = 3,
+    leaf_modules: Sequence[str | type[nn.Module]] = (),
+) -> tuple[list[str], list[LayerProfile]]:
+    """Measures a traced module unit by unit: the calls of its children and
+    of the items of its ``nn.ModuleList`` / ``nn.Sequential`` children.
+
+    A training-mode deep copy is split before every unit with ``torch.fx``
+    and each part profiled on what it reads (see :func:`profile_call`).
+
+    Args:
+        module: a module ``torch.fx`` can trace.
+        sample: the positional inputs (a tuple) or the one input.
+
+    Returns:
+        The names a split point may take (one per part after the first), and
+        a profile per part.
+    """
+    first = next(module.parameters(), None)
+    dev = (
+        torch.device(device)
+        if device is not None
+        else (first.device if first is not None else torch.device("cpu"))
+    )
+    model = copy.deepcopy(module).to(dev).train()
+    points = call_units(model, leaf_modules)
+    traced = trace(model, points, leaf_modules=leaf_modules)
+    args = sample if isinstance(sample, tuple) else (sample,)
+    inputs = tuple(
+        t.to(dev) if isinstance(t, Tensor) else t for t in traced.bind(args, {})
+    )
+    outs: list[tuple[Any, ...]] = []
+    profiles = []
+    names = ["(start)", *points]
+    for s, (unit, refs) in enumerate(zip(traced.partitions, traced.graph.args)):
+        unit_args = tuple(
+            _detached(inputs[r.index] if r.stage < 0 else outs[r.stage][r.index]) for r in refs
+        )
+        profile, y = profile_call(names[s], unit, unit_args, dev, repeat)
+        profiles.append(profile)
+        outs.append(y if traced.graph.outputs[s] > 1 else (y,))
+    return points, profiles
+
+
+def _detached(value: Any) -> Any:
+    return pytree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, value)
 
 
 def balance_by_time(
@@ -219,11 +302,66 @@ def balance_by_size(
     stages: int,
     *,
     device: torch.device | str | None = None,
+    param_scale: float = 0.0,
 ) -> list[int]:
     """The split with the smallest largest stage in memory.
 
     Memory per layer: the bytes it saves for backward plus its output (on
-    ``sample``), and its parameters and their gradients.
+    ``sample``), its parameters and their gradients, and ``param_scale``
+    bytes of optimizer state per parameter byte.
+
+    Args:
+        module: an ``nn.Sequential``.
+        sample: a representative batch (a micro-batch is best).
+        stages: number of stages.
+        device: where to profile (default: the module's device).
+        param_scale: optimizer state per parameter byte: 0 for plain SGD,
+            1 for SGD with momentum, 2 for Adam (two moments).
+
+    Returns:
+        The balance: layers per stage.
+
+    Raises:
+        ValueError: ``param_scale`` is negative or not finite.
     """
+    scale = float(param_scale)
+    if not math.isfinite(scale) or scale < 0:
+        raise ValueError(f"param_scale must be a finite number >= 0, got {param_scale!r}")
     profiles = profile_layers(module, sample, device=device, repeat=1)
-    return partition([float(p.size_bytes) for p in profiles], stages)
+    return partition([p.training_bytes(scale) for p in profiles], stages)
+
+
+def split_points_by(
+    how: str,
+    module: nn.Module,
+    sample: Any,
+    stages: int,
+    *,
+    device: torch.device | str | None = None,
+    param_scale: float = 0.0,
+    leaf_modules: Sequence[str | type[nn.Module]] = (),
+) -> list[str]:
+    """Split points for a traced module: the contiguous split of its units
+    (see :func:`profile_units`) with the smallest slowest stage
+    (``how='time'``) or the smallest largest stage in memory (``'size'``).
+
+    Raises:
+        ValueError: ``how`` is neither, or fewer units than stages.
+    """
+    if how not in ("time", "size"):
+        raise ValueError(f"balance must be 'time' or 'size'; got {how!r}")
+    points, profiles = profile_units(
+        module, sample, device=device, repeat=3 if how == "time" else 1, leaf_modules=leaf_modules
+    )
+    if how == "time":
+        costs = [p.time_ms for p in profiles]
+    else:
+        costs = [float(p.training_bytes(float(param_scale))) for p in profiles]
+    if len(costs) < stages:
+        raise ValueError(
+            f"{type(module).__name__} has {len(costs)} units to split ({', '.join(points)} "
+            f"and what precedes them) but {stages} stages were asked for"
+        )
+    balance = partition(costs, stages)
+    starts = [sum(balance[:k]) for k in range(1, stages)]
+    return [points[i - 1] for i in starts]

@@ -6,11 +6,15 @@ running statistics once per micro-batch, with micro-batch statistics.
 :class:`DeferredBatchNorm` instead accumulates per-channel sums over the
 micro-batches of a mini-batch and updates the running statistics once, with
 the whole mini-batch's mean and unbiased variance: what the single-device
-model computes on the whole batch.
+model computes on the whole batch. :func:`deferred_update` makes a pipeline
+call all or nothing: the update is applied once every stage has finished, and
+a call that raises leaves the statistics as they were.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import cast
 
 import torch
@@ -20,7 +24,12 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from .checkpoint import is_recomputing
 
-__all__ = ["DeferredBatchNorm", "convert_deferred_batch_norm", "deferred_norms"]
+__all__ = [
+    "DeferredBatchNorm",
+    "convert_deferred_batch_norm",
+    "deferred_norms",
+    "deferred_update",
+]
 
 
 class DeferredBatchNorm(_BatchNorm):
@@ -28,7 +37,8 @@ class DeferredBatchNorm(_BatchNorm):
 
     Set :attr:`expected` to the number of micro-batches of the coming
     mini-batch (``Pipe`` does this on every forward); the running statistics
-    are updated after that many training-mode forwards.
+    are updated after that many training-mode forwards, or, while
+    :attr:`hold` is set, by :meth:`commit`.
     """
 
     expected: int
@@ -54,6 +64,7 @@ class DeferredBatchNorm(_BatchNorm):
         self.register_buffer("count", torch.zeros((), **kw), persistent=False)  # type: ignore[arg-type]
         self.expected = 1
         self.tracked = 0
+        self.hold = False
 
     def _check_input_dim(self, input: Tensor) -> None:
         if input.dim() < 2:
@@ -81,8 +92,16 @@ class DeferredBatchNorm(_BatchNorm):
         if not self.training:
             return super().forward(input)
         out = F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
+        self._accumulate(input)
+        return out
+
+    # Compiled, the counter and the recompute flag would be guarded on and
+    # the stage recompiled at every micro-batch; run eagerly instead (one
+    # graph break per layer in a compiled stage).
+    @torch.compiler.disable  # type: ignore[misc, untyped-decorator]
+    def _accumulate(self, input: Tensor) -> None:
         if is_recomputing():
-            return out
+            return
         with torch.no_grad():
             dims = [0, *range(2, input.dim())]
             x = input.detach().to(torch.float64)
@@ -90,9 +109,14 @@ class DeferredBatchNorm(_BatchNorm):
             self.sum_squares += (x * x).sum(dims)
             self.count += x.numel() // x.size(1)
             self.tracked += 1
-            if self.tracked >= self.expected:
+            if self.tracked >= self.expected and not self.hold:
                 self._commit()
-        return out
+
+    def commit(self) -> None:
+        """Applies the accumulated update once a whole mini-batch was seen."""
+        if self.tracked >= self.expected:
+            with torch.no_grad():
+                self._commit()
 
     def _commit(self) -> None:
         mean = self.sum / self.count
@@ -157,3 +181,30 @@ def convert_deferred_batch_norm(module: nn.Module) -> nn.Module:
 def deferred_norms(module: nn.Module) -> list[DeferredBatchNorm]:
     """The deferred BatchNorm layers inside ``module``."""
     return [m for m in module.modules() if isinstance(m, DeferredBatchNorm)]
+
+
+@contextmanager
+def deferred_update(module: nn.Module, micros: int) -> Iterator[None]:
+    """One pipeline call over ``micros`` micro-batches, all or nothing.
+
+    The deferred norms in ``module`` accumulate but do not update inside the
+    block. If it completes, each one that saw the whole mini-batch updates its
+    running statistics (on the caller's streams, which the pipeline has
+    ordered after every stage). If it raises, the partial sums are dropped:
+    the statistics stay as they were, and the next mini-batch updates them
+    exactly as if the failed call had not happened.
+    """
+    norms = deferred_norms(module)
+    for norm in norms:
+        norm.expected, norm.hold = micros, True
+    try:
+        yield
+    except BaseException:
+        for norm in norms:
+            norm.reset_accumulation()
+        raise
+    finally:
+        for norm in norms:
+            norm.hold = False
+    for norm in norms:
+        norm.commit()

@@ -5,22 +5,34 @@ during backward, on the stage's own compute stream (the recomputation is
 triggered by the first backward node that needs a saved tensor, and autograd
 runs each node on the stream its forward used). RNG state is restored so
 dropout draws the same masks. ``torch.utils.checkpoint`` does the work; this
-module adds the policy (which micro-batches) and a recompute context that
-keeps BatchNorm running statistics from being updated a second time.
+module adds the policy (which micro-batches), a recompute context that keeps
+BatchNorm running statistics from being updated a second time, the flags
+:func:`is_checkpointing` and :func:`is_recomputing` that let a module skip
+side effects once, and a fresh copy of the stage input for each run, so a
+stage may begin with an in-place op.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils import checkpoint as torch_checkpoint
 
-__all__ = ["MODES", "check_mode", "checkpoint_stop", "is_recomputing", "checkpointed"]
+from .microbatch import leaves, rebuild_leaves
+
+__all__ = [
+    "MODES",
+    "check_mode",
+    "checkpoint_stop",
+    "is_checkpointing",
+    "is_recomputing",
+    "checkpointed",
+]
 
 MODES = ("always", "except_last", "never")
 
@@ -52,9 +64,41 @@ def checkpoint_stop(mode: str, micros: int, training: bool) -> int:
     return micros
 
 
+def is_checkpointing() -> bool:
+    """Whether the calling thread runs the first forward of a checkpointed stage.
+
+    True while a stage computes a micro-batch whose activations are dropped
+    and recomputed during backward; the recomputation then runs with
+    :func:`is_recomputing` true instead. A module with a side effect (a
+    counter, a cache, a log line) runs it once per micro-batch by skipping it
+    when ``is_recomputing()``; one that prepares something only its
+    recomputation needs does so when ``is_checkpointing()``.
+
+    Returns:
+        True inside a checkpointed forward, False elsewhere (plain forwards,
+        eval mode, recomputation, outside a pipeline).
+    """
+    return bool(getattr(_local, "checkpointing", False))
+
+
 def is_recomputing() -> bool:
-    """Whether the calling thread is recomputing a checkpointed stage."""
+    """Whether the calling thread is recomputing a checkpointed stage.
+
+    Returns:
+        True while autograd recomputes a checkpointed micro-batch's forward
+        during backward, False elsewhere.
+    """
     return bool(getattr(_local, "recomputing", False))
+
+
+@contextmanager
+def _checkpointing() -> Iterator[None]:
+    previous = getattr(_local, "checkpointing", False)
+    _local.checkpointing = True
+    try:
+        yield
+    finally:
+        _local.checkpointing = previous
 
 
 @contextmanager
@@ -70,22 +114,54 @@ def _recompute(stage: nn.Module) -> Iterator[None]:
     norms = [m for m in stage.modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
     saved = [[b.clone() for b in m.buffers(recurse=False)] for m in norms]
     previous = getattr(_local, "recomputing", False)
-    _local.recomputing = True
+    # A recomputation can run inside a checkpointed forward (a module calling
+    # torch.autograd.grad in its forward): inside it, only recomputing holds.
+    outer = getattr(_local, "checkpointing", False)
+    _local.recomputing, _local.checkpointing = True, False
     try:
         yield
     finally:
-        _local.recomputing = previous
+        _local.recomputing, _local.checkpointing = previous, outer
         for m, buffers in zip(norms, saved):
             for b, copy in zip(m.buffers(recurse=False), buffers):
                 b.data.copy_(copy)
 
 
+class _OnACopy:
+    """Calls a stage on a copy of its inputs' tensors.
+
+    The checkpoint keeps the inputs to recompute from. A stage that begins
+    with an in-place op (``ReLU(inplace=True)``) would otherwise overwrite
+    them in its first forward, and again in the recomputation, which
+    autograd rejects (and which would recompute from the wrong values). The
+    copy costs one read and write of the stage input per run and lives only
+    until the first layer has consumed it; the copy's backward is the
+    identity.
+    """
+
+    __slots__ = ("stage",)
+
+    def __init__(self, stage: nn.Module) -> None:
+        self.stage = stage
+
+    def __call__(self, *args: Any) -> Any:
+        items, spec = leaves(args)
+        copied = [t.clone() if isinstance(t, Tensor) else t for t in items]
+        return self.stage(*rebuild_leaves(copied, spec))
+
+
 def checkpointed(stage: nn.Module, *args: Any) -> Any:
-    """Runs ``stage(*args)`` keeping only ``args``; backward recomputes the rest."""
+    """Runs ``stage(*args)`` keeping only ``args``; backward recomputes the rest.
+
+    The stage runs on a copy of its inputs (see :class:`_OnACopy`), under
+    :func:`is_checkpointing` the first time and :func:`is_recomputing` in
+    the recomputation, both under the caller's autocast state (which
+    ``torch.utils.checkpoint`` records and restores).
+    """
     return torch_checkpoint.checkpoint(
-        stage,
+        _OnACopy(stage),
         *args,
         use_reentrant=False,
         preserve_rng_state=True,
-        context_fn=lambda: (nullcontext(), _recompute(stage)),
+        context_fn=lambda: (_checkpointing(), _recompute(stage)),
     )

@@ -184,6 +184,7 @@ def train_step(
     loss_fn: Callable[[Any, Any], Tensor],
     *,
     reduction: str = "mean",
+    scaler: torch.amp.GradScaler | None = None,
 ) -> Tensor:
     """:meth:`Pipe.train_step` of this process, then gradients averaged over processes.
 
@@ -210,6 +211,9 @@ def train_step(
         loss_fn: ``loss_fn(output, target) -> scalar`` per micro-batch.
         reduction: how ``loss_fn`` reduces over the batch (``'mean'`` or
             ``'sum'``).
+        scaler: a ``torch.amp.GradScaler`` scaling each micro-batch's loss
+            (see :meth:`~mpstream.Pipe.train_step`); the scaled gradients are
+            averaged, and ``scaler.step(optimizer)`` unscales them as usual.
 
     Returns:
         This process's loss on its share (detached, not averaged over
@@ -228,7 +232,7 @@ def train_step(
         sync_buffers(ddp)
     # DDP's reducer arms its gradient hooks only in DDP.forward, which is not
     # called here, so the pipeline's per-micro-batch backward runs unhooked.
-    loss = pipe.train_step(inputs, target, loss_fn, reduction=reduction)
+    loss = pipe.train_step(inputs, target, loss_fn, reduction=reduction, scaler=scaler)
     if ddp.require_backward_grad_sync:
         sync_gradients(ddp)
     return loss

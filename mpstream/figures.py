@@ -1,15 +1,77 @@
-"""The tutorial's figures, with mpstream added (matplotlib, no display needed)."""
+"""The tutorial's figures, with mpstream added (matplotlib, no display needed).
+
+This module draws; it imports no other mpstream module. What it draws from
+is described by protocols (:class:`BenchResults`), which ``mpstream bench``'s
+results satisfy, so the tools that call it (bench, timeline, tuning) do not
+form an import circle through it.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from .bench import Results
+    import torch
 
-__all__ = ["bar_chart", "split_curves", "tutorial_figures", "pyplot", "save"]
+__all__ = [
+    "bar_chart",
+    "split_curves",
+    "tutorial_figures",
+    "pyplot",
+    "save",
+    "Timed",
+    "Sizes",
+    "BenchResults",
+]
+
+
+class Timed(Protocol):
+    """One measured configuration: a model at a split size."""
+
+    @property
+    def model(self) -> str: ...
+
+    @property
+    def split_size(self) -> int | None: ...
+
+    @property
+    def mean(self) -> float: ...
+
+    @property
+    def std(self) -> float: ...
+
+
+class Sizes(Protocol):
+    """The experiment's sizes, for the figures' titles."""
+
+    @property
+    def num_batches(self) -> int: ...
+
+    @property
+    def batch_size(self) -> int: ...
+
+    @property
+    def image_w(self) -> int: ...
+
+    @property
+    def image_h(self) -> int: ...
+
+
+class BenchResults(Protocol):
+    """What :func:`tutorial_figures` reads (``mpstream.bench.Results`` has it)."""
+
+    @property
+    def config(self) -> Sizes: ...
+
+    @property
+    def devices(self) -> tuple[torch.device, torch.device]: ...
+
+    @property
+    def sweep(self) -> Sequence[Timed]: ...
+
+    def get(self, model: str, split_size: int | None = None) -> Timed: ...
 
 
 def pyplot() -> Any:
@@ -71,7 +133,7 @@ def split_curves(
     return save(fig, ax, path, title)
 
 
-def tutorial_figures(results: Results, out: Path) -> list[Path]:
+def tutorial_figures(results: BenchResults, out: Path) -> list[Path]:
     """``mp_vs_rn.png``, ``mp_vs_rn_vs_pp.png`` and ``split_size_tradeoff.png``."""
     dev0, dev1 = results.devices
     single = "Single GPU" if dev0.type == "cuda" else "Single device"

@@ -26,6 +26,8 @@ __all__ = [
     "stage_devices",
     "module_device",
     "check_positive",
+    "check_shared",
+    "check_devices_exist",
     "takes_several",
 ]
 
@@ -90,15 +92,6 @@ def _layers(module: nn.Module, balance_given: bool) -> list[tuple[str, nn.Module
                 f"appear once in a pipeline"
             )
         seen[id(child)] = name
-    owner: dict[int, str] = {}
-    for name, child in layers:
-        for p in child.parameters():
-            if id(p) in owner and owner[id(p)] != name:
-                raise ValueError(
-                    f"layers '{owner[id(p)]}' and '{name}' share a parameter; a pipeline "
-                    f"cannot tie weights across layers"
-                )
-            owner[id(p)] = name
     return layers
 
 
@@ -139,6 +132,55 @@ class Chain(nn.Sequential):
                 args = (args,)
             args = (layer(*args),)
         return args[0]
+
+
+def check_shared(
+    layers: Sequence[tuple[str, nn.Module]],
+    balance: Sequence[int],
+    devices: Sequence[torch.device],
+) -> None:
+    """Rejects parameters or buffers shared by layers on different devices.
+
+    Layers on one device may share (tie) a parameter: autograd accumulates
+    its gradient from every use, as in the plain model. Across devices it
+    would need a copy kept in sync, which mpstream does not make silently.
+
+    Raises:
+        ValueError: naming the tensor's qualified names, stages and devices.
+    """
+    first: dict[int, tuple[str, int]] = {}
+    start = 0
+    for s, count in enumerate(balance):
+        for name, layer in layers[start : start + count]:
+            params = layer.named_parameters(prefix=name, remove_duplicate=False)
+            buffers = layer.named_buffers(prefix=name, remove_duplicate=False)
+            tensors: list[tuple[str, str, torch.Tensor]] = [("parameter", q, t) for q, t in params]
+            tensors += [("buffer", q, t) for q, t in buffers]
+            for what, qualified, t in tensors:
+                owner, stage = first.setdefault(id(t), (qualified, s))
+                if devices[stage] != devices[s]:
+                    raise ValueError(
+                        f"{what} '{owner}' (stage {stage}, {devices[stage]}) is shared with "
+                        f"'{qualified}' (stage {s}, {devices[s]}); layers on different devices "
+                        f"cannot share a {what} (mpstream does not copy tied weights between "
+                        f"devices): put those layers on one device, or untie them"
+                    )
+        start += count
+
+
+def check_devices_exist(devices: Sequence[torch.device]) -> None:
+    """Rejects CUDA devices this machine does not have, before anything moves.
+
+    Raises:
+        ValueError: naming the stage, its device and the devices available.
+    """
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for s, d in enumerate(devices):
+        if d.type != "cuda" or (count and (d.index is None or d.index < count)):
+            continue
+        available = ", ".join(["cpu"] + [f"cuda:{i}" for i in range(count)])
+        why = "CUDA is not available" if not count else f"only {count} CUDA device(s) exist"
+        raise ValueError(f"stage {s} is on {d}, but {why} here; available devices: {available}")
 
 
 def _as_partition(group: list[tuple[str, nn.Module]]) -> Chain:
@@ -201,6 +243,7 @@ def stage_devices(
             )
     for d in devs:
         device_type_code(d)
+    check_devices_exist(devs)
     return devs
 
 
@@ -242,8 +285,9 @@ def split_module(
 
     Raises:
         TypeError: ``module`` is not an ``nn.Sequential``; bad argument types.
-        ValueError: a layer appears twice, layers share parameters, a stage
-            spans devices, or balance/devices do not fit the module.
+        ValueError: a layer appears twice, layers on different devices share
+            a parameter, a stage spans devices or sits on a device that does
+            not exist, or balance/devices do not fit the module.
     """
     layers = _layers(module, balance is not None)
     if balance is None and devices is None:
@@ -251,6 +295,7 @@ def split_module(
     bal = _check_balance(balance, len(layers)) if balance is not None else [1] * len(layers)
     what = "balance has" if balance is not None else "the module has"
     devs = stage_devices(devices, len(bal), what)
+    check_shared(layers, bal, devs)
     partitions = []
     start = 0
     for count, device in zip(bal, devs):

@@ -11,9 +11,11 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils import _pytree as pytree
 
-from .balance import balance_by_size, balance_by_time
-from .batchnorm import DeferredBatchNorm, deferred_norms
+from .balance import balance_by_size, balance_by_time, split_points_by
+from .batchnorm import DeferredBatchNorm, deferred_norms, deferred_update
 from .checkpoint import check_mode, checkpoint_stop
+from .compiling import CompileOption, compile_options, compile_stages
+from .errors import stage_labels
 from .graph import Routes, StageGraph
 from .microbatch import Value, batch_device, gather, leaves, scatter, split
 from .partition import DeviceLike, check_positive, split_module, stage_devices
@@ -49,7 +51,10 @@ class Pipe(nn.Module):
         balance: layers per stage; the module's children are partitioned
             and each partition moved to its entry of ``devices``. ``'time'``
             or ``'size'`` profiles the layers on ``sample`` and picks the
-            split that minimises the slowest (or largest) stage.
+            split that minimises the slowest (or largest) stage; for a
+            module that is not a Sequential it picks the split points among
+            the calls of its children and of their ModuleList/Sequential
+            items.
         devices: one device per stage (several stages may share a device).
         checkpoint: ``'never'`` (default), ``'except_last'`` or ``'always'``:
             which micro-batches keep only their stage inputs and recompute the
@@ -75,15 +80,20 @@ class Pipe(nn.Module):
             and a later one reads (a skip connection) goes straight there.
         leaf_modules: with ``split_points``, submodules (qualified names or
             types) not to trace into: each runs whole inside one stage.
+        compile: ``True`` or a dict of ``torch.compile`` keyword arguments
+            (e.g. ``{"backend": "aot_eager"}``): each stage's partition is
+            compiled. The layers stay registered uncompiled, so
+            ``state_dict`` keys do not change.
 
     Raises:
         TypeError: ``module`` is neither an ``nn.Sequential`` nor given
             ``split_points``; tracing failed; ``chunks`` or ``split_size``
             is not an int.
         ValueError: ``chunks``/``split_size`` < 1 or both given; a layer is
-            repeated; a stage spans devices; balance/devices do not fit; an
-            unknown checkpoint mode, schedule or split point; a tensor shared
-            by stages on different devices.
+            repeated; a stage spans devices or sits on a device that does not
+            exist; balance/devices do not fit; an unknown checkpoint mode,
+            schedule or split point; a parameter or buffer shared by stages
+            on different devices.
 
     Example::
 
@@ -107,6 +117,7 @@ class Pipe(nn.Module):
         force_copies: bool = False,
         split_points: Sequence[str] | None = None,
         leaf_modules: Sequence[str | type[nn.Module]] = (),
+        compile: CompileOption = False,
     ) -> None:
         super().__init__()
         if chunks is not None and split_size is not None:
@@ -114,6 +125,7 @@ class Pipe(nn.Module):
         self._chunks = None if chunks is None else check_positive("chunks", chunks)
         self._split_size = None if split_size is None else check_positive("split_size", split_size)
         self.checkpoint = check_mode(checkpoint)
+        self.__dict__["_compile"] = compile_options(compile)  # before any layer moves
         if schedule not in SCHEDULES:
             valid = ", ".join(repr(x) for x in SCHEDULES)
             raise ValueError(f"schedule must be one of {valid}; got {schedule!r}")
@@ -122,7 +134,8 @@ class Pipe(nn.Module):
             module = DeferredBatchNorm.convert(module)
         self.__dict__["_runtime"] = None
         self.force_copies = bool(force_copies)
-        if split_points is not None:
+        auto = isinstance(balance, str) and not isinstance(module, nn.Sequential)
+        if split_points is not None or auto:
             self._traced(module, split_points, balance, devices, sample, leaf_modules)
             return
         if isinstance(balance, str):
@@ -142,18 +155,30 @@ class Pipe(nn.Module):
     def _traced(
         self,
         module: nn.Module,
-        split_points: Sequence[str],
+        split_points: Sequence[str] | None,
         balance: Sequence[int] | str | None,
         devices: Sequence[DeviceLike] | None,
         sample: Any,
         leaf_modules: Sequence[str | type[nn.Module]],
     ) -> None:
-        """Construction for a module split by ``torch.fx`` at ``split_points``."""
-        if balance is not None:
+        """Construction for a module split by ``torch.fx`` at ``split_points``
+        (or at the points ``balance='time'|'size'`` picks on ``sample``)."""
+        if isinstance(balance, str) and split_points is None:
+            if devices is None or sample is None:
+                raise ValueError(
+                    f"balance={balance!r} needs devices= (one per stage) and sample= (a "
+                    f"representative micro-batch: the module's inputs) to pick split points"
+                )
+            split_points = split_points_by(
+                balance, module, sample, len(devices), device=torch.device(devices[0]),
+                leaf_modules=leaf_modules,
+            )  # fmt: skip
+        elif balance is not None:
             raise TypeError(
                 "balance= partitions an nn.Sequential by layer counts; a traced module is "
                 "split at split_points= (or give no split_points and balance='time'|'size')"
             )
+        assert split_points is not None
         traced = trace(module, split_points, leaf_modules=leaf_modules)
         count = len(traced.partitions)
         devs = stage_devices(devices, count, "split_points make")
@@ -248,10 +273,20 @@ class Pipe(nn.Module):
         rt = self.__dict__["_runtime"]
         if rt is None:
             sched = EventScheduler(self.devices)
-            worker = Worker(list(self.partitions), sched, self.force_copies, self.graph)
+            stages = compile_stages(list(self.partitions), self.__dict__["_compile"])
+            worker = Worker(stages, sched, self.force_copies, self.graph, self._labels())
             rt = (sched, worker, {})
             self.__dict__["_runtime"] = rt
         return rt  # type: ignore[no-any-return]
+
+    def _labels(self) -> list[str]:
+        """How error notes name each stage: its layers (or split point) and device."""
+        points = self.__dict__.get("_split_points")
+        if points is None:
+            return stage_labels(list(self._modules), self.balance, self.devices)
+        n = len(self.devices)
+        starts = ["the start", *[f"'{p}'" for p in points]]
+        return [f"stage {s} of {n} (from {starts[s]} on {d})" for s, d in enumerate(self.devices)]
 
     @property
     def graph(self) -> StageGraph:
@@ -357,6 +392,12 @@ class Pipe(nn.Module):
                 Sequential pipe.
             ValueError: an empty batch, or tensors that split into different
                 numbers of micro-batches.
+
+        An exception raised in a stage reaches the caller unchanged, with a
+        note naming the stage, micro-batch and task (a backward that autograd
+        runs later raises from its engine, without a note); the statistics a
+        :class:`~mpstream.batchnorm.DeferredBatchNorm` had accumulated for
+        the failed batch are dropped (they update only once all stages finish).
         """
         inputs = self._inputs(args, kwargs)
         micro = scatter(inputs, self._chunks, self._split_size)
@@ -364,7 +405,9 @@ class Pipe(nn.Module):
         _, worker, _ = self._rt()
         staging = self._staging(inputs, self.devices[0])
         stop = self._prepare(len(micro))
-        return gather(worker.forward(micro, schedule, stop, staging))
+        with deferred_update(self, len(micro)):
+            outputs = worker.forward(micro, schedule, stop, staging)
+        return gather(outputs)
 
     def _staging(self, value: Any, device: torch.device) -> list[Staging] | None:
         """Per micro-batch pinned buffers for ``value``'s pageable tensors."""
@@ -383,6 +426,7 @@ class Pipe(nn.Module):
         loss_fn: Callable[[Any, Any], Tensor],
         *,
         reduction: str = "mean",
+        scaler: torch.amp.GradScaler | None = None,
     ) -> Tensor:
         """Forward and backward of every micro-batch in :attr:`schedule` order.
 
@@ -399,14 +443,19 @@ class Pipe(nn.Module):
                 and plain values) and moved to the last stage's device.
             loss_fn: ``loss_fn(output, target) -> scalar`` per micro-batch.
             reduction: how ``loss_fn`` reduces over the batch.
+            scaler: a ``torch.amp.GradScaler``: each micro-batch's weighted
+                loss is scaled by ``scaler.scale`` before its backward, so the
+                gradients are scaled; call ``scaler.step(optimizer)`` and
+                ``scaler.update()`` after, as usual.
 
         Returns:
-            The whole-batch loss (detached), on the last stage's device.
+            The whole-batch loss (detached, unscaled), on the last stage's
+            device.
 
         Raises:
             TypeError: bad inputs or targets, a stage returned an unsupported
-                value, or ``loss_fn`` returned something other than a scalar
-                tensor.
+                value, ``loss_fn`` returned something other than a scalar
+                tensor, or ``scaler`` is not a ``GradScaler``.
             ValueError: empty batch, targets of another batch size, or an
                 unknown ``reduction``.
 
@@ -421,6 +470,8 @@ class Pipe(nn.Module):
         if reduction not in REDUCTIONS:
             valid = ", ".join(repr(r) for r in REDUCTIONS)
             raise ValueError(f"reduction must be one of {valid}; got {reduction!r}")
+        if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+            raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
         # Parameter gradients only: inputs are detached, so whether x.grad
         # fills cannot depend on where the batch sits.
         if self.__dict__["_bind"] is not None and isinstance(inputs, tuple):
@@ -464,6 +515,7 @@ class Pipe(nn.Module):
                     staging,
                     target_staging,
                     snapshot.save_grads,
+                    None if scaler is None else scaler.scale,
                 )
         except BaseException:
             snapshot.restore()

@@ -27,7 +27,7 @@ from torch.fx.passes.split_module import split_module
 
 from .graph import Ref, StageGraph
 
-__all__ = ["Traced", "trace", "split_candidates"]
+__all__ = ["Traced", "trace", "split_candidates", "call_units", "place", "rebind"]
 
 
 @dataclass
@@ -112,6 +112,34 @@ def split_candidates(module: nn.Module) -> list[str]:
         if isinstance(child, (nn.ModuleList, nn.Sequential)):
             names += [f"{name}.{item}" for item, _ in child.named_children()]
     return names
+
+
+def call_units(
+    module: nn.Module, leaf_modules: Sequence[str | type[nn.Module]] = ()
+) -> list[str]:
+    """The split candidates the traced forward calls, in call order, finest
+    first (a ModuleList's items rather than the list), except one that
+    begins the forward (no stage could come before it)."""
+    gm = _trace(module, leaf_modules)
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    names = split_candidates(module)
+    found = []
+    for name in names:
+        if any(other.startswith(name + ".") for other in names):
+            continue  # a container whose items are candidates themselves
+        first = next(
+            (i for i, n in enumerate(nodes) if any(_inside(o, name) for o in _owners(n))), None
+        )
+        if first is not None:
+            found.append((first, name))
+    found.sort()
+    # Drop a unit that begins where the previous one does (nothing between).
+    units, last = [], 0
+    for first, name in found:
+        if first > last:
+            units.append(name)
+            last = first
+    return units
 
 
 def _owners(node: fx.Node) -> list[str]:

@@ -23,7 +23,7 @@ from .checkpoint import checkpointed
 from .copy import move
 from .graph import Hop, Ref
 from .microbatch import leaves, rebuild_leaves
-from .schedule import Kind, Schedule
+from .schedule import Kind, Schedule, Task
 from .stream import AnyStream, current_stream, record_stream
 from .transfer import to_device
 from .values import Flow
@@ -152,6 +152,7 @@ def run(
     staging: Sequence[Staging] | None = None,
     target_staging: Sequence[Staging] | None = None,
     before_backward: Callable[[int], None] | None = None,
+    scale: Callable[[Tensor], Tensor] | None = None,
 ) -> list[Tensor]:
     """Runs forward and backward of every micro-batch in ``schedule``'s order.
 
@@ -169,6 +170,9 @@ def run(
         before_backward: called with a stage's index inside its first
             backward task, on its stream, before any gradient of the step
             accumulates into its parameters.
+        scale: applied to each weighted loss, inside the last stage's forward
+            task, before its backward (``GradScaler.scale``); the returned
+            losses stay unscaled.
 
     Returns:
         The weighted loss of each micro-batch (detached), ready on the
@@ -197,6 +201,7 @@ def run(
     local: dict[tuple[int, int], Grads] = defaultdict(lambda: defaultdict(list))
     remote: dict[tuple[int, int, int], Grads] = defaultdict(lambda: defaultdict(list))
     losses: list[Tensor] = []
+    task: Task | None = None
     native.begin_run(schedule.native, sched.caller_streams())
     try:
         for task in schedule.tasks:
@@ -223,7 +228,7 @@ def run(
                         replaced = {ref: v for (ref, _), v in zip(sources, values[len(pairs) :])}
                         output = flow.result(m, replaced)
                         loss = _loss(loss_fn, output, labels[m], readers[s], weights[m])
-                        roots[(s, m)] = [((0, 0), loss)]
+                        roots[(s, m)] = [((0, 0), loss if scale is None else scale(loss))]
                         losses.append(loss.detach())
                         del loss, output, replaced
                 if s < last:
@@ -282,9 +287,11 @@ def run(
                         protect([g], readers[s])
                         local[(s, m)][key].append(g)
                 native.end(handle)
+        task = None
         native.join()
-    except BaseException:
+    except BaseException as exc:
         native.abort()
+        worker.annotate(exc, task, len(batches), _loss.__code__)
         raise
     if caller_reader is not None:
         for loss in losses:

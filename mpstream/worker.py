@@ -9,7 +9,9 @@ copies are asynchronous and nothing here waits for the device, so the walk
 runs ahead of the device and the streams overlap. If anything raises, the run
 is aborted (the caller's streams ordered after everything queued, streams
 restored, events released) before the exception propagates, and no later
-task starts. :mod:`~mpstream.training` runs training steps the same way.
+task starts; the exception carries a note saying which task of which stage
+and micro-batch raised it (:mod:`~mpstream.errors`).
+:mod:`~mpstream.training` runs training steps the same way.
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ from torch.autograd import profiler
 from . import marks
 from .checkpoint import checkpointed
 from .copy import Copy, Route
+from .errors import annotate, raised_in, task_note
 from .graph import ALL, Hop, Routes, StageGraph
 from .microbatch import leaves, rebuild_leaves
-from .schedule import Kind, Schedule, Topology
+from .schedule import Kind, Schedule, Task, Topology
 from .scheduler import EventScheduler
 from .stream import AnyStream, current_stream, is_cuda, record_stream
 from .transfer import GradLink, HostWait
@@ -94,6 +97,7 @@ class Worker:
         sched: the event scheduler owning the stage streams.
         force_copies: copy between stages even on the same device.
         graph: where each stage's arguments come from (default: a chain).
+        labels: how error notes name each stage (default ``stage s of n``).
     """
 
     def __init__(
@@ -102,12 +106,25 @@ class Worker:
         sched: EventScheduler,
         force_copies: bool = False,
         graph: StageGraph | None = None,
+        labels: Sequence[str] | None = None,
     ) -> None:
         self.partitions = list(partitions)
         self.sched = sched
         self.force_copies = force_copies
         self.graph = graph or StageGraph.chain(len(self.partitions))
         self._routes: dict[Topology, Routes] = {}
+        n = len(self.partitions)
+        self.labels = list(labels) if labels else [f"stage {s} of {n}" for s in range(n)]
+
+    def annotate(
+        self, exc: BaseException, task: Task | None, micros: int, loss: Any = None
+    ) -> None:
+        """Notes on ``exc`` which task raised it (``loss``: the code of the
+        loss computation, to tell ``loss_fn`` errors from the stage's)."""
+        # Only errors: an interrupt is not the task's fault.
+        if task is not None and isinstance(exc, Exception):
+            in_loss = loss is not None and task.kind is Kind.FORWARD and raised_in(exc, loss)
+            annotate(exc, task_note(task, micros, self.labels, in_loss))
 
     def routes(self, topology: Topology) -> Routes:
         """The hops of this worker's graph for a schedule's topology (cached)."""
@@ -155,6 +172,7 @@ class Worker:
         # While timing, mark where autograd will run each stage's backward.
         marking = native.timing and grad
         results: list[Any] = [None] * len(batches)
+        task: Task | None = None
         native.begin_run(schedule.native, sched.caller_streams())
         try:
             for task in schedule.tasks:
@@ -206,9 +224,11 @@ class Worker:
                     native.end(handle)
                 else:
                     raise RuntimeError(f"forward schedules have no {task.kind.label} tasks")
+            task = None
             native.join()
-        except BaseException:
+        except BaseException as exc:
             native.abort()
+            self.annotate(exc, task, len(batches))
             raise
         if caller_reader is not None:
             # The outputs were allocated on the last stage's stream; after the
@@ -227,6 +247,7 @@ class Worker:
         staging: Sequence[Staging] | None = None,
         target_staging: Sequence[Staging] | None = None,
         before_backward: Callable[[int], None] | None = None,
+        scale: Callable[[Tensor], Tensor] | None = None,
     ) -> list[Tensor]:
         """Runs forward and backward of every micro-batch in ``schedule``'s order.
 
@@ -245,6 +266,7 @@ class Worker:
             staging,
             target_staging,
             before_backward,
+            scale,
         )
 
 

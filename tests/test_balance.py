@@ -103,3 +103,36 @@ def test_pipe_auto_balance_errors() -> None:
         Pipe(model, balance="size", sample=torch.randn(1, 2))
     with pytest.raises(ValueError, match="'time' or 'size'"):
         Pipe(model, balance="speed", devices=["cpu", "cpu"], sample=torch.randn(1, 2))
+
+
+def test_balance_by_size_counts_optimizer_state_with_param_scale() -> None:
+    # Activations (three Tanh) against parameters (two Linear): Adam's two
+    # moments per parameter byte move a Linear to the first stage.
+    model = nn.Sequential(nn.Tanh(), nn.Tanh(), nn.Tanh(), nn.Linear(64, 64), nn.Linear(64, 64))
+    sample = torch.randn(64, 64)
+    assert balance_by_size(model, sample, 2) == [3, 2]
+    assert balance_by_size(model, sample, 2, param_scale=2) == [4, 1]
+    (lin,) = profile_layers(model[3:4], sample, repeat=1)
+    assert lin.training_bytes(2) == lin.size_bytes + lin.parameter_bytes
+    for bad in (-1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="param_scale must be a finite number >= 0"):
+            balance_by_size(model, sample, 2, param_scale=bad)
+
+
+class Modes(nn.Module):
+    """Records the mode of every call (on the class: profiling deep-copies)."""
+
+    seen: list[bool] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        Modes.seen.append(self.training)
+        return x
+
+
+def test_profiling_runs_in_training_mode_and_leaves_the_mode_alone() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), Modes(), nn.Dropout(0.5)).eval()
+    Modes.seen.clear()
+    profiles = profile_layers(model, torch.randn(8, 4), repeat=1)
+    assert Modes.seen == [True, True]  # warm-up and one timed run
+    assert profiles[2].activation_bytes > profiles[2].output_bytes  # dropout saved its mask
+    assert not any(m.training for m in model.modules())

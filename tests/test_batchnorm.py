@@ -228,3 +228,43 @@ def test_cumulative_average_stays_on_the_device(monkeypatch: pytest.MonkeyPatch)
     norm = pipe[1]
     torch.testing.assert_close(norm.running_mean, ref[1].running_mean)
     torch.testing.assert_close(norm.running_var, ref[1].running_var)
+
+
+class FailOnce(nn.Module):
+    """Raises on the ``at``-th call, once."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.calls, self.at = 0, at
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.at:
+            raise RuntimeError("stage failed")
+        return x
+
+
+@pytest.mark.parametrize("fail_at", [2, 3])  # the norm's stage, then the next stage
+def test_failed_forward_leaves_no_partial_statistics(fail_at: int) -> None:
+    def build(failing: bool) -> Pipe:
+        torch.manual_seed(0)
+        layers = [nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)]
+        layers.insert(1 if fail_at == 2 else 3, FailOnce(fail_at if failing else 0))
+        return Pipe(
+            nn.Sequential(*layers).double(),
+            chunks=4,
+            balance=[3, 1],
+            devices=["cpu", "cpu"],
+            deferred_batch_norm=True,
+        )
+
+    pipe, ref = build(True), build(False)
+    with pytest.raises(RuntimeError, match="stage failed"):
+        pipe(torch.randn(8, 3, dtype=torch.float64))
+    norm = deferred_norms(pipe)[0]
+    assert norm.tracked == 0 and float(norm.count) == 0
+    for _ in range(2):
+        x = torch.randn(8, 3, dtype=torch.float64)
+        pipe(x)
+        ref(x)
+        assert_same_stats(pipe, running_stats(ref))

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+import mpstream
 from mpstream import Pipe
 from mpstream.checkpoint import MODES, check_mode, checkpoint_stop, is_recomputing
 from tests.helpers import assert_same_grads, mlp
@@ -173,3 +174,71 @@ def test_batchnorm_buffers_saved_by_other_graphs_stay_valid() -> None:
     assert_same_grads(pipe, ref)
     for a, b in zip(pipe.buffers(), ref.buffers()):
         torch.testing.assert_close(a, b)
+
+
+class SideEffects(nn.Module):
+    """Counts a side effect that must happen once per micro-batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3).double()
+        self.effects = self.checkpointing = self.recomputing = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        assert not (mpstream.is_checkpointing() and mpstream.is_recomputing())
+        if not mpstream.is_recomputing():
+            self.effects += 1
+        self.checkpointing += mpstream.is_checkpointing()
+        self.recomputing += mpstream.is_recomputing()
+        return torch.tanh(self.lin(x))
+
+
+@pytest.mark.parametrize(
+    ("mode", "checkpointed"), [("never", 0), ("except_last", 3), ("always", 4)]
+)
+@pytest.mark.parametrize("path", ["forward", "gpipe", "1f1b"])
+def test_side_effects_run_once_per_micro_batch(mode: str, checkpointed: int, path: str) -> None:
+    stages = [SideEffects(), SideEffects()]
+    schedule = "gpipe" if path == "forward" else path
+    pipe = Pipe(nn.Sequential(*stages), chunks=4, checkpoint=mode, schedule=schedule)
+    x, y = torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    if path == "forward":
+        pipe(x).sum().backward()
+    else:
+        pipe.train_step(x, y, nn.MSELoss())
+    for st in stages:
+        assert (st.effects, st.checkpointing, st.recomputing) == (4, checkpointed, checkpointed)
+    assert not mpstream.is_checkpointing() and not mpstream.is_recomputing()
+
+
+class Doubled(nn.Module):
+    """An in-place op that is not idempotent: recomputing from an input it
+    already overwrote would give other values."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.mul_(2)
+
+
+@pytest.mark.parametrize("mode", ["except_last", "always"])
+@pytest.mark.parametrize("path", ["forward", "gpipe", "1f1b"])
+@pytest.mark.parametrize("first", [nn.ReLU(inplace=True), Doubled()], ids=["relu_", "mul_"])
+def test_stage_may_begin_with_an_in_place_op(mode: str, path: str, first: nn.Module) -> None:
+    model = nn.Sequential(nn.Linear(5, 6), first, nn.Tanh(), nn.Linear(6, 3)).double()
+    ref = copy.deepcopy(model)
+    pipe = Pipe(
+        model,
+        split_size=3,
+        balance=[1, 3],
+        devices=["cpu", "cpu"],
+        checkpoint=mode,
+        schedule="gpipe" if path == "forward" else path,
+    )
+    x, y = torch.randn(BATCH, 5, dtype=torch.float64), torch.randn(BATCH, 3, dtype=torch.float64)
+    if path == "forward":
+        out = pipe(x)
+        torch.testing.assert_close(out, ref(x))
+        nn.MSELoss()(out, y).backward()
+    else:
+        pipe.train_step(x, y, nn.MSELoss())
+    nn.MSELoss()(ref(x), y).backward()
+    assert_same_grads(pipe, ref)

@@ -366,6 +366,19 @@ def test_one_process_train_step_equals_the_pipes(group: None) -> None:
         torch.testing.assert_close(a.grad, b.grad)
 
 
+def test_one_process_train_step_with_tied_weights_and_a_grad_scaler(group: None) -> None:
+    model = nn.Sequential(nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 5)).double()
+    model[2].weight = model[0].weight  # tied, on one device: reduced once
+    pipe = Pipe(model, split_size=SPLIT, balance=[2, 1], devices=["cpu", "cpu"])
+    ref = copy.deepcopy(pipe)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=8.0) for _ in range(2)]
+    x, y = torch.randn(4, 5, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64)
+    loss = mpdist.train_step(mpdist.wrap(pipe), x, y, nn.MSELoss(), scaler=scalers[0])
+    torch.testing.assert_close(loss, ref.train_step(x, y, nn.MSELoss(), scaler=scalers[1]))
+    for a, b in zip(pipe.parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
 def test_train_step_needs_ddp_around_a_pipe(group: None) -> None:
     x, y = batches(1)[0]
     with pytest.raises(TypeError, match="DistributedDataParallel module, got Pipe"):

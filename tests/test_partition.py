@@ -8,7 +8,14 @@ import pytest
 import torch
 from torch import nn
 
-from mpstream.partition import Chain, split_module, takes_several
+from mpstream import Pipe
+from mpstream.partition import (
+    Chain,
+    check_devices_exist,
+    check_shared,
+    split_module,
+    takes_several,
+)
 
 
 def test_children_are_stages_and_keep_their_devices() -> None:
@@ -96,11 +103,77 @@ def test_same_child_twice() -> None:
         split_module(model)
 
 
-def test_shared_parameters_across_layers() -> None:
+def test_shared_parameters_on_one_device_are_allowed() -> None:
     a, b = nn.Linear(2, 2), nn.Linear(2, 2)
     b.weight = a.weight
-    with pytest.raises(ValueError, match="share a parameter"):
-        split_module(nn.Sequential(a, b))
+    assert split_module(nn.Sequential(a, b)).balance == [1, 1]
+    assert split_module(nn.Sequential(a, b), balance=[1, 1], devices=["cpu", "cpu"]).balance
+
+
+def tied(what: str) -> nn.Sequential:
+    a, b = nn.Linear(2, 2), nn.BatchNorm1d(2)
+    c, d = nn.Linear(2, 2), nn.BatchNorm1d(2)
+    if what == "parameter":
+        c.weight = a.weight
+    else:
+        d.register_buffer("running_mean", b.running_mean)
+    return nn.Sequential(OrderedDict([("a", a), ("b", b), ("c", c), ("d", d)]))
+
+
+@pytest.mark.parametrize(
+    ("what", "first", "second"), [("parameter", "a", "c"), ("buffer", "b", "d")]
+)
+def test_shared_tensor_across_devices_is_named(what: str, first: str, second: str) -> None:
+    model = tied(what)
+    layers = list(model.named_children())
+    devices = [torch.device("cpu"), torch.device("cuda", 1)]
+    tail = "weight" if what == "parameter" else "running_mean"
+    match = (
+        rf"{what} '{first}\.{tail}' \(stage 0, cpu\) is shared with '{second}\.{tail}' "
+        rf"\(stage 1, cuda:1\); layers on different devices cannot share a {what}"
+    )
+    with pytest.raises(ValueError, match=match):
+        check_shared(layers, [2, 2], devices)
+    check_shared(layers, [2, 2], devices[:1] * 2)
+    check_shared(layers, [4], devices[:1])
+
+
+def test_pipe_rejects_tied_weights_across_devices_before_moving_anything(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Pretend two GPUs exist: the check must come before any layer moves.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    model = tied("parameter")
+    with pytest.raises(ValueError, match=r"'a\.weight' \(stage 0, cuda:0\) is shared with"):
+        Pipe(model, balance=[2, 2], devices=["cuda:0", "cuda:1"])
+    assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    ("count", "devices", "match"),
+    [
+        (0, ["cpu", "cuda:0"], "stage 1 is on cuda:0, but CUDA is not available here; "
+                               "available devices: cpu$"),
+        (0, ["cuda"], "stage 0 is on cuda, but CUDA is not available"),
+        (1, ["cuda:0", "cuda:1"], r"stage 1 is on cuda:1, but only 1 CUDA device\(s\) exist "
+                                  "here; available devices: cpu, cuda:0$"),
+    ],
+)
+def test_devices_that_do_not_exist_fail_at_construction(
+    monkeypatch: pytest.MonkeyPatch, count: int, devices: list[str], match: str
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    with pytest.raises(ValueError, match=match):
+        check_devices_exist([torch.device(d) for d in devices])
+    model = nn.Sequential(*[nn.Linear(2, 2) for _ in devices])
+    with pytest.raises(ValueError, match=match):  # balance + devices
+        Pipe(model, balance=[1] * len(devices), devices=devices)
+    with pytest.raises(ValueError, match=match):  # one device per child
+        Pipe(model, devices=devices)
+    assert all(p.device.type == "cpu" for p in model.parameters())
 
 
 def test_child_spanning_devices() -> None:

@@ -276,3 +276,18 @@ def test_profile_and_cost_model_see_stage_graphs() -> None:
     sim = mpstream.simulate(costs.stage_times, costs.hops, 2, reads=pipe.graph.reads())
     simulated = {(s.stage, s.peer) for s in sim.timeline.spans if s.kind == "copy"}
     assert simulated == hops | {(-1, 3)}
+
+
+@pytest.mark.parametrize("how", ["time", "size"])
+def test_balance_picks_split_points_of_a_traced_module(how: str) -> None:
+    from mpstream.trace import call_units
+
+    model = Decoder(depth=4)
+    assert call_units(model) == ["blocks.0", "blocks.1", "blocks.2", "blocks.3", "norm", "head"]
+    ids = torch.randint(0, 11, (4, 6))
+    pipe = Pipe(copy.deepcopy(model), balance=how, sample=ids, devices=["cpu"] * 3, chunks=2)
+    points = pipe.__dict__["_split_points"]
+    assert len(points) == 2 and all(p in call_units(model) for p in points)
+    torch.testing.assert_close(pipe(ids), model(ids))
+    with pytest.raises(ValueError, match="needs devices= .* and sample="):
+        Pipe(Decoder(), balance=how, devices=["cpu"] * 2)
