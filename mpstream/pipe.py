@@ -16,10 +16,10 @@ from .batchnorm import DeferredBatchNorm, deferred_norms, deferred_update
 from .checkpoint import check_mode, checkpoint_stop
 from .compiling import CompileOption, compile_options, compile_stages
 from .errors import stage_labels
-from .graph import Routes, StageGraph
+from .graph import StageGraph
 from .microbatch import Value, batch_device, gather, leaves, scatter, split
 from .partition import DeviceLike, check_positive, split_module, stage_devices
-from .schedule import SCHEDULES, Schedule
+from .schedule import SCHEDULES, Schedule, Topology
 from .scheduler import EventScheduler
 from .stream import current_stream, record_stream
 from .trace import place, rebind, trace
@@ -316,21 +316,14 @@ class Pipe(nn.Module):
         sched = cache.get(key)
         if sched is None:
             labels = list(dict.fromkeys(devs))
-            routes = self._rt()[1].routes(
-                Routes(
-                    self.graph,
-                    [labels.index(d) for d in devs],
-                    labels.index(input_device) if input_device in labels else -1,
-                    self.force_copies,
-                ).topology
+            topology = Topology(
+                self.graph.reads(),
+                tuple(labels.index(d) for d in devs),
+                labels.index(input_device) if input_device in labels else -1,
+                self.force_copies,
             )
             sched = Schedule(
-                name,
-                len(devs),
-                micros,
-                routes.topology,
-                backward=training_step,
-                copy_target=copy_target,
+                name, len(devs), micros, topology, backward=training_step, copy_target=copy_target
             )
             cache[key] = sched
         return sched
