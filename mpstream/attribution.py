@@ -28,36 +28,18 @@ from . import tutorial
 from .analysis import batch
 from .bench import Config
 from .diagnosis import PASS, Check, Context, StepResult
+from .experiment import config_for
 from .pipe import Pipe
 from .profiling import profile
 from .stream import synchronize
-from .timeline import Timeline, _length, _union
+from .timeline import Timeline
 
-__all__ = ["ISSUE_RATIO", "IDLE_RATIO", "stream_busy", "host_bound", "profile_step", "run"]
+__all__ = ["ISSUE_RATIO", "IDLE_RATIO", "host_bound", "profile_step", "run"]
 
 # Host-bound: issuing takes at least this share of the step...
 ISSUE_RATIO = 0.8
 # ...while the busiest stream computes at most this share of it.
 IDLE_RATIO = 0.8
-
-
-def stream_busy(timeline: Timeline) -> dict[str, float]:
-    """Milliseconds each stream was busy per run (union of its spans; median over runs)."""
-    out = {}
-    for stream in timeline.streams:
-        per_run = [
-            _length(
-                _union(
-                    (s.start_ms, s.end_ms)
-                    for s in timeline.spans
-                    if s.stream == stream and s.run == r
-                )
-            )
-            for r in timeline.runs()
-        ]
-        if any(per_run):
-            out[stream] = statistics.median(per_run)
-    return out
 
 
 def host_bound(issue_ms: float, step_ms: float, busy: dict[str, float]) -> dict[str, Any]:
@@ -104,7 +86,7 @@ def _stepper(pipe: Pipe, config: Config) -> Callable[[], None]:
 
 def profile_step(ctx: Context, split: int) -> dict[str, Any]:
     """Profiles ``profile_steps`` training steps at ``split``; times issue and step apart."""
-    config = ctx.sizes.experiment
+    config = config_for(ctx)
     dev0, dev1 = ctx.devices
     torch.manual_seed(0)
     pipe = tutorial.block_pipe(
@@ -139,7 +121,7 @@ def profile_step(ctx: Context, split: int) -> dict[str, Any]:
 
 def run(ctx: Context) -> StepResult:
     """Profiles each split size; the experiment's main one is drawn and traced."""
-    config = ctx.sizes.experiment
+    config = config_for(ctx)
     splits = list(dict.fromkeys([config.split_size, *config.split_sizes]))
     profiles = {}
     with ctx.bar(len(splits), "profile") as bar:
@@ -159,7 +141,7 @@ def run(ctx: Context) -> StepResult:
     )
     prof.export_chrome_trace(ctx.scratch / "trace.json")
     summary = prof.summary(echo=False)
-    busy = stream_busy(prof)
+    busy = prof.stream_busy()
     checks = []
     rows = {}
     for split, p in profiles.items():

@@ -203,7 +203,6 @@ def run(options: Options, echo: Callable[[str], None] | None = None) -> int:
             results.append(run_step(step, ctx, options.skip))
             say(_line(i, results[-1]))
         total = time.perf_counter() - started
-        say(report.table(results))
         meta: dict[str, Any] = {
             "format": "mpstream-doctor/1",
             "command": options.command,
@@ -216,7 +215,8 @@ def run(options: Options, echo: Callable[[str], None] | None = None) -> int:
             "total_seconds": total,
             "environment": ctx.shared.get("environment") or environment.collect(devices),
         }
-        say(f"wrote {', '.join(report.top_files(out))} in {out} ({total:.0f} s)")
+        say(f"report in {out}: {', '.join(report.top_files(out))} ({total:.0f} s in all)")
+        say(report.table(results))
         (ctx.scratch / "doctor.log").write_text("\n".join(log) + "\n")
         report.write(out, ctx.scratch, results, meta)
     return 1 if report.status_of(results) == FAIL else 0

@@ -80,7 +80,7 @@ def _provenance(env: dict[str, Any]) -> str:
         f"**Software:** torch {env.get('torch')} (CUDA {env.get('cuda') or '-'}, cuDNN "
         f"{env.get('cudnn') or '-'}), Python {env.get('python')}, mpstream {env.get('mpstream')} "
         f"at commit `{commit}`  \n"
-        f"**Host:** {env.get('host')}, {env.get('platform')}"
+        f"**Host:** {env.get('host')}, {env.get('platform')}  "
     )
 
 
@@ -102,11 +102,11 @@ def markdown(results: Sequence[StepResult], meta: dict[str, Any], files: Sequenc
             f"| {r.seconds:.1f} s |"
         )
     for i, r in enumerate(results, 1):
-        lines += ["", f"## {i}. {r.title}: {r.status}", ""]
+        lines += ["", f"## {i}. {r.title}: {r.status}"]
         if r.reason:
-            lines += [_cell(r.reason), ""]
+            lines += ["", _cell(r.reason)]
         if r.checks:
-            lines += ["| check | status | detail |", "| --- | --- | --- |"]
+            lines += ["", "| check | status | detail |", "| --- | --- | --- |"]
             lines += [f"| {_cell(c.name)} | {c.status} | {_cell(c.detail)} |" for c in r.checks]
     shown = [f for f in FIGURES if f in files]
     if shown:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import shutil
 from pathlib import Path
@@ -127,6 +128,17 @@ def test_sanitizer_workload_runs_on_the_cpu(capsys: pytest.CaptureFixture[str]) 
     assert "workload([['cuda:0', 'cuda:1']], short=True)" in code
 
 
+def test_the_sanitizer_subprocess_runs_the_workload(tmp_path: Path) -> None:
+    # Without TORCH_CUDA_SANITIZER, which needs CUDA: the command line, the
+    # environment and the verdict, end to end.
+    log = tmp_path / "csan.log"
+    code, out, err = sanitizer._run(
+        sanitizer.command([["cpu", "cpu"]], short=True), sanitizer._env(), 120, log
+    )
+    assert sanitizer.judge_csan(code if code is not None else -1, out, err)[0] == PASS, err
+    assert log.read_text().startswith("$ ") and "exit code: 0" in log.read_text()
+
+
 def test_memory_verdicts() -> None:
     assert soak.memory_verdict([1000] * 5)[0] == PASS
     assert soak.memory_verdict([1000, 1000 + soak.SLACK_BYTES])[0] == PASS
@@ -161,7 +173,7 @@ def test_stream_busy_is_the_union_per_stream() -> None:
         Span(0, 1, "forward", "a", 1.0, 3.0, 1),
         Span(1, 0, "forward", "b", 0.0, 1.0, 1),
     ]
-    assert attribution.stream_busy(Timeline(spans, {"a": "x", "b": "x", "c": "x"})) == {
+    assert Timeline(spans, {"a": "x", "b": "x", "c": "x"}).stream_busy() == {
         "a": 3.0,
         "b": 1.0,
     }
@@ -178,6 +190,17 @@ def test_cost_model_validation_scaling_and_calibration() -> None:
     assert [r["micro_batches"] for r in rows] == [4, 2]
     assert [r["error"] for r in rows] == [0.0, 0.0]
     assert rows[0]["scaled_error"] == 0.0 and rows[1]["scaled_error"] < 0  # 3 ms is not 2 x 1 ms
+    # Two runs, the first slowed down by interference: costs and makespan both
+    # come from the second.
+    slow = simulate([(2.0, 4.0), (2.0, 4.0)], 0.0, 4, backward=True, devices=labels).timeline
+    both = Timeline(
+        [dataclasses.replace(sp, run=1) for sp in slow.spans]
+        + [dataclasses.replace(sp, run=2) for sp in small.spans],
+        small.stream_devices,
+    )
+    step, makespan = modelcheck.fastest(both)
+    assert step.runs() == [2] and makespan == rows[0]["measured_ms"]
+    assert modelcheck.validate({2: both}, 2, 8, True, labels)[0]["error"] == 0.0
     layers = [(1.0, 1.0), (1.0, 3.0), (2.0, 2.0)]
     calibrated = modelcheck.calibrate(layers, [2, 1], Costs([(4.0, 8.0), (1.0, 1.0)], []))
     assert calibrated == [(2.0, 2.0), (2.0, 6.0), (1.0, 1.0)]
@@ -226,6 +249,15 @@ def test_environment_on_this_machine(tmp_path: Path) -> None:
     result = environment.run(Context((CPU, CPU), TINY, "resnet50", tmp_path, tmp_path))
     assert result.status == PASS and result.data["torch"] == torch.__version__
     assert result.data["extension"]["ok"] and result.data["mpstream"]
+
+
+def test_environment_fails_when_the_extension_does_not_fit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    broken = {"ok": False, "error": "mpstream._C was built against a different torch."}
+    monkeypatch.setattr(environment, "extension_build", lambda: broken)
+    result = environment.run(Context((CPU, CPU), TINY, "resnet50", tmp_path, tmp_path))
+    assert result.status == FAIL and "different torch" in result.checks[0].detail
 
 
 def test_experiment_config_for_resnet101(tmp_path: Path) -> None:
