@@ -6,8 +6,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+DOCTOR_ARGS ?=
 
-.PHONY: all setup build run test check bench bench-suite clean
+.PHONY: all setup build run doctor test check bench bench-suite clean
 
 all: test
 
@@ -30,6 +31,13 @@ build: setup
 # tutorial's figures and a JSON in mpstream-bench/ (--quick without a GPU).
 run: setup
 	$(VENV)/bin/mpstream bench $$($(PY) -c "import torch; print('' if torch.cuda.is_available() else '--quick')")
+
+# `mpstream doctor`: on this machine's GPUs, results equal to the CPU's,
+# measured overlap, the CUDA sanitizers, memory, the tutorial's experiment,
+# a profile and the cost model; report in mpstream-doctor/. Without a GPU it
+# runs the quick sizes and SKIPs the GPU steps. E.g. DOCTOR_ARGS="--model resnet101".
+doctor: setup
+	$(VENV)/bin/mpstream doctor $(DOCTOR_ARGS)
 
 # The whole test suite: unit tests (CUDA tests skip without a GPU), then the
 # benchmark suite once each, untimed.

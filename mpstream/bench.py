@@ -63,6 +63,7 @@ class Config:
     warmup: int = 1
     split_size: int = 12
     split_sizes: tuple[int, ...] = (1, 3, 5, 8, 10, 12, 20, 40, 60)
+    arch: str = "resnet50"  # or "resnet101", IDRIS's variant (tutorial.ARCHS)
 
 
 FULL = Config()
@@ -183,20 +184,24 @@ def device_name(device: torch.device) -> str:
 def make_model(
     name: str, dev0: torch.device, dev1: torch.device, config: Config, split_size: int
 ) -> nn.Module:
-    """One of :data:`MODELS`, freshly initialised.
+    """One of :data:`MODELS` of ``config.arch``, freshly initialised.
 
     Raises:
-        ValueError: an unknown model name.
+        ValueError: an unknown model name or architecture.
     """
     n = config.num_classes
+    deep = config.arch == "resnet101"
     if name == "single device":
-        return tutorial.single_device_resnet50(dev0, n)
+        return tutorial.single_device(config.arch, dev0, n)
     if name == "model parallel":
-        return tutorial.ModelParallelResNet50(dev0, dev1, n)
+        parallel = tutorial.ModelParallelResNet101 if deep else tutorial.ModelParallelResNet50
+        return parallel(dev0, dev1, n)
     if name == "tutorial pipeline":
-        return tutorial.PipelineParallelResNet50(dev0, dev1, split_size, n)
+        pipeline = tutorial.PipelineParallelResNet101 if deep else tutorial.PipelineParallelResNet50
+        return pipeline(dev0, dev1, split_size, n)
     if name == "mpstream":
-        return tutorial.StreamPipelineResNet50(dev0, dev1, split_size, n)
+        stream = tutorial.StreamPipelineResNet101 if deep else tutorial.StreamPipelineResNet50
+        return stream(dev0, dev1, split_size, n)
     raise ValueError(f"unknown model {name!r}; valid: {', '.join(MODELS)}")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -210,6 +211,57 @@ def _trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def _doctor(args: argparse.Namespace) -> int:
+    from . import doctor
+
+    options = doctor.Options(
+        out=Path(args.out),
+        devices=args.devices,
+        quick=args.quick,
+        arch=args.model,
+        skip=tuple(args.skip),
+        progress=not args.no_progress,
+        command=args.command_line,
+    )
+    return doctor.run(options)
+
+
+def _doctor_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from .doctor import ARCHS, NAMES
+
+    d = sub.add_parser(
+        "doctor",
+        help="prove on this machine's GPUs that the pipeline is right and overlaps",
+        description=(
+            "Run, in order: environment, correctness against the CPU model, measured overlap, "
+            "the CUDA sanitizers, memory over many steps, the tutorial's experiment, a profiled "
+            "step and the cost model. One line per step as it goes (PASS / FAIL / SKIP), a "
+            "summary table last, and a report (summary.md, report.json, figures, one archive) "
+            "in --out. Steps that need a GPU SKIP without one. Exit code 1 if any step failed."
+        ),
+    )
+    d.add_argument("--out", default="mpstream-doctor", help="report folder (default: %(default)s)")
+    d.add_argument(
+        "--devices", help="one or two devices, e.g. cuda:0 or cuda:0,cuda:1 (default: detected)"
+    )
+    d.add_argument(
+        "--quick", action="store_true", help="short, CPU-sized run (automatic without a GPU)"
+    )
+    d.add_argument(
+        "--model", choices=ARCHS, default="resnet50", help="the experiment's model (%(default)s)"
+    )
+    d.add_argument(
+        "--skip",
+        nargs="+",
+        default=[],
+        choices=NAMES,
+        metavar="STEP",
+        help=f"steps not to run: {', '.join(NAMES)}",
+    )
+    d.add_argument("--no-progress", action="store_true", help="no progress bars")
+    d.set_defaults(func=_doctor)
+
+
 def _size_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--devices", help="two devices, e.g. cuda:0,cuda:1 (default: detected)")
     p.add_argument("--quick", action="store_true", help="CPU-sized run")
@@ -282,6 +334,7 @@ def parser() -> argparse.ArgumentParser:
     )
     r.add_argument("--out", default="mpstream-trace", help="output folder (default: %(default)s)")
     r.set_defaults(func=_trace)
+    _doctor_parser(sub)
     return p
 
 
@@ -289,9 +342,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``mpstream`` console script.
 
     Returns:
-        The exit status: 0 on success, 2 on a bad option.
+        The exit status: 0 on success, 2 on a bad option, 1 when a
+        ``doctor`` step failed.
     """
     args = parser().parse_args(argv)
+    args.command_line = shlex.join(["mpstream", *(sys.argv[1:] if argv is None else argv)])
     try:
         return int(args.func(args))
     except ValueError as exc:

@@ -24,7 +24,11 @@ __all__ = [
     "Timed",
     "Sizes",
     "BenchResults",
+    "MODEL_NAMES",
 ]
+
+# How the figures name each architecture of bench.Config.arch.
+MODEL_NAMES = {"resnet50": "ResNet50", "resnet101": "ResNet-101"}
 
 
 class Timed(Protocol):
@@ -57,6 +61,9 @@ class Sizes(Protocol):
 
     @property
     def image_h(self) -> int: ...
+
+    @property
+    def arch(self) -> str: ...
 
 
 class BenchResults(Protocol):
@@ -100,13 +107,14 @@ def bar_chart(
     labels: Sequence[str],
     path: Path,
     title: str = "",
+    model: str = "ResNet50",
 ) -> Path:
     """The tutorial's bar chart: mean execution time with std error bars."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(means), 4.2))
     x = range(len(means))
     ax.bar(x, means, yerr=stds, align="center", alpha=0.5, ecolor="red", capsize=10, width=0.6)
-    ax.set_ylabel("ResNet50 execution time (s)")
+    ax.set_ylabel(f"{model} execution time (s)")
     ax.set_xticks(list(x))
     ax.set_xticklabels(labels, fontsize=9)
     ax.yaxis.grid(True)
@@ -117,6 +125,7 @@ def split_curves(
     curves: Mapping[str, tuple[Sequence[int], Sequence[float], Sequence[float]]],
     path: Path,
     title: str = "",
+    model: str = "ResNet50",
 ) -> Path:
     """Execution time against split size, one curve with error bars per pipeline."""
     plt = pyplot()
@@ -125,7 +134,7 @@ def split_curves(
     for (label, (sizes, means, stds)), marker in zip(curves.items(), "os^v"):
         ax.errorbar(sizes, means, yerr=stds, marker=marker, capsize=4, label=label)
         ticks.update(sizes)
-    ax.set_ylabel("ResNet50 execution time (s)")
+    ax.set_ylabel(f"{model} execution time (s)")
     ax.set_xlabel("Pipeline split size")
     ax.set_xticks(sorted(ticks))
     ax.yaxis.grid(True)
@@ -140,6 +149,7 @@ def tutorial_figures(results: BenchResults, out: Path) -> list[Path]:
     c = results.config
     where = f"{dev0} | {dev1}" if dev0 != dev1 else f"both halves on {dev0}"
     title = f"{where}; {c.num_batches} x {c.batch_size} images of {c.image_w}x{c.image_h}"
+    model = MODEL_NAMES.get(c.arch, c.arch)
     mp, rn = results.get("model parallel"), results.get("single device")
     pp, ms = results.get("tutorial pipeline"), results.get("mpstream")
     paths = [
@@ -149,6 +159,7 @@ def tutorial_figures(results: BenchResults, out: Path) -> list[Path]:
             ["Model Parallel", single],
             out / "mp_vs_rn.png",
             title,
+            model,
         ),
         bar_chart(
             [mp.mean, rn.mean, pp.mean, ms.mean],
@@ -161,6 +172,7 @@ def tutorial_figures(results: BenchResults, out: Path) -> list[Path]:
             ],
             out / "mp_vs_rn_vs_pp.png",
             title,
+            model,
         ),
     ]
     if results.sweep:
@@ -175,5 +187,5 @@ def tutorial_figures(results: BenchResults, out: Path) -> list[Path]:
                 [m.mean for m in ms_],
                 [m.std for m in ms_],
             )
-        paths.append(split_curves(curves, out / "split_size_tradeoff.png", title))
+        paths.append(split_curves(curves, out / "split_size_tradeoff.png", title, model))
     return paths

@@ -164,6 +164,23 @@ class Timeline:
             [s for s in self.spans if s.run == run], self.stream_devices, self.source, self.meta
         )
 
+    def stream_busy(self) -> dict[str, float]:
+        """Milliseconds each stream was busy in a run: the union of its spans,
+        median over runs. Streams with no work are left out."""
+        out = {}
+        for stream in self.streams:
+            per_run = [
+                _length(
+                    _union(
+                        (s.start_ms, s.end_ms) for s in self.select(r).spans if s.stream == stream
+                    )
+                )
+                for r in self.runs()
+            ]
+            if any(per_run):
+                out[stream] = statistics.median(per_run)
+        return out
+
     def _run_summary(self, spans: list[Span], stages: int) -> dict[str, Any]:
         start = min(s.start_ms for s in spans)
         makespan = max(s.end_ms for s in spans) - start

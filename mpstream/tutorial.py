@@ -1,4 +1,4 @@
-"""The tutorial's ResNet50 models, parametrised by devices, and its training loop.
+"""The tutorial's ResNet50 models, parametrised by devices, and its training loops.
 
 "Single-Machine Model Parallel Best Practices" splits ResNet50 after
 ``layer2``: ``seq1`` (stem, layer1, layer2) on one device, ``seq2`` (layer3,
@@ -6,37 +6,61 @@ layer4, avgpool) and ``fc`` on the other. :class:`ModelParallelResNet50` and
 :class:`PipelineParallelResNet50` reproduce its two models (the latter is the
 default-stream baseline); :class:`StreamPipelineResNet50` is the same split
 whose forward is mpstream's, the drop-in replacement.
+
+IDRIS's version of the tutorial (the Jean Zay documentation) splits ResNet-101
+at the same place with split size 8, and feeds it from a ``DataLoader`` with
+pinned memory and ``non_blocking`` copies: the ``*ResNet101`` classes,
+:func:`fake_loader` and :func:`train_from_loader`.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 
 import torch
 from torch import Tensor, nn, optim
+from torch.utils.data import DataLoader
 from torchvision.models.resnet import Bottleneck, ResNet
 
 from .pipe import Pipe
 
 __all__ = [
     "NUM_CLASSES",
+    "ARCHS",
+    "IDRIS_SPLIT_SIZE",
     "ModelParallelResNet50",
     "PipelineParallelResNet50",
     "StreamPipelineResNet50",
+    "ModelParallelResNet101",
+    "PipelineParallelResNet101",
+    "StreamPipelineResNet101",
     "single_device_resnet50",
+    "single_device_resnet101",
+    "single_device",
     "resnet50_layers",
+    "block_pipe",
     "train",
+    "fake_loader",
+    "train_from_loader",
 ]
 
 NUM_CLASSES = 1000
+# Bottleneck blocks per stage (layer1..layer4) of each architecture.
+ARCHS = {"resnet50": (3, 4, 6, 3), "resnet101": (3, 4, 23, 3)}
+# The split size of IDRIS's pipelined ResNet-101.
+IDRIS_SPLIT_SIZE = 8
 DeviceLike = str | torch.device
 
 
 class ModelParallelResNet50(ResNet):  # type: ignore[misc]
     """ResNet50 split over ``dev0`` (stem..layer2) and ``dev1`` (layer3..fc)."""
 
+    # Subclasses change the depth here; the split stays layer2 | layer3.
+    BLOCKS: tuple[int, int, int, int] = ARCHS["resnet50"]  # type: ignore[assignment]
+
     def __init__(self, dev0: DeviceLike, dev1: DeviceLike, num_classes: int = NUM_CLASSES) -> None:
-        super().__init__(Bottleneck, [3, 4, 6, 3], num_classes=num_classes)
+        super().__init__(Bottleneck, list(self.BLOCKS), num_classes=num_classes)
         self.dev0 = torch.device(dev0)
         self.dev1 = torch.device(dev1)
         self.seq1 = nn.Sequential(
@@ -135,11 +159,64 @@ class StreamPipelineResNet50(ModelParallelResNet50):
         return out
 
 
+class ModelParallelResNet101(ModelParallelResNet50):
+    """IDRIS's ResNet-101 split over ``dev0`` (stem..layer2) and ``dev1`` (layer3..fc)."""
+
+    BLOCKS = ARCHS["resnet101"]  # type: ignore[assignment]
+
+
+class PipelineParallelResNet101(PipelineParallelResNet50):
+    """IDRIS's pipelined ResNet-101 (default streams, split size 8 by default)."""
+
+    BLOCKS = ARCHS["resnet101"]  # type: ignore[assignment]
+
+    def __init__(
+        self,
+        dev0: DeviceLike,
+        dev1: DeviceLike,
+        split_size: int = IDRIS_SPLIT_SIZE,
+        num_classes: int = NUM_CLASSES,
+    ) -> None:
+        super().__init__(dev0, dev1, split_size, num_classes)
+
+
+class StreamPipelineResNet101(StreamPipelineResNet50):
+    """IDRIS's ResNet-101 split, pipelined by :class:`mpstream.Pipe`."""
+
+    BLOCKS = ARCHS["resnet101"]  # type: ignore[assignment]
+
+    def __init__(
+        self,
+        dev0: DeviceLike,
+        dev1: DeviceLike,
+        split_size: int = IDRIS_SPLIT_SIZE,
+        num_classes: int = NUM_CLASSES,
+    ) -> None:
+        super().__init__(dev0, dev1, split_size, num_classes)
+
+
 def single_device_resnet50(device: DeviceLike, num_classes: int = NUM_CLASSES) -> nn.Module:
     """torchvision's ResNet50 on one device: the tutorial's reference."""
-    from torchvision.models import resnet50
+    return single_device("resnet50", device, num_classes)
 
-    model: nn.Module = resnet50(num_classes=num_classes)
+
+def single_device_resnet101(device: DeviceLike, num_classes: int = NUM_CLASSES) -> nn.Module:
+    """torchvision's ResNet-101 on one device: IDRIS's reference."""
+    return single_device("resnet101", device, num_classes)
+
+
+def single_device(arch: str, device: DeviceLike, num_classes: int = NUM_CLASSES) -> nn.Module:
+    """torchvision's ``arch`` (a key of :data:`ARCHS`) on one device.
+
+    Raises:
+        ValueError: an unknown architecture.
+    """
+    from torchvision.models import resnet50, resnet101
+
+    builders = {"resnet50": resnet50, "resnet101": resnet101}
+    if arch not in builders:
+        raise ValueError(f"unknown architecture {arch!r}; valid: {', '.join(builders)}")
+    model: nn.Module = builders[arch](num_classes=num_classes)
     return model.to(torch.device(device))
 
 
@@ -167,6 +244,32 @@ def resnet50_layers(model: ResNet | None = None) -> nn.Sequential:
             layers.append((f"{name}_{i}", block))
     layers += [("avgpool", model.avgpool), ("flatten", nn.Flatten(1)), ("fc", model.fc)]
     return nn.Sequential(OrderedDict(layers))
+
+
+def block_pipe(
+    arch: str,
+    dev0: DeviceLike,
+    dev1: DeviceLike,
+    split_size: int,
+    num_classes: int = NUM_CLASSES,
+    **options: object,
+) -> Pipe:
+    """``arch`` as a flat :class:`~mpstream.Pipe` of blocks, cut where the tutorial cuts.
+
+    The layers of :func:`resnet50_layers` (which serves any torchvision
+    ResNet), split after ``layer2`` as :class:`ModelParallelResNet50` splits
+    them; ``options`` go to the Pipe (``schedule``, ``checkpoint``,
+    ``force_copies``...).
+    """
+    layers = resnet50_layers(single_device(arch, "cpu", num_classes))  # type: ignore[arg-type]
+    first = 4 + ARCHS[arch][0] + ARCHS[arch][1]  # the stem's 4 layers, layer1, layer2
+    return Pipe(
+        layers,
+        split_size=split_size,
+        balance=[first, len(layers) - first],
+        devices=[dev0, dev1],
+        **options,  # type: ignore[arg-type]
+    )
 
 
 def train(
@@ -209,6 +312,73 @@ def train(
         outputs = model(inputs.to(device))
         labels = labels.to(outputs.device)
         loss = loss_fn(outputs, labels)
+        loss.backward()
+        optimizer.step()
+    return loss
+
+
+def fake_loader(
+    num_batches: int,
+    batch_size: int,
+    image_w: int,
+    image_h: int,
+    num_classes: int = NUM_CLASSES,
+    *,
+    workers: int = 0,
+    pin_memory: bool = False,
+) -> DataLoader[tuple[Tensor, int]]:
+    """A ``DataLoader`` over torchvision's ``FakeData``, as IDRIS feeds its model.
+
+    The same ``num_batches`` batches of random images (integer labels) each
+    epoch; ``pin_memory=True`` puts every batch in page-locked memory so
+    ``non_blocking`` copies to the GPU are asynchronous.
+    """
+    from torchvision.datasets import FakeData
+    from torchvision.transforms import ToTensor
+
+    data = FakeData(
+        size=num_batches * batch_size,
+        image_size=(3, image_h, image_w),
+        num_classes=num_classes,
+        transform=ToTensor(),
+    )
+    return DataLoader(
+        data,
+        batch_size=batch_size,
+        num_workers=workers,
+        pin_memory=pin_memory,
+        persistent_workers=workers > 0,
+    )
+
+
+def train_from_loader(
+    model: nn.Module,
+    batches: Iterable[tuple[Tensor, Tensor]],
+    optimizer: optim.Optimizer,
+    input_device: DeviceLike | None,
+) -> Tensor:
+    """IDRIS's training loop: cross-entropy over (images, labels) batches.
+
+    Args:
+        model: any of the models here.
+        batches: a :func:`fake_loader`, or batches already on the devices.
+        optimizer: the model's optimizer.
+        input_device: where images go with ``non_blocking=True`` before the
+            forward; None hands the batch to the model where it is (a Pipe
+            moves pinned host memory itself, on its io stream).
+
+    Returns:
+        The last batch's loss (not synchronised).
+    """
+    model.train(True)
+    criterion = nn.CrossEntropyLoss()
+    loss = torch.zeros(())
+    for images, labels in batches:
+        if input_device is not None:
+            images = images.to(input_device, non_blocking=True)
+        optimizer.zero_grad()
+        outputs = model(images)
+        loss = criterion(outputs, labels.to(outputs.device, non_blocking=True))
         loss.backward()
         optimizer.step()
     return loss
