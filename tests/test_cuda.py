@@ -449,7 +449,7 @@ def test_inputs_and_targets_move_on_the_io_stream(monkeypatch: pytest.MonkeyPatc
     pipe = Pipe(mlp([5, 8, 4]).float().cuda(), chunks=3, balance=[2, 2], devices=["cuda:0"] * 2)
     io = pipe.scheduler.io_streams[0].stream_id  # type: ignore[union-attr]
     in_forward = _stream_spy(monkeypatch, "mpstream.copy", "to_device")
-    in_train = _stream_spy(monkeypatch, "mpstream.worker", "to_device")
+    in_train = _stream_spy(monkeypatch, "mpstream.training", "to_device")
     x, y = torch.randn(BATCH, 5), torch.randn(BATCH, 4)
     pipe(x).sum().backward()
     pipe.train_step(x.pin_memory(), y, nn.MSELoss())
