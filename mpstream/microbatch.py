@@ -62,16 +62,27 @@ class NoChunk:
         return f"NoChunk({tuple(self.tensor.shape)})"
 
 
-def leaves(value: Any) -> tuple[list[Any], pytree.TreeSpec | None]:
+# The structure of a flat tuple of tensors (the common case, kept off
+# pytree's slower path).
+_FLAT = "flat tuple"
+
+
+def leaves(value: Any) -> tuple[list[Any], Any]:
     """The leaves of ``value`` and its structure (None: ``value`` is a Tensor)."""
     if type(value) is Tensor:
         return [value], None
+    if type(value) is tuple and all(type(v) is Tensor for v in value):
+        return list(value), (_FLAT, len(value))
     return pytree.tree_flatten(value)
 
 
-def rebuild_leaves(items: Sequence[Any], spec: pytree.TreeSpec | None) -> Any:
+def rebuild_leaves(items: Sequence[Any], spec: Any) -> Any:
     """The inverse of :func:`leaves`."""
-    return items[0] if spec is None else pytree.tree_unflatten(list(items), spec)
+    if spec is None:
+        return items[0]
+    if type(spec) is tuple:
+        return tuple(items)
+    return pytree.tree_unflatten(list(items), spec)
 
 
 def tensors_of(value: Value) -> tuple[Tensor, ...]:

@@ -125,6 +125,11 @@ class Chain(nn.Sequential):
         self._spread = [takes_several(layer) for layer in self]
 
     def forward(self, *args: Any) -> Any:  # type: ignore[override]
+        if not any(self._spread):  # every layer takes one value: nn.Sequential's loop
+            x = args[0] if len(args) == 1 else args
+            for layer in self:
+                x = layer(x)
+            return x
         for layer, spread in zip(self, self._spread):
             if spread and len(args) == 1 and isinstance(args[0], tuple):
                 args = args[0]

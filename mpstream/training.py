@@ -187,8 +187,8 @@ def run(
     parts = worker.partitions
     last = len(parts) - 1
     devices = sched.devices
-    routes = worker.routes(schedule.topology)
-    flow = Flow(routes, batches)
+    routes, wiring = worker.routes(schedule.topology)
+    flow = Flow(wiring, batches)
     readers = cuda_only(sched.compute_streams)
     copiers = cuda_only(sched.copy_streams)
     (caller_reader,) = cuda_only([current_stream(devices[last])])

@@ -34,7 +34,7 @@ from .schedule import Kind, Schedule, Task, Topology
 from .scheduler import EventScheduler
 from .stream import AnyStream, current_stream, is_cuda, record_stream
 from .transfer import GradLink, HostWait
-from .values import Flow, tensor_leaves
+from .values import Flow, Wiring, tensor_leaves
 
 __all__ = ["Worker", "range_name", "Staging", "protect", "cuda_only", "task_range"]
 
@@ -112,7 +112,7 @@ class Worker:
         self.sched = sched
         self.force_copies = force_copies
         self.graph = graph or StageGraph.chain(len(self.partitions))
-        self._routes: dict[Topology, Routes] = {}
+        self._routes: dict[Topology, tuple[Routes, Wiring]] = {}
         n = len(self.partitions)
         self.labels = list(labels) if labels else [f"stage {s} of {n}" for s in range(n)]
 
@@ -126,17 +126,18 @@ class Worker:
             in_loss = loss is not None and task.kind is Kind.FORWARD and raised_in(exc, loss)
             annotate(exc, task_note(task, micros, self.labels, in_loss))
 
-    def routes(self, topology: Topology) -> Routes:
-        """The hops of this worker's graph for a schedule's topology (cached)."""
-        routes = self._routes.get(topology)
-        if routes is None:
+    def routes(self, topology: Topology) -> tuple[Routes, Wiring]:
+        """The hops of this worker's graph for a schedule's topology, and the
+        wiring of a run's values along them (cached)."""
+        cached = self._routes.get(topology)
+        if cached is None:
             routes = Routes(
                 self.graph, topology.devices, topology.input_device, topology.force_copies
             )
             if routes.topology != topology:
                 raise ValueError("the schedule was built for another stage graph")
-            self._routes[topology] = routes
-        return routes
+            cached = self._routes[topology] = (routes, Wiring(routes))
+        return cached
 
     def forward(
         self,
@@ -161,8 +162,8 @@ class Worker:
         native = sched.native  # the hot loop calls the C++ scheduler directly
         parts = self.partitions
         last = len(parts) - 1
-        routes = self.routes(schedule.topology)
-        flow = Flow(routes, batches)
+        routes, wiring = self.routes(schedule.topology)
+        flow = Flow(wiring, batches)
         # record_stream is only needed (and only valid) for CUDA streams.
         readers = cuda_only(sched.compute_streams)
         (caller_reader,) = cuda_only([current_stream(sched.devices[last])])
@@ -179,9 +180,8 @@ class Worker:
                 s, m = task.stage, task.micro
                 if task.kind is Kind.FORWARD:
                     handle = native.begin(task.index)
-                    pairs, received = flow.args(s, m)
-                    args = [v for _, v in pairs]
-                    if readers[s] is not None and not received:
+                    args = flow.values(s, m)
+                    if readers[s] is not None and not flow.received[s]:
                         # Read on this stage's stream, allocated on another.
                         # Inside the task, so record_stream itself is issued
                         # on the stream that reads.
@@ -189,7 +189,11 @@ class Worker:
                     stage = parts[s]
                     if marking:
                         args, stage_marks = marks.enter(native, s, m, args)
-                    with task_range(profiling, task.kind, s, m):
+                    # No context manager unless profiling: this is the hot loop.
+                    if profiling:
+                        with task_range(profiling, task.kind, s, m):
+                            y = checkpointed(stage, *args) if m < checkpoint_stop else stage(*args)
+                    else:
                         y = checkpointed(stage, *args) if m < checkpoint_stop else stage(*args)
                     if marking:
                         y = marks.leave(stage_marks, y)
@@ -198,7 +202,7 @@ class Worker:
                         results[m] = flow.result(m)
                     flow.release(s, m)
                     native.end(handle)
-                    del pairs, args, y
+                    del args, y
                 elif task.kind is Kind.COPY:
                     handle = native.begin(task.index)
                     hop = routes.by_task[(s, task.peer)]
