@@ -289,6 +289,9 @@ def tune(
     entries = _load(path) if path is not None else {}
     if path is not None and not refresh and key_text in entries:
         result = TuneResult.from_json(entries[key_text], key)
+        if isinstance(pipe_or_factory, nn.Module):
+            # Building the key set the first candidate: leave the best one.
+            pipe_or_factory.split_size = result.split_size  # type: ignore[assignment]
         if plot is not None:
             result.plot(plot)
         return result

@@ -57,6 +57,7 @@ def test_cache_is_plain_json_and_is_used(tmp_path: Path) -> None:
     model = Curve()
     again = tune(model, SAMPLE, None, [2, 6, 12], cache=path, progress=False)
     assert again.cached and model.calls == [] and again.split_size == first.split_size
+    assert model.split_size == 6, "a cache hit leaves the model at the best split size too"
     fresh = tune(model, SAMPLE, None, [2, 6, 12], cache=path, refresh=True, progress=False)
     assert not fresh.cached and model.calls
 
