@@ -239,8 +239,15 @@ class Pipe(nn.Module):
 
     @property
     def balance(self) -> list[int]:
-        """Layers per stage."""
+        """Layers per stage (traced operations per stage for a traced module)."""
         return list(self.__dict__["_balance"])
+
+    @property
+    def split_points(self) -> list[str] | None:
+        """Where the stages of a traced module begin (given, or picked by
+        ``balance='time'|'size'``); None for a Sequential."""
+        points = self.__dict__.get("_split_points")
+        return None if points is None else list(points)
 
     @property
     def chunks(self) -> int | None:

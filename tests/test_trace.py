@@ -286,7 +286,7 @@ def test_balance_picks_split_points_of_a_traced_module(how: str) -> None:
     assert call_units(model) == ["blocks.0", "blocks.1", "blocks.2", "blocks.3", "norm", "head"]
     ids = torch.randint(0, 11, (4, 6))
     pipe = Pipe(copy.deepcopy(model), balance=how, sample=ids, devices=["cpu"] * 3, chunks=2)
-    points = pipe.__dict__["_split_points"]
+    points = pipe.split_points
     assert len(points) == 2 and all(p in call_units(model) for p in points)
     torch.testing.assert_close(pipe(ids), model(ids))
     with pytest.raises(ValueError, match="needs devices= .* and sample="):
