@@ -17,7 +17,7 @@ from .checkpoint import check_mode, checkpoint_stop
 from .graph import Routes, StageGraph
 from .microbatch import Value, batch_device, gather, leaves, scatter, split
 from .partition import DeviceLike, check_positive, split_module, stage_devices
-from .schedule import SCHEDULES, Schedule
+from .schedule import Order, Schedule, check_schedule, schedule_arg, virtual_stages_of
 from .scheduler import EventScheduler
 from .stream import current_stream, record_stream
 from .trace import place, rebind, trace
@@ -58,9 +58,20 @@ class Pipe(nn.Module):
             :class:`~mpstream.batchnorm.DeferredBatchNorm`, whose running
             statistics are updated once per mini-batch as the single-device
             model would.
-        schedule: order of :meth:`train_step`: ``'gpipe'`` (fill-drain) or
+        schedule: order of :meth:`train_step`: ``'gpipe'`` (fill-drain),
             ``'1f1b'`` (at most ``stages - s`` micro-batches in flight on
-            stage ``s``). ``pipe(x)`` always runs fill-drain.
+            stage ``s``), ``'interleaved_1f1b'`` (Megatron-LM's, several
+            stages per pipeline rank, see ``virtual_stages``), ``'zb_h1'``
+            (zero-bubble H1: each backward split into input and weight
+            passes, weight passes filling the bubbles), or an explicit order
+            of actions (``['F0m0', 'F1m0', 'B1m0', 'B0m0']``, see
+            :mod:`mpstream.orders`; ``str(pipe.schedule_for(...))`` prints a
+            built-in one to start from). ``pipe(x)`` always runs fill-drain.
+        virtual_stages: for ``'interleaved_1f1b'``: stages per pipeline rank
+            (stage ``s`` on rank ``s mod (stages / virtual_stages)``); by
+            default inferred from devices placed round-robin
+            (``['cuda:0', 'cuda:1', 'cuda:0', 'cuda:1']``). Needed when
+            every stage shares one device (the CPU).
         sample: a representative micro-batch, for ``balance='time'|'size'``.
         force_copies: for experiments: copy every micro-batch between
             consecutive stages (and its gradient back) on the copy streams
@@ -82,8 +93,10 @@ class Pipe(nn.Module):
             is not an int.
         ValueError: ``chunks``/``split_size`` < 1 or both given; a layer is
             repeated; a stage spans devices; balance/devices do not fit; an
-            unknown checkpoint mode, schedule or split point; a tensor shared
-            by stages on different devices.
+            unknown checkpoint mode, schedule or split point; a bad schedule
+            order (shown as a stage x step grid); ``virtual_stages`` given
+            for another schedule or not fitting the stages and devices; a
+            tensor shared by stages on different devices.
 
     Example::
 
@@ -102,11 +115,12 @@ class Pipe(nn.Module):
         devices: Sequence[DeviceLike] | None = None,
         checkpoint: str = "never",
         deferred_batch_norm: bool = False,
-        schedule: str = "gpipe",
+        schedule: Order = "gpipe",
         sample: Value | None = None,
         force_copies: bool = False,
         split_points: Sequence[str] | None = None,
         leaf_modules: Sequence[str | type[nn.Module]] = (),
+        virtual_stages: int | None = None,
     ) -> None:
         super().__init__()
         if chunks is not None and split_size is not None:
@@ -114,16 +128,15 @@ class Pipe(nn.Module):
         self._chunks = None if chunks is None else check_positive("chunks", chunks)
         self._split_size = None if split_size is None else check_positive("split_size", split_size)
         self.checkpoint = check_mode(checkpoint)
-        if schedule not in SCHEDULES:
-            valid = ", ".join(repr(x) for x in SCHEDULES)
-            raise ValueError(f"schedule must be one of {valid}; got {schedule!r}")
-        self.schedule = schedule
+        self.schedule = schedule_arg(schedule)
+        self.virtual_stages = virtual_stages
         if deferred_batch_norm:
             module = DeferredBatchNorm.convert(module)
         self.__dict__["_runtime"] = None
         self.force_copies = bool(force_copies)
         if split_points is not None:
             self._traced(module, split_points, balance, devices, sample, leaf_modules)
+            self._check_schedule()
             return
         if isinstance(balance, str):
             balance = _auto_balance(module, balance, devices, sample)
@@ -138,6 +151,12 @@ class Pipe(nn.Module):
         self.__dict__["_graph"] = StageGraph.chain(len(stages.partitions))
         self.__dict__["_bind"] = None  # traced modules bind call arguments
         self.__dict__["_root"] = None
+        self._check_schedule()
+
+    def _check_schedule(self) -> None:
+        check_schedule(
+            self.schedule, self.__dict__["_devices"], self.graph.reads(), self.virtual_stages
+        )
 
     def _traced(
         self,
@@ -274,9 +293,10 @@ class Pipe(nn.Module):
         last stage's device.
         """
         devs = self.__dict__["_devices"]
-        name = self.schedule if training_step else "gpipe"
+        name = schedule_arg(self.schedule) if training_step else "gpipe"
+        virtual = virtual_stages_of(devs, self.virtual_stages) if name == "interleaved_1f1b" else 1
         copy_target = training_step and target_device not in (None, devs[-1])
-        key = (name, micros, input_device, training_step, copy_target, self.force_copies)
+        key = (name, micros, input_device, training_step, copy_target, self.force_copies, virtual)
         cache = self._rt()[2]
         sched = cache.get(key)
         if sched is None:
@@ -296,6 +316,7 @@ class Pipe(nn.Module):
                 routes.topology,
                 backward=training_step,
                 copy_target=copy_target,
+                virtual_stages=virtual,
             )
             cache[key] = sched
         return sched
