@@ -29,6 +29,9 @@ from .conftest import ON_GPU
 
 STAGES, MICROS = 4, 8
 SPLIT, IMAGE = (8, 128) if ON_GPU else (2, 64)
+# The split is measured on the memory group's micro-batch (the tutorial's
+# 12 images of 128x128 on a GPU).
+SPLIT_B, IMAGE_B = (12, 128) if ON_GPU else (4, 64)
 
 
 def _devices(first: torch.device) -> list[torch.device]:
@@ -82,9 +85,10 @@ def _stages() -> dict[str, tuple[nn.Module, tuple[int, ...]]]:
     """The models the split is measured on: the tutorial's two ResNet50
     halves and an MLP, each with its input shape."""
     layers = list(resnet50_layers())
+    half = (SPLIT_B, 512, IMAGE_B // 8, IMAGE_B // 8)
     return {
-        "resnet50_first_half": (nn.Sequential(*layers[:11]), (SPLIT, 3, IMAGE, IMAGE)),
-        "resnet50_second_half": (nn.Sequential(*layers[11:]), (SPLIT, 512, IMAGE // 8, IMAGE // 8)),
+        "resnet50_first_half": (nn.Sequential(*layers[:11]), (SPLIT_B, 3, IMAGE_B, IMAGE_B)),
+        "resnet50_second_half": (nn.Sequential(*layers[11:]), half),
         "mlp": (
             nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1024), nn.Tanh()) for _ in range(4)]),
             (64, 1024),

@@ -229,7 +229,9 @@ def _schedules(args: argparse.Namespace) -> int:
         source = "unit costs: forward = input gradient = weight gradient = 1 ms"
     else:
         device = torch.device(args.device) if args.device else bench.detect_devices(None)[0]
-        pipe, x, y = resnet_stages(stages, micros, args.split_size, args.image_size, device)
+        pipe, x, y = resnet_stages(
+            stages, micros, args.split_size, args.image_size, device, args.balance
+        )
         loss_fn = torch.nn.functional.mse_loss
         print(f"profiling ResNet50 as {stages} stages on {device} ...", flush=True)
         costs = compare.profile_stages(pipe, x, y, loss_fn).per_stage()
@@ -369,6 +371,12 @@ def parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--uniform", action="store_true", help="unit costs instead of a profile")
     c.add_argument("--device", help="where to profile and measure (default: detected)")
+    c.add_argument(
+        "--balance",
+        choices=("tutorial", "time"),
+        default="tutorial",
+        help="ResNet50's cut: the tutorial's (2 or 4 stages) or balance_by_time's",
+    )
     c.add_argument(
         "--split-size", type=positive_int, default=2, help="images per micro-batch (default 2)"
     )
