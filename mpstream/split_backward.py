@@ -16,16 +16,19 @@ at those junctions with the kept gradients, toward the parameters below them:
 each junction now computes the gradients it skipped in B, and nothing on the
 input path runs twice.
 
-One W call per group of junctions whose parameters overlap. B computes two
-kinds of parameter gradients itself: those of a parameter reached from
+One W call per group of junctions whose parameters overlap. B computes
+three kinds of parameter gradients itself: those of a parameter reached from
 several junctions, one below the other on the input path (a weight used
-twice in a row), which W would count twice; and groups of vectors only (a
+twice in a row), which W would count twice; groups of vectors only (a
 norm's scale and shift), whose gradients are reductions over the batch that
 the junction computes with the input gradient in the same pass: deferring
 them would cost a second reduction and an autograd call each, to save
-nothing. W keeps the weight matrices and kernels, the matmuls and
-convolutions that make a backward's second half. B keeps the stage's graph
-(and its saved tensors) alive for W; each W call frees the part it ran.
+nothing; and those under a custom ``autograd.Function`` (a ``torch.compile``d
+stage is one), whose backward computes every gradient each time it runs:
+running it again in W would repeat all of it. W keeps the weight matrices
+and kernels, the matmuls and convolutions that make a backward's second
+half. B keeps the stage's graph (and its saved tensors) alive for W; each W
+call frees the part it ran.
 
 Checkpointed micro-batches are not split: non-reentrant checkpointing
 recomputes the stage's forward once per autograd call, so separate W calls
@@ -189,7 +192,8 @@ def backward_inputs(tensors: Sequence[Tensor], grads: Sequence[Tensor] | None) -
             _reaches(j, set(on_path) - {j}, inner, children) for j in on_path
         )
         vectors = all(_variable(p).dim() <= 1 for p in params)
-        if tangled or vectors:
+        opaque = any(hasattr(j, "_forward_cls") for j in on_path)
+        if tangled or vectors or opaque:
             eager.extend(params)
         else:
             kept.append((junctions, params))

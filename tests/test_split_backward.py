@@ -126,6 +126,45 @@ def test_b_computes_no_weight_gradient_and_w_no_input_gradient() -> None:
     assert twice.other.weight.grad is not None
 
 
+class Scale(torch.autograd.Function):
+    """x * w, with a backward that computes both gradients whenever it runs."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx: object, x: Tensor, w: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, w)  # type: ignore[attr-defined]
+        return x * w
+
+    @staticmethod
+    def backward(ctx: object, g: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        Scale.calls += 1
+        x, w = ctx.saved_tensors  # type: ignore[attr-defined]
+        return g * w, (g * x).sum(0)
+
+
+def test_a_custom_function_on_the_input_path_runs_once() -> None:
+    w = nn.Parameter(torch.randn(4, 3, dtype=torch.float64))
+    lin = nn.Linear(3, 3).double()
+    x = torch.randn(5, 3, dtype=torch.float64)
+
+    def stage(inp: Tensor) -> Tensor:
+        return Scale.apply(lin(inp), w[0])  # type: ignore[no-any-return]
+
+    Scale.calls = 0
+    out = stage(cut(GradSink(), (x,))[0])
+    weight = backward_inputs([out], [torch.ones_like(out)])
+    assert w.grad is not None and Scale.calls == 1, "B computes what the Function gives"
+    assert lin.weight.grad is None
+    weight.run()
+    assert Scale.calls == 1 and lin.weight.grad is not None
+    got = (w.grad.clone(), lin.weight.grad.clone())
+    w.grad = lin.weight.grad = lin.bias.grad = None
+    stage(x).sum().backward()
+    torch.testing.assert_close(got[0], w.grad)
+    torch.testing.assert_close(got[1], lin.weight.grad)
+
+
 def flops(stage: nn.Module, x: Tensor, split: bool) -> tuple[int, int]:
     out = stage(cut(GradSink(), (x,))[0])
     grad = torch.ones_like(out)
