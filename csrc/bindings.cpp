@@ -11,6 +11,7 @@
 #endif
 
 namespace py = pybind11;
+using mpstream::Action;
 using mpstream::Kind;
 using mpstream::OpCode;
 using mpstream::PlanOp;
@@ -22,10 +23,9 @@ using mpstream::Timing;
 
 namespace {
 
-std::shared_ptr<Schedule> make(const std::string& name, int32_t micros,
-                               std::vector<std::vector<int32_t>> reads,
-                               std::vector<int32_t> device, int32_t input_device,
-                               bool force_copies, bool backward, bool copy_target) {
+mpstream::Layout layout_of(int32_t micros, std::vector<std::vector<int32_t>> reads,
+                           std::vector<int32_t> device, int32_t input_device, bool force_copies,
+                           bool copy_target, int32_t virtual_stages) {
   mpstream::Layout layout;
   layout.stages = static_cast<int32_t>(reads.size());
   layout.micros = micros;
@@ -34,7 +34,28 @@ std::shared_ptr<Schedule> make(const std::string& name, int32_t micros,
   layout.input_device = input_device;
   layout.force_copies = force_copies;
   layout.copy_target = copy_target;
+  layout.virtual_stages = virtual_stages;
+  return layout;
+}
+
+std::shared_ptr<Schedule> make(const std::string& name, int32_t micros,
+                               std::vector<std::vector<int32_t>> reads,
+                               std::vector<int32_t> device, int32_t input_device,
+                               bool force_copies, bool backward, bool copy_target,
+                               int32_t virtual_stages) {
+  const auto layout = layout_of(micros, std::move(reads), std::move(device), input_device,
+                                force_copies, copy_target, virtual_stages);
   return std::make_shared<Schedule>(mpstream::make_schedule(name, layout, backward));
+}
+
+// Actions cross as (kind, stage, micro) tuples.
+std::vector<Action> actions_of(const std::vector<std::tuple<Kind, int32_t, int32_t>>& items) {
+  std::vector<Action> out;
+  out.reserve(items.size());
+  for (const auto& [kind, stage, micro] : items) {
+    out.push_back(Action{kind, stage, micro});
+  }
+  return out;
 }
 
 void lock_without_gil(std::unique_lock<std::mutex>& lock) {
@@ -63,7 +84,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .value("backward", Kind::kBackward)
       .value("copy", Kind::kCopy)
       .value("copy_grad", Kind::kCopyGrad)
-      .value("target", Kind::kTarget);
+      .value("target", Kind::kTarget)
+      .value("weight", Kind::kWeight);
 
   py::class_<Task>(m, "Task")
       .def_readonly("index", &Task::index)
@@ -96,9 +118,34 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("make_schedule", &make, py::arg("name"), py::arg("micros"), py::arg("reads"),
         py::arg("device"), py::arg("input_device"), py::arg("force_copies") = false,
         py::arg("backward") = false, py::arg("copy_target") = false,
-        "Ordered tasks with dependencies for a schedule ('gpipe' or '1f1b') over a stage "
-        "graph: reads[s] lists the stages stage s reads (-1: the input), device[s] labels "
-        "its device.");
+        py::arg("virtual_stages") = 1,
+        "Ordered tasks with dependencies for a named schedule over a stage graph: reads[s] "
+        "lists the stages stage s reads (-1: the input), device[s] labels its device.");
+  m.def(
+      "make_ordered_schedule",
+      [](int32_t micros, std::vector<std::vector<int32_t>> reads, std::vector<int32_t> device,
+         int32_t input_device, bool force_copies, bool copy_target,
+         const std::vector<std::tuple<Kind, int32_t, int32_t>>& actions) {
+        const auto layout = layout_of(micros, std::move(reads), std::move(device), input_device,
+                                      force_copies, copy_target, 1);
+        return std::make_shared<Schedule>(
+            mpstream::make_ordered_schedule(layout, actions_of(actions)));
+      },
+      py::arg("micros"), py::arg("reads"), py::arg("device"), py::arg("input_device"),
+      py::arg("force_copies"), py::arg("copy_target"), py::arg("actions"),
+      "The schedule issuing (kind, stage, micro) compute actions in the given order.");
+  m.def(
+      "check_order",
+      [](int32_t micros, std::vector<std::vector<int32_t>> reads,
+         const std::vector<std::tuple<Kind, int32_t, int32_t>>& actions) {
+        const auto stages = reads.size();
+        const auto layout = layout_of(micros, std::move(reads), std::vector<int32_t>(stages, 0),
+                                      0, false, false, 1);
+        const auto problem = mpstream::check_order(layout, actions_of(actions));
+        return py::make_tuple(problem.step, problem.message);
+      },
+      py::arg("micros"), py::arg("reads"), py::arg("actions"),
+      "(step, message) of the first problem of an issue order; (-1, '') when it is valid.");
   m.def("schedule_names", &mpstream::schedule_names);
 
   py::class_<SlotSpec>(m, "SlotSpec")

@@ -1,11 +1,14 @@
-// Schedule generation over a stage graph: fill-drain (GPipe clock cycles)
-// and 1F1B.
+// Schedules over a stage graph: the builder that turns an issue order of
+// compute actions into tasks with dependencies (copies included), and the
+// checks of explicit orders. The built-in orders come from orders.cpp.
 #include "schedule.h"
 
 #include <algorithm>
 #include <map>
 #include <stdexcept>
 #include <tuple>
+
+#include "orders.h"
 
 namespace mpstream {
 
@@ -21,12 +24,19 @@ const char* kind_name(Kind kind) {
       return "copy_grad";
     case Kind::kTarget:
       return "target";
+    case Kind::kWeight:
+      return "weight";
   }
   return "unknown";
 }
 
 std::vector<std::string> schedule_names() {
-  return {"gpipe", "1f1b"};
+  return {"gpipe", "1f1b", "interleaved_1f1b", "zb_h1"};
+}
+
+std::string action_name(const Action& a) {
+  const char* letter = a.kind == Kind::kForward ? "F" : a.kind == Kind::kBackward ? "B" : "W";
+  return letter + std::to_string(a.stage) + "m" + std::to_string(a.micro);
 }
 
 Layout chain_layout(int32_t micros, const std::vector<bool>& copy_in) {
@@ -45,18 +55,7 @@ Layout chain_layout(int32_t micros, const std::vector<bool>& copy_in) {
   return l;
 }
 
-namespace {
-
-// The stages on one device that read one producer's outputs: one copy task
-// brings the value there (when it crosses devices), received by `peer`.
-struct Group {
-  int32_t producer;
-  int32_t peer;
-  std::vector<int32_t> readers;
-  bool copy;
-};
-
-void check(const Layout& l) {
+void check_layout(const Layout& l) {
   if (l.stages < 1) {
     throw std::invalid_argument("a schedule needs at least one stage, got " +
                                 std::to_string(l.stages));
@@ -82,6 +81,17 @@ void check(const Layout& l) {
     }
   }
 }
+
+namespace {
+
+// The stages on one device that read one producer's outputs: one copy task
+// brings the value there (when it crosses devices), received by `peer`.
+struct Group {
+  int32_t producer;
+  int32_t peer;
+  std::vector<int32_t> readers;
+  bool copy;
+};
 
 // Appends tasks in issue order and resolves their dependencies by
 // (kind, stage, peer, micro), so generators only decide the order.
@@ -178,6 +188,12 @@ class Builder {
     }
   }
 
+  // The parameter gradients of a backward split in two: after its B task,
+  // on the same stream.
+  void weight(int32_t s, int32_t m) {
+    add(Kind::kWeight, s, s, m, {find(Kind::kBackward, s, s, m)});
+  }
+
   Schedule finish(const std::string& name) {
     Schedule out;
     out.name = name;
@@ -239,131 +255,29 @@ class Builder {
   std::map<Key, int32_t> index_;
 };
 
-// Forwards in clock cycles: at cycle k stage s runs micro-batch k - s. Each
-// input copy is issued one cycle ahead so it overlaps the previous compute.
-// Every read goes to an earlier stage, so the cycles are a topological order.
-void gpipe_forward(Builder& b, const Layout& l) {
+// Issues the actions in order, with the copies they need: a micro-batch's
+// input (and target) transfers go out before its first forward, and the
+// next micro-batch's with the first stage's forward, one ahead, so they
+// overlap compute.
+void issue(Builder& b, const Layout& l, const std::vector<Action>& actions) {
   b.input_copy(0);
-  for (int32_t k = 0; k < l.micros + l.stages - 1; ++k) {
-    if (k + 1 < l.micros) {
-      b.input_copy(k + 1);
-    }
-    for (int32_t s = 0; s < l.stages; ++s) {
-      const int32_t m = k - s;
-      if (m >= 0 && m < l.micros) {
-        b.input_copy(m);
-        b.forward(s, m);
-      }
-    }
-  }
-}
-
-// Backwards mirror the forward clock: the last stage starts with the last
-// micro-batch, whose activations are the freshest.
-void gpipe_backward(Builder& b, const Layout& l) {
-  for (int32_t k = 0; k < l.micros + l.stages - 1; ++k) {
-    for (int32_t s = l.stages - 1; s >= 0; --s) {
-      const int32_t m = l.micros - 1 - (k - (l.stages - 1 - s));
-      if (m >= 0 && m < l.micros) {
-        b.backward(s, m);
-      }
-    }
-  }
-}
-
-// 1F1B: stage s runs min(stages - s - 1, micros) warm-up forwards, then
-// alternates one forward and one backward, then drains. The per-stage
-// sequences are merged into one issue order by simulating unit-cost forwards
-// and double-cost backwards over the stage graph and sorting by start time,
-// which is a topological order because every consumer starts after its
-// producers end.
-void one_f_one_b(Builder& b, const Layout& l) {
-  struct Op {
-    bool backward;
-    int32_t stage;
-    int32_t micro;
-    int64_t start = 0;
-  };
-  std::vector<std::vector<int32_t>> readers(l.stages);
-  for (int32_t q = 0; q < l.stages; ++q) {
-    for (int32_t p : l.reads[q]) {
-      if (p >= 0) {
-        readers[p].push_back(q);
-      }
-    }
-  }
-  std::vector<std::vector<Op>> per_stage(l.stages);
-  for (int32_t s = 0; s < l.stages; ++s) {
-    const int32_t warmup = std::min(l.stages - s - 1, l.micros);
-    int32_t f = 0;
-    int32_t bw = 0;
-    for (; f < warmup; ++f) {
-      per_stage[s].push_back({false, s, f});
-    }
-    while (f < l.micros) {
-      per_stage[s].push_back({false, s, f++});
-      per_stage[s].push_back({true, s, bw++});
-    }
-    while (bw < l.micros) {
-      per_stage[s].push_back({true, s, bw++});
-    }
-  }
-  // End times of forwards and backwards; -1 while not simulated.
-  std::vector<std::vector<int64_t>> f_end(l.stages, std::vector<int64_t>(l.micros, -1));
-  std::vector<std::vector<int64_t>> b_end(l.stages, std::vector<int64_t>(l.micros, -1));
-  std::vector<size_t> next(l.stages, 0);
-  std::vector<int64_t> free_at(l.stages, 0);
-  std::vector<Op> order;
-  size_t remaining = 0;
-  for (const auto& ops : per_stage) {
-    remaining += ops.size();
-  }
-  while (remaining > 0) {
-    bool progressed = false;
-    for (int32_t s = 0; s < l.stages; ++s) {
-      if (next[s] >= per_stage[s].size()) {
-        continue;
-      }
-      Op op = per_stage[s][next[s]];
-      int64_t ready = free_at[s];
-      bool blocked = false;
-      for (int32_t q : op.backward ? readers[s] : l.reads[s]) {
-        if (q < 0) {
-          continue;
+  for (const Action& a : actions) {
+    switch (a.kind) {
+      case Kind::kForward:
+        if (a.stage == 0 && a.micro + 1 < l.micros) {
+          b.input_copy(a.micro + 1);
         }
-        const int64_t end = (op.backward ? b_end : f_end)[q][op.micro];
-        blocked = blocked || end < 0;
-        ready = std::max(ready, end);
-      }
-      if (blocked) {
-        continue;
-      }
-      op.start = ready;
-      const int64_t end = ready + (op.backward ? 2 : 1);
-      (op.backward ? b_end : f_end)[s][op.micro] = end;
-      free_at[s] = end;
-      order.push_back(op);
-      ++next[s];
-      --remaining;
-      progressed = true;
-    }
-    if (!progressed) {
-      throw std::logic_error("1f1b simulation deadlocked");
-    }
-  }
-  std::stable_sort(order.begin(), order.end(), [](const Op& a, const Op& c) {
-    return a.start < c.start;
-  });
-  b.input_copy(0);
-  for (const Op& op : order) {
-    if (op.backward) {
-      b.backward(op.stage, op.micro);
-    } else {
-      if (op.stage == 0 && op.micro + 1 < l.micros) {
-        b.input_copy(op.micro + 1);
-      }
-      b.input_copy(op.micro);
-      b.forward(op.stage, op.micro);
+        b.input_copy(a.micro);
+        b.forward(a.stage, a.micro);
+        break;
+      case Kind::kBackward:
+        b.backward(a.stage, a.micro);
+        break;
+      case Kind::kWeight:
+        b.weight(a.stage, a.micro);
+        break;
+      default:
+        throw std::invalid_argument("an issue order holds forward, backward and weight actions");
     }
   }
 }
@@ -371,23 +285,39 @@ void one_f_one_b(Builder& b, const Layout& l) {
 }  // namespace
 
 Schedule make_schedule(const std::string& name, const Layout& layout, bool backward) {
-  check(layout);
+  check_layout(layout);
   if (layout.copy_target && !backward && name == "gpipe") {
     throw std::invalid_argument("target copies belong to training steps (backward=true)");
   }
-  Builder b(layout);
+  std::vector<Action> order;
   if (name == "gpipe") {
-    gpipe_forward(b, layout);
-    if (backward) {
-      gpipe_backward(b, layout);
-    }
+    order = gpipe_order(layout, backward);
   } else if (name == "1f1b") {
-    one_f_one_b(b, layout);
+    order = one_f_one_b_order(layout);
+  } else if (name == "interleaved_1f1b") {
+    order = interleaved_order(layout);
+  } else if (name == "zb_h1") {
+    order = zb_h1_order(layout);
   } else {
-    throw std::invalid_argument("unknown schedule '" + name +
-                                "'; valid schedules: 'gpipe', '1f1b'");
+    std::string valid;
+    for (const auto& n : schedule_names()) {
+      valid += (valid.empty() ? "'" : ", '") + n + "'";
+    }
+    throw std::invalid_argument("unknown schedule '" + name + "'; valid schedules: " + valid);
   }
+  Builder b(layout);
+  issue(b, layout, order);
   return b.finish(name);
+}
+
+Schedule make_ordered_schedule(const Layout& layout, const std::vector<Action>& actions) {
+  const OrderProblem problem = check_order(layout, actions);
+  if (!problem.message.empty()) {
+    throw std::invalid_argument(problem.message);
+  }
+  Builder b(layout);
+  issue(b, layout, actions);
+  return b.finish("custom");
 }
 
 }  // namespace mpstream

@@ -10,6 +10,11 @@
 // pipeline's input. A value crosses to another device once per receiving
 // device, in a copy task shared by every stage there that reads it, and its
 // gradient comes back the same way.
+//
+// A backward may be split in two (zero-bubble schedules): the backward task
+// then computes only the gradients of the stage's inputs, which the stages
+// before it wait for, and a weight task of its own computes the gradients of
+// the stage's parameters later, filling time the pipeline would idle.
 #pragma once
 
 #include <cstdint>
@@ -24,6 +29,8 @@ enum class Kind : int8_t {
   kCopy = 2,      // output of `stage` (-1: the input) moves to stage `peer`'s device
   kCopyGrad = 3,  // gradient of that value moves back from `peer`'s device to `stage`
   kTarget = 4,    // the target of micro-batch `micro` moves to the last stage
+  kWeight = 5,    // stage `stage`'s parameter gradients of micro-batch `micro`
+                  // (its backward task then computed the input gradients only)
 };
 
 const char* kind_name(Kind kind);
@@ -57,6 +64,25 @@ struct Layout {
   int32_t input_device = 0;
   bool force_copies = false;
   bool copy_target = false;
+  // Stages per pipeline rank: stage s belongs to rank s mod (stages /
+  // virtual_stages). Only interleaved 1F1B reads it; 1 means a rank per stage.
+  int32_t virtual_stages = 1;
+};
+
+// One compute step of an issue order: a forward, a backward or a weight
+// task (kind is kForward, kBackward or kWeight) of a stage and micro-batch.
+// Copies are implied: the builder issues them around the compute.
+struct Action {
+  Kind kind = Kind::kForward;
+  int32_t stage = 0;
+  int32_t micro = 0;
+};
+
+// What is wrong with an issue order: the step (index into the actions) it
+// concerns, -1 when none does (a missing action), and why.
+struct OrderProblem {
+  int32_t step = -1;
+  std::string message;
 };
 
 struct Schedule {
@@ -72,11 +98,30 @@ struct Schedule {
 // read (copy_in[0]: the input) crosses devices.
 Layout chain_layout(int32_t micros, const std::vector<bool>& copy_in);
 
+// Throws std::invalid_argument unless the layout is consistent: at least
+// one stage and micro-batch, and every stage reading earlier stages only.
+void check_layout(const Layout& layout);
+
 // Names accepted by make_schedule.
 std::vector<std::string> schedule_names();
 
-// Builds `name` ("gpipe" or "1f1b") for the layout. `backward` adds the
-// backward tasks (explicitly scheduled training); "1f1b" always has them.
+// Builds `name` ("gpipe", "1f1b", "interleaved_1f1b" or "zb_h1") for the
+// layout. `backward` adds the backward tasks to "gpipe" (explicitly
+// scheduled training); the others always have them.
 Schedule make_schedule(const std::string& name, const Layout& layout, bool backward);
+
+// The first problem of an explicit issue order (none: step -1, empty
+// message): every forward and backward of every stage and micro-batch
+// exactly once, weight tasks at most once each, and each action after the
+// actions it depends on, so one host thread issuing them in order never
+// waits for work it has not issued.
+OrderProblem check_order(const Layout& layout, const std::vector<Action>& actions);
+
+// Builds the schedule that issues `actions` in order (named "custom").
+// Throws std::invalid_argument with check_order's message for a bad order.
+Schedule make_ordered_schedule(const Layout& layout, const std::vector<Action>& actions);
+
+// The text form of an action: F0m3, B1m2, W1m2.
+std::string action_name(const Action& action);
 
 }  // namespace mpstream

@@ -134,6 +134,7 @@ std::pair<int32_t, int32_t> Scheduler::task_slots(const Task& t) const {
   switch (t.kind) {
     case Kind::kForward:
     case Kind::kBackward:
+    case Kind::kWeight:
       return {compute_slot(t.stage), compute_slot(t.stage)};
     case Kind::kCopy:
       // The input comes from the host (or the caller's device): it lands on
@@ -315,8 +316,8 @@ int64_t Scheduler::begin(int32_t task) {
   // target transfers wait too: the caller may have filled a pinned buffer
   // with an asynchronous copy on its stream.
   const bool input_copy = t.kind == Kind::kCopy && t.stage < 0;
-  if (t.kind == Kind::kForward || t.kind == Kind::kBackward || input_copy ||
-      t.kind == Kind::kTarget) {
+  if (t.kind == Kind::kForward || t.kind == Kind::kBackward || t.kind == Kind::kWeight ||
+      input_copy || t.kind == Kind::kTarget) {
     const int32_t source = slots_[caller_slot(input_copy ? t.peer : t.stage)].latest;
     if (source >= 0) {
       wait(at, source, who);

@@ -63,6 +63,11 @@ def parse_args() -> argparse.Namespace:
     split.add_argument("--split-size", type=int, help="micro-batch size")
     split.add_argument("--chunks", type=int, help="micro-batches per step (default 2)")
     p.add_argument("--schedule", choices=mpstream.SCHEDULES, default="gpipe")
+    p.add_argument(
+        "--virtual-stages",
+        type=int,
+        help="interleaved_1f1b: stages per pipeline rank (needed when stages share a device)",
+    )
     p.add_argument("--checkpoint", choices=["never", "except_last", "always"], default="never")
     p.add_argument(
         "--train-step",
@@ -113,6 +118,7 @@ def build_pipe(args: argparse.Namespace, devices: list[torch.device]) -> mpstrea
         devices=devices,
         schedule=args.schedule,
         checkpoint=args.checkpoint,
+        virtual_stages=args.virtual_stages if args.schedule == "interleaved_1f1b" else None,
     )
 
 

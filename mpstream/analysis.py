@@ -31,6 +31,7 @@ __all__ = [
     "validate_cost_model",
     "predict_scaling",
     "tutorial_factory",
+    "resnet_stages",
 ]
 
 # The tutorial's cut (layer2 | layer3) over resnet50_layers(), and its
@@ -209,3 +210,35 @@ def tutorial_factory(dev0: torch.device, dev1: torch.device, config: Config) -> 
         )
 
     return build
+
+
+def resnet_stages(
+    stages: int,
+    micros: int,
+    split_size: int,
+    image_size: int,
+    device: torch.device,
+    balance: str = "tutorial",
+) -> tuple[Pipe, Tensor, Tensor]:
+    """The tutorial's ResNet50 as ``stages`` stages on ``device``, and a batch.
+
+    With ``balance='tutorial'`` the split is the tutorial's for two stages,
+    its ResNet-stage analogue for four (:data:`TUTORIAL_SPLITS`); otherwise
+    (or with ``balance='time'``) ``balance_by_time``'s. The batch is
+    ``micros`` micro-batches of ``split_size`` random images and one-hot
+    labels, as the tutorial's train loop makes them.
+    """
+    from .balance import balance_by_time
+
+    torch.manual_seed(0)
+    layers = tutorial.resnet50_layers()
+    chosen = TUTORIAL_SPLITS.get(stages) if balance == "tutorial" else None
+    chosen = chosen or balance_by_time(
+        layers, torch.randn(split_size, 3, image_size, image_size), stages, device=device
+    )
+    pipe = Pipe(layers, chunks=micros, balance=chosen, devices=[device] * stages)
+    batch = split_size * micros
+    x = torch.randn(batch, 3, image_size, image_size, device=device)
+    y = torch.zeros(batch, tutorial.NUM_CLASSES, device=device)
+    y[torch.arange(batch), torch.randint(0, tutorial.NUM_CLASSES, (batch,))] = 1
+    return pipe, x, y

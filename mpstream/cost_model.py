@@ -9,6 +9,13 @@ task starts when its streams are free and its dependencies have finished.
 - ``overlap=False`` models the tutorial's default-stream pipeline: one stream
   per device, copies block both devices' streams, and within a clock cycle
   later stages are issued first, as the tutorial's loop does.
+- ``share_compute=True`` (the default for interleaved 1F1B) models stages
+  that share a device as sharing its compute: their tasks run one at a time,
+  in issue order.
+
+Every schedule is modelled, explicit orders included. A split backward's
+input pass (B) and weight pass (W) cost what the stage costs give; from a
+(forward, backward) pair, half the backward each.
 
 Host issue time is not modelled. :func:`fit` turns a measured timeline into
 costs; :func:`predict` scales per-layer costs to ``p`` devices.
@@ -23,12 +30,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .balance import partition, stage_costs
-from .schedule import Kind, Schedule, Task, Topology
+from .schedule import Kind, Order, Schedule, Task, Topology, virtual_stages_of
 from .timeline import Span, Timeline
 
 __all__ = ["Costs", "Simulation", "simulate", "fit", "predict", "Prediction"]
 
-Cost = float | tuple[float, float]
+Cost = float | tuple[float, float] | tuple[float, float, float]
 
 
 @dataclass
@@ -36,15 +43,26 @@ class Costs:
     """Per micro-batch costs in milliseconds.
 
     Attributes:
-        stage_times: per stage, (forward, backward).
+        stage_times: per stage, (forward, backward); the backward is the
+            input-gradient pass where the profile split it.
         copy_times: per boundary s -> s + 1, (forward copy, gradient copy).
         hops: per copy of a stage graph, (producer, receiving stage) ->
             (forward copy, gradient copy); skips included.
+        weight_times: per stage, the weight-gradient pass, where the profile
+            had split backwards (empty otherwise).
     """
 
     stage_times: list[tuple[float, float]]
     copy_times: list[tuple[float, float]]
     hops: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)
+    weight_times: list[float] = field(default_factory=list)
+
+    def per_stage(self) -> list[Cost]:
+        """Stage costs for :func:`simulate`: (forward, backward), or
+        (forward, input_grad, weight_grad) when the profile split backwards."""
+        if not self.weight_times:
+            return list(self.stage_times)
+        return [(f, b, w) for (f, b), w in zip(self.stage_times, self.weight_times)]
 
 
 @dataclass
@@ -65,14 +83,25 @@ class Simulation:
 
 def _pair(cost: Cost, what: str, *, both: bool = False) -> tuple[float, float]:
     """A (forward, backward) pair. A single number is the forward alone, or
-    both directions with ``both`` (a gradient is as large as its activation)."""
+    both directions with ``both`` (a gradient is as large as its activation);
+    a triple's backward is its input and weight passes together."""
     if isinstance(cost, (int, float)):
         pair = (float(cost), float(cost) if both else 0.0)
+    elif len(cost) == 3:
+        pair = (float(cost[0]), float(cost[1]) + float(cost[2]))
     else:
         pair = (float(cost[0]), float(cost[1]))
-    if pair[0] < 0 or pair[1] < 0:
+    if min(pair) < 0 or (not isinstance(cost, (int, float)) and min(cost) < 0):
         raise ValueError(f"{what} must not be negative, got {cost}")
     return pair
+
+
+def _split(cost: Cost) -> tuple[float, float]:
+    """(input pass, weight pass) of a stage's split backward."""
+    if isinstance(cost, tuple) and len(cost) == 3:
+        return float(cost[1]), float(cost[2])
+    backward = _pair(cost, "stage time")[1]
+    return backward / 2, backward / 2
 
 
 def _tutorial_order(tasks: list[Task]) -> list[Task]:
@@ -93,41 +122,54 @@ def simulate(
     stage_times: Sequence[Cost],
     copy_times: Cost | Sequence[Cost] | Mapping[tuple[int, int], Cost] = 0.0,
     chunks: int = 1,
-    schedule: str = "gpipe",
+    schedule: Order = "gpipe",
     overlap: bool = True,
     *,
     backward: bool | None = None,
     devices: Sequence[str] | None = None,
     reads: Sequence[Sequence[int]] | None = None,
+    virtual_stages: int | None = None,
+    share_compute: bool | None = None,
 ) -> Simulation:
     """Predicts a pipelined step.
 
     Args:
-        stage_times: per stage, the forward time of one micro-batch, or a
-            (forward, backward) pair.
+        stage_times: per stage, the forward time of one micro-batch, a
+            (forward, backward) pair, or a (forward, input_grad,
+            weight_grad) triple (the passes of a split backward; a schedule
+            that does not split adds them up).
         copy_times: per boundary (or one for all), the copy time of one
             micro-batch's activations (its gradient's copy takes as long), or
             a (forward, gradient) pair. For a stage graph (``reads``): one
             for all, one per producing stage, or a mapping from (producer,
             receiving stage) to the time of that copy.
         chunks: number of micro-batches.
-        schedule: ``'gpipe'`` or ``'1f1b'`` (which needs backward times).
+        schedule: ``'gpipe'``, ``'1f1b'``, ``'interleaved_1f1b'``,
+            ``'zb_h1'`` or an explicit order of actions (all but ``'gpipe'``
+            need backward times).
         overlap: mpstream's streams (True) or the default streams (False).
         backward: include backward tasks; default: whether any stage has a
             backward time.
         devices: device label of each stage; stages sharing a device share
             its stream when ``overlap`` is False, and need no copy between
-            them. Default: one device per stage.
+            them. Default: one device per stage (for interleaved 1F1B, the
+            stages round-robin over ``stages / virtual_stages`` devices).
         reads: the stage graph, per stage the stages it reads (-1: the
             input); default a chain. A value goes to each device reading it
             in one copy, as mpstream's schedules move it.
+        virtual_stages: stages per rank for interleaved 1F1B (default: from
+            the devices, placed round-robin).
+        share_compute: stages on one device compute one at a time, in issue
+            order (a busy device has nothing left for a second stage).
+            Default: True for interleaved 1F1B, False otherwise (each
+            stage's stream computes independently, as before).
 
     Returns:
         The predicted step time and its timeline.
 
     Raises:
-        ValueError: inconsistent lengths, negative costs, or 1F1B without
-            backward times.
+        ValueError: inconsistent lengths, negative costs, or a schedule with
+            backward tasks without backward times.
     """
     stages = [_pair(c, f"stage {i} time") for i, c in enumerate(stage_times)]
     n = len(stages)
@@ -137,24 +179,40 @@ def simulate(
     if graph is not None and len(graph) != n:
         raise ValueError(f"reads needs {n} entries (one per stage), got {len(graph)}")
     copy_cost = _copy_costs(copy_times, n, graph is None)
-    devs = list(devices) if devices is not None else [f"device{i}" for i in range(n)]
+    interleaved = schedule == "interleaved_1f1b"
+    if devices is None and interleaved:
+        ranks = n // (virtual_stages or 1) if virtual_stages and n % virtual_stages == 0 else n
+        devs = [f"device{s % ranks}" for s in range(n)]
+    else:
+        devs = list(devices) if devices is not None else [f"device{i}" for i in range(n)]
     if len(devs) != n:
         raise ValueError(f"devices needs {n} entries, got {len(devs)}")
     with_backward = any(b > 0 for _, b in stages) if backward is None else backward
-    if schedule == "1f1b" and not with_backward:
-        raise ValueError("1f1b interleaves backwards: give (forward, backward) stage times")
     labels = list(dict.fromkeys(devs))
     topology = Topology(
         graph if graph is not None else tuple((s - 1,) for s in range(n)),
         tuple(labels.index(d) for d in devs),
         labels.index(devs[0]),
     )
-    sched = Schedule(schedule, n, chunks, topology, backward=with_backward)
+    virtual = virtual_stages_of(devs, virtual_stages) if interleaved else 1
+    sched = Schedule(schedule, n, chunks, topology, backward=with_backward, virtual_stages=virtual)
+    if sched.backward and not with_backward:
+        raise ValueError(
+            f"{sched.name} schedules backwards: give (forward, backward) or (forward, "
+            f"input_grad, weight_grad) stage times"
+        )
     tasks = _tutorial_order(sched.tasks) if not overlap else sched.tasks
+    shared = interleaved if share_compute is None else share_compute
+    splits = [_split(c) for c in stage_times]
+    compute = (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT)
 
     def streams(t: Task) -> tuple[str, ...]:
-        if t.kind in (Kind.FORWARD, Kind.BACKWARD):
-            return (f"stage{t.stage}.compute",) if overlap else (devs[t.stage],)
+        """The streams a task occupies; the first is its timeline row."""
+        if t.kind in compute:
+            if not overlap:
+                return (devs[t.stage],)
+            row = f"stage{t.stage}.compute"
+            return (row, f"{devs[t.stage]}.compute") if shared else (row,)
         src, dst = (t.stage, t.peer) if t.kind is Kind.COPY else (t.peer, t.stage)
         if overlap:
             return (f"stage{src}.copy", f"stage{dst}.copy")
@@ -164,7 +222,10 @@ def simulate(
         if t.kind is Kind.FORWARD:
             return stages[t.stage][0]
         if t.kind is Kind.BACKWARD:
-            return stages[t.stage][1]
+            split = (t.stage, t.micro) in sched.split
+            return splits[t.stage][0] if split else stages[t.stage][1]
+        if t.kind is Kind.WEIGHT:
+            return splits[t.stage][1]
         forward, gradient = copy_cost(t.stage, t.peer)
         return float(forward if t.kind is Kind.COPY else gradient)
 
@@ -177,6 +238,8 @@ def simulate(
         end[t.index] = start + cost(t)
         for s in on:
             free[s] = end[t.index]
+        if t.kind in compute and overlap:
+            on = on[:1]
         spans.append(
             Span(
                 t.stage,
@@ -198,12 +261,14 @@ def simulate(
         "copy_times": [copy_cost(p, q) for p, q in hop_pairs],
         "copies": [f"{p}->{q}" for p, q in hop_pairs],
         "chunks": chunks,
-        "schedule": schedule,
+        "schedule": sched.name,
         "overlap": overlap,
+        "virtual_stages": virtual,
+        "share_compute": shared,
     }
     timeline = Timeline(spans, rows, "simulated", meta)
     step = max(end.values()) if end else 0.0
-    return Simulation(step, timeline, schedule, overlap)
+    return Simulation(step, timeline, sched.name, overlap)
 
 
 def _copy_costs(
@@ -225,6 +290,9 @@ def _copy_costs(
 
 def fit(timeline: Timeline) -> Costs:
     """Median per-micro-batch costs of each stage and boundary in a measured timeline.
+
+    From a run with split backwards (``'zb_h1'``) the costs hold both passes:
+    ``costs.per_stage()`` gives (forward, input_grad, weight_grad) triples.
 
     Raises:
         ValueError: the timeline has no compute spans.
@@ -250,10 +318,12 @@ def fit(timeline: Timeline) -> Costs:
         return statistics.median(values) if values else 0.0
 
     pairs = {(p, q) for _, p, q in hops}
+    weighted = any(k == "weight" for k, _ in groups)
     return Costs(
         [(median("forward", s), median("backward", s)) for s in range(stages)],
         [(median("copy", s), median("copy_grad", s)) for s in range(stages - 1)],
         {(p, q): (hop("copy", p, q), hop("copy_grad", p, q)) for p, q in sorted(pairs)},
+        [median("weight", s) for s in range(stages)] if weighted else [],
     )
 
 

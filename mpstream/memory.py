@@ -2,25 +2,33 @@
 
 ``torch.cuda.max_memory_allocated`` answers this on a GPU; on the CPU there is
 no allocator statistic, so :class:`SavedTensorTracker` counts the storages
-autograd keeps for backward while it is active, and their peak.
+autograd keeps for backward while it is active, and their peak;
+:class:`StageSavedBytes` does so per pipeline stage.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 from types import TracebackType
 from typing import Any
 
-from torch import Tensor
+from torch import Tensor, nn
 from torch.autograd.graph import saved_tensors_hooks
+from torch.utils.hooks import RemovableHandle
 
-__all__ = ["SavedTensorTracker"]
+__all__ = ["SavedTensorTracker", "StageSavedBytes"]
 
 
 class _Held:
     __slots__ = ("tensor", "key", "tracker")
 
-    def __init__(self, tensor: Tensor, key: tuple[Any, ...], tracker: SavedTensorTracker) -> None:
+    def __init__(
+        self,
+        tensor: Tensor,
+        key: tuple[Any, ...],
+        tracker: SavedTensorTracker | StageSavedBytes,
+    ) -> None:
         self.tensor = tensor
         self.key = key
         self.tracker = tracker
@@ -59,7 +67,10 @@ class SavedTensorTracker:
                 self.peak_bytes = max(self.peak_bytes, self.current_bytes)
             else:
                 entry[0] += 1
-        return _Held(t, key, self)
+        # Detached: holding the tensor itself would keep its autograd node,
+        # which holds this object, alive in a cycle autograd cannot see (a
+        # saved output); autograd restores the tensor's history on unpack.
+        return _Held(t.detach(), key, self)
 
     @staticmethod
     def _unpack(held: _Held) -> Tensor:
@@ -86,3 +97,97 @@ class SavedTensorTracker:
         tb: TracebackType | None,
     ) -> None:
         self._hooks.__exit__(exc_type, exc, tb)
+
+
+class StageSavedBytes:
+    """Per stage, bytes saved for backward by its forwards that are still alive.
+
+    A forward pre-hook on each stage's module marks which stage is running;
+    tensors autograd saves meanwhile count for that stage (each storage once
+    per stage), until autograd frees them. Parameters (a weight saved for the
+    input's gradient) are not activations and do not count. What
+    checkpointed stages save goes to the checkpoint's own hooks, as with
+    :class:`SavedTensorTracker`.
+
+    Args:
+        stages: the stage modules (``pipe.partitions``).
+
+    Attributes:
+        current_bytes: per stage, bytes alive now.
+        peak_bytes: per stage, the most alive at once.
+    """
+
+    def __init__(self, stages: Iterable[nn.Module]) -> None:
+        self.stages = list(stages)
+        self.current_bytes = [0] * len(self.stages)
+        self.peak_bytes = [0] * len(self.stages)
+        self._running: int | None = None
+        self._refs: dict[tuple[Any, ...], list[int]] = {}
+        self._lock = threading.Lock()
+        self._hooks = saved_tensors_hooks(self._pack, SavedTensorTracker._unpack)
+        self._handles: list[RemovableHandle] = []
+        self._params: set[int] = set()
+
+    def _enter(self, stage: int) -> None:
+        self._running = stage
+
+    def _pack(self, t: Tensor) -> Any:
+        stage = self._running
+        storage = t.untyped_storage()
+        if stage is None or storage.data_ptr() in self._params:
+            return _Unowned(t.detach())
+        key = (stage, storage.data_ptr(), t.device)
+        with self._lock:
+            entry = self._refs.get(key)
+            if entry is None:
+                self._refs[key] = [1, storage.nbytes()]
+                self.current_bytes[stage] += storage.nbytes()
+                self.peak_bytes[stage] = max(self.peak_bytes[stage], self.current_bytes[stage])
+            else:
+                entry[0] += 1
+        return _Held(t.detach(), key, self)
+
+    def _release(self, key: tuple[Any, ...]) -> None:
+        with self._lock:
+            entry = self._refs.get(key)
+            if entry is None:
+                return
+            entry[0] -= 1
+            if entry[0] == 0:
+                self.current_bytes[key[0]] -= entry[1]
+                del self._refs[key]
+
+    def __enter__(self) -> StageSavedBytes:
+        self._params = {
+            p.untyped_storage().data_ptr() for m in self.stages for p in m.parameters()
+        }
+        for s, module in enumerate(self.stages):
+            self._handles.append(
+                module.register_forward_pre_hook(lambda *_, s=s: self._enter(s))
+            )
+            self._handles.append(module.register_forward_hook(lambda *_: self._enter_none()))
+        self._hooks.__enter__()
+        return self
+
+    def _enter_none(self) -> None:
+        self._running = None
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._hooks.__exit__(exc_type, exc, tb)
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+class _Unowned:
+    """A tensor saved outside any stage's forward (the loss): not counted."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: Tensor) -> None:
+        self.tensor = tensor

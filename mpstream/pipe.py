@@ -19,7 +19,7 @@ from .errors import stage_labels
 from .graph import StageGraph
 from .microbatch import Value, batch_device, gather, leaves, scatter, split
 from .partition import DeviceLike, check_positive, split_module, stage_devices
-from .schedule import SCHEDULES, Schedule, Topology
+from .schedule import Order, Schedule, Topology, check_schedule, schedule_arg, virtual_stages_of
 from .scheduler import EventScheduler
 from .stream import current_stream, record_stream
 from .trace import place, rebind, trace
@@ -63,9 +63,20 @@ class Pipe(nn.Module):
             :class:`~mpstream.batchnorm.DeferredBatchNorm`, whose running
             statistics are updated once per mini-batch as the single-device
             model would.
-        schedule: order of :meth:`train_step`: ``'gpipe'`` (fill-drain) or
+        schedule: order of :meth:`train_step`: ``'gpipe'`` (fill-drain),
             ``'1f1b'`` (at most ``stages - s`` micro-batches in flight on
-            stage ``s``). ``pipe(x)`` always runs fill-drain.
+            stage ``s``), ``'interleaved_1f1b'`` (Megatron-LM's, several
+            stages per pipeline rank, see ``virtual_stages``), ``'zb_h1'``
+            (zero-bubble H1: each backward split into input and weight
+            passes, weight passes filling the bubbles), or an explicit order
+            of actions (``['F0m0', 'F1m0', 'B1m0', 'B0m0']``, see
+            :mod:`mpstream.orders`; ``str(pipe.schedule_for(...))`` prints a
+            built-in one to start from). ``pipe(x)`` always runs fill-drain.
+        virtual_stages: for ``'interleaved_1f1b'``: stages per pipeline rank
+            (stage ``s`` on rank ``s mod (stages / virtual_stages)``); by
+            default inferred from devices placed round-robin
+            (``['cuda:0', 'cuda:1', 'cuda:0', 'cuda:1']``). Needed when
+            every stage shares one device (the CPU).
         sample: a representative micro-batch, for ``balance='time'|'size'``.
         force_copies: for experiments: copy every micro-batch between
             consecutive stages (and its gradient back) on the copy streams
@@ -92,8 +103,10 @@ class Pipe(nn.Module):
         ValueError: ``chunks``/``split_size`` < 1 or both given; a layer is
             repeated; a stage spans devices or sits on a device that does not
             exist; balance/devices do not fit; an unknown checkpoint mode,
-            schedule or split point; a parameter or buffer shared by stages
-            on different devices.
+            schedule or split point; a bad schedule order (shown as a stage x
+            step grid); ``virtual_stages`` given for another schedule or not
+            fitting the stages and devices; a parameter or buffer shared by
+            stages on different devices.
 
     Example::
 
@@ -112,12 +125,13 @@ class Pipe(nn.Module):
         devices: Sequence[DeviceLike] | None = None,
         checkpoint: str = "never",
         deferred_batch_norm: bool = False,
-        schedule: str = "gpipe",
+        schedule: Order = "gpipe",
         sample: Value | None = None,
         force_copies: bool = False,
         split_points: Sequence[str] | None = None,
         leaf_modules: Sequence[str | type[nn.Module]] = (),
         compile: CompileOption = False,
+        virtual_stages: int | None = None,
     ) -> None:
         super().__init__()
         if chunks is not None and split_size is not None:
@@ -126,10 +140,8 @@ class Pipe(nn.Module):
         self._split_size = None if split_size is None else check_positive("split_size", split_size)
         self.checkpoint = check_mode(checkpoint)
         self.__dict__["_compile"] = compile_options(compile)  # before any layer moves
-        if schedule not in SCHEDULES:
-            valid = ", ".join(repr(x) for x in SCHEDULES)
-            raise ValueError(f"schedule must be one of {valid}; got {schedule!r}")
-        self.schedule = schedule
+        self.schedule = schedule_arg(schedule)
+        self.virtual_stages = virtual_stages
         if deferred_batch_norm:
             module = DeferredBatchNorm.convert(module)
         self.__dict__["_runtime"] = None
@@ -137,6 +149,7 @@ class Pipe(nn.Module):
         auto = isinstance(balance, str) and not isinstance(module, nn.Sequential)
         if split_points is not None or auto:
             self._traced(module, split_points, balance, devices, sample, leaf_modules)
+            self._check_schedule()
             return
         if isinstance(balance, str):
             balance = _auto_balance(module, balance, devices, sample)
@@ -151,6 +164,12 @@ class Pipe(nn.Module):
         self.__dict__["_graph"] = StageGraph.chain(len(stages.partitions))
         self.__dict__["_bind"] = None  # traced modules bind call arguments
         self.__dict__["_root"] = None
+        self._check_schedule()
+
+    def _check_schedule(self) -> None:
+        check_schedule(
+            self.schedule, self.__dict__["_devices"], self.graph.reads(), self.virtual_stages
+        )
 
     def _traced(
         self,
@@ -316,9 +335,10 @@ class Pipe(nn.Module):
         last stage's device.
         """
         devs = self.__dict__["_devices"]
-        name = self.schedule if training_step else "gpipe"
+        name = schedule_arg(self.schedule) if training_step else "gpipe"
+        virtual = virtual_stages_of(devs, self.virtual_stages) if name == "interleaved_1f1b" else 1
         copy_target = training_step and target_device not in (None, devs[-1])
-        key = (name, micros, input_device, training_step, copy_target, self.force_copies)
+        key = (name, micros, input_device, training_step, copy_target, self.force_copies, virtual)
         cache = self._rt()[2]
         sched = cache.get(key)
         if sched is None:
@@ -330,7 +350,13 @@ class Pipe(nn.Module):
                 self.force_copies,
             )
             sched = Schedule(
-                name, len(devs), micros, topology, backward=training_step, copy_target=copy_target
+                name,
+                len(devs),
+                micros,
+                topology,
+                backward=training_step,
+                copy_target=copy_target,
+                virtual_stages=virtual,
             )
             cache[key] = sched
         return sched

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .schedule import Kind, Schedule, Topology
+from .schedule import Kind, Order, Schedule, Topology, virtual_stages_of
 from .scheduler import EventScheduler, PlanOp
 
 __all__ = ["Plan", "PlanError", "record_plan", "verify_plan"]
@@ -61,7 +61,7 @@ class Plan:
 
 
 def record_plan(
-    schedule: str,
+    schedule: Order,
     stages: int,
     chunks: int,
     devices: Sequence[str | torch.device] | None = None,
@@ -71,11 +71,14 @@ def record_plan(
     backward: bool = False,
     force_copies: bool = False,
     reads: Sequence[Sequence[int]] | None = None,
+    virtual_stages: int | None = None,
 ) -> Plan:
     """Records the stream operations of a whole run without any device.
 
     Args:
-        schedule: ``'gpipe'`` or ``'1f1b'``.
+        schedule: a schedule's name (``'gpipe'``, ``'1f1b'``,
+            ``'interleaved_1f1b'``, ``'zb_h1'``) or an explicit order of
+            actions (training schedules, with backward tasks).
         stages: number of stages.
         chunks: number of micro-batches.
         devices: the device of each stage (they need not exist here);
@@ -89,6 +92,8 @@ def record_plan(
         reads: the stage graph: per stage, the stages it reads (-1: the
             input), as :attr:`~mpstream.schedule.Topology.reads`; default a
             chain.
+        virtual_stages: stages per rank for ``'interleaved_1f1b'`` (default
+            inferred from devices placed round-robin).
 
     Returns:
         The recorded :class:`Plan`.
@@ -106,7 +111,16 @@ def record_plan(
         force_copies,
     )
     copy_target = target_device is not None and torch.device(target_device) != devs[-1]
-    sched = Schedule(schedule, stages, chunks, topology, backward=backward, copy_target=copy_target)
+    virtual = virtual_stages_of(devs, virtual_stages) if schedule == "interleaved_1f1b" else 1
+    sched = Schedule(
+        schedule,
+        stages,
+        chunks,
+        topology,
+        backward=backward,
+        copy_target=copy_target,
+        virtual_stages=virtual,
+    )
     runner = EventScheduler(devs, virtual=True)
     runner.recording = True
     runner.begin_run(sched)
@@ -151,6 +165,10 @@ def _producers(op: PlanOp, plan: Plan, copies: dict[tuple[str, int, int], list[i
         return deps
     if kind == Kind.COPY.label:
         return [("forward", s, s, m)] if s >= 0 else []
+    if kind == Kind.WEIGHT.label:
+        # Reads what the split backward kept: the graph and the gradients
+        # that flowed into it.
+        return [("backward", s, s, m)]
     readers = [q for q in range(plan.stages) if s in plan.producers(q)]
     if kind == Kind.BACKWARD.label:
         deps = [("forward", s, s, m)]
@@ -237,7 +255,7 @@ def verify_plan(plan: Plan) -> None:
                     f"{what} is not ordered after {dep[0]}(stage={dep[1]}, micro={dep[3]})"
                 )
         input_copy = op.kind == "copy" and op.stage == -1
-        if op.kind in ("forward", "backward", "target") or input_copy:
+        if op.kind in ("forward", "backward", "weight", "target") or input_copy:
             src = source.get(caller_of[op.peer if input_copy else op.stage])
             if src is not None and i not in reach(src):
                 problems.append(f"{what} is not ordered after the caller's source event")

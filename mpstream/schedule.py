@@ -2,24 +2,44 @@
 
 A :class:`Schedule` is the ordered task list one host thread issues: stage
 computes, cross-device copies, the input's and targets' transfers from the
-host and (for explicitly scheduled training) stage backwards and gradient
-copies, each with the tasks it depends on.
+host and (for explicitly scheduled training) stage backwards, weight passes
+and gradient copies, each with the tasks it depends on.
+
+Built-in schedules: ``'gpipe'`` (fill-drain), ``'1f1b'``,
+``'interleaved_1f1b'`` (Megatron-LM's, over ranks of several stages) and
+``'zb_h1'`` (zero-bubble H1, backwards split into input and weight passes).
+A schedule may also be an explicit order of actions (:mod:`mpstream.orders`);
+``str(schedule)`` prints any schedule in that form.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from . import _ext
+from .orders import KINDS, Action, check, format_order, is_order, parse
 
-__all__ = ["Kind", "Task", "Topology", "Schedule", "SCHEDULES"]
+__all__ = [
+    "Kind",
+    "Task",
+    "Topology",
+    "Schedule",
+    "SCHEDULES",
+    "Order",
+    "virtual_stages_of",
+    "schedule_arg",
+    "check_schedule",
+]
 
 _C = _ext.load()
 
 SCHEDULES: tuple[str, ...] = tuple(_C.schedule_names())
+
+# A schedule: a built-in's name, or an explicit order of actions.
+Order = str | Sequence[str | Action]
 
 
 class Kind(enum.IntEnum):
@@ -30,6 +50,7 @@ class Kind(enum.IntEnum):
     COPY = 2
     COPY_GRAD = 3
     TARGET = 4
+    WEIGHT = 5
 
     @property
     def label(self) -> str:
@@ -42,8 +63,10 @@ class Task:
 
     Attributes:
         index: position in the schedule.
-        kind: compute (forward/backward), copy (copy/copy_grad) or the
-            transfer of a training step's target (target).
+        kind: compute (forward/backward/weight), copy (copy/copy_grad) or
+            the transfer of a training step's target (target). A weight
+            task computes a stage's parameter gradients after its backward
+            task computed those of its inputs.
         stage: the computing stage; for a copy the producing stage (-1 is
             the input batch); for a gradient copy the stage receiving the
             gradient; for a target the last stage, which receives it.
@@ -106,66 +129,203 @@ class Topology:
         return self.force_copies or self.devices[producer] != self.devices[reader]
 
 
+def virtual_stages_of(devices: Sequence[Hashable], virtual_stages: int | None = None) -> int:
+    """How many stages each pipeline rank of ``interleaved_1f1b`` holds.
+
+    Stage ``s`` belongs to rank ``s mod (stages / v)``. Without
+    ``virtual_stages``, ``v`` comes from a device list that repeats
+    round-robin over ``p`` devices (``['cuda:0', 'cuda:1', 'cuda:0',
+    'cuda:1']``: ``p = 2``, ``v = 2``).
+
+    Args:
+        devices: a device (or label) per stage.
+        virtual_stages: stages per rank, if given.
+
+    Returns:
+        ``v``.
+
+    Raises:
+        ValueError: ``virtual_stages`` does not divide the stages, puts
+            stages of one rank on different devices, or is missing where the
+            devices do not say it (one device for every stage, or a
+            placement that is not round-robin).
+    """
+    stages = len(devices)
+    labels = list(dict.fromkeys(devices))
+    listed = ", ".join(str(d) for d in devices)
+    if virtual_stages is not None:
+        v = virtual_stages
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"virtual_stages must be a positive int, got {v!r}")
+        if stages % v:
+            raise ValueError(
+                f"virtual_stages={v} does not divide the {stages} stages into ranks of {v} "
+                f"stages each"
+            )
+        ranks = stages // v
+        for s in range(ranks, stages):
+            if devices[s] != devices[s % ranks]:
+                raise ValueError(
+                    f"virtual_stages={v} puts stages {s % ranks} and {s} on rank {s % ranks}, "
+                    f"but they sit on different devices ({devices[s % ranks]}, {devices[s]}); "
+                    f"place stage s on the device of stage s mod {ranks}"
+                )
+        return v
+    if len(labels) == 1 and stages > 1:
+        raise ValueError(
+            f"every stage is on {labels[0]}: give virtual_stages= (stages per pipeline rank; "
+            f"stage s belongs to rank s mod (stages / virtual_stages))"
+        )
+    ranks = len(labels)
+    if stages % ranks or any(devices[s] != labels[s % ranks] for s in range(stages)):
+        raise ValueError(
+            f"interleaved_1f1b places stages round-robin over the devices (stage s on device "
+            f"s mod {ranks}, e.g. cuda:0, cuda:1, cuda:0, cuda:1); got {listed}. Reorder the "
+            f"devices or give virtual_stages="
+        )
+    return stages // ranks
+
+
+def schedule_arg(schedule: Order) -> str | tuple[str, ...]:
+    """A built-in schedule's name, or an explicit order as a tuple of actions.
+
+    Raises:
+        ValueError: an unknown name, or an item that is not an action.
+    """
+    if is_order(schedule):
+        return tuple(str(a) for a in parse(schedule))
+    if schedule not in SCHEDULES:
+        valid = ", ".join(repr(x) for x in SCHEDULES)
+        raise ValueError(
+            f"schedule must be one of {valid}, or an order of actions such as "
+            f"['F0m0', 'F1m0', 'B1m0', 'B0m0']; got {schedule!r}"
+        )
+    return str(schedule)
+
+
+def check_schedule(
+    schedule: str | tuple[str, ...],
+    devices: Sequence[Hashable],
+    reads: Sequence[Sequence[int]],
+    virtual_stages: int | None,
+) -> None:
+    """Checks a pipeline's schedule against its stages before any step runs:
+    the ranks of interleaved 1F1B, and an explicit order for as many
+    micro-batches as it covers.
+
+    Raises:
+        ValueError: ``virtual_stages`` given for another schedule or not
+            fitting; a bad order (with its stage x step grid).
+    """
+    if schedule == "interleaved_1f1b":
+        virtual_stages_of(devices, virtual_stages)
+    elif virtual_stages is not None:
+        raise ValueError(
+            f"virtual_stages applies to schedule='interleaved_1f1b', not {schedule!r}"
+        )
+    if isinstance(schedule, tuple):
+        micros = 1 + max(a.micro for a in parse(schedule))
+        check(parse(schedule), len(devices), micros, reads)
+
+
 class Schedule:
     """An ordered task list for ``stages`` stages and ``micros`` micro-batches.
 
     Args:
-        name: ``'gpipe'`` (fill-drain clock cycles) or ``'1f1b'``.
+        name: ``'gpipe'`` (fill-drain clock cycles), ``'1f1b'``,
+            ``'interleaved_1f1b'`` or ``'zb_h1'``; or an explicit order of
+            actions (``['F0m0', 'F1m0', 'B1m0', ...]`` or that text with
+            spaces, see :mod:`mpstream.orders`).
         stages: number of pipeline stages.
         micros: number of micro-batches.
         layout: a :class:`Topology` (any stage graph), or for a chain of
             stages, per stage whether its input arrives by a device copy
             (``copy_in[0]``: the batch is not on stage 0's device).
-        backward: include backward tasks (``'1f1b'`` always does).
+        backward: include backward tasks (every schedule but ``'gpipe'``
+            always has them).
         copy_target: a training step's targets are not on the last stage's
             device: add a transfer task per micro-batch, which the last
             stage's forward (where the loss is computed) depends on.
+        virtual_stages: stages per pipeline rank of ``'interleaved_1f1b'``
+            (stage ``s`` on rank ``s mod (stages / virtual_stages)``).
 
     Raises:
-        ValueError: an unknown name or an inconsistent layout.
+        ValueError: an unknown name, a bad order (the message shows it as a
+            stage x step grid), or an inconsistent layout.
     """
 
     def __init__(
         self,
-        name: str,
+        name: Order,
         stages: int,
         micros: int,
         layout: Topology | Sequence[bool],
         backward: bool = False,
         copy_target: bool = False,
+        *,
+        virtual_stages: int = 1,
     ) -> None:
-        if name not in SCHEDULES:
+        explicit = not isinstance(name, str) or name not in SCHEDULES
+        if isinstance(name, str) and len(name.split()) <= 1 and name not in SCHEDULES:
             valid = ", ".join(repr(s) for s in SCHEDULES)
-            raise ValueError(f"unknown schedule {name!r}; valid schedules: {valid}")
+            raise ValueError(
+                f"unknown schedule {name!r}; valid schedules: {valid}, or an order of actions "
+                f"such as ['F0m0', 'B0m0']"
+            )
         topology = layout if isinstance(layout, Topology) else Topology.chain(layout)
         if topology.stages != stages:
             raise ValueError(
                 f"the layout needs one entry per stage ({stages}), got {topology.stages}"
             )
-        self.native: Any = _C.make_schedule(
-            name,
-            micros,
-            [list(r) for r in topology.reads],
-            list(topology.devices),
-            topology.input_device,
-            topology.force_copies,
-            backward,
-            copy_target,
-        )
-        self.name = name
+        reads = [list(r) for r in topology.reads]
+        common = (micros, reads, list(topology.devices), topology.input_device)
+        if explicit:
+            actions = parse(name)
+            if micros >= 1:
+                check(actions, stages, micros, topology.reads)
+            self.native: Any = _C.make_ordered_schedule(
+                *common, topology.force_copies, copy_target, [a.native for a in actions]
+            )
+            self.name = "custom"
+        else:
+            assert isinstance(name, str)
+            self.native = _C.make_schedule(
+                name,
+                *common,
+                topology.force_copies,
+                backward,
+                copy_target,
+                virtual_stages if name == "interleaved_1f1b" else 1,
+            )
+            self.name = name
         self.stages = stages
         self.micros = micros
         self.topology = topology
-        self.backward = backward or name == "1f1b"
+        self.virtual_stages = virtual_stages if self.name == "interleaved_1f1b" else 1
+        self.backward = backward or self.name != "gpipe"
         self.copy_target = copy_target
         self.tasks: list[Task] = [
             Task(t.index, Kind(int(t.kind)), t.stage, t.micro, tuple(t.deps), t.peer)
             for t in self.native.tasks
         ]
         self.outputs: tuple[int, ...] = tuple(self.native.outputs)
+        letters = {Kind[v.upper()]: k for k, v in KINDS.items()}
+        #: The compute actions in issue order: the schedule's text form.
+        self.order: tuple[Action, ...] = tuple(
+            Action(letters[t.kind], t.stage, t.micro) for t in self.tasks if t.kind in letters
+        )
+        #: (stage, micro-batch) pairs whose backward is split into B and W.
+        self.split: frozenset[tuple[int, int]] = frozenset(
+            (t.stage, t.micro) for t in self.tasks if t.kind is Kind.WEIGHT
+        )
 
     def __len__(self) -> int:
         return len(self.tasks)
+
+    def __str__(self) -> str:
+        """The order in text form, e.g. ``'F0m0 F1m0 B1m0 B0m0'``: what
+        ``Schedule(str(s), ...)`` and ``Pipe(schedule=...)`` accept."""
+        return format_order(self.order)
 
     def __repr__(self) -> str:
         return (

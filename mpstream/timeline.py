@@ -16,11 +16,12 @@ from typing import Any
 
 __all__ = ["Span", "Timeline", "Summary", "COMPUTE", "COPIES"]
 
-COMPUTE = ("forward", "backward")
+COMPUTE = ("forward", "backward", "weight")
 COPIES = ("copy", "copy_grad", "target")
 _COLORS = {
     "forward": "#4C72B0",
     "backward": "#DD8452",
+    "weight": "#937860",
     "copy": "#55A868",
     "copy_grad": "#C44E52",
     "target": "#8172B3",

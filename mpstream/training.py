@@ -6,7 +6,9 @@ The gradient of a value a stage read comes out of the cut; when the value
 crossed devices it goes back in a gradient-copy task, summed first over the
 stages on that device that read it; the producing stage's backward sums what
 reached it and back-propagates its outputs. Parameter gradients accumulate
-through autograd as usual.
+through autograd as usual. Where the schedule splits a backward (a weight
+task follows it), the backward task computes the input gradients only and
+the weight task the parameter gradients (:mod:`~mpstream.split_backward`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from .copy import move
 from .graph import Hop, Ref
 from .microbatch import leaves, rebuild_leaves
 from .schedule import Kind, Schedule, Task
+from .split_backward import WeightPass, backward_inputs
 from .stream import AnyStream, current_stream, record_stream
 from .transfer import to_device
 from .values import Flow
@@ -104,6 +107,16 @@ def _backward(roots: list[tuple[tuple[int, int], Tensor]], grads: Grads | None) 
         torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
 
 
+def _backward_inputs(
+    roots: list[tuple[tuple[int, int], Tensor]], grads: Grads | None
+) -> WeightPass:
+    """A split backward's first pass (input gradients); returns the second."""
+    if grads is None:  # the last stage: the loss
+        return backward_inputs([t for _, t in roots], None)
+    pairs = [(t, _sum(grads[key])) for key, t in roots if key in grads]
+    return backward_inputs([t for t, _ in pairs], [g for _, g in pairs])
+
+
 def _transfer(value: Any, device: torch.device, staging: Staging) -> Any:
     """Moves a micro-batch's inputs (or its target) from the host or the caller's device."""
     items, spec = leaves(value)
@@ -161,7 +174,8 @@ def run(
         batches: per micro-batch, the pipeline's positional inputs.
         targets: target micro-batches; unless on the last stage's device, the
             schedule has a target task per micro-batch that moves it.
-        schedule: a schedule with backward tasks (``gpipe`` or ``1f1b``).
+        schedule: a schedule with backward tasks (any but a forward-only
+            ``gpipe``).
         loss_fn: ``loss_fn(output, target)`` returning a scalar.
         weights: factor of each micro-batch's loss.
         checkpoint_stop: micro-batches below this index are checkpointed.
@@ -202,6 +216,10 @@ def run(
     remote: dict[tuple[int, int, int], Grads] = defaultdict(lambda: defaultdict(list))
     losses: list[Tensor] = []
     task: Task | None = None
+    # Split backwards: their weight passes, waiting for the weight tasks. A
+    # checkpointed micro-batch is not split (see split_backward).
+    split = {(s, m) for s, m in schedule.split if m >= checkpoint_stop}
+    weights_left: dict[tuple[int, int], WeightPass] = {}
     native.begin_run(schedule.native, sched.caller_streams())
     try:
         for task in schedule.tasks:
@@ -272,10 +290,23 @@ def run(
                     backward_seen.add(s)
                     before_backward(s)
                 with task_range(profiling, kind, s, m):
-                    _backward(roots.pop((s, m)), None if s == last else local.pop((s, m), {}))
+                    reached = None if s == last else local.pop((s, m), {})
+                    if (s, m) in split:
+                        weights_left[(s, m)] = _backward_inputs(roots.pop((s, m)), reached)
+                    else:
+                        _backward(roots.pop((s, m)), reached)
+                    del reached
                 done = cuts.pop((s, m), None)
                 if done is not None:
                     _route_grads(done, s, m, routes.hop, local, remote, readers, copiers)
+                native.end(handle)
+            elif kind is Kind.WEIGHT:
+                handle = native.begin(task.index)
+                pending = weights_left.pop((s, m), None)
+                with task_range(profiling, kind, s, m):
+                    if pending is not None:
+                        pending.run()
+                del pending
                 native.end(handle)
             elif kind is Kind.COPY_GRAD:
                 # The gradient of what stage s sent to task.peer's device.

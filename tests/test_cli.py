@@ -86,3 +86,40 @@ def test_trace_writes_trace_timeline_and_report(
         (4, "balanced"),
     }
     assert report["trace_summary"]["makespan_ms"] > 0
+
+
+def test_schedules_with_unit_costs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["schedules", "--uniform", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "4 stages on 2 devices, 8 micro-batches; unit costs" in out
+    rows = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ")]
+    assert rows[2:] == ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"]
+    doc = json.loads((tmp_path / "schedules.json").read_text())
+    steps = {r["schedule"]: r["step_ms"] for r in doc["schedules"]}
+    assert steps["zb_h1"] < steps["interleaved_1f1b"] < steps["1f1b"] < steps["gpipe"]
+    assert (tmp_path / "schedules.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_schedules_profiles_and_measures_resnet50(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = [
+        "schedules", "--stages", "2", "--devices", "2", "--micro-batches", "2",
+        "--image-size", "32", "--no-plots", "--out", str(tmp_path),
+    ]  # fmt: skip
+    assert cli.main(args) == 0
+    assert "ResNet50 (2 images of 32x32 per micro-batch) profiled on" in capsys.readouterr().out
+    doc = json.loads((tmp_path / "schedules.json").read_text())
+    assert doc["balance"] == [11, 12] and len(doc["stage_costs_ms"][0]) == 3
+    for row in doc["schedules"]:
+        assert set(row["measured_peak_bytes"]) == {"stage0", "stage1"}
+        assert all(b > 0 for b in row["measured_peak_bytes"].values())
+    assert not (tmp_path / "schedules.png").exists()
+
+
+def test_schedules_rejects_more_devices_than_stages(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["schedules", "--uniform", "--stages", "2", "--devices", "3", "--out", str(tmp_path)]
+    assert cli.main(args) == 2
+    assert "--devices 3 exceeds --stages 2" in capsys.readouterr().err

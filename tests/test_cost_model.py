@@ -128,3 +128,86 @@ def test_a_stage_graph_with_a_skip() -> None:
     assert sim.step_ms == pytest.approx(5.0)
     with pytest.raises(ValueError, match="reads needs 3 entries"):
         simulate([1.0, 1.0, 1.0], 0.0, 1, reads=[(-1,), (0,)])
+
+
+# The papers' bubbles, under their assumptions: every stage (or model chunk)
+# costs the same, copies cost nothing, and a device computes one task at a
+# time. The bubble is the idle share of the devices' time over the step.
+
+
+def bubble(sim: object) -> float:
+    from mpstream.compare import device_bubble
+
+    return device_bubble(sim.timeline)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 6])
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 12])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_fill_drain_and_1f1b_bubble_is_p_minus_1_over_m_plus_p_minus_1(
+    p: int, m: int, schedule: str
+) -> None:
+    # GPipe (Huang et al. 2019) and 1F1B (PipeDream-Flush, Narayanan et al. 2021).
+    sim = simulate([(1.0, 2.0)] * p, 0.0, m, schedule)
+    assert bubble(sim) == pytest.approx((p - 1) / (m + p - 1))
+
+
+@pytest.mark.parametrize(("p", "v"), [(2, 2), (2, 3), (3, 2), (4, 2), (4, 3)])
+@pytest.mark.parametrize("groups", [1, 2, 3])
+def test_interleaved_bubble_shrinks_with_virtual_stages(p: int, v: int, groups: int) -> None:
+    # Megatron-LM (Narayanan et al. 2021): p devices, each holding v chunks
+    # of 1/v of its layers, m a multiple of p: (p - 1) / (v m + p - 1).
+    m = groups * p
+    sim = simulate([(1.0 / v, 2.0 / v)] * (p * v), 0.0, m, "interleaved_1f1b", virtual_stages=v)
+    assert bubble(sim) == pytest.approx((p - 1) / (v * m + p - 1))
+    assert sim.step_ms == pytest.approx(3.0 * m + 3.0 * (p - 1) / v)
+    plain = simulate([(1.0, 2.0)] * p, 0.0, m, "1f1b")
+    assert sim.step_ms < plain.step_ms
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 6])
+@pytest.mark.parametrize("m", [6, 8, 12, 24])
+def test_zb_h1_bubble_is_a_third_of_1f1b(p: int, m: int) -> None:
+    # Zero Bubble (Qi et al. 2024), ZB-H1 with T_F = T_B = T_W and m >= p:
+    # each device idles (p - 1)(T_F + T_B - T_W), a third of 1F1B's
+    # (p - 1)(T_F + T_B + T_W).
+    zb = simulate([(1.0, 1.0, 1.0)] * p, 0.0, m, "zb_h1")
+    plain = simulate([(1.0, 1.0, 1.0)] * p, 0.0, m, "1f1b")
+    assert zb.step_ms == pytest.approx(3 * m + (p - 1))
+    assert plain.step_ms == pytest.approx(3 * (m + p - 1))
+    idle = zb.step_ms - 3 * m
+    assert idle == pytest.approx((plain.step_ms - 3 * m) / 3)
+
+
+def test_costs_as_triples_and_split_timelines_fit() -> None:
+    # A triple is (forward, input grad, weight grad): unsplit schedules add them.
+    assert simulate([(1.0, 0.5, 1.5)] * 2, 0.0, 4, "1f1b").step_ms == pytest.approx(
+        simulate([(1.0, 2.0)] * 2, 0.0, 4, "1f1b").step_ms
+    )
+    truth = simulate([(1.0, 0.5, 1.5), (2.0, 1.0, 1.0)], 0.0, 5, "zb_h1")
+    kinds = {s.kind for s in truth.timeline.spans}
+    assert kinds == {"forward", "backward", "weight", "copy", "copy_grad"}
+    costs = fit(truth.timeline)
+    assert costs.per_stage() == [(1.0, 0.5, 1.5), (2.0, 1.0, 1.0)]
+    assert simulate(costs.per_stage(), 0.0, 5, "zb_h1").step_ms == pytest.approx(truth.step_ms)
+    # A pair splits evenly when a schedule needs both passes.
+    assert simulate([(1.0, 2.0)] * 2, 0.0, 4, "zb_h1").step_ms == pytest.approx(
+        simulate([(1.0, 1.0, 1.0)] * 2, 0.0, 4, "zb_h1").step_ms
+    )
+    with pytest.raises(ValueError, match="negative"):
+        simulate([(1.0, -1.0, 1.0)], 0.0, 1, "zb_h1")
+
+
+def test_user_orders_and_shared_devices_are_simulated() -> None:
+    order = "F0m0 F1m0 B1m0 W1m0 B0m0 W0m0"
+    sim = simulate([(1.0, 1.0, 1.0)] * 2, 0.0, 1, order)
+    assert sim.schedule == "custom" and sim.step_ms == pytest.approx(5.0)
+    # Interleaved stages share their device's compute by default.
+    shared = simulate([(1.0, 2.0)] * 4, 0.0, 4, "interleaved_1f1b", devices=["a", "b", "a", "b"])
+    free = simulate(
+        [(1.0, 2.0)] * 4, 0.0, 4, "interleaved_1f1b", devices=["a", "b", "a", "b"],
+        share_compute=False,
+    )  # fmt: skip
+    assert shared.step_ms > free.step_ms
+    with pytest.raises(ValueError, match="round-robin"):
+        simulate([(1.0, 2.0)] * 4, 0.0, 4, "interleaved_1f1b", devices=["a", "a", "b", "b"])

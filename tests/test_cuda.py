@@ -331,13 +331,16 @@ SANITIZED = textwrap.dedent(
         opt.step()
     net = StreamPipelineResNet50(devices[0], devices[-1], split_size=4, num_classes=10)
     net(torch.randn(8, 3, 64, 64, device=devices[0])).sum().backward()
-    for schedule, checkpoint in (("gpipe", "never"), ("1f1b", "except_last")):
+    for schedule, checkpoint in (("gpipe", "never"), ("1f1b", "except_last"),
+                                 ("zb_h1", "never"), ("interleaved_1f1b", "except_last")):
+        virtual = len(devices) if len(set(devices)) == 1 else None
         for force in (False, True):
             stepper = Pipe(nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64))
                                            for _ in devices]),
                            split_size=4, balance=[1] * len(devices), devices=devices,
                            schedule=schedule, checkpoint=checkpoint, deferred_batch_norm=True,
-                           force_copies=force)
+                           force_copies=force,
+                           virtual_stages=virtual if schedule == "interleaved_1f1b" else None)
             for _ in range(2):
                 stepper.train_step(torch.randn(12, 64).pin_memory(), torch.randn(12, 64),
                                    nn.MSELoss())
@@ -840,6 +843,45 @@ def test_in_place_first_op_with_checkpointing_on_a_gpu(how: str) -> None:
         torch.testing.assert_close(a.grad.cpu(), b.grad, msg=name)
 
 
+# -- schedules: interleaved 1F1B, zero-bubble H1, user-given orders -------------
+
+
+# zb_h1's order for 4 stages and 4 micro-batches, every weight pass moved last.
+def _user_order() -> str:
+    from mpstream.schedule import Schedule
+
+    order = str(Schedule("zb_h1", 4, 4, [False] * 4)).split()
+    return " ".join([a for a in order if a[0] != "W"] + [a for a in order if a[0] == "W"])
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zb_h1", "custom"])
+@pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
+@pytest.mark.parametrize("devices", ["one", "forced", "round-robin"])
+def test_schedules_on_gpus_match_cpu(schedule: str, checkpoint: str, devices: str) -> None:
+    if devices == "round-robin" and torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    layout = ["cuda:0", "cuda:1"] * 2 if devices == "round-robin" else ["cuda:0"] * 4
+    model = mlp([5, 8, 7, 6, 4])
+    ref = copy.deepcopy(model)
+    pipe = Pipe(
+        copy.deepcopy(model),
+        split_size=3,
+        balance=[2, 2, 2, 2],
+        devices=layout,
+        schedule=_user_order() if schedule == "custom" else schedule,
+        checkpoint=checkpoint,
+        force_copies=devices == "forced",
+        virtual_stages=2 if schedule == "interleaved_1f1b" and devices != "round-robin" else None,
+    )
+    x, y = torch.randn(BATCH, 5, dtype=torch.float64), torch.randn(BATCH, 4, dtype=torch.float64)
+    loss = pipe.train_step(x.pin_memory(), y, nn.MSELoss())
+    expected = nn.MSELoss()(ref(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss.cpu(), expected.detach())
+    for (name, a), b in zip(pipe.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad.cpu(), b.grad, msg=name)
+
+
 class _FailThird(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -872,3 +914,42 @@ def test_deferred_statistics_survive_a_failed_forward_on_a_gpu() -> None:
         ref(x)
     for (name, a), b in zip(pipe.named_buffers(), ref.buffers()):
         torch.testing.assert_close(a, b, msg=name)
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zb_h1"])
+def test_no_host_synchronization_in_new_schedules(schedule: str) -> None:
+    pipe = Pipe(
+        norm_mlp().cuda(),
+        split_size=4,
+        balance=[3, 3, 1],
+        devices=["cuda:0"] * 3,
+        schedule=schedule,
+        virtual_stages=3 if schedule == "interleaved_1f1b" else None,
+        deferred_batch_norm=True,
+        force_copies=True,
+    )
+    x, y = torch.randn(16, 16).pin_memory(), torch.randn(16, 8).pin_memory()
+    pipe.train_step(x, y, nn.MSELoss())
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        pipe.train_step(x, y, nn.MSELoss())
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+def test_peak_memory_per_device_by_schedule() -> None:
+    """max_memory_allocated per device for each schedule on the same model:
+    the schedules that bound live activations use less than fill-drain."""
+    from mpstream.compare import measure_memory
+
+    devices = ["cuda:0", "cuda:1"] * 2 if torch.cuda.device_count() > 1 else ["cuda:0"] * 4
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(512, 512), nn.Tanh()) for _ in range(8)])
+    pipe = Pipe(model, chunks=8, balance=[2, 2, 2, 2], devices=devices)
+    x, y = torch.randn(256, 512), torch.randn(256, 512)
+    virtual = None if devices[0] != devices[1] else 2
+    peaks = measure_memory(pipe, x, y, nn.functional.mse_loss, virtual_stages=virtual)
+    gpipe = sum(peaks["gpipe"].values())
+    for name in ("1f1b", "interleaved_1f1b", "zb_h1"):
+        assert sum(peaks[name].values()) < gpipe, peaks

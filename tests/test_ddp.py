@@ -3,7 +3,8 @@
 Two processes with two CPU stages each train over gloo (loopback only, a
 FileStore for the rendezvous); after each step their parameters must equal a
 single process's on the whole batch, for the DDP forward/backward path and for
-``mpstream.distributed.train_step``, with every schedule and checkpoint mode.
+``mpstream.distributed.train_step``, with every schedule (a user-given order
+too) and checkpoint mode.
 The example script is run end to end with ``torchrun`` too, resume included.
 """
 
@@ -41,6 +42,9 @@ BALANCE = [2, 4]
 # Bounds so a broken collective fails the test instead of hanging it.
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
 LAUNCH_TIMEOUT = 240.0
+# Two stages, two micro-batches per process: zb_h1's order with the weight
+# passes moved last.
+USER_ORDER = "F0m0 F1m0 F0m1 B1m0 B0m0 F1m1 B1m1 B0m1 W1m0 W0m0 W0m1 W1m1"
 SCRIPT_TIMEOUT = 240.0
 
 
@@ -66,6 +70,10 @@ def _cases() -> dict[str, Case]:
         for schedule in ("gpipe", "1f1b"):
             for mode in ("never", "except_last", "always"):
                 cases[f"{path}-{schedule}-{mode}"] = Case((path, path), schedule, mode)
+    for schedule in ("interleaved_1f1b", "zb_h1", USER_ORDER):
+        for mode in ("never", "except_last", "always"):
+            name = "custom" if schedule == USER_ORDER else schedule
+            cases[f"train_step-{name}-{mode}"] = Case(("train_step",) * 2, schedule, mode)
     options: dict[str, dict[str, Any]] = {
         "find_unused": {"find_unused_parameters": True},
         "static_graph": {"static_graph": True},
@@ -124,6 +132,7 @@ def _run_case(case: Case, rank: int) -> dict[str, Tensor]:
         devices=["cpu", "cpu"],
         schedule=case.schedule,
         checkpoint=case.checkpoint,
+        virtual_stages=1 if case.schedule == "interleaved_1f1b" else None,
     )
     ddp = mpdist.wrap(pipe, **case.options)
     opt = torch.optim.SGD(ddp.parameters(), lr=LR)

@@ -11,10 +11,15 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "mpstream"
 CORE = [
-    "pipe", "worker", "schedule", "scheduler", "copy", "transfer", "partition", "microbatch",
-    "plan", "boundary", "checkpoint", "batchnorm", "errors", "compiling",
+    "pipe", "worker", "training", "values", "graph", "trace", "schedule", "scheduler", "copy",
+    "transfer", "partition", "microbatch", "plan", "boundary", "checkpoint", "batchnorm",
+    "errors", "compiling", "orders", "split_backward", "balance", "memory", "marks",
 ]
-TOOLS = {"timeline", "figures", "bench", "cli", "analysis", "profiling", "tuning"}
+TOOLS = {
+    "timeline", "figures", "bench", "cli", "analysis", "profiling", "tuning", "cost_model",
+    "compare", "doctor", "diagnosis", "report", "environment", "checks", "overlap", "probes",
+    "sanitizer", "soak", "experiment", "attribution", "modelcheck",
+}
 
 
 def mpstream_imports(module: str) -> set[str]:

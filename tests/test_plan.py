@@ -171,3 +171,57 @@ def test_target_device_needs_a_training_schedule() -> None:
 
 def _meta(plan: Plan) -> tuple[list[str], list[object], int]:
     return plan.slot_names, plan.slot_devices, plan.stages  # type: ignore[return-value]
+
+
+NEWER = {
+    "round-robin": lambda n: [f"cuda:{i % 2}" for i in range(n)],
+    "one-gpu": lambda n: ["cuda:0"] * n,
+    "cpu": lambda n: ["cpu"] * n,
+}
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zb_h1", "custom"])
+@pytest.mark.parametrize(("stages", "chunks"), [(2, 1), (2, 4), (4, 3), (4, 8)])
+@pytest.mark.parametrize("layout", sorted(NEWER))
+@pytest.mark.parametrize("input_device", [None, "cpu"])
+def test_plans_of_interleaved_zero_bubble_and_user_orders_are_valid(
+    schedule: str, stages: int, chunks: int, layout: str, input_device: str | None
+) -> None:
+    from mpstream.schedule import Schedule
+
+    devices = NEWER[layout](stages)
+    virtual = None if layout == "round-robin" or schedule != "interleaved_1f1b" else 2
+    name: object = schedule
+    if schedule == "custom":  # zb_h1's order with every weight pass last
+        order = str(Schedule("zb_h1", stages, chunks, [False] * stages)).split()
+        name = [a for a in order if a[0] != "W"] + [a for a in order if a[0] == "W"]
+    plan = record_plan(
+        name,  # type: ignore[arg-type]
+        stages,
+        chunks,
+        devices,
+        input_device=input_device,
+        target_device="cpu",
+        backward=True,
+        virtual_stages=virtual,
+    )
+    verify_plan(plan)
+    runs = [(op.kind, op.stage, op.micro) for op in plan.ops if op.op == "run" and op.task >= 0]
+    if schedule != "interleaved_1f1b":
+        assert {("weight", s, m) for s in range(stages) for m in range(chunks)} <= set(runs)
+
+
+def test_a_weight_pass_before_its_backward_is_caught() -> None:
+    plan = record_plan("zb_h1", 2, 2, ["cuda:0", "cuda:1"], backward=True)
+    verify_plan(plan)
+    ops = list(plan.ops)
+    w = next(i for i, op in enumerate(ops) if op.op == "run" and op.kind == "weight")
+    b = next(
+        i
+        for i, op in enumerate(ops)
+        if op.op == "run" and op.kind == "backward"
+        and (op.stage, op.micro) == (ops[w].stage, ops[w].micro)
+    )  # fmt: skip
+    ops.insert(b, ops.pop(w))
+    with pytest.raises(PlanError, match=r"weight\(stage=\d, micro=\d\) is not ordered after back"):
+        verify_plan(Plan(ops, *_meta(plan)))

@@ -1,10 +1,12 @@
-"""Schedule generation: clock-cycle order, dependencies, 1F1B's memory bound."""
+"""Schedule generation: clock-cycle order, dependencies, the memory bounds of
+1F1B, ZB-H1 and interleaved 1F1B, ranks of virtual stages."""
 
 from __future__ import annotations
 
 import pytest
 
-from mpstream.schedule import Kind, Schedule
+from mpstream.compare import live_activations as live_and_held
+from mpstream.schedule import SCHEDULES, Kind, Schedule, Topology, virtual_stages_of
 
 
 def key(t: object) -> tuple[str, int, int]:
@@ -15,7 +17,7 @@ SHAPES = [(1, 1), (1, 4), (2, 1), (2, 5), (3, 4), (4, 8), (5, 3)]
 
 
 @pytest.mark.parametrize(("stages", "micros"), SHAPES)
-@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("name", SCHEDULES)
 @pytest.mark.parametrize("copies", ["none", "all", "input"])
 def test_tasks_are_complete_and_topological(
     name: str, stages: int, micros: int, copies: str
@@ -30,6 +32,8 @@ def test_tasks_are_complete_and_topological(
     assert len(keys) == len(set(keys)), "a task appears twice"
     expected = {("forward", s, m) for s in range(stages) for m in range(micros)}
     expected |= {("backward", s, m) for s in range(stages) for m in range(micros)}
+    if name == "zb_h1":
+        expected |= {("weight", s, m) for s in range(stages) for m in range(micros)}
     expected |= {("copy", s - 1, m) for s in range(stages) if copy_in[s] for m in range(micros)}
     expected |= {
         ("copy_grad", s - 1, m) for s in range(1, stages) if copy_in[s] for m in range(micros)
@@ -51,6 +55,8 @@ def test_tasks_are_complete_and_topological(
             assert deps == {("forward", s, m), grad}
         if t.kind is Kind.COPY_GRAD:
             assert deps == {("backward", s + 1, m)}
+        if t.kind is Kind.WEIGHT:
+            assert deps == {("backward", s, m)}
     assert [key(sched.tasks[o]) for o in sched.outputs] == [
         ("forward", stages - 1, m) for m in range(micros)
     ]
@@ -135,3 +141,86 @@ def test_invalid_schedules() -> None:
         Schedule("gpipe", 2, 0, [False, False])
     with pytest.raises(ValueError, match="one entry per stage"):
         Schedule("gpipe", 2, 2, [False])
+
+
+# The bounds below hold by construction of each schedule's per-stage (or
+# per-rank) sequence; the tests check the merged issue order keeps them.
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 4, 6])
+@pytest.mark.parametrize("micros", [1, 2, 3, 5, 8, 13])
+def test_zb_h1_keeps_1f1b_live_activations(stages: int, micros: int) -> None:
+    sched = Schedule("zb_h1", stages, micros, [False] * stages)
+    live, held = live_and_held(sched)
+    for s in range(stages):
+        # What B reads: 1F1B's bound. Until W, a stage holds at most what
+        # 1F1B's first stage holds (its pipeline-wide peak).
+        assert live[s] <= min(stages - s, micros), (s, live)
+        assert held[s] <= min(stages, micros), (s, held)
+    # Every stage splits every backward, and W follows its B on the stage.
+    order = [key(t) for t in sched.tasks]
+    for s in range(stages):
+        for m in range(micros):
+            assert order.index(("backward", s, m)) < order.index(("weight", s, m))
+
+
+@pytest.mark.parametrize(
+    ("ranks", "virtual"), [(3, 1), (1, 2), (2, 2), (2, 3), (3, 2), (4, 2), (4, 3)]
+)
+@pytest.mark.parametrize("micros", [1, 2, 3, 4, 5, 7, 8, 12])
+def test_interleaved_orders_are_complete_and_within_megatrons_bound(
+    ranks: int, virtual: int, micros: int
+) -> None:
+    stages = ranks * virtual
+    sched = Schedule("interleaved_1f1b", stages, micros, [False] * stages, virtual_stages=virtual)
+    keys = [key(t) for t in sched.tasks]
+    assert sorted(keys) == sorted(
+        (k, s, m) for k in ("forward", "backward") for s in range(stages) for m in range(micros)
+    )
+    assert all(d < t.index for t in sched.tasks for d in t.deps)
+    # Megatron-LM's warm-up: rank r runs 2(p - r - 1) + (v - 1)p forwards
+    # before its first backward, so at most one more is in flight.
+    live = [0] * ranks
+    peak = [0] * ranks
+    for t in sched.tasks:
+        r = t.stage % ranks
+        live[r] += 1 if t.kind is Kind.FORWARD else -1
+        peak[r] = max(peak[r], live[r])
+    for r in range(ranks):
+        warmup = 2 * (ranks - r - 1) + (virtual - 1) * ranks
+        assert peak[r] <= min(warmup + 1, virtual * micros), (r, peak)
+    # Each rank forwards its chunks in order within a group of micro-batches.
+    first = [t.stage for t in sched.tasks if t.kind is Kind.FORWARD and t.stage % ranks == 0]
+    assert first[: min(micros, ranks)] == [0] * min(micros, ranks)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb_h1", "interleaved_1f1b"])
+def test_schedules_work_over_stage_graphs(name: str) -> None:
+    # A U-Net-like graph: stage 3 reads stages 2 and 0, stage 2 reads 1 and 0.
+    topology = Topology(((-1,), (0,), (0, 1), (0, 2)), (0, 1, 0, 1))
+    for micros in (1, 3, 4, 6):
+        sched = Schedule(name, 4, micros, topology, virtual_stages=2)
+        assert all(d < t.index for t in sched.tasks for d in t.deps)
+        fwd = {(t.stage, t.micro): t.index for t in sched.tasks if t.kind is Kind.FORWARD}
+        for t in sched.tasks:
+            if t.kind is Kind.FORWARD:
+                for p in topology.reads[t.stage]:
+                    assert p < 0 or fwd[(p, t.micro)] < t.index
+
+
+def test_virtual_stages_of() -> None:
+    assert virtual_stages_of(["cuda:0", "cuda:1", "cuda:0", "cuda:1"]) == 2
+    assert virtual_stages_of(["cuda:0", "cuda:1"]) == 1
+    assert virtual_stages_of(["cpu"] * 6, 3) == 3
+    with pytest.raises(ValueError, match="every stage is on cpu: give virtual_stages="):
+        virtual_stages_of(["cpu"] * 4)
+    with pytest.raises(ValueError, match="round-robin"):
+        virtual_stages_of(["cuda:0", "cuda:0", "cuda:1", "cuda:1"])
+    with pytest.raises(ValueError, match="does not divide the 4 stages"):
+        virtual_stages_of(["cpu"] * 4, 3)
+    with pytest.raises(ValueError, match="puts stages 0 and 2 on rank 0"):
+        virtual_stages_of(["cuda:0", "cuda:0", "cuda:1", "cuda:1"], 2)
+    with pytest.raises(ValueError, match="positive int"):
+        virtual_stages_of(["cpu"] * 4, 0)
+    with pytest.raises(ValueError, match="multiple of virtual_stages"):
+        Schedule("interleaved_1f1b", 4, 2, [False] * 4, virtual_stages=3)
