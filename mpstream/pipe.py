@@ -1,4 +1,4 @@
-"""``mpstream.Pipe``: an ``nn.Sequential`` pipelined over devices and streams."""
+"""``mpstream.Pipe``: a module pipelined over devices and streams."""
 
 from __future__ import annotations
 
@@ -8,22 +8,20 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _BatchNorm
-from torch.utils import _pytree as pytree
 
-from .balance import balance_by_size, balance_by_time, split_points_by
 from .batchnorm import DeferredBatchNorm, deferred_norms, deferred_update
+from .build import build
 from .checkpoint import check_mode, checkpoint_stop
 from .compiling import CompileOption, compile_options, compile_stages
 from .errors import stage_labels
 from .graph import StageGraph
-from .microbatch import Value, batch_device, gather, leaves, scatter, split
-from .partition import DeviceLike, check_positive, split_module, stage_devices
+from .inputs import batch_size, detached, positional, staging
+from .microbatch import Value, batch_device, gather, scatter
+from .partition import DeviceLike, check_positive
 from .schedule import Order, Schedule, Topology, check_schedule, schedule_arg, virtual_stages_of
 from .scheduler import EventScheduler
-from .stream import current_stream, record_stream
-from .trace import place, rebind, trace
-from .transfer import host_staging
+from .snapshot import Snapshot
+from .trace import rebind
 from .worker import Staging, Worker
 
 REDUCTIONS = ("mean", "sum")
@@ -146,63 +144,27 @@ class Pipe(nn.Module):
             module = DeferredBatchNorm.convert(module)
         self.__dict__["_runtime"] = None
         self.force_copies = bool(force_copies)
-        auto = isinstance(balance, str) and not isinstance(module, nn.Sequential)
-        if split_points is not None or auto:
-            self._traced(module, split_points, balance, devices, sample, leaf_modules)
-            self._check_schedule()
-            return
-        if isinstance(balance, str):
-            balance = _auto_balance(module, balance, devices, sample)
-        stages = split_module(module, balance, devices)
-        for name, layer in stages.layers:
-            self.add_module(name, layer)
+        built = build(module, balance, devices, sample, split_points, leaf_modules)
+        if built.layers is not None:
+            for name, layer in built.layers:
+                self.add_module(name, layer)
+        else:
+            self._adopt_module(built.root)
         # Not registered: the layers above own the parameters, so state_dict
-        # keys stay those of the wrapped Sequential whatever the split.
-        self.__dict__["_partitions"] = nn.ModuleList(stages.partitions)
-        self.__dict__["_devices"] = list(stages.devices)
-        self.__dict__["_balance"] = list(stages.balance)
-        self.__dict__["_graph"] = StageGraph.chain(len(stages.partitions))
-        self.__dict__["_bind"] = None  # traced modules bind call arguments
-        self.__dict__["_root"] = None
-        self._check_schedule()
+        # keys stay those of the wrapped module whatever the split.
+        self.__dict__["_partitions"] = nn.ModuleList(built.partitions)
+        self.__dict__["_devices"] = built.devices
+        self.__dict__["_balance"] = built.balance
+        self.__dict__["_graph"] = built.graph
+        self.__dict__["_bind"] = built.bind
+        self.__dict__["_root"] = built.root
+        self.__dict__["_split_points"] = built.split_points
+        check_schedule(self.schedule, built.devices, built.graph.reads(), self.virtual_stages)
 
-    def _check_schedule(self) -> None:
-        check_schedule(
-            self.schedule, self.__dict__["_devices"], self.graph.reads(), self.virtual_stages
-        )
-
-    def _traced(
-        self,
-        module: nn.Module,
-        split_points: Sequence[str] | None,
-        balance: Sequence[int] | str | None,
-        devices: Sequence[DeviceLike] | None,
-        sample: Any,
-        leaf_modules: Sequence[str | type[nn.Module]],
-    ) -> None:
-        """Construction for a module split by ``torch.fx`` at ``split_points``
-        (or at the points ``balance='time'|'size'`` picks on ``sample``)."""
-        if isinstance(balance, str) and split_points is None:
-            if devices is None or sample is None:
-                raise ValueError(
-                    f"balance={balance!r} needs devices= (one per stage) and sample= (a "
-                    f"representative micro-batch: the module's inputs) to pick split points"
-                )
-            split_points = split_points_by(
-                balance, module, sample, len(devices), device=torch.device(devices[0]),
-                leaf_modules=leaf_modules,
-            )  # fmt: skip
-        elif balance is not None:
-            raise TypeError(
-                "balance= partitions an nn.Sequential by layer counts; a traced module is "
-                "split at split_points= (or give no split_points and balance='time'|'size')"
-            )
-        assert split_points is not None
-        traced = trace(module, split_points, leaf_modules=leaf_modules)
-        count = len(traced.partitions)
-        devs = stage_devices(devices, count, "split_points make")
-        place(module, traced, devs)
-        # The module's own children and tensors, so state_dict keys are its.
+    def _adopt_module(self, module: nn.Module | None) -> None:
+        """Registers a traced module's own children and tensors on the pipe,
+        so its state_dict keys are the module's."""
+        assert module is not None
         for name, child in module.named_children():
             self._adopt(name, child, self.add_module)
         for name, param in module._parameters.items():
@@ -210,15 +172,6 @@ class Pipe(nn.Module):
         for name, buf in module._buffers.items():
             keep = name not in module._non_persistent_buffers_set
             self._adopt(name, buf, functools.partial(self.register_buffer, persistent=keep))
-        self.__dict__["_partitions"] = nn.ModuleList(traced.partitions)
-        self.__dict__["_devices"] = devs
-        self.__dict__["_balance"] = [
-            sum(n.op.startswith("call") for n in p.graph.nodes) for p in traced.partitions
-        ]
-        self.__dict__["_graph"] = traced.graph
-        self.__dict__["_bind"] = traced.bind
-        self.__dict__["_root"] = module
-        self.__dict__["_split_points"] = list(split_points)
         self.register_load_state_dict_post_hook(_rebind_after_load)  # type: ignore[no-untyped-call]
 
     def _adopt(self, name: str, value: Any, register: Callable[[str, Any], None]) -> None:
@@ -265,7 +218,7 @@ class Pipe(nn.Module):
     def split_points(self) -> list[str] | None:
         """Where the stages of a traced module begin (given, or picked by
         ``balance='time'|'size'``); None for a Sequential."""
-        points = self.__dict__.get("_split_points")
+        points = self.__dict__["_split_points"]
         return None if points is None else list(points)
 
     @property
@@ -307,7 +260,7 @@ class Pipe(nn.Module):
 
     def _labels(self) -> list[str]:
         """How error notes name each stage: its layers (or split point) and device."""
-        points = self.__dict__.get("_split_points")
+        points = self.__dict__["_split_points"]
         if points is None:
             return stage_labels(list(self._modules), self.balance, self.devices)
         n = len(self.devices)
@@ -368,22 +321,6 @@ class Pipe(nn.Module):
         training = self.training and torch.is_grad_enabled()
         return checkpoint_stop(self.checkpoint, micros, training)
 
-    def _inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-        """The pipeline's positional inputs for a call."""
-        binder = self.__dict__["_bind"]
-        if binder is not None:
-            return binder(args, kwargs)  # type: ignore[no-any-return]
-        if kwargs:
-            names = ", ".join(sorted(kwargs))
-            raise TypeError(
-                f"a Pipe over an nn.Sequential takes positional inputs only; got keyword "
-                f"argument(s) {names}"
-            )
-        if not args:
-            raise TypeError("Pipe needs at least one input")
-        # A list is the batch as a tuple of tensors (torchgpipe's style).
-        return tuple(tuple(a) if isinstance(a, list) else a for a in args)
-
     # -- running -------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Runs the pipeline on a batch.
@@ -425,25 +362,19 @@ class Pipe(nn.Module):
         :class:`~mpstream.batchnorm.DeferredBatchNorm` had accumulated for
         the failed batch are dropped (they update only once all stages finish).
         """
-        inputs = self._inputs(args, kwargs)
+        inputs = positional(self.__dict__["_bind"], args, kwargs)
         micro = scatter(inputs, self._chunks, self._split_size)
         schedule = self.schedule_for(len(micro), batch_device(inputs))
         _, worker, _ = self._rt()
-        staging = self._staging(inputs, self.devices[0])
+        staging = self._stage(inputs, self.devices[0])
         stop = self._prepare(len(micro))
         with deferred_update(self, len(micro)):
             outputs = worker.forward(micro, schedule, stop, staging)
         return gather(outputs)
 
-    def _staging(self, value: Any, device: torch.device) -> list[Staging] | None:
+    def _stage(self, value: Any, device: torch.device) -> list[Staging] | None:
         """Per micro-batch pinned buffers for ``value``'s pageable tensors."""
-        buffers = host_staging(value, device)
-        if buffers is None:
-            return None
-        # Split like the batch itself (same sizes along dim 0).
-        parts = [None if b is None else split(b, self._chunks, self._split_size) for b in buffers]
-        micros = max(len(p) for p in parts if p is not None)
-        return [tuple(None if p is None else p[i] for p in parts) for i in range(micros)]
+        return staging(value, device, self._chunks, self._split_size)
 
     def train_step(
         self,
@@ -501,16 +432,16 @@ class Pipe(nn.Module):
         # Parameter gradients only: inputs are detached, so whether x.grad
         # fills cannot depend on where the batch sits.
         if self.__dict__["_bind"] is not None and isinstance(inputs, tuple):
-            args = self._inputs(inputs, {})
+            args = positional(self.__dict__["_bind"], inputs, {})
         else:
-            args = self._inputs((inputs,), {})
-        args = _detached(args)
-        labels = _detached(target)
+            args = positional(self.__dict__["_bind"], (inputs,), {})
+        args = detached(args)
+        labels = detached(target)
         micro = scatter(args, self._chunks, self._split_size)
         micro_targets = scatter(labels, self._chunks, self._split_size, "target")
-        sizes = [_batch_size(m) for m in micro]
+        sizes = [batch_size(m) for m in micro]
         batch = sum(sizes)
-        target_sizes = [_batch_size(t) for t in micro_targets]
+        target_sizes = [batch_size(t) for t in micro_targets]
         if target_sizes != sizes:
             raise ValueError(
                 f"target has batch size {sum(target_sizes)} but inputs have {batch}"
@@ -525,9 +456,9 @@ class Pipe(nn.Module):
             target_device=batch_device(labels),
         )
         _, worker, _ = self._rt()
-        staging = self._staging(args, self.devices[0])
-        target_staging = self._staging(labels, self.devices[-1])
-        snapshot = _Snapshot(self)
+        staging = self._stage(args, self.devices[0])
+        target_staging = self._stage(labels, self.devices[-1])
+        snapshot = Snapshot(self, list(self.partitions))
         try:
             with torch.enable_grad():
                 stop = self._prepare(len(micro))
@@ -598,70 +529,5 @@ class Pipe(nn.Module):
         return f"{split}, balance={self.__dict__['_balance']}, devices=[{devs}]"
 
 
-def _detached(value: Any) -> Any:
-    return pytree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, value)
-
-
-def _batch_size(value: Any) -> int:
-    """The size along dim 0 of the first split tensor of a micro-batch."""
-    for leaf in leaves(value)[0]:
-        if isinstance(leaf, Tensor):
-            return int(leaf.size(0))
-    raise TypeError("the batch holds no tensor")
-
-
-def _auto_balance(
-    module: nn.Module, how: str, devices: Sequence[DeviceLike] | None, sample: Value | None
-) -> list[int]:
-    if how not in ("time", "size"):
-        raise ValueError(f"balance must be a list of ints, 'time' or 'size'; got {how!r}")
-    if devices is None:
-        raise ValueError(f"balance={how!r} needs devices= (one per stage) to know how many stages")
-    if sample is None:
-        raise ValueError(f"balance={how!r} needs sample= (a representative micro-batch) to profile")
-    stages = len(devices)
-    device = torch.device(devices[0])
-    if how == "time":
-        return balance_by_time(module, sample, stages, device=device)
-    return balance_by_size(module, sample, stages, device=device)
-
-
 def _rebind_after_load(pipe: nn.Module, keys: Any) -> None:
     pipe._rebind()  # type: ignore[operator]
-
-
-class _Snapshot:
-    """Gradients and BatchNorm state of a pipe, restorable after a failure.
-
-    BatchNorm buffers (small) are cloned up front. Gradients are saved per
-    stage by :meth:`save_grads`, which the worker calls inside the stage's
-    first backward task: nothing accumulates into them before that.
-    """
-
-    def __init__(self, pipe: Pipe) -> None:
-        self.partitions = list(pipe.partitions)
-        self.grads: dict[int, tuple[nn.Parameter, Tensor | None]] = {}
-        self.norms = [
-            (m, [b.detach().clone() for b in m.buffers(recurse=False)])
-            for m in pipe.modules()
-            if isinstance(m, _BatchNorm)
-        ]
-
-    def save_grads(self, stage: int) -> None:
-        """Saves the gradients of ``stage``'s parameters (on the current stream)."""
-        for p in self.partitions[stage].parameters():
-            if id(p) not in self.grads:
-                self.grads[id(p)] = (p, None if p.grad is None else p.grad.detach().clone())
-
-    def restore(self) -> None:
-        for p, g in self.grads.values():
-            if g is not None:
-                # Cloned on a stage stream; the caller's stream uses it now.
-                record_stream(g, current_stream(g.device))
-            p.grad = g
-        for m, buffers in self.norms:
-            # Through .data: graphs still alive may have saved these buffers.
-            for b, saved in zip(m.buffers(recurse=False), buffers):
-                b.data.copy_(saved)
-            if isinstance(m, DeferredBatchNorm):
-                m.reset_accumulation()

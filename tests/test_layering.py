@@ -13,7 +13,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "mpstream"
 CORE = [
     "pipe", "worker", "training", "values", "graph", "trace", "schedule", "scheduler", "copy",
     "transfer", "partition", "microbatch", "plan", "boundary", "checkpoint", "batchnorm",
-    "errors", "compiling", "orders", "split_backward", "balance", "memory", "marks",
+    "errors", "compiling", "orders", "split_backward", "balance", "memory", "marks", "build",
+    "inputs", "snapshot",
 ]
 TOOLS = {
     "timeline", "figures", "bench", "cli", "analysis", "profiling", "tuning", "cost_model",

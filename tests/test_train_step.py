@@ -349,16 +349,16 @@ def test_target_tasks_move_targets_ahead_of_the_last_stage() -> None:
 def test_existing_gradients_are_saved_only_when_a_backward_begins(
     schedule: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from mpstream import pipe as pipe_module
+    from mpstream.snapshot import Snapshot
 
     saved: list[int] = []
-    real = pipe_module._Snapshot.save_grads
+    real = Snapshot.save_grads
 
     def spy(self: object, stage: int) -> None:
         saved.append(stage)
         real(self, stage)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(pipe_module._Snapshot, "save_grads", spy)
+    monkeypatch.setattr(Snapshot, "save_grads", spy)
     pipe = small_pipe(schedule=schedule)
     x, y = data()
     pipe.train_step(x, y, nn.MSELoss())  # gradients exist from now on

@@ -69,9 +69,9 @@ def test_host_wait_passes_integer_tensors_through() -> None:
 
 def test_pipe_splits_staging_buffers_like_the_batch(monkeypatch: pytest.MonkeyPatch) -> None:
     buffer = torch.zeros(7, 2)
-    monkeypatch.setattr("mpstream.pipe.host_staging", lambda value, device: (buffer, None))
+    monkeypatch.setattr("mpstream.inputs.host_staging", lambda value, device: (buffer, None))
     pipe = Pipe(nn.Sequential(Pick(), nn.Linear(2, 2)), split_size=3, devices=["cpu", "cpu"])
-    staging = pipe._staging((torch.randn(7, 2), torch.arange(7)), torch.device("cpu"))
+    staging = pipe._stage((torch.randn(7, 2), torch.arange(7)), torch.device("cpu"))
     assert staging is not None and [s[1] for s in staging] == [None] * 3
     assert [s[0].shape[0] for s in staging] == [3, 3, 1]  # type: ignore[union-attr]
     assert [s[0].data_ptr() for s in staging] == [  # type: ignore[union-attr]
