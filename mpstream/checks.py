@@ -98,13 +98,23 @@ def layouts(
     return out
 
 
+def virtual_stages(mode: str, devices: Sequence[object]) -> int | None:
+    """``virtual_stages`` for interleaved 1F1B when every stage shares one
+    device (one rank holds them all); None otherwise."""
+    if mode == "interleaved_1f1b" and len(set(devices)) == 1:
+        return len(devices)
+    return None
+
+
 def cases(devices: tuple[torch.device, torch.device]) -> list[Case]:
     """Every case of the grid, in order."""
     out = []
     for label, devs, force in layouts(devices):
         # Host and device memory are the same thing on a CPU layout.
         sources = ("pageable", "pinned", "device") if devs[0].type == "cuda" else ("device",)
-        modes = ("forward", *SCHEDULES)
+        # Interleaved 1F1B needs round-robin placement: one device here.
+        one = len(set(devs)) == 1
+        modes = ("forward", *[m for m in SCHEDULES if m != "interleaved_1f1b" or one])
         for mode, source, checkpoint in itertools.product(modes, sources, MODES):
             out.append(Case(label, tuple(devs), force, source, mode, checkpoint))
     return out
@@ -140,6 +150,7 @@ def run_case(case: Case) -> None:
         checkpoint=case.checkpoint,
         schedule="gpipe" if case.mode == "forward" else case.mode,
         force_copies=case.force,
+        virtual_stages=virtual_stages(case.mode, case.devices),
     )
     x = torch.randn(BATCH, WIDTHS[0], dtype=torch.float64)
     if case.mode == "forward":
@@ -200,13 +211,18 @@ def _plans() -> Iterator[tuple[str, dict[str, object]]]:
     for schedule, stages, chunks in itertools.product(SCHEDULES, (2, 3, 4), (1, 4, 7)):
         one = ["cuda:0"] * stages
         spread = [f"cuda:{s}" for s in range(stages)]
-        mixed = [f"cuda:{2 * s // stages}" for s in range(stages)]  # stages share two GPUs
+        if schedule == "interleaved_1f1b":  # stages share two GPUs, round-robin
+            mixed = [f"cuda:{s % 2}" for s in range(stages)]
+        else:  # stages share two GPUs, contiguously
+            mixed = [f"cuda:{2 * s // stages}" for s in range(stages)]
         for (label, devs), force, host_input in itertools.product(
             (("one GPU", one), ("a GPU per stage", spread), ("mixed", mixed)),
             (False, True),
             (False, True),
         ):
-            backwards = (True,) if schedule == "1f1b" else (False, True)
+            if schedule == "interleaved_1f1b" and label == "mixed" and stages % 2:
+                continue  # round-robin over two GPUs needs an even number of stages
+            backwards = (False, True) if schedule == "gpipe" else (True,)
             for backward in backwards:
                 for host_target in (False, True) if backward else (False,):
                     kw: dict[str, object] = {
@@ -215,6 +231,7 @@ def _plans() -> Iterator[tuple[str, dict[str, object]]]:
                         "target_device": "cpu" if host_target else None,
                         "backward": backward,
                         "force_copies": force,
+                        "virtual_stages": virtual_stages(schedule, devs),
                     }
                     yield (
                         f"{schedule} {stages}x{chunks} {label}",

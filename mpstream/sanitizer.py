@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .checks import virtual_stages
 from .diagnosis import FAIL, PASS, SKIP, Check, Context, StepResult, overall
 from .pipe import Pipe
 from .schedule import SCHEDULES
@@ -101,6 +102,7 @@ def exercise(devices: Sequence[str], short: bool = False) -> None:
                 checkpoint=checkpoint,
                 deferred_batch_norm=True,
                 force_copies=cuda,
+                virtual_stages=virtual_stages(schedule, devs),
             )
             for source in sources[-1:] if short else sources:
                 target = _batch(12, 32, source, devs[-1])
