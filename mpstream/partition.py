@@ -29,6 +29,7 @@ __all__ = [
     "check_shared",
     "check_devices_exist",
     "takes_several",
+    "stage_calls",
 ]
 
 DeviceLike = str | int | torch.device
@@ -138,6 +139,37 @@ class Chain(nn.Sequential):
             args = (layer(*args),)
         return args[0]
 
+
+
+def stage_calls(parts: Sequence[nn.Module], inputs: int) -> list[nn.Module]:
+    """What the hot loop calls for each stage of a run.
+
+    A :class:`Chain` holding one layer that takes its one argument whole
+    computes ``layer(x)``: unless something hooks the chain itself, the
+    layer is called directly, sparing a module call per task (a pipe of one
+    block per stage is the common case, the tutorial's among them). Every
+    other stage is called as it is.
+
+    Args:
+        parts: one module per stage.
+        inputs: how many positional values the first stage receives (the
+            others of a chain receive one).
+    """
+    calls: list[nn.Module] = []
+    for s, part in enumerate(parts):
+        one = inputs == 1 or s > 0
+        if type(part) is Chain and one and len(part) == 1 and not part._spread[0]:
+            chain: Chain = part
+            hooked = (
+                chain._forward_hooks
+                or chain._forward_pre_hooks
+                or chain._backward_hooks
+                or chain._backward_pre_hooks
+            )
+            calls.append(part if hooked else chain[0])
+        else:
+            calls.append(part)
+    return calls
 
 def check_shared(
     layers: Sequence[tuple[str, nn.Module]],

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .batchnorm import DeferredBatchNorm, deferred_norms, deferred_update
+from .batchnorm import DeferredBatchNorm, deferred_update
 from .build import build
 from .checkpoint import check_mode, checkpoint_stop
 from .compiling import CompileOption, compile_options, compile_stages
@@ -20,7 +20,7 @@ from .microbatch import Value, batch_device, gather, scatter
 from .partition import DeviceLike, check_positive
 from .schedule import Order, Schedule, Topology, check_schedule, schedule_arg, virtual_stages_of
 from .scheduler import EventScheduler
-from .snapshot import Snapshot
+from .snapshot import Snapshot, batch_norms
 from .trace import rebind
 from .worker import Staging, Worker
 
@@ -159,6 +159,10 @@ class Pipe(nn.Module):
         self.__dict__["_bind"] = built.bind
         self.__dict__["_root"] = built.root
         self.__dict__["_split_points"] = built.split_points
+        # Found once: every step restores or updates them.
+        norms = batch_norms(self)
+        self.__dict__["_norms"] = norms
+        self.__dict__["_deferred"] = [m for m in norms if isinstance(m, DeferredBatchNorm)]
         check_schedule(self.schedule, built.devices, built.graph.reads(), self.virtual_stages)
 
     def _adopt_module(self, module: nn.Module | None) -> None:
@@ -316,7 +320,7 @@ class Pipe(nn.Module):
 
     def _prepare(self, micros: int) -> int:
         """Per-run setup; returns how many micro-batches to checkpoint."""
-        for norm in deferred_norms(self):
+        for norm in self.__dict__["_deferred"]:
             norm.expected = micros
         training = self.training and torch.is_grad_enabled()
         return checkpoint_stop(self.checkpoint, micros, training)
@@ -368,7 +372,7 @@ class Pipe(nn.Module):
         _, worker, _ = self._rt()
         staging = self._stage(inputs, self.devices[0])
         stop = self._prepare(len(micro))
-        with deferred_update(self, len(micro)):
+        with deferred_update(self.__dict__["_deferred"], len(micro)):
             outputs = worker.forward(micro, schedule, stop, staging)
         return gather(outputs)
 
@@ -458,7 +462,7 @@ class Pipe(nn.Module):
         _, worker, _ = self._rt()
         staging = self._stage(args, self.devices[0])
         target_staging = self._stage(labels, self.devices[-1])
-        snapshot = Snapshot(self, list(self.partitions))
+        snapshot = Snapshot(self.__dict__["_norms"], list(self.partitions))
         try:
             with torch.enable_grad():
                 stop = self._prepare(len(micro))

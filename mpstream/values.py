@@ -95,6 +95,7 @@ class Flow:
         self.only = wiring.only
         self.received = wiring.received
         self.result_refs = wiring.result_refs
+        self.done_after = wiring.done_after
         for b in batches:
             if not isinstance(b, tuple):
                 raise TypeError(f"a micro-batch is the tuple of its inputs, got {type(b).__name__}")
@@ -167,10 +168,26 @@ class Flow:
                 check_output(y, q)
             self.outs[m][q + 1] = (y,)
 
+    def keep(self, q: int, m: int, y: Any) -> Any:
+        """After stage ``q``'s forward of micro-batch ``m`` (the hot path):
+        stores its output ``y``, takes the pipeline's result when ``q`` is
+        the last stage (None otherwise), then drops what no later stage reads."""
+        outs = self.outs[m]
+        if self.outputs[q] == 1 and type(y) is Tensor:  # store()'s common case, inline
+            outs[q + 1] = (y,)
+        else:
+            self.store(q, m, y)
+        out = self.result(m) if q == self.stages - 1 else None
+        for p, hops in self.done_after[q]:  # release(), inline
+            outs[p + 1] = None
+            for key in hops:
+                self.moved[m].pop(key, None)
+        return out
+
     def release(self, q: int, m: int) -> None:
         """Drops the values no stage after ``q`` reads (call after its forward)."""
         outs, moved = self.outs[m], self.moved[m]
-        for p, hops in self.wiring.done_after[q]:
+        for p, hops in self.done_after[q]:
             outs[p + 1] = None
             for key in hops:
                 moved.pop(key, None)

@@ -30,6 +30,7 @@ from .copy import Copy, Route
 from .errors import annotate, raised_in, task_note
 from .graph import ALL, Hop, Routes, StageGraph
 from .microbatch import leaves, rebuild_leaves
+from .partition import stage_calls
 from .schedule import Kind, Schedule, Task, Topology
 from .scheduler import EventScheduler
 from .stream import AnyStream, current_stream, is_cuda, record_stream
@@ -160,7 +161,7 @@ class Worker:
         """
         sched = self.sched
         native = sched.native  # the hot loop calls the C++ scheduler directly
-        parts = self.partitions
+        parts = stage_calls(self.partitions, len(batches[0]) if batches else 1)
         last = len(parts) - 1
         routes, wiring = self.routes(schedule.topology)
         flow = Flow(wiring, batches)
@@ -197,10 +198,9 @@ class Worker:
                         y = checkpointed(stage, *args) if m < checkpoint_stop else stage(*args)
                     if marking:
                         y = marks.leave(stage_marks, y)
-                    flow.store(s, m, y)
+                    out = flow.keep(s, m, y)
                     if s == last:
-                        results[m] = flow.result(m)
-                    flow.release(s, m)
+                        results[m] = out
                     native.end(handle)
                     del args, y
                 elif task.kind is Kind.COPY:

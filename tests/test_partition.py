@@ -14,6 +14,7 @@ from mpstream.partition import (
     check_devices_exist,
     check_shared,
     split_module,
+    stage_calls,
     takes_several,
 )
 
@@ -59,6 +60,26 @@ def test_a_tuple_is_spread_over_a_layer_taking_several_arguments() -> None:
     whole = Chain(OrderedDict(whole=Whole()))
     torch.testing.assert_close(whole(torch.ones(1), torch.ones(1)), torch.zeros(1))
     assert takes_several(Add()) and not takes_several(nn.Linear(1, 1))
+
+
+def test_one_layer_stages_are_called_directly_unless_that_changes_anything() -> None:
+    block, add, pair = nn.Linear(2, 2), Add(), Pair()
+    parts = [Chain(OrderedDict(block=block)), Chain(OrderedDict(add=add))]
+    assert stage_calls(parts, 1) == [block, parts[1]]  # Add spreads a tuple: keep the chain
+    assert stage_calls(parts, 2)[0] is parts[0]  # several inputs become one tuple
+    two = Chain(OrderedDict([("pair", pair), ("whole", Whole())]))
+    assert stage_calls([two], 1) == [two]
+    hooked = Chain(OrderedDict(block=block))
+    hooked.register_forward_hook(lambda *_: None)
+    assert stage_calls([hooked], 1) == [hooked]
+
+
+def test_a_hook_on_a_stage_still_runs() -> None:
+    pipe = Pipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), chunks=2)
+    seen: list[int] = []
+    pipe.partitions[1].register_forward_hook(lambda module, args, out: seen.append(len(out)))
+    pipe(torch.randn(4, 2))
+    assert seen == [2, 2]
 
 
 def test_parameterless_children_inherit_a_neighbour_device() -> None:

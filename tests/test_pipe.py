@@ -427,7 +427,10 @@ def test_forced_copies_are_transparent_and_really_copy(stages: int, split_size: 
     produced: list[int] = []
     pipe.partitions[0].register_forward_hook(lambda m, a, out: produced.append(out.data_ptr()))
     pipe(torch.randn(BATCH, 5, dtype=torch.float64))
-    assert produced and not set(produced) & set(seen)
+    # Pairwise, per micro-batch: both are alive then (the allocator may
+    # reuse a freed micro-batch's memory for a later one).
+    assert len(produced) == len(seen) > 0
+    assert all(p != q for p, q in zip(produced, seen))
 
 
 class Attend(nn.Module):
