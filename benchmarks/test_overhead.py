@@ -3,10 +3,17 @@
 (a) Issue cost per task (one stage x one micro-batch) of mpstream's C++
     event scheduler against the same plan issued from Python.
 (b) mpstream against a plain Python loop over the same stages and
-    micro-batches, on the CPU: the ratio is the runtime's own cost.
+    micro-batches, on the CPU: the ratio is the runtime's own cost. The
+    mpstream tests also time both alternately, round by round, and record
+    the median ratio (``extra_info['paired_ratio']``): on a shared VM whose
+    speed drifts, that ratio is steadier than two separately timed groups.
 """
 
 from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -48,6 +55,8 @@ def test_issue_cost_cpp(benchmark: object) -> None:
     schedule, sched = _schedule(devices), EventScheduler(devices)
     benchmark.extra_info.update(tasks=len(schedule), device=str(devices[0]))  # type: ignore[attr-defined]
     benchmark.pedantic(_run_cpp, args=(sched, schedule), rounds=200, warmup_rounds=5)  # type: ignore[attr-defined]
+    py = PyEventScheduler(devices)  # paired_ratio: C++ / Python, below 1 when C++ is cheaper
+    _paired(benchmark, lambda: py.run(schedule), lambda: _run_cpp(sched, schedule), 200)
 
 
 @pytest.mark.benchmark(group="overhead")
@@ -56,6 +65,24 @@ def test_issue_cost_python(benchmark: object) -> None:
     schedule, sched = _schedule(devices), PyEventScheduler(devices)
     benchmark.extra_info.update(tasks=len(schedule), device=str(devices[0]))  # type: ignore[attr-defined]
     benchmark.pedantic(sched.run, args=(schedule,), rounds=200, warmup_rounds=5)  # type: ignore[attr-defined]
+
+
+def _paired(
+    benchmark: object, plain: Callable[[], None], mine: Callable[[], None], rounds: int
+) -> None:
+    """Records the median over ``rounds`` of mine / plain, timed back to back."""
+    if benchmark.disabled:  # type: ignore[attr-defined]
+        return  # the suite runs untimed in CI: skip the extra rounds
+    ratios = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        plain()
+        middle = time.perf_counter()
+        mine()
+        ratios.append((time.perf_counter() - middle) / (middle - start))
+    benchmark.extra_info.update(  # type: ignore[attr-defined]
+        paired_ratio=statistics.median(ratios), paired_rounds=rounds
+    )
 
 
 def _loop_step(stages: list[nn.Module], x: Tensor, split: int) -> None:
@@ -89,6 +116,7 @@ def test_cpu_tiny_mpstream(benchmark: object) -> None:
     pipe = Pipe(stages, split_size=split)
     benchmark.extra_info.update(stages=STAGES, micro_batches=MICROS)  # type: ignore[attr-defined]
     benchmark.pedantic(_pipe_step, args=(pipe, x), rounds=30, warmup_rounds=3)  # type: ignore[attr-defined]
+    _paired(benchmark, lambda: _loop_step(list(stages), x, split), lambda: _pipe_step(pipe, x), 60)
 
 
 def _resnet() -> tuple[StreamPipelineResNet50, Tensor, int]:
@@ -107,5 +135,7 @@ def test_cpu_resnet_plain_loop(benchmark: object) -> None:
 
 @pytest.mark.benchmark(group="overhead")
 def test_cpu_resnet_mpstream(benchmark: object) -> None:
-    model, x, _ = _resnet()
+    model, x, split = _resnet()
     benchmark.pedantic(_pipe_step, args=(model, x), rounds=5, warmup_rounds=1)  # type: ignore[attr-defined]
+    plain = [model.seq1, model.head]
+    _paired(benchmark, lambda: _loop_step(plain, x, split), lambda: _pipe_step(model, x), 8)

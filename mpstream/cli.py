@@ -12,47 +12,11 @@ from pathlib import Path
 
 import torch
 
-from . import bench
+from . import bench, cli_schedules
 from ._version import __version__
+from .argtypes import image_size, int_list, non_negative_int, positive_int
 
 __all__ = ["main", "parser"]
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
-    return value
-
-
-def int_list(text: str) -> tuple[int, ...]:
-    parts = [p.strip() for p in text.split(",") if p.strip()]
-    if not parts:
-        raise argparse.ArgumentTypeError("expected comma-separated sizes, e.g. 1,3,12")
-    return tuple(positive_int(p) for p in parts)
-
-
-def image_size(text: str) -> tuple[int, int]:
-    parts = text.lower().split("x")
-    if len(parts) == 1:
-        side = positive_int(parts[0])
-        return side, side
-    if len(parts) == 2:
-        return positive_int(parts[0]), positive_int(parts[1])
-    raise argparse.ArgumentTypeError(f"expected W or WxH, got {text!r}")
 
 
 def _config(args: argparse.Namespace) -> bench.Config:
@@ -211,125 +175,6 @@ def _trace(args: argparse.Namespace) -> int:
     return 0
 
 
-def _doctor(args: argparse.Namespace) -> int:
-    from . import doctor
-
-    options = doctor.Options(
-        out=Path(args.out),
-        devices=args.devices,
-        quick=args.quick,
-        arch=args.model,
-        skip=tuple(args.skip),
-        progress=not args.no_progress,
-        command=args.command_line,
-    )
-    return doctor.run(options)
-
-
-def _doctor_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from .doctor import ARCHS, NAMES
-
-    d = sub.add_parser(
-        "doctor",
-        help="prove on this machine's GPUs that the pipeline is right and overlaps",
-        description=(
-            "Run, in order: environment, correctness against the CPU model, measured overlap, "
-            "the CUDA sanitizers, memory over many steps, the tutorial's experiment, a profiled "
-            "step and the cost model. One line per step as it goes (PASS / FAIL / SKIP), a "
-            "summary table last, and a report (summary.md, report.json, figures, one archive) "
-            "in --out. Steps that need a GPU SKIP without one. Exit code 1 if any step failed."
-        ),
-    )
-    d.add_argument("--out", default="mpstream-doctor", help="report folder (default: %(default)s)")
-    d.add_argument(
-        "--devices", help="one or two devices, e.g. cuda:0 or cuda:0,cuda:1 (default: detected)"
-    )
-    d.add_argument(
-        "--quick", action="store_true", help="short, CPU-sized run (automatic without a GPU)"
-    )
-    d.add_argument(
-        "--model", choices=ARCHS, default="resnet50", help="the experiment's model (%(default)s)"
-    )
-    d.add_argument(
-        "--skip",
-        nargs="+",
-        default=[],
-        choices=NAMES,
-        metavar="STEP",
-        help=f"steps not to run: {', '.join(NAMES)}",
-    )
-    d.add_argument("--no-progress", action="store_true", help="no progress bars")
-    d.set_defaults(func=_doctor)
-
-
-def _schedules(args: argparse.Namespace) -> int:
-    from . import compare
-    from .analysis import resnet_stages
-    from .cost_model import Cost
-    from .schedule import SCHEDULES
-
-    stages, devices, micros = args.stages, args.devices, args.micro_batches
-    if devices > stages:
-        raise ValueError(f"--devices {devices} exceeds --stages {stages}: a device needs a stage")
-    if args.image_size < 32:
-        raise ValueError("--image-size must be at least 32 (ResNet50 downsamples 32x)")
-    names = [n for n in SCHEDULES if n != "interleaved_1f1b" or stages % devices == 0]
-    measured: dict[str, dict[str, int]] = {}
-    meta: dict[str, object] = {"stages": stages, "devices": devices, "micro_batches": micros}
-    if args.uniform:
-        costs: list[Cost] = [(1.0, 1.0, 1.0)] * stages
-        source = "unit costs: forward = input gradient = weight gradient = 1 ms"
-    else:
-        device = torch.device(args.device) if args.device else bench.detect_devices(None)[0]
-        pipe, x, y = resnet_stages(
-            stages, micros, args.split_size, args.image_size, device, args.balance
-        )
-        loss_fn = torch.nn.functional.mse_loss
-        print(f"profiling ResNet50 as {stages} stages on {device} ...", flush=True)
-        costs = compare.profile_stages(pipe, x, y, loss_fn).per_stage()
-        source = (
-            f"ResNet50 ({args.split_size} images of {args.image_size}x{args.image_size} per "
-            f"micro-batch) profiled on {bench.device_name(device)}; balance {pipe.balance}"
-        )
-        meta.update(bench.metadata([device]), balance=pipe.balance)
-        if not args.no_memory:
-            virtual = stages // devices if "interleaved_1f1b" in names else None
-            measured = compare.measure_memory(pipe, x, y, loss_fn, names, virtual)
-    rows = compare.compare(costs, devices, micros, copy_times=args.copy_ms, schedules=names)
-    for r in rows:
-        r.measured = measured.get(r.schedule, {})
-    print(f"{stages} stages on {devices} devices, {micros} micro-batches; {source}")
-    if stages % devices:
-        print("(interleaved_1f1b left out: the stages do not divide evenly over the devices)")
-    print(compare.table(rows))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    doc = {
-        **meta,
-        "source": source,
-        "stage_costs_ms": costs,
-        "copy_ms": args.copy_ms,
-        "schedules": [
-            {
-                "schedule": r.schedule,
-                "step_ms": r.step_ms,
-                "bubble_fraction": r.bubble_fraction,
-                "live_per_stage": r.live,
-                "held_per_stage": r.held,
-                "devices": r.devices,
-                "measured_peak_bytes": r.measured,
-            }
-            for r in rows
-        ],
-    }
-    (out / "schedules.json").write_text(json.dumps(doc, indent=2) + "\n")
-    print(f"wrote {out / 'schedules.json'}")
-    if not args.no_plots:
-        title = f"{stages} stages, {devices} devices, {micros} micro-batches; {source}"
-        print(f"wrote {compare.plot_stacked(rows, out / 'schedules.png', title)}")
-    return 0
-
-
 def _size_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--devices", help="two devices, e.g. cuda:0,cuda:1 (default: detected)")
     p.add_argument("--quick", action="store_true", help="CPU-sized run")
@@ -402,49 +247,11 @@ def parser() -> argparse.ArgumentParser:
     )
     r.add_argument("--out", default="mpstream-trace", help="output folder (default: %(default)s)")
     r.set_defaults(func=_trace)
-    _doctor_parser(sub)
+    from . import doctor  # imports every step: only when the parser is built
 
-    c = sub.add_parser(
-        "schedules",
-        help="compare pipeline schedules side by side",
-        description=(
-            "Simulate every schedule (gpipe, 1f1b, interleaved_1f1b, zb_h1) for the given "
-            "stages, devices and micro-batches from a measured profile of the tutorial's "
-            "ResNet50 (or unit costs), print step time, bubble and live activations per stage, "
-            "measure each schedule's peak memory in a real step, and draw one PNG with a "
-            "timeline per schedule on one time axis."
-        ),
-    )
-    c.add_argument("--stages", type=positive_int, default=4, help="pipeline stages (default 4)")
-    c.add_argument(
-        "--devices", type=positive_int, default=2, help="devices the stages share (default 2)"
-    )
-    c.add_argument(
-        "--micro-batches", type=positive_int, default=8, help="micro-batches per step (default 8)"
-    )
-    c.add_argument("--uniform", action="store_true", help="unit costs instead of a profile")
-    c.add_argument("--device", help="where to profile and measure (default: detected)")
-    c.add_argument(
-        "--balance",
-        choices=("tutorial", "time"),
-        default="tutorial",
-        help="ResNet50's cut: the tutorial's (2 or 4 stages) or balance_by_time's",
-    )
-    c.add_argument(
-        "--split-size", type=positive_int, default=2, help="images per micro-batch (default 2)"
-    )
-    c.add_argument(
-        "--image-size", type=positive_int, default=64, help="image side, >= 32 (default 64)"
-    )
-    c.add_argument(
-        "--copy-ms", type=float, default=0.0, help="modelled time of each copy (default 0)"
-    )
-    c.add_argument("--no-memory", action="store_true", help="skip the measured memory")
-    c.add_argument("--no-plots", action="store_true", help="skip the PNG")
-    c.add_argument(
-        "--out", default="mpstream-schedules", help="output folder (default: %(default)s)"
-    )
-    c.set_defaults(func=_schedules)
+    doctor.add_command(sub)
+
+    cli_schedules.add_command(sub)
     return p
 
 

@@ -11,6 +11,7 @@ report (:mod:`mpstream.report`) is written into ``--out``. The exit code is
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import tempfile
 import time
@@ -36,7 +37,7 @@ from . import (
 from .bench import detect_devices
 from .diagnosis import FAIL, FULL, QUICK, SKIP, Context, Sizes, StepResult, jsonable
 
-__all__ = ["Step", "STEPS", "NAMES", "Options", "parse_devices", "run_step", "run"]
+__all__ = ["Step", "STEPS", "NAMES", "Options", "parse_devices", "run_step", "run", "add_command"]
 
 
 @dataclass(frozen=True)
@@ -220,3 +221,51 @@ def run(options: Options, echo: Callable[[str], None] | None = None) -> int:
         (ctx.scratch / "doctor.log").write_text("\n".join(log) + "\n")
         report.write(out, ctx.scratch, results, meta)
     return 1 if report.status_of(results) == FAIL else 0
+
+
+def _command(args: argparse.Namespace) -> int:
+    options = Options(
+        out=Path(args.out),
+        devices=args.devices,
+        quick=args.quick,
+        arch=args.model,
+        skip=tuple(args.skip),
+        progress=not args.no_progress,
+        command=args.command_line,
+    )
+    return run(options)
+
+
+def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Adds the ``doctor`` command to the ``mpstream`` parser."""
+    d = sub.add_parser(
+        "doctor",
+        help="prove on this machine's GPUs that the pipeline is right and overlaps",
+        description=(
+            "Run, in order: environment, correctness against the CPU model, measured overlap, "
+            "the CUDA sanitizers, memory over many steps, the tutorial's experiment, a profiled "
+            "step and the cost model. One line per step as it goes (PASS / FAIL / SKIP), a "
+            "summary table last, and a report (summary.md, report.json, figures, one archive) "
+            "in --out. Steps that need a GPU SKIP without one. Exit code 1 if any step failed."
+        ),
+    )
+    d.add_argument("--out", default="mpstream-doctor", help="report folder (default: %(default)s)")
+    d.add_argument(
+        "--devices", help="one or two devices, e.g. cuda:0 or cuda:0,cuda:1 (default: detected)"
+    )
+    d.add_argument(
+        "--quick", action="store_true", help="short, CPU-sized run (automatic without a GPU)"
+    )
+    d.add_argument(
+        "--model", choices=ARCHS, default="resnet50", help="the experiment's model (%(default)s)"
+    )
+    d.add_argument(
+        "--skip",
+        nargs="+",
+        default=[],
+        choices=NAMES,
+        metavar="STEP",
+        help=f"steps not to run: {', '.join(NAMES)}",
+    )
+    d.add_argument("--no-progress", action="store_true", help="no progress bars")
+    d.set_defaults(func=_command)

@@ -1,0 +1,48 @@
+"""Argument types of the ``mpstream`` commands: whole numbers, size lists, image sizes."""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["positive_int", "non_negative_int", "int_list", "image_size"]
+
+
+def positive_int(text: str) -> int:
+    """A whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """A whole number >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
+    return value
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    """Comma-separated positive sizes, e.g. ``1,3,12``."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError("expected comma-separated sizes, e.g. 1,3,12")
+    return tuple(positive_int(p) for p in parts)
+
+
+def image_size(text: str) -> tuple[int, int]:
+    """``W`` (square) or ``WxH``."""
+    parts = text.lower().split("x")
+    if len(parts) == 1:
+        side = positive_int(parts[0])
+        return side, side
+    if len(parts) == 2:
+        return positive_int(parts[0]), positive_int(parts[1])
+    raise argparse.ArgumentTypeError(f"expected W or WxH, got {text!r}")
