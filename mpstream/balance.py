@@ -170,17 +170,27 @@ def profile_layers(
     if isinstance(sample, Tensor):
         x = x[0]
     out = []
+    counted: set[int] = set()
     for name, layer in model.named_children():
-        profile, y = profile_call(name, layer, (x,), dev, repeat)
+        profile, y = profile_call(name, layer, (x,), dev, repeat, counted)
         out.append(profile)
         x = tuple(t.detach() for t in tensors_of(y)) if not isinstance(y, Tensor) else y.detach()
     return out
 
 
 def profile_call(
-    name: str, layer: nn.Module, args: tuple[Any, ...], device: torch.device, repeat: int
+    name: str,
+    layer: nn.Module,
+    args: tuple[Any, ...],
+    device: torch.device,
+    repeat: int,
+    counted: set[int] | None = None,
 ) -> tuple[LayerProfile, Any]:
     """Times ``layer(*args)`` forward and backward and counts its bytes.
+
+    Args:
+        counted: ids of parameters an earlier layer already counted (a tied
+            weight is held once); this layer's are added to it.
 
     Returns:
         The profile, and the layer's output (of the last run).
@@ -213,7 +223,10 @@ def profile_call(
             fwd.append((middle - start) * 1e3)
             bwd.append((end - middle) * 1e3)
         layer.zero_grad(set_to_none=True)
-    params = sum(_nbytes(p) for p in layer.parameters())
+    own = [p for p in layer.parameters() if counted is None or id(p) not in counted]
+    if counted is not None:
+        counted.update(id(p) for p in own)
+    params = sum(_nbytes(p) for p in own)
     output = sum(_nbytes(t) for t in leaves(y)[0] if isinstance(t, Tensor))
     fwd_ms, bwd_ms = statistics.median(fwd), statistics.median(bwd)
     profile = LayerProfile(name, fwd_ms, bwd_ms, sum(saved.values()) + output, 2 * params, output)
@@ -258,11 +271,12 @@ def profile_units(
     outs: list[tuple[Any, ...]] = []
     profiles = []
     names = ["(start)", *points]
+    counted: set[int] = set()
     for s, (unit, refs) in enumerate(zip(traced.partitions, traced.graph.args)):
         unit_args = tuple(
             _detached(inputs[r.index] if r.stage < 0 else outs[r.stage][r.index]) for r in refs
         )
-        profile, y = profile_call(names[s], unit, unit_args, dev, repeat)
+        profile, y = profile_call(names[s], unit, unit_args, dev, repeat, counted)
         profiles.append(profile)
         outs.append(y if traced.graph.outputs[s] > 1 else (y,))
     return points, profiles
@@ -307,8 +321,9 @@ def balance_by_size(
     """The split with the smallest largest stage in memory.
 
     Memory per layer: the bytes it saves for backward plus its output (on
-    ``sample``), its parameters and their gradients, and ``param_scale``
-    bytes of optimizer state per parameter byte.
+    ``sample``), its parameters and their gradients (a parameter tied to an
+    earlier layer's is counted there only), and ``param_scale`` bytes of
+    optimizer state per parameter byte.
 
     Args:
         module: an ``nn.Sequential``.

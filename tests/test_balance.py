@@ -119,6 +119,14 @@ def test_balance_by_size_counts_optimizer_state_with_param_scale() -> None:
             balance_by_size(model, sample, 2, param_scale=bad)
 
 
+def test_a_tied_weight_is_counted_once() -> None:
+    first, second = nn.Linear(32, 32, bias=False), nn.Linear(32, 32, bias=False)
+    second.weight = first.weight  # held once on the device, used by both layers
+    profiles = profile_layers(nn.Sequential(first, nn.Tanh(), second), torch.randn(4, 32), repeat=1)
+    weight = 2 * first.weight.numel() * first.weight.element_size()  # itself and its gradient
+    assert [p.parameter_bytes for p in profiles] == [weight, 0, 0]
+
+
 class Modes(nn.Module):
     """Records the mode of every call (on the class: profiling deep-copies)."""
 
