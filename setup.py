@@ -74,6 +74,7 @@ setup(
             sources=[
                 "csrc/bindings.cpp",
                 "csrc/events.cpp",
+                "csrc/finish.cpp",
                 "csrc/orders.cpp",
                 "csrc/schedule.cpp",
                 "csrc/scheduler.cpp",

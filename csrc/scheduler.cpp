@@ -1,6 +1,7 @@
 // Runs and tasks: construction, starting a run, opening and closing tasks
-// (waits, current streams, completion events), autograd's gradient copies,
-// join and abort. See scheduler.h for the model and events.cpp for ordering.
+// (waits, current streams, completion events), autograd's gradient copies.
+// How a run ends (join, abort) is in finish.cpp. See scheduler.h for the
+// model and events.cpp for ordering.
 #include <algorithm>
 #include <stdexcept>
 
@@ -392,96 +393,6 @@ void Scheduler::end(int64_t handle) {
   }
   finish_open(o);
   open_free_.push_back(handle);
-}
-
-void Scheduler::join() {
-  const auto lock = acquire();
-  if (!running_) {
-    throw std::runtime_error("join() outside a run");
-  }
-  caller_waits();
-  release_run();
-}
-
-void Scheduler::caller_waits() {
-  const int32_t first_caller = 2 * stages_;
-  for (int32_t c = first_caller; c < first_caller + callers_; ++c) {
-    std::vector<int32_t> latest;
-    for (int32_t x = 0; x < static_cast<int32_t>(slots_.size()); ++x) {
-      if (!is_caller(x) && slots_[x].ref == c && slots_[x].latest >= 0) {
-        latest.push_back(slots_[x].latest);
-      }
-    }
-    // Skip an event another candidate was recorded after: waiting on that
-    // one implies it.
-    for (int32_t e : latest) {
-      const EventRec& rec = events_[e];
-      const bool implied = std::any_of(latest.begin(), latest.end(), [&](int32_t other) {
-        return other != e && events_[other].vc[rec.slot] >= rec.seq;
-      });
-      if (!implied) {
-        wait(c, e, Who{});
-      }
-    }
-  }
-}
-
-void Scheduler::release_run() {
-  for (size_t i = 0; i < task_event_.size(); ++i) {
-    const int32_t ev = task_event_[i];
-    if (ev >= 0) {
-      for (; pending_[i] > 0; --pending_[i]) {
-        unref(ev);
-      }
-    }
-  }
-  for (auto& s : slots_) {
-    if (s.latest >= 0) {
-      unref(s.latest);
-      s.latest = -1;
-    }
-  }
-  task_event_.clear();
-  pending_.clear();
-  schedule_.reset();
-  running_ = false;
-}
-
-void Scheduler::abort() {
-  const auto lock = acquire();
-  // A device error in here must not hide the exception that caused the
-  // abort, nor keep the rest of the cleanup from running.
-  for (int64_t h = static_cast<int64_t>(open_.size()) - 1; h >= 0; --h) {
-    Open& o = *open_[h];
-    if (!o.active || o.task < 0) {
-      continue;
-    }
-    if (running_) {
-      // Kernels the failed task queued after begin() have no event yet:
-      // mark where they end, as end() would (a copy's receiving stream
-      // after its issuing one), so that the callers wait for them below.
-      try {
-        if (o.issue >= 0 && o.issue != o.rec) {
-          const int32_t done = record(o.issue, o.who());
-          wait(o.rec, done, o.who());
-        }
-        record(o.rec, o.who());
-      } catch (const std::exception&) {
-      }
-    }
-    restore_streams(o);
-    o.active = false;
-    open_free_.push_back(h);
-  }
-  if (running_) {
-    // Work already queued by the failed run may still be running; the
-    // caller's next work (restoring state, say) must come after it.
-    try {
-      caller_waits();
-    } catch (const std::exception&) {
-    }
-    release_run();
-  }
 }
 
 void Scheduler::set_autograd_orders_grad_copies(bool on) {
