@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,3 +30,32 @@ def test_example_trains_and_matches_the_unsplit_model(script: str, args: list[st
     assert result.returncode == 0, result.stderr[-3000:]
     assert "equals the unsplit model's" in result.stdout
     assert "step   2" in result.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without CUDA")
+def test_the_cuda_graph_experiment_says_it_needs_cuda() -> None:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "cuda_graph_step.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 1
+    assert "needs a CUDA device" in result.stderr
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_cuda_graph_experiment_reports_every_attempt(tmp_path: Path) -> None:
+    out = tmp_path / "graph.json"
+    args = ["--batch", "8", "--image", "64", "--split-size", "4", "--runs", "2", "--json", str(out)]
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "cuda_graph_step.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["eager_ms"] > 0 and report["attempts"]
+    last = report["attempts"][-1]
+    assert last["captured"] or len(report["attempts"]) == 3
