@@ -29,7 +29,7 @@ __all__ = [
     "check_shared",
     "check_devices_exist",
     "takes_several",
-    "stage_calls",
+    "StageCalls",
 ]
 
 DeviceLike = str | int | torch.device
@@ -141,7 +141,7 @@ class Chain(nn.Sequential):
 
 
 
-def stage_calls(parts: Sequence[nn.Module], inputs: int) -> list[nn.Module]:
+class StageCalls:
     """What the hot loop calls for each stage of a run.
 
     A :class:`Chain` holding one layer that takes its one argument whole
@@ -152,24 +152,33 @@ def stage_calls(parts: Sequence[nn.Module], inputs: int) -> list[nn.Module]:
 
     Args:
         parts: one module per stage.
-        inputs: how many positional values the first stage receives (the
-            others of a chain receive one).
     """
-    calls: list[nn.Module] = []
-    for s, part in enumerate(parts):
-        one = inputs == 1 or s > 0
-        if type(part) is Chain and one and len(part) == 1 and not part._spread[0]:
-            chain: Chain = part
+
+    def __init__(self, parts: Sequence[nn.Module]) -> None:
+        self.parts = list(parts)
+        # Found once: a Chain's layers are fixed when the pipe is built.
+        self.direct: list[nn.Module | None] = []
+        for part in self.parts:
+            layer = None
+            # A subclass of Chain may call its layers differently: not those.
+            if isinstance(part, Chain) and type(part) is Chain and len(part) == 1:
+                layer = None if part._spread[0] else part[0]
+            self.direct.append(layer)
+
+    def __call__(self, inputs: int) -> list[nn.Module]:
+        """The callables of a run whose first stage receives ``inputs``
+        positional values (the others of a chain receive one)."""
+        calls = []
+        for s, (part, layer) in enumerate(zip(self.parts, self.direct)):
             hooked = (
-                chain._forward_hooks
-                or chain._forward_pre_hooks
-                or chain._backward_hooks
-                or chain._backward_pre_hooks
+                part._forward_hooks
+                or part._forward_pre_hooks
+                or part._backward_hooks
+                or part._backward_pre_hooks
             )
-            calls.append(part if hooked else chain[0])
-        else:
-            calls.append(part)
-    return calls
+            several = s == 0 and inputs != 1
+            calls.append(part if layer is None or hooked or several else layer)
+        return calls
 
 def check_shared(
     layers: Sequence[tuple[str, nn.Module]],

@@ -25,7 +25,6 @@ from .checkpoint import checkpointed
 from .copy import move
 from .graph import Hop, Ref
 from .microbatch import leaves, rebuild_leaves
-from .partition import stage_calls
 from .schedule import Kind, Schedule, Task
 from .split_backward import WeightPass, backward_inputs
 from .stream import AnyStream, current_stream, record_stream
@@ -199,7 +198,7 @@ def run(
     """
     sched = worker.sched
     native = sched.native
-    parts = stage_calls(worker.partitions, len(batches[0]) if batches else 1)
+    parts = worker.calls(len(batches[0]) if batches else 1)
     last = len(parts) - 1
     devices = sched.devices
     routes, wiring = worker.routes(schedule.topology)

@@ -30,7 +30,7 @@ from .copy import Copy, Route
 from .errors import annotate, raised_in, task_note
 from .graph import ALL, Hop, Routes, StageGraph
 from .microbatch import leaves, rebuild_leaves
-from .partition import stage_calls
+from .partition import StageCalls
 from .schedule import Kind, Schedule, Task, Topology
 from .scheduler import EventScheduler
 from .stream import AnyStream, current_stream, is_cuda, record_stream
@@ -110,6 +110,7 @@ class Worker:
         labels: Sequence[str] | None = None,
     ) -> None:
         self.partitions = list(partitions)
+        self.calls = StageCalls(self.partitions)
         self.sched = sched
         self.force_copies = force_copies
         self.graph = graph or StageGraph.chain(len(self.partitions))
@@ -161,7 +162,7 @@ class Worker:
         """
         sched = self.sched
         native = sched.native  # the hot loop calls the C++ scheduler directly
-        parts = stage_calls(self.partitions, len(batches[0]) if batches else 1)
+        parts = self.calls(len(batches[0]) if batches else 1)
         last = len(parts) - 1
         routes, wiring = self.routes(schedule.topology)
         flow = Flow(wiring, batches)

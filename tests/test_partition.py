@@ -11,10 +11,10 @@ from torch import nn
 from mpstream import Pipe
 from mpstream.partition import (
     Chain,
+    StageCalls,
     check_devices_exist,
     check_shared,
     split_module,
-    stage_calls,
     takes_several,
 )
 
@@ -65,13 +65,16 @@ def test_a_tuple_is_spread_over_a_layer_taking_several_arguments() -> None:
 def test_one_layer_stages_are_called_directly_unless_that_changes_anything() -> None:
     block, add, pair = nn.Linear(2, 2), Add(), Pair()
     parts = [Chain(OrderedDict(block=block)), Chain(OrderedDict(add=add))]
-    assert stage_calls(parts, 1) == [block, parts[1]]  # Add spreads a tuple: keep the chain
-    assert stage_calls(parts, 2)[0] is parts[0]  # several inputs become one tuple
+    calls = StageCalls(parts)
+    assert calls(1) == [block, parts[1]]  # Add spreads a tuple: keep the chain
+    assert calls(2)[0] is parts[0]  # several inputs become one tuple
     two = Chain(OrderedDict([("pair", pair), ("whole", Whole())]))
-    assert stage_calls([two], 1) == [two]
+    assert StageCalls([two])(1) == [two]
     hooked = Chain(OrderedDict(block=block))
-    hooked.register_forward_hook(lambda *_: None)
-    assert stage_calls([hooked], 1) == [hooked]
+    calls = StageCalls([hooked])
+    assert calls(1) == [block]
+    hooked.register_forward_hook(lambda *_: None)  # after the worker was built
+    assert calls(1) == [hooked]
 
 
 def test_a_hook_on_a_stage_still_runs() -> None:
