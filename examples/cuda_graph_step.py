@@ -8,11 +8,13 @@ static input and target buffers. The step is ``zero_grad`` + ``train_step``
 (no optimizer step, so every replay computes the same gradients). It times
 the eager step, then tries ``torch.cuda.graph`` capture in each
 ``capture_error_mode`` ("global", "thread_local", "relaxed") until one works,
-and reports for each what broke (the exception, verbatim) or, once capture
-works, the replay time against the eager step and how far the replayed
-gradients are from the eager ones. Not a feature of mpstream: its result
-decides whether graph capture of stage micro-batches becomes one. It needs a
-CUDA device; without one it says so and exits with status 1.
+and reports for each what broke (the exception, verbatim, and whether at
+capture or replay) or, once one works, the replay time against the eager
+step and how far the replayed gradients are from the eager ones. Each mode
+gets a fresh pipe, so one failure cannot spoil the next attempt. Not a
+feature of mpstream: its result decides whether graph capture of stage
+micro-batches becomes one. It needs a CUDA device; without one it says so and
+exits with status 1.
 """
 
 from __future__ import annotations
@@ -59,48 +61,8 @@ def max_difference(a: list[Tensor], b: list[Tensor]) -> float:
     return max(float((x - y).abs().max()) for x, y in zip(a, b))
 
 
-def attempt(
-    mode: str, pipe: nn.Module, step: Callable[[], Tensor], eager_ms: float, replays: int
-) -> dict[str, Any]:
-    """Captures ``step`` with ``mode`` and replays it; what happened, as a dict."""
-    result: dict[str, Any] = {"capture_error_mode": mode}
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph, capture_error_mode=mode):  # type: ignore[arg-type,unused-ignore]
-            loss = step()
-    except Exception as exc:  # the experiment's answer is the failure itself
-        result.update(captured=False, error=f"{type(exc).__name__}: {exc}")
-        result["traceback"] = traceback.format_exc(limit=12)
-        torch.cuda.synchronize()
-        return result
-    graph.replay()
-    torch.cuda.synchronize()
-    replayed = grads(pipe)
-    times = timed(graph.replay, replays)
-    result.update(
-        captured=True,
-        loss=float(loss),
-        replay_ms=statistics.median(times),
-        replay_over_eager=statistics.median(times) / eager_ms,
-        replayed_grads=replayed,
-    )
-    return result
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cuda:0")
-    p.add_argument("--split-size", type=int, default=12)
-    p.add_argument("--batch", type=int, default=120, help="images per step (the tutorial's)")
-    p.add_argument("--image", type=int, default=128, help="image side (the tutorial's)")
-    p.add_argument("--classes", type=int, default=1000)
-    p.add_argument("--runs", type=int, default=10, help="timed eager steps and replays")
-    p.add_argument("--json", type=Path, help="also write the results here")
-    args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("cuda_graph_step.py needs a CUDA device; none is available here", file=sys.stderr)
-        return 1
-    device = torch.device(args.device)
+def build(args: argparse.Namespace, device: torch.device) -> tuple[nn.Module, Callable[[], Tensor]]:
+    """A fresh pipe on ``device`` and its step, warmed up on a side stream."""
     torch.manual_seed(0)
     model = StreamPipelineResNet50(device, device, args.split_size, args.classes)
     pipe = model.__dict__["pipe"]
@@ -122,10 +84,55 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(3):
             step()
     torch.cuda.current_stream(device).wait_stream(side)
-    torch.cuda.synchronize()
-    eager = timed(step, args.runs)
-    eager_ms = statistics.median(eager)
+    torch.cuda.synchronize(device)
+    return pipe, step
+
+
+def attempt(mode: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """Times the eager step of a fresh pipe, then captures it with ``mode``
+    and replays it; what happened, as a dict. A fresh pipe per mode, so that
+    a failed capture cannot spoil the next mode's attempt."""
+    pipe, step = build(args, device)
+    eager = statistics.median(timed(step, args.runs))
     eager_grads = grads(pipe)
+    result: dict[str, Any] = {"capture_error_mode": mode, "eager_ms": eager, "captured": False}
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph, capture_error_mode=mode):  # type: ignore[arg-type,unused-ignore]
+            loss = step()
+        result["captured"] = True
+        graph.replay()
+        torch.cuda.synchronize(device)
+        result["loss"] = float(loss)
+        result["max_grad_difference"] = max_difference(grads(pipe), eager_grads)
+        times = timed(graph.replay, args.runs)
+        result.update(
+            replay_ms=statistics.median(times),
+            replay_over_eager=statistics.median(times) / eager,
+        )
+    except Exception as exc:  # the experiment's answer is the failure itself
+        where = "replay" if result["captured"] else "capture"
+        result.update(failed_at=where, error=f"{type(exc).__name__}: {exc}")
+        result["traceback"] = traceback.format_exc(limit=12)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda:0")
+    p.add_argument("--split-size", type=int, default=12)
+    p.add_argument("--batch", type=int, default=120, help="images per step (the tutorial's)")
+    p.add_argument("--image", type=int, default=128, help="image side (the tutorial's)")
+    p.add_argument("--classes", type=int, default=1000)
+    p.add_argument("--runs", type=int, default=10, help="timed eager steps and replays")
+    p.add_argument("--json", type=Path, help="also write the results here")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("cuda_graph_step.py needs a CUDA device; none is available here", file=sys.stderr)
+        return 1
+    device = torch.device(args.device)
+    # Capture, timing events and synchronize use the current device.
+    torch.cuda.set_device(device)
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device),
         "torch": torch.__version__,
@@ -133,24 +140,21 @@ def main(argv: list[str] | None = None) -> int:
         "split_size": args.split_size,
         "batch": args.batch,
         "image": args.image,
-        "eager_ms": eager_ms,
         "attempts": [],
     }
-    print(f"eager step (zero_grad + train_step): {eager_ms:.2f} ms (median of {args.runs})")
     for mode in MODES:
-        result = attempt(mode, pipe, step, eager_ms, args.runs)
-        replayed = result.pop("replayed_grads", None)
-        if replayed is not None:
-            result["max_grad_difference"] = max_difference(replayed, eager_grads)
+        result = attempt(mode, args, device)
+        print(f"eager step (zero_grad + train_step): {result['eager_ms']:.2f} ms")
+        if "error" in result:
+            print(f"capture_error_mode={mode}: failed at {result['failed_at']}: {result['error']}")
+        else:
             print(
-                f"capture ({mode}): works; replay {result['replay_ms']:.2f} ms = "
+                f"capture_error_mode={mode}: works; replay {result['replay_ms']:.2f} ms = "
                 f"{result['replay_over_eager']:.2f}x the eager step; gradients differ from "
                 f"eager by at most {result['max_grad_difference']:.3g}"
             )
-        else:
-            print(f"capture ({mode}): failed: {result['error']}")
         report["attempts"].append(result)
-        if result["captured"]:
+        if "error" not in result:
             break
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")

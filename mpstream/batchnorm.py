@@ -45,6 +45,10 @@ class DeferredBatchNorm(_BatchNorm):
     sum: Tensor
     sum_squares: Tensor
     count: Tensor
+    #: How many have been made in this process: a pipe that found its
+    #: deferred norms looks again when this changes (a conversion after the
+    #: pipe was built).
+    created = 0
 
     def __init__(
         self,
@@ -65,6 +69,7 @@ class DeferredBatchNorm(_BatchNorm):
         self.expected = 1
         self.tracked = 0
         self.hold = False
+        DeferredBatchNorm.created += 1
 
     def _check_input_dim(self, input: Tensor) -> None:
         if input.dim() < 2:

@@ -145,10 +145,12 @@ class StageCalls:
     """What the hot loop calls for each stage of a run.
 
     A :class:`Chain` holding one layer that takes its one argument whole
-    computes ``layer(x)``: unless something hooks the chain itself, the
-    layer is called directly, sparing a module call per task (a pipe of one
-    block per stage is the common case, the tutorial's among them). Every
-    other stage is called as it is.
+    computes ``layer(x)``; the layer is called directly, sparing a module
+    call per task (a pipe of one block per stage is the common case, the
+    tutorial's among them), unless that would skip something the chain's
+    own call does: its hooks, hooks registered for every module, or a
+    ``forward`` replaced on the instance. Every other stage is called as it
+    is.
 
     Args:
         parts: one module per stage.
@@ -156,28 +158,38 @@ class StageCalls:
 
     def __init__(self, parts: Sequence[nn.Module]) -> None:
         self.parts = list(parts)
-        # Found once: a Chain's layers are fixed when the pipe is built.
-        self.direct: list[nn.Module | None] = []
+        # The name of the one layer of each plain one-layer Chain (a subclass
+        # may call its layers differently: not those), else None.
+        self.direct: list[str | None] = []
         for part in self.parts:
-            layer = None
-            # A subclass of Chain may call its layers differently: not those.
+            name = None
             if isinstance(part, Chain) and type(part) is Chain and len(part) == 1:
-                layer = None if part._spread[0] else part[0]
-            self.direct.append(layer)
+                name = None if part._spread[0] else next(iter(part._modules))
+            self.direct.append(name)
 
     def __call__(self, inputs: int) -> list[nn.Module]:
         """The callables of a run whose first stage receives ``inputs``
         positional values (the others of a chain receive one)."""
+        hooks = torch.nn.modules.module  # hooks for every module: what _call_impl checks
+        any_global = bool(
+            hooks._global_forward_hooks
+            or hooks._global_forward_pre_hooks
+            or hooks._global_backward_hooks
+            or hooks._global_backward_pre_hooks
+        )
         calls = []
-        for s, (part, layer) in enumerate(zip(self.parts, self.direct)):
-            hooked = (
-                part._forward_hooks
+        for s, (part, name) in enumerate(zip(self.parts, self.direct)):
+            layer = None if name is None else part._modules.get(name)
+            keep = (
+                any_global
+                or (s == 0 and inputs != 1)
+                or "forward" in part.__dict__
+                or part._forward_hooks
                 or part._forward_pre_hooks
                 or part._backward_hooks
                 or part._backward_pre_hooks
             )
-            several = s == 0 and inputs != 1
-            calls.append(part if layer is None or hooked or several else layer)
+            calls.append(part if layer is None or keep else layer)
         return calls
 
 def check_shared(

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .batchnorm import DeferredBatchNorm, deferred_update
+from .batchnorm import DeferredBatchNorm, deferred_norms, deferred_update
 from .build import build
 from .checkpoint import check_mode, checkpoint_stop
 from .compiling import CompileOption, compile_options, compile_stages
@@ -159,10 +159,7 @@ class Pipe(nn.Module):
         self.__dict__["_bind"] = built.bind
         self.__dict__["_root"] = built.root
         self.__dict__["_split_points"] = built.split_points
-        # Found once: every step restores or updates them.
-        norms = batch_norms(self)
-        self.__dict__["_norms"] = norms
-        self.__dict__["_deferred"] = [m for m in norms if isinstance(m, DeferredBatchNorm)]
+        self.__dict__["_deferred"] = None  # found on first use (see _deferred_norms)
         check_schedule(self.schedule, built.devices, built.graph.reads(), self.virtual_stages)
 
     def _adopt_module(self, module: nn.Module | None) -> None:
@@ -318,9 +315,18 @@ class Pipe(nn.Module):
             cache[key] = sched
         return sched
 
+    def _deferred_norms(self) -> list[DeferredBatchNorm]:
+        """The deferred BatchNorm layers, found again only after one was made
+        (every call updates them; a walk over all modules per call costs)."""
+        found = self.__dict__.get("_deferred")
+        if found is None or found[0] != DeferredBatchNorm.created:
+            found = (DeferredBatchNorm.created, deferred_norms(self))
+            self.__dict__["_deferred"] = found
+        return found[1]  # type: ignore[no-any-return]
+
     def _prepare(self, micros: int) -> int:
         """Per-run setup; returns how many micro-batches to checkpoint."""
-        for norm in self.__dict__["_deferred"]:
+        for norm in self._deferred_norms():
             norm.expected = micros
         training = self.training and torch.is_grad_enabled()
         return checkpoint_stop(self.checkpoint, micros, training)
@@ -372,7 +378,7 @@ class Pipe(nn.Module):
         _, worker, _ = self._rt()
         staging = self._stage(inputs, self.devices[0])
         stop = self._prepare(len(micro))
-        with deferred_update(self.__dict__["_deferred"], len(micro)):
+        with deferred_update(self._deferred_norms(), len(micro)):
             outputs = worker.forward(micro, schedule, stop, staging)
         return gather(outputs)
 
@@ -462,7 +468,7 @@ class Pipe(nn.Module):
         _, worker, _ = self._rt()
         staging = self._stage(args, self.devices[0])
         target_staging = self._stage(labels, self.devices[-1])
-        snapshot = Snapshot(self.__dict__["_norms"], list(self.partitions))
+        snapshot = Snapshot(batch_norms(self), list(self.partitions))
         try:
             with torch.enable_grad():
                 stop = self._prepare(len(micro))

@@ -268,3 +268,14 @@ def test_failed_forward_leaves_no_partial_statistics(fail_at: int) -> None:
         pipe(x)
         ref(x)
         assert_same_stats(pipe, running_stats(ref))
+
+
+def test_norms_converted_after_the_pipe_was_built_are_deferred() -> None:
+    model = nn.Sequential(nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3)), nn.Linear(3, 2))
+    pipe = Pipe(model, chunks=4, balance=[1, 1], devices=["cpu", "cpu"])
+    pipe(torch.randn(16, 2))  # the pipe has looked for deferred norms once
+    convert_deferred_batch_norm(pipe)
+    (norm,) = deferred_norms(pipe)
+    before = int(norm.num_batches_tracked)  # 4: the plain norm's, one per micro-batch
+    pipe(torch.randn(16, 2))
+    assert int(norm.num_batches_tracked) == before + 1  # one update for the mini-batch

@@ -56,6 +56,6 @@ def test_the_cuda_graph_experiment_reports_every_attempt(tmp_path: Path) -> None
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert report["eager_ms"] > 0 and report["attempts"]
-    last = report["attempts"][-1]
-    assert last["captured"] or len(report["attempts"]) == 3
+    attempts = report["attempts"]
+    assert attempts and all(a["eager_ms"] > 0 for a in attempts)
+    assert "error" not in attempts[-1] or len(attempts) == 3  # stops at the first that works

@@ -85,6 +85,29 @@ def test_a_hook_on_a_stage_still_runs() -> None:
     assert seen == [2, 2]
 
 
+def test_what_a_stage_call_does_is_kept() -> None:
+    pipe = Pipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), chunks=2)
+    x = torch.randn(4, 2)
+    pipe(x)
+    # Hooks for every module see the stages as before.
+    chains: list[nn.Module] = []
+    handle = nn.modules.module.register_module_forward_hook(
+        lambda module, args, out: chains.append(module) if isinstance(module, Chain) else None
+    )
+    try:
+        pipe(x)
+    finally:
+        handle.remove()
+    assert len(chains) == 4
+    # A forward replaced on a stage's instance runs.
+    pipe.partitions[1].forward = lambda y: torch.zeros_like(y)
+    assert (pipe(x) == 0).all()
+    # A layer replaced in a stage after the first run is the one called.
+    del pipe.partitions[1].forward
+    pipe.partitions[0][0] = nn.Identity()
+    torch.testing.assert_close(pipe(x), pipe.partitions[1](x))
+
+
 def test_parameterless_children_inherit_a_neighbour_device() -> None:
     stages = split_module(nn.Sequential(nn.ReLU(), nn.Linear(2, 2), nn.Tanh()))
     assert stages.devices == [torch.device("cpu")] * 3
