@@ -11,6 +11,7 @@ on a GPU the marks are events on that stream.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -82,7 +83,9 @@ def _wrap(value: Any, apply: Any) -> Any:
     return rebuild_leaves(items, spec)
 
 
-def enter(native: Any, stage: int, micro: int, args: list[Any]) -> tuple[list[Any], StageMarks]:
+def enter(
+    native: Any, stage: int, micro: int, args: Sequence[Any]
+) -> tuple[list[Any], StageMarks]:
     """Wraps a stage's arguments; call inside the stage's task."""
     marks = StageMarks(native, stage, micro)
     wrapped = _wrap(tuple(args), lambda *ts: _End.apply(marks, _ANCHOR, *ts))

@@ -111,15 +111,15 @@ class Flow:
         assert src is not None, f"stage {ref.stage}'s output of micro-batch {m} is gone"
         return src
 
-    def values(self, q: int, m: int) -> list[Any]:
+    def values(self, q: int, m: int) -> Sequence[Any]:
         """Stage ``q``'s arguments for micro-batch ``m`` (the hot path of
-        :meth:`args`, without the refs)."""
+        :meth:`args`, without the refs); read-only."""
         only = self.only[q]
         if only is not None:
             p, index, key = only
             src = self.outs[m][p + 1] if key is None else self.moved[m][key]
             assert src is not None
-            return list(src) if index == ALL else [src[index]]
+            return src if index == ALL else (src[index],)
         out: list[Any] = []
         for ref, hop in self.plan[q]:
             src = self._source(ref, hop, m)
