@@ -7,12 +7,16 @@ import argparse
 __all__ = ["positive_int", "non_negative_int", "int_list", "image_size"]
 
 
-def positive_int(text: str) -> int:
-    """A whole number >= 1."""
+def _whole(text: str) -> int:
     try:
-        value = int(text)
+        return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    """A whole number >= 1."""
+    value = _whole(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
@@ -20,10 +24,7 @@ def positive_int(text: str) -> int:
 
 def non_negative_int(text: str) -> int:
     """A whole number >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    value = _whole(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
     return value

@@ -22,6 +22,7 @@ from .schedule import Order, Schedule, Topology, check_schedule, schedule_arg, v
 from .scheduler import EventScheduler
 from .snapshot import Snapshot, batch_norms
 from .trace import rebind
+from .training import run as run_step
 from .worker import Staging, Worker
 
 REDUCTIONS = ("mean", "sum")
@@ -472,7 +473,8 @@ class Pipe(nn.Module):
         try:
             with torch.enable_grad():
                 stop = self._prepare(len(micro))
-                losses = worker.train(
+                losses = run_step(
+                    worker,
                     micro,
                     micro_targets,
                     schedule,

@@ -16,7 +16,7 @@ and micro-batch raised it (:mod:`~mpstream.errors`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -240,39 +240,6 @@ class Worker:
             # join the caller's stream reads them.
             protect(results, caller_reader)
         return results
-
-    def train(
-        self,
-        batches: Sequence[tuple[Any, ...]],
-        targets: Sequence[Any],
-        schedule: Schedule,
-        loss_fn: Callable[[Any, Any], Tensor],
-        weights: Sequence[float],
-        checkpoint_stop: int = 0,
-        staging: Sequence[Staging] | None = None,
-        target_staging: Sequence[Staging] | None = None,
-        before_backward: Callable[[int], None] | None = None,
-        scale: Callable[[Tensor], Tensor] | None = None,
-    ) -> list[Tensor]:
-        """Runs forward and backward of every micro-batch in ``schedule``'s order.
-
-        See :func:`mpstream.training.run` for the arguments.
-        """
-        from .training import run
-
-        return run(
-            self,
-            batches,
-            targets,
-            schedule,
-            loss_fn,
-            weights,
-            checkpoint_stop,
-            staging,
-            target_staging,
-            before_backward,
-            scale,
-        )
 
 
 def _subset(

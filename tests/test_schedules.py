@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from mpstream import Pipe, profile, verify_plan
+from mpstream import Pipe, profile, training, verify_plan
 from mpstream.compare import live_activations
 from mpstream.memory import StageSavedBytes
 from mpstream.microbatch import scatter
@@ -157,7 +157,7 @@ def test_plans_with_copies_between_stages(name: str) -> None:
     )
     sched.recording = True
     weights = [len(m) / BATCH for m in micro]  # type: ignore[arg-type]
-    losses = worker.train([(b,) for b in micro], targets, schedule, nn.MSELoss(), weights)
+    losses = training.run(worker, [(b,) for b in micro], targets, schedule, nn.MSELoss(), weights)
     verify_plan(Plan(sched.plan(), sched.slot_names, sched.slot_devices, 4))
     torch.testing.assert_close(torch.stack(losses).sum(), reference(ref, x, y, nn.MSELoss()))
     assert_same_grads(model, ref)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from mpstream import Pipe, verify_plan
+from mpstream import Pipe, training, verify_plan
 from mpstream.memory import SavedTensorTracker
 from mpstream.microbatch import scatter
 from mpstream.plan import Plan
@@ -224,7 +224,8 @@ def test_train_step_plan_with_forced_copies_is_valid() -> None:
         sched.recording = True
         sched.clear_plan()
         weights = [len(m) / BATCH for m in micro]  # type: ignore[arg-type]
-        losses = worker.train([(b,) for b in micro], targets, schedule, nn.MSELoss(), weights)
+        batches = [(b,) for b in micro]
+        losses = training.run(worker, batches, targets, schedule, nn.MSELoss(), weights)
         verify_plan(Plan(sched.plan(), sched.slot_names, sched.slot_devices, 3))
         kinds = {op.kind for op in sched.plan() if op.op == "run"}
         assert kinds == {"forward", "backward", "copy", "copy_grad"}
@@ -329,7 +330,7 @@ def test_target_tasks_move_targets_ahead_of_the_last_stage() -> None:
         sched.recording = True
         sched.clear_plan()
         batches = [(b,) for b in micro]
-        losses = worker.train(batches, targets, schedule, nn.MSELoss(), [0.4, 0.4, 0.2])
+        losses = training.run(worker, batches, targets, schedule, nn.MSELoss(), [0.4, 0.4, 0.2])
         plan = Plan(sched.plan(), sched.slot_names, sched.slot_devices, 2)
         verify_plan(plan)
         runs = [op for op in plan.ops if op.op == "run"]
