@@ -20,7 +20,7 @@ from .microbatch import Value, batch_device, gather, scatter
 from .partition import DeviceLike, check_positive
 from .schedule import Order, Schedule, Topology, check_schedule, schedule_arg, virtual_stages_of
 from .scheduler import EventScheduler
-from .snapshot import Snapshot, batch_norms
+from .snapshot import Snapshot
 from .trace import rebind
 from .training import run as run_step
 from .worker import Staging, Worker
@@ -469,7 +469,7 @@ class Pipe(nn.Module):
         _, worker, _ = self._rt()
         staging = self._stage(args, self.devices[0])
         target_staging = self._stage(labels, self.devices[-1])
-        snapshot = Snapshot(batch_norms(self), list(self.partitions))
+        snapshot = Snapshot(self, list(self.partitions))
         try:
             with torch.enable_grad():
                 stop = self._prepare(len(micro))

@@ -15,12 +15,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from .batchnorm import DeferredBatchNorm
 from .stream import current_stream, record_stream
 
-__all__ = ["Snapshot", "batch_norms"]
-
-
-def batch_norms(module: nn.Module) -> list[_BatchNorm]:
-    """The BatchNorm layers inside ``module`` (found once per pipe, not per step)."""
-    return [m for m in module.modules() if isinstance(m, _BatchNorm)]
+__all__ = ["Snapshot"]
 
 
 class Snapshot:
@@ -33,15 +28,19 @@ class Snapshot:
     nothing.
 
     Args:
-        norms: the pipe's BatchNorm layers (:func:`batch_norms`).
+        module: the pipe (its BatchNorm layers are found in it).
         partitions: one module per stage (whose parameters each stage's
             backward accumulates into).
     """
 
-    def __init__(self, norms: Sequence[_BatchNorm], partitions: Sequence[nn.Module]) -> None:
+    def __init__(self, module: nn.Module, partitions: Sequence[nn.Module]) -> None:
         self.partitions = list(partitions)
         self.grads: dict[int, tuple[nn.Parameter, Tensor | None]] = {}
-        self.norms = [(m, [b.detach().clone() for b in m.buffers(recurse=False)]) for m in norms]
+        self.norms = [
+            (m, [b.detach().clone() for b in m.buffers(recurse=False)])
+            for m in module.modules()
+            if isinstance(m, _BatchNorm)
+        ]
 
     def save_grads(self, stage: int) -> None:
         """Saves the gradients of ``stage``'s parameters (on the current stream);
