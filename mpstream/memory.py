@@ -21,20 +21,58 @@ __all__ = ["SavedTensorTracker", "StageSavedBytes"]
 
 
 class _Held:
-    __slots__ = ("tensor", "key", "tracker")
+    __slots__ = ("tensor", "key", "ledger")
 
-    def __init__(
-        self,
-        tensor: Tensor,
-        key: tuple[Any, ...],
-        tracker: SavedTensorTracker | StageSavedBytes,
-    ) -> None:
+    def __init__(self, tensor: Tensor, key: tuple[Any, ...], ledger: _Ledger) -> None:
         self.tensor = tensor
         self.key = key
-        self.tracker = tracker
+        self.ledger = ledger
 
     def __del__(self) -> None:
-        self.tracker._release(self.key)
+        self.ledger.release(self.key)
+
+
+class _Ledger:
+    """Storages saved for backward and still alive, each counted once per
+    group (one group in all, or one per stage), with the bytes alive per
+    group and their peak."""
+
+    def __init__(self, groups: int) -> None:
+        self.current = [0] * groups
+        self.peak = [0] * groups
+        self._refs: dict[tuple[Any, ...], list[int]] = {}
+        self._lock = threading.Lock()
+
+    def hold(self, group: int, t: Tensor) -> _Held:
+        """Counts ``t``'s storage for ``group`` until what this returns dies."""
+        storage = t.untyped_storage()
+        key = (group, storage.data_ptr(), t.device)
+        with self._lock:
+            entry = self._refs.get(key)
+            if entry is None:
+                self._refs[key] = [1, storage.nbytes()]
+                self.current[group] += storage.nbytes()
+                self.peak[group] = max(self.peak[group], self.current[group])
+            else:
+                entry[0] += 1
+        # Detached: holding the tensor itself would keep its autograd node,
+        # which holds the tracker, alive in a cycle autograd cannot see (a
+        # saved output); autograd restores the tensor's history on unpack.
+        return _Held(t.detach(), key, self)
+
+    def release(self, key: tuple[Any, ...]) -> None:
+        with self._lock:
+            entry = self._refs.get(key)
+            if entry is None:
+                return
+            entry[0] -= 1
+            if entry[0] == 0:
+                self.current[key[0]] -= entry[1]
+                del self._refs[key]
+
+
+def _unpack(held: _Held | _Unowned) -> Tensor:
+    return held.tensor
 
 
 class SavedTensorTracker:
@@ -50,41 +88,16 @@ class SavedTensorTracker:
     """
 
     def __init__(self) -> None:
-        self.current_bytes = 0
-        self.peak_bytes = 0
-        self._refs: dict[tuple[Any, ...], list[int]] = {}
-        self._lock = threading.Lock()
-        self._hooks = saved_tensors_hooks(self._pack, self._unpack)
+        self._ledger = _Ledger(1)
+        self._hooks = saved_tensors_hooks(lambda t: self._ledger.hold(0, t), _unpack)
 
-    def _pack(self, t: Tensor) -> _Held:
-        storage = t.untyped_storage()
-        key = (storage.data_ptr(), t.device)
-        with self._lock:
-            entry = self._refs.get(key)
-            if entry is None:
-                self._refs[key] = [1, storage.nbytes()]
-                self.current_bytes += storage.nbytes()
-                self.peak_bytes = max(self.peak_bytes, self.current_bytes)
-            else:
-                entry[0] += 1
-        # Detached: holding the tensor itself would keep its autograd node,
-        # which holds this object, alive in a cycle autograd cannot see (a
-        # saved output); autograd restores the tensor's history on unpack.
-        return _Held(t.detach(), key, self)
+    @property
+    def current_bytes(self) -> int:
+        return self._ledger.current[0]
 
-    @staticmethod
-    def _unpack(held: _Held) -> Tensor:
-        return held.tensor
-
-    def _release(self, key: tuple[Any, ...]) -> None:
-        with self._lock:
-            entry = self._refs.get(key)
-            if entry is None:
-                return
-            entry[0] -= 1
-            if entry[0] == 0:
-                self.current_bytes -= entry[1]
-                del self._refs[key]
+    @property
+    def peak_bytes(self) -> int:
+        return self._ledger.peak[0]
 
     def __enter__(self) -> SavedTensorTracker:
         self._hooks.__enter__()
@@ -119,43 +132,22 @@ class StageSavedBytes:
 
     def __init__(self, stages: Iterable[nn.Module]) -> None:
         self.stages = list(stages)
-        self.current_bytes = [0] * len(self.stages)
-        self.peak_bytes = [0] * len(self.stages)
+        self._ledger = _Ledger(len(self.stages))
+        self.current_bytes = self._ledger.current
+        self.peak_bytes = self._ledger.peak
         self._running: int | None = None
-        self._refs: dict[tuple[Any, ...], list[int]] = {}
-        self._lock = threading.Lock()
-        self._hooks = saved_tensors_hooks(self._pack, SavedTensorTracker._unpack)
+        self._hooks = saved_tensors_hooks(self._pack, _unpack)
         self._handles: list[RemovableHandle] = []
         self._params: set[int] = set()
 
     def _enter(self, stage: int) -> None:
         self._running = stage
 
-    def _pack(self, t: Tensor) -> Any:
+    def _pack(self, t: Tensor) -> _Held | _Unowned:
         stage = self._running
-        storage = t.untyped_storage()
-        if stage is None or storage.data_ptr() in self._params:
+        if stage is None or t.untyped_storage().data_ptr() in self._params:
             return _Unowned(t.detach())
-        key = (stage, storage.data_ptr(), t.device)
-        with self._lock:
-            entry = self._refs.get(key)
-            if entry is None:
-                self._refs[key] = [1, storage.nbytes()]
-                self.current_bytes[stage] += storage.nbytes()
-                self.peak_bytes[stage] = max(self.peak_bytes[stage], self.current_bytes[stage])
-            else:
-                entry[0] += 1
-        return _Held(t.detach(), key, self)
-
-    def _release(self, key: tuple[Any, ...]) -> None:
-        with self._lock:
-            entry = self._refs.get(key)
-            if entry is None:
-                return
-            entry[0] -= 1
-            if entry[0] == 0:
-                self.current_bytes[key[0]] -= entry[1]
-                del self._refs[key]
+        return self._ledger.hold(stage, t)
 
     def __enter__(self) -> StageSavedBytes:
         self._params = {
