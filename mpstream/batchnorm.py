@@ -189,20 +189,17 @@ def deferred_norms(module: nn.Module) -> list[DeferredBatchNorm]:
 
 
 @contextmanager
-def deferred_update(
-    module: nn.Module | Sequence[DeferredBatchNorm], micros: int
-) -> Iterator[None]:
+def deferred_update(norms: Sequence[DeferredBatchNorm], micros: int) -> Iterator[None]:
     """One pipeline call over ``micros`` micro-batches, all or nothing.
 
-    The deferred norms in ``module`` (or the norms given, as
-    :func:`deferred_norms` found them) accumulate but do not update inside the
-    block. If it completes, each one that saw the whole mini-batch updates its
-    running statistics (on the caller's streams, which the pipeline has
-    ordered after every stage). If it raises, the partial sums are dropped:
-    the statistics stay as they were, and the next mini-batch updates them
+    The deferred ``norms`` (as :func:`deferred_norms` finds them in a
+    pipeline) accumulate but do not update inside the block. If it
+    completes, each one that saw the whole mini-batch updates its running
+    statistics (on the caller's streams, which the pipeline has ordered
+    after every stage). If it raises, the partial sums are dropped: the
+    statistics stay as they were, and the next mini-batch updates them
     exactly as if the failed call had not happened.
     """
-    norms = deferred_norms(module) if isinstance(module, nn.Module) else module
     for norm in norms:
         norm.expected, norm.hold = micros, True
     try:
