@@ -100,6 +100,12 @@ def _trace(module: nn.Module, leaves: Sequence[str | type[nn.Module]]) -> fx.Gra
             f"torch.fx could not trace {type(module).__name__}{where}: "
             f"{type(exc).__name__}: {exc}\n{advice}"
         ) from exc
+    for node in graph.nodes:
+        # Under ``from __future__ import annotations`` fx records a forward's
+        # annotations as strings; torch 2.11 cannot pickle a GraphModule
+        # holding one (torch.save(pipe) fails), and they only decorate code.
+        if isinstance(node.type, str):
+            node.type = None
     return fx.GraphModule(tracer.root, graph, type(module).__name__)
 
 
