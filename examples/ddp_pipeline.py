@@ -232,6 +232,12 @@ def main() -> None:
     in_sync = replicas_agree(pipe, devices[0])
     if rank == 0:
         print(f"replicas in sync: {'yes' if in_sync else 'NO'}")
+    # DDP's reducer holds the process group. Dropped last by the reducer, a
+    # gloo group is destroyed holding the GIL while its worker thread may
+    # still need the GIL to free a finished collective's tensors: a deadlock
+    # at exit (seen with torch 2.11). Dropped last by destroy_process_group,
+    # it is destroyed without the GIL.
+    del ddp
     dist.destroy_process_group()
 
 

@@ -281,7 +281,10 @@ def _label(key: tuple[str, int | None]) -> str:
 
 
 def git_commit() -> str | None:
-    """The checkout's commit, if mpstream runs from a git checkout."""
+    """The checkout's commit, if mpstream runs from a git checkout; else
+    ``$MPSTREAM_COMMIT`` (a copy of the tree without ``.git``, say on a
+    remote GPU machine, names its commit that way), else None."""
+    fallback = os.environ.get("MPSTREAM_COMMIT") or None
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"],
@@ -292,8 +295,8 @@ def git_commit() -> str | None:
             check=True,
         )
     except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None
+        return fallback
+    return out.stdout.strip() or fallback
 
 
 def metadata(devices: Sequence[torch.device]) -> dict[str, Any]:

@@ -153,3 +153,14 @@ def test_python_dash_m_entry_point() -> None:
         timeout=120,
     )
     assert result.returncode == 2 and "must be at least 1" in result.stderr
+
+
+def test_commit_comes_from_the_environment_without_git(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_git(*args: object, **kwargs: object) -> None:
+        raise FileNotFoundError("git")
+
+    monkeypatch.setattr(subprocess, "run", no_git)
+    monkeypatch.delenv("MPSTREAM_COMMIT", raising=False)
+    assert bench.git_commit() is None
+    monkeypatch.setenv("MPSTREAM_COMMIT", "f3db5e8")
+    assert bench.git_commit() == "f3db5e8"
