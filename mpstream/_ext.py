@@ -1,5 +1,6 @@
 """Loads ``mpstream._C`` and checks it was built for the installed torch.
 
+First the installed torch must be one mpstream supports (:data:`MIN_TORCH`).
 A C++ extension compiled against one torch may load against another and
 fail later with an unrelated symbol error, or not load at all. This module
 turns both cases into one message: which torch it was built for, which torch
@@ -15,9 +16,14 @@ from types import ModuleType
 
 import torch
 
-__all__ = ["ExtensionError", "load", "REBUILD_COMMAND"]
+__all__ = ["ExtensionError", "load", "MIN_TORCH", "REBUILD_COMMAND"]
 
 REBUILD_COMMAND = "pip install --no-build-isolation --no-deps -e ."
+
+# The oldest torch the whole test suite passed on. 2.7 added GradientEdge
+# roots to torch.autograd.backward, which the zero-bubble weight pass uses;
+# on 2.4 that and torch.compile of stages fail.
+MIN_TORCH = "2.7"
 
 
 class ExtensionError(ImportError):
@@ -53,7 +59,14 @@ def load() -> ModuleType:
     Raises:
         ExtensionError: the extension is missing, fails to load, or was
             compiled against a torch other than the one installed.
+        ImportError: the installed torch is older than :data:`MIN_TORCH`.
     """
+    if torch.torch_version.TorchVersion(torch.__version__) < MIN_TORCH:
+        raise ImportError(
+            f"mpstream needs torch >= {MIN_TORCH}; torch {torch.__version__} is installed. "
+            f"Upgrade it (pip install 'torch>={MIN_TORCH}'), then rebuild mpstream._C "
+            f"({REBUILD_COMMAND})."
+        )
     try:
         ext = importlib.import_module("mpstream._C")
     except ModuleNotFoundError as exc:

@@ -62,3 +62,17 @@ def test_other_import_errors_are_not_masked(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(importlib, "import_module", other)
     with pytest.raises(ModuleNotFoundError, match="numpy"):
         _ext.load()
+
+
+def test_a_torch_older_than_the_tested_floor_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch, "__version__", "2.6.0+cu124")
+    with pytest.raises(ImportError, match=r"needs torch >= 2\.7; torch 2\.6\.0\+cu124") as info:
+        _ext.load()
+    assert _ext.REBUILD_COMMAND in str(info.value)
+    monkeypatch.setattr(torch, "__version__", "2.7.0")
+    monkeypatch.setattr(
+        importlib,
+        "import_module",
+        lambda name: types.SimpleNamespace(torch_version=lambda: "2.7.0"),
+    )
+    _ext.load()
