@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 from pathlib import Path
 from types import ModuleType
 
@@ -24,6 +25,13 @@ REBUILD_COMMAND = "pip install --no-build-isolation --no-deps -e ."
 # roots to torch.autograd.backward, which the zero-bubble weight pass uses;
 # on 2.4 that and torch.compile of stages fail.
 MIN_TORCH = "2.7"
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """Major and minor of a version string: a pre-release or vendor build of
+    2.7 (``2.7.0a0+git…``, ``2.7.0a0+….nv25.04``) counts as 2.7."""
+    match = re.match(r"(\d+)\.(\d+)", str(version))
+    return (int(match[1]), int(match[2])) if match else (0, 0)
 
 
 class ExtensionError(ImportError):
@@ -61,7 +69,7 @@ def load() -> ModuleType:
             compiled against a torch other than the one installed.
         ImportError: the installed torch is older than :data:`MIN_TORCH`.
     """
-    if torch.torch_version.TorchVersion(torch.__version__) < MIN_TORCH:
+    if _release(torch.__version__) < _release(MIN_TORCH):
         raise ImportError(
             f"mpstream needs torch >= {MIN_TORCH}; torch {torch.__version__} is installed. "
             f"Upgrade it (pip install 'torch>={MIN_TORCH}'), then rebuild mpstream._C "

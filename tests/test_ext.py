@@ -69,10 +69,11 @@ def test_a_torch_older_than_the_tested_floor_is_refused(monkeypatch: pytest.Monk
     with pytest.raises(ImportError, match=r"needs torch >= 2\.7; torch 2\.6\.0\+cu124") as info:
         _ext.load()
     assert _ext.REBUILD_COMMAND in str(info.value)
-    monkeypatch.setattr(torch, "__version__", "2.7.0")
-    monkeypatch.setattr(
-        importlib,
-        "import_module",
-        lambda name: types.SimpleNamespace(torch_version=lambda: "2.7.0"),
-    )
-    _ext.load()
+    for version in ("2.7.0", "2.7.0a0+79aa17489c.nv25.04", "2.11.0+cu130", "10.0.0"):
+        monkeypatch.setattr(torch, "__version__", version)
+        monkeypatch.setattr(
+            importlib,
+            "import_module",
+            lambda name, v=version: types.SimpleNamespace(torch_version=lambda: v),
+        )
+        _ext.load()
