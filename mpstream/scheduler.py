@@ -27,6 +27,7 @@ __all__ = [
     "TaskTime",
     "StreamAliasWarning",
     "AUTOGRAD_ORDERS_GRAD_COPIES",
+    "COMPUTE_PRIORITY",
 ]
 
 _C = _ext.load()
@@ -41,6 +42,11 @@ _C = _ext.load()
 # on another device (torch/csrc/autograd/input_buffer.cpp, InputBuffer::add,
 # case 3), so the scheduler must issue the wait itself.
 AUTOGRAD_ORDERS_GRAD_COPIES: bool = torch.__version__ >= (2, 8)  # type: ignore[operator]
+
+
+# CUDA stream priority of the stages' compute streams (lower is higher);
+# copy and io streams keep the default, 0.
+COMPUTE_PRIORITY = -1
 
 
 class StreamAliasWarning(RuntimeWarning):
@@ -106,10 +112,15 @@ class EventScheduler:
                 callers.append(d)
         self.caller_devices = callers
 
-        def stream(d: torch.device) -> AnyStream | None:
-            return None if virtual else new_stream(d)
+        def stream(d: torch.device, priority: int = 0) -> AnyStream | None:
+            return None if virtual else new_stream(d, priority)
 
-        self.compute_streams = [stream(d) for d in self.devices]
+        # Compute runs at high priority. A copy within one GPU is a kernel
+        # whose grid fills every SM; without priorities a stage's kernels
+        # queued after it wait until its last block is dispatched, so the
+        # copy serialises with compute instead of overlapping it (measured
+        # on an H100: a forced-copy training probe overlapped 0.65).
+        self.compute_streams = [stream(d, COMPUTE_PRIORITY) for d in self.devices]
         self.copy_streams = [stream(d) for d in self.devices]
         self.io_streams = [stream(d) for d in callers]
         stage_slots = []

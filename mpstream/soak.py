@@ -24,13 +24,13 @@ from torch import Tensor, nn
 from . import tutorial
 from .analysis import batch
 from .checkpoint import MODES
-from .checks import named
+from .checks import named, virtual_stages
 from .diagnosis import FAIL, PASS, Check, Context, StepResult, overall
 from .pipe import Pipe
 from .schedule import SCHEDULES
 from .stream import synchronize
 
-__all__ = ["SLACK_BYTES", "memory_verdict", "drift", "soak", "peaks", "run"]
+__all__ = ["SLACK_BYTES", "memory_verdict", "drift", "soak", "peak_pipe", "peaks", "run"]
 
 # What may legitimately differ between steps is a loss scalar (one 512-byte
 # block); a leak of one micro-batch's activations here is 128 KiB or more
@@ -144,6 +144,24 @@ def _train_step(pipe: Pipe, x: Tensor, y: Tensor) -> None:
     synchronize(pipe.devices)
 
 
+def peak_pipe(ctx: Context, schedule: str, checkpoint: str) -> Pipe:
+    """The tutorial split as a Pipe of blocks for one row of the peak-memory table."""
+    config = ctx.sizes.peak_config
+    dev0, dev1 = ctx.devices
+    torch.manual_seed(0)
+    return tutorial.block_pipe(
+        ctx.arch,
+        dev0,
+        dev1,
+        config.split_size,
+        config.num_classes,
+        schedule=schedule,
+        checkpoint=checkpoint,
+        # Interleaved 1F1B on one device: one rank holds both stages.
+        virtual_stages=virtual_stages(schedule, ctx.devices),
+    )
+
+
 def peaks(ctx: Context, tick: Callable[[], None] | None = None) -> list[dict[str, Any]]:
     """``max_memory_allocated`` per device of one training step per schedule x checkpoint mode."""
     config = ctx.sizes.peak_config
@@ -152,16 +170,7 @@ def peaks(ctx: Context, tick: Callable[[], None] | None = None) -> list[dict[str
     y = y.to(dev1)
     rows = []
     for schedule, checkpoint in itertools.product(SCHEDULES, MODES):
-        torch.manual_seed(0)
-        pipe = tutorial.block_pipe(
-            ctx.arch,
-            dev0,
-            dev1,
-            config.split_size,
-            config.num_classes,
-            schedule=schedule,
-            checkpoint=checkpoint,
-        )
+        pipe = peak_pipe(ctx, schedule, checkpoint)
         _train_step(pipe, x, y)  # warm-up: gradients and workspaces exist from here on
         row: dict[str, Any] = {"schedule": schedule, "checkpoint": checkpoint}
         for d in dict.fromkeys(ctx.devices):

@@ -57,10 +57,15 @@ def device_type_code(device: torch.device) -> int:
         ) from None
 
 
-def new_stream(device: torch.device) -> AnyStream:
-    """A fresh stream on ``device`` (the placeholder on CPU)."""
+def new_stream(device: torch.device, priority: int = 0) -> AnyStream:
+    """A fresh stream on ``device`` (the placeholder on CPU).
+
+    Args:
+        device: where the stream runs.
+        priority: CUDA stream priority; lower is higher, 0 the default.
+    """
     if device.type == "cuda":
-        return torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+        return torch.cuda.Stream(device=device, priority=priority)  # type: ignore[no-untyped-call]
     device_type_code(device)
     return CPU_STREAM
 

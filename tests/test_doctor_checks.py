@@ -27,6 +27,7 @@ from mpstream.bench import Measurement, Results
 from mpstream.cost_model import Costs, simulate
 from mpstream.diagnosis import FAIL, PASS, SKIP, TINY, Check, Context, jsonable, overall
 from mpstream.plan import PlanError
+from mpstream.schedule import SCHEDULES
 from mpstream.timeline import Span, Timeline
 
 CPU = torch.device("cpu")
@@ -154,6 +155,19 @@ def test_soak_matches_the_single_device_and_drift_is_caught() -> None:
     model, ref = nn.Linear(2, 2), nn.Linear(2, 2)
     assert soak.drift([(1.0, 1.0)], model, ref) is not None  # different weights
     assert "losses" in (soak.drift([(1.0, 1.5)], model, model) or "")
+
+
+def test_every_peak_memory_row_builds_with_both_stages_on_one_device(tmp_path: Path) -> None:
+    # On one GPU both stages share a device: interleaved 1F1B needs
+    # virtual_stages there, which the first GPU run found missing.
+    ctx = Context((CPU, CPU), TINY, "resnet50", tmp_path, tmp_path)
+    config = TINY.peak_config
+    x = torch.randn(config.batch_size, 3, config.image_h, config.image_w)
+    y = torch.randn(config.batch_size, config.num_classes)
+    for schedule in SCHEDULES:
+        pipe = soak.peak_pipe(ctx, schedule, "except_last")
+        assert pipe.schedule == schedule
+    pipe.train_step(x, y, nn.MSELoss())  # the last one built: zero-bubble, checkpointed
 
 
 def test_host_bound_verdicts() -> None:
