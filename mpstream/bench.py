@@ -281,10 +281,12 @@ def _label(key: tuple[str, int | None]) -> str:
 
 
 def git_commit() -> str | None:
-    """The checkout's commit, if mpstream runs from a git checkout; else
-    ``$MPSTREAM_COMMIT`` (a copy of the tree without ``.git``, say on a
-    remote GPU machine, names its commit that way), else None."""
+    """``$MPSTREAM_COMMIT`` if set (a copy of the tree on a remote GPU
+    machine names its commit that way: any ``.git`` travelling with it may
+    be stale), else the checkout's commit, else None."""
     fallback = os.environ.get("MPSTREAM_COMMIT") or None
+    if fallback:
+        return fallback
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"],

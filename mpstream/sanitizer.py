@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.cuda import _sanitizer
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from .checks import virtual_stages
@@ -74,7 +73,13 @@ def csan_workarounds() -> Iterator[None]:
       CSAN the backward died with ``SystemError: ... returned NULL without
       setting an exception``. Early stopping is turned off here; the same
       tensors are recomputed, only the ones after the last needed are too.
+
+    Importing ``torch.cuda._sanitizer`` registers CSAN's trace hooks for the
+    whole process, enabled or not (torch 2.11), so it is imported here, in
+    the sanitizer's own subprocess, never at module level.
     """
+    from torch.cuda import _sanitizer
+
     handler = _sanitizer.ArgumentHandler
     handle = handler._handle_argument
 

@@ -164,3 +164,12 @@ def test_commit_comes_from_the_environment_without_git(monkeypatch: pytest.Monke
     assert bench.git_commit() is None
     monkeypatch.setenv("MPSTREAM_COMMIT", "f3db5e8")
     assert bench.git_commit() == "f3db5e8"
+
+
+def test_an_explicit_commit_wins_over_git(monkeypatch: pytest.MonkeyPatch) -> None:
+    # On the GPU machine a .git from an older snapshot travelled with the
+    # tree and named the wrong commit.
+    monkeypatch.setenv("MPSTREAM_COMMIT", "81f9503")
+    assert bench.git_commit() == "81f9503"
+    monkeypatch.delenv("MPSTREAM_COMMIT")
+    assert bench.git_commit() not in (None, "81f9503")  # this checkout's own

@@ -693,8 +693,10 @@ def test_timing_events_are_pooled() -> None:
 def test_too_many_stages_on_one_gpu_warn_about_shared_streams() -> None:
     from mpstream.scheduler import StreamAliasWarning
 
-    layers = nn.Sequential(*[nn.Linear(4, 4) for _ in range(20)]).cuda()
-    pipe = Pipe(layers, balance=[1] * 20, devices=["cuda:0"] * 20)
+    # PyTorch pools 32 streams per priority and device; compute streams
+    # have a pool of their own (high priority), so 40 stages must share.
+    layers = nn.Sequential(*[nn.Linear(4, 4) for _ in range(40)]).cuda()
+    pipe = Pipe(layers, balance=[1] * 40, devices=["cuda:0"] * 40)
     with pytest.warns(StreamAliasWarning, match="stage0.compute@cuda:0 = "):
         assert pipe.scheduler is not None
 

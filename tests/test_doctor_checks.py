@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -155,6 +157,40 @@ def test_soak_matches_the_single_device_and_drift_is_caught() -> None:
     model, ref = nn.Linear(2, 2), nn.Linear(2, 2)
     assert soak.drift([(1.0, 1.0)], model, ref) is not None  # different weights
     assert "losses" in (soak.drift([(1.0, 1.5)], model, model) or "")
+
+
+def test_importing_mpstream_leaves_cuda_trace_hooks_off() -> None:
+    # Importing torch.cuda._sanitizer registers CSAN's CUDA trace hooks for
+    # the whole process (torch 2.11): every allocation then runs Python, and
+    # an exception in flight is lost (SystemError from autograd on the GPU).
+    code = (
+        "import sys, mpstream, mpstream.cli, mpstream.doctor, mpstream.sanitizer; "
+        "assert 'torch.cuda._sanitizer' not in sys.modules, 'imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_csan_workarounds_skip_empty_tensors_and_restore() -> None:
+    # In a subprocess: importing CSAN turns its hooks on for the process.
+    code = """
+import torch
+from torch.cuda import _sanitizer
+from torch.utils import checkpoint
+from mpstream.sanitizer import csan_workarounds
+
+seen = []
+def record(self, value, *args, **kwargs):
+    seen.append(value.numel())
+_sanitizer.ArgumentHandler._handle_argument = record
+with csan_workarounds():
+    assert checkpoint._enable_checkpoint_early_stop is False
+    args = _sanitizer.ArgumentHandler()
+    args._handle_argument(torch.empty(0), False, False)  # no elements: skipped
+    args._handle_argument(torch.ones(3), False, False)
+assert seen == [3], seen
+assert _sanitizer.ArgumentHandler._handle_argument is record
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 def test_every_peak_memory_row_builds_with_both_stages_on_one_device(tmp_path: Path) -> None:
