@@ -67,12 +67,14 @@ def csan_workarounds() -> Iterator[None]:
       empty workspace cuDNN's batch norm returns, for one) look like one
       tensor written by both, a race on no memory at all. Tensors with no
       elements are left out of its bookkeeping here.
-    - Its allocator trace hook runs Python code even while an exception is
-      propagating; it then fails and clears that exception. Non-reentrant
-      checkpointing ends its recomputation early by raising one, so under
-      CSAN the backward died with ``SystemError: ... returned NULL without
-      setting an exception``. Early stopping is turned off here; the same
-      tensors are recomputed, only the ones after the last needed are too.
+    - Its trace hooks run Python code even while an exception is
+      propagating; the hook then fails and clears that exception, and
+      autograd raises ``SystemError: ... returned NULL without setting an
+      exception`` instead (seen under CSAN in a checkpointed ``train_step``,
+      and with hooks on, in compiled stages). Non-reentrant checkpointing
+      ends its recomputation early by raising an exception, so early
+      stopping is turned off here: the same tensors are recomputed, and the
+      ones after the last needed too.
 
     Importing ``torch.cuda._sanitizer`` registers CSAN's trace hooks for the
     whole process, enabled or not (torch 2.11), so it is imported here, in

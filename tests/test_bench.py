@@ -32,6 +32,8 @@ TINY = [
     "--num-classes",
     "10",
     "--no-progress",
+    "--devices",  # the CPU even where a GPU exists: these tests check the CPU path
+    "cpu,cpu",
 ]
 
 
