@@ -12,6 +12,7 @@ from mpstream import cli
 TINY = [
     "--batch-size", "4", "--image-size", "32", "--num-classes", "10", "--num-batches", "1",
     "--split-size", "2", "--repeat", "1", "--warmup", "0", "--no-progress",
+    "--devices", "cpu,cpu",  # the CPU even where a GPU exists: these check the CPU path
 ]  # fmt: skip
 
 
