@@ -284,9 +284,9 @@ def git_commit() -> str | None:
     """``$MPSTREAM_COMMIT`` if set (a copy of the tree on a remote GPU
     machine names its commit that way: any ``.git`` travelling with it may
     be stale), else the checkout's commit, else None."""
-    fallback = os.environ.get("MPSTREAM_COMMIT") or None
-    if fallback:
-        return fallback
+    named = os.environ.get("MPSTREAM_COMMIT")
+    if named:
+        return named
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"],
@@ -297,8 +297,8 @@ def git_commit() -> str | None:
             check=True,
         )
     except (OSError, subprocess.SubprocessError):
-        return fallback
-    return out.stdout.strip() or fallback
+        return None
+    return out.stdout.strip() or None
 
 
 def metadata(devices: Sequence[torch.device]) -> dict[str, Any]:
