@@ -345,6 +345,16 @@ def test_resnet101_variants_and_the_idris_loop() -> None:
     assert torch.isfinite(loss)
 
 
+def test_idris_loop_times_the_loader_alone_and_on_the_cpu_no_pinned_variants() -> None:
+    config = dataclasses.replace(TINY.experiment, num_batches=2)
+    loop = experiment.idris(config, (CPU, CPU), repeat=1, workers=0)
+    names = [m.model for m in loop]
+    assert len(names) == experiment.idris_variants(False)
+    assert experiment.RESIDENT in names and experiment.LOADER_ALONE in names
+    assert experiment.PINNED not in names  # pinning needs CUDA
+    assert all(len(m.times) == 1 and m.median > 0 for m in loop)
+
+
 def test_overall_and_jsonable() -> None:
     assert overall([Check("a", PASS), Check("b", SKIP)]) == PASS
     assert overall([Check("a", PASS), Check("b", FAIL)]) == FAIL
