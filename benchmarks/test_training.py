@@ -1,5 +1,5 @@
-"""Groups ``memory`` and ``balance``: explicitly scheduled training steps on
-the tutorial's ResNet50.
+"""Groups ``memory``, ``balance`` and ``capture``: explicitly scheduled
+training steps on the tutorial's ResNet50.
 
 ``memory``: step time of ``Pipe.train_step`` for gpipe vs 1f1b x every
 checkpoint mode, with the peak memory in ``extra_info`` (GPU: the allocator's
@@ -8,6 +8,11 @@ peak per device; CPU: the peak bytes saved for backward, from
 
 ``balance``: the tutorial's split (layer2 | layer3) against the split
 ``balance_by_time`` picks on the same device.
+
+``capture``: a training step with the optimizer, eager against a
+:class:`mpstream.CapturedStep` replaying it as a CUDA graph (both stages on
+one device; on the CPU both run eagerly, so only the GPU's ratio means
+anything).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from mpstream import Pipe, bench
+from mpstream import CapturedStep, Pipe, bench
 from mpstream.analysis import batch
 from mpstream.balance import balance_by_time, profile_layers, stage_costs
 from mpstream.bench import synchronize
@@ -107,3 +112,31 @@ def test_tutorial_vs_balanced_split(
         balance=balance, stage_ms=stage_ms, stage_share=[t / sum(stage_ms) for t in stage_ms]
     )
     benchmark.pedantic(_step, args=(pipe, x, y), rounds=3, warmup_rounds=1)  # type: ignore[attr-defined]
+
+
+@pytest.mark.benchmark(group="capture")
+@pytest.mark.parametrize("mode", ["eager", "captured"])
+def test_captured_vs_eager_step(
+    benchmark: object, mode: str, devices: tuple[torch.device, torch.device]
+) -> None:
+    if devices[0] != devices[1]:
+        pytest.skip("a CUDA graph cannot span devices (mpstream.CapturedStep)")
+    pipe = _pipe(devices, TUTORIAL_BALANCE)
+    x, y = _data(devices[0])
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.01, momentum=0.9)
+    loss_fn = nn.MSELoss()
+    captured = None
+    if mode == "captured":
+        captured = CapturedStep(pipe, x, y, loss_fn, optimizer=optimizer)
+
+    def step() -> None:
+        if captured is not None:
+            captured(x, y)
+        else:
+            optimizer.zero_grad(set_to_none=False)
+            pipe.train_step(x, y, loss_fn)
+            optimizer.step()
+        synchronize(pipe.devices)
+
+    benchmark.extra_info.update(mode=mode, batch=BATCH, image=IMAGE, split_size=SPLIT)  # type: ignore[attr-defined]
+    benchmark.pedantic(step, rounds=5, warmup_rounds=1)  # type: ignore[attr-defined]

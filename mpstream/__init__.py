@@ -11,6 +11,7 @@ from ._ext import ExtensionError
 from ._version import __version__
 from .balance import balance_by_size, balance_by_time
 from .batchnorm import DeferredBatchNorm
+from .capture import CapturedStep
 from .checkpoint import is_checkpointing, is_recomputing
 from .cost_model import Costs, Prediction, Simulation, predict, simulate
 from .cost_model import fit as simulate_fit
@@ -26,6 +27,7 @@ from .tuning import TuneResult, tune
 
 __all__ = [
     "Pipe",
+    "CapturedStep",
     "NoChunk",
     "StageGraph",
     "Ref",
