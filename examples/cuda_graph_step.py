@@ -11,10 +11,13 @@ the eager step, then tries ``torch.cuda.graph`` capture in each
 and reports for each what broke (the exception, verbatim, and whether at
 capture or replay) or, once one works, the replay time against the eager
 step and how far the replayed gradients are from the eager ones. Each mode
-gets a fresh pipe, so one failure cannot spoil the next attempt. Not a
-feature of mpstream: its result decides whether graph capture of stage
-micro-batches becomes one. It needs a CUDA device; without one it says so and
-exits with status 1.
+gets a fresh pipe, so one failure cannot spoil the next attempt.
+
+Then the feature this experiment led to, :class:`mpstream.CapturedStep`, on
+a fresh pipe with SGD (momentum 0.9) inside the graph: ``--steps`` captured
+steps against the same steps run eagerly on a twin pipe, the median step
+times, and how far the two pipes' parameters end up apart. It needs a CUDA
+device; without one it says so and exits with status 1.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from mpstream import CapturedStep
 from mpstream.tutorial import StreamPipelineResNet50
 
 MODES = ("global", "thread_local", "relaxed")
@@ -117,6 +121,57 @@ def attempt(mode: str, args: argparse.Namespace, device: torch.device) -> dict[s
     return result
 
 
+def captured_step(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """CapturedStep with an optimizer against the same eager steps on a twin pipe."""
+
+    def twin() -> tuple[Any, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = StreamPipelineResNet50(device, device, args.split_size, args.classes)
+        pipe = model.__dict__["pipe"]
+        return pipe, torch.optim.SGD(pipe.parameters(), lr=1e-3, momentum=0.9)
+
+    gen = torch.Generator(device).manual_seed(1)
+    batches = [
+        (
+            torch.randn(args.batch, 3, args.image, args.image, device=device, generator=gen),
+            torch.randn(args.batch, args.classes, device=device, generator=gen),
+        )
+        for _ in range(args.steps)
+    ]
+    loss_fn = nn.MSELoss()
+    result: dict[str, Any] = {"optimizer": "SGD(lr=1e-3, momentum=0.9)", "steps": args.steps}
+    try:
+        graphed, graphed_opt = twin()
+        step = CapturedStep(graphed, *batches[0], loss_fn, optimizer=graphed_opt)
+        eager, eager_opt = twin()
+
+        def eager_step(x: Tensor, y: Tensor) -> None:
+            eager_opt.zero_grad(set_to_none=False)
+            eager.train_step(x, y, loss_fn)
+            eager_opt.step()
+
+        replay_ms: list[float] = []
+        eager_ms: list[float] = []
+        for x, y in batches:
+            replay_ms += timed(lambda: step(x, y), 1)  # noqa: B023 - called at once
+            eager_ms += timed(lambda: eager_step(x, y), 1)  # noqa: B023 - called at once
+        difference = max(
+            float((a - b).abs().max()) for a, b in zip(graphed.parameters(), eager.parameters())
+        )
+        result.update(
+            captured=step.captured,
+            replay_ms=statistics.median(replay_ms),
+            eager_ms=statistics.median(eager_ms),
+            replay_over_eager=statistics.median(replay_ms) / statistics.median(eager_ms),
+            max_parameter_difference=difference,
+        )
+    except Exception as exc:  # the failure is the answer
+        result.update(
+            error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc(limit=12)
+        )
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda:0")
@@ -125,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--image", type=int, default=128, help="image side (the tutorial's)")
     p.add_argument("--classes", type=int, default=1000)
     p.add_argument("--runs", type=int, default=10, help="timed eager steps and replays")
+    p.add_argument("--steps", type=int, default=10, help="CapturedStep steps against eager ones")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -156,6 +212,17 @@ def main(argv: list[str] | None = None) -> int:
         report["attempts"].append(result)
         if "error" not in result:
             break
+    captured = captured_step(args, device)
+    if "error" in captured:
+        print(f"CapturedStep with SGD: failed: {captured['error']}")
+    else:
+        print(
+            f"CapturedStep with SGD: replay {captured['replay_ms']:.2f} ms vs eager "
+            f"{captured['eager_ms']:.2f} ms ({captured['replay_over_eager']:.2f}x) over "
+            f"{args.steps} steps; parameters differ by at most "
+            f"{captured['max_parameter_difference']:.3g}"
+        )
+    report["captured_step"] = captured
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.json}")
