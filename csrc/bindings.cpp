@@ -211,7 +211,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              py::list out;
              for (const auto& t : ts) {
                out.append(py::make_tuple(t.stage, t.micro, mpstream::kind_name(t.kind), t.slot,
-                                         t.start_ms, t.end_ms, t.run, t.peer));
+                                         t.start_ms, t.end_ms, t.run, t.peer, t.issue_ms));
              }
              return out;
            })

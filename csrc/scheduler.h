@@ -71,7 +71,8 @@ struct Timing {
   int32_t slot;
   double start_ms;
   double end_ms;
-  int64_t run;  // which run (begin_run call since timing was cleared)
+  int64_t run;     // which run (begin_run call since timing was cleared)
+  double issue_ms;  // host time between the task's begin and end: issuing it
 };
 
 class Scheduler {

@@ -40,6 +40,8 @@ struct Scheduler::TimedTask {
   int32_t end = -1;
   int64_t host_start_ns = 0;
   int64_t host_end_ns = 0;
+  int64_t issue_start_ns = 0;  // the issuing thread's clock, on every slot
+  int64_t issue_end_ns = 0;
   double start_ms = 0;
   double end_ms = 0;
   int64_t run = 0;

@@ -13,13 +13,14 @@ from .balance import balance_by_size, balance_by_time
 from .batchnorm import DeferredBatchNorm
 from .capture import CapturedStep
 from .checkpoint import is_checkpointing, is_recomputing
-from .cost_model import Costs, Prediction, Simulation, predict, simulate
+from .cost_model import Costs, Simulation, simulate
 from .cost_model import fit as simulate_fit
 from .graph import Ref, StageGraph
 from .microbatch import NoChunk
 from .pipe import Pipe
 from .plan import Plan, PlanError, record_plan, verify_plan
 from .profiling import profile
+from .scaling import Prediction, predict
 from .schedule import SCHEDULES, Kind, Schedule, Task, Topology
 from .scheduler import EventScheduler, PlanOp
 from .timeline import Span, Summary, Timeline

@@ -19,9 +19,10 @@ from torch import Tensor, nn
 from . import tutorial
 from .balance import profile_layers
 from .bench import Config
-from .cost_model import fit, predict, simulate
+from .cost_model import fit, simulate
 from .pipe import Pipe
 from .profiling import profile
+from .scaling import predict
 from .stream import synchronize
 
 __all__ = [

@@ -17,8 +17,13 @@ Every schedule is modelled, explicit orders included. A split backward's
 input pass (B) and weight pass (W) cost what the stage costs give; from a
 (forward, backward) pair, half the backward each.
 
-Host issue time is not modelled. :func:`fit` turns a measured timeline into
-costs; :func:`predict` scales per-layer costs to ``p`` devices.
+Host issue time is modelled when given (``issue_times``): one host thread
+issues every task in issue order, taking the task's issue time; a task's
+device work cannot start before its issue begins nor end before its issue
+ends. On a fast GPU that thread, not the streams, can set the step time.
+:func:`fit` turns a measured timeline into costs (issue times included
+where the timeline has them); :func:`predict` scales per-layer costs to
+``p`` devices.
 """
 
 from __future__ import annotations
@@ -29,13 +34,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .balance import partition, stage_costs
 from .schedule import Kind, Order, Schedule, Task, Topology, virtual_stages_of
 from .timeline import Span, Timeline
 
-__all__ = ["Costs", "Simulation", "simulate", "fit", "predict", "Prediction"]
+__all__ = ["Costs", "Simulation", "simulate", "fit"]
 
 Cost = float | tuple[float, float] | tuple[float, float, float]
+# Host issue time per task: one for every task, or per (kind, stage), the
+# kind as a timeline span names it ("forward", "backward", "copy", ...).
+IssueTimes = float | Mapping[tuple[str, int], float]
 
 
 @dataclass
@@ -50,12 +57,15 @@ class Costs:
             (forward copy, gradient copy); skips included.
         weight_times: per stage, the weight-gradient pass, where the profile
             had split backwards (empty otherwise).
+        issue_times: host time to issue one task, per (kind, stage), where
+            the timeline measured it (empty otherwise).
     """
 
     stage_times: list[tuple[float, float]]
     copy_times: list[tuple[float, float]]
     hops: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)
     weight_times: list[float] = field(default_factory=list)
+    issue_times: dict[tuple[str, int], float] = field(default_factory=dict)
 
     def per_stage(self) -> list[Cost]:
         """Stage costs for :func:`simulate`: (forward, backward), or
@@ -73,6 +83,7 @@ class Simulation:
     timeline: Timeline
     schedule: str
     overlap: bool
+    issue_ms: float = 0.0  # host time to issue the step (0: not modelled)
 
     def summary(self, *, echo: bool = True) -> object:
         return self.timeline.summary(echo=echo)
@@ -130,6 +141,7 @@ def simulate(
     reads: Sequence[Sequence[int]] | None = None,
     virtual_stages: int | None = None,
     share_compute: bool | None = None,
+    issue_times: IssueTimes | None = None,
 ) -> Simulation:
     """Predicts a pipelined step.
 
@@ -163,6 +175,10 @@ def simulate(
             order (a busy device has nothing left for a second stage).
             Default: True for interleaved 1F1B, False otherwise (each
             stage's stream computes independently, as before).
+        issue_times: host time (ms) the one issuing thread spends on each
+            task: one number for every task, or per (kind, stage) as
+            :attr:`Costs.issue_times` holds them (missing: 0). None: issuing
+            is free, as on a device much slower than its host.
 
     Returns:
         The predicted step time and its timeline.
@@ -171,6 +187,7 @@ def simulate(
         ValueError: inconsistent lengths, negative costs, or a schedule with
             backward tasks without backward times.
     """
+    issue = _issue_costs(issue_times)
     stages = [_pair(c, f"stage {i} time") for i, c in enumerate(stage_times)]
     n = len(stages)
     if n < 1:
@@ -232,10 +249,13 @@ def simulate(
     free: dict[str, float] = defaultdict(float)
     end: dict[int, float] = {}
     spans = []
+    host = 0.0  # when the issuing thread is free
     for t in tasks:
         on = streams(t)
-        start = max([free[s] for s in on] + [end[d] for d in t.deps])
-        end[t.index] = start + cost(t)
+        issued = host
+        host += issue(t.kind.label, t.stage)
+        start = max([free[s] for s in on] + [end[d] for d in t.deps] + [issued])
+        end[t.index] = max(start + cost(t), host)
         for s in on:
             free[s] = end[t.index]
         if t.kind in compute and overlap:
@@ -265,10 +285,26 @@ def simulate(
         "overlap": overlap,
         "virtual_stages": virtual,
         "share_compute": shared,
+        "issue_ms": host,
     }
     timeline = Timeline(spans, rows, "simulated", meta)
     step = max(end.values()) if end else 0.0
-    return Simulation(step, timeline, sched.name, overlap)
+    return Simulation(step, timeline, sched.name, overlap, host)
+
+
+def _issue_costs(issue_times: IssueTimes | None) -> Any:
+    """A function (kind, stage) -> host issue time."""
+    if issue_times is None:
+        return lambda kind, stage: 0.0
+    if isinstance(issue_times, (int, float)):
+        if issue_times < 0:
+            raise ValueError(f"issue_times must not be negative, got {issue_times}")
+        each = float(issue_times)
+        return lambda kind, stage: each
+    table = {key: float(v) for key, v in issue_times.items()}
+    if any(v < 0 for v in table.values()):
+        raise ValueError(f"issue_times must not be negative, got {issue_times}")
+    return lambda kind, stage: table.get((kind, stage), 0.0)
 
 
 def _copy_costs(
@@ -293,14 +329,19 @@ def fit(timeline: Timeline) -> Costs:
 
     From a run with split backwards (``'zb_h1'``) the costs hold both passes:
     ``costs.per_stage()`` gives (forward, input_grad, weight_grad) triples.
+    Where the spans carry the host's issue time (``Span.issue_ms``, measured
+    by the scheduler's timing), ``costs.issue_times`` holds its median per
+    (kind, stage), for :func:`simulate`'s ``issue_times``.
 
     Raises:
         ValueError: the timeline has no compute spans.
     """
     groups: dict[tuple[str, int], list[float]] = defaultdict(list)
     hops: dict[tuple[str, int, int], list[float]] = defaultdict(list)
+    issue: dict[tuple[str, int], list[float]] = defaultdict(list)
     for s in timeline.spans:
         groups[(s.kind, s.stage)].append(s.duration_ms)
+        issue[(s.kind, s.stage)].append(s.issue_ms)
         if s.kind in ("copy", "copy_grad") and s.stage >= 0:
             hops[(s.kind, s.stage, s.stages[0] if s.kind == "copy_grad" else s.stages[-1])].append(
                 s.duration_ms
@@ -319,64 +360,12 @@ def fit(timeline: Timeline) -> Costs:
 
     pairs = {(p, q) for _, p, q in hops}
     weighted = any(k == "weight" for k, _ in groups)
+    # Timelines from before issue times were measured hold zeros: no issue times.
+    measured = any(v > 0 for values in issue.values() for v in values)
     return Costs(
         [(median("forward", s), median("backward", s)) for s in range(stages)],
         [(median("copy", s), median("copy_grad", s)) for s in range(stages - 1)],
         {(p, q): (hop("copy", p, q), hop("copy_grad", p, q)) for p, q in sorted(pairs)},
         [median("weight", s) for s in range(stages)] if weighted else [],
+        {k: statistics.median(v) for k, v in issue.items()} if measured else {},
     )
-
-
-@dataclass
-class Prediction:
-    """A pipeline on ``stages`` devices, predicted from per-layer costs."""
-
-    stages: int
-    balance: list[int]
-    step_ms: float
-    single_device_ms: float
-    simulation: Simulation
-
-    @property
-    def speedup(self) -> float:
-        return self.single_device_ms / self.step_ms
-
-
-def predict(
-    layer_times: Sequence[Cost],
-    stages: int,
-    chunks: int,
-    *,
-    copy_times: Cost | Sequence[Cost] = 0.0,
-    balance: Sequence[int] | None = None,
-    schedule: str = "gpipe",
-    overlap: bool = True,
-) -> Prediction:
-    """Predicts the step time of ``stages`` devices from per-layer costs.
-
-    Args:
-        layer_times: per layer, the cost of one micro-batch (forward or
-            (forward, backward)), e.g. from :func:`mpstream.balance.profile_layers`.
-        stages: number of devices, one stage each.
-        chunks: micro-batches per step.
-        copy_times: per boundary (or one for all).
-        balance: layers per stage; default the split that minimises the
-            slowest stage.
-        schedule: ``'gpipe'`` or ``'1f1b'``.
-        overlap: mpstream's streams or the default streams.
-
-    Returns:
-        The prediction, with the single-device time (every layer on one
-        device, ``chunks`` micro-batches, no copies) for the speed-up.
-    """
-    pairs = [_pair(c, f"layer {i} time") for i, c in enumerate(layer_times)]
-    totals = [f + b for f, b in pairs]
-    chosen = list(balance) if balance is not None else partition(totals, stages)
-    forward = stage_costs([f for f, _ in pairs], chosen)
-    backward = stage_costs([b for _, b in pairs], chosen)
-    with_backward = any(b > 0 for b in backward)
-    sim = simulate(
-        list(zip(forward, backward)), copy_times, chunks, schedule, overlap, backward=with_backward
-    )
-    single = chunks * sum(totals)
-    return Prediction(stages, chosen, sim.step_ms, single, sim)

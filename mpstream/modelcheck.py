@@ -24,9 +24,10 @@ import torch
 
 from . import tutorial
 from .balance import profile_layers
-from .cost_model import Costs, fit, predict, simulate
+from .cost_model import Costs, fit, simulate
 from .diagnosis import FAIL, PASS, Check, Context, StepResult, overall
 from .experiment import config_for
+from .scaling import predict
 from .timeline import Timeline
 
 __all__ = [

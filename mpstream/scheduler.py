@@ -64,6 +64,7 @@ class TaskTime(NamedTuple):
     end_ms: float
     run: int
     peer: int = -1
+    issue_ms: float = 0.0  # host time spent issuing the task (between its begin and end)
 
 
 # Schedulers whose streams are alive, to spot streams shared between pipes.
@@ -268,8 +269,8 @@ class EventScheduler:
         built its graph.
         """
         return [
-            TaskTime(s, m, kind, self.slot_names[slot], start, end, run, peer)
-            for s, m, kind, slot, start, end, run, peer in self.native.timings()
+            TaskTime(s, m, kind, self.slot_names[slot], start, end, run, peer, issue)
+            for s, m, kind, slot, start, end, run, peer, issue in self.native.timings()
         ]
 
     def clear_timings(self) -> None:

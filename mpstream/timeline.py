@@ -40,6 +40,7 @@ class Span:
     end_ms: float
     run: int = 1
     peer: int = -1  # a copy's receiving stage (default: the next one)
+    issue_ms: float = 0.0  # host time spent issuing it (0: not measured)
 
     @property
     def duration_ms(self) -> float:

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from mpstream.cost_model import fit, predict, simulate
+from mpstream.cost_model import fit, simulate
+from mpstream.scaling import predict
 from mpstream.timeline import Span, Timeline
 
 SHAPES = [(1, 1), (1, 5), (2, 1), (2, 4), (3, 8), (4, 8), (5, 3)]
@@ -211,3 +212,60 @@ def test_user_orders_and_shared_devices_are_simulated() -> None:
     assert shared.step_ms > free.step_ms
     with pytest.raises(ValueError, match="round-robin"):
         simulate([(1.0, 2.0)] * 4, 0.0, 4, "interleaved_1f1b", devices=["a", "a", "b", "b"])
+
+
+def test_a_host_bound_step_takes_the_hosts_issue_time() -> None:
+    issue = {("forward", 0): 3.0, ("forward", 1): 3.0}
+    free = simulate([1.0, 1.0], 0.0, 4)
+    assert free.step_ms == pytest.approx(5.0) and free.issue_ms == 0.0
+    # One thread issues all 8 forwards, 3 ms each: the devices wait on it.
+    bound = simulate([1.0, 1.0], 0.0, 4, issue_times=issue)
+    assert bound.step_ms == pytest.approx(24.0)
+    assert bound.issue_ms == pytest.approx(24.0)
+    assert bound.timeline.meta["issue_ms"] == pytest.approx(24.0)
+    # Cheap issue: the devices set the pace, the host adds its first task's lead.
+    cheap = simulate([1.0, 1.0], 0.0, 4, issue_times=0.1)
+    assert free.step_ms <= cheap.step_ms <= free.step_ms + 0.1 * 12
+    # The tutorial's default streams are host-bound the same way.
+    assert simulate([1.0, 1.0], 0.0, 4, overlap=False, issue_times=issue).step_ms == pytest.approx(
+        24.0
+    )
+
+
+def test_issue_times_are_checked() -> None:
+    with pytest.raises(ValueError, match="issue_times must not be negative"):
+        simulate([1.0], 0.0, 2, issue_times=-1.0)
+    with pytest.raises(ValueError, match="issue_times must not be negative"):
+        simulate([1.0], 0.0, 2, issue_times={("forward", 0): -1.0})
+    with pytest.raises(ValueError, match=r"issue_times needs 2 entries \(one per layer\), got 1"):
+        predict([1.0, 1.0], 2, 4, issue_times=[1.0])
+
+
+def test_fit_takes_issue_times_from_spans_that_carry_them() -> None:
+    spans = [
+        Span(s, m, kind, f"stage{s}.compute", 0.0, 1.0, issue_ms=0.5 + s)
+        for s in range(2)
+        for m in range(3)
+        for kind in ("forward", "backward")
+    ]
+    costs = fit(Timeline(spans, {"stage0.compute": "d0", "stage1.compute": "d1"}))
+    assert costs.issue_times == {
+        ("forward", 0): 0.5,
+        ("backward", 0): 0.5,
+        ("forward", 1): 1.5,
+        ("backward", 1): 1.5,
+    }
+    legacy = [Span(s.stage, s.micro, s.kind, s.stream, 0.0, 1.0) for s in spans]
+    assert fit(Timeline(legacy, {"stage0.compute": "d0", "stage1.compute": "d1"})).issue_times == {}
+
+
+def test_a_host_bound_prediction_gains_nothing_from_more_devices() -> None:
+    layers = [(1.0, 2.0)] * 4
+    device_bound = predict(layers, 2, 4)
+    assert device_bound.speedup > 1.5
+    # Issuing a layer costs the host more than running it: one host thread
+    # issues every task, on one device or two.
+    host_bound = predict(layers, 2, 4, issue_times=[(5.0, 5.0)] * 4)
+    assert host_bound.step_ms == pytest.approx(160.0)
+    assert host_bound.single_device_ms == pytest.approx(160.0)
+    assert host_bound.speedup == pytest.approx(1.0)

@@ -12,6 +12,7 @@ import statistics
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -292,6 +293,28 @@ def test_timing_events_cover_every_task() -> None:
     sched.timing = False
     assert {(t.stage, t.micro) for t in timings} == {(s, m) for s in range(2) for m in range(4)}
     assert all(t.end_ms >= t.start_ms >= 0 for t in timings)
+    assert all(t.issue_ms > 0 for t in timings)
+
+
+def test_issue_times_measure_the_host_not_the_device() -> None:
+    class Slow(nn.Module):
+        """Issues one kernel after 20 ms of host work."""
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            time.sleep(0.02)
+            return x + 1
+
+    pipe = Pipe(
+        nn.Sequential(Slow(), nn.Identity()), chunks=2, balance=[1, 1], devices=["cuda:0"] * 2
+    )
+    sched = pipe.scheduler
+    sched.timing = True
+    pipe(torch.randn(8, 8, device="cuda"))
+    timings = sched.timings()
+    sched.timing = False
+    slow = [t for t in timings if t.stage == 0]
+    assert len(slow) == 2 and all(t.issue_ms >= 19 for t in slow)
+    assert all(t.issue_ms < 10 for t in timings if t.stage == 1)
 
 
 def test_memory_does_not_grow_across_steps() -> None:

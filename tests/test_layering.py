@@ -18,8 +18,9 @@ CORE = [
 ]
 TOOLS = {
     "timeline", "figures", "bench", "cli", "analysis", "profiling", "tuning", "cost_model",
-    "compare", "doctor", "diagnosis", "report", "environment", "checks", "overlap", "probes",
-    "sanitizer", "soak", "experiment", "attribution", "modelcheck", "cli_schedules", "argtypes",
+    "scaling", "compare", "doctor", "diagnosis", "report", "environment", "checks", "overlap",
+    "probes", "sanitizer", "soak", "experiment", "attribution", "modelcheck", "cli_schedules",
+    "argtypes",
 }
 
 

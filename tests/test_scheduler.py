@@ -141,6 +141,7 @@ def test_host_timing_on_cpu_stages() -> None:
         assert t.stream == f"stage{t.stage}.compute@cpu"
         expected = 10 if t.stage == 1 else 2
         assert t.end_ms - t.start_ms >= expected * 0.9
+        assert t.issue_ms >= expected * 0.9  # the host's time between begin and end
     starts = [t.start_ms for t in timings]
     assert starts == sorted(starts)
     sched.clear_timings()
