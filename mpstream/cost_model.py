@@ -253,7 +253,8 @@ def simulate(
     for t in tasks:
         on = streams(t)
         issued = host
-        host += issue(t.kind.label, t.stage)
+        issuing = issue(t.kind.label, t.stage)
+        host += issuing
         start = max([free[s] for s in on] + [end[d] for d in t.deps] + [issued])
         end[t.index] = max(start + cost(t), host)
         for s in on:
@@ -269,6 +270,7 @@ def simulate(
                 start,
                 end[t.index],
                 peer=t.peer if t.kind in (Kind.COPY, Kind.COPY_GRAD) else -1,
+                issue_ms=issuing,
             )
         )
     if overlap:

@@ -256,6 +256,21 @@ def test_cost_model_validation_scaling_and_calibration() -> None:
     assert calibrated == [(2.0, 2.0), (2.0, 6.0), (1.0, 1.0)]
 
 
+def test_cost_model_validation_with_the_hosts_issue_time() -> None:
+    labels = ["a", "b"]
+    issue = {("forward", 0): 3.0, ("backward", 0): 3.0, ("forward", 1): 3.0, ("backward", 1): 3.0}
+    # A host-bound "measured" step: the issue times ride on its spans.
+    bound = simulate(
+        [(1.0, 2.0)] * 2, 0.0, 4, backward=True, devices=labels, issue_times=issue
+    ).timeline
+    (row,) = modelcheck.validate({2: bound}, 2, 8, True, labels)
+    assert row["issue_modelled"] and row["error"] == 0.0
+    assert row["measured_ms"] == 48.0 and row["devices_only_ms"] == 30.0
+    costs = Costs([(1.0, 2.0)] * 2, [], issue_times=issue)
+    assert modelcheck.scaled(costs, 2.0).issue_times == issue  # kernels per task: as many
+    assert modelcheck.spread_issue([2, 1], costs) == [(1.5, 1.5), (1.5, 1.5), (3.0, 3.0)]
+
+
 def test_correctness_grid_layouts() -> None:
     # forward + 4 schedules, x 3 checkpoint modes
     assert len(checks.cases((CPU, CPU))) == 5 * 3
