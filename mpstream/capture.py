@@ -5,9 +5,10 @@ Python thread; on a fast GPU that thread sets the pace. On one H100 at the
 tutorial's sizes (split 12) the host took 196.4 ms to issue a 196.5 ms step
 and a captured ``train_step`` replayed in 0.15x the eager time with the same
 gradients (docs/results/h100). :class:`CapturedStep` packages that capture:
-static input and target buffers, warm-up on a side stream, gradients kept
-in place, the optimizer step inside the graph, and checks that refuse a
-replay whose result would silently differ from an eager step.
+static input and target buffers, warm-up on a side stream undone before
+the first step (:mod:`~mpstream.capture_state`), gradients kept in place,
+the optimizer step inside the graph, and checks for the changes a replay
+cannot see.
 
 Without CUDA (every stage on the CPU) the same object runs the step eagerly
 with the same checks, so code written against it runs anywhere.
@@ -16,7 +17,7 @@ with the same checks, so code written against it runs anywhere.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import suppress
 from typing import Any
 
@@ -24,6 +25,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
+from .capture_state import Saved, check_optimizer, hyperparameters, state_tensors
 from .microbatch import NoChunk
 from .partition import check_positive
 from .pipe import Pipe
@@ -33,76 +35,6 @@ __all__ = ["CapturedStep"]
 # One graph cannot span devices: PyTorch's graph memory pools are per device
 # and multi-device replays fault (pytorch/pytorch#153025, open in 2026).
 _MULTI_DEVICE = "PyTorch cannot replay one CUDA graph across devices (pytorch/pytorch#153025)"
-
-
-def _hyperparameters(optimizer: torch.optim.Optimizer | None) -> list[dict[str, Any]]:
-    """Each param group's plain settings (lr, momentum, ...), which a graph bakes in."""
-    if optimizer is None:
-        return []
-    plain = (int, float, bool, tuple, str, type(None))
-    return [
-        {k: v for k, v in g.items() if k != "params" and isinstance(v, plain)}
-        for g in optimizer.param_groups
-    ]
-
-
-def _state_tensors(optimizer: torch.optim.Optimizer | None) -> Iterator[tuple[Any, str, Tensor]]:
-    if optimizer is None:
-        return
-    for param, state in optimizer.state.items():
-        for key, value in state.items():
-            if isinstance(value, Tensor):
-                yield param, key, value
-
-
-class _Saved:
-    """Parameters, buffers, gradients and optimizer state, put back in place.
-
-    Warm-up runs real steps; restoring afterwards leaves the model and the
-    optimizer as the caller gave them. Everything is restored into the same
-    tensors (``copy_``), because the graph captured their addresses. Optimizer
-    state and gradients that warm-up created are zeroed, which is what a first
-    step finds for the built-in optimizers (Adam's moments and step count,
-    SGD's momentum buffer with ``dampening=0``).
-    """
-
-    def __init__(self, pipe: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-        self.pipe, self.optimizer = pipe, optimizer
-        with torch.no_grad():
-            self.tensors = [(t, _host(t)) for t in (*pipe.parameters(), *pipe.buffers())]
-            self.grads = {id(p): _host(p.grad) for p in pipe.parameters() if p.grad is not None}
-            self.state = {(id(p), k): _host(v) for p, k, v in _state_tensors(optimizer)}
-            self.plain_state = {
-                id(p): {k: v for k, v in s.items() if not isinstance(v, Tensor)}
-                for p, s in (optimizer.state.items() if optimizer is not None else ())
-            }
-
-    def restore(self) -> None:
-        with torch.no_grad():
-            for t, saved in self.tensors:
-                t.copy_(saved)
-            for p in self.pipe.parameters():
-                if p.grad is not None:
-                    _put_back(p.grad, self.grads.get(id(p)))
-            for param, key, value in _state_tensors(self.optimizer):
-                _put_back(value, self.state.get((id(param), key)))
-            if self.optimizer is not None:
-                for param, state in self.optimizer.state.items():
-                    state.update(self.plain_state.get(id(param), {}))
-
-
-def _host(t: Tensor) -> Tensor:
-    # In host memory: a model trained near the device's capacity has no room
-    # for a second copy of its parameters and optimizer state.
-    return t.detach().to("cpu", copy=True)
-
-
-def _put_back(t: Tensor, saved: Tensor | None) -> None:
-    """``t`` back to ``saved`` in place; zeros where warm-up created it."""
-    if saved is None:
-        t.zero_()
-    else:
-        t.copy_(saved)
 
 
 def _static(leaf: Any, device: torch.device) -> Any:
@@ -138,19 +70,28 @@ class CapturedStep:
     - plain values in the batch and the optimizer's settings (lr, momentum,
       ...) are baked in: a call after one changed raises. For a learning-rate
       schedule, capture with a tensor ``lr`` that the schedule changes in
-      place, where the optimizer reads it on the device at every step
-      (``Adam``/``AdamW`` with ``capturable=True``; SGD's update reads it as
-      a Python number, which a graph would keep);
+      place, with an optimizer that reads it on the device at every step
+      (``capturable=True``: Adam, AdamW, ...; on CUDA a tensor setting of
+      an optimizer without it is refused at construction);
     - with ``zero_grad=False`` gradients accumulate across calls in the
       captured gradient tensors: zero them with ``zero_grad(set_to_none=False)``;
-      replacing a ``.grad`` (``set_to_none=True``) makes the next call raise;
-    - moving the pipe (``.to``) after capture makes the next call raise;
+      replacing a ``.grad`` (``set_to_none=True``), the optimizer's state
+      (``load_state_dict``) or a parameter's storage (``pipe.double()``)
+      makes the next call raise;
     - ``pipe.train()``/``eval()``, hooks and anything Python decides during
       the step keep the value they had at capture.
 
+    Warm-up is undone: parameters, buffers, gradients, optimizer state and
+    the random number generators are put back. Optimizer state that warm-up
+    created is zeroed, which is the first step's state for SGD (without
+    dampening), Adam, AdamW, RAdam, Adamax, Adadelta and RMSprop; other
+    optimizers need their state from one eager step before capture (refused
+    otherwise).
+
     Every stage must sit on one CUDA device (a graph cannot span devices) or
     on CPUs, where no graph exists and each call runs the step eagerly with
-    the same checks. For mixed precision, construct it under
+    the same checks (from the second call, once gradients exist). For mixed
+    precision, construct it under
     ``torch.autocast(..., cache_enabled=False)`` (autocast's weight cache
     does not survive capture) with bfloat16: a ``GradScaler`` reads its
     overflow flag on the host, which a replay cannot.
@@ -162,7 +103,9 @@ class CapturedStep:
         target: an example target, buffered on the last stage's device.
         loss_fn: ``loss_fn(output, target) -> scalar`` per micro-batch.
         optimizer: stepped inside the graph after the backward. Optimizers
-            with a ``capturable`` option (Adam, AdamW, ...) need it ``True``.
+            with a ``capturable`` option (Adam, AdamW, ...) need it ``True``
+            on CUDA (PyTorch refuses it for CPU parameters:
+            ``capturable=params_on_cuda``).
         reduction: as in :meth:`~mpstream.Pipe.train_step`.
         zero_grad: zero the pipe's gradients (in place) at the start of
             every step.
@@ -172,11 +115,13 @@ class CapturedStep:
 
     Raises:
         TypeError: ``pipe`` is not a Pipe.
-        ValueError: stages on several devices or on both CPU and CUDA, or the
+        ValueError: stages on several devices or on both CPU and CUDA, the
             pipe is being traced (its scheduler's timing or plan recording
-            is on: a replay would record nothing).
-        RuntimeError: the capture failed (PyTorch's message; the pipe and
-            the optimizer are restored first).
+            is on: a replay would record nothing), or an optimizer whose
+            captured step would differ from its eager one (see above).
+        Exception: whatever capture raised (PyTorch's error, with a note);
+            the pipe, the optimizer, the generators and the caller's stream
+            are restored first.
     """
 
     def __init__(
@@ -217,13 +162,14 @@ class CapturedStep:
         tgt_leaves, self._tgt_spec = pytree.tree_flatten(target)
         self._inputs = [_static(x, pipe.devices[0]) for x in in_leaves]
         self._target = [_static(x, pipe.devices[-1]) for x in tgt_leaves]
-        self._settings = _hyperparameters(optimizer)
+        check_optimizer(optimizer, self.device is not None)
+        self._settings = hyperparameters(optimizer)
         self.graph: torch.cuda.CUDAGraph | None = None
-        self._grads: list[tuple[str, nn.Parameter, Tensor | None]] = []
-        self._params: list[tuple[str, nn.Parameter, int]] = []
+        self._kept: _Kept | None = None
         self._loss: Tensor | None = None
         if self.device is not None:
             self._capture(warmup, pool)
+            self._kept = _Kept(pipe, optimizer)
 
     # -- the step ----------------------------------------------------------
     def _step(self) -> Tensor:
@@ -242,37 +188,38 @@ class CapturedStep:
     def _capture(self, warmup: int, pool: Any) -> None:
         device = self.device
         assert device is not None
-        saved = _Saved(self.pipe, self.optimizer)
+        saved = Saved(self.pipe, self.optimizer, device)
+        caller = torch.cuda.current_stream(device)
         try:
             with torch.cuda.device(device):
                 # Warm-up on a side stream, as capture requires: what runs
                 # once (allocations, autotuning, optimizer state) happens here.
                 side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-                side.wait_stream(torch.cuda.current_stream(device))
+                side.wait_stream(caller)
                 with torch.cuda.stream(side):
                     for _ in range(warmup):
                         self._step()
-                torch.cuda.current_stream(device).wait_stream(side)
+                caller.wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     self._loss = self._step()
-                torch.cuda.current_stream(device).synchronize()
+                caller.synchronize()
         except BaseException as exc:
+            # Older torch leaves the capture stream current when capture_end raises.
+            torch.cuda.set_stream(caller)
             with suppress(RuntimeError):  # a failed capture may leave a CUDA error behind
                 torch.cuda.synchronize(device)
-            saved.restore()
+            saved.restore(captured=False)
             exc.add_note(
-                "mpstream.CapturedStep: capturing the step failed; the pipe and the "
-                "optimizer are as they were before. Run the pipe eagerly, or see "
-                "docs/tuning.md (When the host is the bottleneck) for what capture needs."
+                "mpstream.CapturedStep: capturing the step failed; the pipe, the optimizer "
+                "and the random number generators are as they were before. Run the pipe "
+                "eagerly, or see docs/tuning.md (When the host is the bottleneck) for what "
+                "capture needs."
             )
             raise
-        saved.restore()
+        saved.restore(captured=True)
         torch.cuda.synchronize(device)
         self.graph = graph
-        named = list(self.pipe.named_parameters())
-        self._grads = [(n, p, p.grad) for n, p in named]
-        self._params = [(n, p, p.data_ptr()) for n, p in named]
 
     @property
     def captured(self) -> bool:
@@ -305,12 +252,15 @@ class CapturedStep:
                 gradient replaced or parameters moved since capture.
         """
         self._check_settings()
-        if self.graph is not None:
-            self._check_tensors()
+        if self._kept is not None:
+            self._kept.check()
         self._fill("inputs", self._inputs, self._in_spec, inputs)
         self._fill("target", self._target, self._tgt_spec, target)
         if self.graph is None:
-            return self._step()
+            loss = self._step()
+            if self._kept is None:  # the CPU's checks start once gradients exist
+                self._kept = _Kept(self.pipe, self.optimizer)
+            return loss
         assert self._loss is not None and self.device is not None
         with torch.cuda.device(self.device):
             self.graph.replay()
@@ -351,7 +301,7 @@ class CapturedStep:
                 buffer.copy_(source.detach(), non_blocking=True)
 
     def _check_settings(self) -> None:
-        now = _hyperparameters(self.optimizer)
+        now = hyperparameters(self.optimizer)
         for g, (before, after) in enumerate(zip(self._settings, now)):
             for key in sorted(before.keys() | after.keys()):
                 a, b = before.get(key), after.get(key)
@@ -369,15 +319,28 @@ class CapturedStep:
                 f"{len(self._settings)} at capture; capture a new step"
             )
 
-    def _check_tensors(self) -> None:
+
+class _Kept:
+    """The tensors a captured step reads and writes in place, as of capture:
+    replacing one (a new ``.grad``, a moved parameter, loaded optimizer
+    state) would leave the graph working on the old one."""
+
+    def __init__(self, pipe: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        named = list(pipe.named_parameters())
+        self.params = [(n, p, p.data_ptr()) for n, p in named]
+        self.grads = [(n, p, p.grad) for n, p in named]
+        self.state = [(p, k, v) for p, k, v in state_tensors(optimizer)]
+        self.optimizer = optimizer
+
+    def check(self) -> None:
         # Parameters first: moving a module replaces its gradients too.
-        for name, p, ptr in self._params:
+        for name, p, ptr in self.params:
             if p.data_ptr() != ptr:
                 raise ValueError(
-                    f"CapturedStep: parameter {name} moved since capture (pipe.to() or "
-                    f"load_state_dict(assign=True)); capture a new step."
+                    f"CapturedStep: parameter {name} moved since capture (pipe.double(), "
+                    f"pipe.to(dtype) or load_state_dict(assign=True)); capture a new step."
                 )
-        for name, p, grad in self._grads:
+        for name, p, grad in self.grads:
             if p.grad is not grad:
                 raise ValueError(
                     f"CapturedStep: the gradient of {name} was replaced since capture "
@@ -385,10 +348,21 @@ class CapturedStep:
                     f"accumulates into the old one. Use zero_grad(set_to_none=False), or "
                     f"CapturedStep(zero_grad=True)."
                 )
+        state = self.optimizer.state if self.optimizer is not None else {}
+        for p, key, value in self.state:
+            if state.get(p, {}).get(key) is not value:
+                raise ValueError(
+                    f"CapturedStep: the optimizer's state {key!r} was replaced since capture "
+                    f"(optimizer.load_state_dict?); the captured step updates the old "
+                    f"tensors. Capture a new step after loading."
+                )
 
 
 def _same_plain(a: Any, b: Any) -> bool:
-    """Equality for plain values, with NaN equal to itself."""
+    """Equality for plain values, with NaN equal to itself; tensors by identity
+    (a replay reads the captured tensor, whatever its value)."""
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return a is b
     if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
         return True
     try:

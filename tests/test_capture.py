@@ -12,14 +12,15 @@ import torch
 from torch import Tensor, nn
 
 from mpstream import CapturedStep, Pipe
-from mpstream.capture import _Saved
+from mpstream.capture_state import Saved, check_optimizer
 from tests.helpers import mlp
 
 BATCH = 10
 Opt = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 OPTIMIZERS: dict[str, Opt] = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
-    "adam": lambda ps: torch.optim.Adam(ps, lr=0.01, capturable=torch.cuda.is_available()),
+    # capturable: needed for capture on CUDA, refused for CPU parameters.
+    "adam": lambda ps: torch.optim.Adam(ps, lr=0.01, capturable=ps[0].is_cuda),
 }
 
 
@@ -86,19 +87,25 @@ def test_without_zero_grad_gradients_accumulate_across_calls() -> None:
 
 def test_warm_up_is_undone_so_the_first_call_is_a_first_step() -> None:
     """What capture relies on, checked on the CPU: after warm-up steps and
-    :class:`_Saved`'s restore, a step equals a fresh model's first step
-    (optimizer state created by warm-up is zeroed in place)."""
+    :class:`Saved`'s restore, a step equals a fresh model's first step
+    (optimizer state created by warm-up is zeroed in place) and the random
+    number generator is where it was."""
     for name in OPTIMIZERS:
         pipe, opt, ref, ref_opt = _setup("cpu", name, split_size=3)
         x, y = _data("cpu", 1)
-        saved = _Saved(pipe, opt)
+        saved = Saved(pipe, opt, None)
+        draw = torch.rand(3, generator=torch.Generator().set_state(torch.get_rng_state()))
         for _ in range(3):
             pipe.zero_grad(set_to_none=False)
             pipe.train_step(x, y, nn.MSELoss())
             opt.step()
+            torch.rand(5)  # warm-up draws (dropout, say)
         state = [id(v) for s in opt.state.values() for v in s.values()]
-        saved.restore()
+        grads = [p.grad for p in pipe.parameters()]
+        saved.restore(captured=True)
         assert state == [id(v) for s in opt.state.values() for v in s.values()], "in place"
+        assert all(p.grad is g for p, g in zip(pipe.parameters(), grads)), "in place"
+        torch.testing.assert_close(torch.rand(3), draw)
         for p, q in zip(pipe.parameters(), ref.parameters()):
             torch.testing.assert_close(p.detach(), q.detach())
         pipe.zero_grad(set_to_none=False)
@@ -108,6 +115,97 @@ def test_warm_up_is_undone_so_the_first_call_is_a_first_step() -> None:
         ref_opt.step()
         for p, q in zip(pipe.parameters(), ref.parameters()):
             torch.testing.assert_close(p.detach(), q.detach(), msg=name)
+
+
+def test_a_failed_capture_gives_every_gradient_tensor_back() -> None:
+    pipe, opt, _, _ = _setup("cpu", "sgd", split_size=3)
+    x, y = _data("cpu", 1)
+    saved = Saved(pipe, opt, None)
+    pipe.train_step(x, y, nn.MSELoss())
+    opt.step()
+    saved.restore(captured=False)
+    assert all(p.grad is None for p in pipe.parameters()) and not opt.state
+    pipe.train_step(x, y, nn.MSELoss())
+    grads = [p.grad for p in pipe.parameters()]
+    values = [g.clone() for g in grads if g is not None]
+    saved = Saved(pipe, opt, None)
+    pipe.zero_grad()  # set_to_none: warm-up would make new gradient tensors
+    pipe.train_step(x, y, nn.MSELoss())
+    saved.restore(captured=False)
+    assert all(p.grad is g for p, g in zip(pipe.parameters(), grads))
+    for p, v in zip(pipe.parameters(), values):
+        torch.testing.assert_close(p.grad, v)
+
+
+def test_optimizers_whose_first_state_is_not_zero_need_an_eager_step_first() -> None:
+    pipe, _, _, _ = _setup("cpu", "sgd", split_size=3)
+    x, y = _data("cpu", 1)
+    for make in (
+        lambda ps: torch.optim.NAdam(ps),
+        lambda ps: torch.optim.Rprop(ps),
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.5),
+    ):
+        opt = make(list(pipe.parameters()))
+        with pytest.raises(ValueError, match="Take one eager step first"):
+            CapturedStep(pipe, x, y, nn.MSELoss(), optimizer=opt)
+        pipe.train_step(x, y, nn.MSELoss())
+        opt.step()
+        CapturedStep(pipe, x, y, nn.MSELoss(), optimizer=opt)  # state exists: restored exactly
+    check_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9), cuda=True)
+
+
+def test_on_cuda_a_tensor_setting_needs_an_optimizer_that_reads_it_on_the_device() -> None:
+    params = list(mlp([5, 4]).parameters())
+    sgd = torch.optim.SGD(params, lr=torch.tensor(0.1))
+    with pytest.raises(ValueError, match=r"param group 0 of SGD holds 'lr' as a tensor"):
+        check_optimizer(sgd, cuda=True)
+    check_optimizer(sgd, cuda=False)  # eager steps read it every time
+    adam = torch.optim.Adam(params, lr=torch.tensor(0.1), foreach=False)
+    adam.param_groups[0]["capturable"] = True  # as on CUDA parameters
+    check_optimizer(adam, cuda=True)
+
+
+def test_replaced_gradients_state_or_parameters_are_refused_on_the_cpu_too() -> None:
+    pipe, opt, _, _ = _setup("cpu", "sgd", split_size=3)
+    x, y = _data("cpu", 0)
+    step = CapturedStep(pipe, x, y, nn.MSELoss(), optimizer=opt, zero_grad=False)
+    opt.zero_grad(set_to_none=False)
+    step(x, y)
+    step(x, y)
+    opt.zero_grad()  # set_to_none=True
+    with pytest.raises(ValueError, match=r"gradient of .* was replaced"):
+        step(x, y)
+    step = CapturedStep(pipe, x, y, nn.MSELoss(), optimizer=opt)
+    step(x, y)
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # as from a checkpoint file
+    with pytest.raises(ValueError, match="optimizer's state 'momentum_buffer' was replaced"):
+        step(x, y)
+    step = CapturedStep(pipe, x, y, nn.MSELoss(), optimizer=opt)
+    step(x, y)
+    pipe.float()
+    with pytest.raises(ValueError, match="moved since capture"):
+        step(x, y)
+
+
+def test_a_tensor_learning_rate_is_changed_in_place_not_replaced() -> None:
+    pipe, _, ref, _ = _setup("cpu", "sgd", split_size=3)
+    lr = torch.tensor(0.1)
+    opt = torch.optim.SGD(pipe.parameters(), lr=lr)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x, y = _data("cpu", 0)
+    step = CapturedStep(pipe, x, y, nn.MSELoss(), optimizer=opt)
+    for value in (0.1, 0.05):
+        lr.fill_(value)
+        ref_opt.param_groups[0]["lr"] = value
+        step(x, y)
+        ref_opt.zero_grad()
+        nn.MSELoss()(ref(x), y).backward()
+        ref_opt.step()
+    for p, q in zip(pipe.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach())
+    opt.param_groups[0]["lr"] = torch.tensor(0.01)
+    with pytest.raises(ValueError, match="'lr' changed from tensor"):
+        step(x, y)
 
 
 def test_batches_of_another_shape_dtype_or_structure_are_refused() -> None:
@@ -223,7 +321,7 @@ def test_replaced_gradients_and_moved_parameters_are_refused() -> None:
         step(x, y)
     pipe.float()
     with pytest.raises(ValueError, match="moved since capture"):
-        step._check_tensors()
+        step(x, y)
 
 
 @pytest.mark.cuda

@@ -1,0 +1,178 @@
+"""What a CUDA graph capture's warm-up changes, and how it is put back.
+
+:class:`~mpstream.CapturedStep` runs real training steps before capture
+(lazy initialisation, autotuning, optimizer state) and must then leave the
+model and the optimizer as the caller gave them, in the very tensors the
+graph captured. This module saves and restores that state (parameters,
+buffers, gradients, optimizer state, random number generators) and checks
+the optimizer for what a replay could not reproduce.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["Saved", "check_optimizer", "hyperparameters", "state_tensors"]
+
+Optimizer = torch.optim.Optimizer
+
+# Optimizers whose state, as their first step creates it, is all zeros (step
+# counts, moments, accumulators), so zeroing what warm-up created gives the
+# first step exactly. Others (NAdam's mu_product starts at 1, ASGD's eta and
+# Rprop's step sizes at lr) need their state made by an eager step first.
+_ZERO_STATE: tuple[type[Optimizer], ...] = (
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.RAdam,
+    torch.optim.Adamax,
+    torch.optim.Adadelta,
+    torch.optim.RMSprop,
+)
+
+
+def hyperparameters(optimizer: Optimizer | None) -> list[dict[str, Any]]:
+    """Each param group's settings: plain values (which a graph keeps) and the
+    tensors themselves (a replay reads the captured ones)."""
+    if optimizer is None:
+        return []
+    kept = (int, float, bool, tuple, str, type(None), Tensor)
+    return [
+        {k: v for k, v in g.items() if k != "params" and isinstance(v, kept)}
+        for g in optimizer.param_groups
+    ]
+
+
+def state_tensors(optimizer: Optimizer | None) -> Iterator[tuple[Any, str, Tensor]]:
+    """(parameter, key, tensor) for every tensor of the optimizer's state."""
+    if optimizer is None:
+        return
+    for param, state in optimizer.state.items():
+        for key, value in state.items():
+            if isinstance(value, Tensor):
+                yield param, key, value
+
+
+def _zero_state(optimizer: Optimizer) -> bool:
+    if type(optimizer) is torch.optim.SGD:
+        # The momentum buffer starts as the first gradient: a zeroed buffer
+        # gives the same step only without dampening.
+        return all(g["momentum"] == 0 or g["dampening"] == 0 for g in optimizer.param_groups)
+    return type(optimizer) in _ZERO_STATE
+
+
+def check_optimizer(optimizer: Optimizer | None, cuda: bool) -> None:
+    """Refuses an optimizer whose captured step would differ from its eager one.
+
+    Raises:
+        ValueError: some parameter has no state yet and the optimizer's first
+            state is not all zeros; or, on CUDA, a param group holds a tensor
+            setting that the optimizer reads as a Python number.
+    """
+    if optimizer is None:
+        return
+    name = type(optimizer).__name__
+    fresh = [p for g in optimizer.param_groups for p in g["params"] if not optimizer.state.get(p)]
+    if fresh and not _zero_state(optimizer):
+        raise ValueError(
+            f"CapturedStep: {name} creates state on its first step that is not all zeros, "
+            f"and {len(fresh)} parameter(s) have none yet; warm-up before capture would "
+            f"change it. Take one eager step first (pipe.train_step, then "
+            f"optimizer.step()): existing state is put back exactly."
+        )
+    if not cuda:
+        return  # eager steps read tensor settings at every step
+    for i, group in enumerate(optimizer.param_groups):
+        on_device = group.get("capturable", False) or group.get("fused", False)
+        tensors = [k for k, v in group.items() if isinstance(v, Tensor) and k != "params"]
+        if tensors and not on_device:
+            raise ValueError(
+                f"CapturedStep: param group {i} of {name} holds {', '.join(map(repr, tensors))} "
+                f"as a tensor, which this optimizer reads as a Python number at capture: a "
+                f"graph would keep that number. Use {name}(..., capturable=True) where it "
+                f"has that option, or a plain number (a change then raises)."
+            )
+
+
+def _host(t: Tensor) -> Tensor:
+    # In host memory: a model trained near the device's capacity has no room
+    # for a second copy of its parameters and optimizer state.
+    return t.detach().to("cpu", copy=True)
+
+
+class Saved:
+    """Parameters, buffers, gradients, optimizer state and RNG states.
+
+    Everything is restored into the same tensors (``copy_``), because the
+    graph captured their addresses. Optimizer state and gradients that
+    warm-up created are zeroed (see :func:`check_optimizer` for why that is
+    the first step's state).
+
+    Args:
+        pipe: the module trained.
+        optimizer: its optimizer, if the step includes it.
+        device: the CUDA device whose generator warm-up draws from, if any.
+    """
+
+    def __init__(
+        self, pipe: nn.Module, optimizer: Optimizer | None, device: torch.device | None
+    ) -> None:
+        self.pipe, self.optimizer, self.device = pipe, optimizer, device
+        with torch.no_grad():
+            self.tensors = [(t, _host(t)) for t in (*pipe.parameters(), *pipe.buffers())]
+            self.grad_refs = {id(p): p.grad for p in pipe.parameters()}
+            self.grads = {id(p): _host(p.grad) for p in pipe.parameters() if p.grad is not None}
+            self.state = {(id(p), k): _host(v) for p, k, v in state_tensors(optimizer)}
+            self.plain_state = {
+                id(p): {k: v for k, v in s.items() if not isinstance(v, Tensor)}
+                for p, s in (optimizer.state.items() if optimizer is not None else ())
+            }
+            self.state_keys = {
+                id(p): set(s) for p, s in (optimizer.state.items() if optimizer is not None else ())
+            }
+        self.rng = torch.get_rng_state()
+        self.cuda_rng = None if device is None else torch.cuda.get_rng_state(device)
+
+    def restore(self, captured: bool) -> None:
+        """Puts everything back.
+
+        Args:
+            captured: whether a graph now owns the gradients and optimizer
+                state warm-up created (they stay, zeroed); after a failed
+                capture every parameter gets its own gradient tensor (or
+                None) back and the optimizer loses the state warm-up made.
+        """
+        with torch.no_grad():
+            for t, saved in self.tensors:
+                t.copy_(saved)
+            for p in self.pipe.parameters():
+                if not captured:
+                    p.grad = self.grad_refs.get(id(p))
+                if p.grad is not None:
+                    _put_back(p.grad, self.grads.get(id(p)))
+            for param, key, value in state_tensors(self.optimizer):
+                _put_back(value, self.state.get((id(param), key)))
+            if self.optimizer is not None:
+                for param, state in list(self.optimizer.state.items()):
+                    state.update(self.plain_state.get(id(param), {}))
+                    if captured:
+                        continue
+                    before = self.state_keys.get(id(param), set())
+                    for key in set(state) - before:
+                        del state[key]
+                    if not state:
+                        del self.optimizer.state[param]
+        torch.set_rng_state(self.rng)
+        if self.cuda_rng is not None and self.device is not None:
+            torch.cuda.set_rng_state(self.cuda_rng, self.device)
+
+
+def _put_back(t: Tensor, saved: Tensor | None) -> None:
+    """``t`` back to ``saved`` in place; zeros where warm-up created it."""
+    if saved is None:
+        t.zero_()
+    else:
+        t.copy_(saved)
