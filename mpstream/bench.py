@@ -4,8 +4,10 @@ Each measurement is one call of the tutorial's ``train`` (``num_batches``
 mini-batches of random images, MSELoss, SGD) timed with the host clock, with
 device work synchronised inside the timed region and warm-up calls excluded,
 like the tutorial's ``timeit.repeat(number=1)``. :func:`run` measures the
-four models at one split size and sweeps the split size for both pipelines;
-:func:`save` writes the JSON and the tutorial's three figures.
+four models at one split size (and, when both halves share a device,
+mpstream with each step replayed as a CUDA graph: :mod:`mpstream.graphed`)
+and sweeps the split size for both pipelines; :func:`save` writes the JSON
+and the tutorial's three figures.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import tutorial
+from . import graphed, tutorial
 from ._version import __version__
 from .stream import synchronize
 
@@ -38,6 +40,8 @@ __all__ = [
     "FULL",
     "MODELS",
     "PIPELINES",
+    "GRAPHED",
+    "models_for",
     "detect_devices",
     "make_model",
     "synchronize",
@@ -46,8 +50,14 @@ __all__ = [
     "table",
 ]
 
-MODELS = ("single device", "model parallel", "tutorial pipeline", "mpstream")
+GRAPHED = "mpstream, CUDA graph"
+MODELS = ("single device", "model parallel", "tutorial pipeline", "mpstream", GRAPHED)
 PIPELINES = ("tutorial pipeline", "mpstream")
+
+
+def models_for(dev0: torch.device, dev1: torch.device) -> tuple[str, ...]:
+    """The models measurable on these devices: a CUDA graph needs one device."""
+    return MODELS if dev0 == dev1 else tuple(m for m in MODELS if m != GRAPHED)
 
 
 @dataclass(frozen=True)
@@ -202,6 +212,9 @@ def make_model(
     if name == "mpstream":
         stream = tutorial.StreamPipelineResNet101 if deep else tutorial.StreamPipelineResNet50
         return stream(dev0, dev1, split_size, n)
+    if name == GRAPHED:
+        graph = graphed.GraphedPipelineResNet101 if deep else graphed.GraphedPipelineResNet50
+        return graph(dev0, dev1, split_size, n)
     raise ValueError(f"unknown model {name!r}; valid: {', '.join(MODELS)}")
 
 
@@ -222,10 +235,11 @@ def train_once(model: nn.Module, config: Config, devices: Sequence[torch.device]
     return time.perf_counter() - start
 
 
-def calls(config: Config, sweep: bool) -> int:
-    """Number of train calls :func:`run` makes (for progress bars)."""
+def calls(config: Config, sweep: bool, models: Sequence[str] = MODELS) -> int:
+    """Number of train calls :func:`run` makes (for progress bars), for ``models``
+    (:func:`models_for` the devices)."""
     sizes = set(config.split_sizes) | {config.split_size} if sweep else {config.split_size}
-    configurations = len(MODELS) - len(PIPELINES) + len(PIPELINES) * len(sizes)
+    configurations = len(models) - len(PIPELINES) + len(PIPELINES) * len(sizes)
     return (config.warmup + config.repeat) * configurations
 
 
@@ -238,7 +252,8 @@ def run(
     tick: Callable[[], None] | None = None,
     status: Callable[[str], None] | None = None,
 ) -> Results:
-    """Measures the four models and, with ``sweep``, both pipelines at every split size.
+    """Measures the models (:func:`models_for` the devices) and, with ``sweep``,
+    both pipelines at every split size.
 
     All configurations are built first and timed round-robin, one call each
     per round with the starting point rotating, so slow drift of the machine
@@ -246,7 +261,10 @@ def run(
     biasing the ratios.
     """
     devices = (dev0, dev1)
-    main = [(name, config.split_size if name in PIPELINES else None) for name in MODELS]
+    main = [
+        (name, config.split_size if name in PIPELINES or name == GRAPHED else None)
+        for name in models_for(dev0, dev1)
+    ]
     swept: list[tuple[str, int | None]] = (
         [(name, s) for name in PIPELINES for s in config.split_sizes] if sweep else []
     )
@@ -352,12 +370,12 @@ def save(results: Results, out: Path, *, plots: bool = True) -> list[Path]:
 def table(results: Results) -> str:
     """Mean ± std per model and speed-up against the single device."""
     ref = results.get("single device").mean
-    header = f"{'model':<18} {'split':>5} {'mean ± std (s)':>17} {'median (s)':>10} {'speed-up':>8}"
+    header = f"{'model':<21} {'split':>5} {'mean ± std (s)':>17} {'median (s)':>10} {'speed-up':>8}"
     lines = [header, "-" * len(header)]
     for r in results.models:
         split = "-" if r.split_size is None else str(r.split_size)
         lines.append(
-            f"{r.model:<18} {split:>5} {r.mean:>9.3f} ± {r.std:<5.3f} {r.median:>10.3f} "
+            f"{r.model:<21} {split:>5} {r.mean:>9.3f} ± {r.std:<5.3f} {r.median:>10.3f} "
             f"{ref / r.mean:>7.2f}x"
         )
     if results.sweep:

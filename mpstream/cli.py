@@ -57,7 +57,8 @@ def _bench(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     sweep = not args.no_sweep
-    with tqdm(total=bench.calls(config, sweep), unit="train", disable=args.no_progress) as bar:
+    total = bench.calls(config, sweep, bench.models_for(dev0, dev1))
+    with tqdm(total=total, unit="train", disable=args.no_progress) as bar:
         results = bench.run(
             config, dev0, dev1, sweep=sweep, tick=lambda: bar.update(1), status=bar.set_description
         )

@@ -285,7 +285,9 @@ def train(
     """The tutorial's training loop: MSELoss, SGD, random images, one-hot labels.
 
     Args:
-        model: any of the tutorial's models (or a plain ResNet50).
+        model: any of the tutorial's models (or a plain ResNet50). A model
+            with a ``fit_batch(inputs, labels, loss_fn, lr)`` method
+            (:mod:`mpstream.graphed`) takes each whole step itself.
         num_batches: mini-batches per call.
         batch_size: images per mini-batch.
         image_w: image width.
@@ -305,9 +307,13 @@ def train(
     )
     one_hot_indices = torch.LongTensor(batch_size).random_(0, num_classes).view(batch_size, 1)
     loss = torch.zeros(())
+    fit_batch = getattr(model, "fit_batch", None)
     for _ in range(num_batches):
         inputs = torch.randn(batch_size, 3, image_w, image_h)
         labels = torch.zeros(batch_size, num_classes).scatter_(1, one_hot_indices, 1)
+        if fit_batch is not None:
+            loss = fit_batch(inputs, labels, loss_fn, 0.001)
+            continue
         optimizer.zero_grad()
         outputs = model(inputs.to(device))
         labels = labels.to(outputs.device)

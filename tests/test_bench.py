@@ -123,8 +123,12 @@ def test_calls_counts_every_train_call() -> None:
     config = bench.QUICK
     distinct = len(set(config.split_sizes) | {config.split_size})
     per = config.warmup + config.repeat
-    assert bench.calls(config, sweep=True) == per * (2 + 2 * distinct)
-    assert bench.calls(config, sweep=False) == per * 4
+    assert bench.calls(config, sweep=True) == per * (3 + 2 * distinct)
+    assert bench.calls(config, sweep=False) == per * 5
+    two = bench.models_for(torch.device("cuda:0"), torch.device("cuda:1"))
+    assert bench.GRAPHED not in two  # a CUDA graph cannot span devices
+    assert bench.calls(config, sweep=False, models=two) == per * 4
+    assert bench.models_for(torch.device("cuda:0"), torch.device("cuda:0")) == bench.MODELS
 
 
 def test_figures_from_results(tmp_path: Path) -> None:
