@@ -57,7 +57,17 @@ PIPELINES = ("tutorial pipeline", "mpstream")
 
 def models_for(dev0: torch.device, dev1: torch.device) -> tuple[str, ...]:
     """The models measurable on these devices: a CUDA graph needs one device."""
-    return MODELS if dev0 == dev1 else tuple(m for m in MODELS if m != GRAPHED)
+    return MODELS if _same(dev0, dev1) else tuple(m for m in MODELS if m != GRAPHED)
+
+
+def _same(a: torch.device, b: torch.device) -> bool:
+    """Whether two device names mean one device (``cuda`` is the current one)."""
+    if a.type != b.type:
+        return False
+    if a.type != "cuda" or (a.index is not None and b.index is not None):
+        return a.index == b.index
+    current = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    return (current if a.index is None else a.index) == (current if b.index is None else b.index)
 
 
 @dataclass(frozen=True)

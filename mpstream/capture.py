@@ -221,6 +221,18 @@ class CapturedStep:
         torch.cuda.synchronize(device)
         self.graph = graph
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> CapturedStep:
+        raise TypeError(
+            "a CapturedStep holds a CUDA graph over its pipe's tensors and cannot be copied: "
+            "copy the pipe and capture a new step for the copy"
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError(
+            "a CapturedStep holds a CUDA graph over its pipe's tensors and cannot be pickled: "
+            "save the pipe's state_dict and capture a new step after loading"
+        )
+
     @property
     def captured(self) -> bool:
         """Whether calls replay a CUDA graph (False: they run the step eagerly)."""
@@ -254,6 +266,13 @@ class CapturedStep:
         self._check_settings()
         if self._kept is not None:
             self._kept.check()
+        sched = self.pipe.scheduler
+        if self.graph is not None and (sched.timing or sched.recording):
+            raise ValueError(
+                "CapturedStep: the pipe is being traced (mpstream.profile / trace turned its "
+                "scheduler's timing or plan recording on), but a replay runs no Python and "
+                "records nothing. Profile the pipe's eager train_step instead."
+            )
         self._fill("inputs", self._inputs, self._in_spec, inputs)
         self._fill("target", self._target, self._tgt_spec, target)
         if self.graph is None:

@@ -178,7 +178,11 @@ def simulate(
         issue_times: host time (ms) the one issuing thread spends on each
             task: one number for every task, or per (kind, stage) as
             :attr:`Costs.issue_times` holds them (missing: 0). None: issuing
-            is free, as on a device much slower than its host.
+            is free, as on a device much slower than its host. One thread
+            is right for ``train_step`` and for any run on one GPU; a
+            backward that autograd runs (``pipe(x)`` then ``backward()``)
+            over several GPUs is issued by one autograd thread per device,
+            in parallel, which this overestimates.
 
     Returns:
         The predicted step time and its timeline.

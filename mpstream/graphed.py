@@ -50,6 +50,12 @@ class _Graphed:
             steps[key] = step
         return step(inputs, labels)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Copies and pickles capture their own steps when they first train.
+        state = dict(self.__dict__)
+        state["_steps"] = {}
+        return state
+
     @property
     def split_size(self) -> int:
         """Micro-batch size; setting it drops the captured steps."""

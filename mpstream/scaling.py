@@ -60,11 +60,14 @@ def predict(
         issue_times: per layer, the host's time to issue it for one
             micro-batch (forward or (forward, backward)); a stage's tasks
             take the sum over its layers, and one host thread issues every
-            task, the single device's included. None: issuing is free.
+            task. None: issuing is free.
 
     Returns:
-        The prediction, with the single-device time (every layer on one
-        device, ``chunks`` micro-batches, no copies) for the speed-up.
+        The prediction, with the single-device time for the speed-up: every
+        layer on one device, no copies, ``chunks`` micro-batches' work (the
+        device time is taken as linear in the batch); with ``issue_times``,
+        as one whole batch whose kernels are issued once, as the tutorial's
+        single device runs it.
 
     Raises:
         ValueError: ``issue_times`` has another length than ``layer_times``.
@@ -105,14 +108,10 @@ def predict(
     if single_issue is None:
         single = chunks * sum(totals)
     else:
-        whole = (sum(forward), sum(backward))
+        # The whole batch in one pass: the work of every micro-batch, but each
+        # kernel issued once (issue time does not grow with the batch).
+        whole = (chunks * sum(forward), chunks * sum(backward))
         single = simulate(
-            [whole],
-            0.0,
-            chunks,
-            schedule,
-            overlap,
-            backward=with_backward,
-            issue_times=single_issue,
+            [whole], 0.0, 1, "gpipe", overlap, backward=with_backward, issue_times=single_issue
         ).step_ms
     return Prediction(stages, chosen, sim.step_ms, single, sim)

@@ -325,6 +325,18 @@ def test_replaced_gradients_and_moved_parameters_are_refused() -> None:
 
 
 @pytest.mark.cuda
+def test_a_replay_under_a_profile_is_refused() -> None:
+    pipe, _, _, _ = _setup("cuda:0", "sgd", split_size=3)
+    x, y = _data("cuda:0", 0)
+    step = CapturedStep(pipe, x, y, nn.MSELoss())
+    pipe.scheduler.timing = True
+    with pytest.raises(ValueError, match="records nothing"):
+        step(x, y)
+    pipe.scheduler.timing = False
+    step(x, y)
+
+
+@pytest.mark.cuda
 def test_stages_on_cpu_and_gpu_or_a_traced_pipe_are_refused() -> None:
     x, y = _data("cpu", 0)
     mixed = Pipe(mlp([5, 8, 4]), split_size=3, balance=[2, 2], devices=["cpu", "cuda:0"])

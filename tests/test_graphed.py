@@ -10,6 +10,8 @@ uneven micro-batches therefore run in float64.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -63,6 +65,11 @@ def test_the_tutorial_loop_hands_each_batch_to_one_captured_step() -> None:
     assert len(steps) == 1 and not next(iter(steps.values())).captured
     train(graphed, num_batches=1, batch_size=8, image_w=64, image_h=64, num_classes=10)
     assert len(steps) == 1  # a new nn.MSELoss() per call: the same step
+    twin = copy.deepcopy(graphed)  # the copy captures its own steps
+    assert twin.__dict__["_steps"] == {} and len(graphed.__dict__["_steps"]) == 1
+    train(twin, num_batches=1, batch_size=8, image_w=64, image_h=64, num_classes=10)
+    with pytest.raises(TypeError, match="cannot be copied"):
+        copy.deepcopy(next(iter(steps.values())))
     graphed.split_size = 5
     assert graphed.split_size == 5 and graphed.__dict__["_steps"] == {}
 
