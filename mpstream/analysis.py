@@ -105,8 +105,9 @@ def validate_cost_model(
     For each split size: time ``repeat`` training steps (forward, MSE loss,
     backward) of the tutorial's model under :func:`~mpstream.profile`, fit
     per-task costs, simulate a step, and compare with the measured median.
-    On a GPU the model is mpstream's streams; on the CPU, where every task
-    runs on one host thread, one stream.
+    On a GPU the model is mpstream's streams with the measured host issue
+    time of each task (``predicted_ms``; ``devices_only_ms`` without it); on
+    the CPU, where every task runs on one host thread, one stream.
     """
     rows = []
     x, y = batch(config, dev0)
@@ -123,14 +124,20 @@ def validate_cost_model(
         cuda = dev0.type == "cuda"
         devices = [str(dev0), str(dev1)] if cuda else ["host", "host"]
         micros = math.ceil(config.batch_size / split)
-        sim = simulate(
-            costs.stage_times,
-            costs.copy_times,
-            micros,
-            overlap=cuda,
-            backward=True,
-            devices=devices,
-        )
+        issue = costs.issue_times if cuda and costs.issue_times else None
+        sims = [
+            simulate(
+                costs.stage_times,
+                costs.copy_times,
+                micros,
+                overlap=cuda,
+                backward=True,
+                devices=devices,
+                issue_times=host,
+            )
+            for host in (issue, None)
+        ]
+        sim = sims[0]
         measured = statistics.median(r["makespan_ms"] for r in prof.summary(echo=False).per_run)
         rows.append(
             {
@@ -139,6 +146,7 @@ def validate_cost_model(
                 "measured_ms": measured,
                 "predicted_ms": sim.step_ms,
                 "error": (sim.step_ms - measured) / measured,
+                "devices_only_ms": sims[1].step_ms,
                 "stage_times_ms": costs.stage_times,
                 "copy_times_ms": costs.copy_times,
             }
