@@ -28,7 +28,7 @@ from torch.utils import _pytree as pytree
 from .capture_state import Saved, check_optimizer, hyperparameters, state_tensors
 from .microbatch import NoChunk
 from .partition import check_positive
-from .pipe import Pipe
+from .pipe import REDUCTIONS, Pipe
 
 __all__ = ["CapturedStep"]
 
@@ -114,11 +114,12 @@ class CapturedStep:
             or another step's :attr:`pool`).
 
     Raises:
-        TypeError: ``pipe`` is not a Pipe.
-        ValueError: stages on several devices or on both CPU and CUDA, the
-            pipe is being traced (its scheduler's timing or plan recording
-            is on: a replay would record nothing), or an optimizer whose
-            captured step would differ from its eager one (see above).
+        TypeError: ``pipe`` is not a Pipe, or ``loss_fn`` is not callable.
+        ValueError: ``warmup`` below 1, an unknown ``reduction``, stages on
+            several devices or on both CPU and CUDA, the pipe is being
+            traced (its scheduler's timing or plan recording is on: a replay
+            would record nothing), or an optimizer whose captured step would
+            differ from its eager one (see above).
         Exception: whatever capture raised (PyTorch's error, with a note);
             the pipe, the optimizer, the generators and the caller's stream
             are restored first.
@@ -140,6 +141,12 @@ class CapturedStep:
         if not isinstance(pipe, Pipe):
             raise TypeError(f"CapturedStep needs an mpstream.Pipe, got {type(pipe).__name__}")
         check_positive("warmup", warmup)
+        # Checked here, not by the first warm-up step, which would blame capture.
+        if reduction not in REDUCTIONS:
+            valid = ", ".join(repr(r) for r in REDUCTIONS)
+            raise ValueError(f"reduction must be one of {valid}; got {reduction!r}")
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
         devices = list(dict.fromkeys(pipe.devices))
         cuda = [d for d in devices if d.type == "cuda"]
         if cuda and len(devices) > 1:

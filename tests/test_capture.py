@@ -265,6 +265,10 @@ def test_bad_arguments_are_named() -> None:
     pipe, _, _, _ = _setup("cpu", "sgd", split_size=3)
     with pytest.raises(ValueError, match="warmup"):
         CapturedStep(pipe, x, y, nn.MSELoss(), warmup=0)
+    with pytest.raises(ValueError, match="reduction must be one of 'mean', 'sum'; got 'avg'"):
+        CapturedStep(pipe, x, y, nn.MSELoss(), reduction="avg")
+    with pytest.raises(TypeError, match="loss_fn must be callable, got str"):
+        CapturedStep(pipe, x, y, "mse")  # type: ignore[arg-type]
     step = CapturedStep(pipe, x, y, nn.MSELoss())
     with pytest.raises(RuntimeError, match="no CUDA graph"):
         _ = step.pool
