@@ -20,7 +20,7 @@ from .microbatch import Value, batch_device, gather, scatter
 from .partition import DeviceLike, check_positive
 from .schedule import Order, Schedule, Topology, check_schedule, schedule_arg, virtual_stages_of
 from .scheduler import EventScheduler
-from .snapshot import Snapshot
+from .snapshot import Snapshot, capturing
 from .trace import rebind
 from .training import run as run_step
 from .worker import Staging, Worker
@@ -433,7 +433,9 @@ class Pipe(nn.Module):
         before the call. For that, each stage's existing gradients (under
         gradient accumulation) are cloned on its stream when its first
         backward of the step begins; a step that starts with no gradients,
-        or fails before the backward, clones nothing.
+        or fails before the backward, clones nothing. A step being captured
+        in a CUDA graph (:class:`~mpstream.CapturedStep`) takes no snapshot:
+        capture cannot be undone by running restores.
         """
         if reduction not in REDUCTIONS:
             valid = ", ".join(repr(r) for r in REDUCTIONS)
@@ -469,7 +471,9 @@ class Pipe(nn.Module):
         _, worker, _ = self._rt()
         staging = self._stage(args, self.devices[0])
         target_staging = self._stage(labels, self.devices[-1])
-        snapshot = Snapshot(self, list(self.partitions))
+        # Under CUDA graph capture a snapshot's clones would be recorded, not
+        # run, and then run on every replay, holding a copy of every gradient.
+        snapshot = None if capturing(self.devices) else Snapshot(self, list(self.partitions))
         try:
             with torch.enable_grad():
                 stop = self._prepare(len(micro))
@@ -483,11 +487,12 @@ class Pipe(nn.Module):
                     stop,
                     staging,
                     target_staging,
-                    snapshot.save_grads,
+                    None if snapshot is None else snapshot.save_grads,
                     None if scaler is None else scaler.scale,
                 )
         except BaseException:
-            snapshot.restore()
+            if snapshot is not None:
+                snapshot.restore()
             raise
         return torch.stack(losses).sum()
 

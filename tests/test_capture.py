@@ -11,8 +11,10 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from mpstream import CapturedStep, Pipe
+from mpstream import CapturedStep, Pipe, snapshot
+from mpstream import pipe as pipe_module
 from mpstream.capture_state import Saved, check_optimizer
+from mpstream.snapshot import capturing
 from tests.helpers import mlp
 
 BATCH = 10
@@ -274,7 +276,30 @@ def test_bad_arguments_are_named() -> None:
         _ = step.pool
 
 
+def test_outside_a_capture_nothing_is_capturing() -> None:
+    # Without a CUDA context nothing can capture; asking must not create one.
+    assert not capturing([torch.device("cpu")])
+    assert not capturing([torch.device("cuda:0")]) or torch.cuda.is_initialized()
+
+
 # -- on a GPU ------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+def test_the_captured_step_takes_no_snapshot(monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[bool] = []
+
+    class Counted(snapshot.Snapshot):
+        def __init__(self, *args: object) -> None:
+            made.append(torch.cuda.is_current_stream_capturing())
+            super().__init__(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(pipe_module, "Snapshot", Counted)
+    pipe, opt, _, _ = _setup("cuda:0", "sgd", split_size=3)
+    step = CapturedStep(pipe, *_data("cuda:0", 0), nn.MSELoss(), optimizer=opt, warmup=2)
+    assert made == [False, False]  # the warm-up steps only: a replay clones nothing
+    step(*_data("cuda:0", 1))
+    assert len(made) == 2
 
 
 @pytest.mark.cuda
