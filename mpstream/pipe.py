@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -18,10 +17,10 @@ from .graph import StageGraph
 from .inputs import batch_size, detached, positional, staging
 from .microbatch import Value, batch_device, gather, scatter
 from .partition import DeviceLike, check_positive
+from .pipe_module import PipeModule
 from .schedule import Order, Schedule, Topology, check_schedule, schedule_arg, virtual_stages_of
 from .scheduler import EventScheduler
 from .snapshot import Snapshot, capturing
-from .trace import rebind
 from .training import run as run_step
 from .worker import Staging, Worker
 
@@ -30,7 +29,7 @@ REDUCTIONS = ("mean", "sum")
 __all__ = ["Pipe"]
 
 
-class Pipe(nn.Module):
+class Pipe(PipeModule):
     """Pipeline-parallel wrapper running each stage on its own CUDA stream.
 
     The batch is split into micro-batches along dim 0. Stage ``s`` computes
@@ -163,49 +162,7 @@ class Pipe(nn.Module):
         self.__dict__["_deferred"] = None  # found on first use (see _deferred_norms)
         check_schedule(self.schedule, built.devices, built.graph.reads(), self.virtual_stages)
 
-    def _adopt_module(self, module: nn.Module | None) -> None:
-        """Registers a traced module's own children and tensors on the pipe,
-        so its state_dict keys are the module's."""
-        assert module is not None
-        for name, child in module.named_children():
-            self._adopt(name, child, self.add_module)
-        for name, param in module._parameters.items():
-            self._adopt(name, param, self.register_parameter)
-        for name, buf in module._buffers.items():
-            keep = name not in module._non_persistent_buffers_set
-            self._adopt(name, buf, functools.partial(self.register_buffer, persistent=keep))
-        self.register_load_state_dict_post_hook(_rebind_after_load)  # type: ignore[no-untyped-call]
-
-    def _adopt(self, name: str, value: Any, register: Callable[[str, Any], None]) -> None:
-        if name in self.__dict__ or hasattr(type(self), name):
-            raise ValueError(
-                f"the module's attribute '{name}' clashes with Pipe's own '{name}'; rename it"
-            )
-        register(name, value)
-
-    def _rebind(self) -> None:
-        """Points the stages' own references at the module's current tensors."""
-        root = self.__dict__.get("_root")
-        if root is None:
-            return
-        for name, param in self._parameters.items():
-            root._parameters[name] = param
-        for name, buf in self._buffers.items():
-            root._buffers[name] = buf
-        for part in self.partitions:
-            rebind(part, root)  # type: ignore[arg-type]
-
-    def _apply(self, fn: Any, recurse: bool = True) -> Pipe:  # type: ignore[override]
-        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
-        self._rebind()
-        return self
-
     # -- configuration -------------------------------------------------
-    @property
-    def partitions(self) -> nn.ModuleList:
-        """One ``nn.Sequential`` per stage."""
-        return self.__dict__["_partitions"]  # type: ignore[no-any-return]
-
     @property
     def devices(self) -> list[torch.device]:
         """The device of each stage."""
@@ -496,47 +453,11 @@ class Pipe(nn.Module):
             raise
         return torch.stack(losses).sum()
 
-    # -- Sequential-like access -----------------------------------------
-    def __len__(self) -> int:
-        return len(self._modules)
-
-    def __iter__(self) -> Iterator[nn.Module]:
-        return iter(m for m in self._modules.values() if m is not None)
-
-    def __getitem__(self, index: int | slice) -> nn.Module:
-        layers = [m for m in self._modules.values() if m is not None]
-        if isinstance(index, slice):
-            return nn.Sequential(*layers[index])
-        return layers[index]
-
     def train(self, mode: bool = True) -> Pipe:
         """Sets training mode on the layers and the partition wrappers."""
         super().train(mode)
         self.partitions.train(mode)
         return self
-
-    # -- placement is fixed ----------------------------------------------
-    def cuda(self, device: Any = None) -> Pipe:  # type: ignore[override]
-        raise TypeError("Pipe's stages are placed at construction; .cuda() would move them all")
-
-    def cpu(self) -> Pipe:  # type: ignore[override]
-        raise TypeError("Pipe's stages are placed at construction; .cpu() would move them all")
-
-    def to(self, *args: Any, **kwargs: Any) -> Pipe:  # type: ignore[override]
-        """Converts dtype (``.to(torch.half)``); device moves raise ``TypeError``."""
-        device, _, _, _ = torch._C._nn._parse_to(*args, **kwargs)
-        if device is not None:
-            raise TypeError(
-                "Pipe's stages are placed at construction; .to(device) would move them all "
-                "(use .to(dtype) to convert)"
-            )
-        return super().to(*args, **kwargs)  # type: ignore[no-any-return]
-
-    # -- pickling / deepcopy: streams and the C++ scheduler are rebuilt -----
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state["_runtime"] = None
-        return state
 
     def extra_repr(self) -> str:
         split = (
@@ -544,7 +465,3 @@ class Pipe(nn.Module):
         )
         devs = ", ".join(str(d) for d in self.__dict__["_devices"])
         return f"{split}, balance={self.__dict__['_balance']}, devices=[{devs}]"
-
-
-def _rebind_after_load(pipe: nn.Module, keys: Any) -> None:
-    pipe._rebind()  # type: ignore[operator]

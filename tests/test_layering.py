@@ -14,7 +14,7 @@ CORE = [
     "pipe", "worker", "training", "values", "graph", "trace", "schedule", "scheduler", "copy",
     "transfer", "partition", "microbatch", "plan", "boundary", "checkpoint", "batchnorm",
     "errors", "compiling", "orders", "split_backward", "balance", "memory", "marks", "build",
-    "inputs", "snapshot", "capture", "capture_state", "graphed",
+    "inputs", "snapshot", "capture", "capture_state", "graphed", "pipe_module",
 ]
 TOOLS = {
     "timeline", "figures", "bench", "cli", "analysis", "profiling", "tuning", "cost_model",
