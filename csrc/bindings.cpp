@@ -78,6 +78,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "mpstream's C++ core: pipeline schedules and the CUDA event scheduler";
   m.def("torch_version", [] { return std::string(MPSTREAM_TORCH_VERSION); },
         "The torch version this extension was compiled against.");
+  // Bumped whenever what Python reads from the bindings changes shape (2:
+  // timings() tuples gained the host issue time).
+  m.attr("interface_version") = 2;
 
   py::enum_<Kind>(m, "Kind")
       .value("forward", Kind::kForward)

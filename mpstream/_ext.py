@@ -17,7 +17,7 @@ from types import ModuleType
 
 import torch
 
-__all__ = ["ExtensionError", "load", "MIN_TORCH", "REBUILD_COMMAND"]
+__all__ = ["ExtensionError", "load", "MIN_TORCH", "REBUILD_COMMAND", "INTERFACE_VERSION"]
 
 REBUILD_COMMAND = "pip install --no-build-isolation --no-deps -e ."
 
@@ -25,6 +25,12 @@ REBUILD_COMMAND = "pip install --no-build-isolation --no-deps -e ."
 # roots to torch.autograd.backward, which the zero-bubble weight pass uses;
 # on 2.4 that and torch.compile of stages fail.
 MIN_TORCH = "2.7"
+
+
+# What mpstream's Python expects of the bindings (csrc/bindings.cpp's
+# interface_version): an extension built from older sources loads but
+# returns the wrong shapes.
+INTERFACE_VERSION = 2
 
 
 def _release(version: str) -> tuple[int, ...]:
@@ -65,8 +71,9 @@ def load() -> ModuleType:
         The extension module.
 
     Raises:
-        ExtensionError: the extension is missing, fails to load, or was
-            compiled against a torch other than the one installed.
+        ExtensionError: the extension is missing, fails to load, was
+            compiled against a torch other than the one installed, or from
+            older sources than this Python package.
         ImportError: the installed torch is older than :data:`MIN_TORCH`.
     """
     if _release(torch.__version__) < _release(MIN_TORCH):
@@ -91,5 +98,14 @@ def load() -> ModuleType:
     if built_for != torch.__version__:
         raise ExtensionError(
             _message("mpstream._C was built against a different torch.", built_for)
+        )
+    interface = getattr(ext, "interface_version", 1)
+    if interface != INTERFACE_VERSION:
+        raise ExtensionError(
+            _message(
+                f"mpstream._C was built from other sources (interface {interface}, this "
+                f"package needs {INTERFACE_VERSION}).",
+                built_for,
+            )
         )
     return ext

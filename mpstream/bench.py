@@ -30,6 +30,7 @@ from torch import nn
 
 from . import graphed, tutorial
 from ._version import __version__
+from .partition import _indexed
 from .stream import synchronize
 
 __all__ = [
@@ -62,12 +63,7 @@ def models_for(dev0: torch.device, dev1: torch.device) -> tuple[str, ...]:
 
 def _same(a: torch.device, b: torch.device) -> bool:
     """Whether two device names mean one device (``cuda`` is the current one)."""
-    if a.type != b.type:
-        return False
-    if a.type != "cuda" or (a.index is not None and b.index is not None):
-        return a.index == b.index
-    current = torch.cuda.current_device() if torch.cuda.is_available() else 0
-    return (current if a.index is None else a.index) == (current if b.index is None else b.index)
+    return _indexed(a) == _indexed(b)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from .capture_state import Saved, check_optimizer, hyperparameters, state_tensors
+from .errors import annotate
 from .microbatch import NoChunk
 from .partition import check_positive
 from .pipe import REDUCTIONS, Pipe
@@ -114,7 +115,8 @@ class CapturedStep:
             or another step's :attr:`pool`).
 
     Raises:
-        TypeError: ``pipe`` is not a Pipe, or ``loss_fn`` is not callable.
+        TypeError: ``pipe`` is not a Pipe, ``loss_fn`` is not callable, or
+            ``warmup`` is not an int.
         ValueError: ``warmup`` below 1, an unknown ``reduction``, stages on
             several devices or on both CPU and CUDA, the pipe is being
             traced (its scheduler's timing or plan recording is on: a replay
@@ -217,11 +219,12 @@ class CapturedStep:
             with suppress(RuntimeError):  # a failed capture may leave a CUDA error behind
                 torch.cuda.synchronize(device)
             saved.restore(captured=False)
-            exc.add_note(
+            annotate(
+                exc,
                 "mpstream.CapturedStep: capturing the step failed; the pipe, the optimizer "
                 "and the random number generators are as they were before. Run the pipe "
                 "eagerly, or see docs/tuning.md (When the host is the bottleneck) for what "
-                "capture needs."
+                "capture needs.",
             )
             raise
         saved.restore(captured=True)
@@ -247,7 +250,11 @@ class CapturedStep:
 
     @property
     def pool(self) -> Any:
-        """The captured graph's memory pool, to share with another capture."""
+        """The captured graph's memory pool, to share with another capture.
+
+        Raises:
+            RuntimeError: nothing was captured (the pipe runs on the CPU).
+        """
         if self.graph is None:
             raise RuntimeError("no CUDA graph was captured (the pipe runs on the CPU)")
         return self.graph.pool()
@@ -268,7 +275,8 @@ class CapturedStep:
         Raises:
             ValueError: a batch of another structure, shape or dtype, a plain
                 value or an optimizer setting that changed since capture, a
-                gradient replaced or parameters moved since capture.
+                gradient, optimizer state or parameter replaced since
+                capture, or a replay while the pipe is being traced.
         """
         self._check_settings()
         if self._kept is not None:

@@ -22,7 +22,7 @@ issues every task in issue order, taking the task's issue time; a task's
 device work cannot start before its issue begins nor end before its issue
 ends. On a fast GPU that thread, not the streams, can set the step time.
 :func:`fit` turns a measured timeline into costs (issue times included
-where the timeline has them); :func:`predict` scales per-layer costs to
+where the timeline has them); :func:`~mpstream.scaling.predict` scales per-layer costs to
 ``p`` devices.
 """
 

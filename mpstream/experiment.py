@@ -216,8 +216,8 @@ def run(ctx: Context) -> StepResult:
     )
     if graph_rel:
         figure += (
-            f"; with CUDA graphs {graph_rel['tutorial pipeline']:.2f}x and "
-            f"{1 / graph_rel['single device']:.2f}x"
+            f"; with CUDA graphs {graph_rel['tutorial pipeline']:.2f}x the tutorial pipeline's "
+            f"time, speed-up {1 / graph_rel['single device']:.2f}x"
         )
     data: dict[str, Any] = {
         "config": dataclasses.asdict(config),

@@ -34,8 +34,22 @@ class _Graphed:
     ) -> Tensor:
         """One training step (SGD at ``lr``, no momentum, as the tutorial's).
 
+        The first batch of each shape, learning rate and loss captures a
+        step (warm-up included) that later ones replay; each is kept, so a
+        changing ``lr`` captures (and keeps) a graph per value.
+
+        Args:
+            inputs: images, anywhere (copied into the step's buffers).
+            labels: targets for ``loss_fn``.
+            loss_fn: the loss, e.g. the tutorial's ``nn.MSELoss()``.
+            lr: SGD's learning rate.
+
         Returns:
             The batch's loss (a new tensor on the last stage's device).
+
+        Raises:
+            ValueError: the halves sit on two devices (one CUDA graph cannot
+                span them), or what :class:`~mpstream.CapturedStep` refuses.
         """
         pipe = self.__dict__["pipe"]
         steps: dict[tuple[Any, ...], CapturedStep] = self.__dict__.setdefault("_steps", {})

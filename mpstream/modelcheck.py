@@ -70,7 +70,8 @@ def _step_ms(
         overlap=overlap,
         backward=True,
         devices=devices,
-        issue_times=costs.issue_times if host and costs.issue_times else None,
+        # On the CPU the issue times are the compute itself (overlap=False).
+        issue_times=costs.issue_times if host and overlap and costs.issue_times else None,
     ).step_ms
 
 
@@ -102,9 +103,10 @@ def validate(
         overlap: model mpstream's streams (a GPU) or one host thread (the CPU).
         devices: a label per stage (distinct labels model the copies).
 
-    Each row also gives the simulation without host issue times
-    (``devices_only_ms``); ``issue_modelled`` says whether the timeline
-    had issue times (the CPU's are its compute, so there they change nothing).
+    On a GPU (``overlap``) the simulation includes the timeline's host
+    issue times; each row also gives it without them (``devices_only_ms``),
+    and ``issue_modelled`` says whether they were used. On the CPU the
+    issue times are the compute itself and are left out.
     """
     main = fit(fastest(timelines[main_split])[0])
     rows = []
@@ -122,7 +124,7 @@ def validate(
                 "measured_ms": measured,
                 "predicted_ms": predicted,
                 "error": (predicted - measured) / measured,
-                "issue_modelled": bool(costs.issue_times),
+                "issue_modelled": overlap and bool(costs.issue_times),
                 "devices_only_ms": alone,
                 "devices_only_error": (alone - measured) / measured,
                 "scaled_from_main_ms": from_main,

@@ -20,7 +20,8 @@ from .partition import DeviceLike, check_positive
 from .pipe_module import PipeModule
 from .schedule import Order, Schedule, Topology, check_schedule, schedule_arg, virtual_stages_of
 from .scheduler import EventScheduler
-from .snapshot import Snapshot, capturing
+from .snapshot import Snapshot
+from .stream import capturing
 from .training import run as run_step
 from .worker import Staging, Worker
 

@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from .trace import rebind
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self needs Python 3.11
 
 __all__ = ["PipeModule"]
 

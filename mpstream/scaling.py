@@ -70,7 +70,8 @@ def predict(
         single device runs it.
 
     Raises:
-        ValueError: ``issue_times`` has another length than ``layer_times``.
+        ValueError: a negative cost, a ``balance`` that does not fit the
+            layers, or ``issue_times`` of another length than ``layer_times``.
     """
     pairs = [_pair(c, f"layer {i} time") for i, c in enumerate(layer_times)]
     totals = [f + b for f, b in pairs]

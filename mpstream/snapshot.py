@@ -9,14 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .batchnorm import DeferredBatchNorm
 from .stream import current_stream, record_stream
 
-__all__ = ["Snapshot", "capturing"]
+__all__ = ["Snapshot"]
 
 
 class Snapshot:
@@ -63,15 +62,3 @@ class Snapshot:
                 b.data.copy_(saved)
             if isinstance(m, DeferredBatchNorm):
                 m.reset_accumulation()
-
-
-def capturing(devices: Sequence[torch.device]) -> bool:
-    """Whether a CUDA graph is being captured on the current stream.
-
-    Never initialises CUDA: without a CUDA context nothing can be capturing.
-    """
-    return (
-        any(d.type == "cuda" for d in devices)
-        and torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
-        and torch.cuda.is_current_stream_capturing()
-    )

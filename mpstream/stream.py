@@ -23,6 +23,7 @@ __all__ = [
     "record_stream",
     "synchronize",
     "device_type_code",
+    "capturing",
 ]
 
 
@@ -111,3 +112,23 @@ def record_stream(tensor: torch.Tensor, stream: AnyStream) -> None:
     if tensor.device.index != stream.device.index:
         return
     tensor.record_stream(stream)
+
+
+def capturing(devices: Iterable[torch.device]) -> bool:
+    """Whether a CUDA graph is being captured on the current stream.
+
+    Never initialises CUDA: without a CUDA context nothing can be capturing.
+
+    Args:
+        devices: the devices work is about to run on; without a CUDA device
+            among them the answer is False.
+
+    Returns:
+        True while ``torch.cuda.graph`` (or ``CUDAGraph.capture_begin``)
+        captures the current stream.
+    """
+    return (
+        any(d.type == "cuda" for d in devices)
+        and torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+        and torch.cuda.is_current_stream_capturing()
+    )

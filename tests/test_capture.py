@@ -12,9 +12,9 @@ import torch
 from torch import Tensor, nn
 
 from mpstream import CapturedStep, Pipe, snapshot
-from mpstream import pipe as pipe_module
+from mpstream import pipe as pipe_py
 from mpstream.capture_state import Saved, check_optimizer
-from mpstream.snapshot import capturing
+from mpstream.stream import capturing
 from tests.helpers import mlp
 
 BATCH = 10
@@ -278,8 +278,10 @@ def test_bad_arguments_are_named() -> None:
 
 def test_outside_a_capture_nothing_is_capturing() -> None:
     # Without a CUDA context nothing can capture; asking must not create one.
+    before = torch.cuda.is_initialized()
     assert not capturing([torch.device("cpu")])
-    assert not capturing([torch.device("cuda:0")]) or torch.cuda.is_initialized()
+    assert not capturing([torch.device("cuda:0")])
+    assert torch.cuda.is_initialized() == before
 
 
 # -- on a GPU ------------------------------------------------------------------
@@ -294,7 +296,7 @@ def test_the_captured_step_takes_no_snapshot(monkeypatch: pytest.MonkeyPatch) ->
             made.append(torch.cuda.is_current_stream_capturing())
             super().__init__(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(pipe_module, "Snapshot", Counted)
+    monkeypatch.setattr(pipe_py, "Snapshot", Counted)
     pipe, opt, _, _ = _setup("cuda:0", "sgd", split_size=3)
     step = CapturedStep(pipe, *_data("cuda:0", 0), nn.MSELoss(), optimizer=opt, warmup=2)
     assert made == [False, False]  # the warm-up steps only: a replay clones nothing

@@ -55,6 +55,19 @@ def test_version_mismatch_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     assert f"installed torch: {torch.__version__}" in text
 
 
+def test_an_extension_built_from_older_sources_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Built before timings() carried host issue times: no interface_version.
+    fake = types.SimpleNamespace(torch_version=lambda: torch.__version__)
+    monkeypatch.setattr(importlib, "import_module", lambda name: fake)
+    with pytest.raises(_ext.ExtensionError) as info:
+        _ext.load()
+    text = str(info.value)
+    assert "built from other sources (interface 1, this package needs 2)" in text
+    assert _ext.REBUILD_COMMAND in text
+
+
 def test_other_import_errors_are_not_masked(monkeypatch: pytest.MonkeyPatch) -> None:
     def other(name: str) -> types.ModuleType:
         raise ModuleNotFoundError("No module named 'numpy'", name="numpy")
@@ -74,6 +87,8 @@ def test_a_torch_older_than_the_tested_floor_is_refused(monkeypatch: pytest.Monk
         monkeypatch.setattr(
             importlib,
             "import_module",
-            lambda name, v=version: types.SimpleNamespace(torch_version=lambda: v),
+            lambda name, v=version: types.SimpleNamespace(
+                torch_version=lambda: v, interface_version=_ext.INTERFACE_VERSION
+            ),
         )
         _ext.load()
