@@ -129,8 +129,9 @@ def test_calls_counts_every_train_call() -> None:
     assert bench.GRAPHED not in two  # a CUDA graph cannot span devices
     assert bench.calls(config, sweep=False, models=two) == per * 4
     assert bench.models_for(torch.device("cuda:0"), torch.device("cuda:0")) == bench.MODELS
-    current = f"cuda:{torch.cuda.current_device() if torch.cuda.is_available() else 0}"
-    assert bench.models_for(torch.device("cuda"), torch.device(current)) == bench.MODELS
+    if torch.cuda.is_available():  # "cuda" is the current device, the same one
+        current = torch.device("cuda", torch.cuda.current_device())
+        assert bench.models_for(torch.device("cuda"), current) == bench.MODELS
 
 
 def test_figures_from_results(tmp_path: Path) -> None:
