@@ -24,8 +24,8 @@ __all__ = ["GraphedPipelineResNet50", "GraphedPipelineResNet101"]
 
 
 class _Graphed:
-    """One :class:`CapturedStep` per batch shape, learning rate and loss,
-    sharing one graph memory pool."""
+    """One :class:`CapturedStep` per batch shape, split size, learning rate
+    and loss, sharing one graph memory pool."""
 
     __dict__: dict[str, Any]
 
@@ -34,9 +34,9 @@ class _Graphed:
     ) -> Tensor:
         """One training step (SGD at ``lr``, no momentum, as the tutorial's).
 
-        The first batch of each shape, learning rate and loss captures a
-        step (warm-up included) that later ones replay; each is kept, so a
-        changing ``lr`` captures (and keeps) a graph per value.
+        The first batch of each shape, split size, learning rate and loss
+        captures a step (warm-up included) that later ones replay; each is
+        kept, so a changing ``lr`` captures (and keeps) a graph per value.
 
         Args:
             inputs: images, anywhere (copied into the step's buffers).
@@ -54,7 +54,9 @@ class _Graphed:
         pipe = self.__dict__["pipe"]
         steps: dict[tuple[Any, ...], CapturedStep] = self.__dict__.setdefault("_steps", {})
         shapes = (tuple(inputs.shape), inputs.dtype, tuple(labels.shape), labels.dtype)
-        key = (*shapes, lr, _loss_key(loss_fn))
+        # A graph keeps the micro-batching it was captured with.
+        split = (pipe.split_size, pipe.chunks)
+        key = (*shapes, split, lr, _loss_key(loss_fn))
         step = steps.get(key)
         if step is None:
             # Plain SGD keeps no state, so a step per shape can have its own.
@@ -69,18 +71,6 @@ class _Graphed:
         state = dict(self.__dict__)
         state["_steps"] = {}
         return state
-
-    @property
-    def split_size(self) -> int:
-        """Micro-batch size; setting it drops the captured steps."""
-        size = self.__dict__["pipe"].split_size
-        assert size is not None
-        return int(size)
-
-    @split_size.setter
-    def split_size(self, value: int) -> None:
-        self.__dict__["pipe"].split_size = value
-        self.__dict__["_steps"] = {}
 
 
 def _loss_key(loss_fn: Callable[[Any, Any], Tensor]) -> Any:

@@ -70,8 +70,9 @@ def test_the_tutorial_loop_hands_each_batch_to_one_captured_step() -> None:
     train(twin, num_batches=1, batch_size=8, image_w=64, image_h=64, num_classes=10)
     with pytest.raises(TypeError, match="cannot be copied"):
         copy.deepcopy(next(iter(steps.values())))
-    graphed.split_size = 5
-    assert graphed.split_size == 5 and graphed.__dict__["_steps"] == {}
+    graphed.split_size = 5  # a graph keeps its micro-batching: a new step
+    train(graphed, num_batches=1, batch_size=8, image_w=64, image_h=64, num_classes=10)
+    assert len(steps) == 2 and graphed.__dict__["pipe"].split_size == 5
 
 
 def test_steps_equal_the_eager_pipeline_in_float64() -> None:
