@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils import checkpoint as torch_checkpoint
@@ -156,12 +157,37 @@ def checkpointed(stage: nn.Module, *args: Any) -> Any:
     The stage runs on a copy of its inputs (see :class:`_OnACopy`), under
     :func:`is_checkpointing` the first time and :func:`is_recomputing` in
     the recomputation, both under the caller's autocast state (which
-    ``torch.utils.checkpoint`` records and restores).
+    ``torch.utils.checkpoint`` records and restores). The recomputation
+    draws the same random numbers: the RNG state of the CPU and of the
+    inputs' devices is restored for it.
     """
+    items, _ = leaves(args)
+    if any(isinstance(t, Tensor) and t.device.type != "cpu" for t in items):
+        return torch_checkpoint.checkpoint(
+            _OnACopy(stage),
+            *args,
+            use_reentrant=False,
+            preserve_rng_state=True,
+            context_fn=lambda: (_checkpointing(), _recompute(stage)),
+        )
+    # Inputs on the CPU alone: torch would also watch the default device
+    # type's RNG (CUDA's) and refuse a forward that initialises CUDA on the
+    # way, which torch.compile's first call does on a GPU machine, although
+    # a CPU stage draws nothing from it. The CPU generator is all that needs
+    # keeping; context_fn runs just before the forward.
     return torch_checkpoint.checkpoint(
         _OnACopy(stage),
         *args,
         use_reentrant=False,
-        preserve_rng_state=True,
-        context_fn=lambda: (_checkpointing(), _recompute(stage)),
+        preserve_rng_state=False,
+        context_fn=lambda: (_checkpointing(), _recompute_on_cpu(stage, torch.get_rng_state())),
     )
+
+
+@contextmanager
+def _recompute_on_cpu(stage: nn.Module, rng_state: Tensor) -> Iterator[None]:
+    """:func:`_recompute`, drawing from the CPU generator as the forward did."""
+    with torch.random.fork_rng(devices=[]):
+        torch.set_rng_state(rng_state)
+        with _recompute(stage):
+            yield

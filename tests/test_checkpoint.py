@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 from torch import Tensor, nn
+from torch.utils import checkpoint as torch_checkpoint
 
 import mpstream
 from mpstream import Pipe
@@ -102,6 +103,43 @@ def test_dropout_masks_match_after_recomputation(mode: str, schedule: str) -> No
     x, y = torch.randn(BATCH, 6, dtype=torch.float64), torch.randn(BATCH, 2, dtype=torch.float64)
     torch.manual_seed(7)
     loss_plain = plain.train_step(x, y, nn.MSELoss())
+    torch.manual_seed(7)
+    loss_ckpt = ckpt.train_step(x, y, nn.MSELoss())
+    torch.testing.assert_close(loss_ckpt, loss_plain)
+    assert_same_grads(ckpt, plain)
+
+
+class _InitialisesCuda(nn.Module):
+    """Marks CUDA initialised in its forward, as torch.compile's first call
+    does on a GPU machine, and draws random numbers."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        torch.cuda._initialized = True  # type: ignore[attr-defined]
+        return nn.functional.dropout(x, 0.5)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fakes CUDA's lazy initialisation")
+def test_cpu_stages_may_initialise_cuda_in_a_checkpointed_forward(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Found on the H100: torch's checkpoint keeps the default device type's
+    # RNG too (CUDA's) and refused a CPU stage's forward that initialised it.
+    # torch 2.11 watches CUDA by default; later versions the current
+    # accelerator, which a CPU-only build has none of.
+    monkeypatch.setattr(torch_checkpoint.DefaultDeviceType, "_default_device_type", "cuda")
+    monkeypatch.setattr(torch.cuda, "_initialized", False)
+
+    def build(checkpoint: str) -> Pipe:
+        torch.manual_seed(1)
+        model = nn.Sequential(nn.Linear(6, 16), _InitialisesCuda(), nn.Linear(16, 2)).double()
+        devices = ["cpu", "cpu"]
+        return Pipe(model, split_size=3, balance=[2, 1], devices=devices, checkpoint=checkpoint)
+
+    plain, ckpt = build("never"), build("always")
+    x, y = torch.randn(BATCH, 6, dtype=torch.float64), torch.randn(BATCH, 2, dtype=torch.float64)
+    torch.manual_seed(7)
+    loss_plain = plain.train_step(x, y, nn.MSELoss())
+    monkeypatch.setattr(torch.cuda, "_initialized", False)
     torch.manual_seed(7)
     loss_ckpt = ckpt.train_step(x, y, nn.MSELoss())
     torch.testing.assert_close(loss_ckpt, loss_plain)
