@@ -43,6 +43,7 @@ __all__ = [
     "PIPELINES",
     "GRAPHED",
     "models_for",
+    "swept",
     "detect_devices",
     "make_model",
     "synchronize",
@@ -59,6 +60,11 @@ PIPELINES = ("tutorial pipeline", "mpstream")
 def models_for(dev0: torch.device, dev1: torch.device) -> tuple[str, ...]:
     """The models measurable on these devices: a CUDA graph needs one device."""
     return MODELS if _same(dev0, dev1) else tuple(m for m in MODELS if m != GRAPHED)
+
+
+def swept(models: Sequence[str]) -> tuple[str, ...]:
+    """Those of ``models`` that take a split size: the split-size sweep's."""
+    return tuple(m for m in models if m in PIPELINES or m == GRAPHED)
 
 
 def _same(a: torch.device, b: torch.device) -> bool:
@@ -245,7 +251,8 @@ def calls(config: Config, sweep: bool, models: Sequence[str] = MODELS) -> int:
     """Number of train calls :func:`run` makes (for progress bars), for ``models``
     (:func:`models_for` the devices)."""
     sizes = set(config.split_sizes) | {config.split_size} if sweep else {config.split_size}
-    configurations = len(models) - len(PIPELINES) + len(PIPELINES) * len(sizes)
+    split = len(swept(models))
+    configurations = len(models) - split + split * len(sizes)
     return (config.warmup + config.repeat) * configurations
 
 
@@ -259,7 +266,7 @@ def run(
     status: Callable[[str], None] | None = None,
 ) -> Results:
     """Measures the models (:func:`models_for` the devices) and, with ``sweep``,
-    both pipelines at every split size.
+    the pipelines (and the CUDA graph, on one device) at every split size.
 
     All configurations are built first and timed round-robin, one call each
     per round with the starting point rotating, so slow drift of the machine
@@ -271,11 +278,13 @@ def run(
         (name, config.split_size if name in PIPELINES or name == GRAPHED else None)
         for name in models_for(dev0, dev1)
     ]
-    swept: list[tuple[str, int | None]] = (
-        [(name, s) for name in PIPELINES for s in config.split_sizes] if sweep else []
+    sweep_keys: list[tuple[str, int | None]] = (
+        [(name, s) for name in swept(models_for(dev0, dev1)) for s in config.split_sizes]
+        if sweep
+        else []
     )
     # The main split size usually appears in the sweep too: time it once.
-    keys = list(dict.fromkeys(main + swept))
+    keys = list(dict.fromkeys(main + sweep_keys))
     models: dict[tuple[str, int | None], nn.Module] = {}
     measured = {key: Measurement(*key) for key in keys}
     for key in keys:
@@ -296,7 +305,7 @@ def run(
             measured[key].times.append(train_once(models[key], config, devices))
             if tick is not None:
                 tick()
-    return Results(config, devices, [measured[k] for k in main], [measured[k] for k in swept])
+    return Results(config, devices, [measured[k] for k in main], [measured[k] for k in sweep_keys])
 
 
 def _label(key: tuple[str, int | None]) -> str:
@@ -386,8 +395,9 @@ def table(results: Results) -> str:
         )
     if results.sweep:
         lines.append("")
-        lines.append("split-size sweep, mean (s): " + "  ".join(PIPELINES))
+        names = list(dict.fromkeys(m.model for m in results.sweep))
+        lines.append("split-size sweep, mean (s): " + "  ".join(names))
         for s in results.config.split_sizes:
-            row = [f"{results.get(p, s).mean:.3f}" for p in PIPELINES]
+            row = [f"{results.get(p, s).mean:.3f}" for p in names]
             lines.append(f"  split {s:>3}: " + "  ".join(f"{v:>17}" for v in row))
     return "\n".join(lines)

@@ -76,6 +76,9 @@ class BenchResults(Protocol):
     def devices(self) -> tuple[torch.device, torch.device]: ...
 
     @property
+    def models(self) -> Sequence[Timed]: ...
+
+    @property
     def sweep(self) -> Sequence[Timed]: ...
 
     def get(self, model: str, split_size: int | None = None) -> Timed: ...
@@ -152,6 +155,14 @@ def tutorial_figures(results: BenchResults, out: Path) -> list[Path]:
     model = MODEL_NAMES.get(c.arch, c.arch)
     mp, rn = results.get("model parallel"), results.get("single device")
     pp, ms = results.get("tutorial pipeline"), results.get("mpstream")
+    bars = [
+        (mp, "Model Parallel"),
+        (rn, single),
+        (pp, f"Pipelining\n(tutorial, {pp.split_size})"),
+        (ms, f"mpstream\n(streams, {ms.split_size})"),
+    ]
+    graphed = [m for m in results.models if m.model == "mpstream, CUDA graph"]
+    bars += [(m, f"mpstream\n(CUDA graph, {m.split_size})") for m in graphed]
     paths = [
         bar_chart(
             [mp.mean, rn.mean],
@@ -162,27 +173,24 @@ def tutorial_figures(results: BenchResults, out: Path) -> list[Path]:
             model,
         ),
         bar_chart(
-            [mp.mean, rn.mean, pp.mean, ms.mean],
-            [mp.std, rn.std, pp.std, ms.std],
-            [
-                "Model Parallel",
-                single,
-                f"Pipelining\n(tutorial, {pp.split_size})",
-                f"mpstream\n(streams, {ms.split_size})",
-            ],
+            [m.mean for m, _ in bars],
+            [m.std for m, _ in bars],
+            [label for _, label in bars],
             out / "mp_vs_rn_vs_pp.png",
             title,
             model,
         ),
     ]
     if results.sweep:
+        labels = {
+            "tutorial pipeline": "tutorial (default stream)",
+            "mpstream": "mpstream (streams + events)",
+            "mpstream, CUDA graph": "mpstream + CUDA graph",
+        }
         curves = {}
-        for name, label in (
-            ("tutorial pipeline", "tutorial (default stream)"),
-            ("mpstream", "mpstream (streams + events)"),
-        ):
+        for name in dict.fromkeys(m.model for m in results.sweep):
             ms_ = [m for m in results.sweep if m.model == name]
-            curves[label] = (
+            curves[labels.get(name, name)] = (
                 [int(m.split_size or 0) for m in ms_],
                 [m.mean for m in ms_],
                 [m.std for m in ms_],

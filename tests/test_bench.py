@@ -54,7 +54,9 @@ def test_bench_writes_json_and_the_three_figures(
     for m in doc["models"]:
         assert len(m["times_s"]) == 2 and m["mean_s"] > 0 and m["speedup_vs_single"] > 0
     sweep = {(m["model"], m["split_size"]) for m in doc["split_sweep"]}
-    assert sweep == {(p, s) for p in bench.PIPELINES for s in (2, 4)}
+    assert sweep == {(p, s) for p in bench.swept(bench.MODELS) for s in (2, 4)}
+    assert bench.GRAPHED in bench.swept(bench.MODELS)  # one device: the graph is swept too
+    assert "mpstream, CUDA graph" in printed.split("split-size sweep")[1]
     for png in ("mp_vs_rn.png", "mp_vs_rn_vs_pp.png", "split_size_tradeoff.png"):
         data = (tmp_path / png).read_bytes()
         assert data.startswith(b"\x89PNG") and len(data) > 5000
@@ -123,11 +125,12 @@ def test_calls_counts_every_train_call() -> None:
     config = bench.QUICK
     distinct = len(set(config.split_sizes) | {config.split_size})
     per = config.warmup + config.repeat
-    assert bench.calls(config, sweep=True) == per * (3 + 2 * distinct)
+    assert bench.calls(config, sweep=True) == per * (2 + 3 * distinct)
     assert bench.calls(config, sweep=False) == per * 5
     two = bench.models_for(torch.device("cuda:0"), torch.device("cuda:1"))
     assert bench.GRAPHED not in two  # a CUDA graph cannot span devices
     assert bench.calls(config, sweep=False, models=two) == per * 4
+    assert bench.calls(config, sweep=True, models=two) == per * (2 + 2 * distinct)
     assert bench.models_for(torch.device("cuda:0"), torch.device("cuda:0")) == bench.MODELS
     if torch.cuda.is_available():  # "cuda" is the current device, the same one
         current = torch.device("cuda", torch.cuda.current_device())
@@ -138,9 +141,11 @@ def test_figures_from_results(tmp_path: Path) -> None:
     cfg = bench.Config(split_size=2, split_sizes=(1, 2))
     cpu = torch.device("cpu")
     models = [
-        bench.Measurement(n, 2 if n in bench.PIPELINES else None, [1.0, 1.2]) for n in bench.MODELS
+        bench.Measurement(n, 2 if n in bench.swept(bench.MODELS) else None, [1.0, 1.2])
+        for n in bench.MODELS
     ]
-    sweep = [bench.Measurement(p, s, [0.5 * s, 0.6 * s]) for p in bench.PIPELINES for s in (1, 2)]
+    names = bench.swept(bench.MODELS)
+    sweep = [bench.Measurement(p, s, [0.5 * s, 0.6 * s]) for p in names for s in (1, 2)]
     paths = tutorial_figures(bench.Results(cfg, (cpu, cpu), models, sweep), tmp_path)
     assert [p.name for p in paths] == [
         "mp_vs_rn.png",
