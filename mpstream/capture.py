@@ -2,9 +2,9 @@
 
 Eager micro-batching launches every kernel once per micro-batch from one
 Python thread; on a fast GPU that thread sets the pace. On one H100 at the
-tutorial's sizes (split 12) the host took 196.4 ms to issue a 196.5 ms step
-and a captured ``train_step`` replayed in 0.15x the eager time with the same
-gradients (docs/results/h100). :class:`CapturedStep` packages that capture:
+tutorial's sizes (split 12) the host took 225.7 ms to issue a 225.8 ms step,
+and a captured step with SGD replayed in 0.18x the eager time with the same
+parameters (docs/results/h100). :class:`CapturedStep` packages that capture:
 static input and target buffers, warm-up on a side stream undone before
 the first step (:mod:`~mpstream.capture_state`), gradients kept in place,
 the optimizer step inside the graph, and checks for the changes a replay
