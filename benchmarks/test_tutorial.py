@@ -28,7 +28,7 @@ def _time(
     model = bench.make_model(name, dev0, dev1, config, split)
     benchmark.extra_info.update(  # type: ignore[attr-defined]
         model=name,
-        split_size=split if name in (*bench.PIPELINES, bench.GRAPHED) else None,
+        split_size=split if name in bench.swept(bench.MODELS) else None,
         devices=[str(dev0), str(dev1)],
         config=str(config),
     )

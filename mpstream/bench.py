@@ -274,14 +274,11 @@ def run(
     biasing the ratios.
     """
     devices = (dev0, dev1)
-    main = [
-        (name, config.split_size if name in PIPELINES or name == GRAPHED else None)
-        for name in models_for(dev0, dev1)
-    ]
+    names = models_for(dev0, dev1)
+    takes_split = swept(names)
+    main = [(name, config.split_size if name in takes_split else None) for name in names]
     sweep_keys: list[tuple[str, int | None]] = (
-        [(name, s) for name in swept(models_for(dev0, dev1)) for s in config.split_sizes]
-        if sweep
-        else []
+        [(name, s) for name in takes_split for s in config.split_sizes] if sweep else []
     )
     # The main split size usually appears in the sweep too: time it once.
     keys = list(dict.fromkeys(main + sweep_keys))
