@@ -162,25 +162,24 @@ def checkpointed(stage: nn.Module, *args: Any) -> Any:
     inputs' devices is restored for it.
     """
     items, _ = leaves(args)
-    if any(isinstance(t, Tensor) and t.device.type != "cpu" for t in items):
-        return torch_checkpoint.checkpoint(
-            _OnACopy(stage),
-            *args,
-            use_reentrant=False,
-            preserve_rng_state=True,
-            context_fn=lambda: (_checkpointing(), _recompute(stage)),
-        )
-    # Inputs on the CPU alone: torch would also watch the default device
-    # type's RNG (CUDA's) and refuse a forward that initialises CUDA on the
-    # way, which torch.compile's first call does on a GPU machine, although
-    # a CPU stage draws nothing from it. The CPU generator is all that needs
-    # keeping; context_fn runs just before the forward.
+    on_cpu = not any(isinstance(t, Tensor) and t.device.type != "cpu" for t in items)
+
+    def contexts() -> tuple[Any, Any]:
+        # Inputs on the CPU alone: torch would also watch the default device
+        # type's RNG (CUDA's) and refuse a forward that initialises CUDA on
+        # the way, which torch.compile's first call does on a GPU machine,
+        # although a CPU stage draws nothing from it. The CPU generator is
+        # all that needs keeping; context_fn runs just before the forward.
+        if on_cpu:
+            return _checkpointing(), _recompute_on_cpu(stage, torch.get_rng_state())
+        return _checkpointing(), _recompute(stage)
+
     return torch_checkpoint.checkpoint(
         _OnACopy(stage),
         *args,
         use_reentrant=False,
-        preserve_rng_state=False,
-        context_fn=lambda: (_checkpointing(), _recompute_on_cpu(stage, torch.get_rng_state())),
+        preserve_rng_state=not on_cpu,
+        context_fn=contexts,
     )
 
 
