@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from mpstream import bench
+from mpstream.tutorial import bench
 
 ON_GPU = torch.cuda.is_available()
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from mpstream.schedule import Kind, Schedule
+from mpstream.schedules.schedule import Kind, Schedule
 
 
 class _NoEvent:

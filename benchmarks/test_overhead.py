@@ -20,8 +20,8 @@ import torch
 from torch import Tensor, nn
 
 from mpstream import Pipe
-from mpstream.schedule import Schedule
-from mpstream.scheduler import EventScheduler
+from mpstream.runtime.scheduler import EventScheduler
+from mpstream.schedules.schedule import Schedule
 from mpstream.tutorial import StreamPipelineResNet50
 
 from .pyscheduler import PyEventScheduler

@@ -19,11 +19,11 @@ import torch
 from torch import Tensor, nn
 
 from mpstream import Pipe
-from mpstream.analysis import resnet_stages
-from mpstream.bench import synchronize
-from mpstream.compare import measure_memory, split_cost
-from mpstream.schedule import SCHEDULES
+from mpstream.observe.compare import measure_memory, split_cost
+from mpstream.schedules.schedule import SCHEDULES
 from mpstream.tutorial import resnet50_layers
+from mpstream.tutorial.analysis import resnet_stages
+from mpstream.tutorial.bench import synchronize
 
 from .conftest import ON_GPU
 

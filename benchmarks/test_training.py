@@ -23,12 +23,12 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from mpstream import CapturedStep, Pipe, bench
-from mpstream.analysis import batch
-from mpstream.balance import balance_by_time, profile_layers, stage_costs
-from mpstream.bench import synchronize
+from mpstream import CapturedStep, Pipe
 from mpstream.memory import SavedTensorTracker
-from mpstream.tutorial import resnet50_layers
+from mpstream.stages.balance import balance_by_time, profile_layers, stage_costs
+from mpstream.tutorial import bench, resnet50_layers
+from mpstream.tutorial.analysis import batch
+from mpstream.tutorial.bench import synchronize
 
 from .conftest import ON_GPU
 

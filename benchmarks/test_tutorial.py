@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mpstream import bench
+from mpstream.tutorial import bench
 
 from .conftest import SPLIT_SIZES, SWEEP, TUTORIAL
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from mpstream.balance import partition, profile_layers, stage_costs
+from mpstream.stages.balance import partition, profile_layers, stage_costs
 from mpstream.tutorial import resnet50_layers
 
 TUTORIAL = [11, 12]  # stem + layer1 + layer2 | layer3 + layer4 + avgpool/flatten/fc

@@ -39,7 +39,7 @@ from torchvision.models import resnet50
 
 import mpstream
 from mpstream import distributed as mpdist
-from mpstream.balance import partition
+from mpstream.stages.balance import partition
 from mpstream.tutorial import resnet50_layers
 
 

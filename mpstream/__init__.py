@@ -3,28 +3,51 @@
 Each stage computes on its own stream, each cross-device copy runs on copy
 streams, and CUDA events from a small C++ scheduler order everything, so one
 micro-batch's copy overlaps the next one's compute.
+
+The package's folders are its layers. The core, bottom up: ``schedules``
+(which task runs when), ``memory`` (checkpointing, deferred BatchNorm, saved
+bytes), ``runtime`` (one run on streams and events: scatter, schedule, stage
+compute, copy, gather), ``stages`` (cutting a module into stages),
+``pipe`` (the ``nn.Module``), ``capture`` (CUDA graphs) and
+``distributed`` (DDP). The tools build on it: ``observe`` (profiles,
+timelines, the cost model, tuning), ``tutorial`` (the tutorial's models and
+experiment), ``doctor`` and ``cli``. This module re-exports the public API.
 """
 
 from __future__ import annotations
 
 from ._ext import ExtensionError
 from ._version import __version__
-from .balance import balance_by_size, balance_by_time
-from .batchnorm import DeferredBatchNorm
 from .capture import CapturedStep
-from .checkpoint import is_checkpointing, is_recomputing
-from .cost_model import Costs, Simulation, simulate
-from .cost_model import fit as simulate_fit
-from .graph import Ref, StageGraph
-from .microbatch import NoChunk
+from .memory import DeferredBatchNorm, is_checkpointing, is_recomputing
+from .observe import (
+    Costs,
+    Prediction,
+    Simulation,
+    Span,
+    Summary,
+    Timeline,
+    TuneResult,
+    predict,
+    profile,
+    simulate,
+    tune,
+)
+from .observe import fit as simulate_fit
 from .pipe import Pipe
-from .plan import Plan, PlanError, record_plan, verify_plan
-from .profiling import profile
-from .scaling import Prediction, predict
-from .schedule import SCHEDULES, Kind, Schedule, Task, Topology
-from .scheduler import EventScheduler, PlanOp
-from .timeline import Span, Summary, Timeline
-from .tuning import TuneResult, tune
+from .runtime import (
+    EventScheduler,
+    NoChunk,
+    Plan,
+    PlanError,
+    PlanOp,
+    Ref,
+    StageGraph,
+    record_plan,
+    verify_plan,
+)
+from .schedules import SCHEDULES, Kind, Schedule, Task, Topology
+from .stages import balance_by_size, balance_by_time
 
 __all__ = [
     "Pipe",

@@ -29,9 +29,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .microbatch import Value
-from .partition import DeviceLike
-from .pipe import Pipe
+from .pipe.pipe import Pipe
+from .runtime.microbatch import Value
+from .stages.sequential import DeviceLike
 
 __all__ = [
     "wrap",

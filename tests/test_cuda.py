@@ -344,7 +344,7 @@ SANITIZED = textwrap.dedent(
     from torch import nn
     import mpstream
     from mpstream import Pipe
-    from mpstream.sanitizer import csan_workarounds
+    from mpstream.doctor.sanitizer import csan_workarounds
     from mpstream.tutorial import StreamPipelineResNet50
 
     def run():
@@ -482,8 +482,8 @@ def _stream_spy(monkeypatch: pytest.MonkeyPatch, module: str, name: str) -> list
 def test_inputs_and_targets_move_on_the_io_stream(monkeypatch: pytest.MonkeyPatch) -> None:
     pipe = Pipe(mlp([5, 8, 4]).float().cuda(), chunks=3, balance=[2, 2], devices=["cuda:0"] * 2)
     io = pipe.scheduler.io_streams[0].stream_id  # type: ignore[union-attr]
-    in_forward = _stream_spy(monkeypatch, "mpstream.copy", "to_device")
-    in_train = _stream_spy(monkeypatch, "mpstream.training", "to_device")
+    in_forward = _stream_spy(monkeypatch, "mpstream.runtime.copy", "to_device")
+    in_train = _stream_spy(monkeypatch, "mpstream.runtime.training", "to_device")
     x, y = torch.randn(BATCH, 5), torch.randn(BATCH, 4)
     pipe(x).sum().backward()
     pipe.train_step(x.pin_memory(), y, nn.MSELoss())
@@ -504,7 +504,7 @@ def test_forced_copies_run_on_the_sending_copy_stream(monkeypatch: pytest.Monkey
         force_copies=True,
     )  # fmt: skip
     copies = [st.stream_id for st in pipe.scheduler.copy_streams]  # type: ignore[union-attr]
-    seen = _stream_spy(monkeypatch, "mpstream.copy", "move")
+    seen = _stream_spy(monkeypatch, "mpstream.runtime.copy", "move")
     x = torch.randn(BATCH, 5, device="cuda")
     out = pipe(x)
     assert seen == [copies[0], copies[0], copies[1], copies[1]]  # stage 0 -> 1, then 1 -> 2
@@ -714,7 +714,7 @@ def test_timing_events_are_pooled() -> None:
 
 
 def test_too_many_stages_on_one_gpu_warn_about_shared_streams() -> None:
-    from mpstream.scheduler import StreamAliasWarning
+    from mpstream.runtime.scheduler import StreamAliasWarning
 
     # PyTorch pools 32 streams per priority and device; compute streams
     # have a pool of their own (high priority), so 40 stages must share.
@@ -881,7 +881,7 @@ def test_in_place_first_op_with_checkpointing_on_a_gpu(how: str) -> None:
 
 # zb_h1's order for 4 stages and 4 micro-batches, every weight pass moved last.
 def _user_order() -> str:
-    from mpstream.schedule import Schedule
+    from mpstream.schedules.schedule import Schedule
 
     order = str(Schedule("zb_h1", 4, 4, [False] * 4)).split()
     return " ".join([a for a in order if a[0] != "W"] + [a for a in order if a[0] == "W"])
@@ -975,7 +975,7 @@ def test_no_host_synchronization_in_new_schedules(schedule: str) -> None:
 def test_peak_memory_per_device_by_schedule() -> None:
     """max_memory_allocated per device for each schedule on the same model:
     the schedules that bound live activations use less than fill-drain."""
-    from mpstream.compare import measure_memory
+    from mpstream.observe.compare import measure_memory
 
     devices = ["cuda:0", "cuda:1"] * 2 if torch.cuda.device_count() > 1 else ["cuda:0"] * 4
     model = nn.Sequential(*[nn.Sequential(nn.Linear(512, 512), nn.Tanh()) for _ in range(8)])

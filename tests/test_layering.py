@@ -1,48 +1,133 @@
-"""The house rules on imports: core modules never import the tools, and the
-figures module (drawn by several tools) imports no other mpstream module, so
-no import circle runs through it."""
+"""The house rules on imports, read off the package's folders.
+
+mpstream's folders are its layers. Each top-level package (or module) of
+``mpstream/`` sits in one tier below; it may import only what lies in lower
+tiers, so the core (the first tiers) never imports a tool, and nothing runs
+in a circle. A tool imports a core package only through what that package
+exports (``from mpstream.runtime import synchronize``, a name in
+``mpstream.runtime.__all__``), never one of its modules, so the core's
+modules can move without breaking a tool. ``figures`` (drawn by several
+tools) imports no other mpstream module. The rules read every module under
+each folder: a new module is checked without editing anything here, and a
+new folder fails until it is given a tier.
+"""
 
 from __future__ import annotations
 
 import ast
+import importlib
 from pathlib import Path
 
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "mpstream"
+
+# Bottom-up. The core: the extension and version, schedules and memory
+# policies, the runtime, cutting modules into stages, the Pipe, and what
+# builds on a Pipe. Then the tools, each on those below it.
 CORE = [
-    "pipe", "worker", "training", "values", "graph", "trace", "schedule", "scheduler", "copy",
-    "transfer", "partition", "microbatch", "plan", "boundary", "checkpoint", "batchnorm",
-    "errors", "compiling", "orders", "split_backward", "balance", "memory", "marks", "build",
-    "inputs", "snapshot", "capture", "capture_state", "graphed", "pipe_module",
+    {"_ext", "_version"},
+    {"schedules", "memory"},
+    {"runtime"},
+    {"stages"},
+    {"pipe"},
+    {"capture", "distributed"},
 ]
-TOOLS = {
-    "timeline", "figures", "bench", "cli", "analysis", "profiling", "tuning", "cost_model",
-    "scaling", "compare", "doctor", "diagnosis", "report", "environment", "checks", "overlap",
-    "probes", "sanitizer", "soak", "experiment", "attribution", "modelcheck", "cli_schedules",
-    "argtypes",
-}
+TOOLS = [{"observe"}, {"tutorial"}, {"doctor"}, {"cli"}, {"__main__"}]
+TIER = {unit: i for i, tier in enumerate(CORE + TOOLS) for unit in tier}
+CORE_UNITS = set().union(*CORE)
 
 
-def mpstream_imports(module: str) -> set[str]:
-    """The mpstream modules ``module`` imports, at any level (TYPE_CHECKING too)."""
-    tree = ast.parse((PACKAGE / f"{module}.py").read_text())
-    found: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            if node.module:
-                found.add(node.module.split(".")[0])
+def units() -> list[str]:
+    """The top-level packages and modules of mpstream (the facade aside)."""
+    found = [p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()]
+    found += [p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__"]
+    return sorted(found)
+
+
+def modules(unit: str) -> list[Path]:
+    path = PACKAGE / unit
+    return sorted(path.rglob("*.py")) if path.is_dir() else [PACKAGE / f"{unit}.py"]
+
+
+def dotted(path: Path) -> list[str]:
+    """A file's package, as parts (``mpstream/runtime/worker.py``: mpstream, runtime)."""
+    parts = ["mpstream", *path.relative_to(PACKAGE).parts]
+    return parts[:-1]
+
+
+def imports(path: Path) -> list[tuple[list[str], list[str]]]:
+    """Every mpstream import of a module, at any level (TYPE_CHECKING and
+    function-local ones too): the absolute module imported from, and the names."""
+    found: list[tuple[list[str], list[str]]] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = dotted(path)[: len(dotted(path)) - node.level + 1]
+                target = base + (node.module.split(".") if node.module else [])
             else:
-                found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mpstream."):
-            found.add((node.module or "").split(".")[1])
+                target = (node.module or "").split(".")
+            if target[0] == "mpstream":
+                found.append((target, [a.name for a in node.names]))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "mpstream":
+                    found.append((alias.name.split("."), []))
     return found
 
 
-@pytest.mark.parametrize("module", CORE)
-def test_core_modules_do_not_import_tools(module: str) -> None:
-    assert not mpstream_imports(module) & TOOLS
+def uses(target: list[str], names: list[str]) -> list[tuple[str, list[str], list[str]]]:
+    """What an import reaches: (unit, module path inside it, names imported from it)."""
+    if len(target) > 1:
+        return [(target[1], target[2:], names)]
+    return [(name, [], []) for name in names]  # from mpstream import runtime, tutorial
+
+
+def exported(unit: str) -> set[str]:
+    """What a package exports: its ``__all__``."""
+    return set(getattr(importlib.import_module(f"mpstream.{unit}"), "__all__", ()))
+
+
+def test_every_folder_has_a_tier() -> None:
+    missing = [u for u in units() if u not in TIER]
+    assert not missing, f"give these a tier in tests/test_layering.py: {missing}"
+
+
+@pytest.mark.parametrize("unit", units())
+def test_imports_point_down(unit: str) -> None:
+    wrong = []
+    for path in modules(unit):
+        for target, names in imports(path):
+            for used, _, _ in uses(target, names):
+                if used != unit and TIER.get(used, -1) >= TIER[unit]:
+                    wrong.append(f"{path.relative_to(PACKAGE)} imports mpstream.{used}")
+    assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.parametrize("unit", sorted(set().union(*TOOLS)))
+def test_tools_use_the_core_through_its_exports(unit: str) -> None:
+    wrong = []
+    for path in modules(unit):
+        for target, names in imports(path):
+            for used, inside, what in uses(target, names):
+                if used not in CORE_UNITS or not (PACKAGE / used).is_dir():
+                    continue  # a tool, or a core module with no inside (_ext, distributed)
+                hidden = set(what) - exported(used)
+                if inside or hidden:
+                    reached = ".".join(["mpstream", used, *inside])
+                    wrong.append(f"{path.relative_to(PACKAGE)}: {reached} {sorted(hidden)}")
+    assert not wrong, "import these from the package, and export them there:\n" + "\n".join(wrong)
+
+
+@pytest.mark.parametrize("unit", [u for u in units() if (PACKAGE / u).is_dir()])
+def test_packages_say_what_they_hold_and_export_it(unit: str) -> None:
+    init = ast.parse((PACKAGE / unit / "__init__.py").read_text())
+    assert ast.get_docstring(init), f"mpstream/{unit}/__init__.py needs a docstring"
+    package = importlib.import_module(f"mpstream.{unit}")
+    names = exported(unit)
+    assert names, f"mpstream.{unit} exports nothing (__all__)"
+    assert all(hasattr(package, n) for n in names)
 
 
 def test_figures_imports_no_mpstream_module() -> None:
-    assert mpstream_imports("figures") == set()
+    assert imports(PACKAGE / "observe" / "figures.py") == []

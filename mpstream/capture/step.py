@@ -1,0 +1,405 @@
+"""A pipe's whole training step captured in a CUDA graph and replayed.
+
+Eager micro-batching launches every kernel once per micro-batch from one
+Python thread; on a fast GPU that thread sets the pace. On one H100 at the
+tutorial's sizes (split 12) the host took 225.7 ms to issue a 225.8 ms step,
+and a captured step with SGD replayed in 0.18x the eager time with the same
+parameters (docs/results/h100). :class:`CapturedStep` packages that capture:
+static input and target buffers, warm-up on a side stream undone before
+the first step (:mod:`~mpstream.capture.state`), gradients kept in place,
+the optimizer step inside the graph, and checks for the changes a replay
+cannot see.
+
+Without CUDA (every stage on the CPU) the same object runs the step eagerly
+with the same checks, so code written against it runs anywhere.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from contextlib import suppress
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils import _pytree as pytree
+
+from ..pipe.pipe import REDUCTIONS, Pipe
+from ..runtime.errors import annotate
+from ..runtime.microbatch import NoChunk
+from ..stages.sequential import check_positive
+from .state import Saved, check_optimizer, hyperparameters, state_tensors
+
+__all__ = ["CapturedStep"]
+
+# One graph cannot span devices: PyTorch's graph memory pools are per device
+# and multi-device replays fault (pytorch/pytorch#153025, open in 2026).
+_MULTI_DEVICE = "PyTorch cannot replay one CUDA graph across devices (pytorch/pytorch#153025)"
+
+
+def _static(leaf: Any, device: torch.device) -> Any:
+    """A buffer of its own for a tensor leaf (NoChunk too); other leaves as they are."""
+    if isinstance(leaf, NoChunk):
+        return NoChunk(leaf.tensor.detach().to(device, copy=True))
+    if isinstance(leaf, Tensor):
+        return leaf.detach().to(device, copy=True)
+    return leaf
+
+
+def _tensor(leaf: Any) -> Tensor | None:
+    if isinstance(leaf, NoChunk):
+        return leaf.tensor
+    return leaf if isinstance(leaf, Tensor) else None
+
+
+class CapturedStep:
+    """One training step of a :class:`~mpstream.Pipe`, captured once, replayed per batch.
+
+    The step is ``zero_grad`` (optional), ``pipe.train_step`` and
+    ``optimizer.step()`` (optional), on buffers of the shapes given here.
+    Constructing it on CUDA runs ``warmup`` steps on a side stream (lazy
+    initialisation, cuDNN autotuning, optimizer state), captures one step
+    with ``torch.cuda.graph`` and puts parameters, buffers, gradients and
+    optimizer state back as they were, so the first call is the first step.
+    Each call copies the batch into the static buffers and replays.
+
+    What a replay cannot see, and therefore refuses or ignores:
+
+    - shapes and dtypes are fixed: a batch of another shape raises (capture
+      a second step for the last, smaller batch, sharing ``pool``, or drop it);
+    - plain values in the batch and the optimizer's settings (lr, momentum,
+      ...) are baked in: a call after one changed raises. For a learning-rate
+      schedule, capture with a tensor ``lr`` that the schedule changes in
+      place, with an optimizer that reads it on the device at every step
+      (``capturable=True``: Adam, AdamW, ...; on CUDA a tensor setting of
+      an optimizer without it is refused at construction);
+    - with ``zero_grad=False`` gradients accumulate across calls in the
+      captured gradient tensors: zero them with ``zero_grad(set_to_none=False)``;
+      replacing a ``.grad`` (``set_to_none=True``), the optimizer's state
+      (``load_state_dict``) or a parameter's storage (``pipe.double()``)
+      makes the next call raise;
+    - ``pipe.train()``/``eval()``, hooks and anything Python decides during
+      the step keep the value they had at capture.
+
+    Warm-up is undone: parameters, buffers, gradients, optimizer state and
+    the random number generators are put back. Optimizer state that warm-up
+    created is zeroed, which is the first step's state for SGD (without
+    dampening), Adam, AdamW, RAdam, Adamax, Adadelta and RMSprop; other
+    optimizers need their state from one eager step before capture (refused
+    otherwise).
+
+    Every stage must sit on one CUDA device (a graph cannot span devices) or
+    on CPUs, where no graph exists and each call runs the step eagerly with
+    the same checks (from the second call, once gradients exist). For mixed
+    precision, construct it under
+    ``torch.autocast(..., cache_enabled=False)`` (autocast's weight cache
+    does not survive capture) with bfloat16: a ``GradScaler`` reads its
+    overflow flag on the host, which a replay cannot.
+
+    Args:
+        pipe: the pipe to train.
+        inputs: an example batch (what ``train_step`` takes); its tensors give
+            the static buffers' shapes and dtypes, on the first stage's device.
+        target: an example target, buffered on the last stage's device.
+        loss_fn: ``loss_fn(output, target) -> scalar`` per micro-batch.
+        optimizer: stepped inside the graph after the backward. Optimizers
+            with a ``capturable`` option (Adam, AdamW, ...) need it ``True``
+            on CUDA (PyTorch refuses it for CPU parameters:
+            ``capturable=params_on_cuda``).
+        reduction: as in :meth:`~mpstream.Pipe.train_step`.
+        zero_grad: zero the pipe's gradients (in place) at the start of
+            every step.
+        warmup: eager steps before capture (CUDA only); at least 1.
+        pool: a graph memory pool to share (``torch.cuda.graph_pool_handle()``
+            or another step's :attr:`pool`).
+
+    Raises:
+        TypeError: ``pipe`` is not a Pipe, ``loss_fn`` is not callable, or
+            ``warmup`` is not an int.
+        ValueError: ``warmup`` below 1, an unknown ``reduction``, stages on
+            several devices or on both CPU and CUDA, the pipe is being
+            traced (its scheduler's timing or plan recording is on: a replay
+            would record nothing), or an optimizer whose captured step would
+            differ from its eager one (see above).
+        Exception: whatever capture raised (PyTorch's error, with a note);
+            the pipe, the optimizer, the generators and the caller's stream
+            are restored first.
+    """
+
+    def __init__(
+        self,
+        pipe: Pipe,
+        inputs: Any,
+        target: Any,
+        loss_fn: Callable[[Any, Any], Tensor],
+        *,
+        optimizer: torch.optim.Optimizer | None = None,
+        reduction: str = "mean",
+        zero_grad: bool = True,
+        warmup: int = 3,
+        pool: Any = None,
+    ) -> None:
+        if not isinstance(pipe, Pipe):
+            raise TypeError(f"CapturedStep needs an mpstream.Pipe, got {type(pipe).__name__}")
+        check_positive("warmup", warmup)
+        # Checked here, not by the first warm-up step, which would blame capture.
+        if reduction not in REDUCTIONS:
+            valid = ", ".join(repr(r) for r in REDUCTIONS)
+            raise ValueError(f"reduction must be one of {valid}; got {reduction!r}")
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        devices = list(dict.fromkeys(pipe.devices))
+        cuda = [d for d in devices if d.type == "cuda"]
+        if cuda and len(devices) > 1:
+            raise ValueError(
+                f"CapturedStep needs every stage on one CUDA device: stages are on "
+                f"{', '.join(map(str, devices))}. {_MULTI_DEVICE}; put the stages on one "
+                f"GPU or run the pipe eagerly."
+            )
+        sched = pipe.scheduler
+        if cuda and (sched.timing or sched.recording):
+            raise ValueError(
+                "CapturedStep: the pipe is being traced (its scheduler's timing or plan "
+                "recording is on); a replay would record nothing. Capture outside "
+                "mpstream.profile / trace."
+            )
+        self.pipe, self.loss_fn, self.optimizer = pipe, loss_fn, optimizer
+        self.reduction, self.zero_grad = reduction, bool(zero_grad)
+        self.device: torch.device | None = cuda[0] if cuda else None
+        in_leaves, self._in_spec = pytree.tree_flatten(inputs)
+        tgt_leaves, self._tgt_spec = pytree.tree_flatten(target)
+        self._inputs = [_static(x, pipe.devices[0]) for x in in_leaves]
+        self._target = [_static(x, pipe.devices[-1]) for x in tgt_leaves]
+        check_optimizer(optimizer, self.device is not None)
+        self._settings = hyperparameters(optimizer)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self._kept: _Kept | None = None
+        self._loss: Tensor | None = None
+        if self.device is not None:
+            self._capture(warmup, pool)
+            self._kept = _Kept(pipe, optimizer)
+
+    # -- the step ----------------------------------------------------------
+    def _step(self) -> Tensor:
+        if self.zero_grad:
+            self.pipe.zero_grad(set_to_none=False)
+        loss = self.pipe.train_step(
+            pytree.tree_unflatten(self._inputs, self._in_spec),
+            pytree.tree_unflatten(self._target, self._tgt_spec),
+            self.loss_fn,
+            reduction=self.reduction,
+        )
+        if self.optimizer is not None:
+            self.optimizer.step()
+        return loss
+
+    def _capture(self, warmup: int, pool: Any) -> None:
+        device = self.device
+        assert device is not None
+        saved = Saved(self.pipe, self.optimizer, device)
+        caller = torch.cuda.current_stream(device)
+        try:
+            with torch.cuda.device(device):
+                # Warm-up on a side stream, as capture requires: what runs
+                # once (allocations, autotuning, optimizer state) happens here.
+                side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+                side.wait_stream(caller)
+                with torch.cuda.stream(side):
+                    for _ in range(warmup):
+                        self._step()
+                caller.wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._loss = self._step()
+                caller.synchronize()
+        except BaseException as exc:
+            # Older torch leaves the capture stream current when capture_end raises.
+            torch.cuda.set_stream(caller)
+            with suppress(RuntimeError):  # a failed capture may leave a CUDA error behind
+                torch.cuda.synchronize(device)
+            saved.restore(captured=False)
+            annotate(
+                exc,
+                "mpstream.CapturedStep: capturing the step failed; the pipe, the optimizer "
+                "and the random number generators are as they were before. Run the pipe "
+                "eagerly, or see docs/tuning.md (When the host is the bottleneck) for what "
+                "capture needs.",
+            )
+            raise
+        saved.restore(captured=True)
+        torch.cuda.synchronize(device)
+        self.graph = graph
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> CapturedStep:
+        raise TypeError(
+            "a CapturedStep holds a CUDA graph over its pipe's tensors and cannot be copied: "
+            "copy the pipe and capture a new step for the copy"
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError(
+            "a CapturedStep holds a CUDA graph over its pipe's tensors and cannot be pickled: "
+            "save the pipe's state_dict and capture a new step after loading"
+        )
+
+    @property
+    def captured(self) -> bool:
+        """Whether calls replay a CUDA graph (False: they run the step eagerly)."""
+        return self.graph is not None
+
+    @property
+    def pool(self) -> Any:
+        """The captured graph's memory pool, to share with another capture.
+
+        Raises:
+            RuntimeError: nothing was captured (the pipe runs on the CPU).
+        """
+        if self.graph is None:
+            raise RuntimeError("no CUDA graph was captured (the pipe runs on the CPU)")
+        return self.graph.pool()
+
+    # -- calls ---------------------------------------------------------------
+    def __call__(self, inputs: Any, target: Any) -> Tensor:
+        """Runs one step on ``inputs`` and ``target``.
+
+        Args:
+            inputs: a batch of the captured structure, shapes and dtypes, on
+                any device (host memory is copied in; pinned memory
+                without blocking the host).
+            target: the targets, likewise.
+
+        Returns:
+            The whole-batch loss (a new tensor, on the last stage's device).
+
+        Raises:
+            ValueError: a batch of another structure, shape or dtype, a plain
+                value or an optimizer setting that changed since capture, a
+                gradient, optimizer state or parameter replaced since
+                capture, or a replay while the pipe is being traced.
+        """
+        self._check_settings()
+        if self._kept is not None:
+            self._kept.check()
+        sched = self.pipe.scheduler
+        if self.graph is not None and (sched.timing or sched.recording):
+            raise ValueError(
+                "CapturedStep: the pipe is being traced (mpstream.profile / trace turned its "
+                "scheduler's timing or plan recording on), but a replay runs no Python and "
+                "records nothing. Profile the pipe's eager train_step instead."
+            )
+        self._fill("inputs", self._inputs, self._in_spec, inputs)
+        self._fill("target", self._target, self._tgt_spec, target)
+        if self.graph is None:
+            loss = self._step()
+            if self._kept is None:  # the CPU's checks start once gradients exist
+                self._kept = _Kept(self.pipe, self.optimizer)
+            return loss
+        assert self._loss is not None and self.device is not None
+        with torch.cuda.device(self.device):
+            self.graph.replay()
+            return self._loss.clone()
+
+    def _fill(self, what: str, static: list[Any], spec: Any, value: Any) -> None:
+        given, given_spec = pytree.tree_flatten(value)
+        if given_spec != spec:
+            raise ValueError(
+                f"CapturedStep: {what} have another structure than the captured step's: "
+                f"got {given_spec}, captured {spec}"
+            )
+        for i, (have, new) in enumerate(zip(static, given)):
+            buffer, source = _tensor(have), _tensor(new)
+            if buffer is None:
+                if isinstance(new, (Tensor, NoChunk)) or not _same_plain(have, new):
+                    raise ValueError(
+                        f"CapturedStep: {what} leaf {i} is {new!r}; the step was captured "
+                        f"with {have!r}, which the step keeps. Capture another step for it."
+                    )
+                continue
+            if source is None or isinstance(have, NoChunk) != isinstance(new, NoChunk):
+                raise ValueError(
+                    f"CapturedStep: {what} leaf {i} is a {type(new).__name__}; the step "
+                    f"was captured with a {type(have).__name__}"
+                )
+            if source.shape != buffer.shape or source.dtype != buffer.dtype:
+                raise ValueError(
+                    f"CapturedStep: {what} leaf {i} has shape {tuple(source.shape)} and "
+                    f"dtype {source.dtype}; the step was captured for "
+                    f"{tuple(buffer.shape)} and {buffer.dtype}. Shapes are fixed: capture "
+                    f"another step for this shape (sharing `pool`) or drop such batches "
+                    f"(DataLoader(drop_last=True))."
+                )
+        for have, new in zip(static, given):
+            buffer, source = _tensor(have), _tensor(new)
+            if buffer is not None and source is not None and source is not buffer:
+                buffer.copy_(source.detach(), non_blocking=True)
+
+    def _check_settings(self) -> None:
+        now = hyperparameters(self.optimizer)
+        for g, (before, after) in enumerate(zip(self._settings, now)):
+            for key in sorted(before.keys() | after.keys()):
+                a, b = before.get(key), after.get(key)
+                if not _same_plain(a, b):
+                    raise ValueError(
+                        f"CapturedStep: optimizer param group {g}'s {key!r} changed from "
+                        f"{a!r} to {b!r} since capture; the captured step uses {a!r}. "
+                        f"Capture a new step, or give {key!r} as a tensor changed in place "
+                        f"(tensor.fill_), where the optimizer supports that under capture "
+                        f"(Adam, AdamW: capturable=True)."
+                    )
+        if len(now) != len(self._settings):
+            raise ValueError(
+                f"CapturedStep: the optimizer has {len(now)} param groups, "
+                f"{len(self._settings)} at capture; capture a new step"
+            )
+
+
+class _Kept:
+    """The tensors a captured step reads and writes in place, as of capture:
+    replacing one (a new ``.grad``, a moved parameter, loaded optimizer
+    state) would leave the graph working on the old one."""
+
+    def __init__(self, pipe: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        named = list(pipe.named_parameters())
+        self.params = [(n, p, p.data_ptr()) for n, p in named]
+        self.grads = [(n, p, p.grad) for n, p in named]
+        self.state = [(p, k, v) for p, k, v in state_tensors(optimizer)]
+        self.optimizer = optimizer
+
+    def check(self) -> None:
+        # Parameters first: moving a module replaces its gradients too.
+        for name, p, ptr in self.params:
+            if p.data_ptr() != ptr:
+                raise ValueError(
+                    f"CapturedStep: parameter {name} moved since capture (pipe.double(), "
+                    f"pipe.to(dtype) or load_state_dict(assign=True)); capture a new step."
+                )
+        for name, p, grad in self.grads:
+            if p.grad is not grad:
+                raise ValueError(
+                    f"CapturedStep: the gradient of {name} was replaced since capture "
+                    f"(zero_grad() sets it to None by default); the captured step "
+                    f"accumulates into the old one. Use zero_grad(set_to_none=False), or "
+                    f"CapturedStep(zero_grad=True)."
+                )
+        state = self.optimizer.state if self.optimizer is not None else {}
+        for p, key, value in self.state:
+            if state.get(p, {}).get(key) is not value:
+                raise ValueError(
+                    f"CapturedStep: the optimizer's state {key!r} was replaced since capture "
+                    f"(optimizer.load_state_dict?); the captured step updates the old "
+                    f"tensors. Capture a new step after loading."
+                )
+
+
+def _same_plain(a: Any, b: Any) -> bool:
+    """Equality for plain values, with NaN equal to itself; tensors by identity
+    (a replay reads the captured tensor, whatever its value)."""
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return a is b
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # values whose == is not a bool
+        return a is b

@@ -1,0 +1,132 @@
+"""``mpstream schedules``: every schedule simulated side by side, with measured memory."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from ..observe.cost_model import Cost
+from ..schedules import SCHEDULES
+from ..tutorial import bench
+from .argtypes import positive_int
+
+__all__ = ["add_command", "run"]
+
+
+def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Adds the ``schedules`` command to the ``mpstream`` parser."""
+    c = sub.add_parser(
+        "schedules",
+        help="compare pipeline schedules side by side",
+        description=(
+            "Simulate every schedule (gpipe, 1f1b, interleaved_1f1b, zb_h1) for the given "
+            "stages, devices and micro-batches from a measured profile of the tutorial's "
+            "ResNet50 (or unit costs), print step time, bubble and live activations per stage, "
+            "measure each schedule's peak memory in a real step, and draw one PNG with a "
+            "timeline per schedule on one time axis."
+        ),
+    )
+    c.add_argument("--stages", type=positive_int, default=4, help="pipeline stages (default 4)")
+    c.add_argument(
+        "--devices", type=positive_int, default=2, help="devices the stages share (default 2)"
+    )
+    c.add_argument(
+        "--micro-batches", type=positive_int, default=8, help="micro-batches per step (default 8)"
+    )
+    c.add_argument("--uniform", action="store_true", help="unit costs instead of a profile")
+    c.add_argument("--device", help="where to profile and measure (default: detected)")
+    c.add_argument(
+        "--balance",
+        choices=("tutorial", "time"),
+        default="tutorial",
+        help="ResNet50's cut: the tutorial's (2 or 4 stages) or balance_by_time's",
+    )
+    c.add_argument(
+        "--split-size", type=positive_int, default=2, help="images per micro-batch (default 2)"
+    )
+    c.add_argument(
+        "--image-size", type=positive_int, default=64, help="image side, >= 32 (default 64)"
+    )
+    c.add_argument(
+        "--copy-ms", type=float, default=0.0, help="modelled time of each copy (default 0)"
+    )
+    c.add_argument("--no-memory", action="store_true", help="skip the measured memory")
+    c.add_argument("--no-plots", action="store_true", help="skip the PNG")
+    c.add_argument(
+        "--out", default="mpstream-schedules", help="output folder (default: %(default)s)"
+    )
+    c.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs ``mpstream schedules``; returns the exit status.
+
+    Raises:
+        ValueError: more devices than stages, or an image too small.
+    """
+    from ..observe import compare  # the profile and plots load only when the command runs
+    from ..tutorial.analysis import resnet_stages
+
+    stages, devices, micros = args.stages, args.devices, args.micro_batches
+    if devices > stages:
+        raise ValueError(f"--devices {devices} exceeds --stages {stages}: a device needs a stage")
+    if args.image_size < 32:
+        raise ValueError("--image-size must be at least 32 (ResNet50 downsamples 32x)")
+    names = [n for n in SCHEDULES if n != "interleaved_1f1b" or stages % devices == 0]
+    measured: dict[str, dict[str, int]] = {}
+    meta: dict[str, object] = {"stages": stages, "devices": devices, "micro_batches": micros}
+    if args.uniform:
+        costs: list[Cost] = [(1.0, 1.0, 1.0)] * stages
+        source = "unit costs: forward = input gradient = weight gradient = 1 ms"
+    else:
+        device = torch.device(args.device) if args.device else bench.detect_devices(None)[0]
+        pipe, x, y = resnet_stages(
+            stages, micros, args.split_size, args.image_size, device, args.balance
+        )
+        loss_fn = torch.nn.functional.mse_loss
+        print(f"profiling ResNet50 as {stages} stages on {device} ...", flush=True)
+        costs = compare.profile_stages(pipe, x, y, loss_fn).per_stage()
+        source = (
+            f"ResNet50 ({args.split_size} images of {args.image_size}x{args.image_size} per "
+            f"micro-batch) profiled on {bench.device_name(device)}; balance {pipe.balance}"
+        )
+        meta.update(bench.metadata([device]), balance=pipe.balance)
+        if not args.no_memory:
+            virtual = stages // devices if "interleaved_1f1b" in names else None
+            measured = compare.measure_memory(pipe, x, y, loss_fn, names, virtual)
+    rows = compare.compare(costs, devices, micros, copy_times=args.copy_ms, schedules=names)
+    for r in rows:
+        r.measured = measured.get(r.schedule, {})
+    print(f"{stages} stages on {devices} devices, {micros} micro-batches; {source}")
+    if stages % devices:
+        print("(interleaved_1f1b left out: the stages do not divide evenly over the devices)")
+    print(compare.table(rows))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {
+        **meta,
+        "source": source,
+        "stage_costs_ms": costs,
+        "copy_ms": args.copy_ms,
+        "schedules": [
+            {
+                "schedule": r.schedule,
+                "step_ms": r.step_ms,
+                "bubble_fraction": r.bubble_fraction,
+                "live_per_stage": r.live,
+                "held_per_stage": r.held,
+                "devices": r.devices,
+                "measured_peak_bytes": r.measured,
+            }
+            for r in rows
+        ],
+    }
+    (out / "schedules.json").write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"wrote {out / 'schedules.json'}")
+    if not args.no_plots:
+        title = f"{stages} stages, {devices} devices, {micros} micro-batches; {source}"
+        print(f"wrote {compare.plot_stacked(rows, out / 'schedules.png', title)}")
+    return 0

@@ -1,0 +1,271 @@
+"""``mpstream doctor``: proves on this machine's devices that the pipeline is right and overlaps.
+
+Eight steps run in order (:data:`STEPS`): environment, correctness, overlap,
+races, memory, the tutorial's experiment, where the time goes, and the cost
+model. Each prints one line as it finishes (PASS / FAIL / SKIP, the key
+figure or the reason); a failing step does not stop the others; steps that
+measure CUDA streams SKIP without a GPU. A summary table comes last and the
+report (:mod:`mpstream.doctor.report`) is written into ``--out``. The exit code is
+1 if any step failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..tutorial.bench import detect_devices
+from . import (
+    attribution,
+    checks,
+    environment,
+    experiment,
+    modelcheck,
+    probes,
+    report,
+    sanitizer,
+    soak,
+)
+from .diagnosis import FAIL, FULL, QUICK, SKIP, Context, Sizes, StepResult, jsonable
+
+__all__ = ["Step", "STEPS", "NAMES", "Options", "parse_devices", "run_step", "run", "add_command"]
+
+
+@dataclass(frozen=True)
+class Step:
+    """One doctor step.
+
+    Attributes:
+        name: the name ``--skip`` takes.
+        title: the human title.
+        run: the step itself.
+        needs_cuda: SKIP without a CUDA device.
+        needs: keys of :attr:`Context.shared` earlier steps must have left.
+    """
+
+    name: str
+    title: str
+    run: Callable[[Context], StepResult]
+    needs_cuda: bool = False
+    needs: tuple[str, ...] = ()
+
+
+STEPS = (
+    Step("environment", "Environment", environment.run),
+    Step("correctness", "Correctness", checks.run),
+    Step("overlap", "Overlap", probes.run, needs_cuda=True),
+    Step("races", "Races", sanitizer.run, needs_cuda=True),
+    Step("memory", "Memory", soak.run, needs_cuda=True),
+    Step("tutorial", "Tutorial experiment", experiment.run),
+    Step("profile", "Where the time goes", attribution.run),
+    Step("cost-model", "Cost model", modelcheck.run, needs=("profiles",)),
+)
+NAMES = tuple(s.name for s in STEPS)
+ARCHS = ("resnet50", "resnet101")
+
+# Why a step needs what it needs, for its SKIP line.
+_WHY_CUDA = {
+    "overlap": "measures CUDA streams overlapping",
+    "races": "runs the CUDA sanitizers",
+    "memory": "reads the CUDA allocator's statistics",
+}
+_WHY_NEEDS = {"profiles": "fitted from step 7's profile, which did not run"}
+
+
+@dataclass
+class Options:
+    """What ``mpstream doctor`` was asked to do.
+
+    Attributes:
+        out: the report folder.
+        devices: ``'cuda:0'`` or ``'cuda:0,cuda:1'`` (default: detected).
+        quick: the CPU-sized run (automatic without a GPU).
+        arch: ``'resnet50'`` or ``'resnet101'`` for the tutorial's experiment.
+        skip: names of steps not to run.
+        progress: progress bars (still only on a terminal).
+        sizes: explicit sizes, overriding ``quick`` (tests use the tiny ones).
+        command: the command line, for the report.
+    """
+
+    out: Path
+    devices: str | None = None
+    quick: bool = False
+    arch: str = "resnet50"
+    skip: tuple[str, ...] = ()
+    progress: bool = True
+    sizes: Sizes | None = None
+    command: str = "mpstream doctor"
+
+
+def parse_devices(spec: str | None) -> tuple[torch.device, torch.device]:
+    """One or two devices; one device serves both stages.
+
+    Raises:
+        ValueError: not one or two usable devices.
+    """
+    if spec is not None and "," not in spec.strip().strip(","):
+        spec = f"{spec},{spec}"
+    return detect_devices(spec)
+
+
+def run_step(step: Step, ctx: Context, skip: Sequence[str]) -> StepResult:
+    """Runs one step; an exception becomes a FAIL with its message, never a crash."""
+    if step.name in skip:
+        return StepResult(step.name, step.title, SKIP, reason="skipped with --skip")
+    if step.needs_cuda and not ctx.cuda:
+        where = ", ".join(str(d) for d in ctx.devices)
+        why = _WHY_CUDA.get(step.name, "needs CUDA")
+        return StepResult(step.name, step.title, SKIP, reason=f"no CUDA device ({where}): {why}")
+    missing = [k for k in step.needs if k not in ctx.shared]
+    if missing:
+        return StepResult(step.name, step.title, SKIP, reason=_WHY_NEEDS[missing[0]])
+    start = time.perf_counter()
+    try:
+        result = step.run(ctx)
+    except Exception as exc:  # one broken step must not hide the others' findings
+        (ctx.scratch / f"{step.name}.traceback.txt").write_text(traceback.format_exc())
+        first = (str(exc).strip().splitlines() or [""])[0]
+        result = StepResult(
+            step.name,
+            step.title,
+            FAIL,
+            reason=f"{type(exc).__name__}: {first}",
+            files=[f"{step.name}.traceback.txt"],
+        )
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _line(i: int, result: StepResult) -> str:
+    text = result.figure if result.figure and result.status != SKIP else result.reason
+    if result.status == FAIL and result.figure and result.reason:
+        text = f"{result.figure} | {result.reason}"
+    head = f"[{i}/{len(STEPS)}] {result.title:<20} {result.status:<4}"
+    return f"{head}  {text}  ({result.seconds:.1f} s)"
+
+
+def run(options: Options, echo: Callable[[str], None] | None = None) -> int:
+    """Runs every step, prints a line per step and the table, writes the report.
+
+    Args:
+        options: what to run and where to write.
+        echo: where console lines go (default: stdout, flushed).
+
+    Returns:
+        The exit status: 0 if no step failed, 1 otherwise.
+
+    Raises:
+        ValueError: bad devices, architecture or step names.
+    """
+    unknown = [s for s in options.skip if s not in NAMES]
+    if unknown:
+        raise ValueError(f"unknown step(s) {', '.join(unknown)}; steps: {', '.join(NAMES)}")
+    if options.arch not in ARCHS:
+        raise ValueError(f"unknown model {options.arch!r}; valid: {', '.join(ARCHS)}")
+    devices = parse_devices(options.devices)
+    cuda = devices[0].type == "cuda"
+    log: list[str] = []
+
+    def say(text: str) -> None:
+        log.append(text)
+        (echo or (lambda t: print(t, flush=True)))(text)
+
+    if options.sizes is not None:
+        sizes, label = options.sizes, "custom"
+    elif options.quick or not cuda:
+        sizes, label = QUICK, "quick"
+    else:
+        sizes, label = FULL, "full"
+    out = Path(options.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in report.ARTIFACTS:  # a rerun must not leave an older run's files behind
+        (out / name).unlink(missing_ok=True)
+    where = " | ".join(str(d) for d in devices)
+    say(
+        f"mpstream doctor: {where}, {options.arch}, {label} sizes"
+        + ("" if cuda or options.quick else " (no CUDA device: the quick sizes)")
+        + f"; report in {out}"
+    )
+    started = time.perf_counter()
+    created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    with tempfile.TemporaryDirectory(prefix="mpstream-doctor-") as tmp:
+        ctx = Context(devices, sizes, options.arch, out, Path(tmp), options.progress)
+        results = []
+        for i, step in enumerate(STEPS, 1):
+            results.append(run_step(step, ctx, options.skip))
+            say(_line(i, results[-1]))
+        total = time.perf_counter() - started
+        meta: dict[str, Any] = {
+            "format": "mpstream-doctor/1",
+            "command": options.command,
+            "created": created,
+            "devices": [str(d) for d in devices],
+            "arch": options.arch,
+            "sizes": label,
+            "size_values": jsonable(sizes),
+            "skipped": list(options.skip),
+            "total_seconds": total,
+            "environment": ctx.shared.get("environment") or environment.collect(devices),
+        }
+        say(f"report in {out}: {', '.join(report.top_files(out))} ({total:.0f} s in all)")
+        say(report.table(results))
+        (ctx.scratch / "doctor.log").write_text("\n".join(log) + "\n")
+        report.write(out, ctx.scratch, results, meta)
+    return 1 if report.status_of(results) == FAIL else 0
+
+
+def _command(args: argparse.Namespace) -> int:
+    options = Options(
+        out=Path(args.out),
+        devices=args.devices,
+        quick=args.quick,
+        arch=args.model,
+        skip=tuple(args.skip),
+        progress=not args.no_progress,
+        command=args.command_line,
+    )
+    return run(options)
+
+
+def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Adds the ``doctor`` command to the ``mpstream`` parser."""
+    d = sub.add_parser(
+        "doctor",
+        help="prove on this machine's GPUs that the pipeline is right and overlaps",
+        description=(
+            "Run, in order: environment, correctness against the CPU model, measured overlap, "
+            "the CUDA sanitizers, memory over many steps, the tutorial's experiment, a profiled "
+            "step and the cost model. One line per step as it goes (PASS / FAIL / SKIP), a "
+            "summary table last, and a report (summary.md, report.json, figures, one archive) "
+            "in --out. Steps that need a GPU SKIP without one. Exit code 1 if any step failed."
+        ),
+    )
+    d.add_argument("--out", default="mpstream-doctor", help="report folder (default: %(default)s)")
+    d.add_argument(
+        "--devices", help="one or two devices, e.g. cuda:0 or cuda:0,cuda:1 (default: detected)"
+    )
+    d.add_argument(
+        "--quick", action="store_true", help="short, CPU-sized run (automatic without a GPU)"
+    )
+    d.add_argument(
+        "--model", choices=ARCHS, default="resnet50", help="the experiment's model (%(default)s)"
+    )
+    d.add_argument(
+        "--skip",
+        nargs="+",
+        default=[],
+        choices=NAMES,
+        metavar="STEP",
+        help=f"steps not to run: {', '.join(NAMES)}",
+    )
+    d.add_argument("--no-progress", action="store_true", help="no progress bars")
+    d.set_defaults(func=_command)

@@ -1,0 +1,190 @@
+"""Activation checkpointing of pipeline stages.
+
+A checkpointed stage keeps only its input; autograd recomputes its forward
+during backward, on the stage's own compute stream (the recomputation is
+triggered by the first backward node that needs a saved tensor, and autograd
+runs each node on the stream its forward used). RNG state is restored so
+dropout draws the same masks. ``torch.utils.checkpoint`` does the work; this
+module adds the policy (which micro-batches), a recompute context that keeps
+BatchNorm running statistics from being updated a second time, the flags
+:func:`is_checkpointing` and :func:`is_recomputing` that let a module skip
+side effects once, and a fresh copy of the stage input for each run, so a
+stage may begin with an in-place op.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils import _pytree as pytree
+from torch.utils import checkpoint as torch_checkpoint
+
+__all__ = [
+    "MODES",
+    "check_mode",
+    "checkpoint_stop",
+    "is_checkpointing",
+    "is_recomputing",
+    "checkpointed",
+]
+
+MODES = ("always", "except_last", "never")
+
+_local = threading.local()
+
+
+def check_mode(mode: object) -> str:
+    """Validates a checkpoint mode.
+
+    Raises:
+        ValueError: ``mode`` is not one of :data:`MODES`.
+    """
+    if mode not in MODES:
+        valid = ", ".join(repr(m) for m in MODES)
+        raise ValueError(f"checkpoint must be one of {valid}; got {mode!r}")
+    return str(mode)
+
+
+def checkpoint_stop(mode: str, micros: int, training: bool) -> int:
+    """How many leading micro-batches are checkpointed.
+
+    ``'except_last'`` spares the last micro-batch, whose backward starts
+    right after its forward; eval mode and ``'never'`` checkpoint nothing.
+    """
+    if not training or mode == "never":
+        return 0
+    if mode == "except_last":
+        return micros - 1
+    return micros
+
+
+def is_checkpointing() -> bool:
+    """Whether the calling thread runs the first forward of a checkpointed stage.
+
+    True while a stage computes a micro-batch whose activations are dropped
+    and recomputed during backward; the recomputation then runs with
+    :func:`is_recomputing` true instead. A module with a side effect (a
+    counter, a cache, a log line) runs it once per micro-batch by skipping it
+    when ``is_recomputing()``; one that prepares something only its
+    recomputation needs does so when ``is_checkpointing()``.
+
+    Returns:
+        True inside a checkpointed forward, False elsewhere (plain forwards,
+        eval mode, recomputation, outside a pipeline).
+    """
+    return bool(getattr(_local, "checkpointing", False))
+
+
+def is_recomputing() -> bool:
+    """Whether the calling thread is recomputing a checkpointed stage.
+
+    Returns:
+        True while autograd recomputes a checkpointed micro-batch's forward
+        during backward, False elsewhere.
+    """
+    return bool(getattr(_local, "recomputing", False))
+
+
+@contextmanager
+def _checkpointing() -> Iterator[None]:
+    previous = getattr(_local, "checkpointing", False)
+    _local.checkpointing = True
+    try:
+        yield
+    finally:
+        _local.checkpointing = previous
+
+
+@contextmanager
+def _recompute(stage: nn.Module) -> Iterator[None]:
+    # The recomputation sees the same batch as the original forward, so
+    # BatchNorm normalises identically; only its running statistics must not
+    # be updated twice. They are saved before and put back after: both run on
+    # the stage's stream in order, and the buffers are small. (Changing
+    # track_running_stats instead would change what batch_norm saves for
+    # backward, which the checkpoint's determinism check rejects.) The copy
+    # goes through .data so the buffers' version counters do not move:
+    # other micro-batches' graphs saved them, as batch_norm does.
+    norms = [m for m in stage.modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
+    saved = [[b.clone() for b in m.buffers(recurse=False)] for m in norms]
+    previous = getattr(_local, "recomputing", False)
+    # A recomputation can run inside a checkpointed forward (a module calling
+    # torch.autograd.grad in its forward): inside it, only recomputing holds.
+    outer = getattr(_local, "checkpointing", False)
+    _local.recomputing, _local.checkpointing = True, False
+    try:
+        yield
+    finally:
+        _local.recomputing, _local.checkpointing = previous, outer
+        for m, buffers in zip(norms, saved):
+            for b, copy in zip(m.buffers(recurse=False), buffers):
+                b.data.copy_(copy)
+
+
+class _OnACopy:
+    """Calls a stage on a copy of its inputs' tensors.
+
+    The checkpoint keeps the inputs to recompute from. A stage that begins
+    with an in-place op (``ReLU(inplace=True)``) would otherwise overwrite
+    them in its first forward, and again in the recomputation, which
+    autograd rejects (and which would recompute from the wrong values). The
+    copy costs one read and write of the stage input per run and lives only
+    until the first layer has consumed it; the copy's backward is the
+    identity.
+    """
+
+    __slots__ = ("stage",)
+
+    def __init__(self, stage: nn.Module) -> None:
+        self.stage = stage
+
+    def __call__(self, *args: Any) -> Any:
+        copied = pytree.tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, args)
+        return self.stage(*copied)
+
+
+def checkpointed(stage: nn.Module, *args: Any) -> Any:
+    """Runs ``stage(*args)`` keeping only ``args``; backward recomputes the rest.
+
+    The stage runs on a copy of its inputs (see :class:`_OnACopy`), under
+    :func:`is_checkpointing` the first time and :func:`is_recomputing` in
+    the recomputation, both under the caller's autocast state (which
+    ``torch.utils.checkpoint`` records and restores). The recomputation
+    draws the same random numbers: the RNG state of the CPU and of the
+    inputs' devices is restored for it.
+    """
+    items = pytree.tree_leaves(args)
+    on_cpu = not any(isinstance(t, Tensor) and t.device.type != "cpu" for t in items)
+
+    def contexts() -> tuple[Any, Any]:
+        # Inputs on the CPU alone: torch would also watch the default device
+        # type's RNG (CUDA's) and refuse a forward that initialises CUDA on
+        # the way, which torch.compile's first call does on a GPU machine,
+        # although a CPU stage draws nothing from it. The CPU generator is
+        # all that needs keeping; context_fn runs just before the forward.
+        if on_cpu:
+            return _checkpointing(), _recompute_on_cpu(stage, torch.get_rng_state())
+        return _checkpointing(), _recompute(stage)
+
+    return torch_checkpoint.checkpoint(
+        _OnACopy(stage),
+        *args,
+        use_reentrant=False,
+        preserve_rng_state=not on_cpu,
+        context_fn=contexts,
+    )
+
+
+@contextmanager
+def _recompute_on_cpu(stage: nn.Module, rng_state: Tensor) -> Iterator[None]:
+    """:func:`_recompute`, drawing from the CPU generator as the forward did."""
+    with torch.random.fork_rng(devices=[]):
+        torch.set_rng_state(rng_state)
+        with _recompute(stage):
+            yield

@@ -1,0 +1,37 @@
+"""Observability and the cost model: what a pipeline did, and what it would do.
+
+:mod:`.profiling` times every task of every stream (``mpstream.profile``) into
+a :mod:`.timeline` (summaries, Chrome traces, Gantt charts);
+:mod:`.cost_model` simulates a schedule on modelled streams and fits its
+costs to a profile; :mod:`.scaling` predicts more devices from per-layer
+costs; :mod:`.tuning` sweeps the split size; :mod:`.compare` sets the
+schedules side by side; :mod:`.figures` draws (it imports no other mpstream
+module, so every tool may call it without an import circle).
+
+A tool package: it builds on the core only through what the core packages
+export (``mpstream.pipe``, ``mpstream.runtime``, ...); the core never imports it.
+"""
+
+from __future__ import annotations
+
+from .cost_model import Costs, Simulation, fit, simulate
+from .profiling import Profile, profile
+from .scaling import Prediction, predict
+from .timeline import Span, Summary, Timeline
+from .tuning import TuneResult, tune
+
+__all__ = [
+    "profile",
+    "Profile",
+    "Timeline",
+    "Span",
+    "Summary",
+    "simulate",
+    "fit",
+    "Costs",
+    "Simulation",
+    "predict",
+    "Prediction",
+    "tune",
+    "TuneResult",
+]

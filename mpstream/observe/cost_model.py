@@ -1,0 +1,377 @@
+"""A cost model of pipelined execution: predicted step time and timeline.
+
+:func:`simulate` replays a schedule (the same task lists the C++ scheduler
+issues) on modelled streams. Each stream runs its tasks in issue order; a
+task starts when its streams are free and its dependencies have finished.
+
+- ``overlap=True`` models mpstream: a compute stream per stage, and each copy
+  on the copy streams of both its devices.
+- ``overlap=False`` models the tutorial's default-stream pipeline: one stream
+  per device, copies block both devices' streams, and within a clock cycle
+  later stages are issued first, as the tutorial's loop does.
+- ``share_compute=True`` (the default for interleaved 1F1B) models stages
+  that share a device as sharing its compute: their tasks run one at a time,
+  in issue order.
+
+Every schedule is modelled, explicit orders included. A split backward's
+input pass (B) and weight pass (W) cost what the stage costs give; from a
+(forward, backward) pair, half the backward each.
+
+Host issue time is modelled when given (``issue_times``): one host thread
+issues every task in issue order, taking the task's issue time; a task's
+device work cannot start before its issue begins nor end before its issue
+ends. On a fast GPU that thread, not the streams, can set the step time.
+:func:`fit` turns a measured timeline into costs (issue times included
+where the timeline has them); :func:`~mpstream.observe.scaling.predict` scales per-layer costs to
+``p`` devices.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..schedules import Kind, Order, Schedule, Task, Topology, virtual_stages_of
+from .timeline import Span, Timeline
+
+__all__ = ["Costs", "Simulation", "simulate", "fit"]
+
+Cost = float | tuple[float, float] | tuple[float, float, float]
+# Host issue time per task: one for every task, or per (kind, stage), the
+# kind as a timeline span names it ("forward", "backward", "copy", ...).
+IssueTimes = float | Mapping[tuple[str, int], float]
+
+
+@dataclass
+class Costs:
+    """Per micro-batch costs in milliseconds.
+
+    Attributes:
+        stage_times: per stage, (forward, backward); the backward is the
+            input-gradient pass where the profile split it.
+        copy_times: per boundary s -> s + 1, (forward copy, gradient copy).
+        hops: per copy of a stage graph, (producer, receiving stage) ->
+            (forward copy, gradient copy); skips included.
+        weight_times: per stage, the weight-gradient pass, where the profile
+            had split backwards (empty otherwise).
+        issue_times: host time to issue one task, per (kind, stage), where
+            the timeline measured it (empty otherwise).
+    """
+
+    stage_times: list[tuple[float, float]]
+    copy_times: list[tuple[float, float]]
+    hops: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)
+    weight_times: list[float] = field(default_factory=list)
+    issue_times: dict[tuple[str, int], float] = field(default_factory=dict)
+
+    def per_stage(self) -> list[Cost]:
+        """Stage costs for :func:`simulate`: (forward, backward), or
+        (forward, input_grad, weight_grad) when the profile split backwards."""
+        if not self.weight_times:
+            return list(self.stage_times)
+        return [(f, b, w) for (f, b), w in zip(self.stage_times, self.weight_times)]
+
+
+@dataclass
+class Simulation:
+    """A simulated step."""
+
+    step_ms: float
+    timeline: Timeline
+    schedule: str
+    overlap: bool
+    issue_ms: float = 0.0  # host time to issue the step (0: not modelled)
+
+    def summary(self, *, echo: bool = True) -> object:
+        return self.timeline.summary(echo=echo)
+
+    def plot(self, path: str, *, title: str | None = None) -> object:
+        return self.timeline.plot(path, title=title)
+
+
+def _pair(cost: Cost, what: str, *, both: bool = False) -> tuple[float, float]:
+    """A (forward, backward) pair. A single number is the forward alone, or
+    both directions with ``both`` (a gradient is as large as its activation);
+    a triple's backward is its input and weight passes together."""
+    if isinstance(cost, (int, float)):
+        pair = (float(cost), float(cost) if both else 0.0)
+    elif len(cost) == 3:
+        pair = (float(cost[0]), float(cost[1]) + float(cost[2]))
+    else:
+        pair = (float(cost[0]), float(cost[1]))
+    if min(pair) < 0 or (not isinstance(cost, (int, float)) and min(cost) < 0):
+        raise ValueError(f"{what} must not be negative, got {cost}")
+    return pair
+
+
+def _split(cost: Cost) -> tuple[float, float]:
+    """(input pass, weight pass) of a stage's split backward."""
+    if isinstance(cost, tuple) and len(cost) == 3:
+        return float(cost[1]), float(cost[2])
+    backward = _pair(cost, "stage time")[1]
+    return backward / 2, backward / 2
+
+
+def _tutorial_order(tasks: list[Task]) -> list[Task]:
+    # The tutorial's loop runs stage 1's compute of the previous micro-batch
+    # before stage 0's compute (and copy) of the next: later stages first
+    # within a clock cycle. A copy belongs to its producer's cycle.
+    forward = [t for t in tasks if t.kind in (Kind.FORWARD, Kind.COPY)]
+    rest = [t for t in tasks if t.kind not in (Kind.FORWARD, Kind.COPY)]
+
+    def key(t: Task) -> tuple[int, int, int]:
+        stage = max(t.stage, 0)
+        return (stage + t.micro, -stage, 1 if t.kind is Kind.COPY else 0)
+
+    return sorted(forward, key=key) + rest
+
+
+def simulate(
+    stage_times: Sequence[Cost],
+    copy_times: Cost | Sequence[Cost] | Mapping[tuple[int, int], Cost] = 0.0,
+    chunks: int = 1,
+    schedule: Order = "gpipe",
+    overlap: bool = True,
+    *,
+    backward: bool | None = None,
+    devices: Sequence[str] | None = None,
+    reads: Sequence[Sequence[int]] | None = None,
+    virtual_stages: int | None = None,
+    share_compute: bool | None = None,
+    issue_times: IssueTimes | None = None,
+) -> Simulation:
+    """Predicts a pipelined step.
+
+    Args:
+        stage_times: per stage, the forward time of one micro-batch, a
+            (forward, backward) pair, or a (forward, input_grad,
+            weight_grad) triple (the passes of a split backward; a schedule
+            that does not split adds them up).
+        copy_times: per boundary (or one for all), the copy time of one
+            micro-batch's activations (its gradient's copy takes as long), or
+            a (forward, gradient) pair. For a stage graph (``reads``): one
+            for all, one per producing stage, or a mapping from (producer,
+            receiving stage) to the time of that copy.
+        chunks: number of micro-batches.
+        schedule: ``'gpipe'``, ``'1f1b'``, ``'interleaved_1f1b'``,
+            ``'zb_h1'`` or an explicit order of actions (all but ``'gpipe'``
+            need backward times).
+        overlap: mpstream's streams (True) or the default streams (False).
+        backward: include backward tasks; default: whether any stage has a
+            backward time.
+        devices: device label of each stage; stages sharing a device share
+            its stream when ``overlap`` is False, and need no copy between
+            them. Default: one device per stage (for interleaved 1F1B, the
+            stages round-robin over ``stages / virtual_stages`` devices).
+        reads: the stage graph, per stage the stages it reads (-1: the
+            input); default a chain. A value goes to each device reading it
+            in one copy, as mpstream's schedules move it.
+        virtual_stages: stages per rank for interleaved 1F1B (default: from
+            the devices, placed round-robin).
+        share_compute: stages on one device compute one at a time, in issue
+            order (a busy device has nothing left for a second stage).
+            Default: True for interleaved 1F1B, False otherwise (each
+            stage's stream computes independently, as before).
+        issue_times: host time (ms) the one issuing thread spends on each
+            task: one number for every task, or per (kind, stage) as
+            :attr:`Costs.issue_times` holds them (missing: 0). None: issuing
+            is free, as on a device much slower than its host. One thread
+            is right for ``train_step`` and for any run on one GPU; a
+            backward that autograd runs (``pipe(x)`` then ``backward()``)
+            over several GPUs is issued by one autograd thread per device,
+            in parallel, which this overestimates.
+
+    Returns:
+        The predicted step time and its timeline.
+
+    Raises:
+        ValueError: inconsistent lengths, negative costs, or a schedule with
+            backward tasks without backward times.
+    """
+    issue = _issue_costs(issue_times)
+    stages = [_pair(c, f"stage {i} time") for i, c in enumerate(stage_times)]
+    n = len(stages)
+    if n < 1:
+        raise ValueError("simulate needs at least one stage time")
+    graph = tuple(tuple(r) for r in reads) if reads is not None else None
+    if graph is not None and len(graph) != n:
+        raise ValueError(f"reads needs {n} entries (one per stage), got {len(graph)}")
+    copy_cost = _copy_costs(copy_times, n, graph is None)
+    interleaved = schedule == "interleaved_1f1b"
+    if devices is None and interleaved:
+        ranks = n // (virtual_stages or 1) if virtual_stages and n % virtual_stages == 0 else n
+        devs = [f"device{s % ranks}" for s in range(n)]
+    else:
+        devs = list(devices) if devices is not None else [f"device{i}" for i in range(n)]
+    if len(devs) != n:
+        raise ValueError(f"devices needs {n} entries, got {len(devs)}")
+    with_backward = any(b > 0 for _, b in stages) if backward is None else backward
+    labels = list(dict.fromkeys(devs))
+    topology = Topology(
+        graph if graph is not None else tuple((s - 1,) for s in range(n)),
+        tuple(labels.index(d) for d in devs),
+        labels.index(devs[0]),
+    )
+    virtual = virtual_stages_of(devs, virtual_stages) if interleaved else 1
+    sched = Schedule(schedule, n, chunks, topology, backward=with_backward, virtual_stages=virtual)
+    if sched.backward and not with_backward:
+        raise ValueError(
+            f"{sched.name} schedules backwards: give (forward, backward) or (forward, "
+            f"input_grad, weight_grad) stage times"
+        )
+    tasks = _tutorial_order(sched.tasks) if not overlap else sched.tasks
+    shared = interleaved if share_compute is None else share_compute
+    splits = [_split(c) for c in stage_times]
+    compute = (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT)
+
+    def streams(t: Task) -> tuple[str, ...]:
+        """The streams a task occupies; the first is its timeline row."""
+        if t.kind in compute:
+            if not overlap:
+                return (devs[t.stage],)
+            row = f"stage{t.stage}.compute"
+            return (row, f"{devs[t.stage]}.compute") if shared else (row,)
+        src, dst = (t.stage, t.peer) if t.kind is Kind.COPY else (t.peer, t.stage)
+        if overlap:
+            return (f"stage{src}.copy", f"stage{dst}.copy")
+        return (devs[src], devs[dst])
+
+    def cost(t: Task) -> float:
+        if t.kind is Kind.FORWARD:
+            return stages[t.stage][0]
+        if t.kind is Kind.BACKWARD:
+            split = (t.stage, t.micro) in sched.split
+            return splits[t.stage][0] if split else stages[t.stage][1]
+        if t.kind is Kind.WEIGHT:
+            return splits[t.stage][1]
+        forward, gradient = copy_cost(t.stage, t.peer)
+        return float(forward if t.kind is Kind.COPY else gradient)
+
+    free: dict[str, float] = defaultdict(float)
+    end: dict[int, float] = {}
+    spans = []
+    host = 0.0  # when the issuing thread is free
+    for t in tasks:
+        on = streams(t)
+        issued = host
+        issuing = issue(t.kind.label, t.stage)
+        host += issuing
+        start = max([free[s] for s in on] + [end[d] for d in t.deps] + [issued])
+        end[t.index] = max(start + cost(t), host)
+        for s in on:
+            free[s] = end[t.index]
+        if t.kind in compute and overlap:
+            on = on[:1]
+        spans.append(
+            Span(
+                t.stage,
+                t.micro,
+                t.kind.label,
+                on[-1] if t.kind is Kind.COPY else on[0],
+                start,
+                end[t.index],
+                peer=t.peer if t.kind in (Kind.COPY, Kind.COPY_GRAD) else -1,
+                issue_ms=issuing,
+            )
+        )
+    if overlap:
+        rows = {f"stage{s}.{r}": devs[s] for s in range(n) for r in ("compute", "copy")}
+    else:
+        rows = {d: d for d in dict.fromkeys(devs)}
+    hop_pairs = sorted({(t.stage, t.peer) for t in sched.tasks if t.kind is Kind.COPY})
+    meta = {
+        "stage_times": stages,
+        "copy_times": [copy_cost(p, q) for p, q in hop_pairs],
+        "copies": [f"{p}->{q}" for p, q in hop_pairs],
+        "chunks": chunks,
+        "schedule": sched.name,
+        "overlap": overlap,
+        "virtual_stages": virtual,
+        "share_compute": shared,
+        "issue_ms": host,
+    }
+    timeline = Timeline(spans, rows, "simulated", meta)
+    step = max(end.values()) if end else 0.0
+    return Simulation(step, timeline, sched.name, overlap, host)
+
+
+def _issue_costs(issue_times: IssueTimes | None) -> Any:
+    """A function (kind, stage) -> host issue time."""
+    if issue_times is None:
+        return lambda kind, stage: 0.0
+    if isinstance(issue_times, (int, float)):
+        if issue_times < 0:
+            raise ValueError(f"issue_times must not be negative, got {issue_times}")
+        each = float(issue_times)
+        return lambda kind, stage: each
+    table = {key: float(v) for key, v in issue_times.items()}
+    if any(v < 0 for v in table.values()):
+        raise ValueError(f"issue_times must not be negative, got {issue_times}")
+    return lambda kind, stage: table.get((kind, stage), 0.0)
+
+
+def _copy_costs(
+    copy_times: Cost | Sequence[Cost] | Mapping[tuple[int, int], Cost], n: int, chain: bool
+) -> Any:
+    """A function (producer, receiving stage) -> (forward, gradient) copy time."""
+    if isinstance(copy_times, (int, float, tuple)):
+        both = _pair(copy_times, "copy time", both=True)
+        return lambda p, q: both
+    if isinstance(copy_times, Mapping):
+        hops = {k: _pair(c, f"copy time {k}", both=True) for k, c in copy_times.items()}
+        return lambda p, q: hops.get((p, q), (0.0, 0.0))
+    per = [_pair(c, f"copy time {i}", both=True) for i, c in enumerate(copy_times)]
+    if len(per) != n - 1:
+        what = "one per boundary" if chain else "one per producing stage but the last"
+        raise ValueError(f"copy_times needs {n - 1} entries ({what}), got {len(per)}")
+    return lambda p, q: per[p] if 0 <= p < len(per) else (0.0, 0.0)
+
+
+def fit(timeline: Timeline) -> Costs:
+    """Median per-micro-batch costs of each stage and boundary in a measured timeline.
+
+    From a run with split backwards (``'zb_h1'``) the costs hold both passes:
+    ``costs.per_stage()`` gives (forward, input_grad, weight_grad) triples.
+    Where the spans carry the host's issue time (``Span.issue_ms``, measured
+    by the scheduler's timing), ``costs.issue_times`` holds its median per
+    (kind, stage), for :func:`simulate`'s ``issue_times``.
+
+    Raises:
+        ValueError: the timeline has no compute spans.
+    """
+    groups: dict[tuple[str, int], list[float]] = defaultdict(list)
+    hops: dict[tuple[str, int, int], list[float]] = defaultdict(list)
+    issue: dict[tuple[str, int], list[float]] = defaultdict(list)
+    for s in timeline.spans:
+        groups[(s.kind, s.stage)].append(s.duration_ms)
+        issue[(s.kind, s.stage)].append(s.issue_ms)
+        if s.kind in ("copy", "copy_grad") and s.stage >= 0:
+            hops[(s.kind, s.stage, s.stages[0] if s.kind == "copy_grad" else s.stages[-1])].append(
+                s.duration_ms
+            )
+    stages = timeline.stages
+    if not any(k in ("forward", "backward") for k, _ in groups):
+        raise ValueError("the timeline has no compute spans to fit")
+
+    def median(kind: str, stage: int) -> float:
+        values = groups.get((kind, stage))
+        return statistics.median(values) if values else 0.0
+
+    def hop(kind: str, p: int, q: int) -> float:
+        values = hops.get((kind, p, q))
+        return statistics.median(values) if values else 0.0
+
+    pairs = {(p, q) for _, p, q in hops}
+    weighted = any(k == "weight" for k, _ in groups)
+    # Timelines from before issue times were measured hold zeros: no issue times.
+    measured = any(v > 0 for values in issue.values() for v in values)
+    return Costs(
+        [(median("forward", s), median("backward", s)) for s in range(stages)],
+        [(median("copy", s), median("copy_grad", s)) for s in range(stages - 1)],
+        {(p, q): (hop("copy", p, q), hop("copy_grad", p, q)) for p, q in sorted(pairs)},
+        [median("weight", s) for s in range(stages)] if weighted else [],
+        {k: statistics.median(v) for k, v in issue.items()} if measured else {},
+    )

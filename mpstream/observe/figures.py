@@ -1,0 +1,199 @@
+"""The tutorial's figures, with mpstream added (matplotlib, no display needed).
+
+This module draws; it imports no other mpstream module. What it draws from
+is described by protocols (:class:`BenchResults`), which ``mpstream bench``'s
+results satisfy, so the tools that call it (bench, timeline, tuning) do not
+form an import circle through it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "bar_chart",
+    "split_curves",
+    "tutorial_figures",
+    "pyplot",
+    "save",
+    "Timed",
+    "Sizes",
+    "BenchResults",
+    "MODEL_NAMES",
+]
+
+# How the figures name each architecture of bench.Config.arch.
+MODEL_NAMES = {"resnet50": "ResNet50", "resnet101": "ResNet-101"}
+
+
+class Timed(Protocol):
+    """One measured configuration: a model at a split size."""
+
+    @property
+    def model(self) -> str: ...
+
+    @property
+    def split_size(self) -> int | None: ...
+
+    @property
+    def mean(self) -> float: ...
+
+    @property
+    def std(self) -> float: ...
+
+
+class Sizes(Protocol):
+    """The experiment's sizes, for the figures' titles."""
+
+    @property
+    def num_batches(self) -> int: ...
+
+    @property
+    def batch_size(self) -> int: ...
+
+    @property
+    def image_w(self) -> int: ...
+
+    @property
+    def image_h(self) -> int: ...
+
+    @property
+    def arch(self) -> str: ...
+
+
+class BenchResults(Protocol):
+    """What :func:`tutorial_figures` reads (``mpstream.tutorial.bench.Results`` has it)."""
+
+    @property
+    def config(self) -> Sizes: ...
+
+    @property
+    def devices(self) -> tuple[torch.device, torch.device]: ...
+
+    @property
+    def models(self) -> Sequence[Timed]: ...
+
+    @property
+    def sweep(self) -> Sequence[Timed]: ...
+
+    def get(self, model: str, split_size: int | None = None) -> Timed: ...
+
+
+def pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save(fig: Any, ax: Any, path: Path, title: str = "", **title_kw: Any) -> Path:
+    """Titles, lays out, writes and closes a figure."""
+    if title:
+        ax.set_title(title, fontsize=9, **title_kw)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    pyplot().close(fig)
+    return path
+
+
+def bar_chart(
+    means: Sequence[float],
+    stds: Sequence[float],
+    labels: Sequence[str],
+    path: Path,
+    title: str = "",
+    model: str = "ResNet50",
+) -> Path:
+    """The tutorial's bar chart: mean execution time with std error bars."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(means), 4.2))
+    x = range(len(means))
+    ax.bar(x, means, yerr=stds, align="center", alpha=0.5, ecolor="red", capsize=10, width=0.6)
+    ax.set_ylabel(f"{model} execution time (s)")
+    ax.set_xticks(list(x))
+    ax.set_xticklabels(labels, fontsize=9)
+    ax.yaxis.grid(True)
+    return save(fig, ax, path, title)
+
+
+def split_curves(
+    curves: Mapping[str, tuple[Sequence[int], Sequence[float], Sequence[float]]],
+    path: Path,
+    title: str = "",
+    model: str = "ResNet50",
+) -> Path:
+    """Execution time against split size, one curve with error bars per pipeline."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    ticks: set[int] = set()
+    for (label, (sizes, means, stds)), marker in zip(curves.items(), "os^v"):
+        ax.errorbar(sizes, means, yerr=stds, marker=marker, capsize=4, label=label)
+        ticks.update(sizes)
+    ax.set_ylabel(f"{model} execution time (s)")
+    ax.set_xlabel("Pipeline split size")
+    ax.set_xticks(sorted(ticks))
+    ax.yaxis.grid(True)
+    ax.legend()
+    return save(fig, ax, path, title)
+
+
+def tutorial_figures(results: BenchResults, out: Path) -> list[Path]:
+    """``mp_vs_rn.png``, ``mp_vs_rn_vs_pp.png`` and ``split_size_tradeoff.png``."""
+    dev0, dev1 = results.devices
+    single = "Single GPU" if dev0.type == "cuda" else "Single device"
+    c = results.config
+    where = f"{dev0} | {dev1}" if dev0 != dev1 else f"both halves on {dev0}"
+    title = f"{where}; {c.num_batches} x {c.batch_size} images of {c.image_w}x{c.image_h}"
+    model = MODEL_NAMES.get(c.arch, c.arch)
+    mp, rn = results.get("model parallel"), results.get("single device")
+    pp, ms = results.get("tutorial pipeline"), results.get("mpstream")
+    bars = [
+        (mp, "Model Parallel"),
+        (rn, single),
+        (pp, f"Pipelining\n(tutorial, {pp.split_size})"),
+        (ms, f"mpstream\n(streams, {ms.split_size})"),
+    ]
+    graphed = [m for m in results.models if m.model == "mpstream, CUDA graph"]
+    bars += [(m, f"mpstream\n(CUDA graph, {m.split_size})") for m in graphed]
+    paths = [
+        bar_chart(
+            [mp.mean, rn.mean],
+            [mp.std, rn.std],
+            ["Model Parallel", single],
+            out / "mp_vs_rn.png",
+            title,
+            model,
+        ),
+        bar_chart(
+            [m.mean for m, _ in bars],
+            [m.std for m, _ in bars],
+            [label for _, label in bars],
+            out / "mp_vs_rn_vs_pp.png",
+            title,
+            model,
+        ),
+    ]
+    if results.sweep:
+        labels = {
+            "tutorial pipeline": "tutorial (default stream)",
+            "mpstream": "mpstream (streams + events)",
+            "mpstream, CUDA graph": "mpstream + CUDA graph",
+        }
+        curves = {}
+        for name in dict.fromkeys(m.model for m in results.sweep):
+            ms_ = [m for m in results.sweep if m.model == name]
+            curves[labels.get(name, name)] = (
+                [int(m.split_size or 0) for m in ms_],
+                [m.mean for m in ms_],
+                [m.std for m in ms_],
+            )
+        paths.append(split_curves(curves, out / "split_size_tradeoff.png", title, model))
+    return paths

@@ -1,0 +1,106 @@
+"""``mpstream.profile``: record what every stream of a pipeline did.
+
+Inside ``with mpstream.profile(model) as prof:`` every task of every
+:class:`~mpstream.Pipe` in ``model`` is timed: with CUDA events on their
+streams on a GPU, with the host clock on the CPU. Scheduled tasks (forward,
+copies, and in ``train_step`` backward and gradient copies) are timed by the
+C++ scheduler; a backward that autograd runs after ``pipe(x)`` is timed by
+marks on the stage's stream. Afterwards ``prof`` is a
+:class:`~mpstream.observe.timeline.Timeline`. Stage and copy work also shows up in
+``torch.profiler`` as ``record_function`` ranges named
+``mpstream/<kind>/stage<s>/mb<m>``.
+
+Device times are measured against one reference event per device, recorded
+on the caller's streams when the block starts. The devices are synchronized
+first, so each reference marks the same moment on every device to within
+the launch skew of the records (microseconds); a copy's start and end are
+read on its two devices. Host-clock times (CPU stages) share the block's
+start as their zero.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..pipe import Pipe
+from ..runtime import synchronize
+from .timeline import Span, Timeline
+
+__all__ = ["profile", "Profile", "pipes_in"]
+
+
+def pipes_in(model: nn.Module) -> list[Pipe]:
+    """Every Pipe inside ``model``, registered or held as a plain attribute."""
+    found: dict[int, Pipe] = {}
+    for m in model.modules():
+        for candidate in (m, *vars(m).values()):
+            if isinstance(candidate, Pipe):
+                found.setdefault(id(candidate), candidate)
+    return list(found.values())
+
+
+class Profile(Timeline):
+    """The timeline of a ``with mpstream.profile(...)`` block, filled at exit."""
+
+    def __init__(self, pipes: list[Pipe]) -> None:
+        super().__init__([], {}, "measured", {"torch": torch.__version__})
+        self._pipes = pipes
+        self.recording = True
+
+    def _collect(self) -> None:
+        many = len(self._pipes) > 1
+        for i, pipe in enumerate(self._pipes):
+            sched = pipe.scheduler
+            prefix = f"pipe{i}/" if many else ""
+            times = sched.timings()
+            used = {t.stream for t in times}
+            for name, device in zip(sched.slot_names, sched.slot_devices):
+                # io streams only carry host transfers: a row only if used.
+                if not name.startswith("caller@") and (not name.startswith("io@") or name in used):
+                    self.stream_devices[prefix + name] = str(device)
+            for t in times:
+                self.spans.append(Span(*t._replace(stream=prefix + t.stream)))
+        self.meta["devices"] = sorted({str(d) for p in self._pipes for d in p.devices})
+        self.recording = False
+
+
+@contextmanager
+def profile(model: nn.Module) -> Iterator[Profile]:
+    """Times every task of the pipelines in ``model`` while the block runs.
+
+    Args:
+        model: a :class:`~mpstream.Pipe`, or any module holding pipes (the
+            tutorial's ``StreamPipelineResNet50``, a DDP wrapper).
+
+    Yields:
+        A :class:`Profile`, readable after the block: ``summary()``,
+        ``export_chrome_trace(path)``, ``plot(path)``.
+
+    Raises:
+        ValueError: ``model`` contains no Pipe.
+    """
+    pipes = pipes_in(model)
+    if not pipes:
+        raise ValueError(f"{type(model).__name__} contains no mpstream.Pipe to profile")
+    previous: list[Any] = []
+    # Idle streams when the references are recorded: see the module docstring.
+    synchronize(d for pipe in pipes for d in pipe.devices)
+    for pipe in pipes:
+        sched = pipe.scheduler
+        previous.append(sched.timing)
+        sched.clear_timings()
+        sched.timing = True
+    prof = Profile(pipes)
+    try:
+        yield prof
+    finally:
+        for pipe, was in zip(pipes, previous):
+            pipe.scheduler.timing = was
+        prof._collect()
+        for pipe in pipes:
+            pipe.scheduler.clear_timings()

@@ -1,0 +1,118 @@
+"""Predictions for more devices: per-layer costs split into stages and simulated.
+
+:func:`predict` takes each layer's cost for one micro-batch (and, where
+known, the host's time to issue it), picks the balance that minimises the
+slowest stage unless one is given, and simulates the step on ``stages``
+devices with :func:`~mpstream.observe.cost_model.simulate`, against one device
+running every layer. Nothing here is measured: label its figures as
+predictions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..stages import partition, stage_costs
+from .cost_model import Cost, Simulation, _pair, simulate
+
+__all__ = ["Prediction", "predict"]
+
+
+@dataclass
+class Prediction:
+    """A pipeline on ``stages`` devices, predicted from per-layer costs."""
+
+    stages: int
+    balance: list[int]
+    step_ms: float
+    single_device_ms: float
+    simulation: Simulation
+
+    @property
+    def speedup(self) -> float:
+        return self.single_device_ms / self.step_ms
+
+
+def predict(
+    layer_times: Sequence[Cost],
+    stages: int,
+    chunks: int,
+    *,
+    copy_times: Cost | Sequence[Cost] = 0.0,
+    balance: Sequence[int] | None = None,
+    schedule: str = "gpipe",
+    overlap: bool = True,
+    issue_times: Sequence[Cost] | None = None,
+) -> Prediction:
+    """Predicts the step time of ``stages`` devices from per-layer costs.
+
+    Args:
+        layer_times: per layer, the cost of one micro-batch (forward or
+            (forward, backward)), e.g. from :func:`mpstream.stages.balance.profile_layers`.
+        stages: number of devices, one stage each.
+        chunks: micro-batches per step.
+        copy_times: per boundary (or one for all).
+        balance: layers per stage; default the split that minimises the
+            slowest stage.
+        schedule: ``'gpipe'`` or ``'1f1b'``.
+        overlap: mpstream's streams or the default streams.
+        issue_times: per layer, the host's time to issue it for one
+            micro-batch (forward or (forward, backward)); a stage's tasks
+            take the sum over its layers, and one host thread issues every
+            task. None: issuing is free.
+
+    Returns:
+        The prediction, with the single-device time for the speed-up: every
+        layer on one device, no copies, ``chunks`` micro-batches' work (the
+        device time is taken as linear in the batch); with ``issue_times``,
+        as one whole batch whose kernels are issued once, as the tutorial's
+        single device runs it.
+
+    Raises:
+        ValueError: a negative cost, a ``balance`` that does not fit the
+            layers, or ``issue_times`` of another length than ``layer_times``.
+    """
+    pairs = [_pair(c, f"layer {i} time") for i, c in enumerate(layer_times)]
+    totals = [f + b for f, b in pairs]
+    chosen = list(balance) if balance is not None else partition(totals, stages)
+    forward = stage_costs([f for f, _ in pairs], chosen)
+    backward = stage_costs([b for _, b in pairs], chosen)
+    with_backward = any(b > 0 for b in backward)
+    issue: dict[tuple[str, int], float] | None = None
+    single_issue: dict[tuple[str, int], float] | None = None
+    if issue_times is not None:
+        if len(issue_times) != len(pairs):
+            raise ValueError(
+                f"issue_times needs {len(pairs)} entries (one per layer), got {len(issue_times)}"
+            )
+        host = [_pair(c, f"layer {i} issue time") for i, c in enumerate(issue_times)]
+        per_stage = zip(
+            stage_costs([f for f, _ in host], chosen), stage_costs([b for _, b in host], chosen)
+        )
+        issue = {}
+        for s, (f, b) in enumerate(per_stage):
+            issue[("forward", s)], issue[("backward", s)] = f, b
+        single_issue = {
+            ("forward", 0): sum(f for f, _ in host),
+            ("backward", 0): sum(b for _, b in host),
+        }
+    sim = simulate(
+        list(zip(forward, backward)),
+        copy_times,
+        chunks,
+        schedule,
+        overlap,
+        backward=with_backward,
+        issue_times=issue,
+    )
+    if single_issue is None:
+        single = chunks * sum(totals)
+    else:
+        # The whole batch in one pass: the work of every micro-batch, but each
+        # kernel issued once (issue time does not grow with the batch).
+        whole = (chunks * sum(forward), chunks * sum(backward))
+        single = simulate(
+            [whole], 0.0, 1, "gpipe", overlap, backward=with_backward, issue_times=single_issue
+        ).step_ms
+    return Prediction(stages, chosen, sim.step_ms, single, sim)

@@ -1,0 +1,330 @@
+"""Split-size (and balance) autotuning, with a JSON cache.
+
+The tutorial's closing advice is to "first generate the curve to figure out
+the best split size". :func:`tune` generates it: it times a training (or
+forward) step at increasing split sizes, stops once times have risen for a
+while, returns the best configuration with the whole curve, and remembers the
+result in a plain JSON file keyed by model, devices, batch shape and torch
+version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..pipe import Pipe
+from ..runtime import Value, as_value, synchronize
+
+__all__ = ["TunePoint", "TuneResult", "tune", "default_cache", "candidate_split_sizes"]
+
+Factory = Callable[..., nn.Module]
+_CANDIDATES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256)
+
+
+@dataclass
+class TunePoint:
+    """One configuration and its measured step times (seconds)."""
+
+    split_size: int
+    balance: list[int] | None
+    times: list[float] = field(default_factory=list)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "split_size": self.split_size,
+            "balance": self.balance,
+            "times_s": self.times,
+            "median_s": self.median,
+        }
+
+
+@dataclass
+class TuneResult:
+    """The best configuration and the curve it was picked from."""
+
+    best: TunePoint
+    curve: list[TunePoint]
+    stopped_early: bool
+    cached: bool
+    key: dict[str, Any]
+
+    @property
+    def split_size(self) -> int:
+        return self.best.split_size
+
+    @property
+    def balance(self) -> list[int] | None:
+        return self.best.balance
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "key": self.key,
+            "best": self.best.to_json(),
+            "curve": [p.to_json() for p in self.curve],
+            "stopped_early": self.stopped_early,
+        }
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any], key: dict[str, Any]) -> TuneResult:
+        def point(d: dict[str, Any]) -> TunePoint:
+            return TunePoint(int(d["split_size"]), d["balance"], [float(t) for t in d["times_s"]])
+
+        return cls(
+            point(doc["best"]),
+            [point(d) for d in doc["curve"]],
+            bool(doc["stopped_early"]),
+            True,
+            key,
+        )
+
+    def plot(self, path: str | Path, *, title: str = "") -> Path:
+        """The split-size tradeoff: median step time per split size, a curve per balance."""
+        from .figures import split_curves
+
+        curves: dict[str, tuple[list[int], list[float], list[float]]] = {}
+        for p in self.curve:
+            label = "split sizes" if p.balance is None else f"balance {p.balance}"
+            sizes, medians, spreads = curves.setdefault(label, ([], [], []))
+            sizes.append(p.split_size)
+            medians.append(p.median)
+            spreads.append(statistics.pstdev(p.times) if len(p.times) > 1 else 0.0)
+        heading = title or f"best: split size {self.split_size}" + (
+            f", balance {self.balance}" if self.balance else ""
+        )
+        return split_curves(curves, Path(path), heading)
+
+
+def default_cache() -> Path:
+    """``$XDG_CACHE_HOME/mpstream/tune.json`` (``~/.cache`` by default)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "mpstream" / "tune.json"
+
+
+def candidate_split_sizes(batch: int) -> list[int]:
+    """Split sizes worth trying for a batch: a geometric-ish ladder up to it."""
+    return sorted({s for s in _CANDIDATES if s <= batch} | {batch})
+
+
+def _devices(model: nn.Module) -> list[torch.device]:
+    if isinstance(model, Pipe):
+        return model.devices
+    return sorted({p.device for p in model.parameters()}, key=str) or [torch.device("cpu")]
+
+
+def _model_key(model: nn.Module) -> dict[str, Any]:
+    arch = hashlib.sha1(repr(model).encode()).hexdigest()[:16]
+    return {
+        "model": f"{type(model).__module__}.{type(model).__qualname__}",
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "architecture": arch,
+    }
+
+
+def _shape(value: Value) -> list[list[Any]]:
+    tensors = (value,) if isinstance(value, Tensor) else value
+    return [[list(t.shape), str(t.dtype), str(t.device)] for t in tensors]
+
+
+def _load(path: Path) -> dict[str, Any]:
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        warnings.warn(f"ignoring unreadable tuning cache {path}: {exc}", stacklevel=3)
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def _store(path: Path, entries: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tune-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(entries, f, indent=1)
+    os.replace(tmp, path)
+
+
+class _Target:
+    """What is timed at each configuration: a model built or reconfigured for it."""
+
+    def __init__(self, target: nn.Module | Factory, tune_balance: bool) -> None:
+        self.target = target
+        self.tune_balance = tune_balance
+        if isinstance(target, nn.Module):
+            if tune_balance:
+                raise ValueError(
+                    "to tune the balance, pass a factory(split_size, balance) that builds the model"
+                )
+            if not hasattr(target, "split_size"):
+                raise TypeError(
+                    f"{type(target).__name__} has no split_size to tune; pass a Pipe, a model "
+                    f"with a settable split_size, or a factory(split_size) that builds one"
+                )
+        elif not callable(target):
+            raise TypeError(f"tune needs a module or a factory, got {type(target).__name__}")
+
+    def build(self, split_size: int, balance: list[int] | None) -> nn.Module:
+        if isinstance(self.target, nn.Module):
+            self.target.split_size = split_size  # type: ignore[assignment]
+            return self.target
+        model = self.target(split_size, balance) if self.tune_balance else self.target(split_size)
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"the factory returned {type(model).__name__}, not an nn.Module")
+        return model
+
+
+def _time_step(
+    model: nn.Module,
+    sample: Value,
+    loss_fn: Callable[[Any], Tensor] | None,
+    repeat: int,
+    warmup: int,
+) -> list[float]:
+    devices = _devices(model)
+    times = []
+    for i in range(warmup + repeat):
+        synchronize(devices)
+        start = time.perf_counter()
+        if loss_fn is None:
+            with torch.no_grad():
+                model(sample)
+        else:
+            torch.autograd.backward(loss_fn(model(sample)))
+        synchronize(devices)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+        if loss_fn is not None:
+            model.zero_grad(set_to_none=True)
+    return times
+
+
+def tune(
+    pipe_or_factory: nn.Module | Factory,
+    sample: Value,
+    loss_fn: Callable[[Any], Tensor] | None = None,
+    split_sizes: Sequence[int] | None = None,
+    *,
+    balances: Sequence[Sequence[int]] | None = None,
+    repeat: int = 3,
+    warmup: int = 1,
+    patience: int = 2,
+    tolerance: float = 0.05,
+    cache: str | Path | None = "default",
+    refresh: bool = False,
+    progress: bool = True,
+    plot: str | Path | None = None,
+) -> TuneResult:
+    """Finds the fastest split size (and optionally balance) by measurement.
+
+    Args:
+        pipe_or_factory: a :class:`~mpstream.Pipe` or any model with a
+            settable ``split_size`` (its split size is changed in place), or a
+            factory ``f(split_size)`` (``f(split_size, balance)`` with
+            ``balances``) returning a model.
+        sample: a full batch, as the model takes it.
+        loss_fn: ``loss_fn(output) -> scalar``; each step is forward +
+            backward of it. None times the forward alone, without grad.
+        split_sizes: candidates, tried in increasing order; default a
+            ladder up to the batch size.
+        balances: stage balances to try (needs a factory).
+        repeat: timed steps per configuration (the median is used).
+        warmup: untimed steps before them.
+        patience: stop a sweep after this many consecutive sizes slower than
+            the best by more than ``tolerance``.
+        tolerance: relative slack before a size counts as slower.
+        cache: JSON file of earlier results; ``'default'`` is
+            :func:`default_cache`, None disables caching.
+        refresh: measure again even if the cache has this configuration.
+        progress: show a progress bar.
+        plot: also save the tradeoff curve here (PNG).
+
+    Returns:
+        The best configuration, the curve, and whether it came from cache.
+
+    Raises:
+        ValueError: bad split sizes, repeat, patience or tolerance.
+        TypeError: a model without ``split_size``, or a factory that does not
+            return a module.
+    """
+    value = as_value(sample, "sample")
+    batch = (value if isinstance(value, Tensor) else value[0]).size(0)
+    sizes = sorted(set(split_sizes)) if split_sizes is not None else candidate_split_sizes(batch)
+    if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
+        raise ValueError(f"split_sizes must be positive ints, got {split_sizes!r}")
+    if repeat < 1 or warmup < 0 or patience < 1 or tolerance < 0:
+        raise ValueError("repeat and patience must be >= 1, warmup and tolerance >= 0")
+    configs: list[list[int] | None] = [list(b) for b in balances] if balances else [None]
+    target = _Target(pipe_or_factory, balances is not None)
+
+    first = target.build(sizes[0], configs[0])
+    key = {
+        **_model_key(first),
+        "devices": [str(d) for d in _devices(first)],
+        "batch": _shape(value),
+        "torch": torch.__version__,
+        "mode": "forward" if loss_fn is None else "train",
+        "split_sizes": sizes,
+        "balances": configs,
+    }
+    key_text = json.dumps(key, sort_keys=True)
+    path = default_cache() if cache == "default" else (Path(cache) if cache is not None else None)
+    entries = _load(path) if path is not None else {}
+    if path is not None and not refresh and key_text in entries:
+        result = TuneResult.from_json(entries[key_text], key)
+        if isinstance(pipe_or_factory, nn.Module):
+            # Building the key set the first candidate: leave the best one.
+            pipe_or_factory.split_size = result.split_size  # type: ignore[assignment]
+        if plot is not None:
+            result.plot(plot)
+        return result
+
+    from tqdm import tqdm
+
+    curve: list[TunePoint] = []
+    stopped = False
+    with tqdm(
+        total=len(sizes) * len(configs), desc="tuning", unit="config", disable=not progress
+    ) as bar:
+        for balance in configs:
+            best = float("inf")
+            worse = 0
+            for i, size in enumerate(sizes):
+                model = first if (i == 0 and balance == configs[0]) else target.build(size, balance)
+                point = TunePoint(size, balance, _time_step(model, value, loss_fn, repeat, warmup))
+                curve.append(point)
+                bar.set_postfix(split=size, median=f"{point.median:.4f}s")
+                bar.update(1)
+                if point.median < best:
+                    best, worse = point.median, 0
+                elif point.median > best * (1 + tolerance):
+                    worse += 1
+                    if worse >= patience:
+                        stopped = True
+                        bar.update(len(sizes) - i - 1)
+                        break
+    result = TuneResult(min(curve, key=lambda p: p.median), curve, stopped, False, key)
+    if isinstance(pipe_or_factory, nn.Module):
+        pipe_or_factory.split_size = result.split_size  # type: ignore[assignment]
+    if path is not None:
+        entries[key_text] = result.to_json()
+        _store(path, entries)
+    if plot is not None:
+        result.plot(plot)
+    return result

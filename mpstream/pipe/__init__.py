@@ -1,0 +1,18 @@
+"""``mpstream.Pipe``: the ``nn.Module`` a user wraps a model in.
+
+:mod:`.pipe` holds :class:`Pipe` (a call and a training step, end to end),
+:mod:`.module` its ``nn.Module`` side (adopted layers, ``state_dict``,
+placement), :mod:`.inputs` how a call's arguments become micro-batches,
+:mod:`.snapshot` what a failed step puts back, :mod:`.compiling`
+``torch.compile`` of stages.
+
+May import every core package below it (:mod:`mpstream.stages`,
+:mod:`mpstream.runtime`, :mod:`mpstream.memory`, :mod:`mpstream.schedules`);
+never a tool.
+"""
+
+from __future__ import annotations
+
+from .pipe import Pipe
+
+__all__ = ["Pipe"]

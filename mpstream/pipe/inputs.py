@@ -1,0 +1,79 @@
+"""A pipeline call's inputs: positional, detached, sized, staged for transfer.
+
+``Pipe.forward`` and ``Pipe.train_step`` turn the call's arguments into the
+pipeline's positional inputs (a traced module binds them to its signature),
+split them into micro-batches (:mod:`~mpstream.runtime.microbatch`) and, when they
+sit in pageable host memory bound for a GPU, give each micro-batch a slice
+of one pinned buffer per tensor (:mod:`~mpstream.runtime.transfer`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils import _pytree as pytree
+
+from ..runtime.microbatch import leaves, split
+from ..runtime.transfer import host_staging
+from ..stages.build import Bind
+
+__all__ = ["positional", "staging", "detached", "batch_size"]
+
+def positional(
+    bind: Bind | None, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Any, ...]:
+    """The pipeline's positional inputs for a call.
+
+    A traced module binds the call to its ``forward``'s signature; a
+    Sequential takes positional inputs only (a list is the batch as a tuple
+    of tensors, torchgpipe's style).
+
+    Raises:
+        TypeError: keyword arguments to a Sequential pipe, or no input.
+    """
+    if bind is not None:
+        return bind(args, kwargs)
+    if kwargs:
+        names = ", ".join(sorted(kwargs))
+        raise TypeError(
+            f"a Pipe over an nn.Sequential takes positional inputs only; got keyword "
+            f"argument(s) {names}"
+        )
+    if not args:
+        raise TypeError("Pipe needs at least one input")
+    return tuple(tuple(a) if isinstance(a, list) else a for a in args)
+
+
+def staging(
+    value: Any, device: torch.device, chunks: int | None, split_size: int | None
+) -> list[tuple[Tensor | None, ...] | None] | None:
+    """Per micro-batch, pinned buffers for ``value``'s pageable tensors
+    (aligned with its leaves), split as the batch is; None if none needed."""
+    buffers = host_staging(value, device)
+    if buffers is None:
+        return None
+    parts = [None if b is None else split(b, chunks, split_size) for b in buffers]
+    micros = max(len(p) for p in parts if p is not None)
+    out: list[tuple[Tensor | None, ...] | None] = [
+        tuple(None if p is None else p[i] for p in parts) for i in range(micros)
+    ]
+    return out
+
+
+def detached(value: Any) -> Any:
+    """``value`` with every tensor detached."""
+    return pytree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, value)
+
+
+def batch_size(value: Any) -> int:
+    """The size along dim 0 of the first tensor of a micro-batch.
+
+    Raises:
+        TypeError: it holds no tensor.
+    """
+    for leaf in leaves(value)[0]:
+        if isinstance(leaf, Tensor):
+            return int(leaf.size(0))
+    raise TypeError("the batch holds no tensor")

@@ -1,0 +1,475 @@
+"""``mpstream.Pipe``: a module pipelined over devices and streams."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..memory.batchnorm import DeferredBatchNorm, deferred_norms, deferred_update
+from ..memory.checkpoint import check_mode, checkpoint_stop
+from ..runtime.errors import stage_labels
+from ..runtime.graph import StageGraph
+from ..runtime.microbatch import Value, batch_device, gather, scatter
+from ..runtime.scheduler import EventScheduler
+from ..runtime.stream import capturing
+from ..runtime.training import run as run_step
+from ..runtime.worker import Staging, Worker
+from ..schedules.schedule import (
+    Order,
+    Schedule,
+    Topology,
+    check_schedule,
+    schedule_arg,
+    virtual_stages_of,
+)
+from ..stages.build import build
+from ..stages.sequential import DeviceLike, check_positive
+from .compiling import CompileOption, compile_options, compile_stages
+from .inputs import batch_size, detached, positional, staging
+from .module import PipeModule
+from .snapshot import Snapshot
+
+REDUCTIONS = ("mean", "sum")
+
+__all__ = ["Pipe"]
+
+
+class Pipe(PipeModule):
+    """Pipeline-parallel wrapper running each stage on its own CUDA stream.
+
+    The batch is split into micro-batches along dim 0. Stage ``s`` computes
+    every micro-batch on a dedicated compute stream; its output moves to the
+    next stage's device on dedicated copy streams; CUDA events from mpstream's
+    C++ scheduler order all of it, so the copy of one micro-batch overlaps the
+    compute of the next. Backward runs through autograd on the same streams.
+    On CPU the streams are placeholders and the results are the same.
+
+    Args:
+        module: an ``nn.Sequential``, or with ``split_points`` any module
+            ``torch.fx`` can trace. A Sequential without
+            ``balance``/``devices`` has one stage per child, already placed.
+        chunks: number of micro-batches (like ``torch.chunk``).
+        split_size: micro-batch size (like ``torch.split``); give at most one
+            of ``chunks`` and ``split_size``; neither means one micro-batch.
+        balance: layers per stage; the module's children are partitioned
+            and each partition moved to its entry of ``devices``. ``'time'``
+            or ``'size'`` profiles the layers on ``sample`` and picks the
+            split that minimises the slowest (or largest) stage; for a
+            module that is not a Sequential it picks the split points among
+            the calls of its children and of their ModuleList/Sequential
+            items.
+        devices: one device per stage (several stages may share a device).
+        checkpoint: ``'never'`` (default), ``'except_last'`` or ``'always'``:
+            which micro-batches keep only their stage inputs and recompute the
+            rest during backward (on the stage's stream; never in eval mode).
+        deferred_batch_norm: replace BatchNorm layers by
+            :class:`~mpstream.memory.batchnorm.DeferredBatchNorm`, whose running
+            statistics are updated once per mini-batch as the single-device
+            model would.
+        schedule: order of :meth:`train_step`: ``'gpipe'`` (fill-drain),
+            ``'1f1b'`` (at most ``stages - s`` micro-batches in flight on
+            stage ``s``), ``'interleaved_1f1b'`` (Megatron-LM's, several
+            stages per pipeline rank, see ``virtual_stages``), ``'zb_h1'``
+            (zero-bubble H1: each backward split into input and weight
+            passes, weight passes filling the bubbles), or an explicit order
+            of actions (``['F0m0', 'F1m0', 'B1m0', 'B0m0']``, see
+            :mod:`mpstream.schedules.orders`; ``str(pipe.schedule_for(...))`` prints a
+            built-in one to start from). ``pipe(x)`` always runs fill-drain.
+        virtual_stages: for ``'interleaved_1f1b'``: stages per pipeline rank
+            (stage ``s`` on rank ``s mod (stages / virtual_stages)``); by
+            default inferred from devices placed round-robin
+            (``['cuda:0', 'cuda:1', 'cuda:0', 'cuda:1']``). Needed when
+            every stage shares one device (the CPU).
+        sample: a representative micro-batch, for ``balance='time'|'size'``.
+        force_copies: for experiments: copy every micro-batch between
+            consecutive stages (and its gradient back) on the copy streams
+            even when they share a device, as between two GPUs. With all
+            stages on one GPU this runs the data flow of a multi-GPU layout,
+            device-to-device copies included; results are unchanged, the
+            copies cost time and memory.
+        split_points: trace ``module`` with ``torch.fx`` and begin a new
+            stage where each named submodule (as in ``named_modules()``:
+            ``"layer3"``, ``"blocks.6"``) is first called; ``devices`` then
+            has ``len(split_points) + 1`` entries. A value one stage produces
+            and a later one reads (a skip connection) goes straight there.
+        leaf_modules: with ``split_points``, submodules (qualified names or
+            types) not to trace into: each runs whole inside one stage.
+        compile: ``True`` or a dict of ``torch.compile`` keyword arguments
+            (e.g. ``{"backend": "aot_eager"}``): each stage's partition is
+            compiled. The layers stay registered uncompiled, so
+            ``state_dict`` keys do not change.
+
+    Raises:
+        TypeError: ``module`` is neither an ``nn.Sequential`` nor given
+            ``split_points``; tracing failed; ``chunks`` or ``split_size``
+            is not an int.
+        ValueError: ``chunks``/``split_size`` < 1 or both given; a layer is
+            repeated; a stage spans devices or sits on a device that does not
+            exist; balance/devices do not fit; an unknown checkpoint mode,
+            schedule or split point; a bad schedule order (shown as a stage x
+            step grid); ``virtual_stages`` given for another schedule or not
+            fitting the stages and devices; a parameter or buffer shared by
+            stages on different devices.
+
+    Example::
+
+        model = nn.Sequential(part0.to("cuda:0"), part1.to("cuda:1"))
+        pipe = mpstream.Pipe(model, split_size=12)
+        loss_fn(pipe(x), y.to("cuda:1")).backward()
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        chunks: int | None = None,
+        *,
+        split_size: int | None = None,
+        balance: Sequence[int] | str | None = None,
+        devices: Sequence[DeviceLike] | None = None,
+        checkpoint: str = "never",
+        deferred_batch_norm: bool = False,
+        schedule: Order = "gpipe",
+        sample: Value | None = None,
+        force_copies: bool = False,
+        split_points: Sequence[str] | None = None,
+        leaf_modules: Sequence[str | type[nn.Module]] = (),
+        compile: CompileOption = False,
+        virtual_stages: int | None = None,
+    ) -> None:
+        super().__init__()
+        if chunks is not None and split_size is not None:
+            raise ValueError("give either chunks or split_size, not both")
+        self._chunks = None if chunks is None else check_positive("chunks", chunks)
+        self._split_size = None if split_size is None else check_positive("split_size", split_size)
+        self.checkpoint = check_mode(checkpoint)
+        self.__dict__["_compile"] = compile_options(compile)  # before any layer moves
+        self.schedule = schedule_arg(schedule)
+        self.virtual_stages = virtual_stages
+        if deferred_batch_norm:
+            module = DeferredBatchNorm.convert(module)
+        self.__dict__["_runtime"] = None
+        self.force_copies = bool(force_copies)
+        built = build(module, balance, devices, sample, split_points, leaf_modules)
+        if built.layers is not None:
+            for name, layer in built.layers:
+                self.add_module(name, layer)
+        else:
+            self._adopt_module(built.root)
+        # Not registered: the layers above own the parameters, so state_dict
+        # keys stay those of the wrapped module whatever the split.
+        self.__dict__["_partitions"] = nn.ModuleList(built.partitions)
+        self.__dict__["_devices"] = built.devices
+        self.__dict__["_balance"] = built.balance
+        self.__dict__["_graph"] = built.graph
+        self.__dict__["_bind"] = built.bind
+        self.__dict__["_root"] = built.root
+        self.__dict__["_split_points"] = built.split_points
+        self.__dict__["_deferred"] = None  # found on first use (see _deferred_norms)
+        check_schedule(self.schedule, built.devices, built.graph.reads(), self.virtual_stages)
+
+    # -- configuration -------------------------------------------------
+    @property
+    def devices(self) -> list[torch.device]:
+        """The device of each stage."""
+        return list(self.__dict__["_devices"])
+
+    @property
+    def balance(self) -> list[int]:
+        """Layers per stage (traced operations per stage for a traced module)."""
+        return list(self.__dict__["_balance"])
+
+    @property
+    def split_points(self) -> list[str] | None:
+        """Where the stages of a traced module begin (given, or picked by
+        ``balance='time'|'size'``); None for a Sequential."""
+        points = self.__dict__["_split_points"]
+        return None if points is None else list(points)
+
+    @property
+    def chunks(self) -> int | None:
+        """Number of micro-batches, or None when ``split_size`` is set."""
+        return self._chunks
+
+    @chunks.setter
+    def chunks(self, value: int | None) -> None:
+        self._chunks = None if value is None else check_positive("chunks", value)
+        if value is not None:
+            self._split_size = None
+
+    @property
+    def split_size(self) -> int | None:
+        """Micro-batch size, or None when ``chunks`` is set."""
+        return self._split_size
+
+    @split_size.setter
+    def split_size(self, value: int | None) -> None:
+        self._split_size = None if value is None else check_positive("split_size", value)
+        if value is not None:
+            self._chunks = None
+
+    @property
+    def scheduler(self) -> EventScheduler:
+        """The event scheduler and stage streams (created on first use)."""
+        return self._rt()[0]
+
+    def _rt(self) -> tuple[EventScheduler, Worker, dict[tuple[Any, ...], Schedule]]:
+        rt = self.__dict__["_runtime"]
+        if rt is None:
+            sched = EventScheduler(self.devices)
+            stages = compile_stages(list(self.partitions), self.__dict__["_compile"])
+            worker = Worker(stages, sched, self.force_copies, self.graph, self._labels())
+            rt = (sched, worker, {})
+            self.__dict__["_runtime"] = rt
+        return rt  # type: ignore[no-any-return]
+
+    def _labels(self) -> list[str]:
+        """How error notes name each stage: its layers (or split point) and device."""
+        points = self.__dict__["_split_points"]
+        if points is None:
+            return stage_labels(list(self._modules), self.balance, self.devices)
+        n = len(self.devices)
+        starts = ["the start", *[f"'{p}'" for p in points]]
+        return [f"stage {s} of {n} (from {starts[s]} on {d})" for s, d in enumerate(self.devices)]
+
+    @property
+    def graph(self) -> StageGraph:
+        """Where each stage's arguments come from (a chain for a Sequential)."""
+        return self.__dict__["_graph"]  # type: ignore[no-any-return]
+
+    def schedule_for(
+        self,
+        micros: int,
+        input_device: torch.device,
+        *,
+        training_step: bool = False,
+        target_device: torch.device | None = None,
+    ) -> Schedule:
+        """The (cached) schedule for ``micros`` micro-batches.
+
+        Forward-only runs are fill-drain; a training step uses
+        :attr:`schedule` with backward tasks, and a transfer task per
+        micro-batch when the targets sit on ``target_device``, not on the
+        last stage's device.
+        """
+        devs = self.__dict__["_devices"]
+        name = schedule_arg(self.schedule) if training_step else "gpipe"
+        virtual = virtual_stages_of(devs, self.virtual_stages) if name == "interleaved_1f1b" else 1
+        copy_target = training_step and target_device not in (None, devs[-1])
+        key = (name, micros, input_device, training_step, copy_target, self.force_copies, virtual)
+        cache = self._rt()[2]
+        sched = cache.get(key)
+        if sched is None:
+            labels = list(dict.fromkeys(devs))
+            topology = Topology(
+                self.graph.reads(),
+                tuple(labels.index(d) for d in devs),
+                labels.index(input_device) if input_device in labels else -1,
+                self.force_copies,
+            )
+            sched = Schedule(
+                name,
+                len(devs),
+                micros,
+                topology,
+                backward=training_step,
+                copy_target=copy_target,
+                virtual_stages=virtual,
+            )
+            cache[key] = sched
+        return sched
+
+    def _deferred_norms(self) -> list[DeferredBatchNorm]:
+        """The deferred BatchNorm layers, found again only after one was made
+        (every call updates them; a walk over all modules per call costs)."""
+        found = self.__dict__.get("_deferred")
+        if found is None or found[0] != DeferredBatchNorm.created:
+            found = (DeferredBatchNorm.created, deferred_norms(self))
+            self.__dict__["_deferred"] = found
+        return found[1]  # type: ignore[no-any-return]
+
+    def _prepare(self, micros: int) -> int:
+        """Per-run setup; returns how many micro-batches to checkpoint."""
+        for norm in self._deferred_norms():
+            norm.expected = micros
+        training = self.training and torch.is_grad_enabled()
+        return checkpoint_stop(self.checkpoint, micros, training)
+
+    # -- running -------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Runs the pipeline on a batch.
+
+        Args:
+            *args: the inputs, as the wrapped module takes them (and
+                ``**kwargs`` for a traced module). Every tensor is split
+                along dim 0 into micro-batches (all into as many);
+                :class:`~mpstream.NoChunk` tensors and plain values (int,
+                float, bool, str, None) reach every micro-batch whole. A
+                Sequential's first layer gets the inputs as positional
+                arguments, and each layer the previous one's output: a tuple
+                spread into positional arguments when the layer takes
+                several. Inputs may sit on the CPU or on any device. Host
+                memory moves to the device in transfer tasks on its io
+                stream, which never block the host: pageable tensors pass
+                through pinned buffers (a host copy of the batch per step),
+                pinned ones (``DataLoader(pin_memory=True)``) move directly,
+                as ``x.to(device, non_blocking=True)`` would: do not
+                overwrite a pinned batch before the output is used. When an
+                input requires grad, its gradient comes back asynchronously
+                and the backward call returns once it is in place.
+
+        Returns:
+            The output on the last stage's device: tensors concatenated along
+            dim 0, plain values listed per micro-batch, in the structure the
+            module returns.
+
+        Raises:
+            TypeError: no tensor to split, an unsupported input or stage
+                output (the stage is named), keyword arguments to a
+                Sequential pipe.
+            ValueError: an empty batch, or tensors that split into different
+                numbers of micro-batches.
+
+        An exception raised in a stage reaches the caller unchanged, with a
+        note naming the stage, micro-batch and task (a backward that autograd
+        runs later raises from its engine, without a note); the statistics a
+        :class:`~mpstream.memory.batchnorm.DeferredBatchNorm` had accumulated for
+        the failed batch are dropped (they update only once all stages finish).
+        """
+        inputs = positional(self.__dict__["_bind"], args, kwargs)
+        micro = scatter(inputs, self._chunks, self._split_size)
+        schedule = self.schedule_for(len(micro), batch_device(inputs))
+        _, worker, _ = self._rt()
+        staging = self._stage(inputs, self.devices[0])
+        stop = self._prepare(len(micro))
+        with deferred_update(self._deferred_norms(), len(micro)):
+            outputs = worker.forward(micro, schedule, stop, staging)
+        return gather(outputs)
+
+    def _stage(self, value: Any, device: torch.device) -> list[Staging] | None:
+        """Per micro-batch pinned buffers for ``value``'s pageable tensors."""
+        return staging(value, device, self._chunks, self._split_size)
+
+    def train_step(
+        self,
+        inputs: Any,
+        target: Any,
+        loss_fn: Callable[[Any, Any], Tensor],
+        *,
+        reduction: str = "mean",
+        scaler: torch.amp.GradScaler | None = None,
+    ) -> Tensor:
+        """Forward and backward of every micro-batch in :attr:`schedule` order.
+
+        Gradients accumulate into ``.grad`` as if ``loss_fn`` had been applied
+        to the whole batch: each micro-batch's loss is weighted by its share
+        of the batch (``reduction='mean'``, for losses that average over the
+        batch) or by 1 (``reduction='sum'``). Call ``optimizer.step()`` after.
+        Only parameters get gradients: inputs and targets are detached.
+
+        Args:
+            inputs: the batch: one input, or a tuple of the module's
+                positional inputs (split as :meth:`forward` splits them).
+            target: targets split the same way (any structure of tensors
+                and plain values) and moved to the last stage's device.
+            loss_fn: ``loss_fn(output, target) -> scalar`` per micro-batch.
+            reduction: how ``loss_fn`` reduces over the batch.
+            scaler: a ``torch.amp.GradScaler``: each micro-batch's weighted
+                loss is scaled by ``scaler.scale`` before its backward, so the
+                gradients are scaled; call ``scaler.step(optimizer)`` and
+                ``scaler.update()`` after, as usual.
+
+        Returns:
+            The whole-batch loss (detached, unscaled), on the last stage's
+            device.
+
+        Raises:
+            TypeError: bad inputs or targets, a stage returned an unsupported
+                value, ``loss_fn`` returned something other than a scalar
+                tensor, or ``scaler`` is not a ``GradScaler``.
+            ValueError: empty batch, targets of another batch size, or an
+                unknown ``reduction``.
+
+        Inputs and targets in host memory move in transfer tasks that never
+        block the host (see :meth:`forward`). If anything raises, the
+        gradients and BatchNorm statistics are restored to what they were
+        before the call. For that, each stage's existing gradients (under
+        gradient accumulation) are cloned on its stream when its first
+        backward of the step begins; a step that starts with no gradients,
+        or fails before the backward, clones nothing. A step being captured
+        in a CUDA graph (:class:`~mpstream.CapturedStep`) takes no snapshot:
+        capture cannot be undone by running restores.
+        """
+        if reduction not in REDUCTIONS:
+            valid = ", ".join(repr(r) for r in REDUCTIONS)
+            raise ValueError(f"reduction must be one of {valid}; got {reduction!r}")
+        if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+            raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
+        # Parameter gradients only: inputs are detached, so whether x.grad
+        # fills cannot depend on where the batch sits.
+        if self.__dict__["_bind"] is not None and isinstance(inputs, tuple):
+            args = positional(self.__dict__["_bind"], inputs, {})
+        else:
+            args = positional(self.__dict__["_bind"], (inputs,), {})
+        args = detached(args)
+        labels = detached(target)
+        micro = scatter(args, self._chunks, self._split_size)
+        micro_targets = scatter(labels, self._chunks, self._split_size, "target")
+        sizes = [batch_size(m) for m in micro]
+        batch = sum(sizes)
+        target_sizes = [batch_size(t) for t in micro_targets]
+        if target_sizes != sizes:
+            raise ValueError(
+                f"target has batch size {sum(target_sizes)} but inputs have {batch}"
+                if sum(target_sizes) != batch
+                else f"target splits into micro-batches {target_sizes}, inputs into {sizes}"
+            )
+        weights = [n / batch if reduction == "mean" else 1.0 for n in sizes]
+        schedule = self.schedule_for(
+            len(micro),
+            batch_device(args),
+            training_step=True,
+            target_device=batch_device(labels),
+        )
+        _, worker, _ = self._rt()
+        staging = self._stage(args, self.devices[0])
+        target_staging = self._stage(labels, self.devices[-1])
+        # Under CUDA graph capture a snapshot's clones would be recorded, not
+        # run, and then run on every replay, holding a copy of every gradient.
+        snapshot = None if capturing(self.devices) else Snapshot(self, list(self.partitions))
+        try:
+            with torch.enable_grad():
+                stop = self._prepare(len(micro))
+                losses = run_step(
+                    worker,
+                    micro,
+                    micro_targets,
+                    schedule,
+                    loss_fn,
+                    weights,
+                    stop,
+                    staging,
+                    target_staging,
+                    None if snapshot is None else snapshot.save_grads,
+                    None if scaler is None else scaler.scale,
+                )
+        except BaseException:
+            if snapshot is not None:
+                snapshot.restore()
+            raise
+        return torch.stack(losses).sum()
+
+    def train(self, mode: bool = True) -> Pipe:
+        """Sets training mode on the layers and the partition wrappers."""
+        super().train(mode)
+        self.partitions.train(mode)
+        return self
+
+    def extra_repr(self) -> str:
+        split = (
+            f"split_size={self._split_size}" if self._split_size else f"chunks={self._chunks or 1}"
+        )
+        devs = ", ".join(str(d) for d in self.__dict__["_devices"])
+        return f"{split}, balance={self.__dict__['_balance']}, devices=[{devs}]"

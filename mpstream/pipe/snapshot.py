@@ -1,0 +1,64 @@
+"""What a failed training step must put back: gradients and BatchNorm state.
+
+``Pipe.train_step`` takes a :class:`Snapshot` before it runs and restores it
+if anything raises, so a failure leaves no half-accumulated gradient and no
+half-updated running statistic behind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from ..memory.batchnorm import DeferredBatchNorm
+from ..runtime.stream import current_stream, record_stream
+
+__all__ = ["Snapshot"]
+
+
+class Snapshot:
+    """Gradients and BatchNorm state of a pipe, restorable after a failure.
+
+    BatchNorm buffers (small) are cloned up front. Gradients are saved per
+    stage by :meth:`save_grads`, which the worker calls inside the stage's
+    first backward task: nothing accumulates into them before that, and a
+    step that starts without gradients, or fails before any backward, clones
+    nothing.
+
+    Args:
+        module: the pipe (its BatchNorm layers are found in it).
+        partitions: one module per stage (whose parameters each stage's
+            backward accumulates into).
+    """
+
+    def __init__(self, module: nn.Module, partitions: Sequence[nn.Module]) -> None:
+        self.partitions = list(partitions)
+        self.grads: dict[int, tuple[nn.Parameter, Tensor | None]] = {}
+        self.norms = [
+            (m, [b.detach().clone() for b in m.buffers(recurse=False)])
+            for m in module.modules()
+            if isinstance(m, _BatchNorm)
+        ]
+
+    def save_grads(self, stage: int) -> None:
+        """Saves the gradients of ``stage``'s parameters (on the current stream);
+        a parameter shared by stages is saved once, before its first use."""
+        for p in self.partitions[stage].parameters():
+            if id(p) not in self.grads:
+                self.grads[id(p)] = (p, None if p.grad is None else p.grad.detach().clone())
+
+    def restore(self) -> None:
+        """Puts the saved gradients and statistics back (on the caller's stream)."""
+        for p, g in self.grads.values():
+            if g is not None:
+                # Cloned on a stage stream; the caller's stream uses it now.
+                record_stream(g, current_stream(g.device))
+            p.grad = g
+        for m, buffers in self.norms:
+            # Through .data: graphs still alive may have saved these buffers.
+            for b, saved in zip(m.buffers(recurse=False), buffers):
+                b.data.copy_(saved)
+            if isinstance(m, DeferredBatchNorm):
+                m.reset_accumulation()

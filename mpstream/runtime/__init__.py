@@ -1,0 +1,45 @@
+"""The runtime: one pipeline run, from micro-batches in to outputs out.
+
+What a run does, in data-path order: :mod:`.microbatch` scatters the batch;
+:mod:`.scheduler` (over the C++ ``Scheduler``) orders the streams with
+events; :mod:`.worker` walks a forward schedule and :mod:`.training` a
+training step, calling each stage (:mod:`.calls`) with its arguments wired by
+:mod:`.graph` and :mod:`.values`; :mod:`.copy` and :mod:`.transfer` move
+values between devices and from the host; :mod:`.boundary` and
+:mod:`.split_backward` cut and split the backward; :mod:`.microbatch`
+gathers. :mod:`.plan` records and verifies a run's stream operations without
+a device. :mod:`.stream` makes CPU and CUDA look alike, :mod:`.errors` and
+:mod:`.marks` say where a failure and a backward happened.
+
+May import :mod:`mpstream.schedules`, :mod:`mpstream.memory` and the
+extension loader; never the stages, the pipe or any tool.
+"""
+
+from __future__ import annotations
+
+from .boundary import GradSink, cut
+from .graph import Ref, StageGraph
+from .microbatch import NoChunk, Value, as_value
+from .plan import Plan, PlanError, record_plan, verify_plan
+from .scheduler import EventScheduler, PlanOp
+from .split_backward import backward_inputs
+from .stream import explicit_device, synchronize
+
+__all__ = [
+    "NoChunk",
+    "Value",
+    "as_value",
+    "StageGraph",
+    "Ref",
+    "EventScheduler",
+    "PlanOp",
+    "Plan",
+    "PlanError",
+    "record_plan",
+    "verify_plan",
+    "GradSink",
+    "cut",
+    "backward_inputs",
+    "synchronize",
+    "explicit_device",
+]

@@ -1,0 +1,117 @@
+"""What a stage is to the runtime, and how the hot loop calls it.
+
+A Sequential pipeline's stages are :class:`Chain` modules: their layers one
+after the other, spreading a tuple into the arguments of a layer that takes
+several. Any other stage (a traced partition, a user's module) is called as
+it is. :class:`StageCalls` picks, per run, the callable the worker invokes for
+each stage, sparing a module call where that changes nothing.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["Chain", "StageCalls", "takes_several"]
+
+
+def takes_several(module: nn.Module) -> bool:
+    """Whether ``module.forward`` takes more than one positional argument."""
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):  # builtins without a signature
+        return False
+    positional = [
+        p
+        for p in params
+        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ]
+    varargs = any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)
+    return varargs or len(positional) > 1
+
+
+class Chain(nn.Sequential):
+    """A stage of a Sequential pipeline: its layers one after the other.
+
+    Unlike ``nn.Sequential``, it takes several inputs, and a tuple reaching
+    a layer whose ``forward`` takes several arguments is spread into them
+    (the removed ``torch.distributed.pipeline.sync.Pipe``'s convention); a
+    layer taking one gets the tuple whole (``nn.Sequential``'s and
+    torchgpipe's).
+    """
+
+    def __init__(self, layers: OrderedDict[str, nn.Module]) -> None:
+        super().__init__(layers)
+        self._spread = [takes_several(layer) for layer in self]
+
+    def forward(self, *args: Any) -> Any:  # type: ignore[override]
+        if not any(self._spread):  # every layer takes one value: nn.Sequential's loop
+            x = args[0] if len(args) == 1 else args
+            for layer in self:
+                x = layer(x)
+            return x
+        for layer, spread in zip(self, self._spread):
+            if spread and len(args) == 1 and isinstance(args[0], tuple):
+                args = args[0]
+            elif not spread and len(args) > 1:
+                args = (args,)
+            args = (layer(*args),)
+        return args[0]
+
+
+
+class StageCalls:
+    """What the hot loop calls for each stage of a run.
+
+    A :class:`Chain` holding one layer that takes its one argument whole
+    computes ``layer(x)``; the layer is called directly, sparing a module
+    call per task (a pipe of one block per stage is the common case, the
+    tutorial's among them), unless that would skip something the chain's
+    own call does: its hooks, hooks registered for every module, or a
+    ``forward`` replaced on the instance. Every other stage is called as it
+    is.
+
+    Args:
+        parts: one module per stage.
+    """
+
+    def __init__(self, parts: Sequence[nn.Module]) -> None:
+        self.parts = list(parts)
+        # The name of the one layer of each plain one-layer Chain (a subclass
+        # may call its layers differently: not those), else None.
+        self.direct: list[str | None] = []
+        for part in self.parts:
+            name = None
+            if isinstance(part, Chain) and type(part) is Chain and len(part) == 1:
+                name = None if part._spread[0] else next(iter(part._modules))
+            self.direct.append(name)
+
+    def __call__(self, inputs: int) -> list[nn.Module]:
+        """The callables of a run whose first stage receives ``inputs``
+        positional values (the others of a chain receive one)."""
+        hooks = torch.nn.modules.module  # hooks for every module: what _call_impl checks
+        any_global = bool(
+            hooks._global_forward_hooks
+            or hooks._global_forward_pre_hooks
+            or hooks._global_backward_hooks
+            or hooks._global_backward_pre_hooks
+        )
+        calls = []
+        for s, (part, name) in enumerate(zip(self.parts, self.direct)):
+            layer = None if name is None else part._modules.get(name)
+            keep = (
+                any_global
+                or (s == 0 and inputs != 1)
+                or "forward" in part.__dict__
+                or part._forward_hooks
+                or part._forward_pre_hooks
+                or part._backward_hooks
+                or part._backward_pre_hooks
+            )
+            calls.append(part if layer is None or keep else layer)
+        return calls

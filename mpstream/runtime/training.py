@@ -1,0 +1,375 @@
+"""Runs a training step's tasks: forwards, backwards and both kinds of copy.
+
+The autograd graph is cut at every stage's inputs (:mod:`~mpstream.runtime.boundary`),
+so each stage's backward is a task of its own, scheduled like its forward.
+The gradient of a value a stage read comes out of the cut; when the value
+crossed devices it goes back in a gradient-copy task, summed first over the
+stages on that device that read it; the producing stage's backward sums what
+reached it and back-propagates its outputs. Parameter gradients accumulate
+through autograd as usual. Where the schedule splits a backward (a weight
+task follows it), the backward task computes the input gradients only and
+the weight task the parameter gradients (:mod:`~mpstream.runtime.split_backward`).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from ..memory.checkpoint import checkpointed
+from ..schedules.schedule import Kind, Schedule, Task
+from .boundary import GradSink, cut
+from .copy import move
+from .graph import Hop, Ref
+from .microbatch import leaves, rebuild_leaves
+from .split_backward import WeightPass, backward_inputs
+from .stream import AnyStream, current_stream, record_stream
+from .transfer import to_device
+from .values import Flow
+from .worker import (
+    Staging,
+    cuda_only,
+    hop_leaves,
+    hop_staging,
+    protect,
+    rebuild_hop,
+    task_range,
+)
+
+if TYPE_CHECKING:
+    from .worker import Worker
+
+__all__ = ["run"]
+
+# Gradient contributions: (output index, tensor leaf index) -> tensors to sum.
+Grads = dict[tuple[int, int], list[Tensor]]
+
+
+class _Cut:
+    """One stage's inputs for one micro-batch, cut from their producers.
+
+    ``keys[i]`` names what the sink's gradient ``i`` belongs to: the
+    producing stage, its output and the leaf within it.
+    """
+
+    __slots__ = ("sink", "keys")
+
+    def __init__(self) -> None:
+        self.sink = GradSink()
+        self.keys: list[tuple[int, int, int]] = []
+
+
+def _cut_inputs(values: Sequence[tuple[Ref, Any]], cutting: _Cut) -> list[Any]:
+    """``values`` with the tensors of stage outputs cut; inputs stay as they are."""
+    spots: list[tuple[int, list[Any], Any, list[int]]] = []
+    tensors: list[Tensor] = []
+    for v, (ref, value) in enumerate(values):
+        if ref.stage < 0:
+            continue
+        items, spec = leaves(value)
+        where = [i for i, t in enumerate(items) if isinstance(t, Tensor)]
+        if not where:
+            continue
+        spots.append((v, items, spec, where))
+        for j, i in enumerate(where):
+            tensors.append(items[i])
+            cutting.keys.append((ref.stage, ref.index, j))
+    out = [value for _, value in values]
+    if not tensors:
+        return out
+    detached = iter(cut(cutting.sink, tuple(tensors)))
+    for v, items, spec, where in spots:
+        for i in where:
+            items[i] = next(detached)
+        out[v] = rebuild_leaves(items, spec)
+    return out
+
+
+def _roots(outs: tuple[Any, ...]) -> list[tuple[tuple[int, int], Tensor]]:
+    """A stage's output tensors that require grad, keyed (output, leaf)."""
+    roots = []
+    for k, out in enumerate(outs):
+        tensors = [t for t in leaves(out)[0] if isinstance(t, Tensor)]
+        roots += [((k, j), t) for j, t in enumerate(tensors) if t.requires_grad]
+    return roots
+
+
+def _sum(parts: list[Tensor]) -> Tensor:
+    total = parts[0]
+    for g in parts[1:]:
+        total = total + g
+    return total
+
+
+def _backward(roots: list[tuple[tuple[int, int], Tensor]], grads: Grads | None) -> None:
+    """One stage's backward from its outputs' gradients."""
+    if grads is None:  # the last stage: the loss
+        torch.autograd.backward([t for _, t in roots])
+        return
+    pairs = [(t, _sum(grads[key])) for key, t in roots if key in grads]
+    if pairs:
+        torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+
+
+def _backward_inputs(
+    roots: list[tuple[tuple[int, int], Tensor]], grads: Grads | None
+) -> WeightPass:
+    """A split backward's first pass (input gradients); returns the second."""
+    if grads is None:  # the last stage: the loss
+        return backward_inputs([t for _, t in roots], None)
+    pairs = [(t, _sum(grads[key])) for key, t in roots if key in grads]
+    return backward_inputs([t for t, _ in pairs], [g for _, g in pairs])
+
+
+def _transfer(value: Any, device: torch.device, staging: Staging) -> Any:
+    """Moves a micro-batch's inputs (or its target) from the host or the caller's device."""
+    items, spec = leaves(value)
+    where = [i for i, t in enumerate(items) if isinstance(t, Tensor)]
+    buffers = staging or (None,) * len(where)
+    for i, b in zip(where, buffers):
+        items[i] = to_device(items[i], device, b)
+    return rebuild_leaves(items, spec)
+
+
+def _loss(
+    loss_fn: Callable[[Any, Any], Tensor],
+    output: Any,
+    target: Any,
+    reader: AnyStream | None,
+    weight: float,
+) -> Tensor:
+    """The weighted loss of one micro-batch, on the last stage's stream.
+
+    ``target`` sits on the last stage's device: moved there by its target
+    task, or put there by the caller (then allocated on the caller's stream).
+    """
+    protect([target], reader)
+    return _scalar(loss_fn(output, target)) * weight
+
+
+def _scalar(loss: object) -> Tensor:
+    if not isinstance(loss, Tensor) or loss.numel() != 1:
+        what = (
+            f"a tensor of shape {tuple(loss.shape)}"
+            if isinstance(loss, Tensor)
+            else type(loss).__name__
+        )
+        raise TypeError(f"loss_fn must return a scalar tensor, got {what}")
+    return loss.reshape(())
+
+
+def run(
+    worker: Worker,
+    batches: Sequence[tuple[Any, ...]],
+    targets: Sequence[Any],
+    schedule: Schedule,
+    loss_fn: Callable[[Any, Any], Tensor],
+    weights: Sequence[float],
+    checkpoint_stop: int = 0,
+    staging: Sequence[Staging] | None = None,
+    target_staging: Sequence[Staging] | None = None,
+    before_backward: Callable[[int], None] | None = None,
+    scale: Callable[[Tensor], Tensor] | None = None,
+) -> list[Tensor]:
+    """Runs forward and backward of every micro-batch in ``schedule``'s order.
+
+    Args:
+        worker: the pipeline's worker (stages, scheduler, graph).
+        batches: per micro-batch, the pipeline's positional inputs.
+        targets: target micro-batches; unless on the last stage's device, the
+            schedule has a target task per micro-batch that moves it.
+        schedule: a schedule with backward tasks (any but a forward-only
+            ``gpipe``).
+        loss_fn: ``loss_fn(output, target)`` returning a scalar.
+        weights: factor of each micro-batch's loss.
+        checkpoint_stop: micro-batches below this index are checkpointed.
+        staging: per micro-batch, pinned buffers for its input transfers.
+        target_staging: per micro-batch, pinned buffers for its target.
+        before_backward: called with a stage's index inside its first
+            backward task, on its stream, before any gradient of the step
+            accumulates into its parameters.
+        scale: applied to each weighted loss, inside the last stage's forward
+            task, before its backward (``GradScaler.scale``); the returned
+            losses stay unscaled.
+
+    Returns:
+        The weighted loss of each micro-batch (detached), ready on the
+        caller's current stream of the last device.
+
+    Raises:
+        TypeError: a stage returned an unsupported value, or ``loss_fn`` did
+            not return a scalar tensor.
+    """
+    sched = worker.sched
+    native = sched.native
+    parts = worker.calls(len(batches[0]) if batches else 1)
+    last = len(parts) - 1
+    devices = sched.devices
+    routes, wiring = worker.routes(schedule.topology)
+    flow = Flow(wiring, batches)
+    readers = cuda_only(sched.compute_streams)
+    copiers = cuda_only(sched.copy_streams)
+    (caller_reader,) = cuda_only([current_stream(devices[last])])
+    force = worker.force_copies
+    profiling = torch._C._autograd._profiler_enabled()
+    labels = list(targets)
+    backward_seen: set[int] = set()
+    roots: dict[tuple[int, int], list[tuple[tuple[int, int], Tensor]]] = {}
+    cuts: dict[tuple[int, int], _Cut] = {}
+    local: dict[tuple[int, int], Grads] = defaultdict(lambda: defaultdict(list))
+    remote: dict[tuple[int, int, int], Grads] = defaultdict(lambda: defaultdict(list))
+    losses: list[Tensor] = []
+    task: Task | None = None
+    # Split backwards: their weight passes, waiting for the weight tasks. A
+    # checkpointed micro-batch is not split (see split_backward).
+    split = {(s, m) for s, m in schedule.split if m >= checkpoint_stop}
+    weights_left: dict[tuple[int, int], WeightPass] = {}
+    native.begin_run(schedule.native, sched.caller_streams())
+    try:
+        for task in schedule.tasks:
+            kind, s, m = task.kind, task.stage, task.micro
+            # Everything a task issues, record_stream and the boundary cut
+            # included, happens between begin and end: on the task's
+            # streams, so autograd nodes and the allocator see them there.
+            if kind is Kind.FORWARD:
+                handle = native.begin(task.index)
+                pairs, received = flow.args(s, m)
+                sources = flow.result_sources(m) if s == last else []
+                if readers[s] is not None:
+                    protect([v for _, v in (pairs if not received else []) + sources], readers[s])
+                cutting = _Cut()
+                values = _cut_inputs(pairs + sources, cutting)
+                args = values[: len(pairs)]
+                if cutting.keys:
+                    cuts[(s, m)] = cutting
+                with task_range(profiling, kind, s, m):
+                    stage = parts[s]
+                    y = checkpointed(stage, *args) if m < checkpoint_stop else stage(*args)
+                    flow.store(s, m, y)
+                    if s == last:
+                        replaced = {ref: v for (ref, _), v in zip(sources, values[len(pairs) :])}
+                        output = flow.result(m, replaced)
+                        loss = _loss(loss_fn, output, labels[m], readers[s], weights[m])
+                        roots[(s, m)] = [((0, 0), loss if scale is None else scale(loss))]
+                        losses.append(loss.detach())
+                        del loss, output, replaced
+                if s < last:
+                    roots[(s, m)] = _roots(flow.outputs_of(s, m))
+                flow.release(s, m)
+                if s == last:
+                    flow.outs[m][s + 1] = None  # the loss holds what backward needs
+                native.end(handle)
+                # Locals must not keep a finished micro-batch's graph alive:
+                # 1F1B's memory bound counts on it.
+                del pairs, args, y, values, sources
+            elif kind is Kind.COPY:
+                handle = native.begin(task.index)
+                hop = routes.by_task[(s, task.peer)]
+                dst = devices[task.peer]
+                with task_range(profiling, kind, s, m), torch.no_grad():
+                    items, specs, where = hop_leaves(flow.hop_values(hop, m))
+                    if s < 0:
+                        inputs = flow.outputs_of(-1, m)
+                        buffers = _input_staging(staging, m, hop, inputs, where)
+                        for i, b in zip(where, buffers):
+                            items[i] = to_device(items[i], dst, b)
+                    else:
+                        protect([items[i] for i in where], copiers[s])
+                        for i in where:
+                            items[i] = move(items[i], dst, force=force)
+                    moved = rebuild_hop(items, specs)
+                protect(moved, readers[task.peer])
+                flow.put_moved(hop, m, moved)
+                native.end(handle)
+            elif kind is Kind.TARGET:
+                handle = native.begin(task.index)
+                with task_range(profiling, kind, s, m), torch.no_grad():
+                    buffers_t = target_staging[m] if target_staging else None
+                    labels[m] = _transfer(labels[m], devices[last], buffers_t)
+                protect([labels[m]], readers[last])
+                native.end(handle)
+            elif kind is Kind.BACKWARD:
+                handle = native.begin(task.index)
+                if before_backward is not None and s not in backward_seen:
+                    backward_seen.add(s)
+                    before_backward(s)
+                with task_range(profiling, kind, s, m):
+                    reached = None if s == last else local.pop((s, m), {})
+                    if (s, m) in split:
+                        weights_left[(s, m)] = _backward_inputs(roots.pop((s, m)), reached)
+                    else:
+                        _backward(roots.pop((s, m)), reached)
+                    del reached
+                done = cuts.pop((s, m), None)
+                if done is not None:
+                    _route_grads(done, s, m, routes.hop, local, remote, readers, copiers)
+                native.end(handle)
+            elif kind is Kind.WEIGHT:
+                handle = native.begin(task.index)
+                pending = weights_left.pop((s, m), None)
+                with task_range(profiling, kind, s, m):
+                    if pending is not None:
+                        pending.run()
+                del pending
+                native.end(handle)
+            elif kind is Kind.COPY_GRAD:
+                # The gradient of what stage s sent to task.peer's device.
+                handle = native.begin(task.index)
+                incoming = remote.pop((s, task.peer, m), {})
+                with task_range(profiling, kind, s, m), torch.no_grad():
+                    for key, grads in incoming.items():
+                        g = move(_sum(grads), devices[s], force=force)
+                        protect([g], readers[s])
+                        local[(s, m)][key].append(g)
+                native.end(handle)
+        task = None
+        native.join()
+    except BaseException as exc:
+        native.abort()
+        worker.annotate(exc, task, len(batches), _loss.__code__)
+        raise
+    if caller_reader is not None:
+        for loss in losses:
+            record_stream(loss, caller_reader)
+    return losses
+
+
+def _route_grads(
+    cutting: _Cut,
+    s: int,
+    m: int,
+    hop_of: Callable[[int, int], Hop | None],
+    local: dict[tuple[int, int], Grads],
+    remote: dict[tuple[int, int, int], Grads],
+    readers: Sequence[AnyStream | None],
+    copiers: Sequence[AnyStream | None],
+) -> None:
+    """Hands the gradients that reached stage ``s``'s inputs to their producers."""
+    for (p, k, j), g in zip(cutting.keys, cutting.sink.grads or ()):
+        if g is None:
+            continue
+        hop = hop_of(p, s)
+        if hop is None:
+            # Summed by the producer's backward, on its stream.
+            if readers[p] is not None:
+                record_stream(g, readers[p])  # type: ignore[arg-type]
+            local[(p, m)][(k, j)].append(g)
+        else:
+            if copiers[hop.peer] is not None:
+                record_stream(g, copiers[hop.peer])  # type: ignore[arg-type]
+            remote[(p, hop.peer, m)][(k, j)].append(g)
+
+
+def _input_staging(
+    staging: Sequence[Staging] | None,
+    m: int,
+    hop: Hop,
+    inputs: Sequence[Any],
+    where: Sequence[int],
+) -> Sequence[Tensor | None]:
+    buffers = hop_staging(staging, m, hop, inputs, where)
+    return buffers if buffers is not None else (None,) * len(where)

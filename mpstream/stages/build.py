@@ -1,0 +1,138 @@
+"""How a ``Pipe`` is cut into stages: a Sequential by layers, any module by
+``torch.fx`` split points, either balanced automatically.
+
+:func:`build` returns the stages, their devices and graph, and what the pipe
+registers so that ``state_dict`` keys stay those of the wrapped module: a
+Sequential's layers, or a traced module's own children and tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..runtime.graph import StageGraph
+from .balance import balance_by_size, balance_by_time, split_points_by
+from .fx import place, trace
+from .sequential import DeviceLike, split_module, stage_devices
+
+__all__ = ["Bind", "Built", "build"]
+
+# Turns a call's (args, kwargs) into the pipeline's positional inputs.
+Bind = Callable[[tuple[Any, ...], dict[str, Any]], tuple[Any, ...]]
+
+
+@dataclass
+class Built:
+    """A module cut into stages.
+
+    Attributes:
+        partitions: one callable module per stage.
+        devices: the device of each stage.
+        balance: layers per stage (traced operations for a traced module).
+        graph: where each stage's arguments come from.
+        layers: a Sequential's layers, to register (None when traced).
+        root: a traced module, whose children and tensors the pipe adopts.
+        bind: turns a traced module's call into positional inputs.
+        split_points: where a traced module's stages begin.
+    """
+
+    partitions: list[nn.Module]
+    devices: list[torch.device]
+    balance: list[int]
+    graph: StageGraph
+    layers: list[tuple[str, nn.Module]] | None = None
+    root: nn.Module | None = None
+    bind: Bind | None = None
+    split_points: list[str] | None = None
+
+
+def build(
+    module: nn.Module,
+    balance: Sequence[int] | str | None,
+    devices: Sequence[DeviceLike] | None,
+    sample: Any,
+    split_points: Sequence[str] | None,
+    leaf_modules: Sequence[str | type[nn.Module]],
+) -> Built:
+    """Cuts ``module`` into stages and places them (see ``Pipe``'s arguments).
+
+    Raises:
+        TypeError: bad argument types; balance= layer counts for a traced
+            module; tracing failed.
+        ValueError: balance/devices/split points that do not fit the module,
+            devices that do not exist, tensors shared across devices.
+    """
+    auto = isinstance(balance, str) and not isinstance(module, nn.Sequential)
+    if split_points is not None or auto:
+        return _traced(module, split_points, balance, devices, sample, leaf_modules)
+    if isinstance(balance, str):
+        balance = _auto_balance(module, balance, devices, sample)
+    stages = split_module(module, balance, devices)
+    return Built(
+        list(stages.partitions),
+        list(stages.devices),
+        list(stages.balance),
+        StageGraph.chain(len(stages.partitions)),
+        layers=list(stages.layers),
+    )
+
+
+def _traced(
+    module: nn.Module,
+    split_points: Sequence[str] | None,
+    balance: Sequence[int] | str | None,
+    devices: Sequence[DeviceLike] | None,
+    sample: Any,
+    leaf_modules: Sequence[str | type[nn.Module]],
+) -> Built:
+    """A module split by ``torch.fx`` at ``split_points`` (or at the points
+    ``balance='time'|'size'`` picks on ``sample``)."""
+    if isinstance(balance, str) and split_points is None:
+        if devices is None or sample is None:
+            raise ValueError(
+                f"balance={balance!r} needs devices= (one per stage) and sample= (a "
+                f"representative micro-batch: the module's inputs) to pick split points"
+            )
+        split_points = split_points_by(
+            balance, module, sample, len(devices), device=torch.device(devices[0]),
+            leaf_modules=leaf_modules,
+        )  # fmt: skip
+    elif balance is not None:
+        raise TypeError(
+            "balance= partitions an nn.Sequential by layer counts; a traced module is "
+            "split at split_points= (or give no split_points and balance='time'|'size')"
+        )
+    assert split_points is not None
+    traced = trace(module, split_points, leaf_modules=leaf_modules)
+    devs = stage_devices(devices, len(traced.partitions), "split_points make")
+    place(module, traced, devs)
+    return Built(
+        list(traced.partitions),
+        devs,
+        [sum(n.op.startswith("call") for n in p.graph.nodes) for p in traced.partitions],
+        traced.graph,
+        root=module,
+        bind=traced.bind,
+        split_points=list(split_points),
+    )
+
+
+def _auto_balance(
+    module: nn.Module, how: str, devices: Sequence[DeviceLike] | None, sample: Any
+) -> list[int]:
+    if how not in ("time", "size"):
+        raise ValueError(f"balance must be a list of ints, 'time' or 'size'; got {how!r}")
+    if devices is None:
+        raise ValueError(f"balance={how!r} needs devices= (one per stage) to know how many stages")
+    if sample is None:
+        raise ValueError(f"balance={how!r} needs sample= (a representative micro-batch) to profile")
+    stages = len(devices)
+    device = torch.device(devices[0])
+    if how == "time":
+        return balance_by_time(module, sample, stages, device=device)
+    return balance_by_size(module, sample, stages, device=device)

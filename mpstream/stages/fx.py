@@ -1,0 +1,430 @@
+"""Pipelining any module: trace it with ``torch.fx`` and split it at named calls.
+
+``split_points`` name submodules (``"layer3"``, ``"blocks.6"``); a new stage
+begins where the first of the traced operations inside that submodule runs.
+``torch.fx.passes.split_module`` cuts the graph there: each stage becomes a
+``GraphModule`` that takes the values it reads, wherever in the graph they
+come from (so a skip connection reads an early stage's output directly), and
+the top-level graph says which stage reads what, which becomes the
+:class:`~mpstream.runtime.graph.StageGraph`. The stages keep referring to the
+original module's submodules and tensors, so ``state_dict`` keys, optimizers
+and checkpoints are those of the unsplit module.
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from torch import Tensor, fx, nn
+from torch.fx.passes.split_module import split_module
+
+from ..runtime.graph import Ref, StageGraph
+
+__all__ = ["Traced", "trace", "split_candidates", "call_units", "place", "rebind"]
+
+
+@dataclass
+class Traced:
+    """A module split into stages.
+
+    Attributes:
+        partitions: one ``GraphModule`` per stage.
+        graph: where each stage's arguments come from.
+        bind: turns a call's ``(args, kwargs)`` into the positional inputs.
+        tensors: per stage, the qualified names of the parameters and
+            buffers it uses.
+    """
+
+    partitions: list[fx.GraphModule]
+    graph: StageGraph
+    bind: Callable[[tuple[Any, ...], dict[str, Any]], tuple[Any, ...]]
+    tensors: list[set[str]]
+
+
+class _Tracer(fx.Tracer):
+    """``torch.fx``'s tracer, remembering which submodule it is inside (for
+    error messages) and treating the user's leaf modules as leaves."""
+
+    def __init__(self, leaves: Sequence[str | type[nn.Module]]) -> None:
+        super().__init__()
+        self.leaf_names = {x for x in leaves if isinstance(x, str)}
+        self.leaf_types = tuple(x for x in leaves if isinstance(x, type))
+        self.path: list[str] = []
+        self.failed_in: str | None = None  # the innermost submodule that raised
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        if qualname in self.leaf_names or (self.leaf_types and isinstance(m, self.leaf_types)):
+            return True
+        return bool(super().is_leaf_module(m, qualname))
+
+    def call_module(
+        self,
+        m: nn.Module,
+        forward: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        self.path.append(self.path_of_module(m))
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            if self.failed_in is None:
+                self.failed_in = self.path[-1]
+            raise
+        finally:
+            self.path.pop()
+
+
+def _trace(module: nn.Module, leaves: Sequence[str | type[nn.Module]]) -> fx.GraphModule:
+    tracer = _Tracer(leaves)
+    try:
+        graph = tracer.trace(module)
+    except Exception as exc:
+        inner = tracer.failed_in
+        where = f" inside submodule '{inner}'" if inner else " in its own forward"
+        advice = (
+            f"Mark that submodule as a leaf (Pipe(..., leaf_modules=['{inner}'])), which runs "
+            f"it whole inside one stage, or pass an nn.Sequential of stages."
+            if inner
+            else "Pass an nn.Sequential of stages, or move that code into a submodule and "
+            "mark it as a leaf (Pipe(..., leaf_modules=[...]))."
+        )
+        raise TypeError(
+            f"torch.fx could not trace {type(module).__name__}{where}: "
+            f"{type(exc).__name__}: {exc}\n{advice}"
+        ) from exc
+    for node in graph.nodes:
+        # Under ``from __future__ import annotations`` fx records a forward's
+        # annotations as strings; torch 2.11 cannot pickle a GraphModule
+        # holding one (torch.save(pipe) fails), and they only decorate code.
+        if isinstance(node.type, str):
+            node.type = None
+    return fx.GraphModule(tracer.root, graph, type(module).__name__)
+
+
+def split_candidates(module: nn.Module) -> list[str]:
+    """Submodules a split point may name: the module's direct children and
+    the items of its ``nn.ModuleList`` and ``nn.Sequential`` children."""
+    names = []
+    for name, child in module.named_children():
+        names.append(name)
+        if isinstance(child, (nn.ModuleList, nn.Sequential)):
+            names += [f"{name}.{item}" for item, _ in child.named_children()]
+    return names
+
+
+def call_units(
+    module: nn.Module, leaf_modules: Sequence[str | type[nn.Module]] = ()
+) -> list[str]:
+    """The split candidates the traced forward calls, in call order, finest
+    first (a ModuleList's items rather than the list), except one that
+    begins the forward (no stage could come before it)."""
+    gm = _trace(module, leaf_modules)
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    names = split_candidates(module)
+    found = []
+    for name in names:
+        if any(other.startswith(name + ".") for other in names):
+            continue  # a container whose items are candidates themselves
+        first = next(
+            (i for i, n in enumerate(nodes) if any(_inside(o, name) for o in _owners(n))), None
+        )
+        if first is not None:
+            found.append((first, name))
+    found.sort()
+    # Drop a unit that begins where the previous one does (nothing between).
+    units, last = [], 0
+    for first, name in found:
+        if first > last:
+            units.append(name)
+            last = first
+    return units
+
+
+def _owners(node: fx.Node) -> list[str]:
+    """The submodules a node runs inside."""
+    stack = node.meta.get("nn_module_stack", {})
+    owners = list(stack)
+    if node.op in ("call_module", "get_attr") and isinstance(node.target, str):
+        owners.append(node.target)
+    return owners
+
+
+def _inside(owner: str, point: str) -> bool:
+    return owner == point or owner.startswith(point + ".")
+
+
+def _stage_of_nodes(
+    gm: fx.GraphModule, points: Sequence[str], module: nn.Module
+) -> dict[fx.Node, int]:
+    """The stage of every compute node: how many split points began before it."""
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    begins = []
+    for point in points:
+        first = next(
+            (i for i, n in enumerate(nodes) if any(_inside(o, point) for o in _owners(n))), None
+        )
+        if first is None:
+            candidates = ", ".join(f"'{c}'" for c in split_candidates(module))
+            raise ValueError(
+                f"split point '{point}' names no submodule that the traced forward calls; "
+                f"candidates: {candidates}"
+            )
+        begins.append(first)
+    for (a, i), (b, j) in zip(zip(points, begins), zip(points[1:], begins[1:])):
+        if j < i:
+            raise ValueError(
+                f"split points out of call order: '{b}' runs before '{a}'; list them in the "
+                f"order the forward calls them"
+            )
+    bounds = [0, *begins, len(nodes)]
+    for s in range(len(bounds) - 1):
+        compute = [n for n in nodes[bounds[s] : bounds[s + 1]] if n.op != "get_attr"]
+        if not compute:
+            where = f"before split point '{points[s]}'" if s < len(points) else "at the end"
+            raise ValueError(f"stage {s} would be empty ({where}); drop or move a split point")
+    stage_of: dict[fx.Node, int] = {}
+    s = 0
+    for i, n in enumerate(nodes):
+        while s < len(begins) and i >= begins[s]:
+            s += 1
+        stage_of[n] = s
+    return stage_of
+
+
+def _part(top: fx.GraphModule, name: str) -> fx.GraphModule:
+    return cast(fx.GraphModule, top.get_submodule(name))
+
+
+def _attr_name(target: str) -> str:
+    return "_attr_" + target.replace(".", "_")
+
+
+def _inline_attrs(top: fx.GraphModule, root: nn.Module) -> None:
+    """Lets each stage read the module's tensors itself.
+
+    ``split_module`` lifts ``get_attr`` nodes to the top-level graph and
+    passes the tensors to the stages as arguments; a parameter would then
+    travel between stages like an activation. Each stage instead gets its
+    own reference to the tensor (the same object), read in place, and the
+    top-level call drops the argument. ``_mpstream_attrs`` maps the stage's
+    attribute to the tensor's qualified name in ``root``.
+    """
+    for call in [n for n in top.graph.nodes if n.op == "call_module"]:
+        part = _part(top, str(call.target))
+        attrs: dict[str, str] = getattr(part, "_mpstream_attrs", {})
+        holders = [n for n in part.graph.nodes if n.op == "placeholder"]
+        keep_args = []
+        for arg, placeholder in zip(call.args, holders):
+            if not (isinstance(arg, fx.Node) and arg.op == "get_attr"):
+                keep_args.append(arg)
+                continue
+            target = str(arg.target)
+            name = _attr_name(target)
+            tensor = _lookup(root, target)
+            if isinstance(tensor, nn.Parameter):
+                part.register_parameter(name, tensor)
+            else:
+                part.register_buffer(name, tensor)
+            attrs[name] = target
+            with part.graph.inserting_after(placeholder):
+                fetched = part.graph.get_attr(name)
+            placeholder.replace_all_uses_with(fetched)
+            part.graph.erase_node(placeholder)
+        part._mpstream_attrs = attrs  # type: ignore[assignment]
+        part.graph.lint()
+        part.recompile()
+        call.args = tuple(keep_args)
+    top.graph.eliminate_dead_code()
+    top.graph.lint()
+    top.recompile()
+
+
+def _tensors_used(s: int, part: fx.GraphModule, qualnames: dict[str, str]) -> set[str]:
+    """Qualified names (in the original module) of the tensors stage ``s`` uses."""
+    names = set(getattr(part, "_mpstream_attrs", {}).values())
+    for node in part.graph.nodes:
+        if node.op == "call_module":
+            sub = part.get_submodule(str(node.target))
+            prefix = qualnames.get(f"submod_{s}.{node.target}", str(node.target))
+            names |= {f"{prefix}.{n}" for n, _ in sub.named_parameters(remove_duplicate=False)}
+            names |= {f"{prefix}.{n}" for n, _ in sub.named_buffers(remove_duplicate=False)}
+    return names
+
+
+class Binder:
+    """Turns a call's ``(args, kwargs)`` into a traced module's positional inputs."""
+
+    def __init__(self, module: nn.Module, names: list[str]) -> None:
+        self.name = type(module).__name__
+        self.signature = inspect.signature(module.forward)
+        self.names = names
+        for p in self.signature.parameters.values():
+            if p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+                raise TypeError(
+                    f"{self.name}.forward takes {p}; a traced pipeline needs named arguments"
+                )
+
+    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        try:
+            bound = self.signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"{self.name}.forward{self.signature}: {exc}") from None
+        bound.apply_defaults()
+        return tuple(bound.arguments[n] for n in self.names)
+
+
+def _stage_graph(top: fx.GraphModule, count: int) -> tuple[StageGraph, list[str]]:
+    """Reads the split graph: what each stage reads, what the module returns."""
+    refs: dict[fx.Node, Ref] = {}
+    inputs: list[str] = []
+    args: list[tuple[Ref, ...]] = [()] * count
+    outputs = [0] * count
+    result: Any = None
+    for node in top.graph.nodes:
+        if node.op == "placeholder":
+            refs[node] = Ref(-1, len(inputs))
+            inputs.append(str(node.target))
+        elif node.op == "call_module":
+            s = int(str(node.target).rsplit("_", 1)[1])
+            args[s] = tuple(refs[a] for a in node.args)  # type: ignore[index]
+            part = _part(top, str(node.target))
+            out = next(n for n in part.graph.nodes if n.op == "output")
+            returned = out.args[0]
+            outputs[s] = len(returned) if isinstance(returned, (tuple, list)) else 1
+            refs[node] = Ref(s, 0)
+        elif node.op == "call_function" and node.target is operator.getitem:
+            source, index = node.args
+            refs[node] = Ref(refs[source].stage, int(index))  # type: ignore[index, arg-type]
+        elif node.op == "output":
+            result = fx.node.map_arg(node.args[0], lambda n: refs[n])  # type: ignore[arg-type, return-value]
+        else:
+            raise TypeError(f"unexpected node between stages: {node.op} {node.target}")
+    return StageGraph(tuple(args), tuple(outputs), result), inputs
+
+
+@contextmanager
+def _keep_training_flags(module: nn.Module) -> Iterator[None]:
+    flags = {m: m.training for m in module.modules()}
+    try:
+        yield
+    finally:
+        for m, flag in flags.items():
+            m.training = flag
+
+
+def trace(
+    module: nn.Module,
+    split_points: Sequence[str],
+    *,
+    leaf_modules: Sequence[str | type[nn.Module]] = (),
+) -> Traced:
+    """Traces ``module`` and splits it into ``len(split_points) + 1`` stages.
+
+    Args:
+        module: any module ``torch.fx`` can trace.
+        split_points: qualified submodule names; a stage begins at each.
+        leaf_modules: submodules (by qualified name or type) not to trace
+            into: they run whole, inside one stage.
+
+    Returns:
+        The stages, their graph and the argument binder.
+
+    Raises:
+        TypeError: tracing failed (the message says what and where, and
+            what to do), or ``forward`` takes ``*args``/``**kwargs``.
+        ValueError: an unknown split point (the candidates are listed), split
+            points out of call order, or a stage left empty.
+    """
+    if isinstance(split_points, str):
+        split_points = [split_points]
+    with _keep_training_flags(module):
+        gm = _trace(module, leaf_modules)
+    stage_of = _stage_of_nodes(gm, list(split_points), module)
+    qualnames: dict[str, str] = {}
+    top = split_module(
+        gm, module, lambda n: stage_of[n], qualname_map=qualnames, keep_original_order=True
+    )
+    _inline_attrs(top, module)
+    count = len(split_points) + 1
+    graph, inputs = _stage_graph(top, count)
+    partitions = [_part(top, f"submod_{s}") for s in range(count)]
+    return Traced(
+        partitions,
+        graph,
+        Binder(module, inputs),
+        [_tensors_used(s, p, qualnames) for s, p in enumerate(partitions)],
+    )
+
+
+def place(module: nn.Module, traced: Traced, devices: Sequence[torch.device]) -> None:
+    """Moves each stage's tensors to its device, in the original module.
+
+    Raises:
+        ValueError: a tensor is used by stages on different devices (tied
+            weights are not silently copied).
+    """
+    users: dict[str, list[int]] = defaultdict(list)
+    for s, used in enumerate(traced.tensors):
+        for name in sorted(used):
+            users[name].append(s)
+    by_identity: dict[int, list[tuple[str, int]]] = defaultdict(list)
+    for name, stages in users.items():
+        tensor = _lookup(module, name)
+        for s in stages:
+            by_identity[id(tensor)].append((name, s))
+    for uses in by_identity.values():
+        devs = {devices[s] for _, s in uses}
+        if len(devs) > 1:
+            names = sorted({n for n, _ in uses})
+            where = ", ".join(f"stage {s} ({devices[s]})" for s in sorted({s for _, s in uses}))
+            raise ValueError(
+                f"{' = '.join(names)} is used by {where}: a tensor shared by stages must sit on "
+                f"one device (tied weights are not copied between devices); put those stages "
+                f"on one device or untie the weights"
+            )
+    for name, stages in users.items():
+        _move(module, name, devices[stages[0]])
+    for part in traced.partitions:
+        rebind(part, module)
+
+
+def _lookup(module: nn.Module, name: str) -> Tensor:
+    owner, _, attr = name.rpartition(".")
+    return getattr(module.get_submodule(owner) if owner else module, attr)  # type: ignore[no-any-return]
+
+
+def _move(module: nn.Module, name: str, device: torch.device) -> None:
+    owner_name, _, attr = name.rpartition(".")
+    owner = module.get_submodule(owner_name) if owner_name else module
+    if attr in owner._parameters:
+        param = owner._parameters[attr]
+        assert param is not None
+        if param.device != device:
+            param.data = param.data.to(device)
+    elif attr in owner._buffers:
+        buf = owner._buffers[attr]
+        if buf is not None and buf.device != device:
+            owner._buffers[attr] = buf.to(device)
+    else:
+        tensor = getattr(owner, attr)
+        if isinstance(tensor, Tensor) and tensor.device != device:
+            setattr(owner, attr, tensor.to(device))
+
+
+def rebind(part: fx.GraphModule, root: nn.Module) -> None:
+    """Points a stage's own references at ``root``'s current tensors (after
+    ``.to(dtype)``, or a ``load_state_dict(assign=True)``)."""
+    for name, target in getattr(part, "_mpstream_attrs", {}).items():
+        current = _lookup(root, target)
+        if isinstance(current, nn.Parameter):
+            part._parameters[name] = current
+        else:
+            part._buffers[name] = current

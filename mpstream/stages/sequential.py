@@ -1,0 +1,257 @@
+"""Splitting an ``nn.Sequential`` into pipeline stages and placing them.
+
+Two styles are accepted. Either every child of the Sequential is one stage and
+already sits on its device (the tutorial's and the removed ``torch Pipe``'s
+style), or a ``balance`` (layers per stage) and ``devices`` partition the
+layers and move each partition (torchgpipe's style).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..runtime.calls import Chain
+from ..runtime.stream import device_type_code, explicit_device
+
+__all__ = [
+    "Stages",
+    "split_module",
+    "stage_devices",
+    "module_device",
+    "check_positive",
+    "check_shared",
+    "check_devices_exist",
+]
+
+DeviceLike = str | int | torch.device
+
+
+@dataclass
+class Stages:
+    """The result of splitting: layers in order and their grouping."""
+
+    layers: list[tuple[str, nn.Module]]
+    partitions: Sequence[nn.Module]
+    devices: list[torch.device]
+    balance: list[int]
+
+
+def check_positive(name: str, value: object) -> int:
+    """Returns ``value`` if it is an int >= 1.
+
+    Raises:
+        TypeError: not an int.
+        ValueError: smaller than 1.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1, got {value}")
+    return value
+
+
+def module_device(module: nn.Module, what: str) -> torch.device | None:
+    """The one device of ``module``'s parameters and buffers (None if it has none).
+
+    Raises:
+        ValueError: they sit on several devices.
+    """
+    devices = {t.device for t in module.parameters()} | {t.device for t in module.buffers()}
+    if len(devices) > 1:
+        names = ", ".join(sorted(str(d) for d in devices))
+        raise ValueError(f"{what} has parameters on several devices ({names}); a stage sits on one")
+    return next(iter(devices)) if devices else None
+
+
+def _layers(module: nn.Module, balance_given: bool) -> list[tuple[str, nn.Module]]:
+    if not isinstance(module, nn.Sequential):
+        if balance_given:
+            raise TypeError(
+                f"balance partitions an nn.Sequential by layers; got {type(module).__name__}"
+            )
+        raise TypeError(
+            f"Pipe needs an nn.Sequential whose children are the stages, or balance= and "
+            f"devices= to partition one; got {type(module).__name__}"
+        )
+    layers = [(name, child) for name, child in module._modules.items() if child is not None]
+    if not layers:
+        raise ValueError("Pipe got an empty nn.Sequential")
+    seen: dict[int, str] = {}
+    for name, child in layers:
+        if id(child) in seen:
+            raise ValueError(
+                f"layers '{seen[id(child)]}' and '{name}' are the same module; each layer may "
+                f"appear once in a pipeline"
+            )
+        seen[id(child)] = name
+    return layers
+
+
+def check_shared(
+    layers: Sequence[tuple[str, nn.Module]],
+    balance: Sequence[int],
+    devices: Sequence[torch.device],
+) -> None:
+    """Rejects parameters or buffers shared by layers on different devices.
+
+    Layers on one device may share (tie) a parameter: autograd accumulates
+    its gradient from every use, as in the plain model. Across devices it
+    would need a copy kept in sync, which mpstream does not make silently.
+
+    Raises:
+        ValueError: naming the tensor's qualified names, stages and devices.
+    """
+    first: dict[int, tuple[str, int]] = {}
+    start = 0
+    for s, count in enumerate(balance):
+        for name, layer in layers[start : start + count]:
+            params = layer.named_parameters(prefix=name, remove_duplicate=False)
+            buffers = layer.named_buffers(prefix=name, remove_duplicate=False)
+            tensors: list[tuple[str, str, torch.Tensor]] = [("parameter", q, t) for q, t in params]
+            tensors += [("buffer", q, t) for q, t in buffers]
+            for what, qualified, t in tensors:
+                owner, stage = first.setdefault(id(t), (qualified, s))
+                if devices[stage] != devices[s]:
+                    raise ValueError(
+                        f"{what} '{owner}' (stage {stage}, {devices[stage]}) is shared with "
+                        f"'{qualified}' (stage {s}, {devices[s]}); layers on different devices "
+                        f"cannot share a {what} (mpstream does not copy tied weights between "
+                        f"devices): put those layers on one device, or untie them"
+                    )
+        start += count
+
+
+def check_devices_exist(devices: Sequence[torch.device]) -> None:
+    """Rejects CUDA devices this machine does not have, before anything moves.
+
+    Raises:
+        ValueError: naming the stage, its device and the devices available.
+    """
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for s, d in enumerate(devices):
+        if d.type != "cuda" or (count and (d.index is None or d.index < count)):
+            continue
+        available = ", ".join(["cpu"] + [f"cuda:{i}" for i in range(count)])
+        why = "CUDA is not available" if not count else f"only {count} CUDA device(s) exist"
+        raise ValueError(f"stage {s} is on {d}, but {why} here; available devices: {available}")
+
+
+def _as_partition(group: list[tuple[str, nn.Module]]) -> Chain:
+    return Chain(OrderedDict(group))
+
+
+def _placed(layers: list[tuple[str, nn.Module]]) -> Stages:
+    found = [
+        module_device(child, f"stage {i} ('{name}')") for i, (name, child) in enumerate(layers)
+    ]
+    devices: list[torch.device] = []
+    for i, d in enumerate(found):
+        if d is None:
+            before = [x for x in found[:i] if x is not None]
+            after = [x for x in found[i:] if x is not None]
+            d = before[-1] if before else (after[0] if after else torch.device("cpu"))
+        device_type_code(d)
+        devices.append(d)
+    return Stages(layers, [_as_partition([lay]) for lay in layers], devices, [1] * len(layers))
+
+
+def _default_devices(stages: int) -> list[torch.device]:
+    if not torch.cuda.is_available():
+        return [torch.device("cpu")] * stages
+    count = torch.cuda.device_count()
+    if stages > count:
+        raise ValueError(
+            f"balance has {stages} stages but only {count} CUDA device(s) exist; pass "
+            f"devices= explicitly (several stages may share a device, e.g. "
+            f"devices=['cuda:0'] * {stages})"
+        )
+    return [torch.device("cuda", i) for i in range(stages)]
+
+
+def stage_devices(
+    devices: Sequence[DeviceLike] | None, stages: int, what: str
+) -> list[torch.device]:
+    """One device per stage: ``devices`` checked, or the default placement.
+
+    Args:
+        devices: the user's list, or None for one CUDA device per stage (the
+            CPU without CUDA).
+        stages: how many stages there are.
+        what: how errors name the source of ``stages`` ("balance has").
+
+    Raises:
+        TypeError: ``devices`` is not a list.
+        ValueError: it has the wrong length or an unsupported device type.
+    """
+    if devices is None:
+        devs = _default_devices(stages)
+    else:
+        if isinstance(devices, (str, torch.device)) or not isinstance(devices, Sequence):
+            raise TypeError("devices must be a list with one device per stage")
+        devs = [explicit_device(torch.device(d)) for d in devices]
+        if len(devs) != stages:
+            raise ValueError(
+                f"devices has {len(devs)} entries but {what} {stages} stages; give one "
+                f"device per stage"
+            )
+    for d in devs:
+        device_type_code(d)
+    check_devices_exist(devs)
+    return devs
+
+
+def _check_balance(balance: Sequence[int], total: int) -> list[int]:
+    if isinstance(balance, (str, bytes)) or not isinstance(balance, Sequence):
+        raise TypeError(f"balance must be a list of ints, got {type(balance).__name__}")
+    out = [check_positive(f"balance[{i}]", b) for i, b in enumerate(balance)]
+    if not out:
+        raise ValueError("balance is empty; it needs one entry (layer count) per stage")
+    if sum(out) != total:
+        raise ValueError(f"balance {out} sums to {sum(out)} but the module has {total} layers")
+    return out
+
+
+def split_module(
+    module: nn.Module,
+    balance: Sequence[int] | None = None,
+    devices: Sequence[DeviceLike] | None = None,
+) -> Stages:
+    """Splits ``module`` into stages.
+
+    Args:
+        module: an ``nn.Sequential``.
+        balance: layers per stage. Without it every child is one stage.
+        devices: the device of each stage. With ``balance``, each partition
+            is moved there; without it, each child is moved there (one device
+            per child). If both are omitted the children stay where they are.
+
+    Returns:
+        The layers, partitions, stage devices and balance.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Sequential``; bad argument types.
+        ValueError: a layer appears twice, layers on different devices share
+            a parameter, a stage spans devices or sits on a device that does
+            not exist, or balance/devices do not fit the module.
+    """
+    layers = _layers(module, balance is not None)
+    if balance is None and devices is None:
+        return _placed(layers)
+    bal = _check_balance(balance, len(layers)) if balance is not None else [1] * len(layers)
+    what = "balance has" if balance is not None else "the module has"
+    devs = stage_devices(devices, len(bal), what)
+    check_shared(layers, bal, devs)
+    partitions = []
+    start = 0
+    for count, device in zip(bal, devs):
+        group = layers[start : start + count]
+        for _, layer in group:
+            layer.to(device)
+        partitions.append(_as_partition(group))
+        start += count
+    return Stages(layers, partitions, devs, bal)

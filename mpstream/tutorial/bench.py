@@ -1,0 +1,399 @@
+"""The tutorial's experiment, timed: single device vs the tutorial's models vs mpstream.
+
+Each measurement is one call of the tutorial's ``train`` (``num_batches``
+mini-batches of random images, MSELoss, SGD) timed with the host clock, with
+device work synchronised inside the timed region and warm-up calls excluded,
+like the tutorial's ``timeit.repeat(number=1)``. :func:`run` measures the
+four models at one split size (and, when both halves share a device,
+mpstream with each step replayed as a CUDA graph: :mod:`mpstream.tutorial.graphed`)
+and sweeps the split size for both pipelines; :func:`save` writes the JSON
+and the tutorial's three figures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._version import __version__
+from ..runtime import explicit_device, synchronize
+from . import graphed
+from . import models as tutorial
+
+__all__ = [
+    "Config",
+    "Measurement",
+    "Results",
+    "QUICK",
+    "FULL",
+    "MODELS",
+    "PIPELINES",
+    "GRAPHED",
+    "models_for",
+    "swept",
+    "detect_devices",
+    "make_model",
+    "run",
+    "save",
+    "table",
+]
+
+GRAPHED = "mpstream, CUDA graph"
+MODELS = ("single device", "model parallel", "tutorial pipeline", "mpstream", GRAPHED)
+PIPELINES = ("tutorial pipeline", "mpstream")
+
+
+def models_for(dev0: torch.device, dev1: torch.device) -> tuple[str, ...]:
+    """The models measurable on these devices: a CUDA graph needs one device."""
+    return MODELS if _same(dev0, dev1) else tuple(m for m in MODELS if m != GRAPHED)
+
+
+def swept(models: Sequence[str]) -> tuple[str, ...]:
+    """Those of ``models`` that take a split size: the split-size sweep's."""
+    return tuple(m for m in models if m in PIPELINES or m == GRAPHED)
+
+
+def _same(a: torch.device, b: torch.device) -> bool:
+    """Whether two device names mean one device (``cuda`` is the current one)."""
+    return explicit_device(a) == explicit_device(b)
+
+
+@dataclass(frozen=True)
+class Config:
+    """Sizes and repetitions of the experiment (defaults: the tutorial's)."""
+
+    num_batches: int = 3
+    batch_size: int = 120
+    image_w: int = 128
+    image_h: int = 128
+    num_classes: int = tutorial.NUM_CLASSES
+    repeat: int = 10
+    warmup: int = 1
+    split_size: int = 12
+    split_sizes: tuple[int, ...] = (1, 3, 5, 8, 10, 12, 20, 40, 60)
+    arch: str = "resnet50"  # or "resnet101", IDRIS's variant (tutorial.ARCHS)
+
+
+FULL = Config()
+# CPU-sized: the whole run (four models and the sweep) takes about a minute
+# on two cores. Images stay 64x64 so layer4 keeps 2x2 activations and
+# BatchNorm works down to a split size of 1.
+QUICK = Config(
+    num_batches=2,
+    batch_size=16,
+    image_w=64,
+    image_h=64,
+    repeat=3,
+    warmup=1,
+    split_size=4,
+    split_sizes=(2, 4, 8, 16),
+)
+
+
+@dataclass
+class Measurement:
+    """Seconds per ``train`` call of one model configuration."""
+
+    model: str
+    split_size: int | None
+    times: list[float] = field(default_factory=list)
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.times)
+
+    @property
+    def std(self) -> float:
+        return statistics.pstdev(self.times)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "split_size": self.split_size,
+            "times_s": self.times,
+            "mean_s": self.mean,
+            "std_s": self.std,
+            "median_s": self.median,
+        }
+
+
+@dataclass
+class Results:
+    """Everything one ``mpstream bench`` run measured."""
+
+    config: Config
+    devices: tuple[torch.device, torch.device]
+    models: list[Measurement]
+    sweep: list[Measurement]
+
+    def get(self, model: str, split_size: int | None = None) -> Measurement:
+        for m in self.models + self.sweep:
+            if m.model == model and (split_size is None or m.split_size == split_size):
+                return m
+        raise KeyError((model, split_size))
+
+
+def detect_devices(spec: str | None = None) -> tuple[torch.device, torch.device]:
+    """The two devices of the experiment.
+
+    Args:
+        spec: ``"cuda:0,cuda:1"``-style; default two GPUs if present, else
+            both halves on ``cuda:0``, else both on the CPU.
+
+    Raises:
+        ValueError: ``spec`` does not name exactly two usable devices.
+    """
+    if spec is None:
+        if torch.cuda.is_available():
+            second = 1 if torch.cuda.device_count() > 1 else 0
+            return torch.device("cuda", 0), torch.device("cuda", second)
+        return torch.device("cpu"), torch.device("cpu")
+    parts = [p.strip() for p in spec.split(",") if p.strip()]
+    if len(parts) != 2:
+        raise ValueError(f"--devices needs two comma-separated devices, got {spec!r}")
+    devs = []
+    for p in parts:
+        try:
+            d = torch.device(p)
+        except RuntimeError:
+            raise ValueError(f"--devices: {p!r} is not a device name") from None
+        if d.type not in ("cpu", "cuda"):
+            raise ValueError(f"--devices: {d} is not a cpu or cuda device")
+        if d.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"--devices: {d} requested but CUDA is not available")
+            count = torch.cuda.device_count()
+            if d.index is None:
+                d = torch.device("cuda", 0)
+            if d.index is not None and d.index >= count:
+                raise ValueError(f"--devices: {d} does not exist ({count} GPU(s))")
+        devs.append(d)
+    return devs[0], devs[1]
+
+
+def device_name(device: torch.device) -> str:
+    """A human name for ``device``: the GPU model or the CPU."""
+    if device.type == "cuda":
+        return str(torch.cuda.get_device_name(device))
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} threads)"
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def make_model(
+    name: str, dev0: torch.device, dev1: torch.device, config: Config, split_size: int
+) -> nn.Module:
+    """One of :data:`MODELS` of ``config.arch``, freshly initialised.
+
+    Raises:
+        ValueError: an unknown model name or architecture.
+    """
+    n = config.num_classes
+    deep = config.arch == "resnet101"
+    if name == "single device":
+        return tutorial.single_device(config.arch, dev0, n)
+    if name == "model parallel":
+        parallel = tutorial.ModelParallelResNet101 if deep else tutorial.ModelParallelResNet50
+        return parallel(dev0, dev1, n)
+    if name == "tutorial pipeline":
+        pipeline = tutorial.PipelineParallelResNet101 if deep else tutorial.PipelineParallelResNet50
+        return pipeline(dev0, dev1, split_size, n)
+    if name == "mpstream":
+        stream = tutorial.StreamPipelineResNet101 if deep else tutorial.StreamPipelineResNet50
+        return stream(dev0, dev1, split_size, n)
+    if name == GRAPHED:
+        graph = graphed.GraphedPipelineResNet101 if deep else graphed.GraphedPipelineResNet50
+        return graph(dev0, dev1, split_size, n)
+    raise ValueError(f"unknown model {name!r}; valid: {', '.join(MODELS)}")
+
+
+def train_once(model: nn.Module, config: Config, devices: Sequence[torch.device]) -> float:
+    """One synchronised call of the tutorial's train loop; returns seconds."""
+    synchronize(devices)
+    start = time.perf_counter()
+    tutorial.train(
+        model,
+        num_batches=config.num_batches,
+        batch_size=config.batch_size,
+        image_w=config.image_w,
+        image_h=config.image_h,
+        num_classes=config.num_classes,
+        input_device=devices[0],
+    )
+    synchronize(devices)
+    return time.perf_counter() - start
+
+
+def calls(config: Config, sweep: bool, models: Sequence[str] = MODELS) -> int:
+    """Number of train calls :func:`run` makes (for progress bars), for ``models``
+    (:func:`models_for` the devices)."""
+    sizes = set(config.split_sizes) | {config.split_size} if sweep else {config.split_size}
+    split = len(swept(models))
+    configurations = len(models) - split + split * len(sizes)
+    return (config.warmup + config.repeat) * configurations
+
+
+def run(
+    config: Config,
+    dev0: torch.device,
+    dev1: torch.device,
+    *,
+    sweep: bool = True,
+    tick: Callable[[], None] | None = None,
+    status: Callable[[str], None] | None = None,
+) -> Results:
+    """Measures the models (:func:`models_for` the devices) and, with ``sweep``,
+    the pipelines (and the CUDA graph, on one device) at every split size.
+
+    All configurations are built first and timed round-robin, one call each
+    per round with the starting point rotating, so slow drift of the machine
+    (clocks, temperature, other load) spreads over all of them instead of
+    biasing the ratios.
+    """
+    devices = (dev0, dev1)
+    names = models_for(dev0, dev1)
+    takes_split = swept(names)
+    main = [(name, config.split_size if name in takes_split else None) for name in names]
+    sweep_keys: list[tuple[str, int | None]] = (
+        [(name, s) for name in takes_split for s in config.split_sizes] if sweep else []
+    )
+    # The main split size usually appears in the sweep too: time it once.
+    keys = list(dict.fromkeys(main + sweep_keys))
+    models: dict[tuple[str, int | None], nn.Module] = {}
+    measured = {key: Measurement(*key) for key in keys}
+    for key in keys:
+        name, split = key
+        torch.manual_seed(0)
+        models[key] = make_model(name, dev0, dev1, config, split or config.split_size)
+        for _ in range(config.warmup):
+            if status is not None:
+                status(f"warm-up: {_label(key)}")
+            train_once(models[key], config, devices)
+            if tick is not None:
+                tick()
+    for r in range(config.repeat):
+        shift = r % len(keys)
+        for key in keys[shift:] + keys[:shift]:
+            if status is not None:
+                status(f"round {r + 1}/{config.repeat}: {_label(key)}")
+            measured[key].times.append(train_once(models[key], config, devices))
+            if tick is not None:
+                tick()
+    return Results(config, devices, [measured[k] for k in main], [measured[k] for k in sweep_keys])
+
+
+def _label(key: tuple[str, int | None]) -> str:
+    name, split = key
+    return name if split is None else f"{name} (split {split})"
+
+
+def git_commit() -> str | None:
+    """``$MPSTREAM_COMMIT`` if set (a copy of the tree on a remote GPU
+    machine names its commit that way: any ``.git`` travelling with it may
+    be stale), else the checkout's commit, else None."""
+    named = os.environ.get("MPSTREAM_COMMIT")
+    if named:
+        return named
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def metadata(devices: Sequence[torch.device]) -> dict[str, Any]:
+    """Where and with what a run was measured."""
+    return {
+        "mpstream": __version__,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "git_commit": git_commit(),
+        "devices": [str(d) for d in devices],
+        "device_names": [device_name(d) for d in devices],
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "cpu_threads": torch.get_num_threads(),
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def to_json(results: Results) -> dict[str, Any]:
+    """The JSON document of a run."""
+    single = results.get("single device").mean
+    return {
+        **metadata(results.devices),
+        "config": dataclasses.asdict(results.config),
+        "timing": (
+            "host clock around synchronised train() calls; warm-up calls excluded; "
+            "configurations timed round-robin"
+        ),
+        "models": [{**m.to_json(), "speedup_vs_single": single / m.mean} for m in results.models],
+        "split_sweep": [m.to_json() for m in results.sweep],
+    }
+
+
+def save(results: Results, out: Path, *, plots: bool = True) -> list[Path]:
+    """Writes ``results.json`` and the tutorial's three figures into ``out``.
+
+    Returns:
+        The files written.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / "results.json"]
+    written[0].write_text(json.dumps(to_json(results), indent=2) + "\n")
+    if plots:
+        from ..observe import figures
+
+        written += figures.tutorial_figures(results, out)
+    return written
+
+
+def table(results: Results) -> str:
+    """Mean ± std per model and speed-up against the single device."""
+    ref = results.get("single device").mean
+    header = f"{'model':<21} {'split':>5} {'mean ± std (s)':>17} {'median (s)':>10} {'speed-up':>8}"
+    lines = [header, "-" * len(header)]
+    for r in results.models:
+        split = "-" if r.split_size is None else str(r.split_size)
+        lines.append(
+            f"{r.model:<21} {split:>5} {r.mean:>9.3f} ± {r.std:<5.3f} {r.median:>10.3f} "
+            f"{ref / r.mean:>7.2f}x"
+        )
+    if results.sweep:
+        lines.append("")
+        names = list(dict.fromkeys(m.model for m in results.sweep))
+        lines.append("split-size sweep, mean (s): " + "  ".join(names))
+        for s in results.config.split_sizes:
+            row = [f"{results.get(p, s).mean:.3f}" for p in names]
+            lines.append(f"  split {s:>3}: " + "  ".join(f"{v:>17}" for v in row))
+    return "\n".join(lines)

@@ -1,0 +1,383 @@
+"""CapturedStep: steps equal a plain model's training, forward and optimizer,
+on the CPU (eager) and on one GPU (a replayed CUDA graph); what a replay
+cannot see is refused with a clear error; capture leaves nothing changed."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from mpstream import CapturedStep, Pipe
+from mpstream.capture.state import Saved, check_optimizer
+from mpstream.pipe import pipe as pipe_py
+from mpstream.pipe import snapshot
+from mpstream.runtime.stream import capturing
+from tests.helpers import mlp
+
+BATCH = 10
+Opt = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+OPTIMIZERS: dict[str, Opt] = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    # capturable: needed for capture on CUDA, refused for CPU parameters.
+    "adam": lambda ps: torch.optim.Adam(ps, lr=0.01, capturable=ps[0].is_cuda),
+}
+
+
+def _data(device: str, seed: int) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(BATCH, 5, dtype=torch.float64, generator=g)
+    y = torch.randn(BATCH, 4, dtype=torch.float64, generator=g)
+    return x.to(device), y.to(device)
+
+
+def _setup(
+    device: str, optimizer: str, **kw: object
+) -> tuple[Pipe, torch.optim.Optimizer, nn.Module, torch.optim.Optimizer]:
+    model = mlp([5, 8, 7, 4]).to(device)
+    ref = copy.deepcopy(model)
+    pipe = Pipe(model, balance=[2, 4], devices=[device, device], **kw)  # type: ignore[arg-type]
+    make = OPTIMIZERS[optimizer]
+    return pipe, make(list(pipe.parameters())), ref, make(list(ref.parameters()))
+
+
+def _check_steps(device: str, optimizer: str, steps: int = 3, **kw: object) -> CapturedStep:
+    """Runs ``steps`` captured steps against plain training of a copy."""
+    pipe, opt, ref, ref_opt = _setup(device, optimizer, **kw)
+    before = [p.detach().clone() for p in pipe.parameters()]
+    step = CapturedStep(pipe, *_data(device, 0), nn.MSELoss(), optimizer=opt)
+    for p, b in zip(pipe.parameters(), before):  # capture changed nothing
+        torch.testing.assert_close(p.detach(), b)
+    for i in range(steps):
+        x, y = _data(device, i + 1)
+        loss = step(x, y)
+        ref_opt.zero_grad()
+        expected = nn.MSELoss()(ref(x), y)
+        expected.backward()
+        ref_opt.step()
+        torch.testing.assert_close(loss, expected.detach(), msg=f"loss of step {i}")
+    for (name, p), q in zip(pipe.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), msg=f"parameter {name}")
+    return step
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("checkpoint", ["never", "except_last"])
+@pytest.mark.parametrize("split_size", [3, 5])
+def test_steps_on_the_cpu_equal_plain_training(
+    optimizer: str, schedule: str, checkpoint: str, split_size: int
+) -> None:
+    step = _check_steps(
+        "cpu", optimizer, split_size=split_size, schedule=schedule, checkpoint=checkpoint
+    )
+    assert not step.captured
+
+
+def test_without_zero_grad_gradients_accumulate_across_calls() -> None:
+    pipe, _, ref, _ = _setup("cpu", "sgd", split_size=3)
+    x, y = _data("cpu", 1)
+    step = CapturedStep(pipe, x, y, nn.MSELoss(), zero_grad=False)
+    step(x, y)
+    step(x, y)
+    (2 * nn.MSELoss()(ref(x), y)).backward()
+    for p, q in zip(pipe.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_warm_up_is_undone_so_the_first_call_is_a_first_step() -> None:
+    """What capture relies on, checked on the CPU: after warm-up steps and
+    :class:`Saved`'s restore, a step equals a fresh model's first step
+    (optimizer state created by warm-up is zeroed in place) and the random
+    number generator is where it was."""
+    for name in OPTIMIZERS:
+        pipe, opt, ref, ref_opt = _setup("cpu", name, split_size=3)
+        x, y = _data("cpu", 1)
+        saved = Saved(pipe, opt, None)
+        draw = torch.rand(3, generator=torch.Generator().set_state(torch.get_rng_state()))
+        for _ in range(3):
+            pipe.zero_grad(set_to_none=False)
+            pipe.train_step(x, y, nn.MSELoss())
+            opt.step()
+            torch.rand(5)  # warm-up draws (dropout, say)
+        state = [id(v) for s in opt.state.values() for v in s.values()]
+        grads = [p.grad for p in pipe.parameters()]
+        saved.restore(captured=True)
+        assert state == [id(v) for s in opt.state.values() for v in s.values()], "in place"
+        assert all(p.grad is g for p, g in zip(pipe.parameters(), grads)), "in place"
+        torch.testing.assert_close(torch.rand(3), draw)
+        for p, q in zip(pipe.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach())
+        pipe.zero_grad(set_to_none=False)
+        pipe.train_step(x, y, nn.MSELoss())
+        opt.step()
+        nn.MSELoss()(ref(x), y).backward()
+        ref_opt.step()
+        for p, q in zip(pipe.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), msg=name)
+
+
+def test_a_failed_capture_gives_every_gradient_tensor_back() -> None:
+    pipe, opt, _, _ = _setup("cpu", "sgd", split_size=3)
+    x, y = _data("cpu", 1)
+    saved = Saved(pipe, opt, None)
+    pipe.train_step(x, y, nn.MSELoss())
+    opt.step()
+    saved.restore(captured=False)
+    assert all(p.grad is None for p in pipe.parameters()) and not opt.state
+    pipe.train_step(x, y, nn.MSELoss())
+    grads = [p.grad for p in pipe.parameters()]
+    values = [g.clone() for g in grads if g is not None]
+    saved = Saved(pipe, opt, None)
+    pipe.zero_grad()  # set_to_none: warm-up would make new gradient tensors
+    pipe.train_step(x, y, nn.MSELoss())
+    saved.restore(captured=False)
+    assert all(p.grad is g for p, g in zip(pipe.parameters(), grads))
+    for p, v in zip(pipe.parameters(), values):
+        torch.testing.assert_close(p.grad, v)
+
+
+def test_optimizers_whose_first_state_is_not_zero_need_an_eager_step_first() -> None:
+    pipe, _, _, _ = _setup("cpu", "sgd", split_size=3)
+    x, y = _data("cpu", 1)
+    for make in (
+        lambda ps: torch.optim.NAdam(ps),
+        lambda ps: torch.optim.Rprop(ps),
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.5),
+    ):
+        opt = make(list(pipe.parameters()))
+        with pytest.raises(ValueError, match="Take one eager step first"):
+            CapturedStep(pipe, x, y, nn.MSELoss(), optimizer=opt)
+        pipe.train_step(x, y, nn.MSELoss())
+        opt.step()
+        CapturedStep(pipe, x, y, nn.MSELoss(), optimizer=opt)  # state exists: restored exactly
+    check_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9), cuda=True)
+
+
+def test_on_cuda_a_tensor_setting_needs_an_optimizer_that_reads_it_on_the_device() -> None:
+    params = list(mlp([5, 4]).parameters())
+    sgd = torch.optim.SGD(params, lr=torch.tensor(0.1))
+    with pytest.raises(ValueError, match=r"param group 0 of SGD holds 'lr' as a tensor"):
+        check_optimizer(sgd, cuda=True)
+    check_optimizer(sgd, cuda=False)  # eager steps read it every time
+    adam = torch.optim.Adam(params, lr=torch.tensor(0.1), foreach=False)
+    adam.param_groups[0]["capturable"] = True  # as on CUDA parameters
+    check_optimizer(adam, cuda=True)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.cuda)])
+def test_replaced_gradients_state_or_parameters_are_refused(device: str) -> None:
+    pipe, opt, _, _ = _setup(device, "sgd", split_size=3)
+    x, y = _data(device, 0)
+    step = CapturedStep(pipe, x, y, nn.MSELoss(), optimizer=opt, zero_grad=False)
+    opt.zero_grad(set_to_none=False)
+    step(x, y)
+    step(x, y)
+    opt.zero_grad()  # set_to_none=True
+    with pytest.raises(ValueError, match=r"gradient of .* was replaced"):
+        step(x, y)
+    step = CapturedStep(pipe, x, y, nn.MSELoss(), optimizer=opt)
+    step(x, y)
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # as from a checkpoint file
+    with pytest.raises(ValueError, match="optimizer's state 'momentum_buffer' was replaced"):
+        step(x, y)
+    step = CapturedStep(pipe, x, y, nn.MSELoss(), optimizer=opt)
+    step(x, y)
+    pipe.float()
+    with pytest.raises(ValueError, match="moved since capture"):
+        step(x, y)
+
+
+def test_a_tensor_learning_rate_is_changed_in_place_not_replaced() -> None:
+    pipe, _, ref, _ = _setup("cpu", "sgd", split_size=3)
+    lr = torch.tensor(0.1)
+    opt = torch.optim.SGD(pipe.parameters(), lr=lr)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x, y = _data("cpu", 0)
+    step = CapturedStep(pipe, x, y, nn.MSELoss(), optimizer=opt)
+    for value in (0.1, 0.05):
+        lr.fill_(value)
+        ref_opt.param_groups[0]["lr"] = value
+        step(x, y)
+        ref_opt.zero_grad()
+        nn.MSELoss()(ref(x), y).backward()
+        ref_opt.step()
+    for p, q in zip(pipe.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach())
+    opt.param_groups[0]["lr"] = torch.tensor(0.01)
+    with pytest.raises(ValueError, match="'lr' changed from tensor"):
+        step(x, y)
+
+
+def test_batches_of_another_shape_dtype_or_structure_are_refused() -> None:
+    pipe, opt, _, _ = _setup("cpu", "sgd", split_size=3)
+    x, y = _data("cpu", 0)
+    step = CapturedStep(pipe, x, y, nn.MSELoss(), optimizer=opt)
+    before = [p.detach().clone() for p in pipe.parameters()]
+    with pytest.raises(
+        ValueError, match=r"inputs leaf 0 has shape \(9, 5\).*captured for \(10, 5\)"
+    ):
+        step(x[:9], y)
+    with pytest.raises(ValueError, match=r"target leaf 0 .*dtype torch.float32"):
+        step(x, y.float())
+    with pytest.raises(ValueError, match="target have another structure"):
+        step(x, (y, y))
+    for p, b in zip(pipe.parameters(), before):  # nothing ran
+        torch.testing.assert_close(p.detach(), b)
+    step(x, y)  # and the next call works
+
+
+def test_a_changed_optimizer_setting_is_refused() -> None:
+    pipe, opt, _, _ = _setup("cpu", "sgd", split_size=3)
+    x, y = _data("cpu", 0)
+    step = CapturedStep(pipe, x, y, nn.MSELoss(), optimizer=opt)
+    opt.param_groups[0]["lr"] = 0.05
+    with pytest.raises(ValueError, match=r"param group 0's 'lr' changed from 0.1 to 0.05"):
+        step(x, y)
+    opt.param_groups[0]["lr"] = 0.1
+    step(x, y)
+    opt.add_param_group({"params": [nn.Parameter(torch.zeros(1))]})
+    with pytest.raises(ValueError, match="2 param groups, 1 at capture"):
+        step(x, y)
+
+
+def test_a_changed_plain_value_in_the_batch_is_refused() -> None:
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(5, 6).double(), nn.Linear(6, 4).double()
+
+        def forward(self, x: Tensor, scale: float) -> Tensor:
+            out: Tensor = self.b(self.a(x) * scale)
+            return out
+
+    traced = Pipe(Scaled(), split_size=3, split_points=["b"], devices=["cpu", "cpu"])
+    x, y = _data("cpu", 0)
+    step = CapturedStep(traced, (x, 2.0), y, nn.MSELoss())
+    step((x, 2.0), y)
+    with pytest.raises(ValueError, match=r"inputs leaf 1 is 3.0; the step was captured with 2.0"):
+        step((x, 3.0), y)
+
+
+def test_bad_arguments_are_named() -> None:
+    x, y = _data("cpu", 0)
+    with pytest.raises(TypeError, match="needs an mpstream.Pipe, got Sequential"):
+        CapturedStep(mlp([5, 4]), x, y, nn.MSELoss())  # type: ignore[arg-type]
+    pipe, _, _, _ = _setup("cpu", "sgd", split_size=3)
+    with pytest.raises(ValueError, match="warmup"):
+        CapturedStep(pipe, x, y, nn.MSELoss(), warmup=0)
+    with pytest.raises(ValueError, match="reduction must be one of 'mean', 'sum'; got 'avg'"):
+        CapturedStep(pipe, x, y, nn.MSELoss(), reduction="avg")
+    with pytest.raises(TypeError, match="loss_fn must be callable, got str"):
+        CapturedStep(pipe, x, y, "mse")  # type: ignore[arg-type]
+    step = CapturedStep(pipe, x, y, nn.MSELoss())
+    with pytest.raises(RuntimeError, match="no CUDA graph"):
+        _ = step.pool
+
+
+def test_outside_a_capture_nothing_is_capturing() -> None:
+    # Without a CUDA context nothing can capture; asking must not create one.
+    before = torch.cuda.is_initialized()
+    assert not capturing([torch.device("cpu")])
+    assert not capturing([torch.device("cuda:0")])
+    assert torch.cuda.is_initialized() == before
+
+
+# -- on a GPU ------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+def test_the_captured_step_takes_no_snapshot(monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[bool] = []
+
+    class Counted(snapshot.Snapshot):
+        def __init__(self, *args: object) -> None:
+            made.append(torch.cuda.is_current_stream_capturing())
+            super().__init__(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(pipe_py, "Snapshot", Counted)
+    pipe, opt, _, _ = _setup("cuda:0", "sgd", split_size=3)
+    step = CapturedStep(pipe, *_data("cuda:0", 0), nn.MSELoss(), optimizer=opt, warmup=2)
+    assert made == [False, False]  # the warm-up steps only: a replay clones nothing
+    step(*_data("cuda:0", 1))
+    assert len(made) == 2
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("checkpoint", ["never", "except_last"])
+def test_replays_on_one_gpu_equal_plain_training(
+    optimizer: str, schedule: str, checkpoint: str
+) -> None:
+    step = _check_steps("cuda:0", optimizer, split_size=3, schedule=schedule, checkpoint=checkpoint)
+    assert step.captured
+
+
+@pytest.mark.cuda
+def test_replays_keep_batch_norm_statistics_like_eager_steps() -> None:
+    def model() -> nn.Sequential:
+        torch.manual_seed(0)
+        return (
+            nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 4))
+            .double()
+            .cuda()
+        )
+
+    eager = Pipe(
+        model(), split_size=5, balance=[2, 2], devices=["cuda:0"] * 2, deferred_batch_norm=True
+    )
+    graphed = Pipe(
+        model(), split_size=5, balance=[2, 2], devices=["cuda:0"] * 2, deferred_batch_norm=True
+    )
+    step = CapturedStep(graphed, *_data("cuda:0", 0), nn.MSELoss())
+    for i in range(3):
+        x, y = _data("cuda:0", i + 1)
+        eager.zero_grad()
+        torch.testing.assert_close(step(x, y), eager.train_step(x, y, nn.MSELoss()))
+    for (name, a), b in zip(graphed.named_buffers(), eager.buffers()):
+        torch.testing.assert_close(a, b, msg=name)
+
+
+@pytest.mark.cuda
+def test_a_replay_under_a_profile_is_refused() -> None:
+    pipe, _, _, _ = _setup("cuda:0", "sgd", split_size=3)
+    x, y = _data("cuda:0", 0)
+    step = CapturedStep(pipe, x, y, nn.MSELoss())
+    pipe.scheduler.timing = True
+    with pytest.raises(ValueError, match="records nothing"):
+        step(x, y)
+    pipe.scheduler.timing = False
+    step(x, y)
+
+
+@pytest.mark.cuda
+def test_stages_on_cpu_and_gpu_or_a_traced_pipe_are_refused() -> None:
+    x, y = _data("cpu", 0)
+    mixed = Pipe(mlp([5, 8, 4]), split_size=3, balance=[2, 2], devices=["cpu", "cuda:0"])
+    with pytest.raises(
+        ValueError, match="every stage on one CUDA device: stages are on cpu, cuda:0"
+    ):
+        CapturedStep(mixed, x, y, nn.MSELoss())
+    pipe, _, _, _ = _setup("cuda:0", "sgd", split_size=3)
+    pipe.scheduler.timing = True
+    with pytest.raises(ValueError, match="being traced"):
+        CapturedStep(pipe, x, y, nn.MSELoss())
+
+
+@pytest.mark.cuda
+def test_a_failed_capture_restores_the_model_and_the_optimizer() -> None:
+    pipe, _, _, _ = _setup("cuda:0", "sgd", split_size=3)
+    opt = torch.optim.Adam(pipe.parameters(), lr=0.01, capturable=False)
+    before = [p.detach().clone() for p in pipe.parameters()]
+    x, y = _data("cuda:0", 0)
+    with pytest.raises(Exception) as info:
+        CapturedStep(pipe, x, y, nn.MSELoss(), optimizer=opt)
+    assert any("capturing the step failed" in n for n in getattr(info.value, "__notes__", []))
+    for p, b in zip(pipe.parameters(), before):
+        torch.testing.assert_close(p.detach(), b)
+    pipe.zero_grad()
+    pipe.train_step(x, y, nn.MSELoss())  # the pipe still works eagerly

@@ -1,0 +1,166 @@
+"""``mpstream doctor`` end to end at tiny sizes, the runner, the CLI and the report."""
+
+from __future__ import annotations
+
+import json
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from mpstream import cli
+from mpstream.doctor import report, runner
+from mpstream.doctor.diagnosis import FAIL, PASS, SKIP, TINY, Check, Context, StepResult
+
+ON_GPU = torch.cuda.is_available()
+
+
+@pytest.mark.skipif(ON_GPU, reason="checks the CPU run: GPU steps SKIP")
+def test_doctor_quick_on_cpu_skips_gpu_steps_and_writes_the_report(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(runner, "QUICK", TINY)  # every step's code path, at the smallest size
+    (tmp_path / "overlap.png").write_bytes(b"stale")  # from an earlier GPU run
+    code = cli.main(["doctor", "--quick", "--out", str(tmp_path), "--no-progress"])
+    printed = capsys.readouterr().out.splitlines()
+    steps = [line for line in printed if line.startswith("[")]
+    assert [line.split("]")[0] + "]" for line in steps] == [f"[{i}/8]" for i in range(1, 9)]
+    doc = json.loads((tmp_path / "report.json").read_text())
+    status = {s["name"]: s["status"] for s in doc["steps"]}
+    assert list(status) == list(runner.NAMES)
+    for name in ("overlap", "races", "memory"):
+        assert status[name] == SKIP
+        line = next(s for s in steps if runner.STEPS[runner.NAMES.index(name)].title in s)
+        assert "SKIP" in line and "no CUDA device" in line
+    for name in ("environment", "correctness", "tutorial", "profile"):
+        assert status[name] == PASS, doc["steps"][runner.NAMES.index(name)]
+    # The cost model's verdict depends on timings on a shared CPU: only that it ran.
+    assert status["cost-model"] in (PASS, FAIL)
+    assert code == (1 if FAIL in status.values() else 0)
+    assert printed[-1] == f"overall: {FAIL if FAIL in status.values() else PASS}"  # table last
+    assert any(line.startswith(f"report in {tmp_path}: summary.md") for line in printed)
+    assert doc["environment"]["torch"] == torch.__version__ and doc["sizes"] == "quick"
+    assert doc["command"].startswith("mpstream doctor --quick")
+    # At most 8 files, no folders; the figures and the archive are there.
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert all((tmp_path / n).is_file() for n in names) and len(names) <= report.MAX_FILES
+    assert names == sorted(doc["files"])
+    assert "overlap.png" not in names  # the stale one is gone, nothing replaced it on a CPU
+    for png in ("timeline.png", "mp_vs_rn.png", "mp_vs_rn_vs_pp.png", "split_size_tradeoff.png"):
+        assert (tmp_path / png).read_bytes().startswith(b"\x89PNG")
+    with tarfile.open(tmp_path / report.ARCHIVE) as tar:
+        archived = set(tar.getnames())
+    assert {"trace.json", "results.json", "doctor.log"} <= archived
+    summary = (tmp_path / "summary.md").read_text()
+    assert summary.startswith("# mpstream doctor: ") and "**Device:** no GPU" in summary
+    for step in runner.STEPS:
+        assert f"| {step.title} |" in summary
+
+
+def ctx(tmp_path: Path) -> Context:
+    cpu = torch.device("cpu")
+    return Context((cpu, cpu), TINY, "resnet50", tmp_path, tmp_path)
+
+
+def test_a_failing_step_does_not_stop_the_run_and_keeps_its_traceback(tmp_path: Path) -> None:
+    def broken(_: Context) -> StepResult:
+        raise RuntimeError("boom\nsecond line")
+
+    step = runner.Step("broken", "Broken", broken)
+    result = runner.run_step(step, ctx(tmp_path), ())
+    assert result.status == FAIL and result.reason == "RuntimeError: boom"
+    assert "RuntimeError: boom" in (tmp_path / "broken.traceback.txt").read_text()
+
+
+def test_skips_for_the_option_for_cuda_and_for_missing_inputs(tmp_path: Path) -> None:
+    def never(_: Context) -> StepResult:
+        raise AssertionError("must not run")
+
+    c = ctx(tmp_path)
+    skipped = runner.run_step(runner.Step("a", "A", never), c, ("a",))
+    assert (skipped.status, skipped.reason) == (SKIP, "skipped with --skip")
+    gpu = runner.run_step(runner.Step("overlap", "Overlap", never, needs_cuda=True), c, ())
+    assert gpu.status == SKIP and gpu.reason.startswith("no CUDA device (cpu, cpu)")
+    needs = runner.run_step(runner.Step("x", "X", never, needs=("profiles",)), c, ())
+    assert needs.status == SKIP and "step 7" in needs.reason
+
+
+def test_parse_devices() -> None:
+    cpu = torch.device("cpu")
+    assert runner.parse_devices("cpu") == (cpu, cpu)
+    assert runner.parse_devices("cpu,cpu") == (cpu, cpu)
+    with pytest.raises(ValueError, match="two comma-separated"):
+        runner.parse_devices("cpu,cpu,cpu")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [(["--skip", "bogus"], "invalid choice"), (["--model", "resnet152"], "invalid choice")],
+)
+def test_bad_doctor_options(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["doctor", *args])
+    assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_bad_devices_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["doctor", "--devices", "tpu:0", "--out", str(tmp_path)]) == 2
+    assert "not a device name" in capsys.readouterr().err
+
+
+def results() -> list[StepResult]:
+    return [
+        StepResult("a", "Alpha", PASS, "3/3 | fine", checks=[Check("x | y", PASS, "ok")]),
+        StepResult("b", "Beta", FAIL, "fig", "it broke", checks=[Check("z", FAIL, "bad")]),
+        StepResult("c", "Gamma", SKIP, reason="no CUDA device"),
+    ]
+
+
+def test_table_and_markdown() -> None:
+    rs = results()
+    text = report.table(rs)
+    assert text.splitlines()[2].split()[:3] == ["1", "Alpha", "PASS"]
+    assert "it broke" in text and text.endswith("overall: FAIL")
+    meta = {
+        "environment": {"gpus": [], "cpu": "some CPU", "torch": "2.x"},
+        "command": "mpstream doctor",
+        "devices": ["cpu", "cpu"],
+        "sizes": "quick",
+        "created": "now",
+        "total_seconds": 1.0,
+        "archived": ["trace.json"],
+    }
+    md = report.markdown(rs, meta, ["summary.md", "timeline.png"])
+    assert md.startswith("# mpstream doctor: FAIL")
+    assert "| 1 | Alpha | **PASS** | 3/3 \\| fine |" in md  # cells escape the pipe
+    assert "| x \\| y | PASS | ok |" in md and "![timeline](timeline.png)" in md
+    assert report.status_of(rs[:1]) == PASS
+
+
+def test_write_archives_the_scratch_files(tmp_path: Path) -> None:
+    out, scratch = tmp_path / "out", tmp_path / "scratch"
+    out.mkdir()
+    scratch.mkdir()
+    (scratch / "trace.json").write_text("{}")
+    (out / "timeline.png").write_bytes(b"png")
+    meta = {
+        "environment": {"gpus": []},
+        "command": "c",
+        "devices": ["cpu"],
+        "sizes": "quick",
+        "created": "now",
+        "total_seconds": 0.0,
+    }
+    written = report.write(out, scratch, results(), meta)
+    assert [p.name for p in written] == [
+        "summary.md",
+        "report.json",
+        "timeline.png",
+        report.ARCHIVE,
+    ]
+    doc = json.loads((out / "report.json").read_text())
+    assert doc["status"] == FAIL and doc["archived"] == ["trace.json"]
+    assert [s["status"] for s in doc["steps"]] == [PASS, FAIL, SKIP]

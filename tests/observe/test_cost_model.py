@@ -1,0 +1,273 @@
+"""The cost model reproduces hand-computed pipeline times exactly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mpstream.observe.cost_model import fit, simulate
+from mpstream.observe.scaling import predict
+from mpstream.observe.timeline import Span, Timeline
+
+SHAPES = [(1, 1), (1, 5), (2, 1), (2, 4), (3, 8), (4, 8), (5, 3)]
+
+
+@pytest.mark.parametrize(("stages", "micros"), SHAPES)
+def test_fill_drain_forward(stages: int, micros: int) -> None:
+    f = 2.5
+    assert simulate([f] * stages, 0.0, micros).step_ms == pytest.approx((micros + stages - 1) * f)
+
+
+@pytest.mark.parametrize(("stages", "micros"), SHAPES)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("ratio", [1.0, 2.0])
+def test_forward_and_backward(stages: int, micros: int, schedule: str, ratio: float) -> None:
+    f, b = 1.5, 1.5 * ratio
+    # Uniform stages: both schedules take (M + S - 1)(f + b); 1F1B saves memory, not time.
+    expected = (micros + stages - 1) * (f + b)
+    assert simulate([(f, b)] * stages, 0.0, micros, schedule).step_ms == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("micros", [1, 2, 6])
+def test_copies_overlap_on_streams_and_stall_the_default_stream(micros: int) -> None:
+    f, c = 3.0, 1.0
+    # mpstream: the copy of micro-batch m overlaps the compute of m + 1, so
+    # it only adds its latency once.
+    assert simulate([f, f], c, micros).step_ms == pytest.approx(micros * f + c + f)
+    # The tutorial's default streams: every copy blocks both devices.
+    assert simulate([f, f], c, micros, overlap=False).step_ms == pytest.approx(micros * (f + c) + f)
+
+
+def test_stages_sharing_a_device_serialise_without_overlap() -> None:
+    f = 2.0
+    sim = simulate([f, f], 5.0, 4, overlap=False, devices=["host", "host"])
+    assert sim.step_ms == pytest.approx(2 * 4 * f)  # no copy between same-device stages
+    assert simulate([f, f], 5.0, 4, devices=["gpu", "gpu"]).step_ms == pytest.approx(5 * f)
+
+
+def test_bubble_fraction_of_the_simulated_timeline() -> None:
+    stages, micros = 4, 8
+    sim = simulate([(1.0, 2.0)] * stages, 0.0, micros)
+    summary = sim.timeline.summary(echo=False)
+    assert summary.bubble_fraction == pytest.approx((stages - 1) / (micros + stages - 1))
+    assert sim.timeline.source == "simulated"
+
+
+def test_simulated_timeline_plots_and_traces(tmp_path: Path) -> None:
+    sim = simulate([(1.0, 2.0), (1.5, 3.0)], (0.5, 0.5), 4, "1f1b")
+    assert sim.plot(str(tmp_path / "sim.png")).read_bytes().startswith(b"\x89PNG")
+    sim.timeline.export_chrome_trace(tmp_path / "sim.json")
+    kinds = {s.kind for s in sim.timeline.spans}
+    assert kinds == {"forward", "backward", "copy", "copy_grad"}
+
+
+def test_invalid_inputs() -> None:
+    with pytest.raises(ValueError, match="at least one stage"):
+        simulate([], 0.0, 1)
+    with pytest.raises(ValueError, match="one per boundary"):
+        simulate([1.0, 1.0, 1.0], [0.1], 2)
+    with pytest.raises(ValueError, match="negative"):
+        simulate([-1.0], 0.0, 1)
+    with pytest.raises(ValueError, match="1f1b"):
+        simulate([1.0, 1.0], 0.0, 2, "1f1b")
+    with pytest.raises(ValueError, match="valid schedules"):
+        simulate([1.0], 0.0, 1, "zigzag")
+
+
+def test_fit_takes_medians_per_stage_and_boundary() -> None:
+    spans = [
+        Span(0, 0, "forward", "a", 0, 2),
+        Span(0, 1, "forward", "a", 2, 4),
+        Span(0, 2, "forward", "a", 4, 9),
+        Span(1, 0, "forward", "b", 3, 6),
+        Span(1, 0, "backward", "b", 6, 12),
+        Span(0, 0, "backward", "a", 12, 16),
+        Span(0, 0, "copy", "c", 2, 3),
+        Span(0, 0, "copy_grad", "c", 12, 12.5),
+    ]
+    costs = fit(Timeline(spans, {"a": "d0", "b": "d1", "c": "d1"}))
+    assert costs.stage_times == [(2.0, 4.0), (3.0, 6.0)]
+    assert costs.copy_times == [(1.0, 0.5)]
+    with pytest.raises(ValueError, match="no compute spans"):
+        fit(Timeline([Span(0, 0, "copy", "c", 0, 1)], {"c": "d"}))
+
+
+def test_fit_then_simulate_reproduces_a_constant_cost_timeline() -> None:
+    truth = simulate([(1.0, 2.0), (1.0, 2.0), (1.0, 2.0)], (0.25, 0.25), 6)
+    costs = fit(truth.timeline)
+    again = simulate(costs.stage_times, costs.copy_times, 6)
+    assert again.step_ms == pytest.approx(truth.step_ms)
+
+
+def test_predict_balances_and_reports_speedup() -> None:
+    layers = [(1.0, 2.0)] * 8
+    pred = predict(layers, 2, 8)
+    assert pred.balance == [4, 4]
+    assert pred.single_device_ms == pytest.approx(8 * 8 * 3.0)
+    assert pred.step_ms == pytest.approx((8 + 1) * 4 * 3.0)
+    assert pred.speedup == pytest.approx(64 * 3.0 / (9 * 12.0))
+    four = predict(layers, 4, 8, balance=[2, 2, 2, 2])
+    assert four.speedup > pred.speedup
+
+
+def test_a_single_copy_time_applies_to_gradient_copies_too() -> None:
+    f, b, c = 1.0, 2.0, 0.5
+    sim = simulate([(f, b), (f, b)], c, 1)
+    grad_copies = [s for s in sim.timeline.spans if s.kind == "copy_grad"]
+    assert [s.duration_ms for s in grad_copies] == [c]
+    # One micro-batch through two stages and back: every task on the critical path.
+    assert sim.step_ms == pytest.approx(2 * f + c + 2 * b + c)
+
+
+def test_a_stage_graph_with_a_skip() -> None:
+    # Stage 2 reads stages 0 and 1; stage 0's two copies share its copy stream.
+    hops = {(0, 1): 1.0, (0, 2): 1.0, (1, 2): 1.0}
+    sim = simulate([1.0, 1.0, 1.0], hops, 1, reads=[(-1,), (0,), (0, 1)])
+    copies = sorted((s.stage, s.peer, s.start_ms) for s in sim.timeline.spans if s.kind == "copy")
+    assert copies == [(0, 1, 1.0), (0, 2, 2.0), (1, 2, 3.0)]
+    assert sim.step_ms == pytest.approx(5.0)
+    with pytest.raises(ValueError, match="reads needs 3 entries"):
+        simulate([1.0, 1.0, 1.0], 0.0, 1, reads=[(-1,), (0,)])
+
+
+# The papers' bubbles, under their assumptions: every stage (or model chunk)
+# costs the same, copies cost nothing, and a device computes one task at a
+# time. The bubble is the idle share of the devices' time over the step.
+
+
+def bubble(sim: object) -> float:
+    from mpstream.observe.compare import device_bubble
+
+    return device_bubble(sim.timeline)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 6])
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 12])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_fill_drain_and_1f1b_bubble_is_p_minus_1_over_m_plus_p_minus_1(
+    p: int, m: int, schedule: str
+) -> None:
+    # GPipe (Huang et al. 2019) and 1F1B (PipeDream-Flush, Narayanan et al. 2021).
+    sim = simulate([(1.0, 2.0)] * p, 0.0, m, schedule)
+    assert bubble(sim) == pytest.approx((p - 1) / (m + p - 1))
+
+
+@pytest.mark.parametrize(("p", "v"), [(2, 2), (2, 3), (3, 2), (4, 2), (4, 3)])
+@pytest.mark.parametrize("groups", [1, 2, 3])
+def test_interleaved_bubble_shrinks_with_virtual_stages(p: int, v: int, groups: int) -> None:
+    # Megatron-LM (Narayanan et al. 2021): p devices, each holding v chunks
+    # of 1/v of its layers, m a multiple of p: (p - 1) / (v m + p - 1).
+    m = groups * p
+    sim = simulate([(1.0 / v, 2.0 / v)] * (p * v), 0.0, m, "interleaved_1f1b", virtual_stages=v)
+    assert bubble(sim) == pytest.approx((p - 1) / (v * m + p - 1))
+    assert sim.step_ms == pytest.approx(3.0 * m + 3.0 * (p - 1) / v)
+    plain = simulate([(1.0, 2.0)] * p, 0.0, m, "1f1b")
+    assert sim.step_ms < plain.step_ms
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 6])
+@pytest.mark.parametrize("m", [6, 8, 12, 24])
+def test_zb_h1_bubble_is_a_third_of_1f1b(p: int, m: int) -> None:
+    # Zero Bubble (Qi et al. 2024), ZB-H1 with T_F = T_B = T_W and m >= p:
+    # each device idles (p - 1)(T_F + T_B - T_W), a third of 1F1B's
+    # (p - 1)(T_F + T_B + T_W).
+    zb = simulate([(1.0, 1.0, 1.0)] * p, 0.0, m, "zb_h1")
+    plain = simulate([(1.0, 1.0, 1.0)] * p, 0.0, m, "1f1b")
+    assert zb.step_ms == pytest.approx(3 * m + (p - 1))
+    assert plain.step_ms == pytest.approx(3 * (m + p - 1))
+    idle = zb.step_ms - 3 * m
+    assert idle == pytest.approx((plain.step_ms - 3 * m) / 3)
+
+
+def test_costs_as_triples_and_split_timelines_fit() -> None:
+    # A triple is (forward, input grad, weight grad): unsplit schedules add them.
+    assert simulate([(1.0, 0.5, 1.5)] * 2, 0.0, 4, "1f1b").step_ms == pytest.approx(
+        simulate([(1.0, 2.0)] * 2, 0.0, 4, "1f1b").step_ms
+    )
+    truth = simulate([(1.0, 0.5, 1.5), (2.0, 1.0, 1.0)], 0.0, 5, "zb_h1")
+    kinds = {s.kind for s in truth.timeline.spans}
+    assert kinds == {"forward", "backward", "weight", "copy", "copy_grad"}
+    costs = fit(truth.timeline)
+    assert costs.per_stage() == [(1.0, 0.5, 1.5), (2.0, 1.0, 1.0)]
+    assert simulate(costs.per_stage(), 0.0, 5, "zb_h1").step_ms == pytest.approx(truth.step_ms)
+    # A pair splits evenly when a schedule needs both passes.
+    assert simulate([(1.0, 2.0)] * 2, 0.0, 4, "zb_h1").step_ms == pytest.approx(
+        simulate([(1.0, 1.0, 1.0)] * 2, 0.0, 4, "zb_h1").step_ms
+    )
+    with pytest.raises(ValueError, match="negative"):
+        simulate([(1.0, -1.0, 1.0)], 0.0, 1, "zb_h1")
+
+
+def test_user_orders_and_shared_devices_are_simulated() -> None:
+    order = "F0m0 F1m0 B1m0 W1m0 B0m0 W0m0"
+    sim = simulate([(1.0, 1.0, 1.0)] * 2, 0.0, 1, order)
+    assert sim.schedule == "custom" and sim.step_ms == pytest.approx(5.0)
+    # Interleaved stages share their device's compute by default.
+    shared = simulate([(1.0, 2.0)] * 4, 0.0, 4, "interleaved_1f1b", devices=["a", "b", "a", "b"])
+    free = simulate(
+        [(1.0, 2.0)] * 4, 0.0, 4, "interleaved_1f1b", devices=["a", "b", "a", "b"],
+        share_compute=False,
+    )  # fmt: skip
+    assert shared.step_ms > free.step_ms
+    with pytest.raises(ValueError, match="round-robin"):
+        simulate([(1.0, 2.0)] * 4, 0.0, 4, "interleaved_1f1b", devices=["a", "a", "b", "b"])
+
+
+def test_a_host_bound_step_takes_the_hosts_issue_time() -> None:
+    issue = {("forward", 0): 3.0, ("forward", 1): 3.0}
+    free = simulate([1.0, 1.0], 0.0, 4)
+    assert free.step_ms == pytest.approx(5.0) and free.issue_ms == 0.0
+    # One thread issues all 8 forwards, 3 ms each: the devices wait on it.
+    bound = simulate([1.0, 1.0], 0.0, 4, issue_times=issue)
+    assert bound.step_ms == pytest.approx(24.0)
+    assert bound.issue_ms == pytest.approx(24.0)
+    assert bound.timeline.meta["issue_ms"] == pytest.approx(24.0)
+    # Cheap issue: the devices set the pace, the host adds its first task's lead.
+    cheap = simulate([1.0, 1.0], 0.0, 4, issue_times=0.1)
+    assert free.step_ms <= cheap.step_ms <= free.step_ms + 0.1 * 12
+    # The tutorial's default streams are host-bound the same way.
+    assert simulate([1.0, 1.0], 0.0, 4, overlap=False, issue_times=issue).step_ms == pytest.approx(
+        24.0
+    )
+
+
+def test_issue_times_are_checked() -> None:
+    with pytest.raises(ValueError, match="issue_times must not be negative"):
+        simulate([1.0], 0.0, 2, issue_times=-1.0)
+    with pytest.raises(ValueError, match="issue_times must not be negative"):
+        simulate([1.0], 0.0, 2, issue_times={("forward", 0): -1.0})
+    with pytest.raises(ValueError, match=r"issue_times needs 2 entries \(one per layer\), got 1"):
+        predict([1.0, 1.0], 2, 4, issue_times=[1.0])
+
+
+def test_fit_takes_issue_times_from_spans_that_carry_them() -> None:
+    spans = [
+        Span(s, m, kind, f"stage{s}.compute", 0.0, 1.0, issue_ms=0.5 + s)
+        for s in range(2)
+        for m in range(3)
+        for kind in ("forward", "backward")
+    ]
+    costs = fit(Timeline(spans, {"stage0.compute": "d0", "stage1.compute": "d1"}))
+    assert costs.issue_times == {
+        ("forward", 0): 0.5,
+        ("backward", 0): 0.5,
+        ("forward", 1): 1.5,
+        ("backward", 1): 1.5,
+    }
+    legacy = [Span(s.stage, s.micro, s.kind, s.stream, 0.0, 1.0) for s in spans]
+    assert fit(Timeline(legacy, {"stage0.compute": "d0", "stage1.compute": "d1"})).issue_times == {}
+
+
+def test_a_host_bound_pipeline_loses_to_the_whole_batch_on_one_device() -> None:
+    layers = [(1.0, 2.0)] * 4
+    device_bound = predict(layers, 2, 4)
+    assert device_bound.speedup > 1.5
+    # Issuing a layer costs the host more than running it: one host thread
+    # issues all 16 tasks of the pipeline (10 ms each), while the single
+    # device runs the whole batch (4 x 12 ms of work) issuing each kernel once.
+    host_bound = predict(layers, 2, 4, issue_times=[(5.0, 5.0)] * 4)
+    assert host_bound.step_ms == pytest.approx(160.0)
+    # forward: issued by 20 ms, runs 16; backward: issued 20..40, runs 32 from 20.
+    assert host_bound.single_device_ms == pytest.approx(52.0)
+    assert host_bound.speedup == pytest.approx(52.0 / 160.0)

@@ -1,0 +1,86 @@
+"""mpstream.profile: every task of a pipeline, timed (host clock on CPU)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from mpstream import Pipe
+from mpstream.observe.profiling import pipes_in, profile
+from tests.helpers import mlp
+
+
+def pipe3() -> Pipe:
+    return Pipe(mlp([6, 8, 8, 4]), chunks=4, balance=[2, 2, 2], devices=["cpu"] * 3)
+
+
+def test_plain_forward_and_backward_are_traced() -> None:
+    pipe = pipe3()
+    x = torch.randn(8, 6, dtype=torch.float64)
+    with profile(pipe) as prof:
+        for _ in range(2):
+            pipe(x).sum().backward()
+    assert prof.runs() == [1, 2]
+    for run in (1, 2):
+        got = {(s.kind, s.stage, s.micro) for s in prof.spans if s.run == run}
+        expected = {(k, s, m) for k in ("forward", "backward") for s in range(3) for m in range(4)}
+        assert got == expected
+    for span in prof.spans:
+        assert span.stream == f"stage{span.stage}.compute@cpu"
+        assert span.end_ms >= span.start_ms
+    # A stage's backward of a micro-batch starts after its forward ended.
+    fwd = {(s.stage, s.micro, s.run): s for s in prof.spans if s.kind == "forward"}
+    for s in prof.spans:
+        if s.kind == "backward":
+            assert s.start_ms >= fwd[(s.stage, s.micro, s.run)].end_ms
+    summary = prof.summary(echo=False)
+    assert len(summary.stage_busy_ms) == 3 and 0 <= summary.bubble_fraction < 1
+    assert not pipe.scheduler.timing, "timing must be switched back off"
+    assert pipe.scheduler.timings() == []
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_train_step_tasks_are_traced(schedule: str, tmp_path: Path) -> None:
+    pipe = Pipe(mlp([6, 8, 4]), chunks=3, balance=[2, 2], devices=["cpu", "cpu"], schedule=schedule)
+    x, y = torch.randn(6, 6, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    with profile(pipe) as prof:
+        pipe.train_step(x, y, nn.MSELoss())
+    kinds = [(s.kind, s.stage, s.micro) for s in prof.spans]
+    assert sorted(kinds) == sorted(
+        (k, s, m) for k in ("forward", "backward") for s in range(2) for m in range(3)
+    )
+    doc = json.loads(prof.export_chrome_trace(tmp_path / "t.json").read_text())
+    tracks = {e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"}
+    assert {"stage0.compute@cpu", "stage1.compute@cpu"} <= tracks
+    assert prof.plot(tmp_path / "t.png").exists()
+
+
+def test_pipes_are_found_inside_models() -> None:
+    from mpstream.tutorial import StreamPipelineResNet50
+
+    model = StreamPipelineResNet50("cpu", "cpu", split_size=4, num_classes=10)
+    assert pipes_in(model) == [model.__dict__["pipe"]]
+    outer = nn.Sequential(pipe3(), nn.Linear(4, 4))
+    assert len(pipes_in(outer)) == 1
+    with pytest.raises(ValueError, match="contains no mpstream.Pipe"):
+        with profile(nn.Linear(2, 2)):
+            pass
+
+
+def test_profile_is_empty_until_the_block_ends() -> None:
+    pipe = pipe3()
+    with profile(pipe) as prof:
+        pipe(torch.randn(4, 6, dtype=torch.float64))
+        assert prof.recording and prof.spans == []
+    assert not prof.recording and len(prof.spans) == 12
+
+
+def test_two_pipes_get_separate_tracks() -> None:
+    model = nn.Sequential(pipe3(), Pipe(mlp([4, 4]), chunks=2))
+    with profile(model) as prof:
+        model(torch.randn(4, 6, dtype=torch.float64))
+    assert {s.stream.split("/")[0] for s in prof.spans} == {"pipe0", "pipe1"}

@@ -1,0 +1,103 @@
+"""Timelines: summaries computed exactly, Chrome traces, Gantt charts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mpstream.observe.timeline import Span, Timeline
+
+STREAMS = {
+    "stage0.compute": "cuda:0",
+    "stage0.copy": "cuda:0",
+    "stage1.compute": "cuda:1",
+    "stage1.copy": "cuda:1",
+}
+
+
+def two_stage() -> Timeline:
+    spans = [
+        Span(0, 0, "forward", "stage0.compute", 0.0, 4.0),
+        Span(0, 1, "forward", "stage0.compute", 4.0, 8.0),
+        Span(0, 0, "copy", "stage1.copy", 4.0, 6.0),  # fully under stage 0's compute
+        Span(1, 0, "forward", "stage1.compute", 6.0, 10.0),
+        Span(0, 1, "copy", "stage1.copy", 8.0, 10.0),  # under stage 1's compute
+        Span(1, 1, "forward", "stage1.compute", 10.0, 14.0),
+        Span(0, 0, "copy_grad", "stage0.copy", 14.0, 16.0),  # nothing computes: exposed
+    ]
+    return Timeline(spans, dict(STREAMS))
+
+
+def test_summary_numbers_are_exact() -> None:
+    s = two_stage().summary(echo=False)
+    assert s.runs == 1
+    assert s.makespan_ms == 16.0
+    assert s.stage_busy_ms == [8.0, 8.0]
+    assert s.bubble_fraction == pytest.approx(1 - 16 / 32)
+    assert s.copy_hidden_fraction == pytest.approx(4 / 6)
+
+
+def test_summary_averages_runs_and_prints(capsys: pytest.CaptureFixture[str]) -> None:
+    first = two_stage().spans
+    second = [
+        Span(s.stage, s.micro, s.kind, s.stream, s.start_ms + 100, s.end_ms + 100, 2)
+        for s in first[:4]
+    ]
+    s = Timeline(first + second, dict(STREAMS)).summary()
+    assert s.runs == 2
+    assert s.makespan_ms == pytest.approx((16.0 + 10.0) / 2)
+    out = capsys.readouterr().out
+    assert (
+        "bubble fraction" in out
+        and "copy time hidden behind compute" in out
+        and "stage 1 busy" in out
+    )
+    assert s.to_dict()["per_run"][1]["makespan_ms"] == 10.0
+
+
+def test_no_copies_means_no_hidden_fraction() -> None:
+    tl = Timeline([Span(0, 0, "forward", "stage0.compute", 0, 1)], {"stage0.compute": "cpu"})
+    assert tl.summary(echo=False).copy_hidden_fraction is None
+    with pytest.raises(ValueError, match="empty"):
+        Timeline([], {}).summary()
+
+
+def test_chrome_trace_has_a_track_per_stream(tmp_path: Path) -> None:
+    tl = two_stage()
+    path = tl.export_chrome_trace(tmp_path / "trace.json")
+    doc = json.loads(path.read_text())
+    events = doc["traceEvents"]
+    threads = {
+        e["args"]["name"]: (e["pid"], e["tid"]) for e in events if e["name"] == "thread_name"
+    }
+    processes = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert set(threads) == set(STREAMS)
+    assert sorted(processes.values()) == ["cuda:0", "cuda:1"]
+    for stream, (pid, _) in threads.items():
+        assert processes[pid] == STREAMS[stream]
+    complete = [e for e in events if e["ph"] == "X"]
+    assert len(complete) == len(tl.spans)
+    for e, span in zip(complete, tl.spans):
+        assert (e["pid"], e["tid"]) == threads[span.stream]
+        assert e["ts"] == pytest.approx(span.start_ms * 1e3) and e["dur"] == pytest.approx(
+            span.duration_ms * 1e3
+        )
+        assert e["cat"] == span.kind and e["args"]["micro"] == span.micro
+
+
+def test_plot_writes_a_png(tmp_path: Path) -> None:
+    path = two_stage().plot(tmp_path / "gantt.png", title="test")
+    assert path.read_bytes().startswith(b"\x89PNG")
+    with pytest.raises(ValueError, match="empty"):
+        Timeline([], {}).plot(tmp_path / "none.png")
+
+
+def test_select_and_copy_span_stages() -> None:
+    tl = two_stage()
+    assert tl.select(1).spans == tl.spans and tl.select(2).spans == []
+    assert tl.spans[2].stages == (0, 1)
+    assert Span(0, 0, "copy", "x", 0, 1).stages == (0, 1)
+    assert Span(-1, 0, "copy", "x", 0, 1).stages == (0,)
+    assert tl.spans[-1].stages == (1, 0)

@@ -1,0 +1,126 @@
+"""Autotuning: finds the minimum of a synthetic curve, stops early, caches as JSON."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from mpstream.observe.tuning import TuneResult, candidate_split_sizes, default_cache, tune
+
+
+class Curve(nn.Module):
+    """A model whose step time is a U-shaped function of its split size."""
+
+    def __init__(self, best: int = 6, step_ms: float = 4.0, floor_ms: float = 3.0) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.split_size = 1
+        self.best = best
+        self.step_ms = step_ms
+        self.floor_ms = floor_ms
+        self.calls: list[int] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls.append(self.split_size)
+        time.sleep((self.floor_ms + self.step_ms * abs(self.split_size - self.best)) / 1e3)
+        return self.lin(x)
+
+
+SAMPLE = torch.randn(16, 2)
+
+
+def test_finds_the_minimum_and_stops_when_times_rise(tmp_path: Path) -> None:
+    model = Curve()
+    result = tune(model, SAMPLE, lambda out: out.sum(), cache=tmp_path / "c.json", progress=False)
+    assert result.split_size == 6
+    assert model.split_size == 6, "the model is left at the best split size"
+    assert result.stopped_early
+    assert [p.split_size for p in result.curve] == [1, 2, 3, 4, 5, 6, 8, 10]
+    assert not result.cached
+
+
+def test_cache_is_plain_json_and_is_used(tmp_path: Path) -> None:
+    path = tmp_path / "cache.json"
+    first = tune(Curve(), SAMPLE, None, [2, 6, 12], cache=path, progress=False)
+    doc = json.loads(path.read_text())
+    ((key_text, entry),) = doc.items()
+    key = json.loads(key_text)
+    assert key["torch"] == torch.__version__ and key["mode"] == "forward"
+    assert key["batch"] == [[[16, 2], "torch.float32", "cpu"]] and key["devices"] == ["cpu"]
+    assert key["model"].endswith("Curve") and key["split_sizes"] == [2, 6, 12]
+    assert entry["best"]["split_size"] == 6
+    model = Curve()
+    again = tune(model, SAMPLE, None, [2, 6, 12], cache=path, progress=False)
+    assert again.cached and model.calls == [] and again.split_size == first.split_size
+    assert model.split_size == 6, "a cache hit leaves the model at the best split size too"
+    fresh = tune(model, SAMPLE, None, [2, 6, 12], cache=path, refresh=True, progress=False)
+    assert not fresh.cached and model.calls
+
+
+def test_other_batch_shapes_miss_the_cache(tmp_path: Path) -> None:
+    path = tmp_path / "cache.json"
+    tune(Curve(), SAMPLE, None, [2, 6], cache=path, progress=False)
+    model = Curve()
+    tune(model, torch.randn(12, 2), None, [2, 6], cache=path, progress=False)
+    assert model.calls
+    assert len(json.loads(path.read_text())) == 2
+
+
+def test_unreadable_cache_warns_and_is_replaced(tmp_path: Path) -> None:
+    path = tmp_path / "cache.json"
+    path.write_text("{not json")
+    with pytest.warns(UserWarning, match="unreadable tuning cache"):
+        tune(Curve(), SAMPLE, None, [2, 6], cache=path, progress=False)
+    assert json.loads(path.read_text())
+
+
+def test_factory_with_balances_and_plot(tmp_path: Path) -> None:
+    built: list[tuple[int, list[int] | None]] = []
+
+    def factory(split_size: int, balance: list[int] | None) -> nn.Module:
+        built.append((split_size, balance))
+        # Balance [1, 1] is fastest at split 4; [2, 0] is best at 8 but slower.
+        model = Curve(best=4, floor_ms=3.0) if balance == [1, 1] else Curve(best=8, floor_ms=9.0)
+        model.split_size = split_size
+        return model
+
+    result = tune(
+        factory,
+        SAMPLE,
+        None,
+        [2, 4, 8],
+        balances=[[1, 1], [2, 0]],
+        cache=None,
+        progress=False,
+        plot=tmp_path / "curve.png",
+    )
+    assert result.split_size == 4 and result.balance == [1, 1]
+    assert {b for _, b in map(lambda t: (t[0], tuple(t[1] or ())), built)} == {(1, 1), (2, 0)}
+    assert (tmp_path / "curve.png").read_bytes().startswith(b"\x89PNG")
+    loaded = TuneResult.from_json(result.to_json(), result.key)
+    assert loaded.split_size == 4 and loaded.cached
+
+
+def test_errors() -> None:
+    with pytest.raises(TypeError, match="no split_size"):
+        tune(nn.Linear(2, 2), SAMPLE, cache=None, progress=False)
+    with pytest.raises(ValueError, match="factory"):
+        tune(Curve(), SAMPLE, balances=[[1, 1]], cache=None, progress=False)
+    with pytest.raises(ValueError, match="positive ints"):
+        tune(Curve(), SAMPLE, split_sizes=[0, 2], cache=None, progress=False)
+    with pytest.raises(ValueError, match="repeat"):
+        tune(Curve(), SAMPLE, repeat=0, cache=None, progress=False)
+    with pytest.raises(TypeError, match="not an nn.Module"):
+        tune(lambda s: 3, SAMPLE, cache=None, progress=False)
+
+
+def test_defaults(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    assert candidate_split_sizes(16) == [1, 2, 3, 4, 5, 6, 8, 10, 12, 16]
+    assert candidate_split_sizes(7) == [1, 2, 3, 4, 5, 6, 7]
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert default_cache() == tmp_path / "mpstream" / "tune.json"

@@ -1,0 +1,91 @@
+"""Pipe(compile=...): each stage's partition compiled with torch.compile.
+Results equal the eager pipe, the worker adds no graph break inside a stage,
+state_dict keys do not change. Backends stay cheap on the CPU (aot_eager
+checks AOTAutograd's backward; inductor would take minutes on two cores)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.utils import counters
+
+from mpstream import Pipe, profile
+from mpstream.pipe.compiling import compile_options
+from tests.helpers import assert_same_grads
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> Iterator[None]:
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 3)
+    ).double()
+
+
+def test_compiled_stages_equal_the_eager_pipe_without_graph_breaks() -> None:
+    kwargs = {"split_size": 4, "balance": [3, 3], "devices": ["cpu"] * 2}
+    eager = Pipe(model(), **kwargs)  # type: ignore[arg-type]
+    compiled = Pipe(model(), compile={"backend": "aot_eager"}, **kwargs)  # type: ignore[arg-type]
+    assert list(compiled.state_dict()) == list(model().state_dict())
+    x, y = torch.randn(10, 6, dtype=torch.float64), torch.randn(10, 3, dtype=torch.float64)
+    for pipe in (eager, compiled):
+        pipe.checkpoint = "except_last"
+        with profile(pipe):  # timing marks wrap the stage calls, outside the graphs
+            pipe(x).pow(2).sum().backward()
+        pipe.checkpoint, pipe.schedule = "always", "1f1b"
+        pipe.train_step(x, y, nn.MSELoss())
+    assert_same_grads(compiled, eager)
+    for (name, a), b in zip(compiled.named_buffers(), eager.buffers()):
+        torch.testing.assert_close(a, b, msg=name)
+    # Recompilations (a new micro-batch shape, an input that requires grad
+    # under profiling) are fine; a break inside a stage is not.
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_deferred_batch_norm_compiles_without_recompiling_per_micro_batch() -> None:
+    kwargs = {"chunks": 6, "balance": [2, 4], "devices": ["cpu"] * 2, "deferred_batch_norm": True}
+    eager = Pipe(model(), **kwargs)  # type: ignore[arg-type]
+    compiled = Pipe(model(), compile={"backend": "eager"}, **kwargs)  # type: ignore[arg-type]
+    for _ in range(2):
+        x = torch.randn(12, 6, dtype=torch.float64)
+        eager(x).sum().backward()
+        compiled(x).sum().backward()
+    assert_same_grads(compiled, eager)
+    for (name, a), b in zip(compiled.named_buffers(), eager.buffers()):
+        torch.testing.assert_close(a, b, msg=name)
+    # Its statistics bookkeeping runs eagerly (one break), not once per graph
+    # per micro-batch count.
+    assert counters["stats"]["unique_graphs"] <= 3
+
+
+def test_compile_option_is_checked_at_construction() -> None:
+    assert compile_options(False) is None and compile_options(None) is None
+    assert compile_options(True) is not None
+    copied = compile_options({"backend": "eager"})
+    assert copied is not None and copied["backend"] == "eager"
+    seq = nn.Sequential(nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="compile must be a bool or a dict"):
+        Pipe(seq, compile="yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
+        Pipe(seq, compile={"bogus": 1})
+    with pytest.raises(RuntimeError, match="Invalid backend"):
+        Pipe(seq, compile={"backend": "no_such_backend"})
+
+
+def test_a_compiled_pipe_copies_and_pickles() -> None:
+    pipe = Pipe(model(), compile={"backend": "eager"}, balance=[3, 3], devices=["cpu"] * 2)
+    x = torch.randn(4, 6, dtype=torch.float64)
+    out = pipe(x)
+    twin = copy.deepcopy(pipe)
+    torch.testing.assert_close(twin(x), out)

@@ -1,0 +1,423 @@
+"""Pipe.train_step: gradients equal the whole-batch loss's, for both
+schedules, every checkpoint mode and uneven micro-batches; 1F1B bounds the
+activations alive per stage; failures leave nothing half-done."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from mpstream import Pipe, verify_plan
+from mpstream.memory import SavedTensorTracker
+from mpstream.runtime import training
+from mpstream.runtime.microbatch import scatter
+from mpstream.runtime.plan import Plan
+from mpstream.runtime.scheduler import EventScheduler
+from mpstream.runtime.worker import Worker
+from mpstream.schedules.schedule import Schedule
+from tests.helpers import assert_same_grads, mlp
+
+BATCH = 10
+SCHEDULES = ["gpipe", "1f1b"]
+MODES = ["never", "except_last", "always"]
+
+
+def reference_step(
+    model: nn.Module, x: Tensor, y: Tensor, loss_fn: Callable[..., Tensor]
+) -> Tensor:
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    return loss.detach()
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("checkpoint", MODES)
+@pytest.mark.parametrize(("stages", "split_size"), [(2, 1), (3, 3), (4, 7), (3, BATCH), (2, 25)])
+def test_gradients_equal_the_whole_batch(
+    schedule: str, checkpoint: str, stages: int, split_size: int
+) -> None:
+    model = mlp([5, 8, 7, 6, 4])
+    ref = copy.deepcopy(model)
+    balance = {2: [4, 4], 3: [2, 3, 3], 4: [2, 2, 2, 2]}[stages]
+    pipe = Pipe(
+        model,
+        split_size=split_size,
+        balance=balance,
+        devices=["cpu"] * stages,
+        schedule=schedule,
+        checkpoint=checkpoint,
+    )
+    x, y = torch.randn(BATCH, 5, dtype=torch.float64), torch.randn(BATCH, 4, dtype=torch.float64)
+    loss = pipe.train_step(x, y, nn.MSELoss())
+    expected = reference_step(ref, x, y, nn.MSELoss())
+    torch.testing.assert_close(loss, expected)
+    assert not loss.requires_grad
+    assert_same_grads(pipe, ref)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_sum_reduction(schedule: str) -> None:
+    model = mlp([5, 6, 3])
+    ref = copy.deepcopy(model)
+    pipe = Pipe(model, chunks=3, balance=[2, 2], devices=["cpu", "cpu"], schedule=schedule)
+    x, y = torch.randn(BATCH, 5, dtype=torch.float64), torch.randn(BATCH, 3, dtype=torch.float64)
+    loss_fn = nn.MSELoss(reduction="sum")
+    loss = pipe.train_step(x, y, loss_fn, reduction="sum")
+    torch.testing.assert_close(loss, reference_step(ref, x, y, loss_fn))
+    assert_same_grads(pipe, ref)
+
+
+class TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 3).double()
+        self.b = nn.Linear(4, 2).double()
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return self.a(x), self.b(x)
+
+
+def test_tuple_outputs_and_targets() -> None:
+    model = nn.Sequential(nn.Linear(5, 4).double(), nn.Tanh(), TwoHeads())
+    ref = copy.deepcopy(model)
+    pipe = Pipe(model, split_size=4, balance=[2, 1], devices=["cpu", "cpu"], schedule="1f1b")
+
+    def loss_fn(out: tuple[Tensor, Tensor], target: tuple[Tensor, Tensor]) -> Tensor:
+        return nn.functional.mse_loss(out[0], target[0]) + nn.functional.mse_loss(out[1], target[1])
+
+    x = torch.randn(BATCH, 5, dtype=torch.float64)
+    y = (torch.randn(BATCH, 3, dtype=torch.float64), torch.randn(BATCH, 2, dtype=torch.float64))
+    loss = pipe.train_step(x, y, loss_fn)
+    torch.testing.assert_close(loss, reference_step(ref, x, y, loss_fn))
+    assert_same_grads(pipe, ref)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_stage_may_start_with_an_in_place_op(schedule: str) -> None:
+    model = nn.Sequential(nn.Linear(5, 6), nn.ReLU(inplace=True), nn.Linear(6, 3)).double()
+    ref = copy.deepcopy(model)
+    pipe = Pipe(model, split_size=3, balance=[1, 2], devices=["cpu", "cpu"], schedule=schedule)
+    x, y = torch.randn(BATCH, 5, dtype=torch.float64), torch.randn(BATCH, 3, dtype=torch.float64)
+    loss = pipe.train_step(x, y, nn.MSELoss())
+    torch.testing.assert_close(loss, reference_step(ref, x, y, nn.MSELoss()))
+    assert_same_grads(pipe, ref)
+
+
+def test_consecutive_steps_accumulate_and_optimizers_work() -> None:
+    model = mlp([5, 6, 3])
+    ref = copy.deepcopy(model)
+    pipe = Pipe(model, split_size=3, balance=[2, 2], devices=["cpu", "cpu"], schedule="1f1b")
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(3):
+        x, y = (
+            torch.randn(BATCH, 5, dtype=torch.float64),
+            torch.randn(BATCH, 3, dtype=torch.float64),
+        )
+        opt.zero_grad()
+        opt_ref.zero_grad()
+        pipe.train_step(x, y, nn.MSELoss())
+        pipe.train_step(x, y, nn.MSELoss())  # accumulates: twice the gradient
+        reference_step(ref, x, y, nn.MSELoss())
+        reference_step(ref, x, y, nn.MSELoss())
+        opt.step()
+        opt_ref.step()
+    for a, b in zip(pipe.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b)
+
+
+def test_plain_backward_still_works_with_a_1f1b_pipe() -> None:
+    model = mlp([5, 6, 3])
+    ref = copy.deepcopy(model)
+    pipe = Pipe(model, split_size=3, balance=[2, 2], devices=["cpu", "cpu"], schedule="1f1b")
+    x, y = torch.randn(BATCH, 5, dtype=torch.float64), torch.randn(BATCH, 3, dtype=torch.float64)
+    nn.MSELoss()(pipe(x), y).backward()
+    reference_step(ref, x, y, nn.MSELoss())
+    assert_same_grads(pipe, ref)
+
+
+class Token:
+    """Counts live activations of one stage: alive while its graph node is."""
+
+    live: dict[int, int] = {}
+    peak: dict[int, int] = {}
+
+    def __init__(self, stage: int) -> None:
+        self.stage = stage
+        Token.live[stage] = Token.live.get(stage, 0) + 1
+        Token.peak[stage] = max(Token.peak.get(stage, 0), Token.live[stage])
+
+    def __del__(self) -> None:
+        Token.live[self.stage] -= 1
+
+
+class Probe(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: object, stage: int, x: Tensor) -> Tensor:
+        ctx.token = Token(stage)  # type: ignore[attr-defined]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: object, g: Tensor) -> tuple[None, Tensor]:
+        return None, g
+
+
+class Probed(nn.Module):
+    def __init__(self, stage: int) -> None:
+        super().__init__()
+        self.stage = stage
+        self.lin = nn.Linear(4, 4).double()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return Probe.apply(self.stage, torch.tanh(self.lin(x)))
+
+
+@pytest.mark.parametrize(("stages", "micros"), [(2, 8), (3, 8), (4, 8), (4, 2), (5, 12)])
+def test_1f1b_bounds_live_activations_per_stage(stages: int, micros: int) -> None:
+    for schedule in SCHEDULES:
+        Token.live.clear()
+        Token.peak.clear()
+        pipe = Pipe(
+            nn.Sequential(*[Probed(s) for s in range(stages)]), chunks=micros, schedule=schedule
+        )
+        pipe.train_step(
+            torch.randn(micros, 4, dtype=torch.float64),
+            torch.randn(micros, 4, dtype=torch.float64),
+            nn.MSELoss(),
+        )
+        assert all(v == 0 for v in Token.live.values()), "activations outlived the step"
+        if schedule == "gpipe":
+            assert Token.peak == dict.fromkeys(range(stages), micros)
+        else:
+            for s in range(stages):
+                assert Token.peak[s] <= min(stages - s, micros), (s, Token.peak)
+
+
+def test_1f1b_saves_fewer_bytes_than_gpipe() -> None:
+    peaks = {}
+    for schedule in SCHEDULES:
+        model = mlp([32, 64, 64, 64, 32])
+        pipe = Pipe(model, chunks=8, balance=[2, 2, 2, 2], devices=["cpu"] * 4, schedule=schedule)
+        x, y = torch.randn(64, 32, dtype=torch.float64), torch.randn(64, 32, dtype=torch.float64)
+        with SavedTensorTracker() as tracker:
+            pipe.train_step(x, y, nn.MSELoss())
+        assert tracker.current_bytes == 0
+        peaks[schedule] = tracker.peak_bytes
+    assert peaks["1f1b"] < 0.75 * peaks["gpipe"], peaks
+
+
+def test_train_step_plan_with_forced_copies_is_valid() -> None:
+    """Copy and gradient-copy tasks of a training run, planned and checked."""
+    model = mlp([4, 5, 6, 3])
+    ref = copy.deepcopy(model)
+    parts = [model[0:2], model[2:4], model[4:6]]
+    sched = EventScheduler([torch.device("cpu")] * 3)
+    worker = Worker(parts, sched)
+    x, y = torch.randn(BATCH, 4, dtype=torch.float64), torch.randn(BATCH, 3, dtype=torch.float64)
+    micro, targets = scatter(x, None, 3), scatter(y, None, 3)
+    for name in SCHEDULES:
+        model.zero_grad()
+        schedule = Schedule(name, 3, len(micro), [True, True, True], backward=True)
+        sched.recording = True
+        sched.clear_plan()
+        weights = [len(m) / BATCH for m in micro]  # type: ignore[arg-type]
+        batches = [(b,) for b in micro]
+        losses = training.run(worker, batches, targets, schedule, nn.MSELoss(), weights)
+        verify_plan(Plan(sched.plan(), sched.slot_names, sched.slot_devices, 3))
+        kinds = {op.kind for op in sched.plan() if op.op == "run"}
+        assert kinds == {"forward", "backward", "copy", "copy_grad"}
+        ref.zero_grad()
+        expected = reference_step(ref, x, y, nn.MSELoss())
+        torch.testing.assert_close(torch.stack(losses).sum(), expected)
+        assert_same_grads(model, ref)
+
+
+# -- errors and failure recovery ---------------------------------------------------
+
+
+def small_pipe(**kw: object) -> Pipe:
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)).double()
+    return Pipe(model, split_size=4, balance=[2, 1], devices=["cpu", "cpu"], **kw)  # type: ignore[arg-type]
+
+
+def data() -> tuple[Tensor, Tensor]:
+    return torch.randn(BATCH, 4, dtype=torch.float64), torch.randn(BATCH, 2, dtype=torch.float64)
+
+
+def test_bad_arguments() -> None:
+    pipe = small_pipe()
+    x, y = data()
+    with pytest.raises(ValueError, match="reduction must be one of 'mean', 'sum'"):
+        pipe.train_step(x, y, nn.MSELoss(), reduction="avg")
+    with pytest.raises(ValueError, match="target has batch size 3 but inputs have 10"):
+        pipe.train_step(x, y[:3], nn.MSELoss())
+    with pytest.raises(TypeError, match="target"):
+        pipe.train_step(x, "labels", nn.MSELoss())  # type: ignore[arg-type]
+    with pytest.raises(
+        TypeError, match="loss_fn must return a scalar tensor, got a tensor of shape"
+    ):
+        pipe.train_step(x, y, nn.MSELoss(reduction="none"))
+    with pytest.raises(ValueError, match="schedule must be one of 'gpipe', '1f1b'"):
+        small_pipe(schedule="interleaved")
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("had_grads", [False, True])
+def test_failure_restores_gradients_and_batchnorm(schedule: str, had_grads: bool) -> None:
+    pipe = small_pipe(schedule=schedule)
+    x, y = data()
+    if had_grads:
+        pipe.train_step(x, y, nn.MSELoss())
+    before_grads = [None if p.grad is None else p.grad.clone() for p in pipe.parameters()]
+    before_stats = [b.clone() for b in pipe.buffers()]
+    calls = 0
+
+    def flaky(out: Tensor, target: Tensor) -> Tensor:
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise KeyError("loss failed on micro-batch 2")
+        return nn.functional.mse_loss(out, target)
+
+    with pytest.raises(KeyError, match="micro-batch 2"):
+        pipe.train_step(x, y, flaky)
+    for p, g in zip(pipe.parameters(), before_grads):
+        if g is None:
+            assert p.grad is None
+        else:
+            torch.testing.assert_close(p.grad, g)
+    for b, saved in zip(pipe.buffers(), before_stats):
+        torch.testing.assert_close(b, saved)
+    assert not pipe.scheduler.native.running
+    pipe.train_step(x, y, nn.MSELoss())  # the next step works
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_forced_copies_give_the_same_step(schedule: str, checkpoint: str) -> None:
+    model = mlp([4, 5, 6, 3])
+    ref = copy.deepcopy(model)
+    pipe = Pipe(
+        model,
+        split_size=3,
+        balance=[2, 2, 2],
+        devices=["cpu"] * 3,
+        schedule=schedule,
+        checkpoint=checkpoint,
+        force_copies=True,
+    )
+    x, y = torch.randn(BATCH, 4, dtype=torch.float64), torch.randn(BATCH, 3, dtype=torch.float64)
+    loss = pipe.train_step(x, y, nn.MSELoss())
+    torch.testing.assert_close(loss, reference_step(ref, x, y, nn.MSELoss()))
+    assert_same_grads(model, ref)
+
+
+def test_target_tasks_move_targets_ahead_of_the_last_stage() -> None:
+    """Targets not on the last stage's device move in tasks of their own
+    (issued with the inputs), not inside the last stage's forward."""
+    model = mlp([4, 5, 3])
+    ref = copy.deepcopy(model)
+    sched = EventScheduler([torch.device("cpu")] * 2)
+    worker = Worker([model[0:2], model[2:4]], sched)
+    x, y = torch.randn(BATCH, 4, dtype=torch.float64), torch.randn(BATCH, 3, dtype=torch.float64)
+    micro, targets = scatter(x, None, 4), scatter(y, None, 4)
+    for name in SCHEDULES:
+        model.zero_grad()
+        schedule = Schedule(name, 2, len(micro), [False, False], backward=True, copy_target=True)
+        sched.recording = True
+        sched.clear_plan()
+        batches = [(b,) for b in micro]
+        losses = training.run(worker, batches, targets, schedule, nn.MSELoss(), [0.4, 0.4, 0.2])
+        plan = Plan(sched.plan(), sched.slot_names, sched.slot_devices, 2)
+        verify_plan(plan)
+        runs = [op for op in plan.ops if op.op == "run"]
+        assert [(op.kind, op.micro) for op in runs if op.kind == "target"] == [
+            ("target", m) for m in range(3)
+        ]
+        first_forward = next(i for i, op in enumerate(runs) if op.kind == "forward")
+        assert runs[first_forward - 1].kind == "target"  # issued ahead, with the input
+        assert {plan.slot_names[op.slot] for op in runs if op.kind == "target"} == {"io@cpu"}
+        ref.zero_grad()
+        expected = reference_step(ref, x, y, nn.MSELoss())
+        torch.testing.assert_close(torch.stack(losses).sum(), expected)
+        assert_same_grads(model, ref)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_existing_gradients_are_saved_only_when_a_backward_begins(
+    schedule: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mpstream.pipe.snapshot import Snapshot
+
+    saved: list[int] = []
+    real = Snapshot.save_grads
+
+    def spy(self: object, stage: int) -> None:
+        saved.append(stage)
+        real(self, stage)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Snapshot, "save_grads", spy)
+    pipe = small_pipe(schedule=schedule)
+    x, y = data()
+    pipe.train_step(x, y, nn.MSELoss())  # gradients exist from now on
+    saved.clear()
+
+    def fails_last(out: Tensor, target: Tensor) -> Tensor:
+        if out.shape[0] < 4:  # the last (uneven) micro-batch
+            raise KeyError("loss failed")
+        return nn.functional.mse_loss(out, target)
+
+    before = [p.grad.clone() for p in pipe.parameters()]  # type: ignore[union-attr]
+    with pytest.raises(KeyError):
+        pipe.train_step(x, y, fails_last)
+    # gpipe fails before any backward: nothing cloned. 1f1b interleaves
+    # backwards (the last stage's first) before the failing forward.
+    assert saved == [] if schedule == "gpipe" else saved[0] == 1
+    for p, g in zip(pipe.parameters(), before):
+        torch.testing.assert_close(p.grad, g)
+    saved.clear()
+    pipe.train_step(x, y, nn.MSELoss())
+    assert sorted(saved) == [0, 1]
+
+
+class FailingBackward(torch.autograd.Function):
+    calls = 0
+
+    @staticmethod
+    def forward(ctx: object, x: Tensor) -> Tensor:  # type: ignore[override]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: object, grad: Tensor) -> Tensor:  # type: ignore[override]
+        FailingBackward.calls += 1
+        if FailingBackward.calls == 2:
+            raise KeyError("backward failed")
+        return grad
+
+
+class FailOnSecondBackward(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return FailingBackward.apply(x)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_failed_backward_restores_accumulated_gradients(schedule: str) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), FailOnSecondBackward(), nn.Linear(4, 2)).double()
+    pipe = Pipe(model, split_size=4, balance=[2, 1], devices=["cpu", "cpu"], schedule=schedule)
+    x, y = data()
+    FailingBackward.calls = -100
+    pipe.train_step(x, y, nn.MSELoss())
+    before = [p.grad.clone() for p in pipe.parameters()]  # type: ignore[union-attr]
+    FailingBackward.calls = 0
+    with pytest.raises(KeyError, match="backward failed"):
+        pipe.train_step(x, y, nn.MSELoss())
+    for p, g in zip(pipe.parameters(), before):
+        torch.testing.assert_close(p.grad, g)
+    FailingBackward.calls = -100
+    pipe.train_step(x, y, nn.MSELoss())
+    for p, g in zip(pipe.parameters(), before):
+        torch.testing.assert_close(p.grad, 2 * g)

@@ -1,0 +1,87 @@
+"""How the worker calls stages: a Chain spreads tuples, one-layer stages are
+called directly unless that would skip a hook or a replaced forward."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+from torch import nn
+
+from mpstream import Pipe
+from mpstream.runtime.calls import Chain, StageCalls, takes_several
+
+
+class Pair(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, x * 2
+
+
+class Add(nn.Module):
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x + y
+
+
+class Whole(nn.Module):
+    def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return pair[0] - pair[1]
+
+
+def test_a_tuple_is_spread_over_a_layer_taking_several_arguments() -> None:
+    chain = Chain(OrderedDict([("pair", Pair()), ("add", Add())]))
+    torch.testing.assert_close(chain(torch.ones(2)), torch.full((2,), 3.0))
+    chain = Chain(OrderedDict([("pair", Pair()), ("whole", Whole())]))
+    torch.testing.assert_close(chain(torch.ones(2)), torch.full((2,), -1.0))
+    # Several inputs: spread over the first layer, or given whole as a tuple.
+    torch.testing.assert_close(
+        Chain(OrderedDict(add=Add()))(torch.ones(1), torch.ones(1)), torch.full((1,), 2.0)
+    )
+    whole = Chain(OrderedDict(whole=Whole()))
+    torch.testing.assert_close(whole(torch.ones(1), torch.ones(1)), torch.zeros(1))
+    assert takes_several(Add()) and not takes_several(nn.Linear(1, 1))
+
+
+def test_one_layer_stages_are_called_directly_unless_that_changes_anything() -> None:
+    block, add, pair = nn.Linear(2, 2), Add(), Pair()
+    parts = [Chain(OrderedDict(block=block)), Chain(OrderedDict(add=add))]
+    calls = StageCalls(parts)
+    assert calls(1) == [block, parts[1]]  # Add spreads a tuple: keep the chain
+    assert calls(2)[0] is parts[0]  # several inputs become one tuple
+    two = Chain(OrderedDict([("pair", pair), ("whole", Whole())]))
+    assert StageCalls([two])(1) == [two]
+    hooked = Chain(OrderedDict(block=block))
+    calls = StageCalls([hooked])
+    assert calls(1) == [block]
+    hooked.register_forward_hook(lambda *_: None)  # after the worker was built
+    assert calls(1) == [hooked]
+
+
+def test_a_hook_on_a_stage_still_runs() -> None:
+    pipe = Pipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), chunks=2)
+    seen: list[int] = []
+    pipe.partitions[1].register_forward_hook(lambda module, args, out: seen.append(len(out)))
+    pipe(torch.randn(4, 2))
+    assert seen == [2, 2]
+
+
+def test_what_a_stage_call_does_is_kept() -> None:
+    pipe = Pipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), chunks=2)
+    x = torch.randn(4, 2)
+    pipe(x)
+    # Hooks for every module see the stages as before.
+    chains: list[nn.Module] = []
+    handle = nn.modules.module.register_module_forward_hook(
+        lambda module, args, out: chains.append(module) if isinstance(module, Chain) else None
+    )
+    try:
+        pipe(x)
+    finally:
+        handle.remove()
+    assert len(chains) == 4
+    # A forward replaced on a stage's instance runs.
+    pipe.partitions[1].forward = lambda y: torch.zeros_like(y)
+    assert (pipe(x) == 0).all()
+    # A layer replaced in a stage after the first run is the one called.
+    del pipe.partitions[1].forward
+    pipe.partitions[0][0] = nn.Identity()
+    torch.testing.assert_close(pipe(x), pipe.partitions[1](x))

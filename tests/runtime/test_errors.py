@@ -1,0 +1,167 @@
+"""Errors that say where: an exception raised inside a stage reaches the
+caller unchanged (same object, type and message) with a note naming the
+stage, its layers and device, the micro-batch and the task."""
+
+from __future__ import annotations
+
+import sys
+from collections import OrderedDict
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import mpstream.runtime.training
+import mpstream.runtime.worker
+from mpstream import Pipe
+from mpstream.runtime.errors import layers_label, stage_labels, task_note
+from mpstream.schedules.schedule import Kind, Task
+
+notes_supported = pytest.mark.skipif(sys.version_info < (3, 11), reason="notes need 3.11")
+
+
+class Raise(nn.Module):
+    """Raises ``error`` on the ``at``-th call."""
+
+    def __init__(self, error: BaseException, at: int) -> None:
+        super().__init__()
+        self.error, self.at, self.calls = error, at, 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        if self.calls == self.at:
+            raise self.error
+        return x
+
+
+def pipe_with(error: BaseException, at: int, **kwargs: object) -> Pipe:
+    layers = OrderedDict(
+        [("embed", nn.Linear(4, 4)), ("act", nn.Tanh()), ("bad", Raise(error, at)),
+         ("head", nn.Linear(4, 2))]
+    )
+    return Pipe(nn.Sequential(layers), chunks=4, balance=[2, 1, 1], devices=["cpu"] * 3, **kwargs)  # type: ignore[arg-type]
+
+
+@notes_supported
+@pytest.mark.parametrize("path", ["forward", "train_step"])
+def test_stage_error_is_the_same_object_with_a_note(path: str) -> None:
+    error = ValueError("bad shape")
+    pipe = pipe_with(error, at=3)
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    with pytest.raises(ValueError) as info:
+        pipe(x) if path == "forward" else pipe.train_step(x, y, nn.MSELoss())
+    assert info.value is error and str(error) == "bad shape"
+    assert info.value.__notes__ == [
+        "mpstream: raised in the forward task of stage 1 of 3 (layer 'bad' on cpu), "
+        "micro-batch 2 (of 4)"
+    ]
+    # Nothing is left half-done: the next call works.
+    assert pipe(x).shape == (8, 2)
+
+
+@notes_supported
+def test_a_shape_error_names_the_stage_and_its_layers() -> None:
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(5)], nn.Linear(3, 2))
+    pipe = Pipe(model, chunks=2, balance=[2, 2, 2], devices=["cpu"] * 3)
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied") as info:
+        pipe(torch.randn(4, 4))
+    assert info.value.__notes__ == [
+        "mpstream: raised in the forward task of stage 2 of 3 (layers '4', '5' on cpu), "
+        "micro-batch 0 (of 2)"
+    ]
+
+
+@notes_supported
+def test_loss_fn_errors_are_named() -> None:
+    pipe = Pipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), chunks=2)
+
+    def loss_fn(out: Tensor, target: Tensor) -> Tensor:
+        return nn.functional.cross_entropy(out, target)  # targets of the wrong shape
+
+    with pytest.raises(RuntimeError, match="multi-target not supported") as info:
+        pipe.train_step(torch.randn(4, 4), torch.randn(4, 1), loss_fn)
+    (note,) = info.value.__notes__
+    assert note.startswith("mpstream: raised by loss_fn on micro-batch 0 (of 2), in the forward "
+                           "task of stage 1 of 2 (layer '1' on cpu)")
+
+
+class FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: object, x: Tensor) -> Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: object, g: Tensor) -> Tensor:
+        raise ArithmeticError("backward failed")
+
+
+class BadGrad(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return FailingBackward.apply(x)
+
+
+@notes_supported
+@pytest.mark.parametrize(("schedule", "first"), [("gpipe", 2), ("1f1b", 0)])
+def test_backward_task_errors_are_named(schedule: str, first: int) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), BadGrad(), nn.Linear(4, 2))
+    pipe = Pipe(model, chunks=3, balance=[2, 1], devices=["cpu"] * 2, schedule=schedule)
+    with pytest.raises(ArithmeticError, match="backward failed") as info:
+        pipe.train_step(torch.randn(6, 4), torch.randn(6, 2), nn.MSELoss())
+    assert info.value.__notes__ == [
+        "mpstream: raised in the backward task of stage 0 of 2 (layers '0', '1' on cpu), "
+        f"micro-batch {first} (of 3)"  # the first backward of stage 0 in the schedule
+    ]
+
+
+@notes_supported
+@pytest.mark.parametrize(("path", "at", "expected"), [
+    ("forward", 2, "the copy of micro-batch 1 (of 2) from stage 0 of 2 (layer '0' on cpu) to "
+                   "stage 1"),
+    ("train_step", 3, "the copy of micro-batch 1 (of 2)'s gradient from stage 1 back to stage 0 "
+                      "of 2 (layer '0' on cpu)"),
+])
+def test_copy_errors_are_named(
+    monkeypatch: pytest.MonkeyPatch, path: str, at: int, expected: str
+) -> None:
+    calls = 0
+    real = mpstream.runtime.copy._move if path == "forward" else mpstream.runtime.training.move
+
+    def failing(*args: object, **kwargs: object) -> Tensor:
+        nonlocal calls
+        calls += 1
+        if calls == at:
+            raise OSError("copy failed")
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    target = mpstream.runtime.copy if path == "forward" else mpstream.runtime.training
+    monkeypatch.setattr(target, "_move" if path == "forward" else "move", failing)
+    pipe = Pipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), chunks=2, force_copies=True)
+    x, y = torch.randn(4, 4), torch.randn(4, 2)
+    with pytest.raises(OSError, match="copy failed") as info:
+        pipe(x) if path == "forward" else pipe.train_step(x, y, nn.MSELoss())
+    assert info.value.__notes__ == [f"mpstream: raised in {expected}"]
+
+
+def test_interrupts_get_no_note() -> None:
+    pipe = pipe_with(KeyboardInterrupt(), at=1)
+    with pytest.raises(KeyboardInterrupt) as info:
+        pipe(torch.randn(8, 4))
+    assert not hasattr(info.value, "__notes__")
+
+
+def test_notes_for_every_task_kind() -> None:
+    labels = stage_labels(["a", "b", "c"], [2, 1], [torch.device("cpu")] * 2)
+    assert labels == ["stage 0 of 2 (layers 'a', 'b' on cpu)", "stage 1 of 2 (layer 'c' on cpu)"]
+    assert layers_label([str(i) for i in range(9)]) == "layers '0' .. '8' (9)"
+
+    def note(kind: Kind, stage: int) -> str:
+        return task_note(Task(0, kind, stage, 1, ()), 3, labels)
+
+    assert note(Kind.COPY, -1) == (
+        "mpstream: raised in the transfer of micro-batch 1 (of 3)'s input to stage 0 of 2 "
+        "(layers 'a', 'b' on cpu)"
+    )
+    assert note(Kind.TARGET, 1) == (
+        "mpstream: raised in the transfer of micro-batch 1 (of 3)'s target to stage 1 of 2 "
+        "(layer 'c' on cpu)"
+    )

@@ -1,0 +1,128 @@
+"""Scatter, gather and input/output validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mpstream.runtime.microbatch import (
+    NoChunk,
+    as_value,
+    batch_device,
+    check_output,
+    gather,
+    scatter,
+)
+
+
+@pytest.mark.parametrize(
+    ("chunks", "split", "sizes"),
+    [
+        (None, None, [10]),
+        (1, None, [10]),
+        (3, None, [4, 4, 2]),
+        (4, None, [3, 3, 3, 1]),
+        (20, None, [1] * 10),
+        (None, 3, [3, 3, 3, 1]),
+        (None, 10, [10]),
+        (None, 50, [10]),
+    ],
+)
+def test_scatter_sizes(chunks: int | None, split: int | None, sizes: list[int]) -> None:
+    x = torch.arange(10.0)
+    parts = scatter(x, chunks, split)
+    assert [len(p) for p in parts] == sizes
+    torch.testing.assert_close(gather(parts), x)
+
+
+def test_scatter_tuple_keeps_structure() -> None:
+    x = (torch.arange(6.0), torch.arange(12.0).view(6, 2))
+    parts = scatter(x, None, 4)
+    assert len(parts) == 2 and all(isinstance(p, tuple) and len(p) == 2 for p in parts)
+    out = gather(parts)
+    assert isinstance(out, tuple)
+    torch.testing.assert_close(out[0], x[0])
+    torch.testing.assert_close(out[1], x[1])
+
+
+def test_list_input_becomes_tuple() -> None:
+    value = as_value([torch.ones(2), torch.zeros(2)])
+    assert isinstance(value, tuple)
+
+
+@pytest.mark.parametrize("bad", [3, "x", None, {"a": torch.ones(1)}])
+def test_non_tensor_input_is_a_type_error(bad: object) -> None:
+    with pytest.raises(TypeError, match="Tensor"):
+        as_value(bad)
+
+
+def test_non_tensor_in_tuple_names_the_index() -> None:
+    with pytest.raises(TypeError, match=r"input\[1\] is int"):
+        as_value((torch.ones(2), 5))
+
+
+def test_empty_batch_and_scalars_are_value_errors() -> None:
+    with pytest.raises(ValueError, match="empty batch"):
+        as_value(torch.ones(0, 3))
+    with pytest.raises(ValueError, match="scalar"):
+        as_value(torch.tensor(1.0))
+    with pytest.raises(ValueError, match="empty tuple"):
+        as_value(())
+    with pytest.raises(ValueError, match="batch size"):
+        as_value((torch.ones(2), torch.ones(3)))
+
+
+def test_mixed_devices_are_refused() -> None:
+    with pytest.raises(ValueError, match="several devices"):
+        batch_device((torch.ones(2), torch.ones(2, device="meta")))
+
+
+@pytest.mark.parametrize("bad", [object(), {1, 2}, (torch.ones(1), torch.nn.ReLU())])
+def test_check_output_names_the_stage(bad: object) -> None:
+    with pytest.raises(TypeError, match="stage 2 returned a"):
+        check_output(bad, 2)
+
+
+@pytest.mark.parametrize("good", [[torch.ones(1)], None, 3.0, (torch.ones(1), "s"), ()])
+def test_tensors_and_plain_values_pass_between_stages(good: object) -> None:
+    assert check_output(good, 2) is good
+
+
+def test_scatter_splits_tensors_and_passes_the_rest_whole() -> None:
+    mask = torch.ones(3, 3)
+    args = (torch.arange(5.0), 7, None, NoChunk(mask), {"ids": torch.arange(5), "tag": "x"})
+    parts = scatter(args, None, 2)
+    assert len(parts) == 3
+    for i, (x, n, none, m, d) in enumerate(parts):
+        torch.testing.assert_close(x, torch.arange(5.0)[2 * i : 2 * i + 2])
+        assert n == 7 and none is None and m is mask and d["tag"] == "x"
+        torch.testing.assert_close(d["ids"], torch.arange(5)[2 * i : 2 * i + 2])
+
+
+def test_tensors_of_other_batch_sizes_split_into_as_many_micro_batches() -> None:
+    parts = scatter((torch.zeros(6), torch.zeros(9)), 3, None)
+    assert [(len(a), len(b)) for a, b in parts] == [(2, 3)] * 3
+    with pytest.raises(ValueError, match="different numbers of micro-batches"):
+        scatter((torch.zeros(6), torch.zeros(9)), None, 3)
+
+
+def test_scatter_needs_a_tensor_and_plain_leaves() -> None:
+    with pytest.raises(TypeError, match="no tensor to split"):
+        scatter((1, NoChunk(torch.ones(2))), 2, None)
+    with pytest.raises(TypeError, match="holds a object"):
+        scatter((torch.ones(2), object()), 2, None)
+    with pytest.raises(TypeError, match="NoChunk wraps a Tensor"):
+        NoChunk(3)  # type: ignore[arg-type]
+
+
+def test_gather_lists_plain_values_per_micro_batch() -> None:
+    out = gather([(torch.ones(2), 1, "a"), (torch.zeros(1), 2, "b")])
+    torch.testing.assert_close(out[0], torch.tensor([1.0, 1.0, 0.0]))
+    assert out[1:] == ([1, 2], ["a", "b"])
+
+
+def test_gather_rejects_inconsistent_outputs() -> None:
+    with pytest.raises(ValueError, match="differently shaped"):
+        gather([(torch.ones(1), torch.ones(1)), (torch.ones(1),)])
+    with pytest.raises(ValueError, match="scalar"):
+        gather([torch.tensor(1.0), torch.tensor(2.0)])

@@ -1,0 +1,272 @@
+"""The C++ event scheduler: pooling, runs, aborts, errors and timing (CPU)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from mpstream.runtime.scheduler import EventScheduler
+from mpstream.schedules.schedule import Kind, Schedule
+
+
+def run_all(sched: EventScheduler, schedule: Schedule) -> None:
+    sched.begin_run(schedule)
+    for t in schedule.tasks:
+        sched.end(sched.begin(t.index))
+    sched.join()
+
+
+def virtual(n: int) -> EventScheduler:
+    return EventScheduler([torch.device("cuda", i) for i in range(n)], virtual=True)
+
+
+def test_no_events_are_created_in_steady_state() -> None:
+    sched = virtual(3)
+    schedule = Schedule("gpipe", 3, 8, [False, True, True], backward=True)
+    run_all(sched, schedule)
+    created = sched.events_created
+    for _ in range(5):
+        run_all(sched, schedule)
+    assert sched.events_created == created
+    assert sched.events_free == created
+
+
+def test_pool_is_per_device() -> None:
+    sched = EventScheduler([torch.device("cuda", 0), torch.device("cuda", 1)], virtual=True)
+    sched.recording = True
+    run_all(sched, Schedule("gpipe", 2, 4, [False, True]))
+    device_of_event: dict[int, torch.device] = {}
+    for op in sched.plan():
+        if op.op == "record":
+            device = sched.slot_devices[op.slot]
+            assert device_of_event.setdefault(op.event, device) == device
+
+
+def test_abort_mid_run_releases_everything() -> None:
+    sched = virtual(2)
+    schedule = Schedule("gpipe", 2, 4, [False, True])
+    sched.begin_run(schedule)
+    sched.end(sched.begin(0))
+    sched.begin(1)  # left open: the task "failed"
+    sched.abort()
+    assert not sched.native.running
+    assert sched.events_free == sched.events_created
+    run_all(sched, schedule)  # the next run works
+    sched.abort()  # aborting outside a run is harmless
+
+
+def test_misuse_is_reported() -> None:
+    sched = virtual(2)
+    schedule = Schedule("gpipe", 2, 2, [False, True])
+    with pytest.raises(RuntimeError, match="outside a run"):
+        sched.begin(0)
+    with pytest.raises(RuntimeError, match="outside a run"):
+        sched.join()
+    sched.begin_run(schedule)
+    with pytest.raises(RuntimeError, match="already in progress"):
+        sched.begin_run(schedule)
+    with pytest.raises(IndexError, match="out of range"):
+        sched.begin(99)
+    with pytest.raises(RuntimeError, match="before its dependency"):
+        sched.begin(1)  # the copy of micro-batch 0 before its forward ended
+    with pytest.raises(ValueError, match="not open"):
+        sched.end(12345)
+    sched.abort()
+    with pytest.raises(ValueError, match="3 stages"):
+        sched.begin_run(Schedule("gpipe", 3, 2, [False] * 3))
+    with pytest.raises(IndexError, match="outside the pipeline"):
+        sched.begin_grad_copy(1, 2, 0)
+
+
+@pytest.mark.parametrize("autograd_orders", [True, False])
+def test_grad_copy_orders_the_receiving_compute_stream(autograd_orders: bool) -> None:
+    sched = virtual(2)
+    sched.native.autograd_orders_grad_copies = autograd_orders
+    sched.recording = True
+    sched.end(sched.begin_grad_copy(0, 1, 3))
+    ops = sched.plan()
+    # The copy runs on the sending slot, which records an event the receiving
+    # copy slot waits on. The compute slot is then ordered after the copy:
+    # by autograd's engine on current torch (logged, not issued: it waits on
+    # the copy node's stream, the sending slot), else by a wait issued here.
+    last = ("autograd" if autograd_orders else "wait", "stage0.compute@cuda:0")
+    assert [(op.op, sched.slot_names[op.slot]) for op in ops] == [
+        ("run", "stage1.copy@cuda:1"),
+        ("record", "stage1.copy@cuda:1"),
+        ("wait", "stage0.copy@cuda:0"),
+        ("record", "stage0.copy@cuda:0"),
+        last,
+    ]
+    assert all(op.kind == "copy_grad" and op.stage == 0 and op.micro == 3 for op in ops)
+    assert ops[1].event == ops[2].event
+    assert ops[4].event == (ops[1].event if autograd_orders else ops[3].event)
+
+
+def test_autograd_ordering_follows_the_installed_torch() -> None:
+    from mpstream.runtime.scheduler import AUTOGRAD_ORDERS_GRAD_COPIES
+
+    assert AUTOGRAD_ORDERS_GRAD_COPIES == (torch.__version__ >= (2, 8))  # type: ignore[operator]
+    assert virtual(2).native.autograd_orders_grad_copies == AUTOGRAD_ORDERS_GRAD_COPIES
+
+
+def test_recording_toggles_and_clears() -> None:
+    sched = virtual(2)
+    run_all(sched, Schedule("gpipe", 2, 2, [False, True]))
+    assert sched.plan() == []
+    sched.recording = True
+    run_all(sched, Schedule("gpipe", 2, 2, [False, True]))
+    assert sched.plan()
+    sched.clear_plan()
+    assert sched.plan() == []
+
+
+def test_host_timing_on_cpu_stages() -> None:
+    sched = EventScheduler([torch.device("cpu")] * 2)
+    schedule = Schedule("gpipe", 2, 3, [False, False])
+    sched.timing = True
+    sched.begin_run(schedule)
+    for t in schedule.tasks:
+        handle = sched.begin(t.index)
+        time.sleep(0.01 if t.stage == 1 else 0.002)
+        sched.end(handle)
+    sched.join()
+    timings = sched.timings()
+    assert [(t.stage, t.micro, t.kind) for t in timings] == [
+        (t.stage, t.micro, t.kind.label) for t in schedule.tasks
+    ]
+    for t in timings:
+        assert t.end_ms > t.start_ms >= 0
+        assert t.stream == f"stage{t.stage}.compute@cpu"
+        expected = 10 if t.stage == 1 else 2
+        assert t.end_ms - t.start_ms >= expected * 0.9
+        assert t.issue_ms >= expected * 0.9  # the host's time between begin and end
+    starts = [t.start_ms for t in timings]
+    assert starts == sorted(starts)
+    sched.clear_timings()
+    assert sched.timings() == []
+    assert schedule.tasks[0].kind is Kind.FORWARD
+
+
+def _reachable(ops: list, start: int) -> set[int]:  # type: ignore[type-arg]
+    """Ops ordered after ``start``: slot program order and record -> wait edges."""
+    edges: dict[int, list[int]] = {}
+    last_on_slot: dict[int, int] = {}
+    last_record: dict[int, int] = {}
+    for i, op in enumerate(ops):
+        if op.slot in last_on_slot:
+            edges.setdefault(last_on_slot[op.slot], []).append(i)
+        last_on_slot[op.slot] = i
+        if op.op == "record":
+            last_record[op.event] = i
+        elif op.op in ("wait", "sync"):
+            edges.setdefault(last_record[op.event], []).append(i)
+    seen, stack = {start}, [start]
+    while stack:
+        for j in edges.get(stack.pop(), []):
+            if j not in seen:
+                seen.add(j)
+                stack.append(j)
+    return seen
+
+
+@pytest.mark.parametrize("failing", ["forward", "copy"])
+def test_abort_orders_the_callers_after_the_failed_tasks_work(failing: str) -> None:
+    """Kernels a task queued before it failed have no completion event; abort
+    records one on each of the task's streams before the callers wait."""
+    sched = virtual(2)
+    schedule = Schedule("gpipe", 2, 2, [False, True])
+    index = {(t.kind.label, t.stage, t.micro): t.index for t in schedule.tasks}
+    sched.recording = True
+    sched.begin_run(schedule)
+    sched.end(sched.begin(index[("forward", 0, 0)]))
+    if failing == "copy":
+        sched.begin(index[("copy", 0, 0)])
+    else:
+        sched.end(sched.begin(index[("copy", 0, 0)]))
+        sched.begin(index[("forward", 1, 0)])
+    sched.abort()
+    ops = sched.plan()
+    run = max(i for i, op in enumerate(ops) if op.op == "run")  # the failed task
+    after = _reachable(ops, run)
+    callers = [i for i, name in enumerate(sched.slot_names) if name.startswith("caller@")]
+    task_slots = {op.slot for op in ops[run:] if op.op == "record" and op.kind == failing}
+    assert {sched.slot_names[s] for s in task_slots} == (
+        {"stage0.copy@cuda:0", "stage1.copy@cuda:1"}
+        if failing == "copy"
+        else {"stage1.compute@cuda:1"}
+    )
+    for slot in task_slots:
+        caller = next(c for c in callers if sched.slot_devices[c] == sched.slot_devices[slot])
+        assert any(ops[i].slot == caller and ops[i].op == "wait" for i in after)
+    assert sched.events_free == sched.events_created
+
+
+class FakeStream:
+    """Stands in for torch.cuda.Stream: pooled streams repeat their ids."""
+
+    def __init__(self, index: int, sid: int) -> None:
+        self.device = torch.device("cuda", index)
+        self.stream_id = sid
+
+
+def test_streams_shared_by_stages_are_named_in_one_warning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from mpstream.runtime import scheduler as module
+
+    sched = EventScheduler([torch.device("cuda", 0)] * 3, virtual=True)
+    # 3 stages on cuda:0 from a pool of 4 streams: ids wrap around.
+    ids = iter([1, 2, 3, 4, 1, 2, 9])
+    sched.compute_streams = [FakeStream(0, next(ids)) for _ in range(3)]  # type: ignore[misc]
+    sched.copy_streams = [FakeStream(0, next(ids)) for _ in range(3)]  # type: ignore[misc]
+    sched.io_streams = [FakeStream(0, next(ids)) for _ in sched.io_streams]  # type: ignore[misc]
+    monkeypatch.setattr(module, "_LIVE", set())
+    with pytest.warns(module.StreamAliasWarning) as caught:
+        sched._check_aliasing()
+    assert len(caught) == 1
+    text = str(caught[0].message)
+    assert "stage0.compute@cuda:0 = stage1.copy@cuda:0" in text
+    assert "stage1.compute@cuda:0 = stage2.copy@cuda:0" in text
+
+
+def test_streams_shared_with_another_pipe_warn_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mpstream.runtime import scheduler as module
+
+    def fake(n: int, first: int) -> EventScheduler:
+        sched = EventScheduler([torch.device("cuda", 0)] * n, virtual=True)
+        sched.compute_streams = [FakeStream(0, first + i) for i in range(n)]  # type: ignore[misc]
+        sched.copy_streams = [FakeStream(0, 100 + first + i) for i in range(n)]  # type: ignore[misc]
+        sched.io_streams = [FakeStream(0, 200 + first)]  # type: ignore[misc]
+        return sched
+
+    other = fake(2, 0)
+    monkeypatch.setattr(module, "_LIVE", {other})
+    monkeypatch.setattr(module, "_warned_across_pipes", False)
+    mine = fake(2, 1)  # its stage 0 compute stream is `other`'s stage 1 one
+    with pytest.warns(module.StreamAliasWarning, match="another live Pipe"):
+        mine._check_aliasing()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fake(2, 1)._check_aliasing()  # warned once per process
+    fake(2, 50)._check_aliasing()  # no clash, no warning
+
+
+def test_grad_copy_on_one_device_runs_on_the_forward_copys_stream() -> None:
+    """Autograd runs a Copy node on the stream current for its outputs in
+    forward; on one device that is the sending stage's copy stream (the only
+    one made current), and autograd made it wait for the incoming gradient."""
+    sched = EventScheduler([torch.device("cuda", 0)] * 2, virtual=True)
+    sched.native.autograd_orders_grad_copies = True
+    sched.recording = True
+    sched.end(sched.begin_grad_copy(0, 1, 1))
+    ops = sched.plan()
+    assert [(op.op, sched.slot_names[op.slot]) for op in ops] == [
+        ("run", "stage0.copy@cuda:0"),
+        ("record", "stage0.copy@cuda:0"),
+        ("autograd", "stage0.compute@cuda:0"),
+    ]
+    assert ops[1].event == ops[2].event

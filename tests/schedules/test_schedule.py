@@ -1,0 +1,226 @@
+"""Schedule generation: clock-cycle order, dependencies, the memory bounds of
+1F1B, ZB-H1 and interleaved 1F1B, ranks of virtual stages."""
+
+from __future__ import annotations
+
+import pytest
+
+from mpstream.observe.compare import live_activations as live_and_held
+from mpstream.schedules.schedule import SCHEDULES, Kind, Schedule, Topology, virtual_stages_of
+
+
+def key(t: object) -> tuple[str, int, int]:
+    return (t.kind.label, t.stage, t.micro)  # type: ignore[attr-defined]
+
+
+SHAPES = [(1, 1), (1, 4), (2, 1), (2, 5), (3, 4), (4, 8), (5, 3)]
+
+
+@pytest.mark.parametrize(("stages", "micros"), SHAPES)
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("copies", ["none", "all", "input"])
+def test_tasks_are_complete_and_topological(
+    name: str, stages: int, micros: int, copies: str
+) -> None:
+    copy_in = {
+        "none": [False] * stages,
+        "all": [True] * stages,
+        "input": [True] + [False] * (stages - 1),
+    }[copies]
+    sched = Schedule(name, stages, micros, copy_in, backward=True)
+    keys = [key(t) for t in sched.tasks]
+    assert len(keys) == len(set(keys)), "a task appears twice"
+    expected = {("forward", s, m) for s in range(stages) for m in range(micros)}
+    expected |= {("backward", s, m) for s in range(stages) for m in range(micros)}
+    if name == "zb_h1":
+        expected |= {("weight", s, m) for s in range(stages) for m in range(micros)}
+    expected |= {("copy", s - 1, m) for s in range(stages) if copy_in[s] for m in range(micros)}
+    expected |= {
+        ("copy_grad", s - 1, m) for s in range(1, stages) if copy_in[s] for m in range(micros)
+    }
+    assert set(keys) == expected
+    for t in sched.tasks:
+        assert all(d < t.index for d in t.deps), f"{t} depends on a later task"
+    for t in sched.tasks:
+        s, m = t.stage, t.micro
+        deps = {key(sched.tasks[d]) for d in t.deps}
+        if t.kind is Kind.FORWARD and s > 0:
+            assert deps == {("copy", s - 1, m) if copy_in[s] else ("forward", s - 1, m)}
+        if t.kind is Kind.FORWARD and s == 0:
+            assert deps == ({("copy", -1, m)} if copy_in[0] else set())
+        if t.kind is Kind.COPY and s >= 0:
+            assert deps == {("forward", s, m)}
+        if t.kind is Kind.BACKWARD and s + 1 < stages:
+            grad = ("copy_grad", s, m) if copy_in[s + 1] else ("backward", s + 1, m)
+            assert deps == {("forward", s, m), grad}
+        if t.kind is Kind.COPY_GRAD:
+            assert deps == {("backward", s + 1, m)}
+        if t.kind is Kind.WEIGHT:
+            assert deps == {("backward", s, m)}
+    assert [key(sched.tasks[o]) for o in sched.outputs] == [
+        ("forward", stages - 1, m) for m in range(micros)
+    ]
+
+
+@pytest.mark.parametrize(("stages", "micros"), SHAPES)
+def test_gpipe_forward_follows_clock_cycles(stages: int, micros: int) -> None:
+    sched = Schedule("gpipe", stages, micros, [False] + [True] * (stages - 1))
+    forwards = [(t.stage, t.micro) for t in sched.tasks if t.kind is Kind.FORWARD]
+    assert forwards == sorted(forwards, key=lambda sm: (sm[0] + sm[1], sm[0]))
+    for t in sched.tasks:
+        if t.kind is Kind.COPY:
+            producer = sched.tasks[t.index - 1]
+            assert (producer.kind, producer.stage, producer.micro) == (
+                Kind.FORWARD,
+                t.stage,
+                t.micro,
+            )
+    assert all(t.kind in (Kind.FORWARD, Kind.COPY) for t in sched.tasks)
+
+
+def test_gpipe_backward_runs_after_all_forwards_in_reverse() -> None:
+    sched = Schedule("gpipe", 3, 4, [False, True, False], backward=True)
+    kinds = [t.kind for t in sched.tasks]
+    first_backward = kinds.index(Kind.BACKWARD)
+    assert all(k in (Kind.FORWARD, Kind.COPY) for k in kinds[:first_backward])
+    last_stage = [t.micro for t in sched.tasks if t.kind is Kind.BACKWARD and t.stage == 2]
+    assert last_stage == [3, 2, 1, 0]
+
+
+def test_input_copies_run_one_micro_batch_ahead() -> None:
+    sched = Schedule("gpipe", 2, 4, [True, False])
+    order = [key(t) for t in sched.tasks]
+    for m in range(1, 4):
+        assert order.index(("copy", -1, m)) < order.index(("forward", 0, m - 1)) + 2
+        assert order.index(("copy", -1, m)) < order.index(("forward", 0, m))
+
+
+def live_activations(sched: Schedule) -> dict[int, int]:
+    """Peak count of micro-batches whose forward ran and backward did not, per stage."""
+    live = dict.fromkeys(range(sched.stages), 0)
+    peak = dict.fromkeys(range(sched.stages), 0)
+    for t in sched.tasks:
+        if t.kind is Kind.FORWARD:
+            live[t.stage] += 1
+            peak[t.stage] = max(peak[t.stage], live[t.stage])
+        elif t.kind is Kind.BACKWARD:
+            live[t.stage] -= 1
+    return peak
+
+
+@pytest.mark.parametrize(("stages", "micros"), [(2, 8), (3, 8), (4, 8), (4, 2), (5, 16)])
+def test_1f1b_bounds_live_activations(stages: int, micros: int) -> None:
+    peak = live_activations(Schedule("1f1b", stages, micros, [False] * stages))
+    for s in range(stages):
+        assert peak[s] <= min(stages - s, micros)
+    gpipe = live_activations(Schedule("gpipe", stages, micros, [False] * stages, backward=True))
+    assert all(gpipe[s] == micros for s in range(stages))
+
+
+def test_1f1b_stage_sequences() -> None:
+    sched = Schedule("1f1b", 3, 5, [False, False, False])
+    per_stage = {
+        s: ["F" if t.kind is Kind.FORWARD else "B" for t in sched.tasks if t.stage == s]
+        for s in range(3)
+    }
+    assert "".join(per_stage[0]) == "FF" + "FB" * 3 + "BB"
+    assert "".join(per_stage[1]) == "F" + "FB" * 4 + "B"
+    assert "".join(per_stage[2]) == "FB" * 5
+    for s in range(3):
+        fwd = [t.micro for t in sched.tasks if t.stage == s and t.kind is Kind.FORWARD]
+        bwd = [t.micro for t in sched.tasks if t.stage == s and t.kind is Kind.BACKWARD]
+        assert fwd == bwd == list(range(5))
+
+
+def test_invalid_schedules() -> None:
+    with pytest.raises(ValueError, match="valid schedules: 'gpipe', '1f1b'"):
+        Schedule("interleaved", 2, 2, [False, False])
+    with pytest.raises(ValueError, match="at least one stage"):
+        Schedule("gpipe", 0, 2, [])
+    with pytest.raises(ValueError, match="at least one micro-batch"):
+        Schedule("gpipe", 2, 0, [False, False])
+    with pytest.raises(ValueError, match="one entry per stage"):
+        Schedule("gpipe", 2, 2, [False])
+
+
+# The bounds below hold by construction of each schedule's per-stage (or
+# per-rank) sequence; the tests check the merged issue order keeps them.
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 4, 6])
+@pytest.mark.parametrize("micros", [1, 2, 3, 5, 8, 13])
+def test_zb_h1_keeps_1f1b_live_activations(stages: int, micros: int) -> None:
+    sched = Schedule("zb_h1", stages, micros, [False] * stages)
+    live, held = live_and_held(sched)
+    for s in range(stages):
+        # What B reads: 1F1B's bound. Until W, a stage holds at most what
+        # 1F1B's first stage holds (its pipeline-wide peak).
+        assert live[s] <= min(stages - s, micros), (s, live)
+        assert held[s] <= min(stages, micros), (s, held)
+    # Every stage splits every backward, and W follows its B on the stage.
+    order = [key(t) for t in sched.tasks]
+    for s in range(stages):
+        for m in range(micros):
+            assert order.index(("backward", s, m)) < order.index(("weight", s, m))
+
+
+@pytest.mark.parametrize(
+    ("ranks", "virtual"), [(3, 1), (1, 2), (2, 2), (2, 3), (3, 2), (4, 2), (4, 3)]
+)
+@pytest.mark.parametrize("micros", [1, 2, 3, 4, 5, 7, 8, 12])
+def test_interleaved_orders_are_complete_and_within_megatrons_bound(
+    ranks: int, virtual: int, micros: int
+) -> None:
+    stages = ranks * virtual
+    sched = Schedule("interleaved_1f1b", stages, micros, [False] * stages, virtual_stages=virtual)
+    keys = [key(t) for t in sched.tasks]
+    assert sorted(keys) == sorted(
+        (k, s, m) for k in ("forward", "backward") for s in range(stages) for m in range(micros)
+    )
+    assert all(d < t.index for t in sched.tasks for d in t.deps)
+    # Megatron-LM's warm-up: rank r runs 2(p - r - 1) + (v - 1)p forwards
+    # before its first backward, so at most one more is in flight.
+    live = [0] * ranks
+    peak = [0] * ranks
+    for t in sched.tasks:
+        r = t.stage % ranks
+        live[r] += 1 if t.kind is Kind.FORWARD else -1
+        peak[r] = max(peak[r], live[r])
+    for r in range(ranks):
+        warmup = 2 * (ranks - r - 1) + (virtual - 1) * ranks
+        assert peak[r] <= min(warmup + 1, virtual * micros), (r, peak)
+    # Each rank forwards its chunks in order within a group of micro-batches.
+    first = [t.stage for t in sched.tasks if t.kind is Kind.FORWARD and t.stage % ranks == 0]
+    assert first[: min(micros, ranks)] == [0] * min(micros, ranks)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb_h1", "interleaved_1f1b"])
+def test_schedules_work_over_stage_graphs(name: str) -> None:
+    # A U-Net-like graph: stage 3 reads stages 2 and 0, stage 2 reads 1 and 0.
+    topology = Topology(((-1,), (0,), (0, 1), (0, 2)), (0, 1, 0, 1))
+    for micros in (1, 3, 4, 6):
+        sched = Schedule(name, 4, micros, topology, virtual_stages=2)
+        assert all(d < t.index for t in sched.tasks for d in t.deps)
+        fwd = {(t.stage, t.micro): t.index for t in sched.tasks if t.kind is Kind.FORWARD}
+        for t in sched.tasks:
+            if t.kind is Kind.FORWARD:
+                for p in topology.reads[t.stage]:
+                    assert p < 0 or fwd[(p, t.micro)] < t.index
+
+
+def test_virtual_stages_of() -> None:
+    assert virtual_stages_of(["cuda:0", "cuda:1", "cuda:0", "cuda:1"]) == 2
+    assert virtual_stages_of(["cuda:0", "cuda:1"]) == 1
+    assert virtual_stages_of(["cpu"] * 6, 3) == 3
+    with pytest.raises(ValueError, match="every stage is on cpu: give virtual_stages="):
+        virtual_stages_of(["cpu"] * 4)
+    with pytest.raises(ValueError, match="round-robin"):
+        virtual_stages_of(["cuda:0", "cuda:0", "cuda:1", "cuda:1"])
+    with pytest.raises(ValueError, match="does not divide the 4 stages"):
+        virtual_stages_of(["cpu"] * 4, 3)
+    with pytest.raises(ValueError, match="puts stages 0 and 2 on rank 0"):
+        virtual_stages_of(["cuda:0", "cuda:0", "cuda:1", "cuda:1"], 2)
+    with pytest.raises(ValueError, match="positive int"):
+        virtual_stages_of(["cpu"] * 4, 0)
+    with pytest.raises(ValueError, match="multiple of virtual_stages"):
+        Schedule("interleaved_1f1b", 4, 2, [False] * 4, virtual_stages=3)

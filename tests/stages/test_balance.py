@@ -1,0 +1,146 @@
+"""Automatic balancing: exact partitions, profiling, and Pipe(balance='time'|'size')."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from mpstream import Pipe
+from mpstream.stages.balance import (
+    balance_by_size,
+    balance_by_time,
+    partition,
+    profile_layers,
+    stage_costs,
+)
+
+
+def brute_force(costs: list[float], stages: int) -> float:
+    best = float("inf")
+    for cuts in itertools.combinations(range(1, len(costs)), stages - 1):
+        bounds = [0, *cuts, len(costs)]
+        best = min(best, max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_partition_is_optimal(seed: int) -> None:
+    rng = random.Random(seed)
+    costs = [rng.uniform(0, 10) for _ in range(rng.randint(3, 9))]
+    stages = rng.randint(1, len(costs))
+    balance = partition(costs, stages)
+    assert len(balance) == stages and sum(balance) == len(costs) and min(balance) >= 1
+    assert max(stage_costs(costs, balance)) == pytest.approx(brute_force(costs, stages))
+
+
+def test_partition_examples_and_errors() -> None:
+    assert partition([1, 1, 1, 1], 2) == [2, 2]
+    assert partition([5, 1, 1, 1, 1, 1], 2) == [1, 5]
+    assert partition([1, 2, 3], 3) == [1, 1, 1]
+    with pytest.raises(ValueError, match="cannot split 2 layers into 3"):
+        partition([1, 1], 3)
+    with pytest.raises(ValueError, match="at least 1"):
+        partition([1, 1], 0)
+    with pytest.raises(ValueError, match="negative"):
+        partition([1, -1], 1)
+
+
+class Slow(nn.Module):
+    def __init__(self, ms: float) -> None:
+        super().__init__()
+        self.ms = ms
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        time.sleep(self.ms / 1e3)
+        return self.lin(x)
+
+
+def test_balance_by_time_isolates_the_slow_layer() -> None:
+    model = nn.Sequential(Slow(1), Slow(1), Slow(1), Slow(40), Slow(1), Slow(1))
+    assert balance_by_time(model, torch.randn(2, 4), 3, repeat=2) == [3, 1, 2]
+
+
+def test_balance_by_size_follows_parameters() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 512), nn.Linear(512, 4))
+    assert balance_by_size(model, torch.randn(2, 4), 2) == [3, 1]
+
+
+def test_profile_leaves_the_module_alone_and_handles_in_place_layers() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 2))
+    before = [p.detach().clone() for p in model.parameters()]
+    profiles = profile_layers(model, torch.randn(3, 4), repeat=1)
+    assert [p.name for p in profiles] == ["0", "1", "2"]
+    assert all(p.time_ms >= 0 and p.activation_bytes > 0 for p in profiles)
+    assert profiles[1].parameter_bytes == 0 and profiles[0].parameter_bytes == 2 * (16 + 4) * 4
+    assert all(p.grad is None for p in model.parameters())
+    for a, b in zip(model.parameters(), before):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(TypeError, match="nn.Sequential"):
+        profile_layers(nn.Linear(2, 2), torch.randn(1, 2))
+
+
+@pytest.mark.parametrize("how", ["time", "size"])
+def test_pipe_balances_automatically(how: str) -> None:
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(6)])
+    pipe = Pipe(
+        model, chunks=2, balance=how, devices=["cpu", "cpu", "cpu"], sample=torch.randn(4, 8)
+    )
+    assert sum(pipe.balance) == 6 and len(pipe.balance) == 3
+    assert pipe(torch.randn(4, 8)).shape == (4, 8)
+
+
+def test_pipe_auto_balance_errors() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="needs sample="):
+        Pipe(model, balance="time", devices=["cpu", "cpu"])
+    with pytest.raises(ValueError, match="needs devices="):
+        Pipe(model, balance="size", sample=torch.randn(1, 2))
+    with pytest.raises(ValueError, match="'time' or 'size'"):
+        Pipe(model, balance="speed", devices=["cpu", "cpu"], sample=torch.randn(1, 2))
+
+
+def test_balance_by_size_counts_optimizer_state_with_param_scale() -> None:
+    # Activations (three Tanh) against parameters (two Linear): Adam's two
+    # moments per parameter byte move a Linear to the first stage.
+    model = nn.Sequential(nn.Tanh(), nn.Tanh(), nn.Tanh(), nn.Linear(64, 64), nn.Linear(64, 64))
+    sample = torch.randn(64, 64)
+    assert balance_by_size(model, sample, 2) == [3, 2]
+    assert balance_by_size(model, sample, 2, param_scale=2) == [4, 1]
+    (lin,) = profile_layers(model[3:4], sample, repeat=1)
+    assert lin.training_bytes(2) == lin.size_bytes + lin.parameter_bytes
+    for bad in (-1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="param_scale must be a finite number >= 0"):
+            balance_by_size(model, sample, 2, param_scale=bad)
+
+
+def test_a_tied_weight_is_counted_once() -> None:
+    first, second = nn.Linear(32, 32, bias=False), nn.Linear(32, 32, bias=False)
+    second.weight = first.weight  # held once on the device, used by both layers
+    profiles = profile_layers(nn.Sequential(first, nn.Tanh(), second), torch.randn(4, 32), repeat=1)
+    weight = 2 * first.weight.numel() * first.weight.element_size()  # itself and its gradient
+    assert [p.parameter_bytes for p in profiles] == [weight, 0, 0]
+
+
+class Modes(nn.Module):
+    """Records the mode of every call (on the class: profiling deep-copies)."""
+
+    seen: list[bool] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        Modes.seen.append(self.training)
+        return x
+
+
+def test_profiling_runs_in_training_mode_and_leaves_the_mode_alone() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), Modes(), nn.Dropout(0.5)).eval()
+    Modes.seen.clear()
+    profiles = profile_layers(model, torch.randn(8, 4), repeat=1)
+    assert Modes.seen == [True, True]  # warm-up and one timed run
+    assert profiles[2].activation_bytes > profiles[2].output_bytes  # dropout saved its mask
+    assert not any(m.training for m in model.modules())

@@ -1,0 +1,182 @@
+"""Splitting a Sequential into stages: both styles and every error."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import pytest
+import torch
+from torch import nn
+
+from mpstream import Pipe
+from mpstream.stages.sequential import check_devices_exist, check_shared, split_module
+
+
+def test_children_are_stages_and_keep_their_devices() -> None:
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    stages = split_module(nn.Sequential(a, b))
+    assert stages.devices == [torch.device("cpu")] * 2
+    assert stages.balance == [1, 1]
+    assert [list(p) for p in stages.partitions] == [[a], [b]]
+
+
+def test_sequential_children_are_the_stages() -> None:
+    inner = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    stages = split_module(nn.Sequential(inner, nn.Linear(2, 2)))
+    assert list(stages.partitions[0]) == [inner]
+
+
+def test_parameterless_children_inherit_a_neighbour_device() -> None:
+    stages = split_module(nn.Sequential(nn.ReLU(), nn.Linear(2, 2), nn.Tanh()))
+    assert stages.devices == [torch.device("cpu")] * 3
+
+
+def test_balance_partitions_and_keeps_names() -> None:
+    model = nn.Sequential(
+        OrderedDict([("a", nn.Linear(2, 2)), ("b", nn.ReLU()), ("c", nn.Linear(2, 2))])
+    )
+    stages = split_module(model, balance=[2, 1], devices=["cpu", "cpu"])
+    assert stages.balance == [2, 1]
+    assert list(stages.partitions[0]._modules) == ["a", "b"]
+    assert list(stages.partitions[1]._modules) == ["c"]
+    assert [n for n, _ in stages.layers] == ["a", "b", "c"]
+
+
+def test_devices_without_balance_place_each_child() -> None:
+    stages = split_module(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), devices=["cpu", "cpu"])
+    assert stages.balance == [1, 1]
+
+
+def test_default_devices_without_cuda_are_cpu() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU-only default")
+    stages = split_module(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), balance=[1, 1])
+    assert stages.devices == [torch.device("cpu")] * 2
+
+
+def test_not_a_sequential() -> None:
+    with pytest.raises(TypeError, match="nn.Sequential whose children are the stages"):
+        split_module(nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="balance partitions an nn.Sequential"):
+        split_module(nn.Linear(2, 2), balance=[1])
+
+
+def test_same_child_twice() -> None:
+    lin = nn.Linear(2, 2)
+    model = nn.Sequential(OrderedDict([("first", lin), ("again", lin)]))
+    with pytest.raises(ValueError, match="'first' and 'again' are the same module"):
+        split_module(model)
+
+
+def test_shared_parameters_on_one_device_are_allowed() -> None:
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    b.weight = a.weight
+    assert split_module(nn.Sequential(a, b)).balance == [1, 1]
+    assert split_module(nn.Sequential(a, b), balance=[1, 1], devices=["cpu", "cpu"]).balance
+
+
+def tied(what: str) -> nn.Sequential:
+    a, b = nn.Linear(2, 2), nn.BatchNorm1d(2)
+    c, d = nn.Linear(2, 2), nn.BatchNorm1d(2)
+    if what == "parameter":
+        c.weight = a.weight
+    else:
+        d.register_buffer("running_mean", b.running_mean)
+    return nn.Sequential(OrderedDict([("a", a), ("b", b), ("c", c), ("d", d)]))
+
+
+@pytest.mark.parametrize(
+    ("what", "first", "second"), [("parameter", "a", "c"), ("buffer", "b", "d")]
+)
+def test_shared_tensor_across_devices_is_named(what: str, first: str, second: str) -> None:
+    model = tied(what)
+    layers = list(model.named_children())
+    devices = [torch.device("cpu"), torch.device("cuda", 1)]
+    tail = "weight" if what == "parameter" else "running_mean"
+    match = (
+        rf"{what} '{first}\.{tail}' \(stage 0, cpu\) is shared with '{second}\.{tail}' "
+        rf"\(stage 1, cuda:1\); layers on different devices cannot share a {what}"
+    )
+    with pytest.raises(ValueError, match=match):
+        check_shared(layers, [2, 2], devices)
+    check_shared(layers, [2, 2], devices[:1] * 2)
+    check_shared(layers, [4], devices[:1])
+
+
+def test_pipe_rejects_tied_weights_across_devices_before_moving_anything(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Pretend two GPUs exist: the check must come before any layer moves.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    model = tied("parameter")
+    with pytest.raises(ValueError, match=r"'a\.weight' \(stage 0, cuda:0\) is shared with"):
+        Pipe(model, balance=[2, 2], devices=["cuda:0", "cuda:1"])
+    assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    ("count", "devices", "match"),
+    [
+        (0, ["cpu", "cuda:0"], "stage 1 is on cuda:0, but CUDA is not available here; "
+                               "available devices: cpu$"),
+        (0, ["cuda"], "stage 0 is on cuda, but CUDA is not available"),
+        (1, ["cuda:0", "cuda:1"], r"stage 1 is on cuda:1, but only 1 CUDA device\(s\) exist "
+                                  "here; available devices: cpu, cuda:0$"),
+    ],
+)
+def test_devices_that_do_not_exist_fail_at_construction(
+    monkeypatch: pytest.MonkeyPatch, count: int, devices: list[str], match: str
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    with pytest.raises(ValueError, match=match):
+        check_devices_exist([torch.device(d) for d in devices])
+    model = nn.Sequential(*[nn.Linear(2, 2) for _ in devices])
+    with pytest.raises(ValueError, match=match):  # balance + devices
+        Pipe(model, balance=[1] * len(devices), devices=devices)
+    with pytest.raises(ValueError, match=match):  # one device per child
+        Pipe(model, devices=devices)
+    assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+def test_child_spanning_devices() -> None:
+    child = nn.Module()
+    child.register_parameter("w", nn.Parameter(torch.ones(1)))
+    child.register_parameter("v", nn.Parameter(torch.ones(1, device="meta")))
+    with pytest.raises(ValueError, match=r"stage 1 \('1'\) has parameters on several devices"):
+        split_module(nn.Sequential(nn.Linear(1, 1), child))
+
+
+def test_unsupported_device() -> None:
+    with pytest.raises(ValueError, match="'cuda' and 'cpu'"):
+        split_module(nn.Sequential(nn.Linear(1, 1, device="meta")))
+
+
+def test_empty_sequential() -> None:
+    with pytest.raises(ValueError, match="empty"):
+        split_module(nn.Sequential())
+
+
+@pytest.mark.parametrize(
+    ("balance", "devices", "error", "match"),
+    [
+        ([1, 1], ["cpu", "cpu"], ValueError, "sums to 2 but the module has 3 layers"),
+        ([0, 3], ["cpu", "cpu"], ValueError, r"balance\[0\] must be at least 1"),
+        ([], [], ValueError, "balance is empty"),
+        ("12", None, TypeError, "balance must be a list"),
+        ([1.5, 1.5], None, TypeError, r"balance\[0\] must be an int"),
+        ([2, 1], ["cpu"], ValueError, "devices has 1 entries but balance has 2 stages"),
+        ([2, 1], "cpu", TypeError, "one device per stage"),
+    ],
+)
+def test_bad_balance_or_devices(balance: object, devices: object, error: type, match: str) -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
+    with pytest.raises(error, match=match):
+        split_module(model, balance=balance, devices=devices)  # type: ignore[arg-type]
+
+
+def test_devices_count_must_match_children() -> None:
+    with pytest.raises(ValueError, match="the module has 2 stages"):
+        split_module(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), devices=["cpu"])

@@ -1,0 +1,190 @@
+"""``mpstream bench``: the CLI, the JSON, the figures and option errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mpstream import cli
+from mpstream.observe.figures import tutorial_figures
+from mpstream.tutorial import bench
+
+TINY = [
+    "--quick",
+    "--repeat",
+    "2",
+    "--warmup",
+    "0",
+    "--batch-size",
+    "4",
+    "--image-size",
+    "32",
+    "--num-batches",
+    "1",
+    "--split-size",
+    "2",
+    "--split-sizes",
+    "2,4",
+    "--num-classes",
+    "10",
+    "--no-progress",
+    "--devices",  # the CPU even where a GPU exists: these tests check the CPU path
+    "cpu,cpu",
+]
+
+
+def test_bench_writes_json_and_the_three_figures(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["bench", *TINY, "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    for name in bench.MODELS:
+        assert name in printed
+    assert "speed-up" in printed and "split-size sweep" in printed
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert doc["torch"] == torch.__version__
+    assert doc["mpstream"] == bench.__version__
+    assert doc["devices"] == ["cpu", "cpu"] and len(doc["device_names"]) == 2
+    assert "git_commit" in doc and doc["config"]["batch_size"] == 4
+    assert [m["model"] for m in doc["models"]] == list(bench.MODELS)
+    for m in doc["models"]:
+        assert len(m["times_s"]) == 2 and m["mean_s"] > 0 and m["speedup_vs_single"] > 0
+    sweep = {(m["model"], m["split_size"]) for m in doc["split_sweep"]}
+    assert sweep == {(p, s) for p in bench.swept(bench.MODELS) for s in (2, 4)}
+    assert bench.GRAPHED in bench.swept(bench.MODELS)  # one device: the graph is swept too
+    assert "mpstream, CUDA graph" in printed.split("split-size sweep")[1]
+    for png in ("mp_vs_rn.png", "mp_vs_rn_vs_pp.png", "split_size_tradeoff.png"):
+        data = (tmp_path / png).read_bytes()
+        assert data.startswith(b"\x89PNG") and len(data) > 5000
+
+
+def test_bench_without_sweep_or_plots(tmp_path: Path) -> None:
+    args = ["bench", *TINY, "--no-sweep", "--no-plots", "--out", str(tmp_path)]
+    assert cli.main(args) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]
+    assert json.loads((tmp_path / "results.json").read_text())["split_sweep"] == []
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--repeat", "0"], "must be at least 1"),
+        (["--repeat", "two"], "expected a whole number"),
+        (["--split-sizes", "1,x"], "expected a whole number"),
+        (["--split-sizes", ","], "comma-separated sizes"),
+        (["--image-size", "64x64x3"], "expected W or WxH"),
+        (["--warmup", "-1"], "must not be negative"),
+    ],
+)
+def test_bad_options_are_argparse_errors(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["bench", *args])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--devices", "cpu"], "two comma-separated devices"),
+        (["--devices", "cpu,tpu:0"], "not a device name"),
+        (["--devices", "cpu,meta"], "not a cpu or cuda device"),
+        (["--image-size", "16"], "at least 32x32"),
+    ],
+)
+def test_bad_values_exit_2_with_a_message(
+    args: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["bench", *TINY, *args, "--out", str(tmp_path)]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "results.json").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without CUDA")
+def test_cuda_devices_without_cuda(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["bench", "--devices", "cuda:0,cuda:1"]) == 2
+    assert "CUDA is not available" in capsys.readouterr().err
+
+
+def test_detect_devices_defaults() -> None:
+    dev0, dev1 = bench.detect_devices()
+    if torch.cuda.is_available():
+        assert dev0 == torch.device("cuda", 0)
+    else:
+        assert (dev0, dev1) == (torch.device("cpu"), torch.device("cpu"))
+    assert bench.detect_devices(" cpu , cpu ") == (torch.device("cpu"), torch.device("cpu"))
+
+
+def test_calls_counts_every_train_call() -> None:
+    config = bench.QUICK
+    distinct = len(set(config.split_sizes) | {config.split_size})
+    per = config.warmup + config.repeat
+    assert bench.calls(config, sweep=True) == per * (2 + 3 * distinct)
+    assert bench.calls(config, sweep=False) == per * 5
+    two = bench.models_for(torch.device("cuda:0"), torch.device("cuda:1"))
+    assert bench.GRAPHED not in two  # a CUDA graph cannot span devices
+    assert bench.calls(config, sweep=False, models=two) == per * 4
+    assert bench.calls(config, sweep=True, models=two) == per * (2 + 2 * distinct)
+    assert bench.models_for(torch.device("cuda:0"), torch.device("cuda:0")) == bench.MODELS
+    if torch.cuda.is_available():  # "cuda" is the current device, the same one
+        current = torch.device("cuda", torch.cuda.current_device())
+        assert bench.models_for(torch.device("cuda"), current) == bench.MODELS
+
+
+def test_figures_from_results(tmp_path: Path) -> None:
+    cfg = bench.Config(split_size=2, split_sizes=(1, 2))
+    cpu = torch.device("cpu")
+    models = [
+        bench.Measurement(n, 2 if n in bench.swept(bench.MODELS) else None, [1.0, 1.2])
+        for n in bench.MODELS
+    ]
+    names = bench.swept(bench.MODELS)
+    sweep = [bench.Measurement(p, s, [0.5 * s, 0.6 * s]) for p in names for s in (1, 2)]
+    paths = tutorial_figures(bench.Results(cfg, (cpu, cpu), models, sweep), tmp_path)
+    assert [p.name for p in paths] == [
+        "mp_vs_rn.png",
+        "mp_vs_rn_vs_pp.png",
+        "split_size_tradeoff.png",
+    ]
+
+
+def test_python_dash_m_entry_point() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "mpstream", "--version"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"mpstream {bench.__version__}"
+    result = subprocess.run(
+        [sys.executable, "-m", "mpstream", "bench", "--repeat", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2 and "must be at least 1" in result.stderr
+
+
+def test_commit_comes_from_the_environment_without_git(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_git(*args: object, **kwargs: object) -> None:
+        raise FileNotFoundError("git")
+
+    monkeypatch.setattr(subprocess, "run", no_git)
+    monkeypatch.delenv("MPSTREAM_COMMIT", raising=False)
+    assert bench.git_commit() is None
+    monkeypatch.setenv("MPSTREAM_COMMIT", "f3db5e8")
+    assert bench.git_commit() == "f3db5e8"
+
+
+def test_an_explicit_commit_wins_over_git(monkeypatch: pytest.MonkeyPatch) -> None:
+    # On the GPU machine a .git from an older snapshot travelled with the
+    # tree and named the wrong commit.
+    monkeypatch.setenv("MPSTREAM_COMMIT", "81f9503")
+    assert bench.git_commit() == "81f9503"
+    monkeypatch.delenv("MPSTREAM_COMMIT")
+    assert bench.git_commit() not in (None, "81f9503")  # this checkout's own
