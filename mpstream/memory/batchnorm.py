@@ -113,8 +113,16 @@ class DeferredBatchNorm(_BatchNorm):
             self.sum += x.sum(dims)
             self.sum_squares += (x * x).sum(dims)
             self.count += x.numel() // x.size(1)
-            self.tracked += 1
-            if self.tracked >= self.expected and not self.hold:
+        self.count_forward()
+
+    def count_forward(self) -> None:
+        """Counts one micro-batch accumulated, and updates the running
+        statistics once the mini-batch is complete (unless held). A forward
+        replayed from a CUDA graph accumulates on the device without running
+        this Python, so the replay calls it."""
+        self.tracked += 1
+        if self.tracked >= self.expected and not self.hold:
+            with torch.no_grad():
                 self._commit()
 
     def commit(self) -> None:

@@ -12,7 +12,9 @@ from ..memory.batchnorm import DeferredBatchNorm, deferred_norms, deferred_updat
 from ..memory.checkpoint import check_mode, checkpoint_stop
 from ..runtime.errors import stage_labels
 from ..runtime.graph import StageGraph
+from ..runtime.graphs import GraphReport, StageGraphs
 from ..runtime.microbatch import Value, batch_device, gather, scatter
+from ..runtime.replay import Backend
 from ..runtime.scheduler import EventScheduler
 from ..runtime.stream import capturing
 from ..runtime.training import run as run_step
@@ -101,6 +103,17 @@ class Pipe(PipeModule):
             (e.g. ``{"backend": "aot_eager"}``): each stage's partition is
             compiled. The layers stay registered uncompiled, so
             ``state_dict`` keys do not change.
+        graphs: replay each CUDA stage's forward and backward from CUDA
+            graphs, captured the first time each kind of call is seen, one
+            set per micro-batch the schedule keeps in flight on the stage
+            (see :mod:`mpstream.runtime.graphs`). The host then issues a few
+            launches per task instead of every kernel. Serves ``pipe(x)``,
+            ``loss.backward()``, ``train_step`` and every schedule; a stage
+            that cannot be captured (a CPU stage, a host sync) runs eagerly
+            with a warning; :meth:`graph_report` says what is graphed. A
+            :class:`~mpstream.runtime.replay.Backend` instead of ``True``
+            captures with it (``Emulated()`` models replay semantics on any
+            device, for tests).
 
     Raises:
         TypeError: ``module`` is neither an ``nn.Sequential`` nor given
@@ -112,7 +125,7 @@ class Pipe(PipeModule):
             schedule or split point; a bad schedule order (shown as a stage x
             step grid); ``virtual_stages`` given for another schedule or not
             fitting the stages and devices; a parameter or buffer shared by
-            stages on different devices.
+            stages on different devices; ``graphs`` with ``compile``.
 
     Example::
 
@@ -138,10 +151,19 @@ class Pipe(PipeModule):
         leaf_modules: Sequence[str | type[nn.Module]] = (),
         compile: CompileOption = False,
         virtual_stages: int | None = None,
+        graphs: bool | Backend = False,
     ) -> None:
         super().__init__()
         if chunks is not None and split_size is not None:
             raise ValueError("give either chunks or split_size, not both")
+        if graphs and compile:
+            raise ValueError(
+                "graphs=True and compile= both take over how a stage runs; choose one (for "
+                "compiled stages replayed as CUDA graphs, compile={'mode': 'reduce-overhead'})"
+            )
+        if not isinstance(graphs, bool) and not hasattr(graphs, "capture"):
+            raise TypeError(f"graphs must be True, False or a graph backend, got {graphs!r}")
+        self.__dict__["_graphed"] = graphs or None
         self._chunks = None if chunks is None else check_positive("chunks", chunks)
         self._split_size = None if split_size is None else check_positive("split_size", split_size)
         self.checkpoint = check_mode(checkpoint)
@@ -220,7 +242,11 @@ class Pipe(PipeModule):
         if rt is None:
             sched = EventScheduler(self.devices)
             stages = compile_stages(list(self.partitions), self.__dict__["_compile"])
-            worker = Worker(stages, sched, self.force_copies, self.graph, self._labels())
+            labels = self._labels()
+            graphed = self.__dict__["_graphed"]
+            backend = None if graphed is True else graphed
+            graphs = StageGraphs(stages, self.devices, labels, backend) if graphed else None
+            worker = Worker(stages, sched, self.force_copies, self.graph, labels, graphs)
             rt = (sched, worker, {})
             self.__dict__["_runtime"] = rt
         return rt  # type: ignore[no-any-return]
@@ -233,6 +259,19 @@ class Pipe(PipeModule):
         n = len(self.devices)
         starts = ["the start", *[f"'{p}'" for p in points]]
         return [f"stage {s} of {n} (from {starts[s]} on {d})" for s, d in enumerate(self.devices)]
+
+    def graph_report(self) -> GraphReport:
+        """Which stages and passes replay CUDA graphs, how many graphs exist
+        and the memory their capture reserved (``Pipe(graphs=True)``).
+
+        Raises:
+            ValueError: the pipe was built without ``graphs=True``.
+        """
+        if not self.__dict__["_graphed"]:
+            raise ValueError("this pipe replays no graphs: build it with Pipe(..., graphs=True)")
+        graphs = self._rt()[1].graphs
+        assert graphs is not None
+        return graphs.report()
 
     @property
     def graph(self) -> StageGraph:

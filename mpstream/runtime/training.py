@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from ..memory.checkpoint import checkpointed
 from ..schedules.schedule import Kind, Schedule, Task
 from .boundary import GradSink, cut
 from .copy import move
@@ -32,6 +31,7 @@ from .transfer import to_device
 from .values import Flow
 from .worker import (
     Staging,
+    compute,
     cuda_only,
     hop_leaves,
     hop_staging,
@@ -228,6 +228,9 @@ def run(
     # checkpointed micro-batch is not split (see split_backward).
     split = {(s, m) for s, m in schedule.split if m >= checkpoint_stop}
     weights_left: dict[tuple[int, int], WeightPass] = {}
+    graphs = worker.graphs
+    if graphs is not None:
+        graphs.begin(schedule, backward_later=False)
     native.begin_run(schedule.native, sched.caller_streams())
     try:
         for task in schedule.tasks:
@@ -247,8 +250,7 @@ def run(
                 if cutting.keys:
                     cuts[(s, m)] = cutting
                 with task_range(profiling, kind, s, m):
-                    stage = parts[s]
-                    y = checkpointed(stage, *args) if m < checkpoint_stop else stage(*args)
+                    y = compute(graphs, s, m, parts[s], args, m < checkpoint_stop)
                     flow.store(s, m, y)
                     if s == last:
                         replaced = {ref: v for (ref, _), v in zip(sources, values[len(pairs) :])}

@@ -31,13 +31,15 @@ from .calls import StageCalls
 from .copy import Copy, Route
 from .errors import annotate, raised_in, task_note
 from .graph import ALL, Hop, Routes, StageGraph
+from .graphs import StageGraphs
 from .microbatch import leaves, rebuild_leaves
 from .scheduler import EventScheduler
 from .stream import AnyStream, current_stream, is_cuda, record_stream
 from .transfer import GradLink, HostWait
 from .values import Flow, Wiring, tensor_leaves
 
-__all__ = ["Worker", "range_name", "Staging", "protect", "cuda_only", "task_range", "hop_staging"]
+__all__ = ["Worker", "range_name", "Staging", "protect", "cuda_only", "task_range", "hop_staging",
+           "compute"]
 
 # Pinned staging buffers of one micro-batch, one entry per leaf of its inputs
 # (see mpstream.runtime.transfer.host_staging), or None when nothing needs staging.
@@ -70,6 +72,21 @@ def protect(values: Sequence[Any], stream: AnyStream | None) -> None:
             record_stream(t, stream)
 
 
+def compute(
+    graphs: StageGraphs | None,
+    s: int,
+    m: int,
+    stage: nn.Module,
+    args: Sequence[Any],
+    checkpoint: bool,
+) -> Any:
+    """Stage ``s``'s forward of micro-batch ``m``: replayed from its graphs
+    when the pipe has them, else eagerly (checkpointed when asked)."""
+    if graphs is not None:
+        return graphs.call(s, m, stage, args, checkpoint)
+    return checkpointed(stage, *args) if checkpoint else stage(*args)
+
+
 def hop_leaves(values: Sequence[Any]) -> tuple[list[Any], list[Any], list[int]]:
     """Flattens a hop's values: all leaves, their structures, tensor positions."""
     items: list[Any] = []
@@ -99,6 +116,8 @@ class Worker:
         force_copies: copy between stages even on the same device.
         graph: where each stage's arguments come from (default: a chain).
         labels: how error notes name each stage (default ``stage s of n``).
+        graphs: replays stage calls from CUDA graphs (``Pipe(graphs=True)``);
+            None runs every stage eagerly.
     """
 
     def __init__(
@@ -108,8 +127,10 @@ class Worker:
         force_copies: bool = False,
         graph: StageGraph | None = None,
         labels: Sequence[str] | None = None,
+        graphs: StageGraphs | None = None,
     ) -> None:
         self.partitions = list(partitions)
+        self.graphs = graphs
         self.calls = StageCalls(self.partitions)
         self.sched = sched
         self.force_copies = force_copies
@@ -176,6 +197,9 @@ class Worker:
         marking = native.timing and grad
         results: list[Any] = [None] * len(batches)
         task: Task | None = None
+        graphs = self.graphs
+        if graphs is not None:  # with gradients, autograd runs the backward later
+            graphs.begin(schedule, backward_later=grad)
         native.begin_run(schedule.native, sched.caller_streams())
         try:
             for task in schedule.tasks:
@@ -194,9 +218,9 @@ class Worker:
                     # No context manager unless profiling: this is the hot loop.
                     if profiling:
                         with task_range(profiling, task.kind, s, m):
-                            y = checkpointed(stage, *args) if m < checkpoint_stop else stage(*args)
+                            y = compute(graphs, s, m, stage, args, m < checkpoint_stop)
                     else:
-                        y = checkpointed(stage, *args) if m < checkpoint_stop else stage(*args)
+                        y = compute(graphs, s, m, stage, args, m < checkpoint_stop)
                     if marking:
                         y = marks.leave(stage_marks, y)
                     out = flow.keep(s, m, y)

@@ -1,0 +1,330 @@
+"""Graphed stages: each stage's calls replayed from CUDA graphs, per slot.
+
+One host thread issuing every kernel of every micro-batch sets the pace of
+an eager pipeline on a fast GPU. :class:`StageGraphs` replaces a stage's
+forward (and its backward) by the replay of graphs captured the first time a
+call of that kind is seen: one :class:`~mpstream.runtime.replay.GraphedCall`
+per stage, per slot (:mod:`mpstream.schedules.slots`: as many as the
+schedule keeps micro-batches in flight on the stage, so no replay
+overwrites activations a pending backward reads) and per call signature
+(argument shapes, dtypes and devices, grad mode, autocast, checkpointing,
+training mode). The scheduler issues the same tasks under the same event
+plan; a task's work is a handful of launches instead of every kernel.
+
+Before each run the stage's fingerprint (its modules, and each parameter and
+buffer's identity, storage, dtype, shape, device and ``requires_grad``) is
+compared with the one its graphs were captured from: anything replaced
+drops them, and the next call captures again, so a replay never reads stale
+pointers. Parameters updated in place (any optimizer's step) are read by the
+next replay as they are.
+
+A stage that cannot be graphed runs eagerly, with one warning naming the
+stage and the reason: it sits on a CPU, or its capture failed (a host sync
+such as ``.item()``, data-dependent control flow, an unsupported op).
+:meth:`StageGraphs.report` says which stages and passes are graphed, how
+many graphs exist and the memory their capture reserved. Signatures are
+bounded: past ``max_calls`` per stage, the least recently used graphs not
+needed by the current run are dropped.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..memory.checkpoint import checkpointed
+from ..schedules.schedule import Schedule
+from ..schedules.slots import Slots, plan_slots
+from .microbatch import leaves
+from .replay import Backend, CudaGraphs, GraphedCall
+
+__all__ = ["StageGraphs", "GraphReport", "StageReport", "GraphWarning", "MAX_CALLS"]
+
+#: Graphed calls kept per stage (slots x signatures) before the least
+#: recently used are dropped.
+MAX_CALLS = 64
+
+
+class GraphWarning(UserWarning):
+    """A stage that was asked to be graphed runs eagerly."""
+
+
+@dataclass
+class StageReport:
+    """What one stage replays.
+
+    Attributes:
+        stage: its index.
+        device: where it runs.
+        graphed: whether its calls replay graphs (False: eager, see ``reason``).
+        reason: why it runs eagerly, if it does.
+        graphs: graphs held (a forward, and a backward where gradients flow,
+            per slot and signature).
+        passes: the passes replayed (``forward``, ``backward``).
+        slots: the most slots a run has used.
+        captures: calls captured so far (recaptures included).
+        recaptures: captures caused by a replaced parameter, buffer or module.
+        reserved_bytes: device memory reserved while capturing (its graphs'
+            pools, activations of every slot included).
+    """
+
+    stage: int
+    device: torch.device
+    graphed: bool
+    reason: str | None = None
+    graphs: int = 0
+    passes: tuple[str, ...] = ()
+    slots: int = 0
+    captures: int = 0
+    recaptures: int = 0
+    reserved_bytes: int = 0
+
+
+@dataclass
+class GraphReport:
+    """Which stages of a pipe replay graphs, and what they hold."""
+
+    stages: list[StageReport] = field(default_factory=list)
+
+    @property
+    def graphs(self) -> int:
+        """Graphs held by all stages."""
+        return sum(s.graphs for s in self.stages)
+
+    def __str__(self) -> str:
+        lines = ["stage  device   graphed  graphs  slots  passes            reserved  reason"]
+        for s in self.stages:
+            passes = "+".join(s.passes) or "-"
+            mib = f"{s.reserved_bytes / 2**20:.1f} MiB"
+            lines.append(
+                f"{s.stage:<6} {str(s.device):<8} {'yes' if s.graphed else 'no':<8} "
+                f"{s.graphs:<7} {s.slots:<6} {passes:<17} {mib:>8}  {s.reason or ''}".rstrip()
+            )
+        return "\n".join(lines)
+
+
+def fingerprint(stage: nn.Module) -> tuple[Any, ...]:
+    """What a stage's graphs baked in: its modules, and each parameter and
+    buffer's identity, storage and metadata. (Training modes are part of a
+    call's key instead: a pipe switching between train and eval keeps the
+    graphs of both.)"""
+
+    def of(t: Tensor) -> tuple[Any, ...]:
+        return (id(t), t.data_ptr(), t.dtype, tuple(t.shape), t.device, t.requires_grad)
+
+    modules = tuple(id(m) for m in stage.modules())
+    params = tuple(of(p) for p in stage.parameters())
+    buffers = tuple(of(b) for b in stage.buffers())
+    return modules, params, buffers
+
+
+def _autocast() -> tuple[Any, ...]:
+    return tuple(
+        (d, torch.get_autocast_dtype(d)) for d in ("cuda", "cpu") if torch.is_autocast_enabled(d)
+    )
+
+
+def signature(args: Sequence[Any]) -> tuple[Any, ...] | None:
+    """A call's arguments as a key: tensor metadata and plain values; None
+    when a plain value cannot be a key (it is not hashable)."""
+    items, spec = leaves(tuple(args))
+    key: list[Any] = [repr(spec)]
+    for x in items:
+        if isinstance(x, Tensor):
+            key.append((x.dtype, tuple(x.shape), x.device, x.requires_grad))
+        else:
+            try:
+                hash(x)
+            except TypeError:
+                return None
+            key.append((type(x), x))
+    return tuple(key)
+
+
+class _Stage:
+    """One stage's graphs and state."""
+
+    def __init__(
+        self, index: int, module: nn.Module, device: torch.device, label: str, graphable: bool
+    ) -> None:
+        self.index, self.module, self.device, self.label = index, module, device, label
+        self.reason: str | None = (
+            None if graphable else f"on {device}: CUDA graphs need a CUDA device"
+        )
+        self.modes: tuple[bool, ...] = ()
+        self.calls: OrderedDict[tuple[Any, ...], GraphedCall] = OrderedDict()
+        self.used: set[tuple[Any, ...]] = set()  # keys the current run replayed
+        self.print: tuple[Any, ...] | None = None
+        self.slots = 0
+        self.captures = 0
+        self.recaptures = 0
+        self.reserved = 0
+
+
+class StageGraphs:
+    """The graphs of one pipeline's stages.
+
+    Args:
+        modules: each stage's module (what its graphs differentiate and
+            fingerprint).
+        devices: each stage's device.
+        labels: how warnings name each stage.
+        backend: what captures (:class:`~mpstream.runtime.replay.CudaGraphs`
+            unless a test gives another); only CUDA stages use it.
+        max_calls: graphed calls kept per stage.
+    """
+
+    def __init__(
+        self,
+        modules: Sequence[nn.Module],
+        devices: Sequence[torch.device],
+        labels: Sequence[str] | None = None,
+        backend: Backend | None = None,
+        max_calls: int = MAX_CALLS,
+    ) -> None:
+        n = len(modules)
+        names = list(labels) if labels else [f"stage {s} of {n}" for s in range(n)]
+        self.backend: Backend = backend or CudaGraphs()
+        self.stages = [
+            _Stage(s, m, d, names[s], self.graphable(d))
+            for s, (m, d) in enumerate(zip(modules, devices))
+        ]
+        self.max_calls = max_calls
+        self.slots: Slots | None = None
+        self._plans: dict[tuple[int, bool], Slots] = {}
+
+    def graphable(self, device: torch.device) -> bool:
+        """Whether stages on ``device`` may be graphed by this backend."""
+        return device.type == "cuda" or not isinstance(self.backend, CudaGraphs)
+
+    def begin(self, schedule: Schedule, backward_later: bool) -> None:
+        """Prepares a run: its slots, and the graphs still valid.
+
+        Args:
+            schedule: the run's schedule.
+            backward_later: the backward runs after the schedule, through
+                autograd (``pipe(x)`` with gradients).
+        """
+        key = (id(schedule), backward_later)
+        slots = self._plans.get(key)
+        if slots is None:
+            slots = self._plans[key] = plan_slots(schedule, backward_later=backward_later)
+        self.slots = slots
+        for st in self.stages:
+            st.used.clear()
+            if st.reason is not None:
+                continue
+            st.slots = max(st.slots, slots.counts[st.index])
+            st.modes = tuple(m.training for m in st.module.modules())
+            now = fingerprint(st.module)
+            if st.print is not None and now != st.print and st.calls:
+                st.recaptures += len(st.calls)
+                st.calls.clear()  # replaced tensors or modules: capture again
+            st.print = now
+
+    def call(
+        self, s: int, m: int, stage: nn.Module, args: Sequence[Any], checkpoint: bool
+    ) -> Any:
+        """Runs stage ``s`` on micro-batch ``m``: replayed if it can be, else eagerly."""
+        st = self.stages[s]
+        if st.reason is None and self.slots is not None:
+            key = self._key(s, m, args, checkpoint)
+            if key is not None:
+                graphed = self._graphed(st, key, stage, args, checkpoint)
+                if graphed is not None:
+                    return graphed(*args)
+        return checkpointed(stage, *args) if checkpoint else stage(*args)
+
+    def _key(self, s: int, m: int, args: Sequence[Any], checkpoint: bool) -> tuple[Any, ...] | None:
+        assert self.slots is not None
+        sig = signature(args)
+        if sig is None:
+            return None
+        grad = torch.is_grad_enabled()
+        return (self.slots.slot[(s, m)], checkpoint and grad, grad, _autocast(), sig)
+
+    def _graphed(
+        self,
+        st: _Stage,
+        key: tuple[Any, ...],
+        stage: nn.Module,
+        args: Sequence[Any],
+        checkpoint: bool,
+    ) -> GraphedCall | None:
+        key = (*key, st.modes)
+        # A call whose activations still wait for their backward (a second
+        # forward before the first backward, in the user's loop) gets graphs
+        # of its own: one more generation of the slot.
+        generation = 0
+        while True:
+            graphed = st.calls.get((*key, generation))
+            if graphed is None or not graphed.busy():
+                break
+            generation += 1
+        key = (*key, generation)
+        if graphed is not None:
+            st.calls.move_to_end(key)
+            st.used.add(key)
+            return graphed
+        fn: Callable[..., Any] = (lambda *a: checkpointed(stage, *a)) if key[1] else stage
+        try:
+            graphed = GraphedCall(fn, args, st.module, key[2], self.backend)
+        except Exception as exc:  # anything a graph cannot hold: run eagerly from now on
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            st.reason = f"capture failed: {type(exc).__name__}: {first}"
+            st.calls.clear()
+            warnings.warn(f"{st.label} runs eagerly: {st.reason}", GraphWarning, stacklevel=4)
+            return None
+        graphed.label = st.label
+        st.captures += 1
+        st.calls[key] = graphed
+        st.used.add(key)
+        self._bound(st)
+        return graphed
+
+    def _bound(self, st: _Stage) -> None:
+        """Drops the least recently used graphs that neither the current run
+        nor a pending backward needs.
+
+        Raises:
+            RuntimeError: more than ``max_calls`` are needed at once.
+        """
+        for old in list(st.calls):
+            if len(st.calls) <= self.max_calls:
+                return
+            if old not in st.used and not st.calls[old].busy():
+                del st.calls[old]
+        if len(st.calls) > self.max_calls:
+            raise RuntimeError(
+                f"{st.label} needs {len(st.calls)} graphed calls at once, more than "
+                f"max_calls={self.max_calls} (every slot, shape, mode and forward awaiting "
+                f"its backward has its own): run fewer forwards before a backward, fewer "
+                f"batch shapes, or the pipe with graphs=False"
+            )
+
+    def report(self) -> GraphReport:
+        """Which stages and passes are graphed, how many graphs, what memory."""
+        out = GraphReport()
+        for st in self.stages:
+            passes = sorted({p for c in st.calls.values() for p in c.passes}, reverse=True)
+            out.stages.append(
+                StageReport(
+                    stage=st.index,
+                    device=st.device,
+                    graphed=st.reason is None,
+                    reason=st.reason,
+                    graphs=sum(len(c.passes) for c in st.calls.values()),
+                    passes=tuple(passes),
+                    slots=st.slots,
+                    captures=st.captures,
+                    recaptures=st.recaptures,
+                    reserved_bytes=sum(c.reserved for c in st.calls.values()),
+                )
+            )
+        return out

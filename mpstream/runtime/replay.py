@@ -1,0 +1,362 @@
+"""One stage call captured as graphs and replayed: forward, and backward.
+
+:class:`GraphedCall` holds the graphs of one stage for one slot and one
+call signature: static input buffers, a forward graph writing static
+outputs and, when the call needs gradients, a backward graph reading static
+output gradients and writing the gradients of the differentiable inputs and
+of the stage's parameters. A call copies the arguments' tensors into the
+static inputs, replays the forward and returns *copies* of the outputs; its
+backward (an autograd node, so ``loss.backward()``, ``train_step`` and the
+user's own loop all reach it) replays the backward graph and returns copies
+of the input gradients. Copies, because the next replay of the slot
+overwrites the static buffers while readers on other streams (a copy to the
+next device, a gradient copy back) may still be queued; with them, the
+runtime's event plan and allocator protection apply unchanged. Parameter
+gradients go straight to autograd's accumulation, on the stage's stream,
+before any later replay.
+
+Two backends capture: :class:`CudaGraphs` (``torch.cuda.CUDAGraph``, a
+private memory pool per call) and :class:`Emulated`, a model of replay
+semantics on any device for tests: its forward "replay" reruns the stage and
+replaces the slot's one set of activations, so a slot reused while an
+earlier micro-batch's backward is pending gives that backward the wrong
+activations, as a real graph would.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from ..memory.batchnorm import DeferredBatchNorm, deferred_norms
+from .microbatch import leaves, rebuild_leaves
+
+__all__ = ["Backend", "CudaGraphs", "Emulated", "GraphedCall"]
+
+
+class Backend(Protocol):
+    """Captures and replays the graphs of one :class:`GraphedCall`."""
+
+    #: Whether a replay runs the stage's Python (then its side effects,
+    #: such as deferred BatchNorm's counting, happen by themselves).
+    runs_python: bool
+
+    def capture(self, call: GraphedCall, fn: Callable[..., Any]) -> None:
+        """Fills ``call``'s static outputs and gradients and arms its replays."""
+
+    def forward(self, call: GraphedCall) -> None:
+        """Replays the forward: static inputs to static outputs."""
+
+    def backward(self, call: GraphedCall) -> None:
+        """Replays the backward: static output gradients to static gradients."""
+
+
+class GraphedCall:
+    """The graphs of one stage call: static buffers and their replays.
+
+    Args:
+        fn: the stage's call (checkpointed or not), taking the arguments.
+        args: an example of the arguments (their tensors' shapes, dtypes,
+            devices and ``requires_grad`` are the call's signature; plain
+            values are baked in).
+        stage: the stage module (its parameters get gradients, its deferred
+            BatchNorm layers are counted per replay).
+        grad: whether the call builds an autograd graph.
+        backend: what captures and replays.
+
+    Raises:
+        Exception: whatever capture raised; the stage's buffers, deferred
+            BatchNorm counters and random number generators are put back
+            first.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any],
+        stage: nn.Module,
+        grad: bool,
+        backend: Backend,
+    ) -> None:
+        items, self.spec = leaves(tuple(args))
+        self.items = list(items)
+        self.where = [i for i, x in enumerate(items) if isinstance(x, Tensor)]
+        self.static_in = [
+            items[i].detach().clone().requires_grad_(grad and items[i].requires_grad)
+            for i in self.where
+        ]
+        self.grad = grad
+        self.params = [p for p in stage.parameters() if p.requires_grad] if grad else []
+        self.norms = [n for n in deferred_norms(stage) if n.training]
+        self.out_spec: Any = None
+        self.out_items: list[Any] = []
+        self.out_where: list[int] = []
+        self.static_out: list[Tensor] = []
+        self.diff_out: list[int] = []  # positions in static_out that carry gradients
+        self.static_grad_out: list[Tensor] = []
+        self.static_grad_in: list[Tensor | None] = []
+        self.static_grad_params: list[Tensor | None] = []
+        self.backend = backend
+        self.state: Any = None  # the backend's own: graphs, or the emulated activations
+        self.reserved = 0  # device memory reserved while capturing
+        self.replays = 0  # forward replays whose backward may follow
+        self.pending: weakref.ref[Any] | None = None  # the node of the last such replay
+        self.label = "the stage"
+        self.passes: tuple[str, ...] = ("forward",)
+        with _restored(stage):
+            backend.capture(self, fn)
+        if self.diff_out:
+            self.passes = ("forward", "backward")
+
+    # -- what capture calls ---------------------------------------------
+    def inputs(self) -> tuple[Any, ...]:
+        """The arguments rebuilt around the static input buffers."""
+        items = list(self.items)
+        for i, t in zip(self.where, self.static_in):
+            items[i] = t
+        return tuple(rebuild_leaves(items, self.spec))
+
+    def outputs(self, out: Any) -> list[Tensor]:
+        """Records the structure of a captured call's outputs; returns its tensors."""
+        items, self.out_spec = leaves(out)
+        self.out_items = list(items)
+        self.out_where = [i for i, x in enumerate(items) if isinstance(x, Tensor)]
+        tensors = [items[i] for i in self.out_where]
+        self.diff_out = [k for k, t in enumerate(tensors) if self.grad and t.requires_grad]
+        return tensors
+
+    def grad_targets(self) -> list[Tensor]:
+        """What the backward differentiates: inputs needing gradients, then parameters."""
+        return [t for t in self.static_in if t.requires_grad] + self.params
+
+    def busy(self) -> bool:
+        """Whether the static activations belong to a forward whose backward
+        may still run: its autograd node is alive and has not run."""
+        return self.pending is not None and self.pending() is not None
+
+    # -- replay ------------------------------------------------------------
+    def __call__(self, *args: Any) -> Any:
+        items, _ = leaves(tuple(args))
+        tensors = [items[i] for i in self.where]
+        if self.diff_out and torch.is_grad_enabled():
+            outs = _Replay.apply(self, *tensors, *self.params)
+        else:
+            outs = self._forward(tensors)
+        result = list(self.out_items)
+        for i, t in zip(self.out_where, outs):
+            result[i] = t
+        return rebuild_leaves(result, self.out_spec)
+
+    def _forward(self, tensors: Sequence[Tensor]) -> tuple[Tensor, ...]:
+        with torch.no_grad():
+            for static, t in zip(self.static_in, tensors):
+                static.copy_(t)
+            self.backend.forward(self)
+            if not self.backend.runs_python:
+                for norm in self.norms:
+                    norm.count_forward()
+            return tuple(t.clone() for t in self.static_out)
+
+    def _backward(self, grads: Sequence[Tensor | None]) -> list[Tensor | None]:
+        with torch.no_grad():
+            for k, static in zip(self.diff_out, self.static_grad_out):
+                g = grads[k]
+                if g is None:
+                    static.zero_()
+                else:
+                    static.copy_(g)
+            self.backend.backward(self)
+        in_grads = iter(self.static_grad_in)
+        out: list[Tensor | None] = []
+        for t in self.static_in:
+            g = next(in_grads) if t.requires_grad else None
+            out.append(None if g is None else g.clone())
+        return out + list(self.static_grad_params)
+
+
+class _Replay(torch.autograd.Function):
+    """Replays a :class:`GraphedCall`; its backward replays the backward graph."""
+
+    @staticmethod
+    def forward(ctx: Any, call: GraphedCall, *tensors: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+        ctx.call = call
+        outs = call._forward(tensors[: len(call.where)])
+        call.replays += 1
+        ctx.replay = call.replays
+        call.pending = weakref.ref(ctx)
+        keep = set(call.diff_out)
+        ctx.mark_non_differentiable(*(t for k, t in enumerate(outs) if k not in keep))
+        return outs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        call: GraphedCall = ctx.call
+        if ctx.replay != call.replays:
+            raise RuntimeError(
+                f"{call.label}: its graphs replayed another micro-batch's forward before this "
+                f"backward, so the activations it needs are gone (a backward run twice with "
+                f"retain_graph=True after a new forward?); run the pipe with graphs=False for that"
+            )
+        call.pending = None
+        return (None, *call._backward(grads))
+
+
+def _restored_state(stage: nn.Module) -> Callable[[], None]:
+    """Saves what warm-up and capture may change: buffers, deferred
+    BatchNorm counters, random number generators; returns the restore."""
+    buffers = [(b, b.detach().clone()) for b in stage.buffers()]
+    counters = [(n, n.tracked) for n in stage.modules() if isinstance(n, DeferredBatchNorm)]
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None  # type: ignore[no-untyped-call]
+
+    def restore() -> None:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        for n, tracked in counters:
+            n.tracked = tracked
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+    return restore
+
+
+class _restored:
+    """Puts ``stage`` and the generators back as they were on exit."""
+
+    def __init__(self, stage: nn.Module) -> None:
+        self.restore = _restored_state(stage)
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
+
+
+def _differentiate(call: GraphedCall, outputs: Sequence[Tensor]) -> tuple[Tensor | None, ...]:
+    """The gradients of the call's differentiable outputs, from the static
+    output gradients, with respect to its inputs and parameters."""
+    roots = [outputs[k] for k in call.diff_out]
+    return torch.autograd.grad(
+        roots, call.grad_targets(), call.static_grad_out, allow_unused=True
+    )
+
+
+def _store_grads(call: GraphedCall, grads: Sequence[Tensor | None]) -> None:
+    n = sum(1 for t in call.static_in if t.requires_grad)
+    call.static_grad_in = list(grads[:n])
+    call.static_grad_params = list(grads[n:])
+
+
+class CudaGraphs:
+    """Captures with ``torch.cuda.CUDAGraph``, a private memory pool per call.
+
+    Capture runs on a side stream after ``warmup`` eager iterations there
+    (lazy initialisation, cuDNN autotuning), whose effects are undone. Under
+    autocast the capture runs with autocast's weight cache off: a cached
+    cast freed after capture would leave the graph reading freed memory.
+
+    A private pool per call, not one per device: stages sharing a device run
+    concurrently on their own streams, and graphs sharing a pool may reuse
+    each other's freed memory, which is only safe when they never run at the
+    same time.
+
+    Args:
+        warmup: eager forward (+ backward) iterations before capture.
+    """
+
+    runs_python = False
+
+    def __init__(self, warmup: int = 2) -> None:
+        self.warmup = warmup
+
+    def capture(self, call: GraphedCall, fn: Callable[..., Any]) -> None:
+        device = call.static_in[0].device if call.static_in else torch.device("cuda")
+        side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(self.warmup):
+                outs = call.outputs(fn(*call.inputs()))
+                if call.diff_out:
+                    call.static_grad_out = [torch.ones_like(outs[k]) for k in call.diff_out]
+                    _differentiate(call, outs)
+                del outs
+        torch.cuda.current_stream(device).wait_stream(side)
+        before = torch.cuda.memory_reserved(device)
+        fwd = torch.cuda.CUDAGraph()
+        with ExitStack() as stack:
+            _uncached_autocast(stack)
+            with torch.cuda.graph(fwd, stream=side):
+                outs = call.outputs(fn(*call.inputs()))
+            call.static_out = [t.detach() for t in outs]
+            graphs = [fwd]
+            if call.diff_out:
+                call.static_grad_out = [torch.empty_like(outs[k]) for k in call.diff_out]
+                bwd = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(bwd, pool=fwd.pool(), stream=side):
+                    _store_grads(call, _differentiate(call, outs))
+                graphs.append(bwd)
+        del outs
+        call.reserved = torch.cuda.memory_reserved(device) - before
+        call.state = graphs
+
+    def forward(self, call: GraphedCall) -> None:
+        call.state[0].replay()
+
+    def backward(self, call: GraphedCall) -> None:
+        call.state[1].replay()
+
+
+def _uncached_autocast(stack: ExitStack) -> None:
+    """Re-enters every active autocast with its weight cache off."""
+    for device_type in ("cuda", "cpu"):
+        if torch.is_autocast_enabled(device_type):
+            dtype = torch.get_autocast_dtype(device_type)
+            stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=False))
+
+
+class Emulated:
+    """Replay semantics without a device graph, for tests on any device.
+
+    "Capture" runs the stage once on the static inputs; a forward "replay"
+    runs it again and keeps that run's autograd graph as the slot's
+    activations, replacing the previous one; a backward "replay"
+    differentiates the slot's current activations. What differs from CUDA
+    graphs: the stage's Python runs at every replay (its side effects too),
+    and nothing is faster.
+    """
+
+    runs_python = True
+
+    def __init__(self) -> None:
+        self.captures = 0
+        self.fns: dict[int, Callable[..., Any]] = {}
+
+    def capture(self, call: GraphedCall, fn: Callable[..., Any]) -> None:
+        self.captures += 1
+        self.fns[id(call)] = fn
+        with torch.enable_grad() if call.grad else torch.no_grad():
+            outs = call.outputs(fn(*call.inputs()))
+        call.static_out = [t.detach().clone() for t in outs]
+        call.static_grad_out = [torch.empty_like(outs[k]) for k in call.diff_out]
+
+    def forward(self, call: GraphedCall) -> None:
+        with torch.enable_grad() if call.grad else torch.no_grad():
+            outs = call.outputs(self.fns[id(call)](*call.inputs()))
+        for static, t in zip(call.static_out, outs):
+            static.copy_(t.detach())
+        call.state = outs if call.diff_out else None  # the slot's one set of activations
+
+    def backward(self, call: GraphedCall) -> None:
+        if call.state is None:
+            raise RuntimeError("the slot's activations were freed before its backward replayed")
+        with torch.enable_grad():
+            _store_grads(call, _differentiate(call, call.state))
+        call.state = None

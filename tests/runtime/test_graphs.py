@@ -1,0 +1,269 @@
+"""Graphed stages: equal to the eager pipe on every schedule and checkpoint
+mode, graphs per slot and signature, recapture of replaced tensors, eager
+fallbacks with one warning, bounded growth.
+
+On the CPU the replays are emulated (:class:`~mpstream.runtime.replay.Emulated`):
+each slot keeps one set of activations, which the next forward into the
+slot replaces, as a CUDA graph's static memory would. The CUDA tests run
+the real graphs."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from mpstream import Pipe
+from mpstream.runtime.graphs import GraphWarning, StageGraphs, fingerprint
+from mpstream.runtime.replay import Emulated
+from mpstream.schedules import SCHEDULES
+from tests.helpers import assert_same_grads, mlp
+
+CHECKPOINTS = ["never", "except_last", "always"]
+WIDTHS = [6, 12, 12, 8, 4]
+
+
+def pair(model: nn.Module, graphs: object = None, **kwargs: object) -> tuple[Pipe, Pipe]:
+    """The same pipe twice: eager, and graphed (emulated unless given)."""
+    kwargs.setdefault("balance", [4, 4])
+    kwargs.setdefault("devices", ["cpu", "cpu"])
+    eager = Pipe(copy.deepcopy(model), **kwargs)  # type: ignore[arg-type]
+    graphed = Pipe(copy.deepcopy(model), graphs=graphs or Emulated(), **kwargs)  # type: ignore[arg-type]
+    return eager, graphed
+
+
+def data(batch: int = 10) -> tuple[Tensor, Tensor]:
+    return torch.randn(batch, WIDTHS[0], dtype=torch.float64), torch.randn(
+        batch, WIDTHS[-1], dtype=torch.float64
+    )
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("checkpoint", CHECKPOINTS)
+def test_train_step_equals_the_eager_pipe(schedule: str, checkpoint: str) -> None:
+    extra = {"virtual_stages": 2, "balance": [2, 2, 2, 2], "devices": ["cpu"] * 4} if (
+        schedule == "interleaved_1f1b"
+    ) else {}
+    eager, graphed = pair(
+        mlp(WIDTHS), split_size=3, schedule=schedule, checkpoint=checkpoint, **extra
+    )
+    x, y = data()  # 10 rows, micro-batches of 3: the last one smaller
+    for _ in range(2):  # the second step replays
+        torch.testing.assert_close(
+            graphed.train_step(x, y, nn.MSELoss()), eager.train_step(x, y, nn.MSELoss())
+        )
+    assert_same_grads(graphed, eager)
+    report = graphed.graph_report()
+    assert all(s.graphed and s.passes == ("forward", "backward") for s in report.stages)
+    assert report.stages[0].slots >= 1
+
+
+def test_the_users_own_loop_with_an_optimizer_equals_eager() -> None:
+    eager, graphed = pair(mlp(WIDTHS), chunks=4)
+    opts = [torch.optim.SGD(p.parameters(), lr=0.1, momentum=0.9) for p in (eager, graphed)]
+    x, y = data()
+    for _ in range(3):
+        for pipe, opt in zip((eager, graphed), opts):
+            opt.zero_grad()  # set_to_none: the graphs do not hold .grad
+            nn.functional.mse_loss(pipe(x), y).backward()
+            opt.step()  # in place: the next replay reads the new values
+    for a, b in zip(graphed.parameters(), eager.parameters()):
+        torch.testing.assert_close(a, b)
+    with torch.no_grad():  # inference: forward graphs only
+        torch.testing.assert_close(graphed(x), eager(x))
+
+
+def test_gradient_accumulation_over_two_forwards_before_one_backward() -> None:
+    eager, graphed = pair(mlp(WIDTHS), chunks=2)
+    x1, y1 = data()
+    x2, y2 = data()
+    for pipe in (eager, graphed):
+        loss = nn.functional.mse_loss(pipe(x1), y1) + nn.functional.mse_loss(pipe(x2), y2)
+        loss.backward()
+    # The second forward found the first one's slots waiting for their
+    # backward and took graphs of its own.
+    assert_same_grads(graphed, eager)
+    assert graphed.graph_report().stages[0].graphs == 2 * 2 * 2  # slots x generations x passes
+
+
+def test_a_backward_after_its_slot_was_replayed_again_is_refused() -> None:
+    _, graphed = pair(mlp(WIDTHS), chunks=1)
+    x, y = data()
+    loss = nn.functional.mse_loss(graphed(x), y)
+    loss.backward(retain_graph=True)
+    nn.functional.mse_loss(graphed(x), y).backward()  # reuses the slot: its backward ran
+    with pytest.raises(RuntimeError, match="replayed another micro-batch's forward"):
+        loss.backward()
+
+
+def test_dropout_draws_what_the_eager_pipe_draws_with_the_same_seed() -> None:
+    model = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.5), nn.Linear(16, 4)).double()
+    eager, graphed = pair(model, chunks=2, balance=[2, 1])
+    x, _ = data()
+    torch.manual_seed(7)
+    want = eager(x)
+    torch.manual_seed(7)
+    torch.testing.assert_close(graphed(x), want)
+
+
+def test_replaced_tensors_and_modules_are_captured_again() -> None:
+    eager, graphed = pair(mlp(WIDTHS), chunks=2)
+    x, y = data()
+
+    def step() -> None:
+        for pipe in (eager, graphed):
+            pipe.zero_grad()
+            nn.functional.mse_loss(pipe(x), y).backward()
+        for a, b in zip(graphed.parameters(), eager.parameters()):
+            assert (a.grad is None) == (b.grad is None)
+            if a.grad is not None:
+                torch.testing.assert_close(a.grad, b.grad)
+
+    step()
+    captures = graphed.graph_report().stages[0].captures
+    for pipe in (eager, graphed):  # a parameter replaced (a new tensor, not in place)
+        pipe.partitions[0][0].weight = nn.Parameter(torch.ones_like(pipe.partitions[0][0].weight))
+    step()
+    report = graphed.graph_report().stages[0]
+    assert report.recaptures > 0 and report.captures > captures
+    for pipe in (eager, graphed):  # requires_grad changed
+        pipe.partitions[0][0].bias.requires_grad_(False)
+    step()
+    for pipe in (eager, graphed):  # a module swapped
+        pipe.partitions[1][0] = nn.Linear(12, 8).double()
+        pipe.partitions[1][0].load_state_dict(eager.partitions[1][0].state_dict())
+    step()
+    assert graphed.graph_report().stages[1].recaptures > 0
+
+
+def test_the_fingerprint_sees_what_a_replay_could_not() -> None:
+    layer = nn.Linear(2, 2)
+    before = fingerprint(layer)
+    with torch.no_grad():
+        layer.weight.add_(1)  # in place: the graphs read it
+    assert fingerprint(layer) == before
+    layer.weight.data = layer.weight.data.clone()  # a new storage
+    assert fingerprint(layer) != before
+
+
+def test_a_stage_that_cannot_be_captured_runs_eagerly_with_one_warning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    backend = Emulated()
+    real = backend.capture
+    eager, graphed = pair(mlp(WIDTHS), graphs=backend, chunks=2)
+
+    def refuse(call: object, fn: object) -> None:
+        if fn is graphed.partitions[1]:
+            raise RuntimeError("operation not permitted when stream is capturing\nmore detail")
+        real(call, fn)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(backend, "capture", refuse)
+    x, y = data()
+    with pytest.warns(GraphWarning, match="stage 1 of 2 .* runs eagerly: capture failed: "
+                      "RuntimeError: operation not permitted when stream is capturing$"):
+        got = graphed.train_step(x, y, nn.MSELoss())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once, not at every call
+        graphed.train_step(x, y, nn.MSELoss())
+    torch.testing.assert_close(got, eager.train_step(x, y, nn.MSELoss()))
+    first, second = graphed.graph_report().stages
+    assert first.graphed and not second.graphed and second.graphs == 0
+    assert "operation not permitted" in str(graphed.graph_report())
+
+
+def test_on_the_cpu_graphs_true_runs_eagerly_and_says_why() -> None:
+    eager, graphed = pair(mlp(WIDTHS), graphs=True, chunks=2)
+    x, y = data()
+    torch.testing.assert_close(
+        graphed.train_step(x, y, nn.MSELoss()), eager.train_step(x, y, nn.MSELoss())
+    )
+    assert_same_grads(graphed, eager)
+    report = graphed.graph_report()
+    assert report.graphs == 0
+    assert [s.reason for s in report.stages] == ["on cpu: CUDA graphs need a CUDA device"] * 2
+
+
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(ValueError, match="build it with Pipe"):
+        Pipe(mlp(WIDTHS), balance=[4, 4], devices=["cpu", "cpu"]).graph_report()
+    with pytest.raises(ValueError, match="choose one"):
+        Pipe(mlp(WIDTHS), balance=[4, 4], devices=["cpu", "cpu"], graphs=True, compile=True)
+    with pytest.raises(TypeError, match="graphs must be True, False or a graph backend"):
+        Pipe(mlp(WIDTHS), balance=[4, 4], devices=["cpu", "cpu"], graphs="yes")  # type: ignore[arg-type]
+
+
+def test_graphed_calls_are_bounded() -> None:
+    _, graphed = pair(mlp(WIDTHS), chunks=1)
+    graphs = graphed._rt()[1].graphs
+    assert isinstance(graphs, StageGraphs)
+    graphs.max_calls = 2
+    with torch.no_grad():
+        for batch in range(1, 6):  # a new shape each time: a new signature
+            graphed(torch.randn(batch, WIDTHS[0], dtype=torch.float64))
+    assert all(len(s.calls) <= 2 for s in graphs.stages)
+    x, y = data()
+    losses = [nn.functional.mse_loss(graphed(x), y) for _ in range(2)]  # both pending
+    with pytest.raises(RuntimeError, match="more than max_calls=2"):
+        nn.functional.mse_loss(graphed(x), y)
+    del losses
+
+
+def test_deferred_batch_norm_counts_replayed_forwards() -> None:
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 4)).double()
+    eager, graphed = pair(model, chunks=2, balance=[2, 1], deferred_batch_norm=True)
+    x, y = data()
+    for _ in range(2):
+        for pipe in (eager, graphed):
+            pipe.train_step(x, y, nn.MSELoss())
+    for a, b in zip(graphed.buffers(), eager.buffers()):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("checkpoint", CHECKPOINTS)
+def test_cuda_graphs_equal_the_eager_pipe(schedule: str, checkpoint: str) -> None:
+    extra = {"virtual_stages": 2, "balance": [2, 2, 2, 2], "devices": ["cuda:0"] * 4} if (
+        schedule == "interleaved_1f1b"
+    ) else {"devices": ["cuda:0", "cuda:0"]}
+    eager, graphed = pair(
+        mlp(WIDTHS), graphs=True, split_size=3, schedule=schedule, checkpoint=checkpoint, **extra
+    )
+    x, y = (t.cuda() for t in data())
+    for _ in range(3):  # capture, then replays
+        losses = []
+        for pipe in (eager, graphed):
+            pipe.zero_grad()
+            losses.append(pipe.train_step(x, y, nn.MSELoss()))
+        torch.testing.assert_close(losses[1], losses[0])
+        assert_same_grads(graphed, eager)
+    for _ in range(2):  # the user's own loop
+        for pipe in (eager, graphed):
+            pipe.zero_grad()
+            nn.functional.mse_loss(pipe(x), y).backward()
+        assert_same_grads(graphed, eager)
+    report = graphed.graph_report()
+    assert all(s.graphed for s in report.stages), str(report)
+    assert report.graphs > 0 and all(s.reserved_bytes >= 0 for s in report.stages)
+
+
+@pytest.mark.cuda
+def test_cuda_graphs_issue_few_launches() -> None:
+    _, graphed = pair(mlp([6] + [64] * 12 + [4]), graphs=True, chunks=4,
+                      balance=[12, 12], devices=["cuda:0", "cuda:0"])
+    x, y = (t.cuda() for t in data(16))
+    for _ in range(2):
+        graphed.train_step(x, y, nn.MSELoss())
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        graphed.train_step(x, y, nn.MSELoss())
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events()]
+    replays = sum("cudaGraphLaunch" in n for n in names)
+    kernels = sum(n in ("cudaLaunchKernel", "cudaLaunchKernelExC") for n in names)
+    assert replays == 2 * 2 * 4  # forward and backward, per stage and micro-batch
+    assert kernels < 12 * 2 * 4  # copies and clones only, not every layer's kernels
