@@ -274,7 +274,7 @@ class StageGraphs:
             return graphed
         fn: Callable[..., Any] = (lambda *a: checkpointed(stage, *a)) if key[1] else stage
         try:
-            graphed = GraphedCall(fn, args, st.module, key[2], self.backend)
+            graphed = GraphedCall(fn, args, st.module, st.device, key[2], self.backend)
         except Exception as exc:  # anything a graph cannot hold: run eagerly from now on
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             st.reason = f"capture failed: {type(exc).__name__}: {first}"

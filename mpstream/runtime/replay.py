@@ -66,6 +66,7 @@ class GraphedCall:
             values are baked in).
         stage: the stage module (its parameters get gradients, its deferred
             BatchNorm layers are counted per replay).
+        device: the stage's device.
         grad: whether the call builds an autograd graph.
         backend: what captures and replays.
 
@@ -80,9 +81,11 @@ class GraphedCall:
         fn: Callable[..., Any],
         args: Sequence[Any],
         stage: nn.Module,
+        device: torch.device,
         grad: bool,
         backend: Backend,
     ) -> None:
+        self.device = device
         items, self.spec = leaves(tuple(args))
         self.items = list(items)
         self.where = [i for i, x in enumerate(items) if isinstance(x, Tensor)]
@@ -176,7 +179,14 @@ class GraphedCall:
         for t in self.static_in:
             g = next(in_grads) if t.requires_grad else None
             out.append(None if g is None else g.clone())
-        return out + list(self.static_grad_params)
+        # A parameter's first gradient of a step could be taken as its .grad
+        # (autograd steals a tensor nobody else holds); ours is overwritten
+        # by the next replay, so that one goes out as a copy.
+        params = [
+            g if g is None or p.grad is not None else g.clone()
+            for p, g in zip(self.params, self.static_grad_params)
+        ]
+        return out + params
 
 
 class _Replay(torch.autograd.Function):
@@ -278,7 +288,7 @@ class CudaGraphs:
         self.warmup = warmup
 
     def capture(self, call: GraphedCall, fn: Callable[..., Any]) -> None:
-        device = call.static_in[0].device if call.static_in else torch.device("cuda")
+        device = call.device
         side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
