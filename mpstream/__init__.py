@@ -47,10 +47,11 @@ from .runtime import (
     verify_plan,
 )
 from .schedules import SCHEDULES, Kind, Schedule, Task, Topology
-from .stages import balance_by_size, balance_by_time
+from .stages import SplitReport, balance_by_size, balance_by_time
 
 __all__ = [
     "Pipe",
+    "SplitReport",
     "CapturedStep",
     "NoChunk",
     "StageGraph",

@@ -32,6 +32,22 @@ def test_example_trains_and_matches_the_unsplit_model(script: str, args: list[st
     assert "step   2" in result.stdout
 
 
+def test_the_hugging_face_example_trains_equal_to_the_unsplit_model() -> None:
+    pytest.importorskip("transformers")
+    args = ["--steps", "2", "--batch", "4", "--context", "8", "--width", "16", "--train-step"]
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "hf_causal_lm.py"), "--devices", "cpu,cpu",
+         *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "split by torch.export" in result.stdout
+    assert "equals the unsplit model's" in result.stdout
+    assert "step   2" in result.stdout
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without CUDA")
 def test_the_cuda_graph_experiment_says_it_needs_cuda() -> None:
     result = subprocess.run(

@@ -8,30 +8,24 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..memory.batchnorm import DeferredBatchNorm, deferred_norms, deferred_update
-from ..memory.checkpoint import check_mode, checkpoint_stop
-from ..runtime.errors import stage_labels
-from ..runtime.graph import StageGraph
-from ..runtime.graphs import GraphReport, StageGraphs
+from ..memory.batchnorm import DeferredBatchNorm, deferred_update
+from ..memory.checkpoint import check_mode
 from ..runtime.microbatch import Value, batch_device, gather, scatter
 from ..runtime.replay import Backend
-from ..runtime.scheduler import EventScheduler
 from ..runtime.stream import capturing
 from ..runtime.training import run as run_step
-from ..runtime.worker import Staging, Worker
+from ..runtime.worker import Staging
 from ..schedules.schedule import (
     Order,
-    Schedule,
-    Topology,
     check_schedule,
     schedule_arg,
-    virtual_stages_of,
 )
 from ..stages.build import build
+from ..stages.exported import own_loss
 from ..stages.sequential import DeviceLike, check_positive
-from .compiling import CompileOption, compile_options, compile_stages
+from .compiling import CompileOption, compile_options
+from .config import PipeConfig
 from .inputs import batch_size, detached, positional, staging
-from .module import PipeModule
 from .snapshot import Snapshot
 
 REDUCTIONS = ("mean", "sum")
@@ -39,7 +33,7 @@ REDUCTIONS = ("mean", "sum")
 __all__ = ["Pipe"]
 
 
-class Pipe(PipeModule):
+class Pipe(PipeConfig):
     """Pipeline-parallel wrapper running each stage on its own CUDA stream.
 
     The batch is split into micro-batches along dim 0. Stage ``s`` computes
@@ -51,7 +45,8 @@ class Pipe(PipeModule):
 
     Args:
         module: an ``nn.Sequential``, or with ``split_points`` any module
-            ``torch.fx`` can trace. A Sequential without
+            ``torch.fx`` can trace or ``torch.export`` can export (a
+            Hugging Face transformers model, say). A Sequential without
             ``balance``/``devices`` has one stage per child, already placed.
         chunks: number of micro-batches (like ``torch.chunk``).
         split_size: micro-batch size (like ``torch.split``); give at most one
@@ -99,6 +94,16 @@ class Pipe(PipeModule):
             and a later one reads (a skip connection) goes straight there.
         leaf_modules: with ``split_points``, submodules (qualified names or
             types) not to trace into: each runs whole inside one stage.
+        tracer: with ``split_points``: ``'auto'`` (default) splits a Hugging
+            Face model with ``torch.export`` and any other module with
+            ``torch.fx``, falling back to ``torch.export`` where ``torch.fx``
+            fails; ``'fx'`` or ``'export'`` uses only that one.
+            ``torch.export`` needs an example call, ``sample=`` (a dict of
+            keyword arguments, a tuple or the one input; a Hugging Face
+            model's ``dummy_inputs`` otherwise), and exports again for a
+            call of another kind (other arguments, shapes beyond the batch
+            dimension, training mode or dtypes). :meth:`split_report` says
+            which tracer split the module and why.
         compile: ``True`` or a dict of ``torch.compile`` keyword arguments
             (e.g. ``{"backend": "aot_eager"}``): each stage's partition is
             compiled. The layers stay registered uncompiled, so
@@ -117,8 +122,9 @@ class Pipe(PipeModule):
 
     Raises:
         TypeError: ``module`` is neither an ``nn.Sequential`` nor given
-            ``split_points``; tracing failed; ``chunks`` or ``split_size``
-            is not an int.
+            ``split_points``; tracing and exporting failed (the message
+            names the module, each tracer's reason and what to do);
+            ``chunks`` or ``split_size`` is not an int.
         ValueError: ``chunks``/``split_size`` < 1 or both given; a layer is
             repeated; a stage spans devices or sits on a device that does not
             exist; balance/devices do not fit; an unknown checkpoint mode,
@@ -152,6 +158,7 @@ class Pipe(PipeModule):
         compile: CompileOption = False,
         virtual_stages: int | None = None,
         graphs: bool | Backend = False,
+        tracer: str = "auto",
     ) -> None:
         super().__init__()
         if chunks is not None and split_size is not None:
@@ -174,7 +181,7 @@ class Pipe(PipeModule):
             module = DeferredBatchNorm.convert(module)
         self.__dict__["_runtime"] = None
         self.force_copies = bool(force_copies)
-        built = build(module, balance, devices, sample, split_points, leaf_modules)
+        built = build(module, balance, devices, sample, split_points, leaf_modules, tracer)
         if built.layers is not None:
             for name, layer in built.layers:
                 self.add_module(name, layer)
@@ -189,152 +196,10 @@ class Pipe(PipeModule):
         self.__dict__["_bind"] = built.bind
         self.__dict__["_root"] = built.root
         self.__dict__["_split_points"] = built.split_points
+        self.__dict__["_split"] = built.split  # torch.export: a split per kind of call
+        self.__dict__["_report"] = built.report
         self.__dict__["_deferred"] = None  # found on first use (see _deferred_norms)
         check_schedule(self.schedule, built.devices, built.graph.reads(), self.virtual_stages)
-
-    # -- configuration -------------------------------------------------
-    @property
-    def devices(self) -> list[torch.device]:
-        """The device of each stage."""
-        return list(self.__dict__["_devices"])
-
-    @property
-    def balance(self) -> list[int]:
-        """Layers per stage (traced operations per stage for a traced module)."""
-        return list(self.__dict__["_balance"])
-
-    @property
-    def split_points(self) -> list[str] | None:
-        """Where the stages of a traced module begin (given, or picked by
-        ``balance='time'|'size'``); None for a Sequential."""
-        points = self.__dict__["_split_points"]
-        return None if points is None else list(points)
-
-    @property
-    def chunks(self) -> int | None:
-        """Number of micro-batches, or None when ``split_size`` is set."""
-        return self._chunks
-
-    @chunks.setter
-    def chunks(self, value: int | None) -> None:
-        self._chunks = None if value is None else check_positive("chunks", value)
-        if value is not None:
-            self._split_size = None
-
-    @property
-    def split_size(self) -> int | None:
-        """Micro-batch size, or None when ``chunks`` is set."""
-        return self._split_size
-
-    @split_size.setter
-    def split_size(self, value: int | None) -> None:
-        self._split_size = None if value is None else check_positive("split_size", value)
-        if value is not None:
-            self._chunks = None
-
-    @property
-    def scheduler(self) -> EventScheduler:
-        """The event scheduler and stage streams (created on first use)."""
-        return self._rt()[0]
-
-    def _rt(self) -> tuple[EventScheduler, Worker, dict[tuple[Any, ...], Schedule]]:
-        rt = self.__dict__["_runtime"]
-        if rt is None:
-            sched = EventScheduler(self.devices)
-            stages = compile_stages(list(self.partitions), self.__dict__["_compile"])
-            labels = self._labels()
-            graphed = self.__dict__["_graphed"]
-            backend = None if graphed is True else graphed
-            graphs = StageGraphs(stages, self.devices, labels, backend) if graphed else None
-            worker = Worker(stages, sched, self.force_copies, self.graph, labels, graphs)
-            rt = (sched, worker, {})
-            self.__dict__["_runtime"] = rt
-        return rt  # type: ignore[no-any-return]
-
-    def _labels(self) -> list[str]:
-        """How error notes name each stage: its layers (or split point) and device."""
-        points = self.__dict__["_split_points"]
-        if points is None:
-            return stage_labels(list(self._modules), self.balance, self.devices)
-        n = len(self.devices)
-        starts = ["the start", *[f"'{p}'" for p in points]]
-        return [f"stage {s} of {n} (from {starts[s]} on {d})" for s, d in enumerate(self.devices)]
-
-    def graph_report(self) -> GraphReport:
-        """Which stages and passes replay CUDA graphs, how many graphs exist
-        and the memory their capture reserved (``Pipe(graphs=True)``).
-
-        Raises:
-            ValueError: the pipe was built without ``graphs=True``.
-        """
-        if not self.__dict__["_graphed"]:
-            raise ValueError("this pipe replays no graphs: build it with Pipe(..., graphs=True)")
-        graphs = self._rt()[1].graphs
-        assert graphs is not None
-        return graphs.report()
-
-    @property
-    def graph(self) -> StageGraph:
-        """Where each stage's arguments come from (a chain for a Sequential)."""
-        return self.__dict__["_graph"]  # type: ignore[no-any-return]
-
-    def schedule_for(
-        self,
-        micros: int,
-        input_device: torch.device,
-        *,
-        training_step: bool = False,
-        target_device: torch.device | None = None,
-    ) -> Schedule:
-        """The (cached) schedule for ``micros`` micro-batches.
-
-        Forward-only runs are fill-drain; a training step uses
-        :attr:`schedule` with backward tasks, and a transfer task per
-        micro-batch when the targets sit on ``target_device``, not on the
-        last stage's device.
-        """
-        devs = self.__dict__["_devices"]
-        name = schedule_arg(self.schedule) if training_step else "gpipe"
-        virtual = virtual_stages_of(devs, self.virtual_stages) if name == "interleaved_1f1b" else 1
-        copy_target = training_step and target_device not in (None, devs[-1])
-        key = (name, micros, input_device, training_step, copy_target, self.force_copies, virtual)
-        cache = self._rt()[2]
-        sched = cache.get(key)
-        if sched is None:
-            labels = list(dict.fromkeys(devs))
-            topology = Topology(
-                self.graph.reads(),
-                tuple(labels.index(d) for d in devs),
-                labels.index(input_device) if input_device in labels else -1,
-                self.force_copies,
-            )
-            sched = Schedule(
-                name,
-                len(devs),
-                micros,
-                topology,
-                backward=training_step,
-                copy_target=copy_target,
-                virtual_stages=virtual,
-            )
-            cache[key] = sched
-        return sched
-
-    def _deferred_norms(self) -> list[DeferredBatchNorm]:
-        """The deferred BatchNorm layers, found again only after one was made
-        (every call updates them; a walk over all modules per call costs)."""
-        found = self.__dict__.get("_deferred")
-        if found is None or found[0] != DeferredBatchNorm.created:
-            found = (DeferredBatchNorm.created, deferred_norms(self))
-            self.__dict__["_deferred"] = found
-        return found[1]  # type: ignore[no-any-return]
-
-    def _prepare(self, micros: int) -> int:
-        """Per-run setup; returns how many micro-batches to checkpoint."""
-        for norm in self._deferred_norms():
-            norm.expected = micros
-        training = self.training and torch.is_grad_enabled()
-        return checkpoint_stop(self.checkpoint, micros, training)
 
     # -- running -------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -362,7 +227,10 @@ class Pipe(PipeModule):
         Returns:
             The output on the last stage's device: tensors concatenated along
             dim 0, plain values listed per micro-batch, in the structure the
-            module returns.
+            module returns. For a module split by ``torch.export`` that
+            returns its own scalar ``loss`` (a Hugging Face model given
+            ``labels``), the micro-batches' losses are weighted by their
+            share of the batch and summed: the batch's loss.
 
         Raises:
             TypeError: no tensor to split, an unsupported input or stage
@@ -377,7 +245,7 @@ class Pipe(PipeModule):
         :class:`~mpstream.memory.batchnorm.DeferredBatchNorm` had accumulated for
         the failed batch are dropped (they update only once all stages finish).
         """
-        inputs = positional(self.__dict__["_bind"], args, kwargs)
+        inputs = self._inputs(args, kwargs)
         micro = scatter(inputs, self._chunks, self._split_size)
         schedule = self.schedule_for(len(micro), batch_device(inputs))
         _, worker, _ = self._rt()
@@ -385,7 +253,25 @@ class Pipe(PipeModule):
         stop = self._prepare(len(micro))
         with deferred_update(self._deferred_norms(), len(micro)):
             outputs = worker.forward(micro, schedule, stop, staging)
-        return gather(outputs)
+        split = self.__dict__["_split"]
+        return gather(outputs) if split is None else split.gather(outputs)
+
+    def _inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        """The pipeline's positional inputs for a call; a module split by
+        ``torch.export`` first switches to the split of the call's kind."""
+        state = self.__dict__
+        split = state["_split"]
+        if split is None:
+            return positional(state["_bind"], args, kwargs)
+        chosen, inputs = split.select(self.training, args, kwargs)
+        if state["_graph"] is not chosen.graph:
+            runtime = state["_runtime"]
+            split.enter(chosen, self.schedule, self.virtual_stages, self.training, runtime)
+            state["_partitions"] = chosen.modules
+            state["_graph"] = chosen.graph
+            state["_balance"] = chosen.balance
+            state["_runtime"] = chosen.runtime
+        return inputs  # type: ignore[no-any-return]
 
     def _stage(self, value: Any, device: torch.device) -> list[Staging] | None:
         """Per micro-batch pinned buffers for ``value``'s pageable tensors."""
@@ -394,8 +280,8 @@ class Pipe(PipeModule):
     def train_step(
         self,
         inputs: Any,
-        target: Any,
-        loss_fn: Callable[[Any, Any], Tensor],
+        target: Any = None,
+        loss_fn: Callable[[Any, Any], Tensor] | None = None,
         *,
         reduction: str = "mean",
         scaler: torch.amp.GradScaler | None = None,
@@ -410,10 +296,17 @@ class Pipe(PipeModule):
 
         Args:
             inputs: the batch: one input, or a tuple of the module's
-                positional inputs (split as :meth:`forward` splits them).
+                positional inputs (split as :meth:`forward` splits them);
+                for a module split by ``torch.export``, a dict is its
+                keyword arguments (a Hugging Face batch).
             target: targets split the same way (any structure of tensors
-                and plain values) and moved to the last stage's device.
+                and plain values) and moved to the last stage's device;
+                None with no ``loss_fn``.
             loss_fn: ``loss_fn(output, target) -> scalar`` per micro-batch.
+                None: the module computes its loss itself (a Hugging Face
+                model given ``labels``, split by ``torch.export``): each
+                micro-batch's ``output.loss``, already weighted by its
+                share of the batch, so ``reduction`` does not apply.
             reduction: how ``loss_fn`` reduces over the batch.
             scaler: a ``torch.amp.GradScaler``: each micro-batch's weighted
                 loss is scaled by ``scaler.scale`` before its backward, so the
@@ -427,7 +320,8 @@ class Pipe(PipeModule):
         Raises:
             TypeError: bad inputs or targets, a stage returned an unsupported
                 value, ``loss_fn`` returned something other than a scalar
-                tensor, or ``scaler`` is not a ``GradScaler``.
+                tensor (or was not given for a module that returns no
+                ``loss``), or ``scaler`` is not a ``GradScaler``.
             ValueError: empty batch, targets of another batch size, or an
                 unknown ``reduction``.
 
@@ -448,17 +342,28 @@ class Pipe(PipeModule):
             raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
         # Parameter gradients only: inputs are detached, so whether x.grad
         # fills cannot depend on where the batch sits.
-        if self.__dict__["_bind"] is not None and isinstance(inputs, tuple):
-            args = positional(self.__dict__["_bind"], inputs, {})
+        split = self.__dict__["_split"]
+        if isinstance(inputs, dict) and split is not None:
+            args = self._inputs((), inputs)  # keyword arguments (a Hugging Face batch)
+        elif (self.__dict__["_bind"] is not None or split is not None) and isinstance(
+            inputs, tuple
+        ):
+            args = self._inputs(inputs, {})
         else:
-            args = positional(self.__dict__["_bind"], (inputs,), {})
+            args = self._inputs((inputs,), {})
+        if loss_fn is None:
+            loss_fn, reduction = own_loss(split, target), "sum"
         args = detached(args)
         labels = detached(target)
         micro = scatter(args, self._chunks, self._split_size)
-        micro_targets = scatter(labels, self._chunks, self._split_size, "target")
+        micro_targets = (
+            [None] * len(micro)
+            if target is None
+            else scatter(labels, self._chunks, self._split_size, "target")
+        )
         sizes = [batch_size(m) for m in micro]
         batch = sum(sizes)
-        target_sizes = [batch_size(t) for t in micro_targets]
+        target_sizes = sizes if target is None else [batch_size(t) for t in micro_targets]
         if target_sizes != sizes:
             raise ValueError(
                 f"target has batch size {sum(target_sizes)} but inputs have {batch}"
@@ -470,11 +375,11 @@ class Pipe(PipeModule):
             len(micro),
             batch_device(args),
             training_step=True,
-            target_device=batch_device(labels),
+            target_device=None if target is None else batch_device(labels),
         )
         _, worker, _ = self._rt()
         staging = self._stage(args, self.devices[0])
-        target_staging = self._stage(labels, self.devices[-1])
+        target_staging = None if target is None else self._stage(labels, self.devices[-1])
         # Under CUDA graph capture a snapshot's clones would be recorded, not
         # run, and then run on every replay, holding a copy of every gradient.
         snapshot = None if capturing(self.devices) else Snapshot(self, list(self.partitions))

@@ -13,5 +13,13 @@ pipe or any tool.
 from __future__ import annotations
 
 from .balance import balance_by_size, balance_by_time, partition, profile_layers, stage_costs
+from .tracers import SplitReport
 
-__all__ = ["balance_by_time", "balance_by_size", "profile_layers", "partition", "stage_costs"]
+__all__ = [
+    "balance_by_time",
+    "balance_by_size",
+    "profile_layers",
+    "partition",
+    "stage_costs",
+    "SplitReport",
+]

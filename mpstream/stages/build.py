@@ -1,5 +1,7 @@
 """How a ``Pipe`` is cut into stages: a Sequential by layers, any module by
-``torch.fx`` split points, either balanced automatically.
+``torch.fx`` split points (or ``torch.export``'s, :mod:`~mpstream.exported`,
+for a Hugging Face model or where ``torch.fx`` fails), each balanced
+automatically on request.
 
 :func:`build` returns the stages, their devices and graph, and what the pipe
 registers so that ``state_dict`` keys stay those of the wrapped module: a
@@ -17,8 +19,11 @@ from torch import nn
 
 from ..runtime.graph import StageGraph
 from .balance import balance_by_size, balance_by_time, split_points_by
+from .export_balance import export_split_points
+from .exported import ExportSplit
 from .fx import place, trace
 from .sequential import DeviceLike, split_module, stage_devices
+from .tracers import SplitReport, choose_tracer
 
 __all__ = ["Bind", "Built", "build"]
 
@@ -39,6 +44,8 @@ class Built:
         root: a traced module, whose children and tensors the pipe adopts.
         bind: turns a traced module's call into positional inputs.
         split_points: where a traced module's stages begin.
+        split: a module split by ``torch.export``: its split per kind of call.
+        report: which tracer split the module and why.
     """
 
     partitions: list[nn.Module]
@@ -49,6 +56,8 @@ class Built:
     root: nn.Module | None = None
     bind: Bind | None = None
     split_points: list[str] | None = None
+    split: ExportSplit | None = None
+    report: SplitReport | None = None
 
 
 def build(
@@ -58,6 +67,7 @@ def build(
     sample: Any,
     split_points: Sequence[str] | None,
     leaf_modules: Sequence[str | type[nn.Module]],
+    tracer: str = "auto",
 ) -> Built:
     """Cuts ``module`` into stages and places them (see ``Pipe``'s arguments).
 
@@ -69,7 +79,22 @@ def build(
     """
     auto = isinstance(balance, str) and not isinstance(module, nn.Sequential)
     if split_points is not None or auto:
-        return _traced(module, split_points, balance, devices, sample, leaf_modules)
+        if balance is not None and not isinstance(balance, str):
+            raise TypeError(
+                "balance= partitions an nn.Sequential by layer counts; a traced module is "
+                "split at split_points= (or give no split_points and balance='time'|'size')"
+            )
+        how, why = choose_tracer(module, tracer)
+        if how == "export":
+            return _exported(module, split_points, balance, devices, sample, why, None)
+        try:
+            return _traced(module, split_points, balance, devices, sample, leaf_modules, why)
+        except TypeError as exc:  # torch.fx could not trace it
+            if tracer == "fx":
+                raise
+            return _exported(module, split_points, balance, devices, sample, why, exc)
+    if tracer != "auto":
+        choose_tracer(module, tracer)  # validates it
     if isinstance(balance, str):
         balance = _auto_balance(module, balance, devices, sample)
     stages = split_module(module, balance, devices)
@@ -79,6 +104,7 @@ def build(
         list(stages.balance),
         StageGraph.chain(len(stages.partitions)),
         layers=list(stages.layers),
+        report=SplitReport("nn.Sequential", "an nn.Sequential is split by its layers"),
     )
 
 
@@ -89,24 +115,17 @@ def _traced(
     devices: Sequence[DeviceLike] | None,
     sample: Any,
     leaf_modules: Sequence[str | type[nn.Module]],
+    why: str,
 ) -> Built:
     """A module split by ``torch.fx`` at ``split_points`` (or at the points
     ``balance='time'|'size'`` picks on ``sample``)."""
     if isinstance(balance, str) and split_points is None:
-        if devices is None or sample is None:
-            raise ValueError(
-                f"balance={balance!r} needs devices= (one per stage) and sample= (a "
-                f"representative micro-batch: the module's inputs) to pick split points"
-            )
+        _check_auto(balance, devices, sample)
+        assert devices is not None
         split_points = split_points_by(
             balance, module, sample, len(devices), device=torch.device(devices[0]),
             leaf_modules=leaf_modules,
         )  # fmt: skip
-    elif balance is not None:
-        raise TypeError(
-            "balance= partitions an nn.Sequential by layer counts; a traced module is "
-            "split at split_points= (or give no split_points and balance='time'|'size')"
-        )
     assert split_points is not None
     traced = trace(module, split_points, leaf_modules=leaf_modules)
     devs = stage_devices(devices, len(traced.partitions), "split_points make")
@@ -119,6 +138,48 @@ def _traced(
         root=module,
         bind=traced.bind,
         split_points=list(split_points),
+        report=SplitReport("torch.fx", why, tuple(split_points)),
+    )
+
+
+def _check_auto(how: str, devices: Sequence[DeviceLike] | None, sample: Any) -> None:
+    if devices is None or sample is None:
+        raise ValueError(
+            f"balance={how!r} needs devices= (one per stage) and sample= (a "
+            f"representative micro-batch: the module's inputs) to pick split points"
+        )
+
+
+def _exported(
+    module: nn.Module,
+    split_points: Sequence[str] | None,
+    balance: Sequence[int] | str | None,
+    devices: Sequence[DeviceLike] | None,
+    sample: Any,
+    why: str,
+    fx_error: BaseException | None,
+) -> Built:
+    """A module split by ``torch.export`` (see :mod:`~mpstream.exported`)."""
+    if isinstance(balance, str) and split_points is None:
+        _check_auto(balance, devices, sample)
+        assert devices is not None
+        split_points = export_split_points(
+            balance, module, sample, len(devices), torch.device(devices[0])
+        )
+    assert split_points is not None
+    if isinstance(split_points, str):
+        split_points = [split_points]
+    devs = stage_devices(devices, len(split_points) + 1, "split_points make")
+    split = ExportSplit(module, list(split_points), devs, why, fx_error)
+    first = split.first(sample)
+    return Built(
+        list(first.stages.partitions),
+        devs,
+        list(first.balance),
+        first.graph,
+        root=module,
+        split_points=list(split_points),
+        split=split,
     )
 
 

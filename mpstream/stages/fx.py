@@ -128,20 +128,28 @@ def call_units(
     begins the forward (no stage could come before it)."""
     gm = _trace(module, leaf_modules)
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
-    names = split_candidates(module)
+    return units_in_order(nodes, split_candidates(module), _owners)
+
+
+def units_in_order(
+    nodes: Sequence[fx.Node], names: Sequence[str], owners: Callable[[fx.Node], list[str]]
+) -> list[str]:
+    """Of ``names``, those some node runs inside, in the order their first
+    node runs, finest first (a ModuleList's items rather than the list), except
+    one that begins at the first node or where the one before it begins (no
+    stage could lie between). Shared by the ``torch.fx`` and ``torch.export``
+    paths, which differ in what a node's owners are."""
     found = []
     for name in names:
         if any(other.startswith(name + ".") for other in names):
             continue  # a container whose items are candidates themselves
         first = next(
-            (i for i, n in enumerate(nodes) if any(_inside(o, name) for o in _owners(n))), None
+            (i for i, n in enumerate(nodes) if any(_inside(o, name) for o in owners(n))), None
         )
         if first is not None:
             found.append((first, name))
-    found.sort()
-    # Drop a unit that begins where the previous one does (nothing between).
     units, last = [], 0
-    for first, name in found:
+    for first, name in sorted(found):
         if first > last:
             units.append(name)
             last = first
@@ -161,21 +169,34 @@ def _inside(owner: str, point: str) -> bool:
     return owner == point or owner.startswith(point + ".")
 
 
-def _stage_of_nodes(
-    gm: fx.GraphModule, points: Sequence[str], module: nn.Module
-) -> dict[fx.Node, int]:
-    """The stage of every compute node: how many split points began before it."""
-    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+def begin_stages(
+    nodes: Sequence[fx.Node],
+    points: Sequence[str],
+    owners: Callable[[fx.Node], list[str]],
+    module: nn.Module,
+    candidates: Callable[[nn.Module], list[str]],
+    what: str,
+) -> tuple[list[int], dict[fx.Node, int]]:
+    """Where each split point's stage begins among ``nodes`` (the first node
+    ``owners`` places inside it) and the stage of every node (how many split
+    points began before it); shared by the ``torch.fx`` and ``torch.export``
+    paths, which differ in what a node's owners are.
+
+    Raises:
+        ValueError: a split point no node runs inside (``candidates`` lists
+            what may be named; ``what`` says which forward), or split
+            points out of call order.
+    """
     begins = []
     for point in points:
         first = next(
-            (i for i, n in enumerate(nodes) if any(_inside(o, point) for o in _owners(n))), None
+            (i for i, n in enumerate(nodes) if any(_inside(o, point) for o in owners(n))), None
         )
         if first is None:
-            candidates = ", ".join(f"'{c}'" for c in split_candidates(module))
+            names = ", ".join(f"'{c}'" for c in candidates(module))
             raise ValueError(
-                f"split point '{point}' names no submodule that the traced forward calls; "
-                f"candidates: {candidates}"
+                f"split point '{point}' names no submodule that the {what} forward calls; "
+                f"candidates: {names}"
             )
         begins.append(first)
     for (a, i), (b, j) in zip(zip(points, begins), zip(points[1:], begins[1:])):
@@ -184,18 +205,27 @@ def _stage_of_nodes(
                 f"split points out of call order: '{b}' runs before '{a}'; list them in the "
                 f"order the forward calls them"
             )
-    bounds = [0, *begins, len(nodes)]
-    for s in range(len(bounds) - 1):
-        compute = [n for n in nodes[bounds[s] : bounds[s + 1]] if n.op != "get_attr"]
-        if not compute:
-            where = f"before split point '{points[s]}'" if s < len(points) else "at the end"
-            raise ValueError(f"stage {s} would be empty ({where}); drop or move a split point")
     stage_of: dict[fx.Node, int] = {}
     s = 0
     for i, n in enumerate(nodes):
         while s < len(begins) and i >= begins[s]:
             s += 1
         stage_of[n] = s
+    return begins, stage_of
+
+
+def _stage_of_nodes(
+    gm: fx.GraphModule, points: Sequence[str], module: nn.Module
+) -> dict[fx.Node, int]:
+    """The stage of every compute node: how many split points began before it."""
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    begins, stage_of = begin_stages(nodes, points, _owners, module, split_candidates, "traced")
+    bounds = [0, *begins, len(nodes)]
+    for s in range(len(bounds) - 1):
+        compute = [n for n in nodes[bounds[s] : bounds[s + 1]] if n.op != "get_attr"]
+        if not compute:
+            where = f"before split point '{points[s]}'" if s < len(points) else "at the end"
+            raise ValueError(f"stage {s} would be empty ({where}); drop or move a split point")
     return stage_of
 
 
@@ -207,7 +237,7 @@ def _attr_name(target: str) -> str:
     return "_attr_" + target.replace(".", "_")
 
 
-def _inline_attrs(top: fx.GraphModule, root: nn.Module) -> None:
+def inline_attrs(top: fx.GraphModule, resolve: Callable[[str], tuple[Any, bool]]) -> None:
     """Lets each stage read the module's tensors itself.
 
     ``split_module`` lifts ``get_attr`` nodes to the top-level graph and
@@ -215,7 +245,12 @@ def _inline_attrs(top: fx.GraphModule, root: nn.Module) -> None:
     travel between stages like an activation. Each stage instead gets its
     own reference to the tensor (the same object), read in place, and the
     top-level call drops the argument. ``_mpstream_attrs`` maps the stage's
-    attribute to the tensor's qualified name in ``root``.
+    attribute to the tensor's qualified name in the module.
+
+    Args:
+        top: the split graph.
+        resolve: for a lifted attribute's qualified name, its value and
+            whether the module holds it (else the stage keeps its own).
     """
     for call in [n for n in top.graph.nodes if n.op == "call_module"]:
         part = _part(top, str(call.target))
@@ -228,16 +263,10 @@ def _inline_attrs(top: fx.GraphModule, root: nn.Module) -> None:
                 continue
             target = str(arg.target)
             name = _attr_name(target)
-            tensor = _lookup(root, target)
-            if isinstance(tensor, nn.Parameter):
-                part.register_parameter(name, tensor)
-            else:
-                part.register_buffer(name, tensor)
-            attrs[name] = target
-            with part.graph.inserting_after(placeholder):
-                fetched = part.graph.get_attr(name)
-            placeholder.replace_all_uses_with(fetched)
-            part.graph.erase_node(placeholder)
+            value, owned = resolve(target)
+            hold(part, placeholder, name, value)
+            if owned:
+                attrs[name] = target
         part._mpstream_attrs = attrs  # type: ignore[assignment]
         part.graph.lint()
         part.recompile()
@@ -245,6 +274,23 @@ def _inline_attrs(top: fx.GraphModule, root: nn.Module) -> None:
     top.graph.eliminate_dead_code()
     top.graph.lint()
     top.recompile()
+
+
+def hold(part: fx.GraphModule, placeholder: fx.Node, name: str, value: Any) -> None:
+    """Makes a stage hold ``value`` itself, as attribute ``name``, and read it
+    where ``placeholder`` (an input the top-level graph fed it) was: a
+    parameter stays a parameter, another tensor becomes a buffer, anything
+    else a submodule. Shared by the ``torch.fx`` and ``torch.export`` paths."""
+    if isinstance(value, nn.Parameter):
+        part.register_parameter(name, value)
+    elif isinstance(value, Tensor):
+        part.register_buffer(name, value)
+    else:
+        part.add_module(name, value)
+    with part.graph.inserting_after(placeholder):
+        fetched = part.graph.get_attr(name)
+    placeholder.replace_all_uses_with(fetched)
+    part.graph.erase_node(placeholder)
 
 
 def _tensors_used(s: int, part: fx.GraphModule, qualnames: dict[str, str]) -> set[str]:
@@ -352,7 +398,7 @@ def trace(
     top = split_module(
         gm, module, lambda n: stage_of[n], qualname_map=qualnames, keep_original_order=True
     )
-    _inline_attrs(top, module)
+    inline_attrs(top, lambda target: (_lookup(module, target), True))
     count = len(split_points) + 1
     graph, inputs = _stage_graph(top, count)
     partitions = [_part(top, f"submod_{s}") for s in range(count)]

@@ -1,0 +1,199 @@
+"""What a Pipe is configured with, and what runs it.
+
+:class:`PipeConfig` sits between :class:`~mpstream.pipe.module.PipeModule`
+(the ``nn.Module`` side) and :class:`~mpstream.Pipe` (a call and a training
+step): the stages' devices, balance and split points, the micro-batch size,
+the runtime built on first use (event scheduler and stage streams, the
+worker, the graphed stages) and the cached schedule of each kind of run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..memory.batchnorm import DeferredBatchNorm, deferred_norms
+from ..memory.checkpoint import checkpoint_stop
+from ..runtime.errors import stage_labels
+from ..runtime.graph import StageGraph
+from ..runtime.graphs import GraphReport, StageGraphs
+from ..runtime.scheduler import EventScheduler
+from ..runtime.worker import Worker
+from ..schedules.schedule import Schedule, Topology, schedule_arg, virtual_stages_of
+from ..stages.sequential import check_positive
+from ..stages.tracers import SplitReport
+from .compiling import compile_stages
+from .module import PipeModule
+
+__all__ = ["PipeConfig"]
+
+
+class PipeConfig(PipeModule):
+    """Base of :class:`~mpstream.Pipe`: its configuration and runtime.
+
+    Expects, besides what :class:`~mpstream.pipe.module.PipeModule` does,
+    ``_devices``, ``_balance``, ``_graph``, ``_split_points``, ``_split``,
+    ``_report``, ``_compile`` and ``_graphed`` in ``__dict__``, and the
+    attributes ``_chunks``, ``_split_size``, ``schedule``, ``checkpoint``,
+    ``virtual_stages`` and ``force_copies``.
+    """
+
+    _chunks: int | None
+    _split_size: int | None
+    schedule: Any
+    checkpoint: str
+    virtual_stages: int | None
+    force_copies: bool
+
+    @property
+    def devices(self) -> list[torch.device]:
+        """The device of each stage."""
+        return list(self.__dict__["_devices"])
+
+    @property
+    def balance(self) -> list[int]:
+        """Layers per stage (traced operations per stage for a traced module)."""
+        return list(self.__dict__["_balance"])
+
+    @property
+    def split_points(self) -> list[str] | None:
+        """Where the stages of a traced module begin (given, or picked by
+        ``balance='time'|'size'``); None for a Sequential."""
+        points = self.__dict__["_split_points"]
+        return None if points is None else list(points)
+
+    def split_report(self) -> SplitReport:
+        """Which tracer split the module into stages and why; for
+        ``torch.export``, each kind of call exported so far and how the
+        model's own loss is combined over micro-batches (``str()`` of it
+        reads as text)."""
+        split = self.__dict__["_split"]
+        return split.report() if split is not None else self.__dict__["_report"]  # type: ignore[no-any-return]
+
+    @property
+    def chunks(self) -> int | None:
+        """Number of micro-batches, or None when ``split_size`` is set."""
+        return self._chunks
+
+    @chunks.setter
+    def chunks(self, value: int | None) -> None:
+        self._chunks = None if value is None else check_positive("chunks", value)
+        if value is not None:
+            self._split_size = None
+
+    @property
+    def split_size(self) -> int | None:
+        """Micro-batch size, or None when ``chunks`` is set."""
+        return self._split_size
+
+    @split_size.setter
+    def split_size(self, value: int | None) -> None:
+        self._split_size = None if value is None else check_positive("split_size", value)
+        if value is not None:
+            self._chunks = None
+
+    @property
+    def scheduler(self) -> EventScheduler:
+        """The event scheduler and stage streams (created on first use)."""
+        return self._rt()[0]
+
+    def _rt(self) -> tuple[EventScheduler, Worker, dict[tuple[Any, ...], Schedule]]:
+        rt = self.__dict__["_runtime"]
+        if rt is None:
+            sched = EventScheduler(self.devices)
+            stages = compile_stages(list(self.partitions), self.__dict__["_compile"])
+            labels = self._labels()
+            graphed = self.__dict__["_graphed"]
+            backend = None if graphed is True else graphed
+            graphs = StageGraphs(stages, self.devices, labels, backend) if graphed else None
+            worker = Worker(stages, sched, self.force_copies, self.graph, labels, graphs)
+            rt = (sched, worker, {})
+            self.__dict__["_runtime"] = rt
+        return rt  # type: ignore[no-any-return]
+
+    def _labels(self) -> list[str]:
+        """How error notes name each stage: its layers (or split point) and device."""
+        points = self.__dict__["_split_points"]
+        if points is None:
+            return stage_labels(list(self._modules), self.balance, self.devices)
+        n = len(self.devices)
+        starts = ["the start", *[f"'{p}'" for p in points]]
+        return [f"stage {s} of {n} (from {starts[s]} on {d})" for s, d in enumerate(self.devices)]
+
+    def graph_report(self) -> GraphReport:
+        """Which stages and passes replay CUDA graphs, how many graphs exist
+        and the memory their capture reserved (``Pipe(graphs=True)``).
+
+        Raises:
+            ValueError: the pipe was built without ``graphs=True``.
+        """
+        if not self.__dict__["_graphed"]:
+            raise ValueError("this pipe replays no graphs: build it with Pipe(..., graphs=True)")
+        graphs = self._rt()[1].graphs
+        assert graphs is not None
+        return graphs.report()
+
+    @property
+    def graph(self) -> StageGraph:
+        """Where each stage's arguments come from (a chain for a Sequential)."""
+        return self.__dict__["_graph"]  # type: ignore[no-any-return]
+
+    def schedule_for(
+        self,
+        micros: int,
+        input_device: torch.device,
+        *,
+        training_step: bool = False,
+        target_device: torch.device | None = None,
+    ) -> Schedule:
+        """The (cached) schedule for ``micros`` micro-batches.
+
+        Forward-only runs are fill-drain; a training step uses
+        :attr:`schedule` with backward tasks, and a transfer task per
+        micro-batch when the targets sit on ``target_device``, not on the
+        last stage's device.
+        """
+        devs = self.__dict__["_devices"]
+        name = schedule_arg(self.schedule) if training_step else "gpipe"
+        virtual = virtual_stages_of(devs, self.virtual_stages) if name == "interleaved_1f1b" else 1
+        copy_target = training_step and target_device not in (None, devs[-1])
+        key = (name, micros, input_device, training_step, copy_target, self.force_copies, virtual)
+        cache = self._rt()[2]
+        sched = cache.get(key)
+        if sched is None:
+            labels = list(dict.fromkeys(devs))
+            topology = Topology(
+                self.graph.reads(),
+                tuple(labels.index(d) for d in devs),
+                labels.index(input_device) if input_device in labels else -1,
+                self.force_copies,
+            )
+            sched = Schedule(
+                name,
+                len(devs),
+                micros,
+                topology,
+                backward=training_step,
+                copy_target=copy_target,
+                virtual_stages=virtual,
+            )
+            cache[key] = sched
+        return sched
+
+    def _deferred_norms(self) -> list[DeferredBatchNorm]:
+        """The deferred BatchNorm layers, found again only after one was made
+        (every call updates them; a walk over all modules per call costs)."""
+        found = self.__dict__.get("_deferred")
+        if found is None or found[0] != DeferredBatchNorm.created:
+            found = (DeferredBatchNorm.created, deferred_norms(self))
+            self.__dict__["_deferred"] = found
+        return found[1]  # type: ignore[no-any-return]
+
+    def _prepare(self, micros: int) -> int:
+        """Per-run setup; returns how many micro-batches to checkpoint."""
+        for norm in self._deferred_norms():
+            norm.expected = micros
+        training = self.training and torch.is_grad_enabled()
+        return checkpoint_stop(self.checkpoint, micros, training)
+

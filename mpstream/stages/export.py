@@ -1,0 +1,275 @@
+"""Splitting a module with ``torch.export``: one exported program cut into stages.
+
+``torch.fx``'s symbolic tracer stops at the first Python branch on a traced
+value (the shape checks, optional arguments and mask building of Hugging
+Face transformers, for instance). ``torch.export`` (non-strict) runs the
+module's Python code on fake tensors instead, so such branches take the path
+the example inputs take, and records the ATen operations that run, each with
+the stack of submodules it ran inside. :func:`export_stages` exports a
+module for one kind of call, begins a stage at the first operation inside
+each split point and cuts the graph with ``torch.fx.passes.split_module``,
+as :mod:`~mpstream.stages.fx` does for ``torch.fx``: the stages are
+``GraphModule`` partitions reading the module's own parameters and buffers
+by their qualified names, wired by a :class:`~mpstream.runtime.graph.StageGraph`.
+
+An exported program holds what the example inputs fixed: which optional
+inputs were given, plain values, every shape but the batch dimension, the
+training mode (dropout) and the dtypes. :mod:`~mpstream.stages.exported` keeps one
+split per kind of call. The export runs on fake tensors standing in for the
+module's parameters and buffers (no memory, no copy; the parameters may
+already sit on several devices), on the first stage's device; each stage's
+graph then creates its tensors on its own device.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from torch import fx, nn
+from torch.fx.passes.split_module import split_module
+from torch.utils import _pytree as pytree
+
+from ..runtime.graph import Ref, StageGraph
+from .fake_export import exported_graph, input_pattern
+from .fx import begin_stages, inline_attrs, units_in_order
+from .model_loss import LossShare, weigh_loss
+
+__all__ = [
+    "ExportedStages",
+    "export_stages",
+    "retarget_devices",
+    "attribute",
+    "call_order",
+    "split_candidates",
+]
+
+
+@dataclass
+class ExportedStages:
+    """One exported program cut into stages.
+
+    Attributes:
+        partitions: one ``GraphModule`` per stage.
+        graph: where each stage's arguments come from; its result is
+            structured as the module returns (a ``ModelOutput``, a dict...).
+        tensors: per stage, the qualified names of the tensors it reads.
+        in_spec: the structure of the call's ``((), kwargs)`` it was
+            exported for.
+        patterns: per input leaf, what the export fixed: for a tensor its
+            dtype and shape with ``None`` for a free (dynamic) dimension;
+            for a plain value the value.
+        loss: how the ``loss`` output is weighted per micro-batch (the
+            pipeline's last input is then each example's share), or None.
+        device: the device the graph was exported on.
+    """
+
+    partitions: list[fx.GraphModule]
+    graph: StageGraph
+    tensors: list[set[str]]
+    in_spec: pytree.TreeSpec
+    patterns: list[Any]
+    loss: LossShare | None
+    device: torch.device
+
+
+def split_candidates(module: nn.Module) -> list[str]:
+    """Submodules a split point may name for ``torch.export``: the module's
+    children and the items of every ``nn.ModuleList`` / ``nn.Sequential``
+    inside it, at any depth (a transformer's blocks: ``"model.layers.4"``)."""
+    names = [name for name, _ in module.named_children()]
+    for name, child in module.named_modules():
+        if name and isinstance(child, (nn.ModuleList, nn.Sequential)):
+            names += [f"{name}.{item}" for item, _ in child.named_children()]
+    return list(dict.fromkeys(names))
+
+
+def _owners(node: fx.Node) -> list[str]:
+    """The submodules an exported operation ran inside."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return [str(v[0]) for v in stack.values()]
+
+
+def _stage_of(
+    gm: fx.GraphModule, points: Sequence[str], module: nn.Module
+) -> dict[fx.Node, int]:
+    """The stage of every operation: how many split points began before it.
+
+    A stage begins at the first operation inside its split point; parameter
+    reads (``get_attr``) do not count: each stage reads its own.
+    """
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
+    begins, stage_of = begin_stages(nodes, points, _owners, module, split_candidates, "exported")
+    for s, ((a, i), (b, j)) in enumerate(zip(zip(points, begins), zip(points[1:], begins[1:]))):
+        if j == i:
+            raise ValueError(
+                f"split points '{a}' and '{b}' begin at the same operation: stage {s + 1} "
+                f"would be empty; drop one"
+            )
+    if begins and begins[0] == 0:
+        raise ValueError(f"stage 0 would be empty (before split point '{points[0]}'); drop it")
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            stage_of[n] = 0  # split_module lifts parameter reads out of the stages
+    return stage_of
+
+
+def attribute(root: nn.Module, target: str) -> Any:
+    """``root``'s attribute at the qualified name ``target``, or None."""
+    owner, _, attr = target.rpartition(".")
+    try:
+        holder = root.get_submodule(owner) if owner else root
+    except AttributeError:
+        return None
+    return getattr(holder, attr, None)
+
+
+def _own_attrs(top: fx.GraphModule, root: nn.Module, gm: fx.GraphModule) -> None:
+    """Lets each stage read the module's tensors itself, as the fx path does
+    (:func:`~mpstream.stages.fx.inline_attrs`). What ``root`` does not hold
+    (a constant the forward creates) the stage holds itself.
+
+    Raises:
+        TypeError: the export made a tensor constant it could not keep.
+    """
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def resolve(target: str) -> tuple[Any, bool]:
+        value = attribute(root, target)
+        if value is not None:
+            return value, True
+        value = attribute(gm, target)
+        if isinstance(value, FakeTensor):
+            raise TypeError(
+                f"the exported graph holds a tensor constant '{target}' that the module "
+                f"creates in its forward; move it into a buffer (register_buffer) so the "
+                f"stages can read it"
+            )
+        return value, False
+
+    inline_attrs(top, resolve)
+
+
+def _stage_graph(
+    top: fx.GraphModule, count: int, out_spec: pytree.TreeSpec
+) -> StageGraph:
+    """What each stage reads, and the module's result as refs in its own structure."""
+    refs: dict[fx.Node, Ref] = {}
+    inputs = 0
+    args: list[tuple[Ref, ...]] = [()] * count
+    outputs = [1] * count
+    result: Any = None
+    for node in top.graph.nodes:
+        if node.op == "placeholder":
+            refs[node] = Ref(-1, inputs)
+            inputs += 1
+        elif node.op == "call_module":
+            s = int(str(node.target).rsplit("_", 1)[1])
+            args[s] = tuple(refs[a] for a in node.args)  # type: ignore[index]
+            part = cast(fx.GraphModule, top.get_submodule(str(node.target)))
+            returned = next(n for n in part.graph.nodes if n.op == "output").args[0]
+            outputs[s] = len(returned) if isinstance(returned, (tuple, list)) else 1
+            refs[node] = Ref(s, 0)
+        elif node.op == "call_function" and node.target is operator.getitem:
+            source, index = node.args
+            refs[node] = Ref(refs[source].stage, int(index))  # type: ignore[index, arg-type]
+        elif node.op == "output":
+            flat = node.args[0]
+            items = list(flat) if isinstance(flat, (tuple, list)) else [flat]
+            leaves = [refs[x] if isinstance(x, fx.Node) else x for x in items]
+            result = pytree.tree_unflatten(leaves, out_spec)
+        else:
+            raise TypeError(f"unexpected node between stages: {node.op} {node.target}")
+    for ref in pytree.tree_leaves(result, is_leaf=lambda x: isinstance(x, Ref)):
+        if isinstance(ref, Ref) and ref.stage < 0:
+            raise TypeError(
+                "the module returns one of its inputs unchanged; a pipeline returns what its "
+                "stages compute"
+            )
+    return StageGraph(tuple(args), tuple(outputs), result)
+
+
+def _tensors_used(part: fx.GraphModule) -> set[str]:
+    return set(getattr(part, "_mpstream_attrs", {}).values())
+
+
+def call_order(gm: fx.GraphModule, module: nn.Module) -> list[str]:
+    """The split candidates (see :func:`split_candidates`) the exported
+    graph runs, in call order, finest first, except one that
+    begins the graph or begins where the one before it does."""
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
+    return units_in_order(nodes, split_candidates(module), _owners)
+
+
+def export_stages(
+    module: nn.Module,
+    split_points: Sequence[str],
+    named: dict[str, Any],
+    device: torch.device,
+    weigh: bool = True,
+    exported: tuple[fx.GraphModule, pytree.TreeSpec, pytree.TreeSpec] | None = None,
+) -> ExportedStages:
+    """Exports ``module(**named)`` and cuts it at ``split_points``.
+
+    Args:
+        module: the module (its own parameters and buffers stay untouched:
+            fakes stand in for them while it is exported).
+        split_points: qualified submodule names; a stage begins at each.
+        named: the call's arguments by name (tensors, ``NoChunk`` tensors,
+            plain values, in nested tuples/lists/dicts); only their dtypes,
+            shapes and plain values matter.
+        device: where the graph is exported (the first stage's device).
+        weigh: weight a scalar ``loss`` output by each micro-batch's share
+            of the batch (:mod:`~mpstream.stages.model_loss`); False when the call
+            normalises it already (``num_items_in_batch``).
+        exported: what :func:`exported_graph` returned for this call, to
+            cut instead of exporting again (the graph is changed).
+
+    Returns:
+        The stages, their graph and what the export fixed.
+
+    Raises:
+        Exception: whatever ``torch.export`` raised (the caller words it).
+        ValueError: an unknown split point, split points out of call order,
+            a stage left empty.
+    """
+    gm, in_spec, out_spec = exported or exported_graph(module, named, device)
+    holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    patterns = [input_pattern(n) for n in holders]
+    loss = weigh_loss(gm, out_spec) if weigh else None
+    gm.graph.lint()
+    gm.recompile()
+    stage_of = _stage_of(gm, list(split_points), module)
+    top = split_module(gm, module, lambda n: stage_of[n], keep_original_order=True)
+    _own_attrs(top, module, gm)
+    count = len(split_points) + 1
+    graph = _stage_graph(top, count, out_spec)
+    partitions = [cast(fx.GraphModule, top.get_submodule(f"submod_{s}")) for s in range(count)]
+    return ExportedStages(
+        partitions,
+        graph,
+        [_tensors_used(p) for p in partitions],
+        in_spec,
+        patterns,
+        loss,
+        device,
+    )
+
+
+def retarget_devices(part: fx.GraphModule, source: torch.device, device: torch.device) -> None:
+    """Makes a stage create its tensors on its own ``device``: the exported
+    graph names the device it was exported on (``source``) wherever the
+    module created a tensor or moved one to its input's device."""
+    if source == device:
+        return
+
+    def swap(x: Any) -> Any:
+        return device if isinstance(x, torch.device) and x == source else x
+
+    for node in part.graph.nodes:
+        node.args = fx.node.map_aggregate(node.args, swap)
+        node.kwargs = fx.node.map_aggregate(node.kwargs, swap)  # type: ignore[assignment]
+    part.recompile()

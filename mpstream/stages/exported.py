@@ -1,0 +1,357 @@
+"""A Pipe over a module split by ``torch.export``: one split per kind of call.
+
+An exported program is fixed to one kind of call (see :mod:`~mpstream.stages.export`):
+which arguments were given, their plain values and their shapes but the
+batch dimension, the modules' training flags (dropout) and the dtypes.
+:class:`ExportSplit` keeps the split of each kind met so far. The first is
+exported when the pipe is built, from ``sample=`` (or a Hugging Face model's
+``dummy_inputs``), and places the module's tensors on the stages' devices;
+a call of another kind is exported when it first comes (the same split
+points, placement checked) and the pipe switches to its stages, stage graph
+and runtime. Micro-batches of any size run the same split: the batch
+dimension is left symbolic. :meth:`ExportSplit.report` is what
+:meth:`mpstream.Pipe.split_report` returns for such a pipe.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils import _pytree as pytree
+
+from ..runtime.microbatch import NoChunk
+from ..schedules.schedule import check_schedule
+from .export import ExportedStages, attribute, export_stages, retarget_devices
+from .fake_export import first_line
+from .fx import Traced, place, rebind
+from .hf import Calls, calls_for, is_transformers_model
+from .model_loss import gather_with_loss
+from .tracers import CallSignature, SplitReport, describe_call, raised_in, sample_call
+
+__all__ = ["ExportSplit", "own_loss"]
+
+
+@dataclass
+class _Split:
+    """The split for one kind of call, and its pipe runtime once used."""
+
+    key: Any
+    stages: ExportedStages
+    nochunk: list[bool]
+    modules: nn.ModuleList
+    balance: list[int]
+    described: str
+    runtime: Any = None
+    checked: bool = False
+
+    @property
+    def graph(self) -> Any:
+        return self.stages.graph
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickled or copied with its pipe, whose streams and C++ scheduler
+        # are rebuilt on first use.
+        state = dict(self.__dict__)
+        state["runtime"] = None
+        return state
+
+    def fits(self, items: Sequence[Any]) -> bool:
+        """Whether a call's input leaves are of this split's kind."""
+        if len(items) != len(self.stages.patterns):
+            return False
+        for leaf, pattern, nochunk in zip(items, self.stages.patterns, self.nochunk):
+            if isinstance(leaf, NoChunk) != nochunk:
+                return False
+            if pattern[0] == "tensor":
+                t = leaf.tensor if isinstance(leaf, NoChunk) else leaf
+                if not isinstance(t, Tensor) or t.dtype != pattern[1] or t.dim() != len(pattern[2]):
+                    return False
+                start = 0 if nochunk else 1  # micro-batches differ in dim 0
+                fixed = zip(pattern[2][start:], t.shape[start:])
+                if any(p is not None and p != n for p, n in fixed):
+                    return False
+            elif type(leaf) is not pattern[1] or leaf != pattern[2]:
+                return False
+        return True
+
+
+@dataclass
+class ExportSplit:
+    """A module pipelined by ``torch.export``.
+
+    Args:
+        module: the module (its tensors are placed on the stages' devices).
+        split_points: where the stages begin.
+        devices: one device per stage.
+        reason: why ``torch.export`` splits it (for the report).
+        fx_error: what ``torch.fx`` raised, when it was tried first.
+    """
+
+    module: nn.Module
+    split_points: list[str]
+    devices: list[torch.device]
+    reason: str
+    fx_error: BaseException | None = None
+    calls: Calls = field(init=False)
+    splits: list[_Split] = field(default_factory=list)
+    current: _Split | None = None
+    placed: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.calls = calls_for(self.module)
+        self.signature = CallSignature(self.module)
+
+    # -- a kind of call -------------------------------------------------
+    def first(self, sample: Any) -> _Split:
+        """Exports the split for ``sample`` (a call, see :func:`sample_call`)
+        in training mode and places the module's tensors.
+
+        Raises:
+            TypeError: no sample to export with; export failed.
+        """
+        if sample is None:
+            sample = self.calls.sample(self.module)
+        if sample is None:
+            fx = f"{self.fx_error}\n" if self.fx_error else ""
+            raise TypeError(
+                f"{fx}torch.export can split {type(self.module).__name__} given an example "
+                f"call: pass sample= (the module's inputs: a tuple of positional arguments, a "
+                f"dict of keyword arguments, or the one input)"
+            )
+        args, kwargs = sample_call(sample)
+        self.module.training = True  # a new pipe is in training mode
+        named = self.calls.prepare(self.signature(args, kwargs))
+        items, spec = pytree.tree_flatten(((), named))
+        split = self._export(named, (spec, self._state()), items)
+        self.current = split
+        return split
+
+    def _state(self) -> tuple[Any, ...]:
+        """What an export fixes of the module: training flags and dtypes."""
+        flags = tuple(m.training for m in self.module.modules())
+        tensors = itertools.chain(self.module.parameters(), self.module.buffers())
+        return flags, tuple(sorted({str(t.dtype) for t in tensors}))
+
+    def _export(self, named: dict[str, Any], key: Any, items: Sequence[Any]) -> _Split:
+        try:
+            stages = export_stages(
+                self.module, self.split_points, named, self.devices[0],
+                weigh=self.calls.weighs_loss(named),
+            )  # fmt: skip
+        except ValueError:
+            raise
+        except Exception as exc:
+            raise TypeError(self._failure(exc)) from exc
+        nochunk = [isinstance(x, NoChunk) for x in items]
+        holders = list(pytree.tree_flatten_with_path(((), named))[0])
+        for (path, leaf), pattern, whole in zip(holders, stages.patterns, nochunk):
+            if isinstance(leaf, Tensor) and not whole and leaf.dim() and pattern[2][0] is not None:
+                raise TypeError(
+                    f"torch.export fixed the batch dimension of input "
+                    f"{pytree.keystr(path)} to {pattern[2][0]}: "
+                    f"{type(self.module).__name__}'s code depends on the batch size, so it "
+                    f"cannot run on micro-batches of other sizes"
+                )
+        split = _Split(
+            key,
+            stages,
+            nochunk,
+            nn.ModuleList(stages.partitions),
+            [sum(n.op.startswith("call") for n in p.graph.nodes) for p in stages.partitions],
+            describe_call(named, bool(self.module.training), key[1][1]),
+        )
+        self._place(split)
+        self.splits.append(split)
+        return split
+
+    def _failure(self, exc: BaseException) -> str:
+        name = type(self.module).__name__
+        where = raised_in(exc, self.module)
+        inside = f" inside submodule '{where}'" if where else ""
+        fx = (
+            f"torch.fx could not trace it either: {first_line(self.fx_error)}\n"
+            if self.fx_error is not None
+            else ""
+        )
+        return (
+            f"torch.export could not export {name}{inside}: {first_line(exc)}\n{fx}"
+            f"The usual cause is data-dependent control flow (a Python branch on a tensor's "
+            f"values), which neither tracer follows: compute it with tensor operations "
+            f"(torch.where, torch.cond), move it out of the forward, mark the submodule holding "
+            f"it as a leaf for torch.fx (Pipe(..., tracer='fx', leaf_modules=['name']): it then "
+            f"runs whole inside one stage), or pass an nn.Sequential of stages."
+        )
+
+    def _place(self, split: _Split) -> None:
+        """Puts the tensors each stage reads on its device (once: a later
+        split must agree) and makes each stage create tensors there.
+
+        Raises:
+            ValueError: a tensor read by stages on different devices, or
+                placed on another device by an earlier split.
+        """
+        module, devices = self.module, self.devices
+        aliases: dict[int, list[str]] = defaultdict(list)
+        named = itertools.chain(
+            module.named_parameters(remove_duplicate=False),
+            module.named_buffers(remove_duplicate=False),
+        )
+        for name, tensor in named:
+            aliases[id(tensor)].append(name)
+        readers: dict[int, set[int]] = defaultdict(set)
+        tensors: dict[int, Tensor] = {}
+        for s, used in enumerate(split.stages.tensors):
+            for name in used:
+                tensor = attribute(module, name)
+                readers[id(tensor)].add(s)
+                tensors[id(tensor)] = tensor
+        for key, stages in readers.items():
+            label = " = ".join(aliases.get(key) or ["a tensor"])
+            if len({devices[s] for s in stages}) > 1:
+                where = ", ".join(f"stage {s} ({devices[s]})" for s in sorted(stages))
+                tie = (
+                    " (a Hugging Face model ties its input and output embeddings unless its "
+                    "config has tie_word_embeddings=False)"
+                    if is_transformers_model(module)
+                    else ""
+                )
+                raise ValueError(
+                    f"{label} is used by {where}: a tensor shared by stages must sit on one "
+                    f"device (tied weights are not copied between devices); put those stages "
+                    f"on one device or untie the weights{tie}"
+                )
+            device = devices[min(stages)]
+            if key in self.placed and tensors[key].device != device:
+                raise ValueError(
+                    f"this call's split reads {label} in a stage on {device}, but an earlier "
+                    f"split placed it on {tensors[key].device}; give sample= a call like this "
+                    f"one so the first split places it"
+                )
+        traced = Traced(split.stages.partitions, split.graph, lambda a, k: (), split.stages.tensors)
+        place(module, traced, devices)
+        self.placed |= set(readers)
+        for s, part in enumerate(split.stages.partitions):
+            retarget_devices(part, split.stages.device, devices[s])
+
+    # -- every call -----------------------------------------------------
+    def select(
+        self, training: bool, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[_Split, tuple[Any, ...]]:
+        """The split of a call's kind (exported now if it is new) and the
+        pipeline's inputs for the call.
+
+        Args:
+            training: the pipe's mode (the module's root is not registered
+                on the pipe, so it is set here).
+            args: the call's positional arguments.
+            kwargs: its keyword arguments.
+
+        Raises:
+            TypeError: the call does not bind to ``forward``; export failed.
+            ValueError: the family refuses the call (see :mod:`~mpstream.stages.hf`).
+        """
+        named = self.calls.prepare(self.signature(args, kwargs))
+        self.module.training = training
+        items, spec = pytree.tree_flatten(((), named))
+        key = (spec, self._state())
+        split = next((s for s in self.splits if s.key == key and s.fits(items)), None)
+        if split is None:
+            split = self._export(named, key, items)
+        inputs = tuple(items)
+        loss = split.stages.loss
+        if loss is not None:
+            batch = next(
+                (x.size(0) for x in items if isinstance(x, Tensor) and x.dim()), None
+            )
+            if batch is None:
+                raise TypeError("the input holds no tensor to split into micro-batches")
+            inputs += (loss.shares(items, batch),)
+        return split, inputs
+
+    def enter(
+        self,
+        split: _Split,
+        schedule: Any,
+        virtual_stages: int | None,
+        training: bool,
+        outgoing: Any,
+    ) -> None:
+        """Makes ``split`` the current one: its schedule checked (once), its
+        stages reading the module's tensors, in the pipe's mode.
+
+        Args:
+            split: what :meth:`select` chose.
+            schedule: the pipe's schedule, checked against the split's graph.
+            virtual_stages: the pipe's ``virtual_stages``.
+            training: the pipe's mode.
+            outgoing: the pipe runtime of the split it replaces, kept with
+                that split for when its kind of call comes again.
+
+        Raises:
+            ValueError: the schedule does not fit the split's stage graph.
+        """
+        if self.current is not None:
+            self.current.runtime = outgoing
+        if not split.checked:
+            check_schedule(schedule, self.devices, split.graph.reads(), virtual_stages)
+            split.checked = True
+        for part in split.stages.partitions:
+            rebind(part, self.module)
+        split.modules.train(training)
+        self.current = split
+
+    def gather(self, outputs: Sequence[Any]) -> Any:
+        """The micro-batches' outputs joined (see :mod:`~mpstream.stages.model_loss`)."""
+        return gather_with_loss(outputs)
+
+    def report(self) -> SplitReport:
+        """Which tracer split the module, why, and each kind of call exported."""
+        reason = self.reason
+        if self.fx_error is not None:
+            reason = f"torch.fx could not trace it ({first_line(self.fx_error)})"
+        return SplitReport(
+            "torch.export",
+            reason,
+            tuple(self.split_points),
+            tuple(s.described for s in self.splits),
+            tuple(
+                f"{s.described.split(':')[0]}: weighted {s.stages.loss.how}"
+                for s in self.splits
+                if s.stages.loss is not None
+            ),
+        )
+
+
+def own_loss(split: ExportSplit | None, target: Any) -> Callable[[Any, Any], Tensor]:
+    """``train_step``'s loss when no ``loss_fn`` is given: the ``loss`` the
+    module returns (weighted per micro-batch, see :mod:`~mpstream.stages.model_loss`).
+
+    Raises:
+        TypeError: the pipe was not split by ``torch.export``, or a target
+            was given without a ``loss_fn``.
+    """
+    if split is None:
+        raise TypeError(
+            "train_step needs a loss_fn: only a module split by torch.export that computes its "
+            "own loss (a Hugging Face model given labels) trains without one"
+        )
+    if target is not None:
+        raise TypeError("a target was given without a loss_fn; give loss_fn(output, target)")
+    name = type(split.module).__name__
+
+    def model_loss(output: Any, _: Any) -> Tensor:
+        loss = output.get("loss") if isinstance(output, Mapping) else None
+        if not isinstance(loss, Tensor):
+            raise TypeError(
+                f"{name} returned no loss to train on (a Hugging Face model computes one when "
+                f"given labels=); pass labels, or a loss_fn"
+            )
+        return loss
+
+    return model_loss

@@ -1,0 +1,142 @@
+"""``torch.export`` on fake tensors: a module's graph for one kind of call.
+
+The export runs the module's Python code with fake tensors (no data, no
+memory) standing in for its parameters, buffers and inputs, all on one
+device, the first stage's: a module whose tensors already sit on several
+devices (placed by an earlier split) exports the same way, and nothing is
+copied. Only the call's dtypes, shapes and plain values matter; the batch
+dimension (dim 0) of every tensor the pipeline splits is left to the export
+to keep symbolic, so micro-batches of any size run the graph.
+:func:`exported_graph` returns the graph with parameters read by qualified
+name, ready for :func:`~mpstream.stages.export.export_stages` to cut.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, fx, nn
+from torch.utils import _pytree as pytree
+
+from ..runtime.microbatch import NoChunk
+
+__all__ = ["exported_graph", "input_pattern", "first_line"]
+
+# Graph nodes that only check what export saw (dtype, device): a stage run
+# under autocast sees other dtypes, and the checks compute nothing.
+_CHECKS = (torch.ops.aten._assert_tensor_metadata.default,)
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception's type and the first non-empty line of its message."""
+    text = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+@contextmanager
+def _fake_tensors(module: nn.Module, device: torch.device, mode: Any) -> Iterator[None]:
+    """Stands fake tensors (of ``mode``, on ``device``) in for the module's
+    parameters and buffers while it is exported; a tensor held under several
+    names gets one fake, so ties stay ties."""
+    fakes: dict[int, Tensor] = {}
+    swapped: list[tuple[dict[str, Any], str, Tensor]] = []
+    fake: Any
+    try:
+        for mod in module.modules():
+            for store in (mod._parameters, mod._buffers):
+                for name, tensor in list(store.items()):
+                    if tensor is None:
+                        continue
+                    fake = fakes.get(id(tensor))
+                    if fake is None:
+                        with mode:
+                            fake = torch.empty_strided(
+                                tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device
+                            )
+                        if isinstance(tensor, nn.Parameter):
+                            fake = nn.Parameter(fake, requires_grad=tensor.requires_grad)
+                        fakes[id(tensor)] = fake
+                    assert fake is not None
+                    swapped.append((store, name, tensor))
+                    store[name] = fake
+        yield
+    finally:
+        for store, name, tensor in reversed(swapped):
+            store[name] = tensor
+
+
+def _example(leaf: Any, device: torch.device, mode: Any) -> tuple[Any, Any]:
+    """A fake stand-in for one input leaf and its dynamic-shape spec: the
+    batch dimension (dim 0) of a tensor the pipeline splits is left to
+    export (``Dim.AUTO``), a ``NoChunk`` tensor is static."""
+    if isinstance(leaf, NoChunk):
+        t = leaf.tensor
+        with mode:
+            return torch.empty(t.shape, dtype=t.dtype, device=device), None
+    if isinstance(leaf, Tensor):
+        # A batch of 1 would fix dim 0 to 1 (export specialises sizes 0 and
+        # 1); the fake has no data, so 2 stands in for it.
+        shape = (max(2, leaf.size(0)), *leaf.shape[1:]) if leaf.dim() else ()
+        with mode:
+            fake = torch.empty(shape, dtype=leaf.dtype, device=device)
+        if leaf.requires_grad and leaf.is_floating_point():
+            fake.requires_grad_(True)
+        return fake, ({0: torch.export.Dim.AUTO} if leaf.dim() else None)
+    return leaf, None
+
+
+def _export(
+    module: nn.Module, named: dict[str, Any], device: torch.device
+) -> torch.export.ExportedProgram:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    items, spec = pytree.tree_flatten(named)
+    pairs = [_example(x, device, mode) for x in items]
+    examples = pytree.tree_unflatten([p[0] for p in pairs], spec)
+    shapes = pytree.tree_unflatten([p[1] for p in pairs], spec)
+    # Autocast and grad mode around the call must not enter the graph: the
+    # stages run under whatever the caller's are then.
+    with _fake_tensors(module, device, mode), torch.enable_grad():
+        with torch.autocast(device.type, enabled=False):
+            return torch.export.export(
+                module, (), examples, dynamic_shapes=shapes, strict=False
+            )
+
+
+def input_pattern(node: fx.Node) -> Any:
+    """What the export fixed about one input (see ``ExportedStages.patterns``)."""
+    from torch.fx.experimental.symbolic_shapes import is_concrete_int
+
+    val = node.meta.get("val")
+    if isinstance(val, Tensor):
+        # A symbolic size the export resolved to a number is fixed too.
+        dims = tuple(int(d) if is_concrete_int(d) else None for d in val.shape)
+        return ("tensor", val.dtype, dims)
+    return ("value", type(val), val)
+
+
+def exported_graph(
+    module: nn.Module, named: dict[str, Any], device: torch.device
+) -> tuple[fx.GraphModule, pytree.TreeSpec, pytree.TreeSpec]:
+    """``module(**named)`` exported on ``device``: its graph (parameters read
+    by qualified name, checks dropped, inputs flat) and the structures of
+    the call and of the result.
+
+    Raises:
+        Exception: whatever ``torch.export`` raised.
+    """
+    ep = _export(module, named, device)
+    gm = ep.module(check_guards=False)
+    assert isinstance(gm, fx.GraphModule)
+    info = gm.graph._codegen.pytree_info  # type: ignore[attr-defined]
+    gm.graph._codegen = fx.graph.CodeGen()
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in _CHECKS:
+            gm.graph.erase_node(node)
+    gm.recompile()
+    return gm, info.in_spec, info.out_spec

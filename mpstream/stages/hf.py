@@ -1,0 +1,120 @@
+"""Hugging Face transformers models: their calling convention in a Pipe.
+
+A ``transformers`` model is called with keyword arguments (``input_ids=``,
+``attention_mask=``, ``labels=``) and returns a ``ModelOutput`` whose
+``loss`` it computed itself. mpstream splits such a model with
+``torch.export`` (:mod:`~mpstream.stages.exported`), which takes the same calls
+and returns the same structure, with the loss weighted over micro-batches
+(:mod:`~mpstream.stages.model_loss`). This module adds what is particular to the
+library: a pipeline runs training and scoring passes, so the key/value cache
+is turned off (``use_cache=False`` unless the caller says otherwise, which
+is refused); a caller's ``num_items_in_batch`` (the Hugging Face Trainer's
+normaliser, a scalar every micro-batch gets whole) already makes each
+micro-batch's loss a share of the batch's;
+``return_dict=False`` is refused (the loss is found by name); and without a
+``sample=``, the model's ``dummy_inputs`` are its example call.
+
+``transformers`` itself is not imported: a model is recognised by its
+classes.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from torch import Tensor, nn
+
+from ..runtime.microbatch import NoChunk
+
+__all__ = ["is_transformers_model", "Calls", "HuggingFaceCalls", "calls_for"]
+
+
+def is_transformers_model(module: nn.Module) -> bool:
+    """Whether ``module`` is a ``transformers.PreTrainedModel``."""
+    return any(
+        c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
+        for c in type(module).__mro__
+    )
+
+
+class Calls:
+    """How a module split by ``torch.export`` is called: as written.
+
+    Subclasses adapt a family's convention (see :class:`HuggingFaceCalls`).
+    """
+
+    family = ""
+
+    def prepare(self, named: dict[str, Any]) -> dict[str, Any]:
+        """A call's arguments by name, as the module is to be called."""
+        return named
+
+    def weighs_loss(self, named: dict[str, Any]) -> bool:
+        """Whether the pipeline weights a ``loss`` output per micro-batch
+        (False when the call makes each micro-batch's loss a share already)."""
+        return True
+
+    def sample(self, module: nn.Module) -> dict[str, Any] | None:
+        """An example call to export when the caller gave none."""
+        return None
+
+
+class HuggingFaceCalls(Calls):
+    """The calling convention of ``transformers`` models.
+
+    Args:
+        model: the ``PreTrainedModel``.
+    """
+
+    family = "Hugging Face transformers"
+
+    def __init__(self, model: nn.Module) -> None:
+        self.name = type(model).__name__
+        self.takes = set(inspect.signature(model.forward).parameters)
+
+    def prepare(self, named: dict[str, Any]) -> dict[str, Any]:
+        """Turns caching off; refuses a cache and tuple outputs.
+
+        Raises:
+            ValueError: ``use_cache=True``, ``past_key_values`` or
+                ``return_dict=False`` given.
+        """
+        if named.get("past_key_values") is not None:
+            raise ValueError(
+                f"{self.name} was given past_key_values: a pipeline splits the batch into "
+                f"micro-batches and runs training and scoring passes; generate with the unsplit "
+                f"model (incremental decoding does not pipeline)"
+            )
+        if named.get("use_cache"):
+            raise ValueError(
+                f"{self.name} was called with use_cache=True: a pipeline keeps no key/value "
+                f"cache (each micro-batch would need its own); leave use_cache unset (the pipe "
+                f"passes use_cache=False) and generate with the unsplit model"
+            )
+        if named.get("return_dict") is False:
+            raise ValueError(
+                f"{self.name} was called with return_dict=False: the pipe finds the model's "
+                f"loss by name in its ModelOutput; leave return_dict unset"
+            )
+        if "use_cache" in self.takes and "use_cache" not in named:
+            named = {**named, "use_cache": False}
+        count = named.get("num_items_in_batch")
+        if isinstance(count, Tensor) and count.dim() == 0:
+            # The batch's count, the same for every micro-batch.
+            named = {**named, "num_items_in_batch": NoChunk(count)}
+        return named
+
+    def weighs_loss(self, named: dict[str, Any]) -> bool:
+        # With num_items_in_batch the model divides each micro-batch's summed
+        # loss by the batch's count: the shares add up already.
+        return named.get("num_items_in_batch") is None
+
+    def sample(self, module: nn.Module) -> dict[str, Any] | None:
+        dummy = getattr(module, "dummy_inputs", None)
+        return dict(dummy) if isinstance(dummy, dict) else None
+
+
+def calls_for(module: nn.Module) -> Calls:
+    """The calling convention of ``module``'s family."""
+    return HuggingFaceCalls(module) if is_transformers_model(module) else Calls()

@@ -1,0 +1,161 @@
+"""Which tracer splits a module, how a call binds to it, and the report.
+
+``Pipe(..., split_points=...)`` splits a module with ``torch.fx``
+(:mod:`~mpstream.stages.fx`) or ``torch.export`` (:mod:`~mpstream.stages.exported`):
+:func:`choose_tracer` picks which to try first, and
+:meth:`mpstream.Pipe.split_report` returns a :class:`SplitReport` saying
+which one split it and why. :class:`CallSignature` binds a call to a
+module's ``forward`` by name, as ``torch.export`` takes it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor, nn
+
+from ..runtime.microbatch import NoChunk
+from .hf import is_transformers_model
+
+__all__ = [
+    "SplitReport",
+    "CallSignature",
+    "choose_tracer",
+    "sample_call",
+    "describe_call",
+    "raised_in",
+    "TRACERS",
+]
+
+TRACERS = ("auto", "fx", "export")
+
+
+@dataclass(frozen=True)
+class SplitReport:
+    """How a pipe was split into stages.
+
+    Attributes:
+        tracer: ``'nn.Sequential'`` (split by layers), ``'torch.fx'`` or
+            ``'torch.export'``.
+        reason: why that way.
+        split_points: where the stages begin (None for a Sequential).
+        exports: for ``torch.export``, one line per kind of call exported
+            so far (training mode, the inputs and what was fixed of them).
+        loss: for ``torch.export``, how the model's own ``loss`` output is
+            combined over micro-batches, per kind of call that returns one.
+    """
+
+    tracer: str
+    reason: str
+    split_points: tuple[str, ...] | None = None
+    exports: tuple[str, ...] = ()
+    loss: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        lines = [f"split by {self.tracer}: {self.reason}"]
+        if self.split_points is not None:
+            lines.append("split points: " + ", ".join(self.split_points))
+        lines += [f"exported for: {e}" for e in self.exports]
+        lines += [f"loss: {x}" for x in self.loss]
+        return "\n".join(lines)
+
+
+def choose_tracer(module: nn.Module, tracer: str) -> tuple[str, str]:
+    """The tracer to try first for ``module`` and why.
+
+    Raises:
+        ValueError: ``tracer`` is not one of :data:`TRACERS`.
+    """
+    if tracer not in TRACERS:
+        raise ValueError(f"tracer must be one of {', '.join(map(repr, TRACERS))}; got {tracer!r}")
+    if tracer == "fx":
+        return "fx", "tracer='fx' was asked for"
+    if tracer == "export":
+        return "export", "tracer='export' was asked for"
+    if is_transformers_model(module):
+        return "export", (
+            "a Hugging Face transformers model: its keyword arguments, ModelOutput and own loss "
+            "go through torch.export"
+        )
+    return "fx", "torch.fx traced the module"
+
+
+def sample_call(sample: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A ``sample=`` as a call: a dict is keyword arguments, a tuple the
+    positional ones, anything else the one input."""
+    if isinstance(sample, dict):
+        return (), dict(sample)
+    if isinstance(sample, tuple):
+        return sample, {}
+    return (sample,), {}
+
+
+class CallSignature:
+    """Binds a call to the module's ``forward`` by name, extra keyword
+    arguments (``**kwargs``) included; defaults stay unset."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.name = type(module).__name__
+        self.signature = inspect.signature(module.forward)
+
+    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        try:
+            bound = self.signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"{self.name}.forward{self.signature}: {exc}") from None
+        named: dict[str, Any] = {}
+        for name, value in bound.arguments.items():
+            kind = self.signature.parameters[name].kind
+            if kind is inspect.Parameter.VAR_KEYWORD:
+                named.update(value)
+            elif kind is inspect.Parameter.VAR_POSITIONAL:
+                if value:
+                    raise TypeError(
+                        f"{self.name}.forward takes *{name}: an exported pipeline passes "
+                        f"arguments by name; give the extra positional arguments by name"
+                    )
+            else:
+                named[name] = value
+        return named
+
+
+def describe_call(named: dict[str, Any], training: bool, dtypes: Sequence[str]) -> str:
+    """One line for the report: the mode, the dtypes and each argument (a
+    tensor's dtype and shape, ``*`` for the batch dimension)."""
+    parts = []
+    for name, value in named.items():
+        if isinstance(value, NoChunk):
+            value = value.tensor
+        if isinstance(value, Tensor):
+            dims = ", ".join(["*", *map(str, value.shape[1:])]) if value.dim() else ""
+            parts.append(f"{name} ({dims}) {str(value.dtype).replace('torch.', '')}")
+        elif value is not None:
+            parts.append(f"{name}={value!r}" if not isinstance(value, (dict, list, tuple))
+                         else f"{name}=<{type(value).__name__}>")  # fmt: skip
+    mode = "training" if training else "eval"
+    kind = ", ".join([mode, *(d.replace("torch.", "") for d in dtypes)])
+    return f"{kind}: " + ", ".join(parts)
+
+
+def raised_in(exc: BaseException, module: nn.Module) -> str | None:
+    """The innermost submodule of ``module`` whose code the exception (or
+    what caused it) passed through."""
+    names: dict[int, str] = {id(m): n for n, m in module.named_modules() if n}
+    found: str | None = None
+    seen: set[int] = set()
+    error: BaseException | None = exc
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        tb = error.__traceback__
+        while tb is not None:
+            owner = tb.tb_frame.f_locals.get("self")
+            if owner is not None and id(owner) in names:
+                found = names[id(owner)]
+            tb = tb.tb_next
+        if found is not None:
+            return found
+        error = error.__cause__ or error.__context__
+    return found
