@@ -7,15 +7,49 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 DOCTOR_ARGS ?=
+# SYSTEM_TORCH=1: build $(VENV) on the torch and torchvision that $(PYTHON)
+# already has (--system-site-packages) instead of installing the pinned pair,
+# which the registry offers only as torch's CUDA build: about 5 GB with its
+# nvidia-* wheels, even on a machine without a GPU. Applies when $(VENV) is
+# created (a fresh clone, or after `rm -rf $(VENV)`).
+SYSTEM_TORCH ?=
 
 .PHONY: all setup build run doctor test check bench bench-suite clean
 
 all: test
 
+# What SYSTEM_TORCH=1 needs: mpstream's torch (>= 2.7) and a torchvision that
+# imports with it (the registry's torchvision does not with a CPU-only torch).
+define SYSTEM_TORCH_CHECK
+import sys
+try:
+    import torch
+    import torchvision
+except Exception as error:
+    sys.exit(f"SYSTEM_TORCH=1: {sys.executable} cannot import torch and torchvision "
+             f"({type(error).__name__}: {error}); install a matching pair there, "
+             f"or leave SYSTEM_TORCH out to install the pinned one into the venv")
+major, minor = (int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+if (major, minor) < (2, 7):
+    sys.exit(f"SYSTEM_TORCH=1: {sys.executable} has torch {torch.__version__}; "
+             f"mpstream needs torch >= 2.7")
+print(f"SYSTEM_TORCH=1: torch {torch.__version__} and torchvision "
+      f"{torchvision.__version__} from {sys.executable}")
+endef
+export SYSTEM_TORCH_CHECK
+
 $(VENV)/.deps: requirements.txt
+ifeq ($(SYSTEM_TORCH),1)
+	@$(PYTHON) -c "$$SYSTEM_TORCH_CHECK"
+	$(PYTHON) -m venv --system-site-packages $(VENV)
+	$(PY) -m pip install --upgrade pip
+	grep -vE '^(torch|torchvision)==' requirements.txt > $(VENV)/requirements-no-torch.txt
+	$(PY) -m pip install -r $(VENV)/requirements-no-torch.txt
+else
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
 	$(PY) -m pip install -r requirements.txt
+endif
 	touch $@
 
 $(VENV)/.built: $(VENV)/.deps setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h)

@@ -23,7 +23,7 @@ def _time(
 ) -> None:
     dev0, dev1 = devices
     if name not in bench.models_for(dev0, dev1):
-        pytest.skip(f"{name}: a CUDA graph cannot span devices")
+        pytest.skip(f"{name}: {bench.left_out(dev0, dev1)[name]}")
     torch.manual_seed(0)
     model = bench.make_model(name, dev0, dev1, config, split)
     benchmark.extra_info.update(  # type: ignore[attr-defined]

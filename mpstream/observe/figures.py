@@ -65,6 +65,9 @@ class Sizes(Protocol):
     @property
     def arch(self) -> str: ...
 
+    @property
+    def repeat(self) -> int: ...
+
 
 class BenchResults(Protocol):
     """What :func:`tutorial_figures` reads (``mpstream.tutorial.bench.Results`` has it)."""
@@ -111,13 +114,20 @@ def bar_chart(
     path: Path,
     title: str = "",
     model: str = "ResNet50",
+    *,
+    spread: str = "mean ± 1 std. dev.",
+    xlabel: str = "model",
 ) -> Path:
-    """The tutorial's bar chart: mean execution time with std error bars."""
+    """The tutorial's bar chart: mean execution time with std error bars.
+
+    ``spread`` says on the y axis what the bars and error bars are.
+    """
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(means), 4.2))
     x = range(len(means))
     ax.bar(x, means, yerr=stds, align="center", alpha=0.5, ecolor="red", capsize=10, width=0.6)
-    ax.set_ylabel(f"{model} execution time (s)")
+    ax.set_ylabel(f"{model} execution time (s)\n{spread}")
+    ax.set_xlabel(xlabel)
     ax.set_xticks(list(x))
     ax.set_xticklabels(labels, fontsize=9)
     ax.yaxis.grid(True)
@@ -129,15 +139,20 @@ def split_curves(
     path: Path,
     title: str = "",
     model: str = "ResNet50",
+    *,
+    spread: str = "mean ± 1 std. dev.",
 ) -> Path:
-    """Execution time against split size, one curve with error bars per pipeline."""
+    """Execution time against split size, one curve with error bars per pipeline.
+
+    ``spread`` says on the y axis what the points and error bars are.
+    """
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     ticks: set[int] = set()
     for (label, (sizes, means, stds)), marker in zip(curves.items(), "os^v"):
         ax.errorbar(sizes, means, yerr=stds, marker=marker, capsize=4, label=label)
         ticks.update(sizes)
-    ax.set_ylabel(f"{model} execution time (s)")
+    ax.set_ylabel(f"{model} execution time (s)\n{spread}")
     ax.set_xlabel("Pipeline split size")
     ax.set_xticks(sorted(ticks))
     ax.yaxis.grid(True)
@@ -153,6 +168,8 @@ def tutorial_figures(results: BenchResults, out: Path) -> list[Path]:
     where = f"{dev0} | {dev1}" if dev0 != dev1 else f"both halves on {dev0}"
     title = f"{where}; {c.num_batches} x {c.batch_size} images of {c.image_w}x{c.image_h}"
     model = MODEL_NAMES.get(c.arch, c.arch)
+    # Measurement.std is the population standard deviation of the timed calls.
+    spread = f"mean ± 1 std. dev. of {c.repeat} train() calls"
     mp, rn = results.get("model parallel"), results.get("single device")
     pp, ms = results.get("tutorial pipeline"), results.get("mpstream")
     bars = [
@@ -171,6 +188,7 @@ def tutorial_figures(results: BenchResults, out: Path) -> list[Path]:
             out / "mp_vs_rn.png",
             title,
             model,
+            spread=spread,
         ),
         bar_chart(
             [m.mean for m, _ in bars],
@@ -179,6 +197,8 @@ def tutorial_figures(results: BenchResults, out: Path) -> list[Path]:
             out / "mp_vs_rn_vs_pp.png",
             title,
             model,
+            spread=spread,
+            xlabel="model (split size)",
         ),
     ]
     if results.sweep:
@@ -195,5 +215,7 @@ def tutorial_figures(results: BenchResults, out: Path) -> list[Path]:
                 [m.mean for m in ms_],
                 [m.std for m in ms_],
             )
-        paths.append(split_curves(curves, out / "split_size_tradeoff.png", title, model))
+        paths.append(
+            split_curves(curves, out / "split_size_tradeoff.png", title, model, spread=spread)
+        )
     return paths

@@ -351,4 +351,6 @@ class Timeline:
             frameon=False,
         )
         heading = title or f"{self.source} timeline (run {chosen}); numbers are micro-batches"
-        return save(fig, ax, Path(path), heading, loc="left")
+        # The legend takes the row just above the plot; the title goes above it,
+        # so a long title cannot run into the legend.
+        return save(fig, ax, Path(path), heading, loc="left", pad=24)

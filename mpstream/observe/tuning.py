@@ -108,7 +108,10 @@ class TuneResult:
         heading = title or f"best: split size {self.split_size}" + (
             f", balance {self.balance}" if self.balance else ""
         )
-        return split_curves(curves, Path(path), heading)
+        counts = {len(p.times) for p in self.curve}
+        calls = f"{counts.pop()} calls" if len(counts) == 1 else "each point's calls"
+        spread = f"median ± 1 std. dev. of {calls}"
+        return split_curves(curves, Path(path), heading, spread=spread)
 
 
 def default_cache() -> Path:

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from ..runtime.microbatch import leaves, split
+from ..runtime.microbatch import PLAIN, describe, leaves, split
 from ..runtime.transfer import host_staging
 from ..stages.build import Bind
 
@@ -31,19 +31,34 @@ def positional(
     of tensors, torchgpipe's style).
 
     Raises:
-        TypeError: keyword arguments to a Sequential pipe, or no input.
+        TypeError: keyword arguments to a Sequential pipe, no input, or only
+            plain values (a string, a list of numbers, ...), no tensor.
     """
     if bind is not None:
-        return bind(args, kwargs)
-    if kwargs:
-        names = ", ".join(sorted(kwargs))
+        bound = bind(args, kwargs)
+    else:
+        if kwargs:
+            names = ", ".join(sorted(kwargs))
+            raise TypeError(
+                f"a Pipe over an nn.Sequential takes positional inputs only; got keyword "
+                f"argument(s) {names}"
+            )
+        if not args:
+            raise TypeError("Pipe needs at least one input")
+        bound = tuple(tuple(a) if isinstance(a, list) else a for a in args)
+    # Named here, before a list becomes a tuple, so the message shows what the
+    # caller passed; other leaves (arrays, ...) get scatter's message. A tensor
+    # argument, the usual call, skips the flattening.
+    if not any(type(a) is Tensor for a in args) and all(
+        isinstance(leaf, PLAIN) for leaf in pytree.tree_leaves((args, kwargs))
+    ):
+        given = args[0] if len(args) == 1 and not kwargs else (*args, *kwargs.values())
         raise TypeError(
-            f"a Pipe over an nn.Sequential takes positional inputs only; got keyword "
-            f"argument(s) {names}"
+            f"Pipe input holds no tensor; got {describe(given)}. Pass the batch as a Tensor "
+            f"(torch.as_tensor converts numbers, lists and arrays), or a tuple, list or dict "
+            f"holding tensors"
         )
-    if not args:
-        raise TypeError("Pipe needs at least one input")
-    return tuple(tuple(a) if isinstance(a, list) else a for a in args)
+    return bound
 
 
 def staging(

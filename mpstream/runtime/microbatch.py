@@ -11,6 +11,7 @@ ones per micro-batch. Both validate and say exactly what is wrong.
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,6 +29,7 @@ __all__ = [
     "split",
     "gather",
     "check_output",
+    "describe",
     "leaves",
     "tensors_of",
     "rebuild",
@@ -93,6 +95,17 @@ def tensors_of(value: Value) -> tuple[Tensor, ...]:
 def rebuild(value: Value, tensors: Sequence[Tensor]) -> Value:
     """``tensors`` shaped like ``value``: one tensor, or a tuple."""
     return tensors[0] if isinstance(value, Tensor) else tuple(tensors)
+
+
+def describe(value: Any) -> str:
+    """``value`` for an error message: its type, what a list, tuple or dict
+    holds, and its start, e.g. ``list of float: [1.0, 2.0]``."""
+    kind = type(value).__name__
+    if isinstance(value, (list, tuple, dict)) and value:
+        items = value.values() if isinstance(value, dict) else value
+        kind += " of " + " and ".join(sorted({type(v).__name__ for v in items}))
+    # reprlib shortens long strings and containers without building their whole repr.
+    return f"{kind}: {reprlib.repr(value)}"
 
 
 def as_value(x: object, what: str = "input") -> Value:
@@ -207,7 +220,11 @@ def scatter(
             )
     counts = {len(p) for p in parts if p is not None}
     if not counts:
-        raise TypeError(f"{what} holds no tensor to split into micro-batches")
+        raise TypeError(
+            f"{what} holds no tensor to split into micro-batches; got {describe(value)}. "
+            f"Pass a Tensor (torch.as_tensor converts numbers, lists and arrays), or a "
+            f"tuple, list or dict holding tensors"
+        )
     if len(counts) > 1:
         sizes = sorted({t.size(0) for t in items if isinstance(t, Tensor)})
         raise ValueError(

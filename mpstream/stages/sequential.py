@@ -70,13 +70,15 @@ def module_device(module: nn.Module, what: str) -> torch.device | None:
 
 def _layers(module: nn.Module, balance_given: bool) -> list[tuple[str, nn.Module]]:
     if not isinstance(module, nn.Sequential):
+        kind = type(module).__name__
         if balance_given:
             raise TypeError(
-                f"balance partitions an nn.Sequential by layers; got {type(module).__name__}"
+                f"balance= layer counts partition an nn.Sequential; got {kind}: "
+                f"{_split_points_hint(module)}"
             )
         raise TypeError(
-            f"Pipe needs an nn.Sequential whose children are the stages, or balance= and "
-            f"devices= to partition one; got {type(module).__name__}"
+            f"Pipe got {kind}, not an nn.Sequential, and no split_points: "
+            f"{_split_points_hint(module)}"
         )
     layers = [(name, child) for name, child in module._modules.items() if child is not None]
     if not layers:
@@ -90,6 +92,22 @@ def _layers(module: nn.Module, balance_given: bool) -> list[tuple[str, nn.Module
             )
         seen[id(child)] = name
     return layers
+
+
+def _split_points_hint(module: nn.Module) -> str:
+    """What to do with a module that is not a Sequential, with its own names."""
+    kind = type(module).__name__
+    names = [name for name, _ in module.named_children()]
+    shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
+    # The second child is the first place a stage can begin.
+    example = (
+        f" ({kind}'s children: {shown}; e.g. split_points=[{names[1]!r}])" if len(names) > 1 else ""
+    )
+    return (
+        f"give split_points=, the submodules where stages begin{example}, and devices= "
+        f"for the stages; or balance='time' or 'size' with devices= and sample= to pick "
+        f"split points"
+    )
 
 
 def check_shared(

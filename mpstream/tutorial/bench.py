@@ -4,8 +4,8 @@ Each measurement is one call of the tutorial's ``train`` (``num_batches``
 mini-batches of random images, MSELoss, SGD) timed with the host clock, with
 device work synchronised inside the timed region and warm-up calls excluded,
 like the tutorial's ``timeit.repeat(number=1)``. :func:`run` measures the
-four models at one split size (and, when both halves share a device,
-mpstream with each step replayed as a CUDA graph: :mod:`mpstream.tutorial.graphed`)
+four models at one split size (and, when both halves share a GPU, mpstream
+with each step replayed as a CUDA graph: :mod:`mpstream.tutorial.graphed`)
 and sweeps the split size for both pipelines; :func:`save` writes the JSON
 and the tutorial's three figures.
 """
@@ -43,6 +43,7 @@ __all__ = [
     "PIPELINES",
     "GRAPHED",
     "models_for",
+    "left_out",
     "swept",
     "detect_devices",
     "make_model",
@@ -57,8 +58,23 @@ PIPELINES = ("tutorial pipeline", "mpstream")
 
 
 def models_for(dev0: torch.device, dev1: torch.device) -> tuple[str, ...]:
-    """The models measurable on these devices: a CUDA graph needs one device."""
-    return MODELS if _same(dev0, dev1) else tuple(m for m in MODELS if m != GRAPHED)
+    """The models measurable on these devices: a CUDA graph needs both halves
+    on one GPU.
+
+    On the CPU no graph exists and :data:`GRAPHED` would time its step
+    eagerly, so it is left out rather than shown as a slow "CUDA graph".
+    """
+    graph = dev0.type == "cuda" and _same(dev0, dev1)
+    return MODELS if graph else tuple(m for m in MODELS if m != GRAPHED)
+
+
+def left_out(dev0: torch.device, dev1: torch.device) -> dict[str, str]:
+    """The models :func:`models_for` leaves out on these devices, each with why."""
+    if GRAPHED in models_for(dev0, dev1):
+        return {}
+    if not _same(dev0, dev1):
+        return {GRAPHED: "a CUDA graph cannot span two devices"}
+    return {GRAPHED: f"no CUDA graph on {dev0.type}: its step would only run eagerly"}
 
 
 def swept(models: Sequence[str]) -> tuple[str, ...]:
@@ -358,6 +374,7 @@ def to_json(results: Results) -> dict[str, Any]:
             "configurations timed round-robin"
         ),
         "models": [{**m.to_json(), "speedup_vs_single": single / m.mean} for m in results.models],
+        "not_measured": left_out(*results.devices),
         "split_sweep": [m.to_json() for m in results.sweep],
     }
 
@@ -389,6 +406,8 @@ def table(results: Results) -> str:
             f"{r.model:<21} {split:>5} {r.mean:>9.3f} ± {r.std:<5.3f} {r.median:>10.3f} "
             f"{ref / r.mean:>7.2f}x"
         )
+    for name, why in left_out(*results.devices).items():
+        lines.append(f"{name}: not measured, {why}")
     if results.sweep:
         lines.append("")
         names = list(dict.fromkeys(m.model for m in results.sweep))

@@ -12,6 +12,7 @@ import torch
 from mpstream import cli
 from mpstream.doctor import report, runner
 from mpstream.doctor.diagnosis import FAIL, PASS, SKIP, TINY, Check, Context, StepResult
+from mpstream.tutorial import bench
 
 ON_GPU = torch.cuda.is_available()
 
@@ -35,6 +36,11 @@ def test_doctor_quick_on_cpu_skips_gpu_steps_and_writes_the_report(
         assert "SKIP" in line and "no CUDA device" in line
     for name in ("environment", "correctness", "tutorial", "profile"):
         assert status[name] == PASS, doc["steps"][runner.NAMES.index(name)]
+    # Step 6 times no "CUDA graph" on the CPU (it would run eagerly) and says why.
+    tutorial = doc["steps"][runner.NAMES.index("tutorial")]
+    assert bench.GRAPHED not in {m["model"] for m in tutorial["data"]["models"]}
+    (graph,) = [c for c in tutorial["checks"] if bench.GRAPHED in c["name"]]
+    assert graph["status"] == SKIP and "no CUDA graph on cpu" in graph["detail"]
     # The cost model's verdict depends on timings on a shared CPU: only that it ran.
     assert status["cost-model"] in (PASS, FAIL)
     assert code == (1 if FAIL in status.values() else 0)

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.text import Text
 
+from mpstream.observe import figures
 from mpstream.observe.timeline import Span, Timeline
 
 STREAMS = {
@@ -92,6 +96,30 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
     assert path.read_bytes().startswith(b"\x89PNG")
     with pytest.raises(ValueError, match="empty"):
         Timeline([], {}).plot(tmp_path / "none.png")
+
+
+def test_a_long_title_stays_clear_of_the_legend(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The doctor's titles run across the figure; the legend once sat on them.
+    drawn: list[Any] = []
+    draw = figures.save
+
+    def save(fig: Any, ax: Any, path: Path, title: str = "", **kw: Any) -> Path:
+        drawn.append(ax)
+        return draw(fig, ax, path, title, **kw)
+
+    monkeypatch.setattr(figures, "save", save)
+    heading = "a long title " * 12
+    two_stage().plot(tmp_path / "gantt.png", title=heading)
+    (ax,) = drawn
+    canvas = FigureCanvasAgg(ax.figure)  # the saved layout, drawn again after close
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    (text,) = [t for t in ax.get_children() if isinstance(t, Text) and t.get_text() == heading]
+    title = text.get_window_extent(renderer)
+    legend = ax.get_legend().get_window_extent(renderer)
+    assert not title.overlaps(legend) and title.y0 >= legend.y1
 
 
 def test_select_and_copy_span_stages() -> None:

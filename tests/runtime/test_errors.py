@@ -165,3 +165,20 @@ def test_notes_for_every_task_kind() -> None:
         "mpstream: raised in the transfer of micro-batch 1 (of 3)'s target to stage 1 of 2 "
         "(layer 'c' on cpu)"
     )
+
+
+@pytest.mark.parametrize(
+    ("value", "got"),
+    [
+        ("images.png", "got str: 'images.png'"),
+        ([1.0, 2.0, 3.0], "got list of float: [1.0, 2.0, 3.0]"),
+        ([[0.5, 1.5], [2.5, 3.5]], "got list of list: [[0.5, 1.5], [2.5, 3.5]]"),
+    ],
+)
+@pytest.mark.parametrize("path", ["forward", "train_step"])
+def test_an_input_without_a_tensor_is_named(value: object, got: str, path: str) -> None:
+    pipe = Pipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), chunks=2)
+    target = torch.zeros(2, 2)
+    with pytest.raises(TypeError, match="Pipe input holds no tensor") as info:
+        pipe(value) if path == "forward" else pipe.train_step(value, target, nn.MSELoss())
+    assert got in str(info.value) and "torch.as_tensor" in str(info.value)

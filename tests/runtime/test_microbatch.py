@@ -10,6 +10,7 @@ from mpstream.runtime.microbatch import (
     as_value,
     batch_device,
     check_output,
+    describe,
     gather,
     scatter,
 )
@@ -107,8 +108,10 @@ def test_tensors_of_other_batch_sizes_split_into_as_many_micro_batches() -> None
 
 
 def test_scatter_needs_a_tensor_and_plain_leaves() -> None:
-    with pytest.raises(TypeError, match="no tensor to split"):
+    with pytest.raises(TypeError, match=r"no tensor to split.*got tuple of NoChunk and int"):
         scatter((1, NoChunk(torch.ones(2))), 2, None)
+    with pytest.raises(TypeError, match=r"target holds no tensor.*got str: 'y'.*torch.as_tensor"):
+        scatter("y", 2, None, "target")
     with pytest.raises(TypeError, match="holds a object"):
         scatter((torch.ones(2), object()), 2, None)
     with pytest.raises(TypeError, match="NoChunk wraps a Tensor"):
@@ -126,3 +129,18 @@ def test_gather_rejects_inconsistent_outputs() -> None:
         gather([(torch.ones(1), torch.ones(1)), (torch.ones(1),)])
     with pytest.raises(ValueError, match="scalar"):
         gather([torch.tensor(1.0), torch.tensor(2.0)])
+
+
+@pytest.mark.parametrize(
+    ("value", "text"),
+    [
+        ("hello", "str: 'hello'"),
+        ([1.0, 2.0], "list of float: [1.0, 2.0]"),
+        ((1, "a"), "tuple of int and str: (1, 'a')"),
+        ({"ids": 3}, "dict of int: {'ids': 3}"),
+        (None, "NoneType: None"),
+        (list(range(1000)), "list of int: [0, 1, 2, 3, 4, 5, ...]"),
+    ],
+)
+def test_describe_names_the_type_what_it_holds_and_its_start(value: object, text: str) -> None:
+    assert describe(value) == text

@@ -54,11 +54,34 @@ def test_default_devices_without_cuda_are_cpu() -> None:
     assert stages.devices == [torch.device("cpu")] * 2
 
 
+class TwoParts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder, self.head = nn.Linear(2, 2), nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(x))
+
+
 def test_not_a_sequential() -> None:
-    with pytest.raises(TypeError, match="nn.Sequential whose children are the stages"):
+    with pytest.raises(TypeError, match="got Linear, not an nn.Sequential, and no split_points"):
         split_module(nn.Linear(2, 2))
-    with pytest.raises(TypeError, match="balance partitions an nn.Sequential"):
+    with pytest.raises(TypeError, match="balance= layer counts partition an nn.Sequential"):
         split_module(nn.Linear(2, 2), balance=[1])
+
+
+@pytest.mark.parametrize("balance", [None, [1, 1]])
+def test_a_module_that_is_not_a_sequential_is_pointed_to_split_points(
+    balance: list[int] | None,
+) -> None:
+    # The message names the module, its children and a split point that works.
+    with pytest.raises(TypeError, match="got TwoParts") as info:
+        Pipe(TwoParts(), chunks=2, balance=balance, devices=["cpu", "cpu"])
+    message = str(info.value)
+    assert "TwoParts's children: encoder, head; e.g. split_points=['head']" in message
+    assert "balance='time' or 'size' with devices= and sample=" in message
+    pipe = Pipe(TwoParts(), chunks=2, split_points=["head"], devices=["cpu", "cpu"])
+    assert pipe(torch.randn(4, 2)).shape == (4, 2)
 
 
 def test_same_child_twice() -> None:
