@@ -115,18 +115,35 @@ def test_tutorial_vs_balanced_split(
 
 
 @pytest.mark.benchmark(group="capture")
-@pytest.mark.parametrize("mode", ["eager", "captured"])
+@pytest.mark.parametrize(
+    "mode",
+    ["eager", "captured", "graphed stages", "single device eager", "single device captured"],
+)
 def test_captured_vs_eager_step(
     benchmark: object, mode: str, devices: tuple[torch.device, torch.device]
 ) -> None:
-    if bench.GRAPHED not in bench.models_for(*devices):
-        pytest.skip(f"mpstream.CapturedStep: {bench.left_out(*devices)[bench.GRAPHED]}")
-    pipe = _pipe(devices, TUTORIAL_BALANCE)
+    """A training step with SGD: eager, the whole step captured
+    (CapturedStep), each stage replayed from graphs (Pipe(graphs=True)), and
+    the single device both ways, the like-with-like baseline of a graph."""
+    graphed = {
+        "captured": bench.GRAPHED,
+        "graphed stages": bench.STAGE_GRAPHS,
+        "single device captured": bench.SINGLE_GRAPHED,
+    }
+    needs = graphed.get(mode)
+    if needs is not None and needs not in bench.models_for(*devices):
+        pytest.skip(f"{mode}: {bench.left_out(*devices)[needs]}")
+    if mode.startswith("single device"):
+        torch.manual_seed(0)
+        layers = resnet50_layers()
+        pipe = Pipe(layers, chunks=1, balance=[len(layers)], devices=[devices[0]])
+    else:
+        pipe = _pipe(devices, TUTORIAL_BALANCE, graphs=mode == "graphed stages")
     x, y = _data(devices[0])
     optimizer = torch.optim.SGD(pipe.parameters(), lr=0.01, momentum=0.9)
     loss_fn = nn.MSELoss()
     captured = None
-    if mode == "captured":
+    if mode.endswith("captured"):
         captured = CapturedStep(pipe, x, y, loss_fn, optimizer=optimizer)
 
     def step() -> None:

@@ -42,6 +42,9 @@ __all__ = [
     "MODELS",
     "PIPELINES",
     "GRAPHED",
+    "STAGE_GRAPHS",
+    "SINGLE_GRAPHED",
+    "GRAPHS",
     "models_for",
     "left_out",
     "swept",
@@ -53,33 +56,53 @@ __all__ = [
 ]
 
 GRAPHED = "mpstream, CUDA graph"
-MODELS = ("single device", "model parallel", "tutorial pipeline", "mpstream", GRAPHED)
+STAGE_GRAPHS = "mpstream, graphed stages"
+SINGLE_GRAPHED = "single device, CUDA graph"
+MODELS = (
+    "single device",
+    SINGLE_GRAPHED,
+    "model parallel",
+    "tutorial pipeline",
+    "mpstream",
+    STAGE_GRAPHS,
+    GRAPHED,
+)
 PIPELINES = ("tutorial pipeline", "mpstream")
+#: The models replaying CUDA graphs, and each one's baseline captured the
+#: same way: a graphed pipeline is compared with the single device whose
+#: whole step is one graph, not with an eager single device.
+GRAPHS = {GRAPHED: SINGLE_GRAPHED, STAGE_GRAPHS: SINGLE_GRAPHED, SINGLE_GRAPHED: SINGLE_GRAPHED}
 
 
 def models_for(dev0: torch.device, dev1: torch.device) -> tuple[str, ...]:
-    """The models measurable on these devices: a CUDA graph needs both halves
-    on one GPU.
-
-    On the CPU no graph exists and :data:`GRAPHED` would time its step
-    eagerly, so it is left out rather than shown as a slow "CUDA graph".
-    """
-    graph = dev0.type == "cuda" and _same(dev0, dev1)
-    return MODELS if graph else tuple(m for m in MODELS if m != GRAPHED)
+    """The models measurable on these devices (see :func:`left_out`)."""
+    skipped = left_out(dev0, dev1)
+    return tuple(m for m in MODELS if m not in skipped)
 
 
 def left_out(dev0: torch.device, dev1: torch.device) -> dict[str, str]:
-    """The models :func:`models_for` leaves out on these devices, each with why."""
-    if GRAPHED in models_for(dev0, dev1):
-        return {}
-    if not _same(dev0, dev1):
-        return {GRAPHED: "a CUDA graph cannot span two devices"}
-    return {GRAPHED: f"no CUDA graph on {dev0.type}: its step would only run eagerly"}
+    """The models not measurable on these devices, each with why.
+
+    No CUDA graph exists on a CPU: a graphed model would time its step
+    eagerly and read as a slow "CUDA graph", so it is left out. A whole
+    captured step (:data:`GRAPHED`) also needs both halves on one GPU; graphed
+    stages (:data:`STAGE_GRAPHS`) need each half on a GPU.
+    """
+    out: dict[str, str] = {}
+    if dev0.type != "cuda":
+        out[SINGLE_GRAPHED] = f"no CUDA graph on {dev0.type}: its step would only run eagerly"
+    for model in (STAGE_GRAPHS, GRAPHED):
+        cpu = next((d for d in (dev0, dev1) if d.type != "cuda"), None)
+        if cpu is not None:
+            out[model] = f"no CUDA graph on {cpu.type}: its step would only run eagerly"
+    if GRAPHED not in out and not _same(dev0, dev1):
+        out[GRAPHED] = "a CUDA graph cannot span two devices"
+    return out
 
 
 def swept(models: Sequence[str]) -> tuple[str, ...]:
     """Those of ``models`` that take a split size: the split-size sweep's."""
-    return tuple(m for m in models if m in PIPELINES or m == GRAPHED)
+    return tuple(m for m in models if m in PIPELINES or m in (STAGE_GRAPHS, GRAPHED))
 
 
 def _same(a: torch.device, b: torch.device) -> bool:
@@ -236,9 +259,11 @@ def make_model(
     if name == "tutorial pipeline":
         pipeline = tutorial.PipelineParallelResNet101 if deep else tutorial.PipelineParallelResNet50
         return pipeline(dev0, dev1, split_size, n)
-    if name == "mpstream":
+    if name in ("mpstream", STAGE_GRAPHS):
         stream = tutorial.StreamPipelineResNet101 if deep else tutorial.StreamPipelineResNet50
-        return stream(dev0, dev1, split_size, n)
+        return stream(dev0, dev1, split_size, n, graphs=name == STAGE_GRAPHS)
+    if name == SINGLE_GRAPHED:
+        return graphed.GraphedSingleDevice(config.arch, dev0, n)
     if name == GRAPHED:
         graph = graphed.GraphedPipelineResNet101 if deep else graphed.GraphedPipelineResNet50
         return graph(dev0, dev1, split_size, n)

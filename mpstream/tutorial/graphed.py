@@ -1,4 +1,4 @@
-"""The tutorial's pipeline with each training step replayed as a CUDA graph.
+"""The tutorial's pipeline, and the single device, each step replayed as a CUDA graph.
 
 On a fast GPU the tutorial's sizes are host-bound: one Python thread issues
 ten micro-batches' kernels more slowly than the GPU runs them (H100: 225.7 ms
@@ -16,12 +16,20 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import Tensor, nn, optim
 
 from ..capture import CapturedStep
-from .models import StreamPipelineResNet50, StreamPipelineResNet101
+from ..pipe import Pipe
+from .models import (
+    NUM_CLASSES,
+    StreamPipelineResNet50,
+    StreamPipelineResNet101,
+    resnet50_layers,
+    single_device,
+)
 
-__all__ = ["GraphedPipelineResNet50", "GraphedPipelineResNet101"]
+__all__ = ["GraphedPipelineResNet50", "GraphedPipelineResNet101", "GraphedSingleDevice"]
 
 
 class _Graphed:
@@ -52,7 +60,7 @@ class _Graphed:
             ValueError: the halves sit on two devices (one CUDA graph cannot
                 span them), or what :class:`~mpstream.CapturedStep` refuses.
         """
-        pipe = self.__dict__["pipe"]
+        pipe: Pipe = self.pipe  # type: ignore[attr-defined]
         steps: dict[tuple[Any, ...], CapturedStep] = self.__dict__.setdefault("_steps", {})
         shapes = (tuple(inputs.shape), inputs.dtype, tuple(labels.shape), labels.dtype)
         # A graph keeps the micro-batching it was captured with.
@@ -90,3 +98,30 @@ class GraphedPipelineResNet50(_Graphed, StreamPipelineResNet50):
 
 class GraphedPipelineResNet101(_Graphed, StreamPipelineResNet101):
     """IDRIS's ResNet-101 split, pipelined by mpstream, each step a replayed CUDA graph."""
+
+
+class GraphedSingleDevice(_Graphed, nn.Module):
+    """The single device's ResNet, each step a replayed CUDA graph: the
+    baseline a graphed pipeline is compared with (like with like).
+
+    The whole model is one stage of a :class:`~mpstream.Pipe` with one
+    micro-batch, so its step is the single device's step, captured by
+    :class:`~mpstream.CapturedStep` as the graphed pipeline's is.
+
+    Args:
+        arch: ``'resnet50'`` or ``'resnet101'``.
+        device: where it runs.
+        num_classes: classes of the head.
+    """
+
+    def __init__(
+        self, arch: str, device: torch.device | str, num_classes: int = NUM_CLASSES
+    ) -> None:
+        super().__init__()
+        layers = resnet50_layers(single_device(arch, device, num_classes))  # type: ignore[arg-type]
+        self.pipe = Pipe(layers, chunks=1, balance=[len(layers)], devices=[device])
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.pipe(x)
+        assert isinstance(out, Tensor)
+        return out

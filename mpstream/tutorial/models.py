@@ -126,7 +126,9 @@ class StreamPipelineResNet50(ModelParallelResNet50):
 
     Same parameters and ``state_dict`` as :class:`ModelParallelResNet50`
     (weights load either way); the forward runs each device's half on its own
-    stream and copies on copy streams, ordered by events.
+    stream and copies on copy streams, ordered by events. With ``graphs=True``
+    each half replays its forward and backward from CUDA graphs
+    (``Pipe(graphs=True)``).
     """
 
     def __init__(
@@ -135,11 +137,14 @@ class StreamPipelineResNet50(ModelParallelResNet50):
         dev1: DeviceLike,
         split_size: int = 20,
         num_classes: int = NUM_CLASSES,
+        graphs: bool = False,
     ) -> None:
         super().__init__(dev0, dev1, num_classes)
         # Kept out of _modules so state_dict keys match the tutorial's model.
         self.__dict__["pipe"] = Pipe(
-            nn.Sequential(self.seq1, _Head(self.seq2, self.fc)), split_size=split_size
+            nn.Sequential(self.seq1, _Head(self.seq2, self.fc)),
+            split_size=split_size,
+            graphs=graphs,
         )
 
     @property
@@ -191,8 +196,9 @@ class StreamPipelineResNet101(StreamPipelineResNet50):
         dev1: DeviceLike,
         split_size: int = IDRIS_SPLIT_SIZE,
         num_classes: int = NUM_CLASSES,
+        graphs: bool = False,
     ) -> None:
-        super().__init__(dev0, dev1, split_size, num_classes)
+        super().__init__(dev0, dev1, split_size, num_classes, graphs)
 
 
 def single_device_resnet50(device: DeviceLike, num_classes: int = NUM_CLASSES) -> nn.Module:

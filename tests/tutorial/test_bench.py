@@ -45,7 +45,9 @@ def test_bench_writes_json_and_the_three_figures(
 ) -> None:
     assert cli.main(["bench", *TINY, "--out", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
-    measured = [m for m in bench.MODELS if m != bench.GRAPHED]  # no CUDA graph on the CPU
+    cpu = torch.device("cpu")
+    measured = list(bench.models_for(cpu, cpu))  # no CUDA graph on the CPU
+    assert measured == ["single device", "model parallel", "tutorial pipeline", "mpstream"]
     for name in measured:
         assert name in printed
     assert "speed-up" in printed and "split-size sweep" in printed
@@ -59,8 +61,9 @@ def test_bench_writes_json_and_the_three_figures(
         assert len(m["times_s"]) == 2 and m["mean_s"] > 0 and m["speedup_vs_single"] > 0
     sweep = {(m["model"], m["split_size"]) for m in doc["split_sweep"]}
     assert sweep == {(p, s) for p in bench.PIPELINES for s in (2, 4)}
-    assert f"{bench.GRAPHED}: not measured, no CUDA graph on cpu" in printed
-    assert list(doc["not_measured"]) == [bench.GRAPHED]
+    for graphed in bench.GRAPHS:
+        assert f"{graphed}: not measured, no CUDA graph on cpu" in printed
+    assert set(doc["not_measured"]) == set(bench.GRAPHS)
     for png in ("mp_vs_rn.png", "mp_vs_rn_vs_pp.png", "split_size_tradeoff.png"):
         data = (tmp_path / png).read_bytes()
         assert data.startswith(b"\x89PNG") and len(data) > 5000
@@ -129,14 +132,17 @@ def test_calls_counts_every_train_call() -> None:
     config = bench.QUICK
     distinct = len(set(config.split_sizes) | {config.split_size})
     per = config.warmup + config.repeat
-    assert bench.calls(config, sweep=True) == per * (2 + 3 * distinct)
-    assert bench.calls(config, sweep=False) == per * 5
+    # Every model; four of them (two pipelines and two graphed ones) swept.
+    assert bench.calls(config, sweep=True) == per * (3 + 4 * distinct)
+    assert bench.calls(config, sweep=False) == per * 7
     two = bench.models_for(torch.device("cuda:0"), torch.device("cuda:1"))
-    assert bench.GRAPHED not in two  # a CUDA graph cannot span devices
-    assert bench.calls(config, sweep=False, models=two) == per * 4
-    assert bench.calls(config, sweep=True, models=two) == per * (2 + 2 * distinct)
+    assert bench.GRAPHED not in two  # a whole captured step cannot span devices
+    assert bench.STAGE_GRAPHS in two and bench.SINGLE_GRAPHED in two  # graphs per stage can
+    assert bench.calls(config, sweep=False, models=two) == per * 6
+    assert bench.calls(config, sweep=True, models=two) == per * (3 + 3 * distinct)
     assert bench.models_for(torch.device("cuda:0"), torch.device("cuda:0")) == bench.MODELS
     assert bench.GRAPHED in bench.swept(bench.MODELS)  # one GPU: the graph is swept too
+    assert bench.STAGE_GRAPHS in bench.swept(bench.MODELS)
     if torch.cuda.is_available():  # "cuda" is the current device, the same one
         current = torch.device("cuda", torch.cuda.current_device())
         assert bench.models_for(torch.device("cuda"), current) == bench.MODELS
@@ -145,9 +151,12 @@ def test_calls_counts_every_train_call() -> None:
 def test_the_cuda_graph_is_left_out_and_said_so_on_the_cpu() -> None:
     # Timed eagerly it would read as a slow "CUDA graph": graphs would seem to hurt.
     cpu, gpu = torch.device("cpu"), torch.device("cuda:0")
-    assert bench.GRAPHED not in bench.models_for(cpu, cpu)
-    why = bench.left_out(cpu, cpu)[bench.GRAPHED]
-    assert why == "no CUDA graph on cpu: its step would only run eagerly"
+    for graphed in bench.GRAPHS:
+        assert graphed not in bench.models_for(cpu, cpu)
+        why = bench.left_out(cpu, cpu)[graphed]
+        assert why == "no CUDA graph on cpu: its step would only run eagerly"
+    # Graphed stages need each half on a GPU, not both on one.
+    assert set(bench.left_out(gpu, cpu)) == {bench.STAGE_GRAPHS, bench.GRAPHED}
     assert bench.left_out(gpu, gpu) == {}
     assert "cannot span two devices" in bench.left_out(gpu, torch.device("cuda:1"))[bench.GRAPHED]
     # The table says why it is missing.
