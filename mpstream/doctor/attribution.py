@@ -11,7 +11,9 @@ same steps are timed again without the profiler, once until the host has
 issued everything (``issue``) and once until the devices are done
 (``step``). When issuing takes nearly the whole step while even the busiest
 stream idles for a good part of it, the host thread is the bottleneck
-(:func:`host_bound`).
+(:func:`host_bound`). On a GPU the main split is profiled again with its
+stages replayed from CUDA graphs (``Pipe(graphs=True)``), and judged the same
+way.
 """
 
 from __future__ import annotations
@@ -84,13 +86,21 @@ def _stepper(pipe: Pipe, config: Config) -> Callable[[], None]:
     return step
 
 
-def profile_step(ctx: Context, split: int) -> dict[str, Any]:
-    """Profiles ``profile_steps`` training steps at ``split``; times issue and step apart."""
+def profile_step(ctx: Context, split: int, graphs: bool = False) -> dict[str, Any]:
+    """Profiles ``profile_steps`` training steps at ``split``; times issue and
+    step apart. With ``graphs``, the stages replay CUDA graphs (captured in
+    the warm-up step)."""
     config = config_for(ctx)
     dev0, dev1 = ctx.devices
     torch.manual_seed(0)
     pipe = tutorial.block_pipe(
-        ctx.arch, dev0, dev1, split, config.num_classes, force_copies=ctx.cuda and dev0 == dev1
+        ctx.arch,
+        dev0,
+        dev1,
+        split,
+        config.num_classes,
+        force_copies=ctx.cuda and dev0 == dev1,
+        graphs=graphs,
     )
     step = _stepper(pipe, config)
     devices = pipe.devices
@@ -153,9 +163,18 @@ def run(ctx: Context) -> StepResult:
         )
         checks.append(Check(f"profiled step at split {split}", PASS, detail))
         rows[str(split)] = {**s.to_dict(), "issue_ms": p["issue_ms"], "step_ms": p["step_ms"]}
+    graphed: dict[str, Any] = {}
     if ctx.cuda:
         verdict = host_bound(main["issue_ms"], main["step_ms"], busy)
         checks.append(Check("host-bound analysis", PASS, verdict["verdict"], verdict))
+        # The same step with each stage replayed from CUDA graphs: what is
+        # left of the host's share (step 8 predicts more GPUs from it).
+        again = profile_step(ctx, config.split_size, graphs=True)
+        ctx.shared["graphed_profile"] = again
+        found = host_bound(again["issue_ms"], again["step_ms"], again["timeline"].stream_busy())
+        name = f"host-bound analysis, graphed stages (Pipe(graphs=True)), split {config.split_size}"
+        checks.append(Check(name, PASS, found["verdict"], found))
+        graphed = {"issue_ms": again["issue_ms"], "step_ms": again["step_ms"], **found}
     else:
         verdict = {
             "host_bound": None,
@@ -172,6 +191,6 @@ def run(ctx: Context) -> StepResult:
     if verdict["host_bound"]:
         figure += "; HOST-BOUND"
     reason = verdict["verdict"] if verdict["host_bound"] else ""
-    data = {"splits": rows, "stream_busy_ms": busy, "host_bound": verdict}
+    data = {"splits": rows, "stream_busy_ms": busy, "host_bound": verdict, "graphed": graphed}
     files = ["timeline.png", "trace.json"]
     return StepResult("profile", "Where the time goes", PASS, figure, reason, checks, data, files)

@@ -7,6 +7,7 @@ import functools
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -375,3 +376,22 @@ def test_overall_and_jsonable() -> None:
     assert overall([Check("a", PASS), Check("b", FAIL)]) == FAIL
     assert overall([Check("a", SKIP)]) == SKIP
     assert jsonable({"d": CPU, "p": Path("x"), "t": (1, 2)}) == {"d": "cpu", "p": "x", "t": [1, 2]}
+
+
+def test_graphed_stages_are_profiled_and_predicted_where_a_profile_exists(tmp_path: Path) -> None:
+    # On a GPU step 7 profiles the main split again with graphed stages and
+    # step 8 fits it; here the same functions run on a CPU profile.
+    ctx = Context((CPU, CPU), TINY, "resnet50", tmp_path, tmp_path)
+    config = experiment.config_for(ctx)
+    assert modelcheck.graphed_predictions(ctx, [], 1, [], 1.0, [], []) == {}  # no profile
+    ctx.shared["graphed_profile"] = attribution.profile_step(ctx, config.split_size, graphs=True)
+    layers = [(1.0, 2.0)] * 23
+    profiled = [types.SimpleNamespace(output_bytes=1000)] * 23
+    checks: list[Check] = []
+    out = modelcheck.graphed_predictions(ctx, layers, 4, profiled, 10.0, ["cpu", "cpu"], checks)
+    assert [p["gpus"] for p in out["predictions"]] == [2, 4]
+    names = [c.name for c in checks]
+    assert names[0] == "cost model, graphed stages (measured one-GPU step)"
+    assert "target ±10%" in checks[0].detail
+    assert names[1].startswith("prediction (not measured): 2 GPUs, graphed stages")
+    assert "target >= 1.8x" in checks[1].detail and "target >= 3.2x" in checks[2].detail
