@@ -16,8 +16,9 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from mpstream import Pipe
+from mpstream import Pipe, verify_plan
 from mpstream.runtime.graphs import GraphWarning, StageGraphs, fingerprint
+from mpstream.runtime.plan import Plan
 from mpstream.runtime.replay import Emulated
 from mpstream.schedules import SCHEDULES
 from tests.helpers import assert_same_grads, mlp
@@ -272,7 +273,7 @@ def test_cuda_graphs_issue_few_launches() -> None:
 GRAPHED_UNDER_CSAN = """
 import torch
 from torch import nn
-from mpstream import Pipe
+from mpstream import Pipe, verify_plan
 from mpstream.doctor.sanitizer import csan_workarounds
 
 def run():
@@ -340,3 +341,21 @@ def test_a_hugging_face_model_split_by_torch_export_replays_equal_to_eager() -> 
         pipe.train_step(batch)
     assert_same_grads(graphed, eager)
     assert graphed.graph_report().graphs > 0
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+def test_graphed_stages_issue_the_eager_event_plan(schedule: str) -> None:
+    # A replay is the task's work: the streams, waits and records around it
+    # are the eager pipe's, and verify_plan proves them.
+    eager, graphed = pair(mlp(WIDTHS), chunks=3, schedule=schedule, force_copies=True)
+    x, y = data()
+    plans = []
+    for pipe in (eager, graphed):
+        pipe.train_step(x, y, nn.MSELoss())  # capture first: the second step replays
+        sched = pipe.scheduler
+        sched.recording = True
+        pipe.train_step(x, y, nn.MSELoss())
+        sched.recording = False
+        plans.append(sched.plan())
+        verify_plan(Plan(sched.plan(), sched.slot_names, sched.slot_devices, 2))
+    assert plans[0] == plans[1]
