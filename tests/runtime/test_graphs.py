@@ -22,6 +22,7 @@ from mpstream.runtime.plan import Plan
 from mpstream.runtime.replay import Emulated
 from mpstream.schedules import SCHEDULES
 from tests.helpers import assert_same_grads, mlp
+from tests.models import Fan, UNet
 
 CHECKPOINTS = ["never", "except_last", "always"]
 WIDTHS = [6, 12, 12, 8, 4]
@@ -359,3 +360,37 @@ def test_graphed_stages_issue_the_eager_event_plan(schedule: str) -> None:
         plans.append(sched.plan())
         verify_plan(Plan(sched.plan(), sched.slot_names, sched.slot_devices, 2))
     assert plans[0] == plans[1]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_skips_multi_argument_stages_and_a_plain_argument(schedule: str) -> None:
+    # Fan: stage 0's output read by three later stages, a float argument
+    # baked into the graphs (part of the call's key).
+    eager, graphed = pair(
+        Fan().double(), split_points=["a", "b", "c"], devices=["cpu"] * 4, balance=None,
+        split_size=2, schedule=schedule, checkpoint="except_last",
+    )  # fmt: skip
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64)
+    for scale in (2.0, 2.0, 3.0):
+        for pipe in (eager, graphed):
+            pipe.zero_grad()
+            nn.functional.mse_loss(pipe(x, scale), y).backward()
+        assert_same_grads(graphed, eager)
+    eager_unet, graphed_unet = pair(
+        UNet().double(), split_points=["down2", "mid", "up2", "up1"], devices=["cpu"] * 5,
+        balance=None, split_size=2, schedule=schedule,
+    )  # fmt: skip
+    img = torch.randn(5, 1, 8, 8, dtype=torch.float64)
+    for pipe in (eager_unet, graphed_unet):
+        pipe.train_step(img, img, nn.MSELoss())
+    assert_same_grads(graphed_unet, eager_unet)
+
+
+def test_autocast_calls_get_graphs_of_their_own() -> None:
+    eager, graphed = pair(mlp(WIDTHS, torch.float32), chunks=2)
+    x, y = (t.float() for t in data())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.testing.assert_close(graphed(x), eager(x))
+    before = graphed.graph_report().stages[0].graphs
+    torch.testing.assert_close(graphed(x), eager(x))  # autocast off: another key
+    assert graphed.graph_report().stages[0].graphs > before
