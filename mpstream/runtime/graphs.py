@@ -30,6 +30,7 @@ needed by the current run are dropped.
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -197,7 +198,10 @@ class StageGraphs:
         ]
         self.max_calls = max_calls
         self.slots: Slots | None = None
-        self._plans: dict[tuple[int, bool], Slots] = {}
+        # Per schedule (held weakly: a schedule's slots live as long as it does).
+        self._plans: weakref.WeakKeyDictionary[Schedule, dict[bool, Slots]] = (
+            weakref.WeakKeyDictionary()
+        )
 
     def graphable(self, device: torch.device) -> bool:
         """Whether stages on ``device`` may be graphed by this backend."""
@@ -211,10 +215,10 @@ class StageGraphs:
             backward_later: the backward runs after the schedule, through
                 autograd (``pipe(x)`` with gradients).
         """
-        key = (id(schedule), backward_later)
-        slots = self._plans.get(key)
+        plans = self._plans.setdefault(schedule, {})
+        slots = plans.get(backward_later)
         if slots is None:
-            slots = self._plans[key] = plan_slots(schedule, backward_later=backward_later)
+            slots = plans[backward_later] = plan_slots(schedule, backward_later=backward_later)
         self.slots = slots
         for st in self.stages:
             st.used.clear()

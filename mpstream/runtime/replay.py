@@ -26,8 +26,8 @@ activations, as a real graph would.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Sequence
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from typing import Any, Protocol
 
 import torch
@@ -216,15 +216,17 @@ class _Replay(torch.autograd.Function):
         return (None, *call._backward(grads))
 
 
-def _restored_state(stage: nn.Module) -> Callable[[], None]:
-    """Saves what warm-up and capture may change: buffers, deferred
-    BatchNorm counters, random number generators; returns the restore."""
+@contextmanager
+def _restored(stage: nn.Module) -> Iterator[None]:
+    """Puts back on exit what warm-up and capture may change: the stage's
+    buffers, its deferred BatchNorm counters, the random number generators."""
     buffers = [(b, b.detach().clone()) for b in stage.buffers()]
     counters = [(n, n.tracked) for n in stage.modules() if isinstance(n, DeferredBatchNorm)]
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None  # type: ignore[no-untyped-call]
-
-    def restore() -> None:
+    try:
+        yield
+    finally:
         with torch.no_grad():
             for b, saved in buffers:
                 b.copy_(saved)
@@ -233,21 +235,6 @@ def _restored_state(stage: nn.Module) -> Callable[[], None]:
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
-
-    return restore
-
-
-class _restored:
-    """Puts ``stage`` and the generators back as they were on exit."""
-
-    def __init__(self, stage: nn.Module) -> None:
-        self.restore = _restored_state(stage)
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        self.restore()
 
 
 def _differentiate(call: GraphedCall, outputs: Sequence[Tensor]) -> tuple[Tensor | None, ...]:
