@@ -142,6 +142,12 @@ class CapturedStep:
     ) -> None:
         if not isinstance(pipe, Pipe):
             raise TypeError(f"CapturedStep needs an mpstream.Pipe, got {type(pipe).__name__}")
+        if pipe.graphed:
+            raise ValueError(
+                "CapturedStep captures the whole step, and this pipe replays its stages from "
+                "graphs of its own (graphs=True): one graph cannot hold the other; build the "
+                "pipe without graphs=True, or use it without CapturedStep"
+            )
         check_positive("warmup", warmup)
         # Checked here, not by the first warm-up step, which would blame capture.
         if reduction not in REDUCTIONS:

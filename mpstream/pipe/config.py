@@ -121,6 +121,11 @@ class PipeConfig(PipeModule):
         starts = ["the start", *[f"'{p}'" for p in points]]
         return [f"stage {s} of {n} (from {starts[s]} on {d})" for s, d in enumerate(self.devices)]
 
+    @property
+    def graphed(self) -> bool:
+        """Whether the stages replay CUDA graphs (``Pipe(graphs=...)``)."""
+        return self.__dict__["_graphed"] is not None
+
     def graph_report(self) -> GraphReport:
         """Which stages and passes replay CUDA graphs, how many graphs exist
         and the memory their capture reserved (``Pipe(graphs=True)``).
@@ -128,7 +133,7 @@ class PipeConfig(PipeModule):
         Raises:
             ValueError: the pipe was built without ``graphs=True``.
         """
-        if not self.__dict__["_graphed"]:
+        if not self.graphed:
             raise ValueError("this pipe replays no graphs: build it with Pipe(..., graphs=True)")
         graphs = self._rt()[1].graphs
         assert graphs is not None

@@ -24,7 +24,9 @@ such as ``.item()``, data-dependent control flow, an unsupported op).
 :meth:`StageGraphs.report` says which stages and passes are graphed, how
 many graphs exist and the memory their capture reserved. Signatures are
 bounded: past ``max_calls`` per stage, the least recently used graphs not
-needed by the current run are dropped.
+needed by the current run are dropped, and a call that finds no room (or a
+slot with ``MAX_GENERATIONS`` forwards awaiting their backward) runs eagerly,
+with one warning.
 """
 
 from __future__ import annotations
@@ -45,11 +47,23 @@ from ..schedules.slots import Slots, plan_slots
 from .microbatch import leaves
 from .replay import Backend, CudaGraphs, GraphedCall
 
-__all__ = ["StageGraphs", "GraphReport", "StageReport", "GraphWarning", "MAX_CALLS"]
+__all__ = [
+    "StageGraphs",
+    "GraphReport",
+    "StageReport",
+    "GraphWarning",
+    "Fingerprint",
+    "fingerprint",
+    "MAX_CALLS",
+    "MAX_GENERATIONS",
+]
 
 #: Graphed calls kept per stage (slots x signatures) before the least
 #: recently used are dropped.
 MAX_CALLS = 64
+#: Sets of graphs per slot and signature for forwards whose backward is
+#: still pending; beyond, such forwards run eagerly.
+MAX_GENERATIONS = 4
 
 
 class GraphWarning(UserWarning):
@@ -110,19 +124,38 @@ class GraphReport:
         return "\n".join(lines)
 
 
-def fingerprint(stage: nn.Module) -> tuple[Any, ...]:
-    """What a stage's graphs baked in: its modules, and each parameter and
-    buffer's identity, storage and metadata. (Training modes are part of a
-    call's key instead: a pipe switching between train and eval keeps the
-    graphs of both.)"""
+class Fingerprint:
+    """What a stage's graphs baked in: its modules and their types, and each
+    parameter and buffer (the object itself, its storage, dtype, shape,
+    device, ``requires_grad`` and whether it has tensor hooks). Compared by
+    identity, not ``id()``: an object freed and replaced may reuse the id.
+    (Training modes are part of a call's key instead: a pipe switching
+    between train and eval keeps the graphs of both.)"""
 
-    def of(t: Tensor) -> tuple[Any, ...]:
-        return (id(t), t.data_ptr(), t.dtype, tuple(t.shape), t.device, t.requires_grad)
+    __slots__ = ("objects", "meta")
 
-    modules = tuple(id(m) for m in stage.modules())
-    params = tuple(of(p) for p in stage.parameters())
-    buffers = tuple(of(b) for b in stage.buffers())
-    return modules, params, buffers
+    def __init__(self, stage: nn.Module) -> None:
+        modules = list(stage.modules())
+        tensors = [*stage.parameters(), *stage.buffers()]
+        self.objects: list[object] = [*modules, *tensors]
+        self.meta = tuple(type(m) for m in modules) + tuple(
+            (t.data_ptr(), t.dtype, tuple(t.shape), t.device, t.requires_grad,
+             bool(t._backward_hooks))
+            for t in tensors
+        )  # fmt: skip
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Fingerprint) or len(other.objects) != len(self.objects):
+            return False
+        same = all(a is b for a, b in zip(self.objects, other.objects))
+        return same and self.meta == other.meta
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def fingerprint(stage: nn.Module) -> Fingerprint:
+    """The stage's :class:`Fingerprint`."""
+    return Fingerprint(stage)
 
 
 def _autocast() -> tuple[Any, ...]:
@@ -161,7 +194,8 @@ class _Stage:
         self.modes: tuple[bool, ...] = ()
         self.calls: OrderedDict[tuple[Any, ...], GraphedCall] = OrderedDict()
         self.used: set[tuple[Any, ...]] = set()  # keys the current run replayed
-        self.print: tuple[Any, ...] | None = None
+        self.print: Fingerprint | None = None
+        self.overflow = False  # warned that calls beyond the bound run eagerly
         self.slots = 0
         self.captures = 0
         self.recaptures = 0
@@ -198,6 +232,9 @@ class StageGraphs:
         ]
         self.max_calls = max_calls
         self.slots: Slots | None = None
+        #: (stage, slot) of each capture, in the order they happened: the
+        #: schedule's execution order (see Slots.order).
+        self.order: list[tuple[int, int]] = []
         # Per schedule (held weakly: a schedule's slots live as long as it does).
         self._plans: weakref.WeakKeyDictionary[Schedule, dict[bool, Slots]] = (
             weakref.WeakKeyDictionary()
@@ -251,7 +288,8 @@ class StageGraphs:
         if sig is None:
             return None
         grad = torch.is_grad_enabled()
-        return (self.slots.slot[(s, m)], checkpoint and grad, grad, _autocast(), sig)
+        inference = torch.is_inference_mode_enabled()  # its buffers are inference tensors
+        return (self.slots.slot[(s, m)], checkpoint and grad, grad, inference, _autocast(), sig)
 
     def _graphed(
         self,
@@ -264,21 +302,30 @@ class StageGraphs:
         key = (*key, st.modes)
         # A call whose activations still wait for their backward (a second
         # forward before the first backward, in the user's loop) gets graphs
-        # of its own: one more generation of the slot.
-        generation = 0
-        while True:
+        # of its own: one more generation of the slot, up to MAX_GENERATIONS
+        # (outputs kept without a backward, say in an evaluation loop with
+        # gradients on, would otherwise capture at every call).
+        for generation in range(MAX_GENERATIONS):
             graphed = st.calls.get((*key, generation))
             if graphed is None or not graphed.busy():
                 break
-            generation += 1
+        else:
+            self._overflow(st, f"{MAX_GENERATIONS} forwards awaiting their backward")
+            return None
         key = (*key, generation)
         if graphed is not None:
             st.calls.move_to_end(key)
             st.used.add(key)
             return graphed
-        fn: Callable[..., Any] = (lambda *a: checkpointed(stage, *a)) if key[1] else stage
+        if not self._room(st):
+            self._overflow(st, f"max_calls={self.max_calls} graphed calls in use")
+            return None
+        checkpointing = bool(key[1])
+        fn: Callable[..., Any] = (lambda *a: checkpointed(stage, *a)) if checkpointing else stage
         try:
-            graphed = GraphedCall(fn, args, st.module, st.device, key[2], self.backend)
+            graphed = GraphedCall(
+                fn, args, st.module, st.device, key[2], self.backend, checkpointing
+            )
         except Exception as exc:  # anything a graph cannot hold: run eagerly from now on
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             st.reason = f"capture failed: {type(exc).__name__}: {first}"
@@ -289,27 +336,29 @@ class StageGraphs:
         st.captures += 1
         st.calls[key] = graphed
         st.used.add(key)
-        self._bound(st)
+        self.order.append((st.index, key[0]))
         return graphed
 
-    def _bound(self, st: _Stage) -> None:
-        """Drops the least recently used graphs that neither the current run
-        nor a pending backward needs.
-
-        Raises:
-            RuntimeError: more than ``max_calls`` are needed at once.
-        """
+    def _room(self, st: _Stage) -> bool:
+        """Makes room for one more graphed call under ``max_calls``, dropping
+        the least recently used that neither the current run nor a pending
+        backward needs; whether there is room."""
         for old in list(st.calls):
-            if len(st.calls) <= self.max_calls:
-                return
+            if len(st.calls) < self.max_calls:
+                break
             if old not in st.used and not st.calls[old].busy():
                 del st.calls[old]
-        if len(st.calls) > self.max_calls:
-            raise RuntimeError(
-                f"{st.label} needs {len(st.calls)} graphed calls at once, more than "
-                f"max_calls={self.max_calls} (every slot, shape, mode and forward awaiting "
-                f"its backward has its own): run fewer forwards before a backward, fewer "
-                f"batch shapes, or the pipe with graphs=False"
+        return len(st.calls) < self.max_calls
+
+    def _overflow(self, st: _Stage, why: str) -> None:
+        """A call beyond the bound runs eagerly; the first one says so."""
+        if not st.overflow:
+            st.overflow = True
+            warnings.warn(
+                f"{st.label}: {why}; further such calls run eagerly (run fewer forwards "
+                f"before a backward, or fewer batch shapes)",
+                GraphWarning,
+                stacklevel=5,
             )
 
     def report(self) -> GraphReport:

@@ -69,8 +69,14 @@ class GraphedCall:
         device: the stage's device.
         grad: whether the call builds an autograd graph.
         backend: what captures and replays.
+        checkpoint: ``fn`` checkpoints the stage (its backward recomputes
+            the forward).
 
     Raises:
+        ValueError: what a graph cannot hold: a parameter with a tensor hook
+            (the replay and autograd would both run it), or a tensor outside
+            the stage's parameters that needs a gradient (the graph would
+            leave it without one).
         Exception: whatever capture raised; the stage's buffers, deferred
             BatchNorm counters and random number generators are put back
             first.
@@ -84,8 +90,10 @@ class GraphedCall:
         device: torch.device,
         grad: bool,
         backend: Backend,
+        checkpoint: bool = False,
     ) -> None:
         self.device = device
+        self.checkpoint = checkpoint
         items, self.spec = leaves(tuple(args))
         self.items = list(items)
         self.where = [i for i, x in enumerate(items) if isinstance(x, Tensor)]
@@ -95,6 +103,12 @@ class GraphedCall:
         ]
         self.grad = grad
         self.params = [p for p in stage.parameters() if p.requires_grad] if grad else []
+        hooked = [n for n, p in stage.named_parameters() if p._backward_hooks]
+        if hooked:
+            raise ValueError(
+                f"parameter '{hooked[0]}' has a tensor hook (register_hook): a replayed "
+                f"backward would run it inside the graph and autograd again outside"
+            )
         self.norms = [n for n in deferred_norms(stage) if n.training]
         self.out_spec: Any = None
         self.out_items: list[Any] = []
@@ -118,10 +132,13 @@ class GraphedCall:
 
     # -- what capture calls ---------------------------------------------
     def inputs(self) -> tuple[Any, ...]:
-        """The arguments rebuilt around the static input buffers."""
+        """The arguments rebuilt around the static input buffers. One that
+        needs a gradient goes in as a copy (inside the graph): the buffer is a
+        leaf, which a stage beginning with an in-place op
+        (``ReLU(inplace=True)``) may not modify."""
         items = list(self.items)
         for i, t in zip(self.where, self.static_in):
-            items[i] = t
+            items[i] = t.clone() if t.requires_grad else t
         return tuple(rebuild_leaves(items, self.spec))
 
     def outputs(self, out: Any) -> list[Tensor]:
@@ -136,6 +153,32 @@ class GraphedCall:
     def grad_targets(self) -> list[Tensor]:
         """What the backward differentiates: inputs needing gradients, then parameters."""
         return [t for t in self.static_in if t.requires_grad] + self.params
+
+    def check_leaves(self, outs: Sequence[Tensor]) -> None:
+        """Refuses a captured call whose outputs' gradients reach a tensor
+        other than its inputs and the stage's parameters (one the stage holds
+        without registering it): the backward graph would not compute it.
+
+        Raises:
+            ValueError: naming the tensor's shape.
+        """
+        known = {id(t) for t in self.grad_targets()}
+        seen: set[Any] = set()
+        stack: list[Any] = [outs[k].grad_fn for k in self.diff_out]
+        while stack:
+            node = stack.pop()
+            if node is None:
+                continue
+            if node in seen:
+                continue
+            seen.add(node)
+            variable = getattr(node, "variable", None)
+            if variable is not None and id(variable) not in known:
+                raise ValueError(
+                    f"a tensor of shape {tuple(variable.shape)} that is not a parameter of the "
+                    f"stage needs a gradient: register it (nn.Parameter on the stage's module)"
+                )
+            stack.extend(n for n, _ in node.next_functions if n is not None)
 
     def busy(self) -> bool:
         """Whether the static activations belong to a forward whose backward
@@ -179,13 +222,9 @@ class GraphedCall:
         for t in self.static_in:
             g = next(in_grads) if t.requires_grad else None
             out.append(None if g is None else g.clone())
-        # A parameter's first gradient of a step could be taken as its .grad
-        # (autograd steals a tensor nobody else holds); ours is overwritten
-        # by the next replay, so that one goes out as a copy.
-        params = [
-            g if g is None or p.grad is not None else g.clone()
-            for p, g in zip(self.params, self.static_grad_params)
-        ]
+        # Copies: a parameter's gradient may outlive the next replay (kept by
+        # a hook, or returned by torch.autograd.grad), which overwrites ours.
+        params = [None if g is None else g.clone() for g in self.static_grad_params]
         return out + params
 
 
@@ -206,6 +245,13 @@ class _Replay(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         call: GraphedCall = ctx.call
+        if getattr(ctx, "done", False):
+            raise RuntimeError(
+                f"{call.label}: a second backward through the same graphed forward "
+                f"(retain_graph=True) would read activations its first backward reused; "
+                f"run the pipe with graphs=False for that"
+            )
+        ctx.done = True
         if ctx.replay != call.replays:
             raise RuntimeError(
                 f"{call.label}: its graphs replayed another micro-batch's forward before this "
@@ -221,7 +267,11 @@ def _restored(stage: nn.Module) -> Iterator[None]:
     """Puts back on exit what warm-up and capture may change: the stage's
     buffers, its deferred BatchNorm counters, the random number generators."""
     buffers = [(b, b.detach().clone()) for b in stage.buffers()]
-    counters = [(n, n.tracked) for n in stage.modules() if isinstance(n, DeferredBatchNorm)]
+    counters = [
+        (n, n.tracked, n.hold) for n in stage.modules() if isinstance(n, DeferredBatchNorm)
+    ]
+    for n, _, _ in counters:
+        n.hold = True  # a commit must not be captured: each replay would run it
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None  # type: ignore[no-untyped-call]
     try:
@@ -230,20 +280,22 @@ def _restored(stage: nn.Module) -> Iterator[None]:
         with torch.no_grad():
             for b, saved in buffers:
                 b.copy_(saved)
-        for n, tracked in counters:
-            n.tracked = tracked
+        for n, tracked, hold in counters:
+            n.tracked, n.hold = tracked, hold
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
 
 
-def _differentiate(call: GraphedCall, outputs: Sequence[Tensor]) -> tuple[Tensor | None, ...]:
+def _differentiate(
+    call: GraphedCall, outputs: Sequence[Tensor], zeros: bool = False
+) -> tuple[Tensor | None, ...]:
     """The gradients of the call's differentiable outputs, from the static
-    output gradients, with respect to its inputs and parameters."""
+    output gradients, with respect to its inputs and parameters (``zeros``:
+    from zeros, to shape the buffers)."""
     roots = [outputs[k] for k in call.diff_out]
-    return torch.autograd.grad(
-        roots, call.grad_targets(), call.static_grad_out, allow_unused=True
-    )
+    seeds = [torch.zeros_like(r) for r in roots] if zeros else call.static_grad_out
+    return torch.autograd.grad(roots, call.grad_targets(), seeds, allow_unused=True)
 
 
 def _store_grads(call: GraphedCall, grads: Sequence[Tensor | None]) -> None:
@@ -255,10 +307,14 @@ def _store_grads(call: GraphedCall, grads: Sequence[Tensor | None]) -> None:
 class CudaGraphs:
     """Captures with ``torch.cuda.CUDAGraph``, a private memory pool per call.
 
-    Capture runs on a side stream after ``warmup`` eager iterations there
-    (lazy initialisation, cuDNN autotuning), whose effects are undone. Under
-    autocast the capture runs with autocast's weight cache off: a cached
-    cast freed after capture would leave the graph reading freed memory.
+    Warm-up (``warmup`` eager iterations: lazy initialisation, cuDNN
+    autotuning) and capture run on the stage's own stream, the current one
+    inside its task: libraries keep per-stream workspaces (cuBLAS), and
+    graphs of stages that run concurrently must not share one. Capture is
+    thread-local (another thread's CUDA calls, a pinning DataLoader's, do not
+    break it) and does not synchronise the device. Under autocast it runs
+    with autocast's weight cache off: a cached cast freed after capture would
+    leave the graph reading freed memory. Warm-up's effects are undone.
 
     A private pool per call, not one per device: stages sharing a device run
     concurrently on their own streams, and graphs sharing a pool may reuse
@@ -275,33 +331,41 @@ class CudaGraphs:
         self.warmup = warmup
 
     def capture(self, call: GraphedCall, fn: Callable[..., Any]) -> None:
-        device = call.device
-        side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(self.warmup):
-                outs = call.outputs(fn(*call.inputs()))
-                if call.diff_out:
-                    call.static_grad_out = [torch.ones_like(outs[k]) for k in call.diff_out]
-                    _differentiate(call, outs)
-                del outs
-        torch.cuda.current_stream(device).wait_stream(side)
-        before = torch.cuda.memory_reserved(device)
+        index = call.device.index
+        generator = torch.cuda.default_generators[
+            torch.cuda.current_device() if index is None else index
+        ]
+        offset = generator.get_offset()
+        for _ in range(self.warmup):
+            outs = call.outputs(fn(*call.inputs()))
+            if call.diff_out:
+                call.static_grad_out = [torch.ones_like(outs[k]) for k in call.diff_out]
+                _differentiate(call, outs)
+            del outs
+        if call.checkpoint and generator.get_offset() != offset:
+            # Inside a graph the recomputation's restored RNG state is
+            # relative to the backward graph's replay, not the forward's:
+            # it would draw other masks than the forward did.
+            raise ValueError(
+                "a checkpointed stage that draws random numbers (dropout) cannot be replayed: "
+                "its recomputation would draw other ones; checkpoint='never' graphs it"
+            )
         fwd = torch.cuda.CUDAGraph()
         with ExitStack() as stack:
             _uncached_autocast(stack)
-            with torch.cuda.graph(fwd, stream=side):
+            with _capturing(fwd, None):
                 outs = call.outputs(fn(*call.inputs()))
             call.static_out = [t.detach() for t in outs]
             graphs = [fwd]
             if call.diff_out:
+                call.check_leaves(outs)
                 call.static_grad_out = [torch.empty_like(outs[k]) for k in call.diff_out]
                 bwd = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(bwd, pool=fwd.pool(), stream=side):
+                with _capturing(bwd, fwd.pool()):
                     _store_grads(call, _differentiate(call, outs))
                 graphs.append(bwd)
         del outs
-        call.reserved = torch.cuda.memory_reserved(device) - before
+        call.reserved = _pool_bytes(fwd.pool())
         call.state = graphs
 
     def forward(self, call: GraphedCall) -> None:
@@ -309,6 +373,23 @@ class CudaGraphs:
 
     def backward(self, call: GraphedCall) -> None:
         call.state[1].replay()
+
+
+@contextmanager
+def _capturing(graph: torch.cuda.CUDAGraph, pool: Any) -> Iterator[None]:
+    """Captures what runs inside into ``graph``, on the current stream."""
+    graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+    try:
+        yield
+    finally:
+        graph.capture_end()
+
+
+def _pool_bytes(pool: Any) -> int:
+    """Device memory held by a graph memory pool's segments."""
+    segments = torch.cuda.memory_snapshot()  # type: ignore[no-untyped-call]
+    mine = [s for s in segments if tuple(s.get("segment_pool_id", ())) == tuple(pool)]
+    return sum(int(s["total_size"]) for s in mine)
 
 
 def _uncached_autocast(stack: ExitStack) -> None:
@@ -343,6 +424,11 @@ class Emulated:
             outs = call.outputs(fn(*call.inputs()))
         call.static_out = [t.detach().clone() for t in outs]
         call.static_grad_out = [torch.empty_like(outs[k]) for k in call.diff_out]
+        if call.diff_out:
+            call.check_leaves(outs)
+            # Fixed gradient buffers, as a graph's: what escapes them is seen.
+            with torch.enable_grad():
+                _store_grads(call, _differentiate(call, outs, zeros=True))
 
     def forward(self, call: GraphedCall) -> None:
         with torch.enable_grad() if call.grad else torch.no_grad():
@@ -355,5 +441,8 @@ class Emulated:
         if call.state is None:
             raise RuntimeError("the slot's activations were freed before its backward replayed")
         with torch.enable_grad():
-            _store_grads(call, _differentiate(call, call.state))
+            grads = _differentiate(call, call.state)
         call.state = None
+        for static, g in zip([*call.static_grad_in, *call.static_grad_params], grads):
+            if static is not None:
+                static.copy_(torch.zeros_like(static) if g is None else g)
