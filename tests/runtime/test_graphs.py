@@ -4,7 +4,7 @@ fallbacks with one warning, bounded growth.
 
 On the CPU the replays are emulated (:class:`~mpstream.runtime.replay.Emulated`):
 each slot keeps one set of activations, which the next forward into the
-slot replaces, as a CUDA graph's static memory would. The CUDA tests run
+slot replaces, as a CUDA graph's static memory would. test_graphs_cuda.py runs
 the real graphs."""
 
 from __future__ import annotations
@@ -227,110 +227,6 @@ def test_deferred_batch_norm_counts_replayed_forwards() -> None:
             pipe.train_step(x, y, nn.MSELoss())
     for a, b in zip(graphed.buffers(), eager.buffers()):
         torch.testing.assert_close(a, b)
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("checkpoint", CHECKPOINTS)
-def test_cuda_graphs_equal_the_eager_pipe(schedule: str, checkpoint: str) -> None:
-    extra = {"virtual_stages": 2, "balance": [2, 2, 2, 2], "devices": ["cuda:0"] * 4} if (
-        schedule == "interleaved_1f1b"
-    ) else {"devices": ["cuda:0", "cuda:0"]}
-    eager, graphed = pair(
-        mlp(WIDTHS), graphs=True, split_size=3, schedule=schedule, checkpoint=checkpoint, **extra
-    )
-    x, y = (t.cuda() for t in data())
-    for _ in range(3):  # capture, then replays
-        losses = []
-        for pipe in (eager, graphed):
-            pipe.zero_grad()
-            losses.append(pipe.train_step(x, y, nn.MSELoss()))
-        torch.testing.assert_close(losses[1], losses[0])
-        assert_same_grads(graphed, eager)
-    for _ in range(2):  # the user's own loop
-        for pipe in (eager, graphed):
-            pipe.zero_grad()
-            nn.functional.mse_loss(pipe(x), y).backward()
-        assert_same_grads(graphed, eager)
-    report = graphed.graph_report()
-    assert all(s.graphed for s in report.stages), str(report)
-    assert report.graphs > 0 and all(s.reserved_bytes >= 0 for s in report.stages)
-
-
-@pytest.mark.cuda
-def test_cuda_graphs_issue_fewer_launches_than_eager() -> None:
-    eager, graphed = pair(
-        mlp([6] + [64] * 12 + [4]), graphs=True, chunks=4, balance=[13, 13],
-        devices=["cuda:0", "cuda:0"],
-    )  # fmt: skip
-    x, y = (t.cuda() for t in data(16))
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-
-    def launches(pipe: Pipe) -> tuple[int, int]:
-        for _ in range(2):  # capture, then replay
-            pipe.zero_grad()
-            pipe.train_step(x, y, nn.MSELoss())
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=activities) as prof:
-            pipe.zero_grad()
-            pipe.train_step(x, y, nn.MSELoss())
-            torch.cuda.synchronize()
-        names = [e.name for e in prof.events()]
-        graphs = sum("cudaGraphLaunch" in n for n in names)
-        return graphs, sum(n.startswith("cudaLaunchKernel") for n in names)
-
-    eager_graphs, eager_kernels = launches(eager)
-    replays, kernels = launches(graphed)
-    assert eager_graphs == 0 and replays == 2 * 2 * 4  # forward and backward per stage, micro
-    assert kernels < eager_kernels / 2  # copies in and out, gradient sums: not every layer's
-
-
-GRAPHED_UNDER_CSAN = """
-import torch
-from torch import nn
-from mpstream import Pipe, verify_plan
-from mpstream.doctor.sanitizer import csan_workarounds
-
-def run():
-    torch.manual_seed(0)
-    for schedule in ("gpipe", "1f1b", "zb_h1"):
-        for checkpoint in ("never", "except_last"):
-            model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(2)])
-            pipe = Pipe(model, split_size=4, balance=[1, 1], devices=["cuda:0", "cuda:0"],
-                        schedule=schedule, checkpoint=checkpoint, force_copies=True, graphs=True)
-            opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
-            for _ in range(3):
-                opt.zero_grad()
-                pipe.train_step(torch.randn(10, 64), torch.randn(10, 64), nn.MSELoss())
-                opt.step()
-                opt.zero_grad()
-                pipe(torch.randn(10, 64, device="cuda:0")).pow(2).mean().backward()
-                opt.step()
-            assert all(s.graphed for s in pipe.graph_report().stages), pipe.graph_report()
-    torch.cuda.synchronize()
-
-with csan_workarounds():
-    run()
-print("sanitized run finished")
-"""
-
-
-@pytest.mark.cuda
-def test_cuda_sanitizer_reports_no_race_around_graph_replays() -> None:
-    # CSAN sees the copies into and out of the static buffers around each
-    # replay (a replay itself is one launch it cannot look into).
-    import os
-    import subprocess
-    import sys
-
-    env = dict(os.environ, TORCH_CUDA_SANITIZER="1")
-    result = subprocess.run(
-        [sys.executable, "-c", GRAPHED_UNDER_CSAN], env=env, capture_output=True, text=True,
-        timeout=600,
-    )
-    assert "CSAN detected" not in result.stderr, result.stderr[-4000:]
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert "sanitized run finished" in result.stdout
 
 
 def test_a_hugging_face_model_split_by_torch_export_replays_equal_to_eager() -> None:

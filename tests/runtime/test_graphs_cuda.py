@@ -1,0 +1,205 @@
+"""Graphed stages on a GPU: real CUDA graphs against the eager pipe (every
+schedule and checkpoint mode, float64), launches per step, the sanitizer, and
+what only a GPU can settle (dropout with checkpointing, deferred BatchNorm,
+a second backward, tied weights, a pinning DataLoader beside a capture).
+Skipped without CUDA; the CPU tests are in test_graphs.py."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from mpstream import Pipe
+from mpstream.runtime.graphs import GraphWarning
+from mpstream.schedules import SCHEDULES
+from tests.helpers import assert_same_grads, mlp
+from tests.runtime.test_graphs import CHECKPOINTS, WIDTHS, data, pair
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("checkpoint", CHECKPOINTS)
+def test_cuda_graphs_equal_the_eager_pipe(schedule: str, checkpoint: str) -> None:
+    extra = {"virtual_stages": 2, "balance": [2, 2, 2, 2], "devices": ["cuda:0"] * 4} if (
+        schedule == "interleaved_1f1b"
+    ) else {"devices": ["cuda:0", "cuda:0"]}
+    eager, graphed = pair(
+        mlp(WIDTHS), graphs=True, split_size=3, schedule=schedule, checkpoint=checkpoint, **extra
+    )
+    x, y = (t.cuda() for t in data())
+    for _ in range(3):  # capture, then replays
+        losses = []
+        for pipe in (eager, graphed):
+            pipe.zero_grad()
+            losses.append(pipe.train_step(x, y, nn.MSELoss()))
+        torch.testing.assert_close(losses[1], losses[0])
+        assert_same_grads(graphed, eager)
+    for _ in range(2):  # the user's own loop
+        for pipe in (eager, graphed):
+            pipe.zero_grad()
+            nn.functional.mse_loss(pipe(x), y).backward()
+        assert_same_grads(graphed, eager)
+    report = graphed.graph_report()
+    assert all(s.graphed for s in report.stages), str(report)
+    assert report.graphs > 0 and all(s.reserved_bytes >= 0 for s in report.stages)
+
+
+@pytest.mark.cuda
+def test_cuda_graphs_issue_fewer_launches_than_eager() -> None:
+    eager, graphed = pair(
+        mlp([6] + [64] * 12 + [4]), graphs=True, chunks=4, balance=[13, 13],
+        devices=["cuda:0", "cuda:0"],
+    )  # fmt: skip
+    x, y = (t.cuda() for t in data(16))
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+
+    def launches(pipe: Pipe) -> tuple[int, int]:
+        for _ in range(2):  # capture, then replay
+            pipe.zero_grad()
+            pipe.train_step(x, y, nn.MSELoss())
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=activities) as prof:
+            pipe.zero_grad()
+            pipe.train_step(x, y, nn.MSELoss())
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events()]
+        graphs = sum("cudaGraphLaunch" in n for n in names)
+        return graphs, sum(n.startswith("cudaLaunchKernel") for n in names)
+
+    eager_graphs, eager_kernels = launches(eager)
+    replays, kernels = launches(graphed)
+    assert eager_graphs == 0 and replays == 2 * 2 * 4  # forward and backward per stage, micro
+    assert kernels < eager_kernels / 2  # copies in and out, gradient sums: not every layer's
+
+
+GRAPHED_UNDER_CSAN = """
+import torch
+from torch import nn
+from mpstream import Pipe, verify_plan
+from mpstream.doctor.sanitizer import csan_workarounds
+
+def run():
+    torch.manual_seed(0)
+    for schedule in ("gpipe", "1f1b", "zb_h1"):
+        for checkpoint in ("never", "except_last"):
+            model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(2)])
+            pipe = Pipe(model, split_size=4, balance=[1, 1], devices=["cuda:0", "cuda:0"],
+                        schedule=schedule, checkpoint=checkpoint, force_copies=True, graphs=True)
+            opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+            for _ in range(3):
+                opt.zero_grad()
+                pipe.train_step(torch.randn(10, 64), torch.randn(10, 64), nn.MSELoss())
+                opt.step()
+                opt.zero_grad()
+                pipe(torch.randn(10, 64, device="cuda:0")).pow(2).mean().backward()
+                opt.step()
+            assert all(s.graphed for s in pipe.graph_report().stages), pipe.graph_report()
+    torch.cuda.synchronize()
+
+with csan_workarounds():
+    run()
+print("sanitized run finished")
+"""
+
+
+@pytest.mark.cuda
+def test_cuda_sanitizer_reports_no_race_around_graph_replays() -> None:
+    # CSAN sees the copies into and out of the static buffers around each
+    # replay (a replay itself is one launch it cannot look into).
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TORCH_CUDA_SANITIZER="1")
+    result = subprocess.run(
+        [sys.executable, "-c", GRAPHED_UNDER_CSAN], env=env, capture_output=True, text=True,
+        timeout=600,
+    )
+    assert "CSAN detected" not in result.stderr, result.stderr[-4000:]
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "sanitized run finished" in result.stdout
+
+
+# -- what only a GPU can settle (an independent review's experiments) --------
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_cuda_dropout_with_and_without_checkpointing_equals_eager(checkpoint: str) -> None:
+    # A checkpointed stage that draws random numbers runs eagerly (its
+    # recomputation inside a graph would draw other numbers); without
+    # checkpointing the graph draws what the eager pipe draws.
+    model = nn.Sequential(nn.Linear(6, 64), nn.Dropout(0.5), nn.Linear(64, 4), nn.Tanh()).double()
+    eager, graphed = pair(model, graphs=True, chunks=2, balance=[3, 1],
+                          devices=["cuda:0", "cuda:0"], checkpoint=checkpoint)  # fmt: skip
+    x, y = (t.cuda() for t in data())
+    for step in range(3):
+        for pipe in (eager, graphed):
+            pipe.zero_grad()
+            torch.manual_seed(step)
+            pipe.train_step(x, y, nn.MSELoss())
+        assert_same_grads(graphed, eager)
+    graphed_first = graphed.graph_report().stages[0].graphed
+    assert graphed_first == (checkpoint == "never"), str(graphed.graph_report())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_cuda_deferred_batch_norm_statistics_equal_eager(chunks: int) -> None:
+    model = nn.Sequential(nn.Linear(6, 32), nn.BatchNorm1d(32), nn.Linear(32, 4)).double()
+    eager, graphed = pair(model, graphs=True, chunks=chunks, balance=[2, 1],
+                          devices=["cuda:0", "cuda:0"], deferred_batch_norm=True)  # fmt: skip
+    x, y = (t.cuda() for t in data(12))
+    for _ in range(4):
+        for pipe in (eager, graphed):
+            pipe.train_step(x, y, nn.MSELoss())
+    for a, b in zip(graphed.buffers(), eager.buffers()):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.cuda
+def test_cuda_a_second_backward_is_refused_and_reserved_memory_is_counted() -> None:
+    _, graphed = pair(mlp(WIDTHS), graphs=True, chunks=1, devices=["cuda:0", "cuda:0"])
+    x, y = (t.cuda() for t in data())
+    for _ in range(2):
+        graphed.zero_grad()
+        nn.functional.mse_loss(graphed(x), y).backward()
+    loss = nn.functional.mse_loss(graphed(x), y)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="a second backward"):
+        loss.backward()
+    reserved = [s.reserved_bytes for s in graphed.graph_report().stages]
+    assert all(0 < r <= torch.cuda.memory_reserved() for r in reserved), reserved
+
+
+@pytest.mark.cuda
+def test_cuda_tied_weights_on_one_gpu_equal_eager() -> None:
+    from tests.pipe import test_tied
+
+    eager, graphed = pair(test_tied.tied_model(), graphs=True, chunks=3, balance=[2, 1, 2],
+                          devices=["cuda:0"] * 3, schedule="1f1b")  # fmt: skip
+    x, y = (t.cuda() for t in test_tied.data())
+    for _ in range(3):  # no zero_grad: gradients accumulate across steps
+        for pipe in (eager, graphed):
+            pipe.train_step(x, y, nn.MSELoss())
+    assert_same_grads(graphed, eager)
+
+
+@pytest.mark.cuda
+def test_cuda_capture_beside_a_pinning_data_loader() -> None:
+    # Capture is thread-local: the loader's pin-memory thread keeps working.
+    from torch.utils.data import DataLoader, TensorDataset
+
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+    _, graphed = pair(model, graphs=True, chunks=4, balance=[2, 1], devices=["cuda:0"] * 2)
+    data_set = TensorDataset(torch.randn(2048, 64), torch.randn(2048, 64))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GraphWarning)
+        for batch in (64, 96, 128):
+            loader = DataLoader(data_set, batch_size=batch, pin_memory=True, num_workers=2)
+            for x, y in loader:
+                graphed.train_step(x, y, nn.MSELoss())
+    assert all(s.graphed for s in graphed.graph_report().stages)
