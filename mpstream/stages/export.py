@@ -23,7 +23,6 @@ graph then creates its tensors on its own device.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -35,7 +34,7 @@ from torch.utils import _pytree as pytree
 
 from ..runtime.graph import Ref, StageGraph
 from .fake_export import exported_graph, input_pattern
-from .fx import begin_stages, inline_attrs, units_in_order
+from .fx import begin_stages, inline_attrs, read_stage_call, units_in_order
 from .model_loss import LossShare, weigh_loss
 
 __all__ = [
@@ -166,23 +165,13 @@ def _stage_graph(
         if node.op == "placeholder":
             refs[node] = Ref(-1, inputs)
             inputs += 1
-        elif node.op == "call_module":
-            s = int(str(node.target).rsplit("_", 1)[1])
-            args[s] = tuple(refs[a] for a in node.args)  # type: ignore[index]
-            part = cast(fx.GraphModule, top.get_submodule(str(node.target)))
-            returned = next(n for n in part.graph.nodes if n.op == "output").args[0]
-            outputs[s] = len(returned) if isinstance(returned, (tuple, list)) else 1
-            refs[node] = Ref(s, 0)
-        elif node.op == "call_function" and node.target is operator.getitem:
-            source, index = node.args
-            refs[node] = Ref(refs[source].stage, int(index))  # type: ignore[index, arg-type]
         elif node.op == "output":
             flat = node.args[0]
             items = list(flat) if isinstance(flat, (tuple, list)) else [flat]
             leaves = [refs[x] if isinstance(x, fx.Node) else x for x in items]
             result = pytree.tree_unflatten(leaves, out_spec)
         else:
-            raise TypeError(f"unexpected node between stages: {node.op} {node.target}")
+            read_stage_call(top, node, refs, args, outputs)
     for ref in pytree.tree_leaves(result, is_leaf=lambda x: isinstance(x, Ref)):
         if isinstance(ref, Ref) and ref.stage < 0:
             raise TypeError(

@@ -338,22 +338,40 @@ def _stage_graph(top: fx.GraphModule, count: int) -> tuple[StageGraph, list[str]
         if node.op == "placeholder":
             refs[node] = Ref(-1, len(inputs))
             inputs.append(str(node.target))
-        elif node.op == "call_module":
-            s = int(str(node.target).rsplit("_", 1)[1])
-            args[s] = tuple(refs[a] for a in node.args)  # type: ignore[index]
-            part = _part(top, str(node.target))
-            out = next(n for n in part.graph.nodes if n.op == "output")
-            returned = out.args[0]
-            outputs[s] = len(returned) if isinstance(returned, (tuple, list)) else 1
-            refs[node] = Ref(s, 0)
-        elif node.op == "call_function" and node.target is operator.getitem:
-            source, index = node.args
-            refs[node] = Ref(refs[source].stage, int(index))  # type: ignore[index, arg-type]
         elif node.op == "output":
             result = fx.node.map_arg(node.args[0], lambda n: refs[n])  # type: ignore[arg-type, return-value]
         else:
-            raise TypeError(f"unexpected node between stages: {node.op} {node.target}")
+            read_stage_call(top, node, refs, args, outputs)
     return StageGraph(tuple(args), tuple(outputs), result), inputs
+
+
+def read_stage_call(
+    top: fx.GraphModule,
+    node: fx.Node,
+    refs: dict[fx.Node, Ref],
+    args: list[tuple[Ref, ...]],
+    outputs: list[int],
+) -> None:
+    """Reads one node of a split graph between its placeholders and output:
+    a stage's call (what it reads, how many values it returns) or the pick
+    of one of its outputs. Shared by the ``torch.fx`` and ``torch.export``
+    paths.
+
+    Raises:
+        TypeError: any other node (work outside every stage).
+    """
+    if node.op == "call_module":
+        s = int(str(node.target).rsplit("_", 1)[1])
+        args[s] = tuple(refs[a] for a in node.args)  # type: ignore[index]
+        part = _part(top, str(node.target))
+        returned = next(n for n in part.graph.nodes if n.op == "output").args[0]
+        outputs[s] = len(returned) if isinstance(returned, (tuple, list)) else 1
+        refs[node] = Ref(s, 0)
+    elif node.op == "call_function" and node.target is operator.getitem:
+        source, index = node.args
+        refs[node] = Ref(refs[source].stage, int(index))  # type: ignore[index, arg-type]
+    else:
+        raise TypeError(f"unexpected node between stages: {node.op} {node.target}")
 
 
 @contextmanager
