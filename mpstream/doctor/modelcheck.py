@@ -168,6 +168,21 @@ def calibrate(
     return out
 
 
+def balanced_copies(
+    layer_times: list[tuple[float, float]],
+    gpus: int,
+    micros: int,
+    profiled: list[Any],
+    link_gbps: float,
+) -> tuple[list[int], list[tuple[float, float]]]:
+    """The automatic balance over ``gpus`` devices, and each cut's copy time
+    (forward and backward) over a link of ``link_gbps``."""
+    balance = predict(layer_times, gpus, micros).balance
+    cuts = [sum(balance[: i + 1]) - 1 for i in range(gpus - 1)]
+    link_ms = [profiled[c].output_bytes / (link_gbps * 1e6) for c in cuts]
+    return balance, [(ms, ms) for ms in link_ms]
+
+
 def graphed_predictions(
     ctx: Context,
     layer_times: list[tuple[float, float]],
@@ -202,11 +217,9 @@ def graphed_predictions(
     issue = spread_issue(profile["balance"], costs) if costs.issue_times else None
     out: dict[str, Any] = {"validation": row, "predictions": []}
     for p in (2, 4):
-        base = predict(layer_times, p, micros)
-        cuts = [sum(base.balance[: i + 1]) - 1 for i in range(p - 1)]
-        copies = [(ms, ms) for ms in (profiled[c].output_bytes / (link_gbps * 1e6) for c in cuts)]
+        balance, copies = balanced_copies(layer_times, p, micros, profiled, link_gbps)
         pred = predict(
-            layer_times, p, micros, balance=base.balance, copy_times=copies, issue_times=issue
+            layer_times, p, micros, balance=balance, copy_times=copies, issue_times=issue
         )
         target = GRAPHED_SPEEDUP[p]
         met = "met" if pred.speedup >= target else "missed"
@@ -270,14 +283,12 @@ def run(ctx: Context) -> StepResult:
     issue = spread_issue(main["balance"], costs) if ctx.cuda and costs.issue_times else None
     predictions = []
     for p in (2, 4):
-        base = predict(layer_times, p, micros)
-        cuts = [sum(base.balance[: i + 1]) - 1 for i in range(p - 1)]
-        link_ms = [profiled[c].output_bytes / (link_gbps * 1e6) for c in cuts]
-        copies = [(c, c) for c in link_ms]
+        balance, copies = balanced_copies(layer_times, p, micros, profiled, link_gbps)
+        link_ms = [c for c, _ in copies]
         pred = predict(
-            layer_times, p, micros, balance=base.balance, copy_times=copies, issue_times=issue
+            layer_times, p, micros, balance=balance, copy_times=copies, issue_times=issue
         )
-        devices_only = predict(layer_times, p, micros, balance=base.balance, copy_times=copies)
+        devices_only = predict(layer_times, p, micros, balance=balance, copy_times=copies)
         predictions.append(
             {
                 "gpus": p,

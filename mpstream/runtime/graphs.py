@@ -53,7 +53,6 @@ __all__ = [
     "StageReport",
     "GraphWarning",
     "Fingerprint",
-    "fingerprint",
     "MAX_CALLS",
     "MAX_GENERATIONS",
 ]
@@ -153,11 +152,6 @@ class Fingerprint:
     __hash__ = None  # type: ignore[assignment]
 
 
-def fingerprint(stage: nn.Module) -> Fingerprint:
-    """The stage's :class:`Fingerprint`."""
-    return Fingerprint(stage)
-
-
 def _autocast() -> tuple[Any, ...]:
     return tuple(
         (d, torch.get_autocast_dtype(d)) for d in ("cuda", "cpu") if torch.is_autocast_enabled(d)
@@ -168,7 +162,7 @@ def signature(args: Sequence[Any]) -> tuple[Any, ...] | None:
     """A call's arguments as a key: tensor metadata and plain values; None
     when a plain value cannot be a key (it is not hashable)."""
     items, spec = leaves(tuple(args))
-    key: list[Any] = [repr(spec)]
+    key: list[Any] = [spec]  # None, a flat tuple's marker, or a (hashable) TreeSpec
     for x in items:
         if isinstance(x, Tensor):
             key.append((x.dtype, tuple(x.shape), x.device, x.requires_grad))
@@ -263,7 +257,7 @@ class StageGraphs:
                 continue
             st.slots = max(st.slots, slots.counts[st.index])
             st.modes = tuple(m.training for m in st.module.modules())
-            now = fingerprint(st.module)
+            now = Fingerprint(st.module)
             if st.print is not None and now != st.print and st.calls:
                 st.recaptures += len(st.calls)
                 st.calls.clear()  # replaced tensors or modules: capture again

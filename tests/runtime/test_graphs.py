@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from mpstream import Pipe, verify_plan
-from mpstream.runtime.graphs import GraphWarning, StageGraphs, fingerprint
+from mpstream.runtime.graphs import Fingerprint, GraphWarning, StageGraphs
 from mpstream.runtime.plan import Plan
 from mpstream.runtime.replay import Emulated
 from mpstream.schedules import SCHEDULES
@@ -144,12 +144,12 @@ def test_replaced_tensors_and_modules_are_captured_again() -> None:
 
 def test_the_fingerprint_sees_what_a_replay_could_not() -> None:
     layer = nn.Linear(2, 2)
-    before = fingerprint(layer)
+    before = Fingerprint(layer)
     with torch.no_grad():
         layer.weight.add_(1)  # in place: the graphs read it
-    assert fingerprint(layer) == before
+    assert Fingerprint(layer) == before
     layer.weight.data = layer.weight.data.clone()  # a new storage
-    assert fingerprint(layer) != before
+    assert Fingerprint(layer) != before
 
 
 def test_a_stage_that_cannot_be_captured_runs_eagerly_with_one_warning(
