@@ -17,7 +17,7 @@ from ..memory.batchnorm import DeferredBatchNorm, deferred_norms
 from ..memory.checkpoint import checkpoint_stop
 from ..runtime.errors import stage_labels
 from ..runtime.graph import StageGraph
-from ..runtime.graphs import GraphReport, StageGraphs
+from ..runtime.graphed import GraphReport, StageGraphs
 from ..runtime.scheduler import EventScheduler
 from ..runtime.worker import Worker
 from ..schedules.schedule import Schedule, Topology, schedule_arg, virtual_stages_of

@@ -10,8 +10,8 @@ from torch import Tensor, nn
 
 from ..memory.batchnorm import DeferredBatchNorm, deferred_update
 from ..memory.checkpoint import check_mode
+from ..runtime.graphed import Backend
 from ..runtime.microbatch import Value, batch_device, gather, scatter
-from ..runtime.replay import Backend
 from ..runtime.stream import capturing
 from ..runtime.training import run as run_step
 from ..runtime.worker import Staging
@@ -111,12 +111,12 @@ class Pipe(PipeConfig):
         graphs: replay each CUDA stage's forward and backward from CUDA
             graphs, captured the first time each kind of call is seen, one
             set per micro-batch the schedule keeps in flight on the stage
-            (see :mod:`mpstream.runtime.graphs`). The host then issues a few
+            (see :mod:`mpstream.runtime.graphed.stages`). The host then issues a few
             launches per task instead of every kernel. Serves ``pipe(x)``,
             ``loss.backward()``, ``train_step`` and every schedule; a stage
             that cannot be captured (a CPU stage, a host sync) runs eagerly
             with a warning; :meth:`graph_report` says what is graphed. A
-            :class:`~mpstream.runtime.replay.Backend` instead of ``True``
+            :class:`~mpstream.runtime.graphed.call.Backend` instead of ``True``
             captures with it (``Emulated()`` models replay semantics on any
             device, for tests).
 

@@ -30,6 +30,13 @@ and kernels, the matmuls and convolutions that make a backward's second
 half. B keeps the stage's graph (and its saved tensors) alive for W; each W
 call frees the part it ran.
 
+A stage replayed from graphs is one custom autograd Function that splits
+itself (its ctx sets ``splits``): B marks its node ``defer``, the node
+replays its input-gradient graph only and hands back, as ``later``, the
+call that replays its weight graph, which W runs. The same analysis cuts
+the backward inside such a stage when its graphs are captured
+(:class:`Split` with the captured inputs as the sinks).
+
 Checkpointed micro-batches are not split: non-reentrant checkpointing
 recomputes the stage's forward once per autograd call, so separate W calls
 would recompute it again each. Their B does the whole backward and their W
@@ -38,7 +45,8 @@ has nothing left to do.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -47,7 +55,11 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from .boundary import _ANCHOR, Boundary
 
-__all__ = ["WeightPass", "backward_inputs"]
+__all__ = ["Split", "WeightPass", "backward_inputs"]
+
+#: A W call: where it starts, the gradients flowing in there, and the
+#: parameters it differentiates.
+Group = tuple[list[GradientEdge], list[Tensor], list[Tensor]]
 
 
 class WeightPass:
@@ -56,29 +68,37 @@ class WeightPass:
     Attributes:
         groups: per autograd call, the edges to start from, their gradients
             and the parameters to accumulate into.
+        later: second halves handed back by Functions that split themselves
+            (graphed stages), run after the groups.
     """
 
-    __slots__ = ("groups",)
+    __slots__ = ("groups", "later")
 
-    def __init__(self) -> None:
-        self.groups: list[tuple[list[GradientEdge], list[Tensor], list[Tensor]]] = []
+    def __init__(self, groups: Sequence[Group] = (), later: Sequence[Callable[[], None]] = ()):
+        self.groups: list[Group] = list(groups)
+        self.later: list[Callable[[], None]] = list(later)
 
     def run(self) -> None:
         """Accumulates the parameter gradients into ``.grad``, as a plain
         backward would (AccumulateGrad nodes, hooks included), and lets the
         graph go."""
         groups, self.groups = self.groups, []
+        later, self.later = self.later, []
         for edges, grads, params in groups:
             torch.autograd.backward(edges, grads, inputs=params)  # type: ignore[arg-type]
+        for fn in later:
+            fn()
 
 
 def _is_boundary(node: Node) -> bool:
     return getattr(node, "_forward_cls", None) is Boundary
 
 
-def _walk(roots: Sequence[Node]) -> tuple[list[Node], dict[Node, list[Node]]]:
+def _walk(
+    roots: Sequence[Node], is_input: Callable[[Node], bool]
+) -> tuple[list[Node], dict[Node, list[Node]]]:
     """The nodes below ``roots`` in post-order (children first), and each
-    node's children; the search stops at boundary nodes."""
+    node's children; the search stops at the inputs."""
     children: dict[Node, list[Node]] = {}
     order: list[Node] = []
     stack: list[tuple[Node, bool]] = [(r, False) for r in reversed(roots)]
@@ -89,12 +109,11 @@ def _walk(roots: Sequence[Node]) -> tuple[list[Node], dict[Node, list[Node]]]:
             continue
         if node in children:
             continue
-        below = [] if _is_boundary(node) else [c for c, _ in node.next_functions if c is not None]
+        below = [] if is_input(node) else [c for c, _ in node.next_functions if c is not None]
         children[node] = below
         stack.append((node, True))
         stack.extend((c, False) for c in below if c not in children)
     return order, children
-
 
 def _leaves(head: Node, children: dict[Node, list[Node]]) -> list[Node]:
     """The accumulate-grad nodes (parameters) under ``head``."""
@@ -128,6 +147,149 @@ def _reaches(
     return False
 
 
+
+class Split:
+    """Where B stops and what it leaves for W, for one backward (the
+    analysis of the module docstring).
+
+    Args:
+        tensors: the outputs that get a gradient (or a loss).
+        grads: their gradients (None: ones, for a loss).
+        is_input: which nodes are the inputs, where B's gradients go (the
+            boundary nodes of a cut stage, by default).
+
+    Attributes:
+        whole: an output is a leaf: nothing to split, B does everything.
+        reaches: a gradient flows to the inputs (else B has nothing to do
+            and W does everything).
+        eager: the parameters whose gradients B computes itself.
+    """
+
+    def __init__(
+        self,
+        tensors: Sequence[Tensor],
+        grads: Sequence[Tensor] | None,
+        is_input: Callable[[Node], bool] = _is_boundary,
+    ) -> None:
+        self.tensors = list(tensors)
+        self.given = list(grads) if grads is not None else [torch.ones_like(t) for t in tensors]
+        self.whole = any(t.grad_fn is None for t in tensors)
+        self.reaches = False
+        self.eager: list[Tensor] = []
+        self._all: list[Tensor] = []  # every parameter, where W does everything
+        self._kept: list[tuple[list[Node], list[Node]]] = []
+        self._known: dict[Node, list[tuple[Tensor, Tensor]]] = {}
+        self._captured: dict[Node, list[Any]] = {}
+        self._hooked: list[Node] = []
+        self._deferring: list[Node] = []
+        if not tensors or self.whole:
+            return
+        roots = [t.grad_fn for t in tensors]
+        order, children = _walk(roots, is_input)  # type: ignore[arg-type]
+        to_input: dict[Node, bool] = {}
+        to_param: dict[Node, bool] = {}
+        for node in order:
+            if is_input(node):
+                to_input[node], to_param[node] = True, False
+            elif hasattr(node, "variable"):
+                to_input[node], to_param[node] = False, True
+            else:
+                below = children[node]
+                to_input[node] = any(to_input[c] for c in below)
+                to_param[node] = any(to_param[c] for c in below)
+        self.reaches = any(to_input[r] for r in roots)  # type: ignore[index]
+        if not self.reaches:
+            self._all = [_variable(n) for n in order if hasattr(n, "variable") and to_param[n]]
+            return
+        inner = {n for n in order if to_input[n] and not is_input(n)}
+        # Junction -> parameter nodes under its branches; roots off the input
+        # path count as junctions whose gradient is already known.
+        branches: dict[Node, list[Node]] = {}
+        for node in inner:
+            heads = [c for c in children[node] if to_param[c] and not to_input[c]]
+            if heads:
+                branches[node] = [leaf for h in heads for leaf in _leaves(h, children)]
+        for t, g, r in zip(tensors, self.given, roots):
+            if r is not None and not to_input[r] and to_param[r]:
+                self._known.setdefault(r, []).append((t, g))
+                branches[r] = _leaves(r, children)
+        for junctions, params in _group(branches):
+            on_path = [j for j in junctions if j in inner]
+            tangled = len(on_path) > 1 and any(
+                _reaches(j, set(on_path) - {j}, inner, children) for j in on_path
+            )
+            vectors = all(_variable(p).dim() <= 1 for p in params)
+            opaque = any(hasattr(j, "_forward_cls") for j in on_path)
+            if tangled or vectors or opaque:
+                self.eager.extend(_variable(p) for p in params)
+            else:
+                self._kept.append((junctions, params))
+        self._hooked = [j for junctions, _ in self._kept for j in junctions if j in inner]
+        self._deferring = [n for n in inner if getattr(n, "splits", False)]
+
+    @property
+    def defers(self) -> bool:
+        """Whether W has anything to do."""
+        if self.whole:
+            return False
+        return bool(self._kept) if self.reaches else bool(self._all)
+
+    @contextmanager
+    def keeping(self) -> Iterator[None]:
+        """Around B's autograd call: keeps the gradients flowing into the
+        junctions, and has self-splitting Functions defer their second half."""
+        handles = []
+        for j in self._hooked:
+
+            def keep(grad_outputs: tuple[Any, ...], j: Node = j) -> None:
+                self._captured[j] = list(grad_outputs)
+
+            handles.append(j.register_prehook(keep))
+        for node in self._deferring:
+            node.defer = True  # type: ignore[attr-defined]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    def groups(self) -> list[Group]:
+        """W's autograd calls, once B has run."""
+        if not self.reaches:
+            if not self._all:
+                return []
+            roots = [get_gradient_edge(t) for t in self.tensors]
+            return [(roots, list(self.given), list(self._all))]
+        out: list[Group] = []
+        for junctions, params in self._kept:
+            edges: list[GradientEdge] = []
+            values: list[Tensor] = []
+            for j in junctions:
+                for t, g in self._known.get(j, ()):
+                    edges.append(get_gradient_edge(t))
+                    values.append(g)
+                if j not in self._known:
+                    for i, g in enumerate(self._captured.get(j, ())):
+                        if g is not None:
+                            edges.append(GradientEdge(j, i))
+                            values.append(g)
+            if edges and params:
+                out.append((edges, values, [_variable(p) for p in params]))
+        return out
+
+    def weight_pass(self) -> WeightPass:
+        """W, to :meth:`~WeightPass.run` later (on the same stream)."""
+        later: list[Callable[[], None]] = []
+        for node in self._deferring:
+            fn = getattr(node, "later", None)
+            if fn is not None:
+                later.append(fn)
+                node.later = None  # type: ignore[attr-defined]
+        weight = WeightPass(self.groups(), later)
+        self._captured = {}
+        return weight
+
+
 def backward_inputs(tensors: Sequence[Tensor], grads: Sequence[Tensor] | None) -> WeightPass:
     """B: back-propagates ``tensors`` to the stage's cut inputs only.
 
@@ -141,108 +303,20 @@ def backward_inputs(tensors: Sequence[Tensor], grads: Sequence[Tensor] | None) -
     Returns:
         W, to :meth:`~WeightPass.run` later (on the same stream).
     """
-    weight = WeightPass()
-    roots = [t.grad_fn for t in tensors]
-    if not tensors:
-        return weight
-    if any(r is None for r in roots):
-        # A leaf as an output: nothing to split.
+    split = Split(tensors, grads)
+    if split.whole:
         torch.autograd.backward(list(tensors), grads)
-        return weight
-    order, children = _walk([r for r in roots if r is not None])
-    to_input: dict[Node, bool] = {}
-    to_param: dict[Node, bool] = {}
-    for node in order:
-        if _is_boundary(node):
-            to_input[node], to_param[node] = True, False
-        elif hasattr(node, "variable"):
-            to_input[node], to_param[node] = False, True
-        else:
-            below = children[node]
-            to_input[node] = any(to_input[c] for c in below)
-            to_param[node] = any(to_param[c] for c in below)
-    given = list(grads) if grads is not None else [torch.ones_like(t) for t in tensors]
-    if not any(to_input[r] for r in roots if r is not None):
-        # Nothing flows to the inputs (the first stage): all of it is W.
-        everything = _params(order, to_param)
-        if everything:
-            weight.groups.append(([get_gradient_edge(t) for t in tensors], given, everything))
-        return weight
-    inner = {n for n in order if to_input[n] and not _is_boundary(n)}
-    # Junction -> parameter nodes under its branches; roots off the input
-    # path count as junctions whose gradient is already known.
-    branches: dict[Node, list[Node]] = {}
-    for node in inner:
-        heads = [c for c in children[node] if to_param[c] and not to_input[c]]
-        if heads:
-            branches[node] = [leaf for h in heads for leaf in _leaves(h, children)]
-    outside = [
-        (t, g, r)
-        for t, g, r in zip(tensors, given, roots)
-        if r is not None and not to_input[r] and to_param[r]
-    ]
-    for _, _, r in outside:
-        branches[r] = _leaves(r, children)
-    groups = _group(branches)
-    eager: list[Node] = []
-    kept: list[tuple[list[Node], list[Node]]] = []
-    for junctions, params in groups:
-        on_path = [j for j in junctions if j in inner]
-        tangled = len(on_path) > 1 and any(
-            _reaches(j, set(on_path) - {j}, inner, children) for j in on_path
-        )
-        vectors = all(_variable(p).dim() <= 1 for p in params)
-        opaque = any(hasattr(j, "_forward_cls") for j in on_path)
-        if tangled or vectors or opaque:
-            eager.extend(params)
-        else:
-            kept.append((junctions, params))
-    captured: dict[Node, list[Any]] = {}
-    handles = []
-    for junctions, _ in kept:
-        for j in junctions:
-            if j in inner:
-
-                def keep(grad_outputs: tuple[Any, ...], j: Node = j) -> None:
-                    captured[j] = list(grad_outputs)
-
-                handles.append(j.register_prehook(keep))
-    try:
-        torch.autograd.backward(
-            list(tensors),
-            grads,
-            retain_graph=True,
-            inputs=[_ANCHOR, *(_variable(n) for n in eager)],
-        )
-    finally:
-        for h in handles:
-            h.remove()
-    known = {r: (t, g) for t, g, r in outside}
-    for junctions, params in kept:
-        tensors_of = [_variable(p) for p in params]
-        edges: list[GradientEdge] = []
-        values: list[Tensor] = []
-        for j in junctions:
-            if j in known:
-                t, g = known[j]
-                edges.append(get_gradient_edge(t))
-                values.append(g)
-            else:
-                for i, g in enumerate(captured.get(j, ())):
-                    if g is not None:
-                        edges.append(GradientEdge(j, i))
-                        values.append(g)
-        if edges and tensors_of:
-            weight.groups.append((edges, values, tensors_of))
-    return weight
+        return WeightPass()
+    if split.reaches:
+        with split.keeping():
+            torch.autograd.backward(
+                list(tensors), grads, retain_graph=True, inputs=[_ANCHOR, *split.eager]
+            )
+    return split.weight_pass()
 
 
 def _variable(node: Node) -> Tensor:
     return node.variable  # type: ignore[attr-defined,no-any-return]
-
-
-def _params(order: Sequence[Node], to_param: dict[Node, bool]) -> list[Tensor]:
-    return [_variable(n) for n in order if hasattr(n, "variable") and to_param[n]]
 
 
 def _group(branches: dict[Node, list[Node]]) -> list[tuple[list[Node], list[Node]]]:

@@ -250,7 +250,7 @@ def run(
                 if cutting.keys:
                     cuts[(s, m)] = cutting
                 with task_range(profiling, kind, s, m):
-                    y = compute(graphs, s, m, parts[s], args, m < checkpoint_stop)
+                    y = compute(graphs, s, m, parts[s], args, m < checkpoint_stop, (s, m) in split)
                     flow.store(s, m, y)
                     if s == last:
                         replaced = {ref: v for (ref, _), v in zip(sources, values[len(pairs) :])}

@@ -31,7 +31,7 @@ from .calls import StageCalls
 from .copy import Copy, Route
 from .errors import annotate, raised_in, task_note
 from .graph import ALL, Hop, Routes, StageGraph
-from .graphs import StageGraphs
+from .graphed import StageGraphs
 from .microbatch import leaves, rebuild_leaves
 from .scheduler import EventScheduler
 from .stream import AnyStream, current_stream, is_cuda, record_stream
@@ -79,11 +79,13 @@ def compute(
     stage: nn.Module,
     args: Sequence[Any],
     checkpoint: bool,
+    split: bool = False,
 ) -> Any:
     """Stage ``s``'s forward of micro-batch ``m``: replayed from its graphs
-    when the pipe has them, else eagerly (checkpointed when asked)."""
+    when the pipe has them, else eagerly (checkpointed when asked).
+    ``split``: the schedule splits its backward into B and W."""
     if graphs is not None:
-        return graphs.call(s, m, stage, args, checkpoint)
+        return graphs.call(s, m, stage, args, checkpoint, split)
     return checkpointed(stage, *args) if checkpoint else stage(*args)
 
 

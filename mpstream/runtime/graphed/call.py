@@ -4,39 +4,42 @@
 call signature: static input buffers, a forward graph writing static
 outputs and, when the call needs gradients, a backward graph reading static
 output gradients and writing the gradients of the differentiable inputs and
-of the stage's parameters. A call copies the arguments' tensors into the
-static inputs, replays the forward and returns *copies* of the outputs; its
-backward (an autograd node, so ``loss.backward()``, ``train_step`` and the
-user's own loop all reach it) replays the backward graph and returns copies
-of the input gradients. Copies, because the next replay of the slot
-overwrites the static buffers while readers on other streams (a copy to the
-next device, a gradient copy back) may still be queued; with them, the
-runtime's event plan and allocator protection apply unchanged. Parameter
-gradients go straight to autograd's accumulation, on the stage's stream,
-before any later replay.
+of the stage's parameters. Where a zero-bubble schedule splits the
+backward, it is two graphs, input gradients (B) and parameter gradients
+(W): the backward task's autograd call marks the node to defer (see
+:mod:`~mpstream.runtime.split_backward`), B replays, and the node hands
+back the replay of W, which the weight task runs.
 
-Two backends capture: :class:`CudaGraphs` (``torch.cuda.CUDAGraph``, a
-private memory pool per call) and :class:`Emulated`, a model of replay
-semantics on any device for tests: its forward "replay" reruns the stage and
-replaces the slot's one set of activations, so a slot reused while an
-earlier micro-batch's backward is pending gives that backward the wrong
-activations, as a real graph would.
+A call copies the arguments' tensors into the static inputs, replays the
+forward and returns *copies* of the outputs; its backward (an autograd
+node, so ``loss.backward()``, ``train_step`` and the user's own loop all
+reach it) replays the backward graph and returns copies of the input
+gradients. Copies, because the next replay of the slot overwrites the
+static buffers while readers on other streams (a copy to the next device, a
+gradient copy back) may still be queued; with them, the runtime's event
+plan and allocator protection apply unchanged. Parameter gradients go
+straight to autograd's accumulation, on the stage's stream, before any
+later replay.
+
+A :class:`Backend` captures and replays (:mod:`~mpstream.runtime.graphed.backends`:
+CUDA graphs, or an emulation for tests); what the captured backward
+computes, whole or split, is :mod:`~mpstream.runtime.graphed.passes`.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
 
-from ..memory.batchnorm import DeferredBatchNorm, deferred_norms
-from .microbatch import leaves, rebuild_leaves
+from ...memory.batchnorm import DeferredBatchNorm, deferred_norms
+from ..microbatch import leaves, rebuild_leaves
 
-__all__ = ["Backend", "CudaGraphs", "Emulated", "GraphedCall"]
+__all__ = ["Backend", "GraphedCall"]
 
 
 class Backend(Protocol):
@@ -53,7 +56,11 @@ class Backend(Protocol):
         """Replays the forward: static inputs to static outputs."""
 
     def backward(self, call: GraphedCall) -> None:
-        """Replays the backward: static output gradients to static gradients."""
+        """Replays the backward: static output gradients to static gradients
+        (input gradients and B's parameter gradients only, when split)."""
+
+    def weight(self, call: GraphedCall) -> None:
+        """Replays a split backward's weight pass (W's parameter gradients)."""
 
 
 class GraphedCall:
@@ -71,6 +78,9 @@ class GraphedCall:
         backend: what captures and replays.
         checkpoint: ``fn`` checkpoints the stage (its backward recomputes
             the forward).
+        split: capture the backward as two graphs, input gradients and
+            parameter gradients, so that a split backward's weight pass can
+            run later (ignored for a checkpointed call, which is not split).
 
     Raises:
         ValueError: what a graph cannot hold: a parameter with a tensor hook
@@ -91,9 +101,13 @@ class GraphedCall:
         grad: bool,
         backend: Backend,
         checkpoint: bool = False,
+        split: bool = False,
     ) -> None:
         self.device = device
         self.checkpoint = checkpoint
+        self.split = split and grad and not checkpoint
+        #: The captured backward leaves parameter gradients to a weight graph.
+        self.weighs_later = False
         items, self.spec = leaves(tuple(args))
         self.items = list(items)
         self.where = [i for i, x in enumerate(items) if isinstance(x, Tensor)]
@@ -124,11 +138,10 @@ class GraphedCall:
         self.replays = 0  # forward replays whose backward may follow
         self.pending: weakref.ref[Any] | None = None  # the node of the last such replay
         self.label = "the stage"
+        #: The graphs captured: forward; backward (all of it, or B); weight (W).
         self.passes: tuple[str, ...] = ("forward",)
         with _restored(stage):
             backend.capture(self, fn)
-        if self.diff_out:
-            self.passes = ("forward", "backward")
 
     # -- what capture calls ---------------------------------------------
     def inputs(self) -> tuple[Any, ...]:
@@ -208,7 +221,10 @@ class GraphedCall:
                     norm.count_forward()
             return tuple(t.clone() for t in self.static_out)
 
-    def _backward(self, grads: Sequence[Tensor | None]) -> list[Tensor | None]:
+    def _backward(self, grads: Sequence[Tensor | None], defer: bool) -> list[Tensor | None]:
+        """Replays the backward from ``grads``; the input gradients, then
+        the parameter gradients (None where ``defer`` leaves them to
+        :meth:`_weights`)."""
         with torch.no_grad():
             for k, static in zip(self.diff_out, self.static_grad_out):
                 g = grads[k]
@@ -217,15 +233,38 @@ class GraphedCall:
                 else:
                     static.copy_(g)
             self.backend.backward(self)
+            if self.weighs_later and not defer:
+                self.backend.weight(self)
         in_grads = iter(self.static_grad_in)
         out: list[Tensor | None] = []
         for t in self.static_in:
             g = next(in_grads) if t.requires_grad else None
             out.append(None if g is None else g.clone())
+        if defer:
+            return out + [None] * len(self.params)
+        return out + self._param_grads()
+
+    def _param_grads(self) -> list[Tensor | None]:
         # Copies: a parameter's gradient may outlive the next replay (kept by
         # a hook, or returned by torch.autograd.grad), which overwrites ours.
-        params = [None if g is None else g.clone() for g in self.static_grad_params]
-        return out + params
+        return [None if g is None else g.clone() for g in self.static_grad_params]
+
+    def _weights(self, replay: int) -> None:
+        """A deferred weight pass: replays W and accumulates every parameter
+        gradient (B's and W's) into ``.grad`` through autograd, as the
+        unsplit backward would have."""
+        if replay != self.replays:
+            raise RuntimeError(
+                f"{self.label}: another micro-batch's forward replayed between this "
+                f"backward's input and weight passes, so the activations W reads are gone"
+            )
+        with torch.no_grad():
+            self.backend.weight(self)
+            grads = self._param_grads()
+        self.pending = None
+        pairs = [(p, g) for p, g in zip(self.params, grads) if g is not None]
+        if pairs:
+            torch.autograd.backward([p for p, _ in pairs], [g for _, g in pairs])
 
 
 class _Replay(torch.autograd.Function):
@@ -238,6 +277,7 @@ class _Replay(torch.autograd.Function):
         call.replays += 1
         ctx.replay = call.replays
         call.pending = weakref.ref(ctx)
+        ctx.splits = call.weighs_later  # B may defer W (see split_backward)
         keep = set(call.diff_out)
         ctx.mark_non_differentiable(*(t for k, t in enumerate(outs) if k not in keep))
         return outs
@@ -258,8 +298,29 @@ class _Replay(torch.autograd.Function):
                 f"backward, so the activations it needs are gone (a backward run twice with "
                 f"retain_graph=True after a new forward?); run the pipe with graphs=False for that"
             )
+        if getattr(ctx, "defer", False):
+            # Set by a split backward's B: W replays when the weight task runs.
+            grads_now = call._backward(grads, defer=True)
+            replay = ctx.replay
+            later = _Later(lambda: call._weights(replay))
+            ctx.later = later
+            call.pending = weakref.ref(later)
+            return (None, *grads_now)
         call.pending = None
-        return (None, *call._backward(grads))
+        return (None, *call._backward(grads, defer=False))
+
+
+class _Later:
+    """A graphed call's deferred weight pass (weakly referenced by the call:
+    its slot stays busy while W may still run)."""
+
+    __slots__ = ("fn", "__weakref__")
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.fn = fn
+
+    def __call__(self) -> None:
+        self.fn()
 
 
 @contextmanager
@@ -285,164 +346,3 @@ def _restored(stage: nn.Module) -> Iterator[None]:
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
-
-
-def _differentiate(
-    call: GraphedCall, outputs: Sequence[Tensor], zeros: bool = False
-) -> tuple[Tensor | None, ...]:
-    """The gradients of the call's differentiable outputs, from the static
-    output gradients, with respect to its inputs and parameters (``zeros``:
-    from zeros, to shape the buffers)."""
-    roots = [outputs[k] for k in call.diff_out]
-    seeds = [torch.zeros_like(r) for r in roots] if zeros else call.static_grad_out
-    return torch.autograd.grad(roots, call.grad_targets(), seeds, allow_unused=True)
-
-
-def _store_grads(call: GraphedCall, grads: Sequence[Tensor | None]) -> None:
-    n = sum(1 for t in call.static_in if t.requires_grad)
-    call.static_grad_in = list(grads[:n])
-    call.static_grad_params = list(grads[n:])
-
-
-class CudaGraphs:
-    """Captures with ``torch.cuda.CUDAGraph``, a private memory pool per call.
-
-    Warm-up (``warmup`` eager iterations: lazy initialisation, cuDNN
-    autotuning) and capture run on the stage's own stream, the current one
-    inside its task: libraries keep per-stream workspaces (cuBLAS), and
-    graphs of stages that run concurrently must not share one. Capture is
-    thread-local (another thread's CUDA calls, a pinning DataLoader's, do not
-    break it) and does not synchronise the device. Under autocast it runs
-    with autocast's weight cache off: a cached cast freed after capture would
-    leave the graph reading freed memory. Warm-up's effects are undone.
-
-    A private pool per call, not one per device: stages sharing a device run
-    concurrently on their own streams, and graphs sharing a pool may reuse
-    each other's freed memory, which is only safe when they never run at the
-    same time.
-
-    Args:
-        warmup: eager forward (+ backward) iterations before capture.
-    """
-
-    runs_python = False
-
-    def __init__(self, warmup: int = 2) -> None:
-        self.warmup = warmup
-
-    def capture(self, call: GraphedCall, fn: Callable[..., Any]) -> None:
-        index = call.device.index
-        generator = torch.cuda.default_generators[
-            torch.cuda.current_device() if index is None else index
-        ]
-        offset = generator.get_offset()
-        for _ in range(self.warmup):
-            outs = call.outputs(fn(*call.inputs()))
-            if call.diff_out:
-                call.static_grad_out = [torch.ones_like(outs[k]) for k in call.diff_out]
-                _differentiate(call, outs)
-            del outs
-        if call.checkpoint and generator.get_offset() != offset:
-            # Inside a graph the recomputation's restored RNG state is
-            # relative to the backward graph's replay, not the forward's:
-            # it would draw other masks than the forward did.
-            raise ValueError(
-                "a checkpointed stage that draws random numbers (dropout) cannot be replayed: "
-                "its recomputation would draw other ones; checkpoint='never' graphs it"
-            )
-        fwd = torch.cuda.CUDAGraph()
-        with ExitStack() as stack:
-            _uncached_autocast(stack)
-            with _capturing(fwd, None):
-                outs = call.outputs(fn(*call.inputs()))
-            call.static_out = [t.detach() for t in outs]
-            graphs = [fwd]
-            if call.diff_out:
-                call.check_leaves(outs)
-                call.static_grad_out = [torch.empty_like(outs[k]) for k in call.diff_out]
-                bwd = torch.cuda.CUDAGraph()
-                with _capturing(bwd, fwd.pool()):
-                    _store_grads(call, _differentiate(call, outs))
-                graphs.append(bwd)
-        del outs
-        call.reserved = _pool_bytes(fwd.pool())
-        call.state = graphs
-
-    def forward(self, call: GraphedCall) -> None:
-        call.state[0].replay()
-
-    def backward(self, call: GraphedCall) -> None:
-        call.state[1].replay()
-
-
-@contextmanager
-def _capturing(graph: torch.cuda.CUDAGraph, pool: Any) -> Iterator[None]:
-    """Captures what runs inside into ``graph``, on the current stream."""
-    graph.capture_begin(pool=pool, capture_error_mode="thread_local")
-    try:
-        yield
-    finally:
-        graph.capture_end()
-
-
-def _pool_bytes(pool: Any) -> int:
-    """Device memory held by a graph memory pool's segments."""
-    segments = torch.cuda.memory_snapshot()  # type: ignore[no-untyped-call]
-    mine = [s for s in segments if tuple(s.get("segment_pool_id", ())) == tuple(pool)]
-    return sum(int(s["total_size"]) for s in mine)
-
-
-def _uncached_autocast(stack: ExitStack) -> None:
-    """Re-enters every active autocast with its weight cache off."""
-    for device_type in ("cuda", "cpu"):
-        if torch.is_autocast_enabled(device_type):
-            dtype = torch.get_autocast_dtype(device_type)
-            stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=False))
-
-
-class Emulated:
-    """Replay semantics without a device graph, for tests on any device.
-
-    "Capture" runs the stage once on the static inputs; a forward "replay"
-    runs it again and keeps that run's autograd graph as the slot's
-    activations, replacing the previous one; a backward "replay"
-    differentiates the slot's current activations. What differs from CUDA
-    graphs: the stage's Python runs at every replay (its side effects too),
-    and nothing is faster.
-    """
-
-    runs_python = True
-
-    def __init__(self) -> None:
-        self.captures = 0
-        self.fns: dict[int, Callable[..., Any]] = {}
-
-    def capture(self, call: GraphedCall, fn: Callable[..., Any]) -> None:
-        self.captures += 1
-        self.fns[id(call)] = fn
-        with torch.enable_grad() if call.grad else torch.no_grad():
-            outs = call.outputs(fn(*call.inputs()))
-        call.static_out = [t.detach().clone() for t in outs]
-        call.static_grad_out = [torch.empty_like(outs[k]) for k in call.diff_out]
-        if call.diff_out:
-            call.check_leaves(outs)
-            # Fixed gradient buffers, as a graph's: what escapes them is seen.
-            with torch.enable_grad():
-                _store_grads(call, _differentiate(call, outs, zeros=True))
-
-    def forward(self, call: GraphedCall) -> None:
-        with torch.enable_grad() if call.grad else torch.no_grad():
-            outs = call.outputs(self.fns[id(call)](*call.inputs()))
-        for static, t in zip(call.static_out, outs):
-            static.copy_(t.detach())
-        call.state = outs if call.diff_out else None  # the slot's one set of activations
-
-    def backward(self, call: GraphedCall) -> None:
-        if call.state is None:
-            raise RuntimeError("the slot's activations were freed before its backward replayed")
-        with torch.enable_grad():
-            grads = _differentiate(call, call.state)
-        call.state = None
-        for static, g in zip([*call.static_grad_in, *call.static_grad_params], grads):
-            if static is not None:
-                static.copy_(torch.zeros_like(static) if g is None else g)

@@ -3,7 +3,7 @@
 One host thread issuing every kernel of every micro-batch sets the pace of
 an eager pipeline on a fast GPU. :class:`StageGraphs` replaces a stage's
 forward (and its backward) by the replay of graphs captured the first time a
-call of that kind is seen: one :class:`~mpstream.runtime.replay.GraphedCall`
+call of that kind is seen: one :class:`~mpstream.runtime.graphed.call.GraphedCall`
 per stage, per slot (:mod:`mpstream.schedules.slots`: as many as the
 schedule keeps micro-batches in flight on the stage, so no replay
 overwrites activations a pending backward reads) and per call signature
@@ -41,11 +41,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..memory.checkpoint import checkpointed
-from ..schedules.schedule import Schedule
-from ..schedules.slots import Slots, plan_slots
-from .microbatch import leaves
-from .replay import Backend, CudaGraphs, GraphedCall
+from ...memory.checkpoint import checkpointed
+from ...schedules.schedule import Schedule
+from ...schedules.slots import Slots, plan_slots
+from ..microbatch import leaves
+from .backends import CudaGraphs
+from .call import Backend, GraphedCall
 
 __all__ = [
     "StageGraphs",
@@ -80,7 +81,8 @@ class StageReport:
         reason: why it runs eagerly, if it does.
         graphs: graphs held (a forward, and a backward where gradients flow,
             per slot and signature).
-        passes: the passes replayed (``forward``, ``backward``).
+        passes: the passes replayed (``forward``, ``backward``, and
+            ``weight`` where a zero-bubble schedule splits the backward).
         slots: the most slots a run has used.
         captures: calls captured so far (recaptures included).
         recaptures: captures caused by a replaced parameter, buffer or module.
@@ -112,13 +114,16 @@ class GraphReport:
         return sum(s.graphs for s in self.stages)
 
     def __str__(self) -> str:
-        lines = ["stage  device   graphed  graphs  slots  passes            reserved  reason"]
+        lines = [
+            f"{'stage':<6} {'device':<8} {'graphed':<8} {'graphs':<7} {'slots':<6} "
+            f"{'passes':<24} {'reserved':>8}  reason"
+        ]
         for s in self.stages:
             passes = "+".join(s.passes) or "-"
             mib = f"{s.reserved_bytes / 2**20:.1f} MiB"
             lines.append(
                 f"{s.stage:<6} {str(s.device):<8} {'yes' if s.graphed else 'no':<8} "
-                f"{s.graphs:<7} {s.slots:<6} {passes:<17} {mib:>8}  {s.reason or ''}".rstrip()
+                f"{s.graphs:<7} {s.slots:<6} {passes:<24} {mib:>8}  {s.reason or ''}".rstrip()
             )
         return "\n".join(lines)
 
@@ -204,7 +209,7 @@ class StageGraphs:
             fingerprint).
         devices: each stage's device.
         labels: how warnings name each stage.
-        backend: what captures (:class:`~mpstream.runtime.replay.CudaGraphs`
+        backend: what captures (:class:`~mpstream.runtime.graphed.backends.CudaGraphs`
             unless a test gives another); only CUDA stages use it.
         max_calls: graphed calls kept per stage.
     """
@@ -264,26 +269,39 @@ class StageGraphs:
             st.print = now
 
     def call(
-        self, s: int, m: int, stage: nn.Module, args: Sequence[Any], checkpoint: bool
+        self,
+        s: int,
+        m: int,
+        stage: nn.Module,
+        args: Sequence[Any],
+        checkpoint: bool,
+        split: bool = False,
     ) -> Any:
-        """Runs stage ``s`` on micro-batch ``m``: replayed if it can be, else eagerly."""
+        """Runs stage ``s`` on micro-batch ``m``: replayed if it can be, else
+        eagerly. ``split``: the schedule splits this backward (its weight
+        pass runs later), so the backward is captured as two graphs."""
         st = self.stages[s]
         if st.reason is None and self.slots is not None:
-            key = self._key(s, m, args, checkpoint)
+            key = self._key(s, m, args, checkpoint, split)
             if key is not None:
                 graphed = self._graphed(st, key, stage, args, checkpoint)
                 if graphed is not None:
                     return graphed(*args)
         return checkpointed(stage, *args) if checkpoint else stage(*args)
 
-    def _key(self, s: int, m: int, args: Sequence[Any], checkpoint: bool) -> tuple[Any, ...] | None:
+    def _key(
+        self, s: int, m: int, args: Sequence[Any], checkpoint: bool, split: bool
+    ) -> tuple[Any, ...] | None:
+        """slot, checkpointed, grad, inference, autocast, signature, split."""
         assert self.slots is not None
         sig = signature(args)
         if sig is None:
             return None
         grad = torch.is_grad_enabled()
         inference = torch.is_inference_mode_enabled()  # its buffers are inference tensors
-        return (self.slots.slot[(s, m)], checkpoint and grad, grad, inference, _autocast(), sig)
+        ckpt = checkpoint and grad
+        splits = split and grad and not ckpt
+        return (self.slots.slot[(s, m)], ckpt, grad, inference, _autocast(), sig, splits)
 
     def _graphed(
         self,
@@ -318,7 +336,7 @@ class StageGraphs:
         fn: Callable[..., Any] = (lambda *a: checkpointed(stage, *a)) if checkpointing else stage
         try:
             graphed = GraphedCall(
-                fn, args, st.module, st.device, key[2], self.backend, checkpointing
+                fn, args, st.module, st.device, key[2], self.backend, checkpointing, key[6]
             )
         except Exception as exc:  # anything a graph cannot hold: run eagerly from now on
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
@@ -359,7 +377,8 @@ class StageGraphs:
         """Which stages and passes are graphed, how many graphs, what memory."""
         out = GraphReport()
         for st in self.stages:
-            passes = sorted({p for c in st.calls.values() for p in c.passes}, reverse=True)
+            names = {p for c in st.calls.values() for p in c.passes}
+            passes = [p for p in ("forward", "backward", "weight") if p in names]
             out.stages.append(
                 StageReport(
                     stage=st.index,

@@ -2,7 +2,7 @@
 schedule and checkpoint mode, float64), launches per step, the sanitizer, and
 what only a GPU can settle (dropout with checkpointing, deferred BatchNorm,
 a second backward, tied weights, a pinning DataLoader beside a capture).
-Skipped without CUDA; the CPU tests are in test_graphs.py."""
+Skipped without CUDA; the CPU tests are in test_stages.py."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 from mpstream import Pipe
-from mpstream.runtime.graphs import GraphWarning
+from mpstream.runtime.graphed.stages import GraphWarning
 from mpstream.schedules import SCHEDULES
 from tests.helpers import assert_same_grads, mlp
-from tests.runtime.test_graphs import CHECKPOINTS, WIDTHS, data, pair
+from tests.runtime.graphed.test_stages import CHECKPOINTS, WIDTHS, data, pair
 
 
 @pytest.mark.cuda
@@ -45,6 +45,8 @@ def test_cuda_graphs_equal_the_eager_pipe(schedule: str, checkpoint: str) -> Non
     report = graphed.graph_report()
     assert all(s.graphed for s in report.stages), str(report)
     assert report.graphs > 0 and all(s.reserved_bytes >= 0 for s in report.stages)
+    if schedule == "zb_h1" and checkpoint != "always":
+        assert all("weight" in s.passes for s in report.stages), str(report)
 
 
 @pytest.mark.cuda
@@ -74,6 +76,33 @@ def test_cuda_graphs_issue_fewer_launches_than_eager() -> None:
     assert eager_graphs == 0 and replays == 2 * 2 * 4  # forward and backward per stage, micro
     assert kernels < eager_kernels / 2  # copies in and out, gradient sums: not every layer's
 
+
+
+@pytest.mark.cuda
+def test_cuda_zero_bubble_replays_input_and_weight_passes_apart() -> None:
+    eager, graphed = pair(
+        mlp([6, 64, 64, 64, 4]), graphs=True, chunks=4, balance=[4, 4], schedule="zb_h1",
+        devices=["cuda:0", "cuda:0"],
+    )  # fmt: skip
+    x, y = (t.cuda() for t in data(16))
+    for _ in range(2):  # capture, then replay
+        graphed.zero_grad()
+        graphed.train_step(x, y, nn.MSELoss())
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for pipe in (eager, graphed):
+            pipe.zero_grad()
+            pipe.train_step(x, y, nn.MSELoss())
+        torch.cuda.synchronize()
+    assert_same_grads(graphed, eager)
+    replays = sum("cudaGraphLaunch" in e.name for e in prof.events())
+    # Per micro-batch: the first stage's forward and W (its inputs need no
+    # gradient: no B graph); the second's forward, B and W.
+    assert replays == 4 * (2 + 3)
+    assert [s.passes for s in graphed.graph_report().stages] == [
+        ("forward", "weight"),
+        ("forward", "backward", "weight"),
+    ]
 
 GRAPHED_UNDER_CSAN = """
 import torch
