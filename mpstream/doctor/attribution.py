@@ -13,13 +13,12 @@ issued everything (``issue``) and once until the devices are done
 stream idles for a good part of it, the host thread is the bottleneck
 (:func:`host_bound`). On a GPU the main split is profiled again with its
 stages replayed from CUDA graphs (``Pipe(graphs=True)``), and judged the same
-way.
+way; then every schedule is trained eagerly, with graphed stages and as a
+captured step (:mod:`~mpstream.doctor.graphed`).
 """
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -30,11 +29,13 @@ from ..observe.profiling import profile
 from ..observe.timeline import Timeline
 from ..pipe import Pipe
 from ..runtime import synchronize
+from ..schedules import SCHEDULES
 from ..tutorial import models as tutorial
 from ..tutorial.analysis import batch
 from ..tutorial.bench import Config
 from .diagnosis import PASS, Check, Context, StepResult
 from .experiment import config_for
+from .graphed import schedule_checks, schedule_rows, time_steps
 
 __all__ = ["ISSUE_RATIO", "IDLE_RATIO", "host_bound", "profile_step", "run"]
 
@@ -110,21 +111,13 @@ def profile_step(ctx: Context, split: int, graphs: bool = False) -> dict[str, An
         for _ in range(ctx.sizes.profile_steps):
             step()
             synchronize(devices)  # one run per step, none overlapping the next
-    issue, wall = [], []
-    for _ in range(ctx.sizes.profile_steps):
-        synchronize(devices)
-        start = time.perf_counter()
-        step()
-        issued = time.perf_counter()
-        synchronize(devices)
-        issue.append((issued - start) * 1e3)
-        wall.append((time.perf_counter() - start) * 1e3)
+    timed = time_steps(step, devices, ctx.sizes.profile_steps)
     return {
         "split": split,
         "balance": pipe.balance,
         "timeline": prof,
-        "issue_ms": statistics.median(issue),
-        "step_ms": statistics.median(wall),
+        "issue_ms": timed["issue_ms"],
+        "step_ms": timed["step_ms"],
         "forced_copies": pipe.force_copies,
     }
 
@@ -175,6 +168,10 @@ def run(ctx: Context) -> StepResult:
         name = f"host-bound analysis, graphed stages (Pipe(graphs=True)), split {config.split_size}"
         checks.append(Check(name, PASS, found["verdict"], found))
         graphed = {"issue_ms": again["issue_ms"], "step_ms": again["step_ms"], **found}
+        # Each schedule eager, graphed and captured, beside the single device.
+        with ctx.bar(3 * len(SCHEDULES) + 2, "graphed") as bar:
+            graphed["schedules"] = schedule_rows(ctx, tick=lambda: bar.update(1))
+        checks.extend(schedule_checks(graphed["schedules"], ctx.cuda, config.split_size))
     else:
         verdict = {
             "host_bound": None,

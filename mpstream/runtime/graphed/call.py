@@ -338,9 +338,12 @@ def _restored(stage: nn.Module) -> Iterator[None]:
     try:
         yield
     finally:
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
+        # Through .data, which leaves the version counter alone: capture
+        # put back is no change, and an earlier micro-batch's forward may
+        # have saved a buffer for its pending backward (BatchNorm saves its
+        # running statistics), whose version check would fail.
+        for b, saved in buffers:
+            b.data.copy_(saved)
         for n, tracked, hold in counters:
             n.tracked, n.hold = tracked, hold
         torch.set_rng_state(cpu_rng)

@@ -240,6 +240,20 @@ def test_deferred_batch_norm_counts_replayed_forwards() -> None:
         torch.testing.assert_close(a, b)
 
 
+def test_plain_batch_norm_captured_between_a_forward_and_its_backward() -> None:
+    # BatchNorm saves its running statistics for backward; capturing the
+    # next slot puts them back, which must not count as a modification.
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 4)).double()
+    eager, graphed = pair(model, chunks=2, balance=[2, 1], schedule="gpipe")
+    x, y = data()
+    for _ in range(2):
+        losses = [pipe.train_step(x, y, nn.MSELoss()) for pipe in (eager, graphed)]
+        torch.testing.assert_close(losses[1], losses[0])
+    assert_same_grads(graphed, eager)
+    for a, b in zip(graphed.buffers(), eager.buffers()):
+        torch.testing.assert_close(a, b)
+
+
 def test_a_hugging_face_model_split_by_torch_export_replays_equal_to_eager() -> None:
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(

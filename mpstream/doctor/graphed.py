@@ -1,0 +1,238 @@
+"""Doctor step 7, graphed stages per schedule: eager, graphed, captured, side by side.
+
+On a GPU, after the host-bound analysis, the tutorial's split trains at the
+main split size with each schedule (gpipe, 1f1b, interleaved_1f1b, zb_h1)
+three ways, one after the other in one run: its own ``train_step`` issued
+eagerly, the same with every stage replayed from CUDA graphs
+(``Pipe(graphs=True)``), and the whole step captured as one graph
+(:class:`~mpstream.CapturedStep`, which needs both halves on one GPU). The
+single device is measured the same two ways, as the like-with-like
+baseline. Each measurement is the host's issue time and the step's time
+(medians, SGD inside the step), the step's peak memory above what was
+allocated before it (``max_memory_allocated``) and, for graphed stages,
+what their graphs' pools hold and how many slots each stage keeps.
+
+The graphed-stages issue's targets are reported, never failed (a timing is
+not a defect): graphed stages at most :data:`OVER_CAPTURED` times the
+captured step and :data:`OVER_EAGER` times the eager one, the host issuing
+for at most :data:`HOST_SHARE` of the step.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..capture import CapturedStep
+from ..pipe import Pipe
+from ..runtime import synchronize
+from ..schedules import SCHEDULES
+from ..tutorial import models as tutorial
+from ..tutorial.analysis import batch
+from .checks import virtual_stages
+from .diagnosis import PASS, Check, Context
+from .experiment import config_for
+
+__all__ = [
+    "OVER_CAPTURED",
+    "OVER_EAGER",
+    "HOST_SHARE",
+    "EAGER",
+    "GRAPHED",
+    "CAPTURED",
+    "SINGLE",
+    "time_steps",
+    "measure",
+    "schedule_rows",
+    "schedule_checks",
+]
+
+OVER_CAPTURED = 1.15
+OVER_EAGER = 0.3
+HOST_SHARE = 0.10
+
+EAGER, GRAPHED, CAPTURED = "eager", "graphed stages", "captured step"
+#: The row of the single device (one stage, one micro-batch).
+SINGLE = "single device"
+
+
+def time_steps(
+    step: Callable[[], None], devices: Sequence[torch.device], n: int
+) -> dict[str, float]:
+    """Medians over ``n`` calls of ``step``: the host's time to issue it
+    (until the call returns) and the step's (until the devices are done)."""
+    issue, wall = [], []
+    for _ in range(n):
+        synchronize(devices)
+        start = time.perf_counter()
+        step()
+        issued = time.perf_counter()
+        synchronize(devices)
+        issue.append((issued - start) * 1e3)
+        wall.append((time.perf_counter() - start) * 1e3)
+    issue_ms, step_ms = statistics.median(issue), statistics.median(wall)
+    return {"issue_ms": issue_ms, "step_ms": step_ms, "issue_share": issue_ms / step_ms}
+
+
+def _pipe(ctx: Context, schedule: str | None, graphs: Any) -> Pipe:
+    """The tutorial's split for ``schedule``; None: the single device."""
+    config = config_for(ctx)
+    dev0, dev1 = ctx.devices
+    torch.manual_seed(0)
+    if schedule is None:
+        model = tutorial.single_device(ctx.arch, dev0, config.num_classes)
+        layers = tutorial.resnet50_layers(model)  # type: ignore[arg-type]
+        return Pipe(layers, chunks=1, balance=[len(layers)], devices=[dev0], graphs=graphs)
+    return tutorial.block_pipe(
+        ctx.arch,
+        dev0,
+        dev1,
+        config.split_size,
+        config.num_classes,
+        schedule=schedule,
+        virtual_stages=virtual_stages(schedule, ctx.devices),
+        force_copies=ctx.cuda and dev0 == dev1,
+        graphs=graphs,
+    )
+
+
+def _step(pipe: Pipe, captured: bool, x: Tensor, y: Tensor) -> Callable[[], None]:
+    """One training step with SGD: ``train_step``, or the captured step."""
+    loss_fn = nn.MSELoss()
+    opt = torch.optim.SGD(pipe.parameters(), lr=1e-3)
+    if captured:
+        whole = CapturedStep(pipe, x, y, loss_fn, optimizer=opt)
+
+        def replay() -> None:
+            whole(x, y)
+
+        return replay
+
+    def eager() -> None:
+        opt.zero_grad(set_to_none=False)
+        pipe.train_step(x, y, loss_fn)
+        opt.step()
+
+    return eager
+
+
+def measure(
+    ctx: Context, schedule: str | None, variant: str, backend: Any = True
+) -> dict[str, Any] | None:
+    """One schedule (None: the single device) trained one way.
+
+    Args:
+        ctx: the doctor's context (devices, sizes, model).
+        schedule: the pipe's schedule, or None for the single device.
+        variant: :data:`EAGER`, :data:`GRAPHED` or :data:`CAPTURED`.
+        backend: what ``graphs=`` gets for :data:`GRAPHED` (tests give
+            an emulation).
+
+    Returns:
+        The timings, peak memory and, for graphed stages, the graphs'
+        report; None where the variant cannot run (a captured step over
+        two GPUs).
+    """
+    if variant == CAPTURED and ctx.cuda and len(set(ctx.devices)) > 1 and schedule is not None:
+        return None  # one CUDA graph cannot span devices
+    config = config_for(ctx)
+    pipe = _pipe(ctx, schedule, backend if variant == GRAPHED else False)
+    x, y = batch(config, pipe.devices[0])
+    y = y.to(pipe.devices[-1])
+    step = _step(pipe, variant == CAPTURED, x, y)
+    devices = list(dict.fromkeys(pipe.devices))
+    for _ in range(2):  # capture, then a replay
+        step()
+    synchronize(devices)
+    row: dict[str, Any] = {"peak_bytes": None}
+    if ctx.cuda:
+        before = {}
+        for d in devices:
+            torch.cuda.reset_peak_memory_stats(d)
+            before[d] = torch.cuda.memory_allocated(d)
+        step()
+        synchronize(devices)
+        row["peak_bytes"] = {
+            str(d): torch.cuda.max_memory_allocated(d) - before[d] for d in devices
+        }
+    row.update(time_steps(step, devices, ctx.sizes.profile_steps))
+    if variant == GRAPHED:
+        report = pipe.graph_report()
+        row["graphed"] = all(s.graphed for s in report.stages)
+        row["reasons"] = [s.reason for s in report.stages if s.reason]
+        row["slots"] = [s.slots for s in report.stages]
+        row["passes"] = [list(s.passes) for s in report.stages]
+        row["pool_bytes"] = sum(s.reserved_bytes for s in report.stages)
+    del step, pipe
+    if ctx.cuda:
+        torch.cuda.empty_cache()
+    return row
+
+
+def schedule_rows(
+    ctx: Context,
+    backend: Any = True,
+    schedules: Sequence[str] = SCHEDULES,
+    tick: Callable[[], None] | None = None,
+) -> list[dict[str, Any]]:
+    """The single device, then each schedule: eager, graphed, captured."""
+    rows = []
+    for schedule in [None, *schedules]:
+        row: dict[str, Any] = {"schedule": schedule or SINGLE}
+        variants = (EAGER, CAPTURED) if schedule is None else (EAGER, GRAPHED, CAPTURED)
+        for variant in variants:
+            row[variant] = measure(ctx, schedule, variant, backend)
+            if tick is not None:
+                tick()
+        rows.append(row)
+    return rows
+
+
+def _mib(row: dict[str, Any] | None, key: str = "peak_bytes") -> str:
+    if row is None or row.get(key) is None:
+        return "-"
+    value = row[key]
+    total = sum(value.values()) if isinstance(value, dict) else value
+    return f"{total / 2**20:.0f} MiB"
+
+
+def _against(value: float, bound: float, what: str, cuda: bool) -> str:
+    met = ("met" if value <= bound else "missed") if cuda else "a GPU target"
+    return f"{value:.2f}x {what} (target <= {bound}x: {met})"
+
+
+def schedule_checks(rows: Sequence[dict[str, Any]], cuda: bool, split: int) -> list[Check]:
+    """One line per schedule with its figures against the targets."""
+    single = next(r for r in rows if r["schedule"] == SINGLE)
+    base = single[CAPTURED]
+    checks = []
+    for row in rows:
+        if row["schedule"] == SINGLE:
+            continue
+        eager, graphed, captured = row[EAGER], row[GRAPHED], row[CAPTURED]
+        step = graphed["step_ms"]
+        parts = [f"step {step:.1f} ms (eager {eager['step_ms']:.1f} ms)"]
+        if captured is not None:
+            over = step / captured["step_ms"]
+            parts.append(_against(over, OVER_CAPTURED, "the captured step", cuda))
+        parts.append(_against(step / eager["step_ms"], OVER_EAGER, "eager", cuda))
+        share = graphed["issue_share"]
+        met = ("met" if share <= HOST_SHARE else "missed") if cuda else "a GPU target"
+        bound = f"{100 * HOST_SHARE:.0f}%"
+        parts.append(f"host issue {100 * share:.0f}% of the step (target <= {bound}: {met})")
+        if base is not None:
+            parts.append(f"{step / base['step_ms']:.2f}x the single device captured")
+        parts.append(
+            f"peak {_mib(graphed)} (eager {_mib(eager)}), "
+            f"graph pools {_mib(graphed, 'pool_bytes')}, slots {graphed['slots']}"
+        )
+        if not graphed["graphed"]:
+            parts.append(f"EAGER STAGES: {'; '.join(graphed['reasons'])}")
+        name = f"graphed stages, {row['schedule']}, split {split}"
+        checks.append(Check(name, PASS, "; ".join(parts), row))
+    return checks
