@@ -111,12 +111,14 @@ class Pipe(PipeConfig):
         graphs: replay each CUDA stage's forward and backward from CUDA
             graphs, captured the first time each kind of call is seen, one
             set per micro-batch the schedule keeps in flight on the stage
-            (see :mod:`mpstream.runtime.graphed.stages`). The host then issues a few
+            (see :mod:`mpstream.runtime.graphed`). The host then issues a few
             launches per task instead of every kernel. Serves ``pipe(x)``,
-            ``loss.backward()``, ``train_step`` and every schedule; a stage
-            that cannot be captured (a CPU stage, a host sync) runs eagerly
-            with a warning; :meth:`graph_report` says what is graphed. A
-            :class:`~mpstream.runtime.graphed.call.Backend` instead of ``True``
+            ``loss.backward()``, ``train_step`` and every schedule (a
+            zero-bubble schedule's input and weight passes as graphs of
+            their own); a stage that cannot be captured (a CPU stage, a
+            host sync) runs eagerly with a warning; :meth:`graph_report`
+            says what is graphed. A
+            :class:`~mpstream.runtime.graphed.Backend` instead of ``True``
             captures with it (``Emulated()`` models replay semantics on any
             device, for tests).
 
