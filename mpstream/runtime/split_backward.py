@@ -14,7 +14,8 @@ linear layer's addmm, whose other edges go to its weight and bias). A hook on
 each junction keeps the gradient that flows into it. W then starts autograd
 at those junctions with the kept gradients, toward the parameters below them:
 each junction now computes the gradients it skipped in B, and nothing on the
-input path runs twice.
+input path runs twice. (A tensor hook on a junction's output ran in B; W
+starts from the kept gradient as it was, not hooked a second time.)
 
 One W call per group of junctions whose parameters overlap. B computes
 three kinds of parameter gradients itself: those of a parameter reached from
@@ -46,7 +47,7 @@ has nothing left to do.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -72,11 +73,18 @@ class WeightPass:
             (graphed stages), run after the groups.
     """
 
-    __slots__ = ("groups", "later")
+    __slots__ = ("groups", "later", "kept")
 
-    def __init__(self, groups: Sequence[Group] = (), later: Sequence[Callable[[], None]] = ()):
+    def __init__(
+        self,
+        groups: Sequence[Group] = (),
+        later: Sequence[Callable[[], None]] = (),
+        kept: dict[Node, list[Any]] | None = None,
+    ) -> None:
         self.groups: list[Group] = list(groups)
         self.later: list[Callable[[], None]] = list(later)
+        #: The gradients B kept at each junction (see :func:`pinned`).
+        self.kept: dict[Node, list[Any]] = kept or {}
 
     def run(self) -> None:
         """Accumulates the parameter gradients into ``.grad``, as a plain
@@ -84,10 +92,33 @@ class WeightPass:
         graph go."""
         groups, self.groups = self.groups, []
         later, self.later = self.later, []
-        for edges, grads, params in groups:
-            torch.autograd.backward(edges, grads, inputs=params)  # type: ignore[arg-type]
+        kept, self.kept = self.kept, {}
+        with pinned(kept):
+            for edges, grads, params in groups:
+                torch.autograd.backward(edges, grads, inputs=params)  # type: ignore[arg-type]
         for fn in later:
             fn()
+
+
+@contextmanager
+def pinned(kept: dict[Node, list[Any]]) -> Iterator[None]:
+    """Around W's autograd calls: each junction starts from the gradients B
+    kept there. Autograd runs a tensor's hooks on the gradient given at a
+    start edge, and B kept them with the hooks already applied; a node's
+    own prehook runs after tensor hooks, so it puts the kept values back
+    (a hook's side effects still run in both passes)."""
+    handles = []
+    for node, values in kept.items():
+
+        def pin(grad_outputs: tuple[Any, ...], values: list[Any] = values) -> tuple[Any, ...]:
+            return tuple(g if v is None else v for g, v in zip(grad_outputs, values))
+
+        handles.append(node.register_prehook(pin))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def _is_boundary(node: Node) -> bool:
@@ -277,6 +308,10 @@ class Split:
                 out.append((edges, values, [_variable(p) for p in params]))
         return out
 
+    def pinned(self) -> AbstractContextManager[None]:
+        """Around W's autograd calls (see :func:`pinned`)."""
+        return pinned(self._captured)
+
     def weight_pass(self) -> WeightPass:
         """W, to :meth:`~WeightPass.run` later (on the same stream)."""
         later: list[Callable[[], None]] = []
@@ -285,7 +320,7 @@ class Split:
             if fn is not None:
                 later.append(fn)
                 node.later = None  # type: ignore[attr-defined]
-        weight = WeightPass(self.groups(), later)
+        weight = WeightPass(self.groups(), later, self._captured)
         self._captured = {}
         return weight
 

@@ -79,6 +79,20 @@ def bottlenecks() -> nn.Module:
     return nn.Sequential(Bottleneck(8, 4, downsample=down), Bottleneck(16, 4)).double()
 
 
+class Hooked(nn.Module):
+    """A tensor hook on a layer's output, where W starts (a junction)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.a(x)
+        h.register_hook(lambda g: g * 0.5)
+        return self.b(torch.tanh(h))
+
+
 @pytest.mark.parametrize(
     ("name", "make", "shape"),
     [
@@ -87,6 +101,7 @@ def bottlenecks() -> nn.Module:
         ("fan", lambda: Fan().double(), (3, 4)),
         ("twice_in_a_row", lambda: TwiceInARow().double(), (3, 4)),
         ("two_branches", lambda: TwoBranches().double(), (3, 4)),
+        ("hooked", lambda: Hooked().double(), (3, 4)),
     ],
 )
 def test_b_then_w_equals_a_plain_backward(

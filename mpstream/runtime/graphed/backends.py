@@ -108,7 +108,7 @@ def _capture_backward(
     call: GraphedCall, outs: Sequence[Tensor], pool: Any
 ) -> dict[str, torch.cuda.CUDAGraph]:
     """The backward's graphs, in the forward's pool: one, or B and W. A pass
-    with nothing to compute gets no graph (an empty graph is an error)."""
+    with nothing to compute gets no graph (PyTorch warns of an empty one)."""
     if not call.split:
         call.passes = ("forward", "backward")
         whole = torch.cuda.CUDAGraph()

@@ -69,13 +69,13 @@ def input_pass(call: GraphedCall, outputs: Sequence[Tensor], split: Split) -> li
     gradient if B computes it (None where W does)."""
     targets = b_targets(call, split)
     n = sum(1 for t in call.static_in if t.requires_grad)
-    got: Sequence[Tensor | None] = [None] * len(targets)
-    if targets:
-        roots = [outputs[k] for k in call.diff_out]
-        with split.keeping():
-            got = torch.autograd.grad(
-                roots, targets, call.static_grad_out, retain_graph=True, allow_unused=True
-            )
+    if not targets:  # the outputs reach no input: nothing for B
+        return [None] * (n + len(call.params))
+    roots = [outputs[k] for k in call.diff_out]
+    with split.keeping():
+        got = torch.autograd.grad(
+            roots, targets, call.static_grad_out, retain_graph=True, allow_unused=True
+        )
     by_id = {id(t): g for t, g in zip(targets[n:], got[n:])}
     return [*got[:n], *(by_id.get(id(p)) for p in call.params)]
 
@@ -83,9 +83,10 @@ def input_pass(call: GraphedCall, outputs: Sequence[Tensor], split: Split) -> li
 def weight_pass(call: GraphedCall, split: Split) -> list[Tensor | None]:
     """W inside the call: the parameter gradients B left, per parameter."""
     got: dict[int, Tensor | None] = {}
-    for edges, values, params in split.groups():
-        grads = torch.autograd.grad(edges, params, values, allow_unused=True)  # type: ignore[arg-type]
-        got.update((id(p), g) for p, g in zip(params, grads))
+    with split.pinned():
+        for edges, values, params in split.groups():
+            grads = torch.autograd.grad(edges, params, values, allow_unused=True)  # type: ignore[arg-type]
+            got.update((id(p), g) for p, g in zip(params, grads))
     return [got.get(id(p)) for p in call.params]
 
 

@@ -20,6 +20,7 @@ from mpstream.runtime.graphed.backends import Emulated
 from mpstream.runtime.graphed.call import GraphedCall
 from mpstream.runtime.split_backward import backward_inputs
 from tests.helpers import assert_same_grads, mlp
+from tests.runtime.test_split_backward import Hooked
 
 
 def graphed(stage: nn.Module, x: Tensor, split: bool = True) -> GraphedCall:
@@ -40,8 +41,12 @@ def bottlenecks() -> nn.Module:
 
 @pytest.mark.parametrize(
     ("make", "shape"),
-    [(lambda: mlp([5, 8, 7, 3]), (4, 5)), (bottlenecks, (2, 8, 6, 6))],
-    ids=["mlp", "resnet"],
+    [
+        (lambda: mlp([5, 8, 7, 3]), (4, 5)),
+        (bottlenecks, (2, 8, 6, 6)),
+        (lambda: Hooked().double(), (3, 4)),
+    ],
+    ids=["mlp", "resnet", "hooked"],
 )
 def test_b_gives_the_input_gradients_and_w_the_weights_later(
     make: object, shape: tuple[int, ...]
@@ -128,3 +133,30 @@ def test_a_forward_replayed_between_b_and_w_is_refused() -> None:
     call(cut(GradSink(), (x,))[0])  # overwrites the slot W still reads
     with pytest.raises(RuntimeError, match="between this backward's input and weight passes"):
         weight.run()
+
+
+class Unused(nn.Module):
+    """A second input that needs a gradient the stage never gives it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor, unused: Tensor) -> Tensor:
+        return self.lin(x) + unused.detach()
+
+
+def test_an_input_the_outputs_do_not_reach_gets_no_gradient() -> None:
+    stage = Unused().double()
+    reference = copy.deepcopy(stage)
+    x, unused = (torch.randn(3, 4, dtype=torch.float64) for _ in range(2))
+    call = GraphedCall(
+        stage, (x, unused.requires_grad_()), stage, x.device, True, Emulated(), split=True
+    )
+    assert call.passes == ("forward", "weight")
+    out = call(x, unused)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    assert unused.grad is None
+    reference(x, unused).backward(grad)
+    assert_same_grads(stage, reference)
