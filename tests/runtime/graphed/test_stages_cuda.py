@@ -13,9 +13,11 @@ import torch
 from torch import nn
 
 from mpstream import Pipe
+from mpstream.runtime.graphed import CudaGraphs
 from mpstream.runtime.graphed.stages import GraphWarning
 from mpstream.schedules import SCHEDULES
 from tests.helpers import assert_same_grads, mlp
+from tests.runtime.graphed.test_call import SPLIT_STAGES, check_split
 from tests.runtime.graphed.test_stages import CHECKPOINTS, WIDTHS, data, pair
 
 
@@ -232,3 +234,14 @@ def test_cuda_capture_beside_a_pinning_data_loader() -> None:
             for x, y in loader:
                 graphed.train_step(x, y, nn.MSELoss())
     assert all(s.graphed for s in graphed.graph_report().stages)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", SPLIT_STAGES)
+def test_cuda_b_and_w_graphs_give_a_plain_backward_s_gradients(name: str) -> None:
+    # A graphed call's split backward on its own: B replayed by the backward
+    # task's autograd call, W when the weight pass runs.
+    torch.manual_seed(0)
+    make, shape = SPLIT_STAGES[name]
+    x = torch.randn(*shape, dtype=torch.float64, device="cuda")
+    check_split(make().cuda(), x, CudaGraphs(), steps=3)
