@@ -92,7 +92,7 @@ def test_a_hugging_face_model_split_by_torch_export_replays_equal_to_eager() -> 
     assert graphed.graph_report().graphs > 0
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1"])
 def test_skips_multi_argument_stages_and_a_plain_argument(schedule: str) -> None:
     # Fan: stage 0's output read by three later stages, a float argument
     # baked into the graphs (part of the call's key).
@@ -114,6 +114,9 @@ def test_skips_multi_argument_stages_and_a_plain_argument(schedule: str) -> None
     for pipe in (eager_unet, graphed_unet):
         pipe.train_step(img, img, nn.MSELoss())
     assert_same_grads(graphed_unet, eager_unet)
+    if schedule == "zb_h1":  # stages of several inputs split into B and W
+        passes = [s.passes for s in graphed_unet.graph_report().stages]
+        assert all("weight" in p for p in passes[1:]), passes
 
 
 def test_a_stage_beginning_with_an_in_place_op_is_graphed() -> None:
