@@ -12,8 +12,9 @@ baseline. Each measurement is the host's issue time and the step's time
 allocated before it (``max_memory_allocated``) and, for graphed stages,
 what their graphs' pools hold and how many slots each stage keeps.
 
-The graphed-stages issue's targets are reported, never failed (a timing is
-not a defect): graphed stages at most :data:`OVER_CAPTURED` times the
+A measurement that raises (a capture error) fails its schedule's line and
+leaves the others. The graphed-stages issue's targets are reported, never
+failed (a timing is not a defect): graphed stages at most :data:`OVER_CAPTURED` times the
 captured step and :data:`OVER_EAGER` times the eager one, the host issuing
 for at most :data:`HOST_SHARE` of the step.
 """
@@ -35,7 +36,7 @@ from ..schedules import SCHEDULES
 from ..tutorial import models as tutorial
 from ..tutorial.analysis import batch
 from .checks import virtual_stages
-from .diagnosis import PASS, Check, Context
+from .diagnosis import FAIL, PASS, Check, Context
 from .experiment import config_for
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "EAGER",
     "GRAPHED",
     "CAPTURED",
+    "VARIANTS",
     "SINGLE",
     "time_steps",
     "measure",
@@ -57,6 +59,7 @@ OVER_EAGER = 0.3
 HOST_SHARE = 0.10
 
 EAGER, GRAPHED, CAPTURED = "eager", "graphed stages", "captured step"
+VARIANTS = (EAGER, GRAPHED, CAPTURED)
 #: The row of the single device (one stage, one micro-batch).
 SINGLE = "single device"
 
@@ -180,13 +183,20 @@ def schedule_rows(
     schedules: Sequence[str] = SCHEDULES,
     tick: Callable[[], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """The single device, then each schedule: eager, graphed, captured."""
+    """The single device, then each schedule: eager, graphed, captured (a
+    measurement that raised holds its ``error`` instead)."""
     rows = []
     for schedule in [None, *schedules]:
         row: dict[str, Any] = {"schedule": schedule or SINGLE}
         variants = (EAGER, CAPTURED) if schedule is None else (EAGER, GRAPHED, CAPTURED)
         for variant in variants:
-            row[variant] = measure(ctx, schedule, variant, backend)
+            try:
+                row[variant] = measure(ctx, schedule, variant, backend)
+            except Exception as exc:  # one failed measurement must not lose the others
+                first = (str(exc).strip().splitlines() or [""])[0]
+                row[variant] = {"error": f"{type(exc).__name__}: {first}"}
+                if ctx.cuda:
+                    torch.cuda.empty_cache()
             if tick is not None:
                 tick()
         rows.append(row)
@@ -209,12 +219,17 @@ def _against(value: float, bound: float, what: str, cuda: bool) -> str:
 def schedule_checks(rows: Sequence[dict[str, Any]], cuda: bool, split: int) -> list[Check]:
     """One line per schedule with its figures against the targets."""
     single = next(r for r in rows if r["schedule"] == SINGLE)
-    base = single[CAPTURED]
+    base = _ok(single[CAPTURED])
     checks = []
     for row in rows:
         if row["schedule"] == SINGLE:
             continue
-        eager, graphed, captured = row[EAGER], row[GRAPHED], row[CAPTURED]
+        name = f"graphed stages, {row['schedule']}, split {split}"
+        eager, graphed, captured = _ok(row[EAGER]), _ok(row[GRAPHED]), _ok(row[CAPTURED])
+        failed = [f"{v}: {row[v]['error']}" for v in VARIANTS if (row[v] or {}).get("error")]
+        if eager is None or graphed is None:
+            checks.append(Check(name, FAIL, "; ".join(failed), row))
+            continue
         step = graphed["step_ms"]
         parts = [f"step {step:.1f} ms (eager {eager['step_ms']:.1f} ms)"]
         if captured is not None:
@@ -233,6 +248,11 @@ def schedule_checks(rows: Sequence[dict[str, Any]], cuda: bool, split: int) -> l
         )
         if not graphed["graphed"]:
             parts.append(f"EAGER STAGES: {'; '.join(graphed['reasons'])}")
-        name = f"graphed stages, {row['schedule']}, split {split}"
-        checks.append(Check(name, PASS, "; ".join(parts), row))
+        parts.extend(failed)
+        checks.append(Check(name, FAIL if failed else PASS, "; ".join(parts), row))
     return checks
+
+
+def _ok(measured: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A measurement, or None where it could not run or raised."""
+    return None if measured is None or "error" in measured else measured

@@ -4,11 +4,13 @@ every schedule eager, graphed and captured, beside the single device."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 
 from mpstream.doctor import graphed
-from mpstream.doctor.diagnosis import PASS, TINY, Context
+from mpstream.doctor.diagnosis import FAIL, PASS, TINY, Context
 from mpstream.runtime.graphed import Emulated
 
 CPU = torch.device("cpu")
@@ -39,3 +41,26 @@ def test_each_schedule_is_measured_three_ways_beside_the_single_device(tmp_path:
     assert all(c.status == PASS for c in checks)
     assert "the captured step (target <= 1.15x: a GPU target)" in checks[0].detail
     assert "x the single device captured" in checks[0].detail
+
+
+def test_a_measurement_that_raises_fails_its_line_and_keeps_the_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ctx = Context((CPU, CPU), TINY, "resnet50", tmp_path, tmp_path)
+    timed = {"step_ms": 2.0, "issue_ms": 1.0, "issue_share": 0.5, "peak_bytes": None}
+    stages = {**timed, "graphed": True, "reasons": [], "slots": [2, 2], "pool_bytes": 0}
+
+    def fake(ctx: Context, schedule: str | None, variant: str, backend: Any) -> dict[str, Any]:
+        if variant == graphed.CAPTURED and schedule == "1f1b":
+            raise RuntimeError("operation not permitted when stream is capturing\nmore")
+        return stages if variant == graphed.GRAPHED else timed
+
+    monkeypatch.setattr(graphed, "measure", fake)
+    rows = graphed.schedule_rows(ctx, schedules=("gpipe", "1f1b"))
+    assert rows[2][graphed.CAPTURED] == {
+        "error": "RuntimeError: operation not permitted when stream is capturing"
+    }
+    checks = graphed.schedule_checks(rows, cuda=True, split=2)
+    assert [c.status for c in checks] == [PASS, FAIL]
+    assert "captured step: RuntimeError" in checks[1].detail
+    assert "1.00x eager (target <= 0.3x: missed)" in checks[1].detail
