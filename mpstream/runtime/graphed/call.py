@@ -195,7 +195,8 @@ class GraphedCall:
 
     def busy(self) -> bool:
         """Whether the static activations belong to a forward whose backward
-        may still run: its autograd node is alive and has not run."""
+        may still run: its autograd node is alive and has not run, or its
+        deferred weight pass is held and has not run."""
         return self.pending is not None and self.pending() is not None
 
     # -- replay ------------------------------------------------------------
