@@ -41,6 +41,7 @@ __all__ = [
     "MAX_ERROR",
     "GRAPHED_ERROR",
     "GRAPHED_SPEEDUP",
+    "PREDICTED_SCHEDULES",
     "graphed_predictions",
     "ASSUMED_LINK_GBPS",
     "scaled",
@@ -55,6 +56,8 @@ __all__ = [
 # split after balance (the graphed-stages issue's targets, reported only).
 GRAPHED_ERROR = 0.10
 GRAPHED_SPEEDUP = {2: 1.8, 4: 3.2}
+#: The schedules the cost model simulates for those predictions.
+PREDICTED_SCHEDULES = ("gpipe", "1f1b")
 MAX_ERROR = 0.25  # beyond this the model misses something (host issue time, contention)
 ASSUMED_LINK_GBPS = 50.0  # the project's default GPU-to-GPU bandwidth, when none is measured
 
@@ -194,8 +197,10 @@ def graphed_predictions(
 ) -> dict[str, Any]:
     """The cost model fitted to step 7's graphed-stages profile (GPU only):
     checked against that measured step (target within :data:`GRAPHED_ERROR`)
-    and predicting 2 and 4 GPUs with the graphed issue times (targets
-    :data:`GRAPHED_SPEEDUP`). Adds its checks; returns its figures."""
+    and predicting 2 and 4 GPUs with the graphed issue times, for each of
+    :data:`PREDICTED_SCHEDULES`, against one device whose step replays as
+    one graph (targets :data:`GRAPHED_SPEEDUP`). Adds its checks; returns
+    its figures."""
     profile = ctx.shared.get("graphed_profile")
     if profile is None:
         return {}
@@ -216,24 +221,38 @@ def graphed_predictions(
     )
     issue = spread_issue(profile["balance"], costs) if costs.issue_times else None
     out: dict[str, Any] = {"validation": row, "predictions": []}
-    for p in (2, 4):
-        balance, copies = balanced_copies(layer_times, p, micros, profiled, link_gbps)
-        pred = predict(
-            layer_times, p, micros, balance=balance, copy_times=copies, issue_times=issue
-        )
-        target = GRAPHED_SPEEDUP[p]
-        met = "met" if pred.speedup >= target else "missed"
-        checks.append(
-            Check(
-                f"prediction (not measured): {p} GPUs, graphed stages, balance {pred.balance}",
-                PASS,
-                f"step {pred.step_ms:.1f} ms, {pred.speedup:.2f}x one device with the graphed "
-                f"host issue times (target >= {target}x: {met})",
+    # Like with like: the one device a graphed pipeline is held against
+    # replays its step as one graph, so only its device time counts.
+    graphed_single = micros * sum(f + b for f, b in layer_times)
+    for schedule in PREDICTED_SCHEDULES:
+        for p in (2, 4):
+            balance, copies = balanced_copies(layer_times, p, micros, profiled, link_gbps)
+            pred = predict(
+                layer_times, p, micros, balance=balance, copy_times=copies,
+                issue_times=issue, schedule=schedule,
+            )  # fmt: skip
+            fair = graphed_single / pred.step_ms
+            target = GRAPHED_SPEEDUP[p]
+            met = "met" if fair >= target else "missed"
+            name = f"prediction (not measured): {p} GPUs, graphed stages, {schedule}"
+            checks.append(
+                Check(
+                    f"{name}, balance {pred.balance}",
+                    PASS,
+                    f"step {pred.step_ms:.1f} ms with the graphed host issue times: "
+                    f"{fair:.2f}x one device replayed as one graph (target >= {target}x: "
+                    f"{met}); {pred.speedup:.2f}x one device issued eagerly",
+                )
             )
-        )
-        out["predictions"].append(
-            {"gpus": p, "balance": pred.balance, "predicted_speedup": pred.speedup}
-        )
+            out["predictions"].append(
+                {
+                    "gpus": p,
+                    "schedule": schedule,
+                    "balance": pred.balance,
+                    "predicted_speedup": fair,
+                    "predicted_speedup_over_eager_single": pred.speedup,
+                }
+            )
     return out
 
 

@@ -389,9 +389,17 @@ def test_graphed_stages_are_profiled_and_predicted_where_a_profile_exists(tmp_pa
     profiled = [types.SimpleNamespace(output_bytes=1000)] * 23
     checks: list[Check] = []
     out = modelcheck.graphed_predictions(ctx, layers, 4, profiled, 10.0, ["cpu", "cpu"], checks)
-    assert [p["gpus"] for p in out["predictions"]] == [2, 4]
+    assert [(p["schedule"], p["gpus"]) for p in out["predictions"]] == [
+        ("gpipe", 2), ("gpipe", 4), ("1f1b", 2), ("1f1b", 4)
+    ]
     names = [c.name for c in checks]
     assert names[0] == "cost model, graphed stages (measured one-GPU step)"
     assert "target ±10%" in checks[0].detail
-    assert names[1].startswith("prediction (not measured): 2 GPUs, graphed stages")
+    assert names[1].startswith("prediction (not measured): 2 GPUs, graphed stages, gpipe")
+    assert names[3].startswith("prediction (not measured): 2 GPUs, graphed stages, 1f1b")
     assert "target >= 1.8x" in checks[1].detail and "target >= 3.2x" in checks[2].detail
+    # Like with like: against one device replayed as one graph (device time
+    # only), which is never slower than the same device issued eagerly.
+    for p in out["predictions"]:
+        assert p["predicted_speedup"] <= p["predicted_speedup_over_eager_single"] + 1e-9
+    assert "x one device replayed as one graph" in checks[1].detail
