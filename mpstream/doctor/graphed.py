@@ -8,9 +8,10 @@ eagerly, the same with every stage replayed from CUDA graphs
 (:class:`~mpstream.CapturedStep`, which needs both halves on one GPU). The
 single device is measured the same two ways, as the like-with-like
 baseline. Each measurement is the host's issue time and the step's time
-(medians, SGD inside the step), the step's peak memory above what was
-allocated before it (``max_memory_allocated``) and, for graphed stages,
-what their graphs' pools hold and how many slots each stage keeps.
+(medians, SGD inside the step), the peak memory of that variant alone
+(``max_memory_reserved``, which holds graph pools, with
+``max_memory_allocated`` beside) and, for graphed stages, what their
+graphs' pools hold and how many slots each stage keeps.
 
 A measurement that raises (a capture error) fails its schedule's line and
 leaves the others. The graphed-stages issue's targets are reported, never
@@ -144,6 +145,10 @@ def measure(
     if variant == CAPTURED and ctx.cuda and len(set(ctx.devices)) > 1 and schedule is not None:
         return None  # one CUDA graph cannot span devices
     config = config_for(ctx)
+    if ctx.cuda:  # the peaks are this variant's alone: weights, work and pools
+        torch.cuda.empty_cache()
+        for d in dict.fromkeys(ctx.devices):
+            torch.cuda.reset_peak_memory_stats(d)
     pipe = _pipe(ctx, schedule, backend if variant == GRAPHED else False)
     x, y = batch(config, pipe.devices[0])
     y = y.to(pipe.devices[-1])
@@ -151,19 +156,16 @@ def measure(
     devices = list(dict.fromkeys(pipe.devices))
     for _ in range(2):  # capture, then a replay
         step()
-    synchronize(devices)
-    row: dict[str, Any] = {"peak_bytes": None}
+    row: dict[str, Any] = time_steps(step, devices, ctx.sizes.profile_steps)
+    # A replay allocates nothing: what its graphs use sits in their pools,
+    # which the allocator reserves. Reserved memory is therefore the figure
+    # that compares eager and graphed steps; allocated is kept beside.
+    row["peak_reserved_bytes"] = row["peak_allocated_bytes"] = None
     if ctx.cuda:
-        before = {}
-        for d in devices:
-            torch.cuda.reset_peak_memory_stats(d)
-            before[d] = torch.cuda.memory_allocated(d)
-        step()
-        synchronize(devices)
-        row["peak_bytes"] = {
-            str(d): torch.cuda.max_memory_allocated(d) - before[d] for d in devices
+        row["peak_reserved_bytes"] = {str(d): torch.cuda.max_memory_reserved(d) for d in devices}
+        row["peak_allocated_bytes"] = {
+            str(d): torch.cuda.max_memory_allocated(d) for d in devices
         }
-    row.update(time_steps(step, devices, ctx.sizes.profile_steps))
     if variant == GRAPHED:
         report = pipe.graph_report()
         row["graphed"] = all(s.graphed for s in report.stages)
@@ -203,7 +205,7 @@ def schedule_rows(
     return rows
 
 
-def _mib(row: dict[str, Any] | None, key: str = "peak_bytes") -> str:
+def _mib(row: dict[str, Any] | None, key: str = "peak_reserved_bytes") -> str:
     if row is None or row.get(key) is None:
         return "-"
     value = row[key]
@@ -243,8 +245,9 @@ def schedule_checks(rows: Sequence[dict[str, Any]], cuda: bool, split: int) -> l
         if base is not None:
             parts.append(f"{step / base['step_ms']:.2f}x the single device captured")
         parts.append(
-            f"peak {_mib(graphed)} (eager {_mib(eager)}), "
-            f"graph pools {_mib(graphed, 'pool_bytes')}, slots {graphed['slots']}"
+            f"memory reserved at peak {_mib(graphed)} (eager {_mib(eager)}, captured "
+            f"{_mib(captured)}), of which graph pools {_mib(graphed, 'pool_bytes')}; "
+            f"slots {graphed['slots']}"
         )
         if not graphed["graphed"]:
             parts.append(f"EAGER STAGES: {'; '.join(graphed['reasons'])}")

@@ -29,7 +29,7 @@ def test_each_schedule_is_measured_three_ways_beside_the_single_device(tmp_path:
         eager, stages, whole = row[graphed.EAGER], row[graphed.GRAPHED], row[graphed.CAPTURED]
         for m in (eager, stages, whole):
             assert m["step_ms"] > 0 and 0 < m["issue_share"] <= 1.0 + 1e-9
-            assert m["peak_bytes"] is None  # allocator statistics exist on a GPU only
+            assert m["peak_reserved_bytes"] is None  # allocator statistics: on a GPU only
         assert stages["graphed"] and stages["pool_bytes"] == 0  # no device memory on a CPU
     # Slots: fill-drain keeps both micro-batches in flight on each stage.
     assert rows[1][graphed.GRAPHED]["slots"] == [2, 2]
@@ -47,7 +47,7 @@ def test_a_measurement_that_raises_fails_its_line_and_keeps_the_others(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ctx = Context((CPU, CPU), TINY, "resnet50", tmp_path, tmp_path)
-    timed = {"step_ms": 2.0, "issue_ms": 1.0, "issue_share": 0.5, "peak_bytes": None}
+    timed = {"step_ms": 2.0, "issue_ms": 1.0, "issue_share": 0.5, "peak_reserved_bytes": None}
     stages = {**timed, "graphed": True, "reasons": [], "slots": [2, 2], "pool_bytes": 0}
 
     def fake(ctx: Context, schedule: str | None, variant: str, backend: Any) -> dict[str, Any]:
