@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..stages.fx import rebind
+from ..stages.placement import rebind
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self needs Python 3.11

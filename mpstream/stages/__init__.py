@@ -2,7 +2,9 @@
 
 A Sequential is partitioned by layer counts (:mod:`.sequential`); any other
 module is traced with ``torch.fx`` and split at named submodules
-(:mod:`.fx`); :mod:`.balance` profiles layers and chooses the cut that
+(:mod:`.fx`) or exported with ``torch.export`` and cut at named calls
+(:mod:`.export`, :mod:`.exported`); :mod:`.placement` puts each stage's
+tensors on its device; :mod:`.balance` profiles layers and chooses the cut that
 minimises the slowest stage; :mod:`.build` decides which applies and returns
 the stages, their devices and their :class:`~mpstream.StageGraph`.
 

@@ -21,7 +21,8 @@ from ..runtime.graph import StageGraph
 from .balance import balance_by_size, balance_by_time, split_points_by
 from .export_balance import export_split_points
 from .exported import ExportSplit
-from .fx import place, trace
+from .fx import trace
+from .placement import place
 from .sequential import DeviceLike, split_module, stage_devices
 from .tracers import SplitReport, choose_tracer
 

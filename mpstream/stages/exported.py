@@ -29,9 +29,10 @@ from ..runtime.microbatch import NoChunk
 from ..schedules.schedule import check_schedule
 from .export import ExportedStages, attribute, export_stages, retarget_devices
 from .fake_export import first_line
-from .fx import Traced, place, rebind
+from .fx import Traced
 from .hf import Calls, calls_for, is_transformers_model
 from .model_loss import gather_with_loss
+from .placement import place, rebind
 from .tracers import CallSignature, SplitReport, describe_call, raised_in, sample_call
 
 __all__ = ["ExportSplit", "own_loss"]

@@ -15,19 +15,17 @@ from __future__ import annotations
 
 import inspect
 import operator
-from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, cast
 
-import torch
 from torch import Tensor, fx, nn
 from torch.fx.passes.split_module import split_module
 
 from ..runtime.graph import Ref, StageGraph
 
-__all__ = ["Traced", "trace", "split_candidates", "call_units", "place", "rebind"]
+__all__ = ["Traced", "trace", "split_candidates", "call_units", "lookup"]
 
 
 @dataclass
@@ -416,7 +414,7 @@ def trace(
     top = split_module(
         gm, module, lambda n: stage_of[n], qualname_map=qualnames, keep_original_order=True
     )
-    inline_attrs(top, lambda target: (_lookup(module, target), True))
+    inline_attrs(top, lambda target: (lookup(module, target), True))
     count = len(split_points) + 1
     graph, inputs = _stage_graph(top, count)
     partitions = [_part(top, f"submod_{s}") for s in range(count)]
@@ -428,67 +426,7 @@ def trace(
     )
 
 
-def place(module: nn.Module, traced: Traced, devices: Sequence[torch.device]) -> None:
-    """Moves each stage's tensors to its device, in the original module.
-
-    Raises:
-        ValueError: a tensor is used by stages on different devices (tied
-            weights are not silently copied).
-    """
-    users: dict[str, list[int]] = defaultdict(list)
-    for s, used in enumerate(traced.tensors):
-        for name in sorted(used):
-            users[name].append(s)
-    by_identity: dict[int, list[tuple[str, int]]] = defaultdict(list)
-    for name, stages in users.items():
-        tensor = _lookup(module, name)
-        for s in stages:
-            by_identity[id(tensor)].append((name, s))
-    for uses in by_identity.values():
-        devs = {devices[s] for _, s in uses}
-        if len(devs) > 1:
-            names = sorted({n for n, _ in uses})
-            where = ", ".join(f"stage {s} ({devices[s]})" for s in sorted({s for _, s in uses}))
-            raise ValueError(
-                f"{' = '.join(names)} is used by {where}: a tensor shared by stages must sit on "
-                f"one device (tied weights are not copied between devices); put those stages "
-                f"on one device or untie the weights"
-            )
-    for name, stages in users.items():
-        _move(module, name, devices[stages[0]])
-    for part in traced.partitions:
-        rebind(part, module)
-
-
-def _lookup(module: nn.Module, name: str) -> Tensor:
+def lookup(module: nn.Module, name: str) -> Tensor:
+    """The tensor a qualified name (``"blocks.0.weight"``) names in ``module``."""
     owner, _, attr = name.rpartition(".")
     return getattr(module.get_submodule(owner) if owner else module, attr)  # type: ignore[no-any-return]
-
-
-def _move(module: nn.Module, name: str, device: torch.device) -> None:
-    owner_name, _, attr = name.rpartition(".")
-    owner = module.get_submodule(owner_name) if owner_name else module
-    if attr in owner._parameters:
-        param = owner._parameters[attr]
-        assert param is not None
-        if param.device != device:
-            param.data = param.data.to(device)
-    elif attr in owner._buffers:
-        buf = owner._buffers[attr]
-        if buf is not None and buf.device != device:
-            owner._buffers[attr] = buf.to(device)
-    else:
-        tensor = getattr(owner, attr)
-        if isinstance(tensor, Tensor) and tensor.device != device:
-            setattr(owner, attr, tensor.to(device))
-
-
-def rebind(part: fx.GraphModule, root: nn.Module) -> None:
-    """Points a stage's own references at ``root``'s current tensors (after
-    ``.to(dtype)``, or a ``load_state_dict(assign=True)``)."""
-    for name, target in getattr(part, "_mpstream_attrs", {}).items():
-        current = _lookup(root, target)
-        if isinstance(current, nn.Parameter):
-            part._parameters[name] = current
-        else:
-            part._buffers[name] = current

@@ -15,7 +15,8 @@ from torch import Tensor, nn
 import mpstream
 from mpstream import NoChunk, Pipe, PlanError, record_plan, verify_plan
 from mpstream.runtime.plan import Plan
-from mpstream.stages.fx import place, split_candidates, trace
+from mpstream.stages.fx import split_candidates, trace
+from mpstream.stages.placement import place
 from tests.helpers import assert_same_grads
 from tests.models import Decoder, Fan, UNet
 
