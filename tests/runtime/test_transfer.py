@@ -1,7 +1,7 @@
 """Host transfers: staging through pinned buffers, asynchronous gradients back.
 
 The device behaviour (no host synchronization, the io stream) is tested in
-test_cuda.py; here the logic, with the ``meta`` device standing in for a GPU
+tests/cuda/test_hot_path.py and test_streams.py; here the logic, with the ``meta`` device standing in for a GPU
 and fake events for CUDA's.
 """
 

@@ -1,0 +1,187 @@
+"""Which stream runs what: each stage on its own, transfers on the io stream,
+forced copies on the sender's copy stream, streams restored after a failure,
+timing events.
+
+Marked ``cuda``: skipped cleanly without a GPU."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from mpstream import Pipe
+from tests.cuda.helpers import (
+    BATCH,
+)
+from tests.helpers import mlp
+
+pytestmark = pytest.mark.cuda
+
+
+def test_streams_are_restored_after_a_failure() -> None:
+    class Fail(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            raise RuntimeError("boom")
+
+    pipe = Pipe(nn.Sequential(nn.Linear(2, 2).cuda(), Fail()), chunks=2)
+    before = torch.cuda.current_stream()
+    with pytest.raises(RuntimeError, match="boom"):
+        pipe(torch.ones(4, 2, device="cuda"))
+    assert torch.cuda.current_stream() == before
+    assert pipe.scheduler.events_free == pipe.scheduler.events_created
+
+
+def test_stages_run_on_their_own_streams() -> None:
+    seen: list[tuple[int, int]] = []
+
+    class Spy(nn.Module):
+        def __init__(self, stage: int) -> None:
+            super().__init__()
+            self.stage = stage
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x: Tensor) -> Tensor:
+            seen.append((self.stage, torch.cuda.current_stream().stream_id))
+            return self.lin(x)
+
+    pipe = Pipe(nn.Sequential(Spy(0), Spy(1)).cuda(), chunks=3)
+    pipe(torch.ones(6, 2, device="cuda"))
+    streams = pipe.scheduler.compute_streams
+    assert all(sid == streams[s].stream_id for s, sid in seen)
+    assert streams[0] != streams[1] != torch.cuda.default_stream()
+    # Compute outranks copies: a same-GPU copy kernel must not hold the SMs.
+    copies = pipe.scheduler.copy_streams
+    assert all(s.priority < c.priority for s, c in zip(streams, copies))
+
+
+def test_timing_events_cover_every_task() -> None:
+    pipe = Pipe(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)).cuda(), chunks=4)
+    sched = pipe.scheduler
+    sched.timing = True
+    pipe(torch.randn(8, 8, device="cuda"))
+    timings = sched.timings()
+    sched.timing = False
+    assert {(t.stage, t.micro) for t in timings} == {(s, m) for s in range(2) for m in range(4)}
+    assert all(t.end_ms >= t.start_ms >= 0 for t in timings)
+    assert all(t.issue_ms > 0 for t in timings)
+
+
+def test_issue_times_measure_the_host_not_the_device() -> None:
+    class Slow(nn.Module):
+        """Issues one kernel after 20 ms of host work."""
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            time.sleep(0.02)
+            return x + 1
+
+    pipe = Pipe(
+        nn.Sequential(Slow(), nn.Identity()), chunks=2, balance=[1, 1], devices=["cuda:0"] * 2
+    )
+    sched = pipe.scheduler
+    sched.timing = True
+    pipe(torch.randn(8, 8, device="cuda"))
+    timings = sched.timings()
+    sched.timing = False
+    slow = [t for t in timings if t.stage == 0]
+    assert len(slow) == 2 and all(t.issue_ms >= 19 for t in slow)
+    assert all(t.issue_ms < 10 for t in timings if t.stage == 1)
+
+
+def _stream_spy(monkeypatch: pytest.MonkeyPatch, module: str, name: str) -> list[int]:
+    """Records the current stream's id whenever ``module.name`` is called."""
+    import importlib
+
+    target = importlib.import_module(module)
+    real = getattr(target, name)
+    seen: list[int] = []
+
+    def spy(x: Tensor, device: torch.device, *args: object, **kwargs: object) -> Tensor:
+        where = device if device.type == "cuda" else x.device
+        seen.append(torch.cuda.current_stream(where).stream_id)
+        return real(x, device, *args, **kwargs)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(target, name, spy)
+    return seen
+
+
+def test_inputs_and_targets_move_on_the_io_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    pipe = Pipe(mlp([5, 8, 4]).float().cuda(), chunks=3, balance=[2, 2], devices=["cuda:0"] * 2)
+    io = pipe.scheduler.io_streams[0].stream_id  # type: ignore[union-attr]
+    in_forward = _stream_spy(monkeypatch, "mpstream.runtime.copy", "to_device")
+    in_train = _stream_spy(monkeypatch, "mpstream.runtime.training", "to_device")
+    x, y = torch.randn(BATCH, 5), torch.randn(BATCH, 4)
+    pipe(x).sum().backward()
+    pipe.train_step(x.pin_memory(), y, nn.MSELoss())
+    assert in_forward == [io] * 3
+    assert in_train == [io] * 6  # 3 inputs, 3 targets
+    sched = pipe.scheduler
+    sched.timing = True
+    pipe.train_step(x, y, nn.MSELoss())
+    spans = sched.timings()
+    sched.timing = False
+    transfers = [t for t in spans if (t.kind, t.stage) == ("copy", -1) or t.kind == "target"]
+    assert len(transfers) == 6 and {t.stream for t in transfers} == {"io@cuda:0"}
+
+
+def test_forced_copies_run_on_the_sending_copy_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    pipe = Pipe(
+        mlp([5, 8, 7, 4]).float().cuda(), chunks=2, balance=[2, 2, 2], devices=["cuda:0"] * 3,
+        force_copies=True,
+    )  # fmt: skip
+    copies = [st.stream_id for st in pipe.scheduler.copy_streams]  # type: ignore[union-attr]
+    seen = _stream_spy(monkeypatch, "mpstream.runtime.copy", "move")
+    x = torch.randn(BATCH, 5, device="cuda")
+    out = pipe(x)
+    assert seen == [copies[0], copies[0], copies[1], copies[1]]  # stage 0 -> 1, then 1 -> 2
+    seen.clear()
+    out.sum().backward()
+    # Gradients go back on the stream of each forward copy's autograd node,
+    # which autograd made wait for the incoming gradient.
+    assert sorted(seen) == sorted([copies[0], copies[0], copies[1], copies[1]])
+
+
+def test_a_failed_step_restores_state_after_its_queued_kernels() -> None:
+    """loss_fn fails after the last stage's kernels were queued: the restore
+    (on the caller's stream) is ordered after them, and the next step works."""
+    model = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64), nn.Linear(64, 8)).cuda()
+    pipe = Pipe(model, split_size=4, balance=[2, 1], devices=["cuda:0"] * 2, schedule="1f1b")
+    x, y = torch.randn(16, 64, device="cuda"), torch.randn(16, 8, device="cuda")
+    pipe.train_step(x, y, nn.MSELoss())
+    grads = [p.grad.clone() for p in pipe.parameters()]  # type: ignore[union-attr]
+    stats = [b.clone() for b in pipe.buffers()]
+    with pytest.raises(TypeError, match="scalar"):
+        pipe.train_step(x, y, nn.MSELoss(reduction="none"))
+    for p, g in zip(pipe.parameters(), grads):
+        torch.testing.assert_close(p.grad, g)
+    for b, saved in zip(pipe.buffers(), stats):
+        torch.testing.assert_close(b, saved)
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    pipe.train_step(x, y, nn.MSELoss())
+
+
+def test_timing_events_are_pooled() -> None:
+    pipe = Pipe(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)).cuda(), chunks=4)
+    sched = pipe.scheduler
+    sched.timing = True
+    x = torch.randn(8, 8, device="cuda")
+    for _ in range(30):
+        pipe(x)
+        torch.cuda.synchronize()
+    assert len(sched.timings()) == 30 * 8
+    sched.timing = False
+    # Two events per task of one run (and the run in flight), not per run.
+    assert sched.timing_events_created <= 2 * 2 * 8
+
+
+def test_too_many_stages_on_one_gpu_warn_about_shared_streams() -> None:
+    from mpstream.runtime.scheduler import StreamAliasWarning
+
+    # PyTorch pools 32 streams per priority and device; compute streams
+    # have a pool of their own (high priority), so 40 stages must share.
+    layers = nn.Sequential(*[nn.Linear(4, 4) for _ in range(40)]).cuda()
+    pipe = Pipe(layers, balance=[1] * 40, devices=["cuda:0"] * 40)
+    with pytest.warns(StreamAliasWarning, match="stage0.compute@cuda:0 = "):
+        assert pipe.scheduler is not None
