@@ -1,8 +1,8 @@
 """Host transfers: staging through pinned buffers, asynchronous gradients back.
 
 The device behaviour (no host synchronization, the io stream) is tested in
-tests/cuda/test_hot_path.py and test_streams.py; here the logic, with the ``meta`` device standing in for a GPU
-and fake events for CUDA's.
+tests/cuda/test_hot_path.py and test_streams.py; here the logic, with the
+``meta`` device standing in for a GPU and fake events for CUDA's.
 """
 
 from __future__ import annotations
