@@ -233,6 +233,8 @@ def run(
         graphs.begin(schedule, backward_later=False)
     native.begin_run(schedule.native, sched.caller_streams())
     try:
+        if graphs is not None:
+            graphs.hold()  # parameter gradients summed per stage, handed over after the run
         for task in schedule.tasks:
             kind, s, m = task.kind, task.stage, task.micro
             # Everything a task issues, record_stream and the boundary cut
@@ -330,8 +332,12 @@ def run(
                 native.end(handle)
         task = None
         native.join()
+        if graphs is not None:
+            graphs.release(keep=True)  # after the join: on the caller's streams
     except BaseException as exc:
         native.abort()
+        if graphs is not None:
+            graphs.release(keep=False)
         worker.annotate(exc, task, len(batches), _loss.__code__)
         raise
     if caller_reader is not None:

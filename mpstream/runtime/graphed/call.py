@@ -35,9 +35,11 @@ from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import Node, get_gradient_edge
 
 from ...memory.batchnorm import DeferredBatchNorm, deferred_norms
 from ..microbatch import leaves, rebuild_leaves
+from .grads import StageGrads
 
 __all__ = ["Backend", "GraphedCall"]
 
@@ -138,6 +140,9 @@ class GraphedCall:
         self.replays = 0  # forward replays whose backward may follow
         self.pending: weakref.ref[Any] | None = None  # the node of the last such replay
         self.label = "the stage"
+        #: The stage's gradient sums (set by StageGraphs; None: always return).
+        self.sums: StageGrads | None = None
+        self._accumulators: list[Node] | None = None
         #: The graphs captured: forward; backward (all of it, or B); weight (W).
         self.passes: tuple[str, ...] = ("forward",)
         with _restored(stage):
@@ -243,7 +248,26 @@ class GraphedCall:
             out.append(None if g is None else g.clone())
         if defer:
             return out + [None] * len(self.params)
-        return out + self._param_grads()
+        return out + self._params_out()
+
+    def _params_out(self) -> list[Tensor | None]:
+        """The parameter gradients to return to autograd: None for those
+        added to the stage's sums instead (see :mod:`.grads`)."""
+        if self.sums is None or not self.sums.holding:
+            return self._param_grads()
+        if self._accumulators is None:
+            self._accumulators = [get_gradient_edge(p).node for p in self.params]
+        out: list[Tensor | None] = []
+        held: list[tuple[Tensor, Tensor]] = []
+        for p, g, node in zip(self.params, self.static_grad_params, self._accumulators):
+            if g is not None and torch._C._will_engine_execute_node(node):
+                held.append((p, g))
+                out.append(None)
+            else:
+                out.append(None if g is None else g.clone())
+        with torch.no_grad():
+            self.sums.add([p for p, _ in held], [g for _, g in held])
+        return out
 
     def _param_grads(self) -> list[Tensor | None]:
         # Copies: a parameter's gradient may outlive the next replay (kept by
@@ -261,9 +285,13 @@ class GraphedCall:
             )
         with torch.no_grad():
             self.backend.weight(self)
-            grads = self._param_grads()
+            pairs = [(p, g) for p, g in zip(self.params, self.static_grad_params) if g is not None]
+            if self.sums is not None and self.sums.holding:
+                self.sums.add([p for p, _ in pairs], [g for _, g in pairs])
+                pairs = []
+            else:
+                pairs = [(p, g.clone()) for p, g in pairs]
         self.pending = None
-        pairs = [(p, g) for p, g in zip(self.params, grads) if g is not None]
         if pairs:
             torch.autograd.backward([p for p, _ in pairs], [g for _, g in pairs])
 

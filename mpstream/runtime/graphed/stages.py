@@ -47,6 +47,7 @@ from ...schedules.slots import Slots, plan_slots
 from ..microbatch import leaves
 from .backends import CudaGraphs
 from .call import Backend, GraphedCall
+from .grads import StageGrads
 
 __all__ = [
     "StageGraphs",
@@ -199,6 +200,7 @@ class _Stage:
         self.captures = 0
         self.recaptures = 0
         self.reserved = 0
+        self.sums = StageGrads()
 
 
 class StageGraphs:
@@ -267,6 +269,32 @@ class StageGraphs:
                 st.recaptures += len(st.calls)
                 st.calls.clear()  # replaced tensors or modules: capture again
             st.print = now
+
+    def hold(self) -> None:
+        """From now until :meth:`release`, replays add their parameter
+        gradients into each stage's sums (see :mod:`.grads`), except on a
+        stage with a parameter's post-accumulate-grad hook."""
+        for st in self.stages:
+            # A post-accumulate hook would run once per step instead of once
+            # per micro-batch: such a stage keeps returning its gradients.
+            hooked = any(p._post_accumulate_grad_hooks for p in st.module.parameters())
+            st.sums.holding = not hooked
+
+    def flush(self) -> None:
+        """Hands each stage's sums to ``.grad``, on the current streams."""
+        for st in self.stages:
+            st.sums.flush()
+
+    def release(self, keep: bool) -> None:
+        """Ends holding; ``keep``: flush the sums, else drop them (a
+        failed run)."""
+        try:
+            if keep:
+                self.flush()
+        finally:
+            for st in self.stages:
+                st.sums.holding = False
+                st.sums.discard()
 
     def call(
         self,
@@ -345,6 +373,7 @@ class StageGraphs:
             warnings.warn(f"{st.label} runs eagerly: {st.reason}", GraphWarning, stacklevel=4)
             return None
         graphed.label = st.label
+        graphed.sums = st.sums
         st.captures += 1
         st.calls[key] = graphed
         st.used.add(key)

@@ -1,0 +1,102 @@
+"""During ``train_step`` a graphed stage's parameter gradients are summed per
+stage and handed to ``.grad`` once: the eager pipe's gradients, accumulated
+once per step instead of once per micro-batch; a failed step leaves no
+partial sums; outside ``train_step`` replays return their gradients."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from mpstream import Pipe
+from mpstream.runtime.graphed import GraphedCall
+from mpstream.runtime.graphed.grads import StageGrads
+from tests.helpers import assert_same_grads, mlp
+from tests.runtime.graphed.test_stages import WIDTHS, data, pair
+
+
+def count_accumulations(pipe: Pipe) -> Counter[str]:
+    """How often autograd accumulates a gradient into each parameter's ``.grad``."""
+    seen: Counter[str] = Counter()
+    for name, p in pipe.named_parameters():
+        # Autograd runs these hooks also where no gradient arrived.
+        p.register_post_accumulate_grad_hook(
+            lambda p, name=name: seen.update([name] if p.grad is not None else [])
+        )
+    return seen
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1"])
+def test_train_step_hands_each_stage_s_sums_over_once(
+    schedule: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    eager, graphed = pair(mlp(WIDTHS), chunks=4, schedule=schedule)
+    returned, flushed = [], []
+    copy_out = GraphedCall._param_grads
+    flush = StageGrads.flush
+
+    def spy_copy(call: GraphedCall) -> list[Tensor | None]:
+        returned.append(call)
+        return copy_out(call)
+
+    def spy_flush(sums: StageGrads) -> None:
+        flushed.append(len(sums._sums))
+        flush(sums)
+
+    monkeypatch.setattr(GraphedCall, "_param_grads", spy_copy)
+    monkeypatch.setattr(StageGrads, "flush", spy_flush)
+    x, y = data()
+    for _ in range(2):  # no zero_grad: the second step adds to .grad
+        losses = [pipe.train_step(x, y, nn.MSELoss()) for pipe in (eager, graphed)]
+        torch.testing.assert_close(losses[1], losses[0])
+        assert_same_grads(graphed, eager)
+    assert returned == []  # no gradient copied out per replay
+    assert flushed == [4, 4] * 2  # each stage's 4 parameters, once per step
+
+
+def test_a_stage_with_a_post_accumulate_hook_keeps_per_micro_batch_accumulation() -> None:
+    eager, graphed = pair(mlp(WIDTHS), chunks=4)
+    counts = [count_accumulations(pipe) for pipe in (eager, graphed)]
+    x, y = data()
+    for pipe in (eager, graphed):
+        pipe.train_step(x, y, nn.MSELoss())
+    assert_same_grads(graphed, eager)
+    assert counts[1] == counts[0] == Counter({n: 4 for n, _ in eager.named_parameters()})
+
+
+def test_a_failed_step_leaves_no_partial_sums() -> None:
+    eager, graphed = pair(mlp(WIDTHS), chunks=4)
+    x, y = data()
+    calls = 0
+
+    def failing(out: Tensor, target: Tensor) -> Tensor:
+        nonlocal calls
+        calls += 1
+        if calls == 7:  # the second step's third micro-batch
+            raise RuntimeError("loss failed")
+        return nn.functional.mse_loss(out, target)
+
+    graphed.train_step(x, y, failing)
+    with pytest.raises(RuntimeError, match="loss failed"):
+        graphed.train_step(x, y, failing)
+    eager.train_step(x, y, nn.MSELoss())
+    assert_same_grads(graphed, eager)  # as after one step: the failed one left nothing
+    for pipe in (eager, graphed):
+        pipe.train_step(x, y, nn.MSELoss())
+    assert_same_grads(graphed, eager)
+
+
+def test_outside_train_step_replays_return_their_gradients() -> None:
+    eager, graphed = pair(mlp(WIDTHS), chunks=2)
+    x, y = data()
+    for pipe in (eager, graphed):
+        pipe.train_step(x, y, nn.MSELoss())
+    got = []
+    for pipe in (eager, graphed):
+        loss = nn.functional.mse_loss(pipe(x), y)
+        got.append(torch.autograd.grad(loss, list(pipe.parameters())))
+    for a, b in zip(*got):
+        torch.testing.assert_close(b, a)
