@@ -18,8 +18,8 @@ gradients. Copies, because the next replay of the slot overwrites the
 static buffers while readers on other streams (a copy to the next device, a
 gradient copy back) may still be queued; with them, the runtime's event
 plan and allocator protection apply unchanged. Parameter gradients go
-straight to autograd's accumulation, on the stage's stream, before any
-later replay.
+to autograd's accumulation, on the stage's stream, before any later replay;
+under ``train_step`` into the stage's sums instead (:mod:`.grads`).
 
 A :class:`Backend` captures and replays (:mod:`~mpstream.runtime.graphed.backends`:
 CUDA graphs, or an emulation for tests); what the captured backward
