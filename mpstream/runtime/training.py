@@ -335,9 +335,11 @@ def run(
         if graphs is not None:
             graphs.release(keep=True)  # after the join: on the caller's streams
     except BaseException as exc:
-        native.abort()
-        if graphs is not None:
-            graphs.release(keep=False)
+        try:
+            native.abort()
+        finally:
+            if graphs is not None:
+                graphs.release(keep=False)
         worker.annotate(exc, task, len(batches), _loss.__code__)
         raise
     if caller_reader is not None:

@@ -260,7 +260,7 @@ class GraphedCall:
         out: list[Tensor | None] = []
         held: list[tuple[Tensor, Tensor]] = []
         for p, g, node in zip(self.params, self.static_grad_params, self._accumulators):
-            if g is not None and torch._C._will_engine_execute_node(node):
+            if g is not None and _accumulates(node):
                 held.append((p, g))
                 out.append(None)
             else:
@@ -294,6 +294,16 @@ class GraphedCall:
         self.pending = None
         if pairs:
             torch.autograd.backward([p for p, _ in pairs], [g for _, g in pairs])
+
+
+def _accumulates(node: Node) -> bool:
+    """Whether the running backward accumulates into this AccumulateGrad
+    node's parameter (not so under ``torch.autograd.grad``, where asking
+    about a leaf raises)."""
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError:
+        return False
 
 
 class _Replay(torch.autograd.Function):

@@ -274,11 +274,17 @@ class StageGraphs:
         """From now until :meth:`release`, replays add their parameter
         gradients into each stage's sums (see :mod:`.grads`), except on a
         stage with a parameter's post-accumulate-grad hook."""
+        users: dict[int, int] = {}
+        for st in self.stages:
+            for p in st.module.parameters():
+                users[id(p)] = users.get(id(p), 0) + 1
+        shared = frozenset(i for i, n in users.items() if n > 1)
         for st in self.stages:
             # A post-accumulate hook would run once per step instead of once
             # per micro-batch: such a stage keeps returning its gradients.
             hooked = any(p._post_accumulate_grad_hooks for p in st.module.parameters())
             st.sums.holding = not hooked
+            st.sums.shared = shared
 
     def flush(self) -> None:
         """Hands each stage's sums to ``.grad``, on the current streams."""

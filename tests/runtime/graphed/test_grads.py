@@ -54,7 +54,9 @@ def test_train_step_hands_each_stage_s_sums_over_once(
         torch.testing.assert_close(losses[1], losses[0])
         assert_same_grads(graphed, eager)
     assert returned == []  # no gradient copied out per replay
-    assert flushed == [4, 4] * 2  # each stage's 4 parameters, once per step
+    # Step 1: each stage's 4 sums become the gradients; step 2 adds straight
+    # into them, so nothing is left to hand over.
+    assert flushed == [4, 4, 0, 0]
 
 
 def test_a_stage_with_a_post_accumulate_hook_keeps_per_micro_batch_accumulation() -> None:
@@ -100,3 +102,15 @@ def test_outside_train_step_replays_return_their_gradients() -> None:
         got.append(torch.autograd.grad(loss, list(pipe.parameters())))
     for a, b in zip(*got):
         torch.testing.assert_close(b, a)
+
+
+def test_a_weight_two_stages_share_sums_per_stage() -> None:
+    # Tied: the first and the last layer share a weight, on stages 0 and 2.
+    model = mlp([5, 5, 5, 5])
+    model[4].weight = model[0].weight
+    eager, graphed = pair(model, chunks=3, balance=[2, 2, 2], devices=["cpu"] * 3)
+    x, y = torch.randn(7, 5, dtype=torch.float64), torch.randn(7, 5, dtype=torch.float64)
+    for _ in range(2):  # the second step adds to the gradients of the first
+        for pipe in (eager, graphed):
+            pipe.train_step(x, y, nn.MSELoss())
+        assert_same_grads(graphed, eager)
