@@ -117,6 +117,9 @@ def wrap(pipe: Pipe, **ddp_kwargs: Any) -> DistributedDataParallel:
     check_placement(pipe.devices, dist.get_backend_config(group))
     ddp_kwargs.pop("device_ids", None)
     ddp_kwargs.pop("output_device", None)
+    # Graphed stages would hand parameter gradients over once per backward,
+    # past the AccumulateGrad hooks DDP's reducer counts on.
+    pipe._per_replay_grads()
     return DistributedDataParallel(pipe, device_ids=None, output_device=None, **ddp_kwargs)
 
 

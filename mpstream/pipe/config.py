@@ -107,6 +107,8 @@ class PipeConfig(PipeModule):
             graphed = self.__dict__["_graphed"]
             backend = None if graphed is True else graphed
             graphs = StageGraphs(stages, self.devices, labels, backend) if graphed else None
+            if graphs is not None:
+                graphs.sum_grads(self.__dict__.get("_sum_grads", True))
             worker = Worker(stages, sched, self.force_copies, self.graph, labels, graphs)
             rt = (sched, worker, {})
             self.__dict__["_runtime"] = rt
@@ -120,6 +122,15 @@ class PipeConfig(PipeModule):
         n = len(self.devices)
         starts = ["the start", *[f"'{p}'" for p in points]]
         return [f"stage {s} of {n} (from {starts[s]} on {d})" for s, d in enumerate(self.devices)]
+
+    def _per_replay_grads(self) -> None:
+        """Has graphed stages return every replay's parameter gradients to
+        autograd instead of summing them per stage (DDP: its reducer hooks
+        on each parameter's AccumulateGrad need every one)."""
+        self.__dict__["_sum_grads"] = False
+        rt = self.__dict__["_runtime"]
+        if rt is not None and rt[1].graphs is not None:
+            rt[1].graphs.sum_grads(False)
 
     @property
     def graphed(self) -> bool:

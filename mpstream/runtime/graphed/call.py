@@ -253,7 +253,8 @@ class GraphedCall:
     def _params_out(self) -> list[Tensor | None]:
         """The parameter gradients to return to autograd: None for those
         added to the stage's sums instead (see :mod:`.grads`)."""
-        if self.sums is None or not self.sums.holding:
+        sums = self.sums
+        if sums is None or not (sums.holding or self._holds_task(sums)):
             return self._param_grads()
         if self._accumulators is None:
             self._accumulators = [get_gradient_edge(p).node for p in self.params]
@@ -266,8 +267,16 @@ class GraphedCall:
             else:
                 out.append(None if g is None else g.clone())
         with torch.no_grad():
-            self.sums.add([p for p, _ in held], [g for _, g in held])
+            sums.add([p for p, _ in held], [g for _, g in held])
         return out
+
+    def _holds_task(self, sums: StageGrads) -> bool:
+        """Outside ``train_step``: hold for the running backward pass,
+        unless a parameter has a post-accumulate hook (which would run once
+        per pass instead of once per micro-batch)."""
+        if any(p._post_accumulate_grad_hooks for p in self.params):
+            return False
+        return sums.hold_task()
 
     def _param_grads(self) -> list[Tensor | None]:
         # Copies: a parameter's gradient may outlive the next replay (kept by

@@ -283,8 +283,14 @@ class StageGraphs:
             # A post-accumulate hook would run once per step instead of once
             # per micro-batch: such a stage keeps returning its gradients.
             hooked = any(p._post_accumulate_grad_hooks for p in st.module.parameters())
-            st.sums.holding = not hooked
+            st.sums.holding = st.sums.enabled and not hooked
             st.sums.shared = shared
+
+    def sum_grads(self, on: bool) -> None:
+        """Whether replays may sum parameter gradients per stage (see
+        :mod:`.grads`); off, each replay returns them to autograd."""
+        for st in self.stages:
+            st.sums.enabled = on
 
     def flush(self) -> None:
         """Hands each stage's sums to ``.grad``, on the current streams."""

@@ -114,3 +114,37 @@ def test_a_weight_two_stages_share_sums_per_stage() -> None:
         for pipe in (eager, graphed):
             pipe.train_step(x, y, nn.MSELoss())
         assert_same_grads(graphed, eager)
+
+
+def test_the_users_own_loop_hands_the_sums_over_once_per_backward(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    eager, graphed = pair(mlp(WIDTHS), chunks=4)
+    returned: list[GraphedCall] = []
+    copy_out = GraphedCall._param_grads
+
+    def spy(call: GraphedCall) -> list[Tensor | None]:
+        returned.append(call)
+        return copy_out(call)
+
+    monkeypatch.setattr(GraphedCall, "_param_grads", spy)
+    x, y = data()
+    for _ in range(2):  # no zero_grad: the second backward adds to .grad
+        for pipe in (eager, graphed):
+            nn.functional.mse_loss(pipe(x), y).backward()
+        assert_same_grads(graphed, eager)
+    assert returned == []
+
+
+def test_a_failed_backward_in_the_users_loop_leaves_no_sums_behind() -> None:
+    eager, graphed = pair(mlp(WIDTHS), chunks=4)
+    x, y = data()
+    for pipe in (eager, graphed):
+        inp = x.clone().requires_grad_()
+        # Raises once the stages' replays have run (it is x's gradient).
+        inp.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("hook failed")))
+        with pytest.raises(RuntimeError, match="hook failed"):
+            nn.functional.mse_loss(pipe(inp), y).backward()
+        pipe.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(pipe(x), y).backward()
+    assert_same_grads(graphed, eager)
