@@ -397,6 +397,23 @@ def test_graphed_stages_under_ddp_give_the_reducer_every_gradient(group: None) -
         torch.testing.assert_close(a.grad, b.grad)
 
 
+def test_graphed_stages_under_a_plain_ddp_give_the_reducer_every_gradient(group: None) -> None:
+    # DistributedDataParallel built directly, not through wrap(): the pipe
+    # sees DDP's forward running and stops summing gradients.
+    from mpstream.runtime.graphed import Emulated
+
+    eager, graphed = small_pipe(), small_pipe(graphs=Emulated())
+    graphed.load_state_dict(eager.state_dict())
+    wrapped = [DistributedDataParallel(p, device_ids=None) for p in (eager, graphed)]
+    x, y = batches(1)[0]
+    for _ in range(2):
+        for ddp in wrapped:
+            ddp.zero_grad()
+            nn.functional.mse_loss(ddp(x), y).backward()
+        for a, b in zip(graphed.parameters(), eager.parameters()):
+            torch.testing.assert_close(a.grad, b.grad)
+
+
 def test_one_process_train_step_with_tied_weights_and_a_grad_scaler(group: None) -> None:
     model = nn.Sequential(nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 5)).double()
     model[2].weight = model[0].weight  # tied, on one device: reduced once

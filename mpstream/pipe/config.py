@@ -17,7 +17,7 @@ from ..memory.batchnorm import DeferredBatchNorm, deferred_norms
 from ..memory.checkpoint import checkpoint_stop
 from ..runtime.errors import stage_labels
 from ..runtime.graph import StageGraph
-from ..runtime.graphed import GraphReport, StageGraphs
+from ..runtime.graphed import GraphReport, StageGraphs, Switch
 from ..runtime.scheduler import EventScheduler
 from ..runtime.worker import Worker
 from ..schedules.schedule import Schedule, Topology, schedule_arg, virtual_stages_of
@@ -106,9 +106,12 @@ class PipeConfig(PipeModule):
             labels = self._labels()
             graphed = self.__dict__["_graphed"]
             backend = None if graphed is True else graphed
-            graphs = StageGraphs(stages, self.devices, labels, backend) if graphed else None
-            if graphs is not None:
-                graphs.sum_grads(self.__dict__.get("_sum_grads", True))
+            switch = self.__dict__.setdefault("_sum_switch", Switch())
+            graphs = (
+                StageGraphs(stages, self.devices, labels, backend, switch=switch)
+                if graphed
+                else None
+            )
             worker = Worker(stages, sched, self.force_copies, self.graph, labels, graphs)
             rt = (sched, worker, {})
             self.__dict__["_runtime"] = rt
@@ -127,10 +130,7 @@ class PipeConfig(PipeModule):
         """Has graphed stages return every replay's parameter gradients to
         autograd instead of summing them per stage (DDP: its reducer hooks
         on each parameter's AccumulateGrad need every one)."""
-        self.__dict__["_sum_grads"] = False
-        rt = self.__dict__["_runtime"]
-        if rt is not None and rt[1].graphs is not None:
-            rt[1].graphs.sum_grads(False)
+        self.__dict__.setdefault("_sum_switch", Switch()).on = False
 
     @property
     def graphed(self) -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from .backends import CudaGraphs, Emulated
 from .call import Backend, GraphedCall
+from .grads import Switch
 from .stages import (
     MAX_CALLS,
     MAX_GENERATIONS,
@@ -38,4 +39,5 @@ __all__ = [
     "MAX_GENERATIONS",
     "StageGraphs",
     "StageReport",
+    "Switch",
 ]

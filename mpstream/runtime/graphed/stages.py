@@ -47,7 +47,7 @@ from ...schedules.slots import Slots, plan_slots
 from ..microbatch import leaves
 from .backends import CudaGraphs
 from .call import Backend, GraphedCall
-from .grads import StageGrads
+from .grads import StageGrads, Switch
 
 __all__ = [
     "StageGraphs",
@@ -185,7 +185,13 @@ class _Stage:
     """One stage's graphs and state."""
 
     def __init__(
-        self, index: int, module: nn.Module, device: torch.device, label: str, graphable: bool
+        self,
+        index: int,
+        module: nn.Module,
+        device: torch.device,
+        label: str,
+        graphable: bool,
+        switch: Switch,
     ) -> None:
         self.index, self.module, self.device, self.label = index, module, device, label
         self.reason: str | None = (
@@ -200,7 +206,7 @@ class _Stage:
         self.captures = 0
         self.recaptures = 0
         self.reserved = 0
-        self.sums = StageGrads()
+        self.sums = StageGrads(switch)
 
 
 class StageGraphs:
@@ -214,6 +220,8 @@ class StageGraphs:
         backend: what captures (:class:`~mpstream.runtime.graphed.backends.CudaGraphs`
             unless a test gives another); only CUDA stages use it.
         max_calls: graphed calls kept per stage.
+        switch: whether stages may sum their parameter gradients (the
+            pipe's, shared by its runtimes; see :mod:`.grads`).
     """
 
     def __init__(
@@ -223,12 +231,14 @@ class StageGraphs:
         labels: Sequence[str] | None = None,
         backend: Backend | None = None,
         max_calls: int = MAX_CALLS,
+        switch: Switch | None = None,
     ) -> None:
         n = len(modules)
         names = list(labels) if labels else [f"stage {s} of {n}" for s in range(n)]
         self.backend: Backend = backend or CudaGraphs()
+        self.switch = switch or Switch()
         self.stages = [
-            _Stage(s, m, d, names[s], self.graphable(d))
+            _Stage(s, m, d, names[s], self.graphable(d), self.switch)
             for s, (m, d) in enumerate(zip(modules, devices))
         ]
         self.max_calls = max_calls
@@ -258,6 +268,10 @@ class StageGraphs:
         if slots is None:
             slots = plans[backward_later] = plan_slots(schedule, backward_later=backward_later)
         self.slots = slots
+        if _inside_ddp():
+            # DDP's reducer hooks on AccumulateGrad need every micro-batch's
+            # gradient there (its wrap() says so too; a plain DDP is seen here).
+            self.switch.on = False
         for st in self.stages:
             st.used.clear()
             if st.reason is not None:
@@ -274,23 +288,13 @@ class StageGraphs:
         """From now until :meth:`release`, replays add their parameter
         gradients into each stage's sums (see :mod:`.grads`), except on a
         stage with a parameter's post-accumulate-grad hook."""
-        users: dict[int, int] = {}
-        for st in self.stages:
-            for p in st.module.parameters():
-                users[id(p)] = users.get(id(p), 0) + 1
-        shared = frozenset(i for i, n in users.items() if n > 1)
         for st in self.stages:
             # A post-accumulate hook would run once per step instead of once
             # per micro-batch: such a stage keeps returning its gradients.
             hooked = any(p._post_accumulate_grad_hooks for p in st.module.parameters())
+            st.sums.discard()  # what a failed backward in the user's loop left
             st.sums.holding = st.sums.enabled and not hooked
-            st.sums.shared = shared
 
-    def sum_grads(self, on: bool) -> None:
-        """Whether replays may sum parameter gradients per stage (see
-        :mod:`.grads`); off, each replay returns them to autograd."""
-        for st in self.stages:
-            st.sums.enabled = on
 
     def flush(self) -> None:
         """Hands each stage's sums to ``.grad``, on the current streams."""
@@ -435,3 +439,13 @@ class StageGraphs:
                 )
             )
         return out
+
+
+def _inside_ddp() -> bool:
+    """Whether a DistributedDataParallel forward is running (it wraps the pipe)."""
+    try:
+        from torch.nn.parallel import DistributedDataParallel
+    except ImportError:  # a torch without distributed support
+        return False
+    active = getattr(DistributedDataParallel, "_get_active_ddp_module", None)
+    return active is not None and active() is not None

@@ -54,9 +54,9 @@ def test_train_step_hands_each_stage_s_sums_over_once(
         torch.testing.assert_close(losses[1], losses[0])
         assert_same_grads(graphed, eager)
     assert returned == []  # no gradient copied out per replay
-    # Step 1: each stage's 4 sums become the gradients; step 2 adds straight
-    # into them, so nothing is left to hand over.
-    assert flushed == [4, 4, 0, 0]
+    # Each stage's 4 parameters, once per step: step 1 hands the sums over
+    # as the gradients, step 2 adds them into those.
+    assert flushed == [4, 4] * 2
 
 
 def test_a_stage_with_a_post_accumulate_hook_keeps_per_micro_batch_accumulation() -> None:
@@ -147,4 +147,41 @@ def test_a_failed_backward_in_the_users_loop_leaves_no_sums_behind() -> None:
             nn.functional.mse_loss(pipe(inp), y).backward()
         pipe.zero_grad(set_to_none=True)
         nn.functional.mse_loss(pipe(x), y).backward()
+    assert_same_grads(graphed, eager)
+
+
+def test_a_backward_inside_a_backward_keeps_the_outer_pass_s_sums() -> None:
+    eager, graphed = pair(mlp(WIDTHS), chunks=2)
+    x, y = data()
+    x2, y2 = data()
+    for pipe in (eager, graphed):
+
+        class Nested(torch.autograd.Function):
+            """Runs another backward through the same pipe from its own."""
+
+            @staticmethod
+            def forward(ctx: object, t: Tensor) -> Tensor:  # type: ignore[override]
+                return t.clone()
+
+            @staticmethod
+            def backward(ctx: object, g: Tensor) -> Tensor:  # type: ignore[override]
+                with torch.enable_grad():
+                    nn.functional.mse_loss(pipe(x2), y2).backward()  # noqa: B023
+                return g
+
+        out = pipe(Nested.apply(x.clone().requires_grad_()))
+        nn.functional.mse_loss(out, y).backward()
+    assert_same_grads(graphed, eager)
+
+
+def test_a_failed_backward_leaves_nothing_for_the_next_train_step() -> None:
+    eager, graphed = pair(mlp(WIDTHS), chunks=4)
+    x, y = data()
+    for pipe in (eager, graphed):
+        inp = x.clone().requires_grad_()
+        inp.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("hook failed")))
+        with pytest.raises(RuntimeError, match="hook failed"):
+            nn.functional.mse_loss(pipe(inp), y).backward()
+        pipe.zero_grad(set_to_none=True)
+        pipe.train_step(x, y, nn.MSELoss())
     assert_same_grads(graphed, eager)
