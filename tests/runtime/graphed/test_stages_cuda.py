@@ -245,3 +245,26 @@ def test_cuda_b_and_w_graphs_give_a_plain_backward_s_gradients(name: str) -> Non
     make, shape = SPLIT_STAGES[name]
     x = torch.randn(*shape, dtype=torch.float64, device="cuda")
     check_split(make().cuda(), x, CudaGraphs(), steps=3)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("how", ["own loop", "train_step"])
+def test_cuda_gradient_sums_reach_grad_on_a_side_caller_stream(how: str) -> None:
+    # The sums are handed over on the caller's stream, after the stage
+    # streams that added them: a caller on a stream of its own sees them.
+    eager, graphed = pair(
+        mlp(WIDTHS), graphs=True, chunks=4, devices=["cuda:0", "cuda:0"]
+    )  # fmt: skip
+    x, y = (t.cuda() for t in data())
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            for pipe in (eager, graphed):
+                pipe.zero_grad(set_to_none=True)
+                if how == "train_step":
+                    pipe.train_step(x, y, nn.MSELoss())
+                else:
+                    nn.functional.mse_loss(pipe(x), y).backward()
+            # Compared on the side stream itself, with no synchronisation first.
+            assert_same_grads(graphed, eager)
