@@ -22,6 +22,7 @@ for at most :data:`HOST_SHARE` of the step.
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -145,26 +146,36 @@ def measure(
     if variant == CAPTURED and ctx.cuda and len(set(ctx.devices)) > 1 and schedule is not None:
         return None  # one CUDA graph cannot span devices
     config = config_for(ctx)
-    if ctx.cuda:  # the peaks are this variant's alone: weights, work and pools
+    base: dict[torch.device, tuple[int, int]] = {}
+    if ctx.cuda:  # what other steps still hold is not this variant's
+        gc.collect()
         torch.cuda.empty_cache()
         for d in dict.fromkeys(ctx.devices):
-            torch.cuda.reset_peak_memory_stats(d)
+            base[d] = (torch.cuda.memory_reserved(d), torch.cuda.memory_allocated(d))
     pipe = _pipe(ctx, schedule, backend if variant == GRAPHED else False)
     x, y = batch(config, pipe.devices[0])
     y = y.to(pipe.devices[-1])
     step = _step(pipe, variant == CAPTURED, x, y)
     devices = list(dict.fromkeys(pipe.devices))
-    for _ in range(2):  # capture, then a replay
+    for _ in range(2):  # capture (graphed stages), then a replay
         step()
+    if ctx.cuda:  # steady state: warm-up's cached blocks go, graph pools stay
+        synchronize(devices)
+        torch.cuda.empty_cache()
+        for d in devices:
+            torch.cuda.reset_peak_memory_stats(d)
     row: dict[str, Any] = time_steps(step, devices, ctx.sizes.profile_steps)
     # A replay allocates nothing: what its graphs use sits in their pools,
     # which the allocator reserves. Reserved memory is therefore the figure
-    # that compares eager and graphed steps; allocated is kept beside.
+    # that compares eager and graphed steps; allocated is kept beside. Both
+    # count from what was there before this variant's pipe was built.
     row["peak_reserved_bytes"] = row["peak_allocated_bytes"] = None
     if ctx.cuda:
-        row["peak_reserved_bytes"] = {str(d): torch.cuda.max_memory_reserved(d) for d in devices}
+        row["peak_reserved_bytes"] = {
+            str(d): torch.cuda.max_memory_reserved(d) - base[d][0] for d in devices
+        }
         row["peak_allocated_bytes"] = {
-            str(d): torch.cuda.max_memory_allocated(d) for d in devices
+            str(d): torch.cuda.max_memory_allocated(d) - base[d][1] for d in devices
         }
     if variant == GRAPHED:
         report = pipe.graph_report()
@@ -197,8 +208,9 @@ def schedule_rows(
             except Exception as exc:  # one failed measurement must not lose the others
                 first = (str(exc).strip().splitlines() or [""])[0]
                 row[variant] = {"error": f"{type(exc).__name__}: {first}"}
-                if ctx.cuda:
-                    torch.cuda.empty_cache()
+            if ctx.cuda and "error" in (row[variant] or {}):
+                gc.collect()  # the failed pipe, freed with the exception
+                torch.cuda.empty_cache()
             if tick is not None:
                 tick()
         rows.append(row)
@@ -222,7 +234,7 @@ def schedule_checks(rows: Sequence[dict[str, Any]], cuda: bool, split: int) -> l
     """One line per schedule with its figures against the targets."""
     single = next(r for r in rows if r["schedule"] == SINGLE)
     base = _ok(single[CAPTURED])
-    checks = []
+    checks = [_single_check(single)]
     for row in rows:
         if row["schedule"] == SINGLE:
             continue
@@ -249,11 +261,26 @@ def schedule_checks(rows: Sequence[dict[str, Any]], cuda: bool, split: int) -> l
             f"{_mib(captured)}), of which graph pools {_mib(graphed, 'pool_bytes')}; "
             f"slots {graphed['slots']}"
         )
-        if not graphed["graphed"]:
-            parts.append(f"EAGER STAGES: {'; '.join(graphed['reasons'])}")
+        if not graphed["graphed"]:  # a stage fell back: these are not graphed figures
+            failed.append(f"EAGER STAGES: {'; '.join(graphed['reasons'])}")
         parts.extend(failed)
         checks.append(Check(name, FAIL if failed else PASS, "; ".join(parts), row))
     return checks
+
+
+def _single_check(single: dict[str, Any]) -> Check:
+    """The single device's line: the baseline the schedules are held against."""
+    name = "graphed stages' baseline: the single device"
+    failed = [f"{v}: {single[v]['error']}" for v in (EAGER, CAPTURED) if "error" in single[v]]
+    if failed:
+        return Check(name, FAIL, "; ".join(failed), single)
+    eager, whole = single[EAGER], single[CAPTURED]
+    detail = (
+        f"step {eager['step_ms']:.1f} ms eager (host issue {100 * eager['issue_share']:.0f}%), "
+        f"{whole['step_ms']:.1f} ms captured as one graph; memory reserved at peak "
+        f"{_mib(eager)} eager, {_mib(whole)} captured"
+    )
+    return Check(name, PASS, detail, single)
 
 
 def _ok(measured: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -36,11 +36,16 @@ def test_each_schedule_is_measured_three_ways_beside_the_single_device(tmp_path:
     zb = rows[2][graphed.GRAPHED]
     assert zb["passes"][1] == ["forward", "backward", "weight"]
     checks = graphed.schedule_checks(rows, cuda=False, split=TINY.experiment.split_size)
-    names = ["graphed stages, gpipe, split 2", "graphed stages, zb_h1, split 2"]
+    names = [
+        "graphed stages' baseline: the single device",
+        "graphed stages, gpipe, split 2",
+        "graphed stages, zb_h1, split 2",
+    ]
     assert [c.name for c in checks] == names
     assert all(c.status == PASS for c in checks)
-    assert "the captured step (target <= 1.15x: a GPU target)" in checks[0].detail
-    assert "x the single device captured" in checks[0].detail
+    assert "captured as one graph" in checks[0].detail
+    assert "the captured step (target <= 1.15x: a GPU target)" in checks[1].detail
+    assert "x the single device captured" in checks[1].detail
 
 
 def test_a_measurement_that_raises_fails_its_line_and_keeps_the_others(
@@ -50,17 +55,23 @@ def test_a_measurement_that_raises_fails_its_line_and_keeps_the_others(
     timed = {"step_ms": 2.0, "issue_ms": 1.0, "issue_share": 0.5, "peak_reserved_bytes": None}
     stages = {**timed, "graphed": True, "reasons": [], "slots": [2, 2], "pool_bytes": 0}
 
+    fallen = {**stages, "graphed": False, "reasons": ["capture failed: RuntimeError: sync"]}
+
     def fake(ctx: Context, schedule: str | None, variant: str, backend: Any) -> dict[str, Any]:
         if variant == graphed.CAPTURED and schedule == "1f1b":
             raise RuntimeError("operation not permitted when stream is capturing\nmore")
-        return stages if variant == graphed.GRAPHED else timed
+        if variant == graphed.GRAPHED:
+            return fallen if schedule == "zb_h1" else stages
+        return timed
 
     monkeypatch.setattr(graphed, "measure", fake)
-    rows = graphed.schedule_rows(ctx, schedules=("gpipe", "1f1b"))
+    rows = graphed.schedule_rows(ctx, schedules=("gpipe", "1f1b", "zb_h1"))
     assert rows[2][graphed.CAPTURED] == {
         "error": "RuntimeError: operation not permitted when stream is capturing"
     }
     checks = graphed.schedule_checks(rows, cuda=True, split=2)
-    assert [c.status for c in checks] == [PASS, FAIL]
-    assert "captured step: RuntimeError" in checks[1].detail
-    assert "1.00x eager (target <= 0.3x: missed)" in checks[1].detail
+    assert [c.status for c in checks] == [PASS, PASS, FAIL, FAIL]
+    assert "captured step: RuntimeError" in checks[2].detail
+    assert "1.00x eager (target <= 0.3x: missed)" in checks[2].detail
+    # A stage that fell back to eager makes its figures not graphed ones.
+    assert "EAGER STAGES: capture failed" in checks[3].detail
