@@ -67,6 +67,9 @@ class Profile(Timeline):
                 self.spans.append(Span(*t._replace(stream=prefix + t.stream)))
         self.meta["devices"] = sorted({str(d) for p in self._pipes for d in p.devices})
         self.recording = False
+        # A timeline outlives its block (reports keep it): it must not keep
+        # the pipes, their weights and graph memory, alive with it.
+        self._pipes = []
 
 
 @contextmanager
