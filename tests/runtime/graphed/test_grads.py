@@ -136,17 +136,26 @@ def test_the_users_own_loop_hands_the_sums_over_once_per_backward(
     assert returned == []
 
 
-def test_a_failed_backward_in_the_users_loop_leaves_no_sums_behind() -> None:
+def fail_a_backward(pipe: Pipe, x: Tensor, y: Tensor) -> None:
+    """A backward through ``pipe`` that raises once its stages' replays have
+    run (in a hook on the input's gradient), then ``zero_grad``."""
+    inp = x.clone().requires_grad_()
+    inp.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("hook failed")))
+    with pytest.raises(RuntimeError, match="hook failed"):
+        nn.functional.mse_loss(pipe(inp), y).backward()
+    pipe.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("then", ["backward", "train_step"])
+def test_a_failed_backward_in_the_users_loop_leaves_no_sums_behind(then: str) -> None:
     eager, graphed = pair(mlp(WIDTHS), chunks=4)
     x, y = data()
     for pipe in (eager, graphed):
-        inp = x.clone().requires_grad_()
-        # Raises once the stages' replays have run (it is x's gradient).
-        inp.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("hook failed")))
-        with pytest.raises(RuntimeError, match="hook failed"):
-            nn.functional.mse_loss(pipe(inp), y).backward()
-        pipe.zero_grad(set_to_none=True)
-        nn.functional.mse_loss(pipe(x), y).backward()
+        fail_a_backward(pipe, x, y)
+        if then == "train_step":
+            pipe.train_step(x, y, nn.MSELoss())
+        else:
+            nn.functional.mse_loss(pipe(x), y).backward()
     assert_same_grads(graphed, eager)
 
 
@@ -171,17 +180,4 @@ def test_a_backward_inside_a_backward_keeps_the_outer_pass_s_sums() -> None:
 
         out = pipe(Nested.apply(x.clone().requires_grad_()))
         nn.functional.mse_loss(out, y).backward()
-    assert_same_grads(graphed, eager)
-
-
-def test_a_failed_backward_leaves_nothing_for_the_next_train_step() -> None:
-    eager, graphed = pair(mlp(WIDTHS), chunks=4)
-    x, y = data()
-    for pipe in (eager, graphed):
-        inp = x.clone().requires_grad_()
-        inp.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("hook failed")))
-        with pytest.raises(RuntimeError, match="hook failed"):
-            nn.functional.mse_loss(pipe(inp), y).backward()
-        pipe.zero_grad(set_to_none=True)
-        pipe.train_step(x, y, nn.MSELoss())
     assert_same_grads(graphed, eager)
