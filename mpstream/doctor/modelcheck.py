@@ -203,7 +203,6 @@ def task_issue(balance: list[int], costs: Costs) -> list[tuple[float, float]]:
 
 def graphed_predictions(
     ctx: Context,
-    raw_layers: list[tuple[float, float]],
     micros: int,
     profiled: list[Any],
     link_gbps: float,
@@ -213,17 +212,18 @@ def graphed_predictions(
     """The cost model fitted to step 7's graphed-stages profile (GPU only):
     checked against that measured step (target within :data:`GRAPHED_ERROR`)
     and predicting 2 and 4 GPUs, for each of :data:`PREDICTED_SCHEDULES`,
-    from the graphed fit's device times (``raw_layers``, the layers' profiled
-    costs, calibrated to it: an eager fit's task spans hold the host's issue
-    time) and its per-task issue times, against one device whose step
-    replays as one graph (targets :data:`GRAPHED_SPEEDUP`). Adds its
-    checks; returns its figures."""
+    from the graphed fit's device times (the ``profiled`` layers' costs,
+    calibrated to it: an eager fit's task spans hold the host's issue time)
+    and its per-task issue times, against one device whose step replays as
+    one graph (targets :data:`GRAPHED_SPEEDUP`). Adds its checks; returns
+    its figures."""
     profile = ctx.shared.get("graphed_profile")
     if profile is None:
         return {}
     config = config_for(ctx)
     costs = fit(fastest(profile["timeline"])[0])
-    layer_times = calibrate(raw_layers, profile["balance"], costs)
+    raw = [(p.forward_ms, p.backward_ms) for p in profiled]
+    layer_times = calibrate(raw, profile["balance"], costs)
     row = validate(
         {config.split_size: profile["timeline"]}, config.split_size, config.batch_size, True, labels
     )[0]
@@ -353,8 +353,7 @@ def run(ctx: Context) -> StepResult:
                 f"(copies at {link_gbps:.0f} GB/s, {link}{host})",
             )
         )
-    raw = [(p.forward_ms, p.backward_ms) for p in profiled]
-    graphed = graphed_predictions(ctx, raw, micros, profiled, link_gbps, labels, checks)
+    graphed = graphed_predictions(ctx, micros, profiled, link_gbps, labels, checks)
     worst = max(rows, key=lambda r: abs(r["error"]))
     figure = (
         "error "

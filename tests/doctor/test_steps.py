@@ -383,12 +383,12 @@ def test_graphed_stages_are_profiled_and_predicted_where_a_profile_exists(tmp_pa
     # step 8 fits it; here the same functions run on a CPU profile.
     ctx = Context((CPU, CPU), TINY, "resnet50", tmp_path, tmp_path)
     config = experiment.config_for(ctx)
-    assert modelcheck.graphed_predictions(ctx, [], 1, [], 1.0, [], []) == {}  # no profile
+    assert modelcheck.graphed_predictions(ctx, 1, [], 1.0, [], []) == {}  # no profile
     ctx.shared["graphed_profile"] = attribution.profile_step(ctx, config.split_size, graphs=True)
-    layers = [(1.0, 2.0)] * 23
-    profiled = [types.SimpleNamespace(output_bytes=1000)] * 23
+    layer = types.SimpleNamespace(output_bytes=1000, forward_ms=1.0, backward_ms=2.0)
+    profiled = [layer] * 23
     checks: list[Check] = []
-    out = modelcheck.graphed_predictions(ctx, layers, 4, profiled, 10.0, ["cpu", "cpu"], checks)
+    out = modelcheck.graphed_predictions(ctx, 4, profiled, 10.0, ["cpu", "cpu"], checks)
     assert [(p["schedule"], p["gpus"]) for p in out["predictions"]] == [
         ("gpipe", 2), ("gpipe", 4), ("1f1b", 2), ("1f1b", 4)
     ]

@@ -296,17 +296,13 @@ class StageGraphs:
             st.sums.holding = st.sums.enabled and not hooked
 
 
-    def flush(self) -> None:
-        """Hands each stage's sums to ``.grad``, on the current streams."""
-        for st in self.stages:
-            st.sums.flush()
-
     def release(self, keep: bool) -> None:
-        """Ends holding; ``keep``: flush the sums, else drop them (a
-        failed run)."""
+        """Ends holding; ``keep``: hand each stage's sums to ``.grad`` on the
+        current streams, else drop them (a failed run)."""
         try:
             if keep:
-                self.flush()
+                for st in self.stages:
+                    st.sums.flush()
         finally:
             for st in self.stages:
                 st.sums.holding = False
