@@ -78,6 +78,7 @@ setup(
                 "csrc/orders.cpp",
                 "csrc/schedule.cpp",
                 "csrc/scheduler.cpp",
+                "csrc/segments.cpp",
                 "csrc/timing.cpp",
             ],
             include_dirs=[str(GENERATED)],

@@ -80,7 +80,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "The torch version this extension was compiled against.");
   // Bumped whenever what Python reads from the bindings changes shape (2:
   // timings() tuples gained the host issue time).
-  m.attr("interface_version") = 2;
+  m.attr("interface_version") = 3;
 
   py::enum_<Kind>(m, "Kind")
       .value("forward", Kind::kForward)
@@ -192,6 +192,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("micro"))
       .def_property("autograd_orders_grad_copies", &Scheduler::autograd_orders_grad_copies,
                     &Scheduler::set_autograd_orders_grad_copies)
+      .def("begin_segment", &Scheduler::begin_segment, py::arg("caller"), py::arg("stream"))
+      .def("end_segment", &Scheduler::end_segment)
+      .def("take_crossing", &Scheduler::take_crossing)
+      .def("external_record", &Scheduler::external_record, py::arg("task"))
+      .def_property_readonly("segment", &Scheduler::segment)
       .def_property("recording", &Scheduler::recording, &Scheduler::set_recording)
       .def("plan",
            [](const Scheduler& s) {

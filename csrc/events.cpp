@@ -24,6 +24,14 @@ const char* op_name(OpCode op) {
       return "sync";
     case OpCode::kAutograd:
       return "autograd";
+    case OpCode::kBeginSegment:
+      return "begin_segment";
+    case OpCode::kEndSegment:
+      return "end_segment";
+    case OpCode::kXRecord:
+      return "xrecord";
+    case OpCode::kXWait:
+      return "xwait";
   }
   return "unknown";
 }
@@ -114,6 +122,7 @@ int32_t Scheduler::record(int32_t slot, const Who& who) {
     rec.event->record(*s.stream);
   }
   rec.refs = 1;  // held as the slot's latest
+  rec.segment = segment_;
   if (s.latest >= 0) {
     unref(s.latest);
   }

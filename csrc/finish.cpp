@@ -14,6 +14,9 @@ void Scheduler::join() {
   if (!running_) {
     throw std::runtime_error("join() outside a run");
   }
+  if (segment_caller_ >= 0) {
+    throw std::runtime_error("join() with a segment open; call end_segment() first");
+  }
   caller_waits();
   release_run();
 }
@@ -59,6 +62,9 @@ void Scheduler::release_run() {
   task_event_.clear();
   pending_.clear();
   schedule_.reset();
+  segment_ = -1;
+  segment_caller_ = -1;
+  crossing_.clear();
   running_ = false;
 }
 

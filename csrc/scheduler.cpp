@@ -176,27 +176,22 @@ void Scheduler::begin_run(std::shared_ptr<const Schedule> schedule,
     throw std::invalid_argument("begin_run needs one caller stream per caller slot (" +
                                 std::to_string(callers) + ")");
   }
-  for (auto& s : slots_) {
-    if (s.latest >= 0) {
-      unref(s.latest);
-      s.latest = -1;
-    }
-    std::fill(s.vc.begin(), s.vc.end(), 0);
-  }
   for (size_t c = 0; c < callers; ++c) {
-    Slot& s = slots_[first_caller + c];
-    if (caller_streams[c] && !s.spec.stream_id) {
+    const int32_t slot = first_caller + static_cast<int32_t>(c);
+    const Slot& s = slots_[slot];
+    if (caller_streams[c].has_value() != s.spec.stream_id.has_value()) {
       throw std::invalid_argument("caller slot '" + s.spec.name +
-                                  "' is a placeholder but got a stream");
-    }
-    if (!caller_streams[c] && s.spec.stream_id) {
-      throw std::invalid_argument("caller slot '" + s.spec.name + "' needs a stream");
-    }
-    if (caller_streams[c]) {
-      s.spec.stream_id = caller_streams[c];
-      s.stream = make_stream(s.spec);
+                                  (caller_streams[c] ? "' is a placeholder but got a stream"
+                                                     : "' needs a stream"));
     }
   }
+  forget_latest();
+  for (size_t c = 0; c < callers; ++c) {
+    set_caller(first_caller + static_cast<int32_t>(c), caller_streams[c]);
+  }
+  segment_ = -1;
+  segment_caller_ = -1;
+  crossing_.clear();
   schedule_ = std::move(schedule);
   const size_t n = schedule_->tasks.size();
   task_event_.assign(n, -1);
@@ -294,23 +289,30 @@ int64_t Scheduler::begin(int32_t task) {
   // event is in the other's vector clock) needs no wait of its own: a
   // stage reading a skip connection and the stage after it waits only on
   // the latter.
+  // Clocks only compare within a segment.
   const auto implied = [&](int32_t d) {
     const EventRec& rec = events_[task_event_[d]];
     return std::any_of(t.deps.begin(), t.deps.end(), [&](int32_t other) {
-      return other != d && task_slots(schedule_->tasks[other]).second != at &&
+      return other != d && !crossing(other) &&
+             task_slots(schedule_->tasks[other]).second != at &&
              events_[task_event_[other]].vc[rec.slot] >= rec.seq;
     });
   };
   for (int32_t d : t.deps) {
-    if (task_slots(schedule_->tasks[d]).second == at) {
+    const bool same_slot = task_slots(schedule_->tasks[d]).second == at;
+    if (crossing(d)) {
+      // Even on the same slot: segments of other groups run in between.
+      crossing_.emplace_back(d, at);
+      log(OpCode::kXWait, at, d, who);
+    } else if (same_slot) {
       continue;  // same stream: program order
+    } else if (!implied(d)) {
+      wait(at, task_event_[d], who);
     }
-    const int32_t ev = task_event_[d];
-    if (!implied(d)) {
-      wait(at, ev, who);
+    if (!same_slot) {
+      --pending_[d];
+      unref(task_event_[d]);
     }
-    --pending_[d];
-    unref(ev);
   }
   // After the data dependencies: a producer on the same device has usually
   // waited on the source already, which makes this wait implied. Input and

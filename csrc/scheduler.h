@@ -42,6 +42,12 @@ enum class OpCode : int8_t {
   kSync = 3,    // the host blocks on an event (placeholder consumer)
   kAutograd = 4,  // autograd's engine makes slot wait on event before the
                   // consumer of a gradient copy runs (logged, not issued)
+  // Segmented runs (segments.cpp). `event` is the segment's index for the
+  // first two, the producing task's index for the last two.
+  kBeginSegment = 5,  // a segment starts on caller slot `slot`
+  kEndSegment = 6,    // it ends: every slot it used has joined `slot`
+  kXRecord = 7,  // the caller records an external event for task `event` on slot
+  kXWait = 8,    // the caller makes slot wait on task `event`'s external event
 };
 
 const char* op_name(OpCode op);
@@ -122,6 +128,22 @@ class Scheduler {
   void set_autograd_orders_grad_copies(bool on);
   bool autograd_orders_grad_copies() const;
 
+  // Segmented runs: a run issued as consecutive segments, each captured as
+  // a graph of its own (segments.cpp). A graph cannot wait on an event
+  // recorded inside another graph, so within a segment the scheduler only
+  // waits on events of that segment; a dependency on an earlier segment's
+  // task is listed by take_crossing() instead, for the caller to wait on
+  // an external event it recorded after that task (external_record logs
+  // it and names the slot). begin_segment starts one on caller slot
+  // `caller` (index among the caller slots) with `stream` current there,
+  // recording its source; end_segment makes that slot wait on the last work
+  // of every slot that recorded in the segment, as a capture must end.
+  void begin_segment(int32_t caller, std::optional<int64_t> stream);
+  void end_segment();
+  std::vector<std::pair<int32_t, int32_t>> take_crossing();  // (producer task, slot)
+  int32_t external_record(int32_t task);
+  int32_t segment() const;  // the current segment, -1 outside one
+
   // Recording of every stream operation.
   void set_recording(bool on);
   bool recording() const;
@@ -185,6 +207,9 @@ class Scheduler {
   void restore_streams(Open& o);
   void release_run();
   void caller_waits();  // every caller slot after every slot on its device
+  void set_caller(int32_t slot, std::optional<int64_t> stream);
+  void forget_latest();  // no slot's latest event (a new run or segment)
+  bool crossing(int32_t task) const;  // recorded in another segment
   void ensure_reference();
   void timing_mark(Open& o, bool start);
   int32_t acquire_timing_event(int32_t slot);
@@ -206,6 +231,10 @@ class Scheduler {
   std::vector<int32_t> task_event_;
   std::vector<int32_t> pending_;
   bool running_ = false;
+  int32_t segment_ = -1;      // segments begun in this run, minus one
+  int32_t segment_caller_ = -1;  // slot of the open segment, -1: none open
+  std::vector<std::pair<int32_t, int32_t>> crossing_;
+  std::vector<bool> external_after_;  // per slot: an external record since its latest
 
   bool recording_ = false;
   std::vector<PlanOp> plan_;

@@ -9,6 +9,8 @@ worker, the graphed stages) and the cached schedule of each kind of run.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -19,6 +21,7 @@ from ..runtime.errors import stage_labels
 from ..runtime.graph import StageGraph
 from ..runtime.graphed import GraphReport, StageGraphs, Switch
 from ..runtime.scheduler import EventScheduler
+from ..runtime.segmented import Edges, HostEdges, Segmenting
 from ..runtime.worker import Worker
 from ..schedules.schedule import Schedule, Topology, schedule_arg, virtual_stages_of
 from ..stages.sequential import check_positive
@@ -197,6 +200,38 @@ class PipeConfig(PipeModule):
             cache[key] = sched
         return sched
 
+    @contextmanager
+    def segmented(
+        self, groups: Sequence[int] | None = None, edges: Edges | None = None
+    ) -> Iterator[Segmenting]:
+        """Runs the training steps inside segment by segment.
+
+        Each ``train_step`` issues its schedule reordered into segments
+        (:func:`~mpstream.schedules.segments.segment`): runs of one group's
+        actions, each reading only what it or an earlier segment produced,
+        as capturing a step as one CUDA graph per segment needs
+        (:mod:`~mpstream.runtime.segmented`). Results equal the schedule's.
+
+        Args:
+            groups: a group label per stage (stages captured together, all
+                on one device); default one group per device.
+            edges: what happens at the segments' edges (captures, external
+                events); default nothing (:class:`~mpstream.runtime.segmented.HostEdges`).
+
+        Raises:
+            ValueError: ``groups`` puts stages of two devices in one group or
+                does not hold one label per stage (at the first step).
+            RuntimeError: already segmented.
+        """
+        if self.__dict__.get("_segmenting") is not None:
+            raise RuntimeError("this pipe's steps are already segmented")
+        seg = Segmenting(groups, edges if edges is not None else HostEdges())
+        self.__dict__["_segmenting"] = seg
+        try:
+            yield seg
+        finally:
+            self.__dict__["_segmenting"] = None
+
     def _deferred_norms(self) -> list[DeferredBatchNorm]:
         """The deferred BatchNorm layers, found again only after one was made
         (every call updates them; a walk over all modules per call costs)."""
@@ -212,4 +247,3 @@ class PipeConfig(PipeModule):
             norm.expected = micros
         training = self.training and torch.is_grad_enabled()
         return checkpoint_stop(self.checkpoint, micros, training)
-

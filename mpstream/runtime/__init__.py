@@ -7,7 +7,8 @@ training step, calling each stage (:mod:`.calls`) with its arguments wired by
 :mod:`.graph` and :mod:`.values`; :mod:`.copy` and :mod:`.transfer` move
 values between devices and from the host; :mod:`.boundary` and
 :mod:`.split_backward` cut and split the backward; :mod:`.graphed`
-replays stage calls from CUDA graphs instead of issuing their kernels;
+replays stage calls from CUDA graphs instead of issuing their kernels, and
+:mod:`.segmented` issues a step segment by segment for capture;
 :mod:`.microbatch` gathers. :mod:`.plan` records and verifies a run's stream operations without
 a device. :mod:`.stream` makes CPU and CUDA look alike, :mod:`.errors` and
 :mod:`.marks` say where a failure and a backward happened.

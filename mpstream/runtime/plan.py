@@ -12,13 +12,15 @@ check is independent of the code it checks.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from ..schedules.schedule import Kind, Order, Schedule, Topology, virtual_stages_of
 from .scheduler import EventScheduler, PlanOp
+from .segmented import HostEdges, Segmenting
 
 __all__ = ["Plan", "PlanError", "record_plan", "verify_plan"]
 
@@ -72,6 +74,7 @@ def record_plan(
     force_copies: bool = False,
     reads: Sequence[Sequence[int]] | None = None,
     virtual_stages: int | None = None,
+    groups: Sequence[int] | None = None,
 ) -> Plan:
     """Records the stream operations of a whole run without any device.
 
@@ -94,6 +97,10 @@ def record_plan(
             chain.
         virtual_stages: stages per rank for ``'interleaved_1f1b'`` (default
             inferred from devices placed round-robin).
+        groups: issue the run segment by segment for capture
+            (:mod:`~mpstream.runtime.segmented`), with a group label per
+            stage (stages on one device may be split into groups); the
+            schedule is reordered into the segments' order.
 
     Returns:
         The recorded :class:`Plan`.
@@ -123,10 +130,13 @@ def record_plan(
     )
     runner = EventScheduler(devs, virtual=True)
     runner.recording = True
-    runner.begin_run(sched)
+    issue: Any = runner.native
+    if groups is not None:
+        sched, issue = Segmenting(groups, HostEdges()).issue(runner, sched)
+    issue.begin_run(sched.native, runner.caller_streams())
     for task in sched.tasks:
-        runner.end(runner.begin(task.index))
-    runner.join()
+        issue.end(issue.begin(task.index))
+    issue.join()
     return Plan(runner.plan(), runner.slot_names, runner.slot_devices, stages, graph)
 
 
@@ -200,15 +210,28 @@ def verify_plan(plan: Plan) -> None:
     ops = plan.ops
     n = len(ops)
     edges: dict[int, list[int]] = defaultdict(list)
-    last_on_slot: dict[int, int] = {}
+    last_on_slot: dict[tuple[int, int], int] = {}
     last_record: dict[int, int] = {}
+    external: dict[int, int] = {}  # producing task -> its xrecord
     done: dict[Key, int] = {}
     source: dict[int, int] = {}
+    sources_at: dict[int, dict[int, int]] = {}  # run op -> the sources before it
+    segment_of = [-1] * n
+    segment = -1
+    problems: list[str] = []
     callers = plan.callers
     for i, op in enumerate(ops):
-        if op.slot in last_on_slot:
-            edges[last_on_slot[op.slot]].append(i)
-        last_on_slot[op.slot] = i
+        if op.op == "begin_segment":
+            segment = op.event
+        segment_of[i] = segment
+        # In a segmented run each segment is a graph of its own: only its
+        # own program order and events order its work, but for a stage's
+        # compute stream: only its group uses it, and a group's segments
+        # launch one after another on one stream.
+        chain = (op.slot, -1 if op.slot < 2 * plan.stages and op.slot % 2 == 0 else segment)
+        if chain in last_on_slot:
+            edges[last_on_slot[chain]].append(i)
+        last_on_slot[chain] = i
         if op.op == "record":
             last_record[op.event] = i
             if op.task == -1 and op.stage == -1 and op.slot in callers:
@@ -217,8 +240,26 @@ def verify_plan(plan: Plan) -> None:
             if op.event not in last_record:
                 raise PlanError(f"op {i} waits on event {op.event}, which was never recorded")
             edges[last_record[op.event]].append(i)
+            if segment_of[last_record[op.event]] != segment:
+                problems.append(
+                    f"op {i} ({op.op} on {plan.slot_names[op.slot]}) waits on an event "
+                    f"recorded in another segment: a graph cannot wait on another's event"
+                )
+        elif op.op == "xrecord":
+            external[op.event] = i
+        elif op.op == "xwait":
+            if op.event not in external or segment_of[external[op.event]] >= segment:
+                problems.append(
+                    f"op {i} waits on task {op.event}'s external event, which no earlier "
+                    f"segment recorded"
+                )
+            else:
+                edges[external[op.event]].append(i)
         elif op.op == "run":
             done[(op.kind, op.stage, op.peer, op.micro)] = i
+            sources_at[i] = dict(source)
+        elif op.op == "end_segment":
+            segment = -1
 
     reach_cache: dict[int, set[int]] = {}
 
@@ -238,7 +279,6 @@ def verify_plan(plan: Plan) -> None:
     for op in ops:
         if op.op == "run" and op.kind in ("copy", "copy_grad", "target"):
             copies[(op.kind, op.stage, op.micro)].append(op.peer)
-    problems: list[str] = []
     caller_of = {
         s: next(c for c in callers if plan.slot_devices[c] == plan.slot_devices[2 * s])
         for s in range(plan.stages)
@@ -256,7 +296,7 @@ def verify_plan(plan: Plan) -> None:
                 )
         input_copy = op.kind == "copy" and op.stage == -1
         if op.kind in ("forward", "backward", "weight", "target") or input_copy:
-            src = source.get(caller_of[op.peer if input_copy else op.stage])
+            src = sources_at[i].get(caller_of[op.peer if input_copy else op.stage])
             if src is not None and i not in reach(src):
                 problems.append(f"{what} is not ordered after the caller's source event")
         if op.kind == "copy_grad" and op.task == -1:
@@ -274,6 +314,11 @@ def verify_plan(plan: Plan) -> None:
             ]
             if not any(j in reach(i) for j in orders):
                 problems.append(f"{what}: stage {op.stage}'s compute stream never waits for it")
+    if any(op.op == "begin_segment" for op in ops):
+        problems += _unjoined(plan, segment_of, reach)
+        if problems:
+            raise PlanError("invalid plan:\n  " + "\n  ".join(problems))
+        return  # what follows the last segment is the capture's to order
     # The run ends with the join (waits on caller slots); records after it
     # (gradient copies issued by autograd) are ordered by autograd's own
     # final sync, not by the join.
@@ -293,3 +338,27 @@ def verify_plan(plan: Plan) -> None:
                 problems.append(f"{caller} is not ordered after the last work on {stream}")
     if problems:
         raise PlanError("invalid plan:\n  " + "\n  ".join(problems))
+
+
+def _unjoined(plan: Plan, segment_of: Sequence[int], reach: Callable[[int], set[int]]) -> list[str]:
+    """Streams a segment used but did not join into its caller slot before it
+    ended: a capture ends only once every stream it forked has rejoined."""
+    problems = []
+    ops = plan.ops
+    for e, op in enumerate(ops):
+        if op.op != "end_segment":
+            continue
+        k, caller = op.event, op.slot
+        inside = [j for j in range(e + 1) if segment_of[j] == k]
+        joins = {j for j in inside if ops[j].slot == caller}
+        last: dict[int, int] = {}
+        for j in inside:
+            if ops[j].slot != caller:
+                last[ops[j].slot] = j
+        for slot, j in sorted(last.items()):
+            if not reach(j) & joins:
+                problems.append(
+                    f"segment {k}: {plan.slot_names[slot]} is not joined into "
+                    f"{plan.slot_names[caller]} before the segment ends"
+                )
+    return problems

@@ -25,6 +25,7 @@ from .boundary import GradSink, cut
 from .copy import move
 from .graph import Hop, Ref
 from .microbatch import leaves, rebuild_leaves
+from .segmented import SegmentedIssue
 from .split_backward import WeightPass, backward_inputs
 from .stream import AnyStream, current_stream, record_stream
 from .transfer import to_device
@@ -174,6 +175,7 @@ def run(
     target_staging: Sequence[Staging] | None = None,
     before_backward: Callable[[int], None] | None = None,
     scale: Callable[[Tensor], Tensor] | None = None,
+    issue: SegmentedIssue | None = None,
 ) -> list[Tensor]:
     """Runs forward and backward of every micro-batch in ``schedule``'s order.
 
@@ -195,6 +197,8 @@ def run(
         scale: applied to each weighted loss, inside the last stage's forward
             task, before its backward (``GradScaler.scale``); the returned
             losses stay unscaled.
+        issue: issues the tasks segment by segment (``schedule`` in its
+            order), for capture; by default the scheduler issues them.
 
     Returns:
         The weighted loss of each micro-batch (detached), ready on the
@@ -205,7 +209,7 @@ def run(
             not return a scalar tensor.
     """
     sched = worker.sched
-    native = sched.native
+    native: Any = sched.native if issue is None else issue
     parts = worker.calls(len(batches[0]) if batches else 1)
     last = len(parts) - 1
     devices = sched.devices

@@ -1,0 +1,241 @@
+"""A training step issued segment by segment, each segment one graph to capture.
+
+A whole step captured across devices (or across groups of stages on one
+device) is one CUDA graph per segment of
+:func:`~mpstream.schedules.segments.segment`, launched in order. The run is
+the ordinary one (:func:`~mpstream.runtime.training.run`) over the
+segmented order; :class:`SegmentedIssue` stands in for the C++ scheduler
+there and adds what capture needs at the segments' edges:
+
+- where a segment starts, its :class:`Edges` open a capture on the group's
+  stream, and the scheduler starts a segment on it (a source of its own);
+- where it ends, the scheduler joins every stream the segment used into
+  that stream (a capture must end joined) and the edges close the capture;
+- a task reading what an earlier segment produced cannot wait on that
+  graph's internal event: the producer's segment records an external event
+  after it, and the reader's segment waits on it (the scheduler lists those
+  waits and logs both ends, so :func:`~mpstream.runtime.plan.verify_plan`
+  checks them).
+
+:class:`HostEdges` captures nothing and needs no events (stages on the CPU,
+or the plan alone); the CUDA edges live with the capture
+(:mod:`mpstream.capture`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from ..schedules.orders import Action, format_order
+from ..schedules.schedule import Kind, Schedule
+from ..schedules.segments import Segments, segment
+from .scheduler import EventScheduler
+from .stream import AnyStream
+
+__all__ = ["Edges", "HostEdges", "SegmentedIssue", "Segmenting", "task_segments"]
+
+_LETTER = {Kind.FORWARD: "F", Kind.BACKWARD: "B", Kind.WEIGHT: "W"}
+
+
+class Edges(Protocol):
+    """What happens at the segments' edges: captures and external events."""
+
+    def open(self, segment: int, group: int, device: torch.device) -> AnyStream | None:
+        """Starts segment ``segment`` of ``group`` (whose stages are on
+        ``device``); returns the stream to capture it on (None: a
+        placeholder)."""
+        ...
+
+    def close(self, segment: int) -> None:
+        """Ends the open segment (after the scheduler joined it)."""
+        ...
+
+    def record(self, task: int, stream: AnyStream | None) -> None:
+        """Records task ``task``'s external event on ``stream``."""
+        ...
+
+    def wait(self, task: int, stream: AnyStream | None) -> None:
+        """Makes ``stream`` wait on task ``task``'s external event."""
+        ...
+
+    def abandon(self) -> None:
+        """Ends a capture left open by a failed run, discarding it."""
+        ...
+
+
+class HostEdges:
+    """Edges where nothing is captured: the segments run as issued."""
+
+    def open(self, segment: int, group: int, device: torch.device) -> AnyStream | None:
+        return None
+
+    def close(self, segment: int) -> None:
+        pass
+
+    def record(self, task: int, stream: AnyStream | None) -> None:
+        pass
+
+    def wait(self, task: int, stream: AnyStream | None) -> None:
+        pass
+
+    def abandon(self) -> None:
+        pass
+
+
+def task_segments(schedule: Schedule, cut: Segments) -> list[int]:
+    """The segment of every task of ``schedule``, built from ``cut.order``:
+    a compute task's own, and a copy's or transfer's that of the compute
+    task issued before it (the builder issues a copy right after the task
+    that produced the value).
+
+    Raises:
+        ValueError: ``schedule`` is not in ``cut``'s order.
+    """
+    where = {a: i for i, part in enumerate(cut.parts) for a in part.actions}
+    out: list[int] = []
+    current = 0
+    for t in schedule.tasks:
+        if t.kind in _LETTER:
+            seg = where.get(Action(_LETTER[t.kind], t.stage, t.micro))
+            if seg is None or seg < current:
+                raise ValueError(
+                    f"the schedule is not in the segments' order (task {t.index}: "
+                    f"{t.kind.label} of stage {t.stage}, micro-batch {t.micro}); build it "
+                    f"from Segments.order"
+                )
+            current = seg
+        out.append(current)
+    return out
+
+
+class SegmentedIssue:
+    """Issues a run's tasks segment by segment, for the C++ scheduler's caller.
+
+    Has the scheduler's run interface (``begin_run``, ``begin``, ``end``,
+    ``join``, ``abort``), so a training step runs through it unchanged.
+
+    Args:
+        sched: the pipe's scheduler.
+        schedule: the step's schedule, in ``cut``'s order.
+        cut: its segments.
+        edges: captures and external events at the segments' edges.
+    """
+
+    def __init__(
+        self, sched: EventScheduler, schedule: Schedule, cut: Segments, edges: Edges
+    ) -> None:
+        self.sched, self.edges, self.cut = sched, edges, cut
+        self.segment_of = task_segments(schedule, cut)
+        #: Tasks a later segment reads: each records an external event.
+        self.producers = frozenset(
+            d
+            for t in schedule.tasks
+            for d in t.deps
+            if self.segment_of[d] != self.segment_of[t.index]
+        )
+        # The caller slot of each segment: its group's device's.
+        device_of: dict[int, torch.device] = {}
+        for t in schedule.tasks:
+            if t.kind in _LETTER:
+                device_of.setdefault(self.segment_of[t.index], sched.devices[t.stage])
+        self.devices = [device_of[i] for i in range(len(cut.parts))]
+        self.current = -1
+        self.handles: dict[int, int] = {}
+
+    def begin_run(self, schedule: object, callers: list[int | None]) -> None:
+        self.sched.native.begin_run(schedule, callers)
+        self.current = -1
+
+    def begin(self, task: int) -> int:
+        seg = self.segment_of[task]
+        if seg != self.current:
+            if self.current >= 0:
+                self._close()
+            device = self.devices[seg]
+            stream = self.edges.open(seg, self.cut.parts[seg].group, device)
+            self.current = seg
+            self.sched.begin_segment(self.sched.caller_devices.index(device), stream)
+        handle = int(self.sched.native.begin(task))
+        for producer, slot in self.sched.take_crossing():
+            self.edges.wait(producer, self.sched.slot_stream(slot))
+        self.handles[handle] = task
+        return handle
+
+    def end(self, handle: int) -> None:
+        self.sched.native.end(handle)
+        task = self.handles.pop(handle)
+        if task in self.producers:
+            slot = self.sched.external_record(task)
+            self.edges.record(task, self.sched.slot_stream(slot))
+
+    def join(self) -> None:
+        if self.current >= 0:
+            self._close()
+        self.sched.join()
+
+    def abort(self) -> None:
+        self.handles.clear()
+        try:
+            if self.current >= 0:
+                self.current = -1
+                self.edges.abandon()
+        finally:
+            self.sched.abort()
+
+    def _close(self) -> None:
+        self.sched.end_segment()
+        self.edges.close(self.current)
+        self.current = -1
+
+
+class Segmenting:
+    """Makes a pipe's training steps run segment by segment.
+
+    While set on a pipe (:meth:`mpstream.Pipe.segmented`), each
+    ``train_step`` runs its schedule reordered into segments of ``groups``
+    and issued through :class:`SegmentedIssue` with ``edges``.
+
+    Args:
+        groups: a group label per stage; None: by device.
+        edges: captures and external events at the segments' edges.
+    """
+
+    def __init__(self, groups: Sequence[int] | None, edges: Edges) -> None:
+        self.groups = None if groups is None else list(groups)
+        self.edges = edges
+        self._orders: dict[int, tuple[Schedule, Schedule, Segments]] = {}
+
+    def issue(self, sched: EventScheduler, schedule: Schedule) -> tuple[Schedule, SegmentedIssue]:
+        """``schedule`` in segment order, and what issues it.
+
+        Raises:
+            ValueError: ``groups`` does not hold one label per stage, or puts
+                stages of two devices in one group.
+        """
+        kept = self._orders.get(id(schedule))
+        if kept is None or kept[0] is not schedule:
+            groups = self.groups
+            if groups is not None:
+                for s, t in itertools.combinations(range(len(groups)), 2):
+                    if groups[s] == groups[t] and sched.devices[s] != sched.devices[t]:
+                        raise ValueError(
+                            f"groups puts stages {s} ({sched.devices[s]}) and {t} "
+                            f"({sched.devices[t]}) in one group: a group is captured as "
+                            f"one graph, on one device"
+                        )
+            cut = segment(schedule, groups)
+            ordered = Schedule(
+                format_order(cut.order),
+                schedule.stages,
+                schedule.micros,
+                schedule.topology,
+                copy_target=schedule.copy_target,
+            )
+            kept = (schedule, ordered, cut)
+            self._orders[id(schedule)] = kept
+        _, ordered, cut = kept
+        return ordered, SegmentedIssue(sched, ordered, cut, self.edges)

@@ -1,0 +1,204 @@
+"""Segmented runs: a step issued as one graph per segment. The plan obeys
+the capture rules (waits only within a segment, external events across,
+every stream joined before a segment ends); the step trains like the
+schedule; failures leave nothing half-done."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+import pytest
+import torch
+from torch import nn
+
+from mpstream import Pipe
+from mpstream.runtime import EventScheduler
+from mpstream.runtime.plan import PlanError, record_plan, verify_plan
+from mpstream.runtime.segmented import HostEdges, Segmenting
+from mpstream.runtime.stream import AnyStream
+from mpstream.schedules import SCHEDULES, Schedule, Topology
+from mpstream.schedules.segments import segment
+from tests.helpers import assert_same_grads, mlp
+
+TWO = ["cuda:0", "cuda:1"]
+ROUND = ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
+
+# (devices, groups, force copies): two GPUs; two and four groups on one GPU
+# (the measurable case: stages on one device captured as separate graphs).
+LAYOUTS = {
+    "two devices": (TWO, [0, 1], False),
+    "round-robin": (ROUND, [0, 1, 0, 1], False),
+    "one device, two groups": (["cuda:0"] * 2, [0, 1], True),
+    "one device, four groups": (["cuda:0"] * 4, [0, 1, 2, 3], True),
+}
+
+
+def plan(name: str, layout: str, micros: int):  # type: ignore[no-untyped-def]
+    devices, groups, force = LAYOUTS[layout]
+    virtual = 2 if name == "interleaved_1f1b" and len(devices) == 4 else None
+    return record_plan(
+        name,
+        len(devices),
+        micros,
+        devices,
+        backward=True,
+        force_copies=force,
+        groups=groups,
+        virtual_stages=virtual,
+    )
+
+
+CASES = [
+    (name, layout)
+    for name in SCHEDULES
+    for layout in LAYOUTS
+    if name != "interleaved_1f1b" or len(LAYOUTS[layout][0]) == 4
+]
+
+
+@pytest.mark.parametrize(("name", "layout"), CASES)
+@pytest.mark.parametrize("micros", [1, 3, 5])
+def test_segmented_plans_obey_the_capture_rules(name: str, layout: str, micros: int) -> None:
+    recorded = plan(name, layout, micros)
+    verify_plan(recorded)
+    ops = [op.op for op in recorded.ops]
+    assert ops.count("begin_segment") == ops.count("end_segment") > 0
+    waits = {op.event for op in recorded.ops if op.op == "xwait"}
+    records = {op.event for op in recorded.ops if op.op == "xrecord"}
+    assert waits <= records
+
+
+def test_fill_drain_on_two_devices_is_three_segments() -> None:
+    recorded = plan("gpipe", "two devices", 4)
+    begins = [op for op in recorded.ops if op.op == "begin_segment"]
+    assert [recorded.slot_names[op.slot] for op in begins] == [
+        "caller@cuda:0",
+        "caller@cuda:1",
+        "caller@cuda:0",
+    ]
+
+
+def test_verify_plan_catches_each_broken_rule() -> None:
+    good = plan("1f1b", "one device, two groups", 4)
+    ops = good.ops
+
+    def broken(new_ops):  # type: ignore[no-untyped-def]
+        with pytest.raises(PlanError) as info:
+            verify_plan(replace(good, ops=new_ops))
+        return str(info.value)
+
+    # No external waits: readers run before what they read.
+    assert "is not ordered after" in broken([op for op in ops if op.op != "xwait"])
+    # A segment's caller not waiting on its streams: the capture cannot end.
+    ends = [i for i, op in enumerate(ops) if op.op == "end_segment"]
+    unjoined = [op for i, op in enumerate(ops) if not (op.op == "wait" and i + 1 in ends)]
+    assert "is not joined into caller@cuda:0 before the segment ends" in broken(unjoined)
+    # A plain wait on an event of an earlier segment (another graph's).
+    first = next(i for i, op in enumerate(ops) if op.op == "xwait")
+    begin = max(i for i in range(first) if ops[i].op == "begin_segment")
+    since = {op.event for op in ops[begin:first] if op.op == "record"}
+    early = next(op.event for op in ops[:begin] if op.op == "record" and op.event not in since)
+    crossed = list(ops)
+    crossed[first] = ops[first]._replace(op="wait", event=early)
+    assert "recorded in another segment" in broken(crossed)
+    # An external wait with no earlier record.
+    orphan = [op for op in ops if op.op != "xrecord"]
+    assert "no earlier segment recorded" in broken(orphan)
+
+
+def test_groups_must_not_span_devices() -> None:
+    sched = EventScheduler([torch.device(d) for d in TWO], virtual=True)
+    schedule = Schedule("gpipe", 2, 2, Topology.chain([False, True]), backward=True)
+    with pytest.raises(ValueError, match=r"stages 0 \(cuda:0\) and 1 \(cuda:1\) in one group"):
+        Segmenting([0, 0], HostEdges()).issue(sched, schedule)
+
+
+class Recorded(HostEdges):
+    """Edges that log what a capture would do."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, int]] = []
+
+    def open(self, segment: int, group: int, device: torch.device) -> AnyStream | None:
+        self.log.append(("open", group))
+        return None
+
+    def close(self, segment: int) -> None:
+        self.log.append(("close", segment))
+
+    def record(self, task: int, stream: AnyStream | None) -> None:
+        self.log.append(("record", task))
+
+    def wait(self, task: int, stream: AnyStream | None) -> None:
+        self.log.append(("wait", task))
+
+    def abandon(self) -> None:
+        self.log.append(("abandon", -1))
+
+
+def data(n: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(n, 5, dtype=torch.float64), torch.randn(n, 4, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
+def test_a_segmented_step_trains_like_the_schedule(name: str, checkpoint: str) -> None:
+    model = mlp([5, 8, 7, 6, 4])
+    ref = copy.deepcopy(model)
+    pipe = Pipe(
+        model,
+        chunks=3,
+        balance=[2, 2, 2, 2],
+        devices=["cpu"] * 4,
+        schedule=name,
+        checkpoint=checkpoint,
+        **({"virtual_stages": 2} if name == "interleaved_1f1b" else {}),
+    )
+    x, y = data()  # 3 + 3 + 1: a smaller last micro-batch
+    edges = Recorded()
+    with pipe.segmented([0, 1, 0, 1] if name == "interleaved_1f1b" else [0, 1, 2, 3], edges):
+        loss = pipe.train_step(x, y, nn.MSELoss())
+    expected = nn.MSELoss()(ref(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach())
+    assert_same_grads(pipe, ref)
+    opens = [g for what, g in edges.log if what == "open"]
+    assert len(opens) == edges.log.count(("close", len(opens) - 1)) + len(opens) - 1
+    recorded = [t for what, t in edges.log if what == "record"]
+    for what, task in edges.log:
+        if what == "wait":
+            assert task in recorded  # recorded by an earlier segment
+    assert pipe.__dict__["_segmenting"] is None
+
+
+def test_a_failed_segmented_step_leaves_nothing_open() -> None:
+    model = mlp([5, 8, 4])
+    pipe = Pipe(model, chunks=2, balance=[2, 2], devices=["cpu"] * 2, schedule="1f1b")
+    x, y = data(4)
+    edges = Recorded()
+
+    def failing(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("loss failed")
+
+    with pipe.segmented([0, 1], edges):
+        with pytest.raises(RuntimeError, match="loss failed"):
+            pipe.train_step(x, y, failing)
+        assert edges.log[-1] == ("abandon", -1)
+        assert all(p.grad is None for p in pipe.parameters())
+        pipe.train_step(x, y, nn.MSELoss())  # the next step works
+        with pytest.raises(RuntimeError, match="already segmented"):
+            with pipe.segmented():
+                pass
+    assert not pipe.scheduler.native.running
+    pipe.train_step(x, y, nn.MSELoss())
+
+
+def test_the_segments_are_the_planners() -> None:
+    pipe = Pipe(mlp([5, 8, 4]), chunks=4, balance=[1, 3], devices=["cpu"] * 2, schedule="1f1b")
+    edges = Recorded()
+    x, y = data(8)
+    with pipe.segmented([0, 1], edges):
+        pipe.train_step(x, y, nn.MSELoss())
+    cut = segment(pipe.schedule_for(4, x.device, training_step=True), [0, 1])
+    assert [g for what, g in edges.log if what == "open"] == [p.group for p in cut.parts]
