@@ -30,15 +30,13 @@ from typing import Protocol
 
 import torch
 
-from ..schedules.orders import Action, format_order
-from ..schedules.schedule import Kind, Schedule
-from ..schedules.segments import Segments, segment
+from ..schedules.orders import format_order
+from ..schedules.schedule import Schedule
+from ..schedules.segments import Segments, action_of, segment
 from .scheduler import EventScheduler
 from .stream import AnyStream
 
 __all__ = ["Edges", "HostEdges", "SegmentedIssue", "Segmenting", "task_segments"]
-
-_LETTER = {Kind.FORWARD: "F", Kind.BACKWARD: "B", Kind.WEIGHT: "W"}
 
 
 class Edges(Protocol):
@@ -99,8 +97,9 @@ def task_segments(schedule: Schedule, cut: Segments) -> list[int]:
     out: list[int] = []
     current = 0
     for t in schedule.tasks:
-        if t.kind in _LETTER:
-            seg = where.get(Action(_LETTER[t.kind], t.stage, t.micro))
+        act = action_of(t)
+        if act is not None:
+            seg = where.get(act)
             if seg is None or seg < current:
                 raise ValueError(
                     f"the schedule is not in the segments' order (task {t.index}: "
@@ -140,7 +139,7 @@ class SegmentedIssue:
         # The caller slot of each segment: its group's device's.
         device_of: dict[int, torch.device] = {}
         for t in schedule.tasks:
-            if t.kind in _LETTER:
+            if action_of(t) is not None:
                 device_of.setdefault(self.segment_of[t.index], sched.devices[t.stage])
         self.devices = [device_of[i] for i in range(len(cut.parts))]
         self.current = -1

@@ -3,9 +3,9 @@
 The built-in schedules (fill-drain, 1F1B, interleaved 1F1B, zero-bubble H1)
 and orders written by hand, all generated and checked by the C++ core
 (``csrc/schedule.cpp``, ``csrc/orders.cpp``); :mod:`.slots` and
-:mod:`.segments` derive the graph slots and the capture segments of one. Imports nothing of mpstream but
-the extension loader (``mpstream._ext``): a schedule is plain data, so
-everything else may build on it.
+:mod:`.segments` derive the graph slots and the capture segments of one.
+Imports nothing of mpstream but the extension loader (``mpstream._ext``): a
+schedule is plain data, so everything else may build on it.
 """
 
 from __future__ import annotations

@@ -29,9 +29,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .orders import Action, format_order
-from .schedule import Kind, Schedule
+from .schedule import Kind, Schedule, Task
 
-__all__ = ["Segment", "Segments", "segment"]
+__all__ = ["Segment", "Segments", "segment", "action_of"]
 
 _LETTER = {Kind.FORWARD: "F", Kind.BACKWARD: "B", Kind.WEIGHT: "W"}
 
@@ -85,6 +85,12 @@ class Segments:
         return " | ".join(map(str, self.parts))
 
 
+def action_of(task: Task) -> Action | None:
+    """The compute action a task is (None for copies and transfers)."""
+    letter = _LETTER.get(task.kind)
+    return None if letter is None else Action(letter, task.stage, task.micro)
+
+
 def _compute_deps(schedule: Schedule) -> dict[int, set[int]]:
     """For each compute task, the compute tasks it reads, looking through the
     copies and transfers between them."""
@@ -129,11 +135,7 @@ def segment(schedule: Schedule, groups: Sequence[int] | None = None) -> Segments
     if len(labels) != schedule.stages:
         raise ValueError(f"groups needs one label per stage ({schedule.stages}), got {len(labels)}")
     deps = _compute_deps(schedule)
-    action = {
-        t.index: Action(_LETTER[t.kind], t.stage, t.micro)
-        for t in schedule.tasks
-        if t.kind in _LETTER
-    }
+    action = {t.index: a for t in schedule.tasks if (a := action_of(t)) is not None}
     before: dict[int, int] = {}  # a compute task -> the previous one of its stage
     last: dict[int, int] = {}
     for i in action:
