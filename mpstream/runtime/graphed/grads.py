@@ -133,9 +133,10 @@ class StageGrads:
         into: list[tuple[Tensor, Tensor]] = []
         rest: list[tuple[Tensor, Tensor]] = []
         for p, total in pairs:
+            # Made on the stage's stream, read (and, as a new .grad, kept)
+            # on the caller's from now on.
+            record_stream(total, current_stream(total.device))
             if p.grad is None and total.layout == torch.strided:
-                # Made on the stage's stream, used on the caller's from now on.
-                record_stream(total, current_stream(total.device))
                 p.grad = total
             elif _addable(p.grad, total):
                 into.append((p.grad, total))  # type: ignore[arg-type]

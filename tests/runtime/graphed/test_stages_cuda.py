@@ -244,7 +244,13 @@ def test_cuda_b_and_w_graphs_give_a_plain_backward_s_gradients(name: str) -> Non
     torch.manual_seed(0)
     make, shape = SPLIT_STAGES[name]
     x = torch.randn(*shape, dtype=torch.float64, device="cuda")
-    check_split(make().cuda(), x, CudaGraphs(), steps=3)
+    # Outside a pipe nothing gives the call a stream of its own, and CUDA
+    # graphs cannot be captured on the default stream.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        check_split(make().cuda(), x, CudaGraphs(), steps=3)
+    torch.cuda.current_stream().wait_stream(side)
 
 
 @pytest.mark.cuda
