@@ -30,16 +30,20 @@ void Scheduler::caller_waits() {
         latest.push_back(slots_[x].latest);
       }
     }
-    // Skip an event another candidate was recorded after: waiting on that
-    // one implies it.
-    for (int32_t e : latest) {
-      const EventRec& rec = events_[e];
-      const bool implied = std::any_of(latest.begin(), latest.end(), [&](int32_t other) {
-        return other != e && events_[other].vc[rec.slot] >= rec.seq;
-      });
-      if (!implied) {
-        wait(c, e, Who{});
-      }
+    wait_all(c, latest);
+  }
+}
+
+void Scheduler::wait_all(int32_t slot, const std::vector<int32_t>& events) {
+  // Skip an event another candidate was recorded after: waiting on that
+  // one implies it.
+  for (int32_t e : events) {
+    const EventRec& rec = events_[e];
+    const bool implied = std::any_of(events.begin(), events.end(), [&](int32_t other) {
+      return other != e && events_[other].vc[rec.slot] >= rec.seq;
+    });
+    if (!implied) {
+      wait(slot, e, Who{});
     }
   }
 }

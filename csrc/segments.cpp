@@ -87,15 +87,7 @@ void Scheduler::end_segment() {
       latest.push_back(slots_[x].latest);
     }
   }
-  for (int32_t e : latest) {
-    const EventRec& rec = events_[e];
-    const bool implied = std::any_of(latest.begin(), latest.end(), [&](int32_t other) {
-      return other != e && events_[other].vc[rec.slot] >= rec.seq;
-    });
-    if (!implied) {
-      wait(c, e, Who{});
-    }
-  }
+  wait_all(c, latest);
   log(OpCode::kEndSegment, c, segment_, Who{});
   forget_latest();
   segment_caller_ = -1;
