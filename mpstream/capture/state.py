@@ -4,19 +4,30 @@
 (lazy initialisation, autotuning, optimizer state) and must then leave the
 model and the optimizer as the caller gave them, in the very tensors the
 graph captured. This module saves and restores that state (parameters,
-buffers, gradients, optimizer state, random number generators) and checks
-the optimizer for what a replay could not reproduce.
+buffers, gradients, optimizer state, random number generators), checks
+the optimizer for what a replay could not reproduce, and, after capture,
+checks that nothing a replay reads or writes was replaced or reconfigured
+(:class:`Kept`, :func:`check_settings`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Saved", "check_optimizer", "hyperparameters", "state_tensors"]
+__all__ = [
+    "Kept",
+    "Saved",
+    "check_optimizer",
+    "check_settings",
+    "hyperparameters",
+    "same_plain",
+    "state_tensors",
+]
 
 Optimizer = torch.optim.Optimizer
 
@@ -176,3 +187,80 @@ def _put_back(t: Tensor, saved: Tensor | None) -> None:
         t.zero_()
     else:
         t.copy_(saved)
+
+
+class Kept:
+    """The tensors a captured step reads and writes in place, as of capture:
+    replacing one (a new ``.grad``, a moved parameter, loaded optimizer
+    state) would leave the graph working on the old one."""
+
+    def __init__(self, pipe: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        named = list(pipe.named_parameters())
+        self.params = [(n, p, p.data_ptr()) for n, p in named]
+        self.grads = [(n, p, p.grad) for n, p in named]
+        self.state = [(p, k, v) for p, k, v in state_tensors(optimizer)]
+        self.optimizer = optimizer
+
+    def check(self) -> None:
+        # Parameters first: moving a module replaces its gradients too.
+        for name, p, ptr in self.params:
+            if p.data_ptr() != ptr:
+                raise ValueError(
+                    f"CapturedStep: parameter {name} moved since capture (pipe.double(), "
+                    f"pipe.to(dtype) or load_state_dict(assign=True)); capture a new step."
+                )
+        for name, p, grad in self.grads:
+            if p.grad is not grad:
+                raise ValueError(
+                    f"CapturedStep: the gradient of {name} was replaced since capture "
+                    f"(zero_grad() sets it to None by default); the captured step "
+                    f"accumulates into the old one. Use zero_grad(set_to_none=False), or "
+                    f"CapturedStep(zero_grad=True)."
+                )
+        state = self.optimizer.state if self.optimizer is not None else {}
+        for p, key, value in self.state:
+            if state.get(p, {}).get(key) is not value:
+                raise ValueError(
+                    f"CapturedStep: the optimizer's state {key!r} was replaced since capture "
+                    f"(optimizer.load_state_dict?); the captured step updates the old "
+                    f"tensors. Capture a new step after loading."
+                )
+
+
+def same_plain(a: Any, b: Any) -> bool:
+    """Equality for plain values, with NaN equal to itself; tensors by identity
+    (a replay reads the captured tensor, whatever its value)."""
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return a is b
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # values whose == is not a bool
+        return a is b
+
+
+def check_settings(settings: list[dict[str, Any]], optimizer: Optimizer | None) -> None:
+    """Refuses a plain optimizer setting changed since ``settings`` were
+    taken (:func:`hyperparameters`), which a replay would not see.
+
+    Raises:
+        ValueError: naming the param group and the setting.
+    """
+    now = hyperparameters(optimizer)
+    for g, (before, after) in enumerate(zip(settings, now)):
+        for key in sorted(before.keys() | after.keys()):
+            a, b = before.get(key), after.get(key)
+            if not same_plain(a, b):
+                raise ValueError(
+                    f"CapturedStep: optimizer param group {g}'s {key!r} changed from "
+                    f"{a!r} to {b!r} since capture; the captured step uses {a!r}. "
+                    f"Capture a new step, or give {key!r} as a tensor changed in place "
+                    f"(tensor.fill_), where the optimizer supports that under capture "
+                    f"(Adam, AdamW: capturable=True)."
+                )
+    if len(now) != len(settings):
+        raise ValueError(
+            f"CapturedStep: the optimizer has {len(now)} param groups, "
+            f"{len(settings)} at capture; capture a new step"
+        )

@@ -16,41 +16,26 @@ with the same checks, so code written against it runs anywhere.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import suppress
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.utils import _pytree as pytree
 
 from ..pipe.pipe import REDUCTIONS, Pipe
 from ..runtime.errors import annotate
-from ..runtime.microbatch import NoChunk
 from ..stages.sequential import check_positive
-from .state import Saved, check_optimizer, hyperparameters, state_tensors
+from .buffers import fill, static
+from .edges import GraphEdges, check_groups
+from .state import Kept, Saved, check_optimizer, check_settings, hyperparameters
 
 __all__ = ["CapturedStep"]
 
 # One graph cannot span devices: PyTorch's graph memory pools are per device
 # and multi-device replays fault (pytorch/pytorch#153025, open in 2026).
 _MULTI_DEVICE = "PyTorch cannot replay one CUDA graph across devices (pytorch/pytorch#153025)"
-
-
-def _static(leaf: Any, device: torch.device) -> Any:
-    """A buffer of its own for a tensor leaf (NoChunk too); other leaves as they are."""
-    if isinstance(leaf, NoChunk):
-        return NoChunk(leaf.tensor.detach().to(device, copy=True))
-    if isinstance(leaf, Tensor):
-        return leaf.detach().to(device, copy=True)
-    return leaf
-
-
-def _tensor(leaf: Any) -> Tensor | None:
-    if isinstance(leaf, NoChunk):
-        return leaf.tensor
-    return leaf if isinstance(leaf, Tensor) else None
 
 
 class CapturedStep:
@@ -89,6 +74,13 @@ class CapturedStep:
     optimizers need their state from one eager step before capture (refused
     otherwise).
 
+    By default the step is one graph, which runs the stages' work in one
+    fixed interleaving. With ``groups`` (stages on one GPU in two or more
+    groups), each segment of a group's work is a graph of its own, ordered
+    by external events, and the groups' graphs overlap at replay as the
+    eager pipe's streams do (:mod:`~mpstream.capture.edges`): a few more
+    launches per step (:attr:`launches`), and a memory pool per graph.
+
     Every stage must sit on one CUDA device (a graph cannot span devices) or
     on CPUs, where no graph exists and each call runs the step eagerly with
     the same checks (from the second call, once gradients exist). For mixed
@@ -112,12 +104,16 @@ class CapturedStep:
             every step.
         warmup: eager steps before capture (CUDA only); at least 1.
         pool: a graph memory pool to share (``torch.cuda.graph_pool_handle()``
-            or another step's :attr:`pool`).
+            or another step's :attr:`pool`); not with ``groups``.
+        groups: a group label per stage: capture the step as one graph per
+            segment of each group's work (see above). None: one graph.
 
     Raises:
         TypeError: ``pipe`` is not a Pipe, ``loss_fn`` is not callable, or
             ``warmup`` is not an int.
-        ValueError: ``warmup`` below 1, an unknown ``reduction``, stages on
+        ValueError: ``warmup`` below 1, an unknown ``reduction``, ``groups``
+            without one label per stage, with ``pool`` or with dropout in two
+            groups (:func:`~mpstream.capture.edges.check_groups`), stages on
             several devices or on both CPU and CUDA, the pipe is being
             traced (its scheduler's timing or plan recording is on: a replay
             would record nothing), or an optimizer whose captured step would
@@ -139,6 +135,7 @@ class CapturedStep:
         zero_grad: bool = True,
         warmup: int = 3,
         pool: Any = None,
+        groups: Sequence[int] | None = None,
     ) -> None:
         if not isinstance(pipe, Pipe):
             raise TypeError(f"CapturedStep needs an mpstream.Pipe, got {type(pipe).__name__}")
@@ -155,13 +152,24 @@ class CapturedStep:
             raise ValueError(f"reduction must be one of {valid}; got {reduction!r}")
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        self.groups = None if groups is None else [int(g) for g in groups]
+        if self.groups is not None:
+            check_groups(list(pipe.partitions), self.groups)
+            if pool is not None:
+                raise ValueError(
+                    "CapturedStep: groups captures a graph per segment, each with a memory "
+                    "pool of its own (a shared pool would let one group's graph reuse memory "
+                    "another's still reads); drop pool, or capture one graph (groups=None)"
+                )
         devices = list(dict.fromkeys(pipe.devices))
         cuda = [d for d in devices if d.type == "cuda"]
         if cuda and len(devices) > 1:
             raise ValueError(
                 f"CapturedStep needs every stage on one CUDA device: stages are on "
-                f"{', '.join(map(str, devices))}. {_MULTI_DEVICE}; put the stages on one "
-                f"GPU or run the pipe eagerly."
+                f"{', '.join(map(str, devices))}. {_MULTI_DEVICE}, and a step captured "
+                f"in segments (groups) cannot yet hold an optimizer step or copies that span "
+                f"devices; put the stages on one GPU (groups= keeps them overlapping) or run "
+                f"the pipe eagerly."
             )
         sched = pipe.scheduler
         if cuda and (sched.timing or sched.recording):
@@ -175,27 +183,34 @@ class CapturedStep:
         self.device: torch.device | None = cuda[0] if cuda else None
         in_leaves, self._in_spec = pytree.tree_flatten(inputs)
         tgt_leaves, self._tgt_spec = pytree.tree_flatten(target)
-        self._inputs = [_static(x, pipe.devices[0]) for x in in_leaves]
-        self._target = [_static(x, pipe.devices[-1]) for x in tgt_leaves]
+        self._inputs = [static(x, pipe.devices[0]) for x in in_leaves]
+        self._target = [static(x, pipe.devices[-1]) for x in tgt_leaves]
         check_optimizer(optimizer, self.device is not None)
         self._settings = hyperparameters(optimizer)
         self.graph: torch.cuda.CUDAGraph | None = None
-        self._kept: _Kept | None = None
+        self._edges: GraphEdges | None = None
+        self._kept: Kept | None = None
         self._loss: Tensor | None = None
         if self.device is not None:
             self._capture(warmup, pool)
-            self._kept = _Kept(pipe, optimizer)
+            self._kept = Kept(pipe, optimizer)
 
     # -- the step ----------------------------------------------------------
-    def _step(self) -> Tensor:
+    def _step(self, edges: GraphEdges | None = None) -> Tensor:
+        """One step; with ``groups``, issued segment by segment on ``edges``
+        (None: segments that capture nothing)."""
         if self.zero_grad:
             self.pipe.zero_grad(set_to_none=False)
-        loss = self.pipe.train_step(
+        args = (
             pytree.tree_unflatten(self._inputs, self._in_spec),
             pytree.tree_unflatten(self._target, self._tgt_spec),
             self.loss_fn,
-            reduction=self.reduction,
         )
+        if self.groups is None:
+            loss = self.pipe.train_step(*args, reduction=self.reduction)
+        else:
+            with self.pipe.segmented(self.groups, edges):
+                loss = self.pipe.train_step(*args, reduction=self.reduction)
         if self.optimizer is not None:
             self.optimizer.step()
         return loss
@@ -205,6 +220,8 @@ class CapturedStep:
         assert device is not None
         saved = Saved(self.pipe, self.optimizer, device)
         caller = torch.cuda.current_stream(device)
+        edges: GraphEdges | None = None
+        graph: torch.cuda.CUDAGraph | None = None
         try:
             with torch.cuda.device(device):
                 # Warm-up on a side stream, as capture requires: what runs
@@ -215,11 +232,24 @@ class CapturedStep:
                     for _ in range(warmup):
                         self._step()
                 caller.wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self._loss = self._step()
+                if self.groups is None:
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        self._loss = self._step()
+                else:
+                    # Captured from the warm-up's stream: its library
+                    # workspaces exist, and it is not the default stream.
+                    side.wait_stream(caller)
+                    torch.cuda.synchronize(device)  # as torch.cuda.graph does
+                    edges = GraphEdges(side)
+                    with torch.cuda.stream(side):
+                        edges.begin_step()
+                        self._loss = self._step(edges)
+                        edges.end_step()
                 caller.synchronize()
         except BaseException as exc:
+            if edges is not None:
+                edges.abandon()
             # Older torch leaves the capture stream current when capture_end raises.
             torch.cuda.set_stream(caller)
             with suppress(RuntimeError):  # a failed capture may leave a CUDA error behind
@@ -235,7 +265,7 @@ class CapturedStep:
             raise
         saved.restore(captured=True)
         torch.cuda.synchronize(device)
-        self.graph = graph
+        self.graph, self._edges = graph, edges
 
     def __deepcopy__(self, memo: dict[int, Any]) -> CapturedStep:
         raise TypeError(
@@ -251,16 +281,30 @@ class CapturedStep:
 
     @property
     def captured(self) -> bool:
-        """Whether calls replay a CUDA graph (False: they run the step eagerly)."""
-        return self.graph is not None
+        """Whether calls replay CUDA graphs (False: they run the step eagerly)."""
+        return self.graph is not None or self._edges is not None
+
+    @property
+    def launches(self) -> int:
+        """Graph launches per step: 1, or with ``groups`` the segments' graphs
+        plus a prologue and an epilogue; 0 when the step runs eagerly."""
+        if self._edges is not None:
+            return self._edges.launches
+        return 1 if self.graph is not None else 0
 
     @property
     def pool(self) -> Any:
         """The captured graph's memory pool, to share with another capture.
 
         Raises:
-            RuntimeError: nothing was captured (the pipe runs on the CPU).
+            RuntimeError: nothing was captured (the pipe runs on the CPU), or
+                the step was captured in segments (a pool per graph).
         """
+        if self._edges is not None:
+            raise RuntimeError(
+                "this step was captured in segments (groups), a memory pool per graph: "
+                "there is no one pool to share"
+            )
         if self.graph is None:
             raise RuntimeError("no CUDA graph was captured (the pipe runs on the CPU)")
         return self.graph.pool()
@@ -284,128 +328,31 @@ class CapturedStep:
                 gradient, optimizer state or parameter replaced since
                 capture, or a replay while the pipe is being traced.
         """
-        self._check_settings()
+        check_settings(self._settings, self.optimizer)
         if self._kept is not None:
             self._kept.check()
         sched = self.pipe.scheduler
-        if self.graph is not None and (sched.timing or sched.recording):
+        if self.captured and (sched.timing or sched.recording):
             raise ValueError(
                 "CapturedStep: the pipe is being traced (mpstream.profile / trace turned its "
                 "scheduler's timing or plan recording on), but a replay runs no Python and "
                 "records nothing. Profile the pipe's eager train_step instead."
             )
-        self._fill("inputs", self._inputs, self._in_spec, inputs)
-        self._fill("target", self._target, self._tgt_spec, target)
-        if self.graph is None:
+        fill("inputs", self._inputs, self._in_spec, inputs)
+        fill("target", self._target, self._tgt_spec, target)
+        if not self.captured:
             loss = self._step()
             if self._kept is None:  # the CPU's checks start once gradients exist
-                self._kept = _Kept(self.pipe, self.optimizer)
+                self._kept = Kept(self.pipe, self.optimizer)
             return loss
         assert self._loss is not None and self.device is not None
         with torch.cuda.device(self.device):
-            self.graph.replay()
+            if self.graph is not None:
+                self.graph.replay()
+            else:
+                assert self._edges is not None
+                caller, main = torch.cuda.current_stream(), self._edges.main
+                main.wait_stream(caller)  # the batch just copied in
+                self._edges.replay()
+                caller.wait_stream(main)
             return self._loss.clone()
-
-    def _fill(self, what: str, static: list[Any], spec: Any, value: Any) -> None:
-        given, given_spec = pytree.tree_flatten(value)
-        if given_spec != spec:
-            raise ValueError(
-                f"CapturedStep: {what} have another structure than the captured step's: "
-                f"got {given_spec}, captured {spec}"
-            )
-        for i, (have, new) in enumerate(zip(static, given)):
-            buffer, source = _tensor(have), _tensor(new)
-            if buffer is None:
-                if isinstance(new, (Tensor, NoChunk)) or not _same_plain(have, new):
-                    raise ValueError(
-                        f"CapturedStep: {what} leaf {i} is {new!r}; the step was captured "
-                        f"with {have!r}, which the step keeps. Capture another step for it."
-                    )
-                continue
-            if source is None or isinstance(have, NoChunk) != isinstance(new, NoChunk):
-                raise ValueError(
-                    f"CapturedStep: {what} leaf {i} is a {type(new).__name__}; the step "
-                    f"was captured with a {type(have).__name__}"
-                )
-            if source.shape != buffer.shape or source.dtype != buffer.dtype:
-                raise ValueError(
-                    f"CapturedStep: {what} leaf {i} has shape {tuple(source.shape)} and "
-                    f"dtype {source.dtype}; the step was captured for "
-                    f"{tuple(buffer.shape)} and {buffer.dtype}. Shapes are fixed: capture "
-                    f"another step for this shape (sharing `pool`) or drop such batches "
-                    f"(DataLoader(drop_last=True))."
-                )
-        for have, new in zip(static, given):
-            buffer, source = _tensor(have), _tensor(new)
-            if buffer is not None and source is not None and source is not buffer:
-                buffer.copy_(source.detach(), non_blocking=True)
-
-    def _check_settings(self) -> None:
-        now = hyperparameters(self.optimizer)
-        for g, (before, after) in enumerate(zip(self._settings, now)):
-            for key in sorted(before.keys() | after.keys()):
-                a, b = before.get(key), after.get(key)
-                if not _same_plain(a, b):
-                    raise ValueError(
-                        f"CapturedStep: optimizer param group {g}'s {key!r} changed from "
-                        f"{a!r} to {b!r} since capture; the captured step uses {a!r}. "
-                        f"Capture a new step, or give {key!r} as a tensor changed in place "
-                        f"(tensor.fill_), where the optimizer supports that under capture "
-                        f"(Adam, AdamW: capturable=True)."
-                    )
-        if len(now) != len(self._settings):
-            raise ValueError(
-                f"CapturedStep: the optimizer has {len(now)} param groups, "
-                f"{len(self._settings)} at capture; capture a new step"
-            )
-
-
-class _Kept:
-    """The tensors a captured step reads and writes in place, as of capture:
-    replacing one (a new ``.grad``, a moved parameter, loaded optimizer
-    state) would leave the graph working on the old one."""
-
-    def __init__(self, pipe: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-        named = list(pipe.named_parameters())
-        self.params = [(n, p, p.data_ptr()) for n, p in named]
-        self.grads = [(n, p, p.grad) for n, p in named]
-        self.state = [(p, k, v) for p, k, v in state_tensors(optimizer)]
-        self.optimizer = optimizer
-
-    def check(self) -> None:
-        # Parameters first: moving a module replaces its gradients too.
-        for name, p, ptr in self.params:
-            if p.data_ptr() != ptr:
-                raise ValueError(
-                    f"CapturedStep: parameter {name} moved since capture (pipe.double(), "
-                    f"pipe.to(dtype) or load_state_dict(assign=True)); capture a new step."
-                )
-        for name, p, grad in self.grads:
-            if p.grad is not grad:
-                raise ValueError(
-                    f"CapturedStep: the gradient of {name} was replaced since capture "
-                    f"(zero_grad() sets it to None by default); the captured step "
-                    f"accumulates into the old one. Use zero_grad(set_to_none=False), or "
-                    f"CapturedStep(zero_grad=True)."
-                )
-        state = self.optimizer.state if self.optimizer is not None else {}
-        for p, key, value in self.state:
-            if state.get(p, {}).get(key) is not value:
-                raise ValueError(
-                    f"CapturedStep: the optimizer's state {key!r} was replaced since capture "
-                    f"(optimizer.load_state_dict?); the captured step updates the old "
-                    f"tensors. Capture a new step after loading."
-                )
-
-
-def _same_plain(a: Any, b: Any) -> bool:
-    """Equality for plain values, with NaN equal to itself; tensors by identity
-    (a replay reads the captured tensor, whatever its value)."""
-    if isinstance(a, Tensor) or isinstance(b, Tensor):
-        return a is b
-    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
-        return True
-    try:
-        return type(a) is type(b) and bool(a == b)
-    except Exception:  # values whose == is not a bool
-        return a is b

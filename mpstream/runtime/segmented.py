@@ -15,7 +15,10 @@ there and adds what capture needs at the segments' edges:
   graph's internal event: the producer's segment records an external event
   after it, and the reader's segment waits on it (the scheduler lists those
   waits and logs both ends, so :func:`~mpstream.runtime.plan.verify_plan`
-  checks them).
+  checks them);
+- once the last segment has closed, the edges learn that the run is done:
+  what the caller issues next (the loss sum, an optimizer step) follows
+  every segment, which a capture orders at replay.
 
 :class:`HostEdges` captures nothing and needs no events (stages on the CPU,
 or the plan alone); the CUDA edges live with the capture
@@ -60,6 +63,11 @@ class Edges(Protocol):
         """Makes ``stream`` wait on task ``task``'s external event."""
         ...
 
+    def done(self) -> None:
+        """The run's last segment has closed; the caller's next work follows
+        all of them."""
+        ...
+
     def abandon(self) -> None:
         """Ends a capture left open by a failed run, discarding it."""
         ...
@@ -78,6 +86,9 @@ class HostEdges:
         pass
 
     def wait(self, task: int, stream: AnyStream | None) -> None:
+        pass
+
+    def done(self) -> None:
         pass
 
     def abandon(self) -> None:
@@ -175,13 +186,15 @@ class SegmentedIssue:
         if self.current >= 0:
             self._close()
         self.sched.join()
+        self.edges.done()
 
     def abort(self) -> None:
+        # The edges may hold a capture open outside any segment too (a
+        # step's prologue), so they always hear of a failure.
         self.handles.clear()
+        self.current = -1
         try:
-            if self.current >= 0:
-                self.current = -1
-                self.edges.abandon()
+            self.edges.abandon()
         finally:
             self.sched.abort()
 

@@ -133,6 +133,9 @@ class Recorded(HostEdges):
     def wait(self, task: int, stream: AnyStream | None) -> None:
         self.log.append(("wait", task))
 
+    def done(self) -> None:
+        self.log.append(("done", -1))
+
     def abandon(self) -> None:
         self.log.append(("abandon", -1))
 

@@ -1,0 +1,258 @@
+"""A step captured as one CUDA graph per segment, ordered by external events.
+
+One graph cannot hold a pipeline step whose groups of stages should
+overlap: a graph only waits on work launched before it, and within a step
+activations go forward while gradients come back. So the step is cut into
+segments (:func:`~mpstream.schedules.segments.segment`) and
+:class:`GraphEdges` captures each one as a graph of its own, on its group's
+*launch stream*. What a segment reads from an earlier one is ordered by an
+external event (``torch.cuda.Event(external=True)``): the producer's graph
+holds a record node, the reader's a wait node, so at replay two groups'
+graphs run side by side and meet only where data crosses.
+
+Around the segments, on the stream the step is captured from (``main``):
+
+- the *prologue*: what the step issues before its first task (zeroing the
+  gradients), captured from :meth:`GraphEdges.begin_step` until the first
+  segment opens;
+- the *epilogue*: what it issues after the last segment (the loss sum, the
+  optimizer step), captured from the end of the run to
+  :meth:`GraphEdges.end_step`.
+
+A replay launches the prologue on ``main``; every launch stream waits on
+``main``; the segments launch in order, each on its group's stream; ``main``
+waits on every launch stream and launches the epilogue. That is
+``segments + 2`` graph launches per step.
+
+Each graph gets a private memory pool. Segments cannot share one: a block
+that one group's graph frees may still be read by another group's graph
+running beside it, and a later capture in the same pool would reuse it.
+
+Random numbers: a graph that draws them (dropout) reads its generator's
+seed and offset from device scalars that every replay of every graph
+refills on its own stream, so two groups' graphs drawing side by side
+would race on them. :func:`check_groups` refuses dropout layers in more
+than one group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, suppress
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.dropout import _DropoutNd
+
+from ..runtime.stream import AnyStream
+
+__all__ = ["Cuda", "GraphEdges", "check_groups"]
+
+
+def check_groups(stages: Sequence[nn.Module], groups: Sequence[int]) -> None:
+    """Refuses groups a step cannot be captured in.
+
+    Args:
+        stages: the pipe's stage modules.
+        groups: a group label per stage.
+
+    Raises:
+        ValueError: not one label per stage, or dropout layers in training
+            mode in two or more groups (see the module's docstring; dropout
+            drawn by functional calls is not seen here).
+    """
+    if len(groups) != len(stages):
+        raise ValueError(f"groups needs one label per stage ({len(stages)}), got {len(groups)}")
+    drawing: dict[int, int] = {}
+    for i, (stage, group) in enumerate(zip(stages, groups)):
+        if any(isinstance(m, _DropoutNd) and m.training for m in stage.modules()):
+            drawing.setdefault(group, i)
+    if len(drawing) > 1:
+        (g1, s1), (g2, s2) = list(drawing.items())[:2]
+        raise ValueError(
+            f"dropout in stage {s1} (group {g1}) and stage {s2} (group {g2}): the two groups' "
+            f"graphs would draw random numbers side by side from one generator offset, which "
+            f"PyTorch's graph replays share; put the stages with dropout in one group, or "
+            f"capture one graph (groups=None)"
+        )
+
+
+@dataclass(frozen=True)
+class Cuda:
+    """The CUDA objects :class:`GraphEdges` makes, and how it makes a stream
+    current: PyTorch's by default; a test passes fakes that log."""
+
+    stream: Callable[[torch.device], Any] = field(default=torch.cuda.Stream)
+    graph: Callable[[], Any] = field(default=torch.cuda.CUDAGraph)
+    event: Callable[[], Any] = field(default=partial(torch.cuda.Event, external=True))
+    use: Callable[[Any], AbstractContextManager[Any]] = field(default=torch.cuda.stream)
+
+
+class GraphEdges:
+    """Edges that capture every segment of a step, and replay the step.
+
+    Use: :meth:`begin_step` on ``main`` (the current stream), run the step's
+    work with the pipe segmented on these edges (``pipe.segmented(groups,
+    edges)``), then :meth:`end_step`; after that, :meth:`replay` runs the
+    step again. On a failure, :meth:`abandon` ends whatever capture is open.
+
+    Args:
+        main: the stream the step is captured from; it must be current
+            while the step is captured.
+        cuda: what makes streams, graphs and events (tests pass fakes).
+    """
+
+    def __init__(self, main: Any, cuda: Cuda | None = None) -> None:
+        self.cuda = cuda if cuda is not None else Cuda()
+        self.main = main
+        #: One launch stream per group, made when its first segment opens.
+        self.launch: dict[int, Any] = {}
+        #: (group, graph) of every segment, in launch order.
+        self.segments: list[tuple[int, Any]] = []
+        self.prologue: Any = None
+        self.epilogue: Any = None
+        #: Each producer task's external event.
+        self.events: dict[int, Any] = {}
+        # The capture now open: (what, graph, stream, group).
+        self._open: tuple[str, Any, Any, int] | None = None
+
+    # -- capture -----------------------------------------------------------
+    @property
+    def complete(self) -> bool:
+        """Whether a whole step was captured (then :meth:`replay` works)."""
+        return self.epilogue is not None and self._open is None
+
+    @property
+    def launches(self) -> int:
+        """Graph launches per replayed step: the segments, prologue and epilogue."""
+        return len(self.segments) + 2
+
+    def begin_step(self) -> None:
+        """Starts capturing the step's prologue on ``main``.
+
+        Raises:
+            RuntimeError: a step was captured already, or a capture is open.
+        """
+        if self.prologue is not None or self._open is not None:
+            raise RuntimeError("GraphEdges capture one step; make new edges for another")
+        self._begin("prologue", self.main, -1)
+
+    def end_step(self) -> None:
+        """Ends the epilogue's capture: the step is complete.
+
+        Raises:
+            RuntimeError: the epilogue is not being captured (the run did
+                not finish, or ran without these edges).
+        """
+        if self._open is None or self._open[0] != "epilogue":
+            now = "nothing" if self._open is None else f"the {self._open[0]}"
+            raise RuntimeError(
+                f"end_step() while capturing {now}: the step's run must finish with the "
+                f"pipe segmented on these edges first"
+            )
+        self.epilogue = self._end()
+
+    def open(self, segment: int, group: int, device: torch.device) -> AnyStream | None:
+        if self._open is not None and self._open[0] == "prologue":
+            self.prologue = self._end()
+        if self._open is not None or self.prologue is None:
+            raise RuntimeError(
+                f"segment {segment} opened outside a step's capture (call begin_step() first, "
+                f"with no other capture open)"
+            )
+        if segment != len(self.segments):
+            raise RuntimeError(f"segment {segment} opened after {len(self.segments)} segments")
+        stream = self.launch.get(group)
+        if stream is None:
+            stream = self.launch[group] = self.cuda.stream(device)
+        self._begin("segment", stream, group)
+        # A CPU group has no stream in the scheduler (its caller slot is a
+        # placeholder); its launch stream exists only here.
+        return stream if device.type == "cuda" else None
+
+    def close(self, segment: int) -> None:
+        if self._open is None or self._open[0] != "segment":
+            raise RuntimeError(f"close({segment}) without an open segment")
+        group = self._open[3]
+        self.segments.append((group, self._end()))
+
+    def record(self, task: int, stream: AnyStream | None) -> None:
+        event = self.events.get(task)
+        if event is None:
+            event = self.events[task] = self.cuda.event()
+        # PyTorch makes an event record external only while the *current*
+        # stream captures; between tasks the current stream is main's.
+        with self.cuda.use(self._capturing()):
+            event.record(stream)
+
+    def wait(self, task: int, stream: AnyStream | None) -> None:
+        event = self.events.get(task)
+        if event is None:
+            raise RuntimeError(f"external wait on task {task}, which recorded no event")
+        with self.cuda.use(self._capturing()):
+            event.wait(stream)
+
+    def done(self) -> None:
+        if self._open is not None:
+            raise RuntimeError(f"the run ended with the {self._open[0]} still open")
+        self._begin("epilogue", self.main, -1)
+
+    def abandon(self) -> None:
+        """Ends the open capture, if any, and discards what was captured."""
+        if self._open is not None:
+            _, graph, stream, _ = self._open
+            self._open = None
+            # A capture a failure invalidated raises again at its end; the
+            # failure that got here is the one to report.
+            with suppress(RuntimeError), self.cuda.use(stream):
+                graph.capture_end()
+        self.segments.clear()
+        self.prologue = self.epilogue = None
+
+    # -- replay --------------------------------------------------------------
+    def replay(self) -> None:
+        """Replays the step after what was issued on ``main`` so far; work
+        issued on ``main`` afterwards follows the whole step.
+
+        Raises:
+            RuntimeError: no complete step was captured.
+        """
+        if not self.complete:
+            raise RuntimeError("no complete step was captured (see GraphEdges.begin_step)")
+        use, main = self.cuda.use, self.main
+        with use(main):
+            self.prologue.replay()
+        for stream in self.launch.values():
+            stream.wait_stream(main)
+        for group, graph in self.segments:
+            with use(self.launch[group]):
+                graph.replay()
+        for stream in self.launch.values():
+            main.wait_stream(stream)
+        with use(main):
+            self.epilogue.replay()
+
+    # -- helpers -------------------------------------------------------------
+    def _begin(self, what: str, stream: Any, group: int) -> None:
+        graph = self.cuda.graph()
+        with self.cuda.use(stream):
+            # A private pool each (see the module's docstring); thread-local,
+            # so another thread's CUDA calls (a pinning DataLoader) are allowed.
+            graph.capture_begin(capture_error_mode="thread_local")
+        self._open = (what, graph, stream, group)
+
+    def _end(self) -> Any:
+        assert self._open is not None
+        _, graph, stream, _ = self._open
+        self._open = None
+        with self.cuda.use(stream):
+            graph.capture_end()
+        return graph
+
+    def _capturing(self) -> Any:
+        if self._open is None or self._open[0] != "segment":
+            raise RuntimeError("an external event outside a segment's capture")
+        return self._open[2]

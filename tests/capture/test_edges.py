@@ -1,0 +1,282 @@
+"""GraphEdges, checked on the CPU with fake CUDA objects that log: a step is
+captured as prologue, one graph per segment on its group's launch stream,
+and epilogue; external events are recorded and waited on inside segment
+captures only; a replay launches in order with the streams ordered around
+it; a failure ends the open capture and leaves the pipe as it was."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from mpstream import CapturedStep, Pipe
+from mpstream.capture.edges import Cuda, GraphEdges
+from mpstream.schedules.segments import segment
+from tests.helpers import assert_same_grads, mlp
+
+
+class World:
+    """Fake streams, graphs and events sharing one log and one current stream."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[Any, ...]] = []
+        self.main = FakeStream(self, "main")
+        self.current = self.main
+        self.capturing: dict[str, FakeGraph] = {}  # stream name -> graph capturing on it
+        self.graphs: list[FakeGraph] = []
+        self.streams = 0
+
+    def cuda(self) -> Cuda:
+        return Cuda(
+            stream=self.stream,
+            graph=lambda: FakeGraph(self),
+            event=lambda: FakeEvent(self),
+            use=self.use,
+        )
+
+    def stream(self, device: torch.device) -> FakeStream:
+        self.streams += 1
+        return FakeStream(self, f"launch{self.streams}")
+
+    @contextmanager
+    def use(self, stream: FakeStream) -> Iterator[None]:
+        before, self.current = self.current, stream
+        try:
+            yield
+        finally:
+            self.current = before
+
+
+class FakeStream:
+    def __init__(self, world: World, name: str) -> None:
+        self.world, self.name = world, name
+
+    def wait_stream(self, other: FakeStream) -> None:
+        self.world.log.append(("wait_stream", self.name, other.name))
+
+
+class FakeGraph:
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.index = len(world.graphs)
+        world.graphs.append(self)
+        self.stream = ""
+        self.fail_end = False
+
+    def capture_begin(self, capture_error_mode: str) -> None:
+        assert capture_error_mode == "thread_local"
+        assert not self.world.capturing, "one capture at a time"
+        self.stream = self.world.current.name
+        self.world.capturing[self.stream] = self
+        self.world.log.append(("begin", self.index, self.stream))
+
+    def capture_end(self) -> None:
+        assert self.world.current.name == self.stream, "ended on its own stream"
+        del self.world.capturing[self.stream]
+        self.world.log.append(("end", self.index))
+        if self.fail_end:
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    def replay(self) -> None:
+        self.world.log.append(("replay", self.index, self.world.current.name))
+
+
+class FakeEvent:
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.recorded_in: int | None = None
+
+    def _graph(self) -> int:
+        # PyTorch makes a record or wait external only if the current stream captures.
+        graph = self.world.capturing.get(self.world.current.name)
+        assert graph is not None, "external event use outside a capturing current stream"
+        return graph.index
+
+    def record(self, stream: object) -> None:
+        self.recorded_in = self._graph()
+        self.world.log.append(("record", self.recorded_in))
+
+    def wait(self, stream: object) -> None:
+        graph = self._graph()
+        assert self.recorded_in is not None and self.recorded_in < graph, "recorded earlier"
+        self.world.log.append(("wait", graph, self.recorded_in))
+
+
+def _pipe(schedule: str) -> tuple[Pipe, nn.Module]:
+    model = mlp([5, 8, 7, 4])
+    ref = mlp([5, 8, 7, 4])
+    ref.load_state_dict(model.state_dict())
+    return Pipe(model, chunks=3, balance=[2, 4], devices=["cpu"] * 2, schedule=schedule), ref
+
+
+def _capture(world: World, pipe: Pipe, edges: GraphEdges, x: Any, y: Any) -> torch.Tensor:
+    with world.use(world.main):
+        edges.begin_step()
+        pipe.zero_grad(set_to_none=False)
+        with pipe.segmented([0, 1], edges):
+            loss = pipe.train_step(x, y, nn.MSELoss())
+        edges.end_step()
+    return loss
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1"])
+def test_a_step_is_captured_as_prologue_segments_and_epilogue(schedule: str) -> None:
+    pipe, ref = _pipe(schedule)
+    x, y = torch.randn(7, 5, dtype=torch.float64), torch.randn(7, 4, dtype=torch.float64)
+    world = World()
+    edges = GraphEdges(world.main, world.cuda())
+    loss = _capture(world, pipe, edges, x, y)
+    expected = nn.MSELoss()(ref(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach())
+    assert_same_grads(pipe, ref)
+
+    parts = segment(pipe.schedule_for(3, torch.device("cpu"), training_step=True), [0, 1]).parts
+    assert edges.complete and edges.launches == len(parts) + 2
+    begins = [(g, s) for what, g, *s in world.log if what == "begin"]
+    assert begins[0] == (0, ["main"]) and begins[-1] == (len(parts) + 1, ["main"])
+    launch = {group: stream.name for group, stream in edges.launch.items()}
+    assert [s[0] for _, s in begins[1:-1]] == [launch[p.group] for p in parts]
+    assert [g for g, _ in edges.segments] == [p.group for p in parts]
+    waits = [e for e in world.log if e[0] == "wait"]
+    assert waits, "the groups' segments meet through external events"
+
+    world.log.clear()
+    edges.replay()
+    replays = [e for e in world.log if e[0] == "replay"]
+    assert replays[0] == ("replay", 0, "main") and replays[-1] == ("replay", len(parts) + 1, "main")
+    assert [r[2] for r in replays[1:-1]] == [launch[p.group] for p in parts]
+    first, last = world.log.index(replays[1]), world.log.index(replays[-2])
+    before, after = world.log[:first], world.log[last:]
+    for name in launch.values():
+        assert ("wait_stream", name, "main") in before
+        assert ("wait_stream", "main", name) in after
+
+
+def test_a_failure_ends_the_open_capture_and_leaves_the_pipe_as_it_was() -> None:
+    pipe, _ = _pipe("1f1b")
+    x, y = torch.randn(6, 5, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    world = World()
+    edges = GraphEdges(world.main, world.cuda())
+
+    def failing(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if len(world.graphs) > 2:  # inside a later segment
+            world.graphs[-1].fail_end = True  # an invalidated capture raises at its end
+            raise ValueError("loss failed")
+        return nn.MSELoss()(out, target)
+
+    with world.use(world.main):
+        edges.begin_step()
+        with pytest.raises(ValueError, match="loss failed"), pipe.segmented([0, 1], edges):
+            pipe.train_step(x, y, failing)
+    assert not world.capturing, "the open capture was ended"
+    assert not edges.complete and not edges.segments and edges.prologue is None
+    assert all(p.grad is None for p in pipe.parameters())
+    assert not pipe.scheduler.native.running
+    with pytest.raises(RuntimeError, match="no complete step"):
+        edges.replay()
+    world2 = World()
+    edges2 = GraphEdges(world2.main, world2.cuda())
+    _capture(world2, pipe, edges2, x, y)  # the pipe captures again
+    assert edges2.complete
+
+
+def test_misuse_is_named() -> None:
+    world = World()
+    edges = GraphEdges(world.main, world.cuda())
+    with pytest.raises(RuntimeError, match="outside a step's capture"):
+        edges.open(0, 0, torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="while capturing nothing"):
+        edges.end_step()
+    with world.use(world.main):
+        edges.begin_step()
+        with pytest.raises(RuntimeError, match="capture one step"):
+            edges.begin_step()
+        with pytest.raises(RuntimeError, match="while capturing the prologue"):
+            edges.end_step()
+        with pytest.raises(RuntimeError, match="outside a segment's capture"):
+            edges.record(0, None)
+        with pytest.raises(RuntimeError, match="recorded no event"):
+            edges.wait(3, None)
+        assert edges.open(0, 1, torch.device("cpu")) is None  # a CPU group: no scheduler stream
+        with pytest.raises(RuntimeError, match="the segment still open"):
+            edges.done()
+        edges.abandon()
+    assert not world.capturing
+
+
+# -- CapturedStep(groups=...) ------------------------------------------------
+
+
+def _steps(device: str, schedule: str, groups: list[int], steps: int = 3) -> CapturedStep:
+    """Captured steps with ``groups`` against plain training of a copy (SGD)."""
+    torch.manual_seed(0)
+    model = mlp([5, 8, 7, 6, 4]).to(device)
+    ref = copy.deepcopy(model)
+    pipe = Pipe(model, split_size=3, balance=[2, 2, 4], devices=[device] * 3, schedule=schedule)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    data = [
+        (
+            torch.randn(7, 5, generator=g, dtype=torch.float64).to(device),
+            torch.randn(7, 4, generator=g, dtype=torch.float64).to(device),
+        )
+        for _ in range(steps + 1)
+    ]
+    step = CapturedStep(pipe, *data[0], nn.MSELoss(), optimizer=opt, groups=groups)
+    for i, (x, y) in enumerate(data[1:]):
+        loss = step(x, y)
+        ref_opt.zero_grad()
+        expected = nn.MSELoss()(ref(x), y)
+        expected.backward()
+        ref_opt.step()
+        torch.testing.assert_close(loss, expected.detach(), msg=f"loss of step {i}")
+    for (name, p), q in zip(pipe.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), msg=f"parameter {name}")
+    return step
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1"])
+@pytest.mark.parametrize("groups", [[0, 1, 1], [0, 1, 2]])
+def test_captured_steps_in_groups_on_the_cpu_equal_plain_training(
+    schedule: str, groups: list[int]
+) -> None:
+    step = _steps("cpu", schedule, groups)
+    assert not step.captured and step.launches == 0
+
+
+def test_groups_are_checked_at_construction() -> None:
+    pipe = Pipe(mlp([5, 8, 4]), split_size=3, balance=[1, 3], devices=["cpu"] * 2)
+    x, y = torch.randn(6, 5), torch.randn(6, 4)
+    with pytest.raises(ValueError, match=r"one label per stage \(2\), got 3"):
+        CapturedStep(pipe, x, y, nn.MSELoss(), groups=[0, 1, 1])
+    with pytest.raises(ValueError, match="a memory pool of its own"):
+        CapturedStep(pipe, x, y, nn.MSELoss(), groups=[0, 1], pool=object())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1"])
+def test_captured_steps_in_groups_on_one_gpu_equal_plain_training(schedule: str) -> None:
+    step = _steps("cuda:0", schedule, [0, 1, 2])
+    cut = segment(step.pipe.schedule_for(3, torch.device("cuda:0"), training_step=True), [0, 1, 2])
+    assert step.captured and step.launches == len(cut.parts) + 2
+    with pytest.raises(RuntimeError, match="no one pool"):
+        _ = step.pool
+
+
+def test_dropout_in_two_groups_is_refused() -> None:
+    model = nn.Sequential(nn.Linear(5, 8), nn.Dropout(0.1), nn.Linear(8, 8), nn.Dropout(0.1))
+    pipe = Pipe(model, split_size=3, balance=[2, 2], devices=["cpu"] * 2)
+    x, y = torch.randn(6, 5), torch.randn(6, 8)
+    with pytest.raises(ValueError, match=r"dropout in stage 0 \(group 0\) and stage 1 \(group 1\)"):
+        CapturedStep(pipe, x, y, nn.MSELoss(), groups=[0, 1])
+    CapturedStep(pipe, x, y, nn.MSELoss(), groups=[0, 0])  # one group draws them all
+    pipe.eval()
+    CapturedStep(pipe, x, y, nn.MSELoss(), groups=[0, 1])  # no dropout in eval mode
