@@ -10,9 +10,10 @@ peak per device; CPU: the peak bytes saved for backward, from
 ``balance_by_time`` picks on the same device.
 
 ``capture``: a training step with the optimizer, eager against a
-:class:`mpstream.CapturedStep` replaying it as a CUDA graph (both stages on
-one GPU; skipped on the CPU, where no graph exists and both would run
-eagerly).
+:class:`mpstream.CapturedStep` replaying it as a CUDA graph, or as a graph
+per segment of each stage's work (``groups``), against stages replayed from
+graphs, and against the single device both ways (both stages on one GPU;
+skipped on the CPU, where no graph exists and all would run eagerly).
 """
 
 from __future__ import annotations
@@ -117,16 +118,26 @@ def test_tutorial_vs_balanced_split(
 @pytest.mark.benchmark(group="capture")
 @pytest.mark.parametrize(
     "mode",
-    ["eager", "captured", "graphed stages", "single device eager", "single device captured"],
+    [
+        "eager",
+        "captured",
+        "captured in groups",
+        "graphed stages",
+        "single device eager",
+        "single device captured",
+    ],
 )
 def test_captured_vs_eager_step(
     benchmark: object, mode: str, devices: tuple[torch.device, torch.device]
 ) -> None:
     """A training step with SGD: eager, the whole step captured
-    (CapturedStep), each stage replayed from graphs (Pipe(graphs=True)), and
-    the single device both ways, the like-with-like baseline of a graph."""
+    (CapturedStep), captured as one graph per segment of each stage's work
+    (CapturedStep(groups=...): the stages overlap at replay), each stage
+    replayed from graphs (Pipe(graphs=True)), and the single device both
+    ways, the like-with-like baseline of a graph."""
     graphed = {
         "captured": bench.GRAPHED,
+        "captured in groups": bench.GRAPHED,
         "graphed stages": bench.STAGE_GRAPHS,
         "single device captured": bench.SINGLE_GRAPHED,
     }
@@ -145,6 +156,8 @@ def test_captured_vs_eager_step(
     captured = None
     if mode.endswith("captured"):
         captured = CapturedStep(pipe, x, y, loss_fn, optimizer=optimizer)
+    elif mode == "captured in groups":
+        captured = CapturedStep(pipe, x, y, loss_fn, optimizer=optimizer, groups=[0, 1])
 
     def step() -> None:
         if captured is not None:
@@ -155,5 +168,11 @@ def test_captured_vs_eager_step(
             optimizer.step()
         synchronize(pipe.devices)
 
-    benchmark.extra_info.update(mode=mode, batch=BATCH, image=IMAGE, split_size=SPLIT)  # type: ignore[attr-defined]
+    benchmark.extra_info.update(  # type: ignore[attr-defined]
+        mode=mode,
+        batch=BATCH,
+        image=IMAGE,
+        split_size=SPLIT,
+        launches=None if captured is None else captured.launches,
+    )
     benchmark.pedantic(step, rounds=5, warmup_rounds=1)  # type: ignore[attr-defined]

@@ -20,9 +20,10 @@ there and adds what capture needs at the segments' edges:
   what the caller issues next (the loss sum, an optimizer step) follows
   every segment, which a capture orders at replay.
 
-:class:`HostEdges` captures nothing and needs no events (stages on the CPU,
-or the plan alone); the CUDA edges live with the capture
-(:mod:`mpstream.capture`).
+:class:`HostEdges` captures nothing and needs no events: on the CPU, for
+the plan alone, or on a GPU, where each segment then starts from the
+caller's stream after the previous one's join. The CUDA edges live with
+the capture (:mod:`mpstream.capture.edges`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from ..schedules.orders import format_order
 from ..schedules.schedule import Schedule
 from ..schedules.segments import Segments, action_of, segment
 from .scheduler import EventScheduler
-from .stream import AnyStream
+from .stream import AnyStream, current_stream
 
 __all__ = ["Edges", "HostEdges", "SegmentedIssue", "Segmenting", "task_segments"]
 
@@ -167,6 +168,11 @@ class SegmentedIssue:
                 self._close()
             device = self.devices[seg]
             stream = self.edges.open(seg, self.cut.parts[seg].group, device)
+            if stream is None and device.type == "cuda" and not self.sched.virtual:
+                # Edges that capture nothing, on a GPU: every segment starts
+                # from the caller's stream, after the previous one's join,
+                # which orders what crosses segments without events.
+                stream = current_stream(device)
             self.current = seg
             self.sched.begin_segment(self.sched.caller_devices.index(device), stream)
         handle = int(self.sched.native.begin(task))

@@ -280,3 +280,25 @@ def test_dropout_in_two_groups_is_refused() -> None:
     CapturedStep(pipe, x, y, nn.MSELoss(), groups=[0, 0])  # one group draws them all
     pipe.eval()
     CapturedStep(pipe, x, y, nn.MSELoss(), groups=[0, 1])  # no dropout in eval mode
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_two_groups_graphs_overlap_at_replay(schedule: str) -> None:
+    """Calibrated GPU sleeps: the replayed segments of two groups on one GPU
+    take a pipeline's time, not a serial run's."""
+    from tests.cuda.helpers import SleepStage, cycles_per_ms, time_ms
+
+    stage_ms, micros = 2.0, 8
+    cycles = int(cycles_per_ms() * stage_ms)
+    pipe = Pipe(
+        nn.Sequential(SleepStage(cycles, cycles), SleepStage(cycles, cycles)),
+        chunks=micros, devices=["cuda:0", "cuda:0"], schedule=schedule,
+    )  # fmt: skip
+    x, y = torch.zeros(micros, 4, device="cuda"), torch.zeros(micros, 4, device="cuda")
+    step = CapturedStep(pipe, x, y, nn.MSELoss(), groups=[0, 1], warmup=1)
+    measured = time_ms(lambda: step(x, y))
+    serial = 2 * micros * 2 * stage_ms
+    ideal = 2 * (micros + 1) * stage_ms
+    assert measured < 0.75 * serial, (measured, serial, ideal)
+    assert measured > 0.9 * ideal, (measured, ideal)

@@ -205,3 +205,18 @@ def test_the_segments_are_the_planners() -> None:
         pipe.train_step(x, y, nn.MSELoss())
     cut = segment(pipe.schedule_for(4, x.device, training_step=True), [0, 1])
     assert [g for what, g in edges.log if what == "open"] == [p.group for p in cut.parts]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb_h1"])
+def test_a_segmented_step_on_one_gpu_without_captures_trains_like_the_model(name: str) -> None:
+    model = mlp([5, 8, 7, 4]).cuda()
+    ref = copy.deepcopy(model)
+    pipe = Pipe(model, chunks=3, balance=[2, 4], devices=["cuda:0"] * 2, schedule=name)
+    x, y = (t.cuda() for t in data())
+    with pipe.segmented([0, 1]):
+        loss = pipe.train_step(x, y, nn.MSELoss())
+    expected = nn.MSELoss()(ref(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach())
+    assert_same_grads(pipe, ref)
