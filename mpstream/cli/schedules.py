@@ -118,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
                 "bubble_fraction": r.bubble_fraction,
                 "live_per_stage": r.live,
                 "held_per_stage": r.held,
+                "segmented_graph_launches": r.launches,
                 "devices": r.devices,
                 "measured_peak_bytes": r.measured,
             }

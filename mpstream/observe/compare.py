@@ -8,7 +8,8 @@ at a time); :func:`live_activations` counts, from a schedule's order, the
 micro-batches each stage holds; :func:`measure_memory` runs a real step per
 schedule and records the bytes autograd saved per stage (CPU) or the
 allocator's peak per device (GPU); :func:`split_cost` times a split backward
-against a plain one. ``mpstream schedules`` prints and plots it all.
+against a plain one. Each row also counts the graph launches of a step
+captured per device in segments. ``mpstream schedules`` prints and plots it all.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from ..memory import StageSavedBytes
 from ..pipe import Pipe
 from ..runtime import GradSink, backward_inputs, cut, synchronize
 from ..schedules import SCHEDULES, Kind, Schedule
+from ..schedules.segments import segment
 from .cost_model import Cost, Costs, Simulation, fit, simulate
 from .profiling import profile
 from .timeline import COMPUTE, Timeline
@@ -119,6 +121,8 @@ class Comparison:
             backward pass (W for split backwards).
         devices: the device label of each stage.
         simulation: the simulated step (its timeline).
+        launches: graph launches of a step captured per device in segments
+            (``CapturedStep(groups=...)``): the segments, prologue, epilogue.
         measured: per stage, peak bytes saved for backward in a real step
             (CPU), or per device the allocator's peak (GPU); empty if not
             measured.
@@ -131,6 +135,7 @@ class Comparison:
     held: list[int]
     devices: list[str]
     simulation: Simulation
+    launches: int = 0
     measured: dict[str, int] = field(default_factory=dict)
 
 
@@ -184,17 +189,17 @@ def compare(
             name, stages, micros, [False] * stages, backward=True, virtual_stages=virtual or 1
         )
         live, held = live_activations(sched)
-        out.append(
-            Comparison(name, sim.step_ms, device_bubble(sim.timeline), live, held, labels, sim)
-        )
+        launches = segment(sched, [labels.index(d) for d in labels]).launches + 2
+        bubble = device_bubble(sim.timeline)
+        out.append(Comparison(name, sim.step_ms, bubble, live, held, labels, sim, launches))
     return out
 
 
 def table(rows: Sequence[Comparison]) -> str:
     """A Markdown table of the comparison."""
     measured = any(r.measured for r in rows)
-    head = "| schedule | step (ms) | bubble | live per stage | held per stage |"
-    rule = "| --- | ---: | ---: | --- | --- |"
+    head = "| schedule | step (ms) | bubble | live per stage | held per stage | launches |"
+    rule = "| --- | ---: | ---: | --- | --- | ---: |"
     if measured:
         head += " measured peak (MB) |"
         rule += " --- |"
@@ -202,7 +207,7 @@ def table(rows: Sequence[Comparison]) -> str:
     for r in rows:
         line = (
             f"| {r.schedule} | {r.step_ms:.1f} | {100 * r.bubble_fraction:.1f}% | "
-            f"{' '.join(map(str, r.live))} | {' '.join(map(str, r.held))} |"
+            f"{' '.join(map(str, r.live))} | {' '.join(map(str, r.held))} | {r.launches} |"
         )
         if measured:
             line += " " + " ".join(f"{b / 2**20:.1f}" for b in r.measured.values()) + " |"
