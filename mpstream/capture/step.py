@@ -239,7 +239,6 @@ class CapturedStep:
                 else:
                     # Captured from the warm-up's stream: its library
                     # workspaces exist, and it is not the default stream.
-                    side.wait_stream(caller)
                     torch.cuda.synchronize(device)  # as torch.cuda.graph does
                     edges = GraphEdges(side)
                     with torch.cuda.stream(side):
