@@ -27,8 +27,7 @@ from torch import Tensor, nn
 from ..memory import StageSavedBytes
 from ..pipe import Pipe
 from ..runtime import GradSink, backward_inputs, cut, synchronize
-from ..schedules import SCHEDULES, Kind, Schedule
-from ..schedules.segments import segment
+from ..schedules import SCHEDULES, Kind, Schedule, segment
 from .cost_model import Cost, Costs, Simulation, fit, simulate
 from .profiling import profile
 from .timeline import COMPUTE, Timeline

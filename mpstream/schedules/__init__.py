@@ -22,6 +22,7 @@ from .schedule import (
     schedule_arg,
     virtual_stages_of,
 )
+from .segments import Segments, segment
 
 __all__ = [
     "SCHEDULES",
@@ -36,4 +37,6 @@ __all__ = [
     "check_schedule",
     "schedule_arg",
     "virtual_stages_of",
+    "Segments",
+    "segment",
 ]
