@@ -14,7 +14,10 @@ baseline. Each measurement is the host's issue time and the step's time
 graphs' pools hold and how many slots each stage keeps.
 
 A measurement that raises (a capture error) fails its schedule's line and
-leaves the others. The graphed-stages issue's targets are reported, never
+leaves the others. So does a failed ``torch.cuda.empty_cache`` between
+measurements (an allocator left believing a capture is underway): it is
+reported in the row (``cache``) and fails the line, and the next
+measurement still runs. The graphed-stages issue's targets are reported, never
 failed (a timing is not a defect): graphed stages at most :data:`OVER_CAPTURED` times the
 captured step and :data:`OVER_EAGER` times the eager one, the host issuing
 for at most :data:`HOST_SHARE` of the step.
@@ -147,9 +150,9 @@ def measure(
         return None  # one CUDA graph cannot span devices
     config = config_for(ctx)
     base: dict[torch.device, tuple[int, int]] = {}
+    cache: list[str] = []
     if ctx.cuda:  # what other steps still hold is not this variant's
-        gc.collect()
-        torch.cuda.empty_cache()
+        _empty_cache("before", cache)
         for d in dict.fromkeys(ctx.devices):
             base[d] = (torch.cuda.memory_reserved(d), torch.cuda.memory_allocated(d))
     pipe = _pipe(ctx, schedule, backend if variant == GRAPHED else False)
@@ -161,7 +164,7 @@ def measure(
         step()
     if ctx.cuda:  # steady state: warm-up's cached blocks go, graph pools stay
         synchronize(devices)
-        torch.cuda.empty_cache()
+        _empty_cache("after capture", cache)
         for d in devices:
             torch.cuda.reset_peak_memory_stats(d)
     row: dict[str, Any] = time_steps(step, devices, ctx.sizes.profile_steps)
@@ -186,8 +189,22 @@ def measure(
         row["pool_bytes"] = sum(s.reserved_bytes for s in report.stages)
     del step, pipe
     if ctx.cuda:
-        torch.cuda.empty_cache()
+        _empty_cache("after", cache)
+    if cache:
+        row["cache"] = cache
     return row
+
+
+def _empty_cache(when: str, failures: list[str]) -> None:
+    """Collects garbage and empties the CUDA cache; a failure is appended
+    to ``failures`` (named by ``when``) instead of raised: the measurements
+    after it still run, and the line reports it."""
+    gc.collect()
+    try:
+        torch.cuda.empty_cache()
+    except RuntimeError as exc:
+        first = (str(exc).strip().splitlines() or [""])[0]
+        failures.append(f"empty_cache {when}: {type(exc).__name__}: {first}")
 
 
 def schedule_rows(
@@ -208,9 +225,12 @@ def schedule_rows(
             except Exception as exc:  # one failed measurement must not lose the others
                 first = (str(exc).strip().splitlines() or [""])[0]
                 row[variant] = {"error": f"{type(exc).__name__}: {first}"}
-            if ctx.cuda and "error" in (row[variant] or {}):
-                gc.collect()  # the failed pipe, freed with the exception
-                torch.cuda.empty_cache()
+            failed = row[variant]
+            if ctx.cuda and failed is not None and "error" in failed:
+                cache: list[str] = []
+                _empty_cache("after the error", cache)  # the failed pipe, freed with it
+                if cache:
+                    failed["cache"] = cache
             if tick is not None:
                 tick()
         rows.append(row)
@@ -241,6 +261,7 @@ def schedule_checks(rows: Sequence[dict[str, Any]], cuda: bool, split: int) -> l
         name = f"graphed stages, {row['schedule']}, split {split}"
         eager, graphed, captured = _ok(row[EAGER]), _ok(row[GRAPHED]), _ok(row[CAPTURED])
         failed = [f"{v}: {row[v]['error']}" for v in VARIANTS if (row[v] or {}).get("error")]
+        failed += _cache_failures(row, VARIANTS)
         if eager is None or graphed is None:
             checks.append(Check(name, FAIL, "; ".join(failed), row))
             continue
@@ -272,6 +293,7 @@ def _single_check(single: dict[str, Any]) -> Check:
     """The single device's line: the baseline the schedules are held against."""
     name = "graphed stages' baseline: the single device"
     failed = [f"{v}: {single[v]['error']}" for v in (EAGER, CAPTURED) if "error" in single[v]]
+    failed += _cache_failures(single, (EAGER, CAPTURED))
     if failed:
         return Check(name, FAIL, "; ".join(failed), single)
     eager, whole = single[EAGER], single[CAPTURED]
@@ -281,6 +303,11 @@ def _single_check(single: dict[str, Any]) -> Check:
         f"{_mib(eager)} eager, {_mib(whole)} captured"
     )
     return Check(name, PASS, detail, single)
+
+
+def _cache_failures(row: dict[str, Any], variants: Sequence[str]) -> list[str]:
+    """The row's failed ``empty_cache`` calls, named by variant."""
+    return [f"{v}: {c}" for v in variants for c in (row.get(v) or {}).get("cache", [])]
 
 
 def _ok(measured: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -14,6 +14,7 @@ from mpstream.doctor.diagnosis import FAIL, PASS, TINY, Context
 from mpstream.runtime.graphed import Emulated
 
 CPU = torch.device("cpu")
+CUDA = torch.device("cuda:0")  # a name only: nothing runs on it here
 
 
 def test_each_schedule_is_measured_three_ways_beside_the_single_device(tmp_path: Path) -> None:
@@ -75,3 +76,51 @@ def test_a_measurement_that_raises_fails_its_line_and_keeps_the_others(
     assert "1.00x eager (target <= 0.3x: missed)" in checks[2].detail
     # A stage that fell back to eager makes its figures not graphed ones.
     assert "EAGER STAGES: capture failed" in checks[3].detail
+
+
+def test_a_failed_empty_cache_fails_its_line_and_the_next_measurement_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A capture that left the allocator believing it is still underway made
+    # empty_cache assert; the step goes on and the line says so.
+    ctx = Context((CUDA, CUDA), TINY, "resnet50", tmp_path, tmp_path)
+    timed = {"step_ms": 2.0, "issue_ms": 1.0, "issue_share": 0.5, "peak_reserved_bytes": None}
+    stages = {**timed, "graphed": True, "reasons": [], "slots": [2, 2], "pool_bytes": 0}
+    measured: list[tuple[str | None, str]] = []
+
+    def fake(ctx: Context, schedule: str | None, variant: str, backend: Any) -> dict[str, Any]:
+        measured.append((schedule, variant))
+        if schedule == "gpipe" and variant == graphed.GRAPHED:
+            raise RuntimeError("capture failed")
+        return stages if variant == graphed.GRAPHED else timed
+
+    def assertion() -> None:
+        raise RuntimeError("captures_underway.empty() INTERNAL ASSERT FAILED\nat ...")
+
+    monkeypatch.setattr(graphed, "measure", fake)
+    monkeypatch.setattr(torch.cuda, "empty_cache", assertion)
+    rows = graphed.schedule_rows(ctx, schedules=("gpipe", "1f1b"))
+    assert len(measured) == 2 + 3 * 2  # every measurement ran
+    failed = rows[1][graphed.GRAPHED]
+    assert failed["cache"] == [
+        "empty_cache after the error: RuntimeError: "
+        "captures_underway.empty() INTERNAL ASSERT FAILED"
+    ]
+    checks = graphed.schedule_checks(rows, cuda=True, split=2)
+    assert checks[1].status == FAIL
+    assert "graphed stages: empty_cache after the error: RuntimeError" in checks[1].detail
+    assert checks[2].status == PASS
+
+
+def test_a_failed_empty_cache_is_collected_not_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    # What measure does around each variant (its row then holds "cache").
+    failures: list[str] = []
+
+    def assertion() -> None:
+        raise RuntimeError("captures_underway.empty() INTERNAL ASSERT FAILED")
+
+    monkeypatch.setattr(torch.cuda, "empty_cache", assertion)
+    graphed._empty_cache("before", failures)
+    assert failures == [
+        "empty_cache before: RuntimeError: captures_underway.empty() INTERNAL ASSERT FAILED"
+    ]

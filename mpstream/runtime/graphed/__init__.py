@@ -5,7 +5,9 @@ call signature, and decides per call whether to replay, capture or run
 eagerly; :mod:`.call` holds one call's static buffers and replays them
 inside autograd; :mod:`.passes` is what a captured backward computes (all
 of it, or a zero-bubble schedule's input and weight passes apart);
-:mod:`.backends` captures them (CUDA graphs, or an emulation for tests);
+:mod:`.backends` captures them (CUDA graphs, or an emulation for tests),
+:mod:`.capturing` undoes a CUDA capture that fails and :mod:`.rng` orders,
+per device, the graph work that shares the CUDA generator's graph state;
 :mod:`.grads` sums a stage's parameter gradients over a training step.
 
 Part of the runtime: may import its sibling modules, the schedules and the

@@ -1,7 +1,9 @@
 """What captures and replays a graphed call: CUDA graphs, or an emulation.
 
 :class:`CudaGraphs` captures with ``torch.cuda.CUDAGraph``, a private memory
-pool per call. :class:`Emulated` models replay semantics on any device, for
+pool per call; :mod:`.capturing` undoes a capture that fails, and
+:mod:`.rng` puts captures and random replays in their device's order.
+:class:`Emulated` models replay semantics on any device, for
 tests: its forward "replay" reruns the stage and replaces the slot's one set
 of activations, so a slot reused while an earlier micro-batch's backward is
 pending gives that backward the wrong activations, as a real graph would.
@@ -10,14 +12,15 @@ Both run the passes of :mod:`~mpstream.runtime.graphed.passes`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from .call import GraphedCall
+from .capturing import capturing
 from .passes import (
     differentiate,
     eager_backward,
@@ -28,8 +31,12 @@ from .passes import (
     store_grads,
     weight_pass,
 )
+from .rng import ordered
 
-__all__ = ["CudaGraphs", "Emulated"]
+__all__ = ["CudaGraphs", "Emulated", "PASSES", "warm_up"]
+
+#: Every pass a call may replay.
+PASSES = frozenset({"forward", "backward", "weight"})
 
 
 class CudaGraphs:
@@ -44,10 +51,15 @@ class CudaGraphs:
     with autocast's weight cache off: a cached cast freed after capture would
     leave the graph reading freed memory. Warm-up's effects are undone.
 
-    A private pool per call, not one per device: stages sharing a device run
-    concurrently on their own streams, and graphs sharing a pool may reuse
-    each other's freed memory, which is only safe when they never run at the
-    same time.
+    A private pool per call (one handle for its forward and backward
+    graphs), not one per device: stages sharing a device run concurrently on
+    their own streams, and graphs sharing a pool may reuse each other's freed
+    memory, which is only safe when they never run at the same time.
+
+    Warm-up also finds the passes that draw random numbers (the generator's
+    offset moves; ``call.random_passes``): their replays, and every capture,
+    write the generator's graph scalars, so they take turns per device
+    (:func:`~mpstream.runtime.graphed.rng.ordered`).
 
     Args:
         warmup: eager forward (+ backward) iterations before capture.
@@ -63,14 +75,8 @@ class CudaGraphs:
         generator = torch.cuda.default_generators[
             torch.cuda.current_device() if index is None else index
         ]
-        offset = generator.get_offset()
-        for _ in range(self.warmup):
-            outs = call.outputs(fn(*call.inputs()))
-            if call.diff_out:
-                call.static_grad_out = [torch.ones_like(outs[k]) for k in call.diff_out]
-                eager_backward(call, outs)
-            del outs
-        if call.checkpoint and generator.get_offset() != offset:
+        call.random_passes = warm_up(call, fn, self.warmup, generator.get_offset)
+        if call.checkpoint and self.warmup and call.random_passes:  # seen drawing
             # Inside a graph the recomputation's restored RNG state is
             # relative to the backward graph's replay, not the forward's:
             # it would draw other masks than the forward did.
@@ -78,30 +84,66 @@ class CudaGraphs:
                 "a checkpointed stage that draws random numbers (dropout) cannot be replayed: "
                 "its recomputation would draw other ones; checkpoint='never' graphs it"
             )
+        pool = torch.cuda.graph_pool_handle()
         fwd = torch.cuda.CUDAGraph()
         with ExitStack() as stack:
             _uncached_autocast(stack)
-            with _capturing(fwd, None):
+            stack.enter_context(ordered(call.device))  # capture_begin writes the RNG scalars
+            with capturing(fwd, pool):
                 outs = call.outputs(fn(*call.inputs()))
             call.static_out = [t.detach() for t in outs]
             graphs: dict[str, torch.cuda.CUDAGraph] = {"forward": fwd}
             if call.diff_out:
                 call.check_leaves(outs)
                 call.static_grad_out = [torch.empty_like(outs[k]) for k in call.diff_out]
-                graphs.update(_capture_backward(call, outs, fwd.pool()))
+                graphs.update(_capture_backward(call, outs, pool))
         del outs
-        call.reserved = _pool_bytes(fwd.pool())
+        call.reserved = _pool_bytes(pool)
         call.state = graphs
 
     def forward(self, call: GraphedCall) -> None:
-        call.state["forward"].replay()
+        _replay(call, "forward")
 
     def backward(self, call: GraphedCall) -> None:
         if "backward" in call.state:
-            call.state["backward"].replay()
+            _replay(call, "backward")
 
     def weight(self, call: GraphedCall) -> None:
-        call.state["weight"].replay()
+        _replay(call, "weight")
+
+
+def _replay(call: GraphedCall, name: str) -> None:
+    """Replays one of the call's graphs; in the device's order if it draws
+    random numbers (its replay prologue writes the generator's scalars)."""
+    graph: torch.cuda.CUDAGraph = call.state[name]
+    if name in call.random_passes:
+        with ordered(call.device):
+            graph.replay()
+    else:
+        graph.replay()
+
+
+def warm_up(
+    call: GraphedCall, fn: Callable[..., Any], runs: int, position: Callable[[], object]
+) -> frozenset[str]:
+    """Runs the call eagerly ``runs`` times, forward and (where gradients
+    flow) backward, as capture will; returns the passes that moved the random
+    number generator (``position``: where it stands). With no run nothing is
+    known, and every pass counts as drawing."""
+    drew: set[str] = set()
+    for _ in range(runs):
+        start = position()
+        outs = call.outputs(fn(*call.inputs()))
+        if position() != start:
+            drew.add("forward")
+        start = position()
+        if call.diff_out:
+            call.static_grad_out = [torch.ones_like(outs[k]) for k in call.diff_out]
+            eager_backward(call, outs)
+        del outs
+        if position() != start:
+            drew.update(("backward", "weight"))  # W runs part of the backward
+    return frozenset(drew) if runs else PASSES
 
 
 def _capture_backward(
@@ -112,7 +154,7 @@ def _capture_backward(
     if not call.split:
         call.passes = ("forward", "backward")
         whole = torch.cuda.CUDAGraph()
-        with _capturing(whole, pool):
+        with capturing(whole, pool):
             store_grads(call, differentiate(call, outs))
         return {"backward": whole}
     graphs: dict[str, torch.cuda.CUDAGraph] = {}
@@ -122,27 +164,17 @@ def _capture_backward(
     first: list[Any] = [None] * (n + len(call.params))
     if "backward" in call.passes:
         graphs["backward"] = torch.cuda.CUDAGraph()
-        with _capturing(graphs["backward"], pool):
+        with capturing(graphs["backward"], pool):
             first = input_pass(call, outs, split)
     if split.defers:
         # Captured after B, while B's junction gradients are still held:
         # W reads them, so W's allocations must not land on them.
         graphs["weight"] = torch.cuda.CUDAGraph()
-        with _capturing(graphs["weight"], pool):
+        with capturing(graphs["weight"], pool):
             second = weight_pass(call, split)
         first = merge(call, first, second)
     store_grads(call, first)
     return graphs
-
-
-@contextmanager
-def _capturing(graph: torch.cuda.CUDAGraph, pool: Any) -> Iterator[None]:
-    """Captures what runs inside into ``graph``, on the current stream."""
-    graph.capture_begin(pool=pool, capture_error_mode="thread_local")
-    try:
-        yield
-    finally:
-        graph.capture_end()
 
 
 def _pool_bytes(pool: Any) -> int:

@@ -111,12 +111,13 @@ class GraphedCall:
         #: The captured backward leaves parameter gradients to a weight graph.
         self.weighs_later = False
         items, self.spec = leaves(tuple(args))
-        self.items = list(items)
         self.where = [i for i, x in enumerate(items) if isinstance(x, Tensor)]
         self.static_in = [
             items[i].detach().clone().requires_grad_(grad and items[i].requires_grad)
             for i in self.where
         ]
+        # The plain values only: the example's tensors would live as long as the call.
+        self.items = _plain(items)
         self.grad = grad
         self.params = [p for p in stage.parameters() if p.requires_grad] if grad else []
         hooked = [n for n, p in stage.named_parameters() if p._backward_hooks]
@@ -145,6 +146,8 @@ class GraphedCall:
         self._accumulators: list[Node] | None = None
         #: The graphs captured: forward; backward (all of it, or B); weight (W).
         self.passes: tuple[str, ...] = ("forward",)
+        #: The passes whose replays draw random numbers (set by the backend).
+        self.random_passes: frozenset[str] = frozenset()
         with _restored(stage):
             backend.capture(self, fn)
 
@@ -162,7 +165,7 @@ class GraphedCall:
     def outputs(self, out: Any) -> list[Tensor]:
         """Records the structure of a captured call's outputs; returns its tensors."""
         items, self.out_spec = leaves(out)
-        self.out_items = list(items)
+        self.out_items = _plain(items)  # the outputs (and their autograd graph) not kept
         self.out_where = [i for i, x in enumerate(items) if isinstance(x, Tensor)]
         tensors = [items[i] for i in self.out_where]
         self.diff_out = [k for k, t in enumerate(tensors) if self.grad and t.requires_grad]
@@ -305,6 +308,11 @@ class GraphedCall:
             torch.autograd.backward([p for p, _ in pairs], [g for _, g in pairs])
 
 
+def _plain(items: Sequence[Any]) -> list[Any]:
+    """``items`` with None where a tensor was (a replay puts its own there)."""
+    return [None if isinstance(x, Tensor) else x for x in items]
+
+
 def _accumulates(node: Node) -> bool:
     """Whether the running backward accumulates into this AccumulateGrad
     node's parameter (not so under ``torch.autograd.grad``, where asking
@@ -376,9 +384,7 @@ def _restored(stage: nn.Module) -> Iterator[None]:
     """Puts back on exit what warm-up and capture may change: the stage's
     buffers, its deferred BatchNorm counters, the random number generators."""
     buffers = [(b, b.detach().clone()) for b in stage.buffers()]
-    counters = [
-        (n, n.tracked, n.hold) for n in stage.modules() if isinstance(n, DeferredBatchNorm)
-    ]
+    counters = [(n, n.tracked, n.hold) for n in stage.modules() if isinstance(n, DeferredBatchNorm)]
     for n, _, _ in counters:
         n.hold = True  # a commit must not be captured: each replay would run it
     cpu_rng = torch.get_rng_state()

@@ -8,6 +8,8 @@ the CPU; test_stages_cuda.py replays the real graphs."""
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -165,3 +167,26 @@ def test_an_input_the_outputs_do_not_reach_gets_no_gradient() -> None:
     assert unused.grad is None
     reference(x, unused).backward(grad)
     assert_same_grads(stage, reference)
+
+
+def test_a_call_keeps_neither_its_example_nor_its_captured_outputs() -> None:
+    # Only the static buffers are the call's: the example's tensors and what
+    # capture returned (with its autograd graph) go once capture is done.
+    stage = mlp([5, 8, 3])
+    x = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+    captured: list[weakref.ref[Tensor]] = []
+
+    def fn(a: Tensor, scale: float) -> tuple[Tensor, str]:
+        out = stage(a) * scale
+        captured.append(weakref.ref(out))
+        return out, "label"
+
+    call = GraphedCall(fn, (x, 2.0), stage, x.device, True, Emulated())
+    example = weakref.ref(x)
+    del x
+    gc.collect()
+    assert example() is None and captured and all(r() is None for r in captured)
+    y = torch.randn(4, 5, dtype=torch.float64)
+    out, label = call(y, 2.0)
+    torch.testing.assert_close(out, stage(y) * 2.0)
+    assert label == "label"

@@ -1,16 +1,18 @@
 """Graphed stages on a GPU: real CUDA graphs against the eager pipe (every
 schedule and checkpoint mode, float64), launches per step, the sanitizer, and
-what only a GPU can settle (dropout with checkpointing, deferred BatchNorm,
-a second backward, tied weights, a pinning DataLoader beside a capture).
+what only a GPU can settle (dropout with checkpointing, dropout in stages
+sharing a GPU, a capture that fails, deferred BatchNorm, a second backward,
+tied weights, a pinning DataLoader beside a capture).
 Skipped without CUDA; the CPU tests are in test_stages.py."""
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from mpstream import Pipe
 from mpstream.runtime.graphed import CudaGraphs
@@ -25,9 +27,11 @@ from tests.runtime.graphed.test_stages import CHECKPOINTS, WIDTHS, data, pair
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("checkpoint", CHECKPOINTS)
 def test_cuda_graphs_equal_the_eager_pipe(schedule: str, checkpoint: str) -> None:
-    extra = {"virtual_stages": 2, "balance": [2, 2, 2, 2], "devices": ["cuda:0"] * 4} if (
-        schedule == "interleaved_1f1b"
-    ) else {"devices": ["cuda:0", "cuda:0"]}
+    extra = (
+        {"virtual_stages": 2, "balance": [2, 2, 2, 2], "devices": ["cuda:0"] * 4}
+        if (schedule == "interleaved_1f1b")
+        else {"devices": ["cuda:0", "cuda:0"]}
+    )
     eager, graphed = pair(
         mlp(WIDTHS), graphs=True, split_size=3, schedule=schedule, checkpoint=checkpoint, **extra
     )
@@ -79,7 +83,6 @@ def test_cuda_graphs_issue_fewer_launches_than_eager() -> None:
     assert kernels < eager_kernels / 2  # copies in and out, gradient sums: not every layer's
 
 
-
 @pytest.mark.cuda
 def test_cuda_zero_bubble_replays_input_and_weight_passes_apart() -> None:
     eager, graphed = pair(
@@ -106,6 +109,7 @@ def test_cuda_zero_bubble_replays_input_and_weight_passes_apart() -> None:
         ("forward", "backward", "weight"),
     ]
 
+
 GRAPHED_UNDER_CSAN = """
 import torch
 from torch import nn
@@ -128,6 +132,16 @@ def run():
                 pipe(torch.randn(10, 64, device="cuda:0")).pow(2).mean().backward()
                 opt.step()
             assert all(s.graphed for s in pipe.graph_report().stages), pipe.graph_report()
+    # Dropout in both stages: captures and random replays of the two stage
+    # streams take turns on the generator's graph scalars (runtime.graphed.rng).
+    for schedule in ("1f1b", "zb_h1"):
+        layers = [nn.Sequential(nn.Linear(64, 64), nn.Dropout(0.1)) for _ in range(2)]
+        model = nn.Sequential(*layers)
+        pipe = Pipe(model, split_size=4, balance=[1, 1], devices=["cuda:0", "cuda:0"],
+                    schedule=schedule, force_copies=True, graphs=True)
+        for _ in range(3):
+            pipe.train_step(torch.randn(10, 64), torch.randn(10, 64), nn.MSELoss())
+        assert all(s.graphed for s in pipe.graph_report().stages), pipe.graph_report()
     torch.cuda.synchronize()
 
 with csan_workarounds():
@@ -146,7 +160,10 @@ def test_cuda_sanitizer_reports_no_race_around_graph_replays() -> None:
 
     env = dict(os.environ, TORCH_CUDA_SANITIZER="1")
     result = subprocess.run(
-        [sys.executable, "-c", GRAPHED_UNDER_CSAN], env=env, capture_output=True, text=True,
+        [sys.executable, "-c", GRAPHED_UNDER_CSAN],
+        env=env,
+        capture_output=True,
+        text=True,
         timeout=600,
     )
     assert "CSAN detected" not in result.stderr, result.stderr[-4000:]
@@ -175,6 +192,67 @@ def test_cuda_dropout_with_and_without_checkpointing_equals_eager(checkpoint: st
         assert_same_grads(graphed, eager)
     graphed_first = graphed.graph_report().stages[0].graphed
     assert graphed_first == (checkpoint == "never"), str(graphed.graph_report())
+
+
+@pytest.mark.cuda
+def test_cuda_dropout_in_stages_sharing_a_gpu_equals_eager() -> None:
+    # Both stages' forward graphs draw random numbers: their replays take
+    # turns on the generator's graph scalars, in the eager pipe's order.
+    model = nn.Sequential(
+        nn.Linear(6, 256), nn.Dropout(0.5), nn.Linear(256, 256), nn.Dropout(0.5), nn.Linear(256, 4)
+    ).double()
+    eager, graphed = pair(model, graphs=True, chunks=4, balance=[2, 3], schedule="1f1b",
+                          devices=["cuda:0", "cuda:0"])  # fmt: skip
+    x, y = (t.cuda() for t in data(32))
+    for step in range(4):
+        for pipe in (eager, graphed):
+            pipe.zero_grad()
+            torch.manual_seed(step)
+            pipe.train_step(x, y, nn.MSELoss())
+        assert_same_grads(graphed, eager)
+    graphs = graphed._rt()[1].graphs
+    assert graphs is not None
+    calls = [c for st in graphs.stages for c in st.calls.values()]
+    assert calls and all(c.random_passes == {"forward"} for c in calls)
+
+
+class Syncs(nn.Module):
+    """Reads a value back to the host, which no capture can hold."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * 2 if x.sum().item() > 1e9 else x
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("syncing", ["item", "cumulative batch norm"])
+def test_cuda_a_capture_that_fails_leaves_torch_as_it_was(syncing: str) -> None:
+    # The stage runs eagerly, with one warning naming the sync's own error
+    # (not capture_end's); the allocator has no capture left underway
+    # (empty_cache asserts otherwise) and the generator is out of capture
+    # mode (an eager dropout raises otherwise).
+    layer = Syncs() if syncing == "item" else nn.BatchNorm1d(12, momentum=None)
+    model = nn.Sequential(nn.Linear(6, 12), layer, nn.Linear(12, 4)).double()
+    eager, graphed = pair(model, graphs=True, chunks=2, balance=[1, 2],
+                          devices=["cuda:0", "cuda:0"])  # fmt: skip
+    x, y = (t.cuda() for t in data())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            losses = [pipe.train_step(x, y, nn.MSELoss()) for pipe in (eager, graphed)]
+            torch.testing.assert_close(losses[1], losses[0])
+    fell = [str(w.message) for w in caught if issubclass(w.category, GraphWarning)]
+    assert len(fell) == 1, fell
+    assert re.search(r"stage 1 of 2 .*runs eagerly: capture failed: ", fell[0]), fell[0]
+    assert "previous error during capture" not in fell[0]
+    assert [s.graphed for s in graphed.graph_report().stages] == [True, False]
+    assert_same_grads(graphed, eager)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    kept = nn.functional.dropout(torch.ones(1000, device="cuda"), 0.5)
+    assert 0 < int((kept == 0).sum()) < 1000
+    for _ in range(2):  # and the stage that still replays keeps doing so
+        graphed.train_step(x, y, nn.MSELoss())
+    torch.cuda.synchronize()
 
 
 @pytest.mark.cuda

@@ -1,0 +1,148 @@
+"""Graph work that shares the generator's graph scalars takes turns per device.
+
+:class:`~mpstream.runtime.graphed.rng.RngOrder` runs here on fake streams
+and events; warm-up's finding of the passes that draw random numbers runs
+on the CPU generator. test_stages_cuda.py checks both on a GPU (dropout in
+stages sharing one, against the eager pipe and under CUDA's sanitizer)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from mpstream.runtime.graphed.backends import PASSES, Emulated, warm_up
+from mpstream.runtime.graphed.call import GraphedCall
+from mpstream.runtime.graphed.rng import RngOrder, ordered
+from tests.helpers import mlp
+
+
+class Event:
+    """A fake CUDA event: how many times it was recorded."""
+
+    def __init__(self) -> None:
+        self.records = 0
+
+    def record(self, stream: Any = None) -> None:
+        self.records += 1
+        stream.log.append((stream.name, "record", self.records))
+
+
+class Stream:
+    """A fake stream logging what is issued on it."""
+
+    def __init__(self, name: str, log: list[tuple[str, str, int]]) -> None:
+        self.name, self.log = name, log
+
+    def wait_event(self, event: Event) -> None:
+        self.log.append((self.name, "wait", event.records))  # waits on that record
+
+    def work(self) -> None:
+        self.log.append((self.name, "work", 0))
+
+
+def test_each_section_waits_on_the_one_before_it_on_the_device() -> None:
+    log: list[tuple[str, str, int]] = []
+    a, b = Stream("a", log), Stream("b", log)
+    current = [a]
+    capturing = [False]
+    order = RngOrder(lambda: current[0], Event, lambda: capturing[0])
+    with order.section():  # the first: nothing to wait on
+        a.work()
+    current[0] = b
+    with order.section():
+        b.work()
+    with pytest.raises(RuntimeError, match="capture failed"):
+        with order.section():  # a failed one still closes the chain
+            b.work()
+            raise RuntimeError("capture failed")
+    current[0] = a
+    with order.section():
+        a.work()
+        capturing[0] = True  # still capturing at the end: a record would join the graph
+    capturing[0] = False
+    with order.section():
+        a.work()
+    assert log == [
+        ("a", "work", 0), ("a", "record", 1),
+        ("b", "wait", 1), ("b", "work", 0), ("b", "record", 2),
+        ("b", "wait", 2), ("b", "work", 0), ("b", "record", 3),
+        ("a", "wait", 3), ("a", "work", 0),
+        ("a", "wait", 3), ("a", "work", 0), ("a", "record", 4),
+    ]  # fmt: skip
+
+
+def test_sections_from_two_threads_do_not_interleave() -> None:
+    # Autograd's device thread replays backward passes beside the issuing thread.
+    log: list[tuple[str, str, int]] = []
+    current = threading.local()
+    order = RngOrder(lambda: current.stream, Event, lambda: False)
+    inside, go = threading.Event(), threading.Event()
+
+    def autograd() -> None:
+        current.stream = Stream("autograd", log)
+        with order.section():
+            inside.set()
+            go.wait(5)
+            current.stream.work()
+
+    worker = threading.Thread(target=autograd)
+    worker.start()
+    inside.wait(5)
+    current.stream = Stream("main", log)
+    go.set()
+    with order.section():  # waits for the other thread's section to close
+        current.stream.work()
+    worker.join(5)
+    assert log == [
+        ("autograd", "work", 0), ("autograd", "record", 1),
+        ("main", "wait", 1), ("main", "work", 0), ("main", "record", 2),
+    ]  # fmt: skip
+
+
+def test_the_order_is_nothing_off_cuda() -> None:
+    with ordered(torch.device("cpu")):  # no CUDA call: would raise without a GPU
+        pass
+
+
+class NoisyGrad(torch.autograd.Function):
+    """Draws random numbers in its backward only."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:  # type: ignore[override]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> Tensor:  # type: ignore[override]
+        return g + 0 * torch.rand_like(g)
+
+
+class Noisy(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return NoisyGrad.apply(x)  # type: ignore[no-any-return]
+
+
+def position() -> object:
+    """Where the CPU generator stands (the CUDA one's offset, on a GPU)."""
+    return torch.get_rng_state().tolist()
+
+
+@pytest.mark.parametrize(
+    ("layer", "drawn"),
+    [
+        (nn.Identity(), frozenset()),
+        (nn.Dropout(0.5), frozenset({"forward"})),
+        (Noisy(), frozenset({"backward", "weight"})),
+    ],
+)
+def test_warm_up_finds_the_passes_that_draw_random_numbers(
+    layer: nn.Module, drawn: frozenset[str]
+) -> None:
+    stage = nn.Sequential(mlp([5, 8]), layer, mlp([8, 3]))
+    x = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+    call = GraphedCall(stage, (x,), stage, x.device, True, Emulated())
+    assert warm_up(call, stage, 2, position) == drawn
+    assert warm_up(call, stage, 0, position) == PASSES  # nothing seen: every pass counts
