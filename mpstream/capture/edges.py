@@ -24,6 +24,11 @@ A replay launches the prologue on ``main``; every launch stream waits on
 waits on every launch stream and launches the epilogue. That is
 ``segments + 2`` graph launches per step.
 
+A capture that fails is undone as graphed stages undo theirs
+(:func:`~mpstream.runtime.graphed.capturing.capturing`: the stream capture
+ended, the allocator's routing to the pool ended and the pool released, the
+generator out of capture mode), and the failure that caused it propagates.
+
 Each graph gets a private memory pool. Segments cannot share one: a block
 that one group's graph frees may still be read by another group's graph
 running beside it, and a later capture in the same pool would reuse it.
@@ -37,8 +42,9 @@ than one group.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, suppress
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -47,6 +53,7 @@ import torch
 from torch import nn
 from torch.nn.modules.dropout import _DropoutNd
 
+from ..runtime.graphed.capturing import CaptureApi, capturing
 from ..runtime.stream import AnyStream
 
 __all__ = ["Cuda", "GraphEdges", "check_groups"]
@@ -82,13 +89,28 @@ def check_groups(stages: Sequence[nn.Module], groups: Sequence[int]) -> None:
 
 @dataclass(frozen=True)
 class Cuda:
-    """The CUDA objects :class:`GraphEdges` makes, and how it makes a stream
-    current: PyTorch's by default; a test passes fakes that log."""
+    """The CUDA objects :class:`GraphEdges` makes, how it makes a stream
+    current, and the calls that undo a failed capture: PyTorch's by default;
+    a test passes fakes that log."""
 
     stream: Callable[[torch.device], Any] = field(default=torch.cuda.Stream)
     graph: Callable[[], Any] = field(default=torch.cuda.CUDAGraph)
     event: Callable[[], Any] = field(default=partial(torch.cuda.Event, external=True))
     use: Callable[[Any], AbstractContextManager[Any]] = field(default=torch.cuda.stream)
+    pool: Callable[[], Any] = field(default=torch.cuda.graph_pool_handle)
+    undo: CaptureApi | None = None  # None: torch's own calls
+
+
+@dataclass
+class _Capture:
+    """The capture now open: what it is (prologue, segment, epilogue), its
+    graph, stream and group, and the context that ends it (or undoes it)."""
+
+    what: str
+    graph: Any
+    stream: Any
+    group: int
+    undo: ExitStack
 
 
 class GraphEdges:
@@ -116,8 +138,7 @@ class GraphEdges:
         self.epilogue: Any = None
         #: Each producer task's external event.
         self.events: dict[int, Any] = {}
-        # The capture now open: (what, graph, stream, group).
-        self._open: tuple[str, Any, Any, int] | None = None
+        self._open: _Capture | None = None
 
     # -- capture -----------------------------------------------------------
     @property
@@ -147,8 +168,8 @@ class GraphEdges:
             RuntimeError: the epilogue is not being captured (the run did
                 not finish, or ran without these edges).
         """
-        if self._open is None or self._open[0] != "epilogue":
-            now = "nothing" if self._open is None else f"the {self._open[0]}"
+        if self._open is None or self._open.what != "epilogue":
+            now = "nothing" if self._open is None else f"the {self._open.what}"
             raise RuntimeError(
                 f"end_step() while capturing {now}: the step's run must finish with the "
                 f"pipe segmented on these edges first"
@@ -156,7 +177,7 @@ class GraphEdges:
         self.epilogue = self._end()
 
     def open(self, segment: int, group: int, device: torch.device) -> AnyStream | None:
-        if self._open is not None and self._open[0] == "prologue":
+        if self._open is not None and self._open.what == "prologue":
             self.prologue = self._end()
         if self._open is not None or self.prologue is None:
             raise RuntimeError(
@@ -174,9 +195,9 @@ class GraphEdges:
         return stream if device.type == "cuda" else None
 
     def close(self, segment: int) -> None:
-        if self._open is None or self._open[0] != "segment":
+        if self._open is None or self._open.what != "segment":
             raise RuntimeError(f"close({segment}) without an open segment")
-        group = self._open[3]
+        group = self._open.group
         self.segments.append((group, self._end()))
 
     def record(self, task: int, stream: AnyStream | None) -> None:
@@ -197,18 +218,20 @@ class GraphEdges:
 
     def done(self) -> None:
         if self._open is not None:
-            raise RuntimeError(f"the run ended with the {self._open[0]} still open")
+            raise RuntimeError(f"the run ended with the {self._open.what} still open")
         self._begin("epilogue", self.main, -1)
 
     def abandon(self) -> None:
-        """Ends the open capture, if any, and discards what was captured."""
+        """Ends the open capture, if any, undoing it, and discards what was
+        captured. Called while handling the failure, which then carries
+        notes of anything the undoing could not do."""
         if self._open is not None:
-            _, graph, stream, _ = self._open
+            stream, undo = self._open.stream, self._open.undo
             self._open = None
-            # A capture a failure invalidated raises again at its end; the
-            # failure that got here is the one to report.
-            with suppress(RuntimeError), self.cuda.use(stream):
-                graph.capture_end()
+            failure = sys.exc_info()[1] or RuntimeError("the step's capture was abandoned")
+            with self.cuda.use(stream):
+                # Runs the failure path: re-raises nothing but a new error.
+                undo.__exit__(type(failure), failure, failure.__traceback__)
         self.segments.clear()
         self.prologue = self.epilogue = None
 
@@ -237,22 +260,22 @@ class GraphEdges:
 
     # -- helpers -------------------------------------------------------------
     def _begin(self, what: str, stream: Any, group: int) -> None:
-        graph = self.cuda.graph()
+        graph, undo = self.cuda.graph(), ExitStack()
         with self.cuda.use(stream):
             # A private pool each (see the module's docstring); thread-local,
             # so another thread's CUDA calls (a pinning DataLoader) are allowed.
-            graph.capture_begin(capture_error_mode="thread_local")
-        self._open = (what, graph, stream, group)
+            undo.enter_context(capturing(graph, self.cuda.pool(), self.cuda.undo))
+        self._open = _Capture(what, graph, stream, group, undo)
 
     def _end(self) -> Any:
         assert self._open is not None
-        _, graph, stream, _ = self._open
+        graph, stream, undo = self._open.graph, self._open.stream, self._open.undo
         self._open = None
         with self.cuda.use(stream):
-            graph.capture_end()
+            undo.close()  # capture_end; undone if it fails
         return graph
 
     def _capturing(self) -> Any:
-        if self._open is None or self._open[0] != "segment":
+        if self._open is None or self._open.what != "segment":
             raise RuntimeError("an external event outside a segment's capture")
-        return self._open[2]
+        return self._open.stream

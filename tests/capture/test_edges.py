@@ -38,6 +38,8 @@ class World:
             graph=lambda: FakeGraph(self),
             event=lambda: FakeEvent(self),
             use=self.use,
+            pool=lambda: ("pool", len(self.graphs)),
+            undo=FakeUndo(self),
         )
 
     def stream(self, device: torch.device) -> FakeStream:
@@ -69,8 +71,8 @@ class FakeGraph:
         self.stream = ""
         self.fail_end = False
 
-    def capture_begin(self, capture_error_mode: str) -> None:
-        assert capture_error_mode == "thread_local"
+    def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
+        assert capture_error_mode == "thread_local" and pool is not None
         assert not self.world.capturing, "one capture at a time"
         self.stream = self.world.current.name
         self.world.capturing[self.stream] = self
@@ -82,9 +84,40 @@ class FakeGraph:
         self.world.log.append(("end", self.index))
         if self.fail_end:
             raise RuntimeError("operation not permitted when stream is capturing")
+        self.ended = True
+
+    def pool(self) -> Any:
+        if not getattr(self, "ended", False):
+            raise RuntimeError("the capture did not end")
+        return ("pool", self.index)
 
     def replay(self) -> None:
         self.world.log.append(("replay", self.index, self.world.current.name))
+
+
+class FakeUndo:
+    """The calls that undo a failed capture, logged."""
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+
+    def device(self) -> int:
+        return 0
+
+    def capturing(self) -> bool:
+        return self.world.current.name in self.world.capturing
+
+    def end_routing(self, device: int, pool: Any) -> None:
+        self.world.log.append(("end_routing", pool))
+
+    def release(self, device: int, pool: Any) -> None:
+        self.world.log.append(("release", pool))
+
+    def keep(self, graph: Any) -> None:
+        self.world.log.append(("keep", graph.index))
+
+    def reset_generator(self) -> None:
+        self.world.log.append(("reset_generator",))
 
 
 class FakeEvent:
@@ -176,6 +209,11 @@ def test_a_failure_ends_the_open_capture_and_leaves_the_pipe_as_it_was() -> None
         with pytest.raises(ValueError, match="loss failed"), pipe.segmented([0, 1], edges):
             pipe.train_step(x, y, failing)
     assert not world.capturing, "the open capture was ended"
+    # Its end failed (an invalidated capture): the allocator's routing to its
+    # pool is ended, the pool released, the generator reset.
+    failed = world.graphs[-1].index
+    undone = [e[0] for e in world.log[world.log.index(("end", failed)) :]]
+    assert undone == ["end", "keep", "end_routing", "release", "reset_generator"]
     assert not edges.complete and not edges.segments and edges.prologue is None
     assert all(p.grad is None for p in pipe.parameters())
     assert not pipe.scheduler.native.running
