@@ -2,13 +2,16 @@
 
 On a GPU, after the host-bound analysis, the tutorial's split trains at the
 main split size with each schedule (gpipe, 1f1b, interleaved_1f1b, zb_h1)
-three ways, one after the other in one run: its own ``train_step`` issued
+four ways, one after the other in one run: its own ``train_step`` issued
 eagerly, the same with every stage replayed from CUDA graphs
-(``Pipe(graphs=True)``), and the whole step captured as one graph
-(:class:`~mpstream.CapturedStep`, which needs both halves on one GPU). The
-single device is measured the same two ways, as the like-with-like
-baseline. Each measurement is the host's issue time and the step's time
-(medians, SGD inside the step), the peak memory of that variant alone
+(``Pipe(graphs=True)``), the whole step captured as one graph
+(:class:`~mpstream.CapturedStep`, which needs both halves on one GPU), and
+that step captured as one graph per segment of each stage's work
+(``CapturedStep(groups=...)``: the stages' graphs overlap at replay, as
+across devices they would), with its graph launches per step. The single
+device is measured eagerly and captured, as the like-with-like baseline.
+Each measurement is the host's issue time and the step's time (medians, SGD
+inside the step), the peak memory of that variant alone
 (``max_memory_reserved``, which holds graph pools, with
 ``max_memory_allocated`` beside) and, for graphed stages, what their
 graphs' pools hold and how many slots each stage keeps.
@@ -51,6 +54,7 @@ __all__ = [
     "EAGER",
     "GRAPHED",
     "CAPTURED",
+    "GROUPS",
     "VARIANTS",
     "SINGLE",
     "time_steps",
@@ -64,7 +68,8 @@ OVER_EAGER = 0.3
 HOST_SHARE = 0.10
 
 EAGER, GRAPHED, CAPTURED = "eager", "graphed stages", "captured step"
-VARIANTS = (EAGER, GRAPHED, CAPTURED)
+GROUPS = "captured in groups"
+VARIANTS = (EAGER, GRAPHED, CAPTURED, GROUPS)
 #: The row of the single device (one stage, one micro-batch).
 SINGLE = "single device"
 
@@ -109,24 +114,26 @@ def _pipe(ctx: Context, schedule: str | None, graphs: Any) -> Pipe:
     )
 
 
-def _step(pipe: Pipe, captured: bool, x: Tensor, y: Tensor) -> Callable[[], None]:
-    """One training step with SGD: ``train_step``, or the captured step."""
+def _step(pipe: Pipe, variant: str, x: Tensor, y: Tensor) -> tuple[Callable[[], None], int]:
+    """One training step with SGD: ``train_step``, or the captured step
+    (one graph, or a group per stage); and its graph launches per step."""
     loss_fn = nn.MSELoss()
     opt = torch.optim.SGD(pipe.parameters(), lr=1e-3)
-    if captured:
-        whole = CapturedStep(pipe, x, y, loss_fn, optimizer=opt)
+    if variant in (CAPTURED, GROUPS):
+        groups = list(range(len(pipe.devices))) if variant == GROUPS else None
+        whole = CapturedStep(pipe, x, y, loss_fn, optimizer=opt, groups=groups)
 
         def replay() -> None:
             whole(x, y)
 
-        return replay
+        return replay, whole.launches
 
     def eager() -> None:
         opt.zero_grad(set_to_none=False)
         pipe.train_step(x, y, loss_fn)
         opt.step()
 
-    return eager
+    return eager, 0
 
 
 def measure(
@@ -137,7 +144,7 @@ def measure(
     Args:
         ctx: the doctor's context (devices, sizes, model).
         schedule: the pipe's schedule, or None for the single device.
-        variant: :data:`EAGER`, :data:`GRAPHED` or :data:`CAPTURED`.
+        variant: :data:`EAGER`, :data:`GRAPHED`, :data:`CAPTURED` or :data:`GROUPS`.
         backend: what ``graphs=`` gets for :data:`GRAPHED` (tests give
             an emulation).
 
@@ -146,8 +153,9 @@ def measure(
         report; None where the variant cannot run (a captured step over
         two GPUs).
     """
-    if variant == CAPTURED and ctx.cuda and len(set(ctx.devices)) > 1 and schedule is not None:
-        return None  # one CUDA graph cannot span devices
+    whole = variant in (CAPTURED, GROUPS)
+    if whole and ctx.cuda and len(set(ctx.devices)) > 1 and schedule is not None:
+        return None  # CapturedStep needs one device (see its docstring)
     config = config_for(ctx)
     base: dict[torch.device, tuple[int, int]] = {}
     cache: list[str] = []
@@ -158,7 +166,7 @@ def measure(
     pipe = _pipe(ctx, schedule, backend if variant == GRAPHED else False)
     x, y = batch(config, pipe.devices[0])
     y = y.to(pipe.devices[-1])
-    step = _step(pipe, variant == CAPTURED, x, y)
+    step, launches = _step(pipe, variant, x, y)
     devices = list(dict.fromkeys(pipe.devices))
     for _ in range(2):  # capture (graphed stages), then a replay
         step()
@@ -168,6 +176,7 @@ def measure(
         for d in devices:
             torch.cuda.reset_peak_memory_stats(d)
     row: dict[str, Any] = time_steps(step, devices, ctx.sizes.profile_steps)
+    row["launches"] = launches
     # A replay allocates nothing: what its graphs use sits in their pools,
     # which the allocator reserves. Reserved memory is therefore the figure
     # that compares eager and graphed steps; allocated is kept beside. Both
@@ -213,12 +222,12 @@ def schedule_rows(
     schedules: Sequence[str] = SCHEDULES,
     tick: Callable[[], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """The single device, then each schedule: eager, graphed, captured (a
-    measurement that raised holds its ``error`` instead)."""
+    """The single device, then each schedule: eager, graphed, captured, captured
+    in groups (a measurement that raised holds its ``error`` instead)."""
     rows = []
     for schedule in [None, *schedules]:
         row: dict[str, Any] = {"schedule": schedule or SINGLE}
-        variants = (EAGER, CAPTURED) if schedule is None else (EAGER, GRAPHED, CAPTURED)
+        variants = (EAGER, CAPTURED) if schedule is None else VARIANTS
         for variant in variants:
             try:
                 row[variant] = measure(ctx, schedule, variant, backend)
@@ -260,7 +269,7 @@ def schedule_checks(rows: Sequence[dict[str, Any]], cuda: bool, split: int) -> l
             continue
         name = f"graphed stages, {row['schedule']}, split {split}"
         eager, graphed, captured = _ok(row[EAGER]), _ok(row[GRAPHED]), _ok(row[CAPTURED])
-        failed = [f"{v}: {row[v]['error']}" for v in VARIANTS if (row[v] or {}).get("error")]
+        failed = [f"{v}: {row[v]['error']}" for v in VARIANTS if (row.get(v) or {}).get("error")]
         failed += _cache_failures(row, VARIANTS)
         if eager is None or graphed is None:
             checks.append(Check(name, FAIL, "; ".join(failed), row))
@@ -270,6 +279,12 @@ def schedule_checks(rows: Sequence[dict[str, Any]], cuda: bool, split: int) -> l
         if captured is not None:
             over = step / captured["step_ms"]
             parts.append(_against(over, OVER_CAPTURED, "the captured step", cuda))
+        grouped = _ok(row.get(GROUPS))
+        if captured is not None and grouped is not None:
+            parts.append(
+                f"captured in groups {grouped['step_ms']:.1f} ms in {grouped.get('launches')} "
+                f"launches ({grouped['step_ms'] / captured['step_ms']:.2f}x one graph)"
+            )
         parts.append(_against(step / eager["step_ms"], OVER_EAGER, "eager", cuda))
         share = graphed["issue_share"]
         met = ("met" if share <= HOST_SHARE else "missed") if cuda else "a GPU target"

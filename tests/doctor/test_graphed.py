@@ -1,5 +1,6 @@
 """Doctor step 7's graphed-stages table, run on the CPU with emulated graphs:
-every schedule eager, graphed and captured, beside the single device."""
+every schedule eager, graphed, captured and captured in groups, beside the
+single device."""
 
 from __future__ import annotations
 
@@ -17,18 +18,20 @@ CPU = torch.device("cpu")
 CUDA = torch.device("cuda:0")  # a name only: nothing runs on it here
 
 
-def test_each_schedule_is_measured_three_ways_beside_the_single_device(tmp_path: Path) -> None:
+def test_each_schedule_is_measured_four_ways_beside_the_single_device(tmp_path: Path) -> None:
     ctx = Context((CPU, CPU), TINY, "resnet50", tmp_path, tmp_path)
     ticks: list[int] = []
     rows = graphed.schedule_rows(
         ctx, Emulated(), schedules=("gpipe", "zb_h1"), tick=lambda: ticks.append(1)
     )
     assert [r["schedule"] for r in rows] == [graphed.SINGLE, "gpipe", "zb_h1"]
-    assert len(ticks) == 2 + 3 * 2
-    assert graphed.GRAPHED not in rows[0]
+    assert len(ticks) == 2 + 4 * 2
+    assert graphed.GRAPHED not in rows[0] and graphed.GROUPS not in rows[0]
     for row in rows[1:]:
         eager, stages, whole = row[graphed.EAGER], row[graphed.GRAPHED], row[graphed.CAPTURED]
-        for m in (eager, stages, whole):
+        grouped = row[graphed.GROUPS]
+        assert grouped["launches"] == whole["launches"] == 0  # the CPU runs them eagerly
+        for m in (eager, stages, whole, grouped):
             assert m["step_ms"] > 0 and 0 < m["issue_share"] <= 1.0 + 1e-9
             assert m["peak_reserved_bytes"] is None  # allocator statistics: on a GPU only
         assert stages["graphed"] and stages["pool_bytes"] == 0  # no device memory on a CPU
@@ -47,6 +50,7 @@ def test_each_schedule_is_measured_three_ways_beside_the_single_device(tmp_path:
     assert "captured as one graph" in checks[0].detail
     assert "the captured step (target <= 1.15x: a GPU target)" in checks[1].detail
     assert "x the single device captured" in checks[1].detail
+    assert "captured in groups" in checks[1].detail and "x one graph" in checks[1].detail
 
 
 def test_a_measurement_that_raises_fails_its_line_and_keeps_the_others(
@@ -100,7 +104,7 @@ def test_a_failed_empty_cache_fails_its_line_and_the_next_measurement_runs(
     monkeypatch.setattr(graphed, "measure", fake)
     monkeypatch.setattr(torch.cuda, "empty_cache", assertion)
     rows = graphed.schedule_rows(ctx, schedules=("gpipe", "1f1b"))
-    assert len(measured) == 2 + 3 * 2  # every measurement ran
+    assert len(measured) == 2 + 4 * 2  # every measurement ran
     failed = rows[1][graphed.GRAPHED]
     assert failed["cache"] == [
         "empty_cache after the error: RuntimeError: "
