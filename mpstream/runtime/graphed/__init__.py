@@ -8,7 +8,9 @@ of it, or a zero-bubble schedule's input and weight passes apart);
 :mod:`.backends` captures them (CUDA graphs, or an emulation for tests),
 :mod:`.capturing` undoes a CUDA capture that fails and :mod:`.rng` orders,
 per device, the graph work that shares the CUDA generator's graph state;
-:mod:`.grads` sums a stage's parameter gradients over a training step.
+:mod:`.grads` sums a stage's parameter gradients over a training step;
+:mod:`.keys` is what a capture baked in (a stage's fingerprint, a call's
+signature) and :mod:`.report` what the stages report.
 
 Part of the runtime: may import its sibling modules, the schedules and the
 memory policies; the worker and the training step call it.
@@ -19,15 +21,9 @@ from __future__ import annotations
 from .backends import CudaGraphs, Emulated
 from .call import Backend, GraphedCall
 from .grads import Switch
-from .stages import (
-    MAX_CALLS,
-    MAX_GENERATIONS,
-    Fingerprint,
-    GraphReport,
-    GraphWarning,
-    StageGraphs,
-    StageReport,
-)
+from .keys import Fingerprint
+from .report import GraphReport, GraphWarning, StageReport
+from .stages import MAX_CALLS, MAX_GENERATIONS, StageGraphs
 
 __all__ = [
     "Backend",

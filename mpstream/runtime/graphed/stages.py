@@ -35,19 +35,19 @@ import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from ...memory.checkpoint import checkpointed
 from ...schedules.schedule import Schedule
 from ...schedules.slots import Slots, plan_slots
-from ..microbatch import leaves
 from .backends import CudaGraphs
 from .call import Backend, GraphedCall
 from .grads import StageGrads, Switch
+from .keys import Fingerprint, autocast_key, signature
+from .report import GraphReport, GraphWarning, StageReport
 
 __all__ = [
     "StageGraphs",
@@ -65,120 +65,6 @@ MAX_CALLS = 64
 #: Sets of graphs per slot and signature for forwards whose backward is
 #: still pending; beyond, such forwards run eagerly.
 MAX_GENERATIONS = 4
-
-
-class GraphWarning(UserWarning):
-    """A stage that was asked to be graphed runs eagerly."""
-
-
-@dataclass
-class StageReport:
-    """What one stage replays.
-
-    Attributes:
-        stage: its index.
-        device: where it runs.
-        graphed: whether its calls replay graphs (False: eager, see ``reason``).
-        reason: why it runs eagerly, if it does.
-        graphs: graphs held (a forward, and a backward where gradients flow,
-            per slot and signature).
-        passes: the passes replayed (``forward``, ``backward``, and
-            ``weight`` where a zero-bubble schedule splits the backward).
-        slots: the most slots a run has used.
-        captures: calls captured so far (recaptures included).
-        recaptures: captures caused by a replaced parameter, buffer or module.
-        reserved_bytes: device memory reserved while capturing (its graphs'
-            pools, activations of every slot included).
-    """
-
-    stage: int
-    device: torch.device
-    graphed: bool
-    reason: str | None = None
-    graphs: int = 0
-    passes: tuple[str, ...] = ()
-    slots: int = 0
-    captures: int = 0
-    recaptures: int = 0
-    reserved_bytes: int = 0
-
-
-@dataclass
-class GraphReport:
-    """Which stages of a pipe replay graphs, and what they hold."""
-
-    stages: list[StageReport] = field(default_factory=list)
-
-    @property
-    def graphs(self) -> int:
-        """Graphs held by all stages."""
-        return sum(s.graphs for s in self.stages)
-
-    def __str__(self) -> str:
-        lines = [
-            f"{'stage':<6} {'device':<8} {'graphed':<8} {'graphs':<7} {'slots':<6} "
-            f"{'passes':<24} {'reserved':>8}  reason"
-        ]
-        for s in self.stages:
-            passes = "+".join(s.passes) or "-"
-            mib = f"{s.reserved_bytes / 2**20:.1f} MiB"
-            lines.append(
-                f"{s.stage:<6} {str(s.device):<8} {'yes' if s.graphed else 'no':<8} "
-                f"{s.graphs:<7} {s.slots:<6} {passes:<24} {mib:>8}  {s.reason or ''}".rstrip()
-            )
-        return "\n".join(lines)
-
-
-class Fingerprint:
-    """What a stage's graphs baked in: its modules and their types, and each
-    parameter and buffer (the object itself, its storage, dtype, shape,
-    device, ``requires_grad`` and whether it has tensor hooks). Compared by
-    identity, not ``id()``: an object freed and replaced may reuse the id.
-    (Training modes are part of a call's key instead: a pipe switching
-    between train and eval keeps the graphs of both.)"""
-
-    __slots__ = ("objects", "meta")
-
-    def __init__(self, stage: nn.Module) -> None:
-        modules = list(stage.modules())
-        tensors = [*stage.parameters(), *stage.buffers()]
-        self.objects: list[object] = [*modules, *tensors]
-        self.meta = tuple(type(m) for m in modules) + tuple(
-            (t.data_ptr(), t.dtype, tuple(t.shape), t.device, t.requires_grad,
-             bool(t._backward_hooks))
-            for t in tensors
-        )  # fmt: skip
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Fingerprint) or len(other.objects) != len(self.objects):
-            return False
-        same = all(a is b for a, b in zip(self.objects, other.objects))
-        return same and self.meta == other.meta
-
-    __hash__ = None  # type: ignore[assignment]
-
-
-def _autocast() -> tuple[Any, ...]:
-    return tuple(
-        (d, torch.get_autocast_dtype(d)) for d in ("cuda", "cpu") if torch.is_autocast_enabled(d)
-    )
-
-
-def signature(args: Sequence[Any]) -> tuple[Any, ...] | None:
-    """A call's arguments as a key: tensor metadata and plain values; None
-    when a plain value cannot be a key (it is not hashable)."""
-    items, spec = leaves(tuple(args))
-    key: list[Any] = [spec]  # None, a flat tuple's marker, or a (hashable) TreeSpec
-    for x in items:
-        if isinstance(x, Tensor):
-            key.append((x.dtype, tuple(x.shape), x.device, x.requires_grad))
-        else:
-            try:
-                hash(x)
-            except TypeError:
-                return None
-            key.append((type(x), x))
-    return tuple(key)
 
 
 class _Stage:
@@ -295,7 +181,6 @@ class StageGraphs:
             st.sums.discard()  # what a failed backward in the user's loop left
             st.sums.holding = st.sums.enabled and not hooked
 
-
     def release(self, keep: bool) -> None:
         """Ends holding; ``keep``: hand each stage's sums to ``.grad`` on the
         current streams, else drop them (a failed run)."""
@@ -341,7 +226,7 @@ class StageGraphs:
         inference = torch.is_inference_mode_enabled()  # its buffers are inference tensors
         ckpt = checkpoint and grad
         splits = split and grad and not ckpt
-        return (self.slots.slot[(s, m)], ckpt, grad, inference, _autocast(), sig, splits)
+        return (self.slots.slot[(s, m)], ckpt, grad, inference, autocast_key(), sig, splits)
 
     def _graphed(
         self,

@@ -17,8 +17,8 @@ import torch
 from torch import Tensor, nn
 
 from mpstream import Pipe, verify_plan
+from mpstream.runtime.graphed import Fingerprint, GraphWarning, StageGraphs
 from mpstream.runtime.graphed.backends import Emulated
-from mpstream.runtime.graphed.stages import Fingerprint, GraphWarning, StageGraphs
 from mpstream.runtime.plan import Plan
 from mpstream.schedules import SCHEDULES
 from tests.helpers import assert_same_grads, mlp

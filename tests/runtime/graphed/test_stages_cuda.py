@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from mpstream import Pipe
 from mpstream.runtime.graphed import CudaGraphs
-from mpstream.runtime.graphed.stages import GraphWarning
+from mpstream.runtime.graphed.report import GraphWarning
 from mpstream.schedules import SCHEDULES
 from tests.helpers import assert_same_grads, mlp
 from tests.runtime.graphed.test_call import SPLIT_STAGES, check_split
