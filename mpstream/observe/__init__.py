@@ -5,8 +5,9 @@ a :mod:`.timeline` (summaries, Chrome traces, Gantt charts);
 :mod:`.cost_model` simulates a schedule on modelled streams and fits its
 costs to a profile; :mod:`.scaling` predicts more devices from per-layer
 costs; :mod:`.tuning` sweeps the split size; :mod:`.compare` sets the
-schedules side by side; :mod:`.figures` draws (it imports no other mpstream
-module, so every tool may call it without an import circle).
+schedules side by side, with what :mod:`.measuring` measures of them on a
+real pipe; :mod:`.figures` draws (it imports no other mpstream module, so
+every tool may call it without an import circle).
 
 A tool package: it builds on the core only through what the core packages
 export (``mpstream.pipe``, ``mpstream.runtime``, ...); the core never imports it.

@@ -8,28 +8,21 @@ at a time); :func:`live_activations` counts, from a schedule's order, the
 micro-batches each stage holds; :func:`measure_memory` runs a real step per
 schedule and records the bytes autograd saved per stage (CPU) or the
 allocator's peak per device (GPU); :func:`split_cost` times a split backward
-against a plain one. Each row also counts the graph launches of a step
-captured per device in segments. ``mpstream schedules`` prints and plots it all.
+against a plain one (those two and :func:`profile_stages`, what a real pipe
+measures, live in :mod:`.measuring`). Each row also counts the graph
+launches of a step captured per device in segments. ``mpstream schedules``
+prints and plots it all.
 """
 
 from __future__ import annotations
 
-import statistics
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-import torch
-from torch import Tensor, nn
-
-from ..memory import StageSavedBytes
-from ..pipe import Pipe
-from ..runtime import GradSink, backward_inputs, cut, synchronize
 from ..schedules import SCHEDULES, Kind, Schedule, segment
-from .cost_model import Cost, Costs, Simulation, fit, simulate
-from .profiling import profile
+from .cost_model import Cost, Simulation, simulate
+from .measuring import measure_memory, profile_stages, split_cost
 from .timeline import COMPUTE, Timeline
 
 __all__ = [
@@ -40,6 +33,7 @@ __all__ = [
     "compare",
     "table",
     "plot_stacked",
+    # What a real pipe measures (:mod:`.measuring`), offered beside the simulation.
     "profile_stages",
     "measure_memory",
     "split_cost",
@@ -275,127 +269,3 @@ def plot_stacked(rows: Sequence[Comparison], path: str | Path, title: str = "") 
     if title:
         fig.suptitle(title, fontsize=9, x=0.01, ha="left")
     return save(fig, axes[-1], Path(path))
-
-
-def _step(pipe: Pipe, x: Any, y: Any, loss_fn: Callable[[Any, Any], Tensor]) -> None:
-    pipe.zero_grad(set_to_none=True)
-    pipe.train_step(x, y, loss_fn)
-    synchronize(pipe.devices)
-
-
-def profile_stages(
-    pipe: Pipe, x: Any, y: Any, loss_fn: Callable[[Any, Any], Tensor], steps: int = 2
-) -> Costs:
-    """Per-stage costs of ``pipe`` measured under ``'zb_h1'``, so the
-    forward, input-gradient and weight-gradient passes are timed apart.
-
-    Returns:
-        The fitted costs; ``costs.per_stage()`` are (forward, input_grad,
-        weight_grad) triples. ``pipe.schedule`` is restored.
-    """
-    previous, pipe.schedule = pipe.schedule, "zb_h1"
-    try:
-        _step(pipe, x, y, loss_fn)  # warm-up
-        with profile(pipe) as prof:
-            for _ in range(steps):
-                _step(pipe, x, y, loss_fn)
-    finally:
-        pipe.schedule = previous
-    return fit(prof)
-
-
-def measure_memory(
-    pipe: Pipe,
-    x: Any,
-    y: Any,
-    loss_fn: Callable[[Any, Any], Tensor],
-    schedules: Sequence[str] = SCHEDULES,
-    virtual_stages: int | None = None,
-) -> dict[str, dict[str, int]]:
-    """The memory of one training step per schedule, after a warm-up step.
-
-    On a GPU: ``torch.cuda.max_memory_allocated`` per device. Elsewhere: per
-    stage, the peak bytes its forwards saved for backward
-    (:class:`~mpstream.memory.StageSavedBytes`).
-
-    Returns:
-        Per schedule, ``{"stage0": bytes, ...}`` or ``{"cuda:0": bytes, ...}``.
-    """
-    previous = (pipe.schedule, pipe.virtual_stages)
-    out: dict[str, dict[str, int]] = {}
-    gpus = sorted({d for d in pipe.devices if d.type == "cuda"}, key=str)
-    try:
-        for name in schedules:
-            pipe.schedule = name
-            pipe.virtual_stages = virtual_stages if name == "interleaved_1f1b" else None
-            _step(pipe, x, y, loss_fn)
-            if gpus:
-                for d in gpus:
-                    torch.cuda.reset_peak_memory_stats(d)
-                _step(pipe, x, y, loss_fn)
-                out[name] = {str(d): torch.cuda.max_memory_allocated(d) for d in gpus}
-            else:
-                with StageSavedBytes(pipe.partitions) as tracker:
-                    _step(pipe, x, y, loss_fn)
-                out[name] = {f"stage{s}": b for s, b in enumerate(tracker.peak_bytes)}
-    finally:
-        pipe.schedule, pipe.virtual_stages = previous
-    return out
-
-
-def split_cost(stage: nn.Module, sample: Tensor, repeat: int = 5) -> dict[str, float]:
-    """Times a stage's split backward (B, then W) against its plain backward.
-
-    Each round runs both on fresh forwards, back to back, after a warm-up
-    round; the ratio is the median of the rounds' ratios, so a burst of load
-    on a shared machine hits both sides of a round alike. The stage's input
-    is cut as in a pipeline, so B has input gradients to compute.
-
-    Returns:
-        Medians in milliseconds (``backward_ms``, ``input_ms``,
-        ``weight_ms``) and ``ratio``: (B + W) / backward.
-    """
-    device = sample.device
-
-    def clock() -> float:
-        synchronize([device])
-        return time.perf_counter()
-
-    def once(split: bool) -> tuple[float, float]:
-        sink = GradSink()
-        (x,) = cut(sink, (sample,))
-        out = stage(x)
-        grad = torch.ones_like(out)
-        t0 = clock()
-        if split:
-            weight = backward_inputs([out], [grad])
-            t1 = clock()
-            weight.run()
-        else:
-            torch.autograd.backward([out], [grad])
-            t1 = clock()
-        t2 = clock()
-        stage.zero_grad(set_to_none=True)
-        return (t1 - t0) * 1e3, (t2 - t1) * 1e3
-
-    plain: list[float] = []
-    inputs: list[float] = []
-    weights: list[float] = []
-    ratios: list[float] = []
-    for i in range(repeat + 1):
-        if i % 2:  # each goes first every other round
-            a, b = once(False), once(True)
-        else:
-            b = once(True)
-            a = once(False)
-        if i:  # the first round warms up
-            plain.append(a[0])
-            inputs.append(b[0])
-            weights.append(b[1])
-            ratios.append((b[0] + b[1]) / a[0] if a[0] > 0 else float("nan"))
-    return {
-        "backward_ms": statistics.median(plain),
-        "input_ms": statistics.median(inputs),
-        "weight_ms": statistics.median(weights),
-        "ratio": statistics.median(ratios),
-    }

@@ -1,8 +1,9 @@
 """``mpstream.Pipe``: the ``nn.Module`` a user wraps a model in.
 
-:mod:`.pipe` holds :class:`Pipe` (a call and a training step, end to end),
-:mod:`.config` its configuration and the runtime it builds on first use,
-:mod:`.module` its ``nn.Module`` side (adopted layers, ``state_dict``,
+:mod:`.pipe` holds :class:`Pipe` (its construction and a training step, end
+to end), :mod:`.call` a call (``pipe(x)``, the split chosen for the call's
+kind), :mod:`.config` its configuration and the runtime it builds on first
+use, :mod:`.module` its ``nn.Module`` side (adopted layers, ``state_dict``,
 placement), :mod:`.inputs` how a call's arguments become micro-batches,
 :mod:`.snapshot` what a failed step puts back, :mod:`.compiling`
 ``torch.compile`` of stages.

@@ -1,10 +1,11 @@
 """What a Pipe is configured with, and what runs it.
 
 :class:`PipeConfig` sits between :class:`~mpstream.pipe.module.PipeModule`
-(the ``nn.Module`` side) and :class:`~mpstream.Pipe` (a call and a training
-step): the stages' devices, balance and split points, the micro-batch size,
-the runtime built on first use (event scheduler and stage streams, the
-worker, the graphed stages) and the cached schedule of each kind of run.
+(the ``nn.Module`` side) and :class:`~mpstream.pipe.call.PipeCall` (a call;
+then :class:`~mpstream.Pipe`, a training step): the stages' devices,
+balance and split points, the micro-batch size, the runtime built on first
+use (event scheduler and stage streams, the worker, the graphed stages) and
+the cached schedule of each kind of run.
 """
 
 from __future__ import annotations

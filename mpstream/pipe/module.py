@@ -6,7 +6,7 @@ module's), keeps the stages' references to them current across dtype
 conversions and ``load_state_dict``, refuses device moves (stages are placed
 at construction), gives Sequential-like access to its layers and drops its
 streams and C++ scheduler when pickled or copied. :class:`PipeModule` holds
-that, so ``pipe.py`` holds only what runs the pipeline.
+that, so ``pipe.py`` and ``call.py`` hold only what runs the pipeline.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+import mpstream
 from mpstream import cli
 from mpstream.observe import figures
 from mpstream.observe.figures import tutorial_figures
@@ -53,7 +54,7 @@ def test_bench_writes_json_and_the_three_figures(
     assert "speed-up" in printed and "split-size sweep" in printed
     doc = json.loads((tmp_path / "results.json").read_text())
     assert doc["torch"] == torch.__version__
-    assert doc["mpstream"] == bench.__version__
+    assert doc["mpstream"] == mpstream.__version__
     assert doc["devices"] == ["cpu", "cpu"] and len(doc["device_names"]) == 2
     assert "git_commit" in doc and doc["config"]["batch_size"] == 4
     assert [m["model"] for m in doc["models"]] == measured
@@ -201,7 +202,7 @@ def test_python_dash_m_entry_point() -> None:
         [sys.executable, "-m", "mpstream", "--version"], capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0
-    assert result.stdout.strip() == f"mpstream {bench.__version__}"
+    assert result.stdout.strip() == f"mpstream {mpstream.__version__}"
     result = subprocess.run(
         [sys.executable, "-m", "mpstream", "bench", "--repeat", "0"],
         capture_output=True,

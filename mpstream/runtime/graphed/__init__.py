@@ -6,8 +6,10 @@ eagerly; :mod:`.call` holds one call's static buffers and replays them
 inside autograd; :mod:`.passes` is what a captured backward computes (all
 of it, or a zero-bubble schedule's input and weight passes apart);
 :mod:`.backends` captures them (CUDA graphs, or an emulation for tests),
-:mod:`.capturing` undoes a CUDA capture that fails and :mod:`.rng` orders,
-per device, the graph work that shares the CUDA generator's graph state;
+:mod:`.restore` puts back what capture changed on the stage (buffers,
+deferred BatchNorm counters, random state), :mod:`.capturing` undoes a CUDA
+capture that fails and :mod:`.rng` orders, per device, the graph work that
+shares the CUDA generator's graph state;
 :mod:`.grads` sums a stage's parameter gradients over a training step;
 :mod:`.keys` is what a capture baked in (a stage's fingerprint, a call's
 signature) and :mod:`.report` what the stages report.

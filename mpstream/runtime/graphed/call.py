@@ -23,23 +23,25 @@ under ``train_step`` into the stage's sums instead (:mod:`.grads`).
 
 A :class:`Backend` captures and replays (:mod:`~mpstream.runtime.graphed.backends`:
 CUDA graphs, or an emulation for tests); what the captured backward
-computes, whole or split, is :mod:`~mpstream.runtime.graphed.passes`.
+computes, whole or split, is :mod:`~mpstream.runtime.graphed.passes`; what
+capture changes on the stage, :mod:`~mpstream.runtime.graphed.restore`
+puts back.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import Node, get_gradient_edge
 
-from ...memory.batchnorm import DeferredBatchNorm, deferred_norms
+from ...memory.batchnorm import deferred_norms
 from ..microbatch import leaves, rebuild_leaves
 from .grads import StageGrads
+from .restore import restored
 
 __all__ = ["Backend", "GraphedCall"]
 
@@ -148,7 +150,7 @@ class GraphedCall:
         self.passes: tuple[str, ...] = ("forward",)
         #: The passes whose replays draw random numbers (set by the backend).
         self.random_passes: frozenset[str] = frozenset()
-        with _restored(stage):
+        with restored(stage):
             backend.capture(self, fn)
 
     # -- what capture calls ---------------------------------------------
@@ -377,29 +379,3 @@ class _Later:
 
     def __call__(self) -> None:
         self.fn()
-
-
-@contextmanager
-def _restored(stage: nn.Module) -> Iterator[None]:
-    """Puts back on exit what warm-up and capture may change: the stage's
-    buffers, its deferred BatchNorm counters, the random number generators."""
-    buffers = [(b, b.detach().clone()) for b in stage.buffers()]
-    counters = [(n, n.tracked, n.hold) for n in stage.modules() if isinstance(n, DeferredBatchNorm)]
-    for n, _, _ in counters:
-        n.hold = True  # a commit must not be captured: each replay would run it
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None  # type: ignore[no-untyped-call]
-    try:
-        yield
-    finally:
-        # Through .data, which leaves the version counter alone: capture
-        # put back is no change, and an earlier micro-batch's forward may
-        # have saved a buffer for its pending backward (BatchNorm saves its
-        # running statistics), whose version check would fail.
-        for b, saved in buffers:
-            b.data.copy_(saved)
-        for n, tracked, hold in counters:
-            n.tracked, n.hold = tracked, hold
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)

@@ -1,0 +1,107 @@
+"""A pipeline call, ``pipe(x)``: inputs bound, scattered, run fill-drain, gathered.
+
+:class:`PipeCall` sits between :class:`~mpstream.pipe.config.PipeConfig`
+(the configuration and the runtime) and :class:`~mpstream.Pipe` (its
+construction and the training step): ``forward``, and how a call's
+arguments become the pipeline's inputs, which ``train_step`` shares. A
+module split by ``torch.export`` first switches to the split of the call's
+kind (other arguments, shapes beyond the batch dimension, training mode or
+dtypes), with its own stages and runtime.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..memory.batchnorm import deferred_update
+from ..runtime.microbatch import batch_device, gather, scatter
+from ..runtime.worker import Staging
+from .config import PipeConfig
+from .inputs import positional, staging
+
+__all__ = ["PipeCall"]
+
+
+class PipeCall(PipeConfig):
+    """Base of :class:`~mpstream.Pipe`: a call of the pipeline.
+
+    Expects, besides what :class:`~mpstream.pipe.config.PipeConfig` does,
+    ``_bind`` (how a traced module binds a call, or None) in ``__dict__``.
+    """
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Runs the pipeline on a batch.
+
+        Args:
+            *args: the inputs, as the wrapped module takes them (and
+                ``**kwargs`` for a traced module). Every tensor is split
+                along dim 0 into micro-batches (all into as many);
+                :class:`~mpstream.NoChunk` tensors and plain values (int,
+                float, bool, str, None) reach every micro-batch whole. A
+                Sequential's first layer gets the inputs as positional
+                arguments, and each layer the previous one's output: a tuple
+                spread into positional arguments when the layer takes
+                several. Inputs may sit on the CPU or on any device. Host
+                memory moves to the device in transfer tasks on its io
+                stream, which never block the host: pageable tensors pass
+                through pinned buffers (a host copy of the batch per step),
+                pinned ones (``DataLoader(pin_memory=True)``) move directly,
+                as ``x.to(device, non_blocking=True)`` would: do not
+                overwrite a pinned batch before the output is used. When an
+                input requires grad, its gradient comes back asynchronously
+                and the backward call returns once it is in place.
+
+        Returns:
+            The output on the last stage's device: tensors concatenated along
+            dim 0, plain values listed per micro-batch, in the structure the
+            module returns. For a module split by ``torch.export`` that
+            returns its own scalar ``loss`` (a Hugging Face model given
+            ``labels``), the micro-batches' losses are weighted by their
+            share of the batch and summed: the batch's loss.
+
+        Raises:
+            TypeError: no tensor to split, an unsupported input or stage
+                output (the stage is named), keyword arguments to a
+                Sequential pipe.
+            ValueError: an empty batch, or tensors that split into different
+                numbers of micro-batches.
+
+        An exception raised in a stage reaches the caller unchanged, with a
+        note naming the stage, micro-batch and task (a backward that autograd
+        runs later raises from its engine, without a note); the statistics a
+        :class:`~mpstream.memory.batchnorm.DeferredBatchNorm` had accumulated for
+        the failed batch are dropped (they update only once all stages finish).
+        """
+        inputs = self._inputs(args, kwargs)
+        micro = scatter(inputs, self._chunks, self._split_size)
+        schedule = self.schedule_for(len(micro), batch_device(inputs))
+        _, worker, _ = self._rt()
+        staging = self._stage(inputs, self.devices[0])
+        stop = self._prepare(len(micro))
+        with deferred_update(self._deferred_norms(), len(micro)):
+            outputs = worker.forward(micro, schedule, stop, staging)
+        split = self.__dict__["_split"]
+        return gather(outputs) if split is None else split.gather(outputs)
+
+    def _inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        """The pipeline's positional inputs for a call; a module split by
+        ``torch.export`` first switches to the split of the call's kind."""
+        state = self.__dict__
+        split = state["_split"]
+        if split is None:
+            return positional(state["_bind"], args, kwargs)
+        chosen, inputs = split.select(self.training, args, kwargs)
+        if state["_graph"] is not chosen.graph:
+            runtime = state["_runtime"]
+            split.enter(chosen, self.schedule, self.virtual_stages, self.training, runtime)
+            state["_partitions"] = chosen.modules
+            state["_graph"] = chosen.graph
+            state["_balance"] = chosen.balance
+            state["_runtime"] = chosen.runtime
+        return inputs  # type: ignore[no-any-return]
+
+    def _stage(self, value: Any, device: torch.device) -> list[Staging] | None:
+        """Per micro-batch pinned buffers for ``value``'s pageable tensors."""
+        return staging(value, device, self._chunks, self._split_size)
