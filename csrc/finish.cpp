@@ -1,7 +1,8 @@
 // How a run ends: join() orders the callers after every stream's last work
 // and releases the run's events; abort() first marks where the open tasks'
 // queued kernels end, so that the callers' next work (restoring state after
-// a failure) cannot race with them.
+// a failure) cannot race with them (in a segment, the segment's caller:
+// the capture then ends joined).
 #include <algorithm>
 #include <stdexcept>
 
@@ -100,9 +101,15 @@ void Scheduler::abort() {
   }
   if (running_) {
     // Work already queued by the failed run may still be running; the
-    // caller's next work (restoring state, say) must come after it.
+    // caller's next work (restoring state, say) must come after it. In a
+    // segment, that caller is the stream capturing it: joined, the capture
+    // can end (and be discarded) as a capture, not as a broken one.
     try {
-      caller_waits();
+      if (segment_caller_ >= 0) {
+        join_segment();
+      } else {
+        caller_waits();
+      }
     } catch (const std::exception&) {
     }
     release_run();

@@ -298,12 +298,12 @@ int64_t Scheduler::begin(int32_t task) {
              events_[task_event_[other]].vc[rec.slot] >= rec.seq;
     });
   };
+  const size_t first_crossing = crossing_.size();
   for (int32_t d : t.deps) {
     const bool same_slot = task_slots(schedule_->tasks[d]).second == at;
     if (crossing(d)) {
       // Even on the same slot: segments of other groups run in between.
       crossing_.emplace_back(d, at);
-      log(OpCode::kXWait, at, d, who);
     } else if (same_slot) {
       continue;  // same stream: program order
     } else if (!implied(d)) {
@@ -325,6 +325,11 @@ int64_t Scheduler::begin(int32_t task) {
     if (source >= 0) {
       wait(at, source, who);
     }
+  }
+  // Logged where the caller issues them: after begin() returns, once the
+  // slot has joined the segment through the waits above.
+  for (size_t i = first_crossing; i < crossing_.size(); ++i) {
+    log(OpCode::kXWait, crossing_[i].second, crossing_[i].first, who);
   }
   return open(who, issue, rec);
 }

@@ -207,6 +207,7 @@ class Scheduler {
   void restore_streams(Open& o);
   void release_run();
   void caller_waits();  // every caller slot after every slot on its device
+  void join_segment();  // the open segment's caller after every slot it used
   // `slot` waits on each of `events` that no other of them implies.
   void wait_all(int32_t slot, const std::vector<int32_t>& events);
   void set_caller(int32_t slot, std::optional<int64_t> stream);

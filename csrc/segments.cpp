@@ -74,6 +74,14 @@ void Scheduler::end_segment() {
     throw std::runtime_error("end_segment() without an open segment");
   }
   const int32_t c = segment_caller_;
+  join_segment();
+  log(OpCode::kEndSegment, c, segment_, Who{});
+  forget_latest();
+  segment_caller_ = -1;
+}
+
+void Scheduler::join_segment() {
+  const int32_t c = segment_caller_;
   // The caller recorded external events after these slots' latest events:
   // a capture only ends once those records have joined too.
   for (int32_t x = 0; x < static_cast<int32_t>(slots_.size()); ++x) {
@@ -88,9 +96,6 @@ void Scheduler::end_segment() {
     }
   }
   wait_all(c, latest);
-  log(OpCode::kEndSegment, c, segment_, Who{});
-  forget_latest();
-  segment_caller_ = -1;
 }
 
 std::vector<std::pair<int32_t, int32_t>> Scheduler::take_crossing() {

@@ -33,57 +33,40 @@ Each graph gets a private memory pool. Segments cannot share one: a block
 that one group's graph frees may still be read by another group's graph
 running beside it, and a later capture in the same pool would reuse it.
 
-Random numbers: a graph that draws them (dropout) reads its generator's
-seed and offset from device scalars that every replay of every graph
-refills on its own stream, so two groups' graphs drawing side by side
-would race on them. :func:`check_groups` refuses dropout layers in more
-than one group.
+What groups can be captured this way (no tensor shared across groups,
+random numbers drawn in one group at most) is :mod:`.groups`' to check.
 """
 
 from __future__ import annotations
 
+import inspect
 import sys
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 import torch
-from torch import nn
-from torch.nn.modules.dropout import _DropoutNd
 
 from ..runtime.graphed.capturing import CaptureApi, capturing
 from ..runtime.stream import AnyStream
 
-__all__ = ["Cuda", "GraphEdges", "check_groups"]
+__all__ = ["Cuda", "GraphEdges", "check_external_events"]
 
 
-def check_groups(stages: Sequence[nn.Module], groups: Sequence[int]) -> None:
-    """Refuses groups a step cannot be captured in.
-
-    Args:
-        stages: the pipe's stage modules.
-        groups: a group label per stage.
+def check_external_events() -> None:
+    """Refuses a torch without external CUDA events, before any capture.
 
     Raises:
-        ValueError: not one label per stage, or dropout layers in training
-            mode in two or more groups (see the module's docstring; dropout
-            drawn by functional calls is not seen here).
+        RuntimeError: ``torch.cuda.Event`` takes no ``external`` argument.
     """
-    if len(groups) != len(stages):
-        raise ValueError(f"groups needs one label per stage ({len(stages)}), got {len(groups)}")
-    drawing: dict[int, int] = {}
-    for i, (stage, group) in enumerate(zip(stages, groups)):
-        if any(isinstance(m, _DropoutNd) and m.training for m in stage.modules()):
-            drawing.setdefault(group, i)
-    if len(drawing) > 1:
-        (g1, s1), (g2, s2) = list(drawing.items())[:2]
-        raise ValueError(
-            f"dropout in stage {s1} (group {g1}) and stage {s2} (group {g2}): the two groups' "
-            f"graphs would draw random numbers side by side from one generator offset, which "
-            f"PyTorch's graph replays share; put the stages with dropout in one group, or "
-            f"capture one graph (groups=None)"
+    if "external" not in inspect.signature(torch.cuda.Event.__new__).parameters:
+        raise RuntimeError(
+            f"capturing a step in segments needs torch.cuda.Event(external=True), which "
+            f"torch {torch.__version__} does not have; upgrade torch, or capture one graph "
+            f"(groups=None)"
         )
 
 
@@ -138,6 +121,8 @@ class GraphEdges:
         self.epilogue: Any = None
         #: Each producer task's external event.
         self.events: dict[int, Any] = {}
+        #: The device every segment is captured on (the first one's).
+        self.device: torch.device | None = None
         self._open: _Capture | None = None
 
     # -- capture -----------------------------------------------------------
@@ -186,6 +171,15 @@ class GraphEdges:
             )
         if segment != len(self.segments):
             raise RuntimeError(f"segment {segment} opened after {len(self.segments)} segments")
+        if self.device is None:
+            self.device = device
+        elif device != self.device:
+            # A copy to another device would join a capture there, whose
+            # allocator routes nothing to this step's pools.
+            raise RuntimeError(
+                f"segment {segment} is on {device}, the step's earlier segments on "
+                f"{self.device}: GraphEdges capture the segments of one device"
+            )
         stream = self.launch.get(group)
         if stream is None:
             stream = self.launch[group] = self.cuda.stream(device)
@@ -271,7 +265,9 @@ class GraphEdges:
         assert self._open is not None
         graph, stream, undo = self._open.graph, self._open.stream, self._open.undo
         self._open = None
-        with self.cuda.use(stream):
+        with self.cuda.use(stream), warnings.catch_warnings():
+            # A prologue may hold no work (no zeroing): its replay is empty.
+            warnings.filterwarnings("ignore", message=".*CUDA Graph is empty")
             undo.close()  # capture_end; undone if it fails
         return graph
 

@@ -28,7 +28,8 @@ from ..pipe.pipe import REDUCTIONS, Pipe
 from ..runtime.errors import annotate
 from ..stages.sequential import check_positive
 from .buffers import fill, static
-from .edges import GraphEdges, check_groups
+from .edges import GraphEdges, check_external_events
+from .groups import check_drawing, check_groups, drawing
 from .state import Kept, Saved, check_optimizer, check_settings, hyperparameters
 
 __all__ = ["CapturedStep"]
@@ -112,8 +113,10 @@ class CapturedStep:
         TypeError: ``pipe`` is not a Pipe, ``loss_fn`` is not callable, or
             ``warmup`` is not an int.
         ValueError: ``warmup`` below 1, an unknown ``reduction``, ``groups``
-            without one label per stage, with ``pool`` or with dropout in two
-            groups (:func:`~mpstream.capture.edges.check_groups`), stages on
+            without one label per stage, with ``pool``, with a tensor shared
+            by two groups or random numbers drawn in two
+            (:mod:`~mpstream.capture.groups`; seen in the last warm-up step,
+            on the CPU in one step that is then undone), stages on
             several devices or on both CPU and CUDA, the pipe is being
             traced (its scheduler's timing or plan recording is on: a replay
             would record nothing), or an optimizer whose captured step would
@@ -155,6 +158,8 @@ class CapturedStep:
         self.groups = None if groups is None else [int(g) for g in groups]
         if self.groups is not None:
             check_groups(list(pipe.partitions), self.groups)
+            if any(d.type == "cuda" for d in pipe.devices):
+                check_external_events()
             if pool is not None:
                 raise ValueError(
                     "CapturedStep: groups captures a graph per segment, each with a memory "
@@ -194,6 +199,12 @@ class CapturedStep:
         if self.device is not None:
             self._capture(warmup, pool)
             self._kept = Kept(pipe, optimizer)
+        elif self.groups is not None:  # the checks a capture's warm-up makes, and undoes
+            saved = Saved(pipe, optimizer, None)
+            try:
+                self._watched_step()
+            finally:
+                saved.restore(captured=False)
 
     # -- the step ----------------------------------------------------------
     def _step(self, edges: GraphEdges | None = None) -> Tensor:
@@ -215,6 +226,16 @@ class CapturedStep:
             self.optimizer.step()
         return loss
 
+    def _watched_step(self) -> Tensor:
+        """A step; with ``groups``, watched for random numbers drawn in two
+        groups (:func:`~mpstream.capture.groups.drawing`), which it refuses."""
+        if self.groups is None:
+            return self._step()
+        with drawing(list(self.pipe.partitions), self.pipe.devices) as seen:
+            loss = self._step()
+        check_drawing(seen, self.groups)
+        return loss
+
     def _capture(self, warmup: int, pool: Any) -> None:
         device = self.device
         assert device is not None
@@ -229,8 +250,9 @@ class CapturedStep:
                 side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
                 side.wait_stream(caller)
                 with torch.cuda.stream(side):
-                    for _ in range(warmup):
+                    for _ in range(warmup - 1):
                         self._step()
+                    self._watched_step()
                 caller.wait_stream(side)
                 if self.groups is None:
                     graph = torch.cuda.CUDAGraph()

@@ -315,7 +315,7 @@ def verify_plan(plan: Plan) -> None:
             if not any(j in reach(i) for j in orders):
                 problems.append(f"{what}: stage {op.stage}'s compute stream never waits for it")
     if any(op.op == "begin_segment" for op in ops):
-        problems += _unjoined(plan, segment_of, reach)
+        problems += _unforked(plan, segment_of) + _unjoined(plan, segment_of, reach)
         if problems:
             raise PlanError("invalid plan:\n  " + "\n  ".join(problems))
         return  # what follows the last segment is the capture's to order
@@ -338,6 +338,35 @@ def verify_plan(plan: Plan) -> None:
                 problems.append(f"{caller} is not ordered after the last work on {stream}")
     if problems:
         raise PlanError("invalid plan:\n  " + "\n  ".join(problems))
+
+
+def _unforked(plan: Plan, segment_of: Sequence[int]) -> list[str]:
+    """Streams a segment used before they joined it: a stream takes part in a
+    capture only once it waits on an event recorded inside it, so its first
+    op in a segment must be such a wait (the caller slot captures from the
+    start)."""
+    problems = []
+    recorded_in: dict[int, int] = {}  # event -> segment of its last record
+    joined: set[tuple[int, int]] = set()  # (segment, slot)
+    callers: dict[int, int] = {}  # segment -> its caller slot
+    for i, op in enumerate(plan.ops):
+        k = segment_of[i]
+        if op.op == "begin_segment":
+            callers[k] = op.slot
+        if k < 0 or op.op in ("begin_segment", "end_segment") or op.slot == callers[k]:
+            pass
+        elif (k, op.slot) not in joined:
+            if op.op in ("wait", "sync", "autograd") and recorded_in.get(op.event) == k:
+                joined.add((k, op.slot))
+            else:
+                problems.append(
+                    f"segment {k}: {plan.slot_names[op.slot]} is used (op {i}, {op.op}) "
+                    f"before it joined the segment"
+                )
+                joined.add((k, op.slot))  # one report per stream and segment
+        if op.op == "record":
+            recorded_in[op.event] = k
+    return problems
 
 
 def _unjoined(plan: Plan, segment_of: Sequence[int], reach: Callable[[int], set[int]]) -> list[str]:

@@ -195,14 +195,16 @@ class SegmentedIssue:
         self.edges.done()
 
     def abort(self) -> None:
-        # The edges may hold a capture open outside any segment too (a
-        # step's prologue), so they always hear of a failure.
+        # The scheduler first joins every stream the failed segment used
+        # into its capturing stream, so that its capture ends as a capture
+        # (an unjoined one fails to end). The edges may hold a capture open
+        # outside any segment too (a step's prologue): they always hear.
         self.handles.clear()
         self.current = -1
         try:
-            self.edges.abandon()
-        finally:
             self.sched.abort()
+        finally:
+            self.edges.abandon()
 
     def _close(self) -> None:
         self.sched.end_segment()

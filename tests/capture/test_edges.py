@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from mpstream import CapturedStep, Pipe
-from mpstream.capture.edges import Cuda, GraphEdges
+from mpstream.capture.edges import Cuda, GraphEdges, check_external_events
 from mpstream.schedules.segments import segment
 from tests.helpers import assert_same_grads, mlp
 
@@ -243,6 +243,10 @@ def test_misuse_is_named() -> None:
         with pytest.raises(RuntimeError, match="recorded no event"):
             edges.wait(3, None)
         assert edges.open(0, 1, torch.device("cpu")) is None  # a CPU group: no scheduler stream
+        edges.close(0)
+        with pytest.raises(RuntimeError, match="segment 1 is on cuda:1, the step's earlier"):
+            edges.open(1, 0, torch.device("cuda:1"))
+        edges.open(1, 0, torch.device("cpu"))
         with pytest.raises(RuntimeError, match="the segment still open"):
             edges.done()
         edges.abandon()
@@ -340,3 +344,121 @@ def test_two_groups_graphs_overlap_at_replay(schedule: str) -> None:
     ideal = 2 * (micros + 1) * stage_ms
     assert measured < 0.75 * serial, (measured, serial, ideal)
     assert measured > 0.9 * ideal, (measured, ideal)
+
+
+def test_a_tensor_shared_by_two_groups_is_refused() -> None:
+    first, last = nn.Linear(4, 4), nn.Linear(4, 4)
+    last.weight = first.weight  # tied
+    pipe = Pipe(nn.Sequential(first, nn.ReLU(), last), balance=[2, 1], devices=["cpu"] * 2)
+    x, y = torch.randn(6, 4), torch.randn(6, 4)
+    with pytest.raises(ValueError, match=r"'0.weight' of stage 0 \(group 0\) is shared with "):
+        CapturedStep(pipe, x, y, nn.MSELoss(), groups=[0, 1])
+    CapturedStep(pipe, x, y, nn.MSELoss(), groups=[0, 0])
+
+
+class Noisy(nn.Module):
+    """Dropout no module check can see: a functional call."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.dropout(x, 0.5, self.training)
+
+
+def test_random_numbers_drawn_in_two_groups_are_seen_in_a_step_and_refused() -> None:
+    model = nn.Sequential(nn.Linear(5, 8), Noisy(), nn.Linear(8, 8), Noisy())
+    pipe = Pipe(model, split_size=3, balance=[2, 2], devices=["cpu"] * 2)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    before = [p.detach().clone() for p in pipe.parameters()]
+    x, y = torch.randn(6, 5), torch.randn(6, 8)
+    rng = torch.get_rng_state()
+    with pytest.raises(ValueError, match=r"random numbers in stage 0 \(group 0\) and stage 1"):
+        CapturedStep(pipe, x, y, nn.MSELoss(), optimizer=opt, groups=[0, 1])
+    # The step that showed it is undone.
+    assert all(p.grad is None for p in pipe.parameters()) and not opt.state
+    for p, b in zip(pipe.parameters(), before):
+        torch.testing.assert_close(p.detach(), b)
+    assert torch.equal(torch.get_rng_state(), rng)
+    CapturedStep(pipe, x, y, nn.MSELoss(), optimizer=opt, groups=[0, 0])
+    pipe.eval()
+    CapturedStep(pipe, x, y, nn.MSELoss(), optimizer=opt, groups=[0, 1])  # no draws in eval
+
+
+def test_a_torch_without_external_events_is_refused_up_front(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    class Old:
+        def __new__(cls, enable_timing: bool = False, blocking: bool = False) -> Old:
+            return object.__new__(cls)
+
+    check_external_events()  # this torch has them
+    monkeypatch.setattr(torch.cuda, "Event", Old)
+    with pytest.raises(RuntimeError, match=r"needs torch.cuda.Event\(external=True\)"):
+        check_external_events()
+
+
+@pytest.mark.cuda
+def test_back_to_back_replays_without_a_host_sync_train_like_eager_steps() -> None:
+    """External waits bind to the producer's record of the same step, replay
+    after replay, with nothing synchronising the host in between."""
+    torch.manual_seed(0)
+    model = mlp([5, 8, 7, 6, 4]).cuda()
+    ref = copy.deepcopy(model)
+    pipe = Pipe(model, split_size=3, balance=[2, 2, 4], devices=["cuda:0"] * 3, schedule="1f1b")
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    data = [
+        (
+            torch.randn(7, 5, generator=g, dtype=torch.float64).cuda(),
+            torch.randn(7, 4, generator=g, dtype=torch.float64).cuda(),
+        )
+        for _ in range(30)
+    ]
+    step = CapturedStep(pipe, *data[0], nn.MSELoss(), optimizer=opt, groups=[0, 1, 2])
+    losses = [step(x, y) for x, y in data]  # no host sync in between
+    expected = []
+    for x, y in data:
+        ref_opt.zero_grad()
+        loss = nn.MSELoss()(ref(x), y)
+        loss.backward()
+        ref_opt.step()
+        expected.append(loss.detach())
+    torch.testing.assert_close(torch.stack(losses), torch.stack(expected))
+    for p, q in zip(pipe.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach())
+
+
+class FailsInCapture(nn.Module):
+    """Runs eagerly; inside a capture it fails, as ``how`` says."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.cuda.is_current_stream_capturing():
+            if self.how == "raise":
+                raise ValueError("stage failed")
+            x.sum().item()  # a host sync: invalidates the capture
+        return x
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("how", ["raise", "item"])
+def test_a_capture_that_fails_in_a_segment_leaves_torch_and_the_pipe_working(how: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), FailsInCapture(how), nn.Linear(8, 4)).cuda()
+    ref = copy.deepcopy(model)
+    pipe = Pipe(model, split_size=3, balance=[2, 1], devices=["cuda:0"] * 2)
+    x, y = torch.randn(6, 5, device="cuda"), torch.randn(6, 4, device="cuda")
+    expected = ValueError if how == "raise" else RuntimeError
+    with pytest.raises(expected):
+        CapturedStep(pipe, x, y, nn.MSELoss(), groups=[0, 1])
+    assert all(p.grad is None for p in pipe.parameters())
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # no capture left underway in the allocator
+    nn.functional.dropout(torch.ones(4, device="cuda"), 0.5)  # the generator is out of capture
+    loss = pipe.train_step(x, y, nn.MSELoss())  # eager steps still work
+    reference = nn.MSELoss()(ref(x), y)
+    reference.backward()
+    torch.testing.assert_close(loss, reference.detach())
+    assert_same_grads(pipe, ref)

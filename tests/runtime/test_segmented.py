@@ -105,6 +105,14 @@ def test_verify_plan_catches_each_broken_rule() -> None:
     # An external wait with no earlier record.
     orphan = [op for op in ops if op.op != "xrecord"]
     assert "no earlier segment recorded" in broken(orphan)
+    # A stream used in a segment before it joined it (its wait on the
+    # segment's source moved after its first run).
+    begins = [i for i, op in enumerate(ops) if op.op == "begin_segment"]
+    second = begins[1]
+    fork = next(i for i in range(second, len(ops)) if ops[i].op == "wait")
+    run = next(i for i in range(fork, len(ops)) if ops[i].op == "run")
+    late = [*ops[:fork], *ops[fork + 1 : run + 1], ops[fork], *ops[run + 1 :]]
+    assert "before it joined the segment" in broken(late)
 
 
 def test_groups_must_not_span_devices() -> None:
@@ -220,3 +228,34 @@ def test_a_segmented_step_on_one_gpu_without_captures_trains_like_the_model(name
     expected.backward()
     torch.testing.assert_close(loss, expected.detach())
     assert_same_grads(pipe, ref)
+
+
+def test_a_failed_segment_is_joined_into_its_capturing_stream() -> None:
+    """Before the edges end a failed segment's capture, the scheduler joins
+    the failed task's stream into the segment's caller slot: a capture ends
+    only joined (unjoined, it fails to end and leaves streams capturing)."""
+    pipe = Pipe(mlp([5, 8, 4]), chunks=2, balance=[2, 2], devices=["cpu"] * 2, schedule="1f1b")
+    x, y = data(4)
+    sched = pipe.scheduler
+    sched.recording = True
+
+    def failing(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("loss failed")
+
+    class Abandoning(Recorded):
+        def abandon(self) -> None:
+            self.log.append(("abandon", int(sched.native.running)))
+
+    edges = Abandoning()
+    with pipe.segmented([0, 1], edges):
+        with pytest.raises(RuntimeError, match="loss failed"):
+            pipe.train_step(x, y, failing)
+    assert edges.log[-1] == ("abandon", 0), "the scheduler joined and ended the run first"
+    ops = sched.plan()
+    sched.recording = False
+    begin = max(i for i, op in enumerate(ops) if op.op == "begin_segment")
+    caller = ops[begin].slot
+    failed = max(i for i, op in enumerate(ops) if op.op == "run")
+    assert ops[failed].kind == "forward" and ops[failed].stage == 1
+    marks = {op.event for op in ops[failed:] if op.op == "record" and op.slot == ops[failed].slot}
+    assert any(op.op == "wait" and op.slot == caller and op.event in marks for op in ops[failed:])
