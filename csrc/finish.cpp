@@ -1,14 +1,69 @@
-// How a run ends: join() orders the callers after every stream's last work
-// and releases the run's events; abort() first marks where the open tasks'
+// How tasks and runs end: end() records a task's completion (a copy's
+// receiving slot after its issuing one) and restores the streams it made
+// current; join() orders the callers after every stream's last work and
+// releases the run's events; abort() first marks where the open tasks'
 // queued kernels end, so that the callers' next work (restoring state after
 // a failure) cannot race with them (in a segment, the segment's caller:
 // the capture then ends joined).
 #include <algorithm>
 #include <stdexcept>
+#include <string>
 
 #include "scheduler_impl.h"
 
 namespace mpstream {
+
+void Scheduler::finish_open(Open& o) {
+  int32_t done = -1;
+  if (o.issue >= 0 && o.issue != o.rec) {
+    // A copy runs on its issuing slot; order the receiving slot after it
+    // with an event of our own. PyTorch's cross-device copy has a barrier
+    // of its own, but a copy between streams of one device has none, and
+    // the plan must show every ordering it relies on.
+    done = record(o.issue, o.who());
+    wait(o.rec, done, o.who());
+  }
+  if (timing_ && o.timed < 0) {
+    timing_mark(o, true);  // timing switched on mid-task
+  }
+  if (timing_) {
+    timing_mark(o, false);
+  }
+  const int32_t ev = record(o.rec, o.who());
+  if (done < 0) {
+    done = ev;  // the work ran on the receiving slot itself
+  }
+  if (o.task >= 0) {
+    task_event_[o.task] = ev;
+    events_[ev].refs += pending_[o.task];
+  } else if (autograd_orders_) {
+    // Gradient copy: autograd's engine makes the consumer's stream (stage
+    // `stage`'s compute stream) wait on the copy node's stream, the sending
+    // copy slot, just before the consumer runs, on the consumer's device
+    // thread. Waiting here instead, on this device's thread, could land
+    // between another micro-batch's backward kernels on that stream.
+    log(OpCode::kAutograd, compute_slot(o.stage), done, o.who());
+  } else {
+    // Older torch orders the consumer only after its own device's default
+    // stream: order it here.
+    wait(compute_slot(o.stage), ev, o.who());
+  }
+  restore_streams(o);
+  o.active = false;
+}
+
+void Scheduler::end(int64_t handle) {
+  const auto lock = acquire();
+  if (handle < 0 || handle >= static_cast<int64_t>(open_.size()) || !open_[handle]->active) {
+    throw std::invalid_argument("end() got a handle that is not open: " + std::to_string(handle));
+  }
+  Open& o = *open_[handle];
+  if (o.task >= 0 && !running_) {
+    throw std::runtime_error("end() of a scheduled task after its run was aborted");
+  }
+  finish_open(o);
+  open_free_.push_back(handle);
+}
 
 void Scheduler::join() {
   const auto lock = acquire();

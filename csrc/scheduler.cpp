@@ -1,6 +1,6 @@
-// Runs and tasks: construction, starting a run, opening and closing tasks
-// (waits, current streams, completion events), autograd's gradient copies.
-// How a run ends (join, abort) is in finish.cpp. See scheduler.h for the
+// Runs and tasks: construction, starting a run, opening tasks (waits,
+// current streams), autograd's gradient copies. How a task ends (its
+// completion event) and how a run ends (join, abort) are in finish.cpp. See scheduler.h for the
 // model and events.cpp for ordering.
 #include <algorithm>
 #include <stdexcept>
@@ -348,58 +348,6 @@ int64_t Scheduler::begin_grad_copy(int32_t stage, int32_t peer, int32_t micro) {
   const int32_t node = same_device(copy_slot(stage), copy_slot(peer)) ? copy_slot(stage)
                                                                       : copy_slot(peer);
   return open(Who{-1, Kind::kCopyGrad, stage, peer, micro}, node, copy_slot(stage));
-}
-
-void Scheduler::finish_open(Open& o) {
-  int32_t done = -1;
-  if (o.issue >= 0 && o.issue != o.rec) {
-    // A copy runs on its issuing slot; order the receiving slot after it
-    // with an event of our own. PyTorch's cross-device copy has a barrier
-    // of its own, but a copy between streams of one device has none, and
-    // the plan must show every ordering it relies on.
-    done = record(o.issue, o.who());
-    wait(o.rec, done, o.who());
-  }
-  if (timing_ && o.timed < 0) {
-    timing_mark(o, true);  // timing switched on mid-task
-  }
-  if (timing_) {
-    timing_mark(o, false);
-  }
-  const int32_t ev = record(o.rec, o.who());
-  if (done < 0) {
-    done = ev;  // the work ran on the receiving slot itself
-  }
-  if (o.task >= 0) {
-    task_event_[o.task] = ev;
-    events_[ev].refs += pending_[o.task];
-  } else if (autograd_orders_) {
-    // Gradient copy: autograd's engine makes the consumer's stream (stage
-    // `stage`'s compute stream) wait on the copy node's stream, the sending
-    // copy slot, just before the consumer runs, on the consumer's device
-    // thread. Waiting here instead, on this device's thread, could land
-    // between another micro-batch's backward kernels on that stream.
-    log(OpCode::kAutograd, compute_slot(o.stage), done, o.who());
-  } else {
-    // Older torch orders the consumer only after its own device's default
-    // stream: order it here.
-    wait(compute_slot(o.stage), ev, o.who());
-  }
-  restore_streams(o);
-  o.active = false;
-}
-
-void Scheduler::end(int64_t handle) {
-  const auto lock = acquire();
-  if (handle < 0 || handle >= static_cast<int64_t>(open_.size()) || !open_[handle]->active) {
-    throw std::invalid_argument("end() got a handle that is not open: " + std::to_string(handle));
-  }
-  Open& o = *open_[handle];
-  if (o.task >= 0 && !running_) {
-    throw std::runtime_error("end() of a scheduled task after its run was aborted");
-  }
-  finish_open(o);
-  open_free_.push_back(handle);
 }
 
 void Scheduler::set_autograd_orders_grad_copies(bool on) {
