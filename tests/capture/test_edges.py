@@ -18,6 +18,7 @@ from torch import nn
 from mpstream import CapturedStep, Pipe
 from mpstream.capture.edges import Cuda, GraphEdges, check_external_events
 from mpstream.schedules.segments import segment
+from tests.capture.test_step import assert_trains_like
 from tests.helpers import assert_same_grads, mlp
 
 
@@ -273,15 +274,7 @@ def _steps(device: str, schedule: str, groups: list[int], steps: int = 3) -> Cap
         for _ in range(steps + 1)
     ]
     step = CapturedStep(pipe, *data[0], nn.MSELoss(), optimizer=opt, groups=groups)
-    for i, (x, y) in enumerate(data[1:]):
-        loss = step(x, y)
-        ref_opt.zero_grad()
-        expected = nn.MSELoss()(ref(x), y)
-        expected.backward()
-        ref_opt.step()
-        torch.testing.assert_close(loss, expected.detach(), msg=f"loss of step {i}")
-    for (name, p), q in zip(pipe.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p.detach(), q.detach(), msg=f"parameter {name}")
+    assert_trains_like(step, pipe, ref, ref_opt, data[1:])
     return step
 
 

@@ -51,8 +51,20 @@ def _check_steps(device: str, optimizer: str, steps: int = 3, **kw: object) -> C
     step = CapturedStep(pipe, *_data(device, 0), nn.MSELoss(), optimizer=opt)
     for p, b in zip(pipe.parameters(), before):  # capture changed nothing
         torch.testing.assert_close(p.detach(), b)
-    for i in range(steps):
-        x, y = _data(device, i + 1)
+    assert_trains_like(step, pipe, ref, ref_opt, [_data(device, i + 1) for i in range(steps)])
+    return step
+
+
+def assert_trains_like(
+    step: CapturedStep,
+    pipe: Pipe,
+    ref: nn.Module,
+    ref_opt: torch.optim.Optimizer,
+    batches: list[tuple[Tensor, Tensor]],
+) -> None:
+    """Each batch through ``step`` and through plain training of ``ref``:
+    equal losses, then equal parameters (MSE loss)."""
+    for i, (x, y) in enumerate(batches):
         loss = step(x, y)
         ref_opt.zero_grad()
         expected = nn.MSELoss()(ref(x), y)
@@ -61,7 +73,6 @@ def _check_steps(device: str, optimizer: str, steps: int = 3, **kw: object) -> C
         torch.testing.assert_close(loss, expected.detach(), msg=f"loss of step {i}")
     for (name, p), q in zip(pipe.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.detach(), q.detach(), msg=f"parameter {name}")
-    return step
 
 
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
