@@ -140,9 +140,17 @@ std::pair<int32_t, int32_t> Scheduler::task_slots(const Task& t) const {
     case Kind::kCopy:
       // The input comes from the host (or the caller's device): it lands on
       // the io slot of the receiving stage's device.
-      return t.stage >= 0 ? std::make_pair(copy_slot(t.stage), copy_slot(t.peer))
-                          : std::make_pair(-1, io_slot(t.peer));
+      if (t.stage < 0) {
+        return {-1, io_slot(t.peer)};
+      }
+      if (pull_ && !same_device(copy_slot(t.stage), copy_slot(t.peer))) {
+        return {copy_slot(t.peer), copy_slot(t.peer)};
+      }
+      return {copy_slot(t.stage), copy_slot(t.peer)};
     case Kind::kCopyGrad:
+      if (pull_ && !same_device(copy_slot(t.peer), copy_slot(t.stage))) {
+        return {copy_slot(t.stage), copy_slot(t.stage)};
+      }
       return {copy_slot(t.peer), copy_slot(t.stage)};
     case Kind::kTarget:
       return {-1, io_slot(t.stage)};
@@ -156,7 +164,7 @@ int32_t Scheduler::wait_slot(const Task& t) const {
 }
 
 void Scheduler::begin_run(std::shared_ptr<const Schedule> schedule,
-                          const std::vector<std::optional<int64_t>>& caller_streams) {
+                          const std::vector<std::optional<int64_t>>& caller_streams, bool pull) {
   const auto lock = acquire();
   if (running_) {
     throw std::runtime_error(
@@ -192,6 +200,7 @@ void Scheduler::begin_run(std::shared_ptr<const Schedule> schedule,
   segment_ = -1;
   segment_caller_ = -1;
   crossing_.clear();
+  pull_ = pull;  // before the pending counts below: it moves copies' slots
   schedule_ = std::move(schedule);
   const size_t n = schedule_->tasks.size();
   task_event_.assign(n, -1);
@@ -318,10 +327,13 @@ int64_t Scheduler::begin(int32_t task) {
   // waited on the source already, which makes this wait implied. Input and
   // target transfers wait too: the caller may have filled a pinned buffer
   // with an asynchronous copy on its stream.
+  // In a segment every task joins it this way: a pulled copy whose only
+  // dependencies are in earlier segments would otherwise use a stream that
+  // never joined the capture.
   const bool input_copy = t.kind == Kind::kCopy && t.stage < 0;
   if (t.kind == Kind::kForward || t.kind == Kind::kBackward || t.kind == Kind::kWeight ||
-      input_copy || t.kind == Kind::kTarget) {
-    const int32_t source = slots_[caller_slot(input_copy ? t.peer : t.stage)].latest;
+      input_copy || t.kind == Kind::kTarget || segment_caller_ >= 0) {
+    const int32_t source = slots_[slots_[at].ref].latest;  // its device's caller slot's
     if (source >= 0) {
       wait(at, source, who);
     }

@@ -97,8 +97,12 @@ class Scheduler {
   // stream id per caller slot (none for placeholders). Records one source
   // event per caller slot: every stage stream waits on it before its first
   // task, so work the user enqueued earlier (an optimizer step) is visible.
+  // With `pull`, a copy between devices (a value or its gradient) runs
+  // wholly on the receiving copy slot, which reads the sender's memory
+  // (peer.cpp): then no task touches two devices' streams, as a run
+  // captured as one graph per device needs.
   void begin_run(std::shared_ptr<const Schedule> schedule,
-                 const std::vector<std::optional<int64_t>>& caller_streams);
+                 const std::vector<std::optional<int64_t>>& caller_streams, bool pull = false);
   // Waits on the task's dependencies, makes its streams current and returns
   // a handle for end().
   int64_t begin(int32_t task);
@@ -242,6 +246,7 @@ class Scheduler {
   bool recording_ = false;
   std::vector<PlanOp> plan_;
   bool autograd_orders_ = false;
+  bool pull_ = false;  // this run's copies between devices run on the receiver
 
   bool timing_ = false;
   bool have_reference_ = false;

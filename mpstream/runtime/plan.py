@@ -134,7 +134,7 @@ def record_plan(
     if groups is not None:
         sched, issue = Segmenting(groups, HostEdges()).issue(runner, sched)
     issue.begin_run(sched.native, runner.caller_streams())
-    for task in sched.tasks:
+    for task in sched.tasks if groups is None else issue.tasks:
         issue.end(issue.begin(task.index))
     issue.join()
     return Plan(runner.plan(), runner.slot_names, runner.slot_devices, stages, graph)
@@ -316,6 +316,7 @@ def verify_plan(plan: Plan) -> None:
                 problems.append(f"{what}: stage {op.stage}'s compute stream never waits for it")
     if any(op.op == "begin_segment" for op in ops):
         problems += _unforked(plan, segment_of) + _unjoined(plan, segment_of, reach)
+        problems += _foreign(plan, segment_of)
         if problems:
             raise PlanError("invalid plan:\n  " + "\n  ".join(problems))
         return  # what follows the last segment is the capture's to order
@@ -366,6 +367,27 @@ def _unforked(plan: Plan, segment_of: Sequence[int]) -> list[str]:
                 joined.add((k, op.slot))  # one report per stream and segment
         if op.op == "record":
             recorded_in[op.event] = k
+    return problems
+
+
+def _foreign(plan: Plan, segment_of: Sequence[int]) -> list[str]:
+    """Streams of another device in a segment: each device's segments are
+    captured there, so a copy between devices must run wholly on one side
+    (the receiver pulls)."""
+    problems = []
+    device: dict[int, str] = {}  # segment -> its caller slot's device
+    reported: set[tuple[int, int]] = set()
+    for i, op in enumerate(plan.ops):
+        k = segment_of[i]
+        if op.op == "begin_segment":
+            device[k] = plan.slot_devices[op.slot]
+        if k < 0 or plan.slot_devices[op.slot] == device[k] or (k, op.slot) in reported:
+            continue
+        reported.add((k, op.slot))
+        problems.append(
+            f"segment {k} (captured on {device[k]}) uses {plan.slot_names[op.slot]} "
+            f"(op {i}, {op.op}): a segment holds one device's work"
+        )
     return problems
 
 

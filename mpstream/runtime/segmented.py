@@ -16,6 +16,10 @@ there and adds what capture needs at the segments' edges:
   after it, and the reader's segment waits on it (the scheduler lists those
   waits and logs both ends, so :func:`~mpstream.runtime.plan.verify_plan`
   checks them);
+- a segment uses the streams of one device only, so that each device's
+  graphs can be captured there: a copy between devices runs on the
+  receiving side (it *pulls*, :mod:`.peer`), issued in the segment of its
+  first reader (:func:`issue_order`);
 - once the last segment has closed, the edges learn that the run is done:
   what the caller issues next (the loss sum, an optimizer step) follows
   every segment, which a capture orders at replay.
@@ -35,12 +39,12 @@ from typing import Protocol
 import torch
 
 from ..schedules.orders import format_order
-from ..schedules.schedule import Schedule
+from ..schedules.schedule import Kind, Schedule, Task
 from ..schedules.segments import Segments, action_of, segment
 from .scheduler import EventScheduler
 from .stream import AnyStream, current_stream
 
-__all__ = ["Edges", "HostEdges", "SegmentedIssue", "Segmenting", "task_segments"]
+__all__ = ["Edges", "HostEdges", "SegmentedIssue", "Segmenting", "issue_order"]
 
 
 class Edges(Protocol):
@@ -96,19 +100,44 @@ class HostEdges:
         pass
 
 
-def task_segments(schedule: Schedule, cut: Segments) -> list[int]:
-    """The segment of every task of ``schedule``, built from ``cut.order``:
-    a compute task's own, and a copy's or transfer's that of the compute
-    task issued before it (the builder issues a copy right after the task
-    that produced the value).
+def _receiver(task: Task) -> int:
+    """The stage whose device a non-compute task's value lands on."""
+    return task.stage if task.kind in (Kind.COPY_GRAD, Kind.TARGET) else task.peer
+
+
+def issue_order(
+    schedule: Schedule, cut: Segments, devices: Sequence[torch.device]
+) -> tuple[list[int], list[int]]:
+    """The order a segmented run issues ``schedule``'s tasks in, and the
+    segment of each task.
+
+    A compute task belongs to its own segment. A copy or transfer belongs
+    to the segment of the compute task issued before it (the builder issues
+    a copy right after the task that produced the value), unless the value
+    lands on another device than that segment's: then it moves to just
+    before its first reader, into the reader's segment, so that a segment
+    only uses streams of its own device (a copy between devices is pulled
+    by the receiver: :mod:`.peer`).
+
+    Args:
+        schedule: a schedule in ``cut``'s order.
+        cut: its segments.
+        devices: each stage's device.
+
+    Returns:
+        Task indices in issue order, and per task index its segment.
 
     Raises:
         ValueError: ``schedule`` is not in ``cut``'s order.
     """
     where = {a: i for i, part in enumerate(cut.parts) for a in part.actions}
-    out: list[int] = []
+    device_of = [devices[part.actions[0].stage] for part in cut.parts]
+    tasks = schedule.tasks
+    segment_of = [0] * len(tasks)
+    order: list[int] = []
+    held: set[int] = set()  # tasks waiting for their first reader
     current = 0
-    for t in schedule.tasks:
+    for t in tasks:
         act = action_of(t)
         if act is not None:
             seg = where.get(act)
@@ -119,8 +148,18 @@ def task_segments(schedule: Schedule, cut: Segments) -> list[int]:
                     f"from Segments.order"
                 )
             current = seg
-        out.append(current)
-    return out
+            for d in sorted(held.intersection(t.deps)):
+                held.remove(d)
+                segment_of[d] = seg
+                order.append(d)
+        elif devices[_receiver(t)] != device_of[current]:
+            held.add(t.index)
+            continue
+        segment_of[t.index] = current
+        order.append(t.index)
+    if held:  # read by no compute task: cannot happen in a built schedule
+        raise ValueError(f"tasks {sorted(held)} move values that no task reads")
+    return order, segment_of
 
 
 class SegmentedIssue:
@@ -140,7 +179,9 @@ class SegmentedIssue:
         self, sched: EventScheduler, schedule: Schedule, cut: Segments, edges: Edges
     ) -> None:
         self.sched, self.edges, self.cut = sched, edges, cut
-        self.segment_of = task_segments(schedule, cut)
+        order, self.segment_of = issue_order(schedule, cut, sched.devices)
+        #: The tasks in the order they are issued.
+        self.tasks = [schedule.tasks[i] for i in order]
         #: Tasks a later segment reads: each records an external event.
         self.producers = frozenset(
             d
@@ -158,7 +199,8 @@ class SegmentedIssue:
         self.handles: dict[int, int] = {}
 
     def begin_run(self, schedule: object, callers: list[int | None]) -> None:
-        self.sched.native.begin_run(schedule, callers)
+        # Copies between devices are pulled (see issue_order and .peer).
+        self.sched.native.begin_run(schedule, callers, pull=True)
         self.current = -1
 
     def begin(self, task: int) -> int:

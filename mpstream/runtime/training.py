@@ -25,6 +25,7 @@ from .boundary import GradSink, cut
 from .copy import move
 from .graph import Hop, Ref
 from .microbatch import leaves, rebuild_leaves
+from .peer import pull
 from .segmented import SegmentedIssue
 from .split_backward import WeightPass, backward_inputs
 from .stream import AnyStream, current_stream, record_stream
@@ -219,6 +220,14 @@ def run(
     copiers = cuda_only(sched.copy_streams)
     (caller_reader,) = cuda_only([current_stream(devices[last])])
     force = worker.force_copies
+
+    def pulls(src: torch.device, dst: torch.device) -> bool:
+        # A segmented run pulls copies between GPUs (see .peer).
+        return issue is not None and src.type == dst.type == "cuda" and src != dst
+
+    def pulled(receiver: int, sender: int) -> bool:
+        return pulls(devices[sender], devices[receiver])
+
     profiling = torch._C._autograd._profiler_enabled()
     labels = list(targets)
     backward_seen: set[int] = set()
@@ -239,7 +248,7 @@ def run(
     try:
         if graphs is not None:
             graphs.hold()  # parameter gradients summed per stage, handed over after the run
-        for task in schedule.tasks:
+        for task in schedule.tasks if issue is None else issue.tasks:
             kind, s, m = task.kind, task.stage, task.micro
             # Everything a task issues, record_stream and the boundary cut
             # included, happens between begin and end: on the task's
@@ -284,7 +293,13 @@ def run(
                         inputs = flow.outputs_of(-1, m)
                         buffers = _input_staging(staging, m, hop, inputs, where)
                         for i, b in zip(where, buffers):
-                            items[i] = to_device(items[i], dst, b)
+                            if pulls(items[i].device, dst):
+                                items[i] = pull(items[i], dst)
+                            else:
+                                items[i] = to_device(items[i], dst, b)
+                    elif pulls(devices[s], dst):
+                        for i in where:
+                            items[i] = pull(items[i], dst)
                     else:
                         protect([items[i] for i in where], copiers[s])
                         for i in where:
@@ -314,7 +329,7 @@ def run(
                     del reached
                 done = cuts.pop((s, m), None)
                 if done is not None:
-                    _route_grads(done, s, m, routes.hop, local, remote, readers, copiers)
+                    _route_grads(done, s, m, routes.hop, local, remote, readers, copiers, pulled)
                 native.end(handle)
             elif kind is Kind.WEIGHT:
                 handle = native.begin(task.index)
@@ -330,7 +345,11 @@ def run(
                 incoming = remote.pop((s, task.peer, m), {})
                 with task_range(profiling, kind, s, m), torch.no_grad():
                     for key, grads in incoming.items():
-                        g = move(_sum(grads), devices[s], force=force)
+                        if pulls(devices[task.peer], devices[s]):
+                            # Summed here: the sender's streams are not this task's.
+                            g = _sum([pull(x, devices[s]) for x in grads])
+                        else:
+                            g = move(_sum(grads), devices[s], force=force)
                         protect([g], readers[s])
                         local[(s, m)][key].append(g)
                 native.end(handle)
@@ -361,8 +380,10 @@ def _route_grads(
     remote: dict[tuple[int, int, int], Grads],
     readers: Sequence[AnyStream | None],
     copiers: Sequence[AnyStream | None],
+    pulled: Callable[[int, int], bool],
 ) -> None:
-    """Hands the gradients that reached stage ``s``'s inputs to their producers."""
+    """Hands the gradients that reached stage ``s``'s inputs to their producers
+    (``pulled(p, s)``: stage ``p`` pulls what stage ``s`` sends it)."""
     for (p, k, j), g in zip(cutting.keys, cutting.sink.grads or ()):
         if g is None:
             continue
@@ -373,7 +394,8 @@ def _route_grads(
                 record_stream(g, readers[p])  # type: ignore[arg-type]
             local[(p, m)][(k, j)].append(g)
         else:
-            if copiers[hop.peer] is not None:
+            # A pulled gradient is read by the producer's device (.peer).
+            if copiers[hop.peer] is not None and not pulled(p, s):
                 record_stream(g, copiers[hop.peer])  # type: ignore[arg-type]
             remote[(p, hop.peer, m)][(k, j)].append(g)
 
