@@ -1,4 +1,4 @@
-"""Which groups of stages a step can be captured in, a graph per segment of each.
+"""Which devices and groups of stages a step can be captured in, a graph per segment of each.
 
 The graphs of different groups replay side by side (:mod:`.edges`), ordered
 only where data crosses. What two groups touch without that order must be
@@ -11,7 +11,8 @@ safe to touch concurrently, and two things are not:
 - random numbers (dropout): before torch 2.13, every graph on a device that
   draws them reads the generator's seed and offset from one pair of device
   scalars, which each such graph's replay refills on its own stream, so two
-  groups drawing side by side race on them and draw other masks.
+  groups drawing side by side race on them and draw other masks. Each
+  device has its own generator: groups on two GPUs may both draw.
 
 :func:`check_groups` refuses both from the modules: shared tensors, and
 dropout layers (``nn.Dropout`` and its kin, ``nn.MultiheadAttention`` with
@@ -31,15 +32,56 @@ import torch
 from torch import nn
 from torch.nn.modules.dropout import _DropoutNd
 
-__all__ = ["check_drawing", "check_groups", "drawing"]
+__all__ = ["capture_devices", "check_drawing", "check_groups", "drawing"]
+
+# One graph cannot span devices: PyTorch's graph memory pools are per device
+# and multi-device replays fault (pytorch/pytorch#153025, open in 2026).
+_MULTI_DEVICE = "PyTorch cannot replay one CUDA graph across devices (pytorch/pytorch#153025)"
 
 
-def check_groups(stages: Sequence[nn.Module], groups: Sequence[int]) -> None:
+def capture_devices(
+    devices: Sequence[torch.device], groups: Sequence[int] | None
+) -> list[torch.device]:
+    """The GPUs a step on stages on ``devices`` is captured on.
+
+    Args:
+        devices: each stage's device.
+        groups: the group labels a step is captured in, if any.
+
+    Returns:
+        The distinct CUDA devices, in stage order (empty: every stage on
+        CPUs, where the step runs eagerly).
+
+    Raises:
+        ValueError: stages on both CPUs and GPUs, or on several GPUs without
+            ``groups``.
+    """
+    distinct = list(dict.fromkeys(devices))
+    cuda = [d for d in distinct if d.type == "cuda"]
+    if cuda and len(cuda) < len(distinct):
+        raise ValueError(
+            f"CapturedStep needs every stage on CUDA devices or every stage on CPUs: "
+            f"stages are on {', '.join(map(str, distinct))}; move the CPU stages to a GPU "
+            f"or run the pipe eagerly."
+        )
+    if len(cuda) > 1 and groups is None:
+        raise ValueError(
+            f"CapturedStep: stages are on {', '.join(map(str, cuda))}, and {_MULTI_DEVICE}; "
+            f"pass groups= (a label per stage, at least one group per device) to capture "
+            f"each device's work as graphs of its own."
+        )
+    return cuda
+
+
+def check_groups(
+    stages: Sequence[nn.Module], groups: Sequence[int], devices: Sequence[torch.device]
+) -> None:
     """Refuses groups a step cannot be captured in, seen from the modules.
 
     Args:
         stages: the pipe's stage modules.
         groups: a group label per stage.
+        devices: each stage's device.
 
     Raises:
         ValueError: not one label per stage; a parameter or buffer in stages
@@ -62,7 +104,7 @@ def check_groups(stages: Sequence[nn.Module], groups: Sequence[int]) -> None:
     for i, (stage, group) in enumerate(zip(stages, groups)):
         if any(_draws(m) for m in stage.modules()):
             drawing.setdefault(group, i)
-    check_drawing(set(drawing.values()), groups, "dropout")
+    check_drawing(set(drawing.values()), groups, devices, "dropout")
 
 
 def _draws(module: nn.Module) -> bool:
@@ -73,22 +115,30 @@ def _draws(module: nn.Module) -> bool:
     return isinstance(module, nn.MultiheadAttention) and module.dropout > 0
 
 
-def check_drawing(stages: set[int], groups: Sequence[int], what: str = "random numbers") -> None:
-    """Refuses random numbers drawn by stages of two groups.
+def check_drawing(
+    stages: set[int],
+    groups: Sequence[int],
+    devices: Sequence[torch.device],
+    what: str = "random numbers",
+) -> None:
+    """Refuses random numbers drawn by stages of two groups on one device.
 
     Args:
         stages: the stages that draw them.
         groups: a group label per stage.
+        devices: each stage's device (each has a generator of its own).
         what: how the message names what they draw.
 
     Raises:
         ValueError: naming one stage of each of two groups.
     """
-    first: dict[int, int] = {}
+    first: dict[torch.device, dict[int, int]] = {}
     for s in sorted(stages):
-        first.setdefault(groups[s], s)
-    if len(first) > 1:
-        (g1, s1), (g2, s2) = list(first.items())[:2]
+        first.setdefault(devices[s], {}).setdefault(groups[s], s)
+    for on_device in first.values():
+        if len(on_device) < 2:
+            continue
+        (g1, s1), (g2, s2) = list(on_device.items())[:2]
         raise ValueError(
             f"{what} in stage {s1} (group {g1}) and stage {s2} (group {g2}): the two groups' "
             f"graphs would draw random numbers side by side from one generator offset, which "

@@ -13,7 +13,7 @@ checks that nothing a replay reads or writes was replaced or reconfigured
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -125,13 +125,13 @@ class Saved:
     Args:
         pipe: the module trained.
         optimizer: its optimizer, if the step includes it.
-        device: the CUDA device whose generator warm-up draws from, if any.
+        devices: the CUDA devices whose generators warm-up draws from.
     """
 
     def __init__(
-        self, pipe: nn.Module, optimizer: Optimizer | None, device: torch.device | None
+        self, pipe: nn.Module, optimizer: Optimizer | None, devices: Sequence[torch.device]
     ) -> None:
-        self.pipe, self.optimizer, self.device = pipe, optimizer, device
+        self.pipe, self.optimizer = pipe, optimizer
         with torch.no_grad():
             self.tensors = [(t, _host(t)) for t in (*pipe.parameters(), *pipe.buffers())]
             self.grad_refs = {id(p): p.grad for p in pipe.parameters()}
@@ -145,7 +145,7 @@ class Saved:
                 id(p): set(s) for p, s in (optimizer.state.items() if optimizer is not None else ())
             }
         self.rng = torch.get_rng_state()
-        self.cuda_rng = None if device is None else torch.cuda.get_rng_state(device)
+        self.cuda_rng = {d: torch.cuda.get_rng_state(d) for d in devices}
 
     def restore(self, captured: bool) -> None:
         """Puts everything back.
@@ -177,8 +177,8 @@ class Saved:
                     if not state:
                         del self.optimizer.state[param]
         torch.set_rng_state(self.rng)
-        if self.cuda_rng is not None and self.device is not None:
-            torch.cuda.set_rng_state(self.cuda_rng, self.device)
+        for device, state in self.cuda_rng.items():
+            torch.cuda.set_rng_state(state, device)
 
 
 def _put_back(t: Tensor, saved: Tensor | None) -> None:

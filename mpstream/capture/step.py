@@ -16,8 +16,8 @@ with the same checks, so code written against it runs anywhere.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from contextlib import suppress
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager, suppress
 from typing import Any
 
 import torch
@@ -26,17 +26,14 @@ from torch.utils import _pytree as pytree
 
 from ..pipe.pipe import REDUCTIONS, Pipe
 from ..runtime.errors import annotate
+from ..runtime.peer import enable_peer_access
 from ..stages.sequential import check_positive
 from .buffers import fill, static
 from .edges import GraphEdges, check_external_events
-from .groups import check_drawing, check_groups, drawing
+from .groups import capture_devices, check_drawing, check_groups, drawing
 from .state import Kept, Saved, check_optimizer, check_settings, hyperparameters
 
 __all__ = ["CapturedStep"]
-
-# One graph cannot span devices: PyTorch's graph memory pools are per device
-# and multi-device replays fault (pytorch/pytorch#153025, open in 2026).
-_MULTI_DEVICE = "PyTorch cannot replay one CUDA graph across devices (pytorch/pytorch#153025)"
 
 
 class CapturedStep:
@@ -76,15 +73,19 @@ class CapturedStep:
     otherwise).
 
     By default the step is one graph, which runs the stages' work in one
-    fixed interleaving. With ``groups`` (stages on one GPU in two or more
-    groups), each segment of a group's work is a graph of its own, ordered
-    by external events, and the groups' graphs overlap at replay as the
-    eager pipe's streams do (:mod:`~mpstream.capture.edges`): a few more
-    launches per step (:attr:`launches`), and a memory pool per graph.
+    fixed interleaving. With ``groups`` (a label per stage; stages of one
+    group share a device), each segment of a group's work is a graph of its
+    own, ordered by external events, and the groups' graphs overlap at
+    replay as the eager pipe's streams do (:mod:`~mpstream.capture.edges`):
+    a few more launches per step (:attr:`launches`), and a memory pool per
+    graph. That is also how a step on several GPUs is captured (one graph
+    cannot span devices): groups are required there, copies between GPUs
+    read the sender's memory (peer access between every pair is needed),
+    and each device's share of the optimizer step is its own graph.
 
-    Every stage must sit on one CUDA device (a graph cannot span devices) or
-    on CPUs, where no graph exists and each call runs the step eagerly with
-    the same checks (from the second call, once gradients exist). For mixed
+    Every stage must sit on CUDA devices or on CPUs, where no graph exists
+    and each call runs the step eagerly with the same checks (from the
+    second call, once gradients exist). For mixed
     precision, construct it under
     ``torch.autocast(..., cache_enabled=False)`` (autocast's weight cache
     does not survive capture) with bfloat16: a ``GradScaler`` reads its
@@ -117,7 +118,7 @@ class CapturedStep:
             by two groups or random numbers drawn in two
             (:mod:`~mpstream.capture.groups`; seen in the last warm-up step,
             on the CPU in one step that is then undone), stages on
-            several devices or on both CPU and CUDA, the pipe is being
+            several GPUs without ``groups``, on both CPU and CUDA, the pipe is being
             traced (its scheduler's timing or plan recording is on: a replay
             would record nothing), or an optimizer whose captured step would
             differ from its eager one (see above).
@@ -157,7 +158,7 @@ class CapturedStep:
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
         self.groups = None if groups is None else [int(g) for g in groups]
         if self.groups is not None:
-            check_groups(list(pipe.partitions), self.groups)
+            check_groups(list(pipe.partitions), self.groups, pipe.devices)
             if any(d.type == "cuda" for d in pipe.devices):
                 check_external_events()
             if pool is not None:
@@ -166,16 +167,7 @@ class CapturedStep:
                     "pool of its own (a shared pool would let one group's graph reuse memory "
                     "another's still reads); drop pool, or capture one graph (groups=None)"
                 )
-        devices = list(dict.fromkeys(pipe.devices))
-        cuda = [d for d in devices if d.type == "cuda"]
-        if cuda and len(devices) > 1:
-            raise ValueError(
-                f"CapturedStep needs every stage on one CUDA device: stages are on "
-                f"{', '.join(map(str, devices))}. {_MULTI_DEVICE}, and a step captured "
-                f"in segments (groups) cannot yet hold an optimizer step or copies that span "
-                f"devices; put the stages on one GPU (groups= keeps them overlapping) or run "
-                f"the pipe eagerly."
-            )
+        cuda = capture_devices(pipe.devices, self.groups)
         sched = pipe.scheduler
         if cuda and (sched.timing or sched.recording):
             raise ValueError(
@@ -185,6 +177,9 @@ class CapturedStep:
             )
         self.pipe, self.loss_fn, self.optimizer = pipe, loss_fn, optimizer
         self.reduction, self.zero_grad = reduction, bool(zero_grad)
+        #: The GPUs the step runs on (empty: the CPU).
+        self.devices = cuda
+        #: The first of them (None: the CPU).
         self.device: torch.device | None = cuda[0] if cuda else None
         in_leaves, self._in_spec = pytree.tree_flatten(inputs)
         tgt_leaves, self._tgt_spec = pytree.tree_flatten(target)
@@ -200,7 +195,7 @@ class CapturedStep:
             self._capture(warmup, pool)
             self._kept = Kept(pipe, optimizer)
         elif self.groups is not None:  # the checks a capture's warm-up makes, and undoes
-            saved = Saved(pipe, optimizer, None)
+            saved = Saved(pipe, optimizer, [])
             try:
                 self._watched_step()
             finally:
@@ -233,48 +228,51 @@ class CapturedStep:
             return self._step()
         with drawing(list(self.pipe.partitions), self.pipe.devices) as seen:
             loss = self._step()
-        check_drawing(seen, self.groups)
+        check_drawing(seen, self.groups, self.pipe.devices)
         return loss
 
     def _capture(self, warmup: int, pool: Any) -> None:
-        device = self.device
-        assert device is not None
-        saved = Saved(self.pipe, self.optimizer, device)
-        caller = torch.cuda.current_stream(device)
+        devices = self.devices
+        saved = Saved(self.pipe, self.optimizer, devices)
+        callers = {d: torch.cuda.current_stream(d) for d in devices}
         edges: GraphEdges | None = None
         graph: torch.cuda.CUDAGraph | None = None
         try:
-            with torch.cuda.device(device):
-                # Warm-up on a side stream, as capture requires: what runs
-                # once (allocations, autotuning, optimizer state) happens here.
-                side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-                side.wait_stream(caller)
-                with torch.cuda.stream(side):
-                    for _ in range(warmup - 1):
-                        self._step()
-                    self._watched_step()
-                caller.wait_stream(side)
-                if self.groups is None:
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        self._loss = self._step()
-                else:
-                    # Captured from the warm-up's stream: its library
-                    # workspaces exist, and it is not the default stream.
-                    torch.cuda.synchronize(device)  # as torch.cuda.graph does
-                    edges = GraphEdges(side)
-                    with torch.cuda.stream(side):
-                        edges.begin_step()
-                        self._loss = self._step(edges)
-                        edges.end_step()
-                caller.synchronize()
+            enable_peer_access(devices)
+            # Warm-up on side streams, as capture requires: what runs once
+            # (allocations, autotuning, optimizer state) happens here.
+            sides = {d: torch.cuda.Stream(d) for d in devices}  # type: ignore[no-untyped-call]
+            for d in devices:
+                sides[d].wait_stream(callers[d])
+            with _current(sides):
+                for _ in range(warmup - 1):
+                    self._step()
+                self._watched_step()
+            for d in devices:
+                callers[d].wait_stream(sides[d])
+            if self.groups is None:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.device(devices[0]), torch.cuda.graph(graph, pool=pool):
+                    self._loss = self._step()
+            else:
+                # Captured from the warm-up's streams: their library
+                # workspaces exist, and they are not the default streams.
+                _synchronize(devices)  # as torch.cuda.graph does
+                edges = GraphEdges(sides)
+                with _current(sides):
+                    edges.begin_step()
+                    self._loss = self._step(edges)
+                    edges.end_step()
+            for c in callers.values():
+                c.synchronize()
         except BaseException as exc:
             if edges is not None:
                 edges.abandon()
             # Older torch leaves the capture stream current when capture_end raises.
-            torch.cuda.set_stream(caller)
+            for c in callers.values():
+                torch.cuda.set_stream(c)
             with suppress(RuntimeError):  # a failed capture may leave a CUDA error behind
-                torch.cuda.synchronize(device)
+                _synchronize(devices)
             saved.restore(captured=False)
             annotate(
                 exc,
@@ -285,7 +283,7 @@ class CapturedStep:
             )
             raise
         saved.restore(captured=True)
-        torch.cuda.synchronize(device)
+        _synchronize(devices)
         self.graph, self._edges = graph, edges
 
     def __deepcopy__(self, memo: dict[int, Any]) -> CapturedStep:
@@ -308,7 +306,8 @@ class CapturedStep:
     @property
     def launches(self) -> int:
         """Graph launches per step: 1, or with ``groups`` the segments' graphs
-        plus a prologue and an epilogue; 0 when the step runs eagerly."""
+        plus a prologue and an epilogue per device; 0 when the step runs
+        eagerly."""
         if self._edges is not None:
             return self._edges.launches
         return 1 if self.graph is not None else 0
@@ -372,8 +371,26 @@ class CapturedStep:
                 self.graph.replay()
             else:
                 assert self._edges is not None
-                caller, main = torch.cuda.current_stream(), self._edges.main
-                main.wait_stream(caller)  # the batch just copied in
+                mains = self._edges.mains
+                callers = {d: torch.cuda.current_stream(d) for d in mains}
+                for d, main in mains.items():
+                    main.wait_stream(callers[d])  # the batch just copied in
                 self._edges.replay()
-                caller.wait_stream(main)
+                for d, main in mains.items():
+                    callers[d].wait_stream(main)
             return self._loss.clone()
+
+
+@contextmanager
+def _current(streams: dict[torch.device, Any]) -> Iterator[None]:
+    """Makes each stream current on its device, and the first device current."""
+    with ExitStack() as stack:
+        for stream in streams.values():
+            stack.enter_context(torch.cuda.stream(stream))
+        stack.enter_context(torch.cuda.device(next(iter(streams))))
+        yield
+
+
+def _synchronize(devices: Sequence[torch.device]) -> None:
+    for d in devices:
+        torch.cuda.synchronize(d)

@@ -8,16 +8,37 @@ outputs require grad, so autograd reaches the boundary from the stage's
 roots; and because the outputs are not leaves, a stage may start with an
 in-place op (``ReLU(inplace=True)``), which a ``detach().requires_grad_()``
 leaf would forbid.
+
+Around it, what a training step (:mod:`.training`) does at each cut: cut a
+stage's inputs for one micro-batch (:class:`Cutting`, :func:`cut_inputs`),
+root its backward at its outputs (:func:`roots_of`), and hand each gradient
+that reached the cut to its producer (:func:`route_grads`): summed by the
+producer's backward on its device, or by a gradient copy to another one.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["GradSink", "Boundary", "cut"]
+from .graph import Hop, Ref
+from .microbatch import leaves, rebuild_leaves
+from .stream import AnyStream, record_stream
+
+__all__ = [
+    "Boundary",
+    "Cutting",
+    "GradSink",
+    "Grads",
+    "cut",
+    "cut_inputs",
+    "roots_of",
+    "route_grads",
+    "sum_grads",
+]
 
 # Requires grad so the boundary's outputs do; never receives a gradient.
 _ANCHOR = torch.empty(0, requires_grad=True)
@@ -56,3 +77,93 @@ def cut(sink: GradSink, tensors: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
     # with empty gradients during this stage's backward.
     out: tuple[Tensor, ...] = Boundary.apply(sink, _ANCHOR, *(t.detach() for t in tensors))
     return out
+
+
+# Gradient contributions: (output index, tensor leaf index) -> tensors to sum.
+Grads = dict[tuple[int, int], list[Tensor]]
+
+
+class Cutting:
+    """One stage's inputs for one micro-batch, cut from their producers.
+
+    ``keys[i]`` names what the sink's gradient ``i`` belongs to: the
+    producing stage, its output and the leaf within it.
+    """
+
+    __slots__ = ("sink", "keys")
+
+    def __init__(self) -> None:
+        self.sink = GradSink()
+        self.keys: list[tuple[int, int, int]] = []
+
+
+def cut_inputs(values: Sequence[tuple[Ref, Any]], cutting: Cutting) -> list[Any]:
+    """``values`` with the tensors of stage outputs cut; inputs stay as they are."""
+    spots: list[tuple[int, list[Any], Any, list[int]]] = []
+    tensors: list[Tensor] = []
+    for v, (ref, value) in enumerate(values):
+        if ref.stage < 0:
+            continue
+        items, spec = leaves(value)
+        where = [i for i, t in enumerate(items) if isinstance(t, Tensor)]
+        if not where:
+            continue
+        spots.append((v, items, spec, where))
+        for j, i in enumerate(where):
+            tensors.append(items[i])
+            cutting.keys.append((ref.stage, ref.index, j))
+    out = [value for _, value in values]
+    if not tensors:
+        return out
+    detached = iter(cut(cutting.sink, tuple(tensors)))
+    for v, items, spec, where in spots:
+        for i in where:
+            items[i] = next(detached)
+        out[v] = rebuild_leaves(items, spec)
+    return out
+
+
+def roots_of(outs: tuple[Any, ...]) -> list[tuple[tuple[int, int], Tensor]]:
+    """A stage's output tensors that require grad, keyed (output, leaf)."""
+    roots = []
+    for k, out in enumerate(outs):
+        tensors = [t for t in leaves(out)[0] if isinstance(t, Tensor)]
+        roots += [((k, j), t) for j, t in enumerate(tensors) if t.requires_grad]
+    return roots
+
+
+def sum_grads(parts: list[Tensor]) -> Tensor:
+    """The sum of a value's gradient contributions (one: itself, no kernel)."""
+    total = parts[0]
+    for g in parts[1:]:
+        total = total + g
+    return total
+
+
+def route_grads(
+    cutting: Cutting,
+    s: int,
+    m: int,
+    hop_of: Callable[[int, int], Hop | None],
+    local: dict[tuple[int, int], Grads],
+    remote: dict[tuple[int, int, int], Grads],
+    readers: Sequence[AnyStream | None],
+    copiers: Sequence[AnyStream | None],
+    pulled: Callable[[int, int], bool],
+) -> None:
+    """Hands the gradients that reached stage ``s``'s inputs to their producers
+    (``pulled(p, s)``: stage ``p`` pulls what stage ``s`` sends it)."""
+    for (p, k, j), g in zip(cutting.keys, cutting.sink.grads or ()):
+        if g is None:
+            continue
+        hop = hop_of(p, s)
+        if hop is None:
+            # Summed by the producer's backward, on its stream.
+            if readers[p] is not None:
+                record_stream(g, readers[p])  # type: ignore[arg-type]
+            local[(p, m)][(k, j)].append(g)
+        else:
+            # A pulled gradient is read by the producer's device (.peer).
+            if copiers[hop.peer] is not None and not pulled(p, s):
+                record_stream(g, copiers[hop.peer])  # type: ignore[arg-type]
+            remote[(p, hop.peer, m)][(k, j)].append(g)

@@ -20,7 +20,7 @@ import torch
 
 from ..schedules.schedule import Kind, Order, Schedule, Topology, virtual_stages_of
 from .scheduler import EventScheduler, PlanOp
-from .segmented import HostEdges, Segmenting
+from .segmented import Edges, HostEdges, Segmenting
 
 __all__ = ["Plan", "PlanError", "record_plan", "verify_plan"]
 
@@ -75,6 +75,7 @@ def record_plan(
     reads: Sequence[Sequence[int]] | None = None,
     virtual_stages: int | None = None,
     groups: Sequence[int] | None = None,
+    edges: Edges | None = None,
 ) -> Plan:
     """Records the stream operations of a whole run without any device.
 
@@ -101,6 +102,8 @@ def record_plan(
             (:mod:`~mpstream.runtime.segmented`), with a group label per
             stage (stages on one device may be split into groups); the
             schedule is reordered into the segments' order.
+        edges: with ``groups``, what happens at the segments' edges (for
+            tests of captures with fake CUDA objects); default nothing.
 
     Returns:
         The recorded :class:`Plan`.
@@ -132,7 +135,8 @@ def record_plan(
     runner.recording = True
     issue: Any = runner.native
     if groups is not None:
-        sched, issue = Segmenting(groups, HostEdges()).issue(runner, sched)
+        segmenting = Segmenting(groups, edges if edges is not None else HostEdges())
+        sched, issue = segmenting.issue(runner, sched)
     issue.begin_run(sched.native, runner.caller_streams())
     for task in sched.tasks if groups is None else issue.tasks:
         issue.end(issue.begin(task.index))
@@ -375,7 +379,7 @@ def _foreign(plan: Plan, segment_of: Sequence[int]) -> list[str]:
     captured there, so a copy between devices must run wholly on one side
     (the receiver pulls)."""
     problems = []
-    device: dict[int, str] = {}  # segment -> its caller slot's device
+    device: dict[int, torch.device] = {}  # segment -> its caller slot's device
     reported: set[tuple[int, int]] = set()
     for i, op in enumerate(plan.ops):
         k = segment_of[i]

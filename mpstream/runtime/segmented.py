@@ -210,7 +210,9 @@ class SegmentedIssue:
                 self._close()
             device = self.devices[seg]
             stream = self.edges.open(seg, self.cut.parts[seg].group, device)
-            if stream is None and device.type == "cuda" and not self.sched.virtual:
+            if self.sched.virtual:
+                stream = None  # a scheduler without streams (edges tested on the host)
+            elif stream is None and device.type == "cuda":
                 # Edges that capture nothing, on a GPU: every segment starts
                 # from the caller's stream, after the previous one's join,
                 # which orders what crosses segments without events.

@@ -21,9 +21,9 @@ import torch
 from torch import Tensor
 
 from ..schedules.schedule import Kind, Schedule, Task
-from .boundary import GradSink, cut
+from .boundary import Cutting, Grads, cut_inputs, roots_of, route_grads, sum_grads
 from .copy import move
-from .graph import Hop, Ref
+from .graph import Hop
 from .microbatch import leaves, rebuild_leaves
 from .peer import pull
 from .segmented import SegmentedIssue
@@ -47,72 +47,13 @@ if TYPE_CHECKING:
 
 __all__ = ["run"]
 
-# Gradient contributions: (output index, tensor leaf index) -> tensors to sum.
-Grads = dict[tuple[int, int], list[Tensor]]
-
-
-class _Cut:
-    """One stage's inputs for one micro-batch, cut from their producers.
-
-    ``keys[i]`` names what the sink's gradient ``i`` belongs to: the
-    producing stage, its output and the leaf within it.
-    """
-
-    __slots__ = ("sink", "keys")
-
-    def __init__(self) -> None:
-        self.sink = GradSink()
-        self.keys: list[tuple[int, int, int]] = []
-
-
-def _cut_inputs(values: Sequence[tuple[Ref, Any]], cutting: _Cut) -> list[Any]:
-    """``values`` with the tensors of stage outputs cut; inputs stay as they are."""
-    spots: list[tuple[int, list[Any], Any, list[int]]] = []
-    tensors: list[Tensor] = []
-    for v, (ref, value) in enumerate(values):
-        if ref.stage < 0:
-            continue
-        items, spec = leaves(value)
-        where = [i for i, t in enumerate(items) if isinstance(t, Tensor)]
-        if not where:
-            continue
-        spots.append((v, items, spec, where))
-        for j, i in enumerate(where):
-            tensors.append(items[i])
-            cutting.keys.append((ref.stage, ref.index, j))
-    out = [value for _, value in values]
-    if not tensors:
-        return out
-    detached = iter(cut(cutting.sink, tuple(tensors)))
-    for v, items, spec, where in spots:
-        for i in where:
-            items[i] = next(detached)
-        out[v] = rebuild_leaves(items, spec)
-    return out
-
-
-def _roots(outs: tuple[Any, ...]) -> list[tuple[tuple[int, int], Tensor]]:
-    """A stage's output tensors that require grad, keyed (output, leaf)."""
-    roots = []
-    for k, out in enumerate(outs):
-        tensors = [t for t in leaves(out)[0] if isinstance(t, Tensor)]
-        roots += [((k, j), t) for j, t in enumerate(tensors) if t.requires_grad]
-    return roots
-
-
-def _sum(parts: list[Tensor]) -> Tensor:
-    total = parts[0]
-    for g in parts[1:]:
-        total = total + g
-    return total
-
 
 def _backward(roots: list[tuple[tuple[int, int], Tensor]], grads: Grads | None) -> None:
     """One stage's backward from its outputs' gradients."""
     if grads is None:  # the last stage: the loss
         torch.autograd.backward([t for _, t in roots])
         return
-    pairs = [(t, _sum(grads[key])) for key, t in roots if key in grads]
+    pairs = [(t, sum_grads(grads[key])) for key, t in roots if key in grads]
     if pairs:
         torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
 
@@ -123,7 +64,7 @@ def _backward_inputs(
     """A split backward's first pass (input gradients); returns the second."""
     if grads is None:  # the last stage: the loss
         return backward_inputs([t for _, t in roots], None)
-    pairs = [(t, _sum(grads[key])) for key, t in roots if key in grads]
+    pairs = [(t, sum_grads(grads[key])) for key, t in roots if key in grads]
     return backward_inputs([t for t, _ in pairs], [g for _, g in pairs])
 
 
@@ -232,7 +173,7 @@ def run(
     labels = list(targets)
     backward_seen: set[int] = set()
     roots: dict[tuple[int, int], list[tuple[tuple[int, int], Tensor]]] = {}
-    cuts: dict[tuple[int, int], _Cut] = {}
+    cuts: dict[tuple[int, int], Cutting] = {}
     local: dict[tuple[int, int], Grads] = defaultdict(lambda: defaultdict(list))
     remote: dict[tuple[int, int, int], Grads] = defaultdict(lambda: defaultdict(list))
     losses: list[Tensor] = []
@@ -259,8 +200,8 @@ def run(
                 sources = flow.result_sources(m) if s == last else []
                 if readers[s] is not None:
                     protect([v for _, v in (pairs if not received else []) + sources], readers[s])
-                cutting = _Cut()
-                values = _cut_inputs(pairs + sources, cutting)
+                cutting = Cutting()
+                values = cut_inputs(pairs + sources, cutting)
                 args = values[: len(pairs)]
                 if cutting.keys:
                     cuts[(s, m)] = cutting
@@ -275,7 +216,7 @@ def run(
                         losses.append(loss.detach())
                         del loss, output, replaced
                 if s < last:
-                    roots[(s, m)] = _roots(flow.outputs_of(s, m))
+                    roots[(s, m)] = roots_of(flow.outputs_of(s, m))
                 flow.release(s, m)
                 if s == last:
                     flow.outs[m][s + 1] = None  # the loss holds what backward needs
@@ -329,7 +270,7 @@ def run(
                     del reached
                 done = cuts.pop((s, m), None)
                 if done is not None:
-                    _route_grads(done, s, m, routes.hop, local, remote, readers, copiers, pulled)
+                    route_grads(done, s, m, routes.hop, local, remote, readers, copiers, pulled)
                 native.end(handle)
             elif kind is Kind.WEIGHT:
                 handle = native.begin(task.index)
@@ -347,9 +288,9 @@ def run(
                     for key, grads in incoming.items():
                         if pulls(devices[task.peer], devices[s]):
                             # Summed here: the sender's streams are not this task's.
-                            g = _sum([pull(x, devices[s]) for x in grads])
+                            g = sum_grads([pull(x, devices[s]) for x in grads])
                         else:
-                            g = move(_sum(grads), devices[s], force=force)
+                            g = move(sum_grads(grads), devices[s], force=force)
                         protect([g], readers[s])
                         local[(s, m)][key].append(g)
                 native.end(handle)
@@ -369,35 +310,6 @@ def run(
         for loss in losses:
             record_stream(loss, caller_reader)
     return losses
-
-
-def _route_grads(
-    cutting: _Cut,
-    s: int,
-    m: int,
-    hop_of: Callable[[int, int], Hop | None],
-    local: dict[tuple[int, int], Grads],
-    remote: dict[tuple[int, int, int], Grads],
-    readers: Sequence[AnyStream | None],
-    copiers: Sequence[AnyStream | None],
-    pulled: Callable[[int, int], bool],
-) -> None:
-    """Hands the gradients that reached stage ``s``'s inputs to their producers
-    (``pulled(p, s)``: stage ``p`` pulls what stage ``s`` sends it)."""
-    for (p, k, j), g in zip(cutting.keys, cutting.sink.grads or ()):
-        if g is None:
-            continue
-        hop = hop_of(p, s)
-        if hop is None:
-            # Summed by the producer's backward, on its stream.
-            if readers[p] is not None:
-                record_stream(g, readers[p])  # type: ignore[arg-type]
-            local[(p, m)][(k, j)].append(g)
-        else:
-            # A pulled gradient is read by the producer's device (.peer).
-            if copiers[hop.peer] is not None and not pulled(p, s):
-                record_stream(g, copiers[hop.peer])  # type: ignore[arg-type]
-            remote[(p, hop.peer, m)][(k, j)].append(g)
 
 
 def _input_staging(

@@ -21,6 +21,8 @@ from mpstream.schedules.segments import segment
 from tests.capture.test_step import assert_trains_like
 from tests.helpers import assert_same_grads, mlp
 
+CPU = torch.device("cpu")
+
 
 class World:
     """Fake streams, graphs and events sharing one log and one current stream."""
@@ -38,6 +40,7 @@ class World:
             stream=self.stream,
             graph=lambda: FakeGraph(self),
             event=lambda: FakeEvent(self),
+            marker=lambda: FakeMarker(self),
             use=self.use,
             pool=lambda: ("pool", len(self.graphs)),
             undo=FakeUndo(self),
@@ -63,6 +66,22 @@ class FakeStream:
     def wait_stream(self, other: FakeStream) -> None:
         self.world.log.append(("wait_stream", self.name, other.name))
 
+    def wait_event(self, marker: FakeMarker) -> None:
+        assert marker.on is not None, "waits on a recorded marker"
+        self.world.log.append(("wait_stream", self.name, marker.on))
+
+
+class FakeMarker:
+    """An ordinary event: recorded and waited on outside captures only."""
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.on: str | None = None
+
+    def record(self, stream: FakeStream) -> None:
+        assert not self.world.capturing, "replay markers are not captured"
+        self.on = stream.name
+
 
 class FakeGraph:
     def __init__(self, world: World) -> None:
@@ -74,7 +93,7 @@ class FakeGraph:
 
     def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
         assert capture_error_mode == "thread_local" and pool is not None
-        assert not self.world.capturing, "one capture at a time"
+        assert self.world.current.name not in self.world.capturing, "one capture per stream"
         self.stream = self.world.current.name
         self.world.capturing[self.stream] = self
         self.world.log.append(("begin", self.index, self.stream))
@@ -164,7 +183,7 @@ def test_a_step_is_captured_as_prologue_segments_and_epilogue(schedule: str) -> 
     pipe, ref = _pipe(schedule)
     x, y = torch.randn(7, 5, dtype=torch.float64), torch.randn(7, 4, dtype=torch.float64)
     world = World()
-    edges = GraphEdges(world.main, world.cuda())
+    edges = GraphEdges({CPU: world.main}, world.cuda())
     loss = _capture(world, pipe, edges, x, y)
     expected = nn.MSELoss()(ref(x), y)
     expected.backward()
@@ -197,7 +216,7 @@ def test_a_failure_ends_the_open_capture_and_leaves_the_pipe_as_it_was() -> None
     pipe, _ = _pipe("1f1b")
     x, y = torch.randn(6, 5, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
     world = World()
-    edges = GraphEdges(world.main, world.cuda())
+    edges = GraphEdges({CPU: world.main}, world.cuda())
 
     def failing(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if len(world.graphs) > 2:  # inside a later segment
@@ -215,20 +234,20 @@ def test_a_failure_ends_the_open_capture_and_leaves_the_pipe_as_it_was() -> None
     failed = world.graphs[-1].index
     undone = [e[0] for e in world.log[world.log.index(("end", failed)) :]]
     assert undone == ["end", "keep", "end_routing", "release", "reset_generator"]
-    assert not edges.complete and not edges.segments and edges.prologue is None
+    assert not edges.complete and not edges.segments and not edges.prologue
     assert all(p.grad is None for p in pipe.parameters())
     assert not pipe.scheduler.native.running
     with pytest.raises(RuntimeError, match="no complete step"):
         edges.replay()
     world2 = World()
-    edges2 = GraphEdges(world2.main, world2.cuda())
+    edges2 = GraphEdges({CPU: world2.main}, world2.cuda())
     _capture(world2, pipe, edges2, x, y)  # the pipe captures again
     assert edges2.complete
 
 
 def test_misuse_is_named() -> None:
     world = World()
-    edges = GraphEdges(world.main, world.cuda())
+    edges = GraphEdges({CPU: world.main}, world.cuda())
     with pytest.raises(RuntimeError, match="outside a step's capture"):
         edges.open(0, 0, torch.device("cpu"))
     with pytest.raises(RuntimeError, match="while capturing nothing"):
@@ -245,7 +264,7 @@ def test_misuse_is_named() -> None:
             edges.wait(3, None)
         assert edges.open(0, 1, torch.device("cpu")) is None  # a CPU group: no scheduler stream
         edges.close(0)
-        with pytest.raises(RuntimeError, match="segment 1 is on cuda:1, the step's earlier"):
+        with pytest.raises(RuntimeError, match="segment 1 is on cuda:1, but the step is captur"):
             edges.open(1, 0, torch.device("cuda:1"))
         edges.open(1, 0, torch.device("cpu"))
         with pytest.raises(RuntimeError, match="the segment still open"):
