@@ -115,7 +115,8 @@ class Comparison:
         devices: the device label of each stage.
         simulation: the simulated step (its timeline).
         launches: graph launches of a step captured per device in segments
-            (``CapturedStep(groups=...)``): the segments, prologue, epilogue.
+            (``CapturedStep(groups=...)``): the segments, and a prologue and
+            an epilogue per device.
         measured: per stage, peak bytes saved for backward in a real step
             (CPU), or per device the allocator's peak (GPU); empty if not
             measured.
@@ -182,7 +183,8 @@ def compare(
             name, stages, micros, [False] * stages, backward=True, virtual_stages=virtual or 1
         )
         live, held = live_activations(sched)
-        launches = segment(sched, [labels.index(d) for d in labels]).launches + 2
+        groups = [labels.index(d) for d in labels]  # a group per device
+        launches = segment(sched, groups).launches + 2 * len(set(labels))
         bubble = device_bubble(sim.timeline)
         out.append(Comparison(name, sim.step_ms, bubble, live, held, labels, sim, launches))
     return out
