@@ -197,7 +197,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("micro"))
       .def_property("autograd_orders_grad_copies", &Scheduler::autograd_orders_grad_copies,
                     &Scheduler::set_autograd_orders_grad_copies)
-      .def("begin_segment", &Scheduler::begin_segment, py::arg("caller"), py::arg("stream"))
+      .def("begin_segment", &Scheduler::begin_segment, py::arg("caller"), py::arg("stream"),
+           py::arg("group") = -1)
       .def("end_segment", &Scheduler::end_segment)
       .def("take_crossing", &Scheduler::take_crossing)
       .def("external_record", &Scheduler::external_record, py::arg("task"))

@@ -35,6 +35,7 @@ void Scheduler::finish_open(Open& o) {
   }
   if (o.task >= 0) {
     task_event_[o.task] = ev;
+    task_segment_[o.task] = events_[ev].segment;
     events_[ev].refs += pending_[o.task];
   } else if (autograd_orders_) {
     // Gradient copy: autograd's engine makes the consumer's stream (stage
@@ -120,6 +121,7 @@ void Scheduler::release_run() {
     }
   }
   task_event_.clear();
+  task_segment_.clear();
   pending_.clear();
   schedule_.reset();
   segment_ = -1;

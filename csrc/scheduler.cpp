@@ -199,11 +199,13 @@ void Scheduler::begin_run(std::shared_ptr<const Schedule> schedule,
   }
   segment_ = -1;
   segment_caller_ = -1;
+  segment_groups_.clear();
   crossing_.clear();
   pull_ = pull;  // before the pending counts below: it moves copies' slots
   schedule_ = std::move(schedule);
   const size_t n = schedule_->tasks.size();
   task_event_.assign(n, -1);
+  task_segment_.assign(n, -1);
   pending_.assign(n, 0);
   // A dependency recorded on the slot that waits for it is ordered by the
   // stream itself; only cross-slot dependencies keep an event alive.
@@ -312,7 +314,11 @@ int64_t Scheduler::begin(int32_t task) {
     const bool same_slot = task_slots(schedule_->tasks[d]).second == at;
     if (crossing(d)) {
       // Even on the same slot: segments of other groups run in between.
-      crossing_.emplace_back(d, at);
+      // An earlier segment of this group has finished before this one
+      // starts (one launch stream): nothing to wait on.
+      if (!same_group(d)) {
+        crossing_.emplace_back(d, at);
+      }
     } else if (same_slot) {
       continue;  // same stream: program order
     } else if (!implied(d)) {

@@ -142,7 +142,9 @@ class Scheduler {
   // `caller` (index among the caller slots) with `stream` current there,
   // recording its source; end_segment makes that slot wait on the last work
   // of every slot that recorded in the segment, as a capture must end.
-  void begin_segment(int32_t caller, std::optional<int64_t> stream);
+  // Segments of one `group` (>= 0) are launched one after another on one
+  // stream: a dependency between them needs no external event.
+  void begin_segment(int32_t caller, std::optional<int64_t> stream, int32_t group = -1);
   void end_segment();
   std::vector<std::pair<int32_t, int32_t>> take_crossing();  // (producer task, slot)
   int32_t external_record(int32_t task);
@@ -217,6 +219,7 @@ class Scheduler {
   void set_caller(int32_t slot, std::optional<int64_t> stream);
   void forget_latest();  // no slot's latest event (a new run or segment)
   bool crossing(int32_t task) const;  // recorded in another segment
+  bool same_group(int32_t task) const;  // in an earlier segment of this one's group
   void ensure_reference();
   void timing_mark(Open& o, bool start);
   int32_t acquire_timing_event(int32_t slot);
@@ -236,10 +239,14 @@ class Scheduler {
 
   std::shared_ptr<const Schedule> schedule_;
   std::vector<int32_t> task_event_;
+  // Per task, the segment it ended in: its event may be back in the pool
+  // (nothing on another slot waits on it) and recorded again elsewhere.
+  std::vector<int32_t> task_segment_;
   std::vector<int32_t> pending_;
   bool running_ = false;
   int32_t segment_ = -1;      // segments begun in this run, minus one
   int32_t segment_caller_ = -1;  // slot of the open segment, -1: none open
+  std::vector<int32_t> segment_groups_;  // per segment begun in this run
   std::vector<std::pair<int32_t, int32_t>> crossing_;
   std::vector<bool> external_after_;  // per slot: an external record since its latest
 

@@ -38,10 +38,16 @@ void Scheduler::forget_latest() {
 }
 
 bool Scheduler::crossing(int32_t task) const {
-  return segment_ >= 0 && events_[task_event_[task]].segment != segment_;
+  return segment_ >= 0 && task_segment_[task] != segment_;
 }
 
-void Scheduler::begin_segment(int32_t caller, std::optional<int64_t> stream) {
+bool Scheduler::same_group(int32_t task) const {
+  const int32_t group = segment_groups_[segment_];
+  const int32_t at = task_segment_[task];
+  return group >= 0 && at >= 0 && segment_groups_[at] == group;
+}
+
+void Scheduler::begin_segment(int32_t caller, std::optional<int64_t> stream, int32_t group) {
   const auto lock = acquire();
   if (!running_) {
     throw std::runtime_error("begin_segment() outside a run; call begin_run() first");
@@ -64,7 +70,10 @@ void Scheduler::begin_segment(int32_t caller, std::optional<int64_t> stream) {
   set_caller(slot, stream);
   ++segment_;
   segment_caller_ = slot;
-  log(OpCode::kBeginSegment, slot, segment_, Who{});
+  segment_groups_.push_back(group);
+  // The plan names the group in the op's stage (verify_plan orders a
+  // group's segments one after another).
+  log(OpCode::kBeginSegment, slot, segment_, Who{-1, Kind::kForward, group, -1, -1});
   record(slot, Who{});  // the segment's source
 }
 

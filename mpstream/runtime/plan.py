@@ -224,15 +224,19 @@ def verify_plan(plan: Plan) -> None:
     segment = -1
     problems: list[str] = []
     callers = plan.callers
+    group_end: dict[int, int] = {}  # group -> the end of its latest segment
     for i, op in enumerate(ops):
         if op.op == "begin_segment":
             segment = op.event
+            # A group's segments launch one after another on its stream
+            # (the group is in the op's stage; -1: none).
+            if op.stage in group_end:
+                edges[group_end[op.stage]].append(i)
         segment_of[i] = segment
         # In a segmented run each segment is a graph of its own: only its
-        # own program order and events order its work, but for a stage's
-        # compute stream: only its group uses it, and a group's segments
-        # launch one after another on one stream.
-        chain = (op.slot, -1 if op.slot < 2 * plan.stages and op.slot % 2 == 0 else segment)
+        # own program order and events order its work, and the order of its
+        # group's segments (above).
+        chain = (op.slot, segment)
         if chain in last_on_slot:
             edges[last_on_slot[chain]].append(i)
         last_on_slot[chain] = i
@@ -263,6 +267,9 @@ def verify_plan(plan: Plan) -> None:
             done[(op.kind, op.stage, op.peer, op.micro)] = i
             sources_at[i] = dict(source)
         elif op.op == "end_segment":
+            begun = ops[max(j for j in range(i) if ops[j].op == "begin_segment")]
+            if begun.stage >= 0:
+                group_end[begun.stage] = i
             segment = -1
 
     reach_cache: dict[int, set[int]] = {}

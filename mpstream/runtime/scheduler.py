@@ -236,11 +236,13 @@ class EventScheduler:
         self._segment_stream = None
         self.native.abort()
 
-    def begin_segment(self, caller: int, stream: AnyStream | None) -> None:
+    def begin_segment(self, caller: int, stream: AnyStream | None, group: int = -1) -> None:
         """Starts a segment of a segmented run (see :mod:`~mpstream.runtime.segmented`)
         on caller slot ``caller`` (an index into :attr:`caller_devices`),
-        with ``stream`` as that slot's stream (None: a placeholder)."""
-        self.native.begin_segment(caller, None if stream is None else stream_id(stream))
+        with ``stream`` as that slot's stream (None: a placeholder). Segments
+        of one ``group`` (>= 0) run one after another on one stream, so what
+        one reads from an earlier one needs no external event."""
+        self.native.begin_segment(caller, None if stream is None else stream_id(stream), group)
         self._segment_stream = stream
 
     def end_segment(self) -> None:

@@ -182,12 +182,15 @@ class SegmentedIssue:
         order, self.segment_of = issue_order(schedule, cut, sched.devices)
         #: The tasks in the order they are issued.
         self.tasks = [schedule.tasks[i] for i in order]
-        #: Tasks a later segment reads: each records an external event.
+        # Tasks a later segment of another group reads: each records an
+        # external event. A group's own segments follow each other on its
+        # launch stream, which orders what passes between them.
+        group = [part.group for part in cut.parts]
         self.producers = frozenset(
             d
             for t in schedule.tasks
             for d in t.deps
-            if self.segment_of[d] != self.segment_of[t.index]
+            if group[self.segment_of[d]] != group[self.segment_of[t.index]]
         )
         # The caller slot of each segment: its group's device's.
         device_of: dict[int, torch.device] = {}
@@ -218,7 +221,8 @@ class SegmentedIssue:
                 # which orders what crosses segments without events.
                 stream = current_stream(device)
             self.current = seg
-            self.sched.begin_segment(self.sched.caller_devices.index(device), stream)
+            caller = self.sched.caller_devices.index(device)
+            self.sched.begin_segment(caller, stream, self.cut.parts[seg].group)
         handle = int(self.sched.native.begin(task))
         for producer, slot in self.sched.take_crossing():
             self.edges.wait(producer, self.sched.slot_stream(slot))

@@ -108,8 +108,20 @@ def test_schedules_profiles_and_measures_resnet50(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     args = [
-        "schedules", "--stages", "2", "--devices", "2", "--micro-batches", "2",
-        "--image-size", "32", "--no-plots", "--device", "cpu", "--out", str(tmp_path),
+        "schedules",
+        "--stages",
+        "2",
+        "--devices",
+        "2",
+        "--micro-batches",
+        "2",
+        "--image-size",
+        "32",
+        "--no-plots",
+        "--device",
+        "cpu",
+        "--out",
+        str(tmp_path),
     ]  # fmt: skip  (the CPU even on a GPU machine: peaks are per stage only there)
     assert cli.main(args) == 0
     assert "ResNet50 (2 images of 32x32 per micro-batch) profiled on" in capsys.readouterr().out

@@ -69,6 +69,31 @@ def test_segmented_plans_obey_the_capture_rules(name: str, layout: str, micros: 
     assert waits <= records
 
 
+@pytest.mark.parametrize("name", ["1f1b", "zb_h1"])
+def test_only_waits_across_groups_are_external(name: str) -> None:
+    # A group's segments launch one after another on its stream: what one
+    # reads from an earlier one of its group needs no external event.
+    recorded = plan(name, "one device, two groups", 5)
+    group_of: dict[int, int] = {}
+    task_group: dict[int, int] = {}
+    group = -1
+    for op in recorded.ops:
+        if op.op == "begin_segment":
+            group = group_of[op.event] = op.stage
+        elif op.op == "run" and op.task >= 0:
+            task_group[op.task] = group
+        elif op.op == "xwait":
+            assert task_group[op.event] != group, f"task {op.event} is of this group"
+    assert set(group_of.values()) == {0, 1}
+    if name != "zb_h1":
+        return
+    # Without the order of a group's segments, the plan no longer holds: a
+    # weight pass follows its input pass in a later segment of its group.
+    unordered = [op._replace(stage=-1) if op.op == "begin_segment" else op for op in recorded.ops]
+    with pytest.raises(PlanError, match="is not ordered after"):
+        verify_plan(replace(recorded, ops=unordered))
+
+
 def test_fill_drain_on_two_devices_is_three_segments() -> None:
     recorded = plan("gpipe", "two devices", 4)
     begins = [op for op in recorded.ops if op.op == "begin_segment"]
