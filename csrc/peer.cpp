@@ -20,6 +20,11 @@ at::Tensor peer_view(const at::Tensor& src, c10::Device device) {
               " names no device index");
   TORCH_CHECK(src.layout() == c10::kStrided, "peer_view: only strided tensors, got ",
               src.layout());
+  // A view's lazy conjugate or negation lives in its dispatch keys, which a
+  // tensor made from a pointer does not carry.
+  TORCH_CHECK(!src.is_conj() && !src.is_neg(),
+              "peer_view: resolve the tensor's conjugate or negative bit first "
+              "(resolve_conj(), resolve_neg())");
   at::Tensor keep = src;  // the view's deleter holds the source's storage
   return at::for_blob(src.data_ptr(), src.sizes())
       .strides(src.strides())

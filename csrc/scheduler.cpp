@@ -125,6 +125,14 @@ int32_t Scheduler::io_slot(int32_t stage) const {
   return caller_slot(stage) + callers_;
 }
 
+bool Scheduler::pulls(int32_t from, int32_t to) const {
+  // Between two GPUs only: a copy to or from the host blocks the host, which
+  // orders it, and runs on the GPU side's current stream either way.
+  constexpr int8_t kCuda = 1;  // c10::DeviceType::CUDA
+  return pull_ && !same_device(from, to) && slots_[from].spec.device_type == kCuda &&
+         slots_[to].spec.device_type == kCuda;
+}
+
 bool Scheduler::same_device(int32_t a, int32_t b) const {
   const auto& x = slots_[a].spec;
   const auto& y = slots_[b].spec;
@@ -143,12 +151,12 @@ std::pair<int32_t, int32_t> Scheduler::task_slots(const Task& t) const {
       if (t.stage < 0) {
         return {-1, io_slot(t.peer)};
       }
-      if (pull_ && !same_device(copy_slot(t.stage), copy_slot(t.peer))) {
+      if (pulls(copy_slot(t.stage), copy_slot(t.peer))) {
         return {copy_slot(t.peer), copy_slot(t.peer)};
       }
       return {copy_slot(t.stage), copy_slot(t.peer)};
     case Kind::kCopyGrad:
-      if (pull_ && !same_device(copy_slot(t.peer), copy_slot(t.stage))) {
+      if (pulls(copy_slot(t.peer), copy_slot(t.stage))) {
         return {copy_slot(t.stage), copy_slot(t.stage)};
       }
       return {copy_slot(t.peer), copy_slot(t.stage)};

@@ -198,6 +198,8 @@ class Scheduler {
     return slot >= 2 * stages_ && slot < 2 * stages_ + callers_;
   }
   bool same_device(int32_t a, int32_t b) const;
+  // Whether this run pulls a copy from slot `from`'s device to `to`'s.
+  bool pulls(int32_t from, int32_t to) const;
   // (issue slot or -1, record slot) of a scheduled task.
   std::pair<int32_t, int32_t> task_slots(const Task& t) const;
   // The slot a task's waits go to: where its work is issued.

@@ -280,15 +280,23 @@ class GraphEdges:
         return self._open[0].what if self._open else None
 
     def _begin_all(self, what: str) -> None:
+        # Captures open side by side on several devices: a second one's start
+        # (the generator's and allocator's setup on its device) and the
+        # first one's end (instantiation) are calls a thread-local capture
+        # forbids its own thread.
+        mode = "relaxed" if len(self.mains) > 1 else "thread_local"
         for device, main in self.mains.items():
-            self._open.append(self._begin(what, main, -1, device))
+            self._open.append(self._begin(what, main, -1, device, mode))
 
-    def _begin(self, what: str, stream: Any, group: int, device: torch.device) -> _Capture:
+    def _begin(
+        self, what: str, stream: Any, group: int, device: torch.device, mode: str = "thread_local"
+    ) -> _Capture:
         graph, undo = self.cuda.graph(), ExitStack()
         with self.cuda.use(stream):
-            # A private pool each (see the module's docstring); thread-local,
-            # so another thread's CUDA calls (a pinning DataLoader) are allowed.
-            undo.enter_context(capturing(graph, self.cuda.pool(), self.cuda.undo))
+            # A private pool each (see the module's docstring); thread-local
+            # where it can be, so another thread's CUDA calls (a pinning
+            # DataLoader) are allowed.
+            undo.enter_context(capturing(graph, self.cuda.pool(), self.cuda.undo, mode))
         return _Capture(what, graph, stream, group, device, undo)
 
     def _end_all(self) -> dict[torch.device, Any]:

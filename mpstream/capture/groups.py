@@ -54,7 +54,7 @@ def capture_devices(
 
     Raises:
         ValueError: stages on both CPUs and GPUs, or on several GPUs without
-            ``groups``.
+            ``groups`` or with the ``cudaMallocAsync`` allocator.
     """
     distinct = list(dict.fromkeys(devices))
     cuda = [d for d in distinct if d.type == "cuda"]
@@ -69,6 +69,13 @@ def capture_devices(
             f"CapturedStep: stages are on {', '.join(map(str, cuda))}, and {_MULTI_DEVICE}; "
             f"pass groups= (a label per stage, at least one group per device) to capture "
             f"each device's work as graphs of its own."
+        )
+    if len(cuda) > 1 and torch.cuda.get_allocator_backend() == "cudaMallocAsync":
+        # Its graph allocations are untested for reads from another GPU.
+        raise ValueError(
+            "CapturedStep across GPUs reads one GPU's graph memory from another, which is "
+            "untested with PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync; use the native "
+            "allocator (the default)"
         )
     return cuda
 

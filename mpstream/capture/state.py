@@ -75,13 +75,19 @@ def _zero_state(optimizer: Optimizer) -> bool:
     return type(optimizer) in _ZERO_STATE
 
 
-def check_optimizer(optimizer: Optimizer | None, cuda: bool) -> None:
+def check_optimizer(optimizer: Optimizer | None, devices: Sequence[torch.device]) -> None:
     """Refuses an optimizer whose captured step would differ from its eager one.
+
+    Args:
+        optimizer: the optimizer stepped in the graph, if any.
+        devices: the GPUs the step is captured on (none: the CPU).
 
     Raises:
         ValueError: some parameter has no state yet and the optimizer's first
             state is not all zeros; or, on CUDA, a param group holds a tensor
-            setting that the optimizer reads as a Python number.
+            setting that the optimizer reads as a Python number, or that it
+            would copy to another GPU inside a capture (a group whose
+            parameters span GPUs).
     """
     if optimizer is None:
         return
@@ -94,11 +100,19 @@ def check_optimizer(optimizer: Optimizer | None, cuda: bool) -> None:
             f"change it. Take one eager step first (pipe.train_step, then "
             f"optimizer.step()): existing state is put back exactly."
         )
-    if not cuda:
+    if not devices:
         return  # eager steps read tensor settings at every step
     for i, group in enumerate(optimizer.param_groups):
         on_device = group.get("capturable", False) or group.get("fused", False)
         tensors = [k for k, v in group.items() if isinstance(v, Tensor) and k != "params"]
+        spans = list(dict.fromkeys(p.device for p in group["params"]))
+        if tensors and len(spans) > 1:
+            raise ValueError(
+                f"CapturedStep: param group {i} of {name} holds {', '.join(map(repr, tensors))} "
+                f"as a tensor and parameters on {', '.join(map(str, spans))}: its step would "
+                f"copy the setting between GPUs, which a capture per device cannot hold. Use "
+                f"a param group per device (each with its own tensor), or a plain number."
+            )
         if tensors and not on_device:
             raise ValueError(
                 f"CapturedStep: param group {i} of {name} holds {', '.join(map(repr, tensors))} "

@@ -185,7 +185,7 @@ class CapturedStep:
         tgt_leaves, self._tgt_spec = pytree.tree_flatten(target)
         self._inputs = [static(x, pipe.devices[0]) for x in in_leaves]
         self._target = [static(x, pipe.devices[-1]) for x in tgt_leaves]
-        check_optimizer(optimizer, self.device is not None)
+        check_optimizer(optimizer, cuda)
         self._settings = hyperparameters(optimizer)
         self.graph: torch.cuda.CUDAGraph | None = None
         self._edges: GraphEdges | None = None

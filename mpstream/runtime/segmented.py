@@ -42,7 +42,7 @@ from ..schedules.orders import format_order
 from ..schedules.schedule import Kind, Schedule, Task
 from ..schedules.segments import Segments, action_of, segment
 from .scheduler import EventScheduler
-from .stream import AnyStream, current_stream
+from .stream import AnyStream
 
 __all__ = ["Edges", "HostEdges", "SegmentedIssue", "Segmenting", "issue_order"]
 
@@ -200,11 +200,13 @@ class SegmentedIssue:
         self.devices = [device_of[i] for i in range(len(cut.parts))]
         self.current = -1
         self.handles: dict[int, int] = {}
+        self._last: torch.cuda.Stream | None = None  # the last segment's, without captures
 
     def begin_run(self, schedule: object, callers: list[int | None]) -> None:
         # Copies between devices are pulled (see issue_order and .peer).
         self.sched.native.begin_run(schedule, callers, pull=True)
         self.current = -1
+        self._last = None
 
     def begin(self, task: int) -> int:
         seg = self.segment_of[task]
@@ -217,9 +219,14 @@ class SegmentedIssue:
                 stream = None  # a scheduler without streams (edges tested on the host)
             elif stream is None and device.type == "cuda":
                 # Edges that capture nothing, on a GPU: every segment starts
-                # from the caller's stream, after the previous one's join,
-                # which orders what crosses segments without events.
-                stream = current_stream(device)
+                # from the caller's stream of its device, after the previous
+                # segment's join, which orders what crosses segments without
+                # events (across devices, through one wait on that stream).
+                stream = torch.cuda.current_stream(device)
+                last = self._last
+                if last is not None and last.device != device:
+                    stream.wait_stream(last)
+                self._last = stream
             self.current = seg
             caller = self.sched.caller_devices.index(device)
             self.sched.begin_segment(caller, stream, self.cut.parts[seg].group)

@@ -151,6 +151,37 @@ def test_captured_steps_on_two_gpus_equal_plain_training(schedule: str) -> None:
         torch.testing.assert_close(p.detach().cpu(), q.detach(), msg=f"parameter {name}")
 
 
+class _Slow(nn.Module):
+    """Keeps its GPU busy before its output exists: a reader on another GPU
+    that is not ordered after it reads stale memory."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch.cuda._sleep(20_000_000)
+        return x * 1.0
+
+
+@two_gpus
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_segmented_step_on_two_gpus_without_captures_trains_like_the_model(
+    schedule: str,
+) -> None:
+    # The warm-up of a capture across GPUs: segments start from each
+    # device's current stream, ordered across devices by one wait.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), _Slow(), nn.Linear(16, 4)).double()
+    ref = copy.deepcopy(model)
+    pipe = Pipe(model, chunks=3, balance=[2, 1], devices=["cuda:0", "cuda:1"], schedule=schedule)
+    x, y = torch.randn(7, 6, dtype=torch.float64), torch.randn(7, 4, dtype=torch.float64)
+    with pipe.segmented():
+        loss = pipe.train_step(x, y, nn.MSELoss())
+    expected = nn.MSELoss()(ref(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss.cpu(), expected.detach())
+    for (name, p), q in zip(pipe.named_parameters(), ref.parameters()):
+        assert p.grad is not None and q.grad is not None
+        torch.testing.assert_close(p.grad.cpu(), q.grad, msg=f"gradient of {name}")
+
+
 @two_gpus
 def test_two_gpus_without_groups_are_refused() -> None:
     pipe, _ = _two_gpu_pipe("1f1b")
@@ -179,3 +210,19 @@ def test_the_devices_a_step_is_captured_on() -> None:
         capture_devices([D0, D1], None)
     with pytest.raises(ValueError, match="every stage on CPUs: stages are on cpu, cuda:0"):
         capture_devices([cpu, D0], [0, 1])
+
+
+def test_the_async_allocator_is_refused_across_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mpstream.capture.groups import capture_devices
+
+    monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "cudaMallocAsync")
+    assert capture_devices([D0, D0], [0, 1]) == [D0]  # one GPU reads its own memory
+    with pytest.raises(ValueError, match="cudaMallocAsync"):
+        capture_devices([D0, D1], [0, 1])
+
+
+def test_a_multi_gpu_capture_opens_its_side_by_side_captures_relaxed() -> None:
+    world, edges, _ = _captured("gpipe")
+    modes = [e[-1] for e in world.log if e[0] == "begin"]
+    assert modes[:2] == modes[-2:] == ["relaxed", "relaxed"]  # prologues, epilogues
+    assert set(modes[2:-2]) == {"thread_local"}  # one segment at a time

@@ -92,11 +92,13 @@ class FakeGraph:
         self.fail_end = False
 
     def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
-        assert capture_error_mode == "thread_local" and pool is not None
+        assert capture_error_mode in ("thread_local", "relaxed") and pool is not None
         assert self.world.current.name not in self.world.capturing, "one capture per stream"
+        if capture_error_mode == "thread_local":
+            assert not self.world.capturing, "side by side captures need relaxed mode"
         self.stream = self.world.current.name
         self.world.capturing[self.stream] = self
-        self.world.log.append(("begin", self.index, self.stream))
+        self.world.log.append(("begin", self.index, self.stream, capture_error_mode))
 
     def capture_end(self) -> None:
         assert self.world.current.name == self.stream, "ended on its own stream"
@@ -192,7 +194,7 @@ def test_a_step_is_captured_as_prologue_segments_and_epilogue(schedule: str) -> 
 
     parts = segment(pipe.schedule_for(3, torch.device("cpu"), training_step=True), [0, 1]).parts
     assert edges.complete and edges.launches == len(parts) + 2
-    begins = [(g, s) for what, g, *s in world.log if what == "begin"]
+    begins = [(g, s[:1]) for what, g, *s in world.log if what == "begin"]
     assert begins[0] == (0, ["main"]) and begins[-1] == (len(parts) + 1, ["main"])
     launch = {group: stream.name for group, stream in edges.launch.items()}
     assert [s[0] for _, s in begins[1:-1]] == [launch[p.group] for p in parts]

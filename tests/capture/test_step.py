@@ -165,18 +165,27 @@ def test_optimizers_whose_first_state_is_not_zero_need_an_eager_step_first() -> 
         pipe.train_step(x, y, nn.MSELoss())
         opt.step()
         CapturedStep(pipe, x, y, nn.MSELoss(), optimizer=opt)  # state exists: restored exactly
-    check_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9), cuda=True)
+    check_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9), [GPU])
 
 
 def test_on_cuda_a_tensor_setting_needs_an_optimizer_that_reads_it_on_the_device() -> None:
     params = list(mlp([5, 4]).parameters())
     sgd = torch.optim.SGD(params, lr=torch.tensor(0.1))
     with pytest.raises(ValueError, match=r"param group 0 of SGD holds 'lr' as a tensor"):
-        check_optimizer(sgd, cuda=True)
-    check_optimizer(sgd, cuda=False)  # eager steps read it every time
+        check_optimizer(sgd, [GPU])
+    check_optimizer(sgd, [])  # eager steps read it every time
     adam = torch.optim.Adam(params, lr=torch.tensor(0.1), foreach=False)
     adam.param_groups[0]["capturable"] = True  # as on CUDA parameters
-    check_optimizer(adam, cuda=True)
+    check_optimizer(adam, [GPU])
+    # A group spanning devices would copy its tensor setting between GPUs.
+    spanning = [nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2, device="meta"))]
+    adam = torch.optim.Adam(spanning, lr=torch.tensor(0.1), foreach=False)
+    adam.param_groups[0]["capturable"] = True
+    with pytest.raises(ValueError, match="copy the setting between GPUs"):
+        check_optimizer(adam, [GPU, torch.device("cuda:1")])
+
+
+GPU = torch.device("cuda:0")  # named only: nothing runs on it
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.cuda)])

@@ -29,9 +29,13 @@ def test_a_peer_view_aliases_its_source_and_keeps_it_alive() -> None:
     torch.testing.assert_close(v, expected + 1)
 
 
-def test_a_peer_view_refuses_another_kind_of_device() -> None:
+def test_a_peer_view_refuses_another_kind_of_device_and_lazy_bits() -> None:
     with pytest.raises(RuntimeError, match="cannot be viewed from meta"):
         view(torch.ones(2), torch.device("meta"))
+    lazy = torch.ones(2, dtype=torch.complex64).conj()  # a bit a pointer cannot carry
+    with pytest.raises(RuntimeError, match="resolve the tensor's conjugate"):
+        view(lazy, torch.device("cpu"))
+    torch.testing.assert_close(view(lazy.resolve_conj(), torch.device("cpu")), lazy)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bool])

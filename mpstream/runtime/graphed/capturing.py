@@ -122,7 +122,9 @@ class TorchCapture:
 
 
 @contextmanager
-def capturing(graph: Graph, pool: Any, api: CaptureApi | None = None) -> Iterator[None]:
+def capturing(
+    graph: Graph, pool: Any, api: CaptureApi | None = None, mode: str = "thread_local"
+) -> Iterator[None]:
     """Captures what runs inside into ``graph``, allocating from ``pool``, on
     the current stream; a failure is undone as the module says.
 
@@ -131,11 +133,15 @@ def capturing(graph: Graph, pool: Any, api: CaptureApi | None = None) -> Iterato
         pool: the memory pool's handle (``torch.cuda.graph_pool_handle()``,
             or another graph's ``pool()`` to share it).
         api: the torch calls (a fake in tests).
+        mode: CUDA's capture mode: ``thread_local`` (another thread's calls
+            are allowed) or ``relaxed`` (this thread's too: for captures
+            open side by side, whose beginnings and ends make calls that a
+            thread-local capture forbids).
     """
     api = api or TorchCapture()
     device = api.device()
     try:
-        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        graph.capture_begin(pool=pool, capture_error_mode=mode)
     except BaseException as exc:
         _abandon(graph, pool, device, api, began=False, failure=exc)
         raise
