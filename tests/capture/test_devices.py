@@ -128,6 +128,7 @@ def _two_gpu_pipe(schedule: str) -> tuple[Pipe, nn.Module]:
     return pipe, ref
 
 
+@pytest.mark.cuda
 @two_gpus
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1"])
 def test_captured_steps_on_two_gpus_equal_plain_training(schedule: str) -> None:
@@ -160,6 +161,7 @@ class _Slow(nn.Module):
         return x * 1.0
 
 
+@pytest.mark.cuda
 @two_gpus
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_a_segmented_step_on_two_gpus_without_captures_trains_like_the_model(
@@ -182,6 +184,7 @@ def test_a_segmented_step_on_two_gpus_without_captures_trains_like_the_model(
         torch.testing.assert_close(p.grad.cpu(), q.grad, msg=f"gradient of {name}")
 
 
+@pytest.mark.cuda
 @two_gpus
 def test_two_gpus_without_groups_are_refused() -> None:
     pipe, _ = _two_gpu_pipe("1f1b")

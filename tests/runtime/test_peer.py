@@ -55,6 +55,7 @@ two_gpus = pytest.mark.skipif(
 )
 
 
+@pytest.mark.cuda
 @two_gpus
 def test_a_pull_between_gpus_runs_on_the_receivers_stream() -> None:
     d0, d1 = torch.device("cuda:0"), torch.device("cuda:1")
