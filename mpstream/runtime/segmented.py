@@ -44,7 +44,14 @@ from ..schedules.segments import Segments, action_of, segment
 from .scheduler import EventScheduler
 from .stream import AnyStream
 
-__all__ = ["Edges", "HostEdges", "SegmentedIssue", "Segmenting", "issue_order"]
+__all__ = [
+    "Edges",
+    "HostEdges",
+    "SegmentedIssue",
+    "Segmenting",
+    "issue_order",
+    "segment_devices",
+]
 
 
 class Edges(Protocol):
@@ -100,6 +107,11 @@ class HostEdges:
         pass
 
 
+def segment_devices(cut: Segments, devices: Sequence[torch.device]) -> list[torch.device]:
+    """The device of each segment: its group's stages'."""
+    return [devices[part.actions[0].stage] for part in cut.parts]
+
+
 def _receiver(task: Task) -> int:
     """The stage whose device a non-compute task's value lands on."""
     return task.stage if task.kind in (Kind.COPY_GRAD, Kind.TARGET) else task.peer
@@ -131,7 +143,7 @@ def issue_order(
         ValueError: ``schedule`` is not in ``cut``'s order.
     """
     where = {a: i for i, part in enumerate(cut.parts) for a in part.actions}
-    device_of = [devices[part.actions[0].stage] for part in cut.parts]
+    device_of = segment_devices(cut, devices)
     tasks = schedule.tasks
     segment_of = [0] * len(tasks)
     order: list[int] = []
@@ -193,11 +205,7 @@ class SegmentedIssue:
             if group[self.segment_of[d]] != group[self.segment_of[t.index]]
         )
         # The caller slot of each segment: its group's device's.
-        device_of: dict[int, torch.device] = {}
-        for t in schedule.tasks:
-            if action_of(t) is not None:
-                device_of.setdefault(self.segment_of[t.index], sched.devices[t.stage])
-        self.devices = [device_of[i] for i in range(len(cut.parts))]
+        self.devices = segment_devices(cut, sched.devices)
         self.current = -1
         self.handles: dict[int, int] = {}
         self._last: torch.cuda.Stream | None = None  # the last segment's, without captures
