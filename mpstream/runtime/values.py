@@ -103,8 +103,6 @@ class Flow:
             [b] + [None] * self.stages for b in batches
         ]
         self.moved: list[dict[tuple[int, int], tuple[Any, ...]]] = [{} for _ in batches]
-        #: Per micro-batch, the hops that have run (see release()).
-        self.copied: list[set[tuple[int, int]]] = [set() for _ in batches]
 
     def _source(self, ref: Ref, hop: Hop | None, m: int) -> tuple[Any, ...]:
         if hop is not None:
@@ -192,9 +190,11 @@ class Flow:
         A producer whose copy to another device has not run yet is kept: a
         segmented run issues that copy later, in its reader's segment.
         """
-        outs, moved, copied = self.outs[m], self.moved[m], self.copied[m]
+        outs, moved = self.outs[m], self.moved[m]
         for p, hops in self.done_after[q]:
-            if not copied.issuperset(hops):
+            # Until p is released its hops' copies stay in moved: one
+            # missing has not run yet.
+            if not all(key in moved for key in hops):
                 continue
             outs[p + 1] = None
             for key in hops:
@@ -215,7 +215,6 @@ class Flow:
 
     def put_moved(self, hop: Hop, m: int, values: Sequence[Any]) -> None:
         """Keeps the values a hop brought, indexable like the producer's outputs."""
-        self.copied[m].add((hop.producer, hop.peer))
         if hop.indices == (ALL,):
             self.moved[m][(hop.producer, hop.peer)] = tuple(values)
             return
