@@ -84,10 +84,11 @@ test: setup
 bench-suite: setup
 	$(PY) -m pytest benchmarks --benchmark-autosave --benchmark-json=benchmark.json
 
-# Static checks: types and lint.
+# Static checks: types, lint and formatting.
 check: setup
 	$(PY) -m mypy
 	$(VENV)/bin/ruff check mpstream tests benchmarks
+	$(VENV)/bin/ruff format --check mpstream tests benchmarks
 
 bench: setup
 	$(VENV)/bin/mpstream bench

@@ -192,6 +192,7 @@ def task_issue(balance: list[int], costs: Costs) -> list[tuple[float, float]]:
     the host about the same whatever its stage holds (copies in, a launch,
     copies out), so the measured per-task mean lands on each stage's first
     layer of ``balance`` and nothing on the others."""
+
     def mean(kind: str) -> float:
         values = [v for (k, _), v in costs.issue_times.items() if k == kind]
         return sum(values) / len(values) if values else 0.0

@@ -150,13 +150,9 @@ class StageSavedBytes:
         return self._ledger.hold(stage, t)
 
     def __enter__(self) -> StageSavedBytes:
-        self._params = {
-            p.untyped_storage().data_ptr() for m in self.stages for p in m.parameters()
-        }
+        self._params = {p.untyped_storage().data_ptr() for m in self.stages for p in m.parameters()}
         for s, module in enumerate(self.stages):
-            self._handles.append(
-                module.register_forward_pre_hook(lambda *_, s=s: self._enter(s))
-            )
+            self._handles.append(module.register_forward_pre_hook(lambda *_, s=s: self._enter(s)))
             self._handles.append(module.register_forward_hook(lambda *_: self._enter_none()))
         self._hooks.__enter__()
         return self

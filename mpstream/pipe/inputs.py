@@ -21,9 +21,8 @@ from ..stages.build import Bind
 
 __all__ = ["positional", "staging", "detached", "batch_size"]
 
-def positional(
-    bind: Bind | None, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[Any, ...]:
+
+def positional(bind: Bind | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
     """The pipeline's positional inputs for a call.
 
     A traced module binds the call to its ``forward``'s signature; a

@@ -64,7 +64,6 @@ class Chain(nn.Sequential):
         return args[0]
 
 
-
 class StageCalls:
     """What the hot loop calls for each stage of a run.
 

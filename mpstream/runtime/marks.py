@@ -83,9 +83,7 @@ def _wrap(value: Any, apply: Any) -> Any:
     return rebuild_leaves(items, spec)
 
 
-def enter(
-    native: Any, stage: int, micro: int, args: Sequence[Any]
-) -> tuple[list[Any], StageMarks]:
+def enter(native: Any, stage: int, micro: int, args: Sequence[Any]) -> tuple[list[Any], StageMarks]:
     """Wraps a stage's arguments; call inside the stage's task."""
     marks = StageMarks(native, stage, micro)
     wrapped = _wrap(tuple(args), lambda *ts: _End.apply(marks, _ANCHOR, *ts))

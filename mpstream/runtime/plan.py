@@ -12,7 +12,7 @@ check is independent of the code it checks.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +20,7 @@ import torch
 
 from ..schedules.schedule import Kind, Order, Schedule, Topology, virtual_stages_of
 from .scheduler import EventScheduler, PlanOp
+from .segment_rules import foreign, unforked, unjoined
 from .segmented import Edges, HostEdges, Segmenting
 
 __all__ = ["Plan", "PlanError", "record_plan", "verify_plan"]
@@ -326,8 +327,8 @@ def verify_plan(plan: Plan) -> None:
             if not any(j in reach(i) for j in orders):
                 problems.append(f"{what}: stage {op.stage}'s compute stream never waits for it")
     if any(op.op == "begin_segment" for op in ops):
-        problems += _unforked(plan, segment_of) + _unjoined(plan, segment_of, reach)
-        problems += _foreign(plan, segment_of)
+        problems += unforked(plan, segment_of) + unjoined(plan, segment_of, reach)
+        problems += foreign(plan, segment_of)
         if problems:
             raise PlanError("invalid plan:\n  " + "\n  ".join(problems))
         return  # what follows the last segment is the capture's to order
@@ -350,77 +351,3 @@ def verify_plan(plan: Plan) -> None:
                 problems.append(f"{caller} is not ordered after the last work on {stream}")
     if problems:
         raise PlanError("invalid plan:\n  " + "\n  ".join(problems))
-
-
-def _unforked(plan: Plan, segment_of: Sequence[int]) -> list[str]:
-    """Streams a segment used before they joined it: a stream takes part in a
-    capture only once it waits on an event recorded inside it, so its first
-    op in a segment must be such a wait (the caller slot captures from the
-    start)."""
-    problems = []
-    recorded_in: dict[int, int] = {}  # event -> segment of its last record
-    joined: set[tuple[int, int]] = set()  # (segment, slot)
-    callers: dict[int, int] = {}  # segment -> its caller slot
-    for i, op in enumerate(plan.ops):
-        k = segment_of[i]
-        if op.op == "begin_segment":
-            callers[k] = op.slot
-        if k < 0 or op.op in ("begin_segment", "end_segment") or op.slot == callers[k]:
-            pass
-        elif (k, op.slot) not in joined:
-            if op.op in ("wait", "sync", "autograd") and recorded_in.get(op.event) == k:
-                joined.add((k, op.slot))
-            else:
-                problems.append(
-                    f"segment {k}: {plan.slot_names[op.slot]} is used (op {i}, {op.op}) "
-                    f"before it joined the segment"
-                )
-                joined.add((k, op.slot))  # one report per stream and segment
-        if op.op == "record":
-            recorded_in[op.event] = k
-    return problems
-
-
-def _foreign(plan: Plan, segment_of: Sequence[int]) -> list[str]:
-    """Streams of another device in a segment: each device's segments are
-    captured there, so a copy between devices must run wholly on one side
-    (the receiver pulls)."""
-    problems = []
-    device: dict[int, torch.device] = {}  # segment -> its caller slot's device
-    reported: set[tuple[int, int]] = set()
-    for i, op in enumerate(plan.ops):
-        k = segment_of[i]
-        if op.op == "begin_segment":
-            device[k] = plan.slot_devices[op.slot]
-        if k < 0 or plan.slot_devices[op.slot] == device[k] or (k, op.slot) in reported:
-            continue
-        reported.add((k, op.slot))
-        problems.append(
-            f"segment {k} (captured on {device[k]}) uses {plan.slot_names[op.slot]} "
-            f"(op {i}, {op.op}): a segment holds one device's work"
-        )
-    return problems
-
-
-def _unjoined(plan: Plan, segment_of: Sequence[int], reach: Callable[[int], set[int]]) -> list[str]:
-    """Streams a segment used but did not join into its caller slot before it
-    ended: a capture ends only once every stream it forked has rejoined."""
-    problems = []
-    ops = plan.ops
-    for e, op in enumerate(ops):
-        if op.op != "end_segment":
-            continue
-        k, caller = op.event, op.slot
-        inside = [j for j in range(e + 1) if segment_of[j] == k]
-        joins = {j for j in inside if ops[j].slot == caller}
-        last: dict[int, int] = {}
-        for j in inside:
-            if ops[j].slot != caller:
-                last[ops[j].slot] = j
-        for slot, j in sorted(last.items()):
-            if not reach(j) & joins:
-                problems.append(
-                    f"segment {k}: {plan.slot_names[slot]} is not joined into "
-                    f"{plan.slot_names[caller]} before the segment ends"
-                )
-    return problems

@@ -146,6 +146,7 @@ def _walk(
         stack.extend((c, False) for c in below if c not in children)
     return order, children
 
+
 def _leaves(head: Node, children: dict[Node, list[Node]]) -> list[Node]:
     """The accumulate-grad nodes (parameters) under ``head``."""
     found: list[Node] = []
@@ -176,7 +177,6 @@ def _reaches(
                 seen.add(c)
                 stack.append(c)
     return False
-
 
 
 class Split:

@@ -38,8 +38,16 @@ from .stream import AnyStream, current_stream, is_cuda, record_stream
 from .transfer import GradLink, HostWait
 from .values import Flow, Wiring, tensor_leaves
 
-__all__ = ["Worker", "range_name", "Staging", "protect", "cuda_only", "task_range", "hop_staging",
-           "compute"]
+__all__ = [
+    "Worker",
+    "range_name",
+    "Staging",
+    "protect",
+    "cuda_only",
+    "task_range",
+    "hop_staging",
+    "compute",
+]
 
 # Pinned staging buffers of one micro-batch, one entry per leaf of its inputs
 # (see mpstream.runtime.transfer.host_staging), or None when nothing needs staging.
@@ -238,8 +246,10 @@ class Worker:
                     if s < 0:
                         buffers = hop_staging(staging, m, hop, flow.outputs_of(-1, m), where)
                         route = Route(sched, s, task.peer, m, staging=buffers)
-                        if grad and sched.devices[task.peer].type == "cuda" and any(
-                            t.requires_grad and not t.is_cuda for t in tensors
+                        if (
+                            grad
+                            and sched.devices[task.peer].type == "cuda"
+                            and any(t.requires_grad and not t.is_cuda for t in tensors)
                         ):
                             # The input's gradient comes back asynchronously;
                             # the host consumer waits for it (transfer.py).

@@ -220,9 +220,7 @@ def check_schedule(
     if schedule == "interleaved_1f1b":
         virtual_stages_of(devices, virtual_stages)
     elif virtual_stages is not None:
-        raise ValueError(
-            f"virtual_stages applies to schedule='interleaved_1f1b', not {schedule!r}"
-        )
+        raise ValueError(f"virtual_stages applies to schedule='interleaved_1f1b', not {schedule!r}")
     if isinstance(schedule, tuple):
         micros = 1 + max(a.micro for a in parse(schedule))
         check(parse(schedule), len(devices), micros, reads)

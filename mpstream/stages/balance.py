@@ -265,9 +265,7 @@ def profile_units(
     points = call_units(model, leaf_modules)
     traced = trace(model, points, leaf_modules=leaf_modules)
     args = sample if isinstance(sample, tuple) else (sample,)
-    inputs = tuple(
-        t.to(dev) if isinstance(t, Tensor) else t for t in traced.bind(args, {})
-    )
+    inputs = tuple(t.to(dev) if isinstance(t, Tensor) else t for t in traced.bind(args, {}))
     outs: list[tuple[Any, ...]] = []
     profiles = []
     names = ["(start)", *points]

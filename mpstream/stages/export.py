@@ -34,8 +34,9 @@ from torch.utils import _pytree as pytree
 
 from ..runtime.graph import Ref, StageGraph
 from .fake_export import exported_graph, input_pattern
-from .fx import begin_stages, inline_attrs, read_stage_call, units_in_order
+from .fx import inline_attrs, read_stage_call
 from .model_loss import LossShare, weigh_loss
+from .points import begin_stages, units_in_order
 
 __all__ = [
     "ExportedStages",
@@ -92,9 +93,7 @@ def _owners(node: fx.Node) -> list[str]:
     return [str(v[0]) for v in stack.values()]
 
 
-def _stage_of(
-    gm: fx.GraphModule, points: Sequence[str], module: nn.Module
-) -> dict[fx.Node, int]:
+def _stage_of(gm: fx.GraphModule, points: Sequence[str], module: nn.Module) -> dict[fx.Node, int]:
     """The stage of every operation: how many split points began before it.
 
     A stage begins at the first operation inside its split point; parameter
@@ -152,9 +151,7 @@ def _own_attrs(top: fx.GraphModule, root: nn.Module, gm: fx.GraphModule) -> None
     inline_attrs(top, resolve)
 
 
-def _stage_graph(
-    top: fx.GraphModule, count: int, out_spec: pytree.TreeSpec
-) -> StageGraph:
+def _stage_graph(top: fx.GraphModule, count: int, out_spec: pytree.TreeSpec) -> StageGraph:
     """What each stage reads, and the module's result as refs in its own structure."""
     refs: dict[fx.Node, Ref] = {}
     inputs = 0

@@ -267,9 +267,7 @@ class ExportSplit:
         inputs = tuple(items)
         loss = split.stages.loss
         if loss is not None:
-            batch = next(
-                (x.size(0) for x in items if isinstance(x, Tensor) and x.dim()), None
-            )
+            batch = next((x.size(0) for x in items if isinstance(x, Tensor) and x.dim()), None)
             if batch is None:
                 raise TypeError("the input holds no tensor to split into micro-batches")
             inputs += (loss.shares(items, batch),)

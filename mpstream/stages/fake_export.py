@@ -103,9 +103,7 @@ def _export(
     # stages run under whatever the caller's are then.
     with _fake_tensors(module, device, mode), torch.enable_grad():
         with torch.autocast(device.type, enabled=False):
-            return torch.export.export(
-                module, (), examples, dynamic_shapes=shapes, strict=False
-            )
+            return torch.export.export(module, (), examples, dynamic_shapes=shapes, strict=False)
 
 
 def input_pattern(node: fx.Node) -> Any:

@@ -24,8 +24,9 @@ from torch import Tensor, fx, nn
 from torch.fx.passes.split_module import split_module
 
 from ..runtime.graph import Ref, StageGraph
+from .points import begin_stages, split_candidates, units_in_order
 
-__all__ = ["Traced", "trace", "split_candidates", "call_units", "lookup"]
+__all__ = ["Traced", "trace", "call_units", "lookup"]
 
 
 @dataclass
@@ -107,51 +108,13 @@ def _trace(module: nn.Module, leaves: Sequence[str | type[nn.Module]]) -> fx.Gra
     return fx.GraphModule(tracer.root, graph, type(module).__name__)
 
 
-def split_candidates(module: nn.Module) -> list[str]:
-    """Submodules a split point may name: the module's direct children and
-    the items of its ``nn.ModuleList`` and ``nn.Sequential`` children."""
-    names = []
-    for name, child in module.named_children():
-        names.append(name)
-        if isinstance(child, (nn.ModuleList, nn.Sequential)):
-            names += [f"{name}.{item}" for item, _ in child.named_children()]
-    return names
-
-
-def call_units(
-    module: nn.Module, leaf_modules: Sequence[str | type[nn.Module]] = ()
-) -> list[str]:
+def call_units(module: nn.Module, leaf_modules: Sequence[str | type[nn.Module]] = ()) -> list[str]:
     """The split candidates the traced forward calls, in call order, finest
     first (a ModuleList's items rather than the list), except one that
     begins the forward (no stage could come before it)."""
     gm = _trace(module, leaf_modules)
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     return units_in_order(nodes, split_candidates(module), _owners)
-
-
-def units_in_order(
-    nodes: Sequence[fx.Node], names: Sequence[str], owners: Callable[[fx.Node], list[str]]
-) -> list[str]:
-    """Of ``names``, those some node runs inside, in the order their first
-    node runs, finest first (a ModuleList's items rather than the list), except
-    one that begins at the first node or where the one before it begins (no
-    stage could lie between). Shared by the ``torch.fx`` and ``torch.export``
-    paths, which differ in what a node's owners are."""
-    found = []
-    for name in names:
-        if any(other.startswith(name + ".") for other in names):
-            continue  # a container whose items are candidates themselves
-        first = next(
-            (i for i, n in enumerate(nodes) if any(_inside(o, name) for o in owners(n))), None
-        )
-        if first is not None:
-            found.append((first, name))
-    units, last = [], 0
-    for first, name in sorted(found):
-        if first > last:
-            units.append(name)
-            last = first
-    return units
 
 
 def _owners(node: fx.Node) -> list[str]:
@@ -161,55 +124,6 @@ def _owners(node: fx.Node) -> list[str]:
     if node.op in ("call_module", "get_attr") and isinstance(node.target, str):
         owners.append(node.target)
     return owners
-
-
-def _inside(owner: str, point: str) -> bool:
-    return owner == point or owner.startswith(point + ".")
-
-
-def begin_stages(
-    nodes: Sequence[fx.Node],
-    points: Sequence[str],
-    owners: Callable[[fx.Node], list[str]],
-    module: nn.Module,
-    candidates: Callable[[nn.Module], list[str]],
-    what: str,
-) -> tuple[list[int], dict[fx.Node, int]]:
-    """Where each split point's stage begins among ``nodes`` (the first node
-    ``owners`` places inside it) and the stage of every node (how many split
-    points began before it); shared by the ``torch.fx`` and ``torch.export``
-    paths, which differ in what a node's owners are.
-
-    Raises:
-        ValueError: a split point no node runs inside (``candidates`` lists
-            what may be named; ``what`` says which forward), or split
-            points out of call order.
-    """
-    begins = []
-    for point in points:
-        first = next(
-            (i for i, n in enumerate(nodes) if any(_inside(o, point) for o in owners(n))), None
-        )
-        if first is None:
-            names = ", ".join(f"'{c}'" for c in candidates(module))
-            raise ValueError(
-                f"split point '{point}' names no submodule that the {what} forward calls; "
-                f"candidates: {names}"
-            )
-        begins.append(first)
-    for (a, i), (b, j) in zip(zip(points, begins), zip(points[1:], begins[1:])):
-        if j < i:
-            raise ValueError(
-                f"split points out of call order: '{b}' runs before '{a}'; list them in the "
-                f"order the forward calls them"
-            )
-    stage_of: dict[fx.Node, int] = {}
-    s = 0
-    for i, n in enumerate(nodes):
-        while s < len(begins) and i >= begins[s]:
-            s += 1
-        stage_of[n] = s
-    return begins, stage_of
 
 
 def _stage_of_nodes(

@@ -59,9 +59,7 @@ class LossShare:
     def shares(self, inputs: Sequence[Any], batch: int) -> Tensor:
         """Each example's share of the batch's loss (summing to 1), as a
         float64 tensor of ``batch`` entries on the inputs' device."""
-        device = next(
-            (x.device for x in inputs if isinstance(x, Tensor)), torch.device("cpu")
-        )
+        device = next((x.device for x in inputs if isinstance(x, Tensor)), torch.device("cpu"))
         if self.count is not None:
             args = [inputs[i].tensor if isinstance(inputs[i], NoChunk) else inputs[i]
                     for i in self.inputs]  # fmt: skip

@@ -70,9 +70,7 @@ def test_allocator_reuse_keeps_results_exact(force_copies: bool, how: str) -> No
 
     model = nn.Sequential(Scribble(), Late())
     ref = copy.deepcopy(model)
-    pipe = Pipe(
-        model.cuda(), split_size=2, devices=["cuda:0", "cuda:0"], force_copies=force_copies
-    )
+    pipe = Pipe(model.cuda(), split_size=2, devices=["cuda:0", "cuda:0"], force_copies=force_copies)
     x, y = torch.randn(16, 64, dtype=torch.float64), torch.randn(16, 8, dtype=torch.float64)
     for _ in range(3):
         pipe.zero_grad()

@@ -390,7 +390,10 @@ def test_graphed_stages_are_profiled_and_predicted_where_a_profile_exists(tmp_pa
     checks: list[Check] = []
     out = modelcheck.graphed_predictions(ctx, 4, profiled, 10.0, ["cpu", "cpu"], checks)
     assert [(p["schedule"], p["gpus"]) for p in out["predictions"]] == [
-        ("gpipe", 2), ("gpipe", 4), ("1f1b", 2), ("1f1b", 4)
+        ("gpipe", 2),
+        ("gpipe", 4),
+        ("1f1b", 2),
+        ("1f1b", 4),
     ]
     names = [c.name for c in checks]
     assert names[0] == "cost model, graphed stages (measured one-GPU step)"
@@ -414,7 +417,10 @@ def test_a_replayed_task_costs_the_host_the_same_on_any_stage() -> None:
         stage_times=[(1.0, 2.0), (1.0, 2.0)],
         copy_times=[],
         issue_times={
-            ("forward", 0): 0.2, ("forward", 1): 0.4, ("backward", 0): 0.6, ("backward", 1): 0.8
+            ("forward", 0): 0.2,
+            ("forward", 1): 0.4,
+            ("backward", 0): 0.6,
+            ("backward", 1): 0.8,
         },
     )
     issue = modelcheck.task_issue([2, 1, 3], costs)

@@ -35,7 +35,10 @@ def assert_equal_grads(a: nn.Module, b: nn.Module) -> None:
 def test_autocast_forward_and_backward_equal_the_unsplit_model(checkpoint: str) -> None:
     ref = model()
     pipe = Pipe(
-        copy.deepcopy(ref), split_size=SPLIT, balance=[2, 3], devices=["cpu"] * 2,
+        copy.deepcopy(ref),
+        split_size=SPLIT,
+        balance=[2, 3],
+        devices=["cpu"] * 2,
         checkpoint=checkpoint,
     )
     x = torch.randn(BATCH, 8)
@@ -56,8 +59,12 @@ def test_autocast_forward_and_backward_equal_the_unsplit_model(checkpoint: str) 
 def test_autocast_train_step_equals_the_unsplit_model(schedule: str, checkpoint: str) -> None:
     ref = model()
     pipe = Pipe(
-        copy.deepcopy(ref), split_size=SPLIT, balance=[2, 3], devices=["cpu"] * 2,
-        checkpoint=checkpoint, schedule=schedule,
+        copy.deepcopy(ref),
+        split_size=SPLIT,
+        balance=[2, 3],
+        devices=["cpu"] * 2,
+        checkpoint=checkpoint,
+        schedule=schedule,
     )
     x, y = torch.randn(BATCH, 8), torch.randn(BATCH, 4)
     with torch.autocast(**BF16):
@@ -104,7 +111,10 @@ def scaled_steps(schedule: str, dtype: torch.dtype, init_scale: float, overflow:
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).to(dtype)
     pipe = Pipe(
-        copy.deepcopy(ref), split_size=SPLIT, balance=[2, 1], devices=["cpu"] * 2,
+        copy.deepcopy(ref),
+        split_size=SPLIT,
+        balance=[2, 1],
+        devices=["cpu"] * 2,
         schedule=schedule,
     )
     scalers = [torch.amp.GradScaler("cpu", init_scale=init_scale) for _ in range(2)]

@@ -36,8 +36,12 @@ class Raise(nn.Module):
 
 def pipe_with(error: BaseException, at: int, **kwargs: object) -> Pipe:
     layers = OrderedDict(
-        [("embed", nn.Linear(4, 4)), ("act", nn.Tanh()), ("bad", Raise(error, at)),
-         ("head", nn.Linear(4, 2))]
+        [
+            ("embed", nn.Linear(4, 4)),
+            ("act", nn.Tanh()),
+            ("bad", Raise(error, at)),
+            ("head", nn.Linear(4, 2)),
+        ]
     )
     return Pipe(nn.Sequential(layers), chunks=4, balance=[2, 1, 1], devices=["cpu"] * 3, **kwargs)  # type: ignore[arg-type]
 
@@ -81,8 +85,10 @@ def test_loss_fn_errors_are_named() -> None:
     with pytest.raises(RuntimeError, match="multi-target not supported") as info:
         pipe.train_step(torch.randn(4, 4), torch.randn(4, 1), loss_fn)
     (note,) = info.value.__notes__
-    assert note.startswith("mpstream: raised by loss_fn on micro-batch 0 (of 2), in the forward "
-                           "task of stage 1 of 2 (layer '1' on cpu)")
+    assert note.startswith(
+        "mpstream: raised by loss_fn on micro-batch 0 (of 2), in the forward "
+        "task of stage 1 of 2 (layer '1' on cpu)"
+    )
 
 
 class FailingBackward(torch.autograd.Function):
@@ -114,12 +120,22 @@ def test_backward_task_errors_are_named(schedule: str, first: int) -> None:
 
 
 @notes_supported
-@pytest.mark.parametrize(("path", "at", "expected"), [
-    ("forward", 2, "the copy of micro-batch 1 (of 2) from stage 0 of 2 (layer '0' on cpu) to "
-                   "stage 1"),
-    ("train_step", 3, "the copy of micro-batch 1 (of 2)'s gradient from stage 1 back to stage 0 "
-                      "of 2 (layer '0' on cpu)"),
-])
+@pytest.mark.parametrize(
+    ("path", "at", "expected"),
+    [
+        (
+            "forward",
+            2,
+            "the copy of micro-batch 1 (of 2) from stage 0 of 2 (layer '0' on cpu) to stage 1",
+        ),
+        (
+            "train_step",
+            3,
+            "the copy of micro-batch 1 (of 2)'s gradient from stage 1 back to stage 0 "
+            "of 2 (layer '0' on cpu)",
+        ),
+    ],
+)
 def test_copy_errors_are_named(
     monkeypatch: pytest.MonkeyPatch, path: str, at: int, expected: str
 ) -> None:

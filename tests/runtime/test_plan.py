@@ -150,7 +150,12 @@ def test_dropping_a_target_wait_is_caught() -> None:
 @pytest.mark.parametrize("stages", [2, 3, 4])
 def test_forced_copies_on_one_device_are_planned_and_valid(schedule: str, stages: int) -> None:
     plan = record_plan(
-        schedule, stages, 5, ["cuda:0"] * stages, input_device="cpu", backward=True,
+        schedule,
+        stages,
+        5,
+        ["cuda:0"] * stages,
+        input_device="cpu",
+        backward=True,
         force_copies=True,
     )
     verify_plan(plan)

@@ -75,9 +75,12 @@ def test_pipe_splits_staging_buffers_like_the_batch(monkeypatch: pytest.MonkeyPa
     staging = pipe._stage((torch.randn(7, 2), torch.arange(7)), torch.device("cpu"))
     assert staging is not None and [s[1] for s in staging] == [None] * 3
     assert [s[0].shape[0] for s in staging] == [3, 3, 1]  # type: ignore[union-attr]
-    assert [s[0].data_ptr() for s in staging] == [  # type: ignore[union-attr]
-        buffer[i:].data_ptr() for i in (0, 3, 6)
-    ]
+    assert (
+        [s[0].data_ptr() for s in staging]
+        == [  # type: ignore[union-attr]
+            buffer[i:].data_ptr() for i in (0, 3, 6)
+        ]
+    )
 
 
 def test_input_transfer_tasks_use_their_slice(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -125,13 +125,24 @@ def test_the_hot_path_never_reads_a_tensor_on_the_host(monkeypatch: pytest.Monke
         raise AssertionError("a tensor was read on the host")
 
     model = nn.Sequential(
-        nn.Linear(6, 6), nn.BatchNorm1d(6, momentum=None), nn.Tanh(), nn.Linear(6, 6),
-        nn.BatchNorm1d(6), nn.Linear(6, 2),
+        nn.Linear(6, 6),
+        nn.BatchNorm1d(6, momentum=None),
+        nn.Tanh(),
+        nn.Linear(6, 6),
+        nn.BatchNorm1d(6),
+        nn.Linear(6, 2),
     ).double()
     pipes = [
-        Pipe(copy.deepcopy(model), split_size=3, balance=[3, 3], devices=["cpu"] * 2,
-             schedule=schedule, checkpoint=checkpoint, deferred_batch_norm=True,
-             force_copies=True)
+        Pipe(
+            copy.deepcopy(model),
+            split_size=3,
+            balance=[3, 3],
+            devices=["cpu"] * 2,
+            schedule=schedule,
+            checkpoint=checkpoint,
+            deferred_batch_norm=True,
+            force_copies=True,
+        )
         for schedule in ("gpipe", "1f1b")
         for checkpoint in ("never", "always")
     ]

@@ -79,8 +79,11 @@ def test_a_slot_reused_while_its_backward_is_pending_is_refused() -> None:
     squeezed = dict(slots.slot)
     squeezed[(0, 1)] = squeezed[(0, 0)]
     bad = dataclasses.replace(slots, slot=squeezed)
-    with pytest.raises(ValueError, match="stage 0, slot 0: the forward of micro-batch 1 would "
-                       "overwrite the activations of micro-batch 0"):
+    with pytest.raises(
+        ValueError,
+        match="stage 0, slot 0: the forward of micro-batch 1 would "
+        "overwrite the activations of micro-batch 0",
+    ):
         check_slots(sched.tasks, bad, stages=2)
 
 

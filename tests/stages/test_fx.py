@@ -15,8 +15,9 @@ from torch import Tensor, nn
 import mpstream
 from mpstream import NoChunk, Pipe, PlanError, record_plan, verify_plan
 from mpstream.runtime.plan import Plan
-from mpstream.stages.fx import split_candidates, trace
+from mpstream.stages.fx import trace
 from mpstream.stages.placement import place
+from mpstream.stages.points import split_candidates
 from tests.helpers import assert_same_grads
 from tests.models import Decoder, Fan, UNet
 
@@ -70,9 +71,7 @@ def test_a_value_read_by_three_later_stages(
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("checkpoint", ["never", "always"])
-def test_forced_copies_carry_skips_once_per_receiving_stage(
-    schedule: str, checkpoint: str
-) -> None:
+def test_forced_copies_carry_skips_once_per_receiving_stage(schedule: str, checkpoint: str) -> None:
     x = torch.randn(6, 4, dtype=torch.float64)
     pipe = check(
         Fan().double(), fan_pipe, (x,), torch.randn(6, 3, dtype=torch.float64),

@@ -141,11 +141,18 @@ def test_pipe_rejects_tied_weights_across_devices_before_moving_anything(
 @pytest.mark.parametrize(
     ("count", "devices", "match"),
     [
-        (0, ["cpu", "cuda:0"], "stage 1 is on cuda:0, but CUDA is not available here; "
-                               "available devices: cpu$"),
+        (
+            0,
+            ["cpu", "cuda:0"],
+            "stage 1 is on cuda:0, but CUDA is not available here; available devices: cpu$",
+        ),
         (0, ["cuda"], "stage 0 is on cuda, but CUDA is not available"),
-        (1, ["cuda:0", "cuda:1"], r"stage 1 is on cuda:1, but only 1 CUDA device\(s\) exist "
-                                  "here; available devices: cpu, cuda:0$"),
+        (
+            1,
+            ["cuda:0", "cuda:1"],
+            r"stage 1 is on cuda:1, but only 1 CUDA device\(s\) exist "
+            "here; available devices: cpu, cuda:0$",
+        ),
     ],
 )
 def test_devices_that_do_not_exist_fail_at_construction(

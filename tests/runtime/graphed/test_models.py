@@ -53,9 +53,11 @@ def convnet() -> nn.Sequential:
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_a_convnet_with_batch_norm_equals_the_eager_pipe(schedule: str) -> None:
-    extra = {"virtual_stages": 2, "balance": [2, 2, 2, 2], "devices": ["cpu"] * 4} if (
-        schedule == "interleaved_1f1b"
-    ) else {}
+    extra = (
+        {"virtual_stages": 2, "balance": [2, 2, 2, 2], "devices": ["cpu"] * 4}
+        if (schedule == "interleaved_1f1b")
+        else {}
+    )
     eager, graphed = pair(convnet(), split_size=2, schedule=schedule, **extra)
     x = torch.randn(5, 3, 6, 6, dtype=torch.float64)
     y = torch.randn(5, 4, dtype=torch.float64)

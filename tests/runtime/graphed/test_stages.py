@@ -45,9 +45,11 @@ def data(batch: int = 10) -> tuple[Tensor, Tensor]:
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("checkpoint", CHECKPOINTS)
 def test_train_step_equals_the_eager_pipe(schedule: str, checkpoint: str) -> None:
-    extra = {"virtual_stages": 2, "balance": [2, 2, 2, 2], "devices": ["cpu"] * 4} if (
-        schedule == "interleaved_1f1b"
-    ) else {}
+    extra = (
+        {"virtual_stages": 2, "balance": [2, 2, 2, 2], "devices": ["cpu"] * 4}
+        if (schedule == "interleaved_1f1b")
+        else {}
+    )
     eager, graphed = pair(
         mlp(WIDTHS), split_size=3, schedule=schedule, checkpoint=checkpoint, **extra
     )
@@ -176,8 +178,11 @@ def test_a_stage_that_cannot_be_captured_runs_eagerly_with_one_warning(
 
     monkeypatch.setattr(backend, "capture", refuse)
     x, y = data()
-    with pytest.warns(GraphWarning, match="stage 1 of 2 .* runs eagerly: capture failed: "
-                      "RuntimeError: operation not permitted when stream is capturing$"):
+    with pytest.warns(
+        GraphWarning,
+        match="stage 1 of 2 .* runs eagerly: capture failed: "
+        "RuntimeError: operation not permitted when stream is capturing$",
+    ):
         got = graphed.train_step(x, y, nn.MSELoss())
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once, not at every call

@@ -1,0 +1,103 @@
+"""Split points over a forward's operations, shared by the two tracers.
+
+A split point names a submodule (``"layer3"``, ``"blocks.6"``); its stage
+begins at the first operation that runs inside it. ``torch.fx``
+(:mod:`~mpstream.stages.fx`) and ``torch.export``
+(:mod:`~mpstream.stages.export`) differ only in how they say which
+submodules an operation runs inside (an ``owners`` function), so where
+stages begin, and the call order that balancing walks, are worked out here
+once for both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from torch import fx, nn
+
+__all__ = ["split_candidates", "units_in_order", "begin_stages"]
+
+
+def split_candidates(module: nn.Module) -> list[str]:
+    """Submodules a split point may name: the module's direct children and
+    the items of its ``nn.ModuleList`` and ``nn.Sequential`` children."""
+    names = []
+    for name, child in module.named_children():
+        names.append(name)
+        if isinstance(child, (nn.ModuleList, nn.Sequential)):
+            names += [f"{name}.{item}" for item, _ in child.named_children()]
+    return names
+
+
+def units_in_order(
+    nodes: Sequence[fx.Node], names: Sequence[str], owners: Callable[[fx.Node], list[str]]
+) -> list[str]:
+    """Of ``names``, those some node runs inside, in the order their first
+    node runs, finest first (a ModuleList's items rather than the list), except
+    one that begins at the first node or where the one before it begins (no
+    stage could lie between). Shared by the ``torch.fx`` and ``torch.export``
+    paths, which differ in what a node's owners are."""
+    found = []
+    for name in names:
+        if any(other.startswith(name + ".") for other in names):
+            continue  # a container whose items are candidates themselves
+        first = next(
+            (i for i, n in enumerate(nodes) if any(_inside(o, name) for o in owners(n))), None
+        )
+        if first is not None:
+            found.append((first, name))
+    units, last = [], 0
+    for first, name in sorted(found):
+        if first > last:
+            units.append(name)
+            last = first
+    return units
+
+
+def begin_stages(
+    nodes: Sequence[fx.Node],
+    points: Sequence[str],
+    owners: Callable[[fx.Node], list[str]],
+    module: nn.Module,
+    candidates: Callable[[nn.Module], list[str]],
+    what: str,
+) -> tuple[list[int], dict[fx.Node, int]]:
+    """Where each split point's stage begins among ``nodes`` (the first node
+    ``owners`` places inside it) and the stage of every node (how many split
+    points began before it); shared by the ``torch.fx`` and ``torch.export``
+    paths, which differ in what a node's owners are.
+
+    Raises:
+        ValueError: a split point no node runs inside (``candidates`` lists
+            what may be named; ``what`` says which forward), or split
+            points out of call order.
+    """
+    begins = []
+    for point in points:
+        first = next(
+            (i for i, n in enumerate(nodes) if any(_inside(o, point) for o in owners(n))), None
+        )
+        if first is None:
+            names = ", ".join(f"'{c}'" for c in candidates(module))
+            raise ValueError(
+                f"split point '{point}' names no submodule that the {what} forward calls; "
+                f"candidates: {names}"
+            )
+        begins.append(first)
+    for (a, i), (b, j) in zip(zip(points, begins), zip(points[1:], begins[1:])):
+        if j < i:
+            raise ValueError(
+                f"split points out of call order: '{b}' runs before '{a}'; list them in the "
+                f"order the forward calls them"
+            )
+    stage_of: dict[fx.Node, int] = {}
+    s = 0
+    for i, n in enumerate(nodes):
+        while s < len(begins) and i >= begins[s]:
+            s += 1
+        stage_of[n] = s
+    return begins, stage_of
+
+
+def _inside(owner: str, point: str) -> bool:
+    return owner == point or owner.startswith(point + ".")
