@@ -143,11 +143,6 @@ class Routes:
             self.by_task[(p, hop.peer)] = hop
             for q in readers:
                 self.hops[(p, q)] = hop
-        # The last forward task reading each producer: its values can go then.
-        self.last_reader = {
-            p: max(q for q in range(graph.stages) if p in reads[q])
-            for p in {p for r in reads for p in r}
-        }
 
     def hop(self, producer: int, reader: int) -> Hop | None:
         """The copy that brings ``producer``'s value to ``reader``, or None."""

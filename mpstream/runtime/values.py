@@ -68,14 +68,20 @@ class Wiring:
         ]
         self.result_refs = [(r, hop) for r, hop in self.result_items if isinstance(r, Ref)]
         self.single = isinstance(graph.result, Ref)
-        # What can be dropped after each stage's forward: the producers it
-        # read last, and the copies hops made of their values.
-        self.done_after: list[list[tuple[int, list[tuple[int, int]]]]] = [
+        # Per stage, the producers its forward reads, each with the copies
+        # hops made of its values; and per producer, how many forwards read
+        # it. A run counts the reads down and drops a producer's values at
+        # its last read *in issue order*, which need not be its highest
+        # reader's: a segmented run may issue another device's stages later.
+        self.read_by: list[list[tuple[int, list[tuple[int, int]]]]] = [
             [] for _ in range(self.stages)
         ]
-        for p, q in routes.last_reader.items():
-            hops = [key for key in routes.by_task if key[0] == p]
-            self.done_after[q].append((p, hops))
+        self.readers: dict[int, int] = {}
+        for q, producers in enumerate(routes.topology.reads):
+            for p in sorted(producers):
+                hops = [key for key in routes.by_task if key[0] == p]
+                self.read_by[q].append((p, hops))
+                self.readers[p] = self.readers.get(p, 0) + 1
 
 
 class Flow:
@@ -95,7 +101,7 @@ class Flow:
         self.only = wiring.only
         self.received = wiring.received
         self.result_refs = wiring.result_refs
-        self.done_after = wiring.done_after
+        self.read_by = wiring.read_by
         for b in batches:
             if not isinstance(b, tuple):
                 raise TypeError(f"a micro-batch is the tuple of its inputs, got {type(b).__name__}")
@@ -103,6 +109,8 @@ class Flow:
             [b] + [None] * self.stages for b in batches
         ]
         self.moved: list[dict[tuple[int, int], tuple[Any, ...]]] = [{} for _ in batches]
+        # Per micro-batch, the forwards still to read each producer.
+        self.unread = [dict(wiring.readers) for _ in batches]
 
     def _source(self, ref: Ref, hop: Hop | None, m: int) -> tuple[Any, ...]:
         if hop is not None:
@@ -178,27 +186,30 @@ class Flow:
         else:
             self.store(q, m, y)
         out = self.result(m) if q == self.stages - 1 else None
-        for p, hops in self.done_after[q]:  # release(), inline
-            outs[p + 1] = None
-            for key in hops:
-                self.moved[m].pop(key, None)
+        unread = self.unread[m]
+        for p, hops in self.read_by[q]:  # release(), inline
+            unread[p] -= 1
+            if not unread[p]:
+                outs[p + 1] = None
+                for key in hops:
+                    self.moved[m].pop(key, None)
         return out
 
     def release(self, q: int, m: int) -> None:
-        """Drops the values no stage after ``q`` reads (call after its forward).
+        """Drops the values that stage ``q``'s forward of micro-batch ``m``
+        was the last to read (call once, after that forward): a producer's
+        outputs and the copies hops made of them.
 
-        A producer whose copy to another device has not run yet is kept: a
-        segmented run issues that copy later, in its reader's segment.
+        A hop's copy runs before each of its readers, so once every reader
+        has run, every copy of the producer has too.
         """
-        outs, moved = self.outs[m], self.moved[m]
-        for p, hops in self.done_after[q]:
-            # Until p is released its hops' copies stay in moved: one
-            # missing has not run yet.
-            if not all(key in moved for key in hops):
-                continue
-            outs[p + 1] = None
-            for key in hops:
-                moved.pop(key, None)
+        outs, moved, unread = self.outs[m], self.moved[m], self.unread[m]
+        for p, hops in self.read_by[q]:
+            unread[p] -= 1
+            if not unread[p]:
+                outs[p + 1] = None
+                for key in hops:
+                    moved.pop(key, None)
 
     def outputs_of(self, q: int, m: int) -> tuple[Any, ...]:
         out = self.outs[m][q + 1]
