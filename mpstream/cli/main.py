@@ -250,7 +250,7 @@ def parser() -> argparse.ArgumentParser:
     )
     r.add_argument("--out", default="mpstream-trace", help="output folder (default: %(default)s)")
     r.set_defaults(func=_trace)
-    from ..doctor import runner as doctor  # imports every step: only when the parser is built
+    from . import doctor  # imports every doctor step: only when the parser is built
 
     doctor.add_command(sub)
 

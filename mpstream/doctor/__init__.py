@@ -16,6 +16,16 @@ imports it.
 
 from __future__ import annotations
 
-from .runner import NAMES, STEPS, Options, Step, add_command, parse_devices, run, run_step
+from .runner import ARCHS, NAMES, STEPS, Options, Step, parse_devices, run, run_step, sized
 
-__all__ = ["Step", "STEPS", "NAMES", "Options", "parse_devices", "run_step", "run", "add_command"]
+__all__ = [
+    "Step",
+    "STEPS",
+    "NAMES",
+    "ARCHS",
+    "Options",
+    "parse_devices",
+    "sized",
+    "run_step",
+    "run",
+]

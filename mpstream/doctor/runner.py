@@ -11,7 +11,7 @@ report (:mod:`mpstream.doctor.report`) is written into ``--out``. The exit code 
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import datetime
 import tempfile
 import time
@@ -37,7 +37,17 @@ from . import (
 )
 from .diagnosis import FAIL, FULL, QUICK, SKIP, Context, Sizes, StepResult, jsonable
 
-__all__ = ["Step", "STEPS", "NAMES", "Options", "parse_devices", "run_step", "run", "add_command"]
+__all__ = [
+    "Step",
+    "STEPS",
+    "NAMES",
+    "ARCHS",
+    "Options",
+    "parse_devices",
+    "sized",
+    "run_step",
+    "run",
+]
 
 
 @dataclass(frozen=True)
@@ -94,6 +104,10 @@ class Options:
         progress: progress bars (still only on a terminal).
         sizes: explicit sizes, overriding ``quick`` (tests use the tiny ones).
         command: the command line, for the report.
+        image_size: the experiment's images, ``(W, H)`` (default: the sizes').
+        batch_size: the experiment's images per step (default: the sizes').
+        split_sizes: the experiment's split sizes, the first the main one
+            (default: the sizes' that fit the batch).
     """
 
     out: Path
@@ -104,6 +118,9 @@ class Options:
     progress: bool = True
     sizes: Sizes | None = None
     command: str = "mpstream doctor"
+    image_size: tuple[int, int] | None = None
+    batch_size: int | None = None
+    split_sizes: tuple[int, ...] | None = None
 
 
 def parse_devices(spec: str | None) -> tuple[torch.device, torch.device]:
@@ -115,6 +132,52 @@ def parse_devices(spec: str | None) -> tuple[torch.device, torch.device]:
     if spec is not None and "," not in spec.strip().strip(","):
         spec = f"{spec},{spec}"
     return detect_devices(spec)
+
+
+def sized(sizes: Sizes, options: Options) -> Sizes:
+    """``sizes`` with the experiment (steps 6-8) at ``options``' workload.
+
+    Raises:
+        ValueError: images under 32x32, or split sizes that do not fit the batch.
+    """
+    config = sizes.experiment
+    if options.image_size is not None:
+        w, h = options.image_size
+        if w < 32 or h < 32:
+            raise ValueError(
+                f"--image-size {w}x{h}: must be at least 32x32 (the ResNets downsample 32x)"
+            )
+        config = dataclasses.replace(config, image_w=w, image_h=h)
+    batch = options.batch_size or config.batch_size
+    if options.split_sizes is not None:
+        splits = options.split_sizes
+        over = [s for s in splits if s > batch]
+        if over:
+            raise ValueError(
+                f"--split-sizes {', '.join(map(str, over))}: larger than the batch of {batch} "
+                "images (--batch-size)"
+            )
+    else:
+        splits = tuple(s for s in config.split_sizes if s <= batch)
+        if not splits:
+            raise ValueError(
+                f"--batch-size {batch} is below every split size of the experiment "
+                f"({', '.join(map(str, config.split_sizes))}); give --split-sizes too"
+            )
+    config = dataclasses.replace(config, batch_size=batch, split_sizes=splits, split_size=splits[0])
+    return dataclasses.replace(sizes, experiment=config)
+
+
+def _workload(options: Options) -> str:
+    """The command's workload options, for the first line (empty without any)."""
+    parts = []
+    if options.image_size is not None:
+        parts.append("{}x{} images".format(*options.image_size))
+    if options.batch_size is not None:
+        parts.append(f"batch {options.batch_size}")
+    if options.split_sizes is not None:
+        parts.append(f"split sizes {', '.join(map(str, options.split_sizes))}")
+    return f" (experiment: {', '.join(parts)})" if parts else ""
 
 
 def run_step(step: Step, ctx: Context, skip: Sequence[str]) -> StepResult:
@@ -185,13 +248,14 @@ def run(options: Options, echo: Callable[[str], None] | None = None) -> int:
         sizes, label = QUICK, "quick"
     else:
         sizes, label = FULL, "full"
+    sizes = sized(sizes, options)
     out = Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
     for name in report.ARTIFACTS:  # a rerun must not leave an older run's files behind
         (out / name).unlink(missing_ok=True)
     where = " | ".join(str(d) for d in devices)
     say(
-        f"mpstream doctor: {where}, {options.arch}, {label} sizes"
+        f"mpstream doctor: {where}, {options.arch}, {label} sizes{_workload(options)}"
         + ("" if cuda or options.quick else " (no CUDA device: the quick sizes)")
         + f"; report in {out}"
     )
@@ -221,51 +285,3 @@ def run(options: Options, echo: Callable[[str], None] | None = None) -> int:
         (ctx.scratch / "doctor.log").write_text("\n".join(log) + "\n")
         report.write(out, ctx.scratch, results, meta)
     return 1 if report.status_of(results) == FAIL else 0
-
-
-def _command(args: argparse.Namespace) -> int:
-    options = Options(
-        out=Path(args.out),
-        devices=args.devices,
-        quick=args.quick,
-        arch=args.model,
-        skip=tuple(args.skip),
-        progress=not args.no_progress,
-        command=args.command_line,
-    )
-    return run(options)
-
-
-def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Adds the ``doctor`` command to the ``mpstream`` parser."""
-    d = sub.add_parser(
-        "doctor",
-        help="prove on this machine's GPUs that the pipeline is right and overlaps",
-        description=(
-            "Run, in order: environment, correctness against the CPU model, measured overlap, "
-            "the CUDA sanitizers, memory over many steps, the tutorial's experiment, a profiled "
-            "step and the cost model. One line per step as it goes (PASS / FAIL / SKIP), a "
-            "summary table last, and a report (summary.md, report.json, figures, one archive) "
-            "in --out. Steps that need a GPU SKIP without one. Exit code 1 if any step failed."
-        ),
-    )
-    d.add_argument("--out", default="mpstream-doctor", help="report folder (default: %(default)s)")
-    d.add_argument(
-        "--devices", help="one or two devices, e.g. cuda:0 or cuda:0,cuda:1 (default: detected)"
-    )
-    d.add_argument(
-        "--quick", action="store_true", help="short, CPU-sized run (automatic without a GPU)"
-    )
-    d.add_argument(
-        "--model", choices=ARCHS, default="resnet50", help="the experiment's model (%(default)s)"
-    )
-    d.add_argument(
-        "--skip",
-        nargs="+",
-        default=[],
-        choices=NAMES,
-        metavar="STEP",
-        help=f"steps not to run: {', '.join(NAMES)}",
-    )
-    d.add_argument("--no-progress", action="store_true", help="no progress bars")
-    d.set_defaults(func=_command)

@@ -170,3 +170,50 @@ def test_write_archives_the_scratch_files(tmp_path: Path) -> None:
     doc = json.loads((out / "report.json").read_text())
     assert doc["status"] == FAIL and doc["archived"] == ["trace.json"]
     assert [s["status"] for s in doc["steps"]] == [PASS, FAIL, SKIP]
+
+
+def test_the_workload_options_size_the_experiment() -> None:
+    options = runner.Options(Path("x"), image_size=(224, 160), batch_size=8, split_sizes=(4, 2))
+    config = runner.sized(TINY, options).experiment
+    assert (config.image_w, config.image_h, config.batch_size) == (224, 160, 8)
+    assert (config.split_size, config.split_sizes) == (4, (4, 2))  # the first is the main one
+    # Without split sizes, the standard ones that fit the batch.
+    config = runner.sized(TINY, runner.Options(Path("x"), batch_size=3)).experiment
+    assert (config.split_size, config.split_sizes) == (2, (2,))
+    assert runner.sized(TINY, runner.Options(Path("x"))) == TINY
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--image-size", "16x64"], "--image-size 16x64: must be at least 32x32"),
+        (["--batch-size", "4", "--split-sizes", "2,8"], "--split-sizes 8: larger than the batch"),
+        (["--batch-size", "1"], "--batch-size 1 is below every split size"),
+    ],
+)
+def test_bad_workload_options_exit_2(
+    args: list[str],
+    message: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setattr(runner, "QUICK", TINY)
+    assert cli.main(["doctor", "--quick", "--out", str(tmp_path), *args]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "report.json").exists()  # refused before any step ran
+
+
+def test_the_report_records_the_workload(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(runner, "QUICK", TINY)
+    argv = ["doctor", "--quick", "--out", str(tmp_path), "--no-progress", "--skip", *runner.NAMES]
+    assert cli.main([*argv, "--image-size", "64", "--batch-size", "6", "--split-sizes", "3"]) == 0
+    assert "(experiment: 64x64 images, batch 6, split sizes 3)" in capsys.readouterr().out
+    experiment = json.loads((tmp_path / "report.json").read_text())["size_values"]["experiment"]
+    assert (experiment["image_w"], experiment["batch_size"], experiment["split_sizes"]) == (
+        64,
+        6,
+        [3],
+    )

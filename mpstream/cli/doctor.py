@@ -1,0 +1,75 @@
+"""``mpstream doctor``'s command line: its options, read into a doctor run."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..doctor import ARCHS, NAMES, Options, run
+from .argtypes import image_size, int_list, positive_int
+
+__all__ = ["add_command"]
+
+
+def _command(args: argparse.Namespace) -> int:
+    options = Options(
+        out=Path(args.out),
+        devices=args.devices,
+        quick=args.quick,
+        arch=args.model,
+        skip=tuple(args.skip),
+        progress=not args.no_progress,
+        command=args.command_line,
+        image_size=args.image_size,
+        batch_size=args.batch_size,
+        split_sizes=args.split_sizes,
+    )
+    return run(options)
+
+
+def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Adds the ``doctor`` command to the ``mpstream`` parser."""
+    d = sub.add_parser(
+        "doctor",
+        help="prove on this machine's GPUs that the pipeline is right and overlaps",
+        description=(
+            "Run, in order: environment, correctness against the CPU model, measured overlap, "
+            "the CUDA sanitizers, memory over many steps, the tutorial's experiment, a profiled "
+            "step and the cost model. One line per step as it goes (PASS / FAIL / SKIP), a "
+            "summary table last, and a report (summary.md, report.json, figures, one archive) "
+            "in --out. Steps that need a GPU SKIP without one. Exit code 1 if any step failed."
+        ),
+    )
+    d.add_argument("--out", default="mpstream-doctor", help="report folder (default: %(default)s)")
+    d.add_argument(
+        "--devices", help="one or two devices, e.g. cuda:0 or cuda:0,cuda:1 (default: detected)"
+    )
+    d.add_argument(
+        "--quick", action="store_true", help="short, CPU-sized run (automatic without a GPU)"
+    )
+    d.add_argument(
+        "--model", choices=ARCHS, default="resnet50", help="the experiment's model (%(default)s)"
+    )
+    workload = d.add_argument_group(
+        "the experiment's workload",
+        "steps 6-8 (the tutorial's experiment, where the time goes, the cost model) at your "
+        "sizes instead of the tutorial's",
+    )
+    workload.add_argument("--image-size", type=image_size, help="W or WxH (at least 32)")
+    workload.add_argument("--batch-size", type=positive_int, help="images per step")
+    workload.add_argument(
+        "--split-sizes",
+        type=int_list,
+        help="split sizes compared, e.g. 16,32; the first is the main one "
+        "(default: the standard ones that fit the batch)",
+    )
+    d.add_argument(
+        "--skip",
+        nargs="+",
+        default=[],
+        choices=NAMES,
+        metavar="STEP",
+        help=f"steps not to run: {', '.join(NAMES)}",
+    )
+    d.add_argument("--no-progress", action="store_true", help="no progress bars")
+    d.set_defaults(func=_command)
