@@ -1,7 +1,7 @@
 """A step on several GPUs captured per device: each segment on its own
 device's launch stream, a prologue and an epilogue per device, copies
 between devices pulled by the receiver; checked on the CPU with the fake
-CUDA objects of test_edges and a scheduler without devices. On two GPUs
+CUDA objects of fakes.py and a scheduler without devices. On two GPUs
 (skipped elsewhere): CapturedStep across devices trains like the model."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch import nn
 from mpstream import CapturedStep, Pipe
 from mpstream.capture.edges import GraphEdges
 from mpstream.runtime.plan import PlanError, record_plan, verify_plan
-from tests.capture.test_edges import FakeStream, World
+from tests.capture.fakes import FakeStream, World
 from tests.helpers import mlp
 
 D0, D1 = torch.device("cuda:0"), torch.device("cuda:1")

@@ -1,0 +1,150 @@
+"""mpstream.Pipe's errors on CPU: bad micro-batching, modules, inputs and stage
+outputs are named, and a stage that fails leaves the pipe usable."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from mpstream import Pipe
+
+BATCH = 12
+SPLITS = [1, 3, 7, BATCH, 20]  # 7 does not divide 12; 20 exceeds it
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"chunks": 0}, ValueError, "chunks must be at least 1"),
+        ({"chunks": -2}, ValueError, "chunks must be at least 1"),
+        ({"split_size": 0}, ValueError, "split_size must be at least 1"),
+        ({"chunks": 2, "split_size": 3}, ValueError, "either chunks or split_size"),
+        ({"chunks": 2.0}, TypeError, "chunks must be an int"),
+        ({"split_size": True}, TypeError, "split_size must be an int"),
+    ],
+)
+def test_bad_micro_batching(kwargs: dict[str, object], error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        Pipe(nn.Sequential(nn.Linear(2, 2)), **kwargs)  # type: ignore[arg-type]
+
+
+def test_setters_validate() -> None:
+    pipe = Pipe(nn.Sequential(nn.Linear(2, 2)), chunks=2)
+    with pytest.raises(ValueError, match="split_size must be at least 1"):
+        pipe.split_size = 0
+    with pytest.raises(ValueError, match="chunks must be at least 1"):
+        pipe.chunks = 0
+    assert pipe.chunks == 2
+
+
+def test_module_errors() -> None:
+    with pytest.raises(TypeError, match="nn.Sequential"):
+        Pipe(nn.Linear(2, 2))
+    lin = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="same module"):
+        Pipe(nn.Sequential(OrderedDict([("a", lin), ("b", lin)])))
+    child = nn.Module()
+    child.register_parameter("w", nn.Parameter(torch.ones(1)))
+    child.register_buffer("b", torch.ones(1, device="meta"))
+    with pytest.raises(ValueError, match="several devices"):
+        Pipe(nn.Sequential(child))
+
+
+@pytest.mark.parametrize("bad", [None, 3, "x", [torch.ones(2, 2), 1]])
+def test_non_tensor_input(bad: object) -> None:
+    pipe = Pipe(nn.Sequential(nn.Linear(2, 2)), chunks=2)
+    with pytest.raises(TypeError):
+        pipe(bad)  # type: ignore[arg-type]
+
+
+def test_empty_batch() -> None:
+    pipe = Pipe(nn.Sequential(nn.Linear(2, 2)), chunks=2)
+    with pytest.raises(ValueError, match="empty batch"):
+        pipe(torch.ones(0, 2))
+
+
+class Bad(nn.Module):
+    def __init__(self, result: object) -> None:
+        super().__init__()
+        self.result = result
+
+    def forward(self, x: Tensor) -> object:
+        return self.result
+
+
+@pytest.mark.parametrize("result", [object(), {1, 2}, (torch.ones(1), nn.Linear(1, 1))])
+def test_bad_stage_output_names_the_stage(result: object) -> None:
+    pipe = Pipe(nn.Sequential(nn.Linear(2, 2), Bad(result)), chunks=2)
+    with pytest.raises(TypeError, match="stage 1 returned a"):
+        pipe(torch.ones(4, 2))
+    assert not pipe.scheduler.native.running
+
+
+@pytest.mark.parametrize(
+    ("result", "gathered"),
+    [
+        ([torch.ones(1)], [torch.ones(2)]),
+        (None, [None, None]),
+        ({"x": 1}, {"x": [1, 1]}),
+        ((torch.ones(1), 2), (torch.ones(2), [2, 2])),
+    ],
+)
+def test_any_structure_of_tensors_and_plain_values_comes_out(
+    result: object, gathered: object
+) -> None:
+    pipe = Pipe(nn.Sequential(nn.Linear(2, 2), Bad(result)), chunks=2)
+    out = pipe(torch.ones(4, 2))
+    torch.testing.assert_close(out, gathered)
+
+
+class Boom(Exception):
+    pass
+
+
+class FailOn(nn.Module):
+    """Raises on the n-th call; counts calls."""
+
+    def __init__(self, fail_at: int | None) -> None:
+        super().__init__()
+        self.fail_at = fail_at
+        self.calls = 0
+        self.error = Boom("stage failed")
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        if self.fail_at is not None and self.calls == self.fail_at:
+            raise self.error
+        return x * 2
+
+
+@pytest.mark.parametrize("failing_stage", [0, 1, 2])
+def test_stage_exception_propagates_and_later_micro_batches_do_not_start(
+    failing_stage: int,
+) -> None:
+    stages = [FailOn(3 if s == failing_stage else None) for s in range(3)]
+    pipe = Pipe(nn.Sequential(*stages), split_size=1)
+    x = torch.ones(8, 1)
+    with pytest.raises(Boom) as info:
+        pipe(x)
+    assert info.value is stages[failing_stage].error
+    # Micro-batch 2 failed at stage s in clock cycle 2 + s. Stage 0 is at most
+    # one cycle ahead of each later stage, so it never started micro-batch 4+.
+    assert stages[0].calls <= 2 + failing_stage + 1
+    for s in range(failing_stage + 1, 3):
+        assert stages[s].calls <= 2
+    assert not pipe.scheduler.native.running
+    assert pipe.scheduler.events_free == pipe.scheduler.events_created
+    for st in stages:
+        st.fail_at = None
+    torch.testing.assert_close(pipe(x), x * 8)
+
+
+def test_torch_error_in_a_stage_leaves_the_pipe_usable() -> None:
+    pipe = Pipe(nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 3)), chunks=2)
+    with pytest.raises(RuntimeError, match="shapes"):
+        pipe(torch.ones(4, 5))
+    assert not pipe.scheduler.native.running
+    assert pipe(torch.ones(4, 2)).shape == (4, 3)

@@ -1,0 +1,207 @@
+"""mpstream.distributed in one process (a one-rank gloo group): what wrapping
+a pipe in DDP and ``train_step`` refuse, placement checks, graphed stages
+handing every gradient to the reducer, tied weights and a grad scaler."""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from mpstream import Pipe
+from mpstream import distributed as mpdist
+from tests.test_distributed import (
+    BALANCE,
+    SPLIT,
+    batches,
+    initial_model,
+)
+
+
+@pytest.fixture
+def group(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A one-process gloo group on an in-memory store, loopback only."""
+    if sys.platform.startswith("linux") and "GLOO_SOCKET_IFNAME" not in os.environ:
+        monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def small_pipe(**kwargs: Any) -> Pipe:
+    return Pipe(
+        initial_model(), split_size=SPLIT, balance=BALANCE, devices=["cpu", "cpu"], **kwargs
+    )
+
+
+def test_wrap_needs_a_pipe() -> None:
+    with pytest.raises(TypeError, match="mpstream.Pipe, got Sequential"):
+        mpdist.wrap(initial_model())  # type: ignore[arg-type]
+
+
+def test_wrap_needs_an_initialised_process_group() -> None:
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        mpdist.wrap(small_pipe())
+
+
+@pytest.mark.parametrize("name", ["device_ids", "output_device"])
+def test_wrap_rejects_device_placement(group: None, name: str) -> None:
+    with pytest.raises(ValueError, match=f"{name}=.*leave {name}=None"):
+        mpdist.wrap(small_pipe(), **{name: [0] if name == "device_ids" else 0})
+
+
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [
+        ("mixed_precision", "forward hooks"),
+        ("delay_all_reduce_named_params", "once per micro-batch"),
+        ("param_to_hook_all_reduce", "once per micro-batch"),
+    ],
+)
+def test_wrap_rejects_what_cannot_work_with_a_pipeline(group: None, name: str, why: str) -> None:
+    pipe = small_pipe()
+    with pytest.raises(ValueError, match=f"{name} is not supported .*{why}"):
+        mpdist.wrap(pipe, **{name: object()})
+
+
+@pytest.mark.parametrize(
+    ("devices", "config", "message"),
+    [
+        (["cpu", "cuda:0"], "cpu:gloo,cuda:nccl", "several device types"),
+        (["cpu", "cpu"], "cuda:nccl", r"backend \(cuda:nccl\) has no collectives for cpu"),
+        (["cpu", "cpu"], "nccl", "use gloo for CPU stages"),
+        (["cuda:0", "cuda:1"], "cpu:gloo", "no collectives for cuda"),
+    ],
+)
+def test_check_placement_rejects(devices: list[str], config: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        mpdist.check_placement([torch.device(d) for d in devices], config)
+
+
+@pytest.mark.parametrize(
+    ("devices", "config"),
+    [
+        (["cpu", "cpu"], "cpu:gloo"),
+        (["cpu", "cpu"], "gloo"),
+        (["cuda:0", "cuda:1"], "cpu:gloo,cuda:nccl"),
+        (["cuda:0", "cuda:0"], "nccl"),
+        (["cuda:0"], "some_custom_backend"),
+    ],
+)
+def test_check_placement_accepts(devices: list[str], config: str) -> None:
+    mpdist.check_placement([torch.device(d) for d in devices], config)
+
+
+def test_one_process_train_step_equals_the_pipes(group: None) -> None:
+    pipe = small_pipe(schedule="1f1b", checkpoint="always")
+    ref = copy.deepcopy(pipe)
+    ddp = mpdist.wrap(pipe)
+    assert isinstance(ddp, DistributedDataParallel) and ddp.module is pipe
+    x, y = batches(1)[0]
+    loss = mpdist.train_step(ddp, x, y, nn.MSELoss())
+    torch.testing.assert_close(loss, ref.train_step(x, y, nn.MSELoss()))
+    for a, b in zip(pipe.parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_graphed_stages_under_ddp_give_the_reducer_every_gradient(group: None) -> None:
+    # Graphed stages may sum parameter gradients and set .grad at the end of
+    # a backward; DDP's reducer hooks must see each one on the way instead.
+    from mpstream.runtime.graphed import Emulated
+
+    eager, graphed = small_pipe(), small_pipe(graphs=Emulated())
+    graphed.load_state_dict(eager.state_dict())
+    wrapped = [mpdist.wrap(pipe) for pipe in (eager, graphed)]
+    x, y = batches(1)[0]
+    for _ in range(2):
+        for ddp in wrapped:
+            ddp.zero_grad()
+            nn.functional.mse_loss(ddp(x), y).backward()
+        for a, b in zip(graphed.parameters(), eager.parameters()):
+            torch.testing.assert_close(a.grad, b.grad)
+    for ddp in wrapped:
+        ddp.zero_grad()
+        mpdist.train_step(ddp, x, y, nn.MSELoss())
+    for a, b in zip(graphed.parameters(), eager.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_graphed_stages_under_a_plain_ddp_give_the_reducer_every_gradient(group: None) -> None:
+    # DistributedDataParallel built directly, not through wrap(): the pipe
+    # sees DDP's forward running and stops summing gradients.
+    from mpstream.runtime.graphed import Emulated
+
+    eager, graphed = small_pipe(), small_pipe(graphs=Emulated())
+    graphed.load_state_dict(eager.state_dict())
+    wrapped = [DistributedDataParallel(p, device_ids=None) for p in (eager, graphed)]
+    x, y = batches(1)[0]
+    for _ in range(2):
+        for ddp in wrapped:
+            ddp.zero_grad()
+            nn.functional.mse_loss(ddp(x), y).backward()
+        for a, b in zip(graphed.parameters(), eager.parameters()):
+            torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_one_process_train_step_with_tied_weights_and_a_grad_scaler(group: None) -> None:
+    model = nn.Sequential(nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 5)).double()
+    model[2].weight = model[0].weight  # tied, on one device: reduced once
+    pipe = Pipe(model, split_size=SPLIT, balance=[2, 1], devices=["cpu", "cpu"])
+    ref = copy.deepcopy(pipe)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=8.0) for _ in range(2)]
+    x, y = torch.randn(4, 5, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64)
+    loss = mpdist.train_step(mpdist.wrap(pipe), x, y, nn.MSELoss(), scaler=scalers[0])
+    torch.testing.assert_close(loss, ref.train_step(x, y, nn.MSELoss(), scaler=scalers[1]))
+    for a, b in zip(pipe.parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_train_step_needs_ddp_around_a_pipe(group: None) -> None:
+    x, y = batches(1)[0]
+    with pytest.raises(TypeError, match="DistributedDataParallel module, got Pipe"):
+        mpdist.train_step(small_pipe(), x, y, nn.MSELoss())  # type: ignore[arg-type]
+    plain = DistributedDataParallel(initial_model())
+    with pytest.raises(TypeError, match="around an mpstream.Pipe, got one around Sequential"):
+        mpdist.train_step(plain, x, y, nn.MSELoss())
+
+
+def test_train_step_refuses_to_ignore_a_comm_hook(group: None) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    ddp = mpdist.wrap(small_pipe())
+    ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+    x, y = batches(1)[0]
+    with pytest.raises(ValueError, match="communication hook .* would be ignored"):
+        mpdist.train_step(ddp, x, y, nn.MSELoss())
+
+
+def test_sync_gradients_rejects_sparse_gradients(group: None) -> None:
+    pipe = Pipe(nn.Sequential(nn.Embedding(4, 3, sparse=True), nn.Linear(3, 2)))
+    ddp = DistributedDataParallel(pipe)
+    pipe[0](torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(ValueError, match="gradient of 0.weight is sparse"):
+        mpdist.sync_gradients(ddp)
+
+
+def test_map_location_pairs_stage_devices() -> None:
+    assert mpdist.map_location(["cuda:0", "cuda:1"], ["cuda:2", "cuda:3"]) == {
+        "cuda:0": "cuda:2",
+        "cuda:1": "cuda:3",
+    }
+    assert mpdist.map_location(["cuda:0", "cuda:0"], ["cuda:1", "cuda:1"]) == {"cuda:0": "cuda:1"}
+    assert mpdist.map_location(["cpu", "cpu"], [torch.device("cpu")] * 2) == {"cpu": "cpu"}
+    with pytest.raises(ValueError, match="has 2 stages and this one 3"):
+        mpdist.map_location(["cpu", "cpu"], ["cpu"] * 3)
+    with pytest.raises(ValueError, match="cuda:0 maps to both cuda:2 and cuda:3"):
+        mpdist.map_location(["cuda:0", "cuda:0"], ["cuda:2", "cuda:3"])
