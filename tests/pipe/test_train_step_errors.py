@@ -1,0 +1,205 @@
+"""Pipe.train_step's bad arguments and failures: a step that fails in a
+forward or a backward leaves gradients and BatchNorm statistics as they were,
+and the next step works."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from mpstream import Pipe, verify_plan
+from mpstream.runtime import training
+from mpstream.runtime.microbatch import scatter
+from mpstream.runtime.plan import Plan
+from mpstream.runtime.scheduler import EventScheduler
+from mpstream.runtime.worker import Worker
+from mpstream.schedules.schedule import Schedule
+from tests.helpers import assert_same_grads, mlp
+from tests.pipe.test_train_step import BATCH, MODES, SCHEDULES, reference_step
+
+
+def small_pipe(**kw: object) -> Pipe:
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)).double()
+    return Pipe(model, split_size=4, balance=[2, 1], devices=["cpu", "cpu"], **kw)  # type: ignore[arg-type]
+
+
+def data() -> tuple[Tensor, Tensor]:
+    return torch.randn(BATCH, 4, dtype=torch.float64), torch.randn(BATCH, 2, dtype=torch.float64)
+
+
+def test_bad_arguments() -> None:
+    pipe = small_pipe()
+    x, y = data()
+    with pytest.raises(ValueError, match="reduction must be one of 'mean', 'sum'"):
+        pipe.train_step(x, y, nn.MSELoss(), reduction="avg")
+    with pytest.raises(ValueError, match="target has batch size 3 but inputs have 10"):
+        pipe.train_step(x, y[:3], nn.MSELoss())
+    with pytest.raises(TypeError, match="target"):
+        pipe.train_step(x, "labels", nn.MSELoss())  # type: ignore[arg-type]
+    with pytest.raises(
+        TypeError, match="loss_fn must return a scalar tensor, got a tensor of shape"
+    ):
+        pipe.train_step(x, y, nn.MSELoss(reduction="none"))
+    with pytest.raises(ValueError, match="schedule must be one of 'gpipe', '1f1b'"):
+        small_pipe(schedule="interleaved")
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("had_grads", [False, True])
+def test_failure_restores_gradients_and_batchnorm(schedule: str, had_grads: bool) -> None:
+    pipe = small_pipe(schedule=schedule)
+    x, y = data()
+    if had_grads:
+        pipe.train_step(x, y, nn.MSELoss())
+    before_grads = [None if p.grad is None else p.grad.clone() for p in pipe.parameters()]
+    before_stats = [b.clone() for b in pipe.buffers()]
+    calls = 0
+
+    def flaky(out: Tensor, target: Tensor) -> Tensor:
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise KeyError("loss failed on micro-batch 2")
+        return nn.functional.mse_loss(out, target)
+
+    with pytest.raises(KeyError, match="micro-batch 2"):
+        pipe.train_step(x, y, flaky)
+    for p, g in zip(pipe.parameters(), before_grads):
+        if g is None:
+            assert p.grad is None
+        else:
+            torch.testing.assert_close(p.grad, g)
+    for b, saved in zip(pipe.buffers(), before_stats):
+        torch.testing.assert_close(b, saved)
+    assert not pipe.scheduler.native.running
+    pipe.train_step(x, y, nn.MSELoss())  # the next step works
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_forced_copies_give_the_same_step(schedule: str, checkpoint: str) -> None:
+    model = mlp([4, 5, 6, 3])
+    ref = copy.deepcopy(model)
+    pipe = Pipe(
+        model,
+        split_size=3,
+        balance=[2, 2, 2],
+        devices=["cpu"] * 3,
+        schedule=schedule,
+        checkpoint=checkpoint,
+        force_copies=True,
+    )
+    x, y = torch.randn(BATCH, 4, dtype=torch.float64), torch.randn(BATCH, 3, dtype=torch.float64)
+    loss = pipe.train_step(x, y, nn.MSELoss())
+    torch.testing.assert_close(loss, reference_step(ref, x, y, nn.MSELoss()))
+    assert_same_grads(model, ref)
+
+
+def test_target_tasks_move_targets_ahead_of_the_last_stage() -> None:
+    """Targets not on the last stage's device move in tasks of their own
+    (issued with the inputs), not inside the last stage's forward."""
+    model = mlp([4, 5, 3])
+    ref = copy.deepcopy(model)
+    sched = EventScheduler([torch.device("cpu")] * 2)
+    worker = Worker([model[0:2], model[2:4]], sched)
+    x, y = torch.randn(BATCH, 4, dtype=torch.float64), torch.randn(BATCH, 3, dtype=torch.float64)
+    micro, targets = scatter(x, None, 4), scatter(y, None, 4)
+    for name in SCHEDULES:
+        model.zero_grad()
+        schedule = Schedule(name, 2, len(micro), [False, False], backward=True, copy_target=True)
+        sched.recording = True
+        sched.clear_plan()
+        batches = [(b,) for b in micro]
+        losses = training.run(worker, batches, targets, schedule, nn.MSELoss(), [0.4, 0.4, 0.2])
+        plan = Plan(sched.plan(), sched.slot_names, sched.slot_devices, 2)
+        verify_plan(plan)
+        runs = [op for op in plan.ops if op.op == "run"]
+        assert [(op.kind, op.micro) for op in runs if op.kind == "target"] == [
+            ("target", m) for m in range(3)
+        ]
+        first_forward = next(i for i, op in enumerate(runs) if op.kind == "forward")
+        assert runs[first_forward - 1].kind == "target"  # issued ahead, with the input
+        assert {plan.slot_names[op.slot] for op in runs if op.kind == "target"} == {"io@cpu"}
+        ref.zero_grad()
+        expected = reference_step(ref, x, y, nn.MSELoss())
+        torch.testing.assert_close(torch.stack(losses).sum(), expected)
+        assert_same_grads(model, ref)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_existing_gradients_are_saved_only_when_a_backward_begins(
+    schedule: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mpstream.pipe.snapshot import Snapshot
+
+    saved: list[int] = []
+    real = Snapshot.save_grads
+
+    def spy(self: object, stage: int) -> None:
+        saved.append(stage)
+        real(self, stage)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Snapshot, "save_grads", spy)
+    pipe = small_pipe(schedule=schedule)
+    x, y = data()
+    pipe.train_step(x, y, nn.MSELoss())  # gradients exist from now on
+    saved.clear()
+
+    def fails_last(out: Tensor, target: Tensor) -> Tensor:
+        if out.shape[0] < 4:  # the last (uneven) micro-batch
+            raise KeyError("loss failed")
+        return nn.functional.mse_loss(out, target)
+
+    before = [p.grad.clone() for p in pipe.parameters()]  # type: ignore[union-attr]
+    with pytest.raises(KeyError):
+        pipe.train_step(x, y, fails_last)
+    # gpipe fails before any backward: nothing cloned. 1f1b interleaves
+    # backwards (the last stage's first) before the failing forward.
+    assert saved == [] if schedule == "gpipe" else saved[0] == 1
+    for p, g in zip(pipe.parameters(), before):
+        torch.testing.assert_close(p.grad, g)
+    saved.clear()
+    pipe.train_step(x, y, nn.MSELoss())
+    assert sorted(saved) == [0, 1]
+
+
+class FailingBackward(torch.autograd.Function):
+    calls = 0
+
+    @staticmethod
+    def forward(ctx: object, x: Tensor) -> Tensor:  # type: ignore[override]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: object, grad: Tensor) -> Tensor:  # type: ignore[override]
+        FailingBackward.calls += 1
+        if FailingBackward.calls == 2:
+            raise KeyError("backward failed")
+        return grad
+
+
+class FailOnSecondBackward(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return FailingBackward.apply(x)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_failed_backward_restores_accumulated_gradients(schedule: str) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), FailOnSecondBackward(), nn.Linear(4, 2)).double()
+    pipe = Pipe(model, split_size=4, balance=[2, 1], devices=["cpu", "cpu"], schedule=schedule)
+    x, y = data()
+    FailingBackward.calls = -100
+    pipe.train_step(x, y, nn.MSELoss())
+    before = [p.grad.clone() for p in pipe.parameters()]  # type: ignore[union-attr]
+    FailingBackward.calls = 0
+    with pytest.raises(KeyError, match="backward failed"):
+        pipe.train_step(x, y, nn.MSELoss())
+    for p, g in zip(pipe.parameters(), before):
+        torch.testing.assert_close(p.grad, g)
+    FailingBackward.calls = -100
+    pipe.train_step(x, y, nn.MSELoss())
+    for p, g in zip(pipe.parameters(), before):
+        torch.testing.assert_close(p.grad, 2 * g)
