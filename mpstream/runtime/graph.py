@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch.utils import _pytree as pytree
 
 from ..schedules.schedule import Topology
@@ -65,6 +66,11 @@ class StageGraph:
     def stages(self) -> int:
         return len(self.args)
 
+    def plain_result(self) -> Any:
+        """:attr:`result` with ``torch.fx``'s immutable lists and dicts (what a
+        traced graph's output holds) as the plain ones the module built."""
+        return _thawed(self.result)
+
     def result_refs(self) -> list[Ref]:
         """The refs among the result's leaves (the others are constants)."""
         items = pytree.tree_leaves(self.result, is_leaf=lambda x: isinstance(x, Ref))
@@ -84,6 +90,18 @@ class StageGraph:
 
     def is_chain(self) -> bool:
         return self == StageGraph.chain(self.stages)
+
+
+def _thawed(value: Any) -> Any:
+    if isinstance(value, immutable_list):
+        return [_thawed(v) for v in value]
+    if isinstance(value, immutable_dict):
+        return {k: _thawed(v) for k, v in value.items()}
+    if type(value) is tuple:
+        return tuple(_thawed(v) for v in value)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+        return type(value)(*(_thawed(v) for v in value))
+    return value
 
 
 @dataclass(frozen=True)

@@ -61,7 +61,7 @@ class Wiring:
         last = self.stages - 1
         # The result's leaves: refs, or constants the module returns as such.
         items, self.result_spec = pytree.tree_flatten(
-            graph.result, is_leaf=lambda x: isinstance(x, Ref)
+            graph.plain_result(), is_leaf=lambda x: isinstance(x, Ref)
         )
         self.result_items = [
             (x, routes.hop(x.stage, last)) if isinstance(x, Ref) else (x, None) for x in items

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..memory import DeferredBatchNorm
 from ..runtime.graph import StageGraph
 from .balance import balance_by_size, balance_by_time, split_points_by
 from .export_balance import export_split_points
@@ -161,6 +162,15 @@ def _exported(
     fx_error: BaseException | None,
 ) -> Built:
     """A module split by ``torch.export`` (see :mod:`~mpstream.exported`)."""
+    if any(isinstance(m, DeferredBatchNorm) for m in module.modules()):
+        # Its statistics are summed in Python across a mini-batch's
+        # micro-batches, which an exported graph would freeze.
+        fx_failed = f" (torch.fx could not trace the module: {fx_error})" if fx_error else ""
+        raise ValueError(
+            f"deferred_batch_norm=True: the module would be split by torch.export ({why})"
+            f"{fx_failed}, which cannot run DeferredBatchNorm; use tracer='fx' or an "
+            "nn.Sequential of stages, or leave deferred_batch_norm off"
+        )
     if isinstance(balance, str) and split_points is None:
         _check_auto(balance, devices, sample)
         assert devices is not None

@@ -23,6 +23,7 @@ from typing import Any, cast
 from torch import Tensor, fx, nn
 from torch.fx.passes.split_module import split_module
 
+from ..memory import DeferredBatchNorm
 from ..runtime.graph import Ref, StageGraph
 from .points import begin_stages, split_candidates, units_in_order
 
@@ -60,6 +61,10 @@ class _Tracer(fx.Tracer):
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         if qualname in self.leaf_names or (self.leaf_types and isinstance(m, self.leaf_types)):
+            return True
+        if isinstance(m, DeferredBatchNorm):
+            # Ours, so not a leaf to fx, but its statistics bookkeeping is
+            # Python control flow fx cannot trace; a BatchNorm it replaced was one.
             return True
         return bool(super().is_leaf_module(m, qualname))
 
@@ -183,7 +188,10 @@ def inline_attrs(top: fx.GraphModule, resolve: Callable[[str], tuple[Any, bool]]
         part.graph.lint()
         part.recompile()
         call.args = tuple(keep_args)
-    top.graph.eliminate_dead_code()
+    # Only the lifted tensors go: a stage whose values nothing reads is
+    # still called, as the module calls it (eliminate_dead_code would drop it).
+    for node in [n for n in top.graph.nodes if n.op == "get_attr" and not n.users]:
+        top.graph.erase_node(node)
     top.graph.lint()
     top.recompile()
 

@@ -298,3 +298,63 @@ def test_balance_picks_split_points_of_a_traced_module(how: str) -> None:
     torch.testing.assert_close(pipe(ids), model(ids))
     with pytest.raises(ValueError, match="needs devices= .* and sample="):
         Pipe(Decoder(), balance=how, devices=["cpu"] * 2)
+
+
+class Unread(nn.Module):
+    """Stage 0's values feed nothing: its BatchNorm still counts the batches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.norm, self.b = nn.Linear(2, 2), nn.BatchNorm1d(2), nn.Linear(2, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.norm(self.a(x))
+        return self.b(x)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1"])
+def test_a_stage_whose_values_nothing_reads_still_runs(schedule: str) -> None:
+    model = Unread().double()
+    ref = copy.deepcopy(model)
+    pipe = Pipe(model, chunks=1, split_points=["b"], devices=["cpu"] * 2, schedule=schedule)
+    x = torch.randn(4, 2, dtype=torch.float64)
+    torch.testing.assert_close(pipe(x), ref(x))
+    torch.testing.assert_close(model.norm.running_mean, ref.norm.running_mean)
+    pipe(x).sum().backward()
+    ref(x).sum().backward()
+    assert model.a.weight.grad is None and ref.a.weight.grad is None
+    torch.testing.assert_close(model.b.weight.grad, ref.b.weight.grad)
+
+
+class Containers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+
+    def forward(self, x: Tensor) -> dict[str, Any]:
+        y = self.a(x)
+        z = self.b(y)
+        return {"out": [z, y], "pair": (z, 1)}
+
+
+def test_a_traced_pipe_returns_the_module_s_own_containers() -> None:
+    # torch.fx holds a graph's output in immutable lists and dicts.
+    pipe = Pipe(Containers().double(), chunks=2, split_points=["b"], devices=["cpu"] * 2)
+    out = pipe(torch.randn(4, 3, dtype=torch.float64))
+    assert type(out) is dict and type(out["out"]) is list and type(out["pair"]) is tuple
+    out["out"].append(None)  # a user may change what they got
+    assert out["pair"][1] == [1, 1]  # plain values are gathered per micro-batch
+
+
+def test_deferred_batch_norm_in_a_traced_module_runs_whole() -> None:
+    model = Unread().double()
+    ref = copy.deepcopy(model)
+    pipe = Pipe(model, chunks=2, split_points=["b"], devices=["cpu"] * 2, deferred_batch_norm=True)
+    x = torch.randn(8, 2, dtype=torch.float64)
+    pipe(x)
+    ref(x)  # whole-batch statistics, as deferred BatchNorm keeps them
+    torch.testing.assert_close(pipe.norm.running_mean, ref.norm.running_mean)
+    torch.testing.assert_close(pipe.norm.running_var, ref.norm.running_var)
+    with pytest.raises(ValueError, match="deferred_batch_norm=True: .* torch.export"):
+        Pipe(Unread().double(), chunks=2, split_points=["b"], devices=["cpu"] * 2,
+             deferred_batch_norm=True, tracer="export", sample=x[:4])  # fmt: skip

@@ -331,6 +331,7 @@ class _Replay(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, call: GraphedCall, *tensors: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
         ctx.call = call
+        ctx.set_materialize_grads(False)  # backward tells "no gradient" from zeros
         outs = call._forward(tensors[: len(call.where)])
         call.replays += 1
         ctx.replay = call.replays
@@ -350,6 +351,12 @@ class _Replay(torch.autograd.Function):
                 f"run the pipe with graphs=False for that"
             )
         ctx.done = True
+        if all(g is None for g in grads):
+            # No gradient reached this call (its outputs feed nothing the loss
+            # depends on): eager autograd computes nothing here, while a
+            # replay would hand the parameters zeros where they have None.
+            call.pending = None
+            return (None,) * (1 + len(call.static_in) + len(call.params))
         if ctx.replay != call.replays:
             raise RuntimeError(
                 f"{call.label}: its graphs replayed another micro-batch's forward before this "

@@ -181,3 +181,33 @@ def test_a_backward_inside_a_backward_keeps_the_outer_pass_s_sums() -> None:
         out = pipe(Nested.apply(x.clone().requires_grad_()))
         nn.functional.mse_loss(out, y).backward()
     assert_same_grads(graphed, eager)
+
+
+class Branch(nn.Module):
+    """Block 0's value reaches stage 1, which drops it with block 1's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(2, 2) for _ in range(3))
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.blocks[1](self.blocks[0](x))
+        return self.blocks[2](x)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1"])
+def test_a_call_no_gradient_reaches_leaves_its_parameters_without_one(schedule: str) -> None:
+    # A replayed backward would hand them zeros where eager autograd gives None.
+    eager, graphed = pair(
+        Branch().double(), chunks=2, schedule=schedule, balance=None, split_points=["blocks.1"]
+    )
+    x, y = torch.randn(4, 2, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+    for pipe in (eager, graphed):
+        pipe(x).sum().backward()
+        pipe.train_step(x, y, nn.MSELoss())
+    for pipe in (eager, graphed):
+        assert [n for n, p in pipe.named_parameters() if p.grad is not None] == [
+            "blocks.2.weight",
+            "blocks.2.bias",
+        ]
+    torch.testing.assert_close(graphed.blocks[2].weight.grad, eager.blocks[2].weight.grad)
