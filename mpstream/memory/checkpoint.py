@@ -15,12 +15,13 @@ stage may begin with an in-place op.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor, fx, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils import _pytree as pytree
 from torch.utils import checkpoint as torch_checkpoint
@@ -111,8 +112,8 @@ def _recompute(stage: nn.Module) -> Iterator[None]:
     # backward, which the checkpoint's determinism check rejects.) The copy
     # goes through .data so the buffers' version counters do not move:
     # other micro-batches' graphs saved them, as batch_norm does.
-    norms = [m for m in stage.modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
-    saved = [[b.clone() for b in m.buffers(recurse=False)] for m in norms]
+    written = _written_buffers(stage)
+    saved = [b.clone() for b in written]
     previous = getattr(_local, "recomputing", False)
     # A recomputation can run inside a checkpointed forward (a module calling
     # torch.autograd.grad in its forward): inside it, only recomputing holds.
@@ -122,9 +123,56 @@ def _recompute(stage: nn.Module) -> Iterator[None]:
         yield
     finally:
         _local.recomputing, _local.checkpointing = previous, outer
-        for m, buffers in zip(norms, saved):
-            for b, copy in zip(m.buffers(recurse=False), buffers):
-                b.data.copy_(copy)
+        for b, copy in zip(written, saved):
+            b.data.copy_(copy)
+
+
+# Per stage, the buffers its forward writes (a stage's graph never changes).
+_WRITTEN: weakref.WeakKeyDictionary[nn.Module, list[Tensor]] = weakref.WeakKeyDictionary()
+
+
+def _written_buffers(stage: nn.Module) -> list[Tensor]:
+    """The buffers a forward of ``stage`` updates: those of its BatchNorm
+    layers, and those an exported graph (where BatchNorm is an aten op on
+    the stage's own buffers) hands to an operator that writes them."""
+    found = _WRITTEN.get(stage)
+    if found is None:
+        seen: dict[int, Tensor] = {}
+        for m in stage.modules():
+            if isinstance(m, _BatchNorm) and m.track_running_stats:
+                seen.update((id(b), b) for b in m.buffers(recurse=False))
+            elif isinstance(m, fx.GraphModule):
+                seen.update((id(b), b) for b in _graph_writes(m))
+        found = _WRITTEN[stage] = list(seen.values())
+    return found
+
+
+_STATISTICS = ("running_mean", "running_var")
+
+
+def _graph_writes(gm: fx.GraphModule) -> list[Tensor]:
+    """The buffers of ``gm`` that its graph passes to an operator's argument
+    the operator's schema marks as written (``Tensor(a!)``), or as running
+    statistics."""
+    buffers = dict(gm.named_buffers())
+    out = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        schema = node.target._schema.arguments
+        args = [
+            *zip(schema, node.args),
+            *((a, node.kwargs[a.name]) for a in schema if a.name in node.kwargs),
+        ]
+        for arg, value in args:
+            info = arg.alias_info
+            # batch_norm and its kin update running statistics their schema
+            # does not mark as written.
+            if not (info is not None and info.is_write) and arg.name not in _STATISTICS:
+                continue
+            if isinstance(value, fx.Node) and value.op == "get_attr" and value.target in buffers:
+                out.append(buffers[str(value.target)])
+    return out
 
 
 class _OnACopy:

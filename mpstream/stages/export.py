@@ -115,6 +115,48 @@ def _stage_of(gm: fx.GraphModule, points: Sequence[str], module: nn.Module) -> d
     return stage_of
 
 
+# aten's BatchNorm operators, which do not check their input as
+# torch.nn.functional.batch_norm does in Python before calling them.
+_NORMS = frozenset(
+    ["batch_norm", "native_batch_norm", "_native_batch_norm_legit", "cudnn_batch_norm"]
+    + ["_native_batch_norm_legit_functional", "_batch_norm_impl_index"]
+)
+
+
+def check_norm_input(x: torch.Tensor) -> None:
+    """What ``F.batch_norm`` checks of a training input: more than one value
+    per channel (one would give NaN statistics silently).
+
+    Raises:
+        ValueError: one value per channel, in torch's words.
+    """
+    values = x.shape[0]
+    for side in x.shape[2:]:
+        values *= side
+    if values == 1:
+        raise ValueError(
+            f"Expected more than 1 value per channel when training, got input size {x.shape}"
+        )
+
+
+def guard_norms(gm: fx.GraphModule) -> None:
+    """Puts :func:`check_norm_input` before every training BatchNorm operator
+    of an exported graph, inside the same submodule (so in the same stage)."""
+    for node in list(gm.graph.nodes):
+        op = node.target
+        if node.op != "call_function" or not isinstance(op, torch._ops.OpOverload):
+            continue
+        if op._schema.name.split("::")[-1] not in _NORMS:
+            continue
+        names = [a.name for a in op._schema.arguments]
+        training = node.kwargs.get("training", node.args[names.index("training")])
+        if training is not True:
+            continue
+        with gm.graph.inserting_before(node):
+            check = gm.graph.call_function(check_norm_input, (node.args[0],))
+        check.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
+
+
 def attribute(root: nn.Module, target: str) -> Any:
     """``root``'s attribute at the qualified name ``target``, or None."""
     owner, _, attr = target.rpartition(".")
@@ -226,6 +268,7 @@ def export_stages(
     holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     patterns = [input_pattern(n) for n in holders]
     loss = weigh_loss(gm, out_spec) if weigh else None
+    guard_norms(gm)
     gm.graph.lint()
     gm.recompile()
     stage_of = _stage_of(gm, list(split_points), module)
