@@ -127,35 +127,38 @@ def _recompute(stage: nn.Module) -> Iterator[None]:
             b.data.copy_(copy)
 
 
-# Per stage, the buffers its forward writes (a stage's graph never changes).
-_WRITTEN: weakref.WeakKeyDictionary[nn.Module, list[Tensor]] = weakref.WeakKeyDictionary()
-
-
 def _written_buffers(stage: nn.Module) -> list[Tensor]:
     """The buffers a forward of ``stage`` updates: those of its BatchNorm
     layers, and those an exported graph (where BatchNorm is an aten op on
-    the stage's own buffers) hands to an operator that writes them."""
-    found = _WRITTEN.get(stage)
-    if found is None:
-        seen: dict[int, Tensor] = {}
-        for m in stage.modules():
-            if isinstance(m, _BatchNorm) and m.track_running_stats:
-                seen.update((id(b), b) for b in m.buffers(recurse=False))
-            elif isinstance(m, fx.GraphModule):
-                seen.update((id(b), b) for b in _graph_writes(m))
-        found = _WRITTEN[stage] = list(seen.values())
-    return found
+    the stage's own buffers) hands to an operator that writes them. Read
+    anew each time: ``.to()`` or a conversion replaces buffers."""
+    seen: dict[int, Tensor] = {}
+    for m in stage.modules():
+        if isinstance(m, _BatchNorm) and m.track_running_stats:
+            seen.update((id(b), b) for b in m.buffers(recurse=False))
+        elif isinstance(m, fx.GraphModule):
+            names = _GRAPH_WRITES.get(m)
+            if names is None:
+                names = _GRAPH_WRITES[m] = _graph_writes(m)
+            seen.update((id(b), b) for b in map(m.get_buffer, names))
+    return list(seen.values())
+
+
+# Per graph module, what :func:`_graph_writes` found (its graph never changes).
+_GRAPH_WRITES: weakref.WeakKeyDictionary[fx.GraphModule, tuple[str, ...]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 _STATISTICS = ("running_mean", "running_var")
 
 
-def _graph_writes(gm: fx.GraphModule) -> list[Tensor]:
-    """The buffers of ``gm`` that its graph passes to an operator's argument
-    the operator's schema marks as written (``Tensor(a!)``), or as running
-    statistics."""
-    buffers = dict(gm.named_buffers())
-    out = []
+def _graph_writes(gm: fx.GraphModule) -> tuple[str, ...]:
+    """The names of the buffers of ``gm`` that its graph passes to an
+    operator's argument that the operator's schema marks as written
+    (``Tensor(a!)``), or as running statistics."""
+    buffers = {name for name, _ in gm.named_buffers()}
+    out: dict[str, None] = {}
     for node in gm.graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
@@ -171,8 +174,8 @@ def _graph_writes(gm: fx.GraphModule) -> list[Tensor]:
             if not (info is not None and info.is_write) and arg.name not in _STATISTICS:
                 continue
             if isinstance(value, fx.Node) and value.op == "get_attr" and value.target in buffers:
-                out.append(buffers[str(value.target)])
-    return out
+                out[str(value.target)] = None
+    return tuple(out)
 
 
 class _OnACopy:
