@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -35,7 +36,8 @@ class Snapshot:
 
     def __init__(self, module: nn.Module, partitions: Sequence[nn.Module]) -> None:
         self.partitions = list(partitions)
-        self.grads: dict[int, tuple[nn.Parameter, Tensor | None]] = {}
+        # Per parameter: its gradient tensor before the step, and a copy.
+        self.grads: dict[int, tuple[nn.Parameter, Tensor | None, Tensor | None]] = {}
         self.norms = [
             (m, [b.detach().clone() for b in m.buffers(recurse=False)])
             for m in module.modules()
@@ -47,15 +49,24 @@ class Snapshot:
         a parameter shared by stages is saved once, before its first use."""
         for p in self.partitions[stage].parameters():
             if id(p) not in self.grads:
-                self.grads[id(p)] = (p, None if p.grad is None else p.grad.detach().clone())
+                g = p.grad
+                self.grads[id(p)] = (p, g, None if g is None else g.detach().clone())
 
     def restore(self) -> None:
         """Puts the saved gradients and statistics back (on the caller's stream)."""
-        for p, g in self.grads.values():
-            if g is not None:
-                # Cloned on a stage stream; the caller's stream uses it now.
-                record_stream(g, current_stream(g.device))
-            p.grad = g
+        for p, before, g in self.grads.values():
+            if g is None:
+                p.grad = None
+                continue
+            # Cloned on a stage stream; the caller's stream uses it now.
+            record_stream(g, current_stream(g.device))
+            if before is not None and p.grad is before:
+                # In place: views of the gradient (DDP's buckets, an
+                # optimizer's flat buffers) must see it restored too.
+                with torch.no_grad():
+                    before.copy_(g)
+            else:
+                p.grad = g
         for m, buffers in self.norms:
             # Through .data: graphs still alive may have saved these buffers.
             for b, saved in zip(m.buffers(recurse=False), buffers):

@@ -68,6 +68,8 @@ def task_note(task: Task, micros: int, labels: Sequence[str], in_loss: bool = Fa
         what = f"the transfer of {mb}'s target to {labels[last]}"
     elif kind is Kind.BACKWARD:
         what = f"the backward task of {labels[s]}, {mb}"
+    elif kind is Kind.WEIGHT:
+        what = f"the weight task of {labels[s]}, {mb}"
     else:
         what = f"the copy of {mb}'s gradient from stage {peer} back to {labels[s]}"
     return f"mpstream: raised in {what}"

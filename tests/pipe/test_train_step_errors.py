@@ -203,3 +203,25 @@ def test_a_failed_backward_restores_accumulated_gradients(schedule: str) -> None
     pipe.train_step(x, y, nn.MSELoss())
     for p, g in zip(pipe.parameters(), before):
         torch.testing.assert_close(p.grad, 2 * g)
+
+
+def test_a_failed_step_restores_the_gradient_tensors_in_place() -> None:
+    # Views of .grad (DDP's gradient buckets) must see the restored values.
+    pipe = small_pipe(schedule="1f1b")
+    x, y = data()
+    pipe.train_step(x, y, nn.MSELoss())
+    grads = [p.grad for p in pipe.parameters()]
+    saved = [g.clone() for g in grads]  # type: ignore[union-attr]
+
+    def failing(out: Tensor, target: Tensor) -> Tensor:
+        if failing.calls == 1:  # type: ignore[attr-defined]
+            raise RuntimeError("boom")  # micro-batch 1's loss: after micro-batch 0's backward
+        failing.calls += 1  # type: ignore[attr-defined]
+        return nn.functional.mse_loss(out, target)
+
+    failing.calls = 0  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match="boom"):
+        pipe.train_step(x, y, failing)
+    for p, g, s in zip(pipe.parameters(), grads, saved):
+        assert p.grad is g
+        torch.testing.assert_close(g, s)

@@ -181,6 +181,10 @@ def test_notes_for_every_task_kind() -> None:
         "mpstream: raised in the transfer of micro-batch 1 (of 3)'s target to stage 1 of 2 "
         "(layer 'c' on cpu)"
     )
+    assert note(Kind.WEIGHT, 1) == (
+        "mpstream: raised in the weight task of stage 1 of 2 (layer 'c' on cpu), "
+        "micro-batch 1 (of 3)"
+    )
 
 
 @pytest.mark.parametrize(

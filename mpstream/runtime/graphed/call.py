@@ -41,6 +41,7 @@ from torch.autograd.graph import Node, get_gradient_edge
 from ...memory.batchnorm import deferred_norms
 from ..microbatch import leaves, rebuild_leaves
 from .grads import StageGrads
+from .reach import reached_from
 from .restore import restored
 
 __all__ = ["Backend", "GraphedCall"]
@@ -146,6 +147,12 @@ class GraphedCall:
         #: The stage's gradient sums (set by StageGraphs; None: always return).
         self.sums: StageGrads | None = None
         self._accumulators: list[Node] | None = None
+        #: Per gradient target (:meth:`grad_targets`), the outputs it is reached from.
+        self.reached_from: list[frozenset[int]] = []
+        #: The gradient targets the last backward reached from no output that
+        #: got a gradient: eager autograd gives them none, where a replay
+        #: computes zeros.
+        self.unreached: frozenset[int] = frozenset()
         #: The graphs captured: forward; backward (all of it, or B); weight (W).
         self.passes: tuple[str, ...] = ("forward",)
         #: The passes whose replays draw random numbers (set by the backend).
@@ -178,30 +185,14 @@ class GraphedCall:
         return [t for t in self.static_in if t.requires_grad] + self.params
 
     def check_leaves(self, outs: Sequence[Tensor]) -> None:
-        """Refuses a captured call whose outputs' gradients reach a tensor
-        other than its inputs and the stage's parameters (one the stage holds
-        without registering it): the backward graph would not compute it.
+        """Notes which outputs reach each input and parameter (see
+        :func:`~.reach.reached_from`).
 
         Raises:
-            ValueError: naming the tensor's shape.
+            ValueError: the outputs' gradients reach a tensor other than the
+                inputs and the stage's parameters.
         """
-        known = {id(t) for t in self.grad_targets()}
-        seen: set[Any] = set()
-        stack: list[Any] = [outs[k].grad_fn for k in self.diff_out]
-        while stack:
-            node = stack.pop()
-            if node is None:
-                continue
-            if node in seen:
-                continue
-            seen.add(node)
-            variable = getattr(node, "variable", None)
-            if variable is not None and id(variable) not in known:
-                raise ValueError(
-                    f"a tensor of shape {tuple(variable.shape)} that is not a parameter of the "
-                    f"stage needs a gradient: register it (nn.Parameter on the stage's module)"
-                )
-            stack.extend(n for n, _ in node.next_functions if n is not None)
+        self.reached_from = reached_from(outs, self.diff_out, self.grad_targets())
 
     def busy(self) -> bool:
         """Whether the static activations belong to a forward whose backward
@@ -236,6 +227,12 @@ class GraphedCall:
         """Replays the backward from ``grads``; the input gradients, then
         the parameter gradients (None where ``defer`` leaves them to
         :meth:`_weights`)."""
+        none = [k for k in self.diff_out if grads[k] is None]
+        self.unreached = (
+            frozenset(i for i, outs in enumerate(self.reached_from) if outs and outs <= set(none))
+            if none
+            else frozenset()
+        )
         with torch.no_grad():
             for k, static in zip(self.diff_out, self.static_grad_out):
                 g = grads[k]
@@ -246,11 +243,11 @@ class GraphedCall:
             self.backend.backward(self)
             if self.weighs_later and not defer:
                 self.backend.weight(self)
-        in_grads = iter(self.static_grad_in)
+        in_grads = iter(enumerate(self.static_grad_in))
         out: list[Tensor | None] = []
         for t in self.static_in:
-            g = next(in_grads) if t.requires_grad else None
-            out.append(None if g is None else g.clone())
+            i, g = next(in_grads) if t.requires_grad else (-1, None)
+            out.append(None if g is None or i in self.unreached else g.clone())
         if defer:
             return out + [None] * len(self.params)
         return out + self._params_out()
@@ -265,7 +262,7 @@ class GraphedCall:
             self._accumulators = [get_gradient_edge(p).node for p in self.params]
         out: list[Tensor | None] = []
         held: list[tuple[Tensor, Tensor]] = []
-        for p, g, node in zip(self.params, self.static_grad_params, self._accumulators):
+        for p, g, node in zip(self.params, self._reached_params(), self._accumulators):
             if g is not None and _accumulates(node):
                 held.append((p, g))
                 out.append(None)
@@ -286,7 +283,17 @@ class GraphedCall:
     def _param_grads(self) -> list[Tensor | None]:
         # Copies: a parameter's gradient may outlive the next replay (kept by
         # a hook, or returned by torch.autograd.grad), which overwrites ours.
-        return [None if g is None else g.clone() for g in self.static_grad_params]
+        return [None if g is None else g.clone() for g in self._reached_params()]
+
+    def _reached_params(self) -> list[Tensor | None]:
+        """The static parameter gradients, None for those the last backward
+        did not reach (see :attr:`unreached`)."""
+        if not self.unreached:
+            return self.static_grad_params
+        n = len(self.static_grad_in)
+        return [
+            None if n + j in self.unreached else g for j, g in enumerate(self.static_grad_params)
+        ]
 
     def _weights(self, replay: int) -> None:
         """A deferred weight pass: replays W and accumulates every parameter
@@ -299,7 +306,7 @@ class GraphedCall:
             )
         with torch.no_grad():
             self.backend.weight(self)
-            pairs = [(p, g) for p, g in zip(self.params, self.static_grad_params) if g is not None]
+            pairs = [(p, g) for p, g in zip(self.params, self._reached_params()) if g is not None]
             if self.sums is not None and self.sums.holding:
                 self.sums.add([p for p, _ in pairs], [g for _, g in pairs])
                 pairs = []

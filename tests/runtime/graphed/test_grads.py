@@ -211,3 +211,32 @@ def test_a_call_no_gradient_reaches_leaves_its_parameters_without_one(schedule: 
             "blocks.2.bias",
         ]
     torch.testing.assert_close(graphed.blocks[2].weight.grad, eager.blocks[2].weight.grad)
+
+
+class TwoOut(nn.Module):
+    """Stage 0 returns blocks 0's and 1's values; stage 1 drops block 0's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(2, 2) for _ in range(4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        a, b = self.blocks[0](x), self.blocks[1](x)
+        self.blocks[2](a)
+        return self.blocks[3](b)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1"])
+def test_what_only_an_output_without_gradient_reaches_gets_none(schedule: str) -> None:
+    eager, graphed = pair(
+        TwoOut().double(), chunks=2, schedule=schedule, balance=None, split_points=["blocks.2"]
+    )
+    x, y = torch.randn(4, 2, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+    for pipe in (eager, graphed):
+        pipe(x).sum().backward()
+        pipe.train_step(x, y, nn.MSELoss())
+    reached = ["blocks.1.weight", "blocks.1.bias", "blocks.3.weight", "blocks.3.bias"]
+    for pipe in (eager, graphed):
+        assert [n for n, p in pipe.named_parameters() if p.grad is not None] == reached
+    for name in reached:
+        torch.testing.assert_close(graphed.get_parameter(name).grad, eager.get_parameter(name).grad)
