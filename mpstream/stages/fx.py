@@ -25,6 +25,7 @@ from torch.fx.passes.split_module import split_module
 
 from ..memory import DeferredBatchNorm
 from ..runtime.graph import Ref, StageGraph
+from .inplace import check_in_place
 from .points import begin_stages, split_candidates, units_in_order
 
 __all__ = ["Traced", "trace", "call_units", "lookup"]
@@ -144,6 +145,23 @@ def _stage_of_nodes(
             where = f"before split point '{points[s]}'" if s < len(points) else "at the end"
             raise ValueError(f"stage {s} would be empty ({where}); drop or move a split point")
     return stage_of
+
+
+def _check_result(gm: fx.GraphModule) -> None:
+    """Refuses a forward that returns one of the module's tensors as it is:
+    every value a pipeline returns comes out of a stage.
+
+    Raises:
+        TypeError: naming the tensor and what to do.
+    """
+    (output,) = [n for n in gm.graph.nodes if n.op == "output"]
+    for node in output.all_input_nodes:
+        if node.op == "get_attr":
+            raise TypeError(
+                f"{type(gm).__name__}'s forward returns its tensor '{node.target}' as it is; a "
+                f"pipeline returns what its stages compute: return it from the module's own "
+                f"state instead (module.{node.target}), or pass it through an operation"
+            )
 
 
 def _part(top: fx.GraphModule, name: str) -> fx.GraphModule:
@@ -331,7 +349,9 @@ def trace(
         split_points = [split_points]
     with _keep_training_flags(module):
         gm = _trace(module, leaf_modules)
+    _check_result(gm)
     stage_of = _stage_of_nodes(gm, list(split_points), module)
+    check_in_place(gm, stage_of)
     qualnames: dict[str, str] = {}
     top = split_module(
         gm, module, lambda n: stage_of[n], qualname_map=qualnames, keep_original_order=True

@@ -358,3 +358,40 @@ def test_deferred_batch_norm_in_a_traced_module_runs_whole() -> None:
     with pytest.raises(ValueError, match="deferred_batch_norm=True: .* torch.export"):
         Pipe(Unread().double(), chunks=2, split_points=["b"], devices=["cpu"] * 2,
              deferred_batch_norm=True, tracer="export", sample=x[:4])  # fmt: skip
+
+
+class InPlaceSkip(nn.Module):
+    """``act`` changes ``g`` in place; the skip then adds the changed ``g``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 3)
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        g = self.a(x)
+        return self.c(self.b(self.act(g))) + g  # type: ignore[no-any-return]
+
+
+def test_an_in_place_change_another_stage_would_miss_is_refused() -> None:
+    with pytest.raises(ValueError, match="'act' in stage 1 changes 'a' in place, which stage 2"):
+        Pipe(InPlaceSkip(), chunks=2, split_points=["act", "c"], devices=["cpu"] * 3)
+    # Changed in the stage that makes it: every later stage gets it changed.
+    model = InPlaceSkip().double()
+    x, y = torch.randn(5, 3, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
+    check(model, Pipe, (x,), y, chunks=2, split_points=["c"], devices=["cpu"] * 2, schedule="1f1b")
+
+
+class ReturnsItsTensor(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 2)
+        self.shift = nn.Parameter(torch.zeros(2))
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return self.b(self.a(x)), self.shift
+
+
+def test_a_forward_returning_its_own_tensor_is_named() -> None:
+    with pytest.raises(TypeError, match="returns its tensor 'shift' as it is"):
+        Pipe(ReturnsItsTensor(), split_points=["b"], devices=["cpu"] * 2, tracer="fx")
