@@ -227,9 +227,9 @@ class GraphedCall:
         """Replays the backward from ``grads``; the input gradients, then
         the parameter gradients (None where ``defer`` leaves them to
         :meth:`_weights`)."""
-        none = [k for k in self.diff_out if grads[k] is None]
+        none = {k for k in self.diff_out if grads[k] is None}
         self.unreached = (
-            frozenset(i for i, outs in enumerate(self.reached_from) if outs and outs <= set(none))
+            frozenset(i for i, outs in enumerate(self.reached_from) if outs and outs <= none)
             if none
             else frozenset()
         )
