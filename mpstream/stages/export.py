@@ -117,10 +117,10 @@ def _stage_of(gm: fx.GraphModule, points: Sequence[str], module: nn.Module) -> d
 
 # aten's BatchNorm operators, which do not check their input as
 # torch.nn.functional.batch_norm does in Python before calling them.
-_NORMS = frozenset(
-    ["batch_norm", "native_batch_norm", "_native_batch_norm_legit", "cudnn_batch_norm"]
-    + ["_native_batch_norm_legit_functional", "_batch_norm_impl_index"]
-)
+_NORMS = frozenset({
+    "batch_norm", "native_batch_norm", "_native_batch_norm_legit", "cudnn_batch_norm",
+    "_native_batch_norm_legit_functional", "_batch_norm_impl_index",
+})  # fmt: skip
 
 
 def check_norm_input(x: torch.Tensor) -> None:

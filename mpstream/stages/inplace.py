@@ -59,8 +59,7 @@ def check_in_place(gm: fx.GraphModule, stage_of: dict[fx.Node, int]) -> None:
         here = stage_of[node]
         if stage_of.get(value, -1) == here:
             continue  # changed where it is made: later readers get it changed
-        later = sorted({stage_of[u] for u in value.users if u.op != "output"} - {here})
-        later = [t for t in later if t > here]
+        later = sorted({t for u in value.users if u.op != "output" and (t := stage_of[u]) > here})
         reader = f"stage {later[0]}" if later else "the result"
         if later or any(u.op == "output" for u in value.users):
             raise ValueError(
