@@ -8,7 +8,10 @@ input or a block's output) and may combine its output with another earlier
 value (added when the widths match, else concatenated): skip connections.
 The forward takes one or two inputs and returns the last value, or a tuple,
 list or dict of it and any value (an input, or the last value again); two
-blocks of one shape may share (tie) their Linear weight.
+blocks of one shape may share (tie) their Linear weight. A recipe with a
+``gain`` block also takes ``scale`` (one tensor for the whole batch: a
+Pipe's ``NoChunk``) and ``alpha`` (a float, by keyword), which multiply that
+block's output.
 
 Around them: :class:`Reference`, the plain model called as a Pipe's contract
 says the Pipe equals it; :func:`random_order`, a valid explicit schedule
@@ -57,6 +60,7 @@ class Recipe:
     tie: tuple[int, int] | None = None
     container: str = "tuple"
     momentum: float | None = 0.1
+    gain: int | None = None  # the block scaled by forward's scale and alpha
 
     def widths(self) -> list[int]:
         """The width of every value."""
@@ -66,6 +70,11 @@ class Recipe:
             widths.append(step.width + extra)
         return widths
 
+    def gain_width(self) -> int:
+        """The width of the gain block's output (``scale``'s length)."""
+        assert self.gain is not None
+        return self.widths()[len(self.inputs) + self.gain]
+
     @property
     def is_chain(self) -> bool:
         """Whether it is a plain chain: one input, each block reading the
@@ -73,6 +82,7 @@ class Recipe:
         return (
             len(self.inputs) == 1
             and self.tie is None
+            and self.gain is None
             and self.outputs == (len(self.steps),)
             and all(s.source == i and s.skip is None for i, s in enumerate(self.steps))
         )
@@ -108,13 +118,17 @@ class RandomNet(nn.Module):
         self.recipe = recipe
         self.blocks = blocks(recipe)
 
-    def run(self, inputs: tuple[Tensor, ...]) -> Any:
+    def run(
+        self, inputs: tuple[Tensor, ...], scale: Tensor | None = None, alpha: float = 1.0
+    ) -> Any:
         values = list(inputs)
-        for layer, step in zip(self.blocks, self.recipe.steps):
+        for k, (layer, step) in enumerate(zip(self.blocks, self.recipe.steps)):
             h = layer(values[step.source])
             if step.skip is not None:
                 other = values[step.skip]
                 h = h + other if step.how == "add" else torch.cat([h, other], dim=1)
+            if k == self.recipe.gain:
+                h = h * scale * alpha
             values.append(h)
         out = [values[i] for i in self.recipe.outputs]
         if len(out) == 1:
@@ -133,13 +147,30 @@ class RandomNet2(RandomNet):
         return self.run((x, y))
 
 
+class GainNet(RandomNet):
+    """A recipe with a gain block: ``forward(x, scale, alpha=1.0)``."""
+
+    def forward(self, x: Tensor, scale: Tensor, alpha: float = 1.0) -> Any:  # type: ignore[override]
+        return self.run((x,), scale, alpha)
+
+
+class GainNet2(RandomNet):
+    """A recipe with a gain block and two inputs: ``forward(x, y, scale, alpha=1.0)``."""
+
+    def forward(self, x: Tensor, y: Tensor, scale: Tensor, alpha: float = 1.0) -> Any:  # type: ignore[override]
+        return self.run((x, y), scale, alpha)
+
+
 def build(recipe: Recipe, sequential: bool = False) -> nn.Module:
     """The recipe's module: an ``nn.Sequential`` of its blocks when asked
     (a chain only), else a traceable :class:`RandomNet`."""
     if sequential:
         assert recipe.is_chain
         return nn.Sequential(*blocks(recipe))
-    return (RandomNet if len(recipe.inputs) == 1 else RandomNet2)(recipe)
+    two = len(recipe.inputs) == 2
+    if recipe.gain is not None:
+        return (GainNet2 if two else GainNet)(recipe)
+    return (RandomNet2 if two else RandomNet)(recipe)
 
 
 @st.composite
@@ -178,7 +209,8 @@ def recipes(draw: st.DrawFn, max_blocks: int = 6, norm: bool = True) -> Recipe:
     tie = draw(st.sampled_from(pairs)) if pairs and not chain and draw(st.booleans()) else None
     container = draw(st.sampled_from(["tuple", "list", "dict"]))
     momentum = draw(st.sampled_from([0.1, None]))
-    return Recipe(inputs, tuple(steps), outputs, tie, container, momentum)
+    gain = None if chain or draw(st.booleans()) else draw(st.integers(0, n - 1))
+    return Recipe(inputs, tuple(steps), outputs, tie, container, momentum, gain)
 
 
 def random_order(reads: tuple[tuple[int, ...], ...], micros: int, rng: random.Random) -> str:
@@ -231,16 +263,19 @@ class Reference:
         # statistics depend on it.
         self.micro_order: list[int] | None = None
 
-    def __call__(self, *inputs: Tensor) -> Any:
+    def __call__(self, *inputs: Tensor, **whole_args: Any) -> Any:
+        """The model on ``inputs`` (split along dim 0) and ``whole_args``
+        (given whole to every micro-batch, by keyword)."""
         if self.deferred:
             whole = copy.deepcopy(self.model)
             with torch.no_grad():
-                whole(*inputs)
+                whole(*inputs, **whole_args)
             self.stats = dict(whole.named_buffers())  # set by settle()
         if not self.per_micro:
-            return self.model(*inputs)
+            return self.model(*inputs, **whole_args)
         micro = list(zip(*(micro_batches(t, self.split) for t in inputs)))
-        done = {m: self.model(*micro[m]) for m in self.micro_order or range(len(micro))}
+        order = self.micro_order or range(len(micro))
+        done = {m: self.model(*micro[m], **whole_args) for m in order}
         parts = [done[m] for m in range(len(micro))]
         cat = [torch.cat(p) for p in zip(*map(leaves, parts))]
         return pytree.tree_unflatten(cat, pytree.tree_structure(parts[0]))

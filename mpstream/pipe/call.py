@@ -16,8 +16,10 @@ from typing import Any
 import torch
 
 from ..memory.batchnorm import deferred_update
+from ..runtime.errors import annotate
 from ..runtime.microbatch import batch_device, gather, scatter
 from ..runtime.worker import Staging
+from ..stages.fx import Binder
 from .config import PipeConfig
 from .inputs import positional, staging
 
@@ -80,8 +82,12 @@ class PipeCall(PipeConfig):
         _, worker, _ = self._rt()
         staging = self._stage(inputs, self.devices[0])
         stop = self._prepare(len(micro))
-        with deferred_update(self._deferred_norms(), len(micro)):
-            outputs = worker.forward(micro, schedule, stop, staging)
+        try:
+            with deferred_update(self._deferred_norms(), len(micro)):
+                outputs = worker.forward(micro, schedule, stop, staging)
+        except (TypeError, AttributeError) as exc:
+            self._explain(exc, inputs)
+            raise
         split = self.__dict__["_split"]
         return gather(outputs) if split is None else split.gather(outputs)
 
@@ -101,6 +107,14 @@ class PipeCall(PipeConfig):
             state["_balance"] = chosen.balance
             state["_runtime"] = chosen.runtime
         return inputs  # type: ignore[no-any-return]
+
+    def _explain(self, exc: BaseException, inputs: tuple[Any, ...]) -> None:
+        """Adds a note to a stage's error where an argument the trace computed
+        with is None in the call (what a None in an operation raises)."""
+        bind = self.__dict__["_bind"]
+        hint = bind.explain(inputs) if isinstance(bind, Binder) else None
+        if hint is not None:
+            annotate(exc, hint)
 
     def _stage(self, value: Any, device: torch.device) -> list[Staging] | None:
         """Per micro-batch pinned buffers for ``value``'s pageable tensors."""

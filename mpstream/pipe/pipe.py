@@ -334,9 +334,11 @@ class Pipe(PipeCall):
                     None if scaler is None else scaler.scale,
                     issue,
                 )
-        except BaseException:
+        except BaseException as exc:
             if snapshot is not None:
                 snapshot.restore()
+            if isinstance(exc, (TypeError, AttributeError)):
+                self._explain(exc, args)
             raise
         return torch.stack(losses).sum()
 

@@ -244,12 +244,19 @@ def _tensors_used(s: int, part: fx.GraphModule, qualnames: dict[str, str]) -> se
 
 
 class Binder:
-    """Turns a call's ``(args, kwargs)`` into a traced module's positional inputs."""
+    """Turns a call's ``(args, kwargs)`` into a traced module's positional inputs.
 
-    def __init__(self, module: nn.Module, names: list[str]) -> None:
+    Args:
+        module: the traced module.
+        names: its ``forward``'s parameters, in the pipeline's input order.
+        used: those the traced graph computes with.
+    """
+
+    def __init__(self, module: nn.Module, names: list[str], used: frozenset[str]) -> None:
         self.name = type(module).__name__
         self.signature = inspect.signature(module.forward)
         self.names = names
+        self.used = used
         for p in self.signature.parameters.values():
             if p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
                 raise TypeError(
@@ -263,6 +270,23 @@ class Binder:
             raise TypeError(f"{self.name}.forward{self.signature}: {exc}") from None
         bound.apply_defaults()
         return tuple(bound.arguments[n] for n in self.names)
+
+    def explain(self, inputs: tuple[Any, ...]) -> str | None:
+        """Why a call with ``inputs`` may have failed in a stage: an argument
+        the trace computed with is None in this call. ``torch.fx`` traces
+        every argument as a value, so a branch such as ``if mask is not
+        None:`` is traced as taken, and the stages use the argument."""
+        nones = [n for n, v in zip(self.names, inputs) if v is None and n in self.used]
+        if not nones:
+            return None
+        names = ", ".join(repr(n) for n in nones)
+        return (
+            f"mpstream: {names} {'is' if len(nones) == 1 else 'are'} None in this call, but "
+            f"torch.fx traced {self.name}.forward with a value there (a test such as "
+            f"`if {nones[0]} is not None:` is traced as true, so the stages compute with it). "
+            f"Pass {'it' if len(nones) == 1 else 'them'}, or split the module with "
+            f"tracer='export' and sample= (torch.export splits per kind of call)"
+        )
 
 
 def _stage_graph(top: fx.GraphModule, count: int) -> tuple[StageGraph, list[str]]:
@@ -359,11 +383,12 @@ def trace(
     inline_attrs(top, lambda target: (lookup(module, target), True))
     count = len(split_points) + 1
     graph, inputs = _stage_graph(top, count)
+    used = frozenset(str(n.target) for n in top.graph.nodes if n.op == "placeholder" and n.users)
     partitions = [_part(top, f"submod_{s}") for s in range(count)]
     return Traced(
         partitions,
         graph,
-        Binder(module, inputs),
+        Binder(module, inputs, used),
         [_tensors_used(s, p, qualnames) for s, p in enumerate(partitions)],
     )
 

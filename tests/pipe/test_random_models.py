@@ -3,7 +3,8 @@ plain model computes.
 
 Models come from :mod:`tests.random_models` (chains of small float64 blocks
 with skips, one or two inputs, one or two outputs in a tuple, list or dict,
-a BatchNorm, tied weights). Configurations draw 1-4 stages on the CPU (a
+a BatchNorm, tied weights, a block scaled by a NoChunk tensor and a float
+given by keyword). Configurations draw 1-4 stages on the CPU (a
 Sequential split by ``balance``, or any module by ``split_points`` with
 ``torch.fx`` or, rarely as it is slow, ``torch.export``), batch and
 micro-batch sizes (uneven, more chunks than samples), every schedule and a
@@ -37,7 +38,7 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 import mpstream
-from mpstream import Pipe
+from mpstream import NoChunk, Pipe
 from mpstream.memory.checkpoint import MODES
 from mpstream.runtime.graphed import Emulated, GraphWarning
 from mpstream.schedules import parse
@@ -165,9 +166,7 @@ def refusal(recipe: Recipe, c: Config) -> tuple[type[Exception], str] | None:
     return None
 
 
-def make_pipe(
-    model: nn.Module, c: Config, inputs: tuple[int, ...], order: str | None = None
-) -> Pipe:
+def make_pipe(model: nn.Module, c: Config, recipe: Recipe, order: str | None = None) -> Pipe:
     kw: dict[str, Any] = {}
     if c.sequential:
         bounds = [0, *c.cuts, len(model)]  # type: ignore[arg-type]
@@ -176,7 +175,9 @@ def make_pipe(
         kw["split_points"] = [f"blocks.{k}" for k in c.cuts]
         kw["tracer"] = c.tracer
         if c.tracer == "export":
-            kw["sample"] = tuple(torch.randn(2, w, dtype=torch.float64) for w in inputs)
+            kw["sample"] = tuple(torch.randn(2, w, dtype=torch.float64) for w in recipe.inputs)
+            if recipe.gain is not None:  # alpha left out: calls give another (a new kind)
+                kw["sample"] += (NoChunk(torch.ones(recipe.gain_width(), dtype=torch.float64)),)
     return Pipe(
         model,
         chunks=c.chunks,
@@ -202,7 +203,7 @@ def check(recipe: Recipe, c: Config) -> None:
     event("outcome", "refused" if expected_refusal else "built")
     if expected_refusal is not None:
         with pytest.raises(expected_refusal[0], match=re.escape(expected_refusal[1])):
-            make_pipe(model, c, recipe.inputs, "F0m0 B0m0" if c.schedule == "order" else None)
+            make_pipe(model, c, recipe, "F0m0 B0m0" if c.schedule == "order" else None)
         return
     inputs = tuple(torch.randn(c.batch, w, dtype=torch.float64) for w in recipe.inputs)
     train_inputs = tuple(torch.randn(c.train_batch, w, dtype=torch.float64) for w in recipe.inputs)
@@ -210,7 +211,7 @@ def check(recipe: Recipe, c: Config) -> None:
     if c.schedule == "order":
         assert c.order_rng is not None
         reads = make_pipe(
-            copy.deepcopy(model), dataclasses.replace(c, schedule="gpipe"), recipe.inputs
+            copy.deepcopy(model), dataclasses.replace(c, schedule="gpipe"), recipe
         ).graph
         micros = len(micro_batches(train_inputs[0], split))
         order = random_order(reads.reads(), micros, c.order_rng)
@@ -220,27 +221,42 @@ def check(recipe: Recipe, c: Config) -> None:
             stage = sum(cut <= k for cut in c.cuts)
             forwards = [a for a in parse(order) if a.kind == "F" and a.stage == stage]
             norm_order = [a.micro for a in forwards]  # for the train_steps
-    pipe = make_pipe(model, c, recipe.inputs, order)
+    pipe = make_pipe(model, c, recipe, order)
+    # A gain block's scale, given whole (NoChunk) by keyword, and alpha.
+    scale = None
+    if recipe.gain is not None:
+        scale = torch.rand(recipe.gain_width(), dtype=torch.float64) + 0.5
+
+    def piped(s: Tensor | None) -> dict[str, Any]:
+        return {} if s is None else {"scale": NoChunk(s), "alpha": 0.5}
+
+    def plain(s: Tensor | None) -> dict[str, Any]:
+        return {} if s is None else {"scale": s, "alpha": 0.5}
+
     if ref.per_micro and min(len(m) for m in micro_batches(inputs[0], split)) == 1:
         event("outcome", "refused: BatchNorm of one sample")  # as the plain model is
         with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
-            ref(*inputs)
+            ref(*inputs, **plain(scale))
         with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
             with warnings.catch_warnings():  # a graphed stage's failed capture
                 warnings.simplefilter("ignore", GraphWarning)
-                pipe(*inputs)
+                pipe(*inputs, **piped(scale))
         return
 
     if c.no_grad_call:
         with torch.no_grad():
-            assert_same(pipe(*inputs), ref(*inputs), "no_grad forward")
+            assert_same(pipe(*inputs, **piped(scale)), ref(*inputs, **plain(scale)), "no_grad")
         ref.settle()
         assert_same_state(pipe, ref.model, "no_grad forward")
 
     # pipe(*inputs) and a backward.
     xs = tuple(t.clone().requires_grad_(c.input_grad) for t in inputs)
     rs = tuple(t.clone().requires_grad_(c.input_grad) for t in inputs)
-    out, expected = pipe(*xs), ref(*rs)
+    sp, sr = (None, None) if scale is None else (scale.clone(), scale.clone())
+    for t in (sp, sr):
+        if t is not None:
+            t.requires_grad_(c.input_grad)
+    out, expected = pipe(*xs, **piped(sp)), ref(*rs, **plain(sr))
     assert_same(out, expected, "forward")
     weights = [torch.randn_like(e) for e in leaves(expected)]
     if any(o.requires_grad for o in leaves(expected)):
@@ -250,6 +266,8 @@ def check(recipe: Recipe, c: Config) -> None:
     assert_same_state(pipe, ref.model, "forward/backward")
     for x, r in zip(xs, rs):
         assert_same_grad(x.grad, r.grad, "input gradient")
+    if sp is not None and sr is not None:
+        assert_same_grad(sp.grad, sr.grad, "gradient of a NoChunk input")
 
     # pipe.train_step(s) on another batch, and an SGD step, against the plain model's.
     pipe.zero_grad(set_to_none=True)
@@ -271,7 +289,9 @@ def check(recipe: Recipe, c: Config) -> None:
         return loss_fn(out, target)
 
     ref.micro_order = norm_order
-    args = train_inputs if len(train_inputs) > 1 else train_inputs[0]
+    args: Any = train_inputs if len(train_inputs) > 1 else train_inputs[0]
+    if scale is not None:  # train_step takes positional inputs
+        args = (*train_inputs, NoChunk(scale), 0.5)
     for step in range(c.steps):
         if c.fail_at is not None and step == c.steps - 1:
             # A step failing at the fail_at-th loss puts back grads and statistics.
@@ -283,7 +303,7 @@ def check(recipe: Recipe, c: Config) -> None:
             assert_same((grads, dict(pipe.named_buffers())), before, "after a failed step")
         with pipe.segmented(c.groups) if c.segmented else contextlib.nullcontext():
             loss = pipe.train_step(args, target, loss_fn, reduction=c.reduction)
-        expected_loss = loss_fn(ref(*train_inputs), target)
+        expected_loss = loss_fn(ref(*train_inputs, **plain(scale)), target)
         if expected_loss.requires_grad:
             expected_loss.backward()  # type: ignore[no-untyped-call]
         ref.settle()
