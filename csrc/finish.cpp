@@ -165,6 +165,15 @@ void Scheduler::abort() {
       if (segment_caller_ >= 0) {
         join_segment();
       } else {
+        // Autograd may have queued work no task of ours marks on a
+        // stream the run used (a tied weight's gradient is summed on
+        // the stream of its first use, before the backward failed
+        // elsewhere): mark each one's end, so the callers wait for it all.
+        for (int32_t x = 0; x < static_cast<int32_t>(slots_.size()); ++x) {
+          if (!is_caller(x) && slots_[x].latest >= 0) {
+            record(x, Who{});
+          }
+        }
         caller_waits();
       }
     } catch (const std::exception&) {

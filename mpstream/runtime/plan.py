@@ -173,6 +173,8 @@ def _producers(op: PlanOp, plan: Plan, copies: dict[tuple[str, int, int], list[i
             g = via(p, s, "copy")
             if g is not None:
                 deps.append(("copy", p, g, m))
+            elif p >= 0 and device[2 * p] != device[2 * s]:
+                deps.append(("copy", p, s, m))  # none in the plan: a value on another device
             elif p >= 0:
                 deps.append(("forward", p, p, m))
         if ("target", s, m) in copies:
@@ -189,6 +191,8 @@ def _producers(op: PlanOp, plan: Plan, copies: dict[tuple[str, int, int], list[i
         deps = [("forward", s, s, m)]
         for q in readers:
             g = via(s, q, "copy_grad")
+            if g is None and device[2 * q] != device[2 * s]:
+                g = q  # none in the plan: a gradient on another device
             deps.append(("copy_grad", s, g, m) if g is not None else ("backward", q, q, m))
         return deps
     if kind == Kind.COPY_GRAD.label and op.task >= 0:
@@ -209,6 +213,13 @@ def verify_plan(plan: Plan) -> None:
     must also be ordered after the caller's source event of its device, and
     each caller slot after the last work of every stream on its device.
 
+    A value read on another device must come through a copy task of the
+    plan. A plan may hold several runs (each begins with the callers' source
+    records); a task reads what its own run produced. Only read-after-write
+    order is checked: that the allocator does not hand a tensor's memory to
+    another stream too early (``record_stream``) is not in the plan, nor is
+    work autograd queues by itself, such as a tied weight's gradient sum.
+
     Raises:
         PlanError: listing every violation.
     """
@@ -218,15 +229,28 @@ def verify_plan(plan: Plan) -> None:
     last_on_slot: dict[tuple[int, int], int] = {}
     last_record: dict[int, int] = {}
     external: dict[int, int] = {}  # producing task -> its xrecord
-    done: dict[Key, int] = {}
+    # A plan may hold several runs (a scheduler recording across calls):
+    # a run begins with the callers' source records, and a task reads what
+    # its own run produced.
+    run_of = [0] * n
+    run = 0
+    done: dict[tuple[int, Key], int] = {}
+    callers = plan.callers
+
+    def source_record(j: int) -> bool:
+        return ops[j].op == "record" and ops[j].task == -1 and ops[j].slot in callers
+
     source: dict[int, int] = {}
     sources_at: dict[int, dict[int, int]] = {}  # run op -> the sources before it
     segment_of = [-1] * n
     segment = -1
     problems: list[str] = []
-    callers = plan.callers
     group_end: dict[int, int] = {}  # group -> the end of its latest segment
     for i, op in enumerate(ops):
+        # (Inside a segment, a source record is that graph's own.)
+        if segment == -1 and source_record(i) and i and not source_record(i - 1):
+            run += 1
+        run_of[i] = run
         if op.op == "begin_segment":
             segment = op.event
             # A group's segments launch one after another on its stream
@@ -265,7 +289,7 @@ def verify_plan(plan: Plan) -> None:
             else:
                 edges[external[op.event]].append(i)
         elif op.op == "run":
-            done[(op.kind, op.stage, op.peer, op.micro)] = i
+            done[(run, (op.kind, op.stage, op.peer, op.micro))] = i
             sources_at[i] = dict(source)
         elif op.op == "end_segment":
             begun = ops[max(j for j in range(i) if ops[j].op == "begin_segment")]
@@ -287,10 +311,12 @@ def verify_plan(plan: Plan) -> None:
             reach_cache[a] = seen
         return reach_cache[a]
 
-    copies: dict[tuple[str, int, int], list[int]] = defaultdict(list)
-    for op in ops:
+    copies: dict[int, dict[tuple[str, int, int], list[int]]] = defaultdict(
+        lambda: defaultdict(list)
+    )
+    for i, op in enumerate(ops):
         if op.op == "run" and op.kind in ("copy", "copy_grad", "target"):
-            copies[(op.kind, op.stage, op.micro)].append(op.peer)
+            copies[run_of[i]][(op.kind, op.stage, op.micro)].append(op.peer)
     caller_of = {
         s: next(c for c in callers if plan.slot_devices[c] == plan.slot_devices[2 * s])
         for s in range(plan.stages)
@@ -299,10 +325,10 @@ def verify_plan(plan: Plan) -> None:
         if op.op != "run":
             continue
         what = f"{op.kind}(stage={op.stage}, micro={op.micro})"
-        for dep in _producers(op, plan, copies):
-            if dep not in done:
+        for dep in _producers(op, plan, copies[run_of[i]]):
+            if (run_of[i], dep) not in done:
                 problems.append(f"{what} reads {dep}, which never completed before it")
-            elif i not in reach(done[dep]):
+            elif i not in reach(done[(run_of[i], dep)]):
                 problems.append(
                     f"{what} is not ordered after {dep[0]}(stage={dep[1]}, micro={dep[3]})"
                 )

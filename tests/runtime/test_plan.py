@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
+import torch
 
 from mpstream.runtime.plan import Plan, PlanError, record_plan, verify_plan
+from mpstream.runtime.scheduler import EventScheduler
+from mpstream.schedules.schedule import Schedule, Topology
 
 LAYOUTS = {
     "distinct": lambda n: [f"cuda:{i}" for i in range(n)],
@@ -230,3 +235,42 @@ def test_a_weight_pass_before_its_backward_is_caught() -> None:
     ops.insert(b, ops.pop(w))
     with pytest.raises(PlanError, match=r"weight\(stage=\d, micro=\d\) is not ordered after back"):
         verify_plan(Plan(ops, *_meta(plan)))
+
+
+@pytest.mark.parametrize("kind", ["copy", "copy_grad"])
+def test_a_value_on_another_device_read_with_no_copy_is_caught(kind: str) -> None:
+    # The events still order the stages; what is missing is the copy itself.
+    plan = record_plan("1f1b", 2, 2, ["cuda:0", "cuda:1"], backward=True)
+    verify_plan(plan)
+    ops = [op for op in plan.ops if not (op.op == "run" and op.kind == kind)]
+    task = "forward(stage=1" if kind == "copy" else "backward(stage=0"
+    with pytest.raises(PlanError, match=rf"{re.escape(task)}, micro=0\) reads \('{kind}'"):
+        verify_plan(Plan(ops, *_meta(plan)))
+
+
+def _runs(count: int) -> Plan:
+    """A scheduler's plan of ``count`` training runs of two stages on two GPUs."""
+    sched = EventScheduler([torch.device("cuda:0"), torch.device("cuda:1")], virtual=True)
+    sched.recording = True
+    schedule = Schedule("1f1b", 2, 3, Topology(((-1,), (0,)), (0, 1), 0, False), backward=True)
+    for _ in range(count):
+        sched.native.begin_run(schedule.native, sched.caller_streams())
+        for task in schedule.tasks:
+            sched.native.end(sched.native.begin(task.index))
+        sched.native.join()
+    return Plan(sched.plan(), sched.slot_names, sched.slot_devices, 2)
+
+
+def test_a_plan_of_several_runs_is_checked_run_by_run() -> None:
+    plan = _runs(2)
+    verify_plan(plan)
+    # A wait dropped from the second run is caught: its tasks read what the
+    # second run produced, not what the first one did.
+    ops = plan.ops
+    joins = [i for i, op in enumerate(ops) if op.op == "wait" and op.slot in plan.callers]
+    first_end = joins[len(joins) // 2 - 1]  # each run ends with one join wait per caller
+    waits = [i for i, op in enumerate(ops) if op.op == "wait" and i > first_end]
+    assert waits
+    for i in waits:
+        with pytest.raises(PlanError):
+            verify_plan(Plan(plan.ops[:i] + plan.ops[i + 1 :], *_meta(plan)))

@@ -174,7 +174,8 @@ def _reachable(ops: list, start: int) -> set[int]:  # type: ignore[type-arg]
 @pytest.mark.parametrize("failing", ["forward", "copy"])
 def test_abort_orders_the_callers_after_the_failed_tasks_work(failing: str) -> None:
     """Kernels a task queued before it failed have no completion event; abort
-    records one on each of the task's streams before the callers wait."""
+    records one on each of the task's streams, and on every other stream the
+    run used (autograd may have queued work there), before the callers wait."""
     sched = virtual(2)
     schedule = Schedule("gpipe", 2, 2, [False, True])
     index = {(t.kind.label, t.stage, t.micro): t.index for t in schedule.tasks}
@@ -191,7 +192,9 @@ def test_abort_orders_the_callers_after_the_failed_tasks_work(failing: str) -> N
     run = max(i for i, op in enumerate(ops) if op.op == "run")  # the failed task
     after = _reachable(ops, run)
     callers = [i for i, name in enumerate(sched.slot_names) if name.startswith("caller@")]
-    task_slots = {op.slot for op in ops[run:] if op.op == "record" and op.kind == failing}
+    task_slots = {
+        op.slot for op in ops[run:] if op.op == "record" and op.kind == failing and op.task >= 0
+    }
     assert {sched.slot_names[s] for s in task_slots} == (
         {"stage0.copy@cuda:0", "stage1.copy@cuda:1"}
         if failing == "copy"
@@ -200,6 +203,13 @@ def test_abort_orders_the_callers_after_the_failed_tasks_work(failing: str) -> N
     for slot in task_slots:
         caller = next(c for c in callers if sched.slot_devices[c] == sched.slot_devices[slot])
         assert any(ops[i].slot == caller and ops[i].op == "wait" for i in after)
+    used = {op.slot for op in ops if op.slot not in callers}
+    for slot in used:
+        end = max(i for i, op in enumerate(ops) if op.slot == slot)
+        assert ops[end].op == "record" and end > run, sched.slot_names[slot]
+        caller = next(c for c in callers if sched.slot_devices[c] == sched.slot_devices[slot])
+        reached = _reachable(ops, end)
+        assert any(ops[i].slot == caller and ops[i].op == "wait" for i in reached)
     assert sched.events_free == sched.events_created
 
 
