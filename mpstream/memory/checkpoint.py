@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -220,8 +220,9 @@ def checkpointed(stage: nn.Module, *args: Any) -> Any:
         # although a CPU stage draws nothing from it. The CPU generator is
         # all that needs keeping; context_fn runs just before the forward.
         if on_cpu:
-            return _checkpointing(), _recompute_on_cpu(stage, torch.get_rng_state())
-        return _checkpointing(), _recompute(stage)
+            state = torch.get_rng_state()
+            return _checkpointing(), _Reentrant(lambda: _recompute_on_cpu(stage, state))
+        return _checkpointing(), _Reentrant(lambda: _recompute(stage))
 
     return torch_checkpoint.checkpoint(
         _OnACopy(stage),
@@ -230,6 +231,25 @@ def checkpointed(stage: nn.Module, *args: Any) -> Any:
         preserve_rng_state=not on_cpu,
         context_fn=contexts,
     )
+
+
+class _Reentrant:
+    """A context manager made anew at each entry: ``torch.utils.checkpoint``
+    enters its recompute context once per recomputation, and a second
+    backward through the graph (``retain_graph=True``, a double backward)
+    recomputes again."""
+
+    def __init__(self, make: Callable[[], AbstractContextManager[None]]) -> None:
+        self._make = make
+        self._open: list[AbstractContextManager[None]] = []
+
+    def __enter__(self) -> None:
+        context = self._make()
+        context.__enter__()
+        self._open.append(context)
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        return self._open.pop().__exit__(*exc)
 
 
 @contextmanager

@@ -28,6 +28,7 @@ where the timeline has them); :func:`~mpstream.observe.scaling.predict` scales p
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -102,8 +103,9 @@ def _pair(cost: Cost, what: str, *, both: bool = False) -> tuple[float, float]:
         pair = (float(cost[0]), float(cost[1]) + float(cost[2]))
     else:
         pair = (float(cost[0]), float(cost[1]))
-    if min(pair) < 0 or (not isinstance(cost, (int, float)) and min(cost) < 0):
-        raise ValueError(f"{what} must not be negative, got {cost}")
+    parts = [cost] if isinstance(cost, (int, float)) else list(cost)
+    if not all(math.isfinite(float(c)) and float(c) >= 0 for c in parts):
+        raise ValueError(f"{what} must be finite and not negative, got {cost}")
     return pair
 
 
@@ -303,13 +305,13 @@ def _issue_costs(issue_times: IssueTimes | None) -> Any:
     if issue_times is None:
         return lambda kind, stage: 0.0
     if isinstance(issue_times, (int, float)):
-        if issue_times < 0:
-            raise ValueError(f"issue_times must not be negative, got {issue_times}")
+        if not math.isfinite(issue_times) or issue_times < 0:
+            raise ValueError(f"issue_times must be finite and not negative, got {issue_times}")
         each = float(issue_times)
         return lambda kind, stage: each
     table = {key: float(v) for key, v in issue_times.items()}
-    if any(v < 0 for v in table.values()):
-        raise ValueError(f"issue_times must not be negative, got {issue_times}")
+    if not all(math.isfinite(v) and v >= 0 for v in table.values()):
+        raise ValueError(f"issue_times must be finite and not negative, got {issue_times}")
     return lambda kind, stage: table.get((kind, stage), 0.0)
 
 

@@ -17,7 +17,8 @@ import statistics
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -131,13 +132,36 @@ def _devices(model: nn.Module) -> list[torch.device]:
     return sorted({p.device for p in model.parameters()}, key=str) or [torch.device("cpu")]
 
 
+# A Pipe's settings that change its step time but not its repr.
+_SETTINGS = ("checkpoint", "schedule", "virtual_stages", "force_copies")
+
+
 def _model_key(model: nn.Module) -> dict[str, Any]:
     arch = hashlib.sha1(repr(model).encode()).hexdigest()[:16]
     return {
         "model": f"{type(model).__module__}.{type(model).__qualname__}",
         "parameters": sum(p.numel() for p in model.parameters()),
         "architecture": arch,
+        "settings": {n: repr(getattr(model, n)) for n in _SETTINGS if hasattr(model, n)},
     }
+
+
+@contextmanager
+def _untouched(model: nn.Module) -> Iterator[None]:
+    """Times a user's own model without leaving a trace: its gradients and
+    buffers (BatchNorm statistics) are put back afterwards."""
+    grads = [(p, p.grad) for p in model.parameters()]
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    for p, _ in grads:
+        p.grad = None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        for p, grad in grads:
+            p.grad = grad
 
 
 def _shape(value: Value) -> list[list[Any]]:
@@ -238,7 +262,8 @@ def tune(
 
     Args:
         pipe_or_factory: a :class:`~mpstream.Pipe` or any model with a
-            settable ``split_size`` (its split size is changed in place), or a
+            settable ``split_size`` (its split size is changed in place; its
+            gradients and buffers are put back after timing), or a
             factory ``f(split_size)`` (``f(split_size, balance)`` with
             ``balances``) returning a model.
         sample: a full batch, as the model takes it.
@@ -302,9 +327,13 @@ def tune(
 
     curve: list[TunePoint] = []
     stopped = False
-    with tqdm(
-        total=len(sizes) * len(configs), desc="tuning", unit="config", disable=not progress
-    ) as bar:
+    kept = _untouched(pipe_or_factory) if isinstance(pipe_or_factory, nn.Module) else nullcontext()
+    with (
+        kept,
+        tqdm(
+            total=len(sizes) * len(configs), desc="tuning", unit="config", disable=not progress
+        ) as bar,
+    ):
         for balance in configs:
             best = float("inf")
             worse = 0

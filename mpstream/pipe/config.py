@@ -17,14 +17,21 @@ from typing import Any
 import torch
 
 from ..memory.batchnorm import DeferredBatchNorm, deferred_norms
-from ..memory.checkpoint import checkpoint_stop
+from ..memory.checkpoint import check_mode, checkpoint_stop
 from ..runtime.errors import stage_labels
 from ..runtime.graph import StageGraph
 from ..runtime.graphed import GraphReport, StageGraphs, Switch
 from ..runtime.scheduler import EventScheduler
 from ..runtime.segmented import Edges, HostEdges, Segmenting
 from ..runtime.worker import Worker
-from ..schedules.schedule import Schedule, Topology, schedule_arg, virtual_stages_of
+from ..schedules.schedule import (
+    Order,
+    Schedule,
+    Topology,
+    check_schedule,
+    schedule_arg,
+    virtual_stages_of,
+)
 from ..stages.sequential import check_positive
 from ..stages.tracers import SplitReport
 from .compiling import compile_stages
@@ -39,14 +46,12 @@ class PipeConfig(PipeModule):
     Expects, besides what :class:`~mpstream.pipe.module.PipeModule` does,
     ``_devices``, ``_balance``, ``_graph``, ``_split_points``, ``_split``,
     ``_report``, ``_compile`` and ``_graphed`` in ``__dict__``, and the
-    attributes ``_chunks``, ``_split_size``, ``schedule``, ``checkpoint``,
-    ``virtual_stages`` and ``force_copies``.
+    attributes ``_chunks``, ``_split_size``, ``virtual_stages`` and
+    ``force_copies``.
     """
 
     _chunks: int | None
     _split_size: int | None
-    schedule: Any
-    checkpoint: str
     virtual_stages: int | None
     force_copies: bool
 
@@ -96,6 +101,30 @@ class PipeConfig(PipeModule):
         self._split_size = None if value is None else check_positive("split_size", value)
         if value is not None:
             self._chunks = None
+
+    @property
+    def checkpoint(self) -> str:
+        """Which micro-batches' stages are checkpointed: ``'always'``,
+        ``'except_last'`` or ``'never'`` (checked when set)."""
+        return self.__dict__["_checkpoint"]  # type: ignore[no-any-return]
+
+    @checkpoint.setter
+    def checkpoint(self, mode: str) -> None:
+        self.__dict__["_checkpoint"] = check_mode(mode)
+
+    @property
+    def schedule(self) -> str | tuple[str, ...]:
+        """The schedule: a built-in's name, or an explicit order as a tuple of
+        actions (checked against the stages when set)."""
+        return self.__dict__["_schedule"]  # type: ignore[no-any-return]
+
+    @schedule.setter
+    def schedule(self, value: Order) -> None:
+        order = schedule_arg(value)
+        graph = self.__dict__.get("_graph")
+        if graph is not None:  # set after construction
+            check_schedule(order, self.devices, graph.reads(), self.virtual_stages)
+        self.__dict__["_schedule"] = order
 
     @property
     def scheduler(self) -> EventScheduler:

@@ -15,11 +15,11 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from ..runtime.microbatch import PLAIN, describe, leaves, split
+from ..runtime.microbatch import PLAIN, NoChunk, describe, leaves, split
 from ..runtime.transfer import host_staging
 from ..stages.build import Bind
 
-__all__ = ["positional", "staging", "detached", "batch_size"]
+__all__ = ["positional", "staging", "detached", "micro_sizes"]
 
 
 def positional(bind: Bind | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
@@ -77,17 +77,24 @@ def staging(
 
 
 def detached(value: Any) -> Any:
-    """``value`` with every tensor detached."""
-    return pytree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, value)
+    """``value`` with every tensor detached, :class:`NoChunk` ones included."""
+
+    def detach(leaf: Any) -> Any:
+        if isinstance(leaf, Tensor):
+            return leaf.detach()
+        return NoChunk(leaf.tensor.detach()) if isinstance(leaf, NoChunk) else leaf
+
+    return pytree.tree_map(detach, value)
 
 
-def batch_size(value: Any) -> int:
-    """The size along dim 0 of the first tensor of a micro-batch.
+def micro_sizes(value: Any, chunks: int | None, split_size: int | None) -> list[int]:
+    """The batch size of each micro-batch ``value`` splits into: that of its
+    tensors, split along dim 0 (:class:`NoChunk` tensors are not split).
 
     Raises:
-        TypeError: it holds no tensor.
+        TypeError: it holds no tensor to split.
     """
     for leaf in leaves(value)[0]:
         if isinstance(leaf, Tensor):
-            return int(leaf.size(0))
-    raise TypeError("the batch holds no tensor")
+            return [len(part) for part in split(leaf, chunks, split_size)]
+    raise TypeError("the batch holds no tensor to split")

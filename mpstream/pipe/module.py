@@ -72,9 +72,74 @@ class PipeModule(nn.Module):
             rebind(part, root)  # type: ignore[arg-type]
 
     def _apply(self, fn: Any, recurse: bool = True) -> Self:  # type: ignore[override]
+        # Reached by a parent module's .to()/.cuda()/.to_empty(): a device
+        # move would put every stage on one device, so it is refused before
+        # anything moves (a probe tensor per stage device shows what fn does).
+        for device in dict.fromkeys(self.__dict__.get("_devices") or ()):
+            try:
+                moved = fn(torch.empty(0, device=device)).device
+            except Exception:
+                continue  # fn itself will say what is wrong
+            if moved != device:
+                raise TypeError(
+                    f"Pipe's stages are placed at construction; moving the Pipe (or a module "
+                    f"holding it) would move the stages on {device} to {moved}: move the "
+                    f"holder's other parts alone, or convert dtypes only (.to(dtype))"
+                )
         super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
         self._rebind()
         return self
+
+    # -- the stages hold the layers themselves ----------------------------
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_sealed") and (
+            name in self._modules or name in self._parameters or name in self._buffers
+        ):
+            self._replace(name, value)
+            super().__setattr__(name, value)
+            self._rebind()
+            return
+        super().__setattr__(name, value)
+
+    def add_module(self, name: str, module: nn.Module | None) -> None:
+        if self.__dict__.get("_sealed") and name in self._modules:
+            self._replace(name, module)
+        super().add_module(name, module)
+
+    def register_parameter(self, name: str, param: nn.Parameter | None) -> None:
+        if self.__dict__.get("_sealed") and name in self._parameters:
+            self._replace(name, param)
+            super().register_parameter(name, param)
+            self._rebind()
+            return
+        super().register_parameter(name, param)
+
+    def _replace(self, name: str, value: Any) -> None:
+        """Checks a replacement of the pipe's layer or tensor ``name``: the
+        stages hold the layers themselves (a new one would not run), and read
+        a tensor on its stage's device.
+
+        Raises:
+            TypeError: a layer replaced, or a tensor replaced by something else.
+            ValueError: a tensor replaced by one on another device.
+        """
+        if name in self._modules:
+            raise TypeError(
+                f"Pipe's stages were split at construction and run the layer '{name}' they "
+                f"hold: a new one would not run. Change the layer in place (its parameters, "
+                f"load_state_dict), or build a new Pipe around the changed module"
+            )
+        old = getattr(self, name)
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(
+                f"'{name}' is a tensor the stages read; replace it with a tensor, not "
+                f"{type(value).__name__}"
+            )
+        if old is not None and value.device != old.device:
+            raise ValueError(
+                f"'{name}' sits on {old.device}, where the stage reading it runs; the new "
+                f"tensor is on {value.device}: move it there first"
+            )
 
     # -- Sequential-like access -----------------------------------------
     def __len__(self) -> int:

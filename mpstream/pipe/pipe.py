@@ -13,7 +13,6 @@ import torch
 from torch import Tensor, nn
 
 from ..memory.batchnorm import DeferredBatchNorm
-from ..memory.checkpoint import check_mode
 from ..runtime.graphed import Backend
 from ..runtime.microbatch import Value, batch_device, scatter
 from ..runtime.stream import capturing
@@ -21,14 +20,13 @@ from ..runtime.training import run as run_step
 from ..schedules.schedule import (
     Order,
     check_schedule,
-    schedule_arg,
 )
 from ..stages.build import build
 from ..stages.exported import own_loss
 from ..stages.sequential import DeviceLike, check_positive
 from .call import PipeCall
 from .compiling import CompileOption, compile_options
-from .inputs import batch_size, detached
+from .inputs import detached, micro_sizes
 from .snapshot import Snapshot
 
 REDUCTIONS = ("mean", "sum")
@@ -178,9 +176,9 @@ class Pipe(PipeCall):
         self.__dict__["_graphed"] = graphs or None
         self._chunks = None if chunks is None else check_positive("chunks", chunks)
         self._split_size = None if split_size is None else check_positive("split_size", split_size)
-        self.checkpoint = check_mode(checkpoint)
+        self.checkpoint = checkpoint
         self.__dict__["_compile"] = compile_options(compile)  # before any layer moves
-        self.schedule = schedule_arg(schedule)
+        self.schedule = schedule
         self.virtual_stages = virtual_stages
         if deferred_batch_norm:
             module = DeferredBatchNorm.convert(module)
@@ -205,6 +203,7 @@ class Pipe(PipeCall):
         self.__dict__["_report"] = built.report
         self.__dict__["_deferred"] = None  # found on first use (see _deferred_norms)
         check_schedule(self.schedule, built.devices, built.graph.reads(), self.virtual_stages)
+        self.__dict__["_sealed"] = True  # layers and tensors replaced from now on are checked
 
     # -- running -------------------------------------------------------
     def train_step(
@@ -254,6 +253,7 @@ class Pipe(PipeCall):
                 ``loss``), or ``scaler`` is not a ``GradScaler``.
             ValueError: empty batch, targets of another batch size, or an
                 unknown ``reduction``.
+            RuntimeError: called under ``torch.inference_mode()``.
 
         Inputs and targets in host memory move in transfer tasks that never
         block the host (see :meth:`forward`). If anything raises, the
@@ -265,6 +265,12 @@ class Pipe(PipeCall):
         in a CUDA graph (:class:`~mpstream.CapturedStep`) takes no snapshot:
         capture cannot be undone by running restores.
         """
+        if torch.is_inference_mode_enabled():
+            raise RuntimeError(
+                "train_step was called under torch.inference_mode(), where nothing can be "
+                "trained; call it outside that block (it enables gradients itself, so under "
+                "torch.no_grad() it works)"
+            )
         if reduction not in REDUCTIONS:
             valid = ", ".join(repr(r) for r in REDUCTIONS)
             raise ValueError(f"reduction must be one of {valid}; got {reduction!r}")
@@ -291,9 +297,11 @@ class Pipe(PipeCall):
             if target is None
             else scatter(labels, self._chunks, self._split_size, "target")
         )
-        sizes = [batch_size(m) for m in micro]
+        sizes = micro_sizes(args, self._chunks, self._split_size)
         batch = sum(sizes)
-        target_sizes = sizes if target is None else [batch_size(t) for t in micro_targets]
+        target_sizes = (
+            sizes if target is None else micro_sizes(labels, self._chunks, self._split_size)
+        )
         if target_sizes != sizes:
             raise ValueError(
                 f"target has batch size {sum(target_sizes)} but inputs have {batch}"

@@ -280,3 +280,36 @@ def test_stage_may_begin_with_an_in_place_op(mode: str, path: str, first: nn.Mod
         pipe.train_step(x, y, nn.MSELoss())
     nn.MSELoss()(ref(x), y).backward()
     assert_same_grads(pipe, ref)
+
+
+@pytest.mark.parametrize("mode", ["always", "except_last"])
+def test_a_second_backward_recomputes_again(mode: str) -> None:
+    # retain_graph=True, and a gradient penalty (a double backward): each
+    # backward through a checkpointed stage recomputes it once more.
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 2), nn.Tanh()
+    ).double()
+    pipe = Pipe(copy.deepcopy(model), split_size=3, balance=[3, 2], devices=["cpu"] * 2,
+                checkpoint=mode)  # fmt: skip
+    ref = copy.deepcopy(model)
+    x = torch.randn(6, 4, dtype=torch.float64)
+    out, expected = pipe(x), torch.cat([ref(m) for m in x.split(3)])
+    torch.testing.assert_close(out, expected)
+    for _ in range(2):
+        out.sum().backward(retain_graph=True)
+        expected.sum().backward(retain_graph=True)
+    assert_same_grads(pipe, ref)
+    for (name, a), b in zip(pipe.named_buffers(), ref.buffers()):
+        torch.testing.assert_close(a, b, msg=name)  # statistics updated once
+    pipe.zero_grad()
+    ref.zero_grad()
+    xs, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    (gs,) = torch.autograd.grad(pipe(xs).pow(2).sum(), xs, create_graph=True)
+    (gr,) = torch.autograd.grad(
+        torch.cat([ref(m) for m in xr.split(3)]).pow(2).sum(), xr, create_graph=True
+    )
+    torch.testing.assert_close(gs, gr)
+    gs.pow(2).sum().backward()
+    gr.pow(2).sum().backward()
+    assert_same_grads(pipe, ref)

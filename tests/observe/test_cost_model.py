@@ -233,10 +233,18 @@ def test_a_host_bound_step_takes_the_hosts_issue_time() -> None:
 
 
 def test_issue_times_are_checked() -> None:
-    with pytest.raises(ValueError, match="issue_times must not be negative"):
+    bad = "issue_times must be finite and not negative"
+    with pytest.raises(ValueError, match=bad):
         simulate([1.0], 0.0, 2, issue_times=-1.0)
-    with pytest.raises(ValueError, match="issue_times must not be negative"):
+    with pytest.raises(ValueError, match=bad):
+        simulate([1.0], 0.0, 2, issue_times=float("inf"))
+    with pytest.raises(ValueError, match=bad):
         simulate([1.0], 0.0, 2, issue_times={("forward", 0): -1.0})
+    for nan in ((float("nan"), 2.0), (1.0, 1.0, float("nan"))):
+        with pytest.raises(ValueError, match="must be finite and not negative"):
+            simulate([nan, (1.0, 2.0)], 0.0, 2)
+    with pytest.raises(ValueError, match="must be finite and not negative"):
+        simulate([(1.0, 2.0)] * 2, float("nan"), 2)
     with pytest.raises(ValueError, match=r"issue_times needs 2 entries \(one per layer\), got 1"):
         predict([1.0, 1.0], 2, 4, issue_times=[1.0])
 

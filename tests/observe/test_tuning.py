@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from mpstream import Pipe
 from mpstream.observe.tuning import TuneResult, candidate_split_sizes, default_cache, tune
 
 
@@ -124,3 +125,25 @@ def test_defaults(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     assert candidate_split_sizes(7) == [1, 2, 3, 4, 5, 6, 7]
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert default_cache() == tmp_path / "mpstream" / "tune.json"
+
+
+def test_tuning_a_pipe_leaves_its_state_and_keys_its_settings(tmp_path: Path) -> None:
+    # Gradients being accumulated and BatchNorm statistics are as before;
+    # a checkpointed pipe is not answered from an uncheckpointed one's entry.
+    def build(checkpoint: str) -> Pipe:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(2, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+        return Pipe(model, chunks=2, balance=[2, 1], devices=["cpu"] * 2, checkpoint=checkpoint)
+
+    pipe = build("never")
+    pipe(SAMPLE).sum().backward()
+    grads = [p.grad.clone() for p in pipe.parameters()]  # type: ignore[union-attr]
+    buffers = [b.clone() for b in pipe.buffers()]
+    path = tmp_path / "c.json"
+    tune(pipe, SAMPLE, lambda out: out.sum(), [4, 8], cache=path, progress=False)
+    for p, g in zip(pipe.parameters(), grads):
+        torch.testing.assert_close(p.grad, g)
+    for b, saved in zip(pipe.buffers(), buffers):
+        torch.testing.assert_close(b, saved)
+    other = tune(build("always"), SAMPLE, lambda out: out.sum(), [4, 8], cache=path, progress=False)
+    assert not other.cached

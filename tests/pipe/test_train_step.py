@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from mpstream import Pipe, verify_plan
+from mpstream import NoChunk, Pipe, verify_plan
 from mpstream.memory import SavedTensorTracker
 from mpstream.runtime import training
 from mpstream.runtime.microbatch import scatter
@@ -234,3 +234,34 @@ def test_train_step_plan_with_forced_copies_is_valid() -> None:
         expected = reference_step(ref, x, y, nn.MSELoss())
         torch.testing.assert_close(torch.stack(losses).sum(), expected)
         assert_same_grads(model, ref)
+
+
+class MaskFirst(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(16, 4)
+
+    def forward(self, mask: Tensor, x: Tensor) -> Tensor:
+        return self.b(self.a(x) * mask)  # type: ignore[no-any-return]
+
+
+def test_nochunk_tensors_do_not_size_the_micro_batches() -> None:
+    # A NoChunk first among the inputs or the target (16 values, a batch of
+    # 10): the micro-batches' sizes and loss weights come from split tensors.
+    torch.manual_seed(0)
+    model = MaskFirst().double()
+    pipe = Pipe(copy.deepcopy(model), chunks=3, split_points=["b"], devices=["cpu"] * 2)
+    x, mask = torch.randn(10, 8, dtype=torch.float64), torch.rand(16, dtype=torch.float64)
+    cls, weight = torch.randint(0, 4, (10,)), torch.rand(4, dtype=torch.float64)
+    mask.requires_grad_()
+
+    def loss_fn(out: Tensor, target: tuple[Tensor, Tensor]) -> Tensor:
+        return nn.functional.cross_entropy(out, target[1], weight=target[0], reduction="sum")
+
+    loss = pipe.train_step((NoChunk(mask), x), (NoChunk(weight), cls), loss_fn, reduction="sum")
+    expected = loss_fn(model(mask.detach(), x), (weight, cls))
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach())
+    assert_same_grads(pipe, model)
+    assert mask.grad is None  # inputs are detached, NoChunk ones too

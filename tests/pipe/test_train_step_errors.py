@@ -45,6 +45,11 @@ def test_bad_arguments() -> None:
         pipe.train_step(x, y, nn.MSELoss(reduction="none"))
     with pytest.raises(ValueError, match="schedule must be one of 'gpipe', '1f1b'"):
         small_pipe(schedule="interleaved")
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="under torch.inference_mode"):
+        pipe.train_step(x, y, nn.MSELoss())
+    with torch.no_grad():  # train_step enables gradients itself
+        pipe.train_step(x, y, nn.MSELoss())
+    assert all(p.grad is not None for p in pipe.parameters())
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

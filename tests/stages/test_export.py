@@ -6,6 +6,7 @@ every failure names the module, the tracer and what to do."""
 from __future__ import annotations
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -247,3 +248,14 @@ def test_an_exported_batch_norm_refuses_one_value_per_channel(split: str) -> Non
         pipe(torch.randn(4, 2, dtype=torch.float64))
     pipe.eval()
     assert pipe(torch.randn(1, 2, dtype=torch.float64)).shape == (1, 2)
+
+
+def test_an_exported_batch_norm_pipe_pickles_with_its_check() -> None:
+    # Loading a stage traces its code again, the inserted check included.
+    pipe = exported_norm("never", chunks=2)
+    x = torch.randn(4, 2, dtype=torch.float64)
+    pipe(x)
+    loaded = pickle.loads(pickle.dumps(pipe))
+    torch.testing.assert_close(loaded(x), pipe(x))
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        loaded(torch.randn(2, 2, dtype=torch.float64))

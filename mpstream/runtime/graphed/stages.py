@@ -88,6 +88,7 @@ class _Stage:
         self.used: set[tuple[Any, ...]] = set()  # keys the current run replayed
         self.print: Fingerprint | None = None
         self.overflow = False  # warned that calls beyond the bound run eagerly
+        self.warned = False  # warned that the stage runs eagerly (reason)
         self.slots = 0
         self.captures = 0
         self.recaptures = 0
@@ -206,6 +207,9 @@ class StageGraphs:
         eagerly. ``split``: the schedule splits this backward (its weight
         pass runs later), so the backward is captured as two graphs."""
         st = self.stages[s]
+        if st.reason is not None and not st.warned:
+            st.warned = True
+            warnings.warn(f"{st.label} runs eagerly: {st.reason}", GraphWarning, stacklevel=3)
         if st.reason is None and self.slots is not None:
             key = self._key(s, m, args, checkpoint, split)
             if key is not None:
@@ -267,6 +271,7 @@ class StageGraphs:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             st.reason = f"capture failed: {type(exc).__name__}: {first}"
             st.calls.clear()
+            st.warned = True
             warnings.warn(f"{st.label} runs eagerly: {st.reason}", GraphWarning, stacklevel=4)
             return None
         graphed.label = st.label

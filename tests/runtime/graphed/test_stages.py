@@ -196,10 +196,14 @@ def test_a_stage_that_cannot_be_captured_runs_eagerly_with_one_warning(
 def test_on_the_cpu_graphs_true_runs_eagerly_and_says_why() -> None:
     eager, graphed = pair(mlp(WIDTHS), graphs=True, chunks=2)
     x, y = data()
-    torch.testing.assert_close(
-        graphed.train_step(x, y, nn.MSELoss()), eager.train_step(x, y, nn.MSELoss())
-    )
+    with pytest.warns(GraphWarning, match="runs eagerly: on cpu: CUDA graphs need") as warned:
+        loss = graphed.train_step(x, y, nn.MSELoss())
+    assert len(warned) == 2  # once per stage
+    torch.testing.assert_close(loss, eager.train_step(x, y, nn.MSELoss()))
     assert_same_grads(graphed, eager)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GraphWarning)
+        graphed(x)  # said once
     report = graphed.graph_report()
     assert report.graphs == 0
     assert [s.reason for s in report.stages] == ["on cpu: CUDA graphs need a CUDA device"] * 2

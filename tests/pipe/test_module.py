@@ -1,0 +1,83 @@
+"""mpstream.pipe.module: what a Pipe does when its layers or tensors are
+replaced after construction, or a module holding it is moved."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from mpstream import Pipe
+
+
+class Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(2.0, dtype=torch.float64))
+        self.encoder = nn.Linear(8, 16).double()
+        self.decoder = nn.Linear(16, 4).double()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.decoder(self.encoder(x) * self.scale)  # type: ignore[no-any-return]
+
+
+def traced(model: nn.Module) -> Pipe:
+    return Pipe(copy.deepcopy(model), chunks=2, split_points=["decoder"], devices=["cpu"] * 2)
+
+
+def test_a_replaced_root_tensor_is_what_the_stages_read() -> None:
+    model = Scaled()
+    pipe = traced(model)
+    x = torch.randn(6, 8, dtype=torch.float64)
+    pipe.scale = nn.Parameter(torch.tensor(3.0, dtype=torch.float64))
+    model.scale = nn.Parameter(torch.tensor(3.0, dtype=torch.float64))
+    torch.testing.assert_close(pipe(x), model(x))
+    pipe(x).sum().backward()
+    model(x).sum().backward()
+    torch.testing.assert_close(pipe.scale.grad, model.scale.grad)
+    pipe.register_parameter("scale", nn.Parameter(torch.tensor(0.5, dtype=torch.float64)))
+    model.scale = nn.Parameter(torch.tensor(0.5, dtype=torch.float64))
+    torch.testing.assert_close(pipe(x), model(x))
+    # A parameter inside a layer: the stages hold the layer, so they see it.
+    pipe.decoder.weight = nn.Parameter(torch.zeros(4, 16, dtype=torch.float64))
+    model.decoder.weight = nn.Parameter(torch.zeros(4, 16, dtype=torch.float64))
+    torch.testing.assert_close(pipe(x), model(x))
+
+
+def test_a_tensor_replaced_by_something_else_or_elsewhere_is_refused() -> None:
+    pipe = traced(Scaled())
+    with pytest.raises(TypeError, match="'scale' is a tensor the stages read"):
+        pipe.scale = None  # type: ignore[assignment]
+    with pytest.raises(ValueError, match="'scale' sits on cpu"):
+        pipe.scale = nn.Parameter(torch.tensor(1.0, device="meta"))
+    pipe(torch.randn(2, 8, dtype=torch.float64))  # unchanged, still runs
+
+
+def test_a_replaced_layer_is_refused() -> None:
+    pipe = traced(Scaled())
+    with pytest.raises(TypeError, match="run the layer 'decoder' they hold"):
+        pipe.decoder = nn.Linear(16, 4)
+    seq = Pipe(nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4)), chunks=2, balance=[1, 1],
+               devices=["cpu"] * 2)  # fmt: skip
+    with pytest.raises(TypeError, match="run the layer '1' they hold"):
+        setattr(seq, "1", nn.Linear(16, 4))
+    with pytest.raises(TypeError, match="run the layer '0' they hold"):
+        seq.add_module("0", nn.Linear(8, 16))
+    seq.extra = nn.Linear(2, 2)  # a new attribute is the user's own
+    assert seq(torch.randn(4, 8)).shape == (4, 4)
+
+
+def test_moving_a_module_that_holds_a_pipe_is_refused() -> None:
+    holder = nn.Module()
+    holder.pipe = traced(Scaled())
+    holder.head = nn.Linear(2, 2)
+    with pytest.raises(TypeError, match="would move the stages on cpu to meta"):
+        holder.to("meta")
+    with pytest.raises(TypeError, match="would move the stages on cpu to meta"):
+        holder.to_empty(device="meta")
+    assert all(p.device.type == "cpu" for p in holder.parameters())
+    holder.to(torch.float32)  # dtype conversions reach the stages
+    assert holder.pipe(torch.randn(2, 8)).dtype == torch.float32
+    holder.to("cpu")  # where the stages already are
