@@ -28,7 +28,6 @@ from ..schedules.schedule import (
     Order,
     Schedule,
     Topology,
-    check_schedule,
     schedule_arg,
     virtual_stages_of,
 )
@@ -115,16 +114,13 @@ class PipeConfig(PipeModule):
     @property
     def schedule(self) -> str | tuple[str, ...]:
         """The schedule: a built-in's name, or an explicit order as a tuple of
-        actions (checked against the stages when set)."""
+        actions (parsed when set; checked against the stages, with
+        ``virtual_stages``, at the next call)."""
         return self.__dict__["_schedule"]  # type: ignore[no-any-return]
 
     @schedule.setter
     def schedule(self, value: Order) -> None:
-        order = schedule_arg(value)
-        graph = self.__dict__.get("_graph")
-        if graph is not None:  # set after construction
-            check_schedule(order, self.devices, graph.reads(), self.virtual_stages)
-        self.__dict__["_schedule"] = order
+        self.__dict__["_schedule"] = schedule_arg(value)
 
     @property
     def scheduler(self) -> EventScheduler:

@@ -246,6 +246,12 @@ class Split:
                 branches[r] = _leaves(r, children)
         for junctions, params in _group(branches):
             on_path = [j for j in junctions if j in inner]
+            if on_path and all(getattr(j, "splits", False) for j in junctions):
+                # Graphed stages that split themselves: their W is the
+                # second half they hand back (``later``). Asking B for these
+                # parameters would run their accumulation with no gradient,
+                # which still fires post-accumulate-grad hooks.
+                continue
             tangled = len(on_path) > 1 and any(
                 _reaches(j, set(on_path) - {j}, inner, children) for j in on_path
             )
@@ -264,6 +270,12 @@ class Split:
         if self.whole:
             return False
         return bool(self._kept) if self.reaches else bool(self._all)
+
+    @property
+    def keeps_graph(self) -> bool:
+        """Whether W runs on B's autograd graph (its groups), or on what
+        self-splitting Functions kept (their second halves): B keeps it."""
+        return self.defers or bool(self._deferring)
 
     @contextmanager
     def keeping(self) -> Iterator[None]:
@@ -343,9 +355,12 @@ def backward_inputs(tensors: Sequence[Tensor], grads: Sequence[Tensor] | None) -
         torch.autograd.backward(list(tensors), grads)
         return WeightPass()
     if split.reaches:
+        # The graph is kept for W only where W will use it: a compiled
+        # stage's backward (AOTAutograd, with donated buffers) refuses
+        # retain_graph, and B computes all of its gradients anyway.
         with split.keeping():
             torch.autograd.backward(
-                list(tensors), grads, retain_graph=True, inputs=[_ANCHOR, *split.eager]
+                list(tensors), grads, retain_graph=split.keeps_graph, inputs=[_ANCHOR, *split.eager]
             )
     return split.weight_pass()
 

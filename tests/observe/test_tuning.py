@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-import time
+import types
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,18 @@ import torch
 from torch import Tensor, nn
 
 from mpstream import Pipe
+from mpstream.observe import tuning
 from mpstream.observe.tuning import TuneResult, candidate_split_sizes, default_cache, tune
+
+# tune's clock in these tests: a Curve's forward advances it, so the curve
+# it measures does not depend on how busy the machine is.
+CLOCK = [0.0]
+
+
+@pytest.fixture(autouse=True)
+def _fake_clock(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setattr(tuning, "time", types.SimpleNamespace(perf_counter=lambda: CLOCK[0]))
+    yield
 
 
 class Curve(nn.Module):
@@ -28,7 +40,7 @@ class Curve(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         self.calls.append(self.split_size)
-        time.sleep((self.floor_ms + self.step_ms * abs(self.split_size - self.best)) / 1e3)
+        CLOCK[0] += (self.floor_ms + self.step_ms * abs(self.split_size - self.best)) / 1e3
         return self.lin(x)
 
 
