@@ -114,6 +114,16 @@ class PipeModule(nn.Module):
             return
         super().register_parameter(name, param)
 
+    def register_buffer(
+        self, name: str, tensor: torch.Tensor | None, persistent: bool = True
+    ) -> None:
+        if self.__dict__.get("_sealed") and name in self._buffers:
+            self._replace(name, tensor)
+            super().register_buffer(name, tensor, persistent)
+            self._rebind()
+            return
+        super().register_buffer(name, tensor, persistent)
+
     def _replace(self, name: str, value: Any) -> None:
         """Checks a replacement of the pipe's layer or tensor ``name``: the
         stages hold the layers themselves (a new one would not run), and read

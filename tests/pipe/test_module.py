@@ -18,9 +18,10 @@ class Scaled(nn.Module):
         self.scale = nn.Parameter(torch.tensor(2.0, dtype=torch.float64))
         self.encoder = nn.Linear(8, 16).double()
         self.decoder = nn.Linear(16, 4).double()
+        self.register_buffer("shift", torch.zeros(16, dtype=torch.float64))
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.decoder(self.encoder(x) * self.scale)  # type: ignore[no-any-return]
+        return self.decoder(self.encoder(x) * self.scale + self.shift)  # type: ignore[no-any-return]
 
 
 def traced(model: nn.Module) -> Pipe:
@@ -38,7 +39,15 @@ def test_a_replaced_root_tensor_is_what_the_stages_read() -> None:
     model(x).sum().backward()
     torch.testing.assert_close(pipe.scale.grad, model.scale.grad)
     pipe.register_parameter("scale", nn.Parameter(torch.tensor(0.5, dtype=torch.float64)))
+    with pytest.raises(TypeError, match="'scale' is a tensor the stages read"):
+        pipe.register_parameter("scale", None)
     model.scale = nn.Parameter(torch.tensor(0.5, dtype=torch.float64))
+    torch.testing.assert_close(pipe(x), model(x))
+    pipe.shift = torch.ones(16, dtype=torch.float64)
+    model.shift = torch.ones(16, dtype=torch.float64)
+    torch.testing.assert_close(pipe(x), model(x))
+    pipe.register_buffer("shift", torch.full((16,), 2.0, dtype=torch.float64))
+    model.shift = torch.full((16,), 2.0, dtype=torch.float64)
     torch.testing.assert_close(pipe(x), model(x))
     # A parameter inside a layer: the stages hold the layer, so they see it.
     pipe.decoder.weight = nn.Parameter(torch.zeros(4, 16, dtype=torch.float64))
