@@ -1,10 +1,22 @@
-"""Argument types of the ``mpstream`` commands: whole numbers, size lists, image sizes."""
+"""Argument types of the ``mpstream`` commands: numbers, size lists, image
+sizes, device names."""
 
 from __future__ import annotations
 
 import argparse
+import math
 
-__all__ = ["positive_int", "non_negative_int", "int_list", "image_size"]
+import torch
+
+__all__ = [
+    "positive_int",
+    "non_negative_int",
+    "positive_float",
+    "non_negative_float",
+    "int_list",
+    "image_size",
+    "device_name",
+]
 
 
 def _whole(text: str) -> int:
@@ -28,6 +40,44 @@ def non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
     return value
+
+
+def _real(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0."""
+    value = _real(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0."""
+    value = _real(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {text}")
+    return value
+
+
+def device_name(text: str) -> str:
+    """A name ``torch.device`` accepts (``cpu``, ``cuda:1``); whether the
+    device exists is checked where it is used."""
+    try:
+        torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a device name (e.g. cpu, cuda, cuda:1)"
+        ) from None
+    return text
 
 
 def int_list(text: str) -> tuple[int, ...]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import shlex
 import sys
 from collections.abc import Sequence
@@ -15,7 +16,7 @@ import torch
 from .._version import __version__
 from ..tutorial import bench
 from . import schedules as cli_schedules
-from .argtypes import image_size, int_list, non_negative_int, positive_int
+from .argtypes import image_size, int_list, non_negative_int, positive_float, positive_int
 
 __all__ = ["main", "parser"]
 
@@ -246,7 +247,10 @@ def parser() -> argparse.ArgumentParser:
     )
     _size_options(r)
     r.add_argument(
-        "--link-gbps", type=float, default=50.0, help="assumed copy bandwidth for predictions"
+        "--link-gbps",
+        type=positive_float,
+        default=50.0,
+        help="assumed copy bandwidth for predictions",
     )
     r.add_argument("--out", default="mpstream-trace", help="output folder (default: %(default)s)")
     r.set_defaults(func=_trace)
@@ -267,8 +271,49 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     args = parser().parse_args(argv)
     args.command_line = shlex.join(["mpstream", *(sys.argv[1:] if argv is None else argv)])
+    created: list[Path] = []
     try:
+        _check_paths(args, created)
         return int(args.func(args))
     except ValueError as exc:
         print(f"mpstream {args.command}: error: {exc}", file=sys.stderr)
+        for folder in created:  # a bad option leaves no empty --out behind
+            try:
+                folder.rmdir()
+            except OSError:
+                break
         return 2
+
+
+def _check_paths(args: argparse.Namespace, created: list[Path]) -> None:
+    """Creates ``--out`` and checks ``--cache`` before anything is measured:
+    a run must not end, its results lost, on a folder it cannot write.
+
+    Args:
+        args: the parsed options.
+        created: filled with the folders created for ``--out``, deepest first.
+
+    Raises:
+        ValueError: naming the option and why.
+    """
+    out = getattr(args, "out", None)
+    if out is not None:
+        path = Path(out)
+        created += [p for p in (path, *path.parents) if not p.exists()]
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"--out {out}: cannot create the folder ({exc.strerror})") from None
+        if not os.access(out, os.W_OK):
+            raise ValueError(f"--out {out}: the folder is not writable")
+    cache = getattr(args, "cache", None)
+    if cache is not None and not getattr(args, "no_cache", False):
+        folder = Path(cache).parent
+        if Path(cache).is_dir():
+            raise ValueError(f"--cache {cache}: is a folder; give a JSON file's path")
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"--cache {cache}: cannot create {folder} ({exc.strerror})") from None
+        if not os.access(folder, os.W_OK):
+            raise ValueError(f"--cache {cache}: {folder} is not writable")

@@ -11,7 +11,7 @@ import torch
 from ..observe.cost_model import Cost
 from ..schedules import SCHEDULES
 from ..tutorial import bench
-from .argtypes import positive_int
+from .argtypes import device_name, non_negative_float, positive_int
 
 __all__ = ["add_command", "run"]
 
@@ -37,7 +37,9 @@ def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "--micro-batches", type=positive_int, default=8, help="micro-batches per step (default 8)"
     )
     c.add_argument("--uniform", action="store_true", help="unit costs instead of a profile")
-    c.add_argument("--device", help="where to profile and measure (default: detected)")
+    c.add_argument(
+        "--device", type=device_name, help="where to profile and measure (default: detected)"
+    )
     c.add_argument(
         "--balance",
         choices=("tutorial", "time"),
@@ -51,7 +53,10 @@ def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "--image-size", type=positive_int, default=64, help="image side, >= 32 (default 64)"
     )
     c.add_argument(
-        "--copy-ms", type=float, default=0.0, help="modelled time of each copy (default 0)"
+        "--copy-ms",
+        type=non_negative_float,
+        default=0.0,
+        help="modelled time of each copy (default 0)",
     )
     c.add_argument("--no-memory", action="store_true", help="skip the measured memory")
     c.add_argument("--no-plots", action="store_true", help="skip the PNG")

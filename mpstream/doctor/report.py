@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .diagnosis import FAIL, PASS, StepResult, jsonable
+from .diagnosis import FAIL, PASS, SKIP, StepResult, jsonable
 
 __all__ = [
     "MAX_FILES",
@@ -42,8 +42,11 @@ ARTIFACTS = ("summary.md", "report.json", *FIGURES, ARCHIVE)
 
 
 def status_of(results: Sequence[StepResult]) -> str:
-    """The run's status: FAIL if any step failed, else PASS."""
-    return FAIL if any(r.status == FAIL for r in results) else PASS
+    """The run's status: FAIL if any step failed, SKIP if none ran (nothing
+    was checked), else PASS."""
+    if any(r.status == FAIL for r in results):
+        return FAIL
+    return SKIP if all(r.status == SKIP for r in results) else PASS
 
 
 def _clip(text: str, width: int) -> str:

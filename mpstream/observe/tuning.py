@@ -181,11 +181,19 @@ def _load(path: Path) -> dict[str, Any]:
 
 
 def _store(path: Path, entries: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tune-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(entries, f, indent=1)
-    os.replace(tmp, path)
+    """Writes the cache atomically; a cache it cannot write is warned about,
+    and the result is returned all the same."""
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tune-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump(entries, f, indent=1)
+        os.replace(tmp, path)
+    except OSError as exc:
+        warnings.warn(f"could not write the tuning cache {path}: {exc}", stacklevel=3)
+        if tmp is not None and os.path.exists(tmp):
+            os.remove(tmp)
 
 
 class _Target:

@@ -144,6 +144,8 @@ def test_table_and_markdown() -> None:
     assert "| 1 | Alpha | **PASS** | 3/3 \\| fine |" in md  # cells escape the pipe
     assert "| x \\| y | PASS | ok |" in md and "![timeline](timeline.png)" in md
     assert report.status_of(rs[:1]) == PASS
+    assert report.status_of([rs[0], rs[2]]) == PASS
+    assert report.status_of(rs[2:]) == SKIP  # nothing was checked
 
 
 def test_write_archives_the_scratch_files(tmp_path: Path) -> None:

@@ -92,6 +92,15 @@ def test_unreadable_cache_warns_and_is_replaced(tmp_path: Path) -> None:
     assert json.loads(path.read_text())
 
 
+def test_a_cache_it_cannot_write_is_warned_about_and_the_result_returned(tmp_path: Path) -> None:
+    folder = tmp_path / "cache.json"
+    folder.mkdir()  # a folder where the file should be
+    with pytest.warns(UserWarning, match="could not write the tuning cache"):
+        result = tune(Curve(), SAMPLE, None, [2, 6], cache=folder, progress=False)
+    assert result.split_size == 6
+    assert [p.name for p in tmp_path.iterdir()] == ["cache.json"]  # no temporary file left
+
+
 def test_factory_with_balances_and_plot(tmp_path: Path) -> None:
     built: list[tuple[int, list[int] | None]] = []
 

@@ -1,0 +1,75 @@
+"""The ``mpstream`` commands refuse bad options before measuring anything:
+argument types, and ``--out`` / ``--cache`` paths they could not write."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from mpstream import cli
+from mpstream.cli.argtypes import device_name, non_negative_float, positive_float
+
+
+@pytest.mark.parametrize(
+    ("parse", "text", "message"),
+    [
+        (positive_float, "0", "must be greater than 0"),
+        (positive_float, "-1", "must be greater than 0"),
+        (positive_float, "nan", "must be a finite number"),
+        (positive_float, "fast", "expected a number"),
+        (non_negative_float, "-0.5", "must not be negative"),
+        (non_negative_float, "inf", "must be a finite number"),
+        (device_name, "foo", "'foo' is not a device name"),
+    ],
+)
+def test_bad_values_are_refused(parse: object, text: str, message: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match=message):
+        parse(text)  # type: ignore[operator]
+
+
+def test_good_values_pass() -> None:
+    assert positive_float("12.5") == 12.5
+    assert non_negative_float("0") == 0.0
+    assert device_name("cuda:5") == "cuda:5"  # a name; whether it exists is checked later
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["trace", "--link-gbps", "0"], "--link-gbps: must be greater than 0"),
+        (["schedules", "--device", "foo"], "--device: 'foo' is not a device name"),
+        (["schedules", "--copy-ms", "-1"], "--copy-ms: must not be negative"),
+    ],
+)
+def test_bad_options_exit_2_at_once(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(args)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["bench", "tune", "trace", "schedules", "doctor"])
+def test_an_out_that_cannot_be_a_folder_exits_2_before_measuring(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    taken = tmp_path / "a-file"
+    taken.write_text("")
+    for out in (taken, taken / "below"):
+        assert cli.main([command, "--out", str(out)]) == 2
+        assert f"error: --out {out}: cannot create the folder" in capsys.readouterr().err
+
+
+def test_tune_refuses_a_cache_that_is_a_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "new" / "out"
+    args = ["tune", "--cache", str(tmp_path), "--out", str(out)]
+    assert cli.main(args) == 2
+    assert f"--cache {tmp_path}: is a folder" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()  # the --out it created is gone again
+    assert cli.main([*args, "--no-cache", "--devices", "cpu"]) == 2  # --cache unused
+    assert "--cache" not in capsys.readouterr().err
