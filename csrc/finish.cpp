@@ -2,9 +2,10 @@
 // receiving slot after its issuing one) and restores the streams it made
 // current; join() orders the callers after every stream's last work and
 // releases the run's events; abort() first marks where the open tasks'
-// queued kernels end, so that the callers' next work (restoring state after
-// a failure) cannot race with them (in a segment, the segment's caller:
-// the capture then ends joined).
+// queued kernels end, and then every stream the run used (autograd's own
+// work included), so that the callers' next work (restoring state after a
+// failure) cannot race with them (in a segment, the segment's caller: the
+// capture then ends joined).
 #include <algorithm>
 #include <stdexcept>
 #include <string>
@@ -161,19 +162,24 @@ void Scheduler::abort() {
     // caller's next work (restoring state, say) must come after it. In a
     // segment, that caller is the stream capturing it: joined, the capture
     // can end (and be discarded) as a capture, not as a broken one.
+    if (segment_caller_ < 0) {
+      // Autograd may have queued work no task of ours marks on a stream
+      // the run used (a tied weight's gradient is summed on the stream of
+      // its first use, before the backward failed elsewhere): mark each
+      // one's end, so the callers wait for it all.
+      for (int32_t x = 0; x < static_cast<int32_t>(slots_.size()); ++x) {
+        if (!is_caller(x) && slots_[x].latest >= 0) {
+          try {
+            record(x, Who{});
+          } catch (const std::exception&) {
+          }
+        }
+      }
+    }
     try {
       if (segment_caller_ >= 0) {
         join_segment();
       } else {
-        // Autograd may have queued work no task of ours marks on a
-        // stream the run used (a tied weight's gradient is summed on
-        // the stream of its first use, before the backward failed
-        // elsewhere): mark each one's end, so the callers wait for it all.
-        for (int32_t x = 0; x < static_cast<int32_t>(slots_.size()); ++x) {
-          if (!is_caller(x) && slots_[x].latest >= 0) {
-            record(x, Who{});
-          }
-        }
         caller_waits();
       }
     } catch (const std::exception&) {

@@ -303,7 +303,8 @@ def _check_paths(args: argparse.Namespace, created: list[Path]) -> None:
         try:
             path.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise ValueError(f"--out {out}: cannot create the folder ({exc.strerror})") from None
+            why = exc.strerror or exc
+            raise ValueError(f"--out {out}: cannot create the folder ({why})") from None
         if not os.access(out, os.W_OK):
             raise ValueError(f"--out {out}: the folder is not writable")
     cache = getattr(args, "cache", None)
@@ -314,6 +315,7 @@ def _check_paths(args: argparse.Namespace, created: list[Path]) -> None:
         try:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise ValueError(f"--cache {cache}: cannot create {folder} ({exc.strerror})") from None
+            why = exc.strerror or exc
+            raise ValueError(f"--cache {cache}: cannot create {folder} ({why})") from None
         if not os.access(folder, os.W_OK):
             raise ValueError(f"--cache {cache}: {folder} is not writable")

@@ -142,7 +142,9 @@ def _model_key(model: nn.Module) -> dict[str, Any]:
         "model": f"{type(model).__module__}.{type(model).__qualname__}",
         "parameters": sum(p.numel() for p in model.parameters()),
         "architecture": arch,
-        "settings": {n: repr(getattr(model, n)) for n in _SETTINGS if hasattr(model, n)},
+        "settings": {n: repr(getattr(model, n)) for n in _SETTINGS}
+        if isinstance(model, Pipe)
+        else {},
     }
 
 
@@ -190,8 +192,10 @@ def _store(path: Path, entries: dict[str, Any]) -> None:
         with os.fdopen(fd, "w") as f:
             json.dump(entries, f, indent=1)
         os.replace(tmp, path)
+        tmp = None
     except OSError as exc:
         warnings.warn(f"could not write the tuning cache {path}: {exc}", stacklevel=3)
+    finally:
         if tmp is not None and os.path.exists(tmp):
             os.remove(tmp)
 

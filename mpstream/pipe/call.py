@@ -19,7 +19,7 @@ from ..memory.batchnorm import deferred_update
 from ..runtime.errors import annotate
 from ..runtime.microbatch import batch_device, gather, scatter
 from ..runtime.worker import Staging
-from ..stages.fx import Binder
+from ..stages.tracers import Binder
 from .config import PipeConfig
 from .inputs import positional, staging
 

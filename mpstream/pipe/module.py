@@ -72,9 +72,11 @@ class PipeModule(nn.Module):
             rebind(part, root)  # type: ignore[arg-type]
 
     def _apply(self, fn: Any, recurse: bool = True) -> Self:  # type: ignore[override]
-        # Reached by a parent module's .to()/.cuda()/.to_empty(): a device
-        # move would put every stage on one device, so it is refused before
-        # anything moves (a probe tensor per stage device shows what fn does).
+        # Reached by a holder's .to()/.cuda() (or .to_empty() to another
+        # device): a device move would put every stage on one device, so it
+        # is refused before any of the Pipe's tensors moves (a probe tensor
+        # per stage device shows what fn does). The holder's parts that
+        # came before the Pipe have moved already: nothing here can stop that.
         for device in dict.fromkeys(self.__dict__.get("_devices") or ()):
             try:
                 moved = fn(torch.empty(0, device=device)).device
@@ -83,7 +85,8 @@ class PipeModule(nn.Module):
             if moved != device:
                 raise TypeError(
                     f"Pipe's stages are placed at construction; moving the Pipe (or a module "
-                    f"holding it) would move the stages on {device} to {moved}: move the "
+                    f"holding it) would move the stages on {device} to {moved}. The Pipe "
+                    f"stays where it is (a holder's parts before it have moved): move the "
                     f"holder's other parts alone, or convert dtypes only (.to(dtype))"
                 )
         super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
@@ -100,6 +103,16 @@ class PipeModule(nn.Module):
             self._rebind()
             return
         super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if self.__dict__.get("_sealed") and (
+            name in self._modules or name in self._parameters or name in self._buffers
+        ):
+            raise TypeError(
+                f"the Pipe's stages read '{name}'; it cannot be deleted (replace it instead, "
+                f"or build a new Pipe around the changed module)"
+            )
+        super().__delattr__(name)
 
     def add_module(self, name: str, module: nn.Module | None) -> None:
         if self.__dict__.get("_sealed") and name in self._modules:
@@ -140,6 +153,8 @@ class PipeModule(nn.Module):
                 f"load_state_dict), or build a new Pipe around the changed module"
             )
         old = getattr(self, name)
+        if name in self._buffers and isinstance(value, nn.Parameter):
+            raise TypeError(f"'{name}' is a buffer the stages read; replace it with a buffer")
         if not isinstance(value, torch.Tensor):
             raise TypeError(
                 f"'{name}' is a tensor the stages read; replace it with a tensor, not "

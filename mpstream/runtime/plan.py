@@ -12,7 +12,7 @@ check is independent of the code it checks.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -358,22 +358,35 @@ def verify_plan(plan: Plan) -> None:
         if problems:
             raise PlanError("invalid plan:\n  " + "\n  ".join(problems))
         return  # what follows the last segment is the capture's to order
-    # The run ends with the join (waits on caller slots); records after it
-    # (gradient copies issued by autograd) are ordered by autograd's own
-    # final sync, not by the join.
+    for r in range(run + 1):
+        problems += _unjoined(plan, [i for i in range(n) if run_of[i] == r], reach)
+    if problems:
+        raise PlanError("invalid plan:\n  " + "\n  ".join(problems))
+
+
+def _unjoined(plan: Plan, run: list[int], reach: Callable[[int], set[int]]) -> list[str]:
+    """The caller slots of one run (its ops' indices) not ordered after the
+    last work of a stream on their device.
+
+    The run ends with the join (waits on caller slots); records after it
+    (gradient copies issued by autograd) are ordered by autograd's own final
+    sync, not by the join.
+    """
+    ops, callers = plan.ops, plan.callers
     end = 1 + max(
-        [i for i, op in enumerate(ops) if op.task >= 0]
-        + [i for i, op in enumerate(ops) if op.slot in callers and op.op != "record"],
+        [i for i in run if ops[i].task >= 0]
+        + [i for i in run if ops[i].slot in callers and ops[i].op != "record"],
         default=-1,
     )
+    joined = [i for i in run if i < end]
+    problems = []
     for c in callers:
-        joins = [j for j in range(end) if ops[j].slot == c]
+        joins = [j for j in joined if ops[j].slot == c]
         for x in range(len(plan.slot_names)):
             if x in callers or plan.slot_devices[x] != plan.slot_devices[c]:
                 continue
-            records = [j for j in range(end) if ops[j].slot == x and ops[j].op == "record"]
+            records = [j for j in joined if ops[j].slot == x and ops[j].op == "record"]
             if records and not any(j in reach(records[-1]) for j in joins):
                 caller, stream = plan.slot_names[c], plan.slot_names[x]
                 problems.append(f"{caller} is not ordered after the last work on {stream}")
-    if problems:
-        raise PlanError("invalid plan:\n  " + "\n  ".join(problems))
+    return problems

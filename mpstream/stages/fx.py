@@ -13,7 +13,6 @@ and checkpoints are those of the unsplit module.
 
 from __future__ import annotations
 
-import inspect
 import operator
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -21,14 +20,18 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from torch import Tensor, fx, nn
+from torch.fx import graph_module
 from torch.fx.passes.split_module import split_module
 
 from ..memory import DeferredBatchNorm
 from ..runtime.graph import Ref, StageGraph
 from .inplace import check_in_place
 from .points import begin_stages, split_candidates, units_in_order
+from .tracers import Binder
 
 __all__ = ["Traced", "trace", "call_units", "lookup"]
+
+_PRESERVED = getattr(graph_module, "_USER_PRESERVED_ATTRIBUTES_KEY", "_user_preserved_attributes")
 
 
 @dataclass
@@ -203,6 +206,9 @@ def inline_attrs(top: fx.GraphModule, resolve: Callable[[str], tuple[Any, bool]]
             if owned:
                 attrs[name] = target
         part._mpstream_attrs = attrs  # type: ignore[assignment]
+        # GraphModule's deepcopy keeps only the attributes listed here (a
+        # copied pipe rebinds through them after .to() or a replacement).
+        part.meta.setdefault(_PRESERVED, {})["_mpstream_attrs"] = attrs
         part.graph.lint()
         part.recompile()
         call.args = tuple(keep_args)
@@ -241,52 +247,6 @@ def _tensors_used(s: int, part: fx.GraphModule, qualnames: dict[str, str]) -> se
             names |= {f"{prefix}.{n}" for n, _ in sub.named_parameters(remove_duplicate=False)}
             names |= {f"{prefix}.{n}" for n, _ in sub.named_buffers(remove_duplicate=False)}
     return names
-
-
-class Binder:
-    """Turns a call's ``(args, kwargs)`` into a traced module's positional inputs.
-
-    Args:
-        module: the traced module.
-        names: its ``forward``'s parameters, in the pipeline's input order.
-        used: those the traced graph computes with.
-    """
-
-    def __init__(self, module: nn.Module, names: list[str], used: frozenset[str]) -> None:
-        self.name = type(module).__name__
-        self.signature = inspect.signature(module.forward)
-        self.names = names
-        self.used = used
-        for p in self.signature.parameters.values():
-            if p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
-                raise TypeError(
-                    f"{self.name}.forward takes {p}; a traced pipeline needs named arguments"
-                )
-
-    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-        try:
-            bound = self.signature.bind(*args, **kwargs)
-        except TypeError as exc:
-            raise TypeError(f"{self.name}.forward{self.signature}: {exc}") from None
-        bound.apply_defaults()
-        return tuple(bound.arguments[n] for n in self.names)
-
-    def explain(self, inputs: tuple[Any, ...]) -> str | None:
-        """Why a call with ``inputs`` may have failed in a stage: an argument
-        the trace computed with is None in this call. ``torch.fx`` traces
-        every argument as a value, so a branch such as ``if mask is not
-        None:`` is traced as taken, and the stages use the argument."""
-        nones = [n for n, v in zip(self.names, inputs) if v is None and n in self.used]
-        if not nones:
-            return None
-        names = ", ".join(repr(n) for n in nones)
-        return (
-            f"mpstream: {names} {'is' if len(nones) == 1 else 'are'} None in this call, but "
-            f"torch.fx traced {self.name}.forward with a value there (a test such as "
-            f"`if {nones[0]} is not None:` is traced as true, so the stages compute with it). "
-            f"Pass {'it' if len(nones) == 1 else 'them'}, or split the module with "
-            f"tracer='export' and sample= (torch.export splits per kind of call)"
-        )
 
 
 def _stage_graph(top: fx.GraphModule, count: int) -> tuple[StageGraph, list[str]]:

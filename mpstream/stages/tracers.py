@@ -5,7 +5,8 @@
 :func:`choose_tracer` picks which to try first, and
 :meth:`mpstream.Pipe.split_report` returns a :class:`SplitReport` saying
 which one split it and why. :class:`CallSignature` binds a call to a
-module's ``forward`` by name, as ``torch.export`` takes it.
+module's ``forward`` by name, as ``torch.export`` takes it;
+:class:`Binder`, to a ``torch.fx`` split's positional inputs.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from .hf import is_transformers_model
 
 __all__ = [
     "SplitReport",
+    "Binder",
     "CallSignature",
     "choose_tracer",
     "sample_call",
@@ -91,6 +93,54 @@ def sample_call(sample: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     if isinstance(sample, tuple):
         return sample, {}
     return (sample,), {}
+
+
+class Binder:
+    """Turns a call's ``(args, kwargs)`` into a traced module's positional inputs.
+
+    Args:
+        module: the traced module.
+        names: its ``forward``'s parameters, in the pipeline's input order.
+        used: those the traced graph computes with.
+    """
+
+    def __init__(self, module: nn.Module, names: list[str], used: frozenset[str]) -> None:
+        self.name = type(module).__name__
+        self.signature = inspect.signature(module.forward)
+        self.names = names
+        self.used = used
+        for p in self.signature.parameters.values():
+            if p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+                raise TypeError(
+                    f"{self.name}.forward takes {p}; a traced pipeline needs named arguments"
+                )
+
+    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        try:
+            bound = self.signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"{self.name}.forward{self.signature}: {exc}") from None
+        bound.apply_defaults()
+        return tuple(bound.arguments[n] for n in self.names)
+
+    def explain(self, inputs: tuple[Any, ...]) -> str | None:
+        """Why a call with ``inputs`` may have failed in a stage: an argument
+        the trace computed with is None in this call. ``torch.fx`` traces
+        every argument as a value, so a branch such as ``if mask is not
+        None:`` is traced as taken, and the stages use the argument."""
+        # A Binder pickled before it had ``used`` computes with every argument.
+        used: frozenset[str] = getattr(self, "used", frozenset(self.names))
+        nones = [n for n, v in zip(self.names, inputs) if v is None and n in used]
+        if not nones:
+            return None
+        names = ", ".join(repr(n) for n in nones)
+        return (
+            f"mpstream: {names} {'is' if len(nones) == 1 else 'are'} None in this call, but "
+            f"torch.fx traced {self.name}.forward with a value there (a test such as "
+            f"`if {nones[0]} is not None:` is traced as true, so the stages compute with it). "
+            f"Pass {'it' if len(nones) == 1 else 'them'}, or split the module with "
+            f"tracer='export' and sample= (torch.export splits per kind of call)"
+        )
 
 
 class CallSignature:

@@ -72,4 +72,5 @@ def test_tune_refuses_a_cache_that_is_a_folder(
     assert f"--cache {tmp_path}: is a folder" in capsys.readouterr().err
     assert not (tmp_path / "new").exists()  # the --out it created is gone again
     assert cli.main([*args, "--no-cache", "--devices", "cpu"]) == 2  # --cache unused
-    assert "--cache" not in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "two comma-separated devices" in err and "--cache" not in err

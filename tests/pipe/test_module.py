@@ -61,7 +61,26 @@ def test_a_tensor_replaced_by_something_else_or_elsewhere_is_refused() -> None:
         pipe.scale = None  # type: ignore[assignment]
     with pytest.raises(ValueError, match="'scale' sits on cpu"):
         pipe.scale = nn.Parameter(torch.tensor(1.0, device="meta"))
+    with pytest.raises(TypeError, match="'shift' is a buffer the stages read"):
+        pipe.shift = nn.Parameter(torch.zeros(16, dtype=torch.float64))
+    for name in ("shift", "scale", "decoder"):
+        with pytest.raises(TypeError, match=f"the Pipe's stages read '{name}'"):
+            delattr(pipe, name)
     pipe(torch.randn(2, 8, dtype=torch.float64))  # unchanged, still runs
+
+
+def test_a_copied_pipe_reads_its_replaced_tensors() -> None:
+    # GraphModule's deepcopy keeps only listed attributes: the stages' map
+    # of the module's tensors must survive it.
+    model = Scaled()
+    pipe = copy.deepcopy(traced(model))
+    x = torch.randn(6, 8, dtype=torch.float64)
+    pipe.scale = nn.Parameter(torch.tensor(5.0, dtype=torch.float64))
+    model.scale = nn.Parameter(torch.tensor(5.0, dtype=torch.float64))
+    torch.testing.assert_close(pipe(x), model(x))
+    fresh = Scaled()
+    pipe.load_state_dict(fresh.state_dict(), assign=True)
+    torch.testing.assert_close(pipe(x), fresh(x))
 
 
 def test_a_replaced_layer_is_refused() -> None:
@@ -80,13 +99,16 @@ def test_a_replaced_layer_is_refused() -> None:
 
 def test_moving_a_module_that_holds_a_pipe_is_refused() -> None:
     holder = nn.Module()
+    holder.head = nn.Linear(2, 2)  # before the Pipe: moved before it refuses
     holder.pipe = traced(Scaled())
-    holder.head = nn.Linear(2, 2)
     with pytest.raises(TypeError, match="would move the stages on cpu to meta"):
         holder.to("meta")
+    assert holder.head.weight.device.type == "meta"
+    holder.head.to_empty(device="cpu")
     with pytest.raises(TypeError, match="would move the stages on cpu to meta"):
         holder.to_empty(device="meta")
-    assert all(p.device.type == "cpu" for p in holder.parameters())
+    assert all(p.device.type == "cpu" for p in holder.pipe.parameters())
+    holder.head.to_empty(device="cpu")
     holder.to(torch.float32)  # dtype conversions reach the stages
     assert holder.pipe(torch.randn(2, 8)).dtype == torch.float32
     holder.to("cpu")  # where the stages already are
