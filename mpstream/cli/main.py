@@ -300,22 +300,25 @@ def _check_paths(args: argparse.Namespace, created: list[Path]) -> None:
     if out is not None:
         path = Path(out)
         created += [p for p in (path, *path.parents) if not p.exists()]
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            why = exc.strerror or exc
-            raise ValueError(f"--out {out}: cannot create the folder ({why})") from None
-        if not os.access(out, os.W_OK):
-            raise ValueError(f"--out {out}: the folder is not writable")
+        _writable_folder(path, f"--out {out}", "the folder")
     cache = getattr(args, "cache", None)
     if cache is not None and not getattr(args, "no_cache", False):
-        folder = Path(cache).parent
         if Path(cache).is_dir():
             raise ValueError(f"--cache {cache}: is a folder; give a JSON file's path")
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            why = exc.strerror or exc
-            raise ValueError(f"--cache {cache}: cannot create {folder} ({why})") from None
-        if not os.access(folder, os.W_OK):
-            raise ValueError(f"--cache {cache}: {folder} is not writable")
+        folder = Path(cache).parent
+        _writable_folder(folder, f"--cache {cache}", str(folder))
+
+
+def _writable_folder(folder: Path, option: str, name: str) -> None:
+    """Makes ``folder`` (and its parents) exist; errors name the ``option``
+    and the folder as ``name``.
+
+    Raises:
+        ValueError: it cannot be created, or is not writable.
+    """
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"{option}: cannot create {name} ({exc.strerror or exc})") from None
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"{option}: {name} is not writable")
