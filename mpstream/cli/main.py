@@ -41,6 +41,17 @@ def _config(args: argparse.Namespace) -> bench.Config:
     config = dataclasses.replace(config, **changes)  # type: ignore[arg-type]
     if config.image_w < 32 or config.image_h < 32:
         raise ValueError("--image-size must be at least 32x32 (ResNet50 downsamples 32x)")
+    batch = config.batch_size
+    given = [] if args.split_size is None else [args.split_size]
+    over = [s for s in (*given, *(args.split_sizes or ())) if s > batch]
+    if over:
+        flag = "--split-size" if over[0] in given else "--split-sizes"
+        raise ValueError(
+            f"{flag} {over[0]}: larger than the batch of {batch} images (--batch-size)"
+        )
+    if args.split_sizes is None:  # the default sweep, up to the batch
+        kept = tuple(s for s in config.split_sizes if s <= batch) or (batch,)
+        config = dataclasses.replace(config, split_sizes=kept)
     return config
 
 

@@ -104,6 +104,8 @@ def test_bad_options_are_argparse_errors(
         (["--devices", "cpu,tpu:0"], "not a device name"),
         (["--devices", "cpu,meta"], "not a cpu or cuda device"),
         (["--image-size", "16"], "at least 32x32"),
+        (["--split-size", "8"], "--split-size 8: larger than the batch of 4 images"),
+        (["--split-sizes", "2,6"], "--split-sizes 6: larger than the batch of 4 images"),
     ],
 )
 def test_bad_values_exit_2_with_a_message(
