@@ -39,6 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from mpstream import CapturedStep
+from mpstream.cli.argtypes import positive_int
 from mpstream.tutorial import StreamPipelineResNet50
 
 MODES = ("global", "thread_local", "relaxed")
@@ -191,12 +192,16 @@ def captured_step(args: argparse.Namespace, device: torch.device) -> dict[str, A
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda:0")
-    p.add_argument("--split-size", type=int, default=12)
-    p.add_argument("--batch", type=int, default=120, help="images per step (the tutorial's)")
-    p.add_argument("--image", type=int, default=128, help="image side (the tutorial's)")
-    p.add_argument("--classes", type=int, default=1000)
-    p.add_argument("--runs", type=int, default=10, help="timed eager steps and replays")
-    p.add_argument("--steps", type=int, default=10, help="CapturedStep steps against eager ones")
+    p.add_argument("--split-size", type=positive_int, default=12)
+    p.add_argument(
+        "--batch", type=positive_int, default=120, help="images per step (the tutorial's)"
+    )
+    p.add_argument("--image", type=positive_int, default=128, help="image side (the tutorial's)")
+    p.add_argument("--classes", type=positive_int, default=1000)
+    p.add_argument("--runs", type=positive_int, default=10, help="timed eager steps and replays")
+    p.add_argument(
+        "--steps", type=positive_int, default=10, help="CapturedStep steps against eager ones"
+    )
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

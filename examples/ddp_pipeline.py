@@ -39,33 +39,34 @@ from torchvision.models import resnet50
 
 import mpstream
 from mpstream import distributed as mpdist
+from mpstream.cli.argtypes import positive_float, positive_int
 from mpstream.stages.balance import partition
 from mpstream.tutorial import resnet50_layers
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--stages", type=int, default=2, help="pipeline stages per process")
+    p.add_argument("--stages", type=positive_int, default=2, help="pipeline stages per process")
     p.add_argument(
         "--devices-per-process",
-        type=int,
+        type=positive_int,
         help="GPUs per process (default: --stages if there are enough, else 1)",
     )
     p.add_argument("--cpu", action="store_true", help="run on the CPU even when GPUs exist")
     p.add_argument("--balance", help="layers per stage, e.g. 11,12 (default: even split)")
-    p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--steps", type=int, help="at most this many steps per epoch")
-    p.add_argument("--batch-size", type=int, default=8, help="images per process and step")
-    p.add_argument("--image-size", type=int, default=64)
-    p.add_argument("--num-classes", type=int, default=10)
-    p.add_argument("--dataset-size", type=int, default=256)
+    p.add_argument("--epochs", type=positive_int, default=1)
+    p.add_argument("--steps", type=positive_int, help="at most this many steps per epoch")
+    p.add_argument("--batch-size", type=positive_int, default=8, help="images per process and step")
+    p.add_argument("--image-size", type=positive_int, default=64)
+    p.add_argument("--num-classes", type=positive_int, default=10)
+    p.add_argument("--dataset-size", type=positive_int, default=256)
     split = p.add_mutually_exclusive_group()
-    split.add_argument("--split-size", type=int, help="micro-batch size")
-    split.add_argument("--chunks", type=int, help="micro-batches per step (default 2)")
+    split.add_argument("--split-size", type=positive_int, help="micro-batch size")
+    split.add_argument("--chunks", type=positive_int, help="micro-batches per step (default 2)")
     p.add_argument("--schedule", choices=mpstream.SCHEDULES, default="gpipe")
     p.add_argument(
         "--virtual-stages",
-        type=int,
+        type=positive_int,
         help="interleaved_1f1b: stages per pipeline rank (needed when stages share a device)",
     )
     p.add_argument("--checkpoint", choices=["never", "except_last", "always"], default="never")
@@ -76,7 +77,7 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--ckpt", type=Path, default=Path("ddp_pipeline.pt"))
     p.add_argument("--resume", action="store_true", help="start from --ckpt")
-    p.add_argument("--lr", type=float, default=0.001)
+    p.add_argument("--lr", type=positive_float, default=0.001)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     if args.devices_per_process is not None and not 1 <= args.devices_per_process <= args.stages:

@@ -27,6 +27,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.utils import logging
 
 import mpstream
+from mpstream.cli.argtypes import positive_int
 
 
 def default_devices() -> str:
@@ -49,12 +50,12 @@ def batch_of(size: int, context: int, vocab: int) -> dict[str, torch.Tensor]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--devices", default=default_devices(), help="comma-separated, one per stage")
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--chunks", type=int, default=3)
-    p.add_argument("--context", type=int, default=16)
-    p.add_argument("--width", type=int, default=64)
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--steps", type=positive_int, default=10)
+    p.add_argument("--batch", type=positive_int, default=8)
+    p.add_argument("--chunks", type=positive_int, default=3)
+    p.add_argument("--context", type=positive_int, default=16)
+    p.add_argument("--width", type=positive_int, default=64)
+    p.add_argument("--layers", type=positive_int, default=4)
     p.add_argument("--train-step", action="store_true", help="pipe.train_step(batch) per step")
     p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "zb_h1"])
     p.add_argument("--checkpoint", default="never", choices=["never", "except_last", "always"])
@@ -108,7 +109,7 @@ def main() -> None:
         reference_optimizer.step()
         torch.testing.assert_close(loss.detach(), expected.detach(), rtol=1e-4, atol=1e-5)
         if step == 0:
-            print(f"step 0 loss {loss.item():.4f} equals the unsplit model's")
+            print(f"step   1  loss {loss.item():.4f} equals the unsplit model's")
         if (step + 1) % 5 == 0 or step + 1 == args.steps:
             print(f"step {step + 1:3d}  loss {loss.item():.4f}")
 

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 import mpstream
+from mpstream.cli.argtypes import positive_int
 
 
 def block(c_in: int, c_out: int) -> nn.Sequential:
@@ -64,11 +65,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     default = "cuda:0" if torch.cuda.is_available() else "cpu"
     p.add_argument("--devices", default=",".join([default] * 4), help="4 comma-separated devices")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--size", type=int, default=32)
-    p.add_argument("--split-size", type=int, default=4)
-    p.add_argument("--width", type=int, default=8)
+    p.add_argument("--steps", type=positive_int, default=20)
+    p.add_argument("--batch", type=positive_int, default=16)
+    p.add_argument("--size", type=positive_int, default=32)
+    p.add_argument("--split-size", type=positive_int, default=4)
+    p.add_argument("--width", type=positive_int, default=8)
     args = p.parse_args()
 
     torch.manual_seed(0)
@@ -90,7 +91,7 @@ def main() -> None:
         if step == 0:
             expected = nn.MSELoss()(reference(noisy), clean)
             torch.testing.assert_close(loss.cpu(), expected.detach(), rtol=1e-4, atol=1e-6)
-            print(f"step 0 loss {loss.item():.4f} equals the unsplit model's")
+            print(f"step   1  loss {loss.item():.4f} equals the unsplit model's")
         optimizer.step()
         if (step + 1) % 5 == 0 or step + 1 == args.steps:
             print(f"step {step + 1:3d}  loss {loss.item():.4f}")

@@ -75,3 +75,14 @@ def test_the_cuda_graph_experiment_reports_every_attempt(tmp_path: Path) -> None
     attempts = report["attempts"]
     assert attempts and all(a["eager_ms"] > 0 for a in attempts)
     assert "error" not in attempts[-1] or len(attempts) == 3  # stops at the first that works
+
+
+def test_examples_refuse_sizes_below_one() -> None:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "unet.py"), "--split-size", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert "--split-size: must be at least 1, got 0" in result.stderr
