@@ -95,19 +95,13 @@ class PipeModule(nn.Module):
 
     # -- the stages hold the layers themselves ----------------------------
     def __setattr__(self, name: str, value: Any) -> None:
-        if self.__dict__.get("_sealed") and (
-            name in self._modules or name in self._parameters or name in self._buffers
-        ):
-            self._replace(name, value)
-            super().__setattr__(name, value)
-            self._rebind()
-            return
+        replacing = self._replacing(name, value, "_modules", "_parameters", "_buffers")
         super().__setattr__(name, value)
+        if replacing:
+            self._rebind()
 
     def __delattr__(self, name: str) -> None:
-        if self.__dict__.get("_sealed") and (
-            name in self._modules or name in self._parameters or name in self._buffers
-        ):
+        if self._held(name, "_modules", "_parameters", "_buffers"):
             raise TypeError(
                 f"the Pipe's stages read '{name}'; it cannot be deleted (replace it instead, "
                 f"or build a new Pipe around the changed module)"
@@ -115,27 +109,38 @@ class PipeModule(nn.Module):
         super().__delattr__(name)
 
     def add_module(self, name: str, module: nn.Module | None) -> None:
-        if self.__dict__.get("_sealed") and name in self._modules:
-            self._replace(name, module)
+        self._replacing(name, module, "_modules")  # refused: raises
         super().add_module(name, module)
 
     def register_parameter(self, name: str, param: nn.Parameter | None) -> None:
-        if self.__dict__.get("_sealed") and name in self._parameters:
-            self._replace(name, param)
-            super().register_parameter(name, param)
-            self._rebind()
-            return
+        replacing = self._replacing(name, param, "_parameters")
         super().register_parameter(name, param)
+        if replacing:
+            self._rebind()
 
     def register_buffer(
         self, name: str, tensor: torch.Tensor | None, persistent: bool = True
     ) -> None:
-        if self.__dict__.get("_sealed") and name in self._buffers:
-            self._replace(name, tensor)
-            super().register_buffer(name, tensor, persistent)
-            self._rebind()
-            return
+        replacing = self._replacing(name, tensor, "_buffers")
         super().register_buffer(name, tensor, persistent)
+        if replacing:
+            self._rebind()
+
+    def _held(self, name: str, *kinds: str) -> bool:
+        """Whether, after construction, ``name`` is one of the pipe's layers
+        or tensors of ``kinds`` (``_modules``, ``_parameters``, ``_buffers``),
+        which the stages hold. (Read from ``__dict__``: nn.Module's own
+        ``__init__`` sets attributes before those exist.)"""
+        state = self.__dict__
+        return bool(state.get("_sealed")) and any(name in state[k] for k in kinds)
+
+    def _replacing(self, name: str, value: Any, *kinds: str) -> bool:
+        """Whether setting ``name`` replaces what the stages hold, once
+        :meth:`_replace` has checked the new ``value``."""
+        if not self._held(name, *kinds):
+            return False
+        self._replace(name, value)
+        return True
 
     def _replace(self, name: str, value: Any) -> None:
         """Checks a replacement of the pipe's layer or tensor ``name``: the

@@ -229,10 +229,7 @@ def verify_plan(plan: Plan) -> None:
     last_on_slot: dict[tuple[int, int], int] = {}
     last_record: dict[int, int] = {}
     external: dict[int, int] = {}  # producing task -> its xrecord
-    # A plan may hold several runs (a scheduler recording across calls):
-    # a run begins with the callers' source records, and a task reads what
-    # its own run produced.
-    run_of = [0] * n
+    run_of = [0] * n  # which run each op belongs to (see the docstring)
     run = 0
     done: dict[tuple[int, Key], int] = {}
     callers = plan.callers

@@ -207,15 +207,15 @@ class StageGraphs:
         eagerly. ``split``: the schedule splits this backward (its weight
         pass runs later), so the backward is captured as two graphs."""
         st = self.stages[s]
-        if st.reason is not None and not st.warned:
-            st.warned = True
-            warnings.warn(f"{st.label} runs eagerly: {st.reason}", GraphWarning, stacklevel=3)
         if st.reason is None and self.slots is not None:
             key = self._key(s, m, args, checkpoint, split)
             if key is not None:
                 graphed = self._graphed(st, key, stage, args, checkpoint)
                 if graphed is not None:
                     return graphed(*args)
+        if st.reason is not None and not st.warned:  # a CPU stage, or a failed capture
+            st.warned = True
+            warnings.warn(f"{st.label} runs eagerly: {st.reason}", GraphWarning, stacklevel=3)
         return checkpointed(stage, *args) if checkpoint else stage(*args)
 
     def _key(
@@ -271,8 +271,6 @@ class StageGraphs:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             st.reason = f"capture failed: {type(exc).__name__}: {first}"
             st.calls.clear()
-            st.warned = True
-            warnings.warn(f"{st.label} runs eagerly: {st.reason}", GraphWarning, stacklevel=4)
             return None
         graphed.label = st.label
         graphed.sums = st.sums
