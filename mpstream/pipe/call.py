@@ -4,9 +4,8 @@
 (the configuration and the runtime) and :class:`~mpstream.Pipe` (its
 construction and the training step): ``forward``, and how a call's
 arguments become the pipeline's inputs, which ``train_step`` shares. A
-module split by ``torch.export`` first switches to the split of the call's
-kind (other arguments, shapes beyond the batch dimension, training mode or
-dtypes), with its own stages and runtime.
+traced module first switches to the split of the call's kind (see
+:mod:`~mpstream.stages.kinds`), with its own stages and runtime.
 """
 
 from __future__ import annotations
@@ -16,12 +15,10 @@ from typing import Any
 import torch
 
 from ..memory.batchnorm import deferred_update
-from ..runtime.errors import annotate
 from ..runtime.microbatch import batch_device, gather, scatter
 from ..runtime.worker import Staging
-from ..stages.tracers import Binder
 from .config import PipeConfig
-from .inputs import positional, staging
+from .inputs import check_holds_tensor, positional, staging
 
 __all__ = ["PipeCall"]
 
@@ -29,8 +26,7 @@ __all__ = ["PipeCall"]
 class PipeCall(PipeConfig):
     """Base of :class:`~mpstream.Pipe`: a call of the pipeline.
 
-    Expects, besides what :class:`~mpstream.pipe.config.PipeConfig` does,
-    ``_bind`` (how a traced module binds a call, or None) in ``__dict__``.
+    Expects what :class:`~mpstream.pipe.config.PipeConfig` does.
     """
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -82,22 +78,19 @@ class PipeCall(PipeConfig):
         _, worker, _ = self._rt()
         staging = self._stage(inputs, self.devices[0])
         stop = self._prepare(len(micro))
-        try:
-            with deferred_update(self._deferred_norms(), len(micro)):
-                outputs = worker.forward(micro, schedule, stop, staging)
-        except (TypeError, AttributeError) as exc:
-            self._explain(exc, inputs)
-            raise
+        with deferred_update(self._deferred_norms(), len(micro)):
+            outputs = worker.forward(micro, schedule, stop, staging)
         split = self.__dict__["_split"]
         return gather(outputs) if split is None else split.gather(outputs)
 
     def _inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-        """The pipeline's positional inputs for a call; a module split by
-        ``torch.export`` first switches to the split of the call's kind."""
+        """The pipeline's positional inputs for a call; a traced module first
+        switches to the split of the call's kind."""
         state = self.__dict__
         split = state["_split"]
         if split is None:
-            return positional(state["_bind"], args, kwargs)
+            return positional(args, kwargs)
+        check_holds_tensor(args, kwargs)
         chosen, inputs = split.select(self.training, args, kwargs)
         if state["_graph"] is not chosen.graph:
             runtime = state["_runtime"]
@@ -107,14 +100,6 @@ class PipeCall(PipeConfig):
             state["_balance"] = chosen.balance
             state["_runtime"] = chosen.runtime
         return inputs  # type: ignore[no-any-return]
-
-    def _explain(self, exc: BaseException, inputs: tuple[Any, ...]) -> None:
-        """Adds a note to a stage's error where an argument the trace computed
-        with is None in the call (what a None in an operation raises)."""
-        bind = self.__dict__["_bind"]
-        hint = bind.explain(inputs) if isinstance(bind, Binder) else None
-        if hint is not None:
-            annotate(exc, hint)
 
     def _stage(self, value: Any, device: torch.device) -> list[Staging] | None:
         """Per micro-batch pinned buffers for ``value``'s pageable tensors."""

@@ -17,37 +17,40 @@ from torch.utils import _pytree as pytree
 
 from ..runtime.microbatch import PLAIN, NoChunk, describe, leaves, split
 from ..runtime.transfer import host_staging
-from ..stages.build import Bind
 
-__all__ = ["positional", "staging", "detached", "micro_sizes"]
+__all__ = ["positional", "check_holds_tensor", "staging", "detached", "micro_sizes"]
 
 
-def positional(bind: Bind | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-    """The pipeline's positional inputs for a call.
-
-    A traced module binds the call to its ``forward``'s signature; a
-    Sequential takes positional inputs only (a list is the batch as a tuple
-    of tensors, torchgpipe's style).
+def positional(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """A Sequential pipeline's positional inputs for a call: positional
+    arguments only (a list is the batch as a tuple of tensors, torchgpipe's
+    style). A traced module binds a call itself (see :mod:`~mpstream.stages.kinds`).
 
     Raises:
-        TypeError: keyword arguments to a Sequential pipe, no input, or only
-            plain values (a string, a list of numbers, ...), no tensor.
+        TypeError: keyword arguments, no input, or only plain values (a
+            string, a list of numbers, ...), no tensor.
     """
-    if bind is not None:
-        bound = bind(args, kwargs)
-    else:
-        if kwargs:
-            names = ", ".join(sorted(kwargs))
-            raise TypeError(
-                f"a Pipe over an nn.Sequential takes positional inputs only; got keyword "
-                f"argument(s) {names}"
-            )
-        if not args:
-            raise TypeError("Pipe needs at least one input")
-        bound = tuple(tuple(a) if isinstance(a, list) else a for a in args)
-    # Named here, before a list becomes a tuple, so the message shows what the
-    # caller passed; other leaves (arrays, ...) get scatter's message. A tensor
-    # argument, the usual call, skips the flattening.
+    if kwargs:
+        names = ", ".join(sorted(kwargs))
+        raise TypeError(
+            f"a Pipe over an nn.Sequential takes positional inputs only; got keyword "
+            f"argument(s) {names}"
+        )
+    if not args:
+        raise TypeError("Pipe needs at least one input")
+    check_holds_tensor(args, kwargs)
+    return tuple(tuple(a) if isinstance(a, list) else a for a in args)
+
+
+def check_holds_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Refuses a call that holds only plain values, no tensor to split.
+
+    Raises:
+        TypeError: naming what was passed and what to do.
+    """
+    # Checked before a list becomes a tuple, so the message shows what the
+    # caller passed; other leaves (arrays, ...) get scatter's message. A
+    # tensor argument, the usual call, skips the flattening.
     if not any(type(a) is Tensor for a in args) and all(
         isinstance(leaf, PLAIN) for leaf in pytree.tree_leaves((args, kwargs))
     ):
@@ -57,7 +60,6 @@ def positional(bind: Bind | None, args: tuple[Any, ...], kwargs: dict[str, Any])
             f"(torch.as_tensor converts numbers, lists and arrays), or a tuple, list or dict "
             f"holding tensors"
         )
-    return bound
 
 
 def staging(

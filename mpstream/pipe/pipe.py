@@ -22,7 +22,7 @@ from ..schedules.schedule import (
     check_schedule,
 )
 from ..stages.build import build
-from ..stages.exported import own_loss
+from ..stages.exported import ExportSplit, own_loss
 from ..stages.sequential import DeviceLike, check_positive
 from .call import PipeCall
 from .compiling import CompileOption, compile_options
@@ -196,10 +196,9 @@ class Pipe(PipeCall):
         self.__dict__["_devices"] = built.devices
         self.__dict__["_balance"] = built.balance
         self.__dict__["_graph"] = built.graph
-        self.__dict__["_bind"] = built.bind
         self.__dict__["_root"] = built.root
         self.__dict__["_split_points"] = built.split_points
-        self.__dict__["_split"] = built.split  # torch.export: a split per kind of call
+        self.__dict__["_split"] = built.split  # traced: a split per kind of call
         self.__dict__["_report"] = built.report
         self.__dict__["_deferred"] = None  # found on first use (see _deferred_norms)
         check_schedule(self.schedule, built.devices, built.graph.reads(), self.virtual_stages)
@@ -279,11 +278,9 @@ class Pipe(PipeCall):
         # Parameter gradients only: inputs are detached, so whether x.grad
         # fills cannot depend on where the batch sits.
         split = self.__dict__["_split"]
-        if isinstance(inputs, dict) and split is not None:
+        if isinstance(inputs, dict) and isinstance(split, ExportSplit):
             args = self._inputs((), inputs)  # keyword arguments (a Hugging Face batch)
-        elif (self.__dict__["_bind"] is not None or split is not None) and isinstance(
-            inputs, tuple
-        ):
+        elif split is not None and isinstance(inputs, tuple):
             args = self._inputs(inputs, {})
         else:
             args = self._inputs((inputs,), {})
@@ -342,11 +339,9 @@ class Pipe(PipeCall):
                     None if scaler is None else scaler.scale,
                     issue,
                 )
-        except BaseException as exc:
+        except BaseException:
             if snapshot is not None:
                 snapshot.restore()
-            if isinstance(exc, (TypeError, AttributeError)):
-                self._explain(exc, args)
             raise
         return torch.stack(losses).sum()
 

@@ -27,6 +27,7 @@ from torch.utils import _pytree as pytree
 from ..runtime.boundary import GradSink, cut
 from ..runtime.microbatch import Value, as_value, leaves, rebuild_leaves, tensors_of
 from .fx import call_units, trace
+from .tracers import Binder
 
 __all__ = [
     "LayerProfile",
@@ -262,9 +263,12 @@ def profile_units(
         else (first.device if first is not None else torch.device("cpu"))
     )
     model = copy.deepcopy(module).to(dev).train()
-    points = call_units(model, leaf_modules)
-    traced = trace(model, points, leaf_modules=leaf_modules)
     args = sample if isinstance(sample, tuple) else (sample,)
+    # Traced as the pipe traces a call of the sample's kind (see traced.py).
+    values = Binder(model, [], frozenset()).arguments(args, {})
+    nones = frozenset(n for n, v in values.items() if v is None)
+    points = call_units(model, leaf_modules, nones)
+    traced = trace(model, points, leaf_modules=leaf_modules, nones=nones)
     inputs = tuple(t.to(dev) if isinstance(t, Tensor) else t for t in traced.bind(args, {}))
     outs: list[tuple[Any, ...]] = []
     profiles = []

@@ -10,7 +10,7 @@ Sequential's layers, or a traced module's own children and tensors.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,15 +22,11 @@ from ..runtime.graph import StageGraph
 from .balance import balance_by_size, balance_by_time, split_points_by
 from .export_balance import export_split_points
 from .exported import ExportSplit
-from .fx import trace
-from .placement import place
 from .sequential import DeviceLike, split_module, stage_devices
+from .traced import FxSplit
 from .tracers import SplitReport, choose_tracer
 
-__all__ = ["Bind", "Built", "build"]
-
-# Turns a call's (args, kwargs) into the pipeline's positional inputs.
-Bind = Callable[[tuple[Any, ...], dict[str, Any]], tuple[Any, ...]]
+__all__ = ["Built", "build"]
 
 
 @dataclass
@@ -44,9 +40,8 @@ class Built:
         graph: where each stage's arguments come from.
         layers: a Sequential's layers, to register (None when traced).
         root: a traced module, whose children and tensors the pipe adopts.
-        bind: turns a traced module's call into positional inputs.
         split_points: where a traced module's stages begin.
-        split: a module split by ``torch.export``: its split per kind of call.
+        split: a traced module's split per kind of call.
         report: which tracer split the module and why.
     """
 
@@ -56,9 +51,8 @@ class Built:
     graph: StageGraph
     layers: list[tuple[str, nn.Module]] | None = None
     root: nn.Module | None = None
-    bind: Bind | None = None
     split_points: list[str] | None = None
-    split: ExportSplit | None = None
+    split: ExportSplit | FxSplit | None = None
     report: SplitReport | None = None
 
 
@@ -129,18 +123,19 @@ def _traced(
             leaf_modules=leaf_modules,
         )  # fmt: skip
     assert split_points is not None
-    traced = trace(module, split_points, leaf_modules=leaf_modules)
-    devs = stage_devices(devices, len(traced.partitions), "split_points make")
-    place(module, traced, devs)
+    if isinstance(split_points, str):
+        split_points = [split_points]
+    devs = stage_devices(devices, len(split_points) + 1, "split_points make")
+    split = FxSplit(module, list(split_points), devs, leaf_modules, why)
+    first = split.first()
     return Built(
-        list(traced.partitions),
+        list(first.partitions),
         devs,
-        [sum(n.op.startswith("call") for n in p.graph.nodes) for p in traced.partitions],
-        traced.graph,
+        list(first.balance),
+        first.graph,
         root=module,
-        bind=traced.bind,
         split_points=list(split_points),
-        report=SplitReport("torch.fx", why, tuple(split_points)),
+        split=split,
     )
 
 

@@ -8,8 +8,8 @@ exported when the pipe is built, from ``sample=`` (or a Hugging Face model's
 ``dummy_inputs``), and places the module's tensors on the stages' devices;
 a call of another kind is exported when it first comes (the same split
 points, placement checked) and the pipe switches to its stages, stage graph
-and runtime. Micro-batches of any size run the same split: the batch
-dimension is left symbolic. :meth:`ExportSplit.report` is what
+and runtime (see :mod:`~mpstream.stages.kinds`). Micro-batches of any size
+run the same split: the batch dimension is left symbolic. :meth:`ExportSplit.report` is what
 :meth:`mpstream.Pipe.split_report` returns for such a pipe.
 """
 
@@ -22,17 +22,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor, fx, nn
 from torch.utils import _pytree as pytree
 
+from ..runtime.graph import StageGraph
 from ..runtime.microbatch import NoChunk
-from ..schedules.schedule import check_schedule
 from .export import ExportedStages, attribute, export_stages, retarget_devices
 from .fake_export import first_line
 from .fx import Traced
 from .hf import Calls, calls_for, is_transformers_model
+from .kinds import Kinds
 from .model_loss import gather_with_loss
-from .placement import place, rebind
+from .placement import place
 from .tracers import CallSignature, SplitReport, describe_call, raised_in, sample_call
 
 __all__ = ["ExportSplit", "own_loss"]
@@ -52,8 +53,12 @@ class _Split:
     checked: bool = False
 
     @property
-    def graph(self) -> Any:
+    def graph(self) -> StageGraph:
         return self.stages.graph
+
+    @property
+    def partitions(self) -> list[fx.GraphModule]:
+        return self.stages.partitions
 
     def __getstate__(self) -> dict[str, Any]:
         # Pickled or copied with its pipe, whose streams and C++ scheduler
@@ -83,7 +88,7 @@ class _Split:
 
 
 @dataclass
-class ExportSplit:
+class ExportSplit(Kinds):
     """A module pipelined by ``torch.export``.
 
     Args:
@@ -273,38 +278,6 @@ class ExportSplit:
             inputs += (loss.shares(items, batch),)
         return split, inputs
 
-    def enter(
-        self,
-        split: _Split,
-        schedule: Any,
-        virtual_stages: int | None,
-        training: bool,
-        outgoing: Any,
-    ) -> None:
-        """Makes ``split`` the current one: its schedule checked (once), its
-        stages reading the module's tensors, in the pipe's mode.
-
-        Args:
-            split: what :meth:`select` chose.
-            schedule: the pipe's schedule, checked against the split's graph.
-            virtual_stages: the pipe's ``virtual_stages``.
-            training: the pipe's mode.
-            outgoing: the pipe runtime of the split it replaces, kept with
-                that split for when its kind of call comes again.
-
-        Raises:
-            ValueError: the schedule does not fit the split's stage graph.
-        """
-        if self.current is not None:
-            self.current.runtime = outgoing
-        if not split.checked:
-            check_schedule(schedule, self.devices, split.graph.reads(), virtual_stages)
-            split.checked = True
-        for part in split.stages.partitions:
-            rebind(part, self.module)
-        split.modules.train(training)
-        self.current = split
-
     def gather(self, outputs: Sequence[Any]) -> Any:
         """The micro-batches' outputs joined (see :mod:`~mpstream.stages.model_loss`)."""
         return gather_with_loss(outputs)
@@ -327,7 +300,7 @@ class ExportSplit:
         )
 
 
-def own_loss(split: ExportSplit | None, target: Any) -> Callable[[Any, Any], Tensor]:
+def own_loss(split: Any, target: Any) -> Callable[[Any, Any], Tensor]:
     """``train_step``'s loss when no ``loss_fn`` is given: the ``loss`` the
     module returns (weighted per micro-batch, see :mod:`~mpstream.stages.model_loss`).
 
@@ -335,7 +308,7 @@ def own_loss(split: ExportSplit | None, target: Any) -> Callable[[Any, Any], Ten
         TypeError: the pipe was not split by ``torch.export``, or a target
             was given without a ``loss_fn``.
     """
-    if split is None:
+    if not isinstance(split, ExportSplit):
         raise TypeError(
             "train_step needs a loss_fn: only a module split by torch.export that computes its "
             "own loss (a Hugging Face model given labels) trains without one"

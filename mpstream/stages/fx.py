@@ -90,13 +90,19 @@ class _Tracer(fx.Tracer):
             self.path.pop()
 
 
-def _trace(module: nn.Module, leaves: Sequence[str | type[nn.Module]]) -> fx.GraphModule:
+def _trace(
+    module: nn.Module,
+    leaves: Sequence[str | type[nn.Module]],
+    nones: frozenset[str] = frozenset(),
+) -> fx.GraphModule:
     tracer = _Tracer(leaves)
     try:
-        graph = tracer.trace(module)
+        graph = tracer.trace(module, {n: None for n in nones} if nones else None)
     except Exception as exc:
         inner = tracer.failed_in
         where = f" inside submodule '{inner}'" if inner else " in its own forward"
+        if nones:
+            where += " with " + ", ".join(f"{n}=None" for n in sorted(nones))
         advice = (
             f"Mark that submodule as a leaf (Pipe(..., leaf_modules=['{inner}'])), which runs "
             f"it whole inside one stage, or pass an nn.Sequential of stages."
@@ -108,6 +114,7 @@ def _trace(module: nn.Module, leaves: Sequence[str | type[nn.Module]]) -> fx.Gra
             f"torch.fx could not trace {type(module).__name__}{where}: "
             f"{type(exc).__name__}: {exc}\n{advice}"
         ) from exc
+    _drop_none_inputs(graph)
     for node in graph.nodes:
         # Under ``from __future__ import annotations`` fx records a forward's
         # annotations as strings; torch 2.11 cannot pickle a GraphModule
@@ -117,11 +124,29 @@ def _trace(module: nn.Module, leaves: Sequence[str | type[nn.Module]]) -> fx.Gra
     return fx.GraphModule(tracer.root, graph, type(module).__name__)
 
 
-def call_units(module: nn.Module, leaf_modules: Sequence[str | type[nn.Module]] = ()) -> list[str]:
-    """The split candidates the traced forward calls, in call order, finest
-    first (a ModuleList's items rather than the list), except one that
-    begins the forward (no stage could come before it)."""
-    gm = _trace(module, leaf_modules)
+def _drop_none_inputs(graph: fx.Graph) -> None:
+    """Removes the inputs a trace fixed to None, and fx's checks that they
+    are: the split of each kind of call is chosen by which arguments are
+    None (see :mod:`~mpstream.stages.traced`), so the stages never get them."""
+    for node in list(graph.nodes):
+        if node.op == "call_function" and getattr(node.target, "__name__", "") == "_assert_is_none":
+            (placeholder, _) = node.args
+            graph.erase_node(node)
+            assert isinstance(placeholder, fx.Node) and placeholder.op == "placeholder"
+            if not placeholder.users:
+                graph.erase_node(placeholder)
+
+
+def call_units(
+    module: nn.Module,
+    leaf_modules: Sequence[str | type[nn.Module]] = (),
+    nones: frozenset[str] = frozenset(),
+) -> list[str]:
+    """The split candidates the traced forward calls (with the arguments in
+    ``nones`` None), in call order, finest first (a ModuleList's items
+    rather than the list), except one that begins the forward (no stage
+    could come before it)."""
+    gm = _trace(module, leaf_modules, nones)
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     return units_in_order(nodes, split_candidates(module), _owners)
 
@@ -311,14 +336,20 @@ def trace(
     split_points: Sequence[str],
     *,
     leaf_modules: Sequence[str | type[nn.Module]] = (),
+    nones: frozenset[str] = frozenset(),
 ) -> Traced:
     """Traces ``module`` and splits it into ``len(split_points) + 1`` stages.
+
+    The trace follows the Python code of ``forward`` with the module's
+    training flags as they are, and every argument but those in ``nones``
+    as a value (a test such as ``if mask is not None:`` is taken).
 
     Args:
         module: any module ``torch.fx`` can trace.
         split_points: qualified submodule names; a stage begins at each.
         leaf_modules: submodules (by qualified name or type) not to trace
             into: they run whole, inside one stage.
+        nones: arguments traced as None; the split takes no input for them.
 
     Returns:
         The stages, their graph and the argument binder.
@@ -332,7 +363,7 @@ def trace(
     if isinstance(split_points, str):
         split_points = [split_points]
     with _keep_training_flags(module):
-        gm = _trace(module, leaf_modules)
+        gm = _trace(module, leaf_modules, nones)
     _check_result(gm)
     stage_of = _stage_of_nodes(gm, list(split_points), module)
     check_in_place(gm, stage_of)

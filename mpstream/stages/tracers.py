@@ -6,7 +6,8 @@
 :meth:`mpstream.Pipe.split_report` returns a :class:`SplitReport` saying
 which one split it and why. :class:`CallSignature` binds a call to a
 module's ``forward`` by name, as ``torch.export`` takes it;
-:class:`Binder`, to a ``torch.fx`` split's positional inputs.
+:class:`Binder`, to a ``torch.fx`` split's positional inputs (see
+:mod:`~mpstream.stages.traced`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ class SplitReport:
         split_points: where the stages begin (None for a Sequential).
         exports: for ``torch.export``, one line per kind of call exported
             so far (training mode, the inputs and what was fixed of them).
+        traces: for ``torch.fx``, one line per distinct trace so far (the
+            training mode, and the arguments traced as None).
         loss: for ``torch.export``, how the model's own ``loss`` output is
             combined over micro-batches, per kind of call that returns one.
     """
@@ -55,12 +58,14 @@ class SplitReport:
     split_points: tuple[str, ...] | None = None
     exports: tuple[str, ...] = ()
     loss: tuple[str, ...] = ()
+    traces: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         lines = [f"split by {self.tracer}: {self.reason}"]
         if self.split_points is not None:
             lines.append("split points: " + ", ".join(self.split_points))
         lines += [f"exported for: {e}" for e in self.exports]
+        lines += [f"traced for: {t}" for t in self.traces]
         lines += [f"loss: {x}" for x in self.loss]
         return "\n".join(lines)
 
@@ -100,7 +105,8 @@ class Binder:
 
     Args:
         module: the traced module.
-        names: its ``forward``'s parameters, in the pipeline's input order.
+        names: the ``forward`` parameters the split takes, in the
+            pipeline's input order (not those traced as None).
         used: those the traced graph computes with.
     """
 
@@ -115,32 +121,22 @@ class Binder:
                     f"{self.name}.forward takes {p}; a traced pipeline needs named arguments"
                 )
 
-    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    def arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Every argument of ``forward`` by name, defaults filled in.
+
+        Raises:
+            TypeError: the call does not bind to ``forward``.
+        """
         try:
             bound = self.signature.bind(*args, **kwargs)
         except TypeError as exc:
             raise TypeError(f"{self.name}.forward{self.signature}: {exc}") from None
         bound.apply_defaults()
-        return tuple(bound.arguments[n] for n in self.names)
+        return dict(bound.arguments)
 
-    def explain(self, inputs: tuple[Any, ...]) -> str | None:
-        """Why a call with ``inputs`` may have failed in a stage: an argument
-        the trace computed with is None in this call. ``torch.fx`` traces
-        every argument as a value, so a branch such as ``if mask is not
-        None:`` is traced as taken, and the stages use the argument."""
-        # A Binder pickled before it had ``used`` computes with every argument.
-        used: frozenset[str] = getattr(self, "used", frozenset(self.names))
-        nones = [n for n, v in zip(self.names, inputs) if v is None and n in used]
-        if not nones:
-            return None
-        names = ", ".join(repr(n) for n in nones)
-        return (
-            f"mpstream: {names} {'is' if len(nones) == 1 else 'are'} None in this call, but "
-            f"torch.fx traced {self.name}.forward with a value there (a test such as "
-            f"`if {nones[0]} is not None:` is traced as true, so the stages compute with it). "
-            f"Pass {'it' if len(nones) == 1 else 'them'}, or split the module with "
-            f"tracer='export' and sample= (torch.export splits per kind of call)"
-        )
+    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        values = self.arguments(args, kwargs)
+        return tuple(values[n] for n in self.names)
 
 
 class CallSignature:

@@ -3,15 +3,13 @@ outputs are named, and a stage that fails leaves the pipe usable."""
 
 from __future__ import annotations
 
-import copy
-import re
 from collections import OrderedDict
 
 import pytest
 import torch
 from torch import Tensor, nn
 
-from mpstream import NoChunk, Pipe
+from mpstream import Pipe
 
 BATCH = 12
 SPLITS = [1, 3, 7, BATCH, 20]  # 7 does not divide 12; 20 exceeds it
@@ -157,38 +155,3 @@ def test_torch_error_in_a_stage_leaves_the_pipe_usable() -> None:
         pipe(torch.ones(4, 5))
     assert not pipe.scheduler.native.running
     assert pipe(torch.ones(4, 2)).shape == (4, 3)
-
-
-class Scaled(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(4, 4)
-        self.b = nn.Linear(4, 2)
-
-    def forward(self, x: Tensor, scale: Tensor | None = None) -> Tensor:
-        h = self.a(x)
-        if scale is not None:  # torch.fx traces this as true
-            h = h * scale
-        return self.b(h)
-
-
-def test_a_none_argument_the_trace_computed_with_is_named() -> None:
-    model = Scaled().double()
-    pipe = Pipe(copy.deepcopy(model), split_points=["b"], devices=["cpu"] * 2, chunks=2)
-    x, s = torch.randn(4, 4, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
-    torch.testing.assert_close(pipe(x, NoChunk(s)), model(x, s))
-    hint = r"'scale' is None in this call, but torch.fx traced Scaled.forward with a value"
-    with pytest.raises(TypeError, match="NoneType") as raised:
-        pipe(x)
-    assert re.search(hint, "\n".join(raised.value.__notes__))
-    with pytest.raises(TypeError, match="NoneType") as raised:
-        pipe.train_step(x, torch.zeros(4, 2), nn.functional.mse_loss)
-    assert re.search(hint, "\n".join(raised.value.__notes__))
-    assert all(p.grad is None for p in pipe.parameters())
-    # As the note says, torch.export splits per kind of call.
-    exported = Pipe(
-        copy.deepcopy(model), split_points=["b"], devices=["cpu"] * 2, chunks=2,
-        tracer="export", sample=(x,),
-    )  # fmt: skip
-    torch.testing.assert_close(exported(x), model(x))
-    torch.testing.assert_close(exported(x, scale=NoChunk(s)), model(x, s))
