@@ -33,7 +33,7 @@ def _config(args: argparse.Namespace) -> bench.Config:
         "num_batches",
         "num_classes",
     ):
-        value = getattr(args, name)
+        value = getattr(args, name, None)
         if value is not None:
             changes[name] = value
     if args.image_size is not None:
@@ -190,7 +190,7 @@ def _trace(args: argparse.Namespace) -> int:
     return 0
 
 
-def _size_options(p: argparse.ArgumentParser) -> None:
+def _size_options(p: argparse.ArgumentParser, batches: bool = True) -> None:
     p.add_argument("--devices", help="two devices, e.g. cuda:0,cuda:1 (default: detected)")
     p.add_argument("--quick", action="store_true", help="CPU-sized run")
     p.add_argument("--repeat", type=positive_int, help="timed runs per configuration")
@@ -198,7 +198,8 @@ def _size_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split-size", type=positive_int, help="split size of the main comparison")
     p.add_argument("--split-sizes", type=int_list, help="split sizes, e.g. 1,3,5,8,10,12,20,40,60")
     p.add_argument("--batch-size", type=positive_int, help="images per mini-batch")
-    p.add_argument("--num-batches", type=positive_int, help="mini-batches per train() call")
+    if batches:  # tune times one mini-batch per step
+        p.add_argument("--num-batches", type=positive_int, help="mini-batches per train() call")
     p.add_argument("--image-size", type=image_size, help="W or WxH (at least 32)")
     p.add_argument("--num-classes", type=positive_int, help="classes of the one-hot labels")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -233,7 +234,7 @@ def parser() -> argparse.ArgumentParser:
             "best configuration, save the tradeoff curve and cache the result as JSON."
         ),
     )
-    _size_options(t)
+    _size_options(t, batches=False)
     t.add_argument(
         "--balances",
         help="stage balances to try over ResNet50's 23 blocks: 'tutorial', 'time' (profiled), "

@@ -15,6 +15,11 @@ from .argtypes import device_name, non_negative_float, positive_int
 
 __all__ = ["add_command", "run"]
 
+BALANCES = ("tutorial", "time")
+SPLIT_SIZE, IMAGE_SIZE = 2, 64
+# What only a profiled ResNet50 uses, which --uniform replaces.
+PROFILE_OPTIONS = ("device", "balance", "split_size", "image_size", "no_memory")
+
 
 def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Adds the ``schedules`` command to the ``mpstream`` parser."""
@@ -36,21 +41,26 @@ def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     c.add_argument(
         "--micro-batches", type=positive_int, default=8, help="micro-batches per step (default 8)"
     )
-    c.add_argument("--uniform", action="store_true", help="unit costs instead of a profile")
+    c.add_argument(
+        "--uniform",
+        action="store_true",
+        help="unit costs instead of a profile (no ResNet50: the options below up to "
+        "--no-memory do not apply)",
+    )
     c.add_argument(
         "--device", type=device_name, help="where to profile and measure (default: detected)"
     )
     c.add_argument(
         "--balance",
-        choices=("tutorial", "time"),
-        default="tutorial",
-        help="ResNet50's cut: the tutorial's (2 or 4 stages) or balance_by_time's",
+        choices=BALANCES,
+        help="ResNet50's cut: the tutorial's (2 or 4 stages) or balance_by_time's (default: "
+        "the tutorial's where it exists, else time)",
     )
     c.add_argument(
-        "--split-size", type=positive_int, default=2, help="images per micro-batch (default 2)"
+        "--split-size", type=positive_int, help=f"images per micro-batch (default {SPLIT_SIZE})"
     )
     c.add_argument(
-        "--image-size", type=positive_int, default=64, help="image side, >= 32 (default 64)"
+        "--image-size", type=positive_int, help=f"image side, >= 32 (default {IMAGE_SIZE})"
     )
     c.add_argument(
         "--copy-ms",
@@ -70,16 +80,34 @@ def run(args: argparse.Namespace) -> int:
     """Runs ``mpstream schedules``; returns the exit status.
 
     Raises:
-        ValueError: more devices than stages, or an image too small.
+        ValueError: more devices than stages, an image too small, a profile's
+            option with ``--uniform``, or ``--balance tutorial`` for a stage
+            count the tutorial has no cut for.
     """
     from ..observe import compare  # the profile and plots load only when the command runs
-    from ..tutorial.analysis import resnet_stages
+    from ..tutorial.analysis import TUTORIAL_SPLITS, resnet_stages
 
     stages, devices, micros = args.stages, args.devices, args.micro_batches
     if devices > stages:
         raise ValueError(f"--devices {devices} exceeds --stages {stages}: a device needs a stage")
-    if args.image_size < 32:
+    if args.uniform:
+        given = [f"--{o.replace('_', '-')}" for o in PROFILE_OPTIONS if getattr(args, o)]
+        if given:
+            raise ValueError(
+                f"{', '.join(given)}: --uniform uses unit costs and profiles no ResNet50; "
+                f"drop {'it' if len(given) == 1 else 'them'} or --uniform"
+            )
+    split_size = args.split_size or SPLIT_SIZE
+    image_size = args.image_size or IMAGE_SIZE
+    if image_size < 32:
         raise ValueError("--image-size must be at least 32 (ResNet50 downsamples 32x)")
+    balance = args.balance or ("tutorial" if stages in TUTORIAL_SPLITS else "time")
+    if balance == "tutorial" and stages not in TUTORIAL_SPLITS:
+        counts = " or ".join(str(n) for n in sorted(TUTORIAL_SPLITS))
+        raise ValueError(
+            f"--balance tutorial: the tutorial's cut exists for {counts} stages, not "
+            f"{stages}; use --balance time"
+        )
     names = [n for n in SCHEDULES if n != "interleaved_1f1b" or stages % devices == 0]
     measured: dict[str, dict[str, int]] = {}
     meta: dict[str, object] = {"stages": stages, "devices": devices, "micro_batches": micros}
@@ -88,15 +116,13 @@ def run(args: argparse.Namespace) -> int:
         source = "unit costs: forward = input gradient = weight gradient = 1 ms"
     else:
         device = torch.device(args.device) if args.device else bench.detect_devices(None)[0]
-        pipe, x, y = resnet_stages(
-            stages, micros, args.split_size, args.image_size, device, args.balance
-        )
+        pipe, x, y = resnet_stages(stages, micros, split_size, image_size, device, balance)
         loss_fn = torch.nn.functional.mse_loss
         print(f"profiling ResNet50 as {stages} stages on {device} ...", flush=True)
         costs = compare.profile_stages(pipe, x, y, loss_fn).per_stage()
         source = (
-            f"ResNet50 ({args.split_size} images of {args.image_size}x{args.image_size} per "
-            f"micro-batch) profiled on {bench.device_name(device)}; balance {pipe.balance}"
+            f"ResNet50 ({split_size} images of {image_size}x{image_size} per micro-batch) "
+            f"profiled on {bench.device_name(device)}; balance {pipe.balance} ({balance})"
         )
         meta.update(bench.metadata([device]), balance=pipe.balance)
         if not args.no_memory:

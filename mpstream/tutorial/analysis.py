@@ -53,7 +53,8 @@ def batch(config: Config, device: torch.device) -> tuple[Tensor, Tensor]:
 def trace_tutorial(
     dev0: torch.device, dev1: torch.device, config: Config, out: Path
 ) -> dict[str, Any]:
-    """Profiles the tutorial's training loop through mpstream's drop-in.
+    """Profiles the tutorial's training loop through mpstream's drop-in:
+    ``config.num_batches`` steps after ``config.warmup`` untimed ones.
 
     Writes ``trace.json`` (Chrome trace) and ``timeline.png`` into ``out``.
 
@@ -74,7 +75,8 @@ def trace_tutorial(
         )
         synchronize((dev0, dev1))
 
-    train(1)  # warm-up
+    if config.warmup:
+        train(config.warmup)
     with profile(model) as prof:
         train(config.num_batches)
     out.mkdir(parents=True, exist_ok=True)
@@ -103,8 +105,9 @@ def validate_cost_model(
     """Fits the cost model to measured steps and compares its step time with them.
 
     For each split size: time ``repeat`` training steps (forward, MSE loss,
-    backward) of the tutorial's model under :func:`~mpstream.profile`, fit
-    per-task costs, simulate a step, and compare with the measured median.
+    backward; after ``config.warmup`` untimed ones) of the tutorial's model
+    under :func:`~mpstream.profile`, fit per-task costs, simulate a step, and
+    compare with the measured median.
     On a GPU the model is mpstream's streams with the measured host issue
     time of each task (``predicted_ms``; ``devices_only_ms`` without it); on
     the CPU, where every task runs on one host thread, one stream.
@@ -114,7 +117,8 @@ def validate_cost_model(
     y = y.to(dev1)
     for split in split_sizes:
         model = tutorial.StreamPipelineResNet50(dev0, dev1, split, config.num_classes)
-        _step(model, x, y)  # warm-up
+        for _ in range(config.warmup):
+            _step(model, x, y)
         synchronize((dev0, dev1))
         with profile(model) as prof:
             for _ in range(repeat):

@@ -74,3 +74,35 @@ def test_tune_refuses_a_cache_that_is_a_folder(
     assert cli.main([*args, "--no-cache", "--devices", "cpu"]) == 2  # --cache unused
     err = capsys.readouterr().err
     assert "two comma-separated devices" in err and "--cache" not in err
+
+
+def test_tune_takes_no_num_batches(capsys: pytest.CaptureFixture[str]) -> None:
+    # tune times one mini-batch per step; the option would change nothing.
+    with pytest.raises(SystemExit) as info:
+        cli.main(["tune", "--num-batches", "3"])
+    assert info.value.code == 2
+    assert "unrecognized arguments: --num-batches 3" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--uniform", "--device", "cpu", "--split-size", "4"],
+            "--device, --split-size: --uniform uses unit costs and profiles no ResNet50; "
+            "drop them or --uniform",
+        ),
+        (["--uniform", "--no-memory"], "--no-memory: --uniform uses unit costs"),
+        (
+            ["--stages", "3", "--balance", "tutorial"],
+            "--balance tutorial: the tutorial's cut exists for 2 or 4 stages, not 3; "
+            "use --balance time",
+        ),
+    ],
+)
+def test_schedules_refuses_options_it_would_ignore(
+    args: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["schedules", *args, "--out", str(tmp_path / "out")]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

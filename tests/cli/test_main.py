@@ -9,8 +9,9 @@ import pytest
 
 from mpstream import cli
 
+# No --num-batches: tune takes none (it times one mini-batch per step).
 TINY = [
-    "--batch-size", "4", "--image-size", "32", "--num-classes", "10", "--num-batches", "1",
+    "--batch-size", "4", "--image-size", "32", "--num-classes", "10",
     "--split-size", "2", "--repeat", "1", "--warmup", "0", "--no-progress",
     "--devices", "cpu,cpu",  # the CPU even where a GPU exists: these check the CPU path
 ]  # fmt: skip
@@ -70,7 +71,7 @@ def test_tune_rejects_bad_balances(
 def test_trace_writes_trace_timeline_and_report(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    args = ["trace", *TINY, "--split-sizes", "2,4", "--out", str(tmp_path)]
+    args = ["trace", *TINY, "--num-batches", "1", "--split-sizes", "2,4", "--out", str(tmp_path)]
     assert cli.main(args) == 0
     out = capsys.readouterr().out
     assert "cost model vs measured" in out and "predictions (cost model, not measured" in out
