@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from mpstream.cli.argtypes import positive_int
+from mpstream.cli.argtypes import device_here, positive_int
 from mpstream.stages.balance import partition, profile_layers, stage_costs
 from mpstream.tutorial import resnet50_layers
 
@@ -32,7 +32,9 @@ def ideal_speedup(stage_ms: list[float], micros: int) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--device", type=device_here, default="cuda:0" if torch.cuda.is_available() else "cpu"
+    )
     p.add_argument("--batch", type=positive_int, default=12, help="micro-batch size to profile")
     p.add_argument("--image", type=positive_int, default=128)
     p.add_argument("--stages", type=positive_int, default=2)

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from mpstream import CapturedStep
-from mpstream.cli.argtypes import positive_int
+from mpstream.cli.argtypes import device_here, positive_int
 from mpstream.tutorial import StreamPipelineResNet50
 
 MODES = ("global", "thread_local", "relaxed")
@@ -207,7 +207,12 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("cuda_graph_step.py needs a CUDA device; none is available here", file=sys.stderr)
         return 1
-    device = torch.device(args.device)
+    try:
+        device = torch.device(device_here(args.device))
+    except argparse.ArgumentTypeError as exc:
+        p.error(f"argument --device: {exc}")
+    if device.type != "cuda":
+        p.error(f"argument --device: {device} is not a CUDA device; CUDA graphs need one")
     # Capture, timing events and synchronize use the current device.
     torch.cuda.set_device(device)
     report: dict[str, Any] = {

@@ -27,7 +27,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.utils import logging
 
 import mpstream
-from mpstream.cli.argtypes import positive_int
+from mpstream.cli.argtypes import devices_here, positive_int
 
 
 def default_devices() -> str:
@@ -49,7 +49,12 @@ def batch_of(size: int, context: int, vocab: int) -> dict[str, torch.Tensor]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--devices", default=default_devices(), help="comma-separated, one per stage")
+    p.add_argument(
+        "--devices",
+        type=devices_here,
+        default=default_devices(),
+        help="comma-separated, one per stage",
+    )
     p.add_argument("--steps", type=positive_int, default=10)
     p.add_argument("--batch", type=positive_int, default=8)
     p.add_argument("--chunks", type=positive_int, default=3)
@@ -60,7 +65,7 @@ def main() -> None:
     p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "zb_h1"])
     p.add_argument("--checkpoint", default="never", choices=["never", "except_last", "always"])
     args = p.parse_args()
-    devices = args.devices.split(",")
+    devices = args.devices
     if not 2 <= len(devices) <= args.layers:
         p.error(f"give between 2 and --layers ({args.layers}) devices")
     logging.set_verbosity_error()

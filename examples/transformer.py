@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 import mpstream
-from mpstream.cli.argtypes import positive_int
+from mpstream.cli.argtypes import devices_here, positive_int
 
 
 class Block(nn.Module):
@@ -67,14 +67,19 @@ class GPT(nn.Module):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     default = "cuda:0" if torch.cuda.is_available() else "cpu"
-    p.add_argument("--devices", default=",".join([default] * 4), help="4 comma-separated devices")
+    p.add_argument(
+        "--devices",
+        type=devices_here,
+        default=",".join([default] * 4),
+        help="4 comma-separated devices",
+    )
     p.add_argument("--steps", type=positive_int, default=20)
     p.add_argument("--batch", type=positive_int, default=16)
     p.add_argument("--chunks", type=positive_int, default=4)
     p.add_argument("--context", type=positive_int, default=32)
     p.add_argument("--width", type=positive_int, default=64)
     args = p.parse_args()
-    devices = args.devices.split(",")
+    devices = args.devices
     if len(devices) != 4 or devices[0] != devices[-1]:
         p.error("give 4 devices; the first and last must match (they share the tied weights)")
 

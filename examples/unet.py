@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 import mpstream
-from mpstream.cli.argtypes import positive_int
+from mpstream.cli.argtypes import devices_here, positive_int
 
 
 def block(c_in: int, c_out: int) -> nn.Sequential:
@@ -64,7 +64,12 @@ def shapes(batch: int, size: int) -> Tensor:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     default = "cuda:0" if torch.cuda.is_available() else "cpu"
-    p.add_argument("--devices", default=",".join([default] * 4), help="4 comma-separated devices")
+    p.add_argument(
+        "--devices",
+        type=devices_here,
+        default=",".join([default] * 4),
+        help="4 comma-separated devices",
+    )
     p.add_argument("--steps", type=positive_int, default=20)
     p.add_argument("--batch", type=positive_int, default=16)
     p.add_argument("--size", type=positive_int, default=32)
@@ -79,7 +84,7 @@ def main() -> None:
         model,
         split_size=args.split_size,
         split_points=["down2", "mid", "up2"],
-        devices=args.devices.split(","),
+        devices=args.devices,
     )
     print("stage reads:", pipe.graph.reads())
     optimizer = torch.optim.Adam(pipe.parameters(), lr=2e-3)

@@ -86,3 +86,24 @@ def test_examples_refuse_sizes_below_one() -> None:
     )
     assert result.returncode == 2
     assert "--split-size: must be at least 1, got 0" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "message"),
+    [
+        ("unet.py", ["--devices", "cpu,cuda:99,cpu,cpu"], "cuda:99: no such device here"),
+        ("transformer.py", ["--devices", "cpu,tpu,cpu,cpu"], "'tpu' is not a device name"),
+        ("balance_resnet50.py", ["--device", "cuda:99"], "cuda:99: no such device here"),
+    ],
+)
+def test_examples_refuse_devices_this_machine_lacks(
+    script: str, args: list[str], message: str
+) -> None:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert message in result.stderr and "Traceback" not in result.stderr

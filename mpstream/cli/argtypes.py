@@ -16,6 +16,8 @@ __all__ = [
     "int_list",
     "image_size",
     "device_name",
+    "device_here",
+    "devices_here",
 ]
 
 
@@ -78,6 +80,27 @@ def device_name(text: str) -> str:
             f"{text!r} is not a device name (e.g. cpu, cuda, cuda:1)"
         ) from None
     return text
+
+
+def device_here(text: str) -> str:
+    """A device name (see :func:`device_name`) of a device this machine has."""
+    name = device_name(text.strip())
+    device = torch.device(name)
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{name}: mpstream runs on cpu and cuda devices")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device.type == "cuda" and (device.index or 0) >= count:
+        have = ", ".join(["cpu", *(f"cuda:{i}" for i in range(count))])
+        raise argparse.ArgumentTypeError(f"{name}: no such device here (there are: {have})")
+    return name
+
+
+def devices_here(text: str) -> list[str]:
+    """Comma-separated device names, each of a device this machine has."""
+    parts = [p for p in text.split(",") if p.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError("expected comma-separated devices, e.g. cuda:0,cuda:1")
+    return [device_here(p) for p in parts]
 
 
 def int_list(text: str) -> tuple[int, ...]:

@@ -7,9 +7,16 @@ import argparse
 from pathlib import Path
 
 import pytest
+import torch
 
 from mpstream import cli
-from mpstream.cli.argtypes import device_name, non_negative_float, positive_float
+from mpstream.cli.argtypes import (
+    device_here,
+    device_name,
+    devices_here,
+    non_negative_float,
+    positive_float,
+)
 
 
 @pytest.mark.parametrize(
@@ -106,3 +113,14 @@ def test_schedules_refuses_options_it_would_ignore(
     assert cli.main(["schedules", *args, "--out", str(tmp_path / "out")]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_devices_here_are_checked_against_this_machine() -> None:
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    assert devices_here("cpu, cpu") == ["cpu", "cpu"]
+    with pytest.raises(argparse.ArgumentTypeError, match=f"cuda:{count}: no such device here"):
+        device_here(f"cuda:{count}")
+    with pytest.raises(argparse.ArgumentTypeError, match="runs on cpu and cuda devices"):
+        device_here("meta")
+    with pytest.raises(argparse.ArgumentTypeError, match="expected comma-separated devices"):
+        devices_here(",")
