@@ -24,6 +24,7 @@ __all__ = [
     "PASS",
     "FAIL",
     "SKIP",
+    "INFO",
     "STATUSES",
     "Check",
     "StepResult",
@@ -38,6 +39,8 @@ __all__ = [
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
 STATUSES = (PASS, FAIL, SKIP)
+# A check's figure with no verdict (a prediction); it does not decide its step.
+INFO = "INFO"
 
 
 @dataclass
@@ -46,7 +49,7 @@ class Check:
 
     Attributes:
         name: what was checked.
-        status: PASS, FAIL or SKIP.
+        status: PASS, FAIL or SKIP; INFO for a figure that is no verdict.
         detail: the figure or the reason, one line.
         data: the measurements behind it (JSON-ready).
     """
@@ -61,7 +64,8 @@ class Check:
 
 
 def overall(checks: Iterable[Check]) -> str:
-    """A step's status from its checks: FAIL if any failed, PASS if any passed, else SKIP."""
+    """A step's status from its checks: FAIL if any failed, PASS if any passed,
+    else SKIP (INFO checks decide nothing)."""
     statuses = {c.status for c in checks}
     if FAIL in statuses:
         return FAIL

@@ -34,7 +34,7 @@ from ..observe.scaling import predict
 from ..observe.timeline import Timeline
 from ..stages import profile_layers
 from ..tutorial import models as tutorial
-from .diagnosis import FAIL, PASS, Check, Context, StepResult, overall
+from .diagnosis import FAIL, INFO, PASS, Check, Context, StepResult, overall
 from .experiment import config_for
 
 __all__ = [
@@ -232,7 +232,7 @@ def graphed_predictions(
     checks.append(
         Check(
             "cost model, graphed stages (measured one-GPU step)",
-            PASS,
+            INFO,  # graphed stages are measured against their target, not yet held to it
             f"simulated {row['predicted_ms']:.1f} ms vs measured {row['measured_ms']:.1f} ms: "
             f"{100 * row['error']:+.1f}% (target ±{100 * GRAPHED_ERROR:.0f}%: {met})",
             row,
@@ -257,7 +257,7 @@ def graphed_predictions(
             checks.append(
                 Check(
                     f"{name}, balance {pred.balance}",
-                    PASS,
+                    INFO,
                     f"step {pred.step_ms:.1f} ms with the graphed host issue times: "
                     f"{fair:.2f}x one device replayed as one graph, its device time "
                     f"{graphed_single:.1f} ms (target >= {target}x: {met})",
@@ -349,7 +349,7 @@ def run(ctx: Context) -> StepResult:
         checks.append(
             Check(
                 f"prediction (not measured): {p} GPUs, automatic balance {pred.balance}",
-                PASS,
+                INFO,
                 f"step {pred.step_ms:.1f} ms, {pred.speedup:.2f}x one device "
                 f"(copies at {link_gbps:.0f} GB/s, {link}{host})",
             )

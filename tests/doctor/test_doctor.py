@@ -43,6 +43,9 @@ def test_doctor_quick_on_cpu_skips_gpu_steps_and_writes_the_report(
     assert graph["status"] == SKIP and "no CUDA graph on cpu" in graph["detail"]
     # The cost model's verdict depends on timings on a shared CPU: only that it ran.
     assert status["cost-model"] in (PASS, FAIL)
+    model_checks = doc["steps"][runner.NAMES.index("cost-model")]["checks"]
+    predictions = [c for c in model_checks if c["name"].startswith("prediction (not measured)")]
+    assert predictions and all(c["status"] == "INFO" for c in predictions)  # no verdict
     assert code == (1 if FAIL in status.values() else 0)
     assert printed[-1] == f"overall: {FAIL if FAIL in status.values() else PASS}"  # table last
     assert any(line.startswith(f"report in {tmp_path}: summary.md") for line in printed)
