@@ -158,6 +158,7 @@ class CapturedStep:
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
         self.groups = None if groups is None else [int(g) for g in groups]
         if self.groups is not None:
+            pipe._step_inputs(inputs)  # a traced module: the stages of the inputs' kind
             check_groups(list(pipe.partitions), self.groups, pipe.devices)
             if any(d.type == "cuda" for d in pipe.devices):
                 check_external_events()
@@ -226,6 +227,9 @@ class CapturedStep:
         groups (:func:`~mpstream.capture.groups.drawing`), which it refuses."""
         if self.groups is None:
             return self._step()
+        # The stages of the step's kind of call (a traced module may have
+        # switched to another kind since).
+        self.pipe._step_inputs(pytree.tree_unflatten(self._inputs, self._in_spec))
         with drawing(list(self.pipe.partitions), self.pipe.devices) as seen:
             loss = self._step()
         check_drawing(seen, self.groups, self.pipe.devices)

@@ -130,7 +130,10 @@ class PipeConfig(PipeModule):
     def _rt(self) -> tuple[EventScheduler, Worker, dict[tuple[Any, ...], Schedule]]:
         rt = self.__dict__["_runtime"]
         if rt is None:
-            sched = EventScheduler(self.devices)
+            # One scheduler (streams, timing, plan recording) for the runtime
+            # of every kind of call a traced module is split for.
+            sched = self.__dict__.get("_scheduler") or EventScheduler(self.devices)
+            self.__dict__["_scheduler"] = sched
             stages = compile_stages(list(self.partitions), self.__dict__["_compile"])
             labels = self._labels()
             graphed = self.__dict__["_graphed"]

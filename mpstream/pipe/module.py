@@ -18,7 +18,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ..stages.fx import Traced
 from ..stages.placement import rebind
+from ..stages.traced import FxSplit
+from ..stages.tracers import Binder
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self needs Python 3.11
@@ -205,7 +208,20 @@ class PipeModule(nn.Module):
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_runtime"] = None
+        state.pop("_scheduler", None)
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        bind = state.pop("_bind", None)
+        if isinstance(bind, Binder) and state.get("_split") is None:
+            # Pickled before torch.fx pipes traced per kind of call: its one
+            # trace becomes the first kind (see FxSplit.adopt).
+            parts = list(state["_partitions"])
+            traced = Traced(parts, state["_graph"], bind, [set() for _ in parts])
+            state["_split"] = FxSplit.adopt(
+                state["_root"], list(state["_split_points"]), list(state["_devices"]), traced
+            )
+        super().__setstate__(state)  # type: ignore[no-untyped-call]
 
 
 def _rebind_after_load(pipe: nn.Module, keys: Any) -> None:

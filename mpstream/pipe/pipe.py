@@ -278,12 +278,7 @@ class Pipe(PipeCall):
         # Parameter gradients only: inputs are detached, so whether x.grad
         # fills cannot depend on where the batch sits.
         split = self.__dict__["_split"]
-        if isinstance(inputs, dict) and isinstance(split, ExportSplit):
-            args = self._inputs((), inputs)  # keyword arguments (a Hugging Face batch)
-        elif split is not None and isinstance(inputs, tuple):
-            args = self._inputs(inputs, {})
-        else:
-            args = self._inputs((inputs,), {})
+        args = self._step_inputs(inputs)
         if loss_fn is None:
             loss_fn, reduction = own_loss(split, target), "sum"
         args = detached(args)
@@ -345,10 +340,25 @@ class Pipe(PipeCall):
             raise
         return torch.stack(losses).sum()
 
+    def _step_inputs(self, inputs: Any) -> tuple[Any, ...]:
+        """``train_step``'s ``inputs`` as the pipeline's positional inputs (a
+        traced module switched to the split of their kind)."""
+        split = self.__dict__["_split"]
+        if isinstance(inputs, dict) and isinstance(split, ExportSplit):
+            return self._inputs((), inputs)  # keyword arguments (a Hugging Face batch)
+        if split is not None and isinstance(inputs, tuple):
+            return self._inputs(inputs, {})
+        return self._inputs((inputs,), {})
+
     def train(self, mode: bool = True) -> Pipe:
-        """Sets training mode on the layers and the partition wrappers."""
+        """Sets training mode on the layers, the partition wrappers and a
+        traced module's root (not registered on the pipe), whose flag its
+        ``forward`` may read."""
         super().train(mode)
         self.partitions.train(mode)
+        root = self.__dict__["_root"]
+        if root is not None:
+            root.training = mode
         return self
 
     def extra_repr(self) -> str:

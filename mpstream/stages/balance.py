@@ -27,7 +27,7 @@ from torch.utils import _pytree as pytree
 from ..runtime.boundary import GradSink, cut
 from ..runtime.microbatch import Value, as_value, leaves, rebuild_leaves, tensors_of
 from .fx import call_units, trace
-from .tracers import Binder
+from .tracers import none_arguments
 
 __all__ = [
     "LayerProfile",
@@ -264,9 +264,8 @@ def profile_units(
     )
     model = copy.deepcopy(module).to(dev).train()
     args = sample if isinstance(sample, tuple) else (sample,)
-    # Traced as the pipe traces a call of the sample's kind (see traced.py).
-    values = Binder(model, [], frozenset()).arguments(args, {})
-    nones = frozenset(n for n, v in values.items() if v is None)
+    # Its None arguments fixed, as the pipe traces a call of the sample's kind.
+    nones = none_arguments(model, args)
     points = call_units(model, leaf_modules, nones)
     traced = trace(model, points, leaf_modules=leaf_modules, nones=nones)
     inputs = tuple(t.to(dev) if isinstance(t, Tensor) else t for t in traced.bind(args, {}))

@@ -127,7 +127,7 @@ def _traced(
         split_points = [split_points]
     devs = stage_devices(devices, len(split_points) + 1, "split_points make")
     split = FxSplit(module, list(split_points), devs, leaf_modules, why)
-    first = split.first()
+    first = split.first(sample)
     return Built(
         list(first.partitions),
         devs,

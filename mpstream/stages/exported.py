@@ -22,16 +22,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor, fx, nn
+from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
-from ..runtime.graph import StageGraph
 from ..runtime.microbatch import NoChunk
 from .export import ExportedStages, attribute, export_stages, retarget_devices
 from .fake_export import first_line
 from .fx import Traced
 from .hf import Calls, calls_for, is_transformers_model
-from .kinds import Kinds
+from .kinds import Kinds, Split
 from .model_loss import gather_with_loss
 from .placement import place
 from .tracers import CallSignature, SplitReport, describe_call, raised_in, sample_call
@@ -40,32 +39,12 @@ __all__ = ["ExportSplit", "own_loss"]
 
 
 @dataclass
-class _Split:
-    """The split for one kind of call, and its pipe runtime once used."""
+class _Split(Split):
+    """The split for one kind of call: what the export fixed of the call."""
 
     key: Any
     stages: ExportedStages
     nochunk: list[bool]
-    modules: nn.ModuleList
-    balance: list[int]
-    described: str
-    runtime: Any = None
-    checked: bool = False
-
-    @property
-    def graph(self) -> StageGraph:
-        return self.stages.graph
-
-    @property
-    def partitions(self) -> list[fx.GraphModule]:
-        return self.stages.partitions
-
-    def __getstate__(self) -> dict[str, Any]:
-        # Pickled or copied with its pipe, whose streams and C++ scheduler
-        # are rebuilt on first use.
-        state = dict(self.__dict__)
-        state["runtime"] = None
-        return state
 
     def fits(self, items: Sequence[Any]) -> bool:
         """Whether a call's input leaves are of this split's kind."""
@@ -168,9 +147,12 @@ class ExportSplit(Kinds):
             key,
             stages,
             nochunk,
-            nn.ModuleList(stages.partitions),
-            [sum(n.op.startswith("call") for n in p.graph.nodes) for p in stages.partitions],
-            describe_call(named, bool(self.module.training), key[1][1]),
+            modules=nn.ModuleList(stages.partitions),
+            balance=[
+                sum(n.op.startswith("call") for n in p.graph.nodes) for p in stages.partitions
+            ],
+            graph=stages.graph,
+            described=describe_call(named, bool(self.module.training), key[1][1]),
         )
         self._place(split)
         self.splits.append(split)
@@ -248,7 +230,7 @@ class ExportSplit(Kinds):
     # -- every call -----------------------------------------------------
     def select(
         self, training: bool, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[_Split, tuple[Any, ...]]:
+    ) -> tuple[Split, tuple[Any, ...]]:
         """The split of a call's kind (exported now if it is new) and the
         pipeline's inputs for the call.
 
@@ -300,7 +282,7 @@ class ExportSplit(Kinds):
         )
 
 
-def own_loss(split: Any, target: Any) -> Callable[[Any, Any], Tensor]:
+def own_loss(split: Kinds | None, target: Any) -> Callable[[Any, Any], Tensor]:
     """``train_step``'s loss when no ``loss_fn`` is given: the ``loss`` the
     module returns (weighted per micro-batch, see :mod:`~mpstream.stages.model_loss`).
 

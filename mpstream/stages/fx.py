@@ -29,7 +29,7 @@ from .inplace import check_in_place
 from .points import begin_stages, split_candidates, units_in_order
 from .tracers import Binder
 
-__all__ = ["Traced", "trace", "call_units", "lookup"]
+__all__ = ["Traced", "trace", "call_units", "traced_through", "lookup"]
 
 _PRESERVED = getattr(graph_module, "_USER_PRESERVED_ATTRIBUTES_KEY", "_user_preserved_attributes")
 
@@ -122,6 +122,26 @@ def _trace(
         if isinstance(node.type, str):
             node.type = None
     return fx.GraphModule(tracer.root, graph, type(module).__name__)
+
+
+def traced_through(
+    module: nn.Module, leaf_modules: Sequence[str | type[nn.Module]] = ()
+) -> list[nn.Module]:
+    """The modules whose ``forward`` code a trace of ``module`` follows: the
+    module and every submodule that is no leaf and not inside one. Only
+    their training flags can change a trace (a leaf reads its own as it runs)."""
+    tracer = _Tracer(leaf_modules)
+    found: dict[int, nn.Module] = {}
+
+    def walk(m: nn.Module, name: str) -> None:
+        found.setdefault(id(m), m)
+        for child_name, child in m.named_children():
+            qualname = f"{name}.{child_name}" if name else child_name
+            if id(child) not in found and not tracer.is_leaf_module(child, qualname):
+                walk(child, qualname)
+
+    walk(module, "")
+    return list(found.values())
 
 
 def _drop_none_inputs(graph: fx.Graph) -> None:

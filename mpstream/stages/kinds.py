@@ -4,15 +4,17 @@ A traced module is split again for a call its current split cannot run:
 ``torch.fx`` (:mod:`~mpstream.stages.traced`) follows ``forward``'s Python
 code, so a split holds for one set of None arguments and one set of
 training flags; ``torch.export`` (:mod:`~mpstream.stages.exported`) also
-fixes shapes and plain values. Each split keeps its own stages, stage graph
-and pipe runtime. :class:`Kinds` is the switch both share:
-:meth:`Kinds.enter` makes a split the pipe's current one.
+fixes shapes and plain values. Each :class:`Split` keeps its own stages,
+stage graph and pipe runtime (the pipe's streams and scheduler are shared by
+all). :class:`Kinds` is the switch both tracers share: :meth:`Kinds.enter`
+makes a split the pipe's current one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from torch import fx, nn
@@ -22,26 +24,39 @@ from ..runtime.microbatch import gather
 from ..schedules.schedule import check_schedule
 from .placement import rebind
 
-__all__ = ["Kind", "Kinds"]
+__all__ = ["Split", "Kinds"]
 
 
-class Kind(Protocol):
-    """One kind of call's split, as the pipe uses it."""
+@dataclass(kw_only=True)
+class Split:
+    """One kind of call's split, as the pipe runs it.
 
-    runtime: Any  # the pipe runtime, kept while another split is current
-    checked: bool  # whether the pipe's schedule was checked against it
+    Attributes:
+        modules: one ``GraphModule`` per stage.
+        balance: traced operations per stage.
+        graph: where each stage's arguments come from.
+        described: one line for :meth:`mpstream.Pipe.split_report`.
+        runtime: the pipe runtime, kept while another split is current.
+        checked: whether the pipe's schedule was checked against the graph.
+    """
+
+    modules: nn.ModuleList
+    balance: list[int]
+    graph: StageGraph
+    described: str
+    runtime: Any = None
+    checked: bool = False
 
     @property
-    def graph(self) -> StageGraph: ...
+    def partitions(self) -> list[fx.GraphModule]:
+        return [cast(fx.GraphModule, m) for m in self.modules]
 
-    @property
-    def partitions(self) -> Sequence[fx.GraphModule]: ...
-
-    @property
-    def modules(self) -> nn.ModuleList: ...
-
-    @property
-    def balance(self) -> list[int]: ...
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickled or copied with its pipe, whose runtime (streams, C++
+        # scheduler) is rebuilt on first use.
+        state = dict(self.__dict__)
+        state["runtime"] = None
+        return state
 
 
 class Kinds:
@@ -53,11 +68,11 @@ class Kinds:
 
     module: nn.Module
     devices: list[torch.device]
-    current: Any
+    current: Split | None
 
     def enter(
         self,
-        split: Kind,
+        split: Split,
         schedule: Any,
         virtual_stages: int | None,
         training: bool,
@@ -68,7 +83,8 @@ class Kinds:
 
         Args:
             split: the split the call's kind needs.
-            schedule: the pipe's schedule, checked against the split's graph.
+            schedule: the pipe's schedule (as ``Pipe(schedule=...)`` takes
+                it), checked against the split's graph.
             virtual_stages: the pipe's ``virtual_stages``.
             training: the pipe's mode.
             outgoing: the pipe runtime of the split it replaces, kept with
@@ -84,9 +100,12 @@ class Kinds:
             split.checked = True
         for part in split.partitions:
             rebind(part, self.module)
-        split.modules.train(training)
+            # The wrapper only: the module's own submodules it calls keep the
+            # flags they have (a frozen BatchNorm, dropout kept on in eval).
+            part.training = training
         self.current = split
 
     def gather(self, outputs: Sequence[Any]) -> Any:
-        """The micro-batches' outputs joined along dim 0."""
+        """The micro-batches' outputs joined (see
+        :func:`~mpstream.runtime.microbatch.gather`)."""
         return gather(outputs)

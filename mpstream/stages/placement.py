@@ -48,28 +48,34 @@ def place(module: nn.Module, traced: Traced, devices: Sequence[torch.device]) ->
                 f"one device (tied weights are not copied between devices); put those stages "
                 f"on one device or untie the weights"
             )
-    for name, stages in users.items():
-        _move(module, name, devices[stages[0]])
+    # Normal tensors even when a kind of call is first traced (and placed)
+    # under torch.inference_mode(): training later must be able to use them.
+    with torch.inference_mode(False), torch.no_grad():
+        for name, stages in users.items():
+            _move(module, name, devices[stages[0]])
     for part in traced.partitions:
         rebind(part, module)
 
 
 def _move(module: nn.Module, name: str, device: torch.device) -> None:
-    owner_name, _, attr = name.rpartition(".")
-    owner = module.get_submodule(owner_name) if owner_name else module
-    if attr in owner._parameters:
-        param = owner._parameters[attr]
-        assert param is not None
-        if param.device != device:
-            param.data = param.data.to(device)
-    elif attr in owner._buffers:
-        buf = owner._buffers[attr]
-        if buf is not None and buf.device != device:
-            owner._buffers[attr] = buf.to(device)
-    else:
-        tensor = getattr(owner, attr)
-        if isinstance(tensor, Tensor) and tensor.device != device:
-            setattr(owner, attr, tensor.to(device))
+    tensor = lookup(module, name)
+    if not isinstance(tensor, Tensor) or tensor.device == device:
+        return
+    moved = tensor.data.to(device)
+    try:
+        # In place: whoever holds the tensor (the module, a pipe that
+        # adopted the module's tensors, an optimizer) holds the moved one.
+        tensor.data = moved
+    except RuntimeError:
+        if isinstance(tensor, nn.Parameter):
+            raise
+        # A buffer of a layout .data cannot carry across (sparse, say).
+        owner_name, _, attr = name.rpartition(".")
+        owner = module.get_submodule(owner_name) if owner_name else module
+        if attr in owner._buffers:
+            owner._buffers[attr] = moved
+        else:
+            setattr(owner, attr, moved)
 
 
 def rebind(part: fx.GraphModule, root: nn.Module) -> None:

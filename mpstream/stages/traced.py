@@ -4,18 +4,21 @@
 then. A test of a module's training flag (``F.dropout(x, p,
 self.training)``, ``if self.training:``) is fixed to the flag's value,
 and every argument is traced as a value, so ``if mask is not None:`` is
-taken. :class:`FxSplit` keeps a trace per kind of call: the modules'
-training flags, and which arguments are None. A None argument is
-specialized only where the trace computes with it.
+taken. :class:`FxSplit` keeps a trace per kind of call: the training
+flags of the modules whose code the trace follows (not of leaves such as
+``nn.Dropout``, which read theirs as they run), and which arguments are
+None, traced as None.
 
-The first trace is made when the pipe is built: training mode, every
-argument a value. Another kind is traced when it first comes. It uses the
-same split points and is placed as the earlier traces placed the
-module's tensors, and the pipe switches to it (see
-:mod:`~mpstream.stages.kinds`). A trace whose code equals an earlier one's
-is not kept: that split serves both kinds, with its runtime. This is the
-usual case for a change of mode, because leaf modules such as
-``nn.Dropout`` read their flag when they run.
+The first trace is made when the pipe is built, with the module's flags as
+they are and every argument a value, or the arguments ``sample=`` leaves
+None traced as None. Another kind is traced when it first comes: the same
+split points, the module's tensors placed where earlier traces placed them,
+and the pipe switches to it (see :mod:`~mpstream.stages.kinds`). A call
+whose None arguments the value trace (every argument a value, the same
+flags) does not use runs on that trace, so a None argument the code never
+reads makes no kind of its own. A trace whose code equals an earlier one's is not kept:
+that split serves both kinds, with its runtime; this is the usual case for
+a change of mode.
 """
 
 from __future__ import annotations
@@ -25,38 +28,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import fx, nn
+from torch import nn
 
-from ..runtime.graph import StageGraph
-from .fx import Traced, lookup, trace
-from .kinds import Kinds
+from .fx import Traced, lookup, trace, traced_through
+from .kinds import Kinds, Split
 from .placement import place
-from .tracers import Binder, SplitReport
+from .tracers import Binder, SplitReport, none_arguments, sample_call
 
 __all__ = ["FxSplit"]
 
-# A kind of call: the arguments traced as None, and every module's training flag.
+# A kind of call: the arguments traced as None, and the traced modules' training flags.
 Key = tuple[frozenset[str], tuple[bool, ...]]
 
 
 @dataclass
-class _Trace:
-    """The split for one or more kinds of call, and its pipe runtime once used."""
+class _Trace(Split):
+    """The split of one or more kinds of call."""
 
     traced: Traced
-    modules: nn.ModuleList
-    balance: list[int]
-    described: str
-    runtime: Any = None
-    checked: bool = False
-
-    @property
-    def graph(self) -> StageGraph:
-        return self.traced.graph
-
-    @property
-    def partitions(self) -> list[fx.GraphModule]:
-        return self.traced.partitions
 
     @property
     def bind(self) -> Binder:
@@ -64,19 +53,12 @@ class _Trace:
         assert isinstance(bind, Binder)
         return bind
 
-    def __getstate__(self) -> dict[str, Any]:
-        # Pickled or copied with its pipe, whose streams and C++ scheduler
-        # are rebuilt on first use.
-        state = dict(self.__dict__)
-        state["runtime"] = None
-        return state
-
     def same_as(self, other: Traced) -> bool:
         """Whether ``other`` computes what this split does."""
-        other_bind = other.bind
+        bind = other.bind
         return (
-            isinstance(other_bind, Binder)
-            and other_bind.names == self.bind.names
+            isinstance(bind, Binder)
+            and bind.names == self.bind.names
             and other.graph == self.graph
             and [p.code for p in other.partitions] == [p.code for p in self.partitions]
         )
@@ -101,37 +83,96 @@ class FxSplit(Kinds):
     reason: str
     traces: list[_Trace] = field(default_factory=list)
     kinds: dict[Key, _Trace] = field(default_factory=dict)
-    current: _Trace | None = None
+    current: _Trace | None = None  # type: ignore[assignment]
     placed: dict[str, torch.device] = field(default_factory=dict)
+    untraceable: set[Key] = field(default_factory=set)
 
-    def first(self) -> _Trace:
-        """Traces the split in training mode with every argument a value,
-        and places the module's tensors.
+    def __post_init__(self) -> None:
+        self.watched = traced_through(self.module, self.leaf_modules)
+
+    @classmethod
+    def adopt(
+        cls,
+        module: nn.Module,
+        split_points: list[str],
+        devices: list[torch.device],
+        traced: Traced,
+    ) -> FxSplit:
+        """The split of a pipe pickled before it traced per kind of call:
+        its one trace kept as the value kind of the module's current flags,
+        the modules it called whole as the leaves of later traces."""
+        names = {id(m): n for n, m in module.named_modules() if n}
+        leaves = sorted(
+            {
+                names[id(part.get_submodule(str(node.target)))]
+                for part in traced.partitions
+                for node in part.graph.nodes
+                if node.op == "call_module" and id(part.get_submodule(str(node.target))) in names
+            }
+        )
+        split = cls(module, split_points, devices, leaves, "torch.fx traced the module")
+        flags = split._flags()
+        kept = _Trace(
+            traced,
+            modules=nn.ModuleList(traced.partitions),
+            balance=[
+                sum(n.op.startswith("call") for n in p.graph.nodes) for p in traced.partitions
+            ],
+            graph=traced.graph,
+            described=_describe(frozenset(), flags),
+        )
+        split.traces.append(kept)
+        split.kinds[(frozenset(), flags)] = kept
+        split.current = kept
+        return split
+
+    def first(self, sample: Any = None) -> Split:
+        """Traces the split of the first kind of call and places the
+        module's tensors: the module's flags as they are, and every
+        argument a value or, given ``sample`` (see
+        :func:`~mpstream.stages.tracers.sample_call`), its None arguments
+        as None.
 
         Raises:
             TypeError: tracing failed, or ``forward`` takes ``*args``/``**kwargs``.
             ValueError: a bad split point, or a tensor shared by stages on
                 different devices.
         """
-        self.module.training = True  # a new pipe is in training mode
-        split = self._trace(frozenset(), self._flags())
+        nones: frozenset[str] = frozenset()
+        if sample is not None:
+            nones = none_arguments(self.module, *sample_call(sample))
+        split = self._trace(nones, self._flags())
         self.current = split
         return split
 
     def _flags(self) -> tuple[bool, ...]:
-        return tuple(m.training for m in self.module.modules())
+        return tuple(m.training for m in self.watched)
 
     def _trace(self, nones: frozenset[str], flags: tuple[bool, ...]) -> _Trace:
-        """The split for a kind of call not met before (traced now)."""
-        traced = trace(self.module, self.split_points, leaf_modules=self.leaf_modules, nones=nones)
+        """The split of a kind of call not met before (traced now).
+
+        Raises:
+            TypeError, ValueError: as :meth:`first`, the message naming the
+                kind of call.
+        """
+        described = _describe(nones, flags)
+        try:
+            traced = trace(
+                self.module, self.split_points, leaf_modules=self.leaf_modules, nones=nones
+            )
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"{exc}\n(traced for this kind of call: {described})") from exc
         split = next((t for t in self.traces if t.same_as(traced)), None)
         if split is None:
             self._place(traced)
             split = _Trace(
                 traced,
-                nn.ModuleList(traced.partitions),
-                [sum(n.op.startswith("call") for n in p.graph.nodes) for p in traced.partitions],
-                _describe(nones, flags),
+                modules=nn.ModuleList(traced.partitions),
+                balance=[
+                    sum(n.op.startswith("call") for n in p.graph.nodes) for p in traced.partitions
+                ],
+                graph=traced.graph,
+                described=described,
             )
             self.traces.append(split)
         self.kinds[(nones, flags)] = split
@@ -163,35 +204,43 @@ class FxSplit(Kinds):
     # -- every call -----------------------------------------------------
     def select(
         self, training: bool, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[_Trace, tuple[Any, ...]]:
+    ) -> tuple[Split, tuple[Any, ...]]:
         """The split of a call's kind (traced now if it is new) and the
         pipeline's inputs for the call.
 
         Args:
-            training: the pipe's mode (the module's root is not registered
-                on the pipe, so it is set here).
+            training: the pipe's mode; the module's flags, which
+                :meth:`mpstream.Pipe.train` sets, are what a trace reads.
             args: the call's positional arguments.
             kwargs: its keyword arguments.
 
         Raises:
             TypeError: the call does not bind to ``forward``; tracing failed.
-            ValueError: the new trace places a tensor elsewhere than an
-                earlier one did.
+            ValueError: a split point this kind of call does not reach, or a
+                tensor the new trace reads where an earlier one placed it
+                elsewhere.
         """
         assert self.current is not None
-        values = self.current.bind.arguments(args, kwargs)
-        self.module.training = training
+        values = self.current.bind.arguments(args, kwargs)  # every trace's forward binds alike
         flags = self._flags()
         nones = frozenset(n for n, v in values.items() if v is None)
-        fixed: frozenset[str] = frozenset()
-        while True:
-            # An argument is fixed to None only where the trace uses it; a
-            # trace with one fixed may use another (``if a is None: use b``).
-            split = self.kinds.get((fixed, flags)) or self._trace(fixed, flags)
-            more = (nones & split.bind.used) - fixed
-            if not more:
-                return split, tuple(values[n] for n in split.bind.names)
-            fixed |= more
+        split = self._value_trace(flags) if nones else None
+        if split is None or nones & split.bind.used:
+            split = self.kinds.get((nones, flags)) or self._trace(nones, flags)
+        return split, tuple(values[n] for n in split.bind.names)
+
+    def _value_trace(self, flags: tuple[bool, ...]) -> _Trace | None:
+        """The split of these flags with every argument a value, traced now
+        if new; None where that trace fails (a call of another kind may
+        still trace)."""
+        key: Key = (frozenset(), flags)
+        if key in self.kinds or key in self.untraceable:
+            return self.kinds.get(key)
+        try:
+            return self._trace(*key)
+        except (TypeError, ValueError):
+            self.untraceable.add(key)
+            return None
 
     def report(self) -> SplitReport:
         """The tracer, why, and each kind of call traced so far."""

@@ -28,6 +28,7 @@ __all__ = [
     "CallSignature",
     "choose_tracer",
     "sample_call",
+    "none_arguments",
     "describe_call",
     "raised_in",
     "TRACERS",
@@ -127,16 +128,37 @@ class Binder:
         Raises:
             TypeError: the call does not bind to ``forward``.
         """
-        try:
-            bound = self.signature.bind(*args, **kwargs)
-        except TypeError as exc:
-            raise TypeError(f"{self.name}.forward{self.signature}: {exc}") from None
-        bound.apply_defaults()
-        return dict(bound.arguments)
+        return _arguments(self.name, self.signature, args, kwargs)
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         values = self.arguments(args, kwargs)
         return tuple(values[n] for n in self.names)
+
+
+def _arguments(
+    name: str, signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        raise TypeError(f"{name}.forward{signature}: {exc}") from None
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def none_arguments(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
+) -> frozenset[str]:
+    """The arguments of ``forward`` that are None in a call (defaults filled
+    in): what a ``torch.fx`` trace of that kind of call fixes (see
+    :mod:`~mpstream.stages.traced`).
+
+    Raises:
+        TypeError: the call does not bind to ``forward``.
+    """
+    name = type(module).__name__
+    values = _arguments(name, inspect.signature(module.forward), args, kwargs or {})
+    return frozenset(n for n, v in values.items() if v is None)
 
 
 class CallSignature:

@@ -15,8 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+import mpstream
 from mpstream import NoChunk, Pipe
+from mpstream.stages import placement
 from mpstream.stages.balance import profile_units
+from mpstream.stages.fx import trace
+from mpstream.stages.placement import place
 from mpstream.stages.traced import FxSplit
 
 
@@ -113,9 +117,11 @@ def test_an_optional_argument_given_or_not(split_size: int, schedule: str) -> No
     assert len(split.traces) == 2  # each kind traced once, then reused
     report = str(pipe.split_report())
     assert "traced for: training: every argument given" in report
-    assert "traced for: training: scale=None" in report
-    # The None kind's stages take no input for scale; extra, never used, is not fixed.
-    assert split.traces[1].bind.names == ["x", "extra"]
+    assert "traced for: training: extra=None, scale=None" in report
+    # The None kind's stages take no input for what it traced as None; a
+    # call whose None arguments the value trace does not use runs on it.
+    assert split.traces[1].bind.names == ["x"]
+    assert pipe._inputs((x, s), {}) == (x, s, None) and pipe.graph is split.traces[0].graph
 
 
 def test_train_step_on_each_kind() -> None:
@@ -209,10 +215,11 @@ def test_a_kind_that_cannot_be_traced_fails_clearly_and_leaves_the_pipe_as_it_wa
     m = torch.randn(4, 1, dtype=torch.float64)
     torch.testing.assert_close(pipe(x, m), model(x, m))
     for _ in range(2):
-        with pytest.raises(
-            TypeError, match="could not trace LenOfMask in its own forward with mask=None"
-        ):
+        with pytest.raises(TypeError) as raised:
             pipe(x)
+        message = str(raised.value)
+        assert "could not trace LenOfMask in its own forward with mask=None" in message
+        assert "(traced for this kind of call: training: mask=None)" in message
     assert len(fx_split(pipe).kinds) == 1
     torch.testing.assert_close(pipe(x, m), model(x, m))
 
@@ -266,3 +273,177 @@ def test_balance_by_time_profiles_the_samples_kind() -> None:
     pipe = Pipe(model, balance="time", devices=["cpu"] * 2, sample=(torch.randn(4, 4), None))
     x = torch.randn(4, 4)
     torch.testing.assert_close(pipe(x), model(x))
+
+
+class Fallback(nn.Module):
+    """A layer called only when the mask is None; a frozen-able BatchNorm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.norm = nn.BatchNorm1d(4)
+        self.fallback = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 2)
+        self.register_buffer("fill", torch.ones(2))
+
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        h = self.norm(self.a(x))
+        h = self.fallback(h) if mask is None else h * mask
+        return self.b(h) + (self.fill if mask is None else 0.0)
+
+
+def test_flags_set_on_submodules_survive_a_switch_of_kind() -> None:
+    model = Fallback().double()
+    pipe = pipe_of(model, chunks=2)
+    x = torch.randn(4, 4, dtype=torch.float64)
+    m = torch.randn(4, 4, dtype=torch.float64)
+    pipe.train()
+    pipe.norm.eval()  # frozen statistics while training the rest
+    model.train()
+    model.norm.eval()
+    for args in [(x, m), (x,), (x, m)]:
+        torch.testing.assert_close(pipe(*args), model(*args))
+        assert not pipe.norm.training
+    torch.testing.assert_close(pipe.norm.running_mean, model.norm.running_mean)
+
+
+def test_a_module_passed_in_eval_mode_runs_in_eval_mode() -> None:
+    model = ModeAware().double().eval()
+    pipe = pipe_of(model, chunks=2)
+    x = torch.randn(6, 4, dtype=torch.float64)
+    torch.testing.assert_close(pipe(x), model(x))
+    assert [t.described for t in fx_split(pipe).traces] == ["eval: every argument given"]
+
+
+def test_leaf_flags_do_not_make_a_kind() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), nn.Linear(4, 2))
+    pipe = Pipe(model, split_points=["2"], devices=["cpu"] * 2, tracer="fx", chunks=2)
+    split = fx_split(pipe)
+    assert split.watched == [model]  # the Sequential's code; its layers are leaves
+    pipe(torch.randn(4, 4))
+    model[1].eval()
+    pipe(torch.randn(4, 4))
+    assert len(split.kinds) == 1
+
+
+def test_a_split_point_only_some_kinds_reach() -> None:
+    model = Fallback().double()
+    model.norm.eval()  # whole-batch statistics would differ from micro-batches'
+    x = torch.randn(4, 4, dtype=torch.float64)
+    m = torch.randn(4, 4, dtype=torch.float64)
+    # 'fallback' is reached only by calls without a mask: build for those.
+    with pytest.raises(ValueError, match=r"split point 'fallback'(.|\n)*training: every argument"):
+        Pipe(copy.deepcopy(model), split_points=["fallback"], devices=["cpu"] * 2)
+    pipe = Pipe(
+        copy.deepcopy(model), split_points=["fallback"], devices=["cpu"] * 2, chunks=2,
+        sample=(x, None),
+    )  # fmt: skip
+    torch.testing.assert_close(pipe(x), model(x))
+    with pytest.raises(ValueError, match=r"(.|\n)*traced for this kind of call: training: every"):
+        pipe(x, m)
+    torch.testing.assert_close(pipe(x), model(x))  # the pipe works on
+
+
+class EvalOnlyLen(nn.Module):
+    """The value trace fails in eval mode; the trace without a mask does not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        h = self.a(x)
+        if mask is not None and not self.training:
+            h = h * len(mask)
+        return self.b(h)
+
+
+def test_a_call_is_traced_for_its_own_kind() -> None:
+    model = EvalOnlyLen().double()
+    pipe = pipe_of(model, chunks=2)
+    x = torch.randn(4, 4, dtype=torch.float64)
+    pipe.eval()
+    model.eval()
+    torch.testing.assert_close(pipe(x), model(x))
+
+
+def test_placement_never_makes_inference_tensors() -> None:
+    model = Fallback()
+    traced = trace(model, ["b"], nones=frozenset({"mask"}))
+    # "cpu:0" is not "cpu", so placement moves stage 1's tensors as it would
+    # to another GPU; under inference_mode (a validation call bringing a new
+    # kind) that used to make them inference tensors, useless for training.
+    with torch.inference_mode():
+        place(model, traced, [torch.device("cpu"), torch.device("cpu", 0)])
+    assert not any(t.is_inference() for t in [*model.parameters(), *model.buffers()])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_placement_moves_tensors_in_place() -> None:
+    model = Fallback()
+    traced = trace(model, ["b"], nones=frozenset({"mask"}))
+    fill, weight = model.fill, model.b.weight
+    place(model, traced, [torch.device("cpu"), torch.device("cuda", 0)])
+    assert model.fill is fill and model.b.weight is weight  # held elsewhere too
+    assert fill.is_cuda and weight.is_cuda
+
+
+def test_profile_spans_a_switch_of_kind() -> None:
+    pipe = pipe_of(Masked(), chunks=4)
+    x, s = torch.randn(8, 4), torch.randn(8, 4)
+    pipe(x, s)
+    scheduler = pipe.scheduler
+    with mpstream.profile(pipe) as prof:
+        pipe(x)
+        pipe(x, s)
+    assert pipe.scheduler is scheduler  # one for every kind
+    assert len(prof.spans) == 2 * 8 and not scheduler.timing
+
+
+class Drops(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, x: Tensor, scale: Tensor | None = None) -> Tensor:
+        h = F.dropout(self.a(x), 0.5, True)
+        if scale is not None:
+            h = h * scale
+        return F.dropout(self.b(h), 0.5, True)
+
+
+@pytest.mark.parametrize("scale", [True, False])
+def test_captured_step_groups_check_the_stages_of_the_inputs_kind(scale: bool) -> None:
+    pipe = pipe_of(Drops(), chunks=2)
+    inputs = (torch.randn(4, 4), torch.randn(4, 4) if scale else None)
+    with pytest.raises(ValueError, match="random numbers in stage 0 .group 0. and stage 1"):
+        mpstream.CapturedStep(pipe, inputs, torch.randn(4, 2), F.mse_loss, groups=[0, 1])
+
+
+def test_a_pipe_pickled_before_kinds_loads_with_its_trace_as_the_first() -> None:
+    model = Masked().double()
+    pipe = pipe_of(model, chunks=2, leaf_modules=["proj"])
+    state = copy.deepcopy(pipe.__getstate__())
+    # What such a pickle held: the one trace's binder, no split per kind.
+    state["_bind"] = state["_split"].current.traced.bind
+    state["_split"] = None
+    old = Pipe.__new__(Pipe)
+    old.__setstate__(state)
+    split = fx_split(old)
+    assert split.leaf_modules == ["a", "b", "proj"]  # what the trace called whole
+    x = torch.randn(4, 4, dtype=torch.float64)
+    s = torch.randn(4, 4, dtype=torch.float64)
+    for args in [(x, s), (x,)]:
+        torch.testing.assert_close(old(*args), model(*args))
+    assert len(split.traces) == 2
+
+
+def test_a_tensor_data_cannot_carry_is_replaced_unless_a_parameter() -> None:
+    model = Fallback()
+    # CPU to meta: .data cannot carry it (as for some layouts across devices).
+    placement._move(model, "fill", torch.device("meta"))
+    assert model.fill.device.type == "meta"
+    with pytest.raises(RuntimeError, match="incompatible tensor type"):
+        placement._move(model, "b.weight", torch.device("meta"))  # a parameter stays one object
