@@ -34,9 +34,9 @@ from torch.utils import _pytree as pytree
 
 from ..runtime.graph import Ref, StageGraph
 from .fake_export import exported_graph, input_pattern
-from .fx import inline_attrs, read_stage_call
 from .model_loss import LossShare, weigh_loss
 from .points import begin_stages, units_in_order
+from .surgery import inline_attrs, read_stage_call
 
 __all__ = [
     "ExportedStages",

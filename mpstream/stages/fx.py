@@ -13,25 +13,22 @@ and checkpoints are those of the unsplit module.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 from torch import Tensor, fx, nn
-from torch.fx import graph_module
 from torch.fx.passes.split_module import split_module
 
 from ..memory import DeferredBatchNorm
-from ..runtime.graph import Ref, StageGraph
+from ..runtime.graph import StageGraph
 from .inplace import check_in_place
 from .points import begin_stages, split_candidates, units_in_order
+from .surgery import inline_attrs, part_of, stage_graph
 from .tracers import Binder
 
 __all__ = ["Traced", "trace", "call_units", "traced_through", "lookup"]
-
-_PRESERVED = getattr(graph_module, "_USER_PRESERVED_ATTRIBUTES_KEY", "_user_preserved_attributes")
 
 
 @dataclass
@@ -212,76 +209,6 @@ def _check_result(gm: fx.GraphModule) -> None:
             )
 
 
-def _part(top: fx.GraphModule, name: str) -> fx.GraphModule:
-    return cast(fx.GraphModule, top.get_submodule(name))
-
-
-def _attr_name(target: str) -> str:
-    return "_attr_" + target.replace(".", "_")
-
-
-def inline_attrs(top: fx.GraphModule, resolve: Callable[[str], tuple[Any, bool]]) -> None:
-    """Lets each stage read the module's tensors itself.
-
-    ``split_module`` lifts ``get_attr`` nodes to the top-level graph and
-    passes the tensors to the stages as arguments; a parameter would then
-    travel between stages like an activation. Each stage instead gets its
-    own reference to the tensor (the same object), read in place, and the
-    top-level call drops the argument. ``_mpstream_attrs`` maps the stage's
-    attribute to the tensor's qualified name in the module.
-
-    Args:
-        top: the split graph.
-        resolve: for a lifted attribute's qualified name, its value and
-            whether the module holds it (else the stage keeps its own).
-    """
-    for call in [n for n in top.graph.nodes if n.op == "call_module"]:
-        part = _part(top, str(call.target))
-        attrs: dict[str, str] = getattr(part, "_mpstream_attrs", {})
-        holders = [n for n in part.graph.nodes if n.op == "placeholder"]
-        keep_args = []
-        for arg, placeholder in zip(call.args, holders):
-            if not (isinstance(arg, fx.Node) and arg.op == "get_attr"):
-                keep_args.append(arg)
-                continue
-            target = str(arg.target)
-            name = _attr_name(target)
-            value, owned = resolve(target)
-            hold(part, placeholder, name, value)
-            if owned:
-                attrs[name] = target
-        part._mpstream_attrs = attrs  # type: ignore[assignment]
-        # GraphModule's deepcopy keeps only the attributes listed here (a
-        # copied pipe rebinds through them after .to() or a replacement).
-        part.meta.setdefault(_PRESERVED, {})["_mpstream_attrs"] = attrs
-        part.graph.lint()
-        part.recompile()
-        call.args = tuple(keep_args)
-    # Only the lifted tensors go: a stage whose values nothing reads is
-    # still called, as the module calls it (eliminate_dead_code would drop it).
-    for node in [n for n in top.graph.nodes if n.op == "get_attr" and not n.users]:
-        top.graph.erase_node(node)
-    top.graph.lint()
-    top.recompile()
-
-
-def hold(part: fx.GraphModule, placeholder: fx.Node, name: str, value: Any) -> None:
-    """Makes a stage hold ``value`` itself, as attribute ``name``, and read it
-    where ``placeholder`` (an input the top-level graph fed it) was: a
-    parameter stays a parameter, another tensor becomes a buffer, anything
-    else a submodule. Shared by the ``torch.fx`` and ``torch.export`` paths."""
-    if isinstance(value, nn.Parameter):
-        part.register_parameter(name, value)
-    elif isinstance(value, Tensor):
-        part.register_buffer(name, value)
-    else:
-        part.add_module(name, value)
-    with part.graph.inserting_after(placeholder):
-        fetched = part.graph.get_attr(name)
-    placeholder.replace_all_uses_with(fetched)
-    part.graph.erase_node(placeholder)
-
-
 def _tensors_used(s: int, part: fx.GraphModule, qualnames: dict[str, str]) -> set[str]:
     """Qualified names (in the original module) of the tensors stage ``s`` uses."""
     names = set(getattr(part, "_mpstream_attrs", {}).values())
@@ -292,53 +219,6 @@ def _tensors_used(s: int, part: fx.GraphModule, qualnames: dict[str, str]) -> se
             names |= {f"{prefix}.{n}" for n, _ in sub.named_parameters(remove_duplicate=False)}
             names |= {f"{prefix}.{n}" for n, _ in sub.named_buffers(remove_duplicate=False)}
     return names
-
-
-def _stage_graph(top: fx.GraphModule, count: int) -> tuple[StageGraph, list[str]]:
-    """Reads the split graph: what each stage reads, what the module returns."""
-    refs: dict[fx.Node, Ref] = {}
-    inputs: list[str] = []
-    args: list[tuple[Ref, ...]] = [()] * count
-    outputs = [0] * count
-    result: Any = None
-    for node in top.graph.nodes:
-        if node.op == "placeholder":
-            refs[node] = Ref(-1, len(inputs))
-            inputs.append(str(node.target))
-        elif node.op == "output":
-            result = fx.node.map_arg(node.args[0], lambda n: refs[n])  # type: ignore[arg-type, return-value]
-        else:
-            read_stage_call(top, node, refs, args, outputs)
-    return StageGraph(tuple(args), tuple(outputs), result), inputs
-
-
-def read_stage_call(
-    top: fx.GraphModule,
-    node: fx.Node,
-    refs: dict[fx.Node, Ref],
-    args: list[tuple[Ref, ...]],
-    outputs: list[int],
-) -> None:
-    """Reads one node of a split graph between its placeholders and output:
-    a stage's call (what it reads, how many values it returns) or the pick
-    of one of its outputs. Shared by the ``torch.fx`` and ``torch.export``
-    paths.
-
-    Raises:
-        TypeError: any other node (work outside every stage).
-    """
-    if node.op == "call_module":
-        s = int(str(node.target).rsplit("_", 1)[1])
-        args[s] = tuple(refs[a] for a in node.args)  # type: ignore[index]
-        part = _part(top, str(node.target))
-        returned = next(n for n in part.graph.nodes if n.op == "output").args[0]
-        outputs[s] = len(returned) if isinstance(returned, (tuple, list)) else 1
-        refs[node] = Ref(s, 0)
-    elif node.op == "call_function" and node.target is operator.getitem:
-        source, index = node.args
-        refs[node] = Ref(refs[source].stage, int(index))  # type: ignore[index, arg-type]
-    else:
-        raise TypeError(f"unexpected node between stages: {node.op} {node.target}")
 
 
 @contextmanager
@@ -393,9 +273,9 @@ def trace(
     )
     inline_attrs(top, lambda target: (lookup(module, target), True))
     count = len(split_points) + 1
-    graph, inputs = _stage_graph(top, count)
+    graph, inputs = stage_graph(top, count)
     used = frozenset(str(n.target) for n in top.graph.nodes if n.op == "placeholder" and n.users)
-    partitions = [_part(top, f"submod_{s}") for s in range(count)]
+    partitions = [part_of(top, f"submod_{s}") for s in range(count)]
     return Traced(
         partitions,
         graph,
