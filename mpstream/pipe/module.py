@@ -218,6 +218,7 @@ class PipeModule(nn.Module):
             # trace becomes the first kind (see FxSplit.adopt).
             parts = list(state["_partitions"])
             traced = Traced(parts, state["_graph"], bind, [set() for _ in parts])
+            state["_root"].training = state["training"]  # Pipe.train() did not set it then
             state["_split"] = FxSplit.adopt(
                 state["_root"], list(state["_split_points"]), list(state["_devices"]), traced
             )

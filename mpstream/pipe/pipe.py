@@ -93,6 +93,9 @@ class Pipe(PipeCall):
             ``"layer3"``, ``"blocks.6"``) is first called; ``devices`` then
             has ``len(split_points) + 1`` entries. A value one stage produces
             and a later one reads (a skip connection) goes straight there.
+            The module is traced again for each kind of call (None
+            arguments, training flags: see :mod:`~mpstream.stages.traced`),
+            and the pipe starts in the module's mode.
         leaf_modules: with ``split_points``, submodules (qualified names or
             types) not to trace into: each runs whole inside one stage.
         tracer: with ``split_points``: ``'auto'`` (default) splits a Hugging
@@ -202,6 +205,10 @@ class Pipe(PipeCall):
         self.__dict__["_report"] = built.report
         self.__dict__["_deferred"] = None  # found on first use (see _deferred_norms)
         check_schedule(self.schedule, built.devices, built.graph.reads(), self.virtual_stages)
+        if built.root is not None:
+            # A traced module's forward reads its own flag: the pipe starts
+            # in the mode the module is in (set without touching the layers).
+            self.training = built.root.training
         self.__dict__["_sealed"] = True  # layers and tensors replaced from now on are checked
 
     # -- running -------------------------------------------------------

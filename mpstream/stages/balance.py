@@ -245,8 +245,9 @@ def profile_units(
     """Measures a traced module unit by unit: the calls of its children and
     of the items of its ``nn.ModuleList`` / ``nn.Sequential`` children.
 
-    A training-mode deep copy is split before every unit with ``torch.fx``
-    and each part profiled on what it reads (see :func:`profile_call`).
+    A deep copy, in the module's mode (as the pipe first traces it), is
+    split before every unit with ``torch.fx`` and each part profiled on
+    what it reads (see :func:`profile_call`).
 
     Args:
         module: a module ``torch.fx`` can trace.
@@ -262,7 +263,7 @@ def profile_units(
         if device is not None
         else (first.device if first is not None else torch.device("cpu"))
     )
-    model = copy.deepcopy(module).to(dev).train()
+    model = copy.deepcopy(module).to(dev)  # in its mode, as the pipe first traces it
     args = sample if isinstance(sample, tuple) else (sample,)
     # Its None arguments fixed, as the pipe traces a call of the sample's kind.
     nones = none_arguments(model, args)

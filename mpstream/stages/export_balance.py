@@ -1,7 +1,7 @@
 """``balance='time'|'size'`` for a module split by ``torch.export``.
 
 As :func:`~mpstream.stages.balance.split_points_by` does for ``torch.fx``: a
-training-mode copy of the module is exported on ``sample`` and cut before
+copy of the module, in its mode, is exported on ``sample`` and cut before
 every unit it calls (its children and the items of its ``ModuleList`` /
 ``Sequential`` children: a transformer's blocks), each part is profiled on
 what it reads (:func:`~mpstream.stages.balance.profile_call`), and the split points
@@ -47,7 +47,7 @@ def export_split_points(
     """
     if how not in ("time", "size"):
         raise ValueError(f"balance must be 'time' or 'size'; got {how!r}")
-    model = copy.deepcopy(module).to(device).train()
+    model = copy.deepcopy(module).to(device)  # in its mode, as the pipe first exports it
     calls = calls_for(model)
     args, kwargs = sample_call(sample)
     named = calls.prepare(CallSignature(model)(args, kwargs))

@@ -95,7 +95,7 @@ class ExportSplit(Kinds):
     # -- a kind of call -------------------------------------------------
     def first(self, sample: Any) -> _Split:
         """Exports the split for ``sample`` (a call, see :func:`sample_call`)
-        in training mode and places the module's tensors.
+        in the module's mode and places the module's tensors.
 
         Raises:
             TypeError: no sample to export with; export failed.
@@ -110,7 +110,6 @@ class ExportSplit(Kinds):
                 f"dict of keyword arguments, or the one input)"
             )
         args, kwargs = sample_call(sample)
-        self.module.training = True  # a new pipe is in training mode
         named = self.calls.prepare(self.signature(args, kwargs))
         items, spec = pytree.tree_flatten(((), named))
         split = self._export(named, (spec, self._state()), items)

@@ -111,7 +111,7 @@ def _trace(
             f"torch.fx could not trace {type(module).__name__}{where}: "
             f"{type(exc).__name__}: {exc}\n{advice}"
         ) from exc
-    _drop_none_inputs(graph)
+    _none_inputs(graph, nones)
     for node in graph.nodes:
         # Under ``from __future__ import annotations`` fx records a forward's
         # annotations as strings; torch 2.11 cannot pickle a GraphModule
@@ -134,24 +134,31 @@ def traced_through(
         found.setdefault(id(m), m)
         for child_name, child in m.named_children():
             qualname = f"{name}.{child_name}" if name else child_name
-            if id(child) not in found and not tracer.is_leaf_module(child, qualname):
+            # A ModuleList's or ModuleDict's items are called by the code
+            # that holds the container (fx calls the container a leaf).
+            container = isinstance(child, (nn.ModuleList, nn.ModuleDict))
+            if id(child) not in found and (container or not tracer.is_leaf_module(child, qualname)):
                 walk(child, qualname)
 
     walk(module, "")
     return list(found.values())
 
 
-def _drop_none_inputs(graph: fx.Graph) -> None:
-    """Removes the inputs a trace fixed to None, and fx's checks that they
-    are: the split of each kind of call is chosen by which arguments are
-    None (see :mod:`~mpstream.stages.traced`), so the stages never get them."""
+def _none_inputs(graph: fx.Graph, nones: frozenset[str]) -> None:
+    """Turns the inputs a trace fixed to None back into plain, unused inputs
+    named as the arguments: fx's checks that they are None go (the split of
+    each kind of call is chosen by which arguments are None, see
+    :mod:`~mpstream.stages.traced`), and every kind's split takes the same
+    inputs, so two kinds whose code is the same share one split."""
     for node in list(graph.nodes):
         if node.op == "call_function" and getattr(node.target, "__name__", "") == "_assert_is_none":
-            (placeholder, _) = node.args
+            (fixed, _) = node.args
             graph.erase_node(node)
-            assert isinstance(placeholder, fx.Node) and placeholder.op == "placeholder"
-            if not placeholder.users:
-                graph.erase_node(placeholder)
+            assert isinstance(fixed, fx.Node) and fixed.op == "placeholder" and not fixed.users
+            name = next(n for n in nones if fixed.target == f"{n}_1")  # fx's name for it
+            with graph.inserting_before(fixed):
+                graph.placeholder(name, default_value=None)
+            graph.erase_node(fixed)
 
 
 def call_units(
@@ -249,7 +256,7 @@ def trace(
         split_points: qualified submodule names; a stage begins at each.
         leaf_modules: submodules (by qualified name or type) not to trace
             into: they run whole, inside one stage.
-        nones: arguments traced as None; the split takes no input for them.
+        nones: arguments traced as None (the split takes them, unused).
 
     Returns:
         The stages, their graph and the argument binder.

@@ -79,7 +79,8 @@ class Kinds:
         outgoing: Any,
     ) -> None:
         """Makes ``split`` the current one: its schedule checked (once), its
-        stages reading the module's tensors, in the pipe's mode.
+        stages reading the module's tensors, its stage wrappers in the
+        pipe's mode (the module's own submodules keep their flags).
 
         Args:
             split: the split the call's kind needs.

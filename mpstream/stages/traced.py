@@ -13,12 +13,12 @@ The first trace is made when the pipe is built, with the module's flags as
 they are and every argument a value, or the arguments ``sample=`` leaves
 None traced as None. Another kind is traced when it first comes: the same
 split points, the module's tensors placed where earlier traces placed them,
-and the pipe switches to it (see :mod:`~mpstream.stages.kinds`). A call
-whose None arguments the value trace (every argument a value, the same
-flags) does not use runs on that trace, so a None argument the code never
-reads makes no kind of its own. A trace whose code equals an earlier one's is not kept:
-that split serves both kinds, with its runtime; this is the usual case for
-a change of mode.
+and the pipe switches to it (see :mod:`~mpstream.stages.kinds`). Every
+split takes every argument (those traced as None unused), so a trace whose
+code equals an earlier one's is not kept: that split serves both kinds,
+with its runtime. That is the usual case for a change of mode, or a None
+argument the code does not test. A kind that failed to trace fails again
+at once.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ class FxSplit(Kinds):
     kinds: dict[Key, _Trace] = field(default_factory=dict)
     current: _Trace | None = None  # type: ignore[assignment]
     placed: dict[str, torch.device] = field(default_factory=dict)
-    untraceable: set[Key] = field(default_factory=set)
+    untraceable: dict[Key, tuple[type[Exception], str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.watched = traced_through(self.module, self.leaf_modules)
@@ -99,8 +99,10 @@ class FxSplit(Kinds):
         traced: Traced,
     ) -> FxSplit:
         """The split of a pipe pickled before it traced per kind of call:
-        its one trace kept as the value kind of the module's current flags,
-        the modules it called whole as the leaves of later traces."""
+        its one trace made current (the kind it was traced for is unknown,
+        so each call's kind is traced again, sharing it where the code is
+        the same), the modules it called whole as the leaves of later
+        traces."""
         names = {id(m): n for n, m in module.named_modules() if n}
         leaves = sorted(
             {
@@ -111,7 +113,6 @@ class FxSplit(Kinds):
             }
         )
         split = cls(module, split_points, devices, leaves, "torch.fx traced the module")
-        flags = split._flags()
         kept = _Trace(
             traced,
             modules=nn.ModuleList(traced.partitions),
@@ -119,10 +120,9 @@ class FxSplit(Kinds):
                 sum(n.op.startswith("call") for n in p.graph.nodes) for p in traced.partitions
             ],
             graph=traced.graph,
-            described=_describe(frozenset(), flags),
+            described="a trace by an earlier mpstream, its kind unknown",
         )
         split.traces.append(kept)
-        split.kinds[(frozenset(), flags)] = kept
         split.current = kept
         return split
 
@@ -156,12 +156,20 @@ class FxSplit(Kinds):
                 kind of call.
         """
         described = _describe(nones, flags)
+        failed = self.untraceable.get((nones, flags))
+        if failed is not None:  # no second trace of a kind that failed
+            raise failed[0](failed[1])
         try:
-            traced = trace(
-                self.module, self.split_points, leaf_modules=self.leaf_modules, nones=nones
-            )
+            # Constants fx computes become the stages' tensors: never
+            # inference tensors, though a kind may first come in inference.
+            with torch.inference_mode(False):
+                traced = trace(
+                    self.module, self.split_points, leaf_modules=self.leaf_modules, nones=nones
+                )
         except (TypeError, ValueError) as exc:
-            raise type(exc)(f"{exc}\n(traced for this kind of call: {described})") from exc
+            message = f"{exc}\n(traced for this kind of call: {described})"
+            self.untraceable[(nones, flags)] = (type(exc), message)
+            raise type(exc)(message) from exc
         split = next((t for t in self.traces if t.same_as(traced)), None)
         if split is None:
             self._place(traced)
@@ -223,24 +231,9 @@ class FxSplit(Kinds):
         assert self.current is not None
         values = self.current.bind.arguments(args, kwargs)  # every trace's forward binds alike
         flags = self._flags()
-        nones = frozenset(n for n, v in values.items() if v is None)
-        split = self._value_trace(flags) if nones else None
-        if split is None or nones & split.bind.used:
-            split = self.kinds.get((nones, flags)) or self._trace(nones, flags)
+        key: Key = (frozenset(n for n, v in values.items() if v is None), flags)
+        split = self.kinds.get(key) or self._trace(*key)
         return split, tuple(values[n] for n in split.bind.names)
-
-    def _value_trace(self, flags: tuple[bool, ...]) -> _Trace | None:
-        """The split of these flags with every argument a value, traced now
-        if new; None where that trace fails (a call of another kind may
-        still trace)."""
-        key: Key = (frozenset(), flags)
-        if key in self.kinds or key in self.untraceable:
-            return self.kinds.get(key)
-        try:
-            return self._trace(*key)
-        except (TypeError, ValueError):
-            self.untraceable.add(key)
-            return None
 
     def report(self) -> SplitReport:
         """The tracer, why, and each kind of call traced so far."""

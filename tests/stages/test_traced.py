@@ -118,9 +118,10 @@ def test_an_optional_argument_given_or_not(split_size: int, schedule: str) -> No
     report = str(pipe.split_report())
     assert "traced for: training: every argument given" in report
     assert "traced for: training: extra=None, scale=None" in report
-    # The None kind's stages take no input for what it traced as None; a
-    # call whose None arguments the value trace does not use runs on it.
-    assert split.traces[1].bind.names == ["x"]
+    # Every split takes every argument (those traced as None unused), so a
+    # None the code does not test shares the value trace's split.
+    assert split.traces[1].bind.names == ["x", "scale", "extra"]
+    assert split.traces[1].bind.used == {"x"}
     assert pipe._inputs((x, s), {}) == (x, s, None) and pipe.graph is split.traces[0].graph
 
 
@@ -190,7 +191,7 @@ def test_a_mode_change_the_code_ignores_reuses_the_split_and_its_runtime() -> No
     pipe.eval()
     pipe(x, s)
     split = fx_split(pipe)
-    assert len(split.traces) == 1 and len(split.kinds) == 2
+    assert len(split.traces) == 1 and len(split.kinds) == 3  # (), (extra) in each mode
     assert pipe.graph is graph and pipe.__dict__["_runtime"] is runtime
 
 
@@ -447,3 +448,105 @@ def test_a_tensor_data_cannot_carry_is_replaced_unless_a_parameter() -> None:
     assert model.fill.device.type == "meta"
     with pytest.raises(RuntimeError, match="incompatible tensor type"):
         placement._move(model, "b.weight", torch.device("meta"))  # a parameter stays one object
+
+
+class OnlyTested(nn.Module):
+    """An argument only tested, never computed with."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, x: Tensor, flag: Tensor | None = None) -> Tensor:
+        h = self.a(x)
+        if flag is not None:
+            h = h * 2
+        return self.b(h)
+
+
+def test_an_argument_only_tested_for_none_is_followed() -> None:
+    model = OnlyTested().double()
+    pipe = pipe_of(model, chunks=2)
+    x = torch.randn(4, 4, dtype=torch.float64)
+    for args in [(x,), (x, x), (x,)]:
+        torch.testing.assert_close(pipe(*args), model(*args))
+
+
+class Scale(nn.Module):
+    """Scales by 3 in training mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.a(x) * (3.0 if self.training else 1.0)
+
+
+class Blocks(nn.Module):
+    """Blocks in a ModuleList, which fx calls a leaf."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Scale(), Scale()])
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_flags_of_blocks_in_a_module_list_make_kinds() -> None:
+    model = Blocks().double()
+    pipe = Pipe(copy.deepcopy(model), split_points=["blocks.1"], devices=["cpu"] * 2, chunks=2)
+    assert {type(m).__name__ for m in fx_split(pipe).watched} == {"Blocks", "ModuleList", "Scale"}
+    x = torch.randn(4, 4, dtype=torch.float64)
+    pipe.eval()
+    model.eval()
+    pipe.blocks[1].train()
+    model.blocks[1].train()
+    torch.testing.assert_close(pipe(x), model(x))
+    pipe.blocks[1].eval()
+    model.blocks[1].eval()
+    torch.testing.assert_close(pipe(x), model(x))
+    assert len(fx_split(pipe).traces) == 3  # training (built), one block in it, eval
+
+
+class Constant(nn.Module):
+    """A tensor fx computes while tracing (it becomes a stage's constant)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        h = self.a(x) * torch.full((4,), 2.0, dtype=x.dtype)
+        return self.b(h if mask is None else h * mask)
+
+
+def test_a_kind_first_met_under_inference_mode_trains_later() -> None:
+    model = Constant().double()
+    pipe = pipe_of(model, chunks=2)
+    x = torch.randn(4, 4, dtype=torch.float64)
+    with torch.inference_mode():
+        pipe(x)  # a validation call brings the mask=None kind
+    loss = pipe.train_step(x, torch.zeros(4, 2, dtype=torch.float64), nn.MSELoss())
+    expected = F.mse_loss(model(x), torch.zeros(4, 2, dtype=torch.float64))
+    torch.testing.assert_close(loss, expected.detach())
+
+
+def test_a_pipe_starts_in_its_modules_mode() -> None:
+    model = ModeAware().double().eval()
+    pipe = pipe_of(model)
+    assert not pipe.training
+    x = torch.randn(4, 4, dtype=torch.float64)
+    exported = Pipe(
+        copy.deepcopy(model), split_points=["b"], devices=["cpu"] * 2, tracer="export",
+        sample=(x,), chunks=2,
+    )  # fmt: skip
+    assert not exported.training
+    torch.testing.assert_close(exported(x), model(x))
+    assert exported.split_report().exports[0].startswith("eval")
