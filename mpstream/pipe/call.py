@@ -91,7 +91,7 @@ class PipeCall(PipeConfig):
         if split is None:
             return positional(args, kwargs)
         check_holds_tensor(args, kwargs)
-        chosen, inputs = split.select(self.training, args, kwargs)
+        chosen, inputs = split.select(args, kwargs)
         if state["_graph"] is not chosen.graph:
             runtime = state["_runtime"]
             split.enter(chosen, self.schedule, self.virtual_stages, self.training, runtime)

@@ -6,7 +6,9 @@ the module is in), and measures each layer's forward + backward time, the
 bytes it keeps for backward plus its output, and its parameter (and
 gradient) bytes; ``balance_by_size`` can add the optimizer's state.
 :func:`partition` then finds the contiguous split into ``stages`` parts whose
-largest cost is smallest (exact dynamic programme).
+largest cost is smallest (exact dynamic programme). :func:`profile_units`
+does the same for a traced module's units, in the module's own mode: the
+mode the pipe first traces it in, so the split points it picks exist there.
 """
 
 from __future__ import annotations

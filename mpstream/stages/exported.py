@@ -228,14 +228,13 @@ class ExportSplit(Kinds):
 
     # -- every call -----------------------------------------------------
     def select(
-        self, training: bool, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[Split, tuple[Any, ...]]:
         """The split of a call's kind (exported now if it is new) and the
-        pipeline's inputs for the call.
+        pipeline's inputs for the call. The module's training flags, which
+        :meth:`mpstream.Pipe.train` sets, are part of the kind.
 
         Args:
-            training: the pipe's mode (the module's root is not registered
-                on the pipe, so it is set here).
             args: the call's positional arguments.
             kwargs: its keyword arguments.
 
@@ -244,7 +243,6 @@ class ExportSplit(Kinds):
             ValueError: the family refuses the call (see :mod:`~mpstream.stages.hf`).
         """
         named = self.calls.prepare(self.signature(args, kwargs))
-        self.module.training = training
         items, spec = pytree.tree_flatten(((), named))
         key = (spec, self._state())
         split = next((s for s in self.splits if s.key == key and s.fits(items)), None)

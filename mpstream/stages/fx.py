@@ -13,6 +13,7 @@ and checkpoints are those of the unsplit module.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -156,8 +157,9 @@ def _none_inputs(graph: fx.Graph, nones: frozenset[str]) -> None:
             graph.erase_node(node)
             assert isinstance(fixed, fx.Node) and fixed.op == "placeholder" and not fixed.users
             name = next(n for n in nones if fixed.target == f"{n}_1")  # fx's name for it
+            default = fixed.args[0] if fixed.args else inspect.Signature.empty
             with graph.inserting_before(fixed):
-                graph.placeholder(name, default_value=None)
+                graph.placeholder(name, default_value=default)
             graph.erase_node(fixed)
 
 
@@ -281,12 +283,11 @@ def trace(
     inline_attrs(top, lambda target: (lookup(module, target), True))
     count = len(split_points) + 1
     graph, inputs = stage_graph(top, count)
-    used = frozenset(str(n.target) for n in top.graph.nodes if n.op == "placeholder" and n.users)
     partitions = [part_of(top, f"submod_{s}") for s in range(count)]
     return Traced(
         partitions,
         graph,
-        Binder(module, inputs, used),
+        Binder(module, inputs),
         [_tensors_used(s, p, qualnames) for s, p in enumerate(partitions)],
     )
 

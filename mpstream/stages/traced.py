@@ -23,12 +23,13 @@ at once.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
+from torch import fx, nn
 
 from .fx import Traced, lookup, trace, traced_through
 from .kinds import Kinds, Split
@@ -60,7 +61,7 @@ class _Trace(Split):
             isinstance(bind, Binder)
             and bind.names == self.bind.names
             and other.graph == self.graph
-            and [p.code for p in other.partitions] == [p.code for p in self.partitions]
+            and all(_same_code(p, q) for p, q in zip(other.partitions, self.partitions))
         )
 
 
@@ -159,6 +160,7 @@ class FxSplit(Kinds):
         failed = self.untraceable.get((nones, flags))
         if failed is not None:  # no second trace of a kind that failed
             raise failed[0](failed[1])
+        traced: Traced | None = None
         try:
             # Constants fx computes become the stages' tensors: never
             # inference tensors, though a kind may first come in inference.
@@ -166,13 +168,18 @@ class FxSplit(Kinds):
                 traced = trace(
                     self.module, self.split_points, leaf_modules=self.leaf_modules, nones=nones
                 )
+            split = next((t for t in self.traces if t.same_as(traced)), None)
+            if split is None:
+                self._place(traced)
         except (TypeError, ValueError) as exc:
+            if traced is not None:
+                _drop_constants(self.module, traced)
             message = f"{exc}\n(traced for this kind of call: {described})"
             self.untraceable[(nones, flags)] = (type(exc), message)
             raise type(exc)(message) from exc
-        split = next((t for t in self.traces if t.same_as(traced)), None)
-        if split is None:
-            self._place(traced)
+        if split is not None:
+            _drop_constants(self.module, traced)  # the shared split holds its own
+        else:
             split = _Trace(
                 traced,
                 modules=nn.ModuleList(traced.partitions),
@@ -211,14 +218,13 @@ class FxSplit(Kinds):
 
     # -- every call -----------------------------------------------------
     def select(
-        self, training: bool, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[Split, tuple[Any, ...]]:
         """The split of a call's kind (traced now if it is new) and the
-        pipeline's inputs for the call.
+        pipeline's inputs for the call. The module's training flags, which
+        :meth:`mpstream.Pipe.train` sets, are part of the kind.
 
         Args:
-            training: the pipe's mode; the module's flags, which
-                :meth:`mpstream.Pipe.train` sets, are what a trace reads.
             args: the call's positional arguments.
             kwargs: its keyword arguments.
 
@@ -243,6 +249,36 @@ class FxSplit(Kinds):
             tuple(self.split_points),
             traces=tuple(t.described for t in self.traces),
         )
+
+
+# What fx names a tensor it computed while tracing (a fresh name per trace).
+_CONSTANT = re.compile(r"_attr__tensor_constant\d+")
+
+
+def _same_code(a: fx.GraphModule, b: fx.GraphModule) -> bool:
+    """Whether two stages run the same code on equal constants."""
+    names_a, names_b = (list(dict.fromkeys(_CONSTANT.findall(p.code))) for p in (a, b))
+    if len(names_a) != len(names_b):
+        return False
+    code_a, code_b = a.code, b.code
+    for i, (x, y) in enumerate(zip(names_a, names_b)):
+        code_a = re.sub(rf"\b{x}\b", f"_constant{i}_", code_a)
+        code_b = re.sub(rf"\b{y}\b", f"_constant{i}_", code_b)
+        s, t = getattr(a, x), getattr(b, y)
+        if s.dtype != t.dtype or s.shape != t.shape or s.device != t.device:
+            return False
+        if not torch.equal(s, t):
+            return False
+    return code_a == code_b
+
+
+def _drop_constants(module: nn.Module, traced: Traced) -> None:
+    """Removes from ``module`` the constants fx put there for a trace that
+    is not kept (each trace adds its own)."""
+    for part in traced.partitions:
+        for target in getattr(part, "_mpstream_attrs", {}).values():
+            if _CONSTANT.fullmatch("_attr_" + target) and hasattr(module, target):
+                delattr(module, target)
 
 
 def _describe(nones: frozenset[str], flags: tuple[bool, ...]) -> str:

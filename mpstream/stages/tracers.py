@@ -107,15 +107,13 @@ class Binder:
     Args:
         module: the traced module.
         names: the ``forward`` parameters the split takes, in the
-            pipeline's input order (not those traced as None).
-        used: those the traced graph computes with.
+            pipeline's input order.
     """
 
-    def __init__(self, module: nn.Module, names: list[str], used: frozenset[str]) -> None:
+    def __init__(self, module: nn.Module, names: list[str]) -> None:
         self.name = type(module).__name__
         self.signature = inspect.signature(module.forward)
         self.names = names
-        self.used = used
         for p in self.signature.parameters.values():
             if p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
                 raise TypeError(

@@ -121,7 +121,6 @@ def test_an_optional_argument_given_or_not(split_size: int, schedule: str) -> No
     # Every split takes every argument (those traced as None unused), so a
     # None the code does not test shares the value trace's split.
     assert split.traces[1].bind.names == ["x", "scale", "extra"]
-    assert split.traces[1].bind.used == {"x"}
     assert pipe._inputs((x, s), {}) == (x, s, None) and pipe.graph is split.traces[0].graph
 
 
@@ -523,7 +522,7 @@ class Constant(nn.Module):
         self.b = nn.Linear(4, 2)
 
     def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
-        h = self.a(x) * torch.full((4,), 2.0, dtype=x.dtype)
+        h = self.a(x) * torch.full((4,), 2.0, dtype=torch.float64)  # computed by the trace
         return self.b(h if mask is None else h * mask)
 
 
@@ -550,3 +549,75 @@ def test_a_pipe_starts_in_its_modules_mode() -> None:
     assert not exported.training
     torch.testing.assert_close(exported(x), model(x))
     assert exported.split_report().exports[0].startswith("eval")
+
+
+class Required(nn.Module):
+    """A required argument a call may give as None, another after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, x: Tensor, mask: Tensor | None, y: Tensor) -> Tensor:
+        h = self.a(x)
+        if mask is not None:
+            h = h * mask
+        return self.b(h + y)
+
+
+def test_a_required_argument_given_as_none() -> None:
+    model = Required().double()
+    x = torch.randn(4, 4, dtype=torch.float64)
+    pipe = pipe_of(model, chunks=2)
+    for args in [(x, x, x), (x, None, x)]:
+        torch.testing.assert_close(pipe(*args), model(*args))
+    sampled = pipe_of(model, chunks=2, sample=(x, None, x))
+    torch.testing.assert_close(sampled(x, None, x), model(x, None, x))
+
+
+def test_kinds_with_equal_constants_share_a_split() -> None:
+    model = Constant().double()
+    pipe = pipe_of(model, chunks=2)
+    x = torch.randn(4, 4, dtype=torch.float64)
+    for args in [(x, x), (x,)]:
+        torch.testing.assert_close(pipe(*args), model(*args))
+    pipe.eval()
+    model.eval()
+    torch.testing.assert_close(pipe(x, x), model(x, x))
+    split = fx_split(pipe)
+    assert len(split.kinds) == 3 and len(split.traces) == 2  # eval shares training's code
+    root = pipe.__dict__["_root"]
+    held = [n for n in vars(root) if n.startswith("_tensor_constant")]
+    assert len(held) == 2  # one per split kept; the shared trace's went
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_the_modules_own_flags_decide_its_mode(tracer: str) -> None:
+    model = ModeAware().double().eval()
+    x = torch.randn(4, 4, dtype=torch.float64)
+    pipe = Pipe(
+        copy.deepcopy(model), split_points=["b"], devices=["cpu"] * 2, tracer=tracer,
+        sample=(x,), chunks=2,
+    )  # fmt: skip
+    torch.testing.assert_close(pipe(x), model(x))
+    root = pipe.__dict__["_root"]
+    root.training = True  # set on the module, not through the pipe
+    model.training = True
+    torch.manual_seed(0)
+    out = pipe(x)
+    # Dropout draws differ from the model's; the training branch (x3) shows.
+    assert out.abs().mean() > 1.5 * model.eval()(x).abs().mean()
+    pipe.eval()
+    torch.testing.assert_close(pipe(x), model(x))
+
+
+def test_a_kind_whose_placement_fails_fails_at_once() -> None:
+    model = Fallback()
+    pipe = pipe_of(model, chunks=2)
+    split = fx_split(pipe)
+    split.placed["fallback.weight"] = torch.device("cuda", 1)  # as if an earlier trace had
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"earlier trace placed(.|\n)*kind of call: training"):
+            pipe(torch.randn(4, 4))
+    assert len(split.untraceable) == 1 and len(split.traces) == 1
