@@ -81,7 +81,11 @@ class Pipe(PipeCall):
             default inferred from devices placed round-robin
             (``['cuda:0', 'cuda:1', 'cuda:0', 'cuda:1']``). Needed when
             every stage shares one device (the CPU).
-        sample: a representative micro-batch, for ``balance='time'|'size'``.
+        sample: a representative micro-batch (an example call of a traced
+            module: a tuple of positional arguments, a dict of keyword
+            arguments, or the one input), for ``balance='time'|'size'``; a
+            traced module is first split for its kind of call (its None
+            arguments), and ``torch.export`` needs one.
         force_copies: for experiments: copy every micro-batch between
             consecutive stages (and its gradient back) on the copy streams
             even when they share a device, as between two GPUs. With all

@@ -29,7 +29,7 @@ from torch.utils import _pytree as pytree
 from ..runtime.boundary import GradSink, cut
 from ..runtime.microbatch import Value, as_value, leaves, rebuild_leaves, tensors_of
 from .fx import call_units, trace
-from .tracers import none_arguments
+from .tracers import none_arguments, sample_call
 
 __all__ = [
     "LayerProfile",
@@ -253,7 +253,9 @@ def profile_units(
 
     Args:
         module: a module ``torch.fx`` can trace.
-        sample: the positional inputs (a tuple) or the one input.
+        sample: an example call (see :func:`~mpstream.stages.tracers.sample_call`:
+            a tuple of positional arguments, a dict of keyword arguments, or
+            the one input).
 
     Returns:
         The names a split point may take (one per part after the first), and
@@ -266,12 +268,13 @@ def profile_units(
         else (first.device if first is not None else torch.device("cpu"))
     )
     model = copy.deepcopy(module).to(dev)  # in its mode, as the pipe first traces it
-    args = sample if isinstance(sample, tuple) else (sample,)
+    args, kwargs = sample_call(sample)
     # Its None arguments fixed, as the pipe traces a call of the sample's kind.
-    nones = none_arguments(model, args)
+    nones = none_arguments(model, args, kwargs)
     points = call_units(model, leaf_modules, nones)
     traced = trace(model, points, leaf_modules=leaf_modules, nones=nones)
-    inputs = tuple(t.to(dev) if isinstance(t, Tensor) else t for t in traced.bind(args, {}))
+    bound = traced.bind(args, kwargs)
+    inputs = tuple(t.to(dev) if isinstance(t, Tensor) else t for t in bound)
     outs: list[tuple[Any, ...]] = []
     profiles = []
     names = ["(start)", *points]

@@ -273,6 +273,11 @@ def test_balance_by_time_profiles_the_samples_kind() -> None:
     pipe = Pipe(model, balance="time", devices=["cpu"] * 2, sample=(torch.randn(4, 4), None))
     x = torch.randn(4, 4)
     torch.testing.assert_close(pipe(x), model(x))
+    # A dict is keyword arguments, as for torch.export.
+    names, _ = profile_units(model, {"x": torch.randn(4, 4), "scale": torch.randn(4, 4)})
+    assert names == ["proj", "b"]
+    keyed = Pipe(model, balance="time", devices=["cpu"] * 2, sample={"x": torch.randn(4, 4)})
+    assert fx_split(keyed).traces[0].described == "training: extra=None, scale=None"
 
 
 class Fallback(nn.Module):
