@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import operator
 import os
 import statistics
 import tempfile
@@ -133,18 +134,20 @@ def _devices(model: nn.Module) -> list[torch.device]:
 
 
 # A Pipe's settings that change its step time but not its repr.
-_SETTINGS = ("checkpoint", "schedule", "virtual_stages", "force_copies")
+_SETTINGS = ("checkpoint", "schedule", "virtual_stages", "force_copies", "graphed")
 
 
 def _model_key(model: nn.Module) -> dict[str, Any]:
     arch = hashlib.sha1(repr(model).encode()).hexdigest()[:16]
+    settings: dict[str, str] = {"training": repr(model.training)}
+    if isinstance(model, Pipe):
+        settings.update({n: repr(getattr(model, n)) for n in _SETTINGS})
+        settings["compile"] = repr(model.__dict__["_compile"])
     return {
         "model": f"{type(model).__module__}.{type(model).__qualname__}",
         "parameters": sum(p.numel() for p in model.parameters()),
         "architecture": arch,
-        "settings": {n: repr(getattr(model, n)) for n in _SETTINGS}
-        if isinstance(model, Pipe)
-        else {},
+        "settings": settings,
     }
 
 
@@ -232,7 +235,8 @@ class _Target:
 def _time_step(
     model: nn.Module,
     sample: Value,
-    loss_fn: Callable[[Any], Tensor] | None,
+    loss_fn: Callable[..., Tensor] | None,
+    target: Any,
     repeat: int,
     warmup: int,
 ) -> list[float]:
@@ -244,8 +248,12 @@ def _time_step(
         if loss_fn is None:
             with torch.no_grad():
                 model(sample)
-        else:
+        elif target is None:
             torch.autograd.backward(loss_fn(model(sample)))
+        elif isinstance(model, Pipe):
+            model.train_step(sample, target, loss_fn)  # the pipe's own schedule
+        else:
+            torch.autograd.backward(loss_fn(model(sample), target))
         synchronize(devices)
         if i >= warmup:
             times.append(time.perf_counter() - start)
@@ -257,9 +265,10 @@ def _time_step(
 def tune(
     pipe_or_factory: nn.Module | Factory,
     sample: Value,
-    loss_fn: Callable[[Any], Tensor] | None = None,
+    loss_fn: Callable[..., Tensor] | None = None,
     split_sizes: Sequence[int] | None = None,
     *,
+    target: Any = None,
     balances: Sequence[Sequence[int]] | None = None,
     repeat: int = 3,
     warmup: int = 1,
@@ -280,14 +289,19 @@ def tune(
             ``balances``) returning a model.
         sample: a full batch, as the model takes it.
         loss_fn: ``loss_fn(output) -> scalar``; each step is forward +
-            backward of it. None times the forward alone, without grad.
-        split_sizes: candidates, tried in increasing order; default a
-            ladder up to the batch size.
+            backward of it, which autograd runs fill-drain (GPipe) whatever
+            the pipe's schedule. With ``target``, ``loss_fn(output,
+            target)``, and a Pipe's step is its ``train_step``: its own
+            schedule (1F1B, zero-bubble, ...). None times the forward
+            alone, without grad.
+        split_sizes: candidates up to the batch size, tried in increasing
+            order; default a ladder up to the batch size.
+        target: the batch's target, to time ``train_step`` (see ``loss_fn``).
         balances: stage balances to try (needs a factory).
         repeat: timed steps per configuration (the median is used).
         warmup: untimed steps before them.
-        patience: stop a sweep after this many consecutive sizes slower than
-            the best by more than ``tolerance``.
+        patience: stop a sweep once this many sizes since the last new best
+            were slower than it by more than ``tolerance``.
         tolerance: relative slack before a size counts as slower.
         cache: JSON file of earlier results; ``'default'`` is
             :func:`default_cache`, None disables caching.
@@ -299,76 +313,151 @@ def tune(
         The best configuration, the curve, and whether it came from cache.
 
     Raises:
-        ValueError: bad split sizes, repeat, patience or tolerance.
+        ValueError: bad split sizes (or one larger than the batch), repeat,
+            patience or tolerance; ``target`` without ``loss_fn``.
         TypeError: a model without ``split_size``, or a factory that does not
             return a module.
     """
     value = as_value(sample, "sample")
     batch = (value if isinstance(value, Tensor) else value[0]).size(0)
-    sizes = sorted(set(split_sizes)) if split_sizes is not None else candidate_split_sizes(batch)
-    if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
-        raise ValueError(f"split_sizes must be positive ints, got {split_sizes!r}")
+    sizes = _sizes(split_sizes, batch)
+    if target is not None and loss_fn is None:
+        raise ValueError("target= times a training step: give loss_fn(output, target) too")
     if repeat < 1 or warmup < 0 or patience < 1 or tolerance < 0:
         raise ValueError("repeat and patience must be >= 1, warmup and tolerance >= 0")
     configs: list[list[int] | None] = [list(b) for b in balances] if balances else [None]
-    target = _Target(pipe_or_factory, balances is not None)
+    models = _Target(pipe_or_factory, balances is not None)
 
-    first = target.build(sizes[0], configs[0])
-    key = {
-        **_model_key(first),
-        "devices": [str(d) for d in _devices(first)],
-        "batch": _shape(value),
-        "torch": torch.__version__,
-        "mode": "forward" if loss_fn is None else "train",
-        "split_sizes": sizes,
-        "balances": configs,
-    }
-    key_text = json.dumps(key, sort_keys=True)
-    path = default_cache() if cache == "default" else (Path(cache) if cache is not None else None)
-    entries = _load(path) if path is not None else {}
-    if path is not None and not refresh and key_text in entries:
-        result = TuneResult.from_json(entries[key_text], key)
-        if isinstance(pipe_or_factory, nn.Module):
-            # Building the key set the first candidate: leave the best one.
-            pipe_or_factory.split_size = result.split_size  # type: ignore[assignment]
-        if plot is not None:
-            result.plot(plot)
-        return result
-
-    from tqdm import tqdm
-
-    curve: list[TunePoint] = []
-    stopped = False
-    kept = _untouched(pipe_or_factory) if isinstance(pipe_or_factory, nn.Module) else nullcontext()
-    with (
-        kept,
-        tqdm(
-            total=len(sizes) * len(configs), desc="tuning", unit="config", disable=not progress
-        ) as bar,
-    ):
-        for balance in configs:
-            best = float("inf")
-            worse = 0
-            for i, size in enumerate(sizes):
-                model = first if (i == 0 and balance == configs[0]) else target.build(size, balance)
-                point = TunePoint(size, balance, _time_step(model, value, loss_fn, repeat, warmup))
-                curve.append(point)
-                bar.set_postfix(split=size, median=f"{point.median:.4f}s")
-                bar.update(1)
-                if point.median < best:
-                    best, worse = point.median, 0
-                elif point.median > best * (1 + tolerance):
-                    worse += 1
-                    if worse >= patience:
-                        stopped = True
-                        bar.update(len(sizes) - i - 1)
-                        break
-    result = TuneResult(min(curve, key=lambda p: p.median), curve, stopped, False, key)
-    if isinstance(pipe_or_factory, nn.Module):
-        pipe_or_factory.split_size = result.split_size  # type: ignore[assignment]
+    with _restored_on_error(pipe_or_factory):
+        first = models.build(sizes[0], configs[0])
+        step = "forward" if loss_fn is None else ("backward" if target is None else "train_step")
+        key = {
+            **_model_key(first),
+            "devices": [str(d) for d in _devices(first)],
+            "batch": _shape(value),
+            "torch": torch.__version__,
+            "mode": step,
+            "split_sizes": sizes,
+            "balances": configs,
+        }
+        key_text = json.dumps(key, sort_keys=True)
+        path = default_cache() if cache == "default" else (Path(cache) if cache else None)
+        entries = _load(path) if path is not None else {}
+        cached = _cached(entries, key_text, key, path) if path is not None and not refresh else None
+        if cached is not None:
+            if isinstance(pipe_or_factory, nn.Module):
+                # Building the key set the first candidate: leave the best one.
+                pipe_or_factory.split_size = cached.split_size  # type: ignore[assignment]
+            if plot is not None:
+                cached.plot(plot)
+            return cached
+        if step == "backward" and isinstance(first, Pipe) and first.schedule != "gpipe":
+            warnings.warn(
+                f"tune times forward + backward of loss_fn(output), which autograd runs "
+                f"fill-drain; this pipe's schedule {first.schedule!r} runs only in train_step: "
+                f"pass target= and loss_fn(output, target) to time it",
+                stacklevel=3,
+            )
+        curve: list[TunePoint] = []
+        stopped = False
+        user = pipe_or_factory if isinstance(pipe_or_factory, nn.Module) else None
+        with (
+            _untouched(user) if user is not None else nullcontext(),
+            _bar(len(sizes) * len(configs), progress) as bar,
+        ):
+            for balance in configs:
+                best = float("inf")
+                worse = 0
+                for i, size in enumerate(sizes):
+                    same = i == 0 and balance == configs[0]
+                    model = first if same else models.build(size, balance)
+                    times = _time_step(model, value, loss_fn, target, repeat, warmup)
+                    point = TunePoint(size, balance, times)
+                    curve.append(point)
+                    bar.set_postfix(split=size, median=f"{point.median:.4f}s")
+                    bar.update(1)
+                    if point.median < best:
+                        best, worse = point.median, 0
+                    elif point.median > best * (1 + tolerance):
+                        worse += 1
+                        if worse >= patience:
+                            stopped = True
+                            bar.update(len(sizes) - i - 1)
+                            break
+        result = TuneResult(min(curve, key=lambda p: p.median), curve, stopped, False, key)
+        if user is not None:
+            user.split_size = result.split_size  # type: ignore[assignment]
     if path is not None:
         entries[key_text] = result.to_json()
         _store(path, entries)
     if plot is not None:
         result.plot(plot)
     return result
+
+
+def _sizes(split_sizes: Sequence[int] | None, batch: int) -> list[int]:
+    """The candidate split sizes, checked, in increasing order."""
+    if split_sizes is None:
+        return candidate_split_sizes(batch)
+    try:
+        sizes = sorted({operator.index(s) for s in split_sizes if not isinstance(s, bool)})
+    except TypeError:
+        sizes = []
+    if not sizes or len(sizes) != len(set(split_sizes)) or sizes[0] < 1:
+        raise ValueError(f"split_sizes must be positive ints, got {split_sizes!r}")
+    if sizes[-1] > batch:
+        raise ValueError(f"split size {sizes[-1]} is larger than the batch of {batch}")
+    return sizes
+
+
+def _cached(
+    entries: dict[str, Any], key_text: str, key: dict[str, Any], path: Path
+) -> TuneResult | None:
+    """The cached result for ``key``, if the cache holds a readable one."""
+    if key_text not in entries:
+        return None
+    try:
+        return TuneResult.from_json(entries[key_text], key)
+    except (KeyError, TypeError, ValueError) as exc:
+        warnings.warn(
+            f"ignoring a malformed entry of the tuning cache {path}: {exc!r}", stacklevel=3
+        )
+        return None
+
+
+@contextmanager
+def _bar(total: int, progress: bool) -> Iterator[Any]:
+    """A tqdm progress bar, or a silent stand-in (tqdm is optional)."""
+    if progress:
+        from tqdm import tqdm
+
+        with tqdm(total=total, desc="tuning", unit="config") as bar:
+            yield bar
+    else:
+        yield _Silent()
+
+
+class _Silent:
+    def set_postfix(self, **_: Any) -> None:
+        pass
+
+    def update(self, _: int = 1) -> None:
+        pass
+
+
+@contextmanager
+def _restored_on_error(model: nn.Module | Factory) -> Iterator[None]:
+    """Puts a user's model back at its own split size (or chunks) if
+    tuning fails part-way; on success it keeps the best split size."""
+    if not isinstance(model, nn.Module):
+        yield
+        return
+    saved = {n: getattr(model, n) for n in ("split_size", "chunks") if hasattr(model, n)}
+    try:
+        yield
+    except BaseException:
+        if saved.get("chunks") is not None:
+            model.chunks = saved["chunks"]  # type: ignore[assignment]
+        else:
+            model.split_size = saved["split_size"]  # type: ignore[assignment]
+        raise

@@ -169,3 +169,75 @@ def test_tuning_a_pipe_leaves_its_state_and_keys_its_settings(tmp_path: Path) ->
         torch.testing.assert_close(b, saved)
     other = tune(build("always"), SAMPLE, lambda out: out.sum(), [4, 8], cache=path, progress=False)
     assert not other.cached
+
+
+def _pipe(schedule: str = "1f1b", **kw: object) -> Pipe:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2, 4), nn.ReLU(), nn.Linear(4, 2))
+    return Pipe(model, chunks=2, balance=[2, 1], devices=["cpu"] * 2, schedule=schedule, **kw)
+
+
+def test_a_target_times_the_pipes_own_schedule(monkeypatch: pytest.MonkeyPatch) -> None:
+    pipe = _pipe()
+    steps: list[int] = []
+    step = Pipe.train_step
+    monkeypatch.setattr(
+        Pipe, "train_step", lambda self, *a, **k: steps.append(1) or step(self, *a, **k)
+    )
+    y = torch.randn(16, 2)
+    result = tune(
+        pipe, SAMPLE, nn.functional.mse_loss, [4, 8], target=y, cache=None, progress=False,
+        repeat=1, warmup=0,
+    )  # fmt: skip
+    assert len(steps) == 2 and result.key["mode"] == "train_step"
+    with pytest.warns(UserWarning, match="schedule '1f1b' runs only in train_step"):
+        tune(pipe, SAMPLE, lambda out: out.sum(), [4], cache=None, progress=False)
+    with pytest.raises(ValueError, match="give loss_fn"):
+        tune(pipe, SAMPLE, target=y, cache=None, progress=False)
+
+
+def test_the_key_holds_every_setting_that_changes_a_step() -> None:
+    plain = tuning._model_key(_pipe())["settings"]
+    assert tuning._model_key(_pipe(compile={"backend": "eager"}))["settings"] != plain
+    assert tuning._model_key(_pipe(graphs=True))["settings"] != plain
+    assert tuning._model_key(_pipe().eval())["settings"] != plain
+
+
+def test_a_malformed_cache_entry_is_measured_again(tmp_path: Path) -> None:
+    path = tmp_path / "c.json"
+    first = tune(Curve(), SAMPLE, lambda out: out.sum(), [4, 6], cache=path, progress=False)
+    doc = json.loads(path.read_text())
+    (key,) = doc
+    path.write_text(json.dumps({key: {"best": {}}}))  # an older or damaged format
+    with pytest.warns(UserWarning, match="malformed entry"):
+        again = tune(Curve(), SAMPLE, lambda out: out.sum(), [4, 6], cache=path, progress=False)
+    assert not again.cached and again.split_size == first.split_size
+
+
+def test_no_progress_needs_no_tqdm(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(__import__("sys").modules, "tqdm", None)  # as if not installed
+    assert tune(Curve(), SAMPLE, split_sizes=[2, 6], cache=None, progress=False).split_size == 6
+
+
+def test_a_failed_sweep_puts_the_split_setting_back() -> None:
+    pipe = _pipe("gpipe")
+    calls = [0]
+
+    def loss(out: Tensor) -> Tensor:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("out of memory")
+        return out.sum()
+
+    with pytest.raises(RuntimeError, match="out of memory"):
+        tune(pipe, SAMPLE, loss, [2, 4, 8], cache=None, progress=False, repeat=1, warmup=0)
+    assert pipe.chunks == 2 and pipe.split_size is None
+
+
+def test_split_sizes_any_int_type_up_to_the_batch() -> None:
+    import numpy as np
+
+    result = tune(Curve(), SAMPLE, split_sizes=[np.int64(6), 2], cache=None, progress=False)
+    assert [p.split_size for p in result.curve] == [2, 6]
+    with pytest.raises(ValueError, match="split size 32 is larger than the batch of 16"):
+        tune(Curve(), SAMPLE, split_sizes=[4, 32], cache=None, progress=False)
