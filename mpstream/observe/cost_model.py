@@ -220,11 +220,15 @@ def simulate(
     virtual = virtual_stages_of(devs, virtual_stages) if interleaved else 1
     sched = Schedule(schedule, n, chunks, topology, backward=with_backward, virtual_stages=virtual)
     if sched.backward and not with_backward:
+        given = "every backward time is 0" if backward is None else "backward=False"
         raise ValueError(
-            f"{sched.name} schedules backwards: give (forward, backward) or (forward, "
-            f"input_grad, weight_grad) stage times"
+            f"{sched.name} schedules backwards, but {given}: give (forward, backward) or "
+            f"(forward, input_grad, weight_grad) stage times with a backward cost"
         )
-    tasks = _tutorial_order(sched.tasks) if not overlap else sched.tasks
+    # Default streams issue fill-drain as the tutorial's loop does; another
+    # schedule keeps its order, each device running its tasks in turn.
+    tutorial = not overlap and sched.name == "gpipe"
+    tasks = _tutorial_order(sched.tasks) if tutorial else sched.tasks
     shared = interleaved if share_compute is None else share_compute
     splits = [_split(c) for c in stage_times]
     compute = (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT)

@@ -31,7 +31,8 @@ class Prediction:
 
     @property
     def speedup(self) -> float:
-        return self.single_device_ms / self.step_ms
+        # Nothing to run is as fast on one device as on many.
+        return self.single_device_ms / self.step_ms if self.step_ms else 1.0
 
 
 def predict(
@@ -76,6 +77,13 @@ def predict(
     pairs = [_pair(c, f"layer {i} time") for i, c in enumerate(layer_times)]
     totals = [f + b for f, b in pairs]
     chosen = list(balance) if balance is not None else partition(totals, stages)
+    if balance is not None and (
+        len(chosen) != stages or sum(chosen) != len(pairs) or min(chosen, default=0) < 1
+    ):
+        raise ValueError(
+            f"balance {chosen} must give each of the {stages} stages at least one layer and "
+            f"add up to the {len(pairs)} layers"
+        )
     forward = stage_costs([f for f, _ in pairs], chosen)
     backward = stage_costs([b for _, b in pairs], chosen)
     with_backward = any(b > 0 for b in backward)

@@ -279,3 +279,29 @@ def test_a_host_bound_pipeline_loses_to_the_whole_batch_on_one_device() -> None:
     # forward: issued by 20 ms, runs 16; backward: issued 20..40, runs 32 from 20.
     assert host_bound.single_device_ms == pytest.approx(52.0)
     assert host_bound.speedup == pytest.approx(52.0 / 160.0)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1", "F0m0 F1m0 B1m0 B0m0 F0m1 F1m1 B1m1 B0m1"])
+def test_default_streams_keep_a_schedules_order(schedule: str) -> None:
+    # Only fill-drain is reordered as the tutorial's loop issues it.
+    def order(overlap: bool) -> list[tuple[str, int, int]]:
+        sim = simulate([(1.0, 2.0, 1.0)] * 2, chunks=2, schedule=schedule, overlap=overlap)
+        spans = sorted(sim.timeline.spans, key=lambda s: (s.start_ms, s.stage))
+        return [(s.kind, s.stage, s.micro) for s in spans if s.kind != "copy"]
+
+    assert order(False) == order(True)
+
+
+def test_all_zero_backward_times_are_named() -> None:
+    with pytest.raises(ValueError, match="1f1b schedules backwards, but every backward time is 0"):
+        simulate([(1.0, 0.0)] * 2, chunks=2, schedule="1f1b")
+
+
+@pytest.mark.parametrize("balance", [[1, 1], [2, 3], [1, 1, 2], [0, 4]])
+def test_predict_refuses_a_balance_that_does_not_fit(balance: list[int]) -> None:
+    with pytest.raises(ValueError, match="must give each of the 2 stages at least one layer"):
+        predict([(1.0, 1.0)] * 4, 2, 4, balance=balance)
+
+
+def test_predict_with_nothing_to_run() -> None:
+    assert predict([(0.0, 0.0)] * 4, 2, 4).speedup == 1.0
