@@ -7,6 +7,7 @@ either a measured run (:func:`mpstream.profile`) or the cost model
 
 from __future__ import annotations
 
+import bisect
 import json
 import statistics
 from collections.abc import Iterable, Sequence
@@ -81,7 +82,15 @@ def _length(intervals: Sequence[tuple[float, float]]) -> float:
 
 
 def _overlap(a: float, b: float, union: Sequence[tuple[float, float]]) -> float:
-    return sum(max(0.0, min(b, y) - max(a, x)) for x, y in union)
+    """How long ``[a, b]`` overlaps ``union`` (sorted, disjoint intervals)."""
+    total = 0.0
+    # The first interval that ends after a: ends are increasing, as the starts are.
+    i = bisect.bisect_right(union, a, key=lambda iv: iv[1])
+    while i < len(union) and union[i][0] < b:
+        x, y = union[i]
+        total += max(0.0, min(b, y) - max(a, x))
+        i += 1
+    return total
 
 
 @dataclass
@@ -169,16 +178,12 @@ class Timeline:
     def stream_busy(self) -> dict[str, float]:
         """Milliseconds each stream was busy in a run: the union of its spans,
         median over runs. Streams with no work are left out."""
+        spans: dict[tuple[str, int], list[tuple[float, float]]] = {}
+        for s in self.spans:
+            spans.setdefault((s.stream, s.run), []).append((s.start_ms, s.end_ms))
         out = {}
         for stream in self.streams:
-            per_run = [
-                _length(
-                    _union(
-                        (s.start_ms, s.end_ms) for s in self.select(r).spans if s.stream == stream
-                    )
-                )
-                for r in self.runs()
-            ]
+            per_run = [_length(_union(spans.get((stream, r), []))) for r in self.runs()]
             if any(per_run):
                 out[stream] = statistics.median(per_run)
         return out
@@ -196,10 +201,25 @@ class Timeline:
         copy_total = sum(s.duration_ms for s in copies)
         hidden: float | None = None
         if copies and copy_total > 0:
+            # A copy is hidden while any stage on its source or destination
+            # device computes (the stage's device, else the stage itself).
+            where = {
+                s.stage: self.stream_devices.get(s.stream) or f"stage{s.stage}"
+                for s in spans
+                if s.kind in COMPUTE
+            }
+            on: dict[str, list[int]] = {}
+            for st, device in where.items():
+                on.setdefault(device, []).append(st)
+            near: dict[frozenset[str], list[tuple[float, float]]] = {}
             covered = 0.0
             for c in copies:
-                near = _union(iv for st in c.stages for iv in compute.get(st, []))
-                covered += _overlap(c.start_ms, c.end_ms, near)
+                devices = frozenset(where.get(st, f"stage{st}") for st in c.stages)
+                if devices not in near:
+                    near[devices] = _union(
+                        iv for d in devices for st in on.get(d, []) for iv in compute[st]
+                    )
+                covered += _overlap(c.start_ms, c.end_ms, near[devices])
             hidden = covered / copy_total
         return {
             "makespan_ms": makespan,

@@ -129,3 +129,16 @@ def test_select_and_copy_span_stages() -> None:
     assert Span(0, 0, "copy", "x", 0, 1).stages == (0, 1)
     assert Span(-1, 0, "copy", "x", 0, 1).stages == (0,)
     assert tl.spans[-1].stages == (1, 0)
+
+
+def test_a_copy_is_hidden_by_any_stage_on_its_devices() -> None:
+    # Stage 2 shares device a with stage 0: its compute hides 0 -> 1's copy.
+    spans = [
+        Span(0, 0, "forward", "s0", 0.0, 1.0),
+        Span(2, 0, "forward", "s2", 1.0, 3.0),
+        Span(1, 0, "forward", "s1", 3.0, 4.0),
+        Span(0, 0, "copy", "c01", 1.0, 3.0, peer=1),
+    ]
+    devices = {"s0": "a", "s2": "a", "s1": "b", "c01": "a"}
+    summary = Timeline(spans, devices).summary(echo=False)
+    assert summary.copy_hidden_fraction == 1.0
