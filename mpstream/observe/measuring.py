@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -26,7 +27,25 @@ from ..schedules import SCHEDULES
 from .cost_model import Costs, fit
 from .profiling import profile
 
-__all__ = ["profile_stages", "measure_memory", "split_cost"]
+__all__ = ["profile_stages", "measure_memory", "split_cost", "untouched"]
+
+
+@contextmanager
+def untouched(model: nn.Module) -> Iterator[None]:
+    """Times a user's own model without leaving a trace: its gradients and
+    buffers (BatchNorm statistics) are put back afterwards."""
+    grads = [(p, p.grad) for p in model.parameters()]
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    for p, _ in grads:
+        p.grad = None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        for p, grad in grads:
+            p.grad = grad
 
 
 def _step(pipe: Pipe, x: Any, y: Any, loss_fn: Callable[[Any, Any], Tensor]) -> None:
@@ -43,14 +62,16 @@ def profile_stages(
 
     Returns:
         The fitted costs; ``costs.per_stage()`` are (forward, input_grad,
-        weight_grad) triples. ``pipe.schedule`` is restored.
+        weight_grad) triples. ``pipe.schedule``, its gradients and buffers
+        (BatchNorm statistics) are put back.
     """
     previous, pipe.schedule = pipe.schedule, "zb_h1"
     try:
-        _step(pipe, x, y, loss_fn)  # warm-up
-        with profile(pipe) as prof:
-            for _ in range(steps):
-                _step(pipe, x, y, loss_fn)
+        with untouched(pipe):
+            _step(pipe, x, y, loss_fn)  # warm-up
+            with profile(pipe) as prof:
+                for _ in range(steps):
+                    _step(pipe, x, y, loss_fn)
     finally:
         pipe.schedule = previous
     return fit(prof)
@@ -71,25 +92,27 @@ def measure_memory(
     (:class:`~mpstream.memory.StageSavedBytes`).
 
     Returns:
-        Per schedule, ``{"stage0": bytes, ...}`` or ``{"cuda:0": bytes, ...}``.
+        Per schedule, ``{"stage0": bytes, ...}`` or ``{"cuda:0": bytes, ...}``;
+        the pipe's schedule, gradients and buffers are put back.
     """
     previous = (pipe.schedule, pipe.virtual_stages)
     out: dict[str, dict[str, int]] = {}
     gpus = sorted({d for d in pipe.devices if d.type == "cuda"}, key=str)
     try:
-        for name in schedules:
-            pipe.schedule = name
-            pipe.virtual_stages = virtual_stages if name == "interleaved_1f1b" else None
-            _step(pipe, x, y, loss_fn)
-            if gpus:
-                for d in gpus:
-                    torch.cuda.reset_peak_memory_stats(d)
+        with untouched(pipe):
+            for name in schedules:
+                pipe.schedule = name
+                pipe.virtual_stages = virtual_stages if name == "interleaved_1f1b" else None
                 _step(pipe, x, y, loss_fn)
-                out[name] = {str(d): torch.cuda.max_memory_allocated(d) for d in gpus}
-            else:
-                with StageSavedBytes(pipe.partitions) as tracker:
+                if gpus:
+                    for d in gpus:
+                        torch.cuda.reset_peak_memory_stats(d)
                     _step(pipe, x, y, loss_fn)
-                out[name] = {f"stage{s}": b for s, b in enumerate(tracker.peak_bytes)}
+                    out[name] = {str(d): torch.cuda.max_memory_allocated(d) for d in gpus}
+                else:
+                    with StageSavedBytes(pipe.partitions) as tracker:
+                        _step(pipe, x, y, loss_fn)
+                    out[name] = {f"stage{s}": b for s, b in enumerate(tracker.peak_bytes)}
     finally:
         pipe.schedule, pipe.virtual_stages = previous
     return out

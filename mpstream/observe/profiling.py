@@ -85,11 +85,19 @@ def profile(model: nn.Module) -> Iterator[Profile]:
         ``export_chrome_trace(path)``, ``plot(path)``.
 
     Raises:
-        ValueError: ``model`` contains no Pipe.
+        ValueError: ``model`` contains no Pipe, or a pipe in it is being
+            profiled already (blocks do not nest: the inner one would take
+            the outer one's timings).
     """
     pipes = pipes_in(model)
     if not pipes:
         raise ValueError(f"{type(model).__name__} contains no mpstream.Pipe to profile")
+    if any(pipe.scheduler.timing for pipe in pipes):
+        raise ValueError(
+            "a pipe in this model is being profiled already (an enclosing mpstream.profile "
+            "block, or a tool that profiles, such as profile_stages): profile blocks do not "
+            "nest; end the outer one first"
+        )
     previous: list[Any] = []
     # Idle streams when the references are recorded: see the module docstring.
     synchronize(d for pipe in pipes for d in pipe.devices)

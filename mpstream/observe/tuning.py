@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from ..pipe import Pipe
 from ..runtime import Value, as_value, synchronize
+from .measuring import untouched
 
 __all__ = ["TunePoint", "TuneResult", "tune", "default_cache", "candidate_split_sizes"]
 
@@ -149,24 +150,6 @@ def _model_key(model: nn.Module) -> dict[str, Any]:
         "architecture": arch,
         "settings": settings,
     }
-
-
-@contextmanager
-def _untouched(model: nn.Module) -> Iterator[None]:
-    """Times a user's own model without leaving a trace: its gradients and
-    buffers (BatchNorm statistics) are put back afterwards."""
-    grads = [(p, p.grad) for p in model.parameters()]
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    for p, _ in grads:
-        p.grad = None
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
-        for p, grad in grads:
-            p.grad = grad
 
 
 def _shape(value: Value) -> list[list[Any]]:
@@ -362,7 +345,7 @@ def tune(
         stopped = False
         user = pipe_or_factory if isinstance(pipe_or_factory, nn.Module) else None
         with (
-            _untouched(user) if user is not None else nullcontext(),
+            untouched(user) if user is not None else nullcontext(),
             _bar(len(sizes) * len(configs), progress) as bar,
         ):
             for balance in configs:

@@ -84,3 +84,15 @@ def test_two_pipes_get_separate_tracks() -> None:
     with profile(model) as prof:
         model(torch.randn(4, 6, dtype=torch.float64))
     assert {s.stream.split("/")[0] for s in prof.spans} == {"pipe0", "pipe1"}
+
+
+def test_profile_blocks_do_not_nest() -> None:
+    pipe = Pipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), chunks=2)
+    x = torch.randn(4, 2)
+    with profile(pipe) as outer:
+        pipe(x)
+        with pytest.raises(ValueError, match="profile blocks do not nest"):
+            with profile(pipe):
+                pass
+        pipe(x)
+    assert len(outer.runs()) == 2  # the outer block kept every run

@@ -1,0 +1,30 @@
+"""What the schedule comparison measures on a real pipe leaves the pipe as
+it was: its schedule, gradients and BatchNorm statistics."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mpstream import Pipe
+from mpstream.observe.measuring import measure_memory, profile_stages
+
+
+def test_measuring_leaves_the_pipe_as_it_was() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    pipe = Pipe(model, chunks=2, balance=[2, 1], devices=["cpu"] * 2, schedule="1f1b")
+    x, y = torch.randn(8, 2), torch.randn(8, 2)
+    pipe.train_step(x, y, F.mse_loss)
+    grads = [p.grad.clone() for p in pipe.parameters()]  # type: ignore[union-attr]
+    buffers = [b.clone() for b in pipe.buffers()]
+    costs = profile_stages(pipe, x, y, F.mse_loss, steps=1)
+    assert len(costs.per_stage()) == 2
+    memory = measure_memory(pipe, x, y, F.mse_loss, ["gpipe", "1f1b"])
+    assert set(memory) == {"gpipe", "1f1b"}
+    assert pipe.schedule == "1f1b"
+    for p, g in zip(pipe.parameters(), grads):
+        torch.testing.assert_close(p.grad, g)
+    for b, saved in zip(pipe.buffers(), buffers):
+        torch.testing.assert_close(b, saved)
