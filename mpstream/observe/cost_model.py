@@ -29,6 +29,8 @@ where the timeline has them); :func:`~mpstream.observe.scaling.predict` scales p
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 import statistics
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -97,13 +99,18 @@ def _pair(cost: Cost, what: str, *, both: bool = False) -> tuple[float, float]:
     """A (forward, backward) pair. A single number is the forward alone, or
     both directions with ``both`` (a gradient is as large as its activation);
     a triple's backward is its input and weight passes together."""
-    if isinstance(cost, (int, float)):
+    if isinstance(cost, (int, float, numbers.Real)):
         pair = (float(cost), float(cost) if both else 0.0)
+    elif not isinstance(cost, Sequence) or len(cost) not in (2, 3):
+        raise ValueError(
+            f"{what} must be a number, a (forward, backward) pair or a (forward, input_grad, "
+            f"weight_grad) triple, got {cost!r}"
+        )
     elif len(cost) == 3:
         pair = (float(cost[0]), float(cost[1]) + float(cost[2]))
     else:
         pair = (float(cost[0]), float(cost[1]))
-    parts = [cost] if isinstance(cost, (int, float)) else list(cost)
+    parts = [cost] if isinstance(cost, (int, float, numbers.Real)) else list(cost)
     if not all(math.isfinite(float(c)) and float(c) >= 0 for c in parts):
         raise ValueError(f"{what} must be finite and not negative, got {cost}")
     return pair
@@ -202,7 +209,24 @@ def simulate(
     if graph is not None and len(graph) != n:
         raise ValueError(f"reads needs {n} entries (one per stage), got {len(graph)}")
     copy_cost = _copy_costs(copy_times, n, graph is None)
+    if isinstance(copy_times, Mapping):
+        chain = tuple((s - 1,) for s in range(n))
+        hops = {(p, q) for q, r in enumerate(graph or chain) for p in r if p >= 0}
+        unknown = sorted(set(copy_times) - hops)
+        if unknown:
+            raise ValueError(
+                f"copy_times names hops {unknown} that the stage graph does not have; its "
+                f"hops (producer, receiving stage): {sorted(hops)}"
+            )
+    try:
+        chunks = operator.index(chunks)
+    except TypeError:
+        raise ValueError(f"chunks must be an int, got {chunks!r}") from None
     interleaved = schedule == "interleaved_1f1b"
+    if virtual_stages is not None and not interleaved:
+        raise ValueError(
+            f"virtual_stages is for schedule='interleaved_1f1b'; got schedule={schedule!r}"
+        )
     if devices is None and interleaved:
         ranks = n // (virtual_stages or 1) if virtual_stages and n % virtual_stages == 0 else n
         devs = [f"device{s % ranks}" for s in range(n)]
@@ -308,7 +332,7 @@ def _issue_costs(issue_times: IssueTimes | None) -> Any:
     """A function (kind, stage) -> host issue time."""
     if issue_times is None:
         return lambda kind, stage: 0.0
-    if isinstance(issue_times, (int, float)):
+    if isinstance(issue_times, (int, float, numbers.Real)):
         if not math.isfinite(issue_times) or issue_times < 0:
             raise ValueError(f"issue_times must be finite and not negative, got {issue_times}")
         each = float(issue_times)
@@ -316,6 +340,13 @@ def _issue_costs(issue_times: IssueTimes | None) -> Any:
     table = {key: float(v) for key, v in issue_times.items()}
     if not all(math.isfinite(v) and v >= 0 for v in table.values()):
         raise ValueError(f"issue_times must be finite and not negative, got {issue_times}")
+    kinds = {k.label for k in Kind}
+    for key in table:
+        if not (isinstance(key, tuple) and len(key) == 2 and key[0] in kinds):
+            raise ValueError(
+                f"issue_times key {key!r}: expected (kind, stage) with kind one of "
+                f"{', '.join(sorted(kinds))}, as Costs.issue_times holds them"
+            )
     return lambda kind, stage: table.get((kind, stage), 0.0)
 
 
@@ -323,7 +354,7 @@ def _copy_costs(
     copy_times: Cost | Sequence[Cost] | Mapping[tuple[int, int], Cost], n: int, chain: bool
 ) -> Any:
     """A function (producer, receiving stage) -> (forward, gradient) copy time."""
-    if isinstance(copy_times, (int, float, tuple)):
+    if isinstance(copy_times, (int, float, numbers.Real, tuple)):
         both = _pair(copy_times, "copy time", both=True)
         return lambda p, q: both
     if isinstance(copy_times, Mapping):

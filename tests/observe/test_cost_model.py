@@ -305,3 +305,30 @@ def test_predict_refuses_a_balance_that_does_not_fit(balance: list[int]) -> None
 
 def test_predict_with_nothing_to_run() -> None:
     assert predict([(0.0, 0.0)] * 4, 2, 4).speedup == 1.0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"stage_times": [(1.0,)] * 2},
+            "stage 0 time must be a number, a .forward, backward. pair",
+        ),
+        ({"stage_times": [(1.0, 1.0, 1.0, 5.0)] * 2}, "or a .forward, input_grad, weight_grad."),
+        ({"chunks": 2.0}, "chunks must be an int"),
+        ({"issue_times": {("fwd", 0): 1.0}}, "issue_times key .'fwd', 0.: expected .kind, stage."),
+        ({"copy_times": {(0, 2): 1.0}}, r"copy_times names hops \[\(0, 2\)\]"),
+        ({"virtual_stages": 2}, "virtual_stages is for schedule='interleaved_1f1b'"),
+    ],
+)
+def test_simulate_names_a_bad_argument(kwargs: dict[str, object], message: str) -> None:
+    args: dict[str, object] = {"stage_times": [(1.0, 1.0)] * 2, "chunks": 2, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        simulate(**args)  # type: ignore[arg-type]
+
+
+def test_simulate_takes_numpy_numbers() -> None:
+    import numpy as np
+
+    step = simulate([(np.float32(1.0), np.float64(1.0))] * 2, chunks=np.int64(2)).step_ms  # type: ignore[arg-type]
+    assert step == simulate([(1.0, 1.0)] * 2, chunks=2).step_ms
