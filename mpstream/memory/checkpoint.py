@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, fx, nn
-from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.batchnorm import _NormBase
 from torch.utils import _pytree as pytree
 from torch.utils import checkpoint as torch_checkpoint
 
@@ -129,12 +129,12 @@ def _recompute(stage: nn.Module) -> Iterator[None]:
 
 def _written_buffers(stage: nn.Module) -> list[Tensor]:
     """The buffers a forward of ``stage`` updates: those of its BatchNorm
-    layers, and those an exported graph (where BatchNorm is an aten op on
+    and InstanceNorm layers that track running statistics, and those an exported graph (where BatchNorm is an aten op on
     the stage's own buffers) hands to an operator that writes them. Read
     anew each time: ``.to()`` or a conversion replaces buffers."""
     seen: dict[int, Tensor] = {}
     for m in stage.modules():
-        if isinstance(m, _BatchNorm) and m.track_running_stats:
+        if isinstance(m, _NormBase) and m.track_running_stats:
             seen.update((id(b), b) for b in m.buffers(recurse=False))
         elif isinstance(m, fx.GraphModule):
             names = _GRAPH_WRITES.get(m)
@@ -200,6 +200,12 @@ class _OnACopy:
         return self.stage(*copied)
 
 
+# Called with the stage a checkpoint runs, then None (StageSavedBytes charges
+# the inputs the checkpoint keeps to that stage: they are saved before the
+# stage's own forward hooks run).
+stage_watchers: list[Callable[[nn.Module | None], None]] = []
+
+
 def checkpointed(stage: nn.Module, *args: Any) -> Any:
     """Runs ``stage(*args)`` keeping only ``args``; backward recomputes the rest.
 
@@ -224,13 +230,19 @@ def checkpointed(stage: nn.Module, *args: Any) -> Any:
             return _checkpointing(), _Reentrant(lambda: _recompute_on_cpu(stage, state))
         return _checkpointing(), _Reentrant(lambda: _recompute(stage))
 
-    return torch_checkpoint.checkpoint(
-        _OnACopy(stage),
-        *args,
-        use_reentrant=False,
-        preserve_rng_state=not on_cpu,
-        context_fn=contexts,
-    )
+    for watch in stage_watchers:
+        watch(stage)
+    try:
+        return torch_checkpoint.checkpoint(
+            _OnACopy(stage),
+            *args,
+            use_reentrant=False,
+            preserve_rng_state=not on_cpu,
+            context_fn=contexts,
+        )
+    finally:
+        for watch in stage_watchers:
+            watch(None)
 
 
 class _Reentrant:

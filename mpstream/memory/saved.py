@@ -17,6 +17,8 @@ from torch import Tensor, nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.hooks import RemovableHandle
 
+from . import checkpoint
+
 __all__ = ["SavedTensorTracker", "StageSavedBytes"]
 
 
@@ -153,12 +155,26 @@ class StageSavedBytes:
         self._params = {p.untyped_storage().data_ptr() for m in self.stages for p in m.parameters()}
         for s, module in enumerate(self.stages):
             self._handles.append(module.register_forward_pre_hook(lambda *_, s=s: self._enter(s)))
-            self._handles.append(module.register_forward_hook(lambda *_: self._enter_none()))
+            # always_call: a checkpoint's recomputation stops the forward
+            # part-way (by raising), and the stage is over all the same.
+            self._handles.append(
+                module.register_forward_hook(lambda *_: self._enter_none(), always_call=True)
+            )
+        checkpoint.stage_watchers.append(self._checkpointing)
         self._hooks.__enter__()
         return self
 
     def _enter_none(self) -> None:
         self._running = None
+
+    def _checkpointing(self, stage: nn.Module | None) -> None:
+        """A checkpoint keeps its stage's input before the stage's hooks run."""
+        if stage is None:
+            self._running = None
+            return
+        index = {id(m): s for s, m in enumerate(self.stages)}
+        found = index.get(id(stage), index.get(id(getattr(stage, "_orig_mod", None))))
+        self._running = found
 
     def __exit__(
         self,
@@ -170,6 +186,8 @@ class StageSavedBytes:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        checkpoint.stage_watchers.remove(self._checkpointing)
+        self._running = None
 
 
 class _Unowned:

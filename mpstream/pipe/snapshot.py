@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.batchnorm import _NormBase
 
 from ..memory.batchnorm import DeferredBatchNorm
 from ..runtime.stream import current_stream, record_stream
@@ -41,7 +41,7 @@ class Snapshot:
         self.norms = [
             (m, [b.detach().clone() for b in m.buffers(recurse=False)])
             for m in module.modules()
-            if isinstance(m, _BatchNorm)
+            if isinstance(m, _NormBase)
         ]
 
     def save_grads(self, stage: int) -> None:

@@ -313,3 +313,34 @@ def test_a_second_backward_recomputes_again(mode: str) -> None:
     gs.pow(2).sum().backward()
     gr.pow(2).sum().backward()
     assert_same_grads(pipe, ref)
+
+
+@pytest.mark.parametrize("mode", ["always", "except_last"])
+def test_instance_norm_statistics_are_updated_once_and_restored(mode: str) -> None:
+    def build(checkpoint: str) -> Pipe:
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Conv1d(2, 3, 3, padding=1), nn.InstanceNorm1d(3, track_running_stats=True),
+            nn.Tanh(), nn.Flatten(), nn.Linear(15, 2),
+        ).double()  # fmt: skip
+        return Pipe(model, chunks=4, balance=[3, 2], devices=["cpu"] * 2, checkpoint=checkpoint)
+
+    plain, ckpt = build("never"), build(mode)
+    x, y = torch.randn(8, 2, 5, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
+    plain.train_step(x, y, nn.MSELoss())
+    ckpt.train_step(x, y, nn.MSELoss())
+    for (name, a), b in zip(ckpt.named_buffers(), plain.buffers()):
+        torch.testing.assert_close(a, b, msg=name)
+    before = [b.clone() for b in ckpt.buffers()]
+    calls = [0]
+
+    def failing(out: Tensor, target: Tensor) -> Tensor:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("boom")
+        return nn.functional.mse_loss(out, target)
+
+    with pytest.raises(RuntimeError, match="boom"):
+        ckpt.train_step(x, y, failing)
+    for a, b in zip(ckpt.buffers(), before):
+        torch.testing.assert_close(a, b)  # a failed step leaves no statistics behind

@@ -244,3 +244,18 @@ def test_measured_activation_memory_per_stage() -> None:
     assert peaks["gpipe"][1:] == [peaks["gpipe"][1]] * (stages - 1)
     assert sum(peaks["1f1b"]) < 0.6 * sum(peaks["gpipe"])
     assert sum(peaks["zb_h1"]) < sum(peaks["gpipe"])
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_checkpointed_stages_are_charged_their_saved_inputs(schedule: str) -> None:
+    # A checkpoint keeps its stage's input (before the stage's hooks run),
+    # and its recomputation stops part-way: each stage holds its own input.
+    model = nn.Sequential(nn.Linear(100, 3), nn.Linear(3, 1))
+    pipe = Pipe(model, chunks=2, balance=[1, 1], devices=["cpu"] * 2, schedule=schedule,
+                checkpoint="always")  # fmt: skip
+    x, y = torch.randn(4, 100), torch.randn(4, 1)
+    with StageSavedBytes(pipe.partitions) as tracker:
+        pipe.train_step(x, y, nn.MSELoss())
+    in_flight = 2 if schedule == "gpipe" else 1  # stage 1's micro-batches held at once
+    assert tracker.peak_bytes == [2 * 2 * 100 * 4, in_flight * 2 * 3 * 4]
+    assert tracker.current_bytes == [0, 0] and tracker._running is None
