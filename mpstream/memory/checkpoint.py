@@ -129,8 +129,9 @@ def _recompute(stage: nn.Module) -> Iterator[None]:
 
 def _written_buffers(stage: nn.Module) -> list[Tensor]:
     """The buffers a forward of ``stage`` updates: those of its BatchNorm
-    and InstanceNorm layers that track running statistics, and those an exported graph (where BatchNorm is an aten op on
-    the stage's own buffers) hands to an operator that writes them. Read
+    and InstanceNorm layers that track running statistics, and those an
+    exported graph (where BatchNorm is an aten op on the stage's own
+    buffers) hands to an operator that writes them. Read
     anew each time: ``.to()`` or a conversion replaces buffers."""
     seen: dict[int, Tensor] = {}
     for m in stage.modules():

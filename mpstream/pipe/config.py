@@ -204,6 +204,11 @@ class PipeConfig(PipeModule):
         """
         devs = self.__dict__["_devices"]
         name = schedule_arg(self.schedule) if training_step else "gpipe"
+        if training_step and name != "interleaved_1f1b" and self.virtual_stages is not None:
+            raise ValueError(
+                f"virtual_stages={self.virtual_stages} applies to schedule='interleaved_1f1b', "
+                f"not {self.schedule!r}: set pipe.virtual_stages = None, or the schedule"
+            )
         virtual = virtual_stages_of(devs, self.virtual_stages) if name == "interleaved_1f1b" else 1
         copy_target = training_step and target_device not in (None, devs[-1])
         key = (name, micros, input_device, training_step, copy_target, self.force_copies, virtual)

@@ -155,12 +155,19 @@ def check(
             on; the message holds the stage x step grid of the order with the
             offending action marked.
     """
+    outside = next((a for a in actions if not 0 <= a.stage < stages), None)
+    if outside is not None:
+        raise ValueError(
+            f"invalid schedule order: {outside} names no stage {outside.stage} (stages "
+            f"0-{stages - 1})"
+        )
     covered = 1 + max(a.micro for a in actions)
     if covered != micros:
         raise ValueError(
             f"the schedule order covers {covered} micro-batch(es) (m0-m{covered - 1}) but "
-            f"this step has {micros}: split the batch into {covered} micro-batches (chunks=) "
-            f"or give an order for {micros}"
+            f"this step has {micros} (what chunks= or split_size= makes of this batch: "
+            f"torch.chunk may make fewer than chunks); give a batch that splits into "
+            f"{covered}, or an order for {micros}"
         )
     step, problem = _C.check_order(micros, [list(r) for r in reads], [a.native for a in actions])
     if problem:

@@ -178,10 +178,22 @@ def virtual_stages_of(devices: Sequence[Hashable], virtual_stages: int | None = 
         )
     ranks = len(labels)
     if stages % ranks or any(devices[s] != labels[s % ranks] for s in range(stages)):
+        fits = [
+            v
+            for v in range(2, stages + 1)
+            if stages % v == 0
+            and all(devices[s] == devices[s % (stages // v)] for s in range(stages))
+        ]
+        advice = (
+            f"place them round-robin ({', '.join(str(labels[s % ranks]) for s in range(stages))})"
+            if stages % ranks == 0
+            else f"use a device count that divides the {stages} stages"
+        )
+        if fits:
+            advice += f", or give virtual_stages={fits[0]}"
         raise ValueError(
             f"interleaved_1f1b places stages round-robin over the devices (stage s on device "
-            f"s mod {ranks}, e.g. cuda:0, cuda:1, cuda:0, cuda:1); got {listed}. Reorder the "
-            f"devices or give virtual_stages="
+            f"s mod {ranks}); got {listed}: {advice}"
         )
     return stages // ranks
 

@@ -155,3 +155,13 @@ def test_torch_error_in_a_stage_leaves_the_pipe_usable() -> None:
         pipe(torch.ones(4, 5))
     assert not pipe.scheduler.native.running
     assert pipe(torch.ones(4, 2)).shape == (4, 3)
+
+
+def test_virtual_stages_set_for_another_schedule_is_refused_at_the_step() -> None:
+    pipe = Pipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), chunks=2, schedule="1f1b")
+    pipe.virtual_stages = 2
+    x = torch.randn(4, 2)
+    with pytest.raises(ValueError, match="virtual_stages=2 applies to schedule='interleaved_1f1b'"):
+        pipe.train_step(x, x, nn.functional.mse_loss)
+    pipe.virtual_stages = None
+    assert pipe.train_step(x, x, nn.functional.mse_loss).dim() == 0

@@ -155,3 +155,10 @@ def test_pipe_checks_an_order_when_built_and_when_run() -> None:
     assert all(p.grad is None for p in pipe.parameters())
     pipe.chunks = 1
     pipe.train_step(x, y, nn.MSELoss())  # the next call works
+
+
+def test_a_stage_out_of_range_is_named_before_the_micro_batch_count() -> None:
+    with pytest.raises(ValueError, match=r"F9m0 names no stage 9 \(stages 0-1\)"):
+        Schedule(["F9m0", "B9m0"], 2, 2, [False, False])
+    with pytest.raises(ValueError, match="what chunks= or split_size= makes of this batch"):
+        Schedule(["F0m0", "F1m0", "B1m0", "B0m0"], 2, 2, [False, False])

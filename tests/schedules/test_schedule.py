@@ -214,8 +214,10 @@ def test_virtual_stages_of() -> None:
     assert virtual_stages_of(["cpu"] * 6, 3) == 3
     with pytest.raises(ValueError, match="every stage is on cpu: give virtual_stages="):
         virtual_stages_of(["cpu"] * 4)
-    with pytest.raises(ValueError, match="round-robin"):
-        virtual_stages_of(["cuda:0", "cuda:0", "cuda:1", "cuda:1"])
+    with pytest.raises(ValueError, match=r"round-robin \(cuda:0, cuda:1, cuda:0, cuda:1\)$"):
+        virtual_stages_of(["cuda:0", "cuda:0", "cuda:1", "cuda:1"])  # no virtual_stages fits
+    with pytest.raises(ValueError, match="or give virtual_stages=2"):
+        virtual_stages_of(["a", "a", "b", "b"] * 2)  # two ranks on each device fit
     with pytest.raises(ValueError, match="does not divide the 4 stages"):
         virtual_stages_of(["cpu"] * 4, 3)
     with pytest.raises(ValueError, match="puts stages 0 and 2 on rank 0"):
