@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from ..observe.cost_model import Costs, fit, simulate
+from ..observe.cost_model import simulate
+from ..observe.fitting import Costs, fit
 from ..observe.scaling import predict
 from ..observe.timeline import Timeline
 from ..stages import profile_layers

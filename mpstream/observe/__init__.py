@@ -15,7 +15,8 @@ export (``mpstream.pipe``, ``mpstream.runtime``, ...); the core never imports it
 
 from __future__ import annotations
 
-from .cost_model import Costs, Simulation, fit, simulate
+from .cost_model import Simulation, simulate
+from .fitting import Costs, fit
 from .profiling import Profile, profile
 from .scaling import Prediction, predict
 from .timeline import Span, Summary, Timeline

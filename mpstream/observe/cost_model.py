@@ -21,9 +21,10 @@ Host issue time is modelled when given (``issue_times``): one host thread
 issues every task in issue order, taking the task's issue time; a task's
 device work cannot start before its issue begins nor end before its issue
 ends. On a fast GPU that thread, not the streams, can set the step time.
-:func:`fit` turns a measured timeline into costs (issue times included
-where the timeline has them); :func:`~mpstream.observe.scaling.predict` scales per-layer costs to
-``p`` devices.
+:func:`~mpstream.observe.fitting.fit` turns a measured timeline into
+costs (issue times included where the timeline has them);
+:func:`~mpstream.observe.scaling.predict` scales per-layer costs to ``p``
+devices.
 """
 
 from __future__ import annotations
@@ -31,51 +32,20 @@ from __future__ import annotations
 import math
 import numbers
 import operator
-import statistics
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ..schedules import Kind, Order, Schedule, Task, Topology, virtual_stages_of
 from .timeline import Span, Timeline
 
-__all__ = ["Costs", "Simulation", "simulate", "fit"]
+__all__ = ["Cost", "Simulation", "simulate"]
 
 Cost = float | tuple[float, float] | tuple[float, float, float]
 # Host issue time per task: one for every task, or per (kind, stage), the
 # kind as a timeline span names it ("forward", "backward", "copy", ...).
 IssueTimes = float | Mapping[tuple[str, int], float]
-
-
-@dataclass
-class Costs:
-    """Per micro-batch costs in milliseconds.
-
-    Attributes:
-        stage_times: per stage, (forward, backward); the backward is the
-            input-gradient pass where the profile split it.
-        copy_times: per boundary s -> s + 1, (forward copy, gradient copy).
-        hops: per copy of a stage graph, (producer, receiving stage) ->
-            (forward copy, gradient copy); skips included.
-        weight_times: per stage, the weight-gradient pass, where the profile
-            had split backwards (empty otherwise).
-        issue_times: host time to issue one task, per (kind, stage), where
-            the timeline measured it (empty otherwise).
-    """
-
-    stage_times: list[tuple[float, float]]
-    copy_times: list[tuple[float, float]]
-    hops: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)
-    weight_times: list[float] = field(default_factory=list)
-    issue_times: dict[tuple[str, int], float] = field(default_factory=dict)
-
-    def per_stage(self) -> list[Cost]:
-        """Stage costs for :func:`simulate`: (forward, backward), or
-        (forward, input_grad, weight_grad) when the profile split backwards."""
-        if not self.weight_times:
-            return list(self.stage_times)
-        return [(f, b, w) for (f, b), w in zip(self.stage_times, self.weight_times)]
 
 
 @dataclass
@@ -365,50 +335,3 @@ def _copy_costs(
         what = "one per boundary" if chain else "one per producing stage but the last"
         raise ValueError(f"copy_times needs {n - 1} entries ({what}), got {len(per)}")
     return lambda p, q: per[p] if 0 <= p < len(per) else (0.0, 0.0)
-
-
-def fit(timeline: Timeline) -> Costs:
-    """Median per-micro-batch costs of each stage and boundary in a measured timeline.
-
-    From a run with split backwards (``'zb_h1'``) the costs hold both passes:
-    ``costs.per_stage()`` gives (forward, input_grad, weight_grad) triples.
-    Where the spans carry the host's issue time (``Span.issue_ms``, measured
-    by the scheduler's timing), ``costs.issue_times`` holds its median per
-    (kind, stage), for :func:`simulate`'s ``issue_times``.
-
-    Raises:
-        ValueError: the timeline has no compute spans.
-    """
-    groups: dict[tuple[str, int], list[float]] = defaultdict(list)
-    hops: dict[tuple[str, int, int], list[float]] = defaultdict(list)
-    issue: dict[tuple[str, int], list[float]] = defaultdict(list)
-    for s in timeline.spans:
-        groups[(s.kind, s.stage)].append(s.duration_ms)
-        issue[(s.kind, s.stage)].append(s.issue_ms)
-        if s.kind in ("copy", "copy_grad") and s.stage >= 0:
-            hops[(s.kind, s.stage, s.stages[0] if s.kind == "copy_grad" else s.stages[-1])].append(
-                s.duration_ms
-            )
-    stages = timeline.stages
-    if not any(k in ("forward", "backward") for k, _ in groups):
-        raise ValueError("the timeline has no compute spans to fit")
-
-    def median(kind: str, stage: int) -> float:
-        values = groups.get((kind, stage))
-        return statistics.median(values) if values else 0.0
-
-    def hop(kind: str, p: int, q: int) -> float:
-        values = hops.get((kind, p, q))
-        return statistics.median(values) if values else 0.0
-
-    pairs = {(p, q) for _, p, q in hops}
-    weighted = any(k == "weight" for k, _ in groups)
-    # Timelines from before issue times were measured hold zeros: no issue times.
-    measured = any(v > 0 for values in issue.values() for v in values)
-    return Costs(
-        [(median("forward", s), median("backward", s)) for s in range(stages)],
-        [(median("copy", s), median("copy_grad", s)) for s in range(stages - 1)],
-        {(p, q): (hop("copy", p, q), hop("copy_grad", p, q)) for p, q in sorted(pairs)},
-        [median("weight", s) for s in range(stages)] if weighted else [],
-        {k: statistics.median(v) for k, v in issue.items()} if measured else {},
-    )

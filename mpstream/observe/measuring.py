@@ -24,7 +24,7 @@ from ..memory import StageSavedBytes
 from ..pipe import Pipe
 from ..runtime import GradSink, backward_inputs, cut, synchronize
 from ..schedules import SCHEDULES
-from .cost_model import Costs, fit
+from .fitting import Costs, fit
 from .profiling import profile
 
 __all__ = ["profile_stages", "measure_memory", "split_cost", "untouched"]

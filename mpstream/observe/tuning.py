@@ -10,12 +10,9 @@ version.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import operator
-import os
 import statistics
-import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -30,6 +27,7 @@ from torch import Tensor, nn
 from ..pipe import Pipe
 from ..runtime import Value, as_value, synchronize
 from .measuring import untouched
+from .tune_cache import batch_shape, default_cache, load, model_key, store
 
 __all__ = ["TunePoint", "TuneResult", "tune", "default_cache", "candidate_split_sizes"]
 
@@ -117,12 +115,6 @@ class TuneResult:
         return split_curves(curves, Path(path), heading, spread=spread)
 
 
-def default_cache() -> Path:
-    """``$XDG_CACHE_HOME/mpstream/tune.json`` (``~/.cache`` by default)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "mpstream" / "tune.json"
-
-
 def candidate_split_sizes(batch: int) -> list[int]:
     """Split sizes worth trying for a batch: a geometric-ish ladder up to it."""
     return sorted({s for s in _CANDIDATES if s <= batch} | {batch})
@@ -132,58 +124,6 @@ def _devices(model: nn.Module) -> list[torch.device]:
     if isinstance(model, Pipe):
         return model.devices
     return sorted({p.device for p in model.parameters()}, key=str) or [torch.device("cpu")]
-
-
-# A Pipe's settings that change its step time but not its repr.
-_SETTINGS = ("checkpoint", "schedule", "virtual_stages", "force_copies", "graphed")
-
-
-def _model_key(model: nn.Module) -> dict[str, Any]:
-    arch = hashlib.sha1(repr(model).encode()).hexdigest()[:16]
-    settings: dict[str, str] = {"training": repr(model.training)}
-    if isinstance(model, Pipe):
-        settings.update({n: repr(getattr(model, n)) for n in _SETTINGS})
-        settings["compile"] = repr(model.__dict__["_compile"])
-    return {
-        "model": f"{type(model).__module__}.{type(model).__qualname__}",
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "architecture": arch,
-        "settings": settings,
-    }
-
-
-def _shape(value: Value) -> list[list[Any]]:
-    tensors = (value,) if isinstance(value, Tensor) else value
-    return [[list(t.shape), str(t.dtype), str(t.device)] for t in tensors]
-
-
-def _load(path: Path) -> dict[str, Any]:
-    try:
-        doc = json.loads(path.read_text())
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as exc:
-        warnings.warn(f"ignoring unreadable tuning cache {path}: {exc}", stacklevel=3)
-        return {}
-    return doc if isinstance(doc, dict) else {}
-
-
-def _store(path: Path, entries: dict[str, Any]) -> None:
-    """Writes the cache atomically; a cache it cannot write is warned about,
-    and the result is returned all the same."""
-    tmp = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tune-", suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            json.dump(entries, f, indent=1)
-        os.replace(tmp, path)
-        tmp = None
-    except OSError as exc:
-        warnings.warn(f"could not write the tuning cache {path}: {exc}", stacklevel=3)
-    finally:
-        if tmp is not None and os.path.exists(tmp):
-            os.remove(tmp)
 
 
 class _Target:
@@ -315,9 +255,9 @@ def tune(
         first = models.build(sizes[0], configs[0])
         step = "forward" if loss_fn is None else ("backward" if target is None else "train_step")
         key = {
-            **_model_key(first),
+            **model_key(first),
             "devices": [str(d) for d in _devices(first)],
-            "batch": _shape(value),
+            "batch": batch_shape(value),
             "torch": torch.__version__,
             "mode": step,
             "split_sizes": sizes,
@@ -325,7 +265,7 @@ def tune(
         }
         key_text = json.dumps(key, sort_keys=True)
         path = default_cache() if cache == "default" else (Path(cache) if cache else None)
-        entries = _load(path) if path is not None else {}
+        entries = load(path) if path is not None else {}
         cached = _cached(entries, key_text, key, path) if path is not None and not refresh else None
         if cached is not None:
             if isinstance(pipe_or_factory, nn.Module):
@@ -372,7 +312,7 @@ def tune(
             user.split_size = result.split_size  # type: ignore[assignment]
     if path is not None:
         entries[key_text] = result.to_json()
-        _store(path, entries)
+        store(path, entries)
     if plot is not None:
         result.plot(plot)
     return result

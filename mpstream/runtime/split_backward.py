@@ -233,6 +233,7 @@ class Split:
             self._all = [_variable(n) for n in order if hasattr(n, "variable") and to_param[n]]
             return
         inner = {n for n in order if to_input[n] and not is_input(n)}
+        compiled = any(type(n).__name__.startswith("CompiledFunction") for n in inner)
         # Junction -> parameter nodes under its branches; roots off the input
         # path count as junctions whose gradient is already known.
         branches: dict[Node, list[Node]] = {}
@@ -256,7 +257,10 @@ class Split:
                 _reaches(j, set(on_path) - {j}, inner, children) for j in on_path
             )
             vectors = all(_variable(p).dim() <= 1 for p in params)
-            opaque = any(hasattr(j, "_forward_cls") for j in on_path)
+            # A compiled (AOTAutograd) backward anywhere on the input path
+            # may refuse the kept graph W needs (donated buffers), not only
+            # one W would start from.
+            opaque = any(hasattr(j, "_forward_cls") for j in on_path) or compiled
             if tangled or vectors or opaque:
                 self.eager.extend(_variable(p) for p in params)
             else:

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..observe.cost_model import fit, simulate
+from ..observe.cost_model import simulate
+from ..observe.fitting import fit
 from ..observe.profiling import profile
 from ..observe.scaling import predict
 from ..pipe import Pipe

@@ -32,7 +32,8 @@ from mpstream.doctor.diagnosis import (
     jsonable,
     overall,
 )
-from mpstream.observe.cost_model import Costs, simulate
+from mpstream.observe.cost_model import simulate
+from mpstream.observe.fitting import Costs
 from mpstream.observe.timeline import Span, Timeline
 from mpstream.runtime.plan import PlanError
 from mpstream.tutorial.bench import Measurement, Results

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from mpstream.observe.cost_model import fit, simulate
+from mpstream.observe.cost_model import simulate
+from mpstream.observe.fitting import fit
 from mpstream.observe.scaling import predict
 from mpstream.observe.timeline import Span, Timeline
 

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from mpstream import Pipe
 from mpstream.observe import tuning
+from mpstream.observe.tune_cache import model_key
 from mpstream.observe.tuning import TuneResult, candidate_split_sizes, default_cache, tune
 
 # tune's clock in these tests: a Curve's forward advances it, so the curve
@@ -197,10 +198,10 @@ def test_a_target_times_the_pipes_own_schedule(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_the_key_holds_every_setting_that_changes_a_step() -> None:
-    plain = tuning._model_key(_pipe())["settings"]
-    assert tuning._model_key(_pipe(compile={"backend": "eager"}))["settings"] != plain
-    assert tuning._model_key(_pipe(graphs=True))["settings"] != plain
-    assert tuning._model_key(_pipe().eval())["settings"] != plain
+    plain = model_key(_pipe())["settings"]
+    assert model_key(_pipe(compile={"backend": "eager"}))["settings"] != plain
+    assert model_key(_pipe(graphs=True))["settings"] != plain
+    assert model_key(_pipe().eval())["settings"] != plain
 
 
 def test_a_malformed_cache_entry_is_measured_again(tmp_path: Path) -> None:

@@ -106,3 +106,25 @@ def test_compiled_stages_under_a_split_backward_equal_the_eager_pipe(checkpoint:
         for _ in range(2):
             pipe.train_step(x, y, nn.MSELoss())
     assert_same_grads(compiled, eager)
+
+
+def test_a_graph_break_leaves_eager_layers_behind_a_compiled_backward() -> None:
+    # DeferredBatchNorm breaks the compiled graph: eager layers whose weight
+    # gradients W could defer sit behind a compiled backward on the input
+    # path, which refuses the kept graph; B then computes them itself.
+    def build(**kw: object) -> Pipe:
+        torch.manual_seed(0)
+        layers = nn.Sequential(
+            nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Tanh(),
+            nn.Linear(4, 2),
+        ).double()  # fmt: skip
+        return Pipe(
+            layers, chunks=2, balance=[2, 4], devices=["cpu"] * 2, schedule="zb_h1",
+            checkpoint="except_last", deferred_batch_norm=True, **kw,  # type: ignore[arg-type]
+        )  # fmt: skip
+
+    eager, compiled = build(), build(compile={"backend": "aot_eager"})
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
+    for pipe in (eager, compiled):
+        pipe.train_step(x, y, nn.MSELoss())
+    assert_same_grads(compiled, eager)

@@ -1,0 +1,95 @@
+"""Costs from a measured timeline, for the cost model.
+
+:func:`fit` takes the median per-micro-batch time of each task kind per
+stage and per copy (and, where the scheduler measured it, the host's time to
+issue each task) from a profile; :class:`Costs` holds them in the form
+:func:`~mpstream.observe.cost_model.simulate` takes.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from .cost_model import Cost
+from .timeline import Timeline
+
+__all__ = ["Costs", "fit"]
+
+
+@dataclass
+class Costs:
+    """Per micro-batch costs in milliseconds.
+
+    Attributes:
+        stage_times: per stage, (forward, backward); the backward is the
+            input-gradient pass where the profile split it.
+        copy_times: per boundary s -> s + 1, (forward copy, gradient copy).
+        hops: per copy of a stage graph, (producer, receiving stage) ->
+            (forward copy, gradient copy); skips included.
+        weight_times: per stage, the weight-gradient pass, where the profile
+            had split backwards (empty otherwise).
+        issue_times: host time to issue one task, per (kind, stage), where
+            the timeline measured it (empty otherwise).
+    """
+
+    stage_times: list[tuple[float, float]]
+    copy_times: list[tuple[float, float]]
+    hops: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)
+    weight_times: list[float] = field(default_factory=list)
+    issue_times: dict[tuple[str, int], float] = field(default_factory=dict)
+
+    def per_stage(self) -> list[Cost]:
+        """Stage costs for :func:`~mpstream.observe.cost_model.simulate`: (forward, backward), or
+        (forward, input_grad, weight_grad) when the profile split backwards."""
+        if not self.weight_times:
+            return list(self.stage_times)
+        return [(f, b, w) for (f, b), w in zip(self.stage_times, self.weight_times)]
+
+
+def fit(timeline: Timeline) -> Costs:
+    """Median per-micro-batch costs of each stage and boundary in a measured timeline.
+
+    From a run with split backwards (``'zb_h1'``) the costs hold both passes:
+    ``costs.per_stage()`` gives (forward, input_grad, weight_grad) triples.
+    Where the spans carry the host's issue time (``Span.issue_ms``, measured
+    by the scheduler's timing), ``costs.issue_times`` holds its median per
+    (kind, stage), for :func:`~mpstream.observe.cost_model.simulate`'s ``issue_times``.
+
+    Raises:
+        ValueError: the timeline has no compute spans.
+    """
+    groups: dict[tuple[str, int], list[float]] = defaultdict(list)
+    hops: dict[tuple[str, int, int], list[float]] = defaultdict(list)
+    issue: dict[tuple[str, int], list[float]] = defaultdict(list)
+    for s in timeline.spans:
+        groups[(s.kind, s.stage)].append(s.duration_ms)
+        issue[(s.kind, s.stage)].append(s.issue_ms)
+        if s.kind in ("copy", "copy_grad") and s.stage >= 0:
+            hops[(s.kind, s.stage, s.stages[0] if s.kind == "copy_grad" else s.stages[-1])].append(
+                s.duration_ms
+            )
+    stages = timeline.stages
+    if not any(k in ("forward", "backward") for k, _ in groups):
+        raise ValueError("the timeline has no compute spans to fit")
+
+    def median(kind: str, stage: int) -> float:
+        values = groups.get((kind, stage))
+        return statistics.median(values) if values else 0.0
+
+    def hop(kind: str, p: int, q: int) -> float:
+        values = hops.get((kind, p, q))
+        return statistics.median(values) if values else 0.0
+
+    pairs = {(p, q) for _, p, q in hops}
+    weighted = any(k == "weight" for k, _ in groups)
+    # Timelines from before issue times were measured hold zeros: no issue times.
+    measured = any(v > 0 for values in issue.values() for v in values)
+    return Costs(
+        [(median("forward", s), median("backward", s)) for s in range(stages)],
+        [(median("copy", s), median("copy_grad", s)) for s in range(stages - 1)],
+        {(p, q): (hop("copy", p, q), hop("copy_grad", p, q)) for p, q in sorted(pairs)},
+        [median("weight", s) for s in range(stages)] if weighted else [],
+        {k: statistics.median(v) for k, v in issue.items()} if measured else {},
+    )
