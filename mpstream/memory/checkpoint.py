@@ -231,7 +231,8 @@ def checkpointed(stage: nn.Module, *args: Any) -> Any:
             return _checkpointing(), _Reentrant(lambda: _recompute_on_cpu(stage, state))
         return _checkpointing(), _Reentrant(lambda: _recompute(stage))
 
-    for watch in stage_watchers:
+    watchers = list(stage_watchers)
+    for watch in watchers:
         watch(stage)
     try:
         return torch_checkpoint.checkpoint(
@@ -242,7 +243,7 @@ def checkpointed(stage: nn.Module, *args: Any) -> Any:
             context_fn=contexts,
         )
     finally:
-        for watch in stage_watchers:
+        for watch in watchers:
             watch(None)
 
 

@@ -160,21 +160,33 @@ class StageSavedBytes:
             self._handles.append(
                 module.register_forward_hook(lambda *_: self._enter_none(), always_call=True)
             )
-        checkpoint.stage_watchers.append(self._checkpointing)
+        self._thread = threading.get_ident()
+        self._outer: list[tuple[bool, int | None]] = []
         self._hooks.__enter__()
+        checkpoint.stage_watchers.append(self._checkpointing)
         return self
 
     def _enter_none(self) -> None:
         self._running = None
 
     def _checkpointing(self, stage: nn.Module | None) -> None:
-        """A checkpoint keeps its stage's input before the stage's hooks run."""
+        """A checkpoint keeps its stage's input before the stage's hooks run:
+        one of ours (on this thread) is running from then on, and whatever
+        ran before runs again after it (None: the checkpoint ended)."""
+        if threading.get_ident() != self._thread:
+            return
         if stage is None:
-            self._running = None
+            if not self._outer:  # a checkpoint begun before the tracker was
+                return
+            owned, before = self._outer.pop()
+            if owned:
+                self._running = before
             return
         index = {id(m): s for s, m in enumerate(self.stages)}
         found = index.get(id(stage), index.get(id(getattr(stage, "_orig_mod", None))))
-        self._running = found
+        self._outer.append((found is not None, self._running))
+        if found is not None:
+            self._running = found
 
     def __exit__(
         self,

@@ -71,7 +71,7 @@ def _pair(cost: Cost, what: str, *, both: bool = False) -> tuple[float, float]:
     a triple's backward is its input and weight passes together."""
     if isinstance(cost, (int, float, numbers.Real)):
         pair = (float(cost), float(cost) if both else 0.0)
-    elif not isinstance(cost, Sequence) or len(cost) not in (2, 3):
+    elif _size(cost) not in (2, 3):
         raise ValueError(
             f"{what} must be a number, a (forward, backward) pair or a (forward, input_grad, "
             f"weight_grad) triple, got {cost!r}"
@@ -84,6 +84,15 @@ def _pair(cost: Cost, what: str, *, both: bool = False) -> tuple[float, float]:
     if not all(math.isfinite(float(c)) and float(c) >= 0 for c in parts):
         raise ValueError(f"{what} must be finite and not negative, got {cost}")
     return pair
+
+
+def _size(cost: object) -> int:
+    """How many numbers a cost holds (a tuple, a list, an array's row); -1
+    for something without a length."""
+    try:
+        return len(cost)  # type: ignore[arg-type]
+    except TypeError:
+        return -1
 
 
 def _split(cost: Cost) -> tuple[float, float]:

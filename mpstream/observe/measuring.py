@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.parameter import is_lazy
 
 from ..memory import StageSavedBytes
 from ..pipe import Pipe
@@ -35,7 +36,7 @@ def untouched(model: nn.Module) -> Iterator[None]:
     """Times a user's own model without leaving a trace: its gradients and
     buffers (BatchNorm statistics) are put back afterwards."""
     grads = [(p, p.grad) for p in model.parameters()]
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    buffers = [(b, b.detach().clone()) for b in model.buffers() if not is_lazy(b)]
     for p, _ in grads:
         p.grad = None
     try:
@@ -65,7 +66,8 @@ def profile_stages(
         weight_grad) triples. ``pipe.schedule``, its gradients and buffers
         (BatchNorm statistics) are put back.
     """
-    previous, pipe.schedule = pipe.schedule, "zb_h1"
+    previous = (pipe.schedule, pipe.virtual_stages)
+    pipe.schedule, pipe.virtual_stages = "zb_h1", None
     try:
         with untouched(pipe):
             _step(pipe, x, y, loss_fn)  # warm-up
@@ -73,7 +75,7 @@ def profile_stages(
                 for _ in range(steps):
                     _step(pipe, x, y, loss_fn)
     finally:
-        pipe.schedule = previous
+        pipe.schedule, pipe.virtual_stages = previous
     return fit(prof)
 
 

@@ -322,6 +322,7 @@ def _sizes(split_sizes: Sequence[int] | None, batch: int) -> list[int]:
     """The candidate split sizes, checked, in increasing order."""
     if split_sizes is None:
         return candidate_split_sizes(batch)
+    split_sizes = list(split_sizes)  # a generator is read once
     try:
         sizes = sorted({operator.index(s) for s in split_sizes if not isinstance(s, bool)})
     except TypeError:
@@ -340,12 +341,17 @@ def _cached(
     if key_text not in entries:
         return None
     try:
-        return TuneResult.from_json(entries[key_text], key)
+        result = TuneResult.from_json(entries[key_text], key)
+        if any(not p.times or p.split_size not in key["split_sizes"] for p in result.curve):
+            raise ValueError("a point with no times, or a split size not among the candidates")
+        if result.best not in result.curve:
+            raise ValueError("a best point that is not on the curve")
     except (KeyError, TypeError, ValueError) as exc:
         warnings.warn(
             f"ignoring a malformed entry of the tuning cache {path}: {exc!r}", stacklevel=3
         )
         return None
+    return result
 
 
 @contextmanager

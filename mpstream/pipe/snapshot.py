@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _NormBase
+from torch.nn.parameter import is_lazy
 
 from ..memory.batchnorm import DeferredBatchNorm
 from ..runtime.stream import current_stream, record_stream
@@ -38,8 +39,9 @@ class Snapshot:
         self.partitions = list(partitions)
         # Per parameter: its gradient tensor before the step, and a copy.
         self.grads: dict[int, tuple[nn.Parameter, Tensor | None, Tensor | None]] = {}
+        # Uninitialised (lazy) buffers hold nothing yet to put back.
         self.norms = [
-            (m, [b.detach().clone() for b in m.buffers(recurse=False)])
+            (m, [(b, b.detach().clone()) for b in m.buffers(recurse=False) if not is_lazy(b)])
             for m in module.modules()
             if isinstance(m, _NormBase)
         ]
@@ -69,7 +71,7 @@ class Snapshot:
                 p.grad = g
         for m, buffers in self.norms:
             # Through .data: graphs still alive may have saved these buffers.
-            for b, saved in zip(m.buffers(recurse=False), buffers):
+            for b, saved in buffers:
                 b.data.copy_(saved)
             if isinstance(m, DeferredBatchNorm):
                 m.reset_accumulation()

@@ -344,3 +344,12 @@ def test_instance_norm_statistics_are_updated_once_and_restored(mode: str) -> No
         ckpt.train_step(x, y, failing)
     for a, b in zip(ckpt.buffers(), before):
         torch.testing.assert_close(a, b)  # a failed step leaves no statistics behind
+
+
+@pytest.mark.parametrize("stats", [True, False])
+def test_lazy_norms_train(stats: bool) -> None:
+    model = nn.Sequential(nn.Conv1d(2, 3, 3), nn.LazyInstanceNorm1d(track_running_stats=stats),
+                          nn.Flatten(), nn.Linear(9, 2))  # fmt: skip
+    pipe = Pipe(model, chunks=2, balance=[2, 2], devices=["cpu"] * 2, checkpoint="always")
+    loss = pipe.train_step(torch.randn(4, 2, 5), torch.randn(4, 2), nn.MSELoss())
+    assert loss.isfinite()

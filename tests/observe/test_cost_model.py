@@ -333,3 +333,12 @@ def test_simulate_takes_numpy_numbers() -> None:
 
     step = simulate([(np.float32(1.0), np.float64(1.0))] * 2, chunks=np.int64(2)).step_ms  # type: ignore[arg-type]
     assert step == simulate([(1.0, 1.0)] * 2, chunks=2).step_ms
+
+
+def test_simulate_takes_array_rows() -> None:
+    import numpy as np
+    import torch
+
+    expected = simulate([(1.0, 2.0)] * 2, chunks=4).step_ms
+    assert simulate(np.array([[1.0, 2.0]] * 2), chunks=4).step_ms == expected  # type: ignore[arg-type]
+    assert simulate(torch.tensor([[1.0, 2.0]] * 2), chunks=4).step_ms == expected  # type: ignore[arg-type]

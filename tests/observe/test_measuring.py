@@ -28,3 +28,12 @@ def test_measuring_leaves_the_pipe_as_it_was() -> None:
         torch.testing.assert_close(p.grad, g)
     for b, saved in zip(pipe.buffers(), buffers):
         torch.testing.assert_close(b, saved)
+
+
+def test_profiling_an_interleaved_pipe() -> None:
+    model = nn.Sequential(*(nn.Linear(2, 2) for _ in range(4)))
+    pipe = Pipe(model, chunks=2, balance=[1] * 4, devices=["cpu"] * 4,
+                schedule="interleaved_1f1b", virtual_stages=2)  # fmt: skip
+    x, y = torch.randn(4, 2), torch.randn(4, 2)
+    assert len(profile_stages(pipe, x, y, F.mse_loss, steps=1).per_stage()) == 4
+    assert (pipe.schedule, pipe.virtual_stages) == ("interleaved_1f1b", 2)

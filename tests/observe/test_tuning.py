@@ -242,3 +242,28 @@ def test_split_sizes_any_int_type_up_to_the_batch() -> None:
     assert [p.split_size for p in result.curve] == [2, 6]
     with pytest.raises(ValueError, match="split size 32 is larger than the batch of 16"):
         tune(Curve(), SAMPLE, split_sizes=[4, 32], cache=None, progress=False)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [{"times_s": []}, {"split_size": 0}, {"split_size": 99}],
+)
+def test_cached_values_that_cannot_be_are_measured_again(
+    damage: dict[str, object], tmp_path: Path
+) -> None:
+    path = tmp_path / "c.json"
+    tune(Curve(), SAMPLE, lambda out: out.sum(), [4, 6], cache=path, progress=False)
+    doc = json.loads(path.read_text())
+    (key,) = doc
+    doc[key]["best"].update(damage)
+    doc[key]["curve"][0].update(damage)
+    path.write_text(json.dumps(doc))
+    model = Curve()
+    with pytest.warns(UserWarning, match="malformed entry"):
+        again = tune(model, SAMPLE, lambda out: out.sum(), [4, 6], cache=path, progress=False)
+    assert not again.cached and model.split_size == 6
+
+
+def test_split_sizes_from_a_generator() -> None:
+    sizes = (s for s in (2, 6))
+    assert tune(Curve(), SAMPLE, split_sizes=sizes, cache=None, progress=False).split_size == 6  # type: ignore[arg-type]

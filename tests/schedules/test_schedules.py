@@ -259,3 +259,25 @@ def test_checkpointed_stages_are_charged_their_saved_inputs(schedule: str) -> No
     in_flight = 2 if schedule == "gpipe" else 1  # stage 1's micro-batches held at once
     assert tracker.peak_bytes == [2 * 2 * 100 * 4, in_flight * 2 * 3 * 4]
     assert tracker.current_bytes == [0, 0] and tracker._running is None
+
+
+def test_saved_bytes_ignore_checkpoints_of_other_pipes() -> None:
+    # A tracked stage that runs another, checkpointed pipe inside, and a
+    # pipe checkpointing on another thread: neither moves the attribution.
+    inner = Pipe(nn.Sequential(nn.Linear(100, 100), nn.Linear(100, 100)), chunks=1,
+                 checkpoint="always")  # fmt: skip
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(100, 100)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return inner(self.a(x))
+
+    outer = Pipe(nn.Sequential(Outer(), nn.Linear(100, 1)), chunks=1, balance=[1, 1],
+                 devices=["cpu"] * 2)  # fmt: skip
+    x = torch.randn(4, 100)
+    with StageSavedBytes(outer.partitions) as tracker:
+        outer.train_step(x, torch.randn(4, 1), nn.MSELoss())
+    assert tracker.peak_bytes[0] > 0 and tracker.peak_bytes[1] == 4 * 100 * 4
