@@ -30,7 +30,7 @@ from .export import ExportedStages, attribute, export_stages, retarget_devices
 from .fake_export import first_line
 from .fx import Traced
 from .hf import Calls, calls_for, is_transformers_model
-from .kinds import Kinds, Split
+from .kinds import Kinds, Split, operations
 from .model_loss import gather_with_loss
 from .placement import place
 from .tracers import CallSignature, SplitReport, describe_call, raised_in, sample_call
@@ -147,9 +147,7 @@ class ExportSplit(Kinds):
             stages,
             nochunk,
             modules=nn.ModuleList(stages.partitions),
-            balance=[
-                sum(n.op.startswith("call") for n in p.graph.nodes) for p in stages.partitions
-            ],
+            balance=operations(stages.partitions),
             graph=stages.graph,
             described=describe_call(named, bool(self.module.training), key[1][1]),
         )

@@ -24,7 +24,12 @@ from ..runtime.microbatch import gather
 from ..schedules.schedule import check_schedule
 from .placement import rebind
 
-__all__ = ["Split", "Kinds"]
+__all__ = ["Split", "Kinds", "operations"]
+
+
+def operations(partitions: Sequence[fx.GraphModule]) -> list[int]:
+    """Traced operations per stage: a traced split's ``balance``."""
+    return [sum(n.op.startswith("call") for n in p.graph.nodes) for p in partitions]
 
 
 @dataclass(kw_only=True)

@@ -32,7 +32,7 @@ import torch
 from torch import fx, nn
 
 from .fx import Traced, lookup, trace, traced_through
-from .kinds import Kinds, Split
+from .kinds import Kinds, Split, operations
 from .placement import place
 from .tracers import Binder, SplitReport, none_arguments, sample_call
 
@@ -47,6 +47,16 @@ class _Trace(Split):
     """The split of one or more kinds of call."""
 
     traced: Traced
+
+    @classmethod
+    def of(cls, traced: Traced, described: str) -> _Trace:
+        return cls(
+            traced,
+            modules=nn.ModuleList(traced.partitions),
+            balance=operations(traced.partitions),
+            graph=traced.graph,
+            described=described,
+        )
 
     @property
     def bind(self) -> Binder:
@@ -114,15 +124,7 @@ class FxSplit(Kinds):
             }
         )
         split = cls(module, split_points, devices, leaves, "torch.fx traced the module")
-        kept = _Trace(
-            traced,
-            modules=nn.ModuleList(traced.partitions),
-            balance=[
-                sum(n.op.startswith("call") for n in p.graph.nodes) for p in traced.partitions
-            ],
-            graph=traced.graph,
-            described="a trace by an earlier mpstream, its kind unknown",
-        )
+        kept = _Trace.of(traced, "a trace by an earlier mpstream, its kind unknown")
         split.traces.append(kept)
         split.current = kept
         return split
@@ -180,15 +182,7 @@ class FxSplit(Kinds):
         if split is not None:
             _drop_constants(self.module, traced)  # the shared split holds its own
         else:
-            split = _Trace(
-                traced,
-                modules=nn.ModuleList(traced.partitions),
-                balance=[
-                    sum(n.op.startswith("call") for n in p.graph.nodes) for p in traced.partitions
-                ],
-                graph=traced.graph,
-                described=described,
-            )
+            split = _Trace.of(traced, described)
             self.traces.append(split)
         self.kinds[(nones, flags)] = split
         return split
