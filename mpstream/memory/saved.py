@@ -162,6 +162,7 @@ class StageSavedBytes:
             )
         self._thread = threading.get_ident()
         self._outer: list[tuple[bool, int | None]] = []
+        self._index = {id(m): s for s, m in enumerate(self.stages)}
         self._hooks.__enter__()
         checkpoint.stage_watchers.append(self._checkpointing)
         return self
@@ -182,7 +183,7 @@ class StageSavedBytes:
             if owned:
                 self._running = before
             return
-        index = {id(m): s for s, m in enumerate(self.stages)}
+        index = self._index
         found = index.get(id(stage), index.get(id(getattr(stage, "_orig_mod", None))))
         self._outer.append((found is not None, self._running))
         if found is not None:
