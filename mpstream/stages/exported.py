@@ -16,7 +16,6 @@ run the same split: the batch dimension is left symbolic. :meth:`ExportSplit.rep
 from __future__ import annotations
 
 import itertools
-from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,10 +25,9 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from ..runtime.microbatch import NoChunk
-from .export import ExportedStages, attribute, export_stages, retarget_devices
+from .export import ExportedStages, export_stages, retarget_devices
 from .fake_export import first_line
-from .fx import Traced
-from .hf import Calls, calls_for, is_transformers_model
+from .hf import Calls, calls_for
 from .kinds import Kinds, Split, operations
 from .model_loss import gather_with_loss
 from .placement import place
@@ -86,7 +84,6 @@ class ExportSplit(Kinds):
     calls: Calls = field(init=False)
     splits: list[_Split] = field(default_factory=list)
     current: _Split | None = None
-    placed: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.calls = calls_for(self.module)
@@ -174,55 +171,19 @@ class ExportSplit(Kinds):
         )
 
     def _place(self, split: _Split) -> None:
-        """Puts the tensors each stage reads on its device (once: a later
-        split must agree) and makes each stage create tensors there.
+        """Puts the tensors each stage reads on its device (see
+        :func:`~mpstream.stages.placement.place`) and makes each stage
+        create tensors there.
 
         Raises:
             ValueError: a tensor read by stages on different devices, or
                 placed on another device by an earlier split.
         """
-        module, devices = self.module, self.devices
-        aliases: dict[int, list[str]] = defaultdict(list)
-        named = itertools.chain(
-            module.named_parameters(remove_duplicate=False),
-            module.named_buffers(remove_duplicate=False),
-        )
-        for name, tensor in named:
-            aliases[id(tensor)].append(name)
-        readers: dict[int, set[int]] = defaultdict(set)
-        tensors: dict[int, Tensor] = {}
-        for s, used in enumerate(split.stages.tensors):
-            for name in used:
-                tensor = attribute(module, name)
-                readers[id(tensor)].add(s)
-                tensors[id(tensor)] = tensor
-        for key, stages in readers.items():
-            label = " = ".join(aliases.get(key) or ["a tensor"])
-            if len({devices[s] for s in stages}) > 1:
-                where = ", ".join(f"stage {s} ({devices[s]})" for s in sorted(stages))
-                tie = (
-                    " (a Hugging Face model ties its input and output embeddings unless its "
-                    "config has tie_word_embeddings=False)"
-                    if is_transformers_model(module)
-                    else ""
-                )
-                raise ValueError(
-                    f"{label} is used by {where}: a tensor shared by stages must sit on one "
-                    f"device (tied weights are not copied between devices); put those stages "
-                    f"on one device or untie the weights{tie}"
-                )
-            device = devices[min(stages)]
-            if key in self.placed and tensors[key].device != device:
-                raise ValueError(
-                    f"this call's split reads {label} in a stage on {device}, but an earlier "
-                    f"split placed it on {tensors[key].device}; give sample= a call like this "
-                    f"one so the first split places it"
-                )
-        traced = Traced(split.stages.partitions, split.graph, lambda a, k: (), split.stages.tensors)
-        place(module, traced, devices)
-        self.placed |= set(readers)
-        for s, part in enumerate(split.stages.partitions):
-            retarget_devices(part, split.stages.device, devices[s])
+        stages = split.stages
+        earlier = [s.stages.tensors for s in self.splits]
+        place(self.module, stages.partitions, stages.tensors, self.devices, earlier)
+        for s, part in enumerate(stages.partitions):
+            retarget_devices(part, stages.device, self.devices[s])
 
     # -- every call -----------------------------------------------------
     def select(

@@ -3,58 +3,109 @@
 A traced or exported split keeps referring to the original module's
 parameters and buffers (its ``state_dict`` keys stay those of the unsplit
 module). :func:`place` moves each tensor to the device of the stages that
-use it, in the original module, and refuses a tensor that stages on
-different devices share (tied weights are not silently copied);
-:func:`rebind` points a stage's own references at the module's current
-tensors after they were replaced.
+read it, in the original module. It refuses a tensor that stages on
+different devices share (tied weights are not silently copied), and a
+tensor an earlier split (another kind of call) put on another device: the
+splits of a module share its tensors. What earlier splits placed is read
+from their stages (names, not tensor ids, so a pickled or copied pipe
+keeps it), not recorded beside them. :func:`rebind`
+points a stage's own references at the module's current tensors after
+they were replaced.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 import torch
 from torch import Tensor, fx, nn
 
-from .fx import Traced, lookup
+from .fx import lookup
+from .hf import is_transformers_model
 
 __all__ = ["place", "rebind"]
 
 
-def place(module: nn.Module, traced: Traced, devices: Sequence[torch.device]) -> None:
-    """Moves each stage's tensors to its device, in the original module.
+def place(
+    module: nn.Module,
+    partitions: Sequence[fx.GraphModule],
+    tensors: Sequence[Collection[str]],
+    devices: Sequence[torch.device],
+    earlier: Iterable[Sequence[Collection[str]]] = (),
+) -> None:
+    """Moves each stage's tensors to its device, in the original module,
+    and points the stages at them.
+
+    Args:
+        module: the module split.
+        partitions: its stages.
+        tensors: per stage, the qualified names of the module's tensors it reads.
+        devices: one device per stage.
+        earlier: ``tensors`` of each earlier split of the module (placed
+            on the same ``devices``).
 
     Raises:
-        ValueError: a tensor is used by stages on different devices (tied
-            weights are not silently copied).
+        ValueError: a tensor read by stages on different devices (tied
+            weights), or one an earlier split placed on another device.
     """
-    users: dict[str, list[int]] = defaultdict(list)
-    for s, used in enumerate(traced.tensors):
-        for name in sorted(used):
-            users[name].append(s)
-    by_identity: dict[int, list[tuple[str, int]]] = defaultdict(list)
-    for name, stages in users.items():
-        tensor = lookup(module, name)
-        for s in stages:
-            by_identity[id(tensor)].append((name, s))
-    for uses in by_identity.values():
-        devs = {devices[s] for _, s in uses}
-        if len(devs) > 1:
-            names = sorted({n for n, _ in uses})
-            where = ", ".join(f"stage {s} ({devices[s]})" for s in sorted({s for _, s in uses}))
+    aliases: dict[int, list[str]] = defaultdict(list)
+    named = itertools.chain(
+        module.named_parameters(remove_duplicate=False),
+        module.named_buffers(remove_duplicate=False),
+    )
+    for name, tensor in named:
+        aliases[id(tensor)].append(name)
+    readers: dict[int, set[int]] = defaultdict(set)
+    names: dict[int, set[str]] = defaultdict(set)
+    for s, used in enumerate(tensors):
+        for name in used:
+            key = id(lookup(module, name))
+            readers[key].add(s)
+            names[key].add(name)
+    placed: dict[int, tuple[str, torch.device]] = {}
+    for split in earlier:
+        for s, used in enumerate(split):
+            for name in used:
+                placed.setdefault(id(lookup(module, name)), (name, devices[s]))
+    wanted: dict[str, torch.device] = {}
+    for key, stages in readers.items():
+        label = " = ".join(aliases.get(key) or sorted(names[key]))
+        if len({devices[s] for s in stages}) > 1:
+            raise ValueError(_tied(module, label, stages, devices))
+        device = devices[min(stages)]
+        was, there = placed.get(key, (label, device))
+        if there != device:
             raise ValueError(
-                f"{' = '.join(names)} is used by {where}: a tensor shared by stages must sit on "
-                f"one device (tied weights are not copied between devices); put those stages "
-                f"on one device or untie the weights"
+                f"this call's split reads {label} in a stage on {device}, but an earlier "
+                f"split (another kind of call) placed {was} on {there}: a tensor that kinds "
+                f"of call read in different stages needs those stages on one device, or split "
+                f"points that keep it in one stage"
             )
+        wanted.update(dict.fromkeys(names[key], device))
     # Normal tensors even when a kind of call is first traced (and placed)
     # under torch.inference_mode(): training later must be able to use them.
     with torch.inference_mode(False), torch.no_grad():
-        for name, stages in users.items():
-            _move(module, name, devices[stages[0]])
-    for part in traced.partitions:
+        for name, device in sorted(wanted.items()):
+            _move(module, name, device)
+    for part in partitions:
         rebind(part, module)
+
+
+def _tied(module: nn.Module, label: str, stages: set[int], devices: Sequence[torch.device]) -> str:
+    where = ", ".join(f"stage {s} ({devices[s]})" for s in sorted(stages))
+    tie = (
+        " (a Hugging Face model ties its input and output embeddings unless its config has "
+        "tie_word_embeddings=False)"
+        if is_transformers_model(module)
+        else ""
+    )
+    return (
+        f"{label} is used by {where}: a tensor shared by stages must sit on one device (tied "
+        f"weights are not copied between devices); put those stages on one device or untie "
+        f"the weights{tie}"
+    )
 
 
 def _move(module: nn.Module, name: str, device: torch.device) -> None:

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from .fx import Traced, lookup, trace, traced_through
+from .fx import Traced, trace, traced_through
 from .kinds import Kinds, Split, operations
 from .placement import place
 from .tracers import Binder, SplitReport, none_arguments, sample_call
@@ -95,7 +95,6 @@ class FxSplit(Kinds):
     traces: list[_Trace] = field(default_factory=list)
     kinds: dict[Key, _Trace] = field(default_factory=dict)
     current: _Trace | None = None  # type: ignore[assignment]
-    placed: dict[str, torch.device] = field(default_factory=dict)
     untraceable: dict[Key, tuple[type[Exception], str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -172,7 +171,8 @@ class FxSplit(Kinds):
                 )
             split = next((t for t in self.traces if t.same_as(traced)), None)
             if split is None:
-                self._place(traced)
+                earlier = [t.traced.tensors for t in self.traces]
+                place(self.module, traced.partitions, traced.tensors, self.devices, earlier)
         except (TypeError, ValueError) as exc:
             if traced is not None:
                 _drop_constants(self.module, traced)
@@ -186,29 +186,6 @@ class FxSplit(Kinds):
             self.traces.append(split)
         self.kinds[(nones, flags)] = split
         return split
-
-    def _place(self, traced: Traced) -> None:
-        """Puts each stage's tensors on its device, where no earlier trace
-        placed them elsewhere.
-
-        Raises:
-            ValueError: a tensor an earlier trace placed on another device.
-        """
-        earlier = {id(lookup(self.module, n)): (n, d) for n, d in self.placed.items()}
-        wanted: dict[str, torch.device] = {}
-        for s, names in enumerate(traced.tensors):
-            for name in names:
-                wanted.setdefault(name, self.devices[s])
-        for name, device in sorted(wanted.items()):
-            was, placed = earlier.get(id(lookup(self.module, name)), (name, device))
-            if placed != device:
-                raise ValueError(
-                    f"this call's trace reads {name} in a stage on {device}, but an earlier "
-                    f"trace placed {was} on {placed}: a kind of call that reaches a tensor "
-                    f"from another stage needs that stage on the same device"
-                )
-        place(self.module, traced, self.devices)
-        self.placed.update(wanted)
 
     # -- every call -----------------------------------------------------
     def select(

@@ -239,7 +239,9 @@ def test_tied_weights_across_devices_are_refused() -> None:
     model = Decoder()
     traced = trace(model, ["blocks.2"])
     with pytest.raises(ValueError, match=r"embed.weight = head.weight is used by stage 0 \(cpu\)"):
-        place(model, traced, [torch.device("cpu"), torch.device("cuda", 0)])
+        place(
+            model, traced.partitions, traced.tensors, [torch.device("cpu"), torch.device("cuda", 0)]
+        )
 
 
 def test_plan_of_a_graph_with_skips_is_verified() -> None:
