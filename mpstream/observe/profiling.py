@@ -16,12 +16,18 @@ first, so each reference marks the same moment on every device to within
 the launch skew of the records (microseconds); a copy's start and end are
 read on its two devices. Host-clock times (CPU stages) share the block's
 start as their zero.
+
+Several pipes in one model get their own rows (``pipe<i>/`` before each
+stream's name) and stage numbers one after another (pipe 1's stage 0
+follows pipe 0's last stage; ``meta["pipe_stages"]`` says which are whose),
+so summaries and :func:`~mpstream.observe.fitting.fit` keep them apart.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -54,9 +60,13 @@ class Profile(Timeline):
 
     def _collect(self) -> None:
         many = len(self._pipes) > 1
+        first = 0  # this pipe's first stage number in the timeline
         for i, pipe in enumerate(self._pipes):
             sched = pipe.scheduler
             prefix = f"pipe{i}/" if many else ""
+            count = len(pipe.partitions)
+            if many:
+                self.meta.setdefault("pipe_stages", []).append([first, first + count])
             times = sched.timings()
             used = {t.stream for t in times}
             for name, device in zip(sched.slot_names, sched.slot_devices):
@@ -64,12 +74,21 @@ class Profile(Timeline):
                 if not name.startswith("caller@") and (not name.startswith("io@") or name in used):
                     self.stream_devices[prefix + name] = str(device)
             for t in times:
-                self.spans.append(Span(*t._replace(stream=prefix + t.stream)))
+                span = Span(*t._replace(stream=prefix + t.stream))
+                self.spans.append(_numbered_from(span, first) if first else span)
+            first += count
         self.meta["devices"] = sorted({str(d) for p in self._pipes for d in p.devices})
         self.recording = False
         # A timeline outlives its block (reports keep it): it must not keep
         # the pipes, their weights and graph memory, alive with it.
         self._pipes = []
+
+
+def _numbered_from(span: Span, first: int) -> Span:
+    """``span`` of a pipe whose stages are numbered from ``first``. The
+    input's copy (stage -1) keeps -1; its receiving stage is shifted."""
+    peer = span.peer if span.peer >= 0 else span.stage + 1
+    return replace(span, stage=span.stage + first if span.stage >= 0 else -1, peer=peer + first)
 
 
 @contextmanager

@@ -10,7 +10,9 @@ import torch
 from torch import nn
 
 from mpstream import Pipe
-from mpstream.observe.profiling import pipes_in, profile
+from mpstream.observe.fitting import fit
+from mpstream.observe.profiling import _numbered_from, pipes_in, profile
+from mpstream.observe.timeline import Span
 from tests.helpers import mlp
 
 
@@ -84,6 +86,21 @@ def test_two_pipes_get_separate_tracks() -> None:
     with profile(model) as prof:
         model(torch.randn(4, 6, dtype=torch.float64))
     assert {s.stream.split("/")[0] for s in prof.spans} == {"pipe0", "pipe1"}
+    # Stages numbered one after another: pipe1's stage 0 is not pipe0's.
+    assert prof.meta["pipe_stages"] == [[0, 3], [3, 5]]
+    assert prof.stages == 5
+    assert {s.stage for s in prof.spans if s.stream.startswith("pipe1/")} == {3, 4}
+    assert len(prof.summary(echo=False).stage_busy_ms) == 5
+    assert len(fit(prof).stage_times) == 5
+
+
+def test_a_later_pipes_copies_are_numbered_after_the_earlier_pipes_stages() -> None:
+    start = Span(-1, 0, "copy", "io", 0.0, 1.0)  # the input to stage 0
+    hop = Span(1, 0, "copy", "copy", 0.0, 1.0)  # stage 1 to 2
+    back = Span(0, 0, "copy_grad", "copy", 0.0, 1.0, peer=2)  # a skip's gradient, 2 to 0
+    assert _numbered_from(start, 3).stages == (3,)
+    assert _numbered_from(hop, 3).stages == (4, 5)
+    assert _numbered_from(back, 3).stages == (5, 3)
 
 
 def test_profile_blocks_do_not_nest() -> None:
