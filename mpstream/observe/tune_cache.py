@@ -2,9 +2,11 @@
 results, keyed by what changes a step's time.
 
 A key holds the model (type, parameter count, a hash of its repr, its mode
-and a Pipe's settings), the step timed, the devices, the batch's shapes,
-the torch version and the candidates. The file is written atomically; one
-that cannot be read or written is warned about, never fatal.
+and a Pipe's settings), the step timed (with its loss function and the
+target's shapes), the devices, the batch's shapes, the torch version and
+the candidates. A result is merged into the file as it is when written
+(another run's results written meanwhile stay), atomically; a file that
+cannot be read or written is warned about, never fatal.
 """
 
 from __future__ import annotations
@@ -14,15 +16,17 @@ import json
 import os
 import tempfile
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from torch import Tensor, nn
+from torch.utils import _pytree as pytree
 
 from ..pipe import Pipe
 from ..runtime import Value
 
-__all__ = ["default_cache", "model_key", "batch_shape", "load", "store"]
+__all__ = ["default_cache", "model_key", "loss_key", "batch_shape", "load", "store"]
 
 
 def default_cache() -> Path:
@@ -49,26 +53,46 @@ def model_key(model: nn.Module) -> dict[str, Any]:
     }
 
 
+def loss_key(loss_fn: Callable[..., Any] | None, target: Any) -> dict[str, Any]:
+    """What of a timed step's loss changes its time: the function (a
+    module's repr, else its qualified name) and the target's shapes."""
+    if loss_fn is None:
+        return {}
+    if isinstance(loss_fn, nn.Module):
+        name = repr(loss_fn)
+    else:
+        qualname = getattr(loss_fn, "__qualname__", type(loss_fn).__qualname__)
+        name = f"{getattr(loss_fn, '__module__', '')}.{qualname}"
+    leaves = [t for t in pytree.tree_leaves(target) if isinstance(t, Tensor)]
+    return {"loss": name, "target": batch_shape(tuple(leaves)) if leaves else type(target).__name__}
+
+
 def batch_shape(value: Value) -> list[list[Any]]:
     tensors = (value,) if isinstance(value, Tensor) else value
     return [[list(t.shape), str(t.dtype), str(t.device)] for t in tensors]
 
 
-def load(path: Path) -> dict[str, Any]:
+def load(path: Path, *, quiet: bool = False) -> dict[str, Any]:
+    """The cache's entries; an unreadable file holds none (and is warned
+    about unless ``quiet``)."""
     try:
         doc = json.loads(path.read_text())
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as exc:
-        warnings.warn(f"ignoring unreadable tuning cache {path}: {exc}", stacklevel=3)
+        if not quiet:
+            warnings.warn(f"ignoring unreadable tuning cache {path}: {exc}", stacklevel=3)
         return {}
     return doc if isinstance(doc, dict) else {}
 
 
-def store(path: Path, entries: dict[str, Any]) -> None:
-    """Writes the cache atomically; a cache it cannot write is warned about,
-    and the result is returned all the same."""
+def store(path: Path, key: str, entry: dict[str, Any]) -> None:
+    """Adds one result to the cache as the file holds it now, atomically; a
+    cache it cannot write is warned about, and the result is returned all
+    the same."""
     tmp = None
+    entries = load(path, quiet=True)  # read at the start, and warned about then
+    entries[key] = entry
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tune-", suffix=".json")

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from ..pipe import Pipe
 from ..runtime import Value, as_value, synchronize
 from .measuring import untouched
-from .tune_cache import batch_shape, default_cache, load, model_key, store
+from .tune_cache import batch_shape, default_cache, load, loss_key, model_key, store
 
 __all__ = ["TunePoint", "TuneResult", "tune", "default_cache", "candidate_split_sizes"]
 
@@ -260,6 +260,7 @@ def tune(
             "batch": batch_shape(value),
             "torch": torch.__version__,
             "mode": step,
+            **loss_key(loss_fn, target),
             "split_sizes": sizes,
             "balances": configs,
         }
@@ -311,8 +312,7 @@ def tune(
         if user is not None:
             user.split_size = result.split_size  # type: ignore[assignment]
     if path is not None:
-        entries[key_text] = result.to_json()
-        store(path, entries)
+        store(path, key_text, result.to_json())
     if plot is not None:
         result.plot(plot)
     return result

@@ -267,3 +267,32 @@ def test_cached_values_that_cannot_be_are_measured_again(
 def test_split_sizes_from_a_generator() -> None:
     sizes = (s for s in (2, 6))
     assert tune(Curve(), SAMPLE, split_sizes=sizes, cache=None, progress=False).split_size == 6  # type: ignore[arg-type]
+
+
+def test_another_loss_or_target_misses_the_cache(tmp_path: Path) -> None:
+    path = tmp_path / "cache.json"
+    y = torch.randn(16, 2)
+    run = dict(split_sizes=[4, 8], cache=path, progress=False, repeat=1, warmup=0)
+    tune(_pipe(), SAMPLE, nn.functional.mse_loss, target=y, **run)  # type: ignore[arg-type]
+    assert tune(_pipe(), SAMPLE, nn.functional.mse_loss, target=y, **run).cached  # type: ignore[arg-type]
+    l1 = tune(_pipe(), SAMPLE, nn.functional.l1_loss, target=y, **run)  # type: ignore[arg-type]
+    assert not l1.cached and l1.key["loss"] == "torch.nn.functional.l1_loss"
+    longer = tune(_pipe(), SAMPLE, nn.L1Loss(), target=y[:, :1], **run)  # type: ignore[arg-type]
+    assert not longer.cached and longer.key["target"] == [[[16, 1], "torch.float32", "cpu"]]
+    assert len(json.loads(path.read_text())) == 3
+
+
+def test_results_written_meanwhile_by_another_run_stay(tmp_path: Path) -> None:
+    path = tmp_path / "cache.json"
+    model = Curve()
+    calls = model.calls
+    forward = Curve.forward
+
+    def step(self: Curve, x: Tensor) -> Tensor:
+        if len(calls) == 1:  # another run finishes while this one measures
+            tune(Curve(), torch.randn(8, 2), None, [2, 4], cache=path, progress=False)
+        return forward(self, x)
+
+    model.forward = types.MethodType(step, model)  # type: ignore[method-assign]
+    tune(model, SAMPLE, None, [2, 6], cache=path, progress=False)
+    assert len(json.loads(path.read_text())) == 2
