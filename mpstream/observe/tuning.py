@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from ..pipe import Pipe
 from ..runtime import Value, as_value, synchronize
 from .measuring import untouched
+from .profiling import pipes_in
 from .tune_cache import batch_shape, default_cache, load, loss_key, model_key, store
 
 __all__ = ["TunePoint", "TuneResult", "tune", "default_cache", "candidate_split_sizes"]
@@ -275,11 +276,18 @@ def tune(
             if plot is not None:
                 cached.plot(plot)
             return cached
-        if step == "backward" and isinstance(first, Pipe) and first.schedule != "gpipe":
+        own = step == "train_step" and isinstance(first, Pipe)  # its schedule is timed
+        other = sorted({p.schedule for p in pipes_in(first) if p.schedule != "gpipe"})
+        if step != "forward" and not own and other:
+            how = (
+                "pass target= and loss_fn(output, target) to time it"
+                if isinstance(first, Pipe)
+                else "tune the Pipe itself with target= to time it"
+            )
             warnings.warn(
-                f"tune times forward + backward of loss_fn(output), which autograd runs "
-                f"fill-drain; this pipe's schedule {first.schedule!r} runs only in train_step: "
-                f"pass target= and loss_fn(output, target) to time it",
+                f"tune times forward + backward of the loss, which autograd runs fill-drain; "
+                f"the schedule {', '.join(map(repr, other))} runs only in a Pipe's "
+                f"train_step: {how}",
                 stacklevel=3,
             )
         curve: list[TunePoint] = []

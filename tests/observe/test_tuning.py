@@ -191,8 +191,12 @@ def test_a_target_times_the_pipes_own_schedule(monkeypatch: pytest.MonkeyPatch) 
         repeat=1, warmup=0,
     )  # fmt: skip
     assert len(steps) == 2 and result.key["mode"] == "train_step"
-    with pytest.warns(UserWarning, match="schedule '1f1b' runs only in train_step"):
+    with pytest.warns(UserWarning, match="schedule '1f1b' runs only in a Pipe's train_step: pass"):
         tune(pipe, SAMPLE, lambda out: out.sum(), [4], cache=None, progress=False)
+    holder = nn.Sequential(pipe)  # a model holding the pipe: a plain backward, with a target too
+    holder.split_size = 4  # type: ignore[assignment]
+    with pytest.warns(UserWarning, match="'1f1b' runs only in a Pipe's train_step: tune the Pipe"):
+        tune(holder, SAMPLE, nn.functional.mse_loss, [4], target=y, cache=None, progress=False)
     with pytest.raises(ValueError, match="give loss_fn"):
         tune(pipe, SAMPLE, target=y, cache=None, progress=False)
 
@@ -277,8 +281,9 @@ def test_another_loss_or_target_misses_the_cache(tmp_path: Path) -> None:
     assert tune(_pipe(), SAMPLE, nn.functional.mse_loss, target=y, **run).cached  # type: ignore[arg-type]
     l1 = tune(_pipe(), SAMPLE, nn.functional.l1_loss, target=y, **run)  # type: ignore[arg-type]
     assert not l1.cached and l1.key["loss"] == "torch.nn.functional.l1_loss"
-    longer = tune(_pipe(), SAMPLE, nn.L1Loss(), target=y[:, :1], **run)  # type: ignore[arg-type]
-    assert not longer.cached and longer.key["target"] == [[[16, 1], "torch.float32", "cpu"]]
+    mean = nn.L1Loss()
+    other = tune(_pipe(), SAMPLE, lambda o, t: mean(o.mean(1), t), target=y[:, 0], **run)  # type: ignore[arg-type]
+    assert not other.cached and other.key["target"] == [[[16], "torch.float32", "cpu"]]
     assert len(json.loads(path.read_text())) == 3
 
 
