@@ -351,6 +351,13 @@ class _Replay(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         call: GraphedCall = ctx.call
+        if torch.is_grad_enabled():  # autograd runs a backward with grad mode = create_graph
+            raise RuntimeError(
+                f"{call.label}: a backward with create_graph=True (a gradient penalty, a "
+                f"higher-order gradient) differentiates the backward, which a replayed graph "
+                f"cannot: its gradients would carry no history; run the pipe with graphs=False "
+                f"for that"
+            )
         if getattr(ctx, "done", False):
             raise RuntimeError(
                 f"{call.label}: a second backward through the same graphed forward "

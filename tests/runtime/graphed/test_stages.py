@@ -114,6 +114,19 @@ def test_a_second_backward_through_a_replayed_forward_is_refused() -> None:
     nn.functional.mse_loss(graphed(x), y).backward()  # the next step runs
 
 
+def test_a_backward_with_create_graph_is_refused() -> None:
+    # A replayed backward runs no autograd: a gradient penalty would get
+    # gradients without history.
+    _, graphed = pair(mlp(WIDTHS), chunks=2)
+    x, y = data()
+    for _ in range(2):  # capture, then replay
+        loss = nn.functional.mse_loss(graphed(x), y)
+        with pytest.raises(RuntimeError, match="create_graph=True .* run the pipe with graphs=F"):
+            torch.autograd.grad(loss, list(graphed.parameters()), create_graph=True)
+    nn.functional.mse_loss(graphed(x), y).backward()  # the next step runs
+    assert all(p.grad is not None for p in graphed.parameters())
+
+
 def test_dropout_draws_what_the_eager_pipe_draws_with_the_same_seed() -> None:
     model = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.5), nn.Linear(16, 4)).double()
     eager, graphed = pair(model, chunks=2, balance=[2, 1])
