@@ -22,6 +22,7 @@ from torch import Tensor, nn
 __all__ = [
     "Kept",
     "Saved",
+    "Trained",
     "check_optimizer",
     "check_settings",
     "hyperparameters",
@@ -128,6 +129,49 @@ def _host(t: Tensor) -> Tensor:
     return t.detach().to("cpu", copy=True)
 
 
+class Trained:
+    """What a step trains: the pipe, a loss module's own tensors, and every
+    other parameter the optimizer steps (a learnable loss scale held
+    elsewhere), each with a name for messages.
+
+    Args:
+        pipe: the pipe.
+        loss_fn: the loss function (its tensors count if it is a module).
+        optimizer: the optimizer stepped in the step, if any.
+    """
+
+    def __init__(self, pipe: nn.Module, loss_fn: object, optimizer: Optimizer | None) -> None:
+        self.pipe, self.optimizer = pipe, optimizer
+        self.modules: list[tuple[str, nn.Module]] = [("", pipe)]
+        if isinstance(loss_fn, nn.Module):
+            self.modules.append(("loss_fn.", loss_fn))
+        self.params: list[tuple[str, nn.Parameter]] = []
+        self.buffers: list[tuple[str, Tensor]] = []
+        seen: set[int] = set()
+        for prefix, module in self.modules:
+            for name, t in (*module.named_parameters(), *module.named_buffers()):
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    held = self.params if isinstance(t, nn.Parameter) else self.buffers
+                    held.append((prefix + name, t))  # type: ignore[arg-type]
+        own = {id(p) for p in pipe.parameters()}
+        for i, group in enumerate(optimizer.param_groups if optimizer is not None else ()):
+            for j, p in enumerate(group["params"]):
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    self.params.append((f"parameter {j} of the optimizer's group {i}", p))
+        #: The parameters outside the pipe (which ``pipe.zero_grad`` leaves).
+        self.others = [p for _, p in self.params if id(p) not in own]
+
+    def zero_grad(self) -> None:
+        """Zeroes every gradient in place (a replay keeps writing into it)."""
+        self.pipe.zero_grad(set_to_none=False)
+        with torch.no_grad():
+            for p in self.others:
+                if p.grad is not None:
+                    p.grad.zero_()
+
+
 class Saved:
     """Parameters, buffers, gradients, optimizer state and RNG states.
 
@@ -137,19 +181,18 @@ class Saved:
     the first step's state).
 
     Args:
-        pipe: the module trained.
-        optimizer: its optimizer, if the step includes it.
+        trained: what the step trains, and its optimizer.
         devices: the CUDA devices whose generators warm-up draws from.
     """
 
-    def __init__(
-        self, pipe: nn.Module, optimizer: Optimizer | None, devices: Sequence[torch.device]
-    ) -> None:
-        self.pipe, self.optimizer = pipe, optimizer
+    def __init__(self, trained: Trained, devices: Sequence[torch.device]) -> None:
+        self.params = [p for _, p in trained.params]
+        self.optimizer = optimizer = trained.optimizer
         with torch.no_grad():
-            self.tensors = [(t, _host(t)) for t in (*pipe.parameters(), *pipe.buffers())]
-            self.grad_refs = {id(p): p.grad for p in pipe.parameters()}
-            self.grads = {id(p): _host(p.grad) for p in pipe.parameters() if p.grad is not None}
+            tensors = (*self.params, *(b for _, b in trained.buffers))
+            self.tensors = [(t, _host(t)) for t in tensors]
+            self.grad_refs = {id(p): p.grad for p in self.params}
+            self.grads = {id(p): _host(p.grad) for p in self.params if p.grad is not None}
             self.state = {(id(p), k): _host(v) for p, k, v in state_tensors(optimizer)}
             self.plain_state = {
                 id(p): {k: v for k, v in s.items() if not isinstance(v, Tensor)}
@@ -173,7 +216,7 @@ class Saved:
         with torch.no_grad():
             for t, saved in self.tensors:
                 t.copy_(saved)
-            for p in self.pipe.parameters():
+            for p in self.params:
                 if not captured:
                     p.grad = self.grad_refs.get(id(p))
                 if p.grad is not None:
@@ -205,23 +248,65 @@ def _put_back(t: Tensor, saved: Tensor | None) -> None:
 
 class Kept:
     """The tensors a captured step reads and writes in place, as of capture:
-    replacing one (a new ``.grad``, a moved parameter, loaded optimizer
-    state) would leave the graph working on the old one."""
+    replacing one (a new ``.grad``, a moved or reassigned parameter, a
+    swapped submodule, loaded optimizer state) or switching its
+    ``requires_grad`` would leave the graph working as at capture.
 
-    def __init__(self, pipe: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-        named = list(pipe.named_parameters())
-        self.params = [(n, p, p.data_ptr()) for n, p in named]
-        self.grads = [(n, p, p.grad) for n, p in named]
-        self.state = [(p, k, v) for p, k, v in state_tensors(optimizer)]
-        self.optimizer = optimizer
+    Args:
+        trained: what the step trains, and its optimizer.
+    """
+
+    def __init__(self, trained: Trained) -> None:
+        self.children: list[tuple[str, nn.Module, str, nn.Module | None]] = []
+        self.held: list[tuple[str, dict[str, Any], str, Tensor, int, bool]] = []
+        for prefix, module in trained.modules:
+            for path, m in module.named_modules(prefix=prefix.rstrip(".")):
+                where = f"{path}." if path else ""
+                for name, child in m._modules.items():
+                    self.children.append((where + name, m, name, child))
+                for table in (m._parameters, m._buffers):
+                    for name, t in table.items():
+                        if t is not None:
+                            self.held.append(
+                                (where + name, table, name, t, t.data_ptr(), t.requires_grad)
+                            )
+        owned = {id(t) for *_, t, _, _ in self.held}
+        self.others = [
+            (name, p, p.data_ptr(), p.requires_grad)
+            for name, p in trained.params
+            if id(p) not in owned
+        ]
+        self.grads = [(n, p, p.grad) for n, p in trained.params]
+        self.state = list(state_tensors(trained.optimizer))
+        self.optimizer = trained.optimizer
 
     def check(self) -> None:
-        # Parameters first: moving a module replaces its gradients too.
-        for name, p, ptr in self.params:
-            if p.data_ptr() != ptr:
+        """Raises ValueError naming what was replaced or changed since capture."""
+        for where, parent, name, child in self.children:
+            if parent._modules.get(name) is not child:
                 raise ValueError(
-                    f"CapturedStep: parameter {name} moved since capture (pipe.double(), "
-                    f"pipe.to(dtype) or load_state_dict(assign=True)); capture a new step."
+                    f"CapturedStep: submodule {where} was replaced since capture; the graph "
+                    f"runs the old one. Capture a new step."
+                )
+        # Tensors before gradients: moving a module replaces its gradients too.
+        for where, table, name, t, _, _ in self.held:
+            if table.get(name) is not t:
+                raise ValueError(
+                    f"CapturedStep: {where} was replaced by another tensor since capture "
+                    f"(load_state_dict(assign=True), or a new nn.Parameter assigned); the "
+                    f"graph reads and updates the old one. Capture a new step."
+                )
+        tensors = [(w, t, ptr, needs) for w, _, _, t, ptr, needs in self.held]
+        for where, t, ptr, needs_grad in [*tensors, *self.others]:
+            if t.data_ptr() != ptr:
+                raise ValueError(
+                    f"CapturedStep: {where} moved since capture (pipe.double(), "
+                    f"pipe.to(dtype)); capture a new step."
+                )
+            if t.requires_grad != needs_grad:
+                raise ValueError(
+                    f"CapturedStep: requires_grad of {where} changed since capture; the graph "
+                    f"computes its gradient as it did then. Capture a new step."
                 )
         for name, p, grad in self.grads:
             if p.grad is not grad:

@@ -27,11 +27,12 @@ from torch.utils import _pytree as pytree
 from ..pipe.pipe import REDUCTIONS, Pipe
 from ..runtime.errors import annotate
 from ..runtime.peer import enable_peer_access
+from ..runtime.stream import synchronize
 from ..stages.sequential import check_positive
 from .buffers import fill, static
 from .edges import GraphEdges, check_external_events
 from .groups import capture_devices, check_drawing, check_groups, drawing
-from .state import Kept, Saved, check_optimizer, check_settings, hyperparameters
+from .state import Kept, Saved, Trained, check_optimizer, check_settings, hyperparameters
 
 __all__ = ["CapturedStep"]
 
@@ -60,13 +61,15 @@ class CapturedStep:
     - with ``zero_grad=False`` gradients accumulate across calls in the
       captured gradient tensors: zero them with ``zero_grad(set_to_none=False)``;
       replacing a ``.grad`` (``set_to_none=True``), the optimizer's state
-      (``load_state_dict``) or a parameter's storage (``pipe.double()``)
-      makes the next call raise;
+      (``load_state_dict``), a parameter or buffer (``assign=True``), its
+      storage (``pipe.double()``) or a submodule, or switching a
+      ``requires_grad``, makes the next call raise;
     - ``pipe.train()``/``eval()``, hooks and anything Python decides during
       the step keep the value they had at capture.
 
     Warm-up is undone: parameters, buffers, gradients, optimizer state and
-    the random number generators are put back. Optimizer state that warm-up
+    the random number generators are put back (the pipe's, a loss module's
+    and those of every parameter the optimizer steps). Optimizer state that warm-up
     created is zeroed, which is the first step's state for SGD (without
     dampening), Adam, AdamW, RAdam, Adamax, Adadelta and RMSprop; other
     optimizers need their state from one eager step before capture (refused
@@ -85,11 +88,10 @@ class CapturedStep:
 
     Every stage must sit on CUDA devices or on CPUs, where no graph exists
     and each call runs the step eagerly with the same checks (from the
-    second call, once gradients exist). For mixed
-    precision, construct it under
-    ``torch.autocast(..., cache_enabled=False)`` (autocast's weight cache
-    does not survive capture) with bfloat16: a ``GradScaler`` reads its
-    overflow flag on the host, which a replay cannot.
+    second call, once gradients exist). For mixed precision, construct it
+    under ``torch.autocast(..., cache_enabled=False)`` (autocast's weight
+    cache does not survive capture) with bfloat16: a ``GradScaler`` reads
+    its overflow flag on the host, which a replay cannot.
 
     Args:
         pipe: the pipe to train.
@@ -102,8 +104,9 @@ class CapturedStep:
             on CUDA (PyTorch refuses it for CPU parameters:
             ``capturable=params_on_cuda``).
         reduction: as in :meth:`~mpstream.Pipe.train_step`.
-        zero_grad: zero the pipe's gradients (in place) at the start of
-            every step.
+        zero_grad: zero the gradients (in place) of the pipe, of a loss
+            module and of every parameter the optimizer steps, at the
+            start of every step.
         warmup: eager steps before capture (CUDA only); at least 1.
         pool: a graph memory pool to share (``torch.cuda.graph_pool_handle()``
             or another step's :attr:`pool`); not with ``groups``.
@@ -188,15 +191,16 @@ class CapturedStep:
         self._target = [static(x, pipe.devices[-1]) for x in tgt_leaves]
         check_optimizer(optimizer, cuda)
         self._settings = hyperparameters(optimizer)
+        self._trained = Trained(pipe, loss_fn, optimizer)
         self.graph: torch.cuda.CUDAGraph | None = None
         self._edges: GraphEdges | None = None
         self._kept: Kept | None = None
         self._loss: Tensor | None = None
         if self.device is not None:
             self._capture(warmup, pool)
-            self._kept = Kept(pipe, optimizer)
+            self._kept = Kept(self._trained)
         elif self.groups is not None:  # the checks a capture's warm-up makes, and undoes
-            saved = Saved(pipe, optimizer, [])
+            saved = Saved(self._trained, [])
             try:
                 self._watched_step()
             finally:
@@ -207,7 +211,7 @@ class CapturedStep:
         """One step; with ``groups``, issued segment by segment on ``edges``
         (None: segments that capture nothing)."""
         if self.zero_grad:
-            self.pipe.zero_grad(set_to_none=False)
+            self._trained.zero_grad()
         args = (
             pytree.tree_unflatten(self._inputs, self._in_spec),
             pytree.tree_unflatten(self._target, self._tgt_spec),
@@ -237,7 +241,7 @@ class CapturedStep:
 
     def _capture(self, warmup: int, pool: Any) -> None:
         devices = self.devices
-        saved = Saved(self.pipe, self.optimizer, devices)
+        saved = Saved(self._trained, devices)
         callers = {d: torch.cuda.current_stream(d) for d in devices}
         edges: GraphEdges | None = None
         graph: torch.cuda.CUDAGraph | None = None
@@ -261,7 +265,7 @@ class CapturedStep:
             else:
                 # Captured from the warm-up's streams: their library
                 # workspaces exist, and they are not the default streams.
-                _synchronize(devices)  # as torch.cuda.graph does
+                synchronize(devices)  # as torch.cuda.graph does
                 edges = GraphEdges(sides)
                 with _current(sides):
                     edges.begin_step()
@@ -276,7 +280,7 @@ class CapturedStep:
             for c in callers.values():
                 torch.cuda.set_stream(c)
             with suppress(RuntimeError):  # a failed capture may leave a CUDA error behind
-                _synchronize(devices)
+                synchronize(devices)
             saved.restore(captured=False)
             annotate(
                 exc,
@@ -287,7 +291,7 @@ class CapturedStep:
             )
             raise
         saved.restore(captured=True)
-        _synchronize(devices)
+        synchronize(devices)
         self.graph, self._edges = graph, edges
 
     def __deepcopy__(self, memo: dict[int, Any]) -> CapturedStep:
@@ -367,7 +371,7 @@ class CapturedStep:
         if not self.captured:
             loss = self._step()
             if self._kept is None:  # the CPU's checks start once gradients exist
-                self._kept = Kept(self.pipe, self.optimizer)
+                self._kept = Kept(self._trained)
             return loss
         assert self._loss is not None and self.device is not None
         with torch.cuda.device(self.device):
@@ -393,8 +397,3 @@ def _current(streams: dict[torch.device, Any]) -> Iterator[None]:
             stack.enter_context(torch.cuda.stream(stream))
         stack.enter_context(torch.cuda.device(next(iter(streams))))
         yield
-
-
-def _synchronize(devices: Sequence[torch.device]) -> None:
-    for d in devices:
-        torch.cuda.synchronize(d)

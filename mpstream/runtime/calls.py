@@ -43,11 +43,43 @@ class Chain(nn.Sequential):
     (the removed ``torch.distributed.pipeline.sync.Pipe``'s convention); a
     layer taking one gets the tuple whole (``nn.Sequential``'s and
     torchgpipe's).
+
+    Its layers are fixed once built: the pipe registers the same layer
+    objects as its own (its ``state_dict``, its ``parameters()`` for the
+    optimizer), so a layer put into a stage would run without being part
+    of the pipe. Replacing, adding or removing one raises.
     """
 
     def __init__(self, layers: OrderedDict[str, nn.Module]) -> None:
         super().__init__(layers)
         self._spread = [takes_several(layer) for layer in self]
+
+    def _refuse(self, name: str) -> None:
+        if "_spread" in self.__dict__:  # built
+            raise TypeError(
+                f"a Pipe's stage runs the layers it was built with, which the Pipe holds as "
+                f"its own: layer '{name}' cannot be replaced, added or removed. Change the "
+                f"layer in place (its parameters, load_state_dict, its own submodules), or "
+                f"build a new Pipe around the changed model"
+            )
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, nn.Module) or name in self._modules:
+            self._refuse(name)
+        super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if name in self._modules:
+            self._refuse(name)
+        super().__delattr__(name)
+
+    def add_module(self, name: str, module: nn.Module | None) -> None:
+        self._refuse(name)
+        super().add_module(name, module)
+
+    def insert(self, index: int, module: nn.Module) -> Chain:
+        self._refuse(str(index))
+        return super().insert(index, module)  # type: ignore[return-value]
 
     def forward(self, *args: Any) -> Any:  # type: ignore[override]
         if not any(self._spread):  # every layer takes one value: nn.Sequential's loop

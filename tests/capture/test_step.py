@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from mpstream import CapturedStep, Pipe
-from mpstream.capture.state import Saved, check_optimizer
+from mpstream.capture.state import Saved, Trained, check_optimizer
 from mpstream.pipe import pipe as pipe_py
 from mpstream.pipe import snapshot
 from mpstream.runtime.stream import capturing
@@ -107,7 +107,7 @@ def test_warm_up_is_undone_so_the_first_call_is_a_first_step() -> None:
     for name in OPTIMIZERS:
         pipe, opt, ref, ref_opt = _setup("cpu", name, split_size=3)
         x, y = _data("cpu", 1)
-        saved = Saved(pipe, opt, [])
+        saved = Saved(Trained(pipe, None, opt), [])
         draw = torch.rand(3, generator=torch.Generator().set_state(torch.get_rng_state()))
         for _ in range(3):
             pipe.zero_grad(set_to_none=False)
@@ -134,7 +134,7 @@ def test_warm_up_is_undone_so_the_first_call_is_a_first_step() -> None:
 def test_a_failed_capture_gives_every_gradient_tensor_back() -> None:
     pipe, opt, _, _ = _setup("cpu", "sgd", split_size=3)
     x, y = _data("cpu", 1)
-    saved = Saved(pipe, opt, [])
+    saved = Saved(Trained(pipe, None, opt), [])
     pipe.train_step(x, y, nn.MSELoss())
     opt.step()
     saved.restore(captured=False)
@@ -142,7 +142,7 @@ def test_a_failed_capture_gives_every_gradient_tensor_back() -> None:
     pipe.train_step(x, y, nn.MSELoss())
     grads = [p.grad for p in pipe.parameters()]
     values = [g.clone() for g in grads if g is not None]
-    saved = Saved(pipe, opt, [])
+    saved = Saved(Trained(pipe, None, opt), [])
     pipe.zero_grad()  # set_to_none: warm-up would make new gradient tensors
     pipe.train_step(x, y, nn.MSELoss())
     saved.restore(captured=False)
@@ -209,6 +209,76 @@ def test_replaced_gradients_state_or_parameters_are_refused(device: str) -> None
     pipe.float()
     with pytest.raises(ValueError, match="moved since capture"):
         step(x, y)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.cuda)])
+def test_replaced_tensors_modules_or_requires_grad_are_refused(device: str) -> None:
+    def block(p: Pipe) -> nn.Sequential:
+        layer = p[0]
+        assert isinstance(layer, nn.Sequential)
+        return layer
+
+    changes: list[tuple[Callable[[Pipe], object], str]] = [
+        (
+            lambda p: p.load_state_dict(copy.deepcopy(p.state_dict()), assign=True),
+            r"0.0.weight was replaced by another tensor",
+        ),
+        (
+            lambda p: setattr(block(p)[0], "bias", nn.Parameter(block(p)[0].bias.detach())),
+            "0.0.bias",
+        ),
+        (lambda p: block(p)[0].weight.requires_grad_(False), "requires_grad of 0.0.weight changed"),
+        (lambda p: block(p).__setitem__(1, nn.ReLU()), "submodule 0.1 was replaced"),
+    ]
+    for change, message in changes:
+        model = nn.Sequential(nn.Sequential(nn.Linear(5, 8), nn.Tanh()), nn.Linear(8, 4))
+        pipe = Pipe(model.double().to(device), balance=[1, 1], devices=[device] * 2, split_size=3)
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        x, y = _data(device, 0)
+        step = CapturedStep(pipe, x, y, nn.MSELoss(), optimizer=opt)
+        step(x, y)
+        step(x, y)
+        change(pipe)
+        with pytest.raises(ValueError, match=message):
+            step(x, y)
+
+
+class ScaledMSE(nn.Module):
+    """A loss with a learnable scale: a parameter outside the pipe."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log_s = nn.Parameter(torch.zeros((), dtype=torch.float64))
+
+    def forward(self, out: Tensor, target: Tensor) -> Tensor:
+        return nn.functional.mse_loss(out, target) * torch.exp(-self.log_s) + self.log_s
+
+
+@pytest.mark.parametrize("groups", [None, [0, 1]])
+@pytest.mark.parametrize("held", ["loss module", "elsewhere"])
+def test_parameters_the_optimizer_steps_outside_the_pipe_train_as_eagerly(
+    groups: list[int] | None, held: str
+) -> None:
+    pipe, _, ref, _ = _setup("cpu", "sgd", split_size=3)
+    loss, ref_loss = ScaledMSE(), ScaledMSE()
+    opt = torch.optim.SGD([*pipe.parameters(), loss.log_s], lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD([*ref.parameters(), ref_loss.log_s], lr=0.1, momentum=0.9)
+    # Held by the loss module the step calls, or only by the optimizer.
+    loss_fn = loss if held == "loss module" else (lambda o, t: loss(o, t))
+    step = CapturedStep(pipe, *_data("cpu", 0), loss_fn, optimizer=opt, groups=groups)
+    assert float(loss.log_s.detach()) == 0.0 and loss.log_s.grad is None  # the checks' step undone
+    for i in range(3):
+        x, y = _data("cpu", i + 1)
+        got = step(x, y)
+        ref_opt.zero_grad()
+        expected = ref_loss(ref(x), y)
+        expected.backward()
+        ref_opt.step()
+        torch.testing.assert_close(got, expected.detach())
+    torch.testing.assert_close(loss.log_s.grad, ref_loss.log_s.grad)  # zeroed every step
+    torch.testing.assert_close(loss.log_s.detach(), ref_loss.log_s.detach())
+    for p, q in zip(pipe.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach())
 
 
 def test_a_tensor_learning_rate_is_changed_in_place_not_replaced() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+import pytest
 import torch
 from torch import nn
 
@@ -81,7 +82,27 @@ def test_what_a_stage_call_does_is_kept() -> None:
     # A forward replaced on a stage's instance runs.
     pipe.partitions[1].forward = lambda y: torch.zeros_like(y)
     assert (pipe(x) == 0).all()
-    # A layer replaced in a stage after the first run is the one called.
+    # A layer changed in place after the first run is the one called.
     del pipe.partitions[1].forward
-    pipe.partitions[0][0] = nn.Identity()
+    pipe.partitions[0][0].forward = lambda y: y
     torch.testing.assert_close(pipe(x), pipe.partitions[1](x))
+
+
+def test_a_built_stage_keeps_its_layers() -> None:
+    # The pipe holds the same layers as its own: one put into a stage would
+    # run without being in the pipe's state_dict or parameters().
+    pipe = Pipe(nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 2)), balance=[2, 1])
+    stage = pipe.partitions[0]
+    changes = [
+        lambda: stage.__setitem__(1, nn.ReLU()),
+        lambda: stage.append(nn.ReLU()),
+        lambda: stage.insert(0, nn.ReLU()),
+        lambda: stage.pop(1),
+        lambda: delattr(stage, "1"),
+    ]
+    for change in changes:
+        with pytest.raises(TypeError, match="layer '.*' cannot be replaced, added or removed"):
+            change()
+    assert [type(m) for m in stage] == [nn.Linear, nn.Tanh]
+    stage.train(False)  # settings other than layers change as for any module
+    assert not stage.training and stage[0] is pipe[0]
