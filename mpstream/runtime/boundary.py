@@ -60,7 +60,11 @@ class Boundary(torch.autograd.Function):
     def forward(ctx: Any, sink: GradSink, anchor: Tensor, *inputs: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
         ctx.sink = sink
         outputs = tuple(x.detach() for x in inputs)
-        ctx.mark_non_differentiable(*[y for y in outputs if not y.is_floating_point()])
+        # Every value of a dtype with gradients gets one: the stage's backward
+        # computes the input gradients its producer waits for.
+        ctx.mark_non_differentiable(
+            *[y for y in outputs if not (y.is_floating_point() or y.is_complex())]
+        )
         ctx.set_materialize_grads(False)
         return outputs
 

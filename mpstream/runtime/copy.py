@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 from torch.autograd import profiler
 
+from .microbatch import gradless
 from .stream import AnyStream, current_stream, record_stream
 from .transfer import GradLink, to_device, to_host
 
@@ -119,7 +120,7 @@ class Copy(torch.autograd.Function):
         ]
         ctx.route = route
         ctx.src_devices = [x.device for x in inputs]
-        ctx.mark_non_differentiable(*[y for y in outputs if not y.is_floating_point()])
+        ctx.mark_non_differentiable(*gradless(inputs, outputs))
         ctx.set_materialize_grads(False)
         return tuple(outputs)
 

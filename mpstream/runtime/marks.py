@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from .. import _ext
-from .microbatch import leaves, rebuild_leaves
+from .microbatch import gradless, leaves, rebuild_leaves
 
 __all__ = ["StageMarks", "enter", "leave"]
 
@@ -40,9 +40,16 @@ class StageMarks:
         self.mark = -1
 
 
-def _detached(tensors: tuple[Tensor, ...], ctx: Any) -> tuple[Tensor, ...]:
+def _detached(tensors: tuple[Tensor, ...], ctx: Any, *, anchored: bool) -> tuple[Tensor, ...]:
     out = tuple(t.detach() for t in tensors)
-    ctx.mark_non_differentiable(*[t for t in out if not t.is_floating_point()])
+    if anchored:
+        # Every float input gets a gradient path, so that the stage's
+        # backward ends with this mark even where its inputs need none.
+        ctx.mark_non_differentiable(
+            *[t for t in out if not (t.is_floating_point() or t.is_complex())]
+        )
+    else:
+        ctx.mark_non_differentiable(*gradless(tensors, out))
     ctx.set_materialize_grads(False)
     return out
 
@@ -51,7 +58,7 @@ class _Begin(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, marks: StageMarks, *outputs: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
         ctx.marks = marks
-        return _detached(outputs, ctx)
+        return _detached(outputs, ctx, anchored=False)
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Any, ...]:
@@ -64,7 +71,7 @@ class _End(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, marks: StageMarks, anchor: Tensor, *inputs: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
         ctx.marks = marks
-        return _detached(inputs, ctx)
+        return _detached(inputs, ctx, anchored=True)
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Any, ...]:

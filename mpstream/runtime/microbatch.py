@@ -32,6 +32,7 @@ __all__ = [
     "describe",
     "leaves",
     "tensors_of",
+    "gradless",
     "rebuild",
 ]
 
@@ -76,6 +77,17 @@ def leaves(value: Any) -> tuple[list[Any], Any]:
     if type(value) is tuple and all(type(v) is Tensor for v in value):
         return list(value), (_FLAT, len(value))
     return pytree.tree_flatten(value)
+
+
+def gradless(inputs: Sequence[Tensor], outputs: Sequence[Tensor]) -> list[Tensor]:
+    """The outputs of an identity-like autograd function that carry no
+    gradient: those whose input needs none (a constant stays one), and those
+    of a dtype without gradients (integers, bool; complex ones have them)."""
+    return [
+        y
+        for x, y in zip(inputs, outputs)
+        if not (x.requires_grad and (y.is_floating_point() or y.is_complex()))
+    ]
 
 
 def rebuild_leaves(items: Sequence[Any], spec: Any) -> Any:

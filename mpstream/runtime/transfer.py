@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .microbatch import leaves
+from .microbatch import gradless, leaves
 from .stream import current_stream, record_stream
 
 __all__ = ["host_staging", "to_device", "to_host", "GradLink", "HostWait"]
@@ -123,7 +123,7 @@ class HostWait(torch.autograd.Function):
     def forward(ctx: Any, link: GradLink, *inputs: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
         ctx.link = link
         outputs = tuple(x.detach() for x in inputs)
-        ctx.mark_non_differentiable(*[y for y in outputs if not y.is_floating_point()])
+        ctx.mark_non_differentiable(*gradless(inputs, outputs))
         ctx.set_materialize_grads(False)
         return outputs
 

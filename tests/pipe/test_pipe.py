@@ -332,3 +332,54 @@ def test_several_inputs_spread_tuples_and_plain_values(schedule: str) -> None:
     assert_same_grads(pipe, ref)
     out = pipe(x, NoChunk(torch.ones(4, dtype=torch.float64)))
     assert out.shape == (5, 2)
+
+
+class _Fft(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.fft.fft(x)
+
+
+class _Abs(nn.Module):
+    def forward(self, z: Tensor) -> Tensor:
+        return z.abs()
+
+
+@pytest.mark.parametrize("force_copies", [False, True])
+@pytest.mark.parametrize("how", ["backward", "train_step", "profiled"])
+def test_complex_values_between_stages_carry_their_gradients(force_copies: bool, how: str) -> None:
+    import mpstream
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), _Fft(), _Abs(), nn.Linear(4, 1)).double()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 1, dtype=torch.float64)
+    pipe = Pipe(copy.deepcopy(model), chunks=2, balance=[2, 2], force_copies=force_copies)
+    if how == "train_step":
+        pipe.train_step(x, y, nn.functional.mse_loss)
+    elif how == "profiled":
+        with mpstream.profile(pipe):
+            nn.functional.mse_loss(pipe(x), y).backward()
+    else:
+        nn.functional.mse_loss(pipe(x), y).backward()
+    nn.functional.mse_loss(model(x), y).backward()
+    assert_same_grads(pipe, model)
+
+
+class _WithConstant(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return self.lin(x), torch.ones_like(x)
+
+
+class _Pass(nn.Module):
+    def forward(self, h: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
+        return h, c
+
+
+@pytest.mark.parametrize("force_copies", [False, True])
+def test_a_constant_output_needs_no_gradient_after_a_copy(force_copies: bool) -> None:
+    pipe = Pipe(nn.Sequential(_WithConstant(), _Pass()), chunks=2, force_copies=force_copies)
+    h, c = pipe(torch.randn(6, 4))
+    assert h.requires_grad and not c.requires_grad

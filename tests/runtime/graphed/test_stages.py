@@ -138,7 +138,9 @@ def test_dropout_draws_what_the_eager_pipe_draws_with_the_same_seed() -> None:
 
 
 def test_replaced_tensors_and_modules_are_captured_again() -> None:
-    eager, graphed = pair(mlp(WIDTHS), chunks=2)
+    layers = list(mlp(WIDTHS))
+    layers[4] = nn.Sequential(layers[4])  # a layer holding a module to swap
+    eager, graphed = pair(nn.Sequential(*layers), chunks=2)
     x, y = data()
 
     def step() -> None:
@@ -160,9 +162,9 @@ def test_replaced_tensors_and_modules_are_captured_again() -> None:
     for pipe in (eager, graphed):  # requires_grad changed
         pipe.partitions[0][0].bias.requires_grad_(False)
     step()
-    for pipe in (eager, graphed):  # a module swapped
-        pipe.partitions[1][0] = nn.Linear(12, 8).double()
-        pipe.partitions[1][0].load_state_dict(eager.partitions[1][0].state_dict())
+    for pipe in (eager, graphed):  # a module swapped inside a layer
+        pipe.partitions[1][0][0] = nn.Linear(12, 8).double()
+        pipe.partitions[1][0][0].load_state_dict(eager.partitions[1][0][0].state_dict())
     step()
     assert graphed.graph_report().stages[1].recaptures > 0
 
