@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..memory.batchnorm import deferred_update
-from ..runtime.microbatch import batch_device, gather, scatter
+from ..runtime.microbatch import Versions, batch_device, gather, scatter
 from ..runtime.worker import Staging
 from .config import PipeConfig
 from .inputs import check_holds_tensor, positional, staging
@@ -63,8 +63,8 @@ class PipeCall(PipeConfig):
             TypeError: no tensor to split, an unsupported input or stage
                 output (the stage is named), keyword arguments to a
                 Sequential pipe.
-            ValueError: an empty batch, or tensors that split into different
-                numbers of micro-batches.
+            ValueError: an empty batch, or tensors of different batch sizes
+                (wrap one meant whole in :class:`~mpstream.NoChunk`).
 
         An exception raised in a stage reaches the caller unchanged, with a
         note naming the stage, micro-batch and task (a backward that autograd
@@ -73,13 +73,17 @@ class PipeCall(PipeConfig):
         the failed batch are dropped (they update only once all stages finish).
         """
         inputs = self._inputs(args, kwargs)
-        micro = scatter(inputs, self._chunks, self._split_size)
+        versions = Versions()
+        micro = scatter(inputs, self._chunks, self._split_size, versions=versions)
         schedule = self.schedule_for(len(micro), batch_device(inputs))
         _, worker, _ = self._rt()
         staging = self._stage(inputs, self.devices[0])
         stop = self._prepare(len(micro))
-        with deferred_update(self._deferred_norms(), len(micro)):
-            outputs = worker.forward(micro, schedule, stop, staging)
+        try:
+            with deferred_update(self._deferred_norms(), len(micro)):
+                outputs = worker.forward(micro, schedule, stop, staging)
+        finally:
+            versions.settle()
         split = self.__dict__["_split"]
         return gather(outputs) if split is None else split.gather(outputs)
 

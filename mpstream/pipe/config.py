@@ -144,7 +144,7 @@ class PipeConfig(PipeModule):
                 if graphed
                 else None
             )
-            worker = Worker(stages, sched, self.force_copies, self.graph, labels, graphs)
+            worker = Worker(stages, sched, self.graph, labels, graphs)
             rt = (sched, worker, {})
             self.__dict__["_runtime"] = rt
         return rt  # type: ignore[no-any-return]

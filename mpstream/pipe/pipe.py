@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from ..memory.batchnorm import DeferredBatchNorm
 from ..runtime.graphed import Backend
-from ..runtime.microbatch import Value, batch_device, scatter
+from ..runtime.microbatch import Value, Versions, batch_device, scatter
 from ..runtime.stream import capturing
 from ..runtime.training import run as run_step
 from ..schedules.schedule import (
@@ -268,7 +268,8 @@ class Pipe(PipeCall):
         Inputs and targets in host memory move in transfer tasks that never
         block the host (see :meth:`forward`). If anything raises, the
         gradients and BatchNorm statistics are restored to what they were
-        before the call. For that, each stage's existing gradients (under
+        before the call (a loss module's parameters' too; not those of
+        other tensors ``loss_fn`` reads). For that, each stage's existing gradients (under
         gradient accumulation) are cloned on its stream when its first
         backward of the step begins; a step that starts with no gradients,
         or fails before the backward, clones nothing. A step being captured
@@ -294,7 +295,9 @@ class Pipe(PipeCall):
             loss_fn, reduction = own_loss(split, target), "sum"
         args = detached(args)
         labels = detached(target)
-        micro = scatter(args, self._chunks, self._split_size)
+        versions = Versions()
+        with torch.enable_grad():  # as the step runs: micro-batches it may change in place
+            micro = scatter(args, self._chunks, self._split_size, versions=versions)
         micro_targets = (
             [None] * len(micro)
             if target is None
@@ -327,7 +330,9 @@ class Pipe(PipeCall):
         target_staging = None if target is None else self._stage(labels, self.devices[-1])
         # Under CUDA graph capture a snapshot's clones would be recorded, not
         # run, and then run on every replay, holding a copy of every gradient.
-        snapshot = None if capturing(self.devices) else Snapshot(self, list(self.partitions))
+        snapshot = (
+            None if capturing(self.devices) else Snapshot(self, list(self.partitions), loss_fn)
+        )
         try:
             with torch.enable_grad():
                 stop = self._prepare(len(micro))
@@ -349,6 +354,8 @@ class Pipe(PipeCall):
             if snapshot is not None:
                 snapshot.restore()
             raise
+        finally:
+            versions.settle()
         return torch.stack(losses).sum()
 
     def _step_inputs(self, inputs: Any) -> tuple[Any, ...]:

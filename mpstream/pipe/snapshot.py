@@ -33,10 +33,15 @@ class Snapshot:
         module: the pipe (its BatchNorm layers are found in it).
         partitions: one module per stage (whose parameters each stage's
             backward accumulates into).
+        loss: the loss function, when a module: the last stage's backward
+            accumulates into its parameters too (a learnable loss scale).
     """
 
-    def __init__(self, module: nn.Module, partitions: Sequence[nn.Module]) -> None:
+    def __init__(
+        self, module: nn.Module, partitions: Sequence[nn.Module], loss: object = None
+    ) -> None:
         self.partitions = list(partitions)
+        self.loss = loss if isinstance(loss, nn.Module) else None
         # Per parameter: its gradient tensor before the step, and a copy.
         self.grads: dict[int, tuple[nn.Parameter, Tensor | None, Tensor | None]] = {}
         # Uninitialised (lazy) buffers hold nothing yet to put back.
@@ -49,7 +54,10 @@ class Snapshot:
     def save_grads(self, stage: int) -> None:
         """Saves the gradients of ``stage``'s parameters (on the current stream);
         a parameter shared by stages is saved once, before its first use."""
-        for p in self.partitions[stage].parameters():
+        params = list(self.partitions[stage].parameters())
+        if self.loss is not None and stage == len(self.partitions) - 1:
+            params += self.loss.parameters()
+        for p in params:
             if id(p) not in self.grads:
                 g = p.grad
                 self.grads[id(p)] = (p, g, None if g is None else g.detach().clone())

@@ -160,7 +160,7 @@ def run(
     readers = cuda_only(sched.compute_streams)
     copiers = cuda_only(sched.copy_streams)
     (caller_reader,) = cuda_only([current_stream(devices[last])])
-    force = worker.force_copies
+    force = schedule.topology.force_copies
 
     def pulls(src: torch.device, dst: torch.device) -> bool:
         # A segmented run pulls copies between GPUs (see .peer).

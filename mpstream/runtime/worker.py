@@ -123,7 +123,6 @@ class Worker:
     Args:
         partitions: one callable module per stage.
         sched: the event scheduler owning the stage streams.
-        force_copies: copy between stages even on the same device.
         graph: where each stage's arguments come from (default: a chain).
         labels: how error notes name each stage (default ``stage s of n``).
         graphs: replays stage calls from CUDA graphs (``Pipe(graphs=True)``);
@@ -134,7 +133,6 @@ class Worker:
         self,
         partitions: Sequence[nn.Module],
         sched: EventScheduler,
-        force_copies: bool = False,
         graph: StageGraph | None = None,
         labels: Sequence[str] | None = None,
         graphs: StageGraphs | None = None,
@@ -143,7 +141,6 @@ class Worker:
         self.graphs = graphs
         self.calls = StageCalls(self.partitions)
         self.sched = sched
-        self.force_copies = force_copies
         self.graph = graph or StageGraph.chain(len(self.partitions))
         self._routes: dict[Topology, tuple[Routes, Wiring]] = {}
         n = len(self.partitions)
@@ -200,7 +197,7 @@ class Worker:
         # record_stream is only needed (and only valid) for CUDA streams.
         readers = cuda_only(sched.compute_streams)
         (caller_reader,) = cuda_only([current_stream(sched.devices[last])])
-        force = self.force_copies
+        force = schedule.topology.force_copies  # copies between stages on one device too
         grad = torch.is_grad_enabled()
         profiling = torch._C._autograd._profiler_enabled()
         # While timing, mark where autograd will run each stage's backward.

@@ -230,3 +230,33 @@ def test_a_failed_step_restores_the_gradient_tensors_in_place() -> None:
     for p, g, s in zip(pipe.parameters(), grads, saved):
         assert p.grad is g
         torch.testing.assert_close(g, s)
+
+
+class _FailingScaledLoss(nn.Module):
+    """A loss with a learnable scale that fails on its third micro-batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(1.0))
+        self.calls = 0
+
+    def forward(self, out: Tensor, target: Tensor) -> Tensor:
+        self.calls += 1
+        if self.calls == 3:
+            raise KeyError("fails on micro-batch 2")
+        return nn.functional.mse_loss(out * self.scale, target)
+
+
+@pytest.mark.parametrize("before", [None, 0.5])
+def test_a_failed_step_puts_a_loss_modules_gradients_back(before: float | None) -> None:
+    pipe = Pipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), chunks=4, schedule="1f1b")
+    loss = _FailingScaledLoss()
+    if before is not None:
+        loss.scale.grad = torch.tensor(before)
+    with pytest.raises(KeyError):
+        pipe.train_step(torch.randn(8, 4), torch.randn(8, 2), loss)
+    if before is None:
+        assert loss.scale.grad is None
+    else:
+        torch.testing.assert_close(loss.scale.grad, torch.tensor(before))
+    assert all(p.grad is None for p in pipe.parameters())

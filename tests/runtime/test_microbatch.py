@@ -100,11 +100,14 @@ def test_scatter_splits_tensors_and_passes_the_rest_whole() -> None:
         torch.testing.assert_close(d["ids"], torch.arange(5)[2 * i : 2 * i + 2])
 
 
-def test_tensors_of_other_batch_sizes_split_into_as_many_micro_batches() -> None:
-    parts = scatter((torch.zeros(6), torch.zeros(9)), 3, None)
-    assert [(len(a), len(b)) for a, b in parts] == [(2, 3)] * 3
-    with pytest.raises(ValueError, match="different numbers of micro-batches"):
-        scatter((torch.zeros(6), torch.zeros(9)), None, 3)
+def test_tensors_of_other_batch_sizes_are_refused() -> None:
+    # Even where they would split into as many micro-batches: row i of one
+    # would no longer meet row i of the other (a tensor meant whole, say).
+    for chunks, split_size in [(3, None), (2, None), (None, 3)]:
+        with pytest.raises(ValueError, match=r"different batch sizes \(dim 0\): \[4, 6\]"):
+            scatter((torch.zeros(6), {"other": torch.zeros(4)}), chunks, split_size)
+    parts = scatter((torch.zeros(6), NoChunk(torch.zeros(4))), 3, None)  # meant whole
+    assert [(len(a), len(b)) for a, b in parts] == [(2, 4)] * 3
 
 
 def test_scatter_needs_a_tensor_and_plain_leaves() -> None:
