@@ -66,6 +66,7 @@ def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     d.add_argument(
         "--skip",
         nargs="+",
+        action="extend",
         default=[],
         choices=NAMES,
         metavar="STEP",

@@ -42,7 +42,8 @@ def _config(args: argparse.Namespace) -> bench.Config:
     if config.image_w < 32 or config.image_h < 32:
         raise ValueError("--image-size must be at least 32x32 (ResNet50 downsamples 32x)")
     batch = config.batch_size
-    given = [] if args.split_size is None else [args.split_size]
+    main = getattr(args, "split_size", None)  # tune has no main comparison
+    given = [] if main is None else [main]
     over = [s for s in (*given, *(args.split_sizes or ())) if s > batch]
     if over:
         flag = "--split-size" if over[0] in given else "--split-sizes"
@@ -52,6 +53,10 @@ def _config(args: argparse.Namespace) -> bench.Config:
     if args.split_sizes is None:  # the default sweep, up to the batch
         kept = tuple(s for s in config.split_sizes if s <= batch) or (batch,)
         config = dataclasses.replace(config, split_sizes=kept)
+    if main is None and config.split_size >= batch > 1:
+        # The default main split would leave one micro-batch: no pipeline.
+        below = [s for s in (1, *config.split_sizes) if s < batch]
+        config = dataclasses.replace(config, split_size=max(below))
     return config
 
 
@@ -195,7 +200,13 @@ def _size_options(p: argparse.ArgumentParser, batches: bool = True) -> None:
     p.add_argument("--quick", action="store_true", help="CPU-sized run")
     p.add_argument("--repeat", type=positive_int, help="timed runs per configuration")
     p.add_argument("--warmup", type=non_negative_int, help="untimed runs before timing")
-    p.add_argument("--split-size", type=positive_int, help="split size of the main comparison")
+    if batches:  # tune sweeps split sizes; it has no main one
+        p.add_argument(
+            "--split-size",
+            type=positive_int,
+            help="split size of the main comparison (default: 12, 4 with --quick; below the "
+            "batch size)",
+        )
     p.add_argument("--split-sizes", type=int_list, help="split sizes, e.g. 1,3,5,8,10,12,20,40,60")
     p.add_argument("--batch-size", type=positive_int, help="images per mini-batch")
     if batches:  # tune times one mini-batch per step

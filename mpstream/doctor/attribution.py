@@ -33,7 +33,7 @@ from ..schedules import SCHEDULES
 from ..tutorial import models as tutorial
 from ..tutorial.analysis import batch
 from ..tutorial.bench import Config
-from .diagnosis import PASS, Check, Context, StepResult
+from .diagnosis import PASS, SKIP, Check, Context, StepResult
 from .experiment import config_for
 from .graphed import schedule_checks, schedule_rows, time_steps
 
@@ -178,7 +178,7 @@ def run(ctx: Context) -> StepResult:
             "verdict": "not applicable on the CPU: the host runs "
             "every task itself, so issuing is the work",
         }
-        checks.append(Check("host-bound analysis", PASS, verdict["verdict"]))
+        checks.append(Check("host-bound analysis", SKIP, verdict["verdict"]))
     hidden = (
         "no copies"
         if summary.copy_hidden_fraction is None

@@ -71,12 +71,7 @@ def idris_variants(cuda: bool) -> int:
 
 def config_for(ctx: Context) -> Config:
     """The experiment's configuration for the doctor's model."""
-    config = dataclasses.replace(ctx.sizes.experiment, arch=ctx.arch)
-    if ctx.arch == "resnet101" and tutorial.IDRIS_SPLIT_SIZE < config.batch_size:
-        split = tutorial.IDRIS_SPLIT_SIZE
-        sizes = tuple(sorted({split, *config.split_sizes}))
-        config = dataclasses.replace(config, split_size=split, split_sizes=sizes)
-    return config
+    return dataclasses.replace(ctx.sizes.experiment, arch=ctx.arch)
 
 
 def ratios(results: bench.Results, ours: str = "mpstream") -> dict[str, float]:

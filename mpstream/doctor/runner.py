@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from ..tutorial.bench import detect_devices
+from ..tutorial.models import IDRIS_SPLIT_SIZE
 from . import (
     attribution,
     checks,
@@ -164,6 +165,9 @@ def sized(sizes: Sizes, options: Options) -> Sizes:
                 f"--batch-size {batch} is below every split size of the experiment "
                 f"({', '.join(map(str, config.split_sizes))}); give --split-sizes too"
             )
+        if options.arch == "resnet101" and IDRIS_SPLIT_SIZE < batch:
+            # IDRIS's variant, at its own split size: the main one.
+            splits = (IDRIS_SPLIT_SIZE, *sorted({*splits} - {IDRIS_SPLIT_SIZE}))
     config = dataclasses.replace(config, batch_size=batch, split_sizes=splits, split_size=splits[0])
     return dataclasses.replace(sizes, experiment=config)
 

@@ -17,6 +17,7 @@ from mpstream.cli.argtypes import (
     non_negative_float,
     positive_float,
 )
+from mpstream.cli.main import _config
 
 
 @pytest.mark.parametrize(
@@ -83,12 +84,34 @@ def test_tune_refuses_a_cache_that_is_a_folder(
     assert "two comma-separated devices" in err and "--cache" not in err
 
 
-def test_tune_takes_no_num_batches(capsys: pytest.CaptureFixture[str]) -> None:
-    # tune times one mini-batch per step; the option would change nothing.
+def test_tune_takes_no_option_it_would_ignore(capsys: pytest.CaptureFixture[str]) -> None:
+    # tune times one mini-batch per step, over its --split-sizes.
     with pytest.raises(SystemExit) as info:
         cli.main(["tune", "--num-batches", "3"])
     assert info.value.code == 2
     assert "unrecognized arguments: --num-batches 3" in capsys.readouterr().err
+    # No main split size: --split-size is read as (argparse's prefix of) --split-sizes.
+    assert list(cli.parser().parse_args(["tune", "--split-size", "2"]).split_sizes) == [2]
+
+
+@pytest.mark.parametrize(
+    ("args", "main"),
+    [
+        (["--batch-size", "8"], 5),  # not the default 12: one micro-batch
+        (["--quick", "--batch-size", "2"], 1),
+        (["--quick", "--batch-size", "16"], 4),  # the default fits
+        (["--batch-size", "8", "--split-sizes", "2,4"], 4),
+        (["--batch-size", "8", "--split-size", "8"], 8),  # given: as given
+    ],
+)
+def test_the_default_main_split_leaves_several_micro_batches(args: list[str], main: int) -> None:
+    parsed = cli.parser().parse_args(["bench", *args])
+    assert _config(parsed).split_size == main
+
+
+def test_doctor_skips_accumulate() -> None:
+    parsed = cli.parser().parse_args(["doctor", "--skip", "tutorial", "--skip", "races", "memory"])
+    assert parsed.skip == ["tutorial", "races", "memory"]
 
 
 @pytest.mark.parametrize(

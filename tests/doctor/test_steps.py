@@ -163,12 +163,20 @@ def test_environment_fails_when_the_extension_does_not_fit(
 
 
 def test_experiment_config_for_resnet101(tmp_path: Path) -> None:
+    from mpstream.doctor import runner
     from mpstream.doctor.diagnosis import FULL
 
-    ctx = Context((CPU, CPU), FULL, "resnet101", tmp_path, tmp_path)
+    sizes = runner.sized(FULL, runner.Options(tmp_path, arch="resnet101"))
+    ctx = Context((CPU, CPU), sizes, "resnet101", tmp_path, tmp_path)
     config = experiment.config_for(ctx)
     assert (config.arch, config.split_size, config.split_sizes) == ("resnet101", 8, (8, 12, 20))
-    ctx.arch = "resnet50"
+    # Split sizes given: the first is the main one, for IDRIS's variant too.
+    given = runner.Options(tmp_path, arch="resnet101", split_sizes=(16, 4))
+    config = runner.sized(FULL, given).experiment
+    assert (config.split_size, config.split_sizes) == (16, (16, 4))
+    ctx = Context(
+        (CPU, CPU), runner.sized(FULL, runner.Options(tmp_path)), "resnet50", tmp_path, tmp_path
+    )
     assert experiment.config_for(ctx).split_sizes == (12, 20)
 
 
