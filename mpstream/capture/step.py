@@ -26,6 +26,7 @@ from torch.utils import _pytree as pytree
 
 from ..pipe.pipe import REDUCTIONS, Pipe
 from ..runtime.errors import annotate
+from ..runtime.graphed.capturing import capturing
 from ..runtime.peer import enable_peer_access
 from ..runtime.stream import synchronize
 from ..stages.sequential import check_positive
@@ -44,9 +45,9 @@ class CapturedStep:
     ``optimizer.step()`` (optional), on buffers of the shapes given here.
     Constructing it on CUDA runs ``warmup`` steps on a side stream (lazy
     initialisation, cuDNN autotuning, optimizer state), captures one step
-    with ``torch.cuda.graph`` and puts parameters, buffers, gradients and
-    optimizer state back as they were, so the first call is the first step.
-    Each call copies the batch into the static buffers and replays.
+    there and puts parameters, buffers, gradients and optimizer state back,
+    so the first call is the first step. Each call copies the batch into
+    the static buffers and replays.
 
     What a replay cannot see, and therefore refuses or ignores:
 
@@ -258,14 +259,15 @@ class CapturedStep:
                 self._watched_step()
             for d in devices:
                 callers[d].wait_stream(sides[d])
+            # On the warm-up's streams: library workspaces exist; not default streams.
+            synchronize(devices)  # as torch.cuda.graph does
             if self.groups is None:
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.device(devices[0]), torch.cuda.graph(graph, pool=pool):
+                # A failed capture undone (torch.cuda.graph leaves it half-done);
+                # thread-local: a pinning DataLoader thread may run meanwhile.
+                with _current(sides), capturing(graph, pool or torch.cuda.graph_pool_handle()):
                     self._loss = self._step()
             else:
-                # Captured from the warm-up's streams: their library
-                # workspaces exist, and they are not the default streams.
-                synchronize(devices)  # as torch.cuda.graph does
                 edges = GraphEdges(sides)
                 with _current(sides):
                     edges.begin_step()
@@ -276,8 +278,7 @@ class CapturedStep:
         except BaseException as exc:
             if edges is not None:
                 edges.abandon()
-            # Older torch leaves the capture stream current when capture_end raises.
-            for c in callers.values():
+            for c in callers.values():  # the warm-up's streams were current
                 torch.cuda.set_stream(c)
             with suppress(RuntimeError):  # a failed capture may leave a CUDA error behind
                 synchronize(devices)
