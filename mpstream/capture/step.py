@@ -263,9 +263,9 @@ class CapturedStep:
             synchronize(devices)  # as torch.cuda.graph does
             if self.groups is None:
                 graph = torch.cuda.CUDAGraph()
-                # A failed capture undone (torch.cuda.graph leaves it half-done);
-                # thread-local: a pinning DataLoader thread may run meanwhile.
-                with _current(sides), capturing(graph, pool or torch.cuda.graph_pool_handle()):
+                # Undone if it fails (unlike torch.cuda.graph); a loader thread may run.
+                own = torch.cuda.graph_pool_handle() if pool is None else pool
+                with _current(sides), capturing(graph, own):
                     self._loss = self._step()
             else:
                 edges = GraphEdges(sides)
