@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..memory.batchnorm import deferred_update
-from ..runtime.microbatch import Versions, batch_device, gather, scatter
+from ..runtime.microbatch import batch_device, gather, scatter
 from ..runtime.worker import Staging
 from .config import PipeConfig
 from .inputs import check_holds_tensor, positional, staging
@@ -73,17 +73,13 @@ class PipeCall(PipeConfig):
         the failed batch are dropped (they update only once all stages finish).
         """
         inputs = self._inputs(args, kwargs)
-        versions = Versions()
-        micro = scatter(inputs, self._chunks, self._split_size, versions=versions)
+        micro = scatter(inputs, self._chunks, self._split_size)
         schedule = self.schedule_for(len(micro), batch_device(inputs))
         _, worker, _ = self._rt()
         staging = self._stage(inputs, self.devices[0])
         stop = self._prepare(len(micro))
-        try:
-            with deferred_update(self._deferred_norms(), len(micro)):
-                outputs = worker.forward(micro, schedule, stop, staging)
-        finally:
-            versions.settle()
+        with deferred_update(self._deferred_norms(), len(micro)):
+            outputs = worker.forward(micro, schedule, stop, staging)
         split = self.__dict__["_split"]
         return gather(outputs) if split is None else split.gather(outputs)
 

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from ..memory.batchnorm import DeferredBatchNorm
 from ..runtime.graphed import Backend
-from ..runtime.microbatch import Value, Versions, batch_device, scatter
+from ..runtime.microbatch import Value, batch_device, scatter
 from ..runtime.stream import capturing
 from ..runtime.training import run as run_step
 from ..schedules.schedule import (
@@ -267,9 +267,9 @@ class Pipe(PipeCall):
 
         Inputs and targets in host memory move in transfer tasks that never
         block the host (see :meth:`forward`). If anything raises, the
-        gradients and BatchNorm statistics are restored to what they were
-        before the call (a loss module's parameters' too; not those of
-        other tensors ``loss_fn`` reads). For that, each stage's existing gradients (under
+        gradients (a loss module's too, not those of other tensors
+        ``loss_fn`` reads) and BatchNorm statistics are restored to what
+        they were before the call. For that, each stage's existing gradients (under
         gradient accumulation) are cloned on its stream when its first
         backward of the step begins; a step that starts with no gradients,
         or fails before the backward, clones nothing. A step being captured
@@ -295,9 +295,7 @@ class Pipe(PipeCall):
             loss_fn, reduction = own_loss(split, target), "sum"
         args = detached(args)
         labels = detached(target)
-        versions = Versions()
-        with torch.enable_grad():  # as the step runs: micro-batches it may change in place
-            micro = scatter(args, self._chunks, self._split_size, versions=versions)
+        micro = scatter(args, self._chunks, self._split_size)
         micro_targets = (
             [None] * len(micro)
             if target is None
@@ -354,8 +352,6 @@ class Pipe(PipeCall):
             if snapshot is not None:
                 snapshot.restore()
             raise
-        finally:
-            versions.settle()
         return torch.stack(losses).sum()
 
     def _step_inputs(self, inputs: Any) -> tuple[Any, ...]:

@@ -17,7 +17,7 @@ import torch
 
 from ..schedules.schedule import Kind, Task
 
-__all__ = ["layers_label", "stage_labels", "task_note", "annotate", "raised_in"]
+__all__ = ["layers_label", "stage_labels", "task_note", "inplace_hint", "annotate", "raised_in"]
 
 
 def layers_label(names: Sequence[str]) -> str:
@@ -73,6 +73,21 @@ def task_note(task: Task, micros: int, labels: Sequence[str], in_loss: bool = Fa
     else:
         what = f"the copy of {mb}'s gradient from stage {peer} back to {labels[s]}"
     return f"mpstream: raised in {what}"
+
+
+def inplace_hint(exc: BaseException, task: Task) -> str | None:
+    """What to do when the first stage's backward finds a saved tensor
+    changed in place: the likely cause is the stage changing its own input,
+    which differs from the whole-batch model (whose input is one tensor)."""
+    first_backward = task.stage == 0 and task.kind in (Kind.BACKWARD, Kind.WEIGHT)
+    if not (first_backward and "modified by an inplace operation" in str(exc)):
+        return None
+    return (
+        "mpstream: if the first stage changes the pipeline's input in place (a first "
+        "ReLU(inplace=True), x.mul_(...)), that is the cause: the micro-batches are views of "
+        "one batch tensor, so one micro-batch's change invalidates what autograd saved of "
+        "another. Make that operation out-of-place, or pass a copy of the batch"
+    )
 
 
 def raised_in(exc: BaseException, code: CodeType) -> bool:

@@ -33,7 +33,6 @@ __all__ = [
     "leaves",
     "tensors_of",
     "gradless",
-    "Versions",
     "rebuild",
 ]
 
@@ -188,60 +187,8 @@ def split(t: Tensor, chunks: int | None, split_size: int | None) -> tuple[Tensor
     return t.chunk(chunks, dim=0)
 
 
-class Versions:
-    """Version counters of their own for the micro-batches of a batch tensor.
-
-    Micro-batches split from one tensor are views, which share its version
-    counter: an in-place op on one (a first layer ``ReLU(inplace=True)``,
-    ``x.div_(255)``) would invalidate what autograd saved of the others,
-    and the backward would fail where the whole-batch model's runs. A split
-    tensor that needs no gradient therefore gets micro-batches with
-    counters of their own (the same memory); :meth:`settle`, once the run is
-    over, bumps the batch tensor's counter if a micro-batch changed in
-    place, so autograd refuses what it saved of it elsewhere, as it would
-    for the whole-batch model.
-    """
-
-    __slots__ = ("split",)
-
-    def __init__(self) -> None:
-        self.split: list[tuple[Tensor, list[tuple[Tensor, int]]]] = []
-
-    def own(self, base: Tensor, parts: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-        """``parts`` of ``base``, each with a version counter of its own."""
-        if (
-            len(parts) < 2
-            or base.requires_grad
-            or type(base) is not Tensor
-            or base.layout != torch.strided
-            or base.is_inference()
-            or not torch.is_grad_enabled()  # nothing saved for a backward
-        ):
-            return parts
-        storage = base.untyped_storage()
-        owned = tuple(
-            torch.empty(0, dtype=p.dtype, device=p.device).set_(
-                storage, p.storage_offset(), p.size(), p.stride()
-            )
-            for p in parts
-        )
-        self.split.append((base, [(p, p._version) for p in owned]))
-        return owned
-
-    def settle(self) -> None:
-        """Bumps the version of each batch tensor a micro-batch changed."""
-        for base, parts in self.split:
-            if any(p._version != v for p, v in parts):
-                torch.autograd.graph.increment_version(base)
-        self.split.clear()
-
-
 def scatter(
-    value: Any,
-    chunks: int | None,
-    split_size: int | None,
-    what: str = "input",
-    versions: Versions | None = None,
+    value: Any, chunks: int | None, split_size: int | None, what: str = "input"
 ) -> list[Any]:
     """Splits ``value`` into micro-batches.
 
@@ -253,9 +200,6 @@ def scatter(
         split_size: micro-batch size, as ``torch.split``. Exactly one of
             ``chunks`` and ``split_size`` is given, or neither (one chunk).
         what: how errors name ``value``.
-        versions: gives the micro-batches of split tensors version counters
-            of their own (see :class:`Versions`); the caller settles it
-            after the run.
 
     Returns:
         The micro-batches, each structured like ``value``.
@@ -264,7 +208,7 @@ def scatter(
         TypeError: ``value`` holds no tensor to split, or a leaf that is
             neither a tensor, ``NoChunk`` nor a plain value.
         ValueError: a tensor to split is a scalar or empty, or tensors to
-            split differ in batch size.
+            split into several micro-batches differ in batch size.
     """
     items, spec = leaves(value)
     parts: list[tuple[Tensor, ...] | None] = []
@@ -277,8 +221,7 @@ def scatter(
                 )
             if leaf.size(0) == 0:
                 raise ValueError(f"{what} is an empty batch (size 0 along dim 0)")
-            pieces = split(leaf, chunks, split_size)
-            parts.append(pieces if versions is None else versions.own(leaf, pieces))
+            parts.append(split(leaf, chunks, split_size))
         elif isinstance(leaf, NoChunk) or isinstance(leaf, PLAIN):
             parts.append(None)
         else:
@@ -295,9 +238,10 @@ def scatter(
             f"tuple, list or dict holding tensors"
         )
     # Equal batch sizes, not only equal counts: rows 0-2 of one tensor must
-    # meet rows 0-2 of the other, as in the whole batch.
+    # meet rows 0-2 of the other, as in the whole batch (one micro-batch is
+    # the batch as given).
     sizes = sorted({t.size(0) for t in items if isinstance(t, Tensor)})
-    if len(sizes) > 1:
+    if len(sizes) > 1 and max(counts) > 1:
         raise ValueError(
             f"{what} tensors have different batch sizes (dim 0): {sizes}; mpstream splits "
             f"every tensor along dim 0 into micro-batches. Give them the same batch size, "

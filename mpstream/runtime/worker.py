@@ -29,7 +29,7 @@ from ..schedules.schedule import Kind, Schedule, Task, Topology
 from . import marks
 from .calls import StageCalls
 from .copy import Copy, Route
-from .errors import annotate, raised_in, task_note
+from .errors import annotate, inplace_hint, raised_in, task_note
 from .graph import ALL, Hop, Routes, StageGraph
 from .graphed import StageGraphs
 from .microbatch import leaves, rebuild_leaves
@@ -155,6 +155,9 @@ class Worker:
         if task is not None and isinstance(exc, Exception):
             in_loss = loss is not None and task.kind is Kind.FORWARD and raised_in(exc, loss)
             annotate(exc, task_note(task, micros, self.labels, in_loss))
+            hint = inplace_hint(exc, task)
+            if hint is not None:
+                annotate(exc, hint)
 
     def routes(self, topology: Topology) -> tuple[Routes, Wiring]:
         """The hops of this worker's graph for a schedule's topology, and the

@@ -385,45 +385,20 @@ def test_a_constant_output_needs_no_gradient_after_a_copy(force_copies: bool) ->
     assert h.requires_grad and not c.requires_grad
 
 
-@pytest.mark.parametrize("how", ["backward", "gpipe", "1f1b", "no_grad"])
-def test_a_first_layer_may_change_the_input_in_place(how: str) -> None:
-    # Micro-batches of one batch are views sharing its version counter: one
-    # micro-batch changed in place must not invalidate what another saved.
-    torch.manual_seed(0)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_first_layer_changing_the_input_in_place_is_named(schedule: str) -> None:
+    # Micro-batches are views of one batch tensor: one changed in place
+    # invalidates what autograd saved of another (the whole batch is fine).
     model = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(4, 4), nn.Linear(4, 2)).double()
     x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
-    schedule = how if how in ("gpipe", "1f1b") else "gpipe"
     pipe = Pipe(copy.deepcopy(model), chunks=3, balance=[2, 1], schedule=schedule)
-    given = x.clone()
-    if how == "no_grad":
-        with torch.no_grad():
-            torch.testing.assert_close(pipe(given), model(x.clone()))
-    else:
-        if how == "backward":
-            nn.functional.mse_loss(pipe(given), y).backward()
-        else:
-            pipe.train_step(given, y, nn.functional.mse_loss)
-        nn.functional.mse_loss(model(x.clone()), y).backward()
-        assert_same_grads(pipe, model)
-    torch.testing.assert_close(given, x.relu())  # changed in place, as by the model
-
-
-@pytest.mark.parametrize("step", [False, True])
-def test_an_input_changed_in_place_is_refused_where_autograd_saved_it(step: bool) -> None:
-    # As for the whole-batch model: what autograd saved of the batch
-    # elsewhere is refused once a micro-batch changed it.
-    model = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(4, 2)).double()
-    pipe = Pipe(copy.deepcopy(model), chunks=2, balance=[1, 1])
-    w = torch.ones(4, dtype=torch.float64, requires_grad=True)
-    for run in (model, pipe):
-        x = torch.randn(4, 4, dtype=torch.float64)
-        saved = (w * x).sum()  # saves x
-        if step and run is pipe:
-            pipe.train_step(x, torch.zeros(4, 2, dtype=torch.float64), nn.functional.mse_loss)
-        else:
-            run(x)
-        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-            saved.backward()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as raised:
+        pipe.train_step(x.clone(), y, nn.functional.mse_loss)
+    notes = "\n".join(getattr(raised.value, "__notes__", []))
+    assert "changes the pipeline's input in place" in notes and "out-of-place" in notes
+    assert all(p.grad is None for p in pipe.parameters())  # put back
+    with torch.no_grad():  # nothing saved: it runs
+        torch.testing.assert_close(pipe(x.clone()), model(x.clone()))
 
 
 def test_force_copies_set_after_the_first_call_copies() -> None:

@@ -108,6 +108,9 @@ def test_tensors_of_other_batch_sizes_are_refused() -> None:
             scatter((torch.zeros(6), {"other": torch.zeros(4)}), chunks, split_size)
     parts = scatter((torch.zeros(6), NoChunk(torch.zeros(4))), 3, None)  # meant whole
     assert [(len(a), len(b)) for a, b in parts] == [(2, 4)] * 3
+    # One micro-batch is the batch as given (a broadcast row, say).
+    ((x, row),) = scatter((torch.zeros(6), torch.zeros(1)), 1, None)
+    assert (len(x), len(row)) == (6, 1)
 
 
 def test_scatter_needs_a_tensor_and_plain_leaves() -> None:
