@@ -11,9 +11,11 @@ cannot be read or written is warned about, never fatal.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
+import reprlib
 import tempfile
 import warnings
 from collections.abc import Callable
@@ -58,13 +60,29 @@ def loss_key(loss_fn: Callable[..., Any] | None, target: Any) -> dict[str, Any]:
     module's repr, else its qualified name) and the target's shapes."""
     if loss_fn is None:
         return {}
-    if isinstance(loss_fn, nn.Module):
-        name = repr(loss_fn)
-    else:
-        qualname = getattr(loss_fn, "__qualname__", type(loss_fn).__qualname__)
-        name = f"{getattr(loss_fn, '__module__', '')}.{qualname}"
     leaves = [t for t in pytree.tree_leaves(target) if isinstance(t, Tensor)]
-    return {"loss": name, "target": batch_shape(tuple(leaves)) if leaves else type(target).__name__}
+    return {
+        "loss": _function(loss_fn),
+        "target": batch_shape(tuple(leaves)) if leaves else type(target).__name__,
+    }
+
+
+def _function(fn: Callable[..., Any]) -> str:
+    """A loss function's name: a module's repr; a partial's function and
+    arguments; a function's qualified name, with its line where several
+    share the name (lambdas, local functions)."""
+    if isinstance(fn, nn.Module):
+        return repr(fn)
+    if isinstance(fn, functools.partial):
+        return (
+            f"partial({_function(fn.func)}, {reprlib.repr(fn.args)}, {reprlib.repr(fn.keywords)})"
+        )
+    qualname = getattr(fn, "__qualname__", type(fn).__qualname__)
+    name = f"{getattr(fn, '__module__', '')}.{qualname}"
+    code = getattr(fn, "__code__", None)
+    if code is not None and "<" in qualname:  # <lambda>, <locals>
+        name += f":{code.co_firstlineno}"
+    return name
 
 
 def batch_shape(value: Value) -> list[list[Any]]:

@@ -82,7 +82,7 @@ def _example(leaf: Any, device: torch.device, mode: Any) -> tuple[Any, Any]:
         shape = (max(2, leaf.size(0)), *leaf.shape[1:]) if leaf.dim() else ()
         with mode:
             fake = torch.empty(shape, dtype=leaf.dtype, device=device)
-        if leaf.requires_grad and leaf.is_floating_point():
+        if leaf.requires_grad and (leaf.is_floating_point() or leaf.is_complex()):
             fake.requires_grad_(True)
         return fake, ({0: torch.export.Dim.AUTO} if leaf.dim() else None)
     return leaf, None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -46,6 +46,11 @@ class Curve(nn.Module):
 
 
 SAMPLE = torch.randn(16, 2)
+
+
+def _total(out: Tensor) -> Tensor:
+    """One loss for the runs that share a cache entry (the key names it)."""
+    return out.sum()
 
 
 def test_finds_the_minimum_and_stops_when_times_rise(tmp_path: Path) -> None:
@@ -210,12 +215,12 @@ def test_the_key_holds_every_setting_that_changes_a_step() -> None:
 
 def test_a_malformed_cache_entry_is_measured_again(tmp_path: Path) -> None:
     path = tmp_path / "c.json"
-    first = tune(Curve(), SAMPLE, lambda out: out.sum(), [4, 6], cache=path, progress=False)
+    first = tune(Curve(), SAMPLE, _total, [4, 6], cache=path, progress=False)
     doc = json.loads(path.read_text())
     (key,) = doc
     path.write_text(json.dumps({key: {"best": {}}}))  # an older or damaged format
     with pytest.warns(UserWarning, match="malformed entry"):
-        again = tune(Curve(), SAMPLE, lambda out: out.sum(), [4, 6], cache=path, progress=False)
+        again = tune(Curve(), SAMPLE, _total, [4, 6], cache=path, progress=False)
     assert not again.cached and again.split_size == first.split_size
 
 
@@ -256,7 +261,7 @@ def test_cached_values_that_cannot_be_are_measured_again(
     damage: dict[str, object], tmp_path: Path
 ) -> None:
     path = tmp_path / "c.json"
-    tune(Curve(), SAMPLE, lambda out: out.sum(), [4, 6], cache=path, progress=False)
+    tune(Curve(), SAMPLE, _total, [4, 6], cache=path, progress=False)
     doc = json.loads(path.read_text())
     (key,) = doc
     doc[key]["best"].update(damage)
@@ -264,7 +269,7 @@ def test_cached_values_that_cannot_be_are_measured_again(
     path.write_text(json.dumps(doc))
     model = Curve()
     with pytest.warns(UserWarning, match="malformed entry"):
-        again = tune(model, SAMPLE, lambda out: out.sum(), [4, 6], cache=path, progress=False)
+        again = tune(model, SAMPLE, _total, [4, 6], cache=path, progress=False)
     assert not again.cached and model.split_size == 6
 
 
@@ -301,3 +306,19 @@ def test_results_written_meanwhile_by_another_run_stay(tmp_path: Path) -> None:
     model.forward = types.MethodType(step, model)  # type: ignore[method-assign]
     tune(model, SAMPLE, None, [2, 6], cache=path, progress=False)
     assert len(json.loads(path.read_text())) == 2
+
+
+def test_the_loss_key_tells_lambdas_and_partials_apart() -> None:
+    from functools import partial
+
+    from mpstream.observe.tune_cache import loss_key
+
+    def key(fn: Callable[..., Tensor]) -> str:
+        return str(loss_key(fn, None)["loss"])
+
+    first = lambda o, t: o.sum()  # noqa: E731
+    second = lambda o, t: o.mean()  # noqa: E731
+    assert key(first) != key(second) and key(first) == key(first)
+    huber = nn.functional.huber_loss
+    assert key(partial(huber, delta=1.0)) != key(partial(huber, delta=2.0))
+    assert key(nn.functional.l1_loss) == "torch.nn.functional.l1_loss"
