@@ -27,6 +27,7 @@ from .checkpoint import is_recomputing
 __all__ = [
     "DeferredBatchNorm",
     "convert_deferred_batch_norm",
+    "converted",
     "deferred_norms",
     "deferred_update",
 ]
@@ -184,6 +185,27 @@ class DeferredBatchNorm(_BatchNorm):
             if replaced is not child:
                 setattr(module, name, replaced)
         return module
+
+
+@contextmanager
+def converted(module: nn.Module) -> Iterator[nn.Module]:
+    """``DeferredBatchNorm.convert(module)``, undone if the block raises (a
+    pipe that fails to build leaves the caller's model as it was)."""
+    swapped = [
+        (parent, name, child)
+        for parent in module.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, _BatchNorm)
+        and not isinstance(child, DeferredBatchNorm)
+        and child.track_running_stats
+    ]
+    result = DeferredBatchNorm.convert(module)
+    try:
+        yield result
+    except BaseException:
+        for parent, name, child in swapped:
+            setattr(parent, name, child)
+        raise
 
 
 def convert_deferred_batch_norm(module: nn.Module) -> nn.Module:

@@ -9,16 +9,17 @@ of one pinned buffer per tensor (:mod:`~mpstream.runtime.transfer`).
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from ..runtime.microbatch import PLAIN, NoChunk, describe, leaves, split
 from ..runtime.transfer import host_staging
 
-__all__ = ["positional", "check_holds_tensor", "staging", "detached", "micro_sizes"]
+__all__ = ["positional", "check_holds_tensor", "staging", "detached", "micro_sizes", "keywords_of"]
 
 
 def positional(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
@@ -100,3 +101,14 @@ def micro_sizes(value: Any, chunks: int | None, split_size: int | None) -> list[
         if isinstance(leaf, Tensor):
             return [len(part) for part in split(leaf, chunks, split_size)]
     raise TypeError("the batch holds no tensor to split")
+
+
+def keywords_of(root: nn.Module, inputs: dict[Any, Any]) -> bool:
+    """Whether every key of ``inputs`` names a parameter of ``root.forward``
+    (then the dict is keyword arguments, not one input)."""
+    try:
+        params = inspect.signature(root.forward).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    named = {p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    return bool(inputs) and all(isinstance(k, str) and k in named for k in inputs)

@@ -7,12 +7,13 @@ Its construction and its training step; a call, ``pipe(x)``, is
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from ..memory.batchnorm import DeferredBatchNorm
+from ..memory.batchnorm import converted
 from ..runtime.graphed import Backend
 from ..runtime.microbatch import Value, batch_device, scatter
 from ..runtime.stream import capturing
@@ -22,11 +23,11 @@ from ..schedules.schedule import (
     check_schedule,
 )
 from ..stages.build import build
-from ..stages.exported import ExportSplit, own_loss
+from ..stages.exported import own_loss
 from ..stages.sequential import DeviceLike, check_positive
 from .call import PipeCall
 from .compiling import CompileOption, compile_options
-from .inputs import detached, micro_sizes
+from .inputs import detached, keywords_of, micro_sizes
 from .snapshot import Snapshot
 
 REDUCTIONS = ("mean", "sum")
@@ -181,17 +182,22 @@ class Pipe(PipeCall):
         if not isinstance(graphs, bool) and not hasattr(graphs, "capture"):
             raise TypeError(f"graphs must be True, False or a graph backend, got {graphs!r}")
         self.__dict__["_graphed"] = graphs or None
+        if isinstance(chunks, (list, tuple)):
+            raise TypeError(
+                f"chunks must be an int, got {type(chunks).__name__}: balance is keyword-only "
+                f"(torchgpipe's GPipe(module, {list(chunks)}) is Pipe(module, balance="
+                f"{list(chunks)}))"
+            )
         self._chunks = None if chunks is None else check_positive("chunks", chunks)
         self._split_size = None if split_size is None else check_positive("split_size", split_size)
         self.checkpoint = checkpoint
         self.__dict__["_compile"] = compile_options(compile)  # before any layer moves
         self.schedule = schedule
         self.virtual_stages = virtual_stages
-        if deferred_batch_norm:
-            module = DeferredBatchNorm.convert(module)
         self.__dict__["_runtime"] = None
         self.force_copies = bool(force_copies)
-        built = build(module, balance, devices, sample, split_points, leaf_modules, tracer)
+        with converted(module) if deferred_batch_norm else nullcontext(module) as module:
+            built = build(module, balance, devices, sample, split_points, leaf_modules, tracer)
         if built.layers is not None:
             for name, layer in built.layers:
                 self.add_module(name, layer)
@@ -209,10 +215,11 @@ class Pipe(PipeCall):
         self.__dict__["_report"] = built.report
         self.__dict__["_deferred"] = None  # found on first use (see _deferred_norms)
         check_schedule(self.schedule, built.devices, built.graph.reads(), self.virtual_stages)
-        if built.root is not None:
-            # A traced module's forward reads its own flag: the pipe starts
-            # in the mode the module is in (set without touching the layers).
-            self.training = built.root.training
+        # The pipe starts in the module's mode (a traced forward reads the
+        # root's flag), set without touching the layers' own flags.
+        self.training = module.training
+        for part in built.partitions:
+            part.training = module.training
         self.__dict__["_sealed"] = True  # layers and tensors replaced from now on are checked
 
     # -- running -------------------------------------------------------
@@ -229,15 +236,20 @@ class Pipe(PipeCall):
 
         Gradients accumulate into ``.grad`` as if ``loss_fn`` had been applied
         to the whole batch: each micro-batch's loss is weighted by its share
-        of the batch (``reduction='mean'``, for losses that average over the
-        batch) or by 1 (``reduction='sum'``). Call ``optimizer.step()`` after.
-        Only parameters get gradients: inputs and targets are detached.
+        of the batch (``reduction='mean'``) or by 1 (``reduction='sum'``).
+        The weights are exact for a loss that averages uniformly over the
+        batch's rows; one that averages over a count that depends on the
+        data (``ignore_index``, class ``weight=``) is not a weighted sum of
+        its micro-batches' means: give it ``reduction='sum'`` in the loss and
+        here, and divide by the count yourself. Call ``optimizer.step()``
+        after. Only parameters get gradients: inputs and targets are detached.
 
         Args:
             inputs: the batch: one input, or a tuple of the module's
                 positional inputs (split as :meth:`forward` splits them);
-                for a module split by ``torch.export``, a dict is its
-                keyword arguments (a Hugging Face batch).
+                for a traced module, a dict whose keys all name parameters
+                of its ``forward`` is its keyword arguments (a Hugging Face
+                batch).
             target: targets split the same way (any structure of tensors
                 and plain values) and moved to the last stage's device;
                 None with no ``loss_fn``.
@@ -358,7 +370,8 @@ class Pipe(PipeCall):
         """``train_step``'s ``inputs`` as the pipeline's positional inputs (a
         traced module switched to the split of their kind)."""
         split = self.__dict__["_split"]
-        if isinstance(inputs, dict) and isinstance(split, ExportSplit):
+        root = self.__dict__["_root"]
+        if isinstance(inputs, dict) and split is not None and keywords_of(root, inputs):
             return self._inputs((), inputs)  # keyword arguments (a Hugging Face batch)
         if split is not None and isinstance(inputs, tuple):
             return self._inputs(inputs, {})

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from ..runtime.boundary import GradSink, cut
+from ..runtime.calls import takes_several
 from ..runtime.microbatch import Value, as_value, leaves, rebuild_leaves, tensors_of
 from .fx import call_units, trace
 from .tracers import none_arguments, sample_call
@@ -169,15 +170,20 @@ def profile_layers(
         else (first.device if first is not None else torch.device("cpu"))
     )
     model = copy.deepcopy(module).to(dev).train()
-    x: Value = tuple(t.to(dev) for t in tensors_of(as_value(sample, "sample")))
-    if isinstance(sample, Tensor):
-        x = x[0]
+    # The pipeline's positional inputs, passed on as its stages pass them
+    # (runtime.calls.Chain: a tuple spread into a layer taking several).
+    args: tuple[Any, ...] = tuple(t.to(dev) for t in tensors_of(as_value(sample, "sample")))
     out = []
     counted: set[int] = set()
     for name, layer in model.named_children():
-        profile, y = profile_call(name, layer, (x,), dev, repeat, counted)
+        if takes_several(layer):
+            if len(args) == 1 and isinstance(args[0], tuple):
+                args = args[0]
+        elif len(args) > 1:
+            args = (args,)
+        profile, y = profile_call(name, layer, args, dev, repeat, counted)
         out.append(profile)
-        x = tuple(t.detach() for t in tensors_of(y)) if not isinstance(y, Tensor) else y.detach()
+        args = (pytree.tree_map(lambda v: v.detach() if isinstance(v, Tensor) else v, y),)
     return out
 
 

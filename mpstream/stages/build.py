@@ -73,6 +73,7 @@ def build(
         ValueError: balance/devices/split points that do not fit the module,
             devices that do not exist, tensors shared across devices.
     """
+    _check_applies(module, balance, sample, split_points, leaf_modules, tracer)
     auto = isinstance(balance, str) and not isinstance(module, nn.Sequential)
     if split_points is not None or auto:
         if balance is not None and not isinstance(balance, str):
@@ -89,8 +90,6 @@ def build(
             if tracer == "fx":
                 raise
             return _exported(module, split_points, balance, devices, sample, why, exc)
-    if tracer != "auto":
-        choose_tracer(module, tracer)  # validates it
     if isinstance(balance, str):
         balance = _auto_balance(module, balance, devices, sample)
     stages = split_module(module, balance, devices)
@@ -102,6 +101,58 @@ def build(
         layers=list(stages.layers),
         report=SplitReport("nn.Sequential", "an nn.Sequential is split by its layers"),
     )
+
+
+def _check_applies(
+    module: nn.Module,
+    balance: Sequence[int] | str | None,
+    sample: Any,
+    split_points: Sequence[str] | None,
+    leaf_modules: Sequence[str | type[nn.Module]],
+    tracer: str,
+) -> None:
+    """Refuses an argument that this way of splitting would ignore.
+
+    Raises:
+        ValueError: the argument named, with what to do instead.
+    """
+    if isinstance(balance, str) and balance not in ("time", "size"):
+        raise ValueError(f"balance must be a list of ints, 'time' or 'size'; got {balance!r}")
+    if isinstance(balance, str) and split_points is not None:
+        raise ValueError(
+            f"balance={balance!r} picks the split points, and split_points= gives them: "
+            f"pass one of the two"
+        )
+    traced = split_points is not None or not isinstance(module, nn.Sequential)
+    if traced:
+        if leaf_modules and tracer == "export":
+            raise ValueError(
+                "leaf_modules= tells torch.fx what not to trace into; tracer='export' does "
+                "not use it: drop one of the two"
+            )
+        names = {name for name, _ in module.named_modules()}
+        unknown = [n for n in leaf_modules if isinstance(n, str) and n not in names]
+        if unknown:
+            raise ValueError(
+                f"leaf_modules names no submodule of {type(module).__name__}: "
+                f"{', '.join(map(repr, unknown))}"
+            )
+        return
+    ignored = [
+        name
+        for name, given in (
+            ("tracer=", tracer != "auto"),
+            ("leaf_modules=", bool(leaf_modules)),
+            ("sample=", sample is not None and not isinstance(balance, str)),
+        )
+        if given
+    ]
+    if ignored:
+        raise ValueError(
+            f"{', '.join(ignored)}: an nn.Sequential is split by its layers (balance=), "
+            f"without tracing{'' if isinstance(balance, str) else ' or profiling'}; drop "
+            f"{'it' if len(ignored) == 1 else 'them'}, or give split_points= to trace it"
+        )
 
 
 def _traced(
@@ -160,10 +211,10 @@ def _exported(
     if any(isinstance(m, DeferredBatchNorm) for m in module.modules()):
         # Its statistics are summed in Python across a mini-batch's
         # micro-batches, which an exported graph would freeze.
-        fx_failed = f" (torch.fx could not trace the module: {fx_error})" if fx_error else ""
+        because = f"torch.fx could not trace it: {fx_error}" if fx_error else why
         raise ValueError(
-            f"deferred_batch_norm=True: the module would be split by torch.export ({why})"
-            f"{fx_failed}, which cannot run DeferredBatchNorm; use tracer='fx' or an "
+            f"deferred_batch_norm=True: the module would be split by torch.export "
+            f"({because}), which cannot run DeferredBatchNorm; use tracer='fx' or an "
             "nn.Sequential of stages, or leave deferred_batch_norm off"
         )
     if isinstance(balance, str) and split_points is None:

@@ -279,3 +279,15 @@ def test_norms_converted_after_the_pipe_was_built_are_deferred() -> None:
     before = int(norm.num_batches_tracked)  # 4: the plain norm's, one per micro-batch
     pipe(torch.randn(16, 2))
     assert int(norm.num_batches_tracked) == before + 1  # one update for the mini-batch
+
+
+def test_a_pipe_that_fails_to_build_leaves_the_batch_norms_as_they_were() -> None:
+    from mpstream import Pipe
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    norm = model[1]
+    with pytest.raises(ValueError, match="balance"):
+        Pipe(model, balance=[1, 1], deferred_batch_norm=True)  # 3 layers
+    assert model[1] is norm
+    pipe = Pipe(model, balance=[2, 1], chunks=2, deferred_batch_norm=True)
+    assert type(pipe[1]).__name__ == "DeferredBatchNorm"

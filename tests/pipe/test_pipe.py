@@ -413,3 +413,13 @@ def test_force_copies_set_after_the_first_call_copies() -> None:
     pipe(x)
     pipe.train_step(x, torch.zeros(4, 2), nn.functional.mse_loss)
     assert len(seen) == 4 and all(p != q for p, q in zip(produced, seen))
+
+
+def test_a_pipe_starts_in_its_modules_mode() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), nn.Linear(4, 2)).eval()
+    pipe = Pipe(model, chunks=2, balance=[2, 1], checkpoint="always")
+    assert not pipe.training and not any(p.training for p in pipe.partitions)
+    x = torch.randn(4, 4)
+    torch.testing.assert_close(pipe(x), model(x))  # eval: no dropout, no checkpoint
+    pipe.train()
+    assert pipe.training and pipe[1].training

@@ -165,3 +165,48 @@ def test_virtual_stages_set_for_another_schedule_is_refused_at_the_step() -> Non
         pipe.train_step(x, x, nn.functional.mse_loss)
     pipe.virtual_stages = None
     assert pipe.train_step(x, x, nn.functional.mse_loss).dim() == 0
+
+
+class _Blocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(self.a(x))
+
+
+@pytest.mark.parametrize(
+    ("module", "kwargs", "match"),
+    [
+        (_Blocks(), {"split_points": ["b"], "balance": "time"}, "pass one of the two"),
+        (_Blocks(), {"balance": "bogus"}, "balance must be a list of ints, 'time' or 'size'"),
+        (_Blocks(), {"split_points": ["b"], "leaf_modules": ["a.typo"]}, "'a.typo'"),
+        (
+            _Blocks(),
+            {"split_points": ["b"], "leaf_modules": ["a"], "tracer": "export"},
+            "tracer='export' does not use it",
+        ),
+        (nn.Sequential(nn.Linear(4, 4)), {"tracer": "export"}, r"^tracer=: an nn.Sequential"),
+        (nn.Sequential(nn.Linear(4, 4)), {"leaf_modules": ["0"]}, "leaf_modules=: an nn"),
+        (
+            nn.Sequential(nn.Linear(4, 4)),
+            {"sample": torch.randn(2, 4)},
+            "sample=: an nn.Sequential is split by its layers .* or profiling",
+        ),
+    ],
+)
+def test_arguments_the_split_would_ignore_are_refused(
+    module: nn.Module, kwargs: dict[str, object], match: str
+) -> None:
+    devices = ["cpu"] * 2 if "split_points" in kwargs or "balance" in kwargs else None
+    with pytest.raises(ValueError, match=match):
+        Pipe(module, devices=devices, **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_balance_passed_as_torchgpipe_did_is_named() -> None:
+    with pytest.raises(
+        TypeError, match=r"balance is keyword-only .*Pipe\(module, balance=\[1, 1\]\)"
+    ):
+        Pipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), [1, 1])  # type: ignore[arg-type]

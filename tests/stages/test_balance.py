@@ -144,3 +144,35 @@ def test_profiling_runs_in_training_mode_and_leaves_the_mode_alone() -> None:
     assert Modes.seen == [True, True]  # warm-up and one timed run
     assert profiles[2].activation_bytes > profiles[2].output_bytes  # dropout saved its mask
     assert not any(m.training for m in model.modules())
+
+
+class _Two(nn.Module):
+    """Takes two inputs (a tuple reaching it is spread, as in the pipe)."""
+
+    def forward(self, a: Tensor, b: Tensor) -> Tensor:
+        return a + b
+
+
+class _Named(nn.Module):
+    def forward(self, x: Tensor) -> dict[str, object]:
+        return {"h": x * 2, "tag": "plain"}
+
+
+class _Reads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, d: dict[str, Tensor]) -> Tensor:
+        return self.lin(d["h"])
+
+
+@pytest.mark.parametrize("how", ["time", "size"])
+def test_balancing_calls_layers_as_the_pipe_does(how: str) -> None:
+    a, b = torch.randn(6, 8), torch.randn(6, 8)
+    several = nn.Sequential(_Two(), nn.Linear(8, 8), nn.ReLU())
+    pipe = Pipe(several, chunks=2, balance=how, sample=(a[:2], b[:2]), devices=["cpu"] * 2)
+    torch.testing.assert_close(pipe(a, b), several[2](several[1](a + b)))
+    plain = nn.Sequential(nn.Linear(8, 8), _Named(), _Reads())
+    pipe = Pipe(plain, chunks=2, balance=how, sample=a[:2], devices=["cpu"] * 2)
+    torch.testing.assert_close(pipe(a), plain(a))

@@ -397,3 +397,43 @@ class ReturnsItsTensor(nn.Module):
 def test_a_forward_returning_its_own_tensor_is_named() -> None:
     with pytest.raises(TypeError, match="returns its tensor 'shift' as it is"):
         Pipe(ReturnsItsTensor(), split_points=["b"], devices=["cpu"] * 2, tracer="fx")
+
+
+class _Keyword(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, x: Tensor, *, mask: Tensor) -> Tensor:
+        return self.b(self.a(x) * mask)
+
+
+class _Batch(nn.Module):
+    """Takes one dict (whose keys name no parameter of forward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, batch: dict[str, Tensor]) -> Tensor:
+        return self.b(self.a(batch["x"]) * batch["mask"])
+
+
+@pytest.mark.parametrize("model_type", [_Keyword, _Batch])
+def test_train_step_takes_keyword_arguments_or_a_dict_input(model_type: type[nn.Module]) -> None:
+    torch.manual_seed(0)
+    model = model_type().double()
+    x, m = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    y = torch.randn(6, 2, dtype=torch.float64)
+    pipe = Pipe(copy.deepcopy(model), split_points=["b"], devices=["cpu"] * 2, chunks=2)
+    batch = {"x": x, "mask": m}
+    loss = pipe.train_step(batch, y, nn.functional.mse_loss)
+    if model_type is _Keyword:
+        expected = nn.functional.mse_loss(model(x, mask=m), y)
+    else:
+        expected = nn.functional.mse_loss(model(batch), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach())
+    assert_same_grads(pipe, model)
