@@ -188,16 +188,30 @@ class PipeModule(nn.Module):
         return layers[index]
 
     # -- placement is fixed ----------------------------------------------
+    def _stays(self, device: Any) -> bool:
+        """Whether every stage already sits on ``device`` (a move to it is
+        no move: generic code calling ``model.to(device)`` keeps working)."""
+        target = torch.device(device)
+        if target.type == "cuda" and target.index is None and torch.cuda.is_available():
+            target = torch.device("cuda", torch.cuda.current_device())
+        return all(d == target for d in self.__dict__["_devices"])
+
     def cuda(self, device: Any = None) -> Self:
+        index = torch.device(device).index if isinstance(device, (str, torch.device)) else device
+        if self._stays("cuda" if index is None else torch.device("cuda", index)):
+            return self
         raise TypeError("Pipe's stages are placed at construction; .cuda() would move them all")
 
     def cpu(self) -> Self:
+        if self._stays("cpu"):
+            return self
         raise TypeError("Pipe's stages are placed at construction; .cpu() would move them all")
 
     def to(self, *args: Any, **kwargs: Any) -> Self:  # type: ignore[override]
-        """Converts dtype (``.to(torch.half)``); device moves raise ``TypeError``."""
+        """Converts dtype (``.to(torch.half)``); device moves raise ``TypeError``
+        (a "move" to where every stage already is changes nothing)."""
         device, _, _, _ = torch._C._nn._parse_to(*args, **kwargs)
-        if device is not None:
+        if device is not None and not self._stays(device):
             raise TypeError(
                 "Pipe's stages are placed at construction; .to(device) would move them all "
                 "(use .to(dtype) to convert)"

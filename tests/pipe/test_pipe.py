@@ -222,13 +222,14 @@ def test_placement_is_fixed_but_dtype_converts() -> None:
     pipe = Pipe(staged(mlp([2, 2, 2], dtype=torch.float32), [2, 2]), chunks=2)
     for move in (
         lambda: pipe.cuda(),
-        lambda: pipe.cpu(),
-        lambda: pipe.to("cpu"),
-        lambda: pipe.to(torch.device("cpu"), torch.float64),
-        lambda: pipe.to(torch.ones(1, dtype=torch.float64)),
+        lambda: pipe.to("meta"),
+        lambda: pipe.to(torch.device("meta"), torch.float64),
+        lambda: pipe.to(torch.ones(1, dtype=torch.float64, device="meta")),
     ):
         with pytest.raises(TypeError, match="placed at construction"):
             move()
+    # To where every stage already is: no move (generic model.to(device) code).
+    assert pipe.cpu() is pipe and pipe.to("cpu") is pipe
     assert pipe.to(torch.float64) is pipe
     assert all(p.dtype == torch.float64 for p in pipe.parameters())
     assert all(p.dtype == torch.float64 for part in pipe.partitions for p in part.parameters())
