@@ -195,7 +195,7 @@ def _trace(args: argparse.Namespace) -> int:
     return 0
 
 
-def _size_options(p: argparse.ArgumentParser, batches: bool = True) -> None:
+def _size_options(p: argparse.ArgumentParser, batches: bool = True, progress: bool = True) -> None:
     p.add_argument("--devices", help="two devices, e.g. cuda:0,cuda:1 (default: detected)")
     p.add_argument("--quick", action="store_true", help="CPU-sized run")
     p.add_argument("--repeat", type=positive_int, help="timed runs per configuration")
@@ -213,7 +213,8 @@ def _size_options(p: argparse.ArgumentParser, batches: bool = True) -> None:
         p.add_argument("--num-batches", type=positive_int, help="mini-batches per train() call")
     p.add_argument("--image-size", type=image_size, help="W or WxH (at least 32)")
     p.add_argument("--num-classes", type=positive_int, help="classes of the one-hot labels")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    if progress:  # trace shows none
+        p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -268,7 +269,7 @@ def parser() -> argparse.ArgumentParser:
             "its error, and predict two- and four-device steps (labelled predictions)."
         ),
     )
-    _size_options(r)
+    _size_options(r, progress=False)
     r.add_argument(
         "--link-gbps",
         type=positive_float,

@@ -130,8 +130,12 @@ def parse_devices(spec: str | None) -> tuple[torch.device, torch.device]:
     Raises:
         ValueError: not one or two usable devices.
     """
-    if spec is not None and "," not in spec.strip().strip(","):
-        spec = f"{spec},{spec}"
+    if spec is not None:
+        parts = [p for p in spec.split(",") if p.strip()]
+        if len(parts) > 2:
+            raise ValueError(f"--devices takes one or two devices, got {spec!r}")
+        if len(parts) == 1:
+            spec = f"{parts[0]},{parts[0]}"
     return detect_devices(spec)
 
 

@@ -15,6 +15,8 @@ TINY = [
     "--split-size", "2", "--repeat", "1", "--warmup", "0", "--no-progress",
     "--devices", "cpu,cpu",  # the CPU even where a GPU exists: these check the CPU path
 ]  # fmt: skip
+# tune sweeps split sizes: it has no main --split-size.
+TUNE = [a for i, a in enumerate(TINY) if "--split-size" not in TINY[max(i - 1, 0) : i + 1]]
 
 
 def test_tune_writes_the_curve_and_uses_the_cache(
@@ -22,7 +24,7 @@ def test_tune_writes_the_curve_and_uses_the_cache(
 ) -> None:
     args = [
         "tune",
-        *TINY,
+        *TUNE,
         "--split-sizes",
         "2,4",
         "--cache",
@@ -43,7 +45,7 @@ def test_tune_writes_the_curve_and_uses_the_cache(
 def test_tune_with_balances(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     args = [
         "tune",
-        *TINY,
+        *TUNE,
         "--split-sizes",
         "2",
         "--balances",
@@ -63,7 +65,7 @@ def test_tune_with_balances(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
 def test_tune_rejects_bad_balances(
     balances: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    args = ["tune", *TINY, "--balances", balances, "--no-cache", "--out", str(tmp_path)]
+    args = ["tune", *TUNE, "--balances", balances, "--no-cache", "--out", str(tmp_path)]
     assert cli.main(args) == 2
     assert message in capsys.readouterr().err
 
@@ -71,7 +73,8 @@ def test_tune_rejects_bad_balances(
 def test_trace_writes_trace_timeline_and_report(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    args = ["trace", *TINY, "--num-batches", "1", "--split-sizes", "2,4", "--out", str(tmp_path)]
+    tiny = [a for a in TINY if a != "--no-progress"]  # trace shows no progress bar
+    args = ["trace", *tiny, "--num-batches", "1", "--split-sizes", "2,4", "--out", str(tmp_path)]
     assert cli.main(args) == 0
     out = capsys.readouterr().out
     assert "cost model vs measured" in out and "predictions (cost model, not measured" in out

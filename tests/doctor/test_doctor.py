@@ -99,7 +99,8 @@ def test_parse_devices() -> None:
     cpu = torch.device("cpu")
     assert runner.parse_devices("cpu") == (cpu, cpu)
     assert runner.parse_devices("cpu,cpu") == (cpu, cpu)
-    with pytest.raises(ValueError, match="two comma-separated"):
+    assert runner.parse_devices(" cpu ,") == (cpu, cpu)
+    with pytest.raises(ValueError, match="takes one or two devices"):
         runner.parse_devices("cpu,cpu,cpu")
 
 
