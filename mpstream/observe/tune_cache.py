@@ -15,7 +15,7 @@ import functools
 import hashlib
 import json
 import os
-import reprlib
+import re
 import tempfile
 import warnings
 from collections.abc import Callable
@@ -67,6 +67,9 @@ def loss_key(loss_fn: Callable[..., Any] | None, target: Any) -> dict[str, Any]:
     }
 
 
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
 def _function(fn: Callable[..., Any]) -> str:
     """A loss function's name: a module's repr; a partial's function and
     arguments; a function's qualified name, with its line where several
@@ -74,9 +77,12 @@ def _function(fn: Callable[..., Any]) -> str:
     if isinstance(fn, nn.Module):
         return repr(fn)
     if isinstance(fn, functools.partial):
-        return (
-            f"partial({_function(fn.func)}, {reprlib.repr(fn.args)}, {reprlib.repr(fn.keywords)})"
-        )
+        # Without addresses (a default repr's), which change every run;
+        # long arguments by a hash of their text.
+        bound = _ADDRESS.sub("", repr((fn.args, fn.keywords)))
+        if len(bound) > 200:
+            bound = hashlib.sha1(bound.encode()).hexdigest()[:16]
+        return f"partial({_function(fn.func)}, {bound})"
     qualname = getattr(fn, "__qualname__", type(fn).__qualname__)
     name = f"{getattr(fn, '__module__', '')}.{qualname}"
     code = getattr(fn, "__code__", None)

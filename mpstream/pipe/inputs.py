@@ -104,11 +104,15 @@ def micro_sizes(value: Any, chunks: int | None, split_size: int | None) -> list[
 
 
 def keywords_of(root: nn.Module, inputs: dict[Any, Any]) -> bool:
-    """Whether every key of ``inputs`` names a parameter of ``root.forward``
-    (then the dict is keyword arguments, not one input)."""
+    """Whether ``inputs`` is ``root.forward``'s keyword arguments rather than
+    one input: its keys are strings and one at least names a parameter (a
+    key ``forward`` does not take is then refused by name, or goes to its
+    ``**kwargs``: a Hugging Face batch's extra keys)."""
     try:
         params = inspect.signature(root.forward).parameters.values()
     except (TypeError, ValueError):
         return False
-    named = {p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
-    return bool(inputs) and all(isinstance(k, str) and k in named for k in inputs)
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    named = {p.name for p in params if p.kind in keyword}
+    keys = list(inputs)
+    return all(isinstance(k, str) for k in keys) and any(k in named for k in keys)

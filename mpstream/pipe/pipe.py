@@ -196,8 +196,10 @@ class Pipe(PipeCall):
         self.virtual_stages = virtual_stages
         self.__dict__["_runtime"] = None
         self.force_copies = bool(force_copies)
+        # A failure undoes the conversion: the caller's model is as it was.
         with converted(module) if deferred_batch_norm else nullcontext(module) as module:
             built = build(module, balance, devices, sample, split_points, leaf_modules, tracer)
+            check_schedule(self.schedule, built.devices, built.graph.reads(), self.virtual_stages)
         if built.layers is not None:
             for name, layer in built.layers:
                 self.add_module(name, layer)
@@ -214,7 +216,6 @@ class Pipe(PipeCall):
         self.__dict__["_split"] = built.split  # traced: a split per kind of call
         self.__dict__["_report"] = built.report
         self.__dict__["_deferred"] = None  # found on first use (see _deferred_norms)
-        check_schedule(self.schedule, built.devices, built.graph.reads(), self.virtual_stages)
         # The pipe starts in the module's mode (a traced forward reads the
         # root's flag), set without touching the layers' own flags.
         self.training = module.training

@@ -73,6 +73,8 @@ def build(
         ValueError: balance/devices/split points that do not fit the module,
             devices that do not exist, tensors shared across devices.
     """
+    if isinstance(leaf_modules, str):  # one name, as split_points may be
+        leaf_modules = [leaf_modules]
     _check_applies(module, balance, sample, split_points, leaf_modules, tracer)
     auto = isinstance(balance, str) and not isinstance(module, nn.Sequential)
     if split_points is not None or auto:

@@ -289,5 +289,8 @@ def test_a_pipe_that_fails_to_build_leaves_the_batch_norms_as_they_were() -> Non
     with pytest.raises(ValueError, match="balance"):
         Pipe(model, balance=[1, 1], deferred_batch_norm=True)  # 3 layers
     assert model[1] is norm
+    with pytest.raises(ValueError, match="virtual_stages"):  # after the split: the schedule
+        Pipe(model, balance=[1, 1, 1], deferred_batch_norm=True, schedule="interleaved_1f1b")
+    assert model[1] is norm
     pipe = Pipe(model, balance=[2, 1], chunks=2, deferred_batch_norm=True)
     assert type(pipe[1]).__name__ == "DeferredBatchNorm"

@@ -210,3 +210,10 @@ def test_a_balance_passed_as_torchgpipe_did_is_named() -> None:
         TypeError, match=r"balance is keyword-only .*Pipe\(module, balance=\[1, 1\]\)"
     ):
         Pipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), [1, 1])  # type: ignore[arg-type]
+
+
+def test_one_leaf_module_may_be_given_as_a_string() -> None:
+    model = _Blocks()
+    pipe = Pipe(model, split_points=["b"], leaf_modules="a", devices=["cpu"] * 2, chunks=2)
+    x = torch.randn(4, 4)
+    torch.testing.assert_close(pipe(x), model(x))

@@ -259,3 +259,34 @@ def test_an_exported_batch_norm_pipe_pickles_with_its_check() -> None:
     torch.testing.assert_close(loaded(x), pipe(x))
     with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
         loaded(torch.randn(2, 2, dtype=torch.float64))
+
+
+class _Extras(nn.Module):
+    """Takes extra keyword arguments (as a Hugging Face forward does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, input_ids: Tensor, **kwargs: Tensor) -> Tensor:
+        h = self.a(input_ids)
+        if "scale" in kwargs:
+            h = h * kwargs["scale"]
+        return self.b(h)
+
+
+def test_train_step_passes_a_batchs_extra_keys_to_kwargs() -> None:
+    torch.manual_seed(0)
+    model = _Extras().double()
+    x, s = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    y = torch.randn(6, 2, dtype=torch.float64)
+    pipe = Pipe(
+        copy.deepcopy(model), split_points=["b"], devices=["cpu"] * 2, chunks=2,
+        tracer="export", sample={"input_ids": x, "scale": s},
+    )  # fmt: skip
+    loss = pipe.train_step({"input_ids": x, "scale": s}, y, nn.functional.mse_loss)
+    expected = nn.functional.mse_loss(model(x, scale=s), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach())
+    assert_same_grads(pipe, model)
