@@ -232,3 +232,26 @@ def test_an_explicit_commit_wins_over_git(monkeypatch: pytest.MonkeyPatch) -> No
     assert bench.git_commit() == "81f9503"
     monkeypatch.delenv("MPSTREAM_COMMIT")
     assert bench.git_commit() not in (None, "81f9503")  # this checkout's own
+
+
+def test_a_graphed_model_is_compared_with_the_single_device_captured_the_same_way() -> None:
+    from mpstream.tutorial.bench import GRAPHED, SINGLE_GRAPHED, Measurement, Results
+
+    cpu = torch.device("cpu")
+    models = [
+        Measurement("single device", None, [0.248]),
+        Measurement("mpstream", 12, [0.25]),
+        Measurement(SINGLE_GRAPHED, None, [0.150]),
+        Measurement(GRAPHED, 12, [0.205]),
+    ]
+    results = Results(bench.QUICK, (cpu, cpu), models, [])
+    rows = {m["model"]: m for m in bench.to_json(results)["models"]}
+    assert rows[GRAPHED]["baseline"] == SINGLE_GRAPHED
+    assert rows[GRAPHED]["speedup_vs_baseline"] == pytest.approx(0.150 / 0.205)
+    assert rows[GRAPHED]["speedup_vs_single"] == pytest.approx(0.248 / 0.205)
+    assert rows["mpstream"]["baseline"] == "single device"
+    line = next(x for x in bench.table(results).splitlines() if x.startswith(GRAPHED))
+    assert line.endswith(f"0.73x  {SINGLE_GRAPHED}")
+    # Without the captured single device, the eager one is the baseline.
+    eager_only = Results(bench.QUICK, (cpu, cpu), models[:2] + models[3:], [])
+    assert bench.baseline(eager_only, GRAPHED) == "single device"
