@@ -42,6 +42,10 @@ def main() -> None:
     p.add_argument("--repeat", type=positive_int, default=5)
     p.add_argument("--json", type=Path, help="also write the numbers here")
     args = p.parse_args()
+    if args.batch < 2:
+        p.error("--batch: at least 2 (training-mode BatchNorm needs more than one value)")
+    if args.image < 32:
+        p.error(f"--image {args.image}: at least 32 (ResNet50 downsamples 32x)")
 
     torch.manual_seed(0)
     layers = resnet50_layers()

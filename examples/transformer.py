@@ -82,6 +82,8 @@ def main() -> None:
     devices = args.devices
     if len(devices) != 4 or devices[0] != devices[-1]:
         p.error("give 4 devices; the first and last must match (they share the tied weights)")
+    if args.width % 4:
+        p.error(f"--width {args.width}: must divide by the 4 attention heads")
 
     torch.manual_seed(0)
     vocab = 97

@@ -76,6 +76,12 @@ def main() -> None:
     p.add_argument("--split-size", type=positive_int, default=4)
     p.add_argument("--width", type=positive_int, default=8)
     args = p.parse_args()
+    if len(args.devices) != 4:
+        p.error(f"--devices: give 4 devices (one per stage), got {len(args.devices)}")
+    if args.size % 4:
+        p.error(f"--size {args.size}: must divide by 4 (the U-Net pools twice)")
+    if args.width % 4:
+        p.error(f"--width {args.width}: must divide by 4 (GroupNorm's 4 groups)")
 
     torch.manual_seed(0)
     model = UNet(args.width)

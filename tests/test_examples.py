@@ -107,3 +107,24 @@ def test_examples_refuse_devices_this_machine_lacks(
     )
     assert result.returncode == 2
     assert message in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "message"),
+    [
+        ("unet.py", ["--devices", "cpu"], "give 4 devices"),
+        ("unet.py", ["--size", "7"], "must divide by 4"),
+        ("transformer.py", ["--width", "10"], "must divide by the 4 attention heads"),
+        ("balance_resnet50.py", ["--batch", "1"], "at least 2"),
+    ],
+)
+def test_example_sizes_they_cannot_run_are_argparse_errors(
+    script: str, args: list[str], message: str
+) -> None:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
