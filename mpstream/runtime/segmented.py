@@ -297,10 +297,18 @@ class Segmenting:
 
         Raises:
             ValueError: ``groups`` does not hold one label per stage, or puts
-                stages of two devices in one group.
+                stages of two devices in one group; stages on both the CPU
+                and CUDA (segments exist to be captured as CUDA graphs).
         """
         kept = self._orders.get(id(schedule))
         if kept is None or kept[0] is not schedule:
+            kinds = sorted({d.type for d in sched.devices})
+            if len(kinds) > 1:
+                raise ValueError(
+                    f"a step in segments runs on one kind of device (its segments are CUDA "
+                    f"graphs, or the same steps on the CPU); this pipe's stages are on "
+                    f"{' and '.join(kinds)}"
+                )
             groups = self.groups
             if groups is not None:
                 for s, t in itertools.combinations(range(len(groups)), 2):

@@ -147,6 +147,14 @@ def test_groups_must_not_span_devices() -> None:
         Segmenting([0, 0], HostEdges()).issue(sched, schedule)
 
 
+def test_a_step_in_segments_runs_on_one_kind_of_device() -> None:
+    # Segments are captured as CUDA graphs; CPU stages have none to join.
+    sched = EventScheduler([torch.device("cpu"), torch.device("cuda:0")], virtual=True)
+    schedule = Schedule("gpipe", 2, 2, Topology.chain([False, True]), backward=True)
+    with pytest.raises(ValueError, match="this pipe's stages are on cpu and cuda"):
+        Segmenting([0, 1], HostEdges()).issue(sched, schedule)
+
+
 class Recorded(HostEdges):
     """Edges that log what a capture would do."""
 
