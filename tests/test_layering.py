@@ -9,7 +9,10 @@ exports (``from mpstream.runtime import synchronize``, a name in
 modules can move without breaking a tool. ``figures`` (drawn by several
 tools) imports no other mpstream module. The rules read every module under
 each folder: a new module is checked without editing anything here, and a
-new folder fails until it is given a tier.
+new folder (with or without ``__init__.py``) fails until it is given a
+tier. A name imported from the facade (``from mpstream import profile``)
+counts as an import of the folder it comes from; ``import mpstream`` as
+one of everything.
 """
 
 from __future__ import annotations
@@ -35,12 +38,20 @@ CORE = [
 ]
 TOOLS = [{"observe"}, {"tutorial"}, {"doctor"}, {"cli"}, {"__main__"}]
 TIER = {unit: i for i, tier in enumerate(CORE + TOOLS) for unit in tier}
+# ``import mpstream``: the facade, above everything (it imports every unit).
+FACADE = "mpstream (the facade)"
+TIER[FACADE] = len(CORE + TOOLS)
 CORE_UNITS = set().union(*CORE)
 
 
 def units() -> list[str]:
-    """The top-level packages and modules of mpstream (the facade aside)."""
-    found = [p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()]
+    """The top-level packages and modules of mpstream (the facade aside);
+    a folder of modules without ``__init__.py`` too."""
+    found = [
+        p.name
+        for p in PACKAGE.iterdir()
+        if p.is_dir() and p.name != "__pycache__" and any(p.rglob("*.py"))
+    ]
     found += [p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__"]
     return sorted(found)
 
@@ -80,7 +91,18 @@ def uses(target: list[str], names: list[str]) -> list[tuple[str, list[str], list
     """What an import reaches: (unit, module path inside it, names imported from it)."""
     if len(target) > 1:
         return [(target[1], target[2:], names)]
-    return [(name, [], []) for name in names]  # from mpstream import runtime, tutorial
+    if not names or "*" in names:  # import mpstream, from mpstream import *
+        return [(FACADE, [], [])]
+    # from mpstream import runtime (a unit), or profile (a name the facade
+    # re-exports: the unit it comes from).
+    return [(name if name in TIER else _origin(name), [], []) for name in names]
+
+
+def _origin(name: str) -> str:
+    """The unit a name of the facade comes from (the facade if unknown)."""
+    module = getattr(getattr(importlib.import_module("mpstream"), name, None), "__module__", "")
+    parts = (module or "").split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "mpstream" else FACADE
 
 
 def exported(unit: str) -> set[str]:
@@ -127,6 +149,12 @@ def test_packages_say_what_they_hold_and_export_it(unit: str) -> None:
     names = exported(unit)
     assert names, f"mpstream.{unit} exports nothing (__all__)"
     assert all(hasattr(package, n) for n in names)
+
+
+def test_an_import_of_the_facade_counts_as_what_it_reaches() -> None:
+    assert uses(["mpstream"], ["profile"]) == [("observe", [], [])]
+    assert uses(["mpstream"], ["runtime"]) == [("runtime", [], [])]
+    assert uses(["mpstream"], []) == [(FACADE, [], [])]
 
 
 def test_figures_imports_no_mpstream_module() -> None:

@@ -124,7 +124,10 @@ def run(args: argparse.Namespace) -> int:
             f"ResNet50 ({split_size} images of {image_size}x{image_size} per micro-batch) "
             f"profiled on {bench.device_name(device)}; balance {pipe.balance} ({balance})"
         )
-        meta.update(bench.metadata([device]), balance=pipe.balance)
+        # The device profiled on, beside the simulated device count.
+        profiled = bench.metadata([device])
+        profiled["profiled_on"] = profiled.pop("devices")
+        meta.update(profiled, balance=pipe.balance)
         if not args.no_memory:
             virtual = stages // devices if "interleaved_1f1b" in names else None
             measured = compare.measure_memory(pipe, x, y, loss_fn, names, virtual)

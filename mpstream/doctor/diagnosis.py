@@ -163,8 +163,8 @@ class Sizes:
     peak_config: Config
 
 
-# The default run, sized for one H100/H200 in under 9 minutes (estimates
-# per step in docs/doctor.md): the tutorial's sizes, split sizes 12 and 20.
+# The default run, sized for one H100/H200 in under 9 minutes (times per
+# step measured on the H100 in docs/doctor.md): the tutorial's sizes, split sizes 12 and 20.
 FULL = Sizes(
     experiment=dataclasses.replace(BENCH_FULL, repeat=5, warmup=1, split_sizes=(12, 20)),
     idris_repeat=5,

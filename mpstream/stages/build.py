@@ -1,5 +1,5 @@
 """How a ``Pipe`` is cut into stages: a Sequential by layers, any module by
-``torch.fx`` split points (or ``torch.export``'s, :mod:`~mpstream.exported`,
+``torch.fx`` split points (or ``torch.export``'s, :mod:`~mpstream.stages.exported`,
 for a Hugging Face model or where ``torch.fx`` fails), each balanced
 automatically on request.
 
@@ -209,7 +209,7 @@ def _exported(
     why: str,
     fx_error: BaseException | None,
 ) -> Built:
-    """A module split by ``torch.export`` (see :mod:`~mpstream.exported`)."""
+    """A module split by ``torch.export`` (see :mod:`~mpstream.stages.exported`)."""
     if any(isinstance(m, DeferredBatchNorm) for m in module.modules()):
         # Its statistics are summed in Python across a mini-batch's
         # micro-batches, which an exported graph would freeze.
