@@ -76,13 +76,14 @@ class CudaGraphs:
             torch.cuda.current_device() if index is None else index
         ]
         call.random_passes = warm_up(call, fn, self.warmup, generator.get_offset)
-        if call.checkpoint and self.warmup and call.random_passes:  # seen drawing
+        if call.checkpoint and call.random_passes:  # seen drawing, or not warmed up to tell
             # Inside a graph the recomputation's restored RNG state is
             # relative to the backward graph's replay, not the forward's:
             # it would draw other masks than the forward did.
+            unknown = "" if self.warmup else " (or may: without warm-up it cannot be told)"
             raise ValueError(
-                "a checkpointed stage that draws random numbers (dropout) cannot be replayed: "
-                "its recomputation would draw other ones; checkpoint='never' graphs it"
+                f"a checkpointed stage that draws random numbers (dropout){unknown} cannot be "
+                f"replayed: its recomputation would draw other ones; checkpoint='never' graphs it"
             )
         pool = torch.cuda.graph_pool_handle()
         fwd = torch.cuda.CUDAGraph()

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from ...memory.checkpoint import checkpointed
 from ...schedules.schedule import Schedule
@@ -65,6 +66,8 @@ MAX_CALLS = 64
 #: Sets of graphs per slot and signature for forwards whose backward is
 #: still pending; beyond, such forwards run eagerly.
 MAX_GENERATIONS = 4
+#: Captures whose order :attr:`StageGraphs.order` keeps (the first ones).
+_ORDER_KEPT = 1024
 
 
 class _Stage:
@@ -89,9 +92,11 @@ class _Stage:
         self.print: Fingerprint | None = None
         self.overflow = False  # warned that calls beyond the bound run eagerly
         self.warned = False  # warned that the stage runs eagerly (reason)
+        self.lazy = False  # a lazy module not yet initialised: eager this run
         self.slots = 0
         self.captures = 0
         self.recaptures = 0
+        self.dropped: set[tuple[Any, ...]] = set()  # keys a replaced tensor invalidated
         self.reserved = 0
         self.sums = StageGrads(switch)
 
@@ -130,8 +135,8 @@ class StageGraphs:
         ]
         self.max_calls = max_calls
         self.slots: Slots | None = None
-        #: (stage, slot) of each capture, in the order they happened: the
-        #: schedule's execution order (see Slots.order).
+        #: (stage, slot) of each capture (the first ones), in the order they
+        #: happened: the schedule's execution order (see Slots.order).
         self.order: list[tuple[int, int]] = []
         # Per schedule (held weakly: a schedule's slots live as long as it does).
         self._plans: weakref.WeakKeyDictionary[Schedule, dict[bool, Slots]] = (
@@ -165,9 +170,14 @@ class StageGraphs:
                 continue
             st.slots = max(st.slots, slots.counts[st.index])
             st.modes = tuple(m.training for m in st.module.modules())
+            # A lazy module is initialised by its first (eager) run; its
+            # stage is captured from the next run on.
+            st.lazy = any(is_lazy(t) for t in (*st.module.parameters(), *st.module.buffers()))
+            if st.lazy:
+                continue
             now = Fingerprint(st.module)
             if st.print is not None and now != st.print and st.calls:
-                st.recaptures += len(st.calls)
+                st.dropped = set(st.calls)  # their captures again count as recaptures
                 st.calls.clear()  # replaced tensors or modules: capture again
             st.print = now
 
@@ -207,16 +217,24 @@ class StageGraphs:
         eagerly. ``split``: the schedule splits this backward (its weight
         pass runs later), so the backward is captured as two graphs."""
         st = self.stages[s]
-        if st.reason is None and self.slots is not None:
+        failed = False  # a capture failed just now
+        if st.reason is None and not st.lazy and self.slots is not None:
             key = self._key(s, m, args, checkpoint, split)
             if key is not None:
                 graphed = self._graphed(st, key, stage, args, checkpoint)
                 if graphed is not None:
                     return graphed(*args)
+                failed = st.reason is not None
+        try:
+            out = checkpointed(stage, *args) if checkpoint else stage(*args)
+        except BaseException:
+            if failed:  # the stage's own error, not a capture's: graphs stay on
+                st.reason = None
+            raise
         if st.reason is not None and not st.warned:  # a CPU stage, or a failed capture
             st.warned = True
             warnings.warn(f"{st.label} runs eagerly: {st.reason}", GraphWarning, stacklevel=3)
-        return checkpointed(stage, *args) if checkpoint else stage(*args)
+        return out
 
     def _key(
         self, s: int, m: int, args: Sequence[Any], checkpoint: bool, split: bool
@@ -275,9 +293,13 @@ class StageGraphs:
         graphed.label = st.label
         graphed.sums = st.sums
         st.captures += 1
+        if key in st.dropped:
+            st.dropped.discard(key)
+            st.recaptures += 1
         st.calls[key] = graphed
         st.used.add(key)
-        self.order.append((st.index, key[0]))
+        if len(self.order) < _ORDER_KEPT:
+            self.order.append((st.index, key[0]))
         return graphed
 
     def _room(self, st: _Stage) -> bool:

@@ -349,3 +349,59 @@ def test_capturedstep_refuses_a_pipe_that_replays_its_own_graphs() -> None:
     x, y = data()
     with pytest.raises(ValueError, match="one graph cannot hold the other"):
         CapturedStep(graphed, x, y, nn.MSELoss())
+
+
+class _Broken(nn.Module):
+    """Raises while ``broken`` (an error of its own, fixed later)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+        self.broken = True
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.broken:
+            raise RuntimeError("transient failure")
+        return self.lin(x)
+
+
+def test_a_stage_failing_at_its_first_call_stays_graphed() -> None:
+    # Its own error, raised eagerly too, is not a failed capture.
+    model = nn.Sequential(*mlp(WIDTHS[:4]), _Broken()).double()
+    _, graphed = pair(model, chunks=2, balance=[6, 1])
+    x, y = data()
+    with pytest.raises(RuntimeError, match="transient failure"):
+        graphed(x)
+    graphed[6].broken = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GraphWarning)
+        nn.functional.mse_loss(graphed(x), y).backward()
+    assert all(s.graphed for s in graphed.graph_report().stages)
+
+
+def test_a_lazy_module_is_graphed_from_its_second_run() -> None:
+    model = nn.Sequential(nn.LazyLinear(12), nn.Tanh(), nn.Linear(12, 4)).double()
+    eager, graphed = pair(model, chunks=2, balance=[2, 1])
+    x, y = data()
+    for _ in range(3):
+        for pipe in (eager, graphed):
+            pipe.zero_grad()
+            nn.functional.mse_loss(pipe(x), y).backward()
+    graphed.load_state_dict(eager.state_dict())  # initialised alike by their first runs
+    for pipe in (eager, graphed):
+        pipe.zero_grad()
+        nn.functional.mse_loss(pipe(x), y).backward()
+    assert_same_grads(graphed, eager)
+    assert graphed.graph_report().stages[0].captures > 0
+
+
+def test_recaptures_count_captures_a_replaced_tensor_caused() -> None:
+    _, graphed = pair(mlp(WIDTHS), chunks=2)
+    x, y = data()
+    for batch in (10, 8, 6):  # three shapes: graphs for each
+        nn.functional.mse_loss(graphed(x[:batch]), y[:batch]).backward()
+    first = graphed.partitions[0][0]
+    first.weight = nn.Parameter(first.weight.detach().clone())
+    nn.functional.mse_loss(graphed(x), y).backward()  # one shape again
+    stage = graphed.graph_report().stages[0]
+    assert stage.recaptures == 2  # its forward and backward for that shape, not all dropped
