@@ -10,6 +10,7 @@ of one pinned buffer per tensor (:mod:`~mpstream.runtime.transfer`).
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -103,7 +104,7 @@ def micro_sizes(value: Any, chunks: int | None, split_size: int | None) -> list[
     raise TypeError("the batch holds no tensor to split")
 
 
-def keywords_of(root: nn.Module, inputs: dict[Any, Any]) -> bool:
+def keywords_of(root: nn.Module, inputs: Mapping[Any, Any]) -> bool:
     """Whether ``inputs`` is ``root.forward``'s keyword arguments rather than
     one input: its keys are strings and one at least names a parameter (a
     key ``forward`` does not take is then refused by name, or goes to its

@@ -6,7 +6,7 @@ Its construction and its training step; a call, ``pipe(x)``, is
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
 from typing import Any
 
@@ -372,8 +372,9 @@ class Pipe(PipeCall):
         traced module switched to the split of their kind)."""
         split = self.__dict__["_split"]
         root = self.__dict__["_root"]
-        if isinstance(inputs, dict) and split is not None and keywords_of(root, inputs):
-            return self._inputs((), inputs)  # keyword arguments (a Hugging Face batch)
+        if isinstance(inputs, Mapping) and split is not None and keywords_of(root, inputs):
+            # Keyword arguments (a Hugging Face batch, a tokenizer's BatchEncoding).
+            return self._inputs((), dict(inputs))
         if split is not None and isinstance(inputs, tuple):
             return self._inputs(inputs, {})
         return self._inputs((inputs,), {})

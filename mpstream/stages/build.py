@@ -85,11 +85,17 @@ def build(
             )
         how, why = choose_tracer(module, tracer)
         if how == "export":
+            if leaf_modules:
+                raise ValueError(
+                    f"leaf_modules= tells torch.fx what not to trace into; "
+                    f"{type(module).__name__} is split by torch.export ({why}), which does "
+                    f"not use it: drop leaf_modules, or pass tracer='fx'"
+                )
             return _exported(module, split_points, balance, devices, sample, why, None)
         try:
             return _traced(module, split_points, balance, devices, sample, leaf_modules, why)
         except TypeError as exc:  # torch.fx could not trace it
-            if tracer == "fx":
+            if tracer == "fx" or leaf_modules:  # asked for torch.fx: no export instead
                 raise
             return _exported(module, split_points, balance, devices, sample, why, exc)
     if isinstance(balance, str):

@@ -77,12 +77,13 @@ class HuggingFaceCalls(Calls):
         """Turns caching off; refuses a cache and tuple outputs.
 
         Raises:
-            ValueError: ``use_cache=True``, ``past_key_values`` or
-                ``return_dict=False`` given.
+            ValueError: ``use_cache=True``, a cache (``past_key_values``,
+                ``cache``) or ``return_dict=False`` given.
         """
-        if named.get("past_key_values") is not None:
+        given = next((k for k in ("past_key_values", "cache") if named.get(k) is not None), None)
+        if given is not None:
             raise ValueError(
-                f"{self.name} was given past_key_values: a pipeline splits the batch into "
+                f"{self.name} was given {given}: a pipeline splits the batch into "
                 f"micro-batches and runs training and scoring passes; generate with the unsplit "
                 f"model (incremental decoding does not pipeline)"
             )

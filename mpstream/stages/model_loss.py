@@ -16,9 +16,11 @@ sum.
 The counts come from the model's own label handling: the operations that
 make the cross entropy's target from the inputs (a shift, a view) are copied
 out of the exported graph and run on the whole batch before it is split.
-A loss the graph computes otherwise (mean squared error, binary cross
-entropy, anything else) is weighted by examples, which is exact when every
-example holds as many elements.
+The same holds for a negative log likelihood (``nll_loss``). A loss that
+sums over the batch (``reduction='sum'``) is not weighted: the
+micro-batches' sums add up to it. A loss the graph computes otherwise (a
+mean squared error, a binary cross entropy, anything else) is weighted by
+examples, which is exact when every example holds as many elements.
 """
 
 from __future__ import annotations
@@ -115,6 +117,26 @@ def _count_graph(gm: fx.GraphModule, target: fx.Node) -> tuple[fx.GraphModule, l
     return fx.GraphModule(torch.nn.Module(), graph, "LabelCount"), positions
 
 
+def _reducing() -> frozenset[Any]:
+    aten = torch.ops.aten
+    return frozenset(
+        (
+            aten.cross_entropy_loss.default,
+            aten.nll_loss_nd.default,
+            aten.mse_loss.default,
+            aten.l1_loss.default,
+            aten.smooth_l1_loss.default,
+            aten.huber_loss.default,
+            aten.binary_cross_entropy.default,
+            aten.binary_cross_entropy_with_logits.default,
+        )
+    )
+
+
+# Losses with a ``reduction`` argument (2: a sum over the batch).
+_REDUCING = _reducing()
+
+
 def weigh_loss(gm: fx.GraphModule, out_spec: pytree.TreeSpec) -> LossShare | None:
     """Multiplies the graph's ``loss`` output by the micro-batch's share.
 
@@ -134,10 +156,13 @@ def weigh_loss(gm: fx.GraphModule, out_spec: pytree.TreeSpec) -> LossShare | Non
         return None
     count: fx.GraphModule | None = None
     positions: list[int] = []
-    ignore, how = -100, "by examples (the loss is not a cross entropy)"
+    ignore, how = -100, "by examples (not a mean over label tokens the pipe can count)"
     aten = torch.ops.aten
-    if loss.target is aten.cross_entropy_loss.default:
-        args = _arguments(loss)
+    args = _arguments(loss) if hasattr(loss.target, "_schema") else {}
+    summed = loss.target in _REDUCING and args.get("reduction") == 2
+    if summed:
+        how = "not at all: the loss is a sum, and the micro-batches' sums add up to it"
+    elif loss.target in (aten.cross_entropy_loss.default, aten.nll_loss_nd.default):
         target = args.get("target")
         plain = args.get("weight") is None and args.get("reduction") == 1  # a mean, unweighted
         if plain and isinstance(target, fx.Node):
@@ -145,10 +170,12 @@ def weigh_loss(gm: fx.GraphModule, out_spec: pytree.TreeSpec) -> LossShare | Non
             if found is not None:
                 count, positions = found
                 ignore = int(args.get("ignore_index", -100))
-                how = f"by label tokens other than {ignore} (as the model's cross entropy counts)"
+                how = f"by label tokens other than {ignore} (as the model's loss counts)"
     holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     with gm.graph.inserting_after(holders[-1]):
-        share = gm.graph.placeholder(SHARE)
+        share = gm.graph.placeholder(SHARE)  # every graph takes it, a summed loss unused
+    if summed:
+        return LossShare(None, [], ignore, how)
     with gm.graph.inserting_before(output):
         total = gm.graph.call_function(aten.sum.default, (share,))
         total = gm.graph.call_function(aten.to.dtype, (total, val.dtype))

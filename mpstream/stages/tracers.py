@@ -13,7 +13,7 @@ module's ``forward`` by name, as ``torch.export`` takes it;
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,9 +92,10 @@ def choose_tracer(module: nn.Module, tracer: str) -> tuple[str, str]:
 
 
 def sample_call(sample: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """A ``sample=`` as a call: a dict is keyword arguments, a tuple the
-    positional ones, anything else the one input."""
-    if isinstance(sample, dict):
+    """A ``sample=`` as a call: a mapping (a dict, a ``BatchEncoding``) is
+    keyword arguments, a tuple the positional ones, anything else the one
+    input."""
+    if isinstance(sample, Mapping):  # a dict, or a tokenizer's BatchEncoding
         return (), dict(sample)
     if isinstance(sample, tuple):
         return sample, {}
@@ -176,7 +177,8 @@ class CallSignature:
         for name, value in bound.arguments.items():
             kind = self.signature.parameters[name].kind
             if kind is inspect.Parameter.VAR_KEYWORD:
-                named.update(value)
+                # By name: the order they came in is no part of the call's kind.
+                named.update(sorted(value.items()))
             elif kind is inspect.Parameter.VAR_POSITIONAL:
                 if value:
                     raise TypeError(

@@ -290,3 +290,59 @@ def test_train_step_passes_a_batchs_extra_keys_to_kwargs() -> None:
     expected.backward()
     torch.testing.assert_close(loss, expected.detach())
     assert_same_grads(pipe, model)
+
+
+class _OwnLoss(nn.Module):
+    """Returns its own loss, reduced as ``how`` says."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(16, 4)
+        self.how = how
+
+    def forward(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
+        h = self.b(torch.relu(self.a(x)))
+        if self.how == "ce_sum":
+            loss = nn.functional.cross_entropy(h, y, reduction="sum")
+        elif self.how == "mse_sum":
+            loss = nn.functional.mse_loss(h, nn.functional.one_hot(y, 4).double(), reduction="sum")
+        else:  # a mean over the targets other than -100
+            loss = nn.functional.nll_loss(nn.functional.log_softmax(h, -1), y)
+        return {"loss": loss, "out": h}
+
+
+@pytest.mark.parametrize("how", ["ce_sum", "mse_sum", "nll"])
+def test_a_models_summed_or_nll_loss_adds_up_to_the_batchs(how: str) -> None:
+    torch.manual_seed(0)
+    model = _OwnLoss(how).double()
+    x, y = torch.randn(8, 8, dtype=torch.float64), torch.randint(0, 4, (8,))
+    y[:3] = -100 if how == "nll" else y[:3]  # micro-batch 0 has no target to count
+    batch = {"x": x, "y": y}
+    pipe = Pipe(
+        copy.deepcopy(model), split_points=["b"], devices=["cpu"] * 2, chunks=4,
+        tracer="export", sample=batch,
+    )  # fmt: skip
+    expected = model(x, y)["loss"]
+    torch.testing.assert_close(pipe(**batch)["loss"], expected)
+    loss = pipe.train_step(batch)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach())
+    assert_same_grads(pipe, model)
+
+
+def test_a_mapping_batch_and_keyword_order_are_one_kind_of_call() -> None:
+    from collections import UserDict  # a tokenizer's BatchEncoding is one
+
+    torch.manual_seed(0)
+    model = _Extras().double()
+    x, s = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    y = torch.randn(6, 2, dtype=torch.float64)
+    pipe = Pipe(
+        copy.deepcopy(model), split_points=["b"], devices=["cpu"] * 2, chunks=2,
+        tracer="export", sample=UserDict({"input_ids": x, "scale": s}),
+    )  # fmt: skip
+    pipe.train_step(UserDict({"input_ids": x, "scale": s}), y, nn.functional.mse_loss)
+    pipe(input_ids=x, scale=s, other=None)
+    pipe(input_ids=x, other=None, scale=s)  # the same extras in another order
+    assert len(pipe.split_report().exports) == 2  # with and without other=None

@@ -144,6 +144,11 @@ def test_gpt2_its_tied_embedding_and_every_schedule() -> None:
         pipe(**data, return_dict=False)
     with pytest.raises(ValueError, match="past_key_values"):
         pipe(**data, past_key_values=((torch.zeros(1),),))
+    if "cache" in _takes(model):  # newer transformers name it cache=
+        with pytest.raises(ValueError, match="was given cache"):
+            pipe(**data, cache=transformers.DynamicCache())
+    with pytest.raises(ValueError, match="is split by torch.export .* pass tracer='fx'"):
+        Pipe(copy.deepcopy(ref), split_points=["transformer.h.1"], leaf_modules=["transformer.h.0"])
     # Another sequence length is exported again; the first split stays.
     check_loss(pipe, ref, batch(4, 6))
     exports = pipe.split_report().exports
