@@ -186,7 +186,7 @@ def train_step(
     target: Value | list[Tensor],
     loss_fn: Callable[[Any, Any], Tensor],
     *,
-    reduction: str = "mean",
+    reduction: str | None = None,
     scaler: torch.amp.GradScaler | None = None,
 ) -> Tensor:
     """:meth:`Pipe.train_step` of this process, then gradients averaged over processes.
@@ -212,8 +212,8 @@ def train_step(
         inputs: this process's share of the batch.
         target: its targets.
         loss_fn: ``loss_fn(output, target) -> scalar`` per micro-batch.
-        reduction: how ``loss_fn`` reduces over the batch (``'mean'`` or
-            ``'sum'``).
+        reduction: as in :meth:`~mpstream.Pipe.train_step` (default: the loss module's own, or
+            ``'mean'``).
         scaler: a ``torch.amp.GradScaler`` scaling each micro-batch's loss
             (see :meth:`~mpstream.Pipe.train_step`); the scaled gradients are
             averaged, and ``scaler.step(optimizer)`` unscales them as usual.

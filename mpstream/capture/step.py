@@ -24,7 +24,8 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from ..pipe.pipe import REDUCTIONS, Pipe
+from ..pipe.pipe import Pipe
+from ..pipe.reduction import step_reduction
 from ..runtime.errors import annotate
 from ..runtime.graphed.capturing import capturing
 from ..runtime.peer import enable_peer_access
@@ -139,7 +140,7 @@ class CapturedStep:
         loss_fn: Callable[[Any, Any], Tensor],
         *,
         optimizer: torch.optim.Optimizer | None = None,
-        reduction: str = "mean",
+        reduction: str | None = None,
         zero_grad: bool = True,
         warmup: int = 3,
         pool: Any = None,
@@ -155,9 +156,7 @@ class CapturedStep:
             )
         check_positive("warmup", warmup)
         # Checked here, not by the first warm-up step, which would blame capture.
-        if reduction not in REDUCTIONS:
-            valid = ", ".join(repr(r) for r in REDUCTIONS)
-            raise ValueError(f"reduction must be one of {valid}; got {reduction!r}")
+        reduction = step_reduction(reduction, loss_fn)
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
         self.groups = None if groups is None else [int(g) for g in groups]

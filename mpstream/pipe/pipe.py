@@ -28,9 +28,8 @@ from ..stages.sequential import DeviceLike, check_positive
 from .call import PipeCall
 from .compiling import CompileOption, compile_options
 from .inputs import detached, keywords_of, micro_sizes
+from .reduction import step_reduction
 from .snapshot import Snapshot
-
-REDUCTIONS = ("mean", "sum")
 
 __all__ = ["Pipe"]
 
@@ -230,7 +229,7 @@ class Pipe(PipeCall):
         target: Any = None,
         loss_fn: Callable[[Any, Any], Tensor] | None = None,
         *,
-        reduction: str = "mean",
+        reduction: str | None = None,
         scaler: torch.amp.GradScaler | None = None,
     ) -> Tensor:
         """Forward and backward of every micro-batch in :attr:`schedule` order.
@@ -241,8 +240,8 @@ class Pipe(PipeCall):
         The weights are exact for a loss that averages uniformly over the
         batch's rows; one that averages over a count that depends on the
         data (``ignore_index``, class ``weight=``) is not a weighted sum of
-        its micro-batches' means: give it ``reduction='sum'`` in the loss and
-        here, and divide by the count yourself. Call ``optimizer.step()``
+        its micro-batches' means: give it ``reduction='sum'`` (the step
+        follows a loss module's own), and divide by the count yourself. Call ``optimizer.step()``
         after. Only parameters get gradients: inputs and targets are detached.
 
         Args:
@@ -259,7 +258,9 @@ class Pipe(PipeCall):
                 model given ``labels``, split by ``torch.export``): each
                 micro-batch's ``output.loss``, already weighted by its
                 share of the batch, so ``reduction`` does not apply.
-            reduction: how ``loss_fn`` reduces over the batch.
+            reduction: how ``loss_fn`` reduces over the batch, ``'mean'``
+                or ``'sum'``; default: a loss module's own (its
+                ``reduction``), else ``'mean'``.
             scaler: a ``torch.amp.GradScaler``: each micro-batch's weighted
                 loss is scaled by ``scaler.scale`` before its backward, so the
                 gradients are scaled; call ``scaler.step(optimizer)`` and
@@ -275,7 +276,7 @@ class Pipe(PipeCall):
                 tensor (or was not given for a module that returns no
                 ``loss``), or ``scaler`` is not a ``GradScaler``.
             ValueError: empty batch, targets of another batch size, or an
-                unknown ``reduction``.
+                unknown ``reduction`` or one the loss module contradicts.
             RuntimeError: called under ``torch.inference_mode()``.
 
         Inputs and targets in host memory move in transfer tasks that never
@@ -295,9 +296,8 @@ class Pipe(PipeCall):
                 "trained; call it outside that block (it enables gradients itself, so under "
                 "torch.no_grad() it works)"
             )
-        if reduction not in REDUCTIONS:
-            valid = ", ".join(repr(r) for r in REDUCTIONS)
-            raise ValueError(f"reduction must be one of {valid}; got {reduction!r}")
+        if loss_fn is not None:
+            reduction = step_reduction(reduction, loss_fn)
         if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
             raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
         # Parameter gradients only: inputs are detached, so whether x.grad

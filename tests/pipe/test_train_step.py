@@ -265,3 +265,18 @@ def test_nochunk_tensors_do_not_size_the_micro_batches() -> None:
     torch.testing.assert_close(loss, expected.detach())
     assert_same_grads(pipe, model)
     assert mask.grad is None  # inputs are detached, NoChunk ones too
+
+
+def test_the_step_follows_a_loss_modules_own_reduction() -> None:
+    torch.manual_seed(0)
+    model = mlp([4, 8, 2])
+    pipe = Pipe(copy.deepcopy(model), chunks=4, balance=[2, 2], devices=["cpu"] * 2)
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
+    summed = nn.MSELoss(reduction="sum")
+    loss = pipe.train_step(x, y, summed)  # no reduction given: the loss's own
+    expected = summed(model(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach())
+    assert_same_grads(pipe, model)
+    with pytest.raises(ValueError, match="reduction='mean', but loss_fn reduces with 'sum'"):
+        pipe.train_step(x, y, summed, reduction="mean")
