@@ -265,17 +265,7 @@ def tune(
             "split_sizes": sizes,
             "balances": configs,
         }
-        key_text = json.dumps(key, sort_keys=True)
-        path = default_cache() if cache == "default" else (Path(cache) if cache else None)
-        entries = load(path) if path is not None else {}
-        cached = _cached(entries, key_text, key, path) if path is not None and not refresh else None
-        if cached is not None:
-            if isinstance(pipe_or_factory, nn.Module):
-                # Building the key set the first candidate: leave the best one.
-                pipe_or_factory.split_size = cached.split_size  # type: ignore[assignment]
-            if plot is not None:
-                cached.plot(plot)
-            return cached
+        # Warned cached or not: the cached times were taken the same way.
         own = step == "train_step" and isinstance(first, Pipe)  # its schedule is timed
         other = sorted({p.schedule for p in pipes_in(first) if p.schedule != "gpipe"})
         if step != "forward" and not own and other:
@@ -288,8 +278,19 @@ def tune(
                 f"tune times forward + backward of the loss, which autograd runs fill-drain; "
                 f"the schedule {', '.join(map(repr, other))} runs only in a Pipe's "
                 f"train_step: {how}",
-                stacklevel=3,
+                stacklevel=2,
             )
+        key_text = json.dumps(key, sort_keys=True)
+        path = default_cache() if cache == "default" else (Path(cache) if cache else None)
+        entries = load(path) if path is not None else {}
+        cached = _cached(entries, key_text, key, path) if path is not None and not refresh else None
+        if cached is not None:
+            if isinstance(pipe_or_factory, nn.Module):
+                # Building the key set the first candidate: leave the best one.
+                pipe_or_factory.split_size = cached.split_size  # type: ignore[assignment]
+            if plot is not None:
+                cached.plot(plot)
+            return cached
         curve: list[TunePoint] = []
         stopped = False
         user = pipe_or_factory if isinstance(pipe_or_factory, nn.Module) else None

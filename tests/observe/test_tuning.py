@@ -324,3 +324,12 @@ def test_the_loss_key_tells_lambdas_and_partials_apart() -> None:
     assert key(nn.functional.l1_loss) == "torch.nn.functional.l1_loss"
     # A default repr's address changes every run: left out, the key stays.
     assert key(partial(huber, weight=object())) == key(partial(huber, weight=object()))
+
+
+def test_the_fill_drain_warning_names_the_callers_line_cached_or_not(tmp_path: Path) -> None:
+    pipe = _pipe()  # 1F1B
+    run = dict(split_sizes=[4], cache=tmp_path / "c.json", progress=False, repeat=1, warmup=0)
+    for _ in range(2):  # measured, then from the cache
+        with pytest.warns(UserWarning, match="runs only in a Pipe's train_step") as caught:
+            tune(pipe, SAMPLE, _total, **run)  # type: ignore[arg-type]
+        assert caught[0].filename == __file__
