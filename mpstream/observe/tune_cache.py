@@ -105,7 +105,11 @@ def load(path: Path, *, quiet: bool = False) -> dict[str, Any]:
         return {}
     except (OSError, ValueError) as exc:
         if not quiet:
-            warnings.warn(f"ignoring unreadable tuning cache {path}: {exc}", stacklevel=3)
+            warnings.warn(
+                f"ignoring unreadable tuning cache {path}: {exc}; the next result stored "
+                f"replaces the file (move it away to keep it)",
+                stacklevel=3,
+            )
         return {}
     return doc if isinstance(doc, dict) else {}
 
