@@ -241,14 +241,16 @@ class Pipe(PipeCall):
         batch's rows; one that averages over a count that depends on the
         data (``ignore_index``, class ``weight=``) is not a weighted sum of
         its micro-batches' means: give it ``reduction='sum'`` (the step
-        follows a loss module's own), and divide by the count yourself. Call ``optimizer.step()``
-        after. Only parameters get gradients: inputs and targets are detached.
+        follows a loss module's own), and divide by the count yourself.
+        Call ``optimizer.step()`` after. Only parameters get gradients:
+        inputs and targets are detached.
 
         Args:
             inputs: the batch: one input, or a tuple of the module's
                 positional inputs (split as :meth:`forward` splits them);
-                for a traced module, a dict whose keys all name parameters
-                of its ``forward`` is its keyword arguments (a Hugging Face
+                for a traced module, a mapping (a dict, a ``BatchEncoding``)
+                whose keys are strings, one at least naming a parameter of
+                its ``forward``, is its keyword arguments (a Hugging Face
                 batch).
             target: targets split the same way (any structure of tensors
                 and plain values) and moved to the last stage's device;
@@ -283,8 +285,8 @@ class Pipe(PipeCall):
         block the host (see :meth:`forward`). If anything raises, the
         gradients (a loss module's too, not those of other tensors
         ``loss_fn`` reads) and BatchNorm statistics are restored to what
-        they were before the call. For that, each stage's existing gradients (under
-        gradient accumulation) are cloned on its stream when its first
+        they were before the call. For that, each stage's existing
+        gradients (under gradient accumulation) are cloned on its stream when its first
         backward of the step begins; a step that starts with no gradients,
         or fails before the backward, clones nothing. A step being captured
         in a CUDA graph (:class:`~mpstream.CapturedStep`) takes no snapshot:
