@@ -13,6 +13,16 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _run_example(script: str, args: list[str]) -> subprocess.CompletedProcess[str]:
+    """An example run as a user would, its output captured (argument checks: quick)."""
+    return subprocess.run(
+        [sys.executable, str(ROOT / "examples" / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 @pytest.mark.parametrize(
     ("script", "args"),
     [
@@ -99,12 +109,7 @@ def test_examples_refuse_sizes_below_one() -> None:
 def test_examples_refuse_devices_this_machine_lacks(
     script: str, args: list[str], message: str
 ) -> None:
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / script), *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = _run_example(script, args)
     assert result.returncode == 2
     assert message in result.stderr and "Traceback" not in result.stderr
 
@@ -121,10 +126,5 @@ def test_examples_refuse_devices_this_machine_lacks(
 def test_example_sizes_they_cannot_run_are_argparse_errors(
     script: str, args: list[str], message: str
 ) -> None:
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / script), *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = _run_example(script, args)
     assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]

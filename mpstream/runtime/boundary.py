@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from .graph import Hop, Ref
-from .microbatch import leaves, rebuild_leaves
+from .microbatch import grad_dtype, leaves, rebuild_leaves
 from .stream import AnyStream, record_stream
 
 __all__ = [
@@ -62,9 +62,7 @@ class Boundary(torch.autograd.Function):
         outputs = tuple(x.detach() for x in inputs)
         # Every value of a dtype with gradients gets one: the stage's backward
         # computes the input gradients its producer waits for.
-        ctx.mark_non_differentiable(
-            *[y for y in outputs if not (y.is_floating_point() or y.is_complex())]
-        )
+        ctx.mark_non_differentiable(*[y for y in outputs if not grad_dtype(y)])
         ctx.set_materialize_grads(False)
         return outputs
 

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from .. import _ext
-from .microbatch import gradless, leaves, rebuild_leaves
+from .microbatch import grad_dtype, gradless, leaves, rebuild_leaves
 
 __all__ = ["StageMarks", "enter", "leave"]
 
@@ -45,9 +45,7 @@ def _detached(tensors: tuple[Tensor, ...], ctx: Any, *, anchored: bool) -> tuple
     if anchored:
         # Every float input gets a gradient path, so that the stage's
         # backward ends with this mark even where its inputs need none.
-        ctx.mark_non_differentiable(
-            *[t for t in out if not (t.is_floating_point() or t.is_complex())]
-        )
+        ctx.mark_non_differentiable(*[t for t in out if not grad_dtype(t)])
     else:
         ctx.mark_non_differentiable(*gradless(tensors, out))
     ctx.set_materialize_grads(False)

@@ -33,6 +33,7 @@ __all__ = [
     "leaves",
     "tensors_of",
     "gradless",
+    "grad_dtype",
     "rebuild",
 ]
 
@@ -79,15 +80,16 @@ def leaves(value: Any) -> tuple[list[Any], Any]:
     return pytree.tree_flatten(value)
 
 
+def grad_dtype(t: Tensor) -> bool:
+    """Whether ``t``'s dtype has gradients (floating point or complex)."""
+    return t.is_floating_point() or t.is_complex()
+
+
 def gradless(inputs: Sequence[Tensor], outputs: Sequence[Tensor]) -> list[Tensor]:
     """The outputs of an identity-like autograd function that carry no
     gradient: those whose input needs none (a constant stays one), and those
     of a dtype without gradients (integers, bool; complex ones have them)."""
-    return [
-        y
-        for x, y in zip(inputs, outputs)
-        if not (x.requires_grad and (y.is_floating_point() or y.is_complex()))
-    ]
+    return [y for x, y in zip(inputs, outputs) if not (x.requires_grad and grad_dtype(y))]
 
 
 def rebuild_leaves(items: Sequence[Any], spec: Any) -> Any:

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, fx, nn
 from torch.utils import _pytree as pytree
 
-from ..runtime.microbatch import NoChunk
+from ..runtime.microbatch import NoChunk, grad_dtype
 
 __all__ = ["exported_graph", "input_pattern", "first_line"]
 
@@ -82,7 +82,7 @@ def _example(leaf: Any, device: torch.device, mode: Any) -> tuple[Any, Any]:
         shape = (max(2, leaf.size(0)), *leaf.shape[1:]) if leaf.dim() else ()
         with mode:
             fake = torch.empty(shape, dtype=leaf.dtype, device=device)
-        if leaf.requires_grad and (leaf.is_floating_point() or leaf.is_complex()):
+        if leaf.requires_grad and grad_dtype(leaf):
             fake.requires_grad_(True)
         return fake, ({0: torch.export.Dim.AUTO} if leaf.dim() else None)
     return leaf, None
