@@ -34,7 +34,7 @@ from ..runtime import synchronize
 from ..tutorial import bench
 from ..tutorial import models as tutorial
 from ..tutorial.bench import Config, Measurement
-from .diagnosis import PASS, SKIP, Check, Context, StepResult
+from .diagnosis import INFO, PASS, SKIP, Check, Context, StepResult
 
 __all__ = [
     "TARGETS",
@@ -186,6 +186,16 @@ def run(ctx: Context) -> StepResult:
         checks.append(Check(f"{m.model}{split}", PASS, f"{m.mean:.3f} ± {m.std:.3f} s per train()"))
     for model, why in bench.left_out(dev0, dev1).items():
         checks.append(Check(model, SKIP, f"not measured: {why}"))
+    groups = sorted({m.group for m in results.models + results.sweep})
+    if len(groups) > 1:
+        checks.append(
+            Check(
+                "round-robin groups",
+                INFO,
+                f"timed in {len(groups)} groups: every configuration did not fit in device "
+                f"memory at once; ratios across groups are not drift-free (results.json: group)",
+            )
+        )
     rel = ratios(results)
     measured = {m.model for m in results.models}
     graph_rel = ratios(results, bench.GRAPHED) if bench.GRAPHED in measured else {}

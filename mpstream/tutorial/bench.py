@@ -18,6 +18,7 @@ import dataclasses
 import json
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +28,8 @@ import torch
 from torch import nn
 
 from ..runtime import explicit_device, synchronize
-from . import graphed
+from ..runtime.graphed import GraphWarning
+from . import graphed, rounds
 from . import models as tutorial
 
 # Re-exported: the commands and the doctor reach them as bench's.
@@ -152,6 +154,7 @@ class Measurement:
     model: str
     split_size: int | None
     times: list[float] = field(default_factory=list)
+    group: int = 0  # timed round-robin with the others of its group (see run)
 
     @property
     def mean(self) -> float:
@@ -173,6 +176,7 @@ class Measurement:
             "mean_s": self.mean,
             "std_s": self.std,
             "median_s": self.median,
+            "group": self.group,
         }
 
 
@@ -262,7 +266,12 @@ def run(
     All configurations are built first and timed round-robin, one call each
     per round with the starting point rotating, so slow drift of the machine
     (clocks, temperature, other load) spreads over all of them instead of
-    biasing the ratios.
+    biasing the ratios; where they do not all fit in device memory, in
+    groups that do (:mod:`.rounds`; each measurement names its group).
+
+    Raises:
+        torch.cuda.OutOfMemoryError: a configuration does not fit even alone.
+        RuntimeError: a graphed model's stages run eagerly for another reason.
     """
     devices = (dev0, dev1)
     names = models_for(dev0, dev1)
@@ -273,27 +282,36 @@ def run(
     )
     # The main split size usually appears in the sweep too: time it once.
     keys = list(dict.fromkeys(main + sweep_keys))
-    models: dict[tuple[str, int | None], nn.Module] = {}
-    measured = {key: Measurement(*key) for key in keys}
-    for key in keys:
+
+    def build(key: tuple[str, int | None]) -> nn.Module:
         name, split = key
         torch.manual_seed(0)
-        models[key] = make_model(name, dev0, dev1, config, split or config.split_size)
-        for _ in range(config.warmup):
-            if status is not None:
-                status(f"warm-up: {_label(key)}")
-            train_once(models[key], config, devices)
-            if tick is not None:
-                tick()
-    for r in range(config.repeat):
-        shift = r % len(keys)
-        for key in keys[shift:] + keys[:shift]:
-            if status is not None:
-                status(f"round {r + 1}/{config.repeat}: {_label(key)}")
-            measured[key].times.append(train_once(models[key], config, devices))
-            if tick is not None:
-                tick()
+        return make_model(name, dev0, dev1, config, split or config.split_size)
+
+    with warnings.catch_warnings():
+        # A graphed stage that cannot be captured runs eagerly with a
+        # GraphWarning; graphed.check_stages turns that into NoRoom or an error.
+        warnings.simplefilter("ignore", GraphWarning)
+        timed = rounds.round_robin(
+            keys,
+            build,
+            lambda model: train_once(model, config, devices),
+            warmup=config.warmup,
+            repeat=config.repeat,
+            label=_label,
+            check=_check,
+            tick=tick,
+            status=status,
+        )
+    measured = {
+        key: Measurement(*key, times=timed.times[key], group=timed.group[key]) for key in keys
+    }
     return Results(config, devices, [measured[k] for k in main], [measured[k] for k in sweep_keys])
+
+
+def _check(key: tuple[str, int | None], model: nn.Module) -> None:
+    if key[0] == STAGE_GRAPHS:
+        graphed.check_stages(_label(key), model)
 
 
 def _label(key: tuple[str, int | None]) -> str:
@@ -369,6 +387,12 @@ def table(results: Results) -> str:
         )
     for name, why in left_out(*results.devices).items():
         lines.append(f"{name}: not measured, {why}")
+    groups = {m.group for m in results.models + results.sweep}
+    if len(groups) > 1:
+        lines.append(
+            f"timed in {len(groups)} groups: every configuration did not fit in device memory "
+            f"at once, so ratios across groups are not drift-free (results.json names each one's)"
+        )
     if results.sweep:
         lines.append("")
         names = list(dict.fromkeys(m.model for m in results.sweep))

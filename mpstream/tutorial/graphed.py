@@ -21,6 +21,7 @@ from torch import Tensor, nn, optim
 
 from ..capture import CapturedStep
 from ..pipe import Pipe
+from . import rounds
 from .models import (
     NUM_CLASSES,
     StreamPipelineResNet50,
@@ -29,7 +30,12 @@ from .models import (
     single_device,
 )
 
-__all__ = ["GraphedPipelineResNet50", "GraphedPipelineResNet101", "GraphedSingleDevice"]
+__all__ = [
+    "GraphedPipelineResNet50",
+    "GraphedPipelineResNet101",
+    "GraphedSingleDevice",
+    "check_stages",
+]
 
 
 class _Graphed:
@@ -125,3 +131,31 @@ class GraphedSingleDevice(_Graphed, nn.Module):
         out = self.pipe(x)
         assert isinstance(out, Tensor)
         return out
+
+
+def check_stages(label: str, model: nn.Module) -> None:
+    """Raises unless every stage of a graphed-stages model replays graphs.
+
+    A stage whose capture failed runs eagerly (with a ``GraphWarning``): the
+    model's time would not be a graphed step's.
+
+    Args:
+        label: the model's name, for the error.
+        model: a :class:`~mpstream.tutorial.StreamPipelineResNet50` built
+            with ``graphs=True`` (its pipe in ``__dict__["pipe"]``).
+
+    Raises:
+        rounds.NoRoom: a capture ran out of device memory (it may fit with
+            fewer models held).
+        RuntimeError: a capture failed for another reason.
+    """
+    pipe = model.__dict__.get("pipe")
+    if pipe is None:
+        return
+    for stage in pipe.graph_report().stages:
+        if stage.graphed:
+            continue
+        why = f"{label}: stage {stage.stage} runs eagerly ({stage.reason})"
+        if "OutOfMemoryError" in (stage.reason or ""):  # the capture's error, by name
+            raise rounds.NoRoom(why)
+        raise RuntimeError(f"{why}; its time would not be a graphed step's")

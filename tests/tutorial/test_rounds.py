@@ -1,0 +1,161 @@
+"""Round-robin timing in groups that fit in device memory (``tutorial.rounds``).
+
+Device memory is faked: each configuration takes some units of a budget, and
+a call raises the out-of-memory error CUDA would when what is held exceeds it.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from mpstream.tutorial import bench, graphed, rounds
+
+
+class _Model:
+    def __init__(self, key: str, size: int, live: dict[str, int]) -> None:
+        self.key, self.size, self.live = key, size, live
+        live[key] = size
+
+    def __del__(self) -> None:
+        self.live.pop(self.key, None)
+
+
+def _fake(sizes: dict[str, int], budget: int) -> tuple[Any, Any, list[str]]:
+    live: dict[str, int] = {}
+    calls: list[str] = []
+
+    def build(key: str) -> _Model:
+        return _Model(key, sizes[key], live)
+
+    def call(model: _Model) -> float:
+        calls.append(model.key)
+        if sum(live.values()) > budget:
+            raise torch.cuda.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {model.size}")
+        return float(len(calls))
+
+    return build, call, calls
+
+
+def test_everything_that_fits_is_one_group_timed_round_robin() -> None:
+    build, call, calls = _fake({"a": 1, "b": 1, "c": 1}, budget=3)
+    timed = rounds.round_robin(["a", "b", "c"], build, call, warmup=1, repeat=3)
+    assert timed.groups == 1 and set(timed.group.values()) == {0}
+    assert calls == ["a", "b", "c", "a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert {k: len(v) for k, v in timed.times.items()} == {"a": 3, "b": 3, "c": 3}
+
+
+def test_a_configuration_that_runs_out_of_memory_starts_a_new_group() -> None:
+    build, call, calls = _fake({"a": 2, "b": 2, "c": 2, "d": 1}, budget=4)
+    timed = rounds.round_robin(["a", "b", "c", "d"], build, call, warmup=1, repeat=2)
+    # a, b fit; c fails beside them, is dropped, a and b are timed and freed;
+    # c and d then fit together.
+    assert timed.group == {"a": 0, "b": 0, "c": 1, "d": 1}
+    assert timed.groups == 2
+    assert {k: len(v) for k, v in timed.times.items()} == {"a": 2, "b": 2, "c": 2, "d": 2}
+    assert calls == ["a", "b", "c", "a", "b", "b", "a", "c", "d", "c", "d", "d", "c"]
+
+
+def test_what_a_group_held_is_freed_before_the_next_one() -> None:
+    build, call, _ = _fake({"a": 2, "b": 2, "c": 2}, budget=2)
+    built: list[weakref.ref[_Model]] = []
+
+    def tracked(key: str) -> _Model:
+        model = build(key)
+        built.append(weakref.ref(model))
+        return model
+
+    timed = rounds.round_robin(["a", "b", "c"], tracked, call, warmup=1, repeat=1)
+    assert timed.group == {"a": 0, "b": 1, "c": 2}
+    gc.collect()
+    assert all(ref() is None for ref in built)
+
+
+def test_a_configuration_too_big_alone_is_a_clear_error() -> None:
+    build, call, _ = _fake({"a": 1, "huge": 9}, budget=4)
+    with pytest.raises(torch.cuda.OutOfMemoryError, match="'huge' does not fit .* even alone"):
+        rounds.round_robin(["a", "huge"], build, call, warmup=1, repeat=1, label=repr)
+
+
+def test_a_check_can_say_there_was_no_room() -> None:
+    build, call, _ = _fake({"a": 1, "b": 1}, budget=9)
+    refused = {"b"}
+
+    def check(key: str, model: _Model) -> None:
+        if key in refused:
+            refused.clear()  # fits on its own, in the next group
+            raise rounds.NoRoom("stage 0 runs eagerly (capture failed: OutOfMemoryError: ...)")
+
+    timed = rounds.round_robin(["a", "b"], build, call, warmup=1, repeat=1, check=check)
+    assert timed.group == {"a": 0, "b": 1}
+
+
+def test_other_errors_are_not_taken_for_memory() -> None:
+    def build(key: str) -> object:
+        raise ValueError("unknown model")
+
+    with pytest.raises(ValueError, match="unknown model"):
+        rounds.round_robin(["a"], build, lambda m: 0.0, warmup=1, repeat=1)
+
+
+def test_bench_names_each_measurements_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    config = bench.Config(repeat=1, warmup=1, split_size=2, split_sizes=(2, 4))
+    live: set[int] = set()
+
+    class Fake(nn.Module):
+        def __init__(self, name: str) -> None:
+            super().__init__()
+            self.name = name
+            live.add(id(self))
+
+        def __del__(self) -> None:
+            live.discard(id(self))
+
+    def train_once(model: Fake, config: bench.Config, devices: Any) -> float:
+        if len(live) > 3:  # three models fit in this fake device
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return 1.0
+
+    monkeypatch.setattr(bench, "make_model", lambda name, *args: Fake(name))
+    monkeypatch.setattr(bench, "train_once", train_once)
+    cpu = torch.device("cpu")
+    results = bench.run(config, cpu, cpu)
+    groups = {(m.model, m.split_size): m.group for m in results.models + results.sweep}
+    assert groups == {
+        ("single device", None): 0,
+        ("model parallel", None): 0,
+        ("tutorial pipeline", 2): 0,
+        ("mpstream", 2): 1,
+        ("tutorial pipeline", 4): 1,
+        ("mpstream", 4): 1,
+    }
+    assert all(len(m.times) == 1 for m in results.models + results.sweep)
+    assert "timed in " in bench.table(results) and "groups" in bench.table(results)
+    assert results.get("mpstream", 2).to_json()["group"] == groups[("mpstream", 2)]
+
+
+def _with_stages(*reasons: str | None) -> nn.Module:
+    from mpstream.runtime.graphed import GraphReport, StageReport
+
+    report = GraphReport(
+        [StageReport(i, torch.device("cpu"), r is None, r) for i, r in enumerate(reasons)]
+    )
+    model = nn.Module()
+    model.__dict__["pipe"] = type("P", (), {"graph_report": lambda self: report})()
+    return model
+
+
+def test_graphed_stages_that_fell_back_are_no_graphed_time() -> None:
+    label = "mpstream, graphed stages (split 8)"
+    graphed.check_stages(label, _with_stages(None, None))
+    oom = "capture failed: OutOfMemoryError: CUDA out of memory"
+    with pytest.raises(rounds.NoRoom, match=r"graphed stages \(split 8\): stage 1 runs eagerly"):
+        graphed.check_stages(label, _with_stages(None, oom))
+    with pytest.raises(RuntimeError, match="would not be a graphed step's"):
+        graphed.check_stages(label, _with_stages("capture failed: ValueError: dropout", None))
+    graphed.check_stages("single device", nn.Linear(2, 2))  # no pipe: nothing to check
