@@ -37,6 +37,8 @@ from .observe import fit as simulate_fit
 from .pipe import Pipe
 from .runtime import (
     EventScheduler,
+    GraphReport,
+    GraphWarning,
     NoChunk,
     Plan,
     PlanError,
@@ -53,6 +55,8 @@ __all__ = [
     "Pipe",
     "SplitReport",
     "CapturedStep",
+    "GraphReport",
+    "GraphWarning",
     "NoChunk",
     "StageGraph",
     "Ref",

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from .boundary import GradSink, cut
 from .graph import Ref, StageGraph
+from .graphed import GraphReport, GraphWarning
 from .microbatch import NoChunk, Value, as_value
 from .plan import Plan, PlanError, record_plan, verify_plan
 from .scheduler import EventScheduler, PlanOp
@@ -28,6 +29,8 @@ from .split_backward import backward_inputs
 from .stream import explicit_device, synchronize
 
 __all__ = [
+    "GraphReport",
+    "GraphWarning",
     "NoChunk",
     "Value",
     "as_value",

@@ -27,8 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..runtime import explicit_device, synchronize
-from ..runtime.graphed import GraphWarning
+from ..runtime import GraphWarning, explicit_device, synchronize
 from . import graphed, rounds
 from . import models as tutorial
 
