@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ..observe.cost_model import simulate
-from ..observe.fitting import Costs, fit
+from ..observe.fitting import Costs, fit, issue_spread
 from ..observe.scaling import predict
 from ..observe.timeline import Timeline
 from ..stages import profile_layers
@@ -223,7 +223,9 @@ def graphed_predictions(
     if profile is None:
         return {}
     config = config_for(ctx)
-    costs = fit(fastest(profile["timeline"])[0])
+    step = fastest(profile["timeline"])[0]
+    costs = fit(step)
+    spread = issue_spread(step)
     raw = [(p.forward_ms, p.backward_ms) for p in profiled]
     layer_times = calibrate(raw, profile["balance"], costs)
     row = validate(
@@ -274,6 +276,17 @@ def graphed_predictions(
                     "predicted_speedup": fair,
                 }
             )
+    if spread:  # the fit's medians beside the launches that did not wait
+        checks.append(
+            Check(
+                "graphed stages: host issue per task (median / min, ms)",
+                INFO,
+                ", ".join(
+                    f"{k} {s}: {m:.2f} / {lo:.2f}" for (k, s), (_, lo, m, _) in spread.items()
+                ),
+                {"tasks": [[k, s, n, lo, m, hi] for (k, s), (n, lo, m, hi) in spread.items()]},
+            )
+        )
     return out
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from .cost_model import Cost
 from .timeline import Timeline
 
-__all__ = ["Costs", "fit"]
+__all__ = ["Costs", "fit", "issue_spread"]
 
 
 @dataclass
@@ -93,3 +93,19 @@ def fit(timeline: Timeline) -> Costs:
         [median("weight", s) for s in range(stages)] if weighted else [],
         {k: statistics.median(v) for k, v in issue.items()} if measured else {},
     )
+
+
+def issue_spread(timeline: Timeline) -> dict[tuple[str, int], tuple[int, float, float, float]]:
+    """The host's issue times per (kind, stage): count, min, median and max (ms).
+
+    :func:`fit` keeps the median. Where the device sets the pace, a launch
+    also waits while the device's queue is full, so the median can hold
+    waiting; the minimum is the launch that did not wait. Empty where the
+    timeline has no issue times.
+    """
+    issue: dict[tuple[str, int], list[float]] = defaultdict(list)
+    for s in timeline.spans:
+        issue[(s.kind, s.stage)].append(s.issue_ms)
+    if not any(v > 0 for values in issue.values() for v in values):
+        return {}
+    return {k: (len(v), min(v), statistics.median(v), max(v)) for k, v in sorted(issue.items())}

@@ -253,6 +253,9 @@ def test_graphed_stages_are_profiled_and_predicted_where_a_profile_exists(tmp_pa
             p["graphed_single_device_ms"] / p["predicted_step_ms"]
         )
     assert "x one device replayed as one graph, its device time" in checks[1].detail
+    # Last, each task kind's host issue time: the fit's median beside the minimum.
+    assert names[-1] == "graphed stages: host issue per task (median / min, ms)"
+    assert "forward 0: " in checks[-1].detail and checks[-1].data["tasks"][0][2] >= 1
 
 
 def test_a_replayed_task_costs_the_host_the_same_on_any_stage() -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from mpstream.observe.cost_model import simulate
-from mpstream.observe.fitting import fit
+from mpstream.observe.fitting import fit, issue_spread
 from mpstream.observe.scaling import predict
 from mpstream.observe.timeline import Span, Timeline
 
@@ -266,6 +266,20 @@ def test_fit_takes_issue_times_from_spans_that_carry_them() -> None:
     }
     legacy = [Span(s.stage, s.micro, s.kind, s.stream, 0.0, 1.0) for s in spans]
     assert fit(Timeline(legacy, {"stage0.compute": "d0", "stage1.compute": "d1"})).issue_times == {}
+
+
+def test_issue_spread_shows_launches_that_waited_beside_those_that_did_not() -> None:
+    # A device-bound run: the first launches return at once, later ones wait
+    # for room in the device's queue.
+    spans = [
+        Span(0, m, "forward", "stage0.compute", 0.0, 1.0, issue_ms=w)
+        for m, w in enumerate([0.2, 0.3, 4.0, 5.0, 6.0])
+    ]
+    timeline = Timeline(spans, {"stage0.compute": "d0"})
+    assert issue_spread(timeline) == {("forward", 0): (5, 0.2, 4.0, 6.0)}
+    assert fit(timeline).issue_times == {("forward", 0): 4.0}  # the median holds the waits
+    legacy = Timeline([Span(0, 0, "forward", "stage0.compute", 0.0, 1.0)], {"stage0.compute": "d0"})
+    assert issue_spread(legacy) == {}
 
 
 def test_a_host_bound_pipeline_loses_to_the_whole_batch_on_one_device() -> None:
