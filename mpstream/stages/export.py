@@ -35,7 +35,7 @@ from torch.utils import _pytree as pytree
 from ..runtime.graph import Ref, StageGraph
 from .fake_export import exported_graph, input_pattern
 from .model_loss import LossShare, weigh_loss
-from .points import begin_stages, units_in_order
+from .points import SplitPointError, begin_stages, units_in_order
 from .surgery import inline_attrs, read_stage_call
 
 __all__ = [
@@ -103,12 +103,12 @@ def _stage_of(gm: fx.GraphModule, points: Sequence[str], module: nn.Module) -> d
     begins, stage_of = begin_stages(nodes, points, _owners, module, split_candidates, "exported")
     for s, ((a, i), (b, j)) in enumerate(zip(zip(points, begins), zip(points[1:], begins[1:]))):
         if j == i:
-            raise ValueError(
+            raise SplitPointError(
                 f"split points '{a}' and '{b}' begin at the same operation: stage {s + 1} "
                 f"would be empty; drop one"
             )
     if begins and begins[0] == 0:
-        raise ValueError(f"stage 0 would be empty (before split point '{points[0]}'); drop it")
+        raise SplitPointError(f"stage 0 would be empty (before split point '{points[0]}'); drop it")
     for n in gm.graph.nodes:
         if n.op == "get_attr":
             stage_of[n] = 0  # split_module lifts parameter reads out of the stages
@@ -264,9 +264,9 @@ def export_stages(
         The stages, their graph and what the export fixed.
 
     Raises:
+        SplitPointError: an unknown split point, split points out of call
+            order, a stage left empty.
         Exception: whatever ``torch.export`` raised (the caller words it).
-        ValueError: an unknown split point, split points out of call order,
-            a stage left empty.
     """
     gm, in_spec, out_spec = exported or exported_graph(module, named, device)
     holders = [n for n in gm.graph.nodes if n.op == "placeholder"]

@@ -31,6 +31,7 @@ from .hf import Calls, calls_for
 from .kinds import Kinds, Split, operations
 from .model_loss import gather_with_loss
 from .placement import place
+from .points import SplitPointError
 from .tracers import CallSignature, SplitReport, describe_call, raised_in, sample_call
 
 __all__ = ["ExportSplit", "own_loss"]
@@ -125,9 +126,9 @@ class ExportSplit(Kinds):
                 self.module, self.split_points, named, self.devices[0],
                 weigh=self.calls.weighs_loss(named),
             )  # fmt: skip
-        except ValueError:
+        except SplitPointError:
             raise
-        except Exception as exc:
+        except Exception as exc:  # torch.export's own ValueErrors included
             raise TypeError(self._failure(exc)) from exc
         nochunk = [isinstance(x, NoChunk) for x in items]
         holders = list(pytree.tree_flatten_with_path(((), named))[0])

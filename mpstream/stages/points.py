@@ -15,7 +15,14 @@ from collections.abc import Callable, Sequence
 
 from torch import fx, nn
 
-__all__ = ["split_candidates", "units_in_order", "begin_stages"]
+__all__ = ["SplitPointError", "split_candidates", "units_in_order", "begin_stages"]
+
+
+class SplitPointError(ValueError):
+    """Split points that cannot cut the forward: one names no submodule it
+    calls, they are out of call order, or a stage would be empty. Its own
+    class so that the export path tells it from ``torch.export``'s own
+    ``ValueError``s, which it words as export failures."""
 
 
 def split_candidates(module: nn.Module) -> list[str]:
@@ -68,7 +75,7 @@ def begin_stages(
     paths, which differ in what a node's owners are.
 
     Raises:
-        ValueError: a split point no node runs inside (``candidates`` lists
+        SplitPointError: a split point no node runs inside (``candidates`` lists
             what may be named; ``what`` says which forward), or split
             points out of call order.
     """
@@ -79,14 +86,14 @@ def begin_stages(
         )
         if first is None:
             names = ", ".join(f"'{c}'" for c in candidates(module))
-            raise ValueError(
+            raise SplitPointError(
                 f"split point '{point}' names no submodule that the {what} forward calls; "
                 f"candidates: {names}"
             )
         begins.append(first)
     for (a, i), (b, j) in zip(zip(points, begins), zip(points[1:], begins[1:])):
         if j < i:
-            raise ValueError(
+            raise SplitPointError(
                 f"split points out of call order: '{b}' runs before '{a}'; list them in the "
                 f"order the forward calls them"
             )

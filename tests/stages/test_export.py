@@ -14,7 +14,9 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from mpstream import Pipe
+from mpstream.stages import export
 from mpstream.stages.export import split_candidates
+from mpstream.stages.points import SplitPointError
 from tests.helpers import assert_same_grads, mlp
 from tests.models import Fan
 
@@ -195,9 +197,25 @@ def test_bad_split_points_are_named() -> None:
         Pipe(Shaped(), split_points=["blocks", "blocks.0"], devices=["cpu"] * 3, sample=sample)
     with pytest.raises(ValueError, match="stage 0 would be empty"):
         Pipe(Shaped(), split_points=["embed"], devices=["cpu"] * 2, sample=sample)
+    with pytest.raises(SplitPointError):  # a ValueError of its own (below)
+        Pipe(Shaped(), split_points=["embed"], devices=["cpu"] * 2, sample=sample)
     assert split_candidates(Shaped()) == [
         "embed", "blocks", "head", "blocks.0", "blocks.1", "blocks.2"
     ]  # fmt: skip
+
+
+def test_torch_exports_own_value_errors_are_worded_as_export_failures(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise ValueError("Node type mismatch; expected <class 'tuple'>, but got <class 'list'>.")
+
+    monkeypatch.setattr(export, "exported_graph", refuse)
+    with pytest.raises(
+        TypeError, match="torch.export could not export Shaped: ValueError: Node type mismatch"
+    ):
+        Pipe(Shaped(), split_points=["blocks.1"], devices=["cpu"] * 2, tracer="export",
+             sample={"x": torch.randn(2, 4)})  # fmt: skip
 
 
 def test_train_step_without_loss_fn_needs_a_module_that_returns_its_loss() -> None:
