@@ -203,6 +203,17 @@ def test_resnet101_variants_and_the_idris_loop() -> None:
     assert torch.isfinite(loss)
 
 
+def test_the_pinned_input_target_shows_each_rounds_ratio() -> None:
+    # H200, ResNet-101: medians 0.93x, while the rounds ranged 0.85-1.08.
+    resident = Measurement(experiment.RESIDENT, 8, [1.415, 1.346, 1.686, 1.470, 1.493])
+    pinned = Measurement(experiment.PINNED, 8, [1.411, 1.579, 1.685, 1.608, 1.383])
+    check = experiment.pinned_throughput(resident, pinned)
+    assert check.detail == "0.93x (rounds 0.85-1.08), target >= 0.98x: missed"
+    assert check.data["rounds"][0] == pytest.approx(1.415 / 1.411)
+    one = experiment.pinned_throughput(Measurement("a", 8, [1.0]), Measurement("b", 8, [1.0]))
+    assert one.detail == "1.00x, target >= 0.98x: met"
+
+
 def test_idris_loop_times_the_loader_alone_and_on_the_cpu_no_pinned_variants() -> None:
     config = dataclasses.replace(TINY.experiment, num_batches=2)
     loop = experiment.idris(config, (CPU, CPU), repeat=1, workers=0)
