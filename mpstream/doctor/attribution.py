@@ -171,6 +171,7 @@ def run(ctx: Context) -> StepResult:
         # Each schedule eager, graphed and captured, beside the single device.
         with ctx.bar(3 * len(SCHEDULES) + 2, "graphed") as bar:
             graphed["schedules"] = schedule_rows(ctx, tick=lambda: bar.update(1))
+        ctx.shared["graphed_schedules"] = graphed["schedules"]  # step 8's baseline
         checks.extend(schedule_checks(graphed["schedules"], ctx.cuda, config.split_size))
     else:
         verdict = {

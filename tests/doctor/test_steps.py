@@ -17,9 +17,10 @@ from mpstream import tutorial
 from mpstream.doctor import (
     attribution,
     checks,
+    costfit,
     environment,
     experiment,
-    modelcheck,
+    graphcost,
 )
 from mpstream.doctor.diagnosis import (
     FAIL,
@@ -66,12 +67,12 @@ def test_stream_busy_is_the_union_per_stream() -> None:
 
 def test_cost_model_validation_scaling_and_calibration() -> None:
     costs = Costs([(1.0, 2.0), (1.0, 2.0)], [(0.0, 0.0)])
-    assert modelcheck.scaled(costs, 2.0).stage_times == [(2.0, 4.0), (2.0, 4.0)]
+    assert costfit.scaled(costs, 2.0).stage_times == [(2.0, 4.0), (2.0, 4.0)]
     labels = ["a", "b"]
     # "Measured" timelines that are the model's own: the error must be zero.
     small = simulate([(1.0, 2.0), (1.0, 2.0)], 0.0, 4, backward=True, devices=labels).timeline
     large = simulate([(3.0, 5.0), (3.0, 5.0)], 0.0, 2, backward=True, devices=labels).timeline
-    rows = modelcheck.validate({2: small, 4: large}, 2, 8, True, labels)
+    rows = costfit.validate({2: small, 4: large}, 2, 8, True, labels)
     assert [r["micro_batches"] for r in rows] == [4, 2]
     assert [r["error"] for r in rows] == [0.0, 0.0]
     assert rows[0]["scaled_error"] == 0.0 and rows[1]["scaled_error"] < 0  # 3 ms is not 2 x 1 ms
@@ -83,11 +84,11 @@ def test_cost_model_validation_scaling_and_calibration() -> None:
         + [dataclasses.replace(sp, run=2) for sp in small.spans],
         small.stream_devices,
     )
-    step, makespan = modelcheck.fastest(both)
+    step, makespan = costfit.fastest(both)
     assert step.runs() == [2] and makespan == rows[0]["measured_ms"]
-    assert modelcheck.validate({2: both}, 2, 8, True, labels)[0]["error"] == 0.0
+    assert costfit.validate({2: both}, 2, 8, True, labels)[0]["error"] == 0.0
     layers = [(1.0, 1.0), (1.0, 3.0), (2.0, 2.0)]
-    calibrated = modelcheck.calibrate(layers, [2, 1], Costs([(4.0, 8.0), (1.0, 1.0)], []))
+    calibrated = costfit.calibrate(layers, [2, 1], Costs([(4.0, 8.0), (1.0, 1.0)], []))
     assert calibrated == [(2.0, 2.0), (2.0, 6.0), (1.0, 1.0)]
 
 
@@ -98,12 +99,12 @@ def test_cost_model_validation_with_the_hosts_issue_time() -> None:
     bound = simulate(
         [(1.0, 2.0)] * 2, 0.0, 4, backward=True, devices=labels, issue_times=issue
     ).timeline
-    (row,) = modelcheck.validate({2: bound}, 2, 8, True, labels)
+    (row,) = costfit.validate({2: bound}, 2, 8, True, labels)
     assert row["issue_modelled"] and row["error"] == 0.0
     assert row["measured_ms"] == 48.0 and row["devices_only_ms"] == 30.0
     costs = Costs([(1.0, 2.0)] * 2, [], issue_times=issue)
-    assert modelcheck.scaled(costs, 2.0).issue_times == issue  # kernels per task: as many
-    assert modelcheck.spread_issue([2, 1], costs) == [(1.5, 1.5), (1.5, 1.5), (3.0, 3.0)]
+    assert costfit.scaled(costs, 2.0).issue_times == issue  # kernels per task: as many
+    assert costfit.spread_issue([2, 1], costs) == [(1.5, 1.5), (1.5, 1.5), (3.0, 3.0)]
 
 
 def test_correctness_grid_layouts() -> None:
@@ -236,12 +237,12 @@ def test_graphed_stages_are_profiled_and_predicted_where_a_profile_exists(tmp_pa
     # step 8 fits it; here the same functions run on a CPU profile.
     ctx = Context((CPU, CPU), TINY, "resnet50", tmp_path, tmp_path)
     config = experiment.config_for(ctx)
-    assert modelcheck.graphed_predictions(ctx, 1, [], 1.0, [], []) == {}  # no profile
+    assert graphcost.graphed_predictions(ctx, 1, [], 1.0, [], []) == {}  # no profile
     ctx.shared["graphed_profile"] = attribution.profile_step(ctx, config.split_size, graphs=True)
     layer = types.SimpleNamespace(output_bytes=1000, forward_ms=1.0, backward_ms=2.0)
     profiled = [layer] * 23
     checks: list[Check] = []
-    out = modelcheck.graphed_predictions(ctx, 4, profiled, 10.0, ["cpu", "cpu"], checks)
+    out = graphcost.graphed_predictions(ctx, 4, profiled, 10.0, ["cpu", "cpu"], checks)
     assert [(p["schedule"], p["gpus"]) for p in out["predictions"]] == [
         ("gpipe", 2),
         ("gpipe", 4),
@@ -263,10 +264,34 @@ def test_graphed_stages_are_profiled_and_predicted_where_a_profile_exists(tmp_pa
         assert p["predicted_speedup"] == pytest.approx(
             p["graphed_single_device_ms"] / p["predicted_step_ms"]
         )
-    assert "x one device replayed as one graph, its device time" in checks[1].detail
+    # Without step 7's measured single device (as here), the fit's device time
+    # over the micro-batches stands in, and says so.
+    assert "x one device replaying the micro-batches, its device time from the fit" in (
+        checks[1].detail
+    )
+    assert not any(p["baseline_measured"] for p in out["predictions"])
     # Last, each task kind's host issue time: the fit's median beside the minimum.
     assert names[-1] == "graphed stages: host issue per task (median / min, ms)"
     assert "forward 0: " in checks[-1].detail and checks[-1].data["tasks"][0][2] >= 1
+    # With step 7's rows, the single device's step captured as one graph, as
+    # measured: a 15-micro-batch pipeline no longer gets credit for it.
+    ctx.shared["graphed_schedules"] = [
+        {"schedule": "single device", "captured step": {"step_ms": 3.0}},
+        {"schedule": "gpipe", "captured step": {"step_ms": 9.0}},
+    ]
+    again = graphcost.graphed_predictions(ctx, 4, profiled, 10.0, ["cpu", "cpu"], [])
+    for p, q in zip(again["predictions"], out["predictions"]):
+        assert p["baseline_measured"] and p["graphed_single_device_ms"] == 3.0
+        assert p["predicted_speedup"] == pytest.approx(3.0 / q["predicted_step_ms"])
+
+
+def test_the_captured_single_device_is_read_from_step_7s_rows() -> None:
+    rows = [{"schedule": "single device", "captured step": {"step_ms": 33.9}}]
+    assert graphcost.captured_single(rows) == 33.9
+    assert graphcost.captured_single(None) is None
+    failed = [{"schedule": "single device", "captured step": {"error": "OOM", "step_ms": None}}]
+    assert graphcost.captured_single(failed) is None
+    assert graphcost.captured_single([{"schedule": "gpipe", "captured step": {}}]) is None
 
 
 def test_a_replayed_task_costs_the_host_the_same_on_any_stage() -> None:
@@ -280,7 +305,7 @@ def test_a_replayed_task_costs_the_host_the_same_on_any_stage() -> None:
             ("backward", 1): 0.8,
         },
     )
-    issue = modelcheck.task_issue([2, 1, 3], costs)
+    issue = graphcost.task_issue([2, 1, 3], costs)
     expected = [(0.3, 0.7), (0.0, 0.0), (0.3, 0.7), (0.3, 0.7), (0.0, 0.0), (0.0, 0.0)]
     assert [v for pair in issue for v in pair] == pytest.approx(
         [v for pair in expected for v in pair]
