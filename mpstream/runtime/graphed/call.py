@@ -205,7 +205,13 @@ class GraphedCall:
         items, _ = leaves(tuple(args))
         tensors = [items[i] for i in self.where]
         if self.diff_out and torch.is_grad_enabled():
-            outs = _Replay.apply(self, *tensors, *self.params)
+            # Under train_step every parameter gradient goes to the stage's
+            # sums (grads.py), never through autograd, so autograd need not
+            # walk an edge per parameter at every micro-batch's backward (on
+            # the host, about 4 us each): one parameter keeps the replay in
+            # autograd's graph where no input needs a gradient.
+            held = self.sums is not None and self.sums.holding
+            outs = _Replay.apply(self, held, *tensors, *self.params[: 1 if held else None])
         else:
             outs = self._forward(tensors)
         result = list(self.out_items)
@@ -224,9 +230,9 @@ class GraphedCall:
             return tuple(t.clone() for t in self.static_out)
 
     def _backward(self, grads: Sequence[Tensor | None], defer: bool) -> list[Tensor | None]:
-        """Replays the backward from ``grads``; the input gradients, then
-        the parameter gradients (None where ``defer`` leaves them to
-        :meth:`_weights`)."""
+        """Replays the backward from ``grads``; returns the input gradients
+        (the parameters' are :meth:`_params_out`'s or :meth:`_hold`'s, or
+        :meth:`_weights`' where ``defer`` leaves them to the weight pass)."""
         none = {k for k in self.diff_out if grads[k] is None}
         self.unreached = (
             frozenset(i for i, outs in enumerate(self.reached_from) if outs and outs <= none)
@@ -248,9 +254,20 @@ class GraphedCall:
         for t in self.static_in:
             i, g = next(in_grads) if t.requires_grad else (-1, None)
             out.append(None if g is None or i in self.unreached else g.clone())
-        if defer:
-            return out + [None] * len(self.params)
-        return out + self._params_out()
+        return out
+
+    def _hold(self) -> None:
+        """Adds every reached parameter gradient into the stage's sums (a
+        replay under ``train_step``, whose parameters autograd never saw)."""
+        assert self.sums is not None
+        grads = self._reached_params()
+        if any(g is None for g in grads):
+            pairs = [(p, g) for p, g in zip(self.params, grads) if g is not None]
+            params, grads = [p for p, _ in pairs], [g for _, g in pairs]
+        else:
+            params = self.params
+        with torch.no_grad():
+            self.sums.add(params, grads)  # type: ignore[arg-type]
 
     def _params_out(self) -> list[Tensor | None]:
         """The parameter gradients to return to autograd: None for those
@@ -336,8 +353,10 @@ class _Replay(torch.autograd.Function):
     """Replays a :class:`GraphedCall`; its backward replays the backward graph."""
 
     @staticmethod
-    def forward(ctx: Any, call: GraphedCall, *tensors: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+    def forward(ctx: Any, call: GraphedCall, held: bool, *tensors: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
         ctx.call = call
+        ctx.held = held  # its parameter gradients go to the sums, not autograd
+        ctx.params = len(tensors) - len(call.where)  # parameters given as inputs
         ctx.set_materialize_grads(False)  # backward tells "no gradient" from zeros
         outs = call._forward(tensors[: len(call.where)])
         call.replays += 1
@@ -370,13 +389,14 @@ class _Replay(torch.autograd.Function):
             # depends on): eager autograd computes nothing here, while a
             # replay would hand the parameters zeros where they have None.
             call.pending = None
-            return (None,) * (1 + len(call.static_in) + len(call.params))
+            return (None,) * (2 + len(call.static_in) + int(ctx.params))
         if ctx.replay != call.replays:
             raise RuntimeError(
                 f"{call.label}: its graphs replayed another micro-batch's forward before this "
                 f"backward, so the activations it needs are gone (a backward run twice with "
                 f"retain_graph=True after a new forward?); run the pipe with graphs=False for that"
             )
+        none = [None] * ctx.params
         if getattr(ctx, "defer", False):
             # Set by a split backward's B: W replays when the weight task runs.
             grads_now = call._backward(grads, defer=True)
@@ -384,9 +404,13 @@ class _Replay(torch.autograd.Function):
             later = _Later(lambda: call._weights(replay))
             ctx.later = later
             call.pending = weakref.ref(later)
-            return (None, *grads_now)
+            return (None, None, *grads_now, *none)
         call.pending = None
-        return (None, *call._backward(grads, defer=False))
+        grads_in = call._backward(grads, defer=False)
+        if ctx.held:
+            call._hold()
+            return (None, None, *grads_in, *none)
+        return (None, None, *grads_in, *call._params_out())
 
 
 class _Later:

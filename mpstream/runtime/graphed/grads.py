@@ -10,6 +10,10 @@ multi-tensor add per replay, and the sums reach ``.grad`` once
 (:meth:`StageGrads.flush`): at the end of ``train_step`` (its run ends in
 one place), or, in the user's own loop, where one ``loss.backward()`` covers
 every micro-batch, from autograd's final callback at the end of that pass.
+Under ``train_step`` the replays do not even show autograd their parameters
+(one keeps a first stage in the graph), so a micro-batch's backward walks no
+edge per parameter; after a stage's first micro-batch, its add is one
+multi-tensor add with no Python per parameter.
 
 A replay whose parameters autograd would not accumulate
 (``torch.autograd.grad``) still returns its gradients, and so does a stage
@@ -70,6 +74,9 @@ class StageGrads:
         self.switch = switch or Switch()
         self.holding = False
         self._sums: dict[int, tuple[Tensor, Tensor]] = {}  # id(parameter) -> (it, its sum)
+        # The last add's parameters (by id) and their sums, in its order: the
+        # next micro-batch of the stage adds the same ones.
+        self._last: tuple[tuple[int, ...], list[Tensor]] | None = None
         self._streams: dict[int, torch.cuda.Stream] = {}  # where the adds ran
         self._passes: weakref.WeakValueDictionary[int, _Pass] = weakref.WeakValueDictionary()
 
@@ -105,6 +112,15 @@ class StageGrads:
         """Adds ``grads`` into the sums of ``params`` on the current stream,
         with one multi-tensor add (the first gradient of a parameter is
         copied)."""
+        if not params:
+            return
+        ids = tuple(map(id, params))
+        if self._last is not None and self._last[0] == ids:
+            # Every micro-batch after the first: one multi-tensor add and no
+            # per-parameter Python (a stage holds hundreds of parameters).
+            torch._foreach_add_(self._last[1], list(grads))
+            self._note_stream(grads)
+            return
         into: list[tuple[Tensor, Tensor]] = []
         new: list[tuple[Tensor, Tensor]] = []
         for p, g in zip(params, grads):
@@ -117,6 +133,11 @@ class StageGrads:
             torch._foreach_add_([t for t, _ in into], [g for _, g in into])
         for p, g in new:
             self._sums[id(p)] = (p, g.clone())
+        self._last = (ids, [self._sums[i][1] for i in ids])
+        self._note_stream(grads)
+
+    def _note_stream(self, grads: Sequence[Tensor]) -> None:
+        """Remembers the stream the adds ran on, for :meth:`flush`."""
         if grads and grads[0].is_cuda:
             stream = torch.cuda.current_stream(grads[0].device)
             self._streams[stream.stream_id] = stream
@@ -126,7 +147,7 @@ class StageGrads:
         streams the adds ran on, and starts over: a sum becomes the gradient
         of a parameter that has none, or is added into the one it has
         (autograd accumulates what fits neither, a sparse gradient)."""
-        pairs, self._sums = list(self._sums.values()), {}
+        pairs, self._sums, self._last = list(self._sums.values()), {}, None
         streams, self._streams = list(self._streams.values()), {}
         for stream in streams:
             torch.cuda.current_stream(stream.device).wait_stream(stream)
@@ -150,6 +171,7 @@ class StageGrads:
     def discard(self) -> None:
         """Drops the sums (a failed run or pass: its gradients are put back)."""
         self._sums = {}
+        self._last = None
         self._streams = {}
 
 

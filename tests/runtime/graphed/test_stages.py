@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from mpstream import Pipe, verify_plan
 from mpstream.runtime.graphed import Fingerprint, GraphWarning, StageGraphs
+from mpstream.runtime.graphed import call as call_module
 from mpstream.runtime.graphed.backends import Emulated
 from mpstream.runtime.plan import Plan
 from mpstream.schedules import SCHEDULES
@@ -73,6 +74,38 @@ def test_train_step_equals_the_eager_pipe(schedule: str, checkpoint: str) -> Non
     else:
         assert all(s.passes == ("forward", "backward") for s in report.stages)
     assert report.stages[0].slots >= 1
+
+
+def test_under_train_step_autograd_walks_one_parameter_edge_per_replay(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # train_step's replays hand their parameter gradients to the stage's sums,
+    # so autograd needs no edge per parameter at each micro-batch's backward
+    # (on the host about 4 us each, hundreds per ResNet stage); in the user's
+    # own loop autograd accumulates them and sees every parameter.
+    seen: list[tuple[bool, int]] = []
+    apply = call_module._Replay.apply
+
+    def counting(call: call_module.GraphedCall, held: bool, *tensors: Tensor) -> object:
+        seen.append((held, len(tensors) - len(call.where)))
+        return apply(call, held, *tensors)
+
+    monkeypatch.setattr(call_module._Replay, "apply", counting)
+    eager, graphed = pair(mlp(WIDTHS), split_size=3)
+    x, y = data()
+    for _ in range(2):
+        torch.testing.assert_close(
+            graphed.train_step(x, y, nn.MSELoss()), eager.train_step(x, y, nn.MSELoss())
+        )
+    assert_same_grads(graphed, eager)
+    assert seen and all(held and params == 1 for held, params in seen)
+    seen.clear()
+    for pipe in (eager, graphed):
+        pipe.zero_grad()
+        nn.functional.mse_loss(pipe(x), y).backward()
+    assert_same_grads(graphed, eager)
+    stage_params = [len(list(s.parameters())) for s in graphed.partitions]
+    assert seen and all(not held and params in stage_params for held, params in seen)
 
 
 def test_the_users_own_loop_with_an_optimizer_equals_eager() -> None:
