@@ -16,6 +16,7 @@ run the same split: the batch dimension is left symbolic. :meth:`ExportSplit.rep
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -128,7 +129,11 @@ class ExportSplit(Kinds):
             )  # fmt: skip
         except SplitPointError:
             raise
-        except Exception as exc:  # torch.export's own ValueErrors included
+        except ValueError as exc:
+            if not _raised_by_torch(exc):  # the model's own check of its inputs
+                raise
+            raise TypeError(self._failure(exc)) from exc
+        except Exception as exc:
             raise TypeError(self._failure(exc)) from exc
         nochunk = [isinstance(x, NoChunk) for x in items]
         holders = list(pytree.tree_flatten_with_path(((), named))[0])
@@ -266,3 +271,16 @@ def own_loss(split: Kinds | None, target: Any) -> Callable[[Any, Any], Tensor]:
         return loss
 
     return model_loss
+
+
+_TORCH = os.path.dirname(torch.__file__) + os.sep
+
+
+def _raised_by_torch(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised inside torch (torch.export refusing the
+    model), not by the model's own code (a check of its inputs, which
+    reaches the user as it is)."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_code.co_filename.startswith(_TORCH)

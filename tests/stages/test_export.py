@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
+from torch.utils import _pytree as pytree
 
 from mpstream import Pipe
 from mpstream.stages import export
@@ -208,14 +209,31 @@ def test_torch_exports_own_value_errors_are_worded_as_export_failures(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     def refuse(*args: object, **kwargs: object) -> None:
-        raise ValueError("Node type mismatch; expected <class 'tuple'>, but got <class 'list'>.")
+        # A ValueError raised inside torch, as torch.export's own are.
+        spec = pytree.tree_flatten((1, 2))[1]
+        pytree.tree_unflatten([1], spec)
 
     monkeypatch.setattr(export, "exported_graph", refuse)
-    with pytest.raises(
-        TypeError, match="torch.export could not export Shaped: ValueError: Node type mismatch"
-    ):
+    with pytest.raises(TypeError, match="torch.export could not export Shaped: ValueError: "):
         Pipe(Shaped(), split_points=["blocks.1"], devices=["cpu"] * 2, tracer="export",
              sample={"x": torch.randn(2, 4)})  # fmt: skip
+
+
+class _Checks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        if mask is not None and mask.dtype != torch.bool:
+            raise ValueError("mask must be a bool tensor")
+        return self.b(self.a(x))
+
+
+def test_the_models_own_value_error_reaches_the_user_as_it_is() -> None:
+    with pytest.raises(ValueError, match="^mask must be a bool tensor$"):
+        Pipe(_Checks(), split_points=["b"], devices=["cpu"] * 2, tracer="export",
+             sample={"x": torch.randn(4, 4), "mask": torch.ones(4)})  # fmt: skip
 
 
 def test_train_step_without_loss_fn_needs_a_module_that_returns_its_loss() -> None:
