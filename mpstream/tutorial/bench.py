@@ -288,9 +288,10 @@ def run(
         return make_model(name, dev0, dev1, config, split or config.split_size)
 
     with warnings.catch_warnings():
-        # A graphed stage that cannot be captured runs eagerly with a
-        # GraphWarning; graphed.check_stages turns that into NoRoom or an error.
-        warnings.simplefilter("ignore", GraphWarning)
+        # A graphed stage whose capture failed runs eagerly with a
+        # GraphWarning; graphed.check_stages turns that into NoRoom or an
+        # error. Other GraphWarnings (calls beyond the bound) still show.
+        warnings.filterwarnings("ignore", ".* runs eagerly: ", GraphWarning)
         timed = rounds.round_robin(
             keys,
             build,
@@ -309,11 +310,13 @@ def run(
 
 
 def _check(key: tuple[str, int | None], model: nn.Module) -> None:
+    """A graphed-stages model must replay graphs (:func:`graphed.check_stages`)."""
     if key[0] == STAGE_GRAPHS:
         graphed.check_stages(_label(key), model)
 
 
 def _label(key: tuple[str, int | None]) -> str:
+    """A configuration's name: the model, and its split size if it has one."""
     name, split = key
     return name if split is None else f"{name} (split {split})"
 
@@ -389,8 +392,8 @@ def table(results: Results) -> str:
     groups = {m.group for m in results.models + results.sweep}
     if len(groups) > 1:
         lines.append(
-            f"timed in {len(groups)} groups: every configuration did not fit in device memory "
-            f"at once, so ratios across groups are not drift-free (results.json names each one's)"
+            f"timed in {len(groups)} groups: not every configuration fit in device memory at "
+            f"once, so ratios across groups are not drift-free (results.json names each one's)"
         )
     if results.sweep:
         lines.append("")

@@ -82,20 +82,27 @@ def round_robin(
         build: makes one configuration's model.
         call: one timed call; returns seconds.
         warmup: untimed calls per configuration, right after it is built.
-        repeat: timed rounds.
+        repeat: timed rounds (at least one).
         label: a configuration's name, for status and errors.
-        check: called after the warm-up; raises :class:`NoRoom` when the
-            configuration did not really fit (or any error to stop).
-        tick: called after each call (progress bars).
+        check: called after the warm-up, and again after the timed rounds;
+            raises :class:`NoRoom` when the configuration did not really fit
+            (or any error to stop).
+        tick: called after each call that counts (progress bars): a
+            configuration's warm-up calls count once it fits.
         status: told what runs next.
 
     Returns:
         The times and each configuration's group.
 
     Raises:
+        ValueError: ``repeat`` below one.
         torch.cuda.OutOfMemoryError: a configuration does not fit in device
             memory even alone.
+        RuntimeError: ``check`` found no room only after the timed rounds
+            (with no warm-up, a capture happens while timing).
     """
+    if repeat < 1:
+        raise ValueError(f"repeat must be at least 1, got {repeat}")
     out: Timed[K] = Timed()
     pending = list(keys)
     group = 0
@@ -103,31 +110,69 @@ def round_robin(
         held: dict[K, M] = {}
         while pending:
             key = pending[0]
-            why = _try(key, build, call, warmup, label, check, tick, status, held)
-            if why is not None:
-                _release()
+            failed = _try(key, build, call, warmup, label, check, status, held)
+            if failed is not None:
+                why = str(failed).splitlines()[0] if str(failed) else type(failed).__name__
                 if not held:
                     raise torch.cuda.OutOfMemoryError(
-                        f"{label(key)} does not fit in device memory even alone: {why}. "
-                        f"Use a smaller batch or images."
-                    )
+                        f"{label(key)} does not fit in device memory even alone ({why}): "
+                        f"use a smaller batch or smaller images"
+                    ) from failed
+                del failed  # its frames hold what the model allocated
+                _release()
                 break
             pending.pop(0)
-        keys_held = list(held)
-        for r in range(repeat):
-            shift = r % len(keys_held)
-            for key in keys_held[shift:] + keys_held[:shift]:
-                if status is not None:
-                    status(f"round {r + 1}/{repeat}: {label(key)}")
-                out.times.setdefault(key, []).append(call(held[key]))
-                if tick is not None:
+            if tick is not None:
+                for _ in range(warmup):
                     tick()
-        for key in keys_held:
+        _time_group(held, call, repeat, label, check, tick, status, out)
+        for key in held:
             out.group[key] = group
         held.clear()
         _release()
         group += 1
     return out
+
+
+def _time_group(
+    held: dict[K, M],
+    call: Callable[[M], float],
+    repeat: int,
+    label: Callable[[K], str],
+    check: Callable[[K, M], None] | None,
+    tick: Callable[[], None] | None,
+    status: Callable[[str], None] | None,
+    out: Timed[K],
+) -> None:
+    """Times one group round-robin into ``out``, then checks it again."""
+    keys = list(held)
+    for r in range(repeat):
+        shift = r % len(keys)
+        for key in keys[shift:] + keys[:shift]:
+            if status is not None:
+                status(f"round {r + 1}/{repeat}: {label(key)}")
+            out.times.setdefault(key, []).append(call(held[key]))
+            if tick is not None:
+                tick()
+    if check is None:
+        return
+    for key in keys:
+        try:
+            check(key, held[key])
+        except NoRoom as e:
+            raise RuntimeError(
+                f"{label(key)}: {e} during the timed rounds, so its times are not what "
+                f"they claim; warm each configuration up at least once"
+            ) from e
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    """Whether ``e`` says the device ran out of memory: PyTorch's allocator
+    error, or a CUDA call failing for it (a graph's instantiation, a
+    library's workspace)."""
+    if isinstance(e, torch.cuda.OutOfMemoryError):
+        return True
+    return isinstance(e, RuntimeError) and "out of memory" in str(e).lower()
 
 
 def _try(
@@ -137,22 +182,24 @@ def _try(
     warmup: int,
     label: Callable[[K], str],
     check: Callable[[K, M], None] | None,
-    tick: Callable[[], None] | None,
     status: Callable[[str], None] | None,
     held: dict[K, M],
-) -> str | None:
-    """Builds and warms up ``key`` into ``held``; why it did not fit, if not."""
+) -> BaseException | None:
+    """Builds and warms up ``key`` into ``held``; the error that says it did
+    not fit, if it did not."""
     try:
         model = build(key)
         for _ in range(warmup):
             if status is not None:
                 status(f"warm-up: {label(key)}")
             call(model)
-            if tick is not None:
-                tick()
         if check is not None:
             check(key, model)
-    except (torch.cuda.OutOfMemoryError, NoRoom) as e:
-        return str(e).splitlines()[0] if str(e) else type(e).__name__
+    except NoRoom as e:
+        return e
+    except RuntimeError as e:
+        if not _out_of_memory(e):
+            raise
+        return e
     held[key] = model
     return None

@@ -78,8 +78,58 @@ def test_what_a_group_held_is_freed_before_the_next_one() -> None:
 
 def test_a_configuration_too_big_alone_is_a_clear_error() -> None:
     build, call, _ = _fake({"a": 1, "huge": 9}, budget=4)
-    with pytest.raises(torch.cuda.OutOfMemoryError, match="'huge' does not fit .* even alone"):
+    with pytest.raises(
+        torch.cuda.OutOfMemoryError,
+        match=r"^'huge' does not fit in device memory even alone \(CUDA out of memory\. Tried",
+    ) as raised:
         rounds.round_robin(["a", "huge"], build, call, warmup=1, repeat=1, label=repr)
+    assert isinstance(raised.value.__cause__, torch.cuda.OutOfMemoryError)  # the original
+
+
+def test_progress_counts_each_call_once_when_a_configuration_is_retried() -> None:
+    build, call, _ = _fake({"a": 1, "b": 1}, budget=9)
+    refused = {"b"}
+
+    def check(key: str, model: _Model) -> None:
+        if key in refused:
+            refused.clear()
+            raise rounds.NoRoom("no room")
+
+    ticks: list[int] = []
+    rounds.round_robin(
+        ["a", "b"], build, call, warmup=2, repeat=3, check=check, tick=lambda: ticks.append(1)
+    )
+    assert len(ticks) == 2 * (2 + 3)  # what calls() promises: warm-ups and rounds
+
+
+def test_a_cuda_error_that_says_out_of_memory_starts_a_new_group_too() -> None:
+    live: dict[str, int] = {}
+
+    def build(key: str) -> _Model:
+        return _Model(key, 1, live)
+
+    def call(model: _Model) -> float:
+        if len(live) > 1:  # a graph's instantiation failing, as CUDA words it
+            raise RuntimeError("CUDA error: out of memory")
+        return 1.0
+
+    timed = rounds.round_robin(["a", "b"], build, call, warmup=1, repeat=1)
+    assert timed.group == {"a": 0, "b": 1}
+
+
+def test_a_capture_that_fell_back_while_timing_is_an_error() -> None:
+    build, call, _ = _fake({"a": 1}, budget=9)
+    checked: list[str] = []
+
+    def check(key: str, model: _Model) -> None:
+        checked.append(key)
+        if len(checked) > 1:  # no warm-up: the capture ran in the timed rounds
+            raise rounds.NoRoom("stage 0 runs eagerly (capture failed: out of memory)")
+
+    with pytest.raises(RuntimeError, match="during the timed rounds, so its times are not"):
+        rounds.round_robin(["a"], build, call, warmup=0, repeat=2, check=check)
+    with pytest.raises(ValueError, match="repeat must be at least 1, got 0"):
+        rounds.round_robin(["a"], build, call, warmup=0, repeat=0)
 
 
 def test_a_check_can_say_there_was_no_room() -> None:
@@ -154,7 +204,7 @@ def test_graphed_stages_that_fell_back_are_no_graphed_time() -> None:
     label = "mpstream, graphed stages (split 8)"
     graphed.check_stages(label, _with_stages(None, None))
     oom = "capture failed: OutOfMemoryError: CUDA out of memory"
-    with pytest.raises(rounds.NoRoom, match=r"graphed stages \(split 8\): stage 1 runs eagerly"):
+    with pytest.raises(rounds.NoRoom, match=r"^stage 1 runs eagerly \(capture failed"):
         graphed.check_stages(label, _with_stages(None, oom))
     with pytest.raises(RuntimeError, match="would not be a graphed step's"):
         graphed.check_stages(label, _with_stages("capture failed: ValueError: dropout", None))
