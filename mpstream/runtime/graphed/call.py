@@ -42,6 +42,7 @@ from ...memory.batchnorm import deferred_norms
 from ..microbatch import leaves, rebuild_leaves
 from .grads import StageGrads
 from .reach import reached_from
+from .replay import Replay
 from .restore import restored
 
 __all__ = ["Backend", "GraphedCall"]
@@ -211,7 +212,7 @@ class GraphedCall:
             # the host, about 4 us each): one parameter keeps the replay in
             # autograd's graph where no input needs a gradient.
             held = self.sums is not None and self.sums.holding
-            outs = _Replay.apply(self, held, *tensors, *self.params[: 1 if held else None])
+            outs = Replay.apply(self, held, *tensors, *self.params[: 1 if held else None])
         else:
             outs = self._forward(tensors)
         result = list(self.out_items)
@@ -258,7 +259,8 @@ class GraphedCall:
 
     def _hold(self) -> None:
         """Adds every reached parameter gradient into the stage's sums (a
-        replay under ``train_step``, whose parameters autograd never saw)."""
+        replay under ``train_step``, which showed autograd one parameter
+        only, to keep it in the graph, and returns None for it)."""
         assert self.sums is not None
         grads = self._reached_params()
         if any(g is None for g in grads):
@@ -347,80 +349,3 @@ def _accumulates(node: Node) -> bool:
         return bool(torch._C._will_engine_execute_node(node))
     except RuntimeError:
         return False
-
-
-class _Replay(torch.autograd.Function):
-    """Replays a :class:`GraphedCall`; its backward replays the backward graph."""
-
-    @staticmethod
-    def forward(ctx: Any, call: GraphedCall, held: bool, *tensors: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
-        ctx.call = call
-        ctx.held = held  # its parameter gradients go to the sums, not autograd
-        ctx.params = len(tensors) - len(call.where)  # parameters given as inputs
-        ctx.set_materialize_grads(False)  # backward tells "no gradient" from zeros
-        outs = call._forward(tensors[: len(call.where)])
-        call.replays += 1
-        ctx.replay = call.replays
-        call.pending = weakref.ref(ctx)
-        ctx.splits = call.weighs_later  # B may defer W (see split_backward)
-        keep = set(call.diff_out)
-        ctx.mark_non_differentiable(*(t for k, t in enumerate(outs) if k not in keep))
-        return outs
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        call: GraphedCall = ctx.call
-        if torch.is_grad_enabled():  # autograd runs a backward with grad mode = create_graph
-            raise RuntimeError(
-                f"{call.label}: a backward with create_graph=True (a gradient penalty, a "
-                f"higher-order gradient) differentiates the backward, which a replayed graph "
-                f"cannot: its gradients would carry no history; run the pipe with graphs=False "
-                f"for that"
-            )
-        if getattr(ctx, "done", False):
-            raise RuntimeError(
-                f"{call.label}: a second backward through the same graphed forward "
-                f"(retain_graph=True) would read activations its first backward reused; "
-                f"run the pipe with graphs=False for that"
-            )
-        ctx.done = True
-        if all(g is None for g in grads):
-            # No gradient reached this call (its outputs feed nothing the loss
-            # depends on): eager autograd computes nothing here, while a
-            # replay would hand the parameters zeros where they have None.
-            call.pending = None
-            return (None,) * (2 + len(call.static_in) + int(ctx.params))
-        if ctx.replay != call.replays:
-            raise RuntimeError(
-                f"{call.label}: its graphs replayed another micro-batch's forward before this "
-                f"backward, so the activations it needs are gone (a backward run twice with "
-                f"retain_graph=True after a new forward?); run the pipe with graphs=False for that"
-            )
-        none = [None] * ctx.params
-        if getattr(ctx, "defer", False):
-            # Set by a split backward's B: W replays when the weight task runs.
-            grads_now = call._backward(grads, defer=True)
-            replay = ctx.replay
-            later = _Later(lambda: call._weights(replay))
-            ctx.later = later
-            call.pending = weakref.ref(later)
-            return (None, None, *grads_now, *none)
-        call.pending = None
-        grads_in = call._backward(grads, defer=False)
-        if ctx.held:
-            call._hold()
-            return (None, None, *grads_in, *none)
-        return (None, None, *grads_in, *call._params_out())
-
-
-class _Later:
-    """A graphed call's deferred weight pass (weakly referenced by the call:
-    its slot stays busy while W may still run)."""
-
-    __slots__ = ("fn", "__weakref__")
-
-    def __init__(self, fn: Callable[[], None]) -> None:
-        self.fn = fn
-
-    def __call__(self) -> None:
-        self.fn()

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from mpstream import Pipe, verify_plan
 from mpstream.runtime.graphed import Fingerprint, GraphWarning, StageGraphs
 from mpstream.runtime.graphed import call as call_module
+from mpstream.runtime.graphed import replay as replay_module
 from mpstream.runtime.graphed.backends import Emulated
 from mpstream.runtime.plan import Plan
 from mpstream.schedules import SCHEDULES
@@ -84,13 +85,13 @@ def test_under_train_step_autograd_walks_one_parameter_edge_per_replay(
     # (on the host about 4 us each, hundreds per ResNet stage); in the user's
     # own loop autograd accumulates them and sees every parameter.
     seen: list[tuple[bool, int]] = []
-    apply = call_module._Replay.apply
+    apply = replay_module.Replay.apply
 
     def counting(call: call_module.GraphedCall, held: bool, *tensors: Tensor) -> object:
         seen.append((held, len(tensors) - len(call.where)))
         return apply(call, held, *tensors)
 
-    monkeypatch.setattr(call_module._Replay, "apply", counting)
+    monkeypatch.setattr(replay_module.Replay, "apply", counting)
     eager, graphed = pair(mlp(WIDTHS), split_size=3)
     x, y = data()
     for _ in range(2):
