@@ -6,9 +6,13 @@ order): pipelined forward + backward from device, pageable and pinned
 input, with and without ``force_copies``, and a ``train_step`` for every
 schedule (with checkpointing and deferred BatchNorm) from host and device
 targets. ``compute-sanitizer --tool memcheck`` runs a short version when the
-tool is on the PATH. :func:`judge_csan` and :func:`judge_memcheck` decide
+tool is on the PATH, and a second workload with every stage replayed from
+CUDA graphs (:func:`graphed_workload`: captures, replays, a zero-bubble
+weight pass), with PyTorch's caching allocator on, which graphs need. CSAN
+is not run over graphs: a replay bypasses the dispatcher it watches.
+:func:`judge_csan`, :func:`judge_memcheck` and :func:`judge_graphed` decide
 from the subprocess's output, so their logic is tested without a GPU; the
-workload itself also runs on the CPU.
+workloads themselves also run on the CPU.
 """
 
 from __future__ import annotations
@@ -38,16 +42,19 @@ __all__ = [
     "DONE",
     "csan_workarounds",
     "workload",
+    "graphed_workload",
     "exercise",
     "command",
     "judge_csan",
     "judge_memcheck",
+    "judge_graphed",
     "csan",
     "memcheck",
     "run",
 ]
 
 DONE = "mpstream sanitizer workload finished"
+GRAPHED = "mpstream graphed workload: every stage replayed graphs"
 CSAN_MARK = "CSAN detected a possible data race"
 
 
@@ -154,6 +161,33 @@ def exercise(devices: Sequence[str], short: bool = False) -> None:
                 stepper.train_step(_batch(12, 32, source, devs[0]), target, nn.MSELoss())
 
 
+def graphed_workload(device: str) -> None:
+    """``train_step`` with every stage replayed from graphs on ``device``
+    (two stages), for each schedule, three steps; prints :data:`GRAPHED`
+    when every stage of every pipe replayed, then :data:`DONE`."""
+    torch.manual_seed(0)
+    devs = [torch.device(device)] * 2
+    replayed = True
+    for schedule in SCHEDULES:
+        pipe = Pipe(
+            nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.ReLU()) for _ in devs]),
+            split_size=4,
+            balance=[1] * len(devs),
+            devices=devs,
+            schedule=schedule,
+            checkpoint="never",
+            graphs=True,
+            virtual_stages=virtual_stages(schedule, devs),
+        )
+        for _ in range(3):
+            pipe.train_step(torch.randn(12, 32, device=devs[0]), torch.randn(12, 32), nn.MSELoss())
+        replayed = replayed and all(s.graphed for s in pipe.graph_report().stages)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    print(GRAPHED if replayed else "mpstream graphed workload: a stage ran eagerly", flush=True)
+    print(DONE, flush=True)
+
+
 def command(layouts: Sequence[Sequence[str]], short: bool = False) -> list[str]:
     """The subprocess command line that runs :func:`workload`."""
     plain = [list(devices) for devices in layouts]
@@ -197,6 +231,15 @@ def judge_memcheck(returncode: int, output: str) -> tuple[str, str, int | None]:
     return PASS, "ERROR SUMMARY: 0 errors", 0
 
 
+def judge_graphed(returncode: int, output: str) -> tuple[str, str, int | None]:
+    """:func:`judge_memcheck`, and SKIP where a stage ran eagerly (its
+    capture failed under the tool): then the graphs went unchecked."""
+    status, detail, errors = judge_memcheck(returncode, output)
+    if status == PASS and GRAPHED not in output:
+        return SKIP, "inconclusive: a stage ran eagerly, so no graph ran under memcheck", errors
+    return status, detail, errors
+
+
 def _text(data: str | bytes | None) -> str:
     return data.decode(errors="replace") if isinstance(data, bytes) else (data or "")
 
@@ -225,19 +268,26 @@ def csan(layouts: Sequence[Sequence[str]], timeout: int, log: Path) -> Check:
     return Check(name, status, detail, {"races": races, "returncode": code, "log": log.name})
 
 
-def memcheck(devices: Sequence[str], timeout: int, log: Path) -> Check:
-    """``compute-sanitizer --tool memcheck`` over the short workload (SKIP without the tool)."""
-    name = "compute-sanitizer --tool memcheck"
+def memcheck(devices: Sequence[str], timeout: int, log: Path, graphs: bool = False) -> Check:
+    """``compute-sanitizer --tool memcheck`` over the short workload, or with
+    ``graphs`` over :func:`graphed_workload` (SKIP without the tool)."""
+    name = "compute-sanitizer --tool memcheck" + (", graphed stages" if graphs else "")
     tool = shutil.which("compute-sanitizer")
     if tool is None:
         return Check(name, SKIP, "compute-sanitizer is not on the PATH")
+    if graphs:  # graphs allocate from the caching allocator's private pools
+        entry = "from mpstream.doctor.sanitizer import graphed_workload; graphed_workload"
+        workload, env = [sys.executable, "-c", f"{entry}({devices[0]!r})"], _env()
+    else:  # without the cache, every allocation is the tool's to check
+        workload, env = command([devices], True), _env(PYTORCH_NO_CUDA_MEMORY_CACHING="1")
     # API errors are PyTorch probing features (expected failures), not memory errors.
-    cmd = [tool, "--tool", "memcheck", "--report-api-errors", "no", *command([devices], True)]
-    code, out, err = _run(cmd, _env(PYTORCH_NO_CUDA_MEMORY_CACHING="1"), timeout, log)
+    cmd = [tool, "--tool", "memcheck", "--report-api-errors", "no", *workload]
+    code, out, err = _run(cmd, env, timeout, log)
     if code is None:
         detail = f"did not finish within {timeout} s (inconclusive)"
         return Check(name, SKIP, detail, {"log": log.name})
-    status, detail, errors = judge_memcheck(code, f"{out}\n{err}")
+    judge = judge_graphed if graphs else judge_memcheck
+    status, detail, errors = judge(code, f"{out}\n{err}")
     return Check(name, status, detail, {"errors": errors, "returncode": code, "log": log.name})
 
 
@@ -246,20 +296,25 @@ def run(ctx: Context) -> StepResult:
     dev0, dev1 = (str(d) for d in ctx.devices)
     layouts = [[dev0, dev0]] + ([[dev0, dev1]] if dev1 != dev0 else [])
     sizes = ctx.sizes
-    with ctx.bar(2, "sanitizers") as bar:
+    with ctx.bar(3, "sanitizers") as bar:
         checks = [csan(layouts, sizes.sanitizer_timeout_s, ctx.scratch / "csan.log")]
         bar.update(1)
-        checks.append(
-            memcheck([dev0, dev0], sizes.memcheck_timeout_s, ctx.scratch / "memcheck.log")
-        )
-        bar.update(1)
-    files = [f for f in ("csan.log", "memcheck.log") if (ctx.scratch / f).exists()]
+        for graphs, log in ((False, "memcheck.log"), (True, "memcheck-graphed.log")):
+            checks.append(
+                memcheck([dev0, dev0], sizes.memcheck_timeout_s, ctx.scratch / log, graphs)
+            )
+            bar.update(1)
+    logs = ("csan.log", "memcheck.log", "memcheck-graphed.log")
+    files = [f for f in logs if (ctx.scratch / f).exists()]
     races = int(checks[0].data.get("races", 0))
-    mem = checks[-1]
+    mem, graphed = checks[1], checks[2]
     figure = f"{races} race reports under CSAN; memcheck: "
     figure += mem.detail if mem.status != SKIP else "SKIP"
+    figure += "; graphed stages: " + (graphed.detail if graphed.status != SKIP else "SKIP")
     status = overall(checks)
     reason = next((f"{c.name}: {c.detail}" for c in checks if c.status == FAIL), "")
     if not reason and mem.status == SKIP:
         reason = f"memcheck skipped: {mem.detail}"
+    elif not reason and graphed.status == SKIP:
+        reason = f"memcheck of graphed stages skipped: {graphed.detail}"
     return StepResult("races", "Races", status, figure, reason, checks, {}, files)

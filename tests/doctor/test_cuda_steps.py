@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from mpstream import GraphWarning
 from mpstream.doctor import (
     overlap,
     probes,
@@ -113,6 +114,29 @@ def test_memcheck_verdicts(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> N
     monkeypatch.setattr(shutil, "which", lambda name: None)
     check = sanitizer.memcheck(["cuda:0"], 10, tmp_path / "m.log")
     assert check.status == SKIP and "not on the PATH" in check.detail
+
+
+def test_graphed_memcheck_verdicts(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    clean = "========= ERROR SUMMARY: 0 errors\n"
+    ok = f"{sanitizer.GRAPHED}\n{sanitizer.DONE}\n{clean}"
+    assert sanitizer.judge_graphed(0, ok)[0] == PASS
+    # Every stage fell back to eager: memcheck saw no graph, so no verdict.
+    status, detail, _ = sanitizer.judge_graphed(0, f"{sanitizer.DONE}\n{clean}")
+    assert status == SKIP and "no graph ran under memcheck" in detail
+    bad = (
+        f"{sanitizer.GRAPHED}\n========= Invalid __global__ read\n========= ERROR SUMMARY: 1 error"
+    )
+    assert sanitizer.judge_graphed(0, bad)[::2] == (FAIL, 1)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    check = sanitizer.memcheck(["cuda:0"], 10, tmp_path / "m.log", graphs=True)
+    assert check.status == SKIP and check.name.endswith(", graphed stages")
+
+
+def test_the_graphed_workload_runs_on_the_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.warns(GraphWarning, match="runs eagerly: on cpu"):
+        sanitizer.graphed_workload("cpu")
+    out = capsys.readouterr().out
+    assert sanitizer.DONE in out and sanitizer.GRAPHED not in out  # no CUDA graph on a CPU
 
 
 def test_sanitizer_workload_runs_on_the_cpu(capsys: pytest.CaptureFixture[str]) -> None:
