@@ -205,7 +205,7 @@ def run(ctx: Context) -> StepResult:
         checks.append(Check(f"{m.model}{split}", PASS, f"{m.mean:.3f} ± {m.std:.3f} s per train()"))
     for model, why in bench.left_out(dev0, dev1).items():
         checks.append(Check(model, SKIP, f"not measured: {why}"))
-    groups = sorted({m.group for m in results.models + results.sweep})
+    groups = {m.group for m in results.models + results.sweep}
     if len(groups) > 1:
         checks.append(
             Check(

@@ -153,7 +153,7 @@ class Measurement:
     model: str
     split_size: int | None
     times: list[float] = field(default_factory=list)
-    group: int = 0  # timed round-robin with the others of its group (see run)
+    group: int | None = None  # run's: timed round-robin with the others of its group
 
     @property
     def mean(self) -> float:
@@ -168,15 +168,15 @@ class Measurement:
         return statistics.median(self.times)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "model": self.model,
             "split_size": self.split_size,
             "times_s": self.times,
             "mean_s": self.mean,
             "std_s": self.std,
             "median_s": self.median,
-            "group": self.group,
         }
+        return out if self.group is None else {**out, "group": self.group}
 
 
 @dataclass
