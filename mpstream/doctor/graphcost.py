@@ -22,6 +22,7 @@ from ..observe.scaling import predict
 from .costfit import balanced_copies, calibrate, fastest, validate
 from .diagnosis import INFO, Check, Context
 from .experiment import config_for
+from .graphed import CAPTURED, SINGLE
 
 __all__ = [
     "GRAPHED_ERROR",
@@ -59,8 +60,8 @@ def task_issue(balance: list[int], costs: Costs) -> list[tuple[float, float]]:
 def captured_single(rows: Sequence[dict[str, Any]] | None) -> float | None:
     """The single device's step captured as one graph (ms), from step 7's
     per-schedule rows, or None where it was not measured."""
-    single = next((r for r in rows or () if r.get("schedule") == "single device"), None)
-    captured = (single or {}).get("captured step") or {}
+    single = next((r for r in rows or () if r.get("schedule") == SINGLE), None)
+    captured = (single or {}).get(CAPTURED) or {}
     step = captured.get("step_ms")
     return float(step) if step and not captured.get("error") else None
 

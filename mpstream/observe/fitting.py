@@ -62,10 +62,8 @@ def fit(timeline: Timeline) -> Costs:
     """
     groups: dict[tuple[str, int], list[float]] = defaultdict(list)
     hops: dict[tuple[str, int, int], list[float]] = defaultdict(list)
-    issue: dict[tuple[str, int], list[float]] = defaultdict(list)
     for s in timeline.spans:
         groups[(s.kind, s.stage)].append(s.duration_ms)
-        issue[(s.kind, s.stage)].append(s.issue_ms)
         if s.kind in ("copy", "copy_grad") and s.stage >= 0:
             hops[(s.kind, s.stage, s.stages[0] if s.kind == "copy_grad" else s.stages[-1])].append(
                 s.duration_ms
@@ -84,14 +82,12 @@ def fit(timeline: Timeline) -> Costs:
 
     pairs = {(p, q) for _, p, q in hops}
     weighted = any(k == "weight" for k, _ in groups)
-    # Timelines from before issue times were measured hold zeros: no issue times.
-    measured = any(v > 0 for values in issue.values() for v in values)
     return Costs(
         [(median("forward", s), median("backward", s)) for s in range(stages)],
         [(median("copy", s), median("copy_grad", s)) for s in range(stages - 1)],
         {(p, q): (hop("copy", p, q), hop("copy_grad", p, q)) for p, q in sorted(pairs)},
         [median("weight", s) for s in range(stages)] if weighted else [],
-        {k: statistics.median(v) for k, v in issue.items()} if measured else {},
+        {k: med for k, (_, _, med, _) in issue_spread(timeline).items()},
     )
 
 
@@ -106,6 +102,7 @@ def issue_spread(timeline: Timeline) -> dict[tuple[str, int], tuple[int, float, 
     issue: dict[tuple[str, int], list[float]] = defaultdict(list)
     for s in timeline.spans:
         issue[(s.kind, s.stage)].append(s.issue_ms)
+    # Timelines from before issue times were measured hold zeros: no issue times.
     if not any(v > 0 for values in issue.values() for v in values):
         return {}
     return {k: (len(v), min(v), statistics.median(v), max(v)) for k, v in sorted(issue.items())}

@@ -156,6 +156,6 @@ def check_stages(label: str, model: nn.Module) -> None:
         if stage.graphed:
             continue
         why = f"stage {stage.stage} runs eagerly ({stage.reason})"
-        if "out of memory" in (stage.reason or "").lower():  # the capture's error, in words
+        if rounds.says_out_of_memory(stage.reason or ""):  # the capture's error, in words
             raise rounds.NoRoom(why)
         raise RuntimeError(f"{label}: {why}; its time would not be a graphed step's")

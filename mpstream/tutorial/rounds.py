@@ -24,7 +24,7 @@ from typing import Generic, TypeVar
 
 import torch
 
-__all__ = ["NoRoom", "Timed", "round_robin"]
+__all__ = ["NoRoom", "Timed", "round_robin", "says_out_of_memory"]
 
 K = TypeVar("K", bound=Hashable)
 M = TypeVar("M")
@@ -166,13 +166,19 @@ def _time_group(
             ) from e
 
 
+def says_out_of_memory(text: str) -> bool:
+    """Whether an error's words say the device ran out of memory (how CUDA
+    and PyTorch's allocator put it)."""
+    return "out of memory" in text.lower()
+
+
 def _out_of_memory(e: BaseException) -> bool:
     """Whether ``e`` says the device ran out of memory: PyTorch's allocator
     error, or a CUDA call failing for it (a graph's instantiation, a
     library's workspace)."""
     if isinstance(e, torch.cuda.OutOfMemoryError):
         return True
-    return isinstance(e, RuntimeError) and "out of memory" in str(e).lower()
+    return isinstance(e, RuntimeError) and says_out_of_memory(str(e))
 
 
 def _try(

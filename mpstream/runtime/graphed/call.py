@@ -260,7 +260,8 @@ class GraphedCall:
     def _hold(self) -> None:
         """Adds every reached parameter gradient into the stage's sums (a
         replay under ``train_step``, which showed autograd one parameter
-        only, to keep it in the graph, and returns None for it)."""
+        only, to keep it in the graph, and returns None for it; or its
+        deferred weight pass)."""
         assert self.sums is not None
         grads = self._reached_params()
         if any(g is None for g in grads):
@@ -325,12 +326,12 @@ class GraphedCall:
             )
         with torch.no_grad():
             self.backend.weight(self)
-            pairs = [(p, g) for p, g in zip(self.params, self._reached_params()) if g is not None]
-            if self.sums is not None and self.sums.holding:
-                self.sums.add([p for p, _ in pairs], [g for _, g in pairs])
-                pairs = []
-            else:
-                pairs = [(p, g.clone()) for p, g in pairs]
+        pairs: list[tuple[Tensor, Tensor]] = []
+        if self.sums is not None and self.sums.holding:
+            self._hold()
+        else:
+            reached = zip(self.params, self._reached_params())
+            pairs = [(p, g.clone()) for p, g in reached if g is not None]
         self.pending = None
         if pairs:
             torch.autograd.backward([p for p, _ in pairs], [g for _, g in pairs])
