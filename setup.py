@@ -81,6 +81,7 @@ setup(
                 "csrc/scheduler.cpp",
                 "csrc/segments.cpp",
                 "csrc/timing.cpp",
+                "csrc/watch.cpp",
             ],
             include_dirs=[str(GENERATED)],
             extra_compile_args=["-O2", "-Wall"],

@@ -4,11 +4,10 @@
     event scheduler against the same plan issued from Python.
 (b) mpstream against a plain Python loop over the same stages and
     micro-batches, on the CPU: the ratio is the runtime's own cost.
-(c) Graphed stages whose replays do nothing (``train_step``, 32 tasks):
-    the host's own work per replayed task, which graphs cannot remove. The
-    mpstream tests also time both alternately, round by round, and record
-    the median ratio (``extra_info['paired_ratio']``): on a shared VM whose
-    speed drifts, that ratio is steadier than two separately timed groups.
+The mpstream tests also time both alternately, round by round, and record
+the median ratio (``extra_info['paired_ratio']``): on a shared VM whose
+speed drifts, that ratio is steadier than two separately timed groups.
+Graphed stages' host work is group ``graphed`` (test_graphed.py).
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ import torch
 from torch import Tensor, nn
 
 from mpstream import Pipe
-from mpstream.runtime.graphed.backends import Emulated
 from mpstream.runtime.scheduler import EventScheduler
 from mpstream.schedules.schedule import Schedule
 from mpstream.tutorial import StreamPipelineResNet50
@@ -142,40 +140,3 @@ def test_cpu_resnet_mpstream(benchmark: object) -> None:
     benchmark.pedantic(_pipe_step, args=(model, x), rounds=5, warmup_rounds=1)  # type: ignore[attr-defined]
     plain = [model.seq1, model.head]
     _paired(benchmark, lambda: _loop_step(plain, x, split), lambda: _pipe_step(model, x), 8)
-
-
-class _NoReplay(Emulated):
-    """Graphed stages whose replays do nothing: what is left is the host's
-    own work per replayed task (mpstream's and autograd's), which CUDA
-    graphs cannot remove."""
-
-    def forward(self, call: object) -> None:
-        pass
-
-    def backward(self, call: object) -> None:
-        pass
-
-    def weight(self, call: object) -> None:
-        pass
-
-
-@pytest.mark.benchmark(group="overhead")
-def test_cpu_graphed_stages_host_cost(benchmark: object) -> None:
-    # Two stages of 160 parameters each (about a ResNet-101 half's count),
-    # 8 micro-batches: 32 replayed tasks per train_step.
-    torch.manual_seed(0)
-    blocks = [nn.Sequential(nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4), nn.ReLU()) for _ in range(80)]
-    pipe = Pipe(
-        nn.Sequential(*blocks),
-        balance=[40, 40],
-        split_size=2,
-        devices=["cpu", "cpu"],
-        graphs=_NoReplay(),
-        checkpoint="never",
-    )
-    x, y = torch.randn(16, 4, 2, 2), torch.randn(16, 4, 2, 2)
-    benchmark.extra_info.update(tasks=32, params_per_stage=160)  # type: ignore[attr-defined]
-    benchmark.pedantic(  # type: ignore[attr-defined]
-        pipe.train_step, args=(x, y, nn.MSELoss()), rounds=20, warmup_rounds=3
-    )
-    assert all(s.graphed for s in pipe.graph_report().stages)

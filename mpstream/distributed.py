@@ -117,9 +117,6 @@ def wrap(pipe: Pipe, **ddp_kwargs: Any) -> DistributedDataParallel:
     check_placement(pipe.devices, dist.get_backend_config(group))
     ddp_kwargs.pop("device_ids", None)
     ddp_kwargs.pop("output_device", None)
-    # Graphed stages would hand parameter gradients over once per backward,
-    # past the AccumulateGrad hooks DDP's reducer counts on.
-    pipe._per_replay_grads()
     return DistributedDataParallel(pipe, device_ids=None, output_device=None, **ddp_kwargs)
 
 
@@ -247,8 +244,13 @@ def sync_gradients(ddp: DistributedDataParallel) -> None:
     Parameters that do not require grad, and those DDP was told to ignore,
     are left alone. A parameter with a gradient on some processes only gets
     the average of the others' with zeros (DDP's ``find_unused_parameters``
-    rule); one without a gradient anywhere keeps ``grad=None``. Gradients are
-    flattened into buckets per device and dtype, one all-reduce each.
+    rule); one without a gradient anywhere keeps ``grad=None``. Graphed
+    stages' gradient buffers (``Pipe(graphs=True)``: the parameters'
+    ``.grad`` are views of one flat buffer per stage and dtype) are reduced
+    in place, in chunks of the bucket size, with no copy; the other
+    gradients are flattened into buckets per device and dtype, one
+    all-reduce each. All of a step's all-reduces are issued before the first
+    is waited for.
 
     Args:
         ddp: a DistributedDataParallel module; every process of its group
@@ -264,32 +266,61 @@ def sync_gradients(ddp: DistributedDataParallel) -> None:
     for name, p in params:
         if p.grad is not None and p.grad.is_sparse:
             raise ValueError(f"gradient of {name} is sparse; sync_gradients reduces dense ones")
+    pipe = ddp.module
+    synced = {id(p) for _, p in params}
+    stores = [
+        store if store is not None and all(id(p) in synced for p, _ in store.owned()) else None
+        for store in pipe._grad_stores()
+    ]
     with torch.no_grad():
-        # Which parameters got a gradient somewhere: every process must put
-        # the same tensors into the same buckets, or the collectives mismatch.
-        present = torch.tensor(
-            [p.grad is not None for _, p in params], dtype=torch.int32, device=params[0][1].device
-        )
+        # Which parameters got a gradient somewhere, and which stages reduce
+        # their buffers whole on every process: each process must put the
+        # same tensors into the same collectives, or they mismatch.
+        flags = [p.grad is not None for _, p in params] + [s is not None for s in stores]
+        device = params[0][1].device
+        present = torch.tensor(flags, dtype=torch.int32, device=device)
         dist.all_reduce(present, group=group)
+        counts = present.tolist()
+        size = dist.get_world_size(group)
+        whole = [s for s, n in zip(stores, counts[len(params) :]) if s is not None and n == size]
+        by_store = {id(p) for store in whole for p, _ in store.owned()}
+        anywhere = {id(p) for (_, p), n in zip(params, counts) if n}
+        cap = int(getattr(ddp, "bucket_bytes_cap", _BUCKET_BYTES))
+        pending = []
+        for store in whole:
+            owned = store.owned()
+            absent = [v for p, v in owned if p.grad is not v]
+            if absent:
+                torch._foreach_zero_(absent)  # contributes nothing; stale values must not
+            for flat in store.flats:
+                step = max(1, cap // flat.element_size())
+                for start in range(0, flat.numel(), step):
+                    chunk = flat[start : start + step]
+                    pending.append((chunk, dist.all_reduce(chunk, group=group, async_op=True)))
         grads: list[Tensor] = []
-        for (_, p), count in zip(params, present.tolist()):
-            if count == 0:
+        for (_, p), count in zip(params, counts):
+            if count == 0 or id(p) in by_store:
                 continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
-        size = dist.get_world_size(group)
-        cap = int(getattr(ddp, "bucket_bytes_cap", _BUCKET_BYTES))
-        pending = []
+        buckets = []
         for bucket in _buckets(grads, cap):
             flat = torch.cat([g.reshape(-1) for g in bucket])
-            work = dist.all_reduce(flat, group=group, async_op=True)
-            pending.append((bucket, flat, work))
-        for bucket, flat, work in pending:
+            buckets.append((bucket, flat, dist.all_reduce(flat, group=group, async_op=True)))
+        for chunk, work in pending:
+            assert work is not None
+            work.wait()
+            chunk.div_(size)
+        for bucket, flat, work in buckets:
             assert work is not None
             work.wait()
             flat.div_(size)
             _unflatten_into(flat, bucket)
+        for store in whole:  # a gradient from elsewhere: .grad is the view again
+            for p, v in store.owned():
+                if p.grad is not v and id(p) in anywhere:
+                    p.grad = v
 
 
 def sync_buffers(ddp: DistributedDataParallel) -> None:

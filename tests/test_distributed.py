@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from mpstream import Pipe
 from mpstream import distributed as mpdist
+from mpstream.runtime.graphed import Emulated
 from tests.helpers import mlp
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,6 +61,7 @@ class Case:
     schedule: str = "gpipe"
     checkpoint: str = "never"
     options: dict[str, Any] = field(default_factory=dict)
+    graphed: bool = False  # stages replayed (emulated): train_step reduces their buffers
 
 
 def _cases() -> dict[str, Case]:
@@ -83,6 +85,12 @@ def _cases() -> dict[str, Case]:
             cases[f"{path}-{name}"] = Case((path, path), "1f1b", "always", opts)
     cases["alternate"] = Case(("forward", "train_step", "forward", "train_step"), "1f1b", "always")
     cases["no_sync"] = Case(("no_sync", "train_step"), "1f1b", "except_last")
+    for schedule in ("1f1b", "zb_h1"):
+        cases[f"graphed-{schedule}"] = Case(("train_step",) * 2, schedule, graphed=True)
+    cases["graphed-tiny_buckets"] = Case(
+        ("train_step",) * 2, "gpipe", options={"bucket_cap_mb": 1e-4}, graphed=True
+    )
+    cases["graphed-no_sync"] = Case(("no_sync", "train_step"), "1f1b", "except_last", graphed=True)
     return cases
 
 
@@ -131,6 +139,7 @@ def _run_case(case: Case, rank: int) -> dict[str, Tensor]:
         schedule=case.schedule,
         checkpoint=case.checkpoint,
         virtual_stages=1 if case.schedule == "interleaved_1f1b" else None,
+        graphs=Emulated() if case.graphed else False,
     )
     ddp = mpdist.wrap(pipe, **case.options)
     opt = torch.optim.SGD(ddp.parameters(), lr=LR)

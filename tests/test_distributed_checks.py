@@ -115,43 +115,40 @@ def test_one_process_train_step_equals_the_pipes(group: None) -> None:
         torch.testing.assert_close(a.grad, b.grad)
 
 
-def test_graphed_stages_under_ddp_give_the_reducer_every_gradient(group: None) -> None:
-    # Graphed stages may sum parameter gradients and set .grad at the end of
-    # a backward; DDP's reducer hooks must see each one on the way instead.
+def test_graphed_stages_under_ddp_train_through_train_step(group: None) -> None:
+    # Graphed stages add their gradients inside the graphs, past the
+    # AccumulateGrad hooks DDP's reducer counts on: ddp(x) with gradients is
+    # refused with what to do, and mpdist.train_step reduces their buffers.
     from mpstream.runtime.graphed import Emulated
 
     eager, graphed = small_pipe(), small_pipe(graphs=Emulated())
     graphed.load_state_dict(eager.state_dict())
     wrapped = [mpdist.wrap(pipe) for pipe in (eager, graphed)]
     x, y = batches(1)[0]
-    for _ in range(2):
+    with pytest.raises(RuntimeError, match=r"mpstream.distributed.train_step\(ddp, inputs"):
+        nn.functional.mse_loss(wrapped[1](x), y).backward()
+    with torch.no_grad():
+        torch.testing.assert_close(wrapped[1](x), wrapped[0](x))  # inference is fine
+    for i in range(3):
         for ddp in wrapped:
-            ddp.zero_grad()
-            nn.functional.mse_loss(ddp(x), y).backward()
+            if i != 1:  # the second step accumulates onto the first's
+                ddp.zero_grad()
+            mpdist.train_step(ddp, x, y, nn.MSELoss())
         for a, b in zip(graphed.parameters(), eager.parameters()):
             torch.testing.assert_close(a.grad, b.grad)
-    for ddp in wrapped:
-        ddp.zero_grad()
-        mpdist.train_step(ddp, x, y, nn.MSELoss())
-    for a, b in zip(graphed.parameters(), eager.parameters()):
-        torch.testing.assert_close(a.grad, b.grad)
+    stores = [s for s in graphed._grad_stores() if s is not None]
+    assert stores and all(p.grad is v for s in stores for p, v in s.owned())
 
 
-def test_graphed_stages_under_a_plain_ddp_give_the_reducer_every_gradient(group: None) -> None:
-    # DistributedDataParallel built directly, not through wrap(): the pipe
-    # sees DDP's forward running and stops summing gradients.
+def test_graphed_stages_under_a_plain_ddp_are_refused_with_what_to_do(group: None) -> None:
     from mpstream.runtime.graphed import Emulated
 
-    eager, graphed = small_pipe(), small_pipe(graphs=Emulated())
-    graphed.load_state_dict(eager.state_dict())
-    wrapped = [DistributedDataParallel(p, device_ids=None) for p in (eager, graphed)]
+    graphed = small_pipe(graphs=Emulated())
+    ddp = DistributedDataParallel(graphed, device_ids=None)
     x, y = batches(1)[0]
-    for _ in range(2):
-        for ddp in wrapped:
-            ddp.zero_grad()
-            nn.functional.mse_loss(ddp(x), y).backward()
-        for a, b in zip(graphed.parameters(), eager.parameters()):
-            torch.testing.assert_close(a.grad, b.grad)
+    with pytest.raises(RuntimeError, match="reducer hooks cannot see them"):
+        nn.functional.mse_loss(ddp(x), y).backward()
+    mpdist.train_step(ddp, x, y, nn.MSELoss())  # the way that works
 
 
 def test_one_process_train_step_with_tied_weights_and_a_grad_scaler(group: None) -> None:

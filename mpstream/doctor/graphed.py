@@ -20,10 +20,13 @@ A measurement that raises (a capture error) fails its schedule's line and
 leaves the others. So does a failed ``torch.cuda.empty_cache`` between
 measurements (an allocator left believing a capture is underway): it is
 reported in the row (``cache``) and fails the line, and the next
-measurement still runs. The graphed-stages issue's targets are reported, never
-failed (a timing is not a defect): graphed stages at most :data:`OVER_CAPTURED` times the
-captured step and :data:`OVER_EAGER` times the eager one, the host issuing
-for at most :data:`HOST_SHARE` of the step.
+measurement still runs. The graphed-stages issues' targets are reported,
+never failed (a timing is not a defect): graphed stages at most
+:data:`OVER_CAPTURED` times the captured step and :data:`OVER_EAGER` times
+the eager one, the host issuing for at most :data:`HOST_SHARE` of the step
+and at most :data:`HOST_PER_TASK_US` per replayed task (a stage's forward,
+backward or weight pass of one micro-batch), the graphs' pools at most
+:data:`POOLS_OVER_EAGER` times the eager step's peak memory.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from torch import Tensor, nn
 from ..capture import CapturedStep
 from ..pipe import Pipe
 from ..runtime import synchronize
-from ..schedules import SCHEDULES
+from ..schedules import SCHEDULES, Kind
 from ..tutorial import models as tutorial
 from ..tutorial.analysis import batch
 from .checks import virtual_stages
@@ -51,6 +54,8 @@ __all__ = [
     "OVER_CAPTURED",
     "OVER_EAGER",
     "HOST_SHARE",
+    "HOST_PER_TASK_US",
+    "POOLS_OVER_EAGER",
     "EAGER",
     "GRAPHED",
     "CAPTURED",
@@ -66,6 +71,8 @@ __all__ = [
 OVER_CAPTURED = 1.15
 OVER_EAGER = 0.3
 HOST_SHARE = 0.10
+HOST_PER_TASK_US = 50.0
+POOLS_OVER_EAGER = 1.25
 
 EAGER, GRAPHED, CAPTURED = "eager", "graphed stages", "captured step"
 GROUPS = "captured in groups"
@@ -196,12 +203,24 @@ def measure(
         row["slots"] = [s.slots for s in report.stages]
         row["passes"] = [list(s.passes) for s in report.stages]
         row["pool_bytes"] = sum(s.reserved_bytes for s in report.stages)
+        row["grad_bytes"] = sum(s.grad_bytes for s in report.stages)
+        row["replayed_tasks"] = _replayed(pipe, x, y)
+        row["host_us_per_task"] = 1e3 * row["issue_ms"] / max(1, row["replayed_tasks"])
     del step, pipe
     if ctx.cuda:
         _empty_cache("after", cache)
     if cache:
         row["cache"] = cache
     return row
+
+
+def _replayed(pipe: Pipe, x: Tensor, y: Tensor) -> int:
+    """Tasks of one training step that replay graphs: every stage's forward,
+    backward and (split schedules) weight pass of every micro-batch."""
+    micros = len(x.split(pipe.split_size)) if pipe.split_size else min(pipe.chunks or 1, len(x))
+    schedule = pipe.schedule_for(micros, x.device, training_step=True, target_device=y.device)
+    passes = (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT)
+    return sum(1 for t in schedule.tasks if t.kind in passes)
 
 
 def _empty_cache(when: str, failures: list[str]) -> None:
@@ -254,6 +273,11 @@ def _mib(row: dict[str, Any] | None, key: str = "peak_reserved_bytes") -> str:
     return f"{total / 2**20:.0f} MiB"
 
 
+def _total(value: dict[str, int] | int | None) -> int:
+    """Bytes over devices (a per-device dict), or as given."""
+    return sum(value.values()) if isinstance(value, dict) else int(value or 0)
+
+
 def _against(value: float, bound: float, what: str, cuda: bool) -> str:
     met = ("met" if value <= bound else "missed") if cuda else "a GPU target"
     return f"{value:.2f}x {what} (target <= {bound}x: {met})"
@@ -290,6 +314,13 @@ def schedule_checks(rows: Sequence[dict[str, Any]], cuda: bool, split: int) -> l
         met = ("met" if share <= HOST_SHARE else "missed") if cuda else "a GPU target"
         bound = f"{100 * HOST_SHARE:.0f}%"
         parts.append(f"host issue {100 * share:.0f}% of the step (target <= {bound}: {met})")
+        per_task = graphed.get("host_us_per_task")
+        if per_task is not None:
+            met = ("met" if per_task <= HOST_PER_TASK_US else "missed") if cuda else "a GPU target"
+            parts.append(
+                f"host {per_task:.0f} us per replayed task over {graphed['replayed_tasks']} "
+                f"(target <= {HOST_PER_TASK_US:.0f} us: {met})"
+            )
         if base is not None:
             parts.append(f"{step / base['step_ms']:.2f}x the single device captured")
         parts.append(
@@ -297,6 +328,10 @@ def schedule_checks(rows: Sequence[dict[str, Any]], cuda: bool, split: int) -> l
             f"{_mib(captured)}), of which graph pools {_mib(graphed, 'pool_bytes')}; "
             f"slots {graphed['slots']}"
         )
+        peak = _total(eager.get("peak_reserved_bytes"))
+        if peak:
+            over = graphed["pool_bytes"] / peak
+            parts.append(_against(over, POOLS_OVER_EAGER, "the eager peak in graph pools", cuda))
         if not graphed["graphed"]:  # a stage fell back: these are not graphed figures
             failed.append(f"EAGER STAGES: {'; '.join(graphed['reasons'])}")
         parts.extend(failed)

@@ -20,7 +20,7 @@ from ..memory.batchnorm import DeferredBatchNorm, deferred_norms
 from ..memory.checkpoint import check_mode, checkpoint_stop
 from ..runtime.errors import stage_labels
 from ..runtime.graph import StageGraph
-from ..runtime.graphed import GraphReport, StageGraphs, Switch
+from ..runtime.graphed import GradStore, GraphReport, StageGraphs
 from ..runtime.scheduler import EventScheduler
 from ..runtime.segmented import Edges, HostEdges, Segmenting
 from ..runtime.worker import Worker
@@ -138,12 +138,7 @@ class PipeConfig(PipeModule):
             labels = self._labels()
             graphed = self.__dict__["_graphed"]
             backend = None if graphed is True else graphed
-            switch = self.__dict__.setdefault("_sum_switch", Switch())
-            graphs = (
-                StageGraphs(stages, self.devices, labels, backend, switch=switch)
-                if graphed
-                else None
-            )
+            graphs = StageGraphs(stages, self.devices, labels, backend) if graphed else None
             worker = Worker(stages, sched, self.graph, labels, graphs)
             rt = (sched, worker, {})
             self.__dict__["_runtime"] = rt
@@ -158,11 +153,11 @@ class PipeConfig(PipeModule):
         starts = ["the start", *[f"'{p}'" for p in points]]
         return [f"stage {s} of {n} (from {starts[s]} on {d})" for s, d in enumerate(self.devices)]
 
-    def _per_replay_grads(self) -> None:
-        """Has graphed stages return every replay's parameter gradients to
-        autograd instead of summing them per stage (DDP: its reducer hooks
-        on each parameter's AccumulateGrad need every one)."""
-        self.__dict__.setdefault("_sum_switch", Switch()).on = False
+    def _grad_stores(self) -> list[GradStore | None]:
+        """Per stage, the gradient buffers its graphs add into (None where
+        it has none: eager, or not captured yet)."""
+        graphs = self._rt()[1].graphs
+        return graphs.stores() if graphs is not None else [None] * len(self.devices)
 
     @property
     def graphed(self) -> bool:

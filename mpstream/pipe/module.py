@@ -222,7 +222,8 @@ class PipeModule(nn.Module):
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_runtime"] = None
-        state.pop("_scheduler", None)
+        for cache in ("_scheduler", "_norm_buffers", "_param_lists"):  # rebuilt on use
+            state.pop(cache, None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from ..memory.batchnorm import converted
-from ..runtime.graphed import Backend
+from ..runtime.graphed import Backend, generation
 from ..runtime.microbatch import Value, batch_device, scatter
 from ..runtime.stream import capturing
 from ..runtime.training import run as run_step
@@ -29,7 +29,7 @@ from .call import PipeCall
 from .compiling import CompileOption, compile_options
 from .inputs import detached, keywords_of, micro_sizes
 from .reduction import step_reduction
-from .snapshot import Snapshot
+from .snapshot import Norms, Snapshot
 
 __all__ = ["Pipe"]
 
@@ -125,7 +125,13 @@ class Pipe(PipeCall):
             zero-bubble schedule's input and weight passes as graphs of
             their own); a stage that cannot be captured (a CPU stage, a
             host sync) runs eagerly with a warning; :meth:`graph_report`
-            says what is graphed. A
+            says what is graphed. The graphs add the parameter gradients
+            into buffers of each stage's, which the parameters' ``.grad``
+            are (views; ``zero_grad()`` and optimizers work as usual); so
+            ``torch.autograd.grad`` gives no parameter gradient through a
+            graphed stage, and ``loss_fn`` in :meth:`train_step` receives
+            the last stage's output buffers, valid until the micro-batch's
+            backward (copy what you keep). A
             :class:`~mpstream.runtime.graphed.Backend` instead of ``True``
             captures with it (``Emulated()`` models replay semantics on any
             device, for tests).
@@ -343,9 +349,11 @@ class Pipe(PipeCall):
         target_staging = None if target is None else self._stage(labels, self.devices[-1])
         # Under CUDA graph capture a snapshot's clones would be recorded, not
         # run, and then run on every replay, holding a copy of every gradient.
-        snapshot = (
-            None if capturing(self.devices) else Snapshot(self, list(self.partitions), loss_fn)
-        )
+        graphs = worker.graphs
+        snapshot = None
+        if not capturing(self.devices):
+            saved = graphs.save() if graphs is not None else None
+            snapshot = Snapshot(self._norms(), self._stage_params(), loss_fn, saved)
         try:
             with torch.enable_grad():
                 stop = self._prepare(len(micro))
@@ -365,9 +373,33 @@ class Pipe(PipeCall):
                 )
         except BaseException:
             if snapshot is not None:
+                if graphs is not None:
+                    graphs.restore(keep=False)
                 snapshot.restore()
             raise
+        if graphs is not None:
+            graphs.restore(keep=True)
         return torch.stack(losses).sum()
+
+    def _norms(self) -> Norms:
+        """The pipe's BatchNorm buffers for a step's snapshot, found again only
+        when a module registered something or a buffer moved."""
+        found = self.__dict__.get("_norm_buffers")
+        now = generation()
+        if found is None or found[0] != now or found[1].stale():
+            found = (now, Norms(self))
+            self.__dict__["_norm_buffers"] = found
+        return found[1]  # type: ignore[no-any-return]
+
+    def _stage_params(self) -> list[list[nn.Parameter]]:
+        """Each stage's parameters, found again only when a module
+        registered something (a walk over every module costs)."""
+        found = self.__dict__.get("_param_lists")
+        now = generation()
+        if found is None or found[0] != now:
+            found = (now, [list(part.parameters()) for part in self.partitions])
+            self.__dict__["_param_lists"] = found
+        return found[1]  # type: ignore[no-any-return]
 
     def _step_inputs(self, inputs: Any) -> tuple[Any, ...]:
         """``train_step``'s ``inputs`` as the pipeline's positional inputs (a

@@ -7,55 +7,96 @@ half-updated running statistic behind.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _NormBase
 from torch.nn.parameter import is_lazy
 
+from .. import _ext
 from ..memory.batchnorm import DeferredBatchNorm
 from ..runtime.stream import current_stream, record_stream
 
-__all__ = ["Snapshot"]
+__all__ = ["Snapshot", "Norms"]
+
+
+class Norms:
+    """A pipe's BatchNorm buffers and a copy of them, taken with one
+    multi-tensor copy per device (the pipe keeps one :class:`Norms`, rebuilt
+    when its buffers change)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.modules = [m for m in module.modules() if isinstance(m, _NormBase)]
+        # Uninitialised (lazy) buffers hold nothing yet to put back.
+        self.buffers = [b for m in self.modules for b in m.buffers(recurse=False) if not is_lazy(b)]
+        self.copies = [torch.empty_like(b) for b in self.buffers]
+        self.watch = _ext.load().Watch(self.buffers)
+        devices: dict[torch.device, tuple[list[Tensor], list[Tensor]]] = {}
+        for c, b in zip(self.copies, self.buffers):
+            pair = devices.setdefault(b.device, ([], []))
+            pair[0].append(c)
+            pair[1].append(b)
+        self.groups = list(devices.values())
+
+    def stale(self) -> bool:
+        """Whether a buffer moved or changed shape since (rebuild then)."""
+        return bool(self.watch.changed())
+
+    def save(self) -> None:
+        """Copies the buffers (on the current streams)."""
+        for copies, buffers in self.groups:
+            torch._foreach_copy_(copies, buffers)
+
+    def restore(self) -> None:
+        """Puts the copies back, and deferred BatchNorm's accumulation."""
+        # Through .data: graphs still alive may have saved these buffers.
+        for b, saved in zip(self.buffers, self.copies):
+            b.data.copy_(saved)
+        for m in self.modules:
+            if isinstance(m, DeferredBatchNorm):
+                m.reset_accumulation()
 
 
 class Snapshot:
     """Gradients and BatchNorm state of a pipe, restorable after a failure.
 
-    BatchNorm buffers (small) are cloned up front. Gradients are saved per
+    BatchNorm buffers (small) are copied up front. Gradients are saved per
     stage by :meth:`save_grads`, which the worker calls inside the stage's
     first backward task: nothing accumulates into them before that, and a
     step that starts without gradients, or fails before any backward, clones
-    nothing.
+    nothing. Parameters whose gradients graphed stages keep in their own
+    buffers are saved there instead (``saved``).
 
     Args:
-        module: the pipe (its BatchNorm layers are found in it).
-        partitions: one module per stage (whose parameters each stage's
-            backward accumulates into).
+        norms: the pipe's BatchNorm buffers (see :class:`Norms`).
+        params: per stage, the parameters its backward accumulates into.
         loss: the loss function, when a module: the last stage's backward
             accumulates into its parameters too (a learnable loss scale).
+        saved: per stage whose gradients graphed stages saved, the
+            parameters left to save here (tied ones); the others are saved
+            in full.
     """
 
     def __init__(
-        self, module: nn.Module, partitions: Sequence[nn.Module], loss: object = None
+        self,
+        norms: Norms,
+        params: Sequence[Sequence[nn.Parameter]],
+        loss: object = None,
+        saved: Mapping[int, Sequence[nn.Parameter]] | None = None,
     ) -> None:
-        self.partitions = list(partitions)
+        self.params = [saved.get(s, ps) for s, ps in enumerate(params)] if saved else params
         self.loss = loss if isinstance(loss, nn.Module) else None
         # Per parameter: its gradient tensor before the step, and a copy.
         self.grads: dict[int, tuple[nn.Parameter, Tensor | None, Tensor | None]] = {}
-        # Uninitialised (lazy) buffers hold nothing yet to put back.
-        self.norms = [
-            (m, [(b, b.detach().clone()) for b in m.buffers(recurse=False) if not is_lazy(b)])
-            for m in module.modules()
-            if isinstance(m, _NormBase)
-        ]
+        self.norms = norms
+        norms.save()
 
     def save_grads(self, stage: int) -> None:
         """Saves the gradients of ``stage``'s parameters (on the current stream);
         a parameter shared by stages is saved once, before its first use."""
-        params = list(self.partitions[stage].parameters())
-        if self.loss is not None and stage == len(self.partitions) - 1:
+        params = list(self.params[stage])
+        if self.loss is not None and stage == len(self.params) - 1:
             params += self.loss.parameters()
         for p in params:
             if id(p) not in self.grads:
@@ -77,9 +118,4 @@ class Snapshot:
                     before.copy_(g)
             else:
                 p.grad = g
-        for m, buffers in self.norms:
-            # Through .data: graphs still alive may have saved these buffers.
-            for b, saved in buffers:
-                b.data.copy_(saved)
-            if isinstance(m, DeferredBatchNorm):
-                m.reset_accumulation()
+        self.norms.restore()

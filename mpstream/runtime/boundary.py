@@ -161,7 +161,7 @@ def route_grads(
         hop = hop_of(p, s)
         if hop is None:
             # Summed by the producer's backward, on its stream.
-            if readers[p] is not None:
+            if readers[p] is not None and p != s:
                 record_stream(g, readers[p])  # type: ignore[arg-type]
             local[(p, m)][(k, j)].append(g)
         else:

@@ -31,12 +31,9 @@ and kernels, the matmuls and convolutions that make a backward's second
 half. B keeps the stage's graph (and its saved tensors) alive for W; each W
 call frees the part it ran.
 
-A stage replayed from graphs is one custom autograd Function that splits
-itself (its ctx sets ``splits``): B marks its node ``defer``, the node
-replays its input-gradient graph only and hands back, as ``later``, the
-call that replays its weight graph, which W runs. The same analysis cuts
-the backward inside such a stage when its graphs are captured
-(:class:`Split` with the captured inputs as the sinks).
+The same analysis cuts the backward inside a stage replayed from graphs
+when its graphs are captured (:class:`Split` with the captured inputs as
+the sinks); a training step then replays B and W itself.
 
 Checkpointed micro-batches are not split: non-reentrant checkpointing
 recomputes the stage's forward once per autograd call, so separate W calls
@@ -69,20 +66,14 @@ class WeightPass:
     Attributes:
         groups: per autograd call, the edges to start from, their gradients
             and the parameters to accumulate into.
-        later: second halves handed back by Functions that split themselves
-            (graphed stages), run after the groups.
     """
 
-    __slots__ = ("groups", "later", "kept")
+    __slots__ = ("groups", "kept")
 
     def __init__(
-        self,
-        groups: Sequence[Group] = (),
-        later: Sequence[Callable[[], None]] = (),
-        kept: dict[Node, list[Any]] | None = None,
+        self, groups: Sequence[Group] = (), kept: dict[Node, list[Any]] | None = None
     ) -> None:
         self.groups: list[Group] = list(groups)
-        self.later: list[Callable[[], None]] = list(later)
         #: The gradients B kept at each junction (see :func:`pinned`).
         self.kept: dict[Node, list[Any]] = kept or {}
 
@@ -91,13 +82,10 @@ class WeightPass:
         backward would (AccumulateGrad nodes, hooks included), and lets the
         graph go."""
         groups, self.groups = self.groups, []
-        later, self.later = self.later, []
         kept, self.kept = self.kept, {}
         with pinned(kept):
             for edges, grads, params in groups:
                 torch.autograd.backward(edges, grads, inputs=params)  # type: ignore[arg-type]
-        for fn in later:
-            fn()
 
 
 @contextmanager
@@ -212,7 +200,6 @@ class Split:
         self._known: dict[Node, list[tuple[Tensor, Tensor]]] = {}
         self._captured: dict[Node, list[Any]] = {}
         self._hooked: list[Node] = []
-        self._deferring: list[Node] = []
         if not tensors or self.whole:
             return
         roots = [t.grad_fn for t in tensors]
@@ -247,12 +234,6 @@ class Split:
                 branches[r] = _leaves(r, children)
         for junctions, params in _group(branches):
             on_path = [j for j in junctions if j in inner]
-            if on_path and all(getattr(j, "splits", False) for j in junctions):
-                # Graphed stages that split themselves: their W is the
-                # second half they hand back (``later``). Asking B for these
-                # parameters would run their accumulation with no gradient,
-                # which still fires post-accumulate-grad hooks.
-                continue
             tangled = len(on_path) > 1 and any(
                 _reaches(j, set(on_path) - {j}, inner, children) for j in on_path
             )
@@ -266,7 +247,6 @@ class Split:
             else:
                 self._kept.append((junctions, params))
         self._hooked = [j for junctions, _ in self._kept for j in junctions if j in inner]
-        self._deferring = [n for n in inner if getattr(n, "splits", False)]
 
     @property
     def defers(self) -> bool:
@@ -275,16 +255,10 @@ class Split:
             return False
         return bool(self._kept) if self.reaches else bool(self._all)
 
-    @property
-    def keeps_graph(self) -> bool:
-        """Whether W runs on B's autograd graph (its groups), or on what
-        self-splitting Functions kept (their second halves): B keeps it."""
-        return self.defers or bool(self._deferring)
-
     @contextmanager
     def keeping(self) -> Iterator[None]:
         """Around B's autograd call: keeps the gradients flowing into the
-        junctions, and has self-splitting Functions defer their second half."""
+        junctions."""
         handles = []
         for j in self._hooked:
 
@@ -292,8 +266,6 @@ class Split:
                 self._captured[j] = list(grad_outputs)
 
             handles.append(j.register_prehook(keep))
-        for node in self._deferring:
-            node.defer = True  # type: ignore[attr-defined]
         try:
             yield
         finally:
@@ -330,13 +302,7 @@ class Split:
 
     def weight_pass(self) -> WeightPass:
         """W, to :meth:`~WeightPass.run` later (on the same stream)."""
-        later: list[Callable[[], None]] = []
-        for node in self._deferring:
-            fn = getattr(node, "later", None)
-            if fn is not None:
-                later.append(fn)
-                node.later = None  # type: ignore[attr-defined]
-        weight = WeightPass(self.groups(), later, self._captured)
+        weight = WeightPass(self.groups(), self._captured)
         self._captured = {}
         return weight
 
@@ -364,7 +330,7 @@ def backward_inputs(tensors: Sequence[Tensor], grads: Sequence[Tensor] | None) -
         # retain_graph, and B computes all of its gradients anyway.
         with split.keeping():
             torch.autograd.backward(
-                list(tensors), grads, retain_graph=split.keeps_graph, inputs=[_ANCHOR, *split.eager]
+                list(tensors), grads, retain_graph=split.defers, inputs=[_ANCHOR, *split.eager]
             )
     return split.weight_pass()
 

@@ -9,6 +9,9 @@ reached it and back-propagates its outputs. Parameter gradients accumulate
 through autograd as usual. Where the schedule splits a backward (a weight
 task follows it), the backward task computes the input gradients only and
 the weight task the parameter gradients (:mod:`~mpstream.runtime.split_backward`).
+A stage replayed from CUDA graphs runs its tasks without autograd, through
+:mod:`~mpstream.runtime.replayed`; to the stages around it, it is one more
+producer of outputs and consumer of gradients.
 """
 
 from __future__ import annotations
@@ -20,12 +23,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from ..memory.checkpoint import checkpointed
 from ..schedules.schedule import Kind, Schedule, Task
 from .boundary import Cutting, Grads, cut_inputs, roots_of, route_grads, sum_grads
 from .copy import move
-from .graph import Hop
+from .graph import Hop, Ref
+from .graphed import StageGraphs
 from .microbatch import leaves, rebuild_leaves
 from .peer import pull
+from .replayed import Replayed
 from .segmented import SegmentedIssue
 from .split_backward import WeightPass, backward_inputs
 from .stream import AnyStream, current_stream, record_stream
@@ -33,7 +39,6 @@ from .transfer import to_device
 from .values import Flow
 from .worker import (
     Staging,
-    compute,
     cuda_only,
     hop_leaves,
     hop_staging,
@@ -66,6 +71,15 @@ def _backward_inputs(
         return backward_inputs([t for _, t in roots], None)
     pairs = [(t, sum_grads(grads[key])) for key, t in roots if key in grads]
     return backward_inputs([t for t, _ in pairs], [g for _, g in pairs])
+
+
+def _eager(
+    graphs: StageGraphs | None, s: int, stage: Any, args: Sequence[Any], checkpoint: bool
+) -> Any:
+    """Stage ``s``'s forward run eagerly (checkpointed when asked)."""
+    if graphs is not None:
+        return graphs.eager(s, stage, args, checkpoint)
+    return checkpointed(stage, *args) if checkpoint else stage(*args)
 
 
 def _transfer(value: Any, device: torch.device, staging: Staging) -> Any:
@@ -169,6 +183,9 @@ def run(
     def pulled(receiver: int, sender: int) -> bool:
         return pulls(devices[sender], devices[receiver])
 
+    def route(cutting: Cutting, s: int, m: int) -> None:
+        route_grads(cutting, s, m, routes.hop, local, remote, readers, copiers, pulled)
+
     profiling = torch._C._autograd._profiler_enabled()
     labels = list(targets)
     backward_seen: set[int] = set()
@@ -183,12 +200,16 @@ def run(
     split = {(s, m) for s, m in schedule.split if m >= checkpoint_stop}
     weights_left: dict[tuple[int, int], WeightPass] = {}
     graphs = worker.graphs
+    thin = None
     if graphs is not None:
-        graphs.begin(schedule, backward_later=False)
+        graphs.begin(schedule, step=True)
+        thin = Replayed(graphs, routes)
+
+    def thin_of(ref: Ref, m: int) -> bool:
+        return thin is not None and thin.graphed(ref.stage, m)
+
     native.begin_run(schedule.native, sched.caller_streams())
     try:
-        if graphs is not None:
-            graphs.hold()  # parameter gradients summed per stage, handed over after the run
         for task in schedule.tasks if issue is None else issue.tasks:
             kind, s, m = task.kind, task.stage, task.micro
             # Everything a task issues, record_stream and the boundary cut
@@ -198,24 +219,42 @@ def run(
                 handle = native.begin(task.index)
                 pairs, received = flow.args(s, m)
                 sources = flow.result_sources(m) if s == last else []
-                if readers[s] is not None:
-                    protect([v for _, v in (pairs if not received else []) + sources], readers[s])
-                cutting = Cutting()
-                values = cut_inputs(pairs + sources, cutting)
-                args = values[: len(pairs)]
-                if cutting.keys:
-                    cuts[(s, m)] = cutting
+                ckpt, splits = m < checkpoint_stop, (s, m) in split
                 with task_range(profiling, kind, s, m):
-                    y = compute(graphs, s, m, parts[s], args, m < checkpoint_stop, (s, m) in split)
-                    flow.store(s, m, y)
+                    replayed, y = (
+                        (False, None)
+                        if thin is None
+                        else thin.forward(s, m, parts[s], pairs, ckpt, splits)
+                    )
+                    if readers[s] is not None:
+                        # Read on this stage's stream, allocated on another
+                        # (a replayed producer's buffers are kept by its slot).
+                        fresh = [] if received else [v for r, v in pairs if not thin_of(r, m)]
+                        protect(fresh + [v for _, v in sources], readers[s])
+                    if replayed:
+                        flow.store(s, m, y)
+                        # Not cut: no autograd graph; the last stage's outputs
+                        # are, for the loss to differentiate.
+                        outs = flow.outputs_of(s, m) if s == last else ()
+                        inputs: list[tuple[Ref, Any]] = [(Ref(s, k), v) for k, v in enumerate(outs)]
+                    else:
+                        inputs = thin.unalias(s, m, pairs) if thin and splits else pairs
+                    cutting = Cutting()
+                    values = cut_inputs(inputs + sources, cutting)
+                    if cutting.keys:
+                        cuts[(s, m)] = cutting
+                    if not replayed:
+                        y = _eager(graphs, s, parts[s], values[: len(inputs)], ckpt)
+                        flow.store(s, m, y)
                     if s == last:
-                        replaced = {ref: v for (ref, _), v in zip(sources, values[len(pairs) :])}
-                        output = flow.result(m, replaced)
+                        start = 0 if replayed else len(inputs)
+                        cut = zip((inputs + sources)[start:], values[start:])
+                        output = flow.result(m, {ref: v for (ref, _), v in cut})
                         loss = _loss(loss_fn, output, labels[m], readers[s], weights[m])
                         roots[(s, m)] = [((0, 0), loss if scale is None else scale(loss))]
                         losses.append(loss.detach())
-                        del loss, output, replaced
-                if s < last:
+                        del loss, output, cut
+                if s < last and not replayed:
                     roots[(s, m)] = roots_of(flow.outputs_of(s, m))
                 flow.release(s, m)
                 if s == last:
@@ -223,7 +262,7 @@ def run(
                 native.end(handle)
                 # Locals must not keep a finished micro-batch's graph alive:
                 # 1F1B's memory bound counts on it.
-                del pairs, args, y, values, sources
+                del pairs, y, values, sources, inputs
             elif kind is Kind.COPY:
                 handle = native.begin(task.index)
                 hop = routes.by_task[(s, task.peer)]
@@ -231,8 +270,8 @@ def run(
                 with task_range(profiling, kind, s, m), torch.no_grad():
                     items, specs, where = hop_leaves(flow.hop_values(hop, m))
                     if s < 0:
-                        inputs = flow.outputs_of(-1, m)
-                        buffers = _input_staging(staging, m, hop, inputs, where)
+                        sent = flow.outputs_of(-1, m)
+                        buffers = _input_staging(staging, m, hop, sent, where)
                         for i, b in zip(where, buffers):
                             if pulls(items[i].device, dst):
                                 items[i] = pull(items[i], dst)
@@ -262,15 +301,23 @@ def run(
                     backward_seen.add(s)
                     before_backward(s)
                 with task_range(profiling, kind, s, m):
-                    reached = None if s == last else local.pop((s, m), {})
-                    if (s, m) in split:
-                        weights_left[(s, m)] = _backward_inputs(roots.pop((s, m)), reached)
+                    replayed = thin is not None and thin.graphed(s, m)
+                    if replayed and s == last:
+                        _backward(roots.pop((s, m)), None)  # the loss, to the cut outputs
+                        route(cuts.pop((s, m)), s, m)
+                    reached = None if s == last and not replayed else local.pop((s, m), {})
+                    if replayed:
+                        assert thin is not None and reached is not None
+                        done = thin.backward(s, m, reached, (s, m) in split)
                     else:
-                        _backward(roots.pop((s, m)), reached)
+                        if (s, m) in split:
+                            weights_left[(s, m)] = _backward_inputs(roots.pop((s, m)), reached)
+                        else:
+                            _backward(roots.pop((s, m)), reached)
+                        done = cuts.pop((s, m), None)
                     del reached
-                done = cuts.pop((s, m), None)
                 if done is not None:
-                    route_grads(done, s, m, routes.hop, local, remote, readers, copiers, pulled)
+                    route(done, s, m)
                 native.end(handle)
             elif kind is Kind.WEIGHT:
                 handle = native.begin(task.index)
@@ -278,6 +325,8 @@ def run(
                 with task_range(profiling, kind, s, m):
                     if pending is not None:
                         pending.run()
+                    elif thin is not None:
+                        thin.weight(s, m)
                 del pending
                 native.end(handle)
             elif kind is Kind.COPY_GRAD:
@@ -297,13 +346,13 @@ def run(
         task = None
         native.join()
         if graphs is not None:
-            graphs.release(keep=True)  # after the join: on the caller's streams
+            graphs.end()  # after the join: on the caller's streams
     except BaseException as exc:
         try:
             native.abort()
         finally:
             if graphs is not None:
-                graphs.release(keep=False)
+                graphs.end()
         worker.annotate(exc, task, len(batches), _loss.__code__)
         raise
     if caller_reader is not None:

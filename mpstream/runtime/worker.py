@@ -87,13 +87,11 @@ def compute(
     stage: nn.Module,
     args: Sequence[Any],
     checkpoint: bool,
-    split: bool = False,
 ) -> Any:
     """Stage ``s``'s forward of micro-batch ``m``: replayed from its graphs
-    when the pipe has them, else eagerly (checkpointed when asked).
-    ``split``: the schedule splits its backward into B and W."""
+    when the pipe has them, else eagerly (checkpointed when asked)."""
     if graphs is not None:
-        return graphs.call(s, m, stage, args, checkpoint, split)
+        return graphs.call(s, m, stage, args, checkpoint)
     return checkpointed(stage, *args) if checkpoint else stage(*args)
 
 
@@ -208,8 +206,8 @@ class Worker:
         results: list[Any] = [None] * len(batches)
         task: Task | None = None
         graphs = self.graphs
-        if graphs is not None:  # with gradients, autograd runs the backward later
-            graphs.begin(schedule, backward_later=grad)
+        if graphs is not None:
+            graphs.begin(schedule, step=False)
         native.begin_run(schedule.native, sched.caller_streams())
         try:
             for task in schedule.tasks:
@@ -275,7 +273,17 @@ class Worker:
             # The outputs were allocated on the last stage's stream; after the
             # join the caller's stream reads them.
             protect(results, caller_reader)
+        if graphs is not None and len(results) == 1:
+            # One micro-batch's outputs are not concatenated: copied, they no
+            # longer are the graphs' buffers, which the next call rewrites.
+            results = [_copied(results[0])]
         return results
+
+
+def _copied(value: Any) -> Any:
+    """``value`` with each tensor copied (on the current stream)."""
+    items, spec = leaves(value)
+    return rebuild_leaves([x.clone() if isinstance(x, Tensor) else x for x in items], spec)
 
 
 def hop_staging(

@@ -51,6 +51,28 @@ def test_each_schedule_is_measured_four_ways_beside_the_single_device(tmp_path: 
     assert "the captured step (target <= 1.15x: a GPU target)" in checks[1].detail
     assert "x the single device captured" in checks[1].detail
     assert "captured in groups" in checks[1].detail and "x one graph" in checks[1].detail
+    # Per replayed task (a forward and a backward per stage and micro-batch; zb_h1's W too).
+    micros = rows[1][graphed.GRAPHED]["replayed_tasks"] // 4
+    assert micros >= 1 and rows[2][graphed.GRAPHED]["replayed_tasks"] == 6 * micros
+    assert "us per replayed task over" in checks[1].detail
+
+
+def test_host_time_per_task_and_graph_pools_are_held_against_their_targets() -> None:
+    timed = {"step_ms": 10.0, "issue_ms": 5.0, "issue_share": 0.5, "launches": 0}
+    eager = {**timed, "peak_reserved_bytes": {"cuda:0": 1000 * 2**20}}
+    stages = {
+        **timed, "peak_reserved_bytes": {"cuda:0": 1400 * 2**20}, "graphed": True,
+        "reasons": [], "slots": [2, 1], "pool_bytes": 1100 * 2**20, "grad_bytes": 0,
+        "replayed_tasks": 50, "host_us_per_task": 100.0,
+    }  # fmt: skip
+    rows = [
+        {"schedule": graphed.SINGLE, graphed.EAGER: timed, graphed.CAPTURED: timed},
+        {"schedule": "1f1b", graphed.EAGER: eager, graphed.GRAPHED: stages,
+         graphed.CAPTURED: timed, graphed.GROUPS: None},
+    ]  # fmt: skip
+    detail = graphed.schedule_checks(rows, cuda=True, split=8)[1].detail
+    assert "host 100 us per replayed task over 50 (target <= 50 us: missed)" in detail
+    assert "1.10x the eager peak in graph pools (target <= 1.25x: met)" in detail
 
 
 def test_a_measurement_that_raises_fails_its_line_and_keeps_the_others(

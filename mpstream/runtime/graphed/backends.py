@@ -1,13 +1,31 @@
-"""What captures and replays a graphed call: CUDA graphs, or an emulation.
+"""What captures and replays a graphed call (CUDA graphs, or an emulation),
+and what its passes compute.
 
-:class:`CudaGraphs` captures with ``torch.cuda.CUDAGraph``, a private memory
-pool per call; :mod:`.capturing` undoes a capture that fails, and
-:mod:`.rng` puts captures and random replays in their device's order.
-:class:`Emulated` models replay semantics on any device, for
-tests: its forward "replay" reruns the stage and replaces the slot's one set
-of activations, so a slot reused while an earlier micro-batch's backward is
+A call that needs gradients differentiates its outputs, from the static
+output gradients, with respect to its inputs and the stage's parameters
+(:func:`whole`). Where the schedule splits the backward, :func:`input_pass`
+(B) stops at the inputs, keeping the gradients that flow into the junctions
+of :class:`~mpstream.runtime.split_backward.Split`, and :func:`weight_pass`
+(W) starts from them toward the parameters. Each pass ends in
+:meth:`~.call.GraphedCall.write`: input gradients into their buffers,
+parameter gradients added into the stage's store.
+
+Memory (:class:`CudaGraphs`). Graphs that share a memory pool may reuse
+what each other's captures freed, which is safe only for memory no graph
+needs after its own replay. So a forward with gradients (whose activations
+live until its backward), and a split call's B and W (B's junction
+gradients live until W), take a pool of their own per call; a whole
+backward and a forward without gradients take the stage's shared pool:
+everything they allocate is dead when their replay ends, because what
+outlives them (input gradients, outputs, parameter gradients) is written
+into buffers allocated outside any pool. They replay on the stage's stream
+only, one after another, in any order. Activations then cost what the
+schedule keeps in flight, and temporaries one set per stage.
+
+:class:`Emulated` models replay semantics on any device, for tests: its
+forward "replay" reruns the stage and replaces the slot's one set of
+activations, so a slot reused while an earlier micro-batch's backward is
 pending gives that backward the wrong activations, as a real graph would.
-Both run the passes of :mod:`~mpstream.runtime.graphed.passes`.
 """
 
 from __future__ import annotations
@@ -19,28 +37,105 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .call import GraphedCall
-from .capturing import capturing
-from .passes import (
-    differentiate,
-    eager_backward,
-    input_pass,
-    merge,
-    set_passes,
-    split_of,
-    store_grads,
-    weight_pass,
-)
-from .rng import ordered
+from ..split_backward import Split
+from .call import GraphedCall, reached_from
+from .capturing import capturing, ordered
 
-__all__ = ["CudaGraphs", "Emulated", "PASSES", "warm_up"]
+__all__ = [
+    "CudaGraphs", "Emulated", "whole", "input_pass", "weight_pass", "split_of", "shares"
+]  # fmt: skip
 
 #: Every pass a call may replay.
 PASSES = frozenset({"forward", "backward", "weight"})
 
 
+def whole(call: GraphedCall, outs: Sequence[Tensor]) -> tuple[Tensor | None, ...]:
+    """The gradients of the call's differentiable outputs, from the static
+    output gradients, with respect to its inputs and parameters."""
+    roots = [outs[k] for k in call.diff_out]
+    return torch.autograd.grad(roots, call.targets(), call.static_grad_out, allow_unused=True)
+
+
+def split_of(call: GraphedCall, outs: Sequence[Tensor]) -> Split:
+    """The call's backward cut inside it (its static inputs are B's sinks);
+    sets the passes the call replays: B where it differentiates something,
+    W where B leaves it work."""
+    mine = {id(t) for t in call.static_in if t.requires_grad}
+    roots = [outs[k] for k in call.diff_out]
+    split = Split(roots, call.static_grad_out, lambda n: id(getattr(n, "variable", None)) in mine)
+    b = ("backward",) if _b_targets(call, split) else ()
+    call.passes = ("forward", *b, *(("weight",) if split.defers else ()))
+    return split
+
+
+def _b_targets(call: GraphedCall, split: Split) -> list[Tensor]:
+    """What B differentiates: the inputs needing gradients, and the
+    parameters B keeps."""
+    if not (split.whole or split.reaches):
+        return []
+    kept = {id(p) for p in (call.params if split.whole else split.eager)}
+    return [t for t in call.static_in if t.requires_grad] + [
+        p for p in call.params if id(p) in kept
+    ]
+
+
+def input_pass(call: GraphedCall, outs: Sequence[Tensor], split: Split) -> list[Any]:
+    """B inside the call: the input gradients, then per parameter its
+    gradient if B computes it (None where W does)."""
+    targets = _b_targets(call, split)
+    n = sum(1 for t in call.static_in if t.requires_grad)
+    if not targets:
+        return [None] * (n + len(call.params))
+    roots = [outs[k] for k in call.diff_out]
+    with split.keeping():
+        got = torch.autograd.grad(
+            roots, targets, call.static_grad_out, retain_graph=True, allow_unused=True
+        )
+    by_id = {id(t): g for t, g in zip(targets[n:], got[n:])}
+    return [*got[:n], *(by_id.get(id(p)) for p in call.params)]
+
+
+def weight_pass(call: GraphedCall, split: Split) -> list[Any]:
+    """W inside the call: per target, the parameter gradients B left."""
+    got: dict[int, Tensor | None] = {}
+    with split.pinned():
+        for edges, values, params in split.groups():
+            grads = torch.autograd.grad(edges, params, values, allow_unused=True)  # type: ignore[arg-type]
+            got.update((id(p), g) for p, g in zip(params, grads))
+    n = len(call.static_grad_in)
+    return [None] * n + [got.get(id(p)) for p in call.params]
+
+
+def shares(call: GraphedCall, name: str) -> bool:
+    """Whether pass ``name`` of ``call`` may take the stage's shared pool:
+    nothing it allocates is needed after its replay. A whole backward writes
+    what outlives it into buffers allocated before capture; a forward
+    without gradients too, where warm-up told its outputs' shapes. A forward
+    with gradients leaves activations for its backward, and a split call's
+    B leaves junction gradients for W."""
+    if name == "backward":
+        return not call.split
+    return name == "forward" and not call.grad
+
+
+def _positions(grads: Sequence[Any], n: int) -> list[int]:
+    """The parameter positions that got a gradient (targets after the ``n`` inputs)."""
+    return [j for j, g in enumerate(grads[n:]) if g is not None]
+
+
+def _prepare(call: GraphedCall, outs: Sequence[Tensor]) -> None:
+    """After the forward's capture: which outputs reach what, and the
+    gradient buffers, allocated outside any pool."""
+    call.reached_from = reached_from(outs, call.diff_out, call.targets())
+    call.static_grad_out = [torch.zeros_like(outs[k]) for k in call.diff_out]
+    n_in = [t for t in call.static_in if t.requires_grad]
+    call.static_grad_in = [
+        torch.zeros_like(t) if call.reached_from[i] else None for i, t in enumerate(n_in)
+    ]
+
+
 class CudaGraphs:
-    """Captures with ``torch.cuda.CUDAGraph``, a private memory pool per call.
+    """Captures with ``torch.cuda.CUDAGraph`` (pools: see the module).
 
     Warm-up (``warmup`` eager iterations: lazy initialisation, cuDNN
     autotuning) and capture run on the stage's own stream, the current one
@@ -49,17 +144,13 @@ class CudaGraphs:
     thread-local (another thread's CUDA calls, a pinning DataLoader's, do not
     break it) and does not synchronise the device. Under autocast it runs
     with autocast's weight cache off: a cached cast freed after capture would
-    leave the graph reading freed memory. Warm-up's effects are undone.
-
-    A private pool per call (one handle for its forward and backward
-    graphs), not one per device: stages sharing a device run concurrently on
-    their own streams, and graphs sharing a pool may reuse each other's freed
-    memory, which is only safe when they never run at the same time.
+    leave the graph reading freed memory. Warm-up's effects are undone, and
+    its backward adds nothing anywhere.
 
     Warm-up also finds the passes that draw random numbers (the generator's
     offset moves; ``call.random_passes``): their replays, and every capture,
     write the generator's graph scalars, so they take turns per device
-    (:func:`~mpstream.runtime.graphed.rng.ordered`).
+    (:func:`~mpstream.runtime.graphed.capturing.ordered`).
 
     Args:
         warmup: eager forward (+ backward) iterations before capture.
@@ -75,7 +166,7 @@ class CudaGraphs:
         generator = torch.cuda.default_generators[
             torch.cuda.current_device() if index is None else index
         ]
-        call.random_passes = warm_up(call, fn, self.warmup, generator.get_offset)
+        call.random_passes, shapes = warm_up(call, fn, self.warmup, generator.get_offset)
         if call.checkpoint and call.random_passes:  # seen drawing, or not warmed up to tell
             # Inside a graph the recomputation's restored RNG state is
             # relative to the backward graph's replay, not the forward's:
@@ -85,96 +176,113 @@ class CudaGraphs:
                 f"a checkpointed stage that draws random numbers (dropout){unknown} cannot be "
                 f"replayed: its recomputation would draw other ones; checkpoint='never' graphs it"
             )
-        pool = torch.cuda.graph_pool_handle()
-        fwd = torch.cuda.CUDAGraph()
+        own = torch.cuda.graph_pool_handle()
+        shared = call.pool if call.pool is not None else own
+        graphs: dict[str, torch.cuda.CUDAGraph] = {}
         with ExitStack() as stack:
             _uncached_autocast(stack)
             stack.enter_context(ordered(call.device))  # capture_begin writes the RNG scalars
-            with capturing(fwd, pool):
+            # Without gradients nothing outlives the replay but the outputs,
+            # copied into buffers of their own: the shared pool.
+            copied = shares(call, "forward") and shapes is not None and call.pool is not None
+            if copied:
+                call.static_out = [
+                    torch.empty_strided(shape, stride, dtype=dtype, device=device)
+                    for shape, stride, dtype, device in shapes or ()
+                ]
+            graphs["forward"] = graph = torch.cuda.CUDAGraph()
+            with capturing(graph, shared if copied else own):
                 outs = call.outputs(fn(*call.inputs()))
-            call.static_out = [t.detach() for t in outs]
-            graphs: dict[str, torch.cuda.CUDAGraph] = {"forward": fwd}
+                if copied:
+                    if [(t.shape, t.stride(), t.dtype) for t in outs] != [
+                        s[:3] for s in shapes or ()
+                    ]:
+                        raise RuntimeError("the outputs' shapes differ between warm-up and capture")
+                    for buf, t in zip(call.static_out, outs):
+                        buf.copy_(t)
+            if not copied:
+                call.static_out = [t.detach() for t in outs]
             if call.diff_out:
-                call.check_leaves(outs)
-                call.static_grad_out = [torch.empty_like(outs[k]) for k in call.diff_out]
-                graphs.update(_capture_backward(call, outs, pool))
+                _prepare(call, outs)
+                graphs.update(_capture_backward(call, outs, own, shared))
         del outs
-        call.reserved = _pool_bytes(pool)
+        call.reserved = _pool_bytes(own)
         call.state = graphs
 
-    def forward(self, call: GraphedCall) -> None:
-        _replay(call, "forward")
-
-    def backward(self, call: GraphedCall) -> None:
-        if "backward" in call.state:
-            _replay(call, "backward")
-
-    def weight(self, call: GraphedCall) -> None:
-        _replay(call, "weight")
-
-
-def _replay(call: GraphedCall, name: str) -> None:
-    """Replays one of the call's graphs; in the device's order if it draws
-    random numbers (its replay prologue writes the generator's scalars)."""
-    graph: torch.cuda.CUDAGraph = call.state[name]
-    if name in call.random_passes:
-        with ordered(call.device):
+    def replay(self, call: GraphedCall, name: str) -> None:
+        """Replays one pass; in the device's order if it draws random numbers
+        (its replay prologue writes the generator's scalars)."""
+        graph: torch.cuda.CUDAGraph = call.state[name]
+        if name in call.random_passes:
+            with ordered(call.device):
+                graph.replay()
+        else:
             graph.replay()
-    else:
-        graph.replay()
 
 
 def warm_up(
     call: GraphedCall, fn: Callable[..., Any], runs: int, position: Callable[[], object]
-) -> frozenset[str]:
+) -> tuple[frozenset[str], list[tuple[Any, ...]] | None]:
     """Runs the call eagerly ``runs`` times, forward and (where gradients
-    flow) backward, as capture will; returns the passes that moved the random
-    number generator (``position``: where it stands). With no run nothing is
-    known, and every pass counts as drawing."""
+    flow) backward, as capture will, adding no gradient anywhere. Returns the
+    passes that moved the random number generator (``position``: where it
+    stands; with no run nothing is known, and every pass counts as drawing),
+    and the outputs' shapes, strides, dtypes and devices (None without a run)."""
     drew: set[str] = set()
+    shapes: list[tuple[Any, ...]] | None = None
     for _ in range(runs):
         start = position()
         outs = call.outputs(fn(*call.inputs()))
+        shapes = [(t.shape, t.stride(), t.dtype, t.device) for t in outs]
         if position() != start:
             drew.add("forward")
         start = position()
         if call.diff_out:
-            call.static_grad_out = [torch.ones_like(outs[k]) for k in call.diff_out]
-            eager_backward(call, outs)
+            grads = [torch.ones_like(outs[k]) for k in call.diff_out]
+            roots = [outs[k] for k in call.diff_out]
+            if call.split:
+                call.static_grad_out = grads
+                split = split_of(call, outs)
+                input_pass(call, outs, split)
+                if split.defers:
+                    weight_pass(call, split)
+            else:
+                call.passes = ("forward", "backward")
+                torch.autograd.grad(roots, call.targets(), grads, allow_unused=True)
         del outs
         if position() != start:
             drew.update(("backward", "weight"))  # W runs part of the backward
-    return frozenset(drew) if runs else PASSES
+    return (frozenset(drew) if runs else PASSES), shapes
 
 
 def _capture_backward(
-    call: GraphedCall, outs: Sequence[Tensor], pool: Any
+    call: GraphedCall, outs: Sequence[Tensor], own: Any, shared: Any
 ) -> dict[str, torch.cuda.CUDAGraph]:
-    """The backward's graphs, in the forward's pool: one, or B and W. A pass
-    with nothing to compute gets no graph (PyTorch warns of an empty one)."""
+    """The backward's graphs: whole in the shared pool; B and W in the
+    call's own. A pass with nothing to compute gets no graph (PyTorch warns
+    of an empty one)."""
+    n = len(call.static_grad_in)
     if not call.split:
         call.passes = ("forward", "backward")
-        whole = torch.cuda.CUDAGraph()
-        with capturing(whole, pool):
-            store_grads(call, differentiate(call, outs))
-        return {"backward": whole}
+        graph = torch.cuda.CUDAGraph()
+        with capturing(graph, shared if shares(call, "backward") else own):
+            got = whole(call, outs)
+            call.write(got, _positions(got, n), "backward")
+        return {"backward": graph}
     graphs: dict[str, torch.cuda.CUDAGraph] = {}
     split = split_of(call, outs)
-    set_passes(call, split)
-    n = sum(1 for t in call.static_in if t.requires_grad)
-    first: list[Any] = [None] * (n + len(call.params))
     if "backward" in call.passes:
         graphs["backward"] = torch.cuda.CUDAGraph()
-        with capturing(graphs["backward"], pool):
+        with capturing(graphs["backward"], own):
             first = input_pass(call, outs, split)
+            call.write(first, _positions(first, n), "backward")
     if split.defers:
         # Captured after B, while B's junction gradients are still held:
         # W reads them, so W's allocations must not land on them.
         graphs["weight"] = torch.cuda.CUDAGraph()
-        with capturing(graphs["weight"], pool):
+        with capturing(graphs["weight"], own):
             second = weight_pass(call, split)
-        first = merge(call, first, second)
-    store_grads(call, first)
+            call.write(second, _positions(second, n), "weight")
     return graphs
 
 
@@ -183,6 +291,12 @@ def _pool_bytes(pool: Any) -> int:
     segments = torch.cuda.memory_snapshot()  # type: ignore[no-untyped-call]
     mine = [s for s in segments if tuple(s.get("segment_pool_id", ())) == tuple(pool)]
     return sum(int(s["total_size"]) for s in mine)
+
+
+def pool_bytes(pool: Any) -> int:
+    """Device memory held by a shared pool (0 for none, or off a GPU)."""
+    initialized = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+    return 0 if pool is None or not initialized else _pool_bytes(pool)
 
 
 def _uncached_autocast(stack: ExitStack) -> None:
@@ -196,12 +310,12 @@ def _uncached_autocast(stack: ExitStack) -> None:
 class Emulated:
     """Replay semantics without a device graph, for tests on any device.
 
-    "Capture" runs the stage once on the static inputs; a forward "replay"
-    runs it again and keeps that run's autograd graph as the slot's
-    activations, replacing the previous one; a backward "replay"
-    differentiates the slot's current activations. What differs from CUDA
-    graphs: the stage's Python runs at every replay (its side effects too),
-    and nothing is faster.
+    "Capture" runs the stage once on the static inputs (adding nothing to
+    the gradients); a forward "replay" runs it again and keeps that run's
+    autograd graph as the slot's activations, replacing the previous one; a
+    backward "replay" differentiates the slot's current activations. What
+    differs from CUDA graphs: the stage's Python runs at every replay (its
+    side effects too), and nothing is faster.
     """
 
     runs_python = True
@@ -216,12 +330,15 @@ class Emulated:
         with torch.enable_grad() if call.grad else torch.no_grad():
             outs = call.outputs(fn(*call.inputs()))
         call.static_out = [t.detach().clone() for t in outs]
-        call.static_grad_out = [torch.zeros_like(outs[k]) for k in call.diff_out]
         if call.diff_out:
-            call.check_leaves(outs)
-            # Fixed gradient buffers, as a graph's: what escapes them is seen.
-            with torch.enable_grad():
-                store_grads(call, eager_backward(call, outs))
+            _prepare(call, outs)
+            if call.split:
+                split_of(call, outs)
+            else:
+                call.passes = ("forward", "backward")
+
+    def replay(self, call: GraphedCall, name: str) -> None:
+        getattr(self, name)(call)
 
     def forward(self, call: GraphedCall) -> None:
         with torch.enable_grad() if call.grad else torch.no_grad():
@@ -234,30 +351,26 @@ class Emulated:
         if call.state is None:
             raise RuntimeError("the slot's activations were freed before its backward replayed")
         outs, call.state = call.state, None
+        n = len(call.static_grad_in)
         with torch.enable_grad():
             if not call.split:
-                _fill([*call.static_grad_in, *call.static_grad_params], differentiate(call, outs))
+                got = whole(call, outs)
+                call.write(got, _positions(got, n), "backward")
                 return
             split = split_of(call, outs)
             first = input_pass(call, outs, split)
-        if not call.weighs_later:
-            _fill([*call.static_grad_in, *call.static_grad_params], first)
-            return
-        _fill(call.static_grad_in, first[: len(call.static_grad_in)])
-        call.state = ("weight", outs, split, first)  # W reads B's activations and gradients
+            call.write(first, _positions(first, n), "backward")
+        if split.defers:
+            call.state = ("weight", outs, split)  # W reads B's activations and gradients
 
     def weight(self, call: GraphedCall) -> None:
-        if not (isinstance(call.state, tuple) and call.state[0] == "weight"):
+        if isinstance(call.state, tuple) and call.state[0] == "weight":
+            _, _, split = call.state
+        elif isinstance(call.state, list) and "backward" not in call.passes:
+            split = split_of(call, call.state)  # no B: W does everything
+        else:
             raise RuntimeError("a weight pass replayed without its input-gradient pass")
-        _, _, split, first = call.state
         call.state = None
         with torch.enable_grad():
-            merged = merge(call, first, weight_pass(call, split))
-        _fill(call.static_grad_params, merged[len(call.static_grad_in) :])
-
-
-def _fill(statics: Sequence[Tensor | None], grads: Sequence[Tensor | None]) -> None:
-    """Copies gradients into fixed buffers (zeros for a gradient that did not flow)."""
-    for static, g in zip(statics, grads):
-        if static is not None:
-            static.copy_(torch.zeros_like(static) if g is None else g)
+            second = weight_pass(call, split)
+        call.write(second, _positions(second, len(call.static_grad_in)), "weight")

@@ -1,50 +1,73 @@
-"""One CUDA graph's capture, and all of it undone when the capture fails.
+"""Capturing a stage call safely: the stage put back, the random state's
+order kept, a failed capture undone.
 
-A stage whose capture fails (a host sync such as ``.item()`` invalidates
-it) runs eagerly from then on, so the failure must leave torch as it found
-it. ``CUDAGraph`` does not see to that (as of torch 2.11,
+**The stage put back** (:func:`restored`). Warm-up and capture run the
+stage, which changes it: BatchNorm updates its running statistics, a
+:class:`~mpstream.memory.batchnorm.DeferredBatchNorm` counts the
+micro-batch, dropout draws from the generators. None of that is a call the
+user made, so it is all put back once capture ends, succeeded or not.
+
+**The random state's order** (:func:`ordered`). Before torch 2.13
+(``aten/src/ATen/cuda/CUDAGeneratorImpl.cpp``) a device's default CUDA
+generator keeps one pair of device scalars, seed and offset, for every
+graph captured on it, which a graph's random kernels (dropout) read. They
+are written on the current stream by every ``capture_begin`` (its prologue)
+and by every replay of a graph that draws (its replay prologue). Stages
+sharing a device capture and replay on streams of their own; unordered,
+one stage's fill can land while another's graph still reads the scalars,
+which then draws another mask than the eager pipe (and CUDA's sanitizer
+reports two streams writing one tensor). :func:`ordered` chains these
+sections per device in the order the host issues them (the eager pipe's
+order): a section's stream waits on an event recorded after the device's
+previous section, and records it again after. Graphs that draw nothing
+still overlap freely. (From torch 2.13 each capture has scalars of its
+own; the order is then merely unneeded.)
+
+**A failed capture undone** (:func:`capturing`). A stage whose capture
+fails (a host sync such as ``.item()`` invalidates it) runs eagerly from
+then on, so the failure must leave torch as it found it, which
+``CUDAGraph`` does not see to (as of torch 2.11,
 ``aten/src/ATen/cuda/CUDAGraph.cpp``): ``capture_begin`` puts the device's
-default generator in capture mode, routes the caching allocator's
-allocations on the capturing stream to the graph's pool (taking a use of
-the pool) and begins the stream capture; on an invalidated capture,
-``capture_end`` raises at ``cudaStreamEndCapture``, before it ends the
-routing (``endAllocateToPool``) and before the generator's capture
-epilogue, and the graph's destructor releases the pool only after a capture
-that ended. Left so, the allocator believes a capture is still underway
-(``torch.cuda.empty_cache`` fails an internal assertion; frees deferred by
-``record_stream`` are never processed) and the generator stays in capture
-mode (an eager dropout raises).
-
-:func:`capturing` undoes it, in this order:
+generator in capture mode, routes the caching allocator's allocations on
+the capturing stream to the graph's pool (taking a use of the pool) and
+begins the stream capture; on an invalidated capture, ``capture_end``
+raises before it ends the routing and before the generator's epilogue, and
+the graph's destructor releases the pool only after a capture that ended.
+Left so, the allocator believes a capture is still underway
+(``torch.cuda.empty_cache`` fails an assertion; frees deferred by
+``record_stream`` never happen) and the generator stays in capture mode (an
+eager dropout raises). Undone in this order:
 
 1. the stream capture is ended, if the body raised while it was underway
-   (``capture_end``, whose error then only repeats the body's failure);
+   (``capture_end``, whose error only repeats the body's failure);
 2. unless the graph did end its capture (its ``pool()`` answers), the graph
    is kept alive for good (torch's pinned-memory allocator still holds a
-   routing filter that reads it, and Python offers no call to end that
-   one), the caching allocator's routing to the pool is ended and the
-   pool's use released (a use is taken once the routing began);
-3. the generator is taken out of capture mode by one trivial capture that
-   ends properly (torch has no other way; setting another generator state
-   would leave earlier graphs advancing the old one).
+   routing filter that reads it), the allocator's routing to the pool is
+   ended and the pool's use released (one is taken once routing began);
+3. the generator leaves capture mode through one trivial capture that ends
+   properly (torch has no other way; another generator state would leave
+   earlier graphs advancing the old one).
 
-The exception that propagates is the original one. A cleanup step's error
-that is expected (a routing already ended) is dropped; any other is added
-to the original as a note. The torch calls are :class:`TorchCapture`'s, so
-that tests give a fake and check the order without a GPU.
+The original exception propagates; a cleanup step's expected error (a
+routing already ended) is dropped, any other added to it as a note. The
+torch calls are :class:`TorchCapture`'s, so tests give a fake and check
+the order without a GPU.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Protocol
 
 import torch
+from torch import nn
 
+from ...memory.batchnorm import DeferredBatchNorm
 from ..errors import annotate
 
-__all__ = ["Graph", "CaptureApi", "TorchCapture", "capturing"]
+__all__ = ["Graph", "CaptureApi", "TorchCapture", "capturing", "RngOrder", "ordered", "restored"]
 
 
 class Graph(Protocol):
@@ -202,3 +225,109 @@ def _note(failure: BaseException, what: str, exc: BaseException) -> None:
     annotate(
         failure, f"while undoing the failed capture, {what} raised {type(exc).__name__}: {first}"
     )
+
+
+class _Stream(Protocol):
+    def wait_event(self, event: Any) -> Any: ...
+
+
+class _Event(Protocol):
+    def record(self, stream: Any = None) -> Any: ...
+
+
+class RngOrder:
+    """One device's chain of sections that touch its generator's graph scalars.
+
+    Sections are serialised on the device (an event each section's stream
+    waits on, then records) and on the host, so that a wait, its work and
+    its record are never interleaved with another thread's (backward
+    replays run on autograd's device thread; the issuing thread waits for
+    them, so the lock is normally free). A capture's section holds the lock
+    while autograd's device thread runs the captured backward, which enters
+    no section. Waits and records are issued outside any stream capture:
+    issued on a capturing stream they would become nodes of the graph. The
+    caller opens the section before ``capture_begin`` and closes it after
+    ``capture_end``.
+
+    Args:
+        stream: the device's current stream (where the section's work goes).
+        event: makes the event, on its first record.
+        capturing: whether the current stream is capturing (then no record).
+    """
+
+    def __init__(
+        self,
+        stream: Callable[[], _Stream],
+        event: Callable[[], _Event],
+        capturing: Callable[[], bool],
+    ) -> None:
+        self._stream = stream
+        self._new_event = event
+        self._capturing = capturing
+        self._event: _Event | None = None
+        self._lock = threading.RLock()
+
+    @contextmanager
+    def section(self) -> Iterator[None]:
+        """Runs what is inside after the device's previous section, on the
+        device as on the host."""
+        with self._lock:
+            stream = self._stream()
+            if self._event is not None:
+                stream.wait_event(self._event)
+            try:
+                yield
+            finally:
+                # Recorded on failure too: what the section enqueued before it
+                # failed (a capture's prologue) still precedes the next one.
+                if not self._capturing():
+                    if self._event is None:
+                        self._event = self._new_event()
+                    self._event.record(stream)
+
+
+_orders: dict[int, RngOrder] = {}
+_orders_lock = threading.Lock()
+
+
+def ordered(device: torch.device) -> AbstractContextManager[None]:
+    """The section of ``device``'s order (see :class:`RngOrder`); nothing
+    for a device that is not a CUDA one."""
+    if device.type != "cuda":
+        return nullcontext()
+    index = torch.cuda.current_device() if device.index is None else device.index
+    with _orders_lock:
+        order = _orders.get(index)
+        if order is None:
+            order = _orders[index] = RngOrder(
+                lambda: torch.cuda.current_stream(index),
+                torch.cuda.Event,
+                torch.cuda.is_current_stream_capturing,
+            )
+    return order.section()
+
+
+@contextmanager
+def restored(stage: nn.Module) -> Iterator[None]:
+    """Puts back on exit what warm-up and capture may change: the stage's
+    buffers, its deferred BatchNorm counters, the random number generators."""
+    buffers = [(b, b.detach().clone()) for b in stage.buffers()]
+    counters = [(n, n.tracked, n.hold) for n in stage.modules() if isinstance(n, DeferredBatchNorm)]
+    for n, _, _ in counters:
+        n.hold = True  # a commit must not be captured: each replay would run it
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None  # type: ignore[no-untyped-call]
+    try:
+        yield
+    finally:
+        # Through .data, which leaves the version counter alone: capture
+        # put back is no change, and an earlier micro-batch's forward may
+        # have saved a buffer for its pending backward (BatchNorm saves its
+        # running statistics), whose version check would fail.
+        for b, saved in buffers:
+            b.data.copy_(saved)
+        for n, tracked, hold in counters:
+            n.tracked, n.hold = tracked, hold
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)

@@ -1,193 +1,210 @@
-"""A stage's parameter gradients summed over a backward, handed over once.
+"""A graphed stage's parameter gradients: persistent buffers its graphs add into.
 
-Returned to autograd at every replay, a graphed stage's parameter gradients
-cost two operations per parameter and micro-batch: a copy out of the
-graph's buffers and autograd's accumulation into ``.grad``. With ten
-micro-batches of ResNet50 that is thousands of small launches per step, the
-host work graphs exist to remove. Instead, a stage's replays add their
-gradients into one sum per parameter, on the stage's stream, with one
-multi-tensor add per replay, and the sums reach ``.grad`` once
-(:meth:`StageGrads.flush`): at the end of ``train_step`` (its run ends in
-one place), or, in the user's own loop, where one ``loss.backward()`` covers
-every micro-batch, from autograd's final callback at the end of that pass.
-Under ``train_step`` the replays do not even show autograd their parameters
-(one keeps a first stage in the graph), so a micro-batch's backward walks no
-edge per parameter; after a stage's first micro-batch, its add is one
-multi-tensor add with no Python per parameter.
+Each graphed stage owns one flat buffer per device and dtype, cut into a
+view per parameter, and while a parameter is *attached* its ``.grad`` is its
+view. The stage's backward graphs (and zero-bubble weight graphs) end with
+one multi-tensor add of every micro-batch's parameter gradients into these
+views: no gradient leaves a graph, autograd never sees a parameter, and no
+host work per parameter runs per task. ``.grad`` keeps PyTorch's meaning:
+it accumulates across backward passes and steps until ``zero_grad()``; a
+parameter whose ``.grad`` was set to None (``zero_grad(set_to_none=True)``)
+or to another tensor is attached again before the next replay adds into it
+(its view zeroed, or filled with that tensor's value), with one zeroing per
+buffer at most, and without capturing again. :meth:`GradStore.ensure` does
+that once per backward pass per set of parameters, so a parameter that no
+micro-batch's gradient reached keeps ``.grad=None``, as in eager autograd.
 
-A replay whose parameters autograd would not accumulate
-(``torch.autograd.grad``) still returns its gradients, and so does a stage
-with a parameter's post-accumulate-grad hook, or a pipe under DDP (its
-reducer hooks on each AccumulateGrad need every micro-batch's gradient;
-:class:`Switch`). Hooks on a parameter's AccumulateGrad node that DDP does
-not own (DeepSpeed's, Megatron's style) see no gradient during a held
-backward: its gradients reach ``.grad`` at its end.
+A parameter another stage also holds (tied weights on one device) is added
+into a side buffer instead: two stages' graphs run on two streams and would
+race on one gradient. Side buffers are added into ``.grad`` once at the end
+of the pass (:meth:`GradStore.flush`).
 """
 
 from __future__ import annotations
 
-import weakref
+import itertools
+import operator
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from ..stream import current_stream, record_stream
+from ... import _ext
 
-__all__ = ["StageGrads", "Switch"]
+__all__ = ["GradStore"]
 
-
-@dataclass
-class Switch:
-    """Whether a pipe's stages may sum their gradients (one per pipe, shared
-    by every runtime it builds). Off under DDP: its reducer hooks on each
-    parameter's AccumulateGrad need every micro-batch's gradient there."""
-
-    on: bool = True
+_C = _ext.load()
+_hooks = operator.attrgetter("_post_accumulate_grad_hooks")
 
 
-class _Pass:
-    """A held backward pass; its final callback holds it, so a pass that
-    failed (its callbacks dropped unrun) lets it go."""
-
-    __slots__ = ("__weakref__",)
-
-
-class StageGrads:
-    """The gradients one stage's replays summed during a run or a backward.
-
-    While a backward runs, the sums are one gradient-sized buffer per
-    parameter beside ``.grad``; at the end a sum becomes the gradient of a
-    parameter that has none.
+class GradStore:
+    """The gradient buffers of one graphed stage.
 
     Args:
-        switch: the pipe's :class:`Switch` (a private one by default).
+        params: the stage's parameters that require grad, each once.
+        shared: those another stage holds too (tied): added into side buffers.
 
     Attributes:
-        holding: replays add into the sums (during ``train_step``) instead
-            of returning their gradients to autograd; outside it, a
-            backward pass is held by :meth:`hold_task`.
+        params: as given.
+        views: per parameter what its graphs add into: its view of a flat
+            buffer (its ``.grad`` while attached), or its side buffer.
     """
 
-    def __init__(self, switch: Switch | None = None) -> None:
-        self.switch = switch or Switch()
-        self.holding = False
-        self._sums: dict[int, tuple[Tensor, Tensor]] = {}  # id(parameter) -> (it, its sum)
-        # The last add's parameters (by id) and their sums, in its order: the
-        # next micro-batch of the stage adds the same ones.
-        self._last: tuple[tuple[int, ...], list[Tensor]] | None = None
-        self._streams: dict[int, torch.cuda.Stream] = {}  # where the adds ran
-        self._passes: weakref.WeakValueDictionary[int, _Pass] = weakref.WeakValueDictionary()
-
-    @property
-    def enabled(self) -> bool:
-        """Whether replays may hold their gradients at all."""
-        return self.switch.on
-
-    def hold_task(self) -> bool:
-        """Holds for the running backward pass (``loss.backward()`` in the
-        user's own loop: one pass, every micro-batch), flushed by autograd's
-        final callback at its end; whether it holds. A pass inside another
-        (a backward run within a backward) is held too, each flushing at its
-        own end; sums left by passes that failed are dropped first."""
-        task = _graph_task()
-        if task < 0 or not self.enabled:
-            return False
-        if task not in self._passes:
-            if not self._passes:
-                self.discard()  # no pass alive: what is left was a failed one's
-            held = _Pass()
-            self._passes[task] = held
-            torch.autograd.Variable._execution_engine.queue_callback(
-                lambda: self._end_pass(task, held)
-            )
-        return True
-
-    def _end_pass(self, task: int, _held: _Pass) -> None:
-        self._passes.pop(task, None)
-        self.flush()
-
-    def add(self, params: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
-        """Adds ``grads`` into the sums of ``params`` on the current stream,
-        with one multi-tensor add (the first gradient of a parameter is
-        copied)."""
-        if not params:
-            return
-        ids = tuple(map(id, params))
-        if self._last is not None and self._last[0] == ids:
-            # Every micro-batch after the first: one multi-tensor add and no
-            # per-parameter Python (a stage holds hundreds of parameters).
-            torch._foreach_add_(self._last[1], list(grads))
-            self._note_stream(grads)
-            return
-        into: list[tuple[Tensor, Tensor]] = []
-        new: list[tuple[Tensor, Tensor]] = []
-        for p, g in zip(params, grads):
-            held = self._sums.get(id(p))
-            if held is None:
-                new.append((p, g))
+    def __init__(self, params: Sequence[nn.Parameter], shared: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+        self.params = list(params)
+        self.flats: list[Tensor] = []
+        self.views: list[Tensor] = [torch.empty(0)] * len(self.params)
+        self._owned: list[int] = []  # positions whose .grad is their view
+        self._side: list[int] = []
+        layouts: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for i, p in enumerate(self.params):
+            if id(p) in shared:
+                self._side.append(i)
+                self.views[i] = torch.zeros_like(p)
             else:
-                into.append((held[1], g))
-        if into:
-            torch._foreach_add_([t for t, _ in into], [g for _, g in into])
-        for p, g in new:
-            self._sums[id(p)] = (p, g.clone())
-        self._last = (ids, [self._sums[i][1] for i in ids])
-        self._note_stream(grads)
+                self._owned.append(i)
+                layouts.setdefault((p.device, p.dtype), []).append(i)
+        for (device, dtype), where in layouts.items():
+            total = sum(self.params[i].numel() for i in where)
+            flat = torch.zeros(total, dtype=dtype, device=device)
+            self.flats.append(flat)
+            offset = 0
+            for i in where:
+                p = self.params[i]
+                # Laid out as autograd lays out a gradient of p (channels-last
+                # weights keep their strides): torch.empty_like's contract.
+                strides = torch.empty_like(p, device="meta").stride()
+                self.views[i] = flat.as_strided(p.shape, strides, offset)
+                offset += p.numel()
+        self._owned_params = [self.params[i] for i in self._owned]
+        self._owned_views = [self.views[i] for i in self._owned]
+        self._attached = _C.Attached(self._owned_params, self._owned_views)
+        self._detached: set[int] = set()  # positions detached at the pass's start, not since
+        self._hooked: list[int] = []  # positions with post-accumulate hooks, this pass
+        self._pass: object = None  # the backward pass (or run) ensure() last saw
+        # id() of each reached-set ensured in it, and its hooked parameters
+        self._ready: dict[int, list[nn.Parameter]] = {}
+        self._reached_side: set[int] = set()
+        self._hooks: set[nn.Parameter] = set()  # run at the end of the pass
+        self._streams: dict[int, torch.cuda.Stream] = {}  # where this pass's graphs added
+        self._saved: tuple[list[Tensor], dict[int, Tensor | None]] | None = None
 
-    def _note_stream(self, grads: Sequence[Tensor]) -> None:
-        """Remembers the stream the adds ran on, for :meth:`flush`."""
-        if grads and grads[0].is_cuda:
-            stream = torch.cuda.current_stream(grads[0].device)
+    def ensure(
+        self, reached: frozenset[int], token: object, autograd: bool = False
+    ) -> list[nn.Parameter]:
+        """Before a replay that adds into the views of ``reached`` (positions
+        in :attr:`params`) during pass ``token``: attaches those whose
+        ``.grad`` is not their view. The parameters are checked once per pass
+        (one C++ call), each set of them once.
+
+        Returns the parameters among them with post-accumulate-grad hooks,
+        for the caller to run after the replay, as autograd runs them after
+        each accumulation (a training step's, per micro-batch). A backward
+        pass of the user's loop (``autograd``) ends in :meth:`flush`
+        (autograd's final callback): autograd accumulates once per pass
+        there, so the hooks run then, and nothing else orders the caller's
+        stream after the stage's, where the graphs added into ``.grad``."""
+        if token != self._pass:
+            self._pass, self._ready = token, {}
+            self._detached = {self._owned[j] for j in self._attached.detached()}
+            self._hooked = list(
+                itertools.compress(range(len(self.params)), map(_hooks, self.params))
+            )
+            if autograd:
+                torch.autograd.Variable._execution_engine.queue_callback(self.flush)
+        hooked = self._ready.get(id(reached))
+        if hooked is not None:
+            return hooked
+        if self.views and self.views[0].is_cuda:
+            stream = torch.cuda.current_stream(self.views[0].device)
             self._streams[stream.stream_id] = stream
+        fresh = [i for i in self._detached if i in reached]
+        if fresh:
+            self._attach(fresh)
+            self._detached.difference_update(fresh)
+        sides = [i for i in self._side if i in reached and i not in self._reached_side]
+        for i in sides:
+            self.views[i].zero_()
+        self._reached_side.update(sides)
+        hooked = [self.params[i] for i in self._hooked if i in reached and i not in self._side]
+        if autograd:
+            self._hooks.update(hooked)
+            hooked = []
+        self._ready[id(reached)] = hooked
+        return hooked
+
+    def _attach(self, fresh: list[int]) -> None:
+        """Makes the views of ``fresh`` their parameters' gradients: zeroed
+        where ``.grad`` was None, filled with it where it was another tensor."""
+        with torch.no_grad():
+            nones = [i for i in fresh if self.params[i].grad is None]
+            others = [i for i in fresh if self.params[i].grad is not None]
+            if len(nones) == len(self._owned) and len(self.flats) == 1:
+                self.flats[0].zero_()  # the common case: after zero_grad(), one kernel
+            elif nones:
+                torch._foreach_zero_([self.views[i] for i in nones])
+            if others:
+                grads = [self.params[i].grad for i in others]
+                torch._foreach_copy_([self.views[i] for i in others], grads)  # type: ignore[arg-type]
+            for i in fresh:
+                self.params[i].grad = self.views[i]
 
     def flush(self) -> None:
-        """Hands the sums to ``.grad`` on the current streams, after the
-        streams the adds ran on, and starts over: a sum becomes the gradient
-        of a parameter that has none, or is added into the one it has
-        (autograd accumulates what fits neither, a sparse gradient)."""
-        pairs, self._sums, self._last = list(self._sums.values()), {}, None
+        """Ends a pass: orders the current streams after those the graphs
+        added on, adds the side buffers it reached into their ``.grad``, and
+        runs the post-accumulate hooks left for its end."""
+        reached, self._reached_side = sorted(self._reached_side), set()
         streams, self._streams = list(self._streams.values()), {}
+        hooks, self._hooks = list(self._hooks), set()
+        self._pass, self._ready = None, {}
         for stream in streams:
             torch.cuda.current_stream(stream.device).wait_stream(stream)
-        into: list[tuple[Tensor, Tensor]] = []
-        rest: list[tuple[Tensor, Tensor]] = []
-        for p, total in pairs:
-            # Made on the stage's stream, read (and, as a new .grad, kept)
-            # on the caller's from now on.
-            record_stream(total, current_stream(total.device))
-            if p.grad is None and total.layout == torch.strided:
-                p.grad = total
-            elif _addable(p.grad, total):
-                into.append((p.grad, total))  # type: ignore[arg-type]
-            else:
-                rest.append((p, total))
-        if into:
-            torch._foreach_add_([g for g, _ in into], [t for _, t in into])
-        if rest:
-            torch.autograd.backward([p for p, _ in rest], [t for _, t in rest])
+        with torch.no_grad():
+            for i in reached:
+                p, side = self.params[i], self.views[i]
+                if p.grad is None:
+                    p.grad = side.clone()
+                else:
+                    p.grad.add_(side)
+        for p in hooks:
+            for hook in p._post_accumulate_grad_hooks.values():  # type: ignore[union-attr]
+                hook(p)
 
-    def discard(self) -> None:
-        """Drops the sums (a failed run or pass: its gradients are put back)."""
-        self._sums = {}
-        self._last = None
-        self._streams = {}
+    def save(self) -> list[nn.Parameter]:
+        """Saves the gradients for :meth:`restore` (a training step that may
+        fail): copies the flat buffers only if a parameter is attached.
+        Returns the parameters it does not save (those with side buffers)."""
+        detached = self._attached.detached()
+        odd = {j: self._owned_params[j].grad for j in detached}
+        flats = [f.clone() for f in self.flats] if len(detached) < len(self._owned) else []
+        self._saved = (flats, odd)
+        self._pass, self._ready, self._reached_side = None, {}, set()
+        return [self.params[i] for i in self._side]
 
+    def restore(self) -> None:
+        """Puts back what :meth:`save` saved (on the current stream)."""
+        if self._saved is None:
+            return
+        flats, odd = self._saved
+        self._saved = None
+        with torch.no_grad():
+            for flat, saved in zip(self.flats, flats):
+                flat.copy_(saved)
+        for j, p in enumerate(self._owned_params):
+            p.grad = odd[j] if j in odd else self._owned_views[j]
+        self._pass, self._ready, self._reached_side, self._streams = None, {}, set(), {}
 
-def _addable(grad: Tensor | None, g: Tensor) -> bool:
-    """Whether ``g`` can be added into ``grad`` in place as autograd would."""
-    return (
-        grad is not None
-        and grad.layout == g.layout == torch.strided
-        and grad.shape == g.shape
-        and grad.dtype == g.dtype
-        and grad.device == g.device
-    )
+    def release(self) -> None:
+        """Forgets what :meth:`save` saved (a step that succeeded)."""
+        self._saved = None
 
+    def owned(self) -> list[tuple[nn.Parameter, Tensor]]:
+        """Each parameter with a view in the flat buffers, and its view."""
+        return list(zip(self._owned_params, self._owned_views))
 
-def _graph_task() -> int:
-    """The running backward pass's id; -1 outside one (or in a torch
-    without the query)."""
-    query = getattr(torch._C, "_current_graph_task_id", None)
-    return -1 if query is None else int(query())
+    def nbytes(self) -> int:
+        """Bytes of the flat and side buffers."""
+        return sum(f.numel() * f.element_size() for f in [*self.flats, *self._sides()])
+
+    def _sides(self) -> list[Tensor]:
+        return [self.views[i] for i in self._side]

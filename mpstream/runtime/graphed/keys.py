@@ -1,52 +1,92 @@
-"""What a stage's graphs baked in, as keys: its fingerprint and a call's signature.
+"""What a stage's graphs bake in, and how a run notices that it changed.
 
-A replay reads the tensors and settings its capture saw. :class:`Fingerprint`
-is what a stage held then (modules, parameters, buffers), compared before
-each run; :func:`signature` and :func:`autocast_key` are what a call passed
-(argument shapes, dtypes, devices, plain values) and the autocast state it
-ran under, parts of the key a call's graphs are found by.
+A replay reads the tensors and settings its capture saw. :class:`Baked` is
+what a stage held then, checked once per run for what the graphs cannot
+follow: a module, parameter or buffer replaced (module registration hooks
+bump :func:`generation`, so the stage is walked again only then), a tensor
+moved to other memory or laid out anew (``.data = ...``, ``.to()``,
+``.t_()``: one C++ pass over the stage's tensors, ``mpstream._C.Watch``), or
+``requires_grad`` switched. In-place updates (any optimizer's step) are what
+graphs are for and go unnoticed. :func:`signature` and :func:`autocast_key`
+are what a call passed and ran under: parts of the key its graphs are found
+by, with :class:`Scalars` bounding how many values a plain argument may take.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from ... import _ext
 from ..microbatch import leaves
 
-__all__ = ["Fingerprint", "autocast_key", "signature"]
+__all__ = ["Baked", "Scalars", "autocast_key", "generation", "signature", "MAX_VALUES"]
+
+#: Values one plain argument of a stage may take before further values run
+#: eagerly (each value is baked into graphs of its own).
+MAX_VALUES = 8
+
+_generation = 0
+_hooked = False
+_training = operator.attrgetter("training")
 
 
-class Fingerprint:
-    """What a stage's graphs baked in: its modules and their types, and each
-    parameter and buffer (the object itself, its storage, dtype, shape,
-    device, ``requires_grad`` and whether it has tensor hooks). Compared by
-    identity, not ``id()``: an object freed and replaced may reuse the id.
-    (Training modes are part of a call's key instead: a pipe switching
-    between train and eval keeps the graphs of both.)"""
+def _bump(*_: object) -> None:
+    global _generation
+    _generation += 1
 
-    __slots__ = ("objects", "meta")
+
+def generation() -> int:
+    """A counter bumped whenever any module registers a parameter, buffer or
+    submodule (assignment included) from the first :class:`Baked` on."""
+    global _hooked
+    if not _hooked:
+        _hooked = True
+        hooks = torch.nn.modules.module
+        hooks.register_module_parameter_registration_hook(_bump)
+        hooks.register_module_buffer_registration_hook(_bump)
+        hooks.register_module_module_registration_hook(_bump)
+    return _generation
+
+
+class Baked:
+    """What one stage's graphs baked in (its modules and tensors), checked per run.
+
+    Args:
+        stage: the stage's module.
+
+    Attributes:
+        params: the parameters that require grad, each once (tied ones too).
+    """
 
     def __init__(self, stage: nn.Module) -> None:
-        modules = list(stage.modules())
-        tensors = [*stage.parameters(), *stage.buffers()]
-        self.objects: list[object] = [*modules, *tensors]
-        self.meta = tuple(type(m) for m in modules) + tuple(
-            (t.data_ptr(), t.dtype, tuple(t.shape), t.device, t.requires_grad,
-             bool(t._backward_hooks))
-            for t in tensors
-        )  # fmt: skip
+        self.stage = stage
+        self.seen = generation()
+        self.modules = list(stage.modules())
+        self.tensors = [*stage.parameters(), *stage.buffers()]
+        self.params = [p for p in stage.parameters() if p.requires_grad]
+        self.watch = _ext.load().Watch(self.tensors)
 
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Fingerprint) or len(other.objects) != len(self.objects):
-            return False
-        same = all(a is b for a, b in zip(self.objects, other.objects))
-        return same and self.meta == other.meta
+    def changed(self) -> bool:
+        """Whether a module, parameter or buffer was replaced, or a tensor
+        moved, laid out anew or switched ``requires_grad``, since capture."""
+        return generation() != self.seen or self.watch.changed()
 
-    __hash__ = None  # type: ignore[assignment]
+    def modes(self) -> tuple[bool, ...]:
+        """The training flag of every module (part of each call's key)."""
+        return tuple(map(_training, self.modules))
+
+    def hooked(self) -> str | None:
+        """The name of a parameter with a tensor hook (``register_hook``),
+        which a replay cannot run where eager autograd would."""
+        for name, p in self.stage.named_parameters():
+            if p._backward_hooks:
+                return name
+        return None
 
 
 def autocast_key() -> tuple[Any, ...]:
@@ -56,14 +96,20 @@ def autocast_key() -> tuple[Any, ...]:
     )
 
 
-def signature(args: Sequence[Any]) -> tuple[Any, ...] | None:
-    """A call's arguments as a key: tensor metadata and plain values; None
-    when a plain value cannot be a key (it is not hashable)."""
+def signature(args: Sequence[Any], grads: Sequence[bool] | None = None) -> tuple[Any, ...] | None:
+    """A call's arguments as a key: per tensor its dtype, shape, strides,
+    device and whether it needs a gradient (``grads``, one per tensor, else
+    its own ``requires_grad``), plain values as they are; None when a plain
+    value cannot be a key (it is not hashable). Storage offsets are left
+    out: inputs are copied into the graphs' own buffers."""
     items, spec = leaves(tuple(args))
     key: list[Any] = [spec]  # None, a flat tuple's marker, or a (hashable) TreeSpec
+    k = 0
     for x in items:
         if isinstance(x, Tensor):
-            key.append((x.dtype, tuple(x.shape), x.device, x.requires_grad))
+            need = x.requires_grad if grads is None else grads[k]
+            k += 1
+            key.append((x.dtype, x.shape, x.stride(), x.device, need))
         else:
             try:
                 hash(x)
@@ -71,3 +117,38 @@ def signature(args: Sequence[Any]) -> tuple[Any, ...] | None:
                 return None
             key.append((type(x), x))
     return tuple(key)
+
+
+class Scalars:
+    """The values each plain argument of one stage took, bounded.
+
+    A float that changes at every step (a temperature, a schedule's scale)
+    would capture new graphs at every value: past :data:`MAX_VALUES`
+    distinct values at one position, new values run eagerly and
+    :meth:`admit` says which argument once.
+    """
+
+    def __init__(self) -> None:
+        self.seen: dict[int, set[Any]] = {}
+        self.warned = False
+
+    def admit(self, sig: tuple[Any, ...]) -> str | None:
+        """Notes the plain values of a call's signature; returns why it must
+        run eagerly (a value beyond the bound), or None."""
+        for i, item in enumerate(sig[1:]):
+            if len(item) != 2 or not isinstance(item[0], type):
+                continue  # a tensor's entry
+            kind, value = item
+            if kind in (bool, type(None)):
+                continue
+            values = self.seen.setdefault(i, set())
+            if value in values:
+                continue
+            if len(values) >= MAX_VALUES:
+                return (
+                    f"argument {i} (a {kind.__name__}) took more than {MAX_VALUES} values, each "
+                    f"captured in graphs of its own; pass it as a tensor (a 0-dim one on the "
+                    f"stage's device) to replay one graph for all values"
+                )
+            values.add(value)
+        return None

@@ -6,35 +6,42 @@ forward (and its backward) by the replay of graphs captured the first time a
 call of that kind is seen: one :class:`~mpstream.runtime.graphed.call.GraphedCall`
 per stage, per slot (:mod:`mpstream.schedules.slots`: as many as the
 schedule keeps micro-batches in flight on the stage, so no replay
-overwrites activations a pending backward reads) and per call signature
-(argument shapes, dtypes and devices, grad mode, autocast, checkpointing,
-training mode). The scheduler issues the same tasks under the same event
-plan; a task's work is a handful of launches instead of every kernel.
+overwrites activations a pending backward reads; in a forward run, one per
+micro-batch) and per call signature (argument shapes, strides, dtypes and
+devices, grad mode, autocast, checkpointing, training modes). The scheduler
+issues the same tasks under the same event plan; a task's work is a graph
+launch instead of every kernel.
 
-Before each run the stage's fingerprint (its modules, and each parameter and
-buffer's identity, storage, dtype, shape, device and ``requires_grad``) is
-compared with the one its graphs were captured from: anything replaced
-drops them, and the next call captures again, so a replay never reads stale
-pointers. Parameters updated in place (any optimizer's step) are read by the
-next replay as they are.
+A training step drives the calls from its tasks (:meth:`StageGraphs.thin`);
+the user's own loop through autograd (:meth:`StageGraphs.call`). Either
+way the parameter gradients are added inside the graphs into each stage's
+:class:`~.grads.GradStore`, whose views are the parameters' ``.grad``.
+
+Before each run, what the graphs baked in is checked (:class:`~.keys.Baked`):
+a parameter or module replaced, or a tensor moved, drops them and the next
+call captures again, so a replay never reads stale pointers. Parameters
+updated in place (any optimizer's step) are read by the next replay as they
+are.
 
 A stage that cannot be graphed runs eagerly, with one warning naming the
-stage and the reason: it sits on a CPU, or its capture failed (a host sync
-such as ``.item()``, data-dependent control flow, an unsupported op).
-:meth:`StageGraphs.report` says which stages and passes are graphed, how
-many graphs exist and the memory their capture reserved. Signatures are
-bounded: past ``max_calls`` per stage, the least recently used graphs not
-needed by the current run are dropped, and a call that finds no room (or a
-slot with ``MAX_GENERATIONS`` forwards awaiting their backward) runs eagerly,
-with one warning.
+stage and the reason: it sits on a CPU, its capture failed (a host sync
+such as ``.item()``, data-dependent control flow, an unsupported op), or a
+parameter has a tensor hook a replay could not run. Signatures are bounded:
+past ``max_calls`` per stage, the least recently used graphs not needed by
+the current run are dropped, and a call that finds no room (or a slot with
+``MAX_GENERATIONS`` forwards awaiting their backward, or a plain argument
+beyond its values, see :class:`~.keys.Scalars`) runs eagerly, with one
+warning.
 """
 
 from __future__ import annotations
 
+import operator
 import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -44,18 +51,17 @@ from torch.nn.parameter import is_lazy
 from ...memory.checkpoint import checkpointed
 from ...schedules.schedule import Schedule
 from ...schedules.slots import Slots, plan_slots
-from .backends import CudaGraphs
-from .call import Backend, GraphedCall
-from .grads import StageGrads, Switch
-from .keys import Fingerprint, autocast_key, signature
-from .report import GraphReport, GraphWarning, StageReport
+from ..microbatch import leaves
+from .backends import CudaGraphs, pool_bytes
+from .call import Backend, GraphedCall, replay
+from .grads import GradStore
+from .keys import Baked, Scalars, autocast_key, signature
 
 __all__ = [
     "StageGraphs",
     "GraphReport",
     "StageReport",
     "GraphWarning",
-    "Fingerprint",
     "MAX_CALLS",
     "MAX_GENERATIONS",
 ]
@@ -68,19 +74,80 @@ MAX_CALLS = 64
 MAX_GENERATIONS = 4
 #: Captures whose order :attr:`StageGraphs.order` keeps (the first ones).
 _ORDER_KEPT = 1024
+#: What a training step's forward leaves pending on its call until its backward.
+_STEP = object()
+_hooks = operator.attrgetter("_backward_hooks")
+
+
+class GraphWarning(UserWarning):
+    """A stage that was asked to be graphed runs eagerly."""
+
+
+@dataclass
+class StageReport:
+    """What one stage replays.
+
+    Attributes:
+        stage: its index.
+        device: where it runs.
+        graphed: whether its calls replay graphs (False: eager, see ``reason``).
+        reason: why it runs eagerly, if it does.
+        graphs: graphs held (a forward, and a backward where gradients flow,
+            per slot and signature).
+        passes: the passes replayed (``forward``, ``backward``, and
+            ``weight`` where a zero-bubble schedule splits the backward).
+        slots: the most slots a run has used.
+        captures: calls captured so far (recaptures included).
+        recaptures: captures caused by a replaced parameter, buffer or module.
+        reserved_bytes: device memory of its graphs' pools (activations of
+            every slot, and the temporaries the stage's graphs share).
+        grad_bytes: its gradient buffers (the parameters' ``.grad``).
+    """
+
+    stage: int
+    device: torch.device
+    graphed: bool
+    reason: str | None = None
+    graphs: int = 0
+    passes: tuple[str, ...] = ()
+    slots: int = 0
+    captures: int = 0
+    recaptures: int = 0
+    reserved_bytes: int = 0
+    grad_bytes: int = 0
+
+
+@dataclass
+class GraphReport:
+    """Which stages of a pipe replay graphs, and what they hold."""
+
+    stages: list[StageReport] = field(default_factory=list)
+
+    @property
+    def graphs(self) -> int:
+        """Graphs held by all stages."""
+        return sum(s.graphs for s in self.stages)
+
+    def __str__(self) -> str:
+        lines = [
+            f"{'stage':<6} {'device':<8} {'graphed':<8} {'graphs':<7} {'slots':<6} "
+            f"{'passes':<24} {'reserved':>10}  reason"
+        ]
+        for s in self.stages:
+            passes = "+".join(s.passes) or "-"
+            mib = f"{s.reserved_bytes / 2**20:.1f} MiB"
+            lines.append(
+                f"{s.stage:<6} {str(s.device):<8} {'yes' if s.graphed else 'no':<8} "
+                f"{s.graphs:<7} {s.slots:<6} {passes:<24} {mib:>10}  {s.reason or ''}".rstrip()
+            )
+        return "\n".join(lines)
 
 
 class _Stage:
     """One stage's graphs and state."""
 
     def __init__(
-        self,
-        index: int,
-        module: nn.Module,
-        device: torch.device,
-        label: str,
-        graphable: bool,
-        switch: Switch,
+        self, index: int, module: nn.Module, device: torch.device, label: str, graphable: bool
     ) -> None:
         self.index, self.module, self.device, self.label = index, module, device, label
         self.reason: str | None = (
@@ -89,31 +156,30 @@ class _Stage:
         self.modes: tuple[bool, ...] = ()
         self.calls: OrderedDict[tuple[Any, ...], GraphedCall] = OrderedDict()
         self.used: set[tuple[Any, ...]] = set()  # keys the current run replayed
-        self.print: Fingerprint | None = None
-        self.overflow = False  # warned that calls beyond the bound run eagerly
+        self.baked: Baked | None = None
+        self.store: GradStore | None = None
+        self.pool: Any = None  # the stage's shared memory pool (see backends)
+        self.scalars = Scalars()
+        self.overflow = False  # warned that calls beyond a bound run eagerly
         self.warned = False  # warned that the stage runs eagerly (reason)
         self.lazy = False  # a lazy module not yet initialised: eager this run
+        self.failed = False  # its capture failed just now (see StageGraphs.eager)
         self.slots = 0
         self.captures = 0
         self.recaptures = 0
         self.dropped: set[tuple[Any, ...]] = set()  # keys a replaced tensor invalidated
-        self.reserved = 0
-        self.sums = StageGrads(switch)
 
 
 class StageGraphs:
     """The graphs of one pipeline's stages.
 
     Args:
-        modules: each stage's module (what its graphs differentiate and
-            fingerprint).
+        modules: each stage's module (what its graphs differentiate).
         devices: each stage's device.
         labels: how warnings name each stage.
         backend: what captures (:class:`~mpstream.runtime.graphed.backends.CudaGraphs`
             unless a test gives another); only CUDA stages use it.
         max_calls: graphed calls kept per stage.
-        switch: whether stages may sum their parameter gradients (the
-            pipe's, shared by its runtimes; see :mod:`.grads`).
     """
 
     def __init__(
@@ -123,22 +189,21 @@ class StageGraphs:
         labels: Sequence[str] | None = None,
         backend: Backend | None = None,
         max_calls: int = MAX_CALLS,
-        switch: Switch | None = None,
     ) -> None:
         n = len(modules)
         names = list(labels) if labels else [f"stage {s} of {n}" for s in range(n)]
         self.backend: Backend = backend or CudaGraphs()
-        self.switch = switch or Switch()
         self.stages = [
-            _Stage(s, m, d, names[s], self.graphable(d), self.switch)
+            _Stage(s, m, d, names[s], self.graphable(d))
             for s, (m, d) in enumerate(zip(modules, devices))
         ]
         self.max_calls = max_calls
         self.slots: Slots | None = None
+        self.token: object = None  # the current training step's pass (see GradStore.ensure)
         #: (stage, slot) of each capture (the first ones), in the order they
         #: happened: the schedule's execution order (see Slots.order).
         self.order: list[tuple[int, int]] = []
-        # Per schedule (held weakly: a schedule's slots live as long as it does).
+        self._saved: list[GradStore] = []
         self._plans: weakref.WeakKeyDictionary[Schedule, dict[bool, Slots]] = (
             weakref.WeakKeyDictionary()
         )
@@ -147,84 +212,102 @@ class StageGraphs:
         """Whether stages on ``device`` may be graphed by this backend."""
         return device.type == "cuda" or not isinstance(self.backend, CudaGraphs)
 
-    def begin(self, schedule: Schedule, backward_later: bool) -> None:
+    def begin(self, schedule: Schedule, step: bool) -> None:
         """Prepares a run: its slots, and the graphs still valid.
 
         Args:
             schedule: the run's schedule.
-            backward_later: the backward runs after the schedule, through
-                autograd (``pipe(x)`` with gradients).
+            step: a training step (its tasks drive the calls, see
+                :meth:`thin`); else a forward run, whose micro-batches each
+                get a slot of their own (a backward may follow through
+                autograd; without one, outputs are handed on uncopied).
+
+        Raises:
+            RuntimeError: gradients through a DistributedDataParallel's
+                forward, whose reducer cannot see gradients added inside
+                graphs.
         """
+        if not step and torch.is_grad_enabled() and _inside_ddp():
+            raise RuntimeError(
+                "a pipe with graphs=True adds its parameter gradients inside its CUDA graphs, "
+                "where DistributedDataParallel's reducer hooks cannot see them; train with "
+                "mpstream.distributed.train_step(ddp, inputs, target, loss_fn), which reduces "
+                "the gradient buffers itself, or build the pipe with graphs=False"
+            )
         plans = self._plans.setdefault(schedule, {})
-        slots = plans.get(backward_later)
+        slots = plans.get(step)
         if slots is None:
-            slots = plans[backward_later] = plan_slots(schedule, backward_later=backward_later)
+            slots = plans[step] = plan_slots(schedule, backward_later=not step)
         self.slots = slots
-        if _inside_ddp():
-            # DDP's reducer hooks on AccumulateGrad need every micro-batch's
-            # gradient there (its wrap() says so too; a plain DDP is seen here).
-            self.switch.on = False
+        self.token = object() if step else None
         for st in self.stages:
             st.used.clear()
             if st.reason is not None:
                 continue
             st.slots = max(st.slots, slots.counts[st.index])
-            st.modes = tuple(m.training for m in st.module.modules())
-            # A lazy module is initialised by its first (eager) run; its
-            # stage is captured from the next run on.
-            st.lazy = any(is_lazy(t) for t in (*st.module.parameters(), *st.module.buffers()))
-            if st.lazy:
-                continue
-            now = Fingerprint(st.module)
-            if st.print is not None and now != st.print and st.calls:
+            if st.baked is None:
+                # A lazy module is initialised by its first (eager) run; its
+                # stage is captured from the next run on.
+                tensors = (*st.module.parameters(), *st.module.buffers())
+                st.lazy = any(is_lazy(t) for t in tensors)
+                if st.lazy:
+                    continue
+                st.baked = Baked(st.module)
+            elif st.baked.changed():
                 st.dropped = set(st.calls)  # their captures again count as recaptures
-                st.calls.clear()  # replaced tensors or modules: capture again
-            st.print = now
+                st.calls.clear()
+                st.baked, st.store = Baked(st.module), None
+            if any(map(_hooks, st.baked.params)):
+                name = next(n for n, p in st.module.named_parameters() if p._backward_hooks)
+                st.reason = (
+                    f"parameter '{name}' has a tensor hook (register_hook), which a replayed "
+                    f"backward would not run"
+                )
+                st.calls.clear()
+                continue
+            st.modes = st.baked.modes()
 
-    def hold(self) -> None:
-        """From now until :meth:`release`, replays add their parameter
-        gradients into each stage's sums (see :mod:`.grads`), except on a
-        stage with a parameter's post-accumulate-grad hook."""
-        for st in self.stages:
-            # A post-accumulate hook would run once per step instead of once
-            # per micro-batch: such a stage keeps returning its gradients.
-            hooked = any(p._post_accumulate_grad_hooks for p in st.module.parameters())
-            st.sums.discard()  # what a failed backward in the user's loop left
-            st.sums.holding = st.sums.enabled and not hooked
+    def call(self, s: int, m: int, stage: nn.Module, args: Sequence[Any], checkpoint: bool) -> Any:
+        """Runs stage ``s`` on micro-batch ``m`` in a forward run: replayed
+        (inside autograd when it needs gradients) if it can be, else eagerly."""
+        st = self.stages[s]
+        if st.reason is None and not st.lazy and self.slots is not None:
+            graphed = self._find(st, s, m, stage, args, None, checkpoint, False)
+            if graphed is not None:
+                items = leaves(tuple(args))[0]
+                return graphed.rebuild(replay(graphed, [items[i] for i in graphed.where]))
+        return self.eager(s, stage, args, checkpoint)
 
-    def release(self, keep: bool) -> None:
-        """Ends holding; ``keep``: hand each stage's sums to ``.grad`` on the
-        current streams, else drop them (a failed run)."""
-        try:
-            if keep:
-                for st in self.stages:
-                    st.sums.flush()
-        finally:
-            for st in self.stages:
-                st.sums.holding = False
-                st.sums.discard()
-
-    def call(
+    def thin(
         self,
         s: int,
         m: int,
         stage: nn.Module,
         args: Sequence[Any],
+        needs: Sequence[bool],
         checkpoint: bool,
-        split: bool = False,
-    ) -> Any:
-        """Runs stage ``s`` on micro-batch ``m``: replayed if it can be, else
-        eagerly. ``split``: the schedule splits this backward (its weight
-        pass runs later), so the backward is captured as two graphs."""
+        split: bool,
+    ) -> GraphedCall | None:
+        """The call a training step replays for stage ``s`` and micro-batch
+        ``m`` (captured now if new), or None where it runs eagerly.
+
+        Args:
+            needs: per tensor argument, whether the step needs its gradient.
+            split: the schedule splits this backward (a weight task follows).
+        """
         st = self.stages[s]
-        failed = False  # a capture failed just now
-        if st.reason is None and not st.lazy and self.slots is not None:
-            key = self._key(s, m, args, checkpoint, split)
-            if key is not None:
-                graphed = self._graphed(st, key, stage, args, checkpoint)
-                if graphed is not None:
-                    return graphed(*args)
-                failed = st.reason is not None
+        if st.reason is not None or st.lazy or self.slots is None:
+            return None
+        graphed = self._find(st, s, m, stage, args, needs, checkpoint, split)
+        if graphed is not None and graphed.diff_out:
+            graphed.pending = _STEP
+        return graphed
+
+    def eager(self, s: int, stage: nn.Module, args: Sequence[Any], checkpoint: bool) -> Any:
+        """Runs stage ``s`` eagerly; the first time a stage that was to be
+        graphed does so, says why."""
+        st = self.stages[s]
+        failed, st.failed = st.failed, False
         try:
             out = checkpointed(stage, *args) if checkpoint else stage(*args)
         except BaseException:
@@ -233,37 +316,83 @@ class StageGraphs:
             raise
         if st.reason is not None and not st.warned:  # a CPU stage, or a failed capture
             st.warned = True
-            warnings.warn(f"{st.label} runs eagerly: {st.reason}", GraphWarning, stacklevel=3)
+            warnings.warn(f"{st.label} runs eagerly: {st.reason}", GraphWarning, stacklevel=4)
         return out
 
-    def _key(
-        self, s: int, m: int, args: Sequence[Any], checkpoint: bool, split: bool
-    ) -> tuple[Any, ...] | None:
-        """slot, checkpointed, grad, inference, autocast, signature, split."""
-        assert self.slots is not None
-        sig = signature(args)
-        if sig is None:
-            return None
-        grad = torch.is_grad_enabled()
-        inference = torch.is_inference_mode_enabled()  # its buffers are inference tensors
-        ckpt = checkpoint and grad
-        splits = split and grad and not ckpt
-        return (self.slots.slot[(s, m)], ckpt, grad, inference, autocast_key(), sig, splits)
+    def end(self) -> None:
+        """After a training step (or its failure): its side gradients added
+        into ``.grad``, its calls no longer pending."""
+        self.token = None
+        for st in self.stages:
+            if st.store is not None:
+                st.store.flush()
+            for graphed in st.calls.values():
+                if graphed.pending is _STEP:
+                    graphed.pending = None
 
-    def _graphed(
+    def stores(self) -> list[GradStore | None]:
+        """Each stage's gradient buffers, where its graphs add into them."""
+        return [st.store if st.reason is None else None for st in self.stages]
+
+    def save(self) -> dict[int, list[nn.Parameter]]:
+        """Saves the gradient buffers for :meth:`restore` (a training step).
+
+        Returns:
+            Per stage whose buffers were saved, its parameters they do not
+            cover (tied ones, added into ``.grad`` at the step's end).
+        """
+        self._saved = []
+        left: dict[int, list[nn.Parameter]] = {}
+        for st in self.stages:
+            if st.store is not None and st.reason is None:
+                self._saved.append(st.store)
+                left[st.index] = st.store.save()
+        return left
+
+    def restore(self, keep: bool) -> None:
+        """Puts the saved gradients back (``keep`` False), or forgets them."""
+        stores, self._saved = self._saved, []
+        for store in stores:
+            if keep:
+                store.release()
+            else:
+                store.restore()
+
+    def _find(
         self,
         st: _Stage,
-        key: tuple[Any, ...],
+        s: int,
+        m: int,
         stage: nn.Module,
         args: Sequence[Any],
+        needs: Sequence[bool] | None,
         checkpoint: bool,
+        split: bool,
     ) -> GraphedCall | None:
-        key = (*key, st.modes)
+        """The call for this key, captured if new; None where it runs eagerly."""
+        assert self.slots is not None
+        sig = signature(args, needs)
+        if sig is None:
+            return None
+        why = st.scalars.admit(sig)
+        if why is not None:
+            self._overflow(st, why)
+            return None
+        grad = torch.is_grad_enabled()
+        ckpt = checkpoint and grad
+        key: tuple[Any, ...] = (
+            self.slots.slot[(s, m)],
+            ckpt,
+            grad,
+            torch.is_inference_mode_enabled(),  # its buffers are inference tensors
+            autocast_key(),
+            sig,
+            split and grad and not ckpt,
+            st.modes,
+        )
         # A call whose activations still wait for their backward (a second
         # forward before the first backward, in the user's loop) gets graphs
-        # of its own: one more generation of the slot, up to MAX_GENERATIONS
-        # (outputs kept without a backward, say in an evaluation loop with
-        # gradients on, would otherwise capture at every call).
+        # of its own: one more generation of the slot, up to MAX_GENERATIONS.
         for generation in range(MAX_GENERATIONS):
             graphed = st.calls.get((*key, generation))
             if graphed is None or not graphed.busy():
@@ -279,19 +408,36 @@ class StageGraphs:
         if not self._room(st):
             self._overflow(st, f"max_calls={self.max_calls} graphed calls in use")
             return None
-        checkpointing = bool(key[1])
-        fn: Callable[..., Any] = (lambda *a: checkpointed(stage, *a)) if checkpointing else stage
+        return self._capture(st, key, stage, args, needs, ckpt)
+
+    def _capture(
+        self,
+        st: _Stage,
+        key: tuple[Any, ...],
+        stage: nn.Module,
+        args: Sequence[Any],
+        needs: Sequence[bool] | None,
+        ckpt: bool,
+    ) -> GraphedCall | None:
+        assert st.baked is not None
+        grad = bool(key[2])
+        if grad and st.store is None and st.baked.params:
+            st.store = GradStore(st.baked.params, self._shared(st))
+        if st.pool is None and st.device.type == "cuda" and isinstance(self.backend, CudaGraphs):
+            st.pool = torch.cuda.graph_pool_handle()
+        fn: Callable[..., Any] = (lambda *a: checkpointed(stage, *a)) if ckpt else stage
         try:
             graphed = GraphedCall(
-                fn, args, st.module, st.device, key[2], self.backend, checkpointing, key[6]
-            )
+                fn, args, st.module, st.device, grad, self.backend, st.store,
+                ckpt, bool(key[6]), needs, st.pool,
+            )  # fmt: skip
         except Exception as exc:  # anything a graph cannot hold: run eagerly from now on
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             st.reason = f"capture failed: {type(exc).__name__}: {first}"
+            st.failed = True
             st.calls.clear()
             return None
         graphed.label = st.label
-        graphed.sums = st.sums
         st.captures += 1
         if key in st.dropped:
             st.dropped.discard(key)
@@ -301,6 +447,12 @@ class StageGraphs:
         if len(self.order) < _ORDER_KEPT:
             self.order.append((st.index, key[0]))
         return graphed
+
+    def _shared(self, st: _Stage) -> set[int]:
+        """The ``id()`` of ``st``'s parameters another stage holds too (tied)."""
+        mine = {id(p) for p in st.module.parameters()}
+        others = {id(p) for o in self.stages if o is not st for p in o.module.parameters()}
+        return mine & others
 
     def _room(self, st: _Stage) -> bool:
         """Makes room for one more graphed call under ``max_calls``, dropping
@@ -314,7 +466,7 @@ class StageGraphs:
         return len(st.calls) < self.max_calls
 
     def _overflow(self, st: _Stage, why: str) -> None:
-        """A call beyond the bound runs eagerly; the first one says so."""
+        """A call beyond a bound runs eagerly; the first one says so."""
         if not st.overflow:
             st.overflow = True
             warnings.warn(
@@ -329,7 +481,6 @@ class StageGraphs:
         out = GraphReport()
         for st in self.stages:
             names = {p for c in st.calls.values() for p in c.passes}
-            passes = [p for p in ("forward", "backward", "weight") if p in names]
             out.stages.append(
                 StageReport(
                     stage=st.index,
@@ -337,11 +488,12 @@ class StageGraphs:
                     graphed=st.reason is None,
                     reason=st.reason,
                     graphs=sum(len(c.passes) for c in st.calls.values()),
-                    passes=tuple(passes),
+                    passes=tuple(p for p in ("forward", "backward", "weight") if p in names),
                     slots=st.slots,
                     captures=st.captures,
                     recaptures=st.recaptures,
-                    reserved_bytes=sum(c.reserved for c in st.calls.values()),
+                    reserved_bytes=sum(c.reserved for c in st.calls.values()) + pool_bytes(st.pool),
+                    grad_bytes=0 if st.store is None else st.store.nbytes(),
                 )
             )
         return out

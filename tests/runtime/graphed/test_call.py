@@ -1,8 +1,10 @@
-"""A graphed call's backward split in two: B replays the input gradients,
-W the parameter gradients, later, as the zero-bubble schedules ask.
+"""One graphed call: its forward, its backward (whole, or split in two: B
+replays the input gradients, W the parameter gradients, later, as the
+zero-bubble schedules ask), parameter gradients added into the stage's
+buffers, and what the call keeps.
 
-The :class:`~mpstream.runtime.graphed.backends.Emulated` backend runs the same split
-analysis a CUDA capture runs, so what B and W compute is checked here on
+The :class:`~mpstream.runtime.graphed.backends.Emulated` backend runs the
+same passes a CUDA capture runs, so what B and W compute is checked here on
 the CPU; test_stages_cuda.py replays the real graphs."""
 
 from __future__ import annotations
@@ -17,16 +19,23 @@ from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 from torchvision.models.resnet import Bottleneck
 
-from mpstream.runtime.boundary import GradSink, cut
 from mpstream.runtime.graphed.backends import Emulated
-from mpstream.runtime.graphed.call import Backend, GraphedCall
-from mpstream.runtime.split_backward import backward_inputs
+from mpstream.runtime.graphed.call import Backend, GraphedCall, replay
+from mpstream.runtime.graphed.grads import GradStore
 from tests.helpers import assert_same_grads, mlp
 from tests.runtime.test_split_backward import Hooked
 
 
-def graphed(stage: nn.Module, x: Tensor, split: bool = True) -> GraphedCall:
-    return GraphedCall(stage, (x,), stage, x.device, True, Emulated(), split=split)
+def graphed(
+    stage: nn.Module, x: Tensor, split: bool = True, backend: Backend | None = None
+) -> GraphedCall:
+    """``stage`` called on ``x`` (which needs a gradient unless it is a
+    leaf that does not), captured, its gradients going to ``stage``'s ``.grad``."""
+    store = GradStore([p for p in stage.parameters() if p.requires_grad])
+    need = [x.requires_grad or x.grad_fn is not None]
+    return GraphedCall(
+        stage, (x,), stage, x.device, True, backend or Emulated(), store, split=split, needs=need
+    )
 
 
 def plain(stage: nn.Module, x: Tensor, grad: Tensor) -> Tensor | None:
@@ -51,27 +60,23 @@ SPLIT_STAGES = {
 
 def check_split(stage: nn.Module, x: Tensor, backend: Backend, steps: int = 2) -> None:
     """B gives the input gradients, W the parameters' later: both equal a
-    plain backward's, replay after replay (test_stages_cuda.py runs it on
-    CUDA graphs)."""
+    plain backward's, replay after replay, adding into ``.grad`` (as
+    ``train_step`` drives a split call; test_stages_cuda.py runs it on CUDA
+    graphs)."""
     reference = copy.deepcopy(stage)
-    example = cut(GradSink(), (x,))[0]
-    call = GraphedCall(stage, (example,), stage, x.device, True, backend, split=True)
+    call = graphed(stage, x.clone().requires_grad_(), backend=backend)
     assert call.passes == ("forward", "backward", "weight")
-    for _ in range(steps):  # later passes replay into the same buffers
-        stage.zero_grad(set_to_none=True)
-        reference.zero_grad(set_to_none=True)
-        sink = GradSink()
-        out = call(cut(sink, (x,))[0])
+    for step in range(steps):  # later passes replay into the same buffers, adding
+        (out,) = call.forward([x])
         grad = torch.randn_like(out)
-        weight = backward_inputs([out], [grad])
+        (got,) = call.backward([grad], token=step, weight=False)
         expected = plain(reference, x, grad)
-        assert sink.grads is not None
-        torch.testing.assert_close(sink.grads[0], expected)
+        torch.testing.assert_close(got, expected)
         matrices = [n for n, p in stage.named_parameters() if p.dim() > 1]
-        assert matrices and all(dict(stage.named_parameters())[n].grad is None for n in matrices)
-        assert call.busy(), "the slot holds W's activations"
-        weight.run()
-        assert not call.busy()
+        before = {n: p.grad.clone() for n, p in stage.named_parameters() if n in matrices}  # type: ignore[union-attr]
+        call.weight()
+        after = dict(stage.named_parameters())
+        assert all(not torch.equal(before[n], after[n].grad) for n in matrices)  # type: ignore[arg-type]
         assert_same_grads(stage, reference)
 
 
@@ -86,15 +91,15 @@ def test_b_and_w_of_a_graphed_stage_do_the_work_of_one_backward() -> None:
     """Counted, not timed: B's matmuls are the input path's, W's the
     weights'; together those of the unsplit replayed backward."""
     stage = mlp([64, 128, 128, 32], torch.float32)
-    x = torch.randn(16, 64)
+    x = torch.randn(16, 64, requires_grad=True)
 
     def count(split: bool) -> tuple[int, int]:
-        call = graphed(stage, cut(GradSink(), (x,))[0], split)
-        out = call(cut(GradSink(), (x,))[0])
+        call = graphed(stage, x, split)
+        (out,) = call.forward([x])
         with FlopCounterMode(display=False) as first:
-            weight = backward_inputs([out], [torch.ones_like(out)])
+            call.backward([torch.ones_like(out)], token=split, weight=False)
         with FlopCounterMode(display=False) as second:
-            weight.run()
+            call.weight()
         return first.get_total_flops(), second.get_total_flops()
 
     whole, nothing = count(split=False)
@@ -103,12 +108,12 @@ def test_b_and_w_of_a_graphed_stage_do_the_work_of_one_backward() -> None:
     assert b + w == whole
 
 
-def test_a_plain_backward_through_a_split_call_runs_both_passes() -> None:
+def test_a_backward_through_autograd_runs_both_passes_of_a_split_call() -> None:
     stage = mlp([5, 8, 3])
     reference = copy.deepcopy(stage)
     x = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
     call = graphed(stage, x)
-    out = call(x)
+    (out,) = replay(call, [x])
     grad = torch.randn_like(out)
     out.backward(grad)
     torch.testing.assert_close(x.grad, plain(reference, x, grad))
@@ -122,24 +127,25 @@ def test_a_first_stage_leaves_everything_to_w() -> None:
     x = torch.randn(4, 5, dtype=torch.float64)
     call = graphed(stage, x)
     assert call.passes == ("forward", "weight")
-    out = call(x)
+    (out,) = call.forward([x])
     grad = torch.randn_like(out)
-    weight = backward_inputs([out], [grad])
-    assert all(p.grad is None for p in stage.parameters())
-    weight.run()
+    assert call.backward([grad], token=0, weight=False) == []
+    assert all(p.grad is None or not p.grad.any() for p in stage.parameters())
+    call.weight()
     plain(reference, x, grad)
     assert_same_grads(stage, reference)
 
 
-def test_a_forward_replayed_between_b_and_w_is_refused() -> None:
+def test_a_forward_replayed_between_b_and_w_is_refused_by_the_emulation() -> None:
+    # On a GPU the schedule's slots rule this out; the emulation shows it.
     stage = mlp([5, 8, 3])
-    x = torch.randn(4, 5, dtype=torch.float64)
-    call = graphed(stage, cut(GradSink(), (x,))[0])
-    out = call(cut(GradSink(), (x,))[0])
-    weight = backward_inputs([out], [torch.ones_like(out)])
-    call(cut(GradSink(), (x,))[0])  # overwrites the slot W still reads
-    with pytest.raises(RuntimeError, match="between this backward's input and weight passes"):
-        weight.run()
+    x = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+    call = graphed(stage, x)
+    (out,) = call.forward([x])
+    call.backward([torch.ones_like(out)], token=0, weight=False)
+    call.forward([x])  # overwrites the slot W still reads
+    with pytest.raises(RuntimeError, match="weight pass replayed without its input-gradient"):
+        call.weight()
 
 
 class Unused(nn.Module):
@@ -157,16 +163,34 @@ def test_an_input_the_outputs_do_not_reach_gets_no_gradient() -> None:
     stage = Unused().double()
     reference = copy.deepcopy(stage)
     x, unused = (torch.randn(3, 4, dtype=torch.float64) for _ in range(2))
+    store = GradStore(list(stage.parameters()))
     call = GraphedCall(
-        stage, (x, unused.requires_grad_()), stage, x.device, True, Emulated(), split=True
+        stage, (x, unused.requires_grad_()), stage, x.device, True, Emulated(), store, split=True
     )
     assert call.passes == ("forward", "weight")
-    out = call(x, unused)
+    (out,) = replay(call, [x, unused])
     grad = torch.randn_like(out)
     out.backward(grad)
     assert unused.grad is None
     reference(x, unused).backward(grad)
     assert_same_grads(stage, reference)
+
+
+def test_the_graphs_add_into_grad_and_one_zeroing_reattaches_it() -> None:
+    stage = mlp([5, 8, 3])
+    reference = copy.deepcopy(stage)
+    x = torch.randn(4, 5, dtype=torch.float64)
+    call = graphed(stage, x, split=False)
+    for step in range(3):
+        if step == 2:  # zero_grad(): None, then the views again, zeroed
+            stage.zero_grad(set_to_none=True)
+            reference.zero_grad(set_to_none=True)
+        (out,) = call.forward([x])
+        grad = torch.randn_like(out)
+        call.backward([grad], token=step)
+        plain(reference, x, grad)
+        assert_same_grads(stage, reference)
+        assert all(p.grad is v for p, v in zip(stage.parameters(), call.store.views))  # type: ignore[union-attr]
 
 
 def test_a_call_keeps_neither_its_example_nor_its_captured_outputs() -> None:
@@ -181,12 +205,13 @@ def test_a_call_keeps_neither_its_example_nor_its_captured_outputs() -> None:
         captured.append(weakref.ref(out))
         return out, "label"
 
-    call = GraphedCall(fn, (x, 2.0), stage, x.device, True, Emulated())
+    store = GradStore(list(stage.parameters()))
+    call = GraphedCall(fn, (x, 2.0), stage, x.device, True, Emulated(), store)
     example = weakref.ref(x)
     del x
     gc.collect()
     assert example() is None and captured and all(r() is None for r in captured)
     y = torch.randn(4, 5, dtype=torch.float64)
-    out, label = call(y, 2.0)
+    out, label = call.rebuild(call.forward([y]))
     torch.testing.assert_close(out, stage(y) * 2.0)
     assert label == "label"

@@ -1,26 +1,145 @@
-"""During ``train_step`` a graphed stage's parameter gradients are summed per
-stage and handed to ``.grad`` once: the eager pipe's gradients, accumulated
-once per step instead of once per micro-batch; a failed step leaves no
-partial sums; outside ``train_step`` replays return their gradients."""
+"""A graphed stage's parameter gradients are added inside its graphs into
+buffers of its own, which the parameters' ``.grad`` are: PyTorch's ``.grad``
+semantics (accumulation across passes and steps, ``zero_grad`` either way,
+a tensor set by hand, optimizers' foreach and fused paths, post-accumulate
+hooks), one zeroing per step at most, no per-parameter work per task, and a
+failed step or backward leaves nothing half-added."""
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
+from collections.abc import Callable
 
 import pytest
 import torch
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mpstream import Pipe
-from mpstream.runtime.graphed import GraphedCall
-from mpstream.runtime.graphed.grads import StageGrads
+from mpstream.runtime.graphed.backends import Emulated
 from tests.helpers import assert_same_grads, mlp
 from tests.runtime.graphed.test_stages import WIDTHS, data, pair
 
 
+def user_loop(pipe: Pipe, x: Tensor, y: Tensor) -> None:
+    nn.functional.mse_loss(pipe(x), y).backward()
+
+
+def step(pipe: Pipe, x: Tensor, y: Tensor) -> None:
+    pipe.train_step(x, y, nn.MSELoss())
+
+
+RUNS: dict[str, Callable[[Pipe, Tensor, Tensor], None]] = {"loop": user_loop, "step": step}
+
+
+def views(pipe: Pipe) -> list[Tensor]:
+    """Every graphed stage's gradient buffers, per parameter."""
+    graphs = pipe._rt()[1].graphs
+    assert graphs is not None
+    return [v for st in graphs.stages if st.store is not None for v in st.store.views]
+
+
+@pytest.mark.parametrize("run", RUNS)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1"])
+def test_grad_accumulates_across_passes_until_zero_grad(run: str, schedule: str) -> None:
+    eager, graphed = pair(mlp(WIDTHS), chunks=4, schedule=schedule)
+    x, y = data()
+    for i in range(5):
+        if i == 2:
+            for pipe in (eager, graphed):
+                pipe.zero_grad(set_to_none=True)
+        if i == 4:
+            for pipe in (eager, graphed):
+                pipe.zero_grad(set_to_none=False)
+        for pipe in (eager, graphed):
+            RUNS[run](pipe, x, y)
+        assert_same_grads(graphed, eager)
+        # .grad is the graphs' buffer: nothing copied out, nothing re-added.
+        assert all(p.grad is v for p, v in zip(graphed.parameters(), views(graphed)))
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_grad_is_the_buffer_the_graphs_add_into(run: str) -> None:
+    _, graphed = pair(mlp(WIDTHS), chunks=2)
+    x, y = data()
+    RUNS[run](graphed, x, y)
+    grads = [p.grad for p in graphed.parameters()]
+    assert all(g is v for g, v in zip(grads, views(graphed)))
+    graphed.zero_grad(set_to_none=True)
+    RUNS[run](graphed, x, y)
+    assert all(p.grad is v for p, v in zip(graphed.parameters(), views(graphed)))
+
+
+class Ops(TorchDispatchMode):
+    """Counts the aten operators dispatched, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class Silent(Emulated):
+    """Replays that do nothing: what is left is the host's work around them."""
+
+    def replay(self, call: object, name: str) -> None:
+        pass
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_one_zeroing_per_stage_and_no_work_per_parameter(run: str) -> None:
+    # 40 parameters per stage, 4 micro-batches: per step one zero_ of each
+    # stage's buffer after zero_grad(), and no operator per parameter.
+    model = mlp([6] + [6] * 20 + [4])
+    _, graphed = pair(model, graphs=Silent(), chunks=4, balance=[20, 22])
+    x, y = data()
+    for _ in range(2):  # capture, then replay
+        graphed.zero_grad()
+        RUNS[run](graphed, x, y)
+    graphed.zero_grad()
+    with Ops() as counted:
+        RUNS[run](graphed, x, y)
+    assert counted.ops["zero_"] == 2  # one per stage
+    per_parameter = {"clone", "detach", "add_", "copy_", "zeros_like", "add"}
+    total = sum(n for name, n in counted.ops.items() if name in per_parameter)
+    assert total < 40, counted.ops
+
+
+@pytest.mark.parametrize("how", ["foreach", "fused"])
+def test_optimizers_foreach_and_fused_paths_train_equal_to_eager(how: str) -> None:
+    eager, graphed = pair(mlp(WIDTHS, torch.float32), chunks=3)
+    x, y = (t.float() for t in data())
+    opts = [torch.optim.Adam(p.parameters(), lr=0.01, **{how: True}) for p in (eager, graphed)]
+    for i in range(4):
+        for pipe, opt in zip((eager, graphed), opts):
+            opt.zero_grad(set_to_none=i % 2 == 0)
+            if i < 2:
+                pipe.train_step(x, y, nn.MSELoss())
+            else:
+                user_loop(pipe, x, y)
+            opt.step()
+    for a, b in zip(graphed.parameters(), eager.parameters()):
+        torch.testing.assert_close(a, b)
+
+
+def test_a_grad_set_by_hand_is_kept_and_added_to() -> None:
+    eager, graphed = pair(mlp(WIDTHS), chunks=2)
+    x, y = data()
+    for pipe in (eager, graphed):
+        step(pipe, x, y)
+    for pipe in (eager, graphed):
+        for p in pipe.parameters():
+            p.grad = torch.full_like(p, 0.5)  # another tensor: its value counts
+        step(pipe, x, y)
+    assert_same_grads(graphed, eager)
+
+
 def count_accumulations(pipe: Pipe) -> Counter[str]:
-    """How often each parameter's post-accumulate-grad hook runs (autograd
-    runs it also where no gradient arrived: counted as ``name?``)."""
+    """How often each parameter's post-accumulate-grad hook runs."""
     seen: Counter[str] = Counter()
     for name, p in pipe.named_parameters():
         p.register_post_accumulate_grad_hook(
@@ -29,52 +148,20 @@ def count_accumulations(pipe: Pipe) -> Counter[str]:
     return seen
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1"])
-def test_train_step_hands_each_stage_s_sums_over_once(
-    schedule: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    eager, graphed = pair(mlp(WIDTHS), chunks=4, schedule=schedule)
-    returned, flushed = [], []
-    copy_out = GraphedCall._param_grads
-    flush = StageGrads.flush
-
-    def spy_copy(call: GraphedCall) -> list[Tensor | None]:
-        returned.append(call)
-        return copy_out(call)
-
-    def spy_flush(sums: StageGrads) -> None:
-        flushed.append(len(sums._sums))
-        flush(sums)
-
-    monkeypatch.setattr(GraphedCall, "_param_grads", spy_copy)
-    monkeypatch.setattr(StageGrads, "flush", spy_flush)
-    x, y = data()
-    for _ in range(2):  # no zero_grad: the second step adds to .grad
-        losses = [pipe.train_step(x, y, nn.MSELoss()) for pipe in (eager, graphed)]
-        torch.testing.assert_close(losses[1], losses[0])
-        assert_same_grads(graphed, eager)
-    assert returned == []  # no gradient copied out per replay
-    # Each stage's 4 parameters, once per step: step 1 hands the sums over
-    # as the gradients, step 2 adds them into those.
-    assert flushed == [4, 4] * 2
-
-
+@pytest.mark.parametrize("run", RUNS)
 @pytest.mark.parametrize("schedule", ["gpipe", "zb_h1"])
-def test_a_stage_with_a_post_accumulate_hook_keeps_per_micro_batch_accumulation(
-    schedule: str,
-) -> None:
-    # Under zb_h1 a graphed stage's weight pass is its own second half:
-    # B must not run the parameters' accumulation (and their hooks) too.
+def test_post_accumulate_hooks_run_once_per_micro_batch(run: str, schedule: str) -> None:
     eager, graphed = pair(mlp(WIDTHS), chunks=4, schedule=schedule)
     counts = [count_accumulations(pipe) for pipe in (eager, graphed)]
     x, y = data()
     for pipe in (eager, graphed):
-        pipe.train_step(x, y, nn.MSELoss())
+        RUNS[run](pipe, x, y)
     assert_same_grads(graphed, eager)
-    assert counts[1] == counts[0] == Counter({n: 4 for n, _ in eager.named_parameters()})
+    per_pass = 4 if run == "step" else 1  # autograd accumulates a pass once
+    assert counts[1] == counts[0] == Counter({n: per_pass for n, _ in eager.named_parameters()})
 
 
-def test_a_failed_step_leaves_no_partial_sums() -> None:
+def test_a_failed_step_leaves_no_half_added_gradient() -> None:
     eager, graphed = pair(mlp(WIDTHS), chunks=4)
     x, y = data()
     calls = 0
@@ -82,7 +169,7 @@ def test_a_failed_step_leaves_no_partial_sums() -> None:
     def failing(out: Tensor, target: Tensor) -> Tensor:
         nonlocal calls
         calls += 1
-        if calls == 7:  # the second step's third micro-batch
+        if calls in (7, 11):  # the second step's third micro-batch; the third's
             raise RuntimeError("loss failed")
         return nn.functional.mse_loss(out, target)
 
@@ -91,54 +178,26 @@ def test_a_failed_step_leaves_no_partial_sums() -> None:
         graphed.train_step(x, y, failing)
     eager.train_step(x, y, nn.MSELoss())
     assert_same_grads(graphed, eager)  # as after one step: the failed one left nothing
+    graphed.zero_grad()  # None before a failing step: None after it
+    with pytest.raises(RuntimeError, match="loss failed"):
+        graphed.train_step(x, y, failing)
+    assert all(p.grad is None for p in graphed.parameters())
     for pipe in (eager, graphed):
+        pipe.zero_grad()
         pipe.train_step(x, y, nn.MSELoss())
     assert_same_grads(graphed, eager)
 
 
-def test_outside_train_step_replays_return_their_gradients() -> None:
-    eager, graphed = pair(mlp(WIDTHS), chunks=2)
-    x, y = data()
-    for pipe in (eager, graphed):
-        pipe.train_step(x, y, nn.MSELoss())
-    got = []
-    for pipe in (eager, graphed):
-        loss = nn.functional.mse_loss(pipe(x), y)
-        got.append(torch.autograd.grad(loss, list(pipe.parameters())))
-    for a, b in zip(*got):
-        torch.testing.assert_close(b, a)
-
-
-def test_a_weight_two_stages_share_sums_per_stage() -> None:
+def test_a_weight_two_stages_share_is_added_once_per_stage() -> None:
     # Tied: the first and the last layer share a weight, on stages 0 and 2.
     model = mlp([5, 5, 5, 5])
     model[4].weight = model[0].weight
     eager, graphed = pair(model, chunks=3, balance=[2, 2, 2], devices=["cpu"] * 3)
     x, y = torch.randn(7, 5, dtype=torch.float64), torch.randn(7, 5, dtype=torch.float64)
-    for _ in range(2):  # the second step adds to the gradients of the first
+    for i in range(3):  # later passes add to the gradients of the first
         for pipe in (eager, graphed):
-            pipe.train_step(x, y, nn.MSELoss())
+            (step if i % 2 else user_loop)(pipe, x, y)
         assert_same_grads(graphed, eager)
-
-
-def test_the_users_own_loop_hands_the_sums_over_once_per_backward(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    eager, graphed = pair(mlp(WIDTHS), chunks=4)
-    returned: list[GraphedCall] = []
-    copy_out = GraphedCall._param_grads
-
-    def spy(call: GraphedCall) -> list[Tensor | None]:
-        returned.append(call)
-        return copy_out(call)
-
-    monkeypatch.setattr(GraphedCall, "_param_grads", spy)
-    x, y = data()
-    for _ in range(2):  # no zero_grad: the second backward adds to .grad
-        for pipe in (eager, graphed):
-            nn.functional.mse_loss(pipe(x), y).backward()
-        assert_same_grads(graphed, eager)
-    assert returned == []
 
 
 def fail_a_backward(pipe: Pipe, x: Tensor, y: Tensor) -> None:
@@ -152,7 +211,7 @@ def fail_a_backward(pipe: Pipe, x: Tensor, y: Tensor) -> None:
 
 
 @pytest.mark.parametrize("then", ["backward", "train_step"])
-def test_a_failed_backward_in_the_users_loop_leaves_no_sums_behind(then: str) -> None:
+def test_after_a_failed_backward_the_next_pass_starts_clean(then: str) -> None:
     eager, graphed = pair(mlp(WIDTHS), chunks=4)
     x, y = data()
     for pipe in (eager, graphed):
@@ -164,7 +223,7 @@ def test_a_failed_backward_in_the_users_loop_leaves_no_sums_behind(then: str) ->
     assert_same_grads(graphed, eager)
 
 
-def test_a_backward_inside_a_backward_keeps_the_outer_pass_s_sums() -> None:
+def test_a_backward_inside_a_backward() -> None:
     eager, graphed = pair(mlp(WIDTHS), chunks=2)
     x, y = data()
     x2, y2 = data()
@@ -239,3 +298,47 @@ class TwoOut(nn.Module):
 def test_what_only_an_output_without_gradient_reaches_gets_none(schedule: str) -> None:
     reached = ["blocks.1.weight", "blocks.1.bias", "blocks.3.weight", "blocks.3.bias"]
     check_reached(TwoOut(), "blocks.2", schedule, reached)
+
+
+def test_a_plain_ddp_around_a_graphed_pipe_is_refused_with_what_to_do() -> None:
+    # Its reducer hooks on each parameter's AccumulateGrad, which never runs.
+    from mpstream.runtime.graphed import stages
+
+    _, graphed = pair(mlp(WIDTHS), chunks=2)
+    x, y = data()
+    real = stages._inside_ddp
+    try:
+        stages._inside_ddp = lambda: True  # type: ignore[assignment]
+        with pytest.raises(RuntimeError, match="mpstream.distributed.train_step"):
+            graphed(x)
+        with torch.no_grad():
+            graphed(x)  # inference under DDP: nothing for the reducer
+    finally:
+        stages._inside_ddp = real  # type: ignore[assignment]
+    user_loop(graphed, x, y)  # the next call works
+
+
+def test_the_graphs_of_a_changed_stage_hand_over_its_gradients() -> None:
+    # Replacing a parameter recaptures; the gradients stay what they were.
+    eager, graphed = pair(mlp(WIDTHS), chunks=2)
+    x, y = data()
+    for pipe in (eager, graphed):
+        step(pipe, x, y)
+    for pipe in (eager, graphed):
+        first = pipe.partitions[0][0]
+        weight = nn.Parameter(first.weight.detach().clone())
+        weight.grad = first.weight.grad.clone()  # type: ignore[union-attr]
+        first.weight = weight
+        step(pipe, x, y)
+    assert_same_grads(graphed, eager)
+
+
+def test_emulated_capture_adds_nothing() -> None:
+    # Capture (warm-up, the captured run) must not add into .grad.
+    stage = mlp([4, 4])
+    reference = copy.deepcopy(stage)
+    pipe = Pipe(stage, balance=[2], devices=["cpu"], graphs=Emulated(), chunks=1)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    pipe.train_step(x, x, nn.MSELoss())
+    nn.functional.mse_loss(reference(x), x).backward()
+    assert_same_grads(pipe, reference)

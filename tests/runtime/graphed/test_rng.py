@@ -1,6 +1,6 @@
 """Graph work that shares the generator's graph scalars takes turns per device.
 
-:class:`~mpstream.runtime.graphed.rng.RngOrder` runs here on fake streams
+:class:`~mpstream.runtime.graphed.capturing.RngOrder` runs here on fake streams
 and events; warm-up's finding of the passes that draw random numbers runs
 on the CPU generator. test_stages_cuda.py checks both on a GPU (dropout in
 stages sharing one, against the eager pipe and under CUDA's sanitizer)."""
@@ -16,7 +16,8 @@ from torch import Tensor, nn
 
 from mpstream.runtime.graphed.backends import PASSES, Emulated, warm_up
 from mpstream.runtime.graphed.call import GraphedCall
-from mpstream.runtime.graphed.rng import RngOrder, ordered
+from mpstream.runtime.graphed.capturing import RngOrder, ordered
+from mpstream.runtime.graphed.grads import GradStore
 from tests.helpers import mlp
 
 
@@ -143,6 +144,10 @@ def test_warm_up_finds_the_passes_that_draw_random_numbers(
 ) -> None:
     stage = nn.Sequential(mlp([5, 8]), layer, mlp([8, 3]))
     x = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
-    call = GraphedCall(stage, (x,), stage, x.device, True, Emulated())
-    assert warm_up(call, stage, 2, position) == drawn
-    assert warm_up(call, stage, 0, position) == PASSES  # nothing seen: every pass counts
+    store = GradStore([p for p in stage.parameters()])
+    call = GraphedCall(stage, (x,), stage, x.device, True, Emulated(), store)
+    before = [g.clone() for g in store.views]
+    assert warm_up(call, stage, 2, position)[0] == drawn
+    assert warm_up(call, stage, 0, position)[0] == PASSES  # nothing seen: every pass counts
+    for g, was in zip(store.views, before):  # warm-up adds no gradient anywhere
+        assert torch.equal(g, was)

@@ -15,8 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from mpstream import Pipe
-from mpstream.runtime.graphed import CudaGraphs
-from mpstream.runtime.graphed.report import GraphWarning
+from mpstream.runtime.graphed import CudaGraphs, GraphWarning
 from mpstream.schedules import SCHEDULES
 from tests.helpers import assert_same_grads, mlp
 from tests.runtime.graphed.test_call import SPLIT_STAGES, check_split
@@ -80,7 +79,7 @@ def test_cuda_graphs_issue_fewer_launches_than_eager() -> None:
     eager_graphs, eager_kernels = launches(eager)
     replays, kernels = launches(graphed)
     assert eager_graphs == 0 and replays == 2 * 2 * 4  # forward and backward per stage, micro
-    assert kernels < eager_kernels / 2  # copies in and out, gradient sums: not every layer's
+    assert kernels < eager_kernels / 2  # copies in, the loss: not every layer's
 
 
 @pytest.mark.cuda
@@ -317,8 +316,8 @@ def test_cuda_capture_beside_a_pinning_data_loader() -> None:
 @pytest.mark.cuda
 @pytest.mark.parametrize("name", SPLIT_STAGES)
 def test_cuda_b_and_w_graphs_give_a_plain_backward_s_gradients(name: str) -> None:
-    # A graphed call's split backward on its own: B replayed by the backward
-    # task's autograd call, W when the weight pass runs.
+    # A graphed call's split backward on its own, as a training step's
+    # backward and weight tasks replay it.
     torch.manual_seed(0)
     make, shape = SPLIT_STAGES[name]
     x = torch.randn(*shape, dtype=torch.float64, device="cuda")
@@ -333,9 +332,10 @@ def test_cuda_b_and_w_graphs_give_a_plain_backward_s_gradients(name: str) -> Non
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("how", ["own loop", "train_step"])
-def test_cuda_gradient_sums_reach_grad_on_a_side_caller_stream(how: str) -> None:
-    # The sums are handed over on the caller's stream, after the stage
-    # streams that added them: a caller on a stream of its own sees them.
+def test_cuda_graph_gradients_reach_grad_on_a_side_caller_stream(how: str) -> None:
+    # The graphs add into .grad on the stage streams; the caller's stream
+    # waits for them (the step's join; a final callback of the backward
+    # pass in the user's loop): a caller on a stream of its own sees them.
     eager, graphed = pair(
         mlp(WIDTHS), graphs=True, chunks=4, devices=["cuda:0", "cuda:0"]
     )  # fmt: skip
