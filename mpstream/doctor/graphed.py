@@ -217,7 +217,8 @@ def measure(
 def _replayed(pipe: Pipe, x: Tensor, y: Tensor) -> int:
     """Tasks of one training step that replay graphs: every stage's forward,
     backward and (split schedules) weight pass of every micro-batch."""
-    micros = len(x.split(pipe.split_size)) if pipe.split_size else min(pipe.chunks or 1, len(x))
+    size = pipe.split_size
+    micros = -(-len(x) // size) if size else min(pipe.chunks or 1, len(x))
     schedule = pipe.schedule_for(micros, x.device, training_step=True, target_device=y.device)
     passes = (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT)
     return sum(1 for t in schedule.tasks if t.kind in passes)

@@ -33,6 +33,7 @@ from .errors import annotate, inplace_hint, raised_in, task_note
 from .graph import ALL, Hop, Routes, StageGraph
 from .graphed import StageGraphs
 from .microbatch import leaves, rebuild_leaves
+from .replayed import run_stage
 from .scheduler import EventScheduler
 from .stream import AnyStream, current_stream, is_cuda, record_stream
 from .transfer import GradLink, HostWait
@@ -91,7 +92,7 @@ def compute(
     """Stage ``s``'s forward of micro-batch ``m``: replayed from its graphs
     when the pipe has them, else eagerly (checkpointed when asked)."""
     if graphs is not None:
-        return graphs.call(s, m, stage, args, checkpoint)
+        return run_stage(graphs, s, m, stage, args, checkpoint)
     return checkpointed(stage, *args) if checkpoint else stage(*args)
 
 

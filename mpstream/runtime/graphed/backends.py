@@ -38,11 +38,12 @@ import torch
 from torch import Tensor
 
 from ..split_backward import Split
-from .call import GraphedCall, reached_from
+from .call import GraphedCall
 from .capturing import capturing, ordered
 
 __all__ = [
-    "CudaGraphs", "Emulated", "whole", "input_pass", "weight_pass", "split_of", "shares"
+    "CudaGraphs", "Emulated", "whole", "input_pass", "weight_pass", "split_of", "shares",
+    "reached_from",
 ]  # fmt: skip
 
 #: Every pass a call may replay.
@@ -123,14 +124,51 @@ def _positions(grads: Sequence[Any], n: int) -> list[int]:
     return [j for j, g in enumerate(grads[n:]) if g is not None]
 
 
+def reached_from(
+    outs: Sequence[Tensor], diff_out: Sequence[int], targets: Sequence[Tensor]
+) -> list[frozenset[int]]:
+    """Per target, the positions in ``outs`` (among ``diff_out``) whose
+    autograd graph reaches it: a replayed backward computes zeros for a
+    target only outputs without a gradient reach, where eager autograd gives
+    it none.
+
+    Raises:
+        ValueError: the graph reaches a leaf that is not a target (a tensor
+            the stage holds without registering it): the backward graph
+            would not compute its gradient.
+    """
+    known = {id(t): i for i, t in enumerate(targets)}
+    reached: list[set[int]] = [set() for _ in targets]
+    for k in diff_out:
+        seen: set[Any] = set()
+        stack: list[Any] = [outs[k].grad_fn]
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            variable = getattr(node, "variable", None)
+            if variable is not None:
+                if id(variable) not in known:
+                    raise ValueError(
+                        f"a tensor of shape {tuple(variable.shape)} that is not a parameter of "
+                        f"the stage needs a gradient: register it (nn.Parameter on the stage's "
+                        f"module)"
+                    )
+                reached[known[id(variable)]].add(k)
+            stack.extend(n for n, _ in node.next_functions if n is not None)
+    return [frozenset(r) for r in reached]
+
+
 def _prepare(call: GraphedCall, outs: Sequence[Tensor]) -> None:
     """After the forward's capture: which outputs reach what, and the
     gradient buffers, allocated outside any pool."""
     call.reached_from = reached_from(outs, call.diff_out, call.targets())
     call.static_grad_out = [torch.zeros_like(outs[k]) for k in call.diff_out]
-    n_in = [t for t in call.static_in if t.requires_grad]
+    needing = [(t, to) for t, to in zip(call.static_in, call.grad_to) if t.requires_grad]
     call.static_grad_in = [
-        torch.zeros_like(t) if call.reached_from[i] else None for i, t in enumerate(n_in)
+        None if not call.reached_from[i] else torch.zeros_like(t) if to is None else to
+        for i, (t, to) in enumerate(needing)
     ]
 
 

@@ -9,14 +9,9 @@ buffers and *adding* the stage's parameter gradients into its
 backward, an input-gradient graph B and a weight graph W, each adding the
 parameter gradients it computes).
 
-The runtime drives a call two ways. A training step calls :meth:`forward`,
-:meth:`backward` and :meth:`weight` directly from its tasks: no autograd,
-and the static buffers themselves are handed on (the slots and the event
-plan keep them valid until their readers ran). The user's own loop
-(``pipe(x)`` then ``loss.backward()``) goes through :class:`Replay`, the
-autograd node of a replay, which shows autograd the inputs only, never a
-parameter. What escapes to the user (the gradient of a tensor the pipe did
-not produce) is copied.
+The runtime drives a call (:mod:`~mpstream.runtime.replayed`) from a
+training step's tasks, or inside autograd in the user's own loop, through
+:meth:`forward`, :meth:`backward` and :meth:`weight`.
 
 A :class:`Backend` captures and replays (:mod:`.backends`: CUDA graphs, or
 an emulation for tests); what capture changes on the stage is put back
@@ -27,19 +22,17 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeAlias
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.graph import Node, get_gradient_edge
 
 from ...memory.batchnorm import deferred_norms
-from ..boundary import _ANCHOR
 from ..microbatch import leaves, rebuild_leaves
 from .capturing import restored
 from .grads import GradStore
 
-__all__ = ["Backend", "GraphedCall", "Replay", "reached_from"]
+__all__ = ["Backend", "GraphedCall", "Source"]
 
 
 class Backend(Protocol):
@@ -79,6 +72,13 @@ class GraphedCall:
         needs: per tensor argument, whether it needs a gradient (default:
             its own ``requires_grad``).
         pool: the stage's shared memory pool (see :mod:`.backends`).
+        sources: per tensor argument needing a gradient, None, or the call
+            whose static output (at a position) it always is: the graphs
+            then read that buffer in place (their first use of an input
+            needing a gradient is a copy inside the graph), and, where the
+            last item is true, write the argument's gradient straight into
+            that call's static output gradient. The caller vouches that
+            every replay passes that buffer (see ``runtime/replayed.py``).
 
     Raises:
         ValueError: what a graph cannot hold: a tensor outside the stage's
@@ -101,6 +101,7 @@ class GraphedCall:
         split: bool = False,
         needs: Sequence[bool] | None = None,
         pool: Any = None,
+        sources: Sequence[Source] = (),
     ) -> None:
         self.device, self.grad, self.backend, self.pool = device, grad, backend, pool
         self.checkpoint = checkpoint
@@ -109,8 +110,20 @@ class GraphedCall:
         items, self.spec = leaves(tuple(args))
         self.where = [i for i, x in enumerate(items) if isinstance(x, Tensor)]
         need = [items[i].requires_grad for i in self.where] if needs is None else list(needs)
+        #: Per tensor argument, the producer's buffer it always is (None: copied in).
+        self.given: list[Tensor | None] = [None] * len(self.where)
+        #: Per tensor argument, the buffer its gradient goes to, if the producer's.
+        self.grad_to: list[Tensor | None] = [None] * len(self.where)
+        self.sources = list(sources)  # holds the producers' buffers alive
+        for i, src in enumerate(self.sources):
+            if src is not None and grad and need[i]:
+                producer, pos, grads_too = src
+                self.given[i] = producer.static_out[pos]
+                if grads_too and pos in producer.diff_out:
+                    self.grad_to[i] = producer.static_grad_out[producer.diff_out.index(pos)]
         self.static_in = [
-            items[i].detach().clone().requires_grad_(grad and n) for i, n in zip(self.where, need)
+            (items[i].detach().clone() if g is None else g.detach()).requires_grad_(grad and n)
+            for i, n, g in zip(self.where, need, self.given)
         ]
         self.items = _plain(items)  # the example's tensors would live as long as the call
         self.params: list[nn.Parameter] = [] if self.store is None else list(self.store.params)
@@ -130,7 +143,6 @@ class GraphedCall:
         #: The passes whose replays draw random numbers (set by the backend).
         self.random_passes: frozenset[str] = frozenset()
         self.state: Any = None  # the backend's own: graphs, or the emulated activations
-        self.keep: Any = None  # what capture allocated that replays still use
         self.reserved = 0  # bytes of the call's own memory pool
         self.replays = 0  # forward replays whose backward may follow
         self.pending: Any = None  # a weak reference to what may still run B or W
@@ -202,8 +214,11 @@ class GraphedCall:
         """Replays the forward on ``tensors`` (copied into the static inputs
         unless they are them); returns the static outputs."""
         with torch.no_grad():
-            for static, t in zip(self.static_in, tensors):
-                if t is not static:
+            for static, t, given in zip(self.static_in, tensors, self.given):
+                if given is not None:
+                    if t is not given:
+                        raise RuntimeError(f"{self.label}: a replay read another buffer in place")
+                elif t is not static:
                     static.copy_(t)
             self.backend.replay(self, "forward")
         if not self.backend.runs_python:
@@ -276,150 +291,11 @@ class GraphedCall:
         return cached
 
 
-class Replay(torch.autograd.Function):
-    """A replay inside autograd (the user's own loop): its backward replays
-    the backward graph, whose parameter gradients go to the stage's store."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, call: GraphedCall, anchor: Tensor, *tensors: Tensor
-    ) -> tuple[Tensor, ...]:  # type: ignore[override]
-        ctx.call = call
-        ctx.set_materialize_grads(False)  # backward tells "no gradient" from zeros
-        # The gradient of a tensor no replay or copy of the pipe made goes
-        # to the user (or their autograd graph): a copy, not the buffer.
-        ctx.escapes = [not _ours(t) for t in tensors]
-        outs = call.forward(tensors)
-        call.replays += 1
-        ctx.replay = call.replays
-        call.pending = weakref.ref(ctx)
-        # Aliases: a Function's outputs are new tensors (the buffers are not).
-        aliases = tuple(t.detach() for t in outs)
-        keep = set(call.diff_out)
-        ctx.mark_non_differentiable(*(t for k, t in enumerate(aliases) if k not in keep))
-        return aliases
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        call: GraphedCall = ctx.call
-        if torch.is_grad_enabled():  # autograd runs a backward with grad mode = create_graph
-            raise RuntimeError(
-                f"{call.label}: a backward with create_graph=True (a gradient penalty, a "
-                f"higher-order gradient) differentiates the backward, which a replayed graph "
-                f"cannot: its gradients would carry no history; run the pipe with graphs=False "
-                f"for that"
-            )
-        if getattr(ctx, "done", False):
-            raise RuntimeError(
-                f"{call.label}: a second backward through the same graphed forward "
-                f"(retain_graph=True) would read activations its first backward reused; "
-                f"run the pipe with graphs=False for that"
-            )
-        ctx.done = True
-        none: tuple[None, ...] = (None,) * (2 + len(call.static_in))
-        if ctx.replay != call.replays:
-            raise RuntimeError(
-                f"{call.label}: its graphs replayed another micro-batch's forward before this "
-                f"backward, so the activations it needs are gone (a backward run twice with "
-                f"retain_graph=True after a new forward?); run the pipe with graphs=False for that"
-            )
-        call.pending = None
-        picked = [grads[k] for k in call.diff_out]
-        if all(g is None for g in picked):
-            # No gradient reached the call: eager autograd computes nothing here.
-            return none
-        store = call.store
-        if store is not None and not _accumulates():
-            # torch.autograd.grad or backward(inputs=...): autograd leaves
-            # .grad alone, and so must the graph that adds into it.
-            saved = store.save()
-            try:
-                got = call.backward(picked, object())
-            finally:
-                store.restore()
-            del saved
-        else:
-            got = call.backward(picked, _graph_task(), autograd=True)
-        it = iter(got)
-        out: list[Tensor | None] = []
-        for t, escapes in zip(call.static_in, ctx.escapes):
-            g = next(it) if t.requires_grad else None
-            out.append(g.clone() if g is not None and escapes else g)
-        return (None, None, *out)
-
-
-def replay(call: GraphedCall, tensors: Sequence[Tensor]) -> tuple[Tensor, ...]:
-    """The user's loop's replay of ``call`` (through autograd when it needs
-    gradients); returns its output tensors."""
-    if call.diff_out and torch.is_grad_enabled():
-        out: tuple[Tensor, ...] = Replay.apply(call, _ANCHOR, *tensors)
-        return out
-    return tuple(call.forward(tensors))
-
-
-def reached_from(
-    outs: Sequence[Tensor], diff_out: Sequence[int], targets: Sequence[Tensor]
-) -> list[frozenset[int]]:
-    """Per target, the positions in ``outs`` (among ``diff_out``) whose
-    autograd graph reaches it: a replayed backward computes zeros for a
-    target only outputs without a gradient reach, where eager autograd gives
-    it none.
-
-    Raises:
-        ValueError: the graph reaches a leaf that is not a target (a tensor
-            the stage holds without registering it): the backward graph
-            would not compute its gradient.
-    """
-    known = {id(t): i for i, t in enumerate(targets)}
-    reached: list[set[int]] = [set() for _ in targets]
-    for k in diff_out:
-        seen: set[Any] = set()
-        stack: list[Any] = [outs[k].grad_fn]
-        while stack:
-            node = stack.pop()
-            if node is None or node in seen:
-                continue
-            seen.add(node)
-            variable = getattr(node, "variable", None)
-            if variable is not None:
-                if id(variable) not in known:
-                    raise ValueError(
-                        f"a tensor of shape {tuple(variable.shape)} that is not a parameter of "
-                        f"the stage needs a gradient: register it (nn.Parameter on the stage's "
-                        f"module)"
-                    )
-                reached[known[id(variable)]].add(k)
-            stack.extend(n for n, _ in node.next_functions if n is not None)
-    return [frozenset(r) for r in reached]
+#: What a tensor argument always is: a call, a position among its static
+#: outputs, and whether its gradient goes into that call's buffer.
+Source: TypeAlias = tuple[GraphedCall, int, bool] | None
 
 
 def _plain(items: Sequence[Any]) -> list[Any]:
     """``items`` with None where a tensor was (a replay puts its own there)."""
     return [None if isinstance(x, Tensor) else x for x in items]
-
-
-_OURS = ("ReplayBackward", "CopyBackward", "HostWaitBackward")
-
-
-def _ours(t: Tensor) -> bool:
-    """Whether ``t`` came out of a replay or a copy of a pipe (whose backward
-    copies or consumes the gradient it is given)."""
-    fn = t.grad_fn
-    return fn is not None and type(fn).__name__ in _OURS
-
-
-def _accumulates() -> bool:
-    """Whether the running backward accumulates into leaves: a plain
-    ``backward()``, not ``torch.autograd.grad`` nor ``backward(inputs=)``
-    (where the anchor, an input of every replay, is not asked for)."""
-    node: Node = get_gradient_edge(_ANCHOR).node
-    try:
-        return bool(torch._C._will_engine_execute_node(node))
-    except RuntimeError:
-        return False
-
-
-def _graph_task() -> int:
-    """The running backward pass's id (-1 where torch cannot tell)."""
-    query = getattr(torch._C, "_current_graph_task_id", None)
-    return -1 if query is None else int(query())

@@ -2,36 +2,28 @@
 
 One host thread issuing every kernel of every micro-batch sets the pace of
 an eager pipeline on a fast GPU. :class:`StageGraphs` replaces a stage's
-forward (and its backward) by the replay of graphs captured the first time a
-call of that kind is seen: one :class:`~mpstream.runtime.graphed.call.GraphedCall`
-per stage, per slot (:mod:`mpstream.schedules.slots`: as many as the
-schedule keeps micro-batches in flight on the stage, so no replay
-overwrites activations a pending backward reads; in a forward run, one per
-micro-batch) and per call signature (argument shapes, strides, dtypes and
-devices, grad mode, autocast, checkpointing, training modes). The scheduler
-issues the same tasks under the same event plan; a task's work is a graph
-launch instead of every kernel.
-
-A training step drives the calls from its tasks (:meth:`StageGraphs.thin`);
-the user's own loop through autograd (:meth:`StageGraphs.call`). Either
-way the parameter gradients are added inside the graphs into each stage's
-:class:`~.grads.GradStore`, whose views are the parameters' ``.grad``.
+forward and backward by replays of graphs captured the first time a call of
+that kind is seen: one :class:`~.call.GraphedCall` per stage, per slot
+(:mod:`mpstream.schedules.slots`: as many as the schedule keeps
+micro-batches in flight on the stage, so no replay overwrites activations a
+pending backward reads; in a forward run, one per micro-batch) and per call
+signature (argument shapes, strides, dtypes and devices, grad mode,
+autocast, checkpointing, training modes). The scheduler issues the same
+tasks under the same event plan; a task's work is a graph launch. The
+runtime drives the calls (:mod:`mpstream.runtime.replayed`); the graphs add
+the parameter gradients into each stage's :class:`~.grads.GradStore`.
 
 Before each run, what the graphs baked in is checked (:class:`~.keys.Baked`):
 a parameter or module replaced, or a tensor moved, drops them and the next
-call captures again, so a replay never reads stale pointers. Parameters
-updated in place (any optimizer's step) are read by the next replay as they
-are.
-
-A stage that cannot be graphed runs eagerly, with one warning naming the
-stage and the reason: it sits on a CPU, its capture failed (a host sync
-such as ``.item()``, data-dependent control flow, an unsupported op), or a
-parameter has a tensor hook a replay could not run. Signatures are bounded:
-past ``max_calls`` per stage, the least recently used graphs not needed by
-the current run are dropped, and a call that finds no room (or a slot with
-``MAX_GENERATIONS`` forwards awaiting their backward, or a plain argument
-beyond its values, see :class:`~.keys.Scalars`) runs eagerly, with one
-warning.
+call captures again; parameters updated in place (an optimizer's step) are
+read by the next replay as they are. A stage that cannot be graphed runs
+eagerly, with one warning naming it and why: on a CPU, a capture that
+failed (a host sync such as ``.item()``, an unsupported op), a parameter's
+tensor hook. Calls are bounded: past ``max_calls`` per stage the least
+recently used graphs not needed by the run are dropped; a call that finds
+no room, a slot with ``MAX_GENERATIONS`` forwards awaiting their backward,
+or a plain argument past its values (:class:`~.keys.Scalars`) runs eagerly,
+with one warning.
 """
 
 from __future__ import annotations
@@ -51,9 +43,8 @@ from torch.nn.parameter import is_lazy
 from ...memory.checkpoint import checkpointed
 from ...schedules.schedule import Schedule
 from ...schedules.slots import Slots, plan_slots
-from ..microbatch import leaves
 from .backends import CudaGraphs, pool_bytes
-from .call import Backend, GraphedCall, replay
+from .call import Backend, GraphedCall, Source
 from .grads import GradStore
 from .keys import Baked, Scalars, autocast_key, signature
 
@@ -85,24 +76,13 @@ class GraphWarning(UserWarning):
 
 @dataclass
 class StageReport:
-    """What one stage replays.
-
-    Attributes:
-        stage: its index.
-        device: where it runs.
-        graphed: whether its calls replay graphs (False: eager, see ``reason``).
-        reason: why it runs eagerly, if it does.
-        graphs: graphs held (a forward, and a backward where gradients flow,
-            per slot and signature).
-        passes: the passes replayed (``forward``, ``backward``, and
-            ``weight`` where a zero-bubble schedule splits the backward).
-        slots: the most slots a run has used.
-        captures: calls captured so far (recaptures included).
-        recaptures: captures caused by a replaced parameter, buffer or module.
-        reserved_bytes: device memory of its graphs' pools (activations of
-            every slot, and the temporaries the stage's graphs share).
-        grad_bytes: its gradient buffers (the parameters' ``.grad``).
-    """
+    """What one stage replays: whether it is graphed (else ``reason``),
+    its graphs (a forward, and a backward where gradients flow, per slot and
+    signature) and ``passes`` (``weight`` too where a zero-bubble schedule
+    splits the backward), the most slots a run used, its captures (those a
+    replaced tensor caused: ``recaptures``), the device memory of its
+    graphs' pools (``reserved_bytes``: every slot's activations, and the
+    temporaries its graphs share) and of its gradient buffers."""
 
     stage: int
     device: torch.device
@@ -217,8 +197,8 @@ class StageGraphs:
 
         Args:
             schedule: the run's schedule.
-            step: a training step (its tasks drive the calls, see
-                :meth:`thin`); else a forward run, whose micro-batches each
+            step: a training step (its tasks drive the calls); else a
+                forward run, whose micro-batches each
                 get a slot of their own (a backward may follow through
                 autograd; without one, outputs are handed on uncopied).
 
@@ -266,42 +246,6 @@ class StageGraphs:
                 st.calls.clear()
                 continue
             st.modes = st.baked.modes()
-
-    def call(self, s: int, m: int, stage: nn.Module, args: Sequence[Any], checkpoint: bool) -> Any:
-        """Runs stage ``s`` on micro-batch ``m`` in a forward run: replayed
-        (inside autograd when it needs gradients) if it can be, else eagerly."""
-        st = self.stages[s]
-        if st.reason is None and not st.lazy and self.slots is not None:
-            graphed = self._find(st, s, m, stage, args, None, checkpoint, False)
-            if graphed is not None:
-                items = leaves(tuple(args))[0]
-                return graphed.rebuild(replay(graphed, [items[i] for i in graphed.where]))
-        return self.eager(s, stage, args, checkpoint)
-
-    def thin(
-        self,
-        s: int,
-        m: int,
-        stage: nn.Module,
-        args: Sequence[Any],
-        needs: Sequence[bool],
-        checkpoint: bool,
-        split: bool,
-    ) -> GraphedCall | None:
-        """The call a training step replays for stage ``s`` and micro-batch
-        ``m`` (captured now if new), or None where it runs eagerly.
-
-        Args:
-            needs: per tensor argument, whether the step needs its gradient.
-            split: the schedule splits this backward (a weight task follows).
-        """
-        st = self.stages[s]
-        if st.reason is not None or st.lazy or self.slots is None:
-            return None
-        graphed = self._find(st, s, m, stage, args, needs, checkpoint, split)
-        if graphed is not None and graphed.diff_out:
-            graphed.pending = _STEP
-        return graphed
 
     def eager(self, s: int, stage: nn.Module, args: Sequence[Any], checkpoint: bool) -> Any:
         """Runs stage ``s`` eagerly; the first time a stage that was to be
@@ -358,18 +302,32 @@ class StageGraphs:
             else:
                 store.restore()
 
-    def _find(
+    def find(
         self,
-        st: _Stage,
         s: int,
         m: int,
         stage: nn.Module,
         args: Sequence[Any],
-        needs: Sequence[bool] | None,
         checkpoint: bool,
-        split: bool,
+        needs: Sequence[bool] | None = None,
+        split: bool = False,
+        sources: Sequence[Source] = (),
     ) -> GraphedCall | None:
-        """The call for this key, captured if new; None where it runs eagerly."""
+        """The call this run replays for stage ``s`` and micro-batch ``m``
+        (captured now if new), or None where it runs eagerly (:meth:`eager`).
+
+        Args:
+            needs: per tensor argument, whether a training step needs its
+                gradient (default: its ``requires_grad``, as autograd sees it).
+            split: the schedule splits this backward (a weight task follows).
+            sources: per tensor argument, the producer's call and output
+                it is, for the graphs to read in place (and to write its
+                gradient into the producer's buffer, where the last item is
+                true); None where not (see :class:`~.call.GraphedCall`).
+        """
+        st = self.stages[s]
+        if st.reason is not None or st.lazy or self.slots is None:
+            return None
         assert self.slots is not None
         sig = signature(args, needs)
         if sig is None:
@@ -389,6 +347,7 @@ class StageGraphs:
             sig,
             split and grad and not ckpt,
             st.modes,
+            tuple(None if x is None else (id(x[0]), x[1], x[2]) for x in sources),
         )
         # A call whose activations still wait for their backward (a second
         # forward before the first backward, in the user's loop) gets graphs
@@ -404,11 +363,13 @@ class StageGraphs:
         if graphed is not None:
             st.calls.move_to_end(key)
             st.used.add(key)
-            return graphed
-        if not self._room(st):
+        elif self._room(st):
+            graphed = self._capture(st, key, stage, args, needs, ckpt, sources)
+        else:
             self._overflow(st, f"max_calls={self.max_calls} graphed calls in use")
-            return None
-        return self._capture(st, key, stage, args, needs, ckpt)
+        if graphed is not None and self.token is not None and graphed.diff_out:
+            graphed.pending = _STEP  # until the step's backward (or weight) task
+        return graphed
 
     def _capture(
         self,
@@ -418,6 +379,7 @@ class StageGraphs:
         args: Sequence[Any],
         needs: Sequence[bool] | None,
         ckpt: bool,
+        sources: Sequence[Source],
     ) -> GraphedCall | None:
         assert st.baked is not None
         grad = bool(key[2])
@@ -429,7 +391,7 @@ class StageGraphs:
         try:
             graphed = GraphedCall(
                 fn, args, st.module, st.device, grad, self.backend, st.store,
-                ckpt, bool(key[6]), needs, st.pool,
+                ckpt, bool(key[6]), needs, st.pool, sources,
             )  # fmt: skip
         except Exception as exc:  # anything a graph cannot hold: run eagerly from now on
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]

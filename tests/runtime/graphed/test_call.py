@@ -20,8 +20,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from torchvision.models.resnet import Bottleneck
 
 from mpstream.runtime.graphed.backends import Emulated
-from mpstream.runtime.graphed.call import Backend, GraphedCall, replay
+from mpstream.runtime.graphed.call import Backend, GraphedCall
 from mpstream.runtime.graphed.grads import GradStore
+from mpstream.runtime.replayed import replay
 from tests.helpers import assert_same_grads, mlp
 from tests.runtime.test_split_backward import Hooked
 

@@ -49,7 +49,8 @@ def test_a_run_walks_no_module_unless_something_registered(
     model = nn.Sequential(*[nn.Linear(6, 6) for _ in range(4)]).double()
     _, graphed = pair(model, chunks=2, balance=[2, 2])
     x, y = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64)
-    graphed.train_step(x, y, nn.MSELoss())
+    graphed.train_step(x, y, nn.MSELoss())  # captures (each way of calling: its own graphs)
+    nn.functional.mse_loss(graphed(x), y).backward()
     walked: list[nn.Module] = []
     real = nn.Module.named_modules  # what modules() and parameters() walk
 

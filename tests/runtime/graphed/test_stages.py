@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from mpstream import Pipe, verify_plan
+from mpstream.runtime import replayed
 from mpstream.runtime.graphed import GraphWarning, StageGraphs
 from mpstream.runtime.graphed import call as call_module
 from mpstream.runtime.graphed.backends import Emulated
@@ -82,13 +83,13 @@ def test_autograd_sees_no_parameter_of_a_replay(monkeypatch: pytest.MonkeyPatch)
     # the host about 4 us each, hundreds per ResNet stage); a training step
     # does not go through autograd at all.
     seen: list[int] = []
-    apply = call_module.Replay.apply
+    apply = replayed.Replay.apply
 
     def counting(call: call_module.GraphedCall, anchor: Tensor, *tensors: Tensor) -> object:
         seen.append(len(tensors) - len(call.where))
         return apply(call, anchor, *tensors)
 
-    monkeypatch.setattr(call_module.Replay, "apply", counting)
+    monkeypatch.setattr(replayed.Replay, "apply", counting)
     eager, graphed = pair(mlp(WIDTHS), split_size=3)
     x, y = data()
     for _ in range(2):

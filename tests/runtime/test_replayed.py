@@ -1,0 +1,92 @@
+"""A training step's graphed stages: tasks without autograd, and what passes
+between them uncopied (the next stage reads the producer's output buffer in
+place and writes the gradient into its output-gradient buffer, where every
+slot of the reader takes one slot of the producer), equal to the eager pipe."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from mpstream.runtime.graphed import GraphedCall
+from tests.helpers import assert_same_grads, mlp
+from tests.runtime.graphed.test_grads import Silent
+from tests.runtime.graphed.test_stages import WIDTHS, data, pair
+
+
+def calls(pipe: object, stage: int) -> list[GraphedCall]:
+    graphs = pipe._rt()[1].graphs  # type: ignore[attr-defined]
+    return list(graphs.stages[stage].calls.values())
+
+
+@pytest.mark.parametrize(("schedule", "in_place"), [("gpipe", True), ("1f1b", False)])
+def test_a_stage_reads_its_producer_s_buffers_in_place_where_slots_pair(
+    schedule: str, in_place: bool
+) -> None:
+    # gpipe: a slot per micro-batch on every stage; 1F1B: the last stage's
+    # one slot takes micro-batches from both of the first stage's.
+    eager, graphed = pair(mlp(WIDTHS), chunks=3, schedule=schedule)
+    x, y = data()
+    for _ in range(3):
+        for pipe in (eager, graphed):
+            pipe.train_step(x, y, nn.MSELoss())
+        assert_same_grads(graphed, eager)
+    producers, readers = calls(graphed, 0), calls(graphed, 1)
+    outs = {c.static_out[0].data_ptr() for c in producers}
+    grads = {id(c.static_grad_out[0]) for c in producers}
+    read = {c.static_in[0].data_ptr() for c in readers}
+    written = {id(c.static_grad_in[0]) for c in readers}
+    assert (read <= outs) is in_place and (written <= grads) is in_place
+
+
+def test_reading_in_place_saves_the_copies() -> None:
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: Counter[str] = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.ops[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    counts = {}
+    for schedule in ("gpipe", "1f1b"):
+        _, graphed = pair(mlp(WIDTHS), graphs=Silent(), chunks=4, schedule=schedule)
+        x, y = data(8)
+        for _ in range(2):
+            graphed.train_step(x, y, nn.MSELoss())
+        with Ops() as seen:
+            graphed.train_step(x, y, nn.MSELoss())
+        counts[schedule] = seen.ops["copy_"]
+    # Per micro-batch: the first stage's input copied in, the loss's gradient
+    # copied into the last stage's buffer; with 1F1B also the hand-over both ways.
+    assert counts == {"gpipe": 2 * 4, "1f1b": 4 * 4}
+
+
+def test_an_eager_stage_between_replayed_ones_reads_copies_where_its_backward_splits() -> None:
+    # Stage 1 cannot be captured: it reads stage 0's buffers, copied where
+    # its weight pass may run after stage 0's next forward into that slot.
+    from mpstream.runtime.graphed import Emulated
+
+    backend = Emulated()
+    real = backend.capture
+    eager, graphed = pair(mlp([6, 8, 8, 8, 4]), graphs=backend, chunks=4, schedule="zb_h1",
+                          balance=[2, 2, 4], devices=["cpu"] * 3)  # fmt: skip
+
+    def refuse(call: GraphedCall, fn: object) -> None:
+        if fn is graphed.partitions[1]:
+            raise RuntimeError("not capturable")
+        real(call, fn)  # type: ignore[arg-type]
+
+    backend.capture = refuse  # type: ignore[method-assign]
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
+    with pytest.warns(UserWarning, match="runs eagerly: capture failed"):
+        for _ in range(3):
+            for pipe in (eager, graphed):
+                pipe.train_step(x, y, nn.MSELoss())
+    assert_same_grads(graphed, eager)
+    assert [s.graphed for s in graphed.graph_report().stages] == [True, False, True]
