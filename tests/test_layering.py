@@ -36,7 +36,7 @@ CORE = [
     {"pipe"},
     {"capture", "distributed"},
 ]
-TOOLS = [{"observe"}, {"tutorial"}, {"doctor"}, {"cli"}, {"__main__"}]
+TOOLS = [{"observe"}, {"tutorial"}, {"workloads"}, {"doctor"}, {"cli"}, {"__main__"}]
 TIER = {unit: i for i, tier in enumerate(CORE + TOOLS) for unit in tier}
 # ``import mpstream``: the facade, above everything (it imports every unit).
 FACADE = "mpstream (the facade)"

@@ -16,6 +16,7 @@ import torch
 from .._version import __version__
 from ..tutorial import bench
 from . import schedules as cli_schedules
+from . import transformer as cli_transformer
 from .argtypes import image_size, int_list, non_negative_int, positive_float, positive_int
 
 __all__ = ["main", "parser"]
@@ -69,6 +70,8 @@ def _header(args: argparse.Namespace, dev0: torch.device, dev1: torch.device) ->
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.model == "transformer":
+        return cli_transformer.run(args)
     dev0, dev1 = bench.detect_devices(args.devices)
     config = _config(args)
     _header(args, dev0, dev1)
@@ -224,14 +227,23 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     b = sub.add_parser(
         "bench",
-        help="time the tutorial's ResNet50 experiment",
+        help="time the tutorial's ResNet50 experiment, or a transformer",
         description=(
             "Time the tutorial's training experiment for the single-device ResNet50, the "
             "tutorial's model-parallel and pipelined models and mpstream, sweep the split size "
-            "for both pipelines, and save the tutorial's figures and a JSON of every measurement."
+            "for both pipelines, and save the tutorial's figures and a JSON of every measurement. "
+            "With --model transformer: a Llama-style decoder trained by the single device, naive "
+            "model parallel and mpstream's schedules over micro-batch counts."
         ),
     )
+    b.add_argument(
+        "--model",
+        choices=("resnet50", "transformer"),
+        default="resnet50",
+        help="the tutorial's ResNet50 experiment, or the transformer workload (%(default)s)",
+    )
     _size_options(b)
+    cli_transformer.add_options(b)
     b.add_argument("--out", default="mpstream-bench", help="output folder (default: %(default)s)")
     b.add_argument("--no-sweep", action="store_true", help="skip the split-size sweep")
     b.add_argument("--no-plots", action="store_true", help="write the JSON only")

@@ -17,6 +17,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "bar_chart",
+    "memory_bars",
+    "throughput_curves",
     "split_curves",
     "tutorial_figures",
     "pyplot",
@@ -157,6 +159,58 @@ def split_curves(
     ax.set_xticks(sorted(ticks))
     ax.yaxis.grid(True)
     ax.legend()
+    return save(fig, ax, path, title)
+
+
+def throughput_curves(
+    curves: Mapping[str, tuple[Sequence[int], Sequence[float]]],
+    flat: Mapping[str, float],
+    path: Path,
+    title: str = "",
+) -> Path:
+    """Tokens per second against micro-batches, a curve per pipeline, and a
+    dashed line per baseline that has no micro-batches."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    ticks: set[int] = set()
+    for (name, (xs, ys)), marker in zip(curves.items(), "os^vD<>"):
+        ax.plot(xs, ys, marker=marker, label=name)
+        ticks.update(xs)
+    for (name, value), style in zip(flat.items(), ("--", ":", "-.")):
+        ax.axhline(value, linestyle=style, color="gray", label=name)
+    ax.set_xlabel("micro-batches per step")
+    ax.set_ylabel("tokens per second (median step)")
+    ax.set_xticks(sorted(ticks))
+    ax.yaxis.grid(True)
+    ax.legend(fontsize=8)
+    return save(fig, ax, path, title)
+
+
+def memory_bars(
+    configurations: Mapping[str, Sequence[Mapping[str, int]]],
+    path: Path,
+    title: str = "",
+    kinds: Sequence[str] = ("parameters", "gradients", "optimizer", "activations"),
+) -> Path:
+    """Memory per stage as stacked bars: one group of bars per
+    configuration, one bar per stage, stacked by ``kinds`` (bytes, drawn in
+    GiB, or MiB where no bar reaches one GiB)."""
+    plt = pyplot()
+    bars = [(name, s, stage) for name, stages in configurations.items()
+            for s, stage in enumerate(stages)]  # fmt: skip
+    fig, ax = plt.subplots(figsize=(2.0 + 0.7 * len(bars), 4.6))
+    tallest = max((sum(stage.get(k, 0) for k in kinds) for _, _, stage in bars), default=0)
+    unit, scale = ("GiB", 2**30) if tallest >= 2**30 else ("MiB", 2**20)
+    bottoms = [0.0] * len(bars)
+    for kind in kinds:
+        heights = [stage.get(kind, 0) / scale for _, _, stage in bars]
+        ax.bar(range(len(bars)), heights, bottom=bottoms, label=kind, width=0.7)
+        bottoms = [b + h for b, h in zip(bottoms, heights)]
+    ax.set_xticks(range(len(bars)))
+    ax.set_xticklabels([f"{name}\nstage {s}" for name, s, _ in bars], fontsize=6, rotation=60)
+    ax.set_ylabel(f"{unit} per stage (measured)")
+    ax.yaxis.grid(True)
+    ax.legend(fontsize=8)
     return save(fig, ax, path, title)
 
 

@@ -100,7 +100,6 @@ class Replay(torch.autograd.Function):
                 f"run the pipe with graphs=False for that"
             )
         ctx.done = True
-        none: tuple[None, ...] = (None,) * (2 + len(call.static_in))
         if ctx.replay != call.replays:
             raise RuntimeError(
                 f"{call.label}: its graphs replayed another micro-batch's forward before this "
@@ -111,17 +110,16 @@ class Replay(torch.autograd.Function):
         picked = [grads[k] for k in call.diff_out]
         if all(g is None for g in picked):
             # No gradient reached the call: eager autograd computes nothing here.
-            return none
+            return (None,) * (2 + len(call.static_in))
         store = call.store
         if store is not None and not _accumulates():
             # torch.autograd.grad or backward(inputs=...): autograd leaves
             # .grad alone, and so must the graph that adds into it.
-            saved = store.save()
+            store.save()
             try:
                 got = call.backward(picked, object())
             finally:
                 store.restore()
-            del saved
         else:
             got = call.backward(picked, _graph_task(), autograd=True)
         it = iter(got)

@@ -1,0 +1,81 @@
+"""``mpstream bench --model transformer``'s options, read into a run of
+:mod:`mpstream.workloads.bench`."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from .._version import __version__
+from ..tutorial import bench as tutorial_bench
+from ..workloads import bench, transformer
+from .argtypes import int_list, positive_float, positive_int
+
+__all__ = ["add_options", "run", "TUTORIAL_ONLY"]
+
+#: Options of the tutorial's experiment, which the transformer takes none of.
+TUTORIAL_ONLY = ("split_size", "split_sizes", "batch_size", "num_batches", "image_size",
+                 "num_classes")  # fmt: skip
+
+
+def add_options(p: argparse.ArgumentParser) -> None:
+    """The transformer's options (a group of ``bench``'s)."""
+    g = p.add_argument_group(
+        "--model transformer",
+        "a Llama-style decoder: single device, naive model parallel, mpstream's schedules and "
+        "graphed stages over micro-batch counts (tokens/s, MFU, memory per stage)",
+    )
+    g.add_argument(
+        "--preset",
+        choices=list(transformer.PRESETS),
+        help="the model's size (default: 1b on a GPU, tiny with --quick or on the CPU)",
+    )
+    g.add_argument("--micro-batches", type=int_list, help="micro-batch counts, e.g. 2,4,8")
+    g.add_argument("--sequences", type=positive_int, help="sequences per step")
+    g.add_argument("--seq-len", type=positive_int, help="tokens per sequence")
+    g.add_argument(
+        "--peak-tflops",
+        type=positive_float,
+        help="the device's dense bf16 peak for MFU (default: known for H100, H200, A100)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs the transformer bench as ``args`` say."""
+    given = [f"--{n.replace('_', '-')}" for n in TUTORIAL_ONLY if getattr(args, n, None)]
+    if given:
+        raise ValueError(
+            f"{', '.join(given)}: options of the tutorial's experiment; the transformer takes "
+            f"--preset, --micro-batches, --sequences and --seq-len"
+        )
+    dev0, dev1 = tutorial_bench.detect_devices(args.devices)
+    name = args.preset or ("tiny" if args.quick or dev0.type != "cuda" else "1b")
+    changes: dict[str, object] = {}
+    for option, field in (
+        ("micro_batches", "micro_batches"), ("sequences", "batch"), ("seq_len", "seq"),
+        ("repeat", "repeat"), ("warmup", "warmup"),
+    ):  # fmt: skip
+        value = getattr(args, option, None)
+        if value is not None:
+            changes[field] = value
+    preset = transformer.preset(name, **changes)
+    config = bench.Config(preset, (dev0, dev1), peak=args.peak_tflops)
+    print(
+        f"mpstream {__version__} | torch {torch.__version__} | devices {dev0}, {dev1} "
+        f"({tutorial_bench.device_name(dev0)}) | transformer {preset.name}: "
+        f"{transformer.param_count(preset) / 1e6:.1f}M parameters, "
+        f"{preset.batch} x {preset.seq} tokens per step",
+        flush=True,
+    )
+    from tqdm import tqdm
+
+    keys = bench.keys_for(config)
+    total = len(keys) * (preset.warmup + preset.repeat)
+    with tqdm(total=total, unit="step", disable=args.no_progress) as bar:
+        results = bench.run(config, tick=lambda: bar.update(1), status=bar.set_description)
+    print(bench.table(results))
+    for path in bench.save(results, Path(args.out), plots=not args.no_plots):
+        print(f"wrote {path}")
+    return 0

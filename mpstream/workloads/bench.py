@@ -1,0 +1,363 @@
+"""``mpstream bench --model transformer``: the workload's ways to train, side by side.
+
+One training step (forward, next-token loss, backward, AdamW) of the
+transformer preset, timed in interleaved rounds (:func:`~mpstream.tutorial.rounds.round_robin`,
+groups where they do not all fit): the single device; naive model parallel
+(the same two-stage split, the whole batch, the default stream: what a
+``device_map`` user runs); mpstream's eager ``train_step`` with each schedule
+of :data:`SCHEDULES`; and its graphed stages (``graphs=True``, 1F1B, on a
+GPU), each pipeline over the preset's micro-batch counts. Per configuration:
+tokens per second, the ratio to each baseline, model FLOPs utilisation
+against the device's dense bf16 peak (:func:`peak_tflops`; FLOPs from
+:func:`~mpstream.workloads.transformer.flops_per_token`), the host's issue
+share of the step and memory per stage (:mod:`.memory`). :func:`save`
+writes the JSON and two figures. On the CPU nothing overlaps: the figures
+and the table say CPU, and no speed-up is claimed.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..pipe import Pipe
+from ..runtime import synchronize
+from ..tutorial import machine, rounds
+from . import memory as stage_memory
+from .transformer import NaiveParallel, Preset, decoder, flops_per_token, halves, loss_fn, tokens
+
+__all__ = [
+    "SCHEDULES",
+    "SINGLE",
+    "NAIVE",
+    "GRAPHED",
+    "Config",
+    "Measured",
+    "Results",
+    "keys_for",
+    "label",
+    "peak_tflops",
+    "run",
+    "save",
+    "table",
+]
+
+SCHEDULES = ("gpipe", "1f1b", "zb_h1")
+SINGLE, NAIVE, GRAPHED = "single device", "naive model parallel", "graphed stages"
+HF = "Hugging Face Llama"
+#: Dense bf16 peaks (TFLOP/s) by a part of the device's name, first match wins.
+PEAKS = (("H200", 989.4), ("H100 PCIe", 756.0), ("H100", 989.4), ("A100", 312.0),
+         ("L40S", 362.0), ("B200", 2250.0))  # fmt: skip
+
+# A configuration: (variant, schedule, micro-batches); the baselines have neither.
+Key = tuple[str, str | None, int | None]
+
+
+def peak_tflops(device: torch.device) -> float | None:
+    """The device's dense bf16 peak, if its name is known (else None: MFU is
+    not reported; ``--peak-tflops`` gives it)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for part, peak in PEAKS if part in name), None)
+
+
+@dataclass(frozen=True)
+class Config:
+    """What ``mpstream bench --model transformer`` runs.
+
+    Attributes:
+        preset: the model, batch and micro-batch counts.
+        devices: the two stages' devices (both halves on one device run
+            the same data flow, nothing in parallel).
+        graphed: time graphed stages too (only where stages sit on GPUs).
+        hf: time ``transformers``' ``LlamaForCausalLM`` of the same sizes
+            (no weights loaded), split by ``torch.export``, 1F1B, too (where
+            ``transformers`` is installed).
+        peak: the dense bf16 peak for MFU, in TFLOP/s (None: by name).
+    """
+
+    preset: Preset
+    devices: tuple[torch.device, torch.device]
+    graphed: bool = True
+    hf: bool = True
+    peak: float | None = None
+
+
+@dataclass
+class Measured:
+    """One configuration's steps: seconds per step, host issue time, memory."""
+
+    key: Key
+    times: list[float]
+    issue: list[float]
+    group: int = 0
+    memory: list[dict[str, int]] = field(default_factory=list)
+    device_peaks: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
+
+
+@dataclass
+class Results:
+    config: Config
+    measured: dict[Key, Measured]
+    meta: dict[str, Any]
+
+    def tokens_per_s(self, key: Key) -> float:
+        return self.config.preset.tokens / self.measured[key].median
+
+
+def keys_for(config: Config) -> list[Key]:
+    """Every configuration: the baselines, then each schedule and graphed
+    stages over the micro-batch counts."""
+    keys: list[Key] = [(SINGLE, None, None), (NAIVE, None, None)]
+    for m in config.preset.micro_batches:
+        keys += [("mpstream", s, m) for s in SCHEDULES]
+        if config.graphed and all(d.type == "cuda" for d in config.devices):
+            keys.append((GRAPHED, "1f1b", m))
+        if config.hf and _has_transformers():
+            keys.append((HF, "1f1b", m))
+    return keys
+
+
+def _has_transformers() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformers") is not None
+
+
+def label(key: Key) -> str:
+    variant, schedule, m = key
+    if schedule is None:
+        return variant
+    name = f"mpstream {schedule}" if variant == "mpstream" else f"{variant} ({schedule})"
+    return f"{name}, {m} micro-batches"
+
+
+class _Runner:
+    """One configuration built: its module, optimizer and step."""
+
+    def __init__(self, key: Key, config: Config) -> None:
+        p, (dev0, dev1) = config.preset, config.devices
+        variant, schedule, m = key
+        self.devices = [dev0] if variant == SINGLE else [dev0, dev1]
+        self.x, self.y = tokens(p, dev0)
+        self.batch: dict[str, Tensor] | None = None
+        if variant == HF:
+            self.batch = {"input_ids": self.x, "labels": self.x}
+            self.module: nn.Module = _hf_pipe(p, [dev0, dev1], m or 1, self.batch)
+        elif variant == SINGLE:
+            self.module = decoder(p).to(dev0)
+        elif variant == NAIVE:
+            self.module = NaiveParallel(decoder(p), halves(p), [dev0, dev1])
+        else:
+            model = decoder(p)
+            self.module = Pipe(
+                model, balance=halves(p), devices=[dev0, dev1], chunks=m,
+                schedule=schedule or "1f1b", checkpoint="never", graphs=variant == GRAPHED,
+            )  # fmt: skip
+        self.pipe = self.module if isinstance(self.module, Pipe) else None
+        fused = all(d.type == "cuda" for d in self.devices)
+        self.opt = torch.optim.AdamW(self.module.parameters(), lr=1e-4, fused=fused)
+        self.y = self.y.to(self.devices[-1])
+        self.dtype = p.dtype
+        self.issue: list[float] = []
+
+    def step(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+        with _autocast(self.devices[0], self.dtype):
+            if self.batch is not None:
+                self.pipe.train_step(self.batch)  # type: ignore[union-attr]
+            elif self.pipe is not None:
+                self.pipe.train_step(self.x, self.y, loss_fn)
+            else:
+                loss_fn(self.module(self.x), self.y).backward()  # type: ignore[no-untyped-call]
+        self.opt.step()
+
+    def timed(self) -> float:
+        synchronize(self.devices)
+        start = time.perf_counter()
+        self.step()
+        issued = time.perf_counter()
+        synchronize(self.devices)
+        end = time.perf_counter()
+        self.issue.append(issued - start)
+        return end - start
+
+
+def _hf_pipe(p: Preset, devices: list[torch.device], chunks: int, batch: dict[str, Tensor]) -> Pipe:
+    """``LlamaForCausalLM`` of preset ``p``'s sizes, split in half by ``torch.export``."""
+    from transformers import LlamaConfig, LlamaForCausalLM, logging
+
+    logging.set_verbosity_error()  # type: ignore[no-untyped-call]
+    torch.manual_seed(0)
+    config = LlamaConfig(  # type: ignore[call-arg]
+        vocab_size=p.vocab, hidden_size=p.width, intermediate_size=p.hidden,
+        num_hidden_layers=p.depth, num_attention_heads=p.heads, num_key_value_heads=p.kv_heads,
+        max_position_embeddings=p.seq, tie_word_embeddings=False, attn_implementation="sdpa",
+    )  # fmt: skip
+    model = LlamaForCausalLM(config)
+    return Pipe(
+        model, chunks=chunks, split_points=[f"model.layers.{p.depth // 2}"], devices=devices,
+        schedule="1f1b", checkpoint="never", sample=batch,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+def _autocast(device: torch.device, dtype: torch.dtype | None) -> Any:
+    if dtype is None:
+        return torch.autocast(device.type, enabled=False)
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def run(
+    config: Config,
+    tick: Callable[[], None] | None = None,
+    status: Callable[[str], None] | None = None,
+) -> Results:
+    """Builds and times every configuration (see the module), then measures
+    each one's memory per stage in a step of its own."""
+    p = config.preset
+    keys = keys_for(config)
+    built: dict[Key, _Runner] = {}
+
+    def build(key: Key) -> _Runner:
+        runner = built[key] = _Runner(key, config)
+        return runner
+
+    timed = rounds.round_robin(
+        keys, build, _Runner.timed, warmup=p.warmup, repeat=p.repeat, label=label,
+        tick=tick, status=status,
+    )  # fmt: skip
+    measured: dict[Key, Measured] = {}
+    for key in keys:
+        runner = built[key]
+        warm = p.warmup
+        measured[key] = Measured(key, timed.times[key], runner.issue[warm:], timed.group[key])
+    for key in keys:  # memory last: it needs each configuration alone
+        runner = built.pop(key) if key in built else _Runner(key, config)
+        m = measured[key]
+        m.memory, m.device_peaks = stage_memory.per_stage(
+            runner.module, runner.opt, runner.step, runner.devices
+        )
+        del runner
+    meta = machine.metadata(list(config.devices))
+    meta["peak_tflops"] = config.peak or peak_tflops(config.devices[0])
+    return Results(config, measured, meta)
+
+
+def mfu(results: Results, key: Key) -> float | None:
+    """Model FLOPs utilisation: the step's FLOPs over the time at peak
+    (over as many devices as the configuration uses, distinct ones)."""
+    peak = results.meta.get("peak_tflops")
+    if not peak:
+        return None
+    peak = float(peak)
+    p = results.config.preset
+    devices = len({str(d) for d in _devices(results, key)})
+    achieved = flops_per_token(p) * p.tokens / results.measured[key].median
+    return achieved / (peak * 1e12 * devices)
+
+
+def _devices(results: Results, key: Key) -> list[torch.device]:
+    dev0, dev1 = results.config.devices
+    return [dev0] if key[0] == SINGLE else [dev0, dev1]
+
+
+def to_json(results: Results) -> dict[str, Any]:
+    """Everything measured, with the derived figures."""
+    p = results.config.preset
+    single = results.measured[(SINGLE, None, None)].median
+    naive = results.measured[(NAIVE, None, None)].median
+    rows = []
+    for key, m in results.measured.items():
+        issue = statistics.median(m.issue) if m.issue else None
+        rows.append(
+            {
+                "configuration": label(key), "variant": key[0], "schedule": key[1],
+                "micro_batches": key[2], "group": m.group,
+                "step_s": {"median": m.median, "min": min(m.times), "max": max(m.times),
+                           "rounds": m.times},
+                "tokens_per_s": results.tokens_per_s(key),
+                "vs_single_device": m.median / single, "vs_naive_model_parallel": m.median / naive,
+                "mfu": mfu(results, key),
+                "host_issue_share": None if issue is None else issue / m.median,
+                "memory_per_stage": m.memory,
+                "peak_allocated_per_device": m.device_peaks,
+            }
+        )  # fmt: skip
+    preset = {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in vars(p).items()}
+    return {
+        "meta": results.meta,
+        "preset": preset,
+        "devices": [str(d) for d in results.config.devices],
+        "flops_per_token": flops_per_token(p),
+        "cpu": all(d.type == "cpu" for d in results.config.devices),
+        "rows": rows,
+    }
+
+
+def table(results: Results) -> str:
+    """The comparison as text."""
+    data = to_json(results)
+    lines = [
+        f"{'configuration':<44} {'step ms':>9} {'tokens/s':>10} {'x single':>8} "
+        f"{'x naive':>8} {'MFU':>6} {'host':>5}"
+    ]
+    for row in data["rows"]:
+        mfu_ = "-" if row["mfu"] is None else f"{100 * row['mfu']:.0f}%"
+        host = "-" if row["host_issue_share"] is None else f"{100 * row['host_issue_share']:.0f}%"
+        lines.append(
+            f"{row['configuration']:<44} {1e3 * row['step_s']['median']:>9.1f} "
+            f"{row['tokens_per_s']:>10.0f} {row['vs_single_device']:>8.2f} "
+            f"{row['vs_naive_model_parallel']:>8.2f} {mfu_:>6} {host:>5}"
+        )
+    if data["cpu"]:
+        lines.append(
+            "CPU: every stage runs on the host thread one task after another; nothing "
+            "overlaps, and no pipeline can be faster here (ratios show the runtime's cost)"
+        )
+    return "\n".join(lines)
+
+
+def save(results: Results, out: Path, *, plots: bool = True) -> list[Path]:
+    """Writes ``transformer.json`` and, with ``plots``, the two figures."""
+    out.mkdir(parents=True, exist_ok=True)
+    data = to_json(results)
+    path = out / "transformer.json"
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    written = [path]
+    if plots:
+        from ..observe.figures import memory_bars, throughput_curves
+
+        where = "CPU (no overlap possible)" if data["cpu"] else ", ".join(data["devices"])
+        p = results.config.preset
+        title = f"transformer {p.name}, {p.batch} x {p.seq} tokens per step, {where}"
+        curves: dict[str, tuple[list[int], list[float]]] = {}
+        flat: dict[str, float] = {}
+        for row in data["rows"]:
+            if row["micro_batches"] is None:
+                flat[row["variant"]] = row["tokens_per_s"]
+                continue
+            name = label((row["variant"], row["schedule"], None)).split(",")[0]
+            xs, ys = curves.setdefault(name, ([], []))
+            xs.append(row["micro_batches"])
+            ys.append(row["tokens_per_s"])
+        written.append(throughput_curves(curves, flat, out / "transformer_throughput.png", title))
+        bars = {
+            row["configuration"]: row["memory_per_stage"]
+            for row in data["rows"]
+            if row["micro_batches"] in (None, max(p.micro_batches))
+        }
+        written.append(memory_bars(bars, out / "transformer_memory.png", title))
+    return written

@@ -1,0 +1,104 @@
+"""``mpstream bench --model transformer`` on the CPU: every configuration
+timed side by side, its memory per stage measured, labelled as the CPU's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from mpstream import cli
+from mpstream.workloads import bench, memory, transformer
+
+CPU = torch.device("cpu")
+
+
+def quick() -> bench.Config:
+    p = transformer.preset("tiny", repeat=1, warmup=1, micro_batches=(2,))
+    return bench.Config(p, (CPU, CPU), hf=False)
+
+
+def test_every_configuration_is_timed_with_its_memory_per_stage(tmp_path: Path) -> None:
+    config = quick()
+    ticks: list[int] = []
+    results = bench.run(config, tick=lambda: ticks.append(1))
+    keys = [(bench.SINGLE, None, None), (bench.NAIVE, None, None)] + [
+        ("mpstream", s, 2) for s in bench.SCHEDULES
+    ]
+    assert list(results.measured) == keys  # graphed stages: on GPUs only
+    assert len(ticks) == len(keys) * 2
+    p = config.preset
+    params = transformer.decoder(p)
+    per_layer = [sum(x.numel() * 4 for x in layer.parameters()) for layer in params]
+    halves = transformer.halves(p)
+    stages = [sum(per_layer[: halves[0]]), sum(per_layer[halves[0] :])]
+    for key, m in results.measured.items():
+        expected = [sum(stages)] if key[0] == bench.SINGLE else stages
+        assert [s["parameters"] for s in m.memory] == expected
+        assert [s["gradients"] for s in m.memory] == expected
+        assert [s["optimizer"] for s in m.memory] == [2 * b + 4 * n for b, n in zip(
+            expected, [sum(1 for _ in params.parameters())] if key[0] == bench.SINGLE
+            else _counts(params, halves))]  # fmt: skip
+        assert all(s["activations"] > 0 for s in m.memory)
+        assert m.device_peaks == {}  # allocator statistics: on a GPU only
+    data = bench.to_json(results)
+    assert data["cpu"] and all(row["mfu"] is None for row in data["rows"])
+    assert data["rows"][0]["vs_single_device"] == 1.0
+    text = bench.table(results)
+    assert "naive model parallel" in text and text.splitlines()[-1].startswith("CPU:")
+    written = bench.save(results, tmp_path)
+    assert [p.name for p in written] == [
+        "transformer.json", "transformer_throughput.png", "transformer_memory.png"
+    ]
+    assert json.loads(written[0].read_text())["preset"]["name"] == "tiny"
+
+
+def _counts(model: torch.nn.Sequential, halves: list[int]) -> list[int]:
+    """Parameters (tensors) per stage: AdamW keeps a step count for each."""
+    layers = list(model)
+    first = sum(1 for layer in layers[: halves[0]] for _ in layer.parameters())
+    return [first, sum(1 for _ in model.parameters()) - first]
+
+
+def test_the_hugging_face_model_runs_through_the_export_split() -> None:
+    pytest.importorskip("transformers")
+    p = transformer.preset("tiny", repeat=1, warmup=1, micro_batches=(2,))
+    keys = bench.keys_for(bench.Config(p, (CPU, CPU)))
+    assert (bench.HF, "1f1b", 2) in keys
+    runner = bench._Runner((bench.HF, "1f1b", 2), bench.Config(p, (CPU, CPU)))
+    runner.step()
+    assert "torch.export" in str(runner.module.split_report())  # type: ignore[operator]
+
+
+def test_memory_of_a_stage_counts_what_it_saves_for_backward() -> None:
+    p = transformer.preset("tiny")
+    model = transformer.decoder(p)
+    opt = torch.optim.AdamW(model.parameters())
+    x, y = transformer.tokens(p)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        transformer.loss_fn(model(x), y).backward()
+        opt.step()
+
+    step()
+    (stage,), peaks = memory.per_stage(model, opt, step, [CPU])
+    assert peaks == {}
+    # At least every block's input and attention's output, float32, whole batch.
+    assert stage["activations"] >= 2 * p.depth * p.batch * p.seq * p.width * 4
+
+
+def test_the_command_runs_the_transformer_and_refuses_the_tutorial_s_options(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["bench", "--model", "transformer", "--quick", "--repeat", "1", "--warmup", "1",
+            "--micro-batches", "2", "--no-plots", "--no-progress",
+            "--out", str(tmp_path)]  # fmt: skip
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "transformer tiny" in out and "mpstream 1f1b, 2 micro-batches" in out
+    assert (tmp_path / "transformer.json").exists()
+    assert cli.main([*argv, "--split-size", "4"]) == 2
+    assert "--split-size: options of the tutorial's experiment" in capsys.readouterr().err
