@@ -50,7 +50,9 @@ def test_every_configuration_is_timed_with_its_memory_per_stage(tmp_path: Path) 
     assert "naive model parallel" in text and text.splitlines()[-1].startswith("CPU:")
     written = bench.save(results, tmp_path)
     assert [p.name for p in written] == [
-        "transformer.json", "transformer_throughput.png", "transformer_memory.png"
+        "transformer.json",
+        "transformer_throughput.png",
+        "transformer_memory.png",
     ]
     assert json.loads(written[0].read_text())["preset"]["name"] == "tiny"
 
