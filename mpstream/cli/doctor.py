@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..doctor import ARCHS, NAMES, Options, run
+from ..doctor import ARCHS, SKIPPABLE, Options, run
+from ..workloads import PRESETS
 from .argtypes import image_size, int_list, positive_int
 
 __all__ = ["add_command"]
@@ -17,6 +18,7 @@ def _command(args: argparse.Namespace) -> int:
         devices=args.devices,
         quick=args.quick,
         arch=args.model,
+        preset=args.preset,
         skip=tuple(args.skip),
         progress=not args.no_progress,
         command=args.command_line,
@@ -48,7 +50,16 @@ def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "--quick", action="store_true", help="short, CPU-sized run (automatic without a GPU)"
     )
     d.add_argument(
-        "--model", choices=ARCHS, default="resnet50", help="the experiment's model (%(default)s)"
+        "--model",
+        choices=ARCHS,
+        default="resnet50",
+        help="the experiment's model (%(default)s); transformer: the same checks on a "
+        "Llama-style decoder, with predictions for 2, 4 and 8 GPUs",
+    )
+    d.add_argument(
+        "--preset",
+        choices=list(PRESETS),
+        help="the transformer's size (default: 1b on a GPU, tiny with --quick)",
     )
     workload = d.add_argument_group(
         "the experiment's workload",
@@ -68,9 +79,10 @@ def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         nargs="+",
         action="extend",
         default=[],
-        choices=NAMES,
+        choices=SKIPPABLE,
         metavar="STEP",
-        help=f"steps not to run: {', '.join(NAMES)}",
+        help=f"steps not to run: {', '.join(SKIPPABLE)} (experiment: the transformer's, "
+        f"tutorial: the ResNets')",
     )
     d.add_argument("--no-progress", action="store_true", help="no progress bars")
     d.set_defaults(func=_command)

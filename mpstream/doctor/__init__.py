@@ -16,12 +16,24 @@ imports it.
 
 from __future__ import annotations
 
-from .runner import ARCHS, NAMES, STEPS, Options, Step, parse_devices, run, run_step, sized
+from .runner import (
+    ARCHS,
+    NAMES,
+    SKIPPABLE,
+    STEPS,
+    Options,
+    Step,
+    parse_devices,
+    run,
+    run_step,
+    sized,
+)
 
 __all__ = [
     "Step",
     "STEPS",
     "NAMES",
+    "SKIPPABLE",
     "ARCHS",
     "Options",
     "parse_devices",

@@ -25,6 +25,7 @@ import torch
 
 from ..tutorial.bench import detect_devices
 from ..tutorial.models import IDRIS_SPLIT_SIZE
+from ..workloads import transformer as workload
 from . import (
     attribution,
     checks,
@@ -36,11 +37,15 @@ from . import (
     sanitizer,
     soak,
 )
+from . import transformer as on_transformer
 from .diagnosis import FAIL, FULL, QUICK, SKIP, Context, Sizes, StepResult, jsonable
 
 __all__ = [
     "Step",
     "STEPS",
+    "TRANSFORMER_STEPS",
+    "SKIPPABLE",
+    "steps_for",
     "NAMES",
     "ARCHS",
     "Options",
@@ -80,8 +85,21 @@ STEPS = (
     Step("profile", "Where the time goes", attribution.run),
     Step("cost-model", "Cost model", modelcheck.run, needs=("profiles",)),
 )
+#: ``--model transformer``: the same proof on the transformer workload.
+TRANSFORMER_STEPS = (
+    Step("environment", "Environment", environment.run),
+    Step("correctness", "Correctness", on_transformer.correctness),
+    Step("overlap", "Overlap", probes.run, needs_cuda=True),
+    Step("races", "Races", on_transformer.races, needs_cuda=True),
+    Step("memory", "Memory", on_transformer.memory_step),
+    Step("experiment", "Experiment", on_transformer.experiment),
+    Step("profile", "Where the time goes", on_transformer.profile_step),
+    Step("cost-model", "Cost model", on_transformer.cost_model, needs=("transformer_profile",)),
+)
 NAMES = tuple(s.name for s in STEPS)
-ARCHS = ("resnet50", "resnet101")
+#: What ``--skip`` takes, whatever the model.
+SKIPPABLE = tuple(dict.fromkeys(s.name for s in (*STEPS, *TRANSFORMER_STEPS)))
+ARCHS = ("resnet50", "resnet101", "transformer")
 
 # Why a step needs what it needs, for its SKIP line.
 _WHY_CUDA = {
@@ -89,7 +107,10 @@ _WHY_CUDA = {
     "races": "runs the CUDA sanitizers",
     "memory": "reads the CUDA allocator's statistics",
 }
-_WHY_NEEDS = {"profiles": "fitted from step 7's profile, which did not run"}
+_WHY_NEEDS = {
+    "profiles": "fitted from step 7's profile, which did not run",
+    "transformer_profile": "fitted from step 7's profile, which did not run",
+}
 
 
 @dataclass
@@ -100,7 +121,10 @@ class Options:
         out: the report folder.
         devices: ``'cuda:0'`` or ``'cuda:0,cuda:1'`` (default: detected).
         quick: the CPU-sized run (automatic without a GPU).
-        arch: ``'resnet50'`` or ``'resnet101'`` for the tutorial's experiment.
+        arch: ``'resnet50'`` or ``'resnet101'`` for the tutorial's
+            experiment; ``'transformer'`` for :data:`TRANSFORMER_STEPS`.
+        preset: the transformer's preset (default: 1b at the full sizes,
+            tiny otherwise).
         skip: names of steps not to run.
         progress: progress bars (still only on a terminal).
         sizes: explicit sizes, overriding ``quick`` (tests use the tiny ones).
@@ -115,6 +139,7 @@ class Options:
     devices: str | None = None
     quick: bool = False
     arch: str = "resnet50"
+    preset: str | None = None
     skip: tuple[str, ...] = ()
     progress: bool = True
     sizes: Sizes | None = None
@@ -216,11 +241,16 @@ def run_step(step: Step, ctx: Context, skip: Sequence[str]) -> StepResult:
     return result
 
 
-def _line(i: int, result: StepResult) -> str:
+def steps_for(arch: str) -> tuple[Step, ...]:
+    """The steps of a run on ``arch``."""
+    return TRANSFORMER_STEPS if arch == "transformer" else STEPS
+
+
+def _line(i: int, total: int, result: StepResult) -> str:
     text = result.figure if result.figure and result.status != SKIP else result.reason
     if result.status == FAIL and result.figure and result.reason:
         text = f"{result.figure} | {result.reason}"
-    head = f"[{i}/{len(STEPS)}] {result.title:<20} {result.status:<4}"
+    head = f"[{i}/{total}] {result.title:<22} {result.status:<4}"
     return f"{head}  {text}  ({result.seconds:.1f} s)"
 
 
@@ -237,11 +267,22 @@ def run(options: Options, echo: Callable[[str], None] | None = None) -> int:
     Raises:
         ValueError: bad devices, architecture or step names.
     """
-    unknown = [s for s in options.skip if s not in NAMES]
-    if unknown:
-        raise ValueError(f"unknown step(s) {', '.join(unknown)}; steps: {', '.join(NAMES)}")
     if options.arch not in ARCHS:
         raise ValueError(f"unknown model {options.arch!r}; valid: {', '.join(ARCHS)}")
+    steps = steps_for(options.arch)
+    names = [s.name for s in steps]
+    unknown = [s for s in options.skip if s not in names]
+    if unknown:
+        raise ValueError(
+            f"unknown step(s) {', '.join(unknown)} for {options.arch}; steps: {', '.join(names)}"
+        )
+    transformer = options.arch == "transformer"
+    given = [o for o in ("image_size", "batch_size", "split_sizes") if getattr(options, o)]
+    if transformer and given:
+        flags = ", ".join(f"--{o.replace('_', '-')}" for o in given)
+        raise ValueError(f"{flags}: the tutorial's experiment's; the transformer takes --preset")
+    if options.preset is not None and not transformer:
+        raise ValueError("--preset sizes the transformer: give --model transformer too")
     devices = parse_devices(options.devices)
     cuda = devices[0].type == "cuda"
     log: list[str] = []
@@ -257,13 +298,17 @@ def run(options: Options, echo: Callable[[str], None] | None = None) -> int:
     else:
         sizes, label = FULL, "full"
     sizes = sized(sizes, options)
+    preset = options.preset or ("1b" if label == "full" else "tiny")
+    if transformer:
+        workload.preset(preset)  # an unknown name fails here, not in a step
     out = Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
     for name in report.ARTIFACTS:  # a rerun must not leave an older run's files behind
         (out / name).unlink(missing_ok=True)
     where = " | ".join(str(d) for d in devices)
+    model = f"transformer {preset}" if transformer else options.arch
     say(
-        f"mpstream doctor: {where}, {options.arch}, {label} sizes{_workload(options)}"
+        f"mpstream doctor: {where}, {model}, {label} sizes{_workload(options)}"
         + ("" if cuda or options.quick else " (no CUDA device: the quick sizes)")
         + f"; report in {out}"
     )
@@ -271,10 +316,11 @@ def run(options: Options, echo: Callable[[str], None] | None = None) -> int:
     created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     with tempfile.TemporaryDirectory(prefix="mpstream-doctor-") as tmp:
         ctx = Context(devices, sizes, options.arch, out, Path(tmp), options.progress)
+        ctx.shared["preset"] = preset
         results = []
-        for i, step in enumerate(STEPS, 1):
+        for i, step in enumerate(steps, 1):
             results.append(run_step(step, ctx, options.skip))
-            say(_line(i, results[-1]))
+            say(_line(i, len(steps), results[-1]))
         total = time.perf_counter() - started
         meta: dict[str, Any] = {
             "format": "mpstream-doctor/1",
@@ -282,6 +328,7 @@ def run(options: Options, echo: Callable[[str], None] | None = None) -> int:
             "created": created,
             "devices": [str(d) for d in devices],
             "arch": options.arch,
+            "preset": preset if transformer else None,
             "sizes": label,
             "size_values": jsonable(sizes),
             "skipped": list(options.skip),

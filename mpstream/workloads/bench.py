@@ -126,8 +126,8 @@ def keys_for(config: Config) -> list[Key]:
         keys += [("mpstream", s, m) for s in SCHEDULES]
         if config.graphed and all(d.type == "cuda" for d in config.devices):
             keys.append((GRAPHED, "1f1b", m))
-        if config.hf and _has_transformers():
-            keys.append((HF, "1f1b", m))
+        if config.hf and m == max(config.preset.micro_batches) and _has_transformers():
+            keys.append((HF, "1f1b", m))  # one count: its export costs a capture's time
     return keys
 
 

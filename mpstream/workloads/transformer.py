@@ -78,8 +78,8 @@ PRESETS = {
     p.name: p
     for p in (
         Preset("tiny", 256, 64, 4, 4, 2, 176, 32, 8, (2, 4), None, repeat=5, warmup=2),
-        Preset("1b", 32000, 2048, 16, 32, 8, 8192, 2048, 8, (2, 4, 8), torch.bfloat16),
-        Preset("3b", 32000, 3072, 28, 24, 8, 8192, 2048, 8, (2, 4, 8), torch.bfloat16),
+        Preset("1b", 32000, 2048, 16, 32, 8, 8192, 2048, 8, (2, 4, 8), torch.bfloat16, 6, 2),
+        Preset("3b", 32000, 3072, 28, 24, 8, 8192, 2048, 8, (2, 4, 8), torch.bfloat16, 6, 2),
     )
 }
 
