@@ -128,3 +128,13 @@ def test_example_sizes_they_cannot_run_are_argparse_errors(
 ) -> None:
     result = _run_example(script, args)
     assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
+
+
+def test_the_readme_names_every_example_and_two_commands_first() -> None:
+    readme = (ROOT / "README.md").read_text()
+    for script in sorted((ROOT / "examples").glob("*.py")):
+        assert f"(examples/{script.name})" in readme, f"README does not list {script.name}"
+    start = readme.index("## Quick start")
+    block = readme[readme.index("```bash", start) : readme.index("```\n", start + 20)]
+    commands = [line.split("#")[0].strip() for line in block.splitlines()[1:]]
+    assert [c for c in commands if c] == ["make run", "make test"]

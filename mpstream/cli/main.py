@@ -79,7 +79,8 @@ def _bench(args: argparse.Namespace) -> int:
 
     sweep = not args.no_sweep
     total = bench.calls(config, sweep, bench.models_for(dev0, dev1))
-    with tqdm(total=total, unit="train", disable=args.no_progress) as bar:
+    # disable=None: a bar only on a terminal; in a log file it would be one long line.
+    with tqdm(total=total, unit="train", disable=True if args.no_progress else None) as bar:
         results = bench.run(
             config, dev0, dev1, sweep=sweep, tick=lambda: bar.update(1), status=bar.set_description
         )

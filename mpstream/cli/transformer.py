@@ -73,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
 
     keys = bench.keys_for(config)
     total = len(keys) * (preset.warmup + preset.repeat)
-    with tqdm(total=total, unit="step", disable=args.no_progress) as bar:
+    # disable=None: a bar only on a terminal; in a log file it would be one long line.
+    with tqdm(total=total, unit="step", disable=True if args.no_progress else None) as bar:
         results = bench.run(config, tick=lambda: bar.update(1), status=bar.set_description)
     print(bench.table(results))
     for path in bench.save(results, Path(args.out), plots=not args.no_plots):

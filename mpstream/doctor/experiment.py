@@ -31,7 +31,7 @@ from torch import Tensor
 
 from ..observe.figures import tutorial_figures
 from ..runtime import synchronize
-from ..tutorial import bench
+from ..tutorial import bench, rounds
 from ..tutorial import models as tutorial
 from ..tutorial.bench import Config, Measurement
 from .diagnosis import INFO, PASS, SKIP, Check, Context, StepResult
@@ -164,13 +164,13 @@ def pinned_throughput(resident: Measurement, pinned: Measurement) -> Check:
     machine's drift moves the figure)."""
     throughput = resident.median / pinned.median
     met = "met" if throughput >= PINNED_TARGET else "missed"
-    rounds = [r / p for r, p in zip(resident.times, pinned.times)]
-    spread = f" (rounds {min(rounds):.2f}-{max(rounds):.2f})" if len(rounds) > 1 else ""
+    per_round = [r / p for r, p in zip(resident.times, pinned.times)]
+    spread = f" (rounds {min(per_round):.2f}-{max(per_round):.2f})" if len(per_round) > 1 else ""
     return Check(
         "throughput of pinned host input through the Pipe / device-resident input",
         PASS,
         f"{throughput:.2f}x{spread}, target >= {PINNED_TARGET}x: {met}",
-        {"ratio_of_medians": throughput, "rounds": rounds},
+        {"ratio_of_medians": throughput, "rounds": per_round},
     )
 
 
@@ -202,7 +202,11 @@ def run(ctx: Context) -> StepResult:
     # The main split size is also in the sweep, as the same measurement: list it once.
     for m in {id(m): m for m in results.models + results.sweep}.values():
         split = "" if m.split_size is None else f" (split {m.split_size})"
-        checks.append(Check(f"{m.model}{split}", PASS, f"{m.mean:.3f} ± {m.std:.3f} s per train()"))
+        calls = f"rounds {m.spread.low:.3f}-{m.spread.high:.3f} s"
+        noisy = ", noisy: its rounds disagree" if m.noisy else ""
+        checks.append(
+            Check(f"{m.model}{split}", PASS, f"{m.mean:.3f} s per train() ({calls}{noisy})")
+        )
     for model, why in bench.left_out(dev0, dev1).items():
         checks.append(Check(model, SKIP, f"not measured: {why}"))
     groups = {m.group for m in results.models + results.sweep}
@@ -215,6 +219,10 @@ def run(ctx: Context) -> StepResult:
                 f"at once; ratios across groups are not drift-free (results.json: group)",
             )
         )
+    said = rounds.noise_lines(bench.noisy_spreads(results), results.load)
+    if said:
+        # Noise is reported, never failed: it is the machine's, not a defect.
+        checks.append(Check("timing noise", INFO, " ".join(said)))
     rel = ratios(results)
     measured = {m.model for m in results.models}
     graph_rel = ratios(results, bench.GRAPHED) if bench.GRAPHED in measured else {}
@@ -266,6 +274,8 @@ def run(ctx: Context) -> StepResult:
         )
         if bench.SINGLE_GRAPHED in graph_rel:
             figure += f" ({1 / graph_rel[bench.SINGLE_GRAPHED]:.2f}x vs the single device graphed)"
+    if results.noisy:
+        figure += f" ({len(results.noisy)} noisy measurement(s): see timing noise)"
     data: dict[str, Any] = {
         "config": dataclasses.asdict(config),
         "ratios_mpstream_over": rel,
@@ -279,6 +289,8 @@ def run(ctx: Context) -> StepResult:
             m.model: m.median / base.median for m in loop if m is not base
         },
         "timing": "host clock around synchronised calls, warm-up excluded, round-robin",
+        "load": results.load,
+        "noisy": [f"{m.model} (split {m.split_size})" for m in results.noisy],
     }
     files = [*figures, "results.json"]
     return StepResult("tutorial", "Tutorial experiment", PASS, figure, "", checks, data, files)

@@ -24,6 +24,9 @@ __all__ = [
     "pyplot",
     "save",
     "Timed",
+    "Rounds",
+    "error_bars",
+    "NOISY_NOTE",
     "Sizes",
     "BenchResults",
     "MODEL_NAMES",
@@ -31,6 +34,20 @@ __all__ = [
 
 # How the figures name each architecture of bench.Config.arch.
 MODEL_NAMES = {"resnet50": "ResNet50", "resnet101": "ResNet-101"}
+
+
+class Rounds(Protocol):
+    """How a configuration's rounds spread: the fastest, the slowest, and
+    whether they disagree beyond the bench's limits."""
+
+    @property
+    def low(self) -> float: ...
+
+    @property
+    def high(self) -> float: ...
+
+    @property
+    def noisy(self) -> bool: ...
 
 
 class Timed(Protocol):
@@ -46,7 +63,7 @@ class Timed(Protocol):
     def mean(self) -> float: ...
 
     @property
-    def std(self) -> float: ...
+    def spread(self) -> Rounds: ...
 
 
 class Sizes(Protocol):
@@ -109,57 +126,116 @@ def save(fig: Any, ax: Any, path: Path, title: str = "", **title_kw: Any) -> Pat
     return path
 
 
+#: Said on a figure with a noisy point, and the mark that points to it.
+NOISY_NOTE = "noisy: its rounds disagree; rerun on a quiet machine or with more rounds"
+NOISY_MARK = " *"
+
+
+def error_bars(
+    centres: Sequence[float], bounds: Sequence[tuple[float, float]]
+) -> list[list[float]]:
+    """matplotlib's asymmetric ``yerr`` from each centre to its (low, high)
+    bounds: never below zero, as a standard deviation drawn both ways can be."""
+    return [
+        [max(c - lo, 0.0) for c, (lo, _) in zip(centres, bounds)],
+        [max(hi - c, 0.0) for c, (_, hi) in zip(centres, bounds)],
+    ]
+
+
 def bar_chart(
     means: Sequence[float],
-    stds: Sequence[float],
+    bounds: Sequence[tuple[float, float]],
     labels: Sequence[str],
     path: Path,
     title: str = "",
     model: str = "ResNet50",
     *,
-    spread: str = "mean ± 1 std. dev.",
+    spread: str = "mean; bars: fastest to slowest",
     xlabel: str = "model",
+    noisy: Sequence[bool] = (),
 ) -> Path:
-    """The tutorial's bar chart: mean execution time with std error bars.
+    """The tutorial's bar chart: mean execution time, error bars from the
+    fastest to the slowest call (``bounds``, never below zero).
 
-    ``spread`` says on the y axis what the bars and error bars are.
+    ``spread`` says on the y axis what the bars and error bars are; a bar
+    whose ``noisy`` is true is hatched, its label marked, and the title
+    says why (:data:`NOISY_NOTE`).
     """
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(means), 4.2))
     x = range(len(means))
-    ax.bar(x, means, yerr=stds, align="center", alpha=0.5, ecolor="red", capsize=10, width=0.6)
+    flags = list(noisy) or [False] * len(means)
+    ax.bar(
+        x,
+        means,
+        yerr=error_bars(means, bounds),
+        align="center",
+        alpha=0.5,
+        ecolor="red",
+        capsize=10,
+        width=0.6,
+        hatch=["//" if n else "" for n in flags],
+    )
     ax.set_ylabel(f"{model} execution time (s)\n{spread}")
     ax.set_xlabel(xlabel)
     ax.set_xticks(list(x))
-    ax.set_xticklabels(labels, fontsize=9)
+    ax.set_xticklabels(
+        [label + (NOISY_MARK if n else "") for label, n in zip(labels, flags)], fontsize=9
+    )
+    ax.set_ylim(bottom=0)
     ax.yaxis.grid(True)
-    return save(fig, ax, path, title)
+    return save(fig, ax, path, _noted(title, "*" if any(flags) else ""))
 
 
 def split_curves(
-    curves: Mapping[str, tuple[Sequence[int], Sequence[float], Sequence[float]]],
+    curves: Mapping[str, tuple[Sequence[int], Sequence[float], Sequence[tuple[float, float]]]],
     path: Path,
     title: str = "",
     model: str = "ResNet50",
     *,
-    spread: str = "mean ± 1 std. dev.",
+    spread: str = "mean; bars: fastest to slowest",
+    noisy: Mapping[str, Sequence[bool]] | None = None,
 ) -> Path:
-    """Execution time against split size, one curve with error bars per pipeline.
+    """Execution time against split size, one curve per pipeline, error bars
+    to each point's (low, high) bounds (never below zero).
 
-    ``spread`` says on the y axis what the points and error bars are.
+    ``spread`` says on the y axis what the points and error bars are;
+    ``noisy`` points (per curve) are circled and the title says why.
     """
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     ticks: set[int] = set()
-    for (label, (sizes, means, stds)), marker in zip(curves.items(), "os^v"):
-        ax.errorbar(sizes, means, yerr=stds, marker=marker, capsize=4, label=label)
+    circled = False
+    for (label, (sizes, centres, bounds)), marker in zip(curves.items(), "os^v"):
+        ax.errorbar(
+            sizes, centres, yerr=error_bars(centres, bounds), marker=marker, capsize=4, label=label
+        )
+        flags = (noisy or {}).get(label, ())
+        bad = [(s, c) for s, c, n in zip(sizes, centres, flags) if n]
+        if bad:
+            ax.scatter(
+                *zip(*bad),
+                s=160,
+                facecolors="none",
+                edgecolors="red",
+                label=None if circled else "noisy",
+                zorder=3,
+            )
+            circled = True
         ticks.update(sizes)
     ax.set_ylabel(f"{model} execution time (s)\n{spread}")
     ax.set_xlabel("Pipeline split size")
     ax.set_xticks(sorted(ticks))
+    ax.set_ylim(bottom=0)
     ax.yaxis.grid(True)
     ax.legend()
-    return save(fig, ax, path, title)
+    return save(fig, ax, path, _noted(title, "circled" if circled else ""))
+
+
+def _noted(title: str, mark: str) -> str:
+    """``title``, with :data:`NOISY_NOTE` after the ``mark`` of noisy points
+    on a line of its own (no mark: none is noisy)."""
+    return f"{title}\n{mark} {NOISY_NOTE}" if mark else title
 
 
 def throughput_curves(
@@ -222,8 +298,7 @@ def tutorial_figures(results: BenchResults, out: Path) -> list[Path]:
     where = f"{dev0} | {dev1}" if dev0 != dev1 else f"both halves on {dev0}"
     title = f"{where}; {c.num_batches} x {c.batch_size} images of {c.image_w}x{c.image_h}"
     model = MODEL_NAMES.get(c.arch, c.arch)
-    # Measurement.std is the population standard deviation of the timed calls.
-    spread = f"mean ± 1 std. dev. of {c.repeat} train() calls"
+    spread = f"mean; bars: fastest to slowest of {c.repeat} train() calls"
     mp, rn = results.get("model parallel"), results.get("single device")
     pp, ms = results.get("tutorial pipeline"), results.get("mpstream")
     bars = [
@@ -242,22 +317,24 @@ def tutorial_figures(results: BenchResults, out: Path) -> list[Path]:
     paths = [
         bar_chart(
             [mp.mean, rn.mean],
-            [mp.std, rn.std],
+            [_bounds(mp), _bounds(rn)],
             ["Model Parallel", single],
             out / "mp_vs_rn.png",
             title,
             model,
             spread=spread,
+            noisy=[mp.spread.noisy, rn.spread.noisy],
         ),
         bar_chart(
             [m.mean for m, _ in bars],
-            [m.std for m, _ in bars],
+            [_bounds(m) for m, _ in bars],
             [label for _, label in bars],
             out / "mp_vs_rn_vs_pp.png",
             title,
             model,
             spread=spread,
             xlabel="model (split size)",
+            noisy=[m.spread.noisy for m, _ in bars],
         ),
     ]
     if results.sweep:
@@ -268,14 +345,23 @@ def tutorial_figures(results: BenchResults, out: Path) -> list[Path]:
             "mpstream, CUDA graph": "mpstream + CUDA graph (whole step)",
         }
         curves = {}
+        noisy = {}
         for name in dict.fromkeys(m.model for m in results.sweep):
             ms_ = [m for m in results.sweep if m.model == name]
-            curves[labels.get(name, name)] = (
+            label = labels.get(name, name)
+            curves[label] = (
                 [int(m.split_size or 0) for m in ms_],
                 [m.mean for m in ms_],
-                [m.std for m in ms_],
+                [_bounds(m) for m in ms_],
             )
+            noisy[label] = [m.spread.noisy for m in ms_]
         paths.append(
-            split_curves(curves, out / "split_size_tradeoff.png", title, model, spread=spread)
+            split_curves(
+                curves, out / "split_size_tradeoff.png", title, model, spread=spread, noisy=noisy
+            )
         )
     return paths
+
+
+def _bounds(m: Timed) -> tuple[float, float]:
+    return (m.spread.low, m.spread.high)

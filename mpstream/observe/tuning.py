@@ -100,19 +100,19 @@ class TuneResult:
         """The split-size tradeoff: median step time per split size, a curve per balance."""
         from .figures import split_curves
 
-        curves: dict[str, tuple[list[int], list[float], list[float]]] = {}
+        curves: dict[str, tuple[list[int], list[float], list[tuple[float, float]]]] = {}
         for p in self.curve:
             label = "split sizes" if p.balance is None else f"balance {p.balance}"
-            sizes, medians, spreads = curves.setdefault(label, ([], [], []))
+            sizes, medians, bounds = curves.setdefault(label, ([], [], []))
             sizes.append(p.split_size)
             medians.append(p.median)
-            spreads.append(statistics.pstdev(p.times) if len(p.times) > 1 else 0.0)
+            bounds.append((min(p.times), max(p.times)))
         heading = title or f"best: split size {self.split_size}" + (
             f", balance {self.balance}" if self.balance else ""
         )
         counts = {len(p.times) for p in self.curve}
         calls = f"{counts.pop()} calls" if len(counts) == 1 else "each point's calls"
-        spread = f"median ± 1 std. dev. of {calls}"
+        spread = f"median; bars: fastest to slowest of {calls}"
         return split_curves(curves, Path(path), heading, spread=spread)
 
 
@@ -365,11 +365,12 @@ def _cached(
 
 @contextmanager
 def _bar(total: int, progress: bool) -> Iterator[Any]:
-    """A tqdm progress bar, or a silent stand-in (tqdm is optional)."""
+    """A tqdm progress bar, drawn only on a terminal, or a silent stand-in
+    (tqdm is optional)."""
     if progress:
         from tqdm import tqdm
 
-        with tqdm(total=total, desc="tuning", unit="config") as bar:
+        with tqdm(total=total, desc="tuning", unit="config", disable=None) as bar:
             yield bar
     else:
         yield _Silent()

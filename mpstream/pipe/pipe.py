@@ -22,7 +22,7 @@ from ..schedules.schedule import (
     Order,
     check_schedule,
 )
-from ..stages.build import build
+from ..stages.build import build, check_module
 from ..stages.exported import own_loss
 from ..stages.sequential import DeviceLike, check_positive
 from .call import PipeCall
@@ -177,6 +177,7 @@ class Pipe(PipeCall):
         tracer: str = "auto",
     ) -> None:
         super().__init__()
+        check_module(module)  # before anything reads it as a module
         if chunks is not None and split_size is not None:
             raise ValueError("give either chunks or split_size, not both")
         if graphs and compile:

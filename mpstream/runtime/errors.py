@@ -10,14 +10,31 @@ something has failed, so the hot path pays nothing.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Collection, Sequence
 from types import CodeType, TracebackType
 
 import torch
 
 from ..schedules.schedule import Kind, Task
 
-__all__ = ["layers_label", "stage_labels", "task_note", "inplace_hint", "annotate", "raised_in"]
+__all__ = [
+    "layers_label",
+    "stage_labels",
+    "task_note",
+    "inplace_hint",
+    "dtype_hint",
+    "annotate",
+    "raised_in",
+]
+
+# How torch's kernels say two tensors' dtypes differ (CPU and CUDA, linear,
+# matmul, norms, RNNs); a convolution's "Input type (X) and weight type (Y)
+# should be the same" is matched apart, as it says the same of devices.
+_DTYPE_WORDS = re.compile(
+    r"same dtype|same datatype|does not match weight dtype|expected scalar type", re.IGNORECASE
+)
+_CONV_TYPES = re.compile(r"Input type \(([^)]*)\) and \w+ type \(([^)]*)\) should be the same")
 
 
 def layers_label(names: Sequence[str]) -> str:
@@ -88,6 +105,33 @@ def inplace_hint(exc: BaseException, task: Task) -> str | None:
         "one batch tensor, so one micro-batch's change invalidates what autograd saved of "
         "another. Make that operation out-of-place, or pass a copy of the batch"
     )
+
+
+def dtype_hint(exc: BaseException, task: Task, dtypes: Collection[torch.dtype]) -> str | None:
+    """What to do when a stage's kernel finds tensors of two dtypes (a
+    float64 batch into a float32 model): the stage's parameter ``dtypes``,
+    and the three ways to make them agree."""
+    text = str(exc)
+    conv = _CONV_TYPES.search(text)
+    if conv is not None:
+        if _dtype_word(conv.group(1)) == _dtype_word(conv.group(2)):
+            return None  # the same dtype on two devices: not this hint's case
+    elif not _DTYPE_WORDS.search(text):
+        return None
+    names = sorted(str(d).removeprefix("torch.") for d in dtypes)
+    has = f"parameters of dtype {', '.join(names)}" if names else "no parameters"
+    first = sorted(dtypes, key=str)[0] if dtypes else torch.get_default_dtype()
+    return (
+        f"mpstream: a dtype mismatch in stage {task.stage}, which has {has}: give the pipe "
+        f"input of the model's dtype (x.to({first})), convert the model before wrapping it "
+        f"(model.to(dtype)), or run the step under torch.autocast to mix precisions"
+    )
+
+
+def _dtype_word(name: str) -> str:
+    """``torch.cuda.FloatTensor`` and ``float`` alike: ``float``."""
+    word = name.rsplit(".", 1)[-1].removesuffix("Tensor").lower()
+    return {"float32": "float", "float64": "double", "float16": "half"}.get(word, word)
 
 
 def raised_in(exc: BaseException, code: CodeType) -> bool:

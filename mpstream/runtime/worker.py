@@ -29,7 +29,7 @@ from ..schedules.schedule import Kind, Schedule, Task, Topology
 from . import marks
 from .calls import StageCalls
 from .copy import Copy, Route
-from .errors import annotate, inplace_hint, raised_in, task_note
+from .errors import annotate, dtype_hint, inplace_hint, raised_in, task_note
 from .graph import ALL, Hop, Routes, StageGraph
 from .graphed import StageGraphs
 from .microbatch import leaves, rebuild_leaves
@@ -155,6 +155,9 @@ class Worker:
             in_loss = loss is not None and task.kind is Kind.FORWARD and raised_in(exc, loss)
             annotate(exc, task_note(task, micros, self.labels, in_loss))
             hint = inplace_hint(exc, task)
+            if hint is None and 0 <= task.stage < len(self.partitions):
+                params = self.partitions[task.stage].parameters()
+                hint = dtype_hint(exc, task, {p.dtype for p in params})
             if hint is not None:
                 annotate(exc, hint)
 

@@ -26,7 +26,7 @@ from .sequential import DeviceLike, split_module, stage_devices
 from .traced import FxSplit
 from .tracers import SplitReport, choose_tracer
 
-__all__ = ["Built", "build"]
+__all__ = ["Built", "build", "check_module"]
 
 
 @dataclass
@@ -56,6 +56,25 @@ class Built:
     report: SplitReport | None = None
 
 
+def check_module(module: object) -> None:
+    """Refuses what Pipe cannot split, saying what to do.
+
+    Raises:
+        TypeError: ``module`` is a list or tuple of layers (wrap them in
+            ``nn.Sequential``, as torch's Pipe and torchgpipe wanted too) or
+            not a module at all.
+    """
+    if isinstance(module, nn.Module):
+        return
+    kind = type(module).__name__
+    if isinstance(module, (list, tuple)) and all(isinstance(m, nn.Module) for m in module):
+        raise TypeError(
+            f"Pipe takes one nn.Module, got a {kind} of {len(module)} modules: wrap them in "
+            f"nn.Sequential(*layers) (each layer is then a stage's unit, balance= counts them)"
+        )
+    raise TypeError(f"Pipe takes an nn.Module to split into stages, got {kind}")
+
+
 def build(
     module: nn.Module,
     balance: Sequence[int] | str | None,
@@ -68,11 +87,13 @@ def build(
     """Cuts ``module`` into stages and places them (see ``Pipe``'s arguments).
 
     Raises:
-        TypeError: bad argument types; balance= layer counts for a traced
+        TypeError: ``module`` is no module (a list of layers: wrap them in
+            ``nn.Sequential``); bad argument types; balance= layer counts for a traced
             module; tracing failed.
         ValueError: balance/devices/split points that do not fit the module,
             devices that do not exist, tensors shared across devices.
     """
+    check_module(module)
     if isinstance(leaf_modules, str):  # one name, as split_points may be
         leaf_modules = [leaf_modules]
     _check_applies(module, balance, sample, split_points, leaf_modules, tracer)

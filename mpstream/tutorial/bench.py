@@ -57,6 +57,7 @@ __all__ = [
     "run",
     "save",
     "table",
+    "noisy_spreads",
 ]
 
 GRAPHED = "mpstream, CUDA graph"
@@ -167,6 +168,15 @@ class Measurement:
     def median(self) -> float:
         return statistics.median(self.times)
 
+    @property
+    def spread(self) -> rounds.Spread:
+        """How its rounds vary, and whether they disagree (:attr:`~.rounds.Spread.noisy`)."""
+        return rounds.spread(self.times)
+
+    @property
+    def noisy(self) -> bool:
+        return self.spread.noisy
+
     def to_json(self) -> dict[str, Any]:
         out = {
             "model": self.model,
@@ -175,6 +185,7 @@ class Measurement:
             "mean_s": self.mean,
             "std_s": self.std,
             "median_s": self.median,
+            "spread": self.spread.to_json(),
         }
         return out if self.group is None else {**out, "group": self.group}
 
@@ -187,6 +198,14 @@ class Results:
     devices: tuple[torch.device, torch.device]
     models: list[Measurement]
     sweep: list[Measurement]
+    #: The host's load when the run began and when it ended (:func:`.rounds.machine_load`).
+    load: dict[str, dict[str, float | int | None]] = field(default_factory=dict)
+
+    @property
+    def noisy(self) -> list[Measurement]:
+        """The configurations whose rounds disagree (each once)."""
+        unique = {id(m): m for m in self.models + self.sweep}
+        return [m for m in unique.values() if m.noisy]
 
     def get(self, model: str, split_size: int | None = None) -> Measurement:
         for m in self.models + self.sweep:
@@ -273,6 +292,7 @@ def run(
         RuntimeError: a graphed model's stages run eagerly for another reason.
     """
     devices = (dev0, dev1)
+    load = {"before": rounds.machine_load()}
     names = models_for(dev0, dev1)
     takes_split = swept(names)
     main = [(name, config.split_size if name in takes_split else None) for name in names]
@@ -306,7 +326,10 @@ def run(
     measured = {
         key: Measurement(*key, times=timed.times[key], group=timed.group[key]) for key in keys
     }
-    return Results(config, devices, [measured[k] for k in main], [measured[k] for k in sweep_keys])
+    load["after"] = rounds.machine_load()
+    return Results(
+        config, devices, [measured[k] for k in main], [measured[k] for k in sweep_keys], load
+    )
 
 
 def _check(key: tuple[str, int | None], model: nn.Module) -> None:
@@ -341,6 +364,8 @@ def to_json(results: Results) -> dict[str, Any]:
             "speedup_vs_single": single / m.mean,
             "baseline": like,
             "speedup_vs_baseline": results.get(like).mean / m.mean,
+            # A ratio is as noisy as the noisier of its two measurements.
+            "ratio_noisy": m.noisy or results.get(like).noisy,
         }
 
     return {
@@ -353,6 +378,13 @@ def to_json(results: Results) -> dict[str, Any]:
         "models": [{**m.to_json(), **speedups(m)} for m in results.models],
         "not_measured": left_out(*results.devices),
         "split_sweep": [m.to_json() for m in results.sweep],
+        "load": results.load,
+        "noise": {
+            "max_cv": rounds.MAX_CV,
+            "max_over_min": rounds.MAX_RANGE,
+            "noisy": list(noisy_spreads(results)),
+            "note": rounds.NOISY if results.noisy else None,
+        },
     }
 
 
@@ -374,7 +406,11 @@ def save(results: Results, out: Path, *, plots: bool = True) -> list[Path]:
 
 def table(results: Results) -> str:
     """Mean ± std per model and speed-up against its baseline: the single
-    device, captured the same way for a graphed model (:func:`baseline`)."""
+    device, captured the same way for a graphed model (:func:`baseline`).
+
+    A ``*`` marks a noisy measurement (or a ratio with one), explained below
+    the table with the machine's load (:mod:`.rounds`).
+    """
     header = (
         f"{'model':<25} {'split':>5} {'mean ± std (s)':>17} {'median (s)':>10} "
         f"{'speed-up':>8}  against"
@@ -383,9 +419,10 @@ def table(results: Results) -> str:
     for r in results.models:
         split = "-" if r.split_size is None else str(r.split_size)
         like = baseline(results, r.model)
+        star = "*" if r.noisy or results.get(like).noisy else " "
         lines.append(
             f"{r.model:<25} {split:>5} {r.mean:>9.3f} ± {r.std:<5.3f} {r.median:>10.3f} "
-            f"{results.get(like).mean / r.mean:>7.2f}x  {like}"
+            f"{results.get(like).mean / r.mean:>7.2f}x{star} {like}"
         )
     for name, why in left_out(*results.devices).items():
         lines.append(f"{name}: not measured, {why}")
@@ -400,6 +437,16 @@ def table(results: Results) -> str:
         names = list(dict.fromkeys(m.model for m in results.sweep))
         lines.append("split-size sweep, mean (s): " + "  ".join(names))
         for s in results.config.split_sizes:
-            row = [f"{results.get(p, s).mean:.3f}" for p in names]
+            row = [_mark(results.get(p, s)) for p in names]
             lines.append(f"  split {s:>3}: " + "  ".join(f"{v:>17}" for v in row))
+    lines += rounds.noise_lines(noisy_spreads(results), results.load)
     return "\n".join(lines)
+
+
+def noisy_spreads(results: Results) -> dict[str, rounds.Spread]:
+    """The noisy configurations by name, each with its spread."""
+    return {_label((m.model, m.split_size)): m.spread for m in results.noisy}
+
+
+def _mark(m: Measurement) -> str:
+    return f"{m.mean:.3f}" + ("*" if m.noisy else " ")

@@ -13,18 +13,146 @@ a configuration that does not fit alone is an error.
 
 Ratios within a group are drift-free as before; across groups they are not,
 so each measurement says its group.
+
+Rounds also tell how noisy they were (:func:`spread`, :func:`noisy`): on a
+shared machine another process can make one round of a configuration many
+times slower than the others, and a ratio of means then says nothing. A
+configuration whose rounds vary beyond :data:`MAX_CV` or
+:data:`MAX_RANGE` is noisy; :func:`machine_load` is the host's load before
+and after, said beside.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
-from collections.abc import Callable, Hashable, Sequence
+import os
+import statistics
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 import torch
 
-__all__ = ["NoRoom", "Timed", "round_robin", "says_out_of_memory"]
+__all__ = [
+    "NoRoom",
+    "Timed",
+    "round_robin",
+    "says_out_of_memory",
+    "Spread",
+    "spread",
+    "noisy",
+    "machine_load",
+    "load_line",
+    "noise_lines",
+    "NOISY",
+    "MAX_CV",
+    "MAX_RANGE",
+]
+
+#: A configuration's rounds are noisy beyond this coefficient of variation...
+MAX_CV = 0.15
+#: ... or when the slowest round takes this many times the fastest.
+MAX_RANGE = 1.5
+#: What a table, a JSON and a figure say of a noisy measurement, and what to do.
+NOISY = (
+    f"noisy (rounds disagree: coefficient of variation above {MAX_CV:.0%} or slowest/fastest "
+    f"above {MAX_RANGE:.1f}x): ratios with them may say more about the machine than about the "
+    f"models; rerun on a quiet machine, or with more rounds (--repeat)"
+)
+
+
+@dataclass(frozen=True)
+class Spread:
+    """How a configuration's rounds vary.
+
+    Attributes:
+        cv: standard deviation over mean.
+        max_over_min: the slowest round over the fastest.
+        q1, q3: the first and third quartiles (seconds).
+        low, high: the fastest and slowest rounds (seconds).
+    """
+
+    cv: float
+    max_over_min: float
+    q1: float
+    q3: float
+    low: float
+    high: float
+
+    @property
+    def noisy(self) -> bool:
+        return self.cv > MAX_CV or self.max_over_min > MAX_RANGE
+
+    def to_json(self) -> dict[str, float | bool]:
+        return {**dataclasses.asdict(self), "noisy": self.noisy}
+
+
+def spread(times: Sequence[float]) -> Spread:
+    """The spread of ``times`` (a single round has none).
+
+    Raises:
+        ValueError: no times.
+    """
+    if not times:
+        raise ValueError("no rounds to judge")
+    mean = statistics.fmean(times)
+    cv = statistics.pstdev(times) / mean if mean > 0 else 0.0
+    low, high = min(times), max(times)
+    q1, _, q3 = (
+        # inclusive: quartiles stay within the rounds measured
+        statistics.quantiles(times, n=4, method="inclusive") if len(times) > 1 else (low, low, low)
+    )
+    return Spread(cv, high / low if low > 0 else float("inf"), q1, q3, low, high)
+
+
+def noisy(times: Sequence[float]) -> bool:
+    """Whether rounds ``times`` disagree beyond the limits (see :class:`Spread`)."""
+    return spread(times).noisy
+
+
+def machine_load() -> dict[str, float | int | None]:
+    """The host's 1-minute load average (None where the system does not
+    say) and its CPU count: more load than CPUs means other work competed."""
+    try:
+        load: float | None = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        load = None
+    return {"load_1min": load, "cpus": os.cpu_count() or 1}
+
+
+def noise_lines(
+    noisy: Mapping[str, Spread], load: Mapping[str, Mapping[str, float | int | None]]
+) -> list[str]:
+    """What a table says below itself of noise: how many configurations
+    were noisy, the worst one's rounds, what to do; and the host's load
+    before and after (:func:`load_line`)."""
+    lines = []
+    if noisy:
+        name, worst = max(noisy.items(), key=lambda kv: kv[1].max_over_min)
+        lines.append(
+            f"* {len(noisy)} measurement(s) {NOISY}. Worst: {name}, rounds "
+            f"{worst.low:.3f}-{worst.high:.3f} s ({worst.max_over_min:.1f}x, cv {worst.cv:.0%})."
+        )
+    said = load_line(load)
+    return lines + [said] if said else lines
+
+
+def load_line(load: Mapping[str, Mapping[str, float | int | None]]) -> str:
+    """One line on the host's load ``{"before": machine_load(), "after": ...}``;
+    empty where the system did not say."""
+    said = {when: v["load_1min"] for when, v in load.items() if v.get("load_1min") is not None}
+    if not said:
+        return ""
+    cpus = next(iter(load.values()))["cpus"] or 1
+    busy = any(float(v or 0) > float(cpus) for v in said.values())
+    return (
+        "machine load (1-minute average): "
+        + ", ".join(f"{float(v or 0):.2f} {when}" for when, v in said.items())
+        + f", on {cpus} CPUs"
+        + ("; busier than its CPUs: other work competed with the timing" if busy else "")
+    )
+
 
 K = TypeVar("K", bound=Hashable)
 M = TypeVar("M")

@@ -45,6 +45,7 @@ __all__ = [
     "keys_for",
     "label",
     "peak_tflops",
+    "noisy_spreads",
     "run",
     "save",
     "table",
@@ -106,6 +107,10 @@ class Measured:
     @property
     def median(self) -> float:
         return statistics.median(self.times)
+
+    @property
+    def spread(self) -> rounds.Spread:
+        return rounds.spread(self.times)
 
 
 @dataclass
@@ -235,6 +240,7 @@ def run(
         runner = built[key] = _Runner(key, config)
         return runner
 
+    load = {"before": rounds.machine_load()}
     timed = rounds.round_robin(
         keys, build, _Runner.timed, warmup=p.warmup, repeat=p.repeat, label=label,
         tick=tick, status=status,
@@ -251,7 +257,9 @@ def run(
             runner.module, runner.opt, runner.step, runner.devices
         )
         del runner
+    load["after"] = rounds.machine_load()
     meta = machine.metadata(list(config.devices))
+    meta["load"] = load
     meta["peak_tflops"] = config.peak or peak_tflops(config.devices[0])
     return Results(config, measured, meta)
 
@@ -277,8 +285,8 @@ def _devices(results: Results, key: Key) -> list[torch.device]:
 def to_json(results: Results) -> dict[str, Any]:
     """Everything measured, with the derived figures."""
     p = results.config.preset
-    single = results.measured[(SINGLE, None, None)].median
-    naive = results.measured[(NAIVE, None, None)].median
+    base, plain = results.measured[(SINGLE, None, None)], results.measured[(NAIVE, None, None)]
+    single, naive = base.median, plain.median
     rows = []
     for key, m in results.measured.items():
         issue = statistics.median(m.issue) if m.issue else None
@@ -287,7 +295,9 @@ def to_json(results: Results) -> dict[str, Any]:
                 "configuration": label(key), "variant": key[0], "schedule": key[1],
                 "micro_batches": key[2], "group": m.group,
                 "step_s": {"median": m.median, "min": min(m.times), "max": max(m.times),
-                           "rounds": m.times},
+                           "rounds": m.times, "spread": m.spread.to_json()},
+                # A ratio is as noisy as the noisier of its measurements.
+                "ratio_noisy": any(x.spread.noisy for x in (m, base, plain)),
                 "tokens_per_s": results.tokens_per_s(key),
                 "vs_single_device": m.median / single, "vs_naive_model_parallel": m.median / naive,
                 "mfu": mfu(results, key),
@@ -304,7 +314,14 @@ def to_json(results: Results) -> dict[str, Any]:
         "flops_per_token": flops_per_token(p),
         "cpu": all(d.type == "cpu" for d in results.config.devices),
         "rows": rows,
+        "noisy": list(noisy_spreads(results)),
     }
+
+
+def noisy_spreads(results: Results) -> dict[str, rounds.Spread]:
+    """The noisy configurations by name, each with its spread."""
+    spreads = {label(k): m.spread for k, m in results.measured.items()}
+    return {name: s for name, s in spreads.items() if s.noisy}
 
 
 def table(results: Results) -> str:
@@ -317,16 +334,18 @@ def table(results: Results) -> str:
     for row in data["rows"]:
         mfu_ = "-" if row["mfu"] is None else f"{100 * row['mfu']:.0f}%"
         host = "-" if row["host_issue_share"] is None else f"{100 * row['host_issue_share']:.0f}%"
+        star = "*" if row["ratio_noisy"] else " "
         lines.append(
             f"{row['configuration']:<44} {1e3 * row['step_s']['median']:>9.1f} "
-            f"{row['tokens_per_s']:>10.0f} {row['vs_single_device']:>8.2f} "
-            f"{row['vs_naive_model_parallel']:>8.2f} {mfu_:>6} {host:>5}"
+            f"{row['tokens_per_s']:>10.0f} {row['vs_single_device']:>8.2f}{star}"
+            f"{row['vs_naive_model_parallel']:>8.2f}{star}{mfu_:>6} {host:>5}"
         )
     if data["cpu"]:
         lines.append(
             "CPU: every stage runs on the host thread one task after another; nothing "
             "overlaps, and no pipeline can be faster here (ratios show the runtime's cost)"
         )
+    lines += rounds.noise_lines(noisy_spreads(results), results.meta.get("load", {}))
     return "\n".join(lines)
 
 

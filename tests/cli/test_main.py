@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -143,3 +147,51 @@ def test_schedules_rejects_more_devices_than_stages(
     args = ["schedules", "--uniform", "--stages", "2", "--devices", "3", "--out", str(tmp_path)]
     assert cli.main(args) == 2
     assert "--devices 3 exceeds --stages 2" in capsys.readouterr().err
+
+
+TINY_BENCH = [
+    "bench", "--quick", "--repeat", "1", "--warmup", "0", "--batch-size", "4",
+    "--image-size", "32", "--num-batches", "1", "--split-size", "2", "--no-sweep",
+    "--num-classes", "10", "--no-plots", "--devices", "cpu,cpu",
+]  # fmt: skip
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="pseudo-terminals are POSIX")
+def test_the_progress_bar_is_drawn_only_on_a_terminal(tmp_path: Path) -> None:
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    command = [sys.executable, "-m", "mpstream", *TINY_BENCH, "--out", str(tmp_path)]
+    # A log file: no bar, no carriage returns; the table still prints.
+    logged = subprocess.run(command, capture_output=True, text=True, timeout=300, check=True)
+    assert "\r" not in logged.stderr and "train/s" not in logged.stderr + logged.stdout
+    assert "speed-up" in logged.stdout
+    # A terminal: the bar, redrawn in place (read while it runs: a full
+    # pseudo-terminal would block the writer).
+    main, child = pty.openpty()
+    # A terminal 100 columns wide: at tqdm's 0 columns a bar draws nothing.
+    fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    drawn: list[bytes] = []
+
+    def read() -> None:
+        while True:
+            try:
+                chunk = os.read(main, 65536)
+            except OSError:  # the terminal closed: all read
+                return
+            if not chunk:
+                return
+            drawn.append(chunk)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        done = subprocess.run(command, stdout=subprocess.PIPE, stderr=child, timeout=300)
+    finally:
+        os.close(child)
+        reader.join(timeout=30)
+        os.close(main)
+    assert done.returncode == 0 and b"speed-up" in done.stdout
+    assert b"train" in b"".join(drawn) and b"\r" in b"".join(drawn)

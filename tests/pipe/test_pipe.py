@@ -424,3 +424,25 @@ def test_a_pipe_starts_in_its_modules_mode() -> None:
     torch.testing.assert_close(pipe(x), model(x))  # eval: no dropout, no checkpoint
     pipe.train()
     assert pipe.training and pipe[1].training
+
+
+@pytest.mark.parametrize("split_size", [3, 5])  # 5 does not divide the batch
+def test_what_the_docs_promise_of_results(split_size: int) -> None:
+    """README and guide: the forward is bit-identical to the plain model on
+    the same micro-batches; after backward and training, results agree to
+    float rounding, which assert_close's float32 defaults accept."""
+    torch.manual_seed(0)
+    model = mlp([32, 64, 64, 10], dtype=torch.float32)
+    ref = copy.deepcopy(model)
+    pipe = Pipe(model, split_size=split_size, balance=[3, 3], devices=["cpu", "cpu"])
+    x, y = torch.randn(16, 32), torch.randn(16, 10)
+    with torch.no_grad():
+        assert torch.equal(pipe(x), torch.cat([ref(part) for part in x.split(split_size)]))
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(3):
+        for m, o in ((pipe, opt), (ref, ref_opt)):
+            o.zero_grad()
+            nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+    torch.testing.assert_close(list(pipe.parameters()), list(ref.parameters()))

@@ -217,3 +217,27 @@ def test_one_leaf_module_may_be_given_as_a_string() -> None:
     pipe = Pipe(model, split_points=["b"], leaf_modules="a", devices=["cpu"] * 2, chunks=2)
     x = torch.randn(4, 4)
     torch.testing.assert_close(pipe(x), model(x))
+
+
+@pytest.mark.parametrize("layers", [list, tuple])
+@pytest.mark.parametrize("deferred_batch_norm", [False, True])
+def test_a_list_of_layers_is_told_to_become_a_sequential(
+    layers: type, deferred_batch_norm: bool
+) -> None:
+    given = layers([nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)])
+    kind = layers.__name__
+    with pytest.raises(TypeError) as info:
+        Pipe(given, chunks=2, deferred_batch_norm=deferred_batch_norm)
+    assert str(info.value) == (
+        f"Pipe takes one nn.Module, got a {kind} of 3 modules: wrap them in "
+        f"nn.Sequential(*layers) (each layer is then a stage's unit, balance= counts them)"
+    )
+    # What it says works.
+    assert Pipe(nn.Sequential(*given), chunks=2, balance=[2, 1], devices=["cpu"] * 2)(
+        torch.randn(4, 4)
+    ).shape == (4, 2)
+
+
+def test_what_is_no_module_is_refused_by_name() -> None:
+    with pytest.raises(TypeError, match="^Pipe takes an nn.Module to split into stages, got str$"):
+        Pipe("resnet50", chunks=2)

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 import mpstream.runtime.training
 import mpstream.runtime.worker
 from mpstream import Pipe
-from mpstream.runtime.errors import layers_label, stage_labels, task_note
+from mpstream.runtime.errors import dtype_hint, layers_label, stage_labels, task_note
 from mpstream.schedules.schedule import Kind, Task
 
 notes_supported = pytest.mark.skipif(sys.version_info < (3, 11), reason="notes need 3.11")
@@ -202,3 +202,45 @@ def test_an_input_without_a_tensor_is_named(value: object, got: str, path: str) 
     with pytest.raises(TypeError, match="Pipe input holds no tensor") as info:
         pipe(value) if path == "forward" else pipe.train_step(value, target, nn.MSELoss())
     assert got in str(info.value) and "torch.as_tensor" in str(info.value)
+
+
+@notes_supported
+@pytest.mark.parametrize("layer", ["linear", "conv", "norm"])
+def test_a_dtype_mismatch_says_the_stage_s_dtype_and_what_to_do(layer: str) -> None:
+    first = {
+        "linear": nn.Linear(4, 4),
+        "conv": nn.Sequential(nn.Unflatten(1, (1, 2, 2)), nn.Conv2d(1, 1, 1), nn.Flatten()),
+        "norm": nn.LayerNorm(4),
+    }[layer]
+    pipe = Pipe(nn.Sequential(nn.Tanh(), first, nn.Linear(4, 2)), chunks=2, balance=[1, 2],
+                devices=["cpu", "cpu"])  # fmt: skip
+    x = torch.randn(4, 4, dtype=torch.float64)
+    with pytest.raises(RuntimeError) as info:
+        pipe(x)
+    where, hint = info.value.__notes__
+    assert where.startswith("mpstream: raised in the forward task of stage 1 of 2")
+    assert hint == (
+        "mpstream: a dtype mismatch in stage 1, which has parameters of dtype float32: give "
+        "the pipe input of the model's dtype (x.to(torch.float32)), convert the model before "
+        "wrapping it (model.to(dtype)), or run the step under torch.autocast to mix precisions"
+    )
+    assert pipe(x.float()).dtype == torch.float32  # the next call works
+
+
+def test_the_dtype_hint_is_only_for_dtypes() -> None:
+    task = Task(0, Kind.FORWARD, 0, 0, ())
+    f32 = {torch.float32}
+    device = RuntimeError(
+        "Input type (torch.FloatTensor) and weight type (torch.cuda.FloatTensor) should be the same"
+    )
+    assert dtype_hint(device, task, f32) is None  # one dtype on two devices
+    dtype = RuntimeError(
+        "Input type (torch.cuda.HalfTensor) and weight type (torch.cuda.FloatTensor) should be "
+        "the same"
+    )
+    assert "dtype mismatch in stage 0" in (dtype_hint(dtype, task, f32) or "")
+    assert "dtype mismatch" in (
+        dtype_hint(RuntimeError("expected scalar type Float but found Half"), task, f32) or ""
+    )
+    assert dtype_hint(RuntimeError("shapes cannot be multiplied"), task, f32) is None
+    assert "which has no parameters" in (dtype_hint(RuntimeError("same dtype"), task, set()) or "")

@@ -210,3 +210,35 @@ def test_graphed_stages_that_fell_back_are_no_graphed_time() -> None:
     with pytest.raises(RuntimeError, match="would not be a graphed step's"):
         graphed.check_stages(label, _with_stages("capture failed: ValueError: dropout", None))
     graphed.check_stages("single device", nn.Linear(2, 2))  # no pipe: nothing to check
+
+
+def test_spread_of_steady_and_noisy_rounds() -> None:
+    steady = rounds.spread([1.0, 1.1, 0.9, 1.0])
+    assert not steady.noisy and steady.low == 0.9 and steady.high == 1.1
+    assert steady.q1 >= steady.low and steady.q3 <= steady.high
+    assert rounds.spread([2.0]) == rounds.Spread(0.0, 1.0, 2.0, 2.0, 2.0, 2.0)
+    # The case: one round of 15.3 s among 0.6 s ones.
+    assert rounds.noisy([0.58, 15.3, 0.61])
+    # Either limit alone makes a measurement noisy.
+    wide = rounds.spread([1.0] * 19 + [1.55])
+    assert wide.cv < rounds.MAX_CV and wide.max_over_min > rounds.MAX_RANGE and wide.noisy
+    varied = rounds.spread([0.8, 1.2, 0.8, 1.2])
+    assert varied.cv > rounds.MAX_CV and varied.max_over_min <= rounds.MAX_RANGE and varied.noisy
+    with pytest.raises(ValueError, match="no rounds"):
+        rounds.spread([])
+
+
+def test_machine_load_and_its_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    load = rounds.machine_load()
+    assert int(load["cpus"] or 0) >= 1
+    quiet = {"before": {"load_1min": 0.5, "cpus": 4}, "after": {"load_1min": 1.0, "cpus": 4}}
+    assert rounds.load_line(quiet) == (
+        "machine load (1-minute average): 0.50 before, 1.00 after, on 4 CPUs"
+    )
+    busy = {**quiet, "after": {"load_1min": 6.0, "cpus": 4}}
+    assert rounds.load_line(busy).endswith(
+        "busier than its CPUs: other work competed with the timing"
+    )
+    monkeypatch.delattr("os.getloadavg")  # where the system does not say (Windows)
+    assert rounds.machine_load()["load_1min"] is None
+    assert rounds.load_line({"before": rounds.machine_load()}) == ""

@@ -47,7 +47,9 @@ def test_every_configuration_is_timed_with_its_memory_per_stage(tmp_path: Path) 
     assert data["cpu"] and all(row["mfu"] is None for row in data["rows"])
     assert data["rows"][0]["vs_single_device"] == 1.0
     text = bench.table(results)
-    assert "naive model parallel" in text and text.splitlines()[-1].startswith("CPU:")
+    assert "naive model parallel" in text
+    assert any(line.startswith("CPU: every stage runs") for line in text.splitlines())
+    assert set(data["meta"]["load"]) == {"before", "after"}
     written = bench.save(results, tmp_path)
     assert [p.name for p in written] == [
         "transformer.json",
@@ -104,3 +106,24 @@ def test_the_command_runs_the_transformer_and_refuses_the_tutorial_s_options(
     assert (tmp_path / "transformer.json").exists()
     assert cli.main([*argv, "--split-size", "4"]) == 2
     assert "--split-size: options of the tutorial's experiment" in capsys.readouterr().err
+
+
+def test_a_noisy_configuration_is_marked_with_what_to_do() -> None:
+    config = quick()
+    steady = [0.10, 0.11, 0.10]
+    measured = {
+        (bench.SINGLE, None, None): bench.Measured((bench.SINGLE, None, None), steady, []),
+        (bench.NAIVE, None, None): bench.Measured((bench.NAIVE, None, None), steady, []),
+        ("mpstream", "1f1b", 2): bench.Measured(("mpstream", "1f1b", 2), [0.1, 0.9, 0.1], []),
+        ("mpstream", "gpipe", 2): bench.Measured(("mpstream", "gpipe", 2), steady, []),
+    }
+    results = bench.Results(config, measured, {"load": {}})
+    rows = {row["configuration"]: row for row in bench.to_json(results)["rows"]}
+    noisy = bench.label(("mpstream", "1f1b", 2))
+    assert rows[noisy]["ratio_noisy"] and rows[noisy]["step_s"]["spread"]["high"] == 0.9
+    assert not rows[bench.label(("mpstream", "gpipe", 2))]["ratio_noisy"]
+    assert bench.to_json(results)["noisy"] == [noisy]
+    text = bench.table(results).splitlines()
+    row = next(line for line in text if line.startswith(noisy))
+    assert row.count("*") == 2  # both its ratios
+    assert text[-1].startswith("* 1 measurement(s) noisy") and noisy in text[-1]
