@@ -86,8 +86,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "The torch version this extension was compiled against.");
   // Bumped whenever what Python reads from the bindings changes shape (2:
   // timings() tuples gained the host issue time; 4: begin_run's pull and
-  // the peer_view operator; 5: Watch and Attached).
-  m.attr("interface_version") = 5;
+  // the peer_view operator; 5: Watch and Attached; 6: Scheduler.capturing,
+  // abort() raising a device error, peer_view's kernels per backend).
+  m.attr("interface_version") = 6;
 
   py::class_<mpstream::Watch>(m, "Watch")
       .def(py::init<std::vector<at::Tensor>>(), py::arg("tensors"))
@@ -216,6 +217,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("external_record", &Scheduler::external_record, py::arg("task"))
       .def_property_readonly("segment", &Scheduler::segment)
       .def_property("recording", &Scheduler::recording, &Scheduler::set_recording)
+      .def_property("capturing", &Scheduler::capturing, &Scheduler::set_capturing)
       .def("plan",
            [](const Scheduler& s) {
              py::list out;
@@ -252,6 +254,28 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
 // A dispatcher operator rather than a pybind function: tensors cross into
 // C++ without torch's Python headers, and the call is visible to profilers.
+// Kernels for real memory only: a catch-all would also run on meta and fake
+// tensors, which have no data pointer to view (their kernel is Python's,
+// mpstream/runtime/peer.py).
 TORCH_LIBRARY(mpstream, m) {
-  m.def("peer_view(Tensor src, Device device) -> Tensor", &mpstream::peer_view);
+  m.def("peer_view(Tensor src, Device device) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(mpstream, CPU, m) {
+  m.impl("peer_view", &mpstream::peer_view);
+}
+
+TORCH_LIBRARY_IMPL(mpstream, CUDA, m) {
+  m.impl("peer_view", &mpstream::peer_view);
+}
+
+// Where torch would resolve a lazy conjugate or negation into a temporary
+// copy, which the view would then alias instead of the source: the kernel
+// sees the lazy bit and refuses it.
+TORCH_LIBRARY_IMPL(mpstream, Conjugate, m) {
+  m.impl("peer_view", &mpstream::peer_view);
+}
+
+TORCH_LIBRARY_IMPL(mpstream, Negative, m) {
+  m.impl("peer_view", &mpstream::peer_view);
 }

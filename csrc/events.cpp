@@ -7,6 +7,8 @@
 // skipped, so a stage stream waits on the caller's source event once per run
 // and never twice on the same producer.
 #include <algorithm>
+#include <stdexcept>
+#include <string>
 
 #include "scheduler_impl.h"
 
@@ -81,7 +83,7 @@ void restore_device(const std::optional<c10::Device>& prev) {
 
 }  // namespace detail
 
-int32_t Scheduler::acquire(int32_t slot) {
+int32_t Scheduler::take_event(int32_t slot) {
   const int32_t pool = slots_[slot].pool;
   auto& free = free_[pool];
   if (!free.empty()) {
@@ -93,6 +95,17 @@ int32_t Scheduler::acquire(int32_t slot) {
   rec.pool = pool;
   events_.push_back(std::move(rec));
   return static_cast<int32_t>(events_.size() - 1);
+}
+
+const Scheduler::EventRec& Scheduler::held_event(int32_t event) const {
+  const EventRec& rec = events_[event];
+  if (rec.refs <= 0) {
+    // Back in the pool, it may be recorded again for another task: its
+    // clock would order the wrong work.
+    throw std::logic_error("mpstream internal error: event " + std::to_string(event) +
+                           " was read after it went back to the pool");
+  }
+  return rec;
 }
 
 void Scheduler::unref(int32_t event) {
@@ -110,17 +123,24 @@ void Scheduler::log(OpCode op, int32_t slot, int32_t event, const Who& who) {
 
 int32_t Scheduler::record(int32_t slot, const Who& who) {
   Slot& s = slots_[slot];
-  const int32_t id = acquire(slot);
+  const int32_t id = take_event(slot);
   EventRec& rec = events_[id];
   rec.slot = slot;
-  rec.seq = ++s.vc[slot];
+  rec.seq = s.vc[slot] + 1;
   rec.vc = s.vc;
+  rec.vc[slot] = rec.seq;
   if (s.stream) {
-    if (!rec.event) {
-      rec.event.emplace(s.stream->device_type());
+    try {
+      if (!rec.event) {
+        rec.event.emplace(s.stream->device_type());
+      }
+      rec.event->record(*s.stream);
+    } catch (...) {
+      free_[rec.pool].push_back(id);  // a failed record (a device error) holds no event
+      throw;
     }
-    rec.event->record(*s.stream);
   }
+  s.vc[slot] = rec.seq;  // counted once it is recorded
   rec.refs = 1;  // held as the slot's latest
   rec.segment = segment_;
   if (s.latest >= 0) {
@@ -141,7 +161,15 @@ void Scheduler::wait(int32_t slot, int32_t event, const Who& who) {
   if (rec.event && s.stream) {
     rec.event->block(*s.stream);
   } else if (rec.event) {
-    // Placeholder consumer (host work) after device work: block the host.
+    // Placeholder consumer (host work) after device work: block the host,
+    // which a capture cannot hold (the work it would wait for is not run).
+    if (capturing_) {
+      throw std::runtime_error(
+          "'" + s.spec.name + "' (host work) would wait for device work recorded on '" +
+          slots_[rec.slot].spec.name +
+          "' while a CUDA graph captures: the captured work has not run, so the host would "
+          "read stale memory; keep every stage of a captured step on CUDA");
+    }
     rec.event->synchronize();
     op = OpCode::kSync;
   }

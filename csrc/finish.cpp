@@ -8,7 +8,9 @@
 // capture then ends joined).
 #include <algorithm>
 #include <stdexcept>
+#include <exception>
 #include <string>
+#include <thread>
 
 #include "scheduler_impl.h"
 
@@ -55,7 +57,7 @@ void Scheduler::finish_open(Open& o) {
 }
 
 void Scheduler::end(int64_t handle) {
-  const auto lock = acquire();
+  const auto held = lock();
   if (handle < 0 || handle >= static_cast<int64_t>(open_.size()) || !open_[handle]->active) {
     throw std::invalid_argument("end() got a handle that is not open: " + std::to_string(handle));
   }
@@ -68,7 +70,7 @@ void Scheduler::end(int64_t handle) {
 }
 
 void Scheduler::join() {
-  const auto lock = acquire();
+  const auto held = lock();
   if (!running_) {
     throw std::runtime_error("join() outside a run");
   }
@@ -132,9 +134,22 @@ void Scheduler::release_run() {
 }
 
 void Scheduler::abort() {
-  const auto lock = acquire();
-  // A device error in here must not hide the exception that caused the
-  // abort, nor keep the rest of the cleanup from running.
+  const auto held = lock();
+  // A device error in here must not keep the rest of the cleanup from
+  // running; once it has run, the first one is raised (the caller adds it
+  // to the failure that caused the abort). CUDA errors are sticky: hiding
+  // one would only move it to the next call, far from its cause.
+  std::exception_ptr device_error;
+  const auto attempt = [&](auto&& step) {
+    try {
+      step();
+    } catch (const std::exception&) {
+      if (!device_error) {
+        device_error = std::current_exception();
+      }
+    }
+  };
+  std::string foreign;  // tasks another thread opened: its streams are its own
   for (int64_t h = static_cast<int64_t>(open_.size()) - 1; h >= 0; --h) {
     Open& o = *open_[h];
     if (!o.active || o.task < 0) {
@@ -144,16 +159,21 @@ void Scheduler::abort() {
       // Kernels the failed task queued after begin() have no event yet:
       // mark where they end, as end() would (a copy's receiving stream
       // after its issuing one), so that the callers wait for them below.
-      try {
+      attempt([&] {
         if (o.issue >= 0 && o.issue != o.rec) {
           const int32_t done = record(o.issue, o.who());
           wait(o.rec, done, o.who());
         }
         record(o.rec, o.who());
-      } catch (const std::exception&) {
-      }
+      });
     }
-    restore_streams(o);
+    if (o.thread == std::this_thread::get_id()) {
+      restore_streams(o);
+    } else {
+      // Current streams are per thread: restoring here would change this
+      // thread's, and leave the opener's as the task set them.
+      foreign += (foreign.empty() ? "" : ", ") + std::to_string(o.task);
+    }
     o.active = false;
     open_free_.push_back(h);
   }
@@ -169,22 +189,27 @@ void Scheduler::abort() {
       // one's end, so the callers wait for it all.
       for (int32_t x = 0; x < static_cast<int32_t>(slots_.size()); ++x) {
         if (!is_caller(x) && slots_[x].latest >= 0) {
-          try {
-            record(x, Who{});
-          } catch (const std::exception&) {
-          }
+          attempt([&] { record(x, Who{}); });
         }
       }
     }
-    try {
+    attempt([&] {
       if (segment_caller_ >= 0) {
         join_segment();
       } else {
         caller_waits();
       }
-    } catch (const std::exception&) {
-    }
+    });
     release_run();
+  }
+  if (device_error) {
+    std::rethrow_exception(device_error);
+  }
+  if (!foreign.empty()) {
+    throw std::runtime_error(
+        "abort() ran on another thread than the one that began task(s) " + foreign +
+        ": their streams stay current on that thread; abort a run from the thread that "
+        "issues it");
   }
 }
 

@@ -4,6 +4,7 @@
 // model and events.cpp for ordering.
 #include <algorithm>
 #include <stdexcept>
+#include <thread>
 
 #include "scheduler_impl.h"
 
@@ -89,24 +90,25 @@ Scheduler::Scheduler(std::vector<SlotSpec> stage_slots, std::vector<SlotSpec> ca
 }
 
 Scheduler::~Scheduler() {
-  // Streams a failed task made current must not outlive the scheduler.
+  // Streams a failed task made current must not outlive the scheduler; only
+  // this thread's can be put back from here (current streams are per thread).
   for (auto& o : open_) {
-    if (o && o->active) {
+    if (o && o->active && o->thread == std::this_thread::get_id()) {
       restore_streams(*o);
     }
   }
 }
 
-std::unique_lock<std::mutex> Scheduler::acquire() const {
-  std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
-  if (!lock.owns_lock()) {
+std::unique_lock<std::mutex> Scheduler::lock() const {
+  std::unique_lock<std::mutex> held(mu_, std::try_to_lock);
+  if (!held.owns_lock()) {
     if (contention_) {
-      contention_(lock);
+      contention_(held);
     } else {
-      lock.lock();
+      held.lock();
     }
   }
-  return lock;
+  return held;
 }
 
 std::vector<SlotSpec> Scheduler::slots() const {
@@ -173,7 +175,7 @@ int32_t Scheduler::wait_slot(const Task& t) const {
 
 void Scheduler::begin_run(std::shared_ptr<const Schedule> schedule,
                           const std::vector<std::optional<int64_t>>& caller_streams, bool pull) {
-  const auto lock = acquire();
+  const auto held = lock();
   if (running_) {
     throw std::runtime_error(
         "a pipeline run is already in progress on this scheduler (a forward "
@@ -255,6 +257,7 @@ int64_t Scheduler::open(const Who& who, int32_t issue, int32_t rec) {
   o.issue = issue;
   o.rec = rec;
   o.active = true;
+  o.thread = std::this_thread::get_id();
   const int32_t at = issue >= 0 ? issue : rec;
   log(OpCode::kRun, at, -1, who);
   // The task's device becomes current too: code in a stage that asks for
@@ -287,7 +290,7 @@ void Scheduler::restore_streams(Open& o) {
 }
 
 int64_t Scheduler::begin(int32_t task) {
-  const auto lock = acquire();
+  const auto held = lock();
   if (!running_) {
     throw std::runtime_error("begin() outside a run; call begin_run() first");
   }
@@ -309,12 +312,14 @@ int64_t Scheduler::begin(int32_t task) {
   // stage reading a skip connection and the stage after it waits only on
   // the latter.
   // Clocks only compare within a segment.
+  // Reads every dependency's event, so none may go back to the pool before
+  // the loop below has asked about all of them (the unrefs come after it).
   const auto implied = [&](int32_t d) {
-    const EventRec& rec = events_[task_event_[d]];
+    const EventRec& rec = held_event(task_event_[d]);
     return std::any_of(t.deps.begin(), t.deps.end(), [&](int32_t other) {
       return other != d && !crossing(other) &&
              task_slots(schedule_->tasks[other]).second != at &&
-             events_[task_event_[other]].vc[rec.slot] >= rec.seq;
+             held_event(task_event_[other]).vc[rec.slot] >= rec.seq;
     });
   };
   const size_t first_crossing = crossing_.size();
@@ -332,7 +337,9 @@ int64_t Scheduler::begin(int32_t task) {
     } else if (!implied(d)) {
       wait(at, task_event_[d], who);
     }
-    if (!same_slot) {
+  }
+  for (int32_t d : t.deps) {
+    if (task_slots(schedule_->tasks[d]).second != at) {
       --pending_[d];
       unref(task_event_[d]);
     }
@@ -361,7 +368,7 @@ int64_t Scheduler::begin(int32_t task) {
 }
 
 int64_t Scheduler::begin_grad_copy(int32_t stage, int32_t peer, int32_t micro) {
-  const auto lock = acquire();
+  const auto held = lock();
   if (stage < 0 || peer <= stage || peer >= stages_) {
     throw std::out_of_range("gradient copy from stage " + std::to_string(peer) + " to " +
                             std::to_string(stage) + " is outside the pipeline");
@@ -377,17 +384,17 @@ int64_t Scheduler::begin_grad_copy(int32_t stage, int32_t peer, int32_t micro) {
 }
 
 void Scheduler::set_autograd_orders_grad_copies(bool on) {
-  const auto lock = acquire();
+  const auto held = lock();
   autograd_orders_ = on;
 }
 
 bool Scheduler::autograd_orders_grad_copies() const {
-  const auto lock = acquire();
+  const auto held = lock();
   return autograd_orders_;
 }
 
 bool Scheduler::running() const {
-  const auto lock = acquire();
+  const auto held = lock();
   return running_;
 }
 

@@ -115,7 +115,9 @@ class Scheduler {
   // open (work it queued after begin() has no event otherwise), makes the
   // caller's streams wait on everything the run queued, restores the streams
   // and releases all events. Safe to call at any time; the next run starts
-  // clean.
+  // clean. Then raises the first device error met on the way (a sticky CUDA
+  // error), or, when another thread began a task still open, says that its
+  // streams could not be restored from here.
   void abort();
   bool running() const;
 
@@ -149,6 +151,13 @@ class Scheduler {
   std::vector<std::pair<int32_t, int32_t>> take_crossing();  // (producer task, slot)
   int32_t external_record(int32_t task);
   int32_t segment() const;  // the current segment, -1 outside one
+
+  // Whether a CUDA graph is capturing this scheduler's streams (set by the
+  // code that captures: c10 cannot tell). While it is, a host wait on device
+  // work (a placeholder slot after a device slot) and timing are refused:
+  // neither can be held in a graph.
+  void set_capturing(bool on);
+  bool capturing() const;
 
   // Recording of every stream operation.
   void set_recording(bool on);
@@ -205,8 +214,10 @@ class Scheduler {
   // The slot a task's waits go to: where its work is issued.
   int32_t wait_slot(const Task& t) const;
 
-  int32_t acquire(int32_t slot);
+  int32_t take_event(int32_t slot);  // a free event of the slot's pool, or a new one
   void unref(int32_t event);
+  // An event some run still holds (refs > 0); throws on one back in the pool.
+  const EventRec& held_event(int32_t event) const;
   int32_t record(int32_t slot, const Who& who);
   void wait(int32_t slot, int32_t event, const Who& who);
   void log(OpCode op, int32_t slot, int32_t event, const Who& who);
@@ -224,7 +235,7 @@ class Scheduler {
   bool same_group(int32_t task) const;  // in an earlier segment of this one's group
   void ensure_reference();
   void timing_mark(Open& o, bool start);
-  int32_t acquire_timing_event(int32_t slot);
+  int32_t take_timing_event(int32_t slot);
   // Turns a finished task's events into times and returns them to the pool;
   // without `wait`, only if they have completed. Returns whether resolved.
   bool resolve(TimedTask& t, bool wait);
@@ -253,6 +264,7 @@ class Scheduler {
   std::vector<bool> external_after_;  // per slot: an external record since its latest
 
   bool recording_ = false;
+  bool capturing_ = false;
   std::vector<PlanOp> plan_;
   bool autograd_orders_ = false;
   bool pull_ = false;  // this run's copies between devices run on the receiver
@@ -269,7 +281,9 @@ class Scheduler {
   int64_t runs_ = 0;  // begin_run calls since timing was cleared
   int64_t timing_generation_ = 0;  // bumped by clear_timings
 
-  std::unique_lock<std::mutex> acquire() const;
+  // Takes the scheduler's mutex (through the contention hook when another
+  // thread holds it).
+  std::unique_lock<std::mutex> lock() const;
 
   mutable std::mutex mu_;
   ContentionHook contention_ = nullptr;

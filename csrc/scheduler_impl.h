@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <optional>
+#include <thread>
 #include <vector>
 
 #include "scheduler.h"
@@ -64,6 +65,7 @@ struct Scheduler::Open {
   int32_t timed = -1;
   int64_t timed_generation = 0;  // a clear_timings in between voids `timed`
   bool active = false;
+  std::thread::id thread;  // which thread's current streams the task changed
 
   Who who() const { return Who{task, kind, stage, peer, micro}; }
 };

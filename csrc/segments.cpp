@@ -48,7 +48,7 @@ bool Scheduler::same_group(int32_t task) const {
 }
 
 void Scheduler::begin_segment(int32_t caller, std::optional<int64_t> stream, int32_t group) {
-  const auto lock = acquire();
+  const auto held = lock();
   if (!running_) {
     throw std::runtime_error("begin_segment() outside a run; call begin_run() first");
   }
@@ -78,7 +78,7 @@ void Scheduler::begin_segment(int32_t caller, std::optional<int64_t> stream, int
 }
 
 void Scheduler::end_segment() {
-  const auto lock = acquire();
+  const auto held = lock();
   if (segment_caller_ < 0) {
     throw std::runtime_error("end_segment() without an open segment");
   }
@@ -108,14 +108,14 @@ void Scheduler::join_segment() {
 }
 
 std::vector<std::pair<int32_t, int32_t>> Scheduler::take_crossing() {
-  const auto lock = acquire();
+  const auto held = lock();
   std::vector<std::pair<int32_t, int32_t>> out;
   out.swap(crossing_);
   return out;
 }
 
 int32_t Scheduler::external_record(int32_t task) {
-  const auto lock = acquire();
+  const auto held = lock();
   if (!running_ || task < 0 || task >= static_cast<int32_t>(schedule_->tasks.size()) ||
       task_event_[task] < 0) {
     throw std::runtime_error("external_record(" + std::to_string(task) +
@@ -129,7 +129,7 @@ int32_t Scheduler::external_record(int32_t task) {
 }
 
 int32_t Scheduler::segment() const {
-  const auto lock = acquire();
+  const auto held = lock();
   return segment_caller_ >= 0 ? segment_ : -1;
 }
 

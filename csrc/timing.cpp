@@ -1,5 +1,7 @@
 // Observation of a scheduler: the recorded plan, per-task timing (device
 // events on streams, the host clock on placeholders) and pool statistics.
+#include <stdexcept>
+
 #include "scheduler_impl.h"
 
 namespace mpstream {
@@ -7,27 +9,32 @@ namespace mpstream {
 using detail::now_ns;
 
 void Scheduler::set_recording(bool on) {
-  const auto lock = acquire();
+  const auto held = lock();
   recording_ = on;
 }
 
 bool Scheduler::recording() const {
-  const auto lock = acquire();
+  const auto held = lock();
   return recording_;
 }
 
 std::vector<PlanOp> Scheduler::plan() const {
-  const auto lock = acquire();
+  const auto held = lock();
   return plan_;
 }
 
 void Scheduler::clear_plan() {
-  const auto lock = acquire();
+  const auto held = lock();
   plan_.clear();
 }
 
 void Scheduler::set_timing(bool on) {
-  const auto lock = acquire();
+  const auto held = lock();
+  if (on && capturing_) {
+    throw std::runtime_error(
+        "timing cannot start while a CUDA graph captures this scheduler's streams: its "
+        "events would be recorded into the graph, and a replay times nothing");
+  }
   timing_ = on;
   if (on) {
     // Now rather than at the next run: a caller that synchronized its
@@ -37,8 +44,24 @@ void Scheduler::set_timing(bool on) {
   }
 }
 
+void Scheduler::set_capturing(bool on) {
+  const auto held = lock();
+  if (on && timing_) {
+    throw std::runtime_error(
+        "a CUDA graph cannot capture this scheduler's streams while timing is on: its "
+        "events would be recorded into the graph, and a replay times nothing; switch "
+        "timing off first");
+  }
+  capturing_ = on;
+}
+
+bool Scheduler::capturing() const {
+  const auto held = lock();
+  return capturing_;
+}
+
 bool Scheduler::timing() const {
-  const auto lock = acquire();
+  const auto held = lock();
   return timing_;
 }
 
@@ -59,7 +82,7 @@ void Scheduler::ensure_reference() {
   have_reference_ = true;
 }
 
-int32_t Scheduler::acquire_timing_event(int32_t slot) {
+int32_t Scheduler::take_timing_event(int32_t slot) {
   const Slot& s = slots_[slot];
   auto& free = timing_free_[s.pool];
   if (!free.empty()) {
@@ -89,7 +112,7 @@ void Scheduler::timing_mark(Open& o, bool start) {
   const int32_t slot = start ? t.start_slot : t.slot;
   const Slot& s = slots_[slot];
   if (s.stream) {
-    const int32_t ev = acquire_timing_event(slot);
+    const int32_t ev = take_timing_event(slot);
     timing_events_[ev]->record(*s.stream);
     (start ? t.start : t.end) = ev;
   } else {
@@ -148,7 +171,7 @@ void Scheduler::harvest_timings() {
 }
 
 int64_t Scheduler::begin_mark(Kind kind, int32_t stage, int32_t micro) {
-  const auto lock = acquire();
+  const auto held = lock();
   if (!timing_) {
     return -1;
   }
@@ -166,7 +189,7 @@ int64_t Scheduler::begin_mark(Kind kind, int32_t stage, int32_t micro) {
 }
 
 void Scheduler::end_mark(int64_t mark) {
-  const auto lock = acquire();
+  const auto held = lock();
   if (mark < 0) {
     return;  // timing was off when the mark began
   }
@@ -177,7 +200,7 @@ void Scheduler::end_mark(int64_t mark) {
 }
 
 std::vector<Timing> Scheduler::timings() {
-  const auto lock = acquire();
+  const auto held = lock();
   std::vector<Timing> out;
   for (auto& t : timed_) {
     if (!resolve(t, true)) {
@@ -191,7 +214,7 @@ std::vector<Timing> Scheduler::timings() {
 }
 
 void Scheduler::clear_timings() {
-  const auto lock = acquire();
+  const auto held = lock();
   for (auto& t : timed_) {
     for (int32_t ev : {t.start, t.end}) {
       if (ev >= 0) {
@@ -215,12 +238,12 @@ void Scheduler::clear_timings() {
 }
 
 int64_t Scheduler::events_created() const {
-  const auto lock = acquire();
+  const auto held = lock();
   return static_cast<int64_t>(events_.size());
 }
 
 int64_t Scheduler::events_free() const {
-  const auto lock = acquire();
+  const auto held = lock();
   int64_t n = 0;
   for (const auto& f : free_) {
     n += static_cast<int64_t>(f.size());
@@ -229,7 +252,7 @@ int64_t Scheduler::events_free() const {
 }
 
 int64_t Scheduler::timing_events_created() const {
-  const auto lock = acquire();
+  const auto held = lock();
   return static_cast<int64_t>(timing_events_.size());
 }
 

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
+from .pipe.module import unsplit
 from .pipe.pipe import Pipe
 from .runtime.microbatch import Value
 from .stages.sequential import DeviceLike
@@ -88,7 +89,9 @@ def wrap(pipe: Pipe, **ddp_kwargs: Any) -> DistributedDataParallel:
 
     Raises:
         TypeError: ``pipe`` is not a :class:`~mpstream.Pipe`.
-        RuntimeError: ``torch.distributed`` is not initialised.
+        RuntimeError: ``torch.distributed`` is not initialised, or the
+            pipe is not split yet (a module split by ``torch.export``
+            without ``sample=``: call it once first).
         ValueError: ``device_ids``/``output_device`` given; ``mixed_precision``
             or delayed all-reduce requested; stages on several device types;
             the process group's backend cannot reduce tensors on the stages'
@@ -96,6 +99,9 @@ def wrap(pipe: Pipe, **ddp_kwargs: Any) -> DistributedDataParallel:
     """
     if not isinstance(pipe, Pipe):
         raise TypeError(f"wrap takes an mpstream.Pipe, got {type(pipe).__name__}")
+    if pipe.__dict__["_graph"] is None:
+        # DDP buckets the parameters where they sit now; the split moves them.
+        raise unsplit("mpstream.distributed.wrap")
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "torch.distributed is not initialised: call torch.distributed.init_process_group() "

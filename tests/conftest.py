@@ -1,19 +1,13 @@
-"""Shared pytest configuration: seeding, clean CUDA skips, and the property
-tests left out where hypothesis is not installed (the GPU machine has none)."""
+"""Shared pytest configuration: seeding and clean CUDA skips.
+
+The property tests (``pipe/test_random_models.py``, ``pipe/test_random_failures.py``
+and their helper ``random_models.py``) skip themselves, with a reason in the
+report, where hypothesis is not installed (the GPU machine has none)."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
-
-if importlib.util.find_spec("hypothesis") is None:
-    collect_ignore = [
-        "random_models.py",
-        "pipe/test_random_models.py",
-        "pipe/test_random_failures.py",
-    ]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

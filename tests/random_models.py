@@ -20,6 +20,10 @@ order for a pipe's stage graph; and comparisons of a Pipe with the model.
 
 from __future__ import annotations
 
+import pytest
+
+pytest.importorskip("hypothesis", reason="a property test: needs hypothesis (the dev extra)")
+
 import copy
 import random
 from dataclasses import dataclass

@@ -75,6 +75,17 @@ def test_wrap_rejects_what_cannot_work_with_a_pipeline(group: None, name: str, w
         mpdist.wrap(pipe, **{name: object()})
 
 
+def test_wrap_refuses_a_pipe_split_at_its_first_call_before_it(group: None) -> None:
+    from tests.stages.test_export import Shaped
+
+    # DDP would bucket the parameters before the split places them.
+    pipe = Pipe(Shaped(), split_points=["head"], devices=["cpu", "cpu"])
+    with pytest.raises(RuntimeError, match=r"wrap needs .* not split yet.*Call the pipe once"):
+        mpdist.wrap(pipe)
+    pipe(torch.randn(4, 4))
+    assert isinstance(mpdist.wrap(pipe), DistributedDataParallel)
+
+
 @pytest.mark.parametrize(
     ("devices", "config", "message"),
     [

@@ -70,6 +70,7 @@ def test_the_cuda_graph_experiment_says_it_needs_cuda() -> None:
     assert "needs a CUDA device" in result.stderr
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_the_cuda_graph_experiment_reports_every_attempt(tmp_path: Path) -> None:
     out = tmp_path / "graph.json"

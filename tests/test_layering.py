@@ -159,3 +159,46 @@ def test_an_import_of_the_facade_counts_as_what_it_reaches() -> None:
 
 def test_figures_imports_no_mpstream_module() -> None:
     assert imports(PACKAGE / "observe" / "figures.py") == []
+
+
+def _module_imports() -> dict[str, set[str]]:
+    """Module -> the mpstream modules it imports (type-checking imports too:
+    a circle only the type checker follows still ties two modules in one)."""
+    names = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in names.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join(base + [node.module] if node.module else base)
+                if not node.level:
+                    module = node.module or ""
+                for alias in node.names:
+                    target = f"{module}.{alias.name}"
+                    found.add(target if target in names else module)
+            elif isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+        graph[name] = {
+            t for t in found if t in names and t != name and not t.startswith(name + ".")
+        }
+    return graph
+
+
+def test_no_module_imports_itself_in_a_circle() -> None:
+    graph = _module_imports()
+    circles = []
+    for start in graph:  # depth-first from each module: small graph, plain search
+        stack = [(start, [start])]
+        while stack:
+            node, path = stack.pop()
+            for nxt in graph[node]:
+                if nxt == start and len(path) > 1:
+                    circles.append(" -> ".join([*path, start]))
+                elif nxt not in path and nxt > start:  # each circle once, from its smallest
+                    stack.append((nxt, [*path, nxt]))
+    assert not circles, "import circles:\n" + "\n".join(circles)

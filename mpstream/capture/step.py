@@ -264,11 +264,11 @@ class CapturedStep:
                 graph = torch.cuda.CUDAGraph()
                 # Undone if it fails (unlike torch.cuda.graph); a loader thread may run.
                 own = torch.cuda.graph_pool_handle() if pool is None else pool
-                with _current(sides), capturing(graph, own):
+                with self.pipe.scheduler.captured(), _current(sides), capturing(graph, own):
                     self._loss = self._step()
             else:
                 edges = GraphEdges(sides)
-                with _current(sides):
+                with self.pipe.scheduler.captured(), _current(sides):
                     edges.begin_step()
                     self._loss = self._step(edges)
                     edges.end_step()

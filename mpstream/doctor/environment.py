@@ -19,6 +19,7 @@ import torch
 
 from .. import _ext
 from .._version import __version__
+from ..runtime import missing as missing_private_calls
 from ..tutorial.bench import device_name, git_commit
 from .diagnosis import FAIL, PASS, SKIP, Check, Context, StepResult, overall
 
@@ -114,7 +115,8 @@ def collect(devices: tuple[torch.device, torch.device]) -> dict[str, Any]:
 
 
 def run(ctx: Context) -> StepResult:
-    """Collects the environment; FAILs only if the extension does not fit the torch."""
+    """Collects the environment; FAILs only if the extension does not fit the
+    torch or the torch lacks a private call mpstream makes."""
     env = collect(ctx.devices)
     ctx.shared["environment"] = env
     ext = env["extension"]
@@ -125,6 +127,14 @@ def run(ctx: Context) -> StepResult:
             f"built for {ext.get('built_for_torch')}" if ext["ok"] else ext["error"],
         )
     ]
+    lacking = [f"{p.module}.{p.name} ({p.needed_for})" for p in missing_private_calls()]
+    checks.append(
+        Check(
+            "torch's private calls mpstream makes",
+            FAIL if lacking else PASS,
+            f"missing: {', '.join(lacking)}" if lacking else "all present",
+        )
+    )
     if env["gpus"]:
         names = sorted({g["name"] for g in env["gpus"]})
         memory = env["gpus"][0]["memory_gib"]

@@ -64,7 +64,7 @@ class Profile(Timeline):
         for i, pipe in enumerate(self._pipes):
             sched = pipe.scheduler
             prefix = f"pipe{i}/" if many else ""
-            count = len(pipe.partitions)
+            count = len(pipe.devices)  # one per stage, known before a first-call split
             if many:
                 self.meta.setdefault("pipe_stages", []).append([first, first + count])
             times = sched.timings()

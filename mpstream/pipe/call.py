@@ -5,7 +5,8 @@
 construction and the training step): ``forward``, and how a call's
 arguments become the pipeline's inputs, which ``train_step`` shares. A
 traced module first switches to the split of the call's kind (see
-:mod:`~mpstream.stages.kinds`), with its own stages and runtime.
+:mod:`~mpstream.stages.kinds`), with its own stages and runtime; a module
+exported at its first call (no ``sample=``) gets its first split so.
 """
 
 from __future__ import annotations
@@ -62,7 +63,10 @@ class PipeCall(PipeConfig):
         Raises:
             TypeError: no tensor to split, an unsupported input or stage
                 output (the stage is named), keyword arguments to a
-                Sequential pipe.
+                Sequential pipe; ``torch.export`` could not export a call
+                of a new kind (the first one too, for a pipe built without
+                ``sample=``: it then stays unsplit, and the next call tries
+                again).
             ValueError: an empty batch, or tensors of different batch sizes
                 (wrap one meant whole in :class:`~mpstream.NoChunk`).
 

@@ -34,7 +34,7 @@ from ..schedules.schedule import (
 from ..stages.sequential import check_positive
 from ..stages.tracers import SplitReport
 from .compiling import compile_stages
-from .module import PipeModule
+from .module import PipeModule, unsplit
 
 __all__ = ["PipeConfig"]
 
@@ -61,7 +61,13 @@ class PipeConfig(PipeModule):
 
     @property
     def balance(self) -> list[int]:
-        """Layers per stage (traced operations per stage for a traced module)."""
+        """Layers per stage (traced operations per stage for a traced module).
+
+        Raises:
+            RuntimeError: the pipe is not split yet (call it once first).
+        """
+        if self.__dict__["_balance"] is None:
+            raise unsplit("pipe.balance")
         return list(self.__dict__["_balance"])
 
     @property
@@ -124,16 +130,19 @@ class PipeConfig(PipeModule):
 
     @property
     def scheduler(self) -> EventScheduler:
-        """The event scheduler and stage streams (created on first use)."""
-        return self._rt()[0]
+        """The event scheduler and stage streams (created on first use; one
+        per device list, so it exists before a first-call split too)."""
+        # One scheduler (streams, timing, plan recording) for the runtime of
+        # every kind of call a traced module is split for.
+        sched = self.__dict__.get("_scheduler")
+        if sched is None:
+            sched = self.__dict__["_scheduler"] = EventScheduler(self.devices)
+        return sched  # type: ignore[no-any-return]
 
     def _rt(self) -> tuple[EventScheduler, Worker, dict[tuple[Any, ...], Schedule]]:
         rt = self.__dict__["_runtime"]
         if rt is None:
-            # One scheduler (streams, timing, plan recording) for the runtime
-            # of every kind of call a traced module is split for.
-            sched = self.__dict__.get("_scheduler") or EventScheduler(self.devices)
-            self.__dict__["_scheduler"] = sched
+            sched = self.scheduler
             stages = compile_stages(list(self.partitions), self.__dict__["_compile"])
             labels = self._labels()
             graphed = self.__dict__["_graphed"]
@@ -170,17 +179,27 @@ class PipeConfig(PipeModule):
 
         Raises:
             ValueError: the pipe was built without ``graphs=True``.
+            RuntimeError: the pipe is not split yet (call it once first).
         """
         if not self.graphed:
             raise ValueError("this pipe replays no graphs: build it with Pipe(..., graphs=True)")
+        if self.__dict__["_graph"] is None:
+            raise unsplit("pipe.graph_report()")
         graphs = self._rt()[1].graphs
         assert graphs is not None
         return graphs.report()
 
     @property
     def graph(self) -> StageGraph:
-        """Where each stage's arguments come from (a chain for a Sequential)."""
-        return self.__dict__["_graph"]  # type: ignore[no-any-return]
+        """Where each stage's arguments come from (a chain for a Sequential).
+
+        Raises:
+            RuntimeError: the pipe is not split yet (call it once first).
+        """
+        graph = self.__dict__["_graph"]
+        if graph is None:
+            raise unsplit("pipe.graph")
+        return graph  # type: ignore[no-any-return]
 
     def schedule_for(
         self,

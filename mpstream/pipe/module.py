@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ..runtime import private
 from ..stages.fx import Traced
 from ..stages.placement import rebind
 from ..stages.traced import FxSplit
@@ -26,19 +27,38 @@ from ..stages.tracers import Binder
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self needs Python 3.11
 
-__all__ = ["PipeModule"]
+__all__ = ["PipeModule", "unsplit"]
+
+
+def unsplit(what: str) -> RuntimeError:
+    """The error for ``what`` asked of a pipe not split yet (a module split
+    by ``torch.export`` without ``sample=`` is split at its first call)."""
+    return RuntimeError(
+        f"{what} needs the pipe's stages, and this pipe is not split yet: torch.export "
+        f"splits its module at the first call, whose arguments are the example. Call the "
+        f"pipe once (or pass sample=, an example call, to Pipe) first"
+    )
 
 
 class PipeModule(nn.Module):
     """Base of :class:`~mpstream.Pipe`: layers, fixed placement, pickling.
 
-    Expects ``_partitions`` (one module per stage), ``_root`` (the traced
-    module, or None for a Sequential) and ``_runtime`` in ``__dict__``.
+    Expects ``_partitions`` (one module per stage; none until a module
+    exported at its first call is split), ``_graph`` (None until then),
+    ``_root`` (the traced module, or None for a Sequential) and
+    ``_runtime`` in ``__dict__``.
     """
 
     @property
     def partitions(self) -> nn.ModuleList:
-        """One ``nn.Sequential`` per stage."""
+        """One module per stage (an ``nn.Sequential``, or a traced split's
+        ``GraphModule``).
+
+        Raises:
+            RuntimeError: the pipe is not split yet (call it once first).
+        """
+        if self.__dict__["_graph"] is None:
+            raise unsplit("pipe.partitions")
         return self.__dict__["_partitions"]  # type: ignore[no-any-return]
 
     # -- a traced module's layers and tensors ---------------------------
@@ -71,8 +91,8 @@ class PipeModule(nn.Module):
             root._parameters[name] = param
         for name, buf in self._buffers.items():
             root._buffers[name] = buf
-        for part in self.partitions:
-            rebind(part, root)  # type: ignore[arg-type]
+        for part in self.__dict__["_partitions"]:  # none before a first-call split
+            rebind(part, root)
 
     def _apply(self, fn: Any, recurse: bool = True) -> Self:  # type: ignore[override]
         # Reached by a holder's .to()/.cuda() (or .to_empty() to another
@@ -210,7 +230,7 @@ class PipeModule(nn.Module):
     def to(self, *args: Any, **kwargs: Any) -> Self:  # type: ignore[override]
         """Converts dtype (``.to(torch.half)``); device moves raise ``TypeError``
         (a "move" to where every stage already is changes nothing)."""
-        device, _, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        device, _, _, _ = private.parse_to(*args, **kwargs)
         if device is not None and not self._stays(device):
             raise TypeError(
                 "Pipe's stages are placed at construction; .to(device) would move them all "

@@ -85,7 +85,8 @@ class Pipe(PipeCall):
             module: a tuple of positional arguments, a dict of keyword
             arguments, or the one input), for ``balance='time'|'size'``; a
             traced module is first split for its kind of call (its None
-            arguments), and ``torch.export`` needs one.
+            arguments). ``torch.export`` needs an example call: without
+            one it splits the module at the first call, on its arguments.
         force_copies: for experiments: copy every micro-batch between
             consecutive stages (and its gradient back) on the copy streams
             even when they share a device, as between two GPUs. With all
@@ -106,12 +107,17 @@ class Pipe(PipeCall):
             Face model with ``torch.export`` and any other module with
             ``torch.fx``, falling back to ``torch.export`` where ``torch.fx``
             fails; ``'fx'`` or ``'export'`` uses only that one.
-            ``torch.export`` needs an example call, ``sample=`` (a dict of
-            keyword arguments, a tuple or the one input; a Hugging Face
-            model's ``dummy_inputs`` otherwise), and exports again for a
-            call of another kind (other arguments, shapes beyond the batch
-            dimension, training mode or dtypes). :meth:`split_report` says
-            which tracer split the module and why.
+            ``torch.export`` needs an example call: ``sample=`` (a dict of
+            keyword arguments, a tuple or the one input), a Hugging Face
+            model's ``dummy_inputs``, or else the first call, which then
+            splits the module and places its tensors on ``devices``
+            (``parameters()``, ``state_dict()``, ``train()`` and dtype
+            conversion work before it; ``graph``, ``partitions``,
+            ``balance`` and ``schedule_for`` raise ``RuntimeError`` until
+            it). It exports again for a call of another kind (other
+            arguments, shapes beyond the batch dimension, training mode or
+            dtypes). :meth:`split_report` says which tracer split the
+            module and why.
         compile: ``True`` or a dict of ``torch.compile`` keyword arguments
             (e.g. ``{"backend": "aot_eager"}``): each stage's partition is
             compiled. The layers stay registered uncompiled, so
@@ -139,7 +145,8 @@ class Pipe(PipeCall):
     Raises:
         TypeError: ``module`` is neither an ``nn.Sequential`` nor given
             ``split_points``; tracing and exporting failed (the message
-            names the module, each tracer's reason and what to do);
+            names the module, each tracer's reason and what to do; without
+            ``sample=``, the export fails at the first call instead);
             ``chunks`` or ``split_size`` is not an int.
         ValueError: ``chunks``/``split_size`` < 1 or both given; a layer is
             repeated; a stage spans devices or sits on a device that does not
@@ -205,7 +212,11 @@ class Pipe(PipeCall):
         # A failure undoes the conversion: the caller's model is as it was.
         with converted(module) if deferred_batch_norm else nullcontext(module) as module:
             built = build(module, balance, devices, sample, split_points, leaf_modules, tracer)
-            check_schedule(self.schedule, built.devices, built.graph.reads(), self.virtual_stages)
+            if built.graph is not None:
+                reads = built.graph.reads()
+                check_schedule(self.schedule, built.devices, reads, self.virtual_stages)
+            elif isinstance(self.schedule, str):  # an order is checked at the first-call split
+                check_schedule(self.schedule, built.devices, (), self.virtual_stages)
         if built.layers is not None:
             for name, layer in built.layers:
                 self.add_module(name, layer)
@@ -398,7 +409,7 @@ class Pipe(PipeCall):
         found = self.__dict__.get("_param_lists")
         now = generation()
         if found is None or found[0] != now:
-            found = (now, [list(part.parameters()) for part in self.partitions])
+            found = (now, [list(part.parameters()) for part in self.__dict__["_partitions"]])
             self.__dict__["_param_lists"] = found
         return found[1]  # type: ignore[no-any-return]
 
@@ -419,7 +430,7 @@ class Pipe(PipeCall):
         traced module's root (not registered on the pipe), whose flag its
         ``forward`` may read."""
         super().train(mode)
-        self.partitions.train(mode)
+        self.__dict__["_partitions"].train(mode)  # none before a first-call split
         root = self.__dict__["_root"]
         if root is not None:
             root.training = mode
@@ -430,4 +441,6 @@ class Pipe(PipeCall):
             f"split_size={self._split_size}" if self._split_size else f"chunks={self._chunks or 1}"
         )
         devs = ", ".join(str(d) for d in self.__dict__["_devices"])
-        return f"{split}, balance={self.__dict__['_balance']}, devices=[{devs}]"
+        balance = self.__dict__["_balance"]
+        cut = f"balance={balance}" if balance is not None else "split at the first call"
+        return f"{split}, {cut}, devices=[{devs}]"

@@ -11,7 +11,8 @@ replays stage calls from CUDA graphs instead of issuing their kernels, and
 :mod:`.segmented` issues a step segment by segment for capture;
 :mod:`.microbatch` gathers. :mod:`.plan` records and verifies a run's stream operations without
 a device. :mod:`.stream` makes CPU and CUDA look alike, :mod:`.errors` and
-:mod:`.marks` say where a failure and a backward happened.
+:mod:`.marks` say where a failure and a backward happened, and
+:mod:`.private` holds every private torch call mpstream makes.
 
 May import :mod:`mpstream.schedules`, :mod:`mpstream.memory` and the
 extension loader; never the stages, the pipe or any tool.
@@ -24,6 +25,7 @@ from .graph import Ref, StageGraph
 from .graphed import GraphReport, GraphWarning
 from .microbatch import NoChunk, Value, as_value
 from .plan import Plan, PlanError, record_plan, verify_plan
+from .private import PrivateApiError, missing
 from .scheduler import EventScheduler, PlanOp
 from .split_backward import backward_inputs
 from .stream import explicit_device, synchronize
@@ -47,4 +49,6 @@ __all__ = [
     "backward_inputs",
     "synchronize",
     "explicit_device",
+    "PrivateApiError",
+    "missing",
 ]

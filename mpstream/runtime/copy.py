@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 from torch.autograd import profiler
 
+from . import private
 from .microbatch import gradless
 from .stream import AnyStream, current_stream, record_stream
 from .transfer import GradLink, to_device, to_host
@@ -136,7 +137,7 @@ class Copy(torch.autograd.Function):
             ]
             return (None, *moved)
         scope: AbstractContextManager[object] = nullcontext()
-        if torch._C._autograd._profiler_enabled():
+        if private.profiler_enabled():
             scope = profiler.record_function(f"mpstream/copy_grad/stage{stage}/mb{route.micro}")
         consumer = sched.compute_streams[stage]
         handle = sched.begin_grad_copy(stage, route.peer, route.micro)

@@ -34,6 +34,14 @@ __all__ = ["enable_peer_access", "pull"]
 _ext.load()  # registers torch.ops.mpstream
 
 
+@torch.library.register_fake("mpstream::peer_view")  # type: ignore[untyped-decorator]
+def _peer_view_fake(src: Tensor, device: torch.device) -> Tensor:
+    """What the view looks like, for meta and fake tensors (tracing,
+    ``torch.export``, shape propagation): ``src``'s sizes, strides and
+    dtype on ``device``."""
+    return torch.empty_strided(src.size(), src.stride(), dtype=src.dtype, device=device)
+
+
 def pull(x: Tensor, device: torch.device) -> Tensor:
     """A copy of ``x`` on ``device``, made on ``device``'s current stream.
 

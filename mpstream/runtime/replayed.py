@@ -47,6 +47,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import Node, get_gradient_edge
 
+from . import private
 from .boundary import _ANCHOR, Cutting, Grads, sum_grads
 from .graph import ALL, Ref, Routes
 from .graphed import GraphedCall, StageGraphs
@@ -371,12 +372,11 @@ def _accumulates() -> bool:
     (where the anchor, an input of every replay, is not asked for)."""
     node: Node = get_gradient_edge(_ANCHOR).node
     try:
-        return bool(torch._C._will_engine_execute_node(node))
+        return private.will_engine_execute_node(node)
     except RuntimeError:
         return False
 
 
 def _graph_task() -> int:
     """The running backward pass's id (-1 where torch cannot tell)."""
-    query = getattr(torch._C, "_current_graph_task_id", None)
-    return -1 if query is None else int(query())
+    return private.current_graph_task_id()

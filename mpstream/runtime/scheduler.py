@@ -13,12 +13,14 @@ import warnings
 import weakref
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import torch
 
 from .. import _ext
 from ..schedules.schedule import Schedule
+from .errors import annotate
 from .stream import AnyStream, current_stream, device_type_code, is_cuda, new_stream, stream_id
 
 __all__ = [
@@ -65,6 +67,18 @@ class TaskTime(NamedTuple):
     run: int
     peer: int = -1
     issue_ms: float = 0.0  # host time spent issuing the task (between its begin and end)
+
+
+def device_failure(devices: Sequence[torch.device]) -> str | None:
+    """How the first of ``devices`` that fails a synchronize fails (None: none does)."""
+    for d in devices:
+        if d.type != "cuda":
+            continue
+        try:
+            torch.cuda.synchronize(d)
+        except Exception as exc:  # a CUDA error surfaces as RuntimeError or AcceleratorError
+            return f"{d} still fails ({(str(exc).strip().splitlines() or [''])[0]})"
+    return None
 
 
 # Schedulers whose streams are alive, to spot streams shared between pipes.
@@ -148,6 +162,9 @@ class EventScheduler:
         self.native: Any = _C.Scheduler(stage_slots, caller_slots, caller_of_stage, io_slots)
         self.native.autograd_orders_grad_copies = AUTOGRAD_ORDERS_GRAD_COPIES
         self._segment_stream: AnyStream | None = None
+        #: A device error met ending a failed run (:meth:`abort`), until
+        #: :meth:`check_device` finds the devices working again.
+        self.device_error: str | None = None
         if not virtual:
             self._check_aliasing()
             _LIVE.add(self)
@@ -231,10 +248,62 @@ class EventScheduler:
         self.native.join()
         self._segment_stream = None
 
-    def abort(self) -> None:
-        """Ends a failed run: restores streams and releases its events."""
+    def abort(self, failure: BaseException | None = None) -> None:
+        """Ends a failed run: restores streams and releases its events.
+
+        Args:
+            failure: what made the run fail. An error met while ending the
+                run (a device error: CUDA's are sticky) is added to it as a
+                note rather than raised in its place; a device error is also
+                kept, for the next run's :meth:`check_device`.
+
+        Raises:
+            RuntimeError: ending the run met an error and there is no
+                ``failure`` to add it to.
+        """
         self._segment_stream = None
-        self.native.abort()
+        try:
+            self.native.abort()
+        except Exception as exc:
+            said = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+            if "abort() ran on another thread" not in str(exc):
+                self.device_error = said
+            if failure is None:
+                raise
+            annotate(failure, f"mpstream: ending the failed run raised too: {said}")
+
+    @contextmanager
+    def captured(self) -> Iterator[None]:
+        """Says to the C++ scheduler that a CUDA graph captures its streams
+        while inside (c10 cannot tell it): it then refuses what a graph
+        cannot hold, a host wait on device work and timing."""
+        self.native.capturing = True
+        try:
+            yield
+        finally:
+            self.native.capturing = False
+
+    def check_device(self) -> None:
+        """Before a run, after :meth:`abort` met a device error: whether the
+        devices work again (a synchronize each); if they do, the error is
+        forgotten.
+
+        Raises:
+            RuntimeError: a device still fails; CUDA errors such as an
+                illegal memory access are sticky, and only a new process
+                recovers.
+        """
+        if self.device_error is None:
+            return
+        broken = device_failure(self.caller_devices)
+        if broken is not None:
+            raise RuntimeError(
+                f"an earlier call of this pipe failed and ending it raised {self.device_error}; "
+                f"{broken}: the error is sticky (the CUDA context is lost), so no call can run "
+                f"in this process: restart it, and find the first failure (CUDA_LAUNCH_BLOCKING=1 "
+                f"names the kernel)"
+            )
+        self.device_error = None
 
     def begin_segment(self, caller: int, stream: AnyStream | None, group: int = -1) -> None:
         """Starts a segment of a segmented run (see :mod:`~mpstream.runtime.segmented`)

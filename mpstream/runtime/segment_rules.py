@@ -10,17 +10,30 @@ holds one device's work. Each rule returns its violations as messages.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:  # plan.py imports these rules
-    from .plan import Plan
+from .scheduler import PlanOp
 
-__all__ = ["unforked", "foreign", "unjoined"]
+__all__ = ["Ops", "unforked", "foreign", "unjoined"]
 
 
-def unforked(plan: Plan, segment_of: Sequence[int]) -> list[str]:
+class Ops(Protocol):
+    """What the rules read of a recorded plan (:class:`~.plan.Plan` has it;
+    a protocol, so that this module does not import the one that imports it)."""
+
+    @property
+    def ops(self) -> list[PlanOp]: ...
+
+    @property
+    def slot_names(self) -> list[str]: ...
+
+    @property
+    def slot_devices(self) -> list[torch.device]: ...
+
+
+def unforked(plan: Ops, segment_of: Sequence[int]) -> list[str]:
     """Streams a segment used before they joined it: a stream takes part in a
     capture only once it waits on an event recorded inside it, so its first
     op in a segment must be such a wait (the caller slot captures from the
@@ -49,7 +62,7 @@ def unforked(plan: Plan, segment_of: Sequence[int]) -> list[str]:
     return problems
 
 
-def foreign(plan: Plan, segment_of: Sequence[int]) -> list[str]:
+def foreign(plan: Ops, segment_of: Sequence[int]) -> list[str]:
     """Streams of another device in a segment: each device's segments are
     captured there, so a copy between devices must run wholly on one side
     (the receiver pulls)."""
@@ -70,7 +83,7 @@ def foreign(plan: Plan, segment_of: Sequence[int]) -> list[str]:
     return problems
 
 
-def unjoined(plan: Plan, segment_of: Sequence[int], reach: Callable[[int], set[int]]) -> list[str]:
+def unjoined(plan: Ops, segment_of: Sequence[int], reach: Callable[[int], set[int]]) -> list[str]:
     """Streams a segment used but did not join into its caller slot before it
     ended: a capture ends only once every stream it forked has rejoined."""
     problems = []

@@ -257,7 +257,7 @@ class SegmentedIssue:
         self.sched.join()
         self.edges.done()
 
-    def abort(self) -> None:
+    def abort(self, failure: BaseException | None = None) -> None:
         # The scheduler first joins every stream the failed segment used
         # into its capturing stream, so that its capture ends as a capture
         # (an unjoined one fails to end). The edges may hold a capture open
@@ -265,7 +265,7 @@ class SegmentedIssue:
         self.handles.clear()
         self.current = -1
         try:
-            self.sched.abort()
+            self.sched.abort(failure)
         finally:
             self.edges.abandon()
 

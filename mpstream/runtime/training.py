@@ -25,6 +25,7 @@ from torch import Tensor
 
 from ..memory.checkpoint import checkpointed
 from ..schedules.schedule import Kind, Schedule, Task
+from . import private
 from .boundary import Cutting, Grads, cut_inputs, roots_of, route_grads, sum_grads
 from .copy import move
 from .graph import Hop, Ref
@@ -186,7 +187,7 @@ def run(
     def route(cutting: Cutting, s: int, m: int) -> None:
         route_grads(cutting, s, m, routes.hop, local, remote, readers, copiers, pulled)
 
-    profiling = torch._C._autograd._profiler_enabled()
+    profiling = private.profiler_enabled()
     labels = list(targets)
     backward_seen: set[int] = set()
     roots: dict[tuple[int, int], list[tuple[tuple[int, int], Tensor]]] = {}
@@ -208,6 +209,7 @@ def run(
     def thin_of(ref: Ref, m: int) -> bool:
         return thin is not None and thin.graphed(ref.stage, m)
 
+    sched.check_device()
     native.begin_run(schedule.native, sched.caller_streams())
     try:
         for task in schedule.tasks if issue is None else issue.tasks:
@@ -349,7 +351,10 @@ def run(
             graphs.end()  # after the join: on the caller's streams
     except BaseException as exc:
         try:
-            native.abort()
+            if issue is None:
+                sched.abort(exc)
+            else:
+                issue.abort(exc)
         finally:
             if graphs is not None:
                 graphs.end()

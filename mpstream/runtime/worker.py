@@ -26,7 +26,7 @@ from torch.autograd import profiler
 
 from ..memory.checkpoint import checkpointed
 from ..schedules.schedule import Kind, Schedule, Task, Topology
-from . import marks
+from . import marks, private
 from .calls import StageCalls
 from .copy import Copy, Route
 from .errors import annotate, dtype_hint, inplace_hint, raised_in, task_note
@@ -204,7 +204,7 @@ class Worker:
         (caller_reader,) = cuda_only([current_stream(sched.devices[last])])
         force = schedule.topology.force_copies  # copies between stages on one device too
         grad = torch.is_grad_enabled()
-        profiling = torch._C._autograd._profiler_enabled()
+        profiling = private.profiler_enabled()
         # While timing, mark where autograd will run each stage's backward.
         marking = native.timing and grad
         results: list[Any] = [None] * len(batches)
@@ -212,6 +212,7 @@ class Worker:
         graphs = self.graphs
         if graphs is not None:
             graphs.begin(schedule, step=False)
+        sched.check_device()
         native.begin_run(schedule.native, sched.caller_streams())
         try:
             for task in schedule.tasks:
@@ -270,7 +271,7 @@ class Worker:
             task = None
             native.join()
         except BaseException as exc:
-            native.abort()
+            sched.abort(exc)
             self.annotate(exc, task, len(batches))
             raise
         if caller_reader is not None:

@@ -34,10 +34,13 @@ class Built:
     """A module cut into stages.
 
     Attributes:
-        partitions: one callable module per stage.
+        partitions: one callable module per stage (none yet for a module
+            exported at its first call).
         devices: the device of each stage.
-        balance: layers per stage (traced operations for a traced module).
-        graph: where each stage's arguments come from.
+        balance: layers per stage (traced operations for a traced module);
+            None until a module exported at its first call is split.
+        graph: where each stage's arguments come from; None until a
+            module exported at its first call is split.
         layers: a Sequential's layers, to register (None when traced).
         root: a traced module, whose children and tensors the pipe adopts.
         split_points: where a traced module's stages begin.
@@ -47,8 +50,8 @@ class Built:
 
     partitions: list[nn.Module]
     devices: list[torch.device]
-    balance: list[int]
-    graph: StageGraph
+    balance: list[int] | None
+    graph: StageGraph | None
     layers: list[tuple[str, nn.Module]] | None = None
     root: nn.Module | None = None
     split_points: list[str] | None = None
@@ -85,6 +88,11 @@ def build(
     tracer: str = "auto",
 ) -> Built:
     """Cuts ``module`` into stages and places them (see ``Pipe``'s arguments).
+
+    A module split by ``torch.export`` without ``sample=`` (nor a Hugging
+    Face model's ``dummy_inputs``) is cut at its first call instead: the
+    :class:`Built` then holds its split, devices and split points, and no
+    stages yet.
 
     Raises:
         TypeError: ``module`` is no module (a list of layers: wrap them in
@@ -223,7 +231,9 @@ def _check_auto(how: str, devices: Sequence[DeviceLike] | None, sample: Any) -> 
     if devices is None or sample is None:
         raise ValueError(
             f"balance={how!r} needs devices= (one per stage) and sample= (a "
-            f"representative micro-batch: the module's inputs) to pick split points"
+            f"representative micro-batch: the module's inputs) to pick split points: it "
+            f"profiles the module at construction, before any call; or give split_points= "
+            f"(the first call is then the example a torch.export split needs)"
         )
 
 
@@ -258,6 +268,9 @@ def _exported(
     devs = stage_devices(devices, len(split_points) + 1, "split_points make")
     split = ExportSplit(module, list(split_points), devs, why, fx_error)
     first = split.first(sample)
+    if first is None:  # split at the first call, its arguments the example
+        return Built([], devs, None, None, root=module, split_points=list(split_points),
+                     split=split)  # fmt: skip
     return Built(
         list(first.stages.partitions),
         devs,

@@ -5,10 +5,12 @@ which arguments were given, their plain values and their shapes but the
 batch dimension, the modules' training flags (dropout) and the dtypes.
 :class:`ExportSplit` keeps the split of each kind met so far. The first is
 exported when the pipe is built, from ``sample=`` (or a Hugging Face model's
-``dummy_inputs``), and places the module's tensors on the stages' devices;
-a call of another kind is exported when it first comes (the same split
-points, placement checked) and the pipe switches to its stages, stage graph
-and runtime (see :mod:`~mpstream.stages.kinds`). Micro-batches of any size
+``dummy_inputs``), or else at the pipe's first call, whose arguments are
+the example: an export needs one, and that call is one. Exporting places the
+module's tensors on the stages' devices; a call of another kind is exported
+when it first comes (the same split points, placement checked) and the pipe
+switches to its stages, stage graph and runtime (see
+:mod:`~mpstream.stages.kinds`). Micro-batches of any size
 run the same split: the batch dimension is left symbolic. :meth:`ExportSplit.report` is what
 :meth:`mpstream.Pipe.split_report` returns for such a pipe.
 """
@@ -26,13 +28,13 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from ..runtime.microbatch import NoChunk
-from .export import ExportedStages, export_stages, retarget_devices
+from .export import ExportedStages, export_stages, retarget_devices, split_candidates
 from .fake_export import first_line
 from .hf import Calls, calls_for
 from .kinds import Kinds, Split, operations
 from .model_loss import gather_with_loss
 from .placement import place
-from .points import SplitPointError
+from .points import SplitPointError, check_named
 from .tracers import CallSignature, SplitReport, describe_call, raised_in, sample_call
 
 __all__ = ["ExportSplit", "own_loss"]
@@ -92,22 +94,26 @@ class ExportSplit(Kinds):
         self.signature = CallSignature(self.module)
 
     # -- a kind of call -------------------------------------------------
-    def first(self, sample: Any) -> _Split:
+    def first(self, sample: Any) -> _Split | None:
         """Exports the split for ``sample`` (a call, see :func:`sample_call`)
-        in the module's mode and places the module's tensors.
+        in the module's mode and places the module's tensors; without one
+        (nor a family's stand-in, see :meth:`~mpstream.stages.hf.Calls.sample`),
+        nothing: the first call is exported when it comes (:meth:`select`).
+
+        Returns:
+            The split, or None when the first call is to be the example.
 
         Raises:
-            TypeError: no sample to export with; export failed.
+            TypeError: export failed.
+            SplitPointError: a split point names no submodule, or (exported)
+                cannot cut the forward.
         """
         if sample is None:
             sample = self.calls.sample(self.module)
         if sample is None:
-            fx = f"{self.fx_error}\n" if self.fx_error else ""
-            raise TypeError(
-                f"{fx}torch.export can split {type(self.module).__name__} given an example "
-                f"call: pass sample= (the module's inputs: a tuple of positional arguments, a "
-                f"dict of keyword arguments, or the one input)"
-            )
+            # Until the first call, only the names can be checked.
+            check_named(self.module, self.split_points, split_candidates)
+            return None
         args, kwargs = sample_call(sample)
         named = self.calls.prepare(self.signature(args, kwargs))
         items, spec = pytree.tree_flatten(((), named))
@@ -162,6 +168,7 @@ class ExportSplit(Kinds):
         name = type(self.module).__name__
         where = raised_in(exc, self.module)
         inside = f" inside submodule '{where}'" if where else ""
+        leaf = where or "name"
         fx = (
             f"torch.fx could not trace it either: {first_line(self.fx_error)}\n"
             if self.fx_error is not None
@@ -172,8 +179,10 @@ class ExportSplit(Kinds):
             f"The usual cause is data-dependent control flow (a Python branch on a tensor's "
             f"values), which neither tracer follows: compute it with tensor operations "
             f"(torch.where, torch.cond), move it out of the forward, mark the submodule holding "
-            f"it as a leaf for torch.fx (Pipe(..., tracer='fx', leaf_modules=['name']): it then "
-            f"runs whole inside one stage), or pass an nn.Sequential of stages."
+            f"it as a leaf for torch.fx (Pipe(..., tracer='fx', leaf_modules=['{leaf}']): it "
+            f"then runs whole inside one stage), or pass an nn.Sequential of stages. A call the "
+            f"module itself cannot run (inputs of the wrong shape or dtype) fails here too: "
+            f"the export runs the module on the call's arguments."
         )
 
     def _place(self, split: _Split) -> None:

@@ -15,7 +15,13 @@ from collections.abc import Callable, Sequence
 
 from torch import fx, nn
 
-__all__ = ["SplitPointError", "split_candidates", "units_in_order", "begin_stages"]
+__all__ = [
+    "SplitPointError",
+    "split_candidates",
+    "check_named",
+    "units_in_order",
+    "begin_stages",
+]
 
 
 class SplitPointError(ValueError):
@@ -34,6 +40,27 @@ def split_candidates(module: nn.Module) -> list[str]:
         if isinstance(child, (nn.ModuleList, nn.Sequential)):
             names += [f"{name}.{item}" for item, _ in child.named_children()]
     return names
+
+
+def check_named(
+    module: nn.Module, points: Sequence[str], candidates: Callable[[nn.Module], list[str]]
+) -> None:
+    """Checks that every split point names a submodule of ``module``: all
+    that can be checked before the forward is traced (a module exported at
+    its first call is checked at construction this far).
+
+    Raises:
+        SplitPointError: a split point that names no submodule, with the
+            ``candidates`` that may be named.
+    """
+    names = {name for name, _ in module.named_modules() if name}
+    for point in points:
+        if point not in names:
+            listed = ", ".join(f"'{c}'" for c in candidates(module))
+            raise SplitPointError(
+                f"split point '{point}' names no submodule of {type(module).__name__}; "
+                f"candidates: {listed}"
+            )
 
 
 def units_in_order(

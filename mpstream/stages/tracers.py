@@ -47,7 +47,9 @@ class SplitReport:
         reason: why that way.
         split_points: where the stages begin (None for a Sequential).
         exports: for ``torch.export``, one line per kind of call exported
-            so far (training mode, the inputs and what was fixed of them).
+            so far (training mode, the inputs and what was fixed of them);
+            none before the first call of a pipe built without ``sample=``,
+            which that call's arguments split.
         traces: for ``torch.fx``, one line per distinct trace so far (the
             training mode, and the arguments traced as None).
         loss: for ``torch.export``, how the model's own ``loss`` output is
@@ -66,6 +68,8 @@ class SplitReport:
         if self.split_points is not None:
             lines.append("split points: " + ", ".join(self.split_points))
         lines += [f"exported for: {e}" for e in self.exports]
+        if self.tracer == "torch.export" and not self.exports:
+            lines.append("exported for: nothing yet (the first call's arguments are the example)")
         lines += [f"traced for: {t}" for t in self.traces]
         lines += [f"loss: {x}" for x in self.loss]
         return "\n".join(lines)

@@ -128,6 +128,9 @@ class FakeUndo:
     def keep(self, graph: Any) -> None:
         self.world.log.append(("keep", graph.index))
 
+    def kept(self) -> int:
+        return sum(1 for entry in self.world.log if entry[0] == "keep")
+
     def reset_generator(self) -> None:
         self.world.log.append(("reset_generator",))
 

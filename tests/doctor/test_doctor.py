@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+import math
 import tarfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from mpstream import cli
-from mpstream.doctor import report, runner
+from mpstream.doctor import experiment, modelcheck, report, runner
 from mpstream.doctor.diagnosis import FAIL, PASS, SKIP, TINY, Check, Context, StepResult
 from mpstream.tutorial import bench
 
@@ -22,6 +24,18 @@ def test_doctor_quick_on_cpu_skips_gpu_steps_and_writes_the_report(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr(runner, "QUICK", TINY)  # every step's code path, at the smallest size
+    # The cost model's error depends on timings on a shared CPU: with no
+    # limit its verdict is known (PASS), and step 8 is run again below with a
+    # limit nothing meets (FAIL). The context it ran with is kept for that.
+    monkeypatch.setattr(modelcheck, "MAX_ERROR", math.inf)
+    contexts: list[Context] = []
+    config_for = experiment.config_for
+
+    def keep_context(c: Context) -> bench.Config:
+        contexts.append(c)
+        return config_for(c)
+
+    monkeypatch.setattr(modelcheck, "config_for", keep_context)
     (tmp_path / "overlap.png").write_bytes(b"stale")  # from an earlier GPU run
     code = cli.main(["doctor", "--quick", "--out", str(tmp_path), "--no-progress"])
     printed = capsys.readouterr().out.splitlines()
@@ -41,13 +55,10 @@ def test_doctor_quick_on_cpu_skips_gpu_steps_and_writes_the_report(
     assert bench.GRAPHED not in {m["model"] for m in tutorial["data"]["models"]}
     (graph,) = [c for c in tutorial["checks"] if bench.GRAPHED in c["name"]]
     assert graph["status"] == SKIP and "no CUDA graph on cpu" in graph["detail"]
-    # The cost model's verdict depends on timings on a shared CPU: only that it ran.
-    assert status["cost-model"] in (PASS, FAIL)
-    model_checks = doc["steps"][runner.NAMES.index("cost-model")]["checks"]
-    predictions = [c for c in model_checks if c["name"].startswith("prediction (not measured)")]
-    assert predictions and all(c["status"] == "INFO" for c in predictions)  # no verdict
-    assert code == (1 if FAIL in status.values() else 0)
-    assert printed[-1] == f"overall: {FAIL if FAIL in status.values() else PASS}"  # table last
+    assert status["cost-model"] == PASS, doc["steps"][runner.NAMES.index("cost-model")]
+    assert_cost_model_checks(doc["steps"][runner.NAMES.index("cost-model")])
+    assert code == 0
+    assert printed[-1] == f"overall: {PASS}"  # table last
     assert any(line.startswith(f"report in {tmp_path}: summary.md") for line in printed)
     assert doc["environment"]["torch"] == torch.__version__ and doc["sizes"] == "quick"
     assert doc["command"].startswith("mpstream doctor --quick")
@@ -65,6 +76,52 @@ def test_doctor_quick_on_cpu_skips_gpu_steps_and_writes_the_report(
     assert summary.startswith("# mpstream doctor: ") and "**Device:** no GPU" in summary
     for step in runner.STEPS:
         assert f"| {step.title} |" in summary
+    # The same profiles against a limit no error meets: every split size
+    # fails, and the step says what the model leaves out.
+    (context,) = contexts
+    monkeypatch.setattr(modelcheck, "MAX_ERROR", -1.0)
+    failed = modelcheck.run(context)
+    assert failed.status == FAIL
+    assert [c.status for c in failed.checks if c.name.startswith("cost model at split")] == [
+        FAIL,
+        FAIL,
+    ]
+    assert failed.reason.startswith("off by ")
+    assert "the model does not include host issue time" in failed.reason
+
+
+def assert_cost_model_checks(step: dict[str, Any]) -> None:
+    """Step 8 on the CPU: each profiled split size simulated against its
+    measured step (the error is their relative difference), and predictions
+    for 2 and 4 GPUs with a balance over every layer, which decide nothing."""
+    splits = list(TINY.experiment.split_sizes)
+    rows = step["data"]["validation"]
+    assert [r["split_size"] for r in rows] == splits and step["data"]["fitted_at_split"] == 2
+    assert [r["micro_batches"] for r in rows] == [
+        -(-TINY.experiment.batch_size // s) for s in splits
+    ]
+    for row in rows:
+        assert row["measured_ms"] > 0 and row["predicted_ms"] > 0
+        assert row["error"] == pytest.approx(row["predicted_ms"] / row["measured_ms"] - 1)
+        assert not row["issue_modelled"]  # the CPU's issue time is the compute itself
+    checks = step["checks"]
+    validation = [c for c in checks if c["name"].startswith("cost model at split")]
+    assert [(c["name"], c["status"]) for c in validation] == [
+        (f"cost model at split {s}", PASS) for s in splits
+    ]
+    assert [c["error"] for c in validation] == [r["error"] for r in rows]
+    predictions = step["data"]["predictions"]
+    assert [p["gpus"] for p in predictions] == [2, 4]
+    layers = len(step["data"]["layer_ms_calibrated"])
+    for p in predictions:
+        assert len(p["balance"]) == p["gpus"] and sum(p["balance"]) == layers
+        assert p["predicted_step_ms"] > 0 and p["predicted_speedup"] > 0
+    told = [c for c in checks if c["name"].startswith("prediction (not measured)")]
+    assert [c["name"] for c in told] == [
+        f"prediction (not measured): {p['gpus']} GPUs, automatic balance {p['balance']}"
+        for p in predictions
+    ]
+    assert all(c["status"] == "INFO" for c in told)  # no verdict
 
 
 def ctx(tmp_path: Path) -> Context:

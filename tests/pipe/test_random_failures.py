@@ -19,12 +19,15 @@ the buffers alone (recomputation). The next call works in every case.
 
 from __future__ import annotations
 
+import pytest
+
+pytest.importorskip("hypothesis", reason="a property test: needs hypothesis (the dev extra)")
+
 import copy
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st

@@ -21,6 +21,10 @@ refuses must raise :func:`refusal`'s error; any other exception fails.
 
 from __future__ import annotations
 
+import pytest
+
+pytest.importorskip("hypothesis", reason="a property test: needs hypothesis (the dev extra)")
+
 import contextlib
 import copy
 import dataclasses
@@ -30,7 +34,6 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-import pytest
 import torch
 from hypothesis import HealthCheck, event, given, note, settings
 from hypothesis import strategies as st

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 from collections import OrderedDict
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from torch import Tensor, nn
 import mpstream.runtime.training
 import mpstream.runtime.worker
 from mpstream import Pipe
+from mpstream.runtime import scheduler
 from mpstream.runtime.errors import dtype_hint, layers_label, stage_labels, task_note
 from mpstream.schedules.schedule import Kind, Task
 
@@ -244,3 +246,45 @@ def test_the_dtype_hint_is_only_for_dtypes() -> None:
     )
     assert dtype_hint(RuntimeError("shapes cannot be multiplied"), task, f32) is None
     assert "which has no parameters" in (dtype_hint(RuntimeError("same dtype"), task, set()) or "")
+
+
+class _FailingAbort:
+    """The C++ scheduler, except that ending a failed run meets a device
+    error (after doing its cleanup), as a sticky CUDA error would."""
+
+    def __init__(self, native: Any) -> None:
+        self._native = native
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._native, name)
+
+    def abort(self) -> None:
+        self._native.abort()
+        raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore")
+
+
+@notes_supported
+@pytest.mark.parametrize("path", ["forward", "train_step"])
+def test_a_device_error_ending_a_failed_run_is_said_then_checked_on_the_next_call(
+    path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    error = ValueError("bad shape")
+    pipe = pipe_with(error, at=5)  # in the second call: 4 micro-batches each
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    pipe(x)  # builds the runtime
+    sched = pipe._rt()[1].sched
+    sched.native = _FailingAbort(sched.native)
+    with pytest.raises(ValueError) as info:
+        pipe(x) if path == "forward" else pipe.train_step(x, y, nn.MSELoss())
+    assert info.value is error  # the cause stays what is raised ...
+    said = "RuntimeError: CUDA error: an illegal memory access was encountered"
+    assert f"mpstream: ending the failed run raised too: {said}" in info.value.__notes__
+    # ... and the next call checks the devices: still failing, it says so.
+    monkeypatch.setattr(scheduler, "device_failure", lambda d: "cuda:0 still fails (same)")
+    with pytest.raises(
+        RuntimeError, match=f"ending it raised {said}; cuda:0 still fails .* sticky"
+    ):
+        pipe(x)
+    # Working again (an error that was not sticky): forgotten, the call runs.
+    monkeypatch.setattr(scheduler, "device_failure", lambda d: None)
+    assert pipe(x).shape == (8, 2) and sched.device_error is None

@@ -46,8 +46,30 @@ def test_a_pull_is_a_new_tensor_equal_to_its_source(dtype: torch.dtype) -> None:
     torch.testing.assert_close(y, x)
 
 
-def test_peer_access_among_cpus_is_nothing_to_enable() -> None:
-    enable_peer_access([torch.device("cpu"), torch.device("cpu")])
+def test_peer_access_among_cpus_is_nothing_to_enable(monkeypatch: pytest.MonkeyPatch) -> None:
+    # What enable_peer_access asks of CUDA, faked: no pair has a peer path.
+    asked: list[tuple[str, ...]] = []
+
+    def can_access(a: torch.device, b: torch.device) -> bool:
+        asked.append(("peer?", str(a), str(b)))
+        return False
+
+    def synchronize(device: torch.device) -> None:
+        asked.append(("synchronize", str(device)))
+
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", can_access)
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    cpu = torch.device("cpu")
+    enable_peer_access([cpu, cpu])
+    assert asked == []  # nothing asked, nothing copied, nothing waited for
+    # CPUs beside GPUs are left out too; the GPUs are asked, and refused here.
+    cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    with pytest.raises(RuntimeError, match="cuda:0 cannot read cuda:1's memory"):
+        enable_peer_access([cpu, cuda0, cpu, cuda1])
+    assert asked == [("peer?", "cuda:0", "cuda:1")]
+    asked.clear()
+    enable_peer_access([cuda0, cpu, cuda0])  # one GPU: no pair to enable
+    assert asked == [("synchronize", "cuda:0")]
 
 
 two_gpus = pytest.mark.skipif(
@@ -72,3 +94,19 @@ def test_a_pull_between_gpus_runs_on_the_receivers_stream() -> None:
     assert not side.query(), "the copy was issued on the receiver's stream"
     torch.cuda.current_stream(d1).wait_stream(side)
     torch.testing.assert_close(y.cpu(), x.cpu())
+
+
+def test_a_peer_view_of_meta_and_fake_tensors_is_only_its_shape() -> None:
+    # Tracing (FakeTensorMode, torch.export) and meta tensors have no memory
+    # to view: the operator's kernel for them gives the shape alone (it
+    # crashed the process before: the C++ kernel read a fake data pointer).
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    meta = torch.empty(4, 6, device="meta").t()
+    v = view(meta, torch.device("meta"))
+    assert v.device.type == "meta" and v.shape == (6, 4) and v.stride() == meta.stride()
+    with FakeTensorMode():
+        fake = torch.empty(3, 5, dtype=torch.float16)[:, 1:]
+        f = view(fake, torch.device("cpu"))
+    assert isinstance(f, FakeTensor) and f.shape == (3, 4) and f.stride() == (5, 1)
+    assert f.dtype == torch.float16

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import threading
 import time
+from typing import Any
 
 import pytest
 import torch
 
+from mpstream import _ext
 from mpstream.runtime.scheduler import EventScheduler
-from mpstream.schedules.schedule import Kind, Schedule
+from mpstream.runtime.stream import device_type_code
+from mpstream.schedules.schedule import Kind, Schedule, Topology
 
 
 def run_all(sched: EventScheduler, schedule: Schedule) -> None:
@@ -280,3 +284,82 @@ def test_grad_copy_on_one_device_runs_on_the_forward_copys_stream() -> None:
         ("autograd", "stage0.compute@cuda:0"),
     ]
     assert ops[1].event == ops[2].event
+
+
+@pytest.mark.parametrize("order", ["gpipe", "1f1b"])
+def test_a_task_with_several_producers_reads_none_of_their_events_after_freeing_it(
+    order: str,
+) -> None:
+    # Stage 2 reads stages 0 and 1 (a skip connection), all on one device:
+    # when it begins, it is the last reader of both producers' events, and
+    # deciding that one wait implies the other reads both. Freeing one
+    # before asking about the other read an event back in the pool (the
+    # scheduler checks: "read after it went back to the pool").
+    sched = EventScheduler([torch.device("cuda", 0)] * 3, virtual=True)
+    topology = Topology(((-1,), (0,), (0, 1)), (0, 0, 0), 0, False)
+    schedule = Schedule(order, 3, 4, topology, backward=True)
+    sched.recording = True
+    for _ in range(2):
+        run_all(sched, schedule)
+    assert sched.events_free == sched.events_created
+
+
+def _cpu_streams_scheduler() -> Any:
+    """A C++ scheduler whose stage 0 slots have "streams" on the CPU, whose
+    backend has no events: recording there fails as a device error would."""
+    cpu = device_type_code(torch.device("cpu"))
+    spec = _ext.load().SlotSpec
+    stage = [spec(cpu, -1, 0, "s0.compute"), spec(cpu, -1, 0, "s0.copy")]
+    stage += [spec(cpu, -1, None, "s1.compute"), spec(cpu, -1, None, "s1.copy")]
+    caller, io = [spec(cpu, -1, None, "caller")], [spec(cpu, -1, None, "io")]
+    return _ext.load().Scheduler(stage, caller, [0, 0], io)
+
+
+def test_abort_finishes_its_cleanup_then_raises_the_device_error() -> None:
+    native = _cpu_streams_scheduler()
+    schedule = Schedule("gpipe", 2, 2, [False, False])
+    native.begin_run(schedule.native, [None])
+    native.begin(0)  # the failed task: abort records its end, which fails here
+    with pytest.raises(RuntimeError, match="doesn't support events"):
+        native.abort()
+    # ... after it released the run: nothing is left half done.
+    assert not native.running
+    assert native.events_free == native.events_created
+
+
+def test_abort_from_another_thread_says_whose_streams_stay() -> None:
+    sched = virtual(2)
+    sched.begin_run(Schedule("gpipe", 2, 2, [False, True]))
+    opener = threading.Thread(target=lambda: sched.begin(0))
+    opener.start()
+    opener.join()
+    with pytest.raises(RuntimeError, match=r"another thread than the one that began task\(s\) 0"):
+        sched.abort()
+    assert not sched.native.running and sched.device_error is None  # not the device's
+    run_all(sched, Schedule("gpipe", 2, 2, [False, True]))  # the next run works
+
+
+def test_no_timing_while_a_graph_captures() -> None:
+    sched = virtual(2)
+    sched.native.capturing = True
+    with pytest.raises(RuntimeError, match="timing cannot start while a CUDA graph captures"):
+        sched.timing = True
+    sched.native.capturing = False
+    sched.timing = True
+    with pytest.raises(RuntimeError, match="cannot capture .* while timing is on"):
+        sched.native.capturing = True
+    assert not sched.native.capturing
+
+
+@pytest.mark.cuda
+def test_a_host_wait_on_device_work_is_refused_while_capturing() -> None:
+    # A CPU stage after a GPU one: the host blocks on the GPU's event, which
+    # inside a capture would wait for work that has not run.
+    sched = EventScheduler([torch.device("cuda", 0), torch.device("cpu")])
+    sched.native.capturing = True
+    schedule = Schedule("gpipe", 2, 1, [False, True])
+    sched.begin_run(schedule)
+    with pytest.raises(RuntimeError, match="would wait for device work .* while a CUDA graph"):
+        for t in schedule.tasks:
+            sched.end(sched.begin(t.index))
+    sched.abort()

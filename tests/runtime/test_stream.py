@@ -24,8 +24,38 @@ def test_cpu_streams_are_the_placeholder() -> None:
     assert stream_id(CPU_STREAM) is None
 
 
-def test_record_stream_on_cpu_is_a_no_op() -> None:
-    record_stream(torch.ones(3), CPU_STREAM)
+class FakeCudaTensor:
+    """Stands in for a CUDA tensor: logs the streams it is recorded on."""
+
+    is_cuda = True
+
+    def __init__(self, index: int) -> None:
+        self.device = torch.device("cuda", index)
+        self.recorded: list[object] = []
+
+    def record_stream(self, stream: object) -> None:
+        self.recorded.append(stream)
+
+
+class FakeCudaStream:
+    def __init__(self, index: int) -> None:
+        self.device = torch.device("cuda", index)
+
+
+def test_record_stream_on_cpu_is_a_no_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    recorded: list[object] = []
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: recorded.append(s))
+    x = torch.ones(3)
+    record_stream(x, CPU_STREAM)
+    record_stream(x, FakeCudaStream(0))  # type: ignore[arg-type]  # a host tensor
+    assert recorded == []
+    torch.testing.assert_close(x, torch.ones(3))
+    # A CUDA tensor is recorded on a stream of its own device, and only there.
+    gpu = FakeCudaTensor(0)
+    same, other = FakeCudaStream(0), FakeCudaStream(1)
+    for stream in (CPU_STREAM, other, same):
+        record_stream(gpu, stream)  # type: ignore[arg-type]
+    assert gpu.recorded == [same]
 
 
 def test_device_type_codes() -> None:

@@ -169,9 +169,17 @@ def test_neither_tracer_the_error_names_both_reasons_and_what_to_do() -> None:
     assert pipe(x).shape == (4, 2)
 
 
-def test_without_a_sample_torch_export_asks_for_one() -> None:
-    with pytest.raises(TypeError, match=r"(?s)torch.fx could not trace.*pass sample="):
-        Pipe(Shaped(), split_points=["head"], devices=["cpu"] * 2)
+def test_without_a_sample_torch_export_splits_at_the_first_call() -> None:
+    # The first call is the example (see test_export_first_call.py); only
+    # what profiles before any call still asks for a sample.
+    pipe = Pipe(Shaped(), split_points=["head"], devices=["cpu"] * 2)
+    assert "torch.fx could not trace it" in pipe.split_report().reason
+    with pytest.raises(RuntimeError, match=r"not split yet.*\(or pass sample="):
+        pipe.graph.reads()
+    assert pipe(torch.randn(3, 4))["logits"].shape == (3, 2)
+    assert pipe.graph.reads() == ((-1,), (0,))
+    with pytest.raises(ValueError, match="balance='time' needs devices= .* and sample="):
+        Pipe(Shaped(), balance="time", devices=["cpu"] * 2)
 
 
 def test_tracer_fx_does_not_fall_back_and_a_bad_tracer_is_named() -> None:

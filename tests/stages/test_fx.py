@@ -212,8 +212,17 @@ def test_untraceable_modules_say_what_where_and_what_to_do() -> None:
     with pytest.raises(
         TypeError, match=r"(?s)inside submodule 'inner': TraceError.*leaf_modules=\['inner'\]"
     ):
-        Pipe(Looping(), split_points=["head"], devices=["cpu"] * 2)
+        Pipe(Looping(), split_points=["head"], devices=["cpu"] * 2, tracer="fx")
     x = torch.ones(3, 2)
+    # Without tracer='fx', torch.export is tried at the first call, on its
+    # arguments: it cannot follow the branch either, and the error says both.
+    pipe = Pipe(Looping(), split_points=["head"], devices=["cpu"] * 2)
+    with pytest.raises(
+        TypeError,
+        match=r"(?s)could not export Looping inside submodule 'inner'.*"
+        r"torch.fx could not trace it either.*TraceError.*leaf_modules=\['inner'\]",
+    ):
+        pipe(x)
     for leaf in ("inner", Branchy):
         model = Looping()
         expected = model(x)

@@ -423,6 +423,7 @@ def test_placement_never_makes_inference_tensors() -> None:
     assert not any(t.is_inference() for t in [*model.parameters(), *model.buffers()])
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_placement_moves_tensors_in_place() -> None:
     model = Fallback()

@@ -20,8 +20,8 @@ reports two streams writing one tensor). :func:`ordered` chains these
 sections per device in the order the host issues them (the eager pipe's
 order): a section's stream waits on an event recorded after the device's
 previous section, and records it again after. Graphs that draw nothing
-still overlap freely. (From torch 2.13 each capture has scalars of its
-own; the order is then merely unneeded.)
+still overlap freely. From torch 2.13 each capture has scalars of its
+own, and no order is kept (:data:`SHARED_SCALARS`).
 
 **A failed capture undone** (:func:`capturing`). A stage whose capture
 fails (a host sync such as ``.item()`` invalidates it) runs eagerly from
@@ -65,9 +65,21 @@ import torch
 from torch import nn
 
 from ...memory.batchnorm import DeferredBatchNorm
+from .. import private
 from ..errors import annotate
 
-__all__ = ["Graph", "CaptureApi", "TorchCapture", "capturing", "RngOrder", "ordered", "restored"]
+__all__ = [
+    "Graph",
+    "CaptureApi",
+    "TorchCapture",
+    "MAX_KEPT",
+    "capturing",
+    "RngOrder",
+    "SHARED_SCALARS",
+    "SECTION_TIMEOUT",
+    "ordered",
+    "restored",
+]
 
 
 class Graph(Protocol):
@@ -82,6 +94,10 @@ class Graph(Protocol):
 
 #: Graphs whose capture failed (see the module's step 2).
 _kept: list[Graph] = []
+#: How many failed captures a process keeps alive before it tries no more:
+#: each holds its pool's memory for good, and failing this often means the
+#: cause (a host sync in a stage, a CPU tensor) is in the model.
+MAX_KEPT = 16
 
 
 class CaptureApi(Protocol):
@@ -102,12 +118,16 @@ class CaptureApi(Protocol):
     def keep(self, graph: Graph) -> None:
         """Keeps a graph whose capture did not end alive for good."""
 
+    def kept(self) -> int:
+        """How many graphs :meth:`keep` holds."""
+
     def reset_generator(self) -> None:
         """Takes the default generator out of capture mode."""
 
 
 class TorchCapture:
-    """:class:`CaptureApi` on torch's own calls (present from torch 2.8)."""
+    """:class:`CaptureApi` on torch's own calls (present from torch 2.8; the
+    private ones through :mod:`..private`)."""
 
     def device(self) -> int:
         return torch.cuda.current_device()
@@ -116,13 +136,16 @@ class TorchCapture:
         return torch.cuda.is_current_stream_capturing()
 
     def end_routing(self, device: int, pool: Any) -> None:
-        torch._C._cuda_endAllocateToPool(device, pool)
+        private.end_allocate_to_pool(device, pool)
 
     def release(self, device: int, pool: Any) -> None:
-        torch._C._cuda_releasePool(device, pool)
+        private.release_pool(device, pool)
 
     def keep(self, graph: Graph) -> None:
-        _kept.append(graph)  # one per stage that fell back, at most
+        _kept.append(graph)
+
+    def kept(self) -> int:
+        return len(_kept)
 
     def reset_generator(self) -> None:
         # On a side stream: the failed capture may have been begun on the
@@ -160,8 +183,19 @@ def capturing(
             are allowed) or ``relaxed`` (this thread's too: for captures
             open side by side, whose beginnings and ends make calls that a
             thread-local capture forbids).
+
+    Raises:
+        RuntimeError: :data:`MAX_KEPT` captures failed before (nothing is
+            begun); or what the capture raised, once undone.
     """
     api = api or TorchCapture()
+    if api.kept() >= MAX_KEPT:
+        raise RuntimeError(
+            f"{api.kept()} graph captures failed in this process, each leaving its graph and "
+            f"memory pool alive for good (torch still reads them), so no more are tried; the "
+            f"earlier failures' warnings say why (a host sync such as .item() in a stage, a "
+            f"tensor on the CPU): fix that, or run the stages eagerly"
+        )
     device = api.device()
     try:
         graph.capture_begin(pool=pool, capture_error_mode=mode)
@@ -243,8 +277,9 @@ class RngOrder:
     its record are never interleaved with another thread's (backward
     replays run on autograd's device thread; the issuing thread waits for
     them, so the lock is normally free). A capture's section holds the lock
-    while autograd's device thread runs the captured backward, which enters
-    no section. Waits and records are issued outside any stream capture:
+    until its capture ends (its record must follow the capture's prologue),
+    so a thread that needs a section meanwhile waits; one that waits past
+    a timeout raises instead of hanging. Waits and records are issued outside any stream capture:
     issued on a capturing stream they would become nodes of the graph. The
     caller opens the section before ``capture_begin`` and closes it after
     ``capture_end``.
@@ -266,12 +301,29 @@ class RngOrder:
         self._capturing = capturing
         self._event: _Event | None = None
         self._lock = threading.RLock()
+        self._holder = ""  # the thread in a section, for the message below
 
     @contextmanager
-    def section(self) -> Iterator[None]:
+    def section(self, timeout: float | None = None) -> Iterator[None]:
         """Runs what is inside after the device's previous section, on the
-        device as on the host."""
-        with self._lock:
+        device as on the host.
+
+        Raises:
+            RuntimeError: another thread's section held the order for
+                ``timeout`` seconds (default :data:`SECTION_TIMEOUT`): a
+                deadlock (see :func:`ordered`) said instead of hanging.
+        """
+        wait = SECTION_TIMEOUT if timeout is None else timeout
+        if not self._lock.acquire(timeout=wait):
+            raise RuntimeError(
+                f"waited {wait:g} s for thread {self._holder!r} to leave its section of "
+                f"this device's random-number order (a capture or a replay that draws): "
+                f"with torch < 2.13 a graphed stage nested in another, or a backward run "
+                f"inside a captured forward, waits for itself this way; un-nest the graphed "
+                f"modules, or use torch >= 2.13, which needs no order"
+            )
+        holder, self._holder = self._holder, threading.current_thread().name
+        try:
             stream = self._stream()
             if self._event is not None:
                 stream.wait_event(self._event)
@@ -284,7 +336,17 @@ class RngOrder:
                     if self._event is None:
                         self._event = self._new_event()
                     self._event.record(stream)
+        finally:
+            self._holder = holder
+            self._lock.release()
 
+
+#: Whether a device's graphs share one pair of generator scalars (torch
+#: before 2.13; see the module), which :func:`ordered` then orders.
+SHARED_SCALARS: bool = torch.__version__ < (2, 13)  # type: ignore[operator]
+#: Seconds a section waits for another thread's before calling it a deadlock
+#: (a capture of the largest stage takes seconds).
+SECTION_TIMEOUT = 300.0
 
 _orders: dict[int, RngOrder] = {}
 _orders_lock = threading.Lock()
@@ -292,8 +354,10 @@ _orders_lock = threading.Lock()
 
 def ordered(device: torch.device) -> AbstractContextManager[None]:
     """The section of ``device``'s order (see :class:`RngOrder`); nothing
-    for a device that is not a CUDA one."""
-    if device.type != "cuda":
+    for a device that is not a CUDA one, or with a torch whose captures
+    each have generator scalars of their own (2.13 on): then no lock is
+    held across a capture at all."""
+    if device.type != "cuda" or not SHARED_SCALARS:
         return nullcontext()
     index = torch.cuda.current_device() if device.index is None else device.index
     with _orders_lock:

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from mpstream.runtime.graphed import capturing as capturing_module
 from mpstream.runtime.graphed.capturing import capturing
 
 POOL = (0, 7)
@@ -113,6 +114,9 @@ class FakeApi:
     def keep(self, graph: Any) -> None:
         self.world.log.append("keep")
 
+    def kept(self) -> int:
+        return self.world.log.count("keep")
+
     def reset_generator(self) -> None:
         self.world.log.append("reset_generator")
         self.world.generator_capturing = False
@@ -196,3 +200,19 @@ def test_an_unexpected_cleanup_error_is_a_note_on_the_original() -> None:
     ]
     assert world.log[-1] == "reset_generator"  # the steps after it still ran
     assert not world.generator_capturing and not world.routes
+
+
+def test_failed_captures_kept_alive_are_bounded() -> None:
+    world = World()
+    api = FakeApi(world)
+    for _ in range(capturing_module.MAX_KEPT):
+        with pytest.raises(RuntimeError, match="operation not permitted"):
+            with capturing(FakeGraph(world), POOL, api):
+                host_sync(world)
+    assert api.kept() == capturing_module.MAX_KEPT and world.clean()
+    # No more are tried (nothing begun, nothing more kept alive), saying why.
+    begun = world.log.count("capture_begin")
+    with pytest.raises(RuntimeError, match="16 graph captures failed in this process"):
+        with capturing(FakeGraph(world), POOL, api):
+            pass
+    assert world.log.count("capture_begin") == begun and api.kept() == capturing_module.MAX_KEPT

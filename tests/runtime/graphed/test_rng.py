@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from mpstream.runtime.graphed import capturing as capturing_module
 from mpstream.runtime.graphed.backends import PASSES, Emulated, warm_up
 from mpstream.runtime.graphed.call import GraphedCall
 from mpstream.runtime.graphed.capturing import RngOrder, ordered
@@ -104,9 +105,79 @@ def test_sections_from_two_threads_do_not_interleave() -> None:
     ]  # fmt: skip
 
 
-def test_the_order_is_nothing_off_cuda() -> None:
-    with ordered(torch.device("cpu")):  # no CUDA call: would raise without a GPU
+def test_a_section_held_past_the_timeout_is_a_clear_error_not_a_hang() -> None:
+    # The nested case: a thread holds the order across a capture while
+    # another, which the first waits for, needs a section.
+    order = RngOrder(lambda: Stream("s", []), Event, lambda: False)
+    inside, done = threading.Event(), threading.Event()
+
+    def capture() -> None:
+        with order.section():
+            inside.set()
+            done.wait(5)
+
+    holder = threading.Thread(target=capture, name="capturing thread")
+    holder.start()
+    inside.wait(5)
+    try:
+        with pytest.raises(RuntimeError, match="waited 0.05 s for thread 'capturing thread'"):
+            with order.section(timeout=0.05):
+                pass
+    finally:
+        done.set()
+        holder.join(5)
+    with order.section(timeout=0.05):  # free again: nothing was left held
         pass
+
+
+def test_no_order_where_each_capture_has_scalars_of_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # torch 2.13 on: no section, so no lock is held across any capture.
+    monkeypatch.setattr(capturing_module, "SHARED_SCALARS", False)
+    monkeypatch.setattr(capturing_module, "_orders", {})
+    with ordered(torch.device("cuda", 0)):
+        pass
+    assert capturing_module._orders == {}
+    monkeypatch.setattr(capturing_module, "SHARED_SCALARS", True)
+    section = ordered(torch.device("cuda", 0))  # made lazily: no CUDA call yet
+    assert list(capturing_module._orders) == [0]
+    del section
+
+
+def test_the_order_is_nothing_off_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    def touched(*args: object, **kwargs: object) -> None:
+        raise AssertionError("ordered() touched CUDA for a CPU device")
+
+    for name in ("current_device", "current_stream", "Event", "is_current_stream_capturing"):
+        monkeypatch.setattr(torch.cuda, name, touched)
+    orders = dict(capturing_module._orders)
+    cpu = torch.device("cpu")
+    log: list[str] = []
+    with ordered(cpu):
+        log.append("body")
+    with pytest.raises(ValueError, match="from the body"):  # passed on, not swallowed
+        with ordered(torch.device("cpu", 0)):
+            raise ValueError("from the body")
+    # No section: another thread's never waits for this one's.
+    inside, leave = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with ordered(cpu):
+            log.append("thread in")
+            inside.set()
+            leave.wait(5)
+        log.append("thread out")
+
+    worker = threading.Thread(target=hold)
+    worker.start()
+    assert inside.wait(5)
+    with ordered(cpu):
+        log.append("main")
+    leave.set()
+    worker.join(5)
+    assert log == ["body", "thread in", "main", "thread out"]
+    assert capturing_module._orders == orders  # no order was made for the CPU
 
 
 class NoisyGrad(torch.autograd.Function):

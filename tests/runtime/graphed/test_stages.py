@@ -326,11 +326,18 @@ class Unregistered(nn.Module):
 
 def test_a_tensor_outside_the_parameters_that_needs_a_gradient_keeps_its_stage_eager() -> None:
     model = nn.Sequential(nn.Linear(WIDTHS[0], WIDTHS[1]), Unregistered(), nn.Linear(WIDTHS[1], 4))
-    _, graphed = pair(model.double(), chunks=2, balance=[1, 2])
+    model.double()
+    eager, graphed = pair(model, chunks=2, balance=[1, 2])
     x, y = data()
     with pytest.warns(GraphWarning, match="not a parameter of the stage needs a gradient"):
         nn.functional.mse_loss(graphed(x), y).backward()
-    assert graphed.partitions[1][0].scale.grad is not None
+    nn.functional.mse_loss(eager(x), y).backward()
+    nn.functional.mse_loss(model(x), y).backward()  # the unsplit model
+    expected = model[1].scale.grad
+    assert expected is not None and expected.abs().sum() > 0
+    for pipe in (eager, graphed):
+        torch.testing.assert_close(pipe.partitions[1][0].scale.grad, expected)
+    assert_same_grads(graphed, eager)
 
 
 def test_inference_mode_and_no_grad_have_graphs_of_their_own() -> None:

@@ -1,0 +1,123 @@
+"""The private torch calls mpstream makes, in one place.
+
+Torch's private functions change without notice. Each one mpstream calls is
+reached through a function here that says what it is for, and :data:`USED`
+lists them with the arguments they took in the torch versions mpstream was
+checked with (:data:`CHECKED`), so that ``tests/runtime/test_private.py``
+fails on the torch that changes one, and :func:`missing` tells the doctor
+which this torch lacks. A missing one raises :class:`PrivateApiError`
+naming it and what depends on it, never an ``AttributeError`` from deep
+inside a capture.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+__all__ = [
+    "CHECKED",
+    "USED",
+    "Private",
+    "PrivateApiError",
+    "missing",
+    "lookup",
+    "end_allocate_to_pool",
+    "release_pool",
+    "profiler_enabled",
+    "will_engine_execute_node",
+    "current_graph_task_id",
+    "parse_to",
+]
+
+#: The torch versions these calls were checked with (the test suite's).
+CHECKED = "2.7 to 2.15"
+
+
+class Private(NamedTuple):
+    """One private torch call: where it lives, how many arguments it takes
+    (None: varies), whether only a CUDA build has it, what needs it."""
+
+    module: str
+    name: str
+    arity: int | None
+    cuda_only: bool
+    needed_for: str
+
+
+USED = (
+    Private("torch._C", "_cuda_endAllocateToPool", 2, True, "undoing a failed graph capture"),
+    Private("torch._C", "_cuda_releasePool", 2, True, "undoing a failed graph capture"),
+    Private("torch._C._autograd", "_profiler_enabled", 0, False, "profiler ranges per task"),
+    Private(
+        "torch._C", "_will_engine_execute_node", 1, False, "replays the backward pass asks for"
+    ),
+    Private("torch._C", "_current_graph_task_id", 0, False, "one replay per backward pass"),
+    Private("torch._C._nn", "_parse_to", None, False, "Pipe.to() arguments"),
+)
+
+
+class PrivateApiError(RuntimeError):
+    """The installed torch lacks a private call mpstream needs."""
+
+
+def lookup(p: Private) -> Any:
+    """The call ``p`` in the installed torch (None: it has none)."""
+    owner: Any = torch
+    for part in p.module.split(".")[1:]:
+        owner = getattr(owner, part, None)
+    return getattr(owner, p.name, None)
+
+
+def missing() -> list[Private]:
+    """The calls of :data:`USED` this torch lacks (CUDA-only ones count only
+    on a CUDA build)."""
+    cuda = torch.version.cuda is not None
+    return [p for p in USED if (cuda or not p.cuda_only) and lookup(p) is None]
+
+
+def _call(p: Private, *args: Any, **kwargs: Any) -> Any:
+    fn = lookup(p)
+    if fn is None:
+        raise PrivateApiError(
+            f"torch {torch.__version__} has no {p.module}.{p.name}, which mpstream uses for "
+            f"{p.needed_for} (checked with torch {CHECKED}); use a torch in that range, or "
+            f"report this torch version"
+        )
+    return fn(*args, **kwargs)
+
+
+def end_allocate_to_pool(device: int, pool: Any) -> None:
+    """Ends the caching allocator's routing of ``device``'s allocations to
+    ``pool`` (``capture_begin`` started it; a failed capture leaves it on)."""
+    _call(USED[0], device, pool)
+
+
+def release_pool(device: int, pool: Any) -> None:
+    """Gives back one use of ``pool`` (``capture_begin`` took one)."""
+    _call(USED[1], device, pool)
+
+
+def profiler_enabled() -> bool:
+    """Whether torch's autograd profiler is on (then each task gets a range)."""
+    return bool(_call(USED[2]))
+
+
+def will_engine_execute_node(node: Any) -> bool:
+    """Whether the running backward pass will execute ``node``; raises
+    ``RuntimeError`` outside a backward pass."""
+    return bool(_call(USED[3], node))
+
+
+def current_graph_task_id() -> int:
+    """The running backward pass's id (-1 outside one, or where this torch
+    cannot tell)."""
+    fn = lookup(USED[4])
+    return -1 if fn is None else int(fn())
+
+
+def parse_to(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any, Any]:
+    """``Module.to``'s arguments parsed: (device, dtype, non_blocking, memory_format)."""
+    device, dtype, non_blocking, memory_format = _call(USED[5], *args, **kwargs)
+    return device, dtype, non_blocking, memory_format
