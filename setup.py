@@ -76,6 +76,7 @@ setup(
                 "csrc/events.cpp",
                 "csrc/finish.cpp",
                 "csrc/orders.cpp",
+                "csrc/orders_v.cpp",
                 "csrc/peer.cpp",
                 "csrc/schedule.cpp",
                 "csrc/scheduler.cpp",

@@ -87,8 +87,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Bumped whenever what Python reads from the bindings changes shape (2:
   // timings() tuples gained the host issue time; 4: begin_run's pull and
   // the peer_view operator; 5: Watch and Attached; 6: Scheduler.capturing,
-  // abort() raising a device error, peer_view's kernels per backend).
-  m.attr("interface_version") = 6;
+  // abort() raising a device error, peer_view's kernels per backend; 7:
+  // schedule_placements).
+  m.attr("interface_version") = 7;
 
   py::class_<mpstream::Watch>(m, "Watch")
       .def(py::init<std::vector<at::Tensor>>(), py::arg("tensors"))
@@ -167,6 +168,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("micros"), py::arg("reads"), py::arg("actions"),
       "(step, message) of the first problem of an issue order; (-1, '') when it is valid.");
   m.def("schedule_names", &mpstream::schedule_names);
+  m.def("schedule_placements", &mpstream::schedule_placements,
+        "(name, placement) of each built-in schedule: 'stage', 'round_robin' or 'v'.");
 
   py::class_<SlotSpec>(m, "SlotSpec")
       .def(py::init([](int8_t device_type, int8_t device_index, std::optional<int64_t> stream_id,

@@ -58,10 +58,20 @@ void Scheduler::finish_open(Open& o) {
 
 void Scheduler::end(int64_t handle) {
   const auto held = lock();
-  if (handle < 0 || handle >= static_cast<int64_t>(open_.size()) || !open_[handle]->active) {
+  if (handle < 0 || handle >= static_cast<int64_t>(open_.size()) ||
+      !(open_[handle]->active || open_[handle]->orphaned)) {
     throw std::invalid_argument("end() got a handle that is not open: " + std::to_string(handle));
   }
   Open& o = *open_[handle];
+  if (o.orphaned) {
+    // Its run was aborted from another thread, which could not restore
+    // this thread's streams: restore them here, then free the handle.
+    restore_streams(o);
+    o.orphaned = false;
+    open_free_.push_back(handle);
+    throw std::runtime_error("end() of task " + std::to_string(o.task) +
+                             ", whose run another thread aborted; its streams are restored");
+  }
   if (o.task >= 0 && !running_) {
     throw std::runtime_error("end() of a scheduled task after its run was aborted");
   }
@@ -167,15 +177,18 @@ void Scheduler::abort() {
         record(o.rec, o.who());
       });
     }
+    o.active = false;
     if (o.thread == std::this_thread::get_id()) {
       restore_streams(o);
+      open_free_.push_back(h);
     } else {
       // Current streams are per thread: restoring here would change this
-      // thread's, and leave the opener's as the task set them.
+      // thread's, and leave the opener's as the task set them. The handle
+      // stays the opener's until its end() restores them (no new task may
+      // take it meanwhile).
+      o.orphaned = true;
       foreign += (foreign.empty() ? "" : ", ") + std::to_string(o.task);
     }
-    o.active = false;
-    open_free_.push_back(h);
   }
   if (running_) {
     // Work already queued by the failed run may still be running; the

@@ -21,6 +21,8 @@ int kind_slot(Kind k) {
   return k == Kind::kForward ? 0 : k == Kind::kBackward ? 1 : 2;
 }
 
+}  // namespace
+
 // Interleaves per-lane sequences into one issue order by simulating them:
 // forwards, split backwards (B) and weight passes (W) cost one unit, a
 // backward that is not split two; each lane runs its actions one at a time,
@@ -117,8 +119,6 @@ std::vector<Action> merge(const Layout& l, const std::vector<std::vector<Action>
   return order;
 }
 
-}  // namespace
-
 std::vector<Action> gpipe_order(const Layout& l, bool backward) {
   std::vector<Action> order;
   for (int32_t k = 0; k < l.micros + l.stages - 1; ++k) {
@@ -206,11 +206,11 @@ std::vector<Action> zb_h1_order(const Layout& l) {
 // the padding's actions dropped: dropping actions only drops dependencies,
 // so the order still cannot deadlock, and it can only lower the number of
 // micro-batches in flight.
-std::vector<Action> interleaved_order(const Layout& l) {
+std::vector<std::vector<Action>> interleaved_lanes(const Layout& l, const char* name) {
   const int32_t v = l.virtual_stages;
   if (v < 1 || l.stages % v != 0) {
     throw std::invalid_argument(
-        "interleaved_1f1b: " + std::to_string(l.stages) + " stages do not form ranks of " +
+        std::string(name) + ": " + std::to_string(l.stages) + " stages do not form ranks of " +
         std::to_string(v) + " virtual stages each (stages must be a multiple of virtual_stages)");
   }
   const int32_t p = l.stages / v;
@@ -250,7 +250,11 @@ std::vector<Action> interleaved_order(const Layout& l) {
       }
     }
   }
-  return merge(l, lanes);
+  return lanes;
+}
+
+std::vector<Action> interleaved_order(const Layout& l) {
+  return merge(l, interleaved_lanes(l, "interleaved_1f1b"));
 }
 
 OrderProblem check_order(const Layout& l, const std::vector<Action>& actions) {

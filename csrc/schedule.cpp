@@ -30,8 +30,49 @@ const char* kind_name(Kind kind) {
   return "unknown";
 }
 
+namespace {
+
+// A built-in schedule: its name, the placement it needs and its order.
+struct BuiltIn {
+  const char* name;
+  const char* placement;
+  std::vector<Action> (*order)(const Layout&);
+};
+
+std::vector<Action> gpipe_training(const Layout& l) {
+  return gpipe_order(l, true);
+}
+
+const std::vector<BuiltIn>& built_ins() {
+  static const std::vector<BuiltIn> all = {
+      {"gpipe", "stage", gpipe_training},
+      {"1f1b", "stage", one_f_one_b_order},
+      {"interleaved_1f1b", "round_robin", interleaved_order},
+      {"zb_h1", "stage", zb_h1_order},
+      {"looped_bfs", "round_robin", looped_bfs_order},
+      {"interleaved_zb", "round_robin", interleaved_zb_order},
+      {"zbv", "v", zbv_order},
+      {"dualpipev", "v", dualpipev_order},
+  };
+  return all;
+}
+
+}  // namespace
+
 std::vector<std::string> schedule_names() {
-  return {"gpipe", "1f1b", "interleaved_1f1b", "zb_h1"};
+  std::vector<std::string> names;
+  for (const BuiltIn& b : built_ins()) {
+    names.emplace_back(b.name);
+  }
+  return names;
+}
+
+std::vector<std::pair<std::string, std::string>> schedule_placements() {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const BuiltIn& b : built_ins()) {
+    out.emplace_back(b.name, b.placement);
+  }
+  return out;
 }
 
 std::string action_name(const Action& a) {
@@ -289,22 +330,19 @@ Schedule make_schedule(const std::string& name, const Layout& layout, bool backw
   if (layout.copy_target && !backward && name == "gpipe") {
     throw std::invalid_argument("target copies belong to training steps (backward=true)");
   }
-  std::vector<Action> order;
-  if (name == "gpipe") {
-    order = gpipe_order(layout, backward);
-  } else if (name == "1f1b") {
-    order = one_f_one_b_order(layout);
-  } else if (name == "interleaved_1f1b") {
-    order = interleaved_order(layout);
-  } else if (name == "zb_h1") {
-    order = zb_h1_order(layout);
-  } else {
+  const auto& all = built_ins();
+  const auto it =
+      std::find_if(all.begin(), all.end(), [&](const BuiltIn& b) { return name == b.name; });
+  if (it == all.end()) {
     std::string valid;
     for (const auto& n : schedule_names()) {
       valid += (valid.empty() ? "'" : ", '") + n + "'";
     }
     throw std::invalid_argument("unknown schedule '" + name + "'; valid schedules: " + valid);
   }
+  // Fill-drain alone also serves forward-only runs.
+  const std::vector<Action> order =
+      name == "gpipe" ? gpipe_order(layout, backward) : it->order(layout);
   Builder b(layout);
   issue(b, layout, order);
   return b.finish(name);

@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace mpstream {
@@ -64,8 +65,11 @@ struct Layout {
   int32_t input_device = 0;
   bool force_copies = false;
   bool copy_target = false;
-  // Stages per pipeline rank: stage s belongs to rank s mod (stages /
-  // virtual_stages). Only interleaved 1F1B reads it; 1 means a rank per stage.
+  // Stages per pipeline rank, read by the schedules that place several
+  // stages on a rank: round-robin ones (interleaved 1F1B, interleaved
+  // zero-bubble, looped BFS) put stage s on rank s mod (stages /
+  // virtual_stages); V ones (ZB-V, DualPipe-V) need 2 and put stage s on
+  // rank min(s, stages - 1 - s). 1 means a rank per stage.
   int32_t virtual_stages = 1;
 };
 
@@ -105,9 +109,15 @@ void check_layout(const Layout& layout);
 // Names accepted by make_schedule.
 std::vector<std::string> schedule_names();
 
-// Builds `name` ("gpipe", "1f1b", "interleaved_1f1b" or "zb_h1") for the
-// layout. `backward` adds the backward tasks to "gpipe" (explicitly
-// scheduled training); the others always have them.
+// Each built-in schedule's name and the placement of stages on ranks it
+// needs: "stage" (a rank per stage, any devices), "round_robin" (stage s on
+// rank s mod ranks) or "v" (two stages per rank, stage s on rank
+// min(s, stages - 1 - s)).
+std::vector<std::pair<std::string, std::string>> schedule_placements();
+
+// Builds a built-in schedule (one of schedule_names()) for the layout.
+// `backward` adds the backward tasks to "gpipe" (explicitly scheduled
+// training); the others always have them.
 Schedule make_schedule(const std::string& name, const Layout& layout, bool backward);
 
 // The first problem of an explicit issue order (none: step -1, empty

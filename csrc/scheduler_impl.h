@@ -66,6 +66,7 @@ struct Scheduler::Open {
   int64_t timed_generation = 0;  // a clear_timings in between voids `timed`
   bool active = false;
   std::thread::id thread;  // which thread's current streams the task changed
+  bool orphaned = false;   // aborted from another thread: its end() restores them
 
   Who who() const { return Who{task, kind, stage, peer, micro}; }
 };

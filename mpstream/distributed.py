@@ -295,9 +295,15 @@ def sync_gradients(ddp: DistributedDataParallel) -> None:
         pending = []
         for store in whole:
             owned = store.owned()
-            absent = [v for p, v in owned if p.grad is not v]
+            # A parameter whose .grad is not its view contributes that
+            # tensor (set by hand) or nothing (None); the view's stale
+            # values must not.
+            absent = [v for p, v in owned if p.grad is None]
             if absent:
-                torch._foreach_zero_(absent)  # contributes nothing; stale values must not
+                torch._foreach_zero_(absent)
+            for p, v in owned:
+                if p.grad is not None and p.grad is not v:
+                    v.copy_(p.grad)
             for flat in store.flats:
                 step = max(1, cap // flat.element_size())
                 for start in range(0, flat.numel(), step):

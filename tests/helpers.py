@@ -52,3 +52,26 @@ def reference_on_micro_batches(
 
 def clone(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model)
+
+
+def virtual_for(name: object, stages: int, ranks: int | None = None) -> int | None:
+    """``virtual_stages`` of a built-in schedule over ``stages`` stages that
+    share one device: a V's 2, a round-robin one's ``stages / ranks``
+    (default: two stages per rank where the count is even, else one), None
+    for a schedule of a rank per stage (or an explicit order)."""
+    from mpstream.schedules import placement_of
+
+    kind = placement_of(name)
+    if kind == "v":
+        return 2
+    if kind == "round_robin":
+        return stages // ranks if ranks else (2 if stages % 2 == 0 else 1)
+    return None
+
+
+def fits(name: object, stages: int) -> bool:
+    """Whether ``name`` runs over ``stages`` stages on one device with
+    :func:`virtual_for` (a V needs an even number)."""
+    from mpstream.schedules import placement_of
+
+    return placement_of(name) != "v" or stages % 2 == 0

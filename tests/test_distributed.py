@@ -29,7 +29,8 @@ from torch import Tensor, nn
 from mpstream import Pipe
 from mpstream import distributed as mpdist
 from mpstream.runtime.graphed import Emulated
-from tests.helpers import mlp
+from mpstream.schedules import Auto
+from tests.helpers import mlp, virtual_for
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = 2
@@ -58,7 +59,7 @@ class Case:
     """
 
     steps: tuple[str, ...]
-    schedule: str = "gpipe"
+    schedule: Any = "gpipe"
     checkpoint: str = "never"
     options: dict[str, Any] = field(default_factory=dict)
     graphed: bool = False  # stages replayed (emulated): train_step reduces their buffers
@@ -70,7 +71,8 @@ def _cases() -> dict[str, Case]:
         for schedule in ("gpipe", "1f1b"):
             for mode in ("never", "except_last", "always"):
                 cases[f"{path}-{schedule}-{mode}"] = Case((path, path), schedule, mode)
-    for schedule in ("interleaved_1f1b", "zb_h1", USER_ORDER):
+    ranked = ("looped_bfs", "interleaved_zb", "zbv", "dualpipev")
+    for schedule in ("interleaved_1f1b", "zb_h1", *ranked, USER_ORDER):
         for mode in ("never", "except_last", "always"):
             name = "custom" if schedule == USER_ORDER else schedule
             cases[f"train_step-{name}-{mode}"] = Case(("train_step",) * 2, schedule, mode)
@@ -91,6 +93,9 @@ def _cases() -> dict[str, Case]:
         ("train_step",) * 2, "gpipe", options={"bucket_cap_mb": 1e-4}, graphed=True
     )
     cases["graphed-no_sync"] = Case(("no_sync", "train_step"), "1f1b", "except_last", graphed=True)
+    # Chosen at the first step, from given costs (each process on its own).
+    auto = Auto(costs=((1.0, 1.0, 1.0),) * 2, cache=None)
+    cases["train_step-auto"] = Case(("train_step",) * 2, auto, "except_last")
     return cases
 
 
@@ -138,7 +143,9 @@ def _run_case(case: Case, rank: int) -> dict[str, Tensor]:
         devices=["cpu", "cpu"],
         schedule=case.schedule,
         checkpoint=case.checkpoint,
-        virtual_stages=1 if case.schedule == "interleaved_1f1b" else None,
+        # Both stages on the CPU: interleaved 1F1B as two ranks of one
+        # stage, the other round-robin schedules and the V as one rank of two.
+        virtual_stages=1 if case.schedule == "interleaved_1f1b" else virtual_for(case.schedule, 2),
         graphs=Emulated() if case.graphed else False,
     )
     ddp = mpdist.wrap(pipe, **case.options)

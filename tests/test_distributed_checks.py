@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from mpstream import Pipe
@@ -213,3 +213,37 @@ def test_map_location_pairs_stage_devices() -> None:
         mpdist.map_location(["cpu", "cpu"], ["cpu"] * 3)
     with pytest.raises(ValueError, match="cuda:0 maps to both cuda:2 and cuda:3"):
         mpdist.map_location(["cuda:0", "cuda:0"], ["cuda:2", "cuda:3"])
+
+
+class _WithUnused(nn.Module):
+    """A layer with a parameter its forward never uses: no gradient reaches it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(6, 3).double()
+        self.unused = nn.Parameter(torch.ones(4, dtype=torch.float64))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.layer(x)
+
+
+def test_a_gradient_set_by_hand_on_a_graphed_stage_is_reduced_not_dropped(group: None) -> None:
+    from mpstream.runtime.graphed import Emulated
+
+    def pipe(**kwargs: Any) -> Pipe:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 8).double(), nn.Tanh(), nn.Linear(8, 6).double(),
+                              nn.Tanh(), _WithUnused())  # fmt: skip
+        return Pipe(model, split_size=SPLIT, balance=[2, 3], devices=["cpu", "cpu"], **kwargs)
+
+    eager, graphed = pipe(), pipe(graphs=Emulated())
+    x, y = batches(1)[0]
+    x, y = x[:, :5], y[:, :3]
+    for i in range(3):  # capture, then replays
+        for p in (eager, graphed):
+            p.zero_grad(set_to_none=True)
+            p[4].unused.grad = torch.full((4,), float(i + 1), dtype=torch.float64)
+            mpdist.train_step(mpdist.wrap(p), x, y, nn.MSELoss())
+        torch.testing.assert_close(graphed[4].unused.grad, eager[4].unused.grad)
+        for a, b in zip(graphed.parameters(), eager.parameters()):
+            torch.testing.assert_close(a.grad, b.grad)

@@ -27,7 +27,9 @@ def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "schedules",
         help="compare pipeline schedules side by side",
         description=(
-            "Simulate every schedule (gpipe, 1f1b, interleaved_1f1b, zb_h1) for the given "
+            "Simulate every built-in schedule (gpipe, 1f1b, interleaved_1f1b, zb_h1, "
+            "looped_bfs, interleaved_zb, zbv, dualpipev; those whose placement the stages and "
+            "devices allow) for the given "
             "stages, devices and micro-batches from a measured profile of the tutorial's "
             "ResNet50 (or unit costs), print step time, bubble and live activations per stage, "
             "measure each schedule's peak memory in a real step, and draw one PNG with a "
@@ -108,7 +110,8 @@ def run(args: argparse.Namespace) -> int:
             f"--balance tutorial: the tutorial's cut exists for {counts} stages, not "
             f"{stages}; use --balance time"
         )
-    names = [n for n in SCHEDULES if n != "interleaved_1f1b" or stages % devices == 0]
+    skipped = compare.left_out(stages, devices)
+    names = [n for n in SCHEDULES if n not in skipped]
     measured: dict[str, dict[str, int]] = {}
     meta: dict[str, object] = {"stages": stages, "devices": devices, "micro_batches": micros}
     if args.uniform:
@@ -129,14 +132,14 @@ def run(args: argparse.Namespace) -> int:
         profiled["profiled_on"] = profiled.pop("devices")
         meta.update(profiled, balance=pipe.balance)
         if not args.no_memory:
-            virtual = stages // devices if "interleaved_1f1b" in names else None
+            virtual = stages // devices if stages % devices == 0 else None
             measured = compare.measure_memory(pipe, x, y, loss_fn, names, virtual)
     rows = compare.compare(costs, devices, micros, copy_times=args.copy_ms, schedules=names)
     for r in rows:
         r.measured = measured.get(r.schedule, {})
     print(f"{stages} stages on {devices} devices, {micros} micro-batches; {source}")
-    if stages % devices:
-        print("(interleaved_1f1b left out: the stages do not divide evenly over the devices)")
+    for name, why in skipped.items():
+        print(f"({name} left out: {why})")
     print(compare.table(rows))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -152,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
                 "bubble_fraction": r.bubble_fraction,
                 "live_per_stage": r.live,
                 "held_per_stage": r.held,
+                "peak_activations_per_device": r.peak,
                 "segmented_graph_launches": r.launches,
                 "devices": r.devices,
                 "measured_peak_bytes": r.measured,

@@ -17,8 +17,9 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -26,7 +27,7 @@ from torch import Tensor, nn
 from ..memory import CHECKPOINT_MODES
 from ..pipe import Pipe
 from ..runtime import PlanError, record_plan, verify_plan
-from ..schedules import SCHEDULES
+from ..schedules import SCHEDULES, placement_of, virtual_stages_for
 from ..tutorial import models as tutorial
 from .diagnosis import FAIL, PASS, Check, Context, StepResult, overall
 
@@ -99,11 +100,40 @@ def layouts(
 
 
 def virtual_stages(mode: str, devices: Sequence[object]) -> int | None:
-    """``virtual_stages`` for interleaved 1F1B when every stage shares one
-    device (one rank holds them all); None otherwise."""
-    if mode == "interleaved_1f1b" and len(set(devices)) == 1:
-        return len(devices)
+    """``virtual_stages`` for a schedule of several stages per rank when
+    every stage shares one device (a round-robin one: one rank holds them
+    all; a V: two per rank); None otherwise."""
+    if len(set(devices)) == 1:
+        return {"round_robin": len(devices), "v": 2}.get(placement_of(mode))
     return None
+
+
+def fits(mode: str, devices: Sequence[Hashable]) -> bool:
+    """Whether ``mode`` (a schedule, or ``'forward'``) runs on stages
+    placed on ``devices`` (with :func:`virtual_stages`): a V needs an even
+    number of stages mirrored over the devices, round-robin a repeating
+    list."""
+    if mode == "forward":
+        return True
+    try:
+        virtual_stages_for(mode, devices, virtual_stages(mode, devices))
+    except ValueError:
+        return False
+    return True
+
+
+def placed(schedule: str, stages: int, devices: Sequence[Any]) -> list[Any]:
+    """``stages`` stages over ``devices`` as ``schedule`` places them:
+    round-robin, in a V (ranks in contiguous runs over the devices), or
+    contiguous runs."""
+    n = len(devices)
+    kind = placement_of(schedule)
+    if kind == "round_robin":
+        return [devices[s % n] for s in range(stages)]
+    if kind == "v":
+        ranks = max(stages // 2, 1)
+        return [devices[min(s, stages - 1 - s) * n // ranks % n] for s in range(stages)]
+    return [devices[s * n // stages] for s in range(stages)]
 
 
 def cases(devices: tuple[torch.device, torch.device]) -> list[Case]:
@@ -112,9 +142,9 @@ def cases(devices: tuple[torch.device, torch.device]) -> list[Case]:
     for label, devs, force in layouts(devices):
         # Host and device memory are the same thing on a CPU layout.
         sources = ("pageable", "pinned", "device") if devs[0].type == "cuda" else ("device",)
-        # Interleaved 1F1B needs round-robin placement: one device here.
-        one = len(set(devs)) == 1
-        modes = ("forward", *[m for m in SCHEDULES if m != "interleaved_1f1b" or one])
+        # The round-robin and V schedules need their placements: on one
+        # device, virtual_stages gives it (a V an even number of stages).
+        modes = ("forward", *[m for m in SCHEDULES if fits(m, devs)])
         for mode, source, checkpoint in itertools.product(modes, sources, CHECKPOINT_MODES):
             out.append(Case(label, tuple(devs), force, source, mode, checkpoint))
     return out
@@ -211,17 +241,15 @@ def _plans() -> Iterator[tuple[str, dict[str, object]]]:
     for schedule, stages, chunks in itertools.product(SCHEDULES, (2, 3, 4), (1, 4, 7)):
         one = ["cuda:0"] * stages
         spread = [f"cuda:{s}" for s in range(stages)]
-        if schedule == "interleaved_1f1b":  # stages share two GPUs, round-robin
-            mixed = [f"cuda:{s % 2}" for s in range(stages)]
-        else:  # stages share two GPUs, contiguously
-            mixed = [f"cuda:{2 * s // stages}" for s in range(stages)]
+        # Stages share two GPUs as the schedule places them.
+        mixed = placed(schedule, stages, ["cuda:0", "cuda:1"])
         for (label, devs), force, host_input in itertools.product(
             (("one GPU", one), ("a GPU per stage", spread), ("mixed", mixed)),
             (False, True),
             (False, True),
         ):
-            if schedule == "interleaved_1f1b" and label == "mixed" and stages % 2:
-                continue  # round-robin over two GPUs needs an even number of stages
+            if not fits(schedule, devs):
+                continue  # e.g. a V over an odd number of stages
             backwards = (False, True) if schedule == "gpipe" else (True,)
             for backward in backwards:
                 for host_target in (False, True) if backward else (False,):

@@ -1,7 +1,7 @@
 """Doctor step 7, graphed stages per schedule: eager, graphed, captured, side by side.
 
 On a GPU, after the host-bound analysis, the tutorial's split trains at the
-main split size with each schedule (gpipe, 1f1b, interleaved_1f1b, zb_h1)
+main split size with each schedule the two stages' devices allow
 four ways, one after the other in one run: its own ``train_step`` issued
 eagerly, the same with every stage replayed from CUDA graphs
 (``Pipe(graphs=True)``), the whole step captured as one graph
@@ -46,7 +46,7 @@ from ..runtime import synchronize
 from ..schedules import SCHEDULES, Kind
 from ..tutorial import models as tutorial
 from ..tutorial.analysis import batch
-from .checks import virtual_stages
+from .checks import fits, virtual_stages
 from .diagnosis import FAIL, PASS, Check, Context
 from .experiment import config_for
 
@@ -245,7 +245,7 @@ def schedule_rows(
     """The single device, then each schedule: eager, graphed, captured, captured
     in groups (a measurement that raised holds its ``error`` instead)."""
     rows = []
-    for schedule in [None, *schedules]:
+    for schedule in [None, *[s for s in schedules if fits(s, ctx.devices)]]:
         row: dict[str, Any] = {"schedule": schedule or SINGLE}
         variants = (EAGER, CAPTURED) if schedule is None else VARIANTS
         for variant in variants:

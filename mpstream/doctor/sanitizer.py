@@ -35,7 +35,7 @@ from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from ..pipe import Pipe
 from ..schedules import SCHEDULES
-from .checks import virtual_stages
+from .checks import fits, virtual_stages
 from .diagnosis import FAIL, PASS, SKIP, Check, Context, StepResult, overall
 
 __all__ = [
@@ -141,7 +141,7 @@ def exercise(devices: Sequence[str], short: bool = False) -> None:
             opt.zero_grad()
             pipe(x).pow(2).mean().backward()
             opt.step()
-    for schedule in SCHEDULES:
+    for schedule in [s for s in SCHEDULES if fits(s, devs)]:
         for checkpoint in ("never",) if short else ("never", "except_last"):
             stepper = Pipe(
                 nn.Sequential(
@@ -168,7 +168,7 @@ def graphed_workload(device: str) -> None:
     torch.manual_seed(0)
     devs = [torch.device(device)] * 2
     replayed = True
-    for schedule in SCHEDULES:
+    for schedule in [s for s in SCHEDULES if fits(s, devs)]:
         pipe = Pipe(
             nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.ReLU()) for _ in devs]),
             split_size=4,

@@ -27,7 +27,7 @@ from ..runtime import synchronize
 from ..schedules import SCHEDULES
 from ..tutorial import models as tutorial
 from ..tutorial.analysis import batch
-from .checks import named, virtual_stages
+from .checks import fits, named, virtual_stages
 from .diagnosis import FAIL, PASS, Check, Context, StepResult, overall
 
 __all__ = ["SLACK_BYTES", "memory_verdict", "drift", "soak", "peak_pipe", "peaks", "run"]
@@ -169,7 +169,8 @@ def peaks(ctx: Context, tick: Callable[[], None] | None = None) -> list[dict[str
     x, y = batch(config, dev0)
     y = y.to(dev1)
     rows = []
-    for schedule, checkpoint in itertools.product(SCHEDULES, CHECKPOINT_MODES):
+    runnable = [s for s in SCHEDULES if fits(s, ctx.devices)]  # a V needs one device here
+    for schedule, checkpoint in itertools.product(runnable, CHECKPOINT_MODES):
         pipe = peak_pipe(ctx, schedule, checkpoint)
         _train_step(pipe, x, y)  # warm-up: gradients and workspaces exist from here on
         row: dict[str, Any] = {"schedule": schedule, "checkpoint": checkpoint}

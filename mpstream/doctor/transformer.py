@@ -31,10 +31,10 @@ from ..observe.profiling import profile
 from ..observe.scaling import predict
 from ..pipe import Pipe
 from ..runtime import synchronize
-from ..schedules import SCHEDULES
+from ..schedules import SCHEDULES, placement_of
 from ..stages import profile_layers
 from ..workloads import bench, memory, transformer
-from .checks import virtual_stages
+from .checks import placed, virtual_stages
 from .costfit import balanced_copies, calibrate, fastest, spread_issue
 from .diagnosis import FAIL, INFO, PASS, Check, Context, StepResult, overall
 from .graphed import time_steps
@@ -129,9 +129,10 @@ def _case(
 ) -> Check:
     p = transformer.preset("tiny")
     schedule = options["schedule"]
-    vs = virtual_stages(schedule, list(devices))
-    balance = [2, 1, 2, 1] if vs else transformer.halves(p)
-    devs = [devices[0], devices[1]] * 2 if vs else list(devices)
+    several = placement_of(schedule) != "stage"  # four stages, as the schedule places them
+    balance = [2, 1, 2, 1] if several else transformer.halves(p)
+    devs = placed(schedule, 4, list(devices)) if several else list(devices)
+    vs = virtual_stages(schedule, devs)
     try:
         pipe = Pipe(copy.deepcopy(ref), balance=balance, devices=devs, virtual_stages=vs, **options)
         for _ in range(2 if options.get("graphs") else 1):  # capture, then replay
@@ -157,11 +158,13 @@ def race_workload(devices: list[str]) -> None:
     x, y = transformer.tokens(p, devs[0])
     with csan_workarounds():
         for schedule in SCHEDULES:
-            vs = virtual_stages(schedule, devs)
+            several = placement_of(schedule) != "stage"
+            stage_devs = placed(schedule, 4, devs) if several else devs
+            vs = virtual_stages(schedule, stage_devs)
             pipe = Pipe(
                 transformer.decoder(p),
-                balance=[2, 1, 2, 1] if vs else transformer.halves(p),
-                devices=devs * 2 if vs else devs,
+                balance=[2, 1, 2, 1] if several else transformer.halves(p),
+                devices=stage_devs,
                 chunks=3,
                 schedule=schedule,
                 virtual_stages=vs,

@@ -3,8 +3,8 @@ measured memory, and one picture with a timeline per schedule.
 
 A research tool built on the core: :func:`compare` simulates every schedule
 with the same stage costs on the same devices (stages placed contiguously,
-round-robin for interleaved 1F1B, compute of stages sharing a device run one
-at a time); :func:`live_activations` counts, from a schedule's order, the
+round-robin or in a V as each schedule needs, compute of stages sharing a
+device run one at a time); :func:`live_activations` counts, from a schedule's order, the
 micro-batches each stage holds; :func:`measure_memory` runs a real step per
 schedule and records the bytes autograd saved per stage (CPU) or the
 allocator's peak per device (GPU); :func:`split_cost` times a split backward
@@ -20,7 +20,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..schedules import SCHEDULES, Kind, Schedule, segment
+from ..schedules import (
+    SCHEDULES,
+    Kind,
+    Schedule,
+    peak_activations,
+    placement_of,
+    rank_devices,
+    segment,
+)
 from .cost_model import Cost, Simulation, simulate
 from .measuring import measure_memory, profile_stages, split_cost
 from .timeline import COMPUTE, Timeline
@@ -29,6 +37,7 @@ __all__ = [
     "Comparison",
     "live_activations",
     "placement",
+    "left_out",
     "device_bubble",
     "compare",
     "table",
@@ -75,11 +84,26 @@ def live_activations(schedule: Schedule) -> tuple[list[int], list[int]]:
 
 
 def placement(stages: int, devices: int, schedule: str) -> list[str]:
-    """Device labels of the stages: round-robin for interleaved 1F1B (its
-    ranks), contiguous runs of stages otherwise."""
-    if schedule == "interleaved_1f1b":
-        return [f"device{s % devices}" for s in range(stages)]
-    return [f"device{s * devices // stages}" for s in range(stages)]
+    """Device labels of the stages: round-robin or a V for the schedules of
+    several stages per rank (their ranks), contiguous runs of stages
+    otherwise.
+
+    Raises:
+        ValueError: the stages do not fit the schedule's placement.
+    """
+    return rank_devices(schedule, stages, devices)
+
+
+def left_out(stages: int, devices: int, schedules: Sequence[str] = SCHEDULES) -> dict[str, str]:
+    """The schedules whose placement ``stages`` stages on ``devices``
+    devices cannot take, and why."""
+    out = {}
+    for name in schedules:
+        try:
+            rank_devices(name, stages, devices)
+        except ValueError as exc:
+            out[name] = str(exc)
+    return out
 
 
 def device_bubble(timeline: Timeline) -> float:
@@ -117,6 +141,9 @@ class Comparison:
         launches: graph launches of a step captured per device in segments
             (``CapturedStep(groups=...)``): the segments, and a prologue and
             an epilogue per device.
+        peak: per device, the most stage activations (one stage's of one
+            micro-batch each) its stages hold at once, until their last
+            backward pass, from the issue order.
         measured: per stage, peak bytes saved for backward in a real step
             (CPU), or per device the allocator's peak (GPU); empty if not
             measured.
@@ -131,6 +158,7 @@ class Comparison:
     simulation: Simulation
     launches: int = 0
     measured: dict[str, int] = field(default_factory=dict)
+    peak: list[float] = field(default_factory=list)
 
 
 def compare(
@@ -155,8 +183,8 @@ def compare(
         One :class:`Comparison` per schedule.
 
     Raises:
-        ValueError: fewer stages than devices, or (for interleaved 1F1B)
-            stages that are not a multiple of the devices.
+        ValueError: fewer stages than devices, or stages that do not fit a
+            schedule's placement (see :func:`left_out`).
     """
     stages = len(stage_times)
     if devices < 1 or stages < devices:
@@ -164,12 +192,8 @@ def compare(
     out = []
     for name in schedules:
         labels = placement(stages, devices, name)
-        virtual = stages // devices if name == "interleaved_1f1b" else None
-        if virtual is not None and stages % devices:
-            raise ValueError(
-                f"interleaved_1f1b places stages round-robin: {stages} stages do not divide "
-                f"evenly over {devices} devices"
-            )
+        kind = placement_of(name)
+        virtual = {"round_robin": stages // devices, "v": 2}.get(kind)
         sim = simulate(
             stage_times,
             copy_times,
@@ -180,21 +204,27 @@ def compare(
             share_compute=True,
         )
         sched = Schedule(
-            name, stages, micros, [False] * stages, backward=True, virtual_stages=virtual or 1
+            name, stages, micros, [False] * stages, backward=True, virtual_stages=virtual
         )
         live, held = live_activations(sched)
         groups = [labels.index(d) for d in labels]  # a group per device
         launches = segment(sched, groups).launches + 2 * len(set(labels))
         bubble = device_bubble(sim.timeline)
-        out.append(Comparison(name, sim.step_ms, bubble, live, held, labels, sim, launches))
+        peak = list(peak_activations(sched, [1.0] * stages, labels).values())
+        out.append(
+            Comparison(name, sim.step_ms, bubble, live, held, labels, sim, launches, peak=peak)
+        )
     return out
 
 
 def table(rows: Sequence[Comparison]) -> str:
     """A Markdown table of the comparison."""
     measured = any(r.measured for r in rows)
-    head = "| schedule | step (ms) | bubble | live per stage | held per stage | launches |"
-    rule = "| --- | ---: | ---: | --- | --- | ---: |"
+    head = (
+        "| schedule | step (ms) | bubble | live per stage | held per stage | peak per device "
+        "| launches |"
+    )
+    rule = "| --- | ---: | ---: | --- | --- | --- | ---: |"
     if measured:
         head += " measured peak (MB) |"
         rule += " --- |"
@@ -202,7 +232,8 @@ def table(rows: Sequence[Comparison]) -> str:
     for r in rows:
         line = (
             f"| {r.schedule} | {r.step_ms:.1f} | {100 * r.bubble_fraction:.1f}% | "
-            f"{' '.join(map(str, r.live))} | {' '.join(map(str, r.held))} | {r.launches} |"
+            f"{' '.join(map(str, r.live))} | {' '.join(map(str, r.held))} | "
+            f"{' '.join(f'{p:g}' for p in r.peak)} | {r.launches} |"
         )
         if measured:
             line += " " + " ".join(f"{b / 2**20:.1f}" for b in r.measured.values()) + " |"

@@ -9,9 +9,14 @@ task starts when its streams are free and its dependencies have finished.
 - ``overlap=False`` models the tutorial's default-stream pipeline: one stream
   per device, copies block both devices' streams, and within a clock cycle
   later stages are issued first, as the tutorial's loop does.
-- ``share_compute=True`` (the default for interleaved 1F1B) models stages
-  that share a device as sharing its compute: their tasks run one at a time,
-  in issue order.
+- ``share_compute=True`` (the default for the schedules of several stages
+  per rank: round-robin or V) models stages that share a device as sharing
+  its compute: their tasks run one at a time, in issue order.
+- ``share_compute=fill``, a number in (0, 1], lets them compute at once on
+  their own streams, as mpstream's stage streams do on a GPU, each filling
+  that share of the device: a busy device computes whatever any of its
+  streams has ready, at ``1.0`` no faster in all than one stage alone
+  (:mod:`.sharing`).
 
 Every schedule is modelled, explicit orders included. A split backward's
 input pass (B) and weight pass (W) cost what the stage costs give; from a
@@ -32,12 +37,12 @@ from __future__ import annotations
 import math
 import numbers
 import operator
-from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..schedules import Kind, Order, Schedule, Task, Topology, virtual_stages_of
+from ..schedules import Kind, Order, Schedule, Task, Topology, placement_of, virtual_stages_for
+from .sharing import replay, sharing_of
 from .timeline import Span, Timeline
 
 __all__ = ["Cost", "Simulation", "simulate"]
@@ -128,7 +133,7 @@ def simulate(
     devices: Sequence[str] | None = None,
     reads: Sequence[Sequence[int]] | None = None,
     virtual_stages: int | None = None,
-    share_compute: bool | None = None,
+    share_compute: bool | float | None = None,
     issue_times: IssueTimes | None = None,
 ) -> Simulation:
     """Predicts a pipelined step.
@@ -144,25 +149,31 @@ def simulate(
             for all, one per producing stage, or a mapping from (producer,
             receiving stage) to the time of that copy.
         chunks: number of micro-batches.
-        schedule: ``'gpipe'``, ``'1f1b'``, ``'interleaved_1f1b'``,
-            ``'zb_h1'`` or an explicit order of actions (all but ``'gpipe'``
-            need backward times).
+        schedule: a built-in schedule (``mpstream.SCHEDULES``) or an
+            explicit order of actions (all but ``'gpipe'`` need backward
+            times).
         overlap: mpstream's streams (True) or the default streams (False).
         backward: include backward tasks; default: whether any stage has a
             backward time.
         devices: device label of each stage; stages sharing a device share
             its stream when ``overlap`` is False, and need no copy between
-            them. Default: one device per stage (for interleaved 1F1B, the
-            stages round-robin over ``stages / virtual_stages`` devices).
+            them. Default: one device per stage; for a round-robin schedule
+            the stages round-robin over ``stages / virtual_stages`` devices,
+            for a V schedule stages ``s`` and ``stages - 1 - s`` on device
+            ``s``.
         reads: the stage graph, per stage the stages it reads (-1: the
             input); default a chain. A value goes to each device reading it
             in one copy, as mpstream's schedules move it.
-        virtual_stages: stages per rank for interleaved 1F1B (default: from
-            the devices, placed round-robin).
-        share_compute: stages on one device compute one at a time, in issue
-            order (a busy device has nothing left for a second stage).
-            Default: True for interleaved 1F1B, False otherwise (each
-            stage's stream computes independently, as before).
+        virtual_stages: stages per rank of a schedule of several stages per
+            rank (default: from the devices, as the schedule places them).
+        share_compute: how stages on one device share its compute. True:
+            one at a time, in issue order (a busy device has nothing left
+            for a second stage). False: each stage's stream computes as if
+            alone. A number in (0, 1]: at once on their streams, each
+            filling that share of the device (1.0: two at once each take
+            twice as long; 0.5: two fit side by side), so the device runs
+            whatever any of its streams has ready. Default: True for the
+            schedules of several stages per rank, False otherwise.
         issue_times: host time (ms) the one issuing thread spends on each
             task: one number for every task, or per (kind, stage) as
             :attr:`Costs.issue_times` holds them (missing: 0). None: issuing
@@ -201,16 +212,18 @@ def simulate(
         chunks = operator.index(chunks)
     except TypeError:
         raise ValueError(f"chunks must be an int, got {chunks!r}") from None
-    interleaved = schedule == "interleaved_1f1b"
-    if virtual_stages is not None and not interleaved:
+    placement = placement_of(schedule)
+    if virtual_stages is not None and placement == "stage":
         raise ValueError(
-            f"virtual_stages is for schedule='interleaved_1f1b'; got schedule={schedule!r}"
+            f"virtual_stages is for the schedules of several stages per rank (round-robin or "
+            f"V); got schedule={schedule!r}"
         )
-    if devices is None and interleaved:
-        ranks = n // (virtual_stages or 1) if virtual_stages and n % virtual_stages == 0 else n
-        devs = [f"device{s % ranks}" for s in range(n)]
+    if devices is None:
+        devs = _default_devices(placement, n, virtual_stages)
+        if placement == "v" and virtual_stages is None:
+            virtual_stages = 2  # the devices made for the V say it, but for one rank
     else:
-        devs = list(devices) if devices is not None else [f"device{i}" for i in range(n)]
+        devs = list(devices)
     if len(devs) != n:
         raise ValueError(f"devices needs {n} entries, got {len(devs)}")
     with_backward = any(b > 0 for _, b in stages) if backward is None else backward
@@ -220,7 +233,7 @@ def simulate(
         tuple(labels.index(d) for d in devs),
         labels.index(devs[0]),
     )
-    virtual = virtual_stages_of(devs, virtual_stages) if interleaved else 1
+    virtual = virtual_stages_for(schedule, devs, virtual_stages)
     sched = Schedule(schedule, n, chunks, topology, backward=with_backward, virtual_stages=virtual)
     if sched.backward and not with_backward:
         given = "every backward time is 0" if backward is None else "backward=False"
@@ -232,7 +245,7 @@ def simulate(
     # schedule keeps its order, each device running its tasks in turn.
     tutorial = not overlap and sched.name == "gpipe"
     tasks = _tutorial_order(sched.tasks) if tutorial else sched.tasks
-    shared = interleaved if share_compute is None else share_compute
+    shared = sharing_of(placement, share_compute)
     splits = [_split(c) for c in stage_times]
     compute = (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT)
 
@@ -242,7 +255,7 @@ def simulate(
             if not overlap:
                 return (devs[t.stage],)
             row = f"stage{t.stage}.compute"
-            return (row, f"{devs[t.stage]}.compute") if shared else (row,)
+            return (row, f"{devs[t.stage]}.compute") if shared is True else (row,)
         src, dst = (t.stage, t.peer) if t.kind is Kind.COPY else (t.peer, t.stage)
         if overlap:
             return (f"stage{src}.copy", f"stage{dst}.copy")
@@ -259,19 +272,10 @@ def simulate(
         forward, gradient = copy_cost(t.stage, t.peer)
         return float(forward if t.kind is Kind.COPY else gradient)
 
-    free: dict[str, float] = defaultdict(float)
-    end: dict[int, float] = {}
+    timing = replay(tasks, streams, cost, issue, devs, shared if overlap else False)
     spans = []
-    host = 0.0  # when the issuing thread is free
-    for t in tasks:
+    for t, (start, stop, issuing) in zip(tasks, timing):
         on = streams(t)
-        issued = host
-        issuing = issue(t.kind.label, t.stage)
-        host += issuing
-        start = max([free[s] for s in on] + [end[d] for d in t.deps] + [issued])
-        end[t.index] = max(start + cost(t), host)
-        for s in on:
-            free[s] = end[t.index]
         if t.kind in compute and overlap:
             on = on[:1]
         spans.append(
@@ -281,11 +285,12 @@ def simulate(
                 t.kind.label,
                 on[-1] if t.kind is Kind.COPY else on[0],
                 start,
-                end[t.index],
+                stop,
                 peer=t.peer if t.kind in (Kind.COPY, Kind.COPY_GRAD) else -1,
                 issue_ms=issuing,
             )
         )
+    host = sum(issuing for _, _, issuing in timing)
     if overlap:
         rows = {f"stage{s}.{r}": devs[s] for s in range(n) for r in ("compute", "copy")}
     else:
@@ -303,8 +308,18 @@ def simulate(
         "issue_ms": host,
     }
     timeline = Timeline(spans, rows, "simulated", meta)
-    step = max(end.values()) if end else 0.0
+    step = max((stop for _, stop, _ in timing), default=0.0)
     return Simulation(step, timeline, sched.name, overlap, host)
+
+
+def _default_devices(placement: str, n: int, virtual_stages: int | None) -> list[str]:
+    """A device per rank: one per stage, or the stages' ranks round-robin
+    or in a V."""
+    if placement == "v" and n % 2 == 0:
+        return [f"device{min(s, n - 1 - s)}" for s in range(n)]
+    if placement == "round_robin" and virtual_stages and n % virtual_stages == 0:
+        return [f"device{s % (n // virtual_stages)}" for s in range(n)]
+    return [f"device{i}" for i in range(n)]
 
 
 def _issue_costs(issue_times: IssueTimes | None) -> Any:

@@ -24,7 +24,7 @@ from torch.nn.parameter import is_lazy
 from ..memory import StageSavedBytes
 from ..pipe import Pipe
 from ..runtime import GradSink, backward_inputs, cut, synchronize
-from ..schedules import SCHEDULES
+from ..schedules import SCHEDULES, placement_of
 from .fitting import Costs, fit
 from .profiling import profile
 
@@ -49,17 +49,18 @@ def untouched(model: nn.Module) -> Iterator[None]:
             p.grad = grad
 
 
-def _step(pipe: Pipe, x: Any, y: Any, loss_fn: Callable[[Any, Any], Tensor]) -> None:
+def _step(pipe: Pipe, x: Any, y: Any, loss_fn: Callable[[Any, Any], Tensor] | None) -> None:
     pipe.zero_grad(set_to_none=True)
     pipe.train_step(x, y, loss_fn)
     synchronize(pipe.devices)
 
 
 def profile_stages(
-    pipe: Pipe, x: Any, y: Any, loss_fn: Callable[[Any, Any], Tensor], steps: int = 2
+    pipe: Pipe, x: Any, y: Any, loss_fn: Callable[[Any, Any], Tensor] | None, steps: int = 2
 ) -> Costs:
     """Per-stage costs of ``pipe`` measured under ``'zb_h1'``, so the
-    forward, input-gradient and weight-gradient passes are timed apart.
+    forward, input-gradient and weight-gradient passes are timed apart
+    (``loss_fn`` None: the module's own loss, as ``train_step`` takes it).
 
     Returns:
         The fitted costs; ``costs.per_stage()`` are (forward, input_grad,
@@ -104,7 +105,8 @@ def measure_memory(
         with untouched(pipe):
             for name in schedules:
                 pipe.schedule = name
-                pipe.virtual_stages = virtual_stages if name == "interleaved_1f1b" else None
+                kind = placement_of(name)
+                pipe.virtual_stages = {"round_robin": virtual_stages, "v": 2}.get(kind)
                 _step(pipe, x, y, loss_fn)
                 if gpus:
                     for d in gpus:

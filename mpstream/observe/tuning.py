@@ -267,7 +267,7 @@ def tune(
         }
         # Warned cached or not: the cached times were taken the same way.
         own = step == "train_step" and isinstance(first, Pipe)  # its schedule is timed
-        other = sorted({p.schedule for p in pipes_in(first) if p.schedule != "gpipe"})
+        other = sorted({p.schedule for p in pipes_in(first) if p.schedule != "gpipe"}, key=repr)
         if step != "forward" and not own and other:
             how = (
                 "pass target= and loss_fn(output, target) to time it"

@@ -6,7 +6,8 @@ kind), :mod:`.config` its configuration and the runtime it builds on first
 use, :mod:`.module` its ``nn.Module`` side (adopted layers, ``state_dict``,
 placement), :mod:`.inputs` how a call's arguments become micro-batches,
 :mod:`.snapshot` what a failed step puts back, :mod:`.compiling`
-``torch.compile`` of stages.
+``torch.compile`` of stages, :mod:`.auto` when ``schedule='auto'`` chooses
+and the hook the tools install to choose.
 
 May import every core package below it (:mod:`mpstream.stages`,
 :mod:`mpstream.runtime`, :mod:`mpstream.memory`, :mod:`mpstream.schedules`);
@@ -15,6 +16,7 @@ never a tool.
 
 from __future__ import annotations
 
+from .auto import AutoRequest, Chooser, install_chooser
 from .pipe import Pipe
 
-__all__ = ["Pipe"]
+__all__ = ["Pipe", "AutoRequest", "Chooser", "install_chooser"]

@@ -24,15 +24,17 @@ from ..runtime.graphed import GradStore, GraphReport, StageGraphs
 from ..runtime.scheduler import EventScheduler
 from ..runtime.segmented import Edges, HostEdges, Segmenting
 from ..runtime.worker import Worker
+from ..schedules.auto import Auto, ScheduleReport
+from ..schedules.placement import placement_of, virtual_stages_for
 from ..schedules.schedule import (
-    Order,
+    PipeSchedule,
     Schedule,
     Topology,
     schedule_arg,
-    virtual_stages_of,
 )
 from ..stages.sequential import check_positive
 from ..stages.tracers import SplitReport
+from .auto import auto_of, choose
 from .compiling import compile_stages
 from .module import PipeModule, unsplit
 
@@ -118,15 +120,50 @@ class PipeConfig(PipeModule):
         self.__dict__["_checkpoint"] = check_mode(mode)
 
     @property
-    def schedule(self) -> str | tuple[str, ...]:
-        """The schedule: a built-in's name, or an explicit order as a tuple of
+    def schedule(self) -> str | tuple[str, ...] | Auto:
+        """The schedule: a built-in's name, an explicit order as a tuple of
         actions (parsed when set; checked against the stages, with
-        ``virtual_stages``, at the next call)."""
+        ``virtual_stages``, at the next call), or ``'auto'`` (an
+        :class:`~mpstream.schedules.auto.Auto` as given), chosen at the
+        next ``train_step`` (:meth:`schedule_report` says what it chose)."""
         return self.__dict__["_schedule"]  # type: ignore[no-any-return]
 
     @schedule.setter
-    def schedule(self, value: Order) -> None:
+    def schedule(self, value: PipeSchedule) -> None:
         self.__dict__["_schedule"] = schedule_arg(value)
+        self.__dict__["_auto_report"] = None  # 'auto' chooses again
+
+    def schedule_report(self) -> ScheduleReport:
+        """What ``schedule='auto'`` chose and why: each fitting schedule's
+        simulated step and peak activation memory per device, and the costs
+        simulated (``str()`` of it reads as a table).
+
+        Raises:
+            ValueError: the schedule is not ``'auto'``.
+            RuntimeError: it has not chosen yet (it does at the first
+                ``train_step``).
+        """
+        if auto_of(self.schedule) is None:
+            raise ValueError(
+                f"the schedule is {self.schedule!r}, chosen by you: schedule_report() describes "
+                f"what schedule='auto' chose"
+            )
+        report = self.__dict__.get("_auto_report")
+        if report is None:
+            raise RuntimeError(
+                "schedule='auto' chooses at the first train_step (when the batch and the "
+                "micro-batch count are known); run one first"
+            )
+        return report  # type: ignore[no-any-return]
+
+    def _choose_schedule(self, inputs: Any, target: Any, loss_fn: Any, micros: int) -> None:
+        """Chooses the schedule of ``schedule='auto'`` before its first step
+        (nothing for any other schedule, or once chosen)."""
+        auto = auto_of(self.schedule)
+        if auto is None or self.__dict__.get("_auto_report") is not None:
+            return
+        report = choose(self, auto, inputs, target, loss_fn, micros)
+        self.__dict__["_auto_report"] = report
 
     @property
     def scheduler(self) -> EventScheduler:
@@ -217,13 +254,24 @@ class PipeConfig(PipeModule):
         last stage's device.
         """
         devs = self.__dict__["_devices"]
-        name = schedule_arg(self.schedule) if training_step else "gpipe"
-        if training_step and name != "interleaved_1f1b" and self.virtual_stages is not None:
-            raise ValueError(
-                f"virtual_stages={self.virtual_stages} applies to schedule='interleaved_1f1b', "
-                f"not {self.schedule!r}: set pipe.virtual_stages = None, or the schedule"
-            )
-        virtual = virtual_stages_of(devs, self.virtual_stages) if name == "interleaved_1f1b" else 1
+        name: str | tuple[str, ...] = "gpipe"
+        virtual = 1
+        if training_step and auto_of(self.schedule) is not None:
+            report = self.__dict__.get("_auto_report")
+            if report is None:
+                raise RuntimeError(
+                    "schedule='auto' has not chosen a schedule yet: it does at the first "
+                    "train_step (pipe.schedule_report() then says which and why)"
+                )
+            name, virtual = report.chosen, report.virtual_stages
+        elif training_step:
+            name = schedule_arg(self.schedule)  # type: ignore[assignment]
+            try:
+                virtual = virtual_stages_for(name, devs, self.virtual_stages)
+            except ValueError as exc:
+                raise ValueError(f"{exc} (set pipe.virtual_stages or pipe.schedule)") from None
+        if placement_of(name) == "stage":
+            virtual = 1
         copy_target = training_step and target_device not in (None, devs[-1])
         key = (name, micros, input_device, training_step, copy_target, self.force_copies, virtual)
         cache = self._rt()[2]

@@ -14,14 +14,12 @@ import torch
 from torch import Tensor, nn
 
 from ..memory.batchnorm import converted
+from ..runtime.errors import annotate
 from ..runtime.graphed import Backend, generation
 from ..runtime.microbatch import Value, batch_device, scatter
 from ..runtime.stream import capturing
 from ..runtime.training import run as run_step
-from ..schedules.schedule import (
-    Order,
-    check_schedule,
-)
+from ..schedules.schedule import PipeSchedule, check_schedule
 from ..stages.build import build, check_module
 from ..stages.exported import own_loss
 from ..stages.sequential import DeviceLike, check_positive
@@ -69,18 +67,27 @@ class Pipe(PipeCall):
             model would.
         schedule: order of :meth:`train_step`: ``'gpipe'`` (fill-drain),
             ``'1f1b'`` (at most ``stages - s`` micro-batches in flight on
-            stage ``s``), ``'interleaved_1f1b'`` (Megatron-LM's, several
-            stages per pipeline rank, see ``virtual_stages``), ``'zb_h1'``
-            (zero-bubble H1: each backward split into input and weight
-            passes, weight passes filling the bubbles), or an explicit order
-            of actions (``['F0m0', 'F1m0', 'B1m0', 'B0m0']``, see
-            :mod:`mpstream.schedules.orders`; ``str(pipe.schedule_for(...))`` prints a
-            built-in one to start from). ``pipe(x)`` always runs fill-drain.
-        virtual_stages: for ``'interleaved_1f1b'``: stages per pipeline rank
-            (stage ``s`` on rank ``s mod (stages / virtual_stages)``); by
-            default inferred from devices placed round-robin
-            (``['cuda:0', 'cuda:1', 'cuda:0', 'cuda:1']``). Needed when
-            every stage shares one device (the CPU).
+            stage ``s``), ``'zb_h1'`` (zero-bubble H1: each backward split
+            into input and weight passes, weight passes filling the
+            bubbles); with several stages per pipeline rank (see
+            ``virtual_stages``) ``'interleaved_1f1b'`` (Megatron-LM's),
+            ``'interleaved_zb'``, ``'looped_bfs'``, ``'zbv'`` and
+            ``'dualpipev'`` (see ``docs/schedules.md``); ``'auto'`` (or an
+            :class:`~mpstream.schedules.auto.Auto`) picks the built-in one
+            with the shortest simulated step at the first ``train_step``
+            (:meth:`schedule_report`); or an explicit order of actions
+            (``['F0m0', 'F1m0', 'B1m0', 'B0m0']``, see
+            :mod:`mpstream.schedules.orders`; ``str(pipe.schedule_for(...))``
+            prints a built-in one to start from). ``pipe(x)`` always runs
+            fill-drain.
+        virtual_stages: stages per pipeline rank for the round-robin
+            schedules (stage ``s`` on rank ``s mod (stages /
+            virtual_stages)``), by default inferred from devices placed
+            round-robin (``['cuda:0', 'cuda:1', 'cuda:0', 'cuda:1']``);
+            2 for the V ones (stage ``s`` on rank ``min(s, stages - 1 -
+            s)``), by default from devices placed in a V (``['cuda:0',
+            'cuda:1', 'cuda:1', 'cuda:0']``). Needed when every stage
+            shares one device (the CPU).
         sample: a representative micro-batch (an example call of a traced
             module: a tuple of positional arguments, a dict of keyword
             arguments, or the one input), for ``balance='time'|'size'``; a
@@ -173,7 +180,7 @@ class Pipe(PipeCall):
         devices: Sequence[DeviceLike] | None = None,
         checkpoint: str = "never",
         deferred_batch_norm: bool = False,
-        schedule: Order = "gpipe",
+        schedule: PipeSchedule = "gpipe",
         sample: Value | None = None,
         force_copies: bool = False,
         split_points: Sequence[str] | None = None,
@@ -316,6 +323,7 @@ class Pipe(PipeCall):
                 "trained; call it outside that block (it enables gradients itself, so under "
                 "torch.no_grad() it works)"
             )
+        given = (inputs, target, loss_fn)  # what schedule='auto' profiles, as given
         if loss_fn is not None:
             reduction = step_reduction(reduction, loss_fn)
         if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
@@ -346,6 +354,7 @@ class Pipe(PipeCall):
                 else f"target splits into micro-batches {target_sizes}, inputs into {sizes}"
             )
         weights = [n / batch if reduction == "mean" else 1.0 for n in sizes]
+        self._choose_schedule(*given, len(micro))
         schedule = self.schedule_for(
             len(micro),
             batch_device(args),
@@ -383,11 +392,14 @@ class Pipe(PipeCall):
                     None if scaler is None else scaler.scale,
                     issue,
                 )
-        except BaseException:
+        except BaseException as exc:
             if snapshot is not None:
-                if graphs is not None:
-                    graphs.restore(keep=False)
-                snapshot.restore()
+                try:
+                    if graphs is not None:
+                        graphs.restore(keep=False)
+                    snapshot.restore()
+                except Exception as cleanup:  # a sticky device error: exc stays the one raised
+                    annotate(exc, f"mpstream: restoring the state raised too: {cleanup!r}")
             raise
         if graphs is not None:
             graphs.restore(keep=True)

@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from ..schedules.schedule import Kind, Order, Schedule, Topology, virtual_stages_of
+from ..schedules.placement import placement_of, virtual_stages_for
+from ..schedules.schedule import Kind, Order, Schedule, Topology
 from .scheduler import EventScheduler, PlanOp
 from .segment_rules import foreign, unforked, unjoined
 from .segmented import Edges, HostEdges, Segmenting
@@ -81,9 +82,9 @@ def record_plan(
     """Records the stream operations of a whole run without any device.
 
     Args:
-        schedule: a schedule's name (``'gpipe'``, ``'1f1b'``,
-            ``'interleaved_1f1b'``, ``'zb_h1'``) or an explicit order of
-            actions (training schedules, with backward tasks).
+        schedule: a built-in schedule's name (``'gpipe'``, ``'1f1b'``, ...,
+            ``mpstream.SCHEDULES``) or an explicit order of actions
+            (training schedules, with backward tasks).
         stages: number of stages.
         chunks: number of micro-batches.
         devices: the device of each stage (they need not exist here);
@@ -97,8 +98,9 @@ def record_plan(
         reads: the stage graph: per stage, the stages it reads (-1: the
             input), as :attr:`~mpstream.schedules.schedule.Topology.reads`; default a
             chain.
-        virtual_stages: stages per rank for ``'interleaved_1f1b'`` (default
-            inferred from devices placed round-robin).
+        virtual_stages: stages per rank for the schedules of several stages
+            per rank (default inferred from the devices, placed round-robin
+            or in a V); ignored by the others.
         groups: issue the run segment by segment for capture
             (:mod:`~mpstream.runtime.segmented`), with a group label per
             stage (stages on one device may be split into groups); the
@@ -122,7 +124,8 @@ def record_plan(
         force_copies,
     )
     copy_target = target_device is not None and torch.device(target_device) != devs[-1]
-    virtual = virtual_stages_of(devs, virtual_stages) if schedule == "interleaved_1f1b" else 1
+    given = None if placement_of(schedule) == "stage" else virtual_stages
+    virtual = virtual_stages_for(schedule, devs, given)
     sched = Schedule(
         schedule,
         stages,

@@ -115,10 +115,11 @@ class Replay(torch.autograd.Function):
         store = call.store
         if store is not None and not _accumulates():
             # torch.autograd.grad or backward(inputs=...): autograd leaves
-            # .grad alone, and so must the graph that adds into it.
+            # .grad alone, and so must the graph that adds into it (no hook
+            # runs on a gradient that is then taken back).
             store.save()
             try:
-                got = call.backward(picked, object())
+                got = call.backward(picked, object(), hooks=False)
             finally:
                 store.restore()
         else:
@@ -373,6 +374,8 @@ def _accumulates() -> bool:
     node: Node = get_gradient_edge(_ANCHOR).node
     try:
         return private.will_engine_execute_node(node)
+    except private.PrivateApiError:
+        raise  # a torch without the call: no silent loss of every gradient
     except RuntimeError:
         return False
 

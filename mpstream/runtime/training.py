@@ -28,6 +28,7 @@ from ..schedules.schedule import Kind, Schedule, Task
 from . import private
 from .boundary import Cutting, Grads, cut_inputs, roots_of, route_grads, sum_grads
 from .copy import move
+from .errors import annotate
 from .graph import Hop, Ref
 from .graphed import StageGraphs
 from .microbatch import leaves, rebuild_leaves
@@ -201,17 +202,19 @@ def run(
     split = {(s, m) for s, m in schedule.split if m >= checkpoint_stop}
     weights_left: dict[tuple[int, int], WeightPass] = {}
     graphs = worker.graphs
-    thin = None
-    if graphs is not None:
-        graphs.begin(schedule, step=True)
-        thin = Replayed(graphs, routes)
+    thin: Replayed | None = None
 
     def thin_of(ref: Ref, m: int) -> bool:
         return thin is not None and thin.graphed(ref.stage, m)
 
     sched.check_device()
+    # First: a run re-entered from inside a stage is refused before anything
+    # of the run in progress (its graphs' slots) changes.
     native.begin_run(schedule.native, sched.caller_streams())
     try:
+        if graphs is not None:
+            graphs.begin(schedule, step=True)
+            thin = Replayed(graphs, routes)
         for task in schedule.tasks if issue is None else issue.tasks:
             kind, s, m = task.kind, task.stage, task.micro
             # Everything a task issues, record_stream and the boundary cut
@@ -357,7 +360,10 @@ def run(
                 issue.abort(exc)
         finally:
             if graphs is not None:
-                graphs.end()
+                try:
+                    graphs.end()
+                except Exception as cleanup:  # a sticky device error: exc stays the one raised
+                    annotate(exc, f"mpstream: ending the graphed stages raised too: {cleanup!r}")
         worker.annotate(exc, task, len(batches), _loss.__code__)
         raise
     if caller_reader is not None:

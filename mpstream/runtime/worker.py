@@ -210,11 +210,13 @@ class Worker:
         results: list[Any] = [None] * len(batches)
         task: Task | None = None
         graphs = self.graphs
-        if graphs is not None:
-            graphs.begin(schedule, step=False)
         sched.check_device()
+        # First: a run re-entered from inside a stage is refused before anything
+        # of the run in progress (its graphs' slots) changes.
         native.begin_run(schedule.native, sched.caller_streams())
         try:
+            if graphs is not None:
+                graphs.begin(schedule, step=False)
             for task in schedule.tasks:
                 s, m = task.stage, task.micro
                 if task.kind is Kind.FORWARD:

@@ -6,10 +6,15 @@ host and (for explicitly scheduled training) stage backwards, weight passes
 and gradient copies, each with the tasks it depends on.
 
 Built-in schedules: ``'gpipe'`` (fill-drain), ``'1f1b'``,
-``'interleaved_1f1b'`` (Megatron-LM's, over ranks of several stages) and
-``'zb_h1'`` (zero-bubble H1, backwards split into input and weight passes).
-A schedule may also be an explicit order of actions (:mod:`mpstream.schedules.orders`);
-``str(schedule)`` prints any schedule in that form.
+``'interleaved_1f1b'`` (Megatron-LM's, over ranks of several stages),
+``'zb_h1'`` (zero-bubble H1, backwards split into input and weight passes),
+``'looped_bfs'`` (breadth-first over ranks of several stages),
+``'interleaved_zb'`` (interleaved 1F1B with zero-bubble's split backwards),
+``'zbv'`` (zero-bubble V) and ``'dualpipev'`` (DualPipe-V), the last two
+with two stages per rank in a V (:mod:`.placement`). A schedule may also be
+an explicit order of actions (:mod:`mpstream.schedules.orders`);
+``str(schedule)`` prints any schedule in that form. ``'auto'`` (an
+:class:`~mpstream.schedules.auto.Auto`) asks a Pipe to pick a built-in one.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import _ext
+from .auto import Auto
 from .orders import KINDS, Action, check, format_order, is_order, parse
+from .placement import placement_of, virtual_stages_for, virtual_stages_of
 
 __all__ = [
     "Kind",
@@ -29,6 +36,7 @@ __all__ = [
     "Schedule",
     "SCHEDULES",
     "Order",
+    "PipeSchedule",
     "virtual_stages_of",
     "schedule_arg",
     "check_schedule",
@@ -40,6 +48,8 @@ SCHEDULES: tuple[str, ...] = tuple(_C.schedule_names())
 
 # A schedule: a built-in's name, or an explicit order of actions.
 Order = str | Sequence[str | Action]
+# What a Pipe's schedule= takes: also "auto" or an Auto with its options.
+PipeSchedule = Order | Auto
 
 
 class Kind(enum.IntEnum):
@@ -129,110 +139,46 @@ class Topology:
         return self.force_copies or self.devices[producer] != self.devices[reader]
 
 
-def virtual_stages_of(devices: Sequence[Hashable], virtual_stages: int | None = None) -> int:
-    """How many stages each pipeline rank of ``interleaved_1f1b`` holds.
-
-    Stage ``s`` belongs to rank ``s mod (stages / v)``. Without
-    ``virtual_stages``, ``v`` comes from a device list that repeats
-    round-robin over ``p`` devices (``['cuda:0', 'cuda:1', 'cuda:0',
-    'cuda:1']``: ``p = 2``, ``v = 2``).
-
-    Args:
-        devices: a device (or label) per stage.
-        virtual_stages: stages per rank, if given.
-
-    Returns:
-        ``v``.
-
-    Raises:
-        ValueError: ``virtual_stages`` does not divide the stages, puts
-            stages of one rank on different devices, or is missing where the
-            devices do not say it (one device for every stage, or a
-            placement that is not round-robin).
-    """
-    stages = len(devices)
-    labels = list(dict.fromkeys(devices))
-    listed = ", ".join(str(d) for d in devices)
-    if virtual_stages is not None:
-        v = virtual_stages
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"virtual_stages must be a positive int, got {v!r}")
-        if stages % v:
-            raise ValueError(
-                f"virtual_stages={v} does not divide the {stages} stages into ranks of {v} "
-                f"stages each"
-            )
-        ranks = stages // v
-        for s in range(ranks, stages):
-            if devices[s] != devices[s % ranks]:
-                raise ValueError(
-                    f"virtual_stages={v} puts stages {s % ranks} and {s} on rank {s % ranks}, "
-                    f"but they sit on different devices ({devices[s % ranks]}, {devices[s]}); "
-                    f"place stage s on the device of stage s mod {ranks}"
-                )
-        return v
-    if len(labels) == 1 and stages > 1:
-        raise ValueError(
-            f"every stage is on {labels[0]}: give virtual_stages= (stages per pipeline rank; "
-            f"stage s belongs to rank s mod (stages / virtual_stages))"
-        )
-    ranks = len(labels)
-    if stages % ranks or any(devices[s] != labels[s % ranks] for s in range(stages)):
-        fits = [
-            v
-            for v in range(2, stages + 1)
-            if stages % v == 0
-            and all(devices[s] == devices[s % (stages // v)] for s in range(stages))
-        ]
-        advice = (
-            f"place them round-robin ({', '.join(str(labels[s % ranks]) for s in range(stages))})"
-            if stages % ranks == 0
-            else f"use a device count that divides the {stages} stages"
-        )
-        if fits:
-            advice += f", or give virtual_stages={fits[0]}"
-        raise ValueError(
-            f"interleaved_1f1b places stages round-robin over the devices (stage s on device "
-            f"s mod {ranks}); got {listed}: {advice}"
-        )
-    return stages // ranks
-
-
-def schedule_arg(schedule: Order) -> str | tuple[str, ...]:
-    """A built-in schedule's name, or an explicit order as a tuple of actions.
+def schedule_arg(schedule: PipeSchedule) -> str | tuple[str, ...] | Auto:
+    """A built-in schedule's name, an explicit order as a tuple of actions,
+    or ``'auto'`` (an :class:`Auto`: kept as given).
 
     Raises:
         ValueError: an unknown name, or an item that is not an action.
     """
+    if isinstance(schedule, Auto) or schedule == "auto":
+        return schedule  # type: ignore[return-value]
     if is_order(schedule):
         return tuple(str(a) for a in parse(schedule))
     if schedule not in SCHEDULES:
         valid = ", ".join(repr(x) for x in SCHEDULES)
         raise ValueError(
-            f"schedule must be one of {valid}, or an order of actions such as "
+            f"schedule must be one of {valid}, 'auto', or an order of actions such as "
             f"['F0m0', 'F1m0', 'B1m0', 'B0m0']; got {schedule!r}"
         )
     return str(schedule)
 
 
 def check_schedule(
-    schedule: str | tuple[str, ...],
+    schedule: str | tuple[str, ...] | Auto,
     devices: Sequence[Hashable],
     reads: Sequence[Sequence[int]],
     virtual_stages: int | None,
 ) -> None:
     """Checks a pipeline's schedule against its stages before any step runs:
-    the ranks of interleaved 1F1B, and an explicit order for as many
-    micro-batches as it covers.
+    the ranks of a schedule of several stages per rank, and an explicit
+    order for as many micro-batches as it covers. ``'auto'`` is checked when
+    it chooses.
 
     Raises:
-        ValueError: ``virtual_stages`` given for another schedule or not
-            fitting; a bad order (with its stage x step grid).
+        ValueError: ``virtual_stages`` given for a schedule of a rank per
+            stage, or not fitting; a placement the schedule cannot run on
+            (which stage is where, and what to pass); a bad order (with its
+            stage x step grid).
     """
-    if schedule == "interleaved_1f1b":
-        virtual_stages_of(devices, virtual_stages)
-    elif virtual_stages is not None:
-        raise ValueError(f"virtual_stages applies to schedule='interleaved_1f1b', not {schedule!r}")
+    if isinstance(schedule, Auto) or schedule == "auto":
+        return
+    virtual_stages_for(schedule, devices, virtual_stages)
     if isinstance(schedule, tuple):
         micros = 1 + max(a.micro for a in parse(schedule))
         check(parse(schedule), len(devices), micros, reads)
@@ -242,8 +188,8 @@ class Schedule:
     """An ordered task list for ``stages`` stages and ``micros`` micro-batches.
 
     Args:
-        name: ``'gpipe'`` (fill-drain clock cycles), ``'1f1b'``,
-            ``'interleaved_1f1b'`` or ``'zb_h1'``; or an explicit order of
+        name: a built-in schedule (:data:`SCHEDULES`: ``'gpipe'``,
+            fill-drain clock cycles, ``'1f1b'``, ...); or an explicit order of
             actions (``['F0m0', 'F1m0', 'B1m0', ...]`` or that text with
             spaces, see :mod:`mpstream.schedules.orders`).
         stages: number of pipeline stages.
@@ -256,8 +202,10 @@ class Schedule:
         copy_target: a training step's targets are not on the last stage's
             device: add a transfer task per micro-batch, which the last
             stage's forward (where the loss is computed) depends on.
-        virtual_stages: stages per pipeline rank of ``'interleaved_1f1b'``
-            (stage ``s`` on rank ``s mod (stages / virtual_stages)``).
+        virtual_stages: stages per pipeline rank of a round-robin schedule
+            (stage ``s`` on rank ``s mod (stages / virtual_stages)``); a V
+            schedule's is 2 (stage ``s`` on rank ``min(s, stages - 1 - s)``),
+            the default for it; 1 (a rank per stage) for the others.
 
     Raises:
         ValueError: an unknown name, a bad order (the message shows it as a
@@ -273,7 +221,7 @@ class Schedule:
         backward: bool = False,
         copy_target: bool = False,
         *,
-        virtual_stages: int = 1,
+        virtual_stages: int | None = None,
     ) -> None:
         explicit = not isinstance(name, str) or name not in SCHEDULES
         if isinstance(name, str) and len(name.split()) <= 1 and name not in SCHEDULES:
@@ -289,6 +237,7 @@ class Schedule:
             )
         reads = [list(r) for r in topology.reads]
         common = (micros, reads, list(topology.devices), topology.input_device)
+        virtual = 1
         if explicit:
             actions = parse(name)
             if micros >= 1:
@@ -299,19 +248,22 @@ class Schedule:
             self.name = "custom"
         else:
             assert isinstance(name, str)
+            placement = placement_of(name)
+            if placement != "stage":
+                virtual = virtual_stages or (2 if placement == "v" else 1)
             self.native = _C.make_schedule(
                 name,
                 *common,
                 topology.force_copies,
                 backward,
                 copy_target,
-                virtual_stages if name == "interleaved_1f1b" else 1,
+                virtual,
             )
             self.name = name
         self.stages = stages
         self.micros = micros
         self.topology = topology
-        self.virtual_stages = virtual_stages if self.name == "interleaved_1f1b" else 1
+        self.virtual_stages = virtual
         self.backward = backward or self.name != "gpipe"
         self.copy_target = copy_target
         self.tasks: list[Task] = [

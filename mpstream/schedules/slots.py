@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from .schedule import Kind, Schedule, Task
 
-__all__ = ["Slots", "Pass", "plan_slots", "check_slots", "lifetimes"]
+__all__ = ["Slots", "Pass", "plan_slots", "check_slots", "lifetimes", "peak_activations"]
 
 # A graphed pass of a stage: forward, backward (input gradients only where a
 # weight pass follows), weight.
@@ -149,3 +149,34 @@ def check_slots(
                     f"activations of micro-batch {before}, whose backward has not run yet"
                 )
         holder[(s, k)] = m
+
+
+def peak_activations(
+    schedule: Schedule, stage_bytes: Sequence[float], devices: Sequence[str]
+) -> dict[str, float]:
+    """Per device, the most bytes its stages hold for backward at once.
+
+    A micro-batch holds ``stage_bytes[s]`` on stage ``s`` over its
+    :func:`lifetimes` (from its forward to its last backward pass there: W
+    when the backward is split, until which it keeps what W reads, counted
+    whole), in the schedule's issue order.
+
+    Args:
+        schedule: the schedule.
+        stage_bytes: per stage, the bytes one micro-batch saves.
+        devices: per stage, its device's label.
+
+    Returns:
+        Per device label, in the order of the stages.
+    """
+    change: dict[int, list[tuple[str, float]]] = {}
+    for (s, _), (first, last) in lifetimes(schedule.tasks, schedule.stages).items():
+        change.setdefault(first, []).append((devices[s], stage_bytes[s]))
+        change.setdefault(last, []).append((devices[s], -stage_bytes[s]))
+    now = dict.fromkeys(devices, 0.0)
+    peak = dict(now)
+    for i in sorted(change):
+        for d, delta in sorted(change[i], key=lambda c: -c[1]):  # the new first, then the freed
+            now[d] += delta
+            peak[d] = max(peak[d], now[d])
+    return peak

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import mpstream
 from mpstream import cli
 
 # No --num-batches: tune takes none (it times one mini-batch per step).
@@ -102,13 +103,19 @@ def test_schedules_with_unit_costs(tmp_path: Path, capsys: pytest.CaptureFixture
     out = capsys.readouterr().out
     assert "4 stages on 2 devices, 8 micro-batches; unit costs" in out
     rows = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ")]
-    assert rows[2:] == ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"]
+    assert rows[2:] == list(mpstream.SCHEDULES)
     doc = json.loads((tmp_path / "schedules.json").read_text())
     steps = {r["schedule"]: r["step_ms"] for r in doc["schedules"]}
     assert steps["zb_h1"] < steps["interleaved_1f1b"] < steps["1f1b"] < steps["gpipe"]
+    assert steps["zbv"] == steps["dualpipev"] == steps["interleaved_zb"] < steps["zb_h1"]
     # Captured per device in segments: fill-drain is 3 graphs + prologue + epilogue.
     launches = {r["schedule"]: r["segmented_graph_launches"] for r in doc["schedules"]}
-    assert launches == {"gpipe": 7, "1f1b": 13, "interleaved_1f1b": 21, "zb_h1": 13}
+    assert launches == {
+        "gpipe": 7, "1f1b": 13, "interleaved_1f1b": 21, "zb_h1": 13, "looped_bfs": 11,
+        "interleaved_zb": 21, "zbv": 15, "dualpipev": 15,
+    }  # fmt: skip
+    peaks = {r["schedule"]: r["peak_activations_per_device"] for r in doc["schedules"]}
+    assert peaks["zbv"] == [4, 4] and peaks["dualpipev"] == [5, 5]  # 2p and 2p + 1
     assert (tmp_path / "schedules.png").read_bytes().startswith(b"\x89PNG")
 
 

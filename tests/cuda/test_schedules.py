@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from mpstream import Pipe
+from mpstream.schedules import PLACEMENTS
 from tests.cuda.helpers import (
     BATCH,
 )
@@ -27,13 +28,18 @@ def _user_order() -> str:
     return " ".join([a for a in order if a[0] != "W"] + [a for a in order if a[0] == "W"])
 
 
-@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zb_h1", "custom"])
+NAMES = ["interleaved_1f1b", "zb_h1", "looped_bfs", "interleaved_zb", "zbv", "dualpipev", "custom"]
+
+
+@pytest.mark.parametrize("schedule", NAMES)
 @pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
 @pytest.mark.parametrize("devices", ["one", "forced", "round-robin"])
 def test_schedules_on_gpus_match_cpu(schedule: str, checkpoint: str, devices: str) -> None:
     if devices == "round-robin" and torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA devices")
-    layout = ["cuda:0", "cuda:1"] * 2 if devices == "round-robin" else ["cuda:0"] * 4
+    # Two GPUs: round-robin, or a V for the V schedules (stages s and 3 - s on one GPU).
+    two = ["cuda:0", "cuda:1", "cuda:1", "cuda:0"] if PLACEMENTS.get(schedule) == "v" else None
+    layout = (two or ["cuda:0", "cuda:1"] * 2) if devices == "round-robin" else ["cuda:0"] * 4
     model = mlp([5, 8, 7, 6, 4])
     ref = copy.deepcopy(model)
     pipe = Pipe(
@@ -44,7 +50,9 @@ def test_schedules_on_gpus_match_cpu(schedule: str, checkpoint: str, devices: st
         schedule=_user_order() if schedule == "custom" else schedule,
         checkpoint=checkpoint,
         force_copies=devices == "forced",
-        virtual_stages=2 if schedule == "interleaved_1f1b" and devices != "round-robin" else None,
+        virtual_stages=2
+        if schedule in PLACEMENTS and PLACEMENTS[schedule] != "stage" and devices != "round-robin"
+        else None,
     )
     x, y = torch.randn(BATCH, 5, dtype=torch.float64), torch.randn(BATCH, 4, dtype=torch.float64)
     loss = pipe.train_step(x.pin_memory(), y, nn.MSELoss())

@@ -108,13 +108,13 @@ def test_cost_model_validation_with_the_hosts_issue_time() -> None:
 
 
 def test_correctness_grid_layouts() -> None:
-    # forward + 4 schedules, x 3 checkpoint modes
-    assert len(checks.cases((CPU, CPU))) == 5 * 3
+    # forward + 6 schedules (a V needs an even number of stages, here 3), x 3 checkpoint modes
+    assert len(checks.cases((CPU, CPU))) == 7 * 3
     one = (torch.device("cuda:0"), torch.device("cuda:0"))
     two = (torch.device("cuda:0"), torch.device("cuda:1"))
-    assert len(checks.cases(one)) == 2 * 3 * 5 * 3  # plain and forced copies x 3 sources
-    # interleaved 1F1B cannot run on cuda:0 | cuda:1 | cuda:1 (not round-robin)
-    assert len(checks.cases(two)) == 2 * 3 * 5 * 3 + 3 * 4 * 3
+    assert len(checks.cases(one)) == 2 * 3 * 7 * 3  # plain and forced copies x 3 sources
+    # the round-robin schedules cannot run on cuda:0 | cuda:1 | cuda:1
+    assert len(checks.cases(two)) == 2 * 3 * 7 * 3 + 3 * 4 * 3
     assert {c.source for c in checks.cases(one)} == {"pageable", "pinned", "device"}
 
 

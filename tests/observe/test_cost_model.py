@@ -333,7 +333,7 @@ def test_predict_with_nothing_to_run() -> None:
         ({"chunks": 2.0}, "chunks must be an int"),
         ({"issue_times": {("fwd", 0): 1.0}}, "issue_times key .'fwd', 0.: expected .kind, stage."),
         ({"copy_times": {(0, 2): 1.0}}, r"copy_times names hops \[\(0, 2\)\]"),
-        ({"virtual_stages": 2}, "virtual_stages is for schedule='interleaved_1f1b'"),
+        ({"virtual_stages": 2}, "virtual_stages is for the schedules of several stages per rank"),
     ],
 )
 def test_simulate_names_a_bad_argument(kwargs: dict[str, object], message: str) -> None:

@@ -161,7 +161,7 @@ def test_virtual_stages_set_for_another_schedule_is_refused_at_the_step() -> Non
     pipe = Pipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), chunks=2, schedule="1f1b")
     pipe.virtual_stages = 2
     x = torch.randn(4, 2)
-    with pytest.raises(ValueError, match="virtual_stages=2 applies to schedule='interleaved_1f1b'"):
+    with pytest.raises(ValueError, match="virtual_stages=2 applies to the schedules that place"):
         pipe.train_step(x, x, nn.functional.mse_loss)
     pipe.virtual_stages = None
     assert pipe.train_step(x, x, nn.functional.mse_loss).dim() == 0

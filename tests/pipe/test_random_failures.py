@@ -37,6 +37,7 @@ import mpstream
 from mpstream import Pipe
 from mpstream.memory.checkpoint import checkpoint_stop, is_checkpointing, is_recomputing
 from mpstream.runtime.microbatch import scatter
+from mpstream.schedules import PLACEMENTS
 from mpstream.schedules.schedule import Kind
 
 T = TypeVar("T")
@@ -122,7 +123,17 @@ class Case:
 
 # Each (schedule, path, kind) is a test of its own: the derandomized examples
 # of one test cluster, and would leave some combinations out.
-COMBOS = [*((s, "train_step", k) for s in mpstream.SCHEDULES for k in PIPE_KINDS),
+# The schedules of several stages per rank added after the first four: one
+# kind of failure each (every kind for all of them would double the test).
+BASE = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+LATER = (
+    ("looped_bfs", "recompute"),
+    ("interleaved_zb", "weight"),
+    ("zbv", "backward"),
+    ("dualpipev", "weight"),
+)
+COMBOS = [*((s, "train_step", k) for s in BASE for k in PIPE_KINDS),
+          *((s, "train_step", k) for s, k in LATER),
           *((None, "call", k) for k in CALL_KINDS)]  # fmt: skip
 
 
@@ -138,7 +149,7 @@ def cases(draw: st.DrawFn, k: int) -> Case:
     """A case of ``COMBOS[k]``."""
     schedule, path, kind = COMBOS[k]
     schedule = schedule or pick(draw, mpstream.SCHEDULES, k)  # pipe(x) runs fill-drain
-    stages = pick(draw, [2, 3, 4], k)
+    stages = pick(draw, [2, 4] if PLACEMENTS[schedule] == "v" else [2, 3, 4], k)
     widths = tuple(draw(st.lists(st.integers(2, 5), min_size=stages + 1, max_size=stages + 1)))
     norm = pick(draw, ["none", "plain", "deferred", "none"], k)
     norm_stage = None if norm == "none" else draw(st.integers(0, stages - 1))
@@ -147,8 +158,10 @@ def cases(draw: st.DrawFn, k: int) -> Case:
     sizes = [len(t) for t in scatter(torch.arange(batch), chunks, split_size)]
     assume(norm_stage is None or min(sizes) >= 2)  # BatchNorm needs 2 samples per micro-batch
     virtual = None
-    if schedule == "interleaved_1f1b":  # every stage on the CPU: give the ranks
+    if PLACEMENTS[schedule] == "round_robin":  # every stage on the CPU: give the ranks
         virtual = draw(st.sampled_from([v for v in range(1, stages + 1) if stages % v == 0]))
+    elif PLACEMENTS[schedule] == "v":
+        virtual = 2
     checkpoint = pick(draw, MODES[1:] if kind == "recompute" else MODES, k)
     stop = checkpoint_stop(checkpoint, len(sizes), True)
     assume(kind != "recompute" or stop > 0)

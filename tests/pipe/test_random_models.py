@@ -44,7 +44,7 @@ import mpstream
 from mpstream import NoChunk, Pipe
 from mpstream.memory.checkpoint import MODES
 from mpstream.runtime.graphed import Emulated, GraphWarning
-from mpstream.schedules import parse
+from mpstream.schedules import PLACEMENTS, parse
 from tests.random_models import (
     Recipe,
     Reference,
@@ -103,9 +103,11 @@ def cases(draw: st.DrawFn) -> tuple[Recipe, Config]:
     how, size = draw(st.sampled_from(["chunks", "split_size", None])), draw(st.integers(1, 12))
     split = (size if how == "chunks" else None, size if how == "split_size" else None)
     schedule = draw(st.sampled_from([*mpstream.SCHEDULES, "order"]))
-    if schedule == "interleaved_1f1b":
+    if PLACEMENTS.get(schedule) == "round_robin":
         fits = [v for v in range(1, stages + 1) if stages % v == 0]
         virtual = draw(st.sampled_from([None, *fits, *fits, *fits, stages + 1]))
+    elif PLACEMENTS.get(schedule) == "v":  # two stages per rank, stages even
+        virtual = draw(st.sampled_from([None, 2, 2, 2, 2, 3]))
     else:  # an explicit order is drawn later: refusals are tried on the built-ins
         virtual = None if schedule == "order" else draw(st.sampled_from([None] * 9 + [1]))
     segmented = draw(st.booleans())
@@ -157,11 +159,16 @@ def refusal(recipe: Recipe, c: Config) -> tuple[type[Exception], str] | None:
         return TypeError, f"could not export {name} inside submodule 'blocks.{norms[0]}.1'"
     if c.tracer == "export" and any(i < len(recipe.inputs) for i in recipe.outputs):
         return TypeError, "the module returns one of its inputs unchanged"
-    if c.schedule != "interleaved_1f1b" and c.virtual_stages is not None:
-        return ValueError, "virtual_stages applies to schedule='interleaved_1f1b'"
-    if c.schedule == "interleaved_1f1b" and c.virtual_stages is None and c.stages > 1:
+    placement = PLACEMENTS.get(c.schedule, "stage")
+    if placement == "stage" and c.virtual_stages is not None:
+        return ValueError, "applies to the schedules that place several stages per rank"
+    if placement == "v" and c.virtual_stages not in (None, 2):
+        return ValueError, "places two stages per rank in a V: virtual_stages must be 2"
+    if placement == "v" and c.stages % 2:
+        return ValueError, "it needs an even number of stages"
+    if placement != "stage" and c.virtual_stages is None and c.stages > 1:
         return ValueError, "every stage is on cpu: give virtual_stages="
-    if c.schedule == "interleaved_1f1b" and c.virtual_stages and c.stages % c.virtual_stages:
+    if placement == "round_robin" and c.virtual_stages and c.stages % c.virtual_stages:
         return (
             ValueError,
             f"virtual_stages={c.virtual_stages} does not divide the {c.stages} stages",

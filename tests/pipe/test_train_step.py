@@ -19,11 +19,15 @@ from mpstream.runtime.plan import Plan
 from mpstream.runtime.scheduler import EventScheduler
 from mpstream.runtime.worker import Worker
 from mpstream.schedules.schedule import Schedule
-from tests.helpers import assert_same_grads, mlp
+from tests.helpers import assert_same_grads, fits, mlp, virtual_for
 
 BATCH = 10
 SCHEDULES = ["gpipe", "1f1b"]
+# The schedules of several stages per rank (tests/schedules covers them all):
+# on the CPU every stage shares one device, so virtual_stages gives the ranks.
+RANKED = ["looped_bfs", "interleaved_zb", "zbv", "dualpipev"]
 MODES = ["never", "except_last", "always"]
+SHAPES = [(2, 1), (3, 3), (4, 7), (3, BATCH), (2, 25)]
 
 
 def reference_step(
@@ -34,9 +38,11 @@ def reference_step(
     return loss.detach()
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize(
+    ("schedule", "stages", "split_size"),
+    [(n, *shape) for n in SCHEDULES + RANKED for shape in SHAPES if fits(n, shape[0])],
+)
 @pytest.mark.parametrize("checkpoint", MODES)
-@pytest.mark.parametrize(("stages", "split_size"), [(2, 1), (3, 3), (4, 7), (3, BATCH), (2, 25)])
 def test_gradients_equal_the_whole_batch(
     schedule: str, checkpoint: str, stages: int, split_size: int
 ) -> None:
@@ -50,6 +56,7 @@ def test_gradients_equal_the_whole_batch(
         devices=["cpu"] * stages,
         schedule=schedule,
         checkpoint=checkpoint,
+        virtual_stages=virtual_for(schedule, stages),
     )
     x, y = torch.randn(BATCH, 5, dtype=torch.float64), torch.randn(BATCH, 4, dtype=torch.float64)
     loss = pipe.train_step(x, y, nn.MSELoss())

@@ -17,12 +17,13 @@ from mpstream.runtime.plan import Plan
 from mpstream.runtime.scheduler import EventScheduler
 from mpstream.runtime.worker import Worker
 from mpstream.schedules.schedule import Schedule
-from tests.helpers import assert_same_grads, mlp
-from tests.pipe.test_train_step import BATCH, MODES, SCHEDULES, reference_step
+from tests.helpers import assert_same_grads, mlp, virtual_for
+from tests.pipe.test_train_step import BATCH, MODES, RANKED, SCHEDULES, reference_step
 
 
 def small_pipe(**kw: object) -> Pipe:
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)).double()
+    kw.setdefault("virtual_stages", virtual_for(kw.get("schedule"), 2))
     return Pipe(model, split_size=4, balance=[2, 1], devices=["cpu", "cpu"], **kw)  # type: ignore[arg-type]
 
 
@@ -52,7 +53,7 @@ def test_bad_arguments() -> None:
     assert all(p.grad is not None for p in pipe.parameters())
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", SCHEDULES + RANKED)
 @pytest.mark.parametrize("had_grads", [False, True])
 def test_failure_restores_gradients_and_batchnorm(schedule: str, had_grads: bool) -> None:
     pipe = small_pipe(schedule=schedule)
@@ -83,19 +84,20 @@ def test_failure_restores_gradients_and_batchnorm(schedule: str, had_grads: bool
     pipe.train_step(x, y, nn.MSELoss())  # the next step works
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", SCHEDULES + RANKED)
 @pytest.mark.parametrize("checkpoint", MODES)
 def test_forced_copies_give_the_same_step(schedule: str, checkpoint: str) -> None:
-    model = mlp([4, 5, 6, 3])
+    model = mlp([4, 5, 6, 5, 3])
     ref = copy.deepcopy(model)
     pipe = Pipe(
         model,
         split_size=3,
-        balance=[2, 2, 2],
-        devices=["cpu"] * 3,
+        balance=[2, 2, 2, 2],
+        devices=["cpu"] * 4,
         schedule=schedule,
         checkpoint=checkpoint,
         force_copies=True,
+        virtual_stages=virtual_for(schedule, 4),
     )
     x, y = torch.randn(BATCH, 4, dtype=torch.float64), torch.randn(BATCH, 3, dtype=torch.float64)
     loss = pipe.train_step(x, y, nn.MSELoss())

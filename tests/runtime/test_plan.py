@@ -9,7 +9,9 @@ import torch
 
 from mpstream.runtime.plan import Plan, PlanError, record_plan, verify_plan
 from mpstream.runtime.scheduler import EventScheduler
+from mpstream.schedules import placement_of
 from mpstream.schedules.schedule import Schedule, Topology
+from tests.helpers import virtual_for
 
 LAYOUTS = {
     "distinct": lambda n: [f"cuda:{i}" for i in range(n)],
@@ -185,22 +187,32 @@ def _meta(plan: Plan) -> tuple[list[str], list[object], int]:
 
 NEWER = {
     "round-robin": lambda n: [f"cuda:{i % 2}" for i in range(n)],
+    "v": lambda n: [f"cuda:{min(i, n - 1 - i)}" for i in range(n)],
     "one-gpu": lambda n: ["cuda:0"] * n,
     "cpu": lambda n: ["cpu"] * n,
 }
+# The layouts each placement takes (on one device, virtual_stages gives it).
+PLACED = {
+    "round_robin": ("round-robin", "one-gpu", "cpu"),
+    "v": ("v", "one-gpu", "cpu"),
+    "stage": tuple(NEWER),
+}
+NAMES = ["interleaved_1f1b", "zb_h1", "looped_bfs", "interleaved_zb", "zbv", "dualpipev", "custom"]
 
 
-@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zb_h1", "custom"])
+@pytest.mark.parametrize(
+    ("schedule", "layout"),
+    [(n, layout) for n in NAMES for layout in PLACED[placement_of(n)]],
+)
 @pytest.mark.parametrize(("stages", "chunks"), [(2, 1), (2, 4), (4, 3), (4, 8)])
-@pytest.mark.parametrize("layout", sorted(NEWER))
 @pytest.mark.parametrize("input_device", [None, "cpu"])
-def test_plans_of_interleaved_zero_bubble_and_user_orders_are_valid(
+def test_plans_of_the_schedules_of_several_stages_per_rank_and_user_orders_are_valid(
     schedule: str, stages: int, chunks: int, layout: str, input_device: str | None
 ) -> None:
     from mpstream.schedules.schedule import Schedule
 
     devices = NEWER[layout](stages)
-    virtual = None if layout == "round-robin" or schedule != "interleaved_1f1b" else 2
+    virtual = virtual_for(schedule, stages) if layout in ("one-gpu", "cpu", "v") else None
     name: object = schedule
     if schedule == "custom":  # zb_h1's order with every weight pass last
         order = str(Schedule("zb_h1", stages, chunks, [False] * stages)).split()
@@ -217,7 +229,7 @@ def test_plans_of_interleaved_zero_bubble_and_user_orders_are_valid(
     )
     verify_plan(plan)
     runs = [(op.kind, op.stage, op.micro) for op in plan.ops if op.op == "run" and op.task >= 0]
-    if schedule != "interleaved_1f1b":
+    if schedule in ("zb_h1", "interleaved_zb", "zbv", "custom"):
         assert {("weight", s, m) for s in range(stages) for m in range(chunks)} <= set(runs)
 
 

@@ -329,14 +329,37 @@ def test_abort_finishes_its_cleanup_then_raises_the_device_error() -> None:
 
 def test_abort_from_another_thread_says_whose_streams_stay() -> None:
     sched = virtual(2)
-    sched.begin_run(Schedule("gpipe", 2, 2, [False, True]))
-    opener = threading.Thread(target=lambda: sched.begin(0))
+    schedule = Schedule("gpipe", 2, 2, [False, True])
+    sched.begin_run(schedule)
+    handles: list[int] = []
+    opener = threading.Thread(target=lambda: handles.append(sched.begin(0)))
     opener.start()
     opener.join()
     with pytest.raises(RuntimeError, match=r"another thread than the one that began task\(s\) 0"):
         sched.abort()
     assert not sched.native.running and sched.device_error is None  # not the device's
-    run_all(sched, Schedule("gpipe", 2, 2, [False, True]))  # the next run works
+    # The opener's handle is not given to the next run's task meanwhile ...
+    sched.begin_run(schedule)
+    fresh = sched.begin(0)
+    assert fresh != handles[0]
+    # ... and its late end(), on its thread, restores its streams and says so.
+    late: list[BaseException] = []
+
+    def end_late() -> None:
+        try:
+            sched.end(handles[0])
+        except RuntimeError as exc:
+            late.append(exc)
+
+    closer = threading.Thread(target=end_late)
+    closer.start()
+    closer.join()
+    assert "whose run another thread aborted" in str(late[0])
+    sched.end(fresh)
+    for t in schedule.tasks[1:]:
+        sched.end(sched.begin(t.index))
+    sched.join()
+    assert sched.events_free == sched.events_created
 
 
 def test_no_timing_while_a_graph_captures() -> None:

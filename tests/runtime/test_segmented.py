@@ -17,18 +17,20 @@ from mpstream.runtime import EventScheduler
 from mpstream.runtime.plan import PlanError, record_plan, verify_plan
 from mpstream.runtime.segmented import HostEdges, Segmenting
 from mpstream.runtime.stream import AnyStream
-from mpstream.schedules import SCHEDULES, Schedule, Topology
+from mpstream.schedules import SCHEDULES, Schedule, Topology, placement_of
 from mpstream.schedules.segments import segment
 from tests.helpers import assert_same_grads, mlp
 
 TWO = ["cuda:0", "cuda:1"]
 ROUND = ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
+V = ["cuda:0", "cuda:1", "cuda:1", "cuda:0"]
 
 # (devices, groups, force copies): two GPUs; two and four groups on one GPU
 # (the measurable case: stages on one device captured as separate graphs).
 LAYOUTS = {
     "two devices": (TWO, [0, 1], False),
     "round-robin": (ROUND, [0, 1, 0, 1], False),
+    "v": (V, [0, 1, 1, 0], False),
     "one device, two groups": (["cuda:0"] * 2, [0, 1], True),
     "one device, four groups": (["cuda:0"] * 4, [0, 1, 2, 3], True),
 }
@@ -36,7 +38,8 @@ LAYOUTS = {
 
 def plan(name: str, layout: str, micros: int):  # type: ignore[no-untyped-def]
     devices, groups, force = LAYOUTS[layout]
-    virtual = 2 if name == "interleaved_1f1b" and len(devices) == 4 else None
+    one = len(set(devices)) == 1  # then virtual_stages gives the ranks
+    virtual = 2 if placement_of(name) != "stage" and (one or layout == "v") else None
     return record_plan(
         name,
         len(devices),
@@ -49,12 +52,14 @@ def plan(name: str, layout: str, micros: int):  # type: ignore[no-untyped-def]
     )
 
 
-CASES = [
-    (name, layout)
-    for name in SCHEDULES
-    for layout in LAYOUTS
-    if name != "interleaved_1f1b" or len(LAYOUTS[layout][0]) == 4
-]
+# The layouts each placement takes: round-robin schedules four stages
+# round-robin or on one device, V ones a V or one device.
+PLACED = {
+    "stage": ("two devices", "round-robin", "one device, two groups", "one device, four groups"),
+    "round_robin": ("round-robin", "one device, four groups"),
+    "v": ("v", "one device, two groups", "one device, four groups"),
+}
+CASES = [(name, layout) for name in SCHEDULES for layout in PLACED[placement_of(name)]]
 
 
 @pytest.mark.parametrize(("name", "layout"), CASES)
@@ -197,11 +202,12 @@ def test_a_segmented_step_trains_like_the_schedule(name: str, checkpoint: str) -
         devices=["cpu"] * 4,
         schedule=name,
         checkpoint=checkpoint,
-        **({"virtual_stages": 2} if name == "interleaved_1f1b" else {}),
+        **({"virtual_stages": 2} if placement_of(name) != "stage" else {}),
     )
     x, y = data()  # 3 + 3 + 1: a smaller last micro-batch
     edges = Recorded()
-    with pipe.segmented([0, 1, 0, 1] if name == "interleaved_1f1b" else [0, 1, 2, 3], edges):
+    groups = {"round_robin": [0, 1, 0, 1], "v": [0, 1, 1, 0]}.get(placement_of(name), [0, 1, 2, 3])
+    with pipe.segmented(groups, edges):
         loss = pipe.train_step(x, y, nn.MSELoss())
     expected = nn.MSELoss()(ref(x), y)
     expected.backward()

@@ -7,17 +7,22 @@ import pytest
 
 from mpstream.observe.compare import live_activations as live_and_held
 from mpstream.schedules.schedule import SCHEDULES, Kind, Schedule, Topology, virtual_stages_of
+from tests.helpers import fits, virtual_for
 
 
 def key(t: object) -> tuple[str, int, int]:
     return (t.kind.label, t.stage, t.micro)  # type: ignore[attr-defined]
 
 
-SHAPES = [(1, 1), (1, 4), (2, 1), (2, 5), (3, 4), (4, 8), (5, 3)]
+SHAPES = [(1, 1), (1, 4), (2, 1), (2, 5), (3, 4), (4, 8), (5, 3), (6, 5)]
+# Schedules that split every backward into B and W; DualPipe-V splits some.
+SPLIT = ("zb_h1", "interleaved_zb", "zbv")
 
 
-@pytest.mark.parametrize(("stages", "micros"), SHAPES)
-@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize(
+    ("stages", "micros", "name"),
+    [(s, m, n) for s, m in SHAPES for n in SCHEDULES if fits(n, s)],
+)
 @pytest.mark.parametrize("copies", ["none", "all", "input"])
 def test_tasks_are_complete_and_topological(
     name: str, stages: int, micros: int, copies: str
@@ -27,13 +32,18 @@ def test_tasks_are_complete_and_topological(
         "all": [True] * stages,
         "input": [True] + [False] * (stages - 1),
     }[copies]
-    sched = Schedule(name, stages, micros, copy_in, backward=True)
+    virtual = virtual_for(name, stages)
+    sched = Schedule(name, stages, micros, copy_in, backward=True, virtual_stages=virtual)
     keys = [key(t) for t in sched.tasks]
     assert len(keys) == len(set(keys)), "a task appears twice"
     expected = {("forward", s, m) for s in range(stages) for m in range(micros)}
     expected |= {("backward", s, m) for s in range(stages) for m in range(micros)}
-    if name == "zb_h1":
-        expected |= {("weight", s, m) for s in range(stages) for m in range(micros)}
+    if name in SPLIT:
+        assert sched.split == {(s, m) for s in range(stages) for m in range(micros)}
+    if name == "dualpipev":  # rank r splits 2p - r - 1 backwards (cool-down, warm-up)
+        p = stages // 2
+        assert len(sched.split) <= sum(2 * p - r - 1 for r in range(p))
+    expected |= {("weight", s, m) for s, m in sched.split}
     expected |= {("copy", s - 1, m) for s in range(stages) if copy_in[s] for m in range(micros)}
     expected |= {
         ("copy_grad", s - 1, m) for s in range(1, stages) if copy_in[s] for m in range(micros)
@@ -194,12 +204,12 @@ def test_interleaved_orders_are_complete_and_within_megatrons_bound(
     assert first[: min(micros, ranks)] == [0] * min(micros, ranks)
 
 
-@pytest.mark.parametrize("name", ["1f1b", "zb_h1", "interleaved_1f1b"])
+@pytest.mark.parametrize("name", SCHEDULES)
 def test_schedules_work_over_stage_graphs(name: str) -> None:
     # A U-Net-like graph: stage 3 reads stages 2 and 0, stage 2 reads 1 and 0.
     topology = Topology(((-1,), (0,), (0, 1), (0, 2)), (0, 1, 0, 1))
     for micros in (1, 3, 4, 6):
-        sched = Schedule(name, 4, micros, topology, virtual_stages=2)
+        sched = Schedule(name, 4, micros, topology, virtual_stages=virtual_for(name, 4))
         assert all(d < t.index for t in sched.tasks for d in t.deps)
         fwd = {(t.stage, t.micro): t.index for t in sched.tasks if t.kind is Kind.FORWARD}
         for t in sched.tasks:

@@ -21,17 +21,31 @@ from mpstream.runtime.plan import Plan
 from mpstream.runtime.scheduler import EventScheduler
 from mpstream.runtime.worker import Worker
 from mpstream.schedules.schedule import Schedule
-from tests.helpers import assert_same_grads, mlp
+from tests.helpers import assert_same_grads, mlp, virtual_for
 
 BATCH = 10
 MODES = ["never", "except_last", "always"]
 # One hand-written order per stage count: 1F1B's shape with split backwards
 # whose weight passes trail by one micro-batch on the first stage.
-NAMES = ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "custom"]
+NAMES = [
+    "gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "looped_bfs", "interleaved_zb", "zbv",
+    "dualpipev", "custom",
+]  # fmt: skip
+# Those whose orders split backwards into B and W (DualPipe-V some of them).
+SPLITS = ("zb_h1", "interleaved_zb", "zbv", "dualpipev", "custom")
 # (stages, virtual stages, split size): one micro-batch; fewer micro-batches
 # than stages; micro-batches not dividing the batch; one rank of two and
-# of three stages.
-SHAPES = [(2, 1, BATCH), (4, 2, 4), (4, 1, 3), (3, 3, 7), (2, 2, 3)]
+# of three stages; ten micro-batches (DualPipe-V's main phase, m >= 2p).
+# A V holds two stages per rank (its virtual stages are 2 whatever the
+# shape says) and needs an even number of stages.
+SHAPES = [(2, 1, BATCH), (4, 2, 4), (4, 1, 3), (3, 3, 7), (2, 2, 3), (4, 2, 1)]
+CASES = [
+    (name, shape)
+    for name in NAMES
+    for shape in SHAPES
+    if (name not in ("zbv", "dualpipev") or shape[0] % 2 == 0)
+    and (shape[2] > 1 or name not in ("gpipe", "1f1b", "zb_h1", "custom"))
+]
 
 
 def custom_order(stages: int, micros: int) -> list[str]:
@@ -49,7 +63,7 @@ def make_pipe(
         model,
         devices=["cpu"] * stages,
         schedule=schedule,  # type: ignore[arg-type]
-        virtual_stages=virtual if name == "interleaved_1f1b" else None,
+        virtual_stages=virtual_for(name, stages, stages // virtual),
         **kw,  # type: ignore[arg-type]
     )
 
@@ -60,12 +74,12 @@ def reference(model: nn.Module, x: Tensor, y: Tensor, loss_fn: Callable[..., Ten
     return loss.detach()
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize(("name", "shape"), CASES)
 @pytest.mark.parametrize("checkpoint", MODES)
-@pytest.mark.parametrize(("stages", "virtual", "split_size"), SHAPES)
 def test_gradients_equal_the_whole_batch(
-    name: str, checkpoint: str, stages: int, virtual: int, split_size: int
+    name: str, checkpoint: str, shape: tuple[int, int, int]
 ) -> None:
+    stages, virtual, split_size = shape
     model = mlp([5, 8, 7, 6, 4])
     ref = copy.deepcopy(model)
     balance = {2: [4, 4], 3: [2, 3, 3], 4: [2, 2, 2, 2]}[stages]
@@ -82,7 +96,13 @@ def test_gradients_equal_the_whole_batch(
 
 @pytest.mark.parametrize(
     ("name", "checkpoint"),
-    [("interleaved_1f1b", "always"), ("zb_h1", "never"), ("custom", "except_last")],
+    [
+        ("interleaved_1f1b", "always"),
+        ("zb_h1", "never"),
+        ("custom", "except_last"),
+        ("zbv", "except_last"),
+        ("dualpipev", "never"),
+    ],  # fmt: skip
 )
 def test_resnet50_layers(name: str, checkpoint: str) -> None:
     """The tutorial's ResNet50 blocks up to layer2's first (the stem,
@@ -134,7 +154,7 @@ def test_profile_and_plan_of_every_schedule(name: str) -> None:
     expected = [(k, s, m) for k in ("forward", "backward") for s in range(2) for m in range(3)]
     expected += [("weight", s, m) for s, m in split]
     assert kinds == sorted(expected)
-    assert bool(split) == (name in ("zb_h1", "custom"))
+    assert bool(split) == (name in SPLITS)
     costs = __import__("mpstream").simulate_fit(prof)
     assert len(costs.weight_times) == (2 if split else 0)
     # The run's stream operations, recorded and checked.
@@ -144,7 +164,7 @@ def test_profile_and_plan_of_every_schedule(name: str) -> None:
     verify_plan(Plan(sched.plan(), sched.slot_names, sched.slot_devices, 2))
 
 
-@pytest.mark.parametrize("name", ["interleaved_1f1b", "zb_h1"])
+@pytest.mark.parametrize("name", [n for n in NAMES if n not in ("gpipe", "1f1b", "custom")])
 def test_plans_with_copies_between_stages(name: str) -> None:
     model = mlp([4, 5, 6, 5, 3])
     ref = copy.deepcopy(model)
@@ -223,7 +243,7 @@ def test_measured_activation_memory_per_stage() -> None:
     model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(4)])
     x, y = torch.randn(micros * 4, width), torch.randn(micros * 4, width)
     peaks = {}
-    for name in ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"]:
+    for name in NAMES[:-1]:
         pipe = make_pipe(copy.deepcopy(model), name, stages, 2, micros, chunks=micros)
         with StageSavedBytes(pipe.partitions) as tracker:
             pipe.train_step(x, y, nn.MSELoss())

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from mpstream import Pipe
-from mpstream.schedules import SCHEDULES, Schedule, Topology, format_order
+from mpstream.schedules import SCHEDULES, Schedule, Topology, format_order, placement_of
 from mpstream.schedules.segments import segment
 from tests.helpers import assert_same_grads, mlp
 
@@ -25,7 +25,7 @@ def chain(devices: list[int]) -> Topology:
 
 def build(name: str, topology: Topology, micros: int) -> Schedule:
     stages = topology.stages
-    virtual = 2 if name == "interleaved_1f1b" else 1
+    virtual = {"round_robin": 2, "v": 2}.get(placement_of(name))
     return Schedule(name, stages, micros, topology, backward=True, virtual_stages=virtual)
 
 
@@ -62,17 +62,12 @@ LAYOUTS = {
     "four": chain([0, 1, 2, 3]),
     "pairs": chain([0, 0, 1, 1]),
     "round-robin": chain([0, 1, 0, 1]),
+    "v": chain([0, 1, 1, 0]),
     "unet": UNET,
 }
-
-
-# Interleaved 1F1B places stages round-robin over the devices.
-CASES = [
-    (name, layout)
-    for name in SCHEDULES
-    for layout in LAYOUTS
-    if name != "interleaved_1f1b" or layout in ("round-robin", "unet")
-]
+# The layouts each placement takes (a rank per stage: any).
+PLACED = {"round_robin": ("round-robin", "unet"), "v": ("v",), "stage": tuple(LAYOUTS)}
+CASES = [(name, layout) for name in SCHEDULES for layout in PLACED[placement_of(name)]]
 
 
 @pytest.mark.parametrize(("name", "layout"), CASES)

@@ -6,16 +6,19 @@ import dataclasses
 
 import pytest
 
-from mpstream.schedules import SCHEDULES, Kind, Schedule, Topology
+from mpstream.schedules import SCHEDULES, Kind, Schedule, Topology, placement_of
 from mpstream.schedules.slots import check_slots, lifetimes, plan_slots
 
 
 def schedule(name: str, stages: int, micros: int) -> Schedule:
-    if name == "interleaved_1f1b":  # two ranks, stages round-robin over them
+    if placement_of(name) == "round_robin":  # two ranks, stages round-robin over them
         devices = tuple(s % 2 for s in range(stages))
         return Schedule(
             name, stages, micros, Topology(_chain(stages), devices), virtual_stages=stages // 2
         )
+    if placement_of(name) == "v":  # stages s and stages - 1 - s on rank s
+        devices = tuple(min(s, stages - 1 - s) for s in range(stages))
+        return Schedule(name, stages, micros, Topology(_chain(stages), devices), virtual_stages=2)
     return Schedule(name, stages, micros, Topology(_chain(stages), tuple(range(stages))), True)
 
 

@@ -239,17 +239,22 @@ class GraphedCall:
         token: object,
         weight: bool = True,
         autograd: bool = False,
+        hooks: bool = True,
     ) -> list[Tensor | None]:
         """Replays the backward from the output gradients ``grads`` (per
         :attr:`diff_out`; None: no gradient, the buffer itself: already
         there), adding the parameter gradients into the store during pass
         ``token`` (a backward pass of autograd's, with ``autograd``); with
-        ``weight`` a split call's W too. Returns the static input gradients,
-        None where no output that got a gradient reaches."""
+        ``weight`` a split call's W too; without ``hooks`` no
+        post-accumulate hook runs (a pass whose adds are then undone).
+        Returns the static input gradients, None where no output that got
+        a gradient reaches."""
         none = frozenset(k for k, g in zip(self.diff_out, grads) if g is None)
         unreached, params = self._reach(none)
         store = self.store
         hooked = store.ensure(params, token, autograd) if store is not None else []
+        if not hooks:
+            hooked = []
         with torch.no_grad():
             for static, g in zip(self.static_grad_out, grads):
                 if g is None:
@@ -274,6 +279,8 @@ class GraphedCall:
         for p in hooked:
             for hook in p._post_accumulate_grad_hooks.values():  # type: ignore[union-attr]
                 hook(p)
+        if hooked and self.store is not None:
+            self.store.hooks_ran(hooked)
 
     def _reach(self, none: frozenset[int]) -> tuple[frozenset[int], frozenset[int]]:
         """The inputs (positions among those needing gradients) and the

@@ -31,10 +31,42 @@ from torch import Tensor, nn
 
 from ... import _ext
 
-__all__ = ["GradStore"]
+__all__ = ["GradStore", "TiedHooks"]
 
 _C = _ext.load()
 _hooks = operator.attrgetter("_post_accumulate_grad_hooks")
+
+
+class TiedHooks:
+    """The post-accumulate hooks of tied parameters (held by two stages),
+    run once per pass after every stage's side buffer is in: one object per
+    pipe's graphed stages, which each store's :meth:`GradStore.flush` tells
+    what it added."""
+
+    def __init__(self) -> None:
+        self._pending: dict[int, nn.Parameter] = {}
+        self._queued = False
+
+    def add(self, params: Sequence[nn.Parameter], autograd: bool) -> None:
+        """Remembers ``params``; inside a backward pass (``autograd``), runs
+        them after the other stores' flushes, as a final callback queued
+        behind theirs (queued once per pass)."""
+        for p in params:
+            self._pending.setdefault(id(p), p)
+        if autograd and self._pending and not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.run)
+
+    def run(self) -> None:
+        """Runs the hooks remembered, each parameter's once."""
+        pending, self._pending, self._queued = list(self._pending.values()), {}, False
+        for p in pending:
+            for hook in p._post_accumulate_grad_hooks.values():  # type: ignore[union-attr]
+                hook(p)
+
+    def discard(self) -> None:
+        """Forgets a failed pass's."""
+        self._pending, self._queued = {}, False
 
 
 class GradStore:
@@ -50,8 +82,14 @@ class GradStore:
             buffer (its ``.grad`` while attached), or its side buffer.
     """
 
-    def __init__(self, params: Sequence[nn.Parameter], shared: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        shared: set[int] = frozenset(),  # type: ignore[assignment]
+        tied: TiedHooks | None = None,
+    ) -> None:
         self.params = list(params)
+        self.tied = tied or TiedHooks()
         self.flats: list[Tensor] = []
         self.views: list[Tensor] = [torch.empty(0)] * len(self.params)
         self._owned: list[int] = []  # positions whose .grad is their view
@@ -76,6 +114,7 @@ class GradStore:
                 strides = torch.empty_like(p, device="meta").stride()
                 self.views[i] = flat.as_strided(p.shape, strides, offset)
                 offset += p.numel()
+        self._index = {id(p): i for i, p in enumerate(self.params)}
         self._owned_params = [self.params[i] for i in self._owned]
         self._owned_views = [self.views[i] for i in self._owned]
         self._attached = _C.Attached(self._owned_params, self._owned_views)
@@ -133,6 +172,17 @@ class GradStore:
         self._ready[id(reached)] = hooked
         return hooked
 
+    def hooks_ran(self, params: Sequence[nn.Parameter]) -> None:
+        """After post-accumulate hooks of ``params`` ran within a pass: one
+        that took ``.grad`` away (set it to None or to another tensor, as an
+        optimizer in backward or an offload does) is attached again before
+        the pass's next replay adds into it, so that the next micro-batch's
+        hook sees that micro-batch's gradient alone, as in eager autograd."""
+        moved = {self._index[id(p)] for p in params if p.grad is not self.views[self._index[id(p)]]}
+        if moved:
+            self._detached |= moved
+            self._ready = {}
+
     def _attach(self, fresh: list[int]) -> None:
         """Makes the views of ``fresh`` their parameters' gradients: zeroed
         where ``.grad`` was None, filled with it where it was another tensor."""
@@ -149,10 +199,12 @@ class GradStore:
             for i in fresh:
                 self.params[i].grad = self.views[i]
 
-    def flush(self) -> None:
+    def flush(self, autograd: bool = True) -> None:
         """Ends a pass: orders the current streams after those the graphs
         added on, adds the side buffers it reached into their ``.grad``, and
-        runs the post-accumulate hooks left for its end."""
+        runs the post-accumulate hooks left for its end; a tied parameter's
+        go to :attr:`tied` (queued behind the other stores' flushes inside a
+        backward pass, ``autograd``; else the caller runs them)."""
         reached, self._reached_side = sorted(self._reached_side), set()
         streams, self._streams = list(self._streams.values()), {}
         hooks, self._hooks = list(self._hooks), set()
@@ -166,14 +218,34 @@ class GradStore:
                     p.grad = side.clone()
                 else:
                     p.grad.add_(side)
+        # A tied parameter's hooks run once, after every stage's side buffer
+        # is in (eager autograd would run them after each accumulation).
+        self.tied.add([self.params[i] for i in reached if _hooks(self.params[i])], autograd)
         for p in hooks:
             for hook in p._post_accumulate_grad_hooks.values():  # type: ignore[union-attr]
                 hook(p)
+
+    def discard(self) -> None:
+        """Forgets a backward pass of the user's loop that failed before its
+        end (autograd runs no final callback then, so :meth:`flush` never
+        came): what its graphs added into the views stays, as autograd keeps
+        what it accumulated before the failure; side buffers it reached are
+        dropped, not added later into a ``.grad`` the user may have zeroed
+        since, and its hooks do not run. The current streams are ordered
+        after the graphs' adds."""
+        if self._pass is None:
+            return
+        for stream in self._streams.values():
+            torch.cuda.current_stream(stream.device).wait_stream(stream)
+        self._pass, self._ready, self._reached_side = None, {}, set()
+        self._hooks, self._streams = set(), {}
+        self.tied.discard()
 
     def save(self) -> list[nn.Parameter]:
         """Saves the gradients for :meth:`restore` (a training step that may
         fail): copies the flat buffers only if a parameter is attached.
         Returns the parameters it does not save (those with side buffers)."""
+        self.discard()  # a failed pass of the user's loop, if one was left open
         detached = self._attached.detached()
         odd = {j: self._owned_params[j].grad for j in detached}
         flats = [f.clone() for f in self.flats] if len(detached) < len(self._owned) else []

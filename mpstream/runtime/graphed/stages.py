@@ -43,9 +43,10 @@ from torch.nn.parameter import is_lazy
 from ...memory.checkpoint import checkpointed
 from ...schedules.schedule import Schedule
 from ...schedules.slots import Slots, plan_slots
+from .. import private
 from .backends import CudaGraphs, pool_bytes
 from .call import Backend, GraphedCall, Source
-from .grads import GradStore
+from .grads import GradStore, TiedHooks
 from .keys import Baked, Scalars, autocast_key, signature
 
 __all__ = [
@@ -180,6 +181,7 @@ class StageGraphs:
         self.max_calls = max_calls
         self.slots: Slots | None = None
         self.token: object = None  # the current training step's pass (see GradStore.ensure)
+        self.tied = TiedHooks()  # tied parameters' hooks, once per pass for all stores
         #: (stage, slot) of each capture (the first ones), in the order they
         #: happened: the schedule's execution order (see Slots.order).
         self.order: list[tuple[int, int]] = []
@@ -214,6 +216,12 @@ class StageGraphs:
                 "mpstream.distributed.train_step(ddp, inputs, target, loss_fn), which reduces "
                 "the gradient buffers itself, or build the pipe with graphs=False"
             )
+        if private.current_graph_task_id() == -1:
+            # Not inside a backward (a backward inside a backward changes
+            # the pass mid-way): a pass still open here failed.
+            for st in self.stages:
+                if st.store is not None:
+                    st.store.discard()
         plans = self._plans.setdefault(schedule, {})
         slots = plans.get(step)
         if slots is None:
@@ -269,10 +277,11 @@ class StageGraphs:
         self.token = None
         for st in self.stages:
             if st.store is not None:
-                st.store.flush()
+                st.store.flush(autograd=False)
             for graphed in st.calls.values():
                 if graphed.pending is _STEP:
                     graphed.pending = None
+        self.tied.run()
 
     def stores(self) -> list[GradStore | None]:
         """Each stage's gradient buffers, where its graphs add into them."""
@@ -384,7 +393,7 @@ class StageGraphs:
         assert st.baked is not None
         grad = bool(key[2])
         if grad and st.store is None and st.baked.params:
-            st.store = GradStore(st.baked.params, self._shared(st))
+            st.store = GradStore(st.baked.params, self._shared(st), self.tied)
         if st.pool is None and st.device.type == "cuda" and isinstance(self.backend, CudaGraphs):
             st.pool = torch.cuda.graph_pool_handle()
         fn: Callable[..., Any] = (lambda *a: checkpointed(stage, *a)) if ckpt else stage

@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_leaves
 from mpstream.runtime.graphed.backends import Emulated, shares
 from mpstream.runtime.graphed.call import GraphedCall
 from mpstream.runtime.graphed.grads import GradStore
-from mpstream.schedules import SCHEDULES
+from mpstream.schedules import SCHEDULES, placement_of
 from tests.helpers import mlp
 from tests.runtime.graphed.test_stages import WIDTHS, data, pair
 
@@ -71,7 +71,7 @@ def test_what_a_pass_of_the_shared_pool_allocates_dies_with_its_replay(
 ) -> None:
     extra: dict[str, Any] = (
         {"virtual_stages": 2, "balance": [2, 2, 2, 2], "devices": ["cpu"] * 4}
-        if schedule == "interleaved_1f1b"
+        if placement_of(schedule) != "stage"
         else {}
     )
     backend = Following()

@@ -1,0 +1,123 @@
+"""``Pipe(schedule="auto")``: when the schedule is chosen, and through which hook.
+
+The choice needs the micro-batch count and the step's costs, so it happens
+at the first :meth:`~mpstream.Pipe.train_step` (``pipe(x)`` runs
+fill-drain whatever the schedule, and chooses nothing). Which built-in
+schedules fit the placement is the core's to say (:func:`candidates`); how
+fast each runs is the cost model's, which lives with the tools
+(:mod:`mpstream.observe`: the simulator, profiles, fitted costs and the
+tuning cache). The core may not import the tools, so the tools install a
+:data:`Chooser` here (:func:`install_chooser`, when ``mpstream.observe``
+is imported, as ``import mpstream`` does) and the Pipe calls it. The
+choice is kept (:class:`~mpstream.schedules.auto.ScheduleReport`, from
+``pipe.schedule_report()``) until the schedule is set again: later steps,
+with other micro-batch counts too, run the chosen schedule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..schedules import (
+    SCHEDULES,
+    Auto,
+    ScheduleReport,
+    placement_of,
+    virtual_stages_for,
+)
+
+__all__ = ["AutoRequest", "Chooser", "install_chooser", "candidates", "choose", "auto_of"]
+
+
+@dataclass(frozen=True)
+class AutoRequest:
+    """What a :data:`Chooser` is asked.
+
+    Attributes:
+        auto: the options (``Pipe(schedule=Auto(...))``).
+        inputs: the first step's batch, as ``train_step`` was given it.
+        target: its targets.
+        loss_fn: its loss function (None: the module's own loss).
+        micros: its micro-batch count.
+        candidates: (schedule, virtual stages) of each built-in schedule
+            that fits the pipe's placement.
+        excluded: (schedule, why) of those that do not.
+    """
+
+    auto: Auto
+    inputs: Any
+    target: Any
+    loss_fn: Callable[[Any, Any], Any] | None
+    micros: int
+    candidates: tuple[tuple[str, int], ...]
+    excluded: tuple[tuple[str, str], ...]
+
+
+# (pipe, request) -> report: simulates the candidates and picks one.
+Chooser = Callable[[Any, AutoRequest], ScheduleReport]
+
+_installed: list[Chooser] = []
+
+
+def install_chooser(chooser: Chooser) -> None:
+    """Makes ``chooser`` the one ``schedule="auto"`` calls (the last one
+    installed wins)."""
+    _installed[:] = [chooser]
+
+
+def auto_of(schedule: object) -> Auto | None:
+    """The options of an automatic schedule; None for any other."""
+    if isinstance(schedule, Auto):
+        return schedule
+    return Auto() if schedule == "auto" else None
+
+
+def candidates(
+    devices: Sequence[Hashable], virtual_stages: int | None
+) -> tuple[tuple[tuple[str, int], ...], tuple[tuple[str, str], ...]]:
+    """The built-in schedules that fit a placement.
+
+    A schedule of a rank per stage fits any devices (``virtual_stages`` is
+    for the others); one of several stages per rank fits when the devices,
+    or on one device ``virtual_stages``, give its ranks.
+
+    Returns:
+        ``(fitting, excluded)``: (name, virtual stages) of each that fits,
+        and (name, why) of each that does not.
+    """
+    fitting, excluded = [], []
+    for name in SCHEDULES:
+        given = None if placement_of(name) == "stage" else virtual_stages
+        try:
+            fitting.append((name, virtual_stages_for(name, devices, given)))
+        except ValueError as exc:
+            excluded.append((name, str(exc)))
+    return tuple(fitting), tuple(excluded)
+
+
+def choose(
+    pipe: Any,
+    auto: Auto,
+    inputs: Any,
+    target: Any,
+    loss_fn: Callable[[Any, Any], Any] | None,
+    micros: int,
+) -> ScheduleReport:
+    """Asks the installed chooser for ``pipe``'s schedule.
+
+    Raises:
+        RuntimeError: no chooser is installed (``mpstream.observe`` was
+            never imported).
+        ValueError: the chooser's: no schedule fits the memory budget.
+    """
+    if not _installed:
+        raise RuntimeError(
+            "schedule='auto' is chosen by mpstream's cost model, which was not loaded: "
+            "import mpstream (or mpstream.observe) before the first train_step, or give "
+            "a schedule by name"
+        )
+    fitting, excluded = candidates(pipe.devices, pipe.virtual_stages)
+    request = AutoRequest(auto, inputs, target, loss_fn, micros, fitting, excluded)
+    return _installed[0](pipe, request)
