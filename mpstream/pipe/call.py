@@ -16,8 +16,9 @@ from typing import Any
 import torch
 
 from ..memory.batchnorm import deferred_update
+from ..runtime.copy import Staging
+from ..runtime.forward import run as run_forward
 from ..runtime.microbatch import batch_device, gather, scatter
-from ..runtime.worker import Staging
 from .config import PipeConfig
 from .inputs import check_holds_tensor, positional, staging
 
@@ -83,7 +84,7 @@ class PipeCall(PipeConfig):
         staging = self._stage(inputs, self.devices[0])
         stop = self._prepare(len(micro))
         with deferred_update(self._deferred_norms(), len(micro)):
-            outputs = worker.forward(micro, schedule, stop, staging)
+            outputs = run_forward(worker, micro, schedule, stop, staging)
         split = self.__dict__["_split"]
         return gather(outputs) if split is None else split.gather(outputs)
 

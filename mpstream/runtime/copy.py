@@ -1,18 +1,29 @@
-"""Autograd functions that move micro-batches between stage devices.
+"""Moving values between stage devices: the one copy every run uses.
 
-The scheduler makes the copy streams current before :class:`Copy` runs, so
-the forward copy is issued on them and autograd records them as the node's
-stream. The backward copy of the gradient is opened through the scheduler
-too: it runs on the same copy streams, and the receiving stage's compute
-stream is ordered after it (by autograd's engine, or by the scheduler on
-torch versions whose engine does not; see
-:data:`~mpstream.runtime.scheduler.AUTOGRAD_ORDERS_GRAD_COPIES`). The input batch
-moves from the host on the io stream of stage 0's device
+:func:`send` copies one tensor from one stage's device to another's, on the
+current streams, and marks both tensors for the streams that use them. Every
+copy between stages goes through it, whichever way it goes: a forward
+value, its gradient back, the input batch from the host; and every copy
+task, in a forward run and a training step alike, is :func:`send_hop`. What
+differs is who drives the gradient's way back. In the user's own loop (``pipe(x)``,
+then ``loss.backward()``) a forward copy is a :class:`Copy`, whose backward
+sends the gradient, issued by autograd; in a training step the graph is cut
+at every stage's inputs and a gradient-copy task sends it
+(:mod:`~mpstream.runtime.training`).
+
+The scheduler makes the copy streams current before a copy runs, so the
+copy is issued on them. A :class:`Copy`'s gradient copy is opened through
+the scheduler too: it runs on the same copy streams, and the receiving
+stage's compute stream is ordered after it (by autograd's engine, or by the
+scheduler on torch versions whose engine does not; see
+:data:`~mpstream.runtime.scheduler.AUTOGRAD_ORDERS_GRAD_COPIES`). The input
+batch moves from the host on the io stream of stage 0's device
 (:mod:`~mpstream.runtime.transfer`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
@@ -21,14 +32,28 @@ from torch import Tensor
 from torch.autograd import profiler
 
 from . import private
-from .microbatch import gradless
+from .graph import ALL, Hop
+from .microbatch import gradless, leaves, rebuild_leaves
+from .peer import pull
 from .stream import AnyStream, current_stream, record_stream
-from .transfer import GradLink, to_device, to_host
+from .transfer import GradLink, HostWait, to_device, to_host
+from .values import Flow
 
 if TYPE_CHECKING:
     from .scheduler import EventScheduler
 
-__all__ = ["Copy", "Route", "move"]
+__all__ = [
+    "Copy",
+    "Route",
+    "Staging",
+    "move",
+    "send",
+    "send_hop",
+]
+
+# Pinned staging buffers of one micro-batch, one entry per leaf of its inputs
+# (see mpstream.runtime.transfer.host_staging), or None when nothing needs staging.
+Staging = tuple[Tensor | None, ...] | None
 
 
 def move(x: Tensor, device: torch.device, *, force: bool = False) -> Tensor:
@@ -44,8 +69,47 @@ def move(x: Tensor, device: torch.device, *, force: bool = False) -> Tensor:
     return to_device(x, device)
 
 
+def send(
+    x: Tensor,
+    device: torch.device,
+    reader: AnyStream | None,
+    consumer: AnyStream | None,
+    *,
+    force: bool = False,
+    staging: Tensor | None = None,
+    pulled: bool = False,
+) -> Tensor:
+    """Copies ``x`` to ``device`` for a stage there, marking both tensors.
+
+    Args:
+        x: a value (or a gradient) of one stage.
+        device: the other stage's device.
+        reader: the stream the copy reads ``x`` on, when ``x`` was allocated
+            on another one (None: no mark).
+        consumer: the stream that reads the copy (None: no mark).
+        force: copy even when ``x`` already is on ``device``.
+        staging: a pinned buffer for a pageable host ``x``.
+        pulled: ``device`` pulls ``x`` from a peer GPU on its own current
+            stream (a segmented run; see :mod:`~mpstream.runtime.peer`).
+
+    Returns:
+        The copy (``x`` itself when it is on ``device`` and not forced).
+    """
+    if pulled and x.device.type == device.type == "cuda" and x.device != device:
+        y = pull(x, device)
+    elif staging is not None:
+        y = to_device(x, device, staging)
+    else:
+        y = move(x, device, force=force)
+    if reader is not None:
+        record_stream(x, reader)
+    if consumer is not None:
+        record_stream(y, consumer)
+    return y
+
+
 class Route:
-    """Where one :class:`Copy` goes, and how.
+    """Where one copy task goes, and how.
 
     Attributes:
         sched: the pipeline's scheduler (streams, devices, grad-copy tasks).
@@ -58,9 +122,10 @@ class Route:
         staging: for the input batch, a pinned buffer per tensor (or None).
         link: for a host input that requires grad, where the asynchronous
             gradient copy leaves its event (see :class:`~.transfer.HostWait`).
+        pulled: the receiving device pulls the values (a segmented run).
     """
 
-    __slots__ = ("sched", "stage", "peer", "micro", "force", "staging", "link")
+    __slots__ = ("sched", "stage", "peer", "micro", "force", "staging", "link", "pulled")
 
     def __init__(
         self,
@@ -69,8 +134,9 @@ class Route:
         peer: int,
         micro: int,
         force: bool = False,
-        staging: tuple[Tensor | None, ...] | None = None,
+        staging: Staging = None,
         link: GradLink | None = None,
+        pulled: bool = False,
     ) -> None:
         self.sched = sched
         self.stage = stage
@@ -79,46 +145,30 @@ class Route:
         self.force = force
         self.staging = staging
         self.link = link
+        self.pulled = pulled
 
-
-def _move(
-    x: Tensor,
-    device: torch.device,
-    reader: AnyStream | None,
-    consumer: AnyStream | None,
-    force: bool,
-    staging: Tensor | None = None,
-) -> Tensor:
-    """Moves ``x`` and marks both tensors for the streams that use them.
-
-    ``x`` is read by the copy on ``reader`` (it was allocated on another
-    stream); the result, allocated on the copy stream, is read by
-    ``consumer``.
-    """
-    y = to_device(x, device, staging) if staging is not None else move(x, device, force=force)
-    if reader is not None:
-        record_stream(x, reader)
-    if consumer is not None:
-        record_stream(y, consumer)
-    return y
+    def send(self, inputs: Sequence[Tensor]) -> list[Tensor]:
+        """The copy task's work: ``inputs`` sent to the peer's device."""
+        sched, stage = self.sched, self.stage
+        dst = sched.devices[self.peer]
+        # The batch is read on the io stream (host memory or the caller's);
+        # a pulled value on the receiving device's stream.
+        reader = sched.copy_streams[stage] if stage >= 0 and not self.pulled else None
+        consumer = sched.compute_streams[self.peer]
+        staging = self.staging or (None,) * len(inputs)
+        return [
+            send(x, dst, reader, consumer, force=self.force, staging=b, pulled=self.pulled)
+            for x, b in zip(inputs, staging)
+        ]
 
 
 class Copy(torch.autograd.Function):
-    """Moves stage ``route.stage``'s outputs (``-1``: inputs) to ``route.peer``'s device."""
+    """A copy task inside autograd (the user's own loop): its backward
+    sends the gradient back as a gradient-copy task the scheduler opens."""
 
     @staticmethod
     def forward(ctx: Any, route: Route, *inputs: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
-        sched, stage = route.sched, route.stage
-        dst = sched.devices[route.peer]
-        if stage >= 0:
-            reader: AnyStream | None = sched.copy_streams[stage]
-        else:
-            reader = None  # the batch: read on the io stream, host memory or the caller's
-        staging = route.staging or (None,) * len(inputs)
-        consumer = sched.compute_streams[route.peer]
-        outputs = [
-            _move(x, dst, reader, consumer, route.force, buf) for x, buf in zip(inputs, staging)
-        ]
+        outputs = route.send(inputs)
         ctx.route = route
         ctx.src_devices = [x.device for x in inputs]
         ctx.mark_non_differentiable(*gradless(inputs, outputs))
@@ -151,7 +201,87 @@ class Copy(torch.autograd.Function):
                     # The scheduler made the stream that reads g current
                     # (this node's; see Scheduler::begin_grad_copy).
                     reader = current_stream(g.device)
-                    result.append(_move(g, d, reader, consumer, route.force))
+                    result.append(send(g, d, reader, consumer, force=route.force))
         finally:
             sched.end(handle)
         return (None, *result)
+
+
+def _hop_leaves(values: Sequence[Any]) -> tuple[list[Any], list[Any], list[int]]:
+    """Flattens a hop's values: all leaves, their structures, tensor positions."""
+    items: list[Any] = []
+    specs: list[Any] = []
+    for v in values:
+        flat, spec = leaves(v)
+        items.extend(flat)
+        specs.append((spec, len(flat)))
+    return items, specs, [i for i, x in enumerate(items) if isinstance(x, Tensor)]
+
+
+def _rebuild_hop(items: Sequence[Any], specs: Sequence[Any]) -> list[Any]:
+    """The inverse of :func:`_hop_leaves`."""
+    out, start = [], 0
+    for spec, count in specs:
+        out.append(rebuild_leaves(items[start : start + count], spec))
+        start += count
+    return out
+
+
+def _hop_staging(
+    staging: Sequence[Staging] | None,
+    m: int,
+    hop: Hop,
+    inputs: Sequence[Any],
+    where: Sequence[int],
+) -> Staging:
+    """The staging buffers of an input hop's tensors (its leaves at ``where``).
+
+    ``staging[m]`` lines up with the leaves of all of micro-batch ``m``'s
+    inputs; the hop moves those of ``hop.indices``.
+    """
+    if not staging or staging[m] is None:
+        return None
+    buffers = staging[m]
+    assert buffers is not None
+    if hop.indices == (ALL,):
+        positions: Sequence[int] = range(len(buffers))
+    else:
+        counts = [len(leaves(x)[0]) for x in inputs]
+        starts = [sum(counts[:k]) for k in range(len(counts))]
+        positions = [starts[k] + j for k in hop.indices for j in range(counts[k])]
+    return tuple(buffers[positions[i]] for i in where)
+
+
+def send_hop(
+    flow: Flow, hop: Hop, route: Route, staging: Sequence[Staging] | None, grad: bool
+) -> None:
+    """A copy task, in every run: what ``hop`` moves of ``route.micro``, sent
+    to the peer's device and kept in ``flow`` for the stages there.
+
+    Args:
+        flow: the run's values.
+        hop: the hop the task copies along.
+        route: where it goes (``staging`` and ``link`` are filled in here).
+        staging: per micro-batch, pinned buffers for the input's transfers.
+        grad: inside autograd (a forward run that records gradients): the
+            copy is a :class:`Copy`, whose backward sends the gradient back.
+            A training step sends gradients back in tasks of their own.
+    """
+    m = route.micro
+    items, specs, where = _hop_leaves(flow.hop_values(hop, m))
+    tensors = [items[i] for i in where]
+    if route.stage < 0:
+        route.staging = _hop_staging(staging, m, hop, flow.outputs_of(-1, m), where)
+        if (
+            grad
+            and route.sched.devices[route.peer].type == "cuda"
+            and any(t.requires_grad and not t.is_cuda for t in tensors)
+        ):
+            # The input's gradient comes back asynchronously; the host
+            # consumer waits for it (transfer.py).
+            route.link = GradLink()
+            tensors = list(HostWait.apply(route.link, *tensors))
+    moved = Copy.apply(route, *tensors) if grad else route.send(tensors)
+    for i, t in zip(where, moved):
+        items[i] = t
+    flow.put_moved(hop, m, _rebuild_hop(items, specs))

@@ -34,7 +34,7 @@ kept valid by the slots and the event plan rather than by copies:
   differentiate them; their gradients reach its backward like any other.
 
 What escapes to the user is copied: the gradient of a tensor the pipe did
-not produce, a single micro-batch's output (see :mod:`~.worker`).
+not produce, a single micro-batch's output (see :mod:`~.forward`).
 """
 
 from __future__ import annotations

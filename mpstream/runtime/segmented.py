@@ -3,9 +3,11 @@
 A whole step captured across devices (or across groups of stages on one
 device) is one CUDA graph per segment of
 :func:`~mpstream.schedules.segments.segment`, launched in order. The run is
-the ordinary one (:func:`~mpstream.runtime.training.run`) over the
-segmented order; :class:`SegmentedIssue` stands in for the C++ scheduler
-there and adds what capture needs at the segments' edges:
+the ordinary one (:func:`~mpstream.runtime.training.run`, through the one run
+loop of :mod:`~mpstream.runtime.executor`) over the segmented order;
+:class:`SegmentedIssue` is its issuer (an
+:class:`~mpstream.runtime.executor.Issuer`, like the C++ scheduler) and adds
+what capture needs at the segments' edges:
 
 - where a segment starts, its :class:`Edges` open a capture on the group's
   stream, and the scheduler starts a segment on it (a source of its own);
@@ -177,8 +179,9 @@ def issue_order(
 class SegmentedIssue:
     """Issues a run's tasks segment by segment, for the C++ scheduler's caller.
 
-    Has the scheduler's run interface (``begin_run``, ``begin``, ``end``,
-    ``join``, ``abort``), so a training step runs through it unchanged.
+    An :class:`~mpstream.runtime.executor.Issuer` (``begin_run``, ``begin``,
+    ``end``, ``join``) with its own order (``tasks``) and ``abort``: the
+    executor's ``Segmented``, so a training step runs through it unchanged.
 
     Args:
         sched: the pipe's scheduler.

@@ -1,9 +1,11 @@
-"""Runs a training step's tasks: forwards, backwards and both kinds of copy.
+"""A training step's tasks: forwards, copies, targets, backwards, weights and
+gradient copies, issued by the one run loop (:mod:`~mpstream.runtime.executor`).
 
 The autograd graph is cut at every stage's inputs (:mod:`~mpstream.runtime.boundary`),
 so each stage's backward is a task of its own, scheduled like its forward.
 The gradient of a value a stage read comes out of the cut; when the value
-crossed devices it goes back in a gradient-copy task, summed first over the
+crossed devices a gradient-copy task sends it back (the same
+:func:`~mpstream.runtime.copy.send` as every copy), summed first over the
 stages on that device that read it; the producing stage's backward sums what
 reached it and back-propagates its outputs. Parameter gradients accumulate
 through autograd as usual. Where the schedule splits a backward (a weight
@@ -25,29 +27,18 @@ from torch import Tensor
 
 from ..memory.checkpoint import checkpointed
 from ..schedules.schedule import Kind, Schedule, Task
-from . import private
 from .boundary import Cutting, Grads, cut_inputs, roots_of, route_grads, sum_grads
-from .copy import move
-from .errors import annotate
-from .graph import Hop, Ref
+from .copy import Route, Staging, send, send_hop
+from .executor import Handlers, execute
+from .graph import Ref
 from .graphed import StageGraphs
 from .microbatch import leaves, rebuild_leaves
-from .peer import pull
 from .replayed import Replayed
 from .segmented import SegmentedIssue
 from .split_backward import WeightPass, backward_inputs
 from .stream import AnyStream, current_stream, record_stream
 from .transfer import to_device
-from .values import Flow
-from .worker import (
-    Staging,
-    cuda_only,
-    hop_leaves,
-    hop_staging,
-    protect,
-    rebuild_hop,
-    task_range,
-)
+from .values import Flow, cuda_only, protect
 
 if TYPE_CHECKING:
     from .worker import Worker
@@ -121,6 +112,201 @@ def _scalar(loss: object) -> Tensor:
     return loss.reshape(())
 
 
+class _Step:
+    """The state of one training step and its task handlers."""
+
+    def __init__(
+        self,
+        worker: Worker,
+        batches: Sequence[tuple[Any, ...]],
+        targets: Sequence[Any],
+        schedule: Schedule,
+        loss_fn: Callable[[Any, Any], Tensor],
+        weights: Sequence[float],
+        checkpoint_stop: int,
+        staging: Sequence[Staging] | None,
+        target_staging: Sequence[Staging] | None,
+        before_backward: Callable[[int], None] | None,
+        scale: Callable[[Tensor], Tensor] | None,
+        segmented: bool,
+    ) -> None:
+        sched = worker.sched
+        self.sched = sched
+        self.parts = worker.calls(len(batches[0]) if batches else 1)
+        self.last = len(self.parts) - 1
+        self.devices = sched.devices
+        self.routes, wiring = worker.routes(schedule.topology)
+        self.flow = Flow(wiring, batches)
+        self.readers = cuda_only(sched.compute_streams)
+        self.copiers = cuda_only(sched.copy_streams)
+        self.force = schedule.topology.force_copies
+        self.segmented = segmented
+        self.loss_fn, self.weights, self.scale = loss_fn, weights, scale
+        self.checkpoint_stop = checkpoint_stop
+        self.staging, self.target_staging = staging, target_staging
+        self.before_backward = before_backward
+        self.labels = list(targets)
+        self.backward_seen: set[int] = set()
+        self.roots: dict[tuple[int, int], list[tuple[tuple[int, int], Tensor]]] = {}
+        self.cuts: dict[tuple[int, int], Cutting] = {}
+        self.local: dict[tuple[int, int], Grads] = defaultdict(lambda: defaultdict(list))
+        self.remote: dict[tuple[int, int, int], Grads] = defaultdict(lambda: defaultdict(list))
+        self.losses: list[Tensor] = []
+        # Split backwards: their weight passes, waiting for the weight tasks.
+        # A checkpointed micro-batch is not split (see split_backward).
+        self.split = {(s, m) for s, m in schedule.split if m >= checkpoint_stop}
+        self.weights_left: dict[tuple[int, int], WeightPass] = {}
+        self.graphs = worker.graphs
+        # The graphed stages' tasks, once the executor began the graphs.
+        self.thin: Replayed | None = None
+
+    def handlers(self) -> Handlers:
+        return {
+            Kind.FORWARD: self.forward,
+            Kind.COPY: self.copy,
+            Kind.TARGET: self.target,
+            Kind.BACKWARD: self.backward,
+            Kind.WEIGHT: self.weight,
+            Kind.COPY_GRAD: self.copy_grad,
+        }
+
+    def pulled(self, receiver: int, sender: int) -> bool:
+        """Whether ``receiver``'s device pulls what ``sender`` sends it (a
+        segmented run pulls copies between GPUs; see .peer)."""
+        src, dst = self.devices[sender], self.devices[receiver]
+        return self.segmented and src.type == dst.type == "cuda" and src != dst
+
+    def route(self, cutting: Cutting, s: int, m: int) -> None:
+        hop = self.routes.hop
+        route_grads(
+            cutting, s, m, hop, self.local, self.remote, self.readers, self.copiers, self.pulled
+        )
+
+    def replayed(self) -> Replayed | None:
+        graphs = self.graphs
+        if graphs is not None and self.thin is None:
+            self.thin = Replayed(graphs, self.routes)  # its graphs are begun by now
+        return self.thin
+
+    # Everything a task issues, record_stream and the boundary cut included,
+    # happens inside its handler: between the scheduler's begin and end, on
+    # the task's streams, so autograd nodes and the allocator see them there.
+    # A handler's locals go with it: they must not keep a finished
+    # micro-batch's graph alive (1F1B's memory bound counts on it).
+
+    def forward(self, task: Task) -> None:
+        s, m = task.stage, task.micro
+        flow, last, thin = self.flow, self.last, self.replayed()
+        pairs, received = flow.args(s, m)
+        sources = flow.result_sources(m) if s == last else []
+        ckpt, splits = m < self.checkpoint_stop, (s, m) in self.split
+        replayed, y = (
+            (False, None)
+            if thin is None
+            else thin.forward(s, m, self.parts[s], pairs, ckpt, splits)
+        )
+        reader = self.readers[s]
+        if reader is not None:
+            # Read on this stage's stream, allocated on another (a replayed
+            # producer's buffers are kept by its slot).
+            fresh = (
+                []
+                if received
+                else [v for r, v in pairs if thin is None or not thin.graphed(r.stage, m)]
+            )
+            protect(fresh + [v for _, v in sources], reader)
+        if replayed:
+            flow.store(s, m, y)
+            # Not cut: no autograd graph; the last stage's outputs are, for
+            # the loss to differentiate.
+            outs = flow.outputs_of(s, m) if s == last else ()
+            inputs: list[tuple[Ref, Any]] = [(Ref(s, k), v) for k, v in enumerate(outs)]
+        else:
+            inputs = thin.unalias(s, m, pairs) if thin and splits else pairs
+        cutting = Cutting()
+        values = cut_inputs(inputs + sources, cutting)
+        if cutting.keys:
+            self.cuts[(s, m)] = cutting
+        if not replayed:
+            y = _eager(self.graphs, s, self.parts[s], values[: len(inputs)], ckpt)
+            flow.store(s, m, y)
+        if s == last:
+            start = 0 if replayed else len(inputs)
+            cut = zip((inputs + sources)[start:], values[start:])
+            output = flow.result(m, {ref: v for (ref, _), v in cut})
+            loss = _loss(self.loss_fn, output, self.labels[m], reader, self.weights[m])
+            scale = self.scale
+            self.roots[(s, m)] = [((0, 0), loss if scale is None else scale(loss))]
+            self.losses.append(loss.detach())
+        elif not replayed:
+            self.roots[(s, m)] = roots_of(flow.outputs_of(s, m))
+        flow.release(s, m)
+        if s == last:
+            flow.outs[m][s + 1] = None  # the loss holds what backward needs
+
+    def copy(self, task: Task) -> None:
+        s, m = task.stage, task.micro
+        # The batch's tensors are pulled one by one where they sit on a GPU.
+        pulled = self.pulled(task.peer, s) if s >= 0 else self.segmented
+        route = Route(self.sched, s, task.peer, m, self.force and s >= 0, pulled=pulled)
+        with torch.no_grad():  # the graph is cut at the stage inputs
+            send_hop(self.flow, self.routes.by_task[(s, task.peer)], route, self.staging, False)
+
+    def target(self, task: Task) -> None:
+        m, last = task.micro, self.last
+        with torch.no_grad():
+            buffers = self.target_staging[m] if self.target_staging else None
+            self.labels[m] = _transfer(self.labels[m], self.devices[last], buffers)
+        protect([self.labels[m]], self.readers[last])
+
+    def backward(self, task: Task) -> None:
+        s, m = task.stage, task.micro
+        if self.before_backward is not None and s not in self.backward_seen:
+            self.backward_seen.add(s)
+            self.before_backward(s)
+        thin = self.thin
+        replayed = thin is not None and thin.graphed(s, m)
+        if replayed and s == self.last:
+            _backward(self.roots.pop((s, m)), None)  # the loss, to the cut outputs
+            self.route(self.cuts.pop((s, m)), s, m)
+        reached = None if s == self.last and not replayed else self.local.pop((s, m), {})
+        if replayed:
+            assert thin is not None and reached is not None
+            done = thin.backward(s, m, reached, (s, m) in self.split)
+        else:
+            if (s, m) in self.split:
+                self.weights_left[(s, m)] = _backward_inputs(self.roots.pop((s, m)), reached)
+            else:
+                _backward(self.roots.pop((s, m)), reached)
+            done = self.cuts.pop((s, m), None)
+        if done is not None:
+            self.route(done, s, m)
+
+    def weight(self, task: Task) -> None:
+        s, m = task.stage, task.micro
+        pending = self.weights_left.pop((s, m), None)
+        if pending is not None:
+            pending.run()
+        elif self.thin is not None:
+            self.thin.weight(s, m)
+
+    def copy_grad(self, task: Task) -> None:
+        # The gradient of what stage s sent to task.peer's device.
+        s, m = task.stage, task.micro
+        dst, reader = self.devices[s], self.readers[s]
+        pulled = self.pulled(s, task.peer)
+        incoming = self.remote.pop((s, task.peer, m), {})
+        with torch.no_grad():
+            for key, grads in incoming.items():
+                if pulled:
+                    # Summed here: the sender's streams are not this task's.
+                    g = sum_grads([send(x, dst, None, None, pulled=True) for x in grads])
+                    protect([g], reader)
+                else:
+                    g = send(sum_grads(grads), dst, None, reader, force=self.force)
+                self.local[(s, m)][key].append(g)
+
+
 def run(
     worker: Worker,
     batches: Sequence[tuple[Any, ...]],
@@ -166,218 +352,31 @@ def run(
         TypeError: a stage returned an unsupported value, or ``loss_fn`` did
             not return a scalar tensor.
     """
-    sched = worker.sched
-    native: Any = sched.native if issue is None else issue
-    parts = worker.calls(len(batches[0]) if batches else 1)
-    last = len(parts) - 1
-    devices = sched.devices
-    routes, wiring = worker.routes(schedule.topology)
-    flow = Flow(wiring, batches)
-    readers = cuda_only(sched.compute_streams)
-    copiers = cuda_only(sched.copy_streams)
-    (caller_reader,) = cuda_only([current_stream(devices[last])])
-    force = schedule.topology.force_copies
-
-    def pulls(src: torch.device, dst: torch.device) -> bool:
-        # A segmented run pulls copies between GPUs (see .peer).
-        return issue is not None and src.type == dst.type == "cuda" and src != dst
-
-    def pulled(receiver: int, sender: int) -> bool:
-        return pulls(devices[sender], devices[receiver])
-
-    def route(cutting: Cutting, s: int, m: int) -> None:
-        route_grads(cutting, s, m, routes.hop, local, remote, readers, copiers, pulled)
-
-    profiling = private.profiler_enabled()
-    labels = list(targets)
-    backward_seen: set[int] = set()
-    roots: dict[tuple[int, int], list[tuple[tuple[int, int], Tensor]]] = {}
-    cuts: dict[tuple[int, int], Cutting] = {}
-    local: dict[tuple[int, int], Grads] = defaultdict(lambda: defaultdict(list))
-    remote: dict[tuple[int, int, int], Grads] = defaultdict(lambda: defaultdict(list))
-    losses: list[Tensor] = []
-    task: Task | None = None
-    # Split backwards: their weight passes, waiting for the weight tasks. A
-    # checkpointed micro-batch is not split (see split_backward).
-    split = {(s, m) for s, m in schedule.split if m >= checkpoint_stop}
-    weights_left: dict[tuple[int, int], WeightPass] = {}
-    graphs = worker.graphs
-    thin: Replayed | None = None
-
-    def thin_of(ref: Ref, m: int) -> bool:
-        return thin is not None and thin.graphed(ref.stage, m)
-
-    sched.check_device()
-    # First: a run re-entered from inside a stage is refused before anything
-    # of the run in progress (its graphs' slots) changes.
-    native.begin_run(schedule.native, sched.caller_streams())
-    try:
-        if graphs is not None:
-            graphs.begin(schedule, step=True)
-            thin = Replayed(graphs, routes)
-        for task in schedule.tasks if issue is None else issue.tasks:
-            kind, s, m = task.kind, task.stage, task.micro
-            # Everything a task issues, record_stream and the boundary cut
-            # included, happens between begin and end: on the task's
-            # streams, so autograd nodes and the allocator see them there.
-            if kind is Kind.FORWARD:
-                handle = native.begin(task.index)
-                pairs, received = flow.args(s, m)
-                sources = flow.result_sources(m) if s == last else []
-                ckpt, splits = m < checkpoint_stop, (s, m) in split
-                with task_range(profiling, kind, s, m):
-                    replayed, y = (
-                        (False, None)
-                        if thin is None
-                        else thin.forward(s, m, parts[s], pairs, ckpt, splits)
-                    )
-                    if readers[s] is not None:
-                        # Read on this stage's stream, allocated on another
-                        # (a replayed producer's buffers are kept by its slot).
-                        fresh = [] if received else [v for r, v in pairs if not thin_of(r, m)]
-                        protect(fresh + [v for _, v in sources], readers[s])
-                    if replayed:
-                        flow.store(s, m, y)
-                        # Not cut: no autograd graph; the last stage's outputs
-                        # are, for the loss to differentiate.
-                        outs = flow.outputs_of(s, m) if s == last else ()
-                        inputs: list[tuple[Ref, Any]] = [(Ref(s, k), v) for k, v in enumerate(outs)]
-                    else:
-                        inputs = thin.unalias(s, m, pairs) if thin and splits else pairs
-                    cutting = Cutting()
-                    values = cut_inputs(inputs + sources, cutting)
-                    if cutting.keys:
-                        cuts[(s, m)] = cutting
-                    if not replayed:
-                        y = _eager(graphs, s, parts[s], values[: len(inputs)], ckpt)
-                        flow.store(s, m, y)
-                    if s == last:
-                        start = 0 if replayed else len(inputs)
-                        cut = zip((inputs + sources)[start:], values[start:])
-                        output = flow.result(m, {ref: v for (ref, _), v in cut})
-                        loss = _loss(loss_fn, output, labels[m], readers[s], weights[m])
-                        roots[(s, m)] = [((0, 0), loss if scale is None else scale(loss))]
-                        losses.append(loss.detach())
-                        del loss, output, cut
-                if s < last and not replayed:
-                    roots[(s, m)] = roots_of(flow.outputs_of(s, m))
-                flow.release(s, m)
-                if s == last:
-                    flow.outs[m][s + 1] = None  # the loss holds what backward needs
-                native.end(handle)
-                # Locals must not keep a finished micro-batch's graph alive:
-                # 1F1B's memory bound counts on it.
-                del pairs, y, values, sources, inputs
-            elif kind is Kind.COPY:
-                handle = native.begin(task.index)
-                hop = routes.by_task[(s, task.peer)]
-                dst = devices[task.peer]
-                with task_range(profiling, kind, s, m), torch.no_grad():
-                    items, specs, where = hop_leaves(flow.hop_values(hop, m))
-                    if s < 0:
-                        sent = flow.outputs_of(-1, m)
-                        buffers = _input_staging(staging, m, hop, sent, where)
-                        for i, b in zip(where, buffers):
-                            if pulls(items[i].device, dst):
-                                items[i] = pull(items[i], dst)
-                            else:
-                                items[i] = to_device(items[i], dst, b)
-                    elif pulls(devices[s], dst):
-                        for i in where:
-                            items[i] = pull(items[i], dst)
-                    else:
-                        protect([items[i] for i in where], copiers[s])
-                        for i in where:
-                            items[i] = move(items[i], dst, force=force)
-                    moved = rebuild_hop(items, specs)
-                protect(moved, readers[task.peer])
-                flow.put_moved(hop, m, moved)
-                native.end(handle)
-            elif kind is Kind.TARGET:
-                handle = native.begin(task.index)
-                with task_range(profiling, kind, s, m), torch.no_grad():
-                    buffers_t = target_staging[m] if target_staging else None
-                    labels[m] = _transfer(labels[m], devices[last], buffers_t)
-                protect([labels[m]], readers[last])
-                native.end(handle)
-            elif kind is Kind.BACKWARD:
-                handle = native.begin(task.index)
-                if before_backward is not None and s not in backward_seen:
-                    backward_seen.add(s)
-                    before_backward(s)
-                with task_range(profiling, kind, s, m):
-                    replayed = thin is not None and thin.graphed(s, m)
-                    if replayed and s == last:
-                        _backward(roots.pop((s, m)), None)  # the loss, to the cut outputs
-                        route(cuts.pop((s, m)), s, m)
-                    reached = None if s == last and not replayed else local.pop((s, m), {})
-                    if replayed:
-                        assert thin is not None and reached is not None
-                        done = thin.backward(s, m, reached, (s, m) in split)
-                    else:
-                        if (s, m) in split:
-                            weights_left[(s, m)] = _backward_inputs(roots.pop((s, m)), reached)
-                        else:
-                            _backward(roots.pop((s, m)), reached)
-                        done = cuts.pop((s, m), None)
-                    del reached
-                if done is not None:
-                    route(done, s, m)
-                native.end(handle)
-            elif kind is Kind.WEIGHT:
-                handle = native.begin(task.index)
-                pending = weights_left.pop((s, m), None)
-                with task_range(profiling, kind, s, m):
-                    if pending is not None:
-                        pending.run()
-                    elif thin is not None:
-                        thin.weight(s, m)
-                del pending
-                native.end(handle)
-            elif kind is Kind.COPY_GRAD:
-                # The gradient of what stage s sent to task.peer's device.
-                handle = native.begin(task.index)
-                incoming = remote.pop((s, task.peer, m), {})
-                with task_range(profiling, kind, s, m), torch.no_grad():
-                    for key, grads in incoming.items():
-                        if pulls(devices[task.peer], devices[s]):
-                            # Summed here: the sender's streams are not this task's.
-                            g = sum_grads([pull(x, devices[s]) for x in grads])
-                        else:
-                            g = move(sum_grads(grads), devices[s], force=force)
-                        protect([g], readers[s])
-                        local[(s, m)][key].append(g)
-                native.end(handle)
-        task = None
-        native.join()
-        if graphs is not None:
-            graphs.end()  # after the join: on the caller's streams
-    except BaseException as exc:
-        try:
-            if issue is None:
-                sched.abort(exc)
-            else:
-                issue.abort(exc)
-        finally:
-            if graphs is not None:
-                try:
-                    graphs.end()
-                except Exception as cleanup:  # a sticky device error: exc stays the one raised
-                    annotate(exc, f"mpstream: ending the graphed stages raised too: {cleanup!r}")
-        worker.annotate(exc, task, len(batches), _loss.__code__)
-        raise
+    (caller_reader,) = cuda_only([current_stream(worker.sched.devices[-1])])
+    state = _Step(
+        worker,
+        batches,
+        targets,
+        schedule,
+        loss_fn,
+        weights,
+        checkpoint_stop,
+        staging,
+        target_staging,
+        before_backward,
+        scale,
+        issue is not None,
+    )
+    execute(
+        worker,
+        schedule,
+        state.handlers(),
+        len(batches),
+        step=True,
+        issue=issue,
+        loss=_loss.__code__,
+    )
     if caller_reader is not None:
-        for loss in losses:
+        for loss in state.losses:
             record_stream(loss, caller_reader)
-    return losses
-
-
-def _input_staging(
-    staging: Sequence[Staging] | None,
-    m: int,
-    hop: Hop,
-    inputs: Sequence[Any],
-    where: Sequence[int],
-) -> Sequence[Tensor | None]:
-    buffers = hop_staging(staging, m, hop, inputs, where)
-    return buffers if buffers is not None else (None,) * len(where)
+    return state.losses

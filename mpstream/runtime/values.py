@@ -5,6 +5,7 @@ outputs on its own device, and the copies that hops brought to other
 devices. It assembles a stage's arguments from them, stores its outputs,
 drops values once their last reader has run (1F1B's memory bound counts on
 it), and builds the pipeline's result on the last stage's device.
+:func:`protect` marks values for the streams that read them.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from torch.utils import _pytree as pytree
 
 from .graph import ALL, Hop, Ref, Routes
 from .microbatch import check_output, leaves
+from .stream import AnyStream, is_cuda, record_stream
 
-__all__ = ["Wiring", "Flow", "tensor_leaves"]
+__all__ = ["Wiring", "Flow", "tensor_leaves", "protect", "cuda_only"]
 
 
 def tensor_leaves(values: Sequence[Any]) -> list[Tensor]:
@@ -30,6 +32,18 @@ def tensor_leaves(values: Sequence[Any]) -> list[Tensor]:
         else:
             out.extend(t for t in leaves(v)[0] if isinstance(t, Tensor))
     return out
+
+
+def protect(values: Sequence[Any], stream: AnyStream | None) -> None:
+    """Marks every tensor among ``values`` as used by ``stream`` (None: none)."""
+    if stream is not None:
+        for t in tensor_leaves(values):
+            record_stream(t, stream)
+
+
+def cuda_only(streams: Sequence[AnyStream | None]) -> list[AnyStream | None]:
+    """The streams record_stream applies to: CUDA ones; None for the rest."""
+    return [s if s is not None and is_cuda(s) else None for s in streams]
 
 
 class Wiring:

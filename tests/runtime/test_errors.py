@@ -12,8 +12,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-import mpstream.runtime.training
-import mpstream.runtime.worker
+import mpstream.runtime.copy
 from mpstream import Pipe
 from mpstream.runtime import scheduler
 from mpstream.runtime.errors import dtype_hint, layers_label, stage_labels, task_note
@@ -142,7 +141,7 @@ def test_copy_errors_are_named(
     monkeypatch: pytest.MonkeyPatch, path: str, at: int, expected: str
 ) -> None:
     calls = 0
-    real = mpstream.runtime.copy._move if path == "forward" else mpstream.runtime.training.move
+    real = mpstream.runtime.copy.move
 
     def failing(*args: object, **kwargs: object) -> Tensor:
         nonlocal calls
@@ -151,8 +150,8 @@ def test_copy_errors_are_named(
             raise OSError("copy failed")
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
-    target = mpstream.runtime.copy if path == "forward" else mpstream.runtime.training
-    monkeypatch.setattr(target, "_move" if path == "forward" else "move", failing)
+    # Every copy, either way, goes through copy.send and so through move.
+    monkeypatch.setattr(mpstream.runtime.copy, "move", failing)
     pipe = Pipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), chunks=2, force_copies=True)
     x, y = torch.randn(4, 4), torch.randn(4, 2)
     with pytest.raises(OSError, match="copy failed") as info:

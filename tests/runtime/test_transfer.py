@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from mpstream import Pipe
-from mpstream.runtime import transfer
+from mpstream.runtime import forward, transfer
 from mpstream.runtime.microbatch import scatter
 from mpstream.runtime.scheduler import EventScheduler
 from mpstream.runtime.transfer import GradLink, HostWait, host_staging, to_device, to_host
@@ -98,7 +98,7 @@ def test_input_transfer_tasks_use_their_slice(monkeypatch: pytest.MonkeyPatch) -
     micro = scatter(x, None, 2)
     staging = [(b,) for b in buffer.split(2)]
     batches = [(b,) for b in micro]
-    worker.forward(batches, Schedule("gpipe", 2, 3, [True, False]), staging=staging)
+    forward.run(worker, batches, Schedule("gpipe", 2, 3, [True, False]), staging=staging)
     assert calls == [(2, buffer.data_ptr()), (2, buffer[2:].data_ptr()), (1, buffer[4:].data_ptr())]
 
 

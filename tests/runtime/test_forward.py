@@ -1,4 +1,4 @@
-"""The forward run loop, with copy tasks forced on CPU so Copy and the
+"""A forward run's tasks, with copy tasks forced on CPU so Copy and the
 gradient copies run (and are planned) exactly as across devices."""
 
 from __future__ import annotations
@@ -9,10 +9,11 @@ import pytest
 import torch
 from torch import nn
 
+from mpstream.runtime import forward
 from mpstream.runtime.microbatch import gather, scatter
 from mpstream.runtime.plan import Plan, PlanError, verify_plan
 from mpstream.runtime.scheduler import EventScheduler
-from mpstream.runtime.worker import Worker, range_name
+from mpstream.runtime.worker import Worker
 from mpstream.schedules.schedule import Schedule
 from tests.helpers import mlp
 
@@ -38,7 +39,7 @@ def test_forced_copies_match_and_plan_forward_and_backward(
     micro = scatter(x, None, split)
     schedule = Schedule("gpipe", stages, len(micro), [True] * stages)
     worker.sched.recording = True
-    out = gather(worker.forward([(b,) for b in micro], schedule))
+    out = gather(forward.run(worker, [(b,) for b in micro], schedule))
     out.pow(2).sum().backward()
 
     x_ref = x.detach().clone().requires_grad_()
@@ -88,7 +89,7 @@ def test_non_float_tensors_cross_without_gradients() -> None:
     x = (torch.randn(6, 4), torch.arange(6))
     micro = scatter(x, 3, None)
     batches = [(b,) for b in micro]
-    out = gather(worker.forward(batches, Schedule("gpipe", 2, len(micro), [True, True])))
+    out = gather(forward.run(worker, batches, Schedule("gpipe", 2, len(micro), [True, True])))
     assert isinstance(out, tuple)
     assert not out[1].requires_grad and out[1].dtype == torch.int64
     torch.testing.assert_close(out[1], x[1])
@@ -96,19 +97,12 @@ def test_non_float_tensors_cross_without_gradients() -> None:
     assert all(p.grad is not None for s in parts for p in s.parameters())
 
 
-def test_range_names_carry_kind_stage_and_micro() -> None:
-    from mpstream.schedules.schedule import Kind
-
-    assert range_name(Kind.FORWARD, 1, 3) == "mpstream/forward/stage1/mb3"
-    assert range_name(Kind.COPY, 0, 2) == "mpstream/copy/stage0/mb2"
-
-
 def test_profiler_sees_stage_and_copy_ranges() -> None:
     worker, _, _ = build(2, 1)
     micro = scatter(torch.randn(4, 6, dtype=torch.float64), 2, None)
     schedule = Schedule("gpipe", 2, 2, [True, True])
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        worker.forward([(b,) for b in micro], schedule)
+        forward.run(worker, [(b,) for b in micro], schedule)
     names = {e.name for e in prof.events()}
     assert {"mpstream/forward/stage0/mb0", "mpstream/forward/stage1/mb1"} <= names
     assert "mpstream/copy/stage0/mb1" in names and "mpstream/copy/stage-1/mb0" in names

@@ -1,0 +1,155 @@
+"""The one run loop: issues every task of a run on the stage streams.
+
+One host thread walks a schedule's tasks in order. For every task the
+scheduler first makes the task's streams wait on the events the task depends
+on and makes them current; the task's work is then enqueued, and the
+scheduler records its completion event. Kernels and copies are asynchronous
+and nothing here waits for the device, so the walk runs ahead of the device
+and the streams overlap.
+
+What a task does depends on the run, not on the loop: a forward run
+(``pipe(x)``, :mod:`~mpstream.runtime.forward`) has forward and copy tasks,
+a training step (:mod:`~mpstream.runtime.training`) adds target, backward,
+weight and gradient-copy tasks. Each hands the loop one handler per kind.
+
+If anything raises, the run is aborted (the caller's streams ordered after
+everything queued, streams restored, events released) before the exception
+propagates, and no later task starts; the exception carries a note saying
+which task of which stage and micro-batch raised it
+(:mod:`~mpstream.runtime.errors`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from types import CodeType
+from typing import TYPE_CHECKING, Any, Protocol
+
+from torch.autograd import profiler
+
+from ..schedules.schedule import Kind, Schedule, Task
+from . import private
+from .errors import annotate
+
+if TYPE_CHECKING:
+    from .worker import Worker
+
+__all__ = ["Issuer", "Segmented", "Handler", "Handlers", "execute", "range_name", "task_range"]
+
+# What a run does for one kind of task, and for each kind it has.
+Handler = Callable[[Task], None]
+Handlers = Mapping[Kind, Handler]
+
+
+class Issuer(Protocol):
+    """Who opens and closes a run's tasks: the C++ scheduler itself
+    (``EventScheduler.native``), or a :class:`~.segmented.SegmentedIssue`,
+    which issues a step segment by segment for capture."""
+
+    def begin_run(self, schedule: Any, callers: list[int | None]) -> None: ...
+
+    def begin(self, task: int) -> int: ...
+
+    def end(self, handle: int) -> None: ...
+
+    def join(self) -> None: ...
+
+
+class Segmented(Issuer, Protocol):
+    """An issuer of its own order, with its own abort."""
+
+    tasks: list[Task]
+
+    def abort(self, failure: BaseException | None = None) -> None: ...
+
+
+def range_name(kind: Kind, stage: int, micro: int) -> str:
+    """The ``record_function`` name of a task: kind, stage and micro-batch."""
+    return f"mpstream/{kind.label}/stage{stage}/mb{micro}"
+
+
+def task_range(
+    profiling: bool, kind: Kind, stage: int, micro: int
+) -> AbstractContextManager[object]:
+    """A ``record_function`` range for the task while profiling, else nothing."""
+    if profiling:
+        return profiler.record_function(range_name(kind, stage, micro))
+    return nullcontext()
+
+
+def execute(
+    worker: Worker,
+    schedule: Schedule,
+    handlers: Handlers,
+    micros: int,
+    *,
+    step: bool,
+    issue: Segmented | None = None,
+    loss: CodeType | None = None,
+) -> None:
+    """Issues every task of ``schedule``, each through its kind's handler.
+
+    Args:
+        worker: the pipeline's stages, scheduler and graphed stages.
+        schedule: the run's schedule.
+        handlers: what the run does for each kind of task.
+        micros: the number of micro-batches (for error notes).
+        step: a training step (its graphed stages end with the run) rather
+            than a forward run (they end with autograd's backward).
+        issue: issues the tasks segment by segment (``schedule`` in its
+            order), for capture; by default the scheduler issues them.
+        loss: the code of the loss computation, to tell ``loss_fn`` errors
+            from the stage's in error notes.
+
+    Raises:
+        RuntimeError: the schedule has a kind of task the run has no
+            handler for.
+    """
+    sched = worker.sched
+    native: Issuer = sched.native if issue is None else issue
+    tasks: Sequence[Task] = schedule.tasks if issue is None else issue.tasks
+    graphs = worker.graphs
+    profiling = private.profiler_enabled()
+    task: Task | None = None
+    sched.check_device()
+    # First: a run re-entered from inside a stage is refused before anything
+    # of the run in progress (its graphs' slots) changes.
+    native.begin_run(schedule.native, sched.caller_streams())
+    try:
+        if graphs is not None:
+            graphs.begin(schedule, step=step)
+        for task in tasks:
+            handler = handlers.get(task.kind)
+            if handler is None:
+                what, other = (
+                    ("training steps", "another run")
+                    if step
+                    else ("forward runs", "a training step")
+                )
+                raise RuntimeError(
+                    f"{what} have no {task.kind.label} tasks: the schedule was built for {other}"
+                )
+            handle = native.begin(task.index)
+            # No context manager unless profiling: this is the hot loop.
+            if profiling:
+                with task_range(profiling, task.kind, task.stage, task.micro):
+                    handler(task)
+            else:
+                handler(task)
+            native.end(handle)
+        task = None
+        native.join()
+        if step and graphs is not None:
+            graphs.end()  # after the join: on the caller's streams
+    except BaseException as exc:
+        try:
+            (sched.abort if issue is None else issue.abort)(exc)
+        finally:
+            if step and graphs is not None:
+                try:
+                    graphs.end()
+                except Exception as cleanup:  # a sticky device error: exc stays the one raised
+                    annotate(exc, f"mpstream: ending the graphed stages raised too: {cleanup!r}")
+        worker.annotate(exc, task, micros, loss)
+        raise

@@ -1,0 +1,151 @@
+"""A forward run's tasks (``pipe(x)``): stage forwards and copies.
+
+Autograd, not the schedule, runs the backward of a forward run: the user
+calls ``loss.backward()`` later. So nothing is cut: a stage's forward builds
+its autograd graph as usual, and a copy task is a
+:class:`~mpstream.runtime.copy.Copy`, whose backward sends the gradient back
+on the copy streams. A graphed stage replays inside autograd
+(:func:`~mpstream.runtime.replayed.run_stage`). While timing, each stage's
+forward is wrapped in marks (:mod:`~mpstream.runtime.marks`) so that
+autograd's backward of it is timed too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from ..memory.checkpoint import checkpointed
+from ..schedules.schedule import Kind, Schedule, Task
+from . import marks
+from .copy import Route, Staging, send_hop
+from .executor import Handlers, execute
+from .graphed import StageGraphs
+from .microbatch import leaves, rebuild_leaves
+from .replayed import run_stage
+from .stream import AnyStream, current_stream
+from .values import Flow, cuda_only, protect
+
+if TYPE_CHECKING:
+    from .worker import Worker
+
+__all__ = ["run", "compute"]
+
+
+def compute(
+    graphs: StageGraphs | None,
+    s: int,
+    m: int,
+    stage: nn.Module,
+    args: Sequence[Any],
+    checkpoint: bool,
+) -> Any:
+    """Stage ``s``'s forward of micro-batch ``m``: replayed from its graphs
+    when the pipe has them, else eagerly (checkpointed when asked)."""
+    if graphs is not None:
+        return run_stage(graphs, s, m, stage, args, checkpoint)
+    return checkpointed(stage, *args) if checkpoint else stage(*args)
+
+
+class _Forward:
+    """The state of one forward run and its task handlers."""
+
+    def __init__(
+        self,
+        worker: Worker,
+        batches: Sequence[tuple[Any, ...]],
+        schedule: Schedule,
+        checkpoint_stop: int,
+        staging: Sequence[Staging] | None,
+    ) -> None:
+        sched = worker.sched
+        self.sched = sched
+        self.native = sched.native
+        self.graphs = worker.graphs
+        self.parts = worker.calls(len(batches[0]) if batches else 1)
+        self.last = len(self.parts) - 1
+        self.routes, wiring = worker.routes(schedule.topology)
+        self.flow = Flow(wiring, batches)
+        self.staging = staging
+        self.checkpoint_stop = checkpoint_stop
+        # record_stream is only needed (and only valid) for CUDA streams.
+        self.readers: list[AnyStream | None] = cuda_only(sched.compute_streams)
+        self.force = schedule.topology.force_copies  # copies between stages on one device too
+        self.grad = torch.is_grad_enabled()
+        # While timing, mark where autograd will run each stage's backward.
+        self.marking = self.native.timing and self.grad
+        self.results: list[Any] = [None] * len(batches)
+
+    def handlers(self) -> Handlers:
+        return {Kind.FORWARD: self.forward, Kind.COPY: self.copy}
+
+    def forward(self, task: Task) -> None:
+        s, m = task.stage, task.micro
+        flow = self.flow
+        args = flow.values(s, m)
+        if self.readers[s] is not None and not flow.received[s]:
+            # Read on this stage's stream, allocated on another. Inside the
+            # task, so record_stream itself is issued on the stream that reads.
+            protect(args, self.readers[s])
+        stage = self.parts[s]
+        if self.marking:
+            args, stage_marks = marks.enter(self.native, s, m, args)
+        y = compute(self.graphs, s, m, stage, args, m < self.checkpoint_stop)
+        if self.marking:
+            y = marks.leave(stage_marks, y)
+        out = flow.keep(s, m, y)
+        if s == self.last:
+            self.results[m] = out
+
+    def copy(self, task: Task) -> None:
+        s, m = task.stage, task.micro
+        route = Route(self.sched, s, task.peer, m, force=self.force and s >= 0)
+        send_hop(self.flow, self.routes.by_task[(s, task.peer)], route, self.staging, self.grad)
+
+    def finish(self) -> list[Any]:
+        """The outputs, once the run joined the caller's streams."""
+        results = self.results
+        (caller_reader,) = cuda_only([current_stream(self.sched.devices[self.last])])
+        if caller_reader is not None:
+            # The outputs were allocated on the last stage's stream; after the
+            # join the caller's stream reads them.
+            protect(results, caller_reader)
+        if self.graphs is not None and len(results) == 1:
+            # One micro-batch's outputs are not concatenated: copied, they no
+            # longer are the graphs' buffers, which the next call rewrites.
+            results = [_copied(results[0])]
+        return results
+
+
+def run(
+    worker: Worker,
+    batches: Sequence[tuple[Any, ...]],
+    schedule: Schedule,
+    checkpoint_stop: int = 0,
+    staging: Sequence[Staging] | None = None,
+) -> list[Any]:
+    """Runs every task of a forward ``schedule`` over the micro-batches.
+
+    Args:
+        worker: the pipeline's worker (stages, scheduler, graph).
+        batches: per micro-batch, the pipeline's positional inputs.
+        schedule: a forward schedule for this pipeline.
+        checkpoint_stop: micro-batches below this index are checkpointed.
+        staging: per micro-batch, pinned buffers for its input transfers.
+
+    Returns:
+        The pipeline's output per micro-batch, on the last stage's device,
+        ready on the caller's current stream there.
+    """
+    state = _Forward(worker, batches, schedule, checkpoint_stop, staging)
+    execute(worker, schedule, state.handlers(), len(batches), step=False)
+    return state.finish()
+
+
+def _copied(value: Any) -> Any:
+    """``value`` with each tensor copied (on the current stream)."""
+    items, spec = leaves(value)
+    return rebuild_leaves([x.clone() if isinstance(x, Tensor) else x for x in items], spec)

@@ -1,0 +1,99 @@
+"""The one run loop: every run's tasks, in order, through their kind's
+handler, each between the scheduler's begin and end; a failed run aborted
+and named, the next one unaffected."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from mpstream.runtime import executor, forward, training
+from mpstream.runtime.executor import execute, range_name
+from mpstream.runtime.microbatch import scatter
+from mpstream.runtime.plan import Plan, verify_plan
+from mpstream.runtime.scheduler import EventScheduler
+from mpstream.runtime.worker import Worker
+from mpstream.schedules.schedule import Kind, Schedule, Task
+
+
+def two_stages() -> tuple[Worker, nn.Sequential]:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    sched = EventScheduler([torch.device("cpu")] * 2)
+    return Worker([model[0:2], model[2:]], sched), model
+
+
+def test_range_names_carry_kind_stage_and_micro() -> None:
+    assert range_name(Kind.FORWARD, 1, 3) == "mpstream/forward/stage1/mb3"
+    assert range_name(Kind.COPY, 0, 2) == "mpstream/copy/stage0/mb2"
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb_h1"])
+def test_forward_runs_and_training_steps_go_through_the_one_loop(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both runs issue every task of their schedule, in its order, and each
+    handler runs while its task is open (the scheduler's current task)."""
+    worker, _ = two_stages()
+    seen: list[tuple[str, int]] = []
+    real = executor.execute
+
+    def spying(*args: object, **kwargs: object) -> None:
+        schedule = args[1]
+        handlers = args[2]
+        assert isinstance(schedule, Schedule)
+
+        def wrap(kind: Kind, h: executor.Handler) -> executor.Handler:
+            def run(task: Task) -> None:
+                seen.append(("forward" if kind is Kind.FORWARD else kind.label, task.index))
+                h(task)
+
+            return run
+
+        wrapped = {k: wrap(k, h) for k, h in handlers.items()}  # type: ignore[attr-defined]
+        real(args[0], schedule, wrapped, *args[3:], **kwargs)  # type: ignore[arg-type]
+        assert [i for _, i in seen] == [t.index for t in schedule.tasks]
+        seen.clear()
+        calls.append(kwargs["step"])
+
+    calls: list[object] = []
+    monkeypatch.setattr(forward, "execute", spying)
+    monkeypatch.setattr(training, "execute", spying)
+    x = torch.randn(6, 4, dtype=torch.float64)
+    micro = [(b,) for b in scatter(x, 3, None)]
+    forward.run(worker, micro, Schedule("gpipe", 2, 3, [True, True]))
+    step = Schedule(name, 2, 3, [True, True], backward=True, copy_target=True)
+    targets = list(torch.randn(6, 2, dtype=torch.float64).chunk(3))
+    training.run(worker, micro, targets, step, nn.MSELoss(), [1 / 3] * 3)
+    assert calls == [False, True]
+
+
+def test_a_task_the_run_has_no_handler_for_is_refused_before_it_opens() -> None:
+    worker, _ = two_stages()
+    schedule = Schedule("1f1b", 2, 2, [True, True], backward=True)
+    micro = [(torch.randn(2, 4, dtype=torch.float64),) for _ in range(2)]
+    with pytest.raises(RuntimeError, match="forward runs have no backward tasks: the sch"):
+        forward.run(worker, micro, schedule)
+    # Aborted cleanly: the next run works and plans validly.
+    worker.sched.recording = True
+    out = forward.run(worker, micro, Schedule("gpipe", 2, 2, [True, True]))
+    assert len(out) == 2
+    sched = worker.sched
+    verify_plan(Plan(sched.plan(), sched.slot_names, sched.slot_devices, 2))
+
+
+def test_a_failing_handler_aborts_the_run_and_names_its_task() -> None:
+    worker, model = two_stages()
+    schedule = Schedule("gpipe", 2, 2, [True, True])
+    micro = [(torch.randn(2, 4, dtype=torch.float64),) for _ in range(2)]
+
+    def fail(task: Task) -> None:
+        raise ValueError("broken")
+
+    handlers: dict[Kind, executor.Handler] = {Kind.FORWARD: fail, Kind.COPY: fail}
+    with pytest.raises(ValueError, match="broken") as info:
+        execute(worker, schedule, handlers, 2, step=False)
+    first = schedule.tasks[0]
+    assert any(f"micro-batch {first.micro}" in n for n in getattr(info.value, "__notes__", []))
+    out = forward.run(worker, micro, schedule)
+    torch.testing.assert_close(out[1], model(micro[1][0]))
