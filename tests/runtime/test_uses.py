@@ -1,0 +1,110 @@
+"""Every tensor a task reads on another stream than its allocating one is
+marked for that stream first (emulated on the CPU, see tests/runtime/uses.py),
+in forward runs and training steps of every built-in schedule; and the
+check fails when a mark goes missing."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from mpstream import Pipe
+from mpstream.runtime import boundary, forward, training
+from mpstream.runtime import copy as copies
+from tests.runtime.uses import checking_uses
+
+
+class Skip(nn.Module):
+    """Four stages; stage 3 also reads stage 0's output (a skip hop)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = (nn.Linear(6, 6) for _ in range(3))
+        self.d = nn.Linear(6, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.a(x))
+        return self.d(torch.tanh(self.c(torch.tanh(self.b(h)))) + h)
+
+
+def chain() -> nn.Module:
+    return nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2))
+
+
+def pipe_of(schedule: str, skip: bool = False, force: bool = True) -> Pipe:
+    torch.manual_seed(0)
+    if skip:
+        return Pipe(
+            Skip().double(),
+            split_points=["b", "c", "d"],
+            sample=torch.randn(2, 6, dtype=torch.float64),
+            chunks=4,
+            force_copies=force,
+            schedule=schedule,
+        )
+    if schedule in {"interleaved", "looped_bfs", "interleaved_zb"}:
+        model = nn.Sequential(*list(chain())[:4], nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2))
+        balance, virtual = [2, 2, 2, 1], {"virtual_stages": 2}
+    else:
+        model, balance, virtual = chain(), [2, 3], {}
+    return Pipe(
+        model.double(), balance=balance, chunks=4, force_copies=force, schedule=schedule, **virtual
+    )
+
+
+def batch() -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(8, 6, generator=g, dtype=torch.float64), torch.randn(
+        8, 2, generator=g, dtype=torch.float64
+    )
+
+
+@pytest.mark.parametrize("force", [True, False], ids=["copies", "shared"])
+@pytest.mark.parametrize("skip", [False, True], ids=["chain", "skip"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1", "interleaved_zb"])
+def test_every_cross_stream_read_is_marked(schedule: str, skip: bool, force: bool) -> None:
+    """With copies between the stages (as across devices), and with stages
+    reading each other's outputs in place (one device)."""
+    if skip and schedule == "interleaved_zb":
+        pytest.skip("interleaved_zb places two stages per rank; the skip pipe has one")
+    pipe = pipe_of(schedule, skip, force)
+    x, y = batch()
+    ref = copy.deepcopy(pipe)
+    with checking_uses(pipe.scheduler) as uses:
+        with torch.no_grad():
+            out = pipe(x)
+        loss = pipe.train_step(x, y, nn.MSELoss())
+    assert uses.missing == []
+    assert uses.reads > 0
+    torch.testing.assert_close(out, ref(x))
+    torch.testing.assert_close(loss, ref.train_step(x, y, nn.MSELoss()))
+
+
+@pytest.mark.parametrize(
+    ("target", "name", "run", "force"),
+    [
+        (copies, "record_stream", "forward", True),  # a copy's marks
+        (copies, "record_stream", "step", True),
+        (boundary, "record_stream", "step", True),  # a gradient's mark for its producer
+        (boundary, "record_stream", "step", False),
+        (forward, "protect", "forward", False),  # a stage's inputs read in place
+        (training, "protect", "step", False),
+    ],
+)
+def test_a_missing_mark_is_found(
+    target: object, name: str, run: str, force: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pipe = pipe_of("1f1b", skip=True, force=force)
+    x, y = batch()
+    with checking_uses(pipe.scheduler) as uses:
+        # Planted after the check put its own logging in place.
+        monkeypatch.setattr(target, name, lambda *args, **kwargs: None)
+        if run == "forward":
+            with torch.no_grad():
+                pipe(x)
+        else:
+            pipe.train_step(x, y, nn.MSELoss())
+    assert uses.missing, "the check missed a dropped record_stream"
