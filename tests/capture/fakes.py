@@ -148,9 +148,14 @@ class FakeEvent:
 
     def record(self, stream: object) -> None:
         self.recorded_in = self._graph()
-        self.world.log.append(("record", self.recorded_in))
+        self.world.log.append(("record", self.recorded_in, _name(stream)))
 
     def wait(self, stream: object) -> None:
         graph = self._graph()
         assert self.recorded_in is not None and self.recorded_in < graph, "recorded earlier"
-        self.world.log.append(("wait", graph, self.recorded_in))
+        self.world.log.append(("wait", graph, self.recorded_in, _name(stream)))
+
+
+def _name(stream: object) -> str | None:
+    """What the log says of the stream an event was given (None: none)."""
+    return None if stream is None else getattr(stream, "name", repr(stream))

@@ -16,6 +16,7 @@ from torch import nn
 from mpstream import CapturedStep, Pipe
 from mpstream.capture.edges import GraphEdges
 from mpstream.runtime.plan import PlanError, record_plan, verify_plan
+from mpstream.runtime.scheduler import EventScheduler
 from tests.capture.fakes import FakeStream, World
 from tests.helpers import mlp
 
@@ -72,6 +73,35 @@ def test_a_step_on_two_gpus_is_captured_per_device(name: str) -> None:
         for main in ("main", "main1"):
             assert ("wait_stream", name_, main) in before
             assert ("wait_stream", main, name_) in after
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb_h1"])
+def test_external_events_land_on_the_streams_of_the_tasks_that_use_them(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each external event is recorded on the producing task's stream and
+    waited on by the reading task's, exactly the slots the plan logs (not
+    the segment's launch stream, which would order too little or too much)."""
+    world = World()
+    streams: dict[int, FakeStream] = {}
+
+    def slot_stream(self: EventScheduler, slot: int) -> FakeStream:
+        return streams.setdefault(slot, FakeStream(world, f"slot{slot}"))
+
+    monkeypatch.setattr(EventScheduler, "slot_stream", slot_stream)
+    mains = {D0: world.main, D1: FakeStream(world, "main1")}
+    edges = GraphEdges(mains, world.cuda())
+    with world.use(world.main):
+        edges.begin_step()
+        plan = record_plan(name, 2, 4, [D0, D1], backward=True, groups=[0, 1], edges=edges)
+        edges.end_step()
+    planned = {
+        kind: [f"slot{op.slot}" for op in plan.ops if op.op == "x" + kind]
+        for kind in ("wait", "record")
+    }
+    assert planned["wait"] and planned["record"]
+    for kind, names in planned.items():
+        assert [e[-1] for e in world.log if e[0] == kind] == names, kind
 
 
 def test_a_copy_between_devices_is_issued_in_its_readers_segment() -> None:
