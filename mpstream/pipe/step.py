@@ -1,0 +1,222 @@
+"""A training step, ``pipe.train_step(x, y, loss_fn)``: forward and backward
+of every micro-batch in the schedule's order, the loss weighted per
+micro-batch, and the pipe's state put back when it fails.
+
+:class:`PipeStep` sits between :class:`~mpstream.pipe.call.PipeCall` (a call,
+whose binding of arguments it shares) and :class:`~mpstream.Pipe` (its
+construction). The run itself is :func:`~mpstream.runtime.training.run`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..runtime.errors import annotate
+from ..runtime.graphed import generation
+from ..runtime.microbatch import batch_device, scatter
+from ..runtime.stream import capturing
+from ..runtime.training import run as run_step
+from ..stages.exported import own_loss
+from .call import PipeCall
+from .inputs import detached, keywords_of, micro_sizes
+from .reduction import step_reduction
+from .snapshot import Norms, Snapshot
+
+__all__ = ["PipeStep"]
+
+
+class PipeStep(PipeCall):
+    """Base of :class:`~mpstream.Pipe`: its training step."""
+
+    def train_step(
+        self,
+        inputs: Any,
+        target: Any = None,
+        loss_fn: Callable[[Any, Any], Tensor] | None = None,
+        *,
+        reduction: str | None = None,
+        scaler: torch.amp.GradScaler | None = None,
+    ) -> Tensor:
+        """Forward and backward of every micro-batch in :attr:`schedule` order.
+
+        Gradients accumulate into ``.grad`` as if ``loss_fn`` had been applied
+        to the whole batch: each micro-batch's loss is weighted by its share
+        of the batch (``reduction='mean'``) or by 1 (``reduction='sum'``).
+        The weights are exact for a loss that averages uniformly over the
+        batch's rows; one that averages over a count that depends on the
+        data (``ignore_index``, class ``weight=``) is not a weighted sum of
+        its micro-batches' means: give it ``reduction='sum'`` (the step
+        follows a loss module's own), and divide by the count yourself.
+        Call ``optimizer.step()`` after. Only parameters get gradients:
+        inputs and targets are detached.
+
+        Args:
+            inputs: the batch: one input, or a tuple of the module's
+                positional inputs (split as :meth:`forward` splits them);
+                for a traced module, a mapping (a dict, a ``BatchEncoding``)
+                whose keys are strings, one at least naming a parameter of
+                its ``forward``, is its keyword arguments (a Hugging Face
+                batch).
+            target: targets split the same way (any structure of tensors
+                and plain values) and moved to the last stage's device;
+                None with no ``loss_fn``.
+            loss_fn: ``loss_fn(output, target) -> scalar`` per micro-batch.
+                None: the module computes its loss itself (a Hugging Face
+                model given ``labels``, split by ``torch.export``): each
+                micro-batch's ``output.loss``, already weighted by its
+                share of the batch, so ``reduction`` does not apply.
+            reduction: how ``loss_fn`` reduces over the batch, ``'mean'``
+                or ``'sum'``; default: a loss module's own (its
+                ``reduction``), else ``'mean'``.
+            scaler: a ``torch.amp.GradScaler``: each micro-batch's weighted
+                loss is scaled by ``scaler.scale`` before its backward, so the
+                gradients are scaled; call ``scaler.step(optimizer)`` and
+                ``scaler.update()`` after, as usual.
+
+        Returns:
+            The whole-batch loss (detached, unscaled), on the last stage's
+            device.
+
+        Raises:
+            TypeError: bad inputs or targets, a stage returned an unsupported
+                value, ``loss_fn`` returned something other than a scalar
+                tensor (or was not given for a module that returns no
+                ``loss``), or ``scaler`` is not a ``GradScaler``.
+            ValueError: empty batch, targets of another batch size, or an
+                unknown ``reduction`` or one the loss module contradicts.
+            RuntimeError: called under ``torch.inference_mode()``.
+
+        Inputs and targets in host memory move in transfer tasks that never
+        block the host (see :meth:`forward`). If anything raises, the
+        gradients (a loss module's too, not those of other tensors
+        ``loss_fn`` reads) and BatchNorm statistics are restored to what
+        they were before the call. For that, each stage's existing
+        gradients (under gradient accumulation) are cloned on its stream when its first
+        backward of the step begins; a step that starts with no gradients,
+        or fails before the backward, clones nothing. A step being captured
+        in a CUDA graph (:class:`~mpstream.CapturedStep`) takes no snapshot:
+        capture cannot be undone by running restores.
+        """
+        if torch.is_inference_mode_enabled():
+            raise RuntimeError(
+                "train_step was called under torch.inference_mode(), where nothing can be "
+                "trained; call it outside that block (it enables gradients itself, so under "
+                "torch.no_grad() it works)"
+            )
+        given = (inputs, target, loss_fn)  # what schedule='auto' profiles, as given
+        if loss_fn is not None:
+            reduction = step_reduction(reduction, loss_fn)
+        if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+            raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
+        # Parameter gradients only: inputs are detached, so whether x.grad
+        # fills cannot depend on where the batch sits.
+        split = self.__dict__["_split"]
+        args = self._step_inputs(inputs)
+        if loss_fn is None:
+            loss_fn, reduction = own_loss(split, target), "sum"
+        args = detached(args)
+        labels = detached(target)
+        micro = scatter(args, self._chunks, self._split_size)
+        micro_targets = (
+            [None] * len(micro)
+            if target is None
+            else scatter(labels, self._chunks, self._split_size, "target")
+        )
+        sizes = micro_sizes(args, self._chunks, self._split_size)
+        batch = sum(sizes)
+        target_sizes = (
+            sizes if target is None else micro_sizes(labels, self._chunks, self._split_size)
+        )
+        if target_sizes != sizes:
+            raise ValueError(
+                f"target has batch size {sum(target_sizes)} but inputs have {batch}"
+                if sum(target_sizes) != batch
+                else f"target splits into micro-batches {target_sizes}, inputs into {sizes}"
+            )
+        weights = [n / batch if reduction == "mean" else 1.0 for n in sizes]
+        self._choose_schedule(*given, len(micro))
+        schedule = self.schedule_for(
+            len(micro),
+            batch_device(args),
+            training_step=True,
+            target_device=None if target is None else batch_device(labels),
+        )
+        _, worker, _ = self._rt()
+        segmenting = self.__dict__.get("_segmenting")
+        issue = None
+        if segmenting is not None:
+            schedule, issue = segmenting.issue(worker.sched, schedule)
+        staging = self._stage(args, self.devices[0])
+        target_staging = None if target is None else self._stage(labels, self.devices[-1])
+        # Under CUDA graph capture a snapshot's clones would be recorded, not
+        # run, and then run on every replay, holding a copy of every gradient.
+        graphs = worker.graphs
+        snapshot = None
+        if not capturing(self.devices):
+            saved = graphs.save() if graphs is not None else None
+            snapshot = Snapshot(self._norms(), self._stage_params(), loss_fn, saved)
+        try:
+            with torch.enable_grad():
+                stop = self._prepare(len(micro))
+                losses = run_step(
+                    worker,
+                    micro,
+                    micro_targets,
+                    schedule,
+                    loss_fn,
+                    weights,
+                    stop,
+                    staging,
+                    target_staging,
+                    None if snapshot is None else snapshot.save_grads,
+                    None if scaler is None else scaler.scale,
+                    issue,
+                )
+        except BaseException as exc:
+            if snapshot is not None:
+                try:
+                    if graphs is not None:
+                        graphs.restore(keep=False)
+                    snapshot.restore()
+                except Exception as cleanup:  # a sticky device error: exc stays the one raised
+                    annotate(exc, f"mpstream: restoring the state raised too: {cleanup!r}")
+            raise
+        if graphs is not None:
+            graphs.restore(keep=True)
+        return torch.stack(losses).sum()
+
+    def _norms(self) -> Norms:
+        """The pipe's BatchNorm buffers for a step's snapshot, found again only
+        when a module registered something or a buffer moved."""
+        found = self.__dict__.get("_norm_buffers")
+        now = generation()
+        if found is None or found[0] != now or found[1].stale():
+            found = (now, Norms(self))
+            self.__dict__["_norm_buffers"] = found
+        return found[1]  # type: ignore[no-any-return]
+
+    def _stage_params(self) -> list[list[nn.Parameter]]:
+        """Each stage's parameters, found again only when a module
+        registered something (a walk over every module costs)."""
+        found = self.__dict__.get("_param_lists")
+        now = generation()
+        if found is None or found[0] != now:
+            found = (now, [list(part.parameters()) for part in self.__dict__["_partitions"]])
+            self.__dict__["_param_lists"] = found
+        return found[1]  # type: ignore[no-any-return]
+
+    def _step_inputs(self, inputs: Any) -> tuple[Any, ...]:
+        """``train_step``'s ``inputs`` as the pipeline's positional inputs (a
+        traced module switched to the split of their kind)."""
+        split = self.__dict__["_split"]
+        root = self.__dict__["_root"]
+        if isinstance(inputs, Mapping) and split is not None and keywords_of(root, inputs):
+            # Keyword arguments (a Hugging Face batch, a tokenizer's BatchEncoding).
+            return self._inputs((), dict(inputs))
+        if split is not None and isinstance(inputs, tuple):
+            return self._inputs(inputs, {})
+        return self._inputs((inputs,), {})
