@@ -29,6 +29,10 @@ if TYPE_CHECKING:
 
 __all__ = ["PipeModule", "unsplit"]
 
+# Why a device move is refused, whether the stages were split at construction
+# or are split at the first call.
+_FIXED = "A Pipe's stage devices are fixed when it is built (devices=)"
+
 
 def unsplit(what: str) -> RuntimeError:
     """The error for ``what`` asked of a pipe not split yet (a module split
@@ -107,10 +111,10 @@ class PipeModule(nn.Module):
                 continue  # fn itself will say what is wrong
             if moved != device:
                 raise TypeError(
-                    f"Pipe's stages are placed at construction; moving the Pipe (or a module "
-                    f"holding it) would move the stages on {device} to {moved}. The Pipe "
-                    f"stays where it is (a holder's parts before it have moved): move the "
-                    f"holder's other parts alone, or convert dtypes only (.to(dtype))"
+                    f"{_FIXED}; moving the Pipe (or a module holding it) would move the "
+                    f"stages on {device} to {moved}. The Pipe stays where it is (a holder's "
+                    f"parts before it have moved): move the holder's other parts alone, or "
+                    f"convert dtypes only (.to(dtype))"
                 )
         super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
         self._rebind()
@@ -220,12 +224,12 @@ class PipeModule(nn.Module):
         index = torch.device(device).index if isinstance(device, (str, torch.device)) else device
         if self._stays("cuda" if index is None else torch.device("cuda", index)):
             return self
-        raise TypeError("Pipe's stages are placed at construction; .cuda() would move them all")
+        raise TypeError(f"{_FIXED}; .cuda() would move them all")
 
     def cpu(self) -> Self:
         if self._stays("cpu"):
             return self
-        raise TypeError("Pipe's stages are placed at construction; .cpu() would move them all")
+        raise TypeError(f"{_FIXED}; .cpu() would move them all")
 
     def to(self, *args: Any, **kwargs: Any) -> Self:  # type: ignore[override]
         """Converts dtype (``.to(torch.half)``); device moves raise ``TypeError``
@@ -233,8 +237,7 @@ class PipeModule(nn.Module):
         device, _, _, _ = private.parse_to(*args, **kwargs)
         if device is not None and not self._stays(device):
             raise TypeError(
-                "Pipe's stages are placed at construction; .to(device) would move them all "
-                "(use .to(dtype) to convert)"
+                f"{_FIXED}; .to(device) would move them all (use .to(dtype) to convert)"
             )
         return super().to(*args, **kwargs)
 
