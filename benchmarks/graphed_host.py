@@ -28,6 +28,8 @@ from mpstream import Pipe
 from mpstream.runtime.graphed import Emulated
 
 MICROS = 8
+#: The schedules that run two stages per rank.
+RANKED = ("interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev")
 
 
 class NoReplay(Emulated):
@@ -61,14 +63,14 @@ class Ops(TorchDispatchMode):
 
 
 def pipe_of(params: int, schedule: str) -> Pipe:
-    """Two stages of ``params`` parameters each (4 per block); interleaved:
-    four virtual stages of half as many, two per device label."""
+    """Two stages of ``params`` parameters each (4 per block); the schedules
+    of several stages per rank: four stages of half as many, two per rank."""
     torch.manual_seed(0)
     blocks = params // 4
     layers = [
         nn.Sequential(nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4), nn.ReLU()) for _ in range(2 * blocks)
     ]
-    if schedule == "interleaved_1f1b":
+    if schedule in RANKED:
         extra: dict[str, Any] = {
             "balance": [blocks // 2] * 4, "devices": ["cpu"] * 4, "virtual_stages": 2,
         }  # fmt: skip

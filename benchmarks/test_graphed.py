@@ -22,9 +22,9 @@ import pytest
 
 from mpstream import Pipe
 
-from .graphed_host import count, pipe_of, runner, tasks
+from .graphed_host import RANKED, count, pipe_of, runner, tasks
 
-SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"]
+SCHEDULES = ["gpipe", "1f1b", "zb_h1", *RANKED]
 #: What the counts must not exceed (issue 41's CPU targets).
 MAX_OPS_PER_TASK = 4.0
 MAX_GROWTH = 1.1

@@ -229,14 +229,18 @@ def test_llama_gqa_rotary_and_every_checkpoint_mode() -> None:
         check_train_step(pipe, ref, data)
 
 
-def test_llama_interleaved_1f1b() -> None:
+def test_llama_on_the_schedules_of_two_stages_per_rank() -> None:
+    """One export, every schedule that places two stages per rank (round
+    robin and V), as the guide says."""
     model, ref = make(lambda: llama(4))
     data = batch(8)
     pipe = Pipe(
         model, chunks=4, split_points=[f"model.layers.{i}" for i in (1, 2, 3)],
         devices=["cpu"] * 4, schedule="interleaved_1f1b", virtual_stages=2, sample=data,
     )  # fmt: skip
-    check_train_step(pipe, ref, data)
+    for schedule in ["interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev"]:
+        pipe.schedule = schedule
+        check_train_step(pipe, ref, data)
 
 
 def test_t5_encoder_decoder() -> None:
