@@ -42,7 +42,7 @@ def _schedule(devices: list[torch.device]) -> Schedule:
 
 
 def _run_cpp(sched: EventScheduler, schedule: Schedule) -> None:
-    # As the worker does: the C++ scheduler's methods, called directly.
+    # As the run loop does: the C++ scheduler's methods, called directly.
     native = sched.native
     native.begin_run(schedule.native, sched.caller_streams())
     for task in schedule.tasks:

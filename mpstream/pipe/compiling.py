@@ -3,8 +3,8 @@
 ``Pipe(..., compile=True)`` (or a dict of ``torch.compile`` keyword
 arguments) compiles each stage's partition module. The compiled wrappers are
 held by the pipe's runtime only, so the uncompiled layers stay registered and
-``state_dict`` keys do not change (no ``_orig_mod.`` prefix); everything the
-worker does around a stage (copies, checkpointing, timing marks, profiler
+``state_dict`` keys do not change (no ``_orig_mod.`` prefix); everything a
+run's tasks do around a stage (copies, checkpointing, timing marks, profiler
 ranges) stays outside the compiled call, so it adds no graph break inside a
 stage.
 """
@@ -61,7 +61,7 @@ def compile_options(option: CompileOption) -> dict[str, Any] | None:
 def compile_stages(
     partitions: Sequence[nn.Module], options: dict[str, Any] | None
 ) -> list[nn.Module]:
-    """The modules the worker calls: each partition, compiled if ``options``.
+    """The modules a run calls: each partition, compiled if ``options``.
 
     Args:
         partitions: one module per stage.

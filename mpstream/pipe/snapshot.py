@@ -62,7 +62,7 @@ class Snapshot:
     """Gradients and BatchNorm state of a pipe, restorable after a failure.
 
     BatchNorm buffers (small) are copied up front. Gradients are saved per
-    stage by :meth:`save_grads`, which the worker calls inside the stage's
+    stage by :meth:`save_grads`, which the training step calls inside the stage's
     first backward task: nothing accumulates into them before that, and a
     step that starts without gradients, or fails before any backward, clones
     nothing. Parameters whose gradients graphed stages keep in their own

@@ -6,9 +6,10 @@ events; :mod:`.executor`, the one run loop, walks a schedule, handing each
 task to what the run does: :mod:`.forward` for ``pipe(x)``, :mod:`.training`
 for a training step, over the stages a :mod:`.worker` holds, calling each
 stage (:mod:`.calls`) with its arguments wired by :mod:`.graph` and
-:mod:`.values`; :mod:`.copy` (one ``send`` for every copy, either way) and
-:mod:`.transfer` move values between devices and from the host; :mod:`.boundary` and
-:mod:`.split_backward` cut and split the backward; :mod:`.graphed`
+:mod:`.values`; :mod:`.hops` (every copy task), :mod:`.copy` (one ``send``
+for every copy, either way) and :mod:`.transfer` move values between
+devices and from the host; :mod:`.boundary` and :mod:`.split_backward` cut
+and split the backward; :mod:`.graphed`
 replays stage calls from CUDA graphs instead of issuing their kernels, and
 :mod:`.segmented` issues a step segment by segment for capture;
 :mod:`.microbatch` gathers. :mod:`.plan` records and verifies a run's stream operations without

@@ -3,7 +3,7 @@
 A Sequential pipeline's stages are :class:`Chain` modules: their layers one
 after the other, spreading a tuple into the arguments of a layer that takes
 several. Any other stage (a traced partition, a user's module) is called as
-it is. :class:`StageCalls` picks, per run, the callable the worker invokes for
+it is. :class:`StageCalls` picks, per run, the callable a task invokes for
 each stage, sparing a module call where that changes nothing.
 """
 

@@ -3,9 +3,10 @@
 :func:`send` copies one tensor from one stage's device to another's, on the
 current streams, and marks both tensors for the streams that use them. Every
 copy between stages goes through it, whichever way it goes: a forward
-value, its gradient back, the input batch from the host; and every copy
-task, in a forward run and a training step alike, is :func:`send_hop`. What
-differs is who drives the gradient's way back. In the user's own loop (``pipe(x)``,
+value, its gradient back, the input batch from the host (and every copy
+task, in a forward run and a training step alike, is
+:func:`~mpstream.runtime.hops.send_hop`). What differs is who drives the
+gradient's way back. In the user's own loop (``pipe(x)``,
 then ``loss.backward()``) a forward copy is a :class:`Copy`, whose backward
 sends the gradient, issued by autograd; in a training step the graph is cut
 at every stage's inputs and a gradient-copy task sends it
@@ -32,12 +33,10 @@ from torch import Tensor
 from torch.autograd import profiler
 
 from . import private
-from .graph import ALL, Hop
-from .microbatch import gradless, leaves, rebuild_leaves
+from .microbatch import gradless
 from .peer import pull
 from .stream import AnyStream, current_stream, record_stream
-from .transfer import GradLink, HostWait, to_device, to_host
-from .values import Flow
+from .transfer import GradLink, to_device, to_host
 
 if TYPE_CHECKING:
     from .scheduler import EventScheduler
@@ -48,7 +47,6 @@ __all__ = [
     "Staging",
     "move",
     "send",
-    "send_hop",
 ]
 
 # Pinned staging buffers of one micro-batch, one entry per leaf of its inputs
@@ -96,6 +94,8 @@ def send(
         The copy (``x`` itself when it is on ``device`` and not forced).
     """
     if pulled and x.device.type == device.type == "cuda" and x.device != device:
+        # Read on the receiver's stream, which the pull's events order.
+        assert reader is None, "a pulled copy is read on the receiving device's stream"
         y = pull(x, device)
     elif staging is not None:
         y = to_device(x, device, staging)
@@ -205,83 +205,3 @@ class Copy(torch.autograd.Function):
         finally:
             sched.end(handle)
         return (None, *result)
-
-
-def _hop_leaves(values: Sequence[Any]) -> tuple[list[Any], list[Any], list[int]]:
-    """Flattens a hop's values: all leaves, their structures, tensor positions."""
-    items: list[Any] = []
-    specs: list[Any] = []
-    for v in values:
-        flat, spec = leaves(v)
-        items.extend(flat)
-        specs.append((spec, len(flat)))
-    return items, specs, [i for i, x in enumerate(items) if isinstance(x, Tensor)]
-
-
-def _rebuild_hop(items: Sequence[Any], specs: Sequence[Any]) -> list[Any]:
-    """The inverse of :func:`_hop_leaves`."""
-    out, start = [], 0
-    for spec, count in specs:
-        out.append(rebuild_leaves(items[start : start + count], spec))
-        start += count
-    return out
-
-
-def _hop_staging(
-    staging: Sequence[Staging] | None,
-    m: int,
-    hop: Hop,
-    inputs: Sequence[Any],
-    where: Sequence[int],
-) -> Staging:
-    """The staging buffers of an input hop's tensors (its leaves at ``where``).
-
-    ``staging[m]`` lines up with the leaves of all of micro-batch ``m``'s
-    inputs; the hop moves those of ``hop.indices``.
-    """
-    if not staging or staging[m] is None:
-        return None
-    buffers = staging[m]
-    assert buffers is not None
-    if hop.indices == (ALL,):
-        positions: Sequence[int] = range(len(buffers))
-    else:
-        counts = [len(leaves(x)[0]) for x in inputs]
-        starts = [sum(counts[:k]) for k in range(len(counts))]
-        positions = [starts[k] + j for k in hop.indices for j in range(counts[k])]
-    return tuple(buffers[positions[i]] for i in where)
-
-
-def send_hop(
-    flow: Flow, hop: Hop, route: Route, staging: Sequence[Staging] | None, grad: bool
-) -> None:
-    """A copy task, in every run: what ``hop`` moves of ``route.micro``, sent
-    to the peer's device and kept in ``flow`` for the stages there.
-
-    Args:
-        flow: the run's values.
-        hop: the hop the task copies along.
-        route: where it goes (``staging`` and ``link`` are filled in here).
-        staging: per micro-batch, pinned buffers for the input's transfers.
-        grad: inside autograd (a forward run that records gradients): the
-            copy is a :class:`Copy`, whose backward sends the gradient back.
-            A training step sends gradients back in tasks of their own.
-    """
-    m = route.micro
-    items, specs, where = _hop_leaves(flow.hop_values(hop, m))
-    tensors = [items[i] for i in where]
-    if route.stage < 0:
-        route.staging = _hop_staging(staging, m, hop, flow.outputs_of(-1, m), where)
-        if (
-            grad
-            and route.sched.devices[route.peer].type == "cuda"
-            and any(t.requires_grad and not t.is_cuda for t in tensors)
-        ):
-            # The input's gradient comes back asynchronously; the host
-            # consumer waits for it (transfer.py).
-            route.link = GradLink()
-            tensors = list(HostWait.apply(route.link, *tensors))
-    moved = Copy.apply(route, *tensors) if grad else route.send(tensors)
-    for i, t in zip(where, moved):
-        items[i] = t
-    flow.put_moved(hop, m, _rebuild_hop(items, specs))

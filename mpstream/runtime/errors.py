@@ -1,7 +1,7 @@
 """Where a pipeline error happened: stage labels and exception notes.
 
 An exception raised inside a stage reaches the caller unchanged (same object,
-type and message); the worker only adds a note (``BaseException.add_note``,
+type and message); the run loop only adds a note (``BaseException.add_note``,
 Python 3.11 and later) naming the stage, its layers and device, the
 micro-batch and the task kind, so a shape error in stage 3 of 8 is found at
 a glance. Stage labels are built once per pipeline; notes only once

@@ -2,9 +2,9 @@
 
 Autograd, not the schedule, runs the backward of a forward run: the user
 calls ``loss.backward()`` later. So nothing is cut: a stage's forward builds
-its autograd graph as usual, and a copy task is a
-:class:`~mpstream.runtime.copy.Copy`, whose backward sends the gradient back
-on the copy streams. A graphed stage replays inside autograd
+its autograd graph as usual, and a copy task (where autograd records the
+run) is a :class:`~mpstream.runtime.copy.Copy`, whose backward sends the
+gradient back on the copy streams. A graphed stage replays inside autograd
 (:func:`~mpstream.runtime.replayed.run_stage`). While timing, each stage's
 forward is wrapped in marks (:mod:`~mpstream.runtime.marks`) so that
 autograd's backward of it is timed too.
@@ -21,9 +21,10 @@ from torch import Tensor, nn
 from ..memory.checkpoint import checkpointed
 from ..schedules.schedule import Kind, Schedule, Task
 from . import marks
-from .copy import Route, Staging, send_hop
+from .copy import Staging
 from .executor import Handlers, execute
 from .graphed import StageGraphs
+from .hops import send_hop
 from .microbatch import leaves, rebuild_leaves
 from .replayed import run_stage
 from .stream import AnyStream, current_stream
@@ -78,6 +79,8 @@ class _Forward:
         # While timing, mark where autograd will run each stage's backward.
         self.marking = self.native.timing and self.grad
         self.results: list[Any] = [None] * len(batches)
+        # After the join, the caller's stream there reads the outputs.
+        (self.caller,) = cuda_only([current_stream(sched.devices[self.last])])
 
     def handlers(self) -> Handlers:
         return {Kind.FORWARD: self.forward, Kind.COPY: self.copy}
@@ -101,18 +104,15 @@ class _Forward:
             self.results[m] = out
 
     def copy(self, task: Task) -> None:
-        s, m = task.stage, task.micro
-        route = Route(self.sched, s, task.peer, m, force=self.force and s >= 0)
-        send_hop(self.flow, self.routes.by_task[(s, task.peer)], route, self.staging, self.grad)
+        hop = self.routes.by_task[(task.stage, task.peer)]
+        send_hop(self.flow, hop, self.sched, task, self.staging, force=self.force, grad=self.grad)
 
     def finish(self) -> list[Any]:
         """The outputs, once the run joined the caller's streams."""
         results = self.results
-        (caller_reader,) = cuda_only([current_stream(self.sched.devices[self.last])])
-        if caller_reader is not None:
-            # The outputs were allocated on the last stage's stream; after the
-            # join the caller's stream reads them.
-            protect(results, caller_reader)
+        if self.caller is not None:
+            # The outputs were allocated on the last stage's stream.
+            protect(results, self.caller)
         if self.graphs is not None and len(results) == 1:
             # One micro-batch's outputs are not concatenated: copied, they no
             # longer are the graphs' buffers, which the next call rewrites.

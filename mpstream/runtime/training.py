@@ -28,10 +28,11 @@ from torch import Tensor
 from ..memory.checkpoint import checkpointed
 from ..schedules.schedule import Kind, Schedule, Task
 from .boundary import Cutting, Grads, cut_inputs, roots_of, route_grads, sum_grads
-from .copy import Route, Staging, send, send_hop
+from .copy import Staging, send
 from .executor import Handlers, execute
 from .graph import Ref
 from .graphed import StageGraphs
+from .hops import send_hop
 from .microbatch import leaves, rebuild_leaves
 from .replayed import Replayed
 from .segmented import SegmentedIssue
@@ -157,8 +158,9 @@ class _Step:
         self.split = {(s, m) for s, m in schedule.split if m >= checkpoint_stop}
         self.weights_left: dict[tuple[int, int], WeightPass] = {}
         self.graphs = worker.graphs
-        # The graphed stages' tasks, once the executor began the graphs.
-        self.thin: Replayed | None = None
+        # The graphed stages' tasks (their graphs are begun by the executor).
+        graphs = self.graphs
+        self.thin = None if graphs is None else Replayed(graphs, self.routes)
 
     def handlers(self) -> Handlers:
         return {
@@ -182,12 +184,6 @@ class _Step:
             cutting, s, m, hop, self.local, self.remote, self.readers, self.copiers, self.pulled
         )
 
-    def replayed(self) -> Replayed | None:
-        graphs = self.graphs
-        if graphs is not None and self.thin is None:
-            self.thin = Replayed(graphs, self.routes)  # its graphs are begun by now
-        return self.thin
-
     # Everything a task issues, record_stream and the boundary cut included,
     # happens inside its handler: between the scheduler's begin and end, on
     # the task's streams, so autograd nodes and the allocator see them there.
@@ -196,7 +192,7 @@ class _Step:
 
     def forward(self, task: Task) -> None:
         s, m = task.stage, task.micro
-        flow, last, thin = self.flow, self.last, self.replayed()
+        flow, last, thin = self.flow, self.last, self.thin
         pairs, received = flow.args(s, m)
         sources = flow.result_sources(m) if s == last else []
         ckpt, splits = m < self.checkpoint_stop, (s, m) in self.split
@@ -245,12 +241,15 @@ class _Step:
             flow.outs[m][s + 1] = None  # the loss holds what backward needs
 
     def copy(self, task: Task) -> None:
-        s, m = task.stage, task.micro
+        s = task.stage
+        hop = self.routes.by_task[(s, task.peer)]
         # The batch's tensors are pulled one by one where they sit on a GPU.
         pulled = self.pulled(task.peer, s) if s >= 0 else self.segmented
-        route = Route(self.sched, s, task.peer, m, self.force and s >= 0, pulled=pulled)
         with torch.no_grad():  # the graph is cut at the stage inputs
-            send_hop(self.flow, self.routes.by_task[(s, task.peer)], route, self.staging, False)
+            send_hop(
+                self.flow, hop, self.sched, task, self.staging,
+                force=self.force, grad=False, pulled=pulled,
+            )  # fmt: skip
 
     def target(self, task: Task) -> None:
         m, last = task.micro, self.last

@@ -14,9 +14,10 @@ what the device would see, from what the scheduler logs:
   that stream;
 - each stage's streams are distinct stand-ins, so the runtime's marks (which
   it makes only for CUDA streams) are made and logged with their slot;
-- a read needs its mark by the end of the task that reads (the runtime's
-  rule: a mark made after the read is issued, before the task lets go of the
-  tensor, keeps the memory from the allocator as well).
+- a read needs its mark by the end of the task that reads, or before its
+  memory is handed out again if that comes first (the runtime's rule: a mark
+  made after the read is issued, before the task lets go of the tensor,
+  keeps the memory from the allocator as well).
 
 Tensors allocated outside the run's tasks (the caller's inputs, parameters,
 pinned staging) are held by the caller until the run joined its streams, so
@@ -72,10 +73,8 @@ class Uses:
 
     def close(self) -> None:
         """The open task ends: each of its cross-stream reads must be marked."""
-        for k, what in self.pending.items():
-            if self.slot not in self.marked.get(k, ()):
-                self.missing.append(what)
-        self.pending.clear()
+        for k in list(self.pending):
+            self._settle(k)
         self.slot = None
 
     def mark(self, t: torch.Tensor, stream: Any) -> None:
@@ -106,8 +105,16 @@ class Uses:
             if isinstance(t, torch.Tensor) and t.numel():
                 k = _key(t)
                 if k not in seen:  # new storage: allocated here
+                    # Its address was freed and handed out again: a read of
+                    # what lived there is settled by the marks it had.
+                    self._settle(k)
                     self.allocated[k] = self.slot
                     self.marked.pop(k, None)
+
+    def _settle(self, k: int) -> None:
+        what = self.pending.pop(k, None)
+        if what is not None and self.slot not in self.marked.get(k, ()):
+            self.missing.append(what)
 
 
 class _Mode(TorchDispatchMode):

@@ -12,7 +12,7 @@ generator's state and undoes a failed capture; :mod:`.keys` is what a
 capture baked in and how a run notices it changed.
 
 Part of the runtime: may import its sibling modules, the schedules and the
-memory policies; the worker and the training step call it.
+memory policies; a forward run's and a training step's tasks call it.
 """
 
 from __future__ import annotations

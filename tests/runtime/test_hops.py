@@ -1,0 +1,63 @@
+"""Copy tasks (send_hop): a hop's values of one micro-batch sent to the
+peer's device, kept for the stages there; inside autograd only when the run
+records gradients; the inputs never force-copied."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mpstream.runtime.graph import Routes, StageGraph
+from mpstream.runtime.hops import send_hop
+from mpstream.runtime.scheduler import EventScheduler
+from mpstream.runtime.values import Flow, Wiring
+from mpstream.schedules.schedule import Kind, Schedule
+
+CPU = torch.device("cpu")
+
+
+def setup(force: bool) -> tuple[EventScheduler, Schedule, Routes, Flow, torch.Tensor]:
+    sched = EventScheduler([CPU, CPU])
+    schedule = Schedule("gpipe", 2, 1, [force, force])
+    topology = schedule.topology
+    routes = Routes(StageGraph.chain(2), topology.devices, topology.input_device, force)
+    x = torch.randn(3, 2, requires_grad=True)
+    flow = Flow(Wiring(routes), [(x,)])
+    return sched, schedule, routes, flow, x
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_a_copy_task_sends_and_keeps_the_values(grad: bool) -> None:
+    sched, schedule, routes, flow, x = setup(force=True)
+    stage0 = torch.nn.Linear(2, 2)
+    copied: dict[int, torch.Tensor] = {}
+    sched.native.begin_run(schedule.native, sched.caller_streams())
+    try:
+        for task in schedule.tasks:
+            handle = sched.native.begin(task.index)
+            with torch.set_grad_enabled(grad):
+                if task.kind is Kind.FORWARD and task.stage == 0:
+                    (arg,) = flow.values(0, 0)
+                    copied[-1] = arg
+                    flow.keep(0, 0, stage0(arg))
+                elif task.kind is Kind.COPY:
+                    hop = routes.by_task[(task.stage, task.peer)]
+                    send_hop(flow, hop, sched, task, None, force=True, grad=grad)
+                    if task.stage == 0:
+                        (copied[0],) = flow.values(1, 0)
+            sched.native.end(handle)
+        sched.native.join()
+    except BaseException:
+        sched.abort()
+        raise
+    # The input hop is never forced: stage 0 reads the caller's tensor.
+    assert copied[-1].data_ptr() == x.data_ptr()
+    # Between stages it is (a copy even on one device), and inside autograd
+    # only when the run records gradients.
+    moved = copied[0]
+    torch.testing.assert_close(moved, stage0(x))
+    assert moved.requires_grad == grad
+    if grad:
+        assert type(moved.grad_fn).__name__ == "CopyBackward"
+        moved.sum().backward()
+        assert x.grad is not None and stage0.weight.grad is not None
