@@ -36,6 +36,16 @@ def lazy(model: nn.Module, **kwargs: str) -> Pipe:
                 **kwargs)  # type: ignore[arg-type]  # fmt: skip
 
 
+def check_own_loss_step(pipe: Pipe, ref: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    """A train_step on the module's own loss equals the unsplit module's,
+    loss and every gradient."""
+    loss = pipe.train_step({"x": x, "target": y})
+    expected = ref(x, target=y)["loss"]
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach())
+    assert_same_grads(pipe, ref)
+
+
 def test_the_first_call_splits_and_equals_the_unsplit_module() -> None:
     model, ref = shaped()
     pipe = lazy(model)
@@ -71,11 +81,7 @@ def test_train_step_as_the_first_call_splits_and_trains_equal(schedule: str) -> 
     model, ref = shaped()
     pipe = lazy(model, schedule=schedule, checkpoint="except_last")
     x, y = data()
-    loss = pipe.train_step({"x": x, "target": y})  # the module's own loss
-    expected = ref(x, target=y)["loss"]
-    expected.backward()
-    torch.testing.assert_close(loss, expected.detach())
-    assert_same_grads(pipe, ref)
+    check_own_loss_step(pipe, ref, x, y)
 
 
 def test_a_first_call_under_inference_mode_trains_later() -> None:
@@ -84,11 +90,7 @@ def test_a_first_call_under_inference_mode_trains_later() -> None:
     x, y = data()
     with torch.inference_mode():  # a validation pass first: the tensors stay trainable
         torch.testing.assert_close(pipe(x)["logits"], ref(x)["logits"])
-    loss = pipe.train_step({"x": x, "target": y})
-    expected = ref(x, target=y)["loss"]
-    expected.backward()
-    torch.testing.assert_close(loss, expected.detach())
-    assert_same_grads(pipe, ref)
+    check_own_loss_step(pipe, ref, x, y)
 
 
 def test_train_step_with_a_loss_fn_as_the_first_call() -> None:
@@ -176,11 +178,7 @@ def test_a_bad_order_is_checked_at_the_split_and_the_pipe_stays_usable() -> None
     with pytest.raises(ValueError):
         pipe.train_step({"x": x, "target": y})
     pipe.schedule = "1f1b"
-    loss = pipe.train_step({"x": x, "target": y})
-    expected = ref(x, target=y)["loss"]
-    expected.backward()
-    torch.testing.assert_close(loss, expected.detach())
-    assert_same_grads(pipe, ref)
+    check_own_loss_step(pipe, ref, x, y)
 
 
 def test_state_dtype_and_mode_set_before_the_first_call_hold_after_it() -> None:
