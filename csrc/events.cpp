@@ -26,14 +26,6 @@ const char* op_name(OpCode op) {
       return "sync";
     case OpCode::kAutograd:
       return "autograd";
-    case OpCode::kBeginSegment:
-      return "begin_segment";
-    case OpCode::kEndSegment:
-      return "end_segment";
-    case OpCode::kXRecord:
-      return "xrecord";
-    case OpCode::kXWait:
-      return "xwait";
   }
   return "unknown";
 }
@@ -142,7 +134,6 @@ int32_t Scheduler::record(int32_t slot, const Who& who) {
   }
   s.vc[slot] = rec.seq;  // counted once it is recorded
   rec.refs = 1;  // held as the slot's latest
-  rec.segment = segment_;
   if (s.latest >= 0) {
     unref(s.latest);
   }

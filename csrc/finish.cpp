@@ -4,8 +4,7 @@
 // releases the run's events; abort() first marks where the open tasks'
 // queued kernels end, and then every stream the run used (autograd's own
 // work included), so that the callers' next work (restoring state after a
-// failure) cannot race with them (in a segment, the segment's caller: the
-// capture then ends joined).
+// failure) cannot race with them.
 #include <algorithm>
 #include <stdexcept>
 #include <exception>
@@ -38,7 +37,6 @@ void Scheduler::finish_open(Open& o) {
   }
   if (o.task >= 0) {
     task_event_[o.task] = ev;
-    task_segment_[o.task] = events_[ev].segment;
     events_[ev].refs += pending_[o.task];
   } else if (autograd_orders_) {
     // Gradient copy: autograd's engine makes the consumer's stream (stage
@@ -83,9 +81,6 @@ void Scheduler::join() {
   const auto held = lock();
   if (!running_) {
     throw std::runtime_error("join() outside a run");
-  }
-  if (segment_caller_ >= 0) {
-    throw std::runtime_error("join() with a segment open; call end_segment() first");
   }
   caller_waits();
   release_run();
@@ -134,12 +129,8 @@ void Scheduler::release_run() {
     }
   }
   task_event_.clear();
-  task_segment_.clear();
   pending_.clear();
   schedule_.reset();
-  segment_ = -1;
-  segment_caller_ = -1;
-  crossing_.clear();
   running_ = false;
 }
 
@@ -192,27 +183,17 @@ void Scheduler::abort() {
   }
   if (running_) {
     // Work already queued by the failed run may still be running; the
-    // caller's next work (restoring state, say) must come after it. In a
-    // segment, that caller is the stream capturing it: joined, the capture
-    // can end (and be discarded) as a capture, not as a broken one.
-    if (segment_caller_ < 0) {
-      // Autograd may have queued work no task of ours marks on a stream
-      // the run used (a tied weight's gradient is summed on the stream of
-      // its first use, before the backward failed elsewhere): mark each
-      // one's end, so the callers wait for it all.
-      for (int32_t x = 0; x < static_cast<int32_t>(slots_.size()); ++x) {
-        if (!is_caller(x) && slots_[x].latest >= 0) {
-          attempt([&] { record(x, Who{}); });
-        }
+    // caller's next work (restoring state, say) must come after it.
+    // Autograd may have queued work no task of ours marks on a stream the
+    // run used (a tied weight's gradient is summed on the stream of its
+    // first use, before the backward failed elsewhere): mark each one's
+    // end, so the callers wait for it all.
+    for (int32_t x = 0; x < static_cast<int32_t>(slots_.size()); ++x) {
+      if (!is_caller(x) && slots_[x].latest >= 0) {
+        attempt([&] { record(x, Who{}); });
       }
     }
-    attempt([&] {
-      if (segment_caller_ >= 0) {
-        join_segment();
-      } else {
-        caller_waits();
-      }
-    });
+    attempt([&] { caller_waits(); });
     release_run();
   }
   if (device_error) {

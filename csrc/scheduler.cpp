@@ -127,14 +127,6 @@ int32_t Scheduler::io_slot(int32_t stage) const {
   return caller_slot(stage) + callers_;
 }
 
-bool Scheduler::pulls(int32_t from, int32_t to) const {
-  // Between two GPUs only: a copy to or from the host blocks the host, which
-  // orders it, and runs on the GPU side's current stream either way.
-  constexpr int8_t kCuda = 1;  // c10::DeviceType::CUDA
-  return pull_ && !same_device(from, to) && slots_[from].spec.device_type == kCuda &&
-         slots_[to].spec.device_type == kCuda;
-}
-
 bool Scheduler::same_device(int32_t a, int32_t b) const {
   const auto& x = slots_[a].spec;
   const auto& y = slots_[b].spec;
@@ -153,14 +145,8 @@ std::pair<int32_t, int32_t> Scheduler::task_slots(const Task& t) const {
       if (t.stage < 0) {
         return {-1, io_slot(t.peer)};
       }
-      if (pulls(copy_slot(t.stage), copy_slot(t.peer))) {
-        return {copy_slot(t.peer), copy_slot(t.peer)};
-      }
       return {copy_slot(t.stage), copy_slot(t.peer)};
     case Kind::kCopyGrad:
-      if (pulls(copy_slot(t.peer), copy_slot(t.stage))) {
-        return {copy_slot(t.stage), copy_slot(t.stage)};
-      }
       return {copy_slot(t.peer), copy_slot(t.stage)};
     case Kind::kTarget:
       return {-1, io_slot(t.stage)};
@@ -174,7 +160,7 @@ int32_t Scheduler::wait_slot(const Task& t) const {
 }
 
 void Scheduler::begin_run(std::shared_ptr<const Schedule> schedule,
-                          const std::vector<std::optional<int64_t>>& caller_streams, bool pull) {
+                          const std::vector<std::optional<int64_t>>& caller_streams) {
   const auto held = lock();
   if (running_) {
     throw std::runtime_error(
@@ -203,19 +189,23 @@ void Scheduler::begin_run(std::shared_ptr<const Schedule> schedule,
                                                      : "' needs a stream"));
     }
   }
-  forget_latest();
-  for (size_t c = 0; c < callers; ++c) {
-    set_caller(first_caller + static_cast<int32_t>(c), caller_streams[c]);
+  for (auto& s : slots_) {
+    if (s.latest >= 0) {
+      unref(s.latest);
+      s.latest = -1;
+    }
+    std::fill(s.vc.begin(), s.vc.end(), 0);
   }
-  segment_ = -1;
-  segment_caller_ = -1;
-  segment_groups_.clear();
-  crossing_.clear();
-  pull_ = pull;  // before the pending counts below: it moves copies' slots
+  for (size_t c = 0; c < callers; ++c) {
+    Slot& s = slots_[first_caller + static_cast<int32_t>(c)];
+    if (caller_streams[c]) {
+      s.spec.stream_id = caller_streams[c];
+      s.stream = make_stream(s.spec);
+    }
+  }
   schedule_ = std::move(schedule);
   const size_t n = schedule_->tasks.size();
   task_event_.assign(n, -1);
-  task_segment_.assign(n, -1);
   pending_.assign(n, 0);
   // A dependency recorded on the slot that waits for it is ordered by the
   // stream itself; only cross-slot dependencies keep an event alive.
@@ -311,30 +301,20 @@ int64_t Scheduler::begin(int32_t task) {
   // event is in the other's vector clock) needs no wait of its own: a
   // stage reading a skip connection and the stage after it waits only on
   // the latter.
-  // Clocks only compare within a segment.
   // Reads every dependency's event, so none may go back to the pool before
   // the loop below has asked about all of them (the unrefs come after it).
   const auto implied = [&](int32_t d) {
     const EventRec& rec = held_event(task_event_[d]);
     return std::any_of(t.deps.begin(), t.deps.end(), [&](int32_t other) {
-      return other != d && !crossing(other) &&
-             task_slots(schedule_->tasks[other]).second != at &&
+      return other != d && task_slots(schedule_->tasks[other]).second != at &&
              held_event(task_event_[other]).vc[rec.slot] >= rec.seq;
     });
   };
-  const size_t first_crossing = crossing_.size();
   for (int32_t d : t.deps) {
-    const bool same_slot = task_slots(schedule_->tasks[d]).second == at;
-    if (crossing(d)) {
-      // Even on the same slot: segments of other groups run in between.
-      // An earlier segment of this group has finished before this one
-      // starts (one launch stream): nothing to wait on.
-      if (!same_group(d)) {
-        crossing_.emplace_back(d, at);
-      }
-    } else if (same_slot) {
+    if (task_slots(schedule_->tasks[d]).second == at) {
       continue;  // same stream: program order
-    } else if (!implied(d)) {
+    }
+    if (!implied(d)) {
       wait(at, task_event_[d], who);
     }
   }
@@ -348,21 +328,13 @@ int64_t Scheduler::begin(int32_t task) {
   // waited on the source already, which makes this wait implied. Input and
   // target transfers wait too: the caller may have filled a pinned buffer
   // with an asynchronous copy on its stream.
-  // In a segment every task joins it this way: a pulled copy whose only
-  // dependencies are in earlier segments would otherwise use a stream that
-  // never joined the capture.
   const bool input_copy = t.kind == Kind::kCopy && t.stage < 0;
   if (t.kind == Kind::kForward || t.kind == Kind::kBackward || t.kind == Kind::kWeight ||
-      input_copy || t.kind == Kind::kTarget || segment_caller_ >= 0) {
+      input_copy || t.kind == Kind::kTarget) {
     const int32_t source = slots_[slots_[at].ref].latest;  // its device's caller slot's
     if (source >= 0) {
       wait(at, source, who);
     }
-  }
-  // Logged where the caller issues them: after begin() returns, once the
-  // slot has joined the segment through the waits above.
-  for (size_t i = first_crossing; i < crossing_.size(); ++i) {
-    log(OpCode::kXWait, crossing_[i].second, crossing_[i].first, who);
   }
   return open(who, issue, rec);
 }

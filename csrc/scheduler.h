@@ -42,12 +42,6 @@ enum class OpCode : int8_t {
   kSync = 3,    // the host blocks on an event (placeholder consumer)
   kAutograd = 4,  // autograd's engine makes slot wait on event before the
                   // consumer of a gradient copy runs (logged, not issued)
-  // Segmented runs (segments.cpp). `event` is the segment's index for the
-  // first two, the producing task's index for the last two.
-  kBeginSegment = 5,  // a segment starts on caller slot `slot`
-  kEndSegment = 6,    // it ends: every slot it used has joined `slot`
-  kXRecord = 7,  // the caller records an external event for task `event` on slot
-  kXWait = 8,    // the caller makes slot wait on task `event`'s external event
 };
 
 const char* op_name(OpCode op);
@@ -97,12 +91,8 @@ class Scheduler {
   // stream id per caller slot (none for placeholders). Records one source
   // event per caller slot: every stage stream waits on it before its first
   // task, so work the user enqueued earlier (an optimizer step) is visible.
-  // With `pull`, a copy between devices (a value or its gradient) runs
-  // wholly on the receiving copy slot, which reads the sender's memory
-  // (peer.cpp): then no task touches two devices' streams, as a run
-  // captured as one graph per device needs.
   void begin_run(std::shared_ptr<const Schedule> schedule,
-                 const std::vector<std::optional<int64_t>>& caller_streams, bool pull = false);
+                 const std::vector<std::optional<int64_t>>& caller_streams);
   // Waits on the task's dependencies, makes its streams current and returns
   // a handle for end().
   int64_t begin(int32_t task);
@@ -133,24 +123,6 @@ class Scheduler {
   int64_t begin_grad_copy(int32_t stage, int32_t peer, int32_t micro);
   void set_autograd_orders_grad_copies(bool on);
   bool autograd_orders_grad_copies() const;
-
-  // Segmented runs: a run issued as consecutive segments, each captured as
-  // a graph of its own (segments.cpp). A graph cannot wait on an event
-  // recorded inside another graph, so within a segment the scheduler only
-  // waits on events of that segment; a dependency on an earlier segment's
-  // task is listed by take_crossing() instead, for the caller to wait on
-  // an external event it recorded after that task (external_record logs
-  // it and names the slot). begin_segment starts one on caller slot
-  // `caller` (index among the caller slots) with `stream` current there,
-  // recording its source; end_segment makes that slot wait on the last work
-  // of every slot that recorded in the segment, as a capture must end.
-  // Segments of one `group` (>= 0) are launched one after another on one
-  // stream: a dependency between them needs no external event.
-  void begin_segment(int32_t caller, std::optional<int64_t> stream, int32_t group = -1);
-  void end_segment();
-  std::vector<std::pair<int32_t, int32_t>> take_crossing();  // (producer task, slot)
-  int32_t external_record(int32_t task);
-  int32_t segment() const;  // the current segment, -1 outside one
 
   // Whether a CUDA graph is capturing this scheduler's streams (set by the
   // code that captures: c10 cannot tell). While it is, a host wait on device
@@ -207,8 +179,6 @@ class Scheduler {
     return slot >= 2 * stages_ && slot < 2 * stages_ + callers_;
   }
   bool same_device(int32_t a, int32_t b) const;
-  // Whether this run pulls a copy from slot `from`'s device to `to`'s.
-  bool pulls(int32_t from, int32_t to) const;
   // (issue slot or -1, record slot) of a scheduled task.
   std::pair<int32_t, int32_t> task_slots(const Task& t) const;
   // The slot a task's waits go to: where its work is issued.
@@ -226,13 +196,8 @@ class Scheduler {
   void restore_streams(Open& o);
   void release_run();
   void caller_waits();  // every caller slot after every slot on its device
-  void join_segment();  // the open segment's caller after every slot it used
   // `slot` waits on each of `events` that no other of them implies.
   void wait_all(int32_t slot, const std::vector<int32_t>& events);
-  void set_caller(int32_t slot, std::optional<int64_t> stream);
-  void forget_latest();  // no slot's latest event (a new run or segment)
-  bool crossing(int32_t task) const;  // recorded in another segment
-  bool same_group(int32_t task) const;  // in an earlier segment of this one's group
   void ensure_reference();
   void timing_mark(Open& o, bool start);
   int32_t take_timing_event(int32_t slot);
@@ -252,22 +217,13 @@ class Scheduler {
 
   std::shared_ptr<const Schedule> schedule_;
   std::vector<int32_t> task_event_;
-  // Per task, the segment it ended in: its event may be back in the pool
-  // (nothing on another slot waits on it) and recorded again elsewhere.
-  std::vector<int32_t> task_segment_;
   std::vector<int32_t> pending_;
   bool running_ = false;
-  int32_t segment_ = -1;      // segments begun in this run, minus one
-  int32_t segment_caller_ = -1;  // slot of the open segment, -1: none open
-  std::vector<int32_t> segment_groups_;  // per segment begun in this run
-  std::vector<std::pair<int32_t, int32_t>> crossing_;
-  std::vector<bool> external_after_;  // per slot: an external record since its latest
 
   bool recording_ = false;
   bool capturing_ = false;
   std::vector<PlanOp> plan_;
   bool autograd_orders_ = false;
-  bool pull_ = false;  // this run's copies between devices run on the receiver
 
   bool timing_ = false;
   bool have_reference_ = false;

@@ -28,7 +28,6 @@ struct Scheduler::EventRec {
   int64_t seq = 0;
   std::vector<int64_t> vc;
   int32_t refs = 0;
-  int32_t segment = -1;  // of a segmented run, where it was recorded
 };
 
 struct Scheduler::TimedTask {

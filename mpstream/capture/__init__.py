@@ -1,10 +1,11 @@
-"""Graph capture: a pipe's whole training step captured in a CUDA graph.
+"""Graph capture: a pipe's whole training step replayed from CUDA graphs.
 
 :mod:`.step` holds :class:`CapturedStep` (warm-up, capture, replay);
 :mod:`.buffers` its static input and target buffers; :mod:`.state` saves and
 restores what the warm-up changes and checks what a replay could not
-reproduce; :mod:`.edges` captures a step as one graph per segment of each
-group of stages, ordered by external events.
+reproduce; :mod:`.devices` says which devices a step can be captured on
+and captures what a step issues around graphed stages (the zeroing, the
+optimizer's update) as one graph per device.
 
 May import :mod:`mpstream.pipe` and the core below it; never a tool.
 """

@@ -8,7 +8,10 @@ parameters (docs/results/h100). :class:`CapturedStep` packages that capture:
 static input and target buffers, warm-up on a side stream undone before
 the first step (:mod:`~mpstream.capture.state`), gradients kept in place,
 the optimizer step inside the graph, and checks for the changes a replay
-cannot see.
+cannot see. Over a pipe whose stages replay graphs of their own
+(``Pipe(graphs=True)``), the step is those graphs plus the zeroing and the
+optimizer's update captured per device (:mod:`~mpstream.capture.devices`):
+how a step on several GPUs is captured.
 
 Without CUDA (every stage on the CPU) the same object runs the step eagerly
 with the same checks, so code written against it runs anywhere.
@@ -16,7 +19,7 @@ with the same checks, so code written against it runs anywhere.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, suppress
 from typing import Any
 
@@ -28,12 +31,10 @@ from ..pipe.pipe import Pipe
 from ..pipe.reduction import step_reduction
 from ..runtime.errors import annotate
 from ..runtime.graphed.capturing import capturing
-from ..runtime.peer import enable_peer_access
 from ..runtime.stream import synchronize
 from ..stages.sequential import check_positive
 from .buffers import fill, static
-from .edges import GraphEdges, check_external_events
-from .groups import capture_devices, check_drawing, check_groups, drawing
+from .devices import DeviceGraphs, capture_devices
 from .state import Kept, Saved, Trained, check_optimizer, check_settings, hyperparameters
 
 __all__ = ["CapturedStep"]
@@ -77,16 +78,21 @@ class CapturedStep:
     optimizers need their state from one eager step before capture (refused
     otherwise).
 
-    By default the step is one graph, which runs the stages' work in one
-    fixed interleaving. With ``groups`` (a label per stage; stages of one
-    group share a device), each segment of a group's work is a graph of its
-    own, ordered by external events, and the groups' graphs overlap at
-    replay as the eager pipe's streams do (:mod:`~mpstream.capture.edges`):
-    a few more launches per step (:attr:`launches`), and a memory pool per
-    graph. That is also how a step on several GPUs is captured (one graph
-    cannot span devices): groups are required there, copies between GPUs
-    read the sender's memory (peer access between every pair is needed),
-    and each device's share of the optimizer step is its own graph.
+    Two ways, chosen by the pipe:
+
+    - a pipe of plain stages is captured as one graph, which runs the
+      stages' work in one fixed interleaving: one launch per step. One
+      graph cannot span devices, so the stages must share one GPU;
+    - a pipe whose stages replay graphs of their own (``Pipe(graphs=True)``)
+      keeps them: each call runs ``train_step``, whose tasks replay each
+      stage's graphs on its device as the schedule orders them, between
+      the zeroing and the optimizer's update, each captured as one graph
+      per device (:class:`~mpstream.capture.devices.DeviceGraphs`). That is
+      how a step on several GPUs is captured; :attr:`launches` counts the
+      graphs a step launches. On one GPU one graph is the faster: at
+      ResNet-101's split 8 on an H200, graphed stages took 1.07x-1.23x the
+      step captured as one graph (docs/results/h200, before the graphs
+      were thinned; docs/tuning.md).
 
     Every stage must sit on CUDA devices or on CPUs, where no graph exists
     and each call runs the step eagerly with the same checks (from the
@@ -111,22 +117,18 @@ class CapturedStep:
             start of every step.
         warmup: eager steps before capture (CUDA only); at least 1.
         pool: a graph memory pool to share (``torch.cuda.graph_pool_handle()``
-            or another step's :attr:`pool`); not with ``groups``.
-        groups: a group label per stage: capture the step as one graph per
-            segment of each group's work (see above). None: one graph.
+            or another step's :attr:`pool`); not for a pipe with
+            ``graphs=True``, whose stages keep pools of their own.
 
     Raises:
         TypeError: ``pipe`` is not a Pipe, ``loss_fn`` is not callable, or
             ``warmup`` is not an int.
-        ValueError: ``warmup`` below 1, an unknown ``reduction``, ``groups``
-            without one label per stage, with ``pool``, with a tensor shared
-            by two groups or random numbers drawn in two
-            (:mod:`~mpstream.capture.groups`; seen in the last warm-up step,
-            on the CPU in one step that is then undone), stages on
-            several GPUs without ``groups``, on both CPU and CUDA, the pipe is being
-            traced (its scheduler's timing or plan recording is on: a replay
-            would record nothing), or an optimizer whose captured step would
-            differ from its eager one (see above).
+        ValueError: ``warmup`` below 1, an unknown ``reduction``, stages on
+            several GPUs without ``graphs=True``, on both CPU and CUDA,
+            ``pool`` with ``graphs=True``, a pipe being traced while it is
+            captured as one graph (its scheduler's timing or plan recording
+            is on: a replay would record nothing), or an optimizer whose
+            captured step would differ from its eager one (see above).
         Exception: whatever capture raised (PyTorch's error, with a note);
             the pipe, the optimizer, the generators and the caller's stream
             are restored first.
@@ -144,36 +146,25 @@ class CapturedStep:
         zero_grad: bool = True,
         warmup: int = 3,
         pool: Any = None,
-        groups: Sequence[int] | None = None,
     ) -> None:
         if not isinstance(pipe, Pipe):
             raise TypeError(f"CapturedStep needs an mpstream.Pipe, got {type(pipe).__name__}")
-        if pipe.graphed:
-            raise ValueError(
-                "CapturedStep captures the whole step, and this pipe replays its stages from "
-                "graphs of its own (graphs=True): one graph cannot hold the other; build the "
-                "pipe without graphs=True, or use it without CapturedStep"
-            )
         check_positive("warmup", warmup)
         # Checked here, not by the first warm-up step, which would blame capture.
         reduction = step_reduction(reduction, loss_fn)
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
-        self.groups = None if groups is None else [int(g) for g in groups]
-        if self.groups is not None:
-            pipe._step_inputs(inputs)  # a traced module: the stages of the inputs' kind
-            check_groups(list(pipe.partitions), self.groups, pipe.devices)
-            if any(d.type == "cuda" for d in pipe.devices):
-                check_external_events()
-            if pool is not None:
-                raise ValueError(
-                    "CapturedStep: groups captures a graph per segment, each with a memory "
-                    "pool of its own (a shared pool would let one group's graph reuse memory "
-                    "another's still reads); drop pool, or capture one graph (groups=None)"
-                )
-        cuda = capture_devices(pipe.devices, self.groups)
+        #: Whether the stages replay graphs of their own (``Pipe(graphs=True)``).
+        self.graphed = pipe.graphed
+        if self.graphed and pool is not None:
+            raise ValueError(
+                "CapturedStep: pool= shares the memory of a step captured as one graph, but "
+                "this pipe's stages replay graphs of their own (graphs=True), each stage with "
+                "pools of its own; drop pool"
+            )
+        cuda = capture_devices(pipe.devices, self.graphed)
         sched = pipe.scheduler
-        if cuda and (sched.timing or sched.recording):
+        if cuda and not self.graphed and (sched.timing or sched.recording):
             raise ValueError(
                 "CapturedStep: the pipe is being traced (its scheduler's timing or plan "
                 "recording is on); a replay would record nothing. Capture outside "
@@ -192,91 +183,69 @@ class CapturedStep:
         check_optimizer(optimizer, cuda)
         self._settings = hyperparameters(optimizer)
         self._trained = Trained(pipe, loss_fn, optimizer)
+        #: The step's one graph (None: on the CPU, or over graphed stages).
         self.graph: torch.cuda.CUDAGraph | None = None
-        self._edges: GraphEdges | None = None
+        # Over graphed stages: the zeroing's and the update's graphs.
+        self._zero: DeviceGraphs | None = None
+        self._update: DeviceGraphs | None = None
+        self._captured = False
+        self._launches = 0
         self._kept: Kept | None = None
         self._loss: Tensor | None = None
         if self.device is not None:
             self._capture(warmup, pool)
             self._kept = Kept(self._trained)
-        elif self.groups is not None:  # the checks a capture's warm-up makes, and undoes
-            saved = Saved(self._trained, [])
-            try:
-                self._watched_step()
-            finally:
-                saved.restore(captured=False)
 
     # -- the step ----------------------------------------------------------
-    def _step(self, edges: GraphEdges | None = None) -> Tensor:
-        """One step; with ``groups``, issued segment by segment on ``edges``
-        (None: segments that capture nothing)."""
-        if self.zero_grad:
-            self._trained.zero_grad()
-        args = (
+    def _train(self) -> Tensor:
+        """``train_step`` on the static buffers."""
+        return self.pipe.train_step(
             pytree.tree_unflatten(self._inputs, self._in_spec),
             pytree.tree_unflatten(self._target, self._tgt_spec),
             self.loss_fn,
+            reduction=self.reduction,
         )
-        if self.groups is None:
-            loss = self.pipe.train_step(*args, reduction=self.reduction)
-        else:
-            with self.pipe.segmented(self.groups, edges):
-                loss = self.pipe.train_step(*args, reduction=self.reduction)
+
+    def _step(self) -> Tensor:
+        """One whole step, as Python issues it."""
+        if self.zero_grad:
+            self._trained.zero_grad()
+        loss = self._train()
         if self.optimizer is not None:
             self.optimizer.step()
-        return loss
-
-    def _watched_step(self) -> Tensor:
-        """A step; with ``groups``, watched for random numbers drawn in two
-        groups (:func:`~mpstream.capture.groups.drawing`), which it refuses."""
-        if self.groups is None:
-            return self._step()
-        # The stages of the step's kind of call (a traced module may have
-        # switched to another kind since).
-        self.pipe._step_inputs(pytree.tree_unflatten(self._inputs, self._in_spec))
-        with drawing(list(self.pipe.partitions), self.pipe.devices) as seen:
-            loss = self._step()
-        check_drawing(seen, self.groups, self.pipe.devices)
         return loss
 
     def _capture(self, warmup: int, pool: Any) -> None:
         devices = self.devices
         saved = Saved(self._trained, devices)
         callers = {d: torch.cuda.current_stream(d) for d in devices}
-        edges: GraphEdges | None = None
         graph: torch.cuda.CUDAGraph | None = None
         try:
-            enable_peer_access(devices)
             # Warm-up on side streams, as capture requires: what runs once
-            # (allocations, autotuning, optimizer state) happens here.
+            # (allocations, autotuning, optimizer state, the stages' own
+            # graphs) happens here.
             sides = {d: torch.cuda.Stream(d) for d in devices}  # type: ignore[no-untyped-call]
             for d in devices:
                 sides[d].wait_stream(callers[d])
             with _current(sides):
-                for _ in range(warmup - 1):
+                for _ in range(warmup):
                     self._step()
-                self._watched_step()
             for d in devices:
                 callers[d].wait_stream(sides[d])
             # On the warm-up's streams: library workspaces exist; not default streams.
             synchronize(devices)  # as torch.cuda.graph does
-            if self.groups is None:
+            if self.graphed:
+                self._capture_around()
+            else:
                 graph = torch.cuda.CUDAGraph()
                 # Undone if it fails (unlike torch.cuda.graph); a loader thread may run.
                 own = torch.cuda.graph_pool_handle() if pool is None else pool
                 with self.pipe.scheduler.captured(), _current(sides), capturing(graph, own):
                     self._loss = self._step()
-            else:
-                edges = GraphEdges(sides)
-                with self.pipe.scheduler.captured(), _current(sides):
-                    edges.begin_step()
-                    self._loss = self._step(edges)
-                    edges.end_step()
             for c in callers.values():
                 c.synchronize()
         except BaseException as exc:
-            if edges is not None:
-                edges.abandon()
+            self._zero = self._update = None
             for c in callers.values():  # the warm-up's streams were current
                 torch.cuda.set_stream(c)
             with suppress(RuntimeError):  # a failed capture may leave a CUDA error behind
@@ -292,7 +261,22 @@ class CapturedStep:
             raise
         saved.restore(captured=True)
         synchronize(devices)
-        self.graph, self._edges = graph, edges
+        self.graph, self._captured = graph, True
+
+    def _capture_around(self) -> None:
+        """Over graphed stages: captures the zeroing and the update per device
+        (neither runs now), and counts the graphs one step replays."""
+        trained = self._trained
+        devices = list(dict.fromkeys(p.device for _, p in trained.params if p.is_cuda))
+        if self.zero_grad:
+            self._zero = DeviceGraphs(trained.zero_grad, devices)
+        before = self.pipe.graph_report().replays
+        self._train()  # runs: each call does so too
+        stages = self.pipe.graph_report().replays - before
+        if self.optimizer is not None:
+            self._update = DeviceGraphs(self.optimizer.step, devices)
+        around = [g.launches for g in (self._zero, self._update) if g is not None]
+        self._launches = stages + sum(around)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> CapturedStep:
         raise TypeError(
@@ -309,16 +293,14 @@ class CapturedStep:
     @property
     def captured(self) -> bool:
         """Whether calls replay CUDA graphs (False: they run the step eagerly)."""
-        return self.graph is not None or self._edges is not None
+        return self._captured
 
     @property
     def launches(self) -> int:
-        """Graph launches per step: 1, or with ``groups`` the segments' graphs
-        plus a prologue and an epilogue per device; 0 when the step runs
-        eagerly."""
-        if self._edges is not None:
-            return self._edges.launches
-        return 1 if self.graph is not None else 0
+        """Graph launches per step: 1 for one graph; over graphed stages, the
+        stages' replays plus a zeroing and an update graph per device; 0
+        when the step runs eagerly."""
+        return 1 if self.graph is not None else self._launches
 
     @property
     def pool(self) -> Any:
@@ -326,12 +308,12 @@ class CapturedStep:
 
         Raises:
             RuntimeError: nothing was captured (the pipe runs on the CPU), or
-                the step was captured in segments (a pool per graph).
+                the stages replay graphs of their own (a pool per stage).
         """
-        if self._edges is not None:
+        if self.graphed and self._captured:
             raise RuntimeError(
-                "this step was captured in segments (groups), a memory pool per graph: "
-                "there is no one pool to share"
+                "this step replays its stages' own graphs (graphs=True), each stage with "
+                "pools of its own: there is no one pool to share"
             )
         if self.graph is None:
             raise RuntimeError("no CUDA graph was captured (the pipe runs on the CPU)")
@@ -354,13 +336,14 @@ class CapturedStep:
             ValueError: a batch of another structure, shape or dtype, a plain
                 value or an optimizer setting that changed since capture, a
                 gradient, optimizer state or parameter replaced since
-                capture, or a replay while the pipe is being traced.
+                capture, or a replay of one graph while the pipe is being
+                traced.
         """
         check_settings(self._settings, self.optimizer)
         if self._kept is not None:
             self._kept.check()
         sched = self.pipe.scheduler
-        if self.captured and (sched.timing or sched.recording):
+        if self.graph is not None and (sched.timing or sched.recording):
             raise ValueError(
                 "CapturedStep: the pipe is being traced (mpstream.profile / trace turned its "
                 "scheduler's timing or plan recording on), but a replay runs no Python and "
@@ -368,25 +351,23 @@ class CapturedStep:
             )
         fill("inputs", self._inputs, self._in_spec, inputs)
         fill("target", self._target, self._tgt_spec, target)
-        if not self.captured:
+        if not self._captured:
             loss = self._step()
             if self._kept is None:  # the CPU's checks start once gradients exist
                 self._kept = Kept(self._trained)
             return loss
-        assert self._loss is not None and self.device is not None
+        assert self.device is not None
         with torch.cuda.device(self.device):
             if self.graph is not None:
+                assert self._loss is not None
                 self.graph.replay()
-            else:
-                assert self._edges is not None
-                mains = self._edges.mains
-                callers = {d: torch.cuda.current_stream(d) for d in mains}
-                for d, main in mains.items():
-                    main.wait_stream(callers[d])  # the batch just copied in
-                self._edges.replay()
-                for d, main in mains.items():
-                    callers[d].wait_stream(main)
-            return self._loss.clone()
+                return self._loss.clone()
+            if self._zero is not None:
+                self._zero.replay()
+            loss = self._train()
+            if self._update is not None:
+                self._update.replay()
+            return loss
 
 
 @contextmanager

@@ -156,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
                 "live_per_stage": r.live,
                 "held_per_stage": r.held,
                 "peak_activations_per_device": r.peak,
-                "segmented_graph_launches": r.launches,
+                "graph_launches": r.launches,
                 "devices": r.devices,
                 "measured_peak_bytes": r.measured,
             }

@@ -6,9 +6,9 @@ four ways, one after the other in one run: its own ``train_step`` issued
 eagerly, the same with every stage replayed from CUDA graphs
 (``Pipe(graphs=True)``), the whole step captured as one graph
 (:class:`~mpstream.CapturedStep`, which needs both halves on one GPU), and
-that step captured as one graph per segment of each stage's work
-(``CapturedStep(groups=...)``: the stages' graphs overlap at replay, as
-across devices they would), with its graph launches per step. The single
+:class:`~mpstream.CapturedStep` over the graphed stages (their graphs, plus
+the zeroing and SGD's update captured per device: how a step across GPUs
+is captured), with its graph launches per step. The single
 device is measured eagerly and captured, as the like-with-like baseline.
 Each measurement is the host's issue time and the step's time (medians, SGD
 inside the step), the peak memory of that variant alone
@@ -59,7 +59,7 @@ __all__ = [
     "EAGER",
     "GRAPHED",
     "CAPTURED",
-    "GROUPS",
+    "GRAPHED_STEP",
     "VARIANTS",
     "SINGLE",
     "time_steps",
@@ -75,8 +75,8 @@ HOST_PER_TASK_US = 50.0
 POOLS_OVER_EAGER = 1.25
 
 EAGER, GRAPHED, CAPTURED = "eager", "graphed stages", "captured step"
-GROUPS = "captured in groups"
-VARIANTS = (EAGER, GRAPHED, CAPTURED, GROUPS)
+GRAPHED_STEP = "captured over graphed stages"
+VARIANTS = (EAGER, GRAPHED, CAPTURED, GRAPHED_STEP)
 #: The row of the single device (one stage, one micro-batch).
 SINGLE = "single device"
 
@@ -123,12 +123,12 @@ def _pipe(ctx: Context, schedule: str | None, graphs: Any) -> Pipe:
 
 def _step(pipe: Pipe, variant: str, x: Tensor, y: Tensor) -> tuple[Callable[[], None], int]:
     """One training step with SGD: ``train_step``, or the captured step
-    (one graph, or a group per stage); and its graph launches per step."""
+    (one graph, or over the pipe's graphed stages); and its graph launches
+    per step."""
     loss_fn = nn.MSELoss()
     opt = torch.optim.SGD(pipe.parameters(), lr=1e-3)
-    if variant in (CAPTURED, GROUPS):
-        groups = list(range(len(pipe.devices))) if variant == GROUPS else None
-        whole = CapturedStep(pipe, x, y, loss_fn, optimizer=opt, groups=groups)
+    if variant in (CAPTURED, GRAPHED_STEP):
+        whole = CapturedStep(pipe, x, y, loss_fn, optimizer=opt)
 
         def replay() -> None:
             whole(x, y)
@@ -151,17 +151,17 @@ def measure(
     Args:
         ctx: the doctor's context (devices, sizes, model).
         schedule: the pipe's schedule, or None for the single device.
-        variant: :data:`EAGER`, :data:`GRAPHED`, :data:`CAPTURED` or :data:`GROUPS`.
-        backend: what ``graphs=`` gets for :data:`GRAPHED` (tests give
-            an emulation).
+        variant: :data:`EAGER`, :data:`GRAPHED`, :data:`CAPTURED` or
+            :data:`GRAPHED_STEP`.
+        backend: what ``graphs=`` gets for :data:`GRAPHED` and
+            :data:`GRAPHED_STEP` (tests give an emulation).
 
     Returns:
         The timings, peak memory and, for graphed stages, the graphs'
         report; None where the variant cannot run (a captured step over
         two GPUs).
     """
-    whole = variant in (CAPTURED, GROUPS)
-    if whole and ctx.cuda and len(set(ctx.devices)) > 1 and schedule is not None:
+    if variant == CAPTURED and ctx.cuda and len(set(ctx.devices)) > 1 and schedule is not None:
         return None  # CapturedStep needs one device (see its docstring)
     config = config_for(ctx)
     base: dict[torch.device, tuple[int, int]] = {}
@@ -170,7 +170,7 @@ def measure(
         _empty_cache("before", cache)
         for d in dict.fromkeys(ctx.devices):
             base[d] = (torch.cuda.memory_reserved(d), torch.cuda.memory_allocated(d))
-    pipe = _pipe(ctx, schedule, backend if variant == GRAPHED else False)
+    pipe = _pipe(ctx, schedule, backend if variant in (GRAPHED, GRAPHED_STEP) else False)
     x, y = batch(config, pipe.devices[0])
     y = y.to(pipe.devices[-1])
     step, launches = _step(pipe, variant, x, y)
@@ -243,7 +243,7 @@ def schedule_rows(
     tick: Callable[[], None] | None = None,
 ) -> list[dict[str, Any]]:
     """The single device, then each schedule: eager, graphed, captured, captured
-    in groups (a measurement that raised holds its ``error`` instead)."""
+    over graphed stages (a measurement that raised holds its ``error`` instead)."""
     rows = []
     for schedule in [None, *[s for s in schedules if fits(s, ctx.devices)]]:
         row: dict[str, Any] = {"schedule": schedule or SINGLE}
@@ -304,11 +304,12 @@ def schedule_checks(rows: Sequence[dict[str, Any]], cuda: bool, split: int) -> l
         if captured is not None:
             over = step / captured["step_ms"]
             parts.append(_against(over, OVER_CAPTURED, "the captured step", cuda))
-        grouped = _ok(row.get(GROUPS))
-        if captured is not None and grouped is not None:
+        around = _ok(row.get(GRAPHED_STEP))
+        if captured is not None and around is not None:
+            ratio = around["step_ms"] / captured["step_ms"]
             parts.append(
-                f"captured in groups {grouped['step_ms']:.1f} ms in {grouped.get('launches')} "
-                f"launches ({grouped['step_ms'] / captured['step_ms']:.2f}x one graph)"
+                f"captured over graphed stages {around['step_ms']:.1f} ms in "
+                f"{around.get('launches')} launches ({ratio:.2f}x one graph)"
             )
         parts.append(_against(step / eager["step_ms"], OVER_EAGER, "eager", cuda))
         share = graphed["issue_share"]

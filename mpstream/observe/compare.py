@@ -10,7 +10,7 @@ schedule and records the bytes autograd saved per stage (CPU) or the
 allocator's peak per device (GPU); :func:`split_cost` times a split backward
 against a plain one (those two and :func:`profile_stages`, what a real pipe
 measures, live in :mod:`.measuring`). Each row also counts the graph
-launches of a step captured per device in segments. ``mpstream schedules``
+launches of a step captured over graphed stages. ``mpstream schedules``
 prints and plots it all.
 """
 
@@ -27,7 +27,6 @@ from ..schedules import (
     peak_activations,
     placement_of,
     rank_devices,
-    segment,
 )
 from .cost_model import Cost, Simulation, simulate
 from .measuring import measure_memory, profile_stages, split_cost
@@ -35,6 +34,7 @@ from .timeline import COMPUTE, Timeline
 
 __all__ = [
     "Comparison",
+    "graph_launches",
     "live_activations",
     "placement",
     "left_out",
@@ -81,6 +81,18 @@ def live_activations(schedule: Schedule) -> tuple[list[int], list[int]]:
         live[s] = max(live[s], now_live[s])
         held[s] = max(held[s], now_held[s])
     return live, held
+
+
+def graph_launches(schedule: Schedule, devices: int) -> int:
+    """Graph launches of one step of ``schedule`` captured over graphed stages.
+
+    Each forward, backward and weight task replays its stage's graph for its
+    micro-batch, and each of the ``devices`` devices launches two more: its
+    ``zero_grad`` graph and its optimizer-step graph. Copies between stages
+    are not graph launches and are not counted.
+    """
+    compute = (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT)
+    return sum(t.kind in compute for t in schedule.tasks) + 2 * devices
 
 
 def placement(stages: int, devices: int, schedule: str) -> list[str]:
@@ -138,9 +150,10 @@ class Comparison:
             backward pass (W for split backwards).
         devices: the device label of each stage.
         simulation: the simulated step (its timeline).
-        launches: graph launches of a step captured per device in segments
-            (``CapturedStep(groups=...)``): the segments, and a prologue and
-            an epilogue per device.
+        launches: graph launches of a step captured over graphed stages:
+            one per compute task (each forward, backward and weight task of
+            each micro-batch replays its stage's graph), and two per device
+            (a ``zero_grad`` graph and an optimizer-step graph).
         peak: per device, the most stage activations (one stage's of one
             micro-batch each) its stages hold at once, until their last
             backward pass, from the issue order.
@@ -207,8 +220,7 @@ def compare(
             name, stages, micros, [False] * stages, backward=True, virtual_stages=virtual
         )
         live, held = live_activations(sched)
-        groups = [labels.index(d) for d in labels]  # a group per device
-        launches = segment(sched, groups).launches + 2 * len(set(labels))
+        launches = graph_launches(sched, len(set(labels)))
         bubble = device_bubble(sim.timeline)
         peak = list(peak_activations(sched, [1.0] * stages, labels).values())
         out.append(

@@ -10,8 +10,6 @@ the cached schedule of each kind of run.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -22,7 +20,6 @@ from ..runtime.errors import stage_labels
 from ..runtime.graph import StageGraph
 from ..runtime.graphed import GradStore, GraphReport, StageGraphs
 from ..runtime.scheduler import EventScheduler
-from ..runtime.segmented import Edges, HostEdges, Segmenting
 from ..runtime.worker import Worker
 from ..schedules.auto import Auto, ScheduleReport
 from ..schedules.placement import placement_of, virtual_stages_for
@@ -295,38 +292,6 @@ class PipeConfig(PipeModule):
             )
             cache[key] = sched
         return sched
-
-    @contextmanager
-    def segmented(
-        self, groups: Sequence[int] | None = None, edges: Edges | None = None
-    ) -> Iterator[Segmenting]:
-        """Runs the training steps inside segment by segment.
-
-        Each ``train_step`` issues its schedule reordered into segments
-        (:func:`~mpstream.schedules.segments.segment`): runs of one group's
-        actions, each reading only what it or an earlier segment produced,
-        as capturing a step as one CUDA graph per segment needs
-        (:mod:`~mpstream.runtime.segmented`). Results equal the schedule's.
-
-        Args:
-            groups: a group label per stage (stages captured together, all
-                on one device); default one group per device.
-            edges: what happens at the segments' edges (captures, external
-                events); default nothing (:class:`~mpstream.runtime.segmented.HostEdges`).
-
-        Raises:
-            ValueError: ``groups`` puts stages of two devices in one group or
-                does not hold one label per stage (at the first step).
-            RuntimeError: already segmented.
-        """
-        if self.__dict__.get("_segmenting") is not None:
-            raise RuntimeError("this pipe's steps are already segmented")
-        seg = Segmenting(groups, edges if edges is not None else HostEdges())
-        self.__dict__["_segmenting"] = seg
-        try:
-            yield seg
-        finally:
-            self.__dict__["_segmenting"] = None
 
     def _deferred_norms(self) -> list[DeferredBatchNorm]:
         """The deferred BatchNorm layers, found again only after one was made

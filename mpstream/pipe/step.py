@@ -146,10 +146,6 @@ class PipeStep(PipeCall):
             target_device=None if target is None else batch_device(labels),
         )
         _, worker, _ = self._rt()
-        segmenting = self.__dict__.get("_segmenting")
-        issue = None
-        if segmenting is not None:
-            schedule, issue = segmenting.issue(worker.sched, schedule)
         staging = self._stage(args, self.devices[0])
         target_staging = None if target is None else self._stage(labels, self.devices[-1])
         # Under CUDA graph capture a snapshot's clones would be recorded, not
@@ -174,7 +170,6 @@ class PipeStep(PipeCall):
                     target_staging,
                     None if snapshot is None else snapshot.save_grads,
                     None if scaler is None else scaler.scale,
-                    issue,
                 )
         except BaseException as exc:
             if snapshot is not None:

@@ -9,11 +9,10 @@ stage (:mod:`.calls`) with its arguments wired by :mod:`.graph` and
 :mod:`.values`; :mod:`.hops` (every copy task), :mod:`.copy` (one ``send``
 for every copy, either way) and :mod:`.transfer` move values between
 devices and from the host; :mod:`.boundary` and :mod:`.split_backward` cut
-and split the backward; :mod:`.graphed`
-replays stage calls from CUDA graphs instead of issuing their kernels, and
-:mod:`.segmented` issues a step segment by segment for capture;
-:mod:`.microbatch` gathers. :mod:`.plan` records and verifies a run's stream operations without
-a device. :mod:`.stream` makes CPU and CUDA look alike, :mod:`.errors` and
+and split the backward; :mod:`.graphed` replays stage calls from CUDA
+graphs instead of issuing their kernels; :mod:`.microbatch` gathers.
+:mod:`.plan` records and verifies a run's stream operations without a
+device. :mod:`.stream` makes CPU and CUDA look alike, :mod:`.errors` and
 :mod:`.marks` say where a failure and a backward happened, and
 :mod:`.private` holds every private torch call mpstream makes.
 

@@ -151,10 +151,8 @@ def route_grads(
     remote: dict[tuple[int, int, int], Grads],
     readers: Sequence[AnyStream | None],
     copiers: Sequence[AnyStream | None],
-    pulled: Callable[[int, int], bool],
 ) -> None:
-    """Hands the gradients that reached stage ``s``'s inputs to their producers
-    (``pulled(p, s)``: stage ``p`` pulls what stage ``s`` sends it)."""
+    """Hands the gradients that reached stage ``s``'s inputs to their producers."""
     for (p, k, j), g in zip(cutting.keys, cutting.sink.grads or ()):
         if g is None:
             continue
@@ -165,7 +163,7 @@ def route_grads(
                 record_stream(g, readers[p])  # type: ignore[arg-type]
             local[(p, m)][(k, j)].append(g)
         else:
-            # A pulled gradient is read by the producer's device (.peer).
-            if copiers[hop.peer] is not None and not pulled(p, s):
+            # Sent back by a gradient-copy task, which reads it on hop.peer's copy stream.
+            if copiers[hop.peer] is not None:
                 record_stream(g, copiers[hop.peer])  # type: ignore[arg-type]
             remote[(p, hop.peer, m)][(k, j)].append(g)

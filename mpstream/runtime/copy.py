@@ -34,7 +34,6 @@ from torch.autograd import profiler
 
 from . import private
 from .microbatch import gradless
-from .peer import pull
 from .stream import AnyStream, current_stream, record_stream
 from .transfer import GradLink, to_device, to_host
 
@@ -75,7 +74,6 @@ def send(
     *,
     force: bool = False,
     staging: Tensor | None = None,
-    pulled: bool = False,
 ) -> Tensor:
     """Copies ``x`` to ``device`` for a stage there, marking both tensors.
 
@@ -87,17 +85,11 @@ def send(
         consumer: the stream that reads the copy (None: no mark).
         force: copy even when ``x`` already is on ``device``.
         staging: a pinned buffer for a pageable host ``x``.
-        pulled: ``device`` pulls ``x`` from a peer GPU on its own current
-            stream (a segmented run; see :mod:`~mpstream.runtime.peer`).
 
     Returns:
         The copy (``x`` itself when it is on ``device`` and not forced).
     """
-    if pulled and x.device.type == device.type == "cuda" and x.device != device:
-        # Read on the receiver's stream, which the pull's events order.
-        assert reader is None, "a pulled copy is read on the receiving device's stream"
-        y = pull(x, device)
-    elif staging is not None:
+    if staging is not None:
         y = to_device(x, device, staging)
     else:
         y = move(x, device, force=force)
@@ -122,10 +114,9 @@ class Route:
         staging: for the input batch, a pinned buffer per tensor (or None).
         link: for a host input that requires grad, where the asynchronous
             gradient copy leaves its event (see :class:`~.transfer.HostWait`).
-        pulled: the receiving device pulls the values (a segmented run).
     """
 
-    __slots__ = ("sched", "stage", "peer", "micro", "force", "staging", "link", "pulled")
+    __slots__ = ("sched", "stage", "peer", "micro", "force", "staging", "link")
 
     def __init__(
         self,
@@ -136,7 +127,6 @@ class Route:
         force: bool = False,
         staging: Staging = None,
         link: GradLink | None = None,
-        pulled: bool = False,
     ) -> None:
         self.sched = sched
         self.stage = stage
@@ -145,19 +135,17 @@ class Route:
         self.force = force
         self.staging = staging
         self.link = link
-        self.pulled = pulled
 
     def send(self, inputs: Sequence[Tensor]) -> list[Tensor]:
         """The copy task's work: ``inputs`` sent to the peer's device."""
         sched, stage = self.sched, self.stage
         dst = sched.devices[self.peer]
-        # The batch is read on the io stream (host memory or the caller's);
-        # a pulled value on the receiving device's stream.
-        reader = sched.copy_streams[stage] if stage >= 0 and not self.pulled else None
+        # The batch is read on the io stream (host memory or the caller's).
+        reader = sched.copy_streams[stage] if stage >= 0 else None
         consumer = sched.compute_streams[self.peer]
         staging = self.staging or (None,) * len(inputs)
         return [
-            send(x, dst, reader, consumer, force=self.force, staging=b, pulled=self.pulled)
+            send(x, dst, reader, consumer, force=self.force, staging=b)
             for x, b in zip(inputs, staging)
         ]
 

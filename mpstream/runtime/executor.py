@@ -21,10 +21,10 @@ which task of which stage and micro-batch raised it
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from types import CodeType
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING
 
 from torch.autograd import profiler
 
@@ -35,33 +35,11 @@ from .errors import annotate
 if TYPE_CHECKING:
     from .worker import Worker
 
-__all__ = ["Issuer", "Segmented", "Handler", "Handlers", "execute", "range_name", "task_range"]
+__all__ = ["Handler", "Handlers", "execute", "range_name", "task_range"]
 
 # What a run does for one kind of task, and for each kind it has.
 Handler = Callable[[Task], None]
 Handlers = Mapping[Kind, Handler]
-
-
-class Issuer(Protocol):
-    """Who opens and closes a run's tasks: the C++ scheduler itself
-    (``EventScheduler.native``), or a :class:`~.segmented.SegmentedIssue`,
-    which issues a step segment by segment for capture."""
-
-    def begin_run(self, schedule: Any, callers: list[int | None]) -> None: ...
-
-    def begin(self, task: int) -> int: ...
-
-    def end(self, handle: int) -> None: ...
-
-    def join(self) -> None: ...
-
-
-class Segmented(Issuer, Protocol):
-    """An issuer of its own order, with its own abort."""
-
-    tasks: list[Task]
-
-    def abort(self, failure: BaseException | None = None) -> None: ...
 
 
 def range_name(kind: Kind, stage: int, micro: int) -> str:
@@ -85,7 +63,6 @@ def execute(
     micros: int,
     *,
     step: bool,
-    issue: Segmented | None = None,
     loss: CodeType | None = None,
 ) -> None:
     """Issues every task of ``schedule``, each through its kind's handler.
@@ -97,8 +74,6 @@ def execute(
         micros: the number of micro-batches (for error notes).
         step: a training step (its graphed stages end with the run) rather
             than a forward run (they end with autograd's backward).
-        issue: issues the tasks segment by segment (``schedule`` in its
-            order), for capture; by default the scheduler issues them.
         loss: the code of the loss computation, to tell ``loss_fn`` errors
             from the stage's in error notes.
 
@@ -107,8 +82,7 @@ def execute(
             handler for.
     """
     sched = worker.sched
-    native: Issuer = sched.native if issue is None else issue
-    tasks: Sequence[Task] = schedule.tasks if issue is None else issue.tasks
+    native = sched.native  # the C++ scheduler itself: no wrapper call per task
     graphs = worker.graphs
     profiling = private.profiler_enabled()
     task: Task | None = None
@@ -119,7 +93,7 @@ def execute(
     try:
         if graphs is not None:
             graphs.begin(schedule, step=step)
-        for task in tasks:
+        for task in schedule.tasks:
             handler = handlers.get(task.kind)
             if handler is None:
                 what, other = (
@@ -144,7 +118,7 @@ def execute(
             graphs.end()  # after the join: on the caller's streams
     except BaseException as exc:
         try:
-            (sched.abort if issue is None else issue.abort)(exc)
+            sched.abort(exc)
         finally:
             if step and graphs is not None:
                 try:

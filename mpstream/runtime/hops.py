@@ -39,7 +39,6 @@ def send_hop(
     *,
     force: bool,
     grad: bool,
-    pulled: bool = False,
 ) -> None:
     """A copy task: what ``hop`` moves of ``task``'s micro-batch, sent to the
     peer's device and kept in ``flow`` for the stages there.
@@ -55,13 +54,11 @@ def send_hop(
             copy is a :class:`~mpstream.runtime.copy.Copy`, whose backward
             sends the gradient back. A training step sends gradients back
             in tasks of their own.
-        pulled: the receiving device pulls the values from a peer GPU (a
-            segmented run).
     """
     s, m = task.stage, task.micro
     items, specs, where = _hop_leaves(flow.hop_values(hop, m))
     tensors = [items[i] for i in where]
-    route = Route(sched, s, task.peer, m, force and s >= 0, pulled=pulled)
+    route = Route(sched, s, task.peer, m, force and s >= 0)
     if s < 0:
         route.staging = _hop_staging(staging, m, hop, flow.outputs_of(-1, m), where)
         if (

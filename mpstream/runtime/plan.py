@@ -14,15 +14,12 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from ..schedules.placement import placement_of, virtual_stages_for
 from ..schedules.schedule import Kind, Order, Schedule, Topology
 from .scheduler import EventScheduler, PlanOp
-from .segment_rules import foreign, unforked, unjoined
-from .segmented import Edges, HostEdges, Segmenting
 
 __all__ = ["Plan", "PlanError", "record_plan", "verify_plan"]
 
@@ -76,8 +73,6 @@ def record_plan(
     force_copies: bool = False,
     reads: Sequence[Sequence[int]] | None = None,
     virtual_stages: int | None = None,
-    groups: Sequence[int] | None = None,
-    edges: Edges | None = None,
 ) -> Plan:
     """Records the stream operations of a whole run without any device.
 
@@ -101,12 +96,6 @@ def record_plan(
         virtual_stages: stages per rank for the schedules of several stages
             per rank (default inferred from the devices, placed round-robin
             or in a V); ignored by the others.
-        groups: issue the run segment by segment for capture
-            (:mod:`~mpstream.runtime.segmented`), with a group label per
-            stage (stages on one device may be split into groups); the
-            schedule is reordered into the segments' order.
-        edges: with ``groups``, what happens at the segments' edges (for
-            tests of captures with fake CUDA objects); default nothing.
 
     Returns:
         The recorded :class:`Plan`.
@@ -137,14 +126,10 @@ def record_plan(
     )
     runner = EventScheduler(devs, virtual=True)
     runner.recording = True
-    issue: Any = runner.native
-    if groups is not None:
-        segmenting = Segmenting(groups, edges if edges is not None else HostEdges())
-        sched, issue = segmenting.issue(runner, sched)
-    issue.begin_run(sched.native, runner.caller_streams())
-    for task in sched.tasks if groups is None else issue.tasks:
-        issue.end(issue.begin(task.index))
-    issue.join()
+    runner.begin_run(sched)
+    for task in sched.tasks:
+        runner.end(runner.begin(task.index))
+    runner.join()
     return Plan(runner.plan(), runner.slot_names, runner.slot_devices, stages, graph)
 
 
@@ -229,9 +214,8 @@ def verify_plan(plan: Plan) -> None:
     ops = plan.ops
     n = len(ops)
     edges: dict[int, list[int]] = defaultdict(list)
-    last_on_slot: dict[tuple[int, int], int] = {}
+    last_on_slot: dict[int, int] = {}
     last_record: dict[int, int] = {}
-    external: dict[int, int] = {}  # producing task -> its xrecord
     run_of = [0] * n  # which run each op belongs to (see the docstring)
     run = 0
     done: dict[tuple[int, Key], int] = {}
@@ -242,29 +226,13 @@ def verify_plan(plan: Plan) -> None:
 
     source: dict[int, int] = {}
     sources_at: dict[int, dict[int, int]] = {}  # run op -> the sources before it
-    segment_of = [-1] * n
-    segment = -1
-    problems: list[str] = []
-    group_end: dict[int, int] = {}  # group -> the end of its latest segment
     for i, op in enumerate(ops):
-        # (Inside a segment, a source record is that graph's own.)
-        if segment == -1 and source_record(i) and i and not source_record(i - 1):
+        if source_record(i) and i and not source_record(i - 1):
             run += 1
         run_of[i] = run
-        if op.op == "begin_segment":
-            segment = op.event
-            # A group's segments launch one after another on its stream
-            # (the group is in the op's stage; -1: none).
-            if op.stage in group_end:
-                edges[group_end[op.stage]].append(i)
-        segment_of[i] = segment
-        # In a segmented run each segment is a graph of its own: only its
-        # own program order and events order its work, and the order of its
-        # group's segments (above).
-        chain = (op.slot, segment)
-        if chain in last_on_slot:
-            edges[last_on_slot[chain]].append(i)
-        last_on_slot[chain] = i
+        if op.slot in last_on_slot:
+            edges[last_on_slot[op.slot]].append(i)
+        last_on_slot[op.slot] = i
         if op.op == "record":
             last_record[op.event] = i
             if op.task == -1 and op.stage == -1 and op.slot in callers:
@@ -273,29 +241,9 @@ def verify_plan(plan: Plan) -> None:
             if op.event not in last_record:
                 raise PlanError(f"op {i} waits on event {op.event}, which was never recorded")
             edges[last_record[op.event]].append(i)
-            if segment_of[last_record[op.event]] != segment:
-                problems.append(
-                    f"op {i} ({op.op} on {plan.slot_names[op.slot]}) waits on an event "
-                    f"recorded in another segment: a graph cannot wait on another's event"
-                )
-        elif op.op == "xrecord":
-            external[op.event] = i
-        elif op.op == "xwait":
-            if op.event not in external or segment_of[external[op.event]] >= segment:
-                problems.append(
-                    f"op {i} waits on task {op.event}'s external event, which no earlier "
-                    f"segment recorded"
-                )
-            else:
-                edges[external[op.event]].append(i)
         elif op.op == "run":
             done[(run, (op.kind, op.stage, op.peer, op.micro))] = i
             sources_at[i] = dict(source)
-        elif op.op == "end_segment":
-            begun = ops[max(j for j in range(i) if ops[j].op == "begin_segment")]
-            if begun.stage >= 0:
-                group_end[begun.stage] = i
-            segment = -1
 
     reach_cache: dict[int, set[int]] = {}
 
@@ -317,6 +265,7 @@ def verify_plan(plan: Plan) -> None:
     for i, op in enumerate(ops):
         if op.op == "run" and op.kind in ("copy", "copy_grad", "target"):
             copies[run_of[i]][(op.kind, op.stage, op.micro)].append(op.peer)
+    problems: list[str] = []
     caller_of = {
         s: next(c for c in callers if plan.slot_devices[c] == plan.slot_devices[2 * s])
         for s in range(plan.stages)
@@ -352,12 +301,6 @@ def verify_plan(plan: Plan) -> None:
             ]
             if not any(j in reach(i) for j in orders):
                 problems.append(f"{what}: stage {op.stage}'s compute stream never waits for it")
-    if any(op.op == "begin_segment" for op in ops):
-        problems += unforked(plan, segment_of) + unjoined(plan, segment_of, reach)
-        problems += foreign(plan, segment_of)
-        if problems:
-            raise PlanError("invalid plan:\n  " + "\n  ".join(problems))
-        return  # what follows the last segment is the capture's to order
     for r in range(run + 1):
         problems += _unjoined(plan, [i for i in range(n) if run_of[i] == r], reach)
     if problems:

@@ -161,7 +161,6 @@ class EventScheduler:
         self.slot_devices = [d for d in self.devices for _ in range(2)] + callers + callers
         self.native: Any = _C.Scheduler(stage_slots, caller_slots, caller_of_stage, io_slots)
         self.native.autograd_orders_grad_copies = AUTOGRAD_ORDERS_GRAD_COPIES
-        self._segment_stream: AnyStream | None = None
         #: A device error met ending a failed run (:meth:`abort`), until
         #: :meth:`check_device` finds the devices working again.
         self.device_error: str | None = None
@@ -246,7 +245,6 @@ class EventScheduler:
     def join(self) -> None:
         """Makes the caller's streams wait on the run and ends it."""
         self.native.join()
-        self._segment_stream = None
 
     def abort(self, failure: BaseException | None = None) -> None:
         """Ends a failed run: restores streams and releases its events.
@@ -261,7 +259,6 @@ class EventScheduler:
             RuntimeError: ending the run met an error and there is no
                 ``failure`` to add it to.
         """
-        self._segment_stream = None
         try:
             self.native.abort()
         except Exception as exc:
@@ -304,42 +301,6 @@ class EventScheduler:
                 f"names the kernel)"
             )
         self.device_error = None
-
-    def begin_segment(self, caller: int, stream: AnyStream | None, group: int = -1) -> None:
-        """Starts a segment of a segmented run (see :mod:`~mpstream.runtime.segmented`)
-        on caller slot ``caller`` (an index into :attr:`caller_devices`),
-        with ``stream`` as that slot's stream (None: a placeholder). Segments
-        of one ``group`` (>= 0) run one after another on one stream, so what
-        one reads from an earlier one needs no external event."""
-        self.native.begin_segment(caller, None if stream is None else stream_id(stream), group)
-        self._segment_stream = stream
-
-    def end_segment(self) -> None:
-        """Joins every slot the open segment used into its caller slot."""
-        self.native.end_segment()
-        self._segment_stream = None
-
-    def take_crossing(self) -> list[tuple[int, int]]:
-        """(producer task, slot) for each wait of the last :meth:`begin` that
-        was left to an external event (its producer ran in an earlier segment)."""
-        return [(int(t), int(s)) for t, s in self.native.take_crossing()]
-
-    def external_record(self, task: int) -> int:
-        """Logs the external event of an ended task; returns the slot to record it on."""
-        return int(self.native.external_record(task))
-
-    def slot_stream(self, slot: int) -> AnyStream | None:
-        """The stream of a slot: a stage's compute or copy stream, a caller
-        slot's (the open segment's, in a segmented run) or an io stream."""
-        stages = len(self.devices)
-        if slot < 2 * stages:
-            return (self.compute_streams if slot % 2 == 0 else self.copy_streams)[slot // 2]
-        callers = len(self.caller_devices)
-        if slot < 2 * stages + callers:
-            if self._segment_stream is not None:
-                return self._segment_stream
-            return None if self.virtual else current_stream(self.caller_devices[slot - 2 * stages])
-        return self.io_streams[slot - 2 * stages - callers]
 
     def begin_grad_copy(self, stage: int, peer: int, micro: int) -> int:
         """Opens an autograd-issued gradient copy from ``peer``'s device to ``stage``."""

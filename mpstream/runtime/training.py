@@ -35,7 +35,6 @@ from .graphed import StageGraphs
 from .hops import send_hop
 from .microbatch import leaves, rebuild_leaves
 from .replayed import Replayed
-from .segmented import SegmentedIssue
 from .split_backward import WeightPass, backward_inputs
 from .stream import AnyStream, current_stream, record_stream
 from .transfer import to_device
@@ -129,7 +128,6 @@ class _Step:
         target_staging: Sequence[Staging] | None,
         before_backward: Callable[[int], None] | None,
         scale: Callable[[Tensor], Tensor] | None,
-        segmented: bool,
     ) -> None:
         sched = worker.sched
         self.sched = sched
@@ -141,7 +139,6 @@ class _Step:
         self.readers = cuda_only(sched.compute_streams)
         self.copiers = cuda_only(sched.copy_streams)
         self.force = schedule.topology.force_copies
-        self.segmented = segmented
         self.loss_fn, self.weights, self.scale = loss_fn, weights, scale
         self.checkpoint_stop = checkpoint_stop
         self.staging, self.target_staging = staging, target_staging
@@ -172,17 +169,9 @@ class _Step:
             Kind.COPY_GRAD: self.copy_grad,
         }
 
-    def pulled(self, receiver: int, sender: int) -> bool:
-        """Whether ``receiver``'s device pulls what ``sender`` sends it (a
-        segmented run pulls copies between GPUs; see .peer)."""
-        src, dst = self.devices[sender], self.devices[receiver]
-        return self.segmented and src.type == dst.type == "cuda" and src != dst
-
     def route(self, cutting: Cutting, s: int, m: int) -> None:
         hop = self.routes.hop
-        route_grads(
-            cutting, s, m, hop, self.local, self.remote, self.readers, self.copiers, self.pulled
-        )
+        route_grads(cutting, s, m, hop, self.local, self.remote, self.readers, self.copiers)
 
     # Everything a task issues, record_stream and the boundary cut included,
     # happens inside its handler: between the scheduler's begin and end, on
@@ -243,13 +232,8 @@ class _Step:
     def copy(self, task: Task) -> None:
         s = task.stage
         hop = self.routes.by_task[(s, task.peer)]
-        # The batch's tensors are pulled one by one where they sit on a GPU.
-        pulled = self.pulled(task.peer, s) if s >= 0 else self.segmented
         with torch.no_grad():  # the graph is cut at the stage inputs
-            send_hop(
-                self.flow, hop, self.sched, task, self.staging,
-                force=self.force, grad=False, pulled=pulled,
-            )  # fmt: skip
+            send_hop(self.flow, hop, self.sched, task, self.staging, force=self.force, grad=False)
 
     def target(self, task: Task) -> None:
         m, last = task.micro, self.last
@@ -293,16 +277,10 @@ class _Step:
         # The gradient of what stage s sent to task.peer's device.
         s, m = task.stage, task.micro
         dst, reader = self.devices[s], self.readers[s]
-        pulled = self.pulled(s, task.peer)
         incoming = self.remote.pop((s, task.peer, m), {})
         with torch.no_grad():
             for key, grads in incoming.items():
-                if pulled:
-                    # Summed here: the sender's streams are not this task's.
-                    g = sum_grads([send(x, dst, None, None, pulled=True) for x in grads])
-                    protect([g], reader)
-                else:
-                    g = send(sum_grads(grads), dst, None, reader, force=self.force)
+                g = send(sum_grads(grads), dst, None, reader, force=self.force)
                 self.local[(s, m)][key].append(g)
 
 
@@ -318,7 +296,6 @@ def run(
     target_staging: Sequence[Staging] | None = None,
     before_backward: Callable[[int], None] | None = None,
     scale: Callable[[Tensor], Tensor] | None = None,
-    issue: SegmentedIssue | None = None,
 ) -> list[Tensor]:
     """Runs forward and backward of every micro-batch in ``schedule``'s order.
 
@@ -340,8 +317,6 @@ def run(
         scale: applied to each weighted loss, inside the last stage's forward
             task, before its backward (``GradScaler.scale``); the returned
             losses stay unscaled.
-        issue: issues the tasks segment by segment (``schedule`` in its
-            order), for capture; by default the scheduler issues them.
 
     Returns:
         The weighted loss of each micro-batch (detached), ready on the
@@ -364,17 +339,8 @@ def run(
         target_staging,
         before_backward,
         scale,
-        issue is not None,
     )
-    execute(
-        worker,
-        schedule,
-        state.handlers(),
-        len(batches),
-        step=True,
-        issue=issue,
-        loss=_loss.__code__,
-    )
+    execute(worker, schedule, state.handlers(), len(batches), step=True, loss=_loss.__code__)
     if caller_reader is not None:
         for loss in state.losses:
             record_stream(loss, caller_reader)

@@ -86,7 +86,8 @@ class Wiring:
         # hops made of its values; and per producer, how many forwards read
         # it. A run counts the reads down and drops a producer's values at
         # its last read *in issue order*, which need not be its highest
-        # reader's: a segmented run may issue another device's stages later.
+        # reader's: an order may issue a stage before a lower one that does
+        # not read it.
         self.read_by: list[list[tuple[int, list[tuple[int, int]]]]] = [
             [] for _ in range(self.stages)
         ]

@@ -6,8 +6,8 @@ written by hand, all generated and checked by the C++ core
 (``csrc/schedule.cpp``, ``csrc/orders.cpp``, ``csrc/orders_v.cpp``);
 :mod:`.placement` says which stages each puts on one rank and checks the
 devices against it; :mod:`.auto` holds what ``schedule="auto"`` is asked
-and reports; :mod:`.slots` and :mod:`.segments` derive the graph slots
-(and the activations held) and the capture segments of one.
+and reports; :mod:`.slots` derives the graph slots (and the activations
+held) of one.
 Imports nothing of mpstream but the extension loader (``mpstream._ext``): a
 schedule is plain data, so everything else may build on it.
 """
@@ -35,7 +35,6 @@ from .schedule import (
     schedule_arg,
     virtual_stages_of,
 )
-from .segments import Segments, segment
 from .slots import peak_activations
 
 __all__ = [
@@ -57,8 +56,6 @@ __all__ = [
     "virtual_stages_for",
     "placement_of",
     "rank_devices",
-    "Segments",
-    "segment",
     "peak_activations",
     "Auto",
     "Candidate",

@@ -1,26 +1,27 @@
-"""Fake CUDA streams, graphs and events that log into one shared world, so
-GraphEdges and CapturedStep(groups=...) can be checked on the CPU."""
+"""Fake CUDA streams and graphs of several devices that log into one world,
+so DeviceGraphs can be checked on the CPU."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 
-from mpstream.capture.edges import Cuda
+from mpstream.capture.devices import Cuda
 
-CPU = torch.device("cpu")
+D0, D1 = torch.device("cuda:0"), torch.device("cuda:1")  # names only: nothing runs there
 
 
 class World:
-    """Fake streams, graphs and events sharing one log and one current stream."""
+    """Each device's current stream, the device current now, and one log."""
 
-    def __init__(self) -> None:
+    def __init__(self, devices: tuple[torch.device, ...] = (D0, D1)) -> None:
         self.log: list[tuple[Any, ...]] = []
-        self.main = FakeStream(self, "main")
-        self.current = self.main
+        self.current = {d: FakeStream(self, f"main{d.index}", d) for d in devices}
+        self.device = devices[0]
         self.capturing: dict[str, FakeGraph] = {}  # stream name -> graph capturing on it
         self.graphs: list[FakeGraph] = []
         self.streams = 0
@@ -29,8 +30,7 @@ class World:
         return Cuda(
             stream=self.stream,
             graph=lambda: FakeGraph(self),
-            event=lambda: FakeEvent(self),
-            marker=lambda: FakeMarker(self),
+            current=lambda d: self.current[d],
             use=self.use,
             pool=lambda: ("pool", len(self.graphs)),
             undo=FakeUndo(self),
@@ -38,39 +38,35 @@ class World:
 
     def stream(self, device: torch.device) -> FakeStream:
         self.streams += 1
-        return FakeStream(self, f"launch{self.streams}")
+        return FakeStream(self, f"side{self.streams}", device)
 
     @contextmanager
     def use(self, stream: FakeStream) -> Iterator[None]:
-        before, self.current = self.current, stream
+        """As torch.cuda.stream: the stream current on its device, its device current."""
+        before, device = self.current[stream.device], self.device
+        self.current[stream.device], self.device = stream, stream.device
         try:
             yield
         finally:
-            self.current = before
+            self.current[stream.device], self.device = before, device
+
+    def work(self, device: torch.device, what: str = "work") -> None:
+        """A kernel issued on ``device``'s current stream: captured or run."""
+        stream = self.current[device]
+        graph = self.capturing.get(stream.name)
+        if graph is not None:
+            graph.nodes.append(what)
+            self.log.append(("captured", what, graph.index, stream.name))
+        else:
+            self.log.append(("ran", what, stream.name))
 
 
 class FakeStream:
-    def __init__(self, world: World, name: str) -> None:
-        self.world, self.name = world, name
+    def __init__(self, world: World, name: str, device: torch.device) -> None:
+        self.world, self.name, self.device = world, name, device
 
     def wait_stream(self, other: FakeStream) -> None:
         self.world.log.append(("wait_stream", self.name, other.name))
-
-    def wait_event(self, marker: FakeMarker) -> None:
-        assert marker.on is not None, "waits on a recorded marker"
-        self.world.log.append(("wait_stream", self.name, marker.on))
-
-
-class FakeMarker:
-    """An ordinary event: recorded and waited on outside captures only."""
-
-    def __init__(self, world: World) -> None:
-        self.world = world
-        self.on: str | None = None
-
-    def record(self, stream: FakeStream) -> None:
-        assert not self.world.capturing, "replay markers are not captured"
-        self.on = stream.name
 
 
 class FakeGraph:
@@ -79,24 +75,34 @@ class FakeGraph:
         self.index = len(world.graphs)
         world.graphs.append(self)
         self.stream = ""
+        self.device: torch.device | None = None
+        self.nodes: list[str] = []
         self.fail_end = False
 
     def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
         assert capture_error_mode in ("thread_local", "relaxed") and pool is not None
-        assert self.world.current.name not in self.world.capturing, "one capture per stream"
+        w = self.world
+        stream = w.current[w.device].name
+        assert stream not in w.capturing, "one capture per stream"
+        assert not stream.startswith("main"), "no capture on a device's own stream"
         if capture_error_mode == "thread_local":
-            assert not self.world.capturing, "side by side captures need relaxed mode"
-        self.stream = self.world.current.name
-        self.world.capturing[self.stream] = self
-        self.world.log.append(("begin", self.index, self.stream, capture_error_mode))
+            assert not w.capturing, "side by side captures need relaxed mode"
+        self.stream, self.device = stream, w.device
+        w.capturing[stream] = self
+        w.log.append(("begin", self.index, stream, capture_error_mode))
 
     def capture_end(self) -> None:
-        assert self.world.current.name == self.stream, "ended on its own stream"
-        del self.world.capturing[self.stream]
-        self.world.log.append(("end", self.index))
+        w = self.world
+        assert w.current[w.device].name == self.stream, "ended with its own stream current"
+        del w.capturing[self.stream]
+        w.log.append(("end", self.index))
         if self.fail_end:
             raise RuntimeError("operation not permitted when stream is capturing")
         self.ended = True
+        if not self.nodes:
+            warnings.warn(
+                "The CUDA Graph is empty. This usually means ...", UserWarning, stacklevel=2
+            )
 
     def pool(self) -> Any:
         if not getattr(self, "ended", False):
@@ -104,7 +110,8 @@ class FakeGraph:
         return ("pool", self.index)
 
     def replay(self) -> None:
-        self.world.log.append(("replay", self.index, self.world.current.name))
+        assert self.device is not None
+        self.world.log.append(("replay", self.index, self.world.current[self.device].name))
 
 
 class FakeUndo:
@@ -114,16 +121,17 @@ class FakeUndo:
         self.world = world
 
     def device(self) -> int:
-        return 0
+        return int(self.world.device.index or 0)
 
     def capturing(self) -> bool:
-        return self.world.current.name in self.world.capturing
+        w = self.world
+        return w.current[w.device].name in w.capturing
 
     def end_routing(self, device: int, pool: Any) -> None:
-        self.world.log.append(("end_routing", pool))
+        self.world.log.append(("end_routing", device, pool))
 
     def release(self, device: int, pool: Any) -> None:
-        self.world.log.append(("release", pool))
+        self.world.log.append(("release", device, pool))
 
     def keep(self, graph: Any) -> None:
         self.world.log.append(("keep", graph.index))
@@ -133,29 +141,3 @@ class FakeUndo:
 
     def reset_generator(self) -> None:
         self.world.log.append(("reset_generator",))
-
-
-class FakeEvent:
-    def __init__(self, world: World) -> None:
-        self.world = world
-        self.recorded_in: int | None = None
-
-    def _graph(self) -> int:
-        # PyTorch makes a record or wait external only if the current stream captures.
-        graph = self.world.capturing.get(self.world.current.name)
-        assert graph is not None, "external event use outside a capturing current stream"
-        return graph.index
-
-    def record(self, stream: object) -> None:
-        self.recorded_in = self._graph()
-        self.world.log.append(("record", self.recorded_in, _name(stream)))
-
-    def wait(self, stream: object) -> None:
-        graph = self._graph()
-        assert self.recorded_in is not None and self.recorded_in < graph, "recorded earlier"
-        self.world.log.append(("wait", graph, self.recorded_in, _name(stream)))
-
-
-def _name(stream: object) -> str | None:
-    """What the log says of the stream an event was given (None: none)."""
-    return None if stream is None else getattr(stream, "name", repr(stream))

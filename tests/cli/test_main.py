@@ -108,11 +108,14 @@ def test_schedules_with_unit_costs(tmp_path: Path, capsys: pytest.CaptureFixture
     steps = {r["schedule"]: r["step_ms"] for r in doc["schedules"]}
     assert steps["zb_h1"] < steps["interleaved_1f1b"] < steps["1f1b"] < steps["gpipe"]
     assert steps["zbv"] == steps["dualpipev"] == steps["interleaved_zb"] < steps["zb_h1"]
-    # Captured per device in segments: fill-drain is 3 graphs + prologue + epilogue.
-    launches = {r["schedule"]: r["segmented_graph_launches"] for r in doc["schedules"]}
+    # Captured over graphed stages: a graph per forward and backward of each
+    # of the 4 stages' 8 micro-batches (64), one per weight task where a
+    # backward is split (all 32 in zero-bubble, 5 in DualPipe-V), and a
+    # zero_grad and an optimizer-step graph per device (4).
+    launches = {r["schedule"]: r["graph_launches"] for r in doc["schedules"]}
     assert launches == {
-        "gpipe": 7, "1f1b": 13, "interleaved_1f1b": 21, "zb_h1": 13, "looped_bfs": 11,
-        "interleaved_zb": 21, "zbv": 15, "dualpipev": 15,
+        "gpipe": 68, "1f1b": 68, "interleaved_1f1b": 68, "zb_h1": 100, "looped_bfs": 68,
+        "interleaved_zb": 100, "zbv": 100, "dualpipev": 73,
     }  # fmt: skip
     peaks = {r["schedule"]: r["peak_activations_per_device"] for r in doc["schedules"]}
     assert peaks["zbv"] == [4, 4] and peaks["dualpipev"] == [5, 5]  # 2p and 2p + 1

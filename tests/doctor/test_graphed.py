@@ -1,5 +1,5 @@
 """Doctor step 7's graphed-stages table, run on the CPU with emulated graphs:
-every schedule eager, graphed, captured and captured in groups, beside the
+every schedule eager, graphed, captured and captured over graphed stages, beside the
 single device."""
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ def test_each_schedule_is_measured_four_ways_beside_the_single_device(tmp_path: 
     )
     assert [r["schedule"] for r in rows] == [graphed.SINGLE, "gpipe", "zb_h1"]
     assert len(ticks) == 2 + 4 * 2
-    assert graphed.GRAPHED not in rows[0] and graphed.GROUPS not in rows[0]
+    assert graphed.GRAPHED not in rows[0] and graphed.GRAPHED_STEP not in rows[0]
     for row in rows[1:]:
         eager, stages, whole = row[graphed.EAGER], row[graphed.GRAPHED], row[graphed.CAPTURED]
-        grouped = row[graphed.GROUPS]
-        assert grouped["launches"] == whole["launches"] == 0  # the CPU runs them eagerly
-        for m in (eager, stages, whole, grouped):
+        around = row[graphed.GRAPHED_STEP]
+        assert around["launches"] == whole["launches"] == 0  # the CPU runs them eagerly
+        for m in (eager, stages, whole, around):
             assert m["step_ms"] > 0 and 0 < m["issue_share"] <= 1.0 + 1e-9
             assert m["peak_reserved_bytes"] is None  # allocator statistics: on a GPU only
         assert stages["graphed"] and stages["pool_bytes"] == 0  # no device memory on a CPU
@@ -50,7 +50,8 @@ def test_each_schedule_is_measured_four_ways_beside_the_single_device(tmp_path: 
     assert "captured as one graph" in checks[0].detail
     assert "the captured step (target <= 1.15x: a GPU target)" in checks[1].detail
     assert "x the single device captured" in checks[1].detail
-    assert "captured in groups" in checks[1].detail and "x one graph" in checks[1].detail
+    assert "captured over graphed stages" in checks[1].detail
+    assert "x one graph" in checks[1].detail
     # Per replayed task (a forward and a backward per stage and micro-batch; zb_h1's W too).
     micros = rows[1][graphed.GRAPHED]["replayed_tasks"] // 4
     assert micros >= 1 and rows[2][graphed.GRAPHED]["replayed_tasks"] == 6 * micros
@@ -68,7 +69,7 @@ def test_host_time_per_task_and_graph_pools_are_held_against_their_targets() -> 
     rows = [
         {"schedule": graphed.SINGLE, graphed.EAGER: timed, graphed.CAPTURED: timed},
         {"schedule": "1f1b", graphed.EAGER: eager, graphed.GRAPHED: stages,
-         graphed.CAPTURED: timed, graphed.GROUPS: None},
+         graphed.CAPTURED: timed, graphed.GRAPHED_STEP: None},
     ]  # fmt: skip
     detail = graphed.schedule_checks(rows, cuda=True, split=8)[1].detail
     assert "host 100 us per replayed task over 50 (target <= 50 us: missed)" in detail

@@ -9,7 +9,7 @@ Sequential split by ``balance``, or any module by ``split_points`` with
 ``torch.fx`` or, rarely as it is slow, ``torch.export``), batch and
 micro-batch sizes (uneven, more chunks than samples), every schedule and a
 random explicit order, every checkpoint mode, ``force_copies``, emulated
-CUDA graphs, deferred BatchNorm, train or eval mode, segmented steps.
+CUDA graphs, deferred BatchNorm, train or eval mode.
 
 A ``no_grad`` call, ``pipe(*inputs)`` with a backward, then one or two
 accumulating ``train_step`` calls (another batch size; the last one first
@@ -25,7 +25,6 @@ import pytest
 
 pytest.importorskip("hypothesis", reason="a property test: needs hypothesis (the dev extra)")
 
-import contextlib
 import copy
 import dataclasses
 import random
@@ -87,8 +86,6 @@ class Config:
     reduction: str
     steps: int  # train_steps, accumulating
     fail_at: int | None  # the last train_step first fails at this loss call, once
-    segmented: bool  # train_step under pipe.segmented(groups)
-    groups: tuple[int, ...] | None
     seed: int
 
 
@@ -110,8 +107,6 @@ def cases(draw: st.DrawFn) -> tuple[Recipe, Config]:
         virtual = draw(st.sampled_from([None, 2, 2, 2, 2, 3]))
     else:  # an explicit order is drawn later: refusals are tried on the built-ins
         virtual = None if schedule == "order" else draw(st.sampled_from([None] * 9 + [1]))
-    segmented = draw(st.booleans())
-    groups = draw(st.none() | st.lists(st.integers(0, 2), min_size=stages, max_size=stages))
     smallest = 2 if recipe.has_norm else 1  # fewer BatchNorms of one sample
     train_batch = draw(st.integers(smallest, 9))
     tracer = "fx" if sequential else draw(st.sampled_from(["fx"] * 19 + ["export"]))  # slow
@@ -140,8 +135,6 @@ def cases(draw: st.DrawFn) -> tuple[Recipe, Config]:
         fail_at=draw(
             st.none() | st.integers(1, len(micro_batches(torch.empty(train_batch), split)))
         ),
-        segmented=segmented,
-        groups=tuple(groups) if segmented and groups is not None else None,
         seed=draw(st.integers(0, 2**16)),
     )
     return recipe, config
@@ -311,8 +304,7 @@ def check(recipe: Recipe, c: Config) -> None:
                 pipe.train_step(args, target, failing, reduction=c.reduction)
             grads = {n: p.grad for n, p in pipe.named_parameters()}
             assert_same((grads, dict(pipe.named_buffers())), before, "after a failed step")
-        with pipe.segmented(c.groups) if c.segmented else contextlib.nullcontext():
-            loss = pipe.train_step(args, target, loss_fn, reduction=c.reduction)
+        loss = pipe.train_step(args, target, loss_fn, reduction=c.reduction)
         expected_loss = loss_fn(ref(*train_inputs, **plain(scale)), target)
         if expected_loss.requires_grad:
             expected_loss.backward()  # type: ignore[no-untyped-call]

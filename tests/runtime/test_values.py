@@ -47,14 +47,14 @@ def test_a_chain_drops_each_output_after_its_reader() -> None:
 
 
 def test_a_producer_stays_until_its_last_read_in_issue_order() -> None:
-    # A segmented run may issue stage 2 (device 0's segment) before stage 1
-    # (device 1's): stage 0's output and its copy to device 1 must outlive
-    # stage 2's forward, though stage 2 is its highest reader.
+    # An order may issue stage 2 before stage 1 (neither reads the other):
+    # stage 0's output and its copy to device 1 must outlive stage 2's
+    # forward, though stage 2 is its highest reader.
     flow, routes = flow_of(FORK, (0, 1, 0, 1))
     run_forward(flow, routes, 0)
     run_forward(flow, routes, 2)
     assert flow.outs[0][1] is not None
-    run_forward(flow, routes, 1)  # pulls stage 0's output, then reads it
+    run_forward(flow, routes, 1)  # copies stage 0's output in, then reads it
     assert flow.outs[0][1] is None and (0, 1) not in flow.moved[0]
     run_forward(flow, routes, 3)
     assert flow.outs[0][2] is None and flow.outs[0][3] is None

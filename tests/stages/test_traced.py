@@ -446,27 +446,6 @@ def test_profile_spans_a_switch_of_kind() -> None:
     assert len(prof.spans) == 2 * 8 and not scheduler.timing
 
 
-class Drops(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(4, 4)
-        self.b = nn.Linear(4, 2)
-
-    def forward(self, x: Tensor, scale: Tensor | None = None) -> Tensor:
-        h = F.dropout(self.a(x), 0.5, True)
-        if scale is not None:
-            h = h * scale
-        return F.dropout(self.b(h), 0.5, True)
-
-
-@pytest.mark.parametrize("scale", [True, False])
-def test_captured_step_groups_check_the_stages_of_the_inputs_kind(scale: bool) -> None:
-    pipe = pipe_of(Drops(), chunks=2)
-    inputs = (torch.randn(4, 4), torch.randn(4, 4) if scale else None)
-    with pytest.raises(ValueError, match="random numbers in stage 0 .group 0. and stage 1"):
-        mpstream.CapturedStep(pipe, inputs, torch.randn(4, 2), F.mse_loss, groups=[0, 1])
-
-
 def test_a_pipe_pickled_before_kinds_loads_with_its_trace_as_the_first() -> None:
     model = Masked().double()
     pipe = pipe_of(model, chunks=2, leaf_modules=["proj"])

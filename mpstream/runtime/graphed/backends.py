@@ -198,6 +198,8 @@ class CudaGraphs:
 
     def __init__(self, warmup: int = 2) -> None:
         self.warmup = warmup
+        #: Graph launches so far (one per replayed pass).
+        self.replays = 0
 
     def capture(self, call: GraphedCall, fn: Callable[..., Any]) -> None:
         index = call.device.index
@@ -251,6 +253,7 @@ class CudaGraphs:
         """Replays one pass; in the device's order if it draws random numbers
         (its replay prologue writes the generator's scalars)."""
         graph: torch.cuda.CUDAGraph = call.state[name]
+        self.replays += 1
         if name in call.random_passes:
             with ordered(call.device):
                 graph.replay()
@@ -360,6 +363,8 @@ class Emulated:
 
     def __init__(self) -> None:
         self.captures = 0
+        #: Passes "replayed" so far (each would be one graph launch).
+        self.replays = 0
         self.fns: dict[int, Callable[..., Any]] = {}
 
     def capture(self, call: GraphedCall, fn: Callable[..., Any]) -> None:
@@ -376,6 +381,7 @@ class Emulated:
                 call.passes = ("forward", "backward")
 
     def replay(self, call: GraphedCall, name: str) -> None:
+        self.replays += 1
         getattr(self, name)(call)
 
     def forward(self, call: GraphedCall) -> None:

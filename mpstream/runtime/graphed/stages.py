@@ -100,9 +100,11 @@ class StageReport:
 
 @dataclass
 class GraphReport:
-    """Which stages of a pipe replay graphs, and what they hold."""
+    """Which stages of a pipe replay graphs, what they hold, and how many
+    graph launches (``replays``: passes replayed) they made so far."""
 
     stages: list[StageReport] = field(default_factory=list)
+    replays: int = 0
 
     @property
     def graphs(self) -> int:
@@ -449,7 +451,8 @@ class StageGraphs:
 
     def report(self) -> GraphReport:
         """Which stages and passes are graphed, how many graphs, what memory."""
-        out = GraphReport()
+        # A backend of a test's own may keep no count.
+        out = GraphReport(replays=getattr(self.backend, "replays", 0))
         for st in self.stages:
             names = {p for c in st.calls.values() for p in c.passes}
             out.stages.append(

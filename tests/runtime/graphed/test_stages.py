@@ -392,15 +392,6 @@ def test_capture_follows_the_schedule_s_execution_order() -> None:
     assert graphs.order == forwards  # each slot's graphs captured at its first forward
 
 
-def test_capturedstep_refuses_a_pipe_that_replays_its_own_graphs() -> None:
-    from mpstream import CapturedStep
-
-    _, graphed = pair(mlp(WIDTHS), graphs=True, chunks=2)
-    x, y = data()
-    with pytest.raises(ValueError, match="one graph cannot hold the other"):
-        CapturedStep(graphed, x, y, nn.MSELoss())
-
-
 class _Broken(nn.Module):
     """Raises while ``broken`` (an error of its own, fixed later)."""
 

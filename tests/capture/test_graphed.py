@@ -1,0 +1,132 @@
+"""CapturedStep over a pipe whose stages replay graphs of their own
+(``Pipe(graphs=True)``): each call replays the stages' graphs through
+``train_step``, between the zeroing and the optimizer's update captured
+per device. Equal to plain training on the CPU (emulated stage graphs, the
+step eager) and on one GPU; a failed capture leaves torch and the pipe
+working."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from mpstream import CapturedStep, Pipe
+from mpstream.runtime.graphed import Backend, Emulated
+from tests.capture.test_step import assert_trains_like
+from tests.helpers import assert_same_grads, mlp
+
+
+def _steps(
+    device: str, schedule: str, graphs: bool | Backend, steps: int = 3, **kw: object
+) -> CapturedStep:
+    """Captured steps over graphed stages against plain training of a copy (SGD)."""
+    torch.manual_seed(0)
+    model = mlp([5, 8, 7, 6, 4]).to(device)
+    ref = copy.deepcopy(model)
+    pipe = Pipe(
+        model, split_size=3, balance=[2, 2, 4], devices=[device] * 3, schedule=schedule,
+        graphs=graphs,
+    )  # fmt: skip
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    data = [
+        (
+            torch.randn(7, 5, generator=g, dtype=torch.float64).to(device),
+            torch.randn(7, 4, generator=g, dtype=torch.float64).to(device),
+        )
+        for _ in range(steps + 1)
+    ]
+    step = CapturedStep(pipe, *data[0], nn.MSELoss(), optimizer=opt, **kw)  # type: ignore[arg-type]
+    assert_trains_like(step, pipe, ref, ref_opt, data[1:])
+    return step
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1"])
+def test_captured_steps_over_emulated_stage_graphs_on_the_cpu_equal_plain_training(
+    schedule: str,
+) -> None:
+    backend = Emulated()
+    step = _steps("cpu", schedule, backend)
+    assert step.graphed and not step.captured and step.launches == 0
+    assert backend.replays > 0  # the stages did replay their graphs
+
+
+def test_a_pool_is_refused_for_graphed_stages() -> None:
+    pipe = Pipe(mlp([5, 8, 4]), split_size=3, balance=[1, 3], devices=["cpu"] * 2, graphs=True)
+    x, y = torch.randn(6, 5), torch.randn(6, 4)
+    with pytest.raises(ValueError, match="replay graphs of their own .graphs=True.*drop pool"):
+        CapturedStep(pipe, x, y, nn.MSELoss(), pool=object())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1"])
+def test_captured_steps_over_graphed_stages_on_one_gpu_equal_plain_training(
+    schedule: str,
+) -> None:
+    step = _steps("cuda:0", schedule, True)
+    # Micro-batches of 3, 3 and 1: each replays its stages' passes; a
+    # zeroing graph and an update graph on the one device.
+    passes = 3 if schedule == "zb_h1" else 2
+    assert step.captured and step.launches == 3 * 3 * passes + 2
+    with pytest.raises(RuntimeError, match="no one pool to share"):
+        _ = step.pool
+
+
+@pytest.mark.cuda
+def test_back_to_back_replays_without_a_host_sync_train_like_eager_steps() -> None:
+    torch.manual_seed(0)
+    model = mlp([5, 8, 7, 6, 4]).cuda()
+    ref = copy.deepcopy(model)
+    pipe = Pipe(
+        model, split_size=3, balance=[2, 2, 4], devices=["cuda:0"] * 3, schedule="1f1b",
+        graphs=True,
+    )  # fmt: skip
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    data = [
+        (
+            torch.randn(7, 5, generator=g, dtype=torch.float64).cuda(),
+            torch.randn(7, 4, generator=g, dtype=torch.float64).cuda(),
+        )
+        for _ in range(30)
+    ]
+    step = CapturedStep(pipe, *data[0], nn.MSELoss(), optimizer=opt)
+    losses = [step(x, y) for x, y in data]  # no host sync in between
+    expected = []
+    for x, y in data:
+        ref_opt.zero_grad()
+        loss = nn.MSELoss()(ref(x), y)
+        loss.backward()
+        ref_opt.step()
+        expected.append(loss.detach())
+    torch.testing.assert_close(torch.stack(losses), torch.stack(expected))
+    for p, q in zip(pipe.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach())
+
+
+@pytest.mark.cuda
+def test_a_capture_of_the_update_that_fails_leaves_torch_and_the_pipe_working() -> None:
+    torch.manual_seed(0)
+    model = mlp([5, 8, 4]).cuda()
+    ref = copy.deepcopy(model)
+    pipe = Pipe(model, split_size=3, balance=[1, 3], devices=["cuda:0"] * 2, graphs=True)
+    # Adam without capturable=True refuses to step inside a capture.
+    opt = torch.optim.Adam(pipe.parameters(), lr=0.01, capturable=False)
+    x, y = torch.randn(6, 5, device="cuda"), torch.randn(6, 4, device="cuda")
+    with pytest.raises(Exception) as info:
+        CapturedStep(pipe, x, y, nn.MSELoss(), optimizer=opt)
+    assert any("capturing the step failed" in n for n in getattr(info.value, "__notes__", []))
+    assert all(p.grad is None for p in pipe.parameters()) and not opt.state
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # no capture left underway in the allocator
+    nn.functional.dropout(torch.ones(4, device="cuda"), 0.5)  # the generator is out of capture
+    loss = pipe.train_step(x, y, nn.MSELoss())  # the pipe still trains
+    reference = nn.MSELoss()(ref(x), y)
+    reference.backward()
+    torch.testing.assert_close(loss, reference.detach())
+    assert_same_grads(pipe, ref)
