@@ -17,6 +17,7 @@ evaluated fails the test, so the scan never passes by not understanding.
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -327,3 +328,12 @@ def test_a_condition_the_scan_cannot_evaluate_fails_it() -> None:
     )
     with pytest.raises(AssertionError, match="cannot tell whether .* needs CUDA"):
         unmarked_cuda_tests(source, "m.py")
+
+
+def test_every_test_file_the_gpu_script_names_exists() -> None:
+    # A file renamed or retired would otherwise fail only on the GPU
+    # machine, where every minute is counted.
+    script = (TESTS.parent / ".ci" / "gpu").read_text()
+    named = sorted(set(re.findall(r"tests/[\w/]+\.py", script)))
+    assert named, "the GPU script names its graph tests"
+    assert [n for n in named if not (TESTS.parent / n).is_file()] == []
