@@ -12,8 +12,8 @@ as one graph per device, replayed on each device's current stream.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, ExitStack
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,6 +77,10 @@ class DeviceGraphs:
     is recorded, on a side stream of that device that starts after its
     current stream; :meth:`replay` launches each graph on its device's
     current stream. A device on which the call issued nothing gets no graph.
+    The side streams start after their devices' current streams and those
+    continue after them: that orders the eager work of a capture (before
+    torch 2.13, its prologue writes the generator's graph scalars); the
+    captured work itself is ordered at replay, on the current streams.
 
     Args:
         fn: the work (zeroing gradients, an optimizer's step).
@@ -118,19 +122,13 @@ class DeviceGraphs:
                 fn()
             while opened:
                 d, stack = opened[0]
-                with c.use(sides[d]), warnings.catch_warnings(record=True) as said:
-                    warnings.simplefilter("always")
+                with c.use(sides[d]), _sorted_warnings(d, empty):
                     opened.pop(0)
                     stack.close()
-                for w in said:
-                    if "CUDA Graph is empty" in str(w.message):
-                        empty.add(d)  # nothing of the call's on d: no launch
-                    else:
-                        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         except BaseException as exc:
             while opened:
                 d, stack = opened.pop()
-                with c.use(sides[d]):
+                with c.use(sides[d]), _sorted_warnings(d, set()):
                     stack.__exit__(type(exc), exc, exc.__traceback__)
             raise
         for d in devices:
@@ -148,3 +146,22 @@ class DeviceGraphs:
         for device, graph in self.graphs.items():
             with self.cuda.use(self.cuda.current(device)):
                 graph.replay()
+
+
+@contextmanager
+def _sorted_warnings(device: torch.device, empty: set[torch.device]) -> Iterator[None]:
+    """Takes torch's warning that a capture on ``device`` is empty (adding
+    ``device`` to ``empty``: nothing of the call's there, so no launch); any
+    other warning is passed on, also when the block raises."""
+    catcher = warnings.catch_warnings(record=True)
+    said = catcher.__enter__()
+    warnings.simplefilter("always")
+    try:
+        yield
+    finally:
+        catcher.__exit__(None, None, None)
+        for w in said or ():
+            if "CUDA Graph is empty" in str(w.message):
+                empty.add(device)
+            else:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)

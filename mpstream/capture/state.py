@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .. import _ext
+
 __all__ = [
     "Kept",
     "Saved",
@@ -85,7 +87,8 @@ def check_optimizer(optimizer: Optimizer | None, devices: Sequence[torch.device]
 
     Raises:
         ValueError: some parameter has no state yet and the optimizer's first
-            state is not all zeros; or, on CUDA, a param group holds a tensor
+            state is not all zeros; or, on CUDA, a parameter is on the CPU,
+            or a param group holds a tensor
             setting that the optimizer reads as a Python number, or that it
             would copy to another GPU inside a capture (a group whose
             parameters span GPUs).
@@ -120,6 +123,14 @@ def check_optimizer(optimizer: Optimizer | None, devices: Sequence[torch.device]
                 f"as a tensor, which this optimizer reads as a Python number at capture: a "
                 f"graph would keep that number. Use {name}(..., capturable=True) where it "
                 f"has that option, or a plain number (a change then raises)."
+            )
+        host = [j for j, p in enumerate(group["params"]) if p.device.type == "cpu"]
+        if host:
+            raise ValueError(
+                f"CapturedStep: parameter {host[0]} of param group {i} of {name} is on "
+                f"{group['params'][host[0]].device}; a step captured on the GPU would update "
+                f"it once, at capture, and never at a replay. Move it to a GPU, or step it "
+                f"with an optimizer of its own outside the captured step."
             )
 
 
@@ -279,9 +290,23 @@ class Kept:
         self.grads = [(n, p, p.grad) for n, p in trained.params]
         self.state = list(state_tensors(trained.optimizer))
         self.optimizer = trained.optimizer
+        # What the checks above do not name (sizes, strides: `.t_()`), in
+        # one C++ pass over every tensor.
+        self.watch = _ext.load().Watch(
+            [*(t for *_, t, _, _ in self.held), *(p for _, p, _, _ in self.others)]
+        )
 
     def check(self) -> None:
         """Raises ValueError naming what was replaced or changed since capture."""
+        self._named()
+        if self.watch.changed():
+            raise ValueError(
+                "CapturedStep: a parameter or buffer was laid out anew in place since "
+                "capture (.t_(), .resize_(), .as_strided_()); the graph reads it as it was. "
+                "Capture a new step."
+            )
+
+    def _named(self) -> None:
         for where, parent, name, child in self.children:
             if parent._modules.get(name) is not child:
                 raise ValueError(

@@ -68,7 +68,9 @@ class CapturedStep:
       storage (``pipe.double()``) or a submodule, or switching a
       ``requires_grad``, makes the next call raise;
     - ``pipe.train()``/``eval()``, hooks and anything Python decides during
-      the step keep the value they had at capture.
+      the step keep the value they had at capture (over graphed stages,
+      ``train_step``'s Python runs at every call, and the stages follow
+      their own rules: ``docs/tuning.md``, Graphed stages).
 
     Warm-up is undone: parameters, buffers, gradients, optimizer state and
     the random number generators are put back (the pipe's, a loss module's

@@ -89,10 +89,16 @@ def graph_launches(schedule: Schedule, devices: int) -> int:
     Each forward, backward and weight task replays its stage's graph for its
     micro-batch, and each of the ``devices`` devices launches two more: its
     ``zero_grad`` graph and its optimizer-step graph. Copies between stages
-    are not graph launches and are not counted.
+    are not graph launches and are not counted. The first stage's input
+    needs no gradient (``train_step`` detaches the batch), so where its
+    backward is split, B has nothing to compute and W alone replays.
     """
     compute = (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT)
-    return sum(t.kind in compute for t in schedule.tasks) + 2 * devices
+    idle = sum(
+        t.kind is Kind.BACKWARD and t.stage == 0 and (0, t.micro) in schedule.split
+        for t in schedule.tasks
+    )
+    return sum(t.kind in compute for t in schedule.tasks) - idle + 2 * devices
 
 
 def placement(stages: int, devices: int, schedule: str) -> list[str]:

@@ -6,6 +6,7 @@ ones on GPUs)."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -52,9 +53,9 @@ def test_each_devices_share_is_captured_on_a_side_stream_and_nothing_runs() -> N
     ]
     begin = log.index(("begin", 0, "side1", "relaxed"))
     assert log.index(("wait_stream", "side1", "main0")) < begin
-    # ... and each device's stream continues after it: a replay reads nothing stale.
+    # ... and each device's stream continues after it (eager work on the side
+    # streams, a capture's generator prologue before torch 2.13, is ordered).
     assert log[-2:] == [("wait_stream", "main0", "side1"), ("wait_stream", "main1", "side2")]
-    assert world.current == {D0: world.current[D0], D1: world.current[D1]}
     assert [s.name for s in world.current.values()] == ["main0", "main1"]
     assert graphs.launches == 2
     world.log.clear()
@@ -80,18 +81,21 @@ def test_a_device_the_call_issues_nothing_on_gets_no_graph() -> None:
     assert DeviceGraphs(lambda: None, [], world.cuda()).launches == 0
 
 
-@pytest.mark.parametrize("where", ["call", "end"])
+@pytest.mark.parametrize("where", ["start", "call", "end"])
 def test_a_failure_undoes_every_capture_and_propagates(where: str) -> None:
     world = World()
 
     def fn() -> None:
+        if where == "start":  # as Adam's capture check does: the graphs stay empty
+            raise ValueError("the optimizer refused")
         world.work(D0)
         world.work(D1)
         if where == "call":
             raise ValueError("the optimizer failed")
         world.graphs[0].fail_end = True
 
-    with pytest.raises((ValueError, RuntimeError)):
+    with pytest.raises((ValueError, RuntimeError)), warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's "graph is empty" is no news then
         DeviceGraphs(fn, [D0, D1], world.cuda())
     log = world.log
     assert not world.capturing and ("end", 0) in log and ("end", 1) in log  # both ended
@@ -109,7 +113,7 @@ def _two_gpu_pipe(schedule: str) -> tuple[Pipe, nn.Module]:
     model = mlp([6, 16, 16, 4]).double()
     ref = copy.deepcopy(model)  # trained on the CPU
     pipe = Pipe(
-        model, chunks=3, balance=[2, 3], devices=["cuda:0", "cuda:1"], schedule=schedule,
+        model, chunks=3, balance=[2, 4], devices=["cuda:0", "cuda:1"], schedule=schedule,
         graphs=True,
     )  # fmt: skip
     return pipe, ref
@@ -126,9 +130,11 @@ def test_captured_steps_on_two_gpus_equal_plain_training(schedule: str) -> None:
     ]
     opt = torch.optim.SGD(pipe.parameters(), lr=0.05, momentum=0.9)
     step = CapturedStep(pipe, *batches[0], nn.MSELoss(), optimizer=opt)
-    # Each stage's passes, and a zeroing and an update graph per device.
-    passes = {"gpipe": 2, "1f1b": 2, "zb_h1": 3}[schedule]
-    assert step.captured and step.launches == 2 * 3 * passes + 4
+    # Micro-batches of 3, 3 and 1, each a forward and a backward graph per
+    # stage (zb_h1: B and W, no B for the first stage), and a zeroing and an
+    # update graph per device.
+    per_micro = 2 + 1 + 2 if schedule == "zb_h1" else 2 + 2
+    assert step.captured and step.launches == 3 * per_micro + 4
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     for i, (x, y) in enumerate(batches):
         loss = step(x, y)  # host batches are copied in
@@ -145,7 +151,7 @@ def test_captured_steps_on_two_gpus_equal_plain_training(schedule: str) -> None:
 @two_gpus
 def test_two_gpus_without_graphed_stages_are_refused() -> None:
     torch.manual_seed(0)
-    pipe = Pipe(mlp([6, 16, 4]).double(), chunks=3, balance=[1, 2], devices=["cuda:0", "cuda:1"])
+    pipe = Pipe(mlp([6, 16, 4]).double(), chunks=3, balance=[2, 2], devices=["cuda:0", "cuda:1"])
     x, y = torch.randn(6, 6, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
     with pytest.raises(ValueError, match="build the pipe with graphs=True"):
         CapturedStep(pipe, x, y, nn.MSELoss())

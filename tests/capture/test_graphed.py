@@ -68,10 +68,11 @@ def test_captured_steps_over_graphed_stages_on_one_gpu_equal_plain_training(
     schedule: str,
 ) -> None:
     step = _steps("cuda:0", schedule, True)
-    # Micro-batches of 3, 3 and 1: each replays its stages' passes; a
-    # zeroing graph and an update graph on the one device.
-    passes = 3 if schedule == "zb_h1" else 2
-    assert step.captured and step.launches == 3 * 3 * passes + 2
+    # Micro-batches of 3, 3 and 1, each replaying a forward and a backward
+    # graph per stage (zb_h1: B and W, but no B for the first stage, whose
+    # input needs no gradient); a zeroing and an update graph on the device.
+    per_micro = 3 + 2 + 3 if schedule == "zb_h1" else 3 + 3
+    assert step.captured and step.launches == 3 * per_micro + 2
     with pytest.raises(RuntimeError, match="no one pool to share"):
         _ = step.pool
 

@@ -166,11 +166,22 @@ def test_optimizers_whose_first_state_is_not_zero_need_an_eager_step_first() -> 
         pipe.train_step(x, y, nn.MSELoss())
         opt.step()
         CapturedStep(pipe, x, y, nn.MSELoss(), optimizer=opt)  # state exists: restored exactly
-    check_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9), [GPU])
+    meta = list(mlp([5, 4]).to("meta").parameters())  # stands for parameters on the GPU
+    check_optimizer(torch.optim.SGD(meta, lr=0.1, momentum=0.9), [GPU])
+
+
+def test_on_cuda_parameters_in_host_memory_are_refused() -> None:
+    # A captured step would update them once, at capture, never at a replay.
+    meta = list(mlp([5, 4]).to("meta").parameters())
+    host = nn.Parameter(torch.zeros(()))
+    sgd = torch.optim.SGD([{"params": meta}, {"params": [host]}], lr=0.1)
+    with pytest.raises(ValueError, match="parameter 0 of param group 1 of SGD is on cpu"):
+        check_optimizer(sgd, [GPU])
+    check_optimizer(sgd, [])  # on the CPU every step runs eagerly
 
 
 def test_on_cuda_a_tensor_setting_needs_an_optimizer_that_reads_it_on_the_device() -> None:
-    params = list(mlp([5, 4]).parameters())
+    params = list(mlp([5, 4]).to("meta").parameters())
     sgd = torch.optim.SGD(params, lr=torch.tensor(0.1))
     with pytest.raises(ValueError, match=r"param group 0 of SGD holds 'lr' as a tensor"):
         check_optimizer(sgd, [GPU])
@@ -179,7 +190,7 @@ def test_on_cuda_a_tensor_setting_needs_an_optimizer_that_reads_it_on_the_device
     adam.param_groups[0]["capturable"] = True  # as on CUDA parameters
     check_optimizer(adam, [GPU])
     # A group spanning devices would copy its tensor setting between GPUs.
-    spanning = [nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2, device="meta"))]
+    spanning = [nn.Parameter(torch.ones(2, device="meta")), nn.Parameter(torch.ones(2))]
     adam = torch.optim.Adam(spanning, lr=torch.tensor(0.1), foreach=False)
     adam.param_groups[0]["capturable"] = True
     with pytest.raises(ValueError, match="copy the setting between GPUs"):
@@ -230,6 +241,7 @@ def test_replaced_tensors_modules_or_requires_grad_are_refused(device: str) -> N
         ),
         (lambda p: block(p)[0].weight.requires_grad_(False), "requires_grad of 0.0.weight changed"),
         (lambda p: block(p).__setitem__(1, nn.ReLU()), "submodule 0.1 was replaced"),
+        (lambda p: _in_place(p[1].weight.t_), "laid out anew in place"),
     ]
     for change, message in changes:
         model = nn.Sequential(nn.Sequential(nn.Linear(5, 8), nn.Tanh()), nn.Linear(8, 4))
@@ -242,6 +254,11 @@ def test_replaced_tensors_modules_or_requires_grad_are_refused(device: str) -> N
         change(pipe)
         with pytest.raises(ValueError, match=message):
             step(x, y)
+
+
+def _in_place(change: Callable[[], object]) -> None:
+    with torch.no_grad():
+        change()
 
 
 class ScaledMSE(nn.Module):

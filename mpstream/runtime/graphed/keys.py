@@ -3,7 +3,8 @@
 A replay reads the tensors and settings its capture saw. :class:`Baked` is
 what a stage held then, checked once per run for what the graphs cannot
 follow: a module, parameter or buffer replaced (module registration hooks
-bump :func:`generation`, so the stage is walked again only then), a tensor
+bump :func:`generation`, so the stage is walked again only then, and a
+registration elsewhere changes nothing), a tensor
 moved to other memory or laid out anew (``.data = ...``, ``.to()``,
 ``.t_()``: one C++ pass over the stage's tensors, ``mpstream._C.Watch``), or
 ``requires_grad`` switched. In-place updates (any optimizer's step) are what
@@ -73,8 +74,20 @@ class Baked:
 
     def changed(self) -> bool:
         """Whether a module, parameter or buffer was replaced, or a tensor
-        moved, laid out anew or switched ``requires_grad``, since capture."""
-        return generation() != self.seen or self.watch.changed()
+        moved, laid out anew or switched ``requires_grad``, since capture.
+
+        A registration anywhere (a module built elsewhere, a metric) walks
+        the stage once to see whether it was this stage's: only then are
+        its graphs, and its gradient buffers, replaced."""
+        now = generation()
+        if now != self.seen:
+            tensors = [*self.stage.parameters(), *self.stage.buffers()]
+            if not (
+                _same(self.modules, list(self.stage.modules())) and _same(self.tensors, tensors)
+            ):
+                return True
+            self.seen = now
+        return bool(self.watch.changed())
 
     def modes(self) -> tuple[bool, ...]:
         """The training flag of every module (part of each call's key)."""
@@ -87,6 +100,11 @@ class Baked:
             if p._backward_hooks:
                 return name
         return None
+
+
+def _same(a: Sequence[object], b: Sequence[object]) -> bool:
+    """The same objects, in the same order."""
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
 def autocast_key() -> tuple[Any, ...]:

@@ -36,7 +36,12 @@ def test_what_a_capture_baked_in_notices_what_a_replay_could_not() -> None:
     layer.weight = nn.Parameter(layer.weight.detach())  # the same memory, a new parameter
     assert baked.changed()
     baked = Baked(layer)
-    layer.extra = nn.Linear(2, 2)  # any module registering anything
+    nn.Linear(2, 2)  # a module registering its own: nothing of this stage's
+    assert not baked.changed()
+    layer.extra = nn.Linear(2, 2)  # a module registered in the stage
+    assert baked.changed()
+    baked = Baked(layer)
+    layer.register_buffer("scale", torch.ones(2))  # a buffer too
     assert baked.changed()
     baked = Baked(layer)
     layer.to(torch.float64)  # moved (parameters and buffers alike)
@@ -105,3 +110,15 @@ def test_a_plain_argument_taking_many_values_is_bounded_with_one_warning() -> No
     with warnings.catch_warnings():
         warnings.simplefilter("error", GraphWarning)
         nn.functional.mse_loss(graphed(x, scales[0]), y).backward()  # a known value replays
+
+
+def test_a_module_built_elsewhere_keeps_the_stages_graphs_and_gradient_buffers() -> None:
+    model = nn.Sequential(*[nn.Linear(6, 6) for _ in range(4)]).double()
+    _, graphed = pair(model, chunks=2, balance=[2, 2])
+    x, y = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64)
+    graphed.train_step(x, y, nn.MSELoss())
+    grads = [p.grad for p in graphed.parameters()]
+    nn.Linear(3, 3)  # a metric, another model: registers its own parameters
+    graphed.train_step(x, y, nn.MSELoss())
+    assert all(p.grad is g for p, g in zip(graphed.parameters(), grads))
+    assert [s.recaptures for s in graphed.graph_report().stages] == [0, 0]

@@ -1,0 +1,33 @@
+"""The graph launches :func:`~mpstream.observe.compare.graph_launches` counts
+for a schedule are the replays one ``train_step`` over graphed stages makes
+(emulated graphs count each replay as a launch), on every schedule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from mpstream import Pipe
+from mpstream.observe.compare import graph_launches
+from mpstream.runtime.graphed import Emulated
+from mpstream.schedules import SCHEDULES, placement_of
+from tests.helpers import mlp
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_graph_launches_are_the_replays_of_a_step(schedule: str) -> None:
+    several = placement_of(schedule) != "stage"  # two stages per rank
+    backend = Emulated()
+    pipe = Pipe(
+        mlp([6, 12, 12, 8, 4]).double(), split_size=3, schedule=schedule,
+        balance=[2, 2, 2, 2] if several else [4, 4], devices=["cpu"] * (4 if several else 2),
+        virtual_stages=2 if several else None, graphs=backend,
+    )  # fmt: skip
+    x, y = torch.randn(10, 6, dtype=torch.float64), torch.randn(10, 4, dtype=torch.float64)
+    pipe.train_step(x, y, nn.MSELoss())  # captures
+    before = backend.replays
+    pipe.train_step(x, y, nn.MSELoss())
+    sched = pipe.schedule_for(4, x.device, training_step=True, target_device=y.device)
+    # Without a device: no zero_grad or optimizer-step graph.
+    assert backend.replays - before == graph_launches(sched, 0)
