@@ -140,3 +140,27 @@ def test_cpu_resnet_mpstream(benchmark: object) -> None:
     benchmark.pedantic(_pipe_step, args=(model, x), rounds=5, warmup_rounds=1)  # type: ignore[attr-defined]
     plain = [model.seq1, model.head]
     _paired(benchmark, lambda: _loop_step(plain, x, split), lambda: _pipe_step(model, x), 8)
+
+
+@pytest.mark.benchmark(group="overhead")
+def test_captured_step_checks_per_call(benchmark: object) -> None:
+    """What a CapturedStep checks before each replay (nothing replaced,
+    moved or laid out anew, gradients and optimizer state the captured
+    ones), for ResNet-101's 314 parameters with SGD's momentum: the host
+    cost a one-graph step adds to its one launch."""
+    import torchvision
+
+    from mpstream.capture.state import Kept, Trained
+
+    m = torchvision.models.resnet101()
+    layers = nn.Sequential(
+        m.conv1, m.bn1, m.relu, m.maxpool, m.layer1, m.layer2, m.layer3, m.layer4,
+        m.avgpool, nn.Flatten(), m.fc,
+    )  # fmt: skip
+    pipe = Pipe(layers, balance=[5, 6], devices=["cpu", "cpu"], chunks=2)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    for p in pipe.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    kept = Kept(Trained(pipe, nn.MSELoss(), opt))
+    benchmark(kept.check)  # type: ignore[operator]

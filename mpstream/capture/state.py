@@ -20,6 +20,9 @@ import torch
 from torch import Tensor, nn
 
 from .. import _ext
+from ..runtime.graphed import generation
+
+_C = _ext.load()
 
 __all__ = [
     "Kept",
@@ -290,23 +293,32 @@ class Kept:
         self.grads = [(n, p, p.grad) for n, p in trained.params]
         self.state = list(state_tensors(trained.optimizer))
         self.optimizer = trained.optimizer
-        # What the checks above do not name (sizes, strides: `.t_()`), in
-        # one C++ pass over every tensor.
-        self.watch = _ext.load().Watch(
-            [*(t for *_, t, _, _ in self.held), *(p for _, p, _, _ in self.others)]
-        )
+        # Every tensor's memory and layout in one C++ pass (sizes, strides:
+        # `.t_()` too); the modules are walked only when it or a
+        # registration somewhere (the generation) says something changed.
+        held = [t for *_, t, _, _ in self.held]
+        self.watch = _C.Watch([*held, *(p for _, p, _, _ in self.others)])
+        self.seen = generation()
+        with_grad = [(p, g) for _, p, g in self.grads if g is not None]
+        self.attached = _C.Attached([p for p, _ in with_grad], [g for _, g in with_grad])
+        self.gradless = [p for _, p, g in self.grads if g is None]
 
     def check(self) -> None:
         """Raises ValueError naming what was replaced or changed since capture."""
-        self._named()
-        if self.watch.changed():
-            raise ValueError(
-                "CapturedStep: a parameter or buffer was laid out anew in place since "
-                "capture (.t_(), .resize_(), .as_strided_()); the graph reads it as it was. "
-                "Capture a new step."
-            )
+        if generation() != self.seen or self.watch.changed():
+            self._walk()
+            if self.watch.changed():
+                raise ValueError(
+                    "CapturedStep: a parameter or buffer was laid out anew in place since "
+                    "capture (.t_(), .resize_(), .as_strided_()); the graph reads it as it "
+                    "was. Capture a new step."
+                )
+            self.seen = generation()  # what registered was not the step's
+        if self.attached.detached() or any(p.grad is not None for p in self.gradless):
+            self._grads()
+        self._state()
 
-    def _named(self) -> None:
+    def _walk(self) -> None:
         for where, parent, name, child in self.children:
             if parent._modules.get(name) is not child:
                 raise ValueError(
@@ -333,6 +345,8 @@ class Kept:
                     f"CapturedStep: requires_grad of {where} changed since capture; the graph "
                     f"computes its gradient as it did then. Capture a new step."
                 )
+
+    def _grads(self) -> None:
         for name, p, grad in self.grads:
             if p.grad is not grad:
                 raise ValueError(
@@ -341,6 +355,8 @@ class Kept:
                     f"accumulates into the old one. Use zero_grad(set_to_none=False), or "
                     f"CapturedStep(zero_grad=True)."
                 )
+
+    def _state(self) -> None:
         state = self.optimizer.state if self.optimizer is not None else {}
         for p, key, value in self.state:
             if state.get(p, {}).get(key) is not value:

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from mpstream import CapturedStep, Pipe
-from mpstream.capture.state import Saved, Trained, check_optimizer
+from mpstream.capture.state import Kept, Saved, Trained, check_optimizer
 from mpstream.pipe import pipe as pipe_py
 from mpstream.pipe import snapshot
 from mpstream.runtime.graphed import Emulated
@@ -487,3 +487,24 @@ def test_a_failed_capture_restores_the_model_and_the_optimizer() -> None:
         torch.testing.assert_close(p.detach(), b)
     pipe.zero_grad()
     pipe.train_step(x, y, nn.MSELoss())  # the pipe still works eagerly
+
+
+def test_a_call_walks_the_modules_only_when_something_changed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pipe, opt, _, _ = _setup("cpu", "sgd", split_size=3)
+    step = CapturedStep(pipe, *_data("cpu", 0), nn.MSELoss(), optimizer=opt)
+    step(*_data("cpu", 1))  # the CPU's checks start here
+    walks: list[int] = []
+    walk = Kept._walk
+    monkeypatch.setattr(Kept, "_walk", lambda self: (walks.append(1), walk(self))[1])
+    step(*_data("cpu", 2))
+    assert walks == []  # nothing registered, no tensor moved: one C++ pass
+    nn.Linear(3, 3)  # registered elsewhere: walked once, found to be none of the step's
+    step(*_data("cpu", 3))
+    step(*_data("cpu", 4))
+    assert walks == [1]
+    with torch.no_grad():
+        next(pipe.parameters()).data = torch.zeros(8, 5, dtype=torch.float64)
+    with pytest.raises(ValueError, match="moved since capture"):
+        step(*_data("cpu", 5))
