@@ -10,10 +10,11 @@ peak per device; CPU: the peak bytes saved for backward, from
 ``balance_by_time`` picks on the same device.
 
 ``capture``: a training step with the optimizer, eager against a
-:class:`mpstream.CapturedStep` replaying it as a CUDA graph, or as a graph
-per segment of each stage's work (``groups``), against stages replayed from
-graphs, and against the single device both ways (both stages on one GPU;
-skipped on the CPU, where no graph exists and all would run eagerly).
+:class:`mpstream.CapturedStep` replaying it as one CUDA graph, against
+stages replayed from graphs, alone and captured with the zeroing and the
+update per device (``CapturedStep`` over the graphed pipe), and against the
+single device both ways (both stages on one GPU; skipped on the CPU, where
+no graph exists and all would run eagerly).
 """
 
 from __future__ import annotations

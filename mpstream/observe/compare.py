@@ -156,10 +156,8 @@ class Comparison:
             backward pass (W for split backwards).
         devices: the device label of each stage.
         simulation: the simulated step (its timeline).
-        launches: graph launches of a step captured over graphed stages:
-            one per compute task (each forward, backward and weight task of
-            each micro-batch replays its stage's graph), and two per device
-            (a ``zero_grad`` graph and an optimizer-step graph).
+        launches: graph launches of a step captured over graphed stages
+            (:func:`graph_launches`).
         peak: per device, the most stage activations (one stage's of one
             micro-batch each) its stages hold at once, until their last
             backward pass, from the issue order.

@@ -30,6 +30,7 @@ pending gives that backward the wrong activations, as a real graph would.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from typing import Any
@@ -200,6 +201,8 @@ class CudaGraphs:
         self.warmup = warmup
         #: Graph launches so far (one per replayed pass).
         self.replays = 0
+        # Backward replays of the user's loop run on autograd's device threads.
+        self._count = threading.Lock()
 
     def capture(self, call: GraphedCall, fn: Callable[..., Any]) -> None:
         index = call.device.index
@@ -253,7 +256,8 @@ class CudaGraphs:
         """Replays one pass; in the device's order if it draws random numbers
         (its replay prologue writes the generator's scalars)."""
         graph: torch.cuda.CUDAGraph = call.state[name]
-        self.replays += 1
+        with self._count:
+            self.replays += 1
         if name in call.random_passes:
             with ordered(call.device):
                 graph.replay()
@@ -365,6 +369,7 @@ class Emulated:
         self.captures = 0
         #: Passes "replayed" so far (each would be one graph launch).
         self.replays = 0
+        self._count = threading.Lock()  # as CudaGraphs'
         self.fns: dict[int, Callable[..., Any]] = {}
 
     def capture(self, call: GraphedCall, fn: Callable[..., Any]) -> None:
@@ -381,7 +386,8 @@ class Emulated:
                 call.passes = ("forward", "backward")
 
     def replay(self, call: GraphedCall, name: str) -> None:
-        self.replays += 1
+        with self._count:
+            self.replays += 1
         getattr(self, name)(call)
 
     def forward(self, call: GraphedCall) -> None:
