@@ -2,10 +2,11 @@
 
 :mod:`.stages` keeps each stage's graphs, one set per micro-batch slot and
 call signature, decides per call whether to replay, capture or run
-eagerly, and reports; :mod:`.call` holds one call's static buffers, replays
-them (from a training step's tasks, or inside autograd in the user's loop);
-:mod:`.backends` captures them (CUDA graphs, or an emulation for tests) and
-says what each pass computes; :mod:`.grads` is a stage's gradient buffers,
+eagerly, and reports (:mod:`.report`); :mod:`.call` holds one call's
+static buffers, replays them (from a training step's tasks, or inside
+autograd in the user's loop);
+:mod:`.backends` captures them with CUDA graphs and says what each pass
+computes, :mod:`.emulated` emulates them for tests; :mod:`.grads` is a stage's gradient buffers,
 which the graphs add into and ``.grad`` views; :mod:`.capturing` puts back
 what capture changed on the stage, orders the graph work sharing the CUDA
 generator's state and undoes a failed capture; :mod:`.keys` is what a
@@ -17,18 +18,13 @@ memory policies; a forward run's and a training step's tasks call it.
 
 from __future__ import annotations
 
-from .backends import CudaGraphs, Emulated
+from .backends import CudaGraphs
 from .call import Backend, GraphedCall
+from .emulated import Emulated
 from .grads import GradStore
 from .keys import generation
-from .stages import (
-    MAX_CALLS,
-    MAX_GENERATIONS,
-    GraphReport,
-    GraphWarning,
-    StageGraphs,
-    StageReport,
-)
+from .report import GraphReport, GraphWarning, StageReport
+from .stages import MAX_CALLS, MAX_GENERATIONS, StageGraphs
 
 __all__ = [
     "Backend",

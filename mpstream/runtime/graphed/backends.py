@@ -22,10 +22,8 @@ into buffers allocated outside any pool. They replay on the stage's stream
 only, one after another, in any order. Activations then cost what the
 schedule keeps in flight, and temporaries one set per stage.
 
-:class:`Emulated` models replay semantics on any device, for tests: its
-forward "replay" reruns the stage and replaces the slot's one set of
-activations, so a slot reused while an earlier micro-batch's backward is
-pending gives that backward the wrong activations, as a real graph would.
+:class:`~.emulated.Emulated` models the same replay semantics on any
+device, for tests, through the same pass functions.
 """
 
 from __future__ import annotations
@@ -43,8 +41,8 @@ from .call import GraphedCall
 from .capturing import capturing, ordered
 
 __all__ = [
-    "CudaGraphs", "Emulated", "whole", "input_pass", "weight_pass", "split_of", "shares",
-    "reached_from",
+    "CudaGraphs", "whole", "input_pass", "weight_pass", "split_of", "shares", "reached_from",
+    "prepare", "positions",
 ]  # fmt: skip
 
 #: Every pass a call may replay.
@@ -120,7 +118,7 @@ def shares(call: GraphedCall, name: str) -> bool:
     return name == "forward" and not call.grad
 
 
-def _positions(grads: Sequence[Any], n: int) -> list[int]:
+def positions(grads: Sequence[Any], n: int) -> list[int]:
     """The parameter positions that got a gradient (targets after the ``n`` inputs)."""
     return [j for j, g in enumerate(grads[n:]) if g is not None]
 
@@ -161,7 +159,7 @@ def reached_from(
     return [frozenset(r) for r in reached]
 
 
-def _prepare(call: GraphedCall, outs: Sequence[Tensor]) -> None:
+def prepare(call: GraphedCall, outs: Sequence[Tensor]) -> None:
     """After the forward's capture: which outputs reach what, and the
     gradient buffers, allocated outside any pool."""
     call.reached_from = reached_from(outs, call.diff_out, call.targets())
@@ -246,7 +244,7 @@ class CudaGraphs:
             if not copied:
                 call.static_out = [t.detach() for t in outs]
             if call.diff_out:
-                _prepare(call, outs)
+                prepare(call, outs)
                 graphs.update(_capture_backward(call, outs, own, shared))
         del outs
         call.reserved = _pool_bytes(own)
@@ -312,7 +310,7 @@ def _capture_backward(
         graph = torch.cuda.CUDAGraph()
         with capturing(graph, shared if shares(call, "backward") else own):
             got = whole(call, outs)
-            call.write(got, _positions(got, n), "backward")
+            call.write(got, positions(got, n), "backward")
         return {"backward": graph}
     graphs: dict[str, torch.cuda.CUDAGraph] = {}
     split = split_of(call, outs)
@@ -320,14 +318,14 @@ def _capture_backward(
         graphs["backward"] = torch.cuda.CUDAGraph()
         with capturing(graphs["backward"], own):
             first = input_pass(call, outs, split)
-            call.write(first, _positions(first, n), "backward")
+            call.write(first, positions(first, n), "backward")
     if split.defers:
         # Captured after B, while B's junction gradients are still held:
         # W reads them, so W's allocations must not land on them.
         graphs["weight"] = torch.cuda.CUDAGraph()
         with capturing(graphs["weight"], own):
             second = weight_pass(call, split)
-            call.write(second, _positions(second, n), "weight")
+            call.write(second, positions(second, n), "weight")
     return graphs
 
 
@@ -350,77 +348,3 @@ def _uncached_autocast(stack: ExitStack) -> None:
         if torch.is_autocast_enabled(device_type):
             dtype = torch.get_autocast_dtype(device_type)
             stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=False))
-
-
-class Emulated:
-    """Replay semantics without a device graph, for tests on any device.
-
-    "Capture" runs the stage once on the static inputs (adding nothing to
-    the gradients); a forward "replay" runs it again and keeps that run's
-    autograd graph as the slot's activations, replacing the previous one; a
-    backward "replay" differentiates the slot's current activations. What
-    differs from CUDA graphs: the stage's Python runs at every replay (its
-    side effects too), and nothing is faster.
-    """
-
-    runs_python = True
-
-    def __init__(self) -> None:
-        self.captures = 0
-        #: Passes "replayed" so far (each would be one graph launch).
-        self.replays = 0
-        self._count = threading.Lock()  # as CudaGraphs'
-        self.fns: dict[int, Callable[..., Any]] = {}
-
-    def capture(self, call: GraphedCall, fn: Callable[..., Any]) -> None:
-        self.captures += 1
-        self.fns[id(call)] = fn
-        with torch.enable_grad() if call.grad else torch.no_grad():
-            outs = call.outputs(fn(*call.inputs()))
-        call.static_out = [t.detach().clone() for t in outs]
-        if call.diff_out:
-            _prepare(call, outs)
-            if call.split:
-                split_of(call, outs)
-            else:
-                call.passes = ("forward", "backward")
-
-    def replay(self, call: GraphedCall, name: str) -> None:
-        with self._count:
-            self.replays += 1
-        getattr(self, name)(call)
-
-    def forward(self, call: GraphedCall) -> None:
-        with torch.enable_grad() if call.grad else torch.no_grad():
-            outs = call.outputs(self.fns[id(call)](*call.inputs()))
-        for static, t in zip(call.static_out, outs):
-            static.copy_(t.detach())
-        call.state = outs if call.diff_out else None  # the slot's one set of activations
-
-    def backward(self, call: GraphedCall) -> None:
-        if call.state is None:
-            raise RuntimeError("the slot's activations were freed before its backward replayed")
-        outs, call.state = call.state, None
-        n = len(call.static_grad_in)
-        with torch.enable_grad():
-            if not call.split:
-                got = whole(call, outs)
-                call.write(got, _positions(got, n), "backward")
-                return
-            split = split_of(call, outs)
-            first = input_pass(call, outs, split)
-            call.write(first, _positions(first, n), "backward")
-        if split.defers:
-            call.state = ("weight", outs, split)  # W reads B's activations and gradients
-
-    def weight(self, call: GraphedCall) -> None:
-        if isinstance(call.state, tuple) and call.state[0] == "weight":
-            _, _, split = call.state
-        elif isinstance(call.state, list) and "backward" not in call.passes:
-            split = split_of(call, call.state)  # no B: W does everything
-        else:
-            raise RuntimeError("a weight pass replayed without its input-gradient pass")
-        call.state = None
-        with torch.enable_grad():
-            second = weight_pass(call, split)
-        call.write(second, _positions(second, len(call.static_grad_in)), "weight")

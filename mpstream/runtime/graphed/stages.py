@@ -33,7 +33,6 @@ import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -48,15 +47,9 @@ from .backends import CudaGraphs, pool_bytes
 from .call import Backend, GraphedCall, Source
 from .grads import GradStore, TiedHooks
 from .keys import Baked, Scalars, autocast_key, signature
+from .report import GraphReport, GraphWarning, StageReport
 
-__all__ = [
-    "StageGraphs",
-    "GraphReport",
-    "StageReport",
-    "GraphWarning",
-    "MAX_CALLS",
-    "MAX_GENERATIONS",
-]
+__all__ = ["StageGraphs", "MAX_CALLS", "MAX_GENERATIONS"]
 
 #: Graphed calls kept per stage (slots x signatures) before the least
 #: recently used are dropped.
@@ -69,61 +62,6 @@ _ORDER_KEPT = 1024
 #: What a training step's forward leaves pending on its call until its backward.
 _STEP = object()
 _hooks = operator.attrgetter("_backward_hooks")
-
-
-class GraphWarning(UserWarning):
-    """A stage that was asked to be graphed runs eagerly."""
-
-
-@dataclass
-class StageReport:
-    """What one stage replays: whether it is graphed (else ``reason``),
-    its graphs (a forward, and a backward where gradients flow, per slot and
-    signature) and ``passes`` (``weight`` too where a zero-bubble schedule
-    splits the backward), the most slots a run used, its captures (those a
-    replaced tensor caused: ``recaptures``), the device memory of its
-    graphs' pools (``reserved_bytes``: every slot's activations, and the
-    temporaries its graphs share) and of its gradient buffers."""
-
-    stage: int
-    device: torch.device
-    graphed: bool
-    reason: str | None = None
-    graphs: int = 0
-    passes: tuple[str, ...] = ()
-    slots: int = 0
-    captures: int = 0
-    recaptures: int = 0
-    reserved_bytes: int = 0
-    grad_bytes: int = 0
-
-
-@dataclass
-class GraphReport:
-    """Which stages of a pipe replay graphs, what they hold, and how many
-    graph launches (``replays``: passes replayed) they made so far."""
-
-    stages: list[StageReport] = field(default_factory=list)
-    replays: int = 0
-
-    @property
-    def graphs(self) -> int:
-        """Graphs held by all stages."""
-        return sum(s.graphs for s in self.stages)
-
-    def __str__(self) -> str:
-        lines = [
-            f"{'stage':<6} {'device':<8} {'graphed':<8} {'graphs':<7} {'slots':<6} "
-            f"{'passes':<24} {'reserved':>10}  reason"
-        ]
-        for s in self.stages:
-            passes = "+".join(s.passes) or "-"
-            mib = f"{s.reserved_bytes / 2**20:.1f} MiB"
-            lines.append(
-                f"{s.stage:<6} {str(s.device):<8} {'yes' if s.graphed else 'no':<8} "
-                f"{s.graphs:<7} {s.slots:<6} {passes:<24} {mib:>10}  {s.reason or ''}".rstrip()
-            )
-        return "\n".join(lines)
 
 
 class _Stage:

@@ -22,7 +22,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from mpstream.runtime.graphed.backends import Emulated, shares
+from mpstream.runtime.graphed import Emulated
+from mpstream.runtime.graphed.backends import shares
 from mpstream.runtime.graphed.call import GraphedCall
 from mpstream.runtime.graphed.grads import GradStore
 from mpstream.schedules import SCHEDULES, placement_of

@@ -3,7 +3,7 @@ replays the input gradients, W the parameter gradients, later, as the
 zero-bubble schedules ask), parameter gradients added into the stage's
 buffers, and what the call keeps.
 
-The :class:`~mpstream.runtime.graphed.backends.Emulated` backend runs the
+The :class:`~mpstream.runtime.graphed.emulated.Emulated` backend runs the
 same passes a CUDA capture runs, so what B and W compute is checked here on
 the CPU; test_stages_cuda.py replays the real graphs."""
 
@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 from torchvision.models.resnet import Bottleneck
 
-from mpstream.runtime.graphed.backends import Emulated
+from mpstream.runtime.graphed import Emulated
 from mpstream.runtime.graphed.call import Backend, GraphedCall
 from mpstream.runtime.graphed.grads import GradStore
 from mpstream.runtime.replayed import replay

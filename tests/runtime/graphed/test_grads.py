@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mpstream import Pipe
-from mpstream.runtime.graphed.backends import Emulated
+from mpstream.runtime.graphed import Emulated
 from tests.helpers import assert_same_grads, mlp
 from tests.runtime.graphed.test_stages import WIDTHS, data, pair
 

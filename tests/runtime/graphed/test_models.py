@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torchvision.models.resnet import Bottleneck
 
-from mpstream.runtime.graphed.backends import Emulated
+from mpstream.runtime.graphed import Emulated
 from mpstream.schedules import SCHEDULES, placement_of
 from tests.helpers import assert_same_grads
 from tests.models import Fan, UNet

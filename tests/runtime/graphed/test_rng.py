@@ -14,8 +14,9 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from mpstream.runtime.graphed import Emulated
 from mpstream.runtime.graphed import capturing as capturing_module
-from mpstream.runtime.graphed.backends import PASSES, Emulated, warm_up
+from mpstream.runtime.graphed.backends import PASSES, warm_up
 from mpstream.runtime.graphed.call import GraphedCall
 from mpstream.runtime.graphed.capturing import RngOrder, ordered
 from mpstream.runtime.graphed.grads import GradStore

@@ -2,7 +2,7 @@
 mode, graphs per slot and signature, recapture of replaced tensors, eager
 fallbacks with one warning, bounded growth.
 
-On the CPU the replays are emulated (:class:`~mpstream.runtime.graphed.backends.Emulated`):
+On the CPU the replays are emulated (:class:`~mpstream.runtime.graphed.emulated.Emulated`):
 each slot keeps one set of activations, which the next forward into the
 slot replaces, as a CUDA graph's static memory would. test_stages_cuda.py runs
 the real graphs."""
@@ -18,9 +18,8 @@ from torch import Tensor, nn
 
 from mpstream import Pipe, verify_plan
 from mpstream.runtime import replayed
-from mpstream.runtime.graphed import GraphWarning, StageGraphs
+from mpstream.runtime.graphed import Emulated, GraphWarning, StageGraphs
 from mpstream.runtime.graphed import call as call_module
-from mpstream.runtime.graphed.backends import Emulated
 from mpstream.runtime.plan import Plan
 from mpstream.schedules import SCHEDULES, placement_of
 from tests.helpers import assert_same_grads, mlp

@@ -1,0 +1,67 @@
+"""What a pipe's graphed stages report: which stages replay graphs, what
+they hold, and the warning a stage that runs eagerly gives
+(:meth:`mpstream.Pipe.graph_report`; filled by
+:meth:`~.stages.StageGraphs.report`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["GraphReport", "GraphWarning", "StageReport"]
+
+
+class GraphWarning(UserWarning):
+    """A stage that was asked to be graphed runs eagerly."""
+
+
+@dataclass
+class StageReport:
+    """What one stage replays: whether it is graphed (else ``reason``),
+    its graphs (a forward, and a backward where gradients flow, per slot and
+    signature) and ``passes`` (``weight`` too where a zero-bubble schedule
+    splits the backward), the most slots a run used, its captures (those a
+    replaced tensor caused: ``recaptures``), the device memory of its
+    graphs' pools (``reserved_bytes``: every slot's activations, and the
+    temporaries its graphs share) and of its gradient buffers."""
+
+    stage: int
+    device: torch.device
+    graphed: bool
+    reason: str | None = None
+    graphs: int = 0
+    passes: tuple[str, ...] = ()
+    slots: int = 0
+    captures: int = 0
+    recaptures: int = 0
+    reserved_bytes: int = 0
+    grad_bytes: int = 0
+
+
+@dataclass
+class GraphReport:
+    """Which stages of a pipe replay graphs, what they hold, and how many
+    graph launches (``replays``: passes replayed) they made so far."""
+
+    stages: list[StageReport] = field(default_factory=list)
+    replays: int = 0
+
+    @property
+    def graphs(self) -> int:
+        """Graphs held by all stages."""
+        return sum(s.graphs for s in self.stages)
+
+    def __str__(self) -> str:
+        lines = [
+            f"{'stage':<6} {'device':<8} {'graphed':<8} {'graphs':<7} {'slots':<6} "
+            f"{'passes':<24} {'reserved':>10}  reason"
+        ]
+        for s in self.stages:
+            passes = "+".join(s.passes) or "-"
+            mib = f"{s.reserved_bytes / 2**20:.1f} MiB"
+            lines.append(
+                f"{s.stage:<6} {str(s.device):<8} {'yes' if s.graphed else 'no':<8} "
+                f"{s.graphs:<7} {s.slots:<6} {passes:<24} {mib:>10}  {s.reason or ''}".rstrip()
+            )
+        return "\n".join(lines)
