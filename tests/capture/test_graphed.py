@@ -11,7 +11,7 @@ import copy
 
 import pytest
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from mpstream import CapturedStep, Pipe
 from mpstream.runtime.graphed import Backend, Emulated
@@ -19,10 +19,8 @@ from tests.capture.test_step import assert_trains_like
 from tests.helpers import assert_same_grads, mlp
 
 
-def _steps(
-    device: str, schedule: str, graphs: bool | Backend, steps: int = 3, **kw: object
-) -> CapturedStep:
-    """Captured steps over graphed stages against plain training of a copy (SGD)."""
+def _pipes(device: str, schedule: str, graphs: bool | Backend) -> tuple[Pipe, nn.Module]:
+    """Three stages of a float64 MLP over ``device``, and the model's copy."""
     torch.manual_seed(0)
     model = mlp([5, 8, 7, 6, 4]).to(device)
     ref = copy.deepcopy(model)
@@ -30,16 +28,28 @@ def _steps(
         model, split_size=3, balance=[2, 2, 4], devices=[device] * 3, schedule=schedule,
         graphs=graphs,
     )  # fmt: skip
-    opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    return pipe, ref
+
+
+def _batches(device: str, n: int) -> list[tuple[Tensor, Tensor]]:
     g = torch.Generator().manual_seed(1)
-    data = [
+    return [
         (
             torch.randn(7, 5, generator=g, dtype=torch.float64).to(device),
             torch.randn(7, 4, generator=g, dtype=torch.float64).to(device),
         )
-        for _ in range(steps + 1)
+        for _ in range(n)
     ]
+
+
+def _steps(
+    device: str, schedule: str, graphs: bool | Backend, steps: int = 3, **kw: object
+) -> CapturedStep:
+    """Captured steps over graphed stages against plain training of a copy (SGD)."""
+    pipe, ref = _pipes(device, schedule, graphs)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    data = _batches(device, steps + 1)
     step = CapturedStep(pipe, *data[0], nn.MSELoss(), optimizer=opt, **kw)  # type: ignore[arg-type]
     assert_trains_like(step, pipe, ref, ref_opt, data[1:])
     return step
@@ -79,23 +89,10 @@ def test_captured_steps_over_graphed_stages_on_one_gpu_equal_plain_training(
 
 @pytest.mark.cuda
 def test_back_to_back_replays_without_a_host_sync_train_like_eager_steps() -> None:
-    torch.manual_seed(0)
-    model = mlp([5, 8, 7, 6, 4]).cuda()
-    ref = copy.deepcopy(model)
-    pipe = Pipe(
-        model, split_size=3, balance=[2, 2, 4], devices=["cuda:0"] * 3, schedule="1f1b",
-        graphs=True,
-    )  # fmt: skip
+    pipe, ref = _pipes("cuda:0", "1f1b", True)
     opt = torch.optim.SGD(pipe.parameters(), lr=0.05, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
-    g = torch.Generator().manual_seed(1)
-    data = [
-        (
-            torch.randn(7, 5, generator=g, dtype=torch.float64).cuda(),
-            torch.randn(7, 4, generator=g, dtype=torch.float64).cuda(),
-        )
-        for _ in range(30)
-    ]
+    data = _batches("cuda:0", 30)
     step = CapturedStep(pipe, *data[0], nn.MSELoss(), optimizer=opt)
     losses = [step(x, y) for x, y in data]  # no host sync in between
     expected = []
