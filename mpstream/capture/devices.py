@@ -73,14 +73,13 @@ class Cuda:
 class DeviceGraphs:
     """What one call issues on each of some devices, captured as a graph per device.
 
-    :meth:`capture` runs nothing: each device's share of the call's work
-    is recorded, on a side stream of that device that starts after its
-    current stream; :meth:`replay` launches each graph on its device's
-    current stream. A device on which the call issued nothing gets no graph.
-    The side streams start after their devices' current streams and those
-    continue after them: that orders the eager work of a capture (before
-    torch 2.13, its prologue writes the generator's graph scalars); the
-    captured work itself is ordered at replay, on the current streams.
+    Construction runs nothing: each device's share of the call's work is
+    recorded on a side stream of that device, which starts after the
+    device's current stream and which that stream then waits on (what a
+    capture does eagerly, before torch 2.13 its prologue's writes of the
+    generator's graph scalars, stays in order); :meth:`replay` launches
+    each graph on its device's current stream, which orders the captured
+    work. A device on which the call issued nothing gets no graph.
 
     Args:
         fn: the work (zeroing gradients, an optimizer's step).
