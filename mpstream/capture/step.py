@@ -199,20 +199,24 @@ class CapturedStep:
             self._kept = Kept(self._trained)
 
     # -- the step ----------------------------------------------------------
-    def _train(self) -> Tensor:
-        """``train_step`` on the static buffers."""
-        return self.pipe.train_step(
+    def _train(self, zeroed: bool = False) -> Tensor:
+        """``train_step`` on the static buffers; ``zeroed``: the zeroing graph
+        just ran, so a failure puts zeros back instead of a copy of every
+        gradient taken per call."""
+        return self.pipe._train_step(
             pytree.tree_unflatten(self._inputs, self._in_spec),
             pytree.tree_unflatten(self._target, self._tgt_spec),
             self.loss_fn,
-            reduction=self.reduction,
+            self.reduction,
+            None,
+            zeroed,
         )
 
     def _step(self) -> Tensor:
         """One whole step, as Python issues it."""
         if self.zero_grad:
             self._trained.zero_grad()
-        loss = self._train()
+        loss = self._train(zeroed=self.zero_grad)
         if self.optimizer is not None:
             self.optimizer.step()
         return loss
@@ -366,7 +370,7 @@ class CapturedStep:
                 return self._loss.clone()
             if self._zero is not None:
                 self._zero.replay()
-            loss = self._train()
+            loss = self._train(zeroed=self._zero is not None)
             if self._update is not None:
                 self._update.replay()
             return loss

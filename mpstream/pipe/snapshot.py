@@ -76,6 +76,8 @@ class Snapshot:
         saved: per stage whose gradients graphed stages saved, the
             parameters left to save here (tied ones); the others are saved
             in full.
+        zeroed: every existing gradient is known to be zero (a captured
+            zeroing just ran): nothing is cloned, and a restore zeroes them.
     """
 
     def __init__(
@@ -84,8 +86,10 @@ class Snapshot:
         params: Sequence[Sequence[nn.Parameter]],
         loss: object = None,
         saved: Mapping[int, Sequence[nn.Parameter]] | None = None,
+        zeroed: bool = False,
     ) -> None:
         self.params = [saved.get(s, ps) for s, ps in enumerate(params)] if saved else params
+        self.zeroed = zeroed
         self.loss = loss if isinstance(loss, nn.Module) else None
         # Per parameter: its gradient tensor before the step, and a copy.
         self.grads: dict[int, tuple[nn.Parameter, Tensor | None, Tensor | None]] = {}
@@ -101,11 +105,17 @@ class Snapshot:
         for p in params:
             if id(p) not in self.grads:
                 g = p.grad
-                self.grads[id(p)] = (p, g, None if g is None else g.detach().clone())
+                copy = None if g is None or self.zeroed else g.detach().clone()
+                self.grads[id(p)] = (p, g, copy)
 
     def restore(self) -> None:
         """Puts the saved gradients and statistics back (on the caller's stream)."""
         for p, before, g in self.grads.values():
+            if self.zeroed and before is not None:
+                with torch.no_grad():
+                    before.zero_()
+                p.grad = before
+                continue
             if g is None:
                 p.grad = None
                 continue

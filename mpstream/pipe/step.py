@@ -101,6 +101,20 @@ class PipeStep(PipeCall):
         in a CUDA graph (:class:`~mpstream.CapturedStep`) takes no snapshot:
         capture cannot be undone by running restores.
         """
+        return self._train_step(inputs, target, loss_fn, reduction, scaler)
+
+    def _train_step(
+        self,
+        inputs: Any,
+        target: Any,
+        loss_fn: Callable[[Any, Any], Tensor] | None,
+        reduction: str | None,
+        scaler: torch.amp.GradScaler | None,
+        zeroed: bool = False,
+    ) -> Tensor:
+        """:meth:`train_step`. ``zeroed``: every existing gradient is known to
+        be zero (:class:`~mpstream.CapturedStep` replayed its zeroing just
+        before), so the failure snapshot copies none and zeroes them back."""
         if torch.is_inference_mode_enabled():
             raise RuntimeError(
                 "train_step was called under torch.inference_mode(), where nothing can be "
@@ -153,8 +167,8 @@ class PipeStep(PipeCall):
         graphs = worker.graphs
         snapshot = None
         if not capturing(self.devices):
-            saved = graphs.save() if graphs is not None else None
-            snapshot = Snapshot(self._norms(), self._stage_params(), loss_fn, saved)
+            saved = graphs.save(zeroed) if graphs is not None else None
+            snapshot = Snapshot(self._norms(), self._stage_params(), loss_fn, saved, zeroed)
         try:
             with torch.enable_grad():
                 stop = self._prepare(len(micro))

@@ -12,6 +12,7 @@ import copy
 import pytest
 import torch
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mpstream import CapturedStep, Pipe
 from mpstream.runtime.graphed import Backend, Emulated
@@ -63,6 +64,56 @@ def test_captured_steps_over_emulated_stage_graphs_on_the_cpu_equal_plain_traini
     step = _steps("cpu", schedule, backend)
     assert step.graphed and not step.captured and step.launches == 0
     assert backend.replays > 0  # the stages did replay their graphs
+
+
+class Clones(TorchDispatchMode):
+    """Counts the aten clones of tensors in the storages given."""
+
+    def __init__(self, tensors: list[Tensor]) -> None:
+        super().__init__()
+        self.storages = {t.untyped_storage().data_ptr() for t in tensors}
+        self.clones = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func.overloadpacket is torch.ops.aten.clone:
+            self.clones += args[0].untyped_storage().data_ptr() in self.storages
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("graphs", [False, "emulated"])
+def test_a_step_that_zeroes_copies_no_gradient_and_a_failure_puts_zeros_back(
+    graphs: str | bool,
+) -> None:
+    # The zeroing ran just before train_step: its failure snapshot needs no
+    # copy of the gradients (a gradient-sized clone per call), only zeros.
+    pipe, ref = _pipes("cpu", "1f1b", Emulated() if graphs else False)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    data = _batches("cpu", 4)
+    fail = [False]
+
+    def loss_fn(out: Tensor, target: Tensor) -> Tensor:
+        if fail[0] and out.shape[0] == 1:  # the last micro-batch, after backwards ran
+            raise KeyError("loss failed")
+        return nn.functional.mse_loss(out, target)
+
+    step = CapturedStep(pipe, *data[0], loss_fn, optimizer=opt)
+    step(*data[0])  # gradients exist from now on
+    grads = [p.grad for p in pipe.parameters()]
+    with Clones(grads) as seen:  # type: ignore[arg-type]
+        step(*data[1])
+    assert seen.clones == 0
+    fail[0] = True
+    with pytest.raises(KeyError, match="loss failed"):
+        step(*data[2])
+    for p, g in zip(pipe.parameters(), grads):
+        assert p.grad is g and not g.any()  # the same tensors, zero as the step began
+    fail[0] = False
+    for x, y in data[:2]:  # what the pipe's steps did: the failed one left nothing
+        ref_opt.zero_grad()
+        nn.MSELoss()(ref(x), y).backward()
+        ref_opt.step()
+    assert_trains_like(step, pipe, ref, ref_opt, data[3:])
 
 
 def test_a_pool_is_refused_for_graphed_stages() -> None:

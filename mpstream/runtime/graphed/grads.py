@@ -126,7 +126,9 @@ class GradStore:
         self._reached_side: set[int] = set()
         self._hooks: set[nn.Parameter] = set()  # run at the end of the pass
         self._streams: dict[int, torch.cuda.Stream] = {}  # where this pass's graphs added
-        self._saved: tuple[list[Tensor], dict[int, Tensor | None]] | None = None
+        # What save() kept: flat buffers' copies (none when known zero), the
+        # detached parameters' gradients, and whether the buffers were zero.
+        self._saved: tuple[list[Tensor], dict[int, Tensor | None], bool] | None = None
 
     def ensure(
         self, reached: frozenset[int], token: object, autograd: bool = False
@@ -241,15 +243,18 @@ class GradStore:
         self._hooks, self._streams = set(), {}
         self.tied.discard()
 
-    def save(self) -> list[nn.Parameter]:
+    def save(self, zeroed: bool = False) -> list[nn.Parameter]:
         """Saves the gradients for :meth:`restore` (a training step that may
-        fail): copies the flat buffers only if a parameter is attached.
-        Returns the parameters it does not save (those with side buffers)."""
+        fail): copies the flat buffers only if a parameter is attached, and
+        not when the caller knows every attached gradient is zero
+        (``zeroed``: a captured zeroing just ran), whose restore zeroes them
+        again instead of holding a gradient-sized copy. Returns the
+        parameters it does not save (those with side buffers)."""
         self.discard()  # a failed pass of the user's loop, if one was left open
         detached = self._attached.detached()
         odd = {j: self._owned_params[j].grad for j in detached}
-        flats = [f.clone() for f in self.flats] if len(detached) < len(self._owned) else []
-        self._saved = (flats, odd)
+        copy = not zeroed and len(detached) < len(self._owned)
+        self._saved = ([f.clone() for f in self.flats] if copy else [], odd, zeroed)
         self._pass, self._ready, self._reached_side = None, {}, set()
         return [self.params[i] for i in self._side]
 
@@ -257,9 +262,15 @@ class GradStore:
         """Puts back what :meth:`save` saved (on the current stream)."""
         if self._saved is None:
             return
-        flats, odd = self._saved
+        flats, odd, zeroed = self._saved
         self._saved = None
         with torch.no_grad():
+            if zeroed:
+                # Only the views attached at save: a detached one's region
+                # holds nothing of its parameter's until it is attached again.
+                views = [v for j, v in enumerate(self._owned_views) if j not in odd]
+                if views:
+                    torch._foreach_zero_(views)
             for flat, saved in zip(self.flats, flats):
                 flat.copy_(saved)
         for j, p in enumerate(self._owned_params):

@@ -227,8 +227,12 @@ class StageGraphs:
         """Each stage's gradient buffers, where its graphs add into them."""
         return [st.store if st.reason is None else None for st in self.stages]
 
-    def save(self) -> dict[int, list[nn.Parameter]]:
+    def save(self, zeroed: bool = False) -> dict[int, list[nn.Parameter]]:
         """Saves the gradient buffers for :meth:`restore` (a training step).
+
+        Args:
+            zeroed: every gradient is known to be zero (see
+                :meth:`~.grads.GradStore.save`): nothing is copied.
 
         Returns:
             Per stage whose buffers were saved, its parameters they do not
@@ -239,7 +243,7 @@ class StageGraphs:
         for st in self.stages:
             if st.store is not None and st.reason is None:
                 self._saved.append(st.store)
-                left[st.index] = st.store.save()
+                left[st.index] = st.store.save(zeroed)
         return left
 
     def restore(self, keep: bool) -> None:
