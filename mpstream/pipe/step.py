@@ -99,7 +99,9 @@ class PipeStep(PipeCall):
         backward of the step begins; a step that starts with no gradients,
         or fails before the backward, clones nothing. A step being captured
         in a CUDA graph (:class:`~mpstream.CapturedStep`) takes no snapshot:
-        capture cannot be undone by running restores.
+        capture cannot be undone by running restores; one that
+        ``CapturedStep`` runs right after zeroing the gradients clones none
+        (a failure zeroes them again).
         """
         return self._train_step(inputs, target, loss_fn, reduction, scaler)
 
