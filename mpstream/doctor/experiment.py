@@ -31,9 +31,9 @@ from torch import Tensor
 
 from ..observe.figures import tutorial_figures
 from ..runtime import synchronize
-from ..tutorial import bench, rounds
+from ..tutorial import bench, report, rounds
 from ..tutorial import models as tutorial
-from ..tutorial.bench import Config, Measurement
+from ..tutorial.design import GRAPHS, Config, Measurement, Results
 from .diagnosis import INFO, PASS, SKIP, Check, Context, StepResult
 
 __all__ = [
@@ -75,15 +75,15 @@ def config_for(ctx: Context) -> Config:
     return dataclasses.replace(ctx.sizes.experiment, arch=ctx.arch)
 
 
-def ratios(results: bench.Results, ours: str = "mpstream") -> dict[str, float]:
+def ratios(results: Results, ours: str = "mpstream") -> dict[str, float]:
     """``ours``'s mean time over each baseline's at the main split size: the
     eager baselines (the models that are not mpstream's) and, for a model
     replaying CUDA graphs, the single device captured the same way
-    (:data:`~mpstream.tutorial.bench.GRAPHS`)."""
+    (:data:`~mpstream.tutorial.design.GRAPHS`)."""
     mine = results.get(ours).mean
     measured = {m.model for m in results.models}
-    names = [m.model for m in results.models if m.model not in ("mpstream", *bench.GRAPHS)]
-    graphed = bench.GRAPHS.get(ours)
+    names = [m.model for m in results.models if m.model not in ("mpstream", *GRAPHS)]
+    graphed = GRAPHS.get(ours)
     if graphed is not None and graphed != ours and graphed in measured:
         names.append(graphed)
     return {name: mine / results.get(name).mean for name in names}
@@ -195,7 +195,7 @@ def run(ctx: Context) -> StepResult:
         )
     ctx.shared["experiment"] = results
     figures = [p.name for p in tutorial_figures(results, ctx.out)]
-    doc = bench.to_json(results)
+    doc = report.to_json(results)
     doc["idris"] = [m.to_json() for m in loop]
     (ctx.scratch / "results.json").write_text(json.dumps(doc, indent=2) + "\n")
     checks = []
@@ -219,7 +219,7 @@ def run(ctx: Context) -> StepResult:
                 f"at once; ratios across groups are not drift-free (results.json: group)",
             )
         )
-    said = rounds.noise_lines(bench.noisy_spreads(results), results.load)
+    said = rounds.noise_lines(report.noisy_spreads(results), results.load)
     if said:
         # Noise is reported, never failed: it is the machine's, not a defect.
         checks.append(Check("timing noise", INFO, " ".join(said)))

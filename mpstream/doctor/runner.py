@@ -36,6 +36,8 @@ from . import (
     report,
     sanitizer,
     soak,
+    transformer_checks,
+    transformer_costs,
 )
 from . import transformer as on_transformer
 from .diagnosis import FAIL, FULL, QUICK, SKIP, Context, Sizes, StepResult, jsonable
@@ -88,13 +90,13 @@ STEPS = (
 #: ``--model transformer``: the same proof on the transformer workload.
 TRANSFORMER_STEPS = (
     Step("environment", "Environment", environment.run),
-    Step("correctness", "Correctness", on_transformer.correctness),
+    Step("correctness", "Correctness", transformer_checks.correctness),
     Step("overlap", "Overlap", probes.run, needs_cuda=True),
-    Step("races", "Races", on_transformer.races, needs_cuda=True),
+    Step("races", "Races", transformer_checks.races, needs_cuda=True),
     Step("memory", "Memory", on_transformer.memory_step),
     Step("experiment", "Experiment", on_transformer.experiment),
     Step("profile", "Where the time goes", on_transformer.profile_step),
-    Step("cost-model", "Cost model", on_transformer.cost_model, needs=("transformer_profile",)),
+    Step("cost-model", "Cost model", transformer_costs.cost_model, needs=("transformer_profile",)),
 )
 NAMES = tuple(s.name for s in STEPS)
 #: What ``--skip`` takes, whatever the model.

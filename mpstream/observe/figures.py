@@ -89,7 +89,7 @@ class Sizes(Protocol):
 
 
 class BenchResults(Protocol):
-    """What :func:`tutorial_figures` reads (``mpstream.tutorial.bench.Results`` has it)."""
+    """What :func:`tutorial_figures` reads (``mpstream.tutorial.design.Results`` has it)."""
 
     @property
     def config(self) -> Sizes: ...

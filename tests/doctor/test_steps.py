@@ -37,7 +37,7 @@ from mpstream.observe.cost_model import simulate
 from mpstream.observe.fitting import Costs
 from mpstream.observe.timeline import Span, Timeline
 from mpstream.runtime.plan import PlanError
-from mpstream.tutorial.bench import Measurement, Results
+from mpstream.tutorial.design import Measurement, Results
 
 CPU = torch.device("cpu")
 

@@ -15,7 +15,7 @@ import mpstream
 from mpstream import cli
 from mpstream.observe import figures
 from mpstream.observe.figures import tutorial_figures
-from mpstream.tutorial import bench
+from mpstream.tutorial import bench, design, report
 
 TINY = [
     "--quick",
@@ -62,9 +62,9 @@ def test_bench_writes_json_and_the_three_figures(
         assert len(m["times_s"]) == 2 and m["mean_s"] > 0 and m["speedup_vs_single"] > 0
     sweep = {(m["model"], m["split_size"]) for m in doc["split_sweep"]}
     assert sweep == {(p, s) for p in bench.PIPELINES for s in (2, 4)}
-    for graphed in bench.GRAPHS:
+    for graphed in design.GRAPHS:
         assert f"{graphed}: not measured, no CUDA graph on cpu" in printed
-    assert set(doc["not_measured"]) == set(bench.GRAPHS)
+    assert set(doc["not_measured"]) == set(design.GRAPHS)
     for png in ("mp_vs_rn.png", "mp_vs_rn_vs_pp.png", "split_size_tradeoff.png"):
         data = (tmp_path / png).read_bytes()
         assert data.startswith(b"\x89PNG") and len(data) > 5000
@@ -154,7 +154,7 @@ def test_calls_counts_every_train_call() -> None:
 def test_the_cuda_graph_is_left_out_and_said_so_on_the_cpu() -> None:
     # Timed eagerly it would read as a slow "CUDA graph": graphs would seem to hurt.
     cpu, gpu = torch.device("cpu"), torch.device("cuda:0")
-    for graphed in bench.GRAPHS:
+    for graphed in design.GRAPHS:
         assert graphed not in bench.models_for(cpu, cpu)
         why = bench.left_out(cpu, cpu)[graphed]
         assert why == "no CUDA graph on cpu: its step would only run eagerly"
@@ -164,8 +164,8 @@ def test_the_cuda_graph_is_left_out_and_said_so_on_the_cpu() -> None:
     assert "cannot span two devices" in bench.left_out(gpu, torch.device("cuda:1"))[bench.GRAPHED]
     # The table says why it is missing.
     cfg = bench.Config(split_size=2, split_sizes=())
-    models = [bench.Measurement(n, None, [1.0]) for n in bench.models_for(cpu, cpu)]
-    printed = bench.table(bench.Results(cfg, (cpu, cpu), models, []))
+    models = [design.Measurement(n, None, [1.0]) for n in bench.models_for(cpu, cpu)]
+    printed = bench.table(design.Results(cfg, (cpu, cpu), models, []))
     assert printed.count(bench.GRAPHED) == 1
     assert f"{bench.GRAPHED}: not measured, no CUDA graph on cpu" in printed
 
@@ -174,11 +174,11 @@ def test_figures_from_results(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     cfg = bench.Config(split_size=2, split_sizes=(1, 2))
     cpu = torch.device("cpu")
     models = [
-        bench.Measurement(n, 2 if n in bench.swept(bench.MODELS) else None, [1.0, 1.2])
+        design.Measurement(n, 2 if n in bench.swept(bench.MODELS) else None, [1.0, 1.2])
         for n in bench.MODELS
     ]
     names = bench.swept(bench.MODELS)
-    sweep = [bench.Measurement(p, s, [0.5 * s, 0.6 * s]) for p in names for s in (1, 2)]
+    sweep = [design.Measurement(p, s, [0.5 * s, 0.6 * s]) for p in names for s in (1, 2)]
     labels: dict[str, tuple[str, str]] = {}
     draw = figures.save
 
@@ -187,7 +187,7 @@ def test_figures_from_results(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
         return draw(fig, ax, path, title, **kw)
 
     monkeypatch.setattr(figures, "save", save)
-    paths = tutorial_figures(bench.Results(cfg, (cpu, cpu), models, sweep), tmp_path)
+    paths = tutorial_figures(design.Results(cfg, (cpu, cpu), models, sweep), tmp_path)
     assert [p.name for p in paths] == [
         "mp_vs_rn.png",
         "mp_vs_rn_vs_pp.png",
@@ -235,7 +235,7 @@ def test_an_explicit_commit_wins_over_git(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_a_graphed_model_is_compared_with_the_single_device_captured_the_same_way() -> None:
-    from mpstream.tutorial.bench import GRAPHED, SINGLE_GRAPHED, Measurement, Results
+    from mpstream.tutorial.design import GRAPHED, SINGLE_GRAPHED, Measurement, Results
 
     cpu = torch.device("cpu")
     models = [
@@ -245,7 +245,7 @@ def test_a_graphed_model_is_compared_with_the_single_device_captured_the_same_wa
         Measurement(GRAPHED, 12, [0.205]),
     ]
     results = Results(bench.QUICK, (cpu, cpu), models, [])
-    rows = {m["model"]: m for m in bench.to_json(results)["models"]}
+    rows = {m["model"]: m for m in report.to_json(results)["models"]}
     assert rows[GRAPHED]["baseline"] == SINGLE_GRAPHED
     assert rows[GRAPHED]["speedup_vs_baseline"] == pytest.approx(0.150 / 0.205)
     assert rows[GRAPHED]["speedup_vs_single"] == pytest.approx(0.248 / 0.205)
@@ -254,29 +254,29 @@ def test_a_graphed_model_is_compared_with_the_single_device_captured_the_same_wa
     assert line.endswith(f"0.73x  {SINGLE_GRAPHED}")
     # Without the captured single device, the eager one is the baseline.
     eager_only = Results(bench.QUICK, (cpu, cpu), models[:2] + models[3:], [])
-    assert bench.baseline(eager_only, GRAPHED) == "single device"
+    assert report.baseline(eager_only, GRAPHED) == "single device"
 
 
-def _noisy_run() -> bench.Results:
+def _noisy_run() -> design.Results:
     """The issue's case, faked: one of mpstream's rounds took 15.3 s on a
     busy machine, the others 0.6 s; the other models' rounds agree."""
     cpu = torch.device("cpu")
     cfg = bench.Config(split_size=2, split_sizes=(1, 2), repeat=4)
     steady = [1.10, 1.15, 1.20, 1.15]
     models = [
-        bench.Measurement("single device", None, steady),
-        bench.Measurement("model parallel", None, steady),
-        bench.Measurement("tutorial pipeline", 2, steady),
-        bench.Measurement("mpstream", 2, [0.58, 0.6, 15.3, 0.6]),
+        design.Measurement("single device", None, steady),
+        design.Measurement("model parallel", None, steady),
+        design.Measurement("tutorial pipeline", 2, steady),
+        design.Measurement("mpstream", 2, [0.58, 0.6, 15.3, 0.6]),
     ]
     sweep = [
-        bench.Measurement("tutorial pipeline", 1, steady),
+        design.Measurement("tutorial pipeline", 1, steady),
         models[2],
-        bench.Measurement("mpstream", 1, steady),
+        design.Measurement("mpstream", 1, steady),
         models[3],
     ]
     load = {"before": {"load_1min": 0.4, "cpus": 2}, "after": {"load_1min": 3.1, "cpus": 2}}
-    return bench.Results(cfg, (cpu, cpu), models, sweep, load)
+    return design.Results(cfg, (cpu, cpu), models, sweep, load)
 
 
 def test_a_noisy_measurement_is_marked_in_the_table() -> None:
@@ -310,7 +310,7 @@ def test_a_quiet_run_says_no_noise() -> None:
 
 
 def test_the_json_says_which_ratios_are_noisy() -> None:
-    doc = bench.to_json(_noisy_run())
+    doc = report.to_json(_noisy_run())
     by_model = {m["model"]: m for m in doc["models"]}
     assert by_model["mpstream"]["ratio_noisy"] and by_model["mpstream"]["spread"]["noisy"]
     assert by_model["mpstream"]["spread"]["low"] == 0.58

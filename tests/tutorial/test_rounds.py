@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from mpstream.tutorial import bench, graphed, rounds
+from mpstream.tutorial import bench, design, graphed, rounds
 
 
 class _Model:
@@ -187,7 +187,7 @@ def test_bench_names_each_measurements_group(monkeypatch: pytest.MonkeyPatch) ->
     assert all(len(m.times) == 1 for m in results.models + results.sweep)
     assert "timed in " in bench.table(results) and "groups" in bench.table(results)
     assert results.get("mpstream", 2).to_json()["group"] == groups[("mpstream", 2)]
-    assert "group" not in bench.Measurement("IDRIS loop", 8, [1.0]).to_json()  # not run's
+    assert "group" not in design.Measurement("IDRIS loop", 8, [1.0]).to_json()  # not run's
 
 
 def _with_stages(*reasons: str | None) -> nn.Module:

@@ -1,0 +1,128 @@
+"""A run of the tutorial's experiment, told: its JSON document, its table, its figures.
+
+Each model's speed-up is against its baseline (:func:`baseline`): the eager
+single device, or for a graphed model the single device captured the same
+way. :func:`save` writes ``results.json`` and the tutorial's three figures;
+:func:`table` prints the run, a ``*`` marking a noisy measurement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from . import rounds
+from .design import GRAPHS, Measurement, Results, label, left_out
+from .machine import metadata
+
+__all__ = ["baseline", "to_json", "save", "table", "noisy_spreads"]
+
+
+def baseline(results: Results, model: str) -> str:
+    """The model ``model`` is compared with: a graphed one's baseline
+    captured the same way where it was measured (:data:`GRAPHS`), else the
+    eager single device."""
+    like = GRAPHS.get(model)
+    measured = {m.model for m in results.models}
+    return like if like is not None and like in measured else "single device"
+
+
+def to_json(results: Results) -> dict[str, Any]:
+    """The JSON document of a run: each model's speed-up against the eager
+    single device, and against its own baseline (:func:`baseline`)."""
+    single = results.get("single device").mean
+
+    def speedups(m: Measurement) -> dict[str, Any]:
+        like = baseline(results, m.model)
+        return {
+            "speedup_vs_single": single / m.mean,
+            "baseline": like,
+            "speedup_vs_baseline": results.get(like).mean / m.mean,
+            # A ratio is as noisy as the noisier of its two measurements.
+            "ratio_noisy": m.noisy or results.get(like).noisy,
+        }
+
+    return {
+        **metadata(results.devices),
+        "config": dataclasses.asdict(results.config),
+        "timing": (
+            "host clock around synchronised train() calls; warm-up calls excluded; "
+            "configurations timed round-robin"
+        ),
+        "models": [{**m.to_json(), **speedups(m)} for m in results.models],
+        "not_measured": left_out(*results.devices),
+        "split_sweep": [m.to_json() for m in results.sweep],
+        "load": results.load,
+        "noise": {
+            "max_cv": rounds.MAX_CV,
+            "max_over_min": rounds.MAX_RANGE,
+            "noisy": list(noisy_spreads(results)),
+            "note": rounds.NOISY if results.noisy else None,
+        },
+    }
+
+
+def save(results: Results, out: Path, *, plots: bool = True) -> list[Path]:
+    """Writes ``results.json`` and the tutorial's three figures into ``out``.
+
+    Returns:
+        The files written.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / "results.json"]
+    written[0].write_text(json.dumps(to_json(results), indent=2) + "\n")
+    if plots:
+        from ..observe import figures
+
+        written += figures.tutorial_figures(results, out)
+    return written
+
+
+def table(results: Results) -> str:
+    """Mean ± std per model and speed-up against its baseline: the single
+    device, captured the same way for a graphed model (:func:`baseline`).
+
+    A ``*`` marks a noisy measurement (or a ratio with one), explained below
+    the table with the machine's load (:mod:`.rounds`).
+    """
+    header = (
+        f"{'model':<25} {'split':>5} {'mean ± std (s)':>17} {'median (s)':>10} "
+        f"{'speed-up':>8}  against"
+    )
+    lines = [header, "-" * len(header)]
+    for r in results.models:
+        split = "-" if r.split_size is None else str(r.split_size)
+        like = baseline(results, r.model)
+        star = "*" if r.noisy or results.get(like).noisy else " "
+        lines.append(
+            f"{r.model:<25} {split:>5} {r.mean:>9.3f} ± {r.std:<5.3f} {r.median:>10.3f} "
+            f"{results.get(like).mean / r.mean:>7.2f}x{star} {like}"
+        )
+    for name, why in left_out(*results.devices).items():
+        lines.append(f"{name}: not measured, {why}")
+    groups = {m.group for m in results.models + results.sweep}
+    if len(groups) > 1:
+        lines.append(
+            f"timed in {len(groups)} groups: not every configuration fit in device memory at "
+            f"once, so ratios across groups are not drift-free (results.json names each one's)"
+        )
+    if results.sweep:
+        lines.append("")
+        names = list(dict.fromkeys(m.model for m in results.sweep))
+        lines.append("split-size sweep, mean (s): " + "  ".join(names))
+        for s in results.config.split_sizes:
+            row = [_mark(results.get(p, s)) for p in names]
+            lines.append(f"  split {s:>3}: " + "  ".join(f"{v:>17}" for v in row))
+    lines += rounds.noise_lines(noisy_spreads(results), results.load)
+    return "\n".join(lines)
+
+
+def noisy_spreads(results: Results) -> dict[str, rounds.Spread]:
+    """The noisy configurations by name, each with its spread."""
+    return {label((m.model, m.split_size)): m.spread for m in results.noisy}
+
+
+def _mark(m: Measurement) -> str:
+    return f"{m.mean:.3f}" + ("*" if m.noisy else " ")
