@@ -119,8 +119,8 @@ def environment(device: torch.device) -> dict[str, Any]:
         )
         commit = got.stdout.strip() or None
     env: dict[str, Any] = {
-        "commit": commit or "unknown (set MPSTREAM_COMMIT)", "torch": torch.__version__, "cuda": torch.version.cuda,
-        "python": platform.python_version(), "device": str(device),
+        "commit": commit or "unknown (set MPSTREAM_COMMIT)", "torch": torch.__version__,
+        "cuda": torch.version.cuda, "python": platform.python_version(), "device": str(device),
     }  # fmt: skip
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
