@@ -14,7 +14,7 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 
 from ..runtime.microbatch import NoChunk
-from .state import same_plain
+from .optimizer import same_plain
 
 __all__ = ["fill", "static", "tensor"]
 

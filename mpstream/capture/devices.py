@@ -113,7 +113,7 @@ class DeviceGraphs:
                 # Begun, ended and undone with its stream current on its
                 # device, which is what torch checks the capture against.
                 with c.use(sides[d]):
-                    stack.enter_context(capturing(graphs[d], c.pool(), c.undo, mode))
+                    stack.enter_context(capturing(graphs[d], c.pool(), c.undo, mode, self))
                 opened.append((d, stack))
             with ExitStack() as current:
                 for d in devices:

@@ -35,7 +35,8 @@ from ..runtime.stream import synchronize
 from ..stages.sequential import check_positive
 from .buffers import fill, static
 from .devices import DeviceGraphs, capture_devices
-from .state import Kept, Saved, Trained, check_optimizer, check_settings, hyperparameters
+from .optimizer import check_optimizer, check_settings, check_state, hyperparameters
+from .state import Kept, Saved, Trained
 
 __all__ = ["CapturedStep"]
 
@@ -225,6 +226,7 @@ class CapturedStep:
         devices = self.devices
         saved = Saved(self._trained, devices)
         callers = {d: torch.cuda.current_stream(d) for d in devices}
+        device = torch.cuda.current_device()
         graph: torch.cuda.CUDAGraph | None = None
         try:
             # Warm-up on side streams, as capture requires: what runs once
@@ -236,6 +238,7 @@ class CapturedStep:
             with _current(sides):
                 for _ in range(warmup):
                     self._step()
+            check_state(self.optimizer)  # as warm-up made it
             for d in devices:
                 callers[d].wait_stream(sides[d])
             # On the warm-up's streams: library workspaces exist; not default streams.
@@ -246,7 +249,11 @@ class CapturedStep:
                 graph = torch.cuda.CUDAGraph()
                 # Undone if it fails (unlike torch.cuda.graph); a loader thread may run.
                 own = torch.cuda.graph_pool_handle() if pool is None else pool
-                with self.pipe.scheduler.captured(), _current(sides), capturing(graph, own):
+                with (
+                    self.pipe.scheduler.captured(),
+                    _current(sides),
+                    capturing(graph, own, owner=self),
+                ):
                     self._loss = self._step()
             for c in callers.values():
                 c.synchronize()
@@ -254,6 +261,7 @@ class CapturedStep:
             self._zero = self._update = None
             for c in callers.values():  # the warm-up's streams were current
                 torch.cuda.set_stream(c)
+            torch.cuda.set_device(device)  # set_stream made each stream's device current
             with suppress(RuntimeError):  # a failed capture may leave a CUDA error behind
                 synchronize(devices)
             saved.restore(captured=False)

@@ -141,3 +141,6 @@ class FakeUndo:
 
     def reset_generator(self) -> None:
         self.world.log.append(("reset_generator",))
+
+    def adopt(self, graph: Any, owner: object | None) -> None:
+        self.world.log.append(("adopt", graph.index, type(owner).__name__))

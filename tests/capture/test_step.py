@@ -12,7 +12,8 @@ import torch
 from torch import Tensor, nn
 
 from mpstream import CapturedStep, Pipe
-from mpstream.capture.state import Kept, Saved, Trained, check_optimizer
+from mpstream.capture.optimizer import check_optimizer, check_state
+from mpstream.capture.state import Kept, Saved, Trained
 from mpstream.pipe import pipe as pipe_py
 from mpstream.pipe import snapshot
 from mpstream.runtime.graphed import Emulated
@@ -26,6 +27,14 @@ OPTIMIZERS: dict[str, Opt] = {
     # capturable: needed for capture on CUDA, refused for CPU parameters.
     "adam": lambda ps: torch.optim.Adam(ps, lr=0.01, capturable=ps[0].is_cuda),
 }
+
+
+class HostSyncSGD(torch.optim.SGD):
+    """SGD that reads a value on the host in its step, as no graph can."""
+
+    def step(self, closure: object = None) -> None:  # type: ignore[override]
+        float(self.param_groups[0]["params"][0].detach().sum())
+        super().step()
 
 
 def _data(device: str, seed: int) -> tuple[Tensor, Tensor]:
@@ -195,6 +204,36 @@ def test_on_cuda_a_tensor_setting_needs_an_optimizer_that_reads_it_on_the_device
     adam.param_groups[0]["capturable"] = True
     with pytest.raises(ValueError, match="copy the setting between GPUs"):
         check_optimizer(adam, [GPU, torch.device("cuda:1")])
+
+
+def test_optimizer_state_in_host_memory_beside_parameters_on_a_device_is_refused() -> None:
+    # Adagrad keeps its step count on the host and computes its learning
+    # rate's decay from it there: a replay would keep the captured value.
+    p = nn.Parameter(torch.ones(3, device="meta"))
+    adagrad = torch.optim.Adagrad([p], lr=0.1, lr_decay=0.01)
+    adagrad.state[p] = {"step": torch.tensor(1.0), "sum": torch.zeros(3, device="meta")}
+    with pytest.raises(ValueError, match=r"Adagrad keeps its state 'step' of a parameter on meta"):
+        check_state(adagrad)
+    sgd = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    sgd.state[p] = {"momentum_buffer": torch.zeros(3, device="meta")}
+    check_state(sgd)
+    q = nn.Parameter(torch.ones(3))  # on the CPU, where the step runs eagerly
+    adagrad = torch.optim.Adagrad([q], lr=0.1)
+    adagrad.state[q] = {"step": torch.tensor(1.0), "sum": torch.zeros(3)}
+    check_state(adagrad)
+
+
+@pytest.mark.cuda
+def test_an_optimizer_stepping_on_the_host_is_refused_before_capture() -> None:
+    pipe, _, _, _ = _setup("cuda:0", "sgd", split_size=3)
+    opt = torch.optim.Adagrad(pipe.parameters(), lr=0.01, lr_decay=0.01)
+    before = [p.detach().clone() for p in pipe.parameters()]
+    x, y = _data("cuda:0", 0)
+    with pytest.raises(ValueError, match="Adagrad keeps its state 'step'"):
+        CapturedStep(pipe, x, y, nn.MSELoss(), optimizer=opt)
+    assert all(float(s["step"]) == 0 for s in opt.state.values())  # warm-up's steps undone
+    for p, b in zip(pipe.parameters(), before):
+        torch.testing.assert_close(p.detach(), b)
 
 
 GPU = torch.device("cuda:0")  # named only: nothing runs on it
@@ -477,7 +516,7 @@ def test_stages_on_cpu_and_gpu_or_a_traced_pipe_are_refused() -> None:
 @pytest.mark.cuda
 def test_a_failed_capture_restores_the_model_and_the_optimizer() -> None:
     pipe, _, _, _ = _setup("cuda:0", "sgd", split_size=3)
-    opt = torch.optim.Adam(pipe.parameters(), lr=0.01, capturable=False)
+    opt = HostSyncSGD(pipe.parameters(), lr=0.01, momentum=0.9)  # a host sync in the capture
     before = [p.detach().clone() for p in pipe.parameters()]
     x, y = _data("cuda:0", 0)
     with pytest.raises(Exception) as info:

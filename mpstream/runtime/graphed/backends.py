@@ -232,7 +232,7 @@ class CudaGraphs:
                     for shape, stride, dtype, device in shapes or ()
                 ]
             graphs["forward"] = graph = torch.cuda.CUDAGraph()
-            with capturing(graph, shared if copied else own):
+            with capturing(graph, shared if copied else own, owner=call):
                 outs = call.outputs(fn(*call.inputs()))
                 if copied:
                     if [(t.shape, t.stride(), t.dtype) for t in outs] != [
@@ -308,7 +308,7 @@ def _capture_backward(
     if not call.split:
         call.passes = ("forward", "backward")
         graph = torch.cuda.CUDAGraph()
-        with capturing(graph, shared if shares(call, "backward") else own):
+        with capturing(graph, shared if shares(call, "backward") else own, owner=call):
             got = whole(call, outs)
             call.write(got, positions(got, n), "backward")
         return {"backward": graph}
@@ -316,14 +316,14 @@ def _capture_backward(
     split = split_of(call, outs)
     if "backward" in call.passes:
         graphs["backward"] = torch.cuda.CUDAGraph()
-        with capturing(graphs["backward"], own):
+        with capturing(graphs["backward"], own, owner=call):
             first = input_pass(call, outs, split)
             call.write(first, positions(first, n), "backward")
     if split.defers:
         # Captured after B, while B's junction gradients are still held:
         # W reads them, so W's allocations must not land on them.
         graphs["weight"] = torch.cuda.CUDAGraph()
-        with capturing(graphs["weight"], own):
+        with capturing(graphs["weight"], own, owner=call):
             second = weight_pass(call, split)
             call.write(second, positions(second, n), "weight")
     return graphs

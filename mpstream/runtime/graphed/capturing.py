@@ -52,6 +52,10 @@ The original exception propagates; a cleanup step's expected error (a
 routing already ended) is dropped, any other added to it as a note. The
 torch calls are :class:`TorchCapture`'s, so tests give a fake and check
 the order without a GPU.
+
+**A captured graph's lifetime.** A capture that ends hands its graph to
+:data:`~.lifetimes.LIFETIMES` with its owner: it is destroyed only with
+the other graphs captured on its stream (:mod:`.lifetimes` says why).
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ from torch import nn
 from ...memory.batchnorm import DeferredBatchNorm
 from .. import private
 from ..errors import annotate
+from .lifetimes import LIFETIMES
 
 __all__ = [
     "Graph",
@@ -124,6 +129,10 @@ class CaptureApi(Protocol):
     def reset_generator(self) -> None:
         """Takes the default generator out of capture mode."""
 
+    def adopt(self, graph: Graph, owner: object | None) -> None:
+        """Hands a graph whose capture ended to :data:`~.lifetimes.LIFETIMES`,
+        owned by ``owner``, captured on the current stream."""
+
 
 class TorchCapture:
     """:class:`CaptureApi` on torch's own calls (present from torch 2.8; the
@@ -147,6 +156,10 @@ class TorchCapture:
     def kept(self) -> int:
         return len(_kept)
 
+    def adopt(self, graph: Graph, owner: object | None) -> None:
+        stream = torch.cuda.current_stream()  # the capture's: capture_end checks it
+        LIFETIMES.adopt(graph, (stream.device_index, stream.cuda_stream), owner)
+
     def reset_generator(self) -> None:
         # On a side stream: the failed capture may have been begun on the
         # default stream, where no capture may run; the side stream follows
@@ -163,16 +176,25 @@ class TorchCapture:
                 scratch.add_(1)  # one node: an empty graph warns
             finally:
                 graph.capture_end()
-            del graph, scratch  # its own pool goes with it
+            # Nothing owns it: it goes (with its pool) with the stream's others.
+            self.adopt(graph, None)
+            del graph, scratch
         current.wait_stream(side)
 
 
 @contextmanager
 def capturing(
-    graph: Graph, pool: Any, api: CaptureApi | None = None, mode: str = "thread_local"
+    graph: Graph,
+    pool: Any,
+    api: CaptureApi | None = None,
+    mode: str = "thread_local",
+    owner: object | None = None,
 ) -> Iterator[None]:
     """Captures what runs inside into ``graph``, allocating from ``pool``, on
-    the current stream; a failure is undone as the module says.
+    the current stream; a failure is undone as the module says. A graph
+    captured is adopted by :data:`~.lifetimes.LIFETIMES` for ``owner``: it
+    is destroyed only with every other graph captured on its stream, once
+    their owners are all gone (see :mod:`.lifetimes` for why).
 
     Args:
         graph: the graph to capture into.
@@ -183,6 +205,9 @@ def capturing(
             are allowed) or ``relaxed`` (this thread's too: for captures
             open side by side, whose beginnings and ends make calls that a
             thread-local capture forbids).
+        owner: the object that holds the graph (a stage's call, a captured
+            step): the graph is let go when it dies. None: it is let go now
+            (it still waits for its stream's other graphs).
 
     Raises:
         RuntimeError: :data:`MAX_KEPT` captures failed before (nothing is
@@ -217,6 +242,7 @@ def capturing(
     except BaseException as exc:
         _abandon(graph, pool, device, api, began=True, failure=exc)
         raise
+    api.adopt(graph, owner)
 
 
 def _abandon(

@@ -20,10 +20,11 @@ read by the next replay as they are. A stage that cannot be graphed runs
 eagerly, with one warning naming it and why: on a CPU, a capture that
 failed (a host sync such as ``.item()``, an unsupported op), a parameter's
 tensor hook. Calls are bounded: past ``max_calls`` per stage the least
-recently used graphs not needed by the run are dropped; a call that finds
-no room, a slot with ``MAX_GENERATIONS`` forwards awaiting their backward,
-or a plain argument past its values (:class:`~.keys.Scalars`) runs eagerly,
-with one warning.
+recently used graphs not needed by the run are dropped (their memory goes
+with the other graphs captured on the stage's stream: :mod:`.lifetimes`);
+a call that finds no room, a slot with ``MAX_GENERATIONS`` forwards
+awaiting their backward, or a plain argument past its values
+(:class:`~.keys.Scalars`) runs eagerly, with one warning.
 """
 
 from __future__ import annotations
@@ -350,6 +351,9 @@ class StageGraphs:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             st.reason = f"capture failed: {type(exc).__name__}: {first}"
             st.failed = True
+            # Torch may leave the pinned-memory allocator routing to the
+            # failed capture's pool: a later capture gets a pool of its own.
+            st.pool = None
             st.calls.clear()
             return None
         graphed.label = st.label

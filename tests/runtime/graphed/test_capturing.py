@@ -121,6 +121,10 @@ class FakeApi:
         self.world.log.append("reset_generator")
         self.world.generator_capturing = False
 
+    def adopt(self, graph: Any, owner: object | None) -> None:
+        self.world.log.append("adopt")
+        self.adopted = (graph, owner)
+
 
 def host_sync(world: World) -> None:
     world.stream = "invalidated"  # .item() inside the capture
@@ -143,7 +147,7 @@ UNDO = ["keep", "end_routing", "release", "reset_generator"]
 
 #: fail point, body, what propagates, the calls made (in order).
 CASES: dict[str, tuple[str | None, Callable[[World], None], str | None, list[str]]] = {
-    "success": (None, nothing, None, ["capture_begin", "capture_end"]),
+    "success": (None, nothing, None, ["capture_begin", "capture_end", "adopt"]),
     "a host sync inside": (
         None, host_sync, "not permitted when stream is capturing",
         ["capture_begin", "capture_end", *UNDO],
@@ -187,6 +191,14 @@ def test_a_failed_capture_is_undone_in_order_and_its_own_error_propagates(case: 
     assert world.log == calls
     graph.destroy()
     assert world.clean(), world
+
+
+def test_a_captured_graph_is_handed_to_the_lifetimes_with_its_owner() -> None:
+    world, owner = World(), object()
+    graph, api = FakeGraph(world), FakeApi(world)
+    with capturing(graph, POOL, api, owner=owner):
+        pass
+    assert api.adopted == (graph, owner)  # kept until the stream's graphs can all go
 
 
 def test_an_unexpected_cleanup_error_is_a_note_on_the_original() -> None:
