@@ -5,6 +5,7 @@ ones on GPUs)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 
@@ -155,3 +156,36 @@ def test_two_gpus_without_graphed_stages_are_refused() -> None:
     x, y = torch.randn(6, 6, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
     with pytest.raises(ValueError, match="build the pipe with graphs=True"):
         CapturedStep(pipe, x, y, nn.MSELoss())
+
+
+@pytest.mark.cuda
+def test_relaxed_captures_open_side_by_side_on_one_gpu_end_in_order() -> None:
+    # What DeviceGraphs does on two GPUs, on the one GPU a test machine may
+    # have: two relaxed captures open at once on two side streams, one of
+    # them empty, ended first in, first out; torch's empty-graph warning taken.
+    from mpstream.capture.devices import _sorted_warnings
+    from mpstream.runtime.graphed.capturing import capturing
+
+    x = torch.ones(4, device="cuda")
+    sides = [torch.cuda.Stream() for _ in range(2)]  # type: ignore[no-untyped-call]
+    graphs = [torch.cuda.CUDAGraph() for _ in range(2)]
+    stacks = []
+    for side, graph in zip(sides, graphs):
+        side.wait_stream(torch.cuda.current_stream())
+        stack = contextlib.ExitStack()
+        with torch.cuda.stream(side):
+            stack.enter_context(capturing(graph, torch.cuda.graph_pool_handle(), None, "relaxed"))
+        stacks.append(stack)
+    with torch.cuda.stream(sides[0]):
+        y = x * 2  # only the first capture gets work
+    empty: set[torch.device] = set()
+    for side, stack in zip(sides, stacks):
+        with torch.cuda.stream(side), _sorted_warnings(torch.device("cuda:0"), empty):
+            stack.close()
+    for side in sides:
+        torch.cuda.current_stream().wait_stream(side)
+    assert empty == {torch.device("cuda:0")}  # the second capture was empty
+    graphs[0].replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(y, x * 2)
+    torch.ones(1, device="cuda").mul_(2)  # eager work still runs: nothing left capturing
