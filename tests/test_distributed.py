@@ -179,6 +179,55 @@ def _run_gradient_presence(rank: int) -> dict[str, Tensor | None]:
     return {"both": both.grad, "one": one.grad, "none": none.grad}
 
 
+def _run_overlap(rank: int) -> dict[str, Any]:
+    """A step whose last stage's all-reduces start before the first stage's
+    last backward; then a step that fails in that backward, after they
+    started, and one more step: as if the failed one never ran."""
+    pipe = Pipe(initial_model(), split_size=SPLIT, balance=BALANCE, devices=["cpu", "cpu"])
+    ddp = mpdist.wrap(pipe)
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    log: list[str] = []
+    fail = [False]
+
+    def hook(*_: Any) -> None:
+        log.append("stage 0 backward")
+        if fail[0] and log.count("stage 0 backward") % 2 == 0:
+            raise KeyError("backward failed")
+
+    pipe.partitions[0][0].register_full_backward_hook(hook)
+    real = dist.all_reduce
+
+    def logged(tensor: Tensor, *args: Any, **kwargs: Any) -> Any:
+        log.append("all_reduce")
+        return real(tensor, *args, **kwargs)
+
+    dist.all_reduce = logged  # type: ignore[assignment]
+    try:
+        x, y = batches(1)[0]
+        xs, ys = x.chunk(WORLD)[rank], y.chunk(WORLD)[rank]
+        mpdist.train_step(ddp, xs, ys, nn.MSELoss())
+        first = list(log)
+        log.clear()
+        opt.zero_grad()
+        fail[0] = True
+        failed = ""
+        try:
+            mpdist.train_step(ddp, xs, ys, nn.MSELoss())
+        except KeyError as exc:
+            failed = str(exc)
+        during = list(log)
+        grads = [p.grad for p in pipe.parameters()]
+        fail[0] = False
+        mpdist.train_step(ddp, xs, ys, nn.MSELoss())
+        opt.step()
+    finally:
+        dist.all_reduce = real  # type: ignore[assignment]
+    return {
+        "first": first, "during": during, "failed": failed, "grads_after_failure": grads,
+        "params": {k: v.detach().clone() for k, v in pipe.state_dict().items()},
+    }  # fmt: skip
+
+
 def _norm_model() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(
@@ -227,6 +276,7 @@ def _worker(rank: int, store_path: str, out_dir: str) -> None:
         )
         results: dict[str, Any] = {name: _run_case(case, rank) for name, case in CASES.items()}
         results["presence"] = _run_gradient_presence(rank)
+        results["overlap"] = _run_overlap(rank)
         results["buffers-forward"] = _run_buffers(rank, "forward")
         results["buffers-train_step"] = _run_buffers(rank, "train_step")
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
@@ -282,6 +332,31 @@ def test_sync_gradients_averages_with_zeros_and_keeps_none(ranks: list[dict[str,
         torch.testing.assert_close(grads["both"], torch.full_like(grads["both"], 2.0))
         torch.testing.assert_close(grads["one"], torch.full_like(grads["one"], 2.0))
         assert grads["none"] is None
+
+
+def test_a_stages_all_reduces_start_while_earlier_stages_still_run_backward(
+    ranks: list[dict[str, Any]],
+) -> None:
+    for results in ranks:
+        log = results["overlap"]["first"]
+        # The last stage ended first: its all-reduces are issued before the
+        # first stage's last backward, the first stage's after it.
+        last_backward = max(i for i, e in enumerate(log) if e == "stage 0 backward")
+        assert log.index("all_reduce") < last_backward < len(log) - 1
+        assert log[-1] == "all_reduce"  # which gradients exist anywhere, after the step
+
+
+def test_a_failed_step_waits_for_its_all_reduces_and_leaves_no_gradient(
+    ranks: list[dict[str, Any]],
+) -> None:
+    one_step = reference(Case(("train_step",)))
+    for rank, results in enumerate(ranks):
+        got = results["overlap"]
+        assert "backward failed" in got["failed"]
+        assert "all_reduce" in got["during"]  # the last stage's had started
+        assert all(g is None for g in got["grads_after_failure"])  # zeroed before: put back
+        for key in one_step:
+            torch.testing.assert_close(got["params"][key], one_step[key], msg=f"rank {rank}: {key}")
 
 
 def test_train_step_handles_buffers_as_the_ddp_forward_does(ranks: list[dict[str, Any]]) -> None:

@@ -10,7 +10,7 @@ construction). The run itself is :func:`~mpstream.runtime.training.run`.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -26,7 +26,17 @@ from .inputs import detached, keywords_of, micro_sizes
 from .reduction import step_reduction
 from .snapshot import Norms, Snapshot
 
-__all__ = ["PipeStep"]
+__all__ = ["PipeStep", "StageDone"]
+
+
+class StageDone(Protocol):
+    """Told when each stage's gradients of a training step are final."""
+
+    def __call__(self, stage: int) -> None:
+        """Inside stage ``stage``'s last backward or weight task, on its stream."""
+
+    def abort(self) -> None:
+        """The step failed: before its gradients are put back."""
 
 
 class PipeStep(PipeCall):
@@ -113,10 +123,14 @@ class PipeStep(PipeCall):
         reduction: str | None,
         scaler: torch.amp.GradScaler | None,
         zeroed: bool = False,
+        stage_done: StageDone | None = None,
     ) -> Tensor:
         """:meth:`train_step`. ``zeroed``: every existing gradient is known to
         be zero (:class:`~mpstream.CapturedStep` replayed its zeroing just
-        before), so the failure snapshot copies none and zeroes them back."""
+        before), so the failure snapshot copies none and zeroes them back.
+        ``stage_done``: called with a stage's index inside its last
+        gradient task (``mpstream.distributed`` starts its all-reduces
+        there); its ``abort()`` before a failed step is put back."""
         if torch.is_inference_mode_enabled():
             raise RuntimeError(
                 "train_step was called under torch.inference_mode(), where nothing can be "
@@ -186,8 +200,16 @@ class PipeStep(PipeCall):
                     target_staging,
                     None if snapshot is None else snapshot.save_grads,
                     None if scaler is None else scaler.scale,
+                    stage_done,
                 )
         except BaseException as exc:
+            if stage_done is not None:
+                try:
+                    stage_done.abort()
+                except Exception as cleanup:
+                    annotate(
+                        exc, f"mpstream: waiting for the gradients' reduction raised: {cleanup!r}"
+                    )
             if snapshot is not None:
                 try:
                     if graphs is not None:

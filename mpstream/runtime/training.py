@@ -128,6 +128,7 @@ class _Step:
         target_staging: Sequence[Staging] | None,
         before_backward: Callable[[int], None] | None,
         scale: Callable[[Tensor], Tensor] | None,
+        after_grads: Callable[[int], None] | None = None,
     ) -> None:
         sched = worker.sched
         self.sched = sched
@@ -143,6 +144,13 @@ class _Step:
         self.checkpoint_stop = checkpoint_stop
         self.staging, self.target_staging = staging, target_staging
         self.before_backward = before_backward
+        self.after_grads = after_grads
+        # Per stage, its last task that accumulates into its gradients.
+        self.final: dict[int, tuple[Kind, int]] = {
+            t.stage: (t.kind, t.micro)
+            for t in schedule.tasks
+            if t.kind in (Kind.BACKWARD, Kind.WEIGHT)
+        }
         self.labels = list(targets)
         self.backward_seen: set[int] = set()
         self.roots: dict[tuple[int, int], list[tuple[tuple[int, int], Tensor]]] = {}
@@ -264,6 +272,7 @@ class _Step:
             done = self.cuts.pop((s, m), None)
         if done is not None:
             self.route(done, s, m)
+        self._ended(task)
 
     def weight(self, task: Task) -> None:
         s, m = task.stage, task.micro
@@ -272,6 +281,12 @@ class _Step:
             pending.run()
         elif self.thin is not None:
             self.thin.weight(s, m)
+        self._ended(task)
+
+    def _ended(self, task: Task) -> None:
+        """After a gradient task: the stage's last one tells ``after_grads``."""
+        if self.after_grads is not None and self.final.get(task.stage) == (task.kind, task.micro):
+            self.after_grads(task.stage)
 
     def copy_grad(self, task: Task) -> None:
         # The gradient of what stage s sent to task.peer's device.
@@ -296,6 +311,7 @@ def run(
     target_staging: Sequence[Staging] | None = None,
     before_backward: Callable[[int], None] | None = None,
     scale: Callable[[Tensor], Tensor] | None = None,
+    after_grads: Callable[[int], None] | None = None,
 ) -> list[Tensor]:
     """Runs forward and backward of every micro-batch in ``schedule``'s order.
 
@@ -317,6 +333,11 @@ def run(
         scale: applied to each weighted loss, inside the last stage's forward
             task, before its backward (``GradScaler.scale``); the returned
             losses stay unscaled.
+        after_grads: called with a stage's index inside its last backward
+            or weight task of the step, on its stream, once that task has
+            issued its work: no more of the step accumulates into the
+            stage's own parameters (a parameter another stage shares may
+            still get that stage's).
 
     Returns:
         The weighted loss of each micro-batch (detached), ready on the
@@ -339,6 +360,7 @@ def run(
         target_staging,
         before_backward,
         scale,
+        after_grads,
     )
     execute(worker, schedule, state.handlers(), len(batches), step=True, loss=_loss.__code__)
     if caller_reader is not None:

@@ -1,4 +1,4 @@
-"""Data parallelism over pipelines: one :class:`~mpstream.Pipe` per process under DDP.
+"""One :class:`~mpstream.Pipe` per process under DDP: wrapping, the training step, checkpoints.
 
 Every process (launched by ``torchrun``) builds the same pipeline over its own
 devices and wraps it in ``torch.nn.parallel.DistributedDataParallel``; PyTorch's
@@ -7,8 +7,9 @@ process group averages the gradients over the processes. Two ways to train:
 * ``loss_fn(ddp(x), y).backward()``: DDP's own reducer syncs the gradients
   while the pipeline's backward runs. Works for every schedule and checkpoint
   mode; the forward is fill-drain whatever :attr:`Pipe.schedule` says.
-* :func:`train_step`: :meth:`Pipe.train_step` (1F1B or GPipe order, any
-  checkpoint mode) followed by an explicit all-reduce of the gradients.
+* :func:`train_step`: :meth:`Pipe.train_step` (any schedule and checkpoint
+  mode), each stage's gradients all-reduced as soon as its last backward
+  task has run (:mod:`.gradients`), while the earlier stages still compute.
   DDP's reducer cannot do it: its hooks expect every gradient to be
   accumulated once per step, and ``train_step`` accumulates one micro-batch at
   a time outside ``DDP.forward``; ``ddp.module.train_step`` alone would leave
@@ -26,26 +27,22 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
-from .pipe.module import unsplit
-from .pipe.pipe import Pipe
-from .runtime.microbatch import Value
-from .stages.sequential import DeviceLike
+from ..pipe.module import unsplit
+from ..pipe.pipe import Pipe
+from ..runtime.microbatch import Value
+from ..stages.sequential import DeviceLike
+from .gradients import BUCKET_BYTES, StageReducer
 
 __all__ = [
     "wrap",
     "train_step",
-    "sync_gradients",
     "sync_buffers",
     "map_location",
     "check_placement",
 ]
-
-# Bucket size for gradient and buffer collectives when DDP does not say
-# (DDP's own default).
-_BUCKET_BYTES = 25 * 1024 * 1024
 
 # Which device types a process-group backend can run collectives on, for
 # groups whose backend config is a bare name rather than "cpu:gloo,cuda:nccl".
@@ -192,13 +189,17 @@ def train_step(
     reduction: str | None = None,
     scaler: torch.amp.GradScaler | None = None,
 ) -> Tensor:
-    """:meth:`Pipe.train_step` of this process, then gradients averaged over processes.
+    """:meth:`Pipe.train_step` of this process, its gradients averaged over processes.
 
     The pipeline runs forward and backward of every micro-batch in its
-    :attr:`~mpstream.Pipe.schedule` order with its checkpoint mode; then the
-    accumulated gradients are all-reduced and divided by the group size, as
-    DDP does. With equal per-process batches and ``reduction='mean'`` the
-    result equals one process's ``train_step`` on the concatenated batch.
+    :attr:`~mpstream.Pipe.schedule` order with its checkpoint mode. Each
+    stage's accumulated gradients are all-reduced as soon as its last
+    backward (or weight) task has run, while the stages before it still
+    compute theirs (as DDP overlaps its buckets with the backward), and
+    divided by the group size once the step is done. With equal per-process
+    batches and ``reduction='mean'`` the result equals one process's
+    ``train_step`` on the concatenated batch. If the step fails, the
+    all-reduces it started are waited for before its gradients are put back.
 
     As DDP's forward does, buffers (BatchNorm statistics) are first broadcast
     from the group's first process when ``ddp.broadcast_buffers`` is true.
@@ -238,101 +239,12 @@ def train_step(
         sync_buffers(ddp)
     # DDP's reducer arms its gradient hooks only in DDP.forward, which is not
     # called here, so the pipeline's per-micro-batch backward runs unhooked.
-    loss = pipe.train_step(inputs, target, loss_fn, reduction=reduction, scaler=scaler)
-    if ddp.require_backward_grad_sync:
-        sync_gradients(ddp)
+    if not ddp.require_backward_grad_sync:  # inside no_sync(): accumulate only
+        return pipe.train_step(inputs, target, loss_fn, reduction=reduction, scaler=scaler)
+    reducer = StageReducer(ddp)
+    loss = pipe._train_step(inputs, target, loss_fn, reduction, scaler, stage_done=reducer)
+    reducer.finish()
     return loss
-
-
-def sync_gradients(ddp: DistributedDataParallel) -> None:
-    """Averages the ``.grad`` of the wrapped module's parameters over ``ddp``'s group.
-
-    Parameters that do not require grad, and those DDP was told to ignore,
-    are left alone. A parameter with a gradient on some processes only gets
-    the average of the others' with zeros (DDP's ``find_unused_parameters``
-    rule); one without a gradient anywhere keeps ``grad=None``. Graphed
-    stages' gradient buffers (``Pipe(graphs=True)``: the parameters'
-    ``.grad`` are views of one flat buffer per stage and dtype) are reduced
-    in place, in chunks of the bucket size, with no copy; the other
-    gradients are flattened into buckets per device and dtype, one
-    all-reduce each. All of a step's all-reduces are issued before the first
-    is waited for.
-
-    Args:
-        ddp: a DistributedDataParallel module; every process of its group
-            must call this.
-
-    Raises:
-        ValueError: a gradient is sparse.
-    """
-    group = ddp.process_group
-    params = _synced_parameters(ddp)
-    if not params:
-        return
-    for name, p in params:
-        if p.grad is not None and p.grad.is_sparse:
-            raise ValueError(f"gradient of {name} is sparse; sync_gradients reduces dense ones")
-    pipe = ddp.module
-    synced = {id(p) for _, p in params}
-    stores = [
-        store if store is not None and all(id(p) in synced for p, _ in store.owned()) else None
-        for store in pipe._grad_stores()
-    ]
-    with torch.no_grad():
-        # Which parameters got a gradient somewhere, and which stages reduce
-        # their buffers whole on every process: each process must put the
-        # same tensors into the same collectives, or they mismatch.
-        flags = [p.grad is not None for _, p in params] + [s is not None for s in stores]
-        device = params[0][1].device
-        present = torch.tensor(flags, dtype=torch.int32, device=device)
-        dist.all_reduce(present, group=group)
-        counts = present.tolist()
-        size = dist.get_world_size(group)
-        whole = [s for s, n in zip(stores, counts[len(params) :]) if s is not None and n == size]
-        by_store = {id(p) for store in whole for p, _ in store.owned()}
-        anywhere = {id(p) for (_, p), n in zip(params, counts) if n}
-        cap = int(getattr(ddp, "bucket_bytes_cap", _BUCKET_BYTES))
-        pending = []
-        for store in whole:
-            owned = store.owned()
-            # A parameter whose .grad is not its view contributes that
-            # tensor (set by hand) or nothing (None); the view's stale
-            # values must not.
-            absent = [v for p, v in owned if p.grad is None]
-            if absent:
-                torch._foreach_zero_(absent)
-            for p, v in owned:
-                if p.grad is not None and p.grad is not v:
-                    v.copy_(p.grad)
-            for flat in store.flats:
-                step = max(1, cap // flat.element_size())
-                for start in range(0, flat.numel(), step):
-                    chunk = flat[start : start + step]
-                    pending.append((chunk, dist.all_reduce(chunk, group=group, async_op=True)))
-        grads: list[Tensor] = []
-        for (_, p), count in zip(params, counts):
-            if count == 0 or id(p) in by_store:
-                continue
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            grads.append(p.grad)
-        buckets = []
-        for bucket in _buckets(grads, cap):
-            flat = torch.cat([g.reshape(-1) for g in bucket])
-            buckets.append((bucket, flat, dist.all_reduce(flat, group=group, async_op=True)))
-        for chunk, work in pending:
-            assert work is not None
-            work.wait()
-            chunk.div_(size)
-        for bucket, flat, work in buckets:
-            assert work is not None
-            work.wait()
-            flat.div_(size)
-            _unflatten_into(flat, bucket)
-        for store in whole:  # a gradient from elsewhere: .grad is the view again
-            for p, v in store.owned():
-                if p.grad is not v and id(p) in anywhere:
-                    p.grad = v
 
 
 def sync_buffers(ddp: DistributedDataParallel) -> None:
@@ -352,7 +264,7 @@ def sync_buffers(ddp: DistributedDataParallel) -> None:
         return
     src = dist.get_global_rank(group, 0)
     is_src = dist.get_rank(group) == 0
-    cap = int(getattr(ddp, "bucket_bytes_cap", _BUCKET_BYTES))
+    cap = int(getattr(ddp, "bucket_bytes_cap", BUCKET_BYTES))
     with torch.no_grad():
         for bucket in _buckets(buffers, cap):
             flat = torch.cat([b.reshape(-1) for b in bucket])
@@ -397,15 +309,6 @@ def map_location(
                 f"the two pipelines share devices between stages differently"
             )
     return mapping
-
-
-def _synced_parameters(ddp: DistributedDataParallel) -> list[tuple[str, nn.Parameter]]:
-    ignored = ddp.parameters_to_ignore
-    return [
-        (name, p)
-        for name, p in ddp.module.named_parameters()
-        if p.requires_grad and name not in ignored
-    ]
 
 
 def _buckets(tensors: Sequence[Tensor], cap: int) -> Iterator[list[Tensor]]:
