@@ -21,6 +21,7 @@ the numbers.
 from __future__ import annotations
 
 import argparse
+import gc
 import gzip
 import json
 import os
@@ -90,20 +91,22 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict[str, Breakdo
     for variant in VARIANTS:
         graphs, loop = variant.startswith("graphed"), variant.endswith("loop")
         pipe = _pipe(args.arch, device, args.split_size, graphs)
-        trace = None
-        if variant == VARIANTS[0] and args.out is not None:
-            trace = str(Path(tempfile.mkdtemp()) / "trace.json")
-        out[variant] = host_breakdown(
-            _step(pipe, x, y, loop), _tasks(pipe, x, y, loop), steps=args.steps,
-            warmup=3 if device.type == "cuda" else 2, devices=pipe.devices, trace=trace,
-        )  # fmt: skip
-        if trace is not None:
-            with (
-                open(trace, "rb") as src,
-                gzip.open(args.out / "replay-trace.json.gz", "wb") as dst,
-            ):
-                shutil.copyfileobj(src, dst)
+        with tempfile.TemporaryDirectory() as tmp:
+            trace = None
+            if variant == VARIANTS[0] and args.out is not None:
+                trace = str(Path(tmp) / "trace.json")
+            out[variant] = host_breakdown(
+                _step(pipe, x, y, loop), _tasks(pipe, x, y, loop), steps=args.steps,
+                warmup=3 if device.type == "cuda" else 2, devices=pipe.devices, trace=trace,
+            )  # fmt: skip
+            if trace is not None:
+                with (
+                    open(trace, "rb") as src,
+                    gzip.open(args.out / "replay-trace.json.gz", "wb") as dst,
+                ):
+                    shutil.copyfileobj(src, dst)
         del pipe
+        gc.collect()  # a pipe in a reference cycle would keep its graph pools
         if device.type == "cuda":
             torch.cuda.empty_cache()
         print(f"{variant}: {out[variant].per_task()}", file=sys.stderr)

@@ -247,3 +247,31 @@ def test_a_gradient_set_by_hand_on_a_graphed_stage_is_reduced_not_dropped(group:
         torch.testing.assert_close(graphed[4].unused.grad, eager[4].unused.grad)
         for a, b in zip(graphed.parameters(), eager.parameters()):
             torch.testing.assert_close(a.grad, b.grad)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("graphs", [False, True])
+def test_train_step_on_one_gpu_over_nccl_equals_the_models_gradients(graphs: bool) -> None:
+    # Each stage's all-reduce is issued on the stage's stream inside its last
+    # backward task, and waited for on the caller's: a one-rank NCCL group.
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = initial_model().cuda()
+        ref = copy.deepcopy(model)
+        pipe = Pipe(
+            model, split_size=SPLIT, balance=BALANCE, devices=["cuda:0", "cuda:0"],
+            schedule="zb_h1", graphs=graphs,
+        )  # fmt: skip
+        ddp = mpdist.wrap(pipe)
+        x, y = (t.cuda() for t in batches(1)[0])
+        for _ in range(3):  # graphs captured in the first
+            pipe.zero_grad()
+            loss = mpdist.train_step(ddp, x, y, nn.MSELoss())
+        ref.zero_grad()
+        expected = nn.MSELoss()(ref(x), y)
+        expected.backward()
+        torch.testing.assert_close(loss, expected.detach())
+        for p, q in zip(pipe.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+    finally:
+        dist.destroy_process_group()

@@ -135,10 +135,19 @@ def check_state(optimizer: Optimizer | None) -> None:
     step count, for its learning-rate decay), so a graph would keep what the
     host computed at capture and never advance it.
 
+    Adagrad without learning-rate decay is let through: its host-side step
+    count then changes nothing a replay computes (only the count itself
+    stays as captured).
+
     Raises:
         ValueError: naming the optimizer, the state and the parameter.
     """
+    undecayed = isinstance(optimizer, torch.optim.Adagrad) and all(
+        g.get("lr_decay", 0) == 0 for g in optimizer.param_groups
+    )
     for param, key, value in state_tensors(optimizer):
+        if undecayed and key == "step":
+            continue
         if value.device.type == "cpu" and param.device.type != "cpu":
             name = type(optimizer).__name__
             raise ValueError(

@@ -31,6 +31,7 @@ from ..pipe.pipe import Pipe
 from ..pipe.reduction import step_reduction
 from ..runtime.errors import annotate
 from ..runtime.graphed.capturing import capturing
+from ..runtime.graphed.lifetimes import LIFETIMES
 from ..runtime.stream import synchronize
 from ..stages.sequential import check_positive
 from .buffers import fill, static
@@ -249,12 +250,20 @@ class CapturedStep:
                 graph = torch.cuda.CUDAGraph()
                 # Undone if it fails (unlike torch.cuda.graph); a loader thread may run.
                 own = torch.cuda.graph_pool_handle() if pool is None else pool
-                with (
-                    self.pipe.scheduler.captured(),
-                    _current(sides),
-                    capturing(graph, own, owner=self),
-                ):
-                    self._loss = self._step()
+                # The graph bakes in the library workspaces of every stream
+                # its capture forks onto (the stages'): kept with their graphs.
+                forked = [_key(st) for _, st in self.pipe.scheduler.named_streams()]
+                with ExitStack() as pins:
+                    for key in forked:
+                        pins.enter_context(LIFETIMES.pinned(key))
+                    with (
+                        self.pipe.scheduler.captured(),
+                        _current(sides),
+                        capturing(graph, own, owner=self),
+                    ):
+                        self._loss = self._step()
+                    for key in forked:
+                        LIFETIMES.adopt(graph, key, self)
             for c in callers.values():
                 c.synchronize()
         except BaseException as exc:
@@ -382,6 +391,10 @@ class CapturedStep:
             if self._update is not None:
                 self._update.replay()
             return loss
+
+
+def _key(stream: Any) -> tuple[int, int]:
+    return (stream.device_index, stream.cuda_stream)
 
 
 @contextmanager

@@ -30,11 +30,19 @@ the device, and the step is device-bound there. Profiling slows the host
 (a few microseconds per event): the same steps are also timed without the
 profiler (:attr:`Breakdown.issue_us`), and the kinds are best read as
 shares of :attr:`Breakdown.profiled_us`.
+
+Threads: the kinds count every host thread (the user's loop runs its
+backward on autograd's device threads, while the step's thread waits),
+so they can sum to more than the profiled step. A CUDA call that torch's
+profiler links to no operator (the autograd engine's own stream waits, say)
+is put on the thread that ends the profile, the step's: such time is
+counted there, not on the thread that made the call.
 """
 
 from __future__ import annotations
 
 import heapq
+import re
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -63,6 +71,8 @@ KINDS = (
 #: A launch longer than this (µs) waited on a full launch queue.
 BLOCKED_US = 200.0
 _STEP = "mpstream/host/step"
+# An autograd node: AddmmBackward0, a custom Function's ReplayBackward, AccumulateGrad.
+_NODE = re.compile(r"(Backward\d*|AccumulateGrad)$")
 _GRAPH = ("cudaGraphLaunch", "cuGraphLaunch")
 _KERNEL = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchCooperativeKernel", "cudaMemcpy",
            "cudaMemset", "cuMemcpy", "cuMemset")  # fmt: skip
@@ -85,7 +95,7 @@ def kind_of(name: str) -> str | None:
         return "event record/wait"
     if name.startswith("cuda") or (name.startswith("cu") and name[2:3].isupper()):
         return "other CUDA API"
-    if name.startswith("autograd::") or name.endswith(("Backward0", "Backward1", "AccumulateGrad")):
+    if name.startswith("autograd::") or _NODE.search(name):
         return "autograd"
     if name.startswith("mpstream/host/"):
         return None
@@ -112,15 +122,19 @@ def attribute(
 ) -> dict[str, float]:
     """Host µs of each kind over the ``steps`` (spans on thread ``main``).
 
-    Each moment of a thread belongs to the innermost event running then
-    (the one that started last); a moment of ``main`` inside a step but in
-    no event is ``python``, or ``waiting`` while another thread is in one.
-    Other threads count only where they are in an event that overlaps a
-    step. Kinds with no time are left out.
+    Each moment of a thread belongs to the innermost event of a kind
+    running then (the one that started last); a moment of ``main`` inside a
+    step but in no such event is ``python``, or ``waiting`` while another
+    thread is in one. Other threads count only where they are in an event
+    that overlaps a step. Kinds with no time are left out. The kinds other
+    than ``waiting`` sum to the host's busy time over every thread; with
+    ``waiting``, to more than the steps' span when another thread worked.
     """
     by_thread: dict[int, list[Interval]] = {main: []}
     for iv in intervals:
-        if iv.end > iv.start:
+        # A range of no kind (a user's own, mpstream's step) is transparent:
+        # its time goes to what runs inside it, or to what runs around it.
+        if iv.end > iv.start and iv.kind is not None:
             by_thread.setdefault(iv.thread, []).append(iv)
     out: dict[str, float] = {}
     elsewhere: list[tuple[float, float]] = []  # other threads in an event
@@ -178,10 +192,15 @@ def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
 
 
 def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
-    total = 0.0
-    for s0, e0 in a:
-        for s1, e1 in b:
-            total += max(0.0, min(e0, e1) - max(s0, s1))
+    """The time two sorted lists of disjoint spans share (one pass over both)."""
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        total += max(0.0, hi - lo)
+        if a[i][1] <= b[j][1]:
+            i += 1
+        else:
+            j += 1
     return total
 
 
@@ -214,8 +233,9 @@ class Breakdown:
     blocked: float = 0.0
 
     def per_task(self) -> dict[str, float]:
-        """Host µs of each kind per task (the kinds' sum is a task's share of
-        the profiled step)."""
+        """Host µs of each kind per task, over every thread (see the module
+        on threads: with ``waiting``, more than a task's share of the step
+        when another thread worked)."""
         return {k: v / self.tasks for k, v in self.kinds.items()}
 
     def to_json(self) -> dict[str, Any]:

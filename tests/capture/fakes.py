@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -144,3 +144,6 @@ class FakeUndo:
 
     def adopt(self, graph: Any, owner: object | None) -> None:
         self.world.log.append(("adopt", graph.index, type(owner).__name__))
+
+    def hold(self) -> AbstractContextManager[None]:
+        return nullcontext()

@@ -217,6 +217,9 @@ def test_optimizer_state_in_host_memory_beside_parameters_on_a_device_is_refused
     sgd = torch.optim.SGD([p], lr=0.1, momentum=0.9)
     sgd.state[p] = {"momentum_buffer": torch.zeros(3, device="meta")}
     check_state(sgd)
+    undecayed = torch.optim.Adagrad([p], lr=0.1)  # the count then changes nothing replayed
+    undecayed.state[p] = {"step": torch.tensor(1.0), "sum": torch.zeros(3, device="meta")}
+    check_state(undecayed)
     q = nn.Parameter(torch.ones(3))  # on the CPU, where the step runs eagerly
     adagrad = torch.optim.Adagrad([q], lr=0.1)
     adagrad.state[q] = {"step": torch.tensor(1.0), "sum": torch.zeros(3)}

@@ -41,6 +41,7 @@ from tests.helpers import mlp
         ("mpstream::record", "aten"),
         ("autograd::engine::evaluate_function: AddmmBackward0", "autograd"),
         ("AddmmBackward0", "autograd"),
+        ("ReplayBackward", "autograd"),  # a custom autograd Function's node
         ("torch::autograd::AccumulateGrad", "autograd"),
         ("mpstream/forward/stage0/mb1", "mpstream"),
         ("mpstream/host/step", None),
@@ -63,6 +64,7 @@ def test_each_moment_goes_to_the_innermost_event_and_idle_time_is_python_or_wait
         _iv(1, 50, 90, "mpstream/backward/stage1/mb0"),
         _iv(1, 60, 70, "cudaGraphLaunch"),
         _iv(1, 60, 62, "cudaEventRecord"),  # starts with the launch, ends first
+        _iv(1, 75, 80, "Replay"),  # no kind: transparent, the range around it shows
         _iv(2, 92, 99, "autograd::engine::evaluate_function: AddmmBackward0"),
         _iv(2, 94, 96, "aten::mm"),
         _iv(1, 150, 160, "aten::add_"),  # between the steps: not counted
@@ -81,6 +83,17 @@ def test_each_moment_goes_to_the_innermost_event_and_idle_time_is_python_or_wait
             "python": 10 + 10 + 10 - 7 + 40,  # 0-10, 40-50, 90-100 less waiting; step 2
         }
     )
+
+
+def test_waiting_is_the_main_threads_idle_time_shared_with_other_threads_many_spans() -> None:
+    # Thousands of spans on each side: one pass over both, not every pair.
+    n = 20000
+    events = [_iv(1, 10 * i, 10 * i + 4, "aten::mul") for i in range(n)]
+    events += [_iv(2, 10 * i + 2, 10 * i + 7, "aten::mm") for i in range(n)]
+    got = attribute(events, [(0, 10 * n)], main=1)
+    assert got["waiting"] == pytest.approx(3 * n)  # 4-7 of each 10: idle here, busy there
+    assert got["python"] == pytest.approx(3 * n)  # 7-10
+    assert got["aten"] == pytest.approx(4 * n + 5 * n)
 
 
 def test_a_thread_with_no_event_in_a_step_is_all_python() -> None:

@@ -133,6 +133,10 @@ class CaptureApi(Protocol):
         """Hands a graph whose capture ended to :data:`~.lifetimes.LIFETIMES`,
         owned by ``owner``, captured on the current stream."""
 
+    def hold(self) -> AbstractContextManager[None]:
+        """Keeps every graph captured on the current stream while a capture
+        on it is underway (see :meth:`~.lifetimes.Lifetimes.pinned`)."""
+
 
 class TorchCapture:
     """:class:`CaptureApi` on torch's own calls (present from torch 2.8; the
@@ -157,8 +161,10 @@ class TorchCapture:
         return len(_kept)
 
     def adopt(self, graph: Graph, owner: object | None) -> None:
-        stream = torch.cuda.current_stream()  # the capture's: capture_end checks it
-        LIFETIMES.adopt(graph, (stream.device_index, stream.cuda_stream), owner)
+        LIFETIMES.adopt(graph, _key(), owner)  # the current stream: capture_end checks it
+
+    def hold(self) -> AbstractContextManager[None]:
+        return LIFETIMES.pinned(_key())
 
     def reset_generator(self) -> None:
         # On a side stream: the failed capture may have been begun on the
@@ -222,27 +228,34 @@ def capturing(
             f"tensor on the CPU): fix that, or run the stages eagerly"
         )
     device = api.device()
-    try:
-        graph.capture_begin(pool=pool, capture_error_mode=mode)
-    except BaseException as exc:
-        _abandon(graph, pool, device, api, began=False, failure=exc)
-        raise
-    try:
-        yield
-    except BaseException as exc:
-        if api.capturing():
-            try:
-                graph.capture_end()
-            except RuntimeError:
-                pass  # the body's failure again: the capture it invalidated
-        _abandon(graph, pool, device, api, began=True, failure=exc)
-        raise
-    try:
-        graph.capture_end()
-    except BaseException as exc:
-        _abandon(graph, pool, device, api, began=True, failure=exc)
-        raise
-    api.adopt(graph, owner)
+    with api.hold():
+        try:
+            graph.capture_begin(pool=pool, capture_error_mode=mode)
+        except BaseException as exc:
+            _abandon(graph, pool, device, api, began=False, failure=exc)
+            raise
+        try:
+            yield
+        except BaseException as exc:
+            if api.capturing():
+                try:
+                    graph.capture_end()
+                except RuntimeError:
+                    pass  # the body's failure again: the capture it invalidated
+            _abandon(graph, pool, device, api, began=True, failure=exc)
+            raise
+        try:
+            graph.capture_end()
+        except BaseException as exc:
+            _abandon(graph, pool, device, api, began=True, failure=exc)
+            raise
+        api.adopt(graph, owner)
+
+
+def _key() -> tuple[int, int]:
+    """The current CUDA stream, as :data:`~.lifetimes.LIFETIMES` keys it."""
+    stream = torch.cuda.current_stream()
+    return (stream.device_index, stream.cuda_stream)
 
 
 def _abandon(
@@ -255,7 +268,10 @@ def _abandon(
     except RuntimeError:
         pass  # the capture did not end: ours to undo
     else:
-        return  # it ended: the graph releases its pool; the generator left capture mode
+        # It ended: the graph releases its pool, the generator left capture
+        # mode; its stream's other graphs still decide when it goes.
+        api.adopt(graph, None)
+        return
     api.keep(graph)
     routed = False
     try:

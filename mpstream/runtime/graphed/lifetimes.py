@@ -27,6 +27,8 @@ import atexit
 import threading
 import weakref
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -44,6 +46,8 @@ class _Group:
     # Per live owner (by id): its graphs, and the weak reference that tells.
     owners: dict[int, tuple[list[Any], weakref.ref[Any]]] = field(default_factory=dict)
     retired: list[Any] = field(default_factory=list)
+    # Captures underway on the stream: what they bake in must not go meanwhile.
+    pins: int = 0
 
 
 class Lifetimes:
@@ -76,6 +80,34 @@ class Lifetimes:
                 group.owners[oid][0].append(graph)
             released = self._reap(stream)
         released.clear()  # destroyed outside the lock: a destructor may take a while
+        self._retry()
+
+    @contextmanager
+    def pinned(self, stream: Key) -> Iterator[None]:
+        """While the block runs (a capture on ``stream``), none of the
+        stream's graphs goes, even if its owners all die meanwhile."""
+        with self._lock:
+            self._groups.setdefault(stream, _Group()).pins += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                group = self._groups.get(stream)  # gone only if clear() ran meanwhile
+                if group is not None:
+                    group.pins -= 1
+                released = self._reap(stream)
+            released.clear()
+            self._retry()
+
+    def _retry(self) -> None:
+        """Reaps deaths queued while another thread held the lock (their
+        callback could not take it), so their graphs need no later call."""
+        while self._dead and self._lock.acquire(blocking=False):
+            try:
+                released = self._reap()
+            finally:
+                self._lock.release()
+            released.clear()
 
     def _gone(self, stream: Key, oid: int, ref: weakref.ref[Any]) -> None:
         """An owner died: its graphs retire (now, or when the lock is next
@@ -103,7 +135,7 @@ class Lifetimes:
         released: list[Any] = []
         for stream in streams:
             group = self._groups.get(stream)
-            if group is not None and not group.owners:
+            if group is not None and not group.owners and not group.pins:
                 del self._groups[stream]
                 released.extend(group.retired)
         return released
@@ -111,7 +143,7 @@ class Lifetimes:
     def held(self, stream: Key | None = None) -> int:
         """Graphs kept (on ``stream``, or on every stream)."""
         with self._lock:
-            released = self._reap()
+            released = self._reap(*self._groups)
             groups = self._groups.values() if stream is None else [self._groups.get(stream)]
             count = sum(
                 len(g.retired) + sum(len(gs) for gs, _ in g.owners.values())

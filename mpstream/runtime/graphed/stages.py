@@ -21,7 +21,8 @@ eagerly, with one warning naming it and why: on a CPU, a capture that
 failed (a host sync such as ``.item()``, an unsupported op), a parameter's
 tensor hook. Calls are bounded: past ``max_calls`` per stage the least
 recently used graphs not needed by the run are dropped (their memory goes
-with the other graphs captured on the stage's stream: :mod:`.lifetimes`);
+with the other graphs captured on the stage's stream, :mod:`.lifetimes`:
+the next run that leaves none busy drops them all and captures again);
 a call that finds no room, a slot with ``MAX_GENERATIONS`` forwards
 awaiting their backward, or a plain argument past its values
 (:class:`~.keys.Scalars`) runs eagerly, with one warning.
@@ -90,6 +91,10 @@ class _Stage:
         self.captures = 0
         self.recaptures = 0
         self.dropped: set[tuple[Any, ...]] = set()  # keys a replaced tensor invalidated
+        # Calls dropped for room since the last run began: their graphs wait
+        # for the stage's others (lifetimes), so a run that needs none of
+        # them busy drops them all, and the memory goes.
+        self.evicted = False
 
 
 class StageGraphs:
@@ -171,6 +176,10 @@ class StageGraphs:
         self.token = object() if step else None
         for st in self.stages:
             st.used.clear()
+            if st.evicted and not any(c.busy() for c in st.calls.values()):
+                st.dropped |= set(st.calls)  # their captures again count as recaptures
+                st.calls.clear()
+                st.evicted = False
             if st.reason is not None:
                 continue
             st.slots = max(st.slots, slots.counts[st.index])
@@ -382,6 +391,7 @@ class StageGraphs:
                 break
             if old not in st.used and not st.calls[old].busy():
                 del st.calls[old]
+                st.evicted = True
         return len(st.calls) < self.max_calls
 
     def _overflow(self, st: _Stage, why: str) -> None:

@@ -12,6 +12,7 @@ point is injected, and afterwards the world must be clean."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,6 +126,9 @@ class FakeApi:
         self.world.log.append("adopt")
         self.adopted = (graph, owner)
 
+    def hold(self) -> AbstractContextManager[None]:
+        return nullcontext()
+
 
 def host_sync(world: World) -> None:
     world.stream = "invalidated"  # .item() inside the capture
@@ -157,7 +161,8 @@ CASES: dict[str, tuple[str | None, Callable[[World], None], str | None, list[str
         ["capture_begin", "capture_end", *UNDO],
     ),
     "a Python error in a valid capture": (
-        None, python_error, "a shape the stage refuses", ["capture_begin", "capture_end"],
+        None, python_error, "a shape the stage refuses",
+        ["capture_begin", "capture_end", "adopt"],
     ),
     "capture_begin before routing": (
         "begin, before routing", nothing, "non-default stream",
@@ -170,7 +175,7 @@ CASES: dict[str, tuple[str | None, Callable[[World], None], str | None, list[str
         "end, invalid capture", nothing, "Invalid capture", ["capture_begin", "capture_end", *UNDO],
     ),
     "capture_end after the capture ended": (
-        "end, instantiate", nothing, "out of memory", ["capture_begin", "capture_end"],
+        "end, instantiate", nothing, "out of memory", ["capture_begin", "capture_end", "adopt"],
     ),
 }  # fmt: skip
 

@@ -77,6 +77,40 @@ def test_an_owner_that_dies_while_the_registry_is_busy_is_reaped_on_its_next_use
     assert reg.held() == 0 and gone() is None
 
 
+def test_a_capture_underway_keeps_its_streams_graphs_when_their_owners_die() -> None:
+    # Another capture on the stream may bake in the workspace the others'
+    # destruction would drop: nothing of the stream goes until it ends.
+    reg = Lifetimes()
+    owner, graph = Owner(), Graph()
+    reg.adopt(graph, S, owner)
+    gone = weakref.ref(graph)
+    del graph
+    with reg.pinned(S):
+        del owner
+        gc.collect()
+        assert gone() is not None
+        new_owner = Owner()
+        reg.adopt(Graph(), S, new_owner)  # the capture's own graph, adopted at its end
+    assert gone() is not None  # the new graph's owner lives
+    del new_owner
+    gc.collect()
+    assert gone() is None and reg.held() == 0
+
+
+def test_a_death_queued_while_another_thread_held_the_lock_is_reaped_when_it_lets_go() -> None:
+    reg = Lifetimes()
+    owner, graph = Owner(), Graph()
+    reg.adopt(graph, S, owner)
+    gone = weakref.ref(graph)
+    del graph
+    with reg.pinned(T):  # any use that takes and releases the lock
+        with reg._lock:
+            del owner
+            gc.collect()
+        assert gone() is not None  # queued: the lock was held
+    assert gone() is None  # reaped as the pin let go, with no further adopt()
+
+
 def test_an_owners_many_graphs_are_one_entry() -> None:
     reg = Lifetimes()
     owner = Owner()

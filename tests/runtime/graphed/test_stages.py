@@ -275,6 +275,24 @@ def test_graphed_calls_are_bounded() -> None:
     assert all(len(s.calls) <= 2 for s in graphs.stages)
 
 
+def test_calls_dropped_for_room_go_with_the_stages_others_at_the_next_run() -> None:
+    # A dropped call's graphs wait for those captured on its stream (torch
+    # 2.11's destructor drops the stream's cuBLAS workspace): the next run
+    # that leaves none busy drops the stage's calls together, freeing them.
+    eager, graphed = pair(mlp(WIDTHS), chunks=1)
+    graphs = graphed._rt()[1].graphs
+    assert isinstance(graphs, StageGraphs)
+    graphs.max_calls = 2
+    with torch.no_grad():
+        for batch in (1, 2, 3):  # the third drops the first for room
+            graphed(torch.randn(batch, WIDTHS[0], dtype=torch.float64))
+        assert all(len(s.calls) == 2 and s.evicted for s in graphs.stages)
+        x = torch.randn(3, WIDTHS[0], dtype=torch.float64)
+        torch.testing.assert_close(graphed(x), eager(x))  # all dropped, one captured again
+    assert all(len(s.calls) == 1 and not s.evicted for s in graphs.stages)
+    assert all(s.recaptures == 1 for s in graphed.graph_report().stages)
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
 def test_graphed_stages_issue_the_eager_event_plan(schedule: str) -> None:
     # A replay is the task's work: the streams, waits and records around it
