@@ -38,7 +38,8 @@ from torch import Tensor
 
 from ..split_backward import Split
 from .call import GraphedCall
-from .capturing import capturing, ordered
+from .capturing import capturing
+from .rng import ordered
 
 __all__ = [
     "CudaGraphs", "whole", "input_pass", "weight_pass", "split_of", "shares", "reached_from",
@@ -187,7 +188,7 @@ class CudaGraphs:
     Warm-up also finds the passes that draw random numbers (the generator's
     offset moves; ``call.random_passes``): their replays, and every capture,
     write the generator's graph scalars, so they take turns per device
-    (:func:`~mpstream.runtime.graphed.capturing.ordered`).
+    (:func:`~mpstream.runtime.graphed.rng.ordered`).
 
     Args:
         warmup: eager forward (+ backward) iterations before capture.

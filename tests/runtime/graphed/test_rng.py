@@ -1,6 +1,6 @@
 """Graph work that shares the generator's graph scalars takes turns per device.
 
-:class:`~mpstream.runtime.graphed.capturing.RngOrder` runs here on fake streams
+:class:`~mpstream.runtime.graphed.rng.RngOrder` runs here on fake streams
 and events; warm-up's finding of the passes that draw random numbers runs
 on the CPU generator. test_stages_cuda.py checks both on a GPU (dropout in
 stages sharing one, against the eager pipe and under CUDA's sanitizer)."""
@@ -15,11 +15,11 @@ import torch
 from torch import Tensor, nn
 
 from mpstream.runtime.graphed import Emulated
-from mpstream.runtime.graphed import capturing as capturing_module
+from mpstream.runtime.graphed import rng as rng_module
 from mpstream.runtime.graphed.backends import PASSES, warm_up
 from mpstream.runtime.graphed.call import GraphedCall
-from mpstream.runtime.graphed.capturing import RngOrder, ordered
 from mpstream.runtime.graphed.grads import GradStore
+from mpstream.runtime.graphed.rng import RngOrder, ordered
 from tests.helpers import mlp
 
 
@@ -135,14 +135,14 @@ def test_no_order_where_each_capture_has_scalars_of_its_own(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # torch 2.13 on: no section, so no lock is held across any capture.
-    monkeypatch.setattr(capturing_module, "SHARED_SCALARS", False)
-    monkeypatch.setattr(capturing_module, "_orders", {})
+    monkeypatch.setattr(rng_module, "SHARED_SCALARS", False)
+    monkeypatch.setattr(rng_module, "_orders", {})
     with ordered(torch.device("cuda", 0)):
         pass
-    assert capturing_module._orders == {}
-    monkeypatch.setattr(capturing_module, "SHARED_SCALARS", True)
+    assert rng_module._orders == {}
+    monkeypatch.setattr(rng_module, "SHARED_SCALARS", True)
     section = ordered(torch.device("cuda", 0))  # made lazily: no CUDA call yet
-    assert list(capturing_module._orders) == [0]
+    assert list(rng_module._orders) == [0]
     del section
 
 
@@ -152,7 +152,7 @@ def test_the_order_is_nothing_off_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
 
     for name in ("current_device", "current_stream", "Event", "is_current_stream_capturing"):
         monkeypatch.setattr(torch.cuda, name, touched)
-    orders = dict(capturing_module._orders)
+    orders = dict(rng_module._orders)
     cpu = torch.device("cpu")
     log: list[str] = []
     with ordered(cpu):
@@ -178,7 +178,7 @@ def test_the_order_is_nothing_off_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     leave.set()
     worker.join(5)
     assert log == ["body", "thread in", "main", "thread out"]
-    assert capturing_module._orders == orders  # no order was made for the CPU
+    assert rng_module._orders == orders  # no order was made for the CPU
 
 
 class NoisyGrad(torch.autograd.Function):
