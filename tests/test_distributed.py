@@ -228,6 +228,46 @@ def _run_overlap(rank: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def _four_stages() -> nn.Sequential:
+    torch.manual_seed(3)
+    return nn.Sequential(*(nn.Linear(6, 6) for _ in range(4))).double()
+
+
+def _uneven_batch(rank: int) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(10 + rank)
+    rows = 2 + rank  # 2 and 3 micro-batches of one row
+    return (torch.randn(rows, 6, generator=g, dtype=torch.float64),
+            torch.randn(rows, 6, generator=g, dtype=torch.float64))  # fmt: skip
+
+
+def _run_uneven(rank: int) -> dict[str, Any]:
+    """zb_h1 over four stages ends them in another order with 2 micro-batches
+    (rank 0) than with 3 (rank 1); the all-reduces must still pair up. Then
+    a step that fails in stage 0 on rank 0 (after later stages issued) and
+    in stage 3 on rank 1 (before any did), then one that succeeds."""
+    pipe = Pipe(_four_stages(), split_size=1, balance=[1] * 4, devices=["cpu"] * 4,
+                schedule="zb_h1")  # fmt: skip
+    ddp = mpdist.wrap(pipe)
+    x, y = _uneven_batch(rank)
+    mpdist.train_step(ddp, x, y, nn.MSELoss())
+    grads = {n: p.grad.clone() for n, p in pipe.named_parameters()}  # type: ignore[union-attr]
+    pipe.zero_grad()
+    failing = pipe.partitions[0 if rank == 0 else 3][0]
+    handle = failing.register_full_backward_hook(
+        lambda *_: (_ for _ in ()).throw(KeyError("backward failed"))
+    )
+    failed = ""
+    try:
+        mpdist.train_step(ddp, x, y, nn.MSELoss())
+    except KeyError as exc:
+        failed = str(exc)
+    handle.remove()
+    untouched = all(p.grad is None for p in pipe.parameters())
+    mpdist.train_step(ddp, x, y, nn.MSELoss())
+    after = {n: p.grad.clone() for n, p in pipe.named_parameters()}  # type: ignore[union-attr]
+    return {"grads": grads, "failed": failed, "untouched": untouched, "after": after}
+
+
 def _norm_model() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(
@@ -277,6 +317,7 @@ def _worker(rank: int, store_path: str, out_dir: str) -> None:
         results: dict[str, Any] = {name: _run_case(case, rank) for name, case in CASES.items()}
         results["presence"] = _run_gradient_presence(rank)
         results["overlap"] = _run_overlap(rank)
+        results["uneven"] = _run_uneven(rank)
         results["buffers-forward"] = _run_buffers(rank, "forward")
         results["buffers-train_step"] = _run_buffers(rank, "train_step")
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
@@ -357,6 +398,31 @@ def test_a_failed_step_waits_for_its_all_reduces_and_leaves_no_gradient(
         assert all(g is None for g in got["grads_after_failure"])  # zeroed before: put back
         for key in one_step:
             torch.testing.assert_close(got["params"][key], one_step[key], msg=f"rank {rank}: {key}")
+
+
+def test_processes_whose_stages_end_in_other_orders_average_the_right_gradients(
+    ranks: list[dict[str, Any]],
+) -> None:
+    # Each process's own gradients, from the unsplit model; their mean.
+    own = []
+    for rank in range(WORLD):
+        model = _four_stages()
+        x, y = _uneven_batch(rank)
+        nn.MSELoss()(model(x), y).backward()
+        own.append({n: p.grad for n, p in model.named_parameters()})
+    for results in ranks:
+        for key, grad in results["uneven"]["grads"].items():
+            torch.testing.assert_close(grad, (own[0][key] + own[1][key]) / 2, msg=key)
+
+
+def test_steps_failing_at_different_points_leave_the_next_step_paired(
+    ranks: list[dict[str, Any]],
+) -> None:
+    for results in ranks:
+        got = results["uneven"]
+        assert "backward failed" in got["failed"] and got["untouched"]
+        for key, grad in got["after"].items():  # as the first step: nothing of the failed one
+            torch.testing.assert_close(grad, got["grads"][key], msg=key)
 
 
 def test_train_step_handles_buffers_as_the_ddp_forward_does(ranks: list[dict[str, Any]]) -> None:

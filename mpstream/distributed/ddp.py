@@ -198,8 +198,11 @@ def train_step(
     compute theirs (as DDP overlaps its buckets with the backward), and
     divided by the group size once the step is done. With equal per-process
     batches and ``reduction='mean'`` the result equals one process's
-    ``train_step`` on the concatenated batch. If the step fails, the
-    all-reduces it started are waited for before its gradients are put back.
+    ``train_step`` on the concatenated batch. Stages are reduced last to
+    first on every process, whatever order its schedule ended them in. If
+    the step fails, the sequence of all-reduces is completed with zeros and
+    waited for before its gradients are put back, so the next step's pair
+    up on every process.
 
     As DDP's forward does, buffers (BatchNorm statistics) are first broadcast
     from the group's first process when ``ddp.broadcast_buffers`` is true.
