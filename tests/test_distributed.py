@@ -263,9 +263,20 @@ def _run_uneven(rank: int) -> dict[str, Any]:
         failed = str(exc)
     handle.remove()
     untouched = all(p.grad is None for p in pipe.parameters())
+    # Rank 1 alone fails before its step begins (a target of another batch
+    # size); rank 0's step, done meanwhile, is undone too.
+    refused = ""
+    try:
+        mpdist.train_step(ddp, x, y if rank == 0 else y[:1], nn.MSELoss())
+    except (ValueError, RuntimeError) as exc:
+        refused = f"{type(exc).__name__}: {exc}"
+    untouched = untouched and all(p.grad is None for p in pipe.parameters())
     mpdist.train_step(ddp, x, y, nn.MSELoss())
     after = {n: p.grad.clone() for n, p in pipe.named_parameters()}  # type: ignore[union-attr]
-    return {"grads": grads, "failed": failed, "untouched": untouched, "after": after}
+    return {
+        "grads": grads, "failed": failed, "untouched": untouched, "after": after,
+        "refused": refused,
+    }  # fmt: skip
 
 
 def _norm_model() -> nn.Sequential:
@@ -418,9 +429,11 @@ def test_processes_whose_stages_end_in_other_orders_average_the_right_gradients(
 def test_steps_failing_at_different_points_leave_the_next_step_paired(
     ranks: list[dict[str, Any]],
 ) -> None:
-    for results in ranks:
+    for rank, results in enumerate(ranks):
         got = results["uneven"]
         assert "backward failed" in got["failed"] and got["untouched"]
+        why = "ValueError: target" if rank == 1 else "RuntimeError: another process"
+        assert got["refused"].startswith(why), got["refused"]
         for key, grad in got["after"].items():  # as the first step: nothing of the failed one
             torch.testing.assert_close(grad, got["grads"][key], msg=key)
 

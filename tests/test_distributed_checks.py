@@ -249,6 +249,21 @@ def test_a_gradient_set_by_hand_on_a_graphed_stage_is_reduced_not_dropped(group:
             torch.testing.assert_close(a.grad, b.grad)
 
 
+def test_the_reduced_parameters_follow_requires_grad_without_a_registration(group: None) -> None:
+    # Gradual unfreezing registers no module: the units must still notice.
+    pipe = small_pipe()
+    ddp = mpdist.wrap(pipe)
+    x, y = batches(1)[0]
+    mpdist.train_step(ddp, x, y, nn.MSELoss())
+    before = mpdist.StageReducer(ddp).units()
+    first = next(pipe.partitions[0].parameters())
+    first.requires_grad_(False)
+    after = mpdist.StageReducer(ddp).units()
+    assert any(p is first for p in before.params[0])
+    assert not any(p is first for p in after.params[0])
+    assert after.order == before.order == [1, 0, -1]
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("graphs", [False, True])
 def test_train_step_on_one_gpu_over_nccl_equals_the_models_gradients(graphs: bool) -> None:

@@ -32,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..pipe.module import unsplit
 from ..pipe.pipe import Pipe
+from ..runtime.errors import annotate
 from ..runtime.microbatch import Value
 from ..stages.sequential import DeviceLike
 from .gradients import BUCKET_BYTES, StageReducer
@@ -199,10 +200,10 @@ def train_step(
     divided by the group size once the step is done. With equal per-process
     batches and ``reduction='mean'`` the result equals one process's
     ``train_step`` on the concatenated batch. Stages are reduced last to
-    first on every process, whatever order its schedule ended them in. If
-    the step fails, the sequence of all-reduces is completed with zeros and
-    waited for before its gradients are put back, so the next step's pair
-    up on every process.
+    first on every process, whatever order its schedule ended them in. A
+    step fails on every process or on none: one whose step fails completes
+    the sequence of all-reduces with zeros and raises; the others raise
+    ``RuntimeError``; each puts its gradients back as they were.
 
     As DDP's forward does, buffers (BatchNorm statistics) are first broadcast
     from the group's first process when ``ddp.broadcast_buffers`` is true.
@@ -236,6 +237,8 @@ def train_step(
             communication hook is set (train_step reduces the gradients
             itself), a gradient is sparse, or bad inputs as for
             :meth:`~mpstream.Pipe.train_step`.
+        RuntimeError: another process of the group failed this step (this
+            one's is undone too).
     """
     pipe = _check_ddp_pipe(ddp, "train_step")
     if ddp.broadcast_buffers:
@@ -245,9 +248,17 @@ def train_step(
     if not ddp.require_backward_grad_sync:  # inside no_sync(): accumulate only
         return pipe.train_step(inputs, target, loss_fn, reduction=reduction, scaler=scaler)
     reducer = StageReducer(ddp)
-    loss = pipe._train_step(inputs, target, loss_fn, reduction, scaler, stage_done=reducer)
-    reducer.finish()
-    return loss
+    try:
+        return pipe._train_step(inputs, target, loss_fn, reduction, scaler, stage_done=reducer)
+    except BaseException as exc:
+        # Also a failure before the step began (a bad batch on this process
+        # only): the other processes' collectives are matched, and they learn
+        # of it and undo their step too. A second abort() does nothing.
+        try:
+            reducer.abort()
+        except BaseException as cleanup:
+            annotate(exc, f"mpstream: completing the gradients' reduction raised: {cleanup!r}")
+        raise
 
 
 def sync_buffers(ddp: DistributedDataParallel) -> None:

@@ -22,9 +22,10 @@ chunks of DDP's bucket size, whichever way the stage keeps them: a graphed
 stage's gradient buffers (``Pipe(graphs=True)``) are that tensor already
 and are reduced in place; other gradients are copied into one laid out the
 same way, and back after. A step that fails completes the sequence with
-zeros (:meth:`StageReducer.abort`), so that a process that failed elsewhere
-in its step, or not at all, is not left waiting or paired with the next
-step's collectives.
+zeros (:meth:`StageReducer.abort`) and says so in that last all-reduce, so
+that a process that failed elsewhere in its step, or not at all, is neither
+left waiting nor paired with the next step's collectives, and undoes its
+step too (:meth:`StageReducer.end` raises there).
 """
 
 from __future__ import annotations
@@ -73,9 +74,12 @@ class _Units:
 class StageReducer:
     """Averages each stage's gradients over ``ddp``'s group as the stage ends.
 
-    Call it with a stage's index inside that stage's last gradient task of a
-    step, then :meth:`finish` after the step; :meth:`abort` instead, before
-    anything is put back, if the step failed.
+    Called with a stage's index inside that stage's last gradient task of a
+    step, :meth:`end` once every task ran (inside the step, so that a
+    failure there is undone with it), :meth:`abort` instead if the step
+    failed, before anything is put back. Every process ends the step the
+    same way: if any process aborted, :meth:`end` raises on the others, so
+    each one undoes the step.
 
     Args:
         ddp: the DistributedDataParallel module around the pipe; every
@@ -94,19 +98,32 @@ class StageReducer:
         self.issued: list[tuple[list[_Group], GradStore | None]] = []
         self.ended: dict[int, Any] = {}  # unit -> the stream current when it ended
         self.next = 0  # position in the units' order of the next to issue
+        self.exchanged = False  # the presence all-reduce, which closes the sequence
         self._units: _Units | None = None
 
     def units(self) -> _Units:
-        """The step's units (found at first use: a traced pipe is split by its
-        first call; kept on the pipe until a module registers something)."""
+        """The step's units, found at first use (a traced pipe is split by
+        its first call) and kept on the pipe while its modules, split and
+        parameters' ``requires_grad`` stay as they are."""
         if self._units is None:
-            key = (generation(), self.ignored)
             cached = self.pipe.__dict__.get("_reduce_units")
-            if cached is None or cached[0] != key:
-                cached = (key, _units_of(self.pipe, self.ignored))
+            if cached is None or cached[0] != (generation(), self.ignored, self._split()):
+                cached = None
+            else:
+                flags = [p.requires_grad for p in cached[2]]
+                cached = cached if flags == cached[3] else None
+            if cached is None:
+                units = _units_of(self.pipe, self.ignored)
+                candidates = [p for _, p in self.pipe.named_parameters()]
+                key = (generation(), self.ignored, self._split())
+                cached = (key, units, candidates, [p.requires_grad for p in candidates])
                 self.pipe.__dict__["_reduce_units"] = cached
             self._units = cached[1]
         return self._units
+
+    def _split(self) -> int:
+        # A traced pipe switches between splits it keeps, registering nothing.
+        return id(self.pipe.__dict__.get("_partitions"))
 
     def __call__(self, stage: int) -> None:
         """Stage ``stage`` ended: issues every unit whose turn has come."""
@@ -119,135 +136,141 @@ class StageReducer:
         units = self.units()
         while self.next < len(units.order) and units.order[self.next] in self.ended:
             unit = units.order[self.next]
-            self._check(unit)  # refused before its turn is taken: abort() completes it
-            self.next += 1
             stream = self.ended[unit]
             # On the stream current when it ended: after its work, whatever
             # later stage's task issues it now.
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
-                self._issue(unit)
+                # Built before its turn is taken: a refusal (a sparse
+                # gradient) or an allocation failure leaves it to abort().
+                groups, store = self._prepare(unit)
+                self.next += 1
+                self.issued.append((groups, store))
+                for g in groups:
+                    self._reduce(g)
 
-    def _check(self, unit: int) -> None:
+    def _prepare(self, unit: int) -> tuple[list[_Group], GradStore | None]:
+        """The unit's flat tensors: a graphed stage's buffers, or copies laid out alike."""
         units = self.units()
-        for p in units.params[unit]:
+        params = units.params[unit]
+        for p in params:
             if p.grad is not None and p.grad.is_sparse:
                 raise ValueError(
                     f"gradient of {units.names.get(id(p), 'a parameter')} is sparse; mpstream "
                     f"reduces dense gradients"
                 )
-
-    def _issue(self, unit: int) -> None:
-        params = self.units().params[unit]
         if not params:
-            return
+            return [], None
         store = self.pipe._grad_stores()[unit] if unit >= 0 else None
         layout = _by_layout(params)
         flats = _store_flats(store, layout)
-        groups: list[_Group] = []
         with torch.no_grad():
-            if flats is not None:
-                assert store is not None
-                # A parameter whose .grad is not its view contributes that
-                # tensor (set by hand) or nothing; the view's stale values must not.
-                owned = store.owned()
-                absent = [v for p, v in owned if p.grad is None]
-                if absent:
-                    torch._foreach_zero_(absent)
-                for p, v in owned:
-                    if p.grad is not None and p.grad is not v:
-                        v.copy_(p.grad)
-                groups = [_Group(ps, flat, None) for ps, flat in zip(layout, flats)]
-            else:
+            if flats is None:
+                groups = []
                 for ps in layout:
                     flat, views = _laid_out(ps)
                     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in ps]
                     torch._foreach_copy_(views, grads)
                     groups.append(_Group(ps, flat, views))
-            # Listed before issuing: a failure part-way still waits for what began.
-            self.issued.append((groups, store if flats is not None else None))
-            for g in groups:
-                self._reduce(g)
+                return groups, None
+            assert store is not None
+            # A parameter whose .grad is not its view contributes that
+            # tensor (set by hand) or nothing; the view's stale values must not.
+            owned = store.owned()
+            absent = [v for p, v in owned if p.grad is None]
+            if absent:
+                torch._foreach_zero_(absent)
+            for p, v in owned:
+                if p.grad is not None and p.grad is not v:
+                    v.copy_(p.grad)
+        return [_Group(ps, flat, None) for ps, flat in zip(layout, flats)], store
+
+    def _chunks(self, numel: int, itemsize: int) -> Iterator[tuple[int, int]]:
+        step = max(1, self.cap // itemsize)
+        for start in range(0, numel, step):
+            yield start, min(numel, start + step)
 
     def _reduce(self, g: _Group) -> None:
-        step = max(1, self.cap // g.flat.element_size())
-        for start in range(0, g.flat.numel(), step):
-            chunk = g.flat[start : start + step]
+        for start, stop in self._chunks(g.flat.numel(), g.flat.element_size()):
+            chunk = g.flat[start:stop]
             g.works.append(dist.all_reduce(chunk, group=self.group, async_op=True))
 
-    def _presence(self, flags: Sequence[bool], device: torch.device) -> Tensor:
+    def _exchange(self, aborted: bool) -> tuple[set[int], bool]:
+        """Which parameters had a gradient on some process, and whether some
+        process aborted: the sequence's last all-reduce."""
+        units = self.units()
+        params = [p for unit in units.order for p in units.params[unit]]
+        flags = [p.grad is not None and not aborted for p in params] + [aborted]
+        device = params[0].device if params else torch.device("cpu")
         present = torch.tensor(flags, dtype=torch.int32, device=device)
+        self.exchanged = True
         dist.all_reduce(present, group=self.group)
-        return present
+        counts = present.tolist()
+        return {id(p) for p, n in zip(params, counts) if n}, counts[-1] > 0
 
-    def finish(self) -> None:
-        """After the step: the rest reduced, every all-reduce waited for (on
-        the current stream) and averaged, then which parameters had a
-        gradient anywhere (one more all-reduce), and the averages written back.
+    def end(self) -> None:
+        """Every task of the step ran: the rest reduced, every all-reduce
+        waited for (on the current stream) and averaged, which parameters
+        had a gradient anywhere exchanged, and the averages written back.
 
         Raises:
-            ValueError: a gradient is sparse (the sequence is completed first).
+            RuntimeError: another process of the group aborted this step
+                (nothing is written back; the caller undoes the step).
+            ValueError: a gradient is sparse.
         """
         units = self.units()
-        try:
-            for unit in units.order:  # every stage ended in a training step
-                self.ended.setdefault(unit, None)
-            self._drain()
-        except BaseException:
-            self.abort()
-            raise
-        issued, self.issued = self.issued, []
-        params = [p for unit in units.order for p in units.params[unit]]
-        if not params:
-            return
+        for unit in units.order:  # a stage with no gradient task ends here
+            self.ended.setdefault(unit, None)
+        self._drain()
         with torch.no_grad():
-            for groups, _ in issued:
+            for groups, _ in self.issued:
                 for g in groups:
                     for w in g.works:
                         w.wait()
                     if g.views is not None:  # made on a stage's stream, read on this one
                         record_stream(g.flat, current_stream(g.flat.device))
-                    g.flat.div_(self.size)
-            present = self._presence([p.grad is not None for p in params], params[0].device)
-            anywhere = {id(p) for p, n in zip(params, present.tolist()) if n}
+        anywhere, aborted = self._exchange(aborted=False)
+        if aborted:
+            raise RuntimeError(
+                "another process of the group failed this training step (its error is "
+                "raised there); the step is undone here too, so the processes stay alike"
+            )
+        issued, self.issued = self.issued, []
+        with torch.no_grad():
             for groups, store in issued:
                 for g in groups:
+                    g.flat.div_(self.size)
                     if g.views is None:
                         continue
                     for p, view in zip(g.params, g.views):
-                        if id(p) not in anywhere:
-                            continue
-                        if p.grad is None:
-                            p.grad = torch.zeros_like(p)
-                        p.grad.copy_(view)
+                        if id(p) in anywhere:
+                            if p.grad is None:
+                                p.grad = torch.zeros_like(p)
+                            p.grad.copy_(view)
                 if store is not None:  # a gradient from elsewhere: .grad is the view again
                     for p, v in store.owned():
                         if p.grad is not v and id(p) in anywhere:
                             p.grad = v
 
     def abort(self) -> None:
-        """After a failed step, before its gradients are put back: completes
-        the step's sequence of collectives with zeros (what the other
-        processes issue is matched, whether they failed elsewhere or not at
-        all) and waits for every one, so nothing writes into the gradients
-        afterwards. A collective that fails ends the completion (the group
-        is broken then); the first such error is raised after the waits."""
-        units = self.units()
+        """The step failed here (or :meth:`end` found another process's
+        failure), before its gradients are put back: completes the step's
+        sequence of collectives with zeros, so every other process's pairs
+        up and learns of the failure, and waits for every one, so nothing
+        writes into the gradients afterwards. Does nothing a second time.
+        A collective that fails ends the completion (the group is broken
+        then); the first such error is raised after the waits.
+        """
         first: BaseException | None = None
         try:
+            units = self.units()
             with torch.no_grad():
                 while self.next < len(units.order):
                     params = units.params[units.order[self.next]]
                     self.next += 1
                     for ps in _by_layout(params):
-                        zeros = torch.zeros(
-                            sum(p.numel() for p in ps), dtype=ps[0].dtype, device=ps[0].device
-                        )
-                        g = _Group(ps, zeros, [])
-                        self.issued.append(([g], None))
-                        self._reduce(g)
-                params = [p for unit in units.order for p in units.params[unit]]
-                if params:
-                    self._presence([False] * len(params), params[0].device)
+                        self._zeros(ps)
+                if not self.exchanged:
+                    self._exchange(aborted=True)
         except Exception as exc:
             first = exc
         issued, self.issued = self.issued, []
@@ -261,6 +284,18 @@ class StageReducer:
         if first is not None:
             raise first
 
+    def _zeros(self, params: Sequence[nn.Parameter]) -> None:
+        """All-reduces zeros in the chunks a group of ``params`` would take,
+        one chunk-sized buffer at a time (a failed step may be out of memory)."""
+        numel = sum(p.numel() for p in params)
+        p0 = params[0]
+        chunks = list(self._chunks(numel, p0.element_size()))
+        buf = torch.empty(max(b - a for a, b in chunks), dtype=p0.dtype, device=p0.device)
+        for start, stop in chunks:
+            chunk = buf[: stop - start]
+            chunk.zero_()
+            dist.all_reduce(chunk, group=self.group)
+
 
 def sync_gradients(ddp: DistributedDataParallel) -> None:
     """Averages the ``.grad`` of the wrapped module's parameters over ``ddp``'s group.
@@ -271,23 +306,28 @@ def sync_gradients(ddp: DistributedDataParallel) -> None:
     rule); one without a gradient anywhere keeps ``grad=None``. Graphed
     stages' gradient buffers (``Pipe(graphs=True)``: the parameters'
     ``.grad`` are views of one flat buffer per stage and dtype) are reduced
-    in place, in chunks of the bucket size, with no copy; the other
-    gradients are flattened per stage, device and dtype. All of the
-    all-reduces are issued before the first is waited for.
-    :func:`~mpstream.distributed.train_step` issues each stage's as the
-    stage ends instead.
+    in place, in chunks of the bucket size; the other gradients are copied
+    into one tensor per stage, device and dtype. All of the all-reduces are
+    issued before the first is waited for. :func:`~mpstream.distributed.train_step`
+    issues each stage's as the stage ends instead.
 
     Args:
         ddp: a DistributedDataParallel module; every process of its group
             must call this.
 
     Raises:
-        ValueError: a gradient is sparse.
+        ValueError: a gradient is sparse (on every process: the others
+            learn of it through the sequence's last all-reduce).
+        RuntimeError: another process's call failed.
     """
     reducer = StageReducer(ddp)
-    for stage in range(len(reducer.pipe.devices)):
-        reducer(stage)
-    reducer.finish()
+    try:
+        for stage in range(len(reducer.pipe.devices)):
+            reducer(stage)
+        reducer.end()
+    except BaseException:
+        reducer.abort()
+        raise
 
 
 def _units_of(pipe: Pipe, ignored: frozenset[str]) -> _Units:

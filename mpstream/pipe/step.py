@@ -35,6 +35,9 @@ class StageDone(Protocol):
     def __call__(self, stage: int) -> None:
         """Inside stage ``stage``'s last backward or weight task, on its stream."""
 
+    def end(self) -> None:
+        """Every task ran; still inside the step (a failure here undoes it)."""
+
     def abort(self) -> None:
         """The step failed: before its gradients are put back."""
 
@@ -130,7 +133,8 @@ class PipeStep(PipeCall):
         before), so the failure snapshot copies none and zeroes them back.
         ``stage_done``: called with a stage's index inside its last
         gradient task (``mpstream.distributed`` starts its all-reduces
-        there); its ``abort()`` before a failed step is put back."""
+        there), its ``end()`` once every task ran, its ``abort()`` before a
+        failed step is put back."""
         if torch.is_inference_mode_enabled():
             raise RuntimeError(
                 "train_step was called under torch.inference_mode(), where nothing can be "
@@ -202,11 +206,13 @@ class PipeStep(PipeCall):
                     None if scaler is None else scaler.scale,
                     stage_done,
                 )
+            if stage_done is not None:
+                stage_done.end()  # inside: a failure there is undone with the step
         except BaseException as exc:
             if stage_done is not None:
                 try:
                     stage_done.abort()
-                except Exception as cleanup:
+                except BaseException as cleanup:  # the restore below must still run
                     annotate(
                         exc, f"mpstream: waiting for the gradients' reduction raised: {cleanup!r}"
                     )
