@@ -53,6 +53,8 @@ import torch
 from torch._C._autograd import DeviceType
 from torch.profiler import ProfilerActivity, record_function
 
+from .timeline import merge_spans
+
 __all__ = ["BLOCKED_US", "KINDS", "Breakdown", "Interval", "attribute", "host_breakdown", "kind_of"]
 
 #: The kinds of host time, in the order tables list them.
@@ -151,7 +153,7 @@ def attribute(
                         elsewhere.append((lo, hi))
                 elif thread == main:
                     idle.append((lo, hi))
-    waited = _overlap(_union(idle), _union(elsewhere))
+    waited = _overlap(merge_spans(idle), merge_spans(elsewhere))
     out["python"] = sum(e - s for s, e in idle) - waited
     out["waiting"] = waited
     return {k: v for k, v in out.items() if v > 0}
@@ -179,16 +181,6 @@ def _innermost(
             heapq.heappop(heap)
         pieces.append((a, b, ivs[heap[0][2]].kind if heap else None))
     return pieces
-
-
-def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    merged: list[tuple[float, float]] = []
-    for s, e in sorted(spans):
-        if merged and s <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], e))
-        else:
-            merged.append((s, e))
-    return merged
 
 
 def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:

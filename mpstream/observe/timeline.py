@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Span", "Timeline", "Summary", "COMPUTE", "COPIES"]
+__all__ = ["Span", "Timeline", "Summary", "COMPUTE", "COPIES", "merge_spans"]
 
 COMPUTE = ("forward", "backward", "weight")
 COPIES = ("copy", "copy_grad", "target")
@@ -67,7 +67,8 @@ def _label(span: Span) -> str:
     return f"{span.kind} s{span.stage} mb{span.micro}"
 
 
-def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+def merge_spans(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The intervals merged where they overlap or touch, in order."""
     merged: list[tuple[float, float]] = []
     for a, b in sorted(intervals):
         if merged and a <= merged[-1][1]:
@@ -183,7 +184,7 @@ class Timeline:
             spans.setdefault((s.stream, s.run), []).append((s.start_ms, s.end_ms))
         out = {}
         for stream in self.streams:
-            per_run = [_length(_union(spans.get((stream, r), []))) for r in self.runs()]
+            per_run = [_length(merge_spans(spans.get((stream, r), []))) for r in self.runs()]
             if any(per_run):
                 out[stream] = statistics.median(per_run)
         return out
@@ -192,7 +193,9 @@ class Timeline:
         start = min(s.start_ms for s in spans)
         makespan = max(s.end_ms for s in spans) - start
         compute = {
-            st: _union((s.start_ms, s.end_ms) for s in spans if s.kind in COMPUTE and s.stage == st)
+            st: merge_spans(
+                (s.start_ms, s.end_ms) for s in spans if s.kind in COMPUTE and s.stage == st
+            )
             for st in range(stages)
         }
         busy = [_length(compute[st]) for st in range(stages)]
@@ -216,7 +219,7 @@ class Timeline:
             for c in copies:
                 devices = frozenset(where.get(st, f"stage{st}") for st in c.stages)
                 if devices not in near:
-                    near[devices] = _union(
+                    near[devices] = merge_spans(
                         iv for d in devices for st in on.get(d, []) for iv in compute[st]
                     )
                 covered += _overlap(c.start_ms, c.end_ms, near[devices])

@@ -146,11 +146,15 @@ class _Step:
         self.before_backward = before_backward
         self.after_grads = after_grads
         # Per stage, its last task that accumulates into its gradients.
-        self.final: dict[int, tuple[Kind, int]] = {
-            t.stage: (t.kind, t.micro)
-            for t in schedule.tasks
-            if t.kind in (Kind.BACKWARD, Kind.WEIGHT)
-        }
+        self.final: dict[int, tuple[Kind, int]] = (
+            {}
+            if after_grads is None
+            else {
+                t.stage: (t.kind, t.micro)
+                for t in schedule.tasks
+                if t.kind in (Kind.BACKWARD, Kind.WEIGHT)
+            }
+        )
         self.labels = list(targets)
         self.backward_seen: set[int] = set()
         self.roots: dict[tuple[int, int], list[tuple[tuple[int, int], Tensor]]] = {}
