@@ -240,11 +240,13 @@ class PipeStep(PipeCall):
 
     def _stage_params(self) -> list[list[nn.Parameter]]:
         """Each stage's parameters, found again only when a module
-        registered something (a walk over every module costs)."""
+        registered something or a traced pipe switched to another kind's
+        split (a walk over every module costs)."""
         found = self.__dict__.get("_param_lists")
-        now = generation()
+        parts = self.__dict__["_partitions"]
+        now = (generation(), id(parts))
         if found is None or found[0] != now:
-            found = (now, [list(part.parameters()) for part in self.__dict__["_partitions"]])
+            found = (now, [list(part.parameters()) for part in parts])
             self.__dict__["_param_lists"] = found
         return found[1]  # type: ignore[no-any-return]
 

@@ -350,6 +350,21 @@ def test_flags_set_on_submodules_survive_a_switch_of_kind() -> None:
     torch.testing.assert_close(pipe.norm.running_mean, model.norm.running_mean)
 
 
+def test_a_steps_snapshot_takes_the_stages_of_the_kind_it_runs() -> None:
+    # The failure snapshot saves each stage's gradients at that stage's
+    # first backward: after a switch of kind, the current split's stages.
+    model = Fallback().double()
+    pipe = pipe_of(model, chunks=2)
+    x, y = torch.randn(4, 4, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+    m = torch.randn(4, 4, dtype=torch.float64)
+    for args in [(x, m), (x,), (x, m)]:
+        pipe.train_step(args, y, nn.MSELoss())
+        current = [list(part.parameters()) for part in pipe.partitions]
+        assert [[id(p) for p in ps] for ps in pipe._stage_params()] == [
+            [id(p) for p in ps] for ps in current
+        ]
+
+
 def test_a_module_passed_in_eval_mode_runs_in_eval_mode() -> None:
     model = ModeAware().double().eval()
     pipe = pipe_of(model, chunks=2)
