@@ -21,11 +21,12 @@ go as one flat tensor per device and dtype (its parameters in order), in
 chunks of DDP's bucket size, whichever way the stage keeps them: a graphed
 stage's gradient buffers (``Pipe(graphs=True)``) are that tensor already
 and are reduced in place; other gradients are copied into one laid out the
-same way, and back after. A step that fails completes the sequence with
-zeros (:meth:`StageReducer.abort`) and says so in that last all-reduce, so
-that a process that failed elsewhere in its step, or not at all, is neither
-left waiting nor paired with the next step's collectives, and undoes its
-step too (:meth:`StageReducer.end` raises there).
+same way (:func:`~mpstream.runtime.graphed.grads.lay_out`), and back after.
+A step that fails completes the sequence with zeros
+(:meth:`StageReducer.abort`) and says so in that last all-reduce, so that a
+process that failed elsewhere in its step, or not at all, is neither left
+waiting nor paired with the next step's collectives, and undoes its step
+too (:meth:`StageReducer.end` raises there).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..pipe.pipe import Pipe
 from ..runtime.graphed import generation
-from ..runtime.graphed.grads import GradStore
+from ..runtime.graphed.grads import GradStore, lay_out
 from ..runtime.stream import current_stream, record_stream
 
 __all__ = ["StageReducer", "sync_gradients"]
@@ -167,7 +168,7 @@ class StageReducer:
             if flats is None:
                 groups = []
                 for ps in layout:
-                    flat, views = _laid_out(ps)
+                    flat, views = lay_out(ps)
                     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in ps]
                     torch._foreach_copy_(views, grads)
                     groups.append(_Group(ps, flat, views))
@@ -334,7 +335,7 @@ def _units_of(pipe: Pipe, ignored: frozenset[str]) -> _Units:
     """Each stage's own parameters (last stage first), then the rest."""
     named = list(pipe.named_parameters())
     synced = {id(p) for n, p in named if p.requires_grad and n not in ignored}
-    per_stage = [_unique(part.parameters()) for part in pipe.partitions]
+    per_stage = [list(part.parameters()) for part in pipe.partitions]  # each once
     seen: dict[int, int] = {}
     for params in per_stage:
         for p in params:
@@ -344,16 +345,9 @@ def _units_of(pipe: Pipe, ignored: frozenset[str]) -> _Units:
         s: [p for p in ps if id(p) in synced and seen[id(p)] == 1] for s, ps in enumerate(per_stage)
     }
     staged = {id(p) for ps in own.values() for p in ps}
-    own[-1] = _unique(p for _, p in named if id(p) in synced and id(p) not in staged)
+    own[-1] = [p for _, p in named if id(p) in synced and id(p) not in staged]
     order = [*range(len(per_stage) - 1, -1, -1), -1]
     return _Units(order, own, {id(p): n for n, p in named})
-
-
-def _unique(params: Iterator[nn.Parameter]) -> list[nn.Parameter]:
-    out: dict[int, nn.Parameter] = {}
-    for p in params:
-        out.setdefault(id(p), p)
-    return list(out.values())
 
 
 def _by_layout(params: Sequence[nn.Parameter]) -> list[list[nn.Parameter]]:
@@ -375,21 +369,4 @@ def _store_flats(
     owned = [p for ps in _by_layout([p for p, _ in store.owned()]) for p in ps]
     if [id(p) for p in owned] != [id(p) for ps in layout for p in ps]:
         return None
-    if len(store.flats) != len(layout):
-        return None
-    return list(store.flats)
-
-
-def _laid_out(params: Sequence[nn.Parameter]) -> tuple[Tensor, list[Tensor]]:
-    """One flat tensor for ``params``' gradients and a view per parameter,
-    laid out as a graphed stage's buffers are (each as autograd lays out
-    its gradient, one after another), so that every process reduces the
-    same elements together whichever way its stage keeps them."""
-    p0 = params[0]
-    flat = torch.empty(sum(p.numel() for p in params), dtype=p0.dtype, device=p0.device)
-    views, offset = [], 0
-    for p in params:
-        strides = torch.empty_like(p, device="meta").stride()
-        views.append(flat.as_strided(p.shape, strides, offset))
-        offset += p.numel()
-    return flat, views
+    return list(store.flats)  # one per group: the same grouping of the same parameters

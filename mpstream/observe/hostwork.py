@@ -47,12 +47,14 @@ import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 from torch._C._autograd import DeviceType
 from torch.profiler import ProfilerActivity, record_function
 
+from ..runtime import synchronize
 from .timeline import merge_spans
 
 __all__ = ["BLOCKED_US", "KINDS", "Breakdown", "Interval", "attribute", "host_breakdown", "kind_of"]
@@ -276,11 +278,7 @@ def host_breakdown(
         raise ValueError(f"host_breakdown: tasks and steps must be >= 1 and warmup >= 0, got "
                          f"tasks={tasks}, steps={steps}, warmup={warmup}")  # fmt: skip
     gpus = [torch.device(d) for d in devices if torch.device(d).type == "cuda"]
-
-    def sync() -> None:
-        for d in gpus:
-            torch.cuda.synchronize(d)
-
+    sync = partial(synchronize, gpus)
     for _ in range(warmup):
         step()
     sync()

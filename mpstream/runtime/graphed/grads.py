@@ -24,17 +24,35 @@ from __future__ import annotations
 
 import itertools
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from ... import _ext
 
-__all__ = ["GradStore", "TiedHooks"]
+__all__ = ["GradStore", "TiedHooks", "lay_out"]
 
 _C = _ext.load()
 _hooks = operator.attrgetter("_post_accumulate_grad_hooks")
+
+
+def lay_out(
+    params: Sequence[nn.Parameter], make: Callable[..., Tensor] = torch.empty
+) -> tuple[Tensor, list[Tensor]]:
+    """One flat tensor for the gradients of ``params`` (one device and dtype),
+    made by ``make`` (``torch.empty``, ``torch.zeros``), and a view per
+    parameter, one after another, each laid out as autograd lays out a
+    gradient of it (channels-last weights keep their strides:
+    ``torch.empty_like``'s contract)."""
+    p0 = params[0]
+    flat = make(sum(p.numel() for p in params), dtype=p0.dtype, device=p0.device)
+    views, offset = [], 0
+    for p in params:
+        strides = torch.empty_like(p, device="meta").stride()
+        views.append(flat.as_strided(p.shape, strides, offset))
+        offset += p.numel()
+    return flat, views
 
 
 class TiedHooks:
@@ -102,18 +120,11 @@ class GradStore:
             else:
                 self._owned.append(i)
                 layouts.setdefault((p.device, p.dtype), []).append(i)
-        for (device, dtype), where in layouts.items():
-            total = sum(self.params[i].numel() for i in where)
-            flat = torch.zeros(total, dtype=dtype, device=device)
+        for where in layouts.values():
+            flat, views = lay_out([self.params[i] for i in where], torch.zeros)
             self.flats.append(flat)
-            offset = 0
-            for i in where:
-                p = self.params[i]
-                # Laid out as autograd lays out a gradient of p (channels-last
-                # weights keep their strides): torch.empty_like's contract.
-                strides = torch.empty_like(p, device="meta").stride()
-                self.views[i] = flat.as_strided(p.shape, strides, offset)
-                offset += p.numel()
+            for i, view in zip(where, views):
+                self.views[i] = view
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self._owned_params = [self.params[i] for i in self._owned]
         self._owned_views = [self.views[i] for i in self._owned]
