@@ -2,7 +2,8 @@
 
 :mod:`.stages` keeps each stage's graphs, one set per micro-batch slot and
 call signature, decides per call whether to replay, capture or run
-eagerly, and reports (:mod:`.report`); :mod:`.call` holds one call's
+eagerly, and reports (:mod:`.report`); :mod:`.state` is one stage's
+graphs and the checks a run begins with; :mod:`.call` holds one call's
 static buffers, replays them (from a training step's tasks, or inside
 autograd in the user's loop);
 :mod:`.backends` captures them with CUDA graphs and says what each pass

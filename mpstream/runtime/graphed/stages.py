@@ -30,26 +30,24 @@ awaiting their backward, or a plain argument past its values
 
 from __future__ import annotations
 
-import operator
 import warnings
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.parameter import is_lazy
 
 from ...memory.checkpoint import checkpointed
 from ...schedules.schedule import Schedule
 from ...schedules.slots import Slots, plan_slots
 from .. import private
-from .backends import CudaGraphs, pool_bytes
+from .backends import CudaGraphs
 from .call import Backend, GraphedCall, Source
 from .grads import GradStore, TiedHooks
-from .keys import Baked, Scalars, autocast_key, signature
-from .report import GraphReport, GraphWarning, StageReport
+from .keys import autocast_key, signature
+from .report import GraphReport, GraphWarning
+from .state import StageState
 
 __all__ = ["StageGraphs", "MAX_CALLS", "MAX_GENERATIONS"]
 
@@ -63,38 +61,6 @@ MAX_GENERATIONS = 4
 _ORDER_KEPT = 1024
 #: What a training step's forward leaves pending on its call until its backward.
 _STEP = object()
-_hooks = operator.attrgetter("_backward_hooks")
-
-
-class _Stage:
-    """One stage's graphs and state."""
-
-    def __init__(
-        self, index: int, module: nn.Module, device: torch.device, label: str, graphable: bool
-    ) -> None:
-        self.index, self.module, self.device, self.label = index, module, device, label
-        self.reason: str | None = (
-            None if graphable else f"on {device}: CUDA graphs need a CUDA device"
-        )
-        self.modes: tuple[bool, ...] = ()
-        self.calls: OrderedDict[tuple[Any, ...], GraphedCall] = OrderedDict()
-        self.used: set[tuple[Any, ...]] = set()  # keys the current run replayed
-        self.baked: Baked | None = None
-        self.store: GradStore | None = None
-        self.pool: Any = None  # the stage's shared memory pool (see backends)
-        self.scalars = Scalars()
-        self.overflow = False  # warned that calls beyond a bound run eagerly
-        self.warned = False  # warned that the stage runs eagerly (reason)
-        self.lazy = False  # a lazy module not yet initialised: eager this run
-        self.failed = False  # its capture failed just now (see StageGraphs.eager)
-        self.slots = 0
-        self.captures = 0
-        self.recaptures = 0
-        self.dropped: set[tuple[Any, ...]] = set()  # keys a replaced tensor invalidated
-        # Calls dropped for room since the last run began: their graphs wait
-        # for the stage's others (lifetimes), so a run that needs none of
-        # them busy drops them all, and the memory goes.
-        self.evicted = False
 
 
 class StageGraphs:
@@ -121,7 +87,7 @@ class StageGraphs:
         names = list(labels) if labels else [f"stage {s} of {n}" for s in range(n)]
         self.backend: Backend = backend or CudaGraphs()
         self.stages = [
-            _Stage(s, m, d, names[s], self.graphable(d))
+            StageState(s, m, d, names[s], self.graphable(d))
             for s, (m, d) in enumerate(zip(modules, devices))
         ]
         self.max_calls = max_calls
@@ -175,35 +141,7 @@ class StageGraphs:
         self.slots = slots
         self.token = object() if step else None
         for st in self.stages:
-            st.used.clear()
-            if st.evicted and not any(c.busy() for c in st.calls.values()):
-                st.dropped |= set(st.calls)  # their captures again count as recaptures
-                st.calls.clear()
-                st.evicted = False
-            if st.reason is not None:
-                continue
-            st.slots = max(st.slots, slots.counts[st.index])
-            if st.baked is None:
-                # A lazy module is initialised by its first (eager) run; its
-                # stage is captured from the next run on.
-                tensors = (*st.module.parameters(), *st.module.buffers())
-                st.lazy = any(is_lazy(t) for t in tensors)
-                if st.lazy:
-                    continue
-                st.baked = Baked(st.module)
-            elif st.baked.changed():
-                st.dropped = set(st.calls)  # their captures again count as recaptures
-                st.calls.clear()
-                st.baked, st.store = Baked(st.module), None
-            if any(map(_hooks, st.baked.params)):
-                name = next(n for n, p in st.module.named_parameters() if p._backward_hooks)
-                st.reason = (
-                    f"parameter '{name}' has a tensor hook (register_hook), which a replayed "
-                    f"backward would not run"
-                )
-                st.calls.clear()
-                continue
-            st.modes = st.baked.modes()
+            st.prepare(slots.counts[st.index])
 
     def eager(self, s: int, stage: nn.Module, args: Sequence[Any], checkpoint: bool) -> Any:
         """Runs stage ``s`` eagerly; the first time a stage that was to be
@@ -326,7 +264,7 @@ class StageGraphs:
         if graphed is not None:
             st.calls.move_to_end(key)
             st.used.add(key)
-        elif self._room(st):
+        elif st.room(self.max_calls):
             graphed = self._capture(st, key, stage, args, needs, ckpt, sources)
         else:
             self._overflow(st, f"max_calls={self.max_calls} graphed calls in use")
@@ -336,7 +274,7 @@ class StageGraphs:
 
     def _capture(
         self,
-        st: _Stage,
+        st: StageState,
         key: tuple[Any, ...],
         stage: nn.Module,
         args: Sequence[Any],
@@ -365,36 +303,18 @@ class StageGraphs:
             st.pool = None
             st.calls.clear()
             return None
-        graphed.label = st.label
-        st.captures += 1
-        if key in st.dropped:
-            st.dropped.discard(key)
-            st.recaptures += 1
-        st.calls[key] = graphed
-        st.used.add(key)
+        st.add(key, graphed)
         if len(self.order) < _ORDER_KEPT:
             self.order.append((st.index, key[0]))
         return graphed
 
-    def _shared(self, st: _Stage) -> set[int]:
+    def _shared(self, st: StageState) -> set[int]:
         """The ``id()`` of ``st``'s parameters another stage holds too (tied)."""
         mine = {id(p) for p in st.module.parameters()}
         others = {id(p) for o in self.stages if o is not st for p in o.module.parameters()}
         return mine & others
 
-    def _room(self, st: _Stage) -> bool:
-        """Makes room for one more graphed call under ``max_calls``, dropping
-        the least recently used that neither the current run nor a pending
-        backward needs; whether there is room."""
-        for old in list(st.calls):
-            if len(st.calls) < self.max_calls:
-                break
-            if old not in st.used and not st.calls[old].busy():
-                del st.calls[old]
-                st.evicted = True
-        return len(st.calls) < self.max_calls
-
-    def _overflow(self, st: _Stage, why: str) -> None:
+    def _overflow(self, st: StageState, why: str) -> None:
         """A call beyond a bound runs eagerly; the first one says so."""
         if not st.overflow:
             st.overflow = True
@@ -409,23 +329,7 @@ class StageGraphs:
         """Which stages and passes are graphed, how many graphs, what memory."""
         # A backend of a test's own may keep no count.
         out = GraphReport(replays=getattr(self.backend, "replays", 0))
-        for st in self.stages:
-            names = {p for c in st.calls.values() for p in c.passes}
-            out.stages.append(
-                StageReport(
-                    stage=st.index,
-                    device=st.device,
-                    graphed=st.reason is None,
-                    reason=st.reason,
-                    graphs=sum(len(c.passes) for c in st.calls.values()),
-                    passes=tuple(p for p in ("forward", "backward", "weight") if p in names),
-                    slots=st.slots,
-                    captures=st.captures,
-                    recaptures=st.recaptures,
-                    reserved_bytes=sum(c.reserved for c in st.calls.values()) + pool_bytes(st.pool),
-                    grad_bytes=0 if st.store is None else st.store.nbytes(),
-                )
-            )
+        out.stages.extend(st.report() for st in self.stages)
         return out
 
 

@@ -1,0 +1,145 @@
+"""One graphed stage's state, and the rules that keep its graphs valid.
+
+:class:`StageState` is what :class:`~.stages.StageGraphs` keeps per stage:
+its graphed calls (least recently used first), what they baked in
+(:class:`~.keys.Baked`), its gradient buffers and memory pool, why it runs
+eagerly if it does, and its counts. :meth:`StageState.prepare` is the check
+each run begins with (graphs dropped for room or invalidated by a replaced
+tensor go, a tensor hook turns the stage eager); :meth:`StageState.room`
+bounds the calls kept.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import OrderedDict
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parameter import is_lazy
+
+from .backends import pool_bytes
+from .call import GraphedCall
+from .grads import GradStore
+from .keys import Baked, Scalars
+from .report import StageReport
+
+__all__ = ["StageState"]
+
+_hooks = operator.attrgetter("_backward_hooks")
+
+
+class StageState:
+    """One stage's graphs and state.
+
+    Args:
+        index: the stage's index in the pipe.
+        module: the stage's module (what its graphs differentiate).
+        device: the stage's device.
+        label: how warnings name the stage.
+        graphable: whether the backend may graph a stage on ``device``.
+    """
+
+    def __init__(
+        self, index: int, module: nn.Module, device: torch.device, label: str, graphable: bool
+    ) -> None:
+        self.index, self.module, self.device, self.label = index, module, device, label
+        self.reason: str | None = (
+            None if graphable else f"on {device}: CUDA graphs need a CUDA device"
+        )
+        self.modes: tuple[bool, ...] = ()
+        self.calls: OrderedDict[tuple[Any, ...], GraphedCall] = OrderedDict()
+        self.used: set[tuple[Any, ...]] = set()  # keys the current run replayed
+        self.baked: Baked | None = None
+        self.store: GradStore | None = None
+        self.pool: Any = None  # the stage's shared memory pool (see backends)
+        self.scalars = Scalars()
+        self.overflow = False  # warned that calls beyond a bound run eagerly
+        self.warned = False  # warned that the stage runs eagerly (reason)
+        self.lazy = False  # a lazy module not yet initialised: eager this run
+        self.failed = False  # its capture failed just now (see StageGraphs.eager)
+        self.slots = 0
+        self.captures = 0
+        self.recaptures = 0
+        self.dropped: set[tuple[Any, ...]] = set()  # keys a replaced tensor invalidated
+        # Calls dropped for room since the last run began: their graphs wait
+        # for the stage's others (lifetimes), so a run that needs none of
+        # them busy drops them all, and the memory goes.
+        self.evicted = False
+
+    def prepare(self, slots: int) -> None:
+        """Begins a run that uses ``slots`` slots of this stage: drops what
+        the graphs can no longer replay, and says whether the stage is
+        graphed this run (``reason`` None and ``lazy`` False)."""
+        self.used.clear()
+        if self.evicted and not any(c.busy() for c in self.calls.values()):
+            self._drop_all()
+            self.evicted = False
+        if self.reason is not None:
+            return
+        self.slots = max(self.slots, slots)
+        if self.baked is None:
+            # A lazy module is initialised by its first (eager) run; its
+            # stage is captured from the next run on.
+            tensors = (*self.module.parameters(), *self.module.buffers())
+            self.lazy = any(is_lazy(t) for t in tensors)
+            if self.lazy:
+                return
+            self.baked = Baked(self.module)
+        elif self.baked.changed():
+            self._drop_all()
+            self.baked, self.store = Baked(self.module), None
+        if any(map(_hooks, self.baked.params)):
+            name = next(n for n, p in self.module.named_parameters() if p._backward_hooks)
+            self.reason = (
+                f"parameter '{name}' has a tensor hook (register_hook), which a replayed "
+                f"backward would not run"
+            )
+            self.calls.clear()
+            return
+        self.modes = self.baked.modes()
+
+    def _drop_all(self) -> None:
+        self.dropped |= set(self.calls)  # their captures again count as recaptures
+        self.calls.clear()
+
+    def room(self, max_calls: int) -> bool:
+        """Makes room for one more graphed call under ``max_calls``, dropping
+        the least recently used that neither the current run nor a pending
+        backward needs; whether there is room."""
+        for old in list(self.calls):
+            if len(self.calls) < max_calls:
+                break
+            if old not in self.used and not self.calls[old].busy():
+                del self.calls[old]
+                self.evicted = True
+        return len(self.calls) < max_calls
+
+    def add(self, key: tuple[Any, ...], graphed: GraphedCall) -> None:
+        """Keeps a call just captured (a recapture if a replaced tensor had
+        dropped its key)."""
+        graphed.label = self.label
+        self.captures += 1
+        if key in self.dropped:
+            self.dropped.discard(key)
+            self.recaptures += 1
+        self.calls[key] = graphed
+        self.used.add(key)
+
+    def report(self) -> StageReport:
+        """Whether the stage is graphed, its graphs, and their memory."""
+        names = {p for c in self.calls.values() for p in c.passes}
+        return StageReport(
+            stage=self.index,
+            device=self.device,
+            graphed=self.reason is None,
+            reason=self.reason,
+            graphs=sum(len(c.passes) for c in self.calls.values()),
+            passes=tuple(p for p in ("forward", "backward", "weight") if p in names),
+            slots=self.slots,
+            captures=self.captures,
+            recaptures=self.recaptures,
+            reserved_bytes=sum(c.reserved for c in self.calls.values()) + pool_bytes(self.pool),
+            grad_bytes=0 if self.store is None else self.store.nbytes(),
+        )

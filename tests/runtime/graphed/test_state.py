@@ -1,0 +1,80 @@
+"""One stage's graphed calls: what a run's first check drops, when a stage
+turns eager, how the calls kept are bounded, and what its report counts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from mpstream.runtime.graphed.state import StageState
+
+
+class Call:
+    """What :class:`StageState` reads of a graphed call."""
+
+    def __init__(self, busy: bool = False) -> None:
+        self.pending: Any = object() if busy else None
+        self.passes = {"forward": None, "backward": None}
+        self.reserved = 10
+        self.label = ""
+
+    def busy(self) -> bool:
+        return self.pending is not None
+
+
+def state(module: nn.Module | None = None) -> StageState:
+    st = StageState(0, module or nn.Linear(2, 2), torch.device("cpu"), "stage 0 of 1", True)
+    st.prepare(2)
+    return st
+
+
+def test_a_replaced_parameter_drops_the_calls_and_their_captures_count_again() -> None:
+    layer = nn.Linear(2, 2)
+    st = state(layer)
+    st.add(("a",), Call())  # type: ignore[arg-type]
+    st.prepare(2)
+    assert list(st.calls) == [("a",)] and st.captures == 1 and st.recaptures == 0
+    layer.weight = nn.Parameter(layer.weight.detach().clone())
+    st.prepare(2)
+    assert not st.calls and st.store is None
+    st.add(("a",), Call())  # type: ignore[arg-type]
+    assert (st.captures, st.recaptures) == (2, 1)
+
+
+def test_a_tensor_hook_turns_the_stage_eager_and_names_the_parameter() -> None:
+    layer = nn.Linear(2, 2)
+    st = state(layer)
+    st.add(("a",), Call())  # type: ignore[arg-type]
+    layer.bias.register_hook(lambda g: g)
+    st.prepare(2)
+    assert st.reason is not None and "'bias'" in st.reason and not st.calls
+    assert not st.report().graphed
+
+
+def test_a_lazy_module_is_captured_from_the_run_after_its_first() -> None:
+    lazy = nn.LazyLinear(2)
+    st = state(lazy)
+    assert st.lazy and st.baked is None
+    lazy(torch.ones(1, 3))
+    st.prepare(2)
+    assert not st.lazy and st.baked is not None
+
+
+def test_room_drops_the_least_recently_used_idle_call_then_the_rest_at_the_next_run() -> None:
+    st = state()
+    for key, busy in (("old",), False), (("busy",), True), (("new",), False):
+        st.add(key, Call(busy))  # type: ignore[arg-type]
+    st.used.clear()  # a new run: none of them replayed yet
+    assert st.room(3) and list(st.calls) == [("busy",), ("new",)] and st.evicted
+    st.used.add(("busy",))
+    st.used.add(("new",))
+    assert not st.room(2)  # both are needed by this run
+    st.prepare(2)  # one is still busy: the others stay
+    assert len(st.calls) == 2 and st.evicted
+    st.calls[("busy",)].pending = None
+    st.prepare(3)  # none busy: the evicted stage's graphs all go together
+    assert not st.calls and not st.evicted and st.dropped == {("busy",), ("new",)}
+    report = st.report()
+    assert (report.slots, report.captures, report.graphs) == (3, 3, 0)
