@@ -19,8 +19,7 @@ with the same checks, so code written against it runs anywhere.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager, suppress
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,15 +28,12 @@ from torch.utils import _pytree as pytree
 
 from ..pipe.pipe import Pipe
 from ..pipe.reduction import step_reduction
-from ..runtime.errors import annotate
-from ..runtime.graphed.capturing import capturing
-from ..runtime.graphed.lifetimes import LIFETIMES
-from ..runtime.stream import synchronize
 from ..stages.sequential import check_positive
 from .buffers import fill, static
 from .devices import DeviceGraphs, capture_devices
-from .optimizer import check_optimizer, check_settings, check_state, hyperparameters
-from .state import Kept, Saved, Trained
+from .optimizer import check_optimizer, check_settings, hyperparameters
+from .state import Kept, Trained
+from .warmup import warm_up_and_capture
 
 __all__ = ["CapturedStep"]
 
@@ -224,66 +220,14 @@ class CapturedStep:
         return loss
 
     def _capture(self, warmup: int, pool: Any) -> None:
-        devices = self.devices
-        saved = Saved(self._trained, devices)
-        callers = {d: torch.cuda.current_stream(d) for d in devices}
-        device = torch.cuda.current_device()
-        graph: torch.cuda.CUDAGraph | None = None
+        around = self._capture_around if self.graphed else None
         try:
-            # Warm-up on side streams, as capture requires: what runs once
-            # (allocations, autotuning, optimizer state, the stages' own
-            # graphs) happens here.
-            sides = {d: torch.cuda.Stream(d) for d in devices}  # type: ignore[no-untyped-call]
-            for d in devices:
-                sides[d].wait_stream(callers[d])
-            with _current(sides):
-                for _ in range(warmup):
-                    self._step()
-            check_state(self.optimizer)  # as warm-up made it
-            for d in devices:
-                callers[d].wait_stream(sides[d])
-            # On the warm-up's streams: library workspaces exist; not default streams.
-            synchronize(devices)  # as torch.cuda.graph does
-            if self.graphed:
-                self._capture_around()
-            else:
-                graph = torch.cuda.CUDAGraph()
-                # Undone if it fails (unlike torch.cuda.graph); a loader thread may run.
-                own = torch.cuda.graph_pool_handle() if pool is None else pool
-                # The graph bakes in the library workspaces of every stream
-                # its capture forks onto (the stages'): kept with their graphs.
-                forked = [_key(st) for _, st in self.pipe.scheduler.named_streams()]
-                with ExitStack() as pins:
-                    for key in forked:
-                        pins.enter_context(LIFETIMES.pinned(key))
-                    with (
-                        self.pipe.scheduler.captured(),
-                        _current(sides),
-                        capturing(graph, own, owner=self),
-                    ):
-                        self._loss = self._step()
-                    for key in forked:
-                        LIFETIMES.adopt(graph, key, self)
-            for c in callers.values():
-                c.synchronize()
-        except BaseException as exc:
-            self._zero = self._update = None
-            for c in callers.values():  # the warm-up's streams were current
-                torch.cuda.set_stream(c)
-            torch.cuda.set_device(device)  # set_stream made each stream's device current
-            with suppress(RuntimeError):  # a failed capture may leave a CUDA error behind
-                synchronize(devices)
-            saved.restore(captured=False)
-            annotate(
-                exc,
-                "mpstream.CapturedStep: capturing the step failed; the pipe, the optimizer "
-                "and the random number generators are as they were before. Run the pipe "
-                "eagerly, or see docs/tuning.md (When the host is the bottleneck) for what "
-                "capture needs.",
+            graph, self._loss = warm_up_and_capture(
+                self._step, self.pipe, self._trained, self.devices, warmup, pool, self, around
             )
+        except BaseException:
+            self._zero = self._update = None
             raise
-        saved.restore(captured=True)
-        synchronize(devices)
         self.graph, self._captured = graph, True
 
     def _capture_around(self) -> None:
@@ -391,17 +335,3 @@ class CapturedStep:
             if self._update is not None:
                 self._update.replay()
             return loss
-
-
-def _key(stream: Any) -> tuple[int, int]:
-    return (stream.device_index, stream.cuda_stream)
-
-
-@contextmanager
-def _current(streams: dict[torch.device, Any]) -> Iterator[None]:
-    """Makes each stream current on its device, and the first device current."""
-    with ExitStack() as stack:
-        for stream in streams.values():
-            stack.enter_context(torch.cuda.stream(stream))
-        stack.enter_context(torch.cuda.device(next(iter(streams))))
-        yield
