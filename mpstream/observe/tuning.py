@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import json
 import operator
-import statistics
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,91 +27,12 @@ from ..runtime import Value, as_value, synchronize
 from .measuring import untouched
 from .profiling import pipes_in
 from .tune_cache import batch_shape, default_cache, load, loss_key, model_key, store
+from .tune_result import TunePoint, TuneResult, from_cache
 
 __all__ = ["TunePoint", "TuneResult", "tune", "default_cache", "candidate_split_sizes"]
 
 Factory = Callable[..., nn.Module]
 _CANDIDATES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256)
-
-
-@dataclass
-class TunePoint:
-    """One configuration and its measured step times (seconds)."""
-
-    split_size: int
-    balance: list[int] | None
-    times: list[float] = field(default_factory=list)
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.times)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "split_size": self.split_size,
-            "balance": self.balance,
-            "times_s": self.times,
-            "median_s": self.median,
-        }
-
-
-@dataclass
-class TuneResult:
-    """The best configuration and the curve it was picked from."""
-
-    best: TunePoint
-    curve: list[TunePoint]
-    stopped_early: bool
-    cached: bool
-    key: dict[str, Any]
-
-    @property
-    def split_size(self) -> int:
-        return self.best.split_size
-
-    @property
-    def balance(self) -> list[int] | None:
-        return self.best.balance
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "key": self.key,
-            "best": self.best.to_json(),
-            "curve": [p.to_json() for p in self.curve],
-            "stopped_early": self.stopped_early,
-        }
-
-    @classmethod
-    def from_json(cls, doc: dict[str, Any], key: dict[str, Any]) -> TuneResult:
-        def point(d: dict[str, Any]) -> TunePoint:
-            return TunePoint(int(d["split_size"]), d["balance"], [float(t) for t in d["times_s"]])
-
-        return cls(
-            point(doc["best"]),
-            [point(d) for d in doc["curve"]],
-            bool(doc["stopped_early"]),
-            True,
-            key,
-        )
-
-    def plot(self, path: str | Path, *, title: str = "") -> Path:
-        """The split-size tradeoff: median step time per split size, a curve per balance."""
-        from .figures import split_curves
-
-        curves: dict[str, tuple[list[int], list[float], list[tuple[float, float]]]] = {}
-        for p in self.curve:
-            label = "split sizes" if p.balance is None else f"balance {p.balance}"
-            sizes, medians, bounds = curves.setdefault(label, ([], [], []))
-            sizes.append(p.split_size)
-            medians.append(p.median)
-            bounds.append((min(p.times), max(p.times)))
-        heading = title or f"best: split size {self.split_size}" + (
-            f", balance {self.balance}" if self.balance else ""
-        )
-        counts = {len(p.times) for p in self.curve}
-        calls = f"{counts.pop()} calls" if len(counts) == 1 else "each point's calls"
-        spread = f"median; bars: fastest to slowest of {calls}"
-        return split_curves(curves, Path(path), heading, spread=spread)
 
 
 def candidate_split_sizes(batch: int) -> list[int]:
@@ -283,7 +202,9 @@ def tune(
         key_text = json.dumps(key, sort_keys=True)
         path = default_cache() if cache == "default" else (Path(cache) if cache else None)
         entries = load(path) if path is not None else {}
-        cached = _cached(entries, key_text, key, path) if path is not None and not refresh else None
+        cached = None
+        if path is not None and not refresh:
+            cached = from_cache(entries, key_text, key, path)
         if cached is not None:
             if isinstance(pipe_or_factory, nn.Module):
                 # Building the key set the first candidate: leave the best one.
@@ -341,26 +262,6 @@ def _sizes(split_sizes: Sequence[int] | None, batch: int) -> list[int]:
     if sizes[-1] > batch:
         raise ValueError(f"split size {sizes[-1]} is larger than the batch of {batch}")
     return sizes
-
-
-def _cached(
-    entries: dict[str, Any], key_text: str, key: dict[str, Any], path: Path
-) -> TuneResult | None:
-    """The cached result for ``key``, if the cache holds a readable one."""
-    if key_text not in entries:
-        return None
-    try:
-        result = TuneResult.from_json(entries[key_text], key)
-        if any(not p.times or p.split_size not in key["split_sizes"] for p in result.curve):
-            raise ValueError("a point with no times, or a split size not among the candidates")
-        if result.best not in result.curve:
-            raise ValueError("a best point that is not on the curve")
-    except (KeyError, TypeError, ValueError) as exc:
-        warnings.warn(
-            f"ignoring a malformed entry of the tuning cache {path}: {exc!r}", stacklevel=3
-        )
-        return None
-    return result
 
 
 @contextmanager
