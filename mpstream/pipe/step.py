@@ -96,12 +96,13 @@ class PipeStep(PipeCall):
 
         Raises:
             TypeError: bad inputs or targets, a stage returned an unsupported
-                value, ``loss_fn`` returned something other than a scalar
-                tensor (or was not given for a module that returns no
-                ``loss``), or ``scaler`` is not a ``GradScaler``.
+                value, ``loss_fn`` is not callable, returned something other
+                than a scalar tensor (or was not given for a module that
+                returns no ``loss``), or ``scaler`` is not a ``GradScaler``.
             ValueError: empty batch, targets of another batch size, or an
                 unknown ``reduction`` or one the loss module contradicts.
-            RuntimeError: called under ``torch.inference_mode()``.
+            RuntimeError: called under ``torch.inference_mode()``, or
+                ``loss_fn`` returned a loss that does not require grad.
 
         Inputs and targets in host memory move in transfer tasks that never
         block the host (see :meth:`forward`). If anything raises, the
@@ -142,6 +143,11 @@ class PipeStep(PipeCall):
                 "torch.no_grad() it works)"
             )
         given = (inputs, target, loss_fn)  # what schedule='auto' profiles, as given
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(
+                f"loss_fn must be callable (loss_fn(output, target) -> scalar) or None, got "
+                f"{type(loss_fn).__name__}"
+            )
         if loss_fn is not None:
             reduction = step_reduction(reduction, loss_fn)
         if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):

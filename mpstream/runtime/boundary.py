@@ -99,8 +99,20 @@ class Cutting:
         self.keys: list[tuple[int, int, int]] = []
 
 
-def cut_inputs(values: Sequence[tuple[Ref, Any]], cutting: Cutting) -> list[Any]:
-    """``values`` with the tensors of stage outputs cut; inputs stay as they are."""
+def cut_inputs(
+    values: Sequence[tuple[Ref, Any]],
+    cutting: Cutting,
+    only: Callable[[tuple[int, int, int]], bool] | None = None,
+) -> list[Any]:
+    """``values`` with the tensors of stage outputs cut; inputs stay as they are.
+
+    Args:
+        values: (where it comes from, value) pairs.
+        cutting: takes the cut tensors' keys (stage, output, leaf).
+        only: whether to cut the tensor of a key (None: every stage
+            output's); the others stay as they are (a replayed stage's
+            outputs that carry no gradient: cut, they would give the loss one).
+    """
     spots: list[tuple[int, list[Any], Any, list[int]]] = []
     tensors: list[Tensor] = []
     for v, (ref, value) in enumerate(values):
@@ -108,10 +120,13 @@ def cut_inputs(values: Sequence[tuple[Ref, Any]], cutting: Cutting) -> list[Any]
             continue
         items, spec = leaves(value)
         where = [i for i, t in enumerate(items) if isinstance(t, Tensor)]
-        if not where:
+        picked = [
+            (j, i) for j, i in enumerate(where) if only is None or only((ref.stage, ref.index, j))
+        ]
+        if not picked:
             continue
-        spots.append((v, items, spec, where))
-        for j, i in enumerate(where):
+        spots.append((v, items, spec, [i for _, i in picked]))
+        for j, i in picked:
             tensors.append(items[i])
             cutting.keys.append((ref.stage, ref.index, j))
     out = [value for _, value in values]

@@ -269,6 +269,13 @@ class Replayed:
             self._paired[(p, s)] = found
         return found
 
+    def differentiable(self, s: int, m: int) -> set[tuple[int, int, int]]:
+        """The (stage, output, leaf) keys of replayed stage ``s``'s outputs
+        for micro-batch ``m`` that carry gradients (the others, cut, would
+        give a loss computed from them a gradient eager autograd refuses)."""
+        call = self.calls[(s, m)][0]
+        return {(s, k, j) for k, j in self._diffs(call, s)}
+
     def graphed(self, s: int, m: int) -> bool:
         """Whether stage ``s``'s forward of micro-batch ``m`` was replayed."""
         return (s, m) in self.calls

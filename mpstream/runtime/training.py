@@ -109,6 +109,13 @@ def _scalar(loss: object) -> Tensor:
             else type(loss).__name__
         )
         raise TypeError(f"loss_fn must return a scalar tensor, got {what}")
+    if not loss.requires_grad and torch.is_grad_enabled():
+        # Autograd would refuse it in the backward task, naming no cause.
+        raise RuntimeError(
+            "loss_fn returned a loss that does not require grad: nothing it was computed "
+            "from carries a gradient (the last stage's output detached or computed under "
+            "torch.no_grad(), or every parameter frozen?)"
+        )
     return loss.reshape(())
 
 
@@ -221,7 +228,12 @@ class _Step:
         else:
             inputs = thin.unalias(s, m, pairs) if thin and splits else pairs
         cutting = Cutting()
-        values = cut_inputs(inputs + sources, cutting)
+        only = None
+        if replayed and s == last:
+            assert thin is not None
+            diff = thin.differentiable(s, m)
+            only = lambda key: key[0] != s or key in diff  # noqa: E731
+        values = cut_inputs(inputs + sources, cutting, only)
         if cutting.keys:
             self.cuts[(s, m)] = cutting
         if not replayed:
@@ -263,7 +275,9 @@ class _Step:
         replayed = thin is not None and thin.graphed(s, m)
         if replayed and s == self.last:
             _backward(self.roots.pop((s, m)), None)  # the loss, to the cut outputs
-            self.route(self.cuts.pop((s, m)), s, m)
+            cut = self.cuts.pop((s, m), None)
+            if cut is not None:  # else no output the loss read carries a gradient
+                self.route(cut, s, m)
         reached = None if s == self.last and not replayed else self.local.pop((s, m), {})
         if replayed:
             assert thin is not None and reached is not None

@@ -108,13 +108,15 @@ def test_a_profiled_step_over_emulated_graphed_stages_adds_up(tmp_path: Path) ->
     b = host_breakdown(lambda: pipe.train_step(x, y, nn.MSELoss()), tasks=16, steps=3,
                        warmup=2, trace=str(trace))  # fmt: skip
     assert b.tasks == 16 and b.steps == 3 and b.issue_us > 0 and b.step_us >= b.issue_us
-    # One thread: its kinds are its whole profiled step (a mean against a median).
-    assert sum(b.kinds.values()) == pytest.approx(b.profiled_us, rel=0.3)
+    # One thread: its kinds are its whole profiled step, on average (the
+    # median, profiled_us, drifts with a shared machine's load).
+    events = json.loads(trace.read_text())["traceEvents"]
+    windows = [e["dur"] for e in events if e.get("name") == "mpstream/host/step"]
+    assert len(windows) == 3
+    assert sum(b.kinds.values()) == pytest.approx(sum(windows) / 3, rel=0.02)
     assert {"aten", "mpstream", "python"} <= set(b.kinds) and "waiting" not in b.kinds
     assert b.counts["operators"] > 0 and "graph launch" not in b.counts  # nothing on a GPU
     assert sum(b.per_task().values()) == pytest.approx(sum(b.kinds.values()) / 16)
-    names = {e.get("name") for e in json.loads(trace.read_text())["traceEvents"]}
-    assert "mpstream/host/step" in names
     assert json.dumps(b.to_json())  # plain values
 
 

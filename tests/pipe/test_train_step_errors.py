@@ -262,3 +262,49 @@ def test_a_failed_step_puts_a_loss_modules_gradients_back(before: float | None) 
     else:
         torch.testing.assert_close(loss.scale.grad, torch.tensor(before))
     assert all(p.grad is None for p in pipe.parameters())
+
+
+class _Detach(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x.detach()
+
+
+class _Both(nn.Module):
+    """Its output, and a copy of it that carries no gradient."""
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return x, x.detach() * 2
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphed"])
+def test_a_loss_that_carries_no_gradient_is_refused_and_a_partly_detached_output_trains(
+    graphs: bool,
+) -> None:
+    from mpstream.runtime.graphed import Emulated
+
+    def pipe_of(last: nn.Module) -> tuple[Pipe, nn.Module]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2), last).double()
+        plain = copy.deepcopy(model)
+        pipe = Pipe(
+            model, chunks=3, balance=[1, 2], devices=["cpu", "cpu"],
+            graphs=Emulated() if graphs else False,
+        )  # fmt: skip
+        return pipe, plain
+
+    x, y = data()
+    pipe, _ = pipe_of(_Detach())
+    for _ in range(2):  # the call that captures, and one that replays
+        with pytest.raises(RuntimeError, match="loss_fn returned a loss that does not require"):
+            pipe.train_step(x, y, nn.MSELoss())
+        assert all(p.grad is None for p in pipe.parameters())
+
+    def loss_fn(out: tuple[Tensor, Tensor], target: Tensor) -> Tensor:
+        return ((out[0] - target) ** 2).mean() + (out[1] * out[0]).mean()
+
+    pipe, plain = pipe_of(_Both())
+    for _ in range(2):
+        pipe.zero_grad()
+        pipe.train_step(x, y, loss_fn)
+    loss_fn(plain(x), y).backward()
+    assert_same_grads(pipe, plain)
