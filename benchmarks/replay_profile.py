@@ -30,6 +30,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -82,16 +83,25 @@ def _step(pipe: Pipe, x: torch.Tensor, y: torch.Tensor, loop: bool) -> Callable[
     return user_loop if loop else train_step
 
 
-def measure(args: argparse.Namespace, device: torch.device) -> dict[str, Breakdown]:
-    """Each variant's breakdown, one pipe at a time (graph pools freed between)."""
+def measure(
+    args: argparse.Namespace,
+    device: torch.device,
+    done: Callable[[dict[str, Breakdown], dict[str, list[str]]], None] | None = None,
+) -> tuple[dict[str, Breakdown], dict[str, list[str]]]:
+    """Each variant's breakdown, one pipe at a time (graph pools freed
+    between), and what each warned (a graphed stage that ran eagerly says
+    so here); ``done`` is told after each variant, so what finished is
+    written even if a time limit stops the rest."""
     x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=device)
     y = torch.zeros(args.batch_size, tutorial.NUM_CLASSES, device=device)
     y[torch.arange(args.batch_size), torch.randint(0, tutorial.NUM_CLASSES, (args.batch_size,))] = 1
     out: dict[str, Breakdown] = {}
+    warned: dict[str, list[str]] = {}
     for variant in VARIANTS:
         graphs, loop = variant.startswith("graphed"), variant.endswith("loop")
         pipe = _pipe(args.arch, device, args.split_size, graphs)
-        with tempfile.TemporaryDirectory() as tmp:
+        with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
             trace = None
             if variant == VARIANTS[0] and args.out is not None:
                 trace = str(Path(tmp) / "trace.json")
@@ -105,12 +115,20 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict[str, Breakdo
                     gzip.open(args.out / "replay-trace.json.gz", "wb") as dst,
                 ):
                     shutil.copyfileobj(src, dst)
+        warned[variant] = sorted({f"{w.category.__name__}: {w.message}" for w in seen})
+        if graphs:
+            eager = [st.reason for st in pipe.graph_report().stages if not st.graphed]
+            warned[variant] += [f"stage ran eagerly: {r}" for r in eager]
         del pipe
         gc.collect()  # a pipe in a reference cycle would keep its graph pools
         if device.type == "cuda":
             torch.cuda.empty_cache()
         print(f"{variant}: {out[variant].per_task()}", file=sys.stderr)
-    return out
+        for line in warned[variant]:
+            print(f"  warned: {line}", file=sys.stderr)
+        if done is not None:
+            done(out, warned)
+    return out, warned
 
 
 def environment(device: torch.device) -> dict[str, Any]:
@@ -144,6 +162,7 @@ def table(results: dict[str, Breakdown]) -> str:
         "kernel launches/task",
         "event ops/task",
         "blocked launches/step",
+        "graph launch µs (median / p99)",
     ]
     rows = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for name, b in results.items():
@@ -154,6 +173,8 @@ def table(results: dict[str, Breakdown]) -> str:
         cells += [f"{b.counts.get(k, 0.0) / b.tasks:.2f}"
                   for k in ("graph launch", "kernel launch", "event record/wait")]  # fmt: skip
         cells.append(f"{b.blocked:.1f}")
+        launch = b.launch_us.get("graph launch")
+        cells.append(f"{launch['median']:.0f} / {launch['p99']:.0f}" if launch else "-")
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows) + "\n"
 
@@ -174,17 +195,37 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda:0" if cuda else "cpu")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-    results = measure(args, device)
     config = {k: v for k, v in vars(args).items() if k != "out"}
-    report = {"environment": environment(device), "config": config, "cpu": not cuda,
-              "variants": {k: b.to_json() for k, b in results.items()}}  # fmt: skip
-    text = table(results)
-    print(text)
-    if args.out is not None:
-        (args.out / "replay-profile.json").write_text(json.dumps(report, indent=1))
-        title = "CPU, emulated graphs: checks the script, not the numbers" if not cuda else ""
-        (args.out / "replay-profile.md").write_text(f"# Host time per task {title}\n\n{text}")
+    env = environment(device)
+
+    def write(results: dict[str, Breakdown], warned: dict[str, list[str]]) -> str:
+        report = {"environment": env, "config": config, "cpu": not cuda,
+                  "variants": {k: b.to_json() for k, b in results.items()},
+                  "warnings": warned, "suspect": suspect(results, cuda)}  # fmt: skip
+        text = table(results)
+        if args.out is not None:
+            (args.out / "replay-profile.json").write_text(json.dumps(report, indent=1))
+            title = "CPU, emulated graphs: checks the script, not the numbers" if not cuda else ""
+            notes = "".join(f"- {v}: {w}\n" for v, ws in warned.items() for w in ws)
+            notes += "".join(f"- {line}\n" for line in report["suspect"])
+            (args.out / "replay-profile.md").write_text(
+                f"# Host time per task {title}\n\n{text}" + (f"\n{notes}" if notes else "")
+            )
+        return text
+
+    results, warned = measure(args, device, write)
+    print(write(results, warned))
     return 0
+
+
+def suspect(results: dict[str, Breakdown], cuda: bool) -> list[str]:
+    """Rows whose numbers do not measure what their name says: a graphed
+    variant on a GPU that launched no graph (its stages ran eagerly)."""
+    return [
+        f"{name}: no graph launch on the GPU: its stages ran eagerly, this row is not graphed"
+        for name, b in results.items()
+        if cuda and name.startswith("graphed") and not b.counts.get("graph launch")
+    ]
 
 
 if __name__ == "__main__":

@@ -96,6 +96,10 @@ def markdown(results: Sequence[StepResult], meta: dict[str, Any], files: Sequenc
         f"**Run:** `{meta['command']}` on {' | '.join(meta['devices'])}, {meta['sizes']} sizes, "
         f"{meta['created']}, {meta['total_seconds']:.0f} s in all",
         "",
+    ]
+    if meta.get("partial"):
+        lines += [f"**Partial:** {meta['partial']}", ""]
+    lines += [
         "| # | step | status | key figure | reason | time |",
         "| --- | --- | --- | --- | --- | --- |",
     ]

@@ -319,26 +319,45 @@ def run(options: Options, echo: Callable[[str], None] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="mpstream-doctor-") as tmp:
         ctx = Context(devices, sizes, options.arch, out, Path(tmp), options.progress)
         ctx.shared["preset"] = preset
-        results = []
+        results: list[StepResult] = []
+        collected: dict[str, Any] = {}
+
+        def meta(partial: str | None) -> dict[str, Any]:
+            env = ctx.shared.get("environment")
+            if env is None:  # the environment step was skipped: collected once
+                if "env" not in collected:
+                    collected["env"] = environment.collect(devices)
+                env = collected["env"]
+            return {
+                "format": "mpstream-doctor/1",
+                "command": options.command,
+                "created": created,
+                "devices": [str(d) for d in devices],
+                "arch": options.arch,
+                "preset": preset if transformer else None,
+                "sizes": label,
+                "size_values": jsonable(sizes),
+                "skipped": list(options.skip),
+                "total_seconds": time.perf_counter() - started,
+                "partial": partial,
+                "environment": env,
+            }
+
         for i, step in enumerate(steps, 1):
             results.append(run_step(step, ctx, options.skip))
             say(_line(i, len(steps), results[-1]))
-        total = time.perf_counter() - started
-        meta: dict[str, Any] = {
-            "format": "mpstream-doctor/1",
-            "command": options.command,
-            "created": created,
-            "devices": [str(d) for d in devices],
-            "arch": options.arch,
-            "preset": preset if transformer else None,
-            "sizes": label,
-            "size_values": jsonable(sizes),
-            "skipped": list(options.skip),
-            "total_seconds": total,
-            "environment": ctx.shared.get("environment") or environment.collect(devices),
-        }
-        say(f"report in {out}: {', '.join(report.top_files(out))} ({total:.0f} s in all)")
+            if i < len(steps) and step.name not in options.skip:
+                # Written after every step that ran, so that a run stopped
+                # by a time limit (a GPU lease) still leaves what it found.
+                (ctx.scratch / "doctor.log").write_text("\n".join(log) + "\n")
+                partial = f"written after step {i} of {len(steps)}; a later report replaces it"
+                report.write(out, ctx.scratch, results, meta(partial))
+        final = meta(None)
+        say(
+            f"report in {out}: {', '.join(report.top_files(out))} "
+            f"({final['total_seconds']:.0f} s in all)"
+        )
         say(report.table(results))
         (ctx.scratch / "doctor.log").write_text("\n".join(log) + "\n")
-        report.write(out, ctx.scratch, results, meta)
+        report.write(out, ctx.scratch, results, final)
     return 1 if report.status_of(results) == FAIL else 0

@@ -152,6 +152,30 @@ def test_skips_for_the_option_for_cuda_and_for_missing_inputs(tmp_path: Path) ->
     assert needs.status == SKIP and "step 7" in needs.reason
 
 
+def test_a_run_stopped_part_way_leaves_the_report_of_the_steps_that_ran(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def passes(_: Context) -> StepResult:
+        return StepResult("a", "A", PASS, figure="42")
+
+    def stopped(_: Context) -> StepResult:
+        raise KeyboardInterrupt  # a stop part-way (a time limit's SIGTERM leaves no time at all)
+
+    steps = (runner.Step("a", "A", passes), runner.Step("b", "B", stopped))
+    monkeypatch.setattr(runner, "STEPS", steps)
+    with pytest.raises(KeyboardInterrupt):
+        runner.run(runner.Options(tmp_path, devices="cpu", sizes=TINY), echo=lambda _: None)
+    summary = (tmp_path / "summary.md").read_text()
+    assert "**Partial:** written after step 1 of 2" in summary and "| 42 |" in summary
+    doc = json.loads((tmp_path / "report.json").read_text())
+    assert doc["partial"].startswith("written after step 1 of 2") and len(doc["steps"]) == 1
+    monkeypatch.setattr(runner, "STEPS", steps[:1] * 2)
+    runner.run(runner.Options(tmp_path, devices="cpu", sizes=TINY), echo=lambda _: None)
+    doc = json.loads((tmp_path / "report.json").read_text())
+    assert doc["partial"] is None and len(doc["steps"]) == 2
+    assert "Partial" not in (tmp_path / "summary.md").read_text()
+
+
 def test_parse_devices() -> None:
     cpu = torch.device("cpu")
     assert runner.parse_devices("cpu") == (cpu, cpu)
