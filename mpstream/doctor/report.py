@@ -90,7 +90,7 @@ def _provenance(env: dict[str, Any]) -> str:
 def markdown(results: Sequence[StepResult], meta: dict[str, Any], files: Sequence[str]) -> str:
     """``summary.md``: provenance, the table of every step, each step's checks, the figures."""
     lines = [
-        f"# mpstream doctor: {status_of(results)}",
+        f"# mpstream doctor: {status_of(results)}" + (" so far" if meta.get("partial") else ""),
         "",
         _provenance(meta["environment"]),
         f"**Run:** `{meta['command']}` on {' | '.join(meta['devices'])}, {meta['sizes']} sizes, "

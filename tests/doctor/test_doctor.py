@@ -166,6 +166,7 @@ def test_a_run_stopped_part_way_leaves_the_report_of_the_steps_that_ran(
     with pytest.raises(KeyboardInterrupt):
         runner.run(runner.Options(tmp_path, devices="cpu", sizes=TINY), echo=lambda _: None)
     summary = (tmp_path / "summary.md").read_text()
+    assert summary.startswith("# mpstream doctor: PASS so far")
     assert "**Partial:** written after step 1 of 2" in summary and "| 42 |" in summary
     doc = json.loads((tmp_path / "report.json").read_text())
     assert doc["partial"].startswith("written after step 1 of 2") and len(doc["steps"]) == 1
