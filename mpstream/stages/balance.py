@@ -28,8 +28,10 @@ from torch.utils import _pytree as pytree
 
 from ..runtime.boundary import GradSink, cut
 from ..runtime.calls import takes_several
+from ..runtime.errors import annotate
 from ..runtime.microbatch import Value, as_value, leaves, rebuild_leaves, tensors_of
 from .fx import call_units, trace
+from .sequential import as_device
 from .tracers import none_arguments, sample_call
 
 __all__ = [
@@ -158,14 +160,20 @@ def profile_layers(
         TypeError: ``module`` is not an ``nn.Sequential``.
     """
     if not isinstance(module, nn.Sequential):
+        hint = (
+            " (torchgpipe's argument order, (partitions, module, sample), is "
+            "(module, sample, stages) here)"
+            if isinstance(module, int) and isinstance(sample, nn.Module)
+            else ""
+        )
         raise TypeError(
-            f"balancing profiles an nn.Sequential layer by layer; got {type(module).__name__}"
+            f"balancing profiles an nn.Sequential layer by layer; got {type(module).__name__}{hint}"
         )
     if repeat < 1:
         raise ValueError(f"repeat must be at least 1, got {repeat}")
     first = next(module.parameters(), None)
     dev = (
-        torch.device(device)
+        as_device(device, "device")
         if device is not None
         else (first.device if first is not None else torch.device("cpu"))
     )
@@ -173,7 +181,7 @@ def profile_layers(
     # The pipeline's positional inputs, passed on as its stages pass them
     # (runtime.calls.Chain: a tuple spread into a layer taking several).
     args: tuple[Any, ...] = tuple(t.to(dev) for t in tensors_of(as_value(sample, "sample")))
-    out = []
+    out: list[LayerProfile] = []
     counted: set[int] = set()
     for name, layer in model.named_children():
         if takes_several(layer):
@@ -181,7 +189,16 @@ def profile_layers(
                 args = args[0]
         elif len(args) > 1:
             args = (args,)
-        profile, y = profile_call(name, layer, args, dev, repeat, counted)
+        try:
+            profile, y = profile_call(name, layer, args, dev, repeat, counted)
+        except Exception as exc:
+            annotate(
+                exc,
+                f"mpstream: raised while profiling layer {len(out)} ('{name}') to balance the "
+                f"stages: the sample must be a batch the whole module takes (run "
+                f"module(sample) to check)",
+            )
+            raise
         out.append(profile)
         args = (pytree.tree_map(lambda v: v.detach() if isinstance(v, Tensor) else v, y),)
     return out
@@ -269,7 +286,7 @@ def profile_units(
     """
     first = next(module.parameters(), None)
     dev = (
-        torch.device(device)
+        as_device(device, "device")
         if device is not None
         else (first.device if first is not None else torch.device("cpu"))
     )

@@ -10,7 +10,7 @@ Sequential's layers, or a traced module's own children and tensors.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,6 +153,15 @@ def _check_applies(
     Raises:
         ValueError: the argument named, with what to do instead.
     """
+    if isinstance(split_points, Mapping):
+        # torch.distributed.pipelining's split_spec: its END points would
+        # silently begin a stage one module early.
+        spec = ", ".join(f"{k!r}: {getattr(v, 'name', v)}" for k, v in split_points.items())
+        raise TypeError(
+            f"split_points takes a list of the submodule names where stages begin, not a "
+            f"split_spec mapping ({{{spec}}}): keep the names of SplitPoint.BEGINNING entries, "
+            f"and for SplitPoint.END at a name give the submodule that follows it"
+        )
     if isinstance(balance, str) and balance not in ("time", "size"):
         raise ValueError(f"balance must be a list of ints, 'time' or 'size'; got {balance!r}")
     if isinstance(balance, str) and split_points is not None:

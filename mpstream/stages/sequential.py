@@ -204,14 +204,18 @@ def stage_devices(
 
     Raises:
         TypeError: ``devices`` is not a list.
-        ValueError: it has the wrong length or an unsupported device type.
+        ValueError: an entry is not a device, the list has the wrong length,
+            or a device type is unsupported.
     """
     if devices is None:
         devs = _default_devices(stages)
     else:
         if isinstance(devices, (str, torch.device)) or not isinstance(devices, Sequence):
             raise TypeError("devices must be a list with one device per stage")
-        devs = [explicit_device(torch.device(d)) for d in devices]
+        devs = [
+            explicit_device(as_device(d, f"devices[{i}] (stage {i})"))
+            for i, d in enumerate(devices)
+        ]
         if len(devs) != stages:
             raise ValueError(
                 f"devices has {len(devs)} entries but {what} {stages} stages; give one "
@@ -221,6 +225,17 @@ def stage_devices(
         device_type_code(d)
     check_devices_exist(devs)
     return devs
+
+
+def as_device(d: DeviceLike, what: str) -> torch.device:
+    """``d`` as a device, or a ValueError naming ``what`` (the argument)."""
+    try:
+        return torch.device(d)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(
+            f"{what} is {d!r}, not a device ({str(exc).splitlines()[0]}); give a "
+            f"torch.device or a string such as 'cuda:0' or 'cpu'"
+        ) from None
 
 
 def _check_balance(balance: Sequence[int], total: int) -> list[int]:

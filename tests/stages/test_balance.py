@@ -176,3 +176,14 @@ def test_balancing_calls_layers_as_the_pipe_does(how: str) -> None:
     plain = nn.Sequential(nn.Linear(8, 8), _Named(), _Reads())
     pipe = Pipe(plain, chunks=2, balance=how, sample=a[:2], devices=["cpu"] * 2)
     torch.testing.assert_close(pipe(a), plain(a))
+
+
+def test_balancing_errors_name_the_argument_the_layer_and_torchgpipe_s_order() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(5, 2))
+    with pytest.raises(TypeError, match=r"torchgpipe's argument order, \(partitions, module"):
+        balance_by_time(2, model, torch.randn(3, 4))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="device is 'cpuu', not a device"):
+        balance_by_size(model, torch.randn(3, 4), 2, device="cpuu")
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied") as info:
+        balance_by_time(model, torch.randn(3, 4), 2)
+    assert "profiling layer 2 ('2') to balance the stages" in "".join(info.value.__notes__)

@@ -241,6 +241,10 @@ def test_split_point_errors() -> None:
         Pipe(Decoder(), split_points=["blocks.1", "blocks.2"], devices=["cpu"] * 2)
     with pytest.raises(TypeError, match="balance= partitions an nn.Sequential"):
         Pipe(Decoder(), split_points=["blocks.1"], balance=[1, 1], devices=["cpu"] * 2)
+    # torch.distributed.pipelining's split_spec: its END would begin a stage too early.
+    with pytest.raises(TypeError, match=r"not a split_spec mapping \(\{'blocks.1': END\}\)"):
+        end = type("SplitPoint", (), {"name": "END"})()
+        Pipe(Decoder(), split_points={"blocks.1": end}, devices=["cpu"] * 2)  # type: ignore[arg-type]
     assert "blocks.3" in split_candidates(Decoder())
 
 

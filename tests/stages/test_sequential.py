@@ -210,3 +210,10 @@ def test_bad_balance_or_devices(balance: object, devices: object, error: type, m
 def test_devices_count_must_match_children() -> None:
     with pytest.raises(ValueError, match="the module has 2 stages"):
         split_module(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), devices=["cpu"])
+
+
+@pytest.mark.parametrize("typo", ["cuda:O", "CPU", "cuda1", 3.5])
+def test_a_device_that_is_not_one_is_named_with_its_stage(typo: object) -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"devices\[1\] \(stage 1\) is .*, not a device \("):
+        Pipe(model, balance=[1, 1], devices=["cpu", typo])  # type: ignore[list-item]
