@@ -6,14 +6,17 @@ device, the first stage's: a module whose tensors already sit on several
 devices (placed by an earlier split) exports the same way, and nothing is
 copied. Only the call's dtypes, shapes and plain values matter; the batch
 dimension (dim 0) of every tensor the pipeline splits is left to the export
-to keep symbolic, so micro-batches of any size run the graph.
+to keep symbolic, so micro-batches of any size run the graph; that holds
+for arguments a ``**kwargs`` parameter gathers too (see
+:func:`_keywords_named`).
 :func:`exported_graph` returns the graph with parameters read by qualified
 name, ready for :func:`~mpstream.stages.export.export_stages` to cut.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import inspect
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -88,6 +91,48 @@ def _example(leaf: Any, device: torch.device, mode: Any) -> tuple[Any, Any]:
     return leaf, None
 
 
+@contextmanager
+def _keywords_named(module: nn.Module, names: list[str]) -> Iterator[None]:
+    """While it is exported, ``module.forward`` says it takes by name each
+    of ``names`` that its ``**kwargs`` would gather; calls still reach the
+    forward itself.
+
+    torch.export matches ``dynamic_shapes`` to the forward's parameters.
+    torch 2.11 cannot match a spec to arguments in ``**kwargs``: keyed by
+    their own names the spec is refused (the parameter's name is the key
+    it wants), and keyed as ``{'kwargs': {...}}`` it passes that check but
+    not the constraints computed after tracing, which list those arguments
+    twice. Named in the signature, they are plain keyword-only parameters
+    to every torch, and their batch dimension stays symbolic.
+    """
+    original = module.forward
+    signature = inspect.signature(original)
+    params = list(signature.parameters.values())
+    gathers = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    own = {p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    extra = [n for n in names if n not in own]
+    if not gathers or not extra:
+        yield
+        return
+    kept = [p for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    added = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY) for n in extra]
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return original(*args, **kwargs)
+
+    forward.__signature__ = signature.replace(parameters=kept + added)  # type: ignore[attr-defined]
+    # The instance's own forward, if it has one (a hook library's), comes back.
+    before: Callable[..., Any] | None = module.__dict__.get("forward")
+    module.__dict__["forward"] = forward
+    try:
+        yield
+    finally:
+        if before is None:
+            del module.__dict__["forward"]
+        else:
+            module.__dict__["forward"] = before
+
+
 def _export(
     module: nn.Module, named: dict[str, Any], device: torch.device
 ) -> torch.export.ExportedProgram:
@@ -101,7 +146,8 @@ def _export(
     shapes = pytree.tree_unflatten([p[1] for p in pairs], spec)
     # Autocast and grad mode around the call must not enter the graph: the
     # stages run under whatever the caller's are then.
-    with _fake_tensors(module, device, mode), torch.enable_grad():
+    keywords = _keywords_named(module, list(named))
+    with keywords, _fake_tensors(module, device, mode), torch.enable_grad():
         with torch.autocast(device.type, enabled=False):
             return torch.export.export(module, (), examples, dynamic_shapes=shapes, strict=False)
 

@@ -336,6 +336,20 @@ def test_train_step_passes_a_batchs_extra_keys_to_kwargs() -> None:
     assert_same_grads(pipe, model)
 
 
+def test_extra_keyword_arguments_run_on_micro_batches_of_any_size() -> None:
+    torch.manual_seed(0)
+    model = _Extras().double()
+    x, s = torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 4, dtype=torch.float64)
+    pipe = Pipe(
+        copy.deepcopy(model), split_points=["b"], devices=["cpu"] * 2, chunks=2,
+        tracer="export", sample={"input_ids": x, "scale": s},
+    )  # fmt: skip
+    torch.testing.assert_close(pipe(input_ids=x, scale=s), model(x, scale=s))  # 3 and 2 rows
+    x, s = x.repeat(2, 1)[:7], s.repeat(2, 1)[:7]
+    torch.testing.assert_close(pipe(input_ids=x, scale=s), model(x, scale=s))  # 4 and 3 rows
+    assert len(pipe.split_report().exports) == 1
+
+
 class _OwnLoss(nn.Module):
     """Returns its own loss, reduced as ``how`` says."""
 

@@ -1,0 +1,78 @@
+"""One kind of call exported on fake tensors (mpstream.stages.fake_export):
+arguments a ``**kwargs`` parameter gathers keep a symbolic batch dimension
+on every torch (torch 2.11's export could not be given one for them), and
+the module's forward is left as it was, the export failed or not. The
+pipeline runs such a graph on micro-batches of other sizes in
+tests/stages/test_export.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.utils import _pytree as pytree
+
+from mpstream.stages.fake_export import exported_graph, input_pattern
+
+CPU = torch.device("cpu")
+
+
+class _Extras(nn.Module):
+    """Reads extra keyword arguments from ``**kwargs``, as a Hugging Face
+    forward does, beside a named optional one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, input_ids: Tensor, mask: Tensor | None = None, **extra: Tensor) -> Tensor:
+        h: Tensor = self.a(input_ids) * extra["scale"]
+        return h if mask is None else h * mask
+
+
+def _placeholders(gm: torch.fx.GraphModule) -> list[Any]:
+    return [input_pattern(n) for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def _keywords(in_spec: pytree.TreeSpec) -> list[str]:
+    """The call's keywords, in the order the graph takes its inputs."""
+    _, kwargs = pytree.tree_unflatten([None] * in_spec.num_leaves, in_spec)
+    return list(kwargs)
+
+
+def test_arguments_in_kwargs_keep_a_symbolic_batch_dimension() -> None:
+    torch.manual_seed(0)
+    model = _Extras()
+    x, s = torch.randn(6, 4), torch.randn(6, 1)
+    gm, in_spec, _ = exported_graph(model, {"input_ids": x, "scale": s}, CPU)
+    assert [p[2] for p in _placeholders(gm)] == [(None, 4), (None, 1)]
+    assert _keywords(in_spec) == ["input_ids", "scale"]
+
+
+def test_a_named_argument_beside_kwargs_is_exported_as_before() -> None:
+    model = _Extras()
+    x, s, m = torch.randn(6, 4), torch.randn(6, 1), torch.randn(6, 4)
+    gm, in_spec, _ = exported_graph(model, {"input_ids": x, "mask": m, "scale": s}, CPU)
+    assert [p[2] for p in _placeholders(gm)] == [(None, 4), (None, 4), (None, 1)]
+    assert _keywords(in_spec) == ["input_ids", "mask", "scale"]
+
+
+def test_the_modules_forward_is_left_as_it_was() -> None:
+    model = _Extras()
+    x, s = torch.randn(6, 4), torch.randn(6, 1)
+    exported_graph(model, {"input_ids": x, "scale": s}, CPU)
+    assert "forward" not in vars(model)
+    with pytest.raises(Exception, match="scale"):  # the forward's own KeyError
+        exported_graph(model, {"input_ids": x, "other": s}, CPU)
+    assert "forward" not in vars(model)
+
+    # An instance's own forward (as a hook library sets one) comes back.
+    def hooked(*args: Any, **kwargs: Any) -> Tensor:
+        return _Extras.forward(model, *args, **kwargs)
+
+    model.forward = hooked  # type: ignore[method-assign]
+    gm, _, _ = exported_graph(model, {"input_ids": x, "scale": s}, CPU)
+    assert vars(model)["forward"] is hooked
+    assert [p[2] for p in _placeholders(gm)] == [(None, 4), (None, 1)]
