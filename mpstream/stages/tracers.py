@@ -13,6 +13,7 @@ module's ``forward`` by name, as ``torch.export`` takes it;
 from __future__ import annotations
 
 import inspect
+import keyword
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -181,6 +182,8 @@ class CallSignature:
         for name, value in bound.arguments.items():
             kind = self.signature.parameters[name].kind
             if kind is inspect.Parameter.VAR_KEYWORD:
+                for key in value:
+                    self._check_name(key)
                 # By name: the order they came in is no part of the call's kind.
                 named.update(sorted(value.items()))
             elif kind is inspect.Parameter.VAR_POSITIONAL:
@@ -192,6 +195,18 @@ class CallSignature:
             else:
                 named[name] = value
         return named
+
+    def _check_name(self, key: str) -> None:
+        """torch.export names each input after its keyword and generates
+        Python code with it, which fails (a SyntaxError deep in tracing) on
+        a key that could not be a parameter's name."""
+        if not key.isidentifier() or keyword.iskeyword(key):
+            raise TypeError(
+                f"{self.name}.forward was given keyword argument {key!r}, which cannot be "
+                f"a Python parameter name: torch.export names each input after its keyword "
+                f"and fails on it; rename the key (a batch dict's keys become keyword "
+                f"arguments)"
+            )
 
 
 def describe_call(named: dict[str, Any], training: bool, dtypes: Sequence[str]) -> str:

@@ -350,6 +350,16 @@ def test_extra_keyword_arguments_run_on_micro_batches_of_any_size() -> None:
     assert len(pipe.split_report().exports) == 1
 
 
+@pytest.mark.parametrize("key", ["pixel-values", "class"])
+def test_a_keyword_torch_export_cannot_name_is_refused_by_name(key: str) -> None:
+    x = torch.randn(4, 4, dtype=torch.float64)
+    with pytest.raises(TypeError, match=rf"keyword argument '{key}'.*rename the key"):
+        Pipe(
+            _Extras().double(), split_points=["b"], devices=["cpu"] * 2, chunks=2,
+            tracer="export", sample={"input_ids": x, key: x},
+        )  # fmt: skip
+
+
 class _OwnLoss(nn.Module):
     """Returns its own loss, reduced as ``how`` says."""
 
