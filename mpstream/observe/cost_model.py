@@ -160,7 +160,8 @@ def simulate(
             them. Default: one device per stage; for a round-robin schedule
             the stages round-robin over ``stages / virtual_stages`` devices,
             for a V schedule stages ``s`` and ``stages - 1 - s`` on device
-            ``s``.
+            ``s``. A round-robin schedule needs ``devices`` or
+            ``virtual_stages``.
         reads: the stage graph, per stage the stages it reads (-1: the
             input); default a chain. A value goes to each device reading it
             in one copy, as mpstream's schedules move it.
@@ -187,8 +188,9 @@ def simulate(
         The predicted step time and its timeline.
 
     Raises:
-        ValueError: inconsistent lengths, negative costs, or a schedule with
-            backward tasks without backward times.
+        ValueError: inconsistent lengths, negative costs, a schedule with
+            backward tasks without backward times, or a round-robin schedule
+            with neither ``devices`` nor ``virtual_stages``.
     """
     issue = _issue_costs(issue_times)
     stages = [_pair(c, f"stage {i} time") for i, c in enumerate(stage_times)]
@@ -219,6 +221,13 @@ def simulate(
             f"V); got schedule={schedule!r}"
         )
     if devices is None:
+        if placement == "round_robin" and virtual_stages is None:
+            # Each stage a rank of its own: the schedule's fill-drain of one
+            # stage per rank, which is not what its name promises.
+            raise ValueError(
+                f"schedule={schedule!r} places several stages per rank: give virtual_stages= "
+                f"(stages per rank) or devices= (a label per stage, the ranks round-robin)"
+            )
         devs = _default_devices(placement, n, virtual_stages)
         if placement == "v" and virtual_stages is None:
             virtual_stages = 2  # the devices made for the V say it, but for one rank

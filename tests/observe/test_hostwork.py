@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -134,14 +135,30 @@ def test_the_replay_profile_script_writes_its_table_and_report(
 ) -> None:
     made = Breakdown(16, 2, 900.0, 1000.0, 1200.0, {"graph launch": 320.0, "python": 800.0},
                      {"graph launch": 16.0, "operators": 40.0}, {}, 1.0)  # fmt: skip
-    monkeypatch.setattr(replay_profile, "measure", lambda args, device: {"graphed loop": made})
+    written: list[str] = []
+
+    def measure(args: Any, device: Any, done: Any) -> Any:
+        results, warned = {"graphed loop": made}, {"graphed loop": ["GraphWarning: eager"]}
+        done(results, warned)  # after each variant: what finished is on disk
+        written.append((tmp_path / "replay-profile.md").read_text())
+        return results, warned
+
+    monkeypatch.setattr(replay_profile, "measure", measure)
     assert replay_profile.main(["--quick", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "replay-profile.json").read_text())
     assert report["cpu"] and report["config"]["batch_size"] == 4
     assert report["variants"]["graphed loop"]["kinds_us_per_task"]["python"] == 50.0
+    assert report["warnings"] == {"graphed loop": ["GraphWarning: eager"]}
     table = (tmp_path / "replay-profile.md").read_text()
+    assert written == [table]
     assert "| graphed loop | 16 | 0.90 | 1.00 | 90% | 75 | 20.0 | 50.0 | 1.00 |" in table
+    assert "- graphed loop: GraphWarning: eager" in table
     assert not (tmp_path / "replay-trace.json.gz").exists()  # made by measure, not here
+    # On a GPU, a graphed row that launched no graph is flagged.
+    eager = Breakdown(16, 2, 900.0, 1000.0, 1200.0, {"python": 800.0}, {}, {}, 0.0)
+    assert replay_profile.suspect({"graphed loop": made}, cuda=True) == []
+    assert "ran eagerly" in replay_profile.suspect({"graphed loop": eager}, cuda=True)[0]
+    assert replay_profile.suspect({"graphed loop": eager}, cuda=False) == []
 
 
 def test_the_replay_profile_counts_a_steps_tasks() -> None:
