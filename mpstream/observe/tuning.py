@@ -10,6 +10,7 @@ version.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import operator
 import time
@@ -267,8 +268,8 @@ def _sizes(split_sizes: Sequence[int] | None, batch: int) -> list[int]:
 @contextmanager
 def _bar(total: int, progress: bool) -> Iterator[Any]:
     """A tqdm progress bar, drawn only on a terminal, or a silent stand-in
-    (tqdm is optional)."""
-    if progress:
+    (tqdm is optional: without it, no bar)."""
+    if progress and importlib.util.find_spec("tqdm") is not None:
         from tqdm import tqdm
 
         with tqdm(total=total, desc="tuning", unit="config", disable=None) as bar:

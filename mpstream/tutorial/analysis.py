@@ -52,12 +52,13 @@ def batch(config: Config, device: torch.device) -> tuple[Tensor, Tensor]:
 
 
 def trace_tutorial(
-    dev0: torch.device, dev1: torch.device, config: Config, out: Path
+    dev0: torch.device, dev1: torch.device, config: Config, out: Path, *, plot: bool = True
 ) -> dict[str, Any]:
     """Profiles the tutorial's training loop through mpstream's drop-in:
     ``config.num_batches`` steps after ``config.warmup`` untimed ones.
 
-    Writes ``trace.json`` (Chrome trace) and ``timeline.png`` into ``out``.
+    Writes ``trace.json`` (Chrome trace) and, with ``plot``, ``timeline.png``
+    into ``out``.
 
     Returns:
         The profile summary.
@@ -82,12 +83,13 @@ def trace_tutorial(
         train(config.num_batches)
     out.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(out / "trace.json")
-    prof.plot(
-        out / "timeline.png",
-        title=f"tutorial training step through mpstream on {dev0} | {dev1}, split size "
-        f"{config.split_size}, {config.batch_size} images of {config.image_w}x{config.image_h} "
-        f"(last of {config.num_batches} steps; numbers are micro-batches)",
-    )
+    if plot:
+        prof.plot(
+            out / "timeline.png",
+            title=f"tutorial training step through mpstream on {dev0} | {dev1}, split size "
+            f"{config.split_size}, {config.batch_size} images of {config.image_w}x"
+            f"{config.image_h} (last of {config.num_batches} steps; numbers are micro-batches)",
+        )
     return prof.summary(echo=False).to_dict()
 
 
