@@ -256,23 +256,19 @@ def _line(i: int, total: int, result: StepResult) -> str:
     return f"{head}  {text}  ({result.seconds:.1f} s)"
 
 
-def run(options: Options, echo: Callable[[str], None] | None = None) -> int:
-    """Runs every step, prints a line per step and the table, writes the report.
-
-    Args:
-        options: what to run and where to write.
-        echo: where console lines go (default: stdout, flushed).
+def check(options: Options) -> tuple[tuple[torch.device, torch.device], Sizes, str, str]:
+    """Refuses bad options before anything runs.
 
     Returns:
-        The exit status: 0 if no step failed, 1 otherwise.
+        The devices, the sizes and their label (quick, full or custom), and
+        the transformer's preset.
 
     Raises:
-        ValueError: bad devices, architecture or step names.
+        ValueError: bad devices, architecture, step names or sizes.
     """
     if options.arch not in ARCHS:
         raise ValueError(f"unknown model {options.arch!r}; valid: {', '.join(ARCHS)}")
-    steps = steps_for(options.arch)
-    names = [s.name for s in steps]
+    names = [s.name for s in steps_for(options.arch)]
     unknown = [s for s in options.skip if s not in names]
     if unknown:
         raise ValueError(
@@ -286,16 +282,9 @@ def run(options: Options, echo: Callable[[str], None] | None = None) -> int:
     if options.preset is not None and not transformer:
         raise ValueError("--preset sizes the transformer: give --model transformer too")
     devices = parse_devices(options.devices)
-    cuda = devices[0].type == "cuda"
-    log: list[str] = []
-
-    def say(text: str) -> None:
-        log.append(text)
-        (echo or (lambda t: print(t, flush=True)))(text)
-
     if options.sizes is not None:
         sizes, label = options.sizes, "custom"
-    elif options.quick or not cuda:
+    elif options.quick or devices[0].type != "cuda":
         sizes, label = QUICK, "quick"
     else:
         sizes, label = FULL, "full"
@@ -303,6 +292,32 @@ def run(options: Options, echo: Callable[[str], None] | None = None) -> int:
     preset = options.preset or ("1b" if label == "full" else "tiny")
     if transformer:
         workload.preset(preset)  # an unknown name fails here, not in a step
+    return devices, sizes, label, preset
+
+
+def run(options: Options, echo: Callable[[str], None] | None = None) -> int:
+    """Runs every step, prints a line per step and the table, writes the report.
+
+    Args:
+        options: what to run and where to write.
+        echo: where console lines go (default: stdout, flushed).
+
+    Returns:
+        The exit status: 0 if no step failed, 1 otherwise.
+
+    Raises:
+        ValueError: bad options (:func:`check`).
+    """
+    devices, sizes, label, preset = check(options)
+    steps = steps_for(options.arch)
+    transformer = options.arch == "transformer"
+    cuda = devices[0].type == "cuda"
+    log: list[str] = []
+
+    def say(text: str) -> None:
+        log.append(text)
+        (echo or (lambda t: print(t, flush=True)))(text)
+
     out = Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
     for name in report.ARTIFACTS:  # a rerun must not leave an older run's files behind

@@ -305,3 +305,13 @@ def test_the_report_records_the_workload(
         6,
         [3],
     )
+
+
+def test_check_refuses_bad_options_and_writes_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match="--preset sizes the transformer"):
+        runner.check(runner.Options(out, preset="tiny"))
+    devices, sizes, label, preset = runner.check(runner.Options(out, devices="cpu", sizes=TINY))
+    assert [str(d) for d in devices] == ["cpu", "cpu"] and sizes == TINY
+    assert (label, preset) == ("custom", "tiny")
+    assert not out.exists()  # checking runs nothing
