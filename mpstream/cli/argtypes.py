@@ -1,5 +1,6 @@
 """Argument types of the ``mpstream`` commands: numbers, size lists, image
-sizes, device names."""
+sizes, device names; and :class:`UsageError`, a bad option found after
+parsing (a combination a command refuses)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import math
 import torch
 
 __all__ = [
+    "UsageError",
     "positive_int",
     "non_negative_int",
     "positive_float",
@@ -19,6 +21,12 @@ __all__ = [
     "device_here",
     "devices_here",
 ]
+
+
+class UsageError(ValueError):
+    """A bad option that parsing alone cannot see: ``mpstream CMD: error:
+    ...``, exit status 2, like argparse's own. Any other error of a run is
+    not the user's options and keeps its traceback."""
 
 
 def _whole(text: str) -> int:

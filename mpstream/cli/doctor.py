@@ -5,14 +5,20 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..doctor import ARCHS, SKIPPABLE, Options, run
-from ..workloads import PRESETS
-from .argtypes import image_size, int_list, positive_int
+from ..workloads.transformer import PRESETS
+from . import extras
+from .argtypes import UsageError, image_size, int_list, positive_int
+
+#: What the doctor's steps import: figures and progress bars as they go, the
+#: tutorial's models (``mpstream.cli.main`` checks before it runs).
+NEEDS = ("torchvision", "matplotlib", "tqdm")
 
 __all__ = ["add_command"]
 
 
 def _command(args: argparse.Namespace) -> int:
+    from ..doctor import Options, check, run
+
     options = Options(
         out=Path(args.out),
         devices=args.devices,
@@ -26,11 +32,23 @@ def _command(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         split_sizes=args.split_sizes,
     )
+    try:
+        check(options)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     return run(options)
 
 
 def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Adds the ``doctor`` command to the ``mpstream`` parser."""
+    # Its steps' names come from the steps, which need the extras; without
+    # them the command still parses (and then says what to install).
+    archs: tuple[str, ...] | None = None
+    skippable: tuple[str, ...] | None = None
+    if all(extras.installed(m) for m in NEEDS):
+        from ..doctor import ARCHS, SKIPPABLE
+
+        archs, skippable = ARCHS, SKIPPABLE
     d = sub.add_parser(
         "doctor",
         help="prove on this machine's GPUs that the pipeline is right and overlaps",
@@ -51,7 +69,7 @@ def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     )
     d.add_argument(
         "--model",
-        choices=ARCHS,
+        choices=archs,
         default="resnet50",
         help="the experiment's model (%(default)s); transformer: the same checks on a "
         "Llama-style decoder, with predictions for 2, 4 and 8 GPUs",
@@ -79,10 +97,10 @@ def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         nargs="+",
         action="extend",
         default=[],
-        choices=SKIPPABLE,
+        choices=skippable,
         metavar="STEP",
-        help=f"steps not to run: {', '.join(SKIPPABLE)} (experiment: the transformer's, "
-        f"tutorial: the ResNets')",
+        help=f"steps not to run: {', '.join(skippable or ['(installed with the extras)'])} "
+        "(experiment: the transformer's, tutorial: the ResNets')",
     )
     d.add_argument("--no-progress", action="store_true", help="no progress bars")
     d.set_defaults(func=_command)

@@ -10,15 +10,31 @@ import torch
 
 from ..observe.cost_model import Cost
 from ..schedules import SCHEDULES
-from ..tutorial import bench
-from .argtypes import device_name, non_negative_float, positive_int
+from ..tutorial.machine import detect_devices, device_name, metadata
+from . import extras
+from .argtypes import UsageError, non_negative_float, positive_int
+from .argtypes import device_name as device_arg
 
 __all__ = ["add_command", "run"]
 
 BALANCES = ("tutorial", "time")
-SPLIT_SIZE, IMAGE_SIZE = 2, 64
+SPLIT_SIZE, IMAGE_SIZE, DEVICES = 2, 64, 2
 # What only a profiled ResNet50 uses, which --uniform replaces.
 PROFILE_OPTIONS = ("device", "balance", "split_size", "image_size", "no_memory")
+
+
+def device_count(text: str) -> int:
+    """``--devices``: how many devices the simulation spreads the stages
+    over. The other commands' ``--devices`` name real devices, so a name
+    here is pointed to ``--device``."""
+    try:
+        int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected how many devices to simulate (e.g. 2), got {text!r}; the device to "
+            "profile and measure on is --device, e.g. --device cuda:0"
+        ) from None
+    return positive_int(text)
 
 
 def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -38,7 +54,10 @@ def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     )
     c.add_argument("--stages", type=positive_int, default=4, help="pipeline stages (default 4)")
     c.add_argument(
-        "--devices", type=positive_int, default=2, help="devices the stages share (default 2)"
+        "--devices",
+        type=device_count,
+        help=f"how many devices the simulated stages share (default {DEVICES}); not names: "
+        "the simulation needs no such devices here (--device is where to measure)",
     )
     c.add_argument(
         "--micro-batches", type=positive_int, default=8, help="micro-batches per step (default 8)"
@@ -50,7 +69,7 @@ def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "--no-memory do not apply)",
     )
     c.add_argument(
-        "--device", type=device_name, help="where to profile and measure (default: detected)"
+        "--device", type=device_arg, help="where to profile and measure (default: detected)"
     )
     c.add_argument(
         "--balance",
@@ -82,34 +101,49 @@ def run(args: argparse.Namespace) -> int:
     """Runs ``mpstream schedules``; returns the exit status.
 
     Raises:
-        ValueError: more devices than stages, an image too small, a profile's
+        UsageError: more devices than stages, an image too small, a profile's
             option with ``--uniform``, or ``--balance tutorial`` for a stage
             count the tutorial has no cut for.
     """
-    from ..observe import compare  # the profile and plots load only when the command runs
-    from ..tutorial.analysis import TUTORIAL_SPLITS, resnet_stages
-
-    stages, devices, micros = args.stages, args.devices, args.micro_batches
-    if devices > stages:
-        raise ValueError(f"--devices {devices} exceeds --stages {stages}: a device needs a stage")
+    stages, devices, micros = args.stages, args.devices or DEVICES, args.micro_batches
+    if devices > stages and args.devices:
+        raise UsageError(f"--devices {devices} exceeds --stages {stages}: a device needs a stage")
+    if devices > stages:  # the default --devices, which the user never typed
+        raise UsageError(
+            f"--stages {stages}: fewer than the {devices} devices simulated by default "
+            f"(a device needs a stage); give --devices {stages}, or more stages"
+        )
     if args.uniform:
         given = [f"--{o.replace('_', '-')}" for o in PROFILE_OPTIONS if getattr(args, o)]
         if given:
-            raise ValueError(
+            raise UsageError(
                 f"{', '.join(given)}: --uniform uses unit costs and profiles no ResNet50; "
                 f"drop {'it' if len(given) == 1 else 'them'} or --uniform"
             )
     split_size = args.split_size or SPLIT_SIZE
     image_size = args.image_size or IMAGE_SIZE
     if image_size < 32:
-        raise ValueError("--image-size must be at least 32 (ResNet50 downsamples 32x)")
-    balance = args.balance or ("tutorial" if stages in TUTORIAL_SPLITS else "time")
-    if balance == "tutorial" and stages not in TUTORIAL_SPLITS:
-        counts = " or ".join(str(n) for n in sorted(TUTORIAL_SPLITS))
-        raise ValueError(
-            f"--balance tutorial: the tutorial's cut exists for {counts} stages, not "
-            f"{stages}; use --balance time"
+        raise UsageError("--image-size must be at least 32 (ResNet50 downsamples 32x)")
+    if image_size == 32 and split_size == 1:
+        raise UsageError(
+            "--split-size 1 with --image-size 32: ResNet50 brings one image down to one pixel, "
+            "and BatchNorm cannot train on one value per channel; use 2 or more images, or "
+            "larger images"
         )
+    from ..observe import compare  # the profile and plots load only when the command runs
+
+    plots = extras.figures("schedules", not args.no_plots)
+
+    if not args.uniform:
+        from ..tutorial.analysis import TUTORIAL_SPLITS, resnet_stages
+
+        balance = args.balance or ("tutorial" if stages in TUTORIAL_SPLITS else "time")
+        if balance == "tutorial" and stages not in TUTORIAL_SPLITS:
+            counts = " or ".join(str(n) for n in sorted(TUTORIAL_SPLITS))
+            raise UsageError(
+                f"--balance tutorial: the tutorial's cut exists for {counts} stages, not "
+                f"{stages}; use --balance time"
+            )
     skipped = compare.left_out(stages, devices)
     names = [n for n in SCHEDULES if n not in skipped]
     measured: dict[str, dict[str, int]] = {}
@@ -118,17 +152,17 @@ def run(args: argparse.Namespace) -> int:
         costs: list[Cost] = [(1.0, 1.0, 1.0)] * stages
         source = "unit costs: forward = input gradient = weight gradient = 1 ms"
     else:
-        device = torch.device(args.device) if args.device else bench.detect_devices(None)[0]
+        device = torch.device(args.device) if args.device else detect_devices(None)[0]
         pipe, x, y = resnet_stages(stages, micros, split_size, image_size, device, balance)
         loss_fn = torch.nn.functional.mse_loss
         print(f"profiling ResNet50 as {stages} stages on {device} ...", flush=True)
         costs = compare.profile_stages(pipe, x, y, loss_fn).per_stage()
         source = (
             f"ResNet50 ({split_size} images of {image_size}x{image_size} per micro-batch) "
-            f"profiled on {bench.device_name(device)}; balance {pipe.balance} ({balance})"
+            f"profiled on {device_name(device)}; balance {pipe.balance} ({balance})"
         )
         # The device profiled on, beside the simulated device count.
-        profiled = bench.metadata([device])
+        profiled = metadata([device])
         profiled["profiled_on"] = profiled.pop("devices")
         meta.update(profiled, balance=pipe.balance)
         if not args.no_memory:
@@ -165,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
     }
     (out / "schedules.json").write_text(json.dumps(doc, indent=2) + "\n")
     print(f"wrote {out / 'schedules.json'}")
-    if not args.no_plots:
+    if plots:
         title = f"{stages} stages, {devices} devices, {micros} micro-batches; {source}"
         print(f"wrote {compare.plot_stacked(rows, out / 'schedules.png', title)}")
     return 0

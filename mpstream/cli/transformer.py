@@ -9,15 +9,24 @@ from pathlib import Path
 import torch
 
 from .._version import __version__
-from ..tutorial import bench as tutorial_bench
+from ..tutorial.machine import detect_devices, device_name
 from ..workloads import bench, transformer
-from .argtypes import int_list, positive_float, positive_int
+from . import extras
+from .argtypes import UsageError, int_list, positive_float, positive_int
 
-__all__ = ["add_options", "run", "TUTORIAL_ONLY"]
+__all__ = ["add_options", "run", "given", "TUTORIAL_ONLY", "TRANSFORMER_ONLY"]
 
 #: Options of the tutorial's experiment, which the transformer takes none of.
 TUTORIAL_ONLY = ("split_size", "split_sizes", "batch_size", "num_batches", "image_size",
-                 "num_classes")  # fmt: skip
+                 "num_classes", "no_sweep")  # fmt: skip
+#: The transformer's options, which the tutorial's experiment takes none of.
+TRANSFORMER_ONLY = ("preset", "micro_batches", "sequences", "seq_len", "peak_tflops")
+
+
+def given(args: argparse.Namespace, names: tuple[str, ...]) -> str:
+    """The options of ``names`` set in ``args``, as typed (``--seq-len``),
+    comma-separated; empty if none."""
+    return ", ".join(f"--{n.replace('_', '-')}" for n in names if getattr(args, n, None))
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
@@ -44,13 +53,16 @@ def add_options(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Runs the transformer bench as ``args`` say."""
-    given = [f"--{n.replace('_', '-')}" for n in TUTORIAL_ONLY if getattr(args, n, None)]
-    if given:
-        raise ValueError(
-            f"{', '.join(given)}: options of the tutorial's experiment; the transformer takes "
+    wrong = given(args, TUTORIAL_ONLY)
+    if wrong:
+        raise UsageError(
+            f"{wrong}: options of the tutorial's experiment; the transformer takes "
             f"--preset, --micro-batches, --sequences and --seq-len"
         )
-    dev0, dev1 = tutorial_bench.detect_devices(args.devices)
+    try:
+        dev0, dev1 = detect_devices(args.devices)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     name = args.preset or ("tiny" if args.quick or dev0.type != "cuda" else "1b")
     changes: dict[str, object] = {}
     for option, field in (
@@ -60,23 +72,24 @@ def run(args: argparse.Namespace) -> int:
         value = getattr(args, option, None)
         if value is not None:
             changes[field] = value
-    preset = transformer.preset(name, **changes)
+    try:
+        preset = transformer.preset(name, **changes)
+    except ValueError as exc:  # sizes that cannot work: the options'
+        raise UsageError(str(exc)) from None
     config = bench.Config(preset, (dev0, dev1), peak=args.peak_tflops)
+    plots = extras.figures("bench", not args.no_plots)
     print(
         f"mpstream {__version__} | torch {torch.__version__} | devices {dev0}, {dev1} "
-        f"({tutorial_bench.device_name(dev0)}) | transformer {preset.name}: "
+        f"({device_name(dev0)}) | transformer {preset.name}: "
         f"{transformer.param_count(preset) / 1e6:.1f}M parameters, "
         f"{preset.batch} x {preset.seq} tokens per step",
         flush=True,
     )
-    from tqdm import tqdm
-
     keys = bench.keys_for(config)
     total = len(keys) * (preset.warmup + preset.repeat)
-    # disable=None: a bar only on a terminal; in a log file it would be one long line.
-    with tqdm(total=total, unit="step", disable=True if args.no_progress else None) as bar:
+    with extras.progress(total, "step", not args.no_progress) as bar:
         results = bench.run(config, tick=lambda: bar.update(1), status=bar.set_description)
     print(bench.table(results))
-    for path in bench.save(results, Path(args.out), plots=not args.no_plots):
+    for path in bench.save(results, Path(args.out), plots=plots):
         print(f"wrote {path}")
     return 0

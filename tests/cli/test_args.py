@@ -4,6 +4,7 @@ argument types, and ``--out`` / ``--cache`` paths they could not write."""
 from __future__ import annotations
 
 import argparse
+import importlib
 from pathlib import Path
 
 import pytest
@@ -147,3 +148,103 @@ def test_devices_here_are_checked_against_this_machine() -> None:
         device_here("meta")
     with pytest.raises(argparse.ArgumentTypeError, match="expected comma-separated devices"):
         devices_here(",")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--quick", "--image-size", "32", "--split-size", "1"],
+            "--split-size 1 with --image-size 32x32: a micro-batch of one image",
+        ),
+        # 5 images in micro-batches of 2: the last holds one.
+        (["--image-size", "32", "--batch-size", "5", "--split-sizes", "3,2"], "--split-sizes 2"),
+        (["--image-size", "32", "--batch-size", "1"], "--batch-size 1 with --image-size 32x32"),
+    ],
+)
+def test_a_lone_image_at_32x32_is_refused(
+    args: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # BatchNorm would get one value per channel after ResNet50's 32x downsampling.
+    assert cli.main(["bench", *args, "--devices", "cpu,cpu", "--out", str(tmp_path / "o")]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_default_sweep_leaves_out_lone_images() -> None:
+    config = _config(cli.parser().parse_args(["bench", "--image-size", "32", "--batch-size", "5"]))
+    assert config.split_sizes == (3, 5) and config.split_size == 3  # not 1, 2 or 4: 5 % s == 1
+    larger = cli.parser().parse_args(["bench", "--image-size", "33", "--batch-size", "5"])
+    assert _config(larger).split_sizes == (1, 3, 5)  # 2x2 pixels at the end: any micro-batch
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--preset", "tiny"], "--preset: options of --model transformer; give it too"),
+        (
+            ["--micro-batches", "2", "--seq-len", "8"],
+            "--micro-batches, --seq-len: options of --model transformer",
+        ),
+        (["--model", "transformer", "--no-sweep"], "--no-sweep: options of the tutorial's"),
+    ],
+)
+def test_bench_refuses_options_of_the_other_model(
+    args: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["bench", *args, "--out", str(tmp_path / "o")]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_doctor_refuses_bad_options_before_running(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["doctor", "--preset", "tiny", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "error: --preset sizes the transformer: give --model transformer too" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_schedules_devices_is_a_count_and_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["schedules", "--devices", "cuda:0,cuda:1"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "expected how many devices to simulate (e.g. 2), got 'cuda:0,cuda:1'" in err
+    assert "is --device, e.g. --device cuda:0" in err
+
+
+def test_schedules_blames_no_option_the_user_did_not_type(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = ["--uniform", "--out", str(tmp_path / "o")]
+    assert cli.main(["schedules", "--stages", "1", *out]) == 2
+    assert (
+        "--stages 1: fewer than the 2 devices simulated by default (a device needs a stage); "
+        "give --devices 1, or more stages" in capsys.readouterr().err
+    )
+    assert cli.main(["schedules", "--stages", "1", "--devices", "2", *out]) == 2
+    assert "--devices 2 exceeds --stages 1" in capsys.readouterr().err
+
+
+def test_help_shows_the_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    from mpstream.tutorial.design import FULL, QUICK
+
+    cli_main = importlib.import_module("mpstream.cli.main")
+    # The help's numbers are the experiment's (written out: help loads no torchvision).
+    assert (cli_main.REPEAT, cli_main.QUICK_REPEAT) == (FULL.repeat, QUICK.repeat)
+    assert cli_main.WARMUP == FULL.warmup == QUICK.warmup
+
+    def shown(command: str) -> str:
+        with pytest.raises(SystemExit):
+            cli.main([command, "--help"])
+        return " ".join(capsys.readouterr().out.split())
+
+    bench, tune, trace = shown("bench"), shown("tune"), shown("trace")
+    assert "timed runs per configuration (default: 10, 3 with --quick;" in bench
+    assert "its preset's, tiny 5, 1b 6, 3b 6)" in bench
+    assert "untimed runs before timing (default: 1;" in bench
+    assert "timed runs per configuration (default: 3)" in tune
+    assert "slower sizes in a row before stopping (default: 2)" in tune
+    assert "split size of the traced run" in trace and "comparison" not in trace
+    assert "(default: 10, 3 with --quick: the cost model's measured steps)" in trace

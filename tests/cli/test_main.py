@@ -206,3 +206,20 @@ def test_the_progress_bar_is_drawn_only_on_a_terminal(tmp_path: Path) -> None:
         os.close(main)
     assert done.returncode == 0 and b"speed-up" in done.stdout
     assert b"train" in b"".join(drawn) and b"\r" in b"".join(drawn)
+
+
+def test_an_error_while_running_is_no_bad_option(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from mpstream.tutorial import bench
+
+    def fails(*_: object, **__: object) -> None:
+        raise ValueError("Expected more than 1 value per channel when training")
+
+    monkeypatch.setattr(bench, "run", fails)
+    out = tmp_path / "new" / "out"
+    # It propagates with its traceback, not as "error:" and exit 2.
+    with pytest.raises(ValueError, match="Expected more than 1 value"):
+        cli.main([*TINY_BENCH, "--out", str(out)])
+    assert "error:" not in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()  # the --out it made, still empty, is gone
