@@ -18,7 +18,7 @@ from mpstream.cli.argtypes import (
     non_negative_float,
     positive_float,
 )
-from mpstream.cli.main import _config
+from mpstream.cli.resnet import _config
 
 
 @pytest.mark.parametrize(
