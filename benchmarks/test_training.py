@@ -27,7 +27,8 @@ from torch import Tensor, nn
 
 from mpstream import CapturedStep, Pipe
 from mpstream.memory import SavedTensorTracker
-from mpstream.stages.balance import balance_by_time, profile_layers, stage_costs
+from mpstream.stages.balance import balance_by_time, profile_layers
+from mpstream.stages.partition import stage_costs
 from mpstream.tutorial import bench, resnet50_layers
 from mpstream.tutorial.analysis import batch
 from mpstream.tutorial.bench import synchronize

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from mpstream.cli.argtypes import device_here, positive_int
-from mpstream.stages.balance import partition, profile_layers, stage_costs
+from mpstream.stages import partition, profile_layers, stage_costs
 from mpstream.tutorial import resnet50_layers
 
 TUTORIAL = [11, 12]  # stem + layer1 + layer2 | layer3 + layer4 + avgpool/flatten/fc

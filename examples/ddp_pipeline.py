@@ -40,7 +40,7 @@ from torchvision.models import resnet50
 import mpstream
 from mpstream import distributed as mpdist
 from mpstream.cli.argtypes import positive_float, positive_int
-from mpstream.stages.balance import partition
+from mpstream.stages import partition
 from mpstream.tutorial import resnet50_layers
 
 

@@ -14,7 +14,8 @@ pipe or any tool.
 
 from __future__ import annotations
 
-from .balance import balance_by_size, balance_by_time, partition, profile_layers, stage_costs
+from .balance import balance_by_size, balance_by_time, profile_layers
+from .partition import partition, stage_costs
 from .tracers import SplitReport
 
 __all__ = [

@@ -5,8 +5,8 @@ batch, in training mode (the mode a pipeline is balanced for, whatever mode
 the module is in), and measures each layer's forward + backward time, the
 bytes it keeps for backward plus its output, and its parameter (and
 gradient) bytes; ``balance_by_size`` can add the optimizer's state.
-:func:`partition` then finds the contiguous split into ``stages`` parts whose
-largest cost is smallest (exact dynamic programme). :func:`profile_units`
+:func:`~.partition.partition` then finds the contiguous split into
+``stages`` parts whose largest cost is smallest. :func:`profile_units`
 does the same for a traced module's units, in the module's own mode: the
 mode the pipe first traces it in, so the split points it picks exist there.
 """
@@ -31,6 +31,7 @@ from ..runtime.calls import takes_several
 from ..runtime.errors import annotate
 from ..runtime.microbatch import Value, as_value, leaves, rebuild_leaves, tensors_of
 from .fx import call_units, trace
+from .partition import partition
 from .sequential import as_device
 from .tracers import none_arguments, sample_call
 
@@ -40,10 +41,8 @@ __all__ = [
     "profile_call",
     "profile_units",
     "split_points_by",
-    "partition",
     "balance_by_time",
     "balance_by_size",
-    "stage_costs",
 ]
 
 
@@ -70,61 +69,6 @@ class LayerProfile:
         """:attr:`size_bytes` plus ``param_scale`` bytes of optimizer state per parameter byte."""
         # parameter_bytes counts each parameter twice: itself and its gradient.
         return self.size_bytes + param_scale * self.parameter_bytes / 2
-
-
-def partition(costs: Sequence[float], stages: int) -> list[int]:
-    """Contiguous split of ``costs`` into ``stages`` non-empty parts.
-
-    Minimises the largest part's sum; among equal optima, the one found first
-    from the left.
-
-    Args:
-        costs: one non-negative cost per layer.
-        stages: number of parts.
-
-    Returns:
-        The balance: layers per part.
-
-    Raises:
-        ValueError: fewer layers than stages, ``stages`` < 1, or a negative cost.
-    """
-    n = len(costs)
-    if stages < 1:
-        raise ValueError(f"stages must be at least 1, got {stages}")
-    if n < stages:
-        raise ValueError(f"cannot split {n} layers into {stages} non-empty stages")
-    if any(c < 0 for c in costs):
-        raise ValueError("layer costs must not be negative")
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + float(c))
-    inf = float("inf")
-    # best[k][i]: smallest max over splits of the first i layers into k parts.
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0.0
-    for k in range(1, stages + 1):
-        for i in range(k, n - (stages - k) + 1):
-            for j in range(k - 1, i):
-                value = max(best[k - 1][j], prefix[i] - prefix[j])
-                if value < best[k][i]:
-                    best[k][i], cut[k][i] = value, j
-    balance = []
-    i = n
-    for k in range(stages, 0, -1):
-        j = cut[k][i]
-        balance.append(i - j)
-        i = j
-    return balance[::-1]
-
-
-def stage_costs(costs: Sequence[float], balance: Sequence[int]) -> list[float]:
-    """The summed cost of each stage of ``balance``."""
-    out, start = [], 0
-    for count in balance:
-        out.append(float(sum(costs[start : start + count])))
-        start += count
-    return out
 
 
 def _sync(device: torch.device) -> None:

@@ -19,10 +19,11 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from ..runtime.microbatch import NoChunk
-from .balance import partition, profile_call
+from .balance import profile_call
 from .export import call_order, export_stages
 from .fake_export import exported_graph
 from .hf import calls_for
+from .partition import partition
 from .tracers import CallSignature, sample_call
 
 __all__ = ["export_split_points"]
