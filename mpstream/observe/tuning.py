@@ -27,6 +27,7 @@ from ..pipe import Pipe
 from ..runtime import Value, as_value, synchronize
 from .measuring import untouched
 from .profiling import pipes_in
+from .spread import MAX_CV, MAX_RANGE, noisy
 from .tune_cache import batch_shape, default_cache, load, loss_key, model_key, store
 from .tune_result import TunePoint, TuneResult, from_cache
 
@@ -155,10 +156,14 @@ def tune(
 
     Returns:
         The best configuration, the curve, and whether it came from cache.
+        A sweep whose timings of one configuration disagree (noisy, see
+        :mod:`~.spread`) is warned about and not cached.
 
     Raises:
         ValueError: bad split sizes (or one larger than the batch), repeat,
-            patience or tolerance; ``target`` without ``loss_fn``.
+            patience or tolerance; ``target`` without ``loss_fn``; a pipe
+            whose schedule is an explicit order (written for one
+            micro-batch count) over several split sizes.
         TypeError: a model without ``split_size``, or a factory that does not
             return a module.
     """
@@ -169,7 +174,9 @@ def tune(
         raise ValueError("target= times a training step: give loss_fn(output, target) too")
     if repeat < 1 or warmup < 0 or patience < 1 or tolerance < 0:
         raise ValueError("repeat and patience must be >= 1, warmup and tolerance >= 0")
-    configs: list[list[int] | None] = [list(b) for b in balances] if balances else [None]
+    # A balance given twice (a profiled 'time' equal to a listed one) is timed once.
+    unique = list(dict.fromkeys(tuple(b) for b in balances)) if balances else []
+    configs: list[list[int] | None] = [list(b) for b in unique] or [None]
     models = _Target(pipe_or_factory, balances is not None)
 
     with _restored_on_error(pipe_or_factory):
@@ -187,6 +194,13 @@ def tune(
         }
         # Warned cached or not: the cached times were taken the same way.
         own = step == "train_step" and isinstance(first, Pipe)  # its schedule is timed
+        if own and isinstance(first.schedule, tuple) and len(sizes) > 1:
+            raise ValueError(
+                "tune times several split sizes, and so several micro-batch counts, but the "
+                "pipe's schedule is an explicit order written for one count: tune it with a "
+                "built-in schedule (pipe.schedule = '1f1b', say), then write the order for "
+                "the split size it picks"
+            )
         other = sorted({p.schedule for p in pipes_in(first) if p.schedule != "gpipe"}, key=repr)
         if step != "forward" and not own and other:
             how = (
@@ -242,7 +256,22 @@ def tune(
         result = TuneResult(min(curve, key=lambda p: p.median), curve, stopped, False, key)
         if user is not None:
             user.split_size = result.split_size  # type: ignore[assignment]
-    if path is not None:
+    shaky = [p for p in curve if len(p.times) > 1 and noisy(p.times)]
+    if shaky:
+        # A choice among disagreeing timings would stay in the cache for good.
+        where = ", ".join(
+            f"split {p.split_size}{f' balance {p.balance}' if p.balance else ''} "
+            f"({min(p.times) * 1e3:.3g}-{max(p.times) * 1e3:.3g} ms)"
+            for p in shaky
+        )
+        warnings.warn(
+            f"tune: the timings of {where} disagree (coefficient of variation above "
+            f"{MAX_CV:.0%} or slowest/fastest above {MAX_RANGE:.1f}x): the machine was busy, "
+            f"and the choice may say more about it than about the model; not cached, so the "
+            f"next call measures again (on a quiet machine, or with a larger repeat=)",
+            stacklevel=2,
+        )
+    elif path is not None:
         store(path, key_text, result.to_json())
     if plot is not None:
         result.plot(plot)

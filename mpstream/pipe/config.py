@@ -122,13 +122,15 @@ class PipeConfig(PipeModule):
         actions (parsed when set; checked against the stages, with
         ``virtual_stages``, at the next call), or ``'auto'`` (an
         :class:`~mpstream.schedules.auto.Auto` as given), chosen at the
-        next ``train_step`` (:meth:`schedule_report` says what it chose)."""
+        next ``train_step`` of each micro-batch count (:meth:`schedule_report`
+        says what it chose for the latest)."""
         return self.__dict__["_schedule"]  # type: ignore[no-any-return]
 
     @schedule.setter
     def schedule(self, value: PipeSchedule) -> None:
         self.__dict__["_schedule"] = schedule_arg(value)
         self.__dict__["_auto_report"] = None  # 'auto' chooses again
+        self.__dict__["_auto_reports"] = {}
 
     def schedule_report(self) -> ScheduleReport:
         """What ``schedule='auto'`` chose and why: each fitting schedule's
@@ -155,11 +157,17 @@ class PipeConfig(PipeModule):
 
     def _choose_schedule(self, inputs: Any, target: Any, loss_fn: Any, micros: int) -> None:
         """Chooses the schedule of ``schedule='auto'`` before its first step
-        (nothing for any other schedule, or once chosen)."""
+        with ``micros`` micro-batches (nothing for any other schedule; the
+        choice for a count already seen is kept): the best schedule depends
+        on the count, which a new ``split_size``, ``chunks`` or batch size
+        changes."""
         auto = auto_of(self.schedule)
-        if auto is None or self.__dict__.get("_auto_report") is not None:
+        if auto is None:
             return
-        report = choose(self, auto, inputs, target, loss_fn, micros)
+        reports = self.__dict__.setdefault("_auto_reports", {})
+        report = reports.get(micros)
+        if report is None:
+            report = reports[micros] = choose(self, auto, inputs, target, loss_fn, micros)
         self.__dict__["_auto_report"] = report
 
     @property

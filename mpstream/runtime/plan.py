@@ -99,7 +99,13 @@ def record_plan(
 
     Returns:
         The recorded :class:`Plan`.
+
+    Raises:
+        ValueError: ``stages`` is not a positive int, ``devices`` has
+            another length, or the schedule does not fit them.
     """
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+        raise ValueError(f"stages must be a positive int, got {stages!r}")
     devs = [torch.device(d) for d in (devices or [f"cuda:{i}" for i in range(stages)])]
     if len(devs) != stages:
         raise ValueError(f"devices has {len(devs)} entries for {stages} stages")

@@ -165,9 +165,9 @@ def check(
     if covered != micros:
         raise ValueError(
             f"the schedule order covers {covered} micro-batch(es) (m0-m{covered - 1}) but "
-            f"this step has {micros} (what chunks= or split_size= makes of this batch: "
-            f"torch.chunk may make fewer than chunks); give a batch that splits into "
-            f"{covered}, or an order for {micros}"
+            f"the run has {micros} (a pipe's: what chunks= or split_size= makes of the "
+            f"batch, torch.chunk making fewer than chunks where the batch is short); give an "
+            f"order for {micros}, or a run of {covered} micro-batches"
         )
     step, problem = _C.check_order(micros, [list(r) for r in reads], [a.native for a in actions])
     if problem:

@@ -14,25 +14,24 @@ a configuration that does not fit alone is an error.
 Ratios within a group are drift-free as before; across groups they are not,
 so each measurement says its group.
 
-Rounds also tell how noisy they were (:func:`spread`, :func:`noisy`): on a
-shared machine another process can make one round of a configuration many
-times slower than the others, and a ratio of means then says nothing. A
-configuration whose rounds vary beyond :data:`MAX_CV` or
-:data:`MAX_RANGE` is noisy; :func:`machine_load` is the host's load before
-and after, said beside.
+Rounds also tell how noisy they were (:func:`spread`, :func:`noisy`, from
+:mod:`mpstream.observe.spread`): on a shared machine another process can
+make one round of a configuration many times slower than the others, and a
+ratio of means then says nothing; :func:`machine_load` is the host's load
+before and after, said beside.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import os
-import statistics
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 import torch
+
+from ..observe.spread import MAX_CV, MAX_RANGE, Spread, noisy, spread
 
 __all__ = [
     "NoRoom",
@@ -50,65 +49,12 @@ __all__ = [
     "MAX_RANGE",
 ]
 
-#: A configuration's rounds are noisy beyond this coefficient of variation...
-MAX_CV = 0.15
-#: ... or when the slowest round takes this many times the fastest.
-MAX_RANGE = 1.5
 #: What a table, a JSON and a figure say of a noisy measurement, and what to do.
 NOISY = (
     f"noisy (rounds disagree: coefficient of variation above {MAX_CV:.0%} or slowest/fastest "
     f"above {MAX_RANGE:.1f}x): ratios with them may say more about the machine than about the "
     f"models; rerun on a quiet machine, or with more rounds (--repeat)"
 )
-
-
-@dataclass(frozen=True)
-class Spread:
-    """How a configuration's rounds vary.
-
-    Attributes:
-        cv: standard deviation over mean.
-        max_over_min: the slowest round over the fastest.
-        q1, q3: the first and third quartiles (seconds).
-        low, high: the fastest and slowest rounds (seconds).
-    """
-
-    cv: float
-    max_over_min: float
-    q1: float
-    q3: float
-    low: float
-    high: float
-
-    @property
-    def noisy(self) -> bool:
-        return self.cv > MAX_CV or self.max_over_min > MAX_RANGE
-
-    def to_json(self) -> dict[str, float | bool]:
-        return {**dataclasses.asdict(self), "noisy": self.noisy}
-
-
-def spread(times: Sequence[float]) -> Spread:
-    """The spread of ``times`` (a single round has none).
-
-    Raises:
-        ValueError: no times.
-    """
-    if not times:
-        raise ValueError("no rounds to judge")
-    mean = statistics.fmean(times)
-    cv = statistics.pstdev(times) / mean if mean > 0 else 0.0
-    low, high = min(times), max(times)
-    q1, _, q3 = (
-        # inclusive: quartiles stay within the rounds measured
-        statistics.quantiles(times, n=4, method="inclusive") if len(times) > 1 else (low, low, low)
-    )
-    return Spread(cv, high / low if low > 0 else float("inf"), q1, q3, low, high)
-
-
-def noisy(times: Sequence[float]) -> bool:
-    """Whether rounds ``times`` disagree beyond the limits (see :class:`Spread`)."""
-    return spread(times).noisy
 
 
 def machine_load() -> dict[str, float | int | None]:

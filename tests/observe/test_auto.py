@@ -86,6 +86,12 @@ def test_auto_trains_equal_to_the_unsplit_model_and_reports_its_choice() -> None
     text = str(report)
     assert f"chose {report.chosen!r} for 5 micro-batches" in text and "over budget" in text
     assert pipe.schedule_for(5, x.device, training_step=True).name == report.chosen
+    pipe.split_size = 5  # two micro-batches: chosen for that count, then kept per count
+    pipe.train_step(x, y, nn.MSELoss())
+    assert pipe.schedule_report().micros == 2
+    pipe.split_size = 2
+    pipe.train_step(x, y, nn.MSELoss())
+    assert pipe.schedule_report() is report
     pipe.schedule = "auto"  # chooses again at the next step
     with pytest.raises(RuntimeError, match="chooses at the first train_step"):
         pipe.schedule_report()

@@ -123,12 +123,13 @@ def test_factory_with_balances_and_plot(tmp_path: Path) -> None:
         SAMPLE,
         None,
         [2, 4, 8],
-        balances=[[1, 1], [2, 0]],
+        balances=[[1, 1], [2, 0], [1, 1]],  # given twice ('time' profiled equal): timed once
         cache=None,
         progress=False,
         plot=tmp_path / "curve.png",
     )
     assert result.split_size == 4 and result.balance == [1, 1]
+    assert len(result.curve) == len({(p.split_size, tuple(p.balance or ())) for p in result.curve})
     assert {b for _, b in map(lambda t: (t[0], tuple(t[1] or ())), built)} == {(1, 1), (2, 0)}
     assert (tmp_path / "curve.png").read_bytes().startswith(b"\x89PNG")
     loaded = TuneResult.from_json(result.to_json(), result.key)
@@ -204,6 +205,11 @@ def test_a_target_times_the_pipes_own_schedule(monkeypatch: pytest.MonkeyPatch) 
         tune(holder, SAMPLE, nn.functional.mse_loss, [4], target=y, cache=None, progress=False)
     with pytest.raises(ValueError, match="give loss_fn"):
         tune(pipe, SAMPLE, target=y, cache=None, progress=False)
+    pipe.schedule = "F0m0 F1m0 B1m0 B0m0 F0m1 F1m1 B1m1 B0m1"  # written for 2 micro-batches
+    split = pipe.split_size
+    with pytest.raises(ValueError, match="explicit order written for one count"):
+        tune(pipe, SAMPLE, nn.functional.mse_loss, [4, 8], target=y, cache=None, progress=False)
+    assert pipe.split_size == split
 
 
 def test_the_key_holds_every_setting_that_changes_a_step() -> None:
@@ -299,7 +305,7 @@ def test_results_written_meanwhile_by_another_run_stay(tmp_path: Path) -> None:
     forward = Curve.forward
 
     def step(self: Curve, x: Tensor) -> Tensor:
-        if len(calls) == 1:  # another run finishes while this one measures
+        if not calls:  # another run finishes while this one warms up (not timed)
             tune(Curve(), torch.randn(8, 2), None, [2, 4], cache=path, progress=False)
         return forward(self, x)
 

@@ -284,3 +284,9 @@ def test_a_plan_of_several_runs_is_checked_run_by_run() -> None:
     for i in waits:
         with pytest.raises(PlanError):
             verify_plan(Plan(plan.ops[:i] + plan.ops[i + 1 :], *_meta(plan)))
+
+
+@pytest.mark.parametrize("stages", [0, -1, 2.0, True])
+def test_record_plan_names_a_stage_count_that_is_not_one(stages: object) -> None:
+    with pytest.raises(ValueError, match=r"stages must be a positive int, got"):
+        record_plan("gpipe", stages, 2)  # type: ignore[arg-type]

@@ -152,7 +152,7 @@ def test_pipe_checks_an_order_when_built_and_when_run() -> None:
         schedule="F0m0 F1m0 B1m0 B0m0",
     )
     x, y = data()
-    with pytest.raises(ValueError, match="covers 1 micro-batch.* this step has 3"):
+    with pytest.raises(ValueError, match="covers 1 micro-batch.* the run has 3"):
         pipe.train_step(x, y, nn.MSELoss())
     assert all(p.grad is None for p in pipe.parameters())
     pipe.chunks = 1
@@ -162,5 +162,5 @@ def test_pipe_checks_an_order_when_built_and_when_run() -> None:
 def test_a_stage_out_of_range_is_named_before_the_micro_batch_count() -> None:
     with pytest.raises(ValueError, match=r"F9m0 names no stage 9 \(stages 0-1\)"):
         Schedule(["F9m0", "B9m0"], 2, 2, [False, False])
-    with pytest.raises(ValueError, match="what chunks= or split_size= makes of this batch"):
+    with pytest.raises(ValueError, match="what chunks= or split_size= makes of the batch"):
         Schedule(["F0m0", "F1m0", "B1m0", "B0m0"], 2, 2, [False, False])
