@@ -164,8 +164,9 @@ void Scheduler::begin_run(std::shared_ptr<const Schedule> schedule,
   const auto held = lock();
   if (running_) {
     throw std::runtime_error(
-        "a pipeline run is already in progress on this scheduler (a forward "
-        "re-entered the same Pipe?)");
+        "a pipeline run is already in progress on this scheduler: a Pipe runs "
+        "one call at a time (a forward that re-entered the same Pipe, or a call "
+        "from another thread while one runs?)");
   }
   if (!schedule) {
     throw std::invalid_argument("begin_run needs a schedule");

@@ -16,7 +16,7 @@ import torch
 
 from ..memory.batchnorm import DeferredBatchNorm, deferred_norms
 from ..memory.checkpoint import check_mode, checkpoint_stop
-from ..runtime.errors import stage_labels
+from ..runtime.errors import annotate, stage_labels
 from ..runtime.graph import StageGraph
 from ..runtime.graphed import GradStore, GraphReport, StageGraphs
 from ..runtime.scheduler import EventScheduler
@@ -151,7 +151,8 @@ class PipeConfig(PipeModule):
         if report is None:
             raise RuntimeError(
                 "schedule='auto' chooses at the first train_step (when the batch and the "
-                "micro-batch count are known); run one first"
+                "micro-batch count are known), and none has chosen yet: run one (if one "
+                "failed while choosing, its error says why)"
             )
         return report  # type: ignore[no-any-return]
 
@@ -167,7 +168,16 @@ class PipeConfig(PipeModule):
         reports = self.__dict__.setdefault("_auto_reports", {})
         report = reports.get(micros)
         if report is None:
-            report = reports[micros] = choose(self, auto, inputs, target, loss_fn, micros)
+            try:
+                report = reports[micros] = choose(self, auto, inputs, target, loss_fn, micros)
+            except Exception as exc:
+                annotate(
+                    exc,
+                    f"mpstream: raised while schedule='auto' chose a schedule for {micros} "
+                    f"micro-batches (measuring steps of the pipe unless Auto(costs=...) gives "
+                    f"them); the pipe is as it was",
+                )
+                raise
         self.__dict__["_auto_report"] = report
 
     @property

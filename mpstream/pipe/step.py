@@ -108,7 +108,8 @@ class PipeStep(PipeCall):
         block the host (see :meth:`forward`). If anything raises, the
         gradients (a loss module's too, not those of other tensors
         ``loss_fn`` reads) and BatchNorm statistics are restored to what
-        they were before the call. For that, each stage's existing
+        they were before the call (not the random number generators: a
+        failed step has drawn what it drew). For that, each stage's existing
         gradients (under gradient accumulation) are cloned on its stream when its first
         backward of the step begins; a step that starts with no gradients,
         or fails before the backward, clones nothing. A step being captured

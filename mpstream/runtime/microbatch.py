@@ -234,6 +234,12 @@ def scatter(
             )
     counts = {len(p) for p in parts if p is not None}
     if not counts:
+        if any(isinstance(leaf, NoChunk) for leaf in items):
+            raise TypeError(
+                f"{what}: every tensor is wrapped in mpstream.NoChunk (given whole to every "
+                f"micro-batch), so none defines the micro-batches; leave at least one "
+                f"batch tensor unwrapped"
+            )
         raise TypeError(
             f"{what} holds no tensor to split into micro-batches; got {describe(value)}. "
             f"Pass a Tensor (torch.as_tensor converts numbers, lists and arrays), or a "

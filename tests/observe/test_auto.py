@@ -147,3 +147,22 @@ def test_auto_options_are_checked() -> None:
     x = torch.randn(4, 3, dtype=torch.float64)
     with pytest.raises(ValueError, match=r"Auto\(costs=...\) needs one entry per stage \(2\)"):
         pipe.train_step(x, x, nn.MSELoss())
+
+
+def test_a_failure_while_auto_chooses_says_so_and_leaves_the_pipe_as_it_was() -> None:
+    model = mlp([5, 8, 4])
+    pipe = Pipe(model, chunks=2, balance=[2, 2], devices=["cpu"] * 2,
+                schedule=Auto(cache=None))  # fmt: skip
+    x, y = torch.randn(4, 5, dtype=torch.float64), torch.randn(4, 4, dtype=torch.float64)
+
+    def broken(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        raise ValueError("a loss that fails")
+
+    with pytest.raises(ValueError, match="a loss that fails") as info:
+        pipe.train_step(x, y, broken)
+    assert "while schedule='auto' chose a schedule for 2" in "".join(info.value.__notes__)
+    assert all(p.grad is None for p in pipe.parameters())
+    with pytest.raises(RuntimeError, match="if one failed while choosing, its error says why"):
+        pipe.schedule_report()
+    pipe.train_step(x, y, nn.MSELoss())
+    assert pipe.schedule_report().micros == 2

@@ -114,8 +114,8 @@ def test_tensors_of_other_batch_sizes_are_refused() -> None:
 
 
 def test_scatter_needs_a_tensor_and_plain_leaves() -> None:
-    with pytest.raises(TypeError, match=r"no tensor to split.*got tuple of NoChunk and int"):
-        scatter((1, NoChunk(torch.ones(2))), 2, None)
+    with pytest.raises(TypeError, match=r"no tensor to split.*got tuple of int and str"):
+        scatter((1, "a"), 2, None)
     with pytest.raises(TypeError, match=r"target holds no tensor.*got str: 'y'.*torch.as_tensor"):
         scatter("y", 2, None, "target")
     with pytest.raises(TypeError, match="holds a object"):
@@ -150,3 +150,11 @@ def test_gather_rejects_inconsistent_outputs() -> None:
 )
 def test_describe_names_the_type_what_it_holds_and_its_start(value: object, text: str) -> None:
     assert describe(value) == text
+
+
+def test_a_batch_whose_every_tensor_is_wrapped_in_nochunk_is_named() -> None:
+    x = torch.randn(4, 2)
+    with pytest.raises(TypeError, match=r"input: every tensor is wrapped in mpstream.NoChunk"):
+        scatter((NoChunk(x), NoChunk(x), 3), 2, None)
+    with pytest.raises(TypeError, match="target holds no tensor to split"):
+        scatter(("a", 3), 2, None, "target")

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from ..split_backward import Split
-from .call import GraphedCall
+from .call import GraphedCall, raised_eagerly
 from .capturing import capturing
 from .rng import ordered
 
@@ -208,7 +208,11 @@ class CudaGraphs:
         generator = torch.cuda.default_generators[
             torch.cuda.current_device() if index is None else index
         ]
-        call.random_passes, shapes = warm_up(call, fn, self.warmup, generator.get_offset)
+        try:
+            call.random_passes, shapes = warm_up(call, fn, self.warmup, generator.get_offset)
+        except Exception as exc:  # eager: the stage's own error, not the capture's
+            raised_eagerly(exc)
+            raise
         if call.checkpoint and call.random_passes:  # seen drawing, or not warmed up to tell
             # Inside a graph the recomputation's restored RNG state is
             # relative to the backward graph's replay, not the forward's:

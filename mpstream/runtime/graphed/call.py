@@ -35,8 +35,30 @@ from .grads import GradStore
 __all__ = ["Backend", "GraphedCall", "Source"]
 
 
+#: Set on an exception the stage's own code raised while a backend ran it
+#: eagerly before capturing (its warm-up): the stage's error, not a capture's.
+_EAGER = "_mpstream_raised_eagerly"
+
+
+def raised_eagerly(exc: BaseException) -> None:
+    """Marks ``exc`` as raised by the stage's code run eagerly (a backend's
+    warm-up, before any capture began): the caller's error to see, where a
+    failed capture would make the stage run eagerly instead."""
+    setattr(exc, _EAGER, True)
+
+
+def was_raised_eagerly(exc: BaseException) -> bool:
+    """Whether :func:`raised_eagerly` marked ``exc``."""
+    return bool(getattr(exc, _EAGER, False))
+
+
 class Backend(Protocol):
-    """Captures and replays the graphs of one :class:`GraphedCall`."""
+    """Captures and replays the graphs of one :class:`GraphedCall`.
+
+    An exception the stage's code raises while :meth:`capture` runs it
+    eagerly (before capturing) is marked with :func:`raised_eagerly`: it
+    reaches the caller, and the stage's next call captures again.
+    """
 
     #: Whether a replay runs the stage's Python (then its side effects,
     #: such as deferred BatchNorm's counting, happen by themselves).

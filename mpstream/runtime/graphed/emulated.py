@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .backends import input_pass, positions, prepare, split_of, weight_pass, whole
-from .call import GraphedCall
+from .call import GraphedCall, raised_eagerly
 
 __all__ = ["Emulated"]
 
@@ -44,8 +44,12 @@ class Emulated:
     def capture(self, call: GraphedCall, fn: Callable[..., Any]) -> None:
         self.captures += 1
         self.fns[id(call)] = fn
-        with torch.enable_grad() if call.grad else torch.no_grad():
-            outs = call.outputs(fn(*call.inputs()))
+        try:
+            with torch.enable_grad() if call.grad else torch.no_grad():
+                outs = call.outputs(fn(*call.inputs()))
+        except Exception as exc:  # where CUDA graphs would be warming up
+            raised_eagerly(exc)
+            raise
         call.static_out = [t.detach().clone() for t in outs]
         if call.diff_out:
             prepare(call, outs)

@@ -43,7 +43,7 @@ from ...schedules.schedule import Schedule
 from ...schedules.slots import Slots, plan_slots
 from .. import private
 from .backends import CudaGraphs
-from .call import Backend, GraphedCall, Source
+from .call import Backend, GraphedCall, Source, was_raised_eagerly
 from .grads import GradStore, TiedHooks
 from .keys import autocast_key, signature
 from .report import GraphReport, GraphWarning
@@ -295,6 +295,8 @@ class StageGraphs:
                 ckpt, bool(key[6]), needs, st.pool, sources,
             )  # fmt: skip
         except Exception as exc:  # anything a graph cannot hold: run eagerly from now on
+            if was_raised_eagerly(exc):  # the stage's own error: the caller's to see
+                raise
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             st.reason = f"capture failed: {type(exc).__name__}: {first}"
             st.failed = True

@@ -231,6 +231,51 @@ def test_a_stage_that_cannot_be_captured_runs_eagerly_with_one_warning(
     assert "operation not permitted" in str(graphed.graph_report())
 
 
+class _FailsOnce(nn.Module):
+    """Raises at its first call only: a check that fails once, say."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        if self.calls == 1:
+            raise ValueError("the stage's own error")
+        return x
+
+
+@pytest.mark.parametrize("loop", [False, True], ids=["train_step", "user loop"])
+def test_the_stages_own_error_while_capturing_reaches_the_caller_and_graphs_stay_on(
+    loop: bool,
+) -> None:
+    # Raised while the backend runs the stage eagerly before capturing: no
+    # capture failed, so the stage is not made eager for good, nor run again.
+    model = nn.Sequential(mlp([6, 8]), _FailsOnce(), mlp([8, 4]))
+    eager, graphed = pair(model, graphs=Emulated(), chunks=2, balance=[2, 1])
+    x, y = data()
+    loss_fn = nn.MSELoss()
+
+    def step(pipe: Pipe) -> None:
+        if loop:
+            loss_fn(pipe(x), y).backward()
+        else:
+            pipe.train_step(x, y, loss_fn)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no GraphWarning: nothing fell back
+        with pytest.raises(ValueError, match="the stage's own error"):
+            step(graphed)
+    assert graphed.partitions[0][1].calls == 1  # not run a second time eagerly
+    assert all(p.grad is None for p in graphed.parameters())
+    eager.partitions[0][1].calls = 1
+    for _ in range(2):
+        step(graphed)
+        step(eager)
+    assert_same_grads(graphed, eager)
+    assert all(s.graphed for s in graphed.graph_report().stages)
+
+
 def test_on_the_cpu_graphs_true_runs_eagerly_and_says_why() -> None:
     eager, graphed = pair(mlp(WIDTHS), graphs=True, chunks=2)
     x, y = data()
