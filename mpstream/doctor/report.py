@@ -10,8 +10,10 @@ console log).
 from __future__ import annotations
 
 import json
+import os
 import tarfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -147,9 +149,12 @@ def write(
         The top-level files of the report (at most :data:`MAX_FILES`).
     """
     archived = sorted(p.name for p in scratch.iterdir() if p.is_file())
-    with tarfile.open(out / ARCHIVE, "w:gz") as tar:
-        for name in archived:
-            tar.add(scratch / name, arcname=name)
+    # Each file is written beside its place and renamed into it: a run killed
+    # mid-write (a time limit's SIGTERM) keeps the last whole report.
+    with _replacing(out / ARCHIVE) as part:
+        with tarfile.open(part, "w:gz") as tar:
+            for name in archived:
+                tar.add(scratch / name, arcname=name)
     meta = {**meta, "archived": archived}
     files = top_files(out)
     doc = {
@@ -158,6 +163,20 @@ def write(
         "files": files,
         "steps": [r.to_json() for r in results],
     }
-    (out / "report.json").write_text(json.dumps(jsonable(doc), indent=2) + "\n")
-    (out / "summary.md").write_text(markdown(results, meta, files))
+    with _replacing(out / "report.json") as part:
+        part.write_text(json.dumps(jsonable(doc), indent=2) + "\n")
+    with _replacing(out / "summary.md") as part:
+        part.write_text(markdown(results, meta, files))
     return [out / f for f in files]
+
+
+@contextmanager
+def _replacing(path: Path) -> Iterator[Path]:
+    """A path to write ``path``'s new content to; renamed over ``path``
+    once written (removed if writing failed)."""
+    part = path.with_name(f".{path.name}.part")
+    try:
+        yield part
+        os.replace(part, path)
+    finally:
+        part.unlink(missing_ok=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..schedules import placement_of
 from ..stages import partition, stage_costs
 from .cost_model import Cost, Simulation, _pair, simulate
 
@@ -56,7 +57,8 @@ def predict(
         copy_times: per boundary (or one for all).
         balance: layers per stage; default the split that minimises the
             slowest stage.
-        schedule: ``'gpipe'`` or ``'1f1b'``.
+        schedule: a schedule of one stage per device (``'gpipe'``,
+            ``'1f1b'``, ``'zb_h1'``, ...).
         overlap: mpstream's streams or the default streams.
         issue_times: per layer, the host's time to issue it for one
             micro-batch (forward or (forward, backward)); a stage's tasks
@@ -72,8 +74,14 @@ def predict(
 
     Raises:
         ValueError: a negative cost, a ``balance`` that does not fit the
-            layers, or ``issue_times`` of another length than ``layer_times``.
+            layers, ``issue_times`` of another length than ``layer_times``,
+            or a schedule of several stages per device.
     """
+    if placement_of(schedule) != "stage":
+        raise ValueError(
+            f"predict puts one stage on each device, and schedule={schedule!r} places several "
+            f"stages per device: use mpstream.simulate with devices= or virtual_stages= for it"
+        )
     pairs = [_pair(c, f"layer {i} time") for i, c in enumerate(layer_times)]
     totals = [f + b for f, b in pairs]
     chosen = list(balance) if balance is not None else partition(totals, stages)

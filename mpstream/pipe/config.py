@@ -122,7 +122,7 @@ class PipeConfig(PipeModule):
         actions (parsed when set; checked against the stages, with
         ``virtual_stages``, at the next call), or ``'auto'`` (an
         :class:`~mpstream.schedules.auto.Auto` as given), chosen at the
-        next ``train_step`` of each micro-batch count (:meth:`schedule_report`
+        next ``train_step`` of each micro-batch size (:meth:`schedule_report`
         says what it chose for the latest)."""
         return self.__dict__["_schedule"]  # type: ignore[no-any-return]
 
@@ -156,20 +156,27 @@ class PipeConfig(PipeModule):
             )
         return report  # type: ignore[no-any-return]
 
-    def _choose_schedule(self, inputs: Any, target: Any, loss_fn: Any, micros: int) -> None:
+    def _choose_schedule(
+        self, inputs: Any, target: Any, loss_fn: Any, sizes: tuple[int, ...]
+    ) -> None:
         """Chooses the schedule of ``schedule='auto'`` before its first step
-        with ``micros`` micro-batches (nothing for any other schedule; the
-        choice for a count already seen is kept): the best schedule depends
-        on the count, which a new ``split_size``, ``chunks`` or batch size
-        changes."""
+        with micro-batches of ``sizes`` rows (nothing for any other
+        schedule; the choice for sizes already seen is kept): the best
+        schedule, and which fit a memory budget, depend on the micro-batch
+        count and size, which a new ``split_size``, ``chunks`` or batch
+        size changes."""
         auto = auto_of(self.schedule)
         if auto is None:
             return
         reports = self.__dict__.setdefault("_auto_reports", {})
-        report = reports.get(micros)
+        report = reports.get(sizes)
+        micros = len(sizes)
         if report is None:
             try:
-                report = reports[micros] = choose(self, auto, inputs, target, loss_fn, micros)
+                report = reports[sizes] = choose(self, auto, inputs, target, loss_fn, micros)
+                # Its measuring steps set (and put back) the schedule, which
+                # empties the choices: they still hold.
+                self.__dict__["_auto_reports"] = reports
             except Exception as exc:
                 annotate(
                     exc,

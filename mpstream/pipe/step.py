@@ -179,7 +179,7 @@ class PipeStep(PipeCall):
                 else f"target splits into micro-batches {target_sizes}, inputs into {sizes}"
             )
         weights = [n / batch if reduction == "mean" else 1.0 for n in sizes]
-        self._choose_schedule(*given, len(micro))
+        self._choose_schedule(*given, tuple(sizes))
         schedule = self.schedule_for(
             len(micro),
             batch_device(args),

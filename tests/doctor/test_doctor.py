@@ -234,7 +234,7 @@ def test_table_and_markdown() -> None:
     assert report.status_of(rs[2:]) == SKIP  # nothing was checked
 
 
-def test_write_archives_the_scratch_files(tmp_path: Path) -> None:
+def test_write_archives_the_scratch_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     out, scratch = tmp_path / "out", tmp_path / "scratch"
     out.mkdir()
     scratch.mkdir()
@@ -258,6 +258,17 @@ def test_write_archives_the_scratch_files(tmp_path: Path) -> None:
     doc = json.loads((out / "report.json").read_text())
     assert doc["status"] == FAIL and doc["archived"] == ["trace.json"]
     assert [s["status"] for s in doc["steps"]] == [PASS, FAIL, SKIP]
+    # A write that fails part-way keeps the last whole file, and no partial one.
+    before = (out / "summary.md").read_text()
+
+    def broken(*_: Any) -> str:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(report, "markdown", broken)
+    with pytest.raises(OSError, match="disk full"):
+        report.write(out, scratch, results(), meta)
+    assert (out / "summary.md").read_text() == before
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in written)
 
 
 def test_the_workload_options_size_the_experiment() -> None:

@@ -165,4 +165,10 @@ def test_a_failure_while_auto_chooses_says_so_and_leaves_the_pipe_as_it_was() ->
     with pytest.raises(RuntimeError, match="if one failed while choosing, its error says why"):
         pipe.schedule_report()
     pipe.train_step(x, y, nn.MSELoss())
-    assert pipe.schedule_report().micros == 2
+    first = pipe.schedule_report()
+    assert first.micros == 2
+    # As many micro-batches, each twice as large: what fits memory may differ.
+    pipe.train_step(torch.cat([x, x]), torch.cat([y, y]), nn.MSELoss())
+    assert pipe.schedule_report() is not first and pipe.schedule_report().micros == 2
+    pipe.train_step(x, y, nn.MSELoss())
+    assert pipe.schedule_report() is first

@@ -213,6 +213,12 @@ def test_user_orders_and_shared_devices_are_simulated() -> None:
     assert shared.step_ms > free.step_ms
     with pytest.raises(ValueError, match="round-robin"):
         simulate([(1.0, 2.0)] * 4, 0.0, 4, "interleaved_1f1b", devices=["a", "a", "b", "b"])
+    # Without devices nor virtual_stages each stage would be a rank: plain 1F1B.
+    for name in ("interleaved_1f1b", "looped_bfs", "interleaved_zb"):
+        with pytest.raises(ValueError, match="give virtual_stages= .* or devices="):
+            simulate([(1.0, 2.0, 1.0)] * 4, 0.0, 4, name)
+    with pytest.raises(ValueError, match="use mpstream.simulate with devices="):
+        predict([1.0] * 4, 2, 4, schedule="interleaved_1f1b")
 
 
 def test_a_host_bound_step_takes_the_hosts_issue_time() -> None:

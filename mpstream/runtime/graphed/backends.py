@@ -208,11 +208,7 @@ class CudaGraphs:
         generator = torch.cuda.default_generators[
             torch.cuda.current_device() if index is None else index
         ]
-        try:
-            call.random_passes, shapes = warm_up(call, fn, self.warmup, generator.get_offset)
-        except Exception as exc:  # eager: the stage's own error, not the capture's
-            raised_eagerly(exc)
-            raise
+        call.random_passes, shapes = warm_up(call, fn, self.warmup, generator.get_offset)
         if call.checkpoint and call.random_passes:  # seen drawing, or not warmed up to tell
             # Inside a graph the recomputation's restored RNG state is
             # relative to the backward graph's replay, not the forward's:
@@ -280,7 +276,14 @@ def warm_up(
     shapes: list[tuple[Any, ...]] | None = None
     for _ in range(runs):
         start = position()
-        outs = call.outputs(fn(*call.inputs()))
+        try:
+            outs = call.outputs(fn(*call.inputs()))
+        except Exception as exc:
+            # The stage's forward, run as the caller's would be: its own
+            # error. A backward that fails here is the capture's (the caller
+            # may never run one: a forward with gradients enabled, say).
+            raised_eagerly(exc)
+            raise
         shapes = [(t.shape, t.stride(), t.dtype, t.device) for t in outs]
         if position() != start:
             drew.add("forward")

@@ -100,3 +100,44 @@ def test_which_passes_share_the_pool() -> None:
     assert shares(whole, "backward") and not shares(whole, "forward")
     assert not shares(split, "backward") and not shares(split, "weight")
     assert shares(plain, "forward")
+
+
+class _NoBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        raise RuntimeError("no backward: a forward-only op")
+
+
+class _Stage(nn.Module):
+    def __init__(self, raises: bool = False) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.raises = raises
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.raises:
+            raise ValueError("the stage's own error")
+        return _NoBackward.apply(self.lin(x))  # type: ignore[no-any-return]
+
+
+def test_warm_up_marks_the_stages_forward_errors_only() -> None:
+    # A forward error is the caller's to see; a backward the warm-up runs,
+    # which the caller may never run (a forward with gradients enabled), is
+    # the capture's: the stage then runs eagerly.
+    from mpstream.runtime.graphed.backends import warm_up
+    from mpstream.runtime.graphed.call import was_raised_eagerly
+    from mpstream.runtime.graphed.grads import TiedHooks
+
+    x = torch.randn(2, 4)
+    for raises, error, marked in ((True, ValueError, True), (False, RuntimeError, False)):
+        stage = _Stage()
+        store = GradStore(list(stage.parameters()), set(), TiedHooks())
+        call = GraphedCall(stage, [x], stage, torch.device("cpu"), True, Emulated(), store)
+        stage.raises = raises
+        with pytest.raises(error) as info:
+            warm_up(call, stage, 1, lambda: 0)
+        assert was_raised_eagerly(info.value) is marked
