@@ -40,7 +40,7 @@ not produce, a single micro-batch's output (see :mod:`~.forward`).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -269,12 +269,13 @@ class Replayed:
             self._paired[(p, s)] = found
         return found
 
-    def differentiable(self, s: int, m: int) -> set[tuple[int, int, int]]:
-        """The (stage, output, leaf) keys of replayed stage ``s``'s outputs
-        for micro-batch ``m`` that carry gradients (the others, cut, would
-        give a loss computed from them a gradient eager autograd refuses)."""
-        call = self.calls[(s, m)][0]
-        return {(s, k, j) for k, j in self._diffs(call, s)}
+    def cuts(self, s: int, m: int) -> Callable[[tuple[int, int, int]], bool]:
+        """Which (stage, output, leaf) keys the loss of replayed last stage
+        ``s`` reads on micro-batch ``m`` are cut: other stages' outputs, and
+        ``s``'s own that carry gradients (the others, cut, would give a loss
+        computed from them a gradient eager autograd refuses)."""
+        diff = self._diffs(self.calls[(s, m)][0], s)
+        return lambda key: key[0] != s or (key[1], key[2]) in diff
 
     def graphed(self, s: int, m: int) -> bool:
         """Whether stage ``s``'s forward of micro-batch ``m`` was replayed."""

@@ -228,11 +228,7 @@ class _Step:
         else:
             inputs = thin.unalias(s, m, pairs) if thin and splits else pairs
         cutting = Cutting()
-        only = None
-        if replayed and s == last:
-            assert thin is not None
-            diff = thin.differentiable(s, m)
-            only = lambda key: key[0] != s or key in diff  # noqa: E731
+        only = thin.cuts(s, m) if thin is not None and replayed and s == last else None
         values = cut_inputs(inputs + sources, cutting, only)
         if cutting.keys:
             self.cuts[(s, m)] = cutting
