@@ -1,4 +1,5 @@
-"""Models that are not chains: a GPT-style decoder, a U-Net, a fan-out."""
+"""Models that are not chains: a GPT-style decoder, a U-Net, a fan-out; and a
+stage that fails once, for the failure tests."""
 
 from __future__ import annotations
 
@@ -93,3 +94,19 @@ class Fan(nn.Module):
         v = torch.tanh(self.b(u) + h)
         w = torch.tanh(self.c(v) * h)
         return self.head(w + h) * scale
+
+
+class FailOnce(nn.Module):
+    """Raises ``error`` (default ``RuntimeError("stage failed")``) on its
+    ``at``-th call, once; passes its input on otherwise."""
+
+    def __init__(self, at: int, error: Exception | None = None) -> None:
+        super().__init__()
+        self.calls, self.at = 0, at
+        self.error = error or RuntimeError("stage failed")
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        if self.calls == self.at:
+            raise self.error
+        return x

@@ -10,7 +10,7 @@ import copy
 
 import pytest
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from mpstream import Pipe
 from tests.cuda.helpers import (
@@ -19,6 +19,7 @@ from tests.cuda.helpers import (
     two_gpus,
 )
 from tests.helpers import mlp
+from tests.models import FailOnce
 
 pytestmark = pytest.mark.cuda
 
@@ -140,18 +141,6 @@ def test_in_place_first_op_with_checkpointing_on_a_gpu(how: str) -> None:
 # zb_h1's order for 4 stages and 4 micro-batches, every weight pass moved last.
 
 
-class _FailThird(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-
-    def forward(self, x: Tensor) -> Tensor:
-        self.calls += 1
-        if self.calls == 3:
-            raise RuntimeError("third micro-batch failed")
-        return x
-
-
 def test_deferred_statistics_survive_a_failed_forward_on_a_gpu() -> None:
     """Stage 1 fails at micro-batch 2, after stage 0's norm may have seen
     every micro-batch: nothing of the failed batch reaches the statistics."""
@@ -159,7 +148,8 @@ def test_deferred_statistics_survive_a_failed_forward_on_a_gpu() -> None:
     def build(failing: bool) -> Pipe:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 4),
-                              _FailThird() if failing else nn.Identity()).cuda()  # fmt: skip
+                              FailOnce(3, RuntimeError("third micro-batch failed")) if failing
+                              else nn.Identity()).cuda()  # fmt: skip
         return Pipe(model, chunks=4, balance=[2, 2], devices=["cuda:0"] * 2,
                     deferred_batch_norm=True)  # fmt: skip
 

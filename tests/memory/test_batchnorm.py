@@ -11,6 +11,7 @@ from torch import nn
 
 from mpstream import Pipe
 from mpstream.memory.batchnorm import DeferredBatchNorm, convert_deferred_batch_norm, deferred_norms
+from tests.models import FailOnce
 
 MODES = ["never", "except_last", "always"]
 
@@ -228,20 +229,6 @@ def test_cumulative_average_stays_on_the_device(monkeypatch: pytest.MonkeyPatch)
     norm = pipe[1]
     torch.testing.assert_close(norm.running_mean, ref[1].running_mean)
     torch.testing.assert_close(norm.running_var, ref[1].running_var)
-
-
-class FailOnce(nn.Module):
-    """Raises on the ``at``-th call, once."""
-
-    def __init__(self, at: int) -> None:
-        super().__init__()
-        self.calls, self.at = 0, at
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        if self.calls == self.at:
-            raise RuntimeError("stage failed")
-        return x
 
 
 @pytest.mark.parametrize("fail_at", [2, 3])  # the norm's stage, then the next stage

@@ -23,6 +23,7 @@ from mpstream.runtime.graphed import call as call_module
 from mpstream.runtime.plan import Plan
 from mpstream.schedules import SCHEDULES, placement_of
 from tests.helpers import assert_same_grads, mlp
+from tests.models import FailOnce
 
 CHECKPOINTS = ["never", "except_last", "always"]
 WIDTHS = [6, 12, 12, 8, 4]
@@ -231,27 +232,15 @@ def test_a_stage_that_cannot_be_captured_runs_eagerly_with_one_warning(
     assert "operation not permitted" in str(graphed.graph_report())
 
 
-class _FailsOnce(nn.Module):
-    """Raises at its first call only: a check that fails once, say."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-
-    def forward(self, x: Tensor) -> Tensor:
-        self.calls += 1
-        if self.calls == 1:
-            raise ValueError("the stage's own error")
-        return x
-
-
 @pytest.mark.parametrize("loop", [False, True], ids=["train_step", "user loop"])
 def test_the_stages_own_error_while_capturing_reaches_the_caller_and_graphs_stay_on(
     loop: bool,
 ) -> None:
     # Raised while the backend runs the stage eagerly before capturing: no
     # capture failed, so the stage is not made eager for good, nor run again.
-    model = nn.Sequential(mlp([6, 8]), _FailsOnce(), mlp([8, 4]))
+    model = nn.Sequential(
+        mlp([6, 8]), FailOnce(1, ValueError("the stage's own error")), mlp([8, 4])
+    )
     eager, graphed = pair(model, graphs=Emulated(), chunks=2, balance=[2, 1])
     x, y = data()
     loss_fn = nn.MSELoss()
