@@ -199,7 +199,7 @@ class PipeStep(PipeCall):
         try:
             with torch.enable_grad():
                 stop = self._prepare(len(micro))
-                losses = run_step(
+                loss = run_step(
                     worker,
                     micro,
                     micro_targets,
@@ -233,7 +233,7 @@ class PipeStep(PipeCall):
             raise
         if graphs is not None:
             graphs.restore(keep=True)
-        return torch.stack(losses).sum()
+        return loss
 
     def _norms(self) -> Norms:
         """The pipe's BatchNorm buffers for a step's snapshot, found again only

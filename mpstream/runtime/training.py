@@ -33,10 +33,11 @@ from .executor import Handlers, execute
 from .graph import Ref
 from .graphed import StageGraphs
 from .hops import send_hop
+from .losses import Losses
 from .microbatch import leaves, rebuild_leaves
 from .replayed import Replayed
 from .split_backward import WeightPass, backward_inputs
-from .stream import AnyStream, current_stream, record_stream
+from .stream import current_stream
 from .transfer import to_device
 from .values import Flow, cuda_only, protect
 
@@ -46,10 +47,13 @@ if TYPE_CHECKING:
 __all__ = ["run"]
 
 
-def _backward(roots: list[tuple[tuple[int, int], Tensor]], grads: Grads | None) -> None:
-    """One stage's backward from its outputs' gradients."""
+def _backward(
+    roots: list[tuple[tuple[int, int], Tensor]], grads: Grads | None, seed: Tensor | None
+) -> None:
+    """One stage's backward from its outputs' gradients (the last stage's
+    from its loss, with ``seed``, the micro-batch's weight, as its gradient)."""
     if grads is None:  # the last stage: the loss
-        torch.autograd.backward([t for _, t in roots])
+        torch.autograd.backward([t for _, t in roots], None if seed is None else [seed])
         return
     pairs = [(t, sum_grads(grads[key])) for key, t in roots if key in grads]
     if pairs:
@@ -57,11 +61,11 @@ def _backward(roots: list[tuple[tuple[int, int], Tensor]], grads: Grads | None) 
 
 
 def _backward_inputs(
-    roots: list[tuple[tuple[int, int], Tensor]], grads: Grads | None
+    roots: list[tuple[tuple[int, int], Tensor]], grads: Grads | None, seed: Tensor | None
 ) -> WeightPass:
     """A split backward's first pass (input gradients); returns the second."""
     if grads is None:  # the last stage: the loss
-        return backward_inputs([t for _, t in roots], None)
+        return backward_inputs([t for _, t in roots], None if seed is None else [seed])
     pairs = [(t, sum_grads(grads[key])) for key, t in roots if key in grads]
     return backward_inputs([t for t, _ in pairs], [g for _, g in pairs])
 
@@ -83,40 +87,6 @@ def _transfer(value: Any, device: torch.device, staging: Staging) -> Any:
     for i, b in zip(where, buffers):
         items[i] = to_device(items[i], device, b)
     return rebuild_leaves(items, spec)
-
-
-def _loss(
-    loss_fn: Callable[[Any, Any], Tensor],
-    output: Any,
-    target: Any,
-    reader: AnyStream | None,
-    weight: float,
-) -> Tensor:
-    """The weighted loss of one micro-batch, on the last stage's stream.
-
-    ``target`` sits on the last stage's device: moved there by its target
-    task, or put there by the caller (then allocated on the caller's stream).
-    """
-    protect([target], reader)
-    return _scalar(loss_fn(output, target)) * weight
-
-
-def _scalar(loss: object) -> Tensor:
-    if not isinstance(loss, Tensor) or loss.numel() != 1:
-        what = (
-            f"a tensor of shape {tuple(loss.shape)}"
-            if isinstance(loss, Tensor)
-            else type(loss).__name__
-        )
-        raise TypeError(f"loss_fn must return a scalar tensor, got {what}")
-    if not loss.requires_grad and torch.is_grad_enabled():
-        # Autograd would refuse it in the backward task, naming no cause.
-        raise RuntimeError(
-            "loss_fn returned a loss that does not require grad: nothing it was computed "
-            "from carries a gradient (the last stage's output detached or computed under "
-            "torch.no_grad(), or every parameter frozen?)"
-        )
-    return loss.reshape(())
 
 
 class _Step:
@@ -147,7 +117,7 @@ class _Step:
         self.readers = cuda_only(sched.compute_streams)
         self.copiers = cuda_only(sched.copy_streams)
         self.force = schedule.topology.force_copies
-        self.loss_fn, self.weights, self.scale = loss_fn, weights, scale
+        self.losses = Losses(loss_fn, weights, scale)
         self.checkpoint_stop = checkpoint_stop
         self.staging, self.target_staging = staging, target_staging
         self.before_backward = before_backward
@@ -168,7 +138,6 @@ class _Step:
         self.cuts: dict[tuple[int, int], Cutting] = {}
         self.local: dict[tuple[int, int], Grads] = defaultdict(lambda: defaultdict(list))
         self.remote: dict[tuple[int, int, int], Grads] = defaultdict(lambda: defaultdict(list))
-        self.losses: list[Tensor] = []
         # Split backwards: their weight passes, waiting for the weight tasks.
         # A checkpointed micro-batch is not split (see split_backward).
         self.split = {(s, m) for s, m in schedule.split if m >= checkpoint_stop}
@@ -239,10 +208,8 @@ class _Step:
             start = 0 if replayed else len(inputs)
             cut = zip((inputs + sources)[start:], values[start:])
             output = flow.result(m, {ref: v for (ref, _), v in cut})
-            loss = _loss(self.loss_fn, output, self.labels[m], reader, self.weights[m])
-            scale = self.scale
-            self.roots[(s, m)] = [((0, 0), loss if scale is None else scale(loss))]
-            self.losses.append(loss.detach())
+            root = self.losses.compute(m, output, self.labels[m], reader)
+            self.roots[(s, m)] = [((0, 0), root)]
         elif not replayed:
             self.roots[(s, m)] = roots_of(flow.outputs_of(s, m))
         flow.release(s, m)
@@ -269,8 +236,9 @@ class _Step:
             self.before_backward(s)
         thin = self.thin
         replayed = thin is not None and thin.graphed(s, m)
+        seed = self.losses.seeds[m] if s == self.last else None
         if replayed and s == self.last:
-            _backward(self.roots.pop((s, m)), None)  # the loss, to the cut outputs
+            _backward(self.roots.pop((s, m)), None, seed)  # the loss, to the cut outputs
             cut = self.cuts.pop((s, m), None)
             if cut is not None:  # else no output the loss read carries a gradient
                 self.route(cut, s, m)
@@ -280,9 +248,10 @@ class _Step:
             done = thin.backward(s, m, reached, (s, m) in self.split)
         else:
             if (s, m) in self.split:
-                self.weights_left[(s, m)] = _backward_inputs(self.roots.pop((s, m)), reached)
+                roots = self.roots.pop((s, m))
+                self.weights_left[(s, m)] = _backward_inputs(roots, reached, seed)
             else:
-                _backward(self.roots.pop((s, m)), reached)
+                _backward(self.roots.pop((s, m)), reached, seed)
             done = self.cuts.pop((s, m), None)
         if done is not None:
             self.route(done, s, m)
@@ -326,7 +295,7 @@ def run(
     before_backward: Callable[[int], None] | None = None,
     scale: Callable[[Tensor], Tensor] | None = None,
     after_grads: Callable[[int], None] | None = None,
-) -> list[Tensor]:
+) -> Tensor:
     """Runs forward and backward of every micro-batch in ``schedule``'s order.
 
     Args:
@@ -354,8 +323,9 @@ def run(
             still get that stage's).
 
     Returns:
-        The weighted loss of each micro-batch (detached), ready on the
-        caller's current stream of the last device.
+        The step's loss, the sum of the micro-batches' weighted losses
+        (detached), computed on the caller's current stream of the last
+        device.
 
     Raises:
         TypeError: a stage returned an unsupported value, or ``loss_fn`` did
@@ -376,8 +346,6 @@ def run(
         scale,
         after_grads,
     )
-    execute(worker, schedule, state.handlers(), len(batches), step=True, loss=_loss.__code__)
-    if caller_reader is not None:
-        for loss in state.losses:
-            record_stream(loss, caller_reader)
-    return state.losses
+    code = Losses.compute.__code__
+    execute(worker, schedule, state.handlers(), len(batches), step=True, loss=code)
+    return state.losses.total(caller_reader)
