@@ -6,7 +6,7 @@ ResNet-101 half at 320), 8 micro-batches, replays that do nothing
 and autograd's host work per replayed task. Per schedule, in the user's own
 loop (``loss.backward()``, what the tutorial's ``train()`` runs) and in
 ``train_step``: eager aten operators per step and per replayed task
-(counted, so checked even untimed: at most 4 per task, the loss's own
+(counted, so checked even untimed: at most 3 per task, the loss's own
 included, and no more at 320 parameters per stage than at 80), and host
 time per step and per task (timed: ``extra_info``). On a GPU the same
 counts hold; what a launch costs there is the GPU run's to measure.
@@ -25,8 +25,10 @@ from mpstream import Pipe
 from .graphed_host import RANKED, count, pipe_of, runner, tasks
 
 SCHEDULES = ["gpipe", "1f1b", "zb_h1", *RANKED]
-#: What the counts must not exceed (issue 41's CPU targets).
-MAX_OPS_PER_TASK = 4.0
+#: What the counts must not exceed (issue 41's CPU target was 4 per task;
+#: 1.1-2.7 since the loss's weight seeds its backward and the anchor's
+#: gradient accumulator is held).
+MAX_OPS_PER_TASK = 3.0
 MAX_GROWTH = 1.1
 
 

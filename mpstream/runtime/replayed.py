@@ -375,13 +375,18 @@ def _ours(t: Tensor) -> bool:
     return fn is not None and type(fn).__name__ in _OURS
 
 
+# The anchor's gradient accumulator, held: a leaf keeps only a weak
+# reference to its own, and finding it again costs an operator (a view) in
+# every replayed backward task.
+_ANCHOR_NODE: Node = get_gradient_edge(_ANCHOR).node
+
+
 def _accumulates() -> bool:
     """Whether the running backward accumulates into leaves: a plain
     ``backward()``, not ``torch.autograd.grad`` nor ``backward(inputs=)``
     (where the anchor, an input of every replay, is not asked for)."""
-    node: Node = get_gradient_edge(_ANCHOR).node
     try:
-        return private.will_engine_execute_node(node)
+        return private.will_engine_execute_node(_ANCHOR_NODE)
     except private.PrivateApiError:
         raise  # a torch without the call: no silent loss of every gradient
     except RuntimeError:
