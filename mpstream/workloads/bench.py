@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from ..pipe import Pipe
-from ..runtime import synchronize
+from ..runtime import GraphWarning, synchronize
 from ..tutorial import machine, rounds
 from . import memory as stage_memory
 from .transformer import NaiveParallel, Preset, decoder, flops_per_token, halves, loss_fn, tokens
@@ -230,38 +231,69 @@ def run(
     tick: Callable[[], None] | None = None,
     status: Callable[[str], None] | None = None,
 ) -> Results:
-    """Builds and times every configuration (see the module), then measures
-    each one's memory per stage in a step of its own."""
+    """Builds and times every configuration (see the module). Each one's
+    memory per stage is measured as it is built, in a step of its own."""
     p = config.preset
     keys = keys_for(config)
-    built: dict[Key, _Runner] = {}
+    memory: dict[Key, tuple[list[dict[str, int]], dict[str, int]]] = {}
+    issues: dict[Key, list[float]] = {}
 
     def build(key: Key) -> _Runner:
-        runner = built[key] = _Runner(key, config)
+        # Nothing here may hold the runner: round_robin frees a timed group
+        # to make room for the next, and a 1b configuration's weights, grads
+        # and AdamW state alone are 17.6 GB (they do not all fit on a GPU).
+        # So memory is measured now, not after the timing; the allocator's
+        # peak less what the configurations already held had allocated.
+        gpus = sorted({d for d in config.devices if d.type == "cuda"}, key=str)
+        held = {str(d): torch.cuda.memory_allocated(d) for d in gpus}
+        runner = _Runner(key, config)
+        runner.step()  # the optimizer's state made, graphs captured: a steady step next
+        stages, peaks = stage_memory.per_stage(
+            runner.module, runner.opt, runner.step, runner.devices
+        )
+        memory[key] = stages, {d: peak - held[d] for d, peak in peaks.items()}
+        issues[key] = runner.issue
         return runner
 
     load = {"before": rounds.machine_load()}
-    timed = rounds.round_robin(
-        keys, build, _Runner.timed, warmup=p.warmup, repeat=p.repeat, label=label,
-        tick=tick, status=status,
-    )  # fmt: skip
+    with warnings.catch_warnings():
+        # A graphed stage whose capture failed runs eagerly with a
+        # GraphWarning; _check turns that into NoRoom or an error.
+        warnings.filterwarnings("ignore", ".* runs eagerly: ", GraphWarning)
+        timed = rounds.round_robin(
+            keys, build, _Runner.timed, warmup=p.warmup, repeat=p.repeat, label=label,
+            check=_check, tick=tick, status=status,
+        )  # fmt: skip
     measured: dict[Key, Measured] = {}
     for key in keys:
-        runner = built[key]
-        warm = p.warmup
-        measured[key] = Measured(key, timed.times[key], runner.issue[warm:], timed.group[key])
-    for key in keys:  # memory last: it needs each configuration alone
-        runner = built.pop(key) if key in built else _Runner(key, config)
-        m = measured[key]
-        m.memory, m.device_peaks = stage_memory.per_stage(
-            runner.module, runner.opt, runner.step, runner.devices
-        )
-        del runner
+        m = Measured(key, timed.times[key], issues[key][p.warmup :], timed.group[key])
+        m.memory, m.device_peaks = memory[key]
+        measured[key] = m
     load["after"] = rounds.machine_load()
     meta = machine.metadata(list(config.devices))
     meta["load"] = load
     meta["peak_tflops"] = config.peak or peak_tflops(config.devices[0])
     return Results(config, measured, meta)
+
+
+def _check(key: Key, runner: _Runner) -> None:
+    """Graphed stages must replay graphs: a stage whose capture failed runs
+    eagerly, and its times would be an eager step's under the graphed label.
+
+    Raises:
+        rounds.NoRoom: a capture ran out of device memory (it may fit with
+            fewer configurations held).
+        RuntimeError: a capture failed for another reason.
+    """
+    if key[0] != GRAPHED or runner.pipe is None:
+        return
+    for stage in runner.pipe.graph_report().stages:
+        if stage.graphed:
+            continue
+        why = f"stage {stage.stage} runs eagerly ({stage.reason})"
+        if rounds.says_out_of_memory(stage.reason or ""):
+            raise rounds.NoRoom(why)
+        raise RuntimeError(f"{label(key)}: {why}; its time would not be a graphed step's")
 
 
 def mfu(results: Results, key: Key) -> float | None:

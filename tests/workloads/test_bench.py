@@ -4,12 +4,15 @@ timed side by side, its memory per stage measured, labelled as the CPU's."""
 from __future__ import annotations
 
 import json
+import weakref
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from mpstream import cli
+from mpstream.tutorial import rounds
 from mpstream.workloads import bench, memory, transformer
 
 CPU = torch.device("cpu")
@@ -127,3 +130,39 @@ def test_a_noisy_configuration_is_marked_with_what_to_do() -> None:
     row = next(line for line in text if line.startswith(noisy))
     assert row.count("*") == 2  # both its ratios
     assert text[-1].startswith("* 1 measurement(s) noisy") and noisy in text[-1]
+
+
+def test_configurations_that_do_not_all_fit_are_timed_in_groups(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A device that holds three configurations (a 1b one's weights, grads and
+    # AdamW state are 17.6 GB: an H200 holds a few of the fifteen). A timed
+    # group must be freed for the next: nothing may keep its runners alive.
+    live: weakref.WeakSet[bench._Runner] = weakref.WeakSet()
+
+    class Tight(bench._Runner):
+        def __init__(self, key: bench.Key, config: bench.Config) -> None:
+            if len(live) >= 3:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory (a full device)")
+            super().__init__(key, config)
+            live.add(self)
+
+    monkeypatch.setattr(bench, "_Runner", Tight)
+    results = bench.run(quick())
+    groups = [m.group for m in results.measured.values()]
+    assert groups == [0, 0, 0, 1, 1]
+    assert all(m.memory and len(m.times) == 1 for m in results.measured.values())
+
+
+def test_graphed_stages_that_run_eagerly_are_not_timed_as_graphed() -> None:
+    def runner(reason: str) -> bench._Runner:
+        stage = SimpleNamespace(stage=1, graphed=False, reason=reason)
+        report = SimpleNamespace(stages=[stage])
+        return SimpleNamespace(pipe=SimpleNamespace(graph_report=lambda: report))  # type: ignore[return-value]
+
+    key = (bench.GRAPHED, "1f1b", 2)
+    with pytest.raises(rounds.NoRoom, match="stage 1 runs eagerly"):
+        bench._check(key, runner("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    with pytest.raises(RuntimeError, match="would not be a graphed step's"):
+        bench._check(key, runner("operation not permitted when stream is capturing"))
+    bench._check(("mpstream", "1f1b", 2), runner("eager by design"))  # not a graphed key
