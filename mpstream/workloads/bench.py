@@ -33,7 +33,7 @@ from ..pipe import Pipe
 from ..runtime import GraphWarning, synchronize
 from ..tutorial import machine, rounds
 from . import memory as stage_memory
-from .transformer import NaiveParallel, Preset, decoder, flops_per_token, halves, loss_fn, tokens
+from .transformer import NaiveParallel, Preset, decoder_on, flops_per_token, halves, loss_fn, tokens
 
 __all__ = [
     "SCHEDULES",
@@ -164,13 +164,12 @@ class _Runner:
             self.batch = {"input_ids": self.x, "labels": self.x}
             self.module: nn.Module = _hf_pipe(p, [dev0, dev1], m or 1, self.batch)
         elif variant == SINGLE:
-            self.module = decoder(p).to(dev0)
+            self.module = decoder_on(p, dev0)
         elif variant == NAIVE:
-            self.module = NaiveParallel(decoder(p), halves(p), [dev0, dev1])
+            self.module = NaiveParallel(decoder_on(p, dev0), halves(p), [dev0, dev1])
         else:
-            model = decoder(p)
             self.module = Pipe(
-                model, balance=halves(p), devices=[dev0, dev1], chunks=m,
+                decoder_on(p, dev0), balance=halves(p), devices=[dev0, dev1], chunks=m,
                 schedule=schedule or "1f1b", checkpoint="never", graphs=variant == GRAPHED,
             )  # fmt: skip
         self.pipe = self.module if isinstance(self.module, Pipe) else None
