@@ -212,7 +212,8 @@ def _hf_pipe(p: Preset, devices: list[torch.device], chunks: int, batch: dict[st
         num_hidden_layers=p.depth, num_attention_heads=p.heads, num_key_value_heads=p.kv_heads,
         max_position_embeddings=p.seq, tie_word_embeddings=False, attn_implementation="sdpa",
     )  # fmt: skip
-    model = LlamaForCausalLM(config)
+    with torch.device(devices[0]):  # drawn on the CPU, 1b's weights took seconds (decoder_on)
+        model = LlamaForCausalLM(config)
     return Pipe(
         model, chunks=chunks, split_points=[f"model.layers.{p.depth // 2}"], devices=devices,
         schedule="1f1b", checkpoint="never", sample=batch,  # type: ignore[arg-type]
