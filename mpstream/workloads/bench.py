@@ -128,7 +128,7 @@ def keys_for(config: Config) -> list[Key]:
     """Every configuration: the baselines, then each schedule and graphed
     stages over the micro-batch counts."""
     keys: list[Key] = [(SINGLE, None, None), (NAIVE, None, None)]
-    for m in config.preset.micro_batches:
+    for m in dict.fromkeys(config.preset.micro_batches):  # --micro-batches 2,2: once
         keys += [("mpstream", s, m) for s in SCHEDULES]
         if config.graphed and all(d.type == "cuda" for d in config.devices):
             keys.append((GRAPHED, "1f1b", m))

@@ -31,6 +31,8 @@ def test_every_configuration_is_timed_with_its_memory_per_stage(tmp_path: Path) 
         ("mpstream", s, 2) for s in bench.SCHEDULES
     ]
     assert list(results.measured) == keys  # graphed stages: on GPUs only
+    twice = bench.Config(transformer.preset("tiny", micro_batches=(2, 2)), (CPU, CPU), hf=False)
+    assert bench.keys_for(twice) == keys  # a count given twice is timed once
     assert len(ticks) == len(keys) * 2
     p = config.preset
     params = transformer.decoder(p)
