@@ -161,23 +161,25 @@ def experiment(ctx: Context) -> StepResult:
     ]
     for row in data["rows"]:
         mfu = "" if row["mfu"] is None else f", MFU {100 * row['mfu']:.0f}%"
+        eager = row["ran_eagerly"]  # a graphed row whose capture failed: a defect, not a timing
         checks.append(
             Check(
                 row["configuration"],
-                PASS,
+                FAIL if eager else PASS,
                 f"{row['tokens_per_s']:.0f} tokens/s, step {row['vs_single_device']:.2f}x "
-                f"the single device's{mfu}",
+                f"the single device's{mfu}" + (f"; {eager}: an eager step's" if eager else ""),
             )
         )
     where = "" if ctx.cuda else " (CPU: nothing overlaps)"
     at = f"at {best['micro_batches']} micro-batches{where}"
     figure = f"{p.name}: 1f1b {over:.2f}x the single device {at}"
+    reason = next((f"{c.name}: {c.detail}" for c in checks if c.status == FAIL), "")
     return StepResult(
         "experiment",
         "Experiment",
-        PASS,
+        overall(checks),
         figure,
-        "",
+        reason,
         checks,
         data,
         [*files, "transformer_table.txt"],

@@ -104,6 +104,7 @@ class Measured:
     group: int = 0
     memory: list[dict[str, int]] = field(default_factory=list)
     device_peaks: dict[str, int] = field(default_factory=dict)
+    eager: str = ""  # graphed stages only: why a stage ran eagerly, if one did
 
     @property
     def median(self) -> float:
@@ -237,6 +238,7 @@ def run(
     keys = keys_for(config)
     memory: dict[Key, tuple[list[dict[str, int]], dict[str, int]]] = {}
     issues: dict[Key, list[float]] = {}
+    eager: dict[Key, str] = {}  # graphed configurations whose capture failed, why
 
     def build(key: Key) -> _Runner:
         # Nothing here may hold the runner: round_robin frees a timed group
@@ -258,15 +260,18 @@ def run(
     load = {"before": rounds.machine_load()}
     with warnings.catch_warnings():
         # A graphed stage whose capture failed runs eagerly with a
-        # GraphWarning; _check turns that into NoRoom or an error.
+        # GraphWarning; check turns that into NoRoom, or says it beside the
+        # times (an error would lose every other configuration's).
         warnings.filterwarnings("ignore", ".* runs eagerly: ", GraphWarning)
         timed = rounds.round_robin(
             keys, build, _Runner.timed, warmup=p.warmup, repeat=p.repeat, label=label,
-            check=_check, tick=tick, status=status,
+            check=lambda key, runner: eager.__setitem__(key, _eager(key, runner)),
+            tick=tick, status=status,
         )  # fmt: skip
     measured: dict[Key, Measured] = {}
     for key in keys:
         m = Measured(key, timed.times[key], issues[key][p.warmup :], timed.group[key])
+        m.eager = eager.get(key, "")
         m.memory, m.device_peaks = memory[key]
         measured[key] = m
     load["after"] = rounds.machine_load()
@@ -276,24 +281,24 @@ def run(
     return Results(config, measured, meta)
 
 
-def _check(key: Key, runner: _Runner) -> None:
-    """Graphed stages must replay graphs: a stage whose capture failed runs
-    eagerly, and its times would be an eager step's under the graphed label.
+def _eager(key: Key, runner: _Runner) -> str:
+    """Why a graphed configuration's stage runs eagerly (its capture failed:
+    its times are an eager step's); empty where every stage replays graphs,
+    and for the other configurations.
 
     Raises:
         rounds.NoRoom: a capture ran out of device memory (it may fit with
             fewer configurations held).
-        RuntimeError: a capture failed for another reason.
     """
     if key[0] != GRAPHED or runner.pipe is None:
-        return
+        return ""
     for stage in runner.pipe.graph_report().stages:
-        if stage.graphed:
-            continue
-        why = f"stage {stage.stage} runs eagerly ({stage.reason})"
-        if rounds.says_out_of_memory(stage.reason or ""):
-            raise rounds.NoRoom(why)
-        raise RuntimeError(f"{label(key)}: {why}; its time would not be a graphed step's")
+        if not stage.graphed:
+            why = f"stage {stage.stage} runs eagerly ({stage.reason})"
+            if rounds.says_out_of_memory(stage.reason or ""):
+                raise rounds.NoRoom(why)
+            return why
+    return ""
 
 
 def mfu(results: Results, key: Key) -> float | None:
@@ -336,6 +341,7 @@ def to_json(results: Results) -> dict[str, Any]:
                 "host_issue_share": None if issue is None else issue / m.median,
                 "memory_per_stage": m.memory,
                 "peak_allocated_per_device": m.device_peaks,
+                "ran_eagerly": m.eager or None,
             }
         )  # fmt: skip
     preset = {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in vars(p).items()}
@@ -377,6 +383,11 @@ def table(results: Results) -> str:
             "CPU: every stage runs on the host thread one task after another; nothing "
             "overlaps, and no pipeline can be faster here (ratios show the runtime's cost)"
         )
+    lines += [
+        f"! {row['configuration']}: {row['ran_eagerly']}: an eager step's times, not graphed"
+        for row in data["rows"]
+        if row["ran_eagerly"]
+    ]
     lines += rounds.noise_lines(noisy_spreads(results), results.meta.get("load", {}))
     return "\n".join(lines)
 

@@ -7,10 +7,13 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from mpstream.doctor import Options, run
-from mpstream.doctor.diagnosis import TINY
+from mpstream.doctor import transformer as steps_of
+from mpstream.doctor.diagnosis import FAIL, TINY, Context
 from mpstream.doctor.runner import TRANSFORMER_STEPS
+from mpstream.workloads import bench, transformer
 
 
 def test_the_transformer_doctor_runs_every_step_it_can_on_the_cpu(tmp_path: Path) -> None:
@@ -48,3 +51,30 @@ def test_what_the_transformer_doctor_refuses(tmp_path: Path) -> None:
         run(Options(out=tmp_path, arch="transformer", skip=("tutorial",), sizes=TINY))
     with pytest.raises(ValueError, match="unknown transformer preset 'huge'"):
         run(Options(out=tmp_path, arch="transformer", preset="huge", sizes=TINY))
+
+
+def test_graphed_stages_that_ran_eagerly_fail_the_experiment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A capture that failed for another reason than memory: the bench keeps
+    # its times (beside everything else's), the doctor names the defect.
+    cpu = torch.device("cpu")
+    p = transformer.preset("tiny", micro_batches=(2,))
+    graphed = (bench.GRAPHED, "1f1b", 2)
+    why = "stage 0 runs eagerly (operation not permitted when stream is capturing)"
+
+    def fake_run(config: bench.Config, **_: object) -> bench.Results:
+        keys = [*bench.keys_for(config), graphed]
+        measured = {k: bench.Measured(k, [0.1, 0.1], [0.01]) for k in keys}
+        measured[graphed].eager = why
+        return bench.Results(config, measured, {"load": {}})
+
+    monkeypatch.setattr(bench, "run", fake_run)
+    monkeypatch.setattr(bench, "save", lambda results, out: [])
+    ctx = Context((cpu, cpu), TINY, "transformer", tmp_path, tmp_path, False)
+    ctx.shared["preset"] = "tiny"
+    monkeypatch.setattr(steps_of, "preset_of", lambda ctx: p)
+    monkeypatch.setattr(transformer, "preset", lambda name, **kw: p)
+    result = steps_of.experiment(ctx)
+    assert result.status == FAIL and why in result.reason
+    assert bench.label(graphed) in result.reason

@@ -163,8 +163,14 @@ def test_graphed_stages_that_run_eagerly_are_not_timed_as_graphed() -> None:
         return SimpleNamespace(pipe=SimpleNamespace(graph_report=lambda: report))  # type: ignore[return-value]
 
     key = (bench.GRAPHED, "1f1b", 2)
-    with pytest.raises(rounds.NoRoom, match="stage 1 runs eagerly"):
-        bench._check(key, runner("CUDA out of memory. Tried to allocate 2.00 GiB"))
-    with pytest.raises(RuntimeError, match="would not be a graphed step's"):
-        bench._check(key, runner("operation not permitted when stream is capturing"))
-    bench._check(("mpstream", "1f1b", 2), runner("eager by design"))  # not a graphed key
+    with pytest.raises(rounds.NoRoom, match="stage 1 runs eagerly"):  # a later group
+        bench._eager(key, runner("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    why = bench._eager(key, runner("operation not permitted when stream is capturing"))
+    assert why == "stage 1 runs eagerly (operation not permitted when stream is capturing)"
+    assert bench._eager(("mpstream", "1f1b", 2), runner("eager by design")) == ""
+    config = quick()
+    steady = [0.1, 0.1]
+    measured = {k: bench.Measured(k, steady, []) for k in bench.keys_for(config)}
+    measured[key] = bench.Measured(key, steady, [], eager=why)
+    text = bench.table(bench.Results(config, measured, {"load": {}}))
+    assert f"! {bench.label(key)}: {why}: an eager step's times, not graphed" in text
