@@ -194,7 +194,7 @@ def profile_step(ctx: Context) -> StepResult:
     dev0, dev1 = ctx.devices
     force = ctx.cuda and dev0 == dev1
     pipe = Pipe(
-        transformer.decoder_on(p, dev0),
+        transformer.decoder(p, dev0),
         balance=transformer.halves(p),
         devices=[dev0, dev1],
         chunks=m,
@@ -214,7 +214,7 @@ def profile_step(ctx: Context) -> StepResult:
                 synchronize([dev0, dev1])
         sample = x[: math.ceil(p.batch / m)]
         layers = profile_layers(
-            transformer.decoder_on(p, dev0), sample, device=dev0, repeat=ctx.sizes.profile_steps
+            transformer.decoder(p, dev0), sample, device=dev0, repeat=ctx.sizes.profile_steps
         )
     prof.plot(
         ctx.out / "transformer_timeline.png", title=f"transformer {p.name}, 1f1b, {m} micro-batches"

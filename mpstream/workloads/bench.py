@@ -33,7 +33,7 @@ from ..pipe import Pipe
 from ..runtime import GraphWarning, synchronize
 from ..tutorial import machine, rounds
 from . import memory as stage_memory
-from .transformer import NaiveParallel, Preset, decoder_on, flops_per_token, halves, loss_fn, tokens
+from .transformer import NaiveParallel, Preset, decoder, flops_per_token, halves, loss_fn, tokens
 
 __all__ = [
     "SCHEDULES",
@@ -165,12 +165,12 @@ class _Runner:
             self.batch = {"input_ids": self.x, "labels": self.x}
             self.module: nn.Module = _hf_pipe(p, [dev0, dev1], m or 1, self.batch)
         elif variant == SINGLE:
-            self.module = decoder_on(p, dev0)
+            self.module = decoder(p, dev0)
         elif variant == NAIVE:
-            self.module = NaiveParallel(decoder_on(p, dev0), halves(p), [dev0, dev1])
+            self.module = NaiveParallel(decoder(p, dev0), halves(p), [dev0, dev1])
         else:
             self.module = Pipe(
-                decoder_on(p, dev0), balance=halves(p), devices=[dev0, dev1], chunks=m,
+                decoder(p, dev0), balance=halves(p), devices=[dev0, dev1], chunks=m,
                 schedule=schedule or "1f1b", checkpoint="never", graphs=variant == GRAPHED,
             )  # fmt: skip
         self.pipe = self.module if isinstance(self.module, Pipe) else None
@@ -213,7 +213,7 @@ def _hf_pipe(p: Preset, devices: list[torch.device], chunks: int, batch: dict[st
         num_hidden_layers=p.depth, num_attention_heads=p.heads, num_key_value_heads=p.kv_heads,
         max_position_embeddings=p.seq, tie_word_embeddings=False, attn_implementation="sdpa",
     )  # fmt: skip
-    with torch.device(devices[0]):  # drawn on the CPU, 1b's weights took seconds (decoder_on)
+    with torch.device(devices[0]):  # drawn on the CPU, 1b's weights took seconds (as decoder's)
         model = LlamaForCausalLM(config)
     return Pipe(
         model, chunks=chunks, split_points=[f"model.layers.{p.depth // 2}"], devices=devices,

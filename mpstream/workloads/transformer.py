@@ -26,7 +26,6 @@ __all__ = [
     "PRESETS",
     "preset",
     "decoder",
-    "decoder_on",
     "DecoderBlock",
     "Embedding",
     "Head",
@@ -186,24 +185,19 @@ class Head(nn.Module):
 
 
 def decoder(p: Preset, device: torch.device | str = "cpu", seed: int = 0) -> nn.Sequential:
-    """The model of preset ``p`` as ``[embedding, *blocks, head]``, its
-    weights drawn from ``seed`` (the same model on every call)."""
-    torch.manual_seed(seed)
-    layers = [Embedding(p), *(DecoderBlock(p) for _ in range(p.depth)), Head(p)]
-    return nn.Sequential(*layers).to(device)
+    """The model of preset ``p`` as ``[embedding, *blocks, head]``, made
+    and its weights drawn from ``seed`` on ``device`` itself.
 
-
-def decoder_on(p: Preset, device: torch.device | str, seed: int = 0) -> nn.Sequential:
-    """The model of preset ``p`` made and initialised on ``device`` itself.
-
-    :func:`decoder` draws the weights on the CPU, whose random fills run on
-    one thread: 1b's 1.1B parameters take 5-10 s there, for each of the
-    bench's fifteen configurations, against milliseconds on a GPU. The same
-    ``seed`` makes the same model on every call on one kind of device (not
-    the CPU's weights on a GPU: another generator).
+    The same ``seed`` makes the same model on every call on one kind of
+    device; a GPU's generator draws other weights than the CPU's (for the
+    CPU's on a GPU: ``decoder(p).to(device)``). Drawn on the CPU, whose
+    random fills run on one thread, 1b's 1.1B parameters take 5-10 s, for
+    each of the bench's fifteen configurations.
     """
+    torch.manual_seed(seed)
     with torch.device(device):
-        return decoder(p, device, seed)
+        layers = [Embedding(p), *(DecoderBlock(p) for _ in range(p.depth)), Head(p)]
+        return nn.Sequential(*layers)
 
 
 def loss_fn(logits: Tensor, target: Tensor) -> Tensor:

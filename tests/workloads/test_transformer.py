@@ -92,13 +92,12 @@ def test_graphed_stages_train_equal_to_the_unsplit_model(schedule: str) -> None:
     assert_same_grads(pipe, model)
 
 
-def test_decoder_on_a_device_is_made_there_and_is_the_same_model() -> None:
+def test_the_decoder_is_made_on_its_device_the_same_on_every_call() -> None:
     # The bench builds fifteen 1b models: drawn on the CPU (one thread) each
     # took 5-10 s of a GPU lease; on the device itself, none of it.
-    on = T.decoder_on(T.PRESETS["1b"], "meta")  # nothing allocated, nothing drawn on the CPU
+    on = T.decoder(T.PRESETS["1b"], "meta")  # nothing allocated, nothing drawn on the CPU
     assert {q.device.type for q in on.parameters()} == {"meta"}
     assert {b.device.type for b in on.buffers()} == {"meta"}
     assert sum(q.numel() for q in on.parameters()) == T.param_count(T.PRESETS["1b"])
-    cpu = T.decoder_on(TINY, "cpu")
-    for a, b in zip(cpu.parameters(), T.decoder(TINY).parameters()):
+    for a, b in zip(T.decoder(TINY, "cpu").parameters(), T.decoder(TINY).parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
