@@ -7,8 +7,9 @@ MLP, each with RMSNorm, then a final norm and an untied head. Built as an
 :class:`~mpstream.Pipe` splits it by layers like the tutorial's models, and
 the naive model-parallel baseline runs the same split on the default stream
 (:class:`NaiveParallel`). :data:`PRESETS` size it: ``tiny`` for the CPU
-(tests, ``--quick``), ``1b`` (a 1B-class model) and ``3b`` (one that fills
-most of an H200 with AdamW's state and activations) for a GPU, trained in
+(tests, ``--quick``), ``1b`` (a 1B-class model) and ``3b`` (about 128 GiB
+with AdamW's state and activations, estimated: it may not fit on one H200)
+for a GPU, trained in
 bf16 under autocast with float32 weights and AdamW state.
 """
 
