@@ -3,9 +3,18 @@
 The last stage's forward task computes each micro-batch's loss on that
 stage's stream; its backward starts from the loss with the micro-batch's
 weight as the gradient (a seed), which gives every parameter what the
-weighted loss would, without the three operators per micro-batch (the
-multiply, its backward, a seed of ones) the host would issue for a weighted
-loss. The step's total weights the losses once, at the end.
+weighted loss would, without the multiply and its backward the host would
+issue for a weighted loss. The weighted loss is added to the step's total in
+the same task, aside from autograd.
+
+Each micro-batch has its own seed, as autograd's own seed of ones would be:
+autograd may keep a view of the gradient it hands a parameter as that
+parameter's ``.grad`` (when nothing else holds the view: a loss that reaches a
+parameter through views only, ``mse + s.squeeze()``) and add the next
+micro-batches' gradients into it in place, which would change a seed later
+backwards start from. The loss is read in its own task, not after the run:
+it may alias a buffer a later task rewrites (a replayed last stage's static
+output, when ``loss_fn`` returns the output itself).
 """
 
 from __future__ import annotations
@@ -39,9 +48,9 @@ class Losses:
         scale: Callable[[Tensor], Tensor] | None,
     ) -> None:
         self.loss_fn, self.weights, self.scale = loss_fn, weights, scale
-        self.values: dict[int, Tensor] = {}  # detached, unweighted
         self.seeds: dict[int, Tensor] = {}
-        self._made: dict[tuple[float, torch.dtype], Tensor] = {}
+        self._total: Tensor | None = None  # detached, weighted
+        self._dtype: torch.dtype | None = None  # the losses'
 
     def compute(self, m: int, output: Any, target: Any, reader: AnyStream | None) -> Tensor:
         """Micro-batch ``m``'s loss, on the last stage's stream; returns
@@ -56,34 +65,29 @@ class Losses:
         """
         protect([target], reader)
         loss = _scalar(self.loss_fn(output, target))
-        self.values[m] = loss.detach()
-        self.seeds[m] = self._seed(self.weights[m], loss)
+        weight = self.weights[m]
+        # Its own: no other backward starts from it (see the module's notes).
+        self.seeds[m] = torch.full((), weight, dtype=loss.dtype, device=loss.device)
+        with torch.no_grad():  # now: the loss may alias a buffer a later task rewrites
+            if self._total is None:
+                self._dtype = loss.dtype
+                # Half-precision losses summed in float32, as torch.sum would.
+                low = loss.dtype in (torch.float16, torch.bfloat16)
+                self._total = (loss.float() if low else loss) * weight
+            else:
+                self._total.add_(loss, alpha=weight)
         return loss if self.scale is None else self.scale(loss)
 
-    def _seed(self, weight: float, loss: Tensor) -> Tensor:
-        # One per value and dtype for the step, made on the last stage's
-        # stream, which runs every backward of the loss.
-        key = (weight, loss.dtype)
-        seed = self._made.get(key)
-        if seed is None:
-            seed = self._made[key] = torch.full((), weight, dtype=loss.dtype, device=loss.device)
-        return seed
-
     def total(self, reader: AnyStream | None) -> Tensor:
-        """The sum of the weighted losses (detached), computed on the
-        current stream, which ``reader`` (None: not CUDA) names for the
-        allocator: the losses were made on the last stage's."""
+        """The sum of the weighted losses (detached), in the losses' dtype;
+        summed on the last stage's stream, read after the run on the current
+        one, which ``reader`` (None: not CUDA) names for the allocator."""
+        total = self._total
+        if total is None:
+            raise RuntimeError("the step computed no loss")
         if reader is not None:
-            for t in (*self.values.values(), *self.seeds.values()):
-                record_stream(t, reader)
-        order = sorted(self.values)
-        stacked = torch.stack([self.values[m] for m in order])
-        chosen = {self.weights[m] for m in order}
-        if len(chosen) == 1:  # a batch the micro-batches divide evenly: one multiply
-            (weight,) = chosen
-            total = stacked.sum()
-            return total if weight == 1.0 else total * weight
-        return (stacked * torch.stack([self.seeds[m] for m in order])).sum()
+            record_stream(total, reader)  # read there, by the cast too
+        return total if total.dtype == self._dtype else total.to(self._dtype)
 
 
 def _scalar(loss: object) -> Tensor:
