@@ -85,8 +85,8 @@ class PipeStep(PipeCall):
             reduction: how ``loss_fn`` reduces over the batch, ``'mean'``
                 or ``'sum'``; default: a loss module's own (its
                 ``reduction``), else ``'mean'``.
-            scaler: a ``torch.amp.GradScaler``: each micro-batch's weighted
-                loss is scaled by ``scaler.scale`` before its backward, so the
+            scaler: a ``torch.amp.GradScaler``: each micro-batch's loss
+                is scaled by ``scaler.scale`` before its backward, so the
                 gradients are scaled; call ``scaler.step(optimizer)`` and
                 ``scaler.update()`` after, as usual.
 

@@ -313,9 +313,9 @@ def run(
         before_backward: called with a stage's index inside its first
             backward task, on its stream, before any gradient of the step
             accumulates into its parameters.
-        scale: applied to each weighted loss, inside the last stage's forward
-            task, before its backward (``GradScaler.scale``); the returned
-            losses stay unscaled.
+        scale: applied to each loss, inside the last stage's forward task,
+            before its backward (``GradScaler.scale``; the backward starts
+            from the micro-batch's weight); the returned loss stays unscaled.
         after_grads: called with a stage's index inside its last backward
             or weight task of the step, on its stream, once that task has
             issued its work: no more of the step accumulates into the
