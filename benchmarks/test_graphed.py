@@ -26,7 +26,7 @@ from .graphed_host import RANKED, count, pipe_of, runner, tasks
 
 SCHEDULES = ["gpipe", "1f1b", "zb_h1", *RANKED]
 #: What the counts must not exceed (issue 41's CPU target was 4 per task;
-#: 1.1-2.7 since the loss's weight seeds its backward and the anchor's
+#: 1.1-2.8 since the loss's weight seeds its backward and the anchor's
 #: gradient accumulator is held).
 MAX_OPS_PER_TASK = 3.0
 MAX_GROWTH = 1.1
