@@ -55,9 +55,10 @@ __all__ = [
 SCHEDULES = ("gpipe", "1f1b", "zb_h1")
 SINGLE, NAIVE, GRAPHED = "single device", "naive model parallel", "graphed stages"
 HF = "Hugging Face Llama"
-#: Dense bf16 peaks (TFLOP/s) by a part of the device's name, first match wins.
-PEAKS = (("H200", 989.4), ("H100 PCIe", 756.0), ("H100", 989.4), ("A100", 312.0),
-         ("L40S", 362.0), ("B200", 2250.0))  # fmt: skip
+#: Dense bf16 peaks (TFLOP/s) by a part of the device's name, first match
+#: wins (so the NVL and PCIe parts, slower than the SXM ones, come first).
+PEAKS = (("H200 NVL", 835.5), ("H200", 989.4), ("H100 NVL", 835.5), ("H100 PCIe", 756.0),
+         ("H100", 989.4), ("A100", 312.0), ("L40S", 362.0), ("B200", 2250.0))  # fmt: skip
 
 # A configuration: (variant, schedule, micro-batches); the baselines have neither.
 Key = tuple[str, str | None, int | None]

@@ -174,3 +174,23 @@ def test_graphed_stages_that_run_eagerly_are_not_timed_as_graphed() -> None:
     measured[key] = bench.Measured(key, steady, [], eager=why)
     text = bench.table(bench.Results(config, measured, {"load": {}}))
     assert f"! {bench.label(key)}: {why}: an eager step's times, not graphed" in text
+
+
+@pytest.mark.parametrize(
+    ("name", "peak"),
+    [
+        ("NVIDIA H200", 989.4),
+        ("NVIDIA H200 NVL", 835.5),
+        ("NVIDIA H100 80GB HBM3", 989.4),
+        ("NVIDIA H100 NVL", 835.5),
+        ("NVIDIA H100 PCIe", 756.0),
+        ("Some Other GPU", None),
+    ],
+)
+def test_the_peak_is_the_part_s_own(
+    name: str, peak: float | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An H200 NVL read as an SXM H200 would understate MFU by 16%.
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert bench.peak_tflops(torch.device("cuda", 0)) == peak
+    assert bench.peak_tflops(torch.device("cpu")) is None
