@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
@@ -19,6 +20,9 @@ __all__ = ["add_options", "run", "given", "TUTORIAL_ONLY", "TRANSFORMER_ONLY"]
 #: Options of the tutorial's experiment, which the transformer takes none of.
 TUTORIAL_ONLY = ("split_size", "split_sizes", "batch_size", "num_batches", "image_size",
                  "num_classes", "no_sweep")  # fmt: skip
+#: The work past which the bench on a CPU warns (about 10 minutes at
+#: 100 GFLOP/s, which a laptop's cores reach in bf16 at best).
+CPU_FLOP = 6e13
 #: The transformer's options, which the tutorial's experiment takes none of.
 TRANSFORMER_ONLY = ("preset", "micro_batches", "sequences", "seq_len", "peak_tflops")
 
@@ -87,6 +91,16 @@ def run(args: argparse.Namespace) -> int:
     )
     keys = bench.keys_for(config)
     total = len(keys) * (preset.warmup + preset.repeat)
+    work = transformer.flops_per_token(preset) * preset.batch * preset.seq * total
+    if dev0.type != "cuda" and work > CPU_FLOP:
+        # Asked for by name: run it, but say what it costs before the hours go.
+        print(
+            f"mpstream bench: warning: the {preset.name} preset is sized for GPUs: "
+            f"{work / 1e12:.0f} TFLOP over {total} steps, hours on a CPU "
+            f"(--preset tiny, or --quick, is the CPU's)",
+            file=sys.stderr,
+            flush=True,
+        )
     with extras.progress(total, "step", not args.no_progress) as bar:
         results = bench.run(config, tick=lambda: bar.update(1), status=bar.set_description)
     print(bench.table(results))

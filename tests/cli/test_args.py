@@ -248,3 +248,28 @@ def test_help_shows_the_defaults(capsys: pytest.CaptureFixture[str]) -> None:
     assert "slower sizes in a row before stopping (default: 2)" in tune
     assert "split size of the traced run" in trace and "comparison" not in trace
     assert "(default: 10, 3 with --quick: the cost model's measured steps)" in trace
+
+
+@pytest.mark.parametrize(("preset", "warned"), [("1b", True), ("tiny", False)])
+def test_a_gpu_preset_on_the_cpu_says_what_it_costs_first(
+    preset: str,
+    warned: bool,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from mpstream.workloads import bench
+
+    class Stop(Exception):
+        pass
+
+    def run(*args: object, **kwargs: object) -> None:
+        raise Stop  # the warning, if any, came before the run: the test ends here
+
+    monkeypatch.setattr(bench, "run", run)
+    args = ["bench", "--model", "transformer", "--preset", preset, "--devices", "cpu,cpu"]
+    with pytest.raises(Stop):
+        cli.main([*args, "--no-progress", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert ("the 1b preset is sized for GPUs" in err) is warned, err
+    assert ("hours on a CPU (--preset tiny, or --quick, is the CPU's)" in err) is warned
