@@ -65,7 +65,9 @@ def _size_options(
 ) -> None:
     """The ResNet experiment's options; ``main_split`` says what ``--split-size``
     sets (None: no such option), ``repeat`` and ``warmup`` their defaults."""
-    p.add_argument("--devices", help="two devices, e.g. cuda:0,cuda:1 (default: detected)")
+    p.add_argument(
+        "--devices", help="one or two devices, e.g. cuda:0 or cuda:0,cuda:1 (default: detected)"
+    )
     p.add_argument("--quick", action="store_true", help="CPU-sized run")
     p.add_argument(
         "--repeat", type=positive_int, help=f"timed runs per configuration (default: {repeat})"

@@ -51,7 +51,6 @@ __all__ = [
     "NAMES",
     "ARCHS",
     "Options",
-    "parse_devices",
     "sized",
     "run_step",
     "run",
@@ -149,21 +148,6 @@ class Options:
     image_size: tuple[int, int] | None = None
     batch_size: int | None = None
     split_sizes: tuple[int, ...] | None = None
-
-
-def parse_devices(spec: str | None) -> tuple[torch.device, torch.device]:
-    """One or two devices; one device serves both stages.
-
-    Raises:
-        ValueError: not one or two usable devices.
-    """
-    if spec is not None:
-        parts = [p for p in spec.split(",") if p.strip()]
-        if len(parts) > 2:
-            raise ValueError(f"--devices takes one or two devices, got {spec!r}")
-        if len(parts) == 1:
-            spec = f"{parts[0]},{parts[0]}"
-    return detect_devices(spec)
 
 
 def sized(sizes: Sizes, options: Options) -> Sizes:
@@ -281,7 +265,7 @@ def check(options: Options) -> tuple[tuple[torch.device, torch.device], Sizes, s
         raise ValueError(f"{flags}: the tutorial's experiment's; the transformer takes --preset")
     if options.preset is not None and not transformer:
         raise ValueError("--preset sizes the transformer: give --model transformer too")
-    devices = parse_devices(options.devices)
+    devices = detect_devices(options.devices)
     if options.sizes is not None:
         sizes, label = options.sizes, "custom"
     elif options.quick or devices[0].type != "cuda":

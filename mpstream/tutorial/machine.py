@@ -28,11 +28,12 @@ def detect_devices(spec: str | None = None) -> tuple[torch.device, torch.device]
     """The two devices of the experiment.
 
     Args:
-        spec: ``"cuda:0,cuda:1"``-style; default two GPUs if present, else
-            both halves on ``cuda:0``, else both on the CPU.
+        spec: ``"cuda:0,cuda:1"``-style, or one device for both halves
+            (``"cuda:0"``); default two GPUs if present, else both halves
+            on ``cuda:0``, else both on the CPU.
 
     Raises:
-        ValueError: ``spec`` does not name exactly two usable devices.
+        ValueError: ``spec`` does not name one or two usable devices.
     """
     if spec is None:
         if torch.cuda.is_available():
@@ -40,8 +41,10 @@ def detect_devices(spec: str | None = None) -> tuple[torch.device, torch.device]
             return torch.device("cuda", 0), torch.device("cuda", second)
         return torch.device("cpu"), torch.device("cpu")
     parts = [p.strip() for p in spec.split(",") if p.strip()]
-    if len(parts) != 2:
-        raise ValueError(f"--devices needs two comma-separated devices, got {spec!r}")
+    if len(parts) not in (1, 2):
+        raise ValueError(f"--devices takes one or two comma-separated devices, got {spec!r}")
+    if len(parts) == 1:
+        parts *= 2
     devs = []
     for p in parts:
         try:

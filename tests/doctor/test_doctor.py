@@ -177,15 +177,6 @@ def test_a_run_stopped_part_way_leaves_the_report_of_the_steps_that_ran(
     assert "Partial" not in (tmp_path / "summary.md").read_text()
 
 
-def test_parse_devices() -> None:
-    cpu = torch.device("cpu")
-    assert runner.parse_devices("cpu") == (cpu, cpu)
-    assert runner.parse_devices("cpu,cpu") == (cpu, cpu)
-    assert runner.parse_devices(" cpu ,") == (cpu, cpu)
-    with pytest.raises(ValueError, match="takes one or two devices"):
-        runner.parse_devices("cpu,cpu,cpu")
-
-
 @pytest.mark.parametrize(
     ("args", "message"),
     [(["--skip", "bogus"], "invalid choice"), (["--model", "resnet152"], "invalid choice")],

@@ -100,7 +100,7 @@ def test_bad_options_are_argparse_errors(
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--devices", "cpu"], "two comma-separated devices"),
+        (["--devices", "cpu,cpu,cpu"], "one or two comma-separated devices"),
         (["--devices", "cpu,tpu:0"], "not a device name"),
         (["--devices", "cpu,meta"], "not a cpu or cuda device"),
         (["--image-size", "16"], "at least 32x32"),
@@ -129,6 +129,16 @@ def test_detect_devices_defaults() -> None:
     else:
         assert (dev0, dev1) == (torch.device("cpu"), torch.device("cpu"))
     assert bench.detect_devices(" cpu , cpu ") == (torch.device("cpu"), torch.device("cpu"))
+
+
+def test_one_device_serves_both_halves(capsys: pytest.CaptureFixture[str]) -> None:
+    cpu = torch.device("cpu")
+    assert bench.detect_devices("cpu") == (cpu, cpu)
+    assert bench.detect_devices(" cpu ,") == (cpu, cpu)
+    with pytest.raises(ValueError, match="takes one or two comma-separated devices"):
+        bench.detect_devices("cpu,cpu,cpu")
+    assert cli.main(["bench", "--devices", "cpu,cpu,cpu"]) == 2  # the bench and the doctor alike
+    assert "takes one or two comma-separated devices, got 'cpu,cpu,cpu'" in capsys.readouterr().err
 
 
 def test_calls_counts_every_train_call() -> None:
