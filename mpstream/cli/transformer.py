@@ -11,7 +11,7 @@ import torch
 
 from .._version import __version__
 from ..tutorial.machine import detect_devices, device_name
-from ..workloads import bench, transformer
+from ..workloads import bench, report, transformer
 from . import extras
 from .argtypes import UsageError, int_list, positive_float, positive_int
 
@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         )
     with extras.progress(total, "step", not args.no_progress) as bar:
         results = bench.run(config, tick=lambda: bar.update(1), status=bar.set_description)
-    print(bench.table(results))
-    for path in bench.save(results, Path(args.out), plots=plots):
+    print(report.table(results))
+    for path in report.save(results, Path(args.out), plots=plots):
         print(f"wrote {path}")
     return 0

@@ -21,7 +21,7 @@ from ..observe.profiling import profile
 from ..pipe import Pipe
 from ..runtime import synchronize
 from ..stages import profile_layers
-from ..workloads import bench, memory, transformer
+from ..workloads import bench, memory, report, transformer
 from .diagnosis import FAIL, INFO, PASS, Check, Context, StepResult, overall
 from .graphed import time_steps
 
@@ -133,9 +133,9 @@ def experiment(ctx: Context) -> StepResult:
     keys = bench.keys_for(config)
     with ctx.bar(len(keys) * (p.warmup + p.repeat), "transformer bench") as bar:
         results = bench.run(config, tick=lambda: bar.update(1))
-    files = [f.name for f in bench.save(results, ctx.out)]
-    (ctx.scratch / "transformer_table.txt").write_text(bench.table(results) + "\n")
-    data = bench.to_json(results)
+    files = [f.name for f in report.save(results, ctx.out)]
+    (ctx.scratch / "transformer_table.txt").write_text(report.table(results) + "\n")
+    data = report.to_json(results)
     ctx.shared["transformer_bench"] = data
     eager = [r for r in data["rows"] if r["variant"] == "mpstream" and r["schedule"] == "1f1b"]
     best = min(eager, key=lambda r: r["step_s"]["median"])

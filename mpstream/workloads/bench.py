@@ -10,20 +10,17 @@ GPU), each pipeline over the preset's micro-batch counts. Per configuration:
 tokens per second, the ratio to each baseline, model FLOPs utilisation
 against the device's dense bf16 peak (:func:`peak_tflops`; FLOPs from
 :func:`~mpstream.workloads.transformer.flops_per_token`), the host's issue
-share of the step and memory per stage (:mod:`.memory`). :func:`save`
-writes the JSON and two figures. On the CPU nothing overlaps: the figures
-and the table say CPU, and no speed-up is claimed.
+share of the step and memory per stage (:mod:`.memory`); :mod:`.report`
+derives the figures and writes them.
 """
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,7 +30,7 @@ from ..pipe import Pipe
 from ..runtime import GraphWarning, synchronize
 from ..tutorial import machine, rounds
 from . import memory as stage_memory
-from .transformer import NaiveParallel, Preset, decoder, flops_per_token, halves, loss_fn, tokens
+from .transformer import NaiveParallel, Preset, decoder, halves, loss_fn, tokens
 
 __all__ = [
     "SCHEDULES",
@@ -46,10 +43,7 @@ __all__ = [
     "keys_for",
     "label",
     "peak_tflops",
-    "noisy_spreads",
     "run",
-    "save",
-    "table",
 ]
 
 SCHEDULES = ("gpipe", "1f1b", "zb_h1")
@@ -300,127 +294,3 @@ def _eager(key: Key, runner: _Runner) -> str:
                 raise rounds.NoRoom(why)
             return why
     return ""
-
-
-def mfu(results: Results, key: Key) -> float | None:
-    """Model FLOPs utilisation: the step's FLOPs over the time at peak
-    (over as many devices as the configuration uses, distinct ones)."""
-    peak = results.meta.get("peak_tflops")
-    if not peak:
-        return None
-    peak = float(peak)
-    p = results.config.preset
-    devices = len({str(d) for d in _devices(results, key)})
-    achieved = flops_per_token(p) * p.tokens / results.measured[key].median
-    return achieved / (peak * 1e12 * devices)
-
-
-def _devices(results: Results, key: Key) -> list[torch.device]:
-    dev0, dev1 = results.config.devices
-    return [dev0] if key[0] == SINGLE else [dev0, dev1]
-
-
-def to_json(results: Results) -> dict[str, Any]:
-    """Everything measured, with the derived figures."""
-    p = results.config.preset
-    base, plain = results.measured[(SINGLE, None, None)], results.measured[(NAIVE, None, None)]
-    single, naive = base.median, plain.median
-    rows = []
-    for key, m in results.measured.items():
-        issue = statistics.median(m.issue) if m.issue else None
-        rows.append(
-            {
-                "configuration": label(key), "variant": key[0], "schedule": key[1],
-                "micro_batches": key[2], "group": m.group,
-                "step_s": {"median": m.median, "min": min(m.times), "max": max(m.times),
-                           "rounds": m.times, "spread": m.spread.to_json()},
-                # A ratio is as noisy as the noisier of its measurements.
-                "ratio_noisy": any(x.spread.noisy for x in (m, base, plain)),
-                "tokens_per_s": results.tokens_per_s(key),
-                "vs_single_device": m.median / single, "vs_naive_model_parallel": m.median / naive,
-                "mfu": mfu(results, key),
-                "host_issue_share": None if issue is None else issue / m.median,
-                "memory_per_stage": m.memory,
-                "peak_allocated_per_device": m.device_peaks,
-                "ran_eagerly": m.eager or None,
-            }
-        )  # fmt: skip
-    preset = {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in vars(p).items()}
-    return {
-        "meta": results.meta,
-        "preset": preset,
-        "devices": [str(d) for d in results.config.devices],
-        "flops_per_token": flops_per_token(p),
-        "cpu": all(d.type == "cpu" for d in results.config.devices),
-        "rows": rows,
-        "noisy": list(noisy_spreads(results)),
-    }
-
-
-def noisy_spreads(results: Results) -> dict[str, rounds.Spread]:
-    """The noisy configurations by name, each with its spread."""
-    spreads = {label(k): m.spread for k, m in results.measured.items()}
-    return {name: s for name, s in spreads.items() if s.noisy}
-
-
-def table(results: Results) -> str:
-    """The comparison as text."""
-    data = to_json(results)
-    lines = [
-        f"{'configuration':<44} {'step ms':>9} {'tokens/s':>10} {'x single':>8} "
-        f"{'x naive':>8} {'MFU':>6} {'host':>5}"
-    ]
-    for row in data["rows"]:
-        mfu_ = "-" if row["mfu"] is None else f"{100 * row['mfu']:.0f}%"
-        host = "-" if row["host_issue_share"] is None else f"{100 * row['host_issue_share']:.0f}%"
-        star = "*" if row["ratio_noisy"] else " "
-        lines.append(
-            f"{row['configuration']:<44} {1e3 * row['step_s']['median']:>9.1f} "
-            f"{row['tokens_per_s']:>10.0f} {row['vs_single_device']:>8.2f}{star}"
-            f"{row['vs_naive_model_parallel']:>8.2f}{star}{mfu_:>6} {host:>5}"
-        )
-    if data["cpu"]:
-        lines.append(
-            "CPU: every stage runs on the host thread one task after another; nothing "
-            "overlaps, and no pipeline can be faster here (ratios show the runtime's cost)"
-        )
-    lines += [
-        f"! {row['configuration']}: {row['ran_eagerly']}: an eager step's times, not graphed"
-        for row in data["rows"]
-        if row["ran_eagerly"]
-    ]
-    lines += rounds.noise_lines(noisy_spreads(results), results.meta.get("load", {}))
-    return "\n".join(lines)
-
-
-def save(results: Results, out: Path, *, plots: bool = True) -> list[Path]:
-    """Writes ``transformer.json`` and, with ``plots``, the two figures."""
-    out.mkdir(parents=True, exist_ok=True)
-    data = to_json(results)
-    path = out / "transformer.json"
-    path.write_text(json.dumps(data, indent=1) + "\n")
-    written = [path]
-    if plots:
-        from ..observe.figures import memory_bars, throughput_curves
-
-        where = "CPU (no overlap possible)" if data["cpu"] else ", ".join(data["devices"])
-        p = results.config.preset
-        title = f"transformer {p.name}, {p.batch} x {p.seq} tokens per step, {where}"
-        curves: dict[str, tuple[list[int], list[float]]] = {}
-        flat: dict[str, float] = {}
-        for row in data["rows"]:
-            if row["micro_batches"] is None:
-                flat[row["variant"]] = row["tokens_per_s"]
-                continue
-            name = label((row["variant"], row["schedule"], None)).split(",")[0]
-            xs, ys = curves.setdefault(name, ([], []))
-            xs.append(row["micro_batches"])
-            ys.append(row["tokens_per_s"])
-        written.append(throughput_curves(curves, flat, out / "transformer_throughput.png", title))
-        bars = {
-            row["configuration"]: row["memory_per_stage"]
-            for row in data["rows"]
-            if row["micro_batches"] in (None, max(p.micro_batches))
-        }
-        written.append(memory_bars(bars, out / "transformer_memory.png", title))
-    return written

@@ -13,7 +13,7 @@ from mpstream.doctor import Options, run
 from mpstream.doctor import transformer as steps_of
 from mpstream.doctor.diagnosis import FAIL, TINY, Context
 from mpstream.doctor.runner import TRANSFORMER_STEPS
-from mpstream.workloads import bench, transformer
+from mpstream.workloads import bench, report, transformer
 
 
 def test_the_transformer_doctor_runs_every_step_it_can_on_the_cpu(tmp_path: Path) -> None:
@@ -70,7 +70,7 @@ def test_graphed_stages_that_ran_eagerly_fail_the_experiment(
         return bench.Results(config, measured, {"load": {}})
 
     monkeypatch.setattr(bench, "run", fake_run)
-    monkeypatch.setattr(bench, "save", lambda results, out: [])
+    monkeypatch.setattr(report, "save", lambda results, out: [])
     ctx = Context((cpu, cpu), TINY, "transformer", tmp_path, tmp_path, False)
     ctx.shared["preset"] = "tiny"
     monkeypatch.setattr(steps_of, "preset_of", lambda ctx: p)

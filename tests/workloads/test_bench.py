@@ -13,7 +13,7 @@ import torch
 
 from mpstream import cli
 from mpstream.tutorial import rounds
-from mpstream.workloads import bench, memory, transformer
+from mpstream.workloads import bench, memory, report, transformer
 
 CPU = torch.device("cpu")
 
@@ -48,14 +48,14 @@ def test_every_configuration_is_timed_with_its_memory_per_stage(tmp_path: Path) 
             else _counts(params, halves))]  # fmt: skip
         assert all(s["activations"] > 0 for s in m.memory)
         assert m.device_peaks == {}  # allocator statistics: on a GPU only
-    data = bench.to_json(results)
+    data = report.to_json(results)
     assert data["cpu"] and all(row["mfu"] is None for row in data["rows"])
     assert data["rows"][0]["vs_single_device"] == 1.0
-    text = bench.table(results)
+    text = report.table(results)
     assert "naive model parallel" in text
     assert any(line.startswith("CPU: every stage runs") for line in text.splitlines())
     assert set(data["meta"]["load"]) == {"before", "after"}
-    written = bench.save(results, tmp_path)
+    written = report.save(results, tmp_path)
     assert [p.name for p in written] == [
         "transformer.json",
         "transformer_throughput.png",
@@ -113,27 +113,6 @@ def test_the_command_runs_the_transformer_and_refuses_the_tutorial_s_options(
     assert "--split-size: options of the tutorial's experiment" in capsys.readouterr().err
 
 
-def test_a_noisy_configuration_is_marked_with_what_to_do() -> None:
-    config = quick()
-    steady = [0.10, 0.11, 0.10]
-    measured = {
-        (bench.SINGLE, None, None): bench.Measured((bench.SINGLE, None, None), steady, []),
-        (bench.NAIVE, None, None): bench.Measured((bench.NAIVE, None, None), steady, []),
-        ("mpstream", "1f1b", 2): bench.Measured(("mpstream", "1f1b", 2), [0.1, 0.9, 0.1], []),
-        ("mpstream", "gpipe", 2): bench.Measured(("mpstream", "gpipe", 2), steady, []),
-    }
-    results = bench.Results(config, measured, {"load": {}})
-    rows = {row["configuration"]: row for row in bench.to_json(results)["rows"]}
-    noisy = bench.label(("mpstream", "1f1b", 2))
-    assert rows[noisy]["ratio_noisy"] and rows[noisy]["step_s"]["spread"]["high"] == 0.9
-    assert not rows[bench.label(("mpstream", "gpipe", 2))]["ratio_noisy"]
-    assert bench.to_json(results)["noisy"] == [noisy]
-    text = bench.table(results).splitlines()
-    row = next(line for line in text if line.startswith(noisy))
-    assert row.count("*") == 2  # both its ratios
-    assert text[-1].startswith("* 1 measurement(s) noisy") and noisy in text[-1]
-
-
 def test_configurations_that_do_not_all_fit_are_timed_in_groups(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -172,7 +151,7 @@ def test_graphed_stages_that_run_eagerly_are_not_timed_as_graphed() -> None:
     steady = [0.1, 0.1]
     measured = {k: bench.Measured(k, steady, []) for k in bench.keys_for(config)}
     measured[key] = bench.Measured(key, steady, [], eager=why)
-    text = bench.table(bench.Results(config, measured, {"load": {}}))
+    text = report.table(bench.Results(config, measured, {"load": {}}))
     assert f"! {bench.label(key)}: {why}: an eager step's times, not graphed" in text
 
 
