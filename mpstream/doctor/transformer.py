@@ -138,27 +138,8 @@ def experiment(ctx: Context) -> StepResult:
     data = report.to_json(results)
     ctx.shared["transformer_bench"] = data
     eager = [r for r in data["rows"] if r["variant"] == "mpstream" and r["schedule"] == "1f1b"]
-    best = min(eager, key=lambda r: r["step_s"]["median"])
-
-    def met(ok: bool) -> str:
-        return ("met" if ok else "missed") if ctx.cuda else "a GPU target"
-
-    over, share = best["vs_single_device"], best["host_issue_share"]
-    checks = [
-        Check(
-            f"1f1b at {best['micro_batches']} micro-batches against the single device",
-            INFO,
-            f"{over:.2f}x (target <= {TARGETS['over_single']}x on one GPU: "
-            f"{met(over <= TARGETS['over_single'])}); {best['vs_naive_model_parallel']:.2f}x "
-            f"naive model parallel; {best['tokens_per_s']:.0f} tokens/s",
-        ),
-        Check(
-            "host issue, eager 1f1b",
-            INFO,
-            f"{100 * share:.0f}% of the step (target <= {100 * TARGETS['host_share']:.0f}%: "
-            f"{met(share <= TARGETS['host_share'])})",
-        ),
-    ]
+    best = min(eager, key=lambda r: r["step_s"]["median"]) if eager else None
+    checks = [] if best is None else _headline(best, ctx.cuda)
     for row in data["rows"]:
         mfu = "" if row["mfu"] is None else f", MFU {100 * row['mfu']:.0f}%"
         eager = row["ran_eagerly"]  # a graphed row whose capture failed: a defect, not a timing
@@ -166,13 +147,18 @@ def experiment(ctx: Context) -> StepResult:
             Check(
                 row["configuration"],
                 FAIL if eager else PASS,
-                f"{row['tokens_per_s']:.0f} tokens/s, step {row['vs_single_device']:.2f}x "
-                f"the single device's{mfu}" + (f"; {eager}: an eager step's" if eager else ""),
+                f"{row['tokens_per_s']:.0f} tokens/s, step {_times(row)}{mfu}"
+                + (f"; {eager}: an eager step's" if eager else ""),
             )
         )
+    # A configuration the device cannot hold is a fact of the model's size.
+    checks += [Check(row["configuration"], INFO, row["why"]) for row in data["unfit"]]
     where = "" if ctx.cuda else " (CPU: nothing overlaps)"
-    at = f"at {best['micro_batches']} micro-batches{where}"
-    figure = f"{p.name}: 1f1b {over:.2f}x the single device {at}"
+    figure = (
+        f"{p.name}: no 1f1b configuration fit"
+        if best is None
+        else f"{p.name}: 1f1b {_times(best)} at {best['micro_batches']} micro-batches{where}"
+    )
     reason = next((f"{c.name}: {c.detail}" for c in checks if c.status == FAIL), "")
     return StepResult(
         "experiment",
@@ -184,6 +170,44 @@ def experiment(ctx: Context) -> StepResult:
         data,
         [*files, "transformer_table.txt"],
     )
+
+
+def _times(row: dict[str, Any]) -> str:
+    """A row's step against the single device's, or against naive model
+    parallelism's where the single device could not hold the model."""
+    if row["vs_single_device"] is not None:
+        return f"{row['vs_single_device']:.2f}x the single device's"
+    naive = row["vs_naive_model_parallel"]
+    against = "" if naive is None else f"; {naive:.2f}x naive model parallel's"
+    return "(the single device could not hold the model)" + against
+
+
+def _headline(best: dict[str, Any], cuda: bool) -> list[Check]:
+    """The fastest eager 1F1B row against the targets."""
+
+    def met(ok: bool) -> str:
+        return ("met" if ok else "missed") if cuda else "a GPU target"
+
+    over, naive, share = (
+        best[k] for k in ("vs_single_device", "vs_naive_model_parallel", "host_issue_share")
+    )
+    target = TARGETS["over_single"]
+    single = "" if over is None else f" (target <= {target}x on one GPU: {met(over <= target)})"
+    return [
+        Check(
+            f"1f1b at {best['micro_batches']} micro-batches against the single device",
+            INFO,
+            f"{_times(best)}{single}"
+            + ("" if naive is None or over is None else f"; {naive:.2f}x naive model parallel")
+            + f"; {best['tokens_per_s']:.0f} tokens/s",
+        ),
+        Check(
+            "host issue, eager 1f1b",
+            INFO,
+            f"{100 * share:.0f}% of the step (target <= {100 * TARGETS['host_share']:.0f}%: "
+            f"{met(share <= TARGETS['host_share'])})",
+        ),
+    ]
 
 
 def profile_step(ctx: Context) -> StepResult:

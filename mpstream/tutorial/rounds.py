@@ -8,8 +8,10 @@ fit in device memory at once (CUDA graphs keep private memory pools: at
 224x224 images and a batch of 256, an H200's 140 GiB held three graphed
 pipelines and then ran out). A configuration that runs out of memory while
 it is built or warmed up is dropped, the ones already held are timed as one
-group and released, and building goes on in a new group with it first. Only
-a configuration that does not fit alone is an error.
+group and released, and building goes on in a new group with it first. A
+configuration that does not fit even alone is left out, and said
+(:attr:`Timed.unfit`): for the caller to refuse, or to report beside the
+others (a model only a pipeline can hold is the workload's point).
 
 Ratios within a group are drift-free as before; across groups they are not,
 so each measurement says its group.
@@ -117,10 +119,23 @@ class Timed(Generic[K]):
     Attributes:
         times: seconds per call, per configuration, in round order.
         group: per configuration, the group it was timed in (0, 1, ...).
+        unfit: the configurations that did not fit in device memory even
+            alone (not timed), each with why.
     """
 
     times: dict[K, list[float]] = field(default_factory=dict)
     group: dict[K, int] = field(default_factory=dict)
+    unfit: dict[K, str] = field(default_factory=dict)
+
+    def refuse_unfit(self, label: Callable[[K], str], what: str) -> None:
+        """Raises for the first configuration that did not fit.
+
+        Raises:
+            torch.cuda.OutOfMemoryError: one did not fit even alone; ``what``
+                says what to do.
+        """
+        for key, why in self.unfit.items():
+            raise torch.cuda.OutOfMemoryError(f"{label(key)} {why}: {what}")
 
     @property
     def groups(self) -> int:
@@ -166,12 +181,11 @@ def round_robin(
         status: told what runs next.
 
     Returns:
-        The times and each configuration's group.
+        The times and each configuration's group; those that did not fit
+        even alone are in ``unfit``.
 
     Raises:
         ValueError: ``repeat`` below one.
-        torch.cuda.OutOfMemoryError: a configuration does not fit in device
-            memory even alone.
         RuntimeError: ``check`` found no room only after the timed rounds
             (with no warm-up, a capture happens while timing).
     """
@@ -187,18 +201,21 @@ def round_robin(
             failed = _try(key, build, call, warmup, label, check, status, held)
             if failed is not None:
                 why = str(failed).splitlines()[0] if str(failed) else type(failed).__name__
-                if not held:
-                    raise torch.cuda.OutOfMemoryError(
-                        f"{label(key)} does not fit in device memory even alone ({why}): "
-                        f"use a smaller batch or smaller images"
-                    ) from failed
                 del failed  # its frames hold what the model allocated
                 _release()
+                if not held:
+                    out.unfit[pending.pop(0)] = f"does not fit in device memory even alone ({why})"
+                    if tick is not None:  # the calls it will not make: a bar ends full
+                        for _ in range(warmup + repeat):
+                            tick()
+                    continue
                 break
             pending.pop(0)
             if tick is not None:
                 for _ in range(warmup):
                     tick()
+        if not held:  # the last ones did not fit
+            break
         _time_group(held, call, repeat, label, check, tick, status, out)
         for key in held:
             out.group[key] = group

@@ -115,6 +115,9 @@ class Results:
     config: Config
     measured: dict[Key, Measured]
     meta: dict[str, Any]
+    #: Configurations that did not fit in device memory even alone, each
+    #: with why (a single device that cannot hold the model, say).
+    unfit: dict[Key, str] = field(default_factory=dict)
 
     def tokens_per_s(self, key: Key) -> float:
         return self.config.preset.tokens / self.measured[key].median
@@ -228,7 +231,10 @@ def run(
     status: Callable[[str], None] | None = None,
 ) -> Results:
     """Builds and times every configuration (see the module). Each one's
-    memory per stage is measured as it is built, in a step of its own."""
+    memory per stage is measured as it is built, in a step of its own; one
+    that does not fit in device memory even alone is left out and named in
+    the results' ``unfit`` (the single device, for a model only a pipeline
+    holds)."""
     p = config.preset
     keys = keys_for(config)
     memory: dict[Key, tuple[list[dict[str, int]], dict[str, int]]] = {}
@@ -264,7 +270,7 @@ def run(
             tick=tick, status=status,
         )  # fmt: skip
     measured: dict[Key, Measured] = {}
-    for key in keys:
+    for key in (k for k in keys if k in timed.times):
         m = Measured(key, timed.times[key], issues[key][p.warmup :], timed.group[key])
         m.eager = eager.get(key, "")
         m.memory, m.device_peaks = memory[key]
@@ -273,7 +279,7 @@ def run(
     meta = machine.metadata(list(config.devices))
     meta["load"] = load
     meta["peak_tflops"] = config.peak or peak_tflops(config.devices[0])
-    return Results(config, measured, meta)
+    return Results(config, measured, meta, timed.unfit)
 
 
 def _eager(key: Key, runner: _Runner) -> str:

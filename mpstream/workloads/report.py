@@ -42,13 +42,14 @@ def _devices(results: Results, key: Key) -> list[torch.device]:
 
 
 def to_json(results: Results) -> dict[str, Any]:
-    """Everything measured, with the derived figures."""
+    """Everything measured, with the derived figures; a ratio to a
+    baseline that did not fit is None (``unfit`` says why)."""
     p = results.config.preset
-    base, plain = results.measured[(SINGLE, None, None)], results.measured[(NAIVE, None, None)]
-    single, naive = base.median, plain.median
+    baselines = [results.measured.get((v, None, None)) for v in (SINGLE, NAIVE)]
     rows = []
     for key, m in results.measured.items():
         issue = statistics.median(m.issue) if m.issue else None
+        single, naive = (None if b is None else m.median / b.median for b in baselines)
         rows.append(
             {
                 "configuration": label(key), "variant": key[0], "schedule": key[1],
@@ -56,9 +57,9 @@ def to_json(results: Results) -> dict[str, Any]:
                 "step_s": {"median": m.median, "min": min(m.times), "max": max(m.times),
                            "rounds": m.times, "spread": m.spread.to_json()},
                 # A ratio is as noisy as the noisier of its measurements.
-                "ratio_noisy": any(x.spread.noisy for x in (m, base, plain)),
+                "ratio_noisy": any(x.spread.noisy for x in (m, *baselines) if x is not None),
                 "tokens_per_s": results.tokens_per_s(key),
-                "vs_single_device": m.median / single, "vs_naive_model_parallel": m.median / naive,
+                "vs_single_device": single, "vs_naive_model_parallel": naive,
                 "mfu": mfu(results, key),
                 "host_issue_share": None if issue is None else issue / m.median,
                 "memory_per_stage": m.memory,
@@ -74,6 +75,7 @@ def to_json(results: Results) -> dict[str, Any]:
         "flops_per_token": flops_per_token(p),
         "cpu": all(d.type == "cpu" for d in results.config.devices),
         "rows": rows,
+        "unfit": [{"configuration": label(k), "why": why} for k, why in results.unfit.items()],
         "noisy": list(noisy_spreads(results)),
     }
 
@@ -95,11 +97,18 @@ def table(results: Results) -> str:
         mfu_ = "-" if row["mfu"] is None else f"{100 * row['mfu']:.0f}%"
         host = "-" if row["host_issue_share"] is None else f"{100 * row['host_issue_share']:.0f}%"
         star = "*" if row["ratio_noisy"] else " "
+        single, naive = (
+            "-" if row[k] is None else f"{row[k]:.2f}{star}"
+            for k in ("vs_single_device", "vs_naive_model_parallel")
+        )
         lines.append(
             f"{row['configuration']:<44} {1e3 * row['step_s']['median']:>9.1f} "
-            f"{row['tokens_per_s']:>10.0f} {row['vs_single_device']:>8.2f}{star}"
-            f"{row['vs_naive_model_parallel']:>8.2f}{star}{mfu_:>6} {host:>5}"
+            f"{row['tokens_per_s']:>10.0f} {single:>9}{naive:>9}{mfu_:>6} {host:>5}"
         )
+    lines += [
+        f"{row['configuration']:<44} {'does not fit in device memory even alone':>52}"
+        for row in data["unfit"]
+    ]
     if data["cpu"]:
         lines.append(
             "CPU: every stage runs on the host thread one task after another; nothing "
@@ -110,6 +119,7 @@ def table(results: Results) -> str:
         for row in data["rows"]
         if row["ran_eagerly"]
     ]
+    lines += [f"! {row['configuration']}: {row['why']}" for row in data["unfit"]]
     lines += rounds.noise_lines(noisy_spreads(results), results.meta.get("load", {}))
     return "\n".join(lines)
 

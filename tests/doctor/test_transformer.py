@@ -11,7 +11,7 @@ import torch
 
 from mpstream.doctor import Options, run
 from mpstream.doctor import transformer as steps_of
-from mpstream.doctor.diagnosis import FAIL, TINY, Context
+from mpstream.doctor.diagnosis import FAIL, PASS, TINY, Context
 from mpstream.doctor.runner import TRANSFORMER_STEPS
 from mpstream.workloads import bench, report, transformer
 
@@ -78,3 +78,29 @@ def test_graphed_stages_that_ran_eagerly_fail_the_experiment(
     result = steps_of.experiment(ctx)
     assert result.status == FAIL and why in result.reason
     assert bench.label(graphed) in result.reason
+
+
+def test_a_single_device_that_cannot_hold_the_model_is_said_not_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 3b on one H200: the model only a pipeline holds is the workload's point.
+    cpu = torch.device("cpu")
+    p = transformer.preset("tiny", micro_batches=(2,))
+    single = (bench.SINGLE, None, None)
+    why = "does not fit in device memory even alone (CUDA out of memory. Tried to allocate)"
+
+    def fake_run(config: bench.Config, **_: object) -> bench.Results:
+        keys = [k for k in bench.keys_for(config) if k != single]
+        measured = {k: bench.Measured(k, [0.1, 0.1], [0.01]) for k in keys}
+        return bench.Results(config, measured, {"load": {}}, {single: why})
+
+    monkeypatch.setattr(bench, "run", fake_run)
+    monkeypatch.setattr(report, "save", lambda results, out: [])
+    ctx = Context((cpu, cpu), TINY, "transformer", tmp_path, tmp_path, False)
+    monkeypatch.setattr(steps_of, "preset_of", lambda ctx: p)
+    monkeypatch.setattr(transformer, "preset", lambda name, **kw: p)
+    result = steps_of.experiment(ctx)
+    assert result.status == PASS, result
+    assert "the single device could not hold the model" in result.figure
+    assert "1.00x naive model parallel's" in result.figure
+    assert any(c.name == bench.label(single) and c.detail == why for c in result.checks)

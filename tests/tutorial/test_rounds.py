@@ -76,14 +76,27 @@ def test_what_a_group_held_is_freed_before_the_next_one() -> None:
     assert all(ref() is None for ref in built)
 
 
-def test_a_configuration_too_big_alone_is_a_clear_error() -> None:
-    build, call, _ = _fake({"a": 1, "huge": 9}, budget=4)
+def test_a_configuration_too_big_alone_is_left_out_and_said() -> None:
+    build, call, _ = _fake({"a": 1, "huge": 9, "b": 1}, budget=4)
+    ticks: list[int] = []
+    timed = rounds.round_robin(
+        ["a", "huge", "b"], build, call, warmup=1, repeat=2, label=repr,
+        tick=lambda: ticks.append(1),
+    )  # fmt: skip
+    assert set(timed.times) == {"a", "b"} and timed.group == {"a": 0, "b": 1}
+    assert list(timed.unfit) == ["huge"]
+    assert timed.unfit["huge"].startswith("does not fit in device memory even alone (CUDA out")
+    assert len(ticks) == 3 * 3  # the bar ends full: the calls 'huge' will not make count
     with pytest.raises(
         torch.cuda.OutOfMemoryError,
-        match=r"^'huge' does not fit in device memory even alone \(CUDA out of memory\. Tried",
-    ) as raised:
-        rounds.round_robin(["a", "huge"], build, call, warmup=1, repeat=1, label=repr)
-    assert isinstance(raised.value.__cause__, torch.cuda.OutOfMemoryError)  # the original
+        match=r"^'huge' does not fit in device memory even alone \(CUDA out of memory\. Tried.*"
+        r"\): use less",
+    ):
+        timed.refuse_unfit(repr, "use less")
+    last = rounds.round_robin(["a", "huge"], build, call, warmup=1, repeat=1)
+    assert set(last.times) == {"a"} and list(last.unfit) == ["huge"]  # nothing after it
+    alone = rounds.round_robin(["huge"], build, call, warmup=1, repeat=1)
+    assert not alone.times and list(alone.unfit) == ["huge"]
 
 
 def test_progress_counts_each_call_once_when_a_configuration_is_retried() -> None:

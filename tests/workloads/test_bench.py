@@ -173,3 +173,28 @@ def test_the_peak_is_the_part_s_own(
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     assert bench.peak_tflops(torch.device("cuda", 0)) == peak
     assert bench.peak_tflops(torch.device("cpu")) is None
+
+
+def test_a_configuration_the_device_cannot_hold_is_left_out_and_said(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 3b on one H200: the single device cannot hold what the pipelines do.
+    single = (bench.SINGLE, None, None)
+
+    class Big(bench._Runner):
+        def __init__(self, key: bench.Key, config: bench.Config) -> None:
+            if key == single:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 9 GiB")
+            super().__init__(key, config)
+
+    monkeypatch.setattr(bench, "_Runner", Big)
+    results = bench.run(quick())
+    assert single not in results.measured and len(results.measured) == 4
+    assert results.unfit[single].startswith("does not fit in device memory even alone (CUDA")
+    data = report.to_json(results)
+    assert all(row["vs_single_device"] is None for row in data["rows"])
+    assert all(row["vs_naive_model_parallel"] is not None for row in data["rows"])
+    assert data["unfit"] == [{"configuration": bench.label(single), "why": results.unfit[single]}]
+    text = report.table(results)
+    assert f"! {bench.label(single)}: does not fit in device memory even alone" in text
+    assert len(report.save(results, tmp_path)) == 3  # the JSON and both figures, without it
