@@ -1,12 +1,14 @@
-"""Models and comparisons shared by the tests."""
+"""Models, comparisons and an operator counter shared by the tests."""
 
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def mlp(widths: Sequence[int], dtype: torch.dtype = torch.float64) -> nn.Sequential:
@@ -75,3 +77,15 @@ def fits(name: object, stages: int) -> bool:
     from mpstream.schedules import placement_of
 
     return placement_of(name) != "v" or stages % 2 == 0
+
+
+class Ops(TorchDispatchMode):
+    """Counts the aten operators dispatched inside, by name (``ops``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))

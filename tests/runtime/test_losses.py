@@ -3,27 +3,16 @@
 from __future__ import annotations
 
 import copy
-from collections import Counter
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import mpstream
 from mpstream.runtime.graphed import Emulated
 from mpstream.runtime.losses import Losses
-
-
-class _Ops(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
+from tests.helpers import Ops
 
 
 def _grads(model: nn.Module) -> list[torch.Tensor]:
@@ -97,7 +86,7 @@ def test_a_train_step_issues_no_operator_per_micro_batch_for_the_weights() -> No
         devices=["cpu", "cpu"], schedule="1f1b",
     )  # fmt: skip
     x, y = torch.randn(16, 4), torch.randn(16, 4)
-    with _Ops() as seen:
+    with Ops() as seen:
         pipe.train_step(x, y, nn.MSELoss())
     assert seen.ops["mul"] <= 1 and seen.ops["ones_like"] == 0, seen.ops
 

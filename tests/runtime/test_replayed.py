@@ -5,15 +5,12 @@ slot of the reader takes one slot of the producer), equal to the eager pipe."""
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from mpstream.runtime.graphed import GraphedCall
-from tests.helpers import assert_same_grads, mlp
+from tests.helpers import Ops, assert_same_grads, mlp
 from tests.runtime.graphed.test_grads import Silent
 from tests.runtime.graphed.test_stages import WIDTHS, data, pair
 
@@ -44,15 +41,6 @@ def test_a_stage_reads_its_producer_s_buffers_in_place_where_slots_pair(
 
 
 def test_reading_in_place_saves_the_copies() -> None:
-    class Ops(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ops: Counter[str] = Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            self.ops[func.overloadpacket.__name__] += 1
-            return func(*args, **(kwargs or {}))
-
     counts = {}
     for schedule in ("gpipe", "1f1b"):
         _, graphed = pair(mlp(WIDTHS), graphs=Silent(), chunks=4, schedule=schedule)

@@ -14,11 +14,10 @@ from collections.abc import Callable
 import pytest
 import torch
 from torch import Tensor, nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from mpstream import Pipe
 from mpstream.runtime.graphed import Emulated
-from tests.helpers import assert_same_grads, mlp
+from tests.helpers import Ops, assert_same_grads, mlp
 from tests.runtime.graphed.test_stages import WIDTHS, data, pair
 
 
@@ -69,18 +68,6 @@ def test_grad_is_the_buffer_the_graphs_add_into(run: str) -> None:
     graphed.zero_grad(set_to_none=True)
     RUNS[run](graphed, x, y)
     assert all(p.grad is v for p, v in zip(graphed.parameters(), views(graphed)))
-
-
-class Ops(TorchDispatchMode):
-    """Counts the aten operators dispatched, by name."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
 
 
 class Silent(Emulated):
