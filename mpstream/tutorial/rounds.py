@@ -9,9 +9,9 @@ fit in device memory at once (CUDA graphs keep private memory pools: at
 pipelines and then ran out). A configuration that runs out of memory while
 it is built or warmed up is dropped, the ones already held are timed as one
 group and released, and building goes on in a new group with it first. A
-configuration that does not fit even alone is left out, and said
-(:attr:`Timed.unfit`): for the caller to refuse, or to report beside the
-others (a model only a pipeline can hold is the workload's point).
+configuration that does not fit even alone is an error, or, where the caller
+asks (``skip_unfit``: a model only a pipeline can hold is the transformer
+workload's point), left out and said (:attr:`Timed.unfit`).
 
 Ratios within a group are drift-free as before; across groups they are not,
 so each measurement says its group.
@@ -119,23 +119,13 @@ class Timed(Generic[K]):
     Attributes:
         times: seconds per call, per configuration, in round order.
         group: per configuration, the group it was timed in (0, 1, ...).
-        unfit: the configurations that did not fit in device memory even
-            alone (not timed), each with why.
+        unfit: with ``skip_unfit``, the configurations that did not fit in
+            device memory even alone (not timed), each with why.
     """
 
     times: dict[K, list[float]] = field(default_factory=dict)
     group: dict[K, int] = field(default_factory=dict)
     unfit: dict[K, str] = field(default_factory=dict)
-
-    def refuse_unfit(self, label: Callable[[K], str], what: str) -> None:
-        """Raises for the first configuration that did not fit.
-
-        Raises:
-            torch.cuda.OutOfMemoryError: one did not fit even alone; ``what``
-                says what to do.
-        """
-        for key, why in self.unfit.items():
-            raise torch.cuda.OutOfMemoryError(f"{label(key)} {why}: {what}")
 
     @property
     def groups(self) -> int:
@@ -163,6 +153,7 @@ def round_robin(
     check: Callable[[K, M], None] | None = None,
     tick: Callable[[], None] | None = None,
     status: Callable[[str], None] | None = None,
+    skip_unfit: bool = False,
 ) -> Timed[K]:
     """Times ``call`` on each configuration, ``repeat`` rounds after ``warmup``.
 
@@ -179,13 +170,17 @@ def round_robin(
         tick: called after each call that counts (progress bars): a
             configuration's warm-up calls count once it fits.
         status: told what runs next.
+        skip_unfit: a configuration that does not fit even alone is left
+            out and named in ``unfit`` (else it is an error, at once).
 
     Returns:
-        The times and each configuration's group; those that did not fit
-        even alone are in ``unfit``.
+        The times and each configuration's group, and with ``skip_unfit``
+        those that did not fit even alone.
 
     Raises:
         ValueError: ``repeat`` below one.
+        torch.cuda.OutOfMemoryError: a configuration does not fit in device
+            memory even alone (unless ``skip_unfit``).
         RuntimeError: ``check`` found no room only after the timed rounds
             (with no warm-up, a capture happens while timing).
     """
@@ -201,6 +196,11 @@ def round_robin(
             failed = _try(key, build, call, warmup, label, check, status, held)
             if failed is not None:
                 why = str(failed).splitlines()[0] if str(failed) else type(failed).__name__
+                if not held and not skip_unfit:
+                    raise torch.cuda.OutOfMemoryError(
+                        f"{label(key)} does not fit in device memory even alone ({why}): "
+                        f"use a smaller batch or smaller images"
+                    ) from failed
                 del failed  # its frames hold what the model allocated
                 _release()
                 if not held:

@@ -267,7 +267,7 @@ def run(
         timed = rounds.round_robin(
             keys, build, _Runner.timed, warmup=p.warmup, repeat=p.repeat, label=label,
             check=lambda key, runner: eager.__setitem__(key, _eager(key, runner)),
-            tick=tick, status=status,
+            tick=tick, status=status, skip_unfit=True,
         )  # fmt: skip
     measured: dict[Key, Measured] = {}
     for key in (k for k in keys if k in timed.times):

@@ -76,26 +76,30 @@ def test_what_a_group_held_is_freed_before_the_next_one() -> None:
     assert all(ref() is None for ref in built)
 
 
-def test_a_configuration_too_big_alone_is_left_out_and_said() -> None:
+def test_a_configuration_too_big_alone_is_a_clear_error() -> None:
+    build, call, _ = _fake({"a": 1, "huge": 9}, budget=4)
+    with pytest.raises(
+        torch.cuda.OutOfMemoryError,
+        match=r"^'huge' does not fit in device memory even alone \(CUDA out of memory\. Tried",
+    ) as raised:
+        rounds.round_robin(["a", "huge"], build, call, warmup=1, repeat=1, label=repr)
+    assert isinstance(raised.value.__cause__, torch.cuda.OutOfMemoryError)  # the original
+
+
+def test_skip_unfit_leaves_a_configuration_too_big_alone_out_and_says_so() -> None:
     build, call, _ = _fake({"a": 1, "huge": 9, "b": 1}, budget=4)
     ticks: list[int] = []
     timed = rounds.round_robin(
-        ["a", "huge", "b"], build, call, warmup=1, repeat=2, label=repr,
-        tick=lambda: ticks.append(1),
+        ["a", "huge", "b"], build, call, warmup=1, repeat=2, tick=lambda: ticks.append(1),
+        skip_unfit=True,
     )  # fmt: skip
     assert set(timed.times) == {"a", "b"} and timed.group == {"a": 0, "b": 1}
     assert list(timed.unfit) == ["huge"]
     assert timed.unfit["huge"].startswith("does not fit in device memory even alone (CUDA out")
     assert len(ticks) == 3 * 3  # the bar ends full: the calls 'huge' will not make count
-    with pytest.raises(
-        torch.cuda.OutOfMemoryError,
-        match=r"^'huge' does not fit in device memory even alone \(CUDA out of memory\. Tried.*"
-        r"\): use less",
-    ):
-        timed.refuse_unfit(repr, "use less")
-    last = rounds.round_robin(["a", "huge"], build, call, warmup=1, repeat=1)
+    last = rounds.round_robin(["a", "huge"], build, call, warmup=1, repeat=1, skip_unfit=True)
     assert set(last.times) == {"a"} and list(last.unfit) == ["huge"]  # nothing after it
-    alone = rounds.round_robin(["huge"], build, call, warmup=1, repeat=1)
+    alone = rounds.round_robin(["huge"], build, call, warmup=1, repeat=1, skip_unfit=True)
     assert not alone.times and list(alone.unfit) == ["huge"]
 
 
