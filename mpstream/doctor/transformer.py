@@ -142,13 +142,13 @@ def experiment(ctx: Context) -> StepResult:
     checks = [] if best is None else _headline(best, ctx.cuda)
     for row in data["rows"]:
         mfu = "" if row["mfu"] is None else f", MFU {100 * row['mfu']:.0f}%"
-        eager = row["ran_eagerly"]  # a graphed row whose capture failed: a defect, not a timing
+        fell_back = row["ran_eagerly"]  # a graphed row whose capture failed: a defect
         checks.append(
             Check(
                 row["configuration"],
-                FAIL if eager else PASS,
+                FAIL if fell_back else PASS,
                 f"{row['tokens_per_s']:.0f} tokens/s, step {_times(row)}{mfu}"
-                + (f"; {eager}: an eager step's" if eager else ""),
+                + (f"; {fell_back}: an eager step's" if fell_back else ""),
             )
         )
     # A configuration the device cannot hold is a fact of the model's size.
