@@ -40,6 +40,7 @@ __all__ = [
     "Timed",
     "round_robin",
     "says_out_of_memory",
+    "out_of_memory",
     "Spread",
     "spread",
     "noisy",
@@ -263,7 +264,7 @@ def says_out_of_memory(text: str) -> bool:
     return "out of memory" in text.lower()
 
 
-def _out_of_memory(e: BaseException) -> bool:
+def out_of_memory(e: BaseException) -> bool:
     """Whether ``e`` says the device ran out of memory: PyTorch's allocator
     error, or a CUDA call failing for it (a graph's instantiation, a
     library's workspace)."""
@@ -295,7 +296,7 @@ def _try(
     except NoRoom as e:
         return e
     except RuntimeError as e:
-        if not _out_of_memory(e):
+        if not out_of_memory(e):
             raise
         return e
     held[key] = model

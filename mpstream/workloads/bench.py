@@ -5,8 +5,11 @@ transformer preset, timed in interleaved rounds (:func:`~mpstream.tutorial.round
 groups where they do not all fit): the single device; naive model parallel
 (the same two-stage split, the whole batch, the default stream: what a
 ``device_map`` user runs); mpstream's eager ``train_step`` with each schedule
-of :data:`SCHEDULES`; and its graphed stages (``graphs=True``, 1F1B, on a
-GPU), each pipeline over the preset's micro-batch counts. Per configuration:
+of :data:`SCHEDULES`; and on a GPU its graphed stages (``graphs=True``,
+1F1B), each pipeline over the preset's micro-batch counts, with their own
+baseline: the single device's whole step captured as one CUDA graph
+(:class:`~mpstream.CapturedStep`, AdamW ``capturable``), so graphed is
+compared with graphed. Per configuration:
 tokens per second, the ratio to each baseline, model FLOPs utilisation
 against the device's dense bf16 peak (:func:`peak_tflops`; FLOPs from
 :func:`~mpstream.workloads.transformer.flops_per_token`), the host's issue
@@ -26,8 +29,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..capture import CapturedStep
 from ..pipe import Pipe
 from ..runtime import GraphWarning, synchronize
+from ..runtime.graphed.backends import pool_bytes
 from ..tutorial import machine, rounds
 from . import memory as stage_memory
 from .transformer import NaiveParallel, Preset, decoder, halves, loss_fn, tokens
@@ -36,6 +41,7 @@ __all__ = [
     "SCHEDULES",
     "SINGLE",
     "NAIVE",
+    "CAPTURED",
     "GRAPHED",
     "Config",
     "Measured",
@@ -48,6 +54,8 @@ __all__ = [
 
 SCHEDULES = ("gpipe", "1f1b", "zb_h1")
 SINGLE, NAIVE, GRAPHED = "single device", "naive model parallel", "graphed stages"
+#: Graphed stages' baseline: the single device's step replayed as one graph.
+CAPTURED = "captured single device"
 HF = "Hugging Face Llama"
 #: Dense bf16 peaks (TFLOP/s) by a part of the device's name, first match
 #: wins (so the NVL and PCIe parts, slower than the SXM ones, come first).
@@ -99,7 +107,7 @@ class Measured:
     group: int = 0
     memory: list[dict[str, int]] = field(default_factory=list)
     device_peaks: dict[str, int] = field(default_factory=dict)
-    eager: str = ""  # graphed stages only: why a stage ran eagerly, if one did
+    eager: str = ""  # graphed configurations only: why one ran eagerly, if it did
 
     @property
     def median(self) -> float:
@@ -124,12 +132,16 @@ class Results:
 
 
 def keys_for(config: Config) -> list[Key]:
-    """Every configuration: the baselines, then each schedule and graphed
-    stages over the micro-batch counts."""
+    """Every configuration: the baselines (on GPUs with graphs, the
+    captured single device too), then each schedule and graphed stages over
+    the micro-batch counts."""
+    graphed = config.graphed and all(d.type == "cuda" for d in config.devices)
     keys: list[Key] = [(SINGLE, None, None), (NAIVE, None, None)]
+    if graphed:
+        keys.append((CAPTURED, None, None))
     for m in dict.fromkeys(config.preset.micro_batches):  # --micro-batches 2,2: once
         keys += [("mpstream", s, m) for s in SCHEDULES]
-        if config.graphed and all(d.type == "cuda" for d in config.devices):
+        if graphed:
             keys.append((GRAPHED, "1f1b", m))
         if config.hf and m == max(config.preset.micro_batches) and _has_transformers():
             keys.append((HF, "1f1b", m))  # one count: its export costs a capture's time
@@ -150,20 +162,34 @@ def label(key: Key) -> str:
     return f"{name}, {m} micro-batches"
 
 
+def on_one_device(variant: str) -> bool:
+    """Whether a configuration of ``variant`` runs on the first device only."""
+    return variant in (SINGLE, CAPTURED)
+
+
 class _Runner:
     """One configuration built: its module, optimizer and step."""
 
     def __init__(self, key: Key, config: Config) -> None:
         p, (dev0, dev1) = config.preset, config.devices
         variant, schedule, m = key
-        self.devices = [dev0] if variant == SINGLE else [dev0, dev1]
+        self.devices = [dev0] if on_one_device(variant) else [dev0, dev1]
         self.x, self.y = tokens(p, dev0)
         self.batch: dict[str, Tensor] | None = None
+        self.captured: CapturedStep | None = None
+        self.eager = ""  # the captured single device: why its capture failed, if it did
         if variant == HF:
             self.batch = {"input_ids": self.x, "labels": self.x}
             self.module: nn.Module = _hf_pipe(p, [dev0, dev1], m or 1, self.batch)
         elif variant == SINGLE:
             self.module = decoder(p, dev0)
+        elif variant == CAPTURED:
+            # One stage, one micro-batch: the single device's step, which
+            # CapturedStep captures whole (on the CPU it runs eagerly).
+            whole = [sum(halves(p))]
+            self.module = Pipe(
+                decoder(p, dev0), balance=whole, devices=[dev0], chunks=1, checkpoint="never"
+            )
         elif variant == NAIVE:
             self.module = NaiveParallel(decoder(p, dev0), halves(p), [dev0, dev1])
         else:
@@ -173,12 +199,45 @@ class _Runner:
             )  # fmt: skip
         self.pipe = self.module if isinstance(self.module, Pipe) else None
         fused = all(d.type == "cuda" for d in self.devices)
-        self.opt = torch.optim.AdamW(self.module.parameters(), lr=1e-4, fused=fused)
+        self.opt = torch.optim.AdamW(
+            self.module.parameters(), lr=1e-4, fused=fused, capturable=fused and variant == CAPTURED
+        )
         self.y = self.y.to(self.devices[-1])
         self.dtype = p.dtype
         self.issue: list[float] = []
+        if variant == CAPTURED:
+            self.captured = self._capture()
+
+    def _capture(self) -> CapturedStep | None:
+        """The step captured (None where capture failed: it then runs
+        eagerly, and :attr:`eager` says why).
+
+        Raises:
+            torch.cuda.OutOfMemoryError: capture ran out of device memory
+                (it may fit with fewer configurations held).
+        """
+        assert isinstance(self.module, Pipe)
+        # Autocast's weight cache does not survive capture.
+        with _autocast(self.devices[0], self.dtype, cache_enabled=False):
+            try:
+                return CapturedStep(self.module, self.x, self.y, loss_fn, optimizer=self.opt)
+            except RuntimeError as e:
+                if rounds.out_of_memory(e):
+                    raise
+                self.eager = f"its capture failed ({str(e).splitlines()[0]})"
+                return None
+
+    @property
+    def pool(self) -> Any:
+        """The captured step's graph memory pool (None: no graph)."""
+        step = self.captured
+        return step.pool if step is not None and step.graph is not None else None
 
     def step(self) -> None:
+        if self.captured is not None:
+            with _autocast(self.devices[0], self.dtype):  # for the CPU's eager steps
+                self.captured(self.x, self.y)  # zeroes, trains and steps AdamW
+            return
         self.opt.zero_grad(set_to_none=True)
         with _autocast(self.devices[0], self.dtype):
             if self.batch is not None:
@@ -219,10 +278,10 @@ def _hf_pipe(p: Preset, devices: list[torch.device], chunks: int, batch: dict[st
     )  # fmt: skip
 
 
-def _autocast(device: torch.device, dtype: torch.dtype | None) -> Any:
+def _autocast(device: torch.device, dtype: torch.dtype | None, cache_enabled: bool = True) -> Any:
     if dtype is None:
         return torch.autocast(device.type, enabled=False)
-    return torch.autocast(device.type, dtype=dtype)
+    return torch.autocast(device.type, dtype=dtype, cache_enabled=cache_enabled)
 
 
 def run(
@@ -252,7 +311,7 @@ def run(
         runner = _Runner(key, config)
         runner.step()  # the optimizer's state made, graphs captured: a steady step next
         stages, peaks = stage_memory.per_stage(
-            runner.module, runner.opt, runner.step, runner.devices
+            runner.module, runner.opt, runner.step, runner.devices, pool_bytes(runner.pool)
         )
         memory[key] = stages, {d: peak - held[d] for d, peak in peaks.items()}
         issues[key] = runner.issue
@@ -283,14 +342,16 @@ def run(
 
 
 def _eager(key: Key, runner: _Runner) -> str:
-    """Why a graphed configuration's stage runs eagerly (its capture failed:
-    its times are an eager step's); empty where every stage replays graphs,
-    and for the other configurations.
+    """Why a graphed configuration runs eagerly (a capture failed: its times
+    are an eager step's); empty where it replays graphs, and for the other
+    configurations.
 
     Raises:
         rounds.NoRoom: a capture ran out of device memory (it may fit with
             fewer configurations held).
     """
+    if key[0] == CAPTURED:
+        return runner.eager
     if key[0] != GRAPHED or runner.pipe is None:
         return ""
     for stage in runner.pipe.graph_report().stages:

@@ -7,7 +7,8 @@ per parameter). Activations at peak are what each stage's forwards saved
 for backward and held at once during the step
 (:class:`~mpstream.memory.StageSavedBytes`: storages counted once, on any
 device, all stages on one GPU included); for stages replayed from CUDA
-graphs, whose activations sit in the graphs' pools, the pools' bytes. A
+graphs, whose activations sit in the graphs' pools, the pools' bytes (and
+likewise for a one-stage step captured whole). A
 module that is not a pipe (the single device, naive model parallel) counts
 its parts as stages.
 """
@@ -45,8 +46,18 @@ def per_stage(
     optimizer: torch.optim.Optimizer,
     step: Callable[[], None],
     devices: Sequence[torch.device] = (),
+    graph_bytes: int = 0,
 ) -> tuple[list[dict[str, int]], dict[str, int]]:
     """Runs one more ``step`` (which zeroes the gradients first).
+
+    Args:
+        module: what ``step`` trains (a pipe, or a module of parts).
+        optimizer: what ``step`` steps.
+        step: one training step.
+        devices: the devices it runs on.
+        graph_bytes: for a one-stage step replayed as one CUDA graph, its
+            pool's bytes, where its activations sit (a replay saves
+            nothing the tracker sees); 0 otherwise.
 
     Returns:
         Per stage, the bytes of each of :data:`KINDS`; and per CUDA device
@@ -66,6 +77,10 @@ def per_stage(
     activations = list(tracker.peak_bytes)
     if isinstance(module, Pipe) and module.graphed:
         activations = [st.reserved_bytes for st in module.graph_report().stages]
+    elif graph_bytes:
+        if len(parts) != 1:
+            raise ValueError(f"graph_bytes is one stage's, but the module has {len(parts)}")
+        activations = [graph_bytes]
     out = []
     for s, part in enumerate(parts):
         params = list(part.parameters())

@@ -1,7 +1,8 @@
 """A transformer bench's results (:mod:`.bench`) as figures, JSON, a table and plots.
 
-Per configuration: tokens per second, the ratio to each baseline, model
-FLOPs utilisation against the device's dense bf16 peak (:func:`mfu`), the
+Per configuration: tokens per second, the ratio to each baseline (graphed
+stages' also to the single device captured as one graph), model FLOPs
+utilisation against the device's dense bf16 peak (:func:`mfu`), the
 host's issue share of the step and memory per stage. :func:`save` writes the
 JSON and two figures. On the CPU nothing overlaps: the figures and the table
 say CPU, and no speed-up is claimed.
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 
 from ..tutorial import rounds
-from .bench import NAIVE, SINGLE, Key, Results, label
+from .bench import CAPTURED, GRAPHED, NAIVE, SINGLE, Key, Measured, Results, label, on_one_device
 from .transformer import flops_per_token
 
 __all__ = ["mfu", "to_json", "noisy_spreads", "table", "save"]
@@ -38,18 +39,23 @@ def mfu(results: Results, key: Key) -> float | None:
 
 def _devices(results: Results, key: Key) -> list[torch.device]:
     dev0, dev1 = results.config.devices
-    return [dev0] if key[0] == SINGLE else [dev0, dev1]
+    return [dev0] if on_one_device(key[0]) else [dev0, dev1]
 
 
 def to_json(results: Results) -> dict[str, Any]:
     """Everything measured, with the derived figures; a ratio to a
-    baseline that did not fit is None (``unfit`` says why)."""
+    baseline that did not fit is None (``unfit`` says why), and so is the
+    ratio to the captured single device of a configuration that replays no
+    graphs."""
     p = results.config.preset
-    baselines = [results.measured.get((v, None, None)) for v in (SINGLE, NAIVE)]
+    baselines = [results.measured.get((v, None, None)) for v in (SINGLE, NAIVE, CAPTURED)]
     rows = []
     for key, m in results.measured.items():
         issue = statistics.median(m.issue) if m.issue else None
-        single, naive = (None if b is None else m.median / b.median for b in baselines)
+        against: list[Measured | None] = list(baselines)
+        if key[0] not in (GRAPHED, CAPTURED):
+            against[2] = None  # eager against graphed is not like with like
+        single, naive, captured = (None if b is None else m.median / b.median for b in against)
         rows.append(
             {
                 "configuration": label(key), "variant": key[0], "schedule": key[1],
@@ -57,9 +63,10 @@ def to_json(results: Results) -> dict[str, Any]:
                 "step_s": {"median": m.median, "min": min(m.times), "max": max(m.times),
                            "rounds": m.times, "spread": m.spread.to_json()},
                 # A ratio is as noisy as the noisier of its measurements.
-                "ratio_noisy": any(x.spread.noisy for x in (m, *baselines) if x is not None),
+                "ratio_noisy": any(x.spread.noisy for x in (m, *against) if x is not None),
                 "tokens_per_s": results.tokens_per_s(key),
                 "vs_single_device": single, "vs_naive_model_parallel": naive,
+                "vs_captured_single_device": captured,
                 "mfu": mfu(results, key),
                 "host_issue_share": None if issue is None else issue / m.median,
                 "memory_per_stage": m.memory,
@@ -87,7 +94,8 @@ def noisy_spreads(results: Results) -> dict[str, rounds.Spread]:
 
 
 def table(results: Results) -> str:
-    """The comparison as text."""
+    """The comparison as text: a graphed configuration's ``x single`` is
+    against the captured single device (like with like)."""
     data = to_json(results)
     lines = [
         f"{'configuration':<44} {'step ms':>9} {'tokens/s':>10} {'x single':>8} "
@@ -97,9 +105,13 @@ def table(results: Results) -> str:
         mfu_ = "-" if row["mfu"] is None else f"{100 * row['mfu']:.0f}%"
         host = "-" if row["host_issue_share"] is None else f"{100 * row['host_issue_share']:.0f}%"
         star = "*" if row["ratio_noisy"] else " "
+        graphed = row["variant"] in (GRAPHED, CAPTURED)
         single, naive = (
             "-" if row[k] is None else f"{row[k]:.2f}{star}"
-            for k in ("vs_single_device", "vs_naive_model_parallel")
+            for k in (
+                "vs_captured_single_device" if graphed else "vs_single_device",
+                "vs_naive_model_parallel",
+            )
         )
         lines.append(
             f"{row['configuration']:<44} {1e3 * row['step_s']['median']:>9.1f} "
@@ -109,6 +121,11 @@ def table(results: Results) -> str:
         f"{row['configuration']:<44} {'does not fit in device memory even alone':>52}"
         for row in data["unfit"]
     ]
+    if any(row["variant"] in (GRAPHED, CAPTURED) for row in data["rows"]):
+        lines.append(
+            f"x single of {GRAPHED} and the {CAPTURED}: against the {CAPTURED} (its whole "
+            f"step one CUDA graph), graphed against graphed"
+        )
     if data["cpu"]:
         lines.append(
             "CPU: every stage runs on the host thread one task after another; nothing "
