@@ -140,6 +140,7 @@ def experiment(ctx: Context) -> StepResult:
     eager = [r for r in data["rows"] if r["variant"] == "mpstream" and r["schedule"] == "1f1b"]
     best = min(eager, key=lambda r: r["step_s"]["median"]) if eager else None
     checks = [] if best is None else _headline(best, ctx.cuda)
+    checks += _graphed_headline(data["rows"], ctx.cuda)
     for row in data["rows"]:
         mfu = "" if row["mfu"] is None else f", MFU {100 * row['mfu']:.0f}%"
         fell_back = row["ran_eagerly"]  # a graphed row whose capture failed: a defect
@@ -173,8 +174,12 @@ def experiment(ctx: Context) -> StepResult:
 
 
 def _times(row: dict[str, Any]) -> str:
-    """A row's step against the single device's, or against naive model
-    parallelism's where the single device could not hold the model."""
+    """A row's step against its like: a graphed row's against the captured
+    single device's where that was measured, else against the single
+    device's, or naive model parallelism's where the single device could
+    not hold the model."""
+    if row.get("vs_captured_single_device") is not None:
+        return f"{row['vs_captured_single_device']:.2f}x the captured single device's"
     if row["vs_single_device"] is not None:
         return f"{row['vs_single_device']:.2f}x the single device's"
     naive = row["vs_naive_model_parallel"]
@@ -182,17 +187,44 @@ def _times(row: dict[str, Any]) -> str:
     return "(the single device could not hold the model)" + against
 
 
+def _met(ok: bool, cuda: bool) -> str:
+    return ("met" if ok else "missed") if cuda else "a GPU target"
+
+
+def _graphed_headline(rows: list[dict[str, Any]], cuda: bool) -> list[Check]:
+    """The fastest graphed-stages row that replayed graphs against the
+    single device captured whole (graphed against graphed), if both ran."""
+    graphed = [
+        r
+        for r in rows
+        if r["variant"] == bench.GRAPHED
+        and not r["ran_eagerly"]
+        and r["vs_captured_single_device"] is not None
+    ]
+    if not graphed:
+        return []
+    best = min(graphed, key=lambda r: r["step_s"]["median"])
+    over, target = best["vs_captured_single_device"], TARGETS["over_single"]
+    return [
+        Check(
+            f"graphed stages at {best['micro_batches']} micro-batches against the captured "
+            f"single device",
+            INFO,
+            f"{over:.2f}x its step (target <= {target}x on one GPU: "
+            f"{_met(over <= target, cuda)}); {best['tokens_per_s']:.0f} tokens/s",
+        )
+    ]
+
+
 def _headline(best: dict[str, Any], cuda: bool) -> list[Check]:
     """The fastest eager 1F1B row against the targets."""
-
-    def met(ok: bool) -> str:
-        return ("met" if ok else "missed") if cuda else "a GPU target"
-
     over, naive, share = (
         best[k] for k in ("vs_single_device", "vs_naive_model_parallel", "host_issue_share")
     )
     target = TARGETS["over_single"]
-    single = "" if over is None else f" (target <= {target}x on one GPU: {met(over <= target)})"
+    single = (
+        "" if over is None else f" (target <= {target}x on one GPU: {_met(over <= target, cuda)})"
+    )
     return [
         Check(
             f"1f1b at {best['micro_batches']} micro-batches against the single device",
@@ -205,7 +237,7 @@ def _headline(best: dict[str, Any], cuda: bool) -> list[Check]:
             "host issue, eager 1f1b",
             INFO,
             f"{100 * share:.0f}% of the step (target <= {100 * TARGETS['host_share']:.0f}%: "
-            f"{met(share <= TARGETS['host_share'])})",
+            f"{_met(share <= TARGETS['host_share'], cuda)})",
         ),
     ]
 

@@ -104,3 +104,30 @@ def test_a_single_device_that_cannot_hold_the_model_is_said_not_failed(
     assert "the single device could not hold the model" in result.figure
     assert "1.00x naive model parallel's" in result.figure
     assert any(c.name == bench.label(single) and c.detail == why for c in result.checks)
+
+
+def test_graphed_stages_are_judged_against_the_captured_single_device(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cpu = torch.device("cpu")
+    p = transformer.preset("tiny", micro_batches=(2,))
+    captured, graphed = (bench.CAPTURED, None, None), (bench.GRAPHED, "1f1b", 2)
+    steps = {captured: 0.2, graphed: 0.21}
+
+    def fake_run(config: bench.Config, **_: object) -> bench.Results:
+        keys = [*bench.keys_for(config), captured, graphed]
+        measured = {k: bench.Measured(k, [steps.get(k, 0.4)] * 2, [0.01]) for k in keys}
+        return bench.Results(config, measured, {"load": {}})
+
+    monkeypatch.setattr(bench, "run", fake_run)
+    monkeypatch.setattr(report, "save", lambda results, out: [])
+    ctx = Context((cpu, cpu), TINY, "transformer", tmp_path, tmp_path, False)
+    monkeypatch.setattr(steps_of, "preset_of", lambda ctx: p)
+    monkeypatch.setattr(transformer, "preset", lambda name, **kw: p)
+    result = steps_of.experiment(ctx)
+    assert result.status == PASS, result
+    by_name = {c.name: c.detail for c in result.checks}
+    headline = by_name["graphed stages at 2 micro-batches against the captured single device"]
+    assert headline.startswith("1.05x its step (target <= 1.1x on one GPU: a GPU target)")
+    assert "1.05x the captured single device's" in by_name[bench.label(graphed)]
+    assert "1.00x the single device's" in by_name[bench.label(("mpstream", "1f1b", 2))]
