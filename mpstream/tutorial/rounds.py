@@ -122,11 +122,15 @@ class Timed(Generic[K]):
         group: per configuration, the group it was timed in (0, 1, ...).
         unfit: with ``skip_unfit``, the configurations that did not fit in
             device memory even alone (not timed), each with why.
+        interrupted: with ``interruptible``, whether an interrupt ended the
+            timing early (``times`` then holds the rounds that ran: some
+            configurations may have fewer, or none).
     """
 
     times: dict[K, list[float]] = field(default_factory=dict)
     group: dict[K, int] = field(default_factory=dict)
     unfit: dict[K, str] = field(default_factory=dict)
+    interrupted: bool = False
 
     @property
     def groups(self) -> int:
@@ -155,6 +159,7 @@ def round_robin(
     tick: Callable[[], None] | None = None,
     status: Callable[[str], None] | None = None,
     skip_unfit: bool = False,
+    interruptible: bool = False,
 ) -> Timed[K]:
     """Times ``call`` on each configuration, ``repeat`` rounds after ``warmup``.
 
@@ -173,6 +178,9 @@ def round_robin(
         status: told what runs next.
         skip_unfit: a configuration that does not fit even alone is left
             out and named in ``unfit`` (else it is an error, at once).
+        interruptible: a ``KeyboardInterrupt`` (Ctrl-C, or a signal the
+            caller turns into one) ends the timing and returns what was
+            timed, marked ``interrupted`` (else it propagates).
 
     Returns:
         The times and each configuration's group, and with ``skip_unfit``
@@ -188,7 +196,36 @@ def round_robin(
     if repeat < 1:
         raise ValueError(f"repeat must be at least 1, got {repeat}")
     out: Timed[K] = Timed()
-    pending = list(keys)
+    try:
+        _groups(
+            list(keys), build, call, warmup, repeat, label, check, tick, status, skip_unfit, out
+        )
+    except KeyboardInterrupt:
+        if not interruptible:
+            raise
+        out.interrupted = True
+    if out.interrupted:  # out of the handler: the traceback's frames held the models
+        last = max(out.group.values(), default=-1) + 1  # the group it stopped in
+        for key in out.times:
+            out.group.setdefault(key, last)
+        _release()
+    return out
+
+
+def _groups(
+    pending: list[K],
+    build: Callable[[K], M],
+    call: Callable[[M], float],
+    warmup: int,
+    repeat: int,
+    label: Callable[[K], str],
+    check: Callable[[K, M], None] | None,
+    tick: Callable[[], None] | None,
+    status: Callable[[str], None] | None,
+    skip_unfit: bool,
+    out: Timed[K],
+) -> None:
+    """:func:`round_robin`'s groups, one after another, into ``out``."""
     group = 0
     while pending:
         held: dict[K, M] = {}
@@ -223,7 +260,6 @@ def round_robin(
         held.clear()
         _release()
         group += 1
-    return out
 
 
 def _time_group(

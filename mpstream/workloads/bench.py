@@ -126,6 +126,14 @@ class Results:
     #: Configurations that did not fit in device memory even alone, each
     #: with why (a single device that cannot hold the model, say).
     unfit: dict[Key, str] = field(default_factory=dict)
+    #: Whether an interrupt ended the timing early: what ran is measured,
+    #: some configurations with fewer rounds, others not at all.
+    interrupted: bool = False
+
+    def not_timed(self) -> list[Key]:
+        """The configurations with no timed round that did fit (an
+        interrupted run's)."""
+        return [k for k in keys_for(self.config) if k not in self.measured and k not in self.unfit]
 
     def tokens_per_s(self, key: Key) -> float:
         return self.config.preset.tokens / self.measured[key].median
@@ -288,12 +296,15 @@ def run(
     config: Config,
     tick: Callable[[], None] | None = None,
     status: Callable[[str], None] | None = None,
+    interruptible: bool = False,
 ) -> Results:
     """Builds and times every configuration (see the module). Each one's
     memory per stage is measured as it is built, in a step of its own; one
     that does not fit in device memory even alone is left out and named in
     the results' ``unfit`` (the single device, for a model only a pipeline
-    holds)."""
+    holds). With ``interruptible``, a ``KeyboardInterrupt`` while building
+    or timing ends the run with what was timed so far (``interrupted``);
+    else it propagates."""
     p = config.preset
     keys = keys_for(config)
     memory: dict[Key, tuple[list[dict[str, int]], dict[str, int]]] = {}
@@ -326,7 +337,7 @@ def run(
         timed = rounds.round_robin(
             keys, build, _Runner.timed, warmup=p.warmup, repeat=p.repeat, label=label,
             check=lambda key, runner: eager.__setitem__(key, _eager(key, runner)),
-            tick=tick, status=status, skip_unfit=True,
+            tick=tick, status=status, skip_unfit=True, interruptible=interruptible,
         )  # fmt: skip
     measured: dict[Key, Measured] = {}
     for key in (k for k in keys if k in timed.times):
@@ -338,7 +349,7 @@ def run(
     meta = machine.metadata(list(config.devices))
     meta["load"] = load
     meta["peak_tflops"] = config.peak or peak_tflops(config.devices[0])
-    return Results(config, measured, meta, timed.unfit)
+    return Results(config, measured, meta, timed.unfit, timed.interrupted)
 
 
 def _eager(key: Key, runner: _Runner) -> str:

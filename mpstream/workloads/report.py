@@ -83,6 +83,8 @@ def to_json(results: Results) -> dict[str, Any]:
         "cpu": all(d.type == "cpu" for d in results.config.devices),
         "rows": rows,
         "unfit": [{"configuration": label(k), "why": why} for k, why in results.unfit.items()],
+        "interrupted": results.interrupted,
+        "not_timed": [label(k) for k in results.not_timed()],
         "noisy": list(noisy_spreads(results)),
     }
 
@@ -137,6 +139,15 @@ def table(results: Results) -> str:
         if row["ran_eagerly"]
     ]
     lines += [f"! {row['configuration']}: {row['why']}" for row in data["unfit"]]
+    if data["interrupted"]:
+        repeat = results.config.preset.repeat
+        short = [r["configuration"] for r in data["rows"] if len(r["step_s"]["rounds"]) < repeat]
+        said = [f"fewer than {repeat} rounds: {', '.join(short)}"] if short else []
+        said += [f"not timed: {', '.join(data['not_timed'])}"] if data["not_timed"] else []
+        lines.append(
+            "! interrupted: the figures are what ran before it"
+            + "".join(f"; {part}" for part in said)
+        )
     lines += rounds.noise_lines(noisy_spreads(results), results.meta.get("load", {}))
     return "\n".join(lines)
 
@@ -148,7 +159,7 @@ def save(results: Results, out: Path, *, plots: bool = True) -> list[Path]:
     path = out / "transformer.json"
     path.write_text(json.dumps(data, indent=1) + "\n")
     written = [path]
-    if plots:
+    if plots and data["rows"]:  # an interrupt before any timed round: nothing to draw
         from ..observe.figures import memory_bars, throughput_curves
 
         where = "CPU (no overlap possible)" if data["cpu"] else ", ".join(data["devices"])

@@ -259,3 +259,33 @@ def test_machine_load_and_its_line(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delattr("os.getloadavg")  # where the system does not say (Windows)
     assert rounds.machine_load()["load_1min"] is None
     assert rounds.load_line({"before": rounds.machine_load()}) == ""
+
+
+def test_an_interrupt_keeps_what_was_timed_and_frees_the_models() -> None:
+    # a, b fit; c and d make a second group, interrupted in its first round.
+    build, call, calls = _fake({"a": 2, "b": 2, "c": 2, "d": 1}, budget=4)
+
+    def stopped(model: _Model) -> float:
+        if len(calls) == 11:  # a b c(no room) | a b twice | c d warm-up | c d | stop
+            raise KeyboardInterrupt
+        return call(model)
+
+    with pytest.raises(KeyboardInterrupt):  # by default it propagates
+        rounds.round_robin(["a", "b", "c", "d"], build, stopped, warmup=1, repeat=2)
+    calls.clear()
+    models: list[weakref.ref[_Model]] = []
+
+    def kept(key: str) -> _Model:
+        model = build(key)
+        models.append(weakref.ref(model))
+        return model
+
+    timed = rounds.round_robin(
+        ["a", "b", "c", "d"], kept, stopped, warmup=1, repeat=2, interruptible=True
+    )
+    assert timed.interrupted
+    assert {k: len(v) for k, v in timed.times.items()} == {"a": 2, "b": 2, "c": 1, "d": 1}
+    assert timed.group == {"a": 0, "b": 0, "c": 1, "d": 1}  # the group it stopped in
+    assert all(ref() is None for ref in models)  # the held models were let go
+    build, call, calls = _fake({"a": 1}, budget=1)
+    assert not rounds.round_robin(["a"], build, call, warmup=1, repeat=1).interrupted

@@ -299,3 +299,78 @@ def test_memory_of_a_step_captured_whole_is_its_graph_pool() -> None:
     naive = transformer.NaiveParallel(model, transformer.halves(p), [CPU, CPU])
     with pytest.raises(ValueError, match="graph_bytes is one stage's, but the module has 2"):
         memory.per_stage(naive, opt, step, [CPU], graph_bytes=1)
+
+
+def test_an_interrupted_bench_reports_and_saves_what_it_timed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[int] = []
+    timed = bench._Runner.timed
+
+    def stop_at_the_fourth(runner: bench._Runner) -> float:
+        calls.append(1)
+        if len(calls) == 4:  # the warm-ups of the first three, then Ctrl-C
+            raise KeyboardInterrupt
+        return timed(runner)
+
+    monkeypatch.setattr(bench._Runner, "timed", stop_at_the_fourth)
+    with pytest.raises(KeyboardInterrupt):  # the library's default: the doctor's too
+        bench.run(quick())
+    calls.clear()
+    results = bench.run(quick(), interruptible=True)
+    assert results.interrupted and results.measured == {}
+    assert len(results.not_timed()) == 5
+    data = report.to_json(results)
+    assert data["interrupted"] and len(data["not_timed"]) == 5
+    assert [p.name for p in report.save(results, tmp_path)] == ["transformer.json"]
+    said = "! interrupted: the figures are what ran before it; not timed: single device, "
+    assert any(line.startswith(said) for line in report.table(results).splitlines())
+
+    calls.clear()
+    p = transformer.preset("tiny", repeat=2, warmup=1, micro_batches=(2,))
+    config = bench.Config(p, (CPU, CPU), hf=False)
+
+    def stop_in_the_second_round(runner: bench._Runner) -> float:
+        calls.append(1)
+        if len(calls) == 5 * 2 + 3:  # warm-ups, round 1, three of round 2
+            raise KeyboardInterrupt
+        return timed(runner)
+
+    monkeypatch.setattr(bench._Runner, "timed", stop_in_the_second_round)
+    results = bench.run(config, interruptible=True)
+    assert len(results.measured) == 5 and results.not_timed() == []
+    text = report.table(results)
+    assert "! interrupted: the figures are what ran before it; fewer than 2 rounds: " in text
+    assert len(report.save(results, tmp_path)) == 3
+
+
+def test_the_command_stops_on_sigterm_as_on_ctrl_c(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import os
+    import signal
+
+    from mpstream.cli import transformer as command
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt), command._terminate_as_interrupt():
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert signal.getsignal(signal.SIGTERM) is before
+    run = bench.run
+
+    def terminated(config: bench.Config, **kwargs: object) -> bench.Results:
+        def timed(runner: bench._Runner) -> float:
+            os.kill(os.getpid(), signal.SIGTERM)  # what `timeout` sends
+            return 0.0
+
+        monkeypatch.setattr(bench._Runner, "timed", timed)
+        return run(config, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(bench, "run", terminated)
+    argv = ["bench", "--model", "transformer", "--quick", "--repeat", "1", "--warmup", "1",
+            "--micro-batches", "2", "--no-plots", "--no-progress",
+            "--out", str(tmp_path)]  # fmt: skip
+    assert cli.main(argv) == 130
+    assert "interrupted: the results are partial" in capsys.readouterr().err
+    assert json.loads((tmp_path / "transformer.json").read_text())["interrupted"]
+    assert signal.getsignal(signal.SIGTERM) is before
