@@ -374,3 +374,20 @@ def test_the_command_stops_on_sigterm_as_on_ctrl_c(
     assert "interrupted: the results are partial" in capsys.readouterr().err
     assert json.loads((tmp_path / "transformer.json").read_text())["interrupted"]
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_captured_single_device_that_ran_eagerly_is_no_graphed_baseline() -> None:
+    config = bench.Config(quick().preset, (CPU, CPU), hf=False)
+    captured, graphed = (bench.CAPTURED, None, None), (bench.GRAPHED, "1f1b", 2)
+    times = {(bench.SINGLE, None, None): 0.4, captured: 0.4, graphed: 0.25}
+    measured = {k: bench.Measured(k, [t, t], [0.01]) for k, t in times.items()}
+    measured[captured].eager = "its capture failed (operation not permitted)"
+    rows = {
+        row["configuration"]: row
+        for row in report.to_json(bench.Results(config, measured, {"load": {}}))["rows"]
+    }
+    # Its times are an eager step's: graphed against it is not like with like.
+    assert rows[bench.label(graphed)]["vs_captured_single_device"] is None
+    assert rows[bench.label(graphed)]["vs_single_device"] == 0.625
+    assert rows[bench.label(captured)]["vs_captured_single_device"] is None
+    assert rows[bench.label(captured)]["ran_eagerly"] == measured[captured].eager
