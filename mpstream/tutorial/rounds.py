@@ -296,8 +296,10 @@ def _time_group(
 
 def says_out_of_memory(text: str) -> bool:
     """Whether an error's words say the device ran out of memory (how CUDA
-    and PyTorch's allocator put it)."""
-    return "out of memory" in text.lower()
+    and PyTorch's allocator put it, and cuBLAS or cuDNN failing to allocate
+    a handle's workspace)."""
+    lower = text.lower()
+    return "out of memory" in lower or "status_alloc_failed" in lower
 
 
 def out_of_memory(e: BaseException) -> bool:

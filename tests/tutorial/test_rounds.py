@@ -132,6 +132,11 @@ def test_a_cuda_error_that_says_out_of_memory_starts_a_new_group_too() -> None:
 
     timed = rounds.round_robin(["a", "b"], build, call, warmup=1, repeat=1)
     assert timed.group == {"a": 0, "b": 1}
+    # A library's handle whose workspace found no room says it its own way.
+    for said in ("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
+                 "cuDNN error: CUDNN_STATUS_ALLOC_FAILED"):  # fmt: skip
+        assert rounds.says_out_of_memory(said)
+    assert not rounds.says_out_of_memory("CUDA error: operation not permitted when capturing")
 
 
 def test_a_capture_that_fell_back_while_timing_is_an_error() -> None:
