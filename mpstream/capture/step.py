@@ -28,6 +28,7 @@ from torch.utils import _pytree as pytree
 
 from ..pipe.pipe import Pipe
 from ..pipe.reduction import step_reduction
+from ..runtime.graphed.backends import pool_bytes
 from ..stages.sequential import check_positive
 from .buffers import fill, static
 from .devices import DeviceGraphs, capture_devices
@@ -285,6 +286,14 @@ class CapturedStep:
         if self.graph is None:
             raise RuntimeError("no CUDA graph was captured (the pipe runs on the CPU)")
         return self.graph.pool()
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Device memory the step's one graph holds in its pool (its
+        activations and temporaries, reused by every replay); 0 where
+        nothing was captured as one graph (the CPU, or graphed stages,
+        whose pools their ``graph_report()`` counts)."""
+        return 0 if self.graph is None else pool_bytes(self.graph.pool())
 
     # -- calls ---------------------------------------------------------------
     def __call__(self, inputs: Any, target: Any) -> Tensor:

@@ -32,7 +32,6 @@ from torch import Tensor, nn
 from ..capture import CapturedStep
 from ..pipe import Pipe
 from ..runtime import GraphWarning, synchronize
-from ..runtime.graphed.backends import pool_bytes
 from ..tutorial import machine, rounds
 from . import memory as stage_memory
 from .transformer import NaiveParallel, Preset, decoder, halves, loss_fn, tokens
@@ -236,10 +235,9 @@ class _Runner:
                 return None
 
     @property
-    def pool(self) -> Any:
-        """The captured step's graph memory pool (None: no graph)."""
-        step = self.captured
-        return step.pool if step is not None and step.graph is not None else None
+    def graph_bytes(self) -> int:
+        """The captured step's graph pool's bytes (0: no graph)."""
+        return 0 if self.captured is None else self.captured.reserved_bytes
 
     def step(self) -> None:
         if self.captured is not None:
@@ -322,7 +320,7 @@ def run(
         runner = _Runner(key, config)
         runner.step()  # the optimizer's state made, graphs captured: a steady step next
         stages, peaks = stage_memory.per_stage(
-            runner.module, runner.opt, runner.step, runner.devices, pool_bytes(runner.pool)
+            runner.module, runner.opt, runner.step, runner.devices, runner.graph_bytes
         )
         memory[key] = stages, {d: peak - held[d] for d, peak in peaks.items()}
         issues[key] = runner.issue
