@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,6 +24,7 @@ from ..tutorial.machine import detect_devices, device_name, metadata
 from . import extras
 from . import transformer as cli_transformer
 from .argtypes import UsageError
+from .signals import INTERRUPTED, terminate_as_interrupt
 
 if TYPE_CHECKING:  # the ResNet experiment's modules need torchvision: imported in the commands
     from ..tutorial.bench import Config
@@ -133,13 +135,17 @@ def bench(args: argparse.Namespace) -> int:
     _header(args, dev0, dev1)
     sweep = not args.no_sweep
     total = bench.calls(config, sweep, bench.models_for(dev0, dev1))
-    with extras.progress(total, "train", not args.no_progress) as bar:
+    with extras.progress(total, "train", not args.no_progress) as bar, terminate_as_interrupt():
         results = bench.run(
-            config, dev0, dev1, sweep=sweep, tick=lambda: bar.update(1), status=bar.set_description
-        )
+            config, dev0, dev1, sweep=sweep, tick=lambda: bar.update(1),
+            status=bar.set_description, interruptible=True,
+        )  # fmt: skip
     print(bench.table(results))
     for path in bench.save(results, Path(args.out), plots=plots):
         print(f"wrote {path}")
+    if results.interrupted:
+        print("mpstream bench: interrupted: the results are partial", file=sys.stderr)
+        return INTERRUPTED
     return 0
 
 

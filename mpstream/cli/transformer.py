@@ -4,11 +4,7 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
-import signal
 import sys
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -18,6 +14,7 @@ from ..tutorial.machine import detect_devices, device_name
 from ..workloads import bench, report, transformer
 from . import extras
 from .argtypes import UsageError, int_list, positive_float, positive_int
+from .signals import INTERRUPTED, terminate_as_interrupt
 
 __all__ = ["add_options", "run", "given", "TUTORIAL_ONLY", "TRANSFORMER_ONLY"]
 
@@ -105,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
-    with extras.progress(total, "step", not args.no_progress) as bar, _terminate_as_interrupt():
+    with extras.progress(total, "step", not args.no_progress) as bar, terminate_as_interrupt():
         results = bench.run(
             config, tick=lambda: bar.update(1), status=bar.set_description, interruptible=True
         )
@@ -114,19 +111,5 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {path}")
     if results.interrupted:
         print("mpstream bench: interrupted: the results are partial", file=sys.stderr)
-        return 130  # as a shell reports a run ended by Ctrl-C
+        return INTERRUPTED
     return 0
-
-
-@contextlib.contextmanager
-def _terminate_as_interrupt() -> Iterator[None]:
-    """SIGTERM (``timeout``, a batch system's time limit) ends the bench as
-    Ctrl-C does, so what was timed is still reported and saved."""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # signal handlers belong to the main thread
-        return
-    before = signal.signal(signal.SIGTERM, signal.default_int_handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, before)

@@ -136,6 +136,7 @@ def run(
     sweep: bool = True,
     tick: Callable[[], None] | None = None,
     status: Callable[[str], None] | None = None,
+    interruptible: bool = False,
 ) -> Results:
     """Measures the models (:func:`models_for` the devices) and, with ``sweep``,
     the pipelines (and the CUDA graph, on one device) at every split size.
@@ -145,6 +146,9 @@ def run(
     (clocks, temperature, other load) spreads over all of them instead of
     biasing the ratios; where they do not all fit in device memory, in
     groups that do (:mod:`.rounds`; each measurement names its group).
+    With ``interruptible``, a ``KeyboardInterrupt`` ends the run with what
+    was timed (the results' ``not_timed`` names the rest); else it
+    propagates.
 
     Raises:
         torch.cuda.OutOfMemoryError: a configuration does not fit even alone.
@@ -181,13 +185,22 @@ def run(
             check=_check,
             tick=tick,
             status=status,
+            interruptible=interruptible,
         )
     measured = {
-        key: Measurement(*key, times=timed.times[key], group=timed.group[key]) for key in keys
+        key: Measurement(*key, times=timed.times[key], group=timed.group[key])
+        for key in keys
+        if key in timed.times
     }
     load["after"] = rounds.machine_load()
+    not_timed = [label(k) for k in keys if k not in measured] if timed.interrupted else None
     return Results(
-        config, devices, [measured[k] for k in main], [measured[k] for k in sweep_keys], load
+        config,
+        devices,
+        [measured[k] for k in main if k in measured],
+        [measured[k] for k in sweep_keys if k in measured],
+        load,
+        not_timed,
     )
 
 

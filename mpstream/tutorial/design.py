@@ -178,6 +178,13 @@ class Results:
     sweep: list[Measurement]
     #: The host's load when the run began and when it ended (:func:`.rounds.machine_load`).
     load: dict[str, dict[str, float | int | None]] = field(default_factory=dict)
+    #: An interrupt ended the run early: ``models`` and ``sweep`` hold what
+    #: was timed, and these configurations (by :func:`label`) were not.
+    not_timed: list[str] | None = None
+
+    @property
+    def interrupted(self) -> bool:
+        return self.not_timed is not None
 
     @property
     def noisy(self) -> list[Measurement]:
@@ -186,10 +193,17 @@ class Results:
         return [m for m in unique.values() if m.noisy]
 
     def get(self, model: str, split_size: int | None = None) -> Measurement:
+        found = self.find(model, split_size)
+        if found is None:
+            raise KeyError((model, split_size))
+        return found
+
+    def find(self, model: str, split_size: int | None = None) -> Measurement | None:
+        """:meth:`get`, or None where it was not timed (an interrupted run)."""
         for m in self.models + self.sweep:
             if m.model == model and (split_size is None or m.split_size == split_size):
                 return m
-        raise KeyError((model, split_size))
+        return None
 
 
 def label(key: tuple[str, int | None]) -> str:

@@ -23,7 +23,7 @@ __all__ = ["baseline", "to_json", "save", "table", "noisy_spreads"]
 def baseline(results: Results, model: str) -> str:
     """The model ``model`` is compared with: a graphed one's baseline
     captured the same way where it was measured (:data:`GRAPHS`), else the
-    eager single device."""
+    eager single device (which an interrupted run may not have timed)."""
     like = GRAPHS.get(model)
     measured = {m.model for m in results.models}
     return like if like is not None and like in measured else "single device"
@@ -31,17 +31,19 @@ def baseline(results: Results, model: str) -> str:
 
 def to_json(results: Results) -> dict[str, Any]:
     """The JSON document of a run: each model's speed-up against the eager
-    single device, and against its own baseline (:func:`baseline`)."""
-    single = results.get("single device").mean
+    single device, and against its own baseline (:func:`baseline`); None
+    against one an interrupted run did not time."""
+    single = results.find("single device")
 
     def speedups(m: Measurement) -> dict[str, Any]:
         like = baseline(results, m.model)
+        base = results.find(like)
         return {
-            "speedup_vs_single": single / m.mean,
+            "speedup_vs_single": None if single is None else single.mean / m.mean,
             "baseline": like,
-            "speedup_vs_baseline": results.get(like).mean / m.mean,
+            "speedup_vs_baseline": None if base is None else base.mean / m.mean,
             # A ratio is as noisy as the noisier of its two measurements.
-            "ratio_noisy": m.noisy or results.get(like).noisy,
+            "ratio_noisy": m.noisy or (base is not None and base.noisy),
         }
 
     return {
@@ -54,6 +56,8 @@ def to_json(results: Results) -> dict[str, Any]:
         "models": [{**m.to_json(), **speedups(m)} for m in results.models],
         "not_measured": left_out(*results.devices),
         "split_sweep": [m.to_json() for m in results.sweep],
+        "interrupted": results.interrupted,
+        "not_timed": results.not_timed or [],
         "load": results.load,
         "noise": {
             "max_cv": rounds.MAX_CV,
@@ -65,7 +69,8 @@ def to_json(results: Results) -> dict[str, Any]:
 
 
 def save(results: Results, out: Path, *, plots: bool = True) -> list[Path]:
-    """Writes ``results.json`` and the tutorial's three figures into ``out``.
+    """Writes ``results.json`` and the tutorial's three figures into ``out``
+    (the figures need every model: not after an interrupt).
 
     Returns:
         The files written.
@@ -73,7 +78,7 @@ def save(results: Results, out: Path, *, plots: bool = True) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     written = [out / "results.json"]
     written[0].write_text(json.dumps(to_json(results), indent=2) + "\n")
-    if plots:
+    if plots and not results.interrupted:
         from ..observe import figures
 
         written += figures.tutorial_figures(results, out)
@@ -95,10 +100,12 @@ def table(results: Results) -> str:
     for r in results.models:
         split = "-" if r.split_size is None else str(r.split_size)
         like = baseline(results, r.model)
-        star = "*" if r.noisy or results.get(like).noisy else " "
+        base = results.find(like)
+        star = "*" if r.noisy or (base is not None and base.noisy) else " "
+        speedup = "       -" if base is None else f"{base.mean / r.mean:>7.2f}x"
         lines.append(
             f"{r.model:<25} {split:>5} {r.mean:>9.3f} ± {r.std:<5.3f} {r.median:>10.3f} "
-            f"{results.get(like).mean / r.mean:>7.2f}x{star} {like}"
+            f"{speedup}{star} {like}"
         )
     for name, why in left_out(*results.devices).items():
         lines.append(f"{name}: not measured, {why}")
@@ -113,8 +120,13 @@ def table(results: Results) -> str:
         names = list(dict.fromkeys(m.model for m in results.sweep))
         lines.append("split-size sweep, mean (s): " + "  ".join(names))
         for s in results.config.split_sizes:
-            row = [_mark(results.get(p, s)) for p in names]
+            row = [_mark(results.find(p, s)) for p in names]
             lines.append(f"  split {s:>3}: " + "  ".join(f"{v:>17}" for v in row))
+    if results.not_timed is not None:
+        lines.append(
+            "interrupted: the figures above are what ran before it; figures not drawn"
+            + (f"; not timed: {', '.join(results.not_timed)}" if results.not_timed else "")
+        )
     lines += rounds.noise_lines(noisy_spreads(results), results.load)
     return "\n".join(lines)
 
@@ -124,5 +136,7 @@ def noisy_spreads(results: Results) -> dict[str, rounds.Spread]:
     return {label((m.model, m.split_size)): m.spread for m in results.noisy}
 
 
-def _mark(m: Measurement) -> str:
+def _mark(m: Measurement | None) -> str:
+    if m is None:  # not timed: an interrupted run
+        return "- "
     return f"{m.mean:.3f}" + ("*" if m.noisy else " ")

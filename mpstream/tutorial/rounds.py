@@ -279,7 +279,8 @@ def _time_group(
         for key in keys[shift:] + keys[:shift]:
             if status is not None:
                 status(f"round {r + 1}/{repeat}: {label(key)}")
-            out.times.setdefault(key, []).append(call(held[key]))
+            seconds = call(held[key])  # first: an interrupted call leaves no empty entry
+            out.times.setdefault(key, []).append(seconds)
             if tick is not None:
                 tick()
     if check is None:

@@ -363,3 +363,55 @@ def test_error_bars_never_go_below_zero_and_noisy_bars_are_marked(
 
 def test_error_bars_from_bounds() -> None:
     assert figures.error_bars([1.0, 2.0], [(0.5, 1.5), (2.5, 3.0)]) == [[0.5, 0.0], [0.5, 1.0]]
+
+
+def test_an_interrupted_bench_prints_and_saves_what_it_timed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # SIGTERM (timeout, a device lease's limit) in the first round: the
+    # models timed so far are printed and saved; the figures, which need
+    # them all, are not.
+    import os
+    import signal
+
+    calls: list[int] = []
+    train_once = bench.train_once
+
+    def terminated(*args: Any) -> float:
+        calls.append(1)
+        if len(calls) == 3:  # the single device and model parallel timed, then the signal
+            os.kill(os.getpid(), signal.SIGTERM)
+        return train_once(*args)
+
+    monkeypatch.setattr(bench, "train_once", terminated)
+    before = signal.getsignal(signal.SIGTERM)
+    assert cli.main(["bench", *TINY, "--out", str(tmp_path)]) == 130
+    assert signal.getsignal(signal.SIGTERM) is before
+    out, err = capsys.readouterr()
+    assert "interrupted: the results are partial" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert doc["interrupted"] and doc["split_sweep"] == []
+    assert [m["model"] for m in doc["models"]] == ["single device", "model parallel"]
+    assert all(m["speedup_vs_single"] > 0 and len(m["times_s"]) == 1 for m in doc["models"])
+    untimed = [f"{p} (split {s})" for s in (2, 4) for p in ("tutorial pipeline", "mpstream")]
+    assert doc["not_timed"] == untimed
+    said = "interrupted: the figures above are what ran before it; figures not drawn; not timed"
+    assert said in out
+    assert "split-size sweep" not in out  # none of it timed
+
+
+def test_a_run_interrupted_before_its_baseline_has_no_ratios() -> None:
+    cfg = bench.Config(split_size=2, split_sizes=(2, 4))
+    cpu = torch.device("cpu")
+    models = [design.Measurement("mpstream", 2, [0.2, 0.2])]
+    not_timed = ["single device", "mpstream (split 4)"]
+    results = design.Results(cfg, (cpu, cpu), models, models, {}, not_timed)
+    doc = report.to_json(results)
+    assert doc["models"][0]["speedup_vs_single"] is None
+    assert doc["models"][0]["speedup_vs_baseline"] is None
+    lines = report.table(results).splitlines()
+    assert any(line.endswith("not timed: single device, mpstream (split 4)") for line in lines)
+    assert "  split   4: " + " " * 15 + "- " in lines  # the sweep's row: a dash
+    with pytest.raises(KeyError):  # get() is for what was timed
+        results.get("single device")

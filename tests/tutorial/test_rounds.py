@@ -290,6 +290,7 @@ def test_an_interrupt_keeps_what_was_timed_and_frees_the_models() -> None:
     )
     assert timed.interrupted
     assert {k: len(v) for k, v in timed.times.items()} == {"a": 2, "b": 2, "c": 1, "d": 1}
+    assert all(timed.times.values())  # the interrupted call left no empty entry
     assert timed.group == {"a": 0, "b": 0, "c": 1, "d": 1}  # the group it stopped in
     assert all(ref() is None for ref in models)  # the held models were let go
     build, call, calls = _fake({"a": 1}, budget=1)

@@ -350,12 +350,7 @@ def test_the_command_stops_on_sigterm_as_on_ctrl_c(
     import os
     import signal
 
-    from mpstream.cli import transformer as command
-
     before = signal.getsignal(signal.SIGTERM)
-    with pytest.raises(KeyboardInterrupt), command._terminate_as_interrupt():
-        os.kill(os.getpid(), signal.SIGTERM)
-    assert signal.getsignal(signal.SIGTERM) is before
     run = bench.run
 
     def terminated(config: bench.Config, **kwargs: object) -> bench.Results:
