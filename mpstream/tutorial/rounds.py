@@ -179,8 +179,9 @@ def round_robin(
         skip_unfit: a configuration that does not fit even alone is left
             out and named in ``unfit`` (else it is an error, at once).
         interruptible: a ``KeyboardInterrupt`` (Ctrl-C, or a signal the
-            caller turns into one) ends the timing and returns what was
-            timed, marked ``interrupted`` (else it propagates).
+            caller turns into one), or an error raised because of one,
+            ends the timing and returns what was timed, marked
+            ``interrupted`` (else it propagates).
 
     Returns:
         The times and each configuration's group, and with ``skip_unfit``
@@ -200,8 +201,8 @@ def round_robin(
         _groups(
             list(keys), build, call, warmup, repeat, label, check, tick, status, skip_unfit, out
         )
-    except KeyboardInterrupt:
-        if not interruptible:
+    except BaseException as exc:
+        if not (interruptible and _interrupt(exc)):
             raise
         out.interrupted = True
     if out.interrupted:  # out of the handler: the traceback's frames held the models
@@ -210,6 +211,23 @@ def round_robin(
             out.group.setdefault(key, last)
         _release()
     return out
+
+
+def _interrupt(exc: BaseException) -> bool:
+    """Whether ``exc`` is a ``KeyboardInterrupt`` or was raised because of
+    one: code the interrupt lands in may turn it into an error of its own
+    (on Python 3.11 an import wraps it in a ``RuntimeError``, which
+    transformers' lazy import wraps again; torch.export, unwinding it, fails
+    an assertion), and the timing it ended must still come back."""
+    stack, seen = [exc], set()
+    while stack:
+        e = stack.pop()
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        if id(e) not in seen:
+            seen.add(id(e))
+            stack += [x for x in (e.__cause__, e.__context__) if x is not None]
+    return False
 
 
 def _groups(

@@ -295,3 +295,61 @@ def test_an_interrupt_keeps_what_was_timed_and_frees_the_models() -> None:
     assert all(ref() is None for ref in models)  # the held models were let go
     build, call, calls = _fake({"a": 1}, budget=1)
     assert not rounds.round_robin(["a"], build, call, warmup=1, repeat=1).interrupted
+
+
+def _interrupt_as_import_error() -> None:
+    """As Python 3.11 and transformers' lazy import turn an interrupt
+    during an import: a RuntimeError (a class's ``__set_name__``), then a
+    ModuleNotFoundError from it."""
+    try:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as interrupt:
+            raise RuntimeError("Error calling __set_name__") from interrupt
+    except RuntimeError as error:
+        raise ModuleNotFoundError("Could not import module 'LlamaForCausalLM'") from error
+
+
+def _interrupt_as_export_error() -> None:
+    """As torch.export unwinding an interrupt: an AssertionError raised while
+    handling it, which mpstream's export turns into a TypeError."""
+    try:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise AssertionError("Trying to pop empty mode stack")  # noqa: B904
+    except AssertionError as error:
+        raise TypeError("torch.export could not export") from error
+
+
+@pytest.mark.parametrize("interrupt", [_interrupt_as_import_error, _interrupt_as_export_error])
+def test_an_interrupt_a_library_turned_into_another_error_is_an_interrupt(
+    interrupt: Any,
+) -> None:
+    # Ctrl-C or SIGTERM while c is built again for the second group (the
+    # transformer bench's Hugging Face configuration: its import and export
+    # take seconds): what the first group timed still comes back.
+    build, call, _ = _fake({"a": 2, "b": 2, "c": 2}, budget=4)
+    built: list[str] = []
+
+    def interrupted(key: str) -> _Model:
+        built.append(key)
+        if built.count("c") == 2:
+            interrupt()
+        model: _Model = build(key)
+        return model
+
+    with pytest.raises((ModuleNotFoundError, TypeError)):  # by default it propagates
+        rounds.round_robin(["a", "b", "c"], interrupted, call, warmup=1, repeat=2)
+    built.clear()
+    timed = rounds.round_robin(
+        ["a", "b", "c"], interrupted, call, warmup=1, repeat=2, interruptible=True
+    )
+    assert timed.interrupted
+    assert {k: len(v) for k, v in timed.times.items()} == {"a": 2, "b": 2}
+
+    def broken(key: str) -> _Model:
+        raise TypeError("no interrupt behind it")
+
+    with pytest.raises(TypeError, match="no interrupt behind it"):  # an error still
+        rounds.round_robin(["a"], broken, call, warmup=1, repeat=1, interruptible=True)
