@@ -290,9 +290,10 @@ class CapturedStep:
     @property
     def reserved_bytes(self) -> int:
         """Device memory the step's one graph holds in its pool (its
-        activations and temporaries, reused by every replay); 0 where
-        nothing was captured as one graph (the CPU, or graphed stages,
-        whose pools their ``graph_report()`` counts)."""
+        activations and temporaries, reused by every replay; with ``pool=``
+        shared, every graph's in that pool); 0 where nothing was captured
+        as one graph (the CPU, or graphed stages, whose pools their
+        ``graph_report()`` counts)."""
         return 0 if self.graph is None else pool_bytes(self.graph.pool())
 
     # -- calls ---------------------------------------------------------------

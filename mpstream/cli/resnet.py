@@ -24,7 +24,7 @@ from ..tutorial.machine import detect_devices, device_name, metadata
 from . import extras
 from . import transformer as cli_transformer
 from .argtypes import UsageError
-from .signals import INTERRUPTED, terminate_as_interrupt
+from .signals import INTERRUPTED, saving, terminate_as_interrupt
 
 if TYPE_CHECKING:  # the ResNet experiment's modules need torchvision: imported in the commands
     from ..tutorial.bench import Config
@@ -140,9 +140,10 @@ def bench(args: argparse.Namespace) -> int:
             config, dev0, dev1, sweep=sweep, tick=lambda: bar.update(1),
             status=bar.set_description, interruptible=True,
         )  # fmt: skip
-    print(bench.table(results))
-    for path in bench.save(results, Path(args.out), plots=plots):
-        print(f"wrote {path}")
+    with saving():
+        print(bench.table(results))
+        for path in bench.save(results, Path(args.out), plots=plots):
+            print(f"wrote {path}")
     if results.interrupted:
         print("mpstream bench: interrupted: the results are partial", file=sys.stderr)
         return INTERRUPTED

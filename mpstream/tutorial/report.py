@@ -123,9 +123,14 @@ def table(results: Results) -> str:
             row = [_mark(results.find(p, s)) for p in names]
             lines.append(f"  split {s:>3}: " + "  ".join(f"{v:>17}" for v in row))
     if results.not_timed is not None:
+        repeat = results.config.repeat
+        unique = {id(m): m for m in results.models + results.sweep}.values()
+        short = [label((m.model, m.split_size)) for m in unique if len(m.times) < repeat]
+        said = [f"fewer than {repeat} rounds: {', '.join(short)}"] if short else []
+        said += [f"not timed: {', '.join(results.not_timed)}"] if results.not_timed else []
         lines.append(
             "interrupted: the figures above are what ran before it; figures not drawn"
-            + (f"; not timed: {', '.join(results.not_timed)}" if results.not_timed else "")
+            + "".join(f"; {part}" for part in said)
         )
     lines += rounds.noise_lines(noisy_spreads(results), results.load)
     return "\n".join(lines)

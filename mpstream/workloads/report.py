@@ -45,9 +45,10 @@ def _devices(results: Results, key: Key) -> list[torch.device]:
 def to_json(results: Results) -> dict[str, Any]:
     """Everything measured, with the derived figures; a ratio to a
     baseline that did not fit is None (``unfit`` says why), and so is the
-    ratio to the captured single device of a configuration that replays no
-    graphs, and every ratio to it where its own capture failed (it then
-    timed an eager step: ``ran_eagerly`` says why)."""
+    ratio to the captured single device of every configuration but graphed
+    stages (the captured single device's own is against the eager one), and
+    every ratio to it where its own capture failed (it then timed an eager
+    step: ``ran_eagerly`` says why)."""
     p = results.config.preset
     baselines = [results.measured.get((v, None, None)) for v in (SINGLE, NAIVE, CAPTURED)]
     if baselines[2] is not None and baselines[2].eager:
@@ -58,7 +59,7 @@ def to_json(results: Results) -> dict[str, Any]:
     for key, m in results.measured.items():
         issue = statistics.median(m.issue) if m.issue else None
         against: list[Measured | None] = list(baselines)
-        if key[0] not in (GRAPHED, CAPTURED):
+        if key[0] != GRAPHED:
             against[2] = None  # eager against graphed is not like with like
         single, naive, captured = (None if b is None else m.median / b.median for b in against)
         rows.append(
@@ -112,7 +113,7 @@ def table(results: Results) -> str:
         mfu_ = "-" if row["mfu"] is None else f"{100 * row['mfu']:.0f}%"
         host = "-" if row["host_issue_share"] is None else f"{100 * row['host_issue_share']:.0f}%"
         star = "*" if row["ratio_noisy"] else " "
-        graphed = row["variant"] in (GRAPHED, CAPTURED)
+        graphed = row["variant"] == GRAPHED
         single, naive = (
             "-" if row[k] is None else f"{row[k]:.2f}{star}"
             for k in (
@@ -128,10 +129,10 @@ def table(results: Results) -> str:
         f"{row['configuration']:<44} {'does not fit in device memory even alone':>52}"
         for row in data["unfit"]
     ]
-    if any(row["variant"] in (GRAPHED, CAPTURED) for row in data["rows"]):
+    if any(row["vs_captured_single_device"] is not None for row in data["rows"]):
         lines.append(
-            f"x single of {GRAPHED} and the {CAPTURED}: against the {CAPTURED} (its whole "
-            f"step one CUDA graph), graphed against graphed"
+            f"x single of {GRAPHED}: against the {CAPTURED} (its whole step one CUDA "
+            f"graph), graphed against graphed"
         )
     if data["cpu"]:
         lines.append(

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from mpstream.cli.signals import terminate_as_interrupt
+from mpstream.cli.signals import saving, terminate_as_interrupt
 
 
 def test_sigterm_raises_keyboard_interrupt_inside_and_nothing_after() -> None:
@@ -29,3 +29,11 @@ def test_off_the_main_thread_nothing_changes() -> None:
     thread.start()
     thread.join()
     assert seen == [signal.getsignal(signal.SIGTERM)]
+
+
+def test_sigterm_is_ignored_while_results_are_saved() -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    with saving():
+        os.kill(os.getpid(), signal.SIGTERM)  # would end the process by default
+        written = True
+    assert written and signal.getsignal(signal.SIGTERM) is before

@@ -396,7 +396,10 @@ def test_an_interrupted_bench_prints_and_saves_what_it_timed(
     assert all(m["speedup_vs_single"] > 0 and len(m["times_s"]) == 1 for m in doc["models"])
     untimed = [f"{p} (split {s})" for s in (2, 4) for p in ("tutorial pipeline", "mpstream")]
     assert doc["not_timed"] == untimed
-    said = "interrupted: the figures above are what ran before it; figures not drawn; not timed"
+    said = (
+        "interrupted: the figures above are what ran before it; figures not drawn; "
+        "fewer than 2 rounds: single device, model parallel; not timed: tutorial pipeline"
+    )
     assert said in out
     assert "split-size sweep" not in out  # none of it timed
 

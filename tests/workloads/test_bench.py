@@ -235,7 +235,9 @@ def test_the_captured_single_device_is_timed_with_its_memory(
     assert [s["optimizer"] for s in whole.memory] == [s["optimizer"] for s in single.memory]
     assert whole.memory[0]["activations"] > 0 and whole.eager == ""
     row = report.to_json(results)["rows"][1]
-    assert row["vs_captured_single_device"] == 1.0 and row["mfu"] is None
+    # Its own like-with-like ratio would be 1: it reads against the eager one.
+    assert row["vs_captured_single_device"] is None and row["vs_single_device"] is not None
+    assert row["mfu"] is None
 
 
 def test_a_failed_capture_of_the_single_device_runs_eagerly_and_says_so(
@@ -274,13 +276,17 @@ def test_graphed_rows_read_against_the_captured_single_device() -> None:
     assert (row["vs_single_device"], row["vs_captured_single_device"]) == (0.625, 1.25)
     assert rows[bench.label(("mpstream", "1f1b", 2))]["vs_captured_single_device"] is None
     assert rows[bench.label(captured)]["vs_single_device"] == 0.5
+    assert rows[bench.label(captured)]["vs_captured_single_device"] is None
     lines = report.table(results).splitlines()
     assert [ln for ln in lines if ln.startswith(bench.label(graphed))][0].split()[-4] == "1.25"
     assert any(ln.startswith(f"x single of {bench.GRAPHED}") for ln in lines)
+    # The captured single device's own x single: against the eager one.
+    assert [ln for ln in lines if ln.startswith(bench.label(captured))][0].split()[-4] == "0.50"
     del measured[captured]  # did not fit: graphed rows have no like-with-like ratio
     results = bench.Results(config, measured, {"load": {}}, {captured: "does not fit"})
     row = {r["configuration"]: r for r in report.to_json(results)["rows"]}[bench.label(graphed)]
     assert row["vs_captured_single_device"] is None and row["vs_single_device"] == 0.625
+    assert not any(ln.startswith("x single of") for ln in report.table(results).splitlines())
 
 
 def test_memory_of_a_step_captured_whole_is_its_graph_pool() -> None:
