@@ -22,6 +22,7 @@ checkpoint saved by one process's stage devices onto another's.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -68,6 +69,9 @@ _UNSUPPORTED = {
 }
 _UNSUPPORTED["param_to_hook_all_reduce"] = _UNSUPPORTED["delay_all_reduce_named_params"]
 
+# Set on a DDP module once its processes' pipelines were found alike.
+_CHECKED = "_mpstream_pipelines_checked"
+
 
 def wrap(pipe: Pipe, **ddp_kwargs: Any) -> DistributedDataParallel:
     """Wraps a pipeline in ``DistributedDataParallel`` after checking it can work.
@@ -93,7 +97,8 @@ def wrap(pipe: Pipe, **ddp_kwargs: Any) -> DistributedDataParallel:
         ValueError: ``device_ids``/``output_device`` given; ``mixed_precision``
             or delayed all-reduce requested; stages on several device types;
             the process group's backend cannot reduce tensors on the stages'
-            device type (NCCL with CPU stages).
+            device type (NCCL with CPU stages); the processes' pipelines
+            differ (raised on every process of the group).
     """
     if not isinstance(pipe, Pipe):
         raise TypeError(f"wrap takes an mpstream.Pipe, got {type(pipe).__name__}")
@@ -121,7 +126,43 @@ def wrap(pipe: Pipe, **ddp_kwargs: Any) -> DistributedDataParallel:
     check_placement(pipe.devices, dist.get_backend_config(group))
     ddp_kwargs.pop("device_ids", None)
     ddp_kwargs.pop("output_device", None)
-    return DistributedDataParallel(pipe, device_ids=None, output_device=None, **ddp_kwargs)
+    ddp = DistributedDataParallel(pipe, device_ids=None, output_device=None, **ddp_kwargs)
+    _check_same_pipelines(ddp)
+    return ddp
+
+
+def _check_same_pipelines(ddp: DistributedDataParallel) -> None:
+    """Raises on every process unless all of the group's pipelines reduce alike.
+
+    DDP's constructor compares the parameters' shapes, not how each process
+    split them into stages. ``train_step``'s all-reduces pair up by position
+    (each stage's flat gradients, last stage first), so pipelines split
+    otherwise would average one process's stage with another's: the group
+    breaks where the sizes differ, and the gradients are silently wrong
+    where they agree. One all-reduce of a digest of each process's layout.
+    """
+    units = StageReducer(ddp).units()
+    layout = [
+        [(units.names.get(id(p)), tuple(p.shape), str(p.dtype), p.device.type) for p in ps]
+        for ps in (units.params[unit] for unit in units.order)
+    ]
+    cap = int(getattr(ddp, "bucket_bytes_cap", BUCKET_BYTES))
+    # 56 bits: the digest and its negation both fit an int64.
+    mine = int.from_bytes(hashlib.sha256(repr((cap, layout)).encode()).digest()[:7], "big")
+    first = next((ps[0] for ps in units.params.values() if ps), None)
+    device = first.device if first is not None else torch.device("cpu")
+    extremes = torch.tensor([mine, -mine], dtype=torch.int64, device=device)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=ddp.process_group)
+    highest, lowest = extremes.tolist()
+    if highest != mine or -lowest != mine:  # every process sees max != min alike
+        counts = [len(units.params[unit]) for unit in sorted(units.order) if unit >= 0]
+        raise ValueError(
+            f"the pipelines differ between the processes of the group (their stages, balance, "
+            f"parameters that require grad, dtypes or DDP bucket size): train_step would "
+            f"average each stage's gradients with another process's other parameters. Build "
+            f"the same Pipe on every process; this one's stages hold {counts} parameters"
+        )
+    setattr(ddp, _CHECKED, True)
 
 
 def check_placement(devices: Sequence[torch.device], backend_config: str) -> None:
@@ -235,12 +276,17 @@ def train_step(
             pipeline's :meth:`~mpstream.Pipe.train_step` rejects the batch.
         ValueError: DDP mixed precision, delayed all-reduce or a
             communication hook is set (train_step reduces the gradients
-            itself), a gradient is sparse, or bad inputs as for
-            :meth:`~mpstream.Pipe.train_step`.
+            itself), a gradient is sparse, the processes' pipelines differ
+            (checked at the first call of a DDP module not made by
+            :func:`wrap`), or bad inputs as for :meth:`~mpstream.Pipe.train_step`.
         RuntimeError: another process of the group failed this step (this
             one's is undone too).
     """
     pipe = _check_ddp_pipe(ddp, "train_step")
+    if not getattr(ddp, _CHECKED, False) and pipe.__dict__["_graph"] is not None:
+        # Built without wrap(): checked at the first call, which every
+        # process makes together (a traced pipe is split by its first call).
+        _check_same_pipelines(ddp)
     if ddp.broadcast_buffers:
         sync_buffers(ddp)
     # DDP's reducer arms its gradient hooks only in DDP.forward, which is not
