@@ -10,6 +10,7 @@ The example script is run end to end with ``torchrun`` too, resume included.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import subprocess
@@ -286,8 +287,10 @@ def _norm_model() -> nn.Sequential:
     ).double()
 
 
-def _run_buffers(rank: int, path: str) -> dict[str, Tensor]:
-    """Two steps with BatchNorm; the second must start from rank 0's statistics."""
+def _run_buffers(rank: int, path: str, accumulate: bool = False) -> dict[str, Tensor]:
+    """Two steps with BatchNorm; the second must start from rank 0's statistics.
+    ``accumulate``: four calls, the even ones inside ``no_sync()`` (DDP then
+    broadcasts the buffers only after a call that synchronised)."""
     pipe = Pipe(
         _norm_model(),
         split_size=SPLIT,
@@ -300,13 +303,17 @@ def _run_buffers(rank: int, path: str) -> dict[str, Tensor]:
     ddp = mpdist.wrap(pipe)
     opt = torch.optim.SGD(ddp.parameters(), lr=LR)
     out: dict[str, Tensor] = {}
-    for step, (x, _) in enumerate(batches(2)):
+    for step, (x, _) in enumerate(batches(4 if accumulate else 2)):
         xs = x.chunk(WORLD)[rank]
         ys = torch.ones(xs.size(0), 6, dtype=torch.float64)
-        if path == "forward":
-            nn.MSELoss()(ddp(xs), ys).backward()
-        else:
-            mpdist.train_step(ddp, xs, ys, nn.MSELoss())
+        local = accumulate and step % 2 == 0
+        with ddp.no_sync() if local else contextlib.nullcontext():
+            if path == "forward":
+                nn.MSELoss()(ddp(xs), ys).backward()
+            else:
+                mpdist.train_step(ddp, xs, ys, nn.MSELoss())
+        if local:
+            continue
         opt.step()
         opt.zero_grad()
         out.update({f"{k}@{step}": v.clone() for k, v in pipe.state_dict().items()})
@@ -331,6 +338,8 @@ def _worker(rank: int, store_path: str, out_dir: str) -> None:
         results["uneven"] = _run_uneven(rank)
         results["buffers-forward"] = _run_buffers(rank, "forward")
         results["buffers-train_step"] = _run_buffers(rank, "train_step")
+        for path in ("forward", "train_step"):
+            results[f"buffers-{path}-accumulate"] = _run_buffers(rank, path, accumulate=True)
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
         dist.destroy_process_group()
     except BaseException:
@@ -440,10 +449,15 @@ def test_steps_failing_at_different_points_leave_the_next_step_paired(
 
 def test_train_step_handles_buffers_as_the_ddp_forward_does(ranks: list[dict[str, Any]]) -> None:
     for rank, results in enumerate(ranks):
-        forward, stepped = results["buffers-forward"], results["buffers-train_step"]
-        assert forward.keys() == stepped.keys()
-        for key in forward:
-            torch.testing.assert_close(stepped[key], forward[key], msg=f"rank {rank}: {key}")
+        for kind in ("", "-accumulate"):
+            forward, stepped = (
+                results[f"buffers-forward{kind}"],
+                results[f"buffers-train_step{kind}"],
+            )
+            assert forward.keys() == stepped.keys()
+            for key in forward:
+                where = f"rank {rank}{kind}: {key}"
+                torch.testing.assert_close(stepped[key], forward[key], msg=where)
     # Each rank's statistics are its own after a step; sync_buffers makes them rank 0's.
     r0, r1 = ranks[0]["buffers-train_step"], ranks[1]["buffers-train_step"]
     assert not torch.equal(r0["1.running_mean@1"], r1["1.running_mean@1"])

@@ -247,9 +247,10 @@ def train_step(
     ``RuntimeError``; each puts its gradients back as they were.
 
     As DDP's forward does, buffers (BatchNorm statistics) are first broadcast
-    from the group's first process when ``ddp.broadcast_buffers`` is true.
-    Inside ``ddp.no_sync()`` the gradients only accumulate locally; the next
-    call outside it averages the accumulated sum, as with DDP.
+    from the group's first process when ``ddp.broadcast_buffers`` is true and
+    the previous call (or DDP forward) synchronised. Inside ``ddp.no_sync()``
+    the gradients only accumulate locally; the next call outside it averages
+    the accumulated sum, as with DDP.
 
     Call it on every process of the group, with the same pipeline; do not mix
     it with a ``ddp(x)`` whose backward has not run (DDP would then expect
@@ -287,8 +288,13 @@ def train_step(
         # Built without wrap(): checked at the first call, which every
         # process makes together (a traced pipe is split by its first call).
         _check_same_pipelines(ddp)
-    if ddp.broadcast_buffers:
+    # As DDP's forward: buffers are broadcast only after a call that synced
+    # (not again inside no_sync()), and this call records whether it syncs.
+    # Recorded before the step runs, so that a no_sync() step failing on one
+    # process only leaves every process's flag alike.
+    if ddp.broadcast_buffers and ddp.require_forward_param_sync:
         sync_buffers(ddp)
+    ddp.require_forward_param_sync = ddp.require_backward_grad_sync
     # DDP's reducer arms its gradient hooks only in DDP.forward, which is not
     # called here, so the pipeline's per-micro-batch backward runs unhooked.
     if not ddp.require_backward_grad_sync:  # inside no_sync(): accumulate only
