@@ -4,7 +4,7 @@ A stage's gradients are final once its last backward (or weight) task of a
 step has run: :class:`StageReducer` is called there, inside that task on the
 stage's stream, and issues the stage's all-reduces, so they run while the
 earlier stages still compute their backward (as DDP overlaps its buckets
-with autograd). :meth:`StageReducer.finish` waits for them after the step
+with autograd). :meth:`StageReducer.end` waits for them after the step
 and divides by the group's size.
 
 Every process must issue the same collectives in the same order, whatever
