@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor, fx, nn
 from torch.fx.passes.split_module import split_module
 
@@ -50,6 +51,10 @@ class Traced:
     tensors: list[set[str]]
 
 
+class _ModeChange(TypeError):
+    """A forward changes the grad or autocast mode, which fx cannot record."""
+
+
 class _Tracer(fx.Tracer):
     """``torch.fx``'s tracer, remembering which submodule it is inside (for
     error messages) and treating the user's leaf modules as leaves."""
@@ -60,6 +65,24 @@ class _Tracer(fx.Tracer):
         self.leaf_types = tuple(x for x in leaves if isinstance(x, type))
         self.path: list[str] = []
         self.failed_in: str | None = None  # the innermost submodule that raised
+        self.modes = _modes()
+
+    def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
+        # fx records operations, not the grad or autocast mode they run in
+        # (a ``with torch.no_grad():`` block in forward is dropped, its
+        # values then carry gradients): an operation recorded in another
+        # mode than the trace began in would run in the wrong one.
+        modes = _modes()
+        if modes != self.modes:
+            changed = ", ".join(
+                what for what, now, then in zip(_MODE_NAMES, modes, self.modes) if now != then
+            )
+            raise _ModeChange(
+                f"forward changes {changed} (torch.no_grad(), torch.autocast(), ...), which "
+                f"torch.fx does not record: the stages would run those operations in the "
+                f"caller's mode"
+            )
+        return super().create_node(*args, **kwargs)
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         if qualname in self.leaf_names or (self.leaf_types and isinstance(m, self.leaf_types)):
@@ -88,6 +111,29 @@ class _Tracer(fx.Tracer):
             self.path.pop()
 
 
+_MODE_NAMES = (
+    "the grad mode",
+    "inference mode",
+    "autocast on cpu",
+    "autocast on cuda",
+    "the cpu autocast dtype",
+    "the cuda autocast dtype",
+)
+
+
+def _modes() -> tuple[object, ...]:
+    """The global modes that change what an operation computes, in the
+    order of :data:`_MODE_NAMES`."""
+    return (
+        torch.is_grad_enabled(),
+        torch.is_inference_mode_enabled(),
+        torch.is_autocast_enabled("cpu"),
+        torch.is_autocast_enabled("cuda"),
+        torch.get_autocast_dtype("cpu"),
+        torch.get_autocast_dtype("cuda"),
+    )
+
+
 def _trace(
     module: nn.Module,
     leaves: Sequence[str | type[nn.Module]],
@@ -95,14 +141,22 @@ def _trace(
 ) -> fx.GraphModule:
     tracer = _Tracer(leaves)
     try:
-        graph = tracer.trace(module, {n: None for n in nones} if nones else None)
+        # With grad enabled, so that a no_grad block in forward changes the
+        # mode however the kind of call that traces it was called.
+        with torch.enable_grad():
+            tracer.modes = _modes()
+            graph = tracer.trace(module, {n: None for n in nones} if nones else None)
     except Exception as exc:
         inner = tracer.failed_in
         where = f" inside submodule '{inner}'" if inner else " in its own forward"
         if nones:
             where += " with " + ", ".join(f"{n}=None" for n in sorted(nones))
         advice = (
-            f"Mark that submodule as a leaf (Pipe(..., leaf_modules=['{inner}'])), which runs "
+            "Let torch.export split the module (it records those modes: the default "
+            "tracer='auto', without leaf_modules), or move that block into a submodule "
+            "marked as a leaf (Pipe(..., leaf_modules=[...])), which runs whole as written."
+            if isinstance(exc, _ModeChange)
+            else f"Mark that submodule as a leaf (Pipe(..., leaf_modules=['{inner}'])), which runs "
             f"it whole inside one stage, or pass an nn.Sequential of stages."
             if inner
             else "Pass an nn.Sequential of stages, or move that code into a submodule and "

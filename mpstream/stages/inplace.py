@@ -7,13 +7,17 @@ makes in place is invisible to the stages after it. :func:`check_in_place`
 refuses a traced module where that would change the result, at
 construction, instead of computing something else silently. A stage that
 changes in place a value only it reads (``ReLU(inplace=True)`` opening a
-stage) is fine.
+stage) is fine. A view shares its tensor's memory, so a change through a view
+(``h[:, 0] = 0``, ``h.view(-1).mul_(2)``) is a change of the tensor and of
+every other view of it.
 """
 
 from __future__ import annotations
 
 import operator
+from typing import Any
 
+import torch
 from torch import fx
 
 __all__ = ["check_in_place"]
@@ -21,12 +25,28 @@ __all__ = ["check_in_place"]
 _IN_PLACE_OPERATORS = {
     operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
     operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.imatmul,
+    operator.setitem,
 }  # fmt: skip
+
+# Methods and torch functions whose result may share its first argument's
+# memory (a tuple of views for split and the like, whose items are getitems).
+_VIEWS = {
+    "view", "view_as", "reshape", "reshape_as", "transpose", "swapaxes", "swapdims", "t",
+    "permute", "movedim", "moveaxis", "expand", "expand_as", "narrow", "select", "squeeze",
+    "unsqueeze", "flatten", "unflatten", "unfold", "diagonal", "as_strided", "split",
+    "split_with_sizes", "chunk", "unbind", "tensor_split", "hsplit", "vsplit", "dsplit",
+    "detach", "contiguous", "real", "imag", "view_as_real", "view_as_complex", "alias",
+}  # fmt: skip
+_VIEW_ATTRIBUTES = {"T", "mT", "H", "mH", "data", "real", "imag"}
 
 
 def _changed_in_place(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
     """The value ``node`` changes in place (its first argument), if it does."""
     target = node.target
+    if isinstance(target, torch._ops.OpOverload):  # an exported aten operation
+        written = [a for a in target._schema.arguments if a.alias_info and a.alias_info.is_write]
+        changed = _argument(node, target, written[0].name) if written else None
+        return changed if isinstance(changed, fx.Node) else None
     if node.op == "call_module":
         in_place = getattr(gm.get_submodule(str(target)), "inplace", False) is True
     elif node.op == "call_method":
@@ -40,8 +60,52 @@ def _changed_in_place(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
         )
     else:
         return None
+    out = node.kwargs.get("out")
+    if isinstance(out, fx.Node):  # torch.add(a, b, out=h) writes into h
+        return out
     first = node.args[0] if node.args else None
     return first if in_place and isinstance(first, fx.Node) else None
+
+
+def _argument(node: fx.Node, op: torch._ops.OpOverload, name: str) -> Any:
+    """The value ``node`` passes as the aten operation's argument ``name``."""
+    for i, argument in enumerate(op._schema.arguments):
+        if argument.name == name:
+            return node.args[i] if i < len(node.args) else node.kwargs.get(name)
+    return None
+
+
+def _viewed(node: fx.Node) -> fx.Node | None:
+    """The value whose memory ``node``'s result may share, if it is a view."""
+    first = node.args[0] if node.args else None
+    if not isinstance(first, fx.Node):
+        return None
+    if isinstance(node.target, torch._ops.OpOverload):
+        # An aten view's schema marks its input and result as aliases (``Tensor(a)``).
+        arguments = node.target._schema.arguments
+        returns = node.target._schema.returns
+        aliased = bool(arguments and arguments[0].alias_info and returns and returns[0].alias_info)
+        return first if aliased and not arguments[0].alias_info.is_write else None  # type: ignore[union-attr]
+    name = getattr(node.target, "__name__", str(node.target))
+    if node.op == "call_method" or (node.op == "call_function" and name in _VIEWS):
+        return first if name in _VIEWS else None
+    if node.op == "call_function" and node.target is operator.getitem:
+        return first  # indexing a tensor, or an item of a tuple of views
+    if node.op == "call_function" and node.target is getattr:
+        return first if len(node.args) > 1 and node.args[1] in _VIEW_ATTRIBUTES else None
+    return None
+
+
+def _base(node: fx.Node) -> fx.Node:
+    """The value that owns the memory ``node`` views (itself if no view)."""
+    while (viewed := _viewed(node)) is not None:
+        node = viewed
+    return node
+
+
+def _name(node: fx.Node) -> str:
+    target = node.target
+    return str(getattr(target, "__name__", target))
 
 
 def check_in_place(gm: fx.GraphModule, stage_of: dict[fx.Node, int]) -> None:
@@ -52,18 +116,23 @@ def check_in_place(gm: fx.GraphModule, stage_of: dict[fx.Node, int]) -> None:
     Raises:
         ValueError: naming the operation, the stages and what to do.
     """
+    views: dict[fx.Node, list[fx.Node]] = {}  # every value viewing each base, itself first
+    for node in gm.graph.nodes:
+        views.setdefault(_base(node), []).append(node)
     for node in gm.graph.nodes:
         value = _changed_in_place(gm, node)
         if value is None:
             continue
         here = stage_of[node]
-        if stage_of.get(value, -1) == here:
+        base = _base(value)
+        if stage_of.get(base, -1) == here:
             continue  # changed where it is made: later readers get it changed
-        later = sorted({t for u in value.users if u.op != "output" and (t := stage_of[u]) > here})
+        users = [u for view in views[base] for u in view.users]
+        later = sorted({t for u in users if u.op != "output" and (t := stage_of[u]) > here})
         reader = f"stage {later[0]}" if later else "the result"
-        if later or any(u.op == "output" for u in value.users):
+        if later or any(u.op == "output" for u in users):
             raise ValueError(
-                f"'{node.target}' in stage {here} changes '{value.name}' in place, which "
+                f"'{_name(node)}' in stage {here} changes '{base.name}' in place, which "
                 f"{reader} also reads: stages pass values instead of sharing them, so "
                 f"{reader} would read it unchanged. Make that operation out of place "
                 f"(inplace=False), or move a split point so both sit in one stage"

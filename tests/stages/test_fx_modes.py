@@ -1,0 +1,77 @@
+"""Grad and autocast modes a forward sets itself: torch.fx does not record
+them, so such a module is split by torch.export (which does), and asking
+for torch.fx is refused, instead of computing the block in the caller's mode
+(a ``torch.no_grad()`` block would carry gradients)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from mpstream import Pipe
+
+
+class NoGradShift(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.a(x)
+        with torch.no_grad():
+            shift = h * 2  # no gradient flows through it in the module
+        return self.b(h + shift)  # type: ignore[no-any-return]
+
+
+class Autocast(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.a(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = self.b(h)
+        return h.float()
+
+
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_a_no_grad_block_keeps_its_gradients_out(chunks: int) -> None:
+    model = NoGradShift().double()
+    ref = copy.deepcopy(model)
+    pipe = Pipe(model, chunks=chunks, split_points=["b"], devices=["cpu"] * 2)
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    nn.functional.mse_loss(pipe(x), y).backward()
+    nn.functional.mse_loss(ref(x), y).backward()
+    torch.testing.assert_close(
+        [p.grad for p in pipe.parameters()], [p.grad for p in ref.parameters()]
+    )
+    assert pipe.split_report().tracer == "torch.export"
+    for p, q in zip(pipe.parameters(), ref.parameters()):
+        p.grad = q.grad = None
+    loss = pipe.train_step(x, y, nn.functional.mse_loss)
+    expected = nn.functional.mse_loss(ref(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach())
+    torch.testing.assert_close(
+        [p.grad for p in pipe.parameters()], [p.grad for p in ref.parameters()]
+    )
+
+
+@pytest.mark.parametrize(
+    ("model", "mode"), [(NoGradShift, "the grad mode"), (Autocast, "autocast on cpu")]
+)
+def test_asking_torch_fx_for_a_mode_it_cannot_record_is_refused(model: type, mode: str) -> None:
+    with pytest.raises(TypeError, match=f"forward changes {mode} .* torch.fx does not record"):
+        Pipe(model(), split_points=["b"], devices=["cpu"] * 2, tracer="fx")
+
+
+def test_a_forward_setting_autocast_runs_in_it() -> None:
+    model = Autocast()
+    ref = copy.deepcopy(model)
+    pipe = Pipe(model, split_points=["b"], devices=["cpu"] * 2)
+    x = torch.randn(6, 4)
+    torch.testing.assert_close(pipe(x), ref(x))
