@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from ..schedules import placement_of
 from ..stages import partition, stage_costs
-from .cost_model import Cost, Simulation, _pair, simulate
+from .cost_model import Cost, Simulation, _pair, _size, _split, simulate
 
 __all__ = ["Prediction", "predict"]
 
@@ -50,8 +50,11 @@ def predict(
     """Predicts the step time of ``stages`` devices from per-layer costs.
 
     Args:
-        layer_times: per layer, the cost of one micro-batch (forward or
-            (forward, backward)), e.g. from :func:`mpstream.stages.balance.profile_layers`.
+        layer_times: per layer, the cost of one micro-batch (forward,
+            (forward, backward) or (forward, input_grad, weight_grad)), e.g.
+            from :func:`mpstream.stages.balance.profile_layers`. Where any
+            layer gives a triple, each stage's split backward costs the sum
+            of its layers' passes (a pair's backward counted as half each).
         stages: number of devices, one stage each.
         chunks: micro-batches per step.
         copy_times: per boundary (or one for all).
@@ -113,8 +116,16 @@ def predict(
             ("forward", 0): sum(f for f, _ in host),
             ("backward", 0): sum(b for _, b in host),
         }
+    stage_times: list[Cost] = list(zip(forward, backward))
+    if any(_size(c) == 3 for c in layer_times):
+        # A split schedule's B and W take the layers' own passes, not half
+        # the stage's backward each (simulate's default for a pair).
+        passes = [_split(c) for c in layer_times]
+        inputs = stage_costs([b for b, _ in passes], chosen)
+        weights = stage_costs([w for _, w in passes], chosen)
+        stage_times = list(zip(forward, inputs, weights))
     sim = simulate(
-        list(zip(forward, backward)),
+        stage_times,
         copy_times,
         chunks,
         schedule,

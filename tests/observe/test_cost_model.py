@@ -112,6 +112,18 @@ def test_predict_balances_and_reports_speedup() -> None:
     assert four.speedup > pred.speedup
 
 
+def test_predict_keeps_the_layers_split_backwards() -> None:
+    # (F, B_in, W) per layer: a zero-bubble schedule's B and W take the
+    # layers' own passes (3 + 3 and 0.5 + 0.5 per stage), not half the
+    # stage's backward each.
+    layers = [(1.0, 3.0, 0.5)] * 4
+    pred = predict(layers, 2, 8, schedule="zb_h1", balance=[2, 2])
+    alike = simulate([(2.0, 6.0, 1.0)] * 2, 0.0, 8, "zb_h1")
+    assert pred.step_ms == pytest.approx(alike.step_ms)
+    weights = [s.duration_ms for s in pred.simulation.timeline.spans if s.kind == "weight"]
+    assert weights == [pytest.approx(1.0)] * len(weights) and weights
+
+
 def test_a_single_copy_time_applies_to_gradient_copies_too() -> None:
     f, b, c = 1.0, 2.0, 0.5
     sim = simulate([(f, b), (f, b)], c, 1)
