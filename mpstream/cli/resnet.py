@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,7 +23,7 @@ from ..tutorial.machine import detect_devices, device_name, metadata
 from . import extras
 from . import transformer as cli_transformer
 from .argtypes import UsageError
-from .signals import INTERRUPTED, saving, terminate_as_interrupt
+from .signals import finish, terminate_as_interrupt
 
 if TYPE_CHECKING:  # the ResNet experiment's modules need torchvision: imported in the commands
     from ..tutorial.bench import Config
@@ -140,14 +139,7 @@ def bench(args: argparse.Namespace) -> int:
             config, dev0, dev1, sweep=sweep, tick=lambda: bar.update(1),
             status=bar.set_description, interruptible=True,
         )  # fmt: skip
-    with saving():
-        print(bench.table(results))
-        for path in bench.save(results, Path(args.out), plots=plots):
-            print(f"wrote {path}")
-    if results.interrupted:
-        print("mpstream bench: interrupted: the results are partial", file=sys.stderr)
-        return INTERRUPTED
-    return 0
+    return finish(results, bench.table, bench.save, Path(args.out), plots)
 
 
 def _balances(text: str | None) -> list[str | list[int]]:

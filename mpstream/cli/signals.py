@@ -5,7 +5,7 @@ SIGTERM, which kills Python at once; read as a ``KeyboardInterrupt``, it
 ends the timing as Ctrl-C does, and the bench still reports and saves what
 it measured (:func:`~mpstream.tutorial.rounds.round_robin`'s
 ``interruptible``). While that is written, SIGTERM is ignored
-(:func:`saving`): the run is ending anyway, and an interrupt then would
+(:func:`finish`): the run is ending anyway, and an interrupt then would
 lose what it measured.
 """
 
@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
-__all__ = ["INTERRUPTED", "terminate_as_interrupt", "saving"]
+__all__ = ["INTERRUPTED", "terminate_as_interrupt", "saving", "finish"]
 
 #: The exit status of a run ended early, as a shell reports one ended by Ctrl-C.
 INTERRUPTED = 130
@@ -39,6 +41,30 @@ def saving() -> Iterator[None]:
     after."""
     with _sigterm(signal.SIG_IGN):
         yield
+
+
+def finish(
+    results: Any,
+    table: Callable[[Any], str],
+    save: Callable[..., Sequence[Path]],
+    out: Path,
+    plots: bool,
+) -> int:
+    """Prints a bench's ``table`` and writes its files (``save``) with
+    SIGTERM ignored, saying so where the run was cut short.
+
+    Returns:
+        The command's exit status: 0, or :data:`INTERRUPTED` for partial
+        results (``results.interrupted``).
+    """
+    with saving():
+        print(table(results))
+        for path in save(results, out, plots=plots):
+            print(f"wrote {path}")
+    if results.interrupted:
+        print("mpstream bench: interrupted: the results are partial", file=sys.stderr)
+        return INTERRUPTED
+    return 0
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ from ..tutorial.machine import detect_devices, device_name
 from ..workloads import bench, report, transformer
 from . import extras
 from .argtypes import UsageError, int_list, positive_float, positive_int
-from .signals import INTERRUPTED, saving, terminate_as_interrupt
+from .signals import finish, terminate_as_interrupt
 
 __all__ = ["add_options", "run", "given", "TUTORIAL_ONLY", "TRANSFORMER_ONLY"]
 
@@ -106,11 +106,4 @@ def run(args: argparse.Namespace) -> int:
         results = bench.run(
             config, tick=lambda: bar.update(1), status=bar.set_description, interruptible=True
         )
-    with saving():
-        print(report.table(results))
-        for path in report.save(results, Path(args.out), plots=plots):
-            print(f"wrote {path}")
-    if results.interrupted:
-        print("mpstream bench: interrupted: the results are partial", file=sys.stderr)
-        return INTERRUPTED
-    return 0
+    return finish(results, report.table, report.save, Path(args.out), plots)

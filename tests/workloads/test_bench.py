@@ -7,6 +7,7 @@ import json
 import weakref
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -81,8 +82,8 @@ def test_the_hugging_face_model_runs_through_the_export_split() -> None:
     assert "torch.export" in str(runner.module.split_report())  # type: ignore[operator]
 
 
-def test_memory_of_a_stage_counts_what_it_saves_for_backward() -> None:
-    p = transformer.preset("tiny")
+def _trained(p: transformer.Preset) -> tuple[torch.nn.Sequential, torch.optim.AdamW, Any]:
+    """The tiny decoder, its AdamW and one step of plain training."""
     model = transformer.decoder(p)
     opt = torch.optim.AdamW(model.parameters())
     x, y = transformer.tokens(p)
@@ -92,6 +93,12 @@ def test_memory_of_a_stage_counts_what_it_saves_for_backward() -> None:
         transformer.loss_fn(model(x), y).backward()
         opt.step()
 
+    return model, opt, step
+
+
+def test_memory_of_a_stage_counts_what_it_saves_for_backward() -> None:
+    p = transformer.preset("tiny")
+    model, opt, step = _trained(p)
     step()
     (stage,), peaks = memory.per_stage(model, opt, step, [CPU])
     assert peaks == {}
@@ -291,15 +298,7 @@ def test_graphed_rows_read_against_the_captured_single_device() -> None:
 
 def test_memory_of_a_step_captured_whole_is_its_graph_pool() -> None:
     p = transformer.preset("tiny")
-    model = transformer.decoder(p)
-    opt = torch.optim.AdamW(model.parameters())
-    x, y = transformer.tokens(p)
-
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        transformer.loss_fn(model(x), y).backward()
-        opt.step()
-
+    model, opt, step = _trained(p)
     (stage,), _ = memory.per_stage(model, opt, step, [CPU], graph_bytes=12345)
     assert stage["activations"] == 12345
     naive = transformer.NaiveParallel(model, transformer.halves(p), [CPU, CPU])
