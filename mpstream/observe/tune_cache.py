@@ -1,12 +1,13 @@
 """The tuning cache: a plain JSON file of :func:`~mpstream.observe.tuning.tune`
 results, keyed by what changes a step's time.
 
-A key holds the model (type, parameter count, a hash of its repr, its mode
-and a Pipe's settings), the step timed (with its loss function and the
-target's shapes), the devices, the batch's shapes, the torch version and
-the candidates. A result is merged into the file as it is when written
-(another run's results written meanwhile stay), atomically; a file that
-cannot be read or written is warned about, never fatal.
+A key holds the model (type, parameter count, a hash of its repr, the
+dtypes of its tensors, what of it trains, its mode and a Pipe's settings),
+the step timed (with its loss function and the target's shapes), the
+devices, the batch's shapes, the torch version and the candidates.
+A result is merged into the file as it is when written (another run's
+results written meanwhile stay), atomically; a file that cannot be read or
+written is warned about, never fatal.
 """
 
 from __future__ import annotations
@@ -43,6 +44,11 @@ SETTINGS = ("checkpoint", "schedule", "virtual_stages", "force_copies", "graphed
 
 def model_key(model: nn.Module) -> dict[str, Any]:
     arch = hashlib.sha1(repr(model).encode()).hexdigest()[:16]
+    # A module's repr names neither: model.half() or frozen layers change the
+    # step's time but not the repr, and an integer batch (token ids) keeps
+    # the batch's key too.
+    dtypes = sorted({str(t.dtype) for t in (*model.parameters(), *model.buffers())})
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     settings: dict[str, str] = {"training": repr(model.training)}
     if isinstance(model, Pipe):
         settings.update({n: repr(getattr(model, n)) for n in SETTINGS})
@@ -51,6 +57,8 @@ def model_key(model: nn.Module) -> dict[str, Any]:
         "model": f"{type(model).__module__}.{type(model).__qualname__}",
         "parameters": sum(p.numel() for p in model.parameters()),
         "architecture": arch,
+        "dtypes": dtypes,
+        "trainable": trainable,
         "settings": settings,
     }
 

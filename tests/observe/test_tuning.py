@@ -219,6 +219,16 @@ def test_the_key_holds_every_setting_that_changes_a_step() -> None:
     assert model_key(_pipe().eval())["settings"] != plain
 
 
+def test_the_key_holds_the_models_dtypes_and_what_trains() -> None:
+    # The repr names neither, and a batch of token ids keeps its own key.
+    plain = model_key(_pipe())
+    assert model_key(_pipe().to(torch.float64)) != plain
+    frozen = _pipe()
+    next(frozen.parameters()).requires_grad_(False)
+    assert model_key(frozen) != plain
+    assert model_key(_pipe()) == plain
+
+
 def test_a_malformed_cache_entry_is_measured_again(tmp_path: Path) -> None:
     path = tmp_path / "c.json"
     first = tune(Curve(), SAMPLE, _total, [4, 6], cache=path, progress=False)
