@@ -180,7 +180,15 @@ class DeferredBatchNorm(_BatchNorm):
             new.num_batches_tracked = module.num_batches_tracked
             new.train(module.training)
             return new
-        for name, child in module.named_children():
+        # Every occurrence, not named_children(), which yields a module held
+        # twice only once: a BatchNorm called twice would keep its second
+        # call plain, updating the shared statistics once per micro-batch.
+        # Each occurrence gets its own deferred layer over the same
+        # parameters and buffers, which then updates them once per call, as
+        # the single-device model does.
+        for name, child in list(module._modules.items()):
+            if child is None:
+                continue
             replaced = cls.convert(child)
             if replaced is not child:
                 setattr(module, name, replaced)
@@ -194,7 +202,7 @@ def converted(module: nn.Module) -> Iterator[nn.Module]:
     swapped = [
         (parent, name, child)
         for parent in module.modules()
-        for name, child in parent.named_children()
+        for name, child in parent._modules.items()
         if isinstance(child, _BatchNorm)
         and not isinstance(child, DeferredBatchNorm)
         and child.track_running_stats

@@ -281,3 +281,41 @@ def test_a_pipe_that_fails_to_build_leaves_the_batch_norms_as_they_were() -> Non
     assert model[1] is norm
     pipe = Pipe(model, balance=[2, 1], chunks=2, deferred_batch_norm=True)
     assert type(pipe[1]).__name__ == "DeferredBatchNorm"
+
+
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_a_norm_called_twice_updates_as_the_single_device_model(checkpoint: str) -> None:
+    # The same BatchNorm at two places of the Sequential: each call updates
+    # the shared statistics once per mini-batch, with the whole batch of its
+    # own input, in call order.
+    torch.manual_seed(0)
+    norm = nn.BatchNorm1d(4, momentum=None)
+    model = nn.Sequential(nn.Linear(4, 4), norm, nn.Tanh(), nn.Linear(4, 4), norm, nn.Tanh())
+    ref = copy.deepcopy(model)
+    pipe = Pipe(
+        model,
+        chunks=3,
+        balance=[3, 3],
+        devices=["cpu", "cpu"],
+        deferred_batch_norm=True,
+        checkpoint=checkpoint,
+    )
+    assert all(type(m) is DeferredBatchNorm for m in (pipe[1], pipe[4]))
+    inputs: list[torch.Tensor] = []
+    ref[1].register_forward_pre_hook(lambda _, a: inputs.append(a[0].detach()))
+    mean, var, calls = ref[1].running_mean.clone(), ref[1].running_var.clone(), 0
+    for _ in range(2):
+        x = torch.randn(12, 4)
+        pipe(x).sum().backward()
+        inputs.clear()
+        with torch.no_grad():
+            for micro in x.chunk(3):
+                ref(micro)  # normalises each micro-batch as the pipe does
+        for first in (True, False):  # the calls of each micro-batch alternate
+            whole = torch.cat(inputs[0 if first else 1 :: 2])
+            calls += 1
+            mean += (whole.mean(0) - mean) / calls
+            var += (whole.var(0) - var) / calls
+        torch.testing.assert_close(pipe[1].running_mean, mean)
+        torch.testing.assert_close(pipe[1].running_var, var)
+        assert int(pipe[1].num_batches_tracked) == calls
