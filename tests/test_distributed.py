@@ -322,16 +322,21 @@ def _run_buffers(rank: int, path: str, accumulate: bool = False) -> dict[str, Te
     return out
 
 
+def join_group(rank: int, store_path: str) -> None:
+    """Joins this test's gloo group of :data:`WORLD` CPU processes."""
+    if sys.platform.startswith("linux"):
+        # gloo's data connections over loopback only.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, WORLD)
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=WORLD, timeout=COLLECTIVE_TIMEOUT
+    )
+
+
 def _worker(rank: int, store_path: str, out_dir: str) -> None:
     try:
-        if sys.platform.startswith("linux"):
-            # gloo's data connections over loopback only.
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        torch.set_num_threads(1)
-        store = dist.FileStore(store_path, WORLD)
-        dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=WORLD, timeout=COLLECTIVE_TIMEOUT
-        )
+        join_group(rank, store_path)
         results: dict[str, Any] = {name: _run_case(case, rank) for name, case in CASES.items()}
         results["presence"] = _run_gradient_presence(rank)
         results["overlap"] = _run_overlap(rank)

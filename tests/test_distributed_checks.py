@@ -305,16 +305,10 @@ def _layers() -> nn.Sequential:
 
 
 def _mismatch_worker(rank: int, store_path: str, out_dir: str) -> None:
-    from tests.test_distributed import COLLECTIVE_TIMEOUT, WORLD
+    from tests.test_distributed import join_group
 
     try:
-        if sys.platform.startswith("linux"):
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        torch.set_num_threads(1)
-        store = dist.FileStore(store_path, WORLD)
-        dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=WORLD, timeout=COLLECTIVE_TIMEOUT
-        )
+        join_group(rank, store_path)
         results: dict[str, Any] = {}
         balance = [1, 3] if rank == 0 else [3, 1]
         pipe = Pipe(_layers(), split_size=1, balance=balance, devices=["cpu", "cpu"])

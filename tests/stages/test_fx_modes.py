@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from mpstream import Pipe
+from tests.helpers import assert_same_grads
 
 
 class NoGradShift(nn.Module):
@@ -46,9 +47,7 @@ def test_a_no_grad_block_keeps_its_gradients_out(chunks: int) -> None:
     x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
     nn.functional.mse_loss(pipe(x), y).backward()
     nn.functional.mse_loss(ref(x), y).backward()
-    torch.testing.assert_close(
-        [p.grad for p in pipe.parameters()], [p.grad for p in ref.parameters()]
-    )
+    assert_same_grads(pipe, ref)
     assert pipe.split_report().tracer == "torch.export"
     for p, q in zip(pipe.parameters(), ref.parameters()):
         p.grad = q.grad = None
@@ -56,9 +55,7 @@ def test_a_no_grad_block_keeps_its_gradients_out(chunks: int) -> None:
     expected = nn.functional.mse_loss(ref(x), y)
     expected.backward()
     torch.testing.assert_close(loss, expected.detach())
-    torch.testing.assert_close(
-        [p.grad for p in pipe.parameters()], [p.grad for p in ref.parameters()]
-    )
+    assert_same_grads(pipe, ref)
 
 
 @pytest.mark.parametrize(
