@@ -194,6 +194,7 @@ void Scheduler::abort() {
       }
     }
     attempt([&] { caller_waits(); });
+    drop_run_timings();
     release_run();
   }
   if (device_error) {

@@ -142,6 +142,7 @@ class Scheduler {
   // the caller's streams) if there are none yet. Timing events come from a
   // pool: each run's begin_run turns the finished tasks' events into times
   // and returns them, so only work still in flight holds events.
+  // abort() drops the failed run's timings: timings() holds whole runs.
   void set_timing(bool on);
   bool timing() const;
   std::vector<Timing> timings();  // blocks until the timed work finished
@@ -205,6 +206,7 @@ class Scheduler {
   // without `wait`, only if they have completed. Returns whether resolved.
   bool resolve(TimedTask& t, bool wait);
   void harvest_timings();
+  void drop_run_timings();  // abort(): the failed run's timings
 
   int32_t stages_ = 0;
   int32_t callers_ = 0;

@@ -48,6 +48,7 @@ struct Scheduler::TimedTask {
   int64_t run = 0;
   bool done = false;
   bool resolved = false;
+  bool dropped = false;  // its run failed: timings() leaves it out
 };
 
 struct Scheduler::Open {

@@ -105,8 +105,9 @@ void Scheduler::timing_mark(Open& o, bool start) {
     o.timed = static_cast<int32_t>(timed_.size());
     o.timed_generation = timing_generation_;
     timed_.push_back(std::move(t));
-  } else if (o.timed < 0 || o.timed_generation != timing_generation_) {
-    return;  // started before the timings were cleared
+  } else if (o.timed < 0 || o.timed_generation != timing_generation_ ||
+             timed_[o.timed].dropped) {
+    return;  // started before the timings were cleared, or in a failed run
   }
   TimedTask& t = timed_[o.timed];
   const int32_t slot = start ? t.start_slot : t.slot;
@@ -199,12 +200,32 @@ void Scheduler::end_mark(int64_t mark) {
   timing_mark(o, false);
 }
 
+void Scheduler::drop_run_timings() {
+  // A failed run's spans (a few tasks, some never ended) would be averaged
+  // with whole runs, and one never ended would keep harvest_timings() from
+  // moving past it. Their events go back to the pool: a later record on
+  // one simply replaces this one.
+  for (auto& t : timed_) {
+    if (t.run != runs_) {
+      continue;
+    }
+    for (int32_t* ev : {&t.start, &t.end}) {
+      if (*ev >= 0) {
+        timing_free_[timing_event_pool_[*ev]].push_back(*ev);
+        *ev = -1;
+      }
+    }
+    t.resolved = t.dropped = true;
+  }
+  harvest_timings();
+}
+
 std::vector<Timing> Scheduler::timings() {
   const auto held = lock();
   std::vector<Timing> out;
   for (auto& t : timed_) {
-    if (!resolve(t, true)) {
-      continue;  // still open
+    if (t.dropped || !resolve(t, true)) {
+      continue;  // its run failed, or still open
     }
     const double issue_ms = static_cast<double>(t.issue_end_ns - t.issue_start_ns) / 1e6;
     out.push_back(Timing{t.kind, t.stage, t.peer, t.micro, t.slot, t.start_ms, t.end_ms, t.run,

@@ -17,6 +17,10 @@ the launch skew of the records (microseconds); a copy's start and end are
 read on its two devices. Host-clock times (CPU stages) share the block's
 start as their zero.
 
+A call that raises inside the block leaves no spans: its run number is
+skipped (``prof.runs()`` may read ``[1, 3]``), so summaries average whole
+runs only.
+
 Several pipes in one model get their own rows (``pipe<i>/`` before each
 stream's name) and stage numbers one after another (pipe 1's stage 0
 follows pipe 0's last stage; ``meta["pipe_stages"]`` says which are whose),

@@ -335,7 +335,8 @@ class EventScheduler:
         Times are milliseconds from the timing reference; ``run`` counts the
         runs (forwards or training steps) since the timings were cleared,
         from 1, and autograd's backward belongs to the run whose forward
-        built its graph.
+        built its graph. A run that failed (:meth:`abort`) leaves none: its
+        number is skipped.
         """
         return [
             TaskTime(s, m, kind, self.slot_names[slot], start, end, run, peer, issue)

@@ -113,3 +113,50 @@ def test_profile_blocks_do_not_nest() -> None:
                 pass
         pipe(x)
     assert len(outer.runs()) == 2  # the outer block kept every run
+
+
+class _Fails(nn.Module):
+    """Raises at its second micro-batch while ``armed``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = False
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.armed and self.calls == 2:
+            raise RuntimeError("boom")
+        return x
+
+
+@pytest.mark.parametrize("step", [False, True])
+def test_a_failed_run_leaves_no_spans(step: bool) -> None:
+    fails = _Fails()
+    pipe = Pipe(
+        nn.Sequential(nn.Linear(6, 8), fails, nn.Linear(8, 4)),
+        chunks=3,
+        balance=[1, 2],
+        devices=["cpu", "cpu"],
+    )
+    x, y = torch.randn(6, 6), torch.randn(6, 4)
+
+    def run() -> None:
+        fails.calls = 0
+        if step:
+            pipe.train_step(x, y, nn.MSELoss())
+        else:
+            pipe(x)
+
+    with profile(pipe) as prof:
+        run()
+        fails.armed = True
+        with pytest.raises(RuntimeError, match="boom"):
+            run()
+        fails.armed = False
+        run()
+    # Its partial spans would be averaged with whole runs by summary().
+    assert prof.runs() == [1, 3]
+    assert prof.summary(echo=False).runs == 2
+    first, last = (sorted((s.kind, s.stage, s.micro) for s in prof.select(r).spans) for r in (1, 3))
+    assert first == last
