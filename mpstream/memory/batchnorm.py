@@ -159,9 +159,34 @@ class DeferredBatchNorm(_BatchNorm):
         """Replaces every BatchNorm in ``module`` (in place) with a deferred one.
 
         Parameters and buffers are reused, so optimizers and state_dict keys
-        are unaffected. Returns ``module`` (or its replacement if it is
-        itself a BatchNorm).
+        are unaffected.
+
+        Returns:
+            ``module``, or its replacement if it is itself a BatchNorm.
+
+        Raises:
+            TypeError: ``module`` holds an ``nn.SyncBatchNorm`` (nothing is
+                replaced then). A deferred layer keeps its statistics within
+                one process, so converting it would silently drop the
+                synchronisation across processes that it was chosen for.
         """
+        synced = [
+            name or type(module).__name__
+            for name, m in module.named_modules(remove_duplicate=False)
+            if isinstance(m, nn.SyncBatchNorm)
+        ]
+        if synced:
+            raise TypeError(
+                f"deferred_batch_norm=True cannot take the nn.SyncBatchNorm layer(s) "
+                f"{', '.join(repr(n) for n in synced)}: a DeferredBatchNorm keeps its statistics "
+                f"within one process, which would silently drop their synchronisation across "
+                f"processes. Use nn.BatchNorm layers there (under DDP each process then keeps its "
+                f"own statistics, as plain DDP does), or leave deferred_batch_norm off"
+            )
+        return cls._convert(module)
+
+    @classmethod
+    def _convert(cls, module: nn.Module) -> nn.Module:
         if isinstance(module, _BatchNorm) and not isinstance(module, cls):
             if not module.track_running_stats:
                 return module
@@ -189,7 +214,7 @@ class DeferredBatchNorm(_BatchNorm):
         for name, child in list(module._modules.items()):
             if child is None:
                 continue
-            replaced = cls.convert(child)
+            replaced = cls._convert(child)
             if replaced is not child:
                 setattr(module, name, replaced)
         return module

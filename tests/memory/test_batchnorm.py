@@ -319,3 +319,15 @@ def test_a_norm_called_twice_updates_as_the_single_device_model(checkpoint: str)
         torch.testing.assert_close(pipe[1].running_mean, mean)
         torch.testing.assert_close(pipe[1].running_var, var)
         assert int(pipe[1].num_batches_tracked) == calls
+
+
+def test_a_sync_batch_norm_is_refused_and_nothing_is_converted() -> None:
+    # Deferring it would drop its synchronisation across processes silently.
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.SyncBatchNorm(4))
+    with pytest.raises(
+        TypeError, match=r"nn.SyncBatchNorm layer\(s\) '2'.*leave deferred_batch_norm"
+    ):
+        Pipe(model, chunks=2, balance=[2, 1], devices=["cpu", "cpu"], deferred_batch_norm=True)
+    assert [type(m) for m in model] == [nn.Linear, nn.BatchNorm1d, nn.SyncBatchNorm]
+    with pytest.raises(TypeError, match="'SyncBatchNorm'"):
+        DeferredBatchNorm.convert(nn.SyncBatchNorm(4))
