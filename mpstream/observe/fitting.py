@@ -53,6 +53,8 @@ def fit(timeline: Timeline) -> Costs:
 
     From a run with split backwards (``'zb_h1'``) the costs hold both passes:
     ``costs.per_stage()`` gives (forward, input_grad, weight_grad) triples.
+    Where a run split only some backwards (``'dualpipev'``), the input pass
+    is fitted from the split ones alone (a whole backward costs both).
     Where the spans carry the host's issue time (``Span.issue_ms``, measured
     by the scheduler's timing), ``costs.issue_times`` holds its median per
     (kind, stage), for :func:`~mpstream.observe.cost_model.simulate`'s ``issue_times``.
@@ -62,8 +64,13 @@ def fit(timeline: Timeline) -> Costs:
     """
     groups: dict[tuple[str, int], list[float]] = defaultdict(list)
     hops: dict[tuple[str, int, int], list[float]] = defaultdict(list)
+    # A backward with a weight pass of its own computed the input gradient
+    # only; schedules such as dualpipev split some micro-batches and not
+    # others, and one median of both would be neither.
+    split = {(s.stage, s.micro, s.run) for s in timeline.spans if s.kind == "weight"}
     for s in timeline.spans:
-        groups[(s.kind, s.stage)].append(s.duration_ms)
+        whole = s.kind == "backward" and split and (s.stage, s.micro, s.run) not in split
+        groups[("whole_backward" if whole else s.kind, s.stage)].append(s.duration_ms)
         if s.kind in ("copy", "copy_grad") and s.stage >= 0:
             hops[(s.kind, s.stage, s.stages[0] if s.kind == "copy_grad" else s.stages[-1])].append(
                 s.duration_ms
@@ -80,10 +87,16 @@ def fit(timeline: Timeline) -> Costs:
         values = hops.get((kind, p, q))
         return statistics.median(values) if values else 0.0
 
+    def backward(stage: int) -> float:
+        if ("backward", stage) in groups or ("whole_backward", stage) not in groups:
+            return median("backward", stage)
+        # This stage's backwards were all whole: the input pass is the rest.
+        return max(median("whole_backward", stage) - median("weight", stage), 0.0)
+
     pairs = {(p, q) for _, p, q in hops}
-    weighted = any(k == "weight" for k, _ in groups)
+    weighted = bool(split)
     return Costs(
-        [(median("forward", s), median("backward", s)) for s in range(stages)],
+        [(median("forward", s), backward(s)) for s in range(stages)],
         [(median("copy", s), median("copy_grad", s)) for s in range(stages - 1)],
         {(p, q): (hop("copy", p, q), hop("copy_grad", p, q)) for p, q in sorted(pairs)},
         [median("weight", s) for s in range(stages)] if weighted else [],
