@@ -45,12 +45,18 @@ _ZERO_STATE: tuple[type[Optimizer], ...] = (
 
 def hyperparameters(optimizer: Optimizer | None) -> list[dict[str, Any]]:
     """Each param group's settings: plain values (which a graph keeps) and the
-    tensors themselves (a replay reads the captured ones)."""
+    tensors themselves (a replay reads the captured ones).
+
+    Only the optimizer's own settings (the keys of its ``defaults``, which
+    every group gets): what else a group holds is no input of its step,
+    such as the ``initial_lr`` an LR scheduler built after capture adds.
+    """
     if optimizer is None:
         return []
     kept = (int, float, bool, tuple, str, type(None), Tensor)
+    own = optimizer.defaults.keys()
     return [
-        {k: v for k, v in g.items() if k != "params" and isinstance(v, kept)}
+        {k: v for k, v in g.items() if k in own and k != "params" and isinstance(v, kept)}
         for g in optimizer.param_groups
     ]
 

@@ -1,0 +1,40 @@
+"""What an optimizer stepped in a captured step must allow: settings a
+replay would not see are refused, what the optimizer does not read is not."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from mpstream import CapturedStep, Pipe
+from tests.helpers import mlp
+
+
+def test_a_scheduler_built_after_capture_is_no_changed_setting() -> None:
+    # Its initial_lr is bookkeeping of the scheduler's, which AdamW never reads.
+    g = torch.Generator().manual_seed(0)
+    batches = [
+        (torch.randn(6, 5, generator=g).double(), torch.randn(6, 4, generator=g).double())
+        for _ in range(3)
+    ]
+    model = mlp([5, 8, 4])
+    ref = copy.deepcopy(model)
+    pipe = Pipe(model, balance=[2, 2], devices=["cpu", "cpu"], split_size=3)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=torch.tensor(0.1))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1)
+    step = CapturedStep(pipe, *batches[0], nn.MSELoss(), optimizer=opt)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, 4)
+    ref_schedule = torch.optim.lr_scheduler.CosineAnnealingLR(ref_opt, 4)
+    for x, y in batches:
+        loss = step(x, y)
+        ref_opt.zero_grad()
+        expected = nn.MSELoss()(ref(x), y)
+        expected.backward()
+        ref_opt.step()
+        schedule.step()
+        ref_schedule.step()
+        torch.testing.assert_close(loss, expected.detach())
+    for p, q in zip(pipe.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach())
