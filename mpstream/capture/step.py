@@ -122,8 +122,8 @@ class CapturedStep:
             ``graphs=True``, whose stages keep pools of their own.
 
     Raises:
-        TypeError: ``pipe`` is not a Pipe, ``loss_fn`` is not callable, or
-            ``warmup`` is not an int.
+        TypeError: ``pipe`` is not a Pipe, ``loss_fn`` is not callable,
+            ``optimizer`` is not an optimizer, or ``warmup`` is not an int.
         ValueError: ``warmup`` below 1, an unknown ``reduction``, stages on
             several GPUs without ``graphs=True``, on both CPU and CUDA,
             ``pool`` with ``graphs=True``, a pipe being traced while it is
@@ -155,6 +155,11 @@ class CapturedStep:
         reduction = step_reduction(reduction, loss_fn)
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"CapturedStep: optimizer must be a torch.optim.Optimizer built on the pipe's "
+                f"parameters (or None), got {type(optimizer).__name__}"
+            )
         #: Whether the stages replay graphs of their own (``Pipe(graphs=True)``).
         self.graphed = pipe.graphed
         if self.graphed and pool is not None:

@@ -425,6 +425,9 @@ def test_bad_arguments_are_named() -> None:
         CapturedStep(pipe, x, y, nn.MSELoss(), reduction="avg")
     with pytest.raises(TypeError, match="loss_fn must be callable, got str"):
         CapturedStep(pipe, x, y, "mse")  # type: ignore[arg-type]
+    params = list(pipe.parameters())  # the optimizer's parameters, not an optimizer
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer .* got list"):
+        CapturedStep(pipe, x, y, nn.MSELoss(), optimizer=params)  # type: ignore[arg-type]
     step = CapturedStep(pipe, x, y, nn.MSELoss())
     with pytest.raises(RuntimeError, match="no CUDA graph"):
         _ = step.pool
