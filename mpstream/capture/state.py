@@ -42,6 +42,10 @@ class Trained:
         pipe: the pipe.
         loss_fn: the loss function (its tensors count if it is a module).
         optimizer: the optimizer stepped in the step, if any.
+
+    Raises:
+        ValueError: the optimizer steps none of the pipe's parameters
+            while some of them need gradients.
     """
 
     def __init__(self, pipe: nn.Module, loss_fn: object, optimizer: Optimizer | None) -> None:
@@ -59,7 +63,17 @@ class Trained:
                     held = self.params if isinstance(t, nn.Parameter) else self.buffers
                     held.append((prefix + name, t))  # type: ignore[arg-type]
         own = {id(p) for p in pipe.parameters()}
-        for i, group in enumerate(optimizer.param_groups if optimizer is not None else ()):
+        groups = optimizer.param_groups if optimizer is not None else []
+        stepped = {id(p) for g in groups for p in g["params"]}
+        if groups and not stepped & own and any(p.requires_grad for p in pipe.parameters()):
+            # Built on a copy of the model, say: the pipe would never train.
+            raise ValueError(
+                f"CapturedStep: the optimizer ({type(optimizer).__name__}) steps none of the "
+                f"pipe's parameters, so the step would compute their gradients and never "
+                f"update them; build it on pipe.parameters() (a copy of the model has "
+                f"parameters of its own)"
+            )
+        for i, group in enumerate(groups):
             for j, p in enumerate(group["params"]):
                 if id(p) not in seen:
                     seen.add(id(p))

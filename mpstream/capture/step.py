@@ -128,8 +128,10 @@ class CapturedStep:
             several GPUs without ``graphs=True``, on both CPU and CUDA,
             ``pool`` with ``graphs=True``, a pipe being traced while it is
             captured as one graph (its scheduler's timing or plan recording
-            is on: a replay would record nothing), or an optimizer whose
-            captured step would differ from its eager one (see above).
+            is on: a replay would record nothing), an optimizer that steps
+            none of the pipe's parameters (built on a copy of the model),
+            or an optimizer whose captured step would differ from its eager
+            one (see above).
         Exception: whatever capture raised (PyTorch's error, with a note);
             the pipe, the optimizer, the generators and the caller's stream
             are restored first.

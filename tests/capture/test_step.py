@@ -428,6 +428,9 @@ def test_bad_arguments_are_named() -> None:
     params = list(pipe.parameters())  # the optimizer's parameters, not an optimizer
     with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer .* got list"):
         CapturedStep(pipe, x, y, nn.MSELoss(), optimizer=params)  # type: ignore[arg-type]
+    copied = torch.optim.SGD(copy.deepcopy(pipe).parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="optimizer \\(SGD\\) steps none of the pipe's"):
+        CapturedStep(pipe, x, y, nn.MSELoss(), optimizer=copied)
     step = CapturedStep(pipe, x, y, nn.MSELoss())
     with pytest.raises(RuntimeError, match="no CUDA graph"):
         _ = step.pool
