@@ -172,9 +172,11 @@ class Kept:
 
     Args:
         trained: what the step trains, and its optimizer.
+        zeroing: whether the step zeroes the gradients itself (for messages).
     """
 
-    def __init__(self, trained: Trained) -> None:
+    def __init__(self, trained: Trained, zeroing: bool) -> None:
+        self.zeroing = zeroing
         self.children: list[tuple[str, nn.Module, str, nn.Module | None]] = []
         self.held: list[tuple[str, dict[str, Any], str, Tensor, int, bool]] = []
         for prefix, module in trained.modules:
@@ -253,11 +255,18 @@ class Kept:
     def _grads(self) -> None:
         for name, p, grad in self.grads:
             if p.grad is not grad:
+                # The old tensor is gone from the caller's reach: only a new step helps.
+                advice = (
+                    "the step zeroes the gradients itself (zero_grad=True): drop the "
+                    "zero_grad() call between calls"
+                    if self.zeroing
+                    else "zero them between calls with zero_grad(set_to_none=False), or "
+                    "let the step zero them (CapturedStep(zero_grad=True))"
+                )
                 raise ValueError(
                     f"CapturedStep: the gradient of {name} was replaced since capture "
                     f"(zero_grad() sets it to None by default); the captured step "
-                    f"accumulates into the old one. Use zero_grad(set_to_none=False), or "
-                    f"CapturedStep(zero_grad=True)."
+                    f"accumulates into the old one. Capture a new step; {advice}."
                 )
 
     def _state(self) -> None:

@@ -202,7 +202,7 @@ class CapturedStep:
         self._loss: Tensor | None = None
         if self.device is not None:
             self._capture(warmup, pool)
-            self._kept = Kept(self._trained)
+            self._kept = Kept(self._trained, self.zero_grad)
 
     # -- the step ----------------------------------------------------------
     def _train(self, zeroed: bool = False) -> Tensor:
@@ -338,7 +338,7 @@ class CapturedStep:
         if not self._captured:
             loss = self._step()
             if self._kept is None:  # the CPU's checks start once gradients exist
-                self._kept = Kept(self._trained)
+                self._kept = Kept(self._trained, self.zero_grad)
             return loss
         assert self.device is not None
         with torch.cuda.device(self.device):
