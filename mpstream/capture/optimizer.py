@@ -90,9 +90,10 @@ def check_optimizer(optimizer: Optimizer | None, devices: Sequence[torch.device]
         ValueError: some parameter has no state yet and the optimizer's first
             state is not all zeros; or, on CUDA, a parameter is on the CPU,
             or a param group holds a tensor
-            setting that the optimizer reads as a Python number, or that it
-            would copy to another GPU inside a capture (a group whose
-            parameters span GPUs).
+            setting that the optimizer reads as a Python number, that sits
+            in host memory (read as a number at launch), or that it would
+            copy to another GPU inside a capture (a group whose parameters
+            span GPUs).
     """
     if optimizer is None:
         return
@@ -132,6 +133,16 @@ def check_optimizer(optimizer: Optimizer | None, devices: Sequence[torch.device]
                 f"{group['params'][host[0]].device}; a step captured on the GPU would update "
                 f"it once, at capture, and never at a replay. Move it to a GPU, or step it "
                 f"with an optimizer of its own outside the captured step."
+            )
+        # A 0-dim tensor in host memory goes to CUDA kernels as a number
+        # read at launch (Adam's lr, capturable or fused): a graph keeps it.
+        held = [k for k in tensors if k in optimizer.defaults and group[k].device.type == "cpu"]
+        if held and group["params"]:
+            raise ValueError(
+                f"CapturedStep: param group {i} of {name} holds {held[0]!r} as a tensor in "
+                f"host memory, which the optimizer's kernels read as a number at capture: "
+                f"every replay would keep that value. Create it on the parameters' device "
+                f"(torch.tensor(..., device={str(group['params'][0].device)!r}))."
             )
 
 

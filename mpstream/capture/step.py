@@ -56,10 +56,11 @@ class CapturedStep:
       a second step for the last, smaller batch, sharing ``pool``, or drop it);
     - plain values in the batch and the optimizer's settings (lr, momentum,
       ...) are baked in: a call after one changed raises. For a learning-rate
-      schedule, capture with a tensor ``lr`` that the schedule changes in
-      place, with an optimizer that reads it on the device at every step
-      (``capturable=True``: Adam, AdamW, ...; on CUDA a tensor setting of
-      an optimizer without it is refused at construction);
+      schedule, capture with a tensor ``lr`` on the parameters' device
+      that the schedule changes in place, with an optimizer that reads it
+      on the device at every step (``capturable=True``: Adam, AdamW, ...;
+      on CUDA a tensor setting of an optimizer without it, or in host
+      memory, is refused at construction);
     - with ``zero_grad=False`` gradients accumulate across calls in the
       captured gradient tensors: zero them with ``zero_grad(set_to_none=False)``;
       replacing a ``.grad`` (``set_to_none=True``), the optimizer's state

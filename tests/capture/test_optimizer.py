@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch import nn
 
 from mpstream import CapturedStep, Pipe
+from mpstream.capture.optimizer import check_optimizer
 from tests.helpers import mlp
 
 
@@ -38,3 +40,14 @@ def test_a_scheduler_built_after_capture_is_no_changed_setting() -> None:
         torch.testing.assert_close(loss, expected.detach())
     for p, q in zip(pipe.parameters(), ref.parameters()):
         torch.testing.assert_close(p.detach(), q.detach())
+
+
+def test_on_cuda_a_tensor_setting_in_host_memory_is_refused() -> None:
+    # Adam's kernels take a 0-dim tensor in host memory as a number read at
+    # launch: every replay would keep the learning rate of capture.
+    params = list(mlp([5, 4]).to("meta").parameters())  # stand for parameters on a GPU
+    adam = torch.optim.Adam(params, lr=torch.tensor(0.1), capturable=False, foreach=False)
+    adam.param_groups[0]["capturable"] = True  # as on CUDA parameters
+    with pytest.raises(ValueError, match=r"group 0 of Adam holds 'lr' as a tensor in host memory"):
+        check_optimizer(adam, [torch.device("cuda:0")])
+    check_optimizer(adam, [])  # on the CPU every step reads it

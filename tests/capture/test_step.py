@@ -197,6 +197,7 @@ def test_on_cuda_a_tensor_setting_needs_an_optimizer_that_reads_it_on_the_device
     check_optimizer(sgd, [])  # eager steps read it every time
     adam = torch.optim.Adam(params, lr=torch.tensor(0.1), foreach=False)
     adam.param_groups[0]["capturable"] = True  # as on CUDA parameters
+    adam.param_groups[0]["lr"] = torch.tensor(0.1, device="meta")  # on theirs too
     check_optimizer(adam, [GPU])
     # A group spanning devices would copy its tensor setting between GPUs.
     spanning = [nn.Parameter(torch.ones(2, device="meta")), nn.Parameter(torch.ones(2))]
