@@ -51,8 +51,16 @@ class Traced:
     tensors: list[set[str]]
 
 
-class _ModeChange(TypeError):
-    """A forward changes the grad or autocast mode, which fx cannot record."""
+class _Unrecorded(TypeError):
+    """A forward does what fx runs while tracing instead of recording."""
+
+
+class _ModeChange(_Unrecorded):
+    """A forward changes the grad or autocast mode."""
+
+
+class _BufferChange(_Unrecorded):
+    """A forward changes one of the module's buffers."""
 
 
 class _Tracer(fx.Tracer):
@@ -143,19 +151,25 @@ def _trace(
     try:
         # With grad enabled, so that a no_grad block in forward changes the
         # mode however the kind of call that traces it was called.
-        with torch.enable_grad():
+        with torch.enable_grad(), _stand_ins(module) as changed:
             tracer.modes = _modes()
             graph = tracer.trace(module, {n: None for n in nones} if nones else None)
+            if changed():
+                raise _BufferChange(
+                    f"forward changes buffer(s) {', '.join(repr(n) for n in changed())} "
+                    f"(in place or by assignment), which torch.fx runs once while tracing "
+                    f"instead of recording: the stages would never change them"
+                )
     except Exception as exc:
         inner = tracer.failed_in
         where = f" inside submodule '{inner}'" if inner else " in its own forward"
         if nones:
             where += " with " + ", ".join(f"{n}=None" for n in sorted(nones))
         advice = (
-            "Let torch.export split the module (it records those modes: the default "
+            "Let torch.export split the module (it records those: the default "
             "tracer='auto', without leaf_modules), or move that block into a submodule "
             "marked as a leaf (Pipe(..., leaf_modules=[...])), which runs whole as written."
-            if isinstance(exc, _ModeChange)
+            if isinstance(exc, _Unrecorded)
             else f"Mark that submodule as a leaf (Pipe(..., leaf_modules=['{inner}'])), which runs "
             f"it whole inside one stage, or pass an nn.Sequential of stages."
             if inner
@@ -174,6 +188,42 @@ def _trace(
         if isinstance(node.type, str):
             node.type = None
     return fx.GraphModule(tracer.root, graph, type(module).__name__)
+
+
+@contextmanager
+def _stand_ins(module: nn.Module) -> Iterator[Callable[[], list[str]]]:
+    """While ``module`` is traced, a copy stands in for each of its buffers
+    (a tensor held under several names gets one). fx reads buffers as plain
+    tensors, so ``self.steps += 1`` in forward would change the real buffer
+    once, while tracing, and leave the change out of the graph. Yields what
+    names the buffers the trace changed (in place or by assignment)."""
+    swapped: list[tuple[dict[str, Any], str, Tensor, Tensor, int, str]] = []
+    copies: dict[int, Tensor] = {}
+    try:
+        for owner, mod in module.named_modules():
+            for name, tensor in list(mod._buffers.items()):
+                if tensor is None:
+                    continue
+                copy = copies.get(id(tensor))
+                if copy is None:
+                    with torch.no_grad():
+                        copy = tensor.clone().requires_grad_(tensor.requires_grad)
+                    copies[id(tensor)] = copy
+                qualname = f"{owner}.{name}" if owner else name
+                swapped.append((mod._buffers, name, tensor, copy, copy._version, qualname))
+                mod._buffers[name] = copy
+
+        def changed() -> list[str]:
+            return [
+                qualname
+                for store, name, _, copy, version, qualname in swapped
+                if store.get(name) is not copy or copy._version != version
+            ]
+
+        yield changed
+    finally:
+        for store, name, tensor, *_ in reversed(swapped):
+            store[name] = tensor
 
 
 def traced_through(

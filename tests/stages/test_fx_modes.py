@@ -1,7 +1,8 @@
-"""Grad and autocast modes a forward sets itself: torch.fx does not record
-them, so such a module is split by torch.export (which does), and asking
-for torch.fx is refused, instead of computing the block in the caller's mode
-(a ``torch.no_grad()`` block would carry gradients)."""
+"""Grad and autocast modes a forward sets itself, and buffers it changes:
+torch.fx does not record them, so such a module is split by torch.export
+(which does), and asking for torch.fx is refused, instead of computing the
+block in the caller's mode (a ``torch.no_grad()`` block would carry
+gradients) or changing a buffer once while tracing and never again."""
 
 from __future__ import annotations
 
@@ -37,6 +38,36 @@ class Autocast(nn.Module):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             h = self.b(h)
         return h.float()
+
+
+class Counting(nn.Module):
+    calls: Tensor
+    average: Tensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.register_buffer("calls", torch.zeros(()))
+        self.register_buffer("average", torch.zeros(4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        self.average.mul_(0.5).add_(x.mean(0))  # mul_ reads no traced value
+        return self.b(self.a(x))  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_a_forward_changing_its_buffers_changes_them_at_each_call(chunks: int) -> None:
+    model = Counting().double()
+    ref = copy.deepcopy(model)
+    pipe = Pipe(model, chunks=chunks, split_points=["b"], devices=["cpu"] * 2)
+    assert model.calls == 0  # splitting ran nothing on the real buffers
+    assert pipe.split_report().tracer == "torch.export"
+    x = torch.randn(5, 4, dtype=torch.float64)
+    torch.testing.assert_close(pipe(x), torch.cat([ref(part) for part in x.chunk(chunks)]))
+    torch.testing.assert_close(dict(model.named_buffers()), dict(ref.named_buffers()))
+    with pytest.raises(TypeError, match="forward changes buffer.*'calls', 'average'"):
+        Pipe(Counting(), split_points=["b"], devices=["cpu"] * 2, tracer="fx")
 
 
 @pytest.mark.parametrize("chunks", [1, 4])
