@@ -138,8 +138,10 @@ class ExportSplit(Kinds):
         except ValueError as exc:
             if not _raised_by_torch(exc):  # the model's own check of its inputs
                 raise
+            _check_batch_sizes(items, exc)
             raise TypeError(self._failure(exc)) from exc
         except Exception as exc:
+            _check_batch_sizes(items, exc)
             raise TypeError(self._failure(exc)) from exc
         nochunk = [isinstance(x, NoChunk) for x in items]
         holders = list(pytree.tree_flatten_with_path(((), named))[0])
@@ -280,6 +282,24 @@ def own_loss(split: Kinds | None, target: Any) -> Callable[[Any, Any], Tensor]:
         return loss
 
     return model_loss
+
+
+def _check_batch_sizes(items: Sequence[Any], exc: BaseException) -> None:
+    """Names inputs of different batch sizes as the cause of a failed export
+    (torch.export gives each its own symbolic size, and the model's check
+    that they match fails in torch's words).
+
+    Raises:
+        ValueError: the tensors to split differ in size along dim 0.
+    """
+    sizes = sorted({x.size(0) for x in items if isinstance(x, Tensor) and x.dim()})
+    if len(sizes) > 1:
+        raise ValueError(
+            f"input tensors have different batch sizes (dim 0): {sizes}, and torch.export "
+            f"could not export the call ({first_line(exc)}); mpstream splits every tensor "
+            f"along dim 0 into micro-batches. Give them the same batch size, or wrap those "
+            f"not to split in mpstream.NoChunk"
+        ) from exc
 
 
 _TORCH = os.path.dirname(torch.__file__) + os.sep

@@ -244,6 +244,14 @@ def test_the_models_own_value_error_reaches_the_user_as_it_is() -> None:
              sample={"x": torch.randn(4, 4), "mask": torch.ones(4)})  # fmt: skip
 
 
+@pytest.mark.filterwarnings("ignore:Using a target size")  # mse_loss's, while exported
+def test_inputs_of_different_batch_sizes_are_named_when_their_export_fails() -> None:
+    pipe = Pipe(Shaped(), chunks=2, split_points=["head"], devices=["cpu"] * 2,
+                sample={"x": torch.randn(4, 4)})  # fmt: skip
+    with pytest.raises(ValueError, match=r"different batch sizes \(dim 0\): \[3, 5\]"):
+        pipe(torch.randn(5, 4), torch.randn(3, 2))  # a new kind of call: exported first
+
+
 def test_train_step_without_loss_fn_needs_a_module_that_returns_its_loss() -> None:
     fx = Pipe(Fan(), split_points=["b"], devices=["cpu"] * 2)
     with pytest.raises(TypeError, match="train_step needs a loss_fn"):
