@@ -9,7 +9,8 @@ and returns the same structure, with the loss weighted over micro-batches
 library: a pipeline runs training and scoring passes, so the key/value cache
 is turned off (``use_cache=False`` unless the caller says otherwise, which
 is refused); a caller's ``num_items_in_batch`` (the Hugging Face Trainer's
-normaliser, a scalar every micro-batch gets whole) already makes each
+normaliser, a scalar every micro-batch gets whole, as a tensor so that its
+value is no part of the call's kind) already makes each
 micro-batch's loss a share of the batch's;
 ``return_dict=False`` is refused (the loss is found by name); and without a
 ``sample=``, the model's ``dummy_inputs`` are its example call.
@@ -23,6 +24,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from ..runtime.microbatch import NoChunk
@@ -101,6 +103,10 @@ class HuggingFaceCalls(Calls):
         if "use_cache" in self.takes and "use_cache" not in named:
             named = {**named, "use_cache": False}
         count = named.get("num_items_in_batch")
+        if isinstance(count, (int, float)) and not isinstance(count, bool):
+            # A plain number is fixed by the export: each step's count would
+            # export again. A tensor is an input, whatever its value.
+            count = torch.tensor(count)
         if isinstance(count, Tensor) and count.dim() == 0:
             # The batch's count, the same for every micro-batch.
             named = {**named, "num_items_in_batch": NoChunk(count)}

@@ -283,6 +283,12 @@ def test_the_users_own_loop_state_dict_and_num_items_in_batch() -> None:
     count = (data["labels"][:, 1:] != -100).sum()
     out = pipe(**data, num_items_in_batch=count)
     torch.testing.assert_close(out.loss, other(**data, num_items_in_batch=count).loss)
+    # As a number it is an input too: another count exports nothing new.
+    kinds = len(pipe.split_report().exports)
+    for number in (int(count), int(count) + 1):
+        out = pipe(**data, num_items_in_batch=number)
+        torch.testing.assert_close(out.loss, other(**data, num_items_in_batch=number).loss)
+    assert len(pipe.split_report().exports) == kinds
 
 
 def test_dropout_is_active_and_equal_with_one_micro_batch() -> None:
