@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn, optim
@@ -24,6 +25,9 @@ from torch.utils.data import DataLoader
 from torchvision.models.resnet import Bottleneck, ResNet
 
 from ..pipe import Pipe
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self needs Python 3.11
 
 __all__ = [
     "NUM_CLASSES",
@@ -162,6 +166,21 @@ class StreamPipelineResNet50(ModelParallelResNet50):
         out = self.__dict__["pipe"](x)
         assert isinstance(out, Tensor)
         return out
+
+    # The pipe sits outside _modules: what reaches the children reaches it here.
+    def _apply(self, fn: Any, recurse: bool = True) -> Self:  # type: ignore[override]
+        # The pipe first: it refuses a device move (both halves on one
+        # device behind its back) before any tensor moves.
+        pipe = self.__dict__.get("pipe")
+        if pipe is not None:
+            pipe._apply(fn, recurse)
+        return super()._apply(fn, recurse)  # type: ignore[no-any-return]
+
+    def train(self, mode: bool = True) -> Self:
+        """Sets training mode on the layers and on the pipe that runs them."""
+        super().train(mode)
+        self.__dict__["pipe"].train(mode)
+        return self
 
 
 class ModelParallelResNet101(ModelParallelResNet50):

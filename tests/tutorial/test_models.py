@@ -133,3 +133,18 @@ def test_train_loop_runs_every_model() -> None:
         )
         assert torch.isfinite(last)
         assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+def test_stream_pipeline_resnet50_refuses_a_device_move_and_follows_its_mode() -> None:
+    # The pipe sits outside _modules (state_dict keys): the model hands it
+    # what a module call would have reached it through its children.
+    sp = StreamPipelineResNet50("cpu", "cpu", split_size=3, num_classes=CLASSES)
+    with pytest.raises(TypeError, match="would move the stages on cpu to meta"):
+        sp.to("meta")
+    assert {p.device.type for p in sp.parameters()} == {"cpu"}  # nothing moved
+    sp.eval()
+    assert not sp.__dict__["pipe"].training
+    sp.train()
+    assert sp.__dict__["pipe"].training
+    sp.double()
+    assert {p.dtype for p in sp.parameters()} == {torch.float64}
