@@ -203,8 +203,10 @@ def decoder(p: Preset, device: torch.device | str = "cpu", seed: int = 0) -> nn.
 
 def loss_fn(logits: Tensor, target: Tensor) -> Tensor:
     """Next-token cross entropy, averaged over every token (so a batch's
-    loss is the mean of its micro-batches' weighted by their tokens)."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+    loss is the mean of its micro-batches' weighted by their tokens), in
+    float32 at least (autocast's bf16 logits are upcast, float64 kept)."""
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    return F.cross_entropy(logits.flatten(0, 1).to(dtype), target.flatten())
 
 
 def tokens(p: Preset, device: torch.device | str = "cpu", seed: int = 0) -> tuple[Tensor, Tensor]:

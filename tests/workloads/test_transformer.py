@@ -101,3 +101,11 @@ def test_the_decoder_is_made_on_its_device_the_same_on_every_call() -> None:
     assert sum(q.numel() for q in on.parameters()) == T.param_count(T.PRESETS["1b"])
     for a, b in zip(T.decoder(TINY, "cpu").parameters(), T.decoder(TINY).parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_the_loss_is_float32_at_least() -> None:
+    # bf16 logits are upcast for a stable softmax; float64 ones (the tests'
+    # exact comparisons) must not be rounded down to float32.
+    logits, target = torch.randn(2, 3, 5, dtype=torch.float64), torch.tensor([[1, 2, 3]] * 2)
+    assert T.loss_fn(logits, target).dtype == torch.float64
+    assert T.loss_fn(logits.bfloat16(), target).dtype == torch.float32
