@@ -105,6 +105,14 @@ void check_layout(const Layout& l) {
     throw std::invalid_argument("a schedule needs at least one micro-batch, got " +
                                 std::to_string(l.micros));
   }
+  // Far above any pipeline, and low enough that task indices (int32) and
+  // the orders' per (stage, micro-batch) tables stay in range.
+  constexpr int64_t kMaxPairs = int64_t{1} << 24;
+  if (static_cast<int64_t>(l.stages) * l.micros > kMaxPairs) {
+    throw std::invalid_argument(
+        "a schedule of " + std::to_string(l.stages) + " stages and " + std::to_string(l.micros) +
+        " micro-batches has more than 2^24 (stage, micro-batch) pairs; use fewer micro-batches");
+  }
   if (static_cast<int32_t>(l.reads.size()) != l.stages ||
       static_cast<int32_t>(l.device.size()) != l.stages) {
     throw std::invalid_argument("reads and device must have one entry per stage (" +

@@ -103,7 +103,8 @@ struct Schedule {
 Layout chain_layout(int32_t micros, const std::vector<bool>& copy_in);
 
 // Throws std::invalid_argument unless the layout is consistent: at least
-// one stage and micro-batch, and every stage reading earlier stages only.
+// one stage and micro-batch, at most 2^24 (stage, micro-batch) pairs, and
+// every stage reading earlier stages only.
 void check_layout(const Layout& layout);
 
 // Names accepted by make_schedule.

@@ -153,6 +153,14 @@ def test_invalid_schedules() -> None:
         Schedule("gpipe", 2, 2, [False])
 
 
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved_1f1b"])
+def test_a_micro_batch_count_past_the_task_indices_is_refused(name: str) -> None:
+    # It overflowed int32 arithmetic (gpipe: a wrong error) or allocated
+    # without bound (1f1b: minutes, then out of memory).
+    with pytest.raises(ValueError, match=r"4 stages and 2147483647 micro-batches .* 2\^24"):
+        Schedule(name, 4, 2**31 - 1, [False] * 4, virtual_stages=2)
+
+
 # The bounds below hold by construction of each schedule's per-stage (or
 # per-rank) sequence; the tests check the merged issue order keeps them.
 
