@@ -151,7 +151,8 @@ class Scheduler {
   // by autograd. begin_mark records a start on the stage's compute slot (the
   // caller must have that stream current, as autograd does for the stage's
   // nodes); end_mark the end. Returns -1 (and end_mark ignores it) when
-  // timing is off.
+  // timing is off. end_mark ignores a mark that has ended already and
+  // throws std::invalid_argument for a number begin_mark did not return.
   int64_t begin_mark(Kind kind, int32_t stage, int32_t micro);
   void end_mark(int64_t mark);
 

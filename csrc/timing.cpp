@@ -194,9 +194,19 @@ void Scheduler::end_mark(int64_t mark) {
   if (mark < 0) {
     return;  // timing was off when the mark began
   }
+  const int64_t index = mark & 0xffffffff;
+  const int64_t generation = mark >> 32;
+  if (generation > timing_generation_ ||
+      (generation == timing_generation_ && index >= static_cast<int64_t>(timed_.size()))) {
+    throw std::invalid_argument("end_mark() got " + std::to_string(mark) +
+                                ", which no begin_mark() returned");
+  }
+  if (generation == timing_generation_ && timed_[index].done) {
+    return;  // ended already: the first end stands, and its event stays counted
+  }
   Open o;
-  o.timed = static_cast<int32_t>(mark & 0xffffffff);
-  o.timed_generation = mark >> 32;
+  o.timed = static_cast<int32_t>(index);
+  o.timed_generation = generation;
   timing_mark(o, false);
 }
 

@@ -153,6 +153,18 @@ def test_host_timing_on_cpu_stages() -> None:
     assert schedule.tasks[0].kind is Kind.FORWARD
 
 
+def test_end_mark_refuses_a_number_begin_mark_did_not_return() -> None:
+    native = EventScheduler([torch.device("cpu")] * 2).native
+    native.timing = True
+    with pytest.raises(ValueError, match="no begin_mark"):
+        native.end_mark(100)  # read past the timed tasks: a crash
+    mark = native.begin_mark(_ext.load().Kind.backward, 1, 0)
+    native.end_mark(mark)
+    (first,) = native.timings()
+    native.end_mark(mark)  # a second end keeps the first
+    assert native.timings() == [first]
+
+
 def _reachable(ops: list, start: int) -> set[int]:  # type: ignore[type-arg]
     """Ops ordered after ``start``: slot program order and record -> wait edges."""
     edges: dict[int, list[int]] = {}
