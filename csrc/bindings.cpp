@@ -86,8 +86,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the peer_view operator; 5: Watch and Attached; 6: Scheduler.capturing,
   // abort() raising a device error, peer_view's kernels per backend; 7:
   // schedule_placements; 8: the segmented runs' scheduler methods, begin_run's
-  // pull and the peer_view operator removed).
-  m.attr("interface_version") = 8;
+  // pull and the peer_view operator removed; 9: begin_mark's run_tag and
+  // the run_tag property).
+  m.attr("interface_version") = 9;
 
   py::class_<mpstream::Watch>(m, "Watch")
       .def(py::init<std::vector<at::Tensor>>(), py::arg("tensors"))
@@ -239,7 +240,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            })
       .def("clear_timings", &Scheduler::clear_timings)
       .def("begin_mark", &Scheduler::begin_mark, py::arg("kind"), py::arg("stage"),
-           py::arg("micro"))
+           py::arg("micro"), py::arg("run_tag") = -1)
+      .def_property_readonly("run_tag", &Scheduler::run_tag)
       .def("end_mark", &Scheduler::end_mark, py::arg("mark"))
       .def_property_readonly("events_created", &Scheduler::events_created)
       .def_property_readonly("events_free", &Scheduler::events_free)

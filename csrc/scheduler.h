@@ -151,10 +151,15 @@ class Scheduler {
   // by autograd. begin_mark records a start on the stage's compute slot (the
   // caller must have that stream current, as autograd does for the stage's
   // nodes); end_mark the end. Returns -1 (and end_mark ignores it) when
-  // timing is off. end_mark ignores a mark that has ended already and
-  // throws std::invalid_argument for a number begin_mark did not return.
-  int64_t begin_mark(Kind kind, int32_t stage, int32_t micro);
+  // timing is off. `run_tag`, run_tag() when the work was issued, names the
+  // run the mark belongs to (-1: the latest run), so that autograd's
+  // backward of a forward run counts in that run, whatever ran since.
+  // end_mark ignores a mark that has ended already and throws
+  // std::invalid_argument for a number begin_mark did not return.
+  int64_t begin_mark(Kind kind, int32_t stage, int32_t micro, int64_t run_tag = -1);
   void end_mark(int64_t mark);
+  // The latest run, as begin_mark's run_tag takes it.
+  int64_t run_tag() const;
 
   // Pool introspection, for tests: events ever created, and free now.
   int64_t events_created() const;

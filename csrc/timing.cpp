@@ -171,7 +171,12 @@ void Scheduler::harvest_timings() {
   }
 }
 
-int64_t Scheduler::begin_mark(Kind kind, int32_t stage, int32_t micro) {
+int64_t Scheduler::run_tag() const {
+  const auto held = lock();
+  return (timing_generation_ << 32) | runs_;
+}
+
+int64_t Scheduler::begin_mark(Kind kind, int32_t stage, int32_t micro, int64_t run_tag) {
   const auto held = lock();
   if (!timing_) {
     return -1;
@@ -185,6 +190,11 @@ int64_t Scheduler::begin_mark(Kind kind, int32_t stage, int32_t micro) {
   o.micro = micro;
   o.issue = o.rec = compute_slot(stage);
   timing_mark(o, true);
+  if (run_tag >= 0) {
+    // The run whose forward built the graph; 0 for one before the timings
+    // were cleared (runs count from 1 since then).
+    timed_[o.timed].run = (run_tag >> 32) == timing_generation_ ? (run_tag & 0xffffffff) : 0;
+  }
   // The generation rides along so a mark from before clear_timings is void.
   return (timing_generation_ << 32) | o.timed;
 }

@@ -6,7 +6,8 @@ wraps each stage's output in :class:`_Begin` and its input in :class:`_End`:
 identities whose backward records a start mark when the gradient reaches the
 stage's output and an end mark when it leaves the stage's input. Autograd
 runs both on the stage's compute stream (the stream their forward ran on), so
-on a GPU the marks are events on that stream.
+on a GPU the marks are events on that stream. Each mark counts in the run
+whose forward built the graph, however many runs came in between.
 """
 
 from __future__ import annotations
@@ -31,12 +32,13 @@ _ANCHOR = torch.empty(0, requires_grad=True)
 class StageMarks:
     """Links the begin and end marks of one stage's backward on one micro-batch."""
 
-    __slots__ = ("native", "stage", "micro", "mark")
+    __slots__ = ("native", "stage", "micro", "run", "mark")
 
     def __init__(self, native: Any, stage: int, micro: int) -> None:
         self.native = native
         self.stage = stage
         self.micro = micro
+        self.run = native.run_tag  # the forward's run: the backward may come later
         self.mark = -1
 
 
@@ -61,7 +63,7 @@ class _Begin(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Any, ...]:
         m: StageMarks = ctx.marks
-        m.mark = m.native.begin_mark(_BACKWARD, m.stage, m.micro)
+        m.mark = m.native.begin_mark(_BACKWARD, m.stage, m.micro, m.run)
         return (None, *grads)
 
 
