@@ -101,11 +101,12 @@ def record_plan(
         The recorded :class:`Plan`.
 
     Raises:
-        ValueError: ``stages`` is not a positive int, ``devices`` has
+        ValueError: ``stages`` or ``chunks`` is not a positive int, ``devices`` has
             another length, or the schedule does not fit them.
     """
-    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
-        raise ValueError(f"stages must be a positive int, got {stages!r}")
+    for name, count in (("stages", stages), ("chunks", chunks)):
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"{name} must be a positive int, got {count!r}")
     devs = [torch.device(d) for d in (devices or [f"cuda:{i}" for i in range(stages)])]
     if len(devs) != stages:
         raise ValueError(f"devices has {len(devs)} entries for {stages} stages")

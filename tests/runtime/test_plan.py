@@ -290,3 +290,10 @@ def test_a_plan_of_several_runs_is_checked_run_by_run() -> None:
 def test_record_plan_names_a_stage_count_that_is_not_one(stages: object) -> None:
     with pytest.raises(ValueError, match=r"stages must be a positive int, got"):
         record_plan("gpipe", stages, 2)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("chunks", [0, 2.5, "3", True])
+def test_record_plan_names_a_chunk_count_that_is_not_one(chunks: object) -> None:
+    # Was pybind's "incompatible function arguments" (or True as 1).
+    with pytest.raises(ValueError, match=r"chunks must be a positive int, got"):
+        record_plan("gpipe", 2, chunks, ["cpu", "cpu"])  # type: ignore[arg-type]
