@@ -102,7 +102,8 @@ def preset(name: str, **changes: Any) -> Preset:
     if min(p.micro_batches) < 1 or max(p.micro_batches) > p.batch:
         raise ValueError(
             f"preset {p.name}: micro-batch counts {p.micro_batches} must lie in 1..{p.batch} "
-            f"(the batch)"
+            f"(the batch, in sequences): give counts up to {p.batch} (micro_batches=, "
+            f"--micro-batches) or a larger batch (batch=, --sequences)"
         )
     return p
 
