@@ -20,6 +20,7 @@ an explicit order of actions (:mod:`mpstream.schedules.orders`);
 from __future__ import annotations
 
 import enum
+import numbers
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -208,8 +209,9 @@ class Schedule:
             the default for it; 1 (a rank per stage) for the others.
 
     Raises:
-        ValueError: an unknown name, a bad order (the message shows it as a
-            stage x step grid), or an inconsistent layout.
+        ValueError: ``stages`` or ``micros`` not an int, an unknown name, a
+            bad order (the message shows it as a stage x step grid), or an
+            inconsistent layout.
     """
 
     def __init__(
@@ -223,6 +225,10 @@ class Schedule:
         *,
         virtual_stages: int | None = None,
     ) -> None:
+        for arg, value in (("stages", stages), ("micros", micros)):
+            # The extension would dump its signature at a float, and take True as 1.
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise ValueError(f"Schedule: {arg} must be an int, got {value!r}")
         explicit = not isinstance(name, str) or name not in SCHEDULES
         if isinstance(name, str) and len(name.split()) <= 1 and name not in SCHEDULES:
             valid = ", ".join(repr(s) for s in SCHEDULES)

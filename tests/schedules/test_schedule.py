@@ -151,6 +151,12 @@ def test_invalid_schedules() -> None:
         Schedule("gpipe", 2, 0, [False, False])
     with pytest.raises(ValueError, match="one entry per stage"):
         Schedule("gpipe", 2, 2, [False])
+    # The extension dumped its signature at a float, and took True as 1.
+    for bad in (2.5, "3", True):
+        with pytest.raises(ValueError, match=f"micros must be an int, got {bad!r}"):
+            Schedule("gpipe", 2, bad, [False, False])  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=f"stages must be an int, got {bad!r}"):
+            Schedule("gpipe", bad, 2, [False, False])  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved_1f1b"])
