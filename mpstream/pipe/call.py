@@ -21,6 +21,7 @@ from ..runtime.forward import run as run_forward
 from ..runtime.microbatch import batch_device, gather, scatter
 from .config import PipeConfig
 from .inputs import check_holds_tensor, positional, staging
+from .running import Running
 
 __all__ = ["PipeCall"]
 
@@ -70,6 +71,9 @@ class PipeCall(PipeConfig):
                 again).
             ValueError: an empty batch, or tensors of different batch sizes
                 (wrap one meant whole in :class:`~mpstream.NoChunk`).
+            RuntimeError: a call of the pipe is running already (in another
+                thread, or this call comes from inside it): refused before
+                it changes anything.
 
         An exception raised in a stage reaches the caller unchanged, with a
         note naming the stage, micro-batch and task (a backward that autograd
@@ -77,16 +81,22 @@ class PipeCall(PipeConfig):
         :class:`~mpstream.memory.batchnorm.DeferredBatchNorm` had accumulated for
         the failed batch are dropped (they update only once all stages finish).
         """
-        inputs = self._inputs(args, kwargs)
-        micro = scatter(inputs, self._chunks, self._split_size)
-        schedule = self.schedule_for(len(micro), batch_device(inputs))
-        _, worker, _ = self._rt()
-        staging = self._stage(inputs, self.devices[0])
-        stop = self._prepare(len(micro))
-        with deferred_update(self._deferred_norms(), len(micro)):
-            outputs = run_forward(worker, micro, schedule, stop, staging)
-        split = self.__dict__["_split"]
-        return gather(outputs) if split is None else split.gather(outputs)
+        with self._running().call("pipe(x)"):
+            inputs = self._inputs(args, kwargs)
+            micro = scatter(inputs, self._chunks, self._split_size)
+            schedule = self.schedule_for(len(micro), batch_device(inputs))
+            _, worker, _ = self._rt()
+            staging = self._stage(inputs, self.devices[0])
+            stop = self._prepare(len(micro))
+            with deferred_update(self._deferred_norms(), len(micro)):
+                outputs = run_forward(worker, micro, schedule, stop, staging)
+            split = self.__dict__["_split"]
+            return gather(outputs) if split is None else split.gather(outputs)
+
+    def _running(self) -> Running:
+        """Who runs a call of the pipe now (made on first use: a pipe copied
+        or unpickled gets its own)."""
+        return self.__dict__.setdefault("_busy", Running())  # type: ignore[no-any-return]
 
     def _inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         """The pipeline's positional inputs for a call; a traced module first

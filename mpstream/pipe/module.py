@@ -245,7 +245,7 @@ class PipeModule(nn.Module):
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_runtime"] = None
-        for cache in ("_scheduler", "_norm_buffers", "_param_lists"):  # rebuilt on use
+        for cache in ("_scheduler", "_norm_buffers", "_param_lists", "_busy"):  # rebuilt on use
             state.pop(cache, None)
         return state
 

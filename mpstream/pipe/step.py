@@ -101,8 +101,11 @@ class PipeStep(PipeCall):
                 returns no ``loss``), or ``scaler`` is not a ``GradScaler``.
             ValueError: empty batch, targets of another batch size, or an
                 unknown ``reduction`` or one the loss module contradicts.
-            RuntimeError: called under ``torch.inference_mode()``, or
-                ``loss_fn`` returned a loss that does not require grad.
+            RuntimeError: called under ``torch.inference_mode()``,
+                ``loss_fn`` returned a loss that does not require grad, or a
+                call of the pipe is running already (in another thread, or
+                this call comes from inside it: refused before it changes
+                anything).
 
         Inputs and targets in host memory move in transfer tasks that never
         block the host (see :meth:`forward`). If anything raises, the
@@ -137,6 +140,20 @@ class PipeStep(PipeCall):
         gradient task (``mpstream.distributed`` starts its all-reduces
         there), its ``end()`` once every task ran, its ``abort()`` before a
         failed step is put back."""
+        with self._running().call("train_step"):
+            return self._step(inputs, target, loss_fn, reduction, scaler, zeroed, stage_done)
+
+    def _step(
+        self,
+        inputs: Any,
+        target: Any,
+        loss_fn: Callable[[Any, Any], Tensor] | None,
+        reduction: str | None,
+        scaler: torch.amp.GradScaler | None,
+        zeroed: bool,
+        stage_done: StageDone | None,
+    ) -> Tensor:
+        """:meth:`_train_step`, the pipe held for it."""
         if torch.is_inference_mode_enabled():
             raise RuntimeError(
                 "train_step was called under torch.inference_mode(), where nothing can be "
@@ -179,7 +196,8 @@ class PipeStep(PipeCall):
                 else f"target splits into micro-batches {target_sizes}, inputs into {sizes}"
             )
         weights = [n / batch if reduction == "mean" else 1.0 for n in sizes]
-        self._choose_schedule(*given, tuple(sizes))
+        with self._running().nesting():  # 'auto' measures steps of this pipe
+            self._choose_schedule(*given, tuple(sizes))
         schedule = self.schedule_for(
             len(micro),
             batch_device(args),

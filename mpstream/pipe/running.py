@@ -1,0 +1,75 @@
+"""One call of a Pipe at a time.
+
+A call (``pipe(x)``, ``train_step``) sets up state the whole run shares:
+the split of the call's kind, deferred BatchNorm's accumulation, the
+failure snapshot of gradients and statistics. A second call while one runs
+(from another thread, or from inside the run: a stage's forward calling its
+own pipe) would change that state under the first call and, failing, put
+back what its own failure path saves: the first call's statistics were
+lost silently. :class:`Running` refuses such a call before it touches
+anything.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+__all__ = ["Running"]
+
+# Makes a claim's check-and-set atomic across threads (held for a few lines).
+_claims = threading.Lock()
+
+
+class Running:
+    """Which thread runs a call of one pipe now, if any."""
+
+    def __init__(self) -> None:
+        self.owner: int | None = None
+        self.nested = False  # the running call allows calls from its own thread
+
+    @contextmanager
+    def call(self, what: str) -> Iterator[None]:
+        """Holds the pipe for one call named ``what`` (``'pipe(x)'``, ``'train_step'``).
+
+        Raises:
+            RuntimeError: another call of the pipe is running, naming where
+                it runs and what to do.
+        """
+        me = threading.get_ident()
+        with _claims:
+            owner = self.owner
+            if owner is not None and not (owner == me and self.nested):
+                raise RuntimeError(_refusal(what, owner == me))
+            saved = (owner, self.nested)
+            self.owner, self.nested = me, False
+        try:
+            yield
+        finally:
+            with _claims:
+                self.owner, self.nested = saved
+
+    @contextmanager
+    def nesting(self) -> Iterator[None]:
+        """Lets the running call's own thread call the pipe inside the block
+        (``schedule='auto'`` measures steps of the pipe before its own)."""
+        self.nested = True
+        try:
+            yield
+        finally:
+            self.nested = False
+
+
+def _refusal(what: str, same_thread: bool) -> str:
+    if same_thread:
+        return (
+            f"{what} was called while a call of the same Pipe runs in this thread (a stage's "
+            f"forward, a hook or loss_fn calling its own pipe?): a Pipe runs one call at a "
+            f"time; call it again once the running call has returned"
+        )
+    return (
+        f"{what} was called from another thread while a call of this Pipe runs: a Pipe "
+        f"runs one call at a time; serialise the threads' calls (a threading.Lock), or give "
+        f"each thread a Pipe of its own"
+    )
