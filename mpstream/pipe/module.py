@@ -33,6 +33,10 @@ __all__ = ["PipeModule", "unsplit"]
 # or are split at the first call.
 _FIXED = "A Pipe's stage devices are fixed when it is built (devices=)"
 
+# The caches of the pipe's BatchNorm buffers and stage parameters that a
+# training step's failure snapshot saves (see PipeStep).
+_TENSOR_LISTS = ("_norm_buffers", "_param_lists")
+
 
 def unsplit(what: str) -> RuntimeError:
     """The error for ``what`` asked of a pipe not split yet (a module split
@@ -117,6 +121,11 @@ class PipeModule(nn.Module):
                     f"convert dtypes only (.to(dtype))"
                 )
         super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        # A conversion puts new tensors in place of the buffers (and, with
+        # torch.__future__'s overwrite flag, of the parameters) without
+        # registering them: the failure snapshot's lists would keep the old.
+        for cache in _TENSOR_LISTS:
+            self.__dict__.pop(cache, None)
         self._rebind()
         return self
 
@@ -245,7 +254,7 @@ class PipeModule(nn.Module):
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_runtime"] = None
-        for cache in ("_scheduler", "_norm_buffers", "_param_lists", "_busy"):  # rebuilt on use
+        for cache in ("_scheduler", "_busy", *_TENSOR_LISTS):  # rebuilt on use
             state.pop(cache, None)
         return state
 

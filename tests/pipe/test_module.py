@@ -112,3 +112,47 @@ def test_moving_a_module_that_holds_a_pipe_is_refused() -> None:
     holder.to(torch.float32)  # dtype conversions reach the stages
     assert holder.pipe(torch.randn(2, 8)).dtype == torch.float32
     holder.to("cpu")  # where the stages already are
+
+
+class Raise(nn.Module):
+    """Raises at its second forward once armed (after micro-batch 0's
+    backward, in 1F1B)."""
+
+    armed = False
+    calls = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        if self.armed and self.calls == 2:
+            raise ValueError("stage failed")
+        return x
+
+
+@pytest.mark.parametrize("overwrite", [False, True], ids=["in place", "new parameters"])
+def test_a_failed_step_after_a_dtype_conversion_puts_the_converted_state_back(
+    overwrite: bool,
+) -> None:
+    # The conversion replaces the buffers (and with the flag the parameters)
+    # by new tensors: the step's snapshot must save those, not the old ones.
+    fail = Raise()
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 4), fail)
+    pipe = Pipe(model, chunks=2, balance=[2, 2], devices=["cpu"] * 2, schedule="1f1b")
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    pipe.train_step(x, y, nn.MSELoss())  # the snapshot's lists are found here
+    previous = torch.__future__.get_overwrite_module_params_on_conversion()
+    torch.__future__.set_overwrite_module_params_on_conversion(overwrite)
+    try:
+        pipe.double()
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(previous)
+    x, y = x.double(), y.double()
+    pipe.train_step(x, y, nn.MSELoss())
+    state = copy.deepcopy(pipe.state_dict())
+    grads = [p.grad.clone() for p in pipe.parameters() if p.grad is not None]
+    assert len(grads) == 6
+    fail.armed, fail.calls = True, 0
+    with pytest.raises(ValueError, match="stage failed"):
+        pipe.train_step(x, y, nn.MSELoss())
+    for (name, now), before in zip(pipe.state_dict().items(), state.values()):
+        torch.testing.assert_close(now, before, rtol=0, atol=0, msg=name)
+    torch.testing.assert_close([p.grad for p in pipe.parameters()], grads, rtol=0, atol=0)
