@@ -193,6 +193,11 @@ def tune(args: argparse.Namespace) -> int:
     y = y.to(dev1)
     loss_fn = None if args.forward_only else (lambda out: torch.nn.functional.mse_loss(out, y))
     cache = None if args.no_cache else (args.cache or "default")
+    sizes = args.split_sizes
+    if sizes is None:  # tuning's ladder, less the lone images _config refuses when given
+        w, h, batch = config.image_w, config.image_h, config.batch_size
+        ladder = tuning.candidate_split_sizes(batch)
+        sizes = tuple(s for s in ladder if not _lone_image(w, h, batch, s))
     out.mkdir(parents=True, exist_ok=True)
     factory = analysis.tutorial_factory(dev0, dev1, config)
     target = factory if balances else (lambda split: factory(split, None))
@@ -200,7 +205,7 @@ def tune(args: argparse.Namespace) -> int:
         target,
         x,
         loss_fn,
-        args.split_sizes,
+        sizes,
         balances=balances,
         repeat=args.repeat or TUNE_REPEAT,
         warmup=config.warmup,

@@ -1,0 +1,34 @@
+"""The ResNet experiment's commands (:mod:`mpstream.cli.resnet`): what
+they hand the experiment, checked without timing it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mpstream import cli
+
+
+class Stop(Exception):
+    """Raised by a stand-in where the test has seen what it needs."""
+
+
+def test_tune_leaves_lone_images_out_of_its_default_ladder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mpstream.observe import tuning
+
+    seen: list[object] = []
+
+    def tune(target: object, sample: object, loss_fn: object, sizes: object, **_: object) -> None:
+        seen.append(sizes)
+        raise Stop
+
+    monkeypatch.setattr(tuning, "tune", tune)
+    args = ["tune", "--image-size", "32", "--batch-size", "16", "--devices", "cpu,cpu"]
+    with pytest.raises(Stop):
+        cli.main([*args, "--no-cache", "--out", str(tmp_path)])
+    # 1 is one image, and 3 and 5 leave one over (16 % s == 1): BatchNorm
+    # cannot train on one pixel per channel.
+    assert seen == [(2, 4, 6, 8, 10, 12, 16)]
