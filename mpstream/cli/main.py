@@ -143,7 +143,8 @@ def parser() -> argparse.ArgumentParser:
     _size_options(t, None, str(cli_resnet.TUNE_REPEAT), str(WARMUP), batches=False)
     t.add_argument(
         "--balances",
-        help="stage balances to try over ResNet50's 23 blocks: 'tutorial', 'time' (profiled), "
+        help=f"stage balances to try over ResNet50's {cli_resnet.RESNET50_LAYERS} blocks: "
+        "'tutorial', 'time' (profiled), "
         "or layer counts like 9:14; comma-separated (default: tutorial)",
     )
     t.add_argument(

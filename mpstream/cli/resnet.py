@@ -28,10 +28,13 @@ from .signals import finish, terminate_as_interrupt
 if TYPE_CHECKING:  # the ResNet experiment's modules need torchvision: imported in the commands
     from ..tutorial.bench import Config
 
-__all__ = ["bench", "tune", "trace", "TUNE_REPEAT"]
+__all__ = ["bench", "tune", "trace", "TUNE_REPEAT", "RESNET50_LAYERS"]
 
 #: A tuning curve times many configurations: fewer runs each.
 TUNE_REPEAT = 3
+#: The blocks of ``resnet50_layers()``, which a balance cuts (written out:
+#: help and option checks load no torchvision).
+RESNET50_LAYERS = 23
 
 
 def _devices(args: argparse.Namespace) -> tuple[torch.device, torch.device]:
@@ -152,8 +155,10 @@ def _balances(text: str | None) -> list[str | list[int]]:
         parts = item.split(":")
         if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
             raise UsageError(f"--balances: {item!r} is not 'tutorial', 'time' or counts like 9:14")
-        if sum(int(p) for p in parts) != 23:
-            raise UsageError(f"--balances: {item} must add up to ResNet50's 23 blocks")
+        if sum(int(p) for p in parts) != RESNET50_LAYERS:
+            raise UsageError(
+                f"--balances: {item} must add up to ResNet50's {RESNET50_LAYERS} blocks"
+            )
         items.append([int(p) for p in parts])
     return items
 

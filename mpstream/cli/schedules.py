@@ -14,6 +14,7 @@ from ..tutorial.machine import detect_devices, device_name, metadata
 from . import extras
 from .argtypes import UsageError, non_negative_float, positive_int
 from .argtypes import device_name as device_arg
+from .resnet import RESNET50_LAYERS
 
 __all__ = ["add_command", "run"]
 
@@ -52,7 +53,13 @@ def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
             "timeline per schedule on one time axis."
         ),
     )
-    c.add_argument("--stages", type=positive_int, default=4, help="pipeline stages (default 4)")
+    c.add_argument(
+        "--stages",
+        type=positive_int,
+        default=4,
+        help=f"pipeline stages (default 4; at most {RESNET50_LAYERS}, ResNet50's blocks, "
+        "without --uniform)",
+    )
     c.add_argument(
         "--devices",
         type=device_count,
@@ -101,7 +108,8 @@ def run(args: argparse.Namespace) -> int:
     """Runs ``mpstream schedules``; returns the exit status.
 
     Raises:
-        UsageError: more devices than stages, an image too small, a profile's
+        UsageError: more devices than stages, more stages than ResNet50 has
+            blocks (without ``--uniform``), an image too small, a profile's
             option with ``--uniform``, or ``--balance tutorial`` for a stage
             count the tutorial has no cut for.
     """
@@ -120,6 +128,11 @@ def run(args: argparse.Namespace) -> int:
                 f"{', '.join(given)}: --uniform uses unit costs and profiles no ResNet50; "
                 f"drop {'it' if len(given) == 1 else 'them'} or --uniform"
             )
+    if not args.uniform and stages > RESNET50_LAYERS:
+        raise UsageError(
+            f"--stages {stages}: ResNet50 has {RESNET50_LAYERS} blocks, a stage needs one; "
+            f"give at most {RESNET50_LAYERS} stages, or --uniform"
+        )
     split_size = args.split_size or SPLIT_SIZE
     image_size = args.image_size or IMAGE_SIZE
     if image_size < 32:

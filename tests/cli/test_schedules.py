@@ -1,0 +1,26 @@
+"""``mpstream schedules`` (:mod:`mpstream.cli.schedules`): options it
+refuses before profiling anything."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mpstream import cli
+from mpstream.cli.resnet import RESNET50_LAYERS
+
+
+def test_more_stages_than_resnet50_has_blocks_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from mpstream.tutorial.models import resnet50_layers
+
+    assert len(resnet50_layers()) == RESNET50_LAYERS
+    out = ["--out", str(tmp_path / "o")]
+    assert cli.main(["schedules", "--stages", "24", "--device", "cpu", *out]) == 2
+    assert (
+        "error: --stages 24: ResNet50 has 23 blocks, a stage needs one; give at most 23 "
+        "stages, or --uniform" in capsys.readouterr().err
+    )
+    assert not (tmp_path / "o").exists()
