@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..workloads.transformer import PRESETS
 from . import extras
 from .argtypes import UsageError, image_size, int_list, positive_int
+from .resnet import lone_image
+
+if TYPE_CHECKING:  # the experiment's modules need torchvision: imported in the command
+    from ..tutorial.design import Config
 
 #: What the doctor's steps import: figures and progress bars as they go, the
 #: tutorial's models (``mpstream.cli.main`` checks before it runs).
@@ -33,10 +38,37 @@ def _command(args: argparse.Namespace) -> int:
         split_sizes=args.split_sizes,
     )
     try:
-        check(options)
+        _, sizes, _, _ = check(options)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    if options.arch != "transformer":
+        _refuse_lone_images(sizes.experiment, args)
     return run(options)
+
+
+def _refuse_lone_images(config: Config, args: argparse.Namespace) -> None:
+    """Refuses the experiment's split sizes that leave a micro-batch of one
+    32x32 image, as ``bench`` does, rather than FAIL its step minutes later.
+
+    Raises:
+        UsageError: naming the option that made it so.
+    """
+    w, h, batch = config.image_w, config.image_h, config.batch_size
+    lone = [s for s in config.split_sizes if lone_image(w, h, batch, s)]
+    if not lone:
+        return
+    if batch == 1:
+        what = "--batch-size 1"
+    elif args.split_sizes is not None:
+        what = f"--split-sizes {lone[0]}"
+    else:
+        shown = ", ".join(map(str, config.split_sizes))
+        what = f"--batch-size {batch} (default split sizes: {shown}; give --split-sizes)"
+    raise UsageError(
+        f"{what} with --image-size {w}x{h}: a micro-batch of one image, which the ResNets "
+        "bring down to one pixel, and BatchNorm cannot train on one value per channel; use "
+        "micro-batches of 2 or more images, or images larger than 32x32"
+    )
 
 
 def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -84,7 +116,11 @@ def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "steps 6-8 (the tutorial's experiment, where the time goes, the cost model) at your "
         "sizes instead of the tutorial's",
     )
-    workload.add_argument("--image-size", type=image_size, help="W or WxH (at least 32)")
+    workload.add_argument(
+        "--image-size",
+        type=image_size,
+        help="W or WxH (at least 32; at 32x32 every micro-batch needs 2 or more images)",
+    )
     workload.add_argument("--batch-size", type=positive_int, help="images per step")
     workload.add_argument(
         "--split-sizes",

@@ -28,7 +28,7 @@ from .signals import finish, terminate_as_interrupt
 if TYPE_CHECKING:  # the ResNet experiment's modules need torchvision: imported in the commands
     from ..tutorial.bench import Config
 
-__all__ = ["bench", "tune", "trace", "TUNE_REPEAT", "RESNET50_LAYERS"]
+__all__ = ["bench", "tune", "trace", "lone_image", "TUNE_REPEAT", "RESNET50_LAYERS"]
 
 #: A tuning curve times many configurations: fewer runs each.
 TUNE_REPEAT = 3
@@ -44,7 +44,7 @@ def _devices(args: argparse.Namespace) -> tuple[torch.device, torch.device]:
         raise UsageError(str(exc)) from None
 
 
-def _lone_image(width: int, height: int, batch: int, split: int) -> bool:
+def lone_image(width: int, height: int, batch: int, split: int) -> bool:
     """Whether a micro-batch of ``split`` images from a batch of ``batch``
     (the last one holds what is left) is a lone image ResNet50 brings down to
     one pixel: BatchNorm then sees one value per channel, which training
@@ -86,7 +86,7 @@ def _config(args: argparse.Namespace) -> Config:
         raise UsageError(
             f"{flag} {over[0]}: larger than the batch of {batch} images (--batch-size)"
         )
-    lone = [s for s in (*given, *(args.split_sizes or ())) if _lone_image(w, h, batch, s)]
+    lone = [s for s in (*given, *(args.split_sizes or ())) if lone_image(w, h, batch, s)]
     if lone:
         flag = "--split-size" if lone[0] in given else "--split-sizes"
         what = "--batch-size 1" if batch == 1 else f"{flag} {lone[0]}"
@@ -96,17 +96,15 @@ def _config(args: argparse.Namespace) -> Config:
             "use micro-batches of 2 or more images, or images larger than 32x32"
         )
     if args.split_sizes is None:  # the default sweep, up to the batch
-        kept = tuple(
-            s for s in config.split_sizes if s <= batch and not _lone_image(w, h, batch, s)
-        )
+        kept = tuple(s for s in config.split_sizes if s <= batch and not lone_image(w, h, batch, s))
         config = dataclasses.replace(config, split_sizes=kept or (batch,))
     default = config.split_size
-    if main is None and (default >= batch > 1 or _lone_image(w, h, batch, default)):
+    if main is None and (default >= batch > 1 or lone_image(w, h, batch, default)):
         # The default main split would leave one micro-batch (no pipeline) or a lone image.
         below = [s for s in (1, *config.split_sizes) if s < batch]
-        below = [s for s in below if not _lone_image(w, h, batch, s)] or [batch]
+        below = [s for s in below if not lone_image(w, h, batch, s)] or [batch]
         config = dataclasses.replace(config, split_size=max(below))
-    if _lone_image(w, h, batch, config.split_size):
+    if lone_image(w, h, batch, config.split_size):
         raise UsageError(
             f"--batch-size {batch} with --image-size {w}x{h}: every split leaves a micro-batch "
             "of one image, which BatchNorm cannot train on at one pixel; give a larger batch "
@@ -202,7 +200,7 @@ def tune(args: argparse.Namespace) -> int:
     if sizes is None:  # tuning's ladder, less the lone images _config refuses when given
         w, h, batch = config.image_w, config.image_h, config.batch_size
         ladder = tuning.candidate_split_sizes(batch)
-        sizes = tuple(s for s in ladder if not _lone_image(w, h, batch, s))
+        sizes = tuple(s for s in ladder if not lone_image(w, h, batch, s))
     out.mkdir(parents=True, exist_ok=True)
     factory = analysis.tutorial_factory(dev0, dev1, config)
     target = factory if balances else (lambda split: factory(split, None))
