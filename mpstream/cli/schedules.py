@@ -12,8 +12,7 @@ from ..observe.cost_model import Cost
 from ..schedules import SCHEDULES
 from ..tutorial.machine import detect_devices, device_name, metadata
 from . import extras
-from .argtypes import UsageError, non_negative_float, positive_int
-from .argtypes import device_name as device_arg
+from .argtypes import UsageError, device_here, non_negative_float, positive_int
 from .resnet import RESNET50_LAYERS
 
 __all__ = ["add_command", "run"]
@@ -76,7 +75,7 @@ def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "--no-memory do not apply)",
     )
     c.add_argument(
-        "--device", type=device_arg, help="where to profile and measure (default: detected)"
+        "--device", type=device_here, help="where to profile and measure (default: detected)"
     )
     c.add_argument(
         "--balance",

@@ -24,3 +24,16 @@ def test_more_stages_than_resnet50_has_blocks_is_refused(
         "stages, or --uniform" in capsys.readouterr().err
     )
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+    ("device", "message"),
+    [("cuda:99", "cuda:99: no such device here (there are: cpu"), ("meta", "meta: mpstream runs")],
+)
+def test_a_device_this_machine_lacks_is_refused_at_once(
+    device: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["schedules", "--device", device, "--no-memory"])
+    assert info.value.code == 2
+    assert f"error: argument --device: {message}" in capsys.readouterr().err
