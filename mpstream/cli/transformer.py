@@ -46,7 +46,11 @@ def add_options(p: argparse.ArgumentParser) -> None:
         choices=list(transformer.PRESETS),
         help="the model's size (default: 1b on a GPU, tiny with --quick or on the CPU)",
     )
-    g.add_argument("--micro-batches", type=int_list, help="micro-batch counts, e.g. 2,4,8")
+    g.add_argument(
+        "--micro-batches",
+        type=int_list,
+        help="micro-batch counts, e.g. 2,4,8 (default: the preset's, up to --sequences)",
+    )
     g.add_argument("--sequences", type=positive_int, help="sequences per step")
     g.add_argument("--seq-len", type=positive_int, help="tokens per sequence")
     g.add_argument(
@@ -54,6 +58,27 @@ def add_options(p: argparse.ArgumentParser) -> None:
         type=positive_float,
         help="the device's dense bf16 peak for MFU (default: known for H100, H200, A100)",
     )
+
+
+def _micro_batches(args: argparse.Namespace, name: str) -> tuple[int, ...]:
+    """The micro-batch counts to time: ``--micro-batches``, else the
+    preset's up to ``--sequences`` (as the ResNet sweep stops at the batch).
+
+    Raises:
+        UsageError: a count above the sequences of a step.
+    """
+    preset = transformer.PRESETS[name]
+    sequences = args.sequences or preset.batch
+    if args.micro_batches is None:
+        return tuple(m for m in preset.micro_batches if m <= sequences) or (sequences,)
+    over = [m for m in args.micro_batches if m > sequences]
+    if over:
+        given = "--sequences" if args.sequences else f"the {name} preset's; --sequences"
+        raise UsageError(
+            f"--micro-batches {over[0]}: more than the {sequences} sequences of a step "
+            f"({given} sets them)"
+        )
+    return tuple(args.micro_batches)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -69,9 +94,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     name = args.preset or ("tiny" if args.quick or dev0.type != "cuda" else "1b")
-    changes: dict[str, object] = {}
+    changes: dict[str, object] = {"micro_batches": _micro_batches(args, name)}
     for option, field in (
-        ("micro_batches", "micro_batches"), ("sequences", "batch"), ("seq_len", "seq"),
+        ("sequences", "batch"), ("seq_len", "seq"),
         ("repeat", "repeat"), ("warmup", "warmup"),
     ):  # fmt: skip
         value = getattr(args, option, None)

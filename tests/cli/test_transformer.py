@@ -1,0 +1,64 @@
+"""``mpstream bench --model transformer``'s options
+(:mod:`mpstream.cli.transformer`), read into the run without timing it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mpstream import cli
+
+
+class Stop(Exception):
+    """Raised by a stand-in where the test has seen what it needs."""
+
+
+@pytest.mark.parametrize(
+    ("args", "counts"),
+    [
+        ([], (2, 4)),  # the tiny preset's
+        (["--sequences", "3"], (2,)),  # the preset's, up to the batch
+        (["--sequences", "1"], (1,)),
+        (["--sequences", "3", "--micro-batches", "3,1"], (3, 1)),
+    ],
+)
+def test_micro_batch_counts_fit_the_sequences(
+    args: list[str], counts: tuple[int, ...], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mpstream.workloads import bench
+
+    seen: list[tuple[int, ...]] = []
+
+    def run(config: bench.Config, **_: object) -> None:
+        seen.append(config.preset.micro_batches)
+        raise Stop
+
+    monkeypatch.setattr(bench, "run", run)
+    base = ["bench", "--model", "transformer", "--preset", "tiny", "--devices", "cpu,cpu"]
+    with pytest.raises(Stop):
+        cli.main([*base, *args, "--no-progress", "--out", str(tmp_path / "o")])
+    assert seen == [counts]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--micro-batches", "4,16"],
+            "--micro-batches 16: more than the 8 sequences of a step (the 3b preset's; "
+            "--sequences sets them)",
+        ),
+        (
+            ["--sequences", "2", "--micro-batches", "4"],
+            "--micro-batches 4: more than the 2 sequences of a step (--sequences sets them)",
+        ),
+    ],
+)
+def test_more_micro_batches_than_sequences_is_refused(
+    args: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = ["bench", "--model", "transformer", "--preset", "3b", "--devices", "cpu,cpu"]
+    assert cli.main([*base, *args, "--out", str(tmp_path / "o")]) == 2
+    assert f"mpstream bench: error: {message}" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
