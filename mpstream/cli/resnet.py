@@ -71,6 +71,8 @@ def _config(args: argparse.Namespace) -> Config:
         value = getattr(args, name, None)
         if value is not None:
             changes[name] = value
+    if args.split_sizes is not None:  # the sweep's curve and table run in increasing order
+        changes["split_sizes"] = tuple(sorted(set(args.split_sizes)))
     if args.image_size is not None:
         changes["image_w"], changes["image_h"] = args.image_size
     config = dataclasses.replace(config, **changes)  # type: ignore[arg-type]
@@ -243,7 +245,7 @@ def trace(args: argparse.Namespace) -> int:
     print("trace of the tutorial run (measured):")
     for key in ("makespan_ms", "bubble_fraction", "copy_hidden_fraction", "stage_busy_ms"):
         print(f"  {key}: {summary[key]}")
-    sizes = args.split_sizes or tuple(s for s in config.split_sizes if s <= config.batch_size)[:4]
+    sizes = config.split_sizes if args.split_sizes else config.split_sizes[:4]
     validation = analysis.validate_cost_model(dev0, dev1, config, sizes, repeat=config.repeat)
     print("cost model vs measured training steps:")
     for row in validation:

@@ -32,3 +32,11 @@ def test_tune_leaves_lone_images_out_of_its_default_ladder(
     # 1 is one image, and 3 and 5 leave one over (16 % s == 1): BatchNorm
     # cannot train on one pixel per channel.
     assert seen == [(2, 4, 6, 8, 10, 12, 16)]
+
+
+def test_split_sizes_are_swept_in_increasing_order_once_each() -> None:
+    from mpstream.cli.resnet import _config
+
+    parsed = cli.parser().parse_args(["bench", "--quick", "--split-sizes", "8,2,4,2"])
+    # As given, the figure's curve ran 8 -> 2 -> 4 -> 2 and the table listed 2 twice.
+    assert _config(parsed).split_sizes == (2, 4, 8)
