@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, fx, nn
 from torch.fx.passes.split_module import split_module
+from torch.nn.parameter import is_lazy
 
 from ..memory import DeferredBatchNorm
 from ..runtime.graph import StageGraph
@@ -202,7 +203,9 @@ def _stand_ins(module: nn.Module) -> Iterator[Callable[[], list[str]]]:
     try:
         for owner, mod in module.named_modules():
             for name, tensor in list(mod._buffers.items()):
-                if tensor is None:
+                # A lazy module's buffer has no values to copy (clone raises),
+                # and fx never runs the module (a leaf), so nothing changes it.
+                if tensor is None or is_lazy(tensor):
                     continue
                 copy = copies.get(id(tensor))
                 if copy is None:

@@ -103,3 +103,24 @@ def test_a_forward_setting_autocast_runs_in_it() -> None:
     pipe = Pipe(model, split_points=["b"], devices=["cpu"] * 2)
     x = torch.randn(6, 4)
     torch.testing.assert_close(pipe(x), ref(x))
+
+
+class LazyNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.norm, self.b = nn.Linear(4, 4), nn.LazyBatchNorm1d(), nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(self.norm(self.a(x)))  # type: ignore[no-any-return]
+
+
+def test_a_lazy_modules_uninitialised_buffers_are_traced_past() -> None:
+    # Their buffers have no values to stand in for; fx never runs the leaf.
+    torch.manual_seed(0)
+    model = LazyNorm().double()
+    torch.manual_seed(0)
+    ref = LazyNorm().double()  # a lazy module cannot be deep-copied
+    pipe = Pipe(model, split_points=["b"], devices=["cpu"] * 2, tracer="fx")
+    x = torch.randn(5, 4, dtype=torch.float64)
+    torch.testing.assert_close(pipe(x), ref(x))
+    torch.testing.assert_close(dict(model.named_buffers()), dict(ref.named_buffers()))
