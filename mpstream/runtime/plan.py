@@ -11,6 +11,7 @@ check is independent of the code it checks.
 
 from __future__ import annotations
 
+import numbers
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -105,8 +106,10 @@ def record_plan(
             another length, or the schedule does not fit them.
     """
     for name, count in (("stages", stages), ("chunks", chunks)):
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        # Any integer (numpy's too, as Schedule takes them), not True as 1.
+        if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 1:
             raise ValueError(f"{name} must be a positive int, got {count!r}")
+    stages, chunks = int(stages), int(chunks)
     devs = [torch.device(d) for d in (devices or [f"cuda:{i}" for i in range(stages)])]
     if len(devs) != stages:
         raise ValueError(f"devices has {len(devs)} entries for {stages} stages")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -297,3 +298,9 @@ def test_record_plan_names_a_chunk_count_that_is_not_one(chunks: object) -> None
     # Was pybind's "incompatible function arguments" (or True as 1).
     with pytest.raises(ValueError, match=r"chunks must be a positive int, got"):
         record_plan("gpipe", 2, chunks, ["cpu", "cpu"])  # type: ignore[arg-type]
+
+
+def test_record_plan_takes_numpy_integers() -> None:
+    # As Schedule does: counts read from an array are ints to the user.
+    plan = record_plan("gpipe", np.int64(2), np.int32(3), ["cpu", "cpu"])  # type: ignore[arg-type]
+    assert plan == record_plan("gpipe", 2, 3, ["cpu", "cpu"])
