@@ -9,8 +9,8 @@ and returns the same structure, with the loss weighted over micro-batches
 library: a pipeline runs training and scoring passes, so the key/value cache
 is turned off (``use_cache=False`` unless the caller says otherwise, which
 is refused); a caller's ``num_items_in_batch`` (the Hugging Face Trainer's
-normaliser, a scalar every micro-batch gets whole, as a tensor so that its
-value is no part of the call's kind) already makes each
+normaliser, a scalar every micro-batch gets whole; a whole number becomes
+an int64 tensor, so that its value is no part of the call's kind) already makes each
 micro-batch's loss a share of the batch's;
 ``return_dict=False`` is refused (the loss is found by name); and without a
 ``sample=``, the model's ``dummy_inputs`` are its example call.
@@ -22,6 +22,7 @@ classes.
 from __future__ import annotations
 
 import inspect
+import numbers
 from typing import Any
 
 import torch
@@ -103,10 +104,13 @@ class HuggingFaceCalls(Calls):
         if "use_cache" in self.takes and "use_cache" not in named:
             named = {**named, "use_cache": False}
         count = named.get("num_items_in_batch")
-        if isinstance(count, (int, float)) and not isinstance(count, bool):
+        number = _whole_number(count)
+        if number is not None:
             # A plain number is fixed by the export: each step's count would
-            # export again. A tensor is an input, whatever its value.
-            count = torch.tensor(count)
+            # export again. A tensor is an input, whatever its value; an int64
+            # one divides a loss of any float dtype into that dtype, as the
+            # number did (a float64 one would make a float32 loss float64).
+            count = torch.tensor(number)
         if isinstance(count, Tensor) and count.dim() == 0:
             # The batch's count, the same for every micro-batch.
             named = {**named, "num_items_in_batch": NoChunk(count)}
@@ -120,6 +124,18 @@ class HuggingFaceCalls(Calls):
     def sample(self, module: nn.Module) -> dict[str, Any] | None:
         dummy = getattr(module, "dummy_inputs", None)
         return dict(dummy) if isinstance(dummy, dict) else None
+
+
+def _whole_number(value: Any) -> int | None:
+    """``value`` as an int if it is a count given as a plain number (numpy's
+    too): an integer, or a float holding one; not a bool. Else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real) and float(value).is_integer():
+        return int(float(value))
+    return None
 
 
 def calls_for(module: nn.Module) -> Calls:

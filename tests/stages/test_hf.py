@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import Tensor, nn
@@ -283,9 +284,10 @@ def test_the_users_own_loop_state_dict_and_num_items_in_batch() -> None:
     count = (data["labels"][:, 1:] != -100).sum()
     out = pipe(**data, num_items_in_batch=count)
     torch.testing.assert_close(out.loss, other(**data, num_items_in_batch=count).loss)
-    # As a number it is an input too: another count exports nothing new.
+    # As a number it is an input too: another count exports nothing new,
+    # and the loss keeps the model's dtype (numpy's float64 counts too).
     kinds = len(pipe.split_report().exports)
-    for number in (int(count), int(count) + 1):
+    for number in (int(count), int(count) + 1, float(count), np.float64(count), np.int64(5)):
         out = pipe(**data, num_items_in_batch=number)
         torch.testing.assert_close(out.loss, other(**data, num_items_in_batch=number).loss)
     assert len(pipe.split_report().exports) == kinds
