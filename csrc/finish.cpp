@@ -194,7 +194,7 @@ void Scheduler::abort() {
       }
     }
     attempt([&] { caller_waits(); });
-    drop_run_timings();
+    attempt([&] { drop_run_timings(); });  // its harvest queries events
     release_run();
   }
   if (device_error) {

@@ -96,7 +96,10 @@ class PipeCall(PipeConfig):
     def _running(self) -> Running:
         """Who runs a call of the pipe now (made on first use: a pipe copied
         or unpickled gets its own)."""
-        return self.__dict__.setdefault("_busy", Running())  # type: ignore[no-any-return]
+        busy = self.__dict__.get("_busy")
+        if busy is None:
+            busy = self.__dict__["_busy"] = Running()
+        return busy  # type: ignore[no-any-return]
 
     def _inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         """The pipeline's positional inputs for a call; a traced module first
