@@ -128,7 +128,11 @@ def parser() -> argparse.ArgumentParser:
     cli_transformer.add_options(b)
     b.add_argument("--out", default="mpstream-bench", help="output folder (default: %(default)s)")
     b.add_argument("--no-sweep", action="store_true", help="skip the split-size sweep")
-    b.add_argument("--no-plots", action="store_true", help="write the JSON only")
+    b.add_argument(
+        "--no-plots",
+        action="store_true",
+        help="write the JSON only (removes an earlier run's figures)",
+    )
     b.set_defaults(func=cli_resnet.bench)
 
     t = sub.add_parser(

@@ -211,6 +211,7 @@ def run(args: argparse.Namespace) -> int:
     }
     (out / "schedules.json").write_text(json.dumps(doc, indent=2) + "\n")
     print(f"wrote {out / 'schedules.json'}")
+    (out / "schedules.png").unlink(missing_ok=True)  # an earlier run's, beside these numbers
     if plots:
         title = f"{stages} stages, {devices} devices, {micros} micro-batches; {source}"
         print(f"wrote {compare.plot_stacked(rows, out / 'schedules.png', title)}")

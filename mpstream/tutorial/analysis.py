@@ -83,6 +83,7 @@ def trace_tutorial(
         train(config.num_batches)
     out.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(out / "trace.json")
+    (out / "timeline.png").unlink(missing_ok=True)  # an earlier run's, beside this trace
     if plot:
         prof.plot(
             out / "timeline.png",

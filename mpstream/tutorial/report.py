@@ -68,9 +68,14 @@ def to_json(results: Results) -> dict[str, Any]:
     }
 
 
+# What :func:`save` draws (mpstream.observe.figures.tutorial_figures).
+_FIGURES = ("mp_vs_rn.png", "mp_vs_rn_vs_pp.png", "split_size_tradeoff.png")
+
+
 def save(results: Results, out: Path, *, plots: bool = True) -> list[Path]:
     """Writes ``results.json`` and the tutorial's three figures into ``out``
-    (the figures need every model: not after an interrupt).
+    (the figures need every model: not after an interrupt); an earlier
+    run's figures there are removed either way.
 
     Returns:
         The files written.
@@ -78,6 +83,9 @@ def save(results: Results, out: Path, *, plots: bool = True) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     written = [out / "results.json"]
     written[0].write_text(json.dumps(to_json(results), indent=2) + "\n")
+    # An earlier run's figures would sit beside this run's numbers.
+    for name in _FIGURES:
+        (out / name).unlink(missing_ok=True)
     if plots and not results.interrupted:
         from ..observe import figures
 

@@ -159,12 +159,16 @@ def table(results: Results) -> str:
 
 
 def save(results: Results, out: Path, *, plots: bool = True) -> list[Path]:
-    """Writes ``transformer.json`` and, with ``plots``, the two figures."""
+    """Writes ``transformer.json`` and, with ``plots``, the two figures (an
+    earlier run's figures in ``out`` are removed either way)."""
     out.mkdir(parents=True, exist_ok=True)
     data = to_json(results)
     path = out / "transformer.json"
     path.write_text(json.dumps(data, indent=1) + "\n")
     written = [path]
+    # An earlier run's figures would sit beside this run's numbers.
+    for name in ("transformer_throughput.png", "transformer_memory.png"):
+        (out / name).unlink(missing_ok=True)
     if plots and data["rows"]:  # an interrupt before any timed round: nothing to draw
         from ..observe.figures import memory_bars, throughput_curves
 

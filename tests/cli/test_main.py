@@ -142,6 +142,7 @@ def test_schedules_profiles_and_measures_resnet50(
         "--out",
         str(tmp_path),
     ]  # fmt: skip  (the CPU even on a GPU machine: peaks are per stage only there)
+    (tmp_path / "schedules.png").write_bytes(b"an earlier run's")
     assert cli.main(args) == 0
     assert "ResNet50 (2 images of 32x32 per micro-batch) profiled on" in capsys.readouterr().out
     doc = json.loads((tmp_path / "schedules.json").read_text())

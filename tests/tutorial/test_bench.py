@@ -72,8 +72,9 @@ def test_bench_writes_json_and_the_three_figures(
 
 def test_bench_without_sweep_or_plots(tmp_path: Path) -> None:
     args = ["bench", *TINY, "--no-sweep", "--no-plots", "--out", str(tmp_path)]
+    (tmp_path / "mp_vs_rn.png").write_bytes(b"an earlier run's")
     assert cli.main(args) == 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]  # none stale
     assert json.loads((tmp_path / "results.json").read_text())["split_sweep"] == []
 
 

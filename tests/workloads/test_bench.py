@@ -327,7 +327,9 @@ def test_an_interrupted_bench_reports_and_saves_what_it_timed(
     assert len(results.not_timed()) == 5
     data = report.to_json(results)
     assert data["interrupted"] and len(data["not_timed"]) == 5
+    (tmp_path / "transformer_memory.png").write_bytes(b"an earlier run's")
     assert [p.name for p in report.save(results, tmp_path)] == ["transformer.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["transformer.json"]  # none stale
     said = "! interrupted: the figures are what ran before it; not timed: single device, "
     assert any(line.startswith(said) for line in report.table(results).splitlines())
 
