@@ -14,10 +14,12 @@ stage may begin with an in-place op.
 
 from __future__ import annotations
 
+import inspect
 import threading
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
+from types import TracebackType
 from typing import Any
 
 import torch
@@ -242,9 +244,45 @@ def checkpointed(stage: nn.Module, *args: Any) -> Any:
             preserve_rng_state=not on_cpu,
             context_fn=contexts,
         )
+    except BaseException as exc:
+        _end_forward_contexts(exc)
+        raise
     finally:
         for watch in watchers:
             watch(None)
+
+
+def _end_forward_contexts(exc: BaseException) -> None:
+    """Exits the checkpoint contexts a failed forward left entered.
+
+    ``torch.utils.checkpoint.checkpoint`` (non-reentrant) runs the function
+    between two steps of a generator that holds its saved-tensor hooks and
+    ``context_fn``'s forward context entered. In torch 2.11 (the GPU
+    machine's) a forward that raises leaves that generator suspended inside
+    both for as long as the exception's traceback, which holds it, lives:
+    :func:`is_checkpointing` stays true, and every later backward in the
+    thread unpacks its saved tensors through the dead checkpoint, rerunning
+    the failed forward (and raising its error again). Closing the generator
+    exits both. Torch 2.15 exits them itself: the generator is done by then,
+    and nothing here runs. An error while exiting them is noted on ``exc``,
+    which stays the one raised.
+    """
+    tb: TracebackType | None = exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_globals.get("__name__") == torch_checkpoint.__name__:
+            gen = frame.f_locals.get("gen")
+            if inspect.isgenerator(gen) and gen.gi_frame is not None:
+                try:
+                    gen.close()
+                except Exception as cleanup:
+                    add_note = getattr(exc, "add_note", None)  # Python 3.11+
+                    if add_note is not None:
+                        add_note(
+                            f"exiting the failed checkpoint's contexts raised "
+                            f"{type(cleanup).__name__}: {cleanup}"
+                        )
+        tb = tb.tb_next
 
 
 class _Reentrant:

@@ -353,3 +353,24 @@ def test_lazy_norms_train(stats: bool) -> None:
     pipe = Pipe(model, chunks=2, balance=[2, 2], devices=["cpu"] * 2, checkpoint="always")
     loss = pipe.train_step(torch.randn(4, 2, 5), torch.randn(4, 2), nn.MSELoss())
     assert loss.isfinite()
+
+
+class _Fails(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        raise ValueError("the stage failed")
+
+
+def test_a_failed_checkpointed_forward_leaves_no_checkpoint_context_entered() -> None:
+    """torch 2.11's checkpoint left its saved-tensor hooks and the forward
+    context entered while the failure's traceback lived: a later plain
+    backward reran the failed forward, and is_checkpointing() stayed true."""
+    from mpstream.memory.checkpoint import checkpointed
+
+    x = torch.randn(2, 3, requires_grad=True)
+    with pytest.raises(ValueError, match="the stage failed") as info:
+        checkpointed(_Fails(), x)
+    assert info.value.__traceback__ is not None  # held, as a caller's handler may
+    assert not mpstream.is_checkpointing() and not is_recomputing()
+    w = torch.randn(3, requires_grad=True)
+    (w * w).sum().backward()  # type: ignore[no-untyped-call]
+    assert w.grad is not None
