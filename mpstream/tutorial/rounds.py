@@ -176,8 +176,9 @@ def round_robin(
         tick: called after each call that counts (progress bars): a
             configuration's warm-up calls count once it fits.
         status: told what runs next.
-        skip_unfit: a configuration that does not fit even alone is left
-            out and named in ``unfit`` (else it is an error, at once).
+        skip_unfit: a configuration that does not fit even alone, or whose
+            build or warm-up raises, is left out and named in ``unfit`` with
+            why (else it is an error, at once).
         interruptible: a ``KeyboardInterrupt`` (Ctrl-C, or a signal the
             caller turns into one), or an error raised because of one,
             ends the timing and returns what was timed, marked
@@ -249,7 +250,24 @@ def _groups(
         held: dict[K, M] = {}
         while pending:
             key = pending[0]
-            failed = _try(key, build, call, warmup, label, check, status, held)
+            broke = None
+            try:
+                failed = _try(key, build, call, warmup, label, check, status, held)
+            except Exception as e:
+                # One configuration that cannot run must not cost the others'
+                # times (a long GPU bench, a library version it was not
+                # tried with); an interrupt still ends the run.
+                if not skip_unfit or _interrupt(e):
+                    raise
+                first = (str(e).strip().splitlines() or [""])[0]
+                broke = f"failed: {type(e).__name__}: {first}"
+            if broke is not None:  # out of the handler: its frames held the model
+                out.unfit[pending.pop(0)] = broke
+                _release()
+                if tick is not None:
+                    for _ in range(warmup + repeat):
+                        tick()
+                continue
             if failed is not None:
                 why = str(failed).splitlines()[0] if str(failed) else type(failed).__name__
                 if not held and not skip_unfit:

@@ -103,6 +103,25 @@ def test_skip_unfit_leaves_a_configuration_too_big_alone_out_and_says_so() -> No
     assert not alone.times and list(alone.unfit) == ["huge"]
 
 
+def test_skip_unfit_leaves_a_configuration_that_raises_out_and_says_why() -> None:
+    # One configuration that cannot run (a library version it was not
+    # tried with) must not cost the others' times.
+    build, call, _ = _fake({"a": 1, "broken": 1, "b": 1}, budget=9)
+
+    def breaks(key: str) -> _Model:
+        if key == "broken":
+            raise TypeError("an argument this version lacks")
+        return build(key)
+
+    timed = rounds.round_robin(
+        ["a", "broken", "b"], breaks, call, warmup=1, repeat=2, skip_unfit=True
+    )
+    assert set(timed.times) == {"a", "b"} and timed.group == {"a": 0, "b": 0}
+    assert timed.unfit == {"broken": "failed: TypeError: an argument this version lacks"}
+    with pytest.raises(TypeError, match="this version lacks"):  # without skip_unfit: at once
+        rounds.round_robin(["a", "broken"], breaks, call, warmup=1, repeat=1)
+
+
 def test_progress_counts_each_call_once_when_a_configuration_is_retried() -> None:
     build, call, _ = _fake({"a": 1, "b": 1}, budget=9)
     refused = {"b"}
