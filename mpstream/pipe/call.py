@@ -21,7 +21,7 @@ from ..runtime.forward import run as run_forward
 from ..runtime.microbatch import batch_device, gather, scatter
 from .config import PipeConfig
 from .inputs import check_holds_tensor, positional, staging
-from .running import Running
+from .running import held
 
 __all__ = ["PipeCall"]
 
@@ -32,6 +32,7 @@ class PipeCall(PipeConfig):
     Expects what :class:`~mpstream.pipe.config.PipeConfig` does.
     """
 
+    @held("pipe(x)")
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Runs the pipeline on a batch.
 
@@ -81,25 +82,16 @@ class PipeCall(PipeConfig):
         :class:`~mpstream.memory.batchnorm.DeferredBatchNorm` had accumulated for
         the failed batch are dropped (they update only once all stages finish).
         """
-        with self._running().call("pipe(x)"):
-            inputs = self._inputs(args, kwargs)
-            micro = scatter(inputs, self._chunks, self._split_size)
-            schedule = self.schedule_for(len(micro), batch_device(inputs))
-            _, worker, _ = self._rt()
-            staging = self._stage(inputs, self.devices[0])
-            stop = self._prepare(len(micro))
-            with deferred_update(self._deferred_norms(), len(micro)):
-                outputs = run_forward(worker, micro, schedule, stop, staging)
-            split = self.__dict__["_split"]
-            return gather(outputs) if split is None else split.gather(outputs)
-
-    def _running(self) -> Running:
-        """Who runs a call of the pipe now (made on first use: a pipe copied
-        or unpickled gets its own)."""
-        busy = self.__dict__.get("_busy")
-        if busy is None:
-            busy = self.__dict__["_busy"] = Running()
-        return busy  # type: ignore[no-any-return]
+        inputs = self._inputs(args, kwargs)
+        micro = scatter(inputs, self._chunks, self._split_size)
+        schedule = self.schedule_for(len(micro), batch_device(inputs))
+        _, worker, _ = self._rt()
+        staging = self._stage(inputs, self.devices[0])
+        stop = self._prepare(len(micro))
+        with deferred_update(self._deferred_norms(), len(micro)):
+            outputs = run_forward(worker, micro, schedule, stop, staging)
+        split = self.__dict__["_split"]
+        return gather(outputs) if split is None else split.gather(outputs)
 
     def _inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         """The pipeline's positional inputs for a call; a traced module first

@@ -12,11 +12,17 @@ anything.
 
 from __future__ import annotations
 
+import functools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Concatenate, ParamSpec, TypeVar
 
-__all__ = ["Running"]
+__all__ = ["Running", "held", "running_of"]
+
+S = TypeVar("S")
+P = ParamSpec("P")
+R = TypeVar("R")
 
 # Makes a claim's check-and-set atomic across threads (held for a few lines).
 _claims = threading.Lock()
@@ -73,3 +79,30 @@ def _refusal(what: str, same_thread: bool) -> str:
         f"runs one call at a time; serialise the threads' calls (a threading.Lock), or give "
         f"each thread a Pipe of its own"
     )
+
+
+def running_of(pipe: object) -> Running:
+    """Who runs a call of ``pipe`` now (made on first use: a pipe copied or
+    unpickled gets its own)."""
+    state = vars(pipe)
+    busy = state.get("_busy")
+    if busy is None:
+        busy = state["_busy"] = Running()
+    return busy  # type: ignore[no-any-return]
+
+
+def held(
+    what: str,
+) -> Callable[[Callable[Concatenate[S, P], R]], Callable[Concatenate[S, P], R]]:
+    """Decorates a pipe method that runs a call named ``what``: the pipe is
+    held for the whole method (:meth:`Running.call`)."""
+
+    def wrap(method: Callable[Concatenate[S, P], R]) -> Callable[Concatenate[S, P], R]:
+        @functools.wraps(method)
+        def run(pipe: S, /, *args: P.args, **kwargs: P.kwargs) -> R:
+            with running_of(pipe).call(what):
+                return method(pipe, *args, **kwargs)
+
+        return run
+
+    return wrap

@@ -24,6 +24,7 @@ from ..stages.exported import own_loss
 from .call import PipeCall
 from .inputs import detached, keywords_of, micro_sizes
 from .reduction import step_reduction
+from .running import held, running_of
 from .snapshot import Norms, Snapshot
 
 __all__ = ["PipeStep", "StageDone"]
@@ -123,6 +124,7 @@ class PipeStep(PipeCall):
         """
         return self._train_step(inputs, target, loss_fn, reduction, scaler)
 
+    @held("train_step")
     def _train_step(
         self,
         inputs: Any,
@@ -139,21 +141,7 @@ class PipeStep(PipeCall):
         ``stage_done``: called with a stage's index inside its last
         gradient task (``mpstream.distributed`` starts its all-reduces
         there), its ``end()`` once every task ran, its ``abort()`` before a
-        failed step is put back."""
-        with self._running().call("train_step"):
-            return self._step(inputs, target, loss_fn, reduction, scaler, zeroed, stage_done)
-
-    def _step(
-        self,
-        inputs: Any,
-        target: Any,
-        loss_fn: Callable[[Any, Any], Tensor] | None,
-        reduction: str | None,
-        scaler: torch.amp.GradScaler | None,
-        zeroed: bool,
-        stage_done: StageDone | None,
-    ) -> Tensor:
-        """:meth:`_train_step`, the pipe held for it."""
+        failed step is put back; the pipe is held for the call."""
         if torch.is_inference_mode_enabled():
             raise RuntimeError(
                 "train_step was called under torch.inference_mode(), where nothing can be "
@@ -196,7 +184,7 @@ class PipeStep(PipeCall):
                 else f"target splits into micro-batches {target_sizes}, inputs into {sizes}"
             )
         weights = [n / batch if reduction == "mean" else 1.0 for n in sizes]
-        with self._running().nesting():  # 'auto' measures steps of this pipe
+        with running_of(self).nesting():  # 'auto' measures steps of this pipe
             self._choose_schedule(*given, tuple(sizes))
         schedule = self.schedule_for(
             len(micro),
