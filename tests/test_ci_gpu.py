@@ -23,8 +23,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 # Stands for the Python of every step: `import mpstream` succeeds, pytest,
-# the doctor and the bench "pass" at once.
-STUB = "#!/bin/sh\nexit 0\n"
+# the doctor and the bench "pass" at once; each call's arguments are logged.
+STUB = '#!/bin/sh\necho "$*" >> "$(dirname "$0")/calls.log"\nexit 0\n'
 
 
 def lease(tmp_path: Path, call: str, deadline: str) -> tuple[int, str, list[str]]:
@@ -38,6 +38,7 @@ def lease(tmp_path: Path, call: str, deadline: str) -> tuple[int, str, list[str]
         "OUT": str(out),
         "LEASE_DEADLINE": deadline,
         "LEASE_TMP": str(tmp_path / "lease"),
+        "BUILD_STAMP": str(tmp_path / "csrc.sha256"),  # never the tree's own
         "MPSTREAM_COMMIT": "test",
     }
     done = subprocess.run(
@@ -67,3 +68,20 @@ def test_a_deadline_within_the_limit_is_kept(tmp_path: Path) -> None:
     assert code == 0, log
     assert "over a call's" not in log
     assert files == ["build.log", "env.txt", "graph-tests.tar.gz", "lease.log", "profile.tar.gz"]
+
+
+def test_the_extension_is_built_once_per_source(tmp_path: Path) -> None:
+    # A warm machine keeps the build between calls: the second call must not
+    # rebuild, but a changed csrc/ must (an unchanged interface version
+    # would import the old build).
+    def builds() -> int:
+        log = tmp_path / "calls.log"
+        return log.read_text().count("pip install") if log.exists() else 0
+
+    lease(tmp_path, "1", "100")
+    assert builds() == 1
+    lease(tmp_path, "1", "100")
+    assert builds() == 1
+    (tmp_path / "csrc.sha256").write_text("the sources of an older build\n")
+    lease(tmp_path, "1", "100")
+    assert builds() == 2
