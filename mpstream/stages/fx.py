@@ -155,9 +155,9 @@ def _trace(
         with torch.enable_grad(), _stand_ins(module) as changed:
             tracer.modes = _modes()
             graph = tracer.trace(module, {n: None for n in nones} if nones else None)
-            if changed():
+            if moved := changed():
                 raise _BufferChange(
-                    f"forward changes buffer(s) {', '.join(repr(n) for n in changed())} "
+                    f"forward changes buffer(s) {', '.join(repr(n) for n in moved)} "
                     f"(in place or by assignment), which torch.fx runs once while tracing "
                     f"instead of recording: the stages would never change them"
                 )
