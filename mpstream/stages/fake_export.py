@@ -164,6 +164,22 @@ def input_pattern(node: fx.Node) -> Any:
     return ("value", type(val), val)
 
 
+def _unlifted(ep: torch.export.ExportedProgram) -> fx.GraphModule:
+    """``ep``'s graph module with parameters read by name, its input checks
+    left out of the graph.
+
+    torch 2.9 added ``check_guards`` to keep a ``_guards_fn`` call out of the
+    graph; earlier releases (the floor is 2.7) check inputs in a forward
+    pre-hook instead, which cutting the graph into stages never runs.
+    """
+    if "check_guards" in inspect.signature(ep.module).parameters:
+        gm = ep.module(check_guards=False)
+    else:
+        gm = ep.module()
+    assert isinstance(gm, fx.GraphModule)
+    return gm
+
+
 def exported_graph(
     module: nn.Module, named: dict[str, Any], device: torch.device
 ) -> tuple[fx.GraphModule, pytree.TreeSpec, pytree.TreeSpec]:
@@ -175,8 +191,7 @@ def exported_graph(
         Exception: whatever ``torch.export`` raised.
     """
     ep = _export(module, named, device)
-    gm = ep.module(check_guards=False)
-    assert isinstance(gm, fx.GraphModule)
+    gm = _unlifted(ep)
     info = gm.graph._codegen.pytree_info  # type: ignore[attr-defined]
     gm.graph._codegen = fx.graph.CodeGen()
     for node in list(gm.graph.nodes):

@@ -76,3 +76,20 @@ def test_the_modules_forward_is_left_as_it_was() -> None:
     gm, _, _ = exported_graph(model, {"input_ids": x, "scale": s}, CPU)
     assert vars(model)["forward"] is hooked
     assert [p[2] for p in _placeholders(gm)] == [(None, 4), (None, 1)]
+
+
+def test_a_torch_without_check_guards_exports_the_same_graph(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch before 2.9 has no ``check_guards`` argument (the floor is 2.7)."""
+    model = _Extras()
+    x, s = torch.randn(6, 4), torch.randn(6, 1)
+    expected, _, _ = exported_graph(model, {"input_ids": x, "scale": s}, CPU)
+    plain = torch.export.ExportedProgram.module
+
+    def module(self: torch.export.ExportedProgram) -> torch.fx.GraphModule:
+        return plain(self, check_guards=False)  # type: ignore[call-arg]
+
+    monkeypatch.setattr(torch.export.ExportedProgram, "module", module)
+    gm, _, _ = exported_graph(model, {"input_ids": x, "scale": s}, CPU)
+    assert gm.code == expected.code
