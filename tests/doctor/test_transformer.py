@@ -4,19 +4,34 @@ checks on the transformer workload, its report and what it refuses."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 import torch
 
-from mpstream.doctor import Options, run
+from mpstream.doctor import Options, run, transformer_costs
 from mpstream.doctor import transformer as steps_of
 from mpstream.doctor.diagnosis import FAIL, PASS, TINY, Context
 from mpstream.doctor.runner import TRANSFORMER_STEPS
 from mpstream.workloads import bench, report, transformer
 
 
-def test_the_transformer_doctor_runs_every_step_it_can_on_the_cpu(tmp_path: Path) -> None:
+def test_the_transformer_doctor_runs_every_step_it_can_on_the_cpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The cost model's error depends on timings on a shared CPU: with no
+    # limit its verdict is known (PASS); step 8 runs again below with a limit
+    # nothing meets (FAIL), on the context it ran with.
+    monkeypatch.setattr(transformer_costs, "MAX_ERROR", math.inf)
+    contexts: list[Context] = []
+    preset_of = transformer_costs.preset_of
+
+    def keep_context(ctx: Context) -> transformer.Preset:
+        contexts.append(ctx)
+        return preset_of(ctx)
+
+    monkeypatch.setattr(transformer_costs, "preset_of", keep_context)
     lines: list[str] = []
     code = run(
         Options(out=tmp_path, arch="transformer", sizes=TINY, progress=False), echo=lines.append
@@ -40,6 +55,10 @@ def test_the_transformer_doctor_runs_every_step_it_can_on_the_cpu(tmp_path: Path
     for name in ("transformer.json", "transformer_throughput.png", "transformer_memory.png",
                  "transformer_timeline.png"):  # fmt: skip
         assert (tmp_path / name).exists(), name
+    assert steps["cost-model"]["status"] == PASS
+    monkeypatch.setattr(transformer_costs, "MAX_ERROR", 0.0)
+    again = transformer_costs.cost_model(contexts[-1])
+    assert again.status == FAIL and again.reason.startswith("cost model against the profiled step")
 
 
 def test_what_the_transformer_doctor_refuses(tmp_path: Path) -> None:
