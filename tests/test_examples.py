@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -13,14 +14,20 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run_example(script: str, args: list[str]) -> subprocess.CompletedProcess[str]:
-    """An example run as a user would, its output captured (argument checks: quick)."""
-    return subprocess.run(
-        [sys.executable, str(ROOT / "examples" / script), *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+def _exit_of(
+    script: str,
+    args: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> tuple[object, str]:
+    """An example run in this process as ``python examples/SCRIPT ARGS``
+    would run it, to a refusal before any work: its exit code and standard
+    error. (A Python each, as the runs above, would take seconds to import
+    torch for a line of argparse.)"""
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "examples" / script), *args])
+    with pytest.raises(SystemExit) as exited:
+        runpy.run_path(str(ROOT / "examples" / script), run_name="__main__")
+    return exited.value.code, capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -59,15 +66,11 @@ def test_the_hugging_face_example_trains_equal_to_the_unsplit_model() -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without CUDA")
-def test_the_cuda_graph_experiment_says_it_needs_cuda() -> None:
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "cuda_graph_step.py")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 1
-    assert "needs a CUDA device" in result.stderr
+def test_the_cuda_graph_experiment_says_it_needs_cuda(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, err = _exit_of("cuda_graph_step.py", [], monkeypatch, capsys)
+    assert code == 1 and "needs a CUDA device" in err
 
 
 @pytest.mark.cuda
@@ -89,6 +92,7 @@ def test_the_cuda_graph_experiment_reports_every_attempt(tmp_path: Path) -> None
 
 
 def test_examples_refuse_sizes_below_one() -> None:
+    # Run as a user would: the refusal, and no traceback, from a Python of its own.
     result = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "unet.py"), "--split-size", "0"],
         capture_output=True,
@@ -97,6 +101,7 @@ def test_examples_refuse_sizes_below_one() -> None:
     )
     assert result.returncode == 2
     assert "--split-size: must be at least 1, got 0" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 @pytest.mark.parametrize(
@@ -108,11 +113,14 @@ def test_examples_refuse_sizes_below_one() -> None:
     ],
 )
 def test_examples_refuse_devices_this_machine_lacks(
-    script: str, args: list[str], message: str
+    script: str,
+    args: list[str],
+    message: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
-    result = _run_example(script, args)
-    assert result.returncode == 2
-    assert message in result.stderr and "Traceback" not in result.stderr
+    code, err = _exit_of(script, args, monkeypatch, capsys)
+    assert code == 2 and message in err, err[-2000:]
 
 
 @pytest.mark.parametrize(
@@ -125,10 +133,14 @@ def test_examples_refuse_devices_this_machine_lacks(
     ],
 )
 def test_example_sizes_they_cannot_run_are_argparse_errors(
-    script: str, args: list[str], message: str
+    script: str,
+    args: list[str],
+    message: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
-    result = _run_example(script, args)
-    assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
+    code, err = _exit_of(script, args, monkeypatch, capsys)
+    assert code == 2 and message in err, err[-2000:]
 
 
 def test_the_readme_names_every_example_and_two_commands_first() -> None:

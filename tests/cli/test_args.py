@@ -50,6 +50,7 @@ def test_good_values_pass() -> None:
         (["trace", "--link-gbps", "0"], "--link-gbps: must be greater than 0"),
         (["schedules", "--device", "foo"], "--device: 'foo' is not a device name"),
         (["schedules", "--copy-ms", "-1"], "--copy-ms: must not be negative"),
+        (["bench", "--repeat", "0"], "--repeat: must be at least 1, got 0"),
     ],
 )
 def test_bad_options_exit_2_at_once(
