@@ -151,7 +151,7 @@ def run(ctx: Context) -> StepResult:
         s = p["timeline"].summary(echo=False)
         hidden = "-" if s.copy_hidden_fraction is None else f"{100 * s.copy_hidden_fraction:.0f}%"
         detail = (
-            f"makespan {s.makespan_ms:.1f} ms, bubble {100 * s.bubble_fraction:.0f}%, "
+            f"makespan {s.makespan_ms:.1f} ms, {s.bubble_text()}, "
             f"copy hidden {hidden}; step {p['step_ms']:.1f} ms, host issue {p['issue_ms']:.1f} ms"
         )
         checks.append(Check(f"profiled step at split {split}", PASS, detail))
@@ -185,7 +185,7 @@ def run(ctx: Context) -> StepResult:
         if summary.copy_hidden_fraction is None
         else f"copy hidden {100 * summary.copy_hidden_fraction:.0f}%"
     )
-    figure = f"split {config.split_size}: bubble {100 * summary.bubble_fraction:.0f}%, {hidden}"
+    figure = f"split {config.split_size}: {summary.bubble_text()}, {hidden}"
     if verdict["host_bound"]:
         figure += "; HOST-BOUND"
     reason = verdict["verdict"] if verdict["host_bound"] else ""

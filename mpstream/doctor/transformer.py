@@ -296,11 +296,20 @@ def profile_step(ctx: Context) -> StepResult:
     share = timed["issue_share"]
     where = "" if ctx.cuda else " (CPU: the host runs the stages)"
     figure = (
-        f"1f1b, {m} micro-batches: bubble {100 * summary.bubble_fraction:.0f}%, {copies}, "
+        f"1f1b, {m} micro-batches: {summary.bubble_text()}, {copies}, "
         f"host issue {100 * share:.0f}% of the step{where}"
     )
     checks = [
-        Check("profiled step", PASS, figure, {"bubble": summary.bubble_fraction, **timed}),
+        Check(
+            "profiled step",
+            PASS,
+            figure,
+            {
+                "bubble": summary.bubble_fraction,
+                "device_idle": summary.device_idle_fraction,
+                **timed,
+            },
+        ),
         Check("layers profiled for the cost model", PASS, f"{len(layers)} layers, one micro-batch"),
     ]
     return StepResult(

@@ -30,7 +30,6 @@ from ..schedules import (
 )
 from .cost_model import Cost, Simulation, simulate
 from .measuring import measure_memory, profile_stages, split_cost
-from .timeline import COMPUTE, Timeline
 
 __all__ = [
     "Comparison",
@@ -38,7 +37,6 @@ __all__ = [
     "live_activations",
     "placement",
     "left_out",
-    "device_bubble",
     "compare",
     "table",
     "plot_stacked",
@@ -124,25 +122,6 @@ def left_out(stages: int, devices: int, schedules: Sequence[str] = SCHEDULES) ->
     return out
 
 
-def device_bubble(timeline: Timeline) -> float:
-    """Share of device-time (devices x step) in which a device computed nothing."""
-    spans = [s for s in timeline.spans if s.kind in COMPUTE]
-    if not spans:
-        return 0.0
-    start = min(s.start_ms for s in timeline.spans)
-    step = max(s.end_ms for s in timeline.spans) - start
-    by_device: dict[str, list[tuple[float, float]]] = {}
-    for s in spans:
-        by_device.setdefault(timeline.stream_devices[s.stream], []).append((s.start_ms, s.end_ms))
-    busy = 0.0
-    for intervals in by_device.values():
-        end = -float("inf")
-        for a, b in sorted(intervals):
-            busy += max(0.0, b - max(a, end))
-            end = max(end, b)
-    return 1.0 - busy / (len(by_device) * step) if step > 0 else 0.0
-
-
 @dataclass
 class Comparison:
     """One schedule, simulated (and possibly measured).
@@ -225,7 +204,7 @@ def compare(
         )
         live, held = live_activations(sched)
         launches = graph_launches(sched, len(set(labels)))
-        bubble = device_bubble(sim.timeline)
+        bubble = sim.timeline.summary(echo=False).device_idle_fraction
         peak = list(peak_activations(sched, [1.0] * stages, labels).values())
         out.append(
             Comparison(name, sim.step_ms, bubble, live, held, labels, sim, launches, peak=peak)

@@ -25,7 +25,10 @@ input pass (B) and weight pass (W) cost what the stage costs give; from a
 Host issue time is modelled when given (``issue_times``): one host thread
 issues every task in issue order, taking the task's issue time; a task's
 device work cannot start before its issue begins nor end before its issue
-ends. On a fast GPU that thread, not the streams, can set the step time.
+ends. A backward's issue time splits as its cost does: a split backward's
+passes take the (kind, stage) times of ``'backward'`` (the input pass) and
+``'weight'``, a whole backward both; without a ``'weight'`` time, half the
+backward's each. On a fast GPU that thread, not the streams, can set the step time.
 :func:`~mpstream.observe.fitting.fit` turns a measured timeline into
 costs (issue times included where the timeline has them);
 :func:`~mpstream.observe.scaling.predict` scales per-layer costs to ``p``
@@ -177,7 +180,8 @@ def simulate(
             schedules of several stages per rank, False otherwise.
         issue_times: host time (ms) the one issuing thread spends on each
             task: one number for every task, or per (kind, stage) as
-            :attr:`Costs.issue_times` holds them (missing: 0). None: issuing
+            :attr:`Costs.issue_times` holds them (missing: 0; a backward's
+            split as its cost, see above). None: issuing
             is free, as on a device much slower than its host. One thread
             is right for ``train_step`` and for any run on one GPU; a
             backward that autograd runs (``pipe(x)`` then ``backward()``)
@@ -192,7 +196,6 @@ def simulate(
             backward tasks without backward times, or a round-robin schedule
             with neither ``devices`` nor ``virtual_stages``.
     """
-    issue = _issue_costs(issue_times)
     stages = [_pair(c, f"stage {i} time") for i, c in enumerate(stage_times)]
     n = len(stages)
     if n < 1:
@@ -281,6 +284,7 @@ def simulate(
         forward, gradient = copy_cost(t.stage, t.peer)
         return float(forward if t.kind is Kind.COPY else gradient)
 
+    issue = _issue_costs(issue_times, sched.split)
     timing = replay(tasks, streams, cost, issue, devs, shared if overlap else False)
     spans = []
     for t, (start, stop, issuing) in zip(tasks, timing):
@@ -331,15 +335,16 @@ def _default_devices(placement: str, n: int, virtual_stages: int | None) -> list
     return [f"device{i}" for i in range(n)]
 
 
-def _issue_costs(issue_times: IssueTimes | None) -> Any:
-    """A function (kind, stage) -> host issue time."""
+def _issue_costs(issue_times: IssueTimes | None, split: frozenset[tuple[int, int]]) -> Any:
+    """A function task -> host issue time; ``split``: the (stage, micro-batch)
+    pairs whose backward the schedule splits."""
     if issue_times is None:
-        return lambda kind, stage: 0.0
+        return lambda t: 0.0
     if isinstance(issue_times, (int, float, numbers.Real)):
         if not math.isfinite(issue_times) or issue_times < 0:
             raise ValueError(f"issue_times must be finite and not negative, got {issue_times}")
         each = float(issue_times)
-        return lambda kind, stage: each
+        return lambda t: each
     table = {key: float(v) for key, v in issue_times.items()}
     if not all(math.isfinite(v) and v >= 0 for v in table.values()):
         raise ValueError(f"issue_times must be finite and not negative, got {issue_times}")
@@ -350,7 +355,23 @@ def _issue_costs(issue_times: IssueTimes | None) -> Any:
                 f"issue_times key {key!r}: expected (kind, stage) with kind one of "
                 f"{', '.join(sorted(kinds))}, as Costs.issue_times holds them"
             )
-    return lambda kind, stage: table.get((kind, stage), 0.0)
+
+    def passes(stage: int) -> tuple[float, float]:
+        """(input pass, weight pass) issue times of a stage's backward."""
+        backward = table.get(("backward", stage), 0.0)
+        if ("weight", stage) in table:
+            return backward, table[("weight", stage)]
+        return backward / 2, backward / 2
+
+    def of(t: Task) -> float:
+        if t.kind is Kind.WEIGHT:
+            return passes(t.stage)[1]
+        if t.kind is Kind.BACKWARD:
+            b, w = passes(t.stage)
+            return b if (t.stage, t.micro) in split else b + w
+        return table.get((t.kind.label, t.stage), 0.0)
+
+    return of
 
 
 def _copy_costs(

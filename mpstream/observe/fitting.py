@@ -13,7 +13,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from .cost_model import Cost
-from .timeline import Timeline
+from .timeline import Span, Timeline
 
 __all__ = ["Costs", "fit", "issue_spread"]
 
@@ -57,12 +57,13 @@ def fit(timeline: Timeline) -> Costs:
     is fitted from the split ones alone (a whole backward costs both).
     Where the spans carry the host's issue time (``Span.issue_ms``, measured
     by the scheduler's timing), ``costs.issue_times`` holds its median per
-    (kind, stage), for :func:`~mpstream.observe.cost_model.simulate`'s ``issue_times``.
+    (kind, stage) (a backward's, where the run split some, the input
+    pass's, as for its cost), for :func:`~mpstream.observe.cost_model.simulate`'s ``issue_times``.
 
     Raises:
         ValueError: the timeline has no compute spans.
     """
-    groups: dict[tuple[str, int], list[float]] = defaultdict(list)
+    groups: dict[tuple[str, int], list[Span]] = defaultdict(list)
     hops: dict[tuple[str, int, int], list[float]] = defaultdict(list)
     # A backward with a weight pass of its own computed the input gradient
     # only; schedules such as dualpipev split some micro-batches and not
@@ -70,7 +71,7 @@ def fit(timeline: Timeline) -> Costs:
     split = {(s.stage, s.micro, s.run) for s in timeline.spans if s.kind == "weight"}
     for s in timeline.spans:
         whole = s.kind == "backward" and split and (s.stage, s.micro, s.run) not in split
-        groups[("whole_backward" if whole else s.kind, s.stage)].append(s.duration_ms)
+        groups[("whole_backward" if whole else s.kind, s.stage)].append(s)
         if s.kind in ("copy", "copy_grad") and s.stage >= 0:
             hops[(s.kind, s.stage, s.stages[0] if s.kind == "copy_grad" else s.stages[-1])].append(
                 s.duration_ms
@@ -79,28 +80,35 @@ def fit(timeline: Timeline) -> Costs:
     if not any(k in ("forward", "backward") for k, _ in groups):
         raise ValueError("the timeline has no compute spans to fit")
 
-    def median(kind: str, stage: int) -> float:
-        values = groups.get((kind, stage))
-        return statistics.median(values) if values else 0.0
+    def median(kind: str, stage: int, issue: bool = False) -> float:
+        spans = groups.get((kind, stage))
+        if not spans:
+            return 0.0
+        return float(statistics.median(s.issue_ms if issue else s.duration_ms for s in spans))
 
     def hop(kind: str, p: int, q: int) -> float:
         values = hops.get((kind, p, q))
         return statistics.median(values) if values else 0.0
 
-    def backward(stage: int) -> float:
+    def backward(stage: int, issue: bool = False) -> float:
         if ("backward", stage) in groups or ("whole_backward", stage) not in groups:
-            return median("backward", stage)
+            return median("backward", stage, issue)
         # This stage's backwards were all whole: the input pass is the rest.
-        return max(median("whole_backward", stage) - median("weight", stage), 0.0)
+        whole = median("whole_backward", stage, issue)
+        return max(whole - median("weight", stage, issue), 0.0)
 
     pairs = {(p, q) for _, p, q in hops}
     weighted = bool(split)
+    # The issue times' medians as the costs' (a whole backward issues both passes).
+    issue = {k: med for k, (_, _, med, _) in issue_spread(timeline).items()}
+    if issue and weighted:
+        issue.update({("backward", s): backward(s, issue=True) for s in range(stages)})
     return Costs(
         [(median("forward", s), backward(s)) for s in range(stages)],
         [(median("copy", s), median("copy_grad", s)) for s in range(stages - 1)],
         {(p, q): (hop("copy", p, q), hop("copy_grad", p, q)) for p, q in sorted(pairs)},
         [median("weight", s) for s in range(stages)] if weighted else [],
-        {k: med for k, (_, _, med, _) in issue_spread(timeline).items()},
+        issue,
     )
 
 

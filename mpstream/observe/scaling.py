@@ -64,9 +64,11 @@ def predict(
             ``'1f1b'``, ``'zb_h1'``, ...).
         overlap: mpstream's streams or the default streams.
         issue_times: per layer, the host's time to issue it for one
-            micro-batch (forward or (forward, backward)); a stage's tasks
+            micro-batch: forward, (forward, backward) or (forward,
+            input_grad, weight_grad), as ``layer_times``; a stage's tasks
             take the sum over its layers, and one host thread issues every
-            task. None: issuing is free.
+            task (a split backward's passes half the backward's each where
+            a layer gives a pair). None: issuing is free.
 
     Returns:
         The prediction, with the single-device time for the speed-up: every
@@ -112,6 +114,13 @@ def predict(
         issue = {}
         for s, (f, b) in enumerate(per_stage):
             issue[("forward", s)], issue[("backward", s)] = f, b
+        if any(_size(c) == 3 for c in issue_times):
+            # A split backward's passes take the layers' own issue times.
+            passes = [_split(c) for c in issue_times]
+            inputs = stage_costs([b for b, _ in passes], chosen)
+            weights = stage_costs([w for _, w in passes], chosen)
+            for s, (b, w) in enumerate(zip(inputs, weights)):
+                issue[("backward", s)], issue[("weight", s)] = b, w
         single_issue = {
             ("forward", 0): sum(f for f, _ in host),
             ("backward", 0): sum(b for _, b in host),

@@ -180,7 +180,7 @@ def replay(
         streams: task -> the streams it occupies (compute tasks: their
             stage's stream, and with ``shared`` True their device's).
         cost: task -> its time alone.
-        issue: (kind, stage) -> the host's time to issue it.
+        issue: task -> the host's time to issue it.
         devs: the device label of each stage.
         shared: what :func:`sharing_of` says.
     """
@@ -192,7 +192,7 @@ def replay(
     for t in tasks:
         on = streams(t)
         issued = host
-        issuing = issue(t.kind.label, t.stage)
+        issuing = issue(t)
         host += issuing
         if isinstance(shared, float):
             compute = t.kind in (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT)

@@ -102,6 +102,13 @@ class Summary:
         makespan_ms: first start to last end of a run.
         bubble_fraction: share of stage-time (stages x makespan) in which a
             stage computed nothing.
+        device_idle_fraction: share of device-time (devices x makespan) in
+            which no stage on a device computed: the bubble as the schedule
+            papers count it. Where several stages share a device
+            (interleaved, V, or stages put on one GPU) a stage waits while
+            its neighbours on the device compute, so ``bubble_fraction``
+            counts their time as idle; this does not. With one stage per
+            device the two are equal.
         copy_hidden_fraction: share of copy time during which a stage on the
             copy's source or destination device was computing (None without
             copies).
@@ -116,6 +123,8 @@ class Summary:
     stage_busy_ms: list[float]
     runs: int
     per_run: list[dict[str, Any]] = field(default_factory=list)
+    device_idle_fraction: float = 0.0
+    devices: int = 0  # devices the stages computed on
 
     def __str__(self) -> str:
         hidden = (
@@ -125,6 +134,11 @@ class Summary:
             f"runs: {self.runs}",
             f"makespan: {self.makespan_ms:.3f} ms",
             f"bubble fraction: {100 * self.bubble_fraction:.1f}%",
+            *(
+                [f"device idle: {100 * self.device_idle_fraction:.1f}% ({self.devices} devices)"]
+                if self.shared_devices
+                else []
+            ),
             f"copy time hidden behind compute: {hidden}",
         ]
         for s, busy in enumerate(self.stage_busy_ms):
@@ -132,10 +146,24 @@ class Summary:
             lines.append(f"stage {s} busy: {busy:.3f} ms ({100 * share:.1f}%)")
         return "\n".join(lines)
 
+    @property
+    def shared_devices(self) -> bool:
+        """Whether stages shared a device (the two bubbles differ)."""
+        return 0 < self.devices < len(self.stage_busy_ms)
+
+    def bubble_text(self) -> str:
+        """``'bubble 50%'``, with the device idle share where stages shared a device."""
+        text = f"bubble {100 * self.bubble_fraction:.0f}%"
+        if self.shared_devices:
+            text += f" (device idle {100 * self.device_idle_fraction:.0f}%)"
+        return text
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "makespan_ms": self.makespan_ms,
             "bubble_fraction": self.bubble_fraction,
+            "device_idle_fraction": self.device_idle_fraction,
+            "devices": self.devices,
             "copy_hidden_fraction": self.copy_hidden_fraction,
             "stage_busy_ms": self.stage_busy_ms,
             "runs": self.runs,
@@ -200,20 +228,25 @@ class Timeline:
         }
         busy = [_length(compute[st]) for st in range(stages)]
         bubble = 1.0 - sum(busy) / (stages * makespan) if makespan > 0 and stages else 0.0
+        # Each stage's device (its compute stream's, else the stage itself).
+        where = {
+            s.stage: self.stream_devices.get(s.stream) or f"stage{s.stage}"
+            for s in spans
+            if s.kind in COMPUTE
+        }
+        on: dict[str, list[int]] = {}
+        for st, device in where.items():
+            on.setdefault(device, []).append(st)
+        device_busy = sum(
+            _length(merge_spans(iv for st in group for iv in compute[st])) for group in on.values()
+        )
+        idle = 1.0 - device_busy / (len(on) * makespan) if makespan > 0 and on else 0.0
         copies = [s for s in spans if s.kind in COPIES]
         copy_total = sum(s.duration_ms for s in copies)
         hidden: float | None = None
         if copies and copy_total > 0:
             # A copy is hidden while any stage on its source or destination
-            # device computes (the stage's device, else the stage itself).
-            where = {
-                s.stage: self.stream_devices.get(s.stream) or f"stage{s.stage}"
-                for s in spans
-                if s.kind in COMPUTE
-            }
-            on: dict[str, list[int]] = {}
-            for st, device in where.items():
-                on.setdefault(device, []).append(st)
+            # device computes.
             near: dict[frozenset[str], list[tuple[float, float]]] = {}
             covered = 0.0
             for c in copies:
@@ -227,12 +260,15 @@ class Timeline:
         return {
             "makespan_ms": makespan,
             "bubble_fraction": bubble,
+            "device_idle_fraction": idle,
+            "devices": len(on),
             "copy_hidden_fraction": hidden,
             "stage_busy_ms": busy,
         }
 
     def summary(self, *, echo: bool = True) -> Summary:
-        """Bubble fraction, hidden copy fraction and per-stage busy time.
+        """Bubble fraction (per stage and per device), hidden copy fraction
+        and per-stage busy time.
 
         Args:
             echo: also print the summary.
@@ -258,6 +294,8 @@ class Timeline:
             ],
             runs=len(per_run),
             per_run=per_run,
+            device_idle_fraction=statistics.fmean(r["device_idle_fraction"] for r in per_run),
+            devices=max(r["devices"] for r in per_run),
         )
         if echo:
             print(result)

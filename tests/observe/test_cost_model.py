@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from mpstream.observe.cost_model import simulate
-from mpstream.observe.fitting import fit, issue_spread
+from mpstream.observe.cost_model import Simulation, simulate
+from mpstream.observe.fitting import fit
 from mpstream.observe.scaling import predict
 from mpstream.observe.timeline import Span, Timeline
 
@@ -149,10 +149,8 @@ def test_a_stage_graph_with_a_skip() -> None:
 # time. The bubble is the idle share of the devices' time over the step.
 
 
-def bubble(sim: object) -> float:
-    from mpstream.observe.compare import device_bubble
-
-    return device_bubble(sim.timeline)  # type: ignore[attr-defined]
+def bubble(sim: Simulation) -> float:
+    return sim.timeline.summary(echo=False).device_idle_fraction
 
 
 @pytest.mark.parametrize("p", [2, 3, 4, 6])
@@ -253,87 +251,6 @@ def test_user_orders_and_shared_devices_are_simulated() -> None:
             simulate([(1.0, 2.0, 1.0)] * 4, 0.0, 4, name)
     with pytest.raises(ValueError, match="use mpstream.simulate with devices="):
         predict([1.0] * 4, 2, 4, schedule="interleaved_1f1b")
-
-
-def test_a_host_bound_step_takes_the_hosts_issue_time() -> None:
-    issue = {("forward", 0): 3.0, ("forward", 1): 3.0}
-    free = simulate([1.0, 1.0], 0.0, 4)
-    assert free.step_ms == pytest.approx(5.0) and free.issue_ms == 0.0
-    # One thread issues all 8 forwards, 3 ms each: the devices wait on it.
-    bound = simulate([1.0, 1.0], 0.0, 4, issue_times=issue)
-    assert bound.step_ms == pytest.approx(24.0)
-    assert bound.issue_ms == pytest.approx(24.0)
-    assert bound.timeline.meta["issue_ms"] == pytest.approx(24.0)
-    # Cheap issue: the devices set the pace, the host adds its first task's lead.
-    cheap = simulate([1.0, 1.0], 0.0, 4, issue_times=0.1)
-    assert free.step_ms <= cheap.step_ms <= free.step_ms + 0.1 * 12
-    # The tutorial's default streams are host-bound the same way.
-    assert simulate([1.0, 1.0], 0.0, 4, overlap=False, issue_times=issue).step_ms == pytest.approx(
-        24.0
-    )
-
-
-def test_issue_times_are_checked() -> None:
-    bad = "issue_times must be finite and not negative"
-    with pytest.raises(ValueError, match=bad):
-        simulate([1.0], 0.0, 2, issue_times=-1.0)
-    with pytest.raises(ValueError, match=bad):
-        simulate([1.0], 0.0, 2, issue_times=float("inf"))
-    with pytest.raises(ValueError, match=bad):
-        simulate([1.0], 0.0, 2, issue_times={("forward", 0): -1.0})
-    for nan in ((float("nan"), 2.0), (1.0, 1.0, float("nan"))):
-        with pytest.raises(ValueError, match="must be finite and not negative"):
-            simulate([nan, (1.0, 2.0)], 0.0, 2)
-    with pytest.raises(ValueError, match="must be finite and not negative"):
-        simulate([(1.0, 2.0)] * 2, float("nan"), 2)
-    with pytest.raises(ValueError, match=r"issue_times needs 2 entries \(one per layer\), got 1"):
-        predict([1.0, 1.0], 2, 4, issue_times=[1.0])
-
-
-def test_fit_takes_issue_times_from_spans_that_carry_them() -> None:
-    spans = [
-        Span(s, m, kind, f"stage{s}.compute", 0.0, 1.0, issue_ms=0.5 + s)
-        for s in range(2)
-        for m in range(3)
-        for kind in ("forward", "backward")
-    ]
-    costs = fit(Timeline(spans, {"stage0.compute": "d0", "stage1.compute": "d1"}))
-    assert costs.issue_times == {
-        ("forward", 0): 0.5,
-        ("backward", 0): 0.5,
-        ("forward", 1): 1.5,
-        ("backward", 1): 1.5,
-    }
-    legacy = [Span(s.stage, s.micro, s.kind, s.stream, 0.0, 1.0) for s in spans]
-    assert fit(Timeline(legacy, {"stage0.compute": "d0", "stage1.compute": "d1"})).issue_times == {}
-
-
-def test_issue_spread_shows_launches_that_waited_beside_those_that_did_not() -> None:
-    # A device-bound run: the first launches return at once, later ones wait
-    # for room in the device's queue.
-    spans = [
-        Span(0, m, "forward", "stage0.compute", 0.0, 1.0, issue_ms=w)
-        for m, w in enumerate([0.2, 0.3, 4.0, 5.0, 6.0])
-    ]
-    timeline = Timeline(spans, {"stage0.compute": "d0"})
-    assert issue_spread(timeline) == {("forward", 0): (5, 0.2, 4.0, 6.0)}
-    assert fit(timeline).issue_times == {("forward", 0): 4.0}  # the median holds the waits
-    legacy = Timeline([Span(0, 0, "forward", "stage0.compute", 0.0, 1.0)], {"stage0.compute": "d0"})
-    assert issue_spread(legacy) == {}
-
-
-def test_a_host_bound_pipeline_loses_to_the_whole_batch_on_one_device() -> None:
-    layers = [(1.0, 2.0)] * 4
-    device_bound = predict(layers, 2, 4)
-    assert device_bound.speedup > 1.5
-    # Issuing a layer costs the host more than running it: one host thread
-    # issues all 16 tasks of the pipeline (10 ms each), while the single
-    # device runs the whole batch (4 x 12 ms of work) issuing each kernel once.
-    host_bound = predict(layers, 2, 4, issue_times=[(5.0, 5.0)] * 4)
-    assert host_bound.step_ms == pytest.approx(160.0)
-    # forward: issued by 20 ms, runs 16; backward: issued 20..40, runs 32 from 20.
-    assert host_bound.single_device_ms == pytest.approx(52.0)
-    assert host_bound.speedup == pytest.approx(52.0 / 160.0)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb_h1", "F0m0 F1m0 B1m0 B0m0 F0m1 F1m1 B1m1 B0m1"])

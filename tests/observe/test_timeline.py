@@ -40,7 +40,31 @@ def test_summary_numbers_are_exact() -> None:
     assert s.makespan_ms == 16.0
     assert s.stage_busy_ms == [8.0, 8.0]
     assert s.bubble_fraction == pytest.approx(1 - 16 / 32)
+    assert s.device_idle_fraction == s.bubble_fraction  # one stage per device
+    assert s.devices == 2
     assert s.copy_hidden_fraction == pytest.approx(4 / 6)
+    assert "device idle" not in str(s) and s.bubble_text() == "bubble 50%"
+
+
+def test_stages_sharing_a_device_idle_it_only_when_none_computes() -> None:
+    # Two stages per device (as interleaved 1F1B and the V schedules place
+    # them): a stage waiting while its neighbour on the device computes is
+    # no idle device. Stages 0 and 2 on cuda:0 compute 0-4 and 3-7 (busy
+    # 0-7 of 10); stages 1 and 3 on cuda:1 compute 4-8 and 6-10 (busy 4-10).
+    streams = {f"stage{s}.compute": f"cuda:{s % 2}" for s in range(4)}
+    spans = [
+        Span(0, 0, "forward", "stage0.compute", 0.0, 4.0),
+        Span(2, 0, "forward", "stage2.compute", 3.0, 7.0),
+        Span(1, 0, "forward", "stage1.compute", 4.0, 8.0),
+        Span(3, 0, "forward", "stage3.compute", 6.0, 10.0),
+    ]
+    s = Timeline(spans, streams).summary(echo=False)
+    assert s.bubble_fraction == pytest.approx(1 - 16 / 40)
+    assert s.device_idle_fraction == pytest.approx(1 - (7 + 6) / 20)
+    assert s.devices == 2
+    assert "device idle: 35.0% (2 devices)" in str(s)
+    assert s.bubble_text() == "bubble 60% (device idle 35%)"
+    assert s.to_dict()["device_idle_fraction"] == s.device_idle_fraction
 
 
 def test_summary_averages_runs_and_prints(capsys: pytest.CaptureFixture[str]) -> None:
