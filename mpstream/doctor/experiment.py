@@ -32,8 +32,8 @@ from torch import Tensor
 from ..observe.figures import tutorial_figures
 from ..runtime import synchronize
 from ..tutorial import bench, report, rounds
-from ..tutorial import models as tutorial
 from ..tutorial.design import GRAPHS, Config, Measurement, Results
+from ..tutorial.loops import fake_loader, train_from_loader
 from .diagnosis import INFO, PASS, SKIP, Check, Context, StepResult
 
 __all__ = [
@@ -116,7 +116,7 @@ def idris(
     torch.manual_seed(0)
     model = bench.make_model("mpstream", dev0, dev1, config, config.split_size)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.001)
-    loader = tutorial.fake_loader(
+    loader = fake_loader(
         config.num_batches,
         config.batch_size,
         config.image_w,
@@ -129,20 +129,20 @@ def idris(
     resident: list[tuple[Tensor, Tensor]] = [(x.to(dev0), y.to(dev1)) for x, y in batches]
     pinned = "pin_memory=True" if cuda else "pin_memory off: no CUDA device"
     variants: dict[str, Callable[[], object]] = {
-        f"DataLoader ({pinned}) -> .to(dev0, non_blocking=True)": lambda: (
-            tutorial.train_from_loader(model, loader, optimizer, dev0)
+        f"DataLoader ({pinned}) -> .to(dev0, non_blocking=True)": lambda: train_from_loader(
+            model, loader, optimizer, dev0
         ),
-        RESIDENT: lambda: tutorial.train_from_loader(model, resident, optimizer, None),
+        RESIDENT: lambda: train_from_loader(model, resident, optimizer, None),
         # What the loader alone costs an epoch: at a few batches an epoch,
         # the first batch's wait is not hidden behind any training.
         LOADER_ALONE: lambda: sum(1 for _ in loader),
     }
     if cuda:
         variants["DataLoader (pin_memory=True) -> the Pipe (io stream)"] = lambda: (
-            tutorial.train_from_loader(model, loader, optimizer, None)
+            train_from_loader(model, loader, optimizer, None)
         )
         # The transfer without the loader: its batches (pinned by it), kept.
-        variants[PINNED] = lambda: tutorial.train_from_loader(model, batches, optimizer, None)
+        variants[PINNED] = lambda: train_from_loader(model, batches, optimizer, None)
     measured = {name: Measurement(name, config.split_size) for name in variants}
     names = list(variants)
     for r in range(-1, repeat):  # round -1 warms up every variant

@@ -2,8 +2,9 @@
 
 "Single-Machine Model Parallel Best Practices" as code: :mod:`.models` holds
 its ResNet50 (and IDRIS's ResNet-101) single-device, model-parallel and
-pipelined models, mpstream's drop-in (:class:`StreamPipelineResNet50`) and the
-tutorial's ``train`` loop; :mod:`.graphed` the same pipeline with each step
+pipelined models and mpstream's drop-in (:class:`StreamPipelineResNet50`);
+:mod:`.loops` the tutorial's ``train`` loop (and IDRIS's, from a
+``DataLoader``); :mod:`.graphed` the same pipeline with each step
 replayed as a CUDA graph; :mod:`.bench` times them all (``mpstream bench``:
 :mod:`.design` says what is measured and recorded, :mod:`.report` prints and
 saves a run) on the devices :mod:`.machine` picks, which also says what a
@@ -24,12 +25,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .graphed import *  # noqa: F403
+    from .loops import *  # noqa: F403
     from .models import *  # noqa: F403
 
 # The models subclass torchvision's ResNet: they load on first use, so that
 # machine and rounds (which the transformer workload and the command line
 # use) import without torchvision, an optional extra.
-_LAZY = ("models", "graphed")
+_LAZY = ("models", "loops", "graphed")
 
 
 def __getattr__(name: str) -> Any:

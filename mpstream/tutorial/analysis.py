@@ -23,6 +23,7 @@ from ..observe.scaling import predict
 from ..pipe import Pipe
 from ..runtime import synchronize
 from ..stages import profile_layers
+from . import loops
 from . import models as tutorial
 from .bench import Config
 
@@ -66,7 +67,7 @@ def trace_tutorial(
     model = tutorial.StreamPipelineResNet50(dev0, dev1, config.split_size, config.num_classes)
 
     def train(num_batches: int) -> None:
-        tutorial.train(
+        loops.train(
             model,
             num_batches=num_batches,
             batch_size=config.batch_size,

@@ -41,6 +41,7 @@ from .design import (
     models_for,
     swept,
 )
+from .loops import train
 
 # Re-exported: the commands and the doctor reach them as bench's.
 from .machine import detect_devices, device_name, git_commit, metadata
@@ -106,7 +107,7 @@ def train_once(model: nn.Module, config: Config, devices: Sequence[torch.device]
     """One synchronised call of the tutorial's train loop; returns seconds."""
     synchronize(devices)
     start = time.perf_counter()
-    tutorial.train(
+    train(
         model,
         num_batches=config.num_batches,
         batch_size=config.batch_size,

@@ -9,11 +9,12 @@ import sys
 import pytest
 
 import mpstream.tutorial as tutorial
-from mpstream.tutorial import graphed, models
+from mpstream.tutorial import graphed, loops, models
 
 
-def test_the_exports_are_the_models_and_the_graphed_ones() -> None:
-    assert tutorial.__all__ == [*models.__all__, *graphed.__all__]
+def test_the_exports_are_the_models_the_loops_and_the_graphed_ones() -> None:
+    assert tutorial.__all__ == [*models.__all__, *loops.__all__, *graphed.__all__]
+    assert tutorial.train is loops.train
     assert tutorial.StreamPipelineResNet50 is models.StreamPipelineResNet50
     assert tutorial.models is models
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
