@@ -75,6 +75,14 @@ class DeferredBatchNorm(_BatchNorm):
     def _check_input_dim(self, input: Tensor) -> None:
         if input.dim() < 2:
             raise ValueError(f"expected at least 2D input (N, C, ...), got {input.dim()}D")
+        # The training forward passes no running statistics to batch_norm, so
+        # without an affine weight nothing there checks the channels, and a
+        # single channel would broadcast into every channel's sums.
+        if input.size(1) != self.num_features:
+            raise ValueError(
+                f"expected input with {self.num_features} channels (dim 1, num_features), "
+                f"got shape {tuple(input.shape)}"
+            )
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         # .half()/.to(dtype) convert floating buffers; the accumulators stay

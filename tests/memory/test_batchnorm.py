@@ -210,6 +210,18 @@ def test_rejects_1d_input() -> None:
         DeferredBatchNorm(3)(torch.randn(3))
 
 
+@pytest.mark.parametrize("affine", [False, True])
+@pytest.mark.parametrize("train", [True, False])
+def test_rejects_input_with_other_channels_and_keeps_its_sums(affine: bool, train: bool) -> None:
+    # Without a weight, the training forward had nothing checking the
+    # channels: one channel broadcast into all four channels' sums.
+    norm = DeferredBatchNorm(4, affine=affine).train(train)
+    for channels in (1, 3):
+        with pytest.raises(ValueError, match=r"4 channels \(dim 1, num_features\).*\(6, "):
+            norm(torch.randn(6, channels, 5))
+    assert norm.tracked == 0 and float(norm.count) == 0 and float(norm.sum.abs().sum()) == 0
+
+
 def test_cumulative_average_stays_on_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
     """momentum=None needs 1 / num_batches_tracked; computing it as a Python
     float would synchronize the host with the device once per layer."""
