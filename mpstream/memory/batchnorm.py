@@ -21,6 +21,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.lazy import LazyModuleMixin
+from torch.nn.parameter import is_lazy
 
 from .checkpoint import is_recomputing
 
@@ -72,9 +74,12 @@ class DeferredBatchNorm(_BatchNorm):
         self.hold = False
         DeferredBatchNorm.created += 1
 
-    def _check_input_dim(self, input: Tensor) -> None:
+    def _check_rank(self, input: Tensor) -> None:
         if input.dim() < 2:
             raise ValueError(f"expected at least 2D input (N, C, ...), got {input.dim()}D")
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        self._check_rank(input)
         # The training forward passes no running statistics to batch_norm, so
         # without an affine weight nothing there checks the channels, and a
         # single channel would broadcast into every channel's sums.
@@ -198,7 +203,10 @@ class DeferredBatchNorm(_BatchNorm):
         if isinstance(module, _BatchNorm) and not isinstance(module, cls):
             if not module.track_running_stats:
                 return module
-            new = cls(
+            # A lazy BatchNorm's parameters and buffers take their size at
+            # the first forward: so must the deferred layer's accumulators.
+            lazy = any(is_lazy(t) for t in (*module.parameters(False), *module.buffers(False)))
+            new = (_LazyDeferredBatchNorm if lazy else cls)(
                 module.num_features,
                 module.eps,
                 module.momentum,
@@ -226,6 +234,34 @@ class DeferredBatchNorm(_BatchNorm):
             if replaced is not child:
                 setattr(module, name, replaced)
         return module
+
+
+class _LazyDeferredBatchNorm(LazyModuleMixin, DeferredBatchNorm):
+    """The conversion of a lazy BatchNorm not yet run: its uninitialised
+    parameters and buffers, sized at the first forward from the input's
+    channels (as the lazy layer would), with the accumulators; it is a
+    :class:`DeferredBatchNorm` from then on."""
+
+    cls_to_become = DeferredBatchNorm
+
+    def reset_parameters(self) -> None:
+        if not self.has_uninitialized_params() and self.num_features != 0:
+            super().reset_parameters()
+
+    def initialize_parameters(self, input: Tensor) -> None:  # type: ignore[override]
+        if not self.has_uninitialized_params():
+            return
+        self._check_rank(input)
+        self.num_features = input.shape[1]
+        for name in ("weight", "bias", "running_mean", "running_var"):
+            t = getattr(self, name)
+            if t is not None and is_lazy(t):
+                t.materialize((self.num_features,))
+        self.reset_parameters()
+        device = cast(Tensor, self.running_mean).device
+        for name in ("sum", "sum_squares"):
+            self._buffers[name] = torch.zeros(self.num_features, device=device, dtype=torch.float64)
+        self._buffers["count"] = self.count.to(device)
 
 
 @contextmanager

@@ -280,6 +280,38 @@ def test_norms_converted_after_the_pipe_was_built_are_deferred() -> None:
     assert int(norm.num_batches_tracked) == before + 1  # one update for the mini-batch
 
 
+@pytest.mark.parametrize("checkpoint", MODES)
+@pytest.mark.parametrize("step", [False, True])
+def test_a_lazy_norm_is_deferred_once_it_knows_its_channels(checkpoint: str, step: bool) -> None:
+    # Its parameters and buffers are sized by the first forward: the
+    # accumulators were not, and that forward failed on the weight.
+    def build() -> nn.Sequential:  # a lazy module cannot be deep-copied
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.LazyBatchNorm2d(momentum=None),
+                             nn.Tanh(), nn.Flatten(), nn.Linear(6 * 4 * 4, 2)).double()  # fmt: skip
+
+    ref = build()
+    pipe = Pipe(
+        build(),
+        chunks=3,
+        balance=[2, 3],
+        devices=["cpu", "cpu"],
+        deferred_batch_norm=True,
+        checkpoint=checkpoint,
+    )
+    for _ in range(2):
+        x = torch.randn(9, 3, 4, 4, dtype=torch.float64)
+        y = torch.randn(9, 2, dtype=torch.float64)
+        if step:
+            pipe.train_step(x, y, nn.MSELoss())
+        else:
+            pipe(x).sum().backward()
+        ref(x)
+        assert type(pipe[1]) is DeferredBatchNorm and pipe[1].sum.shape == (6,)
+        assert_same_stats(pipe, running_stats(ref))
+    assert list(pipe.state_dict()) == list(ref.state_dict())
+
+
 def test_a_pipe_that_fails_to_build_leaves_the_batch_norms_as_they_were() -> None:
     from mpstream import Pipe
 
