@@ -213,6 +213,12 @@ def test_map_location_pairs_stage_devices() -> None:
         mpdist.map_location(["cpu", "cpu"], ["cpu"] * 3)
     with pytest.raises(ValueError, match="cuda:0 maps to both cuda:2 and cuda:3"):
         mpdist.map_location(["cuda:0", "cuda:0"], ["cuda:2", "cuda:3"])
+    # torch.load looks up the saved location, 'cuda:0': a 'cuda' key never
+    # matched, and every process loaded onto the saving process's devices.
+    with pytest.raises(ValueError, match=r"saved_devices\[1\] is 'cuda', .*index.*pipe.devices"):
+        mpdist.map_location(["cuda:0", "cuda"], ["cuda:2", "cuda:3"])
+    with pytest.raises(ValueError, match=r"devices\[0\] is 'cuda', a device without an index"):
+        mpdist.map_location(["cuda:0"], [torch.device("cuda")])
 
 
 class _WithUnused(nn.Module):

@@ -358,8 +358,9 @@ def map_location(
         ``{'cuda:0': 'cuda:2', ...}``; on CPU ``{'cpu': 'cpu'}``.
 
     Raises:
-        ValueError: the pipelines have different numbers of stages, or one
-            saved device would have to go to two different devices.
+        ValueError: the pipelines have different numbers of stages, a
+            device has no index (``'cuda'``: a checkpoint names ``'cuda:0'``),
+            or one saved device would have to go to two different devices.
     """
     if len(saved_devices) != len(devices):
         raise ValueError(
@@ -368,13 +369,29 @@ def map_location(
         )
     mapping: dict[str, str] = {}
     for stage, (src, dst) in enumerate(zip(saved_devices, devices)):
-        key, value = str(torch.device(src)), str(torch.device(dst))
+        key, value = (
+            str(_indexed(src, "saved_devices", stage)),
+            str(_indexed(dst, "devices", stage)),
+        )
         if mapping.setdefault(key, value) != value:
             raise ValueError(
                 f"stage {stage}: saved device {key} maps to both {mapping[key]} and {value}; "
                 f"the two pipelines share devices between stages differently"
             )
     return mapping
+
+
+def _indexed(device: DeviceLike, what: str, stage: int) -> torch.device:
+    """``device``, refused without an index where its type has them: torch.load
+    looks a dict ``map_location`` up by the saved location, ``'cuda:0'``, never
+    ``'cuda'``, so every tensor would stay on the saving process's devices."""
+    d = torch.device(device)
+    if d.index is None and d.type != "cpu":
+        raise ValueError(
+            f"{what}[{stage}] is {str(d)!r}, a device without an index: checkpoints name "
+            f"devices with one ('{d.type}:0'); give each stage's device as pipe.devices lists it"
+        )
+    return d
 
 
 def _buckets(tensors: Sequence[Tensor], cap: int) -> Iterator[list[Tensor]]:
