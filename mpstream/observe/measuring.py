@@ -34,8 +34,14 @@ __all__ = ["profile_stages", "measure_memory", "split_cost", "untouched"]
 @contextmanager
 def untouched(model: nn.Module) -> Iterator[None]:
     """Times a user's own model without leaving a trace: its gradients and
-    buffers (BatchNorm statistics) are put back afterwards."""
+    buffers (BatchNorm statistics) are put back afterwards.
+
+    A gradient that is a view of a larger buffer (a graphed stage's gradient
+    store, DDP's bucket views) is the same tensor the timed steps add into,
+    so its values are saved too and copied back into it."""
     grads = [(p, p.grad) for p in model.parameters()]
+    # Only views are copied: a plain .grad set to None is not written again.
+    views = [(g, g.detach().clone()) for _, g in grads if g is not None and g._base is not None]
     buffers = [(b, b.detach().clone()) for b in model.buffers() if not is_lazy(b)]
     for p, _ in grads:
         p.grad = None
@@ -45,6 +51,8 @@ def untouched(model: nn.Module) -> Iterator[None]:
         with torch.no_grad():
             for b, saved in buffers:
                 b.copy_(saved)
+            for view, value in views:
+                view.copy_(value)
         for p, grad in grads:
             p.grad = grad
 

@@ -3,12 +3,15 @@ it was: its schedule, gradients and BatchNorm statistics."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from mpstream import Pipe
 from mpstream.observe.measuring import measure_memory, profile_stages
+from mpstream.observe.tuning import tune
+from mpstream.runtime.graphed import Emulated
 
 
 def test_measuring_leaves_the_pipe_as_it_was() -> None:
@@ -37,3 +40,33 @@ def test_profiling_an_interleaved_pipe() -> None:
     x, y = torch.randn(4, 2), torch.randn(4, 2)
     assert len(profile_stages(pipe, x, y, F.mse_loss, steps=1).per_stage()) == 4
     assert (pipe.schedule, pipe.virtual_stages) == ("interleaved_1f1b", 2)
+
+
+@pytest.mark.parametrize("tool", ["profile_stages", "measure_memory", "tune"])
+def test_a_graphed_pipes_gradients_are_put_back(tool: str) -> None:
+    # A graphed stage's .grad is a view of the buffer its graphs add into:
+    # the measuring steps write the very tensor the user's gradient is.
+    def build() -> Pipe:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(2, 4), nn.ReLU(), nn.Linear(4, 2))
+        return Pipe(model, chunks=2, balance=[2, 1], devices=["cpu"] * 2, graphs=Emulated())
+
+    pipe, twin = build(), build()
+    x, y = torch.randn(8, 2), torch.randn(8, 2)
+    for p in (pipe, twin):
+        p.train_step(x, y, F.mse_loss)
+    measure = {
+        "profile_stages": lambda: profile_stages(pipe, 3 * x, y, F.mse_loss, steps=1),
+        "measure_memory": lambda: measure_memory(pipe, 3 * x, y, F.mse_loss, ["gpipe"]),
+        "tune": lambda: tune(
+            pipe, 3 * x, F.mse_loss, [4], target=y, repeat=1, cache=None, progress=False
+        ),
+    }
+    measure[tool]()
+    for p, q in zip(pipe.parameters(), twin.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    # ... and the next step accumulates onto them, as onto the twin's.
+    for p in (pipe, twin):
+        p.train_step(x, y, F.mse_loss)
+    for p, q in zip(pipe.parameters(), twin.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
