@@ -140,8 +140,14 @@ def split_cost(stage: nn.Module, sample: Tensor, repeat: int = 5) -> dict[str, f
 
     Returns:
         Medians in milliseconds (``backward_ms``, ``input_ms``,
-        ``weight_ms``) and ``ratio``: (B + W) / backward.
+        ``weight_ms``) and ``ratio``: (B + W) / backward. The stage's
+        gradients and buffers (BatchNorm statistics) are put back.
+
+    Raises:
+        ValueError: ``repeat`` below 1.
     """
+    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
+        raise ValueError(f"split_cost: repeat must be an int >= 1 (timed rounds), got {repeat!r}")
     device = sample.device
 
     def clock() -> float:
@@ -169,17 +175,18 @@ def split_cost(stage: nn.Module, sample: Tensor, repeat: int = 5) -> dict[str, f
     inputs: list[float] = []
     weights: list[float] = []
     ratios: list[float] = []
-    for i in range(repeat + 1):
-        if i % 2:  # each goes first every other round
-            a, b = once(False), once(True)
-        else:
-            b = once(True)
-            a = once(False)
-        if i:  # the first round warms up
-            plain.append(a[0])
-            inputs.append(b[0])
-            weights.append(b[1])
-            ratios.append((b[0] + b[1]) / a[0] if a[0] > 0 else float("nan"))
+    with untouched(stage):
+        for i in range(repeat + 1):
+            if i % 2:  # each goes first every other round
+                a, b = once(False), once(True)
+            else:
+                b = once(True)
+                a = once(False)
+            if i:  # the first round warms up
+                plain.append(a[0])
+                inputs.append(b[0])
+                weights.append(b[1])
+                ratios.append((b[0] + b[1]) / a[0] if a[0] > 0 else float("nan"))
     return {
         "backward_ms": statistics.median(plain),
         "input_ms": statistics.median(inputs),

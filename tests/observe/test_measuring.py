@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mpstream import Pipe
-from mpstream.observe.measuring import measure_memory, profile_stages
+from mpstream.observe.measuring import measure_memory, profile_stages, split_cost
 from mpstream.observe.tuning import tune
 from mpstream.runtime.graphed import Emulated
 
@@ -70,3 +70,19 @@ def test_a_graphed_pipes_gradients_are_put_back(tool: str) -> None:
         p.train_step(x, y, F.mse_loss)
     for p, q in zip(pipe.parameters(), twin.parameters()):
         torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_split_cost_leaves_the_stage_as_it_was_and_refuses_no_rounds() -> None:
+    torch.manual_seed(0)
+    stage = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    stage(torch.randn(3, 4)).sum().backward()
+    grads = [p.grad.clone() for p in stage.parameters()]  # type: ignore[union-attr]
+    buffers = [b.clone() for b in stage.buffers()]
+    result = split_cost(stage, torch.randn(3, 4), repeat=1)
+    assert set(result) == {"backward_ms", "input_ms", "weight_ms", "ratio"}
+    for p, g in zip(stage.parameters(), grads):
+        torch.testing.assert_close(p.grad, g)
+    for b, saved in zip(stage.buffers(), buffers):
+        torch.testing.assert_close(b, saved)
+    with pytest.raises(ValueError, match="repeat must be an int >= 1"):
+        split_cost(stage, torch.randn(3, 4), repeat=0)
