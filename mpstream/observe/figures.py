@@ -9,6 +9,7 @@ form an import circle through it.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from itertools import cycle
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -195,18 +196,21 @@ def split_curves(
     *,
     spread: str = "mean; bars: fastest to slowest",
     noisy: Mapping[str, Sequence[bool]] | None = None,
+    timed: str = "execution time",
 ) -> Path:
     """Execution time against split size, one curve per pipeline, error bars
     to each point's (low, high) bounds (never below zero).
 
-    ``spread`` says on the y axis what the points and error bars are;
-    ``noisy`` points (per curve) are circled and the title says why.
+    ``spread`` says on the y axis what the points and error bars are, and
+    ``model`` and ``timed`` what was timed; ``noisy`` points (per curve)
+    are circled and the title says why.
     """
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     ticks: set[int] = set()
     circled = False
-    for (label, (sizes, centres, bounds)), marker in zip(curves.items(), "os^v"):
+    # Markers repeat beyond the fourth curve: none is left out.
+    for (label, (sizes, centres, bounds)), marker in zip(curves.items(), cycle("os^v")):
         ax.errorbar(
             sizes, centres, yerr=error_bars(centres, bounds), marker=marker, capsize=4, label=label
         )
@@ -223,7 +227,7 @@ def split_curves(
             )
             circled = True
         ticks.update(sizes)
-    ax.set_ylabel(f"{model} execution time (s)\n{spread}")
+    ax.set_ylabel(f"{model} {timed} (s)\n{spread}".lstrip())
     ax.set_xlabel("Pipeline split size")
     ax.set_xticks(sorted(ticks))
     ax.set_ylim(bottom=0)
@@ -249,10 +253,10 @@ def throughput_curves(
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     ticks: set[int] = set()
-    for (name, (xs, ys)), marker in zip(curves.items(), "os^vD<>"):
+    for (name, (xs, ys)), marker in zip(curves.items(), cycle("os^vD<>")):
         ax.plot(xs, ys, marker=marker, label=name)
         ticks.update(xs)
-    for (name, value), style in zip(flat.items(), ("--", ":", "-.")):
+    for (name, value), style in zip(flat.items(), cycle(("--", ":", "-."))):
         ax.axhline(value, linestyle=style, color="gray", label=name)
     ax.set_xlabel("micro-batches per step")
     ax.set_ylabel("tokens per second (median step)")

@@ -13,6 +13,13 @@ from typing import Any
 
 __all__ = ["TunePoint", "TuneResult", "from_cache"]
 
+# How a figure's axis names each kind of step tune times (the key's mode).
+_TIMED = {
+    "forward": "forward time",
+    "backward": "forward + backward time",
+    "train_step": "train_step time",
+}
+
 
 @dataclass
 class TunePoint:
@@ -91,7 +98,11 @@ class TuneResult:
         counts = {len(p.times) for p in self.curve}
         calls = f"{counts.pop()} calls" if len(counts) == 1 else "each point's calls"
         spread = f"median; bars: fastest to slowest of {calls}"
-        return split_curves(curves, Path(path), heading, spread=spread)
+        # What a step of the sweep ran, not the bench's ResNet50 the figure
+        # module names by default.
+        timed = _TIMED.get(self.key.get("mode", ""), "step time")
+        model = str(self.key.get("model", "")).rpartition(".")[2]
+        return split_curves(curves, Path(path), heading, model, spread=spread, timed=timed)
 
 
 def from_cache(

@@ -349,3 +349,31 @@ def test_the_fill_drain_warning_names_the_callers_line_cached_or_not(tmp_path: P
         with pytest.warns(UserWarning, match="runs only in a Pipe's train_step") as caught:
             tune(pipe, SAMPLE, _total, **run)  # type: ignore[arg-type]
         assert caught[0].filename == __file__
+
+
+def test_the_plot_draws_every_balance_and_names_what_was_timed(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from mpstream.observe import figures
+
+    drawn: list[tuple[list[str], str]] = []
+    save = figures.save
+
+    def spy(fig: object, ax: object, path: Path, title: str = "", **kw: object) -> Path:
+        drawn.append(([t.get_text() for t in ax.get_legend().texts], ax.get_ylabel()))  # type: ignore[attr-defined]
+        return save(fig, ax, path, title, **kw)
+
+    monkeypatch.setattr(figures, "save", spy)
+    balances = [[b, 5 - b] for b in range(5)]  # more curves than markers
+
+    def factory(split_size: int, balance: list[int] | None) -> nn.Module:
+        model = Curve()
+        model.split_size = split_size
+        return model
+
+    tune(factory, SAMPLE, _total, [2, 4], balances=balances, repeat=1, cache=None,
+         progress=False, plot=tmp_path / "curve.png")  # fmt: skip
+    ((labels, ylabel),) = drawn
+    assert labels == [f"balance {b}" for b in balances]
+    assert ylabel.startswith("Curve forward + backward time (s)")
+    assert "ResNet50" not in ylabel
