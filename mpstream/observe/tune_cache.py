@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from torch import Tensor, nn
+from torch.nn.parameter import is_lazy
 from torch.utils import _pytree as pytree
 
 from ..pipe import Pipe
@@ -48,18 +49,23 @@ def model_key(model: nn.Module) -> dict[str, Any]:
     # step's time but not the repr, and an integer batch (token ids) keeps
     # the batch's key too.
     dtypes = sorted({str(t.dtype) for t in (*model.parameters(), *model.buffers())})
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    # A lazy module's parameters have no size until its first call: counted
+    # apart (the key of a model never lazy is unchanged).
+    params = [p for p in model.parameters() if not is_lazy(p)]
+    lazy = sum(is_lazy(t) for t in (*model.parameters(), *model.buffers()))
+    trainable = sum(p.numel() for p in params if p.requires_grad)
     settings: dict[str, str] = {"training": repr(model.training)}
     if isinstance(model, Pipe):
         settings.update({n: repr(getattr(model, n)) for n in SETTINGS})
         settings["compile"] = repr(model.__dict__["_compile"])
     return {
         "model": f"{type(model).__module__}.{type(model).__qualname__}",
-        "parameters": sum(p.numel() for p in model.parameters()),
+        "parameters": sum(p.numel() for p in params),
         "architecture": arch,
         "dtypes": dtypes,
         "trainable": trainable,
         "settings": settings,
+        **({"uninitialized": lazy} if lazy else {}),
     }
 
 

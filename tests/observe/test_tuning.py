@@ -377,3 +377,21 @@ def test_the_plot_draws_every_balance_and_names_what_was_timed(
     assert labels == [f"balance {b}" for b in balances]
     assert ylabel.startswith("Curve forward + backward time (s)")
     assert "ResNet50" not in ylabel
+
+
+class LazyCurve(Curve):
+    """A Curve whose first layer has no size until its first call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.LazyLinear(2)
+
+
+def test_a_lazy_model_is_tuned_and_keyed_before_its_first_call(tmp_path: Path) -> None:
+    path = tmp_path / "c.json"
+    first = tune(LazyCurve(), SAMPLE, _total, [4, 6], cache=path, progress=False)
+    assert first.split_size == 6 and not first.cached
+    assert first.key["uninitialized"] == 2 and first.key["parameters"] == 0
+    again = tune(LazyCurve(), SAMPLE, _total, [4, 6], cache=path, progress=False)
+    assert again.cached, "a fresh lazy model has the same key"
+    assert "uninitialized" not in model_key(Curve())
