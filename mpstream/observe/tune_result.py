@@ -44,7 +44,16 @@ class TunePoint:
 
 @dataclass
 class TuneResult:
-    """The best configuration and the curve it was picked from."""
+    """The best configuration and the curve it was picked from.
+
+    Attributes:
+        best: the fastest configuration (by median).
+        curve: every configuration timed, in the order timed.
+        stopped_early: whether a sweep stopped before its last split size
+            (its times had risen for ``patience`` sizes).
+        cached: whether it came from the cache.
+        key: what it was measured for (the cache's key).
+    """
 
     best: TunePoint
     curve: list[TunePoint]

@@ -250,7 +250,8 @@ def tune(
                     elif point.median > best * (1 + tolerance):
                         worse += 1
                         if worse >= patience:
-                            stopped = True
+                            # Early only if sizes are left untried.
+                            stopped = stopped or i < len(sizes) - 1
                             bar.update(len(sizes) - i - 1)
                             break
         result = TuneResult(min(curve, key=lambda p: p.median), curve, stopped, False, key)

@@ -395,3 +395,13 @@ def test_a_lazy_model_is_tuned_and_keyed_before_its_first_call(tmp_path: Path) -
     again = tune(LazyCurve(), SAMPLE, _total, [4, 6], cache=path, progress=False)
     assert again.cached, "a fresh lazy model has the same key"
     assert "uninitialized" not in model_key(Curve())
+
+
+def test_a_sweep_that_tried_every_size_did_not_stop_early() -> None:
+    # Times rise at 8 and 10, the last two sizes: patience runs out at the
+    # last one, with nothing left to skip.
+    result = tune(Curve(best=6), SAMPLE, _total, [4, 6, 8, 10], cache=None, progress=False)
+    assert [p.split_size for p in result.curve] == [4, 6, 8, 10]
+    assert not result.stopped_early
+    cut = tune(Curve(best=4), SAMPLE, _total, [4, 6, 8, 10], cache=None, progress=False)
+    assert [p.split_size for p in cut.curve] == [4, 6, 8] and cut.stopped_early
