@@ -63,7 +63,9 @@ def spread(times: Sequence[float]) -> Spread:
         # inclusive: quartiles stay within the rounds measured
         statistics.quantiles(times, n=4, method="inclusive") if len(times) > 1 else (low, low, low)
     )
-    return Spread(cv, high / low if low > 0 else float("inf"), q1, q3, low, high)
+    # Rounds all too short to register (0 s each) agree with each other.
+    ratio = high / low if low > 0 else (1.0 if high == 0 else float("inf"))
+    return Spread(cv, ratio, q1, q3, low, high)
 
 
 def noisy(times: Sequence[float]) -> bool:

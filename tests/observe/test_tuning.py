@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import types
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from torch import Tensor, nn
 
 from mpstream import Pipe
 from mpstream.observe import tuning
+from mpstream.observe.spread import noisy, spread
 from mpstream.observe.tune_cache import model_key
 from mpstream.observe.tuning import TuneResult, candidate_split_sizes, default_cache, tune
 
@@ -405,3 +407,14 @@ def test_a_sweep_that_tried_every_size_did_not_stop_early() -> None:
     assert not result.stopped_early
     cut = tune(Curve(best=4), SAMPLE, _total, [4, 6, 8, 10], cache=None, progress=False)
     assert [p.split_size for p in cut.curve] == [4, 6, 8] and cut.stopped_early
+
+
+def test_rounds_too_short_to_register_are_not_noisy(tmp_path: Path) -> None:
+    # A clock that does not move between calls gives 0 s every round: they
+    # agree, so the result is cached and no warning is given.
+    path = tmp_path / "c.json"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tune(Curve(step_ms=0.0, floor_ms=0.0), SAMPLE, _total, [2, 4], cache=path, progress=False)
+    assert tune(Curve(), SAMPLE, _total, [2, 4], cache=path, progress=False).cached
+    assert not noisy([0.0, 0.0]) and noisy([0.0, 1e-3]) and spread([0.0]).max_over_min == 1.0
