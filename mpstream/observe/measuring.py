@@ -74,7 +74,12 @@ def profile_stages(
         The fitted costs; ``costs.per_stage()`` are (forward, input_grad,
         weight_grad) triples. ``pipe.schedule``, its gradients and buffers
         (BatchNorm statistics) are put back.
+
+    Raises:
+        ValueError: ``steps`` below 1 (nothing would be timed).
     """
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"profile_stages: steps must be an int >= 1 (timed steps), got {steps!r}")
     previous = (pipe.schedule, pipe.virtual_stages)
     pipe.schedule, pipe.virtual_stages = "zb_h1", None
     try:

@@ -86,3 +86,14 @@ def test_split_cost_leaves_the_stage_as_it_was_and_refuses_no_rounds() -> None:
         torch.testing.assert_close(b, saved)
     with pytest.raises(ValueError, match="repeat must be an int >= 1"):
         split_cost(stage, torch.randn(3, 4), repeat=0)
+
+
+def test_profile_stages_refuses_no_steps_before_running_any() -> None:
+    pipe = Pipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), chunks=2, devices=["cpu"] * 2)
+    ran: list[int] = []
+    pipe.partitions[0].register_forward_pre_hook(lambda *_: ran.append(1))
+    with pytest.raises(ValueError, match="steps must be an int >= 1"):
+        profile_stages(pipe, torch.randn(4, 2), torch.randn(4, 2), F.mse_loss, steps=0)
+    assert not ran and pipe.schedule == "gpipe"
+    profile_stages(pipe, torch.randn(4, 2), torch.randn(4, 2), F.mse_loss, steps=1)
+    assert ran, "the hook sees the steps that do run"
