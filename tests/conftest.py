@@ -6,6 +6,9 @@ report, where hypothesis is not installed (the GPU machine has none)."""
 
 from __future__ import annotations
 
+import gc
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -22,3 +25,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _young_heap() -> Iterator[None]:
+    # A full gc.collect() (the benches' between groups of configurations,
+    # the graph lifetime tests) scans every object alive, and late in the
+    # suite that is every earlier test's leftovers too: a second a call.
+    # Frozen, they are left out, and a collection scans what this test made.
+    gc.freeze()
+    yield
+    gc.unfreeze()
