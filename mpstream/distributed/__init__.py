@@ -1,13 +1,16 @@
 """Data parallelism over pipelines: one :class:`~mpstream.Pipe` per process under DDP.
 
 :mod:`.ddp` wraps a pipe in ``DistributedDataParallel`` (checking the
-options a pipeline cannot take), runs its training step and maps
-checkpoints between processes' devices; :mod:`.gradients` averages the
-gradients over the processes, each stage's as soon as its backward ends.
+options a pipeline cannot take) and runs its training step;
+:mod:`.gradients` averages the gradients over the processes, each stage's
+as soon as its backward ends; :mod:`.placement` checks the stage devices
+a process group can reduce on and maps checkpoints between processes'
+devices.
 """
 
-from .ddp import check_placement, map_location, sync_buffers, train_step, wrap
+from .ddp import sync_buffers, train_step, wrap
 from .gradients import StageReducer, sync_gradients
+from .placement import check_placement, map_location
 
 __all__ = [
     "wrap",

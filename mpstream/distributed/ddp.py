@@ -16,8 +16,9 @@ process group averages the gradients over the processes. Two ways to train:
   each process with its own, unsynchronised gradients.
 
 :func:`wrap` builds the DDP module and rejects, before any step runs, the
-options that cannot work with a pipeline. :func:`map_location` maps a
-checkpoint saved by one process's stage devices onto another's.
+options that cannot work with a pipeline (and stage devices the process
+group cannot reduce on, :mod:`.placement`); :func:`sync_buffers` broadcasts
+rank 0's buffers.
 """
 
 from __future__ import annotations
@@ -35,20 +36,14 @@ from ..pipe.module import unsplit
 from ..pipe.pipe import Pipe
 from ..runtime.errors import annotate
 from ..runtime.microbatch import Value
-from ..stages.sequential import DeviceLike
 from .gradients import BUCKET_BYTES, StageReducer
+from .placement import check_placement
 
 __all__ = [
     "wrap",
     "train_step",
     "sync_buffers",
-    "map_location",
-    "check_placement",
 ]
-
-# Which device types a process-group backend can run collectives on, for
-# groups whose backend config is a bare name rather than "cpu:gloo,cuda:nccl".
-_BACKEND_DEVICES = {"gloo": {"cpu", "cuda"}, "nccl": {"cuda"}}
 
 # DDP arguments that would move inputs or outputs between devices: the pipe
 # places its stages itself and returns the output on the last stage's device.
@@ -163,43 +158,6 @@ def _check_same_pipelines(ddp: DistributedDataParallel) -> None:
             f"the same Pipe on every process; this one's stages hold {counts} parameters"
         )
     setattr(ddp, _CHECKED, True)
-
-
-def check_placement(devices: Sequence[torch.device], backend_config: str) -> None:
-    """Checks that a process group can reduce gradients of stages on ``devices``.
-
-    Args:
-        devices: the stage devices of one process's pipeline.
-        backend_config: ``torch.distributed.get_backend_config(group)``, e.g.
-            ``'cpu:gloo,cuda:nccl'`` or ``'nccl'``.
-
-    Raises:
-        ValueError: the stages sit on several device types (DDP holds one
-            device type per module), or the backend has no collectives for
-            their device type.
-    """
-    types = sorted({d.type for d in devices})
-    if len(types) > 1:
-        listed = ", ".join(str(d) for d in devices)
-        raise ValueError(
-            f"the pipeline's stages are on several device types ({listed}); "
-            f"DistributedDataParallel needs all of one process's stages on one type "
-            f"(all CUDA, or all CPU)"
-        )
-    supported = _supported_device_types(backend_config)
-    if supported is not None and types[0] not in supported:
-        hint = " (use gloo for CPU stages)" if types[0] == "cpu" else ""
-        raise ValueError(
-            f"the process group's backend ({backend_config}) has no collectives for "
-            f"{types[0]} tensors, where the pipeline's stages are{hint}"
-        )
-
-
-def _supported_device_types(config: str) -> set[str] | None:
-    """Device types a backend config covers; None when it is not recognised."""
-    if ":" in config:
-        return {part.split(":", 1)[0].strip() for part in config.split(",") if ":" in part}
-    return _BACKEND_DEVICES.get(config.strip().lower())
 
 
 def _check_ddp_pipe(ddp: object, what: str) -> Pipe:
@@ -339,59 +297,6 @@ def sync_buffers(ddp: DistributedDataParallel) -> None:
                 # Through .data: graphs still alive may have saved these
                 # buffers, and an in-place write would bump their versions.
                 _unflatten_into(flat, [b.data for b in bucket])
-
-
-def map_location(
-    saved_devices: Sequence[DeviceLike], devices: Sequence[DeviceLike]
-) -> dict[str, str]:
-    """``torch.load``'s ``map_location`` from the saving process's stages to ours.
-
-    A checkpoint saved by rank 0 holds tensors on rank 0's stage devices
-    (``cuda:0``, ``cuda:1``, ...); another process loads stage ``s``'s tensors
-    straight onto its own stage ``s`` device instead of rank 0's.
-
-    Args:
-        saved_devices: the stage devices of the process that saved.
-        devices: this process's stage devices (``pipe.devices``).
-
-    Returns:
-        ``{'cuda:0': 'cuda:2', ...}``; on CPU ``{'cpu': 'cpu'}``.
-
-    Raises:
-        ValueError: the pipelines have different numbers of stages, a
-            device has no index (``'cuda'``: a checkpoint names ``'cuda:0'``),
-            or one saved device would have to go to two different devices.
-    """
-    if len(saved_devices) != len(devices):
-        raise ValueError(
-            f"the checkpoint's pipeline has {len(saved_devices)} stages and this one "
-            f"{len(devices)}; map_location pairs stages one to one"
-        )
-    mapping: dict[str, str] = {}
-    for stage, (src, dst) in enumerate(zip(saved_devices, devices)):
-        key, value = (
-            str(_indexed(src, "saved_devices", stage)),
-            str(_indexed(dst, "devices", stage)),
-        )
-        if mapping.setdefault(key, value) != value:
-            raise ValueError(
-                f"stage {stage}: saved device {key} maps to both {mapping[key]} and {value}; "
-                f"the two pipelines share devices between stages differently"
-            )
-    return mapping
-
-
-def _indexed(device: DeviceLike, what: str, stage: int) -> torch.device:
-    """``device``, refused without an index where its type has them: torch.load
-    looks a dict ``map_location`` up by the saved location, ``'cuda:0'``, never
-    ``'cuda'``, so every tensor would stay on the saving process's devices."""
-    d = torch.device(device)
-    if d.index is None and d.type != "cpu":
-        raise ValueError(
-            f"{what}[{stage}] is {str(d)!r}, a device without an index: checkpoints name "
-            f"devices with one ('{d.type}:0'); give each stage's device as pipe.devices lists it"
-        )
-    return d
 
 
 def _buckets(tensors: Sequence[Tensor], cap: int) -> Iterator[list[Tensor]]:
