@@ -13,6 +13,7 @@ a call that raises leaves the statistics as they were.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import cast
@@ -38,10 +39,10 @@ __all__ = [
 class DeferredBatchNorm(_BatchNorm):
     """BatchNorm for any input rank (N, C, ...) with deferred statistics.
 
-    Set :attr:`expected` to the number of micro-batches of the coming
-    mini-batch (``Pipe`` does this on every forward); the running statistics
-    are updated after that many training-mode forwards, or, while
-    :attr:`hold` is set, by :meth:`commit`.
+    :meth:`begin` starts a mini-batch of ``micros`` micro-batches and
+    :meth:`commit` ends it (``Pipe`` calls both at every call and step); the
+    running statistics are updated after that many training-mode forwards,
+    or, while :attr:`hold` is set, by :meth:`commit`.
     """
 
     expected: int
@@ -71,7 +72,9 @@ class DeferredBatchNorm(_BatchNorm):
         self.register_buffer("count", torch.zeros((), **kw), persistent=False)  # type: ignore[arg-type]
         self.expected = 1
         self.tracked = 0
+        self.calls = 0  # forwards counted since begin()
         self.hold = False
+        self.warned = False  # about calls pooled, said once
         DeferredBatchNorm.created += 1
 
     def _check_rank(self, input: Tensor) -> None:
@@ -135,13 +138,42 @@ class DeferredBatchNorm(_BatchNorm):
         replayed from a CUDA graph accumulates on the device without running
         this Python, so the replay calls it."""
         self.tracked += 1
+        self.calls += 1
         if self.tracked >= self.expected and not self.hold:
             with torch.no_grad():
                 self._commit()
 
+    def begin(self, micros: int) -> None:
+        """Starts a mini-batch of ``micros`` micro-batches (``Pipe`` calls
+        this at every call and step)."""
+        if self.tracked:
+            # Sums from after the last mini-batch (a recompute outside
+            # mpstream's checkpointing) are no part of this one.
+            self.reset_accumulation()
+        self.expected, self.calls = micros, 0
+
     def commit(self) -> None:
-        """Applies the accumulated update once a whole mini-batch was seen."""
-        if self.tracked >= self.expected:
+        """Ends a mini-batch: what is accumulated still updates the running
+        statistics, once.
+
+        A layer that a forward skipped for some micro-batches updates from
+        those it ran on, as the plain model's layer would from the samples
+        it saw; its sums are not carried into the next mini-batch. A layer
+        called more than once per micro-batch (one module used twice in a
+        forward) cannot update as a plain BatchNorm would, once per call
+        from that call's whole batch: it says so once, with a warning.
+        """
+        if self.calls > self.expected and not self.warned:
+            self.warned = True
+            warnings.warn(
+                f"DeferredBatchNorm({self.num_features}) ran {self.calls} times in a mini-batch "
+                f"of {self.expected} micro-batches: called more than once per micro-batch, its "
+                f"calls' statistics are pooled, where a plain BatchNorm updates once per call "
+                f"from that call's whole batch. Use a BatchNorm per call site for the plain "
+                f"model's statistics",
+                stacklevel=2,
+            )
+        if self.tracked:
             with torch.no_grad():
                 self._commit()
 
@@ -301,14 +333,15 @@ def deferred_update(norms: Sequence[DeferredBatchNorm], micros: int) -> Iterator
 
     The deferred ``norms`` (as :func:`deferred_norms` finds them in a
     pipeline) accumulate but do not update inside the block. If it
-    completes, each one that saw the whole mini-batch updates its running
-    statistics (on the caller's streams, which the pipeline has ordered
-    after every stage). If it raises, the partial sums are dropped: the
+    completes, each one that ran updates its running statistics once
+    (:meth:`DeferredBatchNorm.commit`; on the caller's streams, which the
+    pipeline has ordered after every stage). If it raises, the partial sums are dropped: the
     statistics stay as they were, and the next mini-batch updates them
     exactly as if the failed call had not happened.
     """
     for norm in norms:
-        norm.expected, norm.hold = micros, True
+        norm.begin(micros)
+        norm.hold = True
     try:
         yield
     except BaseException:

@@ -330,6 +330,6 @@ class PipeConfig(PipeModule):
     def _prepare(self, micros: int) -> int:
         """Per-run setup; returns how many micro-batches to checkpoint."""
         for norm in self._deferred_norms():
-            norm.expected = micros
+            norm.begin(micros)
         training = self.training and torch.is_grad_enabled()
         return checkpoint_stop(self.checkpoint, micros, training)

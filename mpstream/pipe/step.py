@@ -219,6 +219,8 @@ class PipeStep(PipeCall):
                     None if scaler is None else scaler.scale,
                     stage_done,
                 )
+            for norm in self._deferred_norms():
+                norm.commit()  # one a forward skipped for some micro-batches
             if stage_done is not None:
                 stage_done.end()  # inside: a failure there is undone with the step
         except BaseException as exc:

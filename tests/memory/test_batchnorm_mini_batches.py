@@ -1,0 +1,104 @@
+"""Where a mini-batch of a deferred BatchNorm begins and ends
+(mpstream.memory.batchnorm): a layer a forward skipped for some
+micro-batches updates from those it ran on, one called twice in a forward
+says its calls are pooled, and sums left after a call are not the next
+one's."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from mpstream import Pipe
+from tests.memory.test_batchnorm import assert_same_stats, running_stats
+
+
+class _Sometimes(nn.Module):
+    """A BatchNorm that a micro-batch of 3 or fewer samples skips."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(4, momentum=None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(x) if x.shape[0] > 3 else x
+
+
+@pytest.mark.parametrize("step", [False, True])
+def test_a_norm_skipped_for_some_micro_batches_updates_from_those_it_ran_on(step: bool) -> None:
+    # Batch 10 in 3 micro-batches (4, 4, 2): the norm sees the first two.
+    # Each mini-batch updates once from what it saw, none carries into the next.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), _Sometimes(), nn.Linear(4, 2)).double()
+    ref = copy.deepcopy(model)
+    pipe = Pipe(model, chunks=3, balance=[2, 1], devices=["cpu", "cpu"], deferred_batch_norm=True)
+    for calls in (1, 2, 3):
+        x = torch.randn(10, 4, dtype=torch.float64)
+        if step:
+            pipe.train_step(x, torch.randn(10, 2, dtype=torch.float64), nn.MSELoss())
+        else:
+            pipe(x)
+        with torch.no_grad():
+            ref[1].bn(ref[0](x[:8]))  # the samples the pipe's norm saw, at once
+        norm = pipe[1].bn
+        assert int(norm.num_batches_tracked) == calls and norm.tracked == 0
+        torch.testing.assert_close(norm.running_mean, ref[1].bn.running_mean)
+        torch.testing.assert_close(norm.running_var, ref[1].bn.running_var)
+
+
+class _Twice(nn.Module):
+    """One BatchNorm called twice in a forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4, momentum=None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(torch.tanh(self.lin(self.bn(x))))
+
+
+@pytest.mark.parametrize("step", [False, True])
+def test_a_norm_called_twice_in_a_forward_says_it_pools_its_calls(step: bool) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), _Twice(), nn.Linear(4, 2)).double()
+    pipe = Pipe(model, chunks=2, balance=[2, 1], devices=["cpu", "cpu"], deferred_batch_norm=True)
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
+
+    def call() -> None:
+        if step:
+            pipe.train_step(x, y, nn.MSELoss())
+        else:
+            pipe(x)
+
+    said = r"ran 4 times in a mini-batch of 2 micro-batches: called more than once"
+    with pytest.warns(UserWarning, match=said):
+        call()
+    norm = pipe[1].bn
+    assert norm.tracked == 0  # nothing left for the next mini-batch
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
+        call()
+
+
+def test_sums_left_after_a_call_are_not_part_of_the_next() -> None:
+    # A recompute outside mpstream's checkpointing (here: a forward run by
+    # hand) adds to the sums after the call has committed.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)).double()
+    ref = copy.deepcopy(model)
+    pipe = Pipe(model, chunks=2, balance=[2, 1], devices=["cpu", "cpu"], deferred_batch_norm=True)
+    x = torch.randn(8, 3, dtype=torch.float64)
+    pipe(x)
+    ref(x)
+    with torch.no_grad():
+        pipe[1](torch.randn(4, 4, dtype=torch.float64))  # stray: 1 of the 2 expected
+    assert pipe[1].tracked == 1
+    x = torch.randn(8, 3, dtype=torch.float64)
+    pipe(x)
+    ref(x)
+    assert_same_stats(pipe, running_stats(ref))
