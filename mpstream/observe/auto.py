@@ -76,15 +76,22 @@ def choose_schedule(pipe: Pipe, request: AutoRequest) -> ScheduleReport:
     """
     auto = request.auto
     stages = len(pipe.devices)
-    with _measuring(pipe):
-        costs, copies, issue, source = _costs(pipe, request)
-        need_bytes = auto.memory_budget is not None and auto.activation_bytes is None
-        held = _stage_bytes(pipe, request) if need_bytes else auto.activation_bytes
-    for what, values in (("costs", costs), ("activation_bytes", held)):
+
+    def check(what: str, values: Sequence[Any] | None) -> None:
         if values is not None and len(values) != stages:
             raise ValueError(
                 f"Auto({what}=...) needs one entry per stage ({stages}), got {len(values)}"
             )
+
+    # What was given is checked before anything is measured for the rest.
+    check("costs", auto.costs)
+    check("activation_bytes", auto.activation_bytes)
+    with _measuring(pipe):
+        costs, copies, issue, source = _costs(pipe, request)
+        need_bytes = auto.memory_budget is not None and auto.activation_bytes is None
+        held = _stage_bytes(pipe, request) if need_bytes else auto.activation_bytes
+    check("costs", costs)
+    check("activation_bytes", held)
     labels = [str(d) for d in pipe.devices]
     out = simulate_candidates(
         request.candidates,

@@ -14,6 +14,7 @@ from torch import nn
 
 import mpstream
 from mpstream import Pipe
+from mpstream.observe import auto
 from mpstream.observe.auto import simulate_candidates
 from mpstream.pipe import auto as pipe_auto
 from mpstream.schedules import Auto, Candidate, pick
@@ -137,7 +138,7 @@ def test_auto_needs_the_cost_model(monkeypatch: pytest.MonkeyPatch) -> None:
     assert mpstream.observe.choose_schedule is not None  # what the facade installs
 
 
-def test_auto_options_are_checked() -> None:
+def test_auto_options_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match=r"costs\[1\] must be a \(forward, input_grad, weight"):
         Auto(costs=[(1.0, 1.0, 1.0), (1.0, 1.0)])  # type: ignore[list-item]
     with pytest.raises(ValueError, match="memory_budget must be finite and not negative"):
@@ -147,6 +148,14 @@ def test_auto_options_are_checked() -> None:
     x = torch.randn(4, 3, dtype=torch.float64)
     with pytest.raises(ValueError, match=r"Auto\(costs=...\) needs one entry per stage \(2\)"):
         pipe.train_step(x, x, nn.MSELoss())
+    # Checked before the stages' activation bytes are measured (a step each).
+    budget = Pipe(mlp([3, 3, 3]), chunks=2, balance=[2, 2], devices=["cpu"] * 2,
+                  schedule=Auto(costs=UNIFORM, memory_budget=1e9, cache=None))  # fmt: skip
+    measured: list[object] = []
+    monkeypatch.setattr(auto, "_stage_bytes", lambda *args: measured.append(args))
+    with pytest.raises(ValueError, match=r"Auto\(costs=...\) needs one entry per stage \(2\)"):
+        budget.train_step(x, x, nn.MSELoss())
+    assert not measured
 
 
 def test_a_failure_while_auto_chooses_says_so_and_leaves_the_pipe_as_it_was() -> None:
