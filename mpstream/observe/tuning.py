@@ -174,6 +174,10 @@ def tune(
         raise ValueError("target= times a training step: give loss_fn(output, target) too")
     if repeat < 1 or warmup < 0 or patience < 1 or tolerance < 0:
         raise ValueError("repeat and patience must be >= 1, warmup and tolerance >= 0")
+    if balances is not None and not balances:
+        raise ValueError(
+            "balances=[] lists no balance to try: leave it out to tune the split alone"
+        )
     # A balance given twice (a profiled 'time' equal to a listed one) is timed once.
     unique = list(dict.fromkeys(tuple(b) for b in balances)) if balances else []
     configs: list[list[int] | None] = [list(b) for b in unique] or [None]

@@ -143,6 +143,8 @@ def test_errors() -> None:
         tune(nn.Linear(2, 2), SAMPLE, cache=None, progress=False)
     with pytest.raises(ValueError, match="factory"):
         tune(Curve(), SAMPLE, balances=[[1, 1]], cache=None, progress=False)
+    with pytest.raises(ValueError, match=r"balances=\[\] lists no balance to try"):
+        tune(Curve(), SAMPLE, balances=[], cache=None, progress=False)
     with pytest.raises(ValueError, match="positive ints"):
         tune(Curve(), SAMPLE, split_sizes=[0, 2], cache=None, progress=False)
     with pytest.raises(ValueError, match="repeat"):
