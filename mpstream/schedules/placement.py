@@ -20,6 +20,7 @@ says what to pass when it does not fit.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Hashable, Sequence
 
 from .. import _ext
@@ -238,6 +239,7 @@ def rank_devices(schedule: str, stages: int, devices: int) -> list[str]:
 
 
 def _positive(v: object) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+    # Any integer (numpy's too, as Schedule takes them), not True as 1.
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
         raise ValueError(f"virtual_stages must be a positive int, got {v!r}")
-    return v
+    return int(v)

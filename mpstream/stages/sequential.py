@@ -8,6 +8,7 @@ layers and move each partition (torchgpipe's style).
 
 from __future__ import annotations
 
+import numbers
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,17 +43,20 @@ class Stages:
 
 
 def check_positive(name: str, value: object) -> int:
-    """Returns ``value`` if it is an int >= 1.
+    """Returns ``value`` as an int if it is an integer >= 1.
+
+    Any integer type counts (numpy's too, as ``Schedule`` and
+    ``record_plan`` take them), but not a bool: ``True`` is no count.
 
     Raises:
-        TypeError: not an int.
+        TypeError: not an integer.
         ValueError: smaller than 1.
     """
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < 1:
         raise ValueError(f"{name} must be at least 1, got {value}")
-    return value
+    return int(value)
 
 
 def module_device(module: nn.Module, what: str) -> torch.device | None:
@@ -239,6 +243,8 @@ def as_device(d: DeviceLike, what: str) -> torch.device:
 
 
 def _check_balance(balance: Sequence[int], total: int) -> list[int]:
+    if not isinstance(balance, Sequence) and hasattr(balance, "tolist"):
+        balance = balance.tolist()  # a numpy array or a tensor of counts
     if isinstance(balance, (str, bytes)) or not isinstance(balance, Sequence):
         raise TypeError(f"balance must be a list of ints, got {type(balance).__name__}")
     out = [check_positive(f"balance[{i}]", b) for i, b in enumerate(balance)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict
 
 import pytest
@@ -10,6 +11,7 @@ from torch import nn
 
 from mpstream import Pipe
 from mpstream.stages.sequential import check_devices_exist, check_shared, split_module
+from tests.helpers import assert_same_grads, mlp
 
 
 def test_children_are_stages_and_keep_their_devices() -> None:
@@ -217,3 +219,23 @@ def test_a_device_that_is_not_one_is_named_with_its_stage(typo: object) -> None:
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     with pytest.raises(ValueError, match=r"devices\[1\] \(stage 1\) is .*, not a device \("):
         Pipe(model, balance=[1, 1], devices=["cpu", typo])  # type: ignore[list-item]
+
+
+def test_numpy_integer_counts_are_taken_as_ints() -> None:
+    # balance, chunks and virtual_stages computed with numpy (np.diff of
+    # cut points, say), as Schedule and record_plan take them; not bools.
+    np = pytest.importorskip("numpy")
+    model = mlp([3, 3, 3, 3, 3])
+    x, y = torch.randn(5, 3, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
+    plain = copy.deepcopy(model)
+    loss = nn.functional.mse_loss(plain(x), y)
+    loss.backward()
+    for balance in ([np.int64(2)] * 4, np.array([2, 2, 2, 2]), torch.tensor([2, 2, 2, 2])):
+        pipe = Pipe(copy.deepcopy(model), chunks=np.int32(3), balance=balance,
+                    devices=["cpu"] * 4, schedule="looped_bfs",
+                    virtual_stages=np.int64(2))  # type: ignore[arg-type]  # fmt: skip
+        assert pipe.balance == [2, 2, 2, 2] and all(type(b) is int for b in pipe.balance)
+        torch.testing.assert_close(pipe.train_step(x, y, nn.MSELoss()), loss.detach())
+        assert_same_grads(pipe, plain)
+    with pytest.raises(TypeError, match=r"balance\[0\] must be an int, got bool"):
+        split_module(model, balance=[True, 3, 4], devices=["cpu"] * 3)
