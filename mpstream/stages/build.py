@@ -10,7 +10,7 @@ Sequential's layers, or a traced module's own children and tensors.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Sized
 from dataclasses import dataclass
 from typing import Any
 
@@ -213,12 +213,10 @@ def _traced(
     """A module split by ``torch.fx`` at ``split_points`` (or at the points
     ``balance='time'|'size'`` picks on ``sample``)."""
     if isinstance(balance, str) and split_points is None:
-        _check_auto(balance, devices, sample)
-        assert devices is not None
+        devices = _auto_devices(balance, devices, sample)
         split_points = split_points_by(
-            balance, module, sample, len(devices), device=torch.device(devices[0]),
-            leaf_modules=leaf_modules,
-        )  # fmt: skip
+            balance, module, sample, len(devices), device=devices[0], leaf_modules=leaf_modules
+        )
     assert split_points is not None
     if isinstance(split_points, str):
         split_points = [split_points]
@@ -236,7 +234,11 @@ def _traced(
     )
 
 
-def _check_auto(how: str, devices: Sequence[DeviceLike] | None, sample: Any) -> None:
+def _auto_devices(
+    how: str, devices: Sequence[DeviceLike] | None, sample: Any
+) -> list[torch.device]:
+    """The devices of a traced module's ``balance='time'|'size'``, checked
+    before the module is profiled on the first of them."""
     if devices is None or sample is None:
         raise ValueError(
             f"balance={how!r} needs devices= (one per stage) and sample= (a "
@@ -244,6 +246,15 @@ def _check_auto(how: str, devices: Sequence[DeviceLike] | None, sample: Any) -> 
             f"profiles the module at construction, before any call; or give split_points= "
             f"(the first call is then the example a torch.export split needs)"
         )
+    return _listed_devices(devices)
+
+
+def _listed_devices(devices: Sequence[DeviceLike]) -> list[torch.device]:
+    """``devices`` checked as one device per stage (their count is the
+    stages'): a list, of devices this machine has."""
+    return stage_devices(
+        devices, len(devices) if isinstance(devices, Sized) else 0, "devices= gives"
+    )
 
 
 def _exported(
@@ -266,11 +277,8 @@ def _exported(
             "nn.Sequential of stages, or leave deferred_batch_norm off"
         )
     if isinstance(balance, str) and split_points is None:
-        _check_auto(balance, devices, sample)
-        assert devices is not None
-        split_points = export_split_points(
-            balance, module, sample, len(devices), torch.device(devices[0])
-        )
+        devices = _auto_devices(balance, devices, sample)
+        split_points = export_split_points(balance, module, sample, len(devices), devices[0])
     assert split_points is not None
     if isinstance(split_points, str):
         split_points = [split_points]
@@ -300,8 +308,14 @@ def _auto_balance(
         raise ValueError(f"balance={how!r} needs devices= (one per stage) to know how many stages")
     if sample is None:
         raise ValueError(f"balance={how!r} needs sample= (a representative micro-batch) to profile")
-    stages = len(devices)
-    device = torch.device(devices[0])
+    devs = _listed_devices(devices)  # before profiling on the first of them
+    stages, layers = len(devs), sum(1 for _ in module.children())
+    if stages > layers:
+        raise ValueError(
+            f"balance={how!r} gives each of the {stages} devices (devices=) a stage of at least "
+            f"one layer, but the nn.Sequential has {layers} layer(s): give at most {layers} "
+            f"devices"
+        )
     if how == "time":
-        return balance_by_time(module, sample, stages, device=device)
-    return balance_by_size(module, sample, stages, device=device)
+        return balance_by_time(module, sample, stages, device=devs[0])
+    return balance_by_size(module, sample, stages, device=devs[0])

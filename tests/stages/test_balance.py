@@ -149,3 +149,43 @@ def test_balancing_errors_name_the_argument_the_layer_and_torchgpipe_s_order() -
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied") as info:
         balance_by_time(model, torch.randn(3, 4), 2)
     assert "profiling layer 2 ('2') to balance the stages" in "".join(info.value.__notes__)
+
+
+class TwoBlocks(nn.Module):
+    """Not a Sequential: balance='time' picks its split points by tracing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(2, 2) for _ in range(3)])
+
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("module", [lambda: nn.Sequential(nn.Linear(2, 2)), TwoBlocks])
+@pytest.mark.parametrize("how", ["time", "size"])
+def test_auto_balance_checks_the_devices_before_profiling_on_them(
+    module: type[nn.Module], how: str
+) -> None:
+    # Each device of the list makes a stage: a string is not a list of
+    # devices (len('cpu') would ask for 3 stages, torch.device('c') fail),
+    # and a device that is not one is named with its stage, before the
+    # module is profiled on the first.
+    sample = torch.randn(2, 2)
+    with pytest.raises(TypeError, match="devices must be a list with one device per stage"):
+        Pipe(module(), balance=how, devices="cpu", sample=sample)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"devices\[0\] \(stage 0\) is 'cpux', not a device"):
+        Pipe(module(), balance=how, devices=["cpux", "cpu"], sample=sample)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="stage 0 is on cuda:0, but CUDA is not available"):
+            Pipe(module(), balance=how, devices=["cuda:0", "cpu"], sample=sample)
+
+
+@pytest.mark.parametrize("how", ["time", "size"])
+def test_auto_balance_with_more_devices_than_layers_names_devices(how: str) -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    message = rf"balance='{how}' gives each of the 3 devices \(devices=\) a stage .* 2 layer"
+    with pytest.raises(ValueError, match=message):
+        Pipe(model, balance=how, devices=["cpu"] * 3, sample=torch.randn(2, 2))
