@@ -76,9 +76,10 @@ class Action:
 
 def is_order(value: object) -> bool:
     """Whether ``value`` is meant as an order rather than a schedule's name:
-    a list or tuple, or a string holding several words."""
+    a list or tuple, or a string holding several words (separated as
+    :func:`parse` reads them: whitespace or commas)."""
     if isinstance(value, str):
-        return len(value.split()) > 1
+        return len(value.replace(",", " ").split()) > 1
     return isinstance(value, (list, tuple))
 
 

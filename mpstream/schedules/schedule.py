@@ -230,7 +230,7 @@ class Schedule:
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):
                 raise ValueError(f"Schedule: {arg} must be an int, got {value!r}")
         explicit = not isinstance(name, str) or name not in SCHEDULES
-        if isinstance(name, str) and len(name.split()) <= 1 and name not in SCHEDULES:
+        if isinstance(name, str) and not is_order(name) and name not in SCHEDULES:
             valid = ", ".join(repr(s) for s in SCHEDULES)
             raise ValueError(
                 f"unknown schedule {name!r}; valid schedules: {valid}, or an order of actions "

@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from mpstream import Pipe
-from mpstream.schedules.orders import Action, format_order, grid, parse
-from mpstream.schedules.schedule import SCHEDULES, Schedule, Topology
-from tests.helpers import assert_same_grads, fits, mlp, virtual_for
+from mpstream.schedules.orders import Action, format_order, grid, is_order, parse
+from mpstream.schedules.schedule import SCHEDULES, Schedule, Topology, schedule_arg
+from tests.helpers import assert_same_grads, clone, fits, mlp, virtual_for
 
 UNET = Topology(((-1,), (0,), (0, 1), (0, 2)), (0, 1, 0, 1), -1)
 
@@ -60,6 +60,22 @@ def test_text_form() -> None:
         parse([])
     with pytest.raises(TypeError, match="strings like 'F0m3'"):
         parse([3])  # type: ignore[list-item]
+
+
+def test_an_order_written_with_commas_alone_is_an_order() -> None:
+    # parse reads commas as separators; a text without spaces is still an
+    # order, not an unknown schedule's name.
+    text = "F0m0,F1m0,B1m0,B0m0"
+    assert is_order(text) and not is_order("1f1b")
+    assert str(Schedule(text, 2, 1, [False, False])) == "F0m0 F1m0 B1m0 B0m0"
+    assert schedule_arg(text) == ("F0m0", "F1m0", "B1m0", "B0m0")
+    model = mlp([2, 2, 2])
+    pipe = Pipe(clone(model), balance=[2, 2], devices=["cpu"] * 2, schedule=text)
+    x, y = torch.randn(3, 2, dtype=torch.float64), torch.randn(3, 2, dtype=torch.float64)
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    torch.testing.assert_close(pipe.train_step(x, y, nn.MSELoss()), loss.detach())
+    assert_same_grads(pipe, model)
 
 
 def bad(order: list[str], stages: int = 2, micros: int = 2) -> str:
