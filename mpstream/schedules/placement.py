@@ -154,7 +154,7 @@ def v_stages_of(
         raise ValueError(
             f"{schedule} places two stages per rank in a V (stages s and 2p - 1 - s on rank s): "
             f"it needs an even number of stages, got {stages} ({listed}); split the model into "
-            f"{stages + 1} or {stages - 1} stages"
+            f"{stages + 1}{f' or {stages - 1}' if stages > 1 else ''} stages"
         )
     p = stages // 2
     if len(set(devices)) == 1 and virtual_stages is None and stages > 1:

@@ -138,8 +138,10 @@ def test_a_v_placement_is_checked_against_the_devices() -> None:
     assert v_stages_of(["cpu"] * 4, 2) == 2
     with pytest.raises(ValueError, match=r"every stage is on cpu: give virtual_stages=2"):
         v_stages_of(["cpu"] * 4)
-    with pytest.raises(ValueError, match="an even number of stages, got 3"):
+    with pytest.raises(ValueError, match="an even number of stages, got 3 .* into 4 or 2 stages"):
         v_stages_of(["cpu"] * 3, 2)
+    with pytest.raises(ValueError, match=r"got 1 \(cpu\); split the model into 2 stages$"):
+        v_stages_of(["cpu"], 2)  # not 'into 2 or 0 stages'
     with pytest.raises(ValueError, match="virtual_stages must be 2"):
         v_stages_of(["cpu"] * 6, 3, "dualpipev")
     message = (
