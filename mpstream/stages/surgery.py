@@ -30,8 +30,19 @@ def part_of(top: fx.GraphModule, name: str) -> fx.GraphModule:
     return cast(fx.GraphModule, top.get_submodule(name))
 
 
-def _attr_name(target: str) -> str:
-    return "_attr_" + target.replace(".", "_")
+def _attr_name(part: fx.GraphModule, target: str, held: dict[str, str]) -> str:
+    """The stage's attribute for the module's tensor ``target``: the one
+    it already holds it as, else a free one. Flattening is not one-to-one
+    (``a.b_c`` and ``a_b.c`` both give ``_attr_a_b_c``), and a second
+    tensor registered under a taken name would replace the first."""
+    if target in held:
+        return held[target]
+    base = name = "_attr_" + target.replace(".", "_")
+    k = 1
+    while hasattr(part, name):
+        name, k = f"{base}_{k}", k + 1
+    held[target] = name
+    return name
 
 
 def inline_attrs(top: fx.GraphModule, resolve: Callable[[str], tuple[Any, bool]]) -> None:
@@ -53,13 +64,14 @@ def inline_attrs(top: fx.GraphModule, resolve: Callable[[str], tuple[Any, bool]]
         part = part_of(top, str(call.target))
         attrs: dict[str, str] = getattr(part, "_mpstream_attrs", {})
         holders = [n for n in part.graph.nodes if n.op == "placeholder"]
+        held: dict[str, str] = {}  # this stage's attribute per qualified name
         keep_args = []
         for arg, placeholder in zip(call.args, holders):
             if not (isinstance(arg, fx.Node) and arg.op == "get_attr"):
                 keep_args.append(arg)
                 continue
             target = str(arg.target)
-            name = _attr_name(target)
+            name = _attr_name(part, target, held)
             value, owned = resolve(target)
             hold(part, placeholder, name, value)
             if owned:
