@@ -16,7 +16,7 @@ from ..memory.batchnorm import converted
 from ..runtime.graphed import Backend
 from ..runtime.microbatch import Value
 from ..schedules.schedule import PipeSchedule, check_schedule
-from ..stages.build import build, check_module
+from ..stages.build import build, check_module, undone_on_error
 from ..stages.sequential import DeviceLike, check_positive
 from .compiling import CompileOption, compile_options
 from .step import PipeStep
@@ -208,8 +208,11 @@ class Pipe(PipeStep):
         self.virtual_stages = virtual_stages
         self.__dict__["_runtime"] = None
         self.force_copies = bool(force_copies)
-        # A failure undoes the conversion: the caller's model is as it was.
-        with converted(module) if deferred_batch_norm else nullcontext(module) as module:
+        # A failure undoes the moves and the conversion: the caller's model is as it was.
+        with (
+            undone_on_error(module),
+            converted(module) if deferred_batch_norm else nullcontext(module) as module,
+        ):
             built = build(module, balance, devices, sample, split_points, leaf_modules, tracer)
             if built.graph is not None:
                 reads = built.graph.reads()
