@@ -23,15 +23,19 @@ def partition(costs: Sequence[float], stages: int) -> list[int]:
         The balance: layers per part.
 
     Raises:
-        ValueError: fewer layers than stages, ``stages`` < 1, or a negative cost.
+        ValueError: fewer layers than stages, ``stages`` < 1, or a cost that is
+            negative, infinite or NaN.
     """
     n = len(costs)
     if stages < 1:
         raise ValueError(f"stages must be at least 1, got {stages}")
     if n < stages:
         raise ValueError(f"cannot split {n} layers into {stages} non-empty stages")
-    if any(c < 0 for c in costs):
-        raise ValueError("layer costs must not be negative")
+    bad = next((i for i, c in enumerate(costs) if not 0 <= float(c) < float("inf")), None)
+    if bad is not None:
+        # An infinite cost ties every split at infinity (one stage came out
+        # empty), a NaN compares false with everything.
+        raise ValueError(f"layer costs must be finite and not negative, got {costs[bad]} at {bad}")
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + float(c))

@@ -38,3 +38,6 @@ def test_partition_examples_and_errors() -> None:
         partition([1, 1], 0)
     with pytest.raises(ValueError, match="negative"):
         partition([1, -1], 1)
+    for bad in (float("inf"), float("nan")):  # an empty stage, an arbitrary split
+        with pytest.raises(ValueError, match=r"finite and not negative, got .* at 0"):
+            partition([bad, 1, 1], 2)
