@@ -229,6 +229,15 @@ class Schedule:
             # The extension would dump its signature at a float, and take True as 1.
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):
                 raise ValueError(f"Schedule: {arg} must be an int, got {value!r}")
+        if virtual_stages is not None and (
+            isinstance(virtual_stages, bool)
+            or not isinstance(virtual_stages, numbers.Integral)
+            or virtual_stages < 1
+        ):
+            # 0 read as "the default" would run another schedule than asked.
+            raise ValueError(
+                f"Schedule: virtual_stages must be an int >= 1 or None, got {virtual_stages!r}"
+            )
         explicit = not isinstance(name, str) or name not in SCHEDULES
         if isinstance(name, str) and not is_order(name) and name not in SCHEDULES:
             valid = ", ".join(repr(s) for s in SCHEDULES)

@@ -157,6 +157,10 @@ def test_invalid_schedules() -> None:
             Schedule("gpipe", 2, bad, [False, False])  # type: ignore[arg-type]
         with pytest.raises(ValueError, match=f"stages must be an int, got {bad!r}"):
             Schedule("gpipe", bad, 2, [False, False])  # type: ignore[arg-type]
+    # 0 was read as the default: interleaved 1F1B ran one stage per rank.
+    for bad in (0, -1, True, 2.0):
+        with pytest.raises(ValueError, match="virtual_stages must be an int >= 1 or None"):
+            Schedule("interleaved_1f1b", 4, 4, [False] * 4, virtual_stages=bad)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved_1f1b"])
