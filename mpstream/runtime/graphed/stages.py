@@ -97,7 +97,10 @@ class StageGraphs:
         #: (stage, slot) of each capture (the first ones), in the order they
         #: happened: the schedule's execution order (see Slots.order).
         self.order: list[tuple[int, int]] = []
-        self._saved: list[GradStore] = []
+        # The stores a training step saved (None: no step's save pending),
+        # and whether every gradient was known zero then.
+        self._saved: list[GradStore] | None = None
+        self._zeroed = False
         self._plans: weakref.WeakKeyDictionary[Schedule, dict[bool, Slots]] = (
             weakref.WeakKeyDictionary()
         )
@@ -176,7 +179,8 @@ class StageGraphs:
         return [st.store if st.reason is None else None for st in self.stages]
 
     def save(self, zeroed: bool = False) -> dict[int, list[nn.Parameter]]:
-        """Saves the gradient buffers for :meth:`restore` (a training step).
+        """Saves the gradient buffers for :meth:`restore` (a training step),
+        and those a stage changed since makes during the step.
 
         Args:
             zeroed: every gradient is known to be zero (see
@@ -186,7 +190,7 @@ class StageGraphs:
             Per stage whose buffers were saved, its parameters they do not
             cover (tied ones, added into ``.grad`` at the step's end).
         """
-        self._saved = []
+        self._saved, self._zeroed = [], zeroed
         left: dict[int, list[nn.Parameter]] = {}
         for st in self.stages:
             if st.store is not None and st.reason is None:
@@ -196,7 +200,7 @@ class StageGraphs:
 
     def restore(self, keep: bool) -> None:
         """Puts the saved gradients back (``keep`` False), or forgets them."""
-        stores, self._saved = self._saved, []
+        stores, self._saved = self._saved or [], None
         for store in stores:
             if keep:
                 store.release()
@@ -286,6 +290,13 @@ class StageGraphs:
         grad = bool(key[2])
         if grad and st.store is None and st.baked.params:
             st.store = GradStore(st.baked.params, self._shared(st), self.tied)
+            if self._saved is not None:
+                # A store made during a step that saved the others (the
+                # stage changed since): its parameters' gradients as they
+                # were, for a failure to put back (a parameter no saved
+                # store holds would keep what this step added).
+                st.store.save(self._zeroed)
+                self._saved.append(st.store)
         if st.pool is None and st.device.type == "cuda" and isinstance(self.backend, CudaGraphs):
             st.pool = torch.cuda.graph_pool_handle()
         fn: Callable[..., Any] = (lambda *a: checkpointed(stage, *a)) if ckpt else stage

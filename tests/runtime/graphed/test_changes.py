@@ -1,0 +1,58 @@
+"""Graphed stages after the user changed something between runs: a failed
+step after a stage's parameters changed puts every gradient back, and
+buffers a graphed stage hands on stay what autograd saved (replays
+emulated on the CPU, see test_stages.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from mpstream import Pipe
+from tests.helpers import assert_same_grads, mlp
+from tests.runtime.graphed.test_stages import WIDTHS, data, pair
+
+
+def replace_weight(pipe: Pipe) -> None:
+    pipe[4].weight = nn.Parameter(pipe[4].weight.detach().clone())
+
+
+def unfreeze_bias(pipe: Pipe) -> None:
+    pipe[4].bias.requires_grad_(True)  # frozen for the first step
+
+
+@pytest.mark.parametrize("change", [replace_weight, unfreeze_bias])
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+def test_a_failed_step_after_a_stage_changed_puts_every_gradient_back(
+    change: Callable[[Pipe], None], schedule: str
+) -> None:
+    # The stage's gradient buffers are made anew in the step; a parameter
+    # the old ones did not hold must not keep what the failed step added.
+    eager, graphed = pair(mlp(WIDTHS), chunks=3, schedule=schedule)
+    x, y = data()
+    calls = 0
+
+    def failing(out: Tensor, target: Tensor) -> Tensor:
+        nonlocal calls
+        calls += 1
+        if calls == 3:  # after the first micro-batches' backwards (1F1B)
+            raise RuntimeError("loss failed")
+        return nn.functional.mse_loss(out, target)
+
+    for pipe in (eager, graphed):
+        pipe[4].bias.requires_grad_(change is not unfreeze_bias)
+        pipe.train_step(x, y, nn.MSELoss())
+        change(pipe)
+    before = [None if p.grad is None else p.grad.clone() for p in graphed.parameters()]
+    with pytest.raises(RuntimeError, match="loss failed"):
+        graphed.train_step(x, y, failing)
+    for p, b in zip(graphed.parameters(), before):
+        assert (p.grad is None) == (b is None)
+        if b is not None:
+            torch.testing.assert_close(p.grad, b)
+    for pipe in (eager, graphed):
+        pipe.train_step(x, y, nn.MSELoss())
+    assert_same_grads(graphed, eager)
