@@ -138,7 +138,13 @@ def replay(call: GraphedCall, tensors: Sequence[Tensor]) -> tuple[Tensor, ...]:
     if call.diff_out and torch.is_grad_enabled():
         out: tuple[Tensor, ...] = Replay.apply(call, _ANCHOR, *tensors)
         return out
-    return tuple(call.forward(tensors))
+    outs = call.forward(tensors)
+    if call.grad:
+        # No Replay node keeps the call busy (a frozen stage): an eager
+        # reader's autograd may save these buffers for a backward after the
+        # next forward replays this call and rewrites them.
+        return tuple(t.clone() for t in outs)
+    return tuple(outs)
 
 
 def run_stage(

@@ -56,3 +56,25 @@ def test_a_failed_step_after_a_stage_changed_puts_every_gradient_back(
     for pipe in (eager, graphed):
         pipe.train_step(x, y, nn.MSELoss())
     assert_same_grads(graphed, eager)
+
+
+def test_a_frozen_stage_s_outputs_saved_by_an_eager_stage_outlive_its_next_replay() -> None:
+    # Stage 0 is frozen: no autograd node keeps its call busy. Stage 1 runs
+    # eagerly (a tensor hook) and saves stage 0's output for its backward,
+    # which runs after a second forward replayed stage 0 again.
+    model = mlp(WIDTHS)
+    for p in model[:4].parameters():
+        p.requires_grad_(False)
+    eager, graphed = pair(model, chunks=2)
+    for pipe in (eager, graphed):
+        pipe[4].weight.register_hook(lambda g: g)
+    x, y = data()
+    with pytest.warns(UserWarning, match="tensor hook"):
+        for pipe in (eager, graphed):
+            first = nn.functional.mse_loss(pipe(x), y)
+            second = nn.functional.mse_loss(pipe(2 * x), y)
+            (first + second).backward()
+    for (name, a), (_, b) in zip(graphed.named_parameters(), eager.named_parameters()):
+        assert (a.grad is None) == (b.grad is None), name
+        if b.grad is not None:
+            torch.testing.assert_close(a.grad, b.grad, msg=name)
