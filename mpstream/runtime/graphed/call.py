@@ -171,6 +171,8 @@ class GraphedCall:
         self.label = "the stage"
         self._reached: dict[frozenset[int], tuple[frozenset[int], frozenset[int]]] = {}
         self._hooked: list[nn.Parameter] = []  # hooks a split call's W still runs
+        # What B ensured, for a W run later to ensure again (see weight()).
+        self._ensured: tuple[frozenset[int], object, bool] | None = None
         with restored(stage):
             backend.capture(self, fn)
         self.full = frozenset(j for j, outs in enumerate(self.param_reach()) if outs)
@@ -288,12 +290,19 @@ class GraphedCall:
         self._hooked = hooked
         if weight or "weight" not in self.passes:
             self.weight()
+        elif store is not None:
+            self._ensured = (params, token, autograd)
         return [None if i in unreached else g for i, g in enumerate(self.static_grad_in)]
 
     def weight(self) -> None:
         """Replays a split call's W (after its B); runs the post-accumulate
         hooks of the parameters the backward added into."""
         if "weight" in self.passes:
+            ensured, self._ensured = self._ensured, None
+            if ensured is not None and self.store is not None:
+                # Another micro-batch's W ran hooks in between, and one may
+                # have taken .grad away: attached again before W adds.
+                self.store.ensure(*ensured)
             with torch.no_grad():
                 self.backend.replay(self, "weight")
         hooked, self._hooked = self._hooked, []

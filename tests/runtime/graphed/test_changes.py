@@ -1,7 +1,9 @@
-"""Graphed stages after the user changed something between runs: a failed
-step after a stage's parameters changed puts every gradient back, and
-buffers a graphed stage hands on stay what autograd saved (replays
-emulated on the CPU, see test_stages.py)."""
+"""Graphed stages after the user changed something between runs or tasks:
+a failed step after a stage's parameters changed puts every gradient
+back, buffers a graphed stage hands on stay what autograd saved, and a
+hook that takes ``.grad`` away between a split backward's B and W leaves
+W's gradient to the next hook (replays emulated on the CPU, see
+test_stages.py)."""
 
 from __future__ import annotations
 
@@ -78,3 +80,25 @@ def test_a_frozen_stage_s_outputs_saved_by_an_eager_stage_outlive_its_next_repla
         assert (a.grad is None) == (b.grad is None), name
         if b.grad is not None:
             torch.testing.assert_close(a.grad, b.grad, msg=name)
+
+
+def test_a_hook_taking_grad_away_before_a_deferred_weight_pass_sees_its_gradient() -> None:
+    # zb_h1 runs stage 1's B of micro-batch 2 before the W of micro-batch 1,
+    # whose hook takes .grad away: W of micro-batch 2 must add into .grad
+    # again, not into the buffer the hook detached.
+    eager, graphed = pair(mlp(WIDTHS), chunks=3, schedule="zb_h1")
+    x, y = data()
+    seen: dict[Pipe, list[Tensor | None]] = {}
+    for pipe in (eager, graphed):
+        got = seen[pipe] = []
+
+        def hook(p: Tensor, got: list[Tensor | None] = got) -> None:
+            got.append(None if p.grad is None else p.grad.clone())
+            p.grad = None  # an optimizer in backward
+
+        pipe[6].weight.register_post_accumulate_grad_hook(hook)
+        pipe.train_step(x, y, nn.MSELoss())
+    assert len(seen[graphed]) == len(seen[eager]) == 3
+    for a, b in zip(seen[graphed], seen[eager]):
+        assert a is not None and b is not None
+        torch.testing.assert_close(a, b)
