@@ -21,8 +21,10 @@ class StageReport:
     """What one stage replays: whether it is graphed (else ``reason``),
     its graphs (a forward, and a backward where gradients flow, per slot and
     signature) and ``passes`` (``weight`` too where a zero-bubble schedule
-    splits the backward), the most slots a run used, its captures (those a
-    replaced tensor caused: ``recaptures``), the device memory of its
+    splits the backward), the most slots a run used, its captures (of
+    calls captured before and dropped, by a replaced tensor or with the
+    stage's other graphs after one was dropped for room under
+    ``max_calls``: ``recaptures``), the device memory of its
     graphs' pools (``reserved_bytes``: every slot's activations, and the
     temporaries its graphs share) and of its gradient buffers."""
 

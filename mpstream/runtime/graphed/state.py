@@ -62,7 +62,9 @@ class StageState:
         self.slots = 0
         self.captures = 0
         self.recaptures = 0
-        self.dropped: set[tuple[Any, ...]] = set()  # keys a replaced tensor invalidated
+        # Keys whose graphs were dropped (a replaced tensor; the stage's
+        # graphs going together after one was dropped for room).
+        self.dropped: set[tuple[Any, ...]] = set()
         # Calls dropped for room since the last run began: their graphs wait
         # for the stage's others (lifetimes), so a run that needs none of
         # them busy drops them all, and the memory goes.
@@ -117,8 +119,8 @@ class StageState:
         return len(self.calls) < max_calls
 
     def add(self, key: tuple[Any, ...], graphed: GraphedCall) -> None:
-        """Keeps a call just captured (a recapture if a replaced tensor had
-        dropped its key)."""
+        """Keeps a call just captured (a recapture if its key's graphs were
+        dropped before)."""
         graphed.label = self.label
         self.captures += 1
         if key in self.dropped:
