@@ -38,9 +38,15 @@ FIGURES = (
     "mp_vs_rn.png",
     "mp_vs_rn_vs_pp.png",
     "split_size_tradeoff.png",
+    # --model transformer's
+    "transformer_throughput.png",
+    "transformer_memory.png",
+    "transformer_memory_schedules.png",
+    "transformer_timeline.png",
 )
+RESULTS = ("transformer.json",)  # the transformer bench's, step 6
 # Every top-level file a doctor run may write (stale ones are removed first).
-ARTIFACTS = ("summary.md", "report.json", *FIGURES, ARCHIVE)
+ARTIFACTS = ("summary.md", "report.json", *FIGURES, *RESULTS, ARCHIVE)
 
 
 def status_of(results: Sequence[StepResult]) -> str:
@@ -134,7 +140,8 @@ def markdown(results: Sequence[StepResult], meta: dict[str, Any], files: Sequenc
 
 def top_files(out: Path) -> list[str]:
     """The report's top-level files, given the figures the steps left in ``out``."""
-    return ["summary.md", "report.json", *(f for f in FIGURES if (out / f).exists()), ARCHIVE]
+    left = (f for f in (*FIGURES, *RESULTS) if (out / f).exists())
+    return ["summary.md", "report.json", *left, ARCHIVE]
 
 
 def write(

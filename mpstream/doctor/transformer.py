@@ -92,7 +92,7 @@ def memory_step(ctx: Context) -> StepResult:
     from ..observe.figures import memory_bars
 
     title = f"transformer {p.name}, memory per stage, {m} micro-batches"
-    memory_bars(rows, ctx.out / "transformer_memory.png", title)
+    memory_bars(rows, ctx.out / "transformer_memory_schedules.png", title)
     ctx.shared["transformer_memory"] = rows
     figure = f"1f1b stage 0 activations {o / 2**20:.1f} MiB vs gpipe {g / 2**20:.1f} MiB"
     reason = next((f"{c.name}: {c.detail}" for c in checks if c.status == FAIL), "")
@@ -105,7 +105,7 @@ def memory_step(ctx: Context) -> StepResult:
         reason,
         checks,
         data,
-        ["transformer_memory.png"],
+        ["transformer_memory_schedules.png"],
     )
 
 

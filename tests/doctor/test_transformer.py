@@ -53,6 +53,7 @@ def test_the_transformer_doctor_runs_every_step_it_can_on_the_cpu(
     details = [c["detail"] for c in steps["cost-model"]["checks"]]
     assert any("a GPU target, from the CPU's costs" in d for d in details)
     for name in ("transformer.json", "transformer_throughput.png", "transformer_memory.png",
+                 "transformer_memory_schedules.png",
                  "transformer_timeline.png"):  # fmt: skip
         assert (tmp_path / name).exists(), name
     assert steps["cost-model"]["status"] == PASS
@@ -150,3 +151,14 @@ def test_graphed_stages_are_judged_against_the_captured_single_device(
     assert headline.startswith("1.05x its step (target <= 1.1x on one GPU: a GPU target)")
     assert "1.05x the captured single device's" in by_name[bench.label(graphed)]
     assert "1.00x the single device's" in by_name[bench.label(("mpstream", "1f1b", 2))]
+
+
+def test_the_report_lists_the_transformer_files_and_a_rerun_removes_them(tmp_path: Path) -> None:
+    from mpstream.doctor import report as report_files
+
+    names = ["transformer.json", "transformer_timeline.png", "transformer_memory_schedules.png"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"an earlier run's")
+    listed = report_files.top_files(tmp_path)
+    assert all(name in listed for name in names) and len(listed) <= report_files.MAX_FILES
+    assert set(names) <= set(report_files.ARTIFACTS)  # what a run removes first
