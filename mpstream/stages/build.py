@@ -329,8 +329,9 @@ def undone_on_error(module: nn.Module) -> Iterator[None]:
     run, found once they are placed) leaves the caller's model where it
     was, not spread over the stage devices.
 
-    A move replaces a buffer and, in place, a parameter's data; the
-    originals are kept until the block ends, as the model held them before.
+    A move replaces a buffer and, in place, a parameter's data and its
+    ``.grad``'s; the originals are kept until the block ends, as the model
+    held them before.
     """
     kept: list[tuple[dict[str, Any], str, Tensor, Tensor | None]] = [
         (store, name, t, t.data if store is mod._parameters else None)
@@ -339,6 +340,11 @@ def undone_on_error(module: nn.Module) -> Iterator[None]:
         for name, t in store.items()
         if t is not None
     ]
+    grads = [
+        (t, t.grad, t.grad.data)
+        for _, _, t, data in kept
+        if data is not None and t.grad is not None
+    ]
     try:
         yield
     except BaseException:
@@ -346,4 +352,9 @@ def undone_on_error(module: nn.Module) -> Iterator[None]:
             store[name] = t
             if data is not None and t.data.data_ptr() != data.data_ptr():
                 t.data = data
+        for t, grad, data in grads:  # after the data: a .grad matches its parameter
+            if grad.data.data_ptr() != data.data_ptr():
+                grad.data = data
+            if t.grad is not grad:
+                t.grad = grad
         raise

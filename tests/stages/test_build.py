@@ -27,6 +27,21 @@ def test_a_failed_block_puts_back_the_tensors_a_move_replaced() -> None:
     assert model[0].weight.dtype == torch.float64
 
 
+def test_a_failed_block_puts_back_the_gradients_a_move_replaced() -> None:
+    # A move converts .grad with its parameter: left moved, the gradient
+    # would sit on another device than the parameter put back.
+    model = nn.Linear(3, 4)
+    model(torch.ones(2, 3)).sum().backward()
+    grad = model.weight.grad
+    assert grad is not None
+    before = grad.clone()
+    with pytest.raises(RuntimeError, match="a schedule that cannot run"), undone_on_error(model):
+        model.double()
+        raise RuntimeError("a schedule that cannot run")
+    assert model.weight.grad is grad and grad.dtype == torch.float32
+    torch.testing.assert_close(grad, before, rtol=0, atol=0)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_pipe_its_schedule_refuses_leaves_the_model_on_its_device() -> None:
