@@ -23,7 +23,8 @@ from .cost_model import Simulation, simulate
 from .fitting import Costs, fit
 from .profiling import Profile, profile
 from .scaling import Prediction, predict
-from .timeline import Span, Summary, Timeline
+from .summary import Summary
+from .timeline import Span, Timeline
 from .tuning import TuneResult, tune
 
 __all__ = [
