@@ -107,11 +107,22 @@ def measure_memory(
     stage, the peak bytes its forwards saved for backward
     (:class:`~mpstream.memory.StageSavedBytes`).
 
+    Args:
+        pipe: the pipe to step (its schedule is set to each in turn).
+        x: a batch of inputs.
+        y: its targets.
+        loss_fn: ``loss_fn(output, target)``.
+        schedules: the schedules to measure.
+        virtual_stages: stages per rank for the round-robin schedules
+            (``'interleaved_1f1b'``, ...); default the pipe's own.
+
     Returns:
         Per schedule, ``{"stage0": bytes, ...}`` or ``{"cuda:0": bytes, ...}``;
         the pipe's schedule, gradients and buffers are put back.
     """
     previous = (pipe.schedule, pipe.virtual_stages)
+    if virtual_stages is None:
+        virtual_stages = pipe.virtual_stages
     out: dict[str, dict[str, int]] = {}
     gpus = sorted({d for d in pipe.devices if d.type == "cuda"}, key=str)
     try:

@@ -97,3 +97,15 @@ def test_profile_stages_refuses_no_steps_before_running_any() -> None:
     assert not ran and pipe.schedule == "gpipe"
     profile_stages(pipe, torch.randn(4, 2), torch.randn(4, 2), F.mse_loss, steps=1)
     assert ran, "the hook sees the steps that do run"
+
+
+def test_measure_memory_takes_the_pipes_own_virtual_stages() -> None:
+    # Four stages on one device: a round-robin schedule needs virtual_stages,
+    # and the pipe's own serves where none is given.
+    model = nn.Sequential(*(nn.Linear(3, 3) for _ in range(4)))
+    pipe = Pipe(model, chunks=2, balance=[1] * 4, devices=["cpu"] * 4,
+                schedule="interleaved_1f1b", virtual_stages=2)  # fmt: skip
+    x, y = torch.randn(4, 3), torch.randn(4, 3)
+    memory = measure_memory(pipe, x, y, F.mse_loss, ["interleaved_1f1b", "gpipe"])
+    assert set(memory) == {"interleaved_1f1b", "gpipe"}
+    assert (pipe.schedule, pipe.virtual_stages) == ("interleaved_1f1b", 2)
