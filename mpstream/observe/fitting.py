@@ -102,7 +102,13 @@ def fit(timeline: Timeline) -> Costs:
     # The issue times' medians as the costs' (a whole backward issues both passes).
     issue = {k: med for k, (_, _, med, _) in issue_spread(timeline).items()}
     if issue and weighted:
-        issue.update({("backward", s): backward(s, issue=True) for s in range(stages)})
+        issue.update(
+            {
+                ("backward", s): backward(s, issue=True)
+                for s in range(stages)
+                if ("backward", s) in groups or ("whole_backward", s) in groups
+            }
+        )
     return Costs(
         [(median("forward", s), backward(s)) for s in range(stages)],
         [(median("copy", s), median("copy_grad", s)) for s in range(stages - 1)],

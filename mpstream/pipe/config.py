@@ -329,7 +329,5 @@ class PipeConfig(PipeModule):
 
     def _prepare(self, micros: int) -> int:
         """Per-run setup; returns how many micro-batches to checkpoint."""
-        for norm in self._deferred_norms():
-            norm.begin(micros)
         training = self.training and torch.is_grad_enabled()
         return checkpoint_stop(self.checkpoint, micros, training)

@@ -205,6 +205,8 @@ class PipeStep(PipeCall):
         try:
             with torch.enable_grad():
                 stop = self._prepare(len(micro))
+                for norm in self._deferred_norms():  # as deferred_update does for pipe(x)
+                    norm.begin(len(micro))
                 loss = run_step(
                     worker,
                     micro,
