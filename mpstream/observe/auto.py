@@ -50,7 +50,7 @@ from ..schedules import (
     placement_of,
 )
 from .cost_model import simulate
-from .measuring import profile_stages, untouched
+from .measuring import profile_stages, scheduled, untouched
 from .tune_cache import batch_shape, default_cache, load, loss_key, model_key, store
 
 __all__ = ["choose_schedule", "simulate_candidates"]
@@ -86,10 +86,9 @@ def choose_schedule(pipe: Pipe, request: AutoRequest) -> ScheduleReport:
     # What was given is checked before anything is measured for the rest.
     check("costs", auto.costs)
     check("activation_bytes", auto.activation_bytes)
-    with _measuring(pipe):
-        costs, copies, issue, source = _costs(pipe, request)
-        need_bytes = auto.memory_budget is not None and auto.activation_bytes is None
-        held = _stage_bytes(pipe, request) if need_bytes else auto.activation_bytes
+    costs, copies, issue, source = _costs(pipe, request)
+    need_bytes = auto.memory_budget is not None and auto.activation_bytes is None
+    held = _stage_bytes(pipe, request) if need_bytes else auto.activation_bytes
     check("costs", costs)
     check("activation_bytes", held)
     labels = [str(d) for d in pipe.devices]
@@ -184,13 +183,6 @@ def simulate_candidates(
     return out
 
 
-def _measuring(pipe: Pipe) -> Any:
-    """Random-number state put back after the measuring steps (dropout
-    masks of the first real step do not depend on whether it chose)."""
-    gpus = sorted({d.index or 0 for d in pipe.devices if d.type == "cuda"})
-    return torch.random.fork_rng(devices=gpus)
-
-
 def _costs(
     pipe: Pipe, request: AutoRequest
 ) -> tuple[Sequence[Triple], Any, dict[tuple[str, int], float] | None, str]:
@@ -263,12 +255,8 @@ def _stage_bytes(pipe: Pipe, request: AutoRequest) -> tuple[float, ...]:
     """Each stage's bytes saved for backward per micro-batch: one
     fill-drain step's peak per stage (every micro-batch alive at once),
     over its micro-batches."""
-    previous = (pipe.schedule, pipe.virtual_stages)
-    pipe.schedule, pipe.virtual_stages = "gpipe", None
-    try:
-        with untouched(pipe), StageSavedBytes(pipe.partitions) as tracker:
-            pipe.train_step(request.inputs, request.target, request.loss_fn)
-            synchronize(pipe.devices)
-    finally:
-        pipe.schedule, pipe.virtual_stages = previous
+    with scheduled(pipe), untouched(pipe), StageSavedBytes(pipe.partitions) as tracker:
+        pipe.schedule, pipe.virtual_stages = "gpipe", None
+        pipe.train_step(request.inputs, request.target, request.loss_fn)
+        synchronize(pipe.devices)
     return tuple(b / request.micros for b in tracker.peak_bytes)

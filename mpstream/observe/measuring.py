@@ -28,17 +28,21 @@ from ..schedules import SCHEDULES, placement_of
 from .fitting import Costs, fit
 from .profiling import profile
 
-__all__ = ["profile_stages", "measure_memory", "split_cost", "untouched"]
+__all__ = ["profile_stages", "measure_memory", "split_cost", "untouched", "scheduled"]
 
 
 @contextmanager
 def untouched(model: nn.Module) -> Iterator[None]:
-    """Times a user's own model without leaving a trace: its gradients and
-    buffers (BatchNorm statistics) are put back afterwards.
+    """Times a user's own model without leaving a trace: its gradients,
+    buffers (BatchNorm statistics) and the random-number state (CPU and its
+    GPUs') are put back afterwards, so the next real step's dropout masks do
+    not depend on whether anything was measured.
 
     A gradient that is a view of a larger buffer (a graphed stage's gradient
     store, DDP's bucket views) is the same tensor the timed steps add into,
     so its values are saved too and copied back into it."""
+    devices = model.devices if isinstance(model, Pipe) else [t.device for t in _tensors(model)]
+    gpus = sorted({d.index or 0 for d in devices if d.type == "cuda"})
     grads = [(p, p.grad) for p in model.parameters()]
     # Only views are copied: a plain .grad set to None is not written again.
     views = [(g, g.detach().clone()) for _, g in grads if g is not None and g._base is not None]
@@ -46,7 +50,8 @@ def untouched(model: nn.Module) -> Iterator[None]:
     for p, _ in grads:
         p.grad = None
     try:
-        yield
+        with torch.random.fork_rng(devices=gpus):
+            yield
     finally:
         with torch.no_grad():
             for b, saved in buffers:
@@ -55,6 +60,28 @@ def untouched(model: nn.Module) -> Iterator[None]:
                 view.copy_(value)
         for p, grad in grads:
             p.grad = grad
+
+
+def _tensors(model: nn.Module) -> Iterator[Tensor]:
+    yield from model.parameters()
+    yield from model.buffers()
+
+
+@contextmanager
+def scheduled(pipe: Pipe) -> Iterator[None]:
+    """Lets measuring steps set ``pipe.schedule`` and ``virtual_stages``:
+    both are put back afterwards, and with them what ``schedule='auto'``
+    had chosen (setting a schedule forgets it), so the next step does not
+    measure to choose again."""
+    # The choices live in the pipe's config (pipe/config.py), which drops
+    # them on every schedule set; they are kept as they were.
+    saved = {k: pipe.__dict__.get(k) for k in ("_auto_report", "_auto_reports")}
+    previous = (pipe.schedule, pipe.virtual_stages)
+    try:
+        yield
+    finally:
+        pipe.schedule, pipe.virtual_stages = previous
+        pipe.__dict__.update(saved)
 
 
 def _step(pipe: Pipe, x: Any, y: Any, loss_fn: Callable[[Any, Any], Tensor] | None) -> None:
@@ -80,16 +107,12 @@ def profile_stages(
     """
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"profile_stages: steps must be an int >= 1 (timed steps), got {steps!r}")
-    previous = (pipe.schedule, pipe.virtual_stages)
-    pipe.schedule, pipe.virtual_stages = "zb_h1", None
-    try:
-        with untouched(pipe):
-            _step(pipe, x, y, loss_fn)  # warm-up
-            with profile(pipe) as prof:
-                for _ in range(steps):
-                    _step(pipe, x, y, loss_fn)
-    finally:
-        pipe.schedule, pipe.virtual_stages = previous
+    with scheduled(pipe), untouched(pipe):
+        pipe.schedule, pipe.virtual_stages = "zb_h1", None
+        _step(pipe, x, y, loss_fn)  # warm-up
+        with profile(pipe) as prof:
+            for _ in range(steps):
+                _step(pipe, x, y, loss_fn)
     return fit(prof)
 
 
@@ -120,29 +143,25 @@ def measure_memory(
         Per schedule, ``{"stage0": bytes, ...}`` or ``{"cuda:0": bytes, ...}``;
         the pipe's schedule, gradients and buffers are put back.
     """
-    previous = (pipe.schedule, pipe.virtual_stages)
     if virtual_stages is None:
         virtual_stages = pipe.virtual_stages
     out: dict[str, dict[str, int]] = {}
     gpus = sorted({d for d in pipe.devices if d.type == "cuda"}, key=str)
-    try:
-        with untouched(pipe):
-            for name in schedules:
-                pipe.schedule = name
-                kind = placement_of(name)
-                pipe.virtual_stages = {"round_robin": virtual_stages, "v": 2}.get(kind)
+    with scheduled(pipe), untouched(pipe):
+        for name in schedules:
+            pipe.schedule = name
+            kind = placement_of(name)
+            pipe.virtual_stages = {"round_robin": virtual_stages, "v": 2}.get(kind)
+            _step(pipe, x, y, loss_fn)
+            if gpus:
+                for d in gpus:
+                    torch.cuda.reset_peak_memory_stats(d)
                 _step(pipe, x, y, loss_fn)
-                if gpus:
-                    for d in gpus:
-                        torch.cuda.reset_peak_memory_stats(d)
+                out[name] = {str(d): torch.cuda.max_memory_allocated(d) for d in gpus}
+            else:
+                with StageSavedBytes(pipe.partitions) as tracker:
                     _step(pipe, x, y, loss_fn)
-                    out[name] = {str(d): torch.cuda.max_memory_allocated(d) for d in gpus}
-                else:
-                    with StageSavedBytes(pipe.partitions) as tracker:
-                        _step(pipe, x, y, loss_fn)
-                    out[name] = {f"stage{s}": b for s, b in enumerate(tracker.peak_bytes)}
-    finally:
-        pipe.schedule, pipe.virtual_stages = previous
+                out[name] = {f"stage{s}": b for s, b in enumerate(tracker.peak_bytes)}
     return out
 
 

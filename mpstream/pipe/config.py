@@ -174,9 +174,6 @@ class PipeConfig(PipeModule):
         if report is None:
             try:
                 report = reports[sizes] = choose(self, auto, inputs, target, loss_fn, micros)
-                # Its measuring steps set (and put back) the schedule, which
-                # empties the choices: they still hold.
-                self.__dict__["_auto_reports"] = reports
             except Exception as exc:
                 annotate(
                     exc,

@@ -109,3 +109,21 @@ def test_measure_memory_takes_the_pipes_own_virtual_stages() -> None:
     memory = measure_memory(pipe, x, y, F.mse_loss, ["interleaved_1f1b", "gpipe"])
     assert set(memory) == {"interleaved_1f1b", "gpipe"}
     assert (pipe.schedule, pipe.virtual_stages) == ("interleaved_1f1b", 2)
+
+
+@pytest.mark.parametrize("tool", ["profile_stages", "measure_memory"])
+def test_measuring_keeps_the_random_state_and_what_auto_chose(tool: str) -> None:
+    # Dropout masks of the next real step do not depend on whether anything
+    # was measured, and schedule='auto' does not measure again to choose.
+    model = nn.Sequential(nn.Linear(2, 4), nn.Dropout(0.5), nn.Linear(4, 2))
+    pipe = Pipe(model, chunks=2, balance=[2, 1], devices=["cpu"] * 2, schedule="auto")
+    x, y = torch.randn(8, 2), torch.randn(8, 2)
+    pipe.train_step(x, y, F.mse_loss)
+    chosen = pipe.schedule_report()
+    state = torch.get_rng_state()
+    if tool == "profile_stages":
+        profile_stages(pipe, x, y, F.mse_loss, steps=1)
+    else:
+        measure_memory(pipe, x, y, F.mse_loss, ["gpipe"])
+    assert torch.equal(torch.get_rng_state(), state)
+    assert pipe.schedule == "auto" and pipe.schedule_report() is chosen
