@@ -44,7 +44,7 @@ SETTINGS = ("checkpoint", "schedule", "virtual_stages", "force_copies", "graphed
 
 
 def model_key(model: nn.Module) -> dict[str, Any]:
-    arch = hashlib.sha1(repr(model).encode()).hexdigest()[:16]
+    arch = hashlib.sha1(_architecture(model).encode()).hexdigest()[:16]
     # A module's repr names neither: model.half() or frozen layers change the
     # step's time but not the repr, and an integer batch (token ids) keeps
     # the batch's key too.
@@ -67,6 +67,20 @@ def model_key(model: nn.Module) -> dict[str, Any]:
         "settings": settings,
         **({"uninitialized": lazy} if lazy else {}),
     }
+
+
+def _architecture(model: nn.Module) -> str:
+    text = repr(model)
+    points = model.split_points if isinstance(model, Pipe) else None
+    if points is not None:
+        # A pipe cut at split points shows its balance, which a torch.export
+        # split learns only at its first call: the points, the same before
+        # and after it, stand in for it (the first occurrence is the pipe's
+        # own line, above its layers).
+        balance = model.__dict__["_balance"]
+        cut = f"balance={balance}" if balance is not None else "split at the first call"
+        text = text.replace(cut, f"split_points={points}", 1)
+    return text
 
 
 def loss_key(loss_fn: Callable[..., Any] | None, target: Any) -> dict[str, Any]:

@@ -420,3 +420,26 @@ def test_rounds_too_short_to_register_are_not_noisy(tmp_path: Path) -> None:
         tune(Curve(step_ms=0.0, floor_ms=0.0), SAMPLE, _total, [2, 4], cache=path, progress=False)
     assert tune(Curve(), SAMPLE, _total, [2, 4], cache=path, progress=False).cached
     assert not noisy([0.0, 0.0]) and noisy([0.0, 1e-3]) and spread([0.0]).max_over_min == 1.0
+
+
+def _sum(out: Tensor) -> Tensor:
+    return out.sum()
+
+
+def test_a_pipe_split_at_its_first_call_keeps_its_cache_key(tmp_path: Path) -> None:
+    # A torch.export split without sample= is cut at the first call, which
+    # tune's own steps make: its repr then shows a balance it did not before.
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(2, 4), nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(torch.relu(self.a(x)))
+
+    pipe = Pipe(Two(), chunks=2, devices=["cpu"] * 2, split_points=["b"], tracer="export")
+    path = tmp_path / "cache.json"
+    first, again = (
+        tune(pipe, torch.randn(8, 2), _sum, [4, 8], cache=path, progress=False) for _ in range(2)
+    )
+    assert not first.cached and again.cached
