@@ -82,10 +82,12 @@ def _eager(
 def _transfer(value: Any, device: torch.device, staging: Staging) -> Any:
     """Moves a micro-batch's inputs (or its target) from the host or the caller's device."""
     items, spec = leaves(value)
-    where = [i for i, t in enumerate(items) if isinstance(t, Tensor)]
-    buffers = staging or (None,) * len(where)
-    for i, b in zip(where, buffers):
-        items[i] = to_device(items[i], device, b)
+    # One buffer per leaf, plain ones included (None there), as
+    # host_staging lines them up: indexed by leaf, not by tensor.
+    buffers = staging or (None,) * len(items)
+    for i, t in enumerate(items):
+        if isinstance(t, Tensor):
+            items[i] = to_device(t, device, buffers[i])
     return rebuild_leaves(items, spec)
 
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from mpstream import Pipe
-from mpstream.runtime import forward, transfer
+from mpstream.runtime import forward, training, transfer
 from mpstream.runtime.microbatch import scatter
 from mpstream.runtime.scheduler import EventScheduler
 from mpstream.runtime.transfer import GradLink, HostWait, host_staging, to_device, to_host
@@ -105,3 +105,35 @@ def test_input_transfer_tasks_use_their_slice(monkeypatch: pytest.MonkeyPatch) -
 class Pick(nn.Module):
     def forward(self, xs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         return xs[0]
+
+
+def test_target_transfer_tasks_use_their_leafs_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A target's staging lines up with all its leaves, plain ones too: a
+    tensor after a plain value is filled into its own buffer, not the one
+    of the tensor before it (an int64 mask into a float buffer)."""
+    calls: list[tuple[int, int | None]] = []
+    real = transfer.to_device
+
+    def spy(x: torch.Tensor, device: torch.device, staging: torch.Tensor | None = None) -> object:
+        calls.append((x.data_ptr(), None if staging is None else staging.data_ptr()))
+        return real(x, device, staging)
+
+    monkeypatch.setattr("mpstream.runtime.training.to_device", spy)
+    worker = Worker([nn.Linear(2, 2), nn.Linear(2, 2)], EventScheduler([torch.device("cpu")] * 2))
+    x, y, mask = torch.randn(4, 2), torch.randn(4, 2), torch.ones(4, 2, dtype=torch.int64)
+    target = ("plain", y, mask)
+    buffers = (None, torch.zeros(4, 2), torch.zeros(4, 2, dtype=torch.int64))
+    staging = [tuple(None if b is None else b[i : i + 2] for b in buffers) for i in (0, 2)]
+    schedule = Schedule("gpipe", 2, 2, [True, False], backward=True, copy_target=True)
+
+    def loss_fn(out: torch.Tensor, t: tuple[str, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return (out * t[1] * t[2]).sum()
+
+    batches = [(b,) for b in scatter(x, 2, None)]
+    targets = scatter(target, 2, None)
+    training.run(worker, batches, targets, schedule, loss_fn, [1.0, 1.0], target_staging=staging)
+    assert calls == [
+        (t.data_ptr(), b.data_ptr())
+        for i in (0, 2)
+        for t, b in ((y[i:], buffers[1][i:]), (mask[i:], buffers[2][i:]))
+    ]
