@@ -197,8 +197,10 @@ def scatter(
     Args:
         value: any structure of tensors, :class:`NoChunk` and plain values
             (the tuple of a pipeline's arguments, say).
-        chunks: number of micro-batches, as ``torch.chunk`` (fewer when the
-            batch is smaller; the last may be smaller).
+        chunks: number of micro-batches, as ``torch.chunk``: at most
+            that many, of ``ceil(batch / chunks)`` rows (the last may be
+            smaller), so fewer where that size covers the batch sooner
+            (3 for a batch of 6 and ``chunks=4``).
         split_size: micro-batch size, as ``torch.split``. Exactly one of
             ``chunks`` and ``split_size`` is given, or neither (one chunk).
         what: how errors name ``value``.
