@@ -87,18 +87,24 @@ def check_optimizer(optimizer: Optimizer | None, devices: Sequence[torch.device]
         devices: the GPUs the step is captured on (none: the CPU).
 
     Raises:
-        ValueError: some parameter has no state yet and the optimizer's first
-            state is not all zeros; or, on CUDA, a parameter is on the CPU,
-            or a param group holds a tensor
-            setting that the optimizer reads as a Python number, that sits
-            in host memory (read as a number at launch), or that it would
-            copy to another GPU inside a capture (a group whose parameters
-            span GPUs).
+        ValueError: some parameter that requires a gradient has no state yet
+            and the optimizer's first state is not all zeros; or, on CUDA, a
+            parameter is on the CPU, or a param group holds a tensor setting
+            that the optimizer reads as a Python number, that sits in host
+            memory (read as a number at launch), or that it would copy to
+            another GPU inside a capture (a group whose parameters span GPUs).
     """
     if optimizer is None:
         return
     name = type(optimizer).__name__
-    fresh = [p for g in optimizer.param_groups for p in g["params"] if not optimizer.state.get(p)]
+    # A frozen parameter gets no gradient, so no step (warm-up's or the
+    # user's eager one) ever creates its state: nothing for warm-up to change.
+    fresh = [
+        p
+        for g in optimizer.param_groups
+        for p in g["params"]
+        if p.requires_grad and not optimizer.state.get(p)
+    ]
     if fresh and not _zero_state(optimizer):
         raise ValueError(
             f"CapturedStep: {name} creates state on its first step that is not all zeros, "
