@@ -12,7 +12,8 @@ capture, checks that nothing a replay reads or writes was replaced
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ from torch import Tensor, nn
 
 from .. import _ext
 from ..runtime.graphed import generation
+from ..runtime.stream import capturing
 from .optimizer import Optimizer, state_tensors
 
 _C = _ext.load()
@@ -80,6 +82,10 @@ class Trained:
                     self.params.append((f"parameter {j} of the optimizer's group {i}", p))
         #: The parameters outside the pipe (which ``pipe.zero_grad`` leaves).
         self.others = [p for _, p in self.params if id(p) not in own]
+        loss = {id(p) for p in loss_fn.parameters()} if isinstance(loss_fn, nn.Module) else set()
+        # A failed train_step puts back the gradients of the pipe and of a
+        # loss module; these only the optimizer holds (a closure's loss scale).
+        self.outside = [p for p in self.others if id(p) not in loss]
 
     def zero_grad(self) -> None:
         """Zeroes every gradient in place (a replay keeps writing into it)."""
@@ -88,6 +94,32 @@ class Trained:
             for p in self.others:
                 if p.grad is not None:
                     p.grad.zero_()
+
+    @contextmanager
+    def undone_on_failure(self, zeroed: bool) -> Iterator[None]:
+        """Puts back the gradients of the parameters neither the pipe nor a
+        loss module holds if the block (a ``train_step``) raises, as the
+        step does its own: the same tensors (a replay writes into them),
+        their values from before, or zeros where ``zeroed`` says they were
+        zero (nothing copied). Under CUDA graph capture nothing is taken:
+        a copy would be recorded and run on every replay."""
+        outside = self.outside
+        if not outside or capturing(p.device for p in outside):
+            yield
+            return
+        with torch.no_grad():
+            saved = [
+                (p, p.grad, None if zeroed or p.grad is None else p.grad.clone()) for p in outside
+            ]
+        try:
+            yield
+        except BaseException:
+            with torch.no_grad():
+                for p, grad, copy in saved:
+                    p.grad = grad
+                    if grad is not None:
+                        _put_back(grad, copy)
+            raise
 
 
 class Saved:

@@ -210,14 +210,15 @@ class CapturedStep:
         """``train_step`` on the static buffers; ``zeroed``: the zeroing graph
         just ran, so a failure puts zeros back instead of a copy of every
         gradient taken per call."""
-        return self.pipe._train_step(
-            pytree.tree_unflatten(self._inputs, self._in_spec),
-            pytree.tree_unflatten(self._target, self._tgt_spec),
-            self.loss_fn,
-            self.reduction,
-            None,
-            zeroed,
-        )
+        with self._trained.undone_on_failure(zeroed):
+            return self.pipe._train_step(
+                pytree.tree_unflatten(self._inputs, self._in_spec),
+                pytree.tree_unflatten(self._target, self._tgt_spec),
+                self.loss_fn,
+                self.reduction,
+                None,
+                zeroed,
+            )
 
     def _step(self) -> Tensor:
         """One whole step, as Python issues it."""

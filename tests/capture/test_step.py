@@ -344,6 +344,36 @@ def test_parameters_the_optimizer_steps_outside_the_pipe_train_as_eagerly(
         torch.testing.assert_close(p.detach(), q.detach())
 
 
+@pytest.mark.parametrize("zero_grad", [False, True])
+def test_a_failed_call_puts_back_the_gradients_of_parameters_outside_the_pipe(
+    zero_grad: bool,
+) -> None:
+    # train_step puts back the pipe's and a loss module's gradients; a loss
+    # scale only the optimizer holds must not keep a failed step's partial sum.
+    pipe, _, _, _ = _setup("cpu", "sgd", split_size=3, schedule="1f1b")
+    loss = ScaledMSE()
+    opt = torch.optim.SGD([*pipe.parameters(), loss.log_s], lr=0.1)
+    fail = [False]
+
+    def loss_fn(out: Tensor, target: Tensor) -> Tensor:
+        if fail[0] and out.shape[0] == 1:  # the last micro-batch, after backwards ran
+            raise KeyError("loss failed")
+        scaled: Tensor = loss(out, target)
+        return scaled
+
+    x, y = _data("cpu", 0)
+    step = CapturedStep(pipe, x, y, loss_fn, optimizer=opt, zero_grad=zero_grad)
+    step(x, y)
+    grad = loss.log_s.grad
+    assert grad is not None
+    before = torch.zeros_like(grad) if zero_grad else grad.clone()
+    fail[0] = True
+    with pytest.raises(KeyError, match="loss failed"):
+        step(x, y)
+    assert loss.log_s.grad is grad  # the tensor a replay writes into
+    torch.testing.assert_close(grad, before, rtol=0, atol=0)
+
+
 def test_a_tensor_learning_rate_is_changed_in_place_not_replaced() -> None:
     pipe, _, ref, _ = _setup("cpu", "sgd", split_size=3)
     lr = torch.tensor(0.1)
