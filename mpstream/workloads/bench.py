@@ -34,7 +34,7 @@ from ..pipe import Pipe
 from ..runtime import GraphWarning, synchronize
 from ..tutorial import machine, rounds
 from . import memory as stage_memory
-from .transformer import NaiveParallel, Preset, decoder, halves, loss_fn, tokens
+from .transformer import NaiveParallel, Preset, decoder, halves, loss_fn, seeded, tokens
 
 __all__ = [
     "SCHEDULES",
@@ -270,13 +270,13 @@ def _hf_pipe(p: Preset, devices: list[torch.device], chunks: int, batch: dict[st
     from transformers import LlamaConfig, LlamaForCausalLM, logging
 
     logging.set_verbosity_error()  # type: ignore[no-untyped-call]
-    torch.manual_seed(0)
     config = LlamaConfig(  # type: ignore[call-arg]
         vocab_size=p.vocab, hidden_size=p.width, intermediate_size=p.hidden,
         num_hidden_layers=p.depth, num_attention_heads=p.heads, num_key_value_heads=p.kv_heads,
         max_position_embeddings=p.seq, tie_word_embeddings=False, attn_implementation="sdpa",
     )  # fmt: skip
-    with torch.device(devices[0]):  # drawn on the CPU, 1b's weights took seconds (as decoder's)
+    # Drawn on the GPU: on the CPU, 1b's weights took seconds (as decoder's).
+    with seeded(0), torch.device(devices[0]):
         model = LlamaForCausalLM(config)
     return Pipe(
         model, chunks=chunks, split_points=[f"model.layers.{p.depth // 2}"], devices=devices,

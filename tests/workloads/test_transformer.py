@@ -99,8 +99,11 @@ def test_the_decoder_is_made_on_its_device_the_same_on_every_call() -> None:
     assert {q.device.type for q in on.parameters()} == {"meta"}
     assert {b.device.type for b in on.buffers()} == {"meta"}
     assert sum(q.numel() for q in on.parameters()) == T.param_count(T.PRESETS["1b"])
+    state = torch.get_rng_state()
     for a, b in zip(T.decoder(TINY, "cpu").parameters(), T.decoder(TINY).parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # The caller's random streams are not reseeded (its dropout masks, say).
+    assert torch.equal(torch.get_rng_state(), state)
 
 
 def test_the_loss_is_float32_at_least() -> None:
