@@ -312,7 +312,9 @@ class CapturedStep:
         Args:
             inputs: a batch of the captured structure, shapes and dtypes, on
                 any device (host memory is copied in; pinned memory
-                without blocking the host).
+                without blocking the host, so do not refill a pinned
+                batch before the step's loss is used, as with
+                ``x.to(device, non_blocking=True)``).
             target: the targets, likewise.
 
         Returns:
