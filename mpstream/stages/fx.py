@@ -26,7 +26,7 @@ from torch.nn.parameter import is_lazy
 
 from ..memory import DeferredBatchNorm
 from ..runtime.graph import StageGraph
-from .inplace import check_in_place
+from .inplace import AugmentedProxy, check_in_place
 from .points import begin_stages, split_candidates, units_in_order
 from .surgery import inline_attrs, part_of, stage_graph
 from .tracers import Binder
@@ -75,6 +75,9 @@ class _Tracer(fx.Tracer):
         self.path: list[str] = []
         self.failed_in: str | None = None  # the innermost submodule that raised
         self.modes = _modes()
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return AugmentedProxy(node, self)
 
     def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
         # fx records operations, not the grad or autocast mode they run in

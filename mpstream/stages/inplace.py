@@ -9,24 +9,70 @@ construction, instead of computing something else silently. A stage that
 changes in place a value only it reads (``ReLU(inplace=True)`` opening a
 stage) is fine. A view shares its tensor's memory, so a change through a view
 (``h[:, 0] = 0``, ``h.view(-1).mul_(2)``) is a change of the tensor and of
-every other view of it.
+every other view of it. :func:`augmented` is what a ``torch.fx`` trace
+records for ``h += y``, which changes ``h`` in place too.
 """
 
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import fx
 
-__all__ = ["check_in_place"]
+__all__ = ["check_in_place", "AugmentedProxy", "augmented"]
 
 _IN_PLACE_OPERATORS = {
     operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
     operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.imatmul,
     operator.setitem,
 }  # fmt: skip
+
+# Each augmented assignment's in-place operator (by name) and the
+# out-of-place one Python falls back to when a value has no ``__iadd__``.
+_OUT_OF_PLACE = {
+    "iadd": operator.add, "isub": operator.sub, "imul": operator.mul,
+    "itruediv": operator.truediv, "ifloordiv": operator.floordiv, "imod": operator.mod,
+    "ipow": operator.pow, "iand": operator.and_, "ior": operator.or_, "ixor": operator.xor,
+    "imatmul": operator.matmul, "ilshift": operator.lshift, "irshift": operator.rshift,
+}  # fmt: skip
+
+
+def augmented(target: Any, value: Any, op: str) -> Any:
+    """``target op= value`` (``op`` an in-place operator's name, ``"iadd"``):
+    what a ``torch.fx`` trace of ``h += y`` calls (see
+    :class:`AugmentedProxy`)."""
+    if isinstance(target, fx.Proxy):
+        # A stage's code traced again (a pickled pipe loaded): stay a call,
+        # as fx's own proxy would make it ``h = h + y``.
+        return target.tracer.create_proxy("call_function", augmented, (target, value, op), {})
+    return getattr(operator, op)(target, value)
+
+
+class AugmentedProxy(fx.Proxy):
+    """fx's proxy, recording an augmented assignment (``h += y``) as the
+    in-place operation it is. fx's own has no ``__iadd__`` and the like, so
+    Python would run ``h = h + y``: a new tensor, where the module changes
+    ``h`` and every view of it (``v = h[:, :2]; h += 1`` changes ``v``)."""
+
+
+def _in_place(op: str) -> Callable[[fx.Proxy, Any], fx.Proxy]:
+    def method(self: fx.Proxy, other: Any) -> fx.Proxy:
+        if self.node.op == "placeholder":
+            # An input stays as before (``x /= 255`` a new tensor, the caller's
+            # unchanged): micro-batches of one input share its version counter,
+            # so changing each in place would fail the backward of the others.
+            return self.tracer.create_proxy("call_function", _OUT_OF_PLACE[op], (self, other), {})
+        return self.tracer.create_proxy("call_function", augmented, (self, other, op), {})
+
+    return method
+
+
+for _op in _OUT_OF_PLACE:
+    setattr(AugmentedProxy, f"__{_op}__", _in_place(_op))
+
 
 # Methods and torch functions whose result may share its first argument's
 # memory (a tuple of views for split and the like, whose items are getitems).
@@ -55,6 +101,7 @@ def _changed_in_place(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
         name = getattr(target, "__name__", "")
         in_place = (
             target in _IN_PLACE_OPERATORS
+            or target is augmented
             or node.kwargs.get("inplace") is True
             or (name.endswith("_") and not name.startswith("_"))
         )
@@ -105,6 +152,8 @@ def _base(node: fx.Node) -> fx.Node:
 
 def _name(node: fx.Node) -> str:
     target = node.target
+    if target is augmented:
+        return str(node.args[2])
     return str(getattr(target, "__name__", target))
 
 

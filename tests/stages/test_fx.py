@@ -397,6 +397,37 @@ def test_an_in_place_change_another_stage_would_miss_is_refused() -> None:
     check(model, Pipe, (x,), y, chunks=2, split_points=["c"], devices=["cpu"] * 2, schedule="1f1b")
 
 
+class AugmentedView(nn.Module):
+    """``h *= 2`` changes ``h`` in place, so the view ``v`` taken before it
+    too; before ``c`` (in stage 0 split at ``b``) or after (in stage 1 split
+    at ``c``)."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.where = where
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(2, 4), nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.a(x)
+        v = h[:, :2]
+        if self.where == "stage 0":
+            h *= 2
+        g = self.c(x)
+        if self.where == "stage 1":
+            h *= 2
+        return self.b(v) + g  # type: ignore[no-any-return]
+
+
+def test_an_augmented_assignment_changes_views_as_in_the_module() -> None:
+    # fx's own proxy would trace ``h *= 2`` as ``h = h * 2``: ``v`` unchanged.
+    model = AugmentedView("stage 0").double()
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 4, dtype=torch.float64)
+    check(model, Pipe, (x,), y, chunks=2, split_points=["b"], devices=["cpu"] * 2)
+    # In a later stage than ``v``, which reaches stage 2 unchanged: refused.
+    with pytest.raises(ValueError, match="'imul' in stage 1 changes 'a' in place, which stage 2"):
+        Pipe(AugmentedView("stage 1"), chunks=2, split_points=["c", "b"], devices=["cpu"] * 3)
+
+
 class ReturnsItsTensor(nn.Module):
     def __init__(self) -> None:
         super().__init__()
