@@ -150,6 +150,14 @@ def _base(node: fx.Node) -> fx.Node:
     return node
 
 
+def _entry(node: fx.Node, here: int, stage_of: dict[fx.Node, int]) -> fx.Node:
+    """The value ``node`` views (itself if none) that stage ``here`` receives
+    from an earlier stage: each value passed in arrives as its own tensor."""
+    while stage_of.get(node, -1) == here and (viewed := _viewed(node)) is not None:
+        node = viewed
+    return node
+
+
 def _name(node: fx.Node) -> str:
     target = node.target
     if target is augmented:
@@ -159,7 +167,8 @@ def _name(node: fx.Node) -> str:
 
 def check_in_place(gm: fx.GraphModule, stage_of: dict[fx.Node, int]) -> None:
     """Refuses an in-place change of another stage's value that a later stage,
-    or the result, also reads: stages pass values, they do not share them, so
+    or the result, also reads, or the same stage through another view passed
+    from an earlier stage: stages pass values, they do not share them, so
     that reader would see the value unchanged where the module sees it changed.
 
     Raises:
@@ -168,6 +177,7 @@ def check_in_place(gm: fx.GraphModule, stage_of: dict[fx.Node, int]) -> None:
     views: dict[fx.Node, list[fx.Node]] = {}  # every value viewing each base, itself first
     for node in gm.graph.nodes:
         views.setdefault(_base(node), []).append(node)
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
     for node in gm.graph.nodes:
         value = _changed_in_place(gm, node)
         if value is None:
@@ -178,8 +188,20 @@ def check_in_place(gm: fx.GraphModule, stage_of: dict[fx.Node, int]) -> None:
             continue  # changed where it is made: later readers get it changed
         users = [u for view in views[base] for u in view.users]
         later = sorted({t for u in users if u.op != "output" and (t := stage_of[u]) > here})
+        # This stage too, after the change, where it reads a view that came
+        # from an earlier stage apart from the changed one (a copy of its own).
+        entry = _entry(value, here, stage_of)
+        apart = [
+            u
+            for view in views[base]
+            if _entry(view, here, stage_of) is not entry
+            for u in view.users
+            if u.op != "output" and stage_of[u] == here and order[u] > order[node]
+        ]
         reader = f"stage {later[0]}" if later else "the result"
-        if later or any(u.op == "output" for u in users):
+        if apart:
+            reader = f"stage {here} (through a view of it passed on its own)"
+        if apart or later or any(u.op == "output" for u in users):
             raise ValueError(
                 f"'{_name(node)}' in stage {here} changes '{base.name}' in place, which "
                 f"{reader} also reads: stages pass values instead of sharing them, so "

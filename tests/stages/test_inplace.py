@@ -53,3 +53,30 @@ def test_a_change_through_a_view_in_the_stage_that_makes_it_trains(how: str) -> 
     expected.backward()
     torch.testing.assert_close(loss, expected.detach())
     assert_same_grads(pipe, ref)
+
+
+class ApartView(nn.Module):
+    """Stage 1 changes ``h``, made in stage 0, and reads ``v``, a view of
+    ``h`` that stage 0 made and passes on its own (a copy of its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(2, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.a(x)
+        v = h[:, :2]
+        g = self.b(x[:, :2])
+        h.mul_(2)
+        return g * self.b(v)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_a_change_the_same_stage_reads_through_a_view_passed_apart_is_refused(
+    tracer: str,
+) -> None:
+    # With copies between the stages (as across devices) ``v`` reached stage 1 unchanged.
+    with pytest.raises(ValueError, match=r"in stage 1 changes '\w+' in place, which stage 1"):
+        pipe = Pipe(ApartView(), chunks=2, split_points=["b"], devices=["cpu"] * 2,
+                    force_copies=True, tracer=tracer)  # fmt: skip
+        pipe(torch.randn(6, 4))  # a module split by torch.export is split at its first call
