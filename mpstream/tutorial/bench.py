@@ -1,13 +1,16 @@
 """The tutorial's experiment, timed: single device vs the tutorial's models vs mpstream.
 
 Each measurement is one call of the tutorial's ``train`` (``num_batches``
-mini-batches of random images, MSELoss, SGD) timed with the host clock, with
-device work synchronised inside the timed region, as the tutorial's
-``timeit.repeat(number=1)`` does, and warm-up calls excluded (which the
-tutorial's does not: its first call pays for initialisation). :func:`run` measures the
-four models at one split size (and, when both halves share a GPU, mpstream
-with each step replayed as a CUDA graph: :mod:`mpstream.tutorial.graphed`)
-and sweeps the split size for both pipelines. The models, the sizes and the
+mini-batches of random images, MSELoss, SGD) timed with the host clock, as
+the tutorial's ``timeit.repeat(number=1)`` times it, but with the devices
+synchronised before and after (the tutorial's does not synchronise, so its
+last backward and SGD step may still run when its clock stops), and
+warm-up calls excluded (the tutorial's first call pays for initialisation).
+:func:`run` measures the four models at one split size (and, on GPUs, the
+models replaying CUDA graphs: mpstream's graphed stages, the single device
+captured whole and, when both halves share a GPU, mpstream with each step
+captured whole: :mod:`mpstream.tutorial.graphed`) and sweeps the split
+size for the pipelines. The models, the sizes and the
 records are :mod:`.design`'s; :mod:`.report` prints a run and saves the JSON
 and the tutorial's three figures. The experiment's devices, and what the
 JSON says of the machine and the code, come from :mod:`.machine`.

@@ -3,7 +3,9 @@
 On a fast GPU the tutorial's sizes are host-bound: one Python thread issues
 ten micro-batches' kernels more slowly than the GPU runs them (H100: 225.7 ms
 to issue a 225.8 ms step; graphed, the tutorial's ``train`` took 0.79x the
-single device's time, docs/results/h100). :class:`GraphedPipelineResNet50`
+time of the single device run eagerly, docs/results/h100: not like with
+like, :class:`GraphedSingleDevice` is the single device captured the same
+way). :class:`GraphedPipelineResNet50`
 is :class:`~mpstream.tutorial.StreamPipelineResNet50` trained through
 :class:`~mpstream.CapturedStep`: the tutorial's ``train`` hands it each batch
 (:meth:`fit_batch`), and the whole step (zero_grad, forward, backward, SGD
