@@ -34,7 +34,7 @@ from torch.utils import _pytree as pytree
 
 from ..runtime.graph import Ref, StageGraph
 from .fake_export import exported_graph, input_pattern
-from .inplace import check_in_place
+from .inplace import check_in_place, copy_changed_inputs
 from .model_loss import LossShare, weigh_loss
 from .points import SplitPointError, begin_stages, units_in_order
 from .surgery import inline_attrs, read_stage_call
@@ -277,6 +277,7 @@ def export_stages(
     gm.graph.lint()
     gm.recompile()
     stage_of = _stage_of(gm, list(split_points), module)
+    copy_changed_inputs(gm, stage_of)
     check_in_place(gm, stage_of)
     top = split_module(gm, module, lambda n: stage_of[n], keep_original_order=True)
     _own_attrs(top, module, gm)

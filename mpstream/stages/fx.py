@@ -26,7 +26,7 @@ from torch.nn.parameter import is_lazy
 
 from ..memory import DeferredBatchNorm
 from ..runtime.graph import StageGraph
-from .inplace import AugmentedProxy, check_in_place
+from .inplace import AugmentedProxy, check_in_place, copy_changed_inputs
 from .points import begin_stages, split_candidates, units_in_order
 from .surgery import inline_attrs, part_of, stage_graph
 from .tracers import Binder
@@ -385,6 +385,7 @@ def trace(
         gm = _trace(module, leaf_modules, nones)
     _check_result(gm)
     stage_of = _stage_of_nodes(gm, list(split_points), module)
+    copy_changed_inputs(gm, stage_of)
     check_in_place(gm, stage_of)
     qualnames: dict[str, str] = {}
     top = split_module(

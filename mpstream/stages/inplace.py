@@ -15,6 +15,7 @@ records for ``h += y``, which changes ``h`` in place too.
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable
 from typing import Any
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 from torch import fx
 
-__all__ = ["check_in_place", "AugmentedProxy", "augmented"]
+__all__ = ["check_in_place", "copy_changed_inputs", "AugmentedProxy", "augmented"]
 
 _IN_PLACE_OPERATORS = {
     operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
@@ -163,6 +164,33 @@ def _name(node: fx.Node) -> str:
     if target is augmented:
         return str(node.args[2])
     return str(getattr(target, "__name__", target))
+
+
+def copy_changed_inputs(gm: fx.GraphModule, stage_of: dict[fx.Node, int]) -> None:
+    """Gives each input the forward changes in place (``x.div_(255)``,
+    ``x[:, 0] = 0``) a copy of its own, made before its first reader, which
+    every reader reads instead (``stage_of`` gets the copy's stage).
+
+    A pipeline's micro-batches of one input are views of the batch and
+    share its version counter: one micro-batch's change would fail the
+    backward of every other that saved its own. The caller's batch is left
+    as it was, where the module would have changed it (as the fx trace of
+    ``x /= 255`` already leaves it).
+    """
+    changed: dict[fx.Node, None] = {}
+    for node in gm.graph.nodes:
+        value = _changed_in_place(gm, node)
+        if value is not None and (base := _base(value)).op == "placeholder":
+            changed.setdefault(base)
+    for holder in changed:
+        first = next(n for n in gm.graph.nodes if n in holder.users)
+        with gm.graph.inserting_before(first):
+            copy = gm.graph.call_function(torch.clone, (holder,))
+        holder.replace_all_uses_with(copy, delete_user_cb=functools.partial(operator.is_not, copy))
+        stage_of[copy] = stage_of[first]
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
 
 
 def check_in_place(gm: fx.GraphModule, stage_of: dict[fx.Node, int]) -> None:
