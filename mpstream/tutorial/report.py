@@ -126,10 +126,12 @@ def table(results: Results) -> str:
     if results.sweep:
         lines.append("")
         names = list(dict.fromkeys(m.model for m in results.sweep))
-        lines.append("split-size sweep, mean (s): " + "  ".join(names))
+        widths = [max(17, len(n)) for n in names]
+        lines.append("split-size sweep, mean (s):")
+        lines.append(" " * 13 + "  ".join(f"{n:>{w}}" for n, w in zip(names, widths)))
         for s in results.config.split_sizes:
             row = [_mark(results.find(p, s)) for p in names]
-            lines.append(f"  split {s:>3}: " + "  ".join(f"{v:>17}" for v in row))
+            lines.append(f"  split {s:>3}: " + "  ".join(f"{v:>{w}}" for v, w in zip(row, widths)))
     if results.not_timed is not None:
         repeat = results.config.repeat
         unique = {id(m): m for m in results.models + results.sweep}.values()

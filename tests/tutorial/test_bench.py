@@ -412,3 +412,17 @@ def test_a_run_interrupted_before_its_baseline_has_no_ratios() -> None:
     assert "  split   4: " + " " * 15 + "- " in lines  # the sweep's row: a dash
     with pytest.raises(KeyError):  # get() is for what was timed
         results.get("single device")
+
+
+def test_the_sweep_runs_in_increasing_order_under_its_models_names() -> None:
+    cfg = bench.Config(split_size=2, split_sizes=(4, 1, 2, 4))
+    assert cfg.split_sizes == (1, 2, 4)  # the API as the CLI: one point per size, in order
+    names = bench.swept(bench.MODELS)
+    sweep = [design.Measurement(p, s, [0.5 * s]) for p in names for s in cfg.split_sizes]
+    cpu = torch.device("cpu")
+    printed = bench.table(design.Results(cfg, (cpu, cpu), [], sweep)).splitlines()
+    at = printed.index("split-size sweep, mean (s):")
+    header, first = printed[at + 1], printed[at + 2]
+    for name in names:  # each value right-aligned under its model's name
+        end = header.index(name) + len(name)
+        assert first[:end].rstrip().endswith("0.500") and first[end : end + 1] in ("", " ")
