@@ -40,6 +40,7 @@ from torchvision.models import resnet50
 import mpstream
 from mpstream import distributed as mpdist
 from mpstream.cli.argtypes import positive_float, positive_int
+from mpstream.schedules import PLACEMENTS
 from mpstream.stages import partition
 from mpstream.tutorial import resnet50_layers
 
@@ -67,7 +68,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--virtual-stages",
         type=positive_int,
-        help="interleaved_1f1b: stages per pipeline rank (needed when stages share a device)",
+        help="the schedules with several stages per rank (interleaved_1f1b, looped_bfs, "
+        "interleaved_zb, zbv, dualpipev): stages per pipeline rank (needed when stages share "
+        "a device)",
     )
     p.add_argument("--checkpoint", choices=["never", "except_last", "always"], default="never")
     p.add_argument(
@@ -119,7 +122,8 @@ def build_pipe(args: argparse.Namespace, devices: list[torch.device]) -> mpstrea
         devices=devices,
         schedule=args.schedule,
         checkpoint=args.checkpoint,
-        virtual_stages=args.virtual_stages if args.schedule == "interleaved_1f1b" else None,
+        # One stage per rank refuses virtual_stages; the others need it on one device.
+        virtual_stages=args.virtual_stages if PLACEMENTS[args.schedule] != "stage" else None,
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import runpy
 import subprocess
@@ -151,3 +152,17 @@ def test_the_readme_names_every_example_and_two_commands_first() -> None:
     block = readme[readme.index("```bash", start) : readme.index("```\n", start + 20)]
     commands = [line.split("#")[0].strip() for line in block.splitlines()[1:]]
     assert [c for c in commands if c] == ["make run", "make test"]
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_zb", "zbv"])
+def test_the_ddp_example_gives_virtual_stages_to_every_schedule_that_takes_them(
+    schedule: str,
+) -> None:
+    # build_pipe alone: the rest of the example needs torchrun.
+    example = runpy.run_path(str(ROOT / "examples" / "ddp_pipeline.py"), run_name="example")
+    args = argparse.Namespace(
+        num_classes=10, balance=None, stages=4, chunks=2, split_size=None,
+        schedule=schedule, checkpoint="never", virtual_stages=2,
+    )  # fmt: skip
+    pipe = example["build_pipe"](args, [torch.device("cpu")] * 4)
+    assert pipe.virtual_stages == 2
