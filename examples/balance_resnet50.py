@@ -49,6 +49,8 @@ def main() -> None:
 
     torch.manual_seed(0)
     layers = resnet50_layers()
+    if args.stages > len(layers):
+        p.error(f"--stages {args.stages}: ResNet50 has {len(layers)} blocks, a stage needs one")
     sample = torch.randn(args.batch, 3, args.image, args.image)
     profiles = profile_layers(layers, sample, device=args.device, repeat=args.repeat)
     times = [pr.time_ms for pr in profiles]

@@ -131,6 +131,7 @@ def test_examples_refuse_devices_this_machine_lacks(
         ("unet.py", ["--size", "7"], "must divide by 4"),
         ("transformer.py", ["--width", "10"], "must divide by the 4 attention heads"),
         ("balance_resnet50.py", ["--batch", "1"], "at least 2"),
+        ("balance_resnet50.py", ["--stages", "24"], "ResNet50 has 23 blocks"),
     ],
 )
 def test_example_sizes_they_cannot_run_are_argparse_errors(
