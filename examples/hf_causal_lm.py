@@ -41,7 +41,9 @@ def batch_of(size: int, context: int, vocab: int) -> dict[str, torch.Tensor]:
     """A learnable toy task (each token is the previous one plus 1), right-padded."""
     start = torch.randint(0, vocab, (size, 1))
     ids = (start + torch.arange(context)) % vocab
-    lengths = torch.randint(context // 2, context + 1, (size,))
+    # Two tokens at least: a sequence of one has no next token, and a batch
+    # of such sequences a NaN loss.
+    lengths = torch.randint(max(2, context // 2), context + 1, (size,))
     mask = (torch.arange(context) < lengths[:, None]).long()
     labels = ids.masked_fill(mask == 0, -100)
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
@@ -68,6 +70,10 @@ def main() -> None:
     devices = args.devices
     if not 2 <= len(devices) <= args.layers:
         p.error(f"give between 2 and --layers ({args.layers}) devices")
+    if args.width % 4:
+        p.error(f"--width {args.width}: must divide by the 4 attention heads")
+    if args.context < 2:
+        p.error(f"--context {args.context}: at least 2 (each token predicts the next)")
     logging.set_verbosity_error()
 
     torch.manual_seed(0)

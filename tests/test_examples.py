@@ -167,3 +167,29 @@ def test_the_ddp_example_gives_virtual_stages_to_every_schedule_that_takes_them(
     )  # fmt: skip
     pipe = example["build_pipe"](args, [torch.device("cpu")] * 4)
     assert pipe.virtual_stages == 2
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--width", "10"], "must divide by the 4 attention heads"),
+        (["--context", "1"], "at least 2 (each token predicts the next)"),
+    ],
+)
+def test_the_hugging_face_example_refuses_sizes_it_cannot_train(
+    args: list[str],
+    message: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    pytest.importorskip("transformers")
+    code, err = _exit_of("hf_causal_lm.py", args, monkeypatch, capsys)
+    assert code == 2 and message in err, err[-2000:]
+
+
+def test_every_sequence_of_the_hugging_face_example_has_a_token_to_predict() -> None:
+    pytest.importorskip("transformers")
+    example = runpy.run_path(str(ROOT / "examples" / "hf_causal_lm.py"), run_name="example")
+    torch.manual_seed(0)
+    labels = example["batch_of"](64, 2, 97)["labels"]
+    assert (labels[:, 1] != -100).all()  # the second token: the first one's target
