@@ -40,6 +40,7 @@ from torchvision.models import resnet50
 import mpstream
 from mpstream import distributed as mpdist
 from mpstream.cli.argtypes import positive_float, positive_int
+from mpstream.cli.resnet import RESNET50_LAYERS
 from mpstream.schedules import PLACEMENTS
 from mpstream.stages import partition
 from mpstream.tutorial import resnet50_layers
@@ -85,6 +86,17 @@ def parse_args() -> argparse.Namespace:
     args = p.parse_args()
     if args.devices_per_process is not None and not 1 <= args.devices_per_process <= args.stages:
         p.error("--devices-per-process must be between 1 and --stages")
+    # Refused here, once, rather than by every process's Pipe after the rendezvous.
+    if args.stages > RESNET50_LAYERS:
+        p.error(f"--stages {args.stages}: ResNet50 has {RESNET50_LAYERS} blocks, a stage needs one")
+    if args.balance is not None:
+        counts = [n.strip() for n in args.balance.split(",")]
+        if not all(n.isdigit() and int(n) > 0 for n in counts):
+            p.error(f"--balance {args.balance}: expected layer counts, e.g. 11,12")
+        if len(counts) != args.stages:
+            p.error(f"--balance {args.balance}: {len(counts)} stages, but --stages {args.stages}")
+        if sum(map(int, counts)) != RESNET50_LAYERS:
+            p.error(f"--balance {args.balance}: must add up to ResNet50's {RESNET50_LAYERS} blocks")
     if args.split_size is None and args.chunks is None:
         args.chunks = 2
     return args

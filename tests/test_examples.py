@@ -193,3 +193,27 @@ def test_every_sequence_of_the_hugging_face_example_has_a_token_to_predict() -> 
     torch.manual_seed(0)
     labels = example["batch_of"](64, 2, 97)["labels"]
     assert (labels[:, 1] != -100).all()  # the second token: the first one's target
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--stages", "24"], "--stages 24: ResNet50 has 23 blocks"),
+        (["--balance", "11,x"], "--balance 11,x: expected layer counts"),
+        (["--stages", "4", "--balance", "11,12"], "--balance 11,12: 2 stages, but --stages 4"),
+        (["--balance", "10,10"], "--balance 10,10: must add up to ResNet50's 23 blocks"),
+    ],
+)
+def test_the_ddp_example_refuses_stages_and_balances_before_starting(
+    args: list[str],
+    message: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Refused by argparse at once, not by every process's Pipe after the rendezvous.
+    example = runpy.run_path(str(ROOT / "examples" / "ddp_pipeline.py"), run_name="example")
+    monkeypatch.setattr(sys, "argv", ["ddp_pipeline.py", *args])
+    with pytest.raises(SystemExit) as exited:
+        example["parse_args"]()
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
