@@ -53,10 +53,12 @@ def add_options(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--sequences", type=positive_int, help="sequences per step")
     g.add_argument("--seq-len", type=positive_int, help="tokens per sequence")
+    known = list(dict.fromkeys(part.split()[0] for part, _ in bench.PEAKS))
     g.add_argument(
         "--peak-tflops",
         type=positive_float,
-        help="the device's dense bf16 peak for MFU (default: known for H100, H200, A100)",
+        help="the device's dense bf16 peak for MFU (default: known for "
+        f"{', '.join(known[:-1])} and {known[-1]})",
     )
 
 
@@ -87,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     if wrong:
         raise UsageError(
             f"{wrong}: options of the tutorial's experiment; the transformer takes "
-            f"--preset, --micro-batches, --sequences and --seq-len"
+            f"--preset, --micro-batches, --sequences, --seq-len and --peak-tflops"
         )
     try:
         dev0, dev1 = detect_devices(args.devices)

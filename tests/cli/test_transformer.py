@@ -62,3 +62,19 @@ def test_more_micro_batches_than_sequences_is_refused(
     assert cli.main([*base, *args, "--out", str(tmp_path / "o")]) == 2
     assert f"mpstream bench: error: {message}" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_the_transformer_names_all_its_options_and_every_known_peak(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from mpstream.cli.transformer import TRANSFORMER_ONLY
+    from mpstream.workloads.bench import PEAKS
+
+    out = str(tmp_path / "o")
+    assert cli.main(["bench", "--model", "transformer", "--split-size", "3", "--out", out]) == 2
+    refusal = capsys.readouterr().err
+    assert all(f"--{name.replace('_', '-')}" in refusal for name in TRANSFORMER_ONLY), refusal
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    peak_help = capsys.readouterr().out.rsplit("--peak-tflops PEAK_TFLOPS", 1)[1]
+    assert all(part.split()[0] in peak_help for part, _ in PEAKS), peak_help
