@@ -68,6 +68,13 @@ def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     c.add_argument(
         "--micro-batches", type=positive_int, default=8, help="micro-batches per step (default 8)"
     )
+    # Above --uniform: it models copies with unit costs too, unlike the options below.
+    c.add_argument(
+        "--copy-ms",
+        type=non_negative_float,
+        default=0.0,
+        help="modelled time of each copy (default 0)",
+    )
     c.add_argument(
         "--uniform",
         action="store_true",
@@ -88,12 +95,6 @@ def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     )
     c.add_argument(
         "--image-size", type=positive_int, help=f"image side, >= 32 (default {IMAGE_SIZE})"
-    )
-    c.add_argument(
-        "--copy-ms",
-        type=non_negative_float,
-        default=0.0,
-        help="modelled time of each copy (default 0)",
     )
     c.add_argument("--no-memory", action="store_true", help="skip the measured memory")
     c.add_argument("--no-plots", action="store_true", help="skip the PNG")

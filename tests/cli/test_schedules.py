@@ -3,6 +3,7 @@ refuses before profiling anything."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -37,3 +38,15 @@ def test_a_device_this_machine_lacks_is_refused_at_once(
         cli.main(["schedules", "--device", device, "--no-memory"])
     assert info.value.code == 2
     assert f"error: argument --device: {message}" in capsys.readouterr().err
+
+
+def test_uniform_help_names_the_options_it_refuses(capsys: pytest.CaptureFixture[str]) -> None:
+    from mpstream.cli.schedules import PROFILE_OPTIONS
+
+    with pytest.raises(SystemExit):
+        cli.main(["schedules", "--help"])
+    text = capsys.readouterr().out
+    assert "the options below up to --no-memory do not apply" in " ".join(text.split())
+    options = re.findall(r"^  (--[a-z-]+)", text, flags=re.M)
+    below = options[options.index("--uniform") + 1 : options.index("--no-memory") + 1]
+    assert below == [f"--{o.replace('_', '-')}" for o in PROFILE_OPTIONS]  # not --copy-ms
