@@ -266,7 +266,8 @@ def test_the_workload_options_size_the_experiment() -> None:
     options = runner.Options(Path("x"), image_size=(224, 160), batch_size=8, split_sizes=(4, 2))
     config = runner.sized(TINY, options).experiment
     assert (config.image_w, config.image_h, config.batch_size) == (224, 160, 8)
-    assert (config.split_size, config.split_sizes) == (4, (4, 2))  # the first is the main one
+    # The first is the main one; the sweep runs in increasing order.
+    assert (config.split_size, config.split_sizes) == (4, (2, 4))
     # Without split sizes, the standard ones that fit the batch.
     config = runner.sized(TINY, runner.Options(Path("x"), batch_size=3)).experiment
     assert (config.split_size, config.split_sizes) == (2, (2,))
