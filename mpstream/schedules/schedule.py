@@ -47,6 +47,9 @@ _C = _ext.load()
 
 SCHEDULES: tuple[str, ...] = tuple(_C.schedule_names())
 
+# Bound of the extension's int32 arguments (stage and micro-batch counts).
+_INT32 = 2**31
+
 # A schedule: a built-in's name, or an explicit order of actions.
 Order = str | Sequence[str | Action]
 # What a Pipe's schedule= takes: also "auto" or an Auto with its options.
@@ -209,7 +212,7 @@ class Schedule:
             the default for it; 1 (a rank per stage) for the others.
 
     Raises:
-        ValueError: ``stages`` or ``micros`` not an int, an unknown name, a
+        ValueError: ``stages`` or ``micros`` not an int (or past int32), an unknown name, a
             bad order (the message shows it as a stage x step grid), or an
             inconsistent layout.
     """
@@ -229,6 +232,12 @@ class Schedule:
             # The extension would dump its signature at a float, and take True as 1.
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):
                 raise ValueError(f"Schedule: {arg} must be an int, got {value!r}")
+            if not -_INT32 <= value < _INT32:
+                # The extension takes int32: past it, it too dumps its signature.
+                raise ValueError(
+                    f"Schedule: {arg}={value} is out of range: a schedule has at least one "
+                    f"stage and micro-batch, and at most 2^24 (stage, micro-batch) pairs"
+                )
         if virtual_stages is not None and (
             isinstance(virtual_stages, bool)
             or not isinstance(virtual_stages, numbers.Integral)
@@ -237,6 +246,11 @@ class Schedule:
             # 0 read as "the default" would run another schedule than asked.
             raise ValueError(
                 f"Schedule: virtual_stages must be an int >= 1 or None, got {virtual_stages!r}"
+            )
+        if virtual_stages is not None and virtual_stages >= _INT32:
+            raise ValueError(
+                f"Schedule: virtual_stages={virtual_stages} is more than the {stages} stages: "
+                f"give a divisor of the stage count"
             )
         explicit = not isinstance(name, str) or name not in SCHEDULES
         if isinstance(name, str) and not is_order(name) and name not in SCHEDULES:

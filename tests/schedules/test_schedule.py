@@ -171,6 +171,17 @@ def test_a_micro_batch_count_past_the_task_indices_is_refused(name: str) -> None
         Schedule(name, 4, 2**31 - 1, [False] * 4, virtual_stages=2)
 
 
+def test_counts_past_the_extensions_int32_are_refused_by_name() -> None:
+    # They reached the extension, which dumped its signature (a TypeError).
+    for micros in (2**31, -(2**31) - 1):
+        with pytest.raises(ValueError, match=f"micros={micros} is out of range"):
+            Schedule("gpipe", 2, micros, [False, False])
+    with pytest.raises(ValueError, match=r"stages=2147483648 is out of range.* 2\^24"):
+        Schedule("gpipe", 2**31, 2, [False, False])
+    with pytest.raises(ValueError, match="virtual_stages=2147483648 is more than the 4 stages"):
+        Schedule("interleaved_1f1b", 4, 4, [False] * 4, virtual_stages=2**31)
+
+
 # The bounds below hold by construction of each schedule's per-stage (or
 # per-rank) sequence; the tests check the merged issue order keeps them.
 
