@@ -1,11 +1,17 @@
-"""Schedule generation: clock-cycle order, dependencies, the memory bounds of
-1F1B, ZB-H1 and interleaved 1F1B, ranks of virtual stages."""
+"""Schedule generation: clock-cycle order, dependencies, every order complete
+and runnable stage by stage over many shapes, the memory bounds of 1F1B, ZB-H1
+and interleaved 1F1B, ranks of virtual stages."""
 
 from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
 
 import pytest
 
 from mpstream.observe.compare import live_activations as live_and_held
+from mpstream.schedules import placement_of
+from mpstream.schedules.orders import Action, check, parse
 from mpstream.schedules.schedule import SCHEDULES, Kind, Schedule, Topology, virtual_stages_of
 from tests.helpers import fits, virtual_for
 
@@ -231,6 +237,80 @@ def test_interleaved_orders_are_complete_and_within_megatrons_bound(
     # Each rank forwards its chunks in order within a group of micro-batches.
     first = [t.stage for t in sched.tasks if t.kind is Kind.FORWARD and t.stage % ranks == 0]
     assert first[: min(micros, ranks)] == [0] * min(micros, ranks)
+
+
+def each_stage_runs_its_list(order: Sequence[Action], reads: Sequence[Sequence[int]]) -> bool:
+    """Whether every stage, running its own actions in order and each one
+    once what it depends on has run, gets through them (no stage waits on
+    another for good)."""
+    lists: dict[int, list[Action]] = {}
+    for a in order:
+        lists.setdefault(a.stage, []).append(a)
+    readers = {p: [q for q, r in enumerate(reads) if p in r] for p in range(len(reads))}
+    done: set[tuple[str, int, int]] = set()
+
+    def ready(a: Action) -> bool:
+        if a.kind == "F":
+            return all(p < 0 or ("F", p, a.micro) in done for p in reads[a.stage])
+        if a.kind == "W":
+            return ("B", a.stage, a.micro) in done
+        return ("F", a.stage, a.micro) in done and all(
+            ("B", q, a.micro) in done for q in readers[a.stage]
+        )
+
+    heads = dict.fromkeys(lists, 0)
+    while True:
+        ran = [s for s, i in heads.items() if i < len(lists[s]) and ready(lists[s][i])]
+        if not ran:
+            return all(i == len(lists[s]) for s, i in heads.items())
+        for s in ran:
+            a = lists[s][heads[s]]
+            done.add((a.kind, a.stage, a.micro))
+            heads[s] += 1
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_every_order_is_complete_and_runs_per_stage_over_many_shapes(name: str) -> None:
+    # Micro-batch counts below the stage (or rank) count and not a multiple
+    # of it included; chains and a graph with skip connections.
+    for stages in range(1, 7):
+        if not fits(name, stages):
+            continue
+        virtuals = [v for v in (1, 2, 3) if stages % v == 0]
+        if placement_of(name) != "round_robin":
+            virtuals = [virtual_for(name, stages) or 1]
+        for virtual, micros in itertools.product(virtuals, range(1, 10)):
+            for layout in (Topology.chain([True] * stages), skips(stages)):
+                sched = Schedule(name, stages, micros, layout, True, virtual_stages=virtual)
+                check(list(sched.order), stages, micros, layout.reads)  # raises if not
+                assert each_stage_runs_its_list(sched.order, layout.reads)
+                if name == "1f1b":
+                    for s in range(stages):
+                        warm = min(stages - 1 - s, micros)
+                        expected = [f"F{m}" for m in range(warm)]
+                        for m in range(micros - warm):  # one forward, one backward
+                            expected += [f"F{m + warm}", f"B{m}"]
+                        expected += [f"B{m}" for m in range(micros - warm, micros)]
+                        ours = [f"{a.kind}{a.micro}" for a in sched.order if a.stage == s]
+                        assert ours == expected, (stages, micros, s)
+
+
+def skips(stages: int) -> Topology:
+    """A chain where stage s also reads stage s - 2 and the input (skip connections)."""
+    reads = tuple(tuple(sorted({-1, s - 2, s - 1} - {-2, -3})) for s in range(stages))
+    return Topology(reads, tuple(range(stages)), -1)
+
+
+def test_each_stage_runs_its_list_catches_a_stage_waiting_for_good() -> None:
+    order = parse("F0m0 F1m0 B1m0 B0m0 F0m1 F1m1 B1m1 B0m1")
+    chain = [[-1], [0]]
+    assert each_stage_runs_its_list(order, chain)
+    # Stage 1 backs micro-batch 1 before 0 and stage 0 waits on its B0m0 first: fine.
+    assert each_stage_runs_its_list(parse("F0m0 F0m1 F1m0 F1m1 B1m1 B1m0 B0m0 B0m1"), chain)
+    # Stage 0 forwards m1 only after B0m0, which needs stage 1's B1m0, which stage 1
+    # runs only after F1m1: a cycle across the two lists.
+    stuck = parse("F0m0 B0m0 F0m1 B0m1 F1m0 F1m1 B1m0 B1m1")
+    assert not each_stage_runs_its_list(stuck, chain)
 
 
 @pytest.mark.parametrize("name", SCHEDULES)
