@@ -174,7 +174,7 @@ def test_experiment_config_for_resnet101(tmp_path: Path) -> None:
     # Split sizes given: the first is the main one, for IDRIS's variant too.
     given = runner.Options(tmp_path, arch="resnet101", split_sizes=(16, 4))
     config = runner.sized(FULL, given).experiment
-    assert (config.split_size, config.split_sizes) == (16, (16, 4))
+    assert (config.split_size, config.split_sizes) == (16, (4, 16))  # the sweep in order
     ctx = Context(
         (CPU, CPU), runner.sized(FULL, runner.Options(tmp_path)), "resnet50", tmp_path, tmp_path
     )
