@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.utils import _pytree as pytree
 
 __all__ = ["check_in_place", "copy_changed_inputs", "AugmentedProxy", "augmented"]
 
@@ -166,6 +167,16 @@ def _name(node: fx.Node) -> str:
     return str(getattr(target, "__name__", target))
 
 
+def own(value: Any) -> Any:
+    """``value``, an input, with a copy of each of its tensors (a tensor, a
+    dict or tuple of them; a number as it is): what
+    :func:`copy_changed_inputs` calls."""
+    if isinstance(value, fx.Proxy):
+        # A stage's code traced again (a pickled pipe loaded): stay a call.
+        return value.tracer.create_proxy("call_function", own, (value,), {})
+    return pytree.tree_map_only(torch.Tensor, torch.clone, value)
+
+
 def copy_changed_inputs(gm: fx.GraphModule, stage_of: dict[fx.Node, int]) -> None:
     """Gives each input the forward changes in place (``x.div_(255)``,
     ``x[:, 0] = 0``) a copy of its own, made before its first reader, which
@@ -175,7 +186,8 @@ def copy_changed_inputs(gm: fx.GraphModule, stage_of: dict[fx.Node, int]) -> Non
     share its version counter: one micro-batch's change would fail the
     backward of every other that saved its own. The caller's batch is left
     as it was, where the module would have changed it (as the fx trace of
-    ``x /= 255`` already leaves it).
+    ``x /= 255`` already leaves it). An input torch.fx traces may be a
+    structure (a dict batch) or a number, not a tensor.
     """
     changed: dict[fx.Node, None] = {}
     for node in gm.graph.nodes:
@@ -185,7 +197,7 @@ def copy_changed_inputs(gm: fx.GraphModule, stage_of: dict[fx.Node, int]) -> Non
     for holder in changed:
         first = next(n for n in gm.graph.nodes if n in holder.users)
         with gm.graph.inserting_before(first):
-            copy = gm.graph.call_function(torch.clone, (holder,))
+            copy = gm.graph.call_function(own, (holder,))
         holder.replace_all_uses_with(copy, delete_user_cb=functools.partial(operator.is_not, copy))
         stage_of[copy] = stage_of[first]
     if changed:

@@ -115,3 +115,31 @@ def test_an_input_changed_in_place_trains_per_micro_batch(tracer: str, how: str)
     assert_same_grads(pipe, ref)
     torch.testing.assert_close(pipe(x), ref(given.clone()))
     torch.testing.assert_close(x, given, rtol=0, atol=0)  # the caller's batch: left as it was
+
+
+class ChangesDictInput(nn.Module):
+    """Changes a tensor of its dict batch in place; stage 1 reads the dict too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, batch: dict[str, Tensor]) -> Tensor:
+        batch["x"].mul_(2)
+        return self.b(self.a(batch["x"])) + batch["y"]  # type: ignore[no-any-return]
+
+
+def test_a_dict_input_changed_in_place_gets_a_copy_of_its_tensors() -> None:
+    # torch.fx keeps a dict batch one input: torch.clone of it raised TypeError.
+    model = ChangesDictInput().double()
+    ref = copy.deepcopy(model)
+    pipe = Pipe(model, chunks=3, split_points=["b"], devices=["cpu"] * 2, tracer="fx")
+    batch = {k: torch.randn(7, 4, dtype=torch.float64) for k in ("x", "y")}
+    given = {k: v.clone() for k, v in batch.items()}
+    y = torch.randn(7, 4, dtype=torch.float64)
+    loss = pipe.train_step(batch, y, nn.functional.mse_loss)
+    expected = nn.functional.mse_loss(ref({k: v.clone() for k, v in given.items()}), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach())
+    assert_same_grads(pipe, ref)
+    torch.testing.assert_close(batch, given, rtol=0, atol=0)  # the caller's batch: left as it was
