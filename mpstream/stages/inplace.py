@@ -10,7 +10,8 @@ changes in place a value only it reads (``ReLU(inplace=True)`` opening a
 stage) is fine. A view shares its tensor's memory, so a change through a view
 (``h[:, 0] = 0``, ``h.view(-1).mul_(2)``) is a change of the tensor and of
 every other view of it. :func:`augmented` is what a ``torch.fx`` trace
-records for ``h += y``, which changes ``h`` in place too.
+records for ``h += y``, which changes ``h`` in place too (an input's too:
+:func:`copy_changed_inputs` gives it a copy first).
 """
 
 from __future__ import annotations
@@ -32,14 +33,11 @@ _IN_PLACE_OPERATORS = {
     operator.setitem,
 }  # fmt: skip
 
-# Each augmented assignment's in-place operator (by name) and the
-# out-of-place one Python falls back to when a value has no ``__iadd__``.
-_OUT_OF_PLACE = {
-    "iadd": operator.add, "isub": operator.sub, "imul": operator.mul,
-    "itruediv": operator.truediv, "ifloordiv": operator.floordiv, "imod": operator.mod,
-    "ipow": operator.pow, "iand": operator.and_, "ior": operator.or_, "ixor": operator.xor,
-    "imatmul": operator.matmul, "ilshift": operator.lshift, "irshift": operator.rshift,
-}  # fmt: skip
+# Each augmented assignment's in-place operator, by name.
+_AUGMENTED = (
+    "iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior", "ixor",
+    "imatmul", "ilshift", "irshift",
+)  # fmt: skip
 
 
 def augmented(target: Any, value: Any, op: str) -> Any:
@@ -62,17 +60,14 @@ class AugmentedProxy(fx.Proxy):
 
 def _in_place(op: str) -> Callable[[fx.Proxy, Any], fx.Proxy]:
     def method(self: fx.Proxy, other: Any) -> fx.Proxy:
-        if self.node.op == "placeholder":
-            # An input stays as before (``x /= 255`` a new tensor, the caller's
-            # unchanged): micro-batches of one input share its version counter,
-            # so changing each in place would fail the backward of the others.
-            return self.tracer.create_proxy("call_function", _OUT_OF_PLACE[op], (self, other), {})
+        # An input too (``v = x[:, :2]; x += 1`` changes ``v``): it gets a
+        # copy per micro-batch (copy_changed_inputs), the caller's unchanged.
         return self.tracer.create_proxy("call_function", augmented, (self, other, op), {})
 
     return method
 
 
-for _op in _OUT_OF_PLACE:
+for _op in _AUGMENTED:
     setattr(AugmentedProxy, f"__{_op}__", _in_place(_op))
 
 
@@ -185,9 +180,8 @@ def copy_changed_inputs(gm: fx.GraphModule, stage_of: dict[fx.Node, int]) -> Non
     A pipeline's micro-batches of one input are views of the batch and
     share its version counter: one micro-batch's change would fail the
     backward of every other that saved its own. The caller's batch is left
-    as it was, where the module would have changed it (as the fx trace of
-    ``x /= 255`` already leaves it). An input torch.fx traces may be a
-    structure (a dict batch) or a number, not a tensor.
+    as it was, where the module would have changed it. An input torch.fx
+    traces may be a structure (a dict batch) or a number, not a tensor.
     """
     changed: dict[fx.Node, None] = {}
     for node in gm.graph.nodes:

@@ -143,3 +143,31 @@ def test_a_dict_input_changed_in_place_gets_a_copy_of_its_tensors() -> None:
     torch.testing.assert_close(loss, expected.detach())
     assert_same_grads(pipe, ref)
     torch.testing.assert_close(batch, given, rtol=0, atol=0)  # the caller's batch: left as it was
+
+
+class AugmentsInput(nn.Module):
+    """``x += 1`` changes the input in place, so ``v``, a view of it taken before."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 4), nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        v = x[:, :2]
+        x += 1
+        return self.b(self.a(torch.cat([v, x], 1)))  # type: ignore[no-any-return]
+
+
+def test_an_augmented_assignment_to_an_input_changes_its_views() -> None:
+    # Traced as ``x = x + 1`` for an input, ``v`` was left unchanged: another result.
+    model = AugmentsInput().double()
+    ref = copy.deepcopy(model)
+    pipe = Pipe(model, chunks=3, split_points=["b"], devices=["cpu"] * 2, tracer="fx")
+    x, y = torch.randn(7, 4, dtype=torch.float64), torch.randn(7, 4, dtype=torch.float64)
+    given = x.clone()
+    loss = pipe.train_step(x, y, nn.functional.mse_loss)
+    expected = nn.functional.mse_loss(ref(given.clone()), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach())
+    assert_same_grads(pipe, ref)
+    torch.testing.assert_close(x, given, rtol=0, atol=0)  # the caller's batch: left as it was
