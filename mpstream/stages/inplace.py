@@ -236,8 +236,10 @@ def check_in_place(gm: fx.GraphModule, stage_of: dict[fx.Node, int]) -> None:
         if apart:
             reader = f"stage {here} (through a view of it passed on its own)"
         if apart or later or any(u.op == "output" for u in users):
+            # An input's copy (copy_changed_inputs) is named for the input.
+            changed = base.args[0] if base.target is own else base
             raise ValueError(
-                f"'{_name(node)}' in stage {here} changes '{base.name}' in place, which "
+                f"'{_name(node)}' in stage {here} changes '{changed}' in place, which "
                 f"{reader} also reads: stages pass values instead of sharing them, so "
                 f"{reader} would read it unchanged. Make that operation out of place "
                 f"(inplace=False), or move a split point so both sit in one stage"

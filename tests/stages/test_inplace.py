@@ -171,3 +171,22 @@ def test_an_augmented_assignment_to_an_input_changes_its_views() -> None:
     torch.testing.assert_close(loss, expected.detach())
     assert_same_grads(pipe, ref)
     torch.testing.assert_close(x, given, rtol=0, atol=0)  # the caller's batch: left as it was
+
+
+class ChangesInputLater(nn.Module):
+    """Stage 1 changes the input in place; stages 0 and 2 read it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.b(self.a(x))
+        x.mul_(2)
+        return self.c(h) + x  # type: ignore[no-any-return]
+
+
+def test_a_refused_change_of_an_input_names_the_input() -> None:
+    # It named the copy copy_changed_inputs gives the input ('clone'), not the input.
+    with pytest.raises(ValueError, match="'mul_' in stage 1 changes 'x' in place, which stage 2"):
+        Pipe(ChangesInputLater(), chunks=2, split_points=["b", "c"], devices=["cpu"] * 3)
