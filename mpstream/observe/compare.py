@@ -221,7 +221,8 @@ def table(rows: Sequence[Comparison]) -> str:
     )
     rule = "| --- | ---: | ---: | --- | --- | --- | ---: |"
     if measured:
-        head += " measured peak (MB) |"
+        # Bytes over 2**20: MiB, as the docs and every other report say.
+        head += " measured peak (MiB) |"
         rule += " --- |"
     lines = [head, rule]
     for r in rows:

@@ -1,6 +1,7 @@
 """The graph launches :func:`~mpstream.observe.compare.graph_launches` counts
 for a schedule are the replays one ``train_step`` over graphed stages makes
-(emulated graphs count each replay as a launch), on every schedule."""
+(emulated graphs count each replay as a launch), on every schedule; the
+comparison's table names its units."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import torch
 from torch import nn
 
 from mpstream import Pipe
-from mpstream.observe.compare import graph_launches
+from mpstream.observe.compare import Comparison, graph_launches, table
+from mpstream.observe.cost_model import simulate
 from mpstream.runtime.graphed import Emulated
 from mpstream.schedules import SCHEDULES, placement_of
 from tests.helpers import mlp
@@ -31,3 +33,11 @@ def test_graph_launches_are_the_replays_of_a_step(schedule: str) -> None:
     sched = pipe.schedule_for(4, x.device, training_step=True, target_device=y.device)
     # Without a device: no zero_grad or optimizer-step graph.
     assert backend.replays - before == graph_launches(sched, 0)
+
+
+def test_table_names_the_measured_peak_in_the_unit_it_divides_by() -> None:
+    row = Comparison(
+        "gpipe", 1.0, 0.0, [1], [1], ["d0"], simulate([(1.0, 1.0)]), measured={"stage0": 3 * 2**20}
+    )
+    head, _, line = table([row]).splitlines()
+    assert "measured peak (MiB)" in head and line.endswith(" 3.0 |")
