@@ -287,10 +287,13 @@ class Timeline:
             run: only this run (default: the last one).
 
         Raises:
-            ValueError: the timeline is empty.
+            ValueError: the timeline is empty, or has no run ``run``.
         """
         if not self.spans:
             raise ValueError("the timeline is empty: nothing was recorded")
+        if run is not None and run not in self.runs():
+            # Runs count from 1, and a run that raised left none.
+            raise ValueError(f"the timeline has no run {run}; its runs: {self.runs()}")
         from matplotlib.patches import Patch
 
         from .figures import pyplot, save

@@ -120,6 +120,8 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
     assert path.read_bytes().startswith(b"\x89PNG")
     with pytest.raises(ValueError, match="empty"):
         Timeline([], {}).plot(tmp_path / "none.png")
+    with pytest.raises(ValueError, match=r"no run 0; its runs: \[1\]"):
+        two_stage().plot(tmp_path / "none.png", run=0)
 
 
 def test_a_long_title_stays_clear_of_the_legend(
