@@ -184,7 +184,9 @@ def parser() -> argparse.ArgumentParser:
         "--link-gbps",
         type=positive_float,
         default=50.0,
-        help="assumed copy bandwidth for predictions (default: %(default)s)",
+        # Read as gigabytes, not the gigabits the flag's name suggests.
+        help="assumed copy bandwidth for predictions, in GB/s (gigabytes per second; "
+        "default: %(default)s)",
     )
     r.add_argument("--out", default="mpstream-trace", help="output folder (default: %(default)s)")
     r.set_defaults(func=cli_resnet.trace)

@@ -249,6 +249,8 @@ def test_help_shows_the_defaults(capsys: pytest.CaptureFixture[str]) -> None:
     assert "slower sizes in a row before stopping (default: 2)" in tune
     assert "split size of the traced run" in trace and "comparison" not in trace
     assert "(default: 10, 3 with --quick: the cost model's measured steps)" in trace
+    # predict_scaling divides bytes by link_gbps * 1e9: gigabytes, not gigabits.
+    assert "in GB/s (gigabytes per second; default: 50.0)" in trace
 
 
 @pytest.mark.parametrize(("preset", "warned"), [("1b", True), ("tiny", False)])
