@@ -54,7 +54,10 @@ class Summary:
             f"makespan: {self.makespan_ms:.3f} ms",
             f"bubble fraction: {100 * self.bubble_fraction:.1f}%",
             *(
-                [f"device idle: {100 * self.device_idle_fraction:.1f}% ({self.devices} devices)"]
+                [
+                    f"device idle: {100 * self.device_idle_fraction:.1f}% "
+                    f"({self.devices} device{'' if self.devices == 1 else 's'})"
+                ]
                 if self.shared_devices
                 else []
             ),
