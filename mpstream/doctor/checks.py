@@ -282,7 +282,9 @@ def plan_grid() -> list[Check]:
         try:
             verify_plan(record_plan(**kw))  # type: ignore[arg-type]
         except PlanError as exc:
-            problems[schedule].append(f"{label} {kw}: {str(exc).splitlines()[1].strip()}")
+            # "invalid plan:" heads a list of problems; other plan errors are one line.
+            lines = str(exc).strip().splitlines() or ["invalid plan"]
+            problems[schedule].append(f"{label} {kw}: {(lines[1:] or lines)[0].strip()}")
     return [
         Check(
             f"event plans, {s}",

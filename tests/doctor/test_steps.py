@@ -148,6 +148,15 @@ def test_plan_checks_pass_and_catch_a_bad_plan(monkeypatch: pytest.MonkeyPatch) 
     assert {c.status for c in bad} == {FAIL} and "is not ordered" in bad[0].detail
 
 
+def test_a_one_line_plan_error_fails_its_plan_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    def reject(plan: object) -> None:
+        raise PlanError("op 3 waits on event 7, which was never recorded")
+
+    monkeypatch.setattr(checks, "verify_plan", reject)
+    bad = checks.plan_grid()
+    assert {c.status for c in bad} == {FAIL} and "never recorded" in bad[0].detail
+
+
 def test_environment_on_this_machine(tmp_path: Path) -> None:
     result = environment.run(Context((CPU, CPU), TINY, "resnet50", tmp_path, tmp_path))
     assert result.status == PASS and result.data["torch"] == torch.__version__
