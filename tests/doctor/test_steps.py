@@ -157,6 +157,20 @@ def test_a_one_line_plan_error_fails_its_plan_check(monkeypatch: pytest.MonkeyPa
     assert {c.status for c in bad} == {FAIL} and "never recorded" in bad[0].detail
 
 
+def test_the_correctness_figure_counts_only_plans_that_verified(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    def reject(plan: object) -> None:
+        raise PlanError("invalid plan:\n  forward(stage=1, micro=0) is not ordered after copy")
+
+    monkeypatch.setattr(checks, "verify_plan", reject)
+    monkeypatch.setattr(checks, "cases", lambda devices: [])
+    monkeypatch.setattr(checks, "resnet_case", lambda *args: None)
+    ctx = Context((CPU, CPU), TINY, "resnet50", tmp_path, tmp_path)
+    result = checks.run(ctx)
+    assert result.status == FAIL and result.figure.endswith("; 0 plans verified")
+
+
 def test_environment_on_this_machine(tmp_path: Path) -> None:
     result = environment.run(Context((CPU, CPU), TINY, "resnet50", tmp_path, tmp_path))
     assert result.status == PASS and result.data["torch"] == torch.__version__
