@@ -19,7 +19,7 @@ from mpstream.doctor import (
     sanitizer,
     soak,
 )
-from mpstream.doctor.diagnosis import FAIL, PASS, SKIP, TINY, Context
+from mpstream.doctor.diagnosis import FAIL, PASS, SKIP, TINY, Check, Context
 from mpstream.observe.cost_model import simulate
 from mpstream.observe.timeline import Span, Timeline
 from mpstream.schedules.schedule import SCHEDULES
@@ -103,6 +103,18 @@ def test_csan_verdicts() -> None:
     assert (status, races) == (FAIL, 2) and "2 race report(s)" in detail
     assert sanitizer.judge_csan(1, done, "Traceback\nRuntimeError: x")[0] == FAIL
     assert sanitizer.judge_csan(0, "", "")[0] == FAIL  # the workload did not finish
+
+
+def test_a_csan_run_that_did_not_finish_claims_no_race_count(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    timed_out = Check("CSAN", FAIL, "did not finish within 60 s", {"log": "csan.log"})
+    skipped = Check("memcheck", SKIP, "compute-sanitizer is not on the PATH")
+    monkeypatch.setattr(sanitizer, "csan", lambda *args: timed_out)
+    monkeypatch.setattr(sanitizer, "memcheck", lambda *args: skipped)
+    result = sanitizer.run(Context((CPU, CPU), TINY, "resnet50", tmp_path, tmp_path))
+    assert result.status == FAIL and "race reports" not in result.figure
+    assert result.figure.startswith("CSAN: did not finish within 60 s")
 
 
 def test_memcheck_verdicts(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
