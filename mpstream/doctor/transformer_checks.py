@@ -94,6 +94,9 @@ def _case(
             return Check(name, FAIL, f"a stage ran eagerly: {pipe.graph_report()}")
     except AssertionError as exc:
         return Check(name, FAIL, (str(exc).strip().splitlines() or ["differs"])[0])
+    except Exception as exc:  # a crash fails its case, not the other cases' findings
+        first = (str(exc).strip().splitlines() or [""])[0]
+        return Check(name, FAIL, f"{type(exc).__name__}: {first}")
     return Check(name, PASS, "equal")
 
 

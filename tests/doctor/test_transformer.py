@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mpstream.doctor import Options, run, transformer_costs
+from mpstream.doctor import Options, run, transformer_checks, transformer_costs
 from mpstream.doctor import transformer as steps_of
 from mpstream.doctor.diagnosis import FAIL, PASS, TINY, Context
 from mpstream.doctor.runner import TRANSFORMER_STEPS
@@ -60,6 +60,23 @@ def test_the_transformer_doctor_runs_every_step_it_can_on_the_cpu(
     monkeypatch.setattr(transformer_costs, "MAX_ERROR", 0.0)
     again = transformer_costs.cost_model(contexts[-1])
     assert again.status == FAIL and again.reason.startswith("cost model against the profiled step")
+
+
+def test_a_correctness_case_that_raises_fails_that_case_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("stage 1 is broken\nmore")
+
+    monkeypatch.setattr(transformer_checks, "Pipe", broken)
+    p = transformer.preset("tiny")
+    ref = transformer.decoder(p).double()
+    x, y = transformer.tokens(p)
+    loss = transformer.loss_fn(ref(x), y)
+    options = {"schedule": "1f1b", "checkpoint": "never", "chunks": 2}
+    cpu = torch.device("cpu")
+    check = transformer_checks._case("1f1b", options, ref, x, y, loss, {}, (cpu, cpu))
+    assert (check.status, check.detail) == (FAIL, "RuntimeError: stage 1 is broken")
 
 
 def test_what_the_transformer_doctor_refuses(tmp_path: Path) -> None:
