@@ -113,6 +113,8 @@ def run(ctx: Context) -> StepResult:
             if issue is not None
             else ""
         )
+        if not ctx.cuda:  # a CPU run predicts GPUs at the CPU's speed: say whose costs
+            host = "; the layers' costs measured on this CPU, not on a GPU"
         checks.append(
             Check(
                 f"prediction (not measured): {p} GPUs, automatic balance {pred.balance}",
@@ -126,7 +128,7 @@ def run(ctx: Context) -> StepResult:
     figure = (
         "error "
         + ", ".join(f"{100 * r['error']:+.0f}% at split {r['split_size']}" for r in rows)
-        + "; predicted "
+        + ("; predicted " if ctx.cuda else "; predicted from the CPU's costs ")
         + ", ".join(f"{q['gpus']} GPUs {q['predicted_speedup']:.2f}x" for q in predictions)
     )
     status = overall(checks)

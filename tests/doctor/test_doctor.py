@@ -122,6 +122,9 @@ def assert_cost_model_checks(step: dict[str, Any]) -> None:
         for p in predictions
     ]
     assert all(c["status"] == "INFO" for c in told)  # no verdict
+    # A CPU run's predictions come from the CPU's costs, and say so.
+    assert all("measured on this CPU, not on a GPU" in c["detail"] for c in told)
+    assert "; predicted from the CPU's costs 2 GPUs" in step["figure"]
 
 
 def ctx(tmp_path: Path) -> Context:
