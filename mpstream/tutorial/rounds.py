@@ -56,7 +56,7 @@ __all__ = [
 NOISY = (
     f"noisy (rounds disagree: coefficient of variation above {MAX_CV:.0%} or slowest/fastest "
     f"above {MAX_RANGE:.1f}x): ratios with them may say more about the machine than about the "
-    f"models; rerun on a quiet machine, or with more rounds (--repeat)"
+    f"models; rerun on a quiet machine, or with more rounds (mpstream bench --repeat)"
 )
 
 
