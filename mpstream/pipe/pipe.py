@@ -153,7 +153,9 @@ class Pipe(PipeStep):
             schedule or split point; a bad schedule order (shown as a stage x
             step grid); ``virtual_stages`` given for another schedule or not
             fitting the stages and devices; a parameter or buffer shared by
-            stages on different devices; ``graphs`` with ``compile``.
+            stages on different devices; ``graphs`` with ``compile``; a
+            layer or tensor named as one of Pipe's own attributes
+            (``schedule``, ``balance``, ...; the model is left as it was).
 
     Example::
 
@@ -219,11 +221,13 @@ class Pipe(PipeStep):
                 check_schedule(self.schedule, built.devices, reads, self.virtual_stages)
             elif isinstance(self.schedule, str):  # an order is checked at the first-call split
                 check_schedule(self.schedule, built.devices, (), self.virtual_stages)
-        if built.layers is not None:
-            for name, layer in built.layers:
-                self.add_module(name, layer)
-        else:
-            self._adopt_module(built.root)
+            # Inside the block: a name clashing with the pipe's own leaves the
+            # caller's model unmoved and unconverted too.
+            if built.layers is not None:
+                for name, layer in built.layers:
+                    self._adopt(name, layer, self.add_module)
+            else:
+                self._adopt_module(built.root)
         # Not registered: the layers above own the parameters, so state_dict
         # keys stay those of the wrapped module whatever the split.
         self.__dict__["_partitions"] = nn.ModuleList(built.partitions)

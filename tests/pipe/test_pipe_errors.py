@@ -241,3 +241,31 @@ def test_a_list_of_layers_is_told_to_become_a_sequential(
 def test_what_is_no_module_is_refused_by_name() -> None:
     with pytest.raises(TypeError, match="^Pipe takes an nn.Module to split into stages, got str$"):
         Pipe("resnet50", chunks=2)
+
+
+class _Clashing(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+        self.balance = nn.Linear(4, 2)  # also a Pipe property
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.balance(self.body(x))  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["sequential", "traced"])
+def test_a_layer_named_as_a_pipe_attribute_is_refused_and_the_model_left_as_it_was(
+    traced: bool,
+) -> None:
+    # The name is checked once the model is converted (and placed): the
+    # refusal must undo that, as every other construction error does.
+    if traced:
+        model: nn.Module = _Clashing()
+        kwargs: dict[str, object] = {"split_points": ["balance"], "tracer": "fx"}
+    else:
+        layers = OrderedDict(body=nn.Linear(4, 4), norm=nn.BatchNorm1d(4), schedule=nn.Linear(4, 2))
+        model, kwargs = nn.Sequential(layers), {"balance": [2, 1]}
+    name = "balance" if traced else "schedule"
+    with pytest.raises(ValueError, match=f"attribute '{name}' clashes with Pipe's own"):
+        Pipe(model, devices=["cpu"] * 2, deferred_batch_norm=True, **kwargs)  # type: ignore[arg-type]
+    assert [type(m) for m in model.modules() if "Norm" in type(m).__name__] == [nn.BatchNorm1d]
