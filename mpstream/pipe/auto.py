@@ -8,10 +8,11 @@ fast each runs is the cost model's, which lives with the tools
 (:mod:`mpstream.observe`: the simulator, profiles, fitted costs and the
 tuning cache). The core may not import the tools, so the tools install a
 :data:`Chooser` here (:func:`install_chooser`, when ``mpstream.observe``
-is imported, as ``import mpstream`` does) and the Pipe calls it. The
-choice is kept (:class:`~mpstream.schedules.auto.ScheduleReport`, from
-``pipe.schedule_report()``) until the schedule is set again: later steps,
-with other micro-batch counts too, run the chosen schedule.
+is imported, as ``import mpstream`` does) and the Pipe calls it. A
+choice (:class:`~mpstream.schedules.auto.ScheduleReport`, from
+``pipe.schedule_report()``) is kept per micro-batch sizes until the
+schedule or ``virtual_stages`` is set again: a later step with sizes
+already seen runs what was chosen for them, one with new sizes chooses.
 """
 
 from __future__ import annotations

@@ -44,13 +44,12 @@ class PipeConfig(PipeModule):
     Expects, besides what :class:`~mpstream.pipe.module.PipeModule` does,
     ``_devices``, ``_balance``, ``_graph``, ``_split_points``, ``_split``,
     ``_report``, ``_compile`` and ``_graphed`` in ``__dict__``, and the
-    attributes ``_chunks``, ``_split_size``, ``virtual_stages`` and
+    attributes ``_chunks``, ``_split_size``, ``_virtual_stages`` and
     ``force_copies``.
     """
 
     _chunks: int | None
     _split_size: int | None
-    virtual_stages: int | None
     force_copies: bool
 
     @property
@@ -130,6 +129,20 @@ class PipeConfig(PipeModule):
     def schedule(self, value: PipeSchedule) -> None:
         self.__dict__["_schedule"] = schedule_arg(value)
         self.__dict__["_auto_report"] = None  # 'auto' chooses again
+        self.__dict__["_auto_reports"] = {}
+
+    @property
+    def virtual_stages(self) -> int | None:
+        """Stages per pipeline rank for the schedules that place several on
+        one, or None to infer them from the devices (checked against the
+        stages at the next call); setting it makes ``schedule='auto'``
+        choose again, among the schedules it now fits."""
+        return self.__dict__["_virtual_stages"]  # type: ignore[no-any-return]
+
+    @virtual_stages.setter
+    def virtual_stages(self, value: int | None) -> None:
+        self.__dict__["_virtual_stages"] = value
+        self.__dict__["_auto_report"] = None  # chosen among what the old value fitted
         self.__dict__["_auto_reports"] = {}
 
     def schedule_report(self) -> ScheduleReport:

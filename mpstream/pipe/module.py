@@ -259,6 +259,8 @@ class PipeModule(nn.Module):
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        if "virtual_stages" in state:  # pickled while it was a plain attribute
+            state["_virtual_stages"] = state.pop("virtual_stages")
         bind = state.pop("_bind", None)
         if isinstance(bind, Binder) and state.get("_split") is None:
             # Pickled before torch.fx pipes traced per kind of call: its one

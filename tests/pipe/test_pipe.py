@@ -446,3 +446,31 @@ def test_what_the_docs_promise_of_results(split_size: int) -> None:
             nn.functional.mse_loss(m(x), y).backward()
             o.step()
     torch.testing.assert_close(list(pipe.parameters()), list(ref.parameters()))
+
+
+def test_setting_virtual_stages_makes_auto_choose_again() -> None:
+    from mpstream.schedules import Auto
+
+    model = mlp([5, 8, 7, 6, 4])
+    ref = copy.deepcopy(model)
+    auto = Auto(costs=[(1.0, 1.0, 1.0)] * 4, cache=None)  # given costs: nothing is profiled
+    pipe = Pipe(model, chunks=4, balance=[2, 2, 2, 2], devices=["cpu"] * 4, schedule=auto)
+    x, y = torch.randn(8, 5, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
+    pipe.train_step(x, y, nn.MSELoss())
+    # One device: the schedules of several stages per rank wait for virtual_stages.
+    assert {c.schedule for c in pipe.schedule_report().candidates} == {"gpipe", "1f1b", "zb_h1"}
+    pipe.virtual_stages = 2  # what the report's excluded rows ask for
+    assert pipe.virtual_stages == 2
+    with pytest.raises(RuntimeError, match="chooses at the first train_step"):
+        pipe.schedule_report()
+    pipe.zero_grad()
+    pipe.train_step(x, y, nn.MSELoss())
+    assert {"interleaved_1f1b", "zbv"} <= {c.schedule for c in pipe.schedule_report().candidates}
+    nn.MSELoss()(ref(x), y).backward()
+    assert_same_grads(pipe, ref)
+    # A pipe pickled while virtual_stages was a plain attribute still loads.
+    state = pipe.__getstate__()
+    state["virtual_stages"] = state.pop("_virtual_stages")
+    old = Pipe.__new__(Pipe)
+    old.__setstate__(state)
+    assert old.virtual_stages == 2
