@@ -162,13 +162,19 @@ class PipeModule(nn.Module):
         if replacing:
             self._rebind()
 
+    def _seal(self) -> None:
+        """Ends construction: the layers and tensors registered so far are
+        the stages'; one registered later is the user's own, set and
+        deleted freely."""
+        self.__dict__["_sealed"] = _names(self.__dict__)
+
     def _held(self, name: str, *kinds: str) -> bool:
         """Whether, after construction, ``name`` is one of the pipe's layers
         or tensors of ``kinds`` (``_modules``, ``_parameters``, ``_buffers``),
         which the stages hold. (Read from ``__dict__``: nn.Module's own
         ``__init__`` sets attributes before those exist.)"""
         state = self.__dict__
-        return bool(state.get("_sealed")) and any(name in state[k] for k in kinds)
+        return name in state.get("_sealed", ()) and any(name in state[k] for k in kinds)
 
     def _replacing(self, name: str, value: Any, *kinds: str) -> bool:
         """Whether setting ``name`` replaces what the stages hold, once
@@ -261,6 +267,8 @@ class PipeModule(nn.Module):
     def __setstate__(self, state: dict[str, Any]) -> None:
         if "virtual_stages" in state:  # pickled while it was a plain attribute
             state["_virtual_stages"] = state.pop("virtual_stages")
+        if state.get("_sealed") is True:  # pickled while it was a flag
+            state["_sealed"] = _names(state)
         bind = state.pop("_bind", None)
         if isinstance(bind, Binder) and state.get("_split") is None:
             # Pickled before torch.fx pipes traced per kind of call: its one
@@ -272,6 +280,11 @@ class PipeModule(nn.Module):
                 state["_root"], list(state["_split_points"]), list(state["_devices"]), traced
             )
         super().__setstate__(state)  # type: ignore[no-untyped-call]
+
+
+def _names(state: dict[str, Any]) -> frozenset[str]:
+    """The names of the layers and tensors registered in a module's ``__dict__``."""
+    return frozenset[str]().union(state["_modules"], state["_parameters"], state["_buffers"])
 
 
 def _rebind_after_load(pipe: nn.Module, keys: Any) -> None:

@@ -244,7 +244,7 @@ class Pipe(PipeStep):
         self.training = module.training
         for part in built.partitions:
             part.training = module.training
-        self.__dict__["_sealed"] = True  # layers and tensors replaced from now on are checked
+        self._seal()  # layers and tensors replaced from now on are checked
 
     # -- running -------------------------------------------------------
     def train(self, mode: bool = True) -> Pipe:

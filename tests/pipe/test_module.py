@@ -4,6 +4,7 @@ replaced after construction, or a module holding it is moved."""
 from __future__ import annotations
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -95,6 +96,36 @@ def test_a_replaced_layer_is_refused() -> None:
         seq.add_module("0", nn.Linear(8, 16))
     seq.extra = nn.Linear(2, 2)  # a new attribute is the user's own
     assert seq(torch.randn(4, 8)).shape == (4, 4)
+
+
+def test_a_layer_or_tensor_added_after_construction_is_the_users_own() -> None:
+    # No stage runs it: replacing or deleting it is no replacement of theirs.
+    pipe = traced(Scaled())
+    pipe.probe = nn.Linear(2, 2)
+    pipe.probe = nn.Linear(2, 3)
+    pipe.temperature = nn.Parameter(torch.tensor(1.0))
+    pipe.temperature = nn.Parameter(torch.tensor(2.0, device="meta"))
+    pipe.register_buffer("seen", torch.zeros(1))
+    pipe.seen = None  # (refused for a buffer the stages read)
+    del pipe.probe, pipe.temperature, pipe.seen
+    assert "probe" not in pipe._modules and "temperature" not in pipe._parameters
+    with pytest.raises(TypeError, match="run the layer 'decoder' they hold"):
+        pipe.decoder = nn.Linear(16, 4)  # the module's own stay checked
+    with pytest.raises(TypeError, match="it cannot be deleted"):
+        del pipe.scale
+    x = torch.randn(4, 8, dtype=torch.float64)
+    copied = pickle.loads(pickle.dumps(pipe))
+    copied.extra = nn.Linear(2, 2)
+    copied.extra = nn.Linear(2, 2)
+    with pytest.raises(TypeError, match="'shift' is a tensor the stages read"):
+        copied.shift = None
+    torch.testing.assert_close(copied(x), pipe(x))
+    state = pipe.__getstate__()
+    state["_sealed"] = True  # as pickled while it was a flag
+    old = Pipe.__new__(Pipe)
+    old.__setstate__(state)
+    with pytest.raises(TypeError, match="run the layer 'decoder' they hold"):
+        old.decoder = nn.Linear(16, 4)
 
 
 def test_moving_a_module_that_holds_a_pipe_is_refused() -> None:
