@@ -87,7 +87,8 @@ def running_of(pipe: object) -> Running:
     state = vars(pipe)
     busy = state.get("_busy")
     if busy is None:
-        busy = state["_busy"] = Running()
+        # setdefault: of two threads making one at once, both keep the first.
+        busy = state.setdefault("_busy", Running())
     return busy  # type: ignore[no-any-return]
 
 

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from mpstream import Pipe
+from mpstream.pipe import running
 
 X, Y = torch.randn(12, 8), torch.randn(12, 4)
 
@@ -118,3 +119,30 @@ def test_a_copied_pipe_runs_beside_its_original() -> None:
     pause.calls, pause.inside = 0, lambda: inner(X).sum().backward()
     run(pipe, step=True)
     assert pause.calls == 3
+
+
+def test_the_first_calls_of_a_pipe_from_two_threads_share_one_guard(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The guard is made at the first call: two threads making it at once
+    # must both hold the same one, or each would run beside the other.
+    made = threading.Barrier(2)
+    init = running.Running.__init__
+
+    def both_make_one(self: running.Running) -> None:
+        init(self)
+        made.wait(timeout=10)  # neither keeps its guard before both have one
+
+    monkeypatch.setattr(running.Running, "__init__", both_make_one)
+    pipe = Pipe(nn.Sequential(nn.Linear(8, 4)), chunks=2)
+    found: list[running.Running] = []
+
+    def first_call() -> None:
+        found.append(running.running_of(pipe))
+
+    threads = [threading.Thread(target=first_call) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(found) == 2 and found[0] is found[1]
