@@ -95,10 +95,14 @@ class PipeModule(nn.Module):
         root = self.__dict__.get("_root")
         if root is None:
             return
+        # Only the module's own: a tensor the user added to the pipe stays off it.
+        held = self.__dict__.get("_sealed", ())
         for name, param in self._parameters.items():
-            root._parameters[name] = param
+            if name in held:
+                root._parameters[name] = param
         for name, buf in self._buffers.items():
-            root._buffers[name] = buf
+            if name in held:
+                root._buffers[name] = buf
         for part in self.__dict__["_partitions"]:  # none before a first-call split
             rebind(part, root)
 

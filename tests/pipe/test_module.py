@@ -128,6 +128,18 @@ def test_a_layer_or_tensor_added_after_construction_is_the_users_own() -> None:
         old.decoder = nn.Linear(16, 4)
 
 
+def test_a_tensor_added_to_the_pipe_stays_off_the_wrapped_module() -> None:
+    model = Scaled()
+    pipe = Pipe(model, chunks=2, split_points=["decoder"], devices=["cpu"] * 2)
+    pipe.temperature = nn.Parameter(torch.tensor(1.0, dtype=torch.float64))
+    pipe.register_buffer("seen", torch.zeros(1, dtype=torch.float64))
+    pipe.float()  # puts the converted tensors back into the module
+    pipe.scale = nn.Parameter(torch.tensor(3.0))  # and a replaced one
+    assert list(model.state_dict()) == list(Scaled().state_dict())
+    assert model.scale is pipe.scale and model.shift is pipe.shift
+    assert pipe.temperature.dtype == torch.float32
+
+
 def test_moving_a_module_that_holds_a_pipe_is_refused() -> None:
     holder = nn.Module()
     holder.head = nn.Linear(2, 2)  # before the Pipe: moved before it refuses
