@@ -66,7 +66,9 @@ class PipeStep(PipeCall):
         its micro-batches' means: give it ``reduction='sum'`` (the step
         follows a loss module's own), and divide by the count yourself.
         Call ``optimizer.step()`` after. Only parameters get gradients:
-        inputs and targets are detached.
+        inputs and targets are detached. It is not a call of the pipe:
+        forward hooks registered on the pipe itself do not run (those on
+        its layers do).
 
         Args:
             inputs: the batch: one input, or a tuple of the module's
