@@ -45,12 +45,11 @@ class PipeConfig(PipeModule):
     ``_devices``, ``_balance``, ``_graph``, ``_split_points``, ``_split``,
     ``_report``, ``_compile`` and ``_graphed`` in ``__dict__``, and the
     attributes ``_chunks``, ``_split_size``, ``_virtual_stages`` and
-    ``force_copies``.
+    ``_force_copies``.
     """
 
     _chunks: int | None
     _split_size: int | None
-    force_copies: bool
 
     @property
     def devices(self) -> list[torch.device]:
@@ -144,6 +143,20 @@ class PipeConfig(PipeModule):
         self.__dict__["_virtual_stages"] = value
         self.__dict__["_auto_report"] = None  # chosen among what the old value fitted
         self.__dict__["_auto_reports"] = {}
+
+    @property
+    def force_copies(self) -> bool:
+        """Whether every micro-batch is copied between consecutive stages on
+        one device too (see ``Pipe``); a bool, checked when set (a string
+        such as ``"false"`` would read as true)."""
+        return self.__dict__["_force_copies"]  # type: ignore[no-any-return]
+
+    @force_copies.setter
+    def force_copies(self, value: bool) -> None:
+        # numpy's bool too, and 0 and 1; not a string or a float.
+        if isinstance(value, (str, bytes, float)) or value not in (0, 1):
+            raise TypeError(f"force_copies must be a bool, got {value!r}")
+        self.__dict__["_force_copies"] = bool(value)
 
     def schedule_report(self) -> ScheduleReport:
         """What ``schedule='auto'`` chose and why: each fitting schedule's

@@ -269,8 +269,9 @@ class PipeModule(nn.Module):
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        if "virtual_stages" in state:  # pickled while it was a plain attribute
-            state["_virtual_stages"] = state.pop("virtual_stages")
+        for name in ("virtual_stages", "force_copies"):
+            if name in state:  # pickled while it was a plain attribute
+                state[f"_{name}"] = state.pop(name)
         if state.get("_sealed") is True:  # pickled while it was a flag
             state["_sealed"] = _names(state)
         bind = state.pop("_bind", None)

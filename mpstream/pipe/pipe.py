@@ -209,7 +209,7 @@ class Pipe(PipeStep):
         self.schedule = schedule
         self.virtual_stages = virtual_stages
         self.__dict__["_runtime"] = None
-        self.force_copies = bool(force_copies)
+        self.force_copies = force_copies
         # A failure undoes the moves and the conversion: the caller's model is as it was.
         with (
             undone_on_error(module),

@@ -269,3 +269,18 @@ def test_a_layer_named_as_a_pipe_attribute_is_refused_and_the_model_left_as_it_w
     with pytest.raises(ValueError, match=f"attribute '{name}' clashes with Pipe's own"):
         Pipe(model, devices=["cpu"] * 2, deferred_batch_norm=True, **kwargs)  # type: ignore[arg-type]
     assert [type(m) for m in model.modules() if "Norm" in type(m).__name__] == [nn.BatchNorm1d]
+
+
+def test_force_copies_takes_a_bool_not_a_string_that_reads_as_true() -> None:
+    import numpy as np
+
+    layers = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    pipe = Pipe(layers, balance=[1, 1], devices=["cpu"] * 2, force_copies=np.bool_(True))
+    assert pipe.force_copies is True
+    pipe.force_copies = 0
+    assert pipe.force_copies is False
+    for wrong in ("false", 2, None):
+        with pytest.raises(TypeError, match="force_copies must be a bool"):
+            pipe.force_copies = wrong  # type: ignore[assignment]
+    with pytest.raises(TypeError, match="force_copies must be a bool, got 'no'"):
+        Pipe(nn.Sequential(nn.Linear(2, 2)), force_copies="no")  # type: ignore[arg-type]
