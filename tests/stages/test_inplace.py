@@ -5,10 +5,12 @@ later stages (and the gradients) the value unchanged."""
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
 from torch import Tensor, nn
+from torch.utils import _pytree as pytree
 
 from mpstream import Pipe
 from tests.helpers import assert_same_grads
@@ -82,6 +84,23 @@ def test_a_change_the_same_stage_reads_through_a_view_passed_apart_is_refused(
         pipe(torch.randn(6, 4))  # a module split by torch.export is split at its first call
 
 
+def _trains_as_the_module(model: nn.Module, batch: Any, tracer: str) -> tuple[Pipe, nn.Module]:
+    """A 2-stage pipe of ``model`` (split at ``b``, 3 micro-batches of 7 rows)
+    trains as ``model`` given a copy of ``batch``, and leaves ``batch`` as it was."""
+    model = model.double()
+    ref = copy.deepcopy(model)
+    pipe = Pipe(model, chunks=3, split_points=["b"], devices=["cpu"] * 2, tracer=tracer)
+    given = pytree.tree_map_only(Tensor, torch.clone, batch)
+    y = torch.randn(7, 4, dtype=torch.float64)
+    loss = pipe.train_step(batch, y, nn.functional.mse_loss)
+    expected = nn.functional.mse_loss(ref(pytree.tree_map_only(Tensor, torch.clone, given)), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach())
+    assert_same_grads(pipe, ref)
+    torch.testing.assert_close(batch, given, rtol=0, atol=0)  # the caller's batch: left as it was
+    return pipe, ref
+
+
 class ChangesInput(nn.Module):
     """Changes its input in place, where stage 0 begins; stage 1 reads it too."""
 
@@ -103,18 +122,9 @@ class ChangesInput(nn.Module):
 def test_an_input_changed_in_place_trains_per_micro_batch(tracer: str, how: str) -> None:
     # Micro-batches of one input share its version counter: each micro-batch's
     # change failed the backward of the ones before, which saved theirs.
-    model = ChangesInput(how).double()
-    ref = copy.deepcopy(model)
-    pipe = Pipe(model, chunks=3, split_points=["b"], devices=["cpu"] * 2, tracer=tracer)
-    x, y = torch.randn(7, 4, dtype=torch.float64), torch.randn(7, 4, dtype=torch.float64)
-    given = x.clone()
-    loss = pipe.train_step(x, y, nn.functional.mse_loss)
-    expected = nn.functional.mse_loss(ref(given.clone()), y)
-    expected.backward()
-    torch.testing.assert_close(loss, expected.detach())
-    assert_same_grads(pipe, ref)
-    torch.testing.assert_close(pipe(x), ref(given.clone()))
-    torch.testing.assert_close(x, given, rtol=0, atol=0)  # the caller's batch: left as it was
+    x = torch.randn(7, 4, dtype=torch.float64)
+    pipe, ref = _trains_as_the_module(ChangesInput(how), x, tracer)
+    torch.testing.assert_close(pipe(x), ref(x.clone()))
 
 
 class ChangesDictInput(nn.Module):
@@ -131,18 +141,8 @@ class ChangesDictInput(nn.Module):
 
 def test_a_dict_input_changed_in_place_gets_a_copy_of_its_tensors() -> None:
     # torch.fx keeps a dict batch one input: torch.clone of it raised TypeError.
-    model = ChangesDictInput().double()
-    ref = copy.deepcopy(model)
-    pipe = Pipe(model, chunks=3, split_points=["b"], devices=["cpu"] * 2, tracer="fx")
     batch = {k: torch.randn(7, 4, dtype=torch.float64) for k in ("x", "y")}
-    given = {k: v.clone() for k, v in batch.items()}
-    y = torch.randn(7, 4, dtype=torch.float64)
-    loss = pipe.train_step(batch, y, nn.functional.mse_loss)
-    expected = nn.functional.mse_loss(ref({k: v.clone() for k, v in given.items()}), y)
-    expected.backward()
-    torch.testing.assert_close(loss, expected.detach())
-    assert_same_grads(pipe, ref)
-    torch.testing.assert_close(batch, given, rtol=0, atol=0)  # the caller's batch: left as it was
+    _trains_as_the_module(ChangesDictInput(), batch, "fx")
 
 
 class AugmentsInput(nn.Module):
@@ -160,17 +160,7 @@ class AugmentsInput(nn.Module):
 
 def test_an_augmented_assignment_to_an_input_changes_its_views() -> None:
     # Traced as ``x = x + 1`` for an input, ``v`` was left unchanged: another result.
-    model = AugmentsInput().double()
-    ref = copy.deepcopy(model)
-    pipe = Pipe(model, chunks=3, split_points=["b"], devices=["cpu"] * 2, tracer="fx")
-    x, y = torch.randn(7, 4, dtype=torch.float64), torch.randn(7, 4, dtype=torch.float64)
-    given = x.clone()
-    loss = pipe.train_step(x, y, nn.functional.mse_loss)
-    expected = nn.functional.mse_loss(ref(given.clone()), y)
-    expected.backward()
-    torch.testing.assert_close(loss, expected.detach())
-    assert_same_grads(pipe, ref)
-    torch.testing.assert_close(x, given, rtol=0, atol=0)  # the caller's batch: left as it was
+    _trains_as_the_module(AugmentsInput(), torch.randn(7, 4, dtype=torch.float64), "fx")
 
 
 class ChangesInputLater(nn.Module):
