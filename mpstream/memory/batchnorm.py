@@ -190,8 +190,9 @@ class DeferredBatchNorm(_BatchNorm):
         mean, unbiased = mean.to(running_mean.dtype), unbiased.to(running_var.dtype)
         if self.momentum is None:
             # A cumulative average: the factor 1/tracked stays on the device
-            # (float(tracked) would synchronize the host once per layer).
-            factor = tracked.reciprocal().to(running_mean.dtype)
+            # (float(tracked) would synchronize the host once per layer), in
+            # float64: an integer tensor's reciprocal is float32.
+            factor = tracked.to(torch.float64).reciprocal().to(running_mean.dtype)
             running_mean.lerp_(mean, factor)
             running_var.lerp_(unbiased, factor)
         else:

@@ -243,6 +243,21 @@ def test_cumulative_average_stays_on_the_device(monkeypatch: pytest.MonkeyPatch)
     torch.testing.assert_close(norm.running_var, ref[1].running_var)
 
 
+def test_cumulative_average_of_a_float64_norm_is_exact() -> None:
+    """momentum=None's factor 1 / num_batches_tracked: an integer tensor's
+    reciprocal is float32, which put a float64 layer's statistics off by
+    about 1e-8 relative from the plain layer's."""
+    torch.manual_seed(0)
+    ref = nn.BatchNorm1d(3, momentum=None).double()
+    norm = DeferredBatchNorm.convert(copy.deepcopy(ref))
+    for _ in range(3):
+        x = torch.randn(8, 3, dtype=torch.float64) * 5 + 10
+        ref(x)
+        norm(x)
+    torch.testing.assert_close(norm.running_mean, ref.running_mean, rtol=1e-12, atol=0)
+    torch.testing.assert_close(norm.running_var, ref.running_var, rtol=1e-12, atol=0)
+
+
 @pytest.mark.parametrize("fail_at", [2, 3])  # the norm's stage, then the next stage
 def test_failed_forward_leaves_no_partial_statistics(fail_at: int) -> None:
     def build(failing: bool) -> Pipe:
