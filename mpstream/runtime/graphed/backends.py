@@ -203,6 +203,17 @@ class CudaGraphs:
         # Backward replays of the user's loop run on autograd's device threads.
         self._count = threading.Lock()
 
+    # A pipe built with a backend holds it: its copies and pickles take a
+    # lock of their own (a lock cannot be copied).
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        del state["_count"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._count = threading.Lock()
+
     def capture(self, call: GraphedCall, fn: Callable[..., Any]) -> None:
         index = call.device.index
         generator = torch.cuda.default_generators[

@@ -41,6 +41,18 @@ class Emulated:
         self._count = threading.Lock()  # as CudaGraphs'
         self.fns: dict[int, Callable[..., Any]] = {}
 
+    # As CudaGraphs': a copy of a pipe captures its own calls again, so it
+    # keeps none of these calls' functions.
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        del state["_count"]
+        state["fns"] = {}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._count = threading.Lock()
+
     def capture(self, call: GraphedCall, fn: Callable[..., Any]) -> None:
         self.captures += 1
         self.fns[id(call)] = fn

@@ -9,10 +9,15 @@ sharing pass allocates is followed, over every schedule, both loops and
 checkpoint modes: none may outlive its replay (what does is written into
 buffers allocated before capture). Passes that do keep what they allocate
 (a forward's activations, a split B's junction gradients) take a pool of
-their own per call."""
+their own per call.
+
+A pipe given a backend object is copied and pickled like any other."""
 
 from __future__ import annotations
 
+import copy
+import pickle
+import warnings
 import weakref
 from typing import Any
 
@@ -22,12 +27,12 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from mpstream.runtime.graphed import Emulated
+from mpstream.runtime.graphed import CudaGraphs, Emulated, GraphWarning
 from mpstream.runtime.graphed.backends import shares
 from mpstream.runtime.graphed.call import GraphedCall
 from mpstream.runtime.graphed.grads import GradStore
 from mpstream.schedules import SCHEDULES, placement_of
-from tests.helpers import mlp
+from tests.helpers import assert_same_grads, mlp
 from tests.runtime.graphed.test_stages import WIDTHS, data, pair
 
 
@@ -141,3 +146,20 @@ def test_warm_up_marks_the_stages_forward_errors_only() -> None:
         with pytest.raises(error) as info:
             warm_up(call, stage, 1, lambda: 0)
         assert was_raised_eagerly(info.value) is marked
+
+
+@pytest.mark.parametrize("backend", [CudaGraphs, Emulated])
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_pipe_given_a_backend_is_copied_and_pickled(backend: type, how: str) -> None:
+    # The backend's lock is not copied: the copy takes its own, and
+    # captures its own calls (on the CPU a CudaGraphs pipe runs eagerly).
+    eager, graphed = pair(mlp(WIDTHS), graphs=backend(), chunks=2)
+    x, y = data()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GraphWarning)
+        nn.functional.mse_loss(graphed(x), y).backward()
+        twin = copy.deepcopy(graphed) if how == "deepcopy" else pickle.loads(pickle.dumps(graphed))
+        for pipe in (eager, twin):
+            pipe.zero_grad()
+            nn.functional.mse_loss(pipe(x), y).backward()
+    assert_same_grads(twin, eager)
