@@ -133,8 +133,9 @@ class Pipe(PipeStep):
             says what is graphed. The graphs add the parameter gradients
             into buffers of each stage's, which the parameters' ``.grad``
             are (views; ``zero_grad()`` and optimizers work as usual); so
-            ``torch.autograd.grad`` gives no parameter gradient through a
-            graphed stage, and ``loss_fn`` in :meth:`train_step` receives
+            ``torch.autograd.grad`` (and ``backward(inputs=...)`` naming a
+            graphed stage's parameters) gives no parameter gradient through
+            a graphed stage, and ``loss_fn`` in :meth:`train_step` receives
             the last stage's output buffers, valid until the micro-batch's
             backward (copy what you keep). A
             :class:`~mpstream.runtime.graphed.Backend` instead of ``True``
