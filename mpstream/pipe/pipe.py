@@ -189,7 +189,9 @@ class Pipe(PipeStep):
         check_module(module)  # before anything reads it as a module
         if chunks is not None and split_size is not None:
             raise ValueError("give either chunks or split_size, not both")
-        if graphs and compile:
+        # Validated first: an empty dict compiles with torch.compile's defaults.
+        options = compile_options(compile)
+        if graphs and options is not None:
             raise ValueError(
                 "graphs=True and compile= both take over how a stage runs; choose one (for "
                 "compiled stages replayed as CUDA graphs, compile={'mode': 'reduce-overhead'})"
@@ -206,7 +208,7 @@ class Pipe(PipeStep):
         self._chunks = None if chunks is None else check_positive("chunks", chunks)
         self._split_size = None if split_size is None else check_positive("split_size", split_size)
         self.checkpoint = checkpoint
-        self.__dict__["_compile"] = compile_options(compile)  # before any layer moves
+        self.__dict__["_compile"] = options
         self.schedule = schedule
         self.virtual_stages = virtual_stages
         self.__dict__["_runtime"] = None

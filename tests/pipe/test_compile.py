@@ -81,6 +81,9 @@ def test_compile_option_is_checked_at_construction() -> None:
         Pipe(seq, compile={"bogus": 1})
     with pytest.raises(RuntimeError, match="Invalid backend"):
         Pipe(seq, compile={"backend": "no_such_backend"})
+    # An empty dict compiles with the defaults: refused with graphs as True is.
+    with pytest.raises(ValueError, match="graphs=True and compile= both take over"):
+        Pipe(seq, compile={}, graphs=True)
 
 
 def test_a_compiled_pipe_copies_and_pickles() -> None:
