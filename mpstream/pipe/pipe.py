@@ -12,7 +12,7 @@ from contextlib import nullcontext
 
 from torch import nn
 
-from ..memory.batchnorm import converted
+from ..memory.batchnorm import converted, deferred_norms
 from ..runtime.graphed import Backend
 from ..runtime.microbatch import Value
 from ..schedules.schedule import PipeSchedule, check_schedule
@@ -218,6 +218,14 @@ class Pipe(PipeStep):
             undone_on_error(module),
             converted(module) if deferred_batch_norm else nullcontext(module) as module,
         ):
+            if options is not None and options.get("fullgraph") and deferred_norms(module):
+                # Their accumulation runs outside torch.compile (a graph break
+                # per layer); dynamo's own error would name mpstream's code.
+                raise ValueError(
+                    "compile={'fullgraph': True} cannot hold deferred BatchNorm layers, whose "
+                    "statistics are accumulated outside the compiled graph: drop fullgraph, or "
+                    "deferred_batch_norm=True"
+                )
             built = build(module, balance, devices, sample, split_points, leaf_modules, tracer)
             if built.graph is not None:
                 reads = built.graph.reads()
