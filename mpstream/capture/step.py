@@ -101,7 +101,10 @@ class CapturedStep:
     second call, once gradients exist). For mixed precision, construct it
     under ``torch.autocast(..., cache_enabled=False)`` (autocast's weight
     cache does not survive capture) with bfloat16: a ``GradScaler`` reads
-    its overflow flag on the host, which a replay cannot.
+    its overflow flag on the host, which a replay cannot. A capture keeps
+    the autocast state it was made under; on CPUs, where each call runs
+    eagerly, the state at the call applies instead (call it under the
+    same ``autocast`` block).
 
     Args:
         pipe: the pipe to train.
