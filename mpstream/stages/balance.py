@@ -104,12 +104,17 @@ def profile_layers(
         TypeError: ``module`` is not an ``nn.Sequential``.
     """
     if not isinstance(module, nn.Sequential):
-        hint = (
-            " (torchgpipe's argument order, (partitions, module, sample), is "
-            "(module, sample, stages) here)"
-            if isinstance(module, int) and isinstance(sample, nn.Module)
-            else ""
-        )
+        hint = ""
+        if isinstance(module, int) and isinstance(sample, nn.Module):
+            hint = (
+                " (torchgpipe's argument order, (partitions, module, sample), is "
+                "(module, sample, stages) here)"
+            )
+        elif isinstance(module, nn.Module):
+            hint = (
+                "; for another module, Pipe(module, balance='time' or 'size', devices=..., "
+                "sample=...) picks split points among its children's calls"
+            )
         raise TypeError(
             f"balancing profiles an nn.Sequential layer by layer; got {type(module).__name__}{hint}"
         )

@@ -146,6 +146,9 @@ def test_balancing_errors_name_the_argument_the_layer_and_torchgpipe_s_order() -
         balance_by_time(2, model, torch.randn(3, 4))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="device is 'cpuu', not a device"):
         balance_by_size(model, torch.randn(3, 4), 2, device="cpuu")
+    # A module that is not a Sequential is balanced by the Pipe: say so.
+    with pytest.raises(TypeError, match=r"got Linear; .*Pipe\(module, balance='time' or 'size'"):
+        balance_by_time(nn.Linear(4, 4), torch.randn(3, 4), 2)
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied") as info:
         balance_by_time(model, torch.randn(3, 4), 2)
     assert "profiling layer 2 ('2') to balance the stages" in "".join(info.value.__notes__)
