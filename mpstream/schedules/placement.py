@@ -165,7 +165,15 @@ def v_stages_of(
     wrong = [s for s in range(p) if devices[s] != devices[stages - 1 - s]]
     if wrong:
         s = wrong[0]
-        v_shape = [devices[min(t, stages - 1 - t)] for t in range(stages)]
+        # Advise a V over every device given, not the first half mirrored:
+        # ['cuda:0', 'cuda:0', 'cuda:1', 'cuda:1'] would become all cuda:0.
+        labels = list(dict.fromkeys(devices))
+        ranks = (
+            [labels[r * len(labels) // p] for r in range(p)]
+            if len(labels) <= p
+            else list(devices[:p])
+        )
+        v_shape = [ranks[min(t, stages - 1 - t)] for t in range(stages)]
         raise ValueError(
             f"{schedule} places stages s and {stages - 1} - s on one device (a V: rank s holds "
             f"stage s on the way down and stage {stages - 1} - s on the way back), but stage "

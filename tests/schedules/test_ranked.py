@@ -146,11 +146,16 @@ def test_a_v_placement_is_checked_against_the_devices() -> None:
         v_stages_of(["cpu"] * 6, 3, "dualpipev")
     message = (
         r"dualpipev places stages s and 3 - s on one device .* stage 0 is on cuda:0 and stage "
-        r"3 on cuda:1 \(got cuda:0, cuda:0, cuda:1, cuda:1\); place them as cuda:0, cuda:0, "
-        r"cuda:0, cuda:0"
+        r"3 on cuda:1 \(got cuda:0, cuda:0, cuda:1, cuda:1\); place them as cuda:0, cuda:1, "
+        r"cuda:1, cuda:0$"
     )
     with pytest.raises(ValueError, match=message):
         v_stages_of(["cuda:0", "cuda:0", "cuda:1", "cuda:1"], None, "dualpipev")
+    # The advice keeps every device given: two for three ranks share one.
+    with pytest.raises(ValueError, match=r"place them as a, a, b, b, a, a$"):
+        v_stages_of(["a", "a", "a", "b", "b", "b"])
+    with pytest.raises(ValueError, match=r"place them as a, b, c, c, b, a$"):
+        v_stages_of(["a", "b", "c", "d", "e", "f"])
     with pytest.raises(ValueError, match="looped_bfs places stages round-robin"):
         virtual_stages_for("looped_bfs", ["cuda:0", "cuda:1", "cuda:1", "cuda:0"], None)
     with pytest.raises(ValueError, match="virtual_stages=2 applies to the schedules that place"):
