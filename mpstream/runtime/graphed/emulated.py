@@ -10,6 +10,7 @@ B and W of a split call).
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -39,23 +40,28 @@ class Emulated:
         #: Passes "replayed" so far (each would be one graph launch).
         self.replays = 0
         self._count = threading.Lock()  # as CudaGraphs'
-        self.fns: dict[int, Callable[..., Any]] = {}
+        # Weak: a backend outlives the pipes given it, and a call let go (a
+        # stage's least recently used, a dead pipe's) must take its stage along.
+        self.fns: weakref.WeakKeyDictionary[GraphedCall, Callable[..., Any]] = (
+            weakref.WeakKeyDictionary()
+        )
 
     # As CudaGraphs': a copy of a pipe captures its own calls again, so it
     # keeps none of these calls' functions.
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         del state["_count"]
-        state["fns"] = {}
+        del state["fns"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._count = threading.Lock()
+        self.fns = weakref.WeakKeyDictionary()
 
     def capture(self, call: GraphedCall, fn: Callable[..., Any]) -> None:
         self.captures += 1
-        self.fns[id(call)] = fn
+        self.fns[call] = fn
         try:
             with torch.enable_grad() if call.grad else torch.no_grad():
                 outs = call.outputs(fn(*call.inputs()))
@@ -77,7 +83,7 @@ class Emulated:
 
     def forward(self, call: GraphedCall) -> None:
         with torch.enable_grad() if call.grad else torch.no_grad():
-            outs = call.outputs(self.fns[id(call)](*call.inputs()))
+            outs = call.outputs(self.fns[call](*call.inputs()))
         for static, t in zip(call.static_out, outs):
             static.copy_(t.detach())
         call.state = outs if call.diff_out else None  # the slot's one set of activations

@@ -16,6 +16,7 @@ A pipe given a backend object is copied and pickled like any other."""
 from __future__ import annotations
 
 import copy
+import gc
 import pickle
 import warnings
 import weakref
@@ -163,3 +164,18 @@ def test_a_pipe_given_a_backend_is_copied_and_pickled(backend: type, how: str) -
             pipe.zero_grad()
             nn.functional.mse_loss(pipe(x), y).backward()
     assert_same_grads(twin, eager)
+
+
+def test_one_emulated_backend_given_pipe_after_pipe_keeps_no_dead_pipes_layers() -> None:
+    # It kept each call's stage by the call's id() for good: every pipe it
+    # had served stayed alive, parameters and all, for as long as it lived.
+    backend = Emulated()
+    x, y = data()
+    layers = []
+    for _ in range(3):
+        eager, graphed = pair(mlp(WIDTHS), graphs=backend, chunks=2)
+        graphed.train_step(x, y, nn.MSELoss())
+        layers.append(weakref.ref(graphed[0]))
+        del eager, graphed
+    gc.collect()
+    assert [ref() for ref in layers] == [None] * 3
