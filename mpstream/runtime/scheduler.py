@@ -9,6 +9,7 @@ pool, and can log every stream operation (the plan) and time every task.
 
 from __future__ import annotations
 
+import threading
 import warnings
 import weakref
 from collections import defaultdict
@@ -83,6 +84,10 @@ def device_failure(devices: Sequence[torch.device]) -> str | None:
 
 # Schedulers whose streams are alive, to spot streams shared between pipes.
 _LIVE: weakref.WeakSet[EventScheduler] = weakref.WeakSet()
+# Guards adding to _LIVE against another thread's walk over it (a pipe's
+# first call in each of two threads): a set that grows while it is iterated
+# raises RuntimeError.
+_LIVE_LOCK = threading.Lock()
 _warned_across_pipes = False
 
 
@@ -166,7 +171,8 @@ class EventScheduler:
         self.device_error: str | None = None
         if not virtual:
             self._check_aliasing()
-            _LIVE.add(self)
+            with _LIVE_LOCK:
+                _LIVE.add(self)
 
     def named_streams(self) -> Iterator[tuple[str, AnyStream]]:
         """The pipeline's own streams (compute, copy, io) with their slot names."""
@@ -200,7 +206,9 @@ class EventScheduler:
             )
         if _warned_across_pipes:
             return
-        for other in list(_LIVE):
+        with _LIVE_LOCK:
+            others = list(_LIVE)
+        for other in others:
             clashes = [
                 f"{name} (another live Pipe's)"
                 for name, st in other.named_streams()

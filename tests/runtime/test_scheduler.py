@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
+import weakref
 from typing import Any
 
 import pytest
@@ -398,3 +400,43 @@ def test_a_host_wait_on_device_work_is_refused_while_capturing() -> None:
         for t in schedule.tasks:
             sched.end(sched.begin(t.index))
     sched.abort()
+
+
+def test_pipes_made_in_two_threads_at_once_both_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each thread's first call of its own pipe makes a scheduler, which walks
+    # the live ones while the other thread's may be added: the walk raised
+    # "Set changed size during iteration". The other thread is made to add
+    # its scheduler right inside this thread's walk.
+    from mpstream.runtime import scheduler as module
+
+    monkeypatch.setattr(module, "_LIVE", weakref.WeakSet())
+    monkeypatch.setattr(module, "_warned_across_pipes", False)
+    cpu = [torch.device("cpu")] * 2
+    live = [EventScheduler(cpu) for _ in range(2)]  # something to walk
+    made: list[EventScheduler] = []
+    added = threading.Event()
+
+    def other() -> None:
+        made.append(EventScheduler(cpu))
+        added.set()
+
+    thread = threading.Thread(target=other, daemon=True)
+    resumed = 0
+
+    def trace(frame: Any, event: str, arg: Any) -> None:
+        nonlocal resumed
+        if event == "call" and frame.f_code is weakref.WeakSet.__iter__.__code__:
+            resumed += 1
+            if resumed == 2:  # the walk has begun: the other thread adds now
+                thread.start()
+                added.wait(1)  # fixed, it waits for this walk to end instead
+
+    sys.settrace(trace)
+    try:
+        mine = EventScheduler(cpu)
+    finally:
+        sys.settrace(None)
+    thread.join(30)
+    assert not thread.is_alive()
+    assert len(made) == 1
+    assert set(module._LIVE) == {*live, mine, *made}
