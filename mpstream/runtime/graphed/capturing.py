@@ -290,8 +290,10 @@ def restored(stage: nn.Module) -> Iterator[None]:
     """Puts back on exit what warm-up and capture may change: the stage's
     buffers, its deferred BatchNorm counters, the random number generators."""
     buffers = [(b, b.detach().clone()) for b in stage.buffers()]
-    counters = [(n, n.tracked, n.hold) for n in stage.modules() if isinstance(n, DeferredBatchNorm)]
-    for n, _, _ in counters:
+    counters = [
+        (n, n.tracked, n.calls, n.hold) for n in stage.modules() if isinstance(n, DeferredBatchNorm)
+    ]
+    for n, _, _, _ in counters:
         n.hold = True  # a commit must not be captured: each replay would run it
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None  # type: ignore[no-untyped-call]
@@ -304,8 +306,8 @@ def restored(stage: nn.Module) -> Iterator[None]:
         # running statistics), whose version check would fail.
         for b, saved in buffers:
             b.data.copy_(saved)
-        for n, tracked, hold in counters:
-            n.tracked, n.hold = tracked, hold
+        for n, tracked, calls, hold in counters:
+            n.tracked, n.calls, n.hold = tracked, calls, hold
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)

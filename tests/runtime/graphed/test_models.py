@@ -5,6 +5,8 @@ to the eager pipe (replays emulated on the CPU, see test_stages.py)."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -26,6 +28,20 @@ def test_deferred_batch_norm_counts_replayed_forwards() -> None:
             pipe.train_step(x, y, nn.MSELoss())
     for a, b in zip(graphed.buffers(), eager.buffers()):
         torch.testing.assert_close(a, b)
+
+
+def test_deferred_batch_norm_captured_is_not_said_to_run_twice_per_micro_batch() -> None:
+    # Capture runs the stage once more per micro-batch; it was counted as a
+    # call: "ran 4 times in a mini-batch of 2 micro-batches", warned at the
+    # first call (and, warned once, a real second use went unsaid).
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 4)).double()
+    _, graphed = pair(model, chunks=2, balance=[2, 1], deferred_batch_norm=True)
+    x, y = data()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        graphed(x)
+        graphed.train_step(x, y, nn.MSELoss())
+    assert not graphed.partitions[0][1].warned
 
 
 def test_plain_batch_norm_captured_between_a_forward_and_its_backward() -> None:
