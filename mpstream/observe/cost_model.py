@@ -94,6 +94,16 @@ def _pair(cost: Cost, what: str, *, both: bool = False) -> tuple[float, float]:
     return pair
 
 
+def _listed(times: object, what: str) -> None:
+    """Refuses a mapping of times: iterating it would read its keys (the
+    stage or layer numbers) as the times, a wrong result without an error."""
+    if isinstance(times, Mapping):
+        raise ValueError(
+            f"{what} must be a sequence with one entry per {what.split('_')[0]}, in order, "
+            f"not a {type(times).__name__}; give list({what}.values()) if its keys are 0, 1, ..."
+        )
+
+
 def _size(cost: object) -> int:
     """How many numbers a cost holds (a tuple, a list, an array's row); -1
     for something without a length."""
@@ -192,10 +202,11 @@ def simulate(
         The predicted step time and its timeline.
 
     Raises:
-        ValueError: inconsistent lengths, negative costs, a schedule with
-            backward tasks without backward times, or a round-robin schedule
+        ValueError: inconsistent lengths, ``stage_times`` a mapping, negative
+            costs, a schedule with backward tasks without backward times, or a round-robin schedule
             with neither ``devices`` nor ``virtual_stages``.
     """
+    _listed(stage_times, "stage_times")
     stages = [_pair(c, f"stage {i} time") for i, c in enumerate(stage_times)]
     n = len(stages)
     if n < 1:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from ..schedules import placement_of
 from ..stages import partition, stage_costs
-from .cost_model import Cost, Simulation, _pair, _size, _split, simulate
+from .cost_model import Cost, Simulation, _listed, _pair, _size, _split, simulate
 
 __all__ = ["Prediction", "predict"]
 
@@ -78,15 +78,17 @@ def predict(
         single device runs it.
 
     Raises:
-        ValueError: a negative cost, a ``balance`` that does not fit the
-            layers, ``issue_times`` of another length than ``layer_times``,
-            or a schedule of several stages per device.
+        ValueError: a negative cost, ``layer_times`` a mapping, a
+            ``balance`` that does not fit the layers, ``issue_times`` of
+            another length than ``layer_times``, or a schedule of several
+            stages per device.
     """
     if placement_of(schedule) != "stage":
         raise ValueError(
             f"predict puts one stage on each device, and schedule={schedule!r} places several "
             f"stages per device: use mpstream.simulate with devices= or virtual_stages= for it"
         )
+    _listed(layer_times, "layer_times")
     pairs = [_pair(c, f"layer {i} time") for i, c in enumerate(layer_times)]
     totals = [f + b for f, b in pairs]
     chosen = list(balance) if balance is not None else partition(totals, stages)

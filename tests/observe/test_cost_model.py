@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -297,6 +298,19 @@ def test_simulate_names_a_bad_argument(kwargs: dict[str, object], message: str) 
     args: dict[str, object] = {"stage_times": [(1.0, 1.0)] * 2, "chunks": 2, **kwargs}
     with pytest.raises(ValueError, match=message):
         simulate(**args)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda: simulate({0: 1.0, 1: 2.0}, chunks=2), "stage_times must be a sequence"),  # type: ignore[arg-type]
+        (lambda: predict({0: 1.0, 1: 2.0}, 2, 2), "layer_times must be a sequence"),  # type: ignore[arg-type]
+    ],
+)
+def test_times_keyed_by_stage_are_refused(call: Callable[[], object], match: str) -> None:
+    # Iterated, a dict gives its keys: the stage numbers, read as times.
+    with pytest.raises(ValueError, match=match):
+        call()
 
 
 def test_simulate_takes_numpy_numbers() -> None:
