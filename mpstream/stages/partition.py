@@ -4,6 +4,7 @@ the cost of each stage of a split."""
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 __all__ = ["partition", "stage_costs"]
@@ -23,10 +24,15 @@ def partition(costs: Sequence[float], stages: int) -> list[int]:
         The balance: layers per part.
 
     Raises:
+        TypeError: ``stages`` is not an int.
         ValueError: fewer layers than stages, ``stages`` < 1, or a cost that is
             negative, infinite or NaN.
     """
     n = len(costs)
+    # A float would reach range() below as a raw TypeError; True is no count.
+    if isinstance(stages, bool) or not isinstance(stages, numbers.Integral):
+        raise TypeError(f"stages must be an int, got {stages!r}")
+    stages = int(stages)
     if stages < 1:
         raise ValueError(f"stages must be at least 1, got {stages}")
     if n < stages:

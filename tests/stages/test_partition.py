@@ -41,3 +41,9 @@ def test_partition_examples_and_errors() -> None:
     for bad in (float("inf"), float("nan")):  # an empty stage, an arbitrary split
         with pytest.raises(ValueError, match=r"finite and not negative, got .* at 0"):
             partition([bad, 1, 1], 2)
+
+
+@pytest.mark.parametrize("stages", [2.0, True, "2"])
+def test_partition_names_stages_that_are_not_an_int(stages: object) -> None:
+    with pytest.raises(TypeError, match="stages must be an int, got"):
+        partition([1, 1, 1], stages)  # type: ignore[arg-type]
