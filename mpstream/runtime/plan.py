@@ -102,18 +102,24 @@ def record_plan(
         The recorded :class:`Plan`.
 
     Raises:
+        TypeError: ``devices`` is one device, not a list.
         ValueError: ``stages`` or ``chunks`` is not a positive int, ``devices`` has
-            another length, or the schedule does not fit them.
+            another length or an entry that is not a device (``input_device``
+            and ``target_device`` too), or the schedule does not fit them.
     """
     for name, count in (("stages", stages), ("chunks", chunks)):
         # Any integer (numpy's too, as Schedule takes them), not True as 1.
         if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 1:
             raise ValueError(f"{name} must be a positive int, got {count!r}")
     stages, chunks = int(stages), int(chunks)
-    devs = [torch.device(d) for d in (devices or [f"cuda:{i}" for i in range(stages)])]
+    if isinstance(devices, (str, torch.device)):
+        # A string would be read a character per stage.
+        raise TypeError(f"devices must be a list with one device per stage, got {devices!r}")
+    listed = devices or [f"cuda:{i}" for i in range(stages)]
+    devs = [_device(d, f"devices[{i}]") for i, d in enumerate(listed)]
     if len(devs) != stages:
         raise ValueError(f"devices has {len(devs)} entries for {stages} stages")
-    src = torch.device(input_device) if input_device is not None else devs[0]
+    src = _device(input_device, "input_device") if input_device is not None else devs[0]
     labels = list(dict.fromkeys(devs))
     graph = tuple(tuple(r) for r in reads) if reads is not None else None
     topology = Topology(
@@ -122,7 +128,7 @@ def record_plan(
         labels.index(src) if src in labels else -1,
         force_copies,
     )
-    copy_target = target_device is not None and torch.device(target_device) != devs[-1]
+    copy_target = target_device is not None and _device(target_device, "target_device") != devs[-1]
     given = None if placement_of(schedule) == "stage" else virtual_stages
     virtual = virtual_stages_for(schedule, devs, given)
     sched = Schedule(
@@ -141,6 +147,17 @@ def record_plan(
         runner.end(runner.begin(task.index))
     runner.join()
     return Plan(runner.plan(), runner.slot_names, runner.slot_devices, stages, graph)
+
+
+def _device(d: str | torch.device, what: str) -> torch.device:
+    """``d`` as a device, or a ValueError naming ``what`` (the argument)."""
+    try:
+        return torch.device(d)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(
+            f"{what} is {d!r}, not a device ({str(exc).splitlines()[0]}); give a torch.device "
+            f"or a string such as 'cuda:0' or 'cpu'"
+        ) from None
 
 
 # A task, as verify_plan names it: (kind, stage, peer, micro).

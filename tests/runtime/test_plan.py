@@ -116,6 +116,26 @@ def test_record_plan_checks_devices() -> None:
         record_plan("gpipe", 3, 2, ["cuda:0", "cuda:1"])
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"devices": ["gpu", "gpu"]}, ValueError, r"devices\[0\] is 'gpu', not a device"),
+        ({"devices": "cuda:0"}, TypeError, "devices must be a list with one device per stage"),
+        ({"input_device": "host"}, ValueError, "input_device is 'host', not a device"),
+        (
+            {"backward": True, "target_device": "gpu:1"},
+            ValueError,
+            "target_device is 'gpu:1', not a device",
+        ),
+    ],
+)
+def test_record_plan_names_a_bad_device(
+    kwargs: dict[str, object], error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        record_plan("gpipe", 2, 2, **kwargs)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("layout", ["distinct", "one-gpu"])
 def test_host_transfers_run_on_the_io_stream_and_order_their_readers(
