@@ -287,7 +287,13 @@ def _sizes(split_sizes: Sequence[int] | None, batch: int) -> list[int]:
     """The candidate split sizes, checked, in increasing order."""
     if split_sizes is None:
         return candidate_split_sizes(batch)
-    split_sizes = list(split_sizes)  # a generator is read once
+    try:
+        split_sizes = list(split_sizes)  # a generator is read once
+    except TypeError:  # one size, split_sizes=4
+        raise ValueError(
+            f"split_sizes must be a list of positive ints, got {split_sizes!r}; give "
+            f"[{split_sizes!r}] to time that one split size"
+        ) from None
     try:
         sizes = sorted({operator.index(s) for s in split_sizes if not isinstance(s, bool)})
     except TypeError:
