@@ -232,6 +232,9 @@ def tokens(p: Preset, device: torch.device | str = "cpu", seed: int = 0) -> tupl
 def halves(p: Preset, stages: int = 2) -> list[int]:
     """Layers per stage: the blocks split evenly, the embedding with the
     first stage and the head with the last."""
+    # divmod would raise ZeroDivisionError for 0 and range() a raw TypeError.
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+        raise ValueError(f"stages must be a positive int, got {stages!r}")
     base, extra = divmod(p.depth, stages)
     blocks = [base + (1 if s < extra else 0) for s in range(stages)]
     blocks[0] += 1

@@ -47,6 +47,12 @@ def test_the_halves_put_the_embedding_and_the_head_on_the_ends() -> None:
     assert T.halves(T.preset("tiny", depth=5), 3) == [3, 2, 2]
 
 
+@pytest.mark.parametrize("stages", [0, -1, 2.0])
+def test_the_halves_name_a_bad_stage_count(stages: object) -> None:
+    with pytest.raises(ValueError, match="stages must be a positive int, got"):
+        T.halves(TINY, stages)  # type: ignore[arg-type]
+
+
 def test_naive_model_parallel_is_the_unsplit_model() -> None:
     model, x, y, loss = unsplit()
     naive = T.NaiveParallel(copy.deepcopy(model), T.halves(TINY), [torch.device("cpu")] * 2)
