@@ -224,7 +224,7 @@ class Pipe(PipeStep):
                 raise ValueError(
                     "compile={'fullgraph': True} cannot hold deferred BatchNorm layers, whose "
                     "statistics are accumulated outside the compiled graph: drop fullgraph, or "
-                    "deferred_batch_norm=True"
+                    "build without them (deferred_batch_norm=False)"
                 )
             built = build(module, balance, devices, sample, split_points, leaf_modules, tracer)
             if built.graph is not None:
