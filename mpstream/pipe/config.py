@@ -154,7 +154,11 @@ class PipeConfig(PipeModule):
     @force_copies.setter
     def force_copies(self, value: bool) -> None:
         # numpy's bool too, and 0 and 1; not a string or a float.
-        if isinstance(value, (str, bytes, float)) or value not in (0, 1):
+        try:
+            wrong = isinstance(value, (str, bytes, float)) or value not in (0, 1)
+        except (RuntimeError, ValueError):  # an array or tensor of several values
+            wrong = True
+        if wrong:
             raise TypeError(f"force_copies must be a bool, got {value!r}")
         self.__dict__["_force_copies"] = bool(value)
 

@@ -279,7 +279,7 @@ def test_force_copies_takes_a_bool_not_a_string_that_reads_as_true() -> None:
     assert pipe.force_copies is True
     pipe.force_copies = 0
     assert pipe.force_copies is False
-    for wrong in ("false", 2, None):
+    for wrong in ("false", 2, None, torch.ones(2)):
         with pytest.raises(TypeError, match="force_copies must be a bool"):
             pipe.force_copies = wrong  # type: ignore[assignment]
     with pytest.raises(TypeError, match="force_copies must be a bool, got 'no'"):
