@@ -175,29 +175,33 @@ def profile_call(
     y: Any = None
     items, spec = leaves(args)
     where = [i for i, t in enumerate(items) if isinstance(t, Tensor)]
-    for i in range(repeat + 1):
-        # Non-leaf inputs that require grad: layers may start in place.
-        cut_items = list(items)
-        for j, t in zip(where, cut(GradSink(), tuple(items[k] for k in where))):
-            cut_items[j] = t
-        call_args = rebuild_leaves(cut_items, spec)
-        saved.clear()
-        pack = functools.partial(_note_storage, saved)
-        _sync(device)
-        start = time.perf_counter()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            y = layer(*call_args)
-        _sync(device)
-        middle = time.perf_counter()
-        outs = [t for t in leaves(y)[0] if isinstance(t, Tensor) and t.requires_grad]
-        if outs:
-            torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
-        _sync(device)
-        end = time.perf_counter()
-        if i > 0:
-            fwd.append((middle - start) * 1e3)
-            bwd.append((end - middle) * 1e3)
-        layer.zero_grad(set_to_none=True)
+    # Dropout in the profiled runs draws from the global generators: without
+    # the fork, building a pipe with balance='time' would change what the
+    # caller's seeded training draws next.
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        for i in range(repeat + 1):
+            # Non-leaf inputs that require grad: layers may start in place.
+            cut_items = list(items)
+            for j, t in zip(where, cut(GradSink(), tuple(items[k] for k in where))):
+                cut_items[j] = t
+            call_args = rebuild_leaves(cut_items, spec)
+            saved.clear()
+            pack = functools.partial(_note_storage, saved)
+            _sync(device)
+            start = time.perf_counter()
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                y = layer(*call_args)
+            _sync(device)
+            middle = time.perf_counter()
+            outs = [t for t in leaves(y)[0] if isinstance(t, Tensor) and t.requires_grad]
+            if outs:
+                torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+            _sync(device)
+            end = time.perf_counter()
+            if i > 0:
+                fwd.append((middle - start) * 1e3)
+                bwd.append((end - middle) * 1e3)
+            layer.zero_grad(set_to_none=True)
     own = [p for p in layer.parameters() if counted is None or id(p) not in counted]
     if counted is not None:
         counted.update(id(p) for p in own)

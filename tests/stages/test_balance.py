@@ -192,3 +192,16 @@ def test_auto_balance_with_more_devices_than_layers_names_devices(how: str) -> N
     message = rf"balance='{how}' gives each of the 3 devices \(devices=\) a stage .* 2 layer"
     with pytest.raises(ValueError, match=message):
         Pipe(model, balance=how, devices=["cpu"] * 3, sample=torch.randn(2, 2))
+
+
+@pytest.mark.parametrize("how", ["time", "size"])
+def test_auto_balance_leaves_the_random_stream_alone(how: str) -> None:
+    # Profiling runs dropout: the caller's seeded draws after building the
+    # pipe must be those the plain model gets.
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 8), nn.Dropout(0.5))
+    x = torch.randn(4, 8)
+    torch.manual_seed(0)
+    expected = model(x)
+    torch.manual_seed(0)
+    pipe = Pipe(model, chunks=1, balance=how, devices=["cpu", "cpu"], sample=x)
+    torch.testing.assert_close(pipe(x), expected)
