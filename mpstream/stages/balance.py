@@ -29,7 +29,7 @@ from torch.utils import _pytree as pytree
 from ..runtime.boundary import GradSink, cut
 from ..runtime.calls import takes_several
 from ..runtime.errors import annotate
-from ..runtime.microbatch import Value, as_value, leaves, rebuild_leaves, tensors_of
+from ..runtime.microbatch import NoChunk, Value, as_value, leaves, rebuild_leaves
 from .fx import call_units, trace
 from .partition import partition
 from .sequential import as_device
@@ -129,7 +129,17 @@ def profile_layers(
     model = copy.deepcopy(module).to(dev).train()
     # The pipeline's positional inputs, passed on as its stages pass them
     # (runtime.calls.Chain: a tuple spread into a layer taking several).
-    args: tuple[Any, ...] = tuple(t.to(dev) for t in tensors_of(as_value(sample, "sample")))
+    # A pipe's call may also hold NoChunk tensors and plain values (a mask,
+    # a scale): its layers get those whole, and only the rest is one batch.
+    given = tuple(sample) if isinstance(sample, (tuple, list)) else (sample,)
+    batch = tuple(x for x in given if isinstance(x, Tensor))
+    as_value(batch or sample, "sample")
+    args: tuple[Any, ...] = tuple(
+        (x.tensor if isinstance(x, NoChunk) else x).to(dev)
+        if isinstance(x, (Tensor, NoChunk))
+        else x
+        for x in given
+    )
     out: list[LayerProfile] = []
     counted: set[int] = set()
     for name, layer in model.named_children():

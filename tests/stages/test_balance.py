@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from mpstream import Pipe
+from mpstream import NoChunk, Pipe
 from mpstream.stages.balance import balance_by_size, balance_by_time, profile_layers
 
 
@@ -205,3 +205,18 @@ def test_auto_balance_leaves_the_random_stream_alone(how: str) -> None:
     torch.manual_seed(0)
     pipe = Pipe(model, chunks=1, balance=how, devices=["cpu", "cpu"], sample=x)
     torch.testing.assert_close(pipe(x), expected)
+
+
+class Scaled(nn.Module):
+    def forward(self, x: Tensor, weight: Tensor) -> Tensor:
+        return x * weight
+
+
+@pytest.mark.parametrize("how", ["time", "size"])
+def test_auto_balance_takes_a_no_chunk_sample(how: str) -> None:
+    # The sample is the pipe's call; a NoChunk tensor in it is given whole.
+    model = nn.Sequential(Scaled(), nn.Linear(8, 8), nn.Linear(8, 8))
+    x, weight = torch.randn(4, 8), torch.randn(1, 8)
+    pipe = Pipe(model, chunks=2, balance=how, devices=["cpu", "cpu"], sample=(x, NoChunk(weight)))
+    expected = model[2](model[1](model[0](x, weight)))
+    torch.testing.assert_close(pipe(x, NoChunk(weight)), expected)
