@@ -117,6 +117,10 @@ def _move(module: nn.Module, name: str, device: torch.device) -> None:
         # In place: whoever holds the tensor (the module, a pipe that
         # adopted the module's tensors, an optimizer) holds the moved one.
         tensor.data = moved
+        grad = tensor.grad
+        if grad is not None and grad.device != device:
+            # As Module.to() moves it: the next backward adds into it there.
+            tensor.grad = grad.to(device)
     except RuntimeError:
         if isinstance(tensor, nn.Parameter):
             raise

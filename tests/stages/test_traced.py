@@ -444,9 +444,11 @@ def test_placement_moves_tensors_in_place() -> None:
     model = Fallback()
     traced = trace(model, ["b"], nones=frozenset({"mask"}))
     fill, weight = model.fill, model.b.weight
-    place(model, traced, [torch.device("cpu"), torch.device("cuda", 0)])
+    weight.grad = torch.ones_like(weight)  # moved along, as Module.to() moves it
+    devices = [torch.device("cpu"), torch.device("cuda", 0)]
+    place(model, traced.partitions, traced.tensors, devices)
     assert model.fill is fill and model.b.weight is weight  # held elsewhere too
-    assert fill.is_cuda and weight.is_cuda
+    assert fill.is_cuda and weight.is_cuda and weight.grad is not None and weight.grad.is_cuda
 
 
 def test_profile_spans_a_switch_of_kind() -> None:
