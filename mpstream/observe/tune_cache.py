@@ -54,6 +54,9 @@ def model_key(model: nn.Module) -> dict[str, Any]:
     params = [p for p in model.parameters() if not is_lazy(p)]
     lazy = sum(is_lazy(t) for t in (*model.parameters(), *model.buffers()))
     trainable = sum(p.numel() for p in params if p.requires_grad)
+    # Which layers are frozen changes the backward as much as how many: a
+    # frozen first layer needs no input gradient, a frozen last one does.
+    frozen = sorted(n for n, p in model.named_parameters() if not p.requires_grad)
     settings: dict[str, str] = {"training": repr(model.training)}
     if isinstance(model, Pipe):
         settings.update({n: repr(getattr(model, n)) for n in SETTINGS})
@@ -66,6 +69,7 @@ def model_key(model: nn.Module) -> dict[str, Any]:
         "trainable": trainable,
         "settings": settings,
         **({"uninitialized": lazy} if lazy else {}),
+        **({"frozen": hashlib.sha1(repr(frozen).encode()).hexdigest()[:16]} if frozen else {}),
     }
 
 

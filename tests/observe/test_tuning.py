@@ -235,6 +235,19 @@ def test_the_key_holds_the_models_dtypes_and_what_trains() -> None:
     assert model_key(_pipe()) == plain
 
 
+def test_the_key_holds_which_layers_are_frozen_not_only_how_many() -> None:
+    def pipe() -> Pipe:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+        return Pipe(model, chunks=2, balance=[2, 1], devices=["cpu"] * 2)
+
+    first, last = pipe(), pipe()
+    first[0].requires_grad_(False)
+    last[2].requires_grad_(False)
+    assert model_key(first)["trainable"] == model_key(last)["trainable"]
+    assert model_key(first) != model_key(last)
+
+
 def test_a_malformed_cache_entry_is_measured_again(tmp_path: Path) -> None:
     path = tmp_path / "c.json"
     first = tune(Curve(), SAMPLE, _total, [4, 6], cache=path, progress=False)
