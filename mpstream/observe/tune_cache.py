@@ -2,7 +2,7 @@
 results, keyed by what changes a step's time.
 
 A key holds the model (type, parameter count, a hash of its repr, the
-dtypes of its tensors, what of it trains, its mode and a Pipe's settings),
+dtypes of its tensors, what of it trains, its mode and its Pipes' settings),
 the step timed (with its loss function and the target's shapes), the
 devices, the batch's shapes, the torch version and the candidates.
 A result is merged into the file as it is when written (another run's
@@ -29,6 +29,7 @@ from torch.utils import _pytree as pytree
 
 from ..pipe import Pipe
 from ..runtime import Value
+from .profiling import pipes_in
 
 __all__ = ["default_cache", "model_key", "loss_key", "batch_shape", "load", "store"]
 
@@ -59,8 +60,12 @@ def model_key(model: nn.Module) -> dict[str, Any]:
     frozen = sorted(n for n, p in model.named_parameters() if not p.requires_grad)
     settings: dict[str, str] = {"training": repr(model.training)}
     if isinstance(model, Pipe):
-        settings.update({n: repr(getattr(model, n)) for n in SETTINGS})
-        settings["compile"] = repr(model.__dict__["_compile"])
+        settings.update(_settings(model))
+    # A model wrapping pipes (tune's "any model with a settable split_size")
+    # shows none of their settings in its repr either.
+    inner = [_settings(p) for p in pipes_in(model) if p is not model]
+    if inner:
+        settings["pipes"] = repr(inner)
     return {
         "model": f"{type(model).__module__}.{type(model).__qualname__}",
         "parameters": sum(p.numel() for p in params),
@@ -71,6 +76,12 @@ def model_key(model: nn.Module) -> dict[str, Any]:
         **({"uninitialized": lazy} if lazy else {}),
         **({"frozen": hashlib.sha1(repr(frozen).encode()).hexdigest()[:16]} if frozen else {}),
     }
+
+
+def _settings(pipe: Pipe) -> dict[str, str]:
+    out = {n: repr(getattr(pipe, n)) for n in SETTINGS}
+    out["compile"] = repr(pipe.__dict__["_compile"])
+    return out
 
 
 def _architecture(model: nn.Module) -> str:

@@ -248,6 +248,32 @@ def test_the_key_holds_which_layers_are_frozen_not_only_how_many() -> None:
     assert model_key(first) != model_key(last)
 
 
+class Wrapper(nn.Module):
+    """A model around a pipe, its split size the pipe's."""
+
+    def __init__(self, pipe: Pipe) -> None:
+        super().__init__()
+        self.pipe = pipe
+
+    @property
+    def split_size(self) -> int | None:
+        return self.pipe.split_size
+
+    @split_size.setter
+    def split_size(self, value: int) -> None:
+        self.pipe.split_size = value
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.pipe(x)  # type: ignore[no-any-return]
+
+
+def test_the_key_holds_the_settings_of_a_pipe_inside_the_model() -> None:
+    plain = model_key(Wrapper(_pipe()))
+    assert model_key(Wrapper(_pipe(checkpoint="always"))) != plain
+    assert model_key(Wrapper(_pipe(force_copies=True))) != plain
+    assert model_key(Wrapper(_pipe())) == plain
+
+
 def test_a_malformed_cache_entry_is_measured_again(tmp_path: Path) -> None:
     path = tmp_path / "c.json"
     first = tune(Curve(), SAMPLE, _total, [4, 6], cache=path, progress=False)
