@@ -240,9 +240,15 @@ def _key(pipe: Pipe, request: AutoRequest) -> dict[str, Any]:
     """What changes a step's costs: the model and its settings, the
     devices, the batch and its split, the loss, torch."""
     leaves = [t for t in pytree.tree_leaves(request.inputs) if isinstance(t, Tensor)]
+    model = model_key(pipe)
+    # The costs are profiled under 'zb_h1' whatever the Auto options (a
+    # budget, the cache's path) and virtual_stages: a new budget reads them.
+    model["settings"] = {
+        k: v for k, v in model["settings"].items() if k not in ("schedule", "virtual_stages")
+    }
     return {
         "kind": "schedule costs",
-        **model_key(pipe),
+        **model,
         "devices": [str(d) for d in pipe.devices],
         "batch": batch_shape(tuple(leaves)),
         "micro_batches": request.micros,

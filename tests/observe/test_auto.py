@@ -129,6 +129,21 @@ def test_auto_profiles_once_then_reads_the_tuning_cache(tmp_path: Path) -> None:
     assert again.schedule_report().costs == report.costs
 
 
+def test_another_budget_reads_the_costs_profiled_for_the_first(tmp_path: Path) -> None:
+    cache = str(tmp_path / "tune.json")
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+
+    def source(schedule: Auto) -> str:
+        torch.manual_seed(0)
+        pipe = Pipe(mlp([6, 16, 3]), chunks=4, balance=[2, 2], devices=["cpu"] * 2,
+                    schedule=schedule)  # fmt: skip
+        pipe.train_step(x, y, nn.MSELoss())
+        return pipe.schedule_report().source
+
+    assert source(Auto(cache=cache)).startswith("profiled")
+    assert source(Auto(cache=cache, memory_budget=2**30)) == f"the tuning cache {cache}"
+
+
 def test_auto_needs_the_cost_model(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(pipe_auto, "_installed", [])
     pipe = Pipe(mlp([3, 3]), chunks=2, balance=[2], devices=["cpu"], schedule="auto")
