@@ -50,6 +50,7 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+from torch.utils.checkpoint import CheckpointFunction
 
 from .boundary import _ANCHOR, Boundary
 
@@ -178,7 +179,8 @@ class Split:
             boundary nodes of a cut stage, by default).
 
     Attributes:
-        whole: an output is a leaf: nothing to split, B does everything.
+        whole: an output is a leaf, or the stage holds a reentrant
+            checkpoint: nothing to split, B does everything.
         reaches: a gradient flows to the inputs (else B has nothing to do
             and W does everything).
         eager: the parameters whose gradients B computes itself.
@@ -204,6 +206,11 @@ class Split:
             return
         roots = [t.grad_fn for t in tensors]
         order, children = _walk(roots, is_input)  # type: ignore[arg-type]
+        # A reentrant checkpoint's backward refuses an autograd call given
+        # ``inputs`` (as B and W both are): such a stage is not split.
+        self.whole = any(getattr(n, "_forward_cls", None) is CheckpointFunction for n in order)
+        if self.whole:
+            return
         to_input: dict[Node, bool] = {}
         to_param: dict[Node, bool] = {}
         for node in order:

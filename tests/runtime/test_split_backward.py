@@ -9,6 +9,7 @@ from collections.abc import Callable
 import pytest
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 from torchvision.models.resnet import Bottleneck
 
@@ -93,6 +94,19 @@ class Hooked(nn.Module):
         return self.b(torch.tanh(h))
 
 
+class Reentrant(nn.Module):
+    """A reentrant checkpoint inside a stage: its backward refuses ``inputs``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        inner = checkpoint(lambda t: torch.tanh(self.a(t)), x, use_reentrant=True)
+        return self.b(inner)  # type: ignore[no-any-return]
+
+
 @pytest.mark.parametrize(
     ("name", "make", "shape"),
     [
@@ -102,6 +116,7 @@ class Hooked(nn.Module):
         ("twice_in_a_row", lambda: TwiceInARow().double(), (3, 4)),
         ("two_branches", lambda: TwoBranches().double(), (3, 4)),
         ("hooked", lambda: Hooked().double(), (3, 4)),
+        ("reentrant_checkpoint", lambda: Reentrant().double(), (3, 4)),
     ],
 )
 def test_b_then_w_equals_a_plain_backward(
