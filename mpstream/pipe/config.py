@@ -127,8 +127,7 @@ class PipeConfig(PipeModule):
     @schedule.setter
     def schedule(self, value: PipeSchedule) -> None:
         self.__dict__["_schedule"] = schedule_arg(value)
-        self.__dict__["_auto_report"] = None  # 'auto' chooses again
-        self.__dict__["_auto_reports"] = {}
+        self._forget_choices()
 
     @property
     def virtual_stages(self) -> int | None:
@@ -141,8 +140,7 @@ class PipeConfig(PipeModule):
     @virtual_stages.setter
     def virtual_stages(self, value: int | None) -> None:
         self.__dict__["_virtual_stages"] = value
-        self.__dict__["_auto_report"] = None  # chosen among what the old value fitted
-        self.__dict__["_auto_reports"] = {}
+        self._forget_choices()  # chosen among what the old value fitted
 
     @property
     def force_copies(self) -> bool:
@@ -161,6 +159,11 @@ class PipeConfig(PipeModule):
         if wrong:
             raise TypeError(f"force_copies must be a bool, got {value!r}")
         self.__dict__["_force_copies"] = bool(value)
+
+    def _forget_choices(self) -> None:
+        """Makes ``schedule='auto'`` choose again at the next step of each size."""
+        self.__dict__["_auto_report"] = None
+        self.__dict__["_auto_reports"] = {}
 
     def schedule_report(self) -> ScheduleReport:
         """What ``schedule='auto'`` chose and why: each fitting schedule's

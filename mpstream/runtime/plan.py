@@ -21,6 +21,7 @@ import torch
 from ..schedules.placement import placement_of, virtual_stages_for
 from ..schedules.schedule import Kind, Order, Schedule, Topology
 from .scheduler import EventScheduler, PlanOp
+from .stream import as_device
 
 __all__ = ["Plan", "PlanError", "record_plan", "verify_plan"]
 
@@ -116,10 +117,10 @@ def record_plan(
         # A string would be read a character per stage.
         raise TypeError(f"devices must be a list with one device per stage, got {devices!r}")
     listed = devices or [f"cuda:{i}" for i in range(stages)]
-    devs = [_device(d, f"devices[{i}]") for i, d in enumerate(listed)]
+    devs = [as_device(d, f"devices[{i}]") for i, d in enumerate(listed)]
     if len(devs) != stages:
         raise ValueError(f"devices has {len(devs)} entries for {stages} stages")
-    src = _device(input_device, "input_device") if input_device is not None else devs[0]
+    src = as_device(input_device, "input_device") if input_device is not None else devs[0]
     labels = list(dict.fromkeys(devs))
     graph = tuple(tuple(r) for r in reads) if reads is not None else None
     topology = Topology(
@@ -128,7 +129,9 @@ def record_plan(
         labels.index(src) if src in labels else -1,
         force_copies,
     )
-    copy_target = target_device is not None and _device(target_device, "target_device") != devs[-1]
+    copy_target = (
+        target_device is not None and as_device(target_device, "target_device") != devs[-1]
+    )
     given = None if placement_of(schedule) == "stage" else virtual_stages
     virtual = virtual_stages_for(schedule, devs, given)
     sched = Schedule(
@@ -147,17 +150,6 @@ def record_plan(
         runner.end(runner.begin(task.index))
     runner.join()
     return Plan(runner.plan(), runner.slot_names, runner.slot_devices, stages, graph)
-
-
-def _device(d: str | torch.device, what: str) -> torch.device:
-    """``d`` as a device, or a ValueError naming ``what`` (the argument)."""
-    try:
-        return torch.device(d)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(
-            f"{what} is {d!r}, not a device ({str(exc).splitlines()[0]}); give a torch.device "
-            f"or a string such as 'cuda:0' or 'cpu'"
-        ) from None
 
 
 # A task, as verify_plan names it: (kind, stage, peer, micro).

@@ -25,6 +25,7 @@ __all__ = [
     "device_type_code",
     "capturing",
     "explicit_device",
+    "as_device",
 ]
 
 
@@ -141,3 +142,14 @@ def explicit_device(device: torch.device) -> torch.device:
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+def as_device(d: str | int | torch.device, what: str) -> torch.device:
+    """``d`` as a device, or a ValueError naming ``what`` (the argument)."""
+    try:
+        return torch.device(d)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(
+            f"{what} is {d!r}, not a device ({str(exc).splitlines()[0]}); give a "
+            f"torch.device or a string such as 'cuda:0' or 'cpu'"
+        ) from None

@@ -30,9 +30,9 @@ from ..runtime.boundary import GradSink, cut
 from ..runtime.calls import takes_several
 from ..runtime.errors import annotate
 from ..runtime.microbatch import NoChunk, Value, as_value, leaves, rebuild_leaves
+from ..runtime.stream import as_device
 from .fx import call_units, trace
 from .partition import partition
-from .sequential import as_device
 from .tracers import none_arguments, sample_call
 
 __all__ = [

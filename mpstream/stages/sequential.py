@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..runtime.calls import Chain
-from ..runtime.stream import device_type_code, explicit_device
+from ..runtime.stream import as_device, device_type_code, explicit_device
 
 __all__ = [
     "Stages",
@@ -229,17 +229,6 @@ def stage_devices(
         device_type_code(d)
     check_devices_exist(devs)
     return devs
-
-
-def as_device(d: DeviceLike, what: str) -> torch.device:
-    """``d`` as a device, or a ValueError naming ``what`` (the argument)."""
-    try:
-        return torch.device(d)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(
-            f"{what} is {d!r}, not a device ({str(exc).splitlines()[0]}); give a "
-            f"torch.device or a string such as 'cuda:0' or 'cpu'"
-        ) from None
 
 
 def _check_balance(balance: Sequence[int], total: int) -> list[int]:
