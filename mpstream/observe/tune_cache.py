@@ -7,7 +7,10 @@ the step timed (with its loss function and the target's shapes), the
 devices, the batch's shapes, the torch version and the candidates.
 A result is merged into the file as it is when written (another run's
 results written meanwhile stay), atomically; a file that cannot be read or
-written is warned about, never fatal.
+written is warned about, never fatal. Runs storing at once take turns on an
+advisory lock, the sidecar file ``tune.json.lock`` beside it (POSIX; on
+Windows, unlocked: two runs storing at the same moment may keep only one's
+result).
 """
 
 from __future__ import annotations
@@ -17,9 +20,11 @@ import hashlib
 import json
 import os
 import re
+import sys
 import tempfile
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -162,17 +167,45 @@ def store(path: Path, key: str, entry: dict[str, Any]) -> None:
     cache it cannot write is warned about, and the result is returned all
     the same."""
     tmp = None
-    entries = load(path, quiet=True)  # read at the start, and warned about then
-    entries[key] = entry
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tune-", suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            json.dump(entries, f, indent=1)
-        os.replace(tmp, path)
-        tmp = None
+        # Read and replaced under one lock: another run's store between the
+        # read and the replace would otherwise be lost.
+        with _locked(path):
+            entries = load(path, quiet=True)  # read at the start, and warned about then
+            entries[key] = entry
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tune-", suffix=".json")
+            with os.fdopen(fd, "w") as f:
+                json.dump(entries, f, indent=1)
+            os.replace(tmp, path)
+            tmp = None
     except OSError as exc:
         warnings.warn(f"could not write the tuning cache {path}: {exc}", stacklevel=3)
     finally:
         if tmp is not None and os.path.exists(tmp):
             os.remove(tmp)
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """Holds an exclusive advisory lock on ``path``'s sidecar ``.lock``
+    file. Without one (Windows has no flock; a file system may refuse
+    locks) it locks nothing, as before locks: a cache is never fatal. The
+    lock file stays: removing it would let a run lock a file another run
+    has just unlinked."""
+    fd = None
+    if sys.platform != "win32":
+        import fcntl
+
+        try:
+            fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            if fd is not None:
+                os.close(fd)
+            fd = None
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # releases the lock
