@@ -86,6 +86,12 @@ def model_key(model: nn.Module) -> dict[str, Any]:
 def _settings(pipe: Pipe) -> dict[str, str]:
     out = {n: repr(getattr(pipe, n)) for n in SETTINGS}
     out["compile"] = repr(pipe.__dict__["_compile"])
+    backend = pipe.__dict__["_graphed"]
+    if backend is not None and backend is not True:
+        # Another graph backend replays differently (the emulated one runs
+        # the stage's Python), but pipe.graphed says True for any: named by
+        # its class, as its repr holds an address (True's key is unchanged).
+        out["graphed"] = f"{type(backend).__module__}.{type(backend).__qualname__}"
     return out
 
 

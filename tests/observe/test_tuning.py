@@ -17,6 +17,7 @@ from mpstream.observe import tuning
 from mpstream.observe.spread import noisy, spread
 from mpstream.observe.tune_cache import model_key
 from mpstream.observe.tuning import TuneResult, candidate_split_sizes, default_cache, tune
+from mpstream.runtime.graphed import Emulated
 
 # tune's clock in these tests: a Curve's forward advances it, so the curve
 # it measures does not depend on how busy the machine is.
@@ -223,6 +224,11 @@ def test_the_key_holds_every_setting_that_changes_a_step() -> None:
     plain = model_key(_pipe())["settings"]
     assert model_key(_pipe(compile={"backend": "eager"}))["settings"] != plain
     assert model_key(_pipe(graphs=True))["settings"] != plain
+    # Another graph backend replays differently (the emulated one runs the
+    # stage's Python): its own key, the same for each instance of it.
+    emulated = model_key(_pipe(graphs=Emulated()))["settings"]
+    assert emulated not in (plain, model_key(_pipe(graphs=True))["settings"])
+    assert model_key(_pipe(graphs=Emulated()))["settings"] == emulated
     assert model_key(_pipe().eval())["settings"] != plain
 
 
