@@ -29,6 +29,8 @@ random-number state as they were.
 from __future__ import annotations
 
 import json
+import math
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -196,13 +198,20 @@ def _costs(
         else (default_cache() if auto.cache == "default" else Path(auto.cache))
     )
     key = json.dumps(_key(pipe, request), sort_keys=True)
+    stages = len(pipe.devices)
     if path is not None:
         entry = load(path).get(key)
-        if isinstance(entry, dict) and "stage_costs" in entry:
+        if entry is not None:
             try:
-                return _decoded(entry) + (f"the tuning cache {path}",)
-            except (KeyError, TypeError, ValueError):
-                pass  # a malformed entry: measure again, and replace it
+                return _cached(entry, stages) + (f"the tuning cache {path}",)
+            except (AttributeError, KeyError, TypeError, ValueError) as exc:
+                # As tune's: measured again, and replaced (an error would
+                # blame Auto(costs=...), which was not given).
+                warnings.warn(
+                    f"ignoring a malformed entry of the tuning cache {path}: {exc!r}; "
+                    f"measuring the stage costs again",
+                    stacklevel=2,
+                )
     fitted = profile_stages(pipe, request.inputs, request.target, request.loss_fn)
     triples = [_triple(c) for c in fitted.per_stage()]
     hops = {f"{p},{q}": list(c) for (p, q), c in fitted.hops.items()}
@@ -218,6 +227,24 @@ def _triple(cost: Any) -> Triple:
     if len(rest) == 2:
         return (float(f), float(rest[0]), float(rest[1]))
     return (float(f), float(rest[0]) / 2, float(rest[0]) / 2)
+
+
+def _cached(
+    entry: Any, stages: int
+) -> tuple[list[Triple], Any, dict[tuple[str, int], float] | None]:
+    """A cache entry's costs, decoded and checked.
+
+    Raises:
+        ValueError: not one triple of finite costs >= 0 per stage (and
+            KeyError, TypeError or AttributeError: not an entry's shape).
+    """
+    decoded = _decoded(entry)
+    triples = decoded[0]
+    if len(triples) != stages:
+        raise ValueError(f"{len(triples)} stage costs for a pipe of {stages} stages")
+    if not all(math.isfinite(c) and c >= 0 for t in triples for c in t):
+        raise ValueError("a stage cost that is negative or not finite")
+    return decoded
 
 
 def _decoded(

@@ -196,3 +196,26 @@ def test_a_failure_while_auto_chooses_says_so_and_leaves_the_pipe_as_it_was() ->
     assert pipe.schedule_report() is not first and pipe.schedule_report().micros == 2
     pipe.train_step(x, y, nn.MSELoss())
     assert pipe.schedule_report() is first
+
+
+def test_a_cached_entry_of_the_wrong_length_is_warned_about_and_measured_again(
+    tmp_path: Path,
+) -> None:
+    cache = tmp_path / "tune.json"
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+
+    def source() -> str:
+        torch.manual_seed(0)
+        pipe = Pipe(mlp([6, 16, 3]), chunks=4, balance=[2, 2], devices=["cpu"] * 2,
+                    schedule=Auto(cache=str(cache)))  # fmt: skip
+        pipe.train_step(x, y, nn.MSELoss())
+        return pipe.schedule_report().source
+
+    assert source().startswith("profiled")
+    ((key, entry),) = json.loads(cache.read_text()).items()
+    entry["stage_costs"].append([1.0, 1.0, 1.0])  # a damaged file: three stages for two
+    cache.write_text(json.dumps({key: entry}))
+    # Not blamed on Auto(costs=...), which was not given: the entry is the problem.
+    with pytest.warns(UserWarning, match=f"malformed entry of the tuning cache {cache}"):
+        assert source().startswith("profiled")
+    assert len(json.loads(cache.read_text())[key]["stage_costs"]) == 2  # replaced
