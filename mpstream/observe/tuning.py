@@ -149,8 +149,13 @@ def tune(
             were slower than it by more than ``tolerance``.
         tolerance: relative slack before a size counts as slower.
         cache: JSON file of earlier results; ``'default'`` is
-            :func:`default_cache`, None disables caching.
-        refresh: measure again even if the cache has this configuration.
+            :func:`default_cache`, None disables caching. Its key leaves
+            out ``repeat``, ``warmup``, ``patience`` and ``tolerance`` (how
+            a result is measured, not what for): a cached result is
+            returned whatever they are now.
+        refresh: measure again even if the cache has this configuration
+            (with this call's ``repeat``, ``warmup``, ``patience`` and
+            ``tolerance``).
         progress: show a progress bar.
         plot: also save the tradeoff curve here (PNG).
 

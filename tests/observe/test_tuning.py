@@ -82,6 +82,12 @@ def test_cache_is_plain_json_and_is_used(tmp_path: Path) -> None:
     assert model.split_size == 6, "a cache hit leaves the model at the best split size too"
     fresh = tune(model, SAMPLE, None, [2, 6, 12], cache=path, refresh=True, progress=False)
     assert not fresh.cached and model.calls
+    # How a result is measured is not in the key (as tune's docstring says):
+    # a hit whatever they are, and refresh=True measures with them.
+    how = {"repeat": 2, "warmup": 0, "patience": 1, "tolerance": 0.5}
+    assert tune(model, SAMPLE, None, [2, 6, 12], cache=path, progress=False, **how).cached
+    again = tune(model, SAMPLE, None, [2, 6, 12], cache=path, refresh=True, progress=False, **how)
+    assert not again.cached and {len(p.times) for p in again.curve} == {2}
 
 
 def test_other_batch_shapes_miss_the_cache(tmp_path: Path) -> None:
