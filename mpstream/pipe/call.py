@@ -109,6 +109,8 @@ class PipeCall(PipeConfig):
             state["_graph"] = chosen.graph
             state["_balance"] = chosen.balance
             state["_runtime"] = chosen.runtime
+        else:
+            split.refresh()
         return inputs  # type: ignore[no-any-return]
 
     def _stage(self, value: Any, device: torch.device) -> list[Staging] | None:

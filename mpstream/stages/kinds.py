@@ -20,6 +20,7 @@ import torch
 from torch import fx, nn
 
 from ..runtime.graph import StageGraph
+from ..runtime.graphed import generation
 from ..runtime.microbatch import gather
 from ..schedules.schedule import check_schedule
 from .placement import rebind
@@ -105,11 +106,34 @@ class Kinds:
             check_schedule(schedule, self.devices, split.graph.reads(), virtual_stages)
             split.checked = True
         for part in split.partitions:
-            rebind(part, self.module)
             # The wrapper only: the module's own submodules it calls keep the
             # flags they have (a frozen BatchNorm, dropout kept on in eval).
             part.training = training
         self.current = split
+        self.refresh(force=True)
+
+    def refresh(self, force: bool = False) -> None:
+        """Points the current split's stages at the module's tensors again
+        when any module registered a tensor since they last were.
+
+        A stage holds each tensor it reads outside a called layer itself (a
+        torch.fx stage's ``F.linear(x, self.b.weight)``, every tensor of an
+        exported stage): ``pipe.b.weight = nn.Parameter(...)`` replaces it
+        in the layer alone, and the stage would go on reading the old one.
+        """
+        now = generation()
+        if force or self.__dict__.get("_bound") != now:
+            assert self.current is not None
+            for part in self.current.partitions:
+                rebind(part, self.module)
+            self.__dict__["_bound"] = now
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The registration counter is this process's: a copy or a loaded
+        # pipe binds again on its first call.
+        state = dict(self.__dict__)
+        state.pop("_bound", None)
+        return state
 
     def gather(self, outputs: Sequence[Any]) -> Any:
         """The micro-batches' outputs joined (see

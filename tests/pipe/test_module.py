@@ -9,6 +9,7 @@ import pickle
 import pytest
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from mpstream import Pipe
 
@@ -54,6 +55,43 @@ def test_a_replaced_root_tensor_is_what_the_stages_read() -> None:
     pipe.decoder.weight = nn.Parameter(torch.zeros(4, 16, dtype=torch.float64))
     model.decoder.weight = nn.Parameter(torch.zeros(4, 16, dtype=torch.float64))
     torch.testing.assert_close(pipe(x), model(x))
+
+
+class ReadsLayerWeight(nn.Module):
+    """Reads a layer's tensors itself: torch.fx gives the stage ``b.weight``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 16).double()
+        self.b = nn.Linear(16, 4).double()
+        self.c = nn.Linear(4, 4).double()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.c(F.linear(self.a(x).relu(), self.b.weight, self.b.bias))  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_a_parameter_replaced_inside_a_layer_is_what_the_stages_read(tracer: str) -> None:
+    # A stage holds each tensor it reads outside a called layer (every
+    # tensor, exported): the layer's new parameter must reach it.
+    model = ReadsLayerWeight()
+    x = torch.randn(6, 8, dtype=torch.float64)
+    pipe = Pipe(copy.deepcopy(model), chunks=2, split_points=["c"], devices=["cpu"] * 2,
+                tracer=tracer, sample=(x,))  # fmt: skip
+    pipe(x)  # bound once before the replacement
+    for m in (pipe, model):
+        m.get_submodule("b").weight = nn.Parameter(
+            torch.linspace(-1, 1, 64, dtype=torch.float64).view(4, 16)
+        )
+        m.get_submodule("c").bias = nn.Parameter(torch.ones(4, dtype=torch.float64))
+    out, expected = pipe(x), model(x)
+    torch.testing.assert_close(out, expected)
+    out.sum().backward()
+    expected.sum().backward()
+    for name in ("b.weight", "c.bias"):
+        grad = pipe.get_parameter(name).grad
+        assert grad is not None, name
+        torch.testing.assert_close(grad, model.get_parameter(name).grad)
 
 
 def test_a_tensor_replaced_by_something_else_or_elsewhere_is_refused() -> None:
