@@ -11,7 +11,8 @@ stage) is fine. A view shares its tensor's memory, so a change through a view
 (``h[:, 0] = 0``, ``h.view(-1).mul_(2)``) is a change of the tensor and of
 every other view of it. :func:`augmented` is what a ``torch.fx`` trace
 records for ``h += y``, which changes ``h`` in place too (an input's too:
-:func:`copy_changed_inputs` gives it a copy first).
+:func:`copy_changed_inputs` gives it a copy first); ``n += 1`` on a number
+read off a tensor's size makes a new number instead.
 """
 
 from __future__ import annotations
@@ -82,6 +83,18 @@ _VIEWS = {
 }  # fmt: skip
 _VIEW_ATTRIBUTES = {"T", "mT", "H", "mH", "data", "real", "imag"}
 
+# What a traced forward reads off a tensor that is no tensor: a number, a
+# size, a dtype (immutable, so ``n += 1`` on it makes a new value).
+_PLAIN_METHODS = {
+    "size", "dim", "ndimension", "numel", "nelement", "element_size", "stride", "item",
+    "storage_offset", "get_device", "is_contiguous", "is_floating_point", "is_complex",
+}  # fmt: skip
+_PLAIN_ATTRIBUTES = {"shape", "ndim", "dtype", "device", "is_cuda", "requires_grad", "layout"}
+_ARITHMETIC = {
+    operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv,
+    operator.mod, operator.pow, operator.neg, operator.pos, operator.abs,
+}  # fmt: skip
+
 
 def _changed_in_place(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
     """The value ``node`` changes in place (its first argument), if it does."""
@@ -102,6 +115,8 @@ def _changed_in_place(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
             or node.kwargs.get("inplace") is True
             or (name.endswith("_") and not name.startswith("_"))
         )
+        if (target is augmented or target in _IN_PLACE_OPERATORS) and _plain(node.args[0]):
+            return None  # ``n += 1`` on a size rebinds ``n``: nothing else sees it
     else:
         return None
     out = node.kwargs.get("out")
@@ -109,6 +124,27 @@ def _changed_in_place(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
         return out
     first = node.args[0] if node.args else None
     return first if in_place and isinstance(first, fx.Node) else None
+
+
+def _plain(value: Any) -> bool:
+    """Whether a traced value is surely no tensor: read off a tensor's
+    metadata (``x.size(1)``, ``x.shape[0]``), or computed from such values
+    and constants alone."""
+    if not isinstance(value, fx.Node):
+        return isinstance(value, (int, float, bool))
+    target = value.target
+    if value.op == "call_method":
+        return target in _PLAIN_METHODS
+    if value.op != "call_function":
+        return False  # an input or a module's result may be a tensor
+    if target is getattr:
+        return value.args[1] in _PLAIN_ATTRIBUTES
+    if target is operator.getitem:
+        return isinstance(value.args[0], fx.Node) and _plain(value.args[0])
+    if target in _ARITHMETIC or target is augmented:
+        operands = value.args[:2] if target is augmented else value.args
+        return any(isinstance(a, fx.Node) for a in operands) and all(_plain(a) for a in operands)
+    return False
 
 
 def _argument(node: fx.Node, op: torch._ops.OpOverload, name: str) -> Any:

@@ -180,3 +180,34 @@ def test_a_refused_change_of_an_input_names_the_input() -> None:
     # It named the copy copy_changed_inputs gives the input ('clone'), not the input.
     with pytest.raises(ValueError, match="'mul_' in stage 1 changes 'x' in place, which stage 2"):
         Pipe(ChangesInputLater(), chunks=2, split_points=["b", "c"], devices=["cpu"] * 3)
+
+
+class CountsSizes(nn.Module):
+    """Stage 1 adds to numbers read off a tensor's size; stage 2 reads their
+    values from before (an augmented assignment to a number rebinds it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        n = x.size(1)
+        width = x.shape[1] * 2
+        m, w = n, width
+        h = self.b(self.a(x))
+        n += 1
+        width -= 3
+        return self.c(h * n * width) * m + w  # type: ignore[no-any-return]
+
+
+def test_an_augmented_assignment_to_a_number_is_no_change_in_place() -> None:
+    # It was refused as "'iadd' in stage 1 changes 'size' in place".
+    model = CountsSizes().double()
+    ref = copy.deepcopy(model)
+    pipe = Pipe(model, chunks=2, split_points=["b", "c"], devices=["cpu"] * 3, tracer="fx")
+    x = torch.randn(6, 4, dtype=torch.float64)
+    out, expected = pipe(x), ref(x)
+    torch.testing.assert_close(out, expected)
+    out.sum().backward()
+    expected.sum().backward()
+    assert_same_grads(pipe, ref)
