@@ -22,11 +22,10 @@ from typing import Any
 import torch
 from torch import Tensor, fx, nn
 from torch.fx.passes.split_module import split_module
-from torch.nn.parameter import is_lazy
 
-from ..memory import DeferredBatchNorm
 from ..runtime.graph import StageGraph
-from .inplace import AugmentedProxy, check_in_place, copy_changed_inputs
+from .fx_tracer import BufferChange, Tracer, Unrecorded, current_modes, stand_ins
+from .inplace import check_in_place, copy_changed_inputs
 from .points import begin_stages, split_candidates, units_in_order
 from .surgery import inline_attrs, part_of, stage_graph
 from .tracers import Binder
@@ -52,114 +51,20 @@ class Traced:
     tensors: list[set[str]]
 
 
-class _Unrecorded(TypeError):
-    """A forward does what fx runs while tracing instead of recording."""
-
-
-class _ModeChange(_Unrecorded):
-    """A forward changes the grad or autocast mode."""
-
-
-class _BufferChange(_Unrecorded):
-    """A forward changes one of the module's buffers."""
-
-
-class _Tracer(fx.Tracer):
-    """``torch.fx``'s tracer, remembering which submodule it is inside (for
-    error messages) and treating the user's leaf modules as leaves."""
-
-    def __init__(self, leaves: Sequence[str | type[nn.Module]]) -> None:
-        super().__init__()
-        self.leaf_names = {x for x in leaves if isinstance(x, str)}
-        self.leaf_types = tuple(x for x in leaves if isinstance(x, type))
-        self.path: list[str] = []
-        self.failed_in: str | None = None  # the innermost submodule that raised
-        self.modes = _modes()
-
-    def proxy(self, node: fx.Node) -> fx.Proxy:
-        return AugmentedProxy(node, self)
-
-    def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
-        # fx records operations, not the grad or autocast mode they run in
-        # (a ``with torch.no_grad():`` block in forward is dropped, its
-        # values then carry gradients): an operation recorded in another
-        # mode than the trace began in would run in the wrong one.
-        modes = _modes()
-        if modes != self.modes:
-            changed = ", ".join(
-                what for what, now, then in zip(_MODE_NAMES, modes, self.modes) if now != then
-            )
-            raise _ModeChange(
-                f"forward changes {changed} (torch.no_grad(), torch.autocast(), ...), which "
-                f"torch.fx does not record: the stages would run those operations in the "
-                f"caller's mode"
-            )
-        return super().create_node(*args, **kwargs)
-
-    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        if qualname in self.leaf_names or (self.leaf_types and isinstance(m, self.leaf_types)):
-            return True
-        if isinstance(m, DeferredBatchNorm):
-            # Ours, so not a leaf to fx, but its statistics bookkeeping is
-            # Python control flow fx cannot trace; a BatchNorm it replaced was one.
-            return True
-        return bool(super().is_leaf_module(m, qualname))
-
-    def call_module(
-        self,
-        m: nn.Module,
-        forward: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:
-        self.path.append(self.path_of_module(m))
-        try:
-            return super().call_module(m, forward, args, kwargs)
-        except Exception:
-            if self.failed_in is None:
-                self.failed_in = self.path[-1]
-            raise
-        finally:
-            self.path.pop()
-
-
-_MODE_NAMES = (
-    "the grad mode",
-    "inference mode",
-    "autocast on cpu",
-    "autocast on cuda",
-    "the cpu autocast dtype",
-    "the cuda autocast dtype",
-)
-
-
-def _modes() -> tuple[object, ...]:
-    """The global modes that change what an operation computes, in the
-    order of :data:`_MODE_NAMES`."""
-    return (
-        torch.is_grad_enabled(),
-        torch.is_inference_mode_enabled(),
-        torch.is_autocast_enabled("cpu"),
-        torch.is_autocast_enabled("cuda"),
-        torch.get_autocast_dtype("cpu"),
-        torch.get_autocast_dtype("cuda"),
-    )
-
-
 def _trace(
     module: nn.Module,
     leaves: Sequence[str | type[nn.Module]],
     nones: frozenset[str] = frozenset(),
 ) -> fx.GraphModule:
-    tracer = _Tracer(leaves)
+    tracer = Tracer(leaves)
     try:
         # With grad enabled, so that a no_grad block in forward changes the
         # mode however the kind of call that traces it was called.
-        with torch.enable_grad(), _stand_ins(module) as changed:
-            tracer.modes = _modes()
+        with torch.enable_grad(), stand_ins(module) as changed:
+            tracer.modes = current_modes()
             graph = tracer.trace(module, {n: None for n in nones} if nones else None)
             if moved := changed():
-                raise _BufferChange(
+                raise BufferChange(
                     f"forward changes buffer(s) {', '.join(repr(n) for n in moved)} "
                     f"(in place or by assignment), which torch.fx runs once while tracing "
                     f"instead of recording: the stages would never change them"
@@ -173,7 +78,7 @@ def _trace(
             "Let torch.export split the module (it records those: the default "
             "tracer='auto', without leaf_modules), or move that block into a submodule "
             "marked as a leaf (Pipe(..., leaf_modules=[...])), which runs whole as written."
-            if isinstance(exc, _Unrecorded)
+            if isinstance(exc, Unrecorded)
             else f"Mark that submodule as a leaf (Pipe(..., leaf_modules=['{inner}'])), which runs "
             f"it whole inside one stage, or pass an nn.Sequential of stages."
             if inner
@@ -194,51 +99,13 @@ def _trace(
     return fx.GraphModule(tracer.root, graph, type(module).__name__)
 
 
-@contextmanager
-def _stand_ins(module: nn.Module) -> Iterator[Callable[[], list[str]]]:
-    """While ``module`` is traced, a copy stands in for each of its buffers
-    (a tensor held under several names gets one). fx reads buffers as plain
-    tensors, so ``self.steps += 1`` in forward would change the real buffer
-    once, while tracing, and leave the change out of the graph. Yields what
-    names the buffers the trace changed (in place or by assignment)."""
-    swapped: list[tuple[dict[str, Any], str, Tensor, Tensor, int, str]] = []
-    copies: dict[int, Tensor] = {}
-    try:
-        for owner, mod in module.named_modules():
-            for name, tensor in list(mod._buffers.items()):
-                # A lazy module's buffer has no values to copy (clone raises),
-                # and fx never runs the module (a leaf), so nothing changes it.
-                if tensor is None or is_lazy(tensor):
-                    continue
-                copy = copies.get(id(tensor))
-                if copy is None:
-                    with torch.no_grad():
-                        copy = tensor.clone().requires_grad_(tensor.requires_grad)
-                    copies[id(tensor)] = copy
-                qualname = f"{owner}.{name}" if owner else name
-                swapped.append((mod._buffers, name, tensor, copy, copy._version, qualname))
-                mod._buffers[name] = copy
-
-        def changed() -> list[str]:
-            return [
-                qualname
-                for store, name, _, copy, version, qualname in swapped
-                if store.get(name) is not copy or copy._version != version
-            ]
-
-        yield changed
-    finally:
-        for store, name, tensor, *_ in reversed(swapped):
-            store[name] = tensor
-
-
 def traced_through(
     module: nn.Module, leaf_modules: Sequence[str | type[nn.Module]] = ()
 ) -> list[nn.Module]:
     """The modules whose ``forward`` code a trace of ``module`` follows: the
     module and every submodule that is no leaf and not inside one. Only
     their training flags can change a trace (a leaf reads its own as it runs)."""
-    tracer = _Tracer(leaf_modules)
+    tracer = Tracer(leaf_modules)
     found: dict[int, nn.Module] = {}
 
     def walk(m: nn.Module, name: str) -> None:
