@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import numbers
 import operator
 import time
 import warnings
@@ -25,6 +26,7 @@ from torch import Tensor, nn
 
 from ..pipe import Pipe
 from ..runtime import Value, as_value, synchronize
+from ..stages.sequential import check_positive
 from .measuring import untouched
 from .profiling import pipes_in
 from .spread import MAX_CV, MAX_RANGE, noisy
@@ -165,20 +167,21 @@ def tune(
         :mod:`~.spread`) is warned about and not cached.
 
     Raises:
-        ValueError: bad split sizes (or one larger than the batch), repeat,
-            patience or tolerance; ``target`` without ``loss_fn``; a pipe
+        ValueError: bad split sizes (or one larger than the batch), repeat
+            or patience below 1, a negative warmup, a negative or NaN
+            tolerance; ``target`` without ``loss_fn``; a pipe
             whose schedule is an explicit order (written for one
             micro-batch count) over several split sizes.
-        TypeError: a model without ``split_size``, or a factory that does not
-            return a module.
+        TypeError: a model without ``split_size``, a factory that does not
+            return a module, or repeat, warmup or patience not an int (or
+            tolerance not a number).
     """
     value = as_value(sample, "sample")
     batch = (value if isinstance(value, Tensor) else value[0]).size(0)
     sizes = _sizes(split_sizes, batch)
     if target is not None and loss_fn is None:
         raise ValueError("target= times a training step: give loss_fn(output, target) too")
-    if repeat < 1 or warmup < 0 or patience < 1 or tolerance < 0:
-        raise ValueError("repeat and patience must be >= 1, warmup and tolerance >= 0")
+    _check_knobs(repeat, warmup, patience, tolerance)
     if balances is not None and not balances:
         raise ValueError(
             "balances=[] lists no balance to try: leave it out to tune the split alone"
@@ -286,6 +289,24 @@ def tune(
     if plot is not None:
         result.plot(plot)
     return result
+
+
+def _check_knobs(repeat: object, warmup: object, patience: object, tolerance: object) -> None:
+    """Refuses counts that are not ints and a tolerance that is not a number
+    >= 0: a NaN tolerance compares false, so no size would ever count as
+    slower and the sweep would never stop early."""
+    check_positive("repeat", repeat)
+    check_positive("patience", patience)
+    if isinstance(warmup, bool) or not isinstance(warmup, numbers.Integral):
+        raise TypeError(f"warmup must be an int, got {type(warmup).__name__}")
+    if warmup < 0:
+        raise ValueError(f"warmup must not be negative, got {warmup}")
+    if isinstance(tolerance, bool) or not isinstance(tolerance, numbers.Real):
+        raise TypeError(f"tolerance must be a number, got {type(tolerance).__name__}")
+    if not float(tolerance) >= 0:  # NaN too
+        raise ValueError(
+            f"tolerance must be a number >= 0 (the relative slack, e.g. 0.05), got {tolerance}"
+        )
 
 
 def _sizes(split_sizes: Sequence[int] | None, batch: int) -> list[int]:

@@ -163,6 +163,27 @@ def test_errors() -> None:
         tune(lambda s: 3, SAMPLE, cache=None, progress=False)
 
 
+@pytest.mark.parametrize(
+    ("knob", "error", "match"),
+    [
+        ({"tolerance": float("nan")}, ValueError, "tolerance must be a number >= 0"),
+        ({"tolerance": -0.1}, ValueError, "tolerance must be a number >= 0"),
+        ({"tolerance": "0.1"}, TypeError, "tolerance must be a number, got str"),
+        ({"repeat": 1.5}, TypeError, "repeat must be an int, got float"),
+        ({"repeat": True}, TypeError, "repeat must be an int, got bool"),
+        ({"patience": 1.5}, TypeError, "patience must be an int, got float"),
+        ({"patience": 0}, ValueError, "patience must be at least 1, got 0"),
+        ({"warmup": 1.5}, TypeError, "warmup must be an int, got float"),
+        ({"warmup": -1}, ValueError, "warmup must not be negative, got -1"),
+    ],
+)
+def test_bad_knobs(knob: dict[str, object], error: type[Exception], match: str) -> None:
+    model = Curve()
+    with pytest.raises(error, match=match):
+        tune(model, SAMPLE, cache=None, progress=False, **knob)  # type: ignore[arg-type]
+    assert model.split_size == 1  # refused before anything was set
+
+
 def test_defaults(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     assert candidate_split_sizes(16) == [1, 2, 3, 4, 5, 6, 8, 10, 12, 16]
     assert candidate_split_sizes(7) == [1, 2, 3, 4, 5, 6, 7]
