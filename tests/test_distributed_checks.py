@@ -112,6 +112,12 @@ def test_check_placement_rejects(devices: list[str], config: str, message: str) 
 )
 def test_check_placement_accepts(devices: list[str], config: str) -> None:
     mpdist.check_placement([torch.device(d) for d in devices], config)
+    mpdist.check_placement(devices, config)  # names, as Pipe(devices=...) takes them
+
+
+def test_check_placement_names_a_bad_device() -> None:
+    with pytest.raises(ValueError, match=r"devices\[1\] is 'gpu', not a device"):
+        mpdist.check_placement(["cuda:0", "gpu"], "nccl")
 
 
 def test_one_process_train_step_equals_the_pipes(group: None) -> None:

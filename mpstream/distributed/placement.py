@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..runtime.stream import as_device
 from ..stages.sequential import DeviceLike
 
 __all__ = ["check_placement", "map_location"]
@@ -22,7 +23,7 @@ __all__ = ["check_placement", "map_location"]
 _BACKEND_DEVICES = {"gloo": {"cpu", "cuda"}, "nccl": {"cuda"}}
 
 
-def check_placement(devices: Sequence[torch.device], backend_config: str) -> None:
+def check_placement(devices: Sequence[DeviceLike], backend_config: str) -> None:
     """Checks that a process group can reduce gradients of stages on ``devices``.
 
     Args:
@@ -32,10 +33,11 @@ def check_placement(devices: Sequence[torch.device], backend_config: str) -> Non
 
     Raises:
         ValueError: the stages sit on several device types (DDP holds one
-            device type per module), or the backend has no collectives for
-            their device type.
+            device type per module), the backend has no collectives for
+            their device type, or an entry of ``devices`` is not a device.
     """
-    types = sorted({d.type for d in devices})
+    # Names too ('cuda:0'), as Pipe(devices=...) and map_location take them.
+    types = sorted({as_device(d, f"devices[{i}]").type for i, d in enumerate(devices)})
     if len(types) > 1:
         listed = ", ".join(str(d) for d in devices)
         raise ValueError(

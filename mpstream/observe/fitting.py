@@ -61,8 +61,14 @@ def fit(timeline: Timeline) -> Costs:
     pass's, as for its cost), for :func:`~mpstream.observe.cost_model.simulate`'s ``issue_times``.
 
     Raises:
+        TypeError: ``timeline`` is not a :class:`Timeline`.
         ValueError: the timeline has no compute spans.
     """
+    if not isinstance(timeline, Timeline):
+        raise TypeError(
+            f"simulate_fit takes a Timeline (the profile of a `with mpstream.profile(pipe) "
+            f"as prof:` block, or a Timeline.load()ed one), got {type(timeline).__name__}"
+        )
     groups: dict[tuple[str, int], list[Span]] = defaultdict(list)
     hops: dict[tuple[str, int, int], list[float]] = defaultdict(list)
     # A backward with a weight pass of its own computed the input gradient

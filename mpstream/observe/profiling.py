@@ -108,10 +108,16 @@ def profile(model: nn.Module) -> Iterator[Profile]:
         ``export_chrome_trace(path)``, ``plot(path)``.
 
     Raises:
+        TypeError: ``model`` is not a module.
         ValueError: ``model`` contains no Pipe, or a pipe in it is being
             profiled already (blocks do not nest: the inner one would take
             the outer one's timings).
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"profile takes a Pipe or a module holding pipes, got {type(model).__name__} "
+            f"(several pipes: profile a module holding them, such as nn.ModuleList(pipes))"
+        )
     pipes = pipes_in(model)
     if not pipes:
         raise ValueError(f"{type(model).__name__} contains no mpstream.Pipe to profile")

@@ -228,8 +228,14 @@ def verify_plan(plan: Plan) -> None:
     work autograd queues by itself, such as a tied weight's gradient sum.
 
     Raises:
+        TypeError: ``plan`` is not a :class:`Plan`.
         PlanError: listing every violation.
     """
+    if not isinstance(plan, Plan):
+        raise TypeError(
+            f"verify_plan takes a Plan, as mpstream.record_plan(...) returns it, got "
+            f"{type(plan).__name__}"
+        )
     ops = plan.ops
     n = len(ops)
     edges: dict[int, list[int]] = defaultdict(list)

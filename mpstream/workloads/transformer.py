@@ -208,7 +208,14 @@ def decoder(p: Preset, device: torch.device | str = "cpu", seed: int = 0) -> nn.
     CPU's on a GPU: ``decoder(p).to(device)``). Drawn on the CPU, whose
     random fills run on one thread, 1b's 1.1B parameters take 5-10 s, for
     each of the bench's fifteen configurations.
+
+    Raises:
+        TypeError: ``p`` is not a :class:`Preset` (a preset's name: give
+            ``preset(name)``).
     """
+    if not isinstance(p, Preset):
+        hint = f": use decoder(preset({p!r}))" if isinstance(p, str) else ""
+        raise TypeError(f"decoder takes a Preset, got {type(p).__name__} {p!r}{hint}")
     with seeded(seed), torch.device(device):
         layers = [Embedding(p), *(DecoderBlock(p) for _ in range(p.depth)), Head(p)]
         return nn.Sequential(*layers)

@@ -93,6 +93,8 @@ def test_fit_takes_medians_per_stage_and_boundary() -> None:
     assert costs.copy_times == [(1.0, 0.5)]
     with pytest.raises(ValueError, match="no compute spans"):
         fit(Timeline([Span(0, 0, "copy", "c", 0, 1)], {"c": "d"}))
+    with pytest.raises(TypeError, match="simulate_fit takes a Timeline .* got list"):
+        fit([])  # type: ignore[arg-type]
 
 
 def test_fit_then_simulate_reproduces_a_constant_cost_timeline() -> None:

@@ -71,6 +71,9 @@ def test_pipes_are_found_inside_models() -> None:
     with pytest.raises(ValueError, match="contains no mpstream.Pipe"):
         with profile(nn.Linear(2, 2)):
             pass
+    with pytest.raises(TypeError, match=r"profile takes a Pipe .* got list .*ModuleList"):
+        with profile([pipe3()]):  # type: ignore[arg-type]
+            pass
 
 
 def test_profile_is_empty_until_the_block_ends() -> None:

@@ -111,6 +111,11 @@ def test_plan_prints_readably() -> None:
     assert "stage0.copy@cuda:0" in text and "forward(stage=1, micro=1)" in text
 
 
+def test_verify_plan_names_what_it_takes() -> None:
+    with pytest.raises(TypeError, match=r"verify_plan takes a Plan, as mpstream.record_plan"):
+        verify_plan("x")  # type: ignore[arg-type]
+
+
 def test_record_plan_checks_devices() -> None:
     with pytest.raises(ValueError, match="2 entries for 3 stages"):
         record_plan("gpipe", 3, 2, ["cuda:0", "cuda:1"])

@@ -40,6 +40,8 @@ def test_the_presets_are_what_they_say() -> None:
         T.preset("tiny", micro_batches=(16,))
     with pytest.raises(ValueError, match="split into 5 heads"):
         T.preset("tiny", heads=5)
+    with pytest.raises(TypeError, match=r"got str 'tiny': use decoder\(preset\('tiny'\)\)"):
+        T.decoder("tiny")  # type: ignore[arg-type]
 
 
 def test_the_halves_put_the_embedding_and_the_head_on_the_ends() -> None:
