@@ -223,6 +223,8 @@ def test_map_location_pairs_stage_devices() -> None:
     # matched, and every process loaded onto the saving process's devices.
     with pytest.raises(ValueError, match=r"saved_devices\[1\] is 'cuda', .*index.*pipe.devices"):
         mpdist.map_location(["cuda:0", "cuda"], ["cuda:2", "cuda:3"])
+    with pytest.raises(ValueError, match=r"devices\[0\] is 'gpu', not a device"):
+        mpdist.map_location(["cuda:0"], ["gpu"])
     with pytest.raises(ValueError, match=r"devices\[0\] is 'cuda', a device without an index"):
         mpdist.map_location(["cuda:0"], [torch.device("cuda")])
 

@@ -78,9 +78,10 @@ def map_location(
         ``{'cuda:0': 'cuda:2', ...}``; on CPU ``{'cpu': 'cpu'}``.
 
     Raises:
-        ValueError: the pipelines have different numbers of stages, a
-            device has no index (``'cuda'``: a checkpoint names ``'cuda:0'``),
-            or one saved device would have to go to two different devices.
+        ValueError: the pipelines have different numbers of stages, an
+            entry is not a device, a device has no index (``'cuda'``: a
+            checkpoint names ``'cuda:0'``), or one saved device would have
+            to go to two different devices.
     """
     if len(saved_devices) != len(devices):
         raise ValueError(
@@ -105,7 +106,7 @@ def _indexed(device: DeviceLike, what: str, stage: int) -> torch.device:
     """``device``, refused without an index where its type has them: torch.load
     looks a dict ``map_location`` up by the saved location, ``'cuda:0'``, never
     ``'cuda'``, so every tensor would stay on the saving process's devices."""
-    d = torch.device(device)
+    d = as_device(device, f"{what}[{stage}]")
     if d.index is None and d.type != "cpu":
         raise ValueError(
             f"{what}[{stage}] is {str(d)!r}, a device without an index: checkpoints name "

@@ -22,7 +22,15 @@ import torch
 from .. import _ext
 from ..schedules.schedule import Schedule
 from .errors import annotate
-from .stream import AnyStream, current_stream, device_type_code, is_cuda, new_stream, stream_id
+from .stream import (
+    AnyStream,
+    as_device,
+    current_stream,
+    device_type_code,
+    is_cuda,
+    new_stream,
+    stream_id,
+)
 
 __all__ = [
     "EventScheduler",
@@ -121,10 +129,13 @@ class EventScheduler:
         devices: the device of each stage.
         virtual: schedule without touching any device: every stream is a
             placeholder and only the plan is produced (recording mode).
+
+    Raises:
+        ValueError: an entry of ``devices`` is not a device.
     """
 
     def __init__(self, devices: Sequence[torch.device], *, virtual: bool = False) -> None:
-        self.devices = [torch.device(d) for d in devices]
+        self.devices = [as_device(d, f"devices[{i}]") for i, d in enumerate(devices)]
         self.virtual = virtual
         callers: list[torch.device] = []
         for d in self.devices:

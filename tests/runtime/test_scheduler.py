@@ -63,6 +63,11 @@ def test_abort_mid_run_releases_everything() -> None:
     sched.abort()  # aborting outside a run is harmless
 
 
+def test_a_bad_device_is_named() -> None:
+    with pytest.raises(ValueError, match=r"devices\[1\] is 'gpu', not a device"):
+        EventScheduler(["cpu", "gpu"])  # type: ignore[list-item]
+
+
 def test_misuse_is_reported() -> None:
     sched = virtual(2)
     schedule = Schedule("gpipe", 2, 2, [False, True])
