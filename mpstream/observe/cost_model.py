@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..schedules import Kind, Order, Schedule, Task, Topology, placement_of, virtual_stages_for
+from ..stages.sequential import check_flag
 from .sharing import replay, sharing_of
 from .timeline import Span, Timeline
 
@@ -205,8 +206,11 @@ def simulate(
         ValueError: inconsistent lengths, ``stage_times`` a mapping, negative
             costs, a schedule with backward tasks without backward times, or a round-robin schedule
             with neither ``devices`` nor ``virtual_stages``.
+        TypeError: ``overlap`` or ``backward`` is not a bool.
     """
     _listed(stage_times, "stage_times")
+    overlap = check_flag("overlap", overlap)  # a string such as "no" would read as true
+    backward = None if backward is None else check_flag("backward", backward)
     stages = [_pair(c, f"stage {i} time") for i, c in enumerate(stage_times)]
     n = len(stages)
     if n < 1:

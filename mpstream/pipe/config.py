@@ -29,7 +29,7 @@ from ..schedules.schedule import (
     Topology,
     schedule_arg,
 )
-from ..stages.sequential import check_positive
+from ..stages.sequential import check_flag, check_positive
 from ..stages.tracers import SplitReport
 from .auto import auto_of, choose
 from .compiling import compile_stages
@@ -151,14 +151,7 @@ class PipeConfig(PipeModule):
 
     @force_copies.setter
     def force_copies(self, value: bool) -> None:
-        # numpy's bool too, and 0 and 1; not a string or a float.
-        try:
-            wrong = isinstance(value, (str, bytes, float)) or value not in (0, 1)
-        except (RuntimeError, ValueError):  # an array or tensor of several values
-            wrong = True
-        if wrong:
-            raise TypeError(f"force_copies must be a bool, got {value!r}")
-        self.__dict__["_force_copies"] = bool(value)
+        self.__dict__["_force_copies"] = check_flag("force_copies", value)
 
     def _forget_choices(self) -> None:
         """Makes ``schedule='auto'`` choose again at the next step of each size."""

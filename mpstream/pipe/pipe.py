@@ -17,7 +17,7 @@ from ..runtime.graphed import Backend
 from ..runtime.microbatch import Value
 from ..schedules.schedule import PipeSchedule, check_schedule
 from ..stages.build import build, check_module, undone_on_error
-from ..stages.sequential import DeviceLike, check_positive
+from ..stages.sequential import DeviceLike, check_flag, check_positive
 from .compiling import CompileOption, compile_options
 from .step import PipeStep
 
@@ -147,7 +147,8 @@ class Pipe(PipeStep):
             ``split_points``; tracing and exporting failed (the message
             names the module, each tracer's reason and what to do; without
             ``sample=``, the export fails at the first call instead);
-            ``chunks`` or ``split_size`` is not an int.
+            ``chunks`` or ``split_size`` is not an int;
+            ``deferred_batch_norm`` or ``force_copies`` is not a bool.
         ValueError: ``chunks``/``split_size`` < 1 or both given; a layer is
             repeated; a stage spans devices or sits on a device that does not
             exist; balance/devices do not fit; an unknown checkpoint mode,
@@ -205,6 +206,7 @@ class Pipe(PipeStep):
                 f"(torchgpipe's GPipe(module, {list(chunks)}) is Pipe(module, balance="
                 f"{list(chunks)}))"
             )
+        deferred_batch_norm = check_flag("deferred_batch_norm", deferred_batch_norm)
         self._chunks = None if chunks is None else check_positive("chunks", chunks)
         self._split_size = None if split_size is None else check_positive("split_size", split_size)
         self.checkpoint = checkpoint

@@ -25,6 +25,7 @@ __all__ = [
     "stage_devices",
     "module_device",
     "check_positive",
+    "check_flag",
     "check_shared",
     "check_devices_exist",
 ]
@@ -57,6 +58,22 @@ def check_positive(name: str, value: object) -> int:
     if value < 1:
         raise ValueError(f"{name} must be at least 1, got {value}")
     return int(value)
+
+
+def check_flag(name: str, value: object) -> bool:
+    """Returns ``value`` as a bool if it is one: numpy's bool too, and 0
+    and 1, but not a string (``"false"`` would read as true) or a float.
+
+    Raises:
+        TypeError: anything else.
+    """
+    try:
+        wrong = isinstance(value, (str, bytes, float)) or value not in (0, 1)
+    except (RuntimeError, ValueError):  # an array or tensor of several values
+        wrong = True
+    if wrong:
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return bool(value)
 
 
 def module_device(module: nn.Module, what: str) -> torch.device | None:

@@ -75,6 +75,12 @@ def test_invalid_inputs() -> None:
         simulate([1.0, 1.0], 0.0, 2, "1f1b")
     with pytest.raises(ValueError, match="valid schedules"):
         simulate([1.0], 0.0, 1, "zigzag")
+    # A string would read as true; 0 and 1 count, as for Pipe's flags.
+    with pytest.raises(TypeError, match="overlap must be a bool, got 'no'"):
+        simulate([1.0, 1.0], 1.0, 2, overlap="no")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="backward must be a bool, got 'no'"):
+        simulate([(1.0, 2.0)], 0.0, 1, backward="no")  # type: ignore[arg-type]
+    assert simulate([1.0, 1.0], 1.0, 2, overlap=0).overlap is False
 
 
 def test_fit_takes_medians_per_stage_and_boundary() -> None:

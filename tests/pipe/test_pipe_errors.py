@@ -284,3 +284,13 @@ def test_force_copies_takes_a_bool_not_a_string_that_reads_as_true() -> None:
             pipe.force_copies = wrong  # type: ignore[assignment]
     with pytest.raises(TypeError, match="force_copies must be a bool, got 'no'"):
         Pipe(nn.Sequential(nn.Linear(2, 2)), force_copies="no")  # type: ignore[arg-type]
+
+
+def test_deferred_batch_norm_takes_a_bool_not_a_string_that_reads_as_true() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    with pytest.raises(TypeError, match="deferred_batch_norm must be a bool, got 'no'"):
+        Pipe(model, deferred_batch_norm="no")  # type: ignore[arg-type]
+    assert type(model[1]) is nn.BatchNorm1d  # not converted
+    # 0 and 1 count, as for force_copies.
+    assert type(Pipe(model, deferred_batch_norm=0)[1]) is nn.BatchNorm1d
+    assert type(Pipe(model, deferred_batch_norm=1)[1]) is not nn.BatchNorm1d
