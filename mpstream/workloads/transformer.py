@@ -24,6 +24,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from ..stages.sequential import check_positive
+
 __all__ = [
     "Preset",
     "PRESETS",
@@ -92,17 +94,25 @@ def preset(name: str, **changes: Any) -> Preset:
     """A preset by name, with fields changed (``batch=16``).
 
     Raises:
-        ValueError: an unknown name, or sizes that cannot work.
+        ValueError: an unknown name, or sizes that cannot work (below 1,
+            or not fitting each other).
+        TypeError: a size that is not an int.
     """
     if name not in PRESETS:
         raise ValueError(f"unknown transformer preset {name!r}; valid: {', '.join(PRESETS)}")
     p = replace(PRESETS[name], **changes)
+    sizes = ("vocab", "width", "depth", "heads", "kv_heads", "hidden", "seq", "batch", "repeat")
+    for size in sizes:
+        try:
+            check_positive(size, getattr(p, size))
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"preset {p.name}: {exc}") from None
     if p.width % p.heads or p.heads % p.kv_heads or (p.width // p.heads) % 2:
         raise ValueError(
             f"preset {p.name}: width {p.width} must split into {p.heads} heads of an even "
             f"size, and the heads into {p.kv_heads} key/value groups"
         )
-    if min(p.micro_batches) < 1 or max(p.micro_batches) > p.batch:
+    if not p.micro_batches or min(p.micro_batches) < 1 or max(p.micro_batches) > p.batch:
         raise ValueError(
             f"preset {p.name}: micro-batch counts {p.micro_batches} must lie in 1..{p.batch} "
             f"(the batch, in sequences): give counts up to {p.batch} (micro_batches=, "

@@ -40,6 +40,14 @@ def test_the_presets_are_what_they_say() -> None:
         T.preset("tiny", micro_batches=(16,))
     with pytest.raises(ValueError, match="split into 5 heads"):
         T.preset("tiny", heads=5)
+    with pytest.raises(ValueError, match="preset tiny: depth must be at least 1, got 0"):
+        T.preset("tiny", depth=0)
+    with pytest.raises(ValueError, match="preset tiny: heads must be at least 1, got 0"):
+        T.preset("tiny", heads=0)
+    with pytest.raises(TypeError, match="preset tiny: width must be an int, got float"):
+        T.preset("tiny", width=64.0)
+    with pytest.raises(ValueError, match=r"counts \(\) must lie in 1..8"):
+        T.preset("tiny", micro_batches=())
     with pytest.raises(TypeError, match=r"got str 'tiny': use decoder\(preset\('tiny'\)\)"):
         T.decoder("tiny")  # type: ignore[arg-type]
 
