@@ -25,6 +25,7 @@ from ..schedules import (
     SCHEDULES,
     Auto,
     ScheduleReport,
+    check_schedule,
     placement_of,
     virtual_stages_for,
 )
@@ -87,7 +88,12 @@ def candidates(
     Returns:
         ``(fitting, excluded)``: (name, virtual stages) of each that fits,
         and (name, why) of each that does not.
+
+    Raises:
+        ValueError: ``virtual_stages`` (set after the pipe was built) fits
+            none of the schedules of several stages per rank.
     """
+    check_schedule("auto", devices, (), virtual_stages)
     fitting, excluded = [], []
     for name in SCHEDULES:
         given = None if placement_of(name) == "stage" else virtual_stages

@@ -172,20 +172,45 @@ def check_schedule(
     """Checks a pipeline's schedule against its stages before any step runs:
     the ranks of a schedule of several stages per rank, and an explicit
     order for as many micro-batches as it covers. ``'auto'`` is checked when
-    it chooses.
+    it chooses; here only its ``virtual_stages``, which must fit one of the
+    schedules of several stages per rank.
 
     Raises:
         ValueError: ``virtual_stages`` given for a schedule of a rank per
-            stage, or not fitting; a placement the schedule cannot run on
+            stage, or not fitting (for ``'auto'``: fitting none of those
+            it could choose); a placement the schedule cannot run on
             (which stage is where, and what to pass); a bad order (with its
             stage x step grid).
     """
     if isinstance(schedule, Auto) or schedule == "auto":
+        if virtual_stages is not None:
+            _check_auto_virtual(devices, virtual_stages)
         return
     virtual_stages_for(schedule, devices, virtual_stages)
     if isinstance(schedule, tuple):
         micros = 1 + max(a.micro for a in parse(schedule))
         check(parse(schedule), len(devices), micros, reads)
+
+
+def _check_auto_virtual(devices: Sequence[Hashable], virtual_stages: int) -> None:
+    """Refuses a ``virtual_stages`` that no schedule of several stages per
+    rank fits, as each of them would: ``'auto'`` would otherwise drop it
+    and choose among the schedules of a rank per stage."""
+    why: dict[str, list[str]] = {}
+    for name in SCHEDULES:
+        if placement_of(name) == "stage":
+            continue
+        try:
+            virtual_stages_for(name, devices, virtual_stages)
+            return
+        except ValueError as exc:
+            why.setdefault(str(exc), []).append(name)
+    reasons = "; ".join(f"{', '.join(names)}: {text}" for text, names in why.items())
+    raise ValueError(
+        f"schedule='auto' with virtual_stages={virtual_stages!r}: no schedule of several "
+        f"stages per rank fits ({reasons}); fix virtual_stages, or drop it to choose among "
+        f"the schedules of a rank per stage"
+    )
 
 
 class Schedule:

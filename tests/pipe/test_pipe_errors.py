@@ -167,6 +167,21 @@ def test_virtual_stages_set_for_another_schedule_is_refused_at_the_step() -> Non
     assert pipe.train_step(x, x, nn.functional.mse_loss).dim() == 0
 
 
+@pytest.mark.parametrize("virtual", [0, "2", True, 3])
+def test_auto_refuses_a_virtual_stages_that_fits_no_schedule(virtual: object) -> None:
+    # As a named schedule of several stages per rank would, rather than
+    # dropping it and choosing among the others (3 divides no 2 stages).
+    layers = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=rf"schedule='auto' with virtual_stages={virtual!r}: no "):
+        Pipe(layers, chunks=2, devices=["cpu"] * 2, schedule="auto", virtual_stages=virtual)  # type: ignore[arg-type]
+    pipe = Pipe(layers, chunks=2, devices=["cpu"] * 2, schedule="auto")
+    pipe.virtual_stages = virtual  # type: ignore[assignment]
+    x = torch.randn(4, 2)
+    with pytest.raises(ValueError, match="fix virtual_stages, or drop it"):
+        pipe.train_step(x, x, nn.functional.mse_loss)
+    assert all(p.grad is None for p in pipe.parameters())
+
+
 class _Blocks(nn.Module):
     def __init__(self) -> None:
         super().__init__()
