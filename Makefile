@@ -87,8 +87,8 @@ bench-suite: setup
 # Static checks: types, lint and formatting.
 check: setup
 	$(PY) -m mypy
-	$(VENV)/bin/ruff check mpstream tests benchmarks
-	$(VENV)/bin/ruff format --check mpstream tests benchmarks
+	$(VENV)/bin/ruff check mpstream tests benchmarks setup.py
+	$(VENV)/bin/ruff format --check mpstream tests benchmarks setup.py
 
 bench: setup
 	$(VENV)/bin/mpstream bench

@@ -9,7 +9,6 @@ compiled against the torch already in the environment.
 from __future__ import annotations
 
 import json
-import os
 import platform
 import sys
 from pathlib import Path
