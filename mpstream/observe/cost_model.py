@@ -5,7 +5,10 @@ issues) on modelled streams. Each stream runs its tasks in issue order; a
 task starts when its streams are free and its dependencies have finished.
 
 - ``overlap=True`` models mpstream: a compute stream per stage, and each copy
-  on the copy streams of both its devices.
+  on the copy streams of both its devices. A copy forced between stages on
+  one device (``force_copies``) runs on its sender's copy stream alone; the
+  receiver's copy stream waits for it, and the copy is done once that
+  stream has also finished what was issued on it before.
 - ``overlap=False`` models the tutorial's default-stream pipeline: one stream
   per device, copies block both devices' streams, and within a clock cycle
   later stages are issued first, as the tutorial's loop does.
@@ -149,6 +152,7 @@ def simulate(
     virtual_stages: int | None = None,
     share_compute: bool | float | None = None,
     issue_times: IssueTimes | None = None,
+    force_copies: bool = False,
 ) -> Simulation:
     """Predicts a pipelined step.
 
@@ -198,6 +202,10 @@ def simulate(
             backward that autograd runs (``pipe(x)`` then ``backward()``)
             over several GPUs is issued by one autograd thread per device,
             in parallel, which this overestimates.
+        force_copies: copy between stages on one device too, as
+            ``Pipe(force_copies=True)`` does. As ``train_step`` issues it,
+            such a copy runs on the sending stage's copy stream only, and
+            the receiving stage's copy stream is ordered after it.
 
     Returns:
         The predicted step time and its timeline.
@@ -259,6 +267,7 @@ def simulate(
         graph if graph is not None else tuple((s - 1,) for s in range(n)),
         tuple(labels.index(d) for d in devs),
         labels.index(devs[0]),
+        bool(force_copies),
     )
     virtual = virtual_stages_for(schedule, devs, virtual_stages)
     sched = Schedule(schedule, n, chunks, topology, backward=with_backward, virtual_stages=virtual)
@@ -285,8 +294,26 @@ def simulate(
             return (row, f"{devs[t.stage]}.compute") if shared is True else (row,)
         src, dst = (t.stage, t.peer) if t.kind is Kind.COPY else (t.peer, t.stage)
         if overlap:
+            if forced(t):
+                return (f"stage{src}.copy",)
             return (f"stage{src}.copy", f"stage{dst}.copy")
         return (devs[src], devs[dst])
+
+    def forced(t: Task) -> bool:
+        """A copy between two stages on one device. The runtime issues it
+        on the sender's copy stream: only one stream of a device is current
+        (a copy across devices orders both ends itself)."""
+        return (
+            t.kind in (Kind.COPY, Kind.COPY_GRAD) and t.stage >= 0 and devs[t.stage] == devs[t.peer]
+        )
+
+    def after(t: Task) -> tuple[str, ...]:
+        """Streams ordered after a task without running it: a forced copy's
+        receiving copy stream, which waits for the copy and records the
+        event its readers wait for."""
+        if not (overlap and forced(t)):
+            return ()
+        return (f"stage{t.peer if t.kind is Kind.COPY else t.stage}.copy",)
 
     def cost(t: Task) -> float:
         if t.kind is Kind.FORWARD:
@@ -300,10 +327,10 @@ def simulate(
         return float(forward if t.kind is Kind.COPY else gradient)
 
     issue = _issue_costs(issue_times, sched.split)
-    timing = replay(tasks, streams, cost, issue, devs, shared if overlap else False)
+    timing = replay(tasks, streams, cost, issue, devs, shared if overlap else False, after)
     spans = []
     for t, (start, stop, issuing) in zip(tasks, timing):
-        on = streams(t)
+        on = streams(t) + after(t)
         if t.kind in compute and overlap:
             on = on[:1]
         spans.append(

@@ -8,7 +8,10 @@ may decide; :func:`play` then replays the tasks event by event instead.
 
 Each task waits, as in the one-pass replay, for the earlier tasks of each
 stream it occupies, for its dependencies and for the host to begin issuing
-it, and ends no earlier than the host finishes issuing it. Compute tasks of
+it, and ends no earlier than the host finishes issuing it. A stream a task
+only orders (``after``: a forced copy's receiving stream) is not waited for
+to start it, but the task is done only once that stream has finished its
+earlier tasks, and that stream's later tasks wait for it. Compute tasks of
 one device share its throughput: a stage's kernels fill ``fill`` of the
 device, so ``k`` tasks at once each run at full speed while ``k * fill <=
 1``, and otherwise each at ``1 / (k * fill)`` of it (with ``fill=1`` two
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..schedules import Kind, Task
@@ -44,6 +47,7 @@ class Job:
         deps: indices of the jobs it waits for.
         issued: when the host begins issuing it.
         issue_end: when the host has issued it.
+        after: streams ordered after it that it does not run on.
     """
 
     streams: tuple[str, ...]
@@ -52,6 +56,7 @@ class Job:
     deps: tuple[int, ...]
     issued: float = 0.0
     issue_end: float = 0.0
+    after: tuple[str, ...] = ()
 
 
 def play(jobs: Sequence[Job], fill: float) -> list[tuple[float, float]]:
@@ -73,7 +78,7 @@ def play(jobs: Sequence[Job], fill: float) -> list[tuple[float, float]]:
         raise ValueError(f"a compute task fills a share of its device in (0, 1], got {fill}")
     queues: dict[str, deque[int]] = {}
     for i, job in enumerate(jobs):
-        for s in job.streams:
+        for s in job.streams + job.after:
             queues.setdefault(s, deque()).append(i)
     dependents: list[list[int]] = [[] for _ in jobs]
     waiting = [len(set(job.deps)) for job in jobs]
@@ -84,6 +89,7 @@ def play(jobs: Sequence[Job], fill: float) -> list[tuple[float, float]]:
     end = [-1.0] * len(jobs)
     left = [job.work for job in jobs]
     running: set[int] = set()
+    held: list[int] = []  # run, waiting for the streams ordered after them
     now, finished = 0.0, 0
     while finished < len(jobs):
         for q in queues.values():
@@ -114,9 +120,18 @@ def play(jobs: Sequence[Job], fill: float) -> list[tuple[float, float]]:
         for i in sorted(running):
             if left[i] <= _EPS and jobs[i].issue_end <= now + _EPS:
                 running.discard(i)
+                for s in jobs[i].streams:
+                    queues[s].popleft()
+                held.append(i)
+        while True:  # one done may let another be done at the same time
+            done = [i for i in held if all(queues[s][0] == i for s in jobs[i].after)]
+            if not done:
+                break
+            for i in done:
+                held.remove(i)
                 end[i] = max(now, jobs[i].issue_end)
                 finished += 1
-                for s in jobs[i].streams:
+                for s in jobs[i].after:
                     queues[s].popleft()
                 for j in dependents[i]:
                     waiting[j] -= 1
@@ -170,6 +185,7 @@ def replay(
     issue: Any,
     devs: list[str],
     shared: bool | float,
+    after: Any = lambda t: (),
 ) -> list[tuple[float, float, float]]:
     """(start, end, host issue time) of each task, in issue order: in one
     pass when each task takes its cost, event by event (:func:`play`) when
@@ -183,6 +199,8 @@ def replay(
         issue: task -> the host's time to issue it.
         devs: the device label of each stage.
         shared: what :func:`sharing_of` says.
+        after: task -> the streams ordered after it that it does not run
+            on (a forced copy's receiving copy stream).
     """
     free: dict[str, float] = defaultdict(float)
     end: dict[int, float] = {}
@@ -190,28 +208,29 @@ def replay(
     jobs = []
     host = 0.0  # when the issuing thread is free
     for t in tasks:
-        on = streams(t)
+        on, ordered = streams(t), after(t)
         issued = host
         issuing = issue(t)
         host += issuing
         if isinstance(shared, float):
             compute = t.kind in (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT)
             device = devs[t.stage] if compute else None
-            jobs.append(Job(on, device, cost(t), tuple(t.deps), issued, host))
+            jobs.append(Job(on, device, cost(t), tuple(t.deps), issued, host, ordered))
             out.append((0.0, 0.0, issuing))
             continue
         start = max([free[s] for s in on] + [end[d] for d in t.deps] + [issued])
-        end[t.index] = max(start + cost(t), host)
+        stop = max(start + cost(t), host)
         for s in on:
+            free[s] = stop
+        # Done once the streams ordered after it are past their earlier work.
+        end[t.index] = max([stop] + [free[s] for s in ordered])
+        for s in ordered:
             free[s] = end[t.index]
         out.append((start, end[t.index], issuing))
     if jobs:
         # Task indices are issue positions (tasks issue in index order).
         index = {t.index: i for i, t in enumerate(tasks)}
-        jobs = [
-            Job(j.streams, j.device, j.work, tuple(index[d] for d in j.deps), j.issued, j.issue_end)
-            for j in jobs
-        ]
-        played = play(jobs, shared)  # type: ignore[arg-type]
+        jobs = [replace(j, deps=tuple(index[d] for d in j.deps)) for j in jobs]
+        played = play(jobs, shared)
         out = [(a, b, issuing) for (a, b), (_, _, issuing) in zip(played, out)]
     return out

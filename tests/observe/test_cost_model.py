@@ -11,6 +11,7 @@ from mpstream.observe.cost_model import Simulation, simulate
 from mpstream.observe.fitting import fit
 from mpstream.observe.scaling import predict
 from mpstream.observe.timeline import Span, Timeline
+from mpstream.runtime.plan import record_plan
 
 SHAPES = [(1, 1), (1, 5), (2, 1), (2, 4), (3, 8), (4, 8), (5, 3)]
 
@@ -46,6 +47,35 @@ def test_stages_sharing_a_device_serialise_without_overlap() -> None:
     sim = simulate([f, f], 5.0, 4, overlap=False, devices=["host", "host"])
     assert sim.step_ms == pytest.approx(2 * 4 * f)  # no copy between same-device stages
     assert simulate([f, f], 5.0, 4, devices=["gpu", "gpu"]).step_ms == pytest.approx(5 * f)
+
+
+@pytest.mark.parametrize("share_compute", [False, 0.5])
+def test_a_forced_copy_runs_on_its_senders_copy_stream_alone(share_compute: float) -> None:
+    # The runtime runs a copy between stages on one device on the sender's
+    # copy stream; the receiver's copy stream waits for it, then records
+    # the event its readers wait for.
+    plan = record_plan("gpipe", 3, 3, ["cpu"] * 3, force_copies=True)
+    runs = [op for op in plan.ops if op.op == "run" and op.kind == "copy"]
+    copies = {(op.stage, op.micro): plan.slot_names[op.slot] for op in runs}
+    assert copies == {(s, m): f"stage{s}.copy@cpu" for s in (0, 1) for m in range(3)}
+    f = c = 1.0
+    forced = simulate(
+        [f] * 3, c, 3, devices=["gpu"] * 3, force_copies=True, share_compute=share_compute
+    )
+    # Copy 0->1 of micro-batch 2 runs while copy 1->2 of micro-batch 0 is
+    # on stage 1's copy stream; across devices a copy holds both streams.
+    assert forced.step_ms == pytest.approx(3 * f + 2 * (f + c))
+    assert simulate([f] * 3, c, 3, devices=["a", "b", "c"]).step_ms == pytest.approx(
+        4 * f + 2 * (f + c)
+    )
+    # A short copy 0->1 of micro-batch 2 (3.0 to 3.5) is done once stage 1's
+    # copy stream has sent micro-batch 0 on (2.5 to 4.5).
+    sim = simulate(
+        [f] * 3, [0.5, 2.0], 3, devices=["gpu"] * 3, force_copies=True, share_compute=share_compute
+    )
+    copy = next(s for s in sim.timeline.spans if (s.kind, s.stage, s.micro) == ("copy", 0, 2))
+    assert (copy.start_ms, copy.end_ms) == pytest.approx((3.0, 4.5))
+    assert sim.step_ms == pytest.approx(9.5)
 
 
 def test_bubble_fraction_of_the_simulated_timeline() -> None:
