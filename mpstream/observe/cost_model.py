@@ -12,9 +12,10 @@ task starts when its streams are free and its dependencies have finished.
 - ``overlap=False`` models the tutorial's default-stream pipeline: one stream
   per device, copies block both devices' streams, and within a clock cycle
   later stages are issued first, as the tutorial's loop does.
-- ``share_compute=True`` (the default for the schedules of several stages
-  per rank: round-robin or V) models stages that share a device as sharing
-  its compute: their tasks run one at a time, in issue order.
+- ``share_compute=True`` (the default wherever stages share a device, for
+  a built-in schedule and an explicit order alike) models stages that share
+  a device as sharing its compute: their tasks run one at a time, in issue
+  order.
 - ``share_compute=fill``, a number in (0, 1], lets them compute at once on
   their own streams, as mpstream's stage streams do on a GPU, each filling
   that share of the device: a busy device computes whatever any of its
@@ -191,8 +192,9 @@ def simulate(
             alone. A number in (0, 1]: at once on their streams, each
             filling that share of the device (1.0: two at once each take
             twice as long; 0.5: two fit side by side), so the device runs
-            whatever any of its streams has ready. Default: True for the
-            schedules of several stages per rank, False otherwise.
+            whatever any of its streams has ready. Default: True when two
+            stages share a device (their devices as given, or as the
+            schedule places them), False when each has its own.
         issue_times: host time (ms) the one issuing thread spends on each
             task: one number for every task, or per (kind, stage) as
             :attr:`Costs.issue_times` holds them (missing: 0; a backward's
@@ -281,7 +283,7 @@ def simulate(
     # schedule keeps its order, each device running its tasks in turn.
     tutorial = not overlap and sched.name == "gpipe"
     tasks = _tutorial_order(sched.tasks) if tutorial else sched.tasks
-    shared = sharing_of(placement, share_compute)
+    shared = sharing_of(devs, share_compute)
     splits = [_split(c) for c in stage_times]
     compute = (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT)
 

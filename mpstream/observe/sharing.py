@@ -156,17 +156,17 @@ def _rates(
     return rates
 
 
-def sharing_of(placement: str, share_compute: bool | float | None) -> bool | float:
+def sharing_of(devices: Sequence[str], share_compute: bool | float | None) -> bool | float:
     """How stages on one device share its compute: True (one at a time),
     False (each as if alone) or the share of the device one stage fills;
-    by default True where a schedule places several stages per rank,
-    False for a rank per stage.
+    by default True where two stages share a device (``devices``: a label
+    per stage), whichever schedule or order places them there.
 
     Raises:
         ValueError: a number outside (0, 1].
     """
     if share_compute is None:
-        return placement != "stage"
+        return len(set(devices)) < len(devices)
     if isinstance(share_compute, bool):
         return share_compute
     fill = float(share_compute)

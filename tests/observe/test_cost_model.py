@@ -12,6 +12,7 @@ from mpstream.observe.fitting import fit
 from mpstream.observe.scaling import predict
 from mpstream.observe.timeline import Span, Timeline
 from mpstream.runtime.plan import record_plan
+from mpstream.schedules import Schedule, Topology
 
 SHAPES = [(1, 1), (1, 5), (2, 1), (2, 4), (3, 8), (4, 8), (5, 3)]
 
@@ -46,7 +47,37 @@ def test_stages_sharing_a_device_serialise_without_overlap() -> None:
     f = 2.0
     sim = simulate([f, f], 5.0, 4, overlap=False, devices=["host", "host"])
     assert sim.step_ms == pytest.approx(2 * 4 * f)  # no copy between same-device stages
-    assert simulate([f, f], 5.0, 4, devices=["gpu", "gpu"]).step_ms == pytest.approx(5 * f)
+    # On its own streams, one device: one stage computes at a time by
+    # default, or each as if alone.
+    assert simulate([f, f], 5.0, 4, devices=["gpu", "gpu"]).step_ms == pytest.approx(8 * f)
+    alone = simulate([f, f], 5.0, 4, devices=["gpu", "gpu"], share_compute=False)
+    assert alone.step_ms == pytest.approx(5 * f)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "devices"),
+    [
+        ("zbv", ["a", "b", "b", "a"]),
+        ("dualpipev", ["a", "b", "b", "a"]),
+        ("interleaved_1f1b", ["a", "b", "a", "b"]),
+        ("1f1b", ["a", "a", "b", "b"]),
+        ("1f1b", ["a", "b", "c", "d"]),
+    ],
+)
+def test_an_explicit_order_simulates_as_its_built_in_schedule(
+    schedule: str, devices: list[str]
+) -> None:
+    # Stages on one device share its compute by default, whichever way the
+    # schedule is given: a copied-out order is no faster than the schedule.
+    cost = [(1.0, 1.0, 1.0)] * 4
+    built = simulate(cost, 0.2, 4, schedule, devices=devices, virtual_stages=None)
+    labels = tuple(sorted(set(devices)).index(d) for d in devices)
+    reads = tuple((s - 1,) for s in range(4))
+    virtual = 1 if schedule == "1f1b" else 2
+    order = str(Schedule(schedule, 4, 4, Topology(reads, labels), virtual_stages=virtual))
+    explicit = simulate(cost, 0.2, 4, order, devices=devices)
+    assert explicit.step_ms == pytest.approx(built.step_ms)
+    assert explicit.timeline.meta["share_compute"] == built.timeline.meta["share_compute"]
 
 
 @pytest.mark.parametrize("share_compute", [False, 0.5])
