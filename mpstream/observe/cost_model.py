@@ -288,7 +288,8 @@ def simulate(
     compute = (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT)
 
     def streams(t: Task) -> tuple[str, ...]:
-        """The streams a task occupies; the first is its timeline row."""
+        """The streams a task occupies; the first is a compute task's timeline
+        row (a copy's is its receiving stream, as a profile records it)."""
         if t.kind in compute:
             if not overlap:
                 return (devs[t.stage],)
@@ -340,7 +341,7 @@ def simulate(
                 t.stage,
                 t.micro,
                 t.kind.label,
-                on[-1] if t.kind is Kind.COPY else on[0],
+                on[-1] if t.kind in (Kind.COPY, Kind.COPY_GRAD) else on[0],
                 start,
                 stop,
                 peer=t.peer if t.kind in (Kind.COPY, Kind.COPY_GRAD) else -1,

@@ -6,7 +6,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
+from mpstream import Pipe, profile
 from mpstream.observe.cost_model import Simulation, simulate
 from mpstream.observe.fitting import fit
 from mpstream.observe.scaling import predict
@@ -107,6 +110,23 @@ def test_a_forced_copy_runs_on_its_senders_copy_stream_alone(share_compute: floa
     copy = next(s for s in sim.timeline.spans if (s.kind, s.stage, s.micro) == ("copy", 0, 2))
     assert (copy.start_ms, copy.end_ms) == pytest.approx((3.0, 4.5))
     assert sim.step_ms == pytest.approx(9.5)
+
+
+def test_copies_are_on_the_rows_a_profile_puts_them() -> None:
+    # A copy's span is on its receiving copy stream in a profile (the
+    # scheduler times it there), gradient copies included.
+    model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(3)])
+    pipe = Pipe(model, chunks=2, balance=[1] * 3, devices=["cpu"] * 3, force_copies=True)
+    with profile(pipe) as prof:
+        pipe.train_step(torch.randn(4, 2), torch.randn(4, 2), nn.MSELoss())
+    sim = simulate([(1.0, 1.0)] * 3, 1.0, 2, devices=["cpu"] * 3, force_copies=True)
+
+    def rows(spans: list[Span]) -> set[tuple[str, int, int, str]]:
+        copies = [s for s in spans if s.kind in ("copy", "copy_grad")]
+        return {(s.kind, s.stage, s.peer, s.stream.split("@")[0]) for s in copies}
+
+    assert rows(sim.timeline.spans) == rows(prof.spans)
+    assert ("copy_grad", 0, 1, "stage0.copy") in rows(prof.spans)
 
 
 def test_bubble_fraction_of_the_simulated_timeline() -> None:
