@@ -296,6 +296,10 @@ def simulate(
             row = f"stage{t.stage}.compute"
             return (row, f"{devs[t.stage]}.compute") if shared is True else (row,)
         src, dst = (t.stage, t.peer) if t.kind is Kind.COPY else (t.peer, t.stage)
+        if src < 0:
+            # The input, on stage 0's device, lands on the io stream of the
+            # receiving stage's device, which is all the runtime makes current.
+            return (f"io@{devs[dst]}",) if overlap else (devs[0], devs[dst])
         if overlap:
             if forced(t):
                 return (f"stage{src}.copy",)
@@ -351,6 +355,7 @@ def simulate(
     host = sum(issuing for _, _, issuing in timing)
     if overlap:
         rows = {f"stage{s}.{r}": devs[s] for s in range(n) for r in ("compute", "copy")}
+        rows |= {f"io@{devs[t.peer]}": devs[t.peer] for t in sched.tasks if t.stage < 0}
     else:
         rows = {d: d for d in dict.fromkeys(devs)}
     hop_pairs = sorted({(t.stage, t.peer) for t in sched.tasks if t.kind is Kind.COPY})

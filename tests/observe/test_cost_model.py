@@ -129,6 +129,24 @@ def test_copies_are_on_the_rows_a_profile_puts_them() -> None:
     assert ("copy_grad", 0, 1, "stage0.copy") in rows(prof.spans)
 
 
+def test_the_input_copied_to_another_stage_is_on_that_devices_io_stream() -> None:
+    # Stage 1 (device b) reads the input, which sits on stage 0's device a.
+    reads, f, c = [[-1], [-1], [0, 1]], 1.0, 2.0
+    plan = record_plan("gpipe", 3, 1, ["cuda:0", "cuda:1", "cuda:2"], reads=reads)
+    (run,) = [op for op in plan.ops if op.op == "run" and op.kind == "copy" and op.stage < 0]
+    assert plan.slot_names[run.slot] == "io@cuda:1"
+    sim = simulate([f] * 3, c, 3, reads=reads, devices=["a", "b", "c"])
+    assert {s.stream for s in sim.timeline.spans if s.stage < 0} == {"io@b"}
+    assert sim.timeline.stream_devices["io@b"] == "b"
+    # Not on stage 1's copy stream: stage 2's copy stream receives all six
+    # copies back to back.
+    assert sim.step_ms == pytest.approx(f + 6 * c + f)
+    # Default streams: the copy waits for stage 0's forward on device a's
+    # stream (the tutorial's order), and leaves device c's alone.
+    blocked = simulate([f] * 3, c / 2, 1, overlap=False, reads=reads, devices=["a", "b", "c"])
+    assert blocked.step_ms == pytest.approx(3 * f + 2 * (c / 2))
+
+
 def test_bubble_fraction_of_the_simulated_timeline() -> None:
     stages, micros = 4, 8
     sim = simulate([(1.0, 2.0)] * stages, 0.0, micros)
