@@ -14,8 +14,10 @@ linear layer's addmm, whose other edges go to its weight and bias). A hook on
 each junction keeps the gradient that flows into it. W then starts autograd
 at those junctions with the kept gradients, toward the parameters below them:
 each junction now computes the gradients it skipped in B, and nothing on the
-input path runs twice. (A tensor hook on a junction's output ran in B; W
-starts from the kept gradient as it was, not hooked a second time.)
+input path runs twice. (A tensor hook on a junction's output ran in B: W
+hands the hooks zeros, so a retained ``.grad``, which adds what it is
+given, is not counted twice, and computes from the kept gradient as it
+was, not hooked a second time.)
 
 One W call per group of junctions whose parameters overlap. B computes
 three kinds of parameter gradients itself: those of a parameter reached from
@@ -92,10 +94,12 @@ class WeightPass:
 @contextmanager
 def pinned(kept: dict[Node, list[Any]]) -> Iterator[None]:
     """Around W's autograd calls: each junction starts from the gradients B
-    kept there. Autograd runs a tensor's hooks on the gradient given at a
-    start edge, and B kept them with the hooks already applied; a node's
-    own prehook runs after tensor hooks, so it puts the kept values back
-    (a hook's side effects still run in both passes)."""
+    kept there. Autograd runs a tensor's hooks (``retain_grad``'s too) on
+    the gradient given at a start edge, and B kept them with the hooks
+    already applied: W gives zeros there (see :meth:`Split.groups`), and a
+    node's own prehook, which runs after tensor hooks, puts the kept values
+    back. A retained ``.grad`` adds zeros; a hook's other side effects still
+    run in both passes, in W on zeros."""
     handles = []
     for node, values in kept.items():
 
@@ -295,10 +299,12 @@ class Split:
                     edges.append(get_gradient_edge(t))
                     values.append(g)
                 if j not in self._known:
+                    # Hooks ran on these in B: W gives them zeros, and
+                    # pinned() hands the junction what B kept.
                     for i, g in enumerate(self._captured.get(j, ())):
                         if g is not None:
                             edges.append(GradientEdge(j, i))
-                            values.append(g)
+                            values.append(_zeros_like(g))
             if edges and params:
                 out.append((edges, values, [_variable(p) for p in params]))
         return out
@@ -340,6 +346,13 @@ def backward_inputs(tensors: Sequence[Tensor], grads: Sequence[Tensor] | None) -
                 list(tensors), grads, retain_graph=split.defers, inputs=[_ANCHOR, *split.eager]
             )
     return split.weight_pass()
+
+
+def _zeros_like(g: Tensor) -> Tensor:
+    """Zeros shaped like ``g``, one element in memory where the layout allows."""
+    if g.layout is not torch.strided:
+        return torch.zeros_like(g)
+    return g.new_zeros(()).expand_as(g)
 
 
 def _variable(node: Node) -> Tensor:

@@ -195,6 +195,40 @@ def test_a_custom_function_on_the_input_path_runs_once() -> None:
     torch.testing.assert_close(got[1], lin.weight.grad)
 
 
+class Retained(nn.Module):
+    """A retained gradient on a layer's output, where W starts (a junction)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.kept: list[Tensor] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.a(x)
+        h.retain_grad()
+        h.register_hook(lambda g: g * 0.5)
+        self.kept.append(h)
+        out: Tensor = self.b(torch.tanh(h))
+        return out
+
+
+def test_a_retained_gradient_at_a_junction_is_not_counted_twice() -> None:
+    """W restarts at the junction, where autograd runs the retain hook
+    again: the retained ``.grad`` is the plain backward's, not double."""
+    torch.manual_seed(0)
+    plain = Retained().double()
+    split = copy.deepcopy(plain)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    run(plain, x, False)
+    run(split, x, True)
+    assert split.a.weight.grad is not None, "W ran"
+    expected, got = plain.kept[0].grad, split.kept[0].grad
+    assert expected is not None and got is not None
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(split.a.weight.grad, plain.a.weight.grad)
+
+
 def flops(stage: nn.Module, x: Tensor, split: bool) -> tuple[int, int]:
     out = stage(cut(GradSink(), (x,))[0])
     grad = torch.ones_like(out)
