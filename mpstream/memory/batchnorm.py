@@ -161,8 +161,18 @@ class DeferredBatchNorm(_BatchNorm):
         it saw; its sums are not carried into the next mini-batch. A layer
         called more than once per micro-batch (one module used twice in a
         forward) cannot update as a plain BatchNorm would, once per call
-        from that call's whole batch: it says so once, with a warning.
+        from that call's whole batch: it says so once, with a warning
+        (:meth:`say_pooled`).
         """
+        self.say_pooled()
+        if self.tracked:
+            with torch.no_grad():
+                self._commit()
+
+    def say_pooled(self) -> None:
+        """Warns, once, if the layer ran more than once per micro-batch in
+        this mini-batch (see :meth:`commit`); an error under
+        ``warnings.simplefilter("error")``, raised before anything updates."""
         if self.calls > self.expected and not self.warned:
             self.warned = True
             warnings.warn(
@@ -173,9 +183,6 @@ class DeferredBatchNorm(_BatchNorm):
                 f"model's statistics",
                 stacklevel=2,
             )
-        if self.tracked:
-            with torch.no_grad():
-                self._commit()
 
     def _commit(self) -> None:
         mean = self.sum / self.count
@@ -338,13 +345,17 @@ def deferred_update(norms: Sequence[DeferredBatchNorm], micros: int) -> Iterator
     (:meth:`DeferredBatchNorm.commit`; on the caller's streams, which the
     pipeline has ordered after every stage). If it raises, the partial sums are dropped: the
     statistics stay as they were, and the next mini-batch updates them
-    exactly as if the failed call had not happened.
+    exactly as if the failed call had not happened. So does a warning that
+    the calls of one are pooled raised as an error (``-W error``): every
+    norm says it before any updates.
     """
     for norm in norms:
         norm.begin(micros)
         norm.hold = True
     try:
         yield
+        for norm in norms:
+            norm.say_pooled()
     except BaseException:
         for norm in norms:
             norm.reset_accumulation()

@@ -85,6 +85,43 @@ def test_a_norm_called_twice_in_a_forward_says_it_pools_its_calls(step: bool) ->
         call()
 
 
+@pytest.mark.parametrize("step", [False, True])
+def test_the_pooled_warning_raised_as_an_error_updates_no_norm(step: bool) -> None:
+    # Under -W error the warning of the middle norm raised between the
+    # norms' updates: the first had updated, the others kept their sums.
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(4, 4), nn.BatchNorm1d(4), _Twice(), nn.BatchNorm1d(4), nn.Linear(4, 2)
+    ).double()
+    pipe, twin = (
+        Pipe(copy.deepcopy(model), chunks=2, balance=[3, 2], devices=["cpu", "cpu"],
+             deferred_batch_norm=True)
+        for _ in range(2)
+    )  # fmt: skip
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
+
+    def call(p: Pipe) -> None:
+        if step:
+            p.train_step(x, y, nn.MSELoss())
+        else:
+            p(x)
+
+    before = [b.clone() for b in pipe.buffers()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(UserWarning, match="called more than once"):
+            call(pipe)
+    for a, b in zip(pipe.buffers(), before):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert all(n.tracked == 0 for n in pipe.modules() if isinstance(n, nn.BatchNorm1d))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        call(pipe)  # as if the failed call had not happened
+        call(twin)
+    for a, b in zip(pipe.buffers(), twin.buffers()):
+        torch.testing.assert_close(a, b)
+
+
 def test_sums_left_after_a_call_are_not_part_of_the_next() -> None:
     # A recompute outside mpstream's checkpointing (here: a forward run by
     # hand) adds to the sums after the call has committed.
