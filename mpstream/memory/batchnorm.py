@@ -154,20 +154,22 @@ class DeferredBatchNorm(_BatchNorm):
 
     def commit(self) -> None:
         """Ends a mini-batch: what is accumulated still updates the running
-        statistics, once.
+        statistics.
 
-        A layer that a forward skipped for some micro-batches updates from
-        those it ran on, as the plain model's layer would from the samples
-        it saw; its sums are not carried into the next mini-batch. A layer
-        called more than once per micro-batch (one module used twice in a
-        forward) cannot update as a plain BatchNorm would, once per call
-        from that call's whole batch: it says so once, with a warning
-        (:meth:`say_pooled`).
+        A layer that a forward skipped for some micro-batches updates once,
+        from those it ran on, as the plain model's layer would from the
+        samples it saw; its sums are not carried into the next mini-batch.
+        A layer called more than once per micro-batch (one module used twice
+        in a forward) cannot update as a plain BatchNorm would, from each
+        call's own whole batch: its calls' statistics are pooled, and update
+        the running statistics (and ``num_batches_tracked``) once per call
+        of a micro-batch, as often as the plain layer's. It says so once,
+        with a warning (:meth:`say_pooled`).
         """
         self.say_pooled()
         if self.tracked:
             with torch.no_grad():
-                self._commit()
+                self._commit(max(1, -(-self.calls // self.expected)))
 
     def say_pooled(self) -> None:
         """Warns, once, if the layer ran more than once per micro-batch in
@@ -184,7 +186,9 @@ class DeferredBatchNorm(_BatchNorm):
                 stacklevel=2,
             )
 
-    def _commit(self) -> None:
+    def _commit(self, times: int = 1) -> None:
+        """Updates the running statistics ``times`` times with the
+        accumulated ones (once per call of a micro-batch, see :meth:`commit`)."""
         mean = self.sum / self.count
         var = (self.sum_squares / self.count - mean * mean).clamp_(min=0)
         unbiased = var * self.count / (self.count - 1).clamp(min=1)
@@ -193,18 +197,19 @@ class DeferredBatchNorm(_BatchNorm):
         running_mean = cast(Tensor, self.running_mean).data
         running_var = cast(Tensor, self.running_var).data
         tracked = cast(Tensor, self.num_batches_tracked)
-        tracked += 1
         mean, unbiased = mean.to(running_mean.dtype), unbiased.to(running_var.dtype)
-        if self.momentum is None:
-            # A cumulative average: the factor 1/tracked stays on the device
-            # (float(tracked) would synchronize the host once per layer), in
-            # float64: an integer tensor's reciprocal is float32.
-            factor = tracked.to(torch.float64).reciprocal().to(running_mean.dtype)
-            running_mean.lerp_(mean, factor)
-            running_var.lerp_(unbiased, factor)
-        else:
-            running_mean.mul_(1 - self.momentum).add_(mean, alpha=self.momentum)
-            running_var.mul_(1 - self.momentum).add_(unbiased, alpha=self.momentum)
+        for _ in range(times):
+            tracked += 1
+            if self.momentum is None:
+                # A cumulative average: the factor 1/tracked stays on the device
+                # (float(tracked) would synchronize the host once per layer), in
+                # float64: an integer tensor's reciprocal is float32.
+                factor = tracked.to(torch.float64).reciprocal().to(running_mean.dtype)
+                running_mean.lerp_(mean, factor)
+                running_var.lerp_(unbiased, factor)
+            else:
+                running_mean.mul_(1 - self.momentum).add_(mean, alpha=self.momentum)
+                running_var.mul_(1 - self.momentum).add_(unbiased, alpha=self.momentum)
         self.reset_accumulation()
 
     @classmethod
@@ -341,7 +346,7 @@ def deferred_update(norms: Sequence[DeferredBatchNorm], micros: int) -> Iterator
 
     The deferred ``norms`` (as :func:`deferred_norms` finds them in a
     pipeline) accumulate but do not update inside the block. If it
-    completes, each one that ran updates its running statistics once
+    completes, each one that ran updates its running statistics
     (:meth:`DeferredBatchNorm.commit`; on the caller's streams, which the
     pipeline has ordered after every stage). If it raises, the partial sums are dropped: the
     statistics stay as they were, and the next mini-batch updates them

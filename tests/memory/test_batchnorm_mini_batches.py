@@ -85,6 +85,40 @@ def test_a_norm_called_twice_in_a_forward_says_it_pools_its_calls(step: bool) ->
         call()
 
 
+def test_a_norm_called_twice_counts_each_call_in_pipe_x_and_train_step() -> None:
+    # train_step updated once after the first micro-batches' calls and once
+    # after the rest, pipe(x) once from all: both now update from all the
+    # calls pooled, once per call, as often as the plain model's layer.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), _Twice(), nn.Linear(4, 2)).double()
+    plain, micro = copy.deepcopy(model), copy.deepcopy(model)
+    seen: list[torch.Tensor] = []  # the inputs of the pipe's calls
+    micro[1].bn.register_forward_pre_hook(lambda _, a: seen.append(a[0].detach()))
+    called, stepped = (
+        Pipe(copy.deepcopy(model), chunks=2, balance=[2, 1], devices=["cpu", "cpu"],
+             deferred_batch_norm=True)
+        for _ in range(2)
+    )  # fmt: skip
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        called(x)
+        stepped.train_step(x, y, nn.MSELoss())
+    with torch.no_grad():
+        plain(x)
+        for part in x.chunk(2):
+            micro(part)  # normalises each micro-batch as the pipe does
+    pooled = torch.cat(seen)
+    tracked = int(plain[1].bn.num_batches_tracked)
+    assert tracked == 2
+    for pipe in (called, stepped):
+        norm = pipe[1].bn
+        assert int(norm.num_batches_tracked) == tracked
+        # momentum=None: a cumulative average of the pooled statistics.
+        torch.testing.assert_close(norm.running_mean, pooled.mean(0))
+        torch.testing.assert_close(norm.running_var, pooled.var(0))
+
+
 @pytest.mark.parametrize("step", [False, True])
 def test_the_pooled_warning_raised_as_an_error_updates_no_norm(step: bool) -> None:
     # Under -W error the warning of the middle norm raised between the
