@@ -88,8 +88,15 @@ class PipeCall(PipeConfig):
         _, worker, _ = self._rt()
         staging = self._stage(inputs, self.devices[0])
         stop = self._prepare(len(micro))
-        with deferred_update(self._deferred_norms(), len(micro)):
-            outputs = run_forward(worker, micro, schedule, stop, staging)
+        graphs = worker.graphs
+        runs = 0 if graphs is None else graphs.runs
+        try:
+            with deferred_update(self._deferred_norms(), len(micro)):
+                outputs = run_forward(worker, micro, schedule, stop, staging)
+        except BaseException:
+            if graphs is not None:
+                graphs.abandon(runs)  # the next calls replay, the exception held or not
+            raise
         split = self.__dict__["_split"]
         return gather(outputs) if split is None else split.gather(outputs)
 

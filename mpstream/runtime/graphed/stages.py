@@ -104,6 +104,10 @@ class StageGraphs:
         self._plans: weakref.WeakKeyDictionary[Schedule, dict[bool, Slots]] = (
             weakref.WeakKeyDictionary()
         )
+        #: Runs begun so far, and the calls the latest forward run replayed
+        #: (see :meth:`abandon`).
+        self.runs = 0
+        self._forwarded: list[GraphedCall] = []
 
     def graphable(self, device: torch.device) -> bool:
         """Whether stages on ``device`` may be graphed by this backend."""
@@ -143,6 +147,8 @@ class StageGraphs:
             slots = plans[step] = plan_slots(schedule, backward_later=not step)
         self.slots = slots
         self.token = object() if step else None
+        self.runs += 1
+        self._forwarded = []
         for st in self.stages:
             st.prepare(slots.counts[st.index])
 
@@ -161,6 +167,18 @@ class StageGraphs:
             st.warned = True
             warnings.warn(f"{st.label} runs eagerly: {st.reason}", GraphWarning, stacklevel=4)
         return out
+
+    def abandon(self, before: int) -> None:
+        """After a forward run that failed: its outputs reached no caller,
+        so its calls' activations wait for no backward, even while the
+        exception's traceback keeps their autograd graph alive (else each
+        such exception held would keep a generation of graphs busy, and
+        later calls ran eagerly). ``before``: :attr:`runs` when the call
+        started; nothing is released unless its run is the latest."""
+        if self.runs == before + 1:
+            for graphed in self._forwarded:
+                graphed.pending = None
+        self._forwarded = []
 
     def end(self) -> None:
         """After a training step (or its failure): its side gradients added
@@ -274,6 +292,8 @@ class StageGraphs:
             self._overflow(st, f"max_calls={self.max_calls} graphed calls in use")
         if graphed is not None and self.token is not None and graphed.diff_out:
             graphed.pending = _STEP  # until the step's backward (or weight) task
+        elif graphed is not None and self.token is None:
+            self._forwarded.append(graphed)
         return graphed
 
     def _capture(

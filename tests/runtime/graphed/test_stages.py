@@ -471,6 +471,45 @@ def test_a_stage_failing_at_its_first_call_stays_graphed() -> None:
     assert all(s.graphed for s in graphed.graph_report().stages)
 
 
+class _Armed(nn.Module):
+    """Raises while ``armed`` is set; passes its input on otherwise."""
+
+    armed = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.armed:
+            raise RuntimeError("armed")
+        return x
+
+
+def test_failed_calls_whose_exceptions_are_held_leave_no_call_busy() -> None:
+    # A failed pipe(x)'s traceback holds its first stage's outputs, and so
+    # the graphs of their calls: past MAX_GENERATIONS exceptions held, the
+    # next calls ran eagerly, with a warning about forwards awaiting their
+    # backward. A forward that succeeded still awaits its own.
+    model = nn.Sequential(*mlp(WIDTHS), _Armed()).double()
+    eager, graphed = pair(model, chunks=2, balance=[4, 5])
+    x, y = data()
+    kept = {pipe: pipe(x) for pipe in (eager, graphed)}  # its backward comes last
+    held: list[BaseException] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GraphWarning)
+        for _ in range(6):
+            for pipe in (eager, graphed):
+                pipe[8].armed = True
+                try:
+                    pipe(x)
+                except RuntimeError as exc:
+                    held.append(exc)
+                pipe[8].armed = False
+                nn.functional.mse_loss(pipe(x), y).backward()
+    assert len(held) == 12
+    for out in kept.values():
+        nn.functional.mse_loss(out, y).backward()
+    assert_same_grads(graphed, eager)
+    assert all(s.graphed for s in graphed.graph_report().stages)
+
+
 def test_a_lazy_module_is_graphed_from_its_second_run() -> None:
     model = nn.Sequential(nn.LazyLinear(12), nn.Tanh(), nn.Linear(12, 4)).double()
     eager, graphed = pair(model, chunks=2, balance=[2, 1])
