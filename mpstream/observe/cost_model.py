@@ -41,24 +41,25 @@ devices.
 
 from __future__ import annotations
 
-import math
-import numbers
 import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from ..schedules import Kind, Order, Schedule, Task, Topology, placement_of, virtual_stages_for
-from ..stages.sequential import check_flag
+from ..stages import check_flag
+from .cost_args import (
+    Cost,
+    IssueTimes,
+    backward_passes,
+    check_listed,
+    copy_costs,
+    cost_pair,
+    issue_costs,
+)
 from .sharing import replay, sharing_of
 from .timeline import Span, Timeline
 
 __all__ = ["Cost", "Simulation", "simulate"]
-
-Cost = float | tuple[float, float] | tuple[float, float, float]
-# Host issue time per task: one for every task, or per (kind, stage), the
-# kind as a timeline span names it ("forward", "backward", "copy", ...).
-IssueTimes = float | Mapping[tuple[str, int], float]
 
 
 @dataclass
@@ -76,54 +77,6 @@ class Simulation:
 
     def plot(self, path: str, *, title: str | None = None) -> object:
         return self.timeline.plot(path, title=title)
-
-
-def _pair(cost: Cost, what: str, *, both: bool = False) -> tuple[float, float]:
-    """A (forward, backward) pair. A single number is the forward alone, or
-    both directions with ``both`` (a gradient is as large as its activation);
-    a triple's backward is its input and weight passes together."""
-    if isinstance(cost, (int, float, numbers.Real)):
-        pair = (float(cost), float(cost) if both else 0.0)
-    elif _size(cost) not in (2, 3):
-        raise ValueError(
-            f"{what} must be a number, a (forward, backward) pair or a (forward, input_grad, "
-            f"weight_grad) triple, got {cost!r}"
-        )
-    elif len(cost) == 3:
-        pair = (float(cost[0]), float(cost[1]) + float(cost[2]))
-    else:
-        pair = (float(cost[0]), float(cost[1]))
-    parts = [cost] if isinstance(cost, (int, float, numbers.Real)) else list(cost)
-    if not all(math.isfinite(float(c)) and float(c) >= 0 for c in parts):
-        raise ValueError(f"{what} must be finite and not negative, got {cost}")
-    return pair
-
-
-def _listed(times: object, what: str) -> None:
-    """Refuses a mapping of times: iterating it would read its keys (the
-    stage or layer numbers) as the times, a wrong result without an error."""
-    if isinstance(times, Mapping):
-        raise ValueError(
-            f"{what} must be a sequence with one entry per {what.split('_')[0]}, in order, "
-            f"not a {type(times).__name__}; give list({what}.values()) if its keys are 0, 1, ..."
-        )
-
-
-def _size(cost: object) -> int:
-    """How many numbers a cost holds (a tuple, a list, an array's row); -1
-    for something without a length."""
-    try:
-        return len(cost)  # type: ignore[arg-type]
-    except TypeError:
-        return -1
-
-
-def _split(cost: Cost) -> tuple[float, float]:
-    """(input pass, weight pass) of a stage's split backward."""
-    if isinstance(cost, tuple) and len(cost) == 3:
-        return float(cost[1]), float(cost[2])
-    backward = _pair(cost, "stage time")[1]
-    return backward / 2, backward / 2
 
 
 def _tutorial_order(tasks: list[Task]) -> list[Task]:
@@ -218,17 +171,17 @@ def simulate(
             with neither ``devices`` nor ``virtual_stages``.
         TypeError: ``overlap`` or ``backward`` is not a bool.
     """
-    _listed(stage_times, "stage_times")
+    check_listed(stage_times, "stage_times")
     overlap = check_flag("overlap", overlap)  # a string such as "no" would read as true
     backward = None if backward is None else check_flag("backward", backward)
-    stages = [_pair(c, f"stage {i} time") for i, c in enumerate(stage_times)]
+    stages = [cost_pair(c, f"stage {i} time") for i, c in enumerate(stage_times)]
     n = len(stages)
     if n < 1:
         raise ValueError("simulate needs at least one stage time")
     graph = tuple(tuple(r) for r in reads) if reads is not None else None
     if graph is not None and len(graph) != n:
         raise ValueError(f"reads needs {n} entries (one per stage), got {len(graph)}")
-    copy_cost = _copy_costs(copy_times, n, graph is None)
+    copy_cost = copy_costs(copy_times, n, graph is None)
     if isinstance(copy_times, Mapping):
         chain = tuple((s - 1,) for s in range(n))
         hops = {(p, q) for q, r in enumerate(graph or chain) for p in r if p >= 0}
@@ -284,7 +237,7 @@ def simulate(
     tutorial = not overlap and sched.name == "gpipe"
     tasks = _tutorial_order(sched.tasks) if tutorial else sched.tasks
     shared = sharing_of(devs, share_compute)
-    splits = [_split(c) for c in stage_times]
+    splits = [backward_passes(c) for c in stage_times]
     compute = (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT)
 
     def streams(t: Task) -> tuple[str, ...]:
@@ -333,7 +286,7 @@ def simulate(
         forward, gradient = copy_cost(t.stage, t.peer)
         return float(forward if t.kind is Kind.COPY else gradient)
 
-    issue = _issue_costs(issue_times, sched.split)
+    issue = issue_costs(issue_times, sched.split)
     timing = replay(tasks, streams, cost, issue, devs, shared if overlap else False, after)
     spans = []
     for t, (start, stop, issuing) in zip(tasks, timing):
@@ -383,59 +336,3 @@ def _default_devices(placement: str, n: int, virtual_stages: int | None) -> list
     if placement == "round_robin" and virtual_stages and n % virtual_stages == 0:
         return [f"device{s % (n // virtual_stages)}" for s in range(n)]
     return [f"device{i}" for i in range(n)]
-
-
-def _issue_costs(issue_times: IssueTimes | None, split: frozenset[tuple[int, int]]) -> Any:
-    """A function task -> host issue time; ``split``: the (stage, micro-batch)
-    pairs whose backward the schedule splits."""
-    if issue_times is None:
-        return lambda t: 0.0
-    if isinstance(issue_times, (int, float, numbers.Real)):
-        if not math.isfinite(issue_times) or issue_times < 0:
-            raise ValueError(f"issue_times must be finite and not negative, got {issue_times}")
-        each = float(issue_times)
-        return lambda t: each
-    table = {key: float(v) for key, v in issue_times.items()}
-    if not all(math.isfinite(v) and v >= 0 for v in table.values()):
-        raise ValueError(f"issue_times must be finite and not negative, got {issue_times}")
-    kinds = {k.label for k in Kind}
-    for key in table:
-        if not (isinstance(key, tuple) and len(key) == 2 and key[0] in kinds):
-            raise ValueError(
-                f"issue_times key {key!r}: expected (kind, stage) with kind one of "
-                f"{', '.join(sorted(kinds))}, as Costs.issue_times holds them"
-            )
-
-    def passes(stage: int) -> tuple[float, float]:
-        """(input pass, weight pass) issue times of a stage's backward."""
-        backward = table.get(("backward", stage), 0.0)
-        if ("weight", stage) in table:
-            return backward, table[("weight", stage)]
-        return backward / 2, backward / 2
-
-    def of(t: Task) -> float:
-        if t.kind is Kind.WEIGHT:
-            return passes(t.stage)[1]
-        if t.kind is Kind.BACKWARD:
-            b, w = passes(t.stage)
-            return b if (t.stage, t.micro) in split else b + w
-        return table.get((t.kind.label, t.stage), 0.0)
-
-    return of
-
-
-def _copy_costs(
-    copy_times: Cost | Sequence[Cost] | Mapping[tuple[int, int], Cost], n: int, chain: bool
-) -> Any:
-    """A function (producer, receiving stage) -> (forward, gradient) copy time."""
-    if isinstance(copy_times, (int, float, numbers.Real, tuple)):
-        both = _pair(copy_times, "copy time", both=True)
-        return lambda p, q: both
-    if isinstance(copy_times, Mapping):
-        hops = {k: _pair(c, f"copy time {k}", both=True) for k, c in copy_times.items()}
-        return lambda p, q: hops.get((p, q), (0.0, 0.0))
-    per = [_pair(c, f"copy time {i}", both=True) for i, c in enumerate(copy_times)]
-    if len(per) != n - 1:
-        what = "one per boundary" if chain else "one per producing stage but the last"
-        raise ValueError(f"copy_times needs {n - 1} entries ({what}), got {len(per)}")
-    return lambda p, q: per[p] if 0 <= p < len(per) else (0.0, 0.0)

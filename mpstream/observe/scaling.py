@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 from ..schedules import placement_of
 from ..stages import partition, stage_costs
-from .cost_model import Cost, Simulation, _listed, _pair, _size, _split, simulate
+from .cost_args import Cost, backward_passes, check_listed, cost_pair, cost_size
+from .cost_model import Simulation, simulate
 
 __all__ = ["Prediction", "predict"]
 
@@ -88,8 +89,8 @@ def predict(
             f"predict puts one stage on each device, and schedule={schedule!r} places several "
             f"stages per device: use mpstream.simulate with devices= or virtual_stages= for it"
         )
-    _listed(layer_times, "layer_times")
-    pairs = [_pair(c, f"layer {i} time") for i, c in enumerate(layer_times)]
+    check_listed(layer_times, "layer_times")
+    pairs = [cost_pair(c, f"layer {i} time") for i, c in enumerate(layer_times)]
     totals = [f + b for f, b in pairs]
     chosen = list(balance) if balance is not None else partition(totals, stages)
     if balance is not None and (
@@ -109,16 +110,16 @@ def predict(
             raise ValueError(
                 f"issue_times needs {len(pairs)} entries (one per layer), got {len(issue_times)}"
             )
-        host = [_pair(c, f"layer {i} issue time") for i, c in enumerate(issue_times)]
+        host = [cost_pair(c, f"layer {i} issue time") for i, c in enumerate(issue_times)]
         per_stage = zip(
             stage_costs([f for f, _ in host], chosen), stage_costs([b for _, b in host], chosen)
         )
         issue = {}
         for s, (f, b) in enumerate(per_stage):
             issue[("forward", s)], issue[("backward", s)] = f, b
-        if any(_size(c) == 3 for c in issue_times):
+        if any(cost_size(c) == 3 for c in issue_times):
             # A split backward's passes take the layers' own issue times.
-            passes = [_split(c) for c in issue_times]
+            passes = [backward_passes(c) for c in issue_times]
             inputs = stage_costs([b for b, _ in passes], chosen)
             weights = stage_costs([w for _, w in passes], chosen)
             for s, (b, w) in enumerate(zip(inputs, weights)):
@@ -128,10 +129,10 @@ def predict(
             ("backward", 0): sum(b for _, b in host),
         }
     stage_times: list[Cost] = list(zip(forward, backward))
-    if any(_size(c) == 3 for c in layer_times):
+    if any(cost_size(c) == 3 for c in layer_times):
         # A split schedule's B and W take the layers' own passes, not half
         # the stage's backward each (simulate's default for a pair).
-        passes = [_split(c) for c in layer_times]
+        passes = [backward_passes(c) for c in layer_times]
         inputs = stage_costs([b for b, _ in passes], chosen)
         weights = stage_costs([w for _, w in passes], chosen)
         stage_times = list(zip(forward, inputs, weights))

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from ..pipe import Pipe
 from ..runtime import Value, as_value, synchronize
-from ..stages.sequential import check_positive
+from ..stages import check_positive
 from .measuring import untouched
 from .profiling import pipes_in
 from .spread import MAX_CV, MAX_RANGE, noisy

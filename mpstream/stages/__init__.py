@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from .balance import balance_by_size, balance_by_time, profile_layers
 from .partition import partition, stage_costs
+from .sequential import check_flag, check_positive
 from .tracers import SplitReport
 
 __all__ = [
@@ -25,4 +26,6 @@ __all__ = [
     "partition",
     "stage_costs",
     "SplitReport",
+    "check_flag",
+    "check_positive",
 ]

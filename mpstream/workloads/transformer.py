@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from ..stages.sequential import check_positive
+from ..stages import check_positive
 
 __all__ = [
     "Preset",

@@ -1,0 +1,138 @@
+"""How the cost model reads the costs it is given.
+
+A cost is one number (a forward alone, or both directions for a copy), a
+(forward, backward) pair or a (forward, input pass, weight pass) triple;
+:func:`cost_pair` and :func:`backward_passes` read one, :func:`issue_costs`
+and :func:`copy_costs` turn :func:`~mpstream.observe.cost_model.simulate`'s
+``issue_times`` and ``copy_times`` into functions of a task or a hop, and
+refuse what cannot be a time, naming the argument.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ..schedules import Kind, Task
+
+__all__ = [
+    "Cost",
+    "IssueTimes",
+    "backward_passes",
+    "check_listed",
+    "copy_costs",
+    "cost_pair",
+    "cost_size",
+    "issue_costs",
+]
+
+Cost = float | tuple[float, float] | tuple[float, float, float]
+# Host issue time per task: one for every task, or per (kind, stage), the
+# kind as a timeline span names it ("forward", "backward", "copy", ...).
+IssueTimes = float | Mapping[tuple[str, int], float]
+
+
+def cost_pair(cost: Cost, what: str, *, both: bool = False) -> tuple[float, float]:
+    """A (forward, backward) pair. A single number is the forward alone, or
+    both directions with ``both`` (a gradient is as large as its activation);
+    a triple's backward is its input and weight passes together."""
+    if isinstance(cost, (int, float, numbers.Real)):
+        pair = (float(cost), float(cost) if both else 0.0)
+    elif cost_size(cost) not in (2, 3):
+        raise ValueError(
+            f"{what} must be a number, a (forward, backward) pair or a (forward, input_grad, "
+            f"weight_grad) triple, got {cost!r}"
+        )
+    elif len(cost) == 3:
+        pair = (float(cost[0]), float(cost[1]) + float(cost[2]))
+    else:
+        pair = (float(cost[0]), float(cost[1]))
+    parts = [cost] if isinstance(cost, (int, float, numbers.Real)) else list(cost)
+    if not all(math.isfinite(float(c)) and float(c) >= 0 for c in parts):
+        raise ValueError(f"{what} must be finite and not negative, got {cost}")
+    return pair
+
+
+def check_listed(times: object, what: str) -> None:
+    """Refuses a mapping of times: iterating it would read its keys (the
+    stage or layer numbers) as the times, a wrong result without an error."""
+    if isinstance(times, Mapping):
+        raise ValueError(
+            f"{what} must be a sequence with one entry per {what.split('_')[0]}, in order, "
+            f"not a {type(times).__name__}; give list({what}.values()) if its keys are 0, 1, ..."
+        )
+
+
+def cost_size(cost: object) -> int:
+    """How many numbers a cost holds (a tuple, a list, an array's row); -1
+    for something without a length."""
+    try:
+        return len(cost)  # type: ignore[arg-type]
+    except TypeError:
+        return -1
+
+
+def backward_passes(cost: Cost) -> tuple[float, float]:
+    """(input pass, weight pass) of a stage's split backward."""
+    if isinstance(cost, tuple) and len(cost) == 3:
+        return float(cost[1]), float(cost[2])
+    backward = cost_pair(cost, "stage time")[1]
+    return backward / 2, backward / 2
+
+
+def issue_costs(issue_times: IssueTimes | None, split: frozenset[tuple[int, int]]) -> Any:
+    """A function task -> host issue time; ``split``: the (stage, micro-batch)
+    pairs whose backward the schedule splits."""
+    if issue_times is None:
+        return lambda t: 0.0
+    if isinstance(issue_times, (int, float, numbers.Real)):
+        if not math.isfinite(issue_times) or issue_times < 0:
+            raise ValueError(f"issue_times must be finite and not negative, got {issue_times}")
+        each = float(issue_times)
+        return lambda t: each
+    table = {key: float(v) for key, v in issue_times.items()}
+    if not all(math.isfinite(v) and v >= 0 for v in table.values()):
+        raise ValueError(f"issue_times must be finite and not negative, got {issue_times}")
+    kinds = {k.label for k in Kind}
+    for key in table:
+        if not (isinstance(key, tuple) and len(key) == 2 and key[0] in kinds):
+            raise ValueError(
+                f"issue_times key {key!r}: expected (kind, stage) with kind one of "
+                f"{', '.join(sorted(kinds))}, as Costs.issue_times holds them"
+            )
+
+    def passes(stage: int) -> tuple[float, float]:
+        """(input pass, weight pass) issue times of a stage's backward."""
+        backward = table.get(("backward", stage), 0.0)
+        if ("weight", stage) in table:
+            return backward, table[("weight", stage)]
+        return backward / 2, backward / 2
+
+    def of(t: Task) -> float:
+        if t.kind is Kind.WEIGHT:
+            return passes(t.stage)[1]
+        if t.kind is Kind.BACKWARD:
+            b, w = passes(t.stage)
+            return b if (t.stage, t.micro) in split else b + w
+        return table.get((t.kind.label, t.stage), 0.0)
+
+    return of
+
+
+def copy_costs(
+    copy_times: Cost | Sequence[Cost] | Mapping[tuple[int, int], Cost], n: int, chain: bool
+) -> Any:
+    """A function (producer, receiving stage) -> (forward, gradient) copy time."""
+    if isinstance(copy_times, (int, float, numbers.Real, tuple)):
+        both = cost_pair(copy_times, "copy time", both=True)
+        return lambda p, q: both
+    if isinstance(copy_times, Mapping):
+        hops = {k: cost_pair(c, f"copy time {k}", both=True) for k, c in copy_times.items()}
+        return lambda p, q: hops.get((p, q), (0.0, 0.0))
+    per = [cost_pair(c, f"copy time {i}", both=True) for i, c in enumerate(copy_times)]
+    if len(per) != n - 1:
+        what = "one per boundary" if chain else "one per producing stage but the last"
+        raise ValueError(f"copy_times needs {n - 1} entries ({what}), got {len(per)}")
+    return lambda p, q: per[p] if 0 <= p < len(per) else (0.0, 0.0)
