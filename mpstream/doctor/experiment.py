@@ -48,6 +48,7 @@ __all__ = [
     "idris_variants",
     "idris",
     "pinned_throughput",
+    "target_status",
     "run",
 ]
 
@@ -156,6 +157,13 @@ def idris(
     return list(measured.values())
 
 
+def target_status(met: bool) -> str:
+    """A speed target's check status: PASS when met, else INFO. Targets are
+    reported, never failed (a timing is not a defect), but a missed one
+    must not read PASS."""
+    return PASS if met else INFO
+
+
 def pinned_throughput(resident: Measurement, pinned: Measurement) -> Check:
     """The IDRIS target's check: pinned host input's throughput against
     device-resident input, by medians, with the ratio of each round beside
@@ -163,13 +171,13 @@ def pinned_throughput(resident: Measurement, pinned: Measurement) -> Check:
     same round, a few calls apart, and their ratio shows how far the
     machine's drift moves the figure)."""
     throughput = resident.median / pinned.median
-    met = "met" if throughput >= PINNED_TARGET else "missed"
+    ok = throughput >= PINNED_TARGET
     per_round = [r / p for r, p in zip(resident.times, pinned.times)]
     spread = f" (rounds {min(per_round):.2f}-{max(per_round):.2f})" if len(per_round) > 1 else ""
     return Check(
         "throughput of pinned host input through the Pipe / device-resident input",
-        PASS,
-        f"{throughput:.2f}x{spread}, target >= {PINNED_TARGET}x: {met}",
+        target_status(ok),
+        f"{throughput:.2f}x{spread}, target >= {PINNED_TARGET}x: {'met' if ok else 'missed'}",
         {"ratio_of_medians": throughput, "rounds": per_round},
     )
 
@@ -233,20 +241,21 @@ def run(ctx: Context) -> StepResult:
             checks.append(Check(name, PASS, f"{table[bench.SINGLE_GRAPHED]:.2f}x"))
     if stage_rel and graph_rel:
         ratio = results.get(bench.STAGE_GRAPHS).mean / results.get(bench.GRAPHED).mean
-        met = "met" if ratio <= STAGE_GRAPHS_TARGET else "missed"
+        ok = ratio <= STAGE_GRAPHS_TARGET
         checks.append(
             Check(
                 f"{bench.STAGE_GRAPHS} / {bench.GRAPHED} at split {config.split_size}",
-                PASS,
-                f"{ratio:.2f}x, target <= {STAGE_GRAPHS_TARGET}x: {met}",
+                target_status(ok),
+                f"{ratio:.2f}x, target <= {STAGE_GRAPHS_TARGET}x: {'met' if ok else 'missed'}",
             )
         )
     tables = (("mpstream", rel), (bench.GRAPHED, graph_rel), (bench.STAGE_GRAPHS, stage_rel))
     for ours, table in tables:
         for model, bound in TARGETS.items() if table else ():
             # Speed targets are reported, never failed: a timing is not a defect.
-            met = "met" if table[model] <= bound else "missed"
-            status = PASS if ctx.cuda else SKIP
+            ok = table[model] <= bound
+            met = "met" if ok else "missed"
+            status = target_status(ok) if ctx.cuda else SKIP
             detail = (
                 f"{table[model]:.2f}x, target <= {bound}x: {met}"
                 if ctx.cuda

@@ -233,9 +233,11 @@ def test_the_pinned_input_target_shows_each_rounds_ratio() -> None:
     pinned = Measurement(experiment.PINNED, 8, [1.411, 1.579, 1.685, 1.608, 1.383])
     check = experiment.pinned_throughput(resident, pinned)
     assert check.detail == "0.93x (rounds 0.85-1.08), target >= 0.98x: missed"
+    assert check.status == INFO  # a missed target is reported, neither PASS nor FAIL
     assert check.data["rounds"][0] == pytest.approx(1.415 / 1.411)
     one = experiment.pinned_throughput(Measurement("a", 8, [1.0]), Measurement("b", 8, [1.0]))
-    assert one.detail == "1.00x, target >= 0.98x: met"
+    assert one.detail == "1.00x, target >= 0.98x: met" and one.status == PASS
+    assert [experiment.target_status(ok) for ok in (True, False)] == [PASS, INFO]
 
 
 def test_idris_loop_times_the_loader_alone_and_on_the_cpu_no_pinned_variants() -> None:
