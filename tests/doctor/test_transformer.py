@@ -179,3 +179,25 @@ def test_the_report_lists_the_transformer_files_and_a_rerun_removes_them(tmp_pat
     listed = report_files.top_files(tmp_path)
     assert all(name in listed for name in names) and len(listed) <= report_files.MAX_FILES
     assert set(names) <= set(report_files.ARTIFACTS)  # what a run removes first
+
+
+def test_1f1b_must_hold_fewer_activations_when_micro_batches_outnumber_stages(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Equal activations at 4 micro-batches on 2 stages: 1F1B bounded nothing.
+    from mpstream.observe import figures
+    from mpstream.workloads import memory
+
+    stage = {"parameters": 1, "gradients": 1, "optimizer": 2, "activations": 2**20}
+    monkeypatch.setattr(memory, "per_stage", lambda *a, **k: ([stage, stage], {}))
+    monkeypatch.setattr(figures, "memory_bars", lambda *a, **k: None)
+    cpu = torch.device("cpu")
+    ctx = Context((cpu, cpu), TINY, "transformer", tmp_path, tmp_path, False)
+    ctx.shared["preset"] = "tiny"  # 4 micro-batches at most
+    result = steps_of.memory_step(ctx)
+    assert result.status == FAIL
+    assert result.reason.startswith("1F1B holds fewer activations than gpipe on the first stage")
+    # No more micro-batches than stages: both hold them all, equal is right.
+    same = steps_of.activation_bound(2**20, 2**20, micro_batches=2, stages=2)
+    assert same.status == PASS and "no more activations" in same.name
+    assert steps_of.activation_bound(1, 2, micro_batches=4, stages=2).status == PASS
