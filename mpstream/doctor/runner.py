@@ -175,14 +175,15 @@ def sized(sizes: Sizes, options: Options) -> Sizes:
             )
     else:
         splits = tuple(s for s in config.split_sizes if s <= batch)
+        if options.arch == "resnet101" and IDRIS_SPLIT_SIZE <= batch:
+            # IDRIS's variant, at its own split size: the main one (a split
+            # as large as the batch fits, like any other split size).
+            splits = (IDRIS_SPLIT_SIZE, *sorted({*splits} - {IDRIS_SPLIT_SIZE}))
         if not splits:
             raise ValueError(
                 f"--batch-size {batch} is below every split size of the experiment "
                 f"({', '.join(map(str, config.split_sizes))}); give --split-sizes too"
             )
-        if options.arch == "resnet101" and IDRIS_SPLIT_SIZE < batch:
-            # IDRIS's variant, at its own split size: the main one.
-            splits = (IDRIS_SPLIT_SIZE, *sorted({*splits} - {IDRIS_SPLIT_SIZE}))
     config = dataclasses.replace(config, batch_size=batch, split_sizes=splits, split_size=splits[0])
     return dataclasses.replace(sizes, experiment=config)
 

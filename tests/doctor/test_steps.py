@@ -198,6 +198,10 @@ def test_experiment_config_for_resnet101(tmp_path: Path) -> None:
     given = runner.Options(tmp_path, arch="resnet101", split_sizes=(16, 4))
     config = runner.sized(FULL, given).experiment
     assert (config.split_size, config.split_sizes) == (16, (4, 16))  # the sweep in order
+    # A batch of 8 holds IDRIS's split size 8: still the main one.
+    eight = runner.Options(tmp_path, arch="resnet101", batch_size=8)
+    assert runner.sized(FULL, eight).experiment.split_sizes == (8,)  # 12 and 20 do not fit
+    assert runner.sized(TINY, eight).experiment.split_size == 8
     ctx = Context(
         (CPU, CPU), runner.sized(FULL, runner.Options(tmp_path)), "resnet50", tmp_path, tmp_path
     )
