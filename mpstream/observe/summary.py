@@ -27,7 +27,8 @@ class Summary:
             (interleaved, V, or stages put on one GPU) a stage waits while
             its neighbours on the device compute, so ``bubble_fraction``
             counts their time as idle; this does not. With one stage per
-            device the two are equal.
+            device the two are equal, as they are (1.0) in a run that
+            computed nothing.
         copy_hidden_fraction: share of copy time during which a stage on the
             copy's source or destination device was computing (None without
             copies).

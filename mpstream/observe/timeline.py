@@ -165,7 +165,9 @@ class Timeline:
         device_busy = sum(
             _length(merge_spans(iv for st in group for iv in compute[st])) for group in on.values()
         )
-        idle = 1.0 - device_busy / (len(on) * makespan) if makespan > 0 and on else 0.0
+        # No compute span at all (copies only): no device computed, so they
+        # idled all along, as the bubble (1.0) says; not 0, "never idle".
+        idle = 1.0 - device_busy / (len(on) * makespan) if makespan > 0 and on else bubble
         copies = [s for s in spans if s.kind in COPIES]
         copy_total = sum(s.duration_ms for s in copies)
         hidden: float | None = None

@@ -46,6 +46,13 @@ def test_summary_numbers_are_exact() -> None:
     assert "device idle" not in str(s) and s.bubble_text() == "bubble 50%"
 
 
+def test_a_run_with_no_compute_left_its_devices_idle_all_along() -> None:
+    copies = [Span(0, 0, "copy", "stage1.copy", 0.0, 2.0)]
+    s = Timeline(copies, dict(STREAMS)).summary(echo=False)
+    assert s.bubble_fraction == 1.0 and s.device_idle_fraction == 1.0
+    assert s.copy_hidden_fraction == 0.0
+
+
 def test_stages_sharing_a_device_idle_it_only_when_none_computes() -> None:
     # Two stages per device (as interleaved 1F1B and the V schedules place
     # them): a stage waiting while its neighbour on the device computes is
