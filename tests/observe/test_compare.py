@@ -5,6 +5,8 @@ comparison's table names its units."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -41,3 +43,10 @@ def test_table_names_the_measured_peak_in_the_unit_it_divides_by() -> None:
     )
     head, _, line = table([row]).splitlines()
     assert "measured peak (MiB)" in head and line.endswith(" 3.0 |")
+
+
+def test_the_stored_cpu_log_has_the_table_head_the_code_prints() -> None:
+    row = Comparison("gpipe", 1.0, 0.0, [1], [1], ["d0"], simulate([(1.0, 1.0)]), measured={"s": 1})
+    head = table([row]).splitlines()[0]
+    log = Path(__file__).parents[2] / "docs/results/cpu-quick/schedules/schedules.log"
+    assert [h for h in log.read_text().splitlines() if h.startswith("| schedule |")] == [head]
