@@ -171,14 +171,17 @@ def predict_scaling(
 ) -> dict[str, Any]:
     """Predicts the tutorial model's step on ``p`` devices from one device's layer costs.
 
-    Layers are profiled on ``device`` with one micro-batch of
-    ``config.split_size`` images; copies are estimated from the bytes at each
-    cut over a ``link_gbps`` GB/s link. Each count gets the tutorial-style
-    split (:data:`TUTORIAL_SPLITS`) and the time-balanced split. Everything
-    here is a prediction of the cost model, not a measurement.
+    Layers (the fc with ``config.num_classes`` outputs) are profiled on
+    ``device`` with one micro-batch of ``config.split_size`` images; copies
+    are estimated from the bytes at each cut over a ``link_gbps`` GB/s link.
+    Each count gets the tutorial-style split (:data:`TUTORIAL_SPLITS`) and
+    the time-balanced split. Everything here is a prediction of the cost
+    model, not a measurement.
     """
     sample = torch.randn(config.split_size, 3, config.image_w, config.image_h)
-    profiles = profile_layers(tutorial.resnet50_layers(), sample, device=device, repeat=3)
+    # The model the run measures: its fc's size is part of the step's cost.
+    model = tutorial.single_device_resnet50("cpu", config.num_classes)
+    profiles = profile_layers(tutorial.resnet50_layers(model), sample, device=device, repeat=3)
     layer_times = [(p.forward_ms, p.backward_ms) for p in profiles]
     micros = math.ceil(config.batch_size / config.split_size)
     rows = []
