@@ -15,6 +15,7 @@ one GPU (a graph cannot span devices); on the CPU each step runs eagerly.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -53,7 +54,9 @@ class _Graphed:
 
         The first batch of each shape, split size, learning rate and loss
         captures a step (warm-up included) that later ones replay; each is
-        kept, so a changing ``lr`` captures (and keeps) a graph per value.
+        kept, so a changing ``lr`` captures (and keeps) a graph per value,
+        and so does each new loss function object other than a loss module
+        without tensors (warned once: create a lambda loss once, not per call).
 
         Args:
             inputs: images, anywhere (copied into the step's buffers).
@@ -76,6 +79,7 @@ class _Graphed:
         key = (*shapes, split, lr, _loss_key(loss_fn))
         step = steps.get(key)
         if step is None:
+            _warn_new_loss(self.__dict__, steps, key, loss_fn)
             # Plain SGD keeps no state, so a step per shape can have its own.
             shared = next((s.pool for s in steps.values() if s.captured), None)
             optimizer = optim.SGD(pipe.parameters(), lr=lr)
@@ -87,7 +91,32 @@ class _Graphed:
         # Copies and pickles capture their own steps when they first train.
         state = dict(self.__dict__)
         state["_steps"] = {}
+        state.pop("_warned_loss", None)
         return state
+
+
+def _warn_new_loss(
+    state: dict[str, Any],
+    steps: dict[tuple[Any, ...], CapturedStep],
+    key: tuple[Any, ...],
+    loss_fn: Callable[[Any, Any], Tensor],
+) -> None:
+    """Warns once per model when only the loss function's object is new:
+    each such object captures and keeps a step of its own (a lambda or
+    ``functools.partial`` made per call grows memory every step)."""
+    if state.get("_warned_loss") or isinstance(key[-1], tuple):
+        return  # a loss module of other settings is another step, rightly
+    if not any(k[:-1] == key[:-1] for k in steps):
+        return
+    state["_warned_loss"] = True
+    name = getattr(loss_fn, "__qualname__", type(loss_fn).__qualname__)
+    warnings.warn(
+        f"fit_batch: the loss function object changed ({name}) for a batch shape, split "
+        f"size and lr already captured: every new loss_fn object captures and keeps a step "
+        f"of its own. Create the loss function once and pass that object on every call "
+        f"(a loss module without tensors, such as nn.MSELoss(), may be made anew)",
+        stacklevel=3,
+    )
 
 
 def _loss_key(loss_fn: Callable[[Any, Any], Tensor]) -> Any:

@@ -11,6 +11,7 @@ uneven micro-batches therefore run in float64.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -73,6 +74,22 @@ def test_the_tutorial_loop_hands_each_batch_to_one_captured_step() -> None:
     graphed.split_size = 5  # a graph keeps its micro-batching: a new step
     train(graphed, num_batches=1, batch_size=8, image_w=64, image_h=64, num_classes=10)
     assert len(steps) == 2 and graphed.__dict__["pipe"].split_size == 5
+
+
+def test_a_new_loss_function_object_per_call_is_warned_once() -> None:
+    graphed, _ = _pair("cpu", 2)
+    x, y = torch.randn(2, 3, 32, 32), torch.randn(2, 10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        graphed.fit_batch(x, y, nn.MSELoss(), 0.001)
+        graphed.fit_batch(x, y, nn.L1Loss(), 0.001)  # another loss, deliberately
+    with pytest.warns(UserWarning, match=r"loss function object changed \(.*<lambda>\)"):
+        graphed.fit_batch(x, y, lambda out, t: nn.functional.mse_loss(out, t), 0.001)
+        graphed.fit_batch(x, y, lambda out, t: nn.functional.mse_loss(out, t), 0.001)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per model
+        graphed.fit_batch(x, y, lambda out, t: nn.functional.mse_loss(out, t), 0.001)
+    assert len(graphed.__dict__["_steps"]) == 5  # each object its own step, as warned
 
 
 def test_steps_equal_the_eager_pipeline_in_float64() -> None:
