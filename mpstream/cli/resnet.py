@@ -101,8 +101,9 @@ def _config(args: argparse.Namespace) -> Config:
         kept = tuple(s for s in config.split_sizes if s <= batch and not lone_image(w, h, batch, s))
         config = dataclasses.replace(config, split_sizes=kept or (batch,))
     default = config.split_size
-    if main is None and (default >= batch > 1 or lone_image(w, h, batch, default)):
-        # The default main split would leave one micro-batch (no pipeline) or a lone image.
+    if main is None and (default >= batch or lone_image(w, h, batch, default)):
+        # The default main split would leave one micro-batch (no pipeline) or a lone image;
+        # with a batch of one image the split used, and labelled, is 1.
         below = [s for s in (1, *config.split_sizes) if s < batch]
         below = [s for s in below if not lone_image(w, h, batch, s)] or [batch]
         config = dataclasses.replace(config, split_size=max(below))

@@ -101,6 +101,8 @@ def test_tune_takes_no_option_it_would_ignore(capsys: pytest.CaptureFixture[str]
     [
         (["--batch-size", "8"], 5),  # not the default 12: one micro-batch
         (["--quick", "--batch-size", "2"], 1),
+        (["--quick", "--batch-size", "1"], 1),  # the split used, not the default 4
+        (["--batch-size", "1"], 1),
         (["--quick", "--batch-size", "16"], 4),  # the default fits
         (["--batch-size", "8", "--split-sizes", "2,4"], 4),
         (["--batch-size", "8", "--split-size", "8"], 8),  # given: as given
