@@ -8,8 +8,9 @@ global state (process groups, seeds, compiled graphs) away from the other
 tests. A failure names the file, the block and the Markdown line, with the
 traceback (each block is compiled with its own line numbers in the file).
 
-Every relative link in those files must point to a file that exists, and to
-a heading that exists when it has an ``#anchor``.
+Every relative link in those files, and in the stored reports under
+docs/results, must point to a file that exists, and to a heading that
+exists when it has an ``#anchor``.
 
 Run files' blocks by hand: ``python tests/test_docs.py README.md docs/guide.md``
 (temporary working directories; the exit status is 1 if a block failed).
@@ -31,6 +32,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 IDS = [p.relative_to(ROOT).as_posix() for p in DOCS]
+# Stored reports (doctor summaries, results' READMEs): their links only.
+REPORTS = sorted((ROOT / "docs" / "results").rglob("*.md"))
+REPORT_IDS = [p.relative_to(ROOT).as_posix() for p in REPORTS]
 
 FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})\s*([^`\s]*)")
 LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
@@ -167,7 +171,7 @@ def test_python_blocks_run_in_order(path: Path, outcomes: dict) -> None:
         pytest.fail(f"{path.relative_to(ROOT)}: {error}", pytrace=False)
 
 
-@pytest.mark.parametrize("path", DOCS, ids=IDS)
+@pytest.mark.parametrize("path", DOCS + REPORTS, ids=IDS + REPORT_IDS)
 def test_relative_links_resolve(path: Path) -> None:
     broken = []
     for number, line in prose(path):
