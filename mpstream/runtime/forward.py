@@ -24,6 +24,7 @@ from . import marks
 from .copy import Staging
 from .executor import Handlers, execute
 from .graphed import StageGraphs
+from .handoffs import Handoffs
 from .hops import send_hop
 from .microbatch import leaves, rebuild_leaves
 from .replayed import run_stage
@@ -43,11 +44,13 @@ def compute(
     stage: nn.Module,
     args: Sequence[Any],
     checkpoint: bool,
+    handoffs: Handoffs | None = None,
 ) -> Any:
     """Stage ``s``'s forward of micro-batch ``m``: replayed from its graphs
-    when the pipe has them, else eagerly (checkpointed when asked)."""
+    when the pipe has them (reading ``handoffs`` in place where it may),
+    else eagerly (checkpointed when asked)."""
     if graphs is not None:
-        return run_stage(graphs, s, m, stage, args, checkpoint)
+        return run_stage(graphs, s, m, stage, args, checkpoint, handoffs)
     return checkpointed(stage, *args) if checkpoint else stage(*args)
 
 
@@ -76,6 +79,9 @@ class _Forward:
         self.readers: list[AnyStream | None] = cuda_only(sched.compute_streams)
         self.force = schedule.topology.force_copies  # copies between stages on one device too
         self.grad = torch.is_grad_enabled()
+        # What replays hand on, for graphed readers to take in place.
+        graphed = self.graphs is not None and self.grad
+        self.handoffs = Handoffs(self.routes) if graphed else None
         # While timing, mark where autograd will run each stage's backward.
         self.marking = self.native.timing and self.grad
         self.results: list[Any] = [None] * len(batches)
@@ -96,7 +102,7 @@ class _Forward:
         stage = self.parts[s]
         if self.marking:
             args, stage_marks = marks.enter(self.native, s, m, args)
-        y = compute(self.graphs, s, m, stage, args, m < self.checkpoint_stop)
+        y = compute(self.graphs, s, m, stage, args, m < self.checkpoint_stop, self.handoffs)
         if self.marking:
             y = marks.leave(stage_marks, y)
         out = flow.keep(s, m, y)

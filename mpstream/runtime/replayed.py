@@ -9,7 +9,9 @@ backward task copies the output gradients in and launches the backward graph
 itself), and a weight task launches W. Autograd never runs for such a stage,
 so a task's host work is a few calls. In the user's own loop (``pipe(x)``
 then ``loss.backward()``) each replay is one autograd node (:class:`Replay`)
-that shows autograd the inputs only, never a parameter.
+that shows autograd the inputs only, never a parameter; a graphed reader
+takes what a replay on its device handed on in place, as below
+(:mod:`~.handoffs`: each micro-batch of a forward run has slots of its own).
 
 What passes between a training step's tasks is the graphs' own buffers,
 kept valid by the slots and the event plan rather than by copies:
@@ -52,6 +54,7 @@ from .boundary import _ANCHOR, Cutting, Grads, sum_grads
 from .graph import ALL, Ref, Routes
 from .graphed import GraphedCall, StageGraphs
 from .graphed.call import Source
+from .handoffs import Handoffs, leaf_counts, single_readers
 from .microbatch import grad_dtype, leaves, rebuild_leaves
 
 __all__ = ["Replayed", "Replay", "replay", "run_stage"]
@@ -148,15 +151,32 @@ def replay(call: GraphedCall, tensors: Sequence[Tensor]) -> tuple[Tensor, ...]:
 
 
 def run_stage(
-    graphs: StageGraphs, s: int, m: int, stage: nn.Module, args: Sequence[Any], checkpoint: bool
+    graphs: StageGraphs,
+    s: int,
+    m: int,
+    stage: nn.Module,
+    args: Sequence[Any],
+    checkpoint: bool,
+    handoffs: Handoffs | None = None,
 ) -> Any:
     """Stage ``s`` on micro-batch ``m`` in a forward run: replayed (inside
-    autograd where it needs gradients) if it can be, else eagerly."""
-    call = graphs.find(s, m, stage, args, checkpoint)
+    autograd where it needs gradients) if it can be, else eagerly; with
+    ``handoffs`` (the run's, with gradients), reading what replays before it
+    handed on in place where it may (see :mod:`~.handoffs`)."""
+    items: list[Any] | None = None
+    sources: Sequence[Source] = ()
+    if handoffs is not None and handoffs.reads[s] and handoffs.made:
+        items = leaves(tuple(args))[0]
+        sources = handoffs.sources([x for x in items if isinstance(x, Tensor)])
+    call = graphs.find(s, m, stage, args, checkpoint, sources=sources)
     if call is None:
         return graphs.eager(s, stage, args, checkpoint)
-    items = leaves(tuple(args))[0]
-    return call.rebuild(replay(call, [items[i] for i in call.where]))
+    if items is None:
+        items = leaves(tuple(args))[0]
+    outs = replay(call, [items[i] for i in call.where])
+    if handoffs is not None and call.diff_out:
+        handoffs.keep(call, s, outs)  # Replay's aliases: the run has gradients
+    return call.rebuild(outs)
 
 
 class Replayed:
@@ -170,19 +190,8 @@ class Replayed:
     def __init__(self, graphs: StageGraphs, routes: Routes) -> None:
         self.graphs = graphs
         self.routes = routes
-        graph = routes.graph
-        self.outputs = graph.outputs
-        # (producer, output) read by one stage argument only (a result ref
-        # counts as a reader: the loss's gradient comes back through it).
-        count: dict[tuple[int, int], int] = {}
-        for refs in graph.args:
-            for r in refs:
-                if r.stage >= 0:
-                    for k in range(self.outputs[r.stage]) if r.index == ALL else (r.index,):
-                        count[(r.stage, k)] = count.get((r.stage, k), 0) + 1
-        for r in graph.result_refs():
-            count[(r.stage, r.index)] = count.get((r.stage, r.index), 0) + 1
-        self.single = {key for key, n in count.items() if n == 1}
+        self.outputs = routes.graph.outputs
+        self.single = single_readers(routes.graph)
         self.calls: dict[tuple[int, int], tuple[GraphedCall, list[Key]]] = {}
         self.pushed: dict[tuple[int, int], set[int]] = {}
         self.weights: dict[tuple[int, int], GraphedCall] = {}
@@ -347,7 +356,7 @@ class Replayed:
         the call's static outputs."""
         found = self._outs.get(id(call))
         if found is None:
-            counts = _leaf_counts(call, self.outputs[s])
+            counts = leaf_counts(call, self.outputs[s])
             pairs = [(k, j) for k, n in enumerate(counts) for j in range(n)]
             found = self._outs[id(call)] = {key: pos for pos, key in enumerate(pairs)}
         return found
@@ -360,15 +369,6 @@ class Replayed:
             layout = self._layout(call, s).items()
             found = self._diff[id(call)] = {k: where[pos] for k, pos in layout if pos in where}
         return found
-
-
-def _leaf_counts(call: GraphedCall, outputs: int) -> list[int]:
-    """Tensors per output of ``call``: one output, or with several the
-    items of the tuple it returns (as :class:`~.values.Flow` stores them)."""
-    if outputs == 1:
-        return [len(call.static_out)]
-    out = call.rebuild(call.static_out)
-    return [sum(isinstance(x, Tensor) for x in leaves(v)[0]) for v in out]
 
 
 _OURS = ("ReplayBackward", "CopyBackward", "HostWaitBackward")

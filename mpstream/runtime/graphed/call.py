@@ -100,7 +100,8 @@ class GraphedCall:
             needing a gradient is a copy inside the graph), and, where the
             last item is true, write the argument's gradient straight into
             that call's static output gradient. The caller vouches that
-            every replay passes that buffer (see ``runtime/replayed.py``).
+            every replay passes that buffer, or an alias of it (see
+            ``runtime/replayed.py`` and ``runtime/handoffs.py``).
 
     Raises:
         ValueError: what a graph cannot hold: a tensor outside the stage's
@@ -240,7 +241,8 @@ class GraphedCall:
         with torch.no_grad():
             for static, t, given in zip(self.static_in, tensors, self.given):
                 if given is not None:
-                    if t is not given:
+                    # The buffer, or (the user's loop) a Replay's alias of it.
+                    if t is not given and t.data_ptr() != given.data_ptr():
                         raise RuntimeError(f"{self.label}: a replay read another buffer in place")
                 elif t is not static:
                     static.copy_(t)

@@ -20,6 +20,7 @@ from mpstream.schedules import SCHEDULES, placement_of
 from tests.helpers import assert_same_grads, mlp
 from tests.runtime.graphed.test_call import SPLIT_STAGES, check_split
 from tests.runtime.graphed.test_stages import CHECKPOINTS, WIDTHS, data, pair
+from tests.runtime.test_handoffs import in_place
 
 
 @pytest.mark.cuda
@@ -52,6 +53,21 @@ def test_cuda_graphs_equal_the_eager_pipe(schedule: str, checkpoint: str) -> Non
     assert report.graphs > 0 and all(s.reserved_bytes >= 0 for s in report.stages)
     if schedule in ("zb_h1", "interleaved_zb", "zbv") and checkpoint != "always":
         assert all("weight" in s.passes for s in report.stages), str(report)
+
+
+@pytest.mark.cuda
+def test_cuda_the_users_loop_reads_the_producer_s_buffers_in_place() -> None:
+    # Two forwards before one backward: the second replays other graphs of
+    # the producer, and the reader graphs of its own that read those.
+    eager, graphed = pair(mlp(WIDTHS), graphs=True, chunks=3, devices=["cuda:0", "cuda:0"])
+    x, y = (t.cuda() for t in data())
+    for _ in range(3):  # capture, then replays
+        for pipe in (eager, graphed):
+            pipe.zero_grad()
+            loss = nn.functional.mse_loss(pipe(x), y) + nn.functional.mse_loss(pipe(2 * x), y)
+            loss.backward()
+        assert_same_grads(graphed, eager)
+    assert in_place(graphed, 0, 1) == (True, True)
 
 
 @pytest.mark.cuda

@@ -1,0 +1,126 @@
+"""The user's own loop over graphed stages (``pipe(x)``, ``loss.backward()``):
+a graphed stage reads the output buffer of a replayed producer on its device
+in place and writes the gradient into the producer's output-gradient buffer
+(where it is the value's only reader), equal to the plain model; replays
+emulated on the CPU (see tests/runtime/graphed/test_stages.py)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from mpstream import Pipe
+from mpstream.runtime.graphed import Emulated
+from tests.helpers import Ops, mlp
+from tests.models import Fan
+from tests.runtime.graphed.test_grads import Silent
+from tests.runtime.graphed.test_stages import WIDTHS
+from tests.runtime.test_replayed import calls
+
+VIRTUAL = {"virtual_stages": 2, "balance": [2, 2, 2, 2], "devices": ["cpu"] * 4}
+
+
+def in_place(pipe: Pipe, producer: int, reader: int) -> tuple[bool, bool]:
+    """Whether every call of ``reader`` reads an output buffer of ``producer``'s
+    in place, and whether every one writes its input gradient into one."""
+    outs = {c.static_out[0].data_ptr() for c in calls(pipe, producer)}
+    grads = {id(g) for c in calls(pipe, producer) for g in c.static_grad_out}
+    readers = calls(pipe, reader)
+    assert readers
+    read = all(c.static_in[0].data_ptr() in outs for c in readers)
+    written = all(c.static_grad_in and id(c.static_grad_in[0]) in grads for c in readers)
+    return read, written
+
+
+def same_as_plain(
+    model: nn.Module, pipe: Pipe, *args: Any, forwards: int = 1, input_grad: bool = True
+) -> None:
+    """``forwards`` forwards (each input scaled apart) then one backward, in
+    the pipe and in the plain model: outputs, parameter and input gradients."""
+    grads = []
+    for net in (model, pipe):
+        net.zero_grad()
+        x = args[0].clone().requires_grad_(input_grad)
+        outs = [net(x * (k + 1), *args[1:]) for k in range(forwards)]
+        sum((o * o).sum() for o in outs).backward()
+        grads.append((outs, x.grad, [p.grad for p in net.parameters()]))
+    torch.testing.assert_close(grads[1], grads[0])
+
+
+@pytest.mark.parametrize(
+    ("schedule", "extra"),
+    [("gpipe", {}), ("1f1b", {}), ("zb_h1", {}), ("interleaved_1f1b", VIRTUAL)],
+)
+@pytest.mark.parametrize("split_size", [2, 3])  # 10 rows: the last micro-batch smaller with 3
+def test_the_users_loop_reads_the_producer_s_buffers_in_place(
+    schedule: str, extra: dict[str, Any], split_size: int
+) -> None:
+    model = mlp(WIDTHS)
+    kwargs: dict[str, Any] = {"balance": [4, 4], "devices": ["cpu"] * 2, **extra}
+    pipe = Pipe(copy.deepcopy(model), graphs=Emulated(), split_size=split_size,
+                schedule=schedule, **kwargs)  # fmt: skip
+    x = torch.randn(10, WIDTHS[0], dtype=torch.float64)
+    for _ in range(2):  # capture, then replay
+        same_as_plain(model, pipe, x)
+    same_as_plain(model, pipe, x, forwards=2)  # a second forward before the backward
+    for s in range(1, len(pipe.partitions)):
+        assert in_place(pipe, s - 1, s) == (True, True)
+
+
+def test_the_hand_off_copies_are_gone_from_the_users_loop() -> None:
+    counts = {}
+    for schedule in ("gpipe", "1f1b"):
+        pipe = Pipe(mlp(WIDTHS), graphs=Silent(), chunks=4, schedule=schedule,
+                    balance=[4, 4], devices=["cpu"] * 2)  # fmt: skip
+        x = torch.randn(8, WIDTHS[0], dtype=torch.float64)
+        y = torch.randn(8, WIDTHS[-1], dtype=torch.float64)
+        for _ in range(2):
+            nn.functional.mse_loss(pipe(x), y).backward()
+        with Ops() as seen:
+            nn.functional.mse_loss(pipe(x), y).backward()
+        counts[schedule] = seen.ops["copy_"]
+    # Per micro-batch: the first stage's input copied in, the loss's gradient
+    # into the last stage's buffer; no longer stage 0's output into stage 1's
+    # inputs, nor stage 1's input gradient into stage 0's buffer.
+    assert counts == {"gpipe": 2 * 4, "1f1b": 2 * 4}
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_a_value_several_stages_read_is_read_in_place_its_gradient_summed(chunks: int) -> None:
+    # Fan: stage 0's output read by every later stage (its gradient goes
+    # the usual way, summed by autograd), checkpointed micro-batches.
+    model = Fan().double()
+    pipe = Pipe(copy.deepcopy(model), graphs=Emulated(), split_points=["a", "b", "c"],
+                devices=["cpu"] * 4, chunks=chunks, checkpoint="except_last")  # fmt: skip
+    x = torch.randn(6, 4, dtype=torch.float64)
+    for scale in (2.0, 2.0, 3.0):
+        same_as_plain(model, pipe, x, scale)
+    same_as_plain(model, pipe, x, 2.0, forwards=2)
+    assert in_place(pipe, 0, 1) == (True, False)
+
+
+@pytest.mark.parametrize(
+    ("case", "want"),
+    [
+        ("force_copies", (False, False)),  # a copy task between the stages
+        ("frozen first stage", (False, False)),  # no Replay node: its outputs cloned
+        ("frozen second stage", (True, True)),  # its input still needs a gradient
+    ],
+)
+def test_what_is_copied_or_frozen_still_equals_the_plain_model(
+    case: str, want: tuple[bool, bool]
+) -> None:
+    model = mlp(WIDTHS)
+    if case != "force_copies":
+        for p in model[:4].parameters() if case == "frozen first stage" else model[4:].parameters():
+            p.requires_grad_(False)
+    pipe = Pipe(copy.deepcopy(model), graphs=Emulated(), chunks=3, balance=[4, 4],
+                devices=["cpu"] * 2, force_copies=case == "force_copies")  # fmt: skip
+    x = torch.randn(9, WIDTHS[0], dtype=torch.float64)
+    for _ in range(2):
+        same_as_plain(model, pipe, x, input_grad=case != "frozen first stage")
+    assert in_place(pipe, 0, 1) == want
