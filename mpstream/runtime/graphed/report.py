@@ -24,7 +24,8 @@ class StageReport:
     splits the backward), the most slots a run used, its captures (of
     calls captured before and dropped, by a replaced tensor or with the
     stage's other graphs after one was dropped for room under
-    ``max_calls``: ``recaptures``), the device memory of its
+    ``max_calls`` or for reading a producer's call that was dropped:
+    ``recaptures``), the device memory of its
     graphs' pools (``reserved_bytes``: every slot's activations, and the
     temporaries its graphs share) and of its gradient buffers."""
 

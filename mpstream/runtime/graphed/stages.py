@@ -22,7 +22,8 @@ failed (a host sync such as ``.item()``, an unsupported op), a parameter's
 tensor hook. Calls are bounded: past ``max_calls`` per stage the least
 recently used graphs not needed by the run are dropped (their memory goes
 with the other graphs captured on the stage's stream, :mod:`.lifetimes`:
-the next run that leaves none busy drops them all and captures again);
+the next run that leaves none busy drops them all and captures again),
+and a call dropped takes along its readers' calls keyed to it;
 a call that finds no room, a slot with ``MAX_GENERATIONS`` forwards
 awaiting their backward, or a plain argument past its values
 (:class:`~.keys.Scalars`) runs eagerly, with one warning.
@@ -108,6 +109,7 @@ class StageGraphs:
         #: (see :meth:`abandon`).
         self.runs = 0
         self._forwarded: list[GraphedCall] = []
+        self._removed = 0  # calls the stages had dropped when readers were last checked
 
     def graphable(self, device: torch.device) -> bool:
         """Whether stages on ``device`` may be graphed by this backend."""
@@ -151,6 +153,15 @@ class StageGraphs:
         self._forwarded = []
         for st in self.stages:
             st.prepare(slots.counts[st.index])
+        # A reader's calls keyed to a producer's call dropped since, then
+        # their readers' in turn; looked for only then (a pass over every call).
+        removed = sum(st.removed for st in self.stages)
+        if removed != self._removed or any(st.waiting for st in self.stages):
+            while True:
+                kept = {c for st in self.stages for c in st.calls.values()}
+                if not any([st.drop_stale(kept) for st in self.stages]):  # every stage
+                    break
+            self._removed = sum(st.removed for st in self.stages)
 
     def eager(self, s: int, stage: nn.Module, args: Sequence[Any], checkpoint: bool) -> Any:
         """Runs stage ``s`` eagerly; the first time a stage that was to be

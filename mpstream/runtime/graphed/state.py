@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import operator
 from collections import OrderedDict
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -69,15 +70,20 @@ class StageState:
         # for the stage's others (lifetimes), so a run that needs none of
         # them busy drops them all, and the memory goes.
         self.evicted = False
+        # A call reading a dropped call in place stays while busy (drop_stale).
+        self.waiting = False
+
+    @property
+    def removed(self) -> int:
+        """Calls dropped so far, however (each is added once, under a key of its own)."""
+        return self.captures - len(self.calls)
 
     def prepare(self, slots: int) -> None:
         """Begins a run that uses ``slots`` slots of this stage: drops what
         the graphs can no longer replay, and says whether the stage is
         graphed this run (``reason`` None and ``lazy`` False)."""
         self.used.clear()
-        if self.evicted and not any(c.busy() for c in self.calls.values()):
-            self._drop_all()
-            self.evicted = False
+        self._release()
         if self.reason is not None:
             return
         self.slots = max(self.slots, slots)
@@ -101,6 +107,34 @@ class StageState:
             self.calls.clear()
             return
         self.modes = self.baked.modes()
+
+    def drop_stale(self, kept: Collection[GraphedCall]) -> bool:
+        """Drops the idle calls that read in place a producer's call no
+        longer in ``kept`` (every stage's calls): their keys name it, so no
+        run finds them again, yet they would hold its graphs, buffers and
+        gradient buffers alive. Their graphs go with the stage's others, now
+        if none is busy (as calls dropped for room); a busy one stays until
+        a run finds it idle (``waiting``). Whether any call was dropped."""
+        before = len(self.calls)
+        stale = [
+            key
+            for key, c in self.calls.items()
+            if any(src is not None and src[0] not in kept for src in c.sources)
+        ]
+        idle = [key for key in stale if not self.calls[key].busy()]
+        self.waiting = len(idle) < len(stale)
+        for key in idle:
+            del self.calls[key]
+        self.evicted = self.evicted or bool(idle)
+        self._release()
+        return len(self.calls) != before
+
+    def _release(self) -> None:
+        """After calls were dropped: the stage's others too once none is
+        busy, so that the memory of their graphs goes (see :mod:`.lifetimes`)."""
+        if self.evicted and not any(c.busy() for c in self.calls.values()):
+            self._drop_all()
+            self.evicted = False
 
     def _drop_all(self) -> None:
         self.dropped |= set(self.calls)  # their captures again count as recaptures

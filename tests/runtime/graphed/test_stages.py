@@ -10,7 +10,9 @@ the real graphs."""
 from __future__ import annotations
 
 import copy
+import gc
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -325,6 +327,70 @@ def test_calls_dropped_for_room_go_with_the_stages_others_at_the_next_run() -> N
         torch.testing.assert_close(graphed(x), eager(x))  # all dropped, one captured again
     assert all(len(s.calls) == 1 and not s.evicted for s in graphs.stages)
     assert all(s.recaptures == 1 for s in graphed.graph_report().stages)
+
+
+@pytest.mark.parametrize("loop", ["train_step", "own"])
+def test_readers_calls_go_with_the_producer_calls_they_read(loop: str) -> None:
+    # A reader's graphs read its producer's buffers in place and their keys
+    # name its call: once the producer's calls are dropped (a parameter
+    # replaced, here), nothing finds them again, and kept they would hold the
+    # old producer's graphs, buffers and gradient buffers alive.
+    model = mlp(WIDTHS)
+    graphed = Pipe(
+        copy.deepcopy(model), balance=[2, 2, 2, 2], devices=["cpu"] * 4, graphs=Emulated(),
+        split_size=3,
+    )  # fmt: skip
+    graphs = graphed._rt()[1].graphs
+    assert isinstance(graphs, StageGraphs)
+    x, y = data(12)
+    seen: list[weakref.ref[call_module.GraphedCall]] = []
+    alive: list[int] = []
+    for _ in range(4):
+        for module in (graphed, model):
+            module.zero_grad()
+        if loop == "train_step":
+            loss = graphed.train_step(x, y, nn.MSELoss())
+        else:
+            loss = nn.functional.mse_loss(graphed(x), y)
+            loss.backward()
+        expected = nn.functional.mse_loss(model(x), y)
+        expected.backward()
+        torch.testing.assert_close(loss, expected)
+        assert_same_grads(graphed, model)
+        first = graphed.partitions[0][0]
+        first.weight = nn.Parameter(first.weight.detach().clone())  # stage 0's calls go
+        seen += [weakref.ref(c) for st in graphs.stages for c in st.calls.values()]
+        gc.collect()
+        alive.append(sum(ref() is not None for ref in seen))
+    assert alive == alive[:1] * 4
+    assert all(len(st.calls) == 4 for st in graphs.stages)  # one slot per micro-batch
+
+
+def test_a_reader_call_kept_for_its_pending_backward_goes_once_that_ran() -> None:
+    model = mlp(WIDTHS)
+    graphed = Pipe(copy.deepcopy(model), balance=[4, 4], devices=["cpu"] * 2, graphs=Emulated())
+    graphs = graphed._rt()[1].graphs
+    assert isinstance(graphs, StageGraphs)
+    x, y = data()
+    old = []
+    for module in (graphed, model):
+        loss = nn.functional.mse_loss(module(x), y)  # stage 1 reads stage 0's buffer in place
+        first = module[0] if module is model else graphed.partitions[0][0]
+        old.append(first.weight)
+        first.weight = nn.Parameter(first.weight.detach().clone())  # stage 0's calls go
+        with torch.no_grad():
+            module(x)
+        if module is graphed:
+            reader = [weakref.ref(c) for c in graphs.stages[1].calls.values() if c.sources]
+            assert reader and all(ref() is not None for ref in reader)  # its backward is pending
+        loss.backward()
+    torch.testing.assert_close(old[0].grad, old[1].grad)
+    for (name, p), q in zip(graphed.named_parameters(), model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    with torch.no_grad():
+        torch.testing.assert_close(graphed(x), model(x))
+    gc.collect()
+    assert all(ref() is None for ref in reader)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])

@@ -14,8 +14,9 @@ from mpstream.runtime.graphed.state import StageState
 class Call:
     """What :class:`StageState` reads of a graphed call."""
 
-    def __init__(self, busy: bool = False) -> None:
+    def __init__(self, busy: bool = False, reads: object = None) -> None:
         self.pending: Any = object() if busy else None
+        self.sources = [None] if reads is None else [None, (reads, 0, True)]
         self.passes = {"forward": None, "backward": None}
         self.reserved = 10
         self.label = ""
@@ -78,3 +79,19 @@ def test_room_drops_the_least_recently_used_idle_call_then_the_rest_at_the_next_
     assert not st.calls and not st.evicted and st.dropped == {("busy",), ("new",)}
     report = st.report()
     assert (report.slots, report.captures, report.graphs) == (3, 3, 0)
+
+
+def test_calls_reading_a_dropped_call_go_once_idle_and_the_stages_others_with_them() -> None:
+    st = state()
+    producer = Call()
+    st.add(("idle",), Call(reads=producer))  # type: ignore[arg-type]
+    st.add(("busy",), Call(busy=True, reads=producer))  # type: ignore[arg-type]
+    st.add(("own",), Call())  # type: ignore[arg-type]
+    assert not st.drop_stale({producer}) and len(st.calls) == 3  # type: ignore[arg-type]
+    assert st.drop_stale(set())  # the producer's call was dropped
+    # A pending backward still replays the busy one: it stays, and so do the
+    # others, whose graphs go with it.
+    assert list(st.calls) == [("busy",), ("own",)] and st.evicted and st.waiting
+    st.calls[("busy",)].pending = None
+    assert st.drop_stale(set()) and not st.calls and not st.evicted and not st.waiting
+    assert st.removed == 3
