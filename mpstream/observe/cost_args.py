@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from ..schedules import Kind, Task
 
@@ -76,8 +76,10 @@ def cost_size(cost: object) -> int:
 
 def backward_passes(cost: Cost) -> tuple[float, float]:
     """(input pass, weight pass) of a stage's split backward."""
-    if isinstance(cost, tuple) and len(cost) == 3:
-        return float(cost[1]), float(cost[2])
+    # Any triple (a list, an array's row), as cost_pair reads one.
+    if cost_size(cost) == 3:
+        _, inputs, weights = cast(Sequence[float], cost)
+        return float(inputs), float(weights)
     backward = cost_pair(cost, "stage time")[1]
     return backward / 2, backward / 2
 

@@ -318,6 +318,19 @@ def test_costs_as_triples_and_split_timelines_fit() -> None:
         simulate([(1.0, -1.0, 1.0)], 0.0, 1, "zb_h1")
 
 
+def test_a_triple_as_a_list_or_an_array_row_splits_as_a_tuple_does() -> None:
+    # A list or an array's row is taken as a triple (its backward is B + W):
+    # a split backward must take its B and W too, not half their sum each.
+    import numpy as np
+
+    want = simulate([(1.0, 2.0, 3.0)] * 2, 0.0, 4, "zb_h1")
+    rows = [[1.0, 2.0, 3.0]] * 2
+    for costs in (rows, np.array(rows), torch.tensor(rows)):
+        got = simulate(costs, 0.0, 4, "zb_h1")  # type: ignore[arg-type]
+        assert got.step_ms == pytest.approx(want.step_ms)
+        assert got.timeline.spans == want.timeline.spans
+
+
 def test_a_timeline_that_split_some_backwards_fits_the_input_pass_from_those() -> None:
     # dualpipev splits a few backwards per stage; a median over whole and
     # input-only backwards fitted whole ones (57 ms refitted as 78 ms).
