@@ -3,16 +3,19 @@
 In the module, an in-place operation changes a tensor every later reader
 sees. Split into stages, a value another stage made reaches each reader as
 passed along (a copy, or the cut at a stage's input), so a change one stage
-makes in place is invisible to the stages after it. :func:`check_in_place`
-refuses a traced module where that would change the result, at
-construction, instead of computing something else silently. A stage that
-changes in place a value only it reads (``ReLU(inplace=True)`` opening a
-stage) is fine. A view shares its tensor's memory, so a change through a view
-(``h[:, 0] = 0``, ``h.view(-1).mul_(2)``) is a change of the tensor and of
-every other view of it. :func:`augmented` is what a ``torch.fx`` trace
-records for ``h += y``, which changes ``h`` in place too (an input's too:
-:func:`copy_changed_inputs` gives it a copy first); ``n += 1`` on a number
-read off a tensor's size makes a new number instead.
+makes in place is invisible to the stages after it, but for what they read
+through the changing stage: a view it takes of the changed value (before or
+after the change) or the operation's result (``y = h.mul_(2)``) leaves that
+stage changed. :func:`check_in_place` refuses a traced module where that
+would change the result, at construction, instead of computing something
+else silently. A stage that changes in place a value only it reads
+(``ReLU(inplace=True)`` opening a stage) is fine. A view shares its
+tensor's memory, so a change through a view (``h[:, 0] = 0``,
+``h.view(-1).mul_(2)``) is a change of the tensor and of every other view of
+it. :func:`augmented` is what a ``torch.fx`` trace records for ``h += y``,
+which changes ``h`` in place too (an input's too: :func:`copy_changed_inputs`
+gives it a copy first); ``n += 1`` on a number read off a tensor's size makes
+a new number instead.
 """
 
 from __future__ import annotations
@@ -155,8 +158,22 @@ def _argument(node: fx.Node, op: torch._ops.OpOverload, name: str) -> Any:
     return None
 
 
-def _viewed(node: fx.Node) -> fx.Node | None:
-    """The value whose memory ``node``'s result may share, if it is a view."""
+def _changes(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
+    """Each in-place operation and the value it changes, which its result is
+    too (``y = h.mul_(2)``, ``h *= 2``, a ``torch.export`` graph's later
+    readers of ``h``: all ``h``)."""
+    changes = {}
+    for node in gm.graph.nodes:
+        if (value := _changed_in_place(gm, node)) is not None:
+            changes[node] = value
+    return changes
+
+
+def _viewed(node: fx.Node, changes: dict[fx.Node, fx.Node]) -> fx.Node | None:
+    """The value whose memory ``node``'s result may share, if it is a view
+    or an in-place operation (in ``changes``)."""
+    if node in changes:
+        return changes[node]
     first = node.args[0] if node.args else None
     if not isinstance(first, fx.Node):
         return None
@@ -176,17 +193,19 @@ def _viewed(node: fx.Node) -> fx.Node | None:
     return None
 
 
-def _base(node: fx.Node) -> fx.Node:
+def _base(node: fx.Node, changes: dict[fx.Node, fx.Node]) -> fx.Node:
     """The value that owns the memory ``node`` views (itself if no view)."""
-    while (viewed := _viewed(node)) is not None:
+    while (viewed := _viewed(node, changes)) is not None:
         node = viewed
     return node
 
 
-def _entry(node: fx.Node, here: int, stage_of: dict[fx.Node, int]) -> fx.Node:
+def _entry(
+    node: fx.Node, here: int, stage_of: dict[fx.Node, int], changes: dict[fx.Node, fx.Node]
+) -> fx.Node:
     """The value ``node`` views (itself if none) that stage ``here`` receives
     from an earlier stage: each value passed in arrives as its own tensor."""
-    while stage_of.get(node, -1) == here and (viewed := _viewed(node)) is not None:
+    while stage_of.get(node, -1) == here and (viewed := _viewed(node, changes)) is not None:
         node = viewed
     return node
 
@@ -220,9 +239,9 @@ def copy_changed_inputs(gm: fx.GraphModule, stage_of: dict[fx.Node, int]) -> Non
     traces may be a structure (a dict batch) or a number, not a tensor.
     """
     changed: dict[fx.Node, None] = {}
-    for node in gm.graph.nodes:
-        value = _changed_in_place(gm, node)
-        if value is not None and (base := _base(value)).op == "placeholder":
+    changes = _changes(gm)
+    for value in changes.values():
+        if (base := _base(value, changes)).op == "placeholder":
             changed.setdefault(base)
     for holder in changed:
         first = next(n for n in gm.graph.nodes if n in holder.users)
@@ -235,48 +254,87 @@ def copy_changed_inputs(gm: fx.GraphModule, stage_of: dict[fx.Node, int]) -> Non
         gm.recompile()
 
 
+def _carries(
+    value: fx.Node,
+    t: int,
+    here: int,
+    entry: fx.Node,
+    stage_of: dict[fx.Node, int],
+    changes: dict[fx.Node, fx.Node],
+) -> bool:
+    """Whether stage ``t``, reading ``value`` (a view of the changed tensor,
+    or itself), sees the change stage ``here`` makes through ``entry``, the
+    value it received: what ``value`` views there is ``entry``, or came from
+    a stage that made it so (a view taken in the changing stage, before or
+    after the change, leaves that stage changed)."""
+    while t > here:
+        value = _entry(value, t, stage_of, changes)
+        if (made := stage_of.get(value, -1)) >= t:
+            return False
+        t = made
+    return t == here and _entry(value, here, stage_of, changes) is entry
+
+
 def check_in_place(gm: fx.GraphModule, stage_of: dict[fx.Node, int]) -> None:
     """Refuses an in-place change of another stage's value that a later stage,
     or the result, also reads, or the same stage through another view passed
     from an earlier stage: stages pass values, they do not share them, so
     that reader would see the value unchanged where the module sees it changed.
+    A view the changing stage takes of the value it changes (before or after
+    the change) carries the change to the stages that read it.
 
     Raises:
-        ValueError: naming the operation, the stages and what to do.
+        ValueError: naming the operation, the stages, the value read and what to do.
     """
+    changes = _changes(gm)
     views: dict[fx.Node, list[fx.Node]] = {}  # every value viewing each base, itself first
     for node in gm.graph.nodes:
-        views.setdefault(_base(node), []).append(node)
+        views.setdefault(_base(node, changes), []).append(node)
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
-    for node in gm.graph.nodes:
-        value = _changed_in_place(gm, node)
-        if value is None:
-            continue
+    for node, value in changes.items():
         here = stage_of[node]
-        base = _base(value)
+        base = _base(value, changes)
         if stage_of.get(base, -1) == here:
             continue  # changed where it is made: later readers get it changed
-        users = [u for view in views[base] for u in view.users]
-        later = sorted({t for u in users if u.op != "output" and (t := stage_of[u]) > here})
-        # This stage too, after the change, where it reads a view that came
-        # from an earlier stage apart from the changed one (a copy of its own).
-        entry = _entry(value, here, stage_of)
-        apart = [
-            u
-            for view in views[base]
-            if _entry(view, here, stage_of) is not entry
-            for u in view.users
-            if u.op != "output" and stage_of[u] == here and order[u] > order[node]
-        ]
-        reader = f"stage {later[0]}" if later else "the result"
-        if apart:
-            reader = f"stage {here} (through a view of it passed on its own)"
-        if apart or later or any(u.op == "output" for u in users):
-            # An input's copy (copy_changed_inputs) is named for the input.
-            changed = base.args[0] if base.target is own else base
-            raise ValueError(
-                f"'{_name(node)}' in stage {here} changes '{changed}' in place, which "
-                f"{reader} also reads: stages pass values instead of sharing them, so "
-                f"{reader} would read it unchanged. Make that operation out of place "
-                f"(inplace=False), or move a split point so both sit in one stage"
-            )
+        # What this stage received of it, which the change is made to.
+        entry = _entry(value, here, stage_of, changes)
+        stale = []
+        for view in views[base]:
+            for u in view.users:
+                # The result reads a value as the stage that makes it returns it.
+                t = stage_of.get(view, -1) if u.op == "output" else stage_of[u]
+                if order[u] > order[node] and not _carries(view, t, here, entry, stage_of, changes):
+                    stale.append((u, view))
+        if stale:
+            reader, view = min(stale, key=lambda r: order[r[0]])
+            _refuse(node, here, base, entry, reader, view, stage_of, changes)
+
+
+def _refuse(
+    node: fx.Node,
+    here: int,
+    base: fx.Node,
+    entry: fx.Node,
+    reader: fx.Node,
+    view: fx.Node,
+    stage_of: dict[fx.Node, int],
+    changes: dict[fx.Node, fx.Node],
+) -> None:
+    """Raises the error of :func:`check_in_place` for ``reader``, which reads
+    ``view`` (the changed value, or a view of it) without the change."""
+    # An input's copy (copy_changed_inputs) is named for the input.
+    changed = base.args[0] if base.target is own else base
+    t = -1 if reader.op == "output" else stage_of[reader]
+    who = "the result" if t < 0 else f"stage {t}"
+    through = "" if view is base else f" through its view '{view}'"
+    hint = f", take the view in stage {here} after the change" if through else ""
+    if t == here:
+        # It reads another copy than the one changed, which came on its own.
+        got = _entry(view, here, stage_of, changes)
+        through = f" through '{got}', which reaches it apart from '{entry}'"
+    raise ValueError(
+        f"'{_name(node)}' in stage {here} changes '{changed}' in place, which {who} also "
+        f"reads{through}: stages pass values instead of sharing them, so {who} would read "
+        f"it unchanged. Make that operation out of place (inplace=False){hint}, or move a "
+        f"split point so both sit in one stage"
+    )

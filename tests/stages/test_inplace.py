@@ -84,6 +84,81 @@ def test_a_change_the_same_stage_reads_through_a_view_passed_apart_is_refused(
         pipe(torch.randn(6, 4))  # a module split by torch.export is split at its first call
 
 
+class ViewAround(nn.Module):
+    """Stage 1 changes ``h``, made in stage 0, in place; ``c`` in stage 2
+    reads ``v``, a view of ``h`` taken where ``where`` says."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.where = where
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(2, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.a(x)
+        v = h[:, :2] if self.where == "stage 0" else h
+        g = self.b(x)
+        v = h[:, :2] if self.where == "stage 1, before" else v
+        h.mul_(2)
+        v = h[:, :2] if self.where == "stage 1, after" else v
+        y = self.c(g[:, 2:])
+        v = h[:, :2] if self.where == "stage 2" else v
+        return self.c(v) + y  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize(("tracer", "where"), [("fx", "stage 1, after"), ("fx", "stage 1, before"),
+                                               ("export", "stage 1, before")])  # fmt: skip
+def test_a_view_the_changing_stage_takes_carries_the_change(tracer: str, where: str) -> None:
+    # It was refused ("stage 2 also reads 'a'"): stage 1 passes ``v`` changed.
+    model = ViewAround(where).double()
+    ref = copy.deepcopy(model)
+    pipe = Pipe(model, chunks=2, split_points=["b", "c"], devices=["cpu"] * 3, tracer=tracer,
+                force_copies=True)  # fmt: skip
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    loss = pipe.train_step(x, y, nn.functional.mse_loss)
+    expected = nn.functional.mse_loss(ref(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach())
+    assert_same_grads(pipe, ref)
+
+
+@pytest.mark.parametrize(("where", "reads"), [("stage 0", " through its view 'getitem'"),
+                                              ("stage 2", "")])  # fmt: skip
+def test_a_view_of_the_value_before_the_change_is_refused(where: str, reads: str) -> None:
+    # Taken in stage 0, or in stage 2 of ``h`` as stage 0 passes it: unchanged.
+    with pytest.raises(ValueError, match=f"'mul_' in stage 1 changes 'a' in place, which "
+                                         f"stage 2 also reads{reads}:"):  # fmt: skip
+        Pipe(ViewAround(where), chunks=2, split_points=["b", "c"], devices=["cpu"] * 3)
+
+
+class ChangedAgain(nn.Module):
+    """Stage 1 takes ``v`` of ``h`` and changes ``h``; stage 2 changes ``h``
+    again, through the result of the first change, then reads ``v``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(2, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.a(x)
+        g = self.b(x)
+        v = h[:, :2]
+        h *= 2
+        y = self.c(g[:, 2:])
+        h += 1
+        return self.c(v) + y  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_a_view_passed_before_a_later_change_of_the_changed_result_is_refused(tracer: str) -> None:
+    # ``v`` carries stage 1's change of ``h``, not ``h += 1``, which changes ``h``
+    # too: ``h *= 2``'s result is ``h``, not a value of its own.
+    apart = r"in stage 2 changes '\w+' in place, which stage 2 also reads through '\w+', which"
+    with pytest.raises(ValueError, match=apart):
+        pipe = Pipe(ChangedAgain(), chunks=2, split_points=["b", "c"], devices=["cpu"] * 3,
+                    tracer=tracer)  # fmt: skip
+        pipe(torch.randn(6, 4))  # a module split by torch.export is split at its first call
+
+
 def _trains_as_the_module(model: nn.Module, batch: Any, tracer: str) -> tuple[Pipe, nn.Module]:
     """A 2-stage pipe of ``model`` (split at ``b``, 3 micro-batches of 7 rows)
     trains as ``model`` given a copy of ``batch``, and leaves ``batch`` as it was."""
