@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import operator
 from collections.abc import Callable
+from copy import copy as shallow_copy
 from typing import Any
 
 import torch
@@ -217,14 +218,57 @@ def _name(node: fx.Node) -> str:
     return str(getattr(target, "__name__", target))
 
 
-def own(value: Any) -> Any:
+def own(value: Any, paths: tuple[tuple[Any, ...], ...] | None = None) -> Any:
     """``value``, an input, with a copy of each of its tensors (a tensor, a
-    dict or tuple of them; a number as it is): what
-    :func:`copy_changed_inputs` calls."""
+    dict or tuple of them; a number as it is), or of those at ``paths``
+    alone (keys and indices into it, ``(("x",),)`` for ``batch["x"]``; a
+    path stops at the tensor it reaches): what :func:`copy_changed_inputs`
+    calls. The structures along a path are copied, the caller's unchanged."""
     if isinstance(value, fx.Proxy):
         # A stage's code traced again (a pickled pipe loaded): stay a call.
-        return value.tracer.create_proxy("call_function", own, (value,), {})
+        args = (value,) if paths is None else (value, paths)
+        return value.tracer.create_proxy("call_function", own, args, {})
+    if paths is None:
+        return pytree.tree_map_only(torch.Tensor, torch.clone, value)
+    for path in paths:
+        value = _own_at(value, path)
+    return value
+
+
+def _own_at(value: Any, path: tuple[Any, ...]) -> Any:
+    """``value`` with a copy of the tensor at ``path`` (of every tensor under
+    it where the path ends before a tensor, or leads nowhere known)."""
+    if path and not isinstance(value, torch.Tensor):
+        key, rest = path[0], path[1:]
+        if isinstance(value, dict) and key in value:
+            copied = shallow_copy(value)  # a dict of the same type
+            copied[key] = _own_at(value[key], rest)
+            return copied
+        if (
+            isinstance(value, (list, tuple))
+            and isinstance(key, int)
+            and -len(value) <= key < len(value)
+        ):
+            items = list(value)
+            items[key] = _own_at(value[key], rest)
+            if isinstance(value, list):
+                return items
+            return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     return pytree.tree_map_only(torch.Tensor, torch.clone, value)
+
+
+def _path(value: fx.Node, changes: dict[fx.Node, fx.Node]) -> tuple[Any, ...]:
+    """The keys and indices that reach ``value`` from the input it views
+    (``batch["x"][0].view(-1)``: ``("x", 0)``), as far as they are constants;
+    past a tensor they index it, which :func:`own` copies whole."""
+    keys: list[Any] = []
+    node = value
+    while (viewed := _viewed(node, changes)) is not None:
+        key = node.args[1] if node.target is operator.getitem else None
+        # Only the run of constant keys next to the input leads somewhere known.
+        keys = [key, *keys] if isinstance(key, (str, int)) and not isinstance(key, bool) else []
+        node = viewed
+    return tuple(keys)
 
 
 def copy_changed_inputs(gm: fx.GraphModule, stage_of: dict[fx.Node, int]) -> None:
@@ -236,17 +280,23 @@ def copy_changed_inputs(gm: fx.GraphModule, stage_of: dict[fx.Node, int]) -> Non
     share its version counter: one micro-batch's change would fail the
     backward of every other that saved its own. The caller's batch is left
     as it was, where the module would have changed it. An input torch.fx
-    traces may be a structure (a dict batch) or a number, not a tensor.
+    traces may be a structure (a dict batch) or a number, not a tensor: of
+    a structure, only the tensors changed get a copy (``batch["x"]``, not
+    ``batch["y"]``).
     """
-    changed: dict[fx.Node, None] = {}
+    changed: dict[fx.Node, dict[tuple[Any, ...], None]] = {}  # the paths changed in each
     changes = _changes(gm)
     for value in changes.values():
         if (base := _base(value, changes)).op == "placeholder":
-            changed.setdefault(base)
-    for holder in changed:
+            changed.setdefault(base, {})[_path(value, changes)] = None
+    for holder, found in changed.items():
+        # A path under another's copy is copied with it.
+        paths = tuple(p for p in found if not any(p[: len(q)] == q for q in found if q != p))
         first = next(n for n in gm.graph.nodes if n in holder.users)
         with gm.graph.inserting_before(first):
-            copy = gm.graph.call_function(own, (holder,))
+            # The whole input where it is changed itself (a tensor, or ``batch["x"] = t``).
+            args = (holder,) if () in paths else (holder, paths)
+            copy = gm.graph.call_function(own, args)
         holder.replace_all_uses_with(copy, delete_user_cb=functools.partial(operator.is_not, copy))
         stage_of[copy] = stage_of[first]
     if changed:

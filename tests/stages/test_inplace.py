@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from mpstream import Pipe
-from tests.helpers import assert_same_grads
+from tests.helpers import Ops, assert_same_grads
 
 
 class ThroughView(nn.Module):
@@ -218,6 +218,31 @@ def test_a_dict_input_changed_in_place_gets_a_copy_of_its_tensors() -> None:
     # torch.fx keeps a dict batch one input: torch.clone of it raised TypeError.
     batch = {k: torch.randn(7, 4, dtype=torch.float64) for k in ("x", "y")}
     _trains_as_the_module(ChangesDictInput(), batch, "fx")
+
+
+class ChangesNestedInput(nn.Module):
+    """Changes ``batch["in"]["x"]`` in place, once through a view."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, batch: dict[str, Any]) -> Tensor:
+        x = batch["in"]["x"]
+        x[:, 0].add_(1)
+        x.mul_(2)
+        return self.b(self.a(x)) + batch["y"] + batch["in"]["z"]  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("model", [ChangesDictInput, ChangesNestedInput])
+def test_a_structured_input_gets_a_copy_of_the_changed_tensor_alone(model: type[nn.Module]) -> None:
+    # Every tensor of the batch was copied per micro-batch, batch["y"] too.
+    x, y, z = (torch.randn(7, 4, dtype=torch.float64) for _ in range(3))
+    batch = {"x": x, "y": y} if model is ChangesDictInput else {"in": {"x": x, "z": z}, "y": y}
+    pipe, _ = _trains_as_the_module(model(), batch, "fx")
+    with Ops() as ops:
+        pipe(batch)
+    assert ops.ops["clone"] == 3  # one of the changed tensor per micro-batch
 
 
 class AugmentsInput(nn.Module):
