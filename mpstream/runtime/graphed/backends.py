@@ -255,6 +255,7 @@ class CudaGraphs:
                         buf.copy_(t)
             if not copied:
                 call.static_out = [t.detach() for t in outs]
+                call.pooled_out = True
             if call.diff_out:
                 prepare(call, outs)
                 graphs.update(_capture_backward(call, outs, own, shared))

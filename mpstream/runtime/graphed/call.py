@@ -167,6 +167,9 @@ class GraphedCall:
         self.random_passes: frozenset[str] = frozenset()
         self.state: Any = None  # the backend's own: graphs, or the emulated activations
         self.reserved = 0  # bytes of the call's own memory pool
+        #: Whether the backend left the static outputs in the call's own pool
+        #: (counted in :attr:`reserved`), not in buffers of their own.
+        self.pooled_out = False
         self.replays = 0  # forward replays whose backward may follow
         self.pending: Any = None  # a weak reference to what may still run B or W
         self.label = "the stage"
@@ -225,6 +228,20 @@ class GraphedCall:
         if pairs and self.store is not None:
             views = [self.store.views[j] for j, _ in pairs]
             torch._foreach_add_(views, [g for _, g in pairs])
+
+    def static_buffers(self) -> list[Tensor]:
+        """The buffers this call allocated outside any memory pool: its
+        static inputs (but a producer's buffer read in place), its static
+        outputs (unless :attr:`pooled_out`), output gradients and input
+        gradients (but those written into a producer's buffer). A
+        producer's buffers are its own call's to count."""
+        borrowed = {id(t) for t in self.grad_to if t is not None}
+        return [
+            *(t for t, g in zip(self.static_in, self.given) if g is None),
+            *(() if self.pooled_out else self.static_out),
+            *self.static_grad_out,
+            *(t for t in self.static_grad_in if t is not None and id(t) not in borrowed),
+        ]
 
     def busy(self) -> bool:
         """Whether the static activations belong to a forward whose backward

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import operator
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 
 from .backends import pool_bytes
@@ -26,7 +26,7 @@ from .grads import GradStore
 from .keys import Baked, Scalars
 from .report import StageReport
 
-__all__ = ["StageState"]
+__all__ = ["StageState", "storage_bytes"]
 
 _hooks = operator.attrgetter("_backward_hooks")
 
@@ -177,5 +177,16 @@ class StageState:
             captures=self.captures,
             recaptures=self.recaptures,
             reserved_bytes=sum(c.reserved for c in self.calls.values()) + pool_bytes(self.pool),
+            static_bytes=storage_bytes(t for c in self.calls.values() for t in c.static_buffers()),
             grad_bytes=0 if self.store is None else self.store.nbytes(),
         )
+
+
+def storage_bytes(tensors: Iterable[Tensor]) -> int:
+    """Bytes of the storages under ``tensors``, each counted once (views
+    and aliases share one)."""
+    seen: dict[tuple[torch.device, int], int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        seen[(t.device, storage.data_ptr())] = storage.nbytes()
+    return sum(seen.values())

@@ -602,3 +602,50 @@ def test_recaptures_count_captures_a_replaced_tensor_caused() -> None:
     nn.functional.mse_loss(graphed(x), y).backward()  # one shape again
     stage = graphed.graph_report().stages[0]
     assert stage.recaptures == 2  # its forward and backward for that shape, not all dropped
+
+
+def _held(pipe: Pipe) -> int:
+    """Bytes of every static buffer the pipe's graphed calls hold, storages
+    counted once over the whole pipe (a reader's in-place input is its
+    producer's output)."""
+    graphs = pipe._rt()[1].graphs
+    assert graphs is not None
+    calls = [c for st in graphs.stages for c in st.calls.values()]
+    buffers = [
+        t
+        for c in calls
+        for t in (*c.static_in, *c.static_out, *c.static_grad_out, *c.static_grad_in)
+        if t is not None
+    ]
+    return sum(
+        {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in buffers}.values()
+    )
+
+
+@pytest.mark.parametrize(
+    ("schedule", "expected"),
+    [
+        # Stage 0: per slot its input (5x6), output and output gradient
+        # (5x12). Stage 1 of gpipe reads stage 0's output in place and
+        # writes its input gradient into stage 0's buffer: per slot its
+        # output and output gradient (5x4). 1F1B's one slot of stage 1
+        # copies in: its own input and input gradient (5x12) too.
+        ("gpipe", [2 * (30 + 60 + 60) * 8, 2 * (20 + 20) * 8]),
+        ("1f1b", [2 * (30 + 60 + 60) * 8, (60 + 20 + 20 + 60) * 8]),
+    ],
+)
+def test_the_report_counts_the_static_buffers_outside_the_pools(
+    schedule: str, expected: list[int]
+) -> None:
+    _, graphed = pair(mlp(WIDTHS), split_size=5, schedule=schedule)
+    x, y = data()
+    for _ in range(2):
+        graphed.train_step(x, y, nn.MSELoss())
+    report = graphed.graph_report()
+    assert [s.static_bytes for s in report.stages] == expected
+    assert sum(expected) == _held(graphed)
+    with torch.no_grad():  # calls of their own: inputs and outputs copied out
+        graphed(x)
+    report = graphed.graph_report()
+    assert sum(s.static_bytes for s in report.stages) == _held(graphed) > sum(expected)
+    assert "static" in str(report)

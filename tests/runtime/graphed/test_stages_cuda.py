@@ -297,6 +297,9 @@ def test_cuda_a_second_backward_is_refused_and_reserved_memory_is_counted() -> N
         loss.backward()
     reserved = [s.reserved_bytes for s in graphed.graph_report().stages]
     assert all(0 < r <= torch.cuda.memory_reserved() for r in reserved), reserved
+    # Each stage's output gradients (and the first's input) sit outside the pools.
+    static = [s.static_bytes for s in graphed.graph_report().stages]
+    assert all(0 < b <= torch.cuda.memory_allocated() for b in static), static
 
 
 @pytest.mark.cuda

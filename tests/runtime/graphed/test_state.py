@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mpstream.runtime.graphed.state import StageState
+from mpstream.runtime.graphed.state import StageState, storage_bytes
 
 
 class Call:
@@ -23,6 +23,9 @@ class Call:
 
     def busy(self) -> bool:
         return self.pending is not None
+
+    def static_buffers(self) -> list[torch.Tensor]:
+        return []
 
 
 def state(module: nn.Module | None = None) -> StageState:
@@ -95,3 +98,10 @@ def test_calls_reading_a_dropped_call_go_once_idle_and_the_stages_others_with_th
     st.calls[("busy",)].pending = None
     assert st.drop_stale(set()) and not st.calls and not st.evicted and not st.waiting
     assert st.removed == 3
+
+
+def test_static_bytes_count_each_storage_once() -> None:
+    a, b = torch.zeros(4, dtype=torch.float64), torch.zeros(3, dtype=torch.float32)
+    # A view and an alias of ``a`` share its storage: counted once.
+    assert storage_bytes([a, a[1:], a.detach(), b, b.view(3, 1)]) == 4 * 8 + 3 * 4
+    assert storage_bytes([]) == 0
