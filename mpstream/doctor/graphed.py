@@ -14,7 +14,9 @@ Each measurement is the host's issue time and the step's time (medians, SGD
 inside the step), the peak memory of that variant alone
 (``max_memory_reserved``, which holds graph pools, with
 ``max_memory_allocated`` beside) and, for graphed stages, what their
-graphs' pools hold and how many slots each stage keeps.
+graphs' pools hold, what static buffers (inputs, outputs and their
+gradients) the graphs hold outside the pools, and how many slots each
+stage keeps.
 
 A measurement that raises (a capture error) fails its schedule's line and
 leaves the others. So does a failed ``torch.cuda.empty_cache`` between
@@ -25,8 +27,9 @@ never failed (a timing is not a defect): graphed stages at most
 :data:`OVER_CAPTURED` times the captured step and :data:`OVER_EAGER` times
 the eager one, the host issuing for at most :data:`HOST_SHARE` of the step
 and at most :data:`HOST_PER_TASK_US` per replayed task (a stage's forward,
-backward or weight pass of one micro-batch), the graphs' pools at most
-:data:`POOLS_OVER_EAGER` times the eager step's peak memory.
+backward or weight pass of one micro-batch), the graphs' pools with their
+static buffers at most :data:`POOLS_OVER_EAGER` times the eager step's
+peak memory.
 """
 
 from __future__ import annotations
@@ -203,6 +206,7 @@ def measure(
         row["slots"] = [s.slots for s in report.stages]
         row["passes"] = [list(s.passes) for s in report.stages]
         row["pool_bytes"] = sum(s.reserved_bytes for s in report.stages)
+        row["static_bytes"] = sum(s.static_bytes for s in report.stages)
         row["grad_bytes"] = sum(s.grad_bytes for s in report.stages)
         row["replayed_tasks"] = _replayed(pipe, x, y)
         row["host_us_per_task"] = 1e3 * row["issue_ms"] / max(1, row["replayed_tasks"])
@@ -327,13 +331,15 @@ def schedule_checks(rows: Sequence[dict[str, Any]], cuda: bool, split: int) -> l
             parts.append(f"{step / base['step_ms']:.2f}x the single device captured")
         parts.append(
             f"memory reserved at peak {_mib(graphed)} (eager {_mib(eager)}, captured "
-            f"{_mib(captured)}), of which graph pools {_mib(graphed, 'pool_bytes')}; "
+            f"{_mib(captured)}), of which graph pools {_mib(graphed, 'pool_bytes')} and "
+            f"static buffers outside them {_mib(graphed, 'static_bytes')}; "
             f"slots {graphed['slots']}"
         )
         peak = _total(eager.get("peak_reserved_bytes"))
         if peak:
-            over = graphed["pool_bytes"] / peak
-            parts.append(_against(over, POOLS_OVER_EAGER, "the eager peak in graph pools", cuda))
+            over = (graphed["pool_bytes"] + graphed["static_bytes"]) / peak
+            what = "the eager peak in graph pools and static buffers"
+            parts.append(_against(over, POOLS_OVER_EAGER, what, cuda))
         if not graphed["graphed"]:  # a stage fell back: these are not graphed figures
             failed.append(f"EAGER STAGES: {'; '.join(graphed['reasons'])}")
         parts.extend(failed)

@@ -7,10 +7,13 @@ per parameter). Activations at peak are what each stage's forwards saved
 for backward and held at once during the step
 (:class:`~mpstream.memory.StageSavedBytes`: storages counted once, on any
 device, all stages on one GPU included); for stages replayed from CUDA
-graphs, whose activations sit in the graphs' pools, the pools' bytes (and
-likewise for a one-stage step captured whole). A
-module that is not a pipe (the single device, naive model parallel) counts
-its parts as stages.
+graphs, whose activations sit in the graphs' pools, the pools' bytes plus
+the static buffers their graphs read and write outside the pools (inputs,
+outputs, output and input gradients of every slot:
+:class:`~mpstream.runtime.graphed.StageReport`'s ``reserved_bytes`` and
+``static_bytes``), and for a one-stage step captured whole, its graph's
+pool. A module that is not a pipe (the single device, naive model
+parallel) counts its parts as stages.
 """
 
 from __future__ import annotations
@@ -76,7 +79,8 @@ def per_stage(
     grads = [_bytes([p.grad for p in part.parameters() if p.grad is not None]) for part in parts]
     activations = list(tracker.peak_bytes)
     if isinstance(module, Pipe) and module.graphed:
-        activations = [st.reserved_bytes for st in module.graph_report().stages]
+        report = module.graph_report().stages
+        activations = [st.reserved_bytes + st.static_bytes for st in report]
     elif graph_bytes:
         if len(parts) != 1:
             raise ValueError(f"graph_bytes is one stage's, but the module has {len(parts)}")
