@@ -73,7 +73,8 @@ class PipeStep(PipeCall):
 
         Args:
             inputs: the batch: one input, or a tuple of the module's
-                positional inputs (split as :meth:`forward` splits them);
+                positional inputs (split as :meth:`forward` splits them; a
+                namedtuple is one input, as ``pipe(batch)`` takes it);
                 for a traced module, a mapping (a dict, a ``BatchEncoding``)
                 whose keys are strings, one at least naming a parameter of
                 its ``forward``, is its keyword arguments (a Hugging Face
@@ -278,6 +279,7 @@ class PipeStep(PipeCall):
         if isinstance(inputs, Mapping) and split is not None and keywords_of(root, inputs):
             # Keyword arguments (a Hugging Face batch, a tokenizer's BatchEncoding).
             return self._inputs((), dict(inputs))
-        if split is not None and isinstance(inputs, tuple):
+        if split is not None and isinstance(inputs, tuple) and not hasattr(inputs, "_fields"):
+            # A namedtuple is a batch (pipe(batch) takes it so), not the arguments.
             return self._inputs(inputs, {})
         return self._inputs((inputs,), {})

@@ -4,6 +4,7 @@ activations alive per stage; failures leave nothing half-done."""
 
 from __future__ import annotations
 
+import collections
 import copy
 from collections.abc import Callable
 
@@ -287,3 +288,29 @@ def test_the_step_follows_a_loss_modules_own_reduction() -> None:
     assert_same_grads(pipe, model)
     with pytest.raises(ValueError, match="reduction='mean', but loss_fn reduces with 'sum'"):
         pipe.train_step(x, y, summed, reduction="mean")
+
+
+Pair = collections.namedtuple("Pair", "x y")
+
+
+class ReadsAPair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4).double()
+        self.b = nn.Linear(4, 3).double()
+
+    def forward(self, batch: Pair) -> Tensor:
+        return self.b(torch.tanh(self.a(batch.x)) + batch.y)
+
+
+def test_a_namedtuple_batch_is_one_input_as_in_a_call() -> None:
+    model = ReadsAPair()
+    ref = copy.deepcopy(model)
+    pipe = Pipe(model, split_size=4, split_points=["b"], devices=["cpu", "cpu"])
+    batch = Pair(
+        torch.randn(BATCH, 4, dtype=torch.float64), torch.randn(BATCH, 4, dtype=torch.float64)
+    )
+    y = torch.randn(BATCH, 3, dtype=torch.float64)
+    loss = pipe.train_step(batch, y, nn.functional.mse_loss)
+    torch.testing.assert_close(loss, reference_step(ref, batch, y, nn.functional.mse_loss))
+    assert_same_grads(pipe, ref)
