@@ -29,8 +29,9 @@ from torch.utils import _pytree as pytree
 from ..pipe.pipe import Pipe
 from ..pipe.reduction import step_reduction
 from ..runtime.graphed.backends import pool_bytes
+from ..runtime.graphed.state import storage_bytes
 from ..stages.sequential import check_positive
-from .buffers import fill, static
+from .buffers import fill, static, tensor
 from .devices import DeviceGraphs, capture_devices
 from .optimizer import check_optimizer, check_settings, hyperparameters
 from .state import Kept, Trained
@@ -305,8 +306,27 @@ class CapturedStep:
         activations and temporaries, reused by every replay; with ``pool=``
         shared, every graph's in that pool); 0 where nothing was captured
         as one graph (the CPU, or graphed stages, whose pools their
-        ``graph_report()`` counts)."""
+        ``graph_report()`` counts). What the step holds outside the pool
+        is :attr:`static_bytes`."""
         return 0 if self.graph is None else pool_bytes(self.graph.pool())
+
+    @property
+    def static_bytes(self) -> int:
+        """Memory the step holds outside any graph pool that an eager step
+        of the same pipe and optimizer does not: the static input and
+        target buffers every call's batch is copied into, each storage
+        counted once, on the first and the last stage's device (on the
+        CPU too, where calls run eagerly but copy the batch in all the
+        same).
+
+        Not counted, because an eager step holds them at its peak too: the
+        parameters and buffers, the gradients (which the step keeps
+        between calls, where an eager ``zero_grad(set_to_none=True)``
+        frees them) and the optimizer's state. Over graphed stages, what
+        the stages' graphs hold outside their pools is their
+        ``graph_report()``'s ``static_bytes``, not counted here."""
+        held = (tensor(leaf) for leaf in (*self._inputs, *self._target))
+        return storage_bytes(t for t in held if t is not None)
 
     # -- calls ---------------------------------------------------------------
     def __call__(self, inputs: Any, target: Any) -> Tensor:

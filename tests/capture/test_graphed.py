@@ -64,6 +64,9 @@ def test_captured_steps_over_emulated_stage_graphs_on_the_cpu_equal_plain_traini
     step = _steps("cpu", schedule, backend)
     assert step.graphed and not step.captured and step.launches == 0
     assert backend.replays > 0  # the stages did replay their graphs
+    # The batch's buffers; the stages' own are their report's.
+    assert step.static_bytes == 7 * (5 + 4) * 8
+    assert all(s.static_bytes > 0 for s in step.pipe.graph_report().stages)
 
 
 class Clones(TorchDispatchMode):

@@ -98,6 +98,30 @@ def test_steps_on_the_cpu_equal_plain_training(
     assert not step.captured and step.reserved_bytes == 0
 
 
+def test_static_bytes_are_the_storages_of_the_buffers_each_call_trains_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pipe, opt, _, _ = _setup("cpu", "sgd", split_size=3)
+    wide, y = torch.randn(BATCH, 9, dtype=torch.float64), _data("cpu", 0)[1]
+    step = CapturedStep(pipe, wide[:, :5], y, nn.MSELoss(), optimizer=opt)
+    read: list[Tensor] = []
+    train = pipe._train_step
+
+    def recorded(inputs: Tensor, target: Tensor, *args: object) -> Tensor:
+        read.extend([inputs, target])
+        return train(inputs, target, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(pipe, "_train_step", recorded)
+    for i in range(2):
+        step(*_data("cpu", i + 1))
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in read}
+    # The same two buffers every call, copies of the batch's shape (not of the
+    # wider tensor the example was a view of); the parameters, gradients and
+    # momentum an eager step holds too are not counted.
+    assert len(storages) == 2
+    assert step.static_bytes == sum(storages.values()) == BATCH * (5 + 4) * 8
+
+
 def test_without_zero_grad_gradients_accumulate_across_calls() -> None:
     pipe, _, ref, _ = _setup("cpu", "sgd", split_size=3)
     x, y = _data("cpu", 1)
@@ -504,6 +528,7 @@ def test_replays_on_one_gpu_equal_plain_training(
 ) -> None:
     step = _check_steps("cuda:0", optimizer, split_size=3, schedule=schedule, checkpoint=checkpoint)
     assert step.captured
+    assert step.reserved_bytes > 0 and step.static_bytes == BATCH * (5 + 4) * 8
 
 
 @pytest.mark.cuda
