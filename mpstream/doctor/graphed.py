@@ -16,7 +16,9 @@ inside the step), the peak memory of that variant alone
 ``max_memory_allocated`` beside) and, for graphed stages, what their
 graphs' pools hold, what static buffers (inputs, outputs and their
 gradients) the graphs hold outside the pools, and how many slots each
-stage keeps.
+stage keeps; for the step captured as one graph, its pool and the static
+input and target buffers it holds outside it
+(:attr:`~mpstream.CapturedStep.static_bytes`).
 
 A measurement that raises (a capture error) fails its schedule's line and
 leaves the others. So does a failed ``torch.cuda.empty_cache`` between
@@ -124,10 +126,12 @@ def _pipe(ctx: Context, schedule: str | None, graphs: Any) -> Pipe:
     )
 
 
-def _step(pipe: Pipe, variant: str, x: Tensor, y: Tensor) -> tuple[Callable[[], None], int]:
+def _step(
+    pipe: Pipe, variant: str, x: Tensor, y: Tensor
+) -> tuple[Callable[[], None], int, CapturedStep | None]:
     """One training step with SGD: ``train_step``, or the captured step
-    (one graph, or over the pipe's graphed stages); and its graph launches
-    per step."""
+    (one graph, or over the pipe's graphed stages); its graph launches per
+    step; and the captured step, if it is one."""
     loss_fn = nn.MSELoss()
     opt = torch.optim.SGD(pipe.parameters(), lr=1e-3)
     if variant in (CAPTURED, GRAPHED_STEP):
@@ -136,14 +140,14 @@ def _step(pipe: Pipe, variant: str, x: Tensor, y: Tensor) -> tuple[Callable[[], 
         def replay() -> None:
             whole(x, y)
 
-        return replay, whole.launches
+        return replay, whole.launches, whole
 
     def eager() -> None:
         opt.zero_grad(set_to_none=False)
         pipe.train_step(x, y, loss_fn)
         opt.step()
 
-    return eager, 0
+    return eager, 0, None
 
 
 def measure(
@@ -176,7 +180,7 @@ def measure(
     pipe = _pipe(ctx, schedule, backend if variant in (GRAPHED, GRAPHED_STEP) else False)
     x, y = batch(config, pipe.devices[0])
     y = y.to(pipe.devices[-1])
-    step, launches = _step(pipe, variant, x, y)
+    step, launches, whole = _step(pipe, variant, x, y)
     devices = list(dict.fromkeys(pipe.devices))
     for _ in range(2):  # capture (graphed stages), then a replay
         step()
@@ -210,7 +214,10 @@ def measure(
         row["grad_bytes"] = sum(s.grad_bytes for s in report.stages)
         row["replayed_tasks"] = _replayed(pipe, x, y)
         row["host_us_per_task"] = 1e3 * row["issue_ms"] / max(1, row["replayed_tasks"])
-    del step, pipe
+    if variant == CAPTURED and whole is not None:
+        row["pool_bytes"] = whole.reserved_bytes
+        row["static_bytes"] = whole.static_bytes
+    del step, pipe, whole
     if ctx.cuda:
         _empty_cache("after", cache)
     if cache:
@@ -278,6 +285,15 @@ def _mib(row: dict[str, Any] | None, key: str = "peak_reserved_bytes") -> str:
     return f"{total / 2**20:.0f} MiB"
 
 
+def _held(captured: dict[str, Any] | None) -> str:
+    """What a step captured as one graph holds beyond an eager step's: its
+    pool and its input and target buffers (empty where not measured)."""
+    if captured is None or "static_bytes" not in captured:
+        return ""
+    pool, static = _mib(captured, "pool_bytes"), _mib(captured, "static_bytes")
+    return f": its graph's pool {pool} and input and target buffers outside it {static}"
+
+
 def _total(value: dict[str, int] | int | None) -> int:
     """Bytes over devices (a per-device dict), or as given."""
     return sum(value.values()) if isinstance(value, dict) else int(value or 0)
@@ -331,7 +347,8 @@ def schedule_checks(rows: Sequence[dict[str, Any]], cuda: bool, split: int) -> l
             parts.append(f"{step / base['step_ms']:.2f}x the single device captured")
         parts.append(
             f"memory reserved at peak {_mib(graphed)} (eager {_mib(eager)}, captured "
-            f"{_mib(captured)}), of which graph pools {_mib(graphed, 'pool_bytes')} and "
+            f"{_mib(captured)}{_held(captured)}), of which graph pools "
+            f"{_mib(graphed, 'pool_bytes')} and "
             f"static buffers outside them {_mib(graphed, 'static_bytes')}; "
             f"slots {graphed['slots']}"
         )
@@ -358,7 +375,7 @@ def _single_check(single: dict[str, Any]) -> Check:
     detail = (
         f"step {eager['step_ms']:.1f} ms eager (host issue {100 * eager['issue_share']:.0f}%), "
         f"{whole['step_ms']:.1f} ms captured as one graph; memory reserved at peak "
-        f"{_mib(eager)} eager, {_mib(whole)} captured"
+        f"{_mib(eager)} eager, {_mib(whole)} captured{_held(whole)}"
     )
     return Check(name, PASS, detail, single)
 

@@ -239,6 +239,12 @@ class _Runner:
         """The captured step's graph pool's bytes (0: no graph)."""
         return 0 if self.captured is None else self.captured.reserved_bytes
 
+    @property
+    def static_bytes(self) -> int:
+        """The captured step's static input and target buffers, outside its
+        pool (0: no captured step, the pipe's eager step runs)."""
+        return 0 if self.captured is None else self.captured.static_bytes
+
     def step(self) -> None:
         if self.captured is not None:
             with _autocast(self.devices[0], self.dtype):  # for the CPU's eager steps
@@ -320,7 +326,12 @@ def run(
         runner = _Runner(key, config)
         runner.step()  # the optimizer's state made, graphs captured: a steady step next
         stages, peaks = stage_memory.per_stage(
-            runner.module, runner.opt, runner.step, runner.devices, runner.graph_bytes
+            runner.module,
+            runner.opt,
+            runner.step,
+            runner.devices,
+            runner.graph_bytes,
+            runner.static_bytes,
         )
         memory[key] = stages, {d: peak - held[d] for d, peak in peaks.items()}
         issues[key] = runner.issue

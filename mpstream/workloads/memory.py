@@ -12,8 +12,11 @@ the static buffers their graphs read and write outside the pools (inputs,
 outputs, output and input gradients of every slot:
 :class:`~mpstream.runtime.graphed.StageReport`'s ``reserved_bytes`` and
 ``static_bytes``), and for a one-stage step captured whole, its graph's
-pool. A module that is not a pipe (the single device, naive model
-parallel) counts its parts as stages.
+pool plus the static input and target buffers it copies each batch into
+outside the pool (:class:`~mpstream.CapturedStep`'s ``reserved_bytes``
+and ``static_bytes``; run eagerly, on the CPU, the saved tensors plus
+those buffers). A module that is not a pipe (the single device, naive
+model parallel) counts its parts as stages.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ def per_stage(
     step: Callable[[], None],
     devices: Sequence[torch.device] = (),
     graph_bytes: int = 0,
+    static_bytes: int = 0,
 ) -> tuple[list[dict[str, int]], dict[str, int]]:
     """Runs one more ``step`` (which zeroes the gradients first).
 
@@ -61,6 +65,10 @@ def per_stage(
         graph_bytes: for a one-stage step replayed as one CUDA graph, its
             pool's bytes, where its activations sit (a replay saves
             nothing the tracker sees); 0 otherwise.
+        static_bytes: for a one-stage step run by a
+            :class:`~mpstream.CapturedStep`, the buffers it holds outside
+            any pool (its ``static_bytes``), added to the activations:
+            an eager step does not hold them; 0 otherwise.
 
     Returns:
         Per stage, the bytes of each of :data:`KINDS`; and per CUDA device
@@ -85,6 +93,10 @@ def per_stage(
         if len(parts) != 1:
             raise ValueError(f"graph_bytes is one stage's, but the module has {len(parts)}")
         activations = [graph_bytes]
+    if static_bytes:
+        if len(parts) != 1:
+            raise ValueError(f"static_bytes is one stage's, but the module has {len(parts)}")
+        activations[0] += static_bytes
     out = []
     for s, part in enumerate(parts):
         params = list(part.parameters())

@@ -12,6 +12,7 @@ import torch
 
 from mpstream.doctor import graphed
 from mpstream.doctor.diagnosis import FAIL, PASS, TINY, Context
+from mpstream.doctor.experiment import config_for
 from mpstream.runtime.graphed import Emulated
 
 CPU = torch.device("cpu")
@@ -25,6 +26,10 @@ def test_each_schedule_is_measured_four_ways_beside_the_single_device(tmp_path: 
         ctx, Emulated(), schedules=("gpipe", "zb_h1"), tick=lambda: ticks.append(1)
     )
     assert [r["schedule"] for r in rows] == [graphed.SINGLE, "gpipe", "zb_h1"]
+    # A captured step's input and target buffers: copies of the batch (float32).
+    config = config_for(ctx)
+    batch_bytes = 4 * config.batch_size * (3 * config.image_w * config.image_h + config.num_classes)
+    assert rows[0][graphed.CAPTURED]["static_bytes"] == batch_bytes
     assert len(ticks) == 2 + 4 * 2
     assert graphed.GRAPHED not in rows[0] and graphed.GRAPHED_STEP not in rows[0]
     for row in rows[1:]:
@@ -36,6 +41,7 @@ def test_each_schedule_is_measured_four_ways_beside_the_single_device(tmp_path: 
             assert m["peak_reserved_bytes"] is None  # allocator statistics: on a GPU only
         assert stages["graphed"] and stages["pool_bytes"] == 0  # no device memory on a CPU
         assert stages["static_bytes"] > 0  # the graphs' buffers outside the pools
+        assert (whole["pool_bytes"], whole["static_bytes"]) == (0, batch_bytes)
     # Slots: fill-drain keeps both micro-batches in flight on each stage.
     assert rows[1][graphed.GRAPHED]["slots"] == [2, 2]
     zb = rows[2][graphed.GRAPHED]
@@ -49,6 +55,8 @@ def test_each_schedule_is_measured_four_ways_beside_the_single_device(tmp_path: 
     assert [c.name for c in checks] == names
     assert all(c.status == PASS for c in checks)
     assert "captured as one graph" in checks[0].detail
+    held = ": its graph's pool 0 MiB and input and target buffers outside it"
+    assert f"- captured{held}" in checks[0].detail and f"captured -{held}" in checks[1].detail
     assert "the captured step (target <= 1.15x: a GPU target)" in checks[1].detail
     assert "x the single device captured" in checks[1].detail
     assert "captured over graphed stages" in checks[1].detail
@@ -62,6 +70,8 @@ def test_each_schedule_is_measured_four_ways_beside_the_single_device(tmp_path: 
 def test_host_time_per_task_and_graph_pools_are_held_against_their_targets() -> None:
     timed = {"step_ms": 10.0, "issue_ms": 5.0, "issue_share": 0.5, "launches": 0}
     eager = {**timed, "peak_reserved_bytes": {"cuda:0": 1000 * 2**20}}
+    captured: dict[str, Any] = {**timed, "peak_reserved_bytes": {"cuda:0": 900 * 2**20},
+                "pool_bytes": 700 * 2**20, "static_bytes": 20 * 2**20}  # fmt: skip
     stages = {
         **timed, "peak_reserved_bytes": {"cuda:0": 1400 * 2**20}, "graphed": True,
         "reasons": [], "slots": [2, 1], "pool_bytes": 1000 * 2**20, "grad_bytes": 0,
@@ -71,11 +81,13 @@ def test_host_time_per_task_and_graph_pools_are_held_against_their_targets() -> 
     rows = [
         {"schedule": graphed.SINGLE, graphed.EAGER: timed, graphed.CAPTURED: timed},
         {"schedule": "1f1b", graphed.EAGER: eager, graphed.GRAPHED: stages,
-         graphed.CAPTURED: timed, graphed.GRAPHED_STEP: None},
+         graphed.CAPTURED: captured, graphed.GRAPHED_STEP: None},
     ]  # fmt: skip
     detail = graphed.schedule_checks(rows, cuda=True, split=8)[1].detail
     assert "host 100 us per replayed task over 50 (target <= 50 us: missed)" in detail
     assert "of which graph pools 1000 MiB and static buffers outside them 100 MiB" in detail
+    held = "its graph's pool 700 MiB and input and target buffers outside it 20 MiB"
+    assert f"(eager 1000 MiB, captured 900 MiB: {held})" in detail
     assert "1.10x the eager peak in graph pools and static buffers (target <= 1.25x: met)" in detail
 
 

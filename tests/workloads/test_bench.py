@@ -236,7 +236,19 @@ def test_the_captured_single_device_is_timed_with_its_memory(
 ) -> None:
     captured = (bench.CAPTURED, None, None)
     monkeypatch.setattr(bench, "keys_for", lambda config: [(bench.SINGLE, None, None), captured])
-    results = bench.run(quick())
+    held: list[int] = []
+    measure = memory.per_stage
+
+    def per_stage(*args: Any) -> Any:
+        held.append(args[5])
+        return measure(*args)
+
+    monkeypatch.setattr(memory, "per_stage", per_stage)  # bench reads it from there
+    config = quick()
+    results = bench.run(config)
+    # The captured step's activations include its input and target buffers.
+    p = config.preset
+    assert held == [0, 2 * p.batch * p.seq * 8]
     single, whole = (results.measured[k] for k in results.measured)
     assert [s["parameters"] for s in whole.memory] == [s["parameters"] for s in single.memory]
     assert [s["optimizer"] for s in whole.memory] == [s["optimizer"] for s in single.memory]
