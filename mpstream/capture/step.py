@@ -304,11 +304,15 @@ class CapturedStep:
     def reserved_bytes(self) -> int:
         """Device memory the step's one graph holds in its pool (its
         activations and temporaries, reused by every replay; with ``pool=``
-        shared, every graph's in that pool); 0 where nothing was captured
-        as one graph (the CPU, or graphed stages, whose pools their
-        ``graph_report()`` counts). What the step holds outside the pool
-        is :attr:`static_bytes`."""
-        return 0 if self.graph is None else pool_bytes(self.graph.pool())
+        shared, every graph's in that pool); over graphed stages, the pools
+        of the zeroing's and the update's graphs per device (the optimizer's
+        temporaries), the stages' own pools being their ``graph_report()``'s;
+        0 on the CPU. What the step holds outside its pools is
+        :attr:`static_bytes`."""
+        if self.graph is not None:
+            return pool_bytes(self.graph.pool())
+        around = (g for d in (self._zero, self._update) if d is not None for g in d.graphs.values())
+        return sum(pool_bytes(g.pool()) for g in around)
 
     @property
     def static_bytes(self) -> int:

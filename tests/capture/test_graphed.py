@@ -15,7 +15,10 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mpstream import CapturedStep, Pipe
+from mpstream.capture import step as step_py
+from mpstream.capture.devices import DeviceGraphs
 from mpstream.runtime.graphed import Backend, Emulated
+from tests.capture.fakes import D0, D1, World
 from tests.capture.test_step import HostSyncSGD, assert_trains_like
 from tests.helpers import assert_same_grads, mlp
 
@@ -117,6 +120,29 @@ def test_a_step_that_zeroes_copies_no_gradient_and_a_failure_puts_zeros_back(
         nn.MSELoss()(ref(x), y).backward()
         ref_opt.step()
     assert_trains_like(step, pipe, ref, ref_opt, data[3:])
+
+
+def test_over_graphed_stages_reserved_bytes_are_the_zeroing_and_update_graphs_pools(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pipe, _ = _pipes("cpu", "gpipe", Emulated())
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    step = CapturedStep(pipe, *_batches("cpu", 1)[0], nn.MSELoss(), optimizer=opt)
+    assert step.reserved_bytes == 0  # the CPU: nothing captured
+    # What a capture over two GPUs leaves around the stages' graphs (fakes).
+    world = World()
+
+    def zero() -> None:
+        for d in (D0, D1):
+            world.work(d, "zero")
+
+    step._zero = DeviceGraphs(zero, [D0, D1], world.cuda())
+    step._update = DeviceGraphs(lambda: world.work(D1, "update"), [D0, D1], world.cuda())
+    held = {("pool", g.index): 1000 * 2**g.index for g in world.graphs}
+    monkeypatch.setattr(step_py, "pool_bytes", lambda pool: held[pool])
+    # Graph 2, the update's on D0, captured nothing and was let go.
+    assert len(world.graphs) == 4
+    assert step.reserved_bytes == 1000 + 2000 + 8000
 
 
 def test_a_pool_is_refused_for_graphed_stages() -> None:
