@@ -189,9 +189,16 @@ def _viewed(node: fx.Node, changes: dict[fx.Node, fx.Node]) -> fx.Node | None:
         return first if name in _VIEWS else None
     if node.op == "call_function" and node.target is operator.getitem:
         return first  # indexing a tensor, or an item of a tuple of views
-    if node.op == "call_function" and node.target is getattr:
-        return first if len(node.args) > 1 and node.args[1] in _VIEW_ATTRIBUTES else None
+    if node.op == "call_function" and node.target is getattr and len(node.args) > 1:
+        return first if _field(node.args[1]) or node.args[1] in _VIEW_ATTRIBUTES else None
     return None
+
+
+def _field(name: Any) -> bool:
+    """Whether ``getattr`` of ``name`` reads a structure's item, the item
+    itself (a namedtuple's ``batch.x``, a model output's ``out.logits``):
+    no attribute a tensor has (``x.grad`` is a tensor of its own)."""
+    return isinstance(name, str) and not hasattr(torch.Tensor, name)
 
 
 def _base(node: fx.Node, changes: dict[fx.Node, fx.Node]) -> fx.Node:
@@ -244,6 +251,8 @@ def _own_at(value: Any, path: tuple[Any, ...]) -> Any:
             copied = shallow_copy(value)  # a dict of the same type
             copied[key] = _own_at(value[key], rest)
             return copied
+        if isinstance(key, str) and key in getattr(value, "_fields", ()):
+            key = value._fields.index(key)  # a namedtuple's field, read as batch.x
         if (
             isinstance(value, (list, tuple))
             and isinstance(key, int)
@@ -264,7 +273,9 @@ def _path(value: fx.Node, changes: dict[fx.Node, fx.Node]) -> tuple[Any, ...]:
     keys: list[Any] = []
     node = value
     while (viewed := _viewed(node, changes)) is not None:
-        key = node.args[1] if node.target is operator.getitem else None
+        key = None
+        if node.target is operator.getitem or (node.target is getattr and _field(node.args[1])):
+            key = node.args[1]  # an item, or a namedtuple's field (``batch.x``)
         # Only the run of constant keys next to the input leads somewhere known.
         keys = [key, *keys] if isinstance(key, (str, int)) and not isinstance(key, bool) else []
         node = viewed

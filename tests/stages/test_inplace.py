@@ -5,7 +5,7 @@ later stages (and the gradients) the value unchanged."""
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -243,6 +243,66 @@ def test_a_structured_input_gets_a_copy_of_the_changed_tensor_alone(model: type[
     with Ops() as ops:
         pipe(batch)
     assert ops.ops["clone"] == 3  # one of the changed tensor per micro-batch
+
+
+class Batch(NamedTuple):
+    x: Tensor
+    y: Tensor
+
+
+class ChangesNamedTupleInput(nn.Module):
+    """Changes ``batch.x`` of its namedtuple batch in place, read by field."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, batch: Batch) -> Tensor:
+        batch.x.mul_(2)
+        return self.b(self.a(batch.x)) + batch.y  # type: ignore[no-any-return]
+
+
+def test_a_namedtuple_input_changed_through_a_field_gets_a_copy_of_it() -> None:
+    # ``batch.x`` was not seen as the input's: no copy, so the micro-batches'
+    # changes failed each other's backward, and the caller's batch changed.
+    batch = Batch(*(torch.randn(7, 4, dtype=torch.float64) for _ in range(2)))
+    pipe, _ = _trains_as_the_module(ChangesNamedTupleInput(), batch, "fx")
+    with Ops() as ops:
+        pipe(batch)
+    assert ops.ops["clone"] == 3  # of batch.x alone, per micro-batch
+
+
+class Pair(nn.Module):
+    """A leaf module returning a namedtuple."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Batch:
+        return Batch(self.lin(x), self.lin(x) * 2)
+
+
+class ChangesAField(nn.Module):
+    """Stage 1 changes ``out.x`` of stage 0's namedtuple in place; stage 2 reads it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pair, self.b, self.c = Pair(), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.pair(x)
+        g = self.b(x)
+        out.x.mul_(2)
+        return self.c(out.x) + g  # type: ignore[no-any-return]
+
+
+def test_a_change_of_another_stage_s_namedtuple_field_is_refused() -> None:
+    # It was let through: stage 2 read ``out.x`` as stage 0 made it, unchanged.
+    refused = "'mul_' in stage 1 changes 'pair' in place, which stage 2"
+    with pytest.raises(ValueError, match=refused):
+        Pipe(ChangesAField(), chunks=2, split_points=["b", "c"], devices=["cpu"] * 3,
+             leaf_modules=[Pair])  # fmt: skip
 
 
 class AugmentsInput(nn.Module):
