@@ -280,7 +280,7 @@ class StageGraphs:
             autocast_key(),
             sig,
             split and grad and not ckpt,
-            st.modes,
+            st.modes,  # the modules' training flags, numbered (StageState.modes)
             tuple(None if x is None else (id(x[0]), x[1], x[2]) for x in sources),
         )
         # A call whose activations still wait for their backward (a second

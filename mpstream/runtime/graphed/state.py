@@ -29,6 +29,8 @@ from .report import StageReport
 __all__ = ["StageState", "storage_bytes"]
 
 _hooks = operator.attrgetter("_backward_hooks")
+#: Tuples of training flags a stage keeps numbers for (see StageState.modes).
+_MODES_KEPT = 64
 
 
 class StageState:
@@ -49,7 +51,15 @@ class StageState:
         self.reason: str | None = (
             None if graphable else f"on {device}: CUDA graphs need a CUDA device"
         )
-        self.modes: tuple[bool, ...] = ()
+        #: The modules' training flags this run, as a number (part of each
+        #: call's key): hashing the flags themselves, one per module, at
+        #: every call cost as much as the rest of the key on a large stage.
+        self.modes = -1
+        # Each tuple of flags seen, and its number; numbers are never
+        # reused, so forgetting the tuples (past _MODES_KEPT) only costs
+        # captures again.
+        self._modes: dict[tuple[bool, ...], int] = {}
+        self._next_modes = 0
         self.calls: OrderedDict[tuple[Any, ...], GraphedCall] = OrderedDict()
         self.used: set[tuple[Any, ...]] = set()  # keys the current run replayed
         self.baked: Baked | None = None
@@ -106,7 +116,14 @@ class StageState:
             )
             self.calls.clear()
             return
-        self.modes = self.baked.modes()
+        modes = self.baked.modes()
+        found = self._modes.get(modes)
+        if found is None:
+            if len(self._modes) >= _MODES_KEPT:
+                self._modes.clear()
+            found = self._modes[modes] = self._next_modes
+            self._next_modes += 1
+        self.modes = found
 
     def drop_stale(self, kept: Collection[GraphedCall]) -> bool:
         """Drops the idle calls that read in place a producer's call no
