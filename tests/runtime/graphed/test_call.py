@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import sys
 import weakref
 
 import pytest
@@ -216,3 +217,41 @@ def test_a_call_keeps_neither_its_example_nor_its_captured_outputs() -> None:
     out, label = call.rebuild(call.forward([y]))
     torch.testing.assert_close(out, stage(y) * 2.0)
     assert label == "label"
+
+
+class Idle(Emulated):
+    """Replays that do nothing (or raise): what is left is the call's own work."""
+
+    fail = False
+
+    def replay(self, call: GraphedCall, name: str) -> None:
+        if self.fail:
+            raise RuntimeError("replay failed")
+
+
+def test_a_replay_inside_autograd_leaves_grad_mode_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Grad mode is off inside autograd (the user's loop): turning it off
+    # and on again around each replay cost a few microseconds per task.
+    x = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+    backend = Idle()
+    call = graphed(mlp([5, 8, 3]), x, split=False, backend=backend)
+    replays = {GraphedCall.forward.__code__, GraphedCall.backward.__code__}
+    sets: list[bool] = []
+    real = torch._C._set_grad_enabled
+
+    def spy(on: bool) -> None:
+        # Three frames up: what entered the context (torch's or the call's).
+        if sys._getframe(3).f_code in replays:
+            sets.append(on)
+        real(on)
+
+    monkeypatch.setattr(torch._C, "_set_grad_enabled", spy)
+    (out,) = replay(call, [x])  # forward and backward replayed inside autograd
+    out.backward(torch.ones_like(out))
+    assert sets == []
+    call.forward([x])  # outside autograd: off for the replay, then on again
+    assert sets == [False, True] and torch.is_grad_enabled()
+    backend.fail = True
+    with pytest.raises(RuntimeError, match="replay failed"):
+        call.forward([x])
+    assert torch.is_grad_enabled()
