@@ -70,6 +70,18 @@ void lock_without_gil(std::unique_lock<std::mutex>& lock) {
   }
 }
 
+// A host wait on device work (a CPU stage after a GPU one): other Python
+// threads (a DataLoader's pin-memory thread, hooks on autograd's other
+// device threads) run meanwhile. Nothing Python is touched while waiting.
+void synchronize_without_gil(const c10::Event& event) {
+  if (PyGILState_Check()) {
+    py::gil_scoped_release nogil;
+    event.synchronize();
+  } else {
+    event.synchronize();  // e.g. timings(), which already released the GIL
+  }
+}
+
 py::tuple plan_op(const PlanOp& p) {
   return py::make_tuple(mpstream::op_name(p.op), p.slot, p.event, p.who.task,
                         mpstream::kind_name(p.who.kind), p.who.stage, p.who.micro, p.who.peer);
@@ -187,7 +199,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Python code can hand the GIL to another thread). A thread that waited for
   // the mutex while holding the GIL would then deadlock with the one inside,
   // so a contended lock is waited for with the GIL released; uncontended
-  // calls (the forward loop) keep the GIL and cost nothing extra.
+  // calls (the forward loop) keep the GIL and cost nothing extra. A host
+  // wait on a device event, the one call that blocks, releases the GIL too.
   py::class_<Scheduler>(m, "Scheduler")
       .def(py::init([](std::vector<SlotSpec> stage_slots, std::vector<SlotSpec> caller_slots,
                        std::vector<int32_t> caller_of_stage, std::vector<SlotSpec> io_slots) {
@@ -195,6 +208,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                                   std::move(caller_of_stage),
                                                   std::move(io_slots));
              s->set_contention_hook(&lock_without_gil);
+             s->set_host_wait_hook(&synchronize_without_gil);
              return s;
            }),
            py::arg("stage_slots"), py::arg("caller_slots"), py::arg("caller_of_stage"),

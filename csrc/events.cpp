@@ -142,6 +142,14 @@ int32_t Scheduler::record(int32_t slot, const Who& who) {
   return id;
 }
 
+void Scheduler::host_wait(const c10::Event& event) const {
+  if (host_wait_) {
+    host_wait_(event);
+  } else {
+    event.synchronize();
+  }
+}
+
 void Scheduler::wait(int32_t slot, int32_t event, const Who& who) {
   const EventRec& rec = events_[event];
   Slot& s = slots_[slot];
@@ -161,7 +169,7 @@ void Scheduler::wait(int32_t slot, int32_t event, const Who& who) {
           "' while a CUDA graph captures: the captured work has not run, so the host would "
           "read stale memory; keep every stage of a captured step on CUDA");
     }
-    rec.event->synchronize();
+    host_wait(*rec.event);
     op = OpCode::kSync;
   }
   for (size_t i = 0; i < s.vc.size(); ++i) {

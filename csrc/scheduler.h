@@ -171,6 +171,14 @@ class Scheduler {
   // no thread ever waits for the scheduler while holding the GIL.
   using ContentionHook = void (*)(std::unique_lock<std::mutex>&);
   void set_contention_hook(ContentionHook hook) { contention_ = hook; }
+  // Called to block the host on a device event (host work after device
+  // work, timings()); must synchronize it. It runs with the scheduler's
+  // mutex held. The Python bindings release the GIL here: the wait lasts
+  // as long as the device work queued before the event and touches no
+  // Python object, and the contention hook keeps a thread that then takes
+  // the GIL from waiting for the mutex with it.
+  using HostWaitHook = void (*)(const c10::Event&);
+  void set_host_wait_hook(HostWaitHook hook) { host_wait_ = hook; }
 
  private:
   struct Slot;
@@ -205,6 +213,7 @@ class Scheduler {
   void caller_waits();  // every caller slot after every slot on its device
   // `slot` waits on each of `events` that no other of them implies.
   void wait_all(int32_t slot, const std::vector<int32_t>& events);
+  void host_wait(const c10::Event& event) const;
   void ensure_reference();
   void timing_mark(Open& o, bool start);
   int32_t take_timing_event(int32_t slot);
@@ -251,6 +260,7 @@ class Scheduler {
 
   mutable std::mutex mu_;
   ContentionHook contention_ = nullptr;
+  HostWaitHook host_wait_ = nullptr;
 };
 
 }  // namespace mpstream

@@ -138,8 +138,8 @@ bool Scheduler::resolve(TimedTask& t, bool wait) {
     }
     const auto& ref = reference_[slots_[slot].ref];
     if (wait) {
-      ref->synchronize();
-      timing_events_[ev]->synchronize();
+      host_wait(*ref);
+      host_wait(*timing_events_[ev]);
       return true;
     }
     return ref->query() && timing_events_[ev]->query();

@@ -407,6 +407,45 @@ def test_a_host_wait_on_device_work_is_refused_while_capturing() -> None:
     sched.abort()
 
 
+@pytest.mark.cuda
+def test_a_host_wait_on_device_work_lets_other_python_threads_run() -> None:
+    # A CPU stage after a GPU one: ending the copy to the CPU blocks the host
+    # until the GPU's work is done. Other Python threads (a DataLoader's
+    # pin-memory thread) must run meanwhile: the wait releases the GIL.
+    from tests.cuda.helpers import cycles_per_ms
+
+    cycles = int(cycles_per_ms() * 300)
+    sched = EventScheduler([torch.device("cuda", 0), torch.device("cpu")])
+    schedule = Schedule("gpipe", 2, 1, [False, True])
+    slept = torch.cuda.Event()
+    go = threading.Event()
+    gpu_busy: list[bool] = []
+
+    def other() -> None:
+        go.wait()
+        gpu_busy.append(not slept.query())
+
+    thread = threading.Thread(target=other, daemon=True)
+    thread.start()
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(60.0)  # this thread lets go of the GIL only where it blocks
+    try:
+        sched.begin_run(schedule)
+        for t in schedule.tasks:
+            handle = sched.begin(t.index)
+            if t.kind == Kind.FORWARD and t.stage == 0:
+                torch.cuda._sleep(cycles)  # on stage 0's compute stream, current here
+                slept.record()
+            if t.kind == Kind.COPY:
+                go.set()  # the other thread wakes, and runs once this one blocks
+            sched.end(handle)
+        sched.join()
+    finally:
+        sys.setswitchinterval(interval)
+    thread.join(30)
+    assert gpu_busy == [True]  # it ran inside the wait, not after it
+
+
 def test_pipes_made_in_two_threads_at_once_both_start(monkeypatch: pytest.MonkeyPatch) -> None:
     # Each thread's first call of its own pipe makes a scheduler, which walks
     # the live ones while the other thread's may be added: the walk raised
