@@ -130,6 +130,7 @@ void Scheduler::release_run() {
   }
   task_event_.clear();
   pending_.clear();
+  begun_.clear();
   schedule_.reset();
   running_ = false;
 }

@@ -208,6 +208,7 @@ void Scheduler::begin_run(std::shared_ptr<const Schedule> schedule,
   const size_t n = schedule_->tasks.size();
   task_event_.assign(n, -1);
   pending_.assign(n, 0);
+  begun_.assign(n, 0);
   // A dependency recorded on the slot that waits for it is ordered by the
   // stream itself; only cross-slot dependencies keep an event alive.
   for (const auto& t : schedule_->tasks) {
@@ -289,6 +290,14 @@ int64_t Scheduler::begin(int32_t task) {
     throw std::out_of_range("task index " + std::to_string(task) + " out of range");
   }
   const Task& t = schedule_->tasks[task];
+  if (begun_[task]) {
+    // Its dependencies' events were released by the first begin(): a
+    // second would release them again, while others still hold them.
+    throw std::runtime_error("task " + std::to_string(task) + " (" + kind_name(t.kind) +
+                             " of stage " + std::to_string(t.stage) + ", micro " +
+                             std::to_string(t.micro) +
+                             ") began twice in this run: each task begins once");
+  }
   const Who who{task, t.kind, t.stage, t.peer, t.micro};
   const auto [issue, rec] = task_slots(t);
   const int32_t at = issue >= 0 ? issue : rec;
@@ -298,6 +307,7 @@ int64_t Scheduler::begin(int32_t task) {
                                std::to_string(d) + " ended");
     }
   }
+  begun_[task] = 1;  // from here on its dependencies' events are released
   // A dependency recorded before another one it was ordered before (its
   // event is in the other's vector clock) needs no wait of its own: a
   // stage reading a skip connection and the stage after it waits only on

@@ -235,6 +235,7 @@ class Scheduler {
   std::shared_ptr<const Schedule> schedule_;
   std::vector<int32_t> task_event_;
   std::vector<int32_t> pending_;
+  std::vector<uint8_t> begun_;  // per task of the run: begin() took it
   bool running_ = false;
 
   bool recording_ = false;

@@ -63,6 +63,28 @@ def test_abort_mid_run_releases_everything() -> None:
     sched.abort()  # aborting outside a run is harmless
 
 
+def test_a_task_begun_twice_is_refused_and_the_run_goes_on() -> None:
+    # A second begin() would wait on, and release, its dependencies' events
+    # again: an event still held by the first would go back to the pool.
+    sched = virtual(2)
+    schedule = Schedule("gpipe", 2, 2, [False, True])
+    copy = next(t.index for t in schedule.tasks if t.kind == Kind.COPY)
+    sched.begin_run(schedule)
+    for t in schedule.tasks[:copy]:
+        sched.end(sched.begin(t.index))
+    handle = sched.begin(copy)
+    with pytest.raises(RuntimeError, match=rf"task {copy} \(copy of stage 0.*began twice"):
+        sched.begin(copy)
+    sched.end(handle)
+    with pytest.raises(RuntimeError, match="began twice"):
+        sched.begin(copy)  # ended meanwhile: still once per run
+    for t in schedule.tasks[copy + 1 :]:
+        sched.end(sched.begin(t.index))
+    sched.join()
+    assert sched.events_free == sched.events_created
+    run_all(sched, schedule)  # the next run begins each task afresh
+
+
 def test_a_bad_device_is_named() -> None:
     with pytest.raises(ValueError, match=r"devices\[1\] is 'gpu', not a device"):
         EventScheduler(["cpu", "gpu"])  # type: ignore[list-item]
