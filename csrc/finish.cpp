@@ -73,7 +73,22 @@ void Scheduler::end(int64_t handle) {
   if (o.task >= 0 && !running_) {
     throw std::runtime_error("end() of a scheduled task after its run was aborted");
   }
-  finish_open(o);
+  if (o.task >= 0) {
+    finish_open(o);  // if it throws, the task stays open for abort() to mark its work's end
+  } else {
+    try {
+      finish_open(o);
+    } catch (...) {
+      // A gradient copy belongs to no run, so abort() leaves it alone (its
+      // thread may be copying still): one whose end fails (a sticky device
+      // error, a host wait refused in a capture) is closed here, or its
+      // handle stays taken and its streams current on this thread for good.
+      o.active = false;
+      open_free_.push_back(handle);
+      restore_streams(o);
+      throw;
+    }
+  }
   open_free_.push_back(handle);
 }
 

@@ -368,6 +368,21 @@ def test_abort_finishes_its_cleanup_then_raises_the_device_error() -> None:
     assert native.events_free == native.events_created
 
 
+def test_a_grad_copy_whose_end_fails_is_closed_all_the_same() -> None:
+    # Autograd opens gradient copies outside any run, so abort() leaves them
+    # alone: one whose end() fails (a sticky device error, here a backend
+    # without events) must not stay open, its handle taken for good and its
+    # streams current on autograd's device thread.
+    native = _cpu_streams_scheduler()
+    handle = native.begin_grad_copy(0, 1, 0)
+    with pytest.raises(RuntimeError, match="doesn't support events"):
+        native.end(handle)
+    with pytest.raises(ValueError, match="not open"):
+        native.end(handle)
+    native.abort()
+    assert native.begin_grad_copy(0, 1, 0) == handle  # free again
+
+
 def test_abort_from_another_thread_says_whose_streams_stay() -> None:
     sched = virtual(2)
     schedule = Schedule("gpipe", 2, 2, [False, True])
