@@ -18,6 +18,10 @@ A parameter another stage also holds (tied weights on one device) is added
 into a side buffer instead: two stages' graphs run on two streams and would
 race on one gradient. Side buffers are added into ``.grad`` once at the end
 of the pass (:meth:`GradStore.flush`).
+A parameter two stores hold as their own (the splits of a traced pipe's
+two kinds of call, each with its stores) is the ``.grad`` of the one that
+attached it last: a store that takes it over from another tells the others
+to check theirs again before their next replay within the pass.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import itertools
 import operator
 from collections.abc import Callable, Sequence
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -100,6 +105,11 @@ class GradStore:
             buffer (its ``.grad`` while attached), or its side buffer.
     """
 
+    #: Counts the attaches that took a ``.grad`` over from another tensor
+    #: (another store's view, or one the user set): a store whose count is
+    #: behind checks its parameters again, even within a pass.
+    taken: ClassVar[int] = 0
+
     def __init__(
         self,
         params: Sequence[nn.Parameter],
@@ -132,6 +142,7 @@ class GradStore:
         self._detached: set[int] = set()  # positions detached at the pass's start, not since
         self._hooked: list[int] = []  # positions with post-accumulate hooks, this pass
         self._pass: object = None  # the backward pass (or run) ensure() last saw
+        self._seen = GradStore.taken  # the count when the parameters were last checked
         # id() of each reached-set ensured in it, and its hooked parameters
         self._ready: dict[int, list[nn.Parameter]] = {}
         self._reached_side: set[int] = set()
@@ -159,11 +170,19 @@ class GradStore:
         if token != self._pass:
             self._pass, self._ready = token, {}
             self._detached = {self._owned[j] for j in self._attached.detached()}
+            self._seen = GradStore.taken
             self._hooked = list(
                 itertools.compress(range(len(self.params)), map(_hooks, self.params))
             )
             if autograd:
                 torch.autograd.Variable._execution_engine.queue_callback(self.flush)
+        elif self._seen != GradStore.taken:
+            # Another store took a .grad over within this pass (the other
+            # kind's split replayed in between): this store's view of it
+            # is no longer .grad, and the next replay must not add there.
+            self._ready = {}
+            self._detached = {self._owned[j] for j in self._attached.detached()}
+            self._seen = GradStore.taken
         hooked = self._ready.get(id(reached))
         if hooked is not None:
             return hooked
@@ -174,6 +193,7 @@ class GradStore:
         if fresh:
             self._attach(fresh)
             self._detached.difference_update(fresh)
+            self._seen = GradStore.taken  # its own take needs no check again
         sides = [i for i in self._side if i in reached and i not in self._reached_side]
         for i in sides:
             self.views[i].zero_()
@@ -209,6 +229,7 @@ class GradStore:
             if others:
                 grads = [self.params[i].grad for i in others]
                 torch._foreach_copy_([self.views[i] for i in others], grads)  # type: ignore[arg-type]
+                GradStore.taken += 1
             for i in fresh:
                 self.params[i].grad = self.views[i]
 
