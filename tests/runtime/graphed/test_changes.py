@@ -102,3 +102,36 @@ def test_a_hook_taking_grad_away_before_a_deferred_weight_pass_sees_its_gradient
     for a, b in zip(seen[graphed], seen[eager]):
         assert a is not None and b is not None
         torch.testing.assert_close(a, b)
+
+
+def test_a_failed_step_after_weights_were_tied_puts_the_tied_gradient_back() -> None:
+    # Tied after the first step: both stages' buffers are made anew in the
+    # failing step, with the tied weight in side buffers that the step's
+    # end adds into .grad before the gradients are put back.
+    eager, graphed = pair(
+        mlp([5, 5, 5, 5]), chunks=3, balance=[2, 2, 2], devices=["cpu"] * 3, schedule="1f1b"
+    )
+    x, y = torch.randn(7, 5, dtype=torch.float64), torch.randn(7, 5, dtype=torch.float64)
+    calls = 0
+
+    def failing(out: Tensor, target: Tensor) -> Tensor:
+        nonlocal calls
+        calls += 1
+        if calls == 3:  # after the first micro-batches' backwards
+            raise RuntimeError("loss failed")
+        return nn.functional.mse_loss(out, target)
+
+    for pipe in (eager, graphed):
+        pipe.train_step(x, y, nn.MSELoss())
+        shared = nn.Parameter(pipe[0].weight.detach().clone())
+        pipe[0].weight, pipe[4].weight = shared, shared
+    before = [None if p.grad is None else p.grad.clone() for p in graphed.parameters()]
+    with pytest.raises(RuntimeError, match="loss failed"):
+        graphed.train_step(x, y, failing)
+    for p, b in zip(graphed.parameters(), before):  # the tied weight's: None
+        assert (p.grad is None) == (b is None)
+        if b is not None:
+            torch.testing.assert_close(p.grad, b)
+    for pipe in (eager, graphed):
+        pipe.train_step(x, y, nn.MSELoss())
+    assert_same_grads(graphed, eager)
