@@ -17,7 +17,10 @@ micro-batch's gradient reached keeps ``.grad=None``, as in eager autograd.
 A parameter another stage also holds (tied weights on one device) is added
 into a side buffer instead: two stages' graphs run on two streams and would
 race on one gradient. Side buffers are added into ``.grad`` once at the end
-of the pass (:meth:`GradStore.flush`).
+of the pass (:class:`TiedHooks`), after every store's :meth:`GradStore.flush`
+ordered the current streams after its graphs (a store made before the
+weights were tied holds one as its own, its graphs adding into ``.grad``).
+
 A parameter two stores hold as their own (the splits of a traced pipe's
 two kinds of call, each with its stores) is the ``.grad`` of the one that
 attached it last: a store that takes it over from another tells the others
@@ -62,35 +65,49 @@ def lay_out(
 
 
 class TiedHooks:
-    """The post-accumulate hooks of tied parameters (held by two stages),
-    run once per pass after every stage's side buffer is in: one object per
-    pipe's graphed stages, which each store's :meth:`GradStore.flush` tells
-    what it added."""
+    """The side buffers of tied parameters (held by two stages), added into
+    their ``.grad`` once per pass after every store's flush, and then their
+    post-accumulate hooks, each parameter's once: one object per pipe's
+    graphed stages, which each store's :meth:`GradStore.flush` tells what
+    its pass reached."""
 
     def __init__(self) -> None:
+        self._sides: list[tuple[nn.Parameter, Tensor]] = []
         self._pending: dict[int, nn.Parameter] = {}
         self._queued = False
 
-    def add(self, params: Sequence[nn.Parameter], autograd: bool) -> None:
-        """Remembers ``params``; inside a backward pass (``autograd``), runs
-        them after the other stores' flushes, as a final callback queued
-        behind theirs (queued once per pass)."""
-        for p in params:
-            self._pending.setdefault(id(p), p)
-        if autograd and self._pending and not self._queued:
+    def add(self, sides: Sequence[tuple[nn.Parameter, Tensor]], autograd: bool) -> None:
+        """Remembers the side buffers ``sides`` (per parameter); inside a
+        backward pass (``autograd``), adds them after the other stores'
+        flushes, as a final callback queued behind theirs (queued once per
+        pass)."""
+        for p, side in sides:
+            self._sides.append((p, side))
+            if _hooks(p):
+                self._pending.setdefault(id(p), p)
+        if autograd and self._sides and not self._queued:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.run)
 
     def run(self) -> None:
-        """Runs the hooks remembered, each parameter's once."""
+        """Adds the side buffers remembered into their ``.grad`` (on the
+        current streams, which every store's flush ordered after its
+        graphs), then runs the hooks, each parameter's once."""
+        sides, self._sides = self._sides, []
         pending, self._pending, self._queued = list(self._pending.values()), {}, False
+        with torch.no_grad():
+            for p, side in sides:
+                if p.grad is None:
+                    p.grad = side.clone()
+                else:
+                    p.grad.add_(side)
         for p in pending:
             for hook in p._post_accumulate_grad_hooks.values():  # type: ignore[union-attr]
                 hook(p)
 
     def discard(self) -> None:
         """Forgets a failed pass's."""
-        self._pending, self._queued = {}, False
+        self._sides, self._pending, self._queued = [], {}, False
 
 
 class GradStore:
@@ -239,26 +256,21 @@ class GradStore:
 
     def flush(self, autograd: bool = True) -> None:
         """Ends a pass: orders the current streams after those the graphs
-        added on, adds the side buffers it reached into their ``.grad``, and
-        runs the post-accumulate hooks left for its end; a tied parameter's
-        go to :attr:`tied` (queued behind the other stores' flushes inside a
-        backward pass, ``autograd``; else the caller runs them)."""
+        added on, and runs the post-accumulate hooks left for its end; the
+        side buffers it reached go to :attr:`tied`, which adds them into
+        their ``.grad`` and runs their hooks once every store's flush
+        ordered the streams (queued behind the other stores' flushes inside
+        a backward pass, ``autograd``; else the caller runs it): another
+        store's graphs may add into that ``.grad`` on another stream."""
         reached, self._reached_side = sorted(self._reached_side), set()
         streams, self._streams = list(self._streams.values()), {}
         hooks, self._hooks = list(self._hooks), set()
         self._pass, self._ready = None, {}
         for stream in streams:
             torch.cuda.current_stream(stream.device).wait_stream(stream)
-        with torch.no_grad():
-            for i in reached:
-                p, side = self.params[i], self.views[i]
-                if p.grad is None:
-                    p.grad = side.clone()
-                else:
-                    p.grad.add_(side)
         # A tied parameter's hooks run once, after every stage's side buffer
         # is in (eager autograd would run them after each accumulation).
-        self.tied.add([self.params[i] for i in reached if _hooks(self.params[i])], autograd)
+        self.tied.add([(self.params[i], self.views[i]) for i in reached], autograd)
         for p in hooks:
             for hook in p._post_accumulate_grad_hooks.values():  # type: ignore[union-attr]
                 hook(p)

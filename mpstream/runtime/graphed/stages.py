@@ -94,7 +94,7 @@ class StageGraphs:
         self.max_calls = max_calls
         self.slots: Slots | None = None
         self.token: object = None  # the current training step's pass (see GradStore.ensure)
-        self.tied = TiedHooks()  # tied parameters' hooks, once per pass for all stores
+        self.tied = TiedHooks()  # tied parameters' side buffers and hooks, once per pass
         #: (stage, slot) of each capture (the first ones), in the order they
         #: happened: the schedule's execution order (see Slots.order).
         self.order: list[tuple[int, int]] = []
@@ -143,6 +143,9 @@ class StageGraphs:
             for st in self.stages:
                 if st.store is not None:
                     st.store.discard()
+            # A final callback that raised (a hook) leaves the tied side
+            # buffers' add queued for a callback that never ran.
+            self.tied.discard()
         plans = self._plans.setdefault(schedule, {})
         slots = plans.get(step)
         if slots is None:
