@@ -169,9 +169,9 @@ class GradStore:
         # What save() kept: flat buffers' copies (none when known zero), the
         # detached parameters' gradients, and whether the buffers were zero.
         self._saved: tuple[list[Tensor], dict[int, Tensor | None], bool] | None = None
-        # What save(sides=True) kept of the side buffers' parameters: each
-        # with its gradient tensor and a copy (None: none, or known zero).
-        self._saved_sides: list[tuple[nn.Parameter, Tensor | None, Tensor | None]] = []
+        # What save(every=True) kept: each parameter with its gradient
+        # tensor and a copy (None: none, or known zero).
+        self._saved_grads: list[tuple[nn.Parameter, Tensor | None, Tensor | None]] = []
 
     def ensure(
         self, reached: frozenset[int], token: object, autograd: bool = False
@@ -291,35 +291,38 @@ class GradStore:
         self._hooks, self._streams = set(), {}
         self.tied.discard()
 
-    def save(self, zeroed: bool = False, sides: bool = False) -> list[nn.Parameter]:
+    def save(self, zeroed: bool = False, every: bool = False) -> list[nn.Parameter]:
         """Saves the gradients for :meth:`restore` (a training step that may
         fail): copies the flat buffers only if a parameter is attached, and
         not when the caller knows every attached gradient is zero
         (``zeroed``: a captured zeroing just ran), whose restore zeroes them
         again instead of holding a gradient-sized copy. Returns the
         parameters it does not save (those with side buffers), unless
-        ``sides``: a store made during a step, after the step's snapshot
-        was taken, saves them itself (the step's end adds into them)."""
+        ``every``: a store made during a step, after the step's snapshot
+        was taken, saves every parameter's gradient itself, tensor and
+        copy (the snapshot left them to the stage's old store, which may
+        not have had them: a tied one, which the step's end adds into, or
+        one eager autograd accumulates into in place, the capture failed)."""
         self.discard()  # a failed pass of the user's loop, if one was left open
         detached = self._attached.detached()
         odd = {j: self._owned_params[j].grad for j in detached}
         copy = not zeroed and len(detached) < len(self._owned)
         self._saved = ([f.clone() for f in self.flats] if copy else [], odd, zeroed)
-        self._saved_sides = []
-        if sides:
-            for p in self._sides_params():
+        self._saved_grads = []
+        if every:
+            for p in self.params:
                 g = p.grad
                 copied = None if g is None or zeroed else g.detach().clone()
-                self._saved_sides.append((p, g, copied))
+                self._saved_grads.append((p, g, copied))
         self._pass, self._ready, self._reached_side = None, {}, set()
-        return self._sides_params()
+        return [self.params[i] for i in self._side]
 
     def restore(self) -> None:
         """Puts back what :meth:`save` saved (on the current stream)."""
         if self._saved is None:
             return
         flats, odd, zeroed = self._saved
-        saved_sides, self._saved, self._saved_sides = self._saved_sides, None, []
+        saved_grads, self._saved, self._saved_grads = self._saved_grads, None, []
         with torch.no_grad():
             if zeroed:
                 # Only the views attached at save: a detached one's region
@@ -331,7 +334,7 @@ class GradStore:
                 flat.copy_(saved)
         for j, p in enumerate(self._owned_params):
             p.grad = odd[j] if j in odd else self._owned_views[j]
-        for p, before, copied in saved_sides:
+        for p, before, copied in saved_grads:
             if before is not None:
                 with torch.no_grad():
                     if copied is None:
@@ -345,7 +348,7 @@ class GradStore:
 
     def release(self) -> None:
         """Forgets what :meth:`save` saved (a step that succeeded)."""
-        self._saved, self._saved_sides = None, []
+        self._saved, self._saved_grads = None, []
 
     def owned(self) -> list[tuple[nn.Parameter, Tensor]]:
         """Each parameter with a view in the flat buffers, and its view."""
@@ -357,6 +360,3 @@ class GradStore:
 
     def _sides(self) -> list[Tensor]:
         return [self.views[i] for i in self._side]
-
-    def _sides_params(self) -> list[nn.Parameter]:
-        return [self.params[i] for i in self._side]

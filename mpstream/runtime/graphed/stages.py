@@ -327,11 +327,10 @@ class StageGraphs:
             if self._saved is not None:
                 # A store made during a step that saved the others (the
                 # stage changed since): its parameters' gradients as they
-                # were, for a failure to put back (a parameter no saved
-                # store holds would keep what this step added), its tied
-                # ones too: the step's snapshot, taken before, left them to
-                # the stage's old store, which may not have had them.
-                st.store.save(self._zeroed, sides=True)
+                # were, for a failure to put back. The step's snapshot,
+                # taken before, left them to the stage's old store, which
+                # may not have had them (a new or newly tied parameter).
+                st.store.save(self._zeroed, every=True)
                 self._saved.append(st.store)
         if st.pool is None and st.device.type == "cuda" and isinstance(self.backend, CudaGraphs):
             st.pool = torch.cuda.graph_pool_handle()

@@ -8,12 +8,14 @@ test_stages.py)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 from torch import Tensor, nn
 
 from mpstream import Pipe
+from mpstream.runtime.graphed import Emulated, GraphedCall, GraphWarning
 from tests.helpers import assert_same_grads, mlp
 from tests.runtime.graphed.test_stages import WIDTHS, data, pair
 
@@ -135,3 +137,41 @@ def test_a_failed_step_after_weights_were_tied_puts_the_tied_gradient_back() -> 
     for pipe in (eager, graphed):
         pipe.train_step(x, y, nn.MSELoss())
     assert_same_grads(graphed, eager)
+
+
+def test_a_failed_step_whose_recapture_failed_puts_an_eager_gradient_back() -> None:
+    # The stage changed, so its buffers are made anew in the step; then its
+    # capture fails and it runs eagerly: autograd accumulates into the new
+    # weight's .grad (set by hand) in place, which a failure must undo.
+    backend = Emulated()
+    real = backend.capture
+    _, graphed = pair(mlp(WIDTHS), graphs=backend, chunks=3, schedule="1f1b")
+    x, y = data()
+    graphed.train_step(x, y, nn.MSELoss())
+    weight = nn.Parameter(graphed[4].weight.detach().clone())
+    weight.grad = torch.ones_like(weight)
+    graphed[4].weight = weight
+
+    def refuse(call: GraphedCall, fn: Callable[..., Any]) -> None:
+        if fn is graphed.partitions[1]:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        real(call, fn)
+
+    backend.capture = refuse  # type: ignore[method-assign]
+    calls = 0
+
+    def failing(out: Tensor, target: Tensor) -> Tensor:
+        nonlocal calls
+        calls += 1
+        if calls == 3:  # after the first micro-batches' backwards
+            raise RuntimeError("loss failed")
+        return nn.functional.mse_loss(out, target)
+
+    before = [None if p.grad is None else p.grad.clone() for p in graphed.parameters()]
+    with pytest.warns(GraphWarning, match="capture failed"):
+        with pytest.raises(RuntimeError, match="loss failed"):
+            graphed.train_step(x, y, failing)
+    for p, b in zip(graphed.parameters(), before):
+        assert (p.grad is None) == (b is None)
+        if b is not None:
+            torch.testing.assert_close(p.grad, b)
