@@ -87,10 +87,11 @@ def execute(
     profiling = private.profiler_enabled()
     task: Task | None = None
     sched.check_device()
-    # First: a run re-entered from inside a stage is refused before anything
-    # of the run in progress (its graphs' slots) changes.
-    native.begin_run(schedule.native, sched.caller_streams())
+    tag = native.run_tag
     try:
+        # First: a run re-entered from inside a stage is refused before
+        # anything of the run in progress (its graphs' slots) changes.
+        native.begin_run(schedule.native, sched.caller_streams())
         if graphs is not None:
             graphs.begin(schedule, step=step)
         for task in schedule.tasks:
@@ -117,6 +118,11 @@ def execute(
         if step and graphs is not None:
             graphs.end()  # after the join: on the caller's streams
     except BaseException as exc:
+        if native.run_tag == tag:
+            # begin_run refused (or never began) this run: a run in progress
+            # is another call's. Past it, even a Ctrl-C that lands as it
+            # returns is this run's to abort, or the pipe stays "running".
+            raise
         try:
             sched.abort(exc)
         finally:

@@ -97,3 +97,48 @@ def test_a_failing_handler_aborts_the_run_and_names_its_task() -> None:
     assert any(f"micro-batch {first.micro}" in n for n in getattr(info.value, "__notes__", []))
     out = forward.run(worker, micro, schedule)
     torch.testing.assert_close(out[1], model(micro[1][0]))
+
+
+class _InterruptedAsItBegins:
+    """The C++ scheduler, but a Ctrl-C lands as ``begin_run`` returns."""
+
+    def __init__(self, native: object) -> None:
+        self._native = native
+
+    def begin_run(self, *args: object) -> None:
+        self._native.begin_run(*args)  # type: ignore[attr-defined]
+        raise KeyboardInterrupt
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._native, name)
+
+
+def test_an_interrupt_as_the_run_begins_leaves_the_pipe_usable() -> None:
+    worker, model = two_stages()
+    schedule = Schedule("gpipe", 2, 2, [True, True])
+    micro = [(torch.randn(2, 4, dtype=torch.float64),) for _ in range(2)]
+    native = worker.sched.native
+    worker.sched.native = _InterruptedAsItBegins(native)  # type: ignore[assignment]
+    with pytest.raises(KeyboardInterrupt):
+        forward.run(worker, micro, schedule)
+    worker.sched.native = native
+    assert not native.running
+    out = forward.run(worker, micro, schedule)
+    torch.testing.assert_close(out[1], model(micro[1][0]))
+
+
+def test_a_run_refused_as_it_begins_leaves_the_run_in_progress_alone() -> None:
+    worker, _ = two_stages()
+    schedule = Schedule("gpipe", 2, 2, [True, True])
+    micro = [(torch.randn(2, 4, dtype=torch.float64),) for _ in range(2)]
+    refused: list[RuntimeError] = []
+
+    def reenter(task: Task) -> None:
+        if not refused:
+            with pytest.raises(RuntimeError, match="already in progress") as info:
+                forward.run(worker, micro, schedule)
+            refused.append(info.value)
+        assert worker.sched.native.running  # the outer run was not aborted
+
+    execute(worker, schedule, {Kind.FORWARD: reenter, Kind.COPY: reenter}, 2, step=False)
+    assert refused and not worker.sched.native.running
