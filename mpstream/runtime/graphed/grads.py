@@ -75,17 +75,28 @@ class TiedHooks:
         self._sides: list[tuple[nn.Parameter, Tensor]] = []
         self._pending: dict[int, nn.Parameter] = {}
         self._queued = False
+        #: The ``id()`` of the parameters a store holds in a side buffer: a
+        #: store that holds one as its own (made before the weights were
+        #: tied) leaves its hooks to this object, or they ran twice a pass.
+        self.shared: set[int] = set()
 
-    def add(self, sides: Sequence[tuple[nn.Parameter, Tensor]], autograd: bool) -> None:
-        """Remembers the side buffers ``sides`` (per parameter); inside a
-        backward pass (``autograd``), adds them after the other stores'
-        flushes, as a final callback queued behind theirs (queued once per
-        pass)."""
+    def add(
+        self,
+        sides: Sequence[tuple[nn.Parameter, Tensor]],
+        autograd: bool,
+        hooked: Sequence[nn.Parameter] = (),
+    ) -> None:
+        """Remembers the side buffers ``sides`` (per parameter), and the
+        parameters ``hooked`` whose hooks wait for them; inside a backward
+        pass (``autograd``), adds them after the other stores' flushes, as a
+        final callback queued behind theirs (queued once per pass)."""
         for p, side in sides:
             self._sides.append((p, side))
             if _hooks(p):
                 self._pending.setdefault(id(p), p)
-        if autograd and self._sides and not self._queued:
+        for p in hooked:
+            self._pending.setdefault(id(p), p)
+        if autograd and (self._sides or self._pending) and not self._queued:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.run)
 
@@ -153,6 +164,7 @@ class GradStore:
             self.flats.append(flat)
             for i, view in zip(where, views):
                 self.views[i] = view
+        self.tied.shared.update(id(self.params[i]) for i in self._side)
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self._owned_params = [self.params[i] for i in self._owned]
         self._owned_views = [self.views[i] for i in self._owned]
@@ -165,6 +177,7 @@ class GradStore:
         self._ready: dict[int, list[nn.Parameter]] = {}
         self._reached_side: set[int] = set()
         self._hooks: set[nn.Parameter] = set()  # run at the end of the pass
+        self._tied_hooks: set[nn.Parameter] = set()  # owned but tied: run by tied
         self._streams: dict[int, torch.cuda.Stream] = {}  # where this pass's graphs added
         # What save() kept: flat buffers' copies (none when known zero), the
         # detached parameters' gradients, and whether the buffers were zero.
@@ -220,6 +233,10 @@ class GradStore:
             self.views[i].zero_()
         self._reached_side.update(sides)
         hooked = [self.params[i] for i in self._hooked if i in reached and i not in self._side]
+        if self.tied.shared and any(id(p) in self.tied.shared for p in hooked):
+            # Another store adds into its .grad too: hooks once, at the end.
+            self._tied_hooks.update(p for p in hooked if id(p) in self.tied.shared)
+            hooked = [p for p in hooked if id(p) not in self.tied.shared]
         if autograd:
             self._hooks.update(hooked)
             hooked = []
@@ -265,12 +282,13 @@ class GradStore:
         reached, self._reached_side = sorted(self._reached_side), set()
         streams, self._streams = list(self._streams.values()), {}
         hooks, self._hooks = list(self._hooks), set()
+        tied_hooks, self._tied_hooks = list(self._tied_hooks), set()
         self._pass, self._ready = None, {}
         for stream in streams:
             torch.cuda.current_stream(stream.device).wait_stream(stream)
         # A tied parameter's hooks run once, after every stage's side buffer
         # is in (eager autograd would run them after each accumulation).
-        self.tied.add([(self.params[i], self.views[i]) for i in reached], autograd)
+        self.tied.add([(self.params[i], self.views[i]) for i in reached], autograd, tied_hooks)
         for p in hooks:
             for hook in p._post_accumulate_grad_hooks.values():  # type: ignore[union-attr]
                 hook(p)
@@ -288,7 +306,7 @@ class GradStore:
         for stream in self._streams.values():
             torch.cuda.current_stream(stream.device).wait_stream(stream)
         self._pass, self._ready, self._reached_side = None, {}, set()
-        self._hooks, self._streams = set(), {}
+        self._hooks, self._tied_hooks, self._streams = set(), set(), {}
         self.tied.discard()
 
     def save(self, zeroed: bool = False, every: bool = False) -> list[nn.Parameter]:
@@ -357,6 +375,10 @@ class GradStore:
     def nbytes(self) -> int:
         """Bytes of the flat and side buffers."""
         return sum(f.numel() * f.element_size() for f in [*self.flats, *self._sides()])
+
+    def tied_params(self) -> list[nn.Parameter]:
+        """The parameters held in side buffers (another stage holds them too)."""
+        return [self.params[i] for i in self._side]
 
     def _sides(self) -> list[Tensor]:
         return [self.views[i] for i in self._side]

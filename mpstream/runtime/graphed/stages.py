@@ -156,6 +156,14 @@ class StageGraphs:
         self._forwarded = []
         for st in self.stages:
             st.prepare(slots.counts[st.index])
+        # The weights tied now: a store dropped since (its stage changed)
+        # may have held the only side buffer of one.
+        self.tied.shared = {
+            id(p)
+            for st in self.stages
+            if st.store is not None and st.reason is None
+            for p in st.store.tied_params()
+        }
         # A reader's calls keyed to a producer's call dropped since, then
         # their readers' in turn; looked for only then (a pass over every call).
         removed = sum(st.removed for st in self.stages)

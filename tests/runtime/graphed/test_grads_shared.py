@@ -113,3 +113,34 @@ def test_a_hook_raising_in_the_last_flush_leaves_later_tied_gradients_whole() ->
         nn.functional.mse_loss(m(x), y).backward()
     for (name, p), q in zip(pipe.named_parameters(), model.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+@pytest.mark.parametrize("train_step", [False, True])
+def test_a_weight_tied_after_the_first_capture_runs_its_hook_once_per_pass(
+    train_step: bool,
+) -> None:
+    # Stage 0's store holds the weight as its own, stage 2's new store in a
+    # side buffer: its hook runs once, with the whole gradient, as when the
+    # weights were tied from the start (not also after stage 0's adds).
+    model = mlp([5, 5, 5, 5])
+    pipe = Pipe(
+        copy.deepcopy(model), chunks=3, balance=[2, 2, 2], devices=["cpu"] * 3,
+        graphs=Emulated(),
+    )  # fmt: skip
+    x, y = torch.randn(7, 5, dtype=torch.float64), torch.randn(7, 5, dtype=torch.float64)
+    seen: list[Tensor] = []
+    for m in (model, pipe):
+        nn.functional.mse_loss(m(x), y).backward()  # captures
+        m[4].weight = m[0].weight
+    pipe[0].weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+    for _ in range(2):  # the second pass replays stage 2's new graphs
+        seen.clear()
+        for m in (model, pipe):
+            m.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        if train_step:
+            pipe.train_step(x, y, nn.MSELoss())
+        else:
+            nn.functional.mse_loss(pipe(x), y).backward()
+        assert len(seen) == 1
+        torch.testing.assert_close(seen[0], model[0].weight.grad)
