@@ -141,8 +141,8 @@ class Comparison:
             micro-batch each) its stages hold at once, until their last
             backward pass, from the issue order.
         measured: per stage, peak bytes saved for backward in a real step
-            (CPU), or per device the allocator's peak (GPU); empty if not
-            measured.
+            (CPU: ``"stage0"``), and per CUDA device the allocator's peak
+            (``"cuda:0"``); empty if not measured.
     """
 
     schedule: str

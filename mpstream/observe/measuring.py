@@ -4,8 +4,8 @@
 run real training steps (or a stage's backward) instead. :func:`profile_stages`
 times each stage's forward, input-gradient and weight-gradient passes apart
 (under ``'zb_h1'``); :func:`measure_memory` runs a step per schedule and
-records the bytes autograd saved per stage (CPU) or the allocator's peak per
-device (GPU); :func:`split_cost` times a stage's split backward (B, then W)
+records the bytes autograd saved per stage (CPU) and the allocator's peak per
+CUDA device; :func:`split_cost` times a stage's split backward (B, then W)
 against its plain backward.
 """
 
@@ -126,9 +126,10 @@ def measure_memory(
 ) -> dict[str, dict[str, int]]:
     """The memory of one training step per schedule, after a warm-up step.
 
-    On a GPU: ``torch.cuda.max_memory_allocated`` per device. Elsewhere: per
-    stage, the peak bytes its forwards saved for backward
-    (:class:`~mpstream.memory.StageSavedBytes`).
+    Per CUDA device: ``torch.cuda.max_memory_allocated``. Per stage on any
+    other device (the CPU): the peak bytes its forwards saved for backward
+    (:class:`~mpstream.memory.StageSavedBytes`). A pipe with stages of both
+    kinds reports both, each from a step of its own.
 
     Args:
         pipe: the pipe to step (its schedule is set to each in turn).
@@ -140,28 +141,47 @@ def measure_memory(
             (``'interleaved_1f1b'``, ...); default the pipe's own.
 
     Returns:
-        Per schedule, ``{"stage0": bytes, ...}`` or ``{"cuda:0": bytes, ...}``;
-        the pipe's schedule, gradients and buffers are put back.
+        Per schedule, bytes keyed by how they were measured: a CUDA
+        device's name (``"cuda:0"``) for its allocator's peak, ``"stage2"``
+        for stage 2's saved-for-backward peak (a stage not on a CUDA
+        device); the pipe's schedule, gradients and buffers are put back.
     """
     if virtual_stages is None:
         virtual_stages = pipe.virtual_stages
     out: dict[str, dict[str, int]] = {}
-    gpus = sorted({d for d in pipe.devices if d.type == "cuda"}, key=str)
     with scheduled(pipe), untouched(pipe):
         for name in schedules:
             pipe.schedule = name
             kind = placement_of(name)
             pipe.virtual_stages = {"round_robin": virtual_stages, "v": 2}.get(kind)
             _step(pipe, x, y, loss_fn)
-            if gpus:
-                for d in gpus:
-                    torch.cuda.reset_peak_memory_stats(d)
-                _step(pipe, x, y, loss_fn)
-                out[name] = {str(d): torch.cuda.max_memory_allocated(d) for d in gpus}
-            else:
-                with StageSavedBytes(pipe.partitions) as tracker:
-                    _step(pipe, x, y, loss_fn)
-                out[name] = {f"stage{s}": b for s, b in enumerate(tracker.peak_bytes)}
+            out[name] = _peaks(
+                pipe.devices, list(pipe.partitions), lambda: _step(pipe, x, y, loss_fn)
+            )
+    return out
+
+
+def _peaks(
+    devices: Sequence[torch.device], stages: Sequence[nn.Module], step: Callable[[], None]
+) -> dict[str, int]:
+    """One step's memory, each stage measured as its device allows: a CUDA
+    device's allocator peak under its name (``'cuda:0'``), the peak bytes a
+    stage elsewhere saved for backward under the stage's (``'stage1'``).
+
+    A pipe with both takes a step for each, so that the saved-tensor hooks
+    stay out of the steps the allocator's peak is taken over."""
+    gpus = sorted({d for d in devices if d.type == "cuda"}, key=str)
+    others = [s for s, d in enumerate(devices) if d.type != "cuda"]
+    out: dict[str, int] = {}
+    if gpus:
+        for d in gpus:
+            torch.cuda.reset_peak_memory_stats(d)
+        step()
+        out.update({str(d): torch.cuda.max_memory_allocated(d) for d in gpus})
+    if others:
+        with StageSavedBytes([stages[s] for s in others]) as tracker:
+            step()
+        out.update({f"stage{s}": b for s, b in zip(others, tracker.peak_bytes)})
     return out
 
 

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mpstream import Pipe
+from mpstream.observe import measuring
 from mpstream.observe.measuring import measure_memory, profile_stages, split_cost
 from mpstream.observe.tuning import tune
 from mpstream.runtime.graphed import Emulated
@@ -127,3 +128,25 @@ def test_measuring_keeps_the_random_state_and_what_auto_chose(tool: str) -> None
         measure_memory(pipe, x, y, F.mse_loss, ["gpipe"])
     assert torch.equal(torch.get_rng_state(), state)
     assert pipe.schedule == "auto" and pipe.schedule_report() is chosen
+
+
+def test_a_pipe_on_the_cpu_and_a_gpu_reports_every_stage(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Stage 1 stands on a (fake) GPU: its device's allocator peak is read,
+    # and stage 0, on the CPU, still gets its saved-for-backward bytes.
+    torch.manual_seed(0)
+    stages = [nn.Sequential(nn.Linear(3, 5), nn.Tanh()), nn.Linear(5, 2)]
+    x = torch.randn(4, 3)
+    calls: list[str] = []
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d: calls.append(f"reset {d}"))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: 123)
+
+    def step() -> None:
+        calls.append("step")
+        stages[1](stages[0](x)).sum().backward()
+
+    cpu = measuring._peaks([torch.device("cpu")] * 2, stages, step)
+    assert set(cpu) == {"stage0", "stage1"} and cpu["stage0"] > 0 and calls == ["step"]
+    calls.clear()
+    mixed = measuring._peaks([torch.device("cpu"), torch.device("cuda:0")], stages, step)
+    assert mixed == {"cuda:0": 123, "stage0": cpu["stage0"]}
+    assert calls == ["reset cuda:0", "step", "step"]
