@@ -99,8 +99,10 @@ class Handoffs:
                 t = aliases[pos]
                 made[id(t)] = (t, (call, pos, grads))
             return
-        counts = leaf_counts(call, self.outputs[s])
-        owner = [k for k, n in enumerate(counts) for _ in range(n)]
+        owner = _OWNERS.get(call)
+        if owner is None:
+            counts = leaf_counts(call, self.outputs[s])
+            owner = _OWNERS[call] = [k for k, n in enumerate(counts) for _ in range(n)]
         for pos in call.diff_out:
             t = aliases[pos]
             made[id(t)] = (t, (call, pos, (s, owner[pos]) in self.single))
@@ -118,6 +120,11 @@ class Handoffs:
                 found = True
         return out if found else ()
 
+
+#: Per call of a stage with several outputs, the output each of its static
+#: outputs belongs to: fixed by the call's structure, and rebuilding that
+#: structure per micro-batch of every run would cost the host each time.
+_OWNERS: weakref.WeakKeyDictionary[GraphedCall, list[int]] = weakref.WeakKeyDictionary()
 
 _Plan = tuple[set[tuple[int, int]], list[bool], list[bool]]
 #: Per stage graph on its devices, what :class:`Handoffs` reads of it.

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from mpstream import Pipe
+from mpstream.runtime import handoffs
 from mpstream.runtime.graphed import Emulated
 from tests.helpers import Ops, mlp
 from tests.models import Fan
@@ -124,3 +125,43 @@ def test_what_is_copied_or_frozen_still_equals_the_plain_model(
     for _ in range(2):
         same_as_plain(model, pipe, x, input_grad=case != "frozen first stage")
     assert in_place(pipe, 0, 1) == want
+
+
+class Pair(nn.Module):
+    """Split at ``r``: the first stage hands on two outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = nn.Linear(4, 6)
+        self.q = nn.Linear(4, 6)
+        self.r = nn.Linear(6, 3)
+        self.s = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = torch.tanh(self.p(x)), torch.tanh(self.q(x))
+        out: torch.Tensor = self.r(a) + self.s(b)
+        return out
+
+
+def test_a_multi_output_stage_s_layout_is_found_once_per_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Which output each static output belongs to is fixed per call: not
+    # rebuilt for every micro-batch of every run.
+    counted: list[object] = []
+    counts = handoffs.leaf_counts
+
+    def counting(call: Any, outputs: int) -> list[int]:
+        counted.append(call)
+        return counts(call, outputs)
+
+    monkeypatch.setattr(handoffs, "leaf_counts", counting)
+    model = Pair().double()
+    pipe = Pipe(copy.deepcopy(model), graphs=Emulated(), split_points=["r"],
+                devices=["cpu"] * 2, chunks=3)  # fmt: skip
+    x = torch.randn(6, 4, dtype=torch.float64)
+    for _ in range(3):
+        same_as_plain(model, pipe, x)
+    # Only a stage with several outputs asks (so it was asked at all).
+    made = calls(pipe, 0)
+    assert counted and len(counted) == len(made) and set(map(id, counted)) == set(map(id, made))
