@@ -12,10 +12,13 @@ else silently. A stage that changes in place a value only it reads
 (``ReLU(inplace=True)`` opening a stage) is fine. A view shares its
 tensor's memory, so a change through a view (``h[:, 0] = 0``,
 ``h.view(-1).mul_(2)``) is a change of the tensor and of every other view of
-it. :func:`augmented` is what a ``torch.fx`` trace records for ``h += y``,
-which changes ``h`` in place too (an input's too: :func:`copy_changed_inputs`
-gives it a copy first); ``n += 1`` on a number read off a tensor's size makes
-a new number instead.
+it. The items of a structure (``batch["x"]`` and ``batch["m"]``, a
+namedtuple's fields) are memories of their own, where the trace shows it a
+structure (see :mod:`~mpstream.stages.inplace_paths`). :func:`augmented` is
+what a ``torch.fx`` trace records for ``h += y``, which changes ``h`` in
+place too (an input's too: :func:`copy_changed_inputs` gives it a copy
+first); ``n += 1`` on a number read off a tensor's size makes a new number
+instead.
 """
 
 from __future__ import annotations
@@ -29,6 +32,12 @@ from typing import Any
 import torch
 from torch import fx
 from torch.utils import _pytree as pytree
+
+from .inplace_paths import base as _base
+from .inplace_paths import memory as _memory
+from .inplace_paths import overlap as _overlap
+from .inplace_paths import path as _path
+from .inplace_paths import viewed as _viewed
 
 __all__ = ["check_in_place", "copy_changed_inputs", "AugmentedProxy", "augmented"]
 
@@ -75,17 +84,6 @@ def _in_place(op: str) -> Callable[[fx.Proxy, Any], fx.Proxy]:
 for _op in _AUGMENTED:
     setattr(AugmentedProxy, f"__{_op}__", _in_place(_op))
 
-
-# Methods and torch functions whose result may share its first argument's
-# memory (a tuple of views for split and the like, whose items are getitems).
-_VIEWS = {
-    "view", "view_as", "reshape", "reshape_as", "transpose", "swapaxes", "swapdims", "t",
-    "permute", "movedim", "moveaxis", "expand", "expand_as", "narrow", "select", "squeeze",
-    "unsqueeze", "flatten", "unflatten", "unfold", "diagonal", "as_strided", "split",
-    "split_with_sizes", "chunk", "unbind", "tensor_split", "hsplit", "vsplit", "dsplit",
-    "detach", "contiguous", "real", "imag", "view_as_real", "view_as_complex", "alias",
-}  # fmt: skip
-_VIEW_ATTRIBUTES = {"T", "mT", "H", "mH", "data", "real", "imag"}
 
 # What a traced forward reads off a tensor that is no tensor: a number, a
 # size, a dtype (immutable, so ``n += 1`` on it makes a new value).
@@ -170,44 +168,6 @@ def _changes(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
     return changes
 
 
-def _viewed(node: fx.Node, changes: dict[fx.Node, fx.Node]) -> fx.Node | None:
-    """The value whose memory ``node``'s result may share, if it is a view
-    or an in-place operation (in ``changes``)."""
-    if node in changes:
-        return changes[node]
-    first = node.args[0] if node.args else None
-    if not isinstance(first, fx.Node):
-        return None
-    if isinstance(node.target, torch._ops.OpOverload):
-        # An aten view's schema marks its input and result as aliases (``Tensor(a)``).
-        arguments = node.target._schema.arguments
-        returns = node.target._schema.returns
-        aliased = bool(arguments and arguments[0].alias_info and returns and returns[0].alias_info)
-        return first if aliased and not arguments[0].alias_info.is_write else None  # type: ignore[union-attr]
-    name = getattr(node.target, "__name__", str(node.target))
-    if node.op == "call_method" or (node.op == "call_function" and name in _VIEWS):
-        return first if name in _VIEWS else None
-    if node.op == "call_function" and node.target is operator.getitem:
-        return first  # indexing a tensor, or an item of a tuple of views
-    if node.op == "call_function" and node.target is getattr and len(node.args) > 1:
-        return first if _field(node.args[1]) or node.args[1] in _VIEW_ATTRIBUTES else None
-    return None
-
-
-def _field(name: Any) -> bool:
-    """Whether ``getattr`` of ``name`` reads a structure's item, the item
-    itself (a namedtuple's ``batch.x``, a model output's ``out.logits``):
-    no attribute a tensor has (``x.grad`` is a tensor of its own)."""
-    return isinstance(name, str) and not hasattr(torch.Tensor, name)
-
-
-def _base(node: fx.Node, changes: dict[fx.Node, fx.Node]) -> fx.Node:
-    """The value that owns the memory ``node`` views (itself if no view)."""
-    while (viewed := _viewed(node, changes)) is not None:
-        node = viewed
-    return node
-
-
 def _entry(
     node: fx.Node, here: int, stage_of: dict[fx.Node, int], changes: dict[fx.Node, fx.Node]
 ) -> fx.Node:
@@ -264,22 +224,6 @@ def _own_at(value: Any, path: tuple[Any, ...]) -> Any:
                 return items
             return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     return pytree.tree_map_only(torch.Tensor, torch.clone, value)
-
-
-def _path(value: fx.Node, changes: dict[fx.Node, fx.Node]) -> tuple[Any, ...]:
-    """The keys and indices that reach ``value`` from the input it views
-    (``batch["x"][0].view(-1)``: ``("x", 0)``), as far as they are constants;
-    past a tensor they index it, which :func:`own` copies whole."""
-    keys: list[Any] = []
-    node = value
-    while (viewed := _viewed(node, changes)) is not None:
-        key = None
-        if node.target is operator.getitem or (node.target is getattr and _field(node.args[1])):
-            key = node.args[1]  # an item, or a namedtuple's field (``batch.x``)
-        # Only the run of constant keys next to the input leads somewhere known.
-        keys = [key, *keys] if isinstance(key, (str, int)) and not isinstance(key, bool) else []
-        node = viewed
-    return tuple(keys)
 
 
 def copy_changed_inputs(gm: fx.GraphModule, stage_of: dict[fx.Node, int]) -> None:
@@ -348,33 +292,40 @@ def check_in_place(gm: fx.GraphModule, stage_of: dict[fx.Node, int]) -> None:
         ValueError: naming the operation, the stages, the value read and what to do.
     """
     changes = _changes(gm)
-    views: dict[fx.Node, list[fx.Node]] = {}  # every value viewing each base, itself first
+    # Every value viewing each base, itself first, and the items of it it views.
+    views: dict[fx.Node, list[tuple[fx.Node, tuple[Any, ...]]]] = {}
     for node in gm.graph.nodes:
-        views.setdefault(_base(node, changes), []).append(node)
+        owner, keys = _memory(node, changes)
+        views.setdefault(owner, []).append((node, keys))
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
     for node, value in changes.items():
         here = stage_of[node]
-        base = _base(value, changes)
+        base, keys = _memory(value, changes)
         if stage_of.get(base, -1) == here:
             continue  # changed where it is made: later readers get it changed
         # What this stage received of it, which the change is made to.
         entry = _entry(value, here, stage_of, changes)
         stale = []
-        for view in views[base]:
+        for view, its in views[base]:
             for u in view.users:
+                # Taking an item reads that item alone (``batch["m"]`` of ``batch``).
+                read = _memory(u, changes)[1] if _viewed(u, changes) is view else its
+                if not _overlap(keys, read):
+                    continue  # another item of the structure: memory of its own
                 # The result reads a value as the stage that makes it returns it.
                 t = stage_of.get(view, -1) if u.op == "output" else stage_of[u]
                 if order[u] > order[node] and not _carries(view, t, here, entry, stage_of, changes):
                     stale.append((u, view))
         if stale:
             reader, view = min(stale, key=lambda r: order[r[0]])
-            _refuse(node, here, base, entry, reader, view, stage_of, changes)
+            _refuse(node, here, base, keys, entry, reader, view, stage_of, changes)
 
 
 def _refuse(
     node: fx.Node,
     here: int,
     base: fx.Node,
+    keys: tuple[Any, ...],
     entry: fx.Node,
     reader: fx.Node,
     view: fx.Node,
@@ -384,7 +335,9 @@ def _refuse(
     """Raises the error of :func:`check_in_place` for ``reader``, which reads
     ``view`` (the changed value, or a view of it) without the change."""
     # An input's copy (copy_changed_inputs) is named for the input.
-    changed = base.args[0] if base.target is own else base
+    changed = f"'{base.args[0] if base.target is own else base}'"
+    if keys:  # an item of a structure (``batch["x"]``), the rest not changed
+        changed = f"item {''.join(f'[{k!r}]' for k in keys)} of {changed}"
     t = -1 if reader.op == "output" else stage_of[reader]
     who = "the result" if t < 0 else f"stage {t}"
     through = "" if view is base else f" through its view '{view}'"
@@ -394,7 +347,7 @@ def _refuse(
         got = _entry(view, here, stage_of, changes)
         through = f" through '{got}', which reaches it apart from '{entry}'"
     raise ValueError(
-        f"'{_name(node)}' in stage {here} changes '{changed}' in place, which {who} also "
+        f"'{_name(node)}' in stage {here} changes {changed} in place, which {who} also "
         f"reads{through}: stages pass values instead of sharing them, so {who} would read "
         f"it unchanged. Make that operation out of place (inplace=False){hint}, or move a "
         f"split point so both sit in one stage"

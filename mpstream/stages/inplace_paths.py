@@ -1,0 +1,155 @@
+"""Which memory a traced value is: the value owning it, and the items of it.
+
+A view (``h[:, :2]``, ``h.view(-1)``) or an in-place operation's result
+shares its tensor's memory; :func:`base` follows those to the value that
+owns it. A structure (a dict batch, a namedtuple, a tuple an operation
+returns) holds its items apart: ``batch["x"]`` and ``batch["m"]`` are two
+memories of the one value ``batch``, which :func:`memory` tells apart by
+their keys. A traced ``getitem`` may index a tensor as well as a
+structure; its key is an item's only where the value is surely a
+structure, else it stays a view of the whole (:func:`overlap` then finds
+every reader). :mod:`~mpstream.stages.inplace` checks and copies by these.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+from torch import fx
+
+__all__ = ["viewed", "base", "path", "memory", "overlap", "structure"]
+
+# Methods and torch functions whose result may share its first argument's
+# memory (a tuple of views for split and the like, whose items are getitems).
+VIEWS = {
+    "view", "view_as", "reshape", "reshape_as", "transpose", "swapaxes", "swapdims", "t",
+    "permute", "movedim", "moveaxis", "expand", "expand_as", "narrow", "select", "squeeze",
+    "unsqueeze", "flatten", "unflatten", "unfold", "diagonal", "as_strided", "split",
+    "split_with_sizes", "chunk", "unbind", "tensor_split", "hsplit", "vsplit", "dsplit",
+    "detach", "contiguous", "real", "imag", "view_as_real", "view_as_complex", "alias",
+}  # fmt: skip
+_VIEW_ATTRIBUTES = {"T", "mT", "H", "mH", "data", "real", "imag"}
+
+
+def viewed(node: fx.Node, changes: dict[fx.Node, fx.Node]) -> fx.Node | None:
+    """The value whose memory ``node``'s result may share, if it is a view,
+    an item of a structure or an in-place operation (in ``changes``)."""
+    if node in changes:
+        return changes[node]
+    first = node.args[0] if node.args else None
+    if not isinstance(first, fx.Node):
+        return None
+    if isinstance(node.target, torch._ops.OpOverload):
+        # An aten view's schema marks its input and result as aliases (``Tensor(a)``).
+        arguments = node.target._schema.arguments
+        returns = node.target._schema.returns
+        aliased = bool(arguments and arguments[0].alias_info and returns and returns[0].alias_info)
+        return first if aliased and not arguments[0].alias_info.is_write else None  # type: ignore[union-attr]
+    name = getattr(node.target, "__name__", str(node.target))
+    if node.op == "call_method" or (node.op == "call_function" and name in VIEWS):
+        return first if name in VIEWS else None
+    if node.op == "call_function" and node.target is operator.getitem:
+        return first  # indexing a tensor, or an item of a tuple of views
+    if node.op == "call_function" and node.target is getattr and len(node.args) > 1:
+        return first if _field(node) or node.args[1] in _VIEW_ATTRIBUTES else None
+    return None
+
+
+def _field(node: fx.Node) -> bool:
+    """Whether ``node``, a ``getattr``, reads a structure's item, the item
+    itself (a namedtuple's ``batch.x``, a model output's ``out.logits``): no
+    attribute a tensor has (``x.grad`` is a tensor of its own)."""
+    name = node.args[1]
+    return isinstance(name, str) and not hasattr(torch.Tensor, name)
+
+
+def structure(value: fx.Node) -> bool:
+    """Whether ``value`` is surely a structure, no tensor: its traced value
+    is a dict or tuple (a torch.export node's), or it is read as only a
+    structure can be (``batch["x"]``, a field no tensor has, ``out.logits``)."""
+    known = value.meta.get("val", value.meta.get("example_value"))
+    if isinstance(known, (dict, tuple, list)):
+        return True
+    return any(
+        u.op == "call_function"
+        and len(u.args) > 1
+        and u.args[0] is value
+        and isinstance(u.args[1], str)
+        and (u.target is operator.getitem or _no_tensor_attribute(u))
+        for u in value.users
+    )
+
+
+def _no_tensor_attribute(node: fx.Node) -> bool:
+    """Whether ``node`` is a ``getattr`` of a name no tensor has."""
+    name = node.args[1]
+    return node.target is getattr and isinstance(name, str) and not hasattr(torch.Tensor, name)
+
+
+def _item(node: fx.Node) -> Any:
+    """The key of the structure's item ``node`` reads (``batch["x"]``:
+    ``"x"``, ``out.a``: ``"a"``, ``out[1]`` of a surely structure: ``1``),
+    or None where it may index a tensor."""
+    if node.op != "call_function" or len(node.args) < 2:
+        return None
+    container, key = node.args[0], node.args[1]
+    if node.target is getattr:
+        return key if _field(node) else None
+    if node.target is not operator.getitem or not isinstance(container, fx.Node):
+        return None
+    if isinstance(key, str) or (isinstance(key, int) and structure(container)):
+        return key
+    return None
+
+
+def base(node: fx.Node, changes: dict[fx.Node, fx.Node]) -> fx.Node:
+    """The value that owns the memory ``node`` views (itself if no view)."""
+    while (owner := viewed(node, changes)) is not None:
+        node = owner
+    return node
+
+
+def path(value: fx.Node, changes: dict[fx.Node, fx.Node]) -> tuple[Any, ...]:
+    """The keys and indices that reach ``value`` from the input it views
+    (``batch["x"][0].view(-1)``: ``("x", 0)``), as far as they are constants;
+    past a tensor they index it, which :func:`~mpstream.stages.inplace.own`
+    copies whole."""
+    keys: list[Any] = []
+    node = value
+    while (owner := viewed(node, changes)) is not None:
+        key = None
+        if node.target is operator.getitem or (node.target is getattr and _field(node)):
+            key = node.args[1]  # an item, or a namedtuple's field (``batch.x``)
+        # Only the run of constant keys next to the input leads somewhere known.
+        keys = [key, *keys] if isinstance(key, (str, int)) and not isinstance(key, bool) else []
+        node = owner
+    return tuple(keys)
+
+
+def memory(node: fx.Node, changes: dict[fx.Node, fx.Node]) -> tuple[fx.Node, tuple[Any, ...]]:
+    """The value owning ``node``'s memory and the keys of the items of it
+    that ``node`` views (``batch["x"][0]``: ``batch`` and ``("x",)``; a
+    tensor's view: ``()``, the whole)."""
+    keys: list[Any] = []
+    while (owner := viewed(node, changes)) is not None:
+        key = _item(node)
+        # Only the run of items next to the owner is apart from the rest: an
+        # item of a view (``x.split(2)[0]``) is a view of the whole.
+        keys = [key, *keys] if isinstance(key, (str, int)) and not isinstance(key, bool) else []
+        node = owner
+    return node, tuple(keys)
+
+
+def overlap(keys: tuple[Any, ...], other: tuple[Any, ...]) -> bool:
+    """Whether the items at ``keys`` and ``other`` of one value may share
+    memory: unless they part at two keys surely apart (two names, or two
+    indices counted from the front; ``out[0]`` may be ``out.a``, ``out[-1]``
+    any item)."""
+    for a, b in zip(keys, other):
+        names = isinstance(a, str) and isinstance(b, str)
+        indices = isinstance(a, int) and isinstance(b, int) and a >= 0 and b >= 0
+        if a != b and (names or indices):
+            return False
+    return True
