@@ -60,9 +60,12 @@ def viewed(node: fx.Node, changes: dict[fx.Node, fx.Node]) -> fx.Node | None:
 def _field(node: fx.Node) -> bool:
     """Whether ``node``, a ``getattr``, reads a structure's item, the item
     itself (a namedtuple's ``batch.x``, a model output's ``out.logits``): no
-    attribute a tensor has (``x.grad`` is a tensor of its own)."""
+    attribute a tensor has (``x.grad`` is a tensor of its own), or any
+    attribute of a value surely a structure (a namedtuple's field ``grad``)."""
     name = node.args[1]
-    return isinstance(name, str) and not hasattr(torch.Tensor, name)
+    if not isinstance(name, str) or not isinstance(node.args[0], fx.Node):
+        return False
+    return not hasattr(torch.Tensor, name) or structure(node.args[0])
 
 
 def structure(value: fx.Node) -> bool:

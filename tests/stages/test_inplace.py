@@ -488,3 +488,68 @@ def test_an_index_that_may_read_a_tensor_stays_one_memory(tensor: bool) -> None:
     with pytest.raises(ValueError, match=refused):
         Pipe(ChangesByIndex(tensor), chunks=2, split_points=["b", "c"], devices=["cpu"] * 3,
              leaf_modules=[Both])  # fmt: skip
+
+
+class Odd(NamedTuple):
+    """Fields named as a tensor's attributes."""
+
+    x: Tensor
+    grad: Tensor
+    shape: Tensor
+
+
+class OddPair(nn.Module):
+    """A leaf module returning an :class:`Odd`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Odd:
+        return Odd(self.lin(x), self.lin(x) * 2, self.lin(x) * 3)
+
+
+class ChangesAnOddField(nn.Module):
+    """Stage 1 changes stage 0's ``out.grad`` or ``out.shape`` in place; stage 2 reads it."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+        self.pair, self.b, self.c = OddPair(), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.pair(x)
+        g = self.b(out.x)
+        getattr(out, self.name).mul_(2)
+        return self.c(g) * getattr(out, self.name)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("name", ["grad", "shape"])
+def test_a_change_of_a_field_named_as_a_tensor_attribute_is_refused(name: str) -> None:
+    # out.grad was taken for a tensor's grad, out.shape for a size: the change was let
+    # through, and stage 2 read the field as stage 0 made it.
+    refused = f"'mul_' in stage 1 changes item \\['{name}'\\] of 'pair' in place, which stage 2"
+    with pytest.raises(ValueError, match=refused):
+        Pipe(ChangesAnOddField(name), chunks=2, split_points=["b", "c"], devices=["cpu"] * 3,
+             leaf_modules=[OddPair])  # fmt: skip
+
+
+class ChangesAnOddInput(nn.Module):
+    """Changes ``batch.grad`` of its namedtuple batch in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, batch: Odd) -> Tensor:
+        batch.grad.mul_(2)
+        return self.b(self.a(batch.x)) + batch.grad + batch.shape  # type: ignore[no-any-return]
+
+
+def test_an_input_s_field_named_as_a_tensor_attribute_gets_a_copy() -> None:
+    # batch.grad was not seen as the input's: no copy, and the caller's batch changed.
+    batch = Odd(*(torch.randn(7, 4, dtype=torch.float64) for _ in range(3)))
+    pipe, _ = _trains_as_the_module(ChangesAnOddInput(), batch, "fx")
+    with Ops() as ops:
+        pipe(batch)
+    assert ops.ops["clone"] == 3  # of batch.grad alone, per micro-batch
