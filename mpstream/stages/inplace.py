@@ -81,6 +81,17 @@ def _in_place(op: str) -> Callable[[fx.Proxy, Any], fx.Proxy]:
     return method
 
 
+class AugmentedAttribute(fx.proxy.Attribute, AugmentedProxy):
+    """An attribute read off an :class:`AugmentedProxy` (``h = x.T``,
+    ``out.logits``): fx's own has no ``__iadd__`` either, so ``h += 1``
+    would not change ``x``."""
+
+
+def _attribute(self: fx.Proxy, k: str) -> fx.proxy.Attribute:
+    return AugmentedAttribute(self, k)
+
+
+AugmentedProxy.__getattr__ = _attribute  # type: ignore[method-assign]
 for _op in _AUGMENTED:
     setattr(AugmentedProxy, f"__{_op}__", _in_place(_op))
 

@@ -553,3 +553,22 @@ def test_an_input_s_field_named_as_a_tensor_attribute_gets_a_copy() -> None:
     with Ops() as ops:
         pipe(batch)
     assert ops.ops["clone"] == 3  # of batch.grad alone, per micro-batch
+
+
+class AugmentsThroughAnAttribute(nn.Module):
+    """``h = x.T; h += 1`` changes ``x`` (``h`` is a view of it), which a
+    later stage reads: fx read ``x.T`` as an attribute with no ``+=``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.a(x)
+        h = x.T
+        h += 1
+        return self.c(self.b(x))  # type: ignore[no-any-return]
+
+
+def test_an_augmented_assignment_to_an_attribute_changes_its_tensor() -> None:
+    _runs_as_the_module(AugmentsThroughAnAttribute(), torch.randn(6, 4, dtype=torch.float64), "fx")
