@@ -14,7 +14,8 @@ tensor's memory, so a change through a view (``h[:, 0] = 0``,
 ``h.view(-1).mul_(2)``) is a change of the tensor and of every other view of
 it. The items of a structure (``batch["x"]`` and ``batch["m"]``, a
 namedtuple's fields) are memories of their own, where the trace shows it a
-structure (see :mod:`~mpstream.stages.inplace_paths`). :func:`augmented` is
+structure and not a leaf module's result (see
+:mod:`~mpstream.stages.inplace_paths`). :func:`augmented` is
 what a ``torch.fx`` trace records for ``h += y``, which changes ``h`` in
 place too (an input's too: :func:`copy_changed_inputs` gives it a copy
 first); ``n += 1`` on a number read off a tensor's size makes a new number

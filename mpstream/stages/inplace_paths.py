@@ -8,7 +8,10 @@ memories of the one value ``batch``, which :func:`memory` tells apart by
 their keys. A traced ``getitem`` may index a tensor as well as a
 structure; its key is an item's only where the value is surely a
 structure, else it stays a view of the whole (:func:`overlap` then finds
-every reader). :mod:`~mpstream.stages.inplace` checks and copies by these.
+every reader). A leaf module's result stays one memory: fx cannot see
+whether its items share one (an output's ``last_hidden_state`` is its
+``hidden_states[-1]``). :mod:`~mpstream.stages.inplace` checks and copies
+by these.
 """
 
 from __future__ import annotations
@@ -134,7 +137,7 @@ def path(value: fx.Node, changes: dict[fx.Node, fx.Node]) -> tuple[Any, ...]:
 def memory(node: fx.Node, changes: dict[fx.Node, fx.Node]) -> tuple[fx.Node, tuple[Any, ...]]:
     """The value owning ``node``'s memory and the keys of the items of it
     that ``node`` views (``batch["x"][0]``: ``batch`` and ``("x",)``; a
-    tensor's view: ``()``, the whole)."""
+    tensor's view or any item of a leaf module's result: ``()``, the whole)."""
     keys: list[Any] = []
     while (owner := viewed(node, changes)) is not None:
         key = _item(node)
@@ -142,6 +145,10 @@ def memory(node: fx.Node, changes: dict[fx.Node, fx.Node]) -> tuple[fx.Node, tup
         # item of a view (``x.split(2)[0]``) is a view of the whole.
         keys = [key, *keys] if isinstance(key, (str, int)) and not isinstance(key, bool) else []
         node = owner
+    if node.op == "call_module":
+        # A leaf module's items may share memory (a model output's
+        # last_hidden_state is its hidden_states[-1]), which fx cannot see.
+        return node, ()
     return node, tuple(keys)
 
 
