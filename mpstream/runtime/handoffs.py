@@ -41,7 +41,7 @@ from .graphed import GraphedCall
 from .graphed.call import Source
 from .microbatch import leaves
 
-__all__ = ["Handoffs", "single_readers", "leaf_counts"]
+__all__ = ["Handoffs", "single_readers", "leaf_counts", "output_keys"]
 
 
 def single_readers(graph: StageGraph) -> set[tuple[int, int]]:
@@ -65,6 +65,18 @@ def leaf_counts(call: GraphedCall, outputs: int) -> list[int]:
         return [len(call.static_out)]
     out = call.rebuild(call.static_out)
     return [sum(isinstance(x, Tensor) for x in leaves(v)[0]) for v in out]
+
+
+def output_keys(call: GraphedCall, outputs: int) -> list[tuple[int, int]]:
+    """Per static output of ``call`` (a stage's with ``outputs`` outputs),
+    its (output, leaf). Fixed by the call's structure: found once per call,
+    as rebuilding the structure per micro-batch would cost the host each
+    time (both loops read it)."""
+    found = _KEYS.get(call)
+    if found is None:
+        counts = leaf_counts(call, outputs)
+        found = _KEYS[call] = [(k, j) for k, n in enumerate(counts) for j in range(n)]
+    return found
 
 
 class Handoffs:
@@ -99,13 +111,10 @@ class Handoffs:
                 t = aliases[pos]
                 made[id(t)] = (t, (call, pos, grads))
             return
-        owner = _OWNERS.get(call)
-        if owner is None:
-            counts = leaf_counts(call, self.outputs[s])
-            owner = _OWNERS[call] = [k for k, n in enumerate(counts) for _ in range(n)]
+        keys = output_keys(call, self.outputs[s])
         for pos in call.diff_out:
             t = aliases[pos]
-            made[id(t)] = (t, (call, pos, (s, owner[pos]) in self.single))
+            made[id(t)] = (t, (call, pos, (s, keys[pos][0]) in self.single))
 
     def sources(self, tensors: Sequence[Tensor]) -> Sequence[Source]:
         """Per tensor argument of a stage, the Source it is, if an alias
@@ -121,10 +130,8 @@ class Handoffs:
         return out if found else ()
 
 
-#: Per call of a stage with several outputs, the output each of its static
-#: outputs belongs to: fixed by the call's structure, and rebuilding that
-#: structure per micro-batch of every run would cost the host each time.
-_OWNERS: weakref.WeakKeyDictionary[GraphedCall, list[int]] = weakref.WeakKeyDictionary()
+#: Per call, :func:`output_keys`'s answer.
+_KEYS: weakref.WeakKeyDictionary[GraphedCall, list[tuple[int, int]]] = weakref.WeakKeyDictionary()
 
 _Plan = tuple[set[tuple[int, int]], list[bool], list[bool]]
 #: Per stage graph on its devices, what :class:`Handoffs` reads of it.

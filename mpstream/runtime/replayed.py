@@ -54,7 +54,7 @@ from .boundary import _ANCHOR, Cutting, Grads, sum_grads
 from .graph import ALL, Ref, Routes
 from .graphed import GraphedCall, StageGraphs
 from .graphed.call import Source
-from .handoffs import Handoffs, leaf_counts, single_readers
+from .handoffs import Handoffs, output_keys, single_readers
 from .microbatch import grad_dtype, leaves, rebuild_leaves
 
 __all__ = ["Replayed", "Replay", "replay", "run_stage"]
@@ -356,8 +356,7 @@ class Replayed:
         the call's static outputs."""
         found = self._outs.get(id(call))
         if found is None:
-            counts = leaf_counts(call, self.outputs[s])
-            pairs = [(k, j) for k, n in enumerate(counts) for j in range(n)]
+            pairs = output_keys(call, self.outputs[s])
             found = self._outs[id(call)] = {key: pos for pos, key in enumerate(pairs)}
         return found
 
