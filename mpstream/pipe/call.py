@@ -109,6 +109,7 @@ class PipeCall(PipeConfig):
             return positional(args, kwargs)
         check_holds_tensor(args, kwargs)
         chosen, inputs = split.select(args, kwargs)
+        chosen.changed.check(type(split.module).__name__, inputs)
         if state["_graph"] is not chosen.graph:
             runtime = state["_runtime"]
             split.enter(chosen, self.schedule, self.virtual_stages, self.training, runtime)

@@ -37,6 +37,7 @@ from .fake_export import exported_graph, input_pattern
 from .inplace import check_in_place, copy_changed_inputs
 from .model_loss import LossShare, weigh_loss
 from .points import SplitPointError, begin_stages, units_in_order
+from .shared_inputs import NO_CHANGES, ChangedInputs
 from .surgery import inline_attrs, read_stage_call
 
 __all__ = [
@@ -66,6 +67,7 @@ class ExportedStages:
         loss: how the ``loss`` output is weighted per micro-batch (the
             pipeline's last input is then each example's share), or None.
         device: the device the graph was exported on.
+        changed: the input leaves the forward changes in place.
     """
 
     partitions: list[fx.GraphModule]
@@ -75,6 +77,7 @@ class ExportedStages:
     patterns: list[Any]
     loss: LossShare | None
     device: torch.device
+    changed: ChangedInputs = NO_CHANGES
 
 
 def split_candidates(module: nn.Module) -> list[str]:
@@ -277,7 +280,7 @@ def export_stages(
     gm.graph.lint()
     gm.recompile()
     stage_of = _stage_of(gm, list(split_points), module)
-    copy_changed_inputs(gm, stage_of)
+    copied = copy_changed_inputs(gm, stage_of)
     check_in_place(gm, stage_of)
     top = split_module(gm, module, lambda n: stage_of[n], keep_original_order=True)
     _own_attrs(top, module, gm)
@@ -292,7 +295,14 @@ def export_stages(
         patterns,
         loss,
         device,
+        ChangedInputs.of(_leaf_names(named), {holders.index(h): p for h, p in copied.items()}),
     )
+
+
+def _leaf_names(named: dict[str, Any]) -> list[str]:
+    """Each input leaf's name, as the caller passed it (``batch['x']``)."""
+    leaves = pytree.tree_flatten_with_path(((), named))[0]
+    return [f"{path[1].key}{pytree.keystr(path[2:])}" for path, _ in leaves]  # type: ignore[attr-defined]
 
 
 def retarget_devices(part: fx.GraphModule, source: torch.device, device: torch.device) -> None:

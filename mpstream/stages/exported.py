@@ -160,6 +160,7 @@ class ExportSplit(Kinds):
             modules=nn.ModuleList(stages.partitions),
             balance=operations(stages.partitions),
             graph=stages.graph,
+            changed=stages.changed,
             described=describe_call(named, bool(self.module.training), key[1][1]),
         )
         self._place(split)

@@ -27,6 +27,7 @@ from ..runtime.graph import StageGraph
 from .fx_tracer import BufferChange, Tracer, Unrecorded, current_modes, stand_ins
 from .inplace import check_in_place, copy_changed_inputs
 from .points import begin_stages, split_candidates, units_in_order
+from .shared_inputs import NO_CHANGES, ChangedInputs
 from .surgery import inline_attrs, part_of, stage_graph
 from .tracers import Binder
 
@@ -43,12 +44,14 @@ class Traced:
         bind: turns a call's ``(args, kwargs)`` into the positional inputs.
         tensors: per stage, the qualified names of the parameters and
             buffers it uses.
+        changed: the inputs the forward changes in place.
     """
 
     partitions: list[fx.GraphModule]
     graph: StageGraph
     bind: Callable[[tuple[Any, ...], dict[str, Any]], tuple[Any, ...]]
     tensors: list[set[str]]
+    changed: ChangedInputs = NO_CHANGES
 
 
 def _trace(
@@ -252,7 +255,7 @@ def trace(
         gm = _trace(module, leaf_modules, nones)
     _check_result(gm)
     stage_of = _stage_of_nodes(gm, list(split_points), module)
-    copy_changed_inputs(gm, stage_of)
+    copied = copy_changed_inputs(gm, stage_of)
     check_in_place(gm, stage_of)
     qualnames: dict[str, str] = {}
     top = split_module(
@@ -267,6 +270,7 @@ def trace(
         graph,
         Binder(module, inputs),
         [_tensors_used(s, p, qualnames) for s, p in enumerate(partitions)],
+        ChangedInputs.of(inputs, {inputs.index(str(h.target)): p for h, p in copied.items()}),
     )
 
 

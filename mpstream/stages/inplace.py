@@ -238,7 +238,9 @@ def _own_at(value: Any, path: tuple[Any, ...]) -> Any:
     return pytree.tree_map_only(torch.Tensor, torch.clone, value)
 
 
-def copy_changed_inputs(gm: fx.GraphModule, stage_of: dict[fx.Node, int]) -> None:
+def copy_changed_inputs(
+    gm: fx.GraphModule, stage_of: dict[fx.Node, int]
+) -> dict[fx.Node, tuple[tuple[Any, ...], ...]]:
     """Gives each input the forward changes in place (``x.div_(255)``,
     ``x[:, 0] = 0``) a copy of its own, made before its first reader, which
     every reader reads instead (``stage_of`` gets the copy's stage).
@@ -250,8 +252,12 @@ def copy_changed_inputs(gm: fx.GraphModule, stage_of: dict[fx.Node, int]) -> Non
     traces may be a structure (a dict batch) or a number, not a tensor: of
     a structure, only the tensors changed get a copy (``batch["x"]``, not
     ``batch["y"]``).
+
+    Returns:
+        Each input changed (its placeholder) and the paths into it copied.
     """
     changed: dict[fx.Node, dict[tuple[Any, ...], None]] = {}  # the paths changed in each
+    copied: dict[fx.Node, tuple[tuple[Any, ...], ...]] = {}
     changes = _changes(gm)
     for value in changes.values():
         if (base := _base(value, changes)).op == "placeholder":
@@ -259,6 +265,7 @@ def copy_changed_inputs(gm: fx.GraphModule, stage_of: dict[fx.Node, int]) -> Non
     for holder, found in changed.items():
         # A path under another's copy is copied with it.
         paths = tuple(p for p in found if not any(p[: len(q)] == q for q in found if q != p))
+        copied[holder] = paths
         first = next(n for n in gm.graph.nodes if n in holder.users)
         with gm.graph.inserting_before(first):
             # The whole input where it is changed itself (a tensor, or ``batch["x"] = t``).
@@ -269,6 +276,7 @@ def copy_changed_inputs(gm: fx.GraphModule, stage_of: dict[fx.Node, int]) -> Non
     if changed:
         gm.graph.lint()
         gm.recompile()
+    return copied
 
 
 def _carries(

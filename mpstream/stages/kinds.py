@@ -24,6 +24,7 @@ from ..runtime.graphed import generation
 from ..runtime.microbatch import gather
 from ..schedules.schedule import check_schedule
 from .placement import rebind
+from .shared_inputs import NO_CHANGES, ChangedInputs
 
 __all__ = ["Split", "Kinds", "operations"]
 
@@ -44,6 +45,7 @@ class Split:
         described: one line for :meth:`mpstream.Pipe.split_report`.
         runtime: the pipe runtime, kept while another split is current.
         checked: whether the pipe's schedule was checked against the graph.
+        changed: the inputs its forward changes in place.
     """
 
     modules: nn.ModuleList
@@ -52,6 +54,7 @@ class Split:
     described: str
     runtime: Any = None
     checked: bool = False
+    changed: ChangedInputs = NO_CHANGES
 
     @property
     def partitions(self) -> list[fx.GraphModule]:

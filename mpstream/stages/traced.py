@@ -56,6 +56,7 @@ class _Trace(Split):
             balance=operations(traced.partitions),
             graph=traced.graph,
             described=described,
+            changed=traced.changed,
         )
 
     @property

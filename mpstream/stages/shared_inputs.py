@@ -1,0 +1,162 @@
+"""Inputs a forward changes in place, and the inputs sharing their memory.
+
+A pipeline gives each input tensor the forward changes in place a copy of
+its own per micro-batch (:func:`~mpstream.stages.inplace.copy_changed_inputs`).
+In the module, a change of ``x`` also shows in every other input sharing
+its memory (``forward(x, y)`` called with ``t`` and ``t[:, :2]``, or a
+batch ``{"x": t, "y": t[:, :2]}``): the copy would hide it, so a reader of
+``y`` would see it unchanged. Sharing is a property of a call's tensors,
+not of the trace, so :meth:`ChangedInputs.check` looks for it on every
+call of a split that changes an input, and refuses before anything runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils import _pytree as pytree
+
+from ..runtime.microbatch import NoChunk
+
+__all__ = ["ChangedInputs", "NO_CHANGES"]
+
+Path = tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class ChangedInputs:
+    """The inputs a split's forward changes in place.
+
+    Attributes:
+        names: every pipeline input's name as the caller knows it
+            (``"batch"``, ``"x"``), in the pipeline's input order.
+        paths: per input changed (by position), the items changed: keys
+            and indices into it, ``("x",)`` for ``batch["x"]``; ``()`` for
+            the whole input.
+    """
+
+    names: tuple[str, ...]
+    paths: tuple[tuple[int, tuple[Path, ...]], ...]
+
+    @classmethod
+    def of(cls, names: Sequence[str], paths: dict[int, tuple[Path, ...]]) -> ChangedInputs:
+        """The inputs named ``names`` (in order), of which those at the keys
+        of ``paths`` are changed at those paths."""
+        return cls(tuple(names), tuple(sorted(paths.items())))
+
+    def check(self, module: str, inputs: Sequence[Any]) -> None:
+        """Refuses a call where an input the forward changes in place
+        shares memory with another input tensor (another argument, another
+        item of the same one, or the same tensor passed twice).
+
+        Args:
+            module: the module's class name, for the message.
+            inputs: the pipeline's inputs for the call.
+
+        Raises:
+            ValueError: naming both inputs and what to do.
+        """
+        if not self.paths:
+            return
+        leaves = [(i, path, t) for i, value in enumerate(inputs) for path, t in _tensors(value)]
+        for index, paths in self.paths:
+            for path in paths:
+                for at, t in _tensors(*_at(inputs[index], path)):
+                    for i, other_at, other in leaves:
+                        if (i, other_at) != (index, at) and _share(t, other):
+                            self._refuse(module, self._name(index, at), self._name(i, other_at))
+
+    def _name(self, index: int, path: Path) -> str:
+        name = self.names[index] if index < len(self.names) else f"input {index}"
+        return name + "".join(f"[{k!r}]" for k in path)
+
+    @staticmethod
+    def _refuse(module: str, here: str, other: str) -> None:
+        raise ValueError(
+            f"{module}.forward changes input {here} in place, and input {other} of the same "
+            f"call shares its memory. In the module the change shows through {other}; a "
+            f"pipeline gives each micro-batch of {here} a copy of its own, so {other} would "
+            f"read it unchanged. Pass {other} as a tensor of its own (.clone()), or take it "
+            f"from {here} inside forward"
+        )
+
+
+def _tensors(value: Any, prefix: Path = ()) -> Iterator[tuple[Path, Tensor]]:
+    """Each tensor in ``value`` with its keys (a namedtuple's fields by name)."""
+    leaves, _ = pytree.tree_flatten_with_path(value, is_leaf=lambda x: isinstance(x, NoChunk))
+    for keys, leaf in leaves:
+        if isinstance(leaf, NoChunk):
+            leaf = leaf.tensor
+        if isinstance(leaf, Tensor):
+            yield prefix + tuple(_key(k) for k in keys), leaf
+
+
+def _key(entry: Any) -> Any:
+    for attribute in ("key", "idx", "name"):
+        if hasattr(entry, attribute):
+            return getattr(entry, attribute)
+    return entry
+
+
+def _at(value: Any, path: Path) -> tuple[Any, Path]:
+    """What ``path`` reaches in ``value``, and the keys to it (a namedtuple's
+    fields by name): as far as it leads (a path that stops at a tensor, or
+    leads nowhere known, changes all under it)."""
+    walked: Path = ()
+    for key in path:
+        fields = getattr(value, "_fields", ())
+        if isinstance(value, Tensor):
+            break
+        if fields and _indexes(key, fields):
+            key = fields[key]
+        if isinstance(key, str) and key in fields:
+            value = getattr(value, key)
+        elif isinstance(value, dict) and key in value:
+            value = value[key]
+        elif isinstance(value, (list, tuple)) and _indexes(key, value):
+            value = value[key]
+        else:
+            break
+        walked += (key,)
+    return value, walked
+
+
+def _indexes(key: Any, items: Sequence[Any]) -> bool:
+    return isinstance(key, int) and -len(items) <= key < len(items)
+
+
+def _share(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` and ``b`` have an element's memory in common."""
+    if a.layout != torch.strided or b.layout != torch.strided or a.device != b.device:
+        return False
+    if not a.numel() or not b.numel() or a.device.type == "meta":
+        return False
+    storage = a.untyped_storage()
+    if storage.data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    (a_start, a_end), (b_start, b_end) = _extent(a), _extent(b)
+    if a_end <= b_start or b_end <= a_start:
+        return False
+    if a.element_size() != b.element_size() or a_start % a.element_size():
+        return True  # one memory read as two dtypes: overlapping ranges share
+    # Both read one array of elements: mark a's and look for them in b
+    # (``t[:, :2]`` and ``t[:, 2:]`` interleave without sharing).
+    size = a.element_size()
+    marks = torch.zeros(storage.nbytes() // size, dtype=torch.bool, device=a.device)
+    marks.as_strided(a.shape, a.stride(), a.storage_offset()).fill_(True)
+    return bool(marks.as_strided(b.shape, b.stride(), b.storage_offset()).any())
+
+
+def _extent(t: Tensor) -> tuple[int, int]:
+    """The bytes of its storage ``t`` may read: [start, end)."""
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    start = int(t.storage_offset()) * t.element_size()
+    return start, start + (last + 1) * t.element_size()
+
+
+#: A split that changes no input.
+NO_CHANGES = ChangedInputs((), ())

@@ -1,0 +1,147 @@
+"""Inputs a forward changes in place that share memory with other inputs."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, NamedTuple
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from mpstream import Pipe
+from mpstream.stages.shared_inputs import ChangedInputs
+from tests.helpers import assert_same_grads
+
+
+class ChangesX(nn.Module):
+    """Changes ``x`` in place; stage 1 reads ``y`` after the change."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: Tensor, y: Tensor) -> Tensor:
+        x.mul_(2)
+        return self.b(self.a(x)) + y.sum(1, keepdim=True)  # type: ignore[no-any-return]
+
+
+class ChangesBatchX(nn.Module):
+    """:class:`ChangesX` over a dict batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, batch: dict[str, Tensor]) -> Tensor:
+        batch["x"].mul_(2)
+        return self.b(self.a(batch["x"])) + batch["y"].sum(1, keepdim=True)  # type: ignore[no-any-return]
+
+
+class Batch(NamedTuple):
+    x: Tensor
+    y: Tensor
+
+
+class ChangesFieldX(nn.Module):
+    """:class:`ChangesX` over a namedtuple batch, its field read by index."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, batch: Batch) -> Tensor:
+        batch[0].mul_(2)
+        return self.b(self.a(batch.x)) + batch.y.sum(1, keepdim=True)  # type: ignore[no-any-return]
+
+
+def _pipe(model: nn.Module, tracer: str) -> tuple[Pipe, nn.Module]:
+    model = model.double()
+    ref = copy.deepcopy(model)
+    return Pipe(model, chunks=3, split_points=["b"], devices=["cpu"] * 2, tracer=tracer), ref
+
+
+def _call(model: type[nn.Module], t: Tensor, other: Tensor) -> tuple[Any, ...]:
+    """The model's inputs: ``x`` is ``t``, ``y`` is ``other``."""
+    if model is ChangesBatchX:
+        return ({"x": t, "y": other},)
+    if model is ChangesFieldX:
+        return (Batch(t, other),)
+    return (t, other)
+
+
+# The module's y shows x's change; a pipeline's copy of x hid it (24 of 24
+# elements differed), the error names both inputs.
+CASES = [
+    ("fx", ChangesX, "x", "y"),
+    ("export", ChangesX, "x", "y"),
+    ("fx", ChangesBatchX, r"batch\['x'\]", r"batch\['y'\]"),
+    ("export", ChangesBatchX, r"batch\['x'\]", r"batch\['y'\]"),
+    ("fx", ChangesFieldX, r"batch\['x'\]", r"batch\['y'\]"),
+]
+
+
+@pytest.mark.parametrize(("tracer", "model", "changed", "other"), CASES)
+@pytest.mark.parametrize("view", ["part", "same"])
+def test_an_input_sharing_a_changed_input_s_memory_is_refused(
+    tracer: str, model: type[nn.Module], changed: str, other: str, view: str
+) -> None:
+    pipe, ref = _pipe(model(), tracer)
+    t = torch.randn(7, 4, dtype=torch.float64)
+    before = t.clone()
+    shared = t[:, :2] if view == "part" else t
+    refused = f"changes input {changed} in place, and input {other} of the same call shares"
+    with pytest.raises(ValueError, match=refused):
+        pipe(*_call(model, t, shared))
+    inputs = _call(model, t, shared)
+    target = torch.zeros(7, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match=refused):
+        pipe.train_step(inputs if len(inputs) > 1 else inputs[0], target, nn.functional.mse_loss)
+    torch.testing.assert_close(t, before, rtol=0, atol=0)  # refused before anything ran
+    assert all(p.grad is None for p in pipe.parameters())
+    # The next call, with a tensor of its own, computes what the module does.
+    out = pipe(*_call(model, t.clone(), shared.clone()))
+    expected = ref(*_call(model, t.clone(), shared.clone()))
+    torch.testing.assert_close(out, expected)
+    out.sum().backward()
+    expected.sum().backward()
+    assert_same_grads(pipe, ref)
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+@pytest.mark.parametrize("layout", ["columns", "interleaved"])
+def test_inputs_in_one_tensor_without_an_element_in_common_run(tracer: str, layout: str) -> None:
+    # One storage, ranges overlapping (interleaved) or not: no element is
+    # both, so the change of x shows in no y, in the module as in the pipe.
+    pipe, ref = _pipe(ChangesX(), tracer)
+    if layout == "columns":
+        u = torch.randn(7, 8, dtype=torch.float64)
+        x, y = u[:, :4], u[:, 4:]
+    else:
+        u = torch.randn(7, 4, 2, dtype=torch.float64)
+        x, y = u[..., 0], u[..., 1]
+    out = pipe(x, y)
+    expected = ref(x.clone(), y.clone())
+    torch.testing.assert_close(out, expected)
+
+
+def test_a_change_of_one_item_leaves_an_unchanged_item_sharing_memory_elsewhere() -> None:
+    # Sharing between two inputs neither of which is changed is no concern.
+    pipe, ref = _pipe(ChangesBatchX(), "fx")
+    t = torch.randn(7, 4, dtype=torch.float64)
+    x = torch.randn(7, 4, dtype=torch.float64)
+    torch.testing.assert_close(pipe({"x": x, "y": t}), ref({"x": x.clone(), "y": t}))
+
+
+def test_a_split_that_changes_no_input_checks_nothing() -> None:
+    changed = ChangedInputs.of(["x"], {})
+    t = torch.randn(3)
+    changed.check("M", (t, t))  # no error
+
+
+def test_a_path_into_a_tensor_is_the_tensor_itself() -> None:
+    # ``x[0].mul_(2)`` on a tensor input: the path ends at x, not compared with itself.
+    t = torch.randn(4, 3)
+    ChangedInputs.of(["x", "y"], {0: ((0,),)}).check("M", (t, torch.randn(4, 3)))
+    with pytest.raises(ValueError, match="changes input x in place, and input y"):
+        ChangedInputs.of(["x", "y"], {0: ((0,),)}).check("M", (t, t[1:]))
