@@ -10,7 +10,10 @@ stage (:mod:`.calls`) with its arguments wired by :mod:`.graph` and
 for every copy, either way) and :mod:`.transfer` move values between
 devices and from the host; :mod:`.boundary` and :mod:`.split_backward` cut
 and split the backward; :mod:`.graphed` replays stage calls from CUDA
-graphs instead of issuing their kernels; :mod:`.microbatch` gathers.
+graphs instead of issuing their kernels (driven by :mod:`.replayed` in a
+training step, by :mod:`.replay` inside autograd in the user's own loop,
+reading what :mod:`.handoffs` says is handed on in place);
+:mod:`.microbatch` gathers.
 :mod:`.plan` records and verifies a run's stream operations without a
 device. :mod:`.stream` makes CPU and CUDA look alike, :mod:`.errors` and
 :mod:`.marks` say where a failure and a backward happened, and

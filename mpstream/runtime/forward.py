@@ -5,7 +5,7 @@ calls ``loss.backward()`` later. So nothing is cut: a stage's forward builds
 its autograd graph as usual, and a copy task (where autograd records the
 run) is a :class:`~mpstream.runtime.copy.Copy`, whose backward sends the
 gradient back on the copy streams. A graphed stage replays inside autograd
-(:func:`~mpstream.runtime.replayed.run_stage`). While timing, each stage's
+(:func:`~mpstream.runtime.replay.run_stage`). While timing, each stage's
 forward is wrapped in marks (:mod:`~mpstream.runtime.marks`) so that
 autograd's backward of it is timed too.
 """
@@ -16,42 +16,24 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from ..memory.checkpoint import checkpointed
 from ..schedules.schedule import Kind, Schedule, Task
 from . import marks
 from .copy import Staging
 from .executor import Handlers, execute
-from .graphed import StageGraphs
 from .handoffs import Handoffs
 from .hops import send_hop
 from .microbatch import leaves, rebuild_leaves
-from .replayed import run_stage
+from .replay import run_stage
 from .stream import AnyStream, current_stream
 from .values import Flow, cuda_only, protect
 
 if TYPE_CHECKING:
     from .worker import Worker
 
-__all__ = ["run", "compute"]
-
-
-def compute(
-    graphs: StageGraphs | None,
-    s: int,
-    m: int,
-    stage: nn.Module,
-    args: Sequence[Any],
-    checkpoint: bool,
-    handoffs: Handoffs | None = None,
-) -> Any:
-    """Stage ``s``'s forward of micro-batch ``m``: replayed from its graphs
-    when the pipe has them (reading ``handoffs`` in place where it may),
-    else eagerly (checkpointed when asked)."""
-    if graphs is not None:
-        return run_stage(graphs, s, m, stage, args, checkpoint, handoffs)
-    return checkpointed(stage, *args) if checkpoint else stage(*args)
+__all__ = ["run"]
 
 
 class _Forward:
@@ -102,7 +84,12 @@ class _Forward:
         stage = self.parts[s]
         if self.marking:
             args, stage_marks = marks.enter(self.native, s, m, args)
-        y = compute(self.graphs, s, m, stage, args, m < self.checkpoint_stop, self.handoffs)
+        checkpoint = m < self.checkpoint_stop
+        if self.graphs is not None:
+            # Replayed where it can be (reading handoffs in place), else eager.
+            y = run_stage(self.graphs, s, m, stage, args, checkpoint, self.handoffs)
+        else:
+            y = checkpointed(stage, *args) if checkpoint else stage(*args)
         if self.marking:
             y = marks.leave(stage_marks, y)
         out = flow.keep(s, m, y)

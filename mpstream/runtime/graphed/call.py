@@ -9,8 +9,9 @@ buffers and *adding* the stage's parameter gradients into its
 backward, an input-gradient graph B and a weight graph W, each adding the
 parameter gradients it computes).
 
-The runtime drives a call (:mod:`~mpstream.runtime.replayed`) from a
-training step's tasks, or inside autograd in the user's own loop, through
+The runtime drives a call from a training step's tasks
+(:mod:`~mpstream.runtime.replayed`), or inside autograd in the user's own
+loop (:mod:`~mpstream.runtime.replay`), through
 :meth:`forward`, :meth:`backward` and :meth:`weight`.
 
 A :class:`Backend` captures and replays (:mod:`.backends`: CUDA graphs, or

@@ -10,8 +10,9 @@ pending backward reads; in a forward run, one per micro-batch) and per call
 signature (argument shapes, strides, dtypes and devices, grad mode,
 autocast, checkpointing, training modes). The scheduler issues the same
 tasks under the same event plan; a task's work is a graph launch. The
-runtime drives the calls (:mod:`mpstream.runtime.replayed`); the graphs add
-the parameter gradients into each stage's :class:`~.grads.GradStore`.
+runtime drives the calls (:mod:`mpstream.runtime.replayed`,
+:mod:`mpstream.runtime.replay`); the graphs add the parameter gradients
+into each stage's :class:`~.grads.GradStore`.
 
 Before each run, what the graphs baked in is checked (:class:`~.keys.Baked`):
 a parameter or module replaced, or a tensor moved, drops them and the next

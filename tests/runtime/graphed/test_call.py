@@ -23,7 +23,7 @@ from torchvision.models.resnet import Bottleneck
 from mpstream.runtime.graphed import Emulated
 from mpstream.runtime.graphed.call import Backend, GraphedCall
 from mpstream.runtime.graphed.grads import GradStore
-from mpstream.runtime.replayed import replay
+from mpstream.runtime.replay import replay
 from tests.helpers import assert_same_grads, mlp
 from tests.runtime.test_split_backward import Hooked
 

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from mpstream import Pipe, verify_plan
-from mpstream.runtime import replayed
+from mpstream.runtime import replay
 from mpstream.runtime.graphed import Emulated, GraphWarning, StageGraphs
 from mpstream.runtime.graphed import call as call_module
 from mpstream.runtime.plan import Plan
@@ -89,13 +89,13 @@ def test_autograd_sees_no_parameter_of_a_replay(monkeypatch: pytest.MonkeyPatch)
     # the host about 4 us each, hundreds per ResNet stage); a training step
     # does not go through autograd at all.
     seen: list[int] = []
-    apply = replayed.Replay.apply
+    apply = replay.Replay.apply
 
     def counting(call: call_module.GraphedCall, anchor: Tensor, *tensors: Tensor) -> object:
         seen.append(len(tensors) - len(call.where))
         return apply(call, anchor, *tensors)
 
-    monkeypatch.setattr(replayed.Replay, "apply", counting)
+    monkeypatch.setattr(replay.Replay, "apply", counting)
     eager, graphed = pair(mlp(WIDTHS), split_size=3)
     x, y = data()
     for _ in range(2):

@@ -1,0 +1,187 @@
+"""A graphed stage's replay in the user's own loop (``pipe(x)``, then
+``loss.backward()``).
+
+Where a stage replays graphs (``Pipe(graphs=True)``), a forward run calls
+:func:`run_stage` for it: the call's graphs replay if it has them (else the
+stage runs eagerly), each replay one autograd node (:class:`Replay`) that
+shows autograd the inputs only, never a parameter. The node's backward
+replays the backward graph, which adds the parameter gradients into the
+stage's gradient buffers itself (``.grad`` views them), unless the running
+backward does not accumulate into leaves (``torch.autograd.grad``,
+``backward(inputs=...)``). A graphed reader takes what a replay on its
+device handed on in place (:mod:`~.handoffs`: each micro-batch of a forward
+run has slots of its own).
+
+What escapes to the user is copied: the gradient of a tensor the pipe did
+not produce, the outputs of a replay no :class:`Replay` node keeps busy
+while autograd records (a frozen stage's), a single micro-batch's output
+(see :mod:`~.forward`). A training step drives the same calls without
+autograd (:mod:`~.replayed`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.graph import Node, get_gradient_edge
+
+from . import private
+from .boundary import _ANCHOR
+from .graphed import GraphedCall, StageGraphs
+from .graphed.call import Source
+from .handoffs import Handoffs
+from .microbatch import leaves
+
+__all__ = ["Replay", "replay", "run_stage"]
+
+
+def run_stage(
+    graphs: StageGraphs,
+    s: int,
+    m: int,
+    stage: nn.Module,
+    args: Sequence[Any],
+    checkpoint: bool,
+    handoffs: Handoffs | None = None,
+) -> Any:
+    """Stage ``s`` on micro-batch ``m`` in a forward run: replayed (inside
+    autograd where it needs gradients) if it can be, else eagerly; with
+    ``handoffs`` (the run's, with gradients), reading what replays before it
+    handed on in place where it may (see :mod:`~.handoffs`)."""
+    items: list[Any] | None = None
+    sources: Sequence[Source] = ()
+    if handoffs is not None and handoffs.reads[s] and handoffs.made:
+        items = leaves(tuple(args))[0]
+        sources = handoffs.sources([x for x in items if isinstance(x, Tensor)])
+    call = graphs.find(s, m, stage, args, checkpoint, sources=sources)
+    if call is None:
+        return graphs.eager(s, stage, args, checkpoint)
+    if items is None:
+        items = leaves(tuple(args))[0]
+    outs = replay(call, [items[i] for i in call.where])
+    if handoffs is not None and call.diff_out:
+        handoffs.keep(call, s, outs)  # Replay's aliases: the run has gradients
+    return call.rebuild(outs)
+
+
+def replay(call: GraphedCall, tensors: Sequence[Tensor]) -> tuple[Tensor, ...]:
+    """The user's loop's replay of ``call`` (through autograd when it needs
+    gradients); returns its output tensors."""
+    if call.diff_out and torch.is_grad_enabled():
+        out: tuple[Tensor, ...] = Replay.apply(call, _ANCHOR, *tensors)
+        return out
+    outs = call.forward(tensors)
+    if call.grad:
+        # No Replay node keeps the call busy (a frozen stage): an eager
+        # reader's autograd may save these buffers for a backward after the
+        # next forward replays this call and rewrites them.
+        return tuple(t.clone() for t in outs)
+    return tuple(outs)
+
+
+class Replay(torch.autograd.Function):
+    """A replay inside autograd (the user's own loop): its backward replays
+    the backward graph, whose parameter gradients go to the stage's store."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, call: GraphedCall, anchor: Tensor, *tensors: Tensor
+    ) -> tuple[Tensor, ...]:  # type: ignore[override]
+        ctx.call = call
+        ctx.set_materialize_grads(False)  # backward tells "no gradient" from zeros
+        # The gradient of a tensor no replay or copy of the pipe made goes
+        # to the user (or their autograd graph): a copy, not the buffer.
+        ctx.escapes = [not _ours(t) for t in tensors]
+        outs = call.forward(tensors)
+        call.replays += 1
+        ctx.replay = call.replays
+        call.pending = weakref.ref(ctx)
+        # Aliases: a Function's outputs are new tensors (the buffers are not).
+        aliases = tuple(t.detach() for t in outs)
+        keep = set(call.diff_out)
+        ctx.mark_non_differentiable(*(t for k, t in enumerate(aliases) if k not in keep))
+        return aliases
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        call: GraphedCall = ctx.call
+        if torch.is_grad_enabled():  # autograd runs a backward with grad mode = create_graph
+            raise RuntimeError(
+                f"{call.label}: a backward with create_graph=True (a gradient penalty, a "
+                f"higher-order gradient) differentiates the backward, which a replayed graph "
+                f"cannot: its gradients would carry no history; run the pipe with graphs=False "
+                f"for that"
+            )
+        if getattr(ctx, "done", False):
+            raise RuntimeError(
+                f"{call.label}: a second backward through the same graphed forward "
+                f"(retain_graph=True) would read activations its first backward reused; "
+                f"run the pipe with graphs=False for that"
+            )
+        ctx.done = True
+        if ctx.replay != call.replays:
+            raise RuntimeError(
+                f"{call.label}: its graphs replayed another micro-batch's forward before this "
+                f"backward, so the activations it needs are gone (a backward run twice with "
+                f"retain_graph=True after a new forward?); run the pipe with graphs=False for that"
+            )
+        call.pending = None
+        picked = [grads[k] for k in call.diff_out]
+        if all(g is None for g in picked):
+            # No gradient reached the call: eager autograd computes nothing here.
+            return (None,) * (2 + len(call.static_in))
+        store = call.store
+        if store is not None and not _accumulates():
+            # torch.autograd.grad or backward(inputs=...): autograd leaves
+            # .grad alone, and so must the graph that adds into it (no hook
+            # runs on a gradient that is then taken back).
+            store.save()
+            try:
+                got = call.backward(picked, object(), hooks=False)
+            finally:
+                store.restore()
+        else:
+            got = call.backward(picked, _graph_task(), autograd=True)
+        it = iter(got)
+        out: list[Tensor | None] = []
+        for t, escapes in zip(call.static_in, ctx.escapes):
+            g = next(it) if t.requires_grad else None
+            out.append(g.clone() if g is not None and escapes else g)
+        return (None, None, *out)
+
+
+_OURS = ("ReplayBackward", "CopyBackward", "HostWaitBackward")
+
+
+def _ours(t: Tensor) -> bool:
+    """Whether ``t`` came out of a replay or a copy of a pipe (whose backward
+    copies or consumes the gradient it is given)."""
+    fn = t.grad_fn
+    return fn is not None and type(fn).__name__ in _OURS
+
+
+# The anchor's gradient accumulator, held: a leaf keeps only a weak
+# reference to its own, and finding it again costs an operator (a view) in
+# every replayed backward task.
+_ANCHOR_NODE: Node = get_gradient_edge(_ANCHOR).node
+
+
+def _accumulates() -> bool:
+    """Whether the running backward accumulates into leaves: a plain
+    ``backward()``, not ``torch.autograd.grad`` nor ``backward(inputs=)``
+    (where the anchor, an input of every replay, is not asked for)."""
+    try:
+        return private.will_engine_execute_node(_ANCHOR_NODE)
+    except private.PrivateApiError:
+        raise  # a torch without the call: no silent loss of every gradient
+    except RuntimeError:
+        return False
+
+
+def _graph_task() -> int:
+    """The running backward pass's id (-1 where torch cannot tell)."""
+    return private.current_graph_task_id()
