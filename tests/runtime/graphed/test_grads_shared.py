@@ -50,6 +50,30 @@ def test_two_kinds_of_call_interleaved_in_one_backward_add_every_gradient() -> N
             torch.testing.assert_close(p.grad, q.grad, msg=name)
 
 
+def _three_stages(model: nn.Sequential) -> tuple[Pipe, Tensor, Tensor]:
+    """A pipe of a copy of ``model`` (``mlp([5, 5, 5, 5])``) in three stages
+    of two layers, replays emulated, and a batch of 7 rows with its targets."""
+    pipe = Pipe(
+        copy.deepcopy(model), chunks=3, balance=[2, 2, 2], devices=["cpu"] * 3,
+        graphs=Emulated(),
+    )  # fmt: skip
+    x, y = torch.randn(7, 5, dtype=torch.float64), torch.randn(7, 5, dtype=torch.float64)
+    return pipe, x, y
+
+
+def _tied_after_capture() -> tuple[nn.Sequential, Pipe, Tensor, Tensor]:
+    """A model and its :func:`_three_stages` pipe, each run forward and
+    backward once (the pipe captures), then layer 4's weight tied to layer
+    0's: stage 0's store holds it as its own, stage 2's new store in a side
+    buffer."""
+    model = mlp([5, 5, 5, 5])
+    pipe, x, y = _three_stages(model)
+    for m in (model, pipe):
+        nn.functional.mse_loss(m(x), y).backward()  # captures
+        m[4].weight = m[0].weight
+    return model, pipe, x, y
+
+
 def test_a_weight_tied_after_the_first_capture_is_added_after_every_stage_s_wait(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -59,15 +83,7 @@ def test_a_weight_tied_after_the_first_capture_is_added_after_every_stage_s_wait
     # final callback, must not add its side buffer into .grad before stage
     # 0's flush has ordered the caller's stream after stage 0's graphs: on
     # a GPU the two adds would race. No flush may change that .grad.
-    model = mlp([5, 5, 5, 5])
-    pipe = Pipe(
-        copy.deepcopy(model), chunks=3, balance=[2, 2, 2], devices=["cpu"] * 3,
-        graphs=Emulated(),
-    )  # fmt: skip
-    x, y = torch.randn(7, 5, dtype=torch.float64), torch.randn(7, 5, dtype=torch.float64)
-    for m in (model, pipe):
-        nn.functional.mse_loss(m(x), y).backward()  # captures
-        m[4].weight = m[0].weight
+    model, pipe, x, y = _tied_after_capture()
     changed: list[bool] = []
     flush = GradStore.flush
 
@@ -93,11 +109,7 @@ def test_a_hook_raising_in_the_last_flush_leaves_later_tied_gradients_whole() ->
     # the next pass must queue its own.
     model = mlp([5, 5, 5, 5])
     model[4].weight = model[0].weight
-    pipe = Pipe(
-        copy.deepcopy(model), chunks=3, balance=[2, 2, 2], devices=["cpu"] * 3,
-        graphs=Emulated(),
-    )  # fmt: skip
-    x, y = torch.randn(7, 5, dtype=torch.float64), torch.randn(7, 5, dtype=torch.float64)
+    pipe, x, y = _three_stages(model)
     nn.functional.mse_loss(pipe(x), y).backward()  # captures
     failing = [True]
 
@@ -122,16 +134,8 @@ def test_a_weight_tied_after_the_first_capture_runs_its_hook_once_per_pass(
     # Stage 0's store holds the weight as its own, stage 2's new store in a
     # side buffer: its hook runs once, with the whole gradient, as when the
     # weights were tied from the start (not also after stage 0's adds).
-    model = mlp([5, 5, 5, 5])
-    pipe = Pipe(
-        copy.deepcopy(model), chunks=3, balance=[2, 2, 2], devices=["cpu"] * 3,
-        graphs=Emulated(),
-    )  # fmt: skip
-    x, y = torch.randn(7, 5, dtype=torch.float64), torch.randn(7, 5, dtype=torch.float64)
+    model, pipe, x, y = _tied_after_capture()
     seen: list[Tensor] = []
-    for m in (model, pipe):
-        nn.functional.mse_loss(m(x), y).backward()  # captures
-        m[4].weight = m[0].weight
     pipe[0].weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
     for _ in range(2):  # the second pass replays stage 2's new graphs
         seen.clear()
