@@ -176,6 +176,23 @@ def _trains_as_the_module(model: nn.Module, batch: Any, tracer: str) -> tuple[Pi
     return pipe, ref
 
 
+def _clones_per_call(model: nn.Module, batch: Any) -> int:
+    """The tensors a pipe of ``model`` (as in :func:`_trains_as_the_module`,
+    traced by torch.fx, which it trains as) copies in one call on ``batch``."""
+    pipe, _ = _trains_as_the_module(model, batch, "fx")
+    with Ops() as ops:
+        pipe(batch)
+    return ops.ops["clone"]
+
+
+def _refused(model: nn.Module, leaf: type[nn.Module], changed: str) -> None:
+    """A pipe of ``model`` split at ``b`` and ``c`` (``leaf`` kept whole) is
+    refused: stage 1's ``mul_`` changes ``changed``, which stage 2 reads."""
+    refused = f"'mul_' in stage 1 changes '{changed}' in place, which stage 2"
+    with pytest.raises(ValueError, match=refused):
+        Pipe(model, chunks=2, split_points=["b", "c"], devices=["cpu"] * 3, leaf_modules=[leaf])
+
+
 class ChangesInput(nn.Module):
     """Changes its input in place, where stage 0 begins; stage 1 reads it too."""
 
@@ -239,10 +256,7 @@ def test_a_structured_input_gets_a_copy_of_the_changed_tensor_alone(model: type[
     # Every tensor of the batch was copied per micro-batch, batch["y"] too.
     x, y, z = (torch.randn(7, 4, dtype=torch.float64) for _ in range(3))
     batch = {"x": x, "y": y} if model is ChangesDictInput else {"in": {"x": x, "z": z}, "y": y}
-    pipe, _ = _trains_as_the_module(model(), batch, "fx")
-    with Ops() as ops:
-        pipe(batch)
-    assert ops.ops["clone"] == 3  # one of the changed tensor per micro-batch
+    assert _clones_per_call(model(), batch) == 3  # one of the changed tensor per micro-batch
 
 
 class Batch(NamedTuple):
@@ -266,10 +280,8 @@ def test_a_namedtuple_input_changed_through_a_field_gets_a_copy_of_it() -> None:
     # ``batch.x`` was not seen as the input's: no copy, so the micro-batches'
     # changes failed each other's backward, and the caller's batch changed.
     batch = Batch(*(torch.randn(7, 4, dtype=torch.float64) for _ in range(2)))
-    pipe, _ = _trains_as_the_module(ChangesNamedTupleInput(), batch, "fx")
-    with Ops() as ops:
-        pipe(batch)
-    assert ops.ops["clone"] == 3  # of batch.x alone, per micro-batch
+    model = ChangesNamedTupleInput()
+    assert _clones_per_call(model, batch) == 3  # of batch.x alone, per micro-batch
 
 
 class Pair(nn.Module):
@@ -299,10 +311,7 @@ class ChangesAField(nn.Module):
 
 def test_a_change_of_another_stage_s_namedtuple_field_is_refused() -> None:
     # It was let through: stage 2 read ``out.x`` as stage 0 made it, unchanged.
-    refused = "'mul_' in stage 1 changes 'pair' in place, which stage 2"
-    with pytest.raises(ValueError, match=refused):
-        Pipe(ChangesAField(), chunks=2, split_points=["b", "c"], devices=["cpu"] * 3,
-             leaf_modules=[Pair])  # fmt: skip
+    _refused(ChangesAField(), Pair, "pair")
 
 
 class AugmentsInput(nn.Module):
@@ -447,10 +456,7 @@ class ChangesOtherField(nn.Module):
 def test_a_change_of_one_field_of_a_leaf_s_result_is_refused(leaf: type[nn.Module]) -> None:
     # A leaf's fields were memories of their own: AliasedPair's was let through, and
     # across devices stage 2 would read out.y, a view of out.x, unchanged.
-    refused = "'mul_' in stage 1 changes 'pair' in place, which stage 2"
-    with pytest.raises(ValueError, match=refused):
-        Pipe(ChangesOtherField(leaf()), chunks=2, split_points=["b", "c"], devices=["cpu"] * 3,
-             leaf_modules=[leaf])  # fmt: skip
+    _refused(ChangesOtherField(leaf()), leaf, "pair")
 
 
 class ChangesOneResult(nn.Module):
@@ -503,10 +509,7 @@ class ChangesByIndex(nn.Module):
 @pytest.mark.parametrize("tensor", [False, True])
 def test_an_index_that_may_read_a_tensor_stays_one_memory(tensor: bool) -> None:
     # fx cannot tell a leaf's tuple from a tensor, and x[-1] of a tensor may be x[0].
-    refused = "'mul_' in stage 1 changes 'both' in place, which stage 2"
-    with pytest.raises(ValueError, match=refused):
-        Pipe(ChangesByIndex(tensor), chunks=2, split_points=["b", "c"], devices=["cpu"] * 3,
-             leaf_modules=[Both])  # fmt: skip
+    _refused(ChangesByIndex(tensor), Both, "both")
 
 
 class Odd(NamedTuple):
@@ -547,10 +550,7 @@ class ChangesAnOddField(nn.Module):
 def test_a_change_of_a_field_named_as_a_tensor_attribute_is_refused(name: str) -> None:
     # out.grad was taken for a tensor's grad, out.shape for a size: the change was let
     # through, and stage 2 read the field as stage 0 made it.
-    refused = "'mul_' in stage 1 changes 'pair' in place, which stage 2"
-    with pytest.raises(ValueError, match=refused):
-        Pipe(ChangesAnOddField(name), chunks=2, split_points=["b", "c"], devices=["cpu"] * 3,
-             leaf_modules=[OddPair])  # fmt: skip
+    _refused(ChangesAnOddField(name), OddPair, "pair")
 
 
 class ChangesAnOddInput(nn.Module):
@@ -568,10 +568,7 @@ class ChangesAnOddInput(nn.Module):
 def test_an_input_s_field_named_as_a_tensor_attribute_gets_a_copy() -> None:
     # batch.grad was not seen as the input's: no copy, and the caller's batch changed.
     batch = Odd(*(torch.randn(7, 4, dtype=torch.float64) for _ in range(3)))
-    pipe, _ = _trains_as_the_module(ChangesAnOddInput(), batch, "fx")
-    with Ops() as ops:
-        pipe(batch)
-    assert ops.ops["clone"] == 3  # of batch.grad alone, per micro-batch
+    assert _clones_per_call(ChangesAnOddInput(), batch) == 3  # of batch.grad alone, per micro-batch
 
 
 class AugmentsThroughAnAttribute(nn.Module):
