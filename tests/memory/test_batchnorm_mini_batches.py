@@ -17,6 +17,20 @@ from mpstream import Pipe
 from tests.memory.test_batchnorm import assert_same_stats, running_stats
 
 
+def _deferred(model: nn.Module, chunks: int = 2, balance: tuple[int, int] = (2, 1)) -> Pipe:
+    """``model`` in two stages on the CPU, its BatchNorms deferred."""
+    return Pipe(model, chunks=chunks, balance=list(balance), devices=["cpu", "cpu"],
+                deferred_batch_norm=True)  # fmt: skip
+
+
+def _run(pipe: Pipe, x: torch.Tensor, y: torch.Tensor, step: bool) -> None:
+    """A training step of ``pipe`` on ``x`` towards ``y`` (``step``), else a call on ``x``."""
+    if step:
+        pipe.train_step(x, y, nn.MSELoss())
+    else:
+        pipe(x)
+
+
 class _Sometimes(nn.Module):
     """A BatchNorm that a micro-batch of 3 or fewer samples skips."""
 
@@ -35,13 +49,10 @@ def test_a_norm_skipped_for_some_micro_batches_updates_from_those_it_ran_on(step
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), _Sometimes(), nn.Linear(4, 2)).double()
     ref = copy.deepcopy(model)
-    pipe = Pipe(model, chunks=3, balance=[2, 1], devices=["cpu", "cpu"], deferred_batch_norm=True)
+    pipe = _deferred(model, chunks=3)
     for calls in (1, 2, 3):
-        x = torch.randn(10, 4, dtype=torch.float64)
-        if step:
-            pipe.train_step(x, torch.randn(10, 2, dtype=torch.float64), nn.MSELoss())
-        else:
-            pipe(x)
+        x, y = torch.randn(10, 4, dtype=torch.float64), torch.randn(10, 2, dtype=torch.float64)
+        _run(pipe, x, y, step)
         with torch.no_grad():
             ref[1].bn(ref[0](x[:8]))  # the samples the pipe's norm saw, at once
         norm = pipe[1].bn
@@ -66,23 +77,16 @@ class _Twice(nn.Module):
 def test_a_norm_called_twice_in_a_forward_says_it_pools_its_calls(step: bool) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), _Twice(), nn.Linear(4, 2)).double()
-    pipe = Pipe(model, chunks=2, balance=[2, 1], devices=["cpu", "cpu"], deferred_batch_norm=True)
+    pipe = _deferred(model)
     x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
-
-    def call() -> None:
-        if step:
-            pipe.train_step(x, y, nn.MSELoss())
-        else:
-            pipe(x)
-
     said = r"ran 4 times in a mini-batch of 2 micro-batches: called more than once"
     with pytest.warns(UserWarning, match=said):
-        call()
+        _run(pipe, x, y, step)
     norm = pipe[1].bn
     assert norm.tracked == 0  # nothing left for the next mini-batch
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # said once
-        call()
+        _run(pipe, x, y, step)
 
 
 def test_a_norm_called_twice_counts_each_call_in_pipe_x_and_train_step() -> None:
@@ -94,11 +98,7 @@ def test_a_norm_called_twice_counts_each_call_in_pipe_x_and_train_step() -> None
     plain, micro = copy.deepcopy(model), copy.deepcopy(model)
     seen: list[torch.Tensor] = []  # the inputs of the pipe's calls
     micro[1].bn.register_forward_pre_hook(lambda _, a: seen.append(a[0].detach()))
-    called, stepped = (
-        Pipe(copy.deepcopy(model), chunks=2, balance=[2, 1], devices=["cpu", "cpu"],
-             deferred_batch_norm=True)
-        for _ in range(2)
-    )  # fmt: skip
+    called, stepped = (_deferred(copy.deepcopy(model)) for _ in range(2))
     x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -127,31 +127,20 @@ def test_the_pooled_warning_raised_as_an_error_updates_no_norm(step: bool) -> No
     model = nn.Sequential(
         nn.Linear(4, 4), nn.BatchNorm1d(4), _Twice(), nn.BatchNorm1d(4), nn.Linear(4, 2)
     ).double()
-    pipe, twin = (
-        Pipe(copy.deepcopy(model), chunks=2, balance=[3, 2], devices=["cpu", "cpu"],
-             deferred_batch_norm=True)
-        for _ in range(2)
-    )  # fmt: skip
+    pipe, twin = (_deferred(copy.deepcopy(model), balance=(3, 2)) for _ in range(2))
     x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
-
-    def call(p: Pipe) -> None:
-        if step:
-            p.train_step(x, y, nn.MSELoss())
-        else:
-            p(x)
-
     before = [b.clone() for b in pipe.buffers()]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with pytest.raises(UserWarning, match="called more than once"):
-            call(pipe)
+            _run(pipe, x, y, step)
     for a, b in zip(pipe.buffers(), before):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert all(n.tracked == 0 for n in pipe.modules() if isinstance(n, nn.BatchNorm1d))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        call(pipe)  # as if the failed call had not happened
-        call(twin)
+        _run(pipe, x, y, step)  # as if the failed call had not happened
+        _run(twin, x, y, step)
     for a, b in zip(pipe.buffers(), twin.buffers()):
         torch.testing.assert_close(a, b)
 
@@ -162,7 +151,7 @@ def test_sums_left_after_a_call_are_not_part_of_the_next() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)).double()
     ref = copy.deepcopy(model)
-    pipe = Pipe(model, chunks=2, balance=[2, 1], devices=["cpu", "cpu"], deferred_batch_norm=True)
+    pipe = _deferred(model)
     x = torch.randn(8, 3, dtype=torch.float64)
     pipe(x)
     ref(x)
