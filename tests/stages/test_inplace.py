@@ -177,8 +177,8 @@ def _trains_as_the_module(model: nn.Module, batch: Any, tracer: str) -> tuple[Pi
 
 
 def _clones_per_call(model: nn.Module, batch: Any) -> int:
-    """The tensors a pipe of ``model`` (as in :func:`_trains_as_the_module`,
-    traced by torch.fx, which it trains as) copies in one call on ``batch``."""
+    """Checks that a torch.fx pipe of ``model`` trains as ``model``
+    (:func:`_trains_as_the_module`); the tensors it copies in one call on ``batch``."""
     pipe, _ = _trains_as_the_module(model, batch, "fx")
     with Ops() as ops:
         pipe(batch)
