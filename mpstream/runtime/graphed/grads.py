@@ -22,28 +22,36 @@ ordered the current streams after its graphs (a store made before the
 weights were tied holds one as its own, its graphs adding into ``.grad``).
 
 A parameter two stores hold as their own (the splits of a traced pipe's
-two kinds of call, each with its stores) is the ``.grad`` of the one that
-attached it last: a store that takes it over from another tells the others
-to check theirs again before their next replay within the pass.
+two kinds of call; two pipes over one module) is the ``.grad`` of the one
+that attached it last. One that takes it over copies the other's view on its
+own stream, which is another where the parameter sits in stages of other
+indices in the two splits: the copy waits for the streams the other's graphs
+added on this pass, and the view is marked for that stream (the allocator's
+rule). It tells the others to check theirs again before their next replay
+within the pass.
 """
 
 from __future__ import annotations
 
 import itertools
 import operator
-from collections.abc import Callable, Sequence
+import weakref
+from collections.abc import Callable, Iterable, Sequence
 from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
 
 from ... import _ext
-from ..stream import current_stream, record_stream
+from ..stream import AnyStream, CPUStream, current_stream, record_stream
 
 __all__ = ["GradStore", "TiedHooks", "lay_out"]
 
 _C = _ext.load()
 _hooks = operator.attrgetter("_post_accumulate_grad_hooks")
+#: The store of each flat buffer's view, by the view's ``id()`` (the view
+#: lives as long as its store): a store taking a ``.grad`` over finds its owner.
+_owners: weakref.WeakValueDictionary[int, GradStore] = weakref.WeakValueDictionary()
 
 
 def lay_out(
@@ -62,6 +70,14 @@ def lay_out(
         views.append(flat.as_strided(p.shape, strides, offset))
         offset += p.numel()
     return flat, views
+
+
+def _after(stream: AnyStream, producers: Iterable[torch.cuda.Stream]) -> None:
+    """Orders ``stream`` after the work issued so far on ``producers``."""
+    if not isinstance(stream, CPUStream):
+        for producer in producers:
+            if producer != stream:
+                stream.wait_stream(producer)
 
 
 class TiedHooks:
@@ -169,6 +185,9 @@ class GradStore:
         self._owned_params = [self.params[i] for i in self._owned]
         self._owned_views = [self.views[i] for i in self._owned]
         self._attached = _C.Attached(self._owned_params, self._owned_views)
+        for view in self._owned_views:
+            _owners[id(view)] = self
+        self._device = self.params[0].device if self.params else torch.device("cpu")
         self._detached: set[int] = set()  # positions detached at the pass's start, not since
         self._hooked: list[int] = []  # positions with post-accumulate hooks, this pass
         self._pass: object = None  # the backward pass (or run) ensure() last saw
@@ -220,12 +239,12 @@ class GradStore:
         hooked = self._ready.get(id(reached))
         if hooked is not None:
             return hooked
-        if self.views and self.views[0].is_cuda:
-            stream = torch.cuda.current_stream(self.views[0].device)
+        stream = current_stream(self._device)
+        if not isinstance(stream, CPUStream):
             self._streams[stream.stream_id] = stream
         fresh = [i for i in self._detached if i in reached]
         if fresh:
-            self._attach(fresh)
+            self._attach(fresh, stream)
             self._detached.difference_update(fresh)
             self._seen = GradStore.taken  # its own take needs no check again
         sides = [i for i in self._side if i in reached and i not in self._reached_side]
@@ -254,19 +273,31 @@ class GradStore:
             self._detached |= moved
             self._ready = {}
 
-    def _attach(self, fresh: list[int]) -> None:
+    def _attach(self, fresh: list[int], stream: AnyStream) -> None:
         """Makes the views of ``fresh`` their parameters' gradients: zeroed
-        where ``.grad`` was None, filled with it where it was another tensor."""
+        where ``.grad`` was None, filled with it where it was another tensor
+        (on ``stream``, after the streams another store's graphs added on)."""
         with torch.no_grad():
-            nones = [i for i in fresh if self.params[i].grad is None]
-            others = [i for i in fresh if self.params[i].grad is not None]
+            had = [(i, self.params[i].grad) for i in fresh]
+            nones = [i for i, g in had if g is None]
+            others = [(i, g) for i, g in had if g is not None]
             if len(nones) == len(self._owned) and len(self.flats) == 1:
                 self.flats[0].zero_()  # the common case: after zero_grad(), one kernel
             elif nones:
                 torch._foreach_zero_([self.views[i] for i in nones])
             if others:
-                grads = [self.params[i].grad for i in others]
-                torch._foreach_copy_([self.views[i] for i in others], grads)  # type: ignore[arg-type]
+                owners: dict[int, GradStore] = {}
+                grads = [g for _, g in others]
+                for g in grads:
+                    owner = _owners.get(id(g))
+                    if owner is not None and owner is not self:
+                        owners[id(owner)] = owner
+                _after(stream, [s for o in owners.values() for s in list(o._streams.values())])
+                torch._foreach_copy_([self.views[i] for i, _ in others], grads)
+                for g in grads:
+                    # Freed once .grad lets go of it (the user's), while
+                    # this stream may still read it.
+                    record_stream(g, stream)
                 GradStore.taken += 1
             for i in fresh:
                 self.params[i].grad = self.views[i]
@@ -284,8 +315,7 @@ class GradStore:
         hooks, self._hooks = list(self._hooks), set()
         tied_hooks, self._tied_hooks = list(self._tied_hooks), set()
         self._pass, self._ready = None, {}
-        for stream in streams:
-            torch.cuda.current_stream(stream.device).wait_stream(stream)
+        _after(current_stream(self._device), streams)
         # A tied parameter's hooks run once, after every stage's side buffer
         # is in (eager autograd would run them after each accumulation).
         self.tied.add([(self.params[i], self.views[i]) for i in reached], autograd, tied_hooks)
@@ -303,8 +333,7 @@ class GradStore:
         after the graphs' adds."""
         if self._pass is None:
             return
-        for stream in self._streams.values():
-            torch.cuda.current_stream(stream.device).wait_stream(stream)
+        _after(current_stream(self._device), self._streams.values())
         self._pass, self._ready, self._reached_side = None, {}, set()
         self._hooks, self._tied_hooks, self._streams = set(), set(), {}
         self.tied.discard()

@@ -1,20 +1,23 @@
 """Gradients of a parameter that more than one gradient store holds: the
 splits of a traced pipe's two kinds of call, each with its own stores, and
 a weight tied after the first capture (replays emulated on the CPU, see
-test_stages.py)."""
+test_stages.py; a take-over's stream order on fake streams, and on a GPU)."""
 
 from __future__ import annotations
 
 import copy
+from collections import Counter, defaultdict
+from typing import Any
 
 import pytest
 import torch
 from torch import Tensor, nn
 
 from mpstream import Pipe
-from mpstream.runtime.graphed import Emulated
+from mpstream.runtime.graphed import Emulated, grads
+from mpstream.runtime.graphed.call import GraphedCall
 from mpstream.runtime.graphed.grads import GradStore
-from tests.helpers import mlp
+from tests.helpers import assert_same_grads, mlp
 
 
 class Masked(nn.Module):
@@ -148,3 +151,154 @@ def test_a_weight_tied_after_the_first_capture_runs_its_hook_once_per_pass(
             nn.functional.mse_loss(pipe(x), y).backward()
         assert len(seen) == 1
         torch.testing.assert_close(seen[0], model[0].weight.grad)
+
+
+class Swapped(nn.Module):
+    """Two kinds of call that put ``a`` in different stages (split at ``b``):
+    without ``flip`` stage 0 is ``c, a``; with it, stage 1 is ``b, a``."""
+
+    def __init__(self, width: int = 4, delay: nn.Module | None = None) -> None:
+        super().__init__()
+        self.c, self.a, self.b = (nn.Linear(width, width) for _ in range(3))
+        self.delay = delay or nn.Identity()
+
+    def forward(self, x: Tensor, flip: Tensor | None = None) -> Tensor:
+        h = self.delay(self.c(x))
+        if flip is None:
+            return self.b(self.a(h))  # type: ignore[no-any-return]
+        return self.a(self.b(h) * flip)  # type: ignore[no-any-return]
+
+
+def interleaved(m: nn.Module, x: Tensor, x2: Tensor, flip: Tensor) -> None:
+    """One backward through both kinds, the second's replays between the first's."""
+    m.zero_grad()
+    outs = [m(x), m(x, flip), m(x2)]  # later calls' backwards run first
+    sum(y.square().sum() for y in outs).backward()
+
+
+class FakeStream:
+    """A stage's CUDA stream (or the caller's) stand-in: logs its waits."""
+
+    def __init__(self, name: str, log: list[tuple[str, str, Any]]) -> None:
+        self.name, self.log = name, log
+        self.stream_id, self.device = id(self), torch.device("cpu")
+
+    def wait_stream(self, other: FakeStream) -> None:
+        self.log.append(("wait", self.name, other.name))
+
+
+def unordered_reads(log: list[tuple[str, str, Any]]) -> tuple[list[str], set[tuple[str, int]]]:
+    """The reads of a buffer that no wait orders after the last write to it
+    on another stream (vector clocks over the log), and each cross-stream
+    read as (reading stream, buffer)."""
+    seen: defaultdict[str, dict[str, int]] = defaultdict(dict)  # what each stream waited for
+    issued: Counter[str] = Counter()
+    written: dict[int, tuple[str, int]] = {}
+    bad, crossed = [], set()
+    for op, stream, what in log:
+        issued[stream] += 1
+        seen[stream][stream] = issued[stream]
+        if op == "wait":
+            for other, n in seen[what].items():
+                seen[stream][other] = max(seen[stream].get(other, 0), n)
+        elif op in ("copy", "add"):
+            reads, writes = what
+            for t in reads:
+                if t in written and written[t][0] != stream:
+                    crossed.add((stream, t))
+                    if seen[stream].get(written[t][0], 0) < written[t][1]:
+                        bad.append(f"{stream} read what {written[t][0]} wrote, unordered")
+            for t in writes:
+                written[t] = (stream, issued[stream])
+    return bad, crossed
+
+
+def test_a_take_over_from_another_kind_s_stage_waits_for_its_stream(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # 'a' is stage 0's in one kind, stage 1's in the other: on one GPU the
+    # two stores add on two streams. A store taking a.grad over copies the
+    # other's view: after a wait on the stream that other's graphs added
+    # on, and with the view marked for the copying stream.
+    log: list[tuple[str, str, Any]] = []
+    streams: dict[str, FakeStream] = {}
+    current = [FakeStream("caller", log)]
+
+    def on_stage_stream(method: Any) -> Any:
+        def run(call: GraphedCall, *args: Any, **kwargs: Any) -> Any:
+            before = current[0]
+            current[0] = streams.setdefault(call.label, FakeStream(call.label, log))
+            try:
+                return method(call, *args, **kwargs)
+            finally:
+                current[0] = before
+
+        return run
+
+    def logged(op: str, foreach: Any) -> Any:
+        def run(dst: list[Tensor], src: list[Tensor]) -> None:
+            reads = [id(t) for t in src] + ([id(t) for t in dst] if op == "add" else [])
+            log.append((op, current[0].name, (reads, [id(t) for t in dst])))
+            foreach(dst, src)
+
+        return run
+
+    marks: set[tuple[str, int]] = set()
+    monkeypatch.setattr(grads, "current_stream", lambda device: current[0])
+    monkeypatch.setattr(grads, "record_stream", lambda t, s: marks.add((s.name, id(t))))
+    for name in ("backward", "weight"):
+        monkeypatch.setattr(GraphedCall, name, on_stage_stream(getattr(GraphedCall, name)))
+    monkeypatch.setattr(torch, "_foreach_copy_", logged("copy", torch._foreach_copy_))
+    monkeypatch.setattr(torch, "_foreach_add_", logged("add", torch._foreach_add_))
+    model = Swapped().double()
+    pipe = Pipe(
+        copy.deepcopy(model), split_points=["b"], devices=["cpu", "cpu"], chunks=2,
+        graphs=Emulated(),
+    )  # fmt: skip
+    x, x2, flip = (torch.randn(4, 4, dtype=torch.float64) for _ in range(3))
+    for _ in range(2):  # the second pass replays
+        log.clear()
+        for m in (model, pipe):
+            interleaved(m, x, x2, flip)
+        assert_same_grads(pipe, model)
+    bad, crossed = unordered_reads(log)
+    assert not bad, bad
+    assert crossed, "no store took a .grad over from another stream's"
+    assert crossed <= marks
+
+
+class Delay(torch.autograd.Function):
+    """Its backward keeps the stream busy before the stage's gradient adds."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:  # type: ignore[override]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> Tensor:  # type: ignore[override]
+        torch.cuda._sleep(50_000_000)  # tens of milliseconds
+        return g
+
+
+class Delayed(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return Delay.apply(x)  # type: ignore[no-any-return]
+
+
+@pytest.mark.cuda
+def test_cuda_a_take_over_from_another_kind_s_stage_reads_its_whole_gradient() -> None:
+    # Without flip, stage 0's backward graphs (stream 0) add a's gradient
+    # after a long wait; the flipped kind's stage 1 (stream 1) then takes
+    # a.grad over. Unordered, its copy reads the view before those adds.
+    torch.manual_seed(0)
+    model = Swapped(64, Delayed()).double().cuda()
+    pipe = Pipe(
+        copy.deepcopy(model), split_points=["b"], devices=["cuda:0", "cuda:0"], chunks=2,
+        graphs=True, leaf_modules=[Delayed],
+    )  # fmt: skip
+    x, x2, flip = (torch.randn(8, 64, dtype=torch.float64, device="cuda") for _ in range(3))
+    for _ in range(3):  # captures, then replays
+        for m in (model, pipe):
+            interleaved(m, x, x2, flip)
+        assert_same_grads(pipe, model)
+    assert all(s.graphed for s in pipe.graph_report().stages), pipe.graph_report()
