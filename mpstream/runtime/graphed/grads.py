@@ -27,8 +27,8 @@ that attached it last. One that takes it over copies the other's view on its
 own stream, which is another where the parameter sits in stages of other
 indices in the two splits: the copy waits for the streams the other's graphs
 added on this pass, and the view is marked for that stream (the allocator's
-rule). It tells the others to check theirs again before their next replay
-within the pass.
+rule). The store taken from, alone, checks its parameters again before its
+next replay within the pass.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ import itertools
 import operator
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -150,11 +149,6 @@ class GradStore:
             buffer (its ``.grad`` while attached), or its side buffer.
     """
 
-    #: Counts the attaches that took a ``.grad`` over from another tensor
-    #: (another store's view, or one the user set): a store whose count is
-    #: behind checks its parameters again, even within a pass.
-    taken: ClassVar[int] = 0
-
     def __init__(
         self,
         params: Sequence[nn.Parameter],
@@ -191,7 +185,9 @@ class GradStore:
         self._detached: set[int] = set()  # positions detached at the pass's start, not since
         self._hooked: list[int] = []  # positions with post-accumulate hooks, this pass
         self._pass: object = None  # the backward pass (or run) ensure() last saw
-        self._seen = GradStore.taken  # the count when the parameters were last checked
+        # Set by a store taking a .grad over from this one (in any thread),
+        # after .grad changed; cleared before a check: no take is missed.
+        self._taken_from = False
         # id() of each reached-set ensured in it, and its hooked parameters
         self._ready: dict[int, list[nn.Parameter]] = {}
         self._reached_side: set[int] = set()
@@ -221,21 +217,19 @@ class GradStore:
         there, so the hooks run then, and nothing else orders the caller's
         stream after the stage's, where the graphs added into ``.grad``."""
         if token != self._pass:
-            self._pass, self._ready = token, {}
+            self._pass, self._ready, self._taken_from = token, {}, False
             self._detached = {self._owned[j] for j in self._attached.detached()}
-            self._seen = GradStore.taken
             self._hooked = list(
                 itertools.compress(range(len(self.params)), map(_hooks, self.params))
             )
             if autograd:
                 torch.autograd.Variable._execution_engine.queue_callback(self.flush)
-        elif self._seen != GradStore.taken:
-            # Another store took a .grad over within this pass (the other
-            # kind's split replayed in between): this store's view of it
-            # is no longer .grad, and the next replay must not add there.
-            self._ready = {}
+        elif self._taken_from:
+            # Another store took a .grad over from this one within this pass
+            # (the other kind's split replayed in between): the next replay
+            # must not add into this store's view, no longer .grad.
+            self._ready, self._taken_from = {}, False
             self._detached = {self._owned[j] for j in self._attached.detached()}
-            self._seen = GradStore.taken
         hooked = self._ready.get(id(reached))
         if hooked is not None:
             return hooked
@@ -246,7 +240,6 @@ class GradStore:
         if fresh:
             self._attach(fresh, stream)
             self._detached.difference_update(fresh)
-            self._seen = GradStore.taken  # its own take needs no check again
         sides = [i for i in self._side if i in reached and i not in self._reached_side]
         for i in sides:
             self.views[i].zero_()
@@ -285,8 +278,8 @@ class GradStore:
                 self.flats[0].zero_()  # the common case: after zero_grad(), one kernel
             elif nones:
                 torch._foreach_zero_([self.views[i] for i in nones])
+            owners: dict[int, GradStore] = {}
             if others:
-                owners: dict[int, GradStore] = {}
                 grads = [g for _, g in others]
                 for g in grads:
                     owner = _owners.get(id(g))
@@ -298,9 +291,10 @@ class GradStore:
                     # Freed once .grad lets go of it (the user's), while
                     # this stream may still read it.
                     record_stream(g, stream)
-                GradStore.taken += 1
             for i in fresh:
                 self.params[i].grad = self.views[i]
+        for owner in owners.values():
+            owner._taken_from = True  # after .grad changed (see __init__)
 
     def flush(self, autograd: bool = True) -> None:
         """Ends a pass: orders the current streams after those the graphs

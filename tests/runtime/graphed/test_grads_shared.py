@@ -6,6 +6,7 @@ test_stages.py; a take-over's stream order on fake streams, and on a GPU)."""
 from __future__ import annotations
 
 import copy
+import threading
 from collections import Counter, defaultdict
 from typing import Any
 
@@ -265,6 +266,76 @@ def test_a_take_over_from_another_kind_s_stage_waits_for_its_stream(
     assert not bad, bad
     assert crossed, "no store took a .grad over from another stream's"
     assert crossed <= marks
+
+
+class CountingChecks:
+    """A store's ``Attached`` that counts how often it was asked."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.calls = inner, 0
+
+    def detached(self) -> list[int]:
+        self.calls += 1
+        return self.inner.detached()  # type: ignore[no-any-return]
+
+
+def test_one_pipe_s_take_over_makes_no_other_pipe_s_store_check_again() -> None:
+    # Pipe 1 takes over a .grad set by hand within a backward that runs
+    # pipe 2's replays before and after: pipe 2's stores check their
+    # parameters once in the pass, not again.
+    models = [mlp([5, 5, 5]) for _ in range(2)]
+    pipes = [
+        Pipe(copy.deepcopy(m), balance=[2, 2], devices=["cpu"] * 2, graphs=Emulated())
+        for m in models
+    ]
+    x, x2 = torch.randn(6, 5, dtype=torch.float64), torch.randn(6, 5, dtype=torch.float64)
+
+    def run(one: nn.Module, two: nn.Module) -> None:
+        for m in (one, two):
+            m.zero_grad()
+        one[0].weight.grad = torch.ones_like(one[0].weight)
+        (two(x).sum() + one(x).sum() + two(x2).sum()).backward()  # backward: two, one, two
+
+    for _ in range(2):  # captures, then replays
+        run(*models)
+        run(*pipes)
+    graphs = pipes[1]._rt()[1].graphs
+    assert graphs is not None
+    stores = [st.store for st in graphs.stages if st.store is not None]
+    counting = [CountingChecks(store._attached) for store in stores]
+    for store, checks in zip(stores, counting):
+        store._attached = checks
+    run(*models)
+    run(*pipes)
+    assert [c.calls for c in counting] == [1, 1]
+    for pipe, model in zip(pipes, models):
+        assert_same_grads(pipe, model)
+
+
+def test_a_take_over_while_the_store_taken_from_checks_is_not_missed() -> None:
+    # Another thread takes the .grad over from store `one` while `one`
+    # checks its parameters, after the check read them: `one` checks again
+    # before its next replay within the pass, and attaches them back.
+    params = list(nn.Linear(3, 3).double().parameters())
+    one, two = GradStore(params), GradStore(params)
+    reached, token = frozenset(range(len(params))), object()
+    one.ensure(reached, object())  # the views are .grad
+    checks = one._attached
+
+    class Interrupted:
+        def detached(self) -> list[int]:
+            found = checks.detached()
+            thread = threading.Thread(target=two.ensure, args=(reached, token))
+            thread.start()
+            thread.join()
+            return found  # type: ignore[no-any-return]
+
+    one._attached = Interrupted()
+    one.ensure(reached, token)
+    assert all(p.grad is v for p, v in zip(params, two.views))
+    one._attached = checks
+    one.ensure(reached, token)
+    assert all(p.grad is v for p, v in zip(params, one.views))
 
 
 class Delay(torch.autograd.Function):
