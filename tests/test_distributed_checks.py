@@ -132,6 +132,44 @@ def test_one_process_train_step_equals_the_pipes(group: None) -> None:
         torch.testing.assert_close(a.grad, b.grad)
 
 
+def test_a_batch_is_one_argument_and_a_spread_one_is_refused_with_what_to_do(
+    group: None,
+) -> None:
+    from tests.pipe.test_train_step_errors import Gated
+
+    model = Gated()
+    ref = Pipe(copy.deepcopy(model), split_size=4, split_points=["b"], devices=["cpu", "cpu"])
+    ddp = mpdist.wrap(Pipe(model, split_size=4, split_points=["b"], devices=["cpu", "cpu"]))
+    x = torch.randn(8, 4, dtype=torch.float64)
+    batch = {"x": x, "gate": torch.rand_like(x)}
+    y = torch.randn(8, 2, dtype=torch.float64)
+    with pytest.raises(
+        TypeError,
+        match=r"distributed.train_step got keyword argument\(s\) 'x', 'gate', .* one dict",
+    ):
+        mpdist.train_step(ddp, **batch)  # type: ignore[arg-type]
+    loss = mpdist.train_step(ddp, batch, y, nn.MSELoss())  # a traced module's keyword inputs
+    torch.testing.assert_close(loss, ref.train_step(batch, y, nn.MSELoss()))
+    for a, b in zip(ddp.module.parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_train_step_without_loss_fn_trains_on_the_modules_own_loss(group: None) -> None:
+    from tests.stages.test_export import Shaped
+
+    torch.manual_seed(0)
+    model = Shaped().double()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
+    batch = {"x": x, "target": y}
+    options: dict[str, Any] = {"chunks": 2, "split_points": ["head"], "devices": ["cpu"] * 2}
+    ref = Pipe(copy.deepcopy(model), sample=batch, **options)
+    ddp = mpdist.wrap(Pipe(model, sample=batch, **options))
+    loss = mpdist.train_step(ddp, batch)  # as pipe.train_step(batch)
+    torch.testing.assert_close(loss, ref.train_step(batch))
+    for a, b in zip(ddp.module.parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
 def test_graphed_stages_under_ddp_train_through_train_step(group: None) -> None:
     # Graphed stages add their gradients inside the graphs, past the
     # AccumulateGrad hooks DDP's reducer counts on: ddp(x) with gradients is

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
+from ..pipe.batchargs import batch_argument
 from ..pipe.pipe import Pipe
 from ..pipe.reduction import step_reduction
 from ..runtime.graphed.backends import pool_bytes
@@ -127,7 +128,8 @@ class CapturedStep:
             ``graphs=True``, whose stages keep pools of their own.
 
     Raises:
-        TypeError: ``pipe`` is not a Pipe, ``loss_fn`` is not callable,
+        TypeError: the batch spread into keywords (``CapturedStep(pipe, **batch)``:
+            pass it as ``inputs``), ``pipe`` is not a Pipe, ``loss_fn`` is not callable,
             ``optimizer`` is not an optimizer, or ``warmup`` is not an int.
         ValueError: ``warmup`` below 1, an unknown ``reduction``, stages on
             several GPUs without ``graphs=True``, on both CPU and CUDA,
@@ -142,6 +144,7 @@ class CapturedStep:
             are restored first.
     """
 
+    @batch_argument("CapturedStep", "CapturedStep(pipe, inputs, target, loss_fn, ...)")
     def __init__(
         self,
         pipe: Pipe,
@@ -333,6 +336,7 @@ class CapturedStep:
         return storage_bytes(t for t in held if t is not None)
 
     # -- calls ---------------------------------------------------------------
+    @batch_argument("CapturedStep", "step(inputs, target)")
     def __call__(self, inputs: Any, target: Any) -> Tensor:
         """Runs one step on ``inputs`` and ``target``.
 
@@ -348,6 +352,8 @@ class CapturedStep:
             The whole-batch loss (a new tensor, on the last stage's device).
 
         Raises:
+            TypeError: the batch spread into keywords (``step(**batch)``):
+                pass it as ``inputs``.
             ValueError: a batch of another structure, shape or dtype, a plain
                 value or an optimizer setting that changed since capture, a
                 gradient, optimizer state or parameter replaced since

@@ -32,10 +32,10 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
+from ..pipe.batchargs import batch_argument
 from ..pipe.module import unsplit
 from ..pipe.pipe import Pipe
 from ..runtime.errors import annotate
-from ..runtime.microbatch import Value
 from .gradients import BUCKET_BYTES, StageReducer
 from .placement import check_placement
 
@@ -180,11 +180,15 @@ def _check_ddp_pipe(ddp: object, what: str) -> Pipe:
     return ddp.module
 
 
+@batch_argument(
+    "mpstream.distributed.train_step",
+    "train_step(ddp, inputs, target, loss_fn), with inputs a dict or a tuple",
+)
 def train_step(
     ddp: DistributedDataParallel,
-    inputs: Value | list[Tensor],
-    target: Value | list[Tensor],
-    loss_fn: Callable[[Any, Any], Tensor],
+    inputs: Any,
+    target: Any = None,
+    loss_fn: Callable[[Any, Any], Tensor] | None = None,
     *,
     reduction: str | None = None,
     scaler: torch.amp.GradScaler | None = None,
@@ -217,9 +221,13 @@ def train_step(
     Args:
         ddp: the pipeline wrapped by :func:`wrap` (or by
             ``DistributedDataParallel`` directly).
-        inputs: this process's share of the batch.
-        target: its targets.
-        loss_fn: ``loss_fn(output, target) -> scalar`` per micro-batch.
+        inputs: this process's share of the batch, as
+            :meth:`~mpstream.Pipe.train_step` takes it: one input, a tuple
+            of positional inputs, or a traced module's keyword inputs as
+            one dict (not spread into keywords).
+        target: its targets; None with no ``loss_fn``.
+        loss_fn: ``loss_fn(output, target) -> scalar`` per micro-batch;
+            None: the module's own loss, as in :meth:`~mpstream.Pipe.train_step`.
         reduction: as in :meth:`~mpstream.Pipe.train_step` (default: the loss module's own, or
             ``'mean'``).
         scaler: a ``torch.amp.GradScaler`` scaling each micro-batch's loss
@@ -231,7 +239,8 @@ def train_step(
         processes), on the last stage's device.
 
     Raises:
-        TypeError: ``ddp`` is not a DDP module around a Pipe, or the
+        TypeError: the batch spread into keywords (``train_step(ddp, **batch)``:
+            pass it as ``inputs``), ``ddp`` is not a DDP module around a Pipe, or the
             pipeline's :meth:`~mpstream.Pipe.train_step` rejects the batch.
         ValueError: DDP mixed precision, delayed all-reduce or a
             communication hook is set (train_step reduces the gradients

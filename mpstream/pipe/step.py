@@ -22,6 +22,7 @@ from ..runtime.microbatch import batch_device, scatter
 from ..runtime.stream import capturing
 from ..runtime.training import run as run_step
 from ..stages.exported import own_loss
+from .batchargs import batch_argument
 from .call import PipeCall
 from .inputs import detached, keywords_of, micro_sizes
 from .reduction import step_reduction
@@ -47,6 +48,11 @@ class StageDone(Protocol):
 class PipeStep(PipeCall):
     """Base of :class:`~mpstream.Pipe`: its training step."""
 
+    @batch_argument(
+        "Pipe.train_step",
+        "pipe.train_step(batch) for a module computing its own loss, or "
+        "pipe.train_step(inputs, target, loss_fn)",
+    )
     def train_step(
         self,
         inputs: Any,
@@ -100,7 +106,8 @@ class PipeStep(PipeCall):
             device.
 
         Raises:
-            TypeError: bad inputs or targets, a stage returned an unsupported
+            TypeError: the batch spread into keywords (``train_step(**batch)``:
+                pass ``train_step(batch)``), bad inputs or targets, a stage returned an unsupported
                 value, ``loss_fn`` is not callable, returned something other
                 than a scalar tensor (or was not given for a module that
                 returns no ``loss``), or ``scaler`` is not a ``GradScaler``.

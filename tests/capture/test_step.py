@@ -614,3 +614,15 @@ def test_a_call_walks_the_modules_only_when_something_changed(
         next(pipe.parameters()).data = torch.zeros(8, 5, dtype=torch.float64)
     with pytest.raises(ValueError, match="moved since capture"):
         step(*_data("cpu", 5))
+
+
+def test_a_batch_spread_into_keywords_is_refused_with_what_to_do() -> None:
+    pipe, _, _, _ = _setup("cpu", "sgd", split_size=3)
+    x, y = _data("cpu", 0)
+    spread = {"x": x, "y": y}
+    with pytest.raises(TypeError, match=r"CapturedStep got keyword argument\(s\) 'x', 'y'"):
+        CapturedStep(pipe, loss_fn=nn.MSELoss(), **spread)  # type: ignore[arg-type]
+    step = CapturedStep(pipe, x, y, nn.MSELoss())
+    with pytest.raises(TypeError, match=r"'x', 'y', which it does not take.*step\(inputs, target"):
+        step(**spread)
+    step(inputs=x, target=y)  # its own keywords still bind

@@ -308,3 +308,35 @@ def test_a_loss_that_carries_no_gradient_is_refused_and_a_partly_detached_output
         pipe.train_step(x, y, loss_fn)
     loss_fn(plain(x), y).backward()
     assert_same_grads(pipe, plain)
+
+
+class Gated(nn.Module):
+    """A module torch.fx traces, taking two inputs by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4).double()
+        self.b = nn.Linear(4, 2).double()
+
+    def forward(self, x: Tensor, gate: Tensor) -> Tensor:
+        return self.b(torch.tanh(self.a(x)) * gate)
+
+
+def test_a_batch_spread_into_keywords_is_refused_with_what_to_do() -> None:
+    model = Gated()
+    ref = copy.deepcopy(model)
+    pipe = Pipe(model, split_size=4, split_points=["b"], devices=["cpu", "cpu"])
+    x, y = data()
+    batch = {"x": x, "gate": torch.rand(BATCH, 4, dtype=torch.float64)}
+    with pytest.raises(
+        TypeError, match=r"Pipe.train_step got keyword argument\(s\) 'x', 'gate', .* one dict"
+    ):
+        pipe.train_step(**batch)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"keyword argument\(s\) 'reduciton'"):
+        pipe.train_step(batch, y, nn.MSELoss(), reduciton="sum")  # type: ignore[call-arg]
+    assert all(p.grad is None for p in pipe.parameters())  # refused before anything ran
+    loss = pipe.train_step(batch, y, nn.MSELoss())  # the batch as one dict
+    expected = nn.functional.mse_loss(ref(**batch), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach())
+    assert_same_grads(pipe, ref)
