@@ -213,7 +213,13 @@ def compare(
 
 
 def table(rows: Sequence[Comparison]) -> str:
-    """A Markdown table of the comparison."""
+    """A Markdown table of the comparison.
+
+    Measured peaks (when any row has them) are labelled with what each was
+    measured on, ``stage0 3.0, cuda:1 12.5`` (MiB): a pipe with stages on
+    the CPU and on GPUs has a figure per CPU stage and per GPU, so a bare
+    list of numbers would not say which is which.
+    """
     measured = any(r.measured for r in rows)
     head = (
         "| schedule | step (ms) | bubble | live per stage | held per stage | peak per device "
@@ -232,7 +238,8 @@ def table(rows: Sequence[Comparison]) -> str:
             f"{' '.join(f'{p:g}' for p in r.peak)} | {r.launches} |"
         )
         if measured:
-            line += " " + " ".join(f"{b / 2**20:.1f}" for b in r.measured.values()) + " |"
+            peaks = ", ".join(f"{key} {b / 2**20:.1f}" for key, b in r.measured.items())
+            line += f" {peaks} |"
         lines.append(line)
     return "\n".join(lines)
 

@@ -42,7 +42,21 @@ def test_table_names_the_measured_peak_in_the_unit_it_divides_by() -> None:
         "gpipe", 1.0, 0.0, [1], [1], ["d0"], simulate([(1.0, 1.0)]), measured={"stage0": 3 * 2**20}
     )
     head, _, line = table([row]).splitlines()
-    assert "measured peak (MiB)" in head and line.endswith(" 3.0 |")
+    assert "measured peak (MiB)" in head and line.endswith(" stage0 3.0 |")
+
+
+def test_table_labels_each_measured_peak_with_its_stage_or_device() -> None:
+    # A pipe with CPU and CUDA stages: saved bytes per CPU stage, the
+    # allocator's peak per GPU; a row not measured is left blank.
+    mixed = {"stage0": 2**20, "stage1": 2**19, "cuda:0": 5 * 2**20}
+    rows = [
+        Comparison(name, 1.0, 0.0, [1, 1, 1], [1, 1, 1], ["cpu", "cpu", "cuda:0"],
+                   simulate([(1.0, 1.0)] * 3), measured=measured)
+        for name, measured in (("gpipe", mixed), ("1f1b", {}))
+    ]  # fmt: skip
+    _, _, gpipe, one_f = table(rows).splitlines()
+    assert gpipe.endswith("| stage0 1.0, stage1 0.5, cuda:0 5.0 |")
+    assert one_f.endswith("|  |")
 
 
 def test_the_stored_cpu_log_has_the_table_head_the_code_prints() -> None:
