@@ -10,10 +10,9 @@ cuts' copies over a link (:func:`balanced_copies`).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-from ..observe.cost_model import simulate
+from ..observe.cost_model import micro_batches, simulate
 from ..observe.fitting import Costs, fit
 from ..observe.scaling import predict
 from ..observe.timeline import Timeline
@@ -31,12 +30,18 @@ def scaled(costs: Costs, factor: float) -> Costs:
 
 
 def _step_ms(
-    costs: Costs, micros: int, overlap: bool, devices: list[str], host: bool = True
+    costs: Costs,
+    micros: tuple[int, float],
+    overlap: bool,
+    devices: list[str],
+    host: bool = True,
 ) -> float:
+    """The simulated step of ``micros`` (count, last one's relative size)."""
     return simulate(
         costs.stage_times,
         costs.copy_times,
-        micros,
+        micros[0],
+        last_size=micros[1],
         overlap=overlap,
         backward=True,
         devices=devices,
@@ -76,12 +81,13 @@ def validate(
     On a GPU (``overlap``) the simulation includes the timeline's host
     issue times; each row also gives it without them (``devices_only_ms``),
     and ``issue_modelled`` says whether they were used. On the CPU the
-    issue times are the compute itself and are left out.
+    issue times are the compute itself and are left out. A batch the split
+    size does not divide is simulated with its shorter last micro-batch.
     """
     main = fit(fastest(timelines[main_split])[0])
     rows = []
     for split, timeline in timelines.items():
-        micros = math.ceil(batch_size / split)
+        micros = micro_batches(batch_size, split)
         step, measured = fastest(timeline)
         costs = fit(step)
         predicted = _step_ms(costs, micros, overlap, devices)
@@ -90,7 +96,7 @@ def validate(
         rows.append(
             {
                 "split_size": split,
-                "micro_batches": micros,
+                "micro_batches": micros[0],
                 "measured_ms": measured,
                 "predicted_ms": predicted,
                 "error": (predicted - measured) / measured,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from ..pipe import install_chooser
 from .auto import choose_schedule
-from .cost_model import Simulation, simulate
+from .cost_model import Simulation, micro_batches, simulate
 from .fitting import Costs, fit
 from .profiling import Profile, profile
 from .scaling import Prediction, predict
@@ -34,6 +34,7 @@ __all__ = [
     "Span",
     "Summary",
     "simulate",
+    "micro_batches",
     "fit",
     "Costs",
     "Simulation",

@@ -26,6 +26,11 @@ Every schedule is modelled, explicit orders included. A split backward's
 input pass (B) and weight pass (W) cost what the stage costs give; from a
 (forward, backward) pair, half the backward each.
 
+A batch the split size does not divide ends in a shorter micro-batch:
+``last_size`` (:func:`micro_batches` gives it) scales the last
+micro-batch's compute and copy times by its size relative to a full one,
+so its tasks cost their share of a slot, not a whole one.
+
 Host issue time is modelled when given (``issue_times``): one host thread
 issues every task in issue order, taking the task's issue time; a task's
 device work cannot start before its issue begins nor end before its issue
@@ -41,6 +46,8 @@ devices.
 
 from __future__ import annotations
 
+import math
+import numbers
 import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -59,7 +66,7 @@ from .cost_args import (
 from .sharing import replay, sharing_of
 from .timeline import Span, Timeline
 
-__all__ = ["Cost", "Simulation", "simulate"]
+__all__ = ["Cost", "Simulation", "simulate", "micro_batches"]
 
 
 @dataclass
@@ -107,6 +114,7 @@ def simulate(
     share_compute: bool | float | None = None,
     issue_times: IssueTimes | None = None,
     force_copies: bool = False,
+    last_size: float = 1.0,
 ) -> Simulation:
     """Predicts a pipelined step.
 
@@ -161,14 +169,19 @@ def simulate(
             ``Pipe(force_copies=True)`` does. As ``train_step`` issues it,
             such a copy runs on the sending stage's copy stream only, and
             the receiving stage's copy stream is ordered after it.
+        last_size: the last micro-batch's size relative to a full one, in
+            (0, 1] (a batch of 10 in micro-batches of 4: 0.5; see
+            :func:`micro_batches`). Its compute and copy times are the
+            given ones scaled by it; its host issue times are not (a
+            shorter micro-batch launches as many kernels).
 
     Returns:
         The predicted step time and its timeline.
 
     Raises:
         ValueError: inconsistent lengths, ``stage_times`` a mapping, negative
-            costs, a schedule with backward tasks without backward times, or a round-robin schedule
-            with neither ``devices`` nor ``virtual_stages``.
+            costs, a schedule with backward tasks without backward times, a round-robin schedule
+            with neither ``devices`` nor ``virtual_stages``, or ``last_size`` outside (0, 1].
         TypeError: ``overlap`` or ``backward`` is not a bool.
     """
     check_listed(stage_times, "stage_times")
@@ -195,6 +208,13 @@ def simulate(
         chunks = operator.index(chunks)
     except TypeError:
         raise ValueError(f"chunks must be an int, got {chunks!r}") from None
+    if isinstance(last_size, bool) or not (
+        isinstance(last_size, numbers.Real) and 0 < last_size <= 1
+    ):
+        raise ValueError(
+            f"last_size is the last micro-batch's size over a full one's, in (0, 1]; got "
+            f"{last_size!r} (micro_batches(batch_size, split_size) gives it)"
+        )
     placement = placement_of(schedule)
     if virtual_stages is not None and placement == "stage":
         raise ValueError(
@@ -275,7 +295,8 @@ def simulate(
             return ()
         return (f"stage{t.peer if t.kind is Kind.COPY else t.stage}.copy",)
 
-    def cost(t: Task) -> float:
+    def full(t: Task) -> float:
+        """A task's time for a full micro-batch."""
         if t.kind is Kind.FORWARD:
             return stages[t.stage][0]
         if t.kind is Kind.BACKWARD:
@@ -285,6 +306,12 @@ def simulate(
             return splits[t.stage][1]
         forward, gradient = copy_cost(t.stage, t.peer)
         return float(forward if t.kind is Kind.COPY else gradient)
+
+    last = chunks - 1
+
+    def cost(t: Task) -> float:
+        # Compute and copies grow with the rows (what fitting assumes too).
+        return full(t) * last_size if t.micro == last else full(t)
 
     issue = issue_costs(issue_times, sched.split)
     timing = replay(tasks, streams, cost, issue, devs, shared if overlap else False, after)
@@ -322,10 +349,33 @@ def simulate(
         "virtual_stages": virtual,
         "share_compute": shared,
         "issue_ms": host,
+        "last_size": float(last_size),
     }
     timeline = Timeline(spans, rows, "simulated", meta)
     step = max((stop for _, stop, _ in timing), default=0.0)
     return Simulation(step, timeline, sched.name, overlap, host)
+
+
+def micro_batches(batch_size: int, split_size: int) -> tuple[int, float]:
+    """How many micro-batches a batch splits into, and the last one's size
+    relative to a full one (``simulate``'s ``chunks`` and ``last_size``).
+
+    Args:
+        batch_size: rows in the batch.
+        split_size: rows in a full micro-batch.
+
+    Returns:
+        ``(ceil(batch_size / split_size), rows of the last / split_size)``:
+        ``(3, 0.5)`` for 10 rows in micro-batches of 4.
+
+    Raises:
+        ValueError: either is not a positive int.
+    """
+    for name, value in (("batch_size", batch_size), ("split_size", split_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"micro_batches: {name} must be a positive int, got {value!r}")
+    count = math.ceil(batch_size / split_size)
+    return count, (batch_size - (count - 1) * split_size) / split_size
 
 
 def _default_devices(placement: str, n: int, virtual_stages: int | None) -> list[str]:

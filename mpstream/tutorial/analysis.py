@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..observe.cost_model import simulate
+from ..observe.cost_model import micro_batches, simulate
 from ..observe.fitting import fit
 from ..observe.profiling import profile
 from ..observe.scaling import predict
@@ -112,7 +112,8 @@ def validate_cost_model(
     For each split size: time ``repeat`` training steps (forward, MSE loss,
     backward; after ``config.warmup`` untimed ones) of the tutorial's model
     under :func:`~mpstream.profile`, fit per-task costs, simulate a step, and
-    compare with the measured median.
+    compare with the measured median. A batch the split size does not
+    divide is simulated with its shorter last micro-batch.
     On a GPU the model is mpstream's streams with the measured host issue
     time of each task (``predicted_ms``; ``devices_only_ms`` without it); on
     the CPU, where every task runs on one host thread, one stream.
@@ -132,7 +133,7 @@ def validate_cost_model(
         costs = fit(prof)
         cuda = dev0.type == "cuda"
         devices = [str(dev0), str(dev1)] if cuda else ["host", "host"]
-        micros = math.ceil(config.batch_size / split)
+        micros, last = micro_batches(config.batch_size, split)
         issue = costs.issue_times if cuda and costs.issue_times else None
         sims = [
             simulate(
@@ -143,6 +144,7 @@ def validate_cost_model(
                 backward=True,
                 devices=devices,
                 issue_times=host,
+                last_size=last,
             )
             for host in (issue, None)
         ]
