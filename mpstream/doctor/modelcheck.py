@@ -24,10 +24,9 @@ predictions: nothing here was measured on more devices.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
+from ..observe.cost_model import micro_batches
 from ..observe.fitting import fit
 from ..observe.scaling import predict
 from ..stages import profile_layers
@@ -83,7 +82,7 @@ def run(ctx: Context) -> StepResult:
         link_gbps, link = cut / (copy_ms * 1e6), "measured between the two GPUs"
     else:
         link_gbps, link = ASSUMED_LINK_GBPS, "assumed"
-    micros = math.ceil(config.batch_size / config.split_size)
+    micros, last = micro_batches(config.batch_size, config.split_size)
     # On the CPU the host's issue time is the compute itself: a GPU would
     # issue the same layers far faster, so predictions leave it out there.
     issue = spread_issue(main["balance"], costs) if ctx.cuda and costs.issue_times else None
@@ -92,9 +91,12 @@ def run(ctx: Context) -> StepResult:
         balance, copies = balanced_copies(layer_times, p, micros, profiled, link_gbps)
         link_ms = [c for c, _ in copies]
         pred = predict(
-            layer_times, p, micros, balance=balance, copy_times=copies, issue_times=issue
+            layer_times, p, micros, balance=balance, copy_times=copies, issue_times=issue,
+            last_size=last,
+        )  # fmt: skip
+        devices_only = predict(
+            layer_times, p, micros, balance=balance, copy_times=copies, last_size=last
         )
-        devices_only = predict(layer_times, p, micros, balance=balance, copy_times=copies)
         predictions.append(
             {
                 "gpus": p,

@@ -47,6 +47,7 @@ def predict(
     schedule: str = "gpipe",
     overlap: bool = True,
     issue_times: Sequence[Cost] | None = None,
+    last_size: float = 1.0,
 ) -> Prediction:
     """Predicts the step time of ``stages`` devices from per-layer costs.
 
@@ -57,7 +58,7 @@ def predict(
             layer gives a triple, each stage's split backward costs the sum
             of its layers' passes (a pair's backward counted as half each).
         stages: number of devices, one stage each.
-        chunks: micro-batches per step.
+        chunks: micro-batches per step (the last of ``last_size``).
         copy_times: per boundary (or one for all).
         balance: layers per stage; default the split that minimises the
             slowest stage.
@@ -70,6 +71,10 @@ def predict(
             take the sum over its layers, and one host thread issues every
             task (a split backward's passes half the backward's each where
             a layer gives a pair). None: issuing is free.
+        last_size: the last micro-batch's size relative to a full one, in
+            (0, 1] (:func:`~mpstream.observe.cost_model.micro_batches` gives
+            it for a batch the split size does not divide): its compute and
+            copies cost that share.
 
     Returns:
         The prediction, with the single-device time for the speed-up: every
@@ -144,13 +149,15 @@ def predict(
         overlap,
         backward=with_backward,
         issue_times=issue,
+        last_size=last_size,
     )
+    work = chunks - 1 + last_size  # full micro-batches' worth of examples
     if single_issue is None:
-        single = chunks * sum(totals)
+        single = work * sum(totals)
     else:
         # The whole batch in one pass: the work of every micro-batch, but each
         # kernel issued once (issue time does not grow with the batch).
-        whole = (chunks * sum(forward), chunks * sum(backward))
+        whole = (work * sum(forward), work * sum(backward))
         single = simulate(
             [whole], 0.0, 1, "gpipe", overlap, backward=with_backward, issue_times=single_issue
         ).step_ms

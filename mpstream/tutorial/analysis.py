@@ -7,7 +7,6 @@ dicts ready for JSON.
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
@@ -185,18 +184,19 @@ def predict_scaling(
     model = tutorial.single_device_resnet50("cpu", config.num_classes)
     profiles = profile_layers(tutorial.resnet50_layers(model), sample, device=device, repeat=3)
     layer_times = [(p.forward_ms, p.backward_ms) for p in profiles]
-    micros = math.ceil(config.batch_size / config.split_size)
+    micros, last = micro_batches(config.batch_size, config.split_size)
     rows = []
     for p in device_counts:
         for name, balance in (("tutorial-style", TUTORIAL_SPLITS.get(p)), ("balanced", None)):
             if name == "tutorial-style" and balance is None:
                 continue
-            base = predict(layer_times, p, micros, balance=balance)
+            base = predict(layer_times, p, micros, balance=balance, last_size=last)
             cuts = [sum(base.balance[: i + 1]) - 1 for i in range(p - 1)]
             copies = [profiles[c].output_bytes / (link_gbps * 1e9) * 1e3 for c in cuts]
             pred = predict(
-                layer_times, p, micros, balance=base.balance, copy_times=[(c, c) for c in copies]
-            )
+                layer_times, p, micros, balance=base.balance,
+                copy_times=[(c, c) for c in copies], last_size=last,
+            )  # fmt: skip
             summary = pred.simulation.timeline.summary(echo=False)
             rows.append(
                 {

@@ -123,3 +123,20 @@ def test_the_tutorials_validation_costs_the_short_last_micro_batch(
     (row,) = analysis.validate_cost_model(cpu, cpu, config, [2], repeat=1)
     assert row["micro_batches"] == 4
     assert row["predicted_ms"] == pytest.approx(measured) and row["error"] == pytest.approx(0.0)
+
+
+def test_predict_costs_the_last_micro_batch_and_the_single_device_by_their_share() -> None:
+    # predict_scaling and the doctor's GPU predictions counted ceil(batch /
+    # split) full micro-batches, on the pipeline and on the one device.
+    from mpstream.observe.scaling import predict
+
+    layers = [(1.0, 2.0), (0.5, 1.5), (0.25, 0.75)]
+    chunks, last = micro_batches(10, 4)
+    one = predict(layers, 1, chunks, last_size=last)
+    work = sum(f + b for f, b in layers)
+    assert one.step_ms == pytest.approx(2.5 * work)
+    assert one.single_device_ms == pytest.approx(2.5 * work)
+    two = predict(layers, 2, chunks, last_size=last)
+    full = predict(layers, 2, chunks)
+    assert two.step_ms < full.step_ms
+    assert two.single_device_ms == pytest.approx(2.5 * work)
