@@ -25,6 +25,8 @@ from ..runtime.microbatch import NoChunk
 __all__ = ["ChangedInputs", "NO_CHANGES"]
 
 Path = tuple[Any, ...]
+# Keys into an input as pytree names them (``batch['x']``, ``batch.x``, ``batch[1]``).
+KeyPath = tuple[Any, ...]
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,7 @@ class ChangedInputs:
         """
         if not self.paths:
             return
-        leaves = [(i, path, t) for i, value in enumerate(inputs) for path, t in _tensors(value)]
+        leaves = [(i, keys, t) for i, value in enumerate(inputs) for keys, t in _tensors(value)]
         for index, paths in self.paths:
             for path in paths:
                 for at, t in _tensors(*_at(inputs[index], path)):
@@ -70,9 +72,9 @@ class ChangedInputs:
                         if (i, other_at) != (index, at) and _share(t, other):
                             self._refuse(module, self._name(index, at), self._name(i, other_at))
 
-    def _name(self, index: int, path: Path) -> str:
+    def _name(self, index: int, keys: KeyPath) -> str:
         name = self.names[index] if index < len(self.names) else f"input {index}"
-        return name + "".join(f"[{k!r}]" for k in path)
+        return name + pytree.keystr(keys)
 
     @staticmethod
     def _refuse(module: str, here: str, other: str) -> None:
@@ -85,28 +87,26 @@ class ChangedInputs:
         )
 
 
-def _tensors(value: Any, prefix: Path = ()) -> Iterator[tuple[Path, Tensor]]:
-    """Each tensor in ``value`` with its keys (a namedtuple's fields by name)."""
+def _tensors(value: Any, prefix: KeyPath = ()) -> Iterator[tuple[KeyPath, Tensor]]:
+    """Each tensor in ``value`` (a ``NoChunk``'s too) with the keys to it."""
+    if isinstance(value, (Tensor, NoChunk)):  # most inputs: no walk
+        yield prefix, value.tensor if isinstance(value, NoChunk) else value
+        return
     leaves, _ = pytree.tree_flatten_with_path(value, is_leaf=lambda x: isinstance(x, NoChunk))
     for keys, leaf in leaves:
         if isinstance(leaf, NoChunk):
             leaf = leaf.tensor
         if isinstance(leaf, Tensor):
-            yield prefix + tuple(_key(k) for k in keys), leaf
+            yield prefix + tuple(keys), leaf
 
 
-def _key(entry: Any) -> Any:
-    for attribute in ("key", "idx", "name"):
-        if hasattr(entry, attribute):
-            return getattr(entry, attribute)
-    return entry
-
-
-def _at(value: Any, path: Path) -> tuple[Any, Path]:
-    """What ``path`` reaches in ``value``, and the keys to it (a namedtuple's
-    fields by name): as far as it leads (a path that stops at a tensor, or
+def _at(value: Any, path: Path) -> tuple[Any, KeyPath]:
+    """What ``path`` reaches in ``value``, and the keys to it as
+    :func:`_tensors` names them (a namedtuple's field by name, an index
+    from the front): as far as it leads (a path that stops at a tensor, or
     leads nowhere known, changes all under it)."""
-    walked: Path = ()
+    walked: KeyPath = ()
+    entry: Any
     for key in path:
         fields = getattr(value, "_fields", ())
         if isinstance(value, Tensor):
@@ -114,14 +114,15 @@ def _at(value: Any, path: Path) -> tuple[Any, Path]:
         if fields and _indexes(key, fields):
             key = fields[key]
         if isinstance(key, str) and key in fields:
-            value = getattr(value, key)
+            value, entry = getattr(value, key), pytree.GetAttrKey(key)
         elif isinstance(value, dict) and key in value:
-            value = value[key]
+            value, entry = value[key], pytree.MappingKey(key)
         elif isinstance(value, (list, tuple)) and _indexes(key, value):
-            value = value[key]
+            # ``batch[-1]`` is the item a walk of the batch names [1].
+            value, entry = value[key], pytree.SequenceKey(key % len(value))
         else:
             break
-        walked += (key,)
+        walked += (entry,)
     return value, walked
 
 

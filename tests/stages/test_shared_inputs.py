@@ -77,7 +77,9 @@ CASES = [
     ("export", ChangesX, "x", "y"),
     ("fx", ChangesBatchX, r"batch\['x'\]", r"batch\['y'\]"),
     ("export", ChangesBatchX, r"batch\['x'\]", r"batch\['y'\]"),
-    ("fx", ChangesFieldX, r"batch\['x'\]", r"batch\['y'\]"),
+    # A namedtuple's fields by name, as Python reads them (not batch['x']).
+    ("fx", ChangesFieldX, r"batch\.x", r"batch\.y"),
+    ("export", ChangesFieldX, r"batch\.x", r"batch\.y"),
 ]
 
 
@@ -123,6 +125,29 @@ def test_inputs_in_one_tensor_without_an_element_in_common_run(tracer: str, layo
     out = pipe(x, y)
     expected = ref(x.clone(), y.clone())
     torch.testing.assert_close(out, expected)
+
+
+class ChangesLast(nn.Module):
+    """Changes a tuple batch's last item, read by a negative index."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, batch: tuple[Tensor, Tensor]) -> Tensor:
+        batch[-1].mul_(2)
+        return self.b(self.a(batch[0])) + batch[1].sum(1, keepdim=True)  # type: ignore[no-any-return]
+
+
+def test_an_item_changed_by_a_negative_index_is_not_compared_with_itself() -> None:
+    # batch[-1] is batch[1]: sharing no memory with batch[0], the call runs
+    # (it was refused as batch[-1] sharing batch[1]'s memory).
+    pipe, ref = _pipe(ChangesLast(), "fx")
+    x, y = torch.randn(7, 4, dtype=torch.float64), torch.randn(7, 4, dtype=torch.float64)
+    torch.testing.assert_close(pipe((x, y)), ref((x, y.clone())))
+    refused = r"changes input batch\[1\] in place, and input batch\[0\]"
+    with pytest.raises(ValueError, match=refused):
+        pipe((y, y))
 
 
 def test_a_change_of_one_item_leaves_an_unchanged_item_sharing_memory_elsewhere() -> None:
