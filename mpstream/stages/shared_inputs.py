@@ -64,12 +64,19 @@ class ChangedInputs:
         """
         if not self.paths:
             return
-        leaves = [(i, keys, t) for i, value in enumerate(inputs) for keys, t in _tensors(value)]
+        leaves = [
+            (i, keys, t, span)
+            for i, value in enumerate(inputs)
+            for keys, t in _tensors(value)
+            if (span := _span(t)) is not None
+        ]
         for index, paths in self.paths:
             for path in paths:
                 for at, t in _tensors(*_at(inputs[index], path)):
-                    for i, other_at, other in leaves:
-                        if (i, other_at) != (index, at) and _share(t, other):
+                    if (mine := _span(t)) is None:
+                        continue
+                    for i, other_at, other, span in leaves:
+                        if (i, other_at) != (index, at) and _share(t, mine, other, span):
                             self._refuse(module, self._name(index, at), self._name(i, other_at))
 
     def _name(self, index: int, keys: KeyPath) -> str:
@@ -130,33 +137,40 @@ def _indexes(key: Any, items: Sequence[Any]) -> bool:
     return isinstance(key, int) and -len(items) <= key < len(items)
 
 
-def _share(a: Tensor, b: Tensor) -> bool:
-    """Whether ``a`` and ``b`` have an element's memory in common."""
-    if a.layout != torch.strided or b.layout != torch.strided or a.device != b.device:
+# Where a tensor's elements may lie: its device and the bytes from its
+# first element to past its last, [start, end).
+Span = tuple[torch.device, int, int]
+
+
+def _span(t: Tensor) -> Span | None:
+    """The memory ``t`` may read; None where it reads none (empty, not
+    strided, on the meta device)."""
+    if t.layout != torch.strided or not t.numel() or t.device.type == "meta":
+        return None
+    if t.is_contiguous():  # most inputs: no walk over the dimensions
+        count = t.numel()
+    else:
+        count = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    start = t.data_ptr()
+    return t.device, start, start + count * t.element_size()
+
+
+def _share(a: Tensor, a_span: Span, b: Tensor, b_span: Span) -> bool:
+    """Whether ``a`` and ``b`` (at ``a_span`` and ``b_span``) have an
+    element's memory in common."""
+    (device, a_start, a_end), (other, b_start, b_end) = a_span, b_span
+    if device != other or a_end <= b_start or b_end <= a_start:
         return False
-    if not a.numel() or not b.numel() or a.device.type == "meta":
-        return False
-    storage = a.untyped_storage()
-    if storage.data_ptr() != b.untyped_storage().data_ptr():
-        return False
-    (a_start, a_end), (b_start, b_end) = _extent(a), _extent(b)
-    if a_end <= b_start or b_end <= a_start:
-        return False
-    if a.element_size() != b.element_size() or a_start % a.element_size():
-        return True  # one memory read as two dtypes: overlapping ranges share
-    # Both read one array of elements: mark a's and look for them in b
-    # (``t[:, :2]`` and ``t[:, 2:]`` interleave without sharing).
     size = a.element_size()
-    marks = torch.zeros(storage.nbytes() // size, dtype=torch.bool, device=a.device)
-    marks.as_strided(a.shape, a.stride(), a.storage_offset()).fill_(True)
-    return bool(marks.as_strided(b.shape, b.stride(), b.storage_offset()).any())
-
-
-def _extent(t: Tensor) -> tuple[int, int]:
-    """The bytes of its storage ``t`` may read: [start, end)."""
-    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-    start = int(t.storage_offset()) * t.element_size()
-    return start, start + (last + 1) * t.element_size()
+    if b.element_size() != size or (b_start - a_start) % size:
+        return True  # not one array of elements (two dtypes): overlapping bytes share
+    # Both read one array of elements: mark a's and look for them in b
+    # (``t[:, :2]`` and ``t[:, 2:]`` interleave without sharing). The marks
+    # cover the two alone, on the CPU: no device memory, no wait for it.
+    low = min(a_start, b_start)
+    marks = torch.zeros((max(a_end, b_end) - low) // size, dtype=torch.bool)
+    marks.as_strided(a.shape, a.stride(), (a_start - low) // size).fill_(True)
+    return bool(marks.as_strided(b.shape, b.stride(), (b_start - low) // size).any())
 
 
 #: A split that changes no input.

@@ -170,3 +170,33 @@ def test_a_path_into_a_tensor_is_the_tensor_itself() -> None:
     ChangedInputs.of(["x", "y"], {0: ((0,),)}).check("M", (t, torch.randn(4, 3)))
     with pytest.raises(ValueError, match="changes input x in place, and input y"):
         ChangedInputs.of(["x", "y"], {0: ((0,),)}).check("M", (t, t[1:]))
+
+
+def test_tensors_of_two_storages_over_one_memory_share() -> None:
+    # Two storages over one memory (torch.frombuffer here; torch.from_numpy
+    # of two views of one array alike): column 2 is in both.
+    memory = bytearray(7 * 4 * 8)
+    whole = torch.frombuffer(memory, dtype=torch.float64).view(7, 4)
+    x = torch.frombuffer(memory, dtype=torch.float64, offset=2 * 8).as_strided((7, 2), (4, 1))
+    y = torch.frombuffer(memory, dtype=torch.float64, offset=1 * 8).as_strided((7, 2), (4, 1))
+    assert x.untyped_storage().data_ptr() != y.untyped_storage().data_ptr()
+    changes_x = ChangedInputs.of(["x", "y"], {0: ((),)})
+    with pytest.raises(ValueError, match="changes input x in place, and input y"):
+        changes_x.check("M", (x, y))
+    # Apart by a column: no element in common.
+    changes_x.check("M", (x, whole[:, :2]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_the_check_of_device_inputs_never_waits_for_the_device() -> None:
+    # Interleaved views of one device tensor: their elements are compared on
+    # the CPU, without device memory or a synchronizing read of the result.
+    u = torch.randn(64, 4, 2, device="cuda")
+    changes_x = ChangedInputs.of(["x", "y"], {0: ((),)})
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        changes_x.check("M", (u[..., 0], u[..., 1]))
+        with pytest.raises(ValueError, match="changes input x in place"):
+            changes_x.check("M", (u[..., 0], u[:, :2, 0]))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
