@@ -205,6 +205,9 @@ class CapturedStep:
         self._zero: DeviceGraphs | None = None
         self._update: DeviceGraphs | None = None
         self._captured = False
+        # Whether the captured kind of call changes an input in place (None:
+        # not known before the first step on the CPU).
+        self._changes: bool | None = None
         self._launches = 0
         self._kept: Kept | None = None
         self._loss: Tensor | None = None
@@ -246,6 +249,7 @@ class CapturedStep:
             self._zero = self._update = None
             raise
         self.graph, self._captured = graph, True
+        self._changes = self.pipe._changes_inputs()
 
     def _capture_around(self) -> None:
         """Over graphed stages: captures the zeroing and the update per device
@@ -357,8 +361,9 @@ class CapturedStep:
             ValueError: a batch of another structure, shape or dtype, a plain
                 value or an optimizer setting that changed since capture, a
                 gradient, optimizer state or parameter replaced since
-                capture, or a replay of one graph while the pipe is being
-                traced.
+                capture, a replay of one graph while the pipe is being
+                traced, or (as ``train_step``) an input sharing memory with
+                one the forward changes in place.
         """
         check_settings(self._settings, self.optimizer)
         if self._kept is not None:
@@ -372,8 +377,14 @@ class CapturedStep:
             )
         fill("inputs", self._inputs, self._in_spec, inputs)
         fill("target", self._target, self._tgt_spec, target)
+        if self._changes is None or self._changes:
+            # The static buffers are apart; the caller's inputs may share the
+            # memory of one the forward changes in place: refused as
+            # train_step refuses them.
+            self.pipe._step_inputs(inputs)
         if not self._captured:
             loss = self._step()
+            self._changes = self.pipe._changes_inputs()
             if self._kept is None:  # the CPU's checks start once gradients exist
                 self._kept = Kept(self._trained, self.zero_grad)
             return loss

@@ -121,6 +121,13 @@ class PipeCall(PipeConfig):
             split.refresh()
         return inputs  # type: ignore[no-any-return]
 
+    def _changes_inputs(self) -> bool:
+        """Whether the current split's forward changes an input in place
+        (its calls are checked for inputs sharing memory with it)."""
+        split = self.__dict__["_split"]
+        current = None if split is None else split.current
+        return current is not None and bool(current.changed.paths)
+
     def _stage(self, value: Any, device: torch.device) -> list[Staging] | None:
         """Per micro-batch pinned buffers for ``value``'s pageable tensors."""
         return staging(value, device, self._chunks, self._split_size)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from mpstream import Pipe
+from mpstream import CapturedStep, Pipe
 from mpstream.stages.shared_inputs import ChangedInputs
 from tests.helpers import assert_same_grads
 
@@ -200,3 +200,19 @@ def test_the_check_of_device_inputs_never_waits_for_the_device() -> None:
             changes_x.check("M", (u[..., 0], u[:, :2, 0]))
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_a_captured_step_refuses_what_train_step_refuses() -> None:
+    # Its static buffers are apart: the sharing of the caller's tensors went
+    # unseen, and the step's loss was not the module's.
+    pipe, ref = _pipe(ChangesX(), "fx")
+    t = torch.randn(7, 4, dtype=torch.float64)
+    target = torch.zeros(7, 4, dtype=torch.float64)
+    step = CapturedStep(pipe, (t.clone(), t.clone()), target, nn.functional.mse_loss)
+    with pytest.raises(ValueError, match="changes input x in place, and input y of the same"):
+        step((t, t), target)
+    assert all(p.grad is None for p in pipe.parameters())
+    loss = step((t, t.clone()), target)
+    torch.testing.assert_close(loss, nn.functional.mse_loss(ref(t.clone(), t), target))
+    with pytest.raises(ValueError, match="changes input x in place, and input y of the same"):
+        step((t, t[:, :4]), target)  # refused from the second call as from the first
