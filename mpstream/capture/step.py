@@ -381,7 +381,7 @@ class CapturedStep:
             # The static buffers are apart; the caller's inputs may share the
             # memory of one the forward changes in place: refused as
             # train_step refuses them.
-            self.pipe._step_inputs(inputs)
+            self.pipe._step_inputs(inputs, target)
         if not self._captured:
             loss = self._step()
             self._changes = self.pipe._changes_inputs()

@@ -100,16 +100,20 @@ class PipeCall(PipeConfig):
         split = self.__dict__["_split"]
         return gather(outputs) if split is None else split.gather(outputs)
 
-    def _inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    def _inputs(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any = None
+    ) -> tuple[Any, ...]:
         """The pipeline's positional inputs for a call; a traced module first
-        switches to the split of the call's kind."""
+        switches to the split of the call's kind. Refused where an input the
+        forward changes in place shares memory with another, or with
+        ``train_step``'s ``target``."""
         state = self.__dict__
         split = state["_split"]
         if split is None:
             return positional(args, kwargs)
         check_holds_tensor(args, kwargs)
         chosen, inputs = split.select(args, kwargs)
-        chosen.changed.check(type(split.module).__name__, inputs)
+        chosen.changed.check(type(split.module).__name__, inputs, target)
         if state["_graph"] is not chosen.graph:
             runtime = state["_runtime"]
             split.enter(chosen, self.schedule, self.virtual_stages, self.training, runtime)

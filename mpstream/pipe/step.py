@@ -172,7 +172,7 @@ class PipeStep(PipeCall):
         # Parameter gradients only: inputs are detached, so whether x.grad
         # fills cannot depend on where the batch sits.
         split = self.__dict__["_split"]
-        args = self._step_inputs(inputs)
+        args = self._step_inputs(inputs, target)
         if loss_fn is None:
             loss_fn, reduction = own_loss(split, target), "sum"
         args = detached(args)
@@ -278,15 +278,16 @@ class PipeStep(PipeCall):
             self.__dict__["_param_lists"] = found
         return found[1]  # type: ignore[no-any-return]
 
-    def _step_inputs(self, inputs: Any) -> tuple[Any, ...]:
+    def _step_inputs(self, inputs: Any, target: Any = None) -> tuple[Any, ...]:
         """``train_step``'s ``inputs`` as the pipeline's positional inputs (a
-        traced module switched to the split of their kind)."""
+        traced module switched to the split of their kind), checked against
+        ``target`` too (see :meth:`_inputs`)."""
         split = self.__dict__["_split"]
         root = self.__dict__["_root"]
         if isinstance(inputs, Mapping) and split is not None and keywords_of(root, inputs):
             # Keyword arguments (a Hugging Face batch, a tokenizer's BatchEncoding).
-            return self._inputs((), dict(inputs))
+            return self._inputs((), dict(inputs), target)
         if split is not None and isinstance(inputs, tuple) and not hasattr(inputs, "_fields"):
             # A namedtuple is a batch (pipe(batch) takes it so), not the arguments.
-            return self._inputs(inputs, {})
-        return self._inputs((inputs,), {})
+            return self._inputs(inputs, {}, target)
+        return self._inputs((inputs,), {}, target)

@@ -5,9 +5,11 @@ its own per micro-batch (:func:`~mpstream.stages.inplace.copy_changed_inputs`).
 In the module, a change of ``x`` also shows in every other input sharing
 its memory (``forward(x, y)`` called with ``t`` and ``t[:, :2]``, or a
 batch ``{"x": t, "y": t[:, :2]}``): the copy would hide it, so a reader of
-``y`` would see it unchanged. Sharing is a property of a call's tensors,
-not of the trace, so :meth:`ChangedInputs.check` looks for it on every
-call of a split that changes an input, and refuses before anything runs.
+``y`` would see it unchanged; so would a loss reading ``train_step``'s
+target after the forward (``train_step(t, t, loss_fn)``). Sharing is a
+property of a call's tensors, not of the trace, so
+:meth:`ChangedInputs.check` looks for it on every call of a split that
+changes an input, and refuses before anything runs.
 """
 
 from __future__ import annotations
@@ -50,23 +52,26 @@ class ChangedInputs:
         of ``paths`` are changed at those paths."""
         return cls(tuple(names), tuple(sorted(paths.items())))
 
-    def check(self, module: str, inputs: Sequence[Any]) -> None:
+    def check(self, module: str, inputs: Sequence[Any], target: Any = None) -> None:
         """Refuses a call where an input the forward changes in place
         shares memory with another input tensor (another argument, another
-        item of the same one, or the same tensor passed twice).
+        item of the same one, or the same tensor passed twice), or with the
+        target, which the loss reads after the forward.
 
         Args:
             module: the module's class name, for the message.
             inputs: the pipeline's inputs for the call.
+            target: ``train_step``'s target (None: a call of the pipe).
 
         Raises:
-            ValueError: naming both inputs and what to do.
+            ValueError: naming both and what to do.
         """
         if not self.paths:
             return
+        given = [*enumerate(inputs), (_TARGET, target)]
         leaves = [
             (i, keys, t, span)
-            for i, value in enumerate(inputs)
+            for i, value in given
             for keys, t in _tensors(value)
             if (span := _span(t)) is not None
         ]
@@ -77,21 +82,27 @@ class ChangedInputs:
                         continue
                     for i, other_at, other, span in leaves:
                         if (i, other_at) != (index, at) and _share(t, mine, other, span):
-                            self._refuse(module, self._name(index, at), self._name(i, other_at))
+                            self._refuse(module, (index, at), (i, other_at))
 
     def _name(self, index: int, keys: KeyPath) -> str:
-        name = self.names[index] if index < len(self.names) else f"input {index}"
-        return name + pytree.keystr(keys)
+        if index == _TARGET:
+            return "the target" + pytree.keystr(keys)
+        name = self.names[index] if index < len(self.names) else str(index)
+        return f"input {name}{pytree.keystr(keys)}"
 
-    @staticmethod
-    def _refuse(module: str, here: str, other: str) -> None:
+    def _refuse(self, module: str, changed: tuple[int, KeyPath], at: tuple[int, KeyPath]) -> None:
+        here, other = self._name(*changed), self._name(*at)
+        inside = "" if at[0] == _TARGET else f", or take it from {here} inside forward"
         raise ValueError(
-            f"{module}.forward changes input {here} in place, and input {other} of the same "
-            f"call shares its memory. In the module the change shows through {other}; a "
-            f"pipeline gives each micro-batch of {here} a copy of its own, so {other} would "
-            f"read it unchanged. Pass {other} as a tensor of its own (.clone()), or take it "
-            f"from {here} inside forward"
+            f"{module}.forward changes {here} in place, and {other} of the same call shares "
+            f"its memory. In the module the change shows through {other}; a pipeline gives "
+            f"each micro-batch of {here} a copy of its own, so {other} would stay unchanged. "
+            f"Pass {other} as a tensor of its own (.clone()){inside}"
         )
+
+
+# Where the target stands among the inputs (see :meth:`ChangedInputs.check`).
+_TARGET = -1
 
 
 def _tensors(value: Any, prefix: KeyPath = ()) -> Iterator[tuple[KeyPath, Tensor]]:

@@ -216,3 +216,32 @@ def test_a_captured_step_refuses_what_train_step_refuses() -> None:
     torch.testing.assert_close(loss, nn.functional.mse_loss(ref(t.clone(), t), target))
     with pytest.raises(ValueError, match="changes input x in place, and input y of the same"):
         step((t, t[:, :4]), target)  # refused from the second call as from the first
+
+
+class Halves(nn.Module):
+    """Halves its input in place (a normalisation), then two layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x.div_(2)
+        return self.b(self.a(x))  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_a_target_sharing_a_changed_input_s_memory_is_refused(tracer: str) -> None:
+    # An autoencoder's step, target = input: loss_fn(module(t), t) reads the
+    # halved t; the pipeline's copy left the target whole (another loss).
+    pipe, ref = _pipe(Halves(), tracer)
+    t = torch.randn(7, 4, dtype=torch.float64)
+    refused = "changes input x in place, and the target of the same call shares its memory"
+    with pytest.raises(ValueError, match=refused):
+        pipe.train_step(t, t, nn.functional.mse_loss)
+    with pytest.raises(ValueError, match=refused):
+        CapturedStep(pipe, t.clone(), t.clone(), nn.functional.mse_loss)(t, t)
+    assert all(p.grad is None for p in pipe.parameters())
+    loss = pipe.train_step(t, t.clone(), nn.functional.mse_loss)
+    u = t.clone()
+    torch.testing.assert_close(loss, nn.functional.mse_loss(ref(u), t))
