@@ -68,7 +68,7 @@ class ChangedInputs:
         """
         if not self.paths:
             return
-        given = [*enumerate(inputs), (_TARGET, target)]
+        given = [*enumerate(inputs), *([] if target is None else [(_TARGET, target)])]
         leaves = [
             (i, keys, t, span)
             for i, value in given
