@@ -245,3 +245,8 @@ def test_a_target_sharing_a_changed_input_s_memory_is_refused(tracer: str) -> No
     loss = pipe.train_step(t, t.clone(), nn.functional.mse_loss)
     u = t.clone()
     torch.testing.assert_close(loss, nn.functional.mse_loss(ref(u), t))
+    # Input and target apart in one batch tensor: no element in common.
+    batch = torch.randn(7, 8, dtype=torch.float64)
+    loss = pipe.train_step(batch[:, :4], batch[:, 4:], nn.functional.mse_loss)
+    expected = nn.functional.mse_loss(ref(batch[:, :4].clone()), batch[:, 4:])
+    torch.testing.assert_close(loss, expected)
