@@ -187,7 +187,7 @@ def test_tensors_of_two_storages_over_one_memory_share() -> None:
     changes_x.check("M", (x, whole[:, :2]))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.cuda
 def test_the_check_of_device_inputs_never_waits_for_the_device() -> None:
     # Interleaved views of one device tensor: their elements are compared on
     # the CPU, without device memory or a synchronizing read of the result.
