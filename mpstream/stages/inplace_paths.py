@@ -10,8 +10,10 @@ structure; its key is an item's only where the value is surely a
 structure, else it stays a view of the whole (:func:`overlap` then finds
 every reader). A leaf module's result stays one memory: fx cannot see
 whether its items share one (an output's ``last_hidden_state`` is its
-``hidden_states[-1]``). :mod:`~mpstream.stages.inplace` checks and copies
-by these.
+``hidden_states[-1]``). A torch call returning a namedtuple of tensors
+(``torch.max(h, 1)``, ``torch.sort``) is a structure whose fields are keyed
+by index, so ``m.values`` and ``m[0]`` are one item. :mod:`~mpstream.stages.inplace`
+checks and copies by these.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.utils import _pytree as pytree
 
-__all__ = ["viewed", "base", "path", "memory", "overlap", "structure"]
+__all__ = ["viewed", "base", "path", "memory", "overlap", "structure", "fields"]
 
 # Methods and torch functions whose result may share its first argument's
 # memory (a tuple of views for split and the like, whose items are getitems).
@@ -63,20 +66,66 @@ def viewed(node: fx.Node, changes: dict[fx.Node, fx.Node]) -> fx.Node | None:
 def _field(node: fx.Node) -> bool:
     """Whether ``node``, a ``getattr``, reads a structure's item, the item
     itself (a namedtuple's ``batch.x``, a model output's ``out.logits``): no
-    attribute a tensor has (``x.grad`` is a tensor of its own), or any
-    attribute of a value surely a structure (a namedtuple's field ``grad``)."""
+    attribute a tensor has (``x.grad`` is a tensor of its own), a tensor's
+    method (``m.values``: on a tensor, a bound method no operation can change,
+    so a structure's field), or any attribute of a value surely a structure
+    (a namedtuple's field ``grad``)."""
     name = node.args[1]
     if not isinstance(name, str) or not isinstance(node.args[0], fx.Node):
         return False
-    return not hasattr(torch.Tensor, name) or structure(node.args[0])
+    method = not name.startswith("_") and callable(getattr(torch.Tensor, name, None))
+    return not hasattr(torch.Tensor, name) or method or structure(node.args[0])
+
+
+def _return_types() -> dict[Any, tuple[str, ...]]:
+    """Each torch function and tensor method that may return a namedtuple of
+    tensors (a ``torch.return_types``), and its fields in order."""
+    found: dict[Any, tuple[str, ...]] = {}
+    for name in dir(torch.return_types):
+        kind = getattr(torch.return_types, name)
+        if name.endswith("_out") or not pytree.is_structseq_class(kind):
+            continue
+        fields = tuple(kind.__match_args__)
+        short = name.removeprefix("linalg_")
+        for owner, attribute in ((torch, name), (torch.Tensor, name), (torch.linalg, short)):
+            if (call := getattr(owner, attribute, None)) is not None:
+                found[call] = fields
+        found[name] = fields  # a method call (``h.max(1)``), by name
+    return found
+
+
+_RETURN_TYPES = _return_types()
+# Calls returning a namedtuple only where a dim is given (``torch.max(h)`` and
+# ``torch.max(h, other)`` are tensors).
+_BY_DIM = {"max", "min", "median", "nanmedian"}
+
+
+def fields(value: fx.Node) -> tuple[str, ...]:
+    """The fields of the namedtuple of tensors ``value``'s torch call surely
+    returns (``torch.max(h, 1)``: ``("values", "indices")``), or ``()``."""
+    if value.op == "call_method":
+        found = _RETURN_TYPES.get(str(value.target), ())
+    elif value.op == "call_function":
+        try:
+            found = _RETURN_TYPES.get(value.target, ())
+        except TypeError:  # an unhashable callable: no torch function
+            return ()
+    else:
+        return ()
+    name = getattr(value.target, "__name__", value.target)
+    if found and name in _BY_DIM:
+        dim = value.args[1] if len(value.args) > 1 else value.kwargs.get("dim")
+        return found if isinstance(dim, int) and not isinstance(dim, bool) else ()
+    return found
 
 
 def structure(value: fx.Node) -> bool:
     """Whether ``value`` is surely a structure, no tensor: its traced value
-    is a dict or tuple (a torch.export node's), or it is read as only a
+    is a dict or tuple (a torch.export node's), a torch call returns a
+    namedtuple there (``torch.max(h, 1)``), or it is read as only a
     structure can be (``batch["x"]``, a field no tensor has, ``out.logits``)."""
     known = value.meta.get("val", value.meta.get("example_value"))
-    if isinstance(known, (dict, tuple, list)):
+    if isinstance(known, (dict, tuple, list)) or fields(value):
         return True
     return any(
         u.op == "call_function"
@@ -102,12 +151,22 @@ def _item(node: fx.Node) -> Any:
         return None
     container, key = node.args[0], node.args[1]
     if node.target is getattr:
-        return key if _field(node) else None
+        return _key(node) if _field(node) else None
     if node.target is not operator.getitem or not isinstance(container, fx.Node):
         return None
     if isinstance(key, str) or (isinstance(key, int) and structure(container)):
         return key
     return None
+
+
+def _key(node: fx.Node) -> Any:
+    """The key ``node`` (a ``getitem``, or a ``getattr`` of a field) reads:
+    a torch call's namedtuple field by its index (``m.values``: ``0``, as
+    ``m[0]``), which tells it apart from the others."""
+    container, key = node.args[0], node.args[1]
+    if node.target is getattr and isinstance(container, fx.Node) and key in fields(container):
+        return fields(container).index(key)
+    return key
 
 
 def base(node: fx.Node, changes: dict[fx.Node, fx.Node]) -> fx.Node:
@@ -127,7 +186,7 @@ def path(value: fx.Node, changes: dict[fx.Node, fx.Node]) -> tuple[Any, ...]:
     while (owner := viewed(node, changes)) is not None:
         key = None
         if node.target is operator.getitem or (node.target is getattr and _field(node)):
-            key = node.args[1]  # an item, or a namedtuple's field (``batch.x``)
+            key = _key(node)  # an item, or a namedtuple's field (``batch.x``)
         # Only the run of constant keys next to the input leads somewhere known.
         keys = [key, *keys] if isinstance(key, (str, int)) and not isinstance(key, bool) else []
         node = owner

@@ -588,3 +588,64 @@ class AugmentsThroughAnAttribute(nn.Module):
 
 def test_an_augmented_assignment_to_an_attribute_changes_its_tensor() -> None:
     _runs_as_the_module(AugmentsThroughAnAttribute(), torch.randn(6, 4, dtype=torch.float64), "fx")
+
+
+# Torch calls returning a namedtuple of tensors, and its two fields' names.
+RESULTS = {
+    "max": (lambda h: torch.max(h, 1), ("values", "indices")),
+    "sort": (lambda h: h.sort(1), ("values", "indices")),
+    "topk": (lambda h: torch.topk(h, 2), ("values", "indices")),
+    "kthvalue": (lambda h: torch.kthvalue(h, 2, 1), ("values", "indices")),
+    "median": (lambda h: h.median(1), ("values", "indices")),
+    "aminmax": (lambda h: torch.aminmax(h, dim=1), ("min", "max")),
+}
+
+
+class ChangesAResultField(nn.Module):
+    """Stage 1 changes the first field of stage 0's namedtuple result (``m.values``,
+    or ``m[0]`` where ``by="index"``) in place; stage 2 reads field ``read`` (a name
+    or an index)."""
+
+    def __init__(self, op: str, by: str, read: str | int) -> None:
+        super().__init__()
+        self.op, self.by, self.read = op, by, read
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        call, names = RESULTS[self.op]
+        m = call(self.a(x))
+        g = self.b(x)
+        v = getattr(m, names[0]) if self.by == "name" else m[0]
+        v.mul_(2)
+        out = self.c(g + v.reshape(v.shape[0], -1).sum(1, keepdim=True))
+        r = m[self.read] if isinstance(self.read, int) else getattr(m, self.read)
+        return out * r.reshape(r.shape[0], -1).sum(1, keepdim=True)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("op", list(RESULTS))
+@pytest.mark.parametrize("by", ["name", "index"])
+@pytest.mark.parametrize("read", ["name", "index"])
+def test_a_change_of_a_result_s_field_by_name_or_index_is_refused(
+    op: str, by: str, read: str
+) -> None:
+    # m.values was a memory of its own: changed in stage 1, stage 2 read it
+    # (as m.values or m[0]) as stage 0 made it.
+    first = RESULTS[op][1][0] if read == "name" else 0
+    refused = r"'mul_' in stage 1 changes item \[0\] of '\w+' in place, which stage 2 also reads"
+    with pytest.raises(ValueError, match=refused):
+        Pipe(ChangesAResultField(op, by, first), chunks=2, split_points=["b", "c"],
+             devices=["cpu"] * 3, tracer="fx")  # fmt: skip
+
+
+# aminmax's backward reads both its results: a change of one fails the module's too.
+@pytest.mark.parametrize("op", [op for op in RESULTS if op != "aminmax"])
+@pytest.mark.parametrize("by", ["name", "index"])
+@pytest.mark.parametrize("read", ["name", "index"])
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_a_change_of_one_field_of_a_result_leaves_the_other_to_later_stages(
+    op: str, by: str, read: str, tracer: str
+) -> None:
+    # m[0] was a view of all of m: a later stage's m.indices (or m[1]) was refused.
+    second = RESULTS[op][1][1] if read == "name" else 1
+    model = ChangesAResultField(op, by, second)
+    _runs_as_the_module(model, torch.randn(6, 4, dtype=torch.float64), tracer)
