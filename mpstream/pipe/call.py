@@ -111,7 +111,7 @@ class PipeCall(PipeConfig):
         split = state["_split"]
         if split is None:
             return positional(args, kwargs)
-        check_holds_tensor(args, kwargs)
+        check_holds_tensor(args, kwargs, state["_root"])
         chosen, inputs = split.select(args, kwargs)
         chosen.changed.check(type(split.module).__name__, inputs, target)
         if state["_graph"] is not chosen.graph:

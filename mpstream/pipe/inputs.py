@@ -9,6 +9,7 @@ of one pinned buffer per tensor (:mod:`~mpstream.runtime.transfer`).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Mapping
 from typing import Any
@@ -44,24 +45,89 @@ def positional(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]
     return tuple(tuple(a) if isinstance(a, list) else a for a in args)
 
 
-def check_holds_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Refuses a call that holds only plain values, no tensor to split.
+def check_holds_tensor(
+    args: tuple[Any, ...], kwargs: dict[str, Any], root: nn.Module | None = None
+) -> None:
+    """Refuses a call that holds only plain values, no tensor to split, or
+    an object holding tensors that pytree does not look into (a dataclass,
+    a ``types.SimpleNamespace``): its tensors could be neither split into
+    micro-batches nor copied where the forward changes them in place.
+
+    Args:
+        args: the call's positional arguments.
+        kwargs: its keyword arguments.
+        root: the traced module, whose ``forward`` names the arguments.
 
     Raises:
-        TypeError: naming what was passed and what to do.
+        TypeError: naming what was passed (the argument, for an object) and
+            what to do.
     """
     # Checked before a list becomes a tuple, so the message shows what the
     # caller passed; other leaves (arrays, ...) get scatter's message. A
-    # tensor argument, the usual call, skips the flattening.
-    if not any(type(a) is Tensor for a in args) and all(
-        isinstance(leaf, PLAIN) for leaf in pytree.tree_leaves((args, kwargs))
-    ):
+    # call of tensor arguments alone, the usual one, skips the flattening.
+    if not kwargs and all(type(a) is Tensor for a in args):
+        return
+    found, _ = pytree.tree_flatten_with_path((args, kwargs))
+    for path, leaf in found:
+        if held := _tensors_held(leaf):
+            name = _argument(path, root)
+            advice = (
+                "Pass a dict of its items instead, or the items as keyword arguments"
+                if isinstance(leaf, Mapping)
+                else "Pass a namedtuple of its tensors instead (forward reads the fields as "
+                "attributes, as now), or a dict"
+            )
+            raise TypeError(
+                f"Pipe input {name} is a {type(leaf).__name__} holding tensors "
+                f"({', '.join(map(str, held))}), which mpstream cannot look into: it splits "
+                f"the tensors of tuples, lists, dicts and namedtuples into micro-batches "
+                f"(and copies those the forward changes in place). {advice}"
+            )
+    if not any(type(a) is Tensor for a in args) and all(isinstance(v, PLAIN) for _, v in found):
         given = args[0] if len(args) == 1 and not kwargs else (*args, *kwargs.values())
         raise TypeError(
             f"Pipe input holds no tensor; got {describe(given)}. Pass the batch as a Tensor "
             f"(torch.as_tensor converts numbers, lists and arrays), or a tuple, list or dict "
             f"holding tensors"
         )
+
+
+def _tensors_held(leaf: Any) -> list[Any]:
+    """The attributes of ``leaf``, a pytree leaf, that hold a tensor (of
+    an object's ``__dict__`` or a slotted dataclass's fields; a mapping's
+    keys)."""
+    if isinstance(leaf, (Tensor, NoChunk, *PLAIN)):
+        return []
+    if isinstance(leaf, Mapping):  # a mapping pytree does not flatten (a UserDict)
+        attributes = dict(leaf)
+    else:
+        try:
+            attributes = dict(vars(leaf))
+        except TypeError:  # no __dict__
+            attributes = {}
+    if dataclasses.is_dataclass(leaf):
+        attributes.update((f.name, getattr(leaf, f.name, None)) for f in dataclasses.fields(leaf))
+    return [
+        name
+        for name, value in attributes.items()
+        if any(isinstance(t, Tensor) for t in pytree.tree_leaves(value))
+    ]
+
+
+def _argument(path: tuple[Any, ...], root: nn.Module | None) -> str:
+    """The argument at ``path`` into a call's ``(args, kwargs)``, by the name
+    ``root.forward`` gives it where known (``batch``, ``batch['x']``)."""
+    where, key, *rest = path
+    name = f"argument {key.idx}" if where.idx == 0 else str(key.key)
+    if where.idx == 0 and root is not None:
+        try:
+            params = list(inspect.signature(root.forward).parameters.values())
+        except (TypeError, ValueError):
+            params = []
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        if key.idx < len(params) and params[key.idx].kind in positional:
+            name = params[key.idx].name
+    return name + pytree.keystr(tuple(rest))
 
 
 def staging(

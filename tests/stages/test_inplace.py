@@ -5,6 +5,8 @@ later stages (and the gradients) the value unchanged."""
 from __future__ import annotations
 
 import copy
+import dataclasses
+import types
 from typing import Any, NamedTuple
 
 import pytest
@@ -282,6 +284,39 @@ def test_a_namedtuple_input_changed_through_a_field_gets_a_copy_of_it() -> None:
     batch = Batch(*(torch.randn(7, 4, dtype=torch.float64) for _ in range(2)))
     model = ChangesNamedTupleInput()
     assert _clones_per_call(model, batch) == 3  # of batch.x alone, per micro-batch
+    _trains_as_the_module(ChangesNamedTupleInput(), batch, "export")
+
+
+@dataclasses.dataclass
+class DataBatch:
+    x: Tensor
+    y: Tensor
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+@pytest.mark.parametrize("kind", [DataBatch, types.SimpleNamespace])
+@pytest.mark.parametrize("path", ["forward", "train_step"])
+def test_an_object_input_pytree_does_not_flatten_is_refused_by_name(
+    tracer: str, kind: Any, path: str
+) -> None:
+    # Neither split into micro-batches nor copied where the forward changes
+    # batch.x: torch.fx's split was refused by the scatter ("input holds a
+    # DataBatch") without naming the input or what to do, torch.export's
+    # export failed, blaming data-dependent control flow.
+    model = ChangesNamedTupleInput().double()
+    pipe = Pipe(model, chunks=3, split_points=["b"], devices=["cpu"] * 2, tracer=tracer)
+    x, y = torch.randn(7, 4, dtype=torch.float64), torch.randn(7, 4, dtype=torch.float64)
+    batch, before = kind(x=x, y=y), x.clone()
+    refused = rf"Pipe input batch is a {kind.__name__} holding tensors \(x, y\).*namedtuple"
+    with pytest.raises(TypeError, match=refused):
+        if path == "forward":
+            pipe(batch)
+        else:
+            pipe.train_step(batch, torch.zeros(7, 4, dtype=torch.float64), nn.functional.mse_loss)
+    torch.testing.assert_close(batch.x, before, rtol=0, atol=0)  # refused before anything ran
+    assert all(p.grad is None for p in pipe.parameters())
+    # What the message advises computes what the module does.
+    _trains_as_the_module(ChangesNamedTupleInput(), Batch(x, y), tracer)
 
 
 class Pair(nn.Module):
