@@ -86,8 +86,10 @@ def _return_types() -> dict[Any, tuple[str, ...]]:
         if name.endswith("_out") or not pytree.is_structseq_class(kind):
             continue
         fields = tuple(kind.__match_args__)
-        short = name.removeprefix("linalg_")
-        for owner, attribute in ((torch, name), (torch.Tensor, name), (torch.linalg, short)):
+        owners = [(torch, name), (torch.Tensor, name)]
+        if name.startswith("linalg_"):  # torch.linalg.svd's, not torch.svd's (Vh, not V)
+            owners = [(torch.linalg, name.removeprefix("linalg_"))]
+        for owner, attribute in owners:
             if (call := getattr(owner, attribute, None)) is not None:
                 found[call] = fields
         found[name] = fields  # a method call (``h.max(1)``), by name

@@ -684,3 +684,29 @@ def test_a_change_of_one_field_of_a_result_leaves_the_other_to_later_stages(
     second = RESULTS[op][1][1] if read == "name" else 1
     model = ChangesAResultField(op, by, second)
     _runs_as_the_module(model, torch.randn(6, 4, dtype=torch.float64), tracer)
+
+
+class ChangesVh(nn.Module):
+    """Stage 1 changes ``Vh`` of stage 0's ``torch.linalg.svd`` in place;
+    stage 2 reads ``U`` by index."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        r = torch.linalg.svd(self.a(x).reshape(-1, 2, 2))
+        g = self.b(x)
+        r.Vh.mul_(2)
+        out = self.c(g + r.Vh.reshape(-1, 4))
+        return out * r[0].reshape(-1, 4)  # type: ignore[no-any-return]
+
+
+def test_torch_linalg_s_result_has_its_own_fields() -> None:
+    # torch.svd's fields (V, not Vh) were taken for torch.linalg.svd's: r.Vh
+    # was no field by index, so r[0] in stage 2 was refused as maybe r.Vh.
+    model = ChangesVh().double()
+    pipe = Pipe(model, chunks=2, split_points=["b", "c"], devices=["cpu"] * 3, tracer="fx")
+    x = torch.randn(6, 4, dtype=torch.float64)
+    with torch.no_grad():  # svd's backward reads the Vh changed, in the module too
+        torch.testing.assert_close(pipe(x), model(x))
