@@ -710,3 +710,29 @@ def test_torch_linalg_s_result_has_its_own_fields() -> None:
     x = torch.randn(6, 4, dtype=torch.float64)
     with torch.no_grad():  # svd's backward reads the Vh changed, in the module too
         torch.testing.assert_close(pipe(x), model(x))
+
+
+class Sorted(NamedTuple):
+    """Fields named as a tensor's methods, as torch.sort's result."""
+
+    values: Tensor
+    indices: Tensor
+
+
+class ChangesAMethodNamedInput(nn.Module):
+    """Changes ``batch.values`` of its namedtuple batch in place; reads no other field by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, batch: Sorted) -> Tensor:
+        batch.values.mul_(2)
+        return self.b(self.a(batch.values)) + batch.indices  # type: ignore[no-any-return]
+
+
+def test_an_input_s_field_named_as_a_tensor_method_gets_a_copy() -> None:
+    # batch.values was read as a tensor's method, no field of the input: no copy, so
+    # the micro-batches' changes failed each other's backward.
+    batch = Sorted(*(torch.randn(7, 4, dtype=torch.float64) for _ in range(2)))
+    _trains_as_the_module(ChangesAMethodNamedInput(), batch, "fx")
