@@ -15,11 +15,8 @@ that once per backward pass per set of parameters, so a parameter that no
 micro-batch's gradient reached keeps ``.grad=None``, as in eager autograd.
 
 A parameter another stage also holds (tied weights on one device) is added
-into a side buffer instead: two stages' graphs run on two streams and would
-race on one gradient. Side buffers are added into ``.grad`` once at the end
-of the pass (:class:`TiedHooks`), after every store's :meth:`GradStore.flush`
-ordered the current streams after its graphs (a store made before the
-weights were tied holds one as its own, its graphs adding into ``.grad``).
+into a side buffer instead, which :mod:`.tied` adds into ``.grad`` at the
+end of the pass.
 
 A parameter two stores hold as their own (the splits of a traced pipe's
 two kinds of call; two pipes over one module) is the ``.grad`` of the one
@@ -43,8 +40,9 @@ from torch import Tensor, nn
 
 from ... import _ext
 from ..stream import AnyStream, CPUStream, current_stream, record_stream
+from .tied import TiedHooks
 
-__all__ = ["GradStore", "TiedHooks", "lay_out"]
+__all__ = ["GradStore", "lay_out"]
 
 _C = _ext.load()
 _hooks = operator.attrgetter("_post_accumulate_grad_hooks")
@@ -77,63 +75,6 @@ def _after(stream: AnyStream, producers: Iterable[torch.cuda.Stream]) -> None:
         for producer in producers:
             if producer != stream:
                 stream.wait_stream(producer)
-
-
-class TiedHooks:
-    """The side buffers of tied parameters (held by two stages), added into
-    their ``.grad`` once per pass after every store's flush, and then their
-    post-accumulate hooks, each parameter's once: one object per pipe's
-    graphed stages, which each store's :meth:`GradStore.flush` tells what
-    its pass reached."""
-
-    def __init__(self) -> None:
-        self._sides: list[tuple[nn.Parameter, Tensor]] = []
-        self._pending: dict[int, nn.Parameter] = {}
-        self._queued = False
-        #: The ``id()`` of the parameters a store holds in a side buffer: a
-        #: store that holds one as its own (made before the weights were
-        #: tied) leaves its hooks to this object, or they ran twice a pass.
-        self.shared: set[int] = set()
-
-    def add(
-        self,
-        sides: Sequence[tuple[nn.Parameter, Tensor]],
-        autograd: bool,
-        hooked: Sequence[nn.Parameter] = (),
-    ) -> None:
-        """Remembers the side buffers ``sides`` (per parameter), and the
-        parameters ``hooked`` whose hooks wait for them; inside a backward
-        pass (``autograd``), adds them after the other stores' flushes, as a
-        final callback queued behind theirs (queued once per pass)."""
-        for p, side in sides:
-            self._sides.append((p, side))
-            if _hooks(p):
-                self._pending.setdefault(id(p), p)
-        for p in hooked:
-            self._pending.setdefault(id(p), p)
-        if autograd and (self._sides or self._pending) and not self._queued:
-            self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.run)
-
-    def run(self) -> None:
-        """Adds the side buffers remembered into their ``.grad`` (on the
-        current streams, which every store's flush ordered after its
-        graphs), then runs the hooks, each parameter's once."""
-        sides, self._sides = self._sides, []
-        pending, self._pending, self._queued = list(self._pending.values()), {}, False
-        with torch.no_grad():
-            for p, side in sides:
-                if p.grad is None:
-                    p.grad = side.clone()
-                else:
-                    p.grad.add_(side)
-        for p in pending:
-            for hook in p._post_accumulate_grad_hooks.values():  # type: ignore[union-attr]
-                hook(p)
-
-    def discard(self) -> None:
-        """Forgets a failed pass's."""
-        self._sides, self._pending, self._queued = [], {}, False
 
 
 class GradStore:

@@ -46,10 +46,11 @@ from ...schedules.slots import Slots, plan_slots
 from .. import private
 from .backends import CudaGraphs
 from .call import Backend, GraphedCall, Source, was_raised_eagerly
-from .grads import GradStore, TiedHooks
+from .grads import GradStore
 from .keys import autocast_key, signature
 from .report import GraphReport, GraphWarning
 from .state import StageState
+from .tied import TiedHooks
 
 __all__ = ["StageGraphs", "MAX_CALLS", "MAX_GENERATIONS"]
 

@@ -136,7 +136,7 @@ def test_warm_up_marks_the_stages_forward_errors_only() -> None:
     # the capture's: the stage then runs eagerly.
     from mpstream.runtime.graphed.backends import warm_up
     from mpstream.runtime.graphed.call import was_raised_eagerly
-    from mpstream.runtime.graphed.grads import TiedHooks
+    from mpstream.runtime.graphed.tied import TiedHooks
 
     x = torch.randn(2, 4)
     for raises, error, marked in ((True, ValueError, True), (False, RuntimeError, False)):
