@@ -64,11 +64,32 @@ def check_holds_tensor(
     """
     # Checked before a list becomes a tuple, so the message shows what the
     # caller passed; other leaves (arrays, ...) get scatter's message. A
-    # call of tensor arguments alone, the usual one, skips the flattening.
-    if not kwargs and all(type(a) is Tensor for a in args):
+    # call of tensor arguments alone, the usual one, skips the flattening;
+    # one of tensors and plain values (``pipe(x, mask=None)``) needs none,
+    # and the keys to a leaf are looked up only to name an object refused.
+    if args and not kwargs and all(type(a) is Tensor for a in args):
         return
-    found, _ = pytree.tree_flatten_with_path((args, kwargs))
-    for path, leaf in found:
+    given = (*args, *kwargs.values())
+    found = given if all(isinstance(v, _FLAT) for v in given) else pytree.tree_leaves(given)
+    if not all(isinstance(v, _FLAT) for v in found):
+        _check_objects(args, kwargs, root)
+    if not any(type(a) is Tensor for a in args) and all(isinstance(v, PLAIN) for v in found):
+        given = args[0] if len(args) == 1 and not kwargs else given
+        raise TypeError(
+            f"Pipe input holds no tensor; got {describe(given)}. Pass the batch as a Tensor "
+            f"(torch.as_tensor converts numbers, lists and arrays), or a tuple, list or dict "
+            f"holding tensors"
+        )
+
+
+# Leaves mpstream splits or passes as they are, holding no object to look into.
+_FLAT = (Tensor, NoChunk, *PLAIN)
+
+
+def _check_objects(args: tuple[Any, ...], kwargs: dict[str, Any], root: nn.Module | None) -> None:
+    """Refuses an object among the call's leaves that holds tensors (see
+    :func:`check_holds_tensor`), naming the argument."""
+    for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
         if held := _tensors_held(leaf):
             name = _argument(path, root)
             advice = (
@@ -83,20 +104,13 @@ def check_holds_tensor(
                 f"the tensors of tuples, lists, dicts and namedtuples into micro-batches "
                 f"(and copies those the forward changes in place). {advice}"
             )
-    if not any(type(a) is Tensor for a in args) and all(isinstance(v, PLAIN) for _, v in found):
-        given = args[0] if len(args) == 1 and not kwargs else (*args, *kwargs.values())
-        raise TypeError(
-            f"Pipe input holds no tensor; got {describe(given)}. Pass the batch as a Tensor "
-            f"(torch.as_tensor converts numbers, lists and arrays), or a tuple, list or dict "
-            f"holding tensors"
-        )
 
 
 def _tensors_held(leaf: Any) -> list[Any]:
     """The attributes of ``leaf``, a pytree leaf, that hold a tensor (of
     an object's ``__dict__`` or a slotted dataclass's fields; a mapping's
     keys)."""
-    if isinstance(leaf, (Tensor, NoChunk, *PLAIN)):
+    if isinstance(leaf, _FLAT):
         return []
     if isinstance(leaf, Mapping):  # a mapping pytree does not flatten (a UserDict)
         attributes = dict(leaf)

@@ -309,3 +309,30 @@ def test_deferred_batch_norm_takes_a_bool_not_a_string_that_reads_as_true() -> N
     # 0 and 1 count, as for force_copies.
     assert type(Pipe(model, deferred_batch_norm=0)[1]) is nn.BatchNorm1d
     assert type(Pipe(model, deferred_batch_norm=1)[1]) is not nn.BatchNorm1d
+
+
+def test_a_valid_call_is_checked_without_walking_the_keys_to_its_leaves(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Every pipe(batch) and train_step checks its inputs on the host: a dict
+    # batch or pipe(x, mask=None) took the key walk (four times the plain
+    # flattening) only to name an object that was not there.
+    from mpstream.pipe import inputs
+
+    x = torch.randn(4, 2)
+    calls = [((x,), {"mask": None}), (({"x": x, "y": [x, 1]},), {}), ((), {"x": x, "n": 3})]
+    with monkeypatch.context() as patched:
+        patched.setattr(inputs.pytree, "tree_flatten_with_path", None)  # any walk fails
+        for args, kwargs in calls:
+            inputs.check_holds_tensor(args, kwargs)
+    with pytest.raises(TypeError, match=r"Pipe input holds no tensor; got tuple: \(\)"):
+        inputs.check_holds_tensor((), {})
+    with pytest.raises(TypeError, match=r"Pipe input x\['b'\] is a Holder holding tensors \(t\)"):
+        inputs.check_holds_tensor((), {"x": {"b": Holder(x)}})
+
+
+class Holder:
+    """An object pytree does not look into."""
+
+    def __init__(self, t: Tensor) -> None:
+        self.t = t
