@@ -6,11 +6,14 @@ unexpected keyword argument 'input_ids'") says nothing of what to do. The
 training steps take the batch as one argument (a dict of keyword inputs for
 a traced module, a tuple of positional ones) and keep their exact
 signatures, so a static checker still catches a misspelt option; the
-decorator here only rewords the refusal of keywords they do not take.
+decorator here only rewords the refusal of keywords they do not take: as
+a spread batch where the batch argument (``inputs``) is missing, else as a
+misspelt option, with the closest one it takes.
 """
 
 from __future__ import annotations
 
+import difflib
 import functools
 import inspect
 from collections.abc import Callable
@@ -31,27 +34,56 @@ def batch_argument(call: str, usage: str) -> Callable[[Callable[_P, _R]], Callab
             (``pipe.train_step(batch, target, loss_fn)``).
 
     Returns:
-        A decorator. A call with keywords the function does not take raises
-        ``TypeError`` naming them and showing ``usage``; any other call
-        goes through unchanged.
+        A decorator for a function whose batch parameter is ``inputs``. A
+        call with keywords the function does not take raises ``TypeError``
+        naming them: with ``usage`` where ``inputs`` is missing (the batch
+        spread), else with the closest keyword it takes (an option
+        misspelt). Any other call goes through unchanged.
     """
 
     def decorate(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+        signature = inspect.signature(fn)
         named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-        known = {p.name for p in inspect.signature(fn).parameters.values() if p.kind in named}
+        known = {p.name for p in signature.parameters.values() if p.kind in named}
 
         @functools.wraps(fn)
         def checked(*args: _P.args, **kwargs: _P.kwargs) -> _R:
             if kwargs and not known.issuperset(kwargs):
-                unknown = ", ".join(repr(k) for k in kwargs if k not in known)
-                raise TypeError(
-                    f"{call} got keyword argument(s) {unknown}, which it does not take: it "
-                    f"takes the batch as one argument, not spread into keywords. Pass a "
-                    f"traced module's keyword inputs as one dict (not **batch), or its "
-                    f"positional inputs as a tuple: {usage}"
-                )
+                unknown = [k for k in kwargs if k not in known]
+                raise TypeError(_refusal(call, usage, signature, args, kwargs, unknown, known))
             return fn(*args, **kwargs)
 
         return checked
 
     return decorate
+
+
+def _refusal(
+    call: str,
+    usage: str,
+    signature: inspect.Signature,
+    args: tuple[object, ...],
+    kwargs: dict[str, object],
+    unknown: list[str],
+    known: set[str],
+) -> str:
+    """The message for keywords ``unknown`` the step does not take."""
+    listed = ", ".join(repr(k) for k in unknown)
+    given = {k: v for k, v in kwargs.items() if k in known}
+    try:
+        batch = "inputs" in signature.bind_partial(*args, **given).arguments
+    except TypeError:  # too many positional arguments: not a spread batch
+        batch = True
+    if not batch:
+        return (
+            f"{call} got keyword argument(s) {listed}, which it does not take: it takes "
+            f"the batch as one argument, not spread into keywords. Pass a traced module's "
+            f"keyword inputs as one dict (not **batch), or its positional inputs as a "
+            f"tuple: {usage}"
+        )
+    # The batch is there: an option misspelt, as Python would say, with a hint.
+    hints = [difflib.get_close_matches(k, sorted(known), n=1) for k in unknown]
+    near = "; ".join(f"{k!r}: did you mean {m[0]!r}?" for k, m in zip(unknown, hints) if m)
+    return f"{call} got keyword argument(s) {listed}, which it does not take" + (
+        f" ({near})" if near else f"; it takes {', '.join(sorted(known - {'self'}))}"
+    )

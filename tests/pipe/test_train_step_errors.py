@@ -332,8 +332,14 @@ def test_a_batch_spread_into_keywords_is_refused_with_what_to_do() -> None:
         TypeError, match=r"Pipe.train_step got keyword argument\(s\) 'x', 'gate', .* one dict"
     ):
         pipe.train_step(**batch)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"keyword argument\(s\) 'reduciton'"):
+    # With the batch given, a keyword it does not take is an option misspelt,
+    # not a batch spread: the message said to pass the batch as one dict.
+    with pytest.raises(TypeError, match=r"keyword argument\(s\) 'reduciton'") as info:
         pipe.train_step(batch, y, nn.MSELoss(), reduciton="sum")  # type: ignore[call-arg]
+    assert "did you mean 'reduction'?" in str(info.value)
+    assert "spread" not in str(info.value)
+    with pytest.raises(TypeError, match=r"'x', 'gate', .* one dict"):
+        pipe.train_step(target=y, **batch)  # type: ignore[arg-type]
     assert all(p.grad is None for p in pipe.parameters())  # refused before anything ran
     loss = pipe.train_step(batch, y, nn.MSELoss())  # the batch as one dict
     expected = nn.functional.mse_loss(ref(**batch), y)
