@@ -82,14 +82,15 @@ def validate(
     issue times; each row also gives it without them (``devices_only_ms``),
     and ``issue_modelled`` says whether they were used. On the CPU the
     issue times are the compute itself and are left out. A batch the split
-    size does not divide is simulated with its shorter last micro-batch.
+    size does not divide is fitted and simulated with its shorter last
+    micro-batch.
     """
-    main = fit(fastest(timelines[main_split])[0])
+    main = fit(fastest(timelines[main_split])[0], micro_batches(batch_size, main_split)[1])
     rows = []
     for split, timeline in timelines.items():
         micros = micro_batches(batch_size, split)
         step, measured = fastest(timeline)
-        costs = fit(step)
+        costs = fit(step, micros[1])
         predicted = _step_ms(costs, micros, overlap, devices)
         alone = _step_ms(costs, micros, overlap, devices, host=False)
         from_main = _step_ms(scaled(main, split / main_split), micros, overlap, devices)

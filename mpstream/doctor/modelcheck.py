@@ -47,7 +47,9 @@ def run(ctx: Context) -> StepResult:
     profiles = ctx.shared["profiles"]
     config = config_for(ctx)
     main = profiles[config.split_size]
-    costs = fit(fastest(main["timeline"])[0])
+    costs = fit(
+        fastest(main["timeline"])[0], micro_batches(config.batch_size, config.split_size)[1]
+    )
     dev0, dev1 = ctx.devices
     separate = ctx.cuda and (dev0 != dev1 or main["forced_copies"])
     labels = [f"{dev0}/stage0", f"{dev1}/stage1"] if separate else [str(dev0), str(dev1)]

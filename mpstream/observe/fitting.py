@@ -3,11 +3,15 @@
 :func:`fit` takes the median per-micro-batch time of each task kind per
 stage and per copy (and, where the scheduler measured it, the host's time to
 issue each task) from a profile; :class:`Costs` holds them in the form
-:func:`~mpstream.observe.cost_model.simulate` takes.
+:func:`~mpstream.observe.cost_model.simulate` takes. A profile whose last
+micro-batch was shorter (``last_size``) has its compute and copies scaled up
+to a full one's first: a median over one full and one short micro-batch is
+neither, and ``simulate(last_size=)`` scales the last one down again.
 """
 
 from __future__ import annotations
 
+import numbers
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -48,7 +52,7 @@ class Costs:
         return [(f, b, w) for (f, b), w in zip(self.stage_times, self.weight_times)]
 
 
-def fit(timeline: Timeline) -> Costs:
+def fit(timeline: Timeline, last_size: float = 1.0) -> Costs:
     """Median per-micro-batch costs of each stage and boundary in a measured timeline.
 
     From a run with split backwards (``'zb_h1'``) the costs hold both passes:
@@ -60,15 +64,36 @@ def fit(timeline: Timeline) -> Costs:
     (kind, stage) (a backward's, where the run split some, the input
     pass's, as for its cost), for :func:`~mpstream.observe.cost_model.simulate`'s ``issue_times``.
 
+    Args:
+        timeline: the measured timeline.
+        last_size: the last micro-batch's size relative to a full one, in
+            (0, 1], as ``simulate`` takes it
+            (:func:`~mpstream.observe.cost_model.micro_batches` gives it):
+            its compute and copy times count as ``1 / last_size`` times
+            what they took (its issue times as they were).
+
+    Returns:
+        Per micro-batch costs of a full micro-batch.
+
     Raises:
         TypeError: ``timeline`` is not a :class:`Timeline`.
-        ValueError: the timeline has no compute spans.
+        ValueError: the timeline has no compute spans, or ``last_size``
+            is outside (0, 1].
     """
     if not isinstance(timeline, Timeline):
         raise TypeError(
             f"simulate_fit takes a Timeline (the profile of a `with mpstream.profile(pipe) "
             f"as prof:` block, or a Timeline.load()ed one), got {type(timeline).__name__}"
         )
+    if isinstance(last_size, bool) or not (
+        isinstance(last_size, numbers.Real) and 0 < last_size <= 1
+    ):
+        raise ValueError(f"last_size must be in (0, 1], got {last_size!r}")
+    last = max((s.micro for s in timeline.spans), default=0)
+
+    def duration(s: Span) -> float:
+        return s.duration_ms / last_size if s.micro == last else s.duration_ms
+
     groups: dict[tuple[str, int], list[Span]] = defaultdict(list)
     hops: dict[tuple[str, int, int], list[float]] = defaultdict(list)
     # A backward with a weight pass of its own computed the input gradient
@@ -80,7 +105,7 @@ def fit(timeline: Timeline) -> Costs:
         groups[("whole_backward" if whole else s.kind, s.stage)].append(s)
         if s.kind in ("copy", "copy_grad") and s.stage >= 0:
             hops[(s.kind, s.stage, s.stages[0] if s.kind == "copy_grad" else s.stages[-1])].append(
-                s.duration_ms
+                duration(s)
             )
     stages = timeline.stages
     if not any(k in ("forward", "backward") for k, _ in groups):
@@ -90,7 +115,7 @@ def fit(timeline: Timeline) -> Costs:
         spans = groups.get((kind, stage))
         if not spans:
             return 0.0
-        return float(statistics.median(s.issue_ms if issue else s.duration_ms for s in spans))
+        return float(statistics.median(s.issue_ms if issue else duration(s) for s in spans))
 
     def hop(kind: str, p: int, q: int) -> float:
         values = hops.get((kind, p, q))

@@ -112,7 +112,7 @@ def validate_cost_model(
     backward; after ``config.warmup`` untimed ones) of the tutorial's model
     under :func:`~mpstream.profile`, fit per-task costs, simulate a step, and
     compare with the measured median. A batch the split size does not
-    divide is simulated with its shorter last micro-batch.
+    divide is fitted and simulated with its shorter last micro-batch.
     On a GPU the model is mpstream's streams with the measured host issue
     time of each task (``predicted_ms``; ``devices_only_ms`` without it); on
     the CPU, where every task runs on one host thread, one stream.
@@ -129,10 +129,10 @@ def validate_cost_model(
             for _ in range(repeat):
                 _step(model, x, y)
                 synchronize((dev0, dev1))
-        costs = fit(prof)
+        micros, last = micro_batches(config.batch_size, split)
+        costs = fit(prof, last)
         cuda = dev0.type == "cuda"
         devices = [str(dev0), str(dev1)] if cuda else ["host", "host"]
-        micros, last = micro_batches(config.batch_size, split)
         issue = costs.issue_times if cuda and costs.issue_times else None
         sims = [
             simulate(

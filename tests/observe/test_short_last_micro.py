@@ -75,19 +75,34 @@ def test_a_last_size_outside_0_1_is_refused(bad: Any) -> None:
 
 
 @pytest.mark.parametrize(("overlap", "labels"), [(True, ["a", "b"]), (False, ["host", "host"])])
+@pytest.mark.parametrize("batch", [7, 3, 1])
 def test_the_doctors_fit_check_costs_the_short_last_micro_batch(
-    overlap: bool, labels: list[str]
+    overlap: bool, labels: list[str], batch: int
 ) -> None:
-    # A "measured" step of 7 images in micro-batches of 2 that is the model's
-    # own: the fitted costs (medians: full micro-batches) predict it exactly.
-    micros, last = micro_batches(7, 2)
+    # A "measured" step of ``batch`` images in micro-batches of 2 that is the
+    # model's own: the fitted costs predict it exactly. The fit's medians
+    # were a short micro-batch's (1 image) or between a full and a short
+    # one's (3 images), which simulate then scaled down again: 25% under.
+    micros, last = micro_batches(batch, 2)
     measured = simulate(
         STAGES, 0.5, micros, overlap=overlap, backward=True, devices=labels, last_size=last
     )
-    (row,) = costfit.validate({2: measured.timeline}, 2, 7, overlap, labels)
-    assert row["micro_batches"] == 4 and row["measured_ms"] == measured.step_ms
+    (row,) = costfit.validate({2: measured.timeline}, 2, batch, overlap, labels)
+    assert row["micro_batches"] == micros and row["measured_ms"] == measured.step_ms
     assert row["error"] == pytest.approx(0.0, abs=1e-12)
     assert row["scaled_error"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_a_fit_counts_the_short_last_micro_batch_as_a_full_one() -> None:
+    from mpstream.observe.fitting import fit
+
+    micros, last = micro_batches(3, 2)
+    measured = simulate(STAGES, 0.5, micros, backward=True, last_size=last)
+    costs = fit(measured.timeline, last)
+    torch.testing.assert_close(costs.stage_times, list(STAGES))
+    torch.testing.assert_close(costs.copy_times, [(0.5, 0.5)])
+    with pytest.raises(ValueError, match=r"last_size must be in \(0, 1\]"):
+        fit(measured.timeline, 0)
 
 
 class _Tiny(nn.Module):
@@ -118,7 +133,7 @@ def test_the_tutorials_validation_costs_the_short_last_micro_batch(
 
     monkeypatch.setattr(analysis.tutorial, "StreamPipelineResNet50", _Tiny)
     monkeypatch.setattr(analysis, "profile", profile)
-    monkeypatch.setattr(analysis, "fit", lambda p: Costs(list(STAGES), [(0.0, 0.0)]))
+    monkeypatch.setattr(analysis, "fit", lambda p, last: Costs(list(STAGES), [(0.0, 0.0)]))
     cpu = torch.device("cpu")
     (row,) = analysis.validate_cost_model(cpu, cpu, config, [2], repeat=1)
     assert row["micro_batches"] == 4
