@@ -68,7 +68,7 @@ def captured_single(rows: Sequence[dict[str, Any]] | None) -> float | None:
 
 def graphed_predictions(
     ctx: Context,
-    micros: int,
+    micros: tuple[int, float],
     profiled: list[Any],
     link_gbps: float,
     labels: list[str],
@@ -80,14 +80,17 @@ def graphed_predictions(
     from the graphed fit's device times (the ``profiled`` layers' costs,
     calibrated to it: an eager fit's task spans hold the host's issue time)
     and its per-task issue times, against one device whose step replays as
-    one graph (targets :data:`GRAPHED_SPEEDUP`). Adds its checks; returns
-    its figures."""
+    one graph (targets :data:`GRAPHED_SPEEDUP`). ``micros`` is the
+    micro-batches' count and the last one's share of a full one
+    (:func:`~mpstream.observe.cost_model.micro_batches`). Adds its checks;
+    returns its figures."""
     profile = ctx.shared.get("graphed_profile")
     if profile is None:
         return {}
     config = config_for(ctx)
     step = fastest(profile["timeline"])[0]
-    costs = fit(step)
+    count, last = micros  # the last micro-batch's share of a full one
+    costs = fit(step, last)
     spread = issue_spread(step)
     raw = [(p.forward_ms, p.backward_ms) for p in profiled]
     layer_times = calibrate(raw, profile["balance"], costs)
@@ -110,7 +113,7 @@ def graphed_predictions(
     # Without that measurement the fit's device time over the micro-batches
     # stands in, which charges one device the micro-batches' narrow kernels.
     measured = captured_single(ctx.shared.get("graphed_schedules"))
-    graphed_single = measured or micros * sum(f + b for f, b in layer_times)
+    graphed_single = measured or (count - 1 + last) * sum(f + b for f, b in layer_times)
     basis = (
         "the single device's step captured as one graph (measured, SGD included)"
         if measured
@@ -118,11 +121,11 @@ def graphed_predictions(
     )
     for schedule in PREDICTED_SCHEDULES:
         for p in (2, 4):
-            balance, copies = balanced_copies(layer_times, p, micros, profiled, link_gbps)
+            balance, copies = balanced_copies(layer_times, p, count, profiled, link_gbps)
             issue = task_issue(balance, costs) if costs.issue_times else None
             pred = predict(
-                layer_times, p, micros, balance=balance, copy_times=copies,
-                issue_times=issue, schedule=schedule,
+                layer_times, p, count, balance=balance, copy_times=copies,
+                issue_times=issue, schedule=schedule, last_size=last,
             )  # fmt: skip
             fair = graphed_single / pred.step_ms
             target = GRAPHED_SPEEDUP[p]

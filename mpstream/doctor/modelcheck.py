@@ -127,7 +127,7 @@ def run(ctx: Context) -> StepResult:
                 f"(copies at {link_gbps:.0f} GB/s, {link}{host})",
             )
         )
-    graphed = graphed_predictions(ctx, micros, profiled, link_gbps, labels, checks)
+    graphed = graphed_predictions(ctx, (micros, last), profiled, link_gbps, labels, checks)
     worst = max(rows, key=lambda r: abs(r["error"]))
     figure = (
         "error "

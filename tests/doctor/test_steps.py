@@ -261,17 +261,19 @@ def test_overall_and_jsonable() -> None:
     assert jsonable({"d": CPU, "p": Path("x"), "t": (1, 2)}) == {"d": "cpu", "p": "x", "t": [1, 2]}
 
 
-def test_graphed_stages_are_profiled_and_predicted_where_a_profile_exists(tmp_path: Path) -> None:
+def test_graphed_stages_are_profiled_and_predicted_where_a_profile_exists(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # On a GPU step 7 profiles the main split again with graphed stages and
     # step 8 fits it; here the same functions run on a CPU profile.
     ctx = Context((CPU, CPU), TINY, "resnet50", tmp_path, tmp_path)
     config = experiment.config_for(ctx)
-    assert graphcost.graphed_predictions(ctx, 1, [], 1.0, [], []) == {}  # no profile
+    assert graphcost.graphed_predictions(ctx, (1, 1.0), [], 1.0, [], []) == {}  # no profile
     ctx.shared["graphed_profile"] = attribution.profile_step(ctx, config.split_size, graphs=True)
     layer = types.SimpleNamespace(output_bytes=1000, forward_ms=1.0, backward_ms=2.0)
     profiled = [layer] * 23
     checks: list[Check] = []
-    out = graphcost.graphed_predictions(ctx, 4, profiled, 10.0, ["cpu", "cpu"], checks)
+    out = graphcost.graphed_predictions(ctx, (4, 1.0), profiled, 10.0, ["cpu", "cpu"], checks)
     assert [(p["schedule"], p["gpus"]) for p in out["predictions"]] == [
         ("gpipe", 2),
         ("gpipe", 4),
@@ -308,10 +310,25 @@ def test_graphed_stages_are_profiled_and_predicted_where_a_profile_exists(tmp_pa
         {"schedule": "single device", "captured step": {"step_ms": 3.0}},
         {"schedule": "gpipe", "captured step": {"step_ms": 9.0}},
     ]
-    again = graphcost.graphed_predictions(ctx, 4, profiled, 10.0, ["cpu", "cpu"], [])
+    again = graphcost.graphed_predictions(ctx, (4, 1.0), profiled, 10.0, ["cpu", "cpu"], [])
     for p, q in zip(again["predictions"], out["predictions"]):
         assert p["baseline_measured"] and p["graphed_single_device_ms"] == 3.0
         assert p["predicted_speedup"] == pytest.approx(3.0 / q["predicted_step_ms"])
+    # A batch the split size does not divide: its last micro-batch, half a
+    # full one, costs its share on the pipeline and on the one device (the
+    # graphed predictions counted every micro-batch full). The same fitted
+    # costs for both, to compare the predictions alone.
+    del ctx.shared["graphed_schedules"]
+    fitted = graphcost.fit(costfit.fastest(ctx.shared["graphed_profile"]["timeline"])[0])
+    monkeypatch.setattr(graphcost, "fit", lambda step, last: fitted)
+    full = graphcost.graphed_predictions(ctx, (4, 1.0), profiled, 10.0, ["cpu", "cpu"], [])
+    short = graphcost.graphed_predictions(ctx, (4, 0.5), profiled, 10.0, ["cpu", "cpu"], [])
+    for p, q in zip(short["predictions"], full["predictions"]):
+        assert p["graphed_single_device_ms"] == pytest.approx(
+            3.5 / 4 * q["graphed_single_device_ms"]
+        )
+        # (here the host issue times, not scaled, set the pace)
+        assert p["predicted_step_ms"] <= q["predicted_step_ms"]
 
 
 def test_the_captured_single_device_is_read_from_step_7s_rows() -> None:
