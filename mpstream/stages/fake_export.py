@@ -91,6 +91,27 @@ def _example(leaf: Any, device: torch.device, mode: Any) -> tuple[Any, Any]:
     return leaf, None
 
 
+def _registered(x: Any) -> bool:
+    """Whether ``x`` is an instance of a class registered with pytree (a
+    dataclass given to ``register_dataclass``), not a standard container."""
+    kind = type(x)
+    return x is not None and kind in pytree.SUPPORTED_NODES and kind not in pytree.BUILTIN_TYPES
+
+
+def _listed(tree: Any) -> Any:
+    """``tree`` with each registered class's instance replaced by the list of
+    its children: the structure ``torch.export`` matches ``dynamic_shapes``
+    to, as such a class may not hold dimension specs in its fields."""
+
+    def one(x: Any) -> Any:
+        if not _registered(x):
+            return x
+        children = pytree.tree_leaves(x, is_leaf=lambda y: y is not x)
+        return [_listed(c) for c in children]
+
+    return pytree.tree_map(one, tree, is_leaf=_registered)
+
+
 @contextmanager
 def _keywords_named(module: nn.Module, names: list[str]) -> Iterator[None]:
     """While it is exported, ``module.forward`` says it takes by name each
@@ -143,7 +164,7 @@ def _export(
     items, spec = pytree.tree_flatten(named)
     pairs = [_example(x, device, mode) for x in items]
     examples = pytree.tree_unflatten([p[0] for p in pairs], spec)
-    shapes = pytree.tree_unflatten([p[1] for p in pairs], spec)
+    shapes = pytree.tree_unflatten([p[1] for p in pairs], pytree.tree_structure(_listed(named)))
     # Autocast and grad mode around the call must not enter the graph: the
     # stages run under whatever the caller's are then.
     keywords = _keywords_named(module, list(named))

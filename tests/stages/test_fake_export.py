@@ -1,12 +1,15 @@
 """One kind of call exported on fake tensors (mpstream.stages.fake_export):
 arguments a ``**kwargs`` parameter gathers keep a symbolic batch dimension
 on every torch (torch 2.11's export could not be given one for them), and
-the module's forward is left as it was, the export failed or not. The
-pipeline runs such a graph on micro-batches of other sizes in
+the module's forward is left as it was, the export failed or not; an input
+of a dataclass registered with pytree is exported and trains as with
+torch.fx. The pipeline runs such a graph on micro-batches of other sizes in
 tests/stages/test_export.py."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from typing import Any
 
 import pytest
@@ -14,7 +17,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
+from mpstream import Pipe
 from mpstream.stages.fake_export import exported_graph, input_pattern
+from tests.helpers import assert_same_grads
 
 CPU = torch.device("cpu")
 
@@ -93,3 +98,59 @@ def test_a_torch_without_check_guards_exports_the_same_graph(
     monkeypatch.setattr(torch.export.ExportedProgram, "module", module)
     gm, _, _ = exported_graph(model, {"input_ids": x, "scale": s}, CPU)
     assert gm.code == expected.code
+
+
+@dataclasses.dataclass
+class _Scales:
+    scale: Tensor
+    shift: Tensor | None = None
+
+
+@dataclasses.dataclass
+class _Batch:
+    x: Tensor
+    scales: _Scales
+
+
+pytree.register_dataclass(_Scales)
+pytree.register_dataclass(_Batch)
+
+
+class _Reads(nn.Module):
+    """Reads its input from a registered dataclass holding another."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, batch: _Batch) -> Tensor:
+        h = torch.tanh(self.a(batch.x)) * batch.scales.scale
+        if batch.scales.shift is not None:
+            h = h + batch.scales.shift
+        out: Tensor = self.b(h)
+        return out
+
+
+@pytest.mark.parametrize("rows", [6, 7])
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_a_registered_dataclass_input_trains_as_the_plain_model(tracer: str, rows: int) -> None:
+    """torch.export wants a registered class's dynamic shapes as a list.
+    (torch.fx traces a field that is None as a tensor: export alone gets one.)"""
+    torch.manual_seed(0)
+    model = _Reads().double()
+    shifts = [torch.randn(rows, 4, dtype=torch.float64)] + [None] * (tracer == "export")
+    for shift in shifts:
+        x, s = torch.randn(rows, 4, dtype=torch.float64), torch.randn(rows, 4, dtype=torch.float64)
+        y = torch.randn(rows, 2, dtype=torch.float64)
+        batch = _Batch(x, _Scales(s, shift))
+        ref = copy.deepcopy(model)
+        pipe = Pipe(
+            copy.deepcopy(model), split_points=["b"], devices=["cpu"] * 2, chunks=3,
+            tracer=tracer, sample={"batch": batch},
+        )  # fmt: skip
+        torch.testing.assert_close(pipe(batch), ref(batch))  # 2+2+2 or 3+3+1 rows
+        loss = pipe.train_step({"batch": batch}, y, nn.functional.mse_loss)
+        expected = nn.functional.mse_loss(ref(batch), y)
+        expected.backward()
+        torch.testing.assert_close(loss, expected.detach())
+        assert_same_grads(pipe, ref)
