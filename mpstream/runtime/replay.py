@@ -139,11 +139,8 @@ class Replay(torch.autograd.Function):
             # torch.autograd.grad or backward(inputs=...): autograd leaves
             # .grad alone, and so must the graph that adds into it (no hook
             # runs on a gradient that is then taken back).
-            store.save()
-            try:
+            with store.undone():
                 got = call.backward(picked, object(), hooks=False)
-            finally:
-                store.restore()
         else:
             got = call.backward(picked, _graph_task(), autograd=True)
         it = iter(got)

@@ -33,7 +33,8 @@ from __future__ import annotations
 import itertools
 import operator
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
@@ -327,6 +328,42 @@ class GradStore:
                         before.copy_(copied)
             p.grad = before
         self._pass, self._ready, self._reached_side, self._streams = None, {}, set(), {}
+
+    @contextmanager
+    def undone(self) -> Iterator[None]:
+        """Takes back, at the end, what the replays inside add into the
+        gradients: a backward that leaves ``.grad`` alone
+        (``torch.autograd.grad``, ``backward(inputs=...)``). One may run
+        inside a backward pass of the user's loop (from a hook or a custom
+        Function's backward); that pass keeps what it reached so far, which
+        its :meth:`flush` needs: the streams its graphs added on, its side
+        buffers' sums, its hooks (:meth:`save` would drop them, as it does
+        a failed pass's)."""
+        kept = (self._pass, self._ready, self._reached_side, self._hooks, self._tied_hooks)
+        streams, taken = self._streams, self._taken_from
+        detached, hooked, saved = self._detached, self._hooked, (self._saved, self._saved_grads)
+        stream = current_stream(self._device)
+        _after(stream, streams.values())  # the copies below read what the pass added
+        sides = [(self.views[i], self.views[i].clone()) for i in self._reached_side]
+        self._pass, self._streams, self._hooks, self._tied_hooks = None, {}, set(), set()
+        self.save()
+        try:
+            yield
+        finally:
+            self.restore()
+            with torch.no_grad():
+                for view, before in sides:
+                    view.copy_(before)
+            self._pass, self._ready, self._reached_side, self._hooks, self._tied_hooks = kept
+            self._detached, self._hooked = detached, hooked
+            self._saved, self._saved_grads = saved
+            self._taken_from = taken or self._taken_from  # one more check costs nothing
+            if self._pass is not None:
+                # The pass's flush orders the caller's stream after these
+                # copies too: they rewrote its buffers on this stream.
+                self._streams = streams
+                if not isinstance(stream, CPUStream):
+                    self._streams[stream.stream_id] = stream
 
     def release(self) -> None:
         """Forgets what :meth:`save` saved (a step that succeeded)."""

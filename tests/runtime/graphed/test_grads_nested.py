@@ -1,0 +1,139 @@
+"""A backward that leaves ``.grad`` alone (``torch.autograd.grad``) through a
+graphed stage, run from inside a backward pass of the user's loop (a custom
+Function's backward): the pass keeps what its replays reached before it,
+its hooks, its tied weights' sums and the streams its final flush orders
+the caller's after (on fake streams, and on a GPU)."""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from mpstream import Pipe
+from mpstream.runtime import replay
+from mpstream.runtime.graphed import Emulated, grads
+from mpstream.runtime.graphed.call import GraphedCall
+from tests.helpers import assert_same_grads, mlp
+from tests.runtime.graphed.test_grads import tied_model
+from tests.runtime.graphed.test_grads_shared import FakeStream, unordered_reads
+
+
+class Nested(torch.autograd.Function):
+    """Calls ``run`` from its backward (the identity's)."""
+
+    @staticmethod
+    def forward(ctx: Any, t: Tensor, run: Callable[[], None]) -> Tensor:  # type: ignore[override]
+        ctx.run = run
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        ctx.run()
+        return g, None
+
+
+def nested_pass(m: nn.Module, x: Tensor, x2: Tensor) -> Tensor:
+    """A backward of ``m(x)`` whose replays run first, then, inside the same
+    pass, ``torch.autograd.grad`` through ``m(x2)`` (other shapes: other
+    graphs of the same stages); returns the gradient of ``x2``."""
+    inp = x2.clone().requires_grad_()
+    other = m(inp).square().sum()
+    got: list[Tensor] = []
+    t = Nested.apply(torch.zeros(1, dtype=x.dtype, requires_grad=True), lambda: got.extend(
+        torch.autograd.grad(other, [inp])
+    ))  # fmt: skip
+    out = m(x)  # made after t: autograd runs its backward first
+    (t.sum() + out.square().sum()).backward()
+    return got[0]
+
+
+def test_autograd_grad_inside_a_pass_keeps_its_hooks_and_tied_sums() -> None:
+    model = tied_model()
+    eager, graphed = (
+        Pipe(copy.deepcopy(model), chunks=2, balance=[2, 2, 2], devices=["cpu"] * 3, graphs=g)
+        for g in (False, Emulated())
+    )  # fmt: skip
+    x, x2 = torch.randn(6, 5, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64)
+    ran = {"eager": Counter[str](), "graphed": Counter[str]()}
+    for tag, pipe in (("eager", eager), ("graphed", graphed)):
+        for name, p in pipe.named_parameters():
+            p.register_post_accumulate_grad_hook(lambda p, n=name, c=ran[tag]: c.update([n]))
+    for _ in range(3):  # captures, then replays
+        for c in ran.values():
+            c.clear()
+        gots = [nested_pass(pipe, x, x2) for pipe in (eager, graphed)]
+        torch.testing.assert_close(gots[1], gots[0])
+        assert_same_grads(graphed, eager)
+        assert ran["graphed"] == ran["eager"]  # once per parameter: one accumulation
+
+
+def test_autograd_grad_inside_a_pass_keeps_the_streams_its_flush_orders(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Each stage's graphs add (and a Replay's backward runs) on the stage's
+    # own stream; the caller reads .grad after the pass on its own. The
+    # pass's flush must order it after every stage stream that added.
+    log: list[tuple[str, str, Any]] = []
+    streams: dict[str, FakeStream] = {}
+    current = [FakeStream("caller", log)]
+
+    def on_stage_stream(method: Any, label: Callable[..., str]) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            before = current[0]
+            name = label(*args)
+            current[0] = streams.setdefault(name, FakeStream(name, log))
+            try:
+                return method(*args, **kwargs)
+            finally:
+                current[0] = before
+
+        return run
+
+    def added(dst: list[Tensor], src: list[Tensor]) -> None:
+        log.append(("add", current[0].name, ([id(t) for t in src + dst], [id(t) for t in dst])))
+        plain(dst, src)
+
+    plain = torch._foreach_add_
+    monkeypatch.setattr(grads, "current_stream", lambda device: current[0])
+    monkeypatch.setattr(grads, "record_stream", lambda t, s: None)
+    for name in ("backward", "weight"):
+        method = on_stage_stream(getattr(GraphedCall, name), lambda call, *_: call.label)
+        monkeypatch.setattr(GraphedCall, name, method)
+    backward = on_stage_stream(replay.Replay.backward, lambda ctx, *_: ctx.call.label)
+    monkeypatch.setattr(replay.Replay, "backward", staticmethod(backward))
+    monkeypatch.setattr(torch, "_foreach_add_", added)
+    pipe = Pipe(mlp([5, 5, 5, 5]), chunks=2, balance=[2, 2, 2], devices=["cpu"] * 3,
+                graphs=Emulated())  # fmt: skip
+    x, x2 = torch.randn(6, 5, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64)
+    for _ in range(2):  # captures, then replays
+        log.clear()
+        nested_pass(pipe, x, x2)
+        read = [id(p.grad) for p in pipe.parameters()]
+        log.append(("add", "caller", (read, [])))  # the caller reads .grad
+        bad, crossed = unordered_reads(log)
+        assert not bad, bad
+        assert crossed, "no stage stream added into a .grad"
+
+
+@pytest.mark.cuda
+def test_cuda_autograd_grad_inside_a_pass_leaves_its_gradients_whole() -> None:
+    torch.manual_seed(0)
+    model = tied_model().cuda()
+    eager, graphed = (
+        Pipe(copy.deepcopy(model), chunks=2, balance=[2, 2, 2], devices=["cuda:0"] * 3, graphs=g)
+        for g in (False, True)
+    )  # fmt: skip
+    x, x2 = (torch.randn(n, 5, dtype=torch.float64, device="cuda") for n in (6, 4))
+    for _ in range(3):  # captures, then replays
+        for pipe in (eager, graphed):
+            pipe.zero_grad()
+        gots = [nested_pass(pipe, x, x2) for pipe in (eager, graphed)]
+        torch.testing.assert_close(gots[1], gots[0])
+        assert_same_grads(graphed, eager)
+    assert all(s.graphed for s in graphed.graph_report().stages), graphed.graph_report()
