@@ -130,8 +130,9 @@ class GradStore:
         # Set by a store taking a .grad over from this one (in any thread),
         # after .grad changed; cleared before a check: no take is missed.
         self._taken_from = False
-        # id() of each reached-set ensured in it, and its hooked parameters
-        self._ready: dict[int, list[nn.Parameter]] = {}
+        # Each reached-set ensured in it (by value: a stage's calls, one per
+        # slot, hold equal sets of their own), and its hooked parameters
+        self._ready: dict[frozenset[int], list[nn.Parameter]] = {}
         self._reached_side: set[int] = set()
         self._hooks: set[nn.Parameter] = set()  # run at the end of the pass
         self._tied_hooks: set[nn.Parameter] = set()  # owned but tied: run by tied
@@ -172,7 +173,11 @@ class GradStore:
             # must not add into this store's view, no longer .grad.
             self._ready, self._taken_from = {}, False
             self._detached = {self._owned[j] for j in self._attached.detached()}
-        hooked = self._ready.get(id(reached))
+        # By value: another call of this stage (another slot) that reaches
+        # the same parameters finds them ready. Its replay runs on the
+        # stream the first one's did (the stage's compute stream, where
+        # autograd too runs a Replay's backward), already noted below.
+        hooked = self._ready.get(reached)
         if hooked is not None:
             return hooked
         stream = current_stream(self._device)
@@ -194,7 +199,7 @@ class GradStore:
         if autograd:
             self._hooks.update(hooked)
             hooked = []
-        self._ready[id(reached)] = hooked
+        self._ready[reached] = hooked
         return hooked
 
     def hooks_ran(self, params: Sequence[nn.Parameter]) -> None:

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from mpstream import Pipe
 from mpstream.runtime.graphed import Emulated
+from mpstream.runtime.graphed import grads as grads_module
 from tests.helpers import Ops, assert_same_grads, mlp
 from tests.runtime.graphed.test_stages import WIDTHS, data, pair
 
@@ -94,6 +95,33 @@ def test_one_zeroing_per_stage_and_no_work_per_parameter(run: str) -> None:
     per_parameter = {"clone", "detach", "add_", "copy_", "zeros_like", "add"}
     total = sum(n for name, n in counted.ops.items() if name in per_parameter)
     assert total < 40, counted.ops
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_a_stage_s_parameters_are_made_ready_once_per_pass_not_per_call(
+    run: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # GPipe keeps 4 micro-batches in flight: 4 calls per stage, each with a
+    # reached-set of its own, equal to the others'. The store checks its
+    # parameters (and notes the stream) for the first only; its flush
+    # looks at the stream once more.
+    eager, graphed = pair(mlp(WIDTHS), chunks=4, schedule="gpipe")
+    x, y = data()
+    for _ in range(2):  # capture, then replay
+        RUNS[run](graphed, x, y)
+    looked: list[torch.device] = []
+
+    def counted(device: torch.device) -> object:
+        looked.append(device)
+        return real(device)
+
+    real = grads_module.current_stream
+    monkeypatch.setattr(grads_module, "current_stream", counted)
+    RUNS[run](graphed, x, y)
+    assert len(looked) == 2 * 2, looked  # per stage: its first call, its flush
+    for _ in range(3):
+        RUNS[run](eager, x, y)
+    assert_same_grads(graphed, eager)
 
 
 @pytest.mark.parametrize("how", ["foreach", "fused"])
