@@ -134,15 +134,15 @@ class Replay(torch.autograd.Function):
         if all(g is None for g in picked):
             # No gradient reached the call: eager autograd computes nothing here.
             return (None,) * (2 + len(call.static_in))
-        store = call.store
-        if store is not None and not _accumulates():
+        store, task = call.store, _graph_task()
+        if store is not None and not _accumulates(task):
             # torch.autograd.grad or backward(inputs=...): autograd leaves
             # .grad alone, and so must the graph that adds into it (no hook
             # runs on a gradient that is then taken back).
             with store.undone():
                 got = call.backward(picked, object(), hooks=False)
         else:
-            got = call.backward(picked, _graph_task(), autograd=True)
+            got = call.backward(picked, task, autograd=True)
         it = iter(got)
         out: list[Tensor | None] = []
         for t, escapes in zip(call.static_in, ctx.escapes):
@@ -167,16 +167,31 @@ def _ours(t: Tensor) -> bool:
 _ANCHOR_NODE: Node = get_gradient_edge(_ANCHOR).node
 
 
-def _accumulates() -> bool:
-    """Whether the running backward accumulates into leaves: a plain
-    ``backward()``, not ``torch.autograd.grad`` nor ``backward(inputs=)``
-    (where the anchor, an input of every replay, is not asked for)."""
+# The latest backward pass _accumulates answered for, and its answer: what
+# a pass executes is fixed when it starts, and its replayed backward tasks
+# (one per stage and micro-batch) would each ask torch again. One tuple,
+# replaced whole: the engine's device threads may read it concurrently.
+_ANSWERED: tuple[int, bool] = (-1, False)
+
+
+def _accumulates(task: int) -> bool:
+    """Whether the running backward (pass ``task``, -1: unknown) accumulates
+    into leaves: a plain ``backward()``, not ``torch.autograd.grad`` nor
+    ``backward(inputs=)`` (where the anchor, an input of every replay, is
+    not asked for)."""
+    global _ANSWERED
+    seen, answer = _ANSWERED
+    if task == seen and task != -1:
+        return answer
     try:
-        return private.will_engine_execute_node(_ANCHOR_NODE)
+        answer = private.will_engine_execute_node(_ANCHOR_NODE)
     except private.PrivateApiError:
         raise  # a torch without the call: no silent loss of every gradient
     except RuntimeError:
-        return False
+        answer = False
+    if task != -1:
+        _ANSWERED = (task, answer)
+    return answer
 
 
 def _graph_task() -> int:

@@ -424,6 +424,38 @@ def test_autograd_grad_through_a_graphed_stage_runs_no_hook() -> None:
     assert all(p.grad is None for p in graphed.parameters())
 
 
+def test_a_backward_pass_is_asked_once_whether_it_accumulates(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from mpstream.runtime import private
+
+    # 4 micro-batches over 2 stages: 8 replayed backward tasks per pass,
+    # one question to torch. Passes of either kind in turn keep their own
+    # answer: .grad as eager autograd leaves it.
+    eager, graphed = pair(mlp(WIDTHS), chunks=4)
+    x, y = data()
+    for pipe in (eager, graphed):
+        user_loop(pipe, x, y)  # captures
+    asked: list[object] = []
+    real = private.will_engine_execute_node
+
+    def counted(node: object) -> bool:
+        asked.append(node)
+        return real(node)
+
+    monkeypatch.setattr(private, "will_engine_execute_node", counted)
+    user_loop(graphed, x, y)
+    assert len(asked) == 1
+    for pipe in (eager, graphed):
+        inp = x.clone().requires_grad_()
+        torch.autograd.grad(nn.functional.mse_loss(pipe(inp), y), [inp])
+        nn.functional.mse_loss(pipe(inp), y).backward(inputs=[inp])
+        user_loop(pipe, x, y)
+    user_loop(eager, x, y)
+    assert len(asked) == 4
+    assert_same_grads(graphed, eager)
+
+
 @pytest.mark.parametrize("run", RUNS)
 def test_a_tied_weight_s_hooks_run_once_its_pass_is_summed(run: str) -> None:
     eager, graphed = pair(tied_model(), chunks=3, balance=[2, 2, 2], devices=["cpu"] * 3)
