@@ -12,6 +12,7 @@ inside a capture.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -29,6 +30,7 @@ __all__ = [
     "will_engine_execute_node",
     "current_graph_task_id",
     "parse_to",
+    "grad_mode_switch",
 ]
 
 #: The torch versions these calls were checked with (the test suite's).
@@ -55,6 +57,13 @@ USED = (
     ),
     Private("torch._C", "_current_graph_task_id", 0, False, "one replay per backward pass"),
     Private("torch._C._nn", "_parse_to", None, False, "Pipe.to() arguments"),
+    Private(
+        "torch._C",
+        "_set_grad_enabled",
+        1,
+        False,
+        "a cheaper grad-mode switch around each replay (the public one otherwise)",
+    ),
 )
 
 
@@ -121,3 +130,11 @@ def parse_to(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any, Any]:
     """``Module.to``'s arguments parsed: (device, dtype, non_blocking, memory_format)."""
     device, dtype, non_blocking, memory_format = _call(USED[5], *args, **kwargs)
     return device, dtype, non_blocking, memory_format
+
+
+def grad_mode_switch() -> Callable[[bool], object]:
+    """A function that sets grad mode: torch's own switch, which makes no
+    object per call (``torch.set_grad_enabled`` is a class whose instance
+    is made and then dropped), else, on a torch without it, that class."""
+    fn = lookup(USED[6])
+    return torch.set_grad_enabled if fn is None else fn  # type: ignore[no-any-return]

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from ...memory.batchnorm import deferred_norms
+from .. import private
 from ..microbatch import leaves, rebuild_leaves
 from .capturing import restored
 from .grads import GradStore
@@ -354,22 +355,26 @@ class GraphedCall:
 Source: TypeAlias = tuple[GraphedCall, int, bool] | None
 
 
+#: Sets grad mode without making an object per call (see private).
+_set_grad = private.grad_mode_switch()
+
+
 class _GradOff:
     """``torch.no_grad()`` for a replay, for less host time (one small
-    object, none of its decorator machinery), and next to none where grad
-    mode is off already (inside autograd, in the user's loop): it cost a
-    few microseconds per replayed task."""
+    object, none of its decorator machinery, torch's own switch), and next
+    to none where grad mode is off already (inside autograd, in the user's
+    loop): it cost a few microseconds per replayed task."""
 
     __slots__ = ("on",)
 
     def __enter__(self) -> None:
         self.on = torch.is_grad_enabled()
         if self.on:
-            torch.set_grad_enabled(False)
+            _set_grad(False)
 
     def __exit__(self, *exc: object) -> None:
         if self.on or torch.is_grad_enabled():  # as it was, as no_grad() leaves it
-            torch.set_grad_enabled(self.on)
+            _set_grad(self.on)
 
 
 def _plain(items: Sequence[Any]) -> list[Any]:

@@ -21,6 +21,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from torchvision.models.resnet import Bottleneck
 
 from mpstream.runtime.graphed import Emulated
+from mpstream.runtime.graphed import call as call_module
 from mpstream.runtime.graphed.call import Backend, GraphedCall
 from mpstream.runtime.graphed.grads import GradStore
 from mpstream.runtime.replay import replay
@@ -237,15 +238,15 @@ def test_a_replay_inside_autograd_leaves_grad_mode_alone(monkeypatch: pytest.Mon
     call = graphed(mlp([5, 8, 3]), x, split=False, backend=backend)
     replays = {GraphedCall.forward.__code__, GraphedCall.backward.__code__}
     sets: list[bool] = []
-    real = torch._C._set_grad_enabled
+    real = call_module._set_grad
 
     def spy(on: bool) -> None:
-        # Three frames up: what entered the context (torch's or the call's).
-        if sys._getframe(3).f_code in replays:
+        # Two frames up: what entered the call's context.
+        if sys._getframe(2).f_code in replays:
             sets.append(on)
         real(on)
 
-    monkeypatch.setattr(torch._C, "_set_grad_enabled", spy)
+    monkeypatch.setattr(call_module, "_set_grad", spy)
     (out,) = replay(call, [x])  # forward and backward replayed inside autograd
     out.backward(torch.ones_like(out))
     assert sets == []
@@ -255,3 +256,27 @@ def test_a_replay_inside_autograd_leaves_grad_mode_alone(monkeypatch: pytest.Mon
     with pytest.raises(RuntimeError, match="replay failed"):
         call.forward([x])
     assert torch.is_grad_enabled()
+
+
+def test_a_replay_outside_autograd_makes_no_grad_mode_object(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A training step's tasks replay with grad mode on: torch's own switch
+    # turns it off and on, not torch.set_grad_enabled, a class whose
+    # instance each switch would make (a Python call each, per task).
+    x = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+    call = graphed(mlp([5, 8, 3]), x, split=False, backend=Idle())
+    made: list[bool] = []
+    real = torch.set_grad_enabled.__init__
+
+    def counted(self: torch.set_grad_enabled, mode: bool) -> None:
+        made.append(mode)
+        real(self, mode)
+
+    token, grad = object(), torch.ones(4, 3, dtype=torch.float64)
+    call.forward([x])
+    call.backward([grad], token)  # the pass's first: attaches .grad, under no_grad()
+    monkeypatch.setattr(torch.set_grad_enabled, "__init__", counted)
+    call.forward([x])
+    call.backward([grad], token)
+    assert made == [] and torch.is_grad_enabled()
