@@ -109,6 +109,8 @@ def _same(a: Sequence[object], b: Sequence[object]) -> bool:
 
 def autocast_key() -> tuple[Any, ...]:
     """The autocast state a capture bakes in: (device type, dtype) of each enabled one."""
+    if not (torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu")):
+        return ()  # the common case, once per replayed forward: no generator
     return tuple(
         (d, torch.get_autocast_dtype(d)) for d in ("cuda", "cpu") if torch.is_autocast_enabled(d)
     )
