@@ -31,6 +31,7 @@ __all__ = [
     "current_graph_task_id",
     "parse_to",
     "grad_mode_switch",
+    "autocast_check",
 ]
 
 #: The torch versions these calls were checked with (the test suite's).
@@ -63,6 +64,13 @@ USED = (
         1,
         False,
         "a cheaper grad-mode switch around each replay (the public one otherwise)",
+    ),
+    Private(
+        "torch._C",
+        "_is_any_autocast_enabled",
+        0,
+        False,
+        "a cheaper autocast check per replayed forward (the public one otherwise)",
     ),
 )
 
@@ -138,3 +146,13 @@ def grad_mode_switch() -> Callable[[bool], object]:
     is made and then dropped), else, on a torch without it, that class."""
     fn = lookup(USED[6])
     return torch.set_grad_enabled if fn is None else fn  # type: ignore[no-any-return]
+
+
+def autocast_check() -> Callable[[], bool]:
+    """A function telling whether autocast is on for any device type:
+    torch's own, one call, else, on a torch without it, one asking CUDA's
+    and the CPU's (the devices whose autocast a graphed call's key reads)."""
+    fn = lookup(USED[7])
+    if fn is not None:
+        return fn  # type: ignore[no-any-return]
+    return lambda: torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu")

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from ... import _ext
+from .. import private
 from ..microbatch import leaves
 
 __all__ = ["Baked", "Scalars", "autocast_key", "generation", "signature", "MAX_VALUES"]
@@ -34,6 +35,8 @@ MAX_VALUES = 8
 _generation = 0
 _hooked = False
 _training = operator.attrgetter("training")
+#: Whether autocast is on for any device (see private.autocast_check).
+_any_autocast = private.autocast_check()
 
 
 def _bump(*_: object) -> None:
@@ -109,8 +112,8 @@ def _same(a: Sequence[object], b: Sequence[object]) -> bool:
 
 def autocast_key() -> tuple[Any, ...]:
     """The autocast state a capture bakes in: (device type, dtype) of each enabled one."""
-    if not (torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu")):
-        return ()  # the common case, once per replayed forward: no generator
+    if not _any_autocast():
+        return ()  # the common case, once per replayed forward: one call to torch
     return tuple(
         (d, torch.get_autocast_dtype(d)) for d in ("cuda", "cpu") if torch.is_autocast_enabled(d)
     )

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from mpstream.runtime.graphed import GraphWarning
-from mpstream.runtime.graphed.keys import MAX_VALUES, Baked, generation, signature
+from mpstream.runtime.graphed.keys import MAX_VALUES, Baked, autocast_key, generation, signature
 from tests.helpers import assert_same_grads
 from tests.models import Fan
 from tests.runtime.graphed.test_stages import pair
@@ -122,3 +122,22 @@ def test_a_module_built_elsewhere_keeps_the_stages_graphs_and_gradient_buffers()
     graphed.train_step(x, y, nn.MSELoss())
     assert all(p.grad is g for p, g in zip(graphed.parameters(), grads))
     assert [s.recaptures for s in graphed.graph_report().stages] == [0, 0]
+
+
+def test_the_autocast_key_asks_no_device_while_autocast_is_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Read at every replayed forward: one call to torch says autocast is
+    # off everywhere; asking CUDA's and the CPU's by name cost four times that.
+    asked: list[str] = []
+    real = torch.is_autocast_enabled
+
+    def counted(device: str) -> bool:
+        asked.append(device)
+        return real(device)
+
+    monkeypatch.setattr(torch, "is_autocast_enabled", counted)
+    assert autocast_key() == ()
+    assert asked == []
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert autocast_key() == (("cpu", torch.bfloat16),)
