@@ -7,7 +7,8 @@ checked with (:data:`CHECKED`), so that ``tests/runtime/test_private.py``
 fails on the torch that changes one, and :func:`missing` tells the doctor
 which this torch lacks. A missing one raises :class:`PrivateApiError`
 naming it and what depends on it, never an ``AttributeError`` from deep
-inside a capture.
+inside a capture; one only saving host time (:func:`grad_mode_switch`,
+:func:`autocast_check`) gives its public equivalent instead.
 """
 
 from __future__ import annotations

@@ -130,8 +130,7 @@ class GradStore:
         # Set by a store taking a .grad over from this one (in any thread),
         # after .grad changed; cleared before a check: no take is missed.
         self._taken_from = False
-        # Each reached-set ensured in it (by value: a stage's calls, one per
-        # slot, hold equal sets of their own), and its hooked parameters
+        # Each reached-set ensured in it (by value), and its hooked parameters
         self._ready: dict[frozenset[int], list[nn.Parameter]] = {}
         self._reached_side: set[int] = set()
         self._hooks: set[nn.Parameter] = set()  # run at the end of the pass
@@ -173,10 +172,9 @@ class GradStore:
             # must not add into this store's view, no longer .grad.
             self._ready, self._taken_from = {}, False
             self._detached = {self._owned[j] for j in self._attached.detached()}
-        # By value: another call of this stage (another slot) that reaches
-        # the same parameters finds them ready. Its replay runs on the
-        # stream the first one's did (the stage's compute stream, where
-        # autograd too runs a Replay's backward), already noted below.
+        # By value: each slot's call holds an equal set of its own. Its
+        # replay runs on the stream the first one's did (the stage's, where
+        # autograd runs a Replay's backward too), already noted below.
         hooked = self._ready.get(reached)
         if hooked is not None:
             return hooked
