@@ -11,7 +11,7 @@ for every copy, either way) and :mod:`.transfer` move values between
 devices and from the host; :mod:`.boundary` and :mod:`.split_backward` cut
 and split the backward; :mod:`.graphed` replays stage calls from CUDA
 graphs instead of issuing their kernels (driven by :mod:`.replayed` in a
-training step, by :mod:`.replay` inside autograd in the user's own loop,
+training step, by :mod:`.replay_autograd` inside autograd in the user's own loop,
 reading what :mod:`.handoffs` says is handed on in place);
 :mod:`.microbatch` gathers.
 :mod:`.plan` records and verifies a run's stream operations without a

@@ -5,7 +5,7 @@ calls ``loss.backward()`` later. So nothing is cut: a stage's forward builds
 its autograd graph as usual, and a copy task (where autograd records the
 run) is a :class:`~mpstream.runtime.copy.Copy`, whose backward sends the
 gradient back on the copy streams. A graphed stage replays inside autograd
-(:func:`~mpstream.runtime.replay.run_stage`). While timing, each stage's
+(:func:`~mpstream.runtime.replay_autograd.run_stage`). While timing, each stage's
 forward is wrapped in marks (:mod:`~mpstream.runtime.marks`) so that
 autograd's backward of it is timed too.
 """
@@ -26,7 +26,7 @@ from .executor import Handlers, execute
 from .handoffs import Handoffs
 from .hops import send_hop
 from .microbatch import leaves, rebuild_leaves
-from .replay import run_stage
+from .replay_autograd import run_stage
 from .stream import AnyStream, current_stream
 from .values import Flow, cuda_only, protect
 

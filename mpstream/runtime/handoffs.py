@@ -2,7 +2,7 @@
 
 In a forward run with gradients (``pipe(x)``, then the user's
 ``loss.backward()``), a replayed stage's outputs go on as the aliases of its
-call's static outputs that its :class:`~.replay.Replay` node returns. A
+call's static outputs that its :class:`~.replay_autograd.Replay` node returns. A
 graphed reader that gets such an alias itself (on the same device: no hop
 copied it) is given the producer's call as the argument's
 :data:`~.graphed.call.Source`, as a training step's tasks give it: its

@@ -7,7 +7,7 @@ the backward task copies the output gradients in and launches the backward
 graph (which adds the parameter gradients into the stage's gradient buffers
 itself), and a weight task launches W. So a task's host work is a few calls.
 (In the user's own loop each replay is an autograd node instead:
-:mod:`~.replay`.)
+:mod:`~.replay_autograd`.)
 
 What passes between a training step's tasks is the graphs' own buffers,
 kept valid by the slots and the event plan rather than by copies:

@@ -11,7 +11,7 @@ parameter gradients it computes).
 
 The runtime drives a call from a training step's tasks
 (:mod:`~mpstream.runtime.replayed`), or inside autograd in the user's own
-loop (:mod:`~mpstream.runtime.replay`), through
+loop (:mod:`~mpstream.runtime.replay_autograd`), through
 :meth:`forward`, :meth:`backward` and :meth:`weight`.
 
 A :class:`Backend` captures and replays (:mod:`.backends`: CUDA graphs, or

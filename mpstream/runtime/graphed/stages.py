@@ -11,7 +11,7 @@ signature (argument shapes, strides, dtypes and devices, grad mode,
 autocast, checkpointing, training modes). The scheduler issues the same
 tasks under the same event plan; a task's work is a graph launch. The
 runtime drives the calls (:mod:`mpstream.runtime.replayed`,
-:mod:`mpstream.runtime.replay`); the graphs add the parameter gradients
+:mod:`mpstream.runtime.replay_autograd`); the graphs add the parameter gradients
 into each stage's :class:`~.grads.GradStore`.
 
 Before each run, what the graphs baked in is checked (:class:`~.keys.Baked`):

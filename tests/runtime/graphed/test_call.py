@@ -24,7 +24,7 @@ from mpstream.runtime.graphed import Emulated
 from mpstream.runtime.graphed import call as call_module
 from mpstream.runtime.graphed.call import Backend, GraphedCall
 from mpstream.runtime.graphed.grads import GradStore
-from mpstream.runtime.replay import replay
+from mpstream.runtime.replay_autograd import replay
 from tests.helpers import assert_same_grads, mlp
 from tests.runtime.test_split_backward import Hooked
 

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from mpstream import Pipe
-from mpstream.runtime import replay
+from mpstream.runtime import replay_autograd as replay
 from mpstream.runtime.graphed import Emulated, grads
 from mpstream.runtime.graphed.call import GraphedCall
 from tests.helpers import assert_same_grads, mlp

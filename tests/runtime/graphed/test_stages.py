@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from mpstream import Pipe, verify_plan
-from mpstream.runtime import replay
+from mpstream.runtime import replay_autograd as replay
 from mpstream.runtime.graphed import Emulated, GraphWarning, StageGraphs
 from mpstream.runtime.graphed import call as call_module
 from mpstream.runtime.plan import Plan
