@@ -8,7 +8,8 @@ a traced module, a tuple of positional ones) and keep their exact
 signatures, so a static checker still catches a misspelt option; the
 decorator here only rewords the refusal of keywords they do not take: as
 a spread batch where the batch argument (``inputs``) is missing, else as a
-misspelt option, with the closest one it takes.
+misspelt option, with the closest one it takes (none close: as a model
+input that belongs in the batch).
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ def batch_argument(call: str, usage: str) -> Callable[[Callable[_P, _R]], Callab
         call with keywords the function does not take raises ``TypeError``
         naming them: with ``usage`` where ``inputs`` is missing (the batch
         spread), else with the closest keyword it takes (an option
-        misspelt). Any other call goes through unchanged.
+        misspelt), or, none being close, the keywords it takes and
+        ``usage`` (a model input beside the batch). Any other call goes
+        through unchanged.
     """
 
     def decorate(fn: Callable[_P, _R]) -> Callable[_P, _R]:
@@ -84,6 +87,11 @@ def _refusal(
     # The batch is there: an option misspelt, as Python would say, with a hint.
     hints = [difflib.get_close_matches(k, sorted(known), n=1) for k in unknown]
     near = "; ".join(f"{k!r}: did you mean {m[0]!r}?" for k, m in zip(unknown, hints) if m)
-    return f"{call} got keyword argument(s) {listed}, which it does not take" + (
-        f" ({near})" if near else f"; it takes {', '.join(sorted(known - {'self'}))}"
+    if near:
+        return f"{call} got keyword argument(s) {listed}, which it does not take ({near})"
+    # Like no option: more likely a model input passed beside the batch.
+    return (
+        f"{call} got keyword argument(s) {listed}, which it does not take; it takes "
+        f"{', '.join(sorted(known - {'self'}))}. A model input goes into the batch: a "
+        f"traced module's keyword inputs as one dict, its positional ones as a tuple: {usage}"
     )

@@ -340,6 +340,11 @@ def test_a_batch_spread_into_keywords_is_refused_with_what_to_do() -> None:
     assert "spread" not in str(info.value)
     with pytest.raises(TypeError, match=r"'x', 'gate', .* one dict"):
         pipe.train_step(target=y, **batch)  # type: ignore[arg-type]
+    # A model input beside the batch is no misspelt option: it goes into the
+    # batch (the message listed the step's options alone).
+    with pytest.raises(TypeError, match=r"'gate', which it does not take.* one dict") as info:
+        pipe.train_step(x, y, nn.MSELoss(), gate=batch["gate"])  # type: ignore[call-arg]
+    assert "did you mean" not in str(info.value)
     assert all(p.grad is None for p in pipe.parameters())  # refused before anything ran
     loss = pipe.train_step(batch, y, nn.MSELoss())  # the batch as one dict
     expected = nn.functional.mse_loss(ref(**batch), y)
