@@ -17,6 +17,7 @@ never a tool.
 from __future__ import annotations
 
 from .auto import AutoRequest, Chooser, install_chooser
+from .inputs import micro_sizes
 from .pipe import Pipe
 
-__all__ = ["Pipe", "AutoRequest", "Chooser", "install_chooser"]
+__all__ = ["Pipe", "AutoRequest", "Chooser", "install_chooser", "micro_sizes"]

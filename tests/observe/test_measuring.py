@@ -150,3 +150,22 @@ def test_a_pipe_on_the_cpu_and_a_gpu_reports_every_stage(monkeypatch: pytest.Mon
     mixed = measuring._peaks([torch.device("cpu"), torch.device("cuda:0")], stages, step)
     assert mixed == {"cuda:0": 123, "stage0": cpu["stage0"]}
     assert calls == ["reset cuda:0", "step", "step"]
+
+
+@pytest.mark.parametrize(("rows", "share"), [(8, 1.0), (7, 0.75), (5, 0.25)])
+def test_profile_stages_fits_a_short_last_micro_batch_as_its_share(
+    rows: int, share: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The medians took a short last micro-batch as a full one's cost.
+    pipe = Pipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), split_size=4,
+                balance=[1, 1], devices=["cpu"] * 2)  # fmt: skip
+    fitted = measuring.fit
+    seen: list[float] = []
+
+    def spy(timeline: object, last_size: float = 1.0) -> object:
+        seen.append(last_size)
+        return fitted(timeline, last_size=last_size)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(measuring, "fit", spy)
+    profile_stages(pipe, torch.randn(rows, 2), torch.randn(rows, 2), F.mse_loss, steps=1)
+    assert seen == [share]
