@@ -59,13 +59,15 @@ def _trace(
     leaves: Sequence[str | type[nn.Module]],
     nones: frozenset[str] = frozenset(),
 ) -> fx.GraphModule:
-    tracer = Tracer(leaves)
+    # Argument names are identifiers; items inside one are not (``batch['m']``).
+    arguments = {n: None for n in nones if n.isidentifier()}
+    tracer = Tracer(leaves, nones.difference(arguments))
     try:
         # With grad enabled, so that a no_grad block in forward changes the
         # mode however the kind of call that traces it was called.
         with torch.enable_grad(), stand_ins(module) as changed:
             tracer.modes = current_modes()
-            graph = tracer.trace(module, {n: None for n in nones} if nones else None)
+            graph = tracer.trace(module, arguments or None)
             if moved := changed():
                 raise BufferChange(
                     f"forward changes buffer(s) {', '.join(repr(n) for n in moved)} "
@@ -92,7 +94,7 @@ def _trace(
             f"torch.fx could not trace {type(module).__name__}{where}: "
             f"{type(exc).__name__}: {exc}\n{advice}"
         ) from exc
-    _none_inputs(graph, nones)
+    _none_inputs(graph, frozenset(arguments))
     for node in graph.nodes:
         # Under ``from __future__ import annotations`` fx records a forward's
         # annotations as strings; torch 2.11 cannot pickle a GraphModule
@@ -238,7 +240,10 @@ def trace(
         split_points: qualified submodule names; a stage begins at each.
         leaf_modules: submodules (by qualified name or type) not to trace
             into: they run whole, inside one stage.
-        nones: arguments traced as None (the split takes them, unused).
+        nones: arguments traced as None (the split takes them, unused),
+            and items inside arguments (``batch['mask']``, see
+            :func:`~mpstream.stages.tracers.nones_of`), which the stages
+            never read.
 
     Returns:
         The stages, their graph and the argument binder.

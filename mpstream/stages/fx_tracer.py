@@ -12,6 +12,7 @@ with these and says what to do.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -21,7 +22,7 @@ from torch import Tensor, fx, nn
 from torch.nn.parameter import is_lazy
 
 from ..memory import DeferredBatchNorm
-from .inplace import AugmentedProxy
+from .inplace import AugmentedProxy, item_label
 
 __all__ = ["Tracer", "Unrecorded", "ModeChange", "BufferChange", "current_modes", "stand_ins"]
 
@@ -40,10 +41,22 @@ class BufferChange(Unrecorded):
 
 class Tracer(fx.Tracer):
     """``torch.fx``'s tracer, remembering which submodule it is inside (for
-    error messages) and treating the user's leaf modules as leaves."""
+    error messages) and treating the user's leaf modules as leaves.
 
-    def __init__(self, leaves: Sequence[str | type[nn.Module]]) -> None:
+    Args:
+        leaves: the user's leaf modules, by qualified name or type.
+        none_items: items of the arguments that are None in the call
+            traced (``batch['mask']``, ``batch.scales.shift``, as
+            :func:`~mpstream.stages.tracers.nones_of` names them): reading
+            one gives None, not a value, so ``if batch['mask'] is not None:``
+            is not taken, as it would not be when the module runs.
+    """
+
+    def __init__(
+        self, leaves: Sequence[str | type[nn.Module]], none_items: frozenset[str] = frozenset()
+    ) -> None:
         super().__init__()
+        self.none_items = none_items
         self.leaf_names = {x for x in leaves if isinstance(x, str)}
         self.leaf_types = tuple(x for x in leaves if isinstance(x, type))
         self.path: list[str] = []
@@ -69,6 +82,25 @@ class Tracer(fx.Tracer):
                 f"caller's mode"
             )
         return super().create_node(*args, **kwargs)
+
+    def create_proxy(
+        self, kind: str, target: Any, args: Any, kwargs: Any, *rest: Any, **more: Any
+    ) -> Any:
+        if not self.none_items:
+            return super().create_proxy(kind, target, args, kwargs, *rest, **more)
+        label = None
+        if kind == "placeholder":
+            label = str(target)
+        elif kind == "call_function" and target is operator.getitem:
+            item = item_label(args[0])
+            if item is not None and isinstance(args[1], (str, int)):
+                label = f"{item}[{args[1]!r}]"
+                if label in self.none_items:
+                    return None  # the item is None: no operation to record
+        proxy = super().create_proxy(kind, target, args, kwargs, *rest, **more)
+        if label is not None:
+            proxy.__dict__["_item"] = label
+        return proxy
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         if qualname in self.leaf_names or (self.leaf_types and isinstance(m, self.leaf_types)):

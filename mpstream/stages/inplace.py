@@ -40,7 +40,7 @@ from .inplace_paths import overlap as _overlap
 from .inplace_paths import path as _path
 from .inplace_paths import viewed as _viewed
 
-__all__ = ["check_in_place", "copy_changed_inputs", "AugmentedProxy", "augmented"]
+__all__ = ["check_in_place", "copy_changed_inputs", "AugmentedProxy", "augmented", "item_label"]
 
 _IN_PLACE_OPERATORS = {
     operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
@@ -88,11 +88,27 @@ class AugmentedAttribute(fx.proxy.Attribute, AugmentedProxy):
     would not change ``x``."""
 
 
-def _attribute(self: fx.Proxy, k: str) -> fx.proxy.Attribute:
-    return AugmentedAttribute(self, k)
+def _attribute(self: fx.Proxy, k: str) -> fx.proxy.Attribute | None:
+    item = item_label(self)
+    if item is None:
+        return AugmentedAttribute(self, k)
+    label = f"{item}.{k}"
+    if label in self.tracer.none_items:  # type: ignore[attr-defined]
+        return None  # a field the traced call holds None in
+    attribute = AugmentedAttribute(self, k)
+    attribute.__dict__["_item"] = label
+    return attribute
 
 
-AugmentedProxy.__getattr__ = _attribute  # type: ignore[method-assign]
+def item_label(value: Any) -> str | None:
+    """Which item of an argument a proxy is (``batch['x']``, ``batch.scales``),
+    where the tracer traces some items as None (see
+    :class:`~mpstream.stages.fx_tracer.Tracer`); else None."""
+    # Not getattr: a proxy's attribute is a traced operation.
+    return value.__dict__.get("_item") if isinstance(value, fx.Proxy) else None
+
+
+AugmentedProxy.__getattr__ = _attribute  # type: ignore[method-assign,assignment]
 for _op in _AUGMENTED:
     setattr(AugmentedProxy, f"__{_op}__", _in_place(_op))
 

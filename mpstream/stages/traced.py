@@ -7,7 +7,9 @@ and every argument is traced as a value, so ``if mask is not None:`` is
 taken. :class:`FxSplit` keeps a trace per kind of call: the training
 flags of the modules whose code the trace follows (not of leaves such as
 ``nn.Dropout``, which read theirs as they run), and which arguments are
-None, traced as None.
+None, traced as None. So are None items inside an argument (a batch
+``{"x": x, "mask": None}``, a registered dataclass's field): fx would
+trace each item as a value, and take ``if batch["mask"] is not None:``.
 
 The first trace is made when the pipe is built, with the module's flags as
 they are and every argument a value, or the arguments ``sample=`` leaves
@@ -34,11 +36,12 @@ from torch import fx, nn
 from .fx import Traced, trace, traced_through
 from .kinds import Kinds, Split, operations
 from .placement import place
-from .tracers import Binder, SplitReport, none_arguments, sample_call
+from .tracers import Binder, SplitReport, none_arguments, nones_of, sample_call
 
 __all__ = ["FxSplit"]
 
-# A kind of call: the arguments traced as None, and the traced modules' training flags.
+# A kind of call: the arguments and items traced as None (``nones_of``),
+# and the traced modules' training flags.
 Key = tuple[frozenset[str], tuple[bool, ...]]
 
 
@@ -209,7 +212,7 @@ class FxSplit(Kinds):
         assert self.current is not None
         values = self.current.bind.arguments(args, kwargs)  # every trace's forward binds alike
         flags = self._flags()
-        key: Key = (frozenset(n for n, v in values.items() if v is None), flags)
+        key: Key = (nones_of(values), flags)
         split = self.kinds.get(key) or self._trace(*key)
         return split, tuple(values[n] for n in split.bind.names)
 

@@ -12,6 +12,7 @@ module's ``forward`` by name, as ``torch.export`` takes it;
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import keyword
 from collections.abc import Mapping, Sequence
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor, nn
+from torch.utils import _pytree as pytree
 
 from ..runtime.microbatch import NoChunk
 from .hf import is_transformers_model
@@ -30,6 +32,7 @@ __all__ = [
     "choose_tracer",
     "sample_call",
     "none_arguments",
+    "nones_of",
     "describe_call",
     "raised_in",
     "TRACERS",
@@ -153,16 +156,49 @@ def _arguments(
 def none_arguments(
     module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
 ) -> frozenset[str]:
-    """The arguments of ``forward`` that are None in a call (defaults filled
-    in): what a ``torch.fx`` trace of that kind of call fixes (see
-    :mod:`~mpstream.stages.traced`).
+    """What a ``torch.fx`` trace of a call fixes to None (see
+    :func:`nones_of`), defaults filled in.
 
     Raises:
         TypeError: the call does not bind to ``forward``.
     """
     name = type(module).__name__
-    values = _arguments(name, inspect.signature(module.forward), args, kwargs or {})
-    return frozenset(n for n, v in values.items() if v is None)
+    return nones_of(_arguments(name, inspect.signature(module.forward), args, kwargs or {}))
+
+
+def nones_of(values: Mapping[str, Any]) -> frozenset[str]:
+    """What a ``torch.fx`` trace of a call fixes to None (see
+    :mod:`~mpstream.stages.traced`): the arguments that are None, by name,
+    and the None items inside the others, as pytree names them
+    (``batch['mask']``, ``batch.scales.shift``, ``pair[1]``).
+
+    Args:
+        values: every argument of ``forward`` by name.
+    """
+    found: set[str] = set()
+    for name, value in values.items():
+        if value is None:
+            found.add(name)
+        elif not isinstance(value, Tensor):
+            _none_items(value, name, found)
+    return frozenset(found)
+
+
+def _none_items(value: Any, label: str, found: set[str]) -> None:
+    """Adds to ``found`` the None items inside ``value`` (named ``label``)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        # A registered dataclass's None fields are no children to pytree.
+        items = [(f".{f.name}", getattr(value, f.name)) for f in dataclasses.fields(value)]
+    else:
+        level, _ = pytree.tree_flatten_with_path(value, is_leaf=lambda x: x is not value)
+        if len(level) == 1 and level[0][1] is value:
+            return  # a leaf
+        items = [(pytree.keystr(path), x) for path, x in level]
+    for key, x in items:
+        if x is None:
+            found.add(label + key)
+        elif not isinstance(x, Tensor):
+            _none_items(x, label + key, found)
 
 
 class CallSignature:
