@@ -33,6 +33,7 @@ __all__ = [
     "parse_to",
     "grad_mode_switch",
     "autocast_check",
+    "register_hook_dict",
 ]
 
 #: The torch versions these calls were checked with (the test suite's).
@@ -73,6 +74,13 @@ USED = (
         False,
         "a cheaper autocast check per replayed forward (the public one otherwise)",
     ),
+    Private(
+        "torch.autograd.graph.Node",
+        "_register_hook_dict",
+        1,
+        False,
+        "a zero-bubble weight pass keeping tensor hooks from changing a retained .grad",
+    ),
 )
 
 
@@ -95,7 +103,7 @@ def missing() -> list[Private]:
     return [p for p in USED if (cuda or not p.cuda_only) and lookup(p) is None]
 
 
-def _call(p: Private, *args: Any, **kwargs: Any) -> Any:
+def _require(p: Private) -> Any:
     fn = lookup(p)
     if fn is None:
         raise PrivateApiError(
@@ -103,7 +111,11 @@ def _call(p: Private, *args: Any, **kwargs: Any) -> Any:
             f"{p.needed_for} (checked with torch {CHECKED}); use a torch in that range, or "
             f"report this torch version"
         )
-    return fn(*args, **kwargs)
+    return fn
+
+
+def _call(p: Private, *args: Any, **kwargs: Any) -> Any:
+    return _require(p)(*args, **kwargs)
 
 
 def end_allocate_to_pool(device: int, pool: Any) -> None:
@@ -157,3 +169,13 @@ def autocast_check() -> Callable[[], bool]:
     if fn is not None:
         return fn  # type: ignore[no-any-return]
     return lambda: torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu")
+
+
+def register_hook_dict(node: Any, tensor: torch.Tensor) -> None:
+    """Makes autograd node ``node`` run ``tensor``'s hooks (the dict its
+    ``register_hook`` fills, read when they run) on the gradient at the
+    node's output ``tensor.output_nr``: after the tensor hooks registered
+    there before, ahead of a ``retain_grad``. ``Tensor.register_hook`` does
+    this with the node that made the tensor."""
+    _require(USED[8])  # the method each node type implements
+    node._register_hook_dict(tensor)

@@ -14,10 +14,9 @@ linear layer's addmm, whose other edges go to its weight and bias). A hook on
 each junction keeps the gradient that flows into it. W then starts autograd
 at those junctions with the kept gradients, toward the parameters below them:
 each junction now computes the gradients it skipped in B, and nothing on the
-input path runs twice. (A tensor hook on a junction's output ran in B: W
-hands the hooks zeros, so a retained ``.grad``, which adds what it is
-given, is not counted twice, and computes from the kept gradient as it
-was, not hooked a second time.)
+input path runs twice. (A tensor hook on a junction's output runs in B on
+the real gradient, and again in W, which autograd does not let Python
+prevent: on zeros there, its result dropped; see :func:`pinned`.)
 
 One W call per group of junctions whose parameters overlap. B computes
 three kinds of parameter gradients itself: those of a parameter reached from
@@ -54,6 +53,7 @@ from torch import Tensor
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 from torch.utils.checkpoint import CheckpointFunction
 
+from . import private
 from .boundary import _ANCHOR, Boundary
 
 __all__ = ["Split", "WeightPass", "backward_inputs"]
@@ -94,24 +94,57 @@ class WeightPass:
 @contextmanager
 def pinned(kept: dict[Node, list[Any]]) -> Iterator[None]:
     """Around W's autograd calls: each junction starts from the gradients B
-    kept there. Autograd runs a tensor's hooks (``retain_grad``'s too) on
-    the gradient given at a start edge, and B kept them with the hooks
-    already applied: W gives zeros there (see :meth:`Split.groups`), and a
-    node's own prehook, which runs after tensor hooks, puts the kept values
-    back. A retained ``.grad`` adds zeros; a hook's other side effects still
-    run in both passes, in W on zeros."""
-    handles = []
-    for node, values in kept.items():
+    kept there, and the tensor hooks there change nothing.
 
-        def pin(grad_outputs: tuple[Any, ...], values: list[Any] = values) -> tuple[Any, ...]:
-            return tuple(g if v is None else v for g, v in zip(grad_outputs, values))
-
-        handles.append(node.register_prehook(pin))
+    Autograd runs a tensor's hooks on the gradient given at a start edge,
+    then ``retain_grad``'s, then the node's prehooks. B kept the gradients
+    with the hooks applied, so W gives the hooks zeros (see
+    :meth:`Split.groups`); a hook of ours, after theirs, turns what they
+    return into zeros, which a retained ``.grad`` adds; a node prehook puts
+    the kept values back. A hook's other effects (a count, a log) happen in
+    W too, on zeros."""
+    handles: list[Any] = []
+    after: dict[int, Tensor] = {}  # per output index, a tensor lending its hook dict
     try:
+        for node, values in kept.items():
+
+            def pin(grad_outputs: tuple[Any, ...], values: list[Any] = values) -> tuple[Any, ...]:
+                return tuple(g if v is None else v for g, v in zip(grad_outputs, values))
+
+            handles.append(node.register_prehook(pin))
+            for i, v in enumerate(values):
+                if v is not None:
+                    if i not in after:
+                        after[i], handle = _zeroing(i)
+                        handles.append(handle)
+                    private.register_hook_dict(node, after[i])
         yield
     finally:
+        # Torch gives no way to take a hook dict off a node; emptied, the
+        # dict leaves the nodes W freed a hook that does nothing.
         for h in handles:
             h.remove()
+
+
+def _zeroing(index: int) -> tuple[Tensor, Any]:
+    """An empty tensor that is output ``index`` of its node and has
+    :func:`_no_gradient` as its hook: lent to another node, its hook dict
+    runs at that node's output ``index``. Returns it and the handle that
+    empties the dict."""
+    with torch.enable_grad():
+        base = torch.empty(0, index + 1, requires_grad=True)
+        # A leaf is output 0; unbind's outputs are numbered (and cost more).
+        stand_in = base if index == 0 else base.unbind(1)[index]
+    handle = stand_in.register_hook(_no_gradient)  # type: ignore[no-untyped-call]
+    return stand_in, handle
+
+
+def _no_gradient(g: Tensor) -> Tensor:
+    """Zeros in the place of ``g``, one element in memory where the layout
+    allows (a retained ``.grad`` adds them out of place)."""
+    if g.layout is not torch.strided:
+        return torch.zeros_like(g)
+    return g.new_zeros(()).expand_as(g)
 
 
 def _is_boundary(node: Node) -> bool:
@@ -299,12 +332,13 @@ class Split:
                     edges.append(get_gradient_edge(t))
                     values.append(g)
                 if j not in self._known:
-                    # Hooks ran on these in B: W gives them zeros, and
-                    # pinned() hands the junction what B kept.
+                    # Hooks ran on these in B: W gives them zeros of their
+                    # own (a hook may write in place, which an expanded
+                    # scalar refuses); pinned() hands the junction what B kept.
                     for i, g in enumerate(self._captured.get(j, ())):
                         if g is not None:
                             edges.append(GradientEdge(j, i))
-                            values.append(_zeros_like(g))
+                            values.append(torch.zeros_like(g))
             if edges and params:
                 out.append((edges, values, [_variable(p) for p in params]))
         return out
@@ -346,13 +380,6 @@ def backward_inputs(tensors: Sequence[Tensor], grads: Sequence[Tensor] | None) -
                 list(tensors), grads, retain_graph=split.defers, inputs=[_ANCHOR, *split.eager]
             )
     return split.weight_pass()
-
-
-def _zeros_like(g: Tensor) -> Tensor:
-    """Zeros shaped like ``g``, one element in memory where the layout allows."""
-    if g.layout is not torch.strided:
-        return torch.zeros_like(g)
-    return g.new_zeros(()).expand_as(g)
 
 
 def _variable(node: Node) -> Tensor:
