@@ -16,7 +16,8 @@ at those junctions with the kept gradients, toward the parameters below them:
 each junction now computes the gradients it skipped in B, and nothing on the
 input path runs twice. (A tensor hook on a junction's output runs in B on
 the real gradient, and again in W, which autograd does not let Python
-prevent: on zeros there, its result dropped; see :func:`pinned`.)
+prevent: on zeros there, its result dropped; see
+:mod:`~mpstream.runtime.split_hooks`.)
 
 One W call per group of junctions whose parameters overlap. B computes
 three kinds of parameter gradients itself: those of a parameter reached from
@@ -53,14 +54,10 @@ from torch import Tensor
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 from torch.utils.checkpoint import CheckpointFunction
 
-from . import private
 from .boundary import _ANCHOR, Boundary
+from .split_hooks import Group, pinned, zeros_like
 
 __all__ = ["Split", "WeightPass", "backward_inputs"]
-
-#: A W call: where it starts, the gradients flowing in there, and the
-#: parameters it differentiates.
-Group = tuple[list[GradientEdge], list[Tensor], list[Tensor]]
 
 
 class WeightPass:
@@ -77,7 +74,7 @@ class WeightPass:
         self, groups: Sequence[Group] = (), kept: dict[Node, list[Any]] | None = None
     ) -> None:
         self.groups: list[Group] = list(groups)
-        #: The gradients B kept at each junction (see :func:`pinned`).
+        #: The gradients B kept at each junction (see :func:`~.split_hooks.pinned`).
         self.kept: dict[Node, list[Any]] = kept or {}
 
     def run(self) -> None:
@@ -86,65 +83,9 @@ class WeightPass:
         graph go."""
         groups, self.groups = self.groups, []
         kept, self.kept = self.kept, {}
-        with pinned(kept):
+        with pinned(kept, groups):
             for edges, grads, params in groups:
                 torch.autograd.backward(edges, grads, inputs=params)  # type: ignore[arg-type]
-
-
-@contextmanager
-def pinned(kept: dict[Node, list[Any]]) -> Iterator[None]:
-    """Around W's autograd calls: each junction starts from the gradients B
-    kept there, and the tensor hooks there change nothing.
-
-    Autograd runs a tensor's hooks on the gradient given at a start edge,
-    then ``retain_grad``'s, then the node's prehooks. B kept the gradients
-    with the hooks applied, so W gives the hooks zeros (see
-    :meth:`Split.groups`); a hook of ours, after theirs, turns what they
-    return into zeros, which a retained ``.grad`` adds; a node prehook puts
-    the kept values back. A hook's other effects (a count, a log) happen in
-    W too, on zeros."""
-    handles: list[Any] = []
-    after: dict[int, Tensor] = {}  # per output index, a tensor lending its hook dict
-    try:
-        for node, values in kept.items():
-
-            def pin(grad_outputs: tuple[Any, ...], values: list[Any] = values) -> tuple[Any, ...]:
-                return tuple(g if v is None else v for g, v in zip(grad_outputs, values))
-
-            handles.append(node.register_prehook(pin))
-            for i, v in enumerate(values):
-                if v is not None:
-                    if i not in after:
-                        after[i], handle = _zeroing(i)
-                        handles.append(handle)
-                    private.register_hook_dict(node, after[i])
-        yield
-    finally:
-        # Torch gives no way to take a hook dict off a node; emptied, the
-        # dict leaves the nodes W freed a hook that does nothing.
-        for h in handles:
-            h.remove()
-
-
-def _zeroing(index: int) -> tuple[Tensor, Any]:
-    """An empty tensor that is output ``index`` of its node and has
-    :func:`_no_gradient` as its hook: lent to another node, its hook dict
-    runs at that node's output ``index``. Returns it and the handle that
-    empties the dict."""
-    with torch.enable_grad():
-        base = torch.empty(0, index + 1, requires_grad=True)
-        # A leaf is output 0; unbind's outputs are numbered (and cost more).
-        stand_in = base if index == 0 else base.unbind(1)[index]
-    handle = stand_in.register_hook(_no_gradient)  # type: ignore[no-untyped-call]
-    return stand_in, handle
-
-
-def _no_gradient(g: Tensor) -> Tensor:
-    """Zeros in the place of ``g``, one element in memory where the layout
-    allows (a retained ``.grad`` adds them out of place)."""
-    if g.layout is not torch.strided:
-        return torch.zeros_like(g)
-    return g.new_zeros(()).expand_as(g)
 
 
 def _is_boundary(node: Node) -> bool:
@@ -332,20 +273,22 @@ class Split:
                     edges.append(get_gradient_edge(t))
                     values.append(g)
                 if j not in self._known:
-                    # Hooks ran on these in B: W gives them zeros of their
-                    # own (a hook may write in place, which an expanded
-                    # scalar refuses); pinned() hands the junction what B kept.
+                    # Hooks ran on these in B: W gives them zeros (one
+                    # element: no memory or memset per junction, so a hook
+                    # writing in place fails, see split_hooks), and
+                    # pinned() hands the junction what B kept.
                     for i, g in enumerate(self._captured.get(j, ())):
                         if g is not None:
                             edges.append(GradientEdge(j, i))
-                            values.append(torch.zeros_like(g))
+                            values.append(zeros_like(g))
             if edges and params:
                 out.append((edges, values, [_variable(p) for p in params]))
         return out
 
-    def pinned(self) -> AbstractContextManager[None]:
-        """Around W's autograd calls (see :func:`pinned`)."""
-        return pinned(self._captured)
+    def pinned(self, groups: Sequence[Group]) -> AbstractContextManager[None]:
+        """Around W's autograd calls, those of ``groups`` (see
+        :func:`~.split_hooks.pinned`)."""
+        return pinned(self._captured, groups)
 
     def weight_pass(self) -> WeightPass:
         """W, to :meth:`~WeightPass.run` later (on the same stream)."""

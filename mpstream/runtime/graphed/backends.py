@@ -99,8 +99,9 @@ def input_pass(call: GraphedCall, outs: Sequence[Tensor], split: Split) -> list[
 def weight_pass(call: GraphedCall, split: Split) -> list[Any]:
     """W inside the call: per target, the parameter gradients B left."""
     got: dict[int, Tensor | None] = {}
-    with split.pinned():
-        for edges, values, params in split.groups():
+    groups = split.groups()
+    with split.pinned(groups):
+        for edges, values, params in groups:
             grads = torch.autograd.grad(edges, params, values, allow_unused=True)  # type: ignore[arg-type]
             got.update((id(p), g) for p, g in zip(params, grads))
     n = len(call.static_grad_in)
