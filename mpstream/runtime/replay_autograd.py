@@ -139,7 +139,7 @@ class Replay(torch.autograd.Function):
             # torch.autograd.grad or backward(inputs=...): autograd leaves
             # .grad alone, and so must the graph that adds into it (no hook
             # runs on a gradient that is then taken back).
-            with store.undone():
+            with store.undone(task):
                 got = call.backward(picked, object(), hooks=False)
         else:
             got = call.backward(picked, task, autograd=True)

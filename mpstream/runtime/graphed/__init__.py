@@ -9,7 +9,8 @@ autograd in the user's loop);
 :mod:`.backends` captures them with CUDA graphs and says what each pass
 computes, :mod:`.emulated` emulates them for tests; :mod:`.grads` is a stage's gradient buffers,
 which the graphs add into and ``.grad`` views, :mod:`.tied` tied
-parameters' side buffers; :mod:`.capturing` puts back what capture changed
+parameters' side buffers, :mod:`.passes` the ends of the backward passes
+that take gradients back; :mod:`.capturing` puts back what capture changed
 on the stage, orders the graph work sharing the CUDA
 generator's state and undoes a failed capture; :mod:`.keys` is what a
 capture baked in and how a run notices it changed.

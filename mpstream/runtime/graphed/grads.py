@@ -25,7 +25,7 @@ own stream, which is another where the parameter sits in stages of other
 indices in the two splits: the copy waits for the streams the other's graphs
 added on this pass, and the view is marked for that stream (the allocator's
 rule). The store taken from, alone, checks its parameters again before its
-next replay within the pass.
+next replay within the pass. A backward that takes them back: :mod:`.passes`.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from __future__ import annotations
 import itertools
 import operator
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -41,6 +41,7 @@ from torch import Tensor, nn
 
 from ... import _ext
 from ..stream import AnyStream, CPUStream, current_stream, record_stream
+from .passes import CallerWaits, after
 from .tied import TiedHooks
 
 __all__ = ["GradStore", "lay_out"]
@@ -70,14 +71,6 @@ def lay_out(
     return flat, views
 
 
-def _after(stream: AnyStream, producers: Iterable[torch.cuda.Stream]) -> None:
-    """Orders ``stream`` after the work issued so far on ``producers``."""
-    if not isinstance(stream, CPUStream):
-        for producer in producers:
-            if producer != stream:
-                stream.wait_stream(producer)
-
-
 class GradStore:
     """The gradient buffers of one graphed stage.
 
@@ -89,6 +82,7 @@ class GradStore:
         params: as given.
         views: per parameter what its graphs add into: its view of a flat
             buffer (its ``.grad`` while attached), or its side buffer.
+        device: the parameters' device.
     """
 
     def __init__(
@@ -123,10 +117,11 @@ class GradStore:
         self._attached = _C.Attached(self._owned_params, self._owned_views)
         for view in self._owned_views:
             _owners[id(view)] = self
-        self._device = self.params[0].device if self.params else torch.device("cpu")
+        self.device = self.params[0].device if self.params else torch.device("cpu")
         self._detached: set[int] = set()  # positions detached at the pass's start, not since
         self._hooked: list[int] = []  # positions with post-accumulate hooks, this pass
         self._pass: object = None  # the backward pass (or run) ensure() last saw
+        self._waits: CallerWaits | None = None  # see undone()
         # Set by a store taking a .grad over from this one (in any thread),
         # after .grad changed; cleared before a check: no take is missed.
         self._taken_from = False
@@ -178,7 +173,7 @@ class GradStore:
         hooked = self._ready.get(reached)
         if hooked is not None:
             return hooked
-        stream = current_stream(self._device)
+        stream = current_stream(self.device)
         if not isinstance(stream, CPUStream):
             self._streams[stream.stream_id] = stream
         fresh = [i for i in self._detached if i in reached]
@@ -230,7 +225,7 @@ class GradStore:
                     owner = _owners.get(id(g))
                     if owner is not None and owner is not self:
                         owners[id(owner)] = owner
-                _after(stream, [s for o in owners.values() for s in list(o._streams.values())])
+                after(stream, [s for o in owners.values() for s in list(o._streams.values())])
                 torch._foreach_copy_([self.views[i] for i, _ in others], grads)
                 for g in grads:
                     # Freed once .grad lets go of it (the user's), while
@@ -254,7 +249,7 @@ class GradStore:
         hooks, self._hooks = list(self._hooks), set()
         tied_hooks, self._tied_hooks = list(self._tied_hooks), set()
         self._pass, self._ready = None, {}
-        _after(current_stream(self._device), streams)
+        after(current_stream(self.device), streams)
         # A tied parameter's hooks run once, after every stage's side buffer
         # is in (eager autograd would run them after each accumulation).
         self.tied.add([(self.params[i], self.views[i]) for i in reached], autograd, tied_hooks)
@@ -272,7 +267,7 @@ class GradStore:
         after the graphs' adds."""
         if self._pass is None:
             return
-        _after(current_stream(self._device), self._streams.values())
+        after(current_stream(self.device), self._streams.values())
         self._pass, self._ready, self._reached_side = None, {}, set()
         self._hooks, self._tied_hooks, self._streams = set(), set(), {}
         self.tied.discard()
@@ -333,10 +328,12 @@ class GradStore:
         self._pass, self._ready, self._reached_side, self._streams = None, {}, set(), {}
 
     @contextmanager
-    def undone(self) -> Iterator[None]:
+    def undone(self, task: int = -1) -> Iterator[None]:
         """Takes back, at the end, what the replays inside add into the
-        gradients: a backward that leaves ``.grad`` alone
-        (``torch.autograd.grad``, ``backward(inputs=...)``). One may run
+        gradients: a backward (pass ``task``, -1: unknown) that leaves
+        ``.grad`` alone (``torch.autograd.grad``, ``backward(inputs=...)``),
+        whose end orders the caller's streams after the put-back (see
+        :mod:`.passes`). One may run
         inside a backward pass of the user's loop (from a hook or a custom
         Function's backward); that pass keeps what it reached so far, which
         its :meth:`flush` needs: the streams its graphs added on, its side
@@ -345,8 +342,8 @@ class GradStore:
         kept = (self._pass, self._ready, self._reached_side, self._hooks, self._tied_hooks)
         streams, taken = self._streams, self._taken_from
         detached, hooked, saved = self._detached, self._hooked, (self._saved, self._saved_grads)
-        stream = current_stream(self._device)
-        _after(stream, streams.values())  # the copies below read what the pass added
+        stream = current_stream(self.device)
+        after(stream, streams.values())  # the copies below read what the pass added
         sides = [(self.views[i], self.views[i].clone()) for i in self._reached_side]
         self._pass, self._streams, self._hooks, self._tied_hooks = None, {}, set(), set()
         self.save()
@@ -361,6 +358,7 @@ class GradStore:
             self._detached, self._hooked = detached, hooked
             self._saved, self._saved_grads = saved
             self._taken_from = taken or self._taken_from  # one more check costs nothing
+            self._waits = CallerWaits.note(self._waits, task, stream)
             if self._pass is not None:
                 # The pass's flush orders the caller's stream after these
                 # copies too: they rewrote its buffers on this stream.

@@ -1,8 +1,9 @@
-"""A backward that leaves ``.grad`` alone (``torch.autograd.grad``) through a
-graphed stage, run from inside a backward pass of the user's loop (a custom
-Function's backward): the pass keeps what its replays reached before it,
-its hooks, its tied weights' sums and the streams its final flush orders
-the caller's after (on fake streams, and on a GPU)."""
+"""Backward passes through graphed stages run from inside another (a custom
+Function's backward), and ``torch.autograd.grad`` through them. A backward
+that leaves ``.grad`` alone keeps what the outer pass's replays reached
+before it, its hooks, its tied weights' sums and the streams its final
+flush orders the caller's after; its own caller's streams wait for the
+gradients put back (on fake streams, and on a GPU)."""
 
 from __future__ import annotations
 
@@ -17,11 +18,13 @@ from torch import Tensor, nn
 
 from mpstream import Pipe
 from mpstream.runtime import replay_autograd as replay
-from mpstream.runtime.graphed import Emulated, grads
+from mpstream.runtime.graphed import Emulated, grads, passes
 from mpstream.runtime.graphed.call import GraphedCall
+from mpstream.runtime.graphed.grads import GradStore
+from tests.cuda.helpers import two_gpus
 from tests.helpers import assert_same_grads, mlp
 from tests.runtime.graphed.test_grads import tied_model
-from tests.runtime.graphed.test_grads_shared import FakeStream, unordered_reads
+from tests.runtime.graphed.test_grads_shared import Delayed, FakeStream, unordered_reads
 
 
 class Nested(torch.autograd.Function):
@@ -73,12 +76,11 @@ def test_autograd_grad_inside_a_pass_keeps_its_hooks_and_tied_sums() -> None:
         assert ran["graphed"] == ran["eager"]  # once per parameter: one accumulation
 
 
-def test_autograd_grad_inside_a_pass_keeps_the_streams_its_flush_orders(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # Each stage's graphs add (and a Replay's backward runs) on the stage's
-    # own stream; the caller reads .grad after the pass on its own. The
-    # pass's flush must order it after every stage stream that added.
+def on_fake_streams(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, Any]]:
+    """Each stage's graphs add (and a Replay's backward runs) on a fake
+    stream of the stage's own, the rest on the caller's; returns the log of
+    their waits, the gradient adds and the buffers a store puts back (see
+    ``unordered_reads``)."""
     log: list[tuple[str, str, Any]] = []
     streams: dict[str, FakeStream] = {}
     current = [FakeStream("caller", log)]
@@ -99,8 +101,13 @@ def test_autograd_grad_inside_a_pass_keeps_the_streams_its_flush_orders(
         log.append(("add", current[0].name, ([id(t) for t in src + dst], [id(t) for t in dst])))
         plain(dst, src)
 
-    plain = torch._foreach_add_
-    monkeypatch.setattr(grads, "current_stream", lambda device: current[0])
+    def restored(store: GradStore) -> None:
+        restore(store)
+        log.append(("copy", current[0].name, ([], [id(v) for v in store.views])))
+
+    plain, restore = torch._foreach_add_, GradStore.restore
+    for module in (grads, passes):
+        monkeypatch.setattr(module, "current_stream", lambda device: current[0])
     monkeypatch.setattr(grads, "record_stream", lambda t, s: None)
     for name in ("backward", "weight"):
         method = on_stage_stream(getattr(GraphedCall, name), lambda call, *_: call.label)
@@ -108,17 +115,55 @@ def test_autograd_grad_inside_a_pass_keeps_the_streams_its_flush_orders(
     backward = on_stage_stream(replay.Replay.backward, lambda ctx, *_: ctx.call.label)
     monkeypatch.setattr(replay.Replay, "backward", staticmethod(backward))
     monkeypatch.setattr(torch, "_foreach_add_", added)
-    pipe = Pipe(mlp([5, 5, 5, 5]), chunks=2, balance=[2, 2, 2], devices=["cpu"] * 3,
-                graphs=Emulated())  # fmt: skip
+    monkeypatch.setattr(GradStore, "restore", restored)
+    return log
+
+
+def three_stages(model: nn.Module | None = None) -> Pipe:
+    """A pipe of ``model`` (``mlp([5, 5, 5, 5])``) in three CPU stages, emulated."""
+    model = model or mlp([5, 5, 5, 5])
+    return Pipe(model, chunks=2, balance=[2, 2, 2], devices=["cpu"] * 3, graphs=Emulated())
+
+
+def assert_caller_reads_in_order(log: list[tuple[str, str, Any]], pipe: Pipe) -> None:
+    """The caller reading every ``.grad`` now reads each after its last write."""
+    log.append(("add", "caller", ([id(p.grad) for p in pipe.parameters()], [])))
+    bad, crossed = unordered_reads(log)
+    assert not bad, bad
+    assert crossed, "no stage stream wrote a .grad"
+
+
+def test_autograd_grad_inside_a_pass_keeps_the_streams_its_flush_orders(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Each stage's graphs add (and a Replay's backward runs) on the stage's
+    # own stream; the caller reads .grad after the pass on its own. The
+    # pass's flush must order it after every stage stream that added.
+    log = on_fake_streams(monkeypatch)
+    pipe = three_stages()
     x, x2 = torch.randn(6, 5, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64)
     for _ in range(2):  # captures, then replays
         log.clear()
         nested_pass(pipe, x, x2)
-        read = [id(p.grad) for p in pipe.parameters()]
-        log.append(("add", "caller", (read, [])))  # the caller reads .grad
-        bad, crossed = unordered_reads(log)
-        assert not bad, bad
-        assert crossed, "no stage stream added into a .grad"
+        assert_caller_reads_in_order(log, pipe)
+
+
+def test_autograd_grad_orders_the_caller_after_the_gradients_put_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # No pass open: each stage puts its buffers (.grad) back on its own
+    # stream at the end of its replayed backward; the caller reads or zeroes
+    # .grad on its own right after torch.autograd.grad returns.
+    log = on_fake_streams(monkeypatch)
+    pipe = three_stages()
+    x = torch.randn(6, 5, dtype=torch.float64)
+    for _ in range(2):  # captures, then replays: .grad is the buffers
+        pipe(x).square().sum().backward()
+    for _ in range(2):
+        log.clear()
+        inp = x.clone().requires_grad_()
+        torch.autograd.grad(pipe(inp).square().sum(), [inp])
+        assert_caller_reads_in_order(log, pipe)
 
 
 @pytest.mark.cuda
@@ -137,3 +182,25 @@ def test_cuda_autograd_grad_inside_a_pass_leaves_its_gradients_whole() -> None:
         torch.testing.assert_close(gots[1], gots[0])
         assert_same_grads(graphed, eager)
     assert all(s.graphed for s in graphed.graph_report().stages), graphed.graph_report()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    "devices", [["cuda:0"] * 2, pytest.param(["cuda:0", "cuda:1"], marks=two_gpus)]
+)
+def test_cuda_grad_zeroed_right_after_autograd_grad_stays_zero(devices: list[str]) -> None:
+    # The last stage's backward sleeps before its gradient adds, which its
+    # put-back follows on its stream; the caller zeroes .grad at once on its
+    # own (on the second device, no gradient autograd hands on orders it).
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), Delayed(), nn.Linear(64, 64)).double()
+    pipe = Pipe(model, balance=[2, 2], devices=devices, chunks=2, graphs=True)
+    x = torch.randn(8, 64, dtype=torch.float64, device=devices[0])
+    for _ in range(3):  # captures, then replays: .grad is the buffers
+        pipe(x).square().sum().backward()
+    inp = x.clone().requires_grad_()
+    torch.autograd.grad(pipe(inp).square().sum(), [inp])
+    for p in pipe.parameters():
+        p.grad.zero_()  # type: ignore[union-attr]
+    torch.cuda.synchronize()
+    assert not any(p.grad.any() for p in pipe.parameters())  # type: ignore[union-attr]
+    assert all(s.graphed for s in pipe.graph_report().stages), pipe.graph_report()
