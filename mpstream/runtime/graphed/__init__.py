@@ -10,7 +10,7 @@ autograd in the user's loop);
 computes, :mod:`.emulated` emulates them for tests; :mod:`.grads` is a stage's gradient buffers,
 which the graphs add into and ``.grad`` views, :mod:`.tied` tied
 parameters' side buffers, :mod:`.passes` the ends of the backward passes
-that take gradients back; :mod:`.capturing` puts back what capture changed
+they take part in; :mod:`.capturing` puts back what capture changed
 on the stage, orders the graph work sharing the CUDA
 generator's state and undoes a failed capture; :mod:`.keys` is what a
 capture baked in and how a run notices it changed.

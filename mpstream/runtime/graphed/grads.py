@@ -25,7 +25,7 @@ own stream, which is another where the parameter sits in stages of other
 indices in the two splits: the copy waits for the streams the other's graphs
 added on this pass, and the view is marked for that stream (the allocator's
 rule). The store taken from, alone, checks its parameters again before its
-next replay within the pass. A backward that takes them back: :mod:`.passes`.
+next replay within the pass. How a pass ends: :mod:`.passes`.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from ... import _ext
 from ..stream import AnyStream, CPUStream, current_stream, record_stream
-from .passes import CallerWaits, after
+from .passes import CallerWaits, PassEnd, after, closed, finish_part, opened
 from .tied import TiedHooks
 
 __all__ = ["GradStore", "lay_out"]
@@ -121,6 +121,7 @@ class GradStore:
         self._detached: set[int] = set()  # positions detached at the pass's start, not since
         self._hooked: list[int] = []  # positions with post-accumulate hooks, this pass
         self._pass: object = None  # the backward pass (or run) ensure() last saw
+        self._end: weakref.ref[PassEnd] | None = None  # its end, if the user's loop's
         self._waits: CallerWaits | None = None  # see undone()
         # Set by a store taking a .grad over from this one (in any thread),
         # after .grad changed; cleared before a check: no take is missed.
@@ -152,15 +153,19 @@ class GradStore:
         pass of the user's loop (``autograd``) ends in :meth:`flush`
         (autograd's final callback): autograd accumulates once per pass
         there, so the hooks run then, and nothing else orders the caller's
-        stream after the stage's, where the graphs added into ``.grad``."""
+        stream after the stage's, where the graphs added into ``.grad``. A
+        pass run inside that one ends its part so far first (see
+        :mod:`.passes`)."""
         if token != self._pass:
+            if self._end is not None and self._end() is not None:
+                finish_part(self)  # a pass inside the open one (see passes)
             self._pass, self._ready, self._taken_from = token, {}, False
             self._detached = {self._owned[j] for j in self._attached.detached()}
             self._hooked = list(
                 itertools.compress(range(len(self.params)), map(_hooks, self.params))
             )
             if autograd:
-                torch.autograd.Variable._execution_engine.queue_callback(self.flush)
+                self._end = opened(self, token)
         elif self._taken_from:
             # Another store took a .grad over from this one within this pass
             # (the other kind's split replayed in between): the next replay
@@ -236,19 +241,21 @@ class GradStore:
         for owner in owners.values():
             owner._taken_from = True  # after .grad changed (see __init__)
 
-    def flush(self, autograd: bool = True) -> None:
+    def flush(self, autograd: bool = True) -> list[torch.cuda.Stream]:
         """Ends a pass: orders the current streams after those the graphs
         added on, and runs the post-accumulate hooks left for its end; the
         side buffers it reached go to :attr:`tied`, which adds them into
         their ``.grad`` and runs their hooks once every store's flush
         ordered the streams (queued behind the other stores' flushes inside
         a backward pass, ``autograd``; else the caller runs it): another
-        store's graphs may add into that ``.grad`` on another stream."""
+        store's graphs may add into that ``.grad`` on another stream.
+        Returns the streams the graphs added on."""
         reached, self._reached_side = sorted(self._reached_side), set()
         streams, self._streams = list(self._streams.values()), {}
         hooks, self._hooks = list(self._hooks), set()
         tied_hooks, self._tied_hooks = list(self._tied_hooks), set()
-        self._pass, self._ready = None, {}
+        self._pass, self._ready, self._end = None, {}, None
+        closed(self)
         after(current_stream(self.device), streams)
         # A tied parameter's hooks run once, after every stage's side buffer
         # is in (eager autograd would run them after each accumulation).
@@ -256,6 +263,7 @@ class GradStore:
         for p in hooks:
             for hook in p._post_accumulate_grad_hooks.values():  # type: ignore[union-attr]
                 hook(p)
+        return streams
 
     def discard(self) -> None:
         """Forgets a backward pass of the user's loop that failed before its
@@ -268,9 +276,10 @@ class GradStore:
         if self._pass is None:
             return
         after(current_stream(self.device), self._streams.values())
-        self._pass, self._ready, self._reached_side = None, {}, set()
+        self._pass, self._ready, self._reached_side, self._end = None, {}, set(), None
         self._hooks, self._tied_hooks, self._streams = set(), set(), {}
         self.tied.discard()
+        closed(self)
 
     def save(self, zeroed: bool = False, every: bool = False) -> list[nn.Parameter]:
         """Saves the gradients for :meth:`restore` (a training step that may
@@ -340,12 +349,13 @@ class GradStore:
         buffers' sums, its hooks (:meth:`save` would drop them, as it does
         a failed pass's)."""
         kept = (self._pass, self._ready, self._reached_side, self._hooks, self._tied_hooks)
-        streams, taken = self._streams, self._taken_from
+        streams, taken, end = self._streams, self._taken_from, self._end
         detached, hooked, saved = self._detached, self._hooked, (self._saved, self._saved_grads)
         stream = current_stream(self.device)
         after(stream, streams.values())  # the copies below read what the pass added
         sides = [(self.views[i], self.views[i].clone()) for i in self._reached_side]
         self._pass, self._streams, self._hooks, self._tied_hooks = None, {}, set(), set()
+        self._end = None  # that pass stays open: not ended here
         self.save()
         try:
             yield
@@ -358,6 +368,7 @@ class GradStore:
             self._detached, self._hooked = detached, hooked
             self._saved, self._saved_grads = saved
             self._taken_from = taken or self._taken_from  # one more check costs nothing
+            self._end = end
             self._waits = CallerWaits.note(self._waits, task, stream)
             if self._pass is not None:
                 # The pass's flush orders the caller's stream after these

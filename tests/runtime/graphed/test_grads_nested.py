@@ -3,7 +3,8 @@ Function's backward), and ``torch.autograd.grad`` through them. A backward
 that leaves ``.grad`` alone keeps what the outer pass's replays reached
 before it, its hooks, its tied weights' sums and the streams its final
 flush orders the caller's after; its own caller's streams wait for the
-gradients put back (on fake streams, and on a GPU)."""
+gradients put back. A plain ``backward()`` inside a pass gets hooks and
+gradients as eager autograd's (on fake streams, and on a GPU)."""
 
 from __future__ import annotations
 
@@ -166,6 +167,61 @@ def test_autograd_grad_orders_the_caller_after_the_gradients_put_back(
         assert_caller_reads_in_order(log, pipe)
 
 
+def backward_inside_a_pass(m: nn.Module, x: Tensor, x2: Tensor) -> None:
+    """A backward of ``m(x)`` whose replays run first, then, inside the same
+    pass, a plain backward through ``m(x2)``."""
+
+    def inner() -> None:
+        with torch.enable_grad():
+            m(x2).square().sum().backward()
+
+    t = Nested.apply(torch.zeros(1, dtype=x.dtype, requires_grad=True), inner)
+    (t.sum() + m(x).square().sum()).backward()  # m(x) made after t: its backward first
+
+
+def seen_by_hooks(m: nn.Module, take: bool = False) -> dict[str, list[Tensor]]:
+    """Per parameter, each ``.grad`` its post-accumulate hooks were given;
+    with ``take``, the hook then sets it to None (an optimizer in backward)."""
+    seen: dict[str, list[Tensor]] = {}
+
+    def hook(p: Tensor, name: str) -> None:
+        seen.setdefault(name, []).append(p.grad.clone())  # type: ignore[union-attr]
+        if take:
+            p.grad = None
+
+    for name, p in m.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, name=name: hook(p, name))
+    return seen
+
+
+@pytest.mark.parametrize("take", [False, True])
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_backward_inside_a_pass_runs_each_pass_s_hooks_as_eager_autograd(
+    tied: bool, take: bool
+) -> None:
+    # Eager autograd accumulates the outer pass's gradients (and runs their
+    # hooks) before the inner pass starts, then the inner's: two hooks per
+    # parameter, the first with the outer gradient alone (the second with
+    # the inner's alone where the first took .grad away).
+    model = tied_model() if tied else mlp([5, 5, 5, 5])
+    pipe = three_stages(copy.deepcopy(model))
+    x, x2 = torch.randn(6, 5, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64)
+    seen = [seen_by_hooks(m, take) for m in (model, pipe)]
+    for _ in range(3):  # captures, then replays
+        for m, got in zip((model, pipe), seen):
+            got.clear()
+            m.zero_grad()
+            backward_inside_a_pass(m, x, x2)
+        assert seen[1].keys() == seen[0].keys()
+        for name, grads_seen in seen[0].items():
+            assert len(grads_seen) == 2, name
+            torch.testing.assert_close(seen[1][name], grads_seen, msg=name)
+        if take:
+            assert all(p.grad is None for m in (model, pipe) for p in m.parameters())
+        else:
+            assert_same_grads(pipe, model)
+
+
 @pytest.mark.cuda
 def test_cuda_autograd_grad_inside_a_pass_leaves_its_gradients_whole() -> None:
     torch.manual_seed(0)
@@ -203,4 +259,28 @@ def test_cuda_grad_zeroed_right_after_autograd_grad_stays_zero(devices: list[str
         p.grad.zero_()  # type: ignore[union-attr]
     torch.cuda.synchronize()
     assert not any(p.grad.any() for p in pipe.parameters())  # type: ignore[union-attr]
+    assert all(s.graphed for s in pipe.graph_report().stages), pipe.graph_report()
+
+
+@pytest.mark.cuda
+def test_cuda_a_backward_inside_a_pass_runs_each_pass_s_hooks_as_eager_autograd() -> None:
+    # Stage 0's graphs add late (a sleep): the outer pass's hooks, run
+    # where the inner pass first replays (the last stage's stream), must
+    # wait for them, and the inner's adds for those hooks.
+    torch.manual_seed(0)
+    layers = [nn.Linear(32, 32), Delayed(), nn.Tanh(), nn.Linear(32, 32), nn.Linear(32, 32)]
+    model = nn.Sequential(*layers).double().cuda()
+    pipe = Pipe(copy.deepcopy(model), chunks=2, balance=[3, 1, 1], devices=["cuda:0"] * 3,
+                graphs=True)  # fmt: skip
+    x, x2 = (torch.randn(n, 32, dtype=torch.float64, device="cuda") for n in (6, 4))
+    seen = [seen_by_hooks(m) for m in (model, pipe)]
+    for _ in range(3):  # captures, then replays
+        for m, got in zip((model, pipe), seen):
+            got.clear()
+            m.zero_grad()
+            backward_inside_a_pass(m, x, x2)
+        torch.cuda.synchronize()
+        for name, grads_seen in seen[0].items():
+            torch.testing.assert_close(seen[1][name], grads_seen, msg=name)
+        assert_same_grads(pipe, model)
     assert all(s.graphed for s in pipe.graph_report().stages), pipe.graph_report()
