@@ -16,7 +16,9 @@ pass starts. The graphs have added the outer pass's gradients into
 :func:`finish_part` ends the outer pass's part so far in every store of
 that device: their hooks run, tied side buffers are added into ``.grad``
 and their hooks run. What the outer pass adds after the inner one is a part
-of its own, ended at its end. Eager autograd accumulates a parameter when
+of its own, ended at its end. (An outer pass that failed, whose end
+autograd dropped, is not ended so: what it left ends with the next pass.)
+Eager autograd accumulates a parameter when
 its own node runs, once the pass's gradient of it is whole, hence two
 differences: a parameter the outer pass reaches both before and after the
 inner one gets its hooks run twice here (once per part), and one whose node
@@ -139,7 +141,7 @@ class CallerWaits:
     def note(cls, waits: CallerWaits | None, task: int, stream: AnyStream) -> CallerWaits | None:
         """Notes a put-back on ``stream`` in pass ``task``; returns the
         callback to keep (``waits`` if it is that pass's and has not run,
-        else a new one, queued). None on the CPU, which needs no order."""
+        else a new one, queued; nothing on the CPU, which needs no order)."""
         if isinstance(stream, CPUStream):
             return waits
         if waits is None or task == -1 or waits.task != task or waits.done:
