@@ -256,7 +256,7 @@ def profile_units(
     model = copy.deepcopy(module).to(dev)  # in its mode, as the pipe first traces it
     args, kwargs = sample_call(sample)
     # Its None arguments fixed, as the pipe traces a call of the sample's kind.
-    nones = none_arguments(model, args, kwargs)
+    nones = none_arguments(model, args, kwargs, reads=True)
     points = call_units(model, leaf_modules, nones)
     traced = trace(model, points, leaf_modules=leaf_modules, nones=nones)
     bound = traced.bind(args, kwargs)

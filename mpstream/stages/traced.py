@@ -144,18 +144,23 @@ class FxSplit(Kinds):
             ValueError: a bad split point, or a tensor shared by stages on
                 different devices.
         """
-        nones: frozenset[str] = frozenset()
+        nones = reads = frozenset[str]()
         if sample is not None:
             nones = none_arguments(self.module, *sample_call(sample))
-        split = self._trace(nones, self._flags())
+            reads = none_arguments(self.module, *sample_call(sample), reads=True)
+        split = self._trace(nones, self._flags(), reads)
         self.current = split
         return split
 
     def _flags(self) -> tuple[bool, ...]:
         return tuple(m.training for m in self.watched)
 
-    def _trace(self, nones: frozenset[str], flags: tuple[bool, ...]) -> _Trace:
-        """The split of a kind of call not met before (traced now).
+    def _trace(
+        self, nones: frozenset[str], flags: tuple[bool, ...], reads: frozenset[str]
+    ) -> _Trace:
+        """The split of a kind of call not met before (traced now): ``nones``
+        and ``flags`` its key, ``reads`` every way the code may read a None
+        argument or item (see :func:`~mpstream.stages.tracers.nones_of`).
 
         Raises:
             TypeError, ValueError: as :meth:`first`, the message naming the
@@ -171,7 +176,7 @@ class FxSplit(Kinds):
             # inference tensors, though a kind may first come in inference.
             with torch.inference_mode(False):
                 traced = trace(
-                    self.module, self.split_points, leaf_modules=self.leaf_modules, nones=nones
+                    self.module, self.split_points, leaf_modules=self.leaf_modules, nones=reads
                 )
             split = next((t for t in self.traces if t.same_as(traced)), None)
             if split is None:
@@ -213,7 +218,7 @@ class FxSplit(Kinds):
         values = self.current.bind.arguments(args, kwargs)  # every trace's forward binds alike
         flags = self._flags()
         key: Key = (nones_of(values), flags)
-        split = self.kinds.get(key) or self._trace(*key)
+        split = self.kinds.get(key) or self._trace(*key, nones_of(values, reads=True))
         return split, tuple(values[n] for n in split.bind.names)
 
     def report(self) -> SplitReport:

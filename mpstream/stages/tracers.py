@@ -154,19 +154,24 @@ def _arguments(
 
 
 def none_arguments(
-    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any] | None = None,
+    *,
+    reads: bool = False,
 ) -> frozenset[str]:
     """What a ``torch.fx`` trace of a call fixes to None (see
-    :func:`nones_of`), defaults filled in.
+    :func:`nones_of`, which ``reads`` is passed to), defaults filled in.
 
     Raises:
         TypeError: the call does not bind to ``forward``.
     """
     name = type(module).__name__
-    return nones_of(_arguments(name, inspect.signature(module.forward), args, kwargs or {}))
+    values = _arguments(name, inspect.signature(module.forward), args, kwargs or {})
+    return nones_of(values, reads=reads)
 
 
-def nones_of(values: Mapping[str, Any]) -> frozenset[str]:
+def nones_of(values: Mapping[str, Any], *, reads: bool = False) -> frozenset[str]:
     """What a ``torch.fx`` trace of a call fixes to None (see
     :mod:`~mpstream.stages.traced`): the arguments that are None, by name,
     and the None items inside the others, as pytree names them
@@ -174,20 +179,25 @@ def nones_of(values: Mapping[str, Any]) -> frozenset[str]:
 
     Args:
         values: every argument of ``forward`` by name.
+        reads: also name each None item every other way code reads it
+            (``pair[1]`` and ``pair[-1]`` for a namedtuple's ``pair.shift``,
+            ``batch[-1]`` for a list's ``batch[1]``): what the tracer looks
+            up, where the kind of call (one name per item) is without.
     """
     found: set[str] = set()
     for name, value in values.items():
         if value is None:
             found.add(name)
         elif not isinstance(value, Tensor):
-            _none_items(value, name, found)
+            _none_items(value, name, found, reads)
     return frozenset(found)
 
 
-def _none_items(value: Any, label: str, found: set[str]) -> None:
+def _none_items(value: Any, label: str, found: set[str], reads: bool) -> None:
     """Adds to ``found`` the None items inside ``value`` (named ``label``),
-    named as pytree names them; builtin containers without pytree (a call
-    of every pipe's, so a few µs, not tens)."""
+    named as pytree names them (and, with ``reads``, as code may read them);
+    builtin containers without pytree (a call of every pipe's, so a few µs,
+    not tens)."""
     items: list[tuple[str, Any]]
     kind = type(value)
     if kind is dict:
@@ -204,11 +214,15 @@ def _none_items(value: Any, label: str, found: set[str]) -> None:
         items = [(pytree.keystr(path), x) for path, x in level]
     else:
         return  # a leaf
+    if reads and isinstance(value, (list, tuple)):
+        n = len(value)
+        items += [(f"[{i}]", x) for i, x in enumerate(value)]  # a namedtuple's by index
+        items += [(f"[{i - n}]", x) for i, x in enumerate(value)]
     for key, x in items:
         if x is None:
             found.add(label + key)
         elif not isinstance(x, Tensor):
-            _none_items(x, label + key, found)
+            _none_items(x, label + key, found, reads)
 
 
 class CallSignature:

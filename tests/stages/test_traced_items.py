@@ -177,3 +177,61 @@ def test_nones_of_names_arguments_and_items() -> None:
         "pair.shift",
         "outer.inner.shift",
     }
+
+
+class ReadAs(nn.Module):
+    """Reads ``x`` and an optional shift from its one argument with ``read``."""
+
+    def __init__(self, read: Any) -> None:
+        super().__init__()
+        self.read = read
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, batch: Any) -> Tensor:
+        x, shift = self.read(batch)
+        h = torch.tanh(self.a(x))
+        if shift is not None:
+            h = h * shift
+        return self.b(h)
+
+
+def _assert_each_kind_as_the_plain_model(model: nn.Module, make: Any) -> None:
+    pipe = Pipe(copy.deepcopy(model), split_points=["b"], devices=["cpu"] * 2, chunks=2)
+    x = torch.randn(4, 4, dtype=torch.float64)
+    s = torch.randn(4, 4, dtype=torch.float64)
+    for shift in [s, None, s, None]:
+        batch = make(x, shift)
+        pipe.zero_grad()
+        model.zero_grad()
+        out, expected = pipe(batch), model(batch)
+        torch.testing.assert_close(out, expected)
+        out.square().sum().backward()
+        expected.square().sum().backward()
+        for p, q in zip(pipe.parameters(), model.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+    assert len(fx_split(pipe).traces) == 2
+
+
+@pytest.mark.parametrize(
+    "make, read",
+    [
+        (lambda x, s: Pair(x, s), lambda b: (b[0], b[1])),  # a namedtuple by index
+        (lambda x, s: Pair(x, s), lambda b: (b.x, b[-1])),
+        (lambda x, s: [x, [s]], lambda b: (b[0], b[-1][-1])),  # from the end
+    ],
+    ids=["namedtuple-index", "namedtuple-negative", "list-negative"],
+)
+def test_a_none_item_read_by_another_name_is_traced_as_none(make: Any, read: Any) -> None:
+    torch.manual_seed(0)
+    _assert_each_kind_as_the_plain_model(ReadAs(read).double(), make)
+
+
+def test_a_sample_whose_none_item_is_read_by_index_balances_and_traces_that_kind() -> None:
+    model = ReadAs(lambda b: (b[0], b[1])).double()
+    batch = Pair(torch.randn(4, 4, dtype=torch.float64), None)
+    pipe = Pipe(
+        copy.deepcopy(model), balance="time", devices=["cpu"] * 2, chunks=2, sample=(batch,)
+    )
+    torch.testing.assert_close(pipe(batch), model(batch))
+    assert [t.described for t in fx_split(pipe).traces] == ["training: batch.shift=None"]
