@@ -91,9 +91,13 @@ class Tracer(fx.Tracer):
         label = None
         if kind == "placeholder":
             label = str(target)
-        elif kind == "call_function" and target is operator.getitem:
+        elif (kind == "call_function" and target is operator.getitem) or (
+            kind == "call_method" and target == "get" and len(args) > 1
+        ):
+            # batch[k] or batch.get(k): a key written in the code (a str,
+            # int, tuple...), named as nones_of names it; never a traced one.
             item = item_label(args[0])
-            if item is not None and isinstance(args[1], (str, int)):
+            if item is not None and not isinstance(args[1], fx.Proxy):
                 label = f"{item}[{args[1]!r}]"
                 if label in self.none_items:
                     return None  # the item is None: no operation to record

@@ -235,3 +235,16 @@ def test_a_sample_whose_none_item_is_read_by_index_balances_and_traces_that_kind
     )
     torch.testing.assert_close(pipe(batch), model(batch))
     assert [t.described for t in fx_split(pipe).traces] == ["training: batch.shift=None"]
+
+
+@pytest.mark.parametrize(
+    "make, read",
+    [
+        (lambda x, s: {"x": x, ("s", 1): s}, lambda b: (b["x"], b[("s", 1)])),
+        (lambda x, s: {"x": x, "s": s}, lambda b: (b.get("x"), b.get("s", 1.0))),
+    ],
+    ids=["tuple-key", "get"],
+)
+def test_a_none_item_under_any_key_or_read_with_get_is_traced_as_none(make: Any, read: Any) -> None:
+    torch.manual_seed(0)
+    _assert_each_kind_as_the_plain_model(ReadAs(read).double(), make)
