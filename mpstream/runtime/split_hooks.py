@@ -9,8 +9,10 @@ memset per junction); a hook of ours, after theirs, turns anything else
 they return (``g + 1``) into zeros, which a retained ``.grad`` adds; and a
 node prehook hands the junction what B kept. A hook's other effects (a
 count, a log) happen in W too, on zeros. A hook writing in place into the
-zeros (``g.clamp_``) fails there: :func:`pinned` adds a note saying what to
-do.
+zeros fails there where torch refuses the write (``g.clamp_``):
+:func:`pinned` adds a note saying what to do; where torch makes it
+(``g.masked_fill_``), into every start's one element, the changed zeros
+are dropped as any other result.
 """
 
 from __future__ import annotations
@@ -53,7 +55,9 @@ def pinned(kept: dict[Node, list[Any]], groups: Sequence[Group]) -> Iterator[Non
         RuntimeError: as autograd raised it; one from a hook writing in
             place into W's zeros gets a note saying what to do.
     """
-    starts = {id(g) for _, grads, _ in groups for g in grads}
+    # W's zeros by id, with their version: a hook may write into them in
+    # place where torch lets it (g[0] = 1, g.fill_(1)), changing them all.
+    starts = {id(g): g._version for _, grads, _ in groups for g in grads}
     handles: list[Any] = []
     after: dict[int, Tensor] = {}  # per output index, a tensor lending its hook dict
     try:
@@ -81,9 +85,10 @@ def pinned(kept: dict[Node, list[Any]], groups: Sequence[Group]) -> Iterator[Non
             h.remove()
 
 
-def _zeroing(index: int, starts: set[int]) -> tuple[Tensor, Any]:
+def _zeroing(index: int, starts: dict[int, int]) -> tuple[Tensor, Any]:
     """An empty tensor that is output ``index`` of its node and whose hook
-    turns a gradient other than W's zeros (``starts``, by id) into zeros:
+    turns a gradient other than W's zeros (``starts``: by id, unchanged
+    since their version) into zeros:
     lent to another node, its hook dict runs at that node's output
     ``index``. Returns it and the handle that empties the dict."""
     with torch.enable_grad():
@@ -93,7 +98,7 @@ def _zeroing(index: int, starts: set[int]) -> tuple[Tensor, Any]:
 
     def no_gradient(g: Tensor) -> Tensor | None:
         # The common case (no hook, or one returning None): W's own zeros.
-        return None if id(g) in starts else zeros_like(g)
+        return None if starts.get(id(g)) == g._version else zeros_like(g)
 
     handle = stand_in.register_hook(no_gradient)  # type: ignore[no-untyped-call]
     return stand_in, handle

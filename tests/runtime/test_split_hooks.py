@@ -1,7 +1,9 @@
 """Tensor hooks where a split backward's W starts (a junction's output):
 input and parameter gradients and a retained ``.grad`` are the plain
-model's for a hook returning its result, zero-preserving or not; a hook
-writing in place there is refused in W with a note saying what to do.
+model's for a hook returning its result, zero-preserving or not, or
+writing in place where torch writes into W's one-element zeros
+(``masked_fill_``); one whose write torch refuses there (``clamp_``) fails
+in W with a note saying what to do.
 
 A hook there runs in B on the real gradient, and again in W on zeros whose
 result W drops (see ``mpstream/runtime/split_backward.py``); elsewhere it
@@ -10,6 +12,7 @@ runs once per micro-batch."""
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -30,10 +33,19 @@ def _double_in_place(g: Tensor) -> None:
     g.mul_(2)
 
 
+def _floor_in_place(g: Tensor) -> None:
+    # Torch writes this into W's one-element zeros (clamp_ it refuses),
+    # warning that it will not in a later version.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        g.masked_fill_(g.abs() < 1e-3, 1e-3)
+
+
 IN_PLACE = {"clamp_in_place", "mul_in_place_returning_none"}
 HOOKS: dict[str, Hook | None] = {
     "clamp_in_place": lambda g: g.clamp_(-0.01, 0.01),
     "mul_in_place_returning_none": _double_in_place,
+    "floor_in_place": _floor_in_place,
     "plus_one": lambda g: g + 1,
     "retain_only": None,
 }
