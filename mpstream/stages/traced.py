@@ -40,8 +40,9 @@ from .tracers import Binder, SplitReport, none_arguments, nones_of, sample_call
 
 __all__ = ["FxSplit"]
 
-# A kind of call: the arguments and items traced as None (``nones_of``),
-# and the traced modules' training flags.
+# A kind of call: the arguments and items traced as None, every way code
+# reads them (``nones_of(..., reads=True)``), and the traced modules'
+# training flags.
 Key = tuple[frozenset[str], tuple[bool, ...]]
 
 
@@ -146,9 +147,10 @@ class FxSplit(Kinds):
         """
         nones = reads = frozenset[str]()
         if sample is not None:
-            nones = none_arguments(self.module, *sample_call(sample))
-            reads = none_arguments(self.module, *sample_call(sample), reads=True)
-        split = self._trace(nones, self._flags(), reads)
+            args, kwargs = sample_call(sample)
+            nones = none_arguments(self.module, args, kwargs)
+            reads = none_arguments(self.module, args, kwargs, reads=True)
+        split = self._trace(reads, self._flags(), nones)
         self.current = split
         return split
 
@@ -156,18 +158,19 @@ class FxSplit(Kinds):
         return tuple(m.training for m in self.watched)
 
     def _trace(
-        self, nones: frozenset[str], flags: tuple[bool, ...], reads: frozenset[str]
+        self, reads: frozenset[str], flags: tuple[bool, ...], nones: frozenset[str]
     ) -> _Trace:
-        """The split of a kind of call not met before (traced now): ``nones``
-        and ``flags`` its key, ``reads`` every way the code may read a None
-        argument or item (see :func:`~mpstream.stages.tracers.nones_of`).
+        """The split of a kind of call not met before (traced now): ``reads``
+        (every way the code may read a None argument or item, see
+        :func:`~mpstream.stages.tracers.nones_of`) and ``flags`` its key,
+        ``nones`` (each None once) for the report.
 
         Raises:
             TypeError, ValueError: as :meth:`first`, the message naming the
                 kind of call.
         """
         described = _describe(nones, flags)
-        failed = self.untraceable.get((nones, flags))
+        failed = self.untraceable.get((reads, flags))
         if failed is not None:  # no second trace of a kind that failed
             raise failed[0](failed[1])
         traced: Traced | None = None
@@ -186,14 +189,14 @@ class FxSplit(Kinds):
             if traced is not None:
                 _drop_constants(self.module, traced)
             message = f"{exc}\n(traced for this kind of call: {described})"
-            self.untraceable[(nones, flags)] = (type(exc), message)
+            self.untraceable[(reads, flags)] = (type(exc), message)
             raise type(exc)(message) from exc
         if split is not None:
             _drop_constants(self.module, traced)  # the shared split holds its own
         else:
             split = _Trace.of(traced, described)
             self.traces.append(split)
-        self.kinds[(nones, flags)] = split
+        self.kinds[(reads, flags)] = split
         return split
 
     # -- every call -----------------------------------------------------
@@ -217,8 +220,8 @@ class FxSplit(Kinds):
         assert self.current is not None
         values = self.current.bind.arguments(args, kwargs)  # every trace's forward binds alike
         flags = self._flags()
-        key: Key = (nones_of(values), flags)
-        split = self.kinds.get(key) or self._trace(*key, nones_of(values, reads=True))
+        key: Key = (nones_of(values, reads=True), flags)
+        split = self.kinds.get(key) or self._trace(*key, nones_of(values))
         return split, tuple(values[n] for n in split.bind.names)
 
     def report(self) -> SplitReport:

@@ -182,7 +182,8 @@ def nones_of(values: Mapping[str, Any], *, reads: bool = False) -> frozenset[str
         reads: also name each None item every other way code reads it
             (``pair[1]`` and ``pair[-1]`` for a namedtuple's ``pair.shift``,
             ``batch[-1]`` for a list's ``batch[1]``): what the tracer looks
-            up, where the kind of call (one name per item) is without.
+            up, and the kind of call (``[x, None]`` and ``[x, None, y]``
+            differ in ``batch[-1]``); the report names each item once.
     """
     found: set[str] = set()
     for name, value in values.items():
@@ -214,15 +215,16 @@ def _none_items(value: Any, label: str, found: set[str], reads: bool) -> None:
         items = [(pytree.keystr(path), x) for path, x in level]
     else:
         return  # a leaf
-    if reads and isinstance(value, (list, tuple)):
-        n = len(value)
-        items += [(f"[{i}]", x) for i, x in enumerate(value)]  # a namedtuple's by index
-        items += [(f"[{i - n}]", x) for i, x in enumerate(value)]
-    for key, x in items:
-        if x is None:
-            found.add(label + key)
-        elif not isinstance(x, Tensor):
-            _none_items(x, label + key, found, reads)
+    n = len(value) if reads and isinstance(value, (list, tuple)) else 0
+    for i, (key, x) in enumerate(items):
+        if isinstance(x, Tensor):
+            continue
+        # A sequence's items by index too (a namedtuple's) and from the end.
+        for name in (key, f"[{i}]", f"[{i - n}]") if n else (key,):
+            if x is None:
+                found.add(label + name)
+            else:
+                _none_items(x, label + name, found, reads)
 
 
 class CallSignature:

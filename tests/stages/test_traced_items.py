@@ -248,3 +248,16 @@ def test_a_sample_whose_none_item_is_read_by_index_balances_and_traces_that_kind
 def test_a_none_item_under_any_key_or_read_with_get_is_traced_as_none(make: Any, read: Any) -> None:
     torch.manual_seed(0)
     _assert_each_kind_as_the_plain_model(ReadAs(read).double(), make)
+
+
+def test_lists_whose_none_item_ends_one_and_not_the_other_are_two_kinds() -> None:
+    """``batch[-1]`` is None in ``[x, None]``, not in ``[x, None, s]``."""
+    torch.manual_seed(0)
+    model = ReadAs(lambda b: (b[0], b[-1])).double()
+    pipe = Pipe(copy.deepcopy(model), split_points=["b"], devices=["cpu"] * 2, chunks=2)
+    x = torch.randn(4, 4, dtype=torch.float64)
+    s = torch.randn(4, 4, dtype=torch.float64)
+    for batch in [[x, None], [x, None, s], [x, None]]:
+        torch.testing.assert_close(pipe(batch), model(batch))
+    described = [t.described for t in fx_split(pipe).traces]
+    assert described == ["training: every argument given", "training: batch[1]=None"]
