@@ -220,7 +220,7 @@ def _none_items(value: Any, label: str, found: set[str], reads: bool) -> None:
         if isinstance(x, Tensor):
             continue
         # A sequence's items by index too (a namedtuple's) and from the end.
-        for name in (key, f"[{i}]", f"[{i - n}]") if n else (key,):
+        for name in dict.fromkeys((key, f"[{i}]", f"[{i - n}]")) if n else (key,):
             if x is None:
                 found.add(label + name)
             else:
