@@ -157,7 +157,9 @@ class Pipe(PipeStep):
             fitting the stages and devices; a parameter or buffer shared by
             stages on different devices; ``graphs`` with ``compile``; a
             layer or tensor named as one of Pipe's own attributes
-            (``schedule``, ``balance``, ...; the model is left as it was).
+            (``schedule``, ``balance``, ...; the model is left as it was); a
+            parameter or buffer on the ``meta`` device (materialise the
+            module first).
 
     Example::
 

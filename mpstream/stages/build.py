@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence, Sized
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
 import torch
@@ -67,8 +68,10 @@ def check_module(module: object) -> None:
         TypeError: ``module`` is a list or tuple of layers (wrap them in
             ``nn.Sequential``, as torch's Pipe and torchgpipe wanted too) or
             not a module at all.
+        ValueError: a parameter or buffer is on the ``meta`` device.
     """
     if isinstance(module, nn.Module):
+        _check_materialised(module)
         return
     kind = type(module).__name__
     if isinstance(module, (list, tuple)) and all(isinstance(m, nn.Module) for m in module):
@@ -77,6 +80,20 @@ def check_module(module: object) -> None:
             f"nn.Sequential(*layers) (each layer is then a stage's unit, balance= counts them)"
         )
     raise TypeError(f"Pipe takes an nn.Module to split into stages, got {kind}")
+
+
+def _check_materialised(module: nn.Module) -> None:
+    # A model built under torch.device("meta") has shapes but no values:
+    # placing it would fail in torch's .to() with advice (to_empty) that
+    # leaves the weights uninitialised, so say the whole way out here.
+    tensors = chain(module.named_parameters(), module.named_buffers())
+    name = next((n for n, t in tensors if t.is_meta), None)
+    if name is not None:
+        raise ValueError(
+            f"{type(module).__name__}'s tensor {name!r} is on the meta device, which holds no "
+            f"values to place or run: materialise the module before wrapping it in Pipe "
+            f"(module.to_empty(device=...), then initialise it or load_state_dict)"
+        )
 
 
 def build(

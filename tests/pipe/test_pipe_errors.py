@@ -56,7 +56,9 @@ def test_module_errors() -> None:
     child = nn.Module()
     child.register_parameter("w", nn.Parameter(torch.ones(1)))
     child.register_buffer("b", torch.ones(1, device="meta"))
-    with pytest.raises(ValueError, match="several devices"):
+    # Meta is the CPU's only second device, and holds no values: Pipe says
+    # so first (split_module's "several devices": tests/stages/test_sequential.py).
+    with pytest.raises(ValueError, match="tensor '0.b' is on the meta device"):
         Pipe(nn.Sequential(child))
 
 
@@ -256,6 +258,35 @@ def test_a_list_of_layers_is_told_to_become_a_sequential(
 def test_what_is_no_module_is_refused_by_name() -> None:
     with pytest.raises(TypeError, match="^Pipe takes an nn.Module to split into stages, got str$"):
         Pipe("resnet50", chunks=2)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"balance": [2, 1], "devices": ["cpu"] * 2},
+        {"split_points": ["2"], "devices": ["cpu"] * 2},
+    ],
+    ids=["placed", "balanced", "traced"],
+)
+def test_a_model_on_the_meta_device_is_told_to_be_materialised(
+    kwargs: dict[str, object],
+) -> None:
+    def layers() -> nn.Sequential:
+        return nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, affine=False), nn.Linear(4, 2))
+
+    with torch.device("meta"):
+        model = layers()
+    with pytest.raises(ValueError, match=r"tensor '0.weight' is on the meta device.*to_empty"):
+        Pipe(model, chunks=2, **kwargs)  # type: ignore[arg-type]
+    for i in (0, 2):  # the layers materialised, the BatchNorm's buffers not
+        model[i].to_empty(device="cpu")
+    with pytest.raises(ValueError, match="tensor '1.running_mean' is on the meta device"):
+        Pipe(model, chunks=2, **kwargs)  # type: ignore[arg-type]
+    # What it says works.
+    model.to_empty(device="cpu")
+    model.load_state_dict(layers().state_dict())
+    assert Pipe(model, chunks=2, **kwargs)(torch.randn(4, 4)).shape == (4, 2)  # type: ignore[arg-type]
 
 
 class _Clashing(nn.Module):
