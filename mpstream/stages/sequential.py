@@ -261,6 +261,28 @@ def _check_balance(balance: Sequence[int], total: int) -> list[int]:
     return out
 
 
+def _check_one_device_per_layer(devices: Sequence[DeviceLike] | None, layers: int) -> None:
+    # torchgpipe's users give devices= for the stages they mean, forgetting
+    # that without balance= each layer is one: say how to group the layers.
+    if isinstance(devices, (str, torch.device)) or not isinstance(devices, Sequence):
+        return  # stage_devices says what devices must be
+    stages = len(devices)
+    if stages == layers:
+        return
+    grouped = ""
+    if 0 < stages < layers:
+        q, r = divmod(layers, stages)
+        example = [q + (i < r) for i in range(stages)]
+        grouped = (
+            f"give balance= (layers per stage, e.g. balance={example}) to group them into "
+            f"{stages} stages, or "
+        )
+    raise ValueError(
+        f"devices has {stages} entries but the module has {layers} layers, and without "
+        f"balance= each layer is a stage: {grouped}give one device per layer"
+    )
+
+
 def split_module(
     module: nn.Module,
     balance: Sequence[int] | None = None,
@@ -287,9 +309,10 @@ def split_module(
     layers = _layers(module, balance is not None)
     if balance is None and devices is None:
         return _placed(layers)
+    if balance is None:
+        _check_one_device_per_layer(devices, len(layers))
     bal = _check_balance(balance, len(layers)) if balance is not None else [1] * len(layers)
-    what = "balance has" if balance is not None else "the module has"
-    devs = stage_devices(devices, len(bal), what)
+    devs = stage_devices(devices, len(bal), "balance has")
     check_shared(layers, bal, devs)
     partitions = []
     start = 0

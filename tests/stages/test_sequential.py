@@ -201,6 +201,22 @@ def test_empty_sequential() -> None:
         ([1.5, 1.5], None, TypeError, r"balance\[0\] must be an int"),
         ([2, 1], ["cpu"], ValueError, "devices has 1 entries but balance has 2 stages"),
         ([2, 1], "cpu", TypeError, "one device per stage"),
+        (
+            None,
+            ["cpu", "cpu"],
+            ValueError,
+            r"devices has 2 entries but the module has 3 layers, and without balance= each "
+            r"layer is a stage: give balance= \(layers per stage, e.g. balance=\[2, 1\]\) to "
+            r"group them into 2 stages, or give one device per layer$",
+        ),
+        (
+            None,
+            ["cpu"] * 4,
+            ValueError,
+            r"devices has 4 entries but the module has 3 layers, and without balance= each "
+            r"layer is a stage: give one device per layer$",
+        ),
+        (None, "cpu", TypeError, "one device per stage"),
     ],
 )
 def test_bad_balance_or_devices(balance: object, devices: object, error: type, match: str) -> None:
@@ -210,7 +226,7 @@ def test_bad_balance_or_devices(balance: object, devices: object, error: type, m
 
 
 def test_devices_count_must_match_children() -> None:
-    with pytest.raises(ValueError, match="the module has 2 stages"):
+    with pytest.raises(ValueError, match="the module has 2 layers, and without balance= each"):
         split_module(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), devices=["cpu"])
 
 
