@@ -51,6 +51,7 @@ import numbers
 import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..schedules import Kind, Order, Schedule, Task, Topology, placement_of, virtual_stages_for
 from ..stages import check_flag
@@ -64,6 +65,7 @@ from .cost_args import (
     issue_costs,
 )
 from .sharing import replay, sharing_of
+from .summary import Summary
 from .timeline import Span, Timeline
 
 __all__ = ["Cost", "Simulation", "simulate", "micro_batches"]
@@ -79,10 +81,12 @@ class Simulation:
     overlap: bool
     issue_ms: float = 0.0  # host time to issue the step (0: not modelled)
 
-    def summary(self, *, echo: bool = True) -> object:
+    def summary(self, *, echo: bool = True) -> Summary:
+        """The simulated timeline's summary: see :meth:`Timeline.summary`."""
         return self.timeline.summary(echo=echo)
 
-    def plot(self, path: str, *, title: str | None = None) -> object:
+    def plot(self, path: str | Path, *, title: str | None = None) -> Path:
+        """Draws the simulated timeline: see :meth:`Timeline.plot`."""
         return self.timeline.plot(path, title=title)
 
 

@@ -121,10 +121,18 @@ class Timeline:
         return 1 + max((max(s.stages) for s in self.spans), default=-1)
 
     def runs(self) -> list[int]:
+        """The run numbers recorded, from 1 (a run that raised left none)."""
         return sorted({s.run for s in self.spans})
 
     def select(self, run: int) -> Timeline:
-        """The spans of one run."""
+        """The spans of one run.
+
+        Args:
+            run: a number from :meth:`runs`.
+
+        Returns:
+            A timeline of that run's spans alone.
+        """
         return Timeline(
             [s for s in self.spans if s.run == run], self.stream_devices, self.source, self.meta
         )
@@ -199,6 +207,9 @@ class Timeline:
 
         Args:
             echo: also print the summary.
+
+        Returns:
+            The summary (averaged over runs; ``per_run`` holds each run's).
 
         Raises:
             ValueError: the timeline is empty.
@@ -275,7 +286,14 @@ class Timeline:
         }
 
     def export_chrome_trace(self, path: str | Path) -> Path:
-        """Writes the Chrome-trace JSON (loadable in Perfetto or chrome://tracing)."""
+        """Writes the Chrome-trace JSON (loadable in Perfetto or chrome://tracing).
+
+        Args:
+            path: the JSON file to write.
+
+        Returns:
+            ``path``, as a ``Path``.
+        """
         out = Path(path)
         out.write_text(json.dumps(self.chrome_trace()))
         return out
@@ -287,6 +305,9 @@ class Timeline:
             path: the PNG to write.
             title: the figure title (default: what the timeline is).
             run: only this run (default: the last one).
+
+        Returns:
+            ``path``, as a ``Path``.
 
         Raises:
             ValueError: the timeline is empty, or has no run ``run``.

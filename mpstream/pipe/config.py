@@ -75,10 +75,14 @@ class PipeConfig(PipeModule):
         return None if points is None else list(points)
 
     def split_report(self) -> SplitReport:
-        """Which tracer split the module into stages and why; for
-        ``torch.export``, each kind of call exported so far and how the
-        model's own loss is combined over micro-batches (``str()`` of it
-        reads as text)."""
+        """Which tracer split the module into stages and why.
+
+        Returns:
+            The report: the tracer and why, the split points and, for
+            ``torch.export``, each kind of call exported so far and how the
+            model's own loss is combined over micro-batches (``str()`` of
+            it reads as text).
+        """
         split = self.__dict__["_split"]
         return split.report() if split is not None else self.__dict__["_report"]  # type: ignore[no-any-return]
 
@@ -161,7 +165,10 @@ class PipeConfig(PipeModule):
     def schedule_report(self) -> ScheduleReport:
         """What ``schedule='auto'`` chose and why: each fitting schedule's
         simulated step and peak activation memory per device, and the costs
-        simulated (``str()`` of it reads as a table).
+        simulated.
+
+        Returns:
+            The report of the choice (``str()`` of it reads as a table).
 
         Raises:
             ValueError: the schedule is not ``'auto'``.
@@ -259,6 +266,9 @@ class PipeConfig(PipeModule):
         """Which stages and passes replay CUDA graphs, how many graphs exist
         and the memory their capture reserved (``Pipe(graphs=True)``).
 
+        Returns:
+            The report (``str()`` of it reads as text).
+
         Raises:
             ValueError: the pipe was built without ``graphs=True``.
             RuntimeError: the pipe is not split yet (call it once first).
@@ -297,6 +307,27 @@ class PipeConfig(PipeModule):
         :attr:`schedule` with backward tasks, and a transfer task per
         micro-batch when the targets sit on ``target_device``, not on the
         last stage's device.
+
+        Args:
+            micros: the micro-batch count of the run.
+            input_device: where the batch sits (a ``torch.device``): off
+                the first stage's device, each micro-batch gets a transfer
+                task.
+            training_step: the schedule of :meth:`train_step` (forwards and
+                backwards in :attr:`schedule`'s order) rather than of
+                ``pipe(x)``.
+            target_device: where ``train_step``'s target sits.
+
+        Returns:
+            The schedule; ``str()`` of a training step's is its order of
+            actions (``'F0m0 F1m0 ...'``), which ``schedule=`` takes back.
+
+        Raises:
+            RuntimeError: the pipe is not split yet (call it once first), or
+                ``schedule='auto'`` has not chosen yet (at the first
+                ``train_step``).
+            ValueError: the schedule does not fit the stages' placement
+                (set ``virtual_stages`` or another schedule).
         """
         devs = self.__dict__["_devices"]
         name: str | tuple[str, ...] = "gpipe"

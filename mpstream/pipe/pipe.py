@@ -50,6 +50,9 @@ class Pipe(PipeStep):
             the calls of its children and of their ModuleList/Sequential
             items.
         devices: one device per stage (several stages may share a device).
+            Without it, stage ``s`` goes to ``cuda:s`` (the CPU without
+            CUDA), as torchgpipe placed them; a Sequential given neither
+            ``balance`` nor ``devices`` stays where its children are.
         checkpoint: ``'never'`` (default), ``'except_last'`` or ``'always'``:
             which micro-batches keep only their stage inputs and recompute the
             rest during backward (on the stage's stream; never in eval mode).
