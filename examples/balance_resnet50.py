@@ -33,13 +33,32 @@ def ideal_speedup(stage_ms: list[float], micros: int) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument(
-        "--device", type=device_here, default="cuda:0" if torch.cuda.is_available() else "cpu"
+        "--device",
+        type=device_here,
+        default="cuda:0" if torch.cuda.is_available() else "cpu",
+        help="where to profile (default: %(default)s)",
     )
-    p.add_argument("--batch", type=positive_int, default=12, help="micro-batch size to profile")
-    p.add_argument("--image", type=positive_int, default=128)
-    p.add_argument("--stages", type=positive_int, default=2)
-    p.add_argument("--micro-batches", type=positive_int, default=10)
-    p.add_argument("--repeat", type=positive_int, default=5)
+    p.add_argument(
+        "--batch",
+        type=positive_int,
+        default=12,
+        help="micro-batch size to profile (default: %(default)s)",
+    )
+    p.add_argument(
+        "--image", type=positive_int, default=128, help="image side (default: %(default)s)"
+    )
+    p.add_argument(
+        "--stages", type=positive_int, default=2, help="stages to balance (default: %(default)s)"
+    )
+    p.add_argument(
+        "--micro-batches",
+        type=positive_int,
+        default=10,
+        help="for the ideal speed-up (default: %(default)s)",
+    )
+    p.add_argument(
+        "--repeat", type=positive_int, default=5, help="timed runs per layer (default: %(default)s)"
+    )
     p.add_argument("--json", type=Path, help="also write the numbers here")
     args = p.parse_args()
     if args.batch < 2:

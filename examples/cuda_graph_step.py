@@ -191,16 +191,41 @@ def captured_step(args: argparse.Namespace, device: torch.device) -> dict[str, A
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cuda:0")
-    p.add_argument("--split-size", type=positive_int, default=12)
     p.add_argument(
-        "--batch", type=positive_int, default=120, help="images per step (the tutorial's)"
+        "--device", default="cuda:0", help="the GPU both halves share (default: %(default)s)"
     )
-    p.add_argument("--image", type=positive_int, default=128, help="image side (the tutorial's)")
-    p.add_argument("--classes", type=positive_int, default=1000)
-    p.add_argument("--runs", type=positive_int, default=10, help="timed eager steps and replays")
     p.add_argument(
-        "--steps", type=positive_int, default=10, help="CapturedStep steps against eager ones"
+        "--split-size",
+        type=positive_int,
+        default=12,
+        help="images per micro-batch (default: %(default)s)",
+    )
+    p.add_argument(
+        "--batch",
+        type=positive_int,
+        default=120,
+        help="images per step (default: %(default)s), the tutorial's",
+    )
+    p.add_argument(
+        "--image",
+        type=positive_int,
+        default=128,
+        help="image side (default: %(default)s), the tutorial's",
+    )
+    p.add_argument(
+        "--classes", type=positive_int, default=1000, help="classes (default: %(default)s)"
+    )
+    p.add_argument(
+        "--runs",
+        type=positive_int,
+        default=10,
+        help="timed eager steps and replays (default: %(default)s)",
+    )
+    p.add_argument(
+        "--steps",
+        type=positive_int,
+        default=10,
+        help="CapturedStep steps against eager ones (default: %(default)s)",
     )
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)

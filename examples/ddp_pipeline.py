@@ -48,7 +48,12 @@ from mpstream.tutorial import resnet50_layers
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--stages", type=positive_int, default=2, help="pipeline stages per process")
+    p.add_argument(
+        "--stages",
+        type=positive_int,
+        default=2,
+        help="pipeline stages per process (default: %(default)s)",
+    )
     p.add_argument(
         "--devices-per-process",
         type=positive_int,
@@ -56,16 +61,35 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--cpu", action="store_true", help="run on the CPU even when GPUs exist")
     p.add_argument("--balance", help="layers per stage, e.g. 11,12 (default: even split)")
-    p.add_argument("--epochs", type=positive_int, default=1)
+    p.add_argument("--epochs", type=positive_int, default=1, help="epochs (default: %(default)s)")
     p.add_argument("--steps", type=positive_int, help="at most this many steps per epoch")
-    p.add_argument("--batch-size", type=positive_int, default=8, help="images per process and step")
-    p.add_argument("--image-size", type=positive_int, default=64)
-    p.add_argument("--num-classes", type=positive_int, default=10)
-    p.add_argument("--dataset-size", type=positive_int, default=256)
+    p.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=8,
+        help="images per process and step (default: %(default)s)",
+    )
+    p.add_argument(
+        "--image-size", type=positive_int, default=64, help="image side (default: %(default)s)"
+    )
+    p.add_argument(
+        "--num-classes", type=positive_int, default=10, help="classes (default: %(default)s)"
+    )
+    p.add_argument(
+        "--dataset-size",
+        type=positive_int,
+        default=256,
+        help="random images in the dataset (default: %(default)s)",
+    )
     split = p.add_mutually_exclusive_group()
     split.add_argument("--split-size", type=positive_int, help="micro-batch size")
     split.add_argument("--chunks", type=positive_int, help="micro-batches per step (default 2)")
-    p.add_argument("--schedule", choices=mpstream.SCHEDULES, default="gpipe")
+    p.add_argument(
+        "--schedule",
+        choices=mpstream.SCHEDULES,
+        default="gpipe",
+        help="the order of --train-step (default: %(default)s)",
+    )
     p.add_argument(
         "--virtual-stages",
         type=positive_int,
@@ -73,16 +97,33 @@ def parse_args() -> argparse.Namespace:
         "interleaved_zb, zbv, dualpipev): stages per pipeline rank (needed when stages share "
         "a device)",
     )
-    p.add_argument("--checkpoint", choices=["never", "except_last", "always"], default="never")
+    p.add_argument(
+        "--checkpoint",
+        choices=["never", "except_last", "always"],
+        default="never",
+        help="Pipe's checkpoint= (default: %(default)s)",
+    )
     p.add_argument(
         "--train-step",
         action="store_true",
         help="use mpstream.distributed.train_step (runs --schedule) instead of forward+backward",
     )
-    p.add_argument("--ckpt", type=Path, default=Path("ddp_pipeline.pt"))
+    p.add_argument(
+        "--ckpt",
+        type=Path,
+        default=Path("ddp_pipeline.pt"),
+        help="checkpoint file (default: %(default)s)",
+    )
     p.add_argument("--resume", action="store_true", help="start from --ckpt")
-    p.add_argument("--lr", type=positive_float, default=0.001)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--lr",
+        type=positive_float,
+        default=0.001,
+        help="SGD's learning rate (default: %(default)s)",
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, help="data and initialisation seed (default: %(default)s)"
+    )
     args = p.parse_args()
     if args.devices_per_process is not None and not 1 <= args.devices_per_process <= args.stages:
         p.error("--devices-per-process must be between 1 and --stages")

@@ -55,17 +55,48 @@ def main() -> None:
         "--devices",
         type=devices_here,
         default=default_devices(),
-        help="comma-separated, one per stage",
+        help="comma-separated, one per stage (default: %(default)s)",
     )
-    p.add_argument("--steps", type=positive_int, default=10)
-    p.add_argument("--batch", type=positive_int, default=8)
-    p.add_argument("--chunks", type=positive_int, default=3)
-    p.add_argument("--context", type=positive_int, default=16)
-    p.add_argument("--width", type=positive_int, default=64)
-    p.add_argument("--layers", type=positive_int, default=4)
+    p.add_argument(
+        "--steps", type=positive_int, default=10, help="training steps (default: %(default)s)"
+    )
+    p.add_argument(
+        "--batch", type=positive_int, default=8, help="sequences per step (default: %(default)s)"
+    )
+    p.add_argument(
+        "--chunks",
+        type=positive_int,
+        default=3,
+        help="micro-batches per step (default: %(default)s)",
+    )
+    p.add_argument(
+        "--context",
+        type=positive_int,
+        default=16,
+        help="tokens per sequence (default: %(default)s)",
+    )
+    p.add_argument(
+        "--width",
+        type=positive_int,
+        default=64,
+        help="hidden size, a multiple of 4 (default: %(default)s)",
+    )
+    p.add_argument(
+        "--layers", type=positive_int, default=4, help="decoder layers (default: %(default)s)"
+    )
     p.add_argument("--train-step", action="store_true", help="pipe.train_step(batch) per step")
-    p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "zb_h1"])
-    p.add_argument("--checkpoint", default="never", choices=["never", "except_last", "always"])
+    p.add_argument(
+        "--schedule",
+        default="1f1b",
+        choices=["gpipe", "1f1b", "zb_h1"],
+        help="train_step's order (default: %(default)s)",
+    )
+    p.add_argument(
+        "--checkpoint",
+        default="never",
+        choices=["never", "except_last", "always"],
+        help="Pipe's checkpoint= (default: %(default)s)",
+    )
     args = p.parse_args()
     devices = args.devices
     if not 2 <= len(devices) <= args.layers:

@@ -71,13 +71,32 @@ def main() -> None:
         "--devices",
         type=devices_here,
         default=",".join([default] * 4),
-        help="4 comma-separated devices",
+        help="4 comma-separated devices (default: %(default)s)",
     )
-    p.add_argument("--steps", type=positive_int, default=20)
-    p.add_argument("--batch", type=positive_int, default=16)
-    p.add_argument("--chunks", type=positive_int, default=4)
-    p.add_argument("--context", type=positive_int, default=32)
-    p.add_argument("--width", type=positive_int, default=64)
+    p.add_argument(
+        "--steps", type=positive_int, default=20, help="training steps (default: %(default)s)"
+    )
+    p.add_argument(
+        "--batch", type=positive_int, default=16, help="sequences per step (default: %(default)s)"
+    )
+    p.add_argument(
+        "--chunks",
+        type=positive_int,
+        default=4,
+        help="micro-batches per step (default: %(default)s)",
+    )
+    p.add_argument(
+        "--context",
+        type=positive_int,
+        default=32,
+        help="tokens per sequence (default: %(default)s)",
+    )
+    p.add_argument(
+        "--width",
+        type=positive_int,
+        default=64,
+        help="model width, a multiple of 4 (default: %(default)s)",
+    )
     args = p.parse_args()
     devices = args.devices
     if len(devices) != 4 or devices[0] != devices[-1]:

@@ -1,5 +1,4 @@
-"""Train a small U-Net pipelined over 4 stages; its skips go straight to the
-stage that uses them.
+"""Train a small U-Net pipelined over 4 stages; its skips go straight to the stages that read them.
 
     python examples/unet.py                                  # CPU, or 4 stages on cuda:0
     python examples/unet.py --devices cuda:0,cuda:0,cuda:1,cuda:1 --steps 50
@@ -68,13 +67,32 @@ def main() -> None:
         "--devices",
         type=devices_here,
         default=",".join([default] * 4),
-        help="4 comma-separated devices",
+        help="4 comma-separated devices (default: %(default)s)",
     )
-    p.add_argument("--steps", type=positive_int, default=20)
-    p.add_argument("--batch", type=positive_int, default=16)
-    p.add_argument("--size", type=positive_int, default=32)
-    p.add_argument("--split-size", type=positive_int, default=4)
-    p.add_argument("--width", type=positive_int, default=8)
+    p.add_argument(
+        "--steps", type=positive_int, default=20, help="training steps (default: %(default)s)"
+    )
+    p.add_argument(
+        "--batch", type=positive_int, default=16, help="images per step (default: %(default)s)"
+    )
+    p.add_argument(
+        "--size",
+        type=positive_int,
+        default=32,
+        help="image side, a multiple of 4 (default: %(default)s)",
+    )
+    p.add_argument(
+        "--split-size",
+        type=positive_int,
+        default=4,
+        help="images per micro-batch (default: %(default)s)",
+    )
+    p.add_argument(
+        "--width",
+        type=positive_int,
+        default=8,
+        help="channels of the first level, a multiple of 4 (default: %(default)s)",
+    )
     args = p.parse_args()
     if len(args.devices) != 4:
         p.error(f"--devices: give 4 devices (one per stage), got {len(args.devices)}")

@@ -142,6 +142,33 @@ def test_example_sizes_they_cannot_run_are_argparse_errors(
     assert code == 2 and message in err, err[-2000:]
 
 
+# Options with no default to show: optional outputs and limits.
+NO_DEFAULT = {"--json"}
+NO_DEFAULT_IN = {"ddp_pipeline.py": {"--steps", "--split-size", "--virtual-stages"}}
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "examples").glob("*.py")))
+def test_every_example_help_says_what_it_does_and_each_default(
+    script: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The README sends users to --help: the description is a whole
+    # sentence, and an option taking a value says its default.
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "examples" / script), "--help"])
+    with pytest.raises(SystemExit) as exited:
+        runpy.run_path(str(ROOT / "examples" / script), run_name="__main__")
+    out = capsys.readouterr().out
+    assert exited.value.code == 0, out
+    description = out.split("\n\n")[1]
+    assert description.endswith("."), description
+    exempt = NO_DEFAULT | NO_DEFAULT_IN.get(script, set())
+    for entry in out[out.index("options:") :].split("\n  -")[1:]:
+        words = entry.split()
+        name = "-" + words[0].rstrip(",")  # the split took its first dash
+        takes_value = len(words) > 1 and words[1].isupper()
+        if takes_value and name not in exempt:
+            assert "default" in " ".join(words), f"{script} {name}: {entry}"
+
+
 def test_the_readme_names_every_example_and_two_commands_first() -> None:
     readme = (ROOT / "README.md").read_text()
     for script in sorted((ROOT / "examples").glob("*.py")):
