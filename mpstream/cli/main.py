@@ -51,8 +51,15 @@ NEEDS: dict[str, Callable[[argparse.Namespace], tuple[str, ...]]] = {
 
 # The ResNet experiment's defaults, in help texts: tutorial/design.py's FULL
 # and QUICK hold them, and load torchvision, which help must not need
-# (tests/cli/test_main.py checks the two agree).
+# (tests/cli/test_args.py checks the two agree).
 REPEAT, QUICK_REPEAT, WARMUP = 10, 3, 1
+BATCH, QUICK_BATCH, BATCHES, QUICK_BATCHES = 120, 16, 3, 2
+IMAGE, QUICK_IMAGE, CLASSES = 128, 64, 1000
+SWEEP, QUICK_SWEEP = (1, 3, 5, 8, 10, 12, 20, 40, 60), (2, 4, 8, 16)
+
+
+def _listed(sizes: tuple[int, ...]) -> str:
+    return ",".join(map(str, sizes))
 
 
 def _size_options(
@@ -81,16 +88,35 @@ def _size_options(
             type=positive_int,
             help=f"split size of {main_split} (default: 12, 4 with --quick; below the batch size)",
         )
-    p.add_argument("--split-sizes", type=int_list, help="split sizes, e.g. 1,3,5,8,10,12,20,40,60")
-    p.add_argument("--batch-size", type=positive_int, help="images per mini-batch")
+    p.add_argument(
+        "--split-sizes",
+        type=int_list,
+        help=f"split sizes (default: {_listed(SWEEP)}, or {_listed(QUICK_SWEEP)} with --quick, "
+        f"up to the batch size)",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=positive_int,
+        help=f"images per mini-batch (default: {BATCH}, {QUICK_BATCH} with --quick)",
+    )
     if batches:  # tune times one mini-batch per step
-        p.add_argument("--num-batches", type=positive_int, help="mini-batches per train() call")
+        p.add_argument(
+            "--num-batches",
+            type=positive_int,
+            help=f"mini-batches per train() call (default: {BATCHES}, {QUICK_BATCHES} with "
+            f"--quick)",
+        )
     p.add_argument(
         "--image-size",
         type=image_size,
-        help="W or WxH (at least 32; at 32x32 every micro-batch needs 2 or more images)",
+        help=f"W or WxH (default: {IMAGE}, {QUICK_IMAGE} with --quick; at least 32; at 32x32 "
+        f"every micro-batch needs 2 or more images)",
     )
-    p.add_argument("--num-classes", type=positive_int, help="classes of the one-hot labels")
+    p.add_argument(
+        "--num-classes",
+        type=positive_int,
+        help=f"classes of the one-hot labels (default: {CLASSES})",
+    )
     if progress:  # trace shows none
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
 

@@ -237,6 +237,12 @@ def test_help_shows_the_defaults(capsys: pytest.CaptureFixture[str]) -> None:
     # The help's numbers are the experiment's (written out: help loads no torchvision).
     assert (cli_main.REPEAT, cli_main.QUICK_REPEAT) == (FULL.repeat, QUICK.repeat)
     assert cli_main.WARMUP == FULL.warmup == QUICK.warmup
+    assert (cli_main.BATCH, cli_main.QUICK_BATCH) == (FULL.batch_size, QUICK.batch_size)
+    assert (cli_main.BATCHES, cli_main.QUICK_BATCHES) == (FULL.num_batches, QUICK.num_batches)
+    assert (cli_main.IMAGE, cli_main.IMAGE) == (FULL.image_w, FULL.image_h)
+    assert (cli_main.QUICK_IMAGE, cli_main.QUICK_IMAGE) == (QUICK.image_w, QUICK.image_h)
+    assert cli_main.CLASSES == FULL.num_classes == QUICK.num_classes
+    assert (cli_main.SWEEP, cli_main.QUICK_SWEEP) == (FULL.split_sizes, QUICK.split_sizes)
 
     def shown(command: str) -> str:
         with pytest.raises(SystemExit):
@@ -248,6 +254,13 @@ def test_help_shows_the_defaults(capsys: pytest.CaptureFixture[str]) -> None:
     assert "its preset's, tiny 5, 1b 6, 3b 6)" in bench
     assert "untimed runs before timing (default: 1;" in bench
     assert "timed runs per configuration (default: 3)" in tune
+    for help_text in (bench, tune, trace):
+        assert "images per mini-batch (default: 120, 16 with --quick)" in help_text
+        assert "W or WxH (default: 128, 64 with --quick;" in help_text
+        assert "classes of the one-hot labels (default: 1000)" in help_text
+        assert "(default: 1,3,5,8,10,12,20,40,60, or 2,4,8,16 with --quick, up to" in help_text
+    for help_text in (bench, trace):
+        assert "mini-batches per train() call (default: 3, 2 with --quick)" in help_text
     assert "slower sizes in a row before stopping (default: 2)" in tune
     assert "split size of the traced run" in trace and "comparison" not in trace
     assert "(default: 10, 3 with --quick: the cost model's measured steps)" in trace
