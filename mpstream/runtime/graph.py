@@ -77,8 +77,13 @@ class StageGraph:
         return [x for x in items if isinstance(x, Ref)]
 
     def reads(self) -> tuple[tuple[int, ...], ...]:
-        """Per stage, the producers it reads; the last stage also reads those
-        the result comes from (its task gathers the result and the loss)."""
+        """Per stage, the producers it reads (``-1``: the pipeline's input);
+        the last stage also reads those the result comes from (its task
+        gathers the result and the loss).
+
+        Returns:
+            One sorted tuple of stage numbers per stage.
+        """
         out = []
         last = self.stages - 1
         for s, refs in enumerate(self.args):
@@ -89,6 +94,7 @@ class StageGraph:
         return tuple(out)
 
     def is_chain(self) -> bool:
+        """Whether this is :meth:`chain`'s graph (a Sequential's)."""
         return self == StageGraph.chain(self.stages)
 
 

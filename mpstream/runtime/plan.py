@@ -227,6 +227,9 @@ def verify_plan(plan: Plan) -> None:
     another stream too early (``record_stream``) is not in the plan, nor is
     work autograd queues by itself, such as a tied weight's gradient sum.
 
+    Args:
+        plan: a :class:`Plan`, as :func:`record_plan` returns one.
+
     Raises:
         TypeError: ``plan`` is not a :class:`Plan`.
         PlanError: listing every violation.
