@@ -79,6 +79,7 @@ def fit(timeline: Timeline, last_size: float = 1.0) -> Costs:
         TypeError: ``timeline`` is not a :class:`Timeline`.
         ValueError: the timeline has no compute spans, or ``last_size``
             is outside (0, 1].
+        RuntimeError: a profile read inside its ``with`` block.
     """
     if not isinstance(timeline, Timeline):
         raise TypeError(
@@ -89,6 +90,7 @@ def fit(timeline: Timeline, last_size: float = 1.0) -> Costs:
         isinstance(last_size, numbers.Real) and 0 < last_size <= 1
     ):
         raise ValueError(f"last_size must be in (0, 1], got {last_size!r}")
+    timeline.check_readable()
     last = max((s.micro for s in timeline.spans), default=0)
 
     def duration(s: Span) -> float:

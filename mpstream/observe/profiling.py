@@ -62,6 +62,18 @@ class Profile(Timeline):
         self._pipes = pipes
         self.recording = True
 
+    def check_readable(self) -> None:
+        """Raises inside the block: the spans are collected as it ends.
+
+        Raises:
+            RuntimeError: the block has not ended yet.
+        """
+        if self.recording:
+            raise RuntimeError(
+                "a profile is filled when its `with mpstream.profile(...)` block ends: read it "
+                "(summary, plot, export_chrome_trace, simulate_fit) after the block"
+            )
+
     def _collect(self) -> None:
         many = len(self._pipes) > 1
         first = 0  # this pipe's first stage number in the timeline

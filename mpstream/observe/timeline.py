@@ -120,6 +120,14 @@ class Timeline:
     def stages(self) -> int:
         return 1 + max((max(s.stages) for s in self.spans), default=-1)
 
+    def check_readable(self) -> None:
+        """Raises where the spans are not in yet: a timeline has them, a
+        profile from the end of its ``with`` block.
+
+        Raises:
+            RuntimeError: a profile read inside its block.
+        """
+
     def runs(self) -> list[int]:
         """The run numbers recorded, from 1 (a run that raised left none)."""
         return sorted({s.run for s in self.spans})
@@ -213,7 +221,9 @@ class Timeline:
 
         Raises:
             ValueError: the timeline is empty.
+            RuntimeError: a profile read inside its ``with`` block.
         """
+        self.check_readable()
         if not self.spans:
             raise ValueError("the timeline is empty: nothing was recorded")
         stages = self.stages
@@ -241,6 +251,7 @@ class Timeline:
 
     def chrome_trace(self) -> dict[str, Any]:
         """The timeline as a Chrome trace: one process per device, one thread per stream."""
+        self.check_readable()
         devices = list(dict.fromkeys(self.stream_devices.values()))
         pid = {d: i for i, d in enumerate(devices)}
         tid = {s: i for i, s in enumerate(self.stream_devices)}
@@ -311,7 +322,9 @@ class Timeline:
 
         Raises:
             ValueError: the timeline is empty, or has no run ``run``.
+            RuntimeError: a profile read inside its ``with`` block.
         """
+        self.check_readable()
         if not self.spans:
             raise ValueError("the timeline is empty: nothing was recorded")
         if run is not None and run not in self.runs():

@@ -76,12 +76,22 @@ def test_pipes_are_found_inside_models() -> None:
             pass
 
 
-def test_profile_is_empty_until_the_block_ends() -> None:
+def test_profile_is_empty_until_the_block_ends(tmp_path: Path) -> None:
     pipe = pipe3()
     with profile(pipe) as prof:
         pipe(torch.randn(4, 6, dtype=torch.float64))
         assert prof.recording and prof.spans == []
+        # Read too early, it says when it fills, not that nothing ran.
+        for read in (
+            prof.summary,
+            lambda: prof.plot(tmp_path / "never.png"),
+            lambda: prof.export_chrome_trace(tmp_path / "never.json"),
+            lambda: fit(prof),
+        ):
+            with pytest.raises(RuntimeError, match="filled when its `with mpstream.profile"):
+                read()
     assert not prof.recording and len(prof.spans) == 12
+    assert prof.summary(echo=False).runs == 1 and fit(prof).stage_times
 
 
 def test_two_pipes_get_separate_tracks() -> None:
