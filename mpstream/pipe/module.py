@@ -135,6 +135,14 @@ class PipeModule(nn.Module):
 
     # -- the stages hold the layers themselves ----------------------------
     def __setattr__(self, name: str, value: Any) -> None:
+        described = getattr(type(self), name, None)
+        if isinstance(described, property) and described.fset is None:
+            # Python's own "has no setter" says nothing of what to do instead.
+            raise AttributeError(
+                f"pipe.{name} is fixed when the Pipe is built (the module is split and "
+                f"placed then): for another, build a new Pipe; the old one's state_dict() "
+                f"loads into it (its keys are the module's)"
+            )
         replacing = self._replacing(name, value, "_modules", "_parameters", "_buffers")
         super().__setattr__(name, value)
         if replacing:

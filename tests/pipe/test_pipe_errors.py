@@ -367,3 +367,16 @@ class Holder:
 
     def __init__(self, t: Tensor) -> None:
         self.t = t
+
+
+@pytest.mark.parametrize("name", ["balance", "devices", "partitions", "split_points"])
+def test_what_is_fixed_at_construction_says_so_when_set(name: str) -> None:
+    pipe = Pipe(
+        nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), balance=[1, 1], devices=["cpu"] * 2
+    )
+    before = getattr(pipe, name)
+    with pytest.raises(AttributeError, match=f"pipe.{name} is fixed when the Pipe is built"):
+        setattr(pipe, name, before)
+    assert getattr(pipe, name) == before
+    pipe.chunks = 2  # what may change still does
+    assert pipe(torch.randn(4, 4)).shape == (4, 2)
