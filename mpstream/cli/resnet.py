@@ -130,6 +130,11 @@ def bench(args: argparse.Namespace) -> int:
     given = cli_transformer.given(args, cli_transformer.TRANSFORMER_ONLY)
     if given:
         raise UsageError(f"{given}: options of --model transformer; give it too, or drop them")
+    if args.no_sweep and args.split_sizes is not None:  # else silently unused
+        raise UsageError(
+            "--split-sizes: the sizes the sweep times, but --no-sweep skips the sweep; drop "
+            "one (--split-size sets the main comparison's)"
+        )
     dev0, dev1 = _devices(args)
     config = _config(args)
     from ..tutorial import bench

@@ -190,6 +190,10 @@ def test_the_default_sweep_leaves_out_lone_images() -> None:
             "--micro-batches, --seq-len: options of --model transformer",
         ),
         (["--model", "transformer", "--no-sweep"], "--no-sweep: options of the tutorial's"),
+        (  # refused first: the image size, refused later, keeps a regression from running
+            ["--no-sweep", "--split-sizes", "2,4", "--image-size", "16"],
+            "--split-sizes: the sizes the sweep times, but --no-sweep skips the sweep; drop one",
+        ),
     ],
 )
 def test_bench_refuses_options_of_the_other_model(
