@@ -31,6 +31,7 @@ __all__ = [
     "check_output",
     "describe",
     "leaves",
+    "flat_spec",
     "tensors_of",
     "gradless",
     "grad_dtype",
@@ -76,8 +77,13 @@ def leaves(value: Any) -> tuple[list[Any], Any]:
     if type(value) is Tensor:
         return [value], None
     if type(value) is tuple and all(type(v) is Tensor for v in value):
-        return list(value), (_FLAT, len(value))
+        return list(value), flat_spec(len(value))
     return pytree.tree_flatten(value)
+
+
+def flat_spec(n: int) -> tuple[str, int]:
+    """The structure :func:`leaves` gives a flat tuple of ``n`` tensors."""
+    return (_FLAT, n)
 
 
 def grad_dtype(t: Tensor) -> bool:

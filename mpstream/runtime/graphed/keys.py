@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from ... import _ext
 from .. import private
-from ..microbatch import leaves
+from ..microbatch import flat_spec, leaves
 
 __all__ = ["Baked", "Scalars", "autocast_key", "generation", "signature", "MAX_VALUES"]
 
@@ -125,6 +125,17 @@ def signature(args: Sequence[Any], grads: Sequence[bool] | None = None) -> tuple
     its own ``requires_grad``), plain values as they are; None when a plain
     value cannot be a key (it is not hashable). Storage offsets are left
     out: inputs are copied into the graphs' own buffers."""
+    if grads is None or len(grads) == len(args):
+        # The common case, once per replayed forward: a flat sequence of
+        # tensors keyed as below without copying it or walking it twice.
+        flat: list[Any] = [flat_spec(len(args))]
+        for i, x in enumerate(args):
+            if type(x) is not Tensor:
+                break
+            need = x.requires_grad if grads is None else grads[i]
+            flat.append((x.dtype, x.shape, x.stride(), x.device, need))
+        else:
+            return tuple(flat)
     items, spec = leaves(tuple(args))
     key: list[Any] = [spec]  # None, a flat tuple's marker, or a (hashable) TreeSpec
     k = 0

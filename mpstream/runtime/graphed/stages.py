@@ -296,22 +296,23 @@ class StageGraphs:
             st.modes,  # the modules' training flags, numbered (StageState.modes)
             tuple(None if x is None else (id(x[0]), x[1], x[2]) for x in sources),
         )
+        number = st.number(key)  # the one time this call hashes its key
         # A call whose activations still wait for their backward (a second
         # forward before the first backward, in the user's loop) gets graphs
         # of its own: one more generation of the slot, up to MAX_GENERATIONS.
         for generation in range(MAX_GENERATIONS):
-            graphed = st.calls.get((*key, generation))
+            at = (number, generation)
+            graphed = st.calls.get(at)
             if graphed is None or not graphed.busy():
                 break
         else:
             self._overflow(st, f"{MAX_GENERATIONS} forwards awaiting their backward")
             return None
-        key = (*key, generation)
         if graphed is not None:
-            st.calls.move_to_end(key)
-            st.used.add(key)
+            st.calls.move_to_end(at)
+            st.used.add(at)
         elif st.room(self.max_calls):
-            graphed = self._capture(st, key, stage, args, needs, ckpt, sources)
+            graphed = self._capture(st, key, at, stage, args, needs, ckpt, sources)
         else:
             self._overflow(st, f"max_calls={self.max_calls} graphed calls in use")
         if graphed is not None and self.token is not None and graphed.diff_out:
@@ -324,6 +325,7 @@ class StageGraphs:
         self,
         st: StageState,
         key: tuple[Any, ...],
+        at: tuple[int, int],
         stage: nn.Module,
         args: Sequence[Any],
         needs: Sequence[bool] | None,
@@ -361,7 +363,7 @@ class StageGraphs:
             st.pool = None
             st.calls.clear()
             return None
-        st.add(key, graphed)
+        st.add(at, graphed)
         if len(self.order) < _ORDER_KEPT:
             self.order.append((st.index, key[0]))
         return graphed

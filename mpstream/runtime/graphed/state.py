@@ -60,6 +60,12 @@ class StageState:
         # captures again.
         self._modes: dict[tuple[bool, ...], int] = {}
         self._next_modes = 0
+        #: Each call key seen (all of it but the generation), as a number:
+        #: the calls are kept under (number, generation), so a replay
+        #: hashes its key once, not again to look up, reorder and mark its
+        #: call. Numbers are never reused; the table grows as the keys of
+        #: dropped calls kept for recapture counts do (``dropped``).
+        self.numbers: dict[tuple[Any, ...], int] = {}
         self.calls: OrderedDict[tuple[Any, ...], GraphedCall] = OrderedDict()
         self.used: set[tuple[Any, ...]] = set()  # keys the current run replayed
         self.baked: Baked | None = None
@@ -124,6 +130,13 @@ class StageState:
             found = self._modes[modes] = self._next_modes
             self._next_modes += 1
         self.modes = found
+
+    def number(self, key: tuple[Any, ...]) -> int:
+        """The number of call key ``key`` (a new one the first time)."""
+        found = self.numbers.get(key)
+        if found is None:
+            found = self.numbers[key] = len(self.numbers)
+        return found
 
     def drop_stale(self, kept: Collection[GraphedCall]) -> bool:
         """Drops the idle calls that read in place a producer's call no

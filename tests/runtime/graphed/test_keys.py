@@ -5,12 +5,16 @@ included; plain arguments' values, bounded."""
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
-from mpstream.runtime.graphed import GraphWarning
+from mpstream import Pipe
+from mpstream.runtime.graphed import Emulated, GraphWarning, StageGraphs
+from mpstream.runtime.graphed import keys as keys_module
 from mpstream.runtime.graphed.keys import MAX_VALUES, Baked, autocast_key, generation, signature
 from tests.helpers import assert_same_grads
 from tests.models import Fan
@@ -141,3 +145,124 @@ def test_the_autocast_key_asks_no_device_while_autocast_is_off(
     assert asked == []
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert autocast_key() == (("cpu", torch.bfloat16),)
+
+
+def _variants() -> list[tuple[tuple[Any, ...], list[bool] | None]]:
+    """Arguments (fresh tensors each time) that no two calls may share
+    graphs for, with the gradients a step needs (None: as autograd sees)."""
+    x = torch.randn(4, 6)
+    return [
+        ((x,), None),
+        ((x,), [True]),  # a step needs its gradient
+        ((x.double(),), None),  # dtype
+        ((torch.randn(5, 6),), None),  # shape
+        ((x.t().contiguous().t(),), None),  # strides
+        ((torch.randn(4, 6, device="meta"),), None),  # device
+        ((x, x), None),  # how many
+        ((x, 1), None),  # plain values: their type and value
+        ((x, 1.0), None),
+        ((x, True), None),
+        ((x, 2), None),
+        ((x, None), None),
+        (([x],), None),  # structure
+        (((x,),), None),
+        (({"a": x},), None),
+    ]
+
+
+def test_distinct_signatures_are_distinct_keys_and_equal_ones_equal() -> None:
+    keys = [signature(args, needs) for args, needs in _variants()]
+    assert len(set(keys)) == len(keys)
+    assert [signature(args, needs) for args, needs in _variants()] == keys
+    x = torch.randn(4, 6)
+    # Whether it needs a gradient, as autograd sees it or as a step says.
+    assert signature((x,), [False]) == signature((x,))
+    assert signature((x.requires_grad_(),)) == signature((x,), [True])
+    assert signature([x]) == signature((x,))  # a list of arguments is their sequence
+
+
+def test_a_flat_sequence_of_tensors_is_keyed_without_walking_a_pytree(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The key of every replayed forward: its common case costs no pytree walk.
+    walked: list[object] = []
+    real = keys_module.leaves
+
+    def spy(value: object) -> tuple[list[Any], Any]:
+        walked.append(value)
+        return real(value)
+
+    monkeypatch.setattr(keys_module, "leaves", spy)
+    x = torch.randn(4, 6)
+    assert signature((x, x.t()), [True, False]) != signature((x, x.t()), [False, False])
+    assert signature([x]) is not None and walked == []
+    assert signature((x, 2)) is not None and len(walked) == 1  # a plain value: walked
+
+
+class Takes(nn.Module):
+    """A stage taking any tensors (any dtype, shape or layout) and plain values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(()))
+
+    def forward(self, *args: Any) -> torch.Tensor:
+        first = next(t for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor))
+        out: torch.Tensor = first * self.w.to(first.dtype)
+        return out
+
+
+def _graphs(stage: nn.Module) -> StageGraphs:
+    """One stage's graphs (emulated), begun for a forward run of one micro-batch."""
+    pipe = Pipe(nn.Sequential(nn.Linear(2, 2)), devices=["cpu"], chunks=1, graphs=Emulated())
+    with torch.no_grad():
+        pipe(torch.randn(1, 2))
+    graphs = StageGraphs([stage], [torch.device("cpu")], backend=Emulated())
+    graphs.begin(next(iter(pipe._rt()[2].values())), step=False)
+    return graphs
+
+
+def test_calls_of_distinct_signatures_never_share_graphs() -> None:
+    stage = Takes()
+    graphs = _graphs(stage)
+
+    def on_cpu(args: tuple[Any, ...]) -> bool:
+        return all(t.device.type == "cpu" for t in pytree.tree_leaves(args) if torch.is_tensor(t))
+
+    variants = [v for v in _variants() if on_cpu(v[0])]  # the others: the key only
+    seen: set[int] = set()
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            found = [graphs.find(0, 0, stage, args, False, needs) for args, needs in variants]
+            assert all(c is not None for c in found) and len(set(map(id, found))) == len(found)
+            again = [graphs.find(0, 0, stage, args, False, needs) for args, needs in variants]
+            assert [id(c) for c in again] == [id(c) for c in found]
+            assert not {id(c) for c in found} & seen  # grad mode is part of the key
+            seen = {id(c) for c in found}  # the stage keeps them: no id is reused
+
+
+class Hashed:
+    """A plain argument that counts how often it is hashed."""
+
+    count = 0
+
+    def __hash__(self) -> int:
+        Hashed.count += 1
+        return 7
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Hashed)
+
+
+def test_a_replayed_call_hashes_its_key_once() -> None:
+    # Hashing a key (dtypes, shapes, strides, devices, ...) is a large part
+    # of a replay's host work: not again to look up, reorder and mark it.
+    stage = Takes()
+    graphs = _graphs(stage)
+    args = (torch.randn(4, 6), Hashed())
+    first = graphs.find(0, 0, stage, args, False)
+    Hashed.count = 0
+    assert graphs.find(0, 0, stage, args, False) is first
+    # Once to check it can be a key, once for its stage's bound on plain
+    # values (Scalars), once for the call's key.
+    assert Hashed.count == 3
