@@ -41,7 +41,7 @@ from .graphed import GraphedCall
 from .graphed.call import Source
 from .microbatch import leaves
 
-__all__ = ["Handoffs", "single_readers", "leaf_counts", "output_keys"]
+__all__ = ["Handoffs", "Layout", "single_readers", "leaf_counts", "layout"]
 
 
 def single_readers(graph: StageGraph) -> set[tuple[int, int]]:
@@ -67,15 +67,35 @@ def leaf_counts(call: GraphedCall, outputs: int) -> list[int]:
     return [sum(isinstance(x, Tensor) for x in leaves(v)[0]) for v in out]
 
 
-def output_keys(call: GraphedCall, outputs: int) -> list[tuple[int, int]]:
-    """Per static output of ``call`` (a stage's with ``outputs`` outputs),
-    its (output, leaf). Fixed by the call's structure: found once per call,
-    as rebuilding the structure per micro-batch would cost the host each
-    time (both loops read it)."""
-    found = _KEYS.get(call)
-    if found is None:
+class Layout:
+    """Where the static outputs of one call (a stage's) sit among the
+    stage's outputs.
+
+    Attributes:
+        keys: per static output, its (output, leaf).
+        at: per (output, leaf), its position among the static outputs.
+        grad_at: per (output, leaf) that carries a gradient, its position
+            among the call's differentiable outputs (``diff_out``).
+    """
+
+    __slots__ = ("keys", "at", "grad_at")
+
+    def __init__(self, call: GraphedCall, outputs: int) -> None:
         counts = leaf_counts(call, outputs)
-        found = _KEYS[call] = [(k, j) for k, n in enumerate(counts) for j in range(n)]
+        self.keys = [(k, j) for k, n in enumerate(counts) for j in range(n)]
+        self.at = {key: pos for pos, key in enumerate(self.keys)}
+        where = {pos: i for i, pos in enumerate(call.diff_out)}
+        self.grad_at = {key: where[pos] for key, pos in self.at.items() if pos in where}
+
+
+def layout(call: GraphedCall, outputs: int) -> Layout:
+    """The :class:`Layout` of ``call``, a stage's with ``outputs`` outputs.
+    Fixed by the call's structure: found once per call (held by it), as
+    rebuilding it per micro-batch, or per step, would cost the host each
+    time (both loops read it)."""
+    found: Layout | None = call.layout
+    if found is None:
+        found = call.layout = Layout(call, outputs)
     return found
 
 
@@ -111,7 +131,7 @@ class Handoffs:
                 t = aliases[pos]
                 made[id(t)] = (t, (call, pos, grads))
             return
-        keys = output_keys(call, self.outputs[s])
+        keys = layout(call, self.outputs[s]).keys
         for pos in call.diff_out:
             t = aliases[pos]
             made[id(t)] = (t, (call, pos, (s, keys[pos][0]) in self.single))
@@ -129,9 +149,6 @@ class Handoffs:
                 found = True
         return out if found else ()
 
-
-#: Per call, :func:`output_keys`'s answer.
-_KEYS: weakref.WeakKeyDictionary[GraphedCall, list[tuple[int, int]]] = weakref.WeakKeyDictionary()
 
 _Plan = tuple[set[tuple[int, int]], list[bool], list[bool]]
 #: Per stage graph on its devices, what :class:`Handoffs` reads of it.

@@ -102,8 +102,7 @@ class Replay(torch.autograd.Function):
         call.pending = weakref.ref(ctx)
         # Aliases: a Function's outputs are new tensors (the buffers are not).
         aliases = tuple(t.detach() for t in outs)
-        keep = set(call.diff_out)
-        ctx.mark_non_differentiable(*(t for k, t in enumerate(aliases) if k not in keep))
+        ctx.mark_non_differentiable(*(aliases[k] for k in call.plain_out))
         return aliases
 
     @staticmethod

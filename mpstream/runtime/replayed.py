@@ -37,14 +37,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from .boundary import Cutting, Grads, sum_grads
 from .graph import ALL, Ref, Routes
 from .graphed import GraphedCall, StageGraphs
 from .graphed.call import Source
-from .handoffs import output_keys, single_readers
+from .handoffs import layout, single_readers
 from .microbatch import grad_dtype, leaves, rebuild_leaves
 
 __all__ = ["Replayed"]
@@ -70,8 +69,6 @@ class Replayed:
         self.calls: dict[tuple[int, int], tuple[GraphedCall, list[Key]]] = {}
         self.pushed: dict[tuple[int, int], set[int]] = {}
         self.weights: dict[tuple[int, int], GraphedCall] = {}
-        self._outs: dict[int, dict[tuple[int, int], int]] = {}
-        self._diff: dict[int, dict[tuple[int, int], int]] = {}
         self._paired: dict[tuple[int, int], bool] = {}
 
     def forward(
@@ -88,28 +85,32 @@ class Replayed:
         Returns:
             Whether it was, and then the stage's output (static buffers).
         """
-        items: list[Any] = []
-        keys: list[Key] = []
+        # One pass over the arguments' leaves: per tensor whether it needs a
+        # gradient, and for those where it goes and where it may be read.
+        tensors: list[Tensor] = []
+        keys: list[Key] = []  # per tensor that needs a gradient
         needs: list[bool] = []
         sources: list[Source] = []
         for ref, value in pairs:
             flat = [value] if type(value) is Tensor else leaves(value)[0]
             j = 0
             for x in flat:
-                items.append(x)
                 if isinstance(x, Tensor):
+                    tensors.append(x)
                     need = ref.stage >= 0 and grad_dtype(x)
                     needs.append(need)
-                    keys.append((ref.stage, ref.index, j) if need else None)
-                    sources.append(self._source(ref, j, x, s, m) if need else None)
+                    if need:
+                        keys.append((ref.stage, ref.index, j))
+                        sources.append(self._source(ref, j, x, s, m))
+                    else:
+                        sources.append(None)
                     j += 1
         args = [v for _, v in pairs]
         call = self.graphs.find(s, m, stage, args, checkpoint, needs, split, sources)
         if call is None:
             return False, None
-        tensors = [x for x in items if isinstance(x, Tensor)]
         y = call.rebuild(call.forward(tensors))
-        self.calls[(s, m)] = (call, [k for k, n in zip(keys, needs) if n])
+        self.calls[(s, m)] = (call, keys)
         return True, y
 
     def unalias(self, s: int, m: int, pairs: Sequence[tuple[Ref, Any]]) -> list[tuple[Ref, Any]]:
@@ -139,7 +140,7 @@ class Replayed:
         if rec is None or ref.index == ALL or self.routes.hop(p, s) is not None:
             return None
         producer = rec[0]
-        pos = self._layout(producer, p).get((ref.index, j))
+        pos = layout(producer, self.outputs[p]).at.get((ref.index, j))
         if pos is None or producer.static_out[pos] is not x or not self._pairs(p, s):
             return None
         return producer, pos, (p, ref.index) in self.single
@@ -164,7 +165,7 @@ class Replayed:
         ``s`` reads on micro-batch ``m`` are cut: other stages' outputs, and
         ``s``'s own that carry gradients (the others, cut, would give a loss
         computed from them a gradient eager autograd refuses)."""
-        diff = self._diffs(self.calls[(s, m)][0], s)
+        diff = layout(self.calls[(s, m)][0], self.outputs[s]).grad_at
         return lambda key: key[0] != s or (key[1], key[2]) in diff
 
     def graphed(self, s: int, m: int) -> bool:
@@ -177,7 +178,7 @@ class Replayed:
         input gradients to producers that take them so. Returns the rest, as
         a :class:`~.boundary.Cutting` to route like an eager stage's."""
         call, keys = self.calls.pop((s, m))
-        diff = self._diffs(call, s)
+        diff = layout(call, self.outputs[s]).grad_at
         pushed = self.pushed.pop((s, m), set())
         grads: list[Tensor | None] = [None] * len(call.diff_out)
         for i in pushed:
@@ -217,29 +218,12 @@ class Replayed:
         if rec is None or (p, k) not in self.single or self.routes.hop(p, s) is not None:
             return False
         producer = rec[0]
-        i = self._diffs(producer, p).get((k, j))
+        i = layout(producer, self.outputs[p]).grad_at.get((k, j))
         if i is not None:
             target = producer.static_grad_out[i]
             if g is not target:  # else the reader's graph wrote it there
-                with torch.no_grad():
-                    target.copy_(g)
+                # Neither buffer requires grad: autograd records nothing,
+                # whatever the grad mode (no context manager per task).
+                target.copy_(g)
             self.pushed.setdefault((p, m), set()).add(i)
         return True  # an output without a gradient in the producer takes none
-
-    def _layout(self, call: GraphedCall, s: int) -> dict[tuple[int, int], int]:
-        """Per (output, leaf) of stage ``s`` (``call``'s), its position among
-        the call's static outputs."""
-        found = self._outs.get(id(call))
-        if found is None:
-            pairs = output_keys(call, self.outputs[s])
-            found = self._outs[id(call)] = {key: pos for pos, key in enumerate(pairs)}
-        return found
-
-    def _diffs(self, call: GraphedCall, s: int) -> dict[tuple[int, int], int]:
-        """Per (output, leaf), its position among the call's differentiable outputs."""
-        found = self._diff.get(id(call))
-        if found is None:
-            where = {pos: i for i, pos in enumerate(call.diff_out)}
-            layout = self._layout(call, s).items()
-            found = self._diff[id(call)] = {k: where[pos] for k, pos in layout if pos in where}
-        return found

@@ -165,3 +165,36 @@ def test_a_multi_output_stage_s_layout_is_found_once_per_call(
     # Only a stage with several outputs asks (so it was asked at all).
     made = calls(pipe, 0)
     assert counted and len(counted) == len(made) and set(map(id, counted)) == set(map(id, made))
+
+
+def test_a_call_s_layout_is_found_once_for_every_step_of_both_loops(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Where each static output sits, and its gradient, is fixed per call:
+    # a training step's tasks read it (per micro-batch) without building it
+    # again for every step.
+    built: list[object] = []
+    real = handoffs.Layout.__init__
+
+    def counting(self: handoffs.Layout, call: Any, outputs: int) -> None:
+        built.append(call)
+        real(self, call, outputs)
+
+    monkeypatch.setattr(handoffs.Layout, "__init__", counting)
+    model = Pair().double()
+    eager, pipe = (
+        Pipe(copy.deepcopy(model), graphs=graphs, split_points=["r"], devices=["cpu"] * 2,
+             chunks=3)
+        for graphs in (False, Emulated())
+    )  # fmt: skip
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64)
+    for _ in range(3):
+        for net in (eager, pipe):
+            net.zero_grad()
+            net.train_step(x, y, nn.MSELoss())
+        torch.testing.assert_close([p.grad for p in pipe.parameters()],
+                                   [p.grad for p in eager.parameters()])  # fmt: skip
+        same_as_plain(model, pipe, x)
+    made = calls(pipe, 0) + calls(pipe, 1)
+    assert built and len(built) == len(set(map(id, built))) <= len(made)
+    assert set(map(id, built)) <= set(map(id, made))

@@ -158,6 +158,7 @@ class GraphedCall:
         self.out_where: list[int] = []
         self.static_out: list[Tensor] = []
         self.diff_out: list[int] = []  # positions in static_out that carry gradients
+        self.plain_out: list[int] = []  # the others (non-differentiable outputs)
         self.static_grad_out: list[Tensor] = []  # per diff_out
         #: Per input needing a gradient, its buffer (None: no output reaches it).
         self.static_grad_in: list[Tensor | None] = []
@@ -175,6 +176,9 @@ class GraphedCall:
         self.replays = 0  # forward replays whose backward may follow
         self.pending: Any = None  # a weak reference to what may still run B or W
         self.label = "the stage"
+        #: What the runtime derives once from the outputs' structure (see
+        #: ``runtime/handoffs.py``): fixed per call, read per task.
+        self.layout: Any = None
         self._reached: dict[frozenset[int], tuple[frozenset[int], frozenset[int]]] = {}
         self._hooked: list[nn.Parameter] = []  # hooks a split call's W still runs
         # What B ensured, for a W run later to ensure again (see weight()).
@@ -201,6 +205,7 @@ class GraphedCall:
         self.out_where = [i for i, x in enumerate(items) if isinstance(x, Tensor)]
         tensors = [items[i] for i in self.out_where]
         self.diff_out = [k for k, t in enumerate(tensors) if self.grad and t.requires_grad]
+        self.plain_out = [k for k in range(len(tensors)) if k not in self.diff_out]
         return tensors
 
     def targets(self) -> list[Tensor]:
