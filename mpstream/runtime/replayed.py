@@ -190,17 +190,20 @@ class Replayed:
         ins = call.backward(grads, self.graphs.token, weight=not split)
         if split:
             self.weights[(s, m)] = call
-        rest = Cutting()
+        left: list[tuple[int, int, int]] = []
         out: list[Tensor | None] = []
         for key, g in zip(keys, ins):
             if g is None or key is None:
                 continue
             p, k, j = key
             if not self._push(p, k, j, s, m, g):
-                rest.keys.append(key)
+                left.append(key)
                 out.append(g.clone())  # the buffer is this slot's: rewritten by its next backward
-        rest.sink.grads = tuple(out)
-        return rest if rest.keys else None
+        if not left:
+            return None  # the common case: every gradient pushed, no Cutting made
+        rest = Cutting()
+        rest.keys, rest.sink.grads = left, tuple(out)
+        return rest
 
     def weight(self, s: int, m: int) -> bool:
         """Replays W of a split replayed backward; whether there was one."""

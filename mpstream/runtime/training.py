@@ -194,15 +194,18 @@ class _Step:
             flow.store(s, m, y)
             # Not cut: no autograd graph; the last stage's outputs are, for
             # the loss to differentiate.
-            outs = flow.outputs_of(s, m) if s == last else ()
-            inputs: list[tuple[Ref, Any]] = [(Ref(s, k), v) for k, v in enumerate(outs)]
+            inputs: list[tuple[Ref, Any]] = (
+                [(Ref(s, k), v) for k, v in enumerate(flow.outputs_of(s, m))] if s == last else []
+            )
         else:
             inputs = thin.unalias(s, m, pairs) if thin and splits else pairs
-        cutting = Cutting()
-        only = thin.cuts(s, m) if thin is not None and replayed and s == last else None
-        values = cut_inputs(inputs + sources, cutting, only)
-        if cutting.keys:
-            self.cuts[(s, m)] = cutting
+        values: list[Any] = []
+        if inputs or sources:  # else (a replayed stage but the last) nothing to cut
+            cutting = Cutting()
+            only = thin.cuts(s, m) if thin is not None and replayed and s == last else None
+            values = cut_inputs(inputs + sources, cutting, only)
+            if cutting.keys:
+                self.cuts[(s, m)] = cutting
         if not replayed:
             y = _eager(self.graphs, s, self.parts[s], values[: len(inputs)], ckpt)
             flow.store(s, m, y)

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from mpstream.runtime import boundary, replayed, training
 from mpstream.runtime.graphed import GraphedCall
 from tests.helpers import Ops, assert_same_grads, mlp
 from tests.runtime.graphed.test_grads import Silent
@@ -78,3 +79,32 @@ def test_an_eager_stage_between_replayed_ones_reads_copies_where_its_backward_sp
                 pipe.train_step(x, y, nn.MSELoss())
     assert_same_grads(graphed, eager)
     assert [s.graphed for s in graphed.graph_report().stages] == [True, False, True]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_replayed_step_cuts_only_what_the_loss_reads(
+    schedule: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A replayed stage's tasks cut nothing (no autograd graph; its input
+    # gradients go straight into its producer's buffer): no Cutting per
+    # task, only the last stage's outputs, once per micro-batch, for the loss.
+    made: list[object] = []
+
+    class Counted(boundary.Cutting):
+        __slots__ = ()
+
+        def __init__(self) -> None:
+            made.append(self)
+            super().__init__()
+
+    for module in (training, replayed):
+        monkeypatch.setattr(module, "Cutting", Counted)
+    eager, graphed = pair(mlp(WIDTHS), chunks=3, schedule=schedule)
+    x, y = data()
+    for _ in range(2):
+        for pipe in (eager, graphed):
+            pipe.zero_grad()
+            made.clear()
+            pipe.train_step(x, y, nn.MSELoss())
+        assert_same_grads(graphed, eager)
+        assert len(made) == 3  # eager: one per stage and micro-batch (6)
