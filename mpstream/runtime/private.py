@@ -96,6 +96,10 @@ def lookup(p: Private) -> Any:
     return getattr(owner, p.name, None)
 
 
+# Asked in every replayed backward task of the user's loop: found once.
+_graph_task_id: Callable[[], int] | None = lookup(USED[4])
+
+
 def missing() -> list[Private]:
     """The calls of :data:`USED` this torch lacks (CUDA-only ones count only
     on a CUDA build)."""
@@ -143,8 +147,7 @@ def will_engine_execute_node(node: Any) -> bool:
 def current_graph_task_id() -> int:
     """The running backward pass's id (-1 outside one, or where this torch
     cannot tell)."""
-    fn = lookup(USED[4])
-    return -1 if fn is None else int(fn())
+    return -1 if _graph_task_id is None else int(_graph_task_id())
 
 
 def parse_to(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any, Any]:

@@ -60,9 +60,16 @@ def run_stage(
     call = graphs.find(s, m, stage, args, checkpoint, sources=sources)
     if call is None:
         return graphs.eager(s, stage, args, checkpoint)
-    if items is None:
-        items = leaves(tuple(args))[0]
-    outs = replay(call, [items[i] for i in call.where])
+    tensors: Sequence[Tensor]
+    if type(call.spec) is tuple:
+        # A flat tuple of tensors (its key says so: the call's structure is
+        # these arguments'): they are the call's tensors, as they are.
+        tensors = args
+    else:
+        if items is None:
+            items = leaves(tuple(args))[0]
+        tensors = [items[i] for i in call.where]
+    outs = replay(call, tensors)
     if handoffs is not None and call.diff_out:
         handoffs.keep(call, s, outs)  # Replay's aliases: the run has gradients
     return call.rebuild(outs)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from mpstream import Pipe
-from mpstream.runtime import handoffs
+from mpstream.runtime import handoffs, replay_autograd
 from mpstream.runtime.graphed import Emulated
 from tests.helpers import Ops, mlp
 from tests.models import Fan
@@ -198,3 +198,28 @@ def test_a_call_s_layout_is_found_once_for_every_step_of_both_loops(
     made = calls(pipe, 0) + calls(pipe, 1)
     assert built and len(built) == len(set(map(id, built))) <= len(made)
     assert set(map(id, built)) <= set(map(id, made))
+
+
+def test_a_replay_of_tensor_arguments_walks_them_only_to_find_handoffs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Replayed calls of a flat tuple of tensors take the arguments as they
+    # are; only a reader of handoffs walks them (for their sources).
+    walked: list[object] = []
+    real = replay_autograd.leaves
+
+    def counted(value: Any) -> tuple[list[Any], Any]:
+        walked.append(value)
+        return real(value)
+
+    model = mlp(WIDTHS)
+    pipe = Pipe(copy.deepcopy(model), graphs=Emulated(), balance=[4, 4], devices=["cpu"] * 2,
+                chunks=3)  # fmt: skip
+    x = torch.randn(6, WIDTHS[0], dtype=torch.float64)
+    same_as_plain(model, pipe, x)  # captures
+    monkeypatch.setattr(replay_autograd, "leaves", counted)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), model(x))
+    assert walked == []
+    same_as_plain(model, pipe, x)
+    assert len(walked) == 3  # stage 1, per micro-batch: it reads stage 0's handoffs

@@ -73,3 +73,18 @@ def test_a_missing_call_names_itself_and_what_needs_it(monkeypatch: pytest.Monke
     assert [p.name for p in private.missing()] == ["_profiler_enabled"]
     with pytest.raises(PrivateApiError, match=r"has no torch\._C\._autograd\._profiler_enabled"):
         private.profiler_enabled()
+
+
+def test_the_backward_pass_id_is_looked_up_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Asked in every replayed backward task of the user's loop: the call is
+    # found when mpstream loads, not looked up again (attributes by name) per task.
+    asked: list[str] = []
+    real = private.lookup
+
+    def counted(p: private.Private) -> object:
+        asked.append(p.name)
+        return real(p)
+
+    monkeypatch.setattr(private, "lookup", counted)
+    assert private.current_graph_task_id() == -1
+    assert asked == []

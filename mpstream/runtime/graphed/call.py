@@ -299,7 +299,7 @@ class GraphedCall:
         post-accumulate hook runs (a pass whose adds are then undone).
         Returns the static input gradients, None where no output that got
         a gradient reaches."""
-        none = frozenset(k for k, g in zip(self.diff_out, grads) if g is None)
+        none = frozenset([k for k, g in zip(self.diff_out, grads) if g is None])
         unreached, params = self._reach(none)
         store = self.store
         hooked = store.ensure(params, token, autograd) if store is not None else []

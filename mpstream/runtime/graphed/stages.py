@@ -294,7 +294,7 @@ class StageGraphs:
             sig,
             split and grad and not ckpt,
             st.modes,  # the modules' training flags, numbered (StageState.modes)
-            tuple(None if x is None else (id(x[0]), x[1], x[2]) for x in sources),
+            tuple([None if x is None else (id(x[0]), x[1], x[2]) for x in sources]),
         )
         number = st.number(key)  # the one time this call hashes its key
         # A call whose activations still wait for their backward (a second
