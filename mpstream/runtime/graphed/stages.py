@@ -296,22 +296,26 @@ class StageGraphs:
             st.modes,  # the modules' training flags, numbered (StageState.modes)
             tuple([None if x is None else (id(x[0]), x[1], x[2]) for x in sources]),
         )
-        number = st.number(key)  # the one time this call hashes its key
-        # A call whose activations still wait for their backward (a second
-        # forward before the first backward, in the user's loop) gets graphs
-        # of its own: one more generation of the slot, up to MAX_GENERATIONS.
-        for generation in range(MAX_GENERATIONS):
-            at = (number, generation)
-            graphed = st.calls.get(at)
-            if graphed is None or not graphed.busy():
-                break
-        else:
-            self._overflow(st, f"{MAX_GENERATIONS} forwards awaiting their backward")
-            return None
+        number = st.numbers.get(key)  # the one time a replay hashes its key
+        graphed: GraphedCall | None = None
+        generation = 0
+        if number is not None:  # else no call of this key was captured yet
+            # A call whose activations still wait for their backward (a
+            # second forward before the first backward, in the user's loop)
+            # gets graphs of its own: one more generation of the slot, up to
+            # MAX_GENERATIONS.
+            for generation in range(MAX_GENERATIONS):
+                graphed = st.calls.get((number, generation))
+                if graphed is None or not graphed.busy():
+                    break
+            else:
+                self._overflow(st, f"{MAX_GENERATIONS} forwards awaiting their backward")
+                return None
         if graphed is not None:
-            st.calls.move_to_end(at)
-            st.used.add(at)
+            st.calls.move_to_end((number, generation))
+            st.used.add((number, generation))
         elif st.room(self.max_calls):
+            at = (st.number(key), generation)
             graphed = self._capture(st, key, at, stage, args, needs, ckpt, sources)
         else:
             self._overflow(st, f"max_calls={self.max_calls} graphed calls in use")

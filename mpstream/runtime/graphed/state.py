@@ -60,11 +60,11 @@ class StageState:
         # captures again.
         self._modes: dict[tuple[bool, ...], int] = {}
         self._next_modes = 0
-        #: Each call key seen (all of it but the generation), as a number:
-        #: the calls are kept under (number, generation), so a replay
-        #: hashes its key once, not again to look up, reorder and mark its
-        #: call. Numbers are never reused; the table grows as the keys of
-        #: dropped calls kept for recapture counts do (``dropped``).
+        #: Each call key captured (all of it but the generation), as a
+        #: number: the calls are kept under (number, generation), so a
+        #: replay hashes its key once, not again to look up, reorder and
+        #: mark its call. Numbers are never reused; the table grows as
+        #: ``dropped`` does, by the keys of calls captured then dropped.
         self.numbers: dict[tuple[Any, ...], int] = {}
         self.calls: OrderedDict[tuple[Any, ...], GraphedCall] = OrderedDict()
         self.used: set[tuple[Any, ...]] = set()  # keys the current run replayed
@@ -132,7 +132,8 @@ class StageState:
         self.modes = found
 
     def number(self, key: tuple[Any, ...]) -> int:
-        """The number of call key ``key`` (a new one the first time)."""
+        """The number of call key ``key`` (a new one the first time: its
+        first capture)."""
         found = self.numbers.get(key)
         if found is None:
             found = self.numbers[key] = len(self.numbers)
