@@ -21,13 +21,12 @@ read by the next replay as they are. A stage that cannot be graphed runs
 eagerly, with one warning naming it and why: on a CPU, a capture that
 failed (a host sync such as ``.item()``, an unsupported op), a parameter's
 tensor hook. Calls are bounded: past ``max_calls`` per stage the least
-recently used graphs not needed by the run are dropped (their memory goes
-with the other graphs captured on the stage's stream, :mod:`.lifetimes`:
-the next run that leaves none busy drops them all and captures again),
-and a call dropped takes along its readers' calls keyed to it;
-a call that finds no room, a slot with ``MAX_GENERATIONS`` forwards
-awaiting their backward, or a plain argument past its values
-(:class:`~.keys.Scalars`) runs eagerly, with one warning.
+recently used graphs not needed by the run are dropped, with their
+readers' calls keyed to them (their memory goes with the stage stream's
+other graphs, :mod:`.lifetimes`: once none is busy, all are dropped and
+captured again); a call that finds no room, a slot with
+``MAX_GENERATIONS`` forwards awaiting their backward, or a plain argument
+past its values (:class:`~.keys.Scalars`) runs eagerly, with one warning.
 """
 
 from __future__ import annotations
@@ -49,8 +48,8 @@ from .call import Backend, GraphedCall, Source, was_raised_eagerly
 from .grads import GradStore
 from .keys import autocast_key, signature
 from .report import GraphReport, GraphWarning
-from .state import StageState
-from .tied import TiedHooks
+from .state import StageState, drop_stale
+from .tied import TiedHooks, tied_ids
 
 __all__ = ["StageGraphs", "MAX_CALLS", "MAX_GENERATIONS"]
 
@@ -170,10 +169,7 @@ class StageGraphs:
         # their readers' in turn; looked for only then (a pass over every call).
         removed = sum(st.removed for st in self.stages)
         if removed != self._removed or any(st.waiting for st in self.stages):
-            while True:
-                kept = {c for st in self.stages for c in st.calls.values()}
-                if not any([st.drop_stale(kept) for st in self.stages]):  # every stage
-                    break
+            drop_stale(self.stages)
             self._removed = sum(st.removed for st in self.stages)
 
     def eager(self, s: int, stage: nn.Module, args: Sequence[Any], checkpoint: bool) -> Any:
@@ -339,7 +335,11 @@ class StageGraphs:
         assert st.baked is not None
         grad = bool(key[2])
         if grad and st.store is None and st.baked.params:
-            st.store = GradStore(st.baked.params, self._shared(st), self.tied)
+            st.store = GradStore(
+                st.baked.params,
+                tied_ids(st.module, [o.module for o in self.stages if o is not st]),
+                self.tied,
+            )
             if self._saved is not None:
                 # A store made during a step that saved the others (the
                 # stage changed since): its parameters' gradients as they
@@ -371,12 +371,6 @@ class StageGraphs:
         if len(self.order) < _ORDER_KEPT:
             self.order.append((st.index, key[0]))
         return graphed
-
-    def _shared(self, st: StageState) -> set[int]:
-        """The ``id()`` of ``st``'s parameters another stage holds too (tied)."""
-        mine = {id(p) for p in st.module.parameters()}
-        others = {id(p) for o in self.stages if o is not st for p in o.module.parameters()}
-        return mine & others
 
     def _overflow(self, st: StageState, why: str) -> None:
         """A call beyond a bound runs eagerly; the first one says so."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import operator
 from collections import OrderedDict
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -26,7 +26,7 @@ from .grads import GradStore
 from .keys import Baked, Scalars
 from .report import StageReport
 
-__all__ = ["StageState", "storage_bytes"]
+__all__ = ["StageState", "drop_stale", "storage_bytes"]
 
 _hooks = operator.attrgetter("_backward_hooks")
 #: Tuples of training flags a stage keeps numbers for (see StageState.modes).
@@ -221,3 +221,12 @@ def storage_bytes(tensors: Iterable[Tensor]) -> int:
         storage = t.untyped_storage()
         seen[(t.device, storage.data_ptr())] = storage.nbytes()
     return sum(seen.values())
+
+
+def drop_stale(stages: Sequence[StageState]) -> None:
+    """Drops the calls keyed to a producer's call no longer kept (see
+    :meth:`StageState.drop_stale`), then their readers' in turn."""
+    while True:
+        kept = {c for st in stages for c in st.calls.values()}
+        if not any([st.drop_stale(kept) for st in stages]):  # every stage
+            return

@@ -14,12 +14,12 @@ before the weights were tied holds one as its own, its graphs adding into
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["TiedHooks"]
+__all__ = ["TiedHooks", "tied_ids"]
 
 
 class TiedHooks:
@@ -77,3 +77,9 @@ class TiedHooks:
     def discard(self) -> None:
         """Forgets a failed pass's."""
         self._sides, self._pending, self._queued = [], {}, False
+
+
+def tied_ids(stage: nn.Module, others: Iterable[nn.Module]) -> set[int]:
+    """The ``id()`` of ``stage``'s parameters one of ``others`` holds too."""
+    mine = {id(p) for p in stage.parameters()}
+    return mine & {id(p) for o in others for p in o.parameters()}
