@@ -71,7 +71,10 @@ def test_bench_writes_json_and_the_three_figures(
 
 
 def test_bench_without_sweep_or_plots(tmp_path: Path) -> None:
-    args = ["bench", *TINY, "--no-sweep", "--no-plots", "--out", str(tmp_path)]
+    # The sweep's sizes are refused beside --no-sweep.
+    at = TINY.index("--split-sizes")
+    tiny = TINY[:at] + TINY[at + 2 :]
+    args = ["bench", *tiny, "--no-sweep", "--no-plots", "--out", str(tmp_path)]
     (tmp_path / "mp_vs_rn.png").write_bytes(b"an earlier run's")
     assert cli.main(args) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]  # none stale
