@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -23,18 +24,38 @@ SPLIT_SIZE, IMAGE_SIZE, DEVICES = 2, 64, 2
 PROFILE_OPTIONS = ("device", "balance", "split_size", "image_size", "no_memory")
 
 
-def device_count(text: str) -> int:
-    """``--devices``: how many devices the simulation spreads the stages
-    over. The other commands' ``--devices`` name real devices, so a name
-    here is pointed to ``--device``."""
+def deprecated_device_count(text: str) -> int:
+    """``--devices``, the old spelling of ``--num-devices``: a count still
+    works; device names (what the other commands' ``--devices`` take) are
+    pointed to ``--num-devices`` and ``--device``."""
     try:
         int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"expected how many devices to simulate (e.g. 2), got {text!r}; the device to "
-            "profile and measure on is --device, e.g. --device cuda:0"
+            f"expected how many devices to simulate, got {text!r}; this count is "
+            "--num-devices now (e.g. --num-devices 2), and the device to profile and measure "
+            "on is --device (e.g. --device cuda:0)"
         ) from None
     return positive_int(text)
+
+
+class DeprecatedDevices(argparse.Action):
+    """``--devices N``: stores the count and says once, on stderr, that the
+    option is ``--num-devices`` now (kept for one release)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
+        print(
+            f"{parser.prog}: warning: --devices is deprecated and goes in the next release; "
+            f"use --num-devices {values}",
+            file=sys.stderr,
+        )
+        setattr(namespace, self.dest, values)
 
 
 def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -60,10 +81,18 @@ def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "without --uniform)",
     )
     c.add_argument(
+        "--num-devices",
+        type=positive_int,
+        help=f"how many devices the simulated stages share (default {DEVICES}); the "
+        "simulation needs no such devices here (--device is where to measure)",
+    )
+    # The old spelling, hidden; the other commands' --devices take names.
+    c.add_argument(
         "--devices",
-        type=device_count,
-        help=f"how many devices the simulated stages share (default {DEVICES}); not names: "
-        "the simulation needs no such devices here (--device is where to measure)",
+        dest="old_devices",
+        type=deprecated_device_count,
+        action=DeprecatedDevices,
+        help=argparse.SUPPRESS,
     )
     c.add_argument(
         "--micro-batches", type=positive_int, default=8, help="micro-batches per step (default 8)"
@@ -113,13 +142,17 @@ def run(args: argparse.Namespace) -> int:
             option with ``--uniform``, or ``--balance tutorial`` for a stage
             count the tutorial has no cut for.
     """
-    stages, devices, micros = args.stages, args.devices or DEVICES, args.micro_batches
-    if devices > stages and args.devices:
-        raise UsageError(f"--devices {devices} exceeds --stages {stages}: a device needs a stage")
-    if devices > stages:  # the default --devices, which the user never typed
+    if args.num_devices and args.old_devices:
+        raise UsageError("--devices is the old spelling of --num-devices: give only --num-devices")
+    typed = args.num_devices or args.old_devices
+    stages, devices, micros = args.stages, typed or DEVICES, args.micro_batches
+    if devices > stages and typed:
+        flag = "--num-devices" if args.num_devices else "--devices"
+        raise UsageError(f"{flag} {devices} exceeds --stages {stages}: a device needs a stage")
+    if devices > stages:  # the default --num-devices, which the user never typed
         raise UsageError(
             f"--stages {stages}: fewer than the {devices} devices simulated by default "
-            f"(a device needs a stage); give --devices {stages}, or more stages"
+            f"(a device needs a stage); give --num-devices {stages}, or more stages"
         )
     if args.uniform:
         given = [f"--{o.replace('_', '-')}" for o in PROFILE_OPTIONS if getattr(args, o)]

@@ -212,13 +212,46 @@ def test_doctor_refuses_bad_options_before_running(
     assert not (tmp_path / "o").exists()
 
 
-def test_schedules_devices_is_a_count_and_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+def test_schedules_counts_devices_with_num_devices(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["schedules", "--help"])
+    text = capsys.readouterr().out
+    assert "--num-devices" in text
+    assert "--devices" not in text  # the old spelling is hidden
+    out = ["--uniform", "--stages", "2", "--no-plots", "--out", str(tmp_path / "o")]
+    assert cli.main(["schedules", "--num-devices", "2", *out]) == 0
+    captured = capsys.readouterr()
+    assert "2 stages on 2 devices" in captured.out
+    assert "deprecated" not in captured.err
+
+
+def test_schedules_old_devices_spelling_still_counts_and_warns_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = ["--uniform", "--stages", "2", "--no-plots", "--out", str(tmp_path / "o")]
+    assert cli.main(["schedules", "--devices", "1", *out]) == 0
+    captured = capsys.readouterr()
+    assert "2 stages on 1 devices" in captured.out
+    assert captured.err.splitlines() == [
+        "mpstream schedules: warning: --devices is deprecated and goes in the next release; "
+        "use --num-devices 1"
+    ]
+    assert cli.main(["schedules", "--devices", "1", "--num-devices", "1", *out]) == 2
+    assert "give only --num-devices" in capsys.readouterr().err
+
+
+def test_schedules_old_devices_spelling_given_names_points_to_num_devices(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     with pytest.raises(SystemExit) as info:
         cli.main(["schedules", "--devices", "cuda:0,cuda:1"])
     assert info.value.code == 2
     err = capsys.readouterr().err
-    assert "expected how many devices to simulate (e.g. 2), got 'cuda:0,cuda:1'" in err
-    assert "is --device, e.g. --device cuda:0" in err
+    assert "expected how many devices to simulate, got 'cuda:0,cuda:1'" in err
+    assert "this count is --num-devices now (e.g. --num-devices 2)" in err
+    assert "is --device (e.g. --device cuda:0)" in err
 
 
 def test_schedules_blames_no_option_the_user_did_not_type(
@@ -228,8 +261,10 @@ def test_schedules_blames_no_option_the_user_did_not_type(
     assert cli.main(["schedules", "--stages", "1", *out]) == 2
     assert (
         "--stages 1: fewer than the 2 devices simulated by default (a device needs a stage); "
-        "give --devices 1, or more stages" in capsys.readouterr().err
+        "give --num-devices 1, or more stages" in capsys.readouterr().err
     )
+    assert cli.main(["schedules", "--stages", "1", "--num-devices", "2", *out]) == 2
+    assert "--num-devices 2 exceeds --stages 1" in capsys.readouterr().err
     assert cli.main(["schedules", "--stages", "1", "--devices", "2", *out]) == 2
     assert "--devices 2 exceeds --stages 1" in capsys.readouterr().err
 

@@ -156,9 +156,9 @@ def test_schedules_profiles_and_measures_resnet50(
 def test_schedules_rejects_more_devices_than_stages(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    args = ["schedules", "--uniform", "--stages", "2", "--devices", "3", "--out", str(tmp_path)]
+    args = ["schedules", "--uniform", "--stages", "2", "--num-devices", "3", "--out", str(tmp_path)]
     assert cli.main(args) == 2
-    assert "--devices 3 exceeds --stages 2" in capsys.readouterr().err
+    assert "--num-devices 3 exceeds --stages 2" in capsys.readouterr().err
 
 
 TINY_BENCH = [
