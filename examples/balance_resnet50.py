@@ -1,7 +1,7 @@
 """Profile ResNet50 block by block and compare the tutorial's split with a balanced one.
 
     python examples/balance_resnet50.py                  # CPU or cuda:0, 12 images of 128x128
-    python examples/balance_resnet50.py --device cuda:0 --batch 12 --stages 2 --micro-batches 10
+    python examples/balance_resnet50.py --device cuda:0 --batch-size 12 --stages 2
 
 Prints each layer's forward+backward time, each split's stage shares, and the
 speed-up an ideal two-stage pipeline would reach with them (fill-drain:
@@ -39,13 +39,18 @@ def main() -> None:
         help="where to profile (default: %(default)s)",
     )
     p.add_argument(
+        "--batch-size",
         "--batch",
         type=positive_int,
         default=12,
         help="micro-batch size to profile (default: %(default)s)",
     )
     p.add_argument(
-        "--image", type=positive_int, default=128, help="image side (default: %(default)s)"
+        "--image-size",
+        "--image",
+        type=positive_int,
+        default=128,
+        help="image side (default: %(default)s)",
     )
     p.add_argument(
         "--stages", type=positive_int, default=2, help="stages to balance (default: %(default)s)"
@@ -61,19 +66,19 @@ def main() -> None:
     )
     p.add_argument("--json", type=Path, help="also write the numbers here")
     args = p.parse_args()
-    if args.batch < 2:
-        p.error("--batch: at least 2 (training-mode BatchNorm needs more than one value)")
-    if args.image < 32:
-        p.error(f"--image {args.image}: at least 32 (ResNet50 downsamples 32x)")
+    if args.batch_size < 2:
+        p.error("--batch-size: at least 2 (training-mode BatchNorm needs more than one value)")
+    if args.image_size < 32:
+        p.error(f"--image-size {args.image_size}: at least 32 (ResNet50 downsamples 32x)")
 
     torch.manual_seed(0)
     layers = resnet50_layers()
     if args.stages > len(layers):
         p.error(f"--stages {args.stages}: ResNet50 has {len(layers)} blocks, a stage needs one")
-    sample = torch.randn(args.batch, 3, args.image, args.image)
+    sample = torch.randn(args.batch_size, 3, args.image_size, args.image_size)
     profiles = profile_layers(layers, sample, device=args.device, repeat=args.repeat)
     times = [pr.time_ms for pr in profiles]
-    shape = f"{args.batch}x3x{args.image}x{args.image}"
+    shape = f"{args.batch_size}x3x{args.image_size}x{args.image_size}"
     print(f"device {args.device}, torch {torch.__version__}, micro-batch {shape}")
     for pr in profiles:
         split = f"{pr.forward_ms:.2f} fwd + {pr.backward_ms:.2f} bwd"

@@ -73,11 +73,13 @@ def max_difference(a: list[Tensor], b: list[Tensor]) -> float:
 def build(args: argparse.Namespace, device: torch.device) -> tuple[nn.Module, Callable[[], Tensor]]:
     """A fresh pipe on ``device`` and its step, warmed up on a side stream."""
     torch.manual_seed(0)
-    model = StreamPipelineResNet50(device, device, args.split_size, args.classes)
+    model = StreamPipelineResNet50(device, device, args.split_size, args.num_classes)
     pipe = model.__dict__["pipe"]
-    x = torch.randn(args.batch, 3, args.image, args.image, device=device)
-    labels = torch.randint(args.classes, (args.batch,), device=device)
-    y = torch.zeros(args.batch, args.classes, device=device).scatter_(1, labels[:, None], 1.0)
+    x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=device)
+    labels = torch.randint(args.num_classes, (args.batch_size,), device=device)
+    y = torch.zeros(args.batch_size, args.num_classes, device=device).scatter_(
+        1, labels[:, None], 1.0
+    )
     loss_fn = nn.MSELoss()
 
     def step() -> Tensor:
@@ -131,15 +133,17 @@ def captured_step(args: argparse.Namespace, device: torch.device) -> dict[str, A
 
     def twin() -> tuple[Any, torch.optim.Optimizer]:
         torch.manual_seed(0)
-        model = StreamPipelineResNet50(device, device, args.split_size, args.classes)
+        model = StreamPipelineResNet50(device, device, args.split_size, args.num_classes)
         pipe = model.__dict__["pipe"]
         return pipe, torch.optim.SGD(pipe.parameters(), lr=1e-3, momentum=0.9)
 
     gen = torch.Generator(device).manual_seed(1)
     batches = [
         (
-            torch.randn(args.batch, 3, args.image, args.image, device=device, generator=gen),
-            torch.randn(args.batch, args.classes, device=device, generator=gen),
+            torch.randn(
+                args.batch_size, 3, args.image_size, args.image_size, device=device, generator=gen
+            ),
+            torch.randn(args.batch_size, args.num_classes, device=device, generator=gen),
         )
         for _ in range(args.steps)
     ]
@@ -201,19 +205,25 @@ def main(argv: list[str] | None = None) -> int:
         help="images per micro-batch (default: %(default)s)",
     )
     p.add_argument(
+        "--batch-size",
         "--batch",
         type=positive_int,
         default=120,
         help="images per step (default: %(default)s), the tutorial's",
     )
     p.add_argument(
+        "--image-size",
         "--image",
         type=positive_int,
         default=128,
         help="image side (default: %(default)s), the tutorial's",
     )
     p.add_argument(
-        "--classes", type=positive_int, default=1000, help="classes (default: %(default)s)"
+        "--num-classes",
+        "--classes",
+        type=positive_int,
+        default=1000,
+        help="classes (default: %(default)s)",
     )
     p.add_argument(
         "--runs",
@@ -245,8 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "split_size": args.split_size,
-        "batch": args.batch,
-        "image": args.image,
+        "batch": args.batch_size,
+        "image": args.image_size,
         "attempts": [],
     }
     for mode in MODES:

@@ -61,7 +61,11 @@ def main() -> None:
         "--steps", type=positive_int, default=10, help="training steps (default: %(default)s)"
     )
     p.add_argument(
-        "--batch", type=positive_int, default=8, help="sequences per step (default: %(default)s)"
+        "--batch-size",
+        "--batch",
+        type=positive_int,
+        default=8,
+        help="sequences per step (default: %(default)s)",
     )
     p.add_argument(
         "--chunks",
@@ -129,14 +133,14 @@ def main() -> None:
         devices=devices,
         schedule=args.schedule,
         checkpoint=args.checkpoint,
-        sample=batch_of(args.batch, args.context, vocab),
+        sample=batch_of(args.batch_size, args.context, vocab),
     )
     print(pipe.split_report())
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
 
     for step in range(args.steps):
-        batch = batch_of(args.batch, args.context, vocab)
+        batch = batch_of(args.batch_size, args.context, vocab)
         optimizer.zero_grad()
         if args.train_step:
             loss = pipe.train_step(batch)  # forward and backward of every micro-batch

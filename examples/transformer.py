@@ -77,7 +77,11 @@ def main() -> None:
         "--steps", type=positive_int, default=20, help="training steps (default: %(default)s)"
     )
     p.add_argument(
-        "--batch", type=positive_int, default=16, help="sequences per step (default: %(default)s)"
+        "--batch-size",
+        "--batch",
+        type=positive_int,
+        default=16,
+        help="sequences per step (default: %(default)s)",
     )
     p.add_argument(
         "--chunks",
@@ -123,7 +127,7 @@ def main() -> None:
 
     for step in range(args.steps):
         # A learnable toy task: each token is the previous one plus 1.
-        start = torch.randint(0, vocab, (args.batch, 1))
+        start = torch.randint(0, vocab, (args.batch_size, 1))
         ids = (start + torch.arange(args.context + 1)) % vocab
         inputs, target = ids[:, :-1], ids[:, 1:]
         optimizer.zero_grad()

@@ -73,9 +73,14 @@ def main() -> None:
         "--steps", type=positive_int, default=20, help="training steps (default: %(default)s)"
     )
     p.add_argument(
-        "--batch", type=positive_int, default=16, help="images per step (default: %(default)s)"
+        "--batch-size",
+        "--batch",
+        type=positive_int,
+        default=16,
+        help="images per step (default: %(default)s)",
     )
     p.add_argument(
+        "--image-size",
         "--size",
         type=positive_int,
         default=32,
@@ -96,8 +101,8 @@ def main() -> None:
     args = p.parse_args()
     if len(args.devices) != 4:
         p.error(f"--devices: give 4 devices (one per stage), got {len(args.devices)}")
-    if args.size % 4:
-        p.error(f"--size {args.size}: must divide by 4 (the U-Net pools twice)")
+    if args.image_size % 4:
+        p.error(f"--image-size {args.image_size}: must divide by 4 (the U-Net pools twice)")
     if args.width % 4:
         p.error(f"--width {args.width}: must divide by 4 (GroupNorm's 4 groups)")
 
@@ -113,7 +118,7 @@ def main() -> None:
     print("stage reads:", pipe.graph.reads())
     optimizer = torch.optim.Adam(pipe.parameters(), lr=2e-3)
     for step in range(args.steps):
-        clean = shapes(args.batch, args.size)
+        clean = shapes(args.batch_size, args.image_size)
         noisy = clean + 0.3 * torch.randn_like(clean)
         optimizer.zero_grad()
         loss = pipe.train_step(noisy, clean, nn.MSELoss())

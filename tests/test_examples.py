@@ -34,8 +34,14 @@ def _exit_of(
 @pytest.mark.parametrize(
     ("script", "args"),
     [
-        ("transformer.py", ["--steps", "2", "--batch", "4", "--context", "8", "--width", "16"]),
-        ("unet.py", ["--steps", "2", "--batch", "4", "--size", "16", "--split-size", "2"]),
+        (
+            "transformer.py",
+            ["--steps", "2", "--batch-size", "4", "--context", "8", "--width", "16"],
+        ),
+        (
+            "unet.py",
+            ["--steps", "2", "--batch-size", "4", "--image-size", "16", "--split-size", "2"],
+        ),
     ],
 )
 def test_example_trains_and_matches_the_unsplit_model(script: str, args: list[str]) -> None:
@@ -52,7 +58,7 @@ def test_example_trains_and_matches_the_unsplit_model(script: str, args: list[st
 
 def test_the_hugging_face_example_trains_equal_to_the_unsplit_model() -> None:
     pytest.importorskip("transformers")
-    args = ["--steps", "2", "--batch", "4", "--context", "8", "--width", "16", "--train-step"]
+    args = ["--steps", "2", "--batch-size", "4", "--context", "8", "--width", "16", "--train-step"]
     result = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "hf_causal_lm.py"), "--devices", "cpu,cpu",
          *args],
@@ -78,7 +84,8 @@ def test_the_cuda_graph_experiment_says_it_needs_cuda(
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_the_cuda_graph_experiment_reports_every_attempt(tmp_path: Path) -> None:
     out = tmp_path / "graph.json"
-    args = ["--batch", "8", "--image", "64", "--split-size", "4", "--runs", "2", "--json", str(out)]
+    args = ["--batch-size", "8", "--image-size", "64", "--split-size", "4", "--runs", "2"]
+    args += ["--json", str(out)]
     result = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "cuda_graph_step.py"), *args],
         capture_output=True,
@@ -125,9 +132,9 @@ def test_examples_refuse_devices_this_machine_lacks(
     ("script", "args", "message"),
     [
         ("unet.py", ["--devices", "cpu"], "give 4 devices"),
-        ("unet.py", ["--size", "7"], "must divide by 4"),
+        ("unet.py", ["--image-size", "7"], "must divide by 4"),
         ("transformer.py", ["--width", "10"], "must divide by the 4 attention heads"),
-        ("balance_resnet50.py", ["--batch", "1"], "at least 2"),
+        ("balance_resnet50.py", ["--batch-size", "1"], "at least 2"),
         ("balance_resnet50.py", ["--stages", "24"], "ResNet50 has 23 blocks"),
     ],
 )
@@ -140,6 +147,35 @@ def test_example_sizes_they_cannot_run_are_argparse_errors(
 ) -> None:
     code, err = _exit_of(script, args, monkeypatch, capsys)
     assert code == 2 and message in err, err[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("script", "option", "old"),
+    [
+        ("transformer.py", "--batch-size", "--batch"),
+        ("hf_causal_lm.py", "--batch-size", "--batch"),
+        ("unet.py", "--batch-size", "--batch"),
+        ("unet.py", "--image-size", "--size"),
+        ("balance_resnet50.py", "--batch-size", "--batch"),
+        ("balance_resnet50.py", "--image-size", "--image"),
+        ("cuda_graph_step.py", "--batch-size", "--batch"),
+        ("cuda_graph_step.py", "--image-size", "--image"),
+        ("cuda_graph_step.py", "--num-classes", "--classes"),
+    ],
+)
+def test_examples_name_sizes_as_the_cli_does_and_keep_the_old_spelling(
+    script: str,
+    option: str,
+    old: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The CLI's name first, the old one still parsed into the same option:
+    # a value below one reaches the same check under either spelling.
+    for given in (option, old):
+        code, err = _exit_of(script, [given, "0"], monkeypatch, capsys)
+        assert code == 2, err[-2000:]
+        assert f"argument {option}/{old}: must be at least 1, got 0" in err, err[-2000:]
 
 
 # Options with no default to show: optional outputs and limits.
