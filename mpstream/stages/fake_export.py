@@ -25,6 +25,7 @@ from torch import Tensor, fx, nn
 from torch.utils import _pytree as pytree
 
 from ..runtime.microbatch import NoChunk, grad_dtype
+from .quiet_export import quiet_export
 
 __all__ = ["exported_graph", "input_pattern", "first_line"]
 
@@ -169,7 +170,7 @@ def _export(
     # stages run under whatever the caller's are then.
     keywords = _keywords_named(module, list(named))
     with keywords, _fake_tensors(module, device, mode), torch.enable_grad():
-        with torch.autocast(device.type, enabled=False):
+        with torch.autocast(device.type, enabled=False), quiet_export():
             return torch.export.export(module, (), examples, dynamic_shapes=shapes, strict=False)
 
 
