@@ -70,11 +70,12 @@ class Pipe(PipeStep):
             ``'dualpipev'`` (see ``docs/schedules.md``); ``'auto'`` (or an
             :class:`~mpstream.schedules.auto.Auto`) picks the built-in one
             with the shortest simulated step at the first ``train_step``
-            (:meth:`schedule_report`); or an explicit order of actions
-            (``['F0m0', 'F1m0', 'B1m0', 'B0m0']``, see
-            :mod:`mpstream.schedules.orders`; ``str(pipe.schedule_for(...))``
-            prints a built-in one to start from). ``pipe(x)`` always runs
-            fill-drain.
+            (:meth:`schedule_report`); or your own order: a list of
+            actions, or one string of them separated by spaces
+            (``['F0m0', 'F1m0', 'B1m0', 'B0m0']`` or
+            ``'F0m0 F1m0 B1m0 B0m0'``; see :mod:`mpstream.schedules.orders`;
+            ``str(pipe.schedule_for(...))`` prints a built-in one to start
+            from). ``pipe(x)`` always runs fill-drain.
         virtual_stages: stages per pipeline rank for the round-robin
             schedules (stage ``s`` on rank ``s mod (stages /
             virtual_stages)``), by default inferred from devices placed

@@ -218,9 +218,10 @@ class Schedule:
 
     Args:
         name: a built-in schedule (:data:`SCHEDULES`: ``'gpipe'``,
-            fill-drain clock cycles, ``'1f1b'``, ...); or an explicit order of
-            actions (``['F0m0', 'F1m0', 'B1m0', ...]`` or that text with
-            spaces, see :mod:`mpstream.schedules.orders`).
+            fill-drain clock cycles, ``'1f1b'``, ...); or an order: a list of
+            actions, or one string of them separated by spaces
+            (``['F0m0', 'F1m0', 'B1m0', ...]`` or ``'F0m0 F1m0 B1m0 ...'``;
+            see :mod:`mpstream.schedules.orders`).
         stages: number of pipeline stages.
         micros: number of micro-batches.
         layout: a :class:`Topology` (any stage graph), or for a chain of
