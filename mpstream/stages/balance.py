@@ -260,7 +260,8 @@ def profile_units(
     points = call_units(model, leaf_modules, nones)
     traced = trace(model, points, leaf_modules=leaf_modules, nones=nones)
     bound = traced.bind(args, kwargs)
-    inputs = tuple(t.to(dev) if isinstance(t, Tensor) else t for t in bound)
+    # Every tensor, inside a dict or tuple argument too (a batch {"x": ...}).
+    inputs = pytree.tree_map(lambda t: t.to(dev) if isinstance(t, Tensor) else t, bound)
     outs: list[tuple[Any, ...]] = []
     profiles = []
     names = ["(start)", *points]

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from mpstream import NoChunk, Pipe
-from mpstream.stages.balance import balance_by_size, balance_by_time, profile_layers
+from mpstream.stages.balance import balance_by_size, balance_by_time, profile_layers, profile_units
 
 
 class Slow(nn.Module):
@@ -220,3 +220,21 @@ def test_auto_balance_takes_a_no_chunk_sample(how: str) -> None:
     pipe = Pipe(model, chunks=2, balance=how, devices=["cpu", "cpu"], sample=(x, NoChunk(weight)))
     expected = model[2](model[1](model[0](x, weight)))
     torch.testing.assert_close(pipe(x, NoChunk(weight)), expected)
+
+
+class _DictInput(nn.Module):
+    """Reads its input from a dict batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, batch: dict[str, Tensor]) -> Tensor:
+        out: Tensor = self.b(torch.relu(self.a(batch["x"])))
+        return out
+
+
+@pytest.mark.cuda
+def test_units_are_profiled_on_the_device_with_a_dict_sample_from_the_host() -> None:
+    names, profiles = profile_units(_DictInput().cuda(), ({"x": torch.randn(4, 4)},))
+    assert names == ["b"] and len(profiles) == 2
