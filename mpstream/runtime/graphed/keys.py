@@ -37,6 +37,22 @@ _hooked = False
 _training = operator.attrgetter("training")
 #: Whether autocast is on for any device (see private.autocast_check).
 _any_autocast = private.autocast_check()
+#: torch modules whose forward reads no training flag (exact types: a
+#: subclass may read it). Their flag changes nothing a graph computes, so a
+#: run does not read it: most of a transformer's modules are of these.
+_MODELESS: frozenset[type[nn.Module]] = frozenset(
+    {
+        nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.Identity, nn.Flatten, nn.Unflatten,
+        nn.Linear, nn.Bilinear, nn.Embedding,
+        nn.Conv1d, nn.Conv2d, nn.Conv3d,
+        nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
+        nn.LayerNorm, nn.GroupNorm, nn.RMSNorm,
+        nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Softmax, nn.LeakyReLU,
+        nn.Mish, nn.Hardswish,
+        nn.MaxPool1d, nn.MaxPool2d, nn.AvgPool1d, nn.AvgPool2d,
+        nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d,
+    }
+)  # fmt: skip
 
 
 def _bump(*_: object) -> None:
@@ -74,6 +90,9 @@ class Baked:
         self.tensors = [*stage.parameters(), *stage.buffers()]
         self.params = [p for p in stage.parameters() if p.requires_grad]
         self.watch = _ext.load().Watch(self.tensors)
+        # The modules whose flag a run reads (see modes): a replaced module
+        # makes a new Baked, so the list lives as long as the modules do.
+        self.moded = [m for m in self.modules if _moded(m)]
 
     def changed(self) -> bool:
         """Whether a module, parameter or buffer was replaced, or a tensor
@@ -93,8 +112,10 @@ class Baked:
         return bool(self.watch.changed())
 
     def modes(self) -> tuple[bool, ...]:
-        """The training flag of every module (part of each call's key)."""
-        return tuple(map(_training, self.modules))
+        """The training flag of every module that may read it (part of each
+        call's key): modules of :data:`_MODELESS`'s types are left out unless
+        they have hooks (a hook may read it)."""
+        return tuple(map(_training, self.moded))
 
     def hooked(self) -> str | None:
         """The name of a parameter with a tensor hook (``register_hook``),
@@ -103,6 +124,17 @@ class Baked:
             if p._backward_hooks:
                 return name
         return None
+
+
+def _moded(module: nn.Module) -> bool:
+    """Whether ``module``'s training flag may change what it computes."""
+    hooked = (
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+    )
+    return bool(hooked) or type(module) not in _MODELESS
 
 
 def _same(a: Sequence[object], b: Sequence[object]) -> bool:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from mpstream import Pipe
@@ -73,6 +73,59 @@ def test_a_run_walks_no_module_unless_something_registered(
     graphed.train_step(x, y, loss)
     nn.functional.mse_loss(graphed(x), y).backward()
     assert [m for m in walked if m is not loss] == [] and generation() == before
+
+
+class Gate(nn.Module):
+    """A module of the user's own: its forward may read its flag."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 6, dtype=torch.float64)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear(x) * (2.0 if self.training else 0.5)
+
+
+def test_a_run_reads_the_flags_of_modules_that_may_read_them_only() -> None:
+    linear, drop, norm, gate = nn.Linear(2, 2), nn.Dropout(), nn.BatchNorm1d(2), Gate()
+    hooked = nn.Linear(2, 2)
+    hooked.register_forward_hook(lambda m, i, o: o * 2 if m.training else o)
+    baked = Baked(nn.Sequential(linear, nn.ReLU(), drop, norm, gate, hooked))
+    flags = baked.modes()
+    # Dropout, BatchNorm, the user's module and the hooked Linear; not the
+    # container, the plain Linear layers or ReLU: a transformer's thousands
+    # of them are not read at each run.
+    assert len(flags) == 4
+    linear.eval()
+    assert baked.modes() == flags
+    for module in (drop, norm, gate, hooked):
+        module.eval()
+        assert baked.modes() != flags, type(module).__name__
+        module.train()
+        assert baked.modes() == flags
+
+
+def test_one_submodule_switched_to_eval_replays_graphs_of_its_own_mode() -> None:
+    model = nn.Sequential(
+        nn.Linear(6, 6), Gate(), nn.Linear(6, 6), nn.Sequential(nn.Linear(6, 6), Gate())
+    ).double()
+    eager, graphed = pair(model, chunks=2, balance=[2, 2])
+    x = torch.randn(4, 6, dtype=torch.float64)
+
+    def gates(pipe: Pipe) -> list[nn.Module]:
+        return [m for m in pipe.modules() if isinstance(m, Gate)]
+
+    for switched in (None, 1, 0, None):  # the nested one, then the first one
+        for pipe in (eager, graphed):
+            pipe.train()
+            if switched is not None:
+                gates(pipe)[switched].eval()
+        for _ in range(2):  # a capture, then a replay
+            torch.testing.assert_close(graphed(x), eager(x))
+    # Captures are per micro-batch slot (2). The first stage: one per mode of
+    # its gate; the second: one per mode of its own gate, and again for the
+    # first stage's new call (its key names its producer's call).
+    assert [s.captures for s in graphed.graph_report().stages] == [4, 6]
 
 
 def test_the_key_holds_strides_not_storage_offsets() -> None:

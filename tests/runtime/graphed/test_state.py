@@ -60,17 +60,18 @@ def test_a_tensor_hook_turns_the_stage_eager_and_names_the_parameter() -> None:
 def test_the_training_flags_are_one_number_per_tuple_of_them_never_reused() -> None:
     # A call's key holds one number, not a flag per module (hashed at every
     # call); the number tells every tuple of flags apart, even once the
-    # tuples kept are forgotten.
-    model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(70)])
+    # tuples kept are forgotten. (Dropout reads its flag; a Linear's is not
+    # part of the key.)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(2, 2), nn.Dropout()) for _ in range(70)])
     st = state(model)
     numbers = {st.modes: "all train"}
     assert isinstance(st.modes, int)
     for i in range(70):  # more tuples than a stage keeps
-        model[i].eval()
+        model[i][1].eval()
         st.prepare(2)
         assert st.modes not in numbers
         numbers[st.modes] = f"layer {i} in eval"
-        model[i].train()
+        model[i][1].train()
     st.prepare(2)
     assert st.modes not in numbers  # forgotten: a new number, never another's
     again = st.modes
