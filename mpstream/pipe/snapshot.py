@@ -7,6 +7,7 @@ half-updated running statistic behind.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -19,6 +20,25 @@ from ..memory.batchnorm import DeferredBatchNorm
 from ..runtime.stream import current_stream, record_stream
 
 __all__ = ["Snapshot", "Norms"]
+
+_grad = operator.attrgetter("grad")
+_dtype = operator.attrgetter("dtype")
+
+
+def _copies(grads: list[Tensor]) -> list[Tensor]:
+    """Copies of ``grads``, in order: one multi-tensor copy per dtype (the
+    multi-tensor kernel takes one; a stage's gradients share its device)
+    instead of a clone, and on a GPU a launch, per gradient."""
+    copies = list(map(torch.empty_like, grads))
+    dtypes = set(map(_dtype, grads))
+    with torch.no_grad():  # a gradient of create_graph=True needs one itself
+        if len(dtypes) == 1:
+            torch._foreach_copy_(copies, grads)
+            return copies
+        for dtype in dtypes:
+            picked = [i for i, g in enumerate(grads) if g.dtype == dtype]
+            torch._foreach_copy_([copies[i] for i in picked], [grads[i] for i in picked])
+    return copies
 
 
 class Norms:
@@ -102,11 +122,12 @@ class Snapshot:
         params = list(self.params[stage])
         if self.loss is not None and stage == len(self.params) - 1:
             params += self.loss.parameters()
-        for p in params:
-            if id(p) not in self.grads:
-                g = p.grad
-                copy = None if g is None or self.zeroed else g.detach().clone()
-                self.grads[id(p)] = (p, g, copy)
+        fresh = [p for p in dict.fromkeys(params) if id(p) not in self.grads]
+        grads = list(map(_grad, fresh))
+        present = [g for g in grads if g is not None]
+        copies = iter(() if self.zeroed or not present else _copies(present))
+        for p, g in zip(fresh, grads):
+            self.grads[id(p)] = (p, g, None if g is None or self.zeroed else next(copies))
 
     def restore(self) -> None:
         """Puts the saved gradients and statistics back (on the caller's stream)."""

@@ -1,0 +1,93 @@
+"""A training step's snapshot of gradients: copied per stage in one
+multi-tensor copy per dtype, and put back as they were."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from mpstream.pipe.snapshot import Norms, Snapshot
+
+
+class Ops(TorchDispatchMode):
+    """Counts the aten operators dispatched, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def stage() -> tuple[nn.Module, list[nn.Parameter]]:
+    """Parameters of two dtypes, one with a sparse gradient and one with none."""
+    module = nn.ModuleList(
+        [
+            nn.Linear(3, 3).double(),
+            nn.Linear(3, 2),
+            nn.Embedding(5, 2, sparse=True),
+            nn.Linear(2, 2),
+        ]
+    )
+    params = list(module.parameters())
+    for p in params[:-2]:
+        p.grad = torch.randn_like(p)
+    params[0].grad[0, 0] = -0.0  # type: ignore[index]
+    params[0].grad[0, 1] = float("nan")  # type: ignore[index]
+    module[2](torch.tensor([1, 3])).sum().backward()  # a sparse gradient
+    return module, params
+
+
+def test_a_stage_s_gradients_are_copied_once_per_dtype_and_put_back_as_they_were() -> None:
+    module, params = stage()
+    before = [None if p.grad is None else p.grad.clone() for p in params]
+    tensors = [p.grad for p in params]
+    snapshot = Snapshot(Norms(module), [params])
+    with Ops() as seen:
+        snapshot.save_grads(0)
+    # float64, float32 and the sparse gradient's dtype (float32 too): no
+    # clone, no copy per gradient.
+    assert seen.ops["_foreach_copy_"] == 2 and seen.ops["clone"] == 0, seen.ops
+    with torch.no_grad():
+        for p in params:
+            if p.grad is not None and not p.grad.is_sparse:
+                p.grad.add_(1)
+    params[-1].grad = torch.ones(2)
+    snapshot.restore()
+    for p, tensor, g in zip(params, tensors, before):
+        if g is None:
+            assert p.grad is None
+            continue
+        assert p.grad is tensor or g.is_sparse
+        if g.is_sparse:
+            torch.testing.assert_close(p.grad.to_dense(), g.to_dense())  # type: ignore[union-attr]
+        else:
+            # Bit for bit: -0.0 and NaN included.
+            assert torch.equal(p.grad.view(torch.uint8), g.view(torch.uint8))  # type: ignore[union-attr]
+
+
+def test_a_gradient_with_a_graph_is_copied_without_one() -> None:
+    module, params = stage()
+    params[0].grad = params[0].detach().clone().requires_grad_() * 2
+    snapshot = Snapshot(Norms(module), [params])
+    snapshot.save_grads(0)
+    p, _, copy = snapshot.grads[id(params[0])]
+    assert copy is not None and not copy.requires_grad and copy.grad_fn is None
+    torch.testing.assert_close(copy, params[0].detach() * 2)
+
+
+def test_a_parameter_of_the_stage_and_the_loss_is_saved_once() -> None:
+    scale = nn.Linear(2, 2)
+    for p in scale.parameters():
+        p.grad = torch.ones_like(p)
+    loss: Any = nn.ModuleDict({"scale": scale})
+    snapshot = Snapshot(Norms(scale), [list(scale.parameters())], loss)
+    with Ops() as seen:
+        snapshot.save_grads(0)
+    assert seen.ops["empty_like"] == 2 and len(snapshot.grads) == 2, seen.ops
