@@ -3,26 +3,13 @@ multi-tensor copy per dtype, and put back as they were."""
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from mpstream.pipe.snapshot import Norms, Snapshot
-
-
-class Ops(TorchDispatchMode):
-    """Counts the aten operators dispatched, by name."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
+from tests.helpers import Ops
 
 
 def stage() -> tuple[nn.Module, list[nn.Parameter]]:
