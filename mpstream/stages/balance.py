@@ -33,7 +33,7 @@ from ..runtime.microbatch import NoChunk, Value, as_value, leaves, rebuild_leave
 from ..runtime.stream import as_device
 from .fx import call_units, trace
 from .partition import partition
-from .tracers import none_arguments, sample_call
+from .tracers import call_arguments, nones_of, sample_call
 
 __all__ = [
     "LayerProfile",
@@ -255,10 +255,12 @@ def profile_units(
     )
     model = copy.deepcopy(module).to(dev)  # in its mode, as the pipe first traces it
     args, kwargs = sample_call(sample)
-    # Its None arguments fixed, as the pipe traces a call of the sample's kind.
-    nones = none_arguments(model, args, kwargs, reads=True)
-    points = call_units(model, leaf_modules, nones)
-    traced = trace(model, points, leaf_modules=leaf_modules, nones=nones)
+    # Its None arguments fixed (and the keys it leaves out), as the pipe
+    # traces a call of the sample's kind.
+    values = call_arguments(model, args, kwargs)
+    nones = nones_of(values, reads=True)
+    points = call_units(model, leaf_modules, nones, values)
+    traced = trace(model, points, leaf_modules=leaf_modules, nones=nones, values=values)
     bound = traced.bind(args, kwargs)
     # Every tensor, inside a dict or tuple argument too (a batch {"x": ...}).
     inputs = pytree.tree_map(lambda t: t.to(dev) if isinstance(t, Tensor) else t, bound)

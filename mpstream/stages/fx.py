@@ -14,7 +14,7 @@ and checkpoints are those of the unsplit module.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +26,7 @@ from torch.fx.passes.split_module import split_module
 from ..runtime.graph import StageGraph
 from .fx_tracer import BufferChange, Tracer, Unrecorded, current_modes, stand_ins
 from .inplace import check_in_place, copy_changed_inputs
+from .lookups import Lookup
 from .points import begin_stages, split_candidates, units_in_order
 from .shared_inputs import NO_CHANGES, ChangedInputs
 from .surgery import inline_attrs, part_of, stage_graph
@@ -58,10 +59,12 @@ def _trace(
     module: nn.Module,
     leaves: Sequence[str | type[nn.Module]],
     nones: frozenset[str] = frozenset(),
+    values: Mapping[str, Any] | None = None,
+    lookups: set[Lookup] | None = None,
 ) -> fx.GraphModule:
     # Argument names are identifiers; items inside one are not (``batch['m']``).
     arguments = {n: None for n in nones if n.isidentifier()}
-    tracer = Tracer(leaves, nones.difference(arguments))
+    tracer = Tracer(leaves, nones.difference(arguments), values, lookups)
     try:
         # With grad enabled, so that a no_grad block in forward changes the
         # mode however the kind of call that traces it was called.
@@ -149,12 +152,14 @@ def call_units(
     module: nn.Module,
     leaf_modules: Sequence[str | type[nn.Module]] = (),
     nones: frozenset[str] = frozenset(),
+    values: Mapping[str, Any] | None = None,
 ) -> list[str]:
     """The split candidates the traced forward calls (with the arguments in
-    ``nones`` None), in call order, finest first (a ModuleList's items
-    rather than the list), except one that begins the forward (no stage
-    could come before it)."""
-    gm = _trace(module, leaf_modules, nones)
+    ``nones`` None, the keys ``values`` leaves out of its dicts left out),
+    in call order, finest first (a ModuleList's items rather than the
+    list), except one that begins the forward (no stage could come before
+    it)."""
+    gm = _trace(module, leaf_modules, nones, values)
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     return units_in_order(nodes, split_candidates(module), _owners)
 
@@ -228,6 +233,8 @@ def trace(
     *,
     leaf_modules: Sequence[str | type[nn.Module]] = (),
     nones: frozenset[str] = frozenset(),
+    values: Mapping[str, Any] | None = None,
+    lookups: set[Lookup] | None = None,
 ) -> Traced:
     """Traces ``module`` and splits it into ``len(split_points) + 1`` stages.
 
@@ -244,6 +251,11 @@ def trace(
             and items inside arguments (``batch['mask']``, see
             :func:`~mpstream.stages.tracers.nones_of`), which the stages
             never read.
+        values: the call traced (every argument by name), which answers
+            the keys ``forward`` looks up in its dicts (``batch.get("s")``,
+            ``"s" in batch``) as the module would; None: every key present.
+        lookups: where to add those lookups (a failed trace's too), by
+            :class:`~mpstream.stages.lookups.Lookup`.
 
     Returns:
         The stages, their graph and the argument binder.
@@ -257,7 +269,7 @@ def trace(
     if isinstance(split_points, str):
         split_points = [split_points]
     with _keep_training_flags(module):
-        gm = _trace(module, leaf_modules, nones)
+        gm = _trace(module, leaf_modules, nones, values, lookups)
     _check_result(gm)
     stage_of = _stage_of_nodes(gm, list(split_points), module)
     copied = copy_changed_inputs(gm, stage_of)

@@ -13,7 +13,7 @@ with these and says what to do.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -22,7 +22,8 @@ from torch import Tensor, fx, nn
 from torch.nn.parameter import is_lazy
 
 from ..memory import DeferredBatchNorm
-from .inplace import AugmentedProxy, item_label
+from .inplace import AugmentedProxy, item_of
+from .lookups import Item, Lookup, item_name
 
 __all__ = ["Tracer", "Unrecorded", "ModeChange", "BufferChange", "current_modes", "stand_ins"]
 
@@ -50,13 +51,24 @@ class Tracer(fx.Tracer):
             :func:`~mpstream.stages.tracers.nones_of` names them): reading
             one gives None, not a value, so ``if batch['mask'] is not None:``
             is not taken, as it would not be when the module runs.
+        values: the call traced, every argument by name, which answers
+            ``batch.get(key)`` and ``key in batch`` for a key it leaves out
+            of a dict as the module would; None: every key present.
+        lookups: where to add each lookup the trace makes (see
+            :mod:`~mpstream.stages.lookups`), a failed trace's too.
     """
 
     def __init__(
-        self, leaves: Sequence[str | type[nn.Module]], none_items: frozenset[str] = frozenset()
+        self,
+        leaves: Sequence[str | type[nn.Module]],
+        none_items: frozenset[str] = frozenset(),
+        values: Mapping[str, Any] | None = None,
+        lookups: set[Lookup] | None = None,
     ) -> None:
         super().__init__()
         self.none_items = none_items
+        self.values = values
+        self.lookups = set[Lookup]() if lookups is None else lookups
         self.leaf_names = {x for x in leaves if isinstance(x, str)}
         self.leaf_types = tuple(x for x in leaves if isinstance(x, type))
         self.path: list[str] = []
@@ -86,25 +98,62 @@ class Tracer(fx.Tracer):
     def create_proxy(
         self, kind: str, target: Any, args: Any, kwargs: Any, *rest: Any, **more: Any
     ) -> Any:
-        if not self.none_items:
-            return super().create_proxy(kind, target, args, kwargs, *rest, **more)
-        label = None
+        item: Item | None = None
         if kind == "placeholder":
-            label = str(target)
+            item = (str(target), ())
         elif (kind == "call_function" and target is operator.getitem) or (
             kind == "call_method" and target == "get" and len(args) > 1
         ):
             # batch[k] or batch.get(k): a key written in the code (a str,
             # int, tuple...), named as nones_of names it; never a traced one.
-            item = item_label(args[0])
-            if item is not None and not isinstance(args[1], fx.Proxy):
-                label = f"{item}[{args[1]!r}]"
-                if label in self.none_items:
+            owner = item_of(args[0])
+            if owner is not None and not isinstance(args[1], fx.Proxy):
+                if kind == "call_method" and self._look_up(owner, args[1], test=False) is False:
+                    return args[2] if len(args) > 2 else None  # the key left out: the default
+                item = (owner[0], (*owner[1], ("[", args[1])))
+                if item_name(item) in self.none_items:
                     return None  # the item is None: no operation to record
         proxy = super().create_proxy(kind, target, args, kwargs, *rest, **more)
-        if label is not None:
-            proxy.__dict__["_item"] = label
+        if item is not None:
+            proxy.__dict__["_item"] = item
         return proxy
+
+    def contains(self, proxy: fx.Proxy, key: object) -> bool:
+        """``key in proxy``, answered from the call traced.
+
+        Raises:
+            TypeError: no call is traced (the first trace without
+                ``sample=``), the call holds no mapping there, or the key
+                is traced.
+        """
+        owner = item_of(proxy)
+        if owner is None or isinstance(key, fx.Proxy):
+            self.iter(proxy)  # fx's own error: it cannot trace iterating a value
+        assert owner is not None
+        where = f"forward tests {key!r} in {item_name(owner)}"
+        if self.values is None:
+            raise TypeError(
+                f"{where}, which a trace answers from a call, and none was given: pass "
+                f"Pipe(..., sample=...), a call like those to come"
+            )
+        present = self._look_up(owner, key, test=True)
+        if present is None:
+            raise TypeError(
+                f"{where}, which the call holds as no mapping (a dict): a traced pipeline "
+                f"answers `key in ...` for a dict argument or item"
+            )
+        return present
+
+    def _look_up(self, owner: Item, key: Any, *, test: bool) -> bool | None:
+        """Whether the call holds ``key`` in ``owner`` (present where no call
+        is given), recording the lookup; None where the call holds no
+        mapping there, or the key is no dict key."""
+        lookup = Lookup(owner, key, test)
+        try:
+            self.lookups.add(lookup)
+        except TypeError:  # unhashable: no dict's key
+            return None
+        return True if self.values is None else lookup.present(self.values)
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         if qualname in self.leaf_names or (self.leaf_types and isinstance(m, self.leaf_types)):

@@ -39,8 +39,9 @@ from .inplace_paths import memory as _memory
 from .inplace_paths import overlap as _overlap
 from .inplace_paths import path as _path
 from .inplace_paths import viewed as _viewed
+from .lookups import Item, item_name
 
-__all__ = ["check_in_place", "copy_changed_inputs", "AugmentedProxy", "augmented", "item_label"]
+__all__ = ["check_in_place", "copy_changed_inputs", "AugmentedProxy", "augmented", "item_of"]
 
 _IN_PLACE_OPERATORS = {
     operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
@@ -70,7 +71,12 @@ class AugmentedProxy(fx.Proxy):
     """fx's proxy, recording an augmented assignment (``h += y``) as the
     in-place operation it is. fx's own has no ``__iadd__`` and the like, so
     Python would run ``h = h + y``: a new tensor, where the module changes
-    ``h`` and every view of it (``v = h[:, :2]; h += 1`` changes ``v``)."""
+    ``h`` and every view of it (``v = h[:, :2]; h += 1`` changes ``v``).
+    Nor has it ``__contains__``: ``"s" in batch`` would iterate it (which
+    fails); the tracer answers it (see :mod:`~mpstream.stages.lookups`)."""
+
+    def __contains__(self, key: object) -> bool:
+        return self.tracer.contains(self, key)  # type: ignore[attr-defined,no-any-return]
 
 
 def _in_place(op: str) -> Callable[[fx.Proxy, Any], fx.Proxy]:
@@ -89,21 +95,21 @@ class AugmentedAttribute(fx.proxy.Attribute, AugmentedProxy):
 
 
 def _attribute(self: fx.Proxy, k: str) -> fx.proxy.Attribute | None:
-    item = item_label(self)
+    item = item_of(self)
     if item is None:
         return AugmentedAttribute(self, k)
-    label = f"{item}.{k}"
-    if label in self.tracer.none_items:  # type: ignore[attr-defined]
+    field: Item = (item[0], (*item[1], (".", k)))
+    if item_name(field) in self.tracer.none_items:  # type: ignore[attr-defined]
         return None  # a field the traced call holds None in
     attribute = AugmentedAttribute(self, k)
-    attribute.__dict__["_item"] = label
+    attribute.__dict__["_item"] = field
     return attribute
 
 
-def item_label(value: Any) -> str | None:
-    """Which item of an argument a proxy is (``batch['x']``, ``batch.scales``),
-    where the tracer traces some items as None (see
-    :class:`~mpstream.stages.fx_tracer.Tracer`); else None."""
+def item_of(value: Any) -> Item | None:
+    """Which argument, or item of one, a proxy is (``batch``, ``batch['x']``,
+    ``batch.scales``), where the tracer traces some items as None and
+    answers lookups (see :class:`~mpstream.stages.fx_tracer.Tracer`); else None."""
     # Not getattr: a proxy's attribute is a traced operation.
     return value.__dict__.get("_item") if isinstance(value, fx.Proxy) else None
 

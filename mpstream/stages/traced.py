@@ -10,15 +10,22 @@ flags of the modules whose code the trace follows (not of leaves such as
 None, traced as None. So are None items inside an argument (a batch
 ``{"x": x, "mask": None}``, a registered dataclass's field): fx would
 trace each item as a value, and take ``if batch["mask"] is not None:``.
+And which keys it looks up in a dict (``batch.get("s")``, ``"s" in
+batch``) the call leaves out: the trace answers each as the module would
+(see :mod:`~mpstream.stages.lookups`). Which keys the traces look up is
+known only once they are made: a call's kind is taken over those of every
+trace so far, and a new trace's split is kept under the kind its call has
+with the trace's own added.
 
 The first trace is made when the pipe is built, with the module's flags as
-they are and every argument a value, or the arguments ``sample=`` leaves
-None traced as None. Another kind is traced when it first comes: the same
-split points, the module's tensors placed where earlier traces placed them,
-and the pipe switches to it (see :mod:`~mpstream.stages.kinds`). Every
-split takes every argument (those traced as None unused), so a trace whose
-code equals an earlier one's is not kept: that split serves both kinds,
-with its runtime. That is the usual case for a change of mode, or a None
+they are and every argument and key a value, or as the call ``sample=``
+gives (None where it holds None, a key missing where it leaves it out).
+Another kind is traced when it first comes: the same split points, the
+module's tensors placed where earlier traces placed them, and the pipe
+switches to it (see :mod:`~mpstream.stages.kinds`). Every split takes
+every argument (those traced as None unused), so a trace whose code
+equals an earlier one's is not kept: that split serves both kinds, with
+its runtime. That is the usual case for a change of mode, or a None
 argument the code does not test. A kind that failed to trace fails again
 at once.
 """
@@ -35,15 +42,19 @@ from torch import fx, nn
 
 from .fx import Traced, trace, traced_through
 from .kinds import Kinds, Split, operations
+from .lookups import Lookup, missing_keys
 from .placement import place
-from .tracers import Binder, SplitReport, none_arguments, nones_of, sample_call
+from .tracers import Binder, SplitReport, call_arguments, nones_of, sample_call
 
 __all__ = ["FxSplit"]
 
 # A kind of call: the arguments and items traced as None, every way code
-# reads them (``nones_of(..., reads=True)``), and the traced modules'
+# reads them (``nones_of(..., reads=True)``), the keys a trace looked up
+# that the call leaves out (``missing_keys``), and the traced modules'
 # training flags.
-Key = tuple[frozenset[str], tuple[bool, ...]]
+Key = tuple[frozenset[str], frozenset[str], tuple[bool, ...]]
+
+_NONE = frozenset[str]()
 
 
 @dataclass
@@ -101,9 +112,14 @@ class FxSplit(Kinds):
     kinds: dict[Key, _Trace] = field(default_factory=dict)
     current: _Trace | None = None  # type: ignore[assignment]
     untraceable: dict[Key, tuple[type[Exception], str]] = field(default_factory=dict)
+    lookups: set[Lookup] = field(default_factory=set)  # every trace's, a failed one's too
 
     def __post_init__(self) -> None:
         self.watched = traced_through(self.module, self.leaf_modules)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state.setdefault("lookups", set())  # pickled by an mpstream without them
+        self.__dict__.update(state)
 
     @classmethod
     def adopt(
@@ -145,32 +161,37 @@ class FxSplit(Kinds):
             ValueError: a bad split point, or a tensor shared by stages on
                 different devices.
         """
-        nones = reads = frozenset[str]()
-        if sample is not None:
-            args, kwargs = sample_call(sample)
-            nones = none_arguments(self.module, args, kwargs)
-            reads = none_arguments(self.module, args, kwargs, reads=True)
-        split = self._trace(reads, self._flags(), nones)
+        values = None if sample is None else call_arguments(self.module, *sample_call(sample))
+        split = self._trace(values, self._flags())
         self.current = split
         return split
 
     def _flags(self) -> tuple[bool, ...]:
         return tuple(m.training for m in self.watched)
 
-    def _trace(
-        self, reads: frozenset[str], flags: tuple[bool, ...], nones: frozenset[str]
-    ) -> _Trace:
-        """The split of a kind of call not met before (traced now): ``reads``
-        (every way the code may read a None argument or item, see
-        :func:`~mpstream.stages.tracers.nones_of`) and ``flags`` its key,
-        ``nones`` (each None once) for the report.
+    def _key(self, values: dict[str, Any] | None, flags: tuple[bool, ...]) -> Key:
+        """A call's kind (see :data:`Key`); no call: every argument and key given."""
+        if values is None:
+            return _NONE, _NONE, flags
+        # Only a pipe whose traces looked a key up pays for a look at its dicts.
+        missing = missing_keys(values, self.lookups) if self.lookups else _NONE
+        return nones_of(values, reads=True), missing, flags
+
+    def _trace(self, values: dict[str, Any] | None, flags: tuple[bool, ...]) -> _Trace:
+        """The split of a kind of call not met before, traced now: the call
+        ``values`` (every argument by name; None: every argument and key
+        given) and the module's training ``flags``.
+
+        The keys the trace looks up (``batch.get("s")``) are part of the
+        kind from now on, so the split is kept under the key the call has
+        with them: the trace answered each from the call.
 
         Raises:
             TypeError, ValueError: as :meth:`first`, the message naming the
                 kind of call.
         """
-        described = _describe(nones, flags)
-        failed = self.untraceable.get((reads, flags))
+        key = self._key(values, flags)
+        failed = self.untraceable.get(key)
         if failed is not None:  # no second trace of a kind that failed
             raise failed[0](failed[1])
         traced: Traced | None = None
@@ -179,7 +200,12 @@ class FxSplit(Kinds):
             # inference tensors, though a kind may first come in inference.
             with torch.inference_mode(False):
                 traced = trace(
-                    self.module, self.split_points, leaf_modules=self.leaf_modules, nones=reads
+                    self.module,
+                    self.split_points,
+                    leaf_modules=self.leaf_modules,
+                    nones=key[0],
+                    values=values,
+                    lookups=self.lookups,
                 )
             split = next((t for t in self.traces if t.same_as(traced)), None)
             if split is None:
@@ -188,15 +214,16 @@ class FxSplit(Kinds):
         except (TypeError, ValueError) as exc:
             if traced is not None:
                 _drop_constants(self.module, traced)
+            described = _describe(values, flags, self.lookups)
             message = f"{exc}\n(traced for this kind of call: {described})"
-            self.untraceable[(reads, flags)] = (type(exc), message)
+            self.untraceable[self._key(values, flags)] = (type(exc), message)
             raise type(exc)(message) from exc
         if split is not None:
             _drop_constants(self.module, traced)  # the shared split holds its own
         else:
-            split = _Trace.of(traced, described)
+            split = _Trace.of(traced, _describe(values, flags, self.lookups))
             self.traces.append(split)
-        self.kinds[(reads, flags)] = split
+        self.kinds[self._key(values, flags)] = split
         return split
 
     # -- every call -----------------------------------------------------
@@ -220,8 +247,7 @@ class FxSplit(Kinds):
         assert self.current is not None
         values = self.current.bind.arguments(args, kwargs)  # every trace's forward binds alike
         flags = self._flags()
-        key: Key = (nones_of(values, reads=True), flags)
-        split = self.kinds.get(key) or self._trace(*key, nones_of(values))
+        split = self.kinds.get(self._key(values, flags)) or self._trace(values, flags)
         return split, tuple(values[n] for n in split.bind.names)
 
     def report(self) -> SplitReport:
@@ -264,10 +290,14 @@ def _drop_constants(module: nn.Module, traced: Traced) -> None:
                 delattr(module, target)
 
 
-def _describe(nones: frozenset[str], flags: tuple[bool, ...]) -> str:
-    """One line for the report: the mode and the arguments traced as None."""
+def _describe(values: dict[str, Any] | None, flags: tuple[bool, ...], lookups: set[Lookup]) -> str:
+    """One line for the report: the mode, the arguments traced as None and
+    the keys looked up that the call leaves out of its dicts."""
     mode = "training" if flags[0] else "eval"
     if len(set(flags)) > 1:
         mode += f" ({flags.count(not flags[0])} submodules in {'eval' if flags[0] else 'training'})"
-    given = ", ".join(f"{n}=None" for n in sorted(nones)) or "every argument given"
-    return f"{mode}: {given}"
+    given: list[str] = []
+    if values is not None:
+        given += [f"{n}=None" for n in sorted(nones_of(values))]  # each None once
+        given += sorted(f"{k.name} missing" for k in lookups if k.present(values) is False)
+    return f"{mode}: {', '.join(given) or 'every argument given'}"

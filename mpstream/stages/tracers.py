@@ -31,7 +31,7 @@ __all__ = [
     "CallSignature",
     "choose_tracer",
     "sample_call",
-    "none_arguments",
+    "call_arguments",
     "nones_of",
     "describe_call",
     "raised_in",
@@ -55,7 +55,8 @@ class SplitReport:
             none before the first call of a pipe built without ``sample=``,
             which that call's arguments split.
         traces: for ``torch.fx``, one line per distinct trace so far (the
-            training mode, and the arguments traced as None).
+            training mode, the arguments traced as None, and the keys the
+            code looks up that the call left out of a dict).
         loss: for ``torch.export``, how the model's own ``loss`` output is
             combined over micro-batches, per kind of call that returns one.
     """
@@ -153,22 +154,17 @@ def _arguments(
     return dict(bound.arguments)
 
 
-def none_arguments(
-    module: nn.Module,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any] | None = None,
-    *,
-    reads: bool = False,
-) -> frozenset[str]:
-    """What a ``torch.fx`` trace of a call fixes to None (see
-    :func:`nones_of`, which ``reads`` is passed to), defaults filled in.
+def call_arguments(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Every argument of a call of ``module`` by name, defaults filled in
+    (what :func:`nones_of` and a trace's lookups read).
 
     Raises:
         TypeError: the call does not bind to ``forward``.
     """
     name = type(module).__name__
-    values = _arguments(name, inspect.signature(module.forward), args, kwargs or {})
-    return nones_of(values, reads=reads)
+    return _arguments(name, inspect.signature(module.forward), args, kwargs or {})
 
 
 def nones_of(values: Mapping[str, Any], *, reads: bool = False) -> frozenset[str]:

@@ -1,0 +1,188 @@
+"""A key a call leaves out of a dict, which ``forward`` looks up
+(``batch.get("s")``, ``batch.get("s", default)``, ``"s" in batch``),
+makes a kind of call of its own for torch.fx: the trace answers the lookup
+as the module does, so the right split runs. Outputs and gradients equal
+the plain module's for every kind, in any order."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from mpstream import Pipe
+from mpstream.stages.lookups import Lookup, missing_keys
+from mpstream.stages.traced import FxSplit
+
+
+class ReadAs(nn.Module):
+    """Reads ``x`` and an optional shift from its one argument with ``read``."""
+
+    def __init__(self, read: Any) -> None:
+        super().__init__()
+        self.read = read
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, batch: Any) -> Tensor:
+        x, shift = self.read(batch)
+        h = torch.tanh(self.a(x))
+        if shift is not None:
+            h = h + shift
+        return self.b(h)  # type: ignore[no-any-return]
+
+
+def fx_split(pipe: Pipe) -> FxSplit:
+    split = pipe.__dict__["_split"]
+    assert isinstance(split, FxSplit)
+    return split
+
+
+READS = {
+    "get": lambda b: (b["x"], b.get("s")),
+    "get-None": lambda b: (b["x"], b.get("s", None)),
+    "get-default": lambda b: (b["x"], b.get("s", 0.5)),
+    "get-traced-default": lambda b: (b["x"], b.get("s", b["x"] * 2)),
+    "nested": lambda b: (b["x"], b["extra"].get("s")),
+    # A test needs a call to answer it: sample= gives the first.
+    "in": lambda b: (b["x"], b["s"] if "s" in b else None),
+    "not-in": lambda b: (b["x"], None if "s" not in b else b["s"]),
+}
+
+
+def _batch(read: str, x: Tensor, s: Tensor | None) -> dict[str, Any]:
+    given = {} if s is None else {"s": s}
+    return {"x": x, "extra": given} if read == "nested" else {"x": x, **given}
+
+
+@pytest.mark.parametrize("read", list(READS))
+@pytest.mark.parametrize("split_size", [2, 4])
+@pytest.mark.parametrize("first", ["given", "left out"])
+def test_a_key_left_out_is_looked_up_as_the_plain_model_does(
+    read: str, split_size: int, first: str
+) -> None:
+    torch.manual_seed(0)
+    model = ReadAs(READS[read]).double()
+    x = torch.randn(6, 4, dtype=torch.float64)
+    s = torch.randn(6, 4, dtype=torch.float64)
+    shifts = [s, None, s, None] if first == "given" else [None, s, None, s]
+    sample = (_batch(read, x, shifts[0]),) if "in" in read else None
+    pipe = Pipe(
+        copy.deepcopy(model),
+        split_points=["b"],
+        devices=["cpu"] * 2,
+        split_size=split_size,
+        sample=sample,
+    )
+    for shift in shifts:
+        batch = _batch(read, x, shift)
+        pipe.zero_grad()
+        model.zero_grad()
+        out, expected = pipe(batch), model(batch)
+        torch.testing.assert_close(out, expected)
+        out.square().sum().backward()
+        expected.square().sum().backward()
+        for p, q in zip(pipe.parameters(), model.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+    split = fx_split(pipe)
+    assert len(split.traces) == 2  # each kind traced once, then reused
+    owner = "batch['extra']" if read == "nested" else "batch"
+    kinds = ["every argument given", f"{owner}['s'] missing"]
+    if sample is not None and first == "left out":
+        kinds.reverse()
+    assert [t.split(": ", 1)[1] for t in pipe.split_report().traces] == kinds
+
+
+def test_a_key_left_out_and_a_none_item_share_the_split_of_get() -> None:
+    torch.manual_seed(0)
+    model = ReadAs(READS["get"]).double()
+    pipe = Pipe(copy.deepcopy(model), split_points=["b"], devices=["cpu"] * 2, chunks=2)
+    x = torch.randn(4, 4, dtype=torch.float64)
+    for batch in [{"x": x, "s": None}, {"x": x}, {"x": x, "s": x}, {"x": x}]:
+        torch.testing.assert_close(pipe(batch), model(batch))
+    split = fx_split(pipe)
+    assert len(split.traces) == 2 and len(split.kinds) == 3
+    assert [t.described for t in split.traces] == [
+        "training: every argument given",
+        "training: batch['s']=None",
+    ]
+
+
+def test_a_pipe_that_looks_no_key_up_keeps_no_lookups() -> None:
+    """A call of such a pipe never looks at its dicts' keys (see FxSplit._key)."""
+    model = ReadAs(lambda b: (b["x"], b["s"])).double()
+    pipe = Pipe(copy.deepcopy(model), split_points=["b"], devices=["cpu"] * 2, chunks=2)
+    x = torch.randn(4, 4, dtype=torch.float64)
+    for batch in [{"x": x, "s": x}, {"x": x, "s": None, "t": x}]:
+        torch.testing.assert_close(pipe(batch), model(batch))
+    assert fx_split(pipe).lookups == set()
+
+
+@pytest.mark.parametrize("balance", [None, "time"])
+def test_a_sample_that_leaves_a_key_out_traces_that_kind_first(balance: str | None) -> None:
+    torch.manual_seed(0)
+    model = ReadAs(READS["get"]).double()
+    x = torch.randn(4, 4, dtype=torch.float64)
+    batch = {"x": x}
+    placed: dict[str, Any] = {"split_points": ["b"]} if balance is None else {"balance": balance}
+    pipe = Pipe(copy.deepcopy(model), devices=["cpu"] * 2, chunks=2, sample=(batch,), **placed)
+    torch.testing.assert_close(pipe(batch), model(batch))
+    assert [t.described for t in fx_split(pipe).traces] == ["training: batch['s'] missing"]
+    batch = {"x": x, "s": x}
+    torch.testing.assert_close(pipe(batch), model(batch))
+    assert len(fx_split(pipe).traces) == 2
+
+
+class Tagged(nn.Module):
+    """Tests a key in a string argument, which is no dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, x: Tensor, tag: str) -> Tensor:
+        h = self.a(x)
+        if "double" in tag:
+            h = h * 2
+        return self.b(h)  # type: ignore[no-any-return]
+
+
+def test_a_key_tested_without_a_call_to_answer_it_is_refused_naming_it() -> None:
+    model = ReadAs(READS["in"])
+    with pytest.raises(
+        TypeError, match=r"forward tests 's' in batch, .* pass Pipe\(\.\.\., sample="
+    ):
+        Pipe(model, split_points=["b"], devices=["cpu"] * 2, chunks=2, tracer="fx")
+    # torch.export splits it instead, as it did before torch.fx answered tests.
+    pipe = Pipe(model, split_points=["b"], devices=["cpu"] * 2, chunks=2)
+    assert pipe.split_report().tracer == "torch.export"
+
+
+def test_a_key_tested_in_what_is_no_dict_is_refused_naming_it() -> None:
+    sample = (torch.randn(4, 4), "single")
+    with pytest.raises(TypeError, match=r"forward tests 'double' in tag, which the call holds"):
+        Pipe(
+            Tagged(), split_points=["b"], devices=["cpu"] * 2, chunks=2, tracer="fx", sample=sample
+        )
+    pipe = Pipe(Tagged(), split_points=["b"], devices=["cpu"] * 2, chunks=2, sample=sample)
+    assert pipe.split_report().tracer == "torch.export"
+
+
+def test_missing_keys_names_what_a_call_leaves_out() -> None:
+    x = torch.zeros(1)
+    lookups = [
+        Lookup(("batch", ()), "s", test=False),
+        Lookup(("batch", (("[", "extra"),)), "t", test=False),
+        Lookup(("batch", (("[", "gone"),)), "u", test=False),  # no such item: no dict there
+        Lookup(("pair", (("[", 1),)), "v", test=True),  # a list's item
+        Lookup(("x", ()), "w", test=False),  # a tensor's .get: the stage calls it
+        Lookup(("x", ()), "w", test=True),  # `in` on a tensor: refused when traced
+    ]
+    values = {"batch": {"x": x, "extra": {}}, "pair": [x, {"v": x}], "x": x}
+    assert missing_keys(values, lookups) == {"batch['s']", "batch['extra']['t']", "x['w']"}
+    given = {"batch": {"s": x, "extra": {"t": x}}, "pair": [x, {"v": x}], "x": {"w": x}}
+    assert missing_keys(given, lookups) == set()
