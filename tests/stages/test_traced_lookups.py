@@ -7,6 +7,7 @@ the plain module's for every kind, in any order."""
 from __future__ import annotations
 
 import copy
+import pickle
 from typing import Any
 
 import pytest
@@ -109,6 +110,24 @@ def test_a_key_left_out_and_a_none_item_share_the_split_of_get() -> None:
         "training: every argument given",
         "training: batch['s']=None",
     ]
+
+
+def _get(batch: dict[str, Tensor]) -> tuple[Tensor, Tensor | None]:
+    return batch["x"], batch.get("s")  # by name: a lambda does not pickle
+
+
+def test_a_pickled_pipe_keeps_the_keys_its_traces_looked_up() -> None:
+    torch.manual_seed(0)
+    model = ReadAs(_get).double()
+    pipe = Pipe(copy.deepcopy(model), split_points=["b"], devices=["cpu"] * 2, chunks=2)
+    x = torch.randn(4, 4, dtype=torch.float64)
+    batches = [{"x": x, "s": x}, {"x": x}]
+    for batch in batches:
+        pipe(batch)
+    pipe = pickle.loads(pickle.dumps(pipe))
+    for batch in batches:
+        torch.testing.assert_close(pipe(batch), model(batch))
+    assert len(fx_split(pipe).traces) == 2  # no kind traced again
 
 
 def test_a_pipe_that_looks_no_key_up_keeps_no_lookups() -> None:
