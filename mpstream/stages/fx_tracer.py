@@ -13,6 +13,7 @@ with these and says what to do.
 from __future__ import annotations
 
 import operator
+import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -66,7 +67,8 @@ class Tracer(fx.Tracer):
         lookups: set[Lookup] | None = None,
     ) -> None:
         super().__init__()
-        self.none_items = none_items
+        # A set: a slice of a sequence holding None items names them anew.
+        self.none_items = set(none_items)
         self.values = values
         self.lookups = set[Lookup]() if lookups is None else lookups
         self.leaf_names = {x for x in leaves if isinstance(x, str)}
@@ -113,6 +115,8 @@ class Tracer(fx.Tracer):
                 item = (owner[0], (*owner[1], ("[", args[1])))
                 if item_name(item) in self.none_items:
                     return None  # the item is None: no operation to record
+                if isinstance(args[1], slice):
+                    self._name_sliced(item_name(owner), args[1], item_name(item))
         proxy = super().create_proxy(kind, target, args, kwargs, *rest, **more)
         if item is not None:
             proxy.__dict__["_item"] = item
@@ -154,6 +158,26 @@ class Tracer(fx.Tracer):
         except TypeError:  # unhashable: no dict's key
             return None
         return True if self.values is None else lookup.present(self.values)
+
+    def _name_sliced(self, item: str, key: slice, label: str) -> None:
+        """Names the None items of ``item[key]`` (``label``), a slice of a
+        list or tuple holding some, by their places in the slice."""
+        under: dict[int, list[str]] = {}  # per index of item, what is None at it
+        pattern = re.compile(re.escape(item) + r"\[(-?\d+)\]")
+        for name in self.none_items:
+            found = pattern.match(name)
+            if found is not None:
+                under.setdefault(int(found.group(1)), []).append(name[found.end() :])
+        ahead = [i for i in under if i >= 0]
+        back = [i for i in under if i < 0]
+        if not ahead or not back:
+            return  # not a sequence holding a None item (nones_of names both ways)
+        # Its first None item, by index and from the end: its length.
+        picked = range(min(ahead) - min(back))[key]
+        n = len(picked)
+        for k, i in enumerate(picked):
+            for rest in under.get(i, ()):
+                self.none_items.update((f"{label}[{k}]{rest}", f"{label}[{k - n}]{rest}"))
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         if qualname in self.leaf_names or (self.leaf_types and isinstance(m, self.leaf_types)):

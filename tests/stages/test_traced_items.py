@@ -219,8 +219,18 @@ def _assert_each_kind_as_the_plain_model(model: nn.Module, make: Any) -> None:
         (lambda x, s: Pair(x, s), lambda b: (b[0], b[1])),  # a namedtuple by index
         (lambda x, s: Pair(x, s), lambda b: (b.x, b[-1])),
         (lambda x, s: [x, [s]], lambda b: (b[0], b[-1][-1])),  # from the end
+        (lambda x, s: [x, s, x], lambda b: (b[0], b[1:][0])),  # a slice's item
+        (lambda x, s: Pair(x, s), lambda b: (b[0], b[::-1][0])),
+        (lambda x, s: [x, [x, s]], lambda b: (b[0], b[-1:][0][1:][-1])),
     ],
-    ids=["namedtuple-index", "namedtuple-negative", "list-negative"],
+    ids=[
+        "namedtuple-index",
+        "namedtuple-negative",
+        "list-negative",
+        "list-slice",
+        "namedtuple-reversed",
+        "nested-slices",
+    ],
 )
 def test_a_none_item_read_by_another_name_is_traced_as_none(make: Any, read: Any) -> None:
     torch.manual_seed(0)
