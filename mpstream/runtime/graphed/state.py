@@ -31,6 +31,8 @@ __all__ = ["StageState", "drop_stale", "storage_bytes"]
 _hooks = operator.attrgetter("_backward_hooks")
 #: Tuples of training flags a stage keeps numbers for (see StageState.modes).
 _MODES_KEPT = 64
+#: Call keys a stage keeps numbers for, at least (see StageState.number).
+_NUMBERS_KEPT = 4096
 
 
 class StageState:
@@ -63,9 +65,12 @@ class StageState:
         #: Each call key captured (all of it but the generation), as a
         #: number: the calls are kept under (number, generation), so a
         #: replay hashes its key once, not again to look up, reorder and
-        #: mark its call. Numbers are never reused; the table grows as
-        #: ``dropped`` does, by the keys of calls captured then dropped.
+        #: mark its call. Numbers are never reused, and past
+        #: ``_NUMBERS_KEPT`` the keys of calls no longer kept are forgotten
+        #: (shapes that keep changing, producers captured again: their
+        #: keys would pile up), which costs at most a capture again.
         self.numbers: dict[tuple[Any, ...], int] = {}
+        self._next_number = 0
         self.calls: OrderedDict[tuple[Any, ...], GraphedCall] = OrderedDict()
         self.used: set[tuple[Any, ...]] = set()  # keys the current run replayed
         self.baked: Baked | None = None
@@ -136,8 +141,18 @@ class StageState:
         first capture)."""
         found = self.numbers.get(key)
         if found is None:
-            found = self.numbers[key] = len(self.numbers)
+            if len(self.numbers) >= max(_NUMBERS_KEPT, 2 * len(self.calls)):
+                self._forget()
+            found = self.numbers[key] = self._next_number
+            self._next_number += 1
         return found
+
+    def _forget(self) -> None:
+        """Forgets the numbers of the keys no kept call holds, and which of
+        their calls were dropped (a key met again is a first capture)."""
+        kept = {number for number, *_ in self.calls}
+        self.numbers = {key: n for key, n in self.numbers.items() if n in kept}
+        self.dropped = {key for key in self.dropped if key[0] in kept}
 
     def drop_stale(self, kept: Collection[GraphedCall]) -> bool:
         """Drops the idle calls that read in place a producer's call no

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
+from mpstream.runtime.graphed import state as state_module
 from mpstream.runtime.graphed.state import StageState, storage_bytes
 
 
@@ -127,3 +129,27 @@ def test_static_bytes_count_each_storage_once() -> None:
     # A view and an alias of ``a`` share its storage: counted once.
     assert storage_bytes([a, a[1:], a.detach(), b, b.view(3, 1)]) == 4 * 8 + 3 * 4
     assert storage_bytes([]) == 0
+
+
+def test_numbers_of_call_keys_are_bounded_and_never_reused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Shapes that keep changing (or producers captured again) make new keys
+    # at every capture: past the bound, the numbers of keys no kept call
+    # holds are forgotten, with which of their calls were dropped.
+    monkeypatch.setattr(state_module, "_NUMBERS_KEPT", 4)
+    st = state()
+    seen = set()
+    for i in range(10):
+        at = (st.number(("shape", i)), 0)
+        assert at[0] not in seen  # a number is never another key's
+        seen.add(at[0])
+        if i % 3 == 0:
+            st.add(at, Call())  # type: ignore[arg-type]
+        else:
+            st.dropped.add(at)
+        # At most the bound, or twice the calls kept (max_calls bounds them).
+        assert len(st.numbers) <= max(4, 2 * len(st.calls)) and len(st.dropped) <= 4
+    kept = {number for number, _ in st.calls}
+    assert kept <= set(st.numbers.values())  # a kept call's key keeps its number
+    assert st.number(("shape", 9)) == max(seen)  # the newest key is still known
