@@ -74,6 +74,7 @@ setup(
                 "csrc/bindings.cpp",
                 "csrc/events.cpp",
                 "csrc/finish.cpp",
+                "csrc/muted_hooks.cpp",
                 "csrc/orders.cpp",
                 "csrc/orders_v.cpp",
                 "csrc/schedule.cpp",

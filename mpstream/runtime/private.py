@@ -33,7 +33,6 @@ __all__ = [
     "parse_to",
     "grad_mode_switch",
     "autocast_check",
-    "register_hook_dict",
 ]
 
 #: The torch versions these calls were checked with (the test suite's).
@@ -73,13 +72,6 @@ USED = (
         0,
         False,
         "a cheaper autocast check per replayed forward (the public one otherwise)",
-    ),
-    Private(
-        "torch.autograd.graph.Node",
-        "_register_hook_dict",
-        1,
-        False,
-        "a zero-bubble weight pass keeping tensor hooks from changing a retained .grad",
     ),
 )
 
@@ -172,13 +164,3 @@ def autocast_check() -> Callable[[], bool]:
     if fn is not None:
         return fn  # type: ignore[no-any-return]
     return lambda: torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu")
-
-
-def register_hook_dict(node: Any, tensor: torch.Tensor) -> None:
-    """Makes autograd node ``node`` run ``tensor``'s hooks (the dict its
-    ``register_hook`` fills, read when they run) on the gradient at the
-    node's output ``tensor.output_nr``: after the tensor hooks registered
-    there before, ahead of a ``retain_grad``. ``Tensor.register_hook`` does
-    this with the node that made the tensor."""
-    _require(USED[8])  # the method each node type implements
-    node._register_hook_dict(tensor)

@@ -14,10 +14,8 @@ linear layer's addmm, whose other edges go to its weight and bias). A hook on
 each junction keeps the gradient that flows into it. W then starts autograd
 at those junctions with the kept gradients, toward the parameters below them:
 each junction now computes the gradients it skipped in B, and nothing on the
-input path runs twice. (A tensor hook on a junction's output runs in B on
-the real gradient, and again in W, which autograd does not let Python
-prevent: on zeros there, its result dropped; see
-:mod:`~mpstream.runtime.split_hooks`.)
+input path runs twice. (A tensor hook on a junction's output runs in B,
+and W mutes it; see :mod:`~mpstream.runtime.split_hooks`.)
 
 One W call per group of junctions whose parameters overlap. B computes
 three kinds of parameter gradients itself: those of a parameter reached from
@@ -83,7 +81,7 @@ class WeightPass:
         graph go."""
         groups, self.groups = self.groups, []
         kept, self.kept = self.kept, {}
-        with pinned(kept, groups):
+        with pinned(kept):
             for edges, grads, params in groups:
                 torch.autograd.backward(edges, grads, inputs=params)  # type: ignore[arg-type]
 
@@ -273,10 +271,9 @@ class Split:
                     edges.append(get_gradient_edge(t))
                     values.append(g)
                 if j not in self._known:
-                    # Hooks ran on these in B: W gives them zeros (one
-                    # element: no memory or memset per junction, so a hook
-                    # writing in place fails, see split_hooks), and
-                    # pinned() hands the junction what B kept.
+                    # Zeros (one element: no memory or memset per
+                    # junction) for a retained .grad to add; pinned()
+                    # hands the junction what B kept.
                     for i, g in enumerate(self._captured.get(j, ())):
                         if g is not None:
                             edges.append(GradientEdge(j, i))
@@ -285,10 +282,10 @@ class Split:
                 out.append((edges, values, [_variable(p) for p in params]))
         return out
 
-    def pinned(self, groups: Sequence[Group]) -> AbstractContextManager[None]:
-        """Around W's autograd calls, those of ``groups`` (see
+    def pinned(self) -> AbstractContextManager[None]:
+        """Around W's autograd calls, those of :meth:`groups` (see
         :func:`~.split_hooks.pinned`)."""
-        return pinned(self._captured, groups)
+        return pinned(self._captured)
 
     def weight_pass(self) -> WeightPass:
         """W, to :meth:`~WeightPass.run` later (on the same stream)."""
@@ -301,7 +298,8 @@ def backward_inputs(tensors: Sequence[Tensor], grads: Sequence[Tensor] | None) -
     """B: back-propagates ``tensors`` to the stage's cut inputs only.
 
     The boundary sinks receive the input gradients, as with a plain
-    backward. Parameter gradients are left for the returned pass.
+    backward. Parameter gradients are left for the returned pass. A tensor
+    hook where W starts runs once, here (see :func:`~.split_hooks.pinned`).
 
     Args:
         tensors: the stage's outputs that get a gradient (or its loss).

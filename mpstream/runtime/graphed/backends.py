@@ -100,7 +100,7 @@ def weight_pass(call: GraphedCall, split: Split) -> list[Any]:
     """W inside the call: per target, the parameter gradients B left."""
     got: dict[int, Tensor | None] = {}
     groups = split.groups()
-    with split.pinned(groups):
+    with split.pinned():
         for edges, values, params in groups:
             grads = torch.autograd.grad(edges, params, values, allow_unused=True)  # type: ignore[arg-type]
             got.update((id(p), g) for p, g in zip(params, grads))
