@@ -214,7 +214,7 @@ def test_every_test_that_skips_without_cuda_has_the_cuda_mark() -> None:
     assert unmarked == [], f"add @pytest.mark.cuda (or a module's pytestmark) to {unmarked}"
     # The scan sees them: a skipif on the test (a skipif through a
     # module-level name is the sample's, below).
-    assert "tests/stages/test_traced.py::test_placement_moves_tensors_in_place" in needs
+    assert "tests/stages/test_placement.py::test_placement_moves_tensors_in_place" in needs
 
 
 SAMPLE = '''
