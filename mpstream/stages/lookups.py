@@ -97,11 +97,14 @@ def missing_keys(values: Mapping[str, Any], lookups: Iterable[Lookup]) -> frozen
     """The lookups a call does not answer as the trace without a call did
     (the key present in a mapping), by name: the keys it leaves out, and
     each ``in`` test on what is no mapping in the call (which the tracer
-    then refuses, with what to do). A ``.get`` on another object is a
-    method call the stage makes as the module does."""
+    then refuses, with what to do), named apart: a split traced with the
+    key left out of a dict answers the test False. A ``.get`` on another
+    object is a method call the stage makes as the module does."""
     found = set()
     for lookup in lookups:
         present = lookup.present(values)
-        if present is False or (present is None and lookup.test):
+        if present is False:
             found.add(lookup.name)
+        elif present is None and lookup.test:
+            found.add(f"{lookup.name} (no mapping)")
     return frozenset(found)

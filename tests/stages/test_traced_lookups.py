@@ -191,6 +191,40 @@ def test_a_key_tested_in_what_is_no_dict_is_refused_naming_it() -> None:
     assert pipe.split_report().tracer == "torch.export"
 
 
+class Tags(nn.Module):
+    """Tests a key in ``tags``: a dict in one call, a list in another."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, x: Tensor, tags: Any) -> Tensor:
+        h = self.a(x)
+        if "s" in tags:
+            h = h * 2
+        return self.b(h)  # type: ignore[no-any-return]
+
+
+def test_a_key_tested_in_a_list_is_no_key_left_out_of_a_dict() -> None:
+    # Both leave the test unanswered by a dict: the list's call must not
+    # reuse the split traced with "s" not in the dict (which skips h * 2).
+    model = Tags().double()
+    x = torch.randn(4, 4, dtype=torch.float64)
+    pipe = Pipe(
+        copy.deepcopy(model),
+        split_points=["b"],
+        devices=["cpu"] * 2,
+        chunks=2,
+        tracer="fx",
+        sample=(x, {}),
+    )
+    torch.testing.assert_close(pipe(x, {}), model(x, {}))
+    with pytest.raises(TypeError, match=r"forward tests 's' in tags, which the call holds as no"):
+        pipe(x, ["s"])
+    torch.testing.assert_close(pipe(x, {"s": 1}), model(x, {"s": 1}))
+
+
 def test_missing_keys_names_what_a_call_leaves_out() -> None:
     x = torch.zeros(1)
     lookups = [
@@ -202,6 +236,10 @@ def test_missing_keys_names_what_a_call_leaves_out() -> None:
         Lookup(("x", ()), "w", test=True),  # `in` on a tensor: refused when traced
     ]
     values = {"batch": {"x": x, "extra": {}}, "pair": [x, {"v": x}], "x": x}
-    assert missing_keys(values, lookups) == {"batch['s']", "batch['extra']['t']", "x['w']"}
+    assert missing_keys(values, lookups) == {
+        "batch['s']",
+        "batch['extra']['t']",
+        "x['w'] (no mapping)",  # not a key left out of a dict, which a split answers
+    }
     given = {"batch": {"s": x, "extra": {"t": x}}, "pair": [x, {"v": x}], "x": {"w": x}}
     assert missing_keys(given, lookups) == set()
