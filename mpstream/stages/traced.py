@@ -15,7 +15,9 @@ batch``) the call leaves out: the trace answers each as the module would
 (see :mod:`~mpstream.stages.lookups`). Which keys the traces look up is
 known only once they are made: a call's kind is taken over those of every
 trace so far, and a new trace's split is kept under the kind its call has
-with the trace's own added.
+with the trace's own added. A kind new only by keys that a later trace
+looked up takes the split of the trace it agrees with (on its own lookups,
+None items and flags), not traced again.
 
 The first trace is made when the pipe is built, with the module's flags as
 they are and every argument and key a value, or as the call ``sample=``
@@ -55,6 +57,12 @@ __all__ = ["FxSplit"]
 Key = tuple[frozenset[str], frozenset[str], tuple[bool, ...]]
 
 _NONE = frozenset[str]()
+
+# A trace made: the None items and flags of its call, the lookups it made
+# and which of them the call left out, and its split. Its code depends on
+# the call through these only, so it serves a call that agrees on them,
+# whatever other traces looked up since (which the call's Key covers).
+_Run = tuple[frozenset[str], tuple[bool, ...], frozenset[Lookup], frozenset[str], "_Trace"]
 
 
 @dataclass
@@ -113,12 +121,14 @@ class FxSplit(Kinds):
     current: _Trace | None = None  # type: ignore[assignment]
     untraceable: dict[Key, tuple[type[Exception], str]] = field(default_factory=dict)
     lookups: set[Lookup] = field(default_factory=set)  # every trace's, a failed one's too
+    runs: list[_Run] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.watched = traced_through(self.module, self.leaf_modules)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         state.setdefault("lookups", set())  # pickled by an mpstream without them
+        state.setdefault("runs", [])
         self.__dict__.update(state)
 
     @classmethod
@@ -194,7 +204,14 @@ class FxSplit(Kinds):
         failed = self.untraceable.get(key)
         if failed is not None:  # no second trace of a kind that failed
             raise failed[0](failed[1])
+        for nones, run_flags, run_lookups, missing, run_split in self.runs:
+            # A kind new only by keys that later traces looked up.
+            if values is not None and nones == key[0] and run_flags == flags:
+                if missing_keys(values, run_lookups) == missing:
+                    self.kinds[key] = run_split
+                    return run_split
         traced: Traced | None = None
+        looked = set[Lookup]()  # this trace's own lookups
         try:
             # Constants fx computes become the stages' tensors: never
             # inference tensors, though a kind may first come in inference.
@@ -205,25 +222,30 @@ class FxSplit(Kinds):
                     leaf_modules=self.leaf_modules,
                     nones=key[0],
                     values=values,
-                    lookups=self.lookups,
+                    lookups=looked,
                 )
             split = next((t for t in self.traces if t.same_as(traced)), None)
             if split is None:
                 earlier = [t.traced.tensors for t in self.traces]
                 place(self.module, traced.partitions, traced.tensors, self.devices, earlier)
         except (TypeError, ValueError) as exc:
+            self.lookups |= looked
             if traced is not None:
                 _drop_constants(self.module, traced)
             described = _describe(values, flags, self.lookups)
             message = f"{exc}\n(traced for this kind of call: {described})"
             self.untraceable[self._key(values, flags)] = (type(exc), message)
             raise type(exc)(message) from exc
+        self.lookups |= looked
         if split is not None:
             _drop_constants(self.module, traced)  # the shared split holds its own
         else:
             split = _Trace.of(traced, _describe(values, flags, self.lookups))
             self.traces.append(split)
-        self.kinds[self._key(values, flags)] = split
+        key = self._key(values, flags)
+        self.kinds[key] = split
+        given = _NONE if values is None else missing_keys(values, looked)
+        self.runs.append((key[0], flags, frozenset(looked), given, split))
         return split
 
     # -- every call -----------------------------------------------------

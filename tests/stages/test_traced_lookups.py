@@ -15,6 +15,8 @@ import torch
 from torch import Tensor, nn
 
 from mpstream import Pipe
+from mpstream.stages import traced as traced_module
+from mpstream.stages.fx import trace
 from mpstream.stages.lookups import Lookup, missing_keys
 from mpstream.stages.traced import FxSplit
 
@@ -153,6 +155,52 @@ def test_a_sample_that_leaves_a_key_out_traces_that_kind_first(balance: str | No
     batch = {"x": x, "s": x}
     torch.testing.assert_close(pipe(batch), model(batch))
     assert len(fx_split(pipe).traces) == 2
+
+
+class ReadsTWithoutS(nn.Module):
+    """Looks ``t`` up only in a call that leaves ``s`` out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, batch: dict[str, Tensor]) -> Tensor:
+        h = torch.tanh(self.a(batch["x"]))
+        s = batch.get("s")
+        if s is None:
+            s = batch.get("t")
+        if s is not None:
+            h = h + s
+        return self.b(h)  # type: ignore[no-any-return]
+
+
+def test_a_kind_is_not_traced_again_for_a_key_its_trace_never_looked_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The trace with "s" given never looks "t" up: a later trace that does
+    # (with "s" left out) leaves that kind's split serving it, t or no t.
+    traces = []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        traces.append(kwargs.get("values"))
+        return trace(*args, **kwargs)
+
+    monkeypatch.setattr(traced_module, "trace", counted)
+    torch.manual_seed(0)
+    model = ReadsTWithoutS().double()
+    pipe = Pipe(copy.deepcopy(model), split_points=["b"], devices=["cpu"] * 2, chunks=2)
+    x = torch.randn(4, 4, dtype=torch.float64)
+    batches = [{"x": x, "s": x}, {"x": x}, {"x": x, "s": x}, {"x": x, "t": x}]
+    batches += [{"x": x, "s": x, "t": x}, {"x": x}, {"x": x, "t": x}]
+    for batch in batches:
+        torch.testing.assert_close(pipe(batch), model(batch))
+    # At construction (every key given), then {"x"} and {"x", "t"} only.
+    assert [None if v is None else sorted(v["batch"]) for v in traces] == [
+        None,
+        ["x"],
+        ["t", "x"],
+    ]
 
 
 class Tagged(nn.Module):
