@@ -41,6 +41,13 @@ class BufferChange(Unrecorded):
     """A forward changes one of the module's buffers."""
 
 
+# Methods that change a dict or list in place (a proxy has no __setitem__).
+_CHANGES = frozenset(
+    ("setdefault", "update", "pop", "popitem", "clear")  # a dict's
+    + ("append", "extend", "insert", "remove", "reverse", "sort")  # a list's
+)
+
+
 class Tracer(fx.Tracer):
     """``torch.fx``'s tracer, remembering which submodule it is inside (for
     error messages) and treating the user's leaf modules as leaves.
@@ -71,6 +78,9 @@ class Tracer(fx.Tracer):
         self.none_items = set(none_items)
         self.values = values
         self.lookups = set[Lookup]() if lookups is None else lookups
+        # Arguments and items forward changed in place (batch.update(...)):
+        # the call no longer answers what they hold, nor what is inside.
+        self.changed: list[Item] = []
         self.leaf_names = {x for x in leaves if isinstance(x, str)}
         self.leaf_types = tuple(x for x in leaves if isinstance(x, type))
         self.path: list[str] = []
@@ -101,6 +111,10 @@ class Tracer(fx.Tracer):
         self, kind: str, target: Any, args: Any, kwargs: Any, *rest: Any, **more: Any
     ) -> Any:
         item: Item | None = None
+        if kind == "call_method" and target in _CHANGES and args:
+            changed = item_of(args[0])
+            if changed is not None:
+                self.changed.append(changed)
         if kind == "placeholder":
             item = (str(target), ())
         elif (kind == "call_function" and target is operator.getitem) or (
@@ -109,7 +123,7 @@ class Tracer(fx.Tracer):
             # batch[k] or batch.get(k): a key written in the code (a str,
             # int, tuple...), named as nones_of names it; never a traced one.
             owner = item_of(args[0])
-            if owner is not None and not isinstance(args[1], fx.Proxy):
+            if owner is not None and not isinstance(args[1], fx.Proxy) and not self._changed(owner):
                 if kind == "call_method" and self._look_up(owner, args[1], test=False) is False:
                     return args[2] if len(args) > 2 else None  # the key left out: the default
                 item = (owner[0], (*owner[1], ("[", args[1])))
@@ -135,6 +149,11 @@ class Tracer(fx.Tracer):
             self.iter(proxy)  # fx's own error: it cannot trace iterating a value
         assert owner is not None
         where = f"forward tests {key!r} in {item_name(owner)}"
+        if self._changed(owner):
+            raise TypeError(
+                f"{where} after changing it in place, which a trace cannot answer from "
+                f"the call: test the key before the change"
+            )
         if self.values is None:
             raise TypeError(
                 f"{where}, which a trace answers from a call, and none was given: pass "
@@ -147,6 +166,11 @@ class Tracer(fx.Tracer):
                 f"answers `key in ...` for a dict argument or item"
             )
         return present
+
+    def _changed(self, item: Item) -> bool:
+        """Whether forward changed ``item``, or what holds it, in place."""
+        name, steps = item
+        return any(c[0] == name and steps[: len(c[1])] == c[1] for c in self.changed)
 
     def _look_up(self, owner: Item, key: Any, *, test: bool) -> bool | None:
         """Whether the call holds ``key`` in ``owner`` (present where no call

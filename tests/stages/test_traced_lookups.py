@@ -203,6 +203,60 @@ def test_a_kind_is_not_traced_again_for_a_key_its_trace_never_looked_up(
     ]
 
 
+class FillsS(nn.Module):
+    """Fills in ``s`` itself (``how``), then looks it up."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, batch: dict[str, Tensor | None]) -> Tensor:
+        x = batch["x"]
+        assert x is not None
+        if self.how == "setdefault":
+            batch.setdefault("s", x * 0 + 1)
+        else:
+            batch.update(s=x * 0 + 1)
+        h = torch.tanh(self.a(x))
+        s = batch.get("s") if self.how != "update-in" else batch["s"] if "s" in batch else None
+        if s is not None:
+            h = h + s
+        return self.b(h)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("how", ["setdefault", "update"])
+def test_a_key_looked_up_after_forward_changed_the_dict_is_not_answered_from_the_call(
+    how: str,
+) -> None:
+    # The call's "s" (left out, or None) is no answer once forward filled it
+    # in. (setdefault keeps a None "s": then the trace, which cannot tell,
+    # takes `if s is not None` and the stage fails.)
+    torch.manual_seed(0)
+    model = FillsS(how).double()
+    pipe = Pipe(copy.deepcopy(model), split_points=["b"], devices=["cpu"] * 2, split_size=3)
+    x = torch.randn(4, 4, dtype=torch.float64)
+    batches = [lambda: {"x": x, "s": x}, lambda: {"x": x}]
+    if how == "update":
+        batches.append(lambda: {"x": x, "s": None})
+    for batch in batches:
+        torch.testing.assert_close(pipe(batch()), model(batch()))
+
+
+def test_a_key_tested_after_forward_changed_the_dict_is_refused_naming_it() -> None:
+    x = torch.randn(4, 4, dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"forward tests 's' in batch after changing it in place"):
+        Pipe(
+            FillsS("update-in"),
+            split_points=["b"],
+            devices=["cpu"] * 2,
+            chunks=2,
+            tracer="fx",
+            sample=({"x": x},),
+        )
+
+
 class Tagged(nn.Module):
     """Tests a key in a string argument, which is no dict."""
 
