@@ -151,8 +151,8 @@ def check(
         reads: per stage, the stages it reads (-1: the input).
 
     Raises:
-        ValueError: the order covers another number of micro-batches, misses
-            or repeats an action, or issues an action before one it depends
+        ValueError: the order leaves out a stage, covers another number of
+            micro-batches, misses or repeats an action, or issues an action before one it depends
             on; the message holds the stage x step grid of the order with the
             offending action marked.
     """
@@ -161,6 +161,17 @@ def check(
         raise ValueError(
             f"invalid schedule order: {outside} names no stage {outside.stage} (stages "
             f"0-{stages - 1})"
+        )
+    # Named here, not as the first action needing one (an order written for
+    # fewer stages would read as "B2m0 needs B3m0").
+    named = {a.stage for a in actions}
+    missing = [s for s in range(stages) if s not in named]
+    if missing:
+        raise ValueError(
+            f"the schedule order has no action of stage {', '.join(map(str, missing))}, but "
+            f"the run has {stages} stages (0-{stages - 1}), each forwarding and "
+            f"back-propagating every micro-batch: give an order for {stages} stages, or a "
+            f"pipe of the stages the order covers"
         )
     covered = 1 + max(a.micro for a in actions)
     if covered != micros:

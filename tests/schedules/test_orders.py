@@ -156,7 +156,7 @@ def test_pipe_trains_with_a_user_order(checkpoint: str) -> None:
 
 
 def test_pipe_checks_an_order_when_built_and_when_run() -> None:
-    with pytest.raises(ValueError, match="invalid schedule order: B0m0 needs B1m0"):
+    with pytest.raises(ValueError, match="no action of stage 1, but the run has 2 stages"):
         Pipe(mlp([5, 4]), chunks=1, balance=[1, 1], devices=["cpu"] * 2, schedule="F0m0 B0m0")
     with pytest.raises(ValueError, match="not a schedule action"):
         Pipe(mlp([5, 4]), balance=[1, 1], devices=["cpu"] * 2, schedule=["F0m0", "backward"])
@@ -180,3 +180,15 @@ def test_a_stage_out_of_range_is_named_before_the_micro_batch_count() -> None:
         Schedule(["F9m0", "B9m0"], 2, 2, [False, False])
     with pytest.raises(ValueError, match="what chunks= or split_size= makes of the batch"):
         Schedule(["F0m0", "F1m0", "B1m0", "B0m0"], 2, 2, [False, False])
+
+
+def test_an_order_for_fewer_stages_names_the_stages_it_lacks() -> None:
+    # An order written for 3 stages given to 4: the missing stage is named
+    # up front, not as the first action that needs it (B2m0 needs B3m0).
+    three = str(Schedule("1f1b", 3, 2, [False] * 3))
+    with pytest.raises(ValueError, match=r"no action of stage 3, but the run has 4 stages"):
+        Pipe(mlp([5, 6, 6, 6, 4]), chunks=2, balance=[2] * 4, devices=["cpu"] * 4, schedule=three)
+    # A stage left out in the middle.
+    two = "F0m0 F2m0 B2m0 B0m0"
+    with pytest.raises(ValueError, match=r"no action of stage 1, .*: give an order for 3 stages"):
+        Schedule(two, 3, 1, [False] * 3)
