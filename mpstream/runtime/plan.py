@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..schedules.placement import placement_of, virtual_stages_for
+from ..schedules.placement import virtual_stages_for
 from ..schedules.schedule import Kind, Order, Schedule, Topology
 from .scheduler import EventScheduler, PlanOp
 from .stream import as_device
@@ -97,7 +97,8 @@ def record_plan(
             chain.
         virtual_stages: stages per rank for the schedules of several stages
             per rank (default inferred from the devices, placed round-robin
-            or in a V); ignored by the others.
+            or in a V); refused for the others, as ``Pipe`` and
+            ``simulate`` refuse it.
 
     Returns:
         The recorded :class:`Plan`.
@@ -106,7 +107,9 @@ def record_plan(
         TypeError: ``devices`` is one device, not a list.
         ValueError: ``stages`` or ``chunks`` is not a positive int, ``devices`` has
             another length or an entry that is not a device (``input_device``
-            and ``target_device`` too), or the schedule does not fit them.
+            and ``target_device`` too), or the schedule does not fit them
+            (``virtual_stages`` given to a schedule of a rank per stage
+            included).
     """
     for name, count in (("stages", stages), ("chunks", chunks)):
         # Any integer (numpy's too, as Schedule takes them), not True as 1.
@@ -132,8 +135,7 @@ def record_plan(
     copy_target = (
         target_device is not None and as_device(target_device, "target_device") != devs[-1]
     )
-    given = None if placement_of(schedule) == "stage" else virtual_stages
-    virtual = virtual_stages_for(schedule, devs, given)
+    virtual = virtual_stages_for(schedule, devs, virtual_stages)
     sched = Schedule(
         schedule,
         stages,

@@ -329,3 +329,10 @@ def test_record_plan_takes_numpy_integers() -> None:
     # As Schedule does: counts read from an array are ints to the user.
     plan = record_plan("gpipe", np.int64(2), np.int32(3), ["cpu", "cpu"])  # type: ignore[arg-type]
     assert plan == record_plan("gpipe", 2, 3, ["cpu", "cpu"])
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1", "F0m0 F1m0 B1m0 B0m0"])
+def test_record_plan_refuses_virtual_stages_where_pipe_and_simulate_do(schedule: str) -> None:
+    # It was dropped silently: the plan of another placement than asked.
+    with pytest.raises(ValueError, match="applies to the schedules that place several stages"):
+        record_plan(schedule, 2, 1, ["cuda:0", "cuda:0"], backward=True, virtual_stages=2)
