@@ -53,7 +53,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..schedules import Kind, Order, Schedule, Task, Topology, placement_of, virtual_stages_for
+from ..schedules import (
+    Kind,
+    Order,
+    Schedule,
+    Task,
+    Topology,
+    default_ranks,
+    placement_of,
+    virtual_stages_for,
+)
 from ..stages import check_flag
 from .cost_args import (
     Cost,
@@ -226,16 +235,8 @@ def simulate(
             f"V); got schedule={schedule!r}"
         )
     if devices is None:
-        if placement == "round_robin" and virtual_stages is None:
-            # Each stage a rank of its own: the schedule's fill-drain of one
-            # stage per rank, which is not what its name promises.
-            raise ValueError(
-                f"schedule={schedule!r} places several stages per rank: give virtual_stages= "
-                f"(stages per rank) or devices= (a label per stage, the ranks round-robin)"
-            )
-        devs = _default_devices(placement, n, virtual_stages)
-        if placement == "v" and virtual_stages is None:
-            virtual_stages = 2  # the devices made for the V say it, but for one rank
+        ranks, virtual_stages = default_ranks(schedule, n, virtual_stages)
+        devs = [f"device{r}" for r in ranks]
     else:
         devs = list(devices)
     if len(devs) != n:
@@ -380,13 +381,3 @@ def micro_batches(batch_size: int, split_size: int) -> tuple[int, float]:
             raise ValueError(f"micro_batches: {name} must be a positive int, got {value!r}")
     count = math.ceil(batch_size / split_size)
     return count, (batch_size - (count - 1) * split_size) / split_size
-
-
-def _default_devices(placement: str, n: int, virtual_stages: int | None) -> list[str]:
-    """A device per rank: one per stage, or the stages' ranks round-robin
-    or in a V."""
-    if placement == "v" and n % 2 == 0:
-        return [f"device{min(s, n - 1 - s)}" for s in range(n)]
-    if placement == "round_robin" and virtual_stages and n % virtual_stages == 0:
-        return [f"device{s % (n // virtual_stages)}" for s in range(n)]
-    return [f"device{i}" for i in range(n)]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..schedules.placement import virtual_stages_for
+from ..schedules.placement import default_ranks, virtual_stages_for
 from ..schedules.schedule import Kind, Order, Schedule, Topology
 from .scheduler import EventScheduler, PlanOp
 from .stream import as_device
@@ -85,7 +85,9 @@ def record_plan(
         stages: number of stages.
         chunks: number of micro-batches.
         devices: the device of each stage (they need not exist here);
-            default ``cuda:0`` .. ``cuda:{stages-1}``.
+            default a ``cuda:<rank>`` per stage, its rank as the schedule
+            places it (as :func:`~mpstream.simulate` places them): one per
+            stage, in a V, or round-robin given ``virtual_stages``.
         input_device: where the batch sits; default the first stage's device.
         target_device: where a training step's targets sit; default the last
             stage's device (no target transfers). Needs ``backward``.
@@ -108,8 +110,8 @@ def record_plan(
         ValueError: ``stages`` or ``chunks`` is not a positive int, ``devices`` has
             another length or an entry that is not a device (``input_device``
             and ``target_device`` too), or the schedule does not fit them
-            (``virtual_stages`` given to a schedule of a rank per stage
-            included).
+            (``virtual_stages`` given to a schedule of a rank per stage, or
+            missing for a round-robin one without ``devices``, included).
     """
     for name, count in (("stages", stages), ("chunks", chunks)):
         # Any integer (numpy's too, as Schedule takes them), not True as 1.
@@ -119,7 +121,10 @@ def record_plan(
     if isinstance(devices, (str, torch.device)):
         # A string would be read a character per stage.
         raise TypeError(f"devices must be a list with one device per stage, got {devices!r}")
-    listed = devices or [f"cuda:{i}" for i in range(stages)]
+    listed = devices
+    if not listed:
+        ranks, virtual_stages = default_ranks(schedule, stages, virtual_stages)
+        listed = [f"cuda:{r}" for r in ranks]
     devs = [as_device(d, f"devices[{i}]") for i, d in enumerate(listed)]
     if len(devs) != stages:
         raise ValueError(f"devices has {len(devs)} entries for {stages} stages")

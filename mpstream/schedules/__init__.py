@@ -18,6 +18,7 @@ from .auto import Auto, Candidate, ScheduleReport, pick
 from .orders import Action, format_order, parse
 from .placement import (
     PLACEMENTS,
+    default_ranks,
     placement_of,
     rank_devices,
     v_stages_of,
@@ -56,6 +57,7 @@ __all__ = [
     "virtual_stages_for",
     "placement_of",
     "rank_devices",
+    "default_ranks",
     "peak_activations",
     "Auto",
     "Candidate",

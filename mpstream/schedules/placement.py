@@ -32,6 +32,7 @@ __all__ = [
     "v_stages_of",
     "virtual_stages_for",
     "rank_devices",
+    "default_ranks",
 ]
 
 _C = _ext.load()
@@ -244,6 +245,39 @@ def rank_devices(schedule: str, stages: int, devices: int) -> list[str]:
         ranks = stages // 2
         return [f"device{min(s, stages - 1 - s) * devices // ranks}" for s in range(stages)]
     return [f"device{s * devices // stages}" for s in range(stages)]
+
+
+def default_ranks(
+    schedule: object, stages: int, virtual_stages: int | None
+) -> tuple[list[int], int | None]:
+    """The rank of each stage where no devices are given (the simulator's
+    and ``record_plan``'s default): one per stage, or as the schedule places
+    them, in a V or round-robin over ``stages / virtual_stages`` ranks.
+
+    Returns:
+        The ranks, and ``virtual_stages`` as they imply it: 2 for a V (a V
+        of two stages is one rank, whose devices cannot say it), else as
+        given.
+
+    Raises:
+        ValueError: a round-robin schedule without ``virtual_stages`` (a
+            rank per stage would be the schedule of one stage per rank,
+            not what its name promises).
+    """
+    placement = placement_of(schedule)
+    if placement == "round_robin" and virtual_stages is None:
+        raise ValueError(
+            f"schedule={schedule!r} places several stages per rank: give virtual_stages= "
+            f"(stages per rank) or devices= (a label per stage, the ranks round-robin)"
+        )
+    if placement == "v" and stages % 2 == 0:
+        ranks = [min(s, stages - 1 - s) for s in range(stages)]
+        return ranks, 2 if virtual_stages is None else virtual_stages
+    if placement == "round_robin" and virtual_stages and stages % virtual_stages == 0:
+        return [s % (stages // virtual_stages) for s in range(stages)], virtual_stages
+    # What does not fit (an odd V, a count virtual_stages does not divide)
+    # is then refused by virtual_stages_for, naming what to pass.
+    return list(range(stages)), virtual_stages
 
 
 def _positive(v: object) -> int:

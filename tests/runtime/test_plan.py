@@ -336,3 +336,21 @@ def test_record_plan_refuses_virtual_stages_where_pipe_and_simulate_do(schedule:
     # It was dropped silently: the plan of another placement than asked.
     with pytest.raises(ValueError, match="applies to the schedules that place several stages"):
         record_plan(schedule, 2, 1, ["cuda:0", "cuda:0"], backward=True, virtual_stages=2)
+
+
+def test_record_plan_places_stages_by_default_as_simulate_does() -> None:
+    # Without devices, a V schedule's stages are placed in a V (cuda:0, cuda:1,
+    # cuda:1, cuda:0), not refused for sitting on four devices.
+    v = ["cuda:0", "cuda:1", "cuda:1", "cuda:0"]
+    assert record_plan("zbv", 4, 8, backward=True) == record_plan("zbv", 4, 8, v, backward=True)
+    # A round-robin one needs its ranks, as in simulate: a device per stage
+    # would silently record one stage per rank.
+    with pytest.raises(ValueError, match=r"give virtual_stages= .* or devices="):
+        record_plan("interleaved_1f1b", 4, 8, backward=True)
+    rr = ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
+    assert record_plan("looped_bfs", 4, 8, backward=True, virtual_stages=2) == record_plan(
+        "looped_bfs", 4, 8, rr, backward=True
+    )
+    verify_plan(record_plan("interleaved_1f1b", 4, 8, backward=True, virtual_stages=2))
+    # A V of two stages is one rank: its devices cannot say it.
+    verify_plan(record_plan("dualpipev", 2, 4, backward=True))
