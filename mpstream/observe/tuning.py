@@ -11,6 +11,7 @@ version.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
 import numbers
 import operator
@@ -169,7 +170,8 @@ def tune(
     Raises:
         ValueError: bad split sizes (or one larger than the batch), repeat
             or patience below 1, a negative warmup, a negative or NaN
-            tolerance; ``target`` without ``loss_fn``; a pipe
+            tolerance; ``target`` without ``loss_fn``; a ``loss_fn`` of
+            (output, target) without ``target``; a pipe
             whose schedule is an explicit order (written for one
             micro-batch count) over several split sizes.
         TypeError: a model without ``split_size``, a factory that does not
@@ -181,6 +183,12 @@ def tune(
     sizes = _sizes(split_sizes, batch)
     if target is not None and loss_fn is None:
         raise ValueError("target= times a training step: give loss_fn(output, target) too")
+    if target is None and loss_fn is not None and _needs_target(loss_fn):
+        raise ValueError(
+            "loss_fn takes (output, target) but tune got no target=: give target= (a Pipe's "
+            "step is then its train_step, with its schedule), or a loss of the output alone "
+            "(lambda out: F.mse_loss(out, y))"
+        )
     _check_knobs(repeat, warmup, patience, tolerance)
     if balances is not None and not balances:
         raise ValueError(
@@ -289,6 +297,27 @@ def tune(
     if plot is not None:
         result.plot(plot)
     return result
+
+
+def _needs_target(loss_fn: Callable[..., Tensor]) -> bool:
+    """Whether ``loss_fn`` cannot be called with the output alone but can
+    with a target too (``nn.MSELoss()``, ``F.mse_loss``): tune would fail
+    inside its first step with the loss's own complaint."""
+    fn = loss_fn.forward if isinstance(loss_fn, nn.Module) else loss_fn
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without one: let the call say
+        return False
+    try:
+        signature.bind(None)
+        return False
+    except TypeError:
+        pass
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        return False
+    return True
 
 
 def _check_knobs(repeat: object, warmup: object, patience: object, tolerance: object) -> None:

@@ -518,3 +518,19 @@ def test_a_pipe_split_at_its_first_call_keeps_its_cache_key(tmp_path: Path) -> N
         tune(pipe, torch.randn(8, 2), _sum, [4, 8], cache=path, progress=False) for _ in range(2)
     )
     assert not first.cached and again.cached
+
+
+@pytest.mark.parametrize(
+    "loss_fn", [nn.MSELoss(), nn.functional.mse_loss, lambda out, target: out.sum()]
+)
+def test_a_loss_taking_a_target_without_target_says_to_give_one(loss_fn: object) -> None:
+    # train_step(x, y, nn.MSELoss()) -> tune(pipe, x, nn.MSELoss()) failed
+    # inside the first step with MSELoss's own "missing ... 'target'".
+    curve = Curve()
+    with pytest.raises(
+        ValueError, match=r"loss_fn takes \(output, target\) but tune got no target=: give target="
+    ):
+        tune(curve, SAMPLE, loss_fn, cache=None, progress=False)  # type: ignore[arg-type]
+    assert curve.calls == []  # refused before any step
+    # One argument, or a second with a default, is a loss of the output alone.
+    tune(Curve(), SAMPLE, lambda out, scale=1.0: out.sum() * scale, [2], cache=None, progress=False)
