@@ -296,10 +296,10 @@ class PipeConfig(PipeModule):
     def schedule_for(
         self,
         micros: int,
-        input_device: torch.device,
+        input_device: torch.device | str,
         *,
         training_step: bool = False,
-        target_device: torch.device | None = None,
+        target_device: torch.device | str | None = None,
     ) -> Schedule:
         """The (cached) schedule for ``micros`` micro-batches.
 
@@ -310,13 +310,14 @@ class PipeConfig(PipeModule):
 
         Args:
             micros: the micro-batch count of the run.
-            input_device: where the batch sits (a ``torch.device``): off
-                the first stage's device, each micro-batch gets a transfer
-                task.
+            input_device: where the batch sits (a ``torch.device`` or its
+                name): off the first stage's device, each micro-batch gets a
+                transfer task.
             training_step: the schedule of :meth:`train_step` (forwards and
                 backwards in :attr:`schedule`'s order) rather than of
                 ``pipe(x)``.
-            target_device: where ``train_step``'s target sits.
+            target_device: where ``train_step``'s target sits (a device or
+                its name).
 
         Returns:
             The schedule; ``str()`` of a training step's is its order of
@@ -329,6 +330,12 @@ class PipeConfig(PipeModule):
             ValueError: the schedule does not fit the stages' placement
                 (set ``virtual_stages`` or another schedule).
         """
+        # A string ("cpu") equals no torch.device: it would read as a batch
+        # (or target) off the stages' devices, adding transfers the run has not.
+        if isinstance(input_device, str):
+            input_device = torch.device(input_device)
+        if isinstance(target_device, str):
+            target_device = torch.device(target_device)
         devs = self.__dict__["_devices"]
         name: str | tuple[str, ...] = "gpipe"
         virtual = 1
