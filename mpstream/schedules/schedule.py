@@ -149,9 +149,11 @@ def schedule_arg(schedule: PipeSchedule) -> str | tuple[str, ...] | Auto:
 
     Raises:
         ValueError: an unknown name, or an item that is not an action.
+        TypeError: a :class:`Schedule` (give ``str()`` of it, its order).
     """
     if isinstance(schedule, Auto) or schedule == "auto":
         return schedule  # type: ignore[return-value]
+    _refuse_schedule_object(schedule)
     if is_order(schedule):
         return tuple(str(a) for a in parse(schedule))
     if schedule not in SCHEDULES:
@@ -161,6 +163,16 @@ def schedule_arg(schedule: PipeSchedule) -> str | tuple[str, ...] | Auto:
             f"['F0m0', 'F1m0', 'B1m0', 'B0m0']; got {schedule!r}"
         )
     return str(schedule)
+
+
+def _refuse_schedule_object(value: object) -> None:
+    """Refuses a :class:`Schedule` where an order is expected (what
+    ``pipe.schedule_for`` returns, passed back as is), naming its text form."""
+    if isinstance(value, Schedule):
+        raise TypeError(
+            f"a schedule order is a list of actions or one string of them, got Schedule: pass "
+            f"str() of it ({str(value)[:30]!r}...), its order"
+        )
 
 
 def check_schedule(
@@ -241,6 +253,7 @@ class Schedule:
         ValueError: ``stages`` or ``micros`` not an int (or past int32), an unknown name, a
             bad order (the message shows it as a stage x step grid), or an
             inconsistent layout.
+        TypeError: ``name`` is a :class:`Schedule` (give ``str()`` of it).
     """
 
     def __init__(
@@ -278,6 +291,7 @@ class Schedule:
                 f"Schedule: virtual_stages={virtual_stages} is more than the {stages} stages: "
                 f"give a divisor of the stage count"
             )
+        _refuse_schedule_object(name)  # not iterable: it would fail in parse
         explicit = not isinstance(name, str) or name not in SCHEDULES
         if isinstance(name, str) and not is_order(name) and name not in SCHEDULES:
             valid = ", ".join(repr(s) for s in SCHEDULES)

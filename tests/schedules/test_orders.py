@@ -192,3 +192,19 @@ def test_an_order_for_fewer_stages_names_the_stages_it_lacks() -> None:
     two = "F0m0 F2m0 B2m0 B0m0"
     with pytest.raises(ValueError, match=r"no action of stage 1, .*: give an order for 3 stages"):
         Schedule(two, 3, 1, [False] * 3)
+
+
+def test_a_schedule_object_given_as_an_order_says_to_pass_its_text() -> None:
+    # What schedule_for returns, passed back as is: simulate and record_plan
+    # said "'Schedule' object is not iterable", Pipe listed the built-ins.
+    from mpstream import record_plan, simulate
+
+    sched = Schedule("zb_h1", 2, 2, [False, False])
+    match = r"got Schedule: pass str\(\) of it \('F0m0 F1m0 F0m1"
+    with pytest.raises(TypeError, match=match):
+        Pipe(mlp([5, 6, 4]), chunks=2, balance=[2, 2], devices=["cpu"] * 2, schedule=sched)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=match):
+        simulate([(1.0, 1.0)] * 2, chunks=2, schedule=sched)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=match):
+        record_plan(sched, 2, 2, ["cpu", "cpu"], backward=True)  # type: ignore[arg-type]
+    assert simulate([(1.0, 1.0)] * 2, chunks=2, schedule=str(sched)).step_ms > 0
