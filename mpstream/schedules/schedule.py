@@ -250,7 +250,8 @@ class Schedule:
             the default for it; 1 (a rank per stage) for the others.
 
     Raises:
-        ValueError: ``stages`` or ``micros`` not an int (or past int32), an unknown name, a
+        ValueError: ``stages`` or ``micros`` not an int (or past int32), an unknown name
+            (``'auto'``, which a Pipe chooses, included), a
             bad order (the message shows it as a stage x step grid), or an
             inconsistent layout.
         TypeError: ``name`` is a :class:`Schedule` (give ``str()`` of it).
@@ -293,6 +294,13 @@ class Schedule:
             )
         _refuse_schedule_object(name)  # not iterable: it would fail in parse
         explicit = not isinstance(name, str) or name not in SCHEDULES
+        if name == "auto":
+            raise ValueError(
+                "schedule='auto' is what a Pipe chooses at its first train_step, not a "
+                "schedule of its own: give a built-in one (pipe.schedule_report().chosen, "
+                "the one a pipe chose), or compare them all with "
+                "mpstream.observe.auto.simulate_candidates"
+            )
         if isinstance(name, str) and not is_order(name) and name not in SCHEDULES:
             valid = ", ".join(repr(s) for s in SCHEDULES)
             raise ValueError(

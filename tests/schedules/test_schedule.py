@@ -345,3 +345,17 @@ def test_virtual_stages_of() -> None:
         virtual_stages_of(["cpu"] * 4, 0)
     with pytest.raises(ValueError, match="multiple of virtual_stages"):
         Schedule("interleaved_1f1b", 4, 2, [False] * 4, virtual_stages=3)
+
+
+def test_auto_outside_a_pipe_says_what_to_give_instead() -> None:
+    # simulate("auto") and record_plan("auto") said "unknown schedule 'auto'",
+    # which a Pipe takes.
+    from mpstream import record_plan, simulate
+
+    match = r"schedule='auto' is what a Pipe chooses .*pipe\.schedule_report\(\)\.chosen"
+    with pytest.raises(ValueError, match=match):
+        Schedule("auto", 2, 2, [False, False], backward=True)
+    with pytest.raises(ValueError, match=match):
+        simulate([(1.0, 1.0)] * 2, chunks=2, schedule="auto")
+    with pytest.raises(ValueError, match=match):
+        record_plan("auto", 2, 2, backward=True)
