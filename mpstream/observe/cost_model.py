@@ -60,7 +60,6 @@ from ..schedules import (
     Task,
     Topology,
     default_ranks,
-    placement_of,
     virtual_stages_for,
 )
 from ..stages import check_flag
@@ -227,12 +226,6 @@ def simulate(
         raise ValueError(
             f"last_size is the last micro-batch's size over a full one's, in (0, 1]; got "
             f"{last_size!r} (micro_batches(batch_size, split_size) gives it)"
-        )
-    placement = placement_of(schedule)
-    if virtual_stages is not None and placement == "stage":
-        raise ValueError(
-            f"virtual_stages is for the schedules of several stages per rank (round-robin or "
-            f"V); got schedule={schedule!r}"
         )
     if devices is None:
         ranks, virtual_stages = default_ranks(schedule, n, virtual_stages)

@@ -411,7 +411,12 @@ def test_predict_with_nothing_to_run() -> None:
         ({"chunks": 2.0}, "chunks must be an int"),
         ({"issue_times": {("fwd", 0): 1.0}}, "issue_times key .'fwd', 0.: expected .kind, stage."),
         ({"copy_times": {(0, 2): 1.0}}, r"copy_times names hops \[\(0, 2\)\]"),
-        ({"virtual_stages": 2}, "virtual_stages is for the schedules of several stages per rank"),
+        # As Pipe and record_plan say it: what to do included.
+        (
+            {"virtual_stages": 2},
+            "virtual_stages=2 applies to the schedules that place several stages per rank .*: "
+            "drop virtual_stages, or choose one of those",
+        ),
     ],
 )
 def test_simulate_names_a_bad_argument(kwargs: dict[str, object], message: str) -> None:
