@@ -24,6 +24,7 @@ import numbers
 from collections.abc import Hashable, Sequence
 
 from .. import _ext
+from .orders import is_order
 
 __all__ = [
     "PLACEMENTS",
@@ -203,7 +204,8 @@ def virtual_stages_for(
             schedule of a rank per stage.
     """
     placement = placement_of(schedule)
-    name = schedule if isinstance(schedule, str) else "an explicit order"
+    # An order (a tuple, or text) is named as one, not quoted action by action.
+    name = schedule if isinstance(schedule, str) and not is_order(schedule) else "an explicit order"
     if placement == "round_robin":
         return virtual_stages_of(devices, virtual_stages, name)
     if placement == "v":
@@ -212,7 +214,7 @@ def virtual_stages_for(
         raise ValueError(
             f"virtual_stages={virtual_stages} applies to the schedules that place several "
             f"stages per rank ({_several('round_robin')}, {_several('v')}), not "
-            f"{schedule if isinstance(schedule, str) else name!r}: drop virtual_stages, or "
+            f"{name!r}: drop virtual_stages, or "
             f"choose one of those"
         )
     return 1

@@ -160,6 +160,9 @@ def test_a_v_placement_is_checked_against_the_devices() -> None:
         virtual_stages_for("looped_bfs", ["cuda:0", "cuda:1", "cuda:1", "cuda:0"], None)
     with pytest.raises(ValueError, match="virtual_stages=2 applies to the schedules that place"):
         virtual_stages_for("1f1b", ["cpu"] * 4, 2)
+    # An order as text is named as one, as a Pipe's (a tuple) is, not quoted whole.
+    with pytest.raises(ValueError, match=r"not 'an explicit order': drop virtual_stages"):
+        virtual_stages_for("F0m0 F1m0 B1m0 B0m0", ["cpu"] * 2, 2)
     assert virtual_stages_for("zbv", ["cuda:0", "cuda:1", "cuda:1", "cuda:0"], None) == 2
     assert virtual_stages_for("interleaved_zb", ["a", "b", "a", "b"], None) == 2
 
