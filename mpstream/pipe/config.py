@@ -176,9 +176,13 @@ class PipeConfig(PipeModule):
                 ``train_step``).
         """
         if auto_of(self.schedule) is None:
+            given = self.schedule
+            named = (
+                f"your order of {len(given)} actions" if isinstance(given, tuple) else repr(given)
+            )
             raise ValueError(
-                f"the schedule is {self.schedule!r}, chosen by you: schedule_report() describes "
-                f"what schedule='auto' chose"
+                f"the schedule is {named}, chosen by you: schedule_report() describes what "
+                f"schedule='auto' chose"
             )
         report = self.__dict__.get("_auto_report")
         if report is None:

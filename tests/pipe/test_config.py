@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -24,3 +25,14 @@ def test_schedule_for_reads_a_device_given_as_a_string() -> None:
     given = pipe.schedule_for(2, "cpu", training_step=True, target_device="cpu")
     assert [t.kind.label for t in given.tasks] == [t.kind.label for t in expected.tasks]
     assert "copy" not in {t.kind.label for t in given.tasks}
+
+
+def test_schedule_report_of_a_user_order_names_it_briefly() -> None:
+    # It quoted the tuple of every action.
+    order = "F0m0 F1m0 F0m1 B1m0 B0m0 F1m1 B1m1 B0m1"
+    pipe = Pipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), chunks=2, balance=[1, 1],
+                devices=["cpu", "cpu"], schedule=order)  # fmt: skip
+    with pytest.raises(
+        ValueError, match=r"^the schedule is your order of 8 actions, chosen by you"
+    ):
+        pipe.schedule_report()
