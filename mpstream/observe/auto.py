@@ -105,7 +105,7 @@ def choose_schedule(pipe: Pipe, request: AutoRequest) -> ScheduleReport:
         stage_bytes=held,
         memory_budget=auto.memory_budget,
     )
-    chosen = pick(out)
+    chosen = pick(out, pipe.checkpoint)
     return ScheduleReport(
         chosen.schedule,
         chosen.virtual_stages,

@@ -99,11 +99,19 @@ class Candidate:
     within_budget: bool = True
 
 
-def pick(candidates: Sequence[Candidate]) -> Candidate:
+def pick(candidates: Sequence[Candidate], checkpoint: str = "never") -> Candidate:
     """The fastest candidate within the budget; among equal steps (to a
     millionth), the one holding the fewest activation bytes on its
     fullest device, then the earlier one (the simpler schedule, in
     ``SCHEDULES`` order).
+
+    Args:
+        candidates: the schedules simulated.
+        checkpoint: the pipe's checkpoint mode, for the advice when none
+            fits (checkpointing more only where some is left to add).
+
+    Returns:
+        The chosen candidate.
 
     Raises:
         ValueError: no candidate fits the budget (the message lists each
@@ -116,8 +124,9 @@ def pick(candidates: Sequence[Candidate]) -> Candidate:
         )
         raise ValueError(
             f"no schedule keeps its activations within the memory budget (most held on one "
-            f"device: {peaks}); raise Auto(memory_budget=...), checkpoint more "
-            f"(checkpoint='always') or use more, smaller micro-batches"
+            f"device: {peaks}); raise Auto(memory_budget=...), "
+            + ("" if checkpoint == "always" else "checkpoint more (checkpoint='always') ")
+            + "or use more, smaller micro-batches"
         )
     best = min(c.step_ms for c in fitting)
     tied = [c for c in fitting if c.step_ms <= best * (1 + 1e-6)]

@@ -57,6 +57,19 @@ def test_a_budget_nothing_fits_is_an_error_naming_each_peak() -> None:
         pick(v)
 
 
+def test_a_budget_nothing_fits_advises_checkpointing_only_where_some_is_left() -> None:
+    # A pipe already checkpointing every micro-batch was told to checkpoint
+    # more (checkpoint='always').
+    auto = Auto(costs=UNIFORM, activation_bytes=[2**10] * 4, memory_budget=2**10, cache=None)
+    x, y = torch.randn(12, 5, dtype=torch.float64), torch.randn(12, 4, dtype=torch.float64)
+    for mode, advised in (("always", False), ("except_last", True), ("never", True)):
+        pipe = Pipe(mlp([5, 8, 7, 6, 4]), chunks=6, balance=[2] * 4, devices=["cpu"] * 4,
+                    schedule=copy.copy(auto), checkpoint=mode)  # fmt: skip
+        with pytest.raises(ValueError, match="raise Auto.memory_budget=...") as info:
+            pipe.train_step(x, y, nn.MSELoss())
+        assert ("checkpoint='always'" in str(info.value)) is advised, mode
+
+
 def test_auto_trains_equal_to_the_unsplit_model_and_reports_its_choice() -> None:
     model = mlp([5, 8, 7, 6, 4])
     ref = copy.deepcopy(model)
