@@ -245,10 +245,15 @@ def simulate(
     virtual = virtual_stages_for(schedule, devs, virtual_stages)
     sched = Schedule(schedule, n, chunks, topology, backward=with_backward, virtual_stages=virtual)
     if sched.backward and not with_backward:
-        given = "every backward time is 0" if backward is None else "backward=False"
+        what = "your order" if sched.name == "custom" else sched.name
+        if any(b > 0 for _, b in stages):  # predict passes backward=False for none
+            raise ValueError(
+                f"{what} schedules backwards, but backward=False: drop it, or give 'gpipe' "
+                f"to simulate forwards alone"
+            )
         raise ValueError(
-            f"{sched.name} schedules backwards, but {given}: give (forward, backward) or "
-            f"(forward, input_grad, weight_grad) stage times with a backward cost"
+            f"{what} schedules backwards, but every backward time is 0: give (forward, "
+            f"backward) or (forward, input_grad, weight_grad) stage times with a backward cost"
         )
     # Default streams issue fill-drain as the tutorial's loop does; another
     # schedule keeps its order, each device running its tasks in turn.

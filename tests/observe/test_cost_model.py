@@ -390,6 +390,19 @@ def test_all_zero_backward_times_are_named() -> None:
         simulate([(1.0, 0.0)] * 2, chunks=2, schedule="1f1b")
 
 
+def test_a_schedule_with_backwards_and_no_backward_costs_says_what_to_change() -> None:
+    order = "F0m0 F1m0 B1m0 B0m0"
+    # backward=False with backward costs given: drop it ("give ... a backward
+    # cost" named what was there).
+    with pytest.raises(ValueError, match=r"^1f1b schedules backwards, but backward=False: drop"):
+        simulate([(1.0, 1.0)] * 2, chunks=1, schedule="1f1b", backward=False)
+    # predict has no backward=: forward-only layer times are what is missing.
+    with pytest.raises(ValueError, match=r"^your order schedules backwards, but every backward"):
+        predict([1.0] * 4, 2, 1, schedule=order)
+    with pytest.raises(ValueError, match=r"^your order schedules backwards, but every backward"):
+        simulate([1.0, 1.0], chunks=1, schedule=order)
+
+
 @pytest.mark.parametrize("balance", [[1, 1], [2, 3], [1, 1, 2], [0, 4]])
 def test_predict_refuses_a_balance_that_does_not_fit(balance: list[int]) -> None:
     with pytest.raises(ValueError, match="must give each of the 2 stages at least one layer"):
