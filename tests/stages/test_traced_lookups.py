@@ -18,31 +18,8 @@ from mpstream import Pipe
 from mpstream.stages import traced as traced_module
 from mpstream.stages.fx import trace
 from mpstream.stages.lookups import Lookup, missing_keys
-from mpstream.stages.traced import FxSplit
-
-
-class ReadAs(nn.Module):
-    """Reads ``x`` and an optional shift from its one argument with ``read``."""
-
-    def __init__(self, read: Any) -> None:
-        super().__init__()
-        self.read = read
-        self.a = nn.Linear(4, 4)
-        self.b = nn.Linear(4, 2)
-
-    def forward(self, batch: Any) -> Tensor:
-        x, shift = self.read(batch)
-        h = torch.tanh(self.a(x))
-        if shift is not None:
-            h = h + shift
-        return self.b(h)  # type: ignore[no-any-return]
-
-
-def fx_split(pipe: Pipe) -> FxSplit:
-    split = pipe.__dict__["_split"]
-    assert isinstance(split, FxSplit)
-    return split
-
+from tests.stages.test_traced import fx_split
+from tests.stages.test_traced_items import ReadAs
 
 READS = {
     "get": lambda b: (b["x"], b.get("s")),
