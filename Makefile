@@ -74,10 +74,18 @@ doctor: setup
 	$(VENV)/bin/mpstream doctor $(DOCTOR_ARGS)
 
 # The whole test suite: unit tests (CUDA tests skip without a GPU), then the
-# benchmark suite once each, untimed.
+# benchmark suite once each, untimed. Both run in TEST_WORKERS processes
+# (pytest-xdist), each taking a whole file at a time so that a module's
+# fixtures run once. By default one per core, at most 8, on a machine without
+# a GPU, and none (all in make's own pytest process) on one with a GPU: CUDA
+# tests side by side would share the device and disturb each other's
+# overlap timings and memory peaks.
+TEST_WORKERS ?= $$($(PY) -c "import os, torch; print(0 if torch.cuda.is_available() else min(os.cpu_count() or 1, 8))")
+XDIST = -n $(TEST_WORKERS) --dist loadfile
+
 test: setup
-	$(PY) -m pytest tests -q $(PYTEST_ARGS)
-	$(PY) -m pytest benchmarks -q --benchmark-disable $(PYTEST_ARGS)
+	$(PY) -m pytest tests -q $(XDIST) $(PYTEST_ARGS)
+	$(PY) -m pytest benchmarks -q --benchmark-disable $(XDIST) $(PYTEST_ARGS)
 
 # The benchmark suite, timed; results saved under .benchmarks/ for
 # `pytest benchmarks --benchmark-compare`.
@@ -87,8 +95,8 @@ bench-suite: setup
 # Static checks: types, lint and formatting.
 check: setup
 	$(PY) -m mypy
-	$(VENV)/bin/ruff check mpstream tests benchmarks setup.py
-	$(VENV)/bin/ruff format --check mpstream tests benchmarks setup.py
+	$(VENV)/bin/ruff check mpstream tests benchmarks setup.py conftest.py
+	$(VENV)/bin/ruff format --check mpstream tests benchmarks setup.py conftest.py
 
 bench: setup
 	$(VENV)/bin/mpstream bench
