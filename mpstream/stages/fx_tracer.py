@@ -41,6 +41,9 @@ class BufferChange(Unrecorded):
     """A forward changes one of the module's buffers."""
 
 
+# What Tracer.create_proxy records as it is (see Tracer._pop_or_setdefault).
+_AS_CODE = object()
+
 # Methods that change a dict or list in place (a proxy has no __setitem__).
 _CHANGES = frozenset(
     ("setdefault", "update", "pop", "popitem", "clear")  # a dict's
@@ -60,8 +63,9 @@ class Tracer(fx.Tracer):
             one gives None, not a value, so ``if batch['mask'] is not None:``
             is not taken, as it would not be when the module runs.
         values: the call traced, every argument by name, which answers
-            ``batch.get(key)`` and ``key in batch`` for a key it leaves out
-            of a dict as the module would; None: every key present.
+            ``batch.get(key)``, ``batch.pop(key, d)`` and ``key in batch``
+            for a key it leaves out of a dict as the module would; None:
+            every key present.
         lookups: where to add each lookup the trace makes (see
             :mod:`~mpstream.stages.lookups`), a failed trace's too.
     """
@@ -111,6 +115,10 @@ class Tracer(fx.Tracer):
         self, kind: str, target: Any, args: Any, kwargs: Any, *rest: Any, **more: Any
     ) -> Any:
         item: Item | None = None
+        if kind == "call_method" and target in ("pop", "setdefault") and len(args) > 1:
+            answered = self._pop_or_setdefault(target, args, kwargs, *rest, **more)
+            if answered is not _AS_CODE:
+                return answered
         if kind == "call_method" and target in _CHANGES and args:
             changed = item_of(args[0])
             if changed is not None:
@@ -134,6 +142,42 @@ class Tracer(fx.Tracer):
         proxy = super().create_proxy(kind, target, args, kwargs, *rest, **more)
         if item is not None:
             proxy.__dict__["_item"] = item
+        return proxy
+
+    def _pop_or_setdefault(
+        self, method: str, args: Any, kwargs: Any, *rest: Any, **more: Any
+    ) -> Any:
+        """``owner.pop(key, ...)`` or ``owner.setdefault(key, ...)`` for a
+        key written in the code, answered from the call where the module
+        would leave the dict as it is: a key the call leaves out popped
+        with a default gives the default, a key the call holds as None
+        set by default gives None, recording nothing. Else recorded (the
+        stage changes its dict as the module does), marking the dict
+        changed where it changes; ``_AS_CODE`` where the call cannot
+        answer (no dict there, a traced key, a dict changed already)."""
+        owner, key = item_of(args[0]), args[1]
+        if owner is None or isinstance(key, fx.Proxy) or kwargs or self._changed(owner):
+            return _AS_CODE
+        present = self._look_up(owner, key, test=False)
+        if present is None:  # no dict: a call of the object's own method
+            return _AS_CODE
+        default = args[2] if len(args) > 2 else None
+        item: Item = (owner[0], (*owner[1], ("[", key)))
+        is_none = item_name(item) in self.none_items
+        if method == "pop":
+            if not present and len(args) > 2:
+                return default  # nothing to pop: the dict stays as it is
+            self.changed.append(owner)  # gone from here on (or KeyError, as the module)
+            proxy = super().create_proxy("call_method", method, args, kwargs, *rest, **more)
+            return None if is_none else proxy
+        if not present:  # the key is set: the dict changes, at the stage too
+            self.changed.append(owner)
+            super().create_proxy("call_method", method, args, kwargs, *rest, **more)
+            return default
+        if is_none:
+            return None  # held as None: setdefault leaves it and gives None
+        proxy = super().create_proxy("call_method", method, args, kwargs, *rest, **more)
+        proxy.__dict__["_item"] = item
         return proxy
 
     def contains(self, proxy: fx.Proxy, key: object) -> bool:

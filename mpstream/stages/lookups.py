@@ -2,13 +2,15 @@
 
 The plain module reads a key the call leaves out of a dict as the code
 says: ``batch.get("s")`` is None, ``batch.get("s", 0.0)`` the default,
-``"s" in batch`` False. ``torch.fx`` would trace each as a value (and
-fail on ``in``), so a split traced with the key present would run a call
-without it. The :class:`~mpstream.stages.fx_tracer.Tracer` answers each
-such lookup from the call it traces and records it (with no call, the
-first trace without ``sample=``, a ``.get`` as present, as every argument
-is taken as given, and a test refused); the set of keys a trace
-looked up is known only after the trace, so a pipe keeps the lookups of
+``"s" in batch`` False, ``batch.pop("s", 0.0)`` the default (and
+``batch.setdefault("s", v)`` None for a key the call holds as None).
+``torch.fx`` would trace each as a value (and fail on ``in``), so a split
+traced with the key present would run a call without it. The
+:class:`~mpstream.stages.fx_tracer.Tracer` answers each such lookup from
+the call it traces and records it (with no call, the first trace without
+``sample=``, a ``.get`` as present, as every argument is taken as given,
+and a test refused); the set of keys a trace looked up is known only
+after the trace, so a pipe keeps the lookups of
 all its traces (see :mod:`~mpstream.stages.traced`), and
 :func:`missing_keys` tells which of them a call leaves out: part of the
 call's kind.

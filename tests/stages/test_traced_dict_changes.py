@@ -1,0 +1,99 @@
+"""A dict ``forward`` changes as it reads it, traced by torch.fx:
+``batch.pop("s", d)`` and ``batch.setdefault("s", v)`` are answered from
+the call where the module leaves the dict as it is (a key left out popped,
+a key held as None set by default). Outputs, gradients and
+``train_step``'s loss equal the plain module's for every kind of call,
+and the caller's dict is left as it was: each micro-batch's dict is the
+pipe's own."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from mpstream import Pipe
+from tests.stages.test_traced import fx_split
+from tests.stages.test_traced_items import ReadAs
+
+
+def _pop_then_get(batch: dict[str, Tensor]) -> tuple[Tensor, Any]:
+    batch.pop("s", None)
+    return batch["x"], batch.get("s", 0.5)  # gone, whatever the call held
+
+
+READS: dict[str, Callable[[dict[str, Any]], tuple[Tensor, Any]]] = {
+    "pop-None": lambda b: (b["x"], b.pop("s", None)),
+    "pop-default": lambda b: (b["x"], b.pop("s", 0.5)),
+    "pop-then-get": _pop_then_get,
+    "setdefault-None": lambda b: (b["x"], b.setdefault("s", None)),
+    "setdefault-value": lambda b: (b["x"], b.setdefault("s", b["x"] * 2)),
+}
+
+# "s" given, held as None, left out: each kind twice, in a mixed order.
+SHIFTS = ["given", "None", "left out", "given", "left out", "None"]
+
+
+def _batch(x: Tensor, s: Tensor, shift: str) -> dict[str, Any]:
+    if shift == "left out":
+        return {"x": x.clone()}
+    return {"x": x.clone(), "s": s.clone() if shift == "given" else None}
+
+
+def _grads_equal(pipe: nn.Module, model: nn.Module) -> None:
+    for p, q in zip(pipe.parameters(), model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+@pytest.mark.parametrize("read", list(READS))
+@pytest.mark.parametrize("split_size", [3, 4])  # 6 rows: one divides, one does not
+def test_a_dict_forward_changes_is_read_as_the_plain_model_reads_it(
+    read: str, split_size: int
+) -> None:
+    torch.manual_seed(0)
+    model = ReadAs(READS[read]).double()
+    pipe = Pipe(
+        copy.deepcopy(model), split_points=["b"], devices=["cpu"] * 2, split_size=split_size
+    )
+    x = torch.randn(6, 4, dtype=torch.float64)
+    s = torch.randn(6, 4, dtype=torch.float64)
+    y = torch.randn(6, 2, dtype=torch.float64)
+    for shift in SHIFTS:
+        given = _batch(x, s, shift)
+        keys = sorted(given)
+        pipe.zero_grad()
+        model.zero_grad()
+        out, expected = pipe(given), model(_batch(x, s, shift))
+        torch.testing.assert_close(out, expected)
+        out.square().sum().backward()
+        expected.square().sum().backward()
+        _grads_equal(pipe, model)
+        assert sorted(given) == keys  # the caller's dict: left as it was
+        pipe.zero_grad()
+        model.zero_grad()
+        loss = pipe.train_step(_batch(x, s, shift), y, nn.functional.mse_loss)
+        expected = nn.functional.mse_loss(model(_batch(x, s, shift)), y)
+        expected.backward()
+        torch.testing.assert_close(loss, expected.detach())
+        _grads_equal(pipe, model)
+    assert pipe.split_report().tracer == "torch.fx"
+
+
+def test_a_key_popped_with_a_default_is_part_of_the_kind_of_call() -> None:
+    # The call that leaves "s" out gets a split that pops nothing; the
+    # call that holds it as None, one that pops it and reads None.
+    model = ReadAs(READS["pop-None"]).double()
+    pipe = Pipe(model, split_points=["b"], devices=["cpu"] * 2, chunks=2)
+    x = torch.randn(4, 4, dtype=torch.float64)
+    for batch in [{"x": x, "s": x + 1}, {"x": x}, {"x": x, "s": None}]:
+        pipe(batch)
+    assert [t.split(": ", 1)[1] for t in pipe.split_report().traces] == [
+        "every argument given",
+        "batch['s'] missing",
+        "batch['s']=None",
+    ]
+    assert len(fx_split(pipe).lookups) == 1
