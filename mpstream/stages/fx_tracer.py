@@ -23,7 +23,7 @@ from torch import Tensor, fx, nn
 from torch.nn.parameter import is_lazy
 
 from ..memory import DeferredBatchNorm
-from .inplace import AugmentedProxy, item_of
+from .inplace import AugmentedProxy, augmented, item_of
 from .lookups import Item, Lookup, item_name
 
 __all__ = ["Tracer", "Unrecorded", "ModeChange", "BufferChange", "current_modes", "stand_ins"]
@@ -119,10 +119,16 @@ class Tracer(fx.Tracer):
             answered = self._pop_or_setdefault(target, args, kwargs, *rest, **more)
             if answered is not _AS_CODE:
                 return answered
-        if kind == "call_method" and target in _CHANGES and args:
+        if (kind == "call_method" and target in _CHANGES and args) or (
+            kind == "call_function" and target is augmented and args
+        ):
+            # `other = batch; other |= {...}` changes batch too: lookups
+            # through either name run as code from now on.
             changed = item_of(args[0])
             if changed is not None:
                 self.changed.append(changed)
+                if target is augmented:
+                    item = changed  # the same dict: a test on it is refused by name
         if kind == "placeholder":
             item = (str(target), ())
         elif (kind == "call_function" and target is operator.getitem) or (

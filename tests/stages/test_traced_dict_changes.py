@@ -1,7 +1,9 @@
 """A dict ``forward`` changes as it reads it, traced by torch.fx:
 ``batch.pop("s", d)`` and ``batch.setdefault("s", v)`` are answered from
 the call where the module leaves the dict as it is (a key left out popped,
-a key held as None set by default). Outputs, gradients and
+a key held as None set by default), and a dict changed in place through a
+second name (``other = batch; other |= {...}``) is no longer answered from
+the call through either name. Outputs, gradients and
 ``train_step``'s loss equal the plain module's for every kind of call,
 and the caller's dict is left as it was: each micro-batch's dict is the
 pipe's own."""
@@ -21,6 +23,18 @@ from tests.stages.test_traced import fx_split
 from tests.stages.test_traced_items import ReadAs
 
 
+def _alias_then_get(batch: dict[str, Tensor]) -> tuple[Tensor, Tensor | None]:
+    other = batch
+    other |= {"s": batch["x"] * 3}
+    return batch["x"], batch.get("s")
+
+
+def _alias_then_get_other(batch: dict[str, Tensor]) -> tuple[Tensor, Tensor | None]:
+    other = batch
+    other |= {"s": batch["x"] * 3}
+    return batch["x"], other.get("s", None)
+
+
 def _pop_then_get(batch: dict[str, Tensor]) -> tuple[Tensor, Any]:
     batch.pop("s", None)
     return batch["x"], batch.get("s", 0.5)  # gone, whatever the call held
@@ -32,6 +46,8 @@ READS: dict[str, Callable[[dict[str, Any]], tuple[Tensor, Any]]] = {
     "pop-then-get": _pop_then_get,
     "setdefault-None": lambda b: (b["x"], b.setdefault("s", None)),
     "setdefault-value": lambda b: (b["x"], b.setdefault("s", b["x"] * 2)),
+    "alias-then-get": _alias_then_get,
+    "alias-then-get-other": _alias_then_get_other,
 }
 
 # "s" given, held as None, left out: each kind twice, in a mixed order.
@@ -97,3 +113,21 @@ def test_a_key_popped_with_a_default_is_part_of_the_kind_of_call() -> None:
         "batch['s']=None",
     ]
     assert len(fx_split(pipe).lookups) == 1
+
+
+def test_a_dict_changed_through_a_second_name_refuses_a_test_naming_it() -> None:
+    def tests_after(batch: dict[str, Tensor]) -> tuple[Tensor, Tensor | None]:
+        other = batch
+        other |= {"t": batch["x"]}
+        return batch["x"], batch["s"] if "s" in other else None
+
+    x = torch.randn(4, 4, dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"forward tests 's' in batch after changing it in place"):
+        Pipe(
+            ReadAs(tests_after),
+            split_points=["b"],
+            devices=["cpu"] * 2,
+            chunks=2,
+            tracer="fx",
+            sample=({"x": x},),
+        )
