@@ -34,6 +34,7 @@ at once.
 
 from __future__ import annotations
 
+import pickle
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -125,6 +126,22 @@ class FxSplit(Kinds):
 
     def __post_init__(self) -> None:
         self.watched = traced_through(self.module, self.leaf_modules)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A key that does not pickle (an enum defined in a function) goes,
+        # with the runs that looked it up. The kinds are taken over every
+        # lookup, so without it two kinds would fall together (a call that
+        # leaves the key out would take the split traced with it): they go
+        # too, and the loaded pipe takes each call's kind again, from the
+        # runs kept or by a trace that looks the key up anew and shares a
+        # split whose code is the same.
+        state = super().__getstate__()
+        lost = {lookup for lookup in self.lookups if not _pickles(lookup)}
+        if lost:
+            state["lookups"] = self.lookups - lost
+            state["runs"] = [run for run in self.runs if not run[2] & lost]
+            state["kinds"], state["untraceable"] = {}, {}
+        return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         state.setdefault("lookups", set())  # pickled by an mpstream without them
@@ -301,6 +318,15 @@ def _same_code(a: fx.GraphModule, b: fx.GraphModule) -> bool:
         if not torch.equal(s, t):
             return False
     return code_a == code_b
+
+
+def _pickles(lookup: Lookup) -> bool:
+    """Whether a lookup pickles (its key, and those on the way to its dict)."""
+    try:
+        pickle.dumps(lookup)
+    except (pickle.PicklingError, AttributeError, TypeError):
+        return False
+    return True
 
 
 def _drop_constants(module: nn.Module, traced: Traced) -> None:

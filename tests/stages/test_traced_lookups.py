@@ -7,6 +7,7 @@ the plain module's for every kind, in any order."""
 from __future__ import annotations
 
 import copy
+import enum
 import pickle
 from typing import Any
 
@@ -107,6 +108,55 @@ def test_a_pickled_pipe_keeps_the_keys_its_traces_looked_up() -> None:
     for batch in batches:
         torch.testing.assert_close(pipe(batch), model(batch))
     assert len(fx_split(pipe).traces) == 2  # no kind traced again
+
+
+def _local_key() -> enum.Enum:
+    class Key(enum.Enum):  # defined in a function: it does not pickle
+        S = "s"
+
+    return Key.S
+
+
+LOCAL_KEY = _local_key()
+
+
+def _tests_local(batch: dict[Any, Tensor]) -> tuple[Tensor, Tensor | None]:
+    # The split's code holds no key (fx could not pickle it): only the lookups.
+    return batch["x"], batch["x"] + 1 if LOCAL_KEY in batch else None
+
+
+@pytest.mark.parametrize("split_size", [2, 4])  # 6 rows
+def test_a_pipe_that_looked_up_a_key_that_does_not_pickle_pickles_and_traces_again(
+    split_size: int,
+) -> None:
+    # Its kinds went with the key: a call leaving the key out must not take
+    # the split of one that gives it, nor the other way round.
+    torch.manual_seed(0)
+    model = ReadAs(_tests_local).double()
+    x, s = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    y = torch.randn(6, 2, dtype=torch.float64)
+    pipe = Pipe(copy.deepcopy(model), split_points=["b"], devices=["cpu"] * 2,
+                split_size=split_size, sample=({"x": x, LOCAL_KEY: s},))  # fmt: skip
+    pipe({"x": x})
+    pipe = pickle.loads(pickle.dumps(pipe))
+    for batch in [{"x": x}, {"x": x, LOCAL_KEY: s}, {"x": x}]:
+        pipe.zero_grad()
+        model.zero_grad()
+        out, expected = pipe(batch), model(batch)
+        torch.testing.assert_close(out, expected)
+        out.square().sum().backward()
+        expected.square().sum().backward()
+        for p, q in zip(pipe.parameters(), model.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+        pipe.zero_grad()
+        model.zero_grad()
+        loss = pipe.train_step(batch, y, nn.functional.mse_loss)
+        expected = nn.functional.mse_loss(model(batch), y)
+        expected.backward()
+        torch.testing.assert_close(loss, expected.detach())
+        for p, q in zip(pipe.parameters(), model.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+    assert len(fx_split(pipe).traces) == 2  # each kind traced again, its split shared
 
 
 def test_a_pipe_that_looks_no_key_up_keeps_no_lookups() -> None:
