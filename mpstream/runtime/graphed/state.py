@@ -71,6 +71,11 @@ class StageState:
         #: keys would pile up), which costs at most a capture again.
         self.numbers: dict[tuple[Any, ...], int] = {}
         self._next_number = 0
+        # The keys forgotten whose calls were dropped, with the generations
+        # dropped: met again, each is a recapture still, so the count is
+        # of captures whatever keys are kept. One entry per key captured,
+        # dropped and forgotten (each cost a capture), never on a replay.
+        self.forgotten: dict[tuple[Any, ...], frozenset[int]] = {}
         self.calls: OrderedDict[tuple[Any, ...], GraphedCall] = OrderedDict()
         self.used: set[tuple[Any, ...]] = set()  # keys the current run replayed
         self.baked: Baked | None = None
@@ -145,12 +150,23 @@ class StageState:
                 self._forget()
             found = self.numbers[key] = self._next_number
             self._next_number += 1
+            generations = self.forgotten.pop(key, None)
+            if generations is not None:  # its calls were dropped: recaptures
+                self.dropped.update((found, g) for g in generations)
         return found
 
     def _forget(self) -> None:
-        """Forgets the numbers of the keys no kept call holds, and which of
-        their calls were dropped (a key met again is a first capture)."""
+        """Forgets the numbers of the keys no kept call holds; those whose
+        calls were dropped are kept aside with the generations dropped
+        (``forgotten``), so that capturing them again counts."""
         kept = {number for number, *_ in self.calls}
+        dropped: dict[int, set[int]] = {}
+        for number, generation in self.dropped:
+            if number not in kept:
+                dropped.setdefault(number, set()).add(generation)
+        for key, n in self.numbers.items():
+            if n in dropped:
+                self.forgotten[key] = frozenset(dropped[n])
         self.numbers = {key: n for key, n in self.numbers.items() if n in kept}
         self.dropped = {key for key in self.dropped if key[0] in kept}
 

@@ -18,6 +18,7 @@ from torch import nn
 from mpstream import Pipe
 from mpstream.runtime.graphed import Emulated, GraphWarning, StageGraphs
 from mpstream.runtime.graphed import call as call_module
+from mpstream.runtime.graphed import state as state_module
 from tests.helpers import assert_same_grads, mlp
 from tests.runtime.graphed.test_stages import WIDTHS, data, pair
 
@@ -133,6 +134,36 @@ def test_recaptures_count_captures_a_replaced_tensor_caused() -> None:
     nn.functional.mse_loss(graphed(x), y).backward()  # one shape again
     stage = graphed.graph_report().stages[0]
     assert stage.recaptures == 2  # its forward and backward for that shape, not all dropped
+
+
+@pytest.mark.parametrize("split_size", [3, 4])  # batches of 6, 5, 4, 3: some divide
+def test_recaptures_count_every_capture_again_once_its_key_was_forgotten(
+    monkeypatch: pytest.MonkeyPatch, split_size: int
+) -> None:
+    # Past the bound on numbered keys a stage forgets the keys no kept call
+    # holds: those of calls dropped (a replaced tensor) still count when
+    # captured again, as they do before the bound is reached.
+    monkeypatch.setattr(state_module, "_NUMBERS_KEPT", 2)
+    eager, graphed = pair(mlp(WIDTHS), split_size=split_size)
+    x, y = data()
+
+    def step(batch: int) -> None:
+        losses = []
+        for pipe in (eager, graphed):
+            pipe.zero_grad()
+            losses.append(pipe.train_step(x[:batch], y[:batch], nn.functional.mse_loss))
+        torch.testing.assert_close(losses[1], losses[0])
+        assert_same_grads(graphed, eager)
+
+    for batch in (6, 5):  # 3 keys (slot and shape) in stage 0
+        step(batch)
+    for pipe in (eager, graphed):
+        first = pipe.partitions[0][0]
+        first.weight = nn.Parameter(first.weight.detach().clone())  # stage 0's calls go
+    for batch in (4, 3, 6, 5):  # a new key among them: the dropped ones are forgotten
+        step(batch)
+    stage = graphed.graph_report().stages[0]
+    assert (stage.captures, stage.recaptures) == (7, 3)  # each of the 3 keys again, 1 new
 
 
 def _held(pipe: Pipe) -> int:

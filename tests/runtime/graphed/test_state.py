@@ -153,3 +153,23 @@ def test_numbers_of_call_keys_are_bounded_and_never_reused(
     kept = {number for number, _ in st.calls}
     assert kept <= set(st.numbers.values())  # a kept call's key keeps its number
     assert st.number(("shape", 9)) == max(seen)  # the newest key is still known
+
+
+def test_a_dropped_call_captured_again_after_its_key_was_forgotten_is_a_recapture(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(state_module, "_NUMBERS_KEPT", 4)
+    layer = nn.Linear(2, 2)
+    st = state(layer)
+    for generation in (0, 1):  # two calls of one key (two forwards awaiting their backward)
+        st.add((st.number(("a",)), generation), Call())  # type: ignore[arg-type]
+    layer.weight = nn.Parameter(layer.weight.detach().clone())
+    st.prepare(2)  # both dropped
+    for i in range(10):  # keys never captured: numbered, forgotten, not kept aside
+        st.number(("shape", i))
+    assert ("a",) not in st.numbers
+    number = st.number(("a",))
+    for generation in (0, 2, 1):  # generation 2 was never captured
+        st.add((number, generation), Call())  # type: ignore[arg-type]
+    assert (st.captures, st.recaptures) == (5, 2)
+    assert len(st.numbers) <= 4 and not st.forgotten  # "a" numbered again, none kept aside
