@@ -3,10 +3,10 @@
 the call where the module leaves the dict as it is (a key left out popped,
 a key held as None set by default), and a dict changed in place through a
 second name (``other = batch; other |= {...}``) is no longer answered from
-the call through either name. Outputs, gradients and
-``train_step``'s loss equal the plain module's for every kind of call,
-and the caller's dict is left as it was: each micro-batch's dict is the
-pipe's own."""
+the call through either name; a later stage reads the dict as changed.
+Outputs, gradients and ``train_step``'s loss equal the plain module's for
+every kind of call, and the caller's dict is left as it was: each
+micro-batch's dict is the pipe's own."""
 
 from __future__ import annotations
 
@@ -131,3 +131,47 @@ def test_a_dict_changed_through_a_second_name_refuses_a_test_naming_it() -> None
             tracer="fx",
             sample=({"x": x},),
         )
+
+
+class PopsThenReadsLater(nn.Module):
+    """Pops ``s`` (or sets it by default) in its first stage, and reads the
+    dict again in its second: the change shows there, as in the module."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, batch: dict[str, Tensor | None]) -> Tensor:
+        x = batch["x"]
+        assert x is not None
+        s = batch.pop("s", None) if self.how == "pop" else batch.setdefault("s", x * 2)
+        h = torch.tanh(self.a(x))
+        if s is not None:
+            h = h * s
+        later = batch.get("s", torch.full_like(x, 0.5))
+        assert later is not None
+        return self.b(h) * later[:, :2]  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("how", ["pop", "setdefault"])
+@pytest.mark.parametrize("force_copies", [False, True])  # the dict sent to the next stage
+def test_a_dict_changed_in_one_stage_is_read_changed_in_the_next(
+    how: str, force_copies: bool
+) -> None:
+    torch.manual_seed(0)
+    model = PopsThenReadsLater(how).double()
+    pipe = Pipe(copy.deepcopy(model), split_points=["b"], devices=["cpu"] * 2, split_size=4,
+                force_copies=force_copies)  # fmt: skip
+    x = torch.randn(6, 4, dtype=torch.float64)
+    s = torch.randn(6, 4, dtype=torch.float64)
+    shifts = ["given", "left out", "given"] + (["None", "left out"] if how == "pop" else [])
+    for shift in shifts:
+        pipe.zero_grad()
+        model.zero_grad()
+        out, expected = pipe(_batch(x, s, shift)), model(_batch(x, s, shift))
+        torch.testing.assert_close(out, expected)
+        out.square().sum().backward()
+        expected.square().sum().backward()
+        _grads_equal(pipe, model)
