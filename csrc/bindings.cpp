@@ -100,8 +100,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // abort() raising a device error, peer_view's kernels per backend; 7:
   // schedule_placements; 8: the segmented runs' scheduler methods, begin_run's
   // pull and the peer_view operator removed; 9: begin_mark's run_tag and
-  // the run_tag property; 10: MutedHooks).
-  m.attr("interface_version") = 10;
+  // the run_tag property; 10: MutedHooks; 11: MutedHooks takes prehooks and
+  // posthooks off too, has_post_hooks).
+  m.attr("interface_version") = 11;
 
   py::class_<mpstream::Watch>(m, "Watch")
       .def(py::init<std::vector<at::Tensor>>(), py::arg("tensors"))
@@ -113,11 +114,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("detached", &mpstream::Attached::detached);
   py::class_<mpstream::MutedHooks>(m, "MutedHooks")
       .def(py::init<const py::handle&>(), py::arg("node"),
-           "Takes the tensor hooks (Tensor.register_hook's) off an autograd node until "
-           "restore().")
+           "Takes an autograd node's tensor hooks, prehooks and posthooks off it until "
+           "restore() (retain_grad's stay).")
       .def("restore", &mpstream::MutedHooks::restore,
-           "Gives the node its tensor hooks back, ahead of any it gained meanwhile; once.")
+           "Gives the node its hooks back, ahead of any it gained meanwhile; once.")
       .def("__len__", &mpstream::MutedHooks::size);
+  m.def("has_post_hooks", &mpstream::has_post_hooks, py::arg("node"),
+        "Whether an autograd node holds posthooks (Node.register_hook's, kept once removed).");
 
   py::enum_<Kind>(m, "Kind")
       .value("forward", Kind::kForward)

@@ -14,11 +14,11 @@ linear layer's addmm, whose other edges go to its weight and bias). A hook on
 each junction keeps the gradient that flows into it. W then starts autograd
 at those junctions with the kept gradients, toward the parameters below them:
 each junction now computes the gradients it skipped in B, and nothing on the
-input path runs twice. (A tensor hook on a junction's output runs in B,
-and W mutes it; see :mod:`~mpstream.runtime.split_hooks`.)
+input path runs twice. (A junction's hooks run in B, and W mutes them;
+see :mod:`~mpstream.runtime.split_hooks`.)
 
 One W call per group of junctions whose parameters overlap. B computes
-three kinds of parameter gradients itself: those of a parameter reached from
+four kinds of parameter gradients itself: those of a parameter reached from
 several junctions, one below the other on the input path (a weight used
 twice in a row), which W would count twice; groups of vectors only (a
 norm's scale and shift), whose gradients are reductions over the batch that
@@ -26,7 +26,10 @@ the junction computes with the input gradient in the same pass: deferring
 them would cost a second reduction and an autograd call each, to save
 nothing; and those under a custom ``autograd.Function`` (a ``torch.compile``d
 stage is one), whose backward computes every gradient each time it runs:
-running it again in W would repeat all of it. W keeps the weight matrices
+running it again in W would repeat all of it; and those under a junction
+holding a posthook (``grad_fn.register_hook``, the deprecated
+``Module.register_backward_hook``), which sees every gradient its node
+computes, in the one call a plain backward makes. W keeps the weight matrices
 and kernels, the matmuls and convolutions that make a backward's second
 half. B keeps the stage's graph (and its saved tensors) alive for W; each W
 call frees the part it ran.
@@ -53,7 +56,7 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 from torch.utils.checkpoint import CheckpointFunction
 
 from .boundary import _ANCHOR, Boundary
-from .split_hooks import Group, pinned, zeros_like
+from .split_hooks import Group, has_post_hooks, pinned, zeros_like
 
 __all__ = ["Split", "WeightPass", "backward_inputs"]
 
@@ -225,7 +228,8 @@ class Split:
             # may refuse the kept graph W needs (donated buffers), not only
             # one W would start from.
             opaque = any(hasattr(j, "_forward_cls") for j in on_path) or compiled
-            if tangled or vectors or opaque:
+            watched = any(has_post_hooks(j) for j in on_path)
+            if tangled or vectors or opaque or watched:
                 self.eager.extend(_variable(p) for p in params)
             else:
                 self._kept.append((junctions, params))

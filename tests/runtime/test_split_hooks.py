@@ -3,7 +3,7 @@ output) runs once per micro-batch, in B, as in a plain backward, under
 every zero-bubble schedule, with the plain model's gradients (input,
 parameter, retained ``.grad``) and seeing what it would see there, however
 and wherever it was registered; a module's full backward hooks and
-pre-hooks too. W mutes a junction's tensor hooks with
+pre-hooks too. W mutes a junction's hooks with
 ``mpstream._C.MutedHooks`` (see ``mpstream/runtime/split_hooks.py``),
 tested here on plain autograd graphs too."""
 
@@ -222,16 +222,16 @@ def test_w_mutes_the_hooks_at_every_output_of_a_node_and_gives_them_back() -> No
     second.grad = kept.clone()  # as B left it
     zeros = torch.zeros(3, dtype=torch.float64)
 
-    def fail(grad_outputs: tuple[Tensor, ...]) -> None:
+    def fail(g: Tensor) -> None:
         raise RuntimeError("failed W")
 
-    # A user's node prehook, which runs after the tensor hooks, fails W
-    # before the node runs: its graph is still there afterwards.
-    handle = node.register_prehook(fail)
+    # A hook on the parameter fails W once the node ran (before the
+    # gradient accumulates); the graph is retained for the next call.
+    handle = w.register_hook(fail)
     with pytest.raises(RuntimeError, match="failed W"), pinned({node: [None, kept]}):
         torch.autograd.backward([GradientEdge(node, 1)], [zeros], inputs=[w], retain_graph=True)  # type: ignore[arg-type]
     handle.remove()
-    assert calls == []
+    assert calls == [] and w.grad is None
     with pinned({node: [None, kept]}):
         torch.autograd.backward([GradientEdge(node, 1)], [zeros], inputs=[w])  # type: ignore[arg-type]
     assert calls == []
@@ -240,9 +240,10 @@ def test_w_mutes_the_hooks_at_every_output_of_a_node_and_gives_them_back() -> No
 
 
 def test_a_failed_w_gives_a_junctions_hooks_back() -> None:
-    """W raises (a user's node prehook on the junction, registered after
-    B): the hook did not run in W, and the next backward through the
-    junction runs it once."""
+    """W raises (a user's hook on a weight W computes, registered after
+    B): the junction's hook did not run in W, and the next backward through
+    the junction runs it once (then fails: W ran the junction, freeing
+    what it saved)."""
     stage = nn.Sequential(Hooked(lambda g: None), nn.Tanh(), nn.Linear(4, 3)).double()
     x, grad = torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
     out = stage(cut(GradSink(), (x,))[0])
@@ -250,16 +251,17 @@ def test_a_failed_w_gives_a_junctions_hooks_back() -> None:
     (h,) = stage[0].kept
     assert h.grad_fn is not None and len(stage[0].seen) == 1
 
-    def fail(grad_outputs: tuple[Tensor, ...]) -> None:
+    def fail(g: Tensor) -> None:
         raise RuntimeError("failed W")
 
-    handle = h.grad_fn.register_prehook(fail)
+    handle = stage[0].lin.weight.register_hook(fail)
     with pytest.raises(RuntimeError, match="failed W"):
         weight.run()
     handle.remove()
     assert len(stage[0].seen) == 1, "the hook ran in W"
     again = torch.randn(5, 4, dtype=torch.float64)
-    h.backward(again)
+    with pytest.raises(RuntimeError, match="second time"):
+        h.backward(again)
     assert len(stage[0].seen) == 2
     torch.testing.assert_close(stage[0].seen[1][1], again)
 
