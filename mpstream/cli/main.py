@@ -214,6 +214,14 @@ def parser() -> argparse.ArgumentParser:
         help="assumed copy bandwidth for predictions, in GB/s (gigabytes per second; "
         "default: %(default)s)",
     )
+    r.add_argument(
+        "--order",
+        metavar="FILE",
+        help="a text file holding your order of actions for the tutorial's 2 stages and the "
+        "micro-batches --batch-size makes at --split-size (e.g. F0m0 F1m0 B1m0 B0m0 for 2): "
+        "the traced steps and the cost model's are train_step in that order, at --split-size "
+        "alone",
+    )
     r.add_argument("--out", default="mpstream-trace", help="output folder (default: %(default)s)")
     r.set_defaults(func=cli_resnet.trace)
     cli_doctor.add_command(sub)

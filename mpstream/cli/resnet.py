@@ -20,7 +20,7 @@ import torch
 
 from .._version import __version__
 from ..tutorial.machine import detect_devices, device_name, metadata
-from . import extras
+from . import extras, orders
 from . import transformer as cli_transformer
 from .argtypes import UsageError
 from .signals import finish, terminate_as_interrupt
@@ -239,20 +239,53 @@ def tune(args: argparse.Namespace) -> int:
     return 0
 
 
+def _order(args: argparse.Namespace, config: Config) -> tuple[str, ...] | None:
+    """``trace --order``: the order read and checked against the tutorial's
+    two stages and the micro-batches of the traced run."""
+    if args.order is None:
+        return None
+    order = orders.read(args.order)
+    if args.split_sizes is not None:
+        raise UsageError(
+            "--split-sizes with --order: an order covers one micro-batch count, so the cost "
+            "model is checked at --split-size alone; drop --split-sizes"
+        )
+    batch, split = config.batch_size, config.split_size
+    micros = -(-batch // split)
+    orders.checked(
+        order,
+        args.order,
+        (2, "the tutorial's model has 2 stages: give an order for 2"),
+        (
+            micros,
+            f"--batch-size {batch} in micro-batches of {split} (--split-size) makes {micros}: "
+            f"give an order for {micros}, or a --split-size making as many as the order covers",
+        ),
+    )
+    return order
+
+
 def trace(args: argparse.Namespace) -> int:
     dev0, dev1 = _devices(args)
     config = _config(args)
+    order = _order(args, config)
     from ..tutorial import analysis
 
     plot = extras.figures("trace", True)
     _header(args, dev0, dev1)
     out = Path(args.out)
-    summary = analysis.trace_tutorial(dev0, dev1, config, out, plot=plot)
-    print("trace of the tutorial run (measured):")
+    summary = analysis.trace_tutorial(dev0, dev1, config, out, plot=plot, order=order)
+    what = "the tutorial run" if order is None else f"train_step in your order ({args.order})"
+    print(f"trace of {what} (measured):")
     for key in ("makespan_ms", "bubble_fraction", "copy_hidden_fraction", "stage_busy_ms"):
         print(f"  {key}: {summary[key]}")
-    sizes = config.split_sizes if args.split_sizes else config.split_sizes[:4]
-    validation = analysis.validate_cost_model(dev0, dev1, config, sizes, repeat=config.repeat)
+    if order is not None:
+        sizes: tuple[int, ...] = (config.split_size,)
+    else:
+        sizes = config.split_sizes if args.split_sizes else config.split_sizes[:4]
+    validation = analysis.validate_cost_model(
+        dev0, dev1, config, sizes, repeat=config.repeat, order=order
+    )
     print("cost model vs measured training steps:")
     for row in validation:
         print(
@@ -272,6 +305,7 @@ def trace(args: argparse.Namespace) -> int:
     doc = {
         **metadata((dev0, dev1)),
         "config": dataclasses.asdict(config),
+        "order": None if order is None else " ".join(order),
         "trace_summary": summary,
         "cost_model_validation": validation,
         "predictions": scaling,

@@ -10,16 +10,16 @@ from pathlib import Path
 import torch
 
 from ..observe.cost_model import Cost
-from ..schedules import SCHEDULES
+from ..schedules import SCHEDULES, Order
 from ..tutorial.machine import detect_devices, device_name, metadata
-from . import extras
+from . import extras, orders
 from .argtypes import UsageError, device_here, non_negative_float, positive_int
 from .resnet import RESNET50_LAYERS
 
 __all__ = ["add_command", "run"]
 
 BALANCES = ("tutorial", "time")
-SPLIT_SIZE, IMAGE_SIZE, DEVICES = 2, 64, 2
+SPLIT_SIZE, IMAGE_SIZE, DEVICES, STAGES, MICROS = 2, 64, 2, 4, 8
 # What only a profiled ResNet50 uses, which --uniform replaces.
 PROFILE_OPTIONS = ("device", "balance", "split_size", "image_size", "no_memory")
 
@@ -70,15 +70,15 @@ def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
             "stages, devices and micro-batches from a measured profile of the tutorial's "
             "ResNet50 (or unit costs), print step time, bubble and live activations per stage, "
             "measure each schedule's peak memory in a real step, and draw one PNG with a "
-            "timeline per schedule on one time axis."
+            "timeline per schedule on one time axis. With --order, your order of actions "
+            "beside them."
         ),
     )
     c.add_argument(
         "--stages",
         type=positive_int,
-        default=4,
-        help=f"pipeline stages (default 4; at most {RESNET50_LAYERS}, ResNet50's blocks, "
-        "without --uniform)",
+        help=f"pipeline stages (default {STAGES}, or those --order names; at most "
+        f"{RESNET50_LAYERS}, ResNet50's blocks, without --uniform)",
     )
     c.add_argument(
         "--num-devices",
@@ -95,7 +95,16 @@ def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         help=argparse.SUPPRESS,
     )
     c.add_argument(
-        "--micro-batches", type=positive_int, default=8, help="micro-batches per step (default 8)"
+        "--micro-batches",
+        type=positive_int,
+        help=f"micro-batches per step (default {MICROS}, or those --order covers)",
+    )
+    c.add_argument(
+        "--order",
+        metavar="FILE",
+        help="a text file holding your order of actions (e.g. F0m0 F1m0 B1m0 B0m0, as "
+        "Pipe(schedule=...) takes it): simulated, measured and drawn as 'your order', its "
+        "stages on the devices in contiguous runs",
     )
     # Above --uniform: it models copies with unit costs too, unlike the options below.
     c.add_argument(
@@ -139,13 +148,18 @@ def run(args: argparse.Namespace) -> int:
     Raises:
         UsageError: more devices than stages, more stages than ResNet50 has
             blocks (without ``--uniform``), an image too small, a profile's
-            option with ``--uniform``, or ``--balance tutorial`` for a stage
-            count the tutorial has no cut for.
+            option with ``--uniform``, ``--balance tutorial`` for a stage
+            count the tutorial has no cut for, or an ``--order`` that cannot
+            be read or does not fit the stages and micro-batches.
     """
     if args.num_devices and args.old_devices:
         raise UsageError("--devices is the old spelling of --num-devices: give only --num-devices")
     typed = args.num_devices or args.old_devices
-    stages, devices, micros = args.stages, typed or DEVICES, args.micro_batches
+    order = orders.read(args.order) if args.order is not None else None
+    # An order sets the stages and micro-batches it covers, unless given.
+    named, covers = orders.covered(order) if order else (STAGES, MICROS)
+    stages, micros = args.stages or named, args.micro_batches or covers
+    devices = typed or DEVICES
     if devices > stages and typed:
         flag = "--num-devices" if args.num_devices else "--devices"
         raise UsageError(f"{flag} {devices} exceeds --stages {stages}: a device needs a stage")
@@ -165,6 +179,13 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(
             f"--stages {stages}: ResNet50 has {RESNET50_LAYERS} blocks, a stage needs one; "
             f"give at most {RESNET50_LAYERS} stages, or --uniform"
+        )
+    if order is not None:
+        orders.checked(
+            order,
+            args.order,
+            (stages, f"--stages {stages}: drop it, or give an order for {stages} stages"),
+            (micros, f"--micro-batches {micros}: drop it, or give an order for {micros}"),
         )
     split_size = args.split_size or SPLIT_SIZE
     image_size = args.image_size or IMAGE_SIZE
@@ -191,9 +212,13 @@ def run(args: argparse.Namespace) -> int:
                 f"{stages}; use --balance time"
             )
     skipped = compare.left_out(stages, devices)
-    names = [n for n in SCHEDULES if n not in skipped]
+    names: list[Order] = [n for n in SCHEDULES if n not in skipped]
+    if order is not None:
+        names.append(order)
     measured: dict[str, dict[str, int]] = {}
     meta: dict[str, object] = {"stages": stages, "devices": devices, "micro_batches": micros}
+    if order is not None:
+        meta.update(order_file=args.order, order=" ".join(order))
     if args.uniform:
         costs: list[Cost] = [(1.0, 1.0, 1.0)] * stages
         source = "unit costs: forward = input gradient = weight gradient = 1 ms"

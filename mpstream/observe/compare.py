@@ -23,13 +23,14 @@ from pathlib import Path
 from ..schedules import (
     SCHEDULES,
     Kind,
+    Order,
     Schedule,
     peak_activations,
     placement_of,
     rank_devices,
 )
 from .cost_model import Cost, Simulation, simulate
-from .measuring import measure_memory, profile_stages, split_cost
+from .measuring import label, measure_memory, profile_stages, split_cost
 
 __all__ = [
     "Comparison",
@@ -44,6 +45,7 @@ __all__ = [
     "profile_stages",
     "measure_memory",
     "split_cost",
+    "label",
 ]
 
 _KIND_COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "weight": "#937860"}
@@ -99,7 +101,7 @@ def graph_launches(schedule: Schedule, devices: int) -> int:
     return sum(t.kind in compute for t in schedule.tasks) - idle + 2 * devices
 
 
-def placement(stages: int, devices: int, schedule: str) -> list[str]:
+def placement(stages: int, devices: int, schedule: Order) -> list[str]:
     """Device labels of the stages: round-robin or a V for the schedules of
     several stages per rank (their ranks), contiguous runs of stages
     otherwise.
@@ -127,7 +129,7 @@ class Comparison:
     """One schedule, simulated (and possibly measured).
 
     Attributes:
-        schedule: its name.
+        schedule: its name (``'your order'`` for an order of actions).
         step_ms: simulated step time.
         bubble_fraction: simulated idle share of the devices' time.
         live: per stage, peak micro-batches between forward and backward.
@@ -163,7 +165,7 @@ def compare(
     micros: int,
     *,
     copy_times: float = 0.0,
-    schedules: Sequence[str] = SCHEDULES,
+    schedules: Sequence[Order] = SCHEDULES,
 ) -> list[Comparison]:
     """Simulates each schedule with the same stage costs on the same devices.
 
@@ -173,7 +175,9 @@ def compare(
         devices: how many devices the stages share.
         micros: micro-batches per step.
         copy_times: time of each copy between devices.
-        schedules: which schedules.
+        schedules: which schedules: names, or an order of actions (its
+            stages on the devices in contiguous runs, named ``'your
+            order'``).
 
     Returns:
         One :class:`Comparison` per schedule.
@@ -207,7 +211,9 @@ def compare(
         bubble = sim.timeline.summary(echo=False).device_idle_fraction
         peak = list(peak_activations(sched, [1.0] * stages, labels).values())
         out.append(
-            Comparison(name, sim.step_ms, bubble, live, held, labels, sim, launches, peak=peak)
+            Comparison(
+                label(name), sim.step_ms, bubble, live, held, labels, sim, launches, peak=peak
+            )
         )
     return out
 

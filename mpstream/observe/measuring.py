@@ -24,11 +24,24 @@ from torch.nn.parameter import is_lazy
 from ..memory import StageSavedBytes
 from ..pipe import Pipe, micro_sizes
 from ..runtime import GradSink, backward_inputs, cut, synchronize
-from ..schedules import SCHEDULES, placement_of
+from ..schedules import SCHEDULES, Order, placement_of
 from .fitting import Costs, fit
 from .profiling import profile
 
-__all__ = ["profile_stages", "measure_memory", "split_cost", "untouched", "scheduled"]
+__all__ = [
+    "profile_stages",
+    "measure_memory",
+    "split_cost",
+    "untouched",
+    "scheduled",
+    "label",
+]
+
+
+def label(schedule: Order) -> str:
+    """How results name a schedule: a built-in one by its name, an order of
+    actions as ``'your order'`` (not the text of every action)."""
+    return schedule if isinstance(schedule, str) and schedule in SCHEDULES else "your order"
 
 
 @contextmanager
@@ -124,7 +137,7 @@ def measure_memory(
     x: Any,
     y: Any,
     loss_fn: Callable[[Any, Any], Tensor],
-    schedules: Sequence[str] = SCHEDULES,
+    schedules: Sequence[Order] = SCHEDULES,
     virtual_stages: int | None = None,
 ) -> dict[str, dict[str, int]]:
     """The memory of one training step per schedule, after a warm-up step.
@@ -139,12 +152,13 @@ def measure_memory(
         x: a batch of inputs.
         y: its targets.
         loss_fn: ``loss_fn(output, target)``.
-        schedules: the schedules to measure.
+        schedules: the schedules to measure: names, or an order of actions
+            (keyed ``'your order'``, :func:`label`).
         virtual_stages: stages per rank for the round-robin schedules
             (``'interleaved_1f1b'``, ...); default the pipe's own.
 
     Returns:
-        Per schedule, bytes keyed by how they were measured: a CUDA
+        Per schedule (:func:`label`), bytes keyed by how they were measured: a CUDA
         device's name (``"cuda:0"``) for its allocator's peak, ``"stage2"``
         for stage 2's saved-for-backward peak (a stage not on a CUDA
         device); the pipe's schedule, gradients and buffers are put back.
@@ -158,7 +172,7 @@ def measure_memory(
             kind = placement_of(name)
             pipe.virtual_stages = {"round_robin": virtual_stages, "v": 2}.get(kind)
             _step(pipe, x, y, loss_fn)
-            out[name] = _peaks(
+            out[label(name)] = _peaks(
                 pipe.devices, list(pipe.partitions), lambda: _step(pipe, x, y, loss_fn)
             )
     return out

@@ -220,11 +220,11 @@ def virtual_stages_for(
     return 1
 
 
-def rank_devices(schedule: str, stages: int, devices: int) -> list[str]:
+def rank_devices(schedule: object, stages: int, devices: int) -> list[str]:
     """Device labels (``device0``, ...) placing ``stages`` stages on
     ``devices`` devices as ``schedule`` needs: contiguous runs of stages for
-    a rank per stage, round-robin, or a V whose ranks share the devices in
-    contiguous runs.
+    a rank per stage (an order of actions too), round-robin, or a V whose
+    ranks share the devices in contiguous runs.
 
     Raises:
         ValueError: the stages do not fit (round-robin: not a multiple of

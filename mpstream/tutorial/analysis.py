@@ -8,12 +8,12 @@ dicts ready for JSON.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor, nn, optim
 
 from ..observe.cost_model import micro_batches, simulate
 from ..observe.fitting import fit
@@ -51,8 +51,21 @@ def batch(config: Config, device: torch.device) -> tuple[Tensor, Tensor]:
     return x, y
 
 
+def _ordered(model: tutorial.StreamPipelineResNet50, order: Sequence[str]) -> Pipe:
+    """The pipe of the tutorial's model, set to train in ``order``."""
+    pipe: Pipe = model.__dict__["pipe"]
+    pipe.schedule = tuple(order)
+    return pipe
+
+
 def trace_tutorial(
-    dev0: torch.device, dev1: torch.device, config: Config, out: Path, *, plot: bool = True
+    dev0: torch.device,
+    dev1: torch.device,
+    config: Config,
+    out: Path,
+    *,
+    plot: bool = True,
+    order: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Profiles the tutorial's training loop through mpstream's drop-in:
     ``config.num_batches`` steps after ``config.warmup`` untimed ones.
@@ -60,21 +73,41 @@ def trace_tutorial(
     Writes ``trace.json`` (Chrome trace) and, with ``plot``, ``timeline.png``
     into ``out``.
 
+    Args:
+        dev0: the first half's device.
+        dev1: the second half's device.
+        config: the run's sizes.
+        out: the output folder.
+        plot: draw ``timeline.png``.
+        order: an order of actions for the two stages: each step is then
+            ``train_step`` in that order (the tutorial's MSE loss and SGD
+            on one batch), not the tutorial's forward and backward, which
+            runs fill-drain.
+
     Returns:
         The profile summary.
     """
     model = tutorial.StreamPipelineResNet50(dev0, dev1, config.split_size, config.num_classes)
 
     def train(num_batches: int) -> None:
-        loops.train(
-            model,
-            num_batches=num_batches,
-            batch_size=config.batch_size,
-            image_w=config.image_w,
-            image_h=config.image_h,
-            num_classes=config.num_classes,
-            input_device=dev0,
-        )
+        if order is None:
+            loops.train(
+                model,
+                num_batches=num_batches,
+                batch_size=config.batch_size,
+                image_w=config.image_w,
+                image_h=config.image_h,
+                num_classes=config.num_classes,
+                input_device=dev0,
+            )
+        else:
+            pipe = _ordered(model, order)
+            optimizer = optim.SGD(model.parameters(), lr=0.001)
+            x, y = batch(config, dev0)
+            for _ in range(num_batches):
+                optimizer.zero_grad()
+                pipe.train_step(x, y, nn.functional.mse_loss)
+                optimizer.step()
         synchronize((dev0, dev1))
 
     if config.warmup:
@@ -99,12 +132,29 @@ def _step(model: nn.Module, x: Tensor, y: Tensor) -> None:
     model.zero_grad(set_to_none=True)
 
 
+def _stepper(
+    model: tutorial.StreamPipelineResNet50, x: Tensor, y: Tensor, order: Sequence[str] | None
+) -> Callable[[], None]:
+    """A training step of ``model`` (gradients dropped after): the tutorial's
+    forward and backward, or ``train_step`` in ``order``."""
+    if order is None:
+        return lambda: _step(model, x, y)
+    pipe = _ordered(model, order)
+
+    def step() -> None:
+        pipe.train_step(x, y, nn.functional.mse_loss)
+        model.zero_grad(set_to_none=True)
+
+    return step
+
+
 def validate_cost_model(
     dev0: torch.device,
     dev1: torch.device,
     config: Config,
     split_sizes: Sequence[int],
     repeat: int = 3,
+    order: Sequence[str] | None = None,
 ) -> list[dict[str, Any]]:
     """Fits the cost model to measured steps and compares its step time with them.
 
@@ -115,19 +165,23 @@ def validate_cost_model(
     divide is fitted and simulated with its shorter last micro-batch.
     On a GPU the model is mpstream's streams with the measured host issue
     time of each task (``predicted_ms``; ``devices_only_ms`` without it); on
-    the CPU, where every task runs on one host thread, one stream.
+    the CPU, where every task runs on one host thread, one stream. With an
+    ``order`` of actions, each step is ``train_step`` in that order, and
+    that order is simulated (it covers one micro-batch count: give the
+    split sizes that make it).
     """
     rows = []
     x, y = batch(config, dev0)
     y = y.to(dev1)
     for split in split_sizes:
         model = tutorial.StreamPipelineResNet50(dev0, dev1, split, config.num_classes)
+        step = _stepper(model, x, y, order)
         for _ in range(config.warmup):
-            _step(model, x, y)
+            step()
         synchronize((dev0, dev1))
         with profile(model) as prof:
             for _ in range(repeat):
-                _step(model, x, y)
+                step()
                 synchronize((dev0, dev1))
         micros, last = micro_batches(config.batch_size, split)
         costs = fit(prof, last)
@@ -136,9 +190,10 @@ def validate_cost_model(
         issue = costs.issue_times if cuda and costs.issue_times else None
         sims = [
             simulate(
-                costs.stage_times,
+                costs.per_stage(),  # with its weight passes, where an order has them
                 costs.copy_times,
                 micros,
+                "gpipe" if order is None else tuple(order),
                 overlap=cuda,
                 backward=True,
                 devices=devices,
@@ -157,7 +212,7 @@ def validate_cost_model(
                 "predicted_ms": sim.step_ms,
                 "error": (sim.step_ms - measured) / measured,
                 "devices_only_ms": sims[1].step_ms,
-                "stage_times_ms": costs.stage_times,
+                "stage_times_ms": costs.per_stage(),
                 "copy_times_ms": costs.copy_times,
             }
         )

@@ -1,0 +1,84 @@
+"""``--order FILE``: an order of actions written by hand, for ``mpstream
+schedules`` and ``mpstream trace``.
+
+The file holds what ``Pipe(schedule=...)`` takes as one string: actions such
+as ``F0m0 F1m0 B1m0 B0m0``, separated by whitespace or commas (``str()`` of
+a training step's ``pipe.schedule_for(...)`` written out is one).
+:func:`read` refuses a file it cannot read or what is not an action;
+:func:`checked` then holds the order against the run's stages and
+micro-batches with the library's own check, whose error names the action,
+its stage and its step. Both raise :class:`~.argtypes.UsageError`, naming
+``--order`` and the file.
+"""
+
+from __future__ import annotations
+
+from ..schedules import Schedule, parse
+from .argtypes import UsageError
+
+__all__ = ["read", "covered", "checked"]
+
+
+def read(path: str) -> tuple[str, ...]:
+    """The actions of the order in the file at ``path``, as strings.
+
+    Raises:
+        UsageError: the file cannot be read, or holds something that is not
+            an action (or nothing).
+    """
+    try:
+        with open(path, encoding="utf-8") as file:
+            text = file.read()
+    except OSError as exc:
+        raise UsageError(f"--order {path}: cannot read it ({exc.strerror or exc})") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"--order {path}: not a text file of actions") from None
+    try:
+        return tuple(str(a) for a in parse(text))
+    except ValueError as exc:
+        raise UsageError(f"--order {path}: {exc}") from None
+
+
+def covered(order: tuple[str, ...]) -> tuple[int, int]:
+    """The stages and micro-batches an order names: one more than the
+    highest of each."""
+    actions = parse(order)
+    return 1 + max(a.stage for a in actions), 1 + max(a.micro for a in actions)
+
+
+def checked(
+    order: tuple[str, ...], path: str, stages: tuple[int, str], micros: tuple[int, str]
+) -> None:
+    """Checks that one host thread can issue ``order`` for a chain of stages
+    over micro-batches, as a Pipe checks it.
+
+    Args:
+        order: the actions (:func:`read`).
+        path: the file, named in errors.
+        stages: the run's stage count, and where it comes from and what
+            to do for an order of another count (``'--stages 4: drop it,
+            or give an order for 4 stages'``).
+        micros: the run's micro-batch count, and likewise.
+
+    Raises:
+        UsageError: ``--order PATH:`` and what does not fit: another count
+            of stages or micro-batches than the run's, or the library's
+            error (for an action out of order, the stage x step grid of
+            the order with that action marked).
+    """
+    has = covered(order)
+    names = (
+        ("stage", "stage 0", f"stages 0-{has[0] - 1}"),
+        ("micro-batch", "m0", f"m0-m{has[1] - 1}"),
+    )
+    for (count, why), n, (what, one, several) in zip((stages, micros), has, names):
+        if n != count:
+            # Said here rather than by the library, whose advice is a Pipe's.
+            raise UsageError(
+                f"--order {path}: the order is for {n} {what}{'s' if n > 1 else ''} "
+                f"({one if n == 1 else several}), but {why}"
+            )
+    try:
+        Schedule(order, stages[0], micros[0], [False] * stages[0], backward=True)
+    except ValueError as exc:
+        raise UsageError(f"--order {path}: {exc}") from None
