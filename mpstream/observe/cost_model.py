@@ -52,6 +52,7 @@ import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..schedules import (
     Kind,
@@ -75,6 +76,9 @@ from .cost_args import (
 from .sharing import replay, sharing_of
 from .summary import Summary
 from .timeline import Span, Timeline
+
+if TYPE_CHECKING:  # the cost model needs torch only to read a torch.device
+    import torch
 
 __all__ = ["Cost", "Simulation", "simulate", "micro_batches"]
 
@@ -107,7 +111,10 @@ def _tutorial_order(tasks: list[Task]) -> list[Task]:
 
     def key(t: Task) -> tuple[int, int, int]:
         stage = max(t.stage, 0)
-        return (stage + t.micro, -stage, 1 if t.kind is Kind.COPY else 0)
+        # The batch's copy into stage 0 (from off its device) comes before
+        # the forward that reads it, not after as the copies out of a stage.
+        after = -1 if t.stage < 0 and t.peer == 0 else 1 if t.kind is Kind.COPY else 0
+        return (stage + t.micro, -stage, after)
 
     return sorted(forward, key=key) + rest
 
@@ -127,6 +134,7 @@ def simulate(
     issue_times: IssueTimes | None = None,
     force_copies: bool = False,
     last_size: float = 1.0,
+    input_device: str | torch.device | None = None,
 ) -> Simulation:
     """Predicts a pipelined step.
 
@@ -139,7 +147,9 @@ def simulate(
             micro-batch's activations (its gradient's copy takes as long), or
             a (forward, gradient) pair. For a stage graph (``reads``): one
             for all, one per producing stage, or a mapping from (producer,
-            receiving stage) to the time of that copy.
+            receiving stage) to the time of that copy ((-1, stage): the
+            batch's copy into that stage, off its device by
+            ``input_device``).
         chunks: number of micro-batches.
         schedule: a built-in schedule (``mpstream.SCHEDULES``) or an
             explicit order of actions (all but ``'gpipe'`` need backward
@@ -186,6 +196,14 @@ def simulate(
             :func:`micro_batches`). Its compute and copy times are the
             given ones scaled by it; its host issue times are not (a
             shorter micro-batch launches as many kernels).
+        input_device: where the batch sits, as ``pipe.schedule_for``'s
+            ``input_device``: a label of ``devices`` (or of the default
+            ones, ``'device0'``, ...), or any other label (``'cpu'``) for a
+            device no stage is on; default the first stage's. A stage
+            reading the batch off its device gets a copy of each
+            micro-batch before its forward, costing what ``copy_times``
+            gives a copy (a per-boundary list: nothing; a mapping: its
+            ``(-1, stage)`` entry).
 
     Returns:
         The predicted step time and its timeline.
@@ -193,8 +211,10 @@ def simulate(
     Raises:
         ValueError: inconsistent lengths, ``stage_times`` a mapping, negative
             costs, a schedule with backward tasks without backward times, a round-robin schedule
-            with neither ``devices`` nor ``virtual_stages``, or ``last_size`` outside (0, 1].
-        TypeError: ``overlap`` or ``backward`` is not a bool.
+            with neither ``devices`` nor ``virtual_stages``, ``last_size`` outside (0, 1], or
+            an empty ``input_device``.
+        TypeError: ``overlap`` or ``backward`` is not a bool, or ``input_device`` is not a
+            label (a string or a ``torch.device``).
     """
     check_listed(stage_times, "stage_times")
     overlap = check_flag("overlap", overlap)  # a string such as "no" would read as true
@@ -207,9 +227,22 @@ def simulate(
     if graph is not None and len(graph) != n:
         raise ValueError(f"reads needs {n} entries (one per stage), got {len(graph)}")
     copy_cost = copy_costs(copy_times, n, graph is None)
+    if devices is None:
+        ranks, virtual_stages = default_ranks(schedule, n, virtual_stages)
+        devs = [f"device{r}" for r in ranks]
+    else:
+        devs = list(devices)
+    if len(devs) != n:
+        raise ValueError(f"devices needs {n} entries, got {len(devs)}")
+    source = devs[0] if input_device is None else _label(input_device)
     if isinstance(copy_times, Mapping):
         chain = tuple((s - 1,) for s in range(n))
-        hops = {(p, q) for q, r in enumerate(graph or chain) for p in r if p >= 0}
+        hops = {
+            (p, q)
+            for q, r in enumerate(graph or chain)
+            for p in r
+            if p >= 0 or (force_copies or devs[q] != source)
+        }
         unknown = sorted(set(copy_times) - hops)
         if unknown:
             raise ValueError(
@@ -227,19 +260,12 @@ def simulate(
             f"last_size is the last micro-batch's size over a full one's, in (0, 1]; got "
             f"{last_size!r} (micro_batches(batch_size, split_size) gives it)"
         )
-    if devices is None:
-        ranks, virtual_stages = default_ranks(schedule, n, virtual_stages)
-        devs = [f"device{r}" for r in ranks]
-    else:
-        devs = list(devices)
-    if len(devs) != n:
-        raise ValueError(f"devices needs {n} entries, got {len(devs)}")
     with_backward = any(b > 0 for _, b in stages) if backward is None else backward
     labels = list(dict.fromkeys(devs))
     topology = Topology(
         graph if graph is not None else tuple((s - 1,) for s in range(n)),
         tuple(labels.index(d) for d in devs),
-        labels.index(devs[0]),
+        labels.index(source) if source in labels else -1,
         bool(force_copies),
     )
     virtual = virtual_stages_for(schedule, devs, virtual_stages)
@@ -273,9 +299,12 @@ def simulate(
             return (row, f"{devs[t.stage]}.compute") if shared is True else (row,)
         src, dst = (t.stage, t.peer) if t.kind is Kind.COPY else (t.peer, t.stage)
         if src < 0:
-            # The input, on stage 0's device, lands on the io stream of the
-            # receiving stage's device, which is all the runtime makes current.
-            return (f"io@{devs[dst]}",) if overlap else (devs[0], devs[dst])
+            # The input lands on the io stream of the receiving stage's
+            # device, which is all the runtime makes current; on default
+            # streams it blocks the batch's device too, where a stage is.
+            if overlap:
+                return (f"io@{devs[dst]}",)
+            return (source, devs[dst]) if source in devs else (devs[dst],)
         if overlap:
             if forced(t):
                 return (f"stage{src}.copy",)
@@ -357,6 +386,23 @@ def simulate(
     timeline = Timeline(spans, rows, "simulated", meta)
     step = max((stop for _, stop, _ in timing), default=0.0)
     return Simulation(step, timeline, sched.name, overlap, host)
+
+
+def _label(device: object) -> str:
+    """``input_device`` as a label of the devices: a string, or a
+    ``torch.device``'s name."""
+    import torch
+
+    if isinstance(device, torch.device):
+        return str(device)
+    if not isinstance(device, str):
+        raise TypeError(
+            f"input_device is where the batch sits, a label as devices= lists them (or a "
+            f"torch.device), got {type(device).__name__}"
+        )
+    if not device.strip():
+        raise ValueError("input_device is empty: give a label of devices=, or leave it None")
+    return device
 
 
 def micro_batches(batch_size: int, split_size: int) -> tuple[int, float]:
