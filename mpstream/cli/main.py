@@ -218,7 +218,7 @@ def parser() -> argparse.ArgumentParser:
         "--order",
         metavar="FILE",
         help="a text file holding your order of actions for the tutorial's 2 stages and the "
-        "micro-batches --batch-size makes at --split-size (e.g. F0m0 F1m0 B1m0 B0m0 for 2): "
+        "micro-batches --batch-size makes at --split-size (F0m0 F1m0 B1m0 B0m0 for one): "
         "the traced steps and the cost model's are train_step in that order, at --split-size "
         "alone",
     )
