@@ -40,6 +40,24 @@ def test_schedules_draws_your_order_beside_the_built_in_ones(
     assert (out / "schedules.png").read_bytes().startswith(b"\x89PNG")
 
 
+def test_schedules_measures_your_order_on_resnet50(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # 1F1B's order again: a real step in it saves what 1F1B's does.
+    text = str(Schedule("1f1b", 2, 2, [False] * 2, backward=True))
+    order = _written(tmp_path, text)
+    args = ["schedules", "--order", order, "--image-size", "32", "--no-plots"]
+    args += ["--device", "cpu", "--out", str(tmp_path / "o")]  # peaks per stage on the CPU
+    assert cli.main(args) == 0
+    assert "2 stages on 2 devices, 2 micro-batches" in capsys.readouterr().out
+    doc = json.loads((tmp_path / "o" / "schedules.json").read_text())
+    rows = {r["schedule"]: r for r in doc["schedules"]}
+    mine = rows["your order"]["measured_peak_bytes"]
+    assert set(mine) == {"stage0", "stage1"} and all(b > 0 for b in mine.values())
+    assert mine == rows["1f1b"]["measured_peak_bytes"]
+    assert rows["your order"]["step_ms"] == rows["1f1b"]["step_ms"]
+
+
 @pytest.mark.parametrize(
     ("text", "options", "message"),
     [
