@@ -118,9 +118,10 @@ def trace_tutorial(
     prof.export_chrome_trace(out / "trace.json")
     (out / "timeline.png").unlink(missing_ok=True)  # an earlier run's, beside this trace
     if plot:
+        step = "tutorial training step" if order is None else "train_step in your order"
         prof.plot(
             out / "timeline.png",
-            title=f"tutorial training step through mpstream on {dev0} | {dev1}, split size "
+            title=f"{step} through mpstream on {dev0} | {dev1}, split size "
             f"{config.split_size}, {config.batch_size} images of {config.image_w}x"
             f"{config.image_h} (last of {config.num_batches} steps; numbers are micro-batches)",
         )
