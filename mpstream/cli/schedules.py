@@ -242,7 +242,9 @@ def run(args: argparse.Namespace) -> int:
     rows = compare.compare(costs, devices, micros, copy_times=args.copy_ms, schedules=names)
     for r in rows:
         r.measured = measured.get(r.schedule, {})
-    print(f"{stages} stages on {devices} devices, {micros} micro-batches; {source}")
+    # The modelled copy time is said beside the costs: the table has no column for it.
+    copies = f", each copy {args.copy_ms:g} ms" if args.copy_ms else ""
+    print(f"{stages} stages on {devices} devices, {micros} micro-batches{copies}; {source}")
     for name, why in skipped.items():
         print(f"({name} left out: {why})")
     print(compare.table(rows))
@@ -272,6 +274,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {out / 'schedules.json'}")
     (out / "schedules.png").unlink(missing_ok=True)  # an earlier run's, beside these numbers
     if plots:
-        title = f"{stages} stages, {devices} devices, {micros} micro-batches; {source}"
+        title = f"{stages} stages, {devices} devices, {micros} micro-batches{copies}; {source}"
         print(f"wrote {compare.plot_stacked(rows, out / 'schedules.png', title)}")
     return 0

@@ -50,3 +50,13 @@ def test_uniform_help_names_the_options_it_refuses(capsys: pytest.CaptureFixture
     options = re.findall(r"^  (--[a-z-]+)", text, flags=re.M)
     below = options[options.index("--uniform") + 1 : options.index("--no-memory") + 1]
     assert below == [f"--{o.replace('_', '-')}" for o in PROFILE_OPTIONS]  # not --copy-ms
+
+
+def test_the_modelled_copy_time_is_printed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["schedules", "--uniform", "--stages", "2", "--copy-ms", "0.5", "--no-plots"]
+    assert cli.main([*args, "--out", str(tmp_path)]) == 0
+    assert "2 stages on 2 devices, 8 micro-batches, each copy 0.5 ms; unit costs" in (
+        capsys.readouterr().out
+    )
