@@ -293,8 +293,10 @@ def trace(args: argparse.Namespace) -> int:
             f"predicted {row['predicted_ms']:9.2f} ms, error {100 * row['error']:+.1f}%"
         )
     scaling = analysis.predict_scaling(dev0, config, link_gbps=args.link_gbps)
+    # More devices need another order than the one given: they run fill-drain.
+    schedule = "" if order is None else "fill-drain, not your order; "
     print(
-        f"predictions (cost model, not measured; layers profiled on {dev0}, "
+        f"predictions (cost model, not measured; {schedule}layers profiled on {dev0}, "
         f"copies at an assumed {args.link_gbps} GB/s):"
     )
     for row in scaling["rows"]:

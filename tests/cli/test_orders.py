@@ -157,7 +157,9 @@ def test_trace_traces_train_step_in_your_order(
     tiny = [a for a in TINY if a != "--no-progress"]
     args = ["trace", *tiny, "--num-batches", "1", "--order", order, "--out", str(tmp_path)]
     assert cli.main(args) == 0
-    assert f"trace of train_step in your order ({order}) (measured)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"trace of train_step in your order ({order}) (measured)" in out
+    assert "predictions (cost model, not measured; fill-drain, not your order; layers" in out
     trace = json.loads((tmp_path / "trace.json").read_text())
     tasks = {e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"}
     assert {"weight s1 mb0", "weight s1 mb1"} <= tasks
