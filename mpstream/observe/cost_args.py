@@ -5,7 +5,8 @@ A cost is one number (a forward alone, or both directions for a copy), a
 :func:`cost_pair` and :func:`backward_passes` read one, :func:`issue_costs`
 and :func:`copy_costs` turn :func:`~mpstream.observe.cost_model.simulate`'s
 ``issue_times`` and ``copy_times`` into functions of a task or a hop, and
-refuse what cannot be a time, naming the argument.
+refuse what cannot be a time, naming the argument; :func:`device_label`
+reads its ``input_device``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ __all__ = [
     "copy_costs",
     "cost_pair",
     "cost_size",
+    "device_label",
     "issue_costs",
 ]
 
@@ -138,3 +140,20 @@ def copy_costs(
         what = "one per boundary" if chain else "one per producing stage but the last"
         raise ValueError(f"copy_times needs {n - 1} entries ({what}), got {len(per)}")
     return lambda p, q: per[p] if 0 <= p < len(per) else (0.0, 0.0)
+
+
+def device_label(device: object) -> str:
+    """``input_device`` as a label of the devices: a string, or a
+    ``torch.device``'s name."""
+    import torch
+
+    if isinstance(device, torch.device):
+        return str(device)
+    if not isinstance(device, str):
+        raise TypeError(
+            f"input_device is where the batch sits, a label as devices= lists them (or a "
+            f"torch.device), got {type(device).__name__}"
+        )
+    if not device.strip():
+        raise ValueError("input_device is empty: give a label of devices=, or leave it None")
+    return device

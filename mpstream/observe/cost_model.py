@@ -71,6 +71,7 @@ from .cost_args import (
     check_listed,
     copy_costs,
     cost_pair,
+    device_label,
     issue_costs,
 )
 from .sharing import replay, sharing_of
@@ -234,7 +235,7 @@ def simulate(
         devs = list(devices)
     if len(devs) != n:
         raise ValueError(f"devices needs {n} entries, got {len(devs)}")
-    source = devs[0] if input_device is None else _label(input_device)
+    source = devs[0] if input_device is None else device_label(input_device)
     if isinstance(copy_times, Mapping):
         chain = tuple((s - 1,) for s in range(n))
         hops = {
@@ -386,23 +387,6 @@ def simulate(
     timeline = Timeline(spans, rows, "simulated", meta)
     step = max((stop for _, stop, _ in timing), default=0.0)
     return Simulation(step, timeline, sched.name, overlap, host)
-
-
-def _label(device: object) -> str:
-    """``input_device`` as a label of the devices: a string, or a
-    ``torch.device``'s name."""
-    import torch
-
-    if isinstance(device, torch.device):
-        return str(device)
-    if not isinstance(device, str):
-        raise TypeError(
-            f"input_device is where the batch sits, a label as devices= lists them (or a "
-            f"torch.device), got {type(device).__name__}"
-        )
-    if not device.strip():
-        raise ValueError("input_device is empty: give a label of devices=, or leave it None")
-    return device
 
 
 def micro_batches(batch_size: int, split_size: int) -> tuple[int, float]:
