@@ -3,12 +3,15 @@
 mpstream's three-line error, not symbolic_shapes' warning and the graph
 dumps torch prints; each logger's level comes back after, what else the
 module writes to stderr still comes out, and a user who asked for torch's
-logs (``TORCH_LOGS``, or a logger set to DEBUG) keeps them."""
+logs (``TORCH_LOGS``, or a logger set to DEBUG) keeps them. Only the
+exporting thread's writes are held: other threads' pass through, and
+exports in several threads at once each hold their own."""
 
 from __future__ import annotations
 
 import logging
 import sys
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from mpstream import Pipe
+from mpstream.stages.quiet_export import quiet_export
 
 SHAPES = "torch.fx.experimental.symbolic_shapes"
 DYNAMO = "torch._dynamo"
@@ -118,3 +122,52 @@ def test_what_the_module_writes_to_stderr_during_the_export_still_comes_out(
     assert pipe.split_report().tracer == "torch.export"
     assert capfd.readouterr().err.splitlines() == ["the module's own line"]
     assert sys.stderr is stderr  # put back
+
+
+def _in_thread(body: Any) -> threading.Thread:
+    thread = threading.Thread(target=body)
+    thread.start()
+    return thread
+
+
+def test_other_threads_write_to_stderr_while_an_export_holds_its_own(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("TORCH_LOGS", raising=False)
+    with quiet_export():
+        print("the export's line", file=sys.stderr)
+        _in_thread(lambda: print("a progress bar's line", file=sys.stderr)).join()
+        assert capsys.readouterr().err == "a progress bar's line\n"  # not held
+    assert capsys.readouterr().err == "the export's line\n"
+
+
+@pytest.mark.usefixtures("levels")
+def test_exports_in_two_threads_that_end_out_of_order_each_hold_their_own(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("TORCH_LOGS", raising=False)
+    logging.getLogger(SHAPES).setLevel(logging.WARNING)
+    stderr = sys.stderr
+    entered, first_done = threading.Event(), threading.Event()
+    levels: list[int] = []
+
+    def second() -> None:
+        with quiet_export():
+            entered.set()
+            first_done.wait(10)
+            levels.append(logging.getLogger(SHAPES).level)  # still raised for this one
+            print("the second export's line", file=sys.stderr)
+
+    with quiet_export():
+        thread = _in_thread(second)
+        entered.wait(10)
+        print("the first export's line", file=sys.stderr)
+    first_done.set()
+    thread.join(10)
+    assert levels == [logging.ERROR]
+    assert logging.getLogger(SHAPES).level == logging.WARNING
+    assert sys.stderr is stderr
+    assert capsys.readouterr().err.splitlines() == [
+        "the first export's line",
+        "the second export's line",
+    ]
