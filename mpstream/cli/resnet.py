@@ -143,10 +143,18 @@ def bench(args: argparse.Namespace) -> int:
     _header(args, dev0, dev1)
     sweep = not args.no_sweep
     total = bench.calls(config, sweep, bench.models_for(dev0, dev1))
-    with extras.progress(total, "train", not args.no_progress) as bar, terminate_as_interrupt():
+    with (
+        extras.progress(total, "train", not args.no_progress) as bar,
+        terminate_as_interrupt() as check,
+    ):
+
+        def tick() -> None:
+            bar.update(1)
+            check()
+
         results = bench.run(
-            config, dev0, dev1, sweep=sweep, tick=lambda: bar.update(1),
-            status=bar.set_description, interruptible=True,
+            config, dev0, dev1, sweep=sweep, tick=tick, status=bar.set_description,
+            interruptible=True,
         )  # fmt: skip
     return finish(results, bench.table, bench.save, Path(args.out), plots)
 

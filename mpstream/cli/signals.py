@@ -4,9 +4,12 @@
 SIGTERM, which kills Python at once; read as a ``KeyboardInterrupt``, it
 ends the timing as Ctrl-C does, and the bench still reports and saves what
 it measured (:func:`~mpstream.tutorial.rounds.round_robin`'s
-``interruptible``). While that is written, SIGTERM is ignored
-(:func:`finish`): the run is ending anyway, and an interrupt then would
-lose what it measured.
+``interruptible``). The interrupt is raised wherever Python is when
+the signal lands; where that swallows it (a garbage collector's callback
+or a ``__del__`` prints "Exception ignored" and goes on), the check
+:func:`terminate_as_interrupt` gives raises it again between timed calls.
+While the results are written, SIGTERM is ignored (:func:`finish`): the
+run is ending anyway, and an interrupt then would lose what it measured.
 """
 
 from __future__ import annotations
@@ -26,12 +29,28 @@ INTERRUPTED = 130
 
 
 @contextlib.contextmanager
-def terminate_as_interrupt() -> Iterator[None]:
+def terminate_as_interrupt() -> Iterator[Callable[[], None]]:
     """Within the block, SIGTERM raises ``KeyboardInterrupt``; the handler
     before it is put back after (off the main thread, where Python allows
-    no handler, nothing changes)."""
-    with _sigterm(signal.default_int_handler):
-        yield
+    no handler, nothing changes).
+
+    Yields:
+        A check to call between timed calls (a progress bar's tick): it
+        raises ``KeyboardInterrupt`` again once a SIGTERM has come, in case
+        the first one was swallowed where it landed.
+    """
+    came: list[int] = []
+
+    def interrupt(signum: int, frame: object) -> None:
+        came.append(signum)
+        raise KeyboardInterrupt
+
+    def check() -> None:
+        if came:
+            raise KeyboardInterrupt
+
+    with _sigterm(interrupt):
+        yield check
 
 
 @contextlib.contextmanager

@@ -129,8 +129,14 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
-    with extras.progress(total, "step", not args.no_progress) as bar, terminate_as_interrupt():
-        results = bench.run(
-            config, tick=lambda: bar.update(1), status=bar.set_description, interruptible=True
-        )
+    with (
+        extras.progress(total, "step", not args.no_progress) as bar,
+        terminate_as_interrupt() as check,
+    ):
+
+        def tick() -> None:
+            bar.update(1)
+            check()
+
+        results = bench.run(config, tick=tick, status=bar.set_description, interruptible=True)
     return finish(results, report.table, report.save, Path(args.out), plots)

@@ -13,9 +13,33 @@ from mpstream.cli.signals import saving, terminate_as_interrupt
 
 def test_sigterm_raises_keyboard_interrupt_inside_and_nothing_after() -> None:
     before = signal.getsignal(signal.SIGTERM)
-    with pytest.raises(KeyboardInterrupt), terminate_as_interrupt():
+    with pytest.raises(KeyboardInterrupt), terminate_as_interrupt() as check:
+        check()  # nothing came yet
         os.kill(os.getpid(), signal.SIGTERM)
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+class _KilledInDel:
+    """Sends SIGTERM from its ``__del__``, where the interrupt the handler
+    raises is swallowed ("Exception ignored in ...")."""
+
+    def __del__(self) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(1000):  # a loop's jump runs the pending handler here
+            pass
+
+
+def test_an_interrupt_swallowed_where_it_landed_is_raised_again_by_the_check(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    swallowed: list[type[BaseException] | None] = []
+    monkeypatch.setattr("sys.unraisablehook", lambda u: swallowed.append(u.exc_type))
+    with terminate_as_interrupt() as check:
+        killed = _KilledInDel()
+        del killed  # the handler runs in __del__: its KeyboardInterrupt goes nowhere
+        assert swallowed == [KeyboardInterrupt]
+        with pytest.raises(KeyboardInterrupt):
+            check()  # the bench's next tick stops it
 
 
 def test_off_the_main_thread_nothing_changes() -> None:
