@@ -157,8 +157,7 @@ class GradStore:
         pass run inside that one ends its part so far first (see
         :mod:`.passes`)."""
         if token != self._pass:
-            if self._end is not None and self._end() is not None:
-                finish_part(self)  # a pass inside the open one (see passes)
+            self._leave_open_pass()
             self._pass, self._ready, self._taken_from = token, {}, False
             self._detached = {self._owned[j] for j in self._attached.detached()}
             self._hooked = list(
@@ -280,6 +279,17 @@ class GradStore:
         self._hooks, self._tied_hooks, self._streams = set(), set(), {}
         self.tied.discard()
         closed(self)
+
+    def _leave_open_pass(self) -> None:
+        """Before another pass adds into the buffers: a pass of the user's
+        loop still running around it has its part so far ended
+        (:func:`~.passes.finish_part`); one whose end autograd dropped unrun
+        failed, and is forgotten (:meth:`discard`), so that nothing of it
+        (hooks, side sums) joins the next pass's."""
+        if self._end is not None and self._end() is not None:
+            finish_part(self)
+        else:
+            self.discard()
 
     def save(self, zeroed: bool = False, every: bool = False) -> list[nn.Parameter]:
         """Saves the gradients for :meth:`restore` (a training step that may

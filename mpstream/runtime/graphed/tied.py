@@ -14,6 +14,7 @@ before the weights were tied holds one as its own, its graphs adding into
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -32,7 +33,9 @@ class TiedHooks:
     def __init__(self) -> None:
         self._sides: list[tuple[nn.Parameter, Tensor]] = []
         self._pending: dict[int, nn.Parameter] = {}
-        self._queued = False
+        # The final callback queued to run them, held by autograd until its
+        # pass ends: dead while set, that pass failed before running it.
+        self._queued: weakref.ref[_Run] | None = None
         #: The ``id()`` of the parameters a store holds in a side buffer: a
         #: store that holds one as its own (made before the weights were
         #: tied) leaves its hooks to this object, or they ran twice a pass.
@@ -47,23 +50,27 @@ class TiedHooks:
         """Remembers the side buffers ``sides`` (per parameter), and the
         parameters ``hooked`` whose hooks wait for them; inside a backward
         pass (``autograd``), adds them after the other stores' flushes, as a
-        final callback queued behind theirs (queued once per pass)."""
+        final callback queued behind theirs (queued once per pass). What a
+        pass that failed before that callback left is forgotten first."""
+        if self._queued is not None and self._queued() is None:
+            self.discard()
         for p, side in sides:
             self._sides.append((p, side))
             if p._post_accumulate_grad_hooks:
                 self._pending.setdefault(id(p), p)
         for p in hooked:
             self._pending.setdefault(id(p), p)
-        if autograd and (self._sides or self._pending) and not self._queued:
-            self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.run)
+        if autograd and (self._sides or self._pending) and self._queued is None:
+            run = _Run(self)
+            self._queued = weakref.ref(run)
+            torch.autograd.Variable._execution_engine.queue_callback(run)
 
     def run(self) -> None:
         """Adds the side buffers remembered into their ``.grad`` (on the
         current streams, which every store's flush ordered after its
         graphs), then runs the hooks, each parameter's once."""
         sides, self._sides = self._sides, []
-        pending, self._pending, self._queued = list(self._pending.values()), {}, False
+        pending, self._pending, self._queued = list(self._pending.values()), {}, None
         with torch.no_grad():
             for p, side in sides:
                 if p.grad is None:
@@ -76,7 +83,20 @@ class TiedHooks:
 
     def discard(self) -> None:
         """Forgets a failed pass's."""
-        self._sides, self._pending, self._queued = [], {}, False
+        self._sides, self._pending, self._queued = [], {}, None
+
+
+class _Run:
+    """A :class:`TiedHooks`' run, queued as a final callback: autograd
+    holds it until the pass ends or fails (a weak reference tells which)."""
+
+    __slots__ = ("tied", "__weakref__")
+
+    def __init__(self, tied: TiedHooks) -> None:
+        self.tied = tied
+
+    def __call__(self) -> None:
+        self.tied.run()
 
 
 def tied_ids(stage: nn.Module, others: Iterable[nn.Module]) -> set[int]:
