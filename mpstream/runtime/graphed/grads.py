@@ -281,11 +281,11 @@ class GradStore:
         closed(self)
 
     def _leave_open_pass(self) -> None:
-        """Before another pass adds into the buffers: a pass of the user's
-        loop still running around it has its part so far ended
-        (:func:`~.passes.finish_part`); one whose end autograd dropped unrun
-        failed, and is forgotten (:meth:`discard`), so that nothing of it
-        (hooks, side sums) joins the next pass's."""
+        """Before another pass, or a training step, adds into the buffers: a
+        pass of the user's loop still running around it has its part so far
+        ended (:func:`~.passes.finish_part`); one whose end autograd dropped
+        unrun failed, and is forgotten (:meth:`discard`), so that nothing of
+        it (hooks, side sums) joins the next pass's."""
         if self._end is not None and self._end() is not None:
             finish_part(self)
         else:
@@ -303,7 +303,7 @@ class GradStore:
         copy (the snapshot left them to the stage's old store, which may
         not have had them: a tied one, which the step's end adds into, or
         one eager autograd accumulates into in place, the capture failed)."""
-        self.discard()  # a failed pass of the user's loop, if one was left open
+        self._leave_open_pass()  # a step inside a pass of the user's loop, or after one
         detached = self._attached.detached()
         odd = {j: self._owned_params[j].grad for j in detached}
         copy = not zeroed and len(detached) < len(self._owned)

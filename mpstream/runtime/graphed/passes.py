@@ -16,12 +16,13 @@ pass starts. The graphs have added the outer pass's gradients into
 :func:`finish_part` ends the outer pass's part so far in every store of
 that device: their hooks run, tied side buffers are added into ``.grad``
 and their hooks run. What the outer pass adds after the inner one is a part
-of its own, ended at its end. A pass that failed, whose end autograd
-dropped unrun, is not ended: the next pass or step to reach a store forgets
-what it left there (its hooks, its side sums), as
-:meth:`~.grads.GradStore.discard` says.
-Eager autograd accumulates a parameter when
-its own node runs, once the pass's gradient of it is whole, hence two
+of its own, ended at its end. A training step run inside a pass (from a
+hook) ends the outer pass's part so far the same way before it saves the
+gradients (else its save would drop them as a failed pass's). A pass that
+failed, whose end autograd dropped unrun, is not ended: the next pass or
+step to reach a store forgets what it left there (its hooks, its side
+sums), as :meth:`~.grads.GradStore.discard` says. Eager autograd
+accumulates a parameter when its own node runs, once the pass's gradient of it is whole, hence two
 differences: a parameter the outer pass reaches both before and after the
 inner one gets its hooks run twice here (once per part), and one whose node
 autograd runs only after the inner pass (the first layer's weight, where

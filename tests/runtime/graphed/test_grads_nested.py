@@ -4,7 +4,8 @@ that leaves ``.grad`` alone keeps what the outer pass's replays reached
 before it, its hooks, its tied weights' sums and the streams its final
 flush orders the caller's after; its own caller's streams wait for the
 gradients put back. A plain ``backward()`` inside a pass gets hooks and
-gradients as eager autograd's (on fake streams, and on a GPU)."""
+gradients as eager autograd's (on fake streams, and on a GPU); a
+``train_step`` inside one leaves the outer pass's gradients whole."""
 
 from __future__ import annotations
 
@@ -220,6 +221,52 @@ def test_a_backward_inside_a_pass_runs_each_pass_s_hooks_as_eager_autograd(
             assert all(p.grad is None for m in (model, pipe) for p in m.parameters())
         else:
             assert_same_grads(pipe, model)
+
+
+def step_inside_a_pass(m: nn.Module, x: Tensor, x2: Tensor, y: Tensor, how: str) -> None:
+    """A backward through ``m(x)`` and ``m(x2)`` that, once ``m(x2)``'s
+    replays ran and before ``m(x)``'s, runs a training step of ``m`` on
+    ``x`` (the plain model: a backward of the same loss), from a hook on
+    ``x2``'s gradient or from a custom Function's backward (``how``)."""
+
+    def inner() -> None:
+        with torch.enable_grad():
+            if isinstance(m, Pipe):
+                m.train_step(x, y, nn.MSELoss())
+            else:
+                nn.functional.mse_loss(m(x), y).backward()
+
+    first = m(x)
+    inp = x2.clone().requires_grad_()
+    if how == "tensor_hook":
+        inp.register_hook(lambda g: inner())
+        second = m(inp)
+    else:
+        second = m(Nested.apply(inp, inner))
+    (nn.functional.mse_loss(first, y) + nn.functional.mse_loss(second, y)).backward()
+
+
+@pytest.mark.parametrize("how", ["tensor_hook", "function"])
+def test_a_training_step_inside_a_pass_keeps_the_outer_pass_s_gradients(how: str) -> None:
+    # The step saves the gradient buffers (to undo a failed step): the
+    # outer pass's part so far, hooks and tied side sums, must end first,
+    # not be forgotten as a failed pass's.
+    model = tied_model()
+    pipe = three_stages(copy.deepcopy(model))
+    x, x2, y = (torch.randn(6, 5, dtype=torch.float64) for _ in range(3))
+    hooked = [Counter[str]() for _ in range(2)]
+    for m, ran in zip((model, pipe), hooked):
+        for name, p in m.named_parameters():
+            p.register_post_accumulate_grad_hook(lambda p, n=name, ran=ran: ran.update([n]))
+    for _ in range(3):  # captures, then replays
+        for m in (model, pipe):
+            m.zero_grad()
+            step_inside_a_pass(m, x, x2, y, how)
+        assert_same_grads(pipe, model)
+    # Per round: the step's hooks once per micro-batch (a tied weight's once
+    # per step), the outer pass's once per part (before the step, after it).
+    assert hooked[0] == Counter({n: 3 * 2 for n in hooked[0]})
+    assert hooked[1] == Counter({n: 3 * ((1 if n == "0.weight" else 2) + 2) for n in hooked[0]})
 
 
 @pytest.mark.cuda
