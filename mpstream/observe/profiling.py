@@ -19,7 +19,11 @@ start as their zero.
 
 A call that raises inside the block leaves no spans: its run number is
 skipped (``prof.runs()`` may read ``[1, 3]``), so summaries average whole
-runs only.
+runs only. However the block ends, the pipes stop timing and the profile
+stops recording: one whose timings could not be collected (reading them
+raised) holds none and says why when read; that error is raised at the
+block's end, or added as a note to the body's own error, which stays the
+one raised.
 
 Several pipes in one model get their own rows (``pipe<i>/`` before each
 stream's name) and stage numbers one after another (pipe 1's stage 0
@@ -32,13 +36,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any
 
 import torch
 from torch import nn
 
 from ..pipe import Pipe
-from ..runtime import synchronize
+from ..runtime import annotate, synchronize
 from .timeline import Span, Timeline
 
 __all__ = ["profile", "Profile", "pipes_in"]
@@ -61,18 +64,49 @@ class Profile(Timeline):
         super().__init__([], {}, "measured", {"torch": torch.__version__})
         self._pipes = pipes
         self.recording = True
+        #: Why the block's end collected no timings (None: it did).
+        self.failure: str | None = None
 
     def check_readable(self) -> None:
-        """Raises inside the block: the spans are collected as it ends.
+        """Raises inside the block: the spans are collected as it ends; and
+        after it where collecting them failed.
 
         Raises:
-            RuntimeError: the block has not ended yet.
+            RuntimeError: the block has not ended yet, or its timings could
+                not be collected.
         """
         if self.recording:
             raise RuntimeError(
                 "a profile is filled when its `with mpstream.profile(...)` block ends: read it "
                 "(summary, plot, export_chrome_trace, simulate_fit) after the block"
             )
+        if self.failure is not None:
+            raise RuntimeError(
+                f"this profile holds no timings: {self.failure}; run the block again in a new "
+                f"`with mpstream.profile(...)`"
+            )
+
+    def _finish(self, body: BaseException | None) -> None:
+        """At the block's end (``body``: what the block raised, if it did):
+        collects the timings, or none if that fails, which is raised, or
+        noted on ``body``; the profile stops recording either way and the
+        pipes' timings are cleared."""
+        try:
+            self._collect()
+        except BaseException as exc:
+            self.spans, self.stream_devices = [], {}
+            self.meta = {"torch": torch.__version__}
+            self.failure = f"collecting them at the end of the block raised {exc!r}"
+            if body is None:
+                raise
+            annotate(body, f"mpstream.profile: {self.failure} (the profile holds no timings)")
+        finally:
+            self.recording = False
+            # A timeline outlives its block (reports keep it): it must not
+            # keep the pipes, their weights and graph memory, alive with it.
+            pipes, self._pipes = self._pipes, []
+            for pipe in pipes:
+                pipe.scheduler.clear_timings()
 
     def _collect(self) -> None:
         many = len(self._pipes) > 1
@@ -94,10 +128,6 @@ class Profile(Timeline):
                 self.spans.append(_numbered_from(span, first) if first else span)
             first += count
         self.meta["devices"] = sorted({str(d) for p in self._pipes for d in p.devices})
-        self.recording = False
-        # A timeline outlives its block (reports keep it): it must not keep
-        # the pipes, their weights and graph memory, alive with it.
-        self._pipes = []
 
 
 def _numbered_from(span: Span, first: int) -> Span:
@@ -124,6 +154,10 @@ def profile(model: nn.Module) -> Iterator[Profile]:
         ValueError: ``model`` contains no Pipe, or a pipe in it is being
             profiled already (blocks do not nest: the inner one would take
             the outer one's timings).
+
+    At the block's end, an error reading the timings (a device error) is
+    raised, unless the block raised already: it is then a note on the
+    block's error. The profile holds no timings then, and says so when read.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(
@@ -139,20 +173,22 @@ def profile(model: nn.Module) -> Iterator[Profile]:
             "block, or a tool that profiles, such as profile_stages): profile blocks do not "
             "nest; end the outer one first"
         )
-    previous: list[Any] = []
     # Idle streams when the references are recorded: see the module docstring.
     synchronize(d for pipe in pipes for d in pipe.devices)
-    for pipe in pipes:
-        sched = pipe.scheduler
-        previous.append(sched.timing)
-        sched.clear_timings()
-        sched.timing = True
+    previous = [pipe.scheduler.timing for pipe in pipes]
     prof = Profile(pipes)
+    body: BaseException | None = None
     try:
-        yield prof
-    finally:
-        for pipe, was in zip(pipes, previous):
-            pipe.scheduler.timing = was
-        prof._collect()
         for pipe in pipes:
             pipe.scheduler.clear_timings()
+            pipe.scheduler.timing = True
+        yield prof
+    except BaseException as exc:
+        body = exc
+        raise
+    finally:
+        # Whatever raised (the body, a pipe's setup, the collection), no
+        # pipe is left timing: a later block would refuse it as nested.
+        for pipe, was in zip(pipes, previous):
+            pipe.scheduler.timing = was
+        prof._finish(body)

@@ -26,6 +26,7 @@ extension loader; never the stages, the pipe or any tool.
 from __future__ import annotations
 
 from .boundary import GradSink, cut
+from .errors import annotate
 from .graph import Ref, StageGraph
 from .graphed import GraphReport, GraphWarning
 from .microbatch import NoChunk, Value, as_value
@@ -56,4 +57,5 @@ __all__ = [
     "explicit_device",
     "PrivateApiError",
     "missing",
+    "annotate",
 ]

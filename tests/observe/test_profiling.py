@@ -173,3 +173,57 @@ def test_a_failed_run_leaves_no_spans(step: bool) -> None:
     assert prof.summary(echo=False).runs == 2
     first, last = (sorted((s.kind, s.stage, s.micro) for s in prof.select(r).spans) for r in (1, 3))
     assert first == last
+
+
+def _failing_once(monkeypatch: pytest.MonkeyPatch, pipe: Pipe, name: str) -> None:
+    """``pipe.scheduler.<name>()`` raises ``RuntimeError("parse failed")`` once."""
+    method = getattr(pipe.scheduler, name)
+    calls = [0]
+
+    def failing() -> object:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise RuntimeError("parse failed")
+        return method()
+
+    monkeypatch.setattr(pipe.scheduler, name, failing)
+
+
+@pytest.mark.parametrize("body_raises", [False, True])
+def test_a_collection_that_raises_ends_the_profile_and_a_new_one_works(
+    monkeypatch: pytest.MonkeyPatch, body_raises: bool
+) -> None:
+    pipe = pipe3()
+    x = torch.randn(8, 6, dtype=torch.float64)
+    _failing_once(monkeypatch, pipe, "timings")
+    # The block's own error stays the one raised, the collection's a note.
+    error = KeyboardInterrupt if body_raises else RuntimeError
+    with pytest.raises(error) as raised:
+        with profile(pipe) as prof:
+            pipe(x)
+            if body_raises:
+                raise KeyboardInterrupt
+    if body_raises:
+        assert any("parse failed" in n for n in getattr(raised.value, "__notes__", []))
+    assert not prof.recording and prof.spans == [] and not pipe.scheduler.timing
+    assert pipe.scheduler.timings() == []  # the run's timings are not held on
+    with pytest.raises(RuntimeError, match="holds no timings: collecting them .*parse failed"):
+        prof.summary(echo=False)
+    with profile(pipe) as again:
+        pipe(x)
+    assert again.runs() == [1] and len(again.spans) == 12
+
+
+def test_a_pipe_failing_to_start_timing_leaves_no_pipe_timing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    first, second = pipe3(), pipe3()
+    model = nn.ModuleList([first, second])
+    _failing_once(monkeypatch, second, "clear_timings")
+    with pytest.raises(RuntimeError, match="parse failed"):
+        with profile(model):
+            pass
+    assert not first.scheduler.timing and not second.scheduler.timing
+    with profile(model) as prof:  # not refused as nested
+        first(torch.randn(8, 6, dtype=torch.float64))
+    assert prof.runs() == [1]
