@@ -34,7 +34,7 @@ from .observe import (
     tune,
 )
 from .observe import fit as simulate_fit
-from .pipe import Pipe
+from .pipe import Pipe, SingleMicroBatchWarning
 from .runtime import (
     EventScheduler,
     GraphReport,
@@ -57,6 +57,7 @@ __all__ = [
     "CapturedStep",
     "GraphReport",
     "GraphWarning",
+    "SingleMicroBatchWarning",
     "NoChunk",
     "StageGraph",
     "Ref",

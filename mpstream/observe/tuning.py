@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..pipe import Pipe
+from ..pipe import Pipe, SingleMicroBatchWarning
 from ..runtime import Value, as_value, synchronize
 from ..stages import check_positive
 from .measuring import untouched
@@ -90,23 +90,27 @@ def _time_step(
 ) -> list[float]:
     devices = _devices(model)
     times = []
-    for i in range(warmup + repeat):
-        synchronize(devices)
-        start = time.perf_counter()
-        if loss_fn is None:
-            with torch.no_grad():
-                model(sample)
-        elif target is None:
-            torch.autograd.backward(loss_fn(model(sample)))
-        elif isinstance(model, Pipe):
-            model.train_step(sample, target, loss_fn)  # the pipe's own schedule
-        else:
-            torch.autograd.backward(loss_fn(model(sample), target))
-        synchronize(devices)
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-        if loss_fn is not None:
-            model.zero_grad(set_to_none=True)
+    with warnings.catch_warnings():
+        # A split size of the whole batch is a point of the curve, tried on
+        # purpose: no advice against it while timing it.
+        warnings.simplefilter("ignore", SingleMicroBatchWarning)
+        for i in range(warmup + repeat):
+            synchronize(devices)
+            start = time.perf_counter()
+            if loss_fn is None:
+                with torch.no_grad():
+                    model(sample)
+            elif target is None:
+                torch.autograd.backward(loss_fn(model(sample)))
+            elif isinstance(model, Pipe):
+                model.train_step(sample, target, loss_fn)  # the pipe's own schedule
+            else:
+                torch.autograd.backward(loss_fn(model(sample), target))
+            synchronize(devices)
+            if i >= warmup:
+                times.append(time.perf_counter() - start)
+            if loss_fn is not None:
+                model.zero_grad(set_to_none=True)
     return times
 
 

@@ -17,7 +17,15 @@ never a tool.
 from __future__ import annotations
 
 from .auto import AutoRequest, Chooser, install_chooser
+from .call import SingleMicroBatchWarning
 from .inputs import micro_sizes
 from .pipe import Pipe
 
-__all__ = ["Pipe", "AutoRequest", "Chooser", "install_chooser", "micro_sizes"]
+__all__ = [
+    "Pipe",
+    "AutoRequest",
+    "Chooser",
+    "install_chooser",
+    "micro_sizes",
+    "SingleMicroBatchWarning",
+]

@@ -7,10 +7,14 @@ arguments become the pipeline's inputs, which ``train_step`` shares. A
 traced module first switches to the split of the call's kind (see
 :mod:`~mpstream.stages.kinds`), with its own stages and runtime; a module
 exported at its first call (no ``sample=``) gets its first split so.
+A call with gradients that runs its batch as one micro-batch through
+several stages, where nothing can overlap, is told so once per pipe
+(:class:`SingleMicroBatchWarning`).
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -20,10 +24,16 @@ from ..runtime.copy import Staging
 from ..runtime.forward import run as run_forward
 from ..runtime.microbatch import batch_device, gather, scatter
 from .config import PipeConfig
-from .inputs import check_holds_tensor, positional, staging
+from .inputs import check_holds_tensor, micro_sizes, positional, staging
 from .running import held
 
-__all__ = ["PipeCall"]
+__all__ = ["PipeCall", "SingleMicroBatchWarning"]
+
+
+class SingleMicroBatchWarning(UserWarning):
+    """A call with gradients ran its batch through several stages as one
+    micro-batch: each stage waited for the one before it, nothing
+    overlapped."""
 
 
 class PipeCall(PipeConfig):
@@ -84,6 +94,8 @@ class PipeCall(PipeConfig):
         """
         inputs = self._inputs(args, kwargs)
         micro = scatter(inputs, self._chunks, self._split_size)
+        if len(micro) == 1 and torch.is_grad_enabled():
+            self._say_one_micro_batch(micro[0], "pipe(x) with gradients", depth=6)
         schedule = self.schedule_for(len(micro), batch_device(inputs))
         _, worker, _ = self._rt()
         staging = self._stage(inputs, self.devices[0])
@@ -99,6 +111,34 @@ class PipeCall(PipeConfig):
             raise
         split = self.__dict__["_split"]
         return gather(outputs) if split is None else split.gather(outputs)
+
+    def _say_one_micro_batch(self, inputs: Any, call: str, depth: int) -> None:
+        """Warns, once per pipe of several stages, that ``call`` ran its
+        batch (``inputs``, one micro-batch) with no overlap, and what to do;
+        ``depth``: the frames from here up to the user's call."""
+        stages = len(self.devices)
+        if stages < 2 or self.__dict__.get("_said_one_micro_batch"):
+            return
+        self.__dict__["_said_one_micro_batch"] = True
+        rows = micro_sizes(inputs, None, None)[0]
+        if self._chunks == 1:
+            why = "chunks=1"
+        elif self._chunks is not None:
+            why = f"chunks={self._chunks}, but the batch has one row"
+        elif self._split_size is not None:
+            why = f"split_size={self._split_size} >= the batch's {rows} rows"
+        else:
+            why = "the pipe was built with neither chunks nor split_size"
+        warnings.warn(
+            f"mpstream: {call} ran the batch of {rows} rows as one micro-batch through "
+            f"{stages} stages ({why}): each stage waits for the one before it, so nothing "
+            f"overlaps and the pipeline is no faster than a single device. Split the batch into "
+            f"micro-batches (chunks=, at least {stages} for every stage to be busy at once, or a "
+            f"split_size below the batch size) or give it a larger batch. (Warned once per "
+            f"pipe.)",
+            SingleMicroBatchWarning,
+            stacklevel=depth,
+        )
 
     def _inputs(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any = None

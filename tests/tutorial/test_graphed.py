@@ -78,7 +78,7 @@ def test_the_tutorial_loop_hands_each_batch_to_one_captured_step() -> None:
 
 def test_a_new_loss_function_object_per_call_is_warned_once() -> None:
     graphed, _ = _pair("cpu", 2)
-    x, y = torch.randn(2, 3, 32, 32), torch.randn(2, 10)
+    x, y = torch.randn(4, 3, 32, 32), torch.randn(4, 10)  # two micro-batches: no other warning
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         graphed.fit_batch(x, y, nn.MSELoss(), 0.001)
