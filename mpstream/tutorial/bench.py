@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from ..pipe import SingleMicroBatchWarning
 from ..runtime import GraphWarning, synchronize
 from . import graphed, rounds
 from . import models as tutorial
@@ -179,6 +180,8 @@ def run(
         # GraphWarning; graphed.check_stages turns that into NoRoom or an
         # error. Other GraphWarnings (calls beyond the bound) still show.
         warnings.filterwarnings("ignore", ".* runs eagerly: ", GraphWarning)
+        # A configuration of one micro-batch is measured on purpose.
+        warnings.simplefilter("ignore", SingleMicroBatchWarning)
         timed = rounds.round_robin(
             keys,
             build,

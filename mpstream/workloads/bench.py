@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from ..capture import CapturedStep
-from ..pipe import Pipe
+from ..pipe import Pipe, SingleMicroBatchWarning
 from ..runtime import GraphWarning, synchronize
 from ..tutorial import machine, rounds
 from . import memory as stage_memory
@@ -343,6 +343,8 @@ def run(
         # GraphWarning; check turns that into NoRoom, or says it beside the
         # times (an error would lose every other configuration's).
         warnings.filterwarnings("ignore", ".* runs eagerly: ", GraphWarning)
+        # A configuration of one micro-batch is measured on purpose.
+        warnings.simplefilter("ignore", SingleMicroBatchWarning)
         timed = rounds.round_robin(
             keys, build, _Runner.timed, warmup=p.warmup, repeat=p.repeat, label=label,
             check=lambda key, runner: eager.__setitem__(key, _eager(key, runner)),
