@@ -44,6 +44,11 @@ class BufferChange(Unrecorded):
 # What Tracer.create_proxy records as it is (see Tracer._pop_or_setdefault).
 _AS_CODE = object()
 
+# Defaults setdefault may hand back as they are: the dict holds the same
+# value. Any other (a list to append to) is the recorded call's result, so
+# that what forward does to it is done to the stage's dict's own.
+_IMMUTABLE = (bool, int, float, complex, str, bytes, torch.dtype, torch.device)
+
 # Methods that change a dict or list in place (a proxy has no __setitem__).
 _CHANGES = frozenset(
     ("setdefault", "update", "pop", "popitem", "clear")  # a dict's
@@ -85,6 +90,9 @@ class Tracer(fx.Tracer):
         # Arguments and items forward changed in place (batch.update(...)):
         # the call no longer answers what they hold, nor what is inside.
         self.changed: list[Item] = []
+        # Keys forward popped (each with its dict), until the dict changes
+        # otherwise: gone, whatever the call held; its other keys stay.
+        self.gone: set[tuple[Item, Any]] = set()
         self.leaf_names = {x for x in leaves if isinstance(x, str)}
         self.leaf_types = tuple(x for x in leaves if isinstance(x, type))
         self.path: list[str] = []
@@ -126,7 +134,7 @@ class Tracer(fx.Tracer):
             # through either name run as code from now on.
             changed = item_of(args[0])
             if changed is not None:
-                self.changed.append(changed)
+                self._change(changed)
                 if target is augmented:
                     item = changed  # the same dict: a test on it is refused by name
         if kind == "placeholder":
@@ -137,6 +145,10 @@ class Tracer(fx.Tracer):
             # batch[k] or batch.get(k): a key written in the code (a str,
             # int, tuple...), named as nones_of names it; never a traced one.
             owner = item_of(args[0])
+            if owner is not None and self._gone(owner, args[1]):
+                if kind == "call_method":
+                    return args[2] if len(args) > 2 else None
+                owner = None  # recorded as it is: a KeyError, as the module raises
             if owner is not None and not isinstance(args[1], fx.Proxy) and not self._changed(owner):
                 if kind == "call_method" and self._look_up(owner, args[1], test=False) is False:
                     return args[2] if len(args) > 2 else None  # the key left out: the default
@@ -164,22 +176,29 @@ class Tracer(fx.Tracer):
         owner, key = item_of(args[0]), args[1]
         if owner is None or isinstance(key, fx.Proxy) or kwargs or self._changed(owner):
             return _AS_CODE
-        present = self._look_up(owner, key, test=False)
+        gone = self._gone(owner, key)  # popped already: whatever the call holds
+        present = False if gone else self._look_up(owner, key, test=False)
         if present is None:  # no dict: a call of the object's own method
             return _AS_CODE
         default = args[2] if len(args) > 2 else None
         item: Item = (owner[0], (*owner[1], ("[", key)))
-        is_none = item_name(item) in self.none_items
+        is_none = not gone and item_name(item) in self.none_items
         if method == "pop":
             if not present and len(args) > 2:
                 return default  # nothing to pop: the dict stays as it is
-            self.changed.append(owner)  # gone from here on (or KeyError, as the module)
+            # Gone from here on (or a KeyError, as the module raises); the
+            # dict's other keys are still as the call holds them.
+            self.gone.add((owner, key))
             proxy = super().create_proxy("call_method", method, args, kwargs, *rest, **more)
             return None if is_none else proxy
         if not present:  # the key is set: the dict changes, at the stage too
-            self.changed.append(owner)
-            super().create_proxy("call_method", method, args, kwargs, *rest, **more)
-            return default
+            self._change(owner)
+            proxy = super().create_proxy("call_method", method, args, kwargs, *rest, **more)
+            return (
+                default
+                if default is None or isinstance(default, (fx.Proxy, *_IMMUTABLE))
+                else proxy
+            )
         if is_none:
             return None  # held as None: setdefault leaves it and gives None
         proxy = super().create_proxy("call_method", method, args, kwargs, *rest, **more)
@@ -199,6 +218,8 @@ class Tracer(fx.Tracer):
             self.iter(proxy)  # fx's own error: it cannot trace iterating a value
         assert owner is not None
         where = f"forward tests {key!r} in {item_name(owner)}"
+        if self._gone(owner, key):
+            return False  # forward popped it
         if self._changed(owner):
             raise TypeError(
                 f"{where} after changing it in place, which a trace cannot answer from "
@@ -216,6 +237,24 @@ class Tracer(fx.Tracer):
                 f"answers `key in ...` for a dict argument or item"
             )
         return present
+
+    def _change(self, item: Item) -> None:
+        """Marks ``item`` changed in place: the keys popped from it, or from
+        what it holds, are no longer known gone (an update may bring them back)."""
+        self.changed.append(item)
+        name, steps = item
+        self.gone = {
+            (o, k) for o, k in self.gone if not (o[0] == name and o[1][: len(steps)] == steps)
+        }
+
+    def _gone(self, owner: Item, key: Any) -> bool:
+        """Whether forward popped ``key`` from ``owner`` (and left it out since)."""
+        if isinstance(key, fx.Proxy):
+            return False  # a traced key (and a proxy's == would record a call)
+        try:
+            return (owner, key) in self.gone
+        except TypeError:  # unhashable: no dict's key
+            return False
 
     def _changed(self, item: Item) -> bool:
         """Whether forward changed ``item``, or what holds it, in place."""

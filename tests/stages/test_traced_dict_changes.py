@@ -40,6 +40,28 @@ def _pop_then_get(batch: dict[str, Tensor]) -> tuple[Tensor, Any]:
     return batch["x"], batch.get("s", 0.5)  # gone, whatever the call held
 
 
+def _pop_then_get_it(batch: dict[str, Tensor]) -> tuple[Tensor, Any]:
+    s = batch.pop("s", None)
+    later = batch.get("s")  # gone: None, whatever the call held
+    return batch["x"], s if later is None else later
+
+
+def _pop_other_then_get(batch: dict[str, Tensor]) -> tuple[Tensor, Any]:
+    x = batch.pop("x")
+    return x, batch.get("s")  # "s" is still as the call holds it
+
+
+def _pop_twice(batch: dict[str, Tensor]) -> tuple[Tensor, Any]:
+    s = batch.pop("s", None)
+    again = batch.pop("s", None)
+    return batch["x"], s if again is None else again
+
+
+def _setdefault_a_list(batch: dict[str, Any]) -> tuple[Tensor, Any]:
+    batch.setdefault("extra", []).append(batch["x"] * 2)  # the dict's own list
+    return batch["x"], batch["extra"][0]
+
+
 READS: dict[str, Callable[[dict[str, Any]], tuple[Tensor, Any]]] = {
     "pop-None": lambda b: (b["x"], b.pop("s", None)),
     "pop-default": lambda b: (b["x"], b.pop("s", 0.5)),
@@ -48,6 +70,10 @@ READS: dict[str, Callable[[dict[str, Any]], tuple[Tensor, Any]]] = {
     "setdefault-value": lambda b: (b["x"], b.setdefault("s", b["x"] * 2)),
     "alias-then-get": _alias_then_get,
     "alias-then-get-other": _alias_then_get_other,
+    "pop-then-get-it": _pop_then_get_it,
+    "pop-other-then-get": _pop_other_then_get,
+    "pop-twice": _pop_twice,
+    "setdefault-a-list": _setdefault_a_list,
 }
 
 # "s" given, held as None, left out: each kind twice, in a mixed order.
@@ -131,6 +157,26 @@ def test_a_dict_changed_through_a_second_name_refuses_a_test_naming_it() -> None
             tracer="fx",
             sample=({"x": x},),
         )
+
+
+def test_a_key_popped_then_tested_is_answered_as_gone() -> None:
+    def tests_after(batch: dict[str, Tensor]) -> tuple[Tensor, Tensor | None]:
+        s = batch.pop("s", None)
+        return batch["x"], None if "s" in batch else s
+
+    torch.manual_seed(0)
+    model = ReadAs(tests_after).double()
+    x = torch.randn(4, 4, dtype=torch.float64)
+    pipe = Pipe(copy.deepcopy(model), split_points=["b"], devices=["cpu"] * 2, chunks=2,
+                tracer="fx", sample=({"x": x},))  # fmt: skip
+    for shift in SHIFTS:
+        pipe.zero_grad()
+        model.zero_grad()
+        out, expected = pipe(_batch(x, x + 1, shift)), model(_batch(x, x + 1, shift))
+        torch.testing.assert_close(out, expected)
+        out.square().sum().backward()
+        expected.square().sum().backward()
+        _grads_equal(pipe, model)
 
 
 class PopsThenReadsLater(nn.Module):
