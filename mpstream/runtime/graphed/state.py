@@ -14,6 +14,7 @@ from __future__ import annotations
 import operator
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
+from itertools import islice
 from typing import Any
 
 import torch
@@ -72,9 +73,11 @@ class StageState:
         self.numbers: dict[tuple[Any, ...], int] = {}
         self._next_number = 0
         # The keys forgotten whose calls were dropped, with the generations
-        # dropped: met again, each is a recapture still, so the count is
-        # of captures whatever keys are kept. One entry per key captured,
-        # dropped and forgotten (each cost a capture), never on a replay.
+        # dropped: met again, each is a recapture still. At most
+        # _NUMBERS_KEPT, the oldest going first: keys that never come back
+        # (shapes that keep changing, a producer's call captured again)
+        # would pile up, and one forgotten here costs only a capture
+        # counted as a first one.
         self.forgotten: dict[tuple[Any, ...], frozenset[int]] = {}
         self.calls: OrderedDict[tuple[Any, ...], GraphedCall] = OrderedDict()
         self.used: set[tuple[Any, ...]] = set()  # keys the current run replayed
@@ -167,6 +170,8 @@ class StageState:
         for key, n in self.numbers.items():
             if n in dropped:
                 self.forgotten[key] = frozenset(dropped[n])
+        for key in list(islice(self.forgotten, max(0, len(self.forgotten) - _NUMBERS_KEPT))):
+            del self.forgotten[key]
         self.numbers = {key: n for key, n in self.numbers.items() if n in kept}
         self.dropped = {key for key in self.dropped if key[0] in kept}
 

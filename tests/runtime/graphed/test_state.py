@@ -173,3 +173,22 @@ def test_a_dropped_call_captured_again_after_its_key_was_forgotten_is_a_recaptur
         st.add((number, generation), Call())  # type: ignore[arg-type]
     assert (st.captures, st.recaptures) == (5, 2)
     assert len(st.numbers) <= 4 and not st.forgotten  # "a" numbered again, none kept aside
+
+
+def test_keys_kept_aside_after_their_calls_were_dropped_are_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Shapes that keep changing, each call dropped (a replaced tensor): the
+    # keys set aside to count a recapture must not pile up either.
+    monkeypatch.setattr(state_module, "_NUMBERS_KEPT", 4)
+    layer = nn.Linear(2, 2)
+    st = state(layer)
+    for i in range(50):
+        st.add((st.number(("shape", i)), 0), Call())  # type: ignore[arg-type]
+        layer.weight = nn.Parameter(layer.weight.detach().clone())
+        st.prepare(2)  # the call dropped
+    assert len(st.numbers) <= 4
+    assert len(st.forgotten) <= 4
+    assert len(st.dropped) <= 4
+    st.add((st.number(("shape", 49)), 0), Call())  # type: ignore[arg-type]
+    assert (st.captures, st.recaptures) == (51, 1)  # the newest key is still a recapture
