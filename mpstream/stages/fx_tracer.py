@@ -44,6 +44,9 @@ class BufferChange(Unrecorded):
 # What Tracer.create_proxy records as it is (see Tracer._pop_or_setdefault).
 _AS_CODE = object()
 
+# A key forward popped (see Tracer.known).
+_GONE = object()
+
 # Defaults setdefault may hand back as they are: the dict holds the same
 # value. Any other (a list to append to) is the recorded call's result, so
 # that what forward does to it is done to the stage's dict's own.
@@ -90,9 +93,10 @@ class Tracer(fx.Tracer):
         # Arguments and items forward changed in place (batch.update(...)):
         # the call no longer answers what they hold, nor what is inside.
         self.changed: list[Item] = []
-        # Keys forward popped (each with its dict), until the dict changes
-        # otherwise: gone, whatever the call held; its other keys stay.
-        self.gone: set[tuple[Item, Any]] = set()
+        # Keys forward popped (_GONE) or set by setdefault (the value given),
+        # each with its dict, until the dict changes otherwise: so, whatever
+        # the call held; the dict's other keys stay as the call holds them.
+        self.known: dict[tuple[Item, Any], Any] = {}
         self.leaf_names = {x for x in leaves if isinstance(x, str)}
         self.leaf_types = tuple(x for x in leaves if isinstance(x, type))
         self.path: list[str] = []
@@ -145,7 +149,10 @@ class Tracer(fx.Tracer):
             # batch[k] or batch.get(k): a key written in the code (a str,
             # int, tuple...), named as nones_of names it; never a traced one.
             owner = item_of(args[0])
-            if owner is not None and self._gone(owner, args[1]):
+            known = _GONE if owner is None else self._known(owner, args[1])
+            if known is not _GONE:
+                return known  # what forward set there
+            if owner is not None and self._hashable(owner, args[1]) in self.known:
                 if kind == "call_method":
                     return args[2] if len(args) > 2 else None
                 owner = None  # recorded as it is: a KeyError, as the module raises
@@ -166,39 +173,48 @@ class Tracer(fx.Tracer):
         self, method: str, args: Any, kwargs: Any, *rest: Any, **more: Any
     ) -> Any:
         """``owner.pop(key, ...)`` or ``owner.setdefault(key, ...)`` for a
-        key written in the code, answered from the call where the module
-        would leave the dict as it is: a key the call leaves out popped
-        with a default gives the default, a key the call holds as None
-        set by default gives None, recording nothing. Else recorded (the
-        stage changes its dict as the module does), marking the dict
-        changed where it changes; ``_AS_CODE`` where the call cannot
-        answer (no dict there, a traced key, a dict changed already)."""
+        key written in the code, answered from the call (or from what
+        forward popped or set before: ``known``) where the module would
+        leave the dict as it is: a key left out popped with a default
+        gives the default, a key held as None set by default gives None,
+        recording nothing. Else recorded (the stage changes its dict as
+        the module does), the key's new state known; ``_AS_CODE`` where
+        the call cannot answer (no dict there, a traced key, a dict
+        changed otherwise already)."""
         owner, key = item_of(args[0]), args[1]
         if owner is None or isinstance(key, fx.Proxy) or kwargs or self._changed(owner):
             return _AS_CODE
-        gone = self._gone(owner, key)  # popped already: whatever the call holds
-        present = False if gone else self._look_up(owner, key, test=False)
+        known = self._known(owner, key)  # popped or set already: whatever the call holds
+        if known is not _GONE and method == "setdefault":
+            return known  # held: the dict stays as it is
+        if known is not _GONE:
+            present: bool | None = True  # set by forward
+        elif self._hashable(owner, key) in self.known:
+            present = False  # popped by forward
+        else:
+            present = self._look_up(owner, key, test=False)
         if present is None:  # no dict: a call of the object's own method
             return _AS_CODE
         default = args[2] if len(args) > 2 else None
         item: Item = (owner[0], (*owner[1], ("[", key)))
-        is_none = not gone and item_name(item) in self.none_items
+        is_none = item_name(item) in self.none_items if known is _GONE else known is None
         if method == "pop":
             if not present and len(args) > 2:
                 return default  # nothing to pop: the dict stays as it is
             # Gone from here on (or a KeyError, as the module raises); the
             # dict's other keys are still as the call holds them.
-            self.gone.add((owner, key))
+            self.known[owner, key] = _GONE
             proxy = super().create_proxy("call_method", method, args, kwargs, *rest, **more)
-            return None if is_none else proxy
+            return None if is_none else proxy if known is _GONE else known
         if not present:  # the key is set: the dict changes, at the stage too
-            self._change(owner)
             proxy = super().create_proxy("call_method", method, args, kwargs, *rest, **more)
-            return (
+            given = (
                 default
                 if default is None or isinstance(default, (fx.Proxy, *_IMMUTABLE))
                 else proxy
             )
+            self.known[owner, key] = given
+            return given
         if is_none:
             return None  # held as None: setdefault leaves it and gives None
         proxy = super().create_proxy("call_method", method, args, kwargs, *rest, **more)
@@ -218,8 +234,8 @@ class Tracer(fx.Tracer):
             self.iter(proxy)  # fx's own error: it cannot trace iterating a value
         assert owner is not None
         where = f"forward tests {key!r} in {item_name(owner)}"
-        if self._gone(owner, key):
-            return False  # forward popped it
+        if self._hashable(owner, key) in self.known:
+            return self.known[owner, key] is not _GONE  # forward popped or set it
         if self._changed(owner):
             raise TypeError(
                 f"{where} after changing it in place, which a trace cannot answer from "
@@ -239,22 +255,35 @@ class Tracer(fx.Tracer):
         return present
 
     def _change(self, item: Item) -> None:
-        """Marks ``item`` changed in place: the keys popped from it, or from
-        what it holds, are no longer known gone (an update may bring them back)."""
+        """Marks ``item`` changed in place: what forward popped from it, or
+        set in it or in what it holds, is no longer known (an update may
+        bring a key back, or replace it)."""
         self.changed.append(item)
         name, steps = item
-        self.gone = {
-            (o, k) for o, k in self.gone if not (o[0] == name and o[1][: len(steps)] == steps)
+        self.known = {
+            (o, k): v
+            for (o, k), v in self.known.items()
+            if not (o[0] == name and o[1][: len(steps)] == steps)
         }
 
-    def _gone(self, owner: Item, key: Any) -> bool:
-        """Whether forward popped ``key`` from ``owner`` (and left it out since)."""
+    def _known(self, owner: Item, key: Any) -> Any:
+        """What forward set at ``key`` in ``owner`` by ``setdefault``;
+        ``_GONE`` where it set nothing there (or popped it)."""
+        entry = self._hashable(owner, key)
+        return _GONE if entry is None else self.known.get(entry, _GONE)
+
+    @staticmethod
+    def _hashable(owner: Item, key: Any) -> tuple[Item, Any] | None:
+        """``(owner, key)`` where both hash (no slice on the way, a key
+        written in the code: never a traced one, whose ``==`` would record
+        a call); else None, which ``known`` never holds."""
         if isinstance(key, fx.Proxy):
-            return False  # a traced key (and a proxy's == would record a call)
+            return None
         try:
-            return (owner, key) in self.gone
-        except TypeError:  # unhashable: no dict's key
-            return False
+            hash((owner, key))
+        except TypeError:
+            return None
+        return owner, key
 
     def _changed(self, item: Item) -> bool:
         """Whether forward changed ``item``, or what holds it, in place."""

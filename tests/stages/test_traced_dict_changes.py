@@ -62,6 +62,16 @@ def _setdefault_a_list(batch: dict[str, Any]) -> tuple[Tensor, Any]:
     return batch["x"], batch["extra"][0]
 
 
+def _setdefault_then_get_other(batch: dict[str, Any]) -> tuple[Tensor, Any]:
+    batch.setdefault("t", 1.5)
+    return batch["x"] * batch["t"], batch.get("s")  # "s" is still as the call holds it
+
+
+def _setdefault_flag_then_pop(batch: dict[str, Any]) -> tuple[Tensor, Any]:
+    batch.setdefault("flag", True)
+    return batch["x"], batch["x"] if batch.pop("flag", False) else None
+
+
 READS: dict[str, Callable[[dict[str, Any]], tuple[Tensor, Any]]] = {
     "pop-None": lambda b: (b["x"], b.pop("s", None)),
     "pop-default": lambda b: (b["x"], b.pop("s", 0.5)),
@@ -74,6 +84,7 @@ READS: dict[str, Callable[[dict[str, Any]], tuple[Tensor, Any]]] = {
     "pop-other-then-get": _pop_other_then_get,
     "pop-twice": _pop_twice,
     "setdefault-a-list": _setdefault_a_list,
+    "setdefault-then-get-other": _setdefault_then_get_other,
 }
 
 # "s" given, held as None, left out: each kind twice, in a mixed order.
@@ -159,13 +170,22 @@ def test_a_dict_changed_through_a_second_name_refuses_a_test_naming_it() -> None
         )
 
 
-def test_a_key_popped_then_tested_is_answered_as_gone() -> None:
-    def tests_after(batch: dict[str, Tensor]) -> tuple[Tensor, Tensor | None]:
-        s = batch.pop("s", None)
-        return batch["x"], None if "s" in batch else s
+def _pop_then_test(batch: dict[str, Tensor]) -> tuple[Tensor, Tensor | None]:
+    s = batch.pop("s", None)
+    return batch["x"], None if "s" in batch else s  # gone
 
+
+def _setdefault_then_test(batch: dict[str, Any]) -> tuple[Tensor, Tensor | None]:
+    batch.setdefault("t", None)
+    s = batch.get("s") if "t" in batch else batch["x"]  # "t" is there
+    return batch["x"], s if "s" in batch else None  # "s" as the call holds it
+
+
+# With a call to answer them (sample=): without one, every key is taken as given.
+@pytest.mark.parametrize("read", [_pop_then_test, _setdefault_then_test, _setdefault_flag_then_pop])
+def test_a_key_popped_or_set_then_tested_is_answered_as_forward_left_it(read: Any) -> None:
     torch.manual_seed(0)
-    model = ReadAs(tests_after).double()
+    model = ReadAs(read).double()
     x = torch.randn(4, 4, dtype=torch.float64)
     pipe = Pipe(copy.deepcopy(model), split_points=["b"], devices=["cpu"] * 2, chunks=2,
                 tracer="fx", sample=({"x": x},))  # fmt: skip
