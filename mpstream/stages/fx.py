@@ -24,11 +24,12 @@ from torch import Tensor, fx, nn
 from torch.fx.passes.split_module import split_module
 
 from ..runtime.graph import StageGraph
-from .fx_tracer import BufferChange, Tracer, Unrecorded, current_modes, stand_ins
+from .fx_tracer import BufferChange, Tracer, Unrecorded, current_modes
 from .inplace import check_in_place, copy_changed_inputs
 from .lookups import Lookup
 from .points import begin_stages, split_candidates, units_in_order
 from .shared_inputs import NO_CHANGES, ChangedInputs
+from .stand_ins import stand_ins
 from .surgery import inline_attrs, part_of, stage_graph
 from .tracers import Binder
 

@@ -5,7 +5,7 @@ remembering which submodule it is inside, for error messages. fx records
 operations, not what a forward does to Python state while it runs: a
 change of the grad or autocast mode (:class:`ModeChange`, raised as it is
 recorded) or of a buffer (:class:`BufferChange`, seen on the copies
-:func:`stand_ins` puts in the buffers' place) would happen once, while
+:func:`~mpstream.stages.stand_ins.stand_ins` puts in the buffers' place) would happen once, while
 tracing, and be missing from the stages. :mod:`~mpstream.stages.fx` traces
 with these and says what to do.
 """
@@ -14,19 +14,17 @@ from __future__ import annotations
 
 import operator
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor, fx, nn
-from torch.nn.parameter import is_lazy
+from torch import fx, nn
 
 from ..memory import DeferredBatchNorm
 from .inplace import AugmentedProxy, augmented, item_of
 from .lookups import Item, Lookup, item_name
 
-__all__ = ["Tracer", "Unrecorded", "ModeChange", "BufferChange", "current_modes", "stand_ins"]
+__all__ = ["Tracer", "Unrecorded", "ModeChange", "BufferChange", "current_modes"]
 
 
 class Unrecorded(TypeError):
@@ -90,12 +88,14 @@ class Tracer(fx.Tracer):
         self.none_items = set(none_items)
         self.values = values
         self.lookups = set[Lookup]() if lookups is None else lookups
-        # Arguments and items forward changed in place (batch.update(...)):
-        # the call no longer answers what they hold, nor what is inside.
+        # Arguments and items forward changed in place (batch.update(more),
+        # a list's append): the call no longer answers what they hold, nor
+        # what is inside.
         self.changed: list[Item] = []
-        # Keys forward popped (_GONE) or set by setdefault (the value given),
-        # each with its dict, until the dict changes otherwise: so, whatever
-        # the call held; the dict's other keys stay as the call holds them.
+        # Keys forward popped (_GONE) or set (by setdefault, or an update
+        # with keys in the code: the value given), each with its dict, until
+        # the dict changes otherwise: so, whatever the call held; the
+        # dict's other keys stay as the call holds them.
         self.known: dict[tuple[Item, Any], Any] = {}
         self.leaf_names = {x for x in leaves if isinstance(x, str)}
         self.leaf_types = tuple(x for x in leaves if isinstance(x, type))
@@ -135,10 +135,11 @@ class Tracer(fx.Tracer):
             kind == "call_function" and target is augmented and args
         ):
             # `other = batch; other |= {...}` changes batch too: lookups
-            # through either name run as code from now on.
+            # through either name see the change.
             changed = item_of(args[0])
             if changed is not None:
-                self._change(changed)
+                if not self._update(changed, target, args, kwargs):
+                    self._change(changed)
                 if target is augmented:
                     item = changed  # the same dict: a test on it is refused by name
         if kind == "placeholder":
@@ -253,6 +254,31 @@ class Tracer(fx.Tracer):
                 f"answers `key in ...` for a dict argument or item"
             )
         return present
+
+    def _update(self, owner: Item, method: Any, args: Any, kwargs: Any) -> bool:
+        """``owner.update(...)`` or ``owner |= {...}`` with keys and values
+        written in the code (a dict, keywords): each key known to hold its
+        value from now on, the dict's other keys still answered from the
+        call. False where they are not known (a dict traced, a mutable
+        value, no call given) or ``owner`` is no dict in the call."""
+        if method == "update" and len(args) <= 2:
+            given, more = (args[1] if len(args) == 2 else {}), kwargs
+        elif method is augmented and len(args) == 3 and args[2] == "ior":
+            given, more = args[1], {}
+        else:
+            return False
+        if type(given) is not dict or self.values is None or self._changed(owner):
+            return False
+        entries: dict[tuple[Item, Any], Any] = {}
+        for key, value in {**given, **more}.items():
+            entry = self._hashable(owner, key)
+            if entry is None or not (value is None or isinstance(value, (fx.Proxy, *_IMMUTABLE))):
+                return False
+            entries[entry] = value
+        if Lookup(owner, None, test=False).present(self.values) is None:
+            return False  # no dict there: the object's own method
+        self.known.update(entries)
+        return True
 
     def _change(self, item: Item) -> None:
         """Marks ``item`` changed in place: what forward popped from it, or
@@ -369,41 +395,3 @@ def current_modes() -> tuple[object, ...]:
         torch.get_autocast_dtype("cpu"),
         torch.get_autocast_dtype("cuda"),
     )
-
-
-@contextmanager
-def stand_ins(module: nn.Module) -> Iterator[Callable[[], list[str]]]:
-    """While ``module`` is traced, a copy stands in for each of its buffers
-    (a tensor held under several names gets one). fx reads buffers as plain
-    tensors, so ``self.steps += 1`` in forward would change the real buffer
-    once, while tracing, and leave the change out of the graph. Yields what
-    names the buffers the trace changed (in place or by assignment)."""
-    swapped: list[tuple[dict[str, Any], str, Tensor, Tensor, int, str]] = []
-    copies: dict[int, Tensor] = {}
-    try:
-        for owner, mod in module.named_modules():
-            for name, tensor in list(mod._buffers.items()):
-                # A lazy module's buffer has no values to copy (clone raises),
-                # and fx never runs the module (a leaf), so nothing changes it.
-                if tensor is None or is_lazy(tensor):
-                    continue
-                copy = copies.get(id(tensor))
-                if copy is None:
-                    with torch.no_grad():
-                        copy = tensor.clone().requires_grad_(tensor.requires_grad)
-                    copies[id(tensor)] = copy
-                qualname = f"{owner}.{name}" if owner else name
-                swapped.append((mod._buffers, name, tensor, copy, copy._version, qualname))
-                mod._buffers[name] = copy
-
-        def changed() -> list[str]:
-            return [
-                qualname
-                for store, name, _, copy, version, qualname in swapped
-                if store.get(name) is not copy or copy._version != version
-            ]
-
-        yield changed
-    finally:
-        for store, name, tensor, *_ in reversed(swapped):
-            store[name] = tensor

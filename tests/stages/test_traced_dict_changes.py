@@ -155,7 +155,7 @@ def test_a_key_popped_with_a_default_is_part_of_the_kind_of_call() -> None:
 def test_a_dict_changed_through_a_second_name_refuses_a_test_naming_it() -> None:
     def tests_after(batch: dict[str, Tensor]) -> tuple[Tensor, Tensor | None]:
         other = batch
-        other |= {"t": batch["x"]}
+        other |= batch["more"]  # keys only the call knows
         return batch["x"], batch["s"] if "s" in other else None
 
     x = torch.randn(4, 4, dtype=torch.float64)
@@ -166,7 +166,7 @@ def test_a_dict_changed_through_a_second_name_refuses_a_test_naming_it() -> None
             devices=["cpu"] * 2,
             chunks=2,
             tracer="fx",
-            sample=({"x": x},),
+            sample=({"x": x, "more": {"t": x}},),
         )
 
 
@@ -181,8 +181,37 @@ def _setdefault_then_test(batch: dict[str, Any]) -> tuple[Tensor, Tensor | None]
     return batch["x"], s if "s" in batch else None  # "s" as the call holds it
 
 
+def _alias_update_then_test(batch: dict[str, Any]) -> tuple[Tensor, Tensor | None]:
+    other = batch
+    other |= {"t": batch["x"]}
+    return batch["x"], batch["s"] if "s" in batch else None  # "s" as the call holds it
+
+
+def _update_then_test_it(batch: dict[str, Any]) -> tuple[Tensor, Tensor | None]:
+    batch.update(s=batch["x"] * 3)
+    return batch["x"], batch["s"] if "s" in batch else None  # set: there
+
+
+def _update_then_get_other(batch: dict[str, Any]) -> tuple[Tensor, Tensor | None]:
+    batch.update({"t": 2.0})
+    s = batch.get("s")
+    if s is None:  # as the call holds it: a proxy is never None
+        return batch["x"] * batch["t"], None
+    return batch["x"], s
+
+
 # With a call to answer them (sample=): without one, every key is taken as given.
-@pytest.mark.parametrize("read", [_pop_then_test, _setdefault_then_test, _setdefault_flag_then_pop])
+@pytest.mark.parametrize(
+    "read",
+    [
+        _pop_then_test,
+        _setdefault_then_test,
+        _setdefault_flag_then_pop,
+        _alias_update_then_test,
+        _update_then_test_it,
+        _update_then_get_other,
+    ],
+)
 def test_a_key_popped_or_set_then_tested_is_answered_as_forward_left_it(read: Any) -> None:
     torch.manual_seed(0)
     model = ReadAs(read).double()

@@ -268,17 +268,33 @@ def test_a_key_looked_up_after_forward_changed_the_dict_is_not_answered_from_the
         torch.testing.assert_close(pipe(batch()), model(batch()))
 
 
-def test_a_key_tested_after_forward_changed_the_dict_is_refused_naming_it() -> None:
+def test_a_key_tested_after_forward_set_it_by_update_is_answered_as_set() -> None:
+    torch.manual_seed(0)
+    model = FillsS("update-in").double()
+    x = torch.randn(4, 4, dtype=torch.float64)
+    pipe = Pipe(copy.deepcopy(model), split_points=["b"], devices=["cpu"] * 2, split_size=3,
+                tracer="fx", sample=({"x": x},))  # fmt: skip
+    for batch in [lambda: {"x": x, "s": x}, lambda: {"x": x}, lambda: {"x": x, "s": None}]:
+        pipe.zero_grad()
+        model.zero_grad()
+        out, expected = pipe(batch()), model(batch())
+        torch.testing.assert_close(out, expected)
+        out.square().sum().backward()
+        expected.square().sum().backward()
+        for p, q in zip(pipe.parameters(), model.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+    assert pipe.split_report().tracer == "torch.fx"
+
+
+def test_a_key_tested_after_an_update_by_a_traced_dict_is_refused_naming_it() -> None:
+    def tests_after(batch: dict[str, Any]) -> tuple[Tensor, Tensor | None]:
+        batch.update(batch["more"])  # keys only the call knows
+        return batch["x"], batch["s"] if "s" in batch else None
+
     x = torch.randn(4, 4, dtype=torch.float64)
     with pytest.raises(TypeError, match=r"forward tests 's' in batch after changing it in place"):
-        Pipe(
-            FillsS("update-in"),
-            split_points=["b"],
-            devices=["cpu"] * 2,
-            chunks=2,
-            tracer="fx",
-            sample=({"x": x},),
-        )
+        Pipe(ReadAs(tests_after), split_points=["b"], devices=["cpu"] * 2, chunks=2,
+             tracer="fx", sample=({"x": x, "more": {"t": x}},))  # fmt: skip
 
 
 class Tagged(nn.Module):
