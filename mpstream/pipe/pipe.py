@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import nullcontext
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -20,6 +21,9 @@ from ..stages.build import build, check_module, undone_on_error
 from ..stages.sequential import DeviceLike, check_flag, check_positive
 from .compiling import CompileOption, compile_options
 from .step import PipeStep
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self needs Python 3.11
 
 __all__ = ["Pipe"]
 
@@ -172,6 +176,19 @@ class Pipe(PipeStep):
         loss_fn(pipe(x), y.to("cuda:1")).backward()
     """
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Self:
+        # torchgpipe took balance second: GPipe(module, [2, 2], chunks=8).
+        # Here that list binds to chunks, and with chunks= also given Python
+        # refuses the call ("multiple values for argument 'chunks'") before
+        # __init__ runs, so the list is caught here, where it is seen first.
+        if len(args) > 1 and isinstance(args[1], (list, tuple)):
+            balance = list(args[1])
+            raise TypeError(
+                f"chunks must be an int, got {type(args[1]).__name__}: balance is keyword-only "
+                f"(torchgpipe's GPipe(module, {balance}) is Pipe(module, balance={balance}))"
+            )
+        return super().__new__(cls)
+
     def __init__(
         self,
         module: nn.Module,
@@ -206,12 +223,6 @@ class Pipe(PipeStep):
         if not isinstance(graphs, bool) and not hasattr(graphs, "capture"):
             raise TypeError(f"graphs must be True, False or a graph backend, got {graphs!r}")
         self.__dict__["_graphed"] = graphs or None
-        if isinstance(chunks, (list, tuple)):
-            raise TypeError(
-                f"chunks must be an int, got {type(chunks).__name__}: balance is keyword-only "
-                f"(torchgpipe's GPipe(module, {list(chunks)}) is Pipe(module, balance="
-                f"{list(chunks)}))"
-            )
         deferred_batch_norm = check_flag("deferred_batch_norm", deferred_batch_norm)
         self._chunks = None if chunks is None else check_positive("chunks", chunks)
         self._split_size = None if split_size is None else check_positive("split_size", split_size)

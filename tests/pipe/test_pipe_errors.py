@@ -222,11 +222,14 @@ def test_arguments_the_split_would_ignore_are_refused(
         Pipe(module, devices=devices, **kwargs)  # type: ignore[arg-type]
 
 
-def test_a_balance_passed_as_torchgpipe_did_is_named() -> None:
+# torchgpipe's GPipe(module, [1, 1], chunks=8): with chunks= as well, Python
+# itself would refuse the call before Pipe could say why.
+@pytest.mark.parametrize("kwargs", [{}, {"chunks": 8, "devices": ["cpu", "cpu"]}])
+def test_a_balance_passed_as_torchgpipe_did_is_named(kwargs: dict[str, object]) -> None:
     with pytest.raises(
         TypeError, match=r"balance is keyword-only .*Pipe\(module, balance=\[1, 1\]\)"
     ):
-        Pipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), [1, 1])  # type: ignore[arg-type]
+        Pipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), [1, 1], **kwargs)  # type: ignore[arg-type]
 
 
 def test_one_leaf_module_may_be_given_as_a_string() -> None:
