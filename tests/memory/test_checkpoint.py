@@ -82,6 +82,28 @@ def test_recomputation_happens_where_expected(mode: str, train: bool, expected: 
         assert st.recomputes == expected - 4
 
 
+class _Doubled(nn.Module):
+    """Saves nothing for backward (a product by a number)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.recomputes = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.recomputes += is_recomputing()
+        return x * 2.0
+
+
+def test_recomputation_stops_once_backward_has_what_it_needs() -> None:
+    # As the guide says (torchgpipe reran the whole partition): a layer
+    # whose output a later layer saves runs again, a trailing one does not.
+    inner, trailing = _Doubled(), _Doubled()
+    model = nn.Sequential(nn.Linear(3, 3), inner, nn.Linear(3, 3), trailing)
+    pipe = Pipe(model, chunks=2, balance=[4], devices=["cpu"], checkpoint="always")
+    pipe(torch.randn(4, 3)).sum().backward()
+    assert (inner.recomputes, trailing.recomputes) == (2, 0)
+
+
 @pytest.mark.parametrize("mode", ["always", "except_last"])
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_dropout_masks_match_after_recomputation(mode: str, schedule: str) -> None:
