@@ -10,6 +10,7 @@ each stage, sparing a module call where that changes nothing.
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Chain", "StageCalls", "takes_several"]
+__all__ = ["Chain", "StageCalls", "spread_is_unsure", "takes_several"]
 
 
 def takes_several(module: nn.Module) -> bool:
@@ -35,6 +36,26 @@ def takes_several(module: nn.Module) -> bool:
     return varargs or len(positional) > 1
 
 
+def spread_is_unsure(module: nn.Module) -> bool:
+    """Whether a tuple spread into ``module.forward`` may not be what its
+    author meant: one required positional parameter (or none) and optional
+    ones after it, so ``nn.Sequential`` would pass the tuple whole and
+    torch's Pipe spread it. torch's own modules (``nn.LSTM``'s ``hx``,
+    ``nn.TransformerEncoderLayer``'s masks) take no tuple as their first
+    argument: spread, surely."""
+    if type(module).__module__.startswith("torch."):
+        return False
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    positional = [p for p in params if p.kind in kinds]
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params) or len(positional) < 2:
+        return False
+    return sum(p.default is inspect.Parameter.empty for p in positional) <= 1
+
+
 class Chain(nn.Sequential):
     """A stage of a Sequential pipeline: its layers one after the other.
 
@@ -42,7 +63,10 @@ class Chain(nn.Sequential):
     a layer whose ``forward`` takes several arguments is spread into them
     (the removed ``torch.distributed.pipeline.sync.Pipe``'s convention); a
     layer taking one gets the tuple whole (``nn.Sequential``'s and
-    torchgpipe's).
+    torchgpipe's). Where the two conventions disagree (a layer taking one
+    required positional argument and optional ones, ``spread_is_unsure``),
+    the tuple is spread and the first call that spreads one says so, once
+    per layer: ``nn.Sequential`` would have passed it whole.
 
     Its layers are fixed once built: the pipe registers the same layer
     objects as its own (its ``state_dict``, its ``parameters()`` for the
@@ -53,6 +77,8 @@ class Chain(nn.Sequential):
     def __init__(self, layers: OrderedDict[str, nn.Module]) -> None:
         super().__init__(layers)
         self._spread = [takes_several(layer) for layer in self]
+        # Layers to warn about at their first spread tuple (then forgotten).
+        self._unsure = {i for i, layer in enumerate(self) if spread_is_unsure(layer)}
 
     def _refuse(self, name: str) -> None:
         if "_spread" in self.__dict__:  # built
@@ -87,13 +113,34 @@ class Chain(nn.Sequential):
             for layer in self:
                 x = layer(x)
             return x
-        for layer, spread in zip(self, self._spread):
+        unsure = self.__dict__.get("_unsure")  # absent from a Chain pickled before it
+        for i, (layer, spread) in enumerate(zip(self, self._spread)):
             if spread and len(args) == 1 and isinstance(args[0], tuple):
                 args = args[0]
             elif not spread and len(args) > 1:
                 args = (args,)
+            if unsure and len(args) > 1 and i in unsure:
+                unsure.discard(i)
+                _say_spread(list(self._modules)[i], layer, len(args))
             args = (layer(*args),)
         return args[0]
+
+
+def _say_spread(name: str, layer: nn.Module, values: int) -> None:
+    """Warns that ``values`` values were spread into ``layer``, where
+    ``nn.Sequential`` would have passed them whole, as a tuple."""
+    signature = inspect.signature(layer.forward)
+    first = next(iter(signature.parameters))
+    warnings.warn(
+        f"mpstream: layer '{name}' ({type(layer).__name__}) gets a tuple of {values} values "
+        f"spread into forward{signature}, as torch's Pipe spread tuples; nn.Sequential and "
+        f"torchgpipe would pass the tuple whole as '{first}'. If the layer expects the tuple "
+        f"whole, make the parameters after '{first}' keyword-only (forward(self, {first}, *, "
+        f"...)); if it expects the values, give them no defaults, and this warning goes. "
+        f"(Warned once per layer.)",
+        UserWarning,
+        stacklevel=2,
+    )
 
 
 class StageCalls:

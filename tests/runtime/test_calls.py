@@ -3,6 +3,7 @@ called directly unless that would skip a hook or a replaced forward."""
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from torch import nn
 
 from mpstream import Pipe
-from mpstream.runtime.calls import Chain, StageCalls, takes_several
+from mpstream.runtime.calls import Chain, StageCalls, spread_is_unsure, takes_several
 
 
 class Pair(nn.Module):
@@ -106,3 +107,55 @@ def test_a_built_stage_keeps_its_layers() -> None:
     assert [type(m) for m in stage] == [nn.Linear, nn.Tanh]
     stage.train(False)  # settings other than layers change as for any module
     assert not stage.training and stage[0] is pipe[0]
+
+
+class Mix(nn.Module):
+    """torchgpipe style: the tuple whole, ``scale`` optional."""
+
+    def forward(
+        self, inputs: tuple[torch.Tensor, torch.Tensor], scale: float = 0.5
+    ) -> torch.Tensor:
+        x, y = inputs
+        return x * scale + y
+
+
+class Masked(nn.Module):
+    """torch Pipe style: the values spread, ``mask`` optional."""
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return x if mask is None else x * mask
+
+
+class MixWhole(nn.Module):
+    def forward(
+        self, inputs: tuple[torch.Tensor, torch.Tensor], *, scale: float = 0.5
+    ) -> torch.Tensor:
+        x, y = inputs
+        return x * scale + y
+
+
+def test_a_layer_where_sequential_and_torch_pipe_disagree_is_named_once() -> None:
+    assert spread_is_unsure(Mix()) and spread_is_unsure(Masked())
+    assert not spread_is_unsure(Add()) and not spread_is_unsure(MixWhole())
+    assert not spread_is_unsure(nn.LSTM(2, 2))  # torch's own: (input, hx) spread, surely
+    assert not spread_is_unsure(nn.TransformerEncoderLayer(4, 1))
+    chain = Chain(OrderedDict([("pair", Pair()), ("masked", Masked())]))
+    with pytest.warns(UserWarning, match=r"layer 'masked' \(Masked\) gets a tuple of 2 values"):
+        torch.testing.assert_close(chain(torch.ones(2)), torch.full((2,), 2.0))  # spread
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        chain(torch.ones(2))  # once per layer
+    mix = Chain(OrderedDict([("pair", Pair()), ("mix", Mix())]))
+    with pytest.warns(UserWarning, match="make the parameters after 'inputs' keyword-only"):
+        mix(torch.ones(2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # keyword-only: the tuple whole, nothing to say
+        whole = Chain(OrderedDict([("pair", Pair()), ("mix", MixWhole())]))
+        torch.testing.assert_close(whole(torch.ones(2)), torch.full((2,), 2.5))
+
+
+def test_a_spread_across_a_stage_boundary_is_named_too() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), Pair(), Masked(), nn.Linear(4, 2))
+    pipe = Pipe(model, balance=[2, 2], devices=["cpu", "cpu"], chunks=2)
+    with pytest.warns(UserWarning, match="layer '2' \\(Masked\\)"):
+        pipe(torch.randn(4, 4))
