@@ -145,13 +145,8 @@ def bench(args: argparse.Namespace) -> int:
     total = bench.calls(config, sweep, bench.models_for(dev0, dev1))
     with (
         extras.progress(total, "train", not args.no_progress) as bar,
-        terminate_as_interrupt() as check,
+        terminate_as_interrupt(lambda: bar.update(1)) as tick,
     ):
-
-        def tick() -> None:
-            bar.update(1)
-            check()
-
         results = bench.run(
             config, dev0, dev1, sweep=sweep, tick=tick, status=bar.set_description,
             interruptible=True,

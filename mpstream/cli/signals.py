@@ -29,15 +29,20 @@ INTERRUPTED = 130
 
 
 @contextlib.contextmanager
-def terminate_as_interrupt() -> Iterator[Callable[[], None]]:
+def terminate_as_interrupt(
+    tick: Callable[[], None] = lambda: None,
+) -> Iterator[Callable[[], None]]:
     """Within the block, SIGTERM raises ``KeyboardInterrupt``; the handler
     before it is put back after (off the main thread, where Python allows
     no handler, nothing changes).
 
+    Args:
+        tick: what to do after each timed call (a progress bar's update).
+
     Yields:
-        A check to call between timed calls (a progress bar's tick): it
-        raises ``KeyboardInterrupt`` again once a SIGTERM has come, in case
-        the first one was swallowed where it landed.
+        ``tick``, then a check, to call after each timed call: it raises
+        ``KeyboardInterrupt`` again once a SIGTERM has come, in case the
+        first one was swallowed where it landed.
     """
     came: list[int] = []
 
@@ -45,12 +50,13 @@ def terminate_as_interrupt() -> Iterator[Callable[[], None]]:
         came.append(signum)
         raise KeyboardInterrupt
 
-    def check() -> None:
+    def ticked() -> None:
+        tick()
         if came:
             raise KeyboardInterrupt
 
     with _sigterm(interrupt):
-        yield check
+        yield ticked
 
 
 @contextlib.contextmanager

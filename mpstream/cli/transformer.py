@@ -131,12 +131,7 @@ def run(args: argparse.Namespace) -> int:
         )
     with (
         extras.progress(total, "step", not args.no_progress) as bar,
-        terminate_as_interrupt() as check,
+        terminate_as_interrupt(lambda: bar.update(1)) as tick,
     ):
-
-        def tick() -> None:
-            bar.update(1)
-            check()
-
         results = bench.run(config, tick=tick, status=bar.set_description, interruptible=True)
     return finish(results, report.table, report.save, Path(args.out), plots)
