@@ -11,6 +11,7 @@ against its plain backward.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -22,7 +23,7 @@ from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 
 from ..memory import StageSavedBytes
-from ..pipe import Pipe, micro_sizes
+from ..pipe import Pipe, micro_sizes, warned_as_before
 from ..runtime import GradSink, backward_inputs, cut, synchronize
 from ..schedules import SCHEDULES, Order, placement_of
 from .fitting import Costs, fit
@@ -47,9 +48,10 @@ def label(schedule: Order) -> str:
 @contextmanager
 def untouched(model: nn.Module) -> Iterator[None]:
     """Times a user's own model without leaving a trace: its gradients,
-    buffers (BatchNorm statistics) and the random-number state (CPU and its
-    GPUs') are put back afterwards, so the next real step's dropout masks do
-    not depend on whether anything was measured.
+    buffers (BatchNorm statistics), the random-number state (CPU and its
+    GPUs') and a pipe's once-per-pipe warning are put back afterwards, so
+    the next real step's dropout masks do not depend on whether anything
+    was measured, and a warning a try used up is still given.
 
     A gradient that is a view of a larger buffer (a graphed stage's gradient
     store, DDP's bucket views) is the same tensor the timed steps add into,
@@ -62,8 +64,9 @@ def untouched(model: nn.Module) -> Iterator[None]:
     buffers = [(b, b.detach().clone()) for b in model.buffers() if not is_lazy(b)]
     for p, _ in grads:
         p.grad = None
+    warned = warned_as_before(model) if isinstance(model, Pipe) else contextlib.nullcontext()
     try:
-        with torch.random.fork_rng(devices=gpus):
+        with torch.random.fork_rng(devices=gpus), warned:
             yield
     finally:
         with torch.no_grad():

@@ -17,7 +17,7 @@ never a tool.
 from __future__ import annotations
 
 from .auto import AutoRequest, Chooser, install_chooser
-from .call import SingleMicroBatchWarning
+from .call import SingleMicroBatchWarning, warned_as_before
 from .inputs import micro_sizes
 from .pipe import Pipe
 
@@ -28,4 +28,5 @@ __all__ = [
     "install_chooser",
     "micro_sizes",
     "SingleMicroBatchWarning",
+    "warned_as_before",
 ]

@@ -15,6 +15,8 @@ several stages, where nothing can overlap, is told so once per pipe
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -27,13 +29,25 @@ from .config import PipeConfig
 from .inputs import check_holds_tensor, micro_sizes, positional, staging
 from .running import held
 
-__all__ = ["PipeCall", "SingleMicroBatchWarning"]
+__all__ = ["PipeCall", "SingleMicroBatchWarning", "warned_as_before"]
 
 
 class SingleMicroBatchWarning(UserWarning):
     """A call with gradients ran its batch through several stages as one
     micro-batch: each stage waited for the one before it, nothing
     overlapped."""
+
+
+@contextmanager
+def warned_as_before(pipe: PipeCall) -> Iterator[None]:
+    """The block's calls leave the pipe's once-per-pipe warning as it was:
+    a measurement's tries (tune's curve points, one micro-batch among them
+    on purpose) do not use up what a later call of the user's would say."""
+    said = pipe.__dict__.get("_said_one_micro_batch", False)
+    try:
+        yield
+    finally:
+        pipe.__dict__["_said_one_micro_batch"] = said
 
 
 class PipeCall(PipeConfig):

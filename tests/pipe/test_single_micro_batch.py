@@ -94,3 +94,14 @@ def test_nothing_is_said_where_overlap_is_not_lost(case: str) -> None:
                 two_stages(), x, nn.MSELoss(), [4, 8], target=y, repeat=1, cache=None,
                 progress=False,
             )  # fmt: skip
+
+
+def test_a_tuning_curve_s_try_leaves_the_warning_to_the_user_s_own_call() -> None:
+    x, y = batch()
+    pipe = two_stages(split_size=8)
+    mpstream.tune(
+        pipe, x, nn.MSELoss(), [8, 4], target=y, repeat=1, cache=None, progress=False
+    )  # its first point runs this pipe as one micro-batch, silently
+    pipe.split_size = 8
+    with pytest.warns(SingleMicroBatchWarning, match="split_size=8 >= the batch's 8 rows"):
+        train_step(pipe, x, y)
