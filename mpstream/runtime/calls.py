@@ -21,19 +21,22 @@ from torch import nn
 __all__ = ["Chain", "StageCalls", "spread_is_unsure", "takes_several"]
 
 
-def takes_several(module: nn.Module) -> bool:
-    """Whether ``module.forward`` takes more than one positional argument."""
+def _positional(module: nn.Module) -> tuple[list[inspect.Parameter], bool] | None:
+    """``module.forward``'s positional parameters, and whether it takes
+    ``*args``; None for a builtin without a signature."""
     try:
         params = inspect.signature(module.forward).parameters.values()
-    except (TypeError, ValueError):  # builtins without a signature
-        return False
-    positional = [
-        p
-        for p in params
-        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    ]
+    except (TypeError, ValueError):
+        return None
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     varargs = any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)
-    return varargs or len(positional) > 1
+    return [p for p in params if p.kind in kinds], varargs
+
+
+def takes_several(module: nn.Module) -> bool:
+    """Whether ``module.forward`` takes more than one positional argument."""
+    found = _positional(module)
+    return found is not None and (found[1] or len(found[0]) > 1)
 
 
 def spread_is_unsure(module: nn.Module) -> bool:
@@ -43,17 +46,12 @@ def spread_is_unsure(module: nn.Module) -> bool:
     torch's Pipe spread it. torch's own modules (``nn.LSTM``'s ``hx``,
     ``nn.TransformerEncoderLayer``'s masks) take no tuple as their first
     argument: spread, surely."""
-    if type(module).__module__.startswith("torch."):
+    found = _positional(module)
+    if found is None or found[1] or type(module).__module__.startswith("torch."):
         return False
-    try:
-        params = inspect.signature(module.forward).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    positional = [p for p in params if p.kind in kinds]
-    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params) or len(positional) < 2:
-        return False
-    return sum(p.default is inspect.Parameter.empty for p in positional) <= 1
+    positional = found[0]
+    required = sum(p.default is inspect.Parameter.empty for p in positional)
+    return len(positional) > 1 and required <= 1
 
 
 class Chain(nn.Sequential):
