@@ -13,7 +13,6 @@ a call that raises leaves the statistics as they were.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import cast
@@ -25,6 +24,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.parameter import is_lazy
 
+from .._warn import warn
 from .checkpoint import is_recomputing
 
 __all__ = [
@@ -177,13 +177,12 @@ class DeferredBatchNorm(_BatchNorm):
         ``warnings.simplefilter("error")``, raised before anything updates."""
         if self.calls > self.expected and not self.warned:
             self.warned = True
-            warnings.warn(
+            warn(
                 f"DeferredBatchNorm({self.num_features}) ran {self.calls} times in a mini-batch "
                 f"of {self.expected} micro-batches: called more than once per micro-batch, its "
                 f"calls' statistics are pooled, where a plain BatchNorm updates once per call "
                 f"from that call's whole batch. Use a BatchNorm per call site for the plain "
-                f"model's statistics",
-                stacklevel=2,
+                f"model's statistics"
             )
 
     def _commit(self, times: int = 1) -> None:

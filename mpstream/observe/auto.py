@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import math
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -39,6 +38,7 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
+from .._warn import warn
 from ..memory import StageSavedBytes
 from ..pipe import AutoRequest, Pipe
 from ..runtime import synchronize
@@ -207,10 +207,9 @@ def _costs(
             except (AttributeError, KeyError, TypeError, ValueError) as exc:
                 # As tune's: measured again, and replaced (an error would
                 # blame Auto(costs=...), which was not given).
-                warnings.warn(
+                warn(
                     f"ignoring a malformed entry of the tuning cache {path}: {exc!r}; "
-                    f"measuring the stage costs again",
-                    stacklevel=2,
+                    f"measuring the stage costs again"
                 )
     fitted = profile_stages(pipe, request.inputs, request.target, request.loss_fn)
     triples = [_triple(c) for c in fitted.per_stage()]

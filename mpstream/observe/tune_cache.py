@@ -22,7 +22,6 @@ import os
 import re
 import sys
 import tempfile
-import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -32,6 +31,7 @@ from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 from torch.utils import _pytree as pytree
 
+from .._warn import warn
 from ..pipe import Pipe
 from ..runtime import Value
 from .profiling import pipes_in
@@ -159,10 +159,9 @@ def load(path: Path, *, quiet: bool = False) -> dict[str, Any]:
         return {}
     except (OSError, ValueError) as exc:
         if not quiet:
-            warnings.warn(
+            warn(
                 f"ignoring unreadable tuning cache {path}: {exc}; the next result stored "
-                f"replaces the file (move it away to keep it)",
-                stacklevel=3,
+                f"replaces the file (move it away to keep it)"
             )
         return {}
     return doc if isinstance(doc, dict) else {}
@@ -186,7 +185,7 @@ def store(path: Path, key: str, entry: dict[str, Any]) -> None:
             os.replace(tmp, path)
             tmp = None
     except OSError as exc:
-        warnings.warn(f"could not write the tuning cache {path}: {exc}", stacklevel=3)
+        warn(f"could not write the tuning cache {path}: {exc}")
     finally:
         if tmp is not None and os.path.exists(tmp):
             os.remove(tmp)

@@ -6,10 +6,11 @@ cache (:mod:`.tune_cache`) and as a figure.
 from __future__ import annotations
 
 import statistics
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from .._warn import warn
 
 __all__ = ["TunePoint", "TuneResult", "from_cache"]
 
@@ -138,8 +139,6 @@ def from_cache(
         if result.best not in result.curve:
             raise ValueError("a best point that is not on the curve")
     except (KeyError, TypeError, ValueError) as exc:
-        warnings.warn(
-            f"ignoring a malformed entry of the tuning cache {path}: {exc!r}", stacklevel=3
-        )
+        warn(f"ignoring a malformed entry of the tuning cache {path}: {exc!r}")
         return None
     return result

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .._warn import warn
 from ..pipe import Pipe, SingleMicroBatchWarning
 from ..runtime import Value, as_value, synchronize
 from ..stages import check_positive
@@ -232,11 +233,10 @@ def tune(
                 if isinstance(first, Pipe)
                 else "tune the Pipe itself with target= to time it"
             )
-            warnings.warn(
+            warn(
                 f"tune times forward + backward of the loss, which autograd runs fill-drain; "
                 f"the schedule {', '.join(map(repr, other))} runs only in a Pipe's "
-                f"train_step: {how}",
-                stacklevel=2,
+                f"train_step: {how}"
             )
         key_text = json.dumps(key, sort_keys=True)
         path = default_cache() if cache == "default" else (Path(cache) if cache else None)
@@ -289,12 +289,11 @@ def tune(
             f"({min(p.times) * 1e3:.3g}-{max(p.times) * 1e3:.3g} ms)"
             for p in shaky
         )
-        warnings.warn(
+        warn(
             f"tune: the timings of {where} disagree (coefficient of variation above "
             f"{MAX_CV:.0%} or slowest/fastest above {MAX_RANGE:.1f}x): the machine was busy, "
             f"and the choice may say more about it than about the model; not cached, so the "
-            f"next call measures again (on a quiet machine, or with a larger repeat=)",
-            stacklevel=2,
+            f"next call measures again (on a quiet machine, or with a larger repeat=)"
         )
     elif path is not None:
         store(path, key_text, result.to_json())

@@ -14,13 +14,13 @@ several stages, where nothing can overlap, is told so once per pipe
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 
+from .._warn import warn
 from ..memory.batchnorm import deferred_update
 from ..runtime.copy import Staging
 from ..runtime.forward import run as run_forward
@@ -109,7 +109,7 @@ class PipeCall(PipeConfig):
         inputs = self._inputs(args, kwargs)
         micro = scatter(inputs, self._chunks, self._split_size)
         if len(micro) == 1 and torch.is_grad_enabled():
-            self._say_one_micro_batch(micro[0], "pipe(x) with gradients", depth=6)
+            self._say_one_micro_batch(micro[0], "pipe(x) with gradients")
         schedule = self.schedule_for(len(micro), batch_device(inputs))
         _, worker, _ = self._rt()
         staging = self._stage(inputs, self.devices[0])
@@ -126,10 +126,10 @@ class PipeCall(PipeConfig):
         split = self.__dict__["_split"]
         return gather(outputs) if split is None else split.gather(outputs)
 
-    def _say_one_micro_batch(self, inputs: Any, call: str, depth: int) -> None:
+    def _say_one_micro_batch(self, inputs: Any, call: str) -> None:
         """Warns, once per pipe of several stages, that ``call`` ran its
         batch (``inputs``, one micro-batch) with no overlap, and what to do;
-        ``depth``: the frames from here up to the user's call."""
+        at the user's line, whichever public call led here."""
         stages = len(self.devices)
         if stages < 2 or self.__dict__.get("_said_one_micro_batch"):
             return
@@ -143,7 +143,7 @@ class PipeCall(PipeConfig):
             why = f"split_size={self._split_size} >= the batch's {rows} rows"
         else:
             why = "the pipe was built with neither chunks nor split_size"
-        warnings.warn(
+        warn(
             f"mpstream: {call} ran the batch of {rows} rows as one micro-batch through "
             f"{stages} stages ({why}): each stage waits for the one before it, so nothing "
             f"overlaps and the pipeline is no faster than a single device. Split the batch into "
@@ -151,7 +151,6 @@ class PipeCall(PipeConfig):
             f"split_size below the batch size) or give it a larger batch. (Warned once per "
             f"pipe.)",
             SingleMicroBatchWarning,
-            stacklevel=depth,
         )
 
     def _inputs(

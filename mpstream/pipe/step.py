@@ -179,7 +179,7 @@ class PipeStep(PipeCall):
         labels = detached(target)
         micro = scatter(args, self._chunks, self._split_size)
         if len(micro) == 1:
-            self._say_one_micro_batch(micro[0], "train_step", depth=6)
+            self._say_one_micro_batch(micro[0], "train_step")
         micro_targets = (
             [None] * len(micro)
             if target is None

@@ -10,13 +10,14 @@ each stage, sparing a module call where that changes nothing.
 from __future__ import annotations
 
 import inspect
-import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
+
+from .._warn import warn
 
 __all__ = ["Chain", "StageCalls", "spread_is_unsure", "takes_several"]
 
@@ -129,7 +130,7 @@ def _say_spread(name: str, layer: nn.Module, values: int) -> None:
     ``nn.Sequential`` would have passed them whole, as a tuple."""
     signature = inspect.signature(layer.forward)
     first = next(iter(signature.parameters))
-    warnings.warn(
+    warn(
         f"mpstream: layer '{name}' ({type(layer).__name__}) gets a tuple of {values} values "
         f"spread into forward{signature}, as torch's Pipe spread tuples; nn.Sequential and "
         f"torchgpipe would pass the tuple whole as '{first}'. If the layer expects the tuple "
@@ -137,7 +138,6 @@ def _say_spread(name: str, layer: nn.Module, values: int) -> None:
         f"...)); if it expects the values, give them no defaults, and this warning goes. "
         f"(Warned once per layer.)",
         UserWarning,
-        stacklevel=2,
     )
 
 

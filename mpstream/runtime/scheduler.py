@@ -10,7 +10,6 @@ pool, and can log every stream operation (the plan) and time every task.
 from __future__ import annotations
 
 import threading
-import warnings
 import weakref
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
@@ -20,6 +19,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .. import _ext
+from .._warn import warn
 from ..schedules.schedule import Schedule
 from .errors import annotate
 from .stream import (
@@ -208,12 +208,11 @@ class EventScheduler:
         shared = [names for names in owners.values() if len(names) > 1]
         if shared:
             pairs = "; ".join(" = ".join(names) for names in shared)
-            warnings.warn(
+            warn(
                 f"mpstream: these pipeline streams are one and the same CUDA stream, so their "
                 f"work serialises (results stay correct): {pairs}. PyTorch hands out "
                 f"{len(owners)} distinct pooled streams here; put fewer stages on one device.",
                 StreamAliasWarning,
-                stacklevel=4,
             )
         if _warned_across_pipes:
             return
@@ -227,13 +226,12 @@ class EventScheduler:
             ]
             if clashes:
                 _warned_across_pipes = True
-                warnings.warn(
+                warn(
                     "mpstream: this Pipe's streams are shared with another live Pipe: "
                     f"{', '.join(clashes[:4])}. PyTorch's stream pool is exhausted; work "
                     f"on shared streams serialises. Delete pipes you no longer use. "
                     f"(Warned once per process.)",
                     StreamAliasWarning,
-                    stacklevel=4,
                 )
                 return
 

@@ -15,13 +15,13 @@ one GPU (a graph cannot span devices); on the CPU each step runs eagerly.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn, optim
 
+from .._warn import warn
 from ..capture import CapturedStep
 from ..pipe import Pipe
 from . import rounds
@@ -110,12 +110,11 @@ def _warn_new_loss(
         return
     state["_warned_loss"] = True
     name = getattr(loss_fn, "__qualname__", type(loss_fn).__qualname__)
-    warnings.warn(
+    warn(
         f"fit_batch: the loss function object changed ({name}) for a batch shape, split "
         f"size and lr already captured: every new loss_fn object captures and keeps a step "
         f"of its own. Create the loss function once and pass that object on every call "
-        f"(a loss module without tensors, such as nn.MSELoss(), may be made anew)",
-        stacklevel=3,
+        f"(a loss module without tensors, such as nn.MSELoss(), may be made anew)"
     )
 
 

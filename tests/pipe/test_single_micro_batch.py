@@ -5,15 +5,22 @@ for the points of a tuning curve."""
 
 from __future__ import annotations
 
+import inspect
+import os
 import re
+import sys
 import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 import mpstream
-from mpstream import Pipe, SingleMicroBatchWarning
+from mpstream import CapturedStep, Pipe, SingleMicroBatchWarning
+from mpstream import distributed as mpdist
 from tests.helpers import mlp
 
 
@@ -33,7 +40,35 @@ def train_step(pipe: Pipe, x: Tensor, y: Tensor) -> None:
     pipe.train_step(x, y, nn.MSELoss())
 
 
+def captured_step(pipe: Pipe, x: Tensor, y: Tensor) -> None:
+    step = CapturedStep(pipe, x, y, nn.MSELoss())
+    step(x, y)  # on the CPU, the first call runs the step
+
+
+def distributed_train_step(pipe: Pipe, x: Tensor, y: Tensor) -> None:
+    with one_process_group():
+        ddp = mpdist.wrap(pipe)
+        mpdist.train_step(ddp, x, y, nn.MSELoss())
+
+
+@contextmanager
+def one_process_group() -> Iterator[None]:
+    """A one-process gloo group on an in-memory store, loopback only."""
+    if sys.platform.startswith("linux") and "GLOO_SOCKET_IFNAME" not in os.environ:
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 RUNS = {"loop": user_loop, "train_step": train_step}
+ENTRY_POINTS: dict[str, Callable[[Pipe, Tensor, Tensor], None]] = {
+    **RUNS,
+    "CapturedStep": captured_step,
+    "distributed.train_step": distributed_train_step,
+}
 
 
 @pytest.mark.parametrize("run", RUNS)
@@ -61,6 +96,20 @@ def test_one_micro_batch_through_several_stages_is_said_once(
     assert "chunks=" in text and "larger batch" in text
     assert re.search(why, text), text
     assert said[0].filename == __file__  # points at the user's call
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_the_warning_points_at_the_user_s_line_in_every_entry_point(entry: str) -> None:
+    run = ENTRY_POINTS[entry]
+    lines, first = inspect.getsourcelines(run)
+    call = first + len(lines) - 1  # each entry point's public call is its last line
+    x, y = batch()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", SingleMicroBatchWarning)  # pyproject ignores it
+        run(two_stages(chunks=1), x, y)
+    said = [w for w in caught if issubclass(w.category, SingleMicroBatchWarning)]
+    assert len(said) == 1
+    assert (said[0].filename, said[0].lineno) == (__file__, call)
 
 
 def test_the_batch_s_own_size_decides_not_the_setting() -> None:

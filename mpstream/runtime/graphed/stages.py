@@ -31,7 +31,6 @@ past its values (:class:`~.keys.Scalars`) runs eagerly, with one warning.
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -39,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..._warn import warn
 from ...memory.checkpoint import checkpointed
 from ...schedules.schedule import Schedule
 from ...schedules.slots import Slots, plan_slots
@@ -185,7 +185,7 @@ class StageGraphs:
             raise
         if st.reason is not None and not st.warned:  # a CPU stage, or a failed capture
             st.warned = True
-            warnings.warn(f"{st.label} runs eagerly: {st.reason}", GraphWarning, stacklevel=4)
+            warn(f"{st.label} runs eagerly: {st.reason}", GraphWarning)
         return out
 
     def abandon(self, before: int) -> None:
@@ -376,11 +376,10 @@ class StageGraphs:
         """A call beyond a bound runs eagerly; the first one says so."""
         if not st.overflow:
             st.overflow = True
-            warnings.warn(
+            warn(
                 f"{st.label}: {why}; further such calls run eagerly (run fewer forwards "
                 f"before a backward, or fewer batch shapes)",
                 GraphWarning,
-                stacklevel=5,
             )
 
     def report(self) -> GraphReport:
