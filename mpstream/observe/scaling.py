@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from ..schedules import placement_of
 from ..stages import partition, stage_costs
 from .cost_args import Cost, backward_passes, check_listed, cost_pair, cost_size
@@ -48,6 +50,7 @@ def predict(
     overlap: bool = True,
     issue_times: Sequence[Cost] | None = None,
     last_size: float = 1.0,
+    input_device: str | torch.device | None = None,
 ) -> Prediction:
     """Predicts the step time of ``stages`` devices from per-layer costs.
 
@@ -75,19 +78,31 @@ def predict(
             (0, 1] (:func:`~mpstream.observe.cost_model.micro_batches` gives
             it for a batch the split size does not divide): its compute and
             copies cost that share.
+        input_device: where the batch sits, as
+            :func:`~mpstream.observe.cost_model.simulate` takes it: the
+            stages' devices are ``'device0'``, ``'device1'``, ... (one per
+            stage), any other label (``'cpu'``) is a device no stage is on;
+            default the first stage's. Off the first stage's device, each
+            micro-batch is copied in before its forward at the copy time (a
+            per-boundary list of ``copy_times``: at nothing), as
+            ``simulate`` prices it.
 
     Returns:
         The prediction, with the single-device time for the speed-up: every
-        layer on one device, no copies, ``chunks`` micro-batches' work (the
-        device time is taken as linear in the batch); with ``issue_times``,
-        as one whole batch whose kernels are issued once, as the tutorial's
-        single device runs it.
+        layer on one device (the first stage's), no copies between layers,
+        ``chunks`` micro-batches' work (the device time is taken as linear
+        in the batch); with ``issue_times``, as one whole batch whose
+        kernels are issued once, as the tutorial's single device runs it;
+        with the batch off that device, after the whole batch's copy in
+        (``chunks`` micro-batches' copies, none hidden).
 
     Raises:
         ValueError: a negative cost, ``layer_times`` a mapping, a
             ``balance`` that does not fit the layers, ``issue_times`` of
-            another length than ``layer_times``, or a schedule of several
-            stages per device.
+            another length than ``layer_times``, a schedule of several
+            stages per device, or an empty ``input_device``.
+        TypeError: ``input_device`` is not a label (a string or a
+            ``torch.device``).
     """
     if placement_of(schedule) != "stage":
         raise ValueError(
@@ -150,15 +165,26 @@ def predict(
         backward=with_backward,
         issue_times=issue,
         last_size=last_size,
+        input_device=input_device,
     )
     work = chunks - 1 + last_size  # full micro-batches' worth of examples
+    # A batch off the first device: the single device copies it in whole
+    # first, the pipeline's micro-batches' copies in as simulate priced them.
+    copied = sum(s.duration_ms for s in sim.timeline.spans if s.stage == -1 and s.kind == "copy")
     if single_issue is None:
-        single = work * sum(totals)
+        single = copied + work * sum(totals)
     else:
         # The whole batch in one pass: the work of every micro-batch, but each
         # kernel issued once (issue time does not grow with the batch).
         whole = (work * sum(forward), work * sum(backward))
         single = simulate(
-            [whole], 0.0, 1, "gpipe", overlap, backward=with_backward, issue_times=single_issue
+            [whole],
+            copied,
+            1,
+            "gpipe",
+            overlap,
+            backward=with_backward,
+            issue_times=single_issue,
+            input_device=input_device if copied else None,
         ).step_ms
     return Prediction(stages, chosen, sim.step_ms, single, sim)

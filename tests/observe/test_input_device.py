@@ -1,5 +1,6 @@
 """``simulate(input_device=...)``: a batch off the first stage's device is
-copied in, as ``pipe.schedule_for(micros, input_device)`` schedules it."""
+copied in, as ``pipe.schedule_for(micros, input_device)`` schedules it;
+``predict(input_device=...)`` prices it as ``simulate`` does."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from mpstream import Pipe, simulate
+from mpstream import Pipe, predict, simulate
 from mpstream.observe.cost_model import Simulation
 from mpstream.schedules import Kind, Schedule
 
@@ -91,3 +92,42 @@ def test_default_streams_block_the_receiving_device_alone() -> None:
 def test_a_bad_input_device_is_refused(value: object, error: type, message: str) -> None:
     with pytest.raises(error, match=message):
         simulate([1.0, 1.0], 0.5, 2, input_device=value)  # type: ignore[arg-type]
+    with pytest.raises(error, match=message):
+        predict([1.0, 1.0], 2, 2, input_device=value)  # type: ignore[arg-type]
+
+
+LAYERS = [(1.0, 2.0), (0.5, 1.0), (1.5, 1.0), (1.0, 2.0)]
+
+
+@pytest.mark.parametrize("copy_times", [0.5, (0.5, 0.25), [0.5]])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1"])
+@pytest.mark.parametrize("where", [None, "cpu", torch.device("cpu"), "device0", "device1"])
+def test_predict_prices_the_batch_s_copies_as_simulate_does(
+    copy_times: object, schedule: str, where: str | torch.device | None
+) -> None:
+    pred = predict(
+        LAYERS, 2, 4, copy_times=copy_times, balance=[2, 2], schedule=schedule,  # type: ignore[arg-type]
+        input_device=where, last_size=0.5,
+    )  # fmt: skip
+    sim = simulate(
+        [(1.5, 3.0), (2.5, 3.0)], copy_times, 4, schedule,  # type: ignore[arg-type]
+        input_device=where, last_size=0.5,
+    )  # fmt: skip
+    assert pred.step_ms == sim.step_ms
+    assert pred.simulation.timeline.spans == sim.timeline.spans
+    # The batch off the first stage's device, at a copy time: copied in.
+    off = where is not None and str(where) != "device0" and not isinstance(copy_times, list)
+    assert any(s.stage == -1 for s in sim.timeline.spans if s.duration_ms > 0) == off
+
+
+@pytest.mark.parametrize("issue_times", [None, [(0.25, 0.25)] * 4])
+def test_predict_s_single_device_copies_the_whole_batch_in_first(
+    issue_times: list[tuple[float, float]] | None,
+) -> None:
+    on = predict(LAYERS, 2, 4, copy_times=0.5, issue_times=issue_times)
+    off = predict(LAYERS, 2, 4, copy_times=0.5, issue_times=issue_times, input_device="cpu")
+    # Four micro-batches' copies in, none hidden behind compute.
+    assert off.single_device_ms == on.single_device_ms + 4 * 0.5
+    assert off.step_ms == on.step_ms + 0.5  # the pipeline hides all but the first
+    listed = predict(LAYERS, 2, 4, copy_times=[0.5], input_device="cpu")
+    assert listed.single_device_ms == on.single_device_ms  # a per-boundary list: no price
