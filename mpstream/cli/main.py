@@ -220,7 +220,8 @@ def parser() -> argparse.ArgumentParser:
         help="a text file holding your order of actions for the tutorial's 2 stages and the "
         "micro-batches --batch-size makes at --split-size (F0m0 F1m0 B1m0 B0m0 for one): "
         "the traced steps and the cost model's are train_step in that order, at --split-size "
-        "alone",
+        "alone, the stages on --devices' two devices (one device twice for an order of both "
+        "on one)",
     )
     r.add_argument("--out", default="mpstream-trace", help="output folder (default: %(default)s)")
     r.set_defaults(func=cli_resnet.trace)

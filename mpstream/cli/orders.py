@@ -7,16 +7,22 @@ a training step's ``pipe.schedule_for(...)`` written out is one).
 :func:`read` refuses a file it cannot read or what is not an action;
 :func:`checked` then holds the order against the run's stages and
 micro-batches with the library's own check, whose error names the action,
-its stage and its step. Both raise :class:`~.argtypes.UsageError`, naming
-``--order`` and the file.
+its stage and its step. :func:`placed` holds it against the devices as
+``--order-placement`` places its stages (an order for several stages per
+device, as the round-robin and V schedules place theirs). Each raises
+:class:`~.argtypes.UsageError`, naming ``--order`` and the file.
 """
 
 from __future__ import annotations
 
-from ..schedules import Schedule, parse
+from ..schedules import PLACEMENTS, Schedule, parse, rank_devices
 from .argtypes import UsageError
 
-__all__ = ["read", "covered", "checked"]
+__all__ = ["PLACEMENT_CHOICES", "read", "covered", "checked", "placed"]
+
+#: ``--order-placement``'s values: the library's placements, a rank per
+#: stage first (the default).
+PLACEMENT_CHOICES = tuple(dict.fromkeys(["stage", *sorted(PLACEMENTS.values())]))
 
 
 def read(path: str) -> tuple[str, ...]:
@@ -82,3 +88,41 @@ def checked(
         Schedule(order, stages[0], micros[0], [False] * stages[0], backward=True)
     except ValueError as exc:
         raise UsageError(f"--order {path}: {exc}") from None
+
+
+def placed(order: tuple[str, ...], path: str, placement: str, stages: int, devices: int) -> None:
+    """Checks that the order's stages can sit on ``devices`` devices as
+    ``placement`` places them.
+
+    Args:
+        order: the actions (:func:`read`).
+        path: the file, named in errors.
+        placement: ``--order-placement``.
+        stages: the run's stage count (the order's).
+        devices: ``--num-devices``.
+
+    Raises:
+        UsageError: ``--order PATH --order-placement P:``, why the stages
+            do not fit, and the device counts that would.
+    """
+    try:
+        rank_devices(order, stages, devices, placement)
+    except ValueError as exc:
+        fits = [n for n in range(1, stages + 1) if _fits(order, stages, n, placement)]
+        advice = (
+            f"give --num-devices {' or '.join(str(n) for n in fits)}"
+            if fits
+            else f"give an order for {stages + 1} stages"
+        )
+        raise UsageError(
+            f"--order {path} --order-placement {placement}: {exc}; {advice}, or another "
+            f"--order-placement"
+        ) from None
+
+
+def _fits(order: tuple[str, ...], stages: int, devices: int, placement: str) -> bool:
+    try:
+        rank_devices(order, stages, devices, placement)
+    except ValueError:
+        return False
+    return True

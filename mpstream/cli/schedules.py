@@ -104,7 +104,15 @@ def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         metavar="FILE",
         help="a text file holding your order of actions (e.g. F0m0 F1m0 B1m0 B0m0, as "
         "Pipe(schedule=...) takes it): simulated, measured and drawn as 'your order', its "
-        "stages on the devices in contiguous runs",
+        "stages placed on the devices as --order-placement says",
+    )
+    c.add_argument(
+        "--order-placement",
+        choices=orders.PLACEMENT_CHOICES,
+        help="how --order's stages sit on the devices, as the built-in schedules of that "
+        "placement place theirs: stage (default: contiguous runs, as gpipe and 1f1b), "
+        "round_robin (stage s on device s mod --num-devices, as interleaved_1f1b) or v "
+        "(stages s and stages-1-s together, as zbv and dualpipev)",
     )
     # Above --uniform: it models copies with unit costs too, unlike the options below.
     c.add_argument(
@@ -149,11 +157,19 @@ def run(args: argparse.Namespace) -> int:
         UsageError: more devices than stages, more stages than ResNet50 has
             blocks (without ``--uniform``), an image too small, a profile's
             option with ``--uniform``, ``--balance tutorial`` for a stage
-            count the tutorial has no cut for, or an ``--order`` that cannot
-            be read or does not fit the stages and micro-batches.
+            count the tutorial has no cut for, an ``--order`` that cannot
+            be read or does not fit the stages, micro-batches or
+            ``--order-placement``, or ``--order-placement`` without
+            ``--order``.
     """
     if args.num_devices and args.old_devices:
         raise UsageError("--devices is the old spelling of --num-devices: give only --num-devices")
+    if args.order_placement is not None and args.order is None:
+        raise UsageError(
+            f"--order-placement {args.order_placement} places the stages of your --order: "
+            f"give --order FILE, or drop it (the built-in schedules place their own)"
+        )
+    placement = args.order_placement or "stage"
     typed = args.num_devices or args.old_devices
     order = orders.read(args.order) if args.order is not None else None
     # An order sets the stages and micro-batches it covers, unless given.
@@ -187,6 +203,7 @@ def run(args: argparse.Namespace) -> int:
             (stages, f"--stages {stages}: drop it, or give an order for {stages} stages"),
             (micros, f"--micro-batches {micros}: drop it, or give an order for {micros}"),
         )
+        orders.placed(order, args.order, placement, stages, devices)
     split_size = args.split_size or SPLIT_SIZE
     image_size = args.image_size or IMAGE_SIZE
     if image_size < 32:
@@ -218,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
     measured: dict[str, dict[str, int]] = {}
     meta: dict[str, object] = {"stages": stages, "devices": devices, "micro_batches": micros}
     if order is not None:
-        meta.update(order_file=args.order, order=" ".join(order))
+        meta.update(order_file=args.order, order=" ".join(order), order_placement=placement)
     if args.uniform:
         costs: list[Cost] = [(1.0, 1.0, 1.0)] * stages
         source = "unit costs: forward = input gradient = weight gradient = 1 ms"
@@ -239,7 +256,14 @@ def run(args: argparse.Namespace) -> int:
         if not args.no_memory:
             virtual = stages // devices if stages % devices == 0 else None
             measured = compare.measure_memory(pipe, x, y, loss_fn, names, virtual)
-    rows = compare.compare(costs, devices, micros, copy_times=args.copy_ms, schedules=names)
+    rows = compare.compare(
+        costs,
+        devices,
+        micros,
+        copy_times=args.copy_ms,
+        schedules=names,
+        order_placement=placement,
+    )
     for r in rows:
         r.measured = measured.get(r.schedule, {})
     # The modelled copy time is said beside the costs: the table has no column for it.

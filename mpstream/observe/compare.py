@@ -101,15 +101,19 @@ def graph_launches(schedule: Schedule, devices: int) -> int:
     return sum(t.kind in compute for t in schedule.tasks) - idle + 2 * devices
 
 
-def placement(stages: int, devices: int, schedule: Order) -> list[str]:
+def placement(
+    stages: int, devices: int, schedule: Order, order_placement: str = "stage"
+) -> list[str]:
     """Device labels of the stages: round-robin or a V for the schedules of
     several stages per rank (their ranks), contiguous runs of stages
-    otherwise.
+    otherwise; an order of actions's as ``order_placement`` says
+    (:func:`~mpstream.schedules.rank_devices`).
 
     Raises:
         ValueError: the stages do not fit the schedule's placement.
     """
-    return rank_devices(schedule, stages, devices)
+    built_in = isinstance(schedule, str) and schedule in SCHEDULES
+    return rank_devices(schedule, stages, devices, None if built_in else order_placement)
 
 
 def left_out(stages: int, devices: int, schedules: Sequence[str] = SCHEDULES) -> dict[str, str]:
@@ -166,6 +170,7 @@ def compare(
     *,
     copy_times: float = 0.0,
     schedules: Sequence[Order] = SCHEDULES,
+    order_placement: str = "stage",
 ) -> list[Comparison]:
     """Simulates each schedule with the same stage costs on the same devices.
 
@@ -175,9 +180,12 @@ def compare(
         devices: how many devices the stages share.
         micros: micro-batches per step.
         copy_times: time of each copy between devices.
-        schedules: which schedules: names, or an order of actions (its
-            stages on the devices in contiguous runs, named ``'your
-            order'``).
+        schedules: which schedules: names, or an order of actions (named
+            ``'your order'``).
+        order_placement: how an order's stages sit on the devices:
+            ``'stage'`` (contiguous runs), or ``'round_robin'`` or ``'v'``
+            for an order written for several stages per rank, placed as
+            the built-in schedules of that placement place theirs.
 
     Returns:
         One :class:`Comparison` per schedule.
@@ -191,7 +199,7 @@ def compare(
         raise ValueError(f"{stages} stages cannot use {devices} devices (one stage at least each)")
     out = []
     for name in schedules:
-        labels = placement(stages, devices, name)
+        labels = placement(stages, devices, name, order_placement)
         kind = placement_of(name)
         virtual = {"round_robin": stages // devices, "v": 2}.get(kind)
         sim = simulate(

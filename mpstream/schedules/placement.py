@@ -220,29 +220,50 @@ def virtual_stages_for(
     return 1
 
 
-def rank_devices(schedule: object, stages: int, devices: int) -> list[str]:
+def rank_devices(
+    schedule: object, stages: int, devices: int, placement: str | None = None
+) -> list[str]:
     """Device labels (``device0``, ...) placing ``stages`` stages on
     ``devices`` devices as ``schedule`` needs: contiguous runs of stages for
-    a rank per stage (an order of actions too), round-robin, or a V whose
-    ranks share the devices in contiguous runs.
+    a rank per stage (an order of actions too, unless ``placement`` says
+    otherwise), round-robin, or a V whose ranks share the devices in
+    contiguous runs.
+
+    Args:
+        schedule: a built-in schedule's name, or an order of actions.
+        stages: how many stages.
+        devices: how many devices they share.
+        placement: for an order of actions written for several stages per
+            rank, how its stages sit (``'round_robin'`` or ``'v'``, as the
+            built-in schedules of that placement place theirs; default
+            ``'stage'``, contiguous runs). A built-in schedule has its own.
 
     Raises:
         ValueError: the stages do not fit (round-robin: not a multiple of
-            the devices; V: odd, or fewer ranks than devices).
+            the devices; V: odd, or fewer ranks than devices), or
+            ``placement`` is unknown or given for a built-in schedule.
     """
-    placement = placement_of(schedule)
-    if placement == "round_robin":
-        if stages % devices:
+    own = placement_of(schedule)
+    ordered = not isinstance(schedule, str) or is_order(schedule)
+    if placement is not None:
+        if placement not in ("stage", *PLACEMENTS.values()):
+            raise ValueError(f"unknown placement {placement!r}: 'stage', 'round_robin' or 'v'")
+        if not ordered and placement != own:
             raise ValueError(
-                f"{schedule} places stages round-robin: {stages} stages do not divide evenly "
-                f"over {devices} devices"
+                f"{schedule} places its stages as {own!r}, not {placement!r}: a placement is "
+                f"given for an order of actions only"
             )
+        own = placement
+    if own == "round_robin":
+        if stages % devices:
+            how = "round-robin placement" if ordered else f"{schedule} places stages round-robin"
+            raise ValueError(f"{how}: {stages} stages do not divide evenly over {devices} devices")
         return [f"device{s % devices}" for s in range(stages)]
-    if placement == "v":
+    if own == "v":
         if stages % 2 or stages // 2 < devices:
+            how = "V placement" if ordered else f"{schedule} places two stages per rank in a V"
             raise ValueError(
-                f"{schedule} places two stages per rank in a V: {stages} stages need to be "
-                f"even and at least twice the {devices} devices"
+                f"{how}: {stages} stages need to be even and at least twice the {devices} devices"
             )
         ranks = stages // 2
         return [f"device{min(s, stages - 1 - s) * devices // ranks}" for s in range(stages)]

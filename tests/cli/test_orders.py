@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from mpstream import cli
-from mpstream.schedules import Schedule
+from mpstream.schedules import PLACEMENTS, Schedule
 
 from .test_main import TINY
 
@@ -101,6 +101,81 @@ def test_schedules_refuses_an_order_that_does_not_fit(
     assert cli.main(args) == 2
     assert f"mpstream schedules: error: --order {order}: {message}" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+    ("name", "placement"),
+    [(n, p) for n, p in PLACEMENTS.items() if p != "stage"],  # interleaved_1f1b, zbv, ...
+)
+def test_schedules_places_an_order_written_for_several_stages_per_device(
+    name: str, placement: str, tmp_path: Path
+) -> None:
+    # A built-in schedule's order, written out: placed as its schedule
+    # places its stages, its row is the built-in's.
+    text = str(Schedule(name, 4, 4, [False] * 4, backward=True, virtual_stages=2))
+    order = _written(tmp_path, text)
+    runs = {}
+    for given in ("stage", placement):
+        out = tmp_path / given
+        args = ["schedules", "--uniform", "--order", order, "--order-placement", given]
+        assert cli.main([*args, "--no-plots", "--out", str(out)]) == 0
+        doc = json.loads((out / "schedules.json").read_text())
+        assert doc["order_placement"] == given
+        runs[given] = {r["schedule"]: r for r in doc["schedules"]}
+    mine, built_in = runs[placement]["your order"], runs[placement][name]
+    keys = ("step_ms", "bubble_fraction", "peak_activations_per_device", "devices")
+    for key in (*keys, "live_per_stage", "held_per_stage", "graph_launches"):
+        assert mine[key] == built_in[key], key
+    # In contiguous runs (the default) the same order is another pipeline.
+    chained = runs["stage"]["your order"]
+    assert chained["devices"] == ["device0", "device0", "device1", "device1"]
+    assert any(chained[key] != built_in[key] for key in keys)
+
+
+@pytest.mark.parametrize(
+    ("stages", "options", "message"),
+    [
+        (
+            3,
+            ["--order-placement", "v"],
+            "--order-placement v: V placement: 3 stages need to be even and at least twice "
+            "the 2 devices; give an order for 4 stages, or another --order-placement",
+        ),
+        (
+            3,
+            ["--order-placement", "round_robin"],
+            "--order-placement round_robin: round-robin placement: 3 stages do not divide "
+            "evenly over 2 devices; give --num-devices 1 or 3, or another --order-placement",
+        ),
+        (
+            4,
+            ["--order-placement", "v", "--num-devices", "3"],
+            "--order-placement v: V placement: 4 stages need to be even and at least twice "
+            "the 3 devices; give --num-devices 1 or 2, or another --order-placement",
+        ),
+    ],
+)
+def test_schedules_refuses_an_order_its_placement_cannot_take(
+    stages: int,
+    options: list[str],
+    message: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    order = _written(tmp_path, str(Schedule("1f1b", stages, 2, [False] * stages, backward=True)))
+    args = ["schedules", "--uniform", "--order", order, *options, "--out", str(tmp_path / "o")]
+    assert cli.main(args) == 2
+    assert f"mpstream schedules: error: --order {order} {message}" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_an_order_placement_without_an_order_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["schedules", "--uniform", "--order-placement", "v", "--out", str(tmp_path / "o")]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert "--order-placement v places the stages of your --order: give --order FILE" in err
 
 
 def test_an_unreadable_order_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -13,6 +13,7 @@ from mpstream.schedules import (
     Kind,
     Schedule,
     peak_activations,
+    rank_devices,
     v_stages_of,
     virtual_stages_for,
 )
@@ -165,6 +166,20 @@ def test_a_v_placement_is_checked_against_the_devices() -> None:
         virtual_stages_for("F0m0 F1m0 B1m0 B0m0", ["cpu"] * 2, 2)
     assert virtual_stages_for("zbv", ["cuda:0", "cuda:1", "cuda:1", "cuda:0"], None) == 2
     assert virtual_stages_for("interleaved_zb", ["a", "b", "a", "b"], None) == 2
+
+
+def test_an_order_is_placed_as_its_placement_says_and_a_built_in_as_its_own() -> None:
+    order = str(Schedule("zbv", 4, 2, [False] * 4, backward=True))
+    assert rank_devices(order, 4, 2) == ["device0", "device0", "device1", "device1"]
+    assert rank_devices(order, 4, 2, "v") == rank_devices("zbv", 4, 2)
+    assert rank_devices(order, 4, 2, "round_robin") == rank_devices("interleaved_1f1b", 4, 2)
+    assert rank_devices("zbv", 4, 2, "v") == ["device0", "device1", "device1", "device0"]
+    with pytest.raises(ValueError, match="zbv places its stages as 'v', not 'round_robin'"):
+        rank_devices("zbv", 4, 2, "round_robin")
+    with pytest.raises(ValueError, match="unknown placement 'ring'"):
+        rank_devices(order, 4, 2, "ring")
+    with pytest.raises(ValueError, match="^V placement: 4 stages need to be even and at"):
+        rank_devices(order, 4, 3, "v")
 
 
 def test_a_pipe_refuses_a_placement_its_schedule_cannot_run() -> None:
