@@ -106,7 +106,7 @@ def placement(
 ) -> list[str]:
     """Device labels of the stages: round-robin or a V for the schedules of
     several stages per rank (their ranks), contiguous runs of stages
-    otherwise; an order of actions's as ``order_placement`` says
+    otherwise; an order of actions' as ``order_placement`` says
     (:func:`~mpstream.schedules.rank_devices`).
 
     Raises:
