@@ -35,9 +35,11 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 from .inplace_paths import base as _base
+from .inplace_paths import given as _given
 from .inplace_paths import memory as _memory
 from .inplace_paths import overlap as _overlap
 from .inplace_paths import path as _path
+from .inplace_paths import updates as _updates
 from .inplace_paths import viewed as _viewed
 from .lookups import Item, item_name
 
@@ -273,21 +275,29 @@ def copy_changed_inputs(
     as it was, where the module would have changed it. An input torch.fx
     traces may be a structure (a dict batch) or a number, not a tensor: of
     a structure, only the tensors changed get a copy (``batch["x"]``, not
-    ``batch["y"]``).
+    ``batch["y"]``). A dict update (``batch |= {"t": h}``) copies no
+    tensor: it writes into none, and each micro-batch's dict is the
+    pipe's own already (the pipe splits the caller's into new ones).
+    The input still passes through ``own`` there, so that a later stage
+    reads the dict the changing stage returns, with its keys set.
 
     Returns:
-        Each input changed (its placeholder) and the paths into it copied.
+        Each input with tensors changed (its placeholder) and the paths
+        into it copied.
     """
     changed: dict[fx.Node, dict[tuple[Any, ...], None]] = {}  # the paths changed in each
     copied: dict[fx.Node, tuple[tuple[Any, ...], ...]] = {}
     changes = _changes(gm)
-    for value in changes.values():
+    for node, value in changes.items():
         if (base := _base(value, changes)).op == "placeholder":
-            changed.setdefault(base, {})[_path(value, changes)] = None
+            found = changed.setdefault(base, {})
+            if not _updates(node, changes):
+                found[_path(value, changes)] = None
     for holder, found in changed.items():
         # A path under another's copy is copied with it.
         paths = tuple(p for p in found if not any(p[: len(q)] == q for q in found if q != p))
-        copied[holder] = paths
+        if paths:
+            copied[holder] = paths
         first = next(n for n in gm.graph.nodes if n in holder.users)
         with gm.graph.inserting_before(first):
             # The whole input where it is changed itself (a tensor, or ``batch["x"] = t``).
@@ -347,20 +357,23 @@ def check_in_place(gm: fx.GraphModule, stage_of: dict[fx.Node, int]) -> None:
             continue  # changed where it is made: later readers get it changed
         # What this stage received of it, which the change is made to.
         entry = _entry(value, here, stage_of, changes)
+        # A dict update changes the keys it sets alone, where the code writes them.
+        written = [(*keys, k) for k in _given(node, changes)] or [keys]
         stale = []
         for view, its in views[base]:
             for u in view.users:
                 # Taking an item reads that item alone (``batch["m"]`` of ``batch``).
                 read = _memory(u, changes)[1] if _viewed(u, changes) is view else its
-                if not _overlap(keys, read):
+                hit = next((w for w in written if _overlap(w, read)), None)
+                if hit is None:
                     continue  # another item of the structure: memory of its own
                 # The result reads a value as the stage that makes it returns it.
                 t = stage_of.get(view, -1) if u.op == "output" else stage_of[u]
                 if order[u] > order[node] and not _carries(view, t, here, entry, stage_of, changes):
-                    stale.append((u, view))
+                    stale.append((u, view, hit))
         if stale:
-            reader, view = min(stale, key=lambda r: order[r[0]])
-            _refuse(node, here, base, keys, entry, reader, view, stage_of, changes)
+            reader, view, hit = min(stale, key=lambda r: order[r[0]])
+            _refuse(node, here, base, hit, entry, reader, view, stage_of, changes)
 
 
 def _refuse(

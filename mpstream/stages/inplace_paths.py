@@ -12,8 +12,10 @@ every reader). A leaf module's result stays one memory: fx cannot see
 whether its items share one (an output's ``last_hidden_state`` is its
 ``hidden_states[-1]``). A torch call returning a namedtuple of tensors
 (``torch.max(h, 1)``, ``torch.sort``) is a structure whose fields are keyed
-by index, so ``m.values`` and ``m[0]`` are one item. :mod:`~mpstream.stages.inplace`
-checks and copies by these.
+by index, so ``m.values`` and ``m[0]`` are one item. A dict update
+(``batch |= {"t": h}``, :func:`updates`) sets keys and writes into no
+tensor: what the code reads at a key it set is the value set (``h``).
+:mod:`~mpstream.stages.inplace` checks and copies by these.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-__all__ = ["viewed", "base", "path", "memory", "overlap", "structure", "fields"]
+__all__ = [
+    "viewed", "base", "path", "memory", "overlap", "structure", "fields", "updates", "given",
+]  # fmt: skip
 
 # Methods and torch functions whose result may share its first argument's
 # memory (a tuple of views for split and the like, whose items are getitems).
@@ -57,6 +61,9 @@ def viewed(node: fx.Node, changes: dict[fx.Node, fx.Node]) -> fx.Node | None:
     if node.op == "call_method" or (node.op == "call_function" and name in VIEWS):
         return first if name in VIEWS else None
     if node.op == "call_function" and node.target is operator.getitem:
+        if (value := _set_at(node, changes)) is not _UNSET:
+            # A key a dict update set: its value there, not the dict's.
+            return value if isinstance(value, fx.Node) else None
         return first  # indexing a tensor, or an item of a tuple of views
     if node.op == "call_function" and node.target is getattr and len(node.args) > 1:
         return first if _field(node) or node.args[1] in _VIEW_ATTRIBUTES else None
@@ -161,6 +168,52 @@ def _item(node: fx.Node) -> Any:
     return None
 
 
+def updates(node: fx.Node, changes: dict[fx.Node, fx.Node]) -> bool:
+    """Whether ``node``, in ``changes``, is a dict update (``batch |= {"t":
+    h}``, ``batch |= more``, traced as the augmented ``ior``): it sets keys
+    of a structure, and writes into no tensor, which every item keeps."""
+    if node not in changes or len(node.args) < 2:
+        return False
+    # The augmented assignment's call carries its operator's name last.
+    name = getattr(node.target, "__name__", None)
+    if not (name == "ior" or (name == "augmented" and node.args[2:] == ("ior",))):
+        return False
+    target, value = node.args[0], node.args[1]
+    return isinstance(value, dict) or (isinstance(target, fx.Node) and structure(target))
+
+
+def given(node: fx.Node, changes: dict[fx.Node, fx.Node]) -> dict[Any, Any]:
+    """What a dict update sets, where the code writes its keys (``batch |=
+    {"t": h}``: ``{"t": h}``); empty for any other ``node``."""
+    value = node.args[1] if updates(node, changes) else None
+    return value if isinstance(value, dict) else {}
+
+
+_UNSET = object()
+
+
+def _set_at(node: fx.Node, changes: dict[fx.Node, fx.Node]) -> Any:
+    """The value a dict update set at the key ``node``, a ``getitem``, reads
+    of the update's result (``batch["t"]`` after ``batch |= {"t": h}``:
+    ``h``); ``_UNSET`` where no update set it."""
+    if node.target is not operator.getitem or len(node.args) < 2:
+        return _UNSET
+    container, key = node.args[0], node.args[1]
+    if not isinstance(container, fx.Node) or isinstance(key, (fx.Node, slice)):
+        return _UNSET
+    try:
+        value = given(container, changes).get(key, _UNSET)
+    except TypeError:  # an unhashable key: none the update set
+        return _UNSET
+    if isinstance(value, fx.Node):
+        return value
+    held: list[fx.Node] = []
+    fx.node.map_arg(value, held.append)
+    # A structure of traced values (``{"t": (h, g)}``) stays an item of the
+    # dict, as before the update: its items' memories are not followed.
+    return _UNSET if held else value
+
+
 def _key(node: fx.Node) -> Any:
     """The key ``node`` (a ``getitem``, or a ``getattr`` of a field) reads:
     a torch call's namedtuple field by its index (``m.values``: ``0``, as
@@ -187,8 +240,12 @@ def path(value: fx.Node, changes: dict[fx.Node, fx.Node]) -> tuple[Any, ...]:
     node = value
     while (owner := viewed(node, changes)) is not None:
         key = None
-        if node.target is operator.getitem or (node.target is getattr and _field(node)):
-            key = _key(node)  # an item, or a namedtuple's field (``batch.x``)
+        # An item, or a namedtuple's field (``batch.x``); not a key a dict
+        # update set, which holds the value set.
+        if _set_at(node, changes) is _UNSET and (
+            node.target is operator.getitem or (node.target is getattr and _field(node))
+        ):
+            key = _key(node)
         # Only the run of constant keys next to the input leads somewhere known.
         keys = [key, *keys] if isinstance(key, (str, int)) and not isinstance(key, bool) else []
         node = owner
@@ -201,7 +258,8 @@ def memory(node: fx.Node, changes: dict[fx.Node, fx.Node]) -> tuple[fx.Node, tup
     tensor's view or any item of a leaf module's result: ``()``, the whole)."""
     keys: list[Any] = []
     while (owner := viewed(node, changes)) is not None:
-        key = _item(node)
+        # A key a dict update set holds the value set: no item of the dict.
+        key = None if _set_at(node, changes) is not _UNSET else _item(node)
         # Only the run of items next to the owner is apart from the rest: an
         # item of a view (``x.split(2)[0]``) is a view of the whole.
         keys = [key, *keys] if isinstance(key, (str, int)) and not isinstance(key, bool) else []
