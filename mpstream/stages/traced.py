@@ -34,6 +34,7 @@ at once.
 
 from __future__ import annotations
 
+import copy
 import pickle
 import re
 from collections.abc import Sequence
@@ -142,6 +143,15 @@ class FxSplit(Kinds):
             state["runs"] = [run for run in self.runs if not run[2] & lost]
             state["kinds"], state["untraceable"] = {}, {}
         return state
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> FxSplit:
+        # A copy is no pickle: every lookup and kind goes with it, so the
+        # copy traces no kind its original traced. Through ``memo``, it
+        # splits the copy of the module the pipe's copy holds.
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__setstate__(copy.deepcopy(super().__getstate__(), memo))
+        return copied
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         state.setdefault("lookups", set())  # pickled by an mpstream without them
