@@ -76,6 +76,12 @@ class DeferredBatchNorm(_BatchNorm):
         self.hold = False
         self.warned = False  # about calls pooled, said once
         DeferredBatchNorm.created += 1
+        _accumulate_eagerly()
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        # Unpickled or deep-copied, a norm is made without __init__.
+        super().__setstate__(state)  # type: ignore[no-untyped-call]
+        _accumulate_eagerly()
 
     def _check_rank(self, input: Tensor) -> None:
         if input.dim() < 2:
@@ -117,10 +123,7 @@ class DeferredBatchNorm(_BatchNorm):
         self._accumulate(input)
         return out
 
-    # Compiled, the counter and the recompute flag would be guarded on and
-    # the stage recompiled at every micro-batch; run eagerly instead (one
-    # graph break per layer in a compiled stage).
-    @torch.compiler.disable  # type: ignore[misc, untyped-decorator]
+    # Run eagerly under torch.compile (_accumulate_eagerly).
     def _accumulate(self, input: Tensor) -> None:
         if is_recomputing():
             return
@@ -278,6 +281,24 @@ class DeferredBatchNorm(_BatchNorm):
             if replaced is not child:
                 setattr(module, name, replaced)
         return module
+
+
+_eager = False  # whether DeferredBatchNorm._accumulate is kept out of torch.compile
+
+
+def _accumulate_eagerly() -> None:
+    """Keeps torch.compile out of :meth:`DeferredBatchNorm._accumulate`:
+    compiled, its counter and the recompute flag would be guarded on and
+    the stage recompiled at every micro-batch (eager instead: one graph
+    break per layer in a compiled stage). Done when the first norm is made,
+    not where the method is defined: ``torch.compiler.disable`` imports
+    ``torch._dynamo``, seconds that every ``import mpstream`` (each CLI
+    command) would pay, and a norm exists before anything compiles it."""
+    global _eager
+    if not _eager:
+        method = DeferredBatchNorm._accumulate
+        DeferredBatchNorm._accumulate = torch.compiler.disable(method)  # type: ignore[method-assign, no-untyped-call]
+        _eager = True
 
 
 class _LazyDeferredBatchNorm(LazyModuleMixin, DeferredBatchNorm):

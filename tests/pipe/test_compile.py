@@ -6,6 +6,9 @@ checks AOTAutograd's backward; inductor would take minutes on two cores)."""
 from __future__ import annotations
 
 import copy
+import pickle
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -142,3 +145,22 @@ def test_fullgraph_with_deferred_norms_is_refused_at_construction() -> None:
         Pipe(model, chunks=2, balance=[2, 1], devices=["cpu"] * 2,
              deferred_batch_norm=True, compile={"fullgraph": True})  # fmt: skip
     assert type(model[1]) is nn.BatchNorm1d  # the caller's model as it was
+
+
+def test_deferred_norms_keep_out_of_compile_however_made_and_import_needs_no_dynamo() -> None:
+    # torch.compiler.disable imports torch._dynamo (seconds): applied when a
+    # norm is first made or loaded, so `import mpstream` (each CLI command)
+    # does without it, and a norm loaded in a fresh process still runs its
+    # bookkeeping eagerly.
+    pipe = Pipe(model(), chunks=2, balance=[2, 4], devices=["cpu"] * 2, deferred_batch_norm=True)
+    code = (
+        "import pickle, sys, mpstream\n"
+        "from mpstream.memory import batchnorm\n"
+        "print('torch._dynamo' in sys.modules, batchnorm._eager)\n"
+        "pickle.loads(sys.stdin.buffer.read())\n"
+        "print(batchnorm._eager)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], input=pickle.dumps(pipe), capture_output=True, check=True
+    )
+    assert done.stdout.decode().split() == ["False", "False", "True"]
