@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..workloads.transformer import PRESETS
-from . import extras
 from .argtypes import UsageError, image_size, int_list, positive_int
 from .resnet import lone_image
 
@@ -17,6 +16,16 @@ if TYPE_CHECKING:  # the experiment's modules need torchvision: imported in the 
 #: What the doctor's steps import: figures and progress bars as they go, the
 #: tutorial's models (``mpstream.cli.main`` checks before it runs).
 NEEDS = ("torchvision", "matplotlib", "tqdm")
+
+# The doctor's models and steps (mpstream.doctor's ARCHS and SKIPPABLE),
+# held here because importing the doctor loads torchvision's models, and
+# with them torch._dynamo: seconds on every command, help included
+# (tests/cli/test_args.py checks the two agree).
+ARCHS = ("resnet50", "resnet101", "transformer")
+SKIPPABLE = (
+    "environment", "correctness", "overlap", "races", "memory", "tutorial", "profile",
+    "cost-model", "experiment",
+)  # fmt: skip
 
 __all__ = ["add_command"]
 
@@ -73,14 +82,6 @@ def _refuse_lone_images(config: Config, args: argparse.Namespace) -> None:
 
 def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Adds the ``doctor`` command to the ``mpstream`` parser."""
-    # Its steps' names come from the steps, which need the extras; without
-    # them the command still parses (and then says what to install).
-    archs: tuple[str, ...] | None = None
-    skippable: tuple[str, ...] | None = None
-    if all(extras.installed(m) for m in NEEDS):
-        from ..doctor import ARCHS, SKIPPABLE
-
-        archs, skippable = ARCHS, SKIPPABLE
     d = sub.add_parser(
         "doctor",
         help="prove on this machine's GPUs that the pipeline is right and overlaps",
@@ -101,7 +102,7 @@ def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     )
     d.add_argument(
         "--model",
-        choices=archs,
+        choices=ARCHS,
         default="resnet50",
         help="the experiment's model (%(default)s); transformer: the same checks on a "
         "Llama-style decoder, with predictions for 2, 4 and 8 GPUs",
@@ -133,9 +134,9 @@ def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         nargs="+",
         action="extend",
         default=[],
-        choices=skippable,
+        choices=SKIPPABLE,
         metavar="STEP",
-        help=f"steps not to run: {', '.join(skippable or ['(installed with the extras)'])} "
+        help=f"steps not to run: {', '.join(SKIPPABLE)} "
         "(experiment: the transformer's, tutorial: the ResNets')",
     )
     d.add_argument("--no-progress", action="store_true", help="no progress bars")

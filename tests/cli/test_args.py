@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -305,6 +307,27 @@ def test_help_shows_the_defaults(capsys: pytest.CaptureFixture[str]) -> None:
     assert "(default: 10, 3 with --quick: the cost model's measured steps)" in trace
     # predict_scaling divides bytes by link_gbps * 1e9: gigabytes, not gigabits.
     assert "in GB/s (gigabytes per second; default: 50.0)" in trace
+
+
+def test_the_doctor_s_models_and_steps_are_the_doctor_s() -> None:
+    from mpstream import doctor
+    from mpstream.cli import doctor as cli_doctor
+
+    assert cli_doctor.ARCHS == doctor.ARCHS
+    assert cli_doctor.SKIPPABLE == doctor.SKIPPABLE
+
+
+def test_the_parser_loads_no_model_and_no_compiler() -> None:
+    # Every command builds the whole parser first: torchvision's models and
+    # torch._dynamo (which they import) took seconds of each command's start.
+    code = (
+        "import sys\n"
+        "from mpstream.cli import parser\n"
+        "parser()\n"
+        "print([m for m in ('torchvision', 'torch._dynamo', 'matplotlib') if m in sys.modules])"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
 
 
 @pytest.mark.parametrize(("preset", "warned"), [("1b", True), ("tiny", False)])
