@@ -1,0 +1,105 @@
+"""The benchmark suite's own plumbing (``benchmarks/conftest.py``): a run
+records and prints its devices and sizes, and comparing with a run saved on
+other devices or at other sizes warns, naming what differs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from benchmarks import conftest
+
+
+class _Logger:
+    def __init__(self) -> None:
+        self.said: list[str] = []
+
+    def warning(self, text: str) -> None:
+        self.said.append(text)
+
+
+class _Session:
+    def __init__(self) -> None:
+        self.logger = _Logger()
+
+
+def _compare(now: dict[str, Any], saved: dict[str, Any] | None) -> list[str]:
+    session = _Session()
+    compared = {"machine_info": {} if saved is None else {conftest.INFO_KEY: saved}}
+    conftest.pytest_benchmark_compare_machine_info(
+        None,  # type: ignore[arg-type]
+        session,
+        {conftest.INFO_KEY: now},
+        compared,
+    )
+    return session.logger.said
+
+
+def test_a_saved_run_records_its_devices_and_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MPSTREAM_BENCH_DEVICES", "cpu")
+    machine_info: dict[str, Any] = {}
+    conftest.pytest_benchmark_update_machine_info(None, machine_info)  # type: ignore[arg-type]
+    info = machine_info[conftest.INFO_KEY]
+    assert info["devices"] == ["cpu", "cpu"]
+    assert info["torch"] == torch.__version__
+    assert info["torch_threads"] == torch.get_num_threads()
+    if not torch.cuda.is_available():
+        assert info["sizes"] == "CPU (reduced)"
+
+
+def test_a_cpu_run_says_its_numbers_are_not_gpu_numbers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MPSTREAM_BENCH_DEVICES", "cpu,cpu")
+    line = conftest.pytest_report_header(None)  # type: ignore[arg-type]
+    assert "devices cpu, cpu" in line
+    assert "not GPU numbers" in line
+    gpu = {**conftest.run_info(), "devices": ["cuda:0", "cuda:1"], "device_names": ["H100"] * 2}
+    assert "not GPU numbers" not in conftest.header(gpu)
+
+
+def test_bad_bench_devices_are_named_in_the_header(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MPSTREAM_BENCH_DEVICES", "tpu:0")
+    assert "MPSTREAM_BENCH_DEVICES: " in conftest.pytest_report_header(None)  # type: ignore[arg-type]
+
+
+def test_comparing_with_a_run_on_other_devices_warns(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MPSTREAM_BENCH_DEVICES", "cpu")
+    now = {**conftest.run_info(), "sizes": "CPU (reduced)"}
+    gpu = {**now, "devices": ["cuda:0", "cuda:1"], "sizes": "GPU (the tutorial's)"}
+    (said,) = _compare(now, gpu)
+    assert "devices: ['cuda:0', 'cuda:1'] -> ['cpu', 'cpu']" in said
+    assert "sizes: GPU (the tutorial's) -> CPU (reduced)" in said
+    assert "not like with like" in said
+
+
+def test_comparing_with_a_run_on_the_same_devices_is_quiet(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("MPSTREAM_BENCH_DEVICES", "cpu")
+    now = conftest.run_info()
+    # Another torch is what a comparison across releases is for: no warning.
+    assert _compare(now, {**now, "torch": "2.0.0"}) == []
+
+
+def test_comparing_with_a_run_that_did_not_record_them_warns(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("MPSTREAM_BENCH_DEVICES", "cpu")
+    (said,) = _compare(conftest.run_info(), None)
+    assert "the saved run did not record them" in said
+
+
+def test_the_header_in_the_docs_is_the_one_printed() -> None:
+    docs = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+    (shown,) = [
+        line for line in docs.read_text().splitlines() if line.startswith("mpstream suite:")
+    ]
+    example = {
+        "devices": ["cpu", "cpu"],
+        "device_names": ["AMD EPYC (2 threads)"] * 2,
+        "sizes": "CPU (reduced)",
+        "torch": "2.15.0+cu132",
+    }
+    assert conftest.header(example) == shown
