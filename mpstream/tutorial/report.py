@@ -142,8 +142,26 @@ def table(results: Results) -> str:
             "interrupted: the figures above are what ran before it; figures not drawn"
             + "".join(f"; {part}" for part in said)
         )
+    lines += _what_is_timed(results)
     lines += rounds.noise_lines(noisy_spreads(results), results.load)
     return "\n".join(lines)
+
+
+def _what_is_timed(results: Results) -> list[str]:
+    """What one time of the table is, and on the CPU that it is no GPU's
+    (a CPU run's table reads like one otherwise)."""
+    c = results.config
+    said = [
+        f"each time: one synchronised train() call, in seconds ({c.num_batches} batches of "
+        f"{c.batch_size} images of {c.image_w}x{c.image_h}: forward, MSELoss, backward, SGD); "
+        f"{c.repeat} rounds after {c.warmup} warm-up, the configurations round-robin"
+    ]
+    if all(d.type == "cpu" for d in results.devices):
+        said.append(
+            "CPU: both halves run on the host, one task after another; nothing overlaps, so "
+            "no pipeline can be faster here: these are not GPU numbers"
+        )
+    return said
 
 
 def noisy_spreads(results: Results) -> dict[str, rounds.Spread]:

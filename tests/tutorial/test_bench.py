@@ -429,3 +429,16 @@ def test_the_sweep_runs_in_increasing_order_under_its_models_names() -> None:
     for name in names:  # each value right-aligned under its model's name
         end = header.index(name) + len(name)
         assert first[:end].rstrip().endswith("0.500") and first[end : end + 1] in ("", " ")
+
+
+def test_the_table_says_what_is_timed_and_that_cpu_numbers_are_not_gpu_numbers() -> None:
+    cfg = bench.Config(num_batches=2, batch_size=4, image_w=32, image_h=48, repeat=3, warmup=1)
+    cpu, gpu = torch.device("cpu"), torch.device("cuda:0")
+    models = [design.Measurement("single device", None, [1.0, 1.1, 1.0])]
+    on_cpu = bench.table(design.Results(cfg, (cpu, cpu), models, [])).splitlines()
+    timed = "each time: one synchronised train() call, in seconds (2 batches of 4 images of 32x48"
+    assert any(line.startswith(timed) for line in on_cpu)
+    assert any("3 rounds after 1 warm-up" in line for line in on_cpu)
+    assert any(line.startswith("CPU: ") and "not GPU numbers" in line for line in on_cpu)
+    on_gpu = bench.table(design.Results(cfg, (gpu, gpu), models, []))
+    assert timed in on_gpu and "not GPU numbers" not in on_gpu
