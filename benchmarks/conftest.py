@@ -42,9 +42,18 @@ SPLIT_SIZES = bench.FULL.split_sizes
 INFO_KEY = "mpstream"
 
 
+def suite_devices() -> tuple[torch.device, torch.device]:
+    """The suite's two devices: ``MPSTREAM_BENCH_DEVICES``, else detected.
+
+    Raises:
+        ValueError: ``MPSTREAM_BENCH_DEVICES`` names no usable devices.
+    """
+    return bench.detect_devices(os.environ.get("MPSTREAM_BENCH_DEVICES"))
+
+
 @pytest.fixture(scope="session")
 def devices() -> tuple[torch.device, torch.device]:
-    return bench.detect_devices(os.environ.get("MPSTREAM_BENCH_DEVICES"))
+    return suite_devices()
 
 
 def run_info() -> dict[str, Any]:
@@ -55,7 +64,7 @@ def run_info() -> dict[str, Any]:
     Raises:
         ValueError: ``MPSTREAM_BENCH_DEVICES`` names no usable devices.
     """
-    devs = bench.detect_devices(os.environ.get("MPSTREAM_BENCH_DEVICES"))
+    devs = suite_devices()
     return {
         "devices": [str(d) for d in devs],
         "device_names": [bench.device_name(d) for d in devs],

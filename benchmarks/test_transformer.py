@@ -11,18 +11,14 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
 
 from mpstream.workloads import bench, transformer
 
-from .conftest import ON_GPU
+from .conftest import ON_GPU, suite_devices
 
 PRESET = transformer.preset("1b" if ON_GPU else "tiny")
-DEVICES = (
-    (torch.device("cuda", 0), torch.device("cuda", min(1, torch.cuda.device_count() - 1)))
-    if ON_GPU
-    else (torch.device("cpu"), torch.device("cpu"))
-)
+# The other groups' devices (MPSTREAM_BENCH_DEVICES), which the run records.
+DEVICES = suite_devices()
 CONFIG = bench.Config(PRESET, DEVICES, hf=False)
 KEYS = [k for k in bench.keys_for(CONFIG) if k[2] in (None, *PRESET.micro_batches[:2])]
 

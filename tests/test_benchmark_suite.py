@@ -4,6 +4,7 @@ other devices or at other sizes warns, naming what differs."""
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import Any
 
@@ -103,3 +104,24 @@ def test_the_header_in_the_docs_is_the_one_printed() -> None:
         "torch": "2.15.0+cu132",
     }
     assert conftest.header(example) == shown
+
+
+def test_the_transformer_group_runs_on_the_suites_devices(monkeypatch: pytest.MonkeyPatch) -> None:
+    # It picked its own devices, so MPSTREAM_BENCH_DEVICES (which the run
+    # records) did not apply to it: a bad value was not even noticed.
+    from benchmarks import test_transformer
+
+    named: list[str | None] = []
+
+    def detect(spec: str | None = None) -> tuple[torch.device, torch.device]:
+        named.append(spec)
+        return torch.device("cpu"), torch.device("cpu")
+
+    monkeypatch.setenv("MPSTREAM_BENCH_DEVICES", "cuda:0,cuda:0")
+    monkeypatch.setattr(conftest.bench, "detect_devices", detect)
+    try:
+        assert importlib.reload(test_transformer).DEVICES == (torch.device("cpu"),) * 2
+        assert named == ["cuda:0,cuda:0"]
+    finally:
+        monkeypatch.undo()
+        importlib.reload(test_transformer)
