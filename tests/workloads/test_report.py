@@ -31,3 +31,13 @@ def test_a_noisy_configuration_is_marked_with_what_to_do() -> None:
     row = next(line for line in text if line.startswith(noisy))
     assert row.count("*") == 2  # both its ratios
     assert text[-1].startswith("* 1 measurement(s) noisy") and noisy in text[-1]
+
+
+def test_the_table_says_which_way_its_ratios_go() -> None:
+    # mpstream bench's ResNet table gives speed-ups (above 1: faster); this
+    # one ratios of step times: 0.84 there and here mean opposite things.
+    key = (bench.SINGLE, None, None)
+    results = bench.Results(quick(), {key: bench.Measured(key, [0.1, 0.1], [])}, {"load": {}})
+    text = report.table(results)
+    assert "x single, x naive: its time over the single device's" in text
+    assert "(below 1: faster)" in text
