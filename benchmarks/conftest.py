@@ -48,7 +48,12 @@ def suite_devices() -> tuple[torch.device, torch.device]:
     Raises:
         ValueError: ``MPSTREAM_BENCH_DEVICES`` names no usable devices.
     """
-    return bench.detect_devices(os.environ.get("MPSTREAM_BENCH_DEVICES"))
+    spec = os.environ.get("MPSTREAM_BENCH_DEVICES")
+    try:
+        return bench.detect_devices(spec)
+    except ValueError as e:  # said as the command line's --devices: name the variable
+        said = str(e).removeprefix("--devices: ")
+        raise ValueError(f"MPSTREAM_BENCH_DEVICES={spec!r}: {said}") from None
 
 
 @pytest.fixture(scope="session")
@@ -101,8 +106,8 @@ def differences(now: dict[str, Any], saved: dict[str, Any]) -> list[str]:
 def pytest_report_header(config: pytest.Config) -> str:
     try:
         return header(run_info())
-    except ValueError as e:  # the devices fixture raises it again, per test
-        return f"mpstream suite: MPSTREAM_BENCH_DEVICES: {e}"
+    except ValueError as e:  # raised again where the devices are used
+        return f"mpstream suite: {e}"
 
 
 @pytest.hookimpl(optionalhook=True)

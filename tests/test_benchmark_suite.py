@@ -62,7 +62,10 @@ def test_a_cpu_run_says_its_numbers_are_not_gpu_numbers(monkeypatch: pytest.Monk
 
 def test_bad_bench_devices_are_named_in_the_header(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MPSTREAM_BENCH_DEVICES", "tpu:0")
-    assert "MPSTREAM_BENCH_DEVICES: " in conftest.pytest_report_header(None)  # type: ignore[arg-type]
+    said = "MPSTREAM_BENCH_DEVICES='tpu:0': 'tpu:0' is not a device name"
+    assert said in conftest.pytest_report_header(None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=said):
+        conftest.suite_devices()
 
 
 def test_comparing_with_a_run_on_other_devices_warns(monkeypatch: pytest.MonkeyPatch) -> None:
