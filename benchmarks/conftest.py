@@ -2,7 +2,7 @@
 
 Two GPUs: the tutorial's ``cuda:0``/``cuda:1``; one GPU: both halves on
 ``cuda:0``; no GPU: the CPU at a reduced size. ``MPSTREAM_BENCH_DEVICES``
-(``cuda:0,cuda:1``) overrides the detection.
+(``cuda:0,cuda:1``) overrides the detection, and the sizes follow it.
 
 pytest-benchmark compares a run with a saved one by test name alone, and
 names its storage folder by the operating system and Python only: a CPU run
@@ -24,7 +24,32 @@ import torch
 
 from mpstream.tutorial import bench
 
-ON_GPU = torch.cuda.is_available()
+
+def suite_devices() -> tuple[torch.device, torch.device]:
+    """The suite's two devices: ``MPSTREAM_BENCH_DEVICES``, else detected.
+
+    Raises:
+        ValueError: ``MPSTREAM_BENCH_DEVICES`` names no usable devices.
+    """
+    spec = os.environ.get("MPSTREAM_BENCH_DEVICES")
+    try:
+        return bench.detect_devices(spec)
+    except ValueError as e:  # said as the command line's --devices: name the variable
+        said = str(e).removeprefix("--devices: ")
+        raise ValueError(f"MPSTREAM_BENCH_DEVICES={spec!r}: {said}") from None
+
+
+def _on_gpu() -> bool:
+    # The sizes follow the devices the suite runs on, not whether CUDA is
+    # there: MPSTREAM_BENCH_DEVICES=cpu on a GPU machine times the CPU's sizes
+    # (and measures memory as the CPU's), not the tutorial's on the CPU.
+    try:
+        return any(d.type == "cuda" for d in suite_devices())
+    except ValueError:  # raised again, naming the variable, where the devices are used
+        return torch.cuda.is_available()
+
+
+ON_GPU = _on_gpu()
 
 # Group "tutorial": the tutorial's sizes on a GPU; on the CPU the quick size,
 # so the four models take about a minute including warm-up.
@@ -42,20 +67,6 @@ SPLIT_SIZES = bench.FULL.split_sizes
 INFO_KEY = "mpstream"
 
 
-def suite_devices() -> tuple[torch.device, torch.device]:
-    """The suite's two devices: ``MPSTREAM_BENCH_DEVICES``, else detected.
-
-    Raises:
-        ValueError: ``MPSTREAM_BENCH_DEVICES`` names no usable devices.
-    """
-    spec = os.environ.get("MPSTREAM_BENCH_DEVICES")
-    try:
-        return bench.detect_devices(spec)
-    except ValueError as e:  # said as the command line's --devices: name the variable
-        said = str(e).removeprefix("--devices: ")
-        raise ValueError(f"MPSTREAM_BENCH_DEVICES={spec!r}: {said}") from None
-
-
 @pytest.fixture(scope="session")
 def devices() -> tuple[torch.device, torch.device]:
     return suite_devices()
@@ -64,7 +75,7 @@ def devices() -> tuple[torch.device, torch.device]:
 def run_info() -> dict[str, Any]:
     """What the suite's times depend on besides the code: the devices
     (``MPSTREAM_BENCH_DEVICES`` or detected), their names, the sizes (set by
-    whether CUDA is available) and the versions.
+    the devices) and the versions.
 
     Raises:
         ValueError: ``MPSTREAM_BENCH_DEVICES`` names no usable devices.

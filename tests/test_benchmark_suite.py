@@ -128,3 +128,19 @@ def test_the_transformer_group_runs_on_the_suites_devices(monkeypatch: pytest.Mo
     finally:
         monkeypatch.undo()
         importlib.reload(test_transformer)
+
+
+def test_the_sizes_follow_the_suites_devices(monkeypatch: pytest.MonkeyPatch) -> None:
+    # They followed torch.cuda.is_available(): MPSTREAM_BENCH_DEVICES=cpu on a
+    # GPU machine timed the tutorial's sizes on the CPU and asked the CUDA
+    # allocator for a CPU pipe's memory.
+    monkeypatch.setenv("MPSTREAM_BENCH_DEVICES", "cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    try:
+        suite = importlib.reload(conftest)
+        assert not suite.ON_GPU
+        assert suite.TUTORIAL.batch_size == suite.bench.QUICK.batch_size
+        assert suite.run_info()["sizes"] == "CPU (reduced)"
+    finally:
+        monkeypatch.undo()
+        importlib.reload(conftest)
