@@ -151,9 +151,11 @@ def _what_is_timed(results: Results) -> list[str]:
     """What one time of the table is, and on the CPU that it is no GPU's
     (a CPU run's table reads like one otherwise)."""
     c = results.config
+    batches = f"{c.num_batches} batch{'' if c.num_batches == 1 else 'es'}"
+    images = f"{c.batch_size} image{'' if c.batch_size == 1 else 's'}"
     said = [
-        f"each time: one synchronised train() call, in seconds ({c.num_batches} batches of "
-        f"{c.batch_size} images of {c.image_w}x{c.image_h}: forward, MSELoss, backward, SGD); "
+        f"each time: one synchronised train() call, in seconds ({batches} of {images} of "
+        f"{c.image_w}x{c.image_h}: forward, MSELoss, backward, SGD); "
         f"{c.repeat} rounds after {c.warmup} warm-up, the configurations round-robin"
     ]
     if all(d.type == "cpu" for d in results.devices):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -442,3 +443,5 @@ def test_the_table_says_what_is_timed_and_that_cpu_numbers_are_not_gpu_numbers()
     assert any(line.startswith("CPU: ") and "not GPU numbers" in line for line in on_cpu)
     on_gpu = bench.table(design.Results(cfg, (gpu, gpu), models, []))
     assert timed in on_gpu and "not GPU numbers" not in on_gpu
+    one = dataclasses.replace(cfg, num_batches=1)
+    assert "(1 batch of 4 images" in bench.table(design.Results(one, (cpu, cpu), models, []))
