@@ -3,8 +3,9 @@
 ``train_step`` of the tutorial's ResNet50 in four stages (its four-device
 cut, ``[7, 4, 6, 6]``) for every built-in schedule, with the
 memory of one step in ``extra_info`` (GPU: the allocator's peak per device;
-CPU: the peak bytes each stage's forwards saved for backward). Two GPUs hold
-the stages round-robin, as interleaved 1F1B wants; one GPU or the CPU hold
+CPU: the peak bytes each stage's forwards saved for backward). The suite's
+two devices (``MPSTREAM_BENCH_DEVICES``, else detected) hold the stages
+round-robin, as interleaved 1F1B wants; where both are one device it holds
 them all, interleaved 1F1B then running two ranks of two stages.
 
 ``split_backward``: one stage's split backward (B, then W) against its plain
@@ -35,16 +36,16 @@ SPLIT, IMAGE = (8, 128) if ON_GPU else (2, 64)
 SPLIT_B, IMAGE_B = (12, 128) if ON_GPU else (4, 64)
 
 
-def _devices(first: torch.device) -> list[torch.device]:
-    if first.type == "cuda" and torch.cuda.device_count() > 1:
-        return [torch.device("cuda", s % 2) for s in range(STAGES)]
-    return [first] * STAGES
+def _devices(devices: tuple[torch.device, torch.device]) -> list[torch.device]:
+    """The stages' devices: the suite's two in turn, not GPUs of its own
+    (``MPSTREAM_BENCH_DEVICES``, which the run records, decides them)."""
+    return [devices[s % 2] for s in range(STAGES)]
 
 
 @pytest.fixture(scope="module")
 def setup(devices: tuple[torch.device, torch.device]) -> tuple[Pipe, Tensor, Tensor]:
     pipe, x, y = resnet_stages(STAGES, MICROS, SPLIT, IMAGE, devices[0])
-    placed = _devices(devices[0])
+    placed = _devices(devices)
     if placed != pipe.devices:
         torch.manual_seed(0)
         pipe = Pipe(resnet50_layers(), chunks=MICROS, balance=pipe.balance, devices=placed)

@@ -144,3 +144,18 @@ def test_the_sizes_follow_the_suites_devices(monkeypatch: pytest.MonkeyPatch) ->
     finally:
         monkeypatch.undo()
         importlib.reload(conftest)
+
+
+def test_the_schedules_group_places_its_stages_on_the_suites_devices(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # On a machine with two GPUs it put its stages on cuda:0 and cuda:1 in
+    # turn whatever MPSTREAM_BENCH_DEVICES said (cuda:0,cuda:0 included).
+    from benchmarks import test_schedules
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    gpu0, gpu1, cpu = torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cpu")
+    assert test_schedules._devices((gpu0, gpu0)) == [gpu0] * 4
+    assert test_schedules._devices((gpu1, gpu0)) == [gpu1, gpu0, gpu1, gpu0]
+    assert test_schedules._devices((cpu, gpu1)) == [cpu, gpu1, cpu, gpu1]
