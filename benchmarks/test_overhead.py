@@ -1,7 +1,8 @@
 """Group ``overhead``: what the runtime itself costs on the host.
 
 (a) Issue cost per task (one stage x one micro-batch) of mpstream's C++
-    event scheduler against the same plan issued from Python.
+    event scheduler against the same plan issued from Python, every stage
+    on the suite's first device.
 (b) mpstream against a plain Python loop over the same stages and
     micro-batches, on the CPU: the ratio is the runtime's own cost.
 The mpstream tests also time both alternately, round by round, and record
@@ -30,10 +31,11 @@ from .pyscheduler import PyEventScheduler
 STAGES, MICROS = 4, 32
 
 
-def _issue_devices() -> list[torch.device]:
-    # One GPU holds every stage (separate streams); without a GPU, the CPU.
-    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    return [device] * STAGES
+def _issue_devices(devices: tuple[torch.device, torch.device]) -> list[torch.device]:
+    """Every stage on the suite's first device (separate streams on a GPU):
+    ``MPSTREAM_BENCH_DEVICES``, which the run records, decides it, not
+    whether CUDA is there."""
+    return [devices[0]] * STAGES
 
 
 def _schedule(devices: list[torch.device]) -> Schedule:
@@ -51,20 +53,20 @@ def _run_cpp(sched: EventScheduler, schedule: Schedule) -> None:
 
 
 @pytest.mark.benchmark(group="overhead")
-def test_issue_cost_cpp(benchmark: object) -> None:
-    devices = _issue_devices()
-    schedule, sched = _schedule(devices), EventScheduler(devices)
-    benchmark.extra_info.update(tasks=len(schedule), device=str(devices[0]))  # type: ignore[attr-defined]
+def test_issue_cost_cpp(benchmark: object, devices: tuple[torch.device, torch.device]) -> None:
+    stages = _issue_devices(devices)
+    schedule, sched = _schedule(stages), EventScheduler(stages)
+    benchmark.extra_info.update(tasks=len(schedule), device=str(stages[0]))  # type: ignore[attr-defined]
     benchmark.pedantic(_run_cpp, args=(sched, schedule), rounds=200, warmup_rounds=5)  # type: ignore[attr-defined]
-    py = PyEventScheduler(devices)  # paired_ratio: C++ / Python, below 1 when C++ is cheaper
+    py = PyEventScheduler(stages)  # paired_ratio: C++ / Python, below 1 when C++ is cheaper
     _paired(benchmark, lambda: py.run(schedule), lambda: _run_cpp(sched, schedule), 200)
 
 
 @pytest.mark.benchmark(group="overhead")
-def test_issue_cost_python(benchmark: object) -> None:
-    devices = _issue_devices()
-    schedule, sched = _schedule(devices), PyEventScheduler(devices)
-    benchmark.extra_info.update(tasks=len(schedule), device=str(devices[0]))  # type: ignore[attr-defined]
+def test_issue_cost_python(benchmark: object, devices: tuple[torch.device, torch.device]) -> None:
+    stages = _issue_devices(devices)
+    schedule, sched = _schedule(stages), PyEventScheduler(stages)
+    benchmark.extra_info.update(tasks=len(schedule), device=str(stages[0]))  # type: ignore[attr-defined]
     benchmark.pedantic(sched.run, args=(schedule,), rounds=200, warmup_rounds=5)  # type: ignore[attr-defined]
 
 
