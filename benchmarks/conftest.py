@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from mpstream.tutorial import bench
+from mpstream.tutorial.machine import named_devices
 
 
 def suite_devices() -> tuple[torch.device, torch.device]:
@@ -93,7 +94,7 @@ def run_info() -> dict[str, Any]:
 
 def header(info: dict[str, Any]) -> str:
     """The line the run's header prints from :func:`run_info`."""
-    where = f"{', '.join(info['devices'])} ({', '.join(dict.fromkeys(info['device_names']))})"
+    where = named_devices(info["devices"], info["device_names"])
     line = f"mpstream suite: devices {where}, sizes {info['sizes']}, torch {info['torch']}"
     if all(d == "cpu" for d in info["devices"]):
         line += (

@@ -170,3 +170,15 @@ def test_the_overhead_group_issues_on_the_suites_device(monkeypatch: pytest.Monk
     cpu, gpu1 = torch.device("cpu"), torch.device("cuda", 1)
     assert test_overhead._issue_devices((cpu, cpu)) == [cpu] * 4
     assert test_overhead._issue_devices((gpu1, gpu1)) == [gpu1] * 4
+
+
+def test_the_header_names_each_devices_model_where_they_differ() -> None:
+    # "cpu, cuda:0 (AMD EPYC, H100)" left the reader to pair them.
+    mixed = {
+        "devices": ["cpu", "cuda:0"],
+        "device_names": ["AMD EPYC (2 threads)", "NVIDIA H100"],
+        "sizes": "GPU (the tutorial's)",
+        "torch": "2.15.0+cu132",
+    }
+    line = conftest.header(mixed)
+    assert "devices cpu (AMD EPYC (2 threads)), cuda:0 (NVIDIA H100), sizes" in line

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .._version import __version__
-from ..tutorial.machine import detect_devices, device_name, metadata
+from ..tutorial.machine import detect_devices, metadata, named_devices
 from . import extras, orders
 from . import transformer as cli_transformer
 from .argtypes import UsageError
@@ -118,8 +118,8 @@ def _config(args: argparse.Namespace) -> Config:
 
 def _header(args: argparse.Namespace, dev0: torch.device, dev1: torch.device) -> None:
     print(
-        f"mpstream {__version__} | torch {torch.__version__} | devices {dev0}, {dev1} "
-        f"({device_name(dev0)}){' | quick' if args.quick else ''}",
+        f"mpstream {__version__} | torch {torch.__version__} | devices "
+        f"{named_devices((dev0, dev1))}{' | quick' if args.quick else ''}",
         flush=True,
     )
 

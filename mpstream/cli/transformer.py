@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from .._version import __version__
-from ..tutorial.machine import detect_devices, device_name
+from ..tutorial.machine import detect_devices, named_devices
 from ..workloads import bench, report, transformer
 from . import extras
 from .argtypes import UsageError, int_list, positive_float, positive_int
@@ -111,8 +111,8 @@ def run(args: argparse.Namespace) -> int:
     config = bench.Config(preset, (dev0, dev1), peak=args.peak_tflops)
     plots = extras.figures("bench", not args.no_plots)
     print(
-        f"mpstream {__version__} | torch {torch.__version__} | devices {dev0}, {dev1} "
-        f"({device_name(dev0)}) | transformer {preset.name}: "
+        f"mpstream {__version__} | torch {torch.__version__} | devices "
+        f"{named_devices((dev0, dev1))} | transformer {preset.name}: "
         f"{transformer.param_count(preset) / 1e6:.1f}M parameters, "
         f"{preset.batch} x {preset.seq} tokens per step",
         flush=True,

@@ -1,10 +1,12 @@
 """Where the tutorial's experiment runs, and what a result records of it.
 
 :func:`detect_devices` picks (or checks) the experiment's two devices,
-:func:`device_name` names one for a reader, and :func:`metadata` is what a
+:func:`device_name` names one for a reader, :func:`metadata` is what a
 result file says about its run: the versions, the commit, the host and the
-devices. ``mpstream bench`` (:mod:`.bench` re-exports all four),
+devices. ``mpstream bench`` (:mod:`.bench` re-exports these four),
 ``mpstream trace``, ``mpstream schedules`` and the doctor share them.
+:func:`named_devices` names each of a run's devices with its model, as the
+headers of ``mpstream bench`` and of the benchmark suite print them.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 
 from .._version import __version__
 
-__all__ = ["detect_devices", "device_name", "git_commit", "metadata"]
+__all__ = ["detect_devices", "device_name", "named_devices", "git_commit", "metadata"]
 
 
 def detect_devices(spec: str | None = None) -> tuple[torch.device, torch.device]:
@@ -77,6 +79,33 @@ def device_name(device: torch.device) -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "cpu"
+
+
+def named_devices(devices: Sequence[torch.device | str], names: Sequence[str] | None = None) -> str:
+    """The devices with their models, as a run's header says them.
+
+    Devices of one model name it once (``cuda:0, cuda:1 (NVIDIA H100)``);
+    devices of different models each name their own (``cpu (AMD EPYC),
+    cuda:0 (NVIDIA H100)``), so a mixed run does not pass for one machine.
+
+    Args:
+        devices: the run's devices, in order.
+        names: their models as :func:`device_name` gives them (a saved
+            run's record); default asked of this machine.
+
+    Returns:
+        The devices and their models, comma-separated.
+
+    Raises:
+        ValueError: ``names`` does not give one name per device.
+    """
+    if names is None:
+        names = [device_name(torch.device(d)) for d in devices]
+    if len(names) != len(devices):
+        raise ValueError(f"{len(devices)} devices but {len(names)} names: give one per device")
+    if len(set(names)) == 1:
+        return f"{', '.join(str(d) for d in devices)} ({names[0]})"
+    return ", ".join(f"{d} ({name})" for d, name in zip(devices, names, strict=True))
 
 
 def git_commit() -> str | None:

@@ -40,3 +40,26 @@ def test_split_sizes_are_swept_in_increasing_order_once_each() -> None:
     parsed = cli.parser().parse_args(["bench", "--quick", "--split-sizes", "8,2,4,2"])
     # As given, the figure's curve ran 8 -> 2 -> 4 -> 2 and the table listed 2 twice.
     assert _config(parsed).split_sizes == (2, 4, 8)
+
+
+def test_the_bench_header_names_each_devices_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # It named the first device's model only: a CPU + GPU run read as a CPU one.
+    import torch
+
+    from mpstream.cli import resnet
+    from mpstream.tutorial import bench, machine
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    monkeypatch.setattr(resnet, "detect_devices", lambda spec=None: (cpu, gpu))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100")
+
+    def calls(*_: object) -> None:
+        raise Stop
+
+    monkeypatch.setattr(bench, "calls", calls)
+    with pytest.raises(Stop):
+        cli.main(["bench", "--quick", "--no-plots", "--out", str(tmp_path)])
+    header = capsys.readouterr().out.splitlines()[0]
+    assert f"devices cpu ({machine.device_name(cpu)}), cuda:0 (NVIDIA H100) | quick" in header

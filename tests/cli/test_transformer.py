@@ -78,3 +78,27 @@ def test_the_transformer_names_all_its_options_and_every_known_peak(
         cli.main(["bench", "--help"])
     peak_help = capsys.readouterr().out.rsplit("--peak-tflops PEAK_TFLOPS", 1)[1]
     assert all(part.split()[0] in peak_help for part, _ in PEAKS), peak_help
+
+
+def test_the_header_names_each_devices_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # It named the first device's model only: a CPU + GPU run read as a CPU one.
+    import torch
+
+    from mpstream.cli import transformer
+    from mpstream.tutorial import machine
+    from mpstream.workloads import bench
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    monkeypatch.setattr(transformer, "detect_devices", lambda spec=None: (cpu, gpu))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100")
+
+    def keys_for(*_: object) -> None:
+        raise Stop
+
+    monkeypatch.setattr(bench, "keys_for", keys_for)
+    with pytest.raises(Stop):
+        cli.main(["bench", "--model", "transformer", "--preset", "tiny", "--out", str(tmp_path)])
+    header = capsys.readouterr().out.splitlines()[0]
+    assert f"devices cpu ({machine.device_name(cpu)}), cuda:0 (NVIDIA H100) | " in header

@@ -16,7 +16,7 @@ import mpstream
 from mpstream import cli
 from mpstream.observe import figures
 from mpstream.observe.figures import tutorial_figures
-from mpstream.tutorial import bench, design, report
+from mpstream.tutorial import bench, design, machine, report
 
 TINY = [
     "--quick",
@@ -445,3 +445,21 @@ def test_the_table_says_what_is_timed_and_that_cpu_numbers_are_not_gpu_numbers()
     assert timed in on_gpu and "not GPU numbers" not in on_gpu
     one = dataclasses.replace(cfg, num_batches=1)
     assert "(1 batch of 4 images" in bench.table(design.Results(one, (cpu, cpu), models, []))
+
+
+def test_a_run_on_devices_of_two_models_names_and_records_each(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100")
+    here = bench.device_name(cpu)
+    assert machine.named_devices((cpu, gpu)) == f"cpu ({here}), cuda:0 (NVIDIA H100)"
+    # Devices of one model name it once, as before.
+    assert machine.named_devices(["cuda:0", "cuda:1"], ["H100"] * 2) == "cuda:0, cuda:1 (H100)"
+    with pytest.raises(ValueError, match="2 devices but 1 names"):
+        machine.named_devices((cpu, gpu), [here])
+    # results.json records both devices and both models.
+    results = design.Results(bench.QUICK, (cpu, gpu), [], [])
+    doc = report.to_json(results)
+    assert doc["devices"] == ["cpu", "cuda:0"]
+    assert doc["device_names"] == [here, "NVIDIA H100"]
