@@ -1,0 +1,241 @@
+"""Hugging Face families beyond tests/stages/test_hf.py's four, each from a
+tiny config in float64 and split in two: Mistral, Qwen2, Qwen3, Phi, Phi-3,
+Gemma, Gemma 2, GPT-NeoX, OPT, Falcon, BLOOM, GPT-J, a Mixtral MoE, BART,
+RoBERTa, DistilBERT, ELECTRA, BERT with token_type_ids and ViT equal the
+unsplit model (outputs, the model's own loss, every gradient) on padded
+batches that the micro-batches do not divide, on two schedules with
+checkpointing; the calls their users make (hidden states, position ids,
+``return_dict=True``) too."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from mpstream import Pipe
+
+from .test_hf import VOCAB, assert_same_grads, batch
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+# A decoder of two layers; Gemma's and Qwen3's head_dim is set apart.
+DECODER = dict(
+    vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=32, num_hidden_layers=2,
+)  # fmt: skip
+ENCODER = dict(
+    vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+    intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
+)  # fmt: skip
+
+
+def _model(config: str, model: str, **options: Any) -> Callable[[], nn.Module]:
+    return lambda: getattr(transformers, model)(getattr(transformers, config)(**options))
+
+
+# name: (builds the model, its split point, float64 or not)
+# fmt: off
+FAMILIES: dict[str, tuple[Callable[[], nn.Module], str, bool]] = {
+    "mistral": (_model("MistralConfig", "MistralForCausalLM", **DECODER), "model.layers.1", True),
+    "qwen2": (_model("Qwen2Config", "Qwen2ForCausalLM", **DECODER), "model.layers.1", True),
+    "qwen3": (
+        _model("Qwen3Config", "Qwen3ForCausalLM", head_dim=8, **DECODER), "model.layers.1", True
+    ),
+    "phi": (
+        _model("PhiConfig", "PhiForCausalLM", resid_pdrop=0.0, embd_pdrop=0.0, **DECODER),
+        "model.layers.1", True,
+    ),
+    "phi3": (
+        _model("Phi3Config", "Phi3ForCausalLM", pad_token_id=0, **DECODER), "model.layers.1", True
+    ),
+    "gemma": (
+        _model("GemmaConfig", "GemmaForCausalLM", head_dim=8, **DECODER), "model.layers.1", True
+    ),
+    "gemma2": (
+        _model("Gemma2Config", "Gemma2ForCausalLM", head_dim=8, sliding_window=16, **DECODER),
+        "model.layers.1", True,
+    ),
+    "gpt_neox": (
+        _model(
+            "GPTNeoXConfig", "GPTNeoXForCausalLM", vocab_size=VOCAB, hidden_size=32,
+            intermediate_size=64, num_attention_heads=4, num_hidden_layers=2,
+            max_position_embeddings=32,
+        ),
+        "gpt_neox.layers.1", True,
+    ),
+    "opt": (
+        _model(
+            "OPTConfig", "OPTForCausalLM", vocab_size=VOCAB, hidden_size=32, ffn_dim=64,
+            num_attention_heads=4, num_hidden_layers=2, max_position_embeddings=32,
+            word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0, pad_token_id=0,
+        ),
+        "model.decoder.layers.1", True,
+    ),
+    "falcon": (
+        _model(
+            "FalconConfig", "FalconForCausalLM", vocab_size=VOCAB, hidden_size=32,
+            num_attention_heads=4, num_hidden_layers=2, hidden_dropout=0.0, attention_dropout=0.0,
+        ),
+        "transformer.h.1", True,
+    ),
+    "bloom": (
+        _model("BloomConfig", "BloomForCausalLM", vocab_size=VOCAB, hidden_size=32, n_head=4,
+               n_layer=2),
+        "transformer.h.1", True,
+    ),
+    "gptj": (
+        _model(
+            "GPTJConfig", "GPTJForCausalLM", vocab_size=VOCAB, n_embd=32, n_head=4, n_layer=2,
+            n_positions=32, rotary_dim=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        ),
+        "transformer.h.1", True,
+    ),
+    # grouped_mm (the default experts) takes no float64.
+    "mixtral": (
+        _model("MixtralConfig", "MixtralForCausalLM", num_local_experts=4, num_experts_per_tok=2,
+               **DECODER),
+        "model.layers.1", False,
+    ),
+    "bart": (
+        _model(
+            "BartConfig", "BartForConditionalGeneration", vocab_size=VOCAB, d_model=32,
+            encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+            max_position_embeddings=32, dropout=0.0, attention_dropout=0.0, pad_token_id=0,
+            decoder_start_token_id=2, bos_token_id=1, eos_token_id=2,
+        ),
+        "model.decoder", True,
+    ),
+    "roberta": (
+        _model("RobertaConfig", "RobertaForMaskedLM", pad_token_id=1, **ENCODER),
+        "roberta.encoder.layer.1", True,
+    ),
+    "distilbert": (
+        _model(
+            "DistilBertConfig", "DistilBertForMaskedLM", vocab_size=VOCAB, dim=32, n_layers=2,
+            n_heads=4, hidden_dim=64, max_position_embeddings=32, dropout=0.0,
+            attention_dropout=0.0,
+        ),
+        "distilbert.transformer.layer.1", True,
+    ),
+    "electra": (
+        _model("ElectraConfig", "ElectraForMaskedLM", embedding_size=16, **ENCODER),
+        "electra.encoder.layer.1", True,
+    ),
+    "bert_classifier": (
+        _model("BertConfig", "BertForSequenceClassification", num_labels=3, **ENCODER),
+        "bert.encoder.layer.1", True,
+    ),
+    "vit": (
+        _model(
+            "ViTConfig", "ViTForImageClassification", image_size=16, patch_size=4,
+            num_channels=3, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+            intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+            num_labels=3,
+        ),
+        "vit.layers.1", True,
+    ),
+}
+# fmt: on
+
+
+def family_batch(name: str) -> dict[str, Tensor]:
+    """Five examples as the family's users give them: padded token ids and
+    labels (-100 on padding), a class per example with token_type_ids for a
+    classifier, or images."""
+    torch.manual_seed(1)
+    if name == "vit":
+        return {
+            "pixel_values": torch.randn(5, 3, 16, 16, dtype=torch.float64),
+            "labels": torch.randint(0, 3, (5,)),
+        }
+    data = batch()
+    if name == "bert_classifier":
+        data["labels"] = torch.randint(0, 3, (5,))
+        data["token_type_ids"] = (torch.arange(8) >= 4).long().expand(5, -1).clone()
+    return data
+
+
+def pipe_and_reference(name: str, **extra: Any) -> tuple[Pipe, nn.Module, dict[str, Any]]:
+    """The family's pipe, exported for its batch with ``extra`` arguments."""
+    build, point, float64 = FAMILIES[name]
+    torch.manual_seed(0)
+    model = build().double() if float64 else build()
+    ref = copy.deepcopy(model)
+    data = family_batch(name)
+    if not float64:
+        data = {k: v.float() if v.is_floating_point() else v for k, v in data.items()}
+    data = {**data, **extra}
+    pipe = Pipe(model, chunks=3, split_points=[point], devices=["cpu"] * 2, sample=data)
+    return pipe, ref, data
+
+
+def reference(ref: nn.Module, data: dict[str, Any]) -> Any:
+    """The unsplit model's output for the pipe's call: no cache, as the pipe."""
+    takes_cache = "use_cache" in _takes(ref) and "use_cache" not in data
+    return ref(**data, use_cache=False) if takes_cache else ref(**data)
+
+
+def _takes(model: nn.Module) -> set[str]:
+    import inspect
+
+    return set(inspect.signature(model.forward).parameters)
+
+
+def assert_same_outputs(out: Any, expected: Any) -> None:
+    assert type(out) is type(expected)
+    assert list(out.keys()) == list(expected.keys())
+    for key in out.keys():
+        torch.testing.assert_close(out[key], expected[key], msg=key)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_family_equals_the_unsplit_model(name: str) -> None:
+    pipe, ref, data = pipe_and_reference(name)
+    # 5 examples in micro-batches of 2, 2, 1.
+    out = pipe(**data)
+    expected = reference(ref, data)
+    assert_same_outputs(out, expected)
+    out.loss.backward()
+    expected.loss.backward()
+    assert_same_grads(pipe, ref)
+    pipe.zero_grad()
+    ref.zero_grad()
+    for schedule, checkpoint in [("gpipe", "never"), ("1f1b", "except_last")]:
+        pipe.schedule, pipe.checkpoint = schedule, checkpoint
+        loss = pipe.train_step(data)
+        expected_loss = reference(ref, data).loss
+        expected_loss.backward()
+        torch.testing.assert_close(loss, expected_loss.detach())
+        assert_same_grads(pipe, ref)
+        pipe.zero_grad()
+        ref.zero_grad()
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"output_hidden_states": True},
+        {"position_ids": torch.arange(8).expand(5, -1).clone(), "return_dict": True},
+    ],
+    ids=["hidden_states", "position_ids"],
+)
+def test_the_calls_users_make(extra: dict[str, Any]) -> None:
+    pipe, ref, call = pipe_and_reference("qwen2", **extra)
+    out = pipe(**call)
+    expected = reference(ref, call)
+    assert_same_outputs(out, expected)
+    if "output_hidden_states" in extra:
+        assert len(out.hidden_states) == 3
+    out.loss.backward()
+    expected.loss.backward()
+    assert_same_grads(pipe, ref)
+    with pytest.raises(ValueError, match="return_dict=False"):
+        pipe(**{**call, "return_dict": False})
