@@ -181,9 +181,8 @@ class ExportSplit(Kinds):
             f"torch.export could not export {name}{inside}: {first_line(exc)}\n{fx}"
             f"The usual cause is data-dependent control flow (a Python branch on a tensor's "
             f"values), which neither tracer follows: compute it with tensor operations "
-            f"(torch.where, torch.cond), move it out of the forward, mark the submodule holding "
-            f"it as a leaf for torch.fx (Pipe(..., tracer='fx', leaf_modules=['{leaf}']): it "
-            f"then runs whole inside one stage), or pass an nn.Sequential of stages. A call the "
+            f"(torch.where, torch.cond), move it out of the forward, "
+            f"{self.calls.export_advice(leaf)}, or pass an nn.Sequential of stages. A call the "
             f"module itself cannot run (inputs of the wrong shape or dtype) fails here too: "
             f"the export runs the module on the call's arguments."
         )

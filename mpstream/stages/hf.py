@@ -62,6 +62,14 @@ class Calls:
         """An example call to export when the caller gave none."""
         return None
 
+    def export_advice(self, where: str) -> str:
+        """What to do about data-dependent code in submodule ``where`` (or
+        ``'name'``) that ``torch.export`` could not export."""
+        return (
+            f"mark the submodule holding it as a leaf for torch.fx (Pipe(..., tracer='fx', "
+            f"leaf_modules=['{where}']): it then runs whole inside one stage)"
+        )
+
 
 class HuggingFaceCalls(Calls):
     """The calling convention of ``transformers`` models.
@@ -124,6 +132,19 @@ class HuggingFaceCalls(Calls):
     def sample(self, module: nn.Module) -> dict[str, Any] | None:
         dummy = getattr(module, "dummy_inputs", None)
         return dict(dummy) if isinstance(dummy, dict) else None
+
+    def export_advice(self, where: str) -> str:
+        # torch.fx traces no transformers model (its forward branches on its
+        # inputs, masks and caches; the decorated forward takes **kwargs), so
+        # a leaf for torch.fx is no way out: the model's own tensor-only
+        # implementation is. A mixture-of-experts block's "eager" experts
+        # loop over the experts a batch routes to; "grouped_mm" does not.
+        return (
+            f"pick the model's implementation of '{where}' that uses tensor operations "
+            f"only where its config offers one (a mixture-of-experts block: "
+            f"experts_implementation='grouped_mm', the default, instead of 'eager'); "
+            f"torch.fx does not trace {self.name}, so a leaf for it does not help"
+        )
 
 
 def _whole_number(value: Any) -> int | None:

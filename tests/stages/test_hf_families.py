@@ -5,7 +5,9 @@ RoBERTa, DistilBERT, ELECTRA, BERT with token_type_ids and ViT equal the
 unsplit model (outputs, the model's own loss, every gradient) on padded
 batches that the micro-batches do not divide, on two schedules with
 checkpointing; the calls their users make (hidden states, position ids,
-``return_dict=True``) too."""
+``return_dict=True``) too. A model torch.export cannot take (an MoE's
+"eager" experts) is refused with advice that works for a transformers
+model."""
 
 from __future__ import annotations
 
@@ -239,3 +241,18 @@ def test_the_calls_users_make(extra: dict[str, Any]) -> None:
     assert_same_grads(pipe, ref)
     with pytest.raises(ValueError, match="return_dict=False"):
         pipe(**{**call, "return_dict": False})
+
+
+def test_eager_experts_are_refused_with_advice_for_a_transformers_model() -> None:
+    config = transformers.MixtralConfig(
+        num_local_experts=4, num_experts_per_tok=2, experts_implementation="eager", **DECODER
+    )
+    model = transformers.MixtralForCausalLM(config)
+    with pytest.raises(TypeError) as info:
+        Pipe(model, chunks=2, split_points=["model.layers.1"], devices=["cpu"] * 2,
+             sample=batch())  # fmt: skip
+    message = str(info.value)
+    assert "inside submodule 'model.layers.0.mlp.experts'" in message
+    assert "experts_implementation='grouped_mm'" in message
+    # torch.fx traces no transformers model: no advice to use it.
+    assert "tracer='fx'" not in message
