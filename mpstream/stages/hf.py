@@ -12,7 +12,9 @@ is refused); a caller's ``num_items_in_batch`` (the Hugging Face Trainer's
 normaliser, a scalar every micro-batch gets whole; a whole number becomes
 an int64 tensor, so that its value is no part of the call's kind) already makes each
 micro-batch's loss a share of the batch's;
-``return_dict=False`` is refused (the loss is found by name); and without a
+``return_dict=False`` is refused (the loss is found by name), and so is a
+mixture of experts' ``output_router_logits=True`` (its load-balancing loss
+is over the whole batch); and without a
 ``sample=``, the model's ``dummy_inputs`` are its example call.
 
 ``transformers`` itself is not imported: a model is recognised by its
@@ -83,13 +85,15 @@ class HuggingFaceCalls(Calls):
     def __init__(self, model: nn.Module) -> None:
         self.name = type(model).__name__
         self.takes = set(inspect.signature(model.forward).parameters)
+        self.config = getattr(model, "config", None)
 
     def prepare(self, named: dict[str, Any]) -> dict[str, Any]:
-        """Turns caching off; refuses a cache and tuple outputs.
+        """Turns caching off; refuses a cache, tuple outputs and a router's loss.
 
         Raises:
             ValueError: ``use_cache=True``, a cache (``past_key_values``,
-                ``cache``) or ``return_dict=False`` given.
+                ``cache``), ``return_dict=False`` or a mixture of experts'
+                ``output_router_logits=True`` (given, or the config's) given.
         """
         given = next((k for k in ("past_key_values", "cache") if named.get(k) is not None), None)
         if given is not None:
@@ -103,6 +107,20 @@ class HuggingFaceCalls(Calls):
                 f"{self.name} was called with use_cache=True: a pipeline keeps no key/value "
                 f"cache (each micro-batch would need its own); leave use_cache unset (the pipe "
                 f"passes use_cache=False) and generate with the unsplit model"
+            )
+        router = named.get("output_router_logits")
+        if router is None:  # the model then reads its config's
+            router = getattr(self.config, "output_router_logits", False)
+        if router:
+            # The load-balancing loss multiplies the batch's routing fractions
+            # over all its tokens: the micro-batches' terms do not add up to it.
+            raise ValueError(
+                f"{self.name} computes its router's load-balancing loss (aux_loss) with "
+                f"output_router_logits=True: that loss is over the whole batch's routing and "
+                f"does not split into micro-batches, so the pipe could not equal the unsplit "
+                f"model; pass output_router_logits=False (or set "
+                f"config.output_router_logits=False): the loss is then the model's loss "
+                f"without that term"
             )
         if named.get("return_dict") is False:
             raise ValueError(

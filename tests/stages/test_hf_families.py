@@ -7,7 +7,8 @@ batches that the micro-batches do not divide, on two schedules with
 checkpointing; the calls their users make (hidden states, position ids,
 ``return_dict=True``) too. A model torch.export cannot take (an MoE's
 "eager" experts) is refused with advice that works for a transformers
-model."""
+model, and so is an MoE's load-balancing loss (``output_router_logits``),
+which is over the whole batch."""
 
 from __future__ import annotations
 
@@ -256,3 +257,29 @@ def test_eager_experts_are_refused_with_advice_for_a_transformers_model() -> Non
     assert "experts_implementation='grouped_mm'" in message
     # torch.fx traces no transformers model: no advice to use it.
     assert "tracer='fx'" not in message
+
+
+def test_a_router_load_balancing_loss_is_refused_by_name() -> None:
+    config = transformers.MixtralConfig(
+        num_local_experts=4, num_experts_per_tok=2, output_router_logits=True, **DECODER
+    )
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(config)
+    ref = copy.deepcopy(model)
+    data = batch()
+    # The config's True is refused before anything is exported.
+    with pytest.raises(ValueError, match=r"aux_loss.*pass output_router_logits=False"):
+        Pipe(copy.deepcopy(model), chunks=3, split_points=["model.layers.1"],
+             devices=["cpu"] * 2, sample=data)  # fmt: skip
+    call = {**data, "output_router_logits": False}
+    pipe = Pipe(model, chunks=3, split_points=["model.layers.1"], devices=["cpu"] * 2,
+                sample=call)  # fmt: skip
+    out = pipe(**call)
+    expected = reference(ref, call)
+    assert_same_outputs(out, expected)
+    out.loss.backward()
+    expected.loss.backward()
+    assert_same_grads(pipe, ref)
+    for refused in [data, {**data, "output_router_logits": True}]:
+        with pytest.raises(ValueError, match="output_router_logits=True"):
+            pipe(**refused)
