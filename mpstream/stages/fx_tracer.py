@@ -22,6 +22,7 @@ from torch import fx, nn
 
 from ..memory import DeferredBatchNorm
 from .inplace import AugmentedProxy, augmented, item_of
+from .inplace_paths import record_update
 from .lookups import Item, Lookup, item_name
 
 __all__ = ["Tracer", "Unrecorded", "ModeChange", "BufferChange", "current_modes"]
@@ -142,6 +143,8 @@ class Tracer(fx.Tracer):
                     self._change(changed)
                 if target is augmented:
                     item = changed  # the same dict: a test on it is refused by name
+                elif target == "update":  # ``batch |= {...}`` written otherwise
+                    return record_update(super().create_proxy, args, kwargs)
         if kind == "placeholder":
             item = (str(target), ())
         elif (kind == "call_function" and target is operator.getitem) or (

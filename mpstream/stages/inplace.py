@@ -39,6 +39,7 @@ from .inplace_paths import given as _given
 from .inplace_paths import memory as _memory
 from .inplace_paths import overlap as _overlap
 from .inplace_paths import path as _path
+from .inplace_paths import updated
 from .inplace_paths import updates as _updates
 from .inplace_paths import viewed as _viewed
 from .lookups import Item, item_name
@@ -145,6 +146,8 @@ def _changed_in_place(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
         in_place = getattr(gm.get_submodule(str(target)), "inplace", False) is True
     elif node.op == "call_method":
         in_place = str(target).endswith("_") and not str(target).startswith("_")
+    elif node.op == "call_function" and target is updated:  # its keywords are keys
+        return node.args[0] if isinstance(node.args[0], fx.Node) else None
     elif node.op == "call_function":
         name = getattr(target, "__name__", "")
         in_place = (
@@ -216,8 +219,8 @@ def _entry(
 
 def _name(node: fx.Node) -> str:
     target = node.target
-    if target is augmented:
-        return str(node.args[2])
+    if target in (augmented, updated):
+        return "update" if target is updated else str(node.args[2])
     return str(getattr(target, "__name__", target))
 
 

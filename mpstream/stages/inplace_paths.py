@@ -13,7 +13,7 @@ whether its items share one (an output's ``last_hidden_state`` is its
 ``hidden_states[-1]``). A torch call returning a namedtuple of tensors
 (``torch.max(h, 1)``, ``torch.sort``) is a structure whose fields are keyed
 by index, so ``m.values`` and ``m[0]`` are one item. A dict update
-(``batch |= {"t": h}``, :func:`updates`) sets keys and writes into no
+(``batch |= {"t": h}``, ``batch.update(t=h)``: :func:`updates`) sets keys and writes into no
 tensor: what the code reads at a key it set is the value set (``h``).
 :mod:`~mpstream.stages.inplace` checks and copies by these.
 """
@@ -29,6 +29,7 @@ from torch.utils import _pytree as pytree
 
 __all__ = [
     "viewed", "base", "path", "memory", "overlap", "structure", "fields", "updates", "given",
+    "updated", "record_update",
 ]  # fmt: skip
 
 # Methods and torch functions whose result may share its first argument's
@@ -168,24 +169,63 @@ def _item(node: fx.Node) -> Any:
     return None
 
 
+def updated(target: Any, *args: Any, **kwargs: Any) -> Any:
+    """``target.update(...)``, giving ``target``: what a ``torch.fx`` trace
+    records for ``batch.update(...)``, so that the code after it reads the
+    dict it returns, as after ``batch |= {...}`` (a later stage then reads
+    the updating stage's dict, not its own copy of the input)."""
+    if isinstance(target, fx.Proxy):
+        # A stage's code traced again (a pickled pipe loaded): stay a call.
+        return target.tracer.create_proxy("call_function", updated, (target, *args), kwargs)
+    target.update(*args, **kwargs)
+    return target
+
+
+def record_update(record: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Records ``args[0].update(*args[1:], **kwargs)`` as :func:`updated`
+    by ``record`` (a tracer's ``create_proxy``), the proxy ``args[0]``
+    standing for the dict it gives from then on, as ``batch |= {...}``
+    makes the name ``batch`` (and every other name of that proxy) stand for
+    it. Gives None, as ``update`` does."""
+    proxy = record("call_function", updated, args, kwargs)
+    # An attribute's node (``batch.inner``) is made on first use.
+    node = "_node" if isinstance(args[0], fx.proxy.Attribute) else "node"
+    args[0].__dict__[node] = proxy.node
+
+
 def updates(node: fx.Node, changes: dict[fx.Node, fx.Node]) -> bool:
     """Whether ``node``, in ``changes``, is a dict update (``batch |= {"t":
-    h}``, ``batch |= more``, traced as the augmented ``ior``): it sets keys
-    of a structure, and writes into no tensor, which every item keeps."""
-    if node not in changes or len(node.args) < 2:
+    h}``, ``batch |= more``, traced as the augmented ``ior``, or
+    ``batch.update(t=h)``, traced as :func:`updated`): it sets keys of a
+    structure, and writes into no tensor, which every item keeps."""
+    if node not in changes or not node.args:
         return False
     # The augmented assignment's call carries its operator's name last.
     name = getattr(node.target, "__name__", None)
-    if not (name == "ior" or (name == "augmented" and node.args[2:] == ("ior",))):
+    ior = name == "ior" or (name == "augmented" and node.args[2:] == ("ior",))
+    if not ior and node.target is not updated:
         return False
-    target, value = node.args[0], node.args[1]
-    return isinstance(value, dict) or (isinstance(target, fx.Node) and structure(target))
+    target = node.args[0]
+    return isinstance(_written(node), dict) or (isinstance(target, fx.Node) and structure(target))
+
+
+def _written(node: fx.Node) -> Any:
+    """What an update sets: a dict where the code writes its keys, else the
+    value it sets from (a traced dict), or None."""
+    if node.target is not updated:
+        return node.args[1] if len(node.args) > 1 else None
+    rest, more = node.args[1:], dict(node.kwargs)
+    if not rest:
+        return more
+    if len(rest) == 1 and isinstance(rest[0], dict):
+        return {**rest[0], **more}
+    return None if more or len(rest) > 1 else rest[0]
 
 
 def given(node: fx.Node, changes: dict[fx.Node, fx.Node]) -> dict[Any, Any]:
     """What a dict update sets, where the code writes its keys (``batch |=
     {"t": h}``: ``{"t": h}``); empty for any other ``node``."""
-    value = node.args[1] if updates(node, changes) else None
+    value = _written(node) if updates(node, changes) else None
     return value if isinstance(value, dict) else {}
 
 

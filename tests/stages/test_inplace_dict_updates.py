@@ -138,3 +138,54 @@ def test_a_change_of_a_value_a_dict_update_set_is_refused_where_a_later_stage_re
     refused = r"'mul_' in stage 1 changes 'mul' in place, which stage 2 also reads"
     with pytest.raises(ValueError, match=refused):
         Pipe(ChangesAValueSet(), split_points=["b", "c"], devices=["cpu"] * 3, tracer="fx")
+
+
+class UpdatesForALaterStage(nn.Module):
+    """Sets ``batch["t"]`` in stage 0 or 1 (``where``), as ``how`` spells
+    it; stage 2 reads it."""
+
+    def __init__(self, how: str, where: int) -> None:
+        super().__init__()
+        self.how, self.where = how, where
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, batch: dict[str, Tensor]) -> Tensor:
+        h = self.a(batch["x"])
+        for stage in (0, 1):
+            if stage == 1:
+                h = self.b(h)
+            if stage != self.where:
+                continue
+            if self.how == "ior":
+                batch |= {"t": h * 2}
+            elif self.how == "update":
+                batch.update(t=h * 2)
+            else:
+                batch.update({"t": h * 2})
+        return self.c(h) * batch["t"]  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("how", ["ior", "update", "update-a-dict"])
+@pytest.mark.parametrize("where", [0, 1])
+@pytest.mark.parametrize("split_size", [2, 3])
+@pytest.mark.parametrize("devices", [["cpu"] * 3, ["cpu:0", "cpu:1", "cpu:2"]])
+@pytest.mark.parametrize("force_copies", [False, True])
+def test_a_later_stage_reads_the_key_a_dict_update_set_however_it_is_spelled(
+    how: str, where: int, split_size: int, devices: list[str], force_copies: bool
+) -> None:
+    # batch.update(...) was no change to the trace: stage 2 read its own copy
+    # of the input dict (a stage on another device gets one), without "t"
+    # (a KeyError) or with the caller's "t" (a wrong result without a word).
+    torch.manual_seed(0)
+    model = UpdatesForALaterStage(how, where).double()
+    pipe = Pipe(copy.deepcopy(model), split_points=["b", "c"], devices=devices,
+                split_size=split_size, tracer="fx", force_copies=force_copies)  # fmt: skip
+    x = torch.randn(8, 4, dtype=torch.float64)
+    for given in [{"x": x}, {"x": x, "t": x + 1}]:
+        pipe.zero_grad()
+        model.zero_grad()
+        out, expected = pipe(dict(given)), model(dict(given))
+        torch.testing.assert_close(out, expected)
+        out.square().sum().backward()
+        expected.square().sum().backward()
+        assert_same_grads(pipe, model)
