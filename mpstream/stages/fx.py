@@ -32,6 +32,7 @@ from .shared_inputs import NO_CHANGES, ChangedInputs
 from .stand_ins import stand_ins
 from .surgery import inline_attrs, part_of, stage_graph
 from .tracers import Binder
+from .type_tests import answering_types
 
 __all__ = ["Traced", "trace", "call_units", "traced_through", "lookup"]
 
@@ -69,7 +70,11 @@ def _trace(
     try:
         # With grad enabled, so that a no_grad block in forward changes the
         # mode however the kind of call that traces it was called.
-        with torch.enable_grad(), stand_ins(module) as changed:
+        with (
+            torch.enable_grad(),
+            stand_ins(module) as changed,
+            answering_types(tracer, traced_through(module, leaves)),
+        ):
             tracer.modes = current_modes()
             graph = tracer.trace(module, arguments or None)
             if moved := changed():

@@ -12,7 +12,8 @@ None, traced as None. So are None items inside an argument (a batch
 trace each item as a value, and take ``if batch["mask"] is not None:``.
 And which keys it looks up in a dict (``batch.get("s")``, ``"s" in
 batch``) the call leaves out: the trace answers each as the module would
-(see :mod:`~mpstream.stages.lookups`). Which keys the traces look up is
+(see :mod:`~mpstream.stages.lookups`), and the type of each argument
+``isinstance`` tests (see :mod:`~mpstream.stages.type_tests`). Which keys the traces look up is
 known only once they are made: a call's kind is taken over those of every
 trace so far, and a new trace's split is kept under the kind its call has
 with the trace's own added. A kind new only by keys that a later trace
@@ -349,8 +350,9 @@ def _drop_constants(module: nn.Module, traced: Traced) -> None:
 
 
 def _describe(values: dict[str, Any] | None, flags: tuple[bool, ...], lookups: set[Lookup]) -> str:
-    """One line for the report: the mode, the arguments traced as None and
-    the keys looked up that the call leaves out of its dicts."""
+    """One line for the report: the mode, the arguments traced as None,
+    the keys looked up that the call leaves out of its dicts and the types
+    of the arguments whose type a trace tested."""
     mode = "training" if flags[0] else "eval"
     if len(set(flags)) > 1:
         mode += f" ({flags.count(not flags[0])} submodules in {'eval' if flags[0] else 'training'})"
@@ -358,4 +360,5 @@ def _describe(values: dict[str, Any] | None, flags: tuple[bool, ...], lookups: s
     if values is not None:
         given += [f"{n}=None" for n in sorted(nones_of(values))]  # each None once
         given += sorted(f"{k.name} missing" for k in lookups if k.present(values) is False)
+        given += sorted(k.type_in(values) for k in lookups if k.typed)
     return f"{mode}: {', '.join(given) or 'every argument given'}"

@@ -1,0 +1,106 @@
+"""``isinstance`` on a traced argument, answered from the call traced.
+
+``torch.fx`` traces every argument as a proxy, which is no dict, tuple or
+tensor: ``s = batch.pop("s", None) if isinstance(batch, dict) else None``
+would never take the dict branch, and a call holding ``"s"`` would run
+without it, with no error. While a :class:`~mpstream.stages.fx_tracer.Tracer`
+traces, :func:`answering_types` puts an ``isinstance`` of its own in the
+globals of each ``forward`` the trace follows: for an argument, or an item
+or field of one (``batch["x"]``, ``batch.scales``), it answers as the value
+the call holds there, and records the test (a typed
+:class:`~mpstream.stages.lookups.Lookup`), so the argument's type is part
+of the call's kind and a call of another type is traced again. Any other
+value (a traced result, a constant) gets Python's own answer. Without a
+call to answer from (the first trace without ``sample=``) such a test is
+refused, naming the argument.
+
+Code outside those modules (a helper in another file the forward calls)
+sees the builtin, whose answer for a proxy is always False; so does
+``type(batch) is dict`` (replacing ``type`` would change what a class
+statement or ``isinstance(x, type)`` in that module means).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from torch import nn
+
+from .fx_tracer import Tracer
+from .inplace import item_of
+from .lookups import NOTHING, Lookup, item_name, value_at
+
+__all__ = ["answering_types"]
+
+
+# What a module's globals hold under ``isinstance`` where they held nothing.
+_UNSET = object()
+
+
+class _Answer:
+    """The ``isinstance`` a traced ``forward`` calls (see the module's doc)."""
+
+    def __init__(self, tracer: Tracer) -> None:
+        self.tracer = tracer
+
+    def __call__(self, obj: object, classes: Any) -> bool:
+        item = item_of(obj)
+        if item is None:
+            return isinstance(obj, classes)
+        tracer = self.tracer
+        where = f"forward tests the type of {item_name(item)} (isinstance)"
+        if tracer.values is None:
+            raise TypeError(
+                f"{where}, which a trace answers from a call, and none was given: pass "
+                f"Pipe(..., sample=...), a call like those to come"
+            )
+        value = value_at(tracer.values, item)
+        if value is NOTHING:
+            raise TypeError(
+                f"{where}, which the call traced holds no value at (a key it leaves out, or "
+                f"an attribute of what is no namedtuple or dataclass): test the argument "
+                f"itself, or mark the submodule that tests it as a leaf "
+                f"(Pipe(..., leaf_modules=[...]))"
+            )
+        tracer.lookups.add(Lookup(item, None, test=False, typed=True))
+        return isinstance(value, classes)
+
+
+def _globals_of(modules: Sequence[nn.Module]) -> list[dict[str, Any]]:
+    """The globals of each module's ``forward`` (and of what a decorator
+    wraps), each once."""
+    found: dict[int, dict[str, Any]] = {}
+    for module in modules:
+        forward = getattr(type(module), "forward", None)
+        for function in (forward, inspect.unwrap(forward) if callable(forward) else None):
+            scope = getattr(function, "__globals__", None)
+            if isinstance(scope, dict):
+                found.setdefault(id(scope), scope)
+    return list(found.values())
+
+
+@contextmanager
+def answering_types(tracer: Tracer, modules: Sequence[nn.Module]) -> Iterator[None]:
+    """While it lasts, ``isinstance`` in the code of each module's
+    ``forward`` answers an argument's type from ``tracer``'s call.
+
+    Args:
+        tracer: the :class:`~mpstream.stages.fx_tracer.Tracer` tracing
+            (its ``values``, the call, and ``lookups``, where each test goes).
+        modules: the modules whose ``forward`` the trace follows.
+    """
+    answer = _Answer(tracer)
+    patched = [(scope, scope.get("isinstance", _UNSET)) for scope in _globals_of(modules)]
+    for scope, _ in patched:
+        scope["isinstance"] = answer
+    try:
+        yield
+    finally:
+        for scope, before in reversed(patched):
+            if before is _UNSET:
+                scope.pop("isinstance", None)
+            else:
+                scope["isinstance"] = before

@@ -1,0 +1,132 @@
+"""``isinstance`` on an argument of a module split by torch.fx
+(``batch.pop("s", None) if isinstance(batch, dict) else None``) is answered
+from the call, as the plain module answers it, and the argument's type is
+part of the call's kind: a dict, a tuple, a tensor and None each run their
+own branch. fx alone traces every argument as a proxy, which is no dict,
+tuple or tensor: every call ran the last branch, with no error."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from mpstream import NoChunk, Pipe
+from tests.helpers import assert_same_grads
+from tests.stages.test_traced import fx_split
+
+
+class ReadsByType(nn.Module):
+    """Reads its batch by its type, as Hugging Face code often does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, batch: Any, mask: Tensor | None = None) -> Tensor:
+        s = batch.pop("s", None) if isinstance(batch, dict) else None
+        if isinstance(batch, (tuple, list)):
+            x = batch[0] * batch[1]
+        elif isinstance(batch, torch.Tensor):
+            x = batch
+        else:
+            x = batch["x"]
+            if isinstance(batch.get("w"), torch.Tensor):  # an item of the argument
+                x = x * batch["w"]
+        h = self.a(x)
+        if s is not None:
+            h = h + s
+        if isinstance(mask, torch.Tensor):
+            h = h * mask
+        return self.c(self.b(h))  # type: ignore[no-any-return]
+
+
+def _calls(x: Tensor) -> dict[str, Callable[[], tuple[Any, ...]]]:
+    """Each kind of call, made anew (``pop`` changes the caller's dict)."""
+    s, w, m = x * 3, x + 1, (x > 0).double()
+    return {
+        "dict with s": lambda: ({"x": x, "s": s},),
+        "dict": lambda: ({"x": x},),
+        "dict with w and a mask": lambda: ({"x": x, "w": w}, m),
+        "tensor": lambda: (x,),
+        "tensor and a whole mask": lambda: (x, NoChunk(m[0])),  # a tensor in each micro-batch
+        "tuple": lambda: ((x, w),),
+        "list and a mask": lambda: ([x, w], m),
+        "dict with s and a mask": lambda: ({"x": x, "s": s}, m),
+    }
+
+
+def _unwrapped(call: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The call as the plain module takes it."""
+    return tuple(a.tensor if isinstance(a, NoChunk) else a for a in call)
+
+
+@pytest.mark.parametrize("split_size", [2, 3])
+@pytest.mark.parametrize("force_copies", [False, True])
+@pytest.mark.parametrize("first", ["dict with s", "tensor"])
+def test_isinstance_on_an_argument_is_answered_as_the_plain_model_does(
+    split_size: int, force_copies: bool, first: str
+) -> None:
+    # Every kind ran the last branch: a call holding "s" ran without it (and
+    # without "w", and the mask), a wrong result without a word; a tensor
+    # or tuple was indexed by "x".
+    torch.manual_seed(0)
+    model = ReadsByType().double()
+    x = torch.randn(8, 4, dtype=torch.float64)
+    calls = _calls(x)
+    pipe = Pipe(copy.deepcopy(model), split_points=["b", "c"], devices=["cpu"] * 3,
+                split_size=split_size, tracer="fx", force_copies=force_copies,
+                sample=calls[first]())  # fmt: skip
+    for name, call in [*calls.items(), (first, calls[first])]:
+        pipe.zero_grad()
+        model.zero_grad()
+        out, expected = pipe(*call()), model(*_unwrapped(call()))
+        torch.testing.assert_close(out, expected, msg=name)
+        out.square().sum().backward()
+        expected.square().sum().backward()
+        assert_same_grads(pipe, model)
+    # One trace per kind: each runs other code.
+    assert len(fx_split(pipe).traces) == 8
+    described = "\n".join(pipe.split_report().traces)
+    for kind in ("type(batch) is dict", "type(batch) is torch.Tensor", "type(batch) is tuple",
+                 "type(batch) is list", "type(mask) is torch.Tensor"):  # fmt: skip
+        assert kind in described
+
+
+def test_isinstance_on_an_argument_without_a_call_to_answer_it_is_refused_naming_it() -> None:
+    with pytest.raises(TypeError, match=r"tests the type of batch \(isinstance\).*sample="):
+        Pipe(ReadsByType(), split_points=["b"], devices=["cpu"] * 2, tracer="fx")
+    # The default tracer lets torch.export split it, which runs the test.
+    pipe = Pipe(ReadsByType(), split_points=["b"], devices=["cpu"] * 2, chunks=2)
+    assert pipe.split_report().tracer == "torch.export"
+
+
+class ReadsAnAttribute(nn.Module):
+    """Tests the type of what the call holds at no item it has."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, batch: dict[str, Tensor]) -> Tensor:
+        x = batch["x"]
+        if isinstance(batch["x"].mT, torch.Tensor):
+            x = x * 2
+        return self.b(self.a(x))  # type: ignore[no-any-return]
+
+
+def test_isinstance_where_the_call_holds_no_value_is_refused_naming_it() -> None:
+    x = torch.randn(4, 4)
+    with pytest.raises(TypeError, match=r"type of batch\['x'\]\.mT \(isinstance\)"):
+        Pipe(ReadsAnAttribute(), split_points=["b"], devices=["cpu"] * 2, tracer="fx",
+             sample=({"x": x},))  # fmt: skip
+
+
+def test_isinstance_in_the_module_is_the_builtin_again_after_tracing() -> None:
+    x = torch.randn(4, 4)
+    Pipe(ReadsByType(), split_points=["b"], devices=["cpu"] * 2, tracer="fx", sample=(x,))
+    assert "isinstance" not in globals()
