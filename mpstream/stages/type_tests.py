@@ -1,13 +1,14 @@
-"""``isinstance`` on a traced argument, answered from the call traced.
+"""``isinstance`` and ``type`` on a traced argument, answered from the call traced.
 
 ``torch.fx`` traces every argument as a proxy, which is no dict, tuple or
 tensor: ``s = batch.pop("s", None) if isinstance(batch, dict) else None``
 would never take the dict branch, and a call holding ``"s"`` would run
 without it, with no error. While a :class:`~mpstream.stages.fx_tracer.Tracer`
-traces, :func:`answering_types` puts an ``isinstance`` of its own in the
-globals of each ``forward`` the trace follows: for an argument, or an item
-or field of one (``batch["x"]``, ``batch.scales``), it answers as the value
-the call holds there, and records the test (a typed
+traces, :func:`answering_types` puts an ``isinstance`` and a ``type`` of
+its own in the globals of each ``forward`` the trace follows: for an
+argument, or an item or field of one (``batch["x"]``, ``batch.scales``),
+each answers as the value the call holds there (``type(batch) is dict``),
+and records the test (a typed
 :class:`~mpstream.stages.lookups.Lookup`), so the argument's type is part
 of the call's kind and a call of another type is traced again. Any other
 value (a traced result, a constant) gets Python's own answer. Without a
@@ -15,9 +16,9 @@ call to answer from (the first trace without ``sample=``) such a test is
 refused, naming the argument.
 
 Code outside those modules (a helper in another file the forward calls)
-sees the builtin, whose answer for a proxy is always False; so does
-``type(batch) is dict`` (replacing ``type`` would change what a class
-statement or ``isinstance(x, type)`` in that module means).
+sees the builtins, whose answer for a proxy is fx's (never a dict). The
+``type`` put there is a class whose instances are the classes, so
+``isinstance(k, type)`` in that code means what it did.
 """
 
 from __future__ import annotations
@@ -36,22 +37,28 @@ from .lookups import NOTHING, Lookup, item_name, value_at
 __all__ = ["answering_types"]
 
 
-# What a module's globals hold under ``isinstance`` where they held nothing.
+# What a module's globals hold under a name they held nothing under.
 _UNSET = object()
 
 
 class _Answer:
-    """The ``isinstance`` a traced ``forward`` calls (see the module's doc)."""
+    """What a traced ``forward`` calls ``isinstance`` (see the module's doc)
+    and ``type`` calls to answer an argument's type."""
 
     def __init__(self, tracer: Tracer) -> None:
         self.tracer = tracer
 
     def __call__(self, obj: object, classes: Any) -> bool:
+        return isinstance(self.value(obj, "isinstance"), classes)
+
+    def value(self, obj: object, test: str) -> Any:
+        """``obj``, or the value the call holds where ``obj`` is an
+        argument or an item of one, the test recorded."""
         item = item_of(obj)
         if item is None:
-            return isinstance(obj, classes)
+            return obj
         tracer = self.tracer
-        where = f"forward tests the type of {item_name(item)} (isinstance)"
+        where = f"forward tests the type of {item_name(item)} ({test})"
         if tracer.values is None:
             raise TypeError(
                 f"{where}, which a trace answers from a call, and none was given: pass "
@@ -66,7 +73,26 @@ class _Answer:
                 f"(Pipe(..., leaf_modules=[...]))"
             )
         tracer.lookups.add(Lookup(item, None, test=False, typed=True))
-        return isinstance(value, classes)
+        return value
+
+
+def _type_answering(answer: _Answer) -> type:
+    """A ``type`` whose ``type(obj)`` is ``answer``'s, and whose instances
+    are those of ``type`` (``isinstance(k, type)``, ``issubclass``)."""
+
+    class Meta(type):
+        def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+            if len(args) == 1 and not kwargs:
+                return type(answer.value(args[0], "type"))
+            return type(*args, **kwargs)  # a new class: type(name, bases, namespace)
+
+        def __instancecheck__(cls, obj: object) -> bool:
+            return isinstance(obj, type)
+
+        def __subclasscheck__(cls, sub: type) -> bool:
+            return issubclass(sub, type)
+
+    return Meta("type", (), {})
 
 
 def _globals_of(modules: Sequence[nn.Module]) -> list[dict[str, Any]]:
@@ -84,8 +110,8 @@ def _globals_of(modules: Sequence[nn.Module]) -> list[dict[str, Any]]:
 
 @contextmanager
 def answering_types(tracer: Tracer, modules: Sequence[nn.Module]) -> Iterator[None]:
-    """While it lasts, ``isinstance`` in the code of each module's
-    ``forward`` answers an argument's type from ``tracer``'s call.
+    """While it lasts, ``isinstance`` and ``type`` in the code of each
+    module's ``forward`` answer an argument's type from ``tracer``'s call.
 
     Args:
         tracer: the :class:`~mpstream.stages.fx_tracer.Tracer` tracing
@@ -93,14 +119,16 @@ def answering_types(tracer: Tracer, modules: Sequence[nn.Module]) -> Iterator[No
         modules: the modules whose ``forward`` the trace follows.
     """
     answer = _Answer(tracer)
-    patched = [(scope, scope.get("isinstance", _UNSET)) for scope in _globals_of(modules)]
+    ours = {"isinstance": answer, "type": _type_answering(answer)}
+    patched = [(scope, {n: scope.get(n, _UNSET) for n in ours}) for scope in _globals_of(modules)]
     for scope, _ in patched:
-        scope["isinstance"] = answer
+        scope.update(ours)
     try:
         yield
     finally:
         for scope, before in reversed(patched):
-            if before is _UNSET:
-                scope.pop("isinstance", None)
-            else:
-                scope["isinstance"] = before
+            for name, value in before.items():
+                if value is _UNSET:
+                    scope.pop(name, None)
+                else:
+                    scope[name] = value

@@ -1,5 +1,5 @@
-"""``isinstance`` on an argument of a module split by torch.fx
-(``batch.pop("s", None) if isinstance(batch, dict) else None``) is answered
+"""``isinstance`` and ``type`` on an argument of a module split by torch.fx
+(``batch.pop("s", None) if isinstance(batch, dict) else None``) are answered
 from the call, as the plain module answers it, and the argument's type is
 part of the call's kind: a dict, a tuple, a tensor and None each run their
 own branch. fx alone traces every argument as a proxy, which is no dict,
@@ -28,9 +28,12 @@ class ReadsByType(nn.Module):
         self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2)
 
     def forward(self, batch: Any, mask: Tensor | None = None) -> Tensor:
+        assert isinstance(type(self), type) and isinstance(ReadsByType, type)  # still classes
         s = batch.pop("s", None) if isinstance(batch, dict) else None
         if isinstance(batch, (tuple, list)):
             x = batch[0] * batch[1]
+            if type(batch) is list:  # type() too
+                x = -x
         elif isinstance(batch, torch.Tensor):
             x = batch
         else:
@@ -129,4 +132,4 @@ def test_isinstance_where_the_call_holds_no_value_is_refused_naming_it() -> None
 def test_isinstance_in_the_module_is_the_builtin_again_after_tracing() -> None:
     x = torch.randn(4, 4)
     Pipe(ReadsByType(), split_points=["b"], devices=["cpu"] * 2, tracer="fx", sample=(x,))
-    assert "isinstance" not in globals()
+    assert "isinstance" not in globals() and "type" not in globals()
