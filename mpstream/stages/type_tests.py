@@ -92,7 +92,8 @@ def _type_answering(answer: _Answer) -> type:
         def __subclasscheck__(cls, sub: type) -> bool:
             return issubclass(sub, type)
 
-    return Meta("type", (), {})
+    # ``type[int]`` in an annotation read while tracing.
+    return Meta("type", (), {"__class_getitem__": classmethod(lambda _, item: type[item])})
 
 
 def _globals_of(modules: Sequence[nn.Module]) -> list[dict[str, Any]]:

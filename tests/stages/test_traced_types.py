@@ -29,6 +29,7 @@ class ReadsByType(nn.Module):
 
     def forward(self, batch: Any, mask: Tensor | None = None) -> Tensor:
         assert isinstance(type(self), type) and isinstance(ReadsByType, type)  # still classes
+        assert type[int] is not None
         s = batch.pop("s", None) if isinstance(batch, dict) else None
         if isinstance(batch, (tuple, list)):
             x = batch[0] * batch[1]
