@@ -209,6 +209,7 @@ class Tracer(fx.Tracer):
             # dict's other keys are still as the call holds them.
             self.known[owner, key] = _GONE
             proxy = super().create_proxy("call_method", method, args, kwargs, *rest, **more)
+            proxy.__dict__["_item"] = item  # the call's: isinstance on it is answered
             return None if is_none else proxy if known is _GONE else known
         if not present:  # the key is set: the dict changes, at the stage too
             proxy = super().create_proxy("call_method", method, args, kwargs, *rest, **more)

@@ -31,6 +31,10 @@ class ReadsByType(nn.Module):
         assert isinstance(type(self), type) and isinstance(ReadsByType, type)  # still classes
         assert type[int] is not None
         s = batch.pop("s", None) if isinstance(batch, dict) else None
+        if isinstance(s, tuple):  # a value popped from the argument
+            s = s[0]
+        elif isinstance(s, torch.Tensor):
+            s = s * 2
         if isinstance(batch, (tuple, list)):
             x = batch[0] * batch[1]
             if type(batch) is list:  # type() too
@@ -55,6 +59,7 @@ def _calls(x: Tensor) -> dict[str, Callable[[], tuple[Any, ...]]]:
     return {
         "dict with s": lambda: ({"x": x, "s": s},),
         "dict": lambda: ({"x": x},),
+        "dict with s in a tuple": lambda: ({"x": x, "s": (s,)},),
         "dict with w and a mask": lambda: ({"x": x, "w": w}, m),
         "tensor": lambda: (x,),
         "tensor and a whole mask": lambda: (x, NoChunk(m[0])),  # a tensor in each micro-batch
@@ -94,7 +99,7 @@ def test_isinstance_on_an_argument_is_answered_as_the_plain_model_does(
         expected.square().sum().backward()
         assert_same_grads(pipe, model)
     # One trace per kind: each runs other code.
-    assert len(fx_split(pipe).traces) == 8
+    assert len(fx_split(pipe).traces) == 9
     described = "\n".join(pipe.split_report().traces)
     for kind in ("type(batch) is dict", "type(batch) is torch.Tensor", "type(batch) is tuple",
                  "type(batch) is list", "type(mask) is torch.Tensor"):  # fmt: skip
