@@ -47,7 +47,7 @@ from torch import fx, nn
 
 from .fx import Traced, trace, traced_through
 from .kinds import Kinds, Split, operations
-from .lookups import Lookup, missing_keys
+from .lookups import NOTHING, Lookup, missing_keys, value_at
 from .placement import place
 from .tracers import Binder, SplitReport, call_arguments, nones_of, sample_call
 
@@ -360,5 +360,7 @@ def _describe(values: dict[str, Any] | None, flags: tuple[bool, ...], lookups: s
     if values is not None:
         given += [f"{n}=None" for n in sorted(nones_of(values))]  # each None once
         given += sorted(f"{k.name} missing" for k in lookups if k.present(values) is False)
-        given += sorted(k.type_in(values) for k in lookups if k.typed)
+        # Of what the call holds: None and a key left out are named above.
+        held = [k for k in lookups if k.typed and value_at(values, k.owner) is not None]
+        given += sorted(k.type_in(values) for k in held if value_at(values, k.owner) is not NOTHING)
     return f"{mode}: {', '.join(given) or 'every argument given'}"
