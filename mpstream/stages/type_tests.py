@@ -17,13 +17,20 @@ refused, naming the argument.
 
 Code outside those modules (a helper in another file the forward calls)
 sees the builtins, whose answer for a proxy is fx's (never a dict). The
-``type`` put there is a class whose instances are the classes, so
-``isinstance(k, type)`` in that code means what it did.
+``type`` put there is a subclass of ``type`` whose instances are the
+classes, so ``isinstance(k, type)``, ``type.__new__``, ``type.mro`` and a
+class deriving from it in that code mean what they did.
+
+One trace patches at a time (a lock): two threads tracing at once would
+each put back what the other had put there, and leave a module's globals
+patched for good (``torch.fx`` patches process-wide state while it traces
+too, and fails when two traces overlap).
 """
 
 from __future__ import annotations
 
 import inspect
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -39,6 +46,10 @@ __all__ = ["answering_types"]
 
 # What a module's globals hold under a name they held nothing under.
 _UNSET = object()
+
+# Held while a trace's answers are in the globals (see the module's doc);
+# reentrant, for a trace that builds a pipe in its forward.
+_patching = threading.RLock()
 
 
 class _Answer:
@@ -77,23 +88,29 @@ class _Answer:
 
 
 def _type_answering(answer: _Answer) -> type:
-    """A ``type`` whose ``type(obj)`` is ``answer``'s, and whose instances
-    are those of ``type`` (``isinstance(k, type)``, ``issubclass``)."""
+    """A subclass of ``type`` whose ``type(obj)`` is ``answer``'s, and whose
+    instances are those of ``type`` (``isinstance(k, type)``, ``issubclass``)."""
 
     class Meta(type):
+        # A class the code derives from the stand-in is a metaclass of its own.
         def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+            if cls is not stand_in:
+                return super().__call__(*args, **kwargs)
             if len(args) == 1 and not kwargs:
                 return type(answer.value(args[0], "type"))
             return type(*args, **kwargs)  # a new class: type(name, bases, namespace)
 
         def __instancecheck__(cls, obj: object) -> bool:
-            return isinstance(obj, type)
+            return isinstance(obj, type) if cls is stand_in else type.__instancecheck__(cls, obj)
 
         def __subclasscheck__(cls, sub: type) -> bool:
-            return issubclass(sub, type)
+            return issubclass(sub, type) if cls is stand_in else type.__subclasscheck__(cls, sub)
 
-    # ``type[int]`` in an annotation read while tracing.
-    return Meta("type", (), {"__class_getitem__": classmethod(lambda _, item: type[item])})
+    # Derived from ``type``: its methods (``type.__new__``, ``type.mro``)
+    # are found on the stand-in. ``type[int]`` in an annotation read while tracing.
+    getitem = {"__class_getitem__": classmethod(lambda _, item: type[item])}
+    stand_in: type = Meta("type", (type,), getitem)
+    return stand_in
 
 
 def _globals_of(modules: Sequence[nn.Module]) -> list[dict[str, Any]]:
@@ -121,15 +138,17 @@ def answering_types(tracer: Tracer, modules: Sequence[nn.Module]) -> Iterator[No
     """
     answer = _Answer(tracer)
     ours = {"isinstance": answer, "type": _type_answering(answer)}
-    patched = [(scope, {n: scope.get(n, _UNSET) for n in ours}) for scope in _globals_of(modules)]
-    for scope, _ in patched:
-        scope.update(ours)
-    try:
-        yield
-    finally:
-        for scope, before in reversed(patched):
-            for name, value in before.items():
-                if value is _UNSET:
-                    scope.pop(name, None)
-                else:
-                    scope[name] = value
+    with _patching:
+        scopes = _globals_of(modules)
+        patched = [(scope, {n: scope.get(n, _UNSET) for n in ours}) for scope in scopes]
+        for scope, _ in patched:
+            scope.update(ours)
+        try:
+            yield
+        finally:
+            for scope, before in reversed(patched):
+                for name, value in before.items():
+                    if value is _UNSET:
+                        scope.pop(name, None)
+                    else:
+                        scope[name] = value

@@ -8,6 +8,7 @@ tuple or tensor: every call ran the last branch, with no error."""
 from __future__ import annotations
 
 import copy
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -139,3 +140,104 @@ def test_isinstance_in_the_module_is_the_builtin_again_after_tracing() -> None:
     x = torch.randn(4, 4)
     Pipe(ReadsByType(), split_points=["b"], devices=["cpu"] * 2, tracer="fx", sample=(x,))
     assert "isinstance" not in globals() and "type" not in globals()
+
+
+class MakesClasses(nn.Module):
+    """Uses ``type`` as the class it is, not to test an argument."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        made = type.__new__(type, "Made", (), {"scale": 2.0})
+        assert type.mro(made) == [made, object]
+
+        class Meta(type):
+            pass
+
+        tagged = Meta("Tagged", (), {})
+        assert isinstance(tagged, Meta) and issubclass(Meta, type) and not isinstance(x, Meta)
+        return self.b(self.a(x) * made.scale)  # type: ignore[attr-defined, no-any-return]
+
+
+def test_type_as_a_class_in_a_traced_forward_is_the_builtin_type() -> None:
+    # type.__new__ and type.mro(made) raised TypeError while tracing (the
+    # stand-in for type was no subclass of it), and a class derived from the
+    # stand-in made plain classes.
+    torch.manual_seed(0)
+    model = MakesClasses().double()
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe = Pipe(copy.deepcopy(model), split_points=["b"], devices=["cpu"] * 2, split_size=4,
+                tracer="fx", sample=(x,))  # fmt: skip
+    out, expected = pipe(x), model(x)
+    torch.testing.assert_close(out, expected)
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    assert_same_grads(pipe, model)
+
+
+class Gated(ReadsByType):
+    """Calls ``gate`` while it is traced (the tests' own thread rendezvous)."""
+
+    def __init__(self, gate: Callable[[], object]) -> None:
+        super().__init__()
+        self.gate: Callable[[], object] | None = gate
+
+    def forward(self, batch: Any, mask: Tensor | None = None) -> Tensor:
+        if self.gate is not None:
+            self.gate()
+        return super().forward(batch, mask)
+
+
+def test_two_threads_tracing_at_once_leave_the_builtins_and_split_as_the_plain_model() -> None:
+    # The second trace saved the first's isinstance as what to put back, and
+    # put it back after the first had restored the builtin: the module's
+    # globals kept the first trace's isinstance and type for good.
+    torch.manual_seed(0)
+    model = ReadsByType().double()
+    x = torch.randn(8, 4, dtype=torch.float64)
+    first_in, second_in, first_done = threading.Event(), threading.Event(), threading.Event()
+    built: dict[str, Pipe] = {}
+    errors: list[BaseException] = []
+
+    def build(name: str, gate: Callable[[], object]) -> None:
+        try:
+            gated = Gated(gate).double()
+            gated.load_state_dict(model.state_dict())
+            built[name] = Pipe(gated, split_points=["b", "c"], devices=["cpu"] * 3, split_size=4,
+                               tracer="fx", sample=({"x": x, "s": x},))  # fmt: skip
+        except BaseException as exc:  # noqa: BLE001  (reported by the test's thread)
+            errors.append(exc)
+        finally:
+            if name == "first":
+                first_done.set()
+
+    # The first trace waits (a while) for the second to start tracing, which
+    # then outlasts it: taking turns, the second starts after the first ends.
+    def first_gate() -> None:
+        first_in.set()
+        second_in.wait(1)
+
+    def second_gate() -> None:
+        second_in.set()
+        first_done.wait(5)
+
+    first = threading.Thread(target=build, args=("first", first_gate))
+    second = threading.Thread(target=build, args=("second", second_gate))
+    first.start()
+    first_in.wait(5)
+    second.start()
+    first.join()
+    second.join()
+    assert not errors, errors
+    assert "isinstance" not in globals() and "type" not in globals()
+    for pipe in built.values():
+        for call in _calls(x).values():
+            pipe.zero_grad()
+            model.zero_grad()
+            out, expected = pipe(*call()), model(*_unwrapped(call()))
+            torch.testing.assert_close(out, expected)
+            out.square().sum().backward()
+            expected.square().sum().backward()
+            assert_same_grads(pipe, model)
