@@ -115,10 +115,15 @@ def _type_answering(answer: _Answer) -> type:
 
 def _globals_of(modules: Sequence[nn.Module]) -> list[dict[str, Any]]:
     """The globals of each module's ``forward`` (and of what a decorator
-    wraps), each once."""
+    wraps), each once; none for a module without one of its own."""
     found: dict[int, dict[str, Any]] = {}
     for module in modules:
         forward = getattr(type(module), "forward", None)
+        if forward is nn.Module.forward:
+            # A ModuleList's: never run, and its module is torch's
+            # nn.Module, whose __setattr__ would test what forward sets
+            # (self.seen = batch["x"].mT refused), in every thread.
+            continue
         for function in (forward, inspect.unwrap(forward) if callable(forward) else None):
             scope = getattr(function, "__globals__", None)
             if isinstance(scope, dict):

@@ -241,3 +241,36 @@ def test_two_threads_tracing_at_once_leave_the_builtins_and_split_as_the_plain_m
             out.square().sum().backward()
             expected.square().sum().backward()
             assert_same_grads(pipe, model)
+
+
+class KeepsAView(nn.Module):
+    """Keeps a view of its input on itself, its layers in a ModuleList."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])
+
+    def forward(self, batch: dict[str, Tensor]) -> Tensor:
+        # torch's nn.Module code (its __setattr__ here) keeps the builtins.
+        assert "isinstance" not in vars(torch.nn.modules.module)
+        self.seen = batch["x"].mT
+        x = batch["x"]
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_a_module_list_leaves_torchs_module_code_as_it_is() -> None:
+    # The ModuleList's forward is nn.Module's, so torch's module.py got the
+    # trace's isinstance: Module.__setattr__ tested batch["x"].mT and the
+    # trace was refused ("forward tests the type of batch['x'].mT").
+    torch.manual_seed(0)
+    model = KeepsAView().double()
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe = Pipe(copy.deepcopy(model), split_points=["layers.1", "layers.2"], devices=["cpu"] * 3,
+                split_size=4, tracer="fx", sample=({"x": x},))  # fmt: skip
+    out, expected = pipe({"x": x}), model({"x": x})
+    torch.testing.assert_close(out, expected)
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    assert_same_grads(pipe, model)
