@@ -16,7 +16,8 @@ call to answer from (the first trace without ``sample=``) such a test is
 refused, naming the argument.
 
 Code outside those modules (a helper in another file the forward calls)
-sees the builtins, whose answer for a proxy is fx's (never a dict). The
+sees the builtins, whose answer for a proxy is fx's (never a dict); a
+module holding an ``isinstance`` or ``type`` of its own keeps it. The
 ``type`` put there is a subclass of ``type`` whose instances are the
 classes, so ``isinstance(k, type)``, ``type.__new__``, ``type.mro`` and a
 class deriving from it in that code mean what they did.
@@ -29,6 +30,7 @@ too, and fails when two traces overlap).
 
 from __future__ import annotations
 
+import builtins
 import inspect
 import threading
 from collections.abc import Iterator, Sequence
@@ -144,10 +146,14 @@ def answering_types(tracer: Tracer, modules: Sequence[nn.Module]) -> Iterator[No
     answer = _Answer(tracer)
     ours = {"isinstance": answer, "type": _type_answering(answer)}
     with _patching:
-        scopes = _globals_of(modules)
-        patched = [(scope, {n: scope.get(n, _UNSET) for n in ours}) for scope in scopes]
-        for scope, _ in patched:
-            scope.update(ours)
+        patched = []
+        for scope in _globals_of(modules):
+            # A global of a module's own under the name (a function, or any
+            # value) stays: its code means that, as in the plain model.
+            before = {n: scope.get(n, _UNSET) for n in ours}
+            before = {n: v for n, v in before.items() if v is _UNSET or v is getattr(builtins, n)}
+            scope.update({n: ours[n] for n in before})
+            patched.append((scope, before))
         try:
             yield
         finally:

@@ -274,3 +274,39 @@ def test_a_module_list_leaves_torchs_module_code_as_it_is() -> None:
     out.square().sum().backward()
     expected.square().sum().backward()
     assert_same_grads(pipe, model)
+
+
+# A forward in a module with globals of its own named isinstance and type.
+_OWN: dict[str, Any] = {"isinstance": lambda obj, classes: "own", "type": 3.0}
+_SOURCE = (
+    "def forward(self, x):\n"
+    "    scale = type if isinstance(x, int) == 'own' else 1.0\n"
+    "    return self.b(self.a(x) * scale)\n"
+)
+exec(_SOURCE, _OWN)
+
+
+class OwnNames(nn.Module):
+    """Its forward's module holds an ``isinstance`` and a ``type`` of its own."""
+
+    forward = _OWN["forward"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+
+def test_a_module_s_own_isinstance_and_type_are_what_its_traced_forward_calls() -> None:
+    # The trace put its own isinstance and type over the module's: the code
+    # scaled by 1.0 where the plain model scales by 3.0, without a word.
+    torch.manual_seed(0)
+    model = OwnNames().double()
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe = Pipe(copy.deepcopy(model), split_points=["b"], devices=["cpu"] * 2, split_size=4,
+                tracer="fx", sample=(x,))  # fmt: skip
+    out, expected = pipe(x), model(x)
+    torch.testing.assert_close(out, expected)
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    assert_same_grads(pipe, model)
+    assert _OWN["type"] == 3.0 and _OWN["isinstance"](x, int) == "own"
