@@ -50,8 +50,10 @@ __all__ = ["answering_types"]
 _UNSET = object()
 
 # Held while a trace's answers are in the globals (see the module's doc);
-# reentrant, for a trace that builds a pipe in its forward.
+# reentrant, for a trace that builds a pipe in its forward. The answers of
+# each trace running in it, outermost first.
 _patching = threading.RLock()
+_active: list[dict[str, Any]] = []
 
 
 class _Answer:
@@ -133,6 +135,16 @@ def _globals_of(modules: Sequence[nn.Module]) -> list[dict[str, Any]]:
     return list(found.values())
 
 
+def _replaceable(name: str, value: Any) -> bool:
+    """Whether a module's global ``name``, ``value``, is no one's but
+    Python's or a trace's: none, the builtin, or an outer trace's answer."""
+    return (
+        value is _UNSET
+        or value is getattr(builtins, name)
+        or any(value is ours[name] for ours in _active)
+    )
+
+
 @contextmanager
 def answering_types(tracer: Tracer, modules: Sequence[nn.Module]) -> Iterator[None]:
     """While it lasts, ``isinstance`` and ``type`` in the code of each
@@ -151,12 +163,14 @@ def answering_types(tracer: Tracer, modules: Sequence[nn.Module]) -> Iterator[No
             # A global of a module's own under the name (a function, or any
             # value) stays: its code means that, as in the plain model.
             before = {n: scope.get(n, _UNSET) for n in ours}
-            before = {n: v for n, v in before.items() if v is _UNSET or v is getattr(builtins, n)}
+            before = {n: v for n, v in before.items() if _replaceable(n, v)}
             scope.update({n: ours[n] for n in before})
             patched.append((scope, before))
+        _active.append(ours)
         try:
             yield
         finally:
+            _active.pop()
             for scope, before in reversed(patched):
                 for name, value in before.items():
                     if value is _UNSET:

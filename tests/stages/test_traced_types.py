@@ -14,9 +14,11 @@ from typing import Any
 
 import pytest
 import torch
-from torch import Tensor, nn
+from torch import Tensor, fx, nn
 
 from mpstream import NoChunk, Pipe
+from mpstream.stages.fx_tracer import Tracer
+from mpstream.stages.type_tests import answering_types
 from tests.helpers import assert_same_grads
 from tests.stages.test_traced import fx_split
 
@@ -310,3 +312,18 @@ def test_a_module_s_own_isinstance_and_type_are_what_its_traced_forward_calls() 
     expected.square().sum().backward()
     assert_same_grads(pipe, model)
     assert _OWN["type"] == 3.0 and _OWN["isinstance"](x, int) == "own"
+
+
+def test_a_trace_inside_a_trace_answers_from_its_own_call_and_restores_the_outer() -> None:
+    # A trace run while another one is (a pipe built inside a traced
+    # forward) took the outer trace's answers for the module's own.
+    scope = ReadsByType.forward.__globals__
+    outer, inner = Tracer([], values={"batch": {}}), Tracer([], values={"batch": ()})
+    outer.graph = fx.Graph()
+    batch = outer.create_proxy("placeholder", "batch", (), {})  # the argument
+    with answering_types(outer, [ReadsByType()]):
+        assert scope["isinstance"](batch, dict)  # the outer call's: a dict
+        with answering_types(inner, [ReadsByType()]):
+            assert not scope["isinstance"](batch, dict)  # the inner call's: a tuple
+        assert scope["isinstance"](batch, dict)
+    assert "isinstance" not in scope and "type" not in scope
