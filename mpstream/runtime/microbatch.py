@@ -31,6 +31,7 @@ __all__ = [
     "check_output",
     "describe",
     "leaves",
+    "output_name",
     "flat_spec",
     "tensors_of",
     "gradless",
@@ -299,7 +300,8 @@ def gather(outputs: Sequence[Any]) -> Any:
 
     Raises:
         ValueError: the micro-batches returned different structures, or a
-            scalar tensor that cannot be concatenated.
+            scalar tensor that cannot be concatenated (named by its path in
+            the output, see :func:`output_name`).
     """
     first, spec = leaves(outputs[0])
     columns: list[list[Any]] = [[leaf] for leaf in first]
@@ -317,18 +319,33 @@ def gather(outputs: Sequence[Any]) -> Any:
         if not tensors:
             joined.append(column)
         elif len(tensors) != len(column):
-            raise ValueError(f"output leaf {i} is a tensor for some micro-batches only")
+            raise ValueError(
+                f"{output_name(outputs[0], i)} is a tensor for some micro-batches only; "
+                f"return a tensor there for every micro-batch"
+            )
+        elif len(tensors) > 1 and tensors[0].dim() == 0:
+            raise ValueError(
+                f"{output_name(outputs[0], i)} is a scalar per micro-batch: one value for "
+                f"each micro-batch's rows, which do not join along dim 0 into the batch's. "
+                f"Return it per sample (dim 0 the batch, as a loss with reduction='none' "
+                f"gives), or compute and reduce it after the pipe from the batched outputs"
+            )
         else:
-            joined.append(_cat(tensors, f"output leaf {i}" if spec is not None else "output"))
+            joined.append(tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0))
     return rebuild_leaves(joined, spec)
 
 
-def _cat(tensors: list[Tensor], what: str) -> Tensor:
-    if len(tensors) == 1:
-        return tensors[0]
-    if tensors[0].dim() == 0:
-        raise ValueError(
-            f"{what} is a scalar per micro-batch and cannot be concatenated along dim 0; "
-            f"return batched tensors from the last stage"
-        )
-    return torch.cat(tensors, dim=0)
+def output_name(out: Any, i: int) -> str:
+    """Leaf ``i`` of ``out`` (a micro-batch's output) as the user reaches it:
+    ``the output``, ``output[1]``, ``output["aux_loss"]``, ``output.aux``."""
+    items, spec = leaves(out)
+    if spec is None:
+        return "the output"
+    if type(spec) is tuple:
+        return f"output[{i}]"
+    try:
+        paths = pytree.tree_flatten_with_path(out)[0]
+    except (ValueError, TypeError, NotImplementedError):
+        # A node type registered without key paths: its position is all there is.
+        return f"output leaf {i} (of {len(items)})"
+    return "output" + pytree.keystr(paths[i][0])

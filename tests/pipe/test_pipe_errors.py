@@ -109,6 +109,34 @@ def test_any_structure_of_tensors_and_plain_values_comes_out(
     torch.testing.assert_close(out, gathered)
 
 
+@pytest.mark.parametrize(
+    ("result", "name"),
+    [
+        (torch.tensor(1.0), "the output"),
+        ((torch.ones(1), torch.tensor(1.0)), "output[1]"),
+        ({"logits": torch.ones(1), "aux_loss": torch.tensor(1.0)}, "output['aux_loss']"),
+        ([torch.ones(1), {"aux": (2, torch.tensor(1.0))}], "output[1]['aux'][1]"),
+    ],
+)
+def test_a_scalar_per_micro_batch_is_named_by_its_path(result: object, name: str) -> None:
+    pipe = Pipe(nn.Sequential(nn.Linear(2, 2), Bad(result)), chunks=2)
+    with pytest.raises(ValueError) as caught:
+        pipe(torch.ones(4, 2))
+    text = str(caught.value)
+    assert text.startswith(f"{name} is a scalar per micro-batch"), text
+    assert "leaf" not in text
+    assert "Return it per sample" in text and "reduce it after the pipe" in text
+    assert not pipe.scheduler.native.running
+
+
+def test_a_scalar_in_a_model_output_is_named_by_its_key() -> None:
+    outputs = pytest.importorskip("transformers.modeling_outputs")
+    result = outputs.MoeCausalLMOutputWithPast(logits=torch.ones(1), aux_loss=torch.tensor(1.0))
+    pipe = Pipe(nn.Sequential(nn.Linear(2, 2), Bad(result)), chunks=2)
+    with pytest.raises(ValueError, match=r"^output\['aux_loss'\] is a scalar per micro-batch"):
+        pipe(torch.ones(4, 2))
+
+
 class Boom(Exception):
     pass
 

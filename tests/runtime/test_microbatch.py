@@ -133,8 +133,12 @@ def test_gather_lists_plain_values_per_micro_batch() -> None:
 def test_gather_rejects_inconsistent_outputs() -> None:
     with pytest.raises(ValueError, match="differently shaped"):
         gather([(torch.ones(1), torch.ones(1)), (torch.ones(1),)])
-    with pytest.raises(ValueError, match="scalar"):
+    with pytest.raises(ValueError, match="^the output is a scalar per micro-batch"):
         gather([torch.tensor(1.0), torch.tensor(2.0)])
+    with pytest.raises(ValueError, match=r"^output\[1\] is a tensor for some micro-batches only"):
+        gather([(torch.ones(1), 1, "a"), (torch.ones(1), torch.ones(1), "a")])
+    with pytest.raises(ValueError, match=r"^output\['x'\] is a tensor for some micro-batches"):
+        gather([{"x": 1.0}, {"x": torch.ones(1)}])
 
 
 @pytest.mark.parametrize(
