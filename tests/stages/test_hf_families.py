@@ -5,10 +5,11 @@ RoBERTa, DistilBERT, ELECTRA, BERT with token_type_ids and ViT equal the
 unsplit model (outputs, the model's own loss, every gradient) on padded
 batches that the micro-batches do not divide, on two schedules with
 checkpointing; the calls their users make (hidden states, position ids,
-``return_dict=True``) too. A model torch.export cannot take (an MoE's
-"eager" experts) is refused with advice that works for a transformers
-model, and so is an MoE's load-balancing loss (``output_router_logits``),
-which is over the whole batch."""
+``return_dict=True``) too; two decoders and an encoder, in four stages, on
+interleaved 1F1B, interleaved zero-bubble and ZB-H1 as well. A model
+torch.export cannot take (an MoE's "eager" experts) is refused with advice
+that works for a transformers model, and so is an MoE's load-balancing loss
+(``output_router_logits``), which is over the whole batch."""
 
 from __future__ import annotations
 
@@ -185,9 +186,31 @@ CALLS: dict[str, dict[str, Any]] = {
 }
 
 
+# Two decoders and an encoder in four stages (one more split on each side
+# of the block: embeddings, the block, the final norm or pooler, the head),
+# so that two CPU ranks hold two each for the interleaved schedules, and
+# ZB-H1 runs four ranks; the same export trains on every schedule.
+FOUR_STAGES = {
+    "mistral": ["model.layers.0", "model.norm", "lm_head"],
+    "gemma2": ["model.layers.1", "model.norm", "lm_head"],
+    "bert_classifier": ["bert.encoder.layer.0", "bert.pooler", "classifier"],
+}
+# (schedule, checkpoint, virtual_stages)
+SCHEDULES: list[tuple[str, str, int | None]] = [
+    ("gpipe", "never", None),
+    ("1f1b", "except_last", None),
+]
+MORE_STAGES = [
+    ("interleaved_1f1b", "never", 2),
+    ("interleaved_zb", "never", 2),
+    ("zb_h1", "never", None),
+]
+
+
 def pipe_and_reference(name: str) -> tuple[Pipe, nn.Module, dict[str, Any]]:
     """The family's pipe, exported for its batch and call."""
     build, point, float64 = FAMILIES[name]
+    points = FOUR_STAGES.get(name, [point])
     torch.manual_seed(0)
     model = build().double() if float64 else build()
     ref = copy.deepcopy(model)
@@ -195,7 +218,8 @@ def pipe_and_reference(name: str) -> tuple[Pipe, nn.Module, dict[str, Any]]:
     if not float64:
         data = {k: v.float() if v.is_floating_point() else v for k, v in data.items()}
     data = {**data, **CALLS.get(name, {})}
-    pipe = Pipe(model, chunks=3, split_points=[point], devices=["cpu"] * 2, sample=data)
+    pipe = Pipe(model, chunks=3, split_points=points, devices=["cpu"] * (len(points) + 1),
+                sample=data)  # fmt: skip
     return pipe, ref, data
 
 
@@ -232,8 +256,8 @@ def test_family_equals_the_unsplit_model(name: str) -> None:
     assert_same_grads(pipe, ref)
     pipe.zero_grad()
     ref.zero_grad()
-    for schedule, checkpoint in [("gpipe", "never"), ("1f1b", "except_last")]:
-        pipe.schedule, pipe.checkpoint = schedule, checkpoint
+    for schedule, checkpoint, virtual in SCHEDULES + (MORE_STAGES if name in FOUR_STAGES else []):
+        pipe.schedule, pipe.checkpoint, pipe.virtual_stages = schedule, checkpoint, virtual
         loss = pipe.train_step(data)
         expected_loss = reference(ref, data).loss
         expected_loss.backward()
