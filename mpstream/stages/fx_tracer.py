@@ -21,9 +21,10 @@ import torch
 from torch import fx, nn
 
 from ..memory import DeferredBatchNorm
-from .inplace import AugmentedProxy, augmented, item_of
+from .inplace import augmented
 from .inplace_paths import record_update
 from .lookups import Item, Lookup, item_name
+from .proxies import AugmentedProxy, item_of
 
 __all__ = ["Tracer", "Unrecorded", "ModeChange", "BufferChange", "current_modes"]
 

@@ -40,8 +40,8 @@ from typing import Any
 from torch import nn
 
 from .fx_tracer import Tracer
-from .inplace import item_of
 from .lookups import NOTHING, Lookup, item_name, value_at
+from .proxies import item_of
 
 __all__ = ["answering_types"]
 
