@@ -23,6 +23,7 @@ from torch import fx, nn
 from ..memory import DeferredBatchNorm
 from .inplace import augmented
 from .inplace_paths import record_update
+from .item_writes import write_item
 from .lookups import Item, Lookup, item_name
 from .proxies import AugmentedProxy, item_of
 
@@ -129,6 +130,7 @@ class Tracer(fx.Tracer):
         self, kind: str, target: Any, args: Any, kwargs: Any, *rest: Any, **more: Any
     ) -> Any:
         item: Item | None = None
+        parent = None  # the proxy of the dict holding this item (see item_writes)
         if kind == "call_method" and target in ("pop", "setdefault") and len(args) > 1:
             answered = self._pop_or_setdefault(target, args, kwargs, *rest, **more)
             if answered is not _AS_CODE:
@@ -144,6 +146,7 @@ class Tracer(fx.Tracer):
                     self._change(changed)
                 if target is augmented:
                     item = changed  # the same dict: a test on it is refused by name
+                    parent = args[0].__dict__.get("_owner")
                 elif target == "update":  # ``batch |= {...}`` written otherwise
                     return record_update(super().create_proxy, args, kwargs)
         if kind == "placeholder":
@@ -164,15 +167,19 @@ class Tracer(fx.Tracer):
             if owner is not None and not isinstance(args[1], fx.Proxy) and not self._changed(owner):
                 if kind == "call_method" and self._look_up(owner, args[1], test=False) is False:
                     return args[2] if len(args) > 2 else None  # the key left out: the default
-                item = (owner[0], (*owner[1], ("[", args[1])))
+                item, parent = (owner[0], (*owner[1], ("[", args[1]))), args[0]
                 if item_name(item) in self.none_items:
                     return None  # the item is None: no operation to record
                 if isinstance(args[1], slice):
                     self._name_sliced(item_name(owner), args[1], item_name(item))
         proxy = super().create_proxy(kind, target, args, kwargs, *rest, **more)
         if item is not None:
-            proxy.__dict__["_item"] = item
+            proxy.__dict__.update(_item=item, _owner=parent)
         return proxy
+
+    def set_item(self, target: fx.Proxy, key: Any, value: Any) -> None:
+        """``target[key] = value`` (see :func:`~mpstream.stages.item_writes.write_item`)."""
+        write_item(self, target, key, value)
 
     def _pop_or_setdefault(
         self, method: str, args: Any, kwargs: Any, *rest: Any, **more: Any
@@ -224,7 +231,7 @@ class Tracer(fx.Tracer):
         if is_none:
             return None  # held as None: setdefault leaves it and gives None
         proxy = super().create_proxy("call_method", method, args, kwargs, *rest, **more)
-        proxy.__dict__["_item"] = item
+        proxy.__dict__.update(_item=item, _owner=args[0])  # the dict in it: item_writes
         return proxy
 
     def contains(self, proxy: fx.Proxy, key: object) -> bool:

@@ -1,9 +1,9 @@
 """The proxy a ``torch.fx`` trace of a stage's module makes.
 
 fx's own has no augmented assignment (``h += y`` would run ``h = h + y``, a
-new tensor where the module changes ``h``) and no ``__contains__``:
-:class:`AugmentedProxy` records the first as
-:func:`~mpstream.stages.inplace.augmented` and hands the other to its
+new tensor where the module changes ``h``), no ``__contains__`` and no
+``__setitem__``: :class:`AugmentedProxy` records the first as
+:func:`~mpstream.stages.inplace.augmented` and hands the others to its
 tracer (:class:`~mpstream.stages.fx_tracer.Tracer`). :func:`item_of` says
 which argument, or item of one, a proxy is.
 """
@@ -33,10 +33,15 @@ class AugmentedProxy(fx.Proxy):
     Python would run ``h = h + y``: a new tensor, where the module changes
     ``h`` and every view of it (``v = h[:, :2]; h += 1`` changes ``v``).
     Nor has it ``__contains__``: ``"s" in batch`` would iterate it (which
-    fails); the tracer answers it (see :mod:`~mpstream.stages.lookups`)."""
+    fails); the tracer answers it (see :mod:`~mpstream.stages.lookups`),
+    nor ``__setitem__`` (see :mod:`~mpstream.stages.item_writes`)."""
 
     def __contains__(self, key: object) -> bool:
         return self.tracer.contains(self, key)  # type: ignore[attr-defined,no-any-return]
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        # ``batch["t"] = h``: recorded as ``batch |= {"t": h}`` (item_writes).
+        self.tracer.set_item(self, key, value)  # type: ignore[attr-defined]
 
 
 def _in_place(op: str) -> Callable[[fx.Proxy, Any], fx.Proxy]:

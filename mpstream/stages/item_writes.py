@@ -1,0 +1,79 @@
+"""``batch[k] = v`` on a dict argument, while ``torch.fx`` traces.
+
+fx's proxy has no ``__setitem__``, so a forward setting a key of its dict
+argument (``batch["t"] = h``, or of a dict in it, ``batch["inner"]["t"] =
+h``, ``batch["inner"] |= {...}``) failed with Python's own error.
+:func:`write_item` records it as ``batch.update({"t": h})``, which the
+tracer records as :func:`~mpstream.stages.inplace_paths.updated`: the name
+then stands for the updated dict, so the stages after it read the dict the
+writing stage returns. A dict inside one is written back into its owner
+the same way (``batch |= {"inner": inner}``), so a later stage reads it
+through the owner too. Anything else is refused by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import fx
+
+from .lookups import NOTHING, item_name, value_at
+from .proxies import item_of
+
+__all__ = ["write_item"]
+
+
+def write_item(tracer: Any, target: fx.Proxy, key: Any, value: Any) -> None:
+    """``target[key] = value``, recorded by ``tracer`` (an
+    :class:`~mpstream.stages.fx_tracer.Tracer`) as ``target.update({key:
+    value})`` where ``target`` is a dict argument or a dict in one.
+
+    Raises:
+        TypeError: ``target`` is no dict argument or item of one (a tensor:
+            torch.fx cannot record ``h[:, 0] = 0``, torch.export can), the
+            key is traced, or the dict is held where its owner cannot take
+            it back (a field of a namedtuple or dataclass).
+    """
+    owner = item_of(target)
+    if owner is None:
+        raise TypeError(f"'{type(target).__name__}' object does not support item assignment")
+    name = item_name(owner)
+    if isinstance(key, fx.Proxy):
+        raise TypeError(
+            f"forward sets a key of {name} that it computes ({key}), which a traced "
+            f"pipeline cannot follow: set a key written in the code, or pass tracer='export'"
+        )
+    where = f"forward sets {name}[{key!r}]"
+    values = tracer.values
+    held = NOTHING if values is None else value_at(values, owner)
+    if values is None and not isinstance(key, str):
+        raise TypeError(
+            f"{where}, which a trace takes for a dict's key where the call holds a dict "
+            f"there, and no call was given: pass Pipe(..., sample=...), a call like those "
+            f"to come"
+        )
+    if values is not None and not isinstance(held, dict):
+        raise TypeError(
+            f"{where}, an item of {_what(held)}, which torch.fx cannot record: set keys of "
+            f"a dict argument only, or pass tracer='export'"
+        )
+    steps = owner[1]
+    parent = target.__dict__.get("_owner")
+    if steps and steps[-1][0] == ".":
+        raise TypeError(
+            f"{where}, a dict held in a field, which a traced pipeline cannot hand on to "
+            f"later stages: build a dict of forward's own ({{**{name}, {key!r}: ...}}) and "
+            f"pass that on"
+        )
+    # The path ``batch |= {key: value}`` takes (the tracer records it).
+    tracer.create_proxy("call_method", "update", (target, {key: value}), {})
+    if parent is not None:
+        # The dict in its owner is the updated one (``batch |= {"inner":
+        # inner}``): a later stage reads it through the owner too.
+        write_item(tracer, parent, steps[-1][1], target)
+
+
+def _what(held: Any) -> str:
+    if held is NOTHING:
+        return "nothing the call holds"
+    return f"a {type(held).__name__} in the call"

@@ -1,0 +1,103 @@
+"""``batch[k] = v`` on a dict argument (or a dict in one) traced by
+torch.fx takes the path ``batch |= {k: v}`` takes: the stages after it read
+the dict the writing stage returns, as the plain model reads its dict; a
+write torch.fx cannot follow is refused by name."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from mpstream import Pipe
+from tests.helpers import assert_same_grads
+
+
+class WritesAKey(nn.Module):
+    """Writes a key of its dict batch in stage 0 or 1 (``where``), as
+    ``how`` spells it; stage 2 reads it."""
+
+    def __init__(self, how: str, where: int) -> None:
+        super().__init__()
+        self.how, self.where = how, where
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, batch: dict[str, object]) -> Tensor:
+        h = self.a(batch["x"])
+        for stage in (0, 1):
+            if stage == 1:
+                h = self.b(h)
+            if stage != self.where:
+                continue
+            if self.how == "add-a-key":
+                batch["t"] = h * 2
+            elif self.how == "replace-a-key":
+                batch["x"] = h * 2
+            elif self.how == "update-a-nested-dict":
+                batch["inner"] |= {"t": h * 2}  # type: ignore[operator]
+            else:
+                batch["inner"]["t"] = h * 2  # type: ignore[index]
+        if self.how == "replace-a-key":
+            return self.c(h) * batch["x"]  # type: ignore[no-any-return]
+        if self.how == "add-a-key":
+            return self.c(h) * batch["t"]  # type: ignore[no-any-return]
+        inner = batch["inner"]
+        return self.c(h) * inner["t"] + inner["u"]  # type: ignore[index,no-any-return]
+
+
+@pytest.mark.parametrize(
+    "how", ["add-a-key", "replace-a-key", "update-a-nested-dict", "set-a-key-of-a-nested-dict"]
+)
+@pytest.mark.parametrize("where", [0, 1])
+@pytest.mark.parametrize("split_size", [2, 3])
+@pytest.mark.parametrize("devices", [["cpu"] * 3, ["cpu:0", "cpu:1", "cpu:2"]])
+@pytest.mark.parametrize("sample", [False, True])  # the keys then answered from the call
+def test_a_key_written_into_a_dict_argument_reaches_the_later_stages(
+    how: str, where: int, split_size: int, devices: list[str], sample: bool
+) -> None:
+    # torch.fx's proxy has no __setitem__: "'AugmentedProxy' object does not
+    # support item assignment" before anything was split.
+    torch.manual_seed(0)
+    model = WritesAKey(how, where).double()
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe = Pipe(copy.deepcopy(model), split_points=["b", "c"], devices=devices,
+                split_size=split_size, tracer="fx",
+                sample=({"x": x, "inner": {"u": x}},) if sample else None)  # fmt: skip
+    inner = {"u": x + 1}
+    given = {"x": x, "inner": inner}
+    out = pipe(given)
+    expected = model({"x": x, "inner": {"u": x + 1}})
+    torch.testing.assert_close(out, expected)
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    assert_same_grads(pipe, model)
+    # The caller's dicts: as they were.
+    assert given == {"x": x, "inner": inner} and given["x"] is x and given["inner"] is inner
+    assert list(inner) == ["u"]
+
+
+class WritesIntoAList(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, batch: list[Tensor]) -> Tensor:
+        batch[1] = self.a(batch[0])
+        return self.b(batch[1])  # type: ignore[no-any-return]
+
+
+def test_an_item_written_into_a_list_argument_is_refused_by_name() -> None:
+    x = torch.randn(8, 4)
+    with pytest.raises(
+        TypeError,
+        match=re.escape("forward sets batch[1], which a trace takes for a dict's key")
+        + ".*pass Pipe.*sample=",
+    ):
+        Pipe(WritesIntoAList(), split_points=["b"], devices=["cpu"] * 2, tracer="fx")
+    refused = re.escape("forward sets batch[1], an item of a list in the call, which torch.fx")
+    with pytest.raises(TypeError, match=refused + r".*pass tracer='export'"):
+        Pipe(WritesIntoAList(), split_points=["b"], devices=["cpu"] * 2, tracer="fx",
+             sample=([x, x],))  # fmt: skip
