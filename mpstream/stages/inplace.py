@@ -344,9 +344,17 @@ def _refuse(
         # It reads another copy than the one changed, which came on its own.
         got = _entry(view, here, stage_of, changes)
         through = f" through '{got}', which reaches it apart from '{entry}'"
+    name = base.args[0] if base.target is own else base
+    # A dict update has no out-of-place form: through the name read later,
+    # that name stands for the updated dict (inplace_paths.record_update).
+    fix = (
+        f"Update {name} by its own name ({name} |= {{...}} or {name}[key] = value: the "
+        f"name then stands for the updated dict, which {who} reads)"
+        if _updates(node, changes)
+        else f"Make that operation out of place (inplace=False){hint}"
+    )
     raise ValueError(
         f"'{_name(node)}' in stage {here} changes {changed} in place, which {who} also "
         f"reads{through}: stages pass values instead of sharing them, so {who} would read "
-        f"it unchanged. Make that operation out of place (inplace=False){hint}, or move a "
-        f"split point so both sit in one stage"
+        f"it unchanged. {fix}, or move a split point so both sit in one stage"
     )

@@ -1,7 +1,8 @@
 """``batch[k] = v`` on a dict argument (or a dict in one) traced by
 torch.fx takes the path ``batch |= {k: v}`` takes: the stages after it read
 the dict the writing stage returns, as the plain model reads its dict; a
-write torch.fx cannot follow is refused by name."""
+write torch.fx cannot follow is refused by name, and so is a dict update
+through a second name that a later stage misses, with advice that fits."""
 
 from __future__ import annotations
 
@@ -101,3 +102,30 @@ def test_an_item_written_into_a_list_argument_is_refused_by_name() -> None:
     with pytest.raises(TypeError, match=refused + r".*pass tracer='export'"):
         Pipe(WritesIntoAList(), split_points=["b"], devices=["cpu"] * 2, tracer="fx",
              sample=([x, x],))  # fmt: skip
+
+
+class UpdatesThroughASecondName(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, batch: dict[str, Tensor]) -> Tensor:
+        h = self.b(self.a(batch["x"]))
+        other = batch
+        other |= {"t": h * 2}
+        return self.c(h) * batch["t"]  # type: ignore[no-any-return]
+
+
+def test_a_dict_update_a_later_stage_misses_is_refused_with_advice_for_a_dict() -> None:
+    # The advice was "make that operation out of place (inplace=False)",
+    # which a dict update has no form of.
+    refused = (
+        re.escape(
+            "'ior' in stage 1 changes item ['t'] of 'batch' in place, which stage 2 also reads"
+        )
+        + r".*Update batch by its own name \(batch \|= \{\.\.\.\} or batch\[key\] = value"
+    )
+    with pytest.raises(ValueError, match=refused) as raised:
+        Pipe(UpdatesThroughASecondName(), split_points=["b", "c"], devices=["cpu"] * 3,
+             tracer="fx")  # fmt: skip
+    assert "inplace=False" not in str(raised.value)
