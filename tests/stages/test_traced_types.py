@@ -144,6 +144,22 @@ def test_isinstance_in_the_module_is_the_builtin_again_after_tracing() -> None:
     assert "isinstance" not in globals() and "type" not in globals()
 
 
+def equal_in_two_stages(model: nn.Module) -> Tensor:
+    """Checks a pipe of ``model`` split before ``b``, traced by torch.fx,
+    against the plain model, forward and gradients; returns the input."""
+    torch.manual_seed(0)
+    model.double()
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe = Pipe(copy.deepcopy(model), split_points=["b"], devices=["cpu"] * 2, split_size=4,
+                tracer="fx", sample=(x,))  # fmt: skip
+    out, expected = pipe(x), model(x)
+    torch.testing.assert_close(out, expected)
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    assert_same_grads(pipe, model)
+    return x
+
+
 class MakesClasses(nn.Module):
     """Uses ``type`` as the class it is, not to test an argument."""
 
@@ -167,16 +183,7 @@ def test_type_as_a_class_in_a_traced_forward_is_the_builtin_type() -> None:
     # type.__new__ and type.mro(made) raised TypeError while tracing (the
     # stand-in for type was no subclass of it), and a class derived from the
     # stand-in made plain classes.
-    torch.manual_seed(0)
-    model = MakesClasses().double()
-    x = torch.randn(8, 4, dtype=torch.float64)
-    pipe = Pipe(copy.deepcopy(model), split_points=["b"], devices=["cpu"] * 2, split_size=4,
-                tracer="fx", sample=(x,))  # fmt: skip
-    out, expected = pipe(x), model(x)
-    torch.testing.assert_close(out, expected)
-    out.square().sum().backward()
-    expected.square().sum().backward()
-    assert_same_grads(pipe, model)
+    equal_in_two_stages(MakesClasses())
 
 
 class Gated(ReadsByType):
@@ -301,16 +308,7 @@ class OwnNames(nn.Module):
 def test_a_module_s_own_isinstance_and_type_are_what_its_traced_forward_calls() -> None:
     # The trace put its own isinstance and type over the module's: the code
     # scaled by 1.0 where the plain model scales by 3.0, without a word.
-    torch.manual_seed(0)
-    model = OwnNames().double()
-    x = torch.randn(8, 4, dtype=torch.float64)
-    pipe = Pipe(copy.deepcopy(model), split_points=["b"], devices=["cpu"] * 2, split_size=4,
-                tracer="fx", sample=(x,))  # fmt: skip
-    out, expected = pipe(x), model(x)
-    torch.testing.assert_close(out, expected)
-    out.square().sum().backward()
-    expected.square().sum().backward()
-    assert_same_grads(pipe, model)
+    x = equal_in_two_stages(OwnNames())
     assert _OWN["type"] == 3.0 and _OWN["isinstance"](x, int) == "own"
 
 
