@@ -24,7 +24,7 @@ from torch import Tensor, fx, nn
 from torch.fx.passes.split_module import split_module
 
 from ..runtime.graph import StageGraph
-from .fx_tracer import BufferChange, Tracer, Unrecorded, current_modes
+from .fx_tracer import Tracer
 from .inplace import check_in_place, copy_changed_inputs
 from .lookups import Lookup
 from .points import begin_stages, split_candidates, units_in_order
@@ -33,6 +33,7 @@ from .stand_ins import stand_ins
 from .surgery import inline_attrs, part_of, stage_graph
 from .tracers import Binder
 from .type_tests import answering_types
+from .unrecorded import BufferChange, Unrecorded, current_modes
 
 __all__ = ["Traced", "trace", "call_units", "traced_through", "lookup"]
 

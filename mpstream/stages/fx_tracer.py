@@ -1,13 +1,12 @@
-"""The ``torch.fx`` tracer a split traces with, and what it refuses.
+"""The ``torch.fx`` tracer a split traces with.
 
 :class:`Tracer` is fx's own, treating the user's leaf modules as leaves and
-remembering which submodule it is inside, for error messages. fx records
-operations, not what a forward does to Python state while it runs: a
-change of the grad or autocast mode (:class:`ModeChange`, raised as it is
-recorded) or of a buffer (:class:`BufferChange`, seen on the copies
-:func:`~mpstream.stages.stand_ins.stand_ins` puts in the buffers' place) would happen once, while
-tracing, and be missing from the stages. :mod:`~mpstream.stages.fx` traces
-with these and says what to do.
+remembering which submodule it is inside, for error messages. It answers
+what a forward looks up in its arguments from the call traced (see
+:mod:`~mpstream.stages.lookups`), records a dict update so that later
+stages read the updated dict (see :mod:`~mpstream.stages.item_writes`), and
+refuses an operation recorded in another grad or autocast mode than the
+trace began in (see :mod:`~mpstream.stages.unrecorded`).
 """
 
 from __future__ import annotations
@@ -26,20 +25,9 @@ from .inplace_paths import record_update
 from .item_writes import write_item
 from .lookups import Item, Lookup, item_name
 from .proxies import AugmentedProxy, item_of
+from .unrecorded import check_modes, current_modes
 
-__all__ = ["Tracer", "Unrecorded", "ModeChange", "BufferChange", "current_modes"]
-
-
-class Unrecorded(TypeError):
-    """A forward does what fx runs while tracing instead of recording."""
-
-
-class ModeChange(Unrecorded):
-    """A forward changes the grad or autocast mode."""
-
-
-class BufferChange(Unrecorded):
-    """A forward changes one of the module's buffers."""
+__all__ = ["Tracer"]
 
 
 # What Tracer.create_proxy records as it is (see Tracer._pop_or_setdefault).
@@ -112,18 +100,8 @@ class Tracer(fx.Tracer):
     def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
         # fx records operations, not the grad or autocast mode they run in
         # (a ``with torch.no_grad():`` block in forward is dropped, its
-        # values then carry gradients): an operation recorded in another
-        # mode than the trace began in would run in the wrong one.
-        modes = current_modes()
-        if modes != self.modes:
-            changed = ", ".join(
-                what for what, now, then in zip(_MODE_NAMES, modes, self.modes) if now != then
-            )
-            raise ModeChange(
-                f"forward changes {changed} (torch.no_grad(), torch.autocast(), ...), which "
-                f"torch.fx does not record: the stages would run those operations in the "
-                f"caller's mode"
-            )
+        # values then carry gradients).
+        check_modes(self.modes)
         return super().create_node(*args, **kwargs)
 
     def create_proxy(
@@ -384,26 +362,3 @@ class Tracer(fx.Tracer):
             raise
         finally:
             self.path.pop()
-
-
-_MODE_NAMES = (
-    "the grad mode",
-    "inference mode",
-    "autocast on cpu",
-    "autocast on cuda",
-    "the cpu autocast dtype",
-    "the cuda autocast dtype",
-)
-
-
-def current_modes() -> tuple[object, ...]:
-    """The global modes that change what an operation computes, in the
-    order of :data:`_MODE_NAMES`."""
-    return (
-        torch.is_grad_enabled(),
-        torch.is_inference_mode_enabled(),
-        torch.is_autocast_enabled("cpu"),
-        torch.is_autocast_enabled("cuda"),
-        torch.get_autocast_dtype("cpu"),
-        torch.get_autocast_dtype("cuda"),
-    )

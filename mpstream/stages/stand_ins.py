@@ -4,7 +4,7 @@ fx reads buffers as plain tensors, so a forward that changes one
 (``self.steps += 1``) would change the real buffer once, while tracing,
 and the change would be missing from the stages: :func:`stand_ins` lets
 the trace change copies instead, and tells which it changed (see
-:class:`~mpstream.stages.fx_tracer.BufferChange`).
+:class:`~mpstream.stages.unrecorded.BufferChange`).
 """
 
 from __future__ import annotations
