@@ -22,8 +22,8 @@ from torch import fx, nn
 from ..memory import DeferredBatchNorm
 from .inplace import augmented
 from .inplace_paths import record_update
-from .item_writes import write_item
-from .lookups import Item, Lookup, item_name
+from .item_writes import write_back, write_item
+from .lookups import Item, Lookup, item_name, value_at
 from .proxies import AugmentedProxy, item_of
 from .unrecorded import check_modes, current_modes
 
@@ -109,6 +109,7 @@ class Tracer(fx.Tracer):
     ) -> Any:
         item: Item | None = None
         parent = None  # the proxy of the dict holding this item (see item_writes)
+        held = False  # a dict held in another, changed by ``|=``: written back
         if kind == "call_method" and target in ("pop", "setdefault") and len(args) > 1:
             answered = self._pop_or_setdefault(target, args, kwargs, *rest, **more)
             if answered is not _AS_CODE:
@@ -125,8 +126,13 @@ class Tracer(fx.Tracer):
                 if target is augmented:
                     item = changed  # the same dict: a test on it is refused by name
                     parent = args[0].__dict__.get("_owner")
-                elif target == "update":  # ``batch |= {...}`` written otherwise
-                    return record_update(super().create_proxy, args, kwargs)
+                    held = self._dict_update(changed, target, args)
+                elif target == "update" and self._dict_update(changed, target, args):
+                    # ``batch |= {...}`` written otherwise; a namedtuple's
+                    # or dataclass's own ``update`` is a call as any other.
+                    record_update(super().create_proxy, args, kwargs)
+                    write_back(self, args[0])
+                    return None
         if kind == "placeholder":
             item = (str(target), ())
         elif (kind == "call_function" and target is operator.getitem) or (
@@ -153,6 +159,8 @@ class Tracer(fx.Tracer):
         proxy = super().create_proxy(kind, target, args, kwargs, *rest, **more)
         if item is not None:
             proxy.__dict__.update(_item=item, _owner=parent)
+        if held:  # ``inner = batch["inner"]; inner |= {...}`` changes batch["inner"] too
+            write_back(self, proxy)
         return proxy
 
     def set_item(self, target: fx.Proxy, key: Any, value: Any) -> None:
@@ -269,6 +277,17 @@ class Tracer(fx.Tracer):
             return False  # no dict there: the object's own method
         self.known.update(entries)
         return True
+
+    def _dict_update(self, item: Item, method: Any, args: Any) -> bool:
+        """Whether ``item.update(...)`` or ``item |= ...`` (``method``) is a
+        dict's: the call holds a dict there, or, with no call given, it is
+        ``update`` (:func:`~mpstream.stages.inplace_paths.updated` refuses
+        another object at run time) or ``|=`` with a dict written in the code."""
+        if method is augmented and (len(args) != 3 or args[2] != "ior"):
+            return False
+        if self.values is not None:
+            return isinstance(value_at(self.values, item), dict)
+        return method == "update" or isinstance(args[1], dict)
 
     def _change(self, item: Item) -> None:
         """Marks ``item`` changed in place: what forward popped from it, or

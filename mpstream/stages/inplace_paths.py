@@ -177,6 +177,16 @@ def updated(target: Any, *args: Any, **kwargs: Any) -> Any:
     if isinstance(target, fx.Proxy):
         # A stage's code traced again (a pickled pipe loaded): stay a call.
         return target.tracer.create_proxy("call_function", updated, (target, *args), kwargs)
+    if not isinstance(target, dict):
+        # The tracer records an object's own ``update`` as a call of it
+        # where the call traced holds the object; with no call, as a dict's.
+        kind = type(target).__name__
+        raise TypeError(
+            f"forward calls .update(...) on a {kind}, which the trace took for a dict's "
+            f"update (the call traced held a dict there, or no call was given): pass "
+            f"Pipe(..., sample=...), a call holding a {kind} there, so that it is traced "
+            f"as the {kind}'s own method"
+        )
     target.update(*args, **kwargs)
     return target
 

@@ -6,9 +6,11 @@ h``, ``batch["inner"] |= {...}``) failed with Python's own error.
 :func:`write_item` records it as ``batch.update({"t": h})``, which the
 tracer records as :func:`~mpstream.stages.inplace_paths.updated`: the name
 then stands for the updated dict, so the stages after it read the dict the
-writing stage returns. A dict inside one is written back into its owner
-the same way (``batch |= {"inner": inner}``), so a later stage reads it
-through the owner too. Anything else is refused by name.
+writing stage returns. A dict inside one, however it is updated
+(``inner = batch["inner"]`` then ``inner["t"] = h``, ``inner |= {...}`` or
+``inner.update(...)``), is written back into its owner the same way
+(:func:`write_back`: ``batch |= {"inner": inner}``), so a later stage reads
+it through the owner too. Anything else is refused by name.
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ from typing import Any
 
 from torch import fx
 
+from .inplace_paths import updated
 from .lookups import NOTHING, item_name, value_at
 from .proxies import item_of
 
-__all__ = ["write_item"]
+__all__ = ["write_item", "write_back"]
 
 
 def write_item(tracer: Any, target: fx.Proxy, key: Any, value: Any) -> None:
@@ -58,19 +61,41 @@ def write_item(tracer: Any, target: fx.Proxy, key: Any, value: Any) -> None:
             f"a dict argument only, or pass tracer='export'"
         )
     steps = owner[1]
-    parent = target.__dict__.get("_owner")
     if steps and steps[-1][0] == ".":
         raise TypeError(
             f"{where}, a dict held in a field, which a traced pipeline cannot hand on to "
             f"later stages: build a dict of forward's own ({{**{name}, {key!r}: ...}}) and "
             f"pass that on"
         )
-    # The path ``batch |= {key: value}`` takes (the tracer records it).
+    if isinstance(value, fx.Proxy) and _set_last(target, key, value):
+        # ``batch["inner"] |= {...}``: Python sets the dict back after the
+        # tracer wrote it back (write_back), which changes nothing.
+        return
+    # The path ``batch |= {key: value}`` takes (the tracer records it, and
+    # writes the dict back into its owner).
     tracer.create_proxy("call_method", "update", (target, {key: value}), {})
-    if parent is not None:
-        # The dict in its owner is the updated one (``batch |= {"inner":
-        # inner}``): a later stage reads it through the owner too.
-        write_item(tracer, parent, steps[-1][1], target)
+
+
+def write_back(tracer: Any, changed: fx.Proxy) -> None:
+    """After ``changed``, a dict held in another (``inner =
+    batch["inner"]``), was updated in place (``inner |= {...}``,
+    ``inner["t"] = v``, ``inner.update(...)``), its owner holds the updated
+    dict (``batch |= {"inner": inner}``, recorded by ``tracer``): a later
+    stage reads it through the owner too, as the module does."""
+    owner, item = changed.__dict__.get("_owner"), item_of(changed)
+    if owner is not None and item is not None and item[1]:
+        write_item(tracer, owner, item[1][-1][1], changed)
+
+
+def _set_last(target: fx.Proxy, key: Any, value: fx.Proxy) -> bool:
+    """Whether the last change of ``target`` set ``key`` (the same object)
+    to ``value`` alone, and nothing changed it since."""
+    last = target.node
+    given = last.args[1] if last.target is updated and len(last.args) == 2 else None
+    if not isinstance(given, dict) or len(given) != 1 or last.kwargs:
+        return False
+    ((set_key, set_value),) = given.items()
+    return set_key is key and set_value is value.node
 
 
 def _what(held: Any) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import re
+from typing import Any
 
 import pytest
 import torch
@@ -129,3 +130,58 @@ def test_a_dict_update_a_later_stage_misses_is_refused_with_advice_for_a_dict() 
         Pipe(UpdatesThroughASecondName(), split_points=["b", "c"], devices=["cpu"] * 3,
              tracer="fx")  # fmt: skip
     assert "inplace=False" not in str(raised.value)
+
+
+class WritesThroughTheInnerDict(nn.Module):
+    """Reads the dict its batch holds into a name of its own, and sets a
+    key of it as ``how`` spells it, in stage 0 or 1 (``where``); the last
+    stage reads the key through the batch."""
+
+    def __init__(self, how: str, where: int) -> None:
+        super().__init__()
+        self.how, self.where = how, where
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, batch: dict[str, Any]) -> Tensor:
+        h = self.a(batch["x"])
+        for stage in (0, 1):
+            if stage == 1:
+                h = self.b(h)
+            if stage != self.where:
+                continue
+            inner = batch["inner"]
+            if self.how == "ior":
+                inner |= {"t": h * 2}
+            elif self.how == "set-a-key":
+                inner["t"] = h * 2
+            else:
+                inner.update(t=h * 2)
+        return self.c(h) * batch["inner"]["t"] + batch["inner"]["u"]  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("how", ["ior", "set-a-key", "update"])
+@pytest.mark.parametrize("stages", [2, 3])  # 2: written in stage 0, read in 1; 3: in 1, read in 2
+@pytest.mark.parametrize("split_size", [2, 3])
+@pytest.mark.parametrize("apart", [False, True])  # a device per stage: each gets its own copy
+@pytest.mark.parametrize("sample", [False, True])
+def test_a_key_set_through_the_name_of_a_dict_the_batch_holds_reaches_the_later_stages(
+    how: str, stages: int, split_size: int, apart: bool, sample: bool
+) -> None:
+    # inner |= {...} and inner.update(...) in stage 1 of 3 were refused ("Update
+    # batch by its own name"): the batch the last stage read was stage 0's.
+    torch.manual_seed(0)
+    model = WritesThroughTheInnerDict(how, where=stages - 2).double()
+    devices = [f"cpu:{i}" for i in range(stages)] if apart else ["cpu"] * stages
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe = Pipe(copy.deepcopy(model), split_points=["b", "c"][3 - stages :], devices=devices,
+                split_size=split_size, tracer="fx",
+                sample=({"x": x, "inner": {"u": x}},) if sample else None)  # fmt: skip
+    for held in [{}, {"t": x - 1}]:  # the call's own "t": never read
+        pipe.zero_grad()
+        model.zero_grad()
+        out = pipe({"x": x, "inner": {"u": x + 1, **held}})
+        expected = model({"x": x, "inner": {"u": x + 1, **held}})
+        torch.testing.assert_close(out, expected)
+        out.square().sum().backward()
+        expected.square().sum().backward()
+        assert_same_grads(pipe, model)

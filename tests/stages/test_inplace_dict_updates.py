@@ -7,7 +7,7 @@ into a tensor shared by two keys, or into a value set, is still refused."""
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -189,3 +189,50 @@ def test_a_later_stage_reads_the_key_a_dict_update_set_however_it_is_spelled(
         out.square().sum().backward()
         expected.square().sum().backward()
         assert_same_grads(pipe, model)
+
+
+class Scales(NamedTuple):
+    """No dict: its own ``update`` makes a new tensor."""
+
+    scale: Tensor
+    shift: Tensor
+
+    def update(self, h: Tensor) -> Tensor:
+        return h * self.scale + self.shift
+
+
+class CallsAnObjectsUpdate(nn.Module):
+    """Calls ``update`` of its namedtuple argument in stage 0 and reads the
+    result and a field of it in stage 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: Tensor, scales: Scales) -> Tensor:
+        g = scales.update(self.a(x))
+        return self.b(g) * scales.scale  # type: ignore[no-any-return]
+
+
+def test_an_update_method_of_an_argument_that_is_no_dict_is_called_as_the_module_calls_it() -> None:
+    # It was recorded as a dict's update, whose result the trace took as None:
+    # "linear(): argument 'input' (position 1) must be Tensor, not NoneType".
+    torch.manual_seed(0)
+    model = CallsAnObjectsUpdate().double()
+    x = torch.randn(8, 4, dtype=torch.float64)
+    scales = Scales(torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64))
+    pipe = Pipe(copy.deepcopy(model), split_points=["b"], devices=["cpu"] * 2, split_size=4,
+                tracer="fx", sample=(x, scales))  # fmt: skip
+    out, expected = pipe(x, scales), model(x, scales)
+    torch.testing.assert_close(out, expected)
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    assert_same_grads(pipe, model)
+    # Without a call, the trace takes it for a dict's update, and says so.
+    pipe = Pipe(CallsAnObjectsUpdate(), split_points=["b"], devices=["cpu"] * 2, tracer="fx")
+    refused = (
+        r"forward calls \.update\(\.\.\.\) on a Scales, which the trace took for a dict's "
+        r"update.*pass Pipe\(\.\.\., sample=\.\.\.\), a call holding a Scales there"
+    )
+    with pytest.raises(TypeError, match=refused):
+        pipe(x.float(), Scales(scales.scale.float(), scales.shift.float()))
