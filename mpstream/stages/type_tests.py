@@ -1,14 +1,16 @@
-"""``isinstance`` and ``type`` on a traced argument, answered from the call traced.
+"""``isinstance``, ``type`` and ``hasattr`` on a traced argument, answered from the call traced.
 
 ``torch.fx`` traces every argument as a proxy, which is no dict, tuple or
-tensor: ``s = batch.pop("s", None) if isinstance(batch, dict) else None``
-would never take the dict branch, and a call holding ``"s"`` would run
-without it, with no error. While a :class:`~mpstream.stages.fx_tracer.Tracer`
-traces, :func:`answering_types` puts an ``isinstance`` and a ``type`` of
-its own in the globals of each ``forward`` the trace follows: for an
-argument, or an item or field of one (``batch["x"]``, ``batch.scales``),
-each answers as the value the call holds there (``type(batch) is dict``),
-and records the test (a typed
+tensor, and has every attribute: ``s = batch.pop("s", None) if
+isinstance(batch, dict) else None`` would never take the dict branch, and
+a call holding ``"s"`` would run without it, with no error; ``if
+hasattr(batch, "keys"):`` would always take it. While a
+:class:`~mpstream.stages.fx_tracer.Tracer` traces, :func:`answering_types`
+puts an ``isinstance``, a ``type`` and a ``hasattr`` of its own in the
+globals of each ``forward`` the trace follows: for an argument, or an item
+or field of one (``batch["x"]``, ``batch.scales``), each answers as the
+value the call holds there (``type(batch) is dict``), and records the
+test (a typed
 :class:`~mpstream.stages.lookups.Lookup`), so the argument's type is part
 of the call's kind and a call of another type is traced again. Any other
 value (a traced result, a constant) gets Python's own answer. Without a
@@ -16,8 +18,9 @@ call to answer from (the first trace without ``sample=``) such a test is
 refused, naming the argument.
 
 Code outside those modules (a helper in another file the forward calls)
-sees the builtins, whose answer for a proxy is fx's (never a dict); a
-module holding an ``isinstance`` or ``type`` of its own keeps it. The
+sees the builtins, whose answer for a proxy is fx's (never a dict, every
+attribute there); a module holding an ``isinstance``, ``type`` or
+``hasattr`` of its own keeps it. The
 ``type`` put there is a subclass of ``type`` whose instances are the
 classes, so ``isinstance(k, type)``, ``type.__new__``, ``type.mro`` and a
 class deriving from it in that code mean what they did.
@@ -65,6 +68,11 @@ class _Answer:
 
     def __call__(self, obj: object, classes: Any) -> bool:
         return isinstance(self.value(obj, "isinstance"), classes)
+
+    def has(self, obj: object, name: str) -> bool:
+        """What a traced ``forward`` calls ``hasattr``: the value's type, which
+        the test records, answers it for any call of the kind."""
+        return hasattr(self.value(obj, "hasattr"), name)
 
     def value(self, obj: object, test: str) -> Any:
         """``obj``, or the value the call holds where ``obj`` is an
@@ -147,8 +155,8 @@ def _replaceable(name: str, value: Any) -> bool:
 
 @contextmanager
 def answering_types(tracer: Tracer, modules: Sequence[nn.Module]) -> Iterator[None]:
-    """While it lasts, ``isinstance`` and ``type`` in the code of each
-    module's ``forward`` answer an argument's type from ``tracer``'s call.
+    """While it lasts, ``isinstance``, ``type`` and ``hasattr`` in the code
+    of each module's ``forward`` answer from ``tracer``'s call.
 
     Args:
         tracer: the :class:`~mpstream.stages.fx_tracer.Tracer` tracing
@@ -156,7 +164,7 @@ def answering_types(tracer: Tracer, modules: Sequence[nn.Module]) -> Iterator[No
         modules: the modules whose ``forward`` the trace follows.
     """
     answer = _Answer(tracer)
-    ours = {"isinstance": answer, "type": _type_answering(answer)}
+    ours = {"isinstance": answer, "type": _type_answering(answer), "hasattr": answer.has}
     with _patching:
         patched = []
         for scope in _globals_of(modules):

@@ -325,3 +325,39 @@ def test_a_trace_inside_a_trace_answers_from_its_own_call_and_restores_the_outer
             assert not scope["isinstance"](batch, dict)  # the inner call's: a tuple
         assert scope["isinstance"](batch, dict)
     assert "isinstance" not in scope and "type" not in scope
+
+
+class ReadsByAttribute(nn.Module):
+    """Tells a dict batch from a tensor by an attribute only a dict has."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, batch: Any) -> Tensor:
+        x = batch["x"] * 2 if hasattr(batch, "keys") else batch
+        if hasattr(batch, "get") and hasattr(batch.get("w"), "shape"):  # an item's too
+            x = x * batch["w"]
+        return self.b(self.a(x))  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("first", ["dict", "tensor"])
+def test_hasattr_on_an_argument_is_answered_as_the_plain_model_does(first: str) -> None:
+    # fx's proxy has every attribute: a tensor batch was indexed by "x".
+    torch.manual_seed(0)
+    model = ReadsByAttribute().double()
+    x = torch.randn(8, 4, dtype=torch.float64)
+    calls = {"dict": ({"x": x},), "dict with w": ({"x": x, "w": x + 1},), "tensor": (x,)}
+    pipe = Pipe(copy.deepcopy(model), split_points=["b"], devices=["cpu"] * 2, split_size=4,
+                tracer="fx", sample=calls[first])  # fmt: skip
+    for name, call in calls.items():
+        pipe.zero_grad()
+        model.zero_grad()
+        out, expected = pipe(*call), model(*call)
+        torch.testing.assert_close(out, expected, msg=name)
+        out.square().sum().backward()
+        expected.square().sum().backward()
+        assert_same_grads(pipe, model)
+    assert "hasattr" not in globals()
+    with pytest.raises(TypeError, match=r"tests the type of batch \(hasattr\).*sample="):
+        Pipe(ReadsByAttribute(), split_points=["b"], devices=["cpu"] * 2, tracer="fx")
