@@ -347,12 +347,23 @@ def _refuse(
     name = base.args[0] if base.target is own else base
     # A dict update has no out-of-place form: through the name read later,
     # that name stands for the updated dict (inplace_paths.record_update).
-    fix = (
-        f"Update {name} by its own name ({name} |= {{...}} or {name}[key] = value: the "
-        f"name then stands for the updated dict, which {who} reads)"
-        if _updates(node, changes)
-        else f"Make that operation out of place (inplace=False){hint}"
-    )
+    # A dict in a dict is written back into it (item_writes.write_back):
+    # one refused here is held where a trace cannot write it back.
+    updated = node.args[0]  # the dict updated, past the updates before
+    while isinstance(updated, fx.Node) and updated in changes:
+        updated = changes[updated]
+    if not _updates(node, changes):
+        fix = f"Make that operation out of place (inplace=False){hint}"
+    elif updated is base:
+        fix = (
+            f"Update {name} by its own name ({name} |= {{...}} or {name}[key] = value: the "
+            f"name then stands for the updated dict, which {who} reads)"
+        )
+    else:
+        fix = (
+            f"The dict is held in {name} where a trace cannot write it back (in a list or "
+            f"a field): pass tracer='export'"
+        )
     raise ValueError(
         f"'{_name(node)}' in stage {here} changes {changed} in place, which {who} also "
         f"reads{through}: stages pass values instead of sharing them, so {who} would read "

@@ -81,10 +81,21 @@ def write_back(tracer: Any, changed: fx.Proxy) -> None:
     batch["inner"]``), was updated in place (``inner |= {...}``,
     ``inner["t"] = v``, ``inner.update(...)``), its owner holds the updated
     dict (``batch |= {"inner": inner}``, recorded by ``tracer``): a later
-    stage reads it through the owner too, as the module does."""
+    stage reads it through the owner too, as the module does. A dict held
+    in what takes no key (a list, or a key not a string with no call given)
+    is left where it is: the in-place check refuses a later stage's stale
+    read of it (:func:`~mpstream.stages.inplace.check_in_place`)."""
     owner, item = changed.__dict__.get("_owner"), item_of(changed)
-    if owner is not None and item is not None and item[1]:
-        write_item(tracer, owner, item[1][-1][1], changed)
+    if owner is None or item is None or not item[1]:
+        return
+    name, steps = item
+    key = steps[-1][1]
+    if tracer.values is None:
+        takes = isinstance(key, str)  # write_item's dict key, with no call given
+    else:
+        takes = isinstance(value_at(tracer.values, (name, steps[:-1])), dict)
+    if takes:
+        write_item(tracer, owner, key, changed)
 
 
 def _set_last(target: fx.Proxy, key: Any, value: fx.Proxy) -> bool:

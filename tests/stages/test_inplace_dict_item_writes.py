@@ -185,3 +185,56 @@ def test_a_key_set_through_the_name_of_a_dict_the_batch_holds_reaches_the_later_
         out.square().sum().backward()
         expected.square().sum().backward()
         assert_same_grads(pipe, model)
+
+
+class WritesADictInAList(nn.Module):
+    """Sets a key of the dict its list batch holds first, as ``how`` spells
+    it, in stage 0 or 1 (``where``); the last stage reads it."""
+
+    def __init__(self, how: str, where: int) -> None:
+        super().__init__()
+        self.how, self.where = how, where
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, batch: list[Any]) -> Tensor:
+        h = self.a(batch[1])
+        for stage in (0, 1):
+            if stage == 1:
+                h = self.b(h)
+            if stage != self.where:
+                continue
+            held = batch[0]
+            if self.how == "ior":
+                held |= {"t": h * 2}
+            elif self.how == "set-a-key":
+                held["t"] = h * 2
+            else:
+                held.update(t=h * 2)
+        return self.c(h) * batch[0]["t"]  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("how", ["ior", "set-a-key", "update"])
+@pytest.mark.parametrize("sample", [False, True])
+def test_a_dict_in_a_list_runs_where_the_copying_stage_sets_it_and_is_refused_by_name_elsewhere(
+    how: str, sample: bool
+) -> None:
+    # held["t"] = v was refused as a write into the list ("forward sets
+    # batch[0]") even where the stage that copies the batch sets it; in a
+    # later stage every spelling was told to "Update batch by its own name"
+    # (batch[0] = ... on a list, which a trace cannot record).
+    torch.manual_seed(0)
+    x = torch.randn(8, 4, dtype=torch.float64)
+    given = ([{"u": x}, x],) if sample else None
+    model = WritesADictInAList(how, where=0).double()
+    pipe = Pipe(copy.deepcopy(model), split_points=["b"], devices=["cpu:0", "cpu:1"],
+                split_size=2, tracer="fx", sample=given)  # fmt: skip
+    out, expected = pipe([{"u": x}, x]), model([{"u": x}, x])
+    torch.testing.assert_close(out, expected)
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    assert_same_grads(pipe, model)
+    refused = r"where a trace cannot write it back \(in a list or a field\): pass tracer='export'"
+    with pytest.raises(ValueError, match=refused) as raised:
+        Pipe(WritesADictInAList(how, where=1), split_points=["b", "c"], devices=["cpu"] * 3,
+             tracer="fx", sample=given)  # fmt: skip
+    assert "by its own name" not in str(raised.value)
