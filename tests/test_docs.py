@@ -193,6 +193,36 @@ def test_the_readme_and_the_guides_are_checked() -> None:
     assert {"README.md", "docs/guide.md", "docs/ddp.md"} <= names
 
 
+def architecture_names() -> set[str]:
+    """The modules docs/architecture.md's tables name, as paths under mpstream/.
+
+    A row's first cell names them in backticks: the first with its folder
+    (``runtime/graphed/stages.py``), the others in the same folder by their
+    file name alone (``state.py``).
+    """
+    names: set[str] = set()
+    for line in (ROOT / "docs" / "architecture.md").read_text().splitlines():
+        if not line.startswith("| `"):
+            continue
+        folder = ""
+        for name in re.findall(r"`([^`]+\.py)`", line.split(" | ")[0]):
+            if "/" in name:
+                folder = name.rpartition("/")[0]
+            names.add(f"{folder}/{name}" if folder and "/" not in name else name)
+    return names
+
+
+def test_every_module_has_a_row_in_the_architecture() -> None:
+    package = ROOT / "mpstream"
+    modules = {
+        str(p.relative_to(package))
+        for p in package.rglob("*.py")
+        if p.name != "__init__.py" and "/_" not in f"/{p.relative_to(package)}"
+    }
+    missing = sorted(modules - architecture_names())
+    assert not missing, f"docs/architecture.md names no row for: {', '.join(missing)}"
+
+
 def main(argv: list[str]) -> int:
     """``[--report FILE] [--workdir DIR] FILE.md ...``: runs the files' blocks."""
     options: dict[str, Path] = {}
