@@ -57,8 +57,9 @@ def add_options(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--peak-tflops",
         type=positive_float,
-        help="the device's dense bf16 peak for MFU (default: known for "
-        f"{', '.join(known[:-1])} and {known[-1]})",
+        help="every device's dense bf16 peak for MFU, which sums those of the devices a "
+        f"configuration uses (default: each device's, known for {', '.join(known[:-1])} "
+        f"and {known[-1]})",
     )
 
 

@@ -11,7 +11,7 @@ baseline: the single device's whole step captured as one CUDA graph
 (:class:`~mpstream.CapturedStep`, AdamW ``capturable``), so graphed is
 compared with graphed. Per configuration:
 tokens per second, the ratio to each baseline, model FLOPs utilisation
-against the device's dense bf16 peak (:func:`peak_tflops`; FLOPs from
+against the dense bf16 peaks of the devices it uses, summed (:func:`peaks`; FLOPs from
 :func:`~mpstream.workloads.transformer.flops_per_token`), the host's issue
 share of the step and memory per stage (:mod:`.memory`); :mod:`.report`
 derives the figures and writes them.
@@ -48,6 +48,7 @@ __all__ = [
     "keys_for",
     "label",
     "peak_tflops",
+    "peaks",
     "run",
 ]
 
@@ -74,6 +75,13 @@ def peak_tflops(device: torch.device) -> float | None:
     return next((peak for part, peak in PEAKS if part in name), None)
 
 
+def peaks(config: Config) -> dict[str, float | None]:
+    """Each of the configuration's devices' dense bf16 peak, by device
+    (``config.peak`` for every one where given, else :func:`peak_tflops`):
+    what MFU sums over the devices a configuration uses."""
+    return {str(d): config.peak or peak_tflops(d) for d in config.devices}
+
+
 @dataclass(frozen=True)
 class Config:
     """What ``mpstream bench --model transformer`` runs.
@@ -86,7 +94,8 @@ class Config:
         hf: time ``transformers``' ``LlamaForCausalLM`` of the same sizes
             (no weights loaded), split by ``torch.export``, 1F1B, too (where
             ``transformers`` is installed).
-        peak: the dense bf16 peak for MFU, in TFLOP/s (None: by name).
+        peak: the dense bf16 peak for MFU of every device, in TFLOP/s
+            (None: each device's by its name).
     """
 
     preset: Preset
@@ -359,7 +368,7 @@ def run(
     load["after"] = rounds.machine_load()
     meta = machine.metadata(list(config.devices))
     meta["load"] = load
-    meta["peak_tflops"] = config.peak or peak_tflops(config.devices[0])
+    meta["peak_tflops"] = peaks(config)
     return Results(config, measured, meta, timed.unfit, timed.interrupted)
 
 

@@ -2,7 +2,8 @@
 
 Per configuration: tokens per second, the ratio to each baseline (graphed
 stages' also to the single device captured as one graph), model FLOPs
-utilisation against the device's dense bf16 peak (:func:`mfu`), the
+utilisation against the summed dense bf16 peaks of the devices it uses
+(:func:`mfu`), the
 host's issue share of the step and memory per stage. :func:`save` writes the
 JSON and two figures. On the CPU nothing overlaps: the figures and the table
 say CPU, and no speed-up is claimed.
@@ -25,16 +26,19 @@ __all__ = ["mfu", "to_json", "noisy_spreads", "table", "save"]
 
 
 def mfu(results: Results, key: Key) -> float | None:
-    """Model FLOPs utilisation: the step's FLOPs over the time at peak
-    (over as many devices as the configuration uses, distinct ones)."""
-    peak = results.meta.get("peak_tflops")
-    if not peak:
+    """Model FLOPs utilisation: the step's FLOPs over the time at peak of
+    the devices the configuration uses, their peaks summed (each device
+    once: both halves on one GPU count it once; the single device's
+    configurations count the first device only). None where any of them
+    has no known peak."""
+    known: dict[str, float | None] = results.meta.get("peak_tflops") or {}
+    used = {str(d) for d in _devices(results, key)}
+    if not all(known.get(d) for d in used):
         return None
-    peak = float(peak)
+    peak = sum(float(known[d] or 0) for d in used)
     p = results.config.preset
-    devices = len({str(d) for d in _devices(results, key)})
     achieved = flops_per_token(p) * p.tokens / results.measured[key].median
-    return achieved / (peak * 1e12 * devices)
+    return achieved / (peak * 1e12)
 
 
 def _devices(results: Results, key: Key) -> list[torch.device]:
@@ -131,6 +135,12 @@ def table(results: Results) -> str:
         "step ms: the median training step (forward, loss, backward, AdamW); x single, x naive: "
         "its time over the single device's and over naive model parallel's (below 1: faster)"
     )
+    if any(row["mfu"] is not None for row in data["rows"]):
+        known = ", ".join(f"{d} {peak}" for d, peak in data["meta"]["peak_tflops"].items())
+        lines.append(
+            "MFU: against the dense bf16 peaks of the devices a configuration uses, summed, "
+            f"each device once ({known} TFLOP/s)"
+        )
     lines += [
         f"{row['configuration']:<44} {'does not fit in device memory even alone':>52}"
         for row in data["unfit"]
