@@ -1,8 +1,9 @@
 """Group ``overhead``: what the runtime itself costs on the host.
 
 (a) Issue cost per task (one stage x one micro-batch) of mpstream's C++
-    event scheduler against the same plan issued from Python, every stage
-    on the suite's first device.
+    event scheduler against the same plan issued from Python, the stages
+    on the suite's two devices in turn (as group ``schedules``): where they
+    differ the plan's copies between stages are issued too.
 (b) mpstream against a plain Python loop over the same stages and
     micro-batches, on the CPU: the ratio is the runtime's own cost.
 The mpstream tests also time both alternately, round by round, and record
@@ -32,10 +33,10 @@ STAGES, MICROS = 4, 32
 
 
 def _issue_devices(devices: tuple[torch.device, torch.device]) -> list[torch.device]:
-    """Every stage on the suite's first device (separate streams on a GPU):
-    ``MPSTREAM_BENCH_DEVICES``, which the run records, decides it, not
-    whether CUDA is there."""
-    return [devices[0]] * STAGES
+    """The stages' devices: the suite's two in turn (separate streams on a
+    GPU), as the run records them: ``MPSTREAM_BENCH_DEVICES`` decides them,
+    not whether CUDA is there."""
+    return [devices[s % 2] for s in range(STAGES)]
 
 
 def _schedule(devices: list[torch.device]) -> Schedule:
@@ -56,7 +57,7 @@ def _run_cpp(sched: EventScheduler, schedule: Schedule) -> None:
 def test_issue_cost_cpp(benchmark: object, devices: tuple[torch.device, torch.device]) -> None:
     stages = _issue_devices(devices)
     schedule, sched = _schedule(stages), EventScheduler(stages)
-    benchmark.extra_info.update(tasks=len(schedule), device=str(stages[0]))  # type: ignore[attr-defined]
+    benchmark.extra_info.update(tasks=len(schedule), devices=[str(d) for d in stages])  # type: ignore[attr-defined]
     benchmark.pedantic(_run_cpp, args=(sched, schedule), rounds=200, warmup_rounds=5)  # type: ignore[attr-defined]
     py = PyEventScheduler(stages)  # paired_ratio: C++ / Python, below 1 when C++ is cheaper
     _paired(benchmark, lambda: py.run(schedule), lambda: _run_cpp(sched, schedule), 200)
@@ -66,7 +67,7 @@ def test_issue_cost_cpp(benchmark: object, devices: tuple[torch.device, torch.de
 def test_issue_cost_python(benchmark: object, devices: tuple[torch.device, torch.device]) -> None:
     stages = _issue_devices(devices)
     schedule, sched = _schedule(stages), PyEventScheduler(stages)
-    benchmark.extra_info.update(tasks=len(schedule), device=str(stages[0]))  # type: ignore[attr-defined]
+    benchmark.extra_info.update(tasks=len(schedule), devices=[str(d) for d in stages])  # type: ignore[attr-defined]
     benchmark.pedantic(sched.run, args=(schedule,), rounds=200, warmup_rounds=5)  # type: ignore[attr-defined]
 
 

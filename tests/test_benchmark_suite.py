@@ -161,15 +161,18 @@ def test_the_schedules_group_places_its_stages_on_the_suites_devices(
     assert test_schedules._devices((cpu, gpu1)) == [cpu, gpu1, cpu, gpu1]
 
 
-def test_the_overhead_group_issues_on_the_suites_device(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_overhead_group_issues_on_the_suites_devices(monkeypatch: pytest.MonkeyPatch) -> None:
     # It took cuda:0 wherever CUDA was there, whatever MPSTREAM_BENCH_DEVICES
-    # said, and recorded that device.
+    # said, and recorded that device; then the first of the suite's two
+    # only, while the run recorded both.
     from benchmarks import test_overhead
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    cpu, gpu1 = torch.device("cpu"), torch.device("cuda", 1)
+    cpu, gpu0, gpu1 = torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda", 1)
     assert test_overhead._issue_devices((cpu, cpu)) == [cpu] * 4
     assert test_overhead._issue_devices((gpu1, gpu1)) == [gpu1] * 4
+    assert test_overhead._issue_devices((gpu0, gpu1)) == [gpu0, gpu1, gpu0, gpu1]
+    assert test_overhead._issue_devices((cpu, gpu1)) == [cpu, gpu1, cpu, gpu1]
 
 
 def test_the_header_names_each_devices_model_where_they_differ() -> None:
