@@ -19,6 +19,8 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
+from .output_paths import output_name, structure_difference
+
 __all__ = [
     "Value",
     "NoChunk",
@@ -31,7 +33,6 @@ __all__ = [
     "check_output",
     "describe",
     "leaves",
-    "output_name",
     "flat_spec",
     "tensors_of",
     "gradless",
@@ -303,14 +304,25 @@ def gather(outputs: Sequence[Any]) -> Any:
             scalar tensor that cannot be concatenated (named by its path in
             the output, see :func:`output_name`).
     """
-    first, spec = leaves(outputs[0])
+    flat = [leaves(out) for out in outputs]
+    first, spec = flat[0]
+    if any(other != spec for _, other in flat[1:]):
+        # Either the structures differ, or a flat tuple of tensors (which
+        # leaves() gives a spec of its own) meets one holding a plain
+        # value, (y, z) and (y, None): pytree's structures tell which.
+        for m, out in enumerate(outputs[1:], 1):
+            where = structure_difference(outputs[0], out, m)
+            if where is not None:
+                raise ValueError(
+                    f"the last stage returned values of different structures across "
+                    f"micro-batches: {where}. Return the same structure (containers, keys, "
+                    f"lengths) for every micro-batch; plain values may differ, and a tensor "
+                    f"in one micro-batch's output needs a tensor in every one's"
+                )
+        flat = [pytree.tree_flatten(out) for out in outputs]
+        first, spec = flat[0]
     columns: list[list[Any]] = [[leaf] for leaf in first]
-    for out in outputs[1:]:
-        items, other = leaves(out)
-        if other != spec or len(items) != len(first):
-            raise ValueError(
-                "the last stage returned differently shaped values across micro-batches"
-            )
+    for items, _ in flat[1:]:
         for column, leaf in zip(columns, items):
             column.append(leaf)
     joined: list[Any] = []
@@ -319,9 +331,13 @@ def gather(outputs: Sequence[Any]) -> Any:
         if not tensors:
             joined.append(column)
         elif len(tensors) != len(column):
+            plain = next(m for m, leaf in enumerate(column) if not isinstance(leaf, Tensor))
+            tensor = next(m for m, leaf in enumerate(column) if isinstance(leaf, Tensor))
             raise ValueError(
-                f"{output_name(outputs[0], i)} is a tensor for some micro-batches only; "
-                f"return a tensor there for every micro-batch"
+                f"{output_name(outputs[0], i)} is a tensor for some micro-batches only "
+                f"(micro-batch {tensor}: shape {tuple(column[tensor].shape)}, micro-batch "
+                f"{plain}: {describe(column[plain])}); return a tensor there for every "
+                f"micro-batch"
             )
         elif len(tensors) > 1 and tensors[0].dim() == 0:
             raise ValueError(
@@ -333,19 +349,3 @@ def gather(outputs: Sequence[Any]) -> Any:
         else:
             joined.append(tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0))
     return rebuild_leaves(joined, spec)
-
-
-def output_name(out: Any, i: int) -> str:
-    """Leaf ``i`` of ``out`` (a micro-batch's output) as the user reaches it:
-    ``the output``, ``output[1]``, ``output["aux_loss"]``, ``output.aux``."""
-    items, spec = leaves(out)
-    if spec is None:
-        return "the output"
-    if type(spec) is tuple:
-        return f"output[{i}]"
-    try:
-        paths = pytree.tree_flatten_with_path(out)[0]
-    except (ValueError, TypeError, NotImplementedError):
-        # A node type registered without key paths: its position is all there is.
-        return f"output leaf {i} (of {len(items)})"
-    return "output" + pytree.keystr(paths[i][0])

@@ -131,7 +131,7 @@ def test_gather_lists_plain_values_per_micro_batch() -> None:
 
 
 def test_gather_rejects_inconsistent_outputs() -> None:
-    with pytest.raises(ValueError, match="differently shaped"):
+    with pytest.raises(ValueError, match=r"the output is a tuple of 2 items for micro-batch 0 "):
         gather([(torch.ones(1), torch.ones(1)), (torch.ones(1),)])
     with pytest.raises(ValueError, match="^the output is a scalar per micro-batch"):
         gather([torch.tensor(1.0), torch.tensor(2.0)])
@@ -162,3 +162,48 @@ def test_a_batch_whose_every_tensor_is_wrapped_in_nochunk_is_named() -> None:
         scatter((NoChunk(x), NoChunk(x), 3), 2, None)
     with pytest.raises(TypeError, match="target holds no tensor to split"):
         scatter(("a", 3), 2, None, "target")
+
+
+def test_a_tensor_beside_a_plain_value_in_some_micro_batches_is_named() -> None:
+    # (y, z) is a flat tuple of tensors, (y, None) and (y, 3) are not: the
+    # two took different paths and met as "differently shaped values".
+    y = torch.ones(2, 3)
+    assert gather([(y, 3), (y, 4)])[1] == [3, 4]  # plain values may differ
+    for plain, said in [(None, "NoneType: None"), (3, "int: 3")]:
+        for outputs, tensor, other in [([(y, plain), (y, y)], 1, 0), ([(y, y), (y, plain)], 0, 1)]:
+            with pytest.raises(ValueError) as e:
+                gather(outputs)
+            assert str(e.value) == (
+                f"output[1] is a tensor for some micro-batches only (micro-batch {tensor}: "
+                f"shape (2, 3), micro-batch {other}: {said}); return a tensor there for every "
+                f"micro-batch"
+            )
+
+
+@pytest.mark.parametrize(
+    ("outputs", "where"),
+    [
+        ([{"a": torch.ones(1), "b": 2}, {"a": torch.ones(1), "c": 2}],
+         "the output is a dict with keys ['a', 'b'] for micro-batch 0 and a dict with keys "
+         "['a', 'c'] for micro-batch 1"),
+        ([(1, [1, 2]), (1, [1, 2]), (1, [1])],
+         "output[1] is a list of 2 items for micro-batch 0 and a list of 1 item for "
+         "micro-batch 2"),
+        ([(torch.ones(1), (1, 2)), (torch.ones(1), 3)],
+         "output[1] is a tuple of 2 items for micro-batch 0 and int 3 for micro-batch 1"),
+        ([{"x": (1, None)}, {"x": (1, [2])}],
+         "output['x'][1] is None for micro-batch 0 and a list of 1 item for micro-batch 1"),
+        ([((1,),), ([1],)],
+         "output[0] is a tuple of 1 item for micro-batch 0 and a list of 1 item for "
+         "micro-batch 1"),
+    ],
+)  # fmt: skip
+def test_outputs_of_different_structures_are_told_where_they_part(
+    outputs: list[object], where: str
+) -> None:
+    with pytest.raises(ValueError) as e:
+        gather(outputs)
+    assert str(e.value).startswith(
+        f"the last stage returned values of different structures across micro-batches: "
+        f"{where}. Return the same structure"
+    ), str(e.value)
