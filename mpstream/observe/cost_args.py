@@ -6,13 +6,16 @@ A cost is one number (a forward alone, or both directions for a copy), a
 and :func:`copy_costs` turn :func:`~mpstream.observe.cost_model.simulate`'s
 ``issue_times`` and ``copy_times`` into functions of a task or a hop, and
 refuse what cannot be a time, naming the argument; :func:`device_label`
-reads its ``input_device``.
+reads its ``input_device``; :func:`check_hops` and :func:`check_sizes` refuse
+a ``copy_times`` mapping of hops the stage graph lacks, and ``chunks`` and
+``last_size`` that are no micro-batch count and size.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
@@ -22,7 +25,9 @@ __all__ = [
     "Cost",
     "IssueTimes",
     "backward_passes",
+    "check_hops",
     "check_listed",
+    "check_sizes",
     "copy_costs",
     "cost_pair",
     "cost_size",
@@ -157,3 +162,54 @@ def device_label(device: object) -> str:
     if not device.strip():
         raise ValueError("input_device is empty: give a label of devices=, or leave it None")
     return device
+
+
+def check_hops(
+    copy_times: Mapping[tuple[int, int], Any],
+    graph: Sequence[Sequence[int]] | None,
+    devices: Sequence[str],
+    source: str,
+    force_copies: bool,
+) -> None:
+    """Refuses a ``copy_times`` mapping naming a hop that the stage graph
+    (``graph``, None: a chain) does not copy: between stages, or into a
+    stage off the batch's device ``source`` (into any with ``force_copies``).
+
+    Raises:
+        ValueError: naming the unknown hops and the graph's.
+    """
+    chain = tuple((s - 1,) for s in range(len(devices)))
+    hops = {
+        (p, q)
+        for q, r in enumerate(graph or chain)
+        for p in r
+        if p >= 0 or (force_copies or devices[q] != source)
+    }
+    unknown = sorted(set(copy_times) - hops)
+    if unknown:
+        raise ValueError(
+            f"copy_times names hops {unknown} that the stage graph does not have; its "
+            f"hops (producer, receiving stage): {sorted(hops)}"
+        )
+
+
+def check_sizes(chunks: int, last_size: float) -> int:
+    """``chunks`` as an int, once it and ``last_size`` (the last
+    micro-batch's size over a full one's) are checked.
+
+    Raises:
+        ValueError: ``chunks`` is not an int, or ``last_size`` is not a
+            number in (0, 1].
+    """
+    try:
+        count = operator.index(chunks)
+    except TypeError:
+        raise ValueError(f"chunks must be an int, got {chunks!r}") from None
+    if isinstance(last_size, bool) or not (
+        isinstance(last_size, numbers.Real) and 0 < last_size <= 1
+    ):
+        raise ValueError(
+            f"last_size is the last micro-batch's size over a full one's, in (0, 1]; got "
+            f"{last_size!r} (micro_batches(batch_size, split_size) gives it)"
+        )
+    return count

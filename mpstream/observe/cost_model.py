@@ -47,8 +47,6 @@ devices.
 from __future__ import annotations
 
 import math
-import numbers
-import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,7 +66,9 @@ from .cost_args import (
     Cost,
     IssueTimes,
     backward_passes,
+    check_hops,
     check_listed,
+    check_sizes,
     copy_costs,
     cost_pair,
     device_label,
@@ -237,30 +237,8 @@ def simulate(
         raise ValueError(f"devices needs {n} entries, got {len(devs)}")
     source = devs[0] if input_device is None else device_label(input_device)
     if isinstance(copy_times, Mapping):
-        chain = tuple((s - 1,) for s in range(n))
-        hops = {
-            (p, q)
-            for q, r in enumerate(graph or chain)
-            for p in r
-            if p >= 0 or (force_copies or devs[q] != source)
-        }
-        unknown = sorted(set(copy_times) - hops)
-        if unknown:
-            raise ValueError(
-                f"copy_times names hops {unknown} that the stage graph does not have; its "
-                f"hops (producer, receiving stage): {sorted(hops)}"
-            )
-    try:
-        chunks = operator.index(chunks)
-    except TypeError:
-        raise ValueError(f"chunks must be an int, got {chunks!r}") from None
-    if isinstance(last_size, bool) or not (
-        isinstance(last_size, numbers.Real) and 0 < last_size <= 1
-    ):
-        raise ValueError(
-            f"last_size is the last micro-batch's size over a full one's, in (0, 1]; got "
-            f"{last_size!r} (micro_batches(batch_size, split_size) gives it)"
-        )
+        check_hops(copy_times, graph, devs, source, bool(force_copies))
+    chunks = check_sizes(chunks, last_size)
     with_backward = any(b > 0 for _, b in stages) if backward is None else backward
     labels = list(dict.fromkeys(devs))
     topology = Topology(
