@@ -32,13 +32,23 @@ _NOT_THE_USERS = (
     os.path.abspath(contextlib.__file__),
     "<frozen ",
 )
+# ``python -m mpstream``'s entry stands where the ``mpstream`` script's
+# does (a file outside mpstream, so the user's): the command the user ran.
+_COMMAND = os.path.join(os.path.dirname(os.path.abspath(__file__)), "__main__.py")
+
+
+def _theirs(filename: str) -> bool:
+    """Whether a frame of ``filename`` is never the user's."""
+    return filename.startswith(_NOT_THE_USERS) and filename != _COMMAND
 
 
 def warn(message: str, category: type[Warning] = UserWarning) -> None:
     """``warnings.warn(message, category)`` located at the nearest calling
     frame outside mpstream and torch: the user's line, whatever the entry
-    point. Where no frame is the user's (a hook on a thread of autograd's
-    engine, ``python -m mpstream``), the line that called this.
+    point; under ``python -m mpstream``, its entry's line, as the
+    ``mpstream`` script's. Where no frame is the user's (a hook on a
+    thread of autograd's engine, whose caller waits on another thread),
+    the line that called this.
 
     Args:
         message: the warning's text.
@@ -48,7 +58,7 @@ def warn(message: str, category: type[Warning] = UserWarning) -> None:
     # from Python 3.12 only, and mpstream supports 3.10.
     frame = sys._getframe(1)
     level = 2  # warn's caller; each frame further out, one more
-    while frame.f_code.co_filename.startswith(_NOT_THE_USERS):
+    while _theirs(frame.f_code.co_filename):
         if frame.f_back is None:  # nothing but mpstream's and torch's frames
             level = 2
             break

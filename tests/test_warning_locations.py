@@ -97,3 +97,28 @@ def test_a_warning_points_at_the_public_call_that_led_to_it(case: str, tmp_path:
     ours = [w for w in caught if said in str(w.message)]
     assert ours, [str(w.message) for w in caught]
     assert [(w.filename, w.lineno) for w in ours] == [(__file__, call)] * len(ours)
+
+
+def test_under_python_m_mpstream_a_warning_points_at_its_entry(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # No frame of the user's lies under ``python -m mpstream`` (runpy's
+    # are frozen; this file's are made mpstream's here): it pointed at
+    # mpstream's own line that warned, where the ``mpstream`` script's
+    # points at the script's line.
+    import importlib
+    import runpy
+
+    import mpstream
+    from mpstream import _warn
+
+    cli_main = importlib.import_module("mpstream.cli.main")
+    monkeypatch.setattr(cli_main, "main", lambda: _warn.warn("from the command") or 0)
+    monkeypatch.setattr(_warn, "_NOT_THE_USERS", (*_warn._NOT_THE_USERS, __file__))
+    entry = Path(mpstream.__file__).with_name("__main__.py")
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(SystemExit):
+        warnings.simplefilter("always")
+        runpy.run_module("mpstream", run_name="__main__")
+    ours = [w for w in caught if str(w.message) == "from the command"]
+    call = entry.read_text().splitlines().index("sys.exit(main())") + 1
+    assert [(w.filename, w.lineno) for w in ours] == [(str(entry), call)]
