@@ -24,6 +24,7 @@ from . import schedules as cli_schedules
 from . import transformer as cli_transformer
 from .argtypes import (
     UsageError,
+    device_here,
     image_size,
     int_list,
     non_negative_int,
@@ -213,6 +214,13 @@ def parser() -> argparse.ArgumentParser:
         # Read as gigabytes, not the gigabits the flag's name suggests.
         help="assumed copy bandwidth for predictions, in GB/s (gigabytes per second; "
         "default: %(default)s)",
+    )
+    r.add_argument(
+        "--input-device",
+        type=device_here,
+        help="where the batch sits for the predictions, as predict(input_device=) takes it "
+        "(default: the first stage's device; another, e.g. cpu: each micro-batch's images "
+        "copied in at --link-gbps)",
     )
     r.add_argument(
         "--order",

@@ -295,12 +295,19 @@ def trace(args: argparse.Namespace) -> int:
             f"  split {row['split_size']:>3}: measured {row['measured_ms']:9.2f} ms, "
             f"predicted {row['predicted_ms']:9.2f} ms, error {100 * row['error']:+.1f}%"
         )
-    scaling = analysis.predict_scaling(dev0, config, link_gbps=args.link_gbps)
+    source = None if args.input_device is None else torch.device(args.input_device)
+    scaling = analysis.predict_scaling(dev0, config, link_gbps=args.link_gbps, input_device=source)
     # More devices need another order than the one given: they run fill-drain.
     schedule = "" if order is None else "fill-drain, not your order; "
+    batch = (
+        f"; the batch on {source}, each micro-batch's images copied in "
+        f"({scaling['input_copy_ms']:.3f} ms)"
+        if scaling["input_copy_ms"] is not None
+        else ""
+    )
     print(
         f"predictions (cost model, not measured; {schedule}layers profiled on {dev0}, "
-        f"copies at an assumed {args.link_gbps} GB/s):"
+        f"copies at an assumed {args.link_gbps} GB/s{batch}):"
     )
     for row in scaling["rows"]:
         print(

@@ -10,7 +10,7 @@ predictions.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -44,7 +44,7 @@ def predict(
     stages: int,
     chunks: int,
     *,
-    copy_times: Cost | Sequence[Cost] = 0.0,
+    copy_times: Cost | Sequence[Cost] | Mapping[tuple[int, int], Cost] = 0.0,
     balance: Sequence[int] | None = None,
     schedule: str = "gpipe",
     overlap: bool = True,
@@ -62,7 +62,10 @@ def predict(
             of its layers' passes (a pair's backward counted as half each).
         stages: number of devices, one stage each.
         chunks: micro-batches per step (the last of ``last_size``).
-        copy_times: per boundary (or one for all).
+        copy_times: per boundary (or one for all), or as
+            :func:`~mpstream.observe.cost_model.simulate` takes a mapping:
+            per (producer, receiving stage), ``(-1, 0)`` the batch's copy
+            into the first stage (boundaries left out: free).
         balance: layers per stage; default the split that minimises the
             slowest stage.
         schedule: a schedule of one stage per device (``'gpipe'``,
@@ -84,7 +87,8 @@ def predict(
             stage), any other label (``'cpu'``) is a device no stage is on;
             default the first stage's. Off the first stage's device, each
             micro-batch is copied in before its forward at the copy time (a
-            per-boundary list of ``copy_times``: at nothing), as
+            per-boundary list of ``copy_times``: at nothing; a mapping: at
+            its ``(-1, 0)`` entry), as
             ``simulate`` prices it.
 
     Returns:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn, optim
 
-from ..observe.cost_model import micro_batches, simulate
+from ..observe.cost_model import Cost, micro_batches, simulate
 from ..observe.fitting import fit
 from ..observe.profiling import profile
 from ..observe.scaling import predict
@@ -225,6 +225,7 @@ def predict_scaling(
     config: Config,
     device_counts: Sequence[int] = (2, 4),
     link_gbps: float = 50.0,
+    input_device: torch.device | None = None,
 ) -> dict[str, Any]:
     """Predicts the tutorial model's step on ``p`` devices from one device's layer costs.
 
@@ -234,6 +235,12 @@ def predict_scaling(
     Each count gets the tutorial-style split (:data:`TUTORIAL_SPLITS`) and
     the time-balanced split. Everything here is a prediction of the cost
     model, not a measurement.
+
+    ``input_device`` is where the batch sits (None, or ``device``: on the
+    first stage's device, as the profiled device stands for it); elsewhere
+    each micro-batch's images are copied into the first stage over the
+    same link (:func:`~mpstream.observe.scaling.predict`'s
+    ``input_device``), the single device copying the whole batch in first.
     """
     sample = torch.randn(config.split_size, 3, config.image_w, config.image_h)
     # The model the run measures: its fc's size is part of the step's cost.
@@ -241,6 +248,9 @@ def predict_scaling(
     profiles = profile_layers(tutorial.resnet50_layers(model), sample, device=device, repeat=3)
     layer_times = [(p.forward_ms, p.backward_ms) for p in profiles]
     micros, last = micro_batches(config.batch_size, config.split_size)
+    # The batch elsewhere: a label no predicted stage's device has.
+    source = None if input_device in (None, device) else str(input_device)
+    copy_in = sample.nelement() * sample.element_size() / (link_gbps * 1e9) * 1e3
     rows = []
     for p in device_counts:
         for name, balance in (("tutorial-style", TUTORIAL_SPLITS.get(p)), ("balanced", None)):
@@ -249,9 +259,12 @@ def predict_scaling(
             base = predict(layer_times, p, micros, balance=balance, last_size=last)
             cuts = [sum(base.balance[: i + 1]) - 1 for i in range(p - 1)]
             copies = [profiles[c].output_bytes / (link_gbps * 1e9) * 1e3 for c in cuts]
+            hops: dict[tuple[int, int], Cost] = {(s, s + 1): (c, c) for s, c in enumerate(copies)}
+            if source is not None:
+                hops[(-1, 0)] = (copy_in, 0.0)  # the images in; no gradient back
             pred = predict(
                 layer_times, p, micros, balance=base.balance,
-                copy_times=[(c, c) for c in copies], last_size=last,
+                copy_times=hops, last_size=last, input_device=source,
             )  # fmt: skip
             summary = pred.simulation.timeline.summary(echo=False)
             rows.append(
@@ -271,6 +284,8 @@ def predict_scaling(
         "micro_batch": config.split_size,
         "micro_batches": micros,
         "link_gbps_assumed": link_gbps,
+        "input_device": str(input_device or device),
+        "input_copy_ms": None if source is None else copy_in,
         "layer_ms": {p.name: [p.forward_ms, p.backward_ms] for p in profiles},
         "rows": rows,
     }

@@ -228,3 +228,51 @@ def test_an_error_while_running_is_no_bad_option(
         cli.main([*TINY_BENCH, "--out", str(out)])
     assert "error:" not in capsys.readouterr().err
     assert not (tmp_path / "new").exists()  # the --out it made, still empty, is gone
+
+
+def test_trace_predicts_with_the_batch_where_input_device_says(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # trace's predictions took the batch on the first stage's device only,
+    # unlike predict(input_device=): a batch on the host is copied in.
+    import torch
+
+    from mpstream.stages.balance import LayerProfile
+    from mpstream.tutorial import analysis
+
+    # Fixed layer costs, so the two runs' predictions differ by the copies in alone.
+    def layers(model: object, sample: torch.Tensor, **kwargs: object) -> list[LayerProfile]:
+        return [LayerProfile(f"l{i}", 1.0, 2.0, 0, 0, 4000) for i in range(23)]
+
+    monkeypatch.setattr(analysis, "profile_layers", layers)
+    monkeypatch.setattr(analysis, "trace_tutorial", lambda *a, **k: {
+        "makespan_ms": 1.0, "bubble_fraction": 0.0, "copy_hidden_fraction": 0.0,
+        "stage_busy_ms": [1.0, 1.0]})  # fmt: skip
+    monkeypatch.setattr(analysis, "validate_cost_model", lambda *a, **k: [])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # cuda:0, a device here
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    tiny = [a for a in TINY if a != "--no-progress"]
+    reports = {}
+    for where in (None, "cpu", "cuda:0"):
+        out = tmp_path / str(where)
+        given = [] if where is None else ["--input-device", where]
+        assert cli.main(["trace", *tiny, "--link-gbps", "2", *given, "--out", str(out)]) == 0
+        reports[where] = json.loads((out / "trace_report.json").read_text())["predictions"]
+        printed = capsys.readouterr().out
+        assert ("the batch on cuda:0, each micro-batch's images copied in" in printed) == (
+            where == "cuda:0"
+        )
+    on, same, off = reports[None], reports["cpu"], reports["cuda:0"]
+    assert on["rows"] == same["rows"] and same["input_device"] == "cpu"  # the stages' device
+    assert on["input_copy_ms"] is None and off["input_device"] == "cuda:0"
+    images = 2 * 3 * 32 * 32 * 4  # one micro-batch of --split-size 2, float32
+    assert off["input_copy_ms"] == pytest.approx(images / 2e9 * 1e3)
+    for a, b in zip(on["rows"], off["rows"]):
+        # Two micro-batches copied in before the single device's step; the
+        # pipeline hides the second's behind the first's forward.
+        assert b["single_device_ms"] == pytest.approx(
+            a["single_device_ms"] + 2 * off["input_copy_ms"]
+        )
+        assert b["predicted_step_ms"] == pytest.approx(
+            a["predicted_step_ms"] + off["input_copy_ms"]
+        )

@@ -131,3 +131,14 @@ def test_predict_s_single_device_copies_the_whole_batch_in_first(
     assert off.step_ms == on.step_ms + 0.5  # the pipeline hides all but the first
     listed = predict(LAYERS, 2, 4, copy_times=[0.5], input_device="cpu")
     assert listed.single_device_ms == on.single_device_ms  # a per-boundary list: no price
+
+
+def test_predict_takes_a_mapping_of_copy_times_as_simulate_does() -> None:
+    # The batch's copy in at its own price, beside the boundaries' (a
+    # per-boundary list cannot give it one).
+    hops = {(0, 1): 0.5, (-1, 0): (0.25, 0.0)}
+    pred = predict(LAYERS, 2, 4, copy_times=hops, balance=[2, 2], input_device="cpu")
+    sim = simulate([(1.5, 3.0), (2.5, 3.0)], hops, 4, input_device="cpu")
+    assert pred.simulation.timeline.spans == sim.timeline.spans
+    on = predict(LAYERS, 2, 4, copy_times=[0.5], balance=[2, 2])
+    assert pred.single_device_ms == on.single_device_ms + 4 * 0.25
