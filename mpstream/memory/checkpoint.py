@@ -35,6 +35,7 @@ __all__ = [
     "is_checkpointing",
     "is_recomputing",
     "checkpointed",
+    "graph_writes",
 ]
 
 MODES = ("always", "except_last", "never")
@@ -140,28 +141,44 @@ def _written_buffers(stage: nn.Module) -> list[Tensor]:
         if isinstance(m, _NormBase) and m.track_running_stats:
             seen.update((id(b), b) for b in m.buffers(recurse=False))
         elif isinstance(m, fx.GraphModule):
-            names = _GRAPH_WRITES.get(m)
-            if names is None:
-                names = _GRAPH_WRITES[m] = _graph_writes(m)
-            seen.update((id(b), b) for b in map(m.get_buffer, names))
+            seen.update((id(b), b) for b in graph_writes(m))
     return list(seen.values())
 
 
+def graph_writes(gm: fx.GraphModule, statistics: bool = False) -> list[Tensor]:
+    """The buffers of ``gm`` (an exported stage's graph) that its graph
+    hands to an operator that writes them.
+
+    Args:
+        gm: the graph module.
+        statistics: only those handed to a norm operator as its running
+            statistics (``running_mean``, ``running_var``).
+
+    Returns:
+        The buffers, each once.
+    """
+    found = _GRAPH_WRITES.get(gm)
+    if found is None:
+        found = _GRAPH_WRITES[gm] = _graph_writes(gm)
+    return list(map(gm.get_buffer, found[statistics]))
+
+
 # Per graph module, what :func:`_graph_writes` found (its graph never changes).
-_GRAPH_WRITES: weakref.WeakKeyDictionary[fx.GraphModule, tuple[str, ...]] = (
-    weakref.WeakKeyDictionary()
-)
+_GRAPH_WRITES: weakref.WeakKeyDictionary[
+    fx.GraphModule, tuple[tuple[str, ...], tuple[str, ...]]
+] = weakref.WeakKeyDictionary()
 
 
 _STATISTICS = ("running_mean", "running_var")
 
 
-def _graph_writes(gm: fx.GraphModule) -> tuple[str, ...]:
+def _graph_writes(gm: fx.GraphModule) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The names of the buffers of ``gm`` that its graph passes to an
     operator's argument that the operator's schema marks as written
-    (``Tensor(a!)``), or as running statistics."""
+    (``Tensor(a!)``), or as running statistics; and those of the latter."""
     buffers = {name for name, _ in gm.named_buffers()}
     out: dict[str, None] = {}
+    stats: dict[str, None] = {}
     for node in gm.graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
@@ -178,7 +195,9 @@ def _graph_writes(gm: fx.GraphModule) -> tuple[str, ...]:
                 continue
             if isinstance(value, fx.Node) and value.op == "get_attr" and value.target in buffers:
                 out[str(value.target)] = None
-    return tuple(out)
+                if arg.name in _STATISTICS:
+                    stats[str(value.target)] = None
+    return tuple(out), tuple(stats)
 
 
 class _OnACopy:

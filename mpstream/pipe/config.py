@@ -16,9 +16,10 @@ import torch
 
 from ..memory.batchnorm import DeferredBatchNorm, deferred_norms
 from ..memory.checkpoint import check_mode, checkpoint_stop
+from ..memory.shared_writes import SharedWrites
 from ..runtime.errors import annotate, stage_labels
 from ..runtime.graph import StageGraph
-from ..runtime.graphed import GradStore, GraphReport, StageGraphs
+from ..runtime.graphed import GradStore, GraphReport, StageGraphs, generation
 from ..runtime.scheduler import EventScheduler
 from ..runtime.worker import Worker
 from ..schedules.auto import Auto, ScheduleReport
@@ -393,6 +394,18 @@ class PipeConfig(PipeModule):
         return found[1]  # type: ignore[no-any-return]
 
     def _prepare(self, micros: int) -> int:
-        """Per-run setup; returns how many micro-batches to checkpoint."""
+        """Per-run setup; returns how many micro-batches to checkpoint.
+
+        Raises:
+            ValueError: two stages would write one norm's statistics at once
+                (:mod:`~mpstream.memory.shared_writes`).
+        """
+        parts = self.__dict__["_partitions"]
+        found = self.__dict__.get("_shared_writes")
+        now = (generation(), id(parts))
+        if found is None or found[0] != now:  # a walk over every module costs
+            found = (now, SharedWrites(self, parts))
+            self.__dict__["_shared_writes"] = found
+        found[1].check(self._labels)
         training = self.training and torch.is_grad_enabled()
         return checkpoint_stop(self.checkpoint, micros, training)
