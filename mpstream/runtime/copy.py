@@ -44,26 +44,12 @@ __all__ = [
     "Copy",
     "Route",
     "Staging",
-    "move",
     "send",
 ]
 
 # Pinned staging buffers of one micro-batch, one entry per leaf of its inputs
 # (see mpstream.runtime.transfer.host_staging), or None when nothing needs staging.
 Staging = tuple[Tensor | None, ...] | None
-
-
-def move(x: Tensor, device: torch.device, *, force: bool = False) -> Tensor:
-    """Copies ``x`` to ``device`` on the current streams.
-
-    Device-to-device copies and copies from pinned memory are asynchronous;
-    copies into host memory block, so host work that follows never reads a
-    tensor still in flight. With ``force``, a tensor already on ``device`` is
-    copied too (the data flow of stages on separate devices, on one device).
-    """
-    if x.device == device:
-        return x.clone() if force else x
-    return to_device(x, device)
 
 
 def send(
@@ -89,10 +75,13 @@ def send(
     Returns:
         The copy (``x`` itself when it is on ``device`` and not forced).
     """
-    if staging is not None:
-        y = to_device(x, device, staging)
+    if force and x.device == device:
+        # The data flow of stages on separate devices, on one device.
+        y = x.clone()
     else:
-        y = move(x, device, force=force)
+        # Asynchronous from device or pinned memory; into host memory it
+        # blocks, so host work that follows never reads a copy in flight.
+        y = to_device(x, device, staging)
     if reader is not None:
         record_stream(x, reader)
     if consumer is not None:
