@@ -47,27 +47,32 @@ if TYPE_CHECKING:
 __all__ = ["run"]
 
 
+def _starts(
+    roots: list[tuple[tuple[int, int], Tensor]], grads: Grads | None, seed: Tensor | None
+) -> tuple[list[Tensor], list[Tensor] | None]:
+    """Where one stage's backward starts: its outputs that gradients reached,
+    with those gradients summed; the last stage's from its loss, with
+    ``seed``, the micro-batch's weight, as its gradient."""
+    if grads is None:  # the last stage: the loss
+        return [t for _, t in roots], None if seed is None else [seed]
+    pairs = [(t, sum_grads(grads[key])) for key, t in roots if key in grads]
+    return [t for t, _ in pairs], [g for _, g in pairs]
+
+
 def _backward(
     roots: list[tuple[tuple[int, int], Tensor]], grads: Grads | None, seed: Tensor | None
 ) -> None:
-    """One stage's backward from its outputs' gradients (the last stage's
-    from its loss, with ``seed``, the micro-batch's weight, as its gradient)."""
-    if grads is None:  # the last stage: the loss
-        torch.autograd.backward([t for _, t in roots], None if seed is None else [seed])
-        return
-    pairs = [(t, sum_grads(grads[key])) for key, t in roots if key in grads]
-    if pairs:
-        torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+    """One stage's backward from its outputs' gradients (see :func:`_starts`)."""
+    tensors, start = _starts(roots, grads, seed)
+    if tensors:
+        torch.autograd.backward(tensors, start)
 
 
 def _backward_inputs(
     roots: list[tuple[tuple[int, int], Tensor]], grads: Grads | None, seed: Tensor | None
 ) -> WeightPass:
     """A split backward's first pass (input gradients); returns the second."""
-    if grads is None:  # the last stage: the loss
-        return backward_inputs([t for _, t in roots], None if seed is None else [seed])
-    pairs = [(t, sum_grads(grads[key])) for key, t in roots if key in grads]
-    return backward_inputs([t for t, _ in pairs], [g for _, g in pairs])
+    return backward_inputs(*_starts(roots, grads, seed))
 
 
 def _eager(
