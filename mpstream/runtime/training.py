@@ -236,8 +236,9 @@ class _Step:
         m, last = task.micro, self.last
         with torch.no_grad():
             buffers = self.target_staging[m] if self.target_staging else None
+            # Marked for the last stage's stream where the loss reads it
+            # (Losses.compute), as a stage marks what it reads.
             self.labels[m] = _transfer(self.labels[m], self.devices[last], buffers)
-        protect([self.labels[m]], self.readers[last])
 
     def backward(self, task: Task) -> None:
         s, m = task.stage, task.micro
