@@ -9,6 +9,7 @@ construction). The run itself is :func:`~mpstream.runtime.training.run`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -247,12 +248,16 @@ class PipeStep(PipeCall):
                         exc, f"mpstream: waiting for the gradients' reduction raised: {cleanup!r}"
                     )
             if snapshot is not None:
-                try:
-                    if graphs is not None:
-                        graphs.restore(keep=False)
-                    snapshot.restore()
-                except Exception as cleanup:  # a sticky device error: exc stays the one raised
-                    annotate(exc, f"mpstream: restoring the state raised too: {cleanup!r}")
+                # Each restore on its own: one raising (a sticky device error)
+                # must not leave the other's state half put back.
+                restores = [snapshot.restore]
+                if graphs is not None:
+                    restores.insert(0, functools.partial(graphs.restore, keep=False))
+                for restore in restores:
+                    try:
+                        restore()
+                    except Exception as cleanup:  # exc stays the one raised
+                        annotate(exc, f"mpstream: restoring the state raised too: {cleanup!r}")
             raise
         if graphs is not None:
             graphs.restore(keep=True)

@@ -351,3 +351,39 @@ def test_a_batch_spread_into_keywords_is_refused_with_what_to_do() -> None:
     expected.backward()
     torch.testing.assert_close(loss, expected.detach())
     assert_same_grads(pipe, ref)
+
+
+def test_a_failed_step_puts_the_statistics_back_though_the_graphs_restore_raises(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The two restores of a failed step are independent: the graphed
+    # stages' raising (a sticky device error) used to skip the snapshot's,
+    # leaving the failed step's BatchNorm statistics and gradients behind.
+    from mpstream.runtime.graphed import Emulated
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 2)).double()
+    pipe = Pipe(model, chunks=3, balance=[2, 1], devices=["cpu", "cpu"], graphs=Emulated())
+    x, y = data()
+    pipe.train_step(x, y, nn.MSELoss())  # captures
+    grads = [p.grad.clone() for p in pipe.parameters() if p.grad is not None]
+    stats = [b.clone() for b in pipe.buffers()]
+    graphs = pipe._rt()[1].graphs
+    assert graphs is not None
+
+    def broken(keep: bool) -> None:
+        raise RuntimeError("a sticky device error")
+
+    monkeypatch.setattr(graphs, "restore", broken)
+
+    def failing(out: Tensor, target: Tensor) -> Tensor:
+        raise ValueError("the loss failed")
+
+    with pytest.raises(ValueError, match="the loss failed") as info:
+        pipe.train_step(x, y, failing)
+    assert "restoring the state raised too" in "".join(getattr(info.value, "__notes__", []))
+    for before, b in zip(stats, pipe.buffers(), strict=True):
+        torch.testing.assert_close(b, before, rtol=0, atol=0)
+    now = [p.grad for p in pipe.parameters() if p.grad is not None]
+    for before, g in zip(grads, now, strict=True):
+        torch.testing.assert_close(g, before, rtol=0, atol=0)
