@@ -219,6 +219,36 @@ def test_one_process_train_step_with_tied_weights_and_a_grad_scaler(group: None)
         torch.testing.assert_close(a.grad, b.grad)
 
 
+def test_the_wrapped_pipes_own_train_step_is_refused_with_what_to_do(group: None) -> None:
+    pipe = small_pipe()
+    ddp = mpdist.wrap(pipe)
+    x, y = batches(1)[0]
+    with pytest.raises(RuntimeError, match=r"never averaged.*distributed.train_step\(ddp, "):
+        pipe.train_step(x, y, nn.MSELoss())  # each process would keep its own gradients
+    assert all(p.grad is None for p in pipe.parameters())
+    copy.deepcopy(pipe).train_step(x, y, nn.MSELoss())  # a copy is not wrapped
+    with ddp.no_sync():
+        mpdist.train_step(ddp, x, y, nn.MSELoss())  # accumulates locally
+    mpdist.train_step(ddp, x, y, nn.MSELoss())
+    del ddp
+    pipe.train_step(x, y, nn.MSELoss())  # no wrapper now: the pipe trains alone
+    # Wrapped without wrap(): refused once mpdist.train_step has checked it.
+    ddp = DistributedDataParallel(pipe, device_ids=None)
+    mpdist.train_step(ddp, x, y, nn.MSELoss())
+    with pytest.raises(RuntimeError, match="never averaged"):
+        ddp.module.train_step(x, y, nn.MSELoss())
+
+
+def test_schedule_auto_measures_a_wrapped_pipe_by_its_own_steps(group: None) -> None:
+    from mpstream.schedules import Auto
+
+    pipe = small_pipe(schedule=Auto(cache=None))  # no costs: measured at the first step
+    ref = copy.deepcopy(pipe)
+    x, y = batches(1)[0]
+    loss = mpdist.train_step(mpdist.wrap(pipe), x, y, nn.MSELoss())
+    torch.testing.assert_close(loss, ref.train_step(x, y, nn.MSELoss()))
+
+
 def test_train_step_needs_ddp_around_a_pipe(group: None) -> None:
     x, y = batches(1)[0]
     with pytest.raises(TypeError, match="DistributedDataParallel module, got Pipe"):

@@ -13,7 +13,8 @@ process group averages the gradients over the processes. Two ways to train:
   DDP's reducer cannot do it: its hooks expect every gradient to be
   accumulated once per step, and ``train_step`` accumulates one micro-batch at
   a time outside ``DDP.forward``; ``ddp.module.train_step`` alone would leave
-  each process with its own, unsynchronised gradients.
+  each process with its own, unsynchronised gradients, so a pipe the DDP
+  module checked refuses it while that module lives.
 
 :func:`wrap` builds the DDP module and rejects, before any step runs, the
 options that cannot work with a pipeline (and stage devices the process
@@ -35,6 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..pipe.batchargs import batch_argument
 from ..pipe.module import unsplit
 from ..pipe.pipe import Pipe
+from ..pipe.step import averaged_by
 from ..runtime.errors import annotate
 from .gradients import BUCKET_BYTES, StageReducer
 from .placement import check_placement
@@ -63,6 +65,14 @@ _UNSUPPORTED = {
     ),
 }
 _UNSUPPORTED["param_to_hook_all_reduce"] = _UNSUPPORTED["delay_all_reduce_named_params"]
+
+# Raised by pipe.train_step on a pipe a live DDP module wraps.
+_UNAVERAGED = (
+    "this pipe is wrapped in DistributedDataParallel: pipe.train_step would leave each "
+    "process with its own gradients, never averaged, and the replicas would drift apart; "
+    "call mpstream.distributed.train_step(ddp, inputs, target, loss_fn) (inside "
+    "ddp.no_sync() to accumulate locally)"
+)
 
 # Set on a DDP module once its processes' pipelines were found alike.
 _CHECKED = "_mpstream_pipelines_checked"
@@ -158,6 +168,7 @@ def _check_same_pipelines(ddp: DistributedDataParallel) -> None:
             f"the same Pipe on every process; this one's stages hold {counts} parameters"
         )
     setattr(ddp, _CHECKED, True)
+    averaged_by(ddp.module, ddp, _UNAVERAGED)
 
 
 def _check_ddp_pipe(ddp: object, what: str) -> Pipe:
@@ -265,7 +276,7 @@ def train_step(
     # DDP's reducer arms its gradient hooks only in DDP.forward, which is not
     # called here, so the pipeline's per-micro-batch backward runs unhooked.
     if not ddp.require_backward_grad_sync:  # inside no_sync(): accumulate only
-        return pipe.train_step(inputs, target, loss_fn, reduction=reduction, scaler=scaler)
+        return pipe._train_step(inputs, target, loss_fn, reduction, scaler)
     reducer = StageReducer(ddp)
     try:
         return pipe._train_step(inputs, target, loss_fn, reduction, scaler, stage_done=reducer)

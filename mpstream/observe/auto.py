@@ -289,6 +289,6 @@ def _stage_bytes(pipe: Pipe, request: AutoRequest) -> tuple[float, ...]:
     over its micro-batches."""
     with scheduled(pipe), untouched(pipe), StageSavedBytes(pipe.partitions) as tracker:
         pipe.schedule, pipe.virtual_stages = "gpipe", None
-        pipe.train_step(request.inputs, request.target, request.loss_fn)
+        pipe._train_step(request.inputs, request.target, request.loss_fn, None, None)
         synchronize(pipe.devices)
     return tuple(b / request.micros for b in tracker.peak_bytes)

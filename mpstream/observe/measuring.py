@@ -102,7 +102,7 @@ def scheduled(pipe: Pipe) -> Iterator[None]:
 
 def _step(pipe: Pipe, x: Any, y: Any, loss_fn: Callable[[Any, Any], Tensor] | None) -> None:
     pipe.zero_grad(set_to_none=True)
-    pipe.train_step(x, y, loss_fn)
+    pipe._train_step(x, y, loss_fn, None, None)
     synchronize(pipe.devices)
 
 

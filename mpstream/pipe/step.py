@@ -10,10 +10,12 @@ construction). The run itself is :func:`~mpstream.runtime.training.run`.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..memory.batchnorm import deferred_update
@@ -30,7 +32,27 @@ from .reduction import step_reduction
 from .running import held, running_of
 from .snapshot import Norms, Snapshot
 
-__all__ = ["PipeStep", "StageDone"]
+__all__ = ["PipeStep", "StageDone", "averaged_by"]
+
+# Pipes whose gradients a data-parallel wrapper averages over processes
+# (mpstream.distributed.wrap): the wrapper, weakly, and why train_step alone
+# must not run. Kept here rather than on the pipe, which pickles and copies.
+_AVERAGED_BY: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref[Any], str]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def averaged_by(pipe: nn.Module, owner: object, why: str) -> None:
+    """Makes ``pipe.train_step`` refuse to run while ``owner`` lives and a
+    process group is initialised: ``owner`` averages the pipe's gradients
+    over processes, which ``train_step`` alone would skip.
+
+    Args:
+        pipe: the pipe.
+        owner: the wrapper (a ``DistributedDataParallel``), held weakly.
+        why: the error's message: what happens, and what to call instead.
+    """
+    _AVERAGED_BY[pipe] = (weakref.ref(owner), why)
 
 
 class StageDone(Protocol):
@@ -114,7 +136,10 @@ class PipeStep(PipeCall):
                 returns no ``loss``), or ``scaler`` is not a ``GradScaler``.
             ValueError: empty batch, targets of another batch size, or an
                 unknown ``reduction`` or one the loss module contradicts.
-            RuntimeError: called under ``torch.inference_mode()``,
+            RuntimeError: the pipe is wrapped in DistributedDataParallel
+                by ``mpstream.distributed.wrap`` (its gradients would not
+                be averaged: call ``mpstream.distributed.train_step``),
+                called under ``torch.inference_mode()``,
                 ``loss_fn`` returned a loss that does not require grad, or a
                 call of the pipe is running already (in another thread, or
                 this call comes from inside it: refused before it changes
@@ -134,6 +159,9 @@ class PipeStep(PipeCall):
         ``CapturedStep`` runs right after zeroing the gradients clones none
         (a failure zeroes them again).
         """
+        averaging = _AVERAGED_BY.get(self)
+        if averaging is not None and averaging[0]() is not None and dist.is_initialized():
+            raise RuntimeError(averaging[1])
         return self._train_step(inputs, target, loss_fn, reduction, scaler)
 
     @held("train_step")
