@@ -7,11 +7,15 @@ losses), a split size leaves a shorter last micro-batch, the batch shrinks
 from step to step (an uneven last batch), ``static_graph`` and
 ``find_unused_parameters`` see those changing micro-batch counts, and a
 ``torch.distributed.checkpoint`` checkpoint resumes the run on a pipe split
-otherwise.
+otherwise. Under DDP's ``Join``, ``train_step`` with as many batches on every
+process trains as without it, and with fewer on one process is refused
+rather than breaking the group.
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import traceback
 from pathlib import Path
 from typing import Any
@@ -21,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
+from torch.distributed.algorithms.join import Join
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.nn.parallel import DistributedDataParallel
 
@@ -82,6 +87,39 @@ def _run_against_plain(rank: int) -> dict[str, dict[str, Tensor]]:
     return results
 
 
+def _uneven_under_join(rank: int, ddp: DistributedDataParallel, throw: bool) -> str:
+    """Rank 0 has two batches, rank 1 one, under ``Join([ddp])``: the error raised."""
+    try:
+        with Join([ddp], throw_on_early_termination=throw):
+            for step in range(2 - rank):
+                mpdist.train_step(ddp, *share(step, rank), nn.MSELoss())
+    except RuntimeError as exc:
+        return str(exc)
+    return ""
+
+
+def _run_join(rank: int) -> dict[str, Any]:
+    """Equal batch counts under ``Join``; uneven ones, with and without
+    ``throw_on_early_termination`` (the latter on a group of its own,
+    which the joined process waits on until its short timeout)."""
+    ddp = mpdist.wrap(Pipe(initial_model(seed=rank), split_size=SPLIT, balance=BALANCE,
+                           devices=["cpu", "cpu"], schedule="1f1b"))  # fmt: skip
+    with Join([ddp]):
+        equal = _train(rank, ddp, "train_step")
+    thrown = _uneven_under_join(rank, ddp, throw=True)
+    mpdist.train_step(ddp, *share(0, rank), nn.MSELoss())  # the group still pairs up
+    del ddp
+    short = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=3))
+    ddp = mpdist.wrap(Pipe(initial_model(), split_size=SPLIT, balance=BALANCE,
+                           devices=["cpu", "cpu"]), process_group=short)  # fmt: skip
+    refused = _uneven_under_join(rank, ddp, throw=False) if rank == 0 else ""
+    if rank == 1:
+        with contextlib.suppress(RuntimeError):  # the timeout of the joined process
+            _uneven_under_join(rank, ddp, throw=False)
+    del ddp
+    return {"equal": equal, "thrown": thrown, "refused": refused}
+
+
 def _adam_run(balance: list[int]) -> tuple[Pipe, DistributedDataParallel, torch.optim.Optimizer]:
     pipe = Pipe(initial_model(), split_size=SPLIT, balance=balance, devices=["cpu", "cpu"],
                 schedule="1f1b")  # fmt: skip
@@ -132,7 +170,11 @@ def _dcp_load(ddp: DistributedDataParallel, opt: Any, where: str) -> None:
 def _worker(rank: int, store_path: str, out_dir: str) -> None:
     try:
         join_group(rank, store_path)
-        results = {"against_plain": _run_against_plain(rank), "dcp": _run_dcp(rank, out_dir)}
+        results = {
+            "against_plain": _run_against_plain(rank),
+            "dcp": _run_dcp(rank, out_dir),
+            "join": _run_join(rank),
+        }
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
         dist.destroy_process_group()
     except BaseException:
@@ -169,3 +211,17 @@ def test_a_distributed_checkpoint_resumes_on_another_balance_and_loads_unsplit(
             assert list(got[loaded]) == list(got[expected])
             for key, value in got[expected].items():
                 torch.testing.assert_close(got[loaded][key], value, msg=f"rank {rank}: {key}")
+
+
+def test_train_step_under_join_pairs_up_or_refuses_with_what_to_do(
+    ranks: list[dict[str, Any]],
+) -> None:
+    for rank, results in enumerate(ranks):
+        got, plain = results["join"], results["against_plain"]["plain"]
+        for key in plain:  # as many batches everywhere: as without Join
+            torch.testing.assert_close(got["equal"][key], plain[key], msg=f"rank {rank}: {key}")
+        # throw_on_early_termination: torch's errors on every process.
+        assert "exhausted" in got["thrown"], got["thrown"]
+    refused = ranks[0]["join"]["refused"]
+    assert "1 of the group's 2 processes ran out of batches inside Join([ddp])" in refused
+    assert "drop_last=True" in refused and "throw_on_early_termination=True" in refused

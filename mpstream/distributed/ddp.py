@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 
 from ..pipe.batchargs import batch_argument
@@ -259,9 +260,12 @@ def train_step(
             (checked at the first call of a DDP module not made by
             :func:`wrap`), or bad inputs as for :meth:`~mpstream.Pipe.train_step`.
         RuntimeError: another process of the group failed this step (this
-            one's is undone too).
+            one's is undone too), or, inside ``Join([ddp])``, a process of
+            the group has run out of batches (Join cannot shadow this step's
+            all-reduces).
     """
     pipe = _check_ddp_pipe(ddp, "train_step")
+    _check_none_joined(ddp)
     if not getattr(ddp, _CHECKED, False) and pipe.__dict__["_graph"] is not None:
         # Built without wrap(): checked at the first call, which every
         # process makes together (a traced pipe is split by its first call).
@@ -289,6 +293,29 @@ def train_step(
         except BaseException as cleanup:
             annotate(exc, f"mpstream: completing the gradients' reduction raised: {cleanup!r}")
         raise
+
+
+def _check_none_joined(ddp: DistributedDataParallel) -> None:
+    """Inside ``Join([ddp])``: tells the processes that ran out of batches
+    that this one still trains, as DDP's forward does, and raises if some
+    have. Join shadows only DDP's own collectives; a joined process would
+    answer this step's all-reduces with those, breaking the group.
+    ``throw_on_early_termination=True`` makes torch raise on every process
+    instead (the group stays usable)."""
+    work = Join.notify_join_context(ddp)  # None outside Join
+    if work is None:
+        return
+    training = int(work.get_future().wait()[0].item())  # the all-reduced ones
+    size = dist.get_world_size(ddp.join_process_group)
+    if training < size:
+        raise RuntimeError(
+            f"{size - training} of the group's {size} processes ran out of batches inside "
+            f"Join([ddp]), which shadows DDP's own collectives but not train_step's "
+            f"all-reduces: give every process the same number of batches "
+            f"(DistributedSampler(..., drop_last=True) and a loader with drop_last=True), use "
+            f"Join(..., throw_on_early_termination=True) to stop every process at once, or train "
+            f"with ddp(x) under Join. The processes that joined wait until this one exits"
+        )
 
 
 def sync_buffers(ddp: DistributedDataParallel) -> None:
