@@ -167,17 +167,25 @@ def build_pipe(args: argparse.Namespace, devices: list[torch.device]) -> mpstrea
         balance = [int(n) for n in args.balance.split(",")]
     else:
         balance = partition([1.0] * len(layers), args.stages)
-    return mpstream.Pipe(
-        layers,
-        chunks=args.chunks,
-        split_size=args.split_size,
-        balance=balance,
-        devices=devices,
-        schedule=args.schedule,
-        checkpoint=args.checkpoint,
-        # One stage per rank refuses virtual_stages; the others need it on one device.
-        virtual_stages=args.virtual_stages if PLACEMENTS[args.schedule] != "stage" else None,
-    )
+    try:
+        return mpstream.Pipe(
+            layers,
+            chunks=args.chunks,
+            split_size=args.split_size,
+            balance=balance,
+            devices=devices,
+            schedule=args.schedule,
+            checkpoint=args.checkpoint,
+            # One stage per rank refuses virtual_stages; the others need it on one device.
+            virtual_stages=args.virtual_stages if PLACEMENTS[args.schedule] != "stage" else None,
+        )
+    except ValueError as error:
+        if args.virtual_stages is None and "virtual_stages=" in str(error):
+            # The Pipe names its own argument; this script's user sets the flag.
+            raise SystemExit(
+                f"--schedule {args.schedule}: {error} (this script's --virtual-stages)"
+            ) from None
+        raise
 
 
 def synthetic_data(args: argparse.Namespace) -> TensorDataset:

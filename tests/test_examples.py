@@ -229,6 +229,16 @@ def test_the_ddp_example_gives_virtual_stages_to_every_schedule_that_takes_them(
     assert pipe.virtual_stages == 2
 
 
+def test_the_ddp_example_names_its_own_flag_for_a_schedule_that_needs_virtual_stages() -> None:
+    example = runpy.run_path(str(ROOT / "examples" / "ddp_pipeline.py"), run_name="example")
+    args = argparse.Namespace(
+        num_classes=10, balance=None, stages=2, chunks=2, split_size=None,
+        schedule="zbv", checkpoint="never", virtual_stages=None,
+    )  # fmt: skip
+    with pytest.raises(SystemExit, match=r"--schedule zbv: .*virtual_stages=2.*--virtual-stages"):
+        example["build_pipe"](args, [torch.device("cpu")] * 2)
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
