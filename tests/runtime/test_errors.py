@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 import mpstream.runtime.copy
+import mpstream.runtime.training
 from mpstream import Pipe
 from mpstream.runtime import scheduler
 from mpstream.runtime.errors import dtype_hint, layers_label, stage_labels, task_note
@@ -141,7 +142,7 @@ def test_copy_errors_are_named(
     monkeypatch: pytest.MonkeyPatch, path: str, at: int, expected: str
 ) -> None:
     calls = 0
-    real = mpstream.runtime.copy.move
+    real = mpstream.runtime.copy.send
 
     def failing(*args: object, **kwargs: object) -> Tensor:
         nonlocal calls
@@ -150,8 +151,10 @@ def test_copy_errors_are_named(
             raise OSError("copy failed")
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
-    # Every copy, either way, goes through copy.send and so through move.
-    monkeypatch.setattr(mpstream.runtime.copy, "move", failing)
+    # Every copy, either way, goes through copy.send (training's gradient
+    # copies through the name it imported).
+    monkeypatch.setattr(mpstream.runtime.copy, "send", failing)
+    monkeypatch.setattr(mpstream.runtime.training, "send", failing)
     pipe = Pipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), chunks=2, force_copies=True)
     x, y = torch.randn(4, 4), torch.randn(4, 2)
     with pytest.raises(OSError, match="copy failed") as info:
