@@ -275,10 +275,6 @@ class StageGraphs:
         sig = signature(args, needs)
         if sig is None:
             return None
-        why = st.scalars.admit(sig)
-        if why is not None:
-            self._overflow(st, why)
-            return None
         grad = torch.is_grad_enabled()
         ckpt = checkpoint and grad
         key: tuple[Any, ...] = (
@@ -295,7 +291,14 @@ class StageGraphs:
         number = st.numbers.get(key)  # the one time a replay hashes its key
         graphed: GraphedCall | None = None
         generation = 0
-        if number is not None:  # else no call of this key was captured yet
+        if number is None:
+            # A key met before had its plain values admitted then (and
+            # admitted values stay): only a new one is checked.
+            why = st.scalars.admit(sig)
+            if why is not None:
+                self._overflow(st, why)
+                return None
+        else:
             # A call whose activations still wait for their backward (a
             # second forward before the first backward, in the user's loop)
             # gets graphs of its own: one more generation of the slot, up to
