@@ -41,6 +41,7 @@ from torch import Tensor, nn
 
 from ... import _ext
 from ..stream import AnyStream, CPUStream, current_stream, record_stream
+from .keys import hooks_registered
 from .passes import CallerWaits, PassEnd, after, closed, finish_part, opened
 from .tied import TiedHooks
 
@@ -120,6 +121,8 @@ class GradStore:
         self.device = self.params[0].device if self.params else torch.device("cpu")
         self._detached: set[int] = set()  # positions detached at the pass's start, not since
         self._hooked: list[int] = []  # positions with post-accumulate hooks, this pass
+        self._hooks_at: list[int] = []  # the same, as last scanned (see _with_hooks)
+        self._hooks_seen = -1  # the hook counter then
         self._pass: object = None  # the backward pass (or run) ensure() last saw
         self._end: weakref.ref[PassEnd] | None = None  # its end, if the user's loop's
         self._waits: CallerWaits | None = None  # see undone()
@@ -160,9 +163,7 @@ class GradStore:
             self._leave_open_pass()
             self._pass, self._ready, self._taken_from = token, {}, False
             self._detached = {self._owned[j] for j in self._attached.detached()}
-            self._hooked = list(
-                itertools.compress(range(len(self.params)), map(_hooks, self.params))
-            )
+            self._hooked = self._with_hooks()
             if autograd:
                 self._end = opened(self, token)
         elif self._taken_from:
@@ -198,6 +199,19 @@ class GradStore:
             hooked = []
         self._ready[reached] = hooked
         return hooked
+
+    def _with_hooks(self) -> list[int]:
+        """The positions of the parameters with post-accumulate-grad hooks,
+        scanned again only after a hook was registered somewhere since the
+        last scan. A hook removed since leaves its (now empty) dictionary
+        listed: running it runs nothing."""
+        count = hooks_registered()
+        if count != self._hooks_seen:
+            self._hooks_at = list(
+                itertools.compress(range(len(self.params)), map(_hooks, self.params))
+            )
+            self._hooks_seen = count
+        return self._hooks_at
 
     def hooks_ran(self, params: Sequence[nn.Parameter]) -> None:
         """After post-accumulate hooks of ``params`` ran within a pass: one

@@ -21,12 +21,15 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 from ... import _ext
 from .. import private
 from ..microbatch import flat_spec, leaves
 
-__all__ = ["Baked", "Scalars", "autocast_key", "generation", "signature", "MAX_VALUES"]
+__all__ = [
+    "Baked", "Scalars", "autocast_key", "generation", "hooks_registered", "signature", "MAX_VALUES",
+]  # fmt: skip
 
 #: Values one plain argument of a stage may take before further values run
 #: eagerly (each value is baked into graphs of its own).
@@ -58,6 +61,15 @@ _MODELESS: frozenset[type[nn.Module]] = frozenset(
 def _bump(*_: object) -> None:
     global _generation
     _generation += 1
+
+
+def hooks_registered() -> int:
+    """A counter that grows whenever any hook is registered through torch's
+    API (a tensor's ``register_hook`` or ``register_post_accumulate_grad_hook``,
+    a module's hooks): each makes a ``RemovableHandle``, which takes the next
+    id. Unchanged, no parameter gained a hook since it was read: a scan of
+    every parameter's hooks, once per run and stage, is skipped then."""
+    return RemovableHandle.next_id
 
 
 def generation() -> int:

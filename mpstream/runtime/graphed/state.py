@@ -24,7 +24,7 @@ from torch.nn.parameter import is_lazy
 from .backends import pool_bytes
 from .call import GraphedCall
 from .grads import GradStore
-from .keys import Baked, Scalars
+from .keys import Baked, Scalars, hooks_registered
 from .report import StageReport
 
 __all__ = ["StageState", "drop_stale", "storage_bytes"]
@@ -82,6 +82,10 @@ class StageState:
         self.calls: OrderedDict[tuple[Any, ...], GraphedCall] = OrderedDict()
         self.used: set[tuple[Any, ...]] = set()  # keys the current run replayed
         self.baked: Baked | None = None
+        # The hook counter when self._hooks_baked's parameters were last
+        # found free of tensor hooks (see prepare).
+        self._hooks_seen = -1
+        self._hooks_baked: Baked | None = None
         self.store: GradStore | None = None
         self.pool: Any = None  # the stage's shared memory pool (see backends)
         self.scalars = Scalars()
@@ -127,14 +131,20 @@ class StageState:
         elif self.baked.changed():
             self._drop_all()
             self.baked, self.store = Baked(self.module), None
-        if any(map(_hooks, self.baked.params)):
-            name = next(n for n, p in self.module.named_parameters() if p._backward_hooks)
-            self.reason = (
-                f"parameter '{name}' has a tensor hook (register_hook), which a replayed "
-                f"backward would not run"
-            )
-            self.calls.clear()
-            return
+        # The parameters are scanned again only after a hook was registered
+        # somewhere (or they changed): once found free of hooks, they stay
+        # so until then.
+        hooks = hooks_registered()
+        if hooks != self._hooks_seen or self.baked is not self._hooks_baked:
+            if any(map(_hooks, self.baked.params)):
+                name = next(n for n, p in self.module.named_parameters() if p._backward_hooks)
+                self.reason = (
+                    f"parameter '{name}' has a tensor hook (register_hook), which a replayed "
+                    f"backward would not run"
+                )
+                self.calls.clear()
+                return
+            self._hooks_seen, self._hooks_baked = hooks, self.baked
         modes = self.baked.modes()
         found = self._modes.get(modes)
         if found is None:

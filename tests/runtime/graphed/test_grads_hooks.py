@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from mpstream import Pipe
+from mpstream.runtime.graphed import GraphWarning
 from tests.helpers import assert_same_grads, mlp
 from tests.runtime.graphed.test_grads import RUNS, tied_model, user_loop
 from tests.runtime.graphed.test_stages import WIDTHS, data, pair
@@ -156,3 +157,41 @@ def test_a_torch_without_the_private_call_is_an_error_not_lost_gradients(
     )
     with pytest.raises(private.PrivateApiError, match="_will_engine_execute_node"):
         user_loop(graphed, x, y)
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_parameters_hooks_are_scanned_again_only_once_a_hook_was_registered(
+    run: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mpstream.runtime.graphed import grads, state
+
+    # Scanning every parameter's hooks at every run and pass was per-parameter
+    # host work per step; a hook registered later is still seen, of either
+    # kind: a post-accumulate hook runs, a tensor hook turns the stage eager.
+    eager, graphed = pair(mlp(WIDTHS), chunks=4)
+    x, y = data()
+    for _ in range(2):  # captures, then replays
+        for pipe in (eager, graphed):
+            RUNS[run](pipe, x, y)
+    read: Counter[str] = Counter()
+    for module, kind in ((state, "tensor"), (grads, "post")):
+        real = module._hooks  # type: ignore[attr-defined]
+        monkeypatch.setattr(
+            module, "_hooks", lambda p, real=real, kind=kind: read.update([kind]) or real(p)
+        )
+    for pipe in (eager, graphed):  # the eager pipe has no graphs to scan for
+        RUNS[run](pipe, x, y)
+    assert read == Counter()
+    counts = [count_accumulations(pipe) for pipe in (eager, graphed)]
+    for pipe in (eager, graphed):
+        RUNS[run](pipe, x, y)
+    assert read["post"] > 0 and counts[1] == counts[0] and counts[0]
+    assert_same_grads(graphed, eager)
+    tapped: Counter[str] = Counter()
+    for tag, pipe in (("eager", eager), ("graphed", graphed)):
+        pipe[0].bias.register_hook(lambda g, tag=tag: tapped.update([tag]))
+    RUNS[run](eager, x, y)
+    with pytest.warns(GraphWarning, match="tensor hook"):
+        RUNS[run](graphed, x, y)
+    assert tapped["graphed"] == tapped["eager"] > 0
+    assert_same_grads(graphed, eager)
