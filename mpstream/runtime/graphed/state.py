@@ -82,10 +82,9 @@ class StageState:
         self.calls: OrderedDict[tuple[Any, ...], GraphedCall] = OrderedDict()
         self.used: set[tuple[Any, ...]] = set()  # keys the current run replayed
         self.baked: Baked | None = None
-        # The hook counter when self._hooks_baked's parameters were last
-        # found free of tensor hooks (see prepare).
+        # The hook counter when the baked parameters were last found free
+        # of tensor hooks (see prepare); -1: not yet, or baked anew since.
         self._hooks_seen = -1
-        self._hooks_baked: Baked | None = None
         self.store: GradStore | None = None
         self.pool: Any = None  # the stage's shared memory pool (see backends)
         self.scalars = Scalars()
@@ -127,15 +126,15 @@ class StageState:
             self.lazy = any(is_lazy(t) for t in tensors)
             if self.lazy:
                 return
-            self.baked = Baked(self.module)
+            self.baked, self._hooks_seen = Baked(self.module), -1
         elif self.baked.changed():
             self._drop_all()
-            self.baked, self.store = Baked(self.module), None
+            self.baked, self.store, self._hooks_seen = Baked(self.module), None, -1
         # The parameters are scanned again only after a hook was registered
         # somewhere (or they changed): once found free of hooks, they stay
         # so until then.
         hooks = hooks_registered()
-        if hooks != self._hooks_seen or self.baked is not self._hooks_baked:
+        if hooks != self._hooks_seen:
             if any(map(_hooks, self.baked.params)):
                 name = next(n for n, p in self.module.named_parameters() if p._backward_hooks)
                 self.reason = (
@@ -144,7 +143,7 @@ class StageState:
                 )
                 self.calls.clear()
                 return
-            self._hooks_seen, self._hooks_baked = hooks, self.baked
+            self._hooks_seen = hooks
         modes = self.baked.modes()
         found = self._modes.get(modes)
         if found is None:

@@ -59,6 +59,20 @@ def test_a_tensor_hook_turns_the_stage_eager_and_names_the_parameter() -> None:
     assert not st.report().graphed
 
 
+def test_a_parameter_swapped_in_with_a_hook_already_on_it_turns_the_stage_eager() -> None:
+    # Hooks are scanned again once one is registered anywhere, and whenever
+    # the parameters change: this hook was registered before the last scan.
+    layer = nn.Linear(2, 2)
+    st = state(layer)
+    hooked = nn.Parameter(torch.randn(2))
+    hooked.register_hook(lambda g: g)
+    st.prepare(2)
+    assert st.reason is None
+    layer.bias = hooked
+    st.prepare(2)
+    assert st.reason is not None and "'bias'" in st.reason
+
+
 def test_the_training_flags_are_one_number_per_tuple_of_them_never_reused() -> None:
     # A call's key holds one number, not a flag per module (hashed at every
     # call); the number tells every tuple of flags apart, even once the
