@@ -43,8 +43,8 @@ def _copies(grads: list[Tensor]) -> list[Tensor]:
 
 class Norms:
     """A pipe's BatchNorm buffers and a copy of them, taken with one
-    multi-tensor copy per device (the pipe keeps one :class:`Norms`, rebuilt
-    when its buffers change)."""
+    multi-tensor copy per device and dtype (the pipe keeps one
+    :class:`Norms`, rebuilt when its buffers change)."""
 
     def __init__(self, module: nn.Module) -> None:
         self.modules = [m for m in module.modules() if isinstance(m, _NormBase)]
@@ -52,12 +52,15 @@ class Norms:
         self.buffers = [b for m in self.modules for b in m.buffers(recurse=False) if not is_lazy(b)]
         self.copies = [torch.empty_like(b) for b in self.buffers]
         self.watch = _ext.load().Watch(self.buffers)
-        devices: dict[torch.device, tuple[list[Tensor], list[Tensor]]] = {}
+        # By dtype too: a list mixing the statistics' float and the counter's
+        # int64 misses the multi-tensor kernel, and on a GPU each buffer's
+        # copy is a launch of its own, at every step.
+        groups: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], list[Tensor]]] = {}
         for c, b in zip(self.copies, self.buffers):
-            pair = devices.setdefault(b.device, ([], []))
+            pair = groups.setdefault((b.device, b.dtype), ([], []))
             pair[0].append(c)
             pair[1].append(b)
-        self.groups = list(devices.values())
+        self.groups = list(groups.values())
 
     def stale(self) -> bool:
         """Whether a buffer moved or changed shape since (rebuild then)."""

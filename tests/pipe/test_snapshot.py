@@ -1,5 +1,6 @@
-"""A training step's snapshot of gradients: copied per stage in one
-multi-tensor copy per dtype, and put back as they were."""
+"""A training step's snapshot of gradients (copied per stage in one
+multi-tensor copy per dtype) and BatchNorm buffers (one per device and
+dtype), put back as they were."""
 
 from __future__ import annotations
 
@@ -78,3 +79,21 @@ def test_a_parameter_of_the_stage_and_the_loss_is_saved_once() -> None:
     with Ops() as seen:
         snapshot.save_grads(0)
     assert seen.ops["empty_like"] == 2 and len(snapshot.grads) == 2, seen.ops
+
+
+def test_batchnorm_buffers_are_copied_once_per_dtype_and_put_back() -> None:
+    # A list mixing the statistics' floats with the counters' int64 misses
+    # the multi-tensor kernel: on a GPU, a launch per buffer at every step.
+    module = nn.Sequential(nn.BatchNorm1d(3), nn.BatchNorm1d(3).double())
+    norms = Norms(module)
+    before = [b.clone() for b in norms.buffers]
+    with Ops() as seen:
+        norms.save()
+    assert seen.ops["_foreach_copy_"] == 3, seen.ops  # float32, float64, int64
+    assert all(len({b.dtype for b in buffers}) == 1 for _, buffers in norms.groups)
+    with torch.no_grad():
+        for b in norms.buffers:
+            b.add_(1)
+    norms.restore()
+    for b, saved in zip(norms.buffers, before):
+        assert torch.equal(b, saved)
