@@ -232,8 +232,12 @@ class GradStore:
             had = [(i, self.params[i].grad) for i in fresh]
             nones = [i for i, g in had if g is None]
             others = [(i, g) for i, g in had if g is not None]
-            if len(nones) == len(self._owned) and len(self.flats) == 1:
-                self.flats[0].zero_()  # the common case: after zero_grad(), one kernel
+            if len(nones) == len(self._owned):
+                # The common case, after zero_grad(): a kernel per flat buffer
+                # (per dtype), where one list of views of several dtypes would
+                # miss the multi-tensor kernel (a launch per view on a GPU).
+                for flat in self.flats:
+                    flat.zero_()
             elif nones:
                 torch._foreach_zero_([self.views[i] for i in nones])
             owners: dict[int, GradStore] = {}

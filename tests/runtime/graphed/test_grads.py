@@ -96,6 +96,38 @@ def test_one_zeroing_per_stage_and_no_work_per_parameter(run: str) -> None:
     assert total < 40, counted.ops
 
 
+class Scaled(nn.Module):
+    """A float64 layer with a float32 scale: a stage of two dtypes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6).double()
+        self.scale = nn.Parameter(torch.rand(6))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.lin(x) * self.scale.double()
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_a_stage_of_two_dtypes_is_zeroed_with_a_kernel_per_dtype(run: str) -> None:
+    # Its gradient buffers are one per dtype; one list of views of both
+    # would miss the multi-tensor kernel (on a GPU, a launch per parameter).
+    model = nn.Sequential(Scaled(), nn.Tanh(), nn.Linear(6, 4).double())
+    eager, graphed = pair(model, chunks=2, balance=[2, 1])
+    x, y = data()
+    for _ in range(2):  # capture, then replay
+        for pipe in (eager, graphed):
+            pipe.zero_grad()
+            RUNS[run](pipe, x, y)
+    for pipe in (eager, graphed):
+        pipe.zero_grad()
+    with Ops() as counted:
+        RUNS[run](graphed, x, y)
+    RUNS[run](eager, x, y)
+    assert counted.ops["_foreach_zero_"] == 0 and counted.ops["zero_"] == 3, counted.ops
+    assert_same_grads(graphed, eager)
+
+
 @pytest.mark.parametrize("run", RUNS)
 def test_a_stage_s_parameters_are_made_ready_once_per_pass_not_per_call(
     run: str, monkeypatch: pytest.MonkeyPatch
