@@ -34,7 +34,9 @@ def _writers(stage: nn.Module) -> Iterator[tuple[nn.Module, list[Tensor]]]:
             # Its running statistics are written after the run, on the
             # caller's stream; in the stage only its own accumulators.
             yield m, [m.sum, m.sum_squares, m.count]
-        elif isinstance(m, _NormBase) and m.track_running_stats:
+        elif isinstance(m, _NormBase):
+            # Whatever its track_running_stats now: the flag is read at each
+            # run (_writes), as its forward reads it.
             yield m, list(m.buffers(recurse=False))
         elif isinstance(m, fx.GraphModule):
             # A norm operator's statistics only. torch.export writes any
@@ -43,6 +45,17 @@ def _writers(stage: nn.Module) -> Iterator[tuple[nn.Module, list[Tensor]]]:
             # very tensor the earlier one changed in place and copies it
             # onto itself (a counter per call, docs/guide.md).
             yield m, graph_writes(m, statistics=True)
+
+
+def _writes(module: nn.Module) -> bool:
+    """Whether a run now writes the buffers :func:`_writers` gave for
+    ``module``: a plain norm's forward reads ``track_running_stats`` at each
+    call (set after construction, no walk sees it change)."""
+    if not module.training:
+        return False  # in eval mode nothing is written
+    if isinstance(module, _NormBase) and not isinstance(module, DeferredBatchNorm):
+        return module.track_running_stats
+    return True
 
 
 class SharedWrites:
@@ -92,8 +105,8 @@ class SharedWrites:
                 the stages, and what to do.
         """
         for module, label, stages in self.shared:
-            if not module.training:
-                continue  # in eval mode nothing is written
+            if not _writes(module):
+                continue
             names = labels()
             which = ", ".join(map(str, stages[:-1])) + f" and {stages[-1]}"
             where = "; ".join(names[s] for s in stages)

@@ -106,3 +106,24 @@ def test_blocks_of_two_stages_holding_one_norm() -> None:
                     deferred_batch_norm=True)  # fmt: skip
     deferred.train_step(x, y, nn.MSELoss())
     assert int(deferred[0].bn.num_batches_tracked) == 2  # one update per block
+
+
+def test_a_norm_whose_tracking_is_switched_is_judged_as_it_is_now() -> None:
+    # track_running_stats is read at each run, as the norm's forward reads
+    # it: switched off after a refusal (as the error suggests) the pipe runs
+    # as the plain model (batch statistics per micro-batch of 4 rows);
+    # switched on later, it is refused again. Nothing registers a module in
+    # between (which would make the pipe walk its stages anew).
+    pipe = _split(deferred=False)
+    plain = _AroundSplit()
+    plain.load_state_dict(pipe.state_dict())
+    x, y = _batch()
+    with pytest.raises(ValueError, match=r"'bn' .* stages 0 and 1"):
+        pipe(x)
+    pipe.bn.track_running_stats = plain.bn.track_running_stats = False
+    torch.testing.assert_close(pipe(x), torch.cat([plain(x[:4]), plain(x[4:])]))
+    assert int(pipe.bn.num_batches_tracked) == 0
+    pipe.bn.track_running_stats = True
+    with pytest.raises(ValueError, match=r"'bn' .* stages 0 and 1"):
+        pipe.train_step(x, y, nn.MSELoss())
+    assert int(pipe.bn.num_batches_tracked) == 0
