@@ -151,8 +151,9 @@ def graph_writes(gm: fx.GraphModule, statistics: bool = False) -> list[Tensor]:
 
     Args:
         gm: the graph module.
-        statistics: only those handed to a norm operator as its running
-            statistics (``running_mean``, ``running_var``).
+        statistics: only those handed to a norm operator in training
+            mode as its running statistics (``running_mean``,
+            ``running_var``), which it writes.
 
     Returns:
         The buffers, each once.
@@ -175,7 +176,8 @@ _STATISTICS = ("running_mean", "running_var")
 def _graph_writes(gm: fx.GraphModule) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The names of the buffers of ``gm`` that its graph passes to an
     operator's argument that the operator's schema marks as written
-    (``Tensor(a!)``), or as running statistics; and those of the latter."""
+    (``Tensor(a!)``), or as running statistics; and those of the latter
+    that the operator writes (not a norm in eval mode's)."""
     buffers = {name for name, _ in gm.named_buffers()}
     out: dict[str, None] = {}
     stats: dict[str, None] = {}
@@ -187,6 +189,11 @@ def _graph_writes(gm: fx.GraphModule) -> tuple[tuple[str, ...], tuple[str, ...]]
             *zip(schema, node.args),
             *((a, node.kwargs[a.name]) for a in schema if a.name in node.kwargs),
         ]
+        # A norm in eval mode reads its statistics: its operator's training
+        # argument is False (or it is the no-training overload).
+        reads = node.target._schema.name.endswith("_no_training") or any(
+            a.name == "training" and v is False for a, v in args
+        )
         for arg, value in args:
             info = arg.alias_info
             # batch_norm and its kin update running statistics their schema
@@ -195,7 +202,7 @@ def _graph_writes(gm: fx.GraphModule) -> tuple[tuple[str, ...], tuple[str, ...]]
                 continue
             if isinstance(value, fx.Node) and value.op == "get_attr" and value.target in buffers:
                 out[str(value.target)] = None
-                if arg.name in _STATISTICS:
+                if arg.name in _STATISTICS and not reads:
                     stats[str(value.target)] = None
     return tuple(out), tuple(stats)
 

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from mpstream import Pipe
+from tests.helpers import assert_same_grads
 
 
 class _AroundSplit(nn.Module):
@@ -127,3 +128,25 @@ def test_a_norm_whose_tracking_is_switched_is_judged_as_it_is_now() -> None:
     with pytest.raises(ValueError, match=r"'bn' .* stages 0 and 1"):
         pipe.train_step(x, y, nn.MSELoss())
     assert int(pipe.bn.num_batches_tracked) == 0
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_a_frozen_norm_two_stages_run_trains_as_the_plain_model(tracer: str) -> None:
+    # The norm alone in eval mode (frozen statistics) in a training pipe:
+    # exported, its stages' batch_norm reads running_mean and running_var
+    # without writing them (training=False), so nothing races; it was
+    # refused by the statistics' argument names alone.
+    pipe = _split(deferred=False, tracer=tracer)
+    plain = _AroundSplit()
+    plain.load_state_dict(pipe.state_dict())
+    pipe.bn.eval()
+    plain.bn.eval()
+    before = copy.deepcopy(pipe.bn.state_dict())
+    x, y = _batch()
+    loss = pipe.train_step(x, y, nn.MSELoss())
+    expected = nn.MSELoss()(plain(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    assert_same_grads(pipe, plain)
+    for name, value in pipe.bn.state_dict().items():
+        torch.testing.assert_close(value, before[name], msg=name)  # nothing written
