@@ -78,6 +78,14 @@ class SharedWrites:
         tensors: dict[int, str] = {}
         for name, b in root.named_buffers(remove_duplicate=False):
             tensors.setdefault(id(b), name)
+        # An exported stage's graph writes a norm's buffers as the norm's
+        # training flag was when it was exported (the pipe's own flag may
+        # differ: pipe.eval(), then the norm alone train()): that flag says.
+        norms: dict[int, nn.Module] = {}
+        for m in root.modules():
+            if isinstance(m, _NormBase):
+                for b in m.buffers(recurse=False):
+                    norms.setdefault(id(b), m)
         #: Per buffer two stages write: the module whose flag says whether
         #: it is written, how errors name it, and the stages.
         self.shared: list[tuple[nn.Module, str, list[int]]] = []
@@ -87,6 +95,7 @@ class SharedWrites:
                 continue
             if isinstance(module, fx.GraphModule):
                 label = f"the buffer '{tensors.get(id(b), '?')}'"
+                module = norms.get(id(b), module)
             else:
                 name = modules.get(id(module), type(module).__name__)
                 label = f"the norm layer '{name}' ({type(module).__name__})"

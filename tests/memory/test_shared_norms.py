@@ -150,3 +150,17 @@ def test_a_frozen_norm_two_stages_run_trains_as_the_plain_model(tracer: str) -> 
     assert_same_grads(pipe, plain)
     for name, value in pipe.bn.state_dict().items():
         torch.testing.assert_close(value, before[name], msg=name)  # nothing written
+
+
+def test_an_exported_norm_in_training_mode_inside_an_eval_pipe_is_refused() -> None:
+    # pipe.eval() then the norm alone in training mode: exported as such,
+    # both stages' batch_norm write its statistics. The stages' graph
+    # modules were in eval mode, and their flag was the one read: both
+    # stages wrote (num_batches_tracked 4 after one call of 2 micro-batches).
+    pipe = _split(deferred=False, tracer="export")
+    pipe.eval()
+    pipe.bn.train()
+    x, _ = _batch()
+    with pytest.raises(ValueError, match=r"'bn\.running_mean' .* stages 0 and 1"), torch.no_grad():
+        pipe(x)
+    assert int(pipe.bn.num_batches_tracked) == 0
