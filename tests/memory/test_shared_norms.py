@@ -12,9 +12,10 @@ import copy
 
 import pytest
 import torch
-from torch import nn
+from torch import fx, nn
 
 from mpstream import Pipe
+from mpstream.memory.checkpoint import graph_writes
 from tests.helpers import assert_same_grads
 
 
@@ -150,6 +151,9 @@ def test_a_frozen_norm_two_stages_run_trains_as_the_plain_model(tracer: str) -> 
     assert_same_grads(pipe, plain)
     for name, value in pipe.bn.state_dict().items():
         torch.testing.assert_close(value, before[name], msg=name)  # nothing written
+    for part in pipe.partitions:  # read, not written: whatever module's flag is read
+        for gm in (m for m in part.modules() if isinstance(m, fx.GraphModule)):
+            assert graph_writes(gm, statistics=True) == []
 
 
 def test_an_exported_norm_in_training_mode_inside_an_eval_pipe_is_refused() -> None:
