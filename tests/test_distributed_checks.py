@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
+import mpstream
 from mpstream import Pipe
 from mpstream import distributed as mpdist
 from tests.test_distributed import (
@@ -247,6 +248,20 @@ def test_schedule_auto_measures_a_wrapped_pipe_by_its_own_steps(group: None) -> 
     x, y = batches(1)[0]
     loss = mpdist.train_step(mpdist.wrap(pipe), x, y, nn.MSELoss())
     torch.testing.assert_close(loss, ref.train_step(x, y, nn.MSELoss()))
+
+
+def test_tune_times_a_wrapped_pipe_by_its_own_steps(group: None) -> None:
+    # Timing only: the gradients tune's steps make are dropped, so the
+    # refusal of the wrapped pipe's own train_step does not apply.
+    pipe = small_pipe()
+    ddp = mpdist.wrap(pipe)
+    x, y = batches(1)[0]
+    result = mpstream.tune(
+        pipe, x, nn.MSELoss(), [2], target=y, repeat=1, warmup=0, cache=None, progress=False
+    )
+    assert result.best is not None
+    assert all(p.grad is None for p in pipe.parameters())
+    del ddp
 
 
 def test_train_step_needs_ddp_around_a_pipe(group: None) -> None:

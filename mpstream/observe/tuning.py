@@ -104,7 +104,9 @@ def _time_step(
             elif target is None:
                 torch.autograd.backward(loss_fn(model(sample)))
             elif isinstance(model, Pipe):
-                model.train_step(sample, target, loss_fn)  # the pipe's own schedule
+                # The pipe's own schedule; its step, not the averaging a DDP
+                # wrapper of it needs (timed only: the gradients are dropped).
+                model._train_step(sample, target, loss_fn, None, None)
             else:
                 torch.autograd.backward(loss_fn(model(sample), target))
             synchronize(devices)
