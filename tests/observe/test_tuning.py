@@ -222,9 +222,9 @@ def _pipe(schedule: str = "1f1b", **kw: object) -> Pipe:
 def test_a_target_times_the_pipes_own_schedule(monkeypatch: pytest.MonkeyPatch) -> None:
     pipe = _pipe()
     steps: list[int] = []
-    step = Pipe.train_step
+    step = Pipe._train_step  # the pipe's own step, DDP-wrapped or not
     monkeypatch.setattr(
-        Pipe, "train_step", lambda self, *a, **k: steps.append(1) or step(self, *a, **k)
+        Pipe, "_train_step", lambda self, *a, **k: steps.append(1) or step(self, *a, **k)
     )
     y = torch.randn(16, 2)
     result = tune(
