@@ -89,15 +89,15 @@ def scheduled(pipe: Pipe) -> Iterator[None]:
     both are put back afterwards, and with them what ``schedule='auto'``
     had chosen (setting a schedule forgets it), so the next step does not
     measure to choose again."""
-    # The choices live in the pipe's config (pipe/config.py), which drops
-    # them on every schedule set; they are kept as they were.
-    saved = {k: pipe.__dict__.get(k) for k in ("_auto_report", "_auto_reports")}
+    # Setting a schedule replaces the pipe's choices (pipe/auto.py's
+    # Choices): the old object is put back as it was.
+    saved = pipe._choices()
     previous = (pipe.schedule, pipe.virtual_stages)
     try:
         yield
     finally:
         pipe.schedule, pipe.virtual_stages = previous
-        pipe.__dict__.update(saved)
+        pipe.__dict__["_auto_choices"] = saved
 
 
 def _step(pipe: Pipe, x: Any, y: Any, loss_fn: Callable[[Any, Any], Tensor] | None) -> None:

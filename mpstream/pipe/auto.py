@@ -11,8 +11,9 @@ tuning cache). The core may not import the tools, so the tools install a
 is imported, as ``import mpstream`` does) and the Pipe calls it. A
 choice (:class:`~mpstream.schedules.auto.ScheduleReport`, from
 ``pipe.schedule_report()``) is kept per micro-batch sizes until the
-schedule or ``virtual_stages`` is set again: a later step with sizes
-already seen runs what was chosen for them, one with new sizes chooses.
+schedule or ``virtual_stages`` is set again (:class:`Choices`): a later
+step with sizes already seen runs what was chosen for them, one with new
+sizes chooses.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..runtime.errors import annotate
 from ..schedules import (
     SCHEDULES,
     Auto,
@@ -30,7 +32,15 @@ from ..schedules import (
     virtual_stages_for,
 )
 
-__all__ = ["AutoRequest", "Chooser", "install_chooser", "candidates", "choose", "auto_of"]
+__all__ = [
+    "AutoRequest",
+    "Chooser",
+    "Choices",
+    "install_chooser",
+    "candidates",
+    "choose",
+    "auto_of",
+]
 
 
 @dataclass(frozen=True)
@@ -128,3 +138,74 @@ def choose(
     fitting, excluded = candidates(pipe.devices, pipe.virtual_stages)
     request = AutoRequest(auto, inputs, target, loss_fn, micros, fitting, excluded)
     return _installed[0](pipe, request)
+
+
+class Choices:
+    """What ``schedule="auto"`` chose for one pipe: per micro-batch sizes,
+    and the choice of the latest step (what ``pipe.schedule_report()``
+    shows and the next schedule runs). A new schedule or ``virtual_stages``
+    replaces the whole object, so a saved one is restored by putting it back.
+    """
+
+    def __init__(self) -> None:
+        self.by_sizes: dict[tuple[int, ...], ScheduleReport] = {}
+        self.latest: ScheduleReport | None = None
+
+    def report(self, schedule: object) -> ScheduleReport:
+        """The latest choice, for ``pipe.schedule_report()``.
+
+        Raises:
+            ValueError: ``schedule`` is not ``'auto'``.
+            RuntimeError: nothing was chosen yet.
+        """
+        if auto_of(schedule) is None:
+            named = (
+                f"your order of {len(schedule)} actions"
+                if isinstance(schedule, tuple)
+                else repr(schedule)
+            )
+            raise ValueError(
+                f"the schedule is {named}, chosen by you: schedule_report() describes what "
+                f"schedule='auto' chose"
+            )
+        if self.latest is None:
+            raise RuntimeError(
+                "schedule='auto' chooses at the first train_step (when the batch and the "
+                "micro-batch count are known), and none has chosen yet: run one (if one "
+                "failed while choosing, its error says why)"
+            )
+        return self.latest
+
+    def choose(
+        self,
+        pipe: Any,
+        inputs: Any,
+        target: Any,
+        loss_fn: Callable[[Any, Any], Any] | None,
+        sizes: tuple[int, ...],
+    ) -> None:
+        """Chooses ``pipe``'s schedule before a step with micro-batches of
+        ``sizes`` rows, unless one was chosen for them (nothing for a
+        schedule other than ``'auto'``): the best schedule, and which fit a
+        memory budget, depend on the micro-batch count and size.
+
+        Raises:
+            Exception: the chooser's, annotated (the pipe is as it was).
+        """
+        auto = auto_of(pipe.schedule)
+        if auto is None:
+            return
+        report = self.by_sizes.get(sizes)
+        if report is None:
+            micros = len(sizes)
+            try:
+                report = self.by_sizes[sizes] = choose(pipe, auto, inputs, target, loss_fn, micros)
+            except Exception as exc:
+                annotate(
+                    exc,
+                    f"mpstream: raised while schedule='auto' chose a schedule for {micros} "
+                    f"micro-batches (measuring steps of the pipe unless Auto(costs=...) gives "
+                    f"them); the pipe is as it was",
+                )
+                raise
+        self.latest = report

@@ -17,7 +17,7 @@ import torch
 from ..memory.batchnorm import DeferredBatchNorm, deferred_norms
 from ..memory.checkpoint import check_mode, checkpoint_stop
 from ..memory.shared_writes import SharedWrites
-from ..runtime.errors import annotate, stage_labels
+from ..runtime.errors import stage_labels
 from ..runtime.graph import StageGraph
 from ..runtime.graphed import GradStore, GraphReport, StageGraphs, generation
 from ..runtime.scheduler import EventScheduler
@@ -32,7 +32,7 @@ from ..schedules.schedule import (
 )
 from ..stages.sequential import check_flag, check_positive
 from ..stages.tracers import SplitReport
-from .auto import auto_of, choose
+from .auto import Choices, auto_of
 from .compiling import compile_stages
 from .module import PipeModule, unsplit
 
@@ -160,8 +160,14 @@ class PipeConfig(PipeModule):
 
     def _forget_choices(self) -> None:
         """Makes ``schedule='auto'`` choose again at the next step of each size."""
-        self.__dict__["_auto_report"] = None
-        self.__dict__["_auto_reports"] = {}
+        self.__dict__["_auto_choices"] = Choices()
+
+    def _choices(self) -> Choices:
+        """What ``schedule='auto'`` chose (:class:`~mpstream.pipe.auto.Choices`)."""
+        found = self.__dict__.get("_auto_choices")
+        if found is None:
+            found = self.__dict__["_auto_choices"] = Choices()
+        return found  # type: ignore[no-any-return]
 
     def schedule_report(self) -> ScheduleReport:
         """What ``schedule='auto'`` chose and why: each fitting schedule's
@@ -176,51 +182,7 @@ class PipeConfig(PipeModule):
             RuntimeError: it has not chosen yet (it does at the first
                 ``train_step``).
         """
-        if auto_of(self.schedule) is None:
-            given = self.schedule
-            named = (
-                f"your order of {len(given)} actions" if isinstance(given, tuple) else repr(given)
-            )
-            raise ValueError(
-                f"the schedule is {named}, chosen by you: schedule_report() describes what "
-                f"schedule='auto' chose"
-            )
-        report = self.__dict__.get("_auto_report")
-        if report is None:
-            raise RuntimeError(
-                "schedule='auto' chooses at the first train_step (when the batch and the "
-                "micro-batch count are known), and none has chosen yet: run one (if one "
-                "failed while choosing, its error says why)"
-            )
-        return report  # type: ignore[no-any-return]
-
-    def _choose_schedule(
-        self, inputs: Any, target: Any, loss_fn: Any, sizes: tuple[int, ...]
-    ) -> None:
-        """Chooses the schedule of ``schedule='auto'`` before its first step
-        with micro-batches of ``sizes`` rows (nothing for any other
-        schedule; the choice for sizes already seen is kept): the best
-        schedule, and which fit a memory budget, depend on the micro-batch
-        count and size, which a new ``split_size``, ``chunks`` or batch
-        size changes."""
-        auto = auto_of(self.schedule)
-        if auto is None:
-            return
-        reports = self.__dict__.setdefault("_auto_reports", {})
-        report = reports.get(sizes)
-        micros = len(sizes)
-        if report is None:
-            try:
-                report = reports[sizes] = choose(self, auto, inputs, target, loss_fn, micros)
-            except Exception as exc:
-                annotate(
-                    exc,
-                    f"mpstream: raised while schedule='auto' chose a schedule for {micros} "
-                    f"micro-batches (measuring steps of the pipe unless Auto(costs=...) gives "
-                    f"them); the pipe is as it was",
-                )
-                raise
-        self.__dict__["_auto_report"] = report
+        return self._choices().report(self.schedule)
 
     @property
     def scheduler(self) -> EventScheduler:
@@ -345,7 +307,7 @@ class PipeConfig(PipeModule):
         name: str | tuple[str, ...] = "gpipe"
         virtual = 1
         if training_step and auto_of(self.schedule) is not None:
-            report = self.__dict__.get("_auto_report")
+            report = self._choices().latest
             if report is None:
                 raise RuntimeError(
                     "schedule='auto' has not chosen a schedule yet: it does at the first "

@@ -227,7 +227,7 @@ class PipeStep(PipeCall):
             )
         weights = [n / batch if reduction == "mean" else 1.0 for n in sizes]
         with running_of(self).nesting():  # 'auto' measures steps of this pipe
-            self._choose_schedule(*given, tuple(sizes))
+            self._choices().choose(self, *given, tuple(sizes))
         schedule = self.schedule_for(
             len(micro),
             batch_device(args),
