@@ -5,7 +5,7 @@ FileStore for the rendezvous); after each step their parameters must equal a
 single process's on the whole batch, for the DDP forward/backward path and for
 ``mpstream.distributed.train_step``, with every schedule (a user-given order
 too) and checkpoint mode.
-The example script is run end to end with ``torchrun`` too, resume included.
+The example script's run under ``torchrun`` is in tests/test_examples.py.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-import subprocess
 import sys
 import traceback
 from collections.abc import Callable
@@ -46,7 +45,6 @@ LAUNCH_TIMEOUT = 240.0
 # Two stages, two micro-batches per process: zb_h1's order with the weight
 # passes moved last.
 USER_ORDER = "F0m0 F1m0 F0m1 B1m0 B0m0 F1m1 B1m1 B0m1 W1m0 W0m0 W0m1 W1m1"
-SCRIPT_TIMEOUT = 240.0
 
 
 @dataclass(frozen=True)
@@ -468,56 +466,3 @@ def test_train_step_handles_buffers_as_the_ddp_forward_does(ranks: list[dict[str
     assert not torch.equal(r0["1.running_mean@1"], r1["1.running_mean@1"])
     for key in ("1.running_mean", "1.running_var", "4.running_var", "1.num_batches_tracked"):
         torch.testing.assert_close(r1[f"{key}@synced"], r0[f"{key}@1"])
-
-
-# -- the example script --------------------------------------------------------------
-
-
-def run_example(cwd: Path, *args: str) -> str:
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={WORLD}",
-        str(ROOT / "examples" / "ddp_pipeline.py"),
-        "--cpu",
-        "--stages=2",
-        "--steps=1",
-        "--batch-size=4",
-        "--image-size=32",
-        "--dataset-size=16",
-        "--num-classes=10",
-        *args,
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    if sys.platform.startswith("linux"):
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    done = subprocess.run(
-        command, cwd=cwd, env=env, capture_output=True, text=True, timeout=SCRIPT_TIMEOUT
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "replicas in sync: yes" in done.stdout, done.stdout
-    return done.stdout
-
-
-@pytest.mark.slow
-def test_example_trains_saves_and_resumes(tmp_path: Path) -> None:
-    once = run_example(tmp_path, "--epochs=2", "--ckpt=once.pt")
-    assert "epoch 1 step 0 loss" in once
-    run_example(tmp_path, "--epochs=1", "--ckpt=twice.pt")
-    resumed = run_example(tmp_path, "--epochs=2", "--ckpt=twice.pt", "--resume")
-    assert "resumed from twice.pt at epoch 1" in resumed
-    assert "epoch 0 step" not in resumed
-    # Stopping after epoch 0 and resuming trains exactly as running through.
-    a = torch.load(tmp_path / "once.pt", weights_only=True)
-    b = torch.load(tmp_path / "twice.pt", weights_only=True)
-    assert a["epoch"] == b["epoch"] == 2
-    for key, value in a["model"].items():
-        assert torch.equal(value, b["model"][key]), key
-    momentum_a, momentum_b = a["optimizer"]["state"], b["optimizer"]["state"]
-    assert momentum_a.keys() == momentum_b.keys()
-    for index in momentum_a:
-        assert torch.equal(
-            momentum_a[index]["momentum_buffer"], momentum_b[index]["momentum_buffer"]
-        ), f"momentum of parameter {index}"

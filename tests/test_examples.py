@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import runpy
 import subprocess
 import sys
@@ -287,3 +288,52 @@ def test_the_ddp_example_refuses_stages_and_balances_before_starting(
         example["parse_args"]()
     assert exited.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def _torchrun_example(cwd: Path, *args: str) -> str:
+    """examples/ddp_pipeline.py run by torchrun, two CPU processes; its output."""
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(ROOT / "examples" / "ddp_pipeline.py"),
+        "--cpu",
+        "--stages=2",
+        "--steps=1",
+        "--batch-size=4",
+        "--image-size=32",
+        "--dataset-size=16",
+        "--num-classes=10",
+        *args,
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    if sys.platform.startswith("linux"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=240.0)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "replicas in sync: yes" in done.stdout, done.stdout
+    return done.stdout
+
+
+@pytest.mark.slow
+def test_the_ddp_example_trains_saves_and_resumes_under_torchrun(tmp_path: Path) -> None:
+    once = _torchrun_example(tmp_path, "--epochs=2", "--ckpt=once.pt")
+    assert "epoch 1 step 0 loss" in once
+    _torchrun_example(tmp_path, "--epochs=1", "--ckpt=twice.pt")
+    resumed = _torchrun_example(tmp_path, "--epochs=2", "--ckpt=twice.pt", "--resume")
+    assert "resumed from twice.pt at epoch 1" in resumed
+    assert "epoch 0 step" not in resumed
+    # Stopping after epoch 0 and resuming trains exactly as running through.
+    a = torch.load(tmp_path / "once.pt", weights_only=True)
+    b = torch.load(tmp_path / "twice.pt", weights_only=True)
+    assert a["epoch"] == b["epoch"] == 2
+    for key, value in a["model"].items():
+        assert torch.equal(value, b["model"][key]), key
+    momentum_a, momentum_b = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert momentum_a.keys() == momentum_b.keys()
+    for index in momentum_a:
+        assert torch.equal(
+            momentum_a[index]["momentum_buffer"], momentum_b[index]["momentum_buffer"]
+        ), f"momentum of parameter {index}"
