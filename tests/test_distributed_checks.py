@@ -238,6 +238,11 @@ def test_the_wrapped_pipes_own_train_step_is_refused_with_what_to_do(group: None
     mpdist.train_step(ddp, x, y, nn.MSELoss())
     with pytest.raises(RuntimeError, match="never averaged"):
         ddp.module.train_step(x, y, nn.MSELoss())
+    # Wrapped twice: refused while either wrapper lives.
+    second = mpdist.wrap(pipe)
+    del second
+    with pytest.raises(RuntimeError, match="never averaged"):
+        pipe.train_step(x, y, nn.MSELoss())
 
 
 def test_schedule_auto_measures_a_wrapped_pipe_by_its_own_steps(group: None) -> None:

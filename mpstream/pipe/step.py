@@ -35,9 +35,10 @@ from .snapshot import Norms, Snapshot
 __all__ = ["PipeStep", "StageDone", "averaged_by"]
 
 # Pipes whose gradients a data-parallel wrapper averages over processes
-# (mpstream.distributed.wrap): the wrapper, weakly, and why train_step alone
-# must not run. Kept here rather than on the pipe, which pickles and copies.
-_AVERAGED_BY: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref[Any], str]] = (
+# (mpstream.distributed.wrap): each wrapper, weakly (a pipe wrapped twice is
+# refused while either lives), and why train_step alone must not run. Kept
+# here rather than on the pipe, which pickles and copies.
+_AVERAGED_BY: weakref.WeakKeyDictionary[nn.Module, list[tuple[weakref.ref[Any], str]]] = (
     weakref.WeakKeyDictionary()
 )
 
@@ -52,7 +53,8 @@ def averaged_by(pipe: nn.Module, owner: object, why: str) -> None:
         owner: the wrapper (a ``DistributedDataParallel``), held weakly.
         why: the error's message: what happens, and what to call instead.
     """
-    _AVERAGED_BY[pipe] = (weakref.ref(owner), why)
+    owners = [(ref, w) for ref, w in _AVERAGED_BY.get(pipe, ()) if ref() is not None]
+    _AVERAGED_BY[pipe] = [*owners, (weakref.ref(owner), why)]
 
 
 class StageDone(Protocol):
@@ -159,9 +161,9 @@ class PipeStep(PipeCall):
         ``CapturedStep`` runs right after zeroing the gradients clones none
         (a failure zeroes them again).
         """
-        averaging = _AVERAGED_BY.get(self)
-        if averaging is not None and averaging[0]() is not None and dist.is_initialized():
-            raise RuntimeError(averaging[1])
+        for owner, why in _AVERAGED_BY.get(self, ()):
+            if owner() is not None and dist.is_initialized():
+                raise RuntimeError(why)
         return self._train_step(inputs, target, loss_fn, reduction, scaler)
 
     @held("train_step")
