@@ -41,6 +41,8 @@ from .inplace_paths import path as _path
 from .inplace_paths import updated
 from .inplace_paths import updates as _updates
 from .inplace_paths import viewed as _viewed
+from .inplace_paths import written as _written
+from .lookups import item_name
 
 __all__ = ["check_in_place", "copy_changed_inputs", "augmented"]
 
@@ -319,6 +321,24 @@ def check_in_place(gm: fx.GraphModule, stage_of: dict[fx.Node, int]) -> None:
             _refuse(node, here, base, hit, entry, reader, view, stage_of, changes)
 
 
+def _changed_name(node: fx.Node, keys: tuple[Any, ...], changes: dict[fx.Node, fx.Node]) -> str:
+    """What ``node`` changes, named as the code reaches it (``batch[0]['t']``),
+    where only items and fields lie between: else the value it views and
+    ``keys``, the items of it changed (``batch['x']``, the rest not changed)."""
+    found = _written(changes[node], changes)
+    if found is None:
+        root, steps = _base(node, changes), tuple(("[", k) for k in keys)
+    else:
+        # A dict update changes the key it sets (``keys`` ends with it).
+        root, steps = (
+            found[0],
+            found[1] + tuple(("[", k) for k in keys[-1:] if _given(node, changes)),
+        )
+    # An input's copy (copy_changed_inputs) is named for the input.
+    name = str(root.args[0] if root.target is own else root)
+    return item_name((name, steps)) if steps else f"'{name}'"
+
+
 def _refuse(
     node: fx.Node,
     here: int,
@@ -332,10 +352,7 @@ def _refuse(
 ) -> None:
     """Raises the error of :func:`check_in_place` for ``reader``, which reads
     ``view`` (the changed value, or a view of it) without the change."""
-    # An input's copy (copy_changed_inputs) is named for the input.
-    changed = f"'{base.args[0] if base.target is own else base}'"
-    if keys:  # an item of a structure (``batch["x"]``), the rest not changed
-        changed = f"item {''.join(f'[{k!r}]' for k in keys)} of {changed}"
+    changed = _changed_name(node, keys, changes)
     t = -1 if reader.op == "output" else stage_of[reader]
     who = "the result" if t < 0 else f"stage {t}"
     through = "" if view is base else f" through its view '{view}'"

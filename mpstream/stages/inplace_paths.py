@@ -28,8 +28,8 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 __all__ = [
-    "viewed", "base", "path", "memory", "overlap", "structure", "fields", "updates", "given",
-    "updated", "record_update",
+    "viewed", "base", "path", "written", "memory", "overlap", "structure", "fields", "updates",
+    "given", "updated", "record_update",
 ]  # fmt: skip
 
 # Methods and torch functions whose result may share its first argument's
@@ -300,6 +300,31 @@ def path(value: fx.Node, changes: dict[fx.Node, fx.Node]) -> tuple[Any, ...]:
         keys = [key, *keys] if isinstance(key, (str, int)) and not isinstance(key, bool) else []
         node = owner
     return tuple(keys)
+
+
+def written(
+    node: fx.Node, changes: dict[fx.Node, fx.Node]
+) -> tuple[fx.Node, tuple[tuple[str, Any], ...]] | None:
+    """The value ``node`` is an item of, and the steps the code takes from
+    there, as :func:`~mpstream.stages.lookups.item_name` spells them
+    (``batch[0]["t"]``: ``batch`` and ``(("[", 0), ("[", "t"))``;
+    ``batch.inner``: ``((".", "inner"),)``), through in-place changes and
+    the keys a dict update set (the value set is that object). None where
+    anything else lies between (a view: ``h.view(-1)``)."""
+    steps: list[tuple[str, Any]] = []
+    while (owner := viewed(node, changes)) is not None:
+        if node not in changes and _set_at(node, changes) is _UNSET:
+            key = node.args[1] if len(node.args) > 1 else None
+            if not isinstance(key, (str, int)) or isinstance(key, bool):
+                return None
+            if node.target is operator.getitem:
+                steps.insert(0, ("[", key))
+            elif node.target is getattr and _field(node):
+                steps.insert(0, (".", key))
+            else:
+                return None
+        node = owner
+    return node, tuple(steps)
 
 
 def memory(node: fx.Node, changes: dict[fx.Node, fx.Node]) -> tuple[fx.Node, tuple[Any, ...]]:

@@ -121,9 +121,7 @@ def test_a_dict_update_a_later_stage_misses_is_refused_with_advice_for_a_dict() 
     # The advice was "make that operation out of place (inplace=False)",
     # which a dict update has no form of.
     refused = (
-        re.escape(
-            "'ior' in stage 1 changes item ['t'] of 'batch' in place, which stage 2 also reads"
-        )
+        re.escape("'ior' in stage 1 changes batch['t'] in place, which stage 2 also reads")
         + r".*Update batch by its own name \(batch \|= \{\.\.\.\} or batch\[key\] = value"
     )
     with pytest.raises(ValueError, match=refused) as raised:
@@ -238,3 +236,8 @@ def test_a_dict_in_a_list_runs_where_the_copying_stage_sets_it_and_is_refused_by
         Pipe(WritesADictInAList(how, where=1), split_points=["b", "c"], devices=["cpu"] * 3,
              tracer="fx", sample=given)  # fmt: skip
     assert "by its own name" not in str(raised.value)
+    # Named as the code reaches it: it was "item ['t'] of 'batch'", the list's index lost.
+    assert f"'{_NAMES[how]}' in stage 1 changes batch[0]['t'] in place" in str(raised.value)
+
+
+_NAMES = {"ior": "ior", "set-a-key": "update", "update": "update"}

@@ -6,6 +6,8 @@ by index."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import Tensor, nn
@@ -17,7 +19,7 @@ from tests.stages.inplace_helpers import Batch, Odd, runs_as_the_module
 def _refused(model: nn.Module, leaf: type[nn.Module], changed: str) -> None:
     """A pipe of ``model`` split at ``b`` and ``c`` (``leaf`` kept whole) is
     refused: stage 1's ``mul_`` changes ``changed``, which stage 2 reads."""
-    refused = f"'mul_' in stage 1 changes '{changed}' in place, which stage 2"
+    refused = re.escape(f"'mul_' in stage 1 changes {changed} in place, which stage 2")
     with pytest.raises(ValueError, match=refused):
         Pipe(model, chunks=2, split_points=["b", "c"], devices=["cpu"] * 3, leaf_modules=[leaf])
 
@@ -49,7 +51,7 @@ class ChangesAField(nn.Module):
 
 def test_a_change_of_another_stage_s_namedtuple_field_is_refused() -> None:
     # It was let through: stage 2 read ``out.x`` as stage 0 made it, unchanged.
-    _refused(ChangesAField(), Pair, "pair")
+    _refused(ChangesAField(), Pair, "pair.x")
 
 
 class ChangesOneItem(nn.Module):
@@ -73,7 +75,7 @@ def test_a_change_of_one_item_of_a_dict_input_leaves_the_others_to_later_stages(
     # It was refused as a change of 'batch', though stage 2 reads only batch["m"].
     batch = {k: torch.randn(6, 4, dtype=torch.float64) for k in ("x", "m")}
     runs_as_the_module(ChangesOneItem(), batch, "fx")
-    refused = r"changes item \['x'\] of 'batch' in place, which stage 2"
+    refused = r"changes batch\['x'\] in place, which stage 2"
     with pytest.raises(ValueError, match=refused):
         Pipe(ChangesOneItem("x"), chunks=2, split_points=["b", "c"], devices=["cpu"] * 3,
              tracer="fx")  # fmt: skip
@@ -111,7 +113,7 @@ class ChangesOtherField(nn.Module):
 def test_a_change_of_one_field_of_a_leaf_s_result_is_refused(leaf: type[nn.Module]) -> None:
     # A leaf's fields were memories of their own: AliasedPair's was let through, and
     # across devices stage 2 would read out.y, a view of out.x, unchanged.
-    _refused(ChangesOtherField(leaf()), leaf, "pair")
+    _refused(ChangesOtherField(leaf()), leaf, "pair.x")
 
 
 class ChangesOneResult(nn.Module):
@@ -164,7 +166,7 @@ class ChangesByIndex(nn.Module):
 @pytest.mark.parametrize("tensor", [False, True])
 def test_an_index_that_may_read_a_tensor_stays_one_memory(tensor: bool) -> None:
     # fx cannot tell a leaf's tuple from a tensor, and x[-1] of a tensor may be x[0].
-    _refused(ChangesByIndex(tensor), Both, "both")
+    _refused(ChangesByIndex(tensor), Both, "both[0][0]" if tensor else "both[0]")
 
 
 class OddPair(nn.Module):
@@ -197,7 +199,7 @@ class ChangesAnOddField(nn.Module):
 def test_a_change_of_a_field_named_as_a_tensor_attribute_is_refused(name: str) -> None:
     # out.grad was taken for a tensor's grad, out.shape for a size: the change was let
     # through, and stage 2 read the field as stage 0 made it.
-    _refused(ChangesAnOddField(name), OddPair, "pair")
+    _refused(ChangesAnOddField(name), OddPair, f"pair.{name}")
 
 
 # Torch calls returning a namedtuple of tensors, and its two fields' names.
@@ -241,7 +243,7 @@ def test_a_change_of_a_result_s_field_by_name_or_index_is_refused(
     # m.values was a memory of its own: changed in stage 1, stage 2 read it
     # (as m.values or m[0]) as stage 0 made it.
     first = RESULTS[op][1][0] if read == "name" else 0
-    refused = r"'mul_' in stage 1 changes item \[0\] of '\w+' in place, which stage 2 also reads"
+    refused = r"'mul_' in stage 1 changes \w+(\.\w+|\[0\]) in place, which stage 2 also reads"
     with pytest.raises(ValueError, match=refused):
         Pipe(ChangesAResultField(op, by, first), chunks=2, split_points=["b", "c"],
              devices=["cpu"] * 3, tracer="fx")  # fmt: skip
