@@ -25,7 +25,8 @@ from torch.fx.passes.split_module import split_module
 
 from ..runtime.graph import StageGraph
 from .fx_tracer import Tracer
-from .inplace import check_in_place, copy_changed_inputs
+from .inplace import changes_in_place, check_in_place, copy_changed_inputs
+from .inplace_paths import updated_inputs
 from .lookups import Lookup
 from .points import begin_stages, split_candidates, units_in_order
 from .shared_inputs import NO_CHANGES, ChangedInputs
@@ -279,6 +280,7 @@ def trace(
         gm = _trace(module, leaf_modules, nones, values, lookups)
     _check_result(gm)
     stage_of = _stage_of_nodes(gm, list(split_points), module)
+    updates = updated_inputs(changes_in_place(gm))
     copied = copy_changed_inputs(gm, stage_of)
     check_in_place(gm, stage_of)
     qualnames: dict[str, str] = {}
@@ -294,7 +296,11 @@ def trace(
         graph,
         Binder(module, inputs),
         [_tensors_used(s, p, qualnames) for s, p in enumerate(partitions)],
-        ChangedInputs.of(inputs, {inputs.index(str(h.target)): p for h, p in copied.items()}),
+        ChangedInputs.of(
+            inputs,
+            {inputs.index(str(h.target)): p for h, p in copied.items()},
+            {inputs.index(str(h.target)): u for h, u in updates.items()},
+        ),
     )
 
 

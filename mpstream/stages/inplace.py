@@ -44,7 +44,7 @@ from .inplace_paths import viewed as _viewed
 from .inplace_paths import written as _written
 from .lookups import item_name
 
-__all__ = ["check_in_place", "copy_changed_inputs", "augmented"]
+__all__ = ["check_in_place", "copy_changed_inputs", "changes_in_place", "augmented"]
 
 _IN_PLACE_OPERATORS = {
     operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
@@ -138,7 +138,7 @@ def _argument(node: fx.Node, op: torch._ops.OpOverload, name: str) -> Any:
     return None
 
 
-def _changes(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
+def changes_in_place(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
     """Each in-place operation and the value it changes, which its result is
     too (``y = h.mul_(2)``, ``h *= 2``, a ``torch.export`` graph's later
     readers of ``h``: all ``h``)."""
@@ -232,7 +232,7 @@ def copy_changed_inputs(
     """
     changed: dict[fx.Node, dict[tuple[Any, ...], None]] = {}  # the paths changed in each
     copied: dict[fx.Node, tuple[tuple[Any, ...], ...]] = {}
-    changes = _changes(gm)
+    changes = changes_in_place(gm)
     for node, value in changes.items():
         if (base := _base(value, changes)).op == "placeholder":
             found = changed.setdefault(base, {})
@@ -288,7 +288,7 @@ def check_in_place(gm: fx.GraphModule, stage_of: dict[fx.Node, int]) -> None:
     Raises:
         ValueError: naming the operation, the stages, the value read and what to do.
     """
-    changes = _changes(gm)
+    changes = changes_in_place(gm)
     # Every value viewing each base, itself first, and the items of it it views.
     views: dict[fx.Node, list[tuple[fx.Node, tuple[Any, ...]]]] = {}
     for node in gm.graph.nodes:

@@ -29,7 +29,7 @@ from torch.utils import _pytree as pytree
 
 __all__ = [
     "viewed", "base", "path", "written", "memory", "overlap", "structure", "fields", "updates",
-    "given", "updated", "record_update",
+    "given", "updated", "record_update", "no_dict_update", "updated_inputs",
 ]  # fmt: skip
 
 # Methods and torch functions whose result may share its first argument's
@@ -41,6 +41,9 @@ VIEWS = {
     "split_with_sizes", "chunk", "unbind", "tensor_split", "hsplit", "vsplit", "dsplit",
     "detach", "contiguous", "real", "imag", "view_as_real", "view_as_complex", "alias",
 }  # fmt: skip
+# The steps from a value to an item of it, as lookups.Item takes them.
+Steps = tuple[tuple[str, Any], ...]
+
 _VIEW_ATTRIBUTES = {"T", "mT", "H", "mH", "data", "real", "imag"}
 
 
@@ -180,15 +183,20 @@ def updated(target: Any, *args: Any, **kwargs: Any) -> Any:
     if not isinstance(target, dict):
         # The tracer records an object's own ``update`` as a call of it
         # where the call traced holds the object; with no call, as a dict's.
-        kind = type(target).__name__
-        raise TypeError(
-            f"forward calls .update(...) on a {kind}, which the trace took for a dict's "
-            f"update (the call traced held a dict there, or no call was given): pass "
-            f"Pipe(..., sample=...), a call holding a {kind} there, so that it is traced "
-            f"as the {kind}'s own method"
-        )
+        # A call's input is refused before anything runs (ChangedInputs.check).
+        raise no_dict_update(type(target).__name__)
     target.update(*args, **kwargs)
     return target
+
+
+def no_dict_update(kind: str, call: str = ".update(...)") -> TypeError:
+    """The error for ``call``, a ``.update`` the trace took for a dict's,
+    on a ``kind`` (no dict), and what to do."""
+    return TypeError(
+        f"forward calls {call} on a {kind}, which the trace took for a dict's update (the "
+        f"call traced held a dict there, or no call was given): pass Pipe(..., sample=...), "
+        f"a call holding a {kind} there, so that it is traced as the {kind}'s own method"
+    )
 
 
 def record_update(record: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -302,9 +310,7 @@ def path(value: fx.Node, changes: dict[fx.Node, fx.Node]) -> tuple[Any, ...]:
     return tuple(keys)
 
 
-def written(
-    node: fx.Node, changes: dict[fx.Node, fx.Node]
-) -> tuple[fx.Node, tuple[tuple[str, Any], ...]] | None:
+def written(node: fx.Node, changes: dict[fx.Node, fx.Node]) -> tuple[fx.Node, Steps] | None:
     """The value ``node`` is an item of, and the steps the code takes from
     there, as :func:`~mpstream.stages.lookups.item_name` spells them
     (``batch[0]["t"]``: ``batch`` and ``(("[", 0), ("[", "t"))``;
@@ -325,6 +331,24 @@ def written(
                 return None
         node = owner
     return node, tuple(steps)
+
+
+def updated_inputs(
+    changes: dict[fx.Node, fx.Node],
+) -> dict[fx.Node, tuple[tuple[Steps, bool], ...]]:
+    """Each input (its placeholder, before
+    :func:`~mpstream.stages.inplace.copy_changed_inputs` copies it) holding
+    a dict the forward updates in place (``batch |= {...}``,
+    ``batch["inner"]["t"] = h``), with the steps to each such dict in it
+    and whether ``.update`` updates it, which the trace took for a dict's
+    (see :meth:`~mpstream.stages.shared_inputs.ChangedInputs.check`)."""
+    found: dict[fx.Node, dict[tuple[Steps, bool], None]] = {}
+    for node in changes:
+        method = node.target is updated
+        reached = written(changes[node], changes) if method or updates(node, changes) else None
+        if reached is not None and reached[0].op == "placeholder":
+            found.setdefault(reached[0], {})[reached[1], method] = None
+    return {holder: tuple(found_in) for holder, found_in in found.items()}
 
 
 def memory(node: fx.Node, changes: dict[fx.Node, fx.Node]) -> tuple[fx.Node, tuple[Any, ...]]:

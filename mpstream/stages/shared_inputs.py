@@ -9,7 +9,11 @@ batch ``{"x": t, "y": t[:, :2]}``): the copy would hide it, so a reader of
 target after the forward (``train_step(t, t, loss_fn)``). Sharing is a
 property of a call's tensors, not of the trace, so
 :meth:`ChangedInputs.check` looks for it on every call of a split that
-changes an input, and refuses before anything runs.
+changes an input, and refuses before anything runs. So does it for a dict
+the forward updates (``batch["p"] |= {...}``) that the call holds at
+another place too (``{"p": d, "q": d}``): the micro-batches hold a dict
+of their own at each place; and for a ``.update`` the trace took for a
+dict's where the call holds no dict.
 """
 
 from __future__ import annotations
@@ -23,12 +27,16 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 
 from ..runtime.microbatch import NoChunk
+from .inplace_paths import no_dict_update
+from .lookups import NOTHING, item_name, value_at
 
 __all__ = ["ChangedInputs", "NO_CHANGES"]
 
 Path = tuple[Any, ...]
 # Keys into an input as pytree names them (``batch['x']``, ``batch.x``, ``batch[1]``).
 KeyPath = tuple[Any, ...]
+# The steps from an input to an item of it (see lookups.Item).
+Steps = tuple[tuple[str, Any], ...]
 
 
 @dataclass(frozen=True)
@@ -45,18 +53,31 @@ class ChangedInputs:
 
     names: tuple[str, ...]
     paths: tuple[tuple[int, tuple[Path, ...]], ...]
+    # A default: pickled before it was a field.
+    updates: tuple[tuple[int, tuple[tuple[Steps, bool], ...]], ...] = ()
 
     @classmethod
-    def of(cls, names: Sequence[str], paths: dict[int, tuple[Path, ...]]) -> ChangedInputs:
+    def of(
+        cls,
+        names: Sequence[str],
+        paths: dict[int, tuple[Path, ...]],
+        updates: dict[int, tuple[tuple[Steps, bool], ...]] | None = None,
+    ) -> ChangedInputs:
         """The inputs named ``names`` (in order), of which those at the keys
-        of ``paths`` are changed at those paths."""
-        return cls(tuple(names), tuple(sorted(paths.items())))
+        of ``paths`` are changed at those paths, and those at the keys of
+        ``updates`` hold a dict the forward updates at each of its steps
+        (True: by ``.update``, see :func:`~mpstream.stages.inplace.updated_inputs`)."""
+        return cls(
+            tuple(names), tuple(sorted(paths.items())), tuple(sorted((updates or {}).items()))
+        )
 
     def check(self, module: str, inputs: Sequence[Any], target: Any = None) -> None:
         """Refuses a call where an input the forward changes in place
         shares memory with another input tensor (another argument, another
         item of the same one, or the same tensor passed twice), or with the
-        target, which the loss reads after the forward.
+        target, which the loss reads after the forward; or where a dict the
+        forward updates is held at another place of the call too, or is
+        no dict where the forward calls its ``.update``.
 
         Args:
             module: the module's class name, for the message.
@@ -65,7 +86,11 @@ class ChangedInputs:
 
         Raises:
             ValueError: naming both and what to do.
+            TypeError: ``.update`` is called on what is no dict in the call.
         """
+        for index, updates in self.updates:
+            for steps, method in updates:
+                self._check_update(module, inputs, index, steps, method)
         if not self.paths:
             return
         given = [*enumerate(inputs), *([] if target is None else [(_TARGET, target)])]
@@ -83,6 +108,40 @@ class ChangedInputs:
                     for i, other_at, other, span in leaves:
                         if (i, other_at) != (index, at) and _share(t, mine, other, span):
                             self._refuse(module, (index, at), (i, other_at))
+
+    def _check_update(
+        self, module: str, inputs: Sequence[Any], index: int, steps: Steps, method: bool
+    ) -> None:
+        """Refuses a call holding no dict where the forward calls ``.update``
+        (traced as a dict's), or holding the dict the forward updates at
+        another place too: the pipeline splits the call into micro-batches
+        with a dict of their own at each place, so the update would not
+        show through the other."""
+        held = value_at({"": inputs[index]}, ("", steps))
+        if held is NOTHING:
+            return  # the call holds nothing there: the stage says what it lacks
+        here = item_name((self.names[index], steps))
+        if method and not isinstance(held, dict):
+            raise no_dict_update(type(held).__name__, f"{here}.update(...)")
+        if not isinstance(held, dict):
+            return  # ``|=`` on another object: its own operator, run as the module runs it
+        places = [
+            self._name(i, tuple(keys))
+            for i, value in enumerate(inputs)
+            for keys, leaf in pytree.tree_flatten_with_path(value, is_leaf=lambda v: v is held)[0]
+            if leaf is held
+        ]
+        if len(places) < 2:
+            return
+        # Its own place is one of them (as pytree spells it: an index from the front).
+        there = next((p for p in places if p != f"input {here}"), places[1])
+        raise ValueError(
+            f"{module}.forward updates the dict input {here} in place, and {there} of the "
+            f"same call is that same dict. In the module the update shows through both; a "
+            f"pipeline splits the call into micro-batches holding a dict of their own at "
+            f"each place, so {there} would miss it. Hold the dict at one place and read it "
+            f"there, or pass a copy at the other (dict(...)) where forward means them apart"
+        )
 
     def _name(self, index: int, keys: KeyPath) -> str:
         if index == _TARGET:

@@ -231,7 +231,7 @@ def test_an_update_method_of_an_argument_that_is_no_dict_is_called_as_the_module
     # Without a call, the trace takes it for a dict's update, and says so.
     pipe = Pipe(CallsAnObjectsUpdate(), split_points=["b"], devices=["cpu"] * 2, tracer="fx")
     refused = (
-        r"forward calls \.update\(\.\.\.\) on a Scales, which the trace took for a dict's "
+        r"forward calls scales\.update\(\.\.\.\) on a Scales, which the trace took for a dict's "
         r"update.*pass Pipe\(\.\.\., sample=\.\.\.\), a call holding a Scales there"
     )
     with pytest.raises(TypeError, match=refused):
