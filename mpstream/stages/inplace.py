@@ -33,6 +33,7 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
+from .field_writes import replaced
 from .inplace_paths import base as _base
 from .inplace_paths import given as _given
 from .inplace_paths import memory as _memory
@@ -88,7 +89,8 @@ def _changed_in_place(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
         in_place = getattr(gm.get_submodule(str(target)), "inplace", False) is True
     elif node.op == "call_method":
         in_place = str(target).endswith("_") and not str(target).startswith("_")
-    elif node.op == "call_function" and target is updated:  # its keywords are keys
+    elif node.op == "call_function" and (target is updated or target is replaced):
+        # A dict's keys set, or a namedtuple's fields: the structure changes, no tensor.
         return node.args[0] if isinstance(node.args[0], fx.Node) else None
     elif node.op == "call_function":
         name = getattr(target, "__name__", "")

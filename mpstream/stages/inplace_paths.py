@@ -27,6 +27,8 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
+from .field_writes import replaced
+
 __all__ = [
     "viewed", "base", "path", "written", "memory", "overlap", "structure", "fields", "updates",
     "given", "updated", "record_update", "no_dict_update", "updated_inputs",
@@ -221,7 +223,7 @@ def updates(node: fx.Node, changes: dict[fx.Node, fx.Node]) -> bool:
     # The augmented assignment's call carries its operator's name last.
     name = getattr(node.target, "__name__", None)
     ior = name == "ior" or (name == "augmented" and node.args[2:] == ("ior",))
-    if not ior and node.target is not updated:
+    if not ior and node.target is not updated and node.target is not replaced:
         return False
     target = node.args[0]
     return isinstance(_written(node), dict) or (isinstance(target, fx.Node) and structure(target))
@@ -253,11 +255,15 @@ _UNSET = object()
 def _set_at(node: fx.Node, changes: dict[fx.Node, fx.Node]) -> Any:
     """The value a dict update set at the key ``node``, a ``getitem``, reads
     of the update's result (``batch["t"]`` after ``batch |= {"t": h}``:
-    ``h``); ``_UNSET`` where no update set it."""
-    if node.target is not operator.getitem or len(node.args) < 2:
+    ``h``), or a field set by :func:`~mpstream.stages.field_writes.replaced`
+    (``batch.inner``); ``_UNSET`` where no update set it."""
+    if len(node.args) < 2 or not isinstance(container := node.args[0], fx.Node):
         return _UNSET
-    container, key = node.args[0], node.args[1]
-    if not isinstance(container, fx.Node) or isinstance(key, (fx.Node, slice)):
+    field = node.target is getattr and container.target is replaced
+    if node.target is not operator.getitem and not field:
+        return _UNSET
+    key = node.args[1]
+    if isinstance(key, (fx.Node, slice)):
         return _UNSET
     try:
         value = given(container, changes).get(key, _UNSET)

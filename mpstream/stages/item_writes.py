@@ -10,7 +10,9 @@ writing stage returns. A dict inside one, however it is updated
 (``inner = batch["inner"]`` then ``inner["t"] = h``, ``inner |= {...}`` or
 ``inner.update(...)``), is written back into its owner the same way
 (:func:`write_back`: ``batch |= {"inner": inner}``), so a later stage reads
-it through the owner too. Anything else is refused by name.
+it through the owner too; so is a dict in a namedtuple's or dataclass's
+field (``batch.inner``: :mod:`~mpstream.stages.field_writes`). Anything
+else is refused by name.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 
 from torch import fx
 
+from .field_writes import record_replace
 from .inplace_paths import updated
 from .lookups import NOTHING, item_name, value_at
 from .proxies import item_of
@@ -33,9 +36,8 @@ def write_item(tracer: Any, target: fx.Proxy, key: Any, value: Any) -> None:
 
     Raises:
         TypeError: ``target`` is no dict argument or item of one (a tensor:
-            torch.fx cannot record ``h[:, 0] = 0``, torch.export can), the
-            key is traced, or the dict is held where its owner cannot take
-            it back (a field of a namedtuple or dataclass).
+            torch.fx cannot record ``h[:, 0] = 0``, torch.export can), or
+            the key is traced.
     """
     owner = item_of(target)
     if owner is None:
@@ -60,13 +62,6 @@ def write_item(tracer: Any, target: fx.Proxy, key: Any, value: Any) -> None:
             f"{where}, an item of {_what(held)}, which torch.fx cannot record: set keys of "
             f"a dict argument only, or pass tracer='export'"
         )
-    steps = owner[1]
-    if steps and steps[-1][0] == ".":
-        raise TypeError(
-            f"{where}, a dict held in a field, which a traced pipeline cannot hand on to "
-            f"later stages: build a dict of forward's own ({{**{name}, {key!r}: ...}}) and "
-            f"pass that on"
-        )
     if isinstance(value, fx.Proxy) and _set_last(target, key, value):
         # ``batch["inner"] |= {...}``: Python sets the dict back after the
         # tracer wrote it back (write_back), which changes nothing.
@@ -80,16 +75,26 @@ def write_back(tracer: Any, changed: fx.Proxy) -> None:
     """After ``changed``, a dict held in another (``inner =
     batch["inner"]``), was updated in place (``inner |= {...}``,
     ``inner["t"] = v``, ``inner.update(...)``), its owner holds the updated
-    dict (``batch |= {"inner": inner}``, recorded by ``tracer``): a later
-    stage reads it through the owner too, as the module does. A dict held
-    in what takes no key (a list, or a key not a string with no call given)
-    is left where it is: the in-place check refuses a later stage's stale
-    read of it (:func:`~mpstream.stages.inplace.check_in_place`)."""
+    dict (``batch |= {"inner": inner}``, recorded by ``tracer``; in a
+    namedtuple's or dataclass's field, ``batch.inner``, the owner is
+    replaced by one holding it: :func:`~mpstream.stages.field_writes.replaced`),
+    and so on up to the argument: a later stage reads it through the owner
+    too, as the module does. A dict held in what takes no key (a list, or
+    a key not a string with no call given) is left where it is: the
+    in-place check refuses a later stage's stale read of it
+    (:func:`~mpstream.stages.inplace.check_in_place`)."""
     owner, item = changed.__dict__.get("_owner"), item_of(changed)
     if owner is None or item is None or not item[1]:
         return
     name, steps = item
-    key = steps[-1][1]
+    op, key = steps[-1]
+    if op == ".":
+        # A field (``batch.inner``): the call holds a namedtuple or dataclass
+        # there (value_at reads no other's), or no call was given.
+        if tracer.values is None or value_at(tracer.values, item) is not NOTHING:
+            record_replace(tracer, owner, key, changed)
+            write_back(tracer, owner)  # the owner, changed, held in another in turn
+        return
     if tracer.values is None:
         takes = isinstance(key, str)  # write_item's dict key, with no call given
     else:

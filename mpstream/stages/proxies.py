@@ -67,7 +67,8 @@ def _attribute(self: fx.Proxy, k: str) -> fx.proxy.Attribute | None:
     if item_name(field) in self.tracer.none_items:  # type: ignore[attr-defined]
         return None  # a field the traced call holds None in
     attribute = AugmentedAttribute(self, k)
-    attribute.__dict__["_item"] = field
+    # Its owner: a dict in the field, updated, is written back (item_writes).
+    attribute.__dict__.update(_item=field, _owner=self)
     return attribute
 
 

@@ -7,12 +7,14 @@ through a second name that a later stage misses, with advice that fits."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
 from torch import Tensor, nn
+from torch.utils import _pytree as pytree
 
 from mpstream import Pipe
 from tests.helpers import assert_same_grads
@@ -183,6 +185,72 @@ def test_a_key_set_through_the_name_of_a_dict_the_batch_holds_reaches_the_later_
         out.square().sum().backward()
         expected.square().sum().backward()
         assert_same_grads(pipe, model)
+
+
+class Held(NamedTuple):
+    x: Tensor
+    inner: dict[str, Tensor]
+
+
+@dataclasses.dataclass
+class HeldData:
+    x: Tensor
+    inner: dict[str, Tensor]
+
+
+pytree.register_dataclass(HeldData)
+
+
+class WritesThroughAField(nn.Module):
+    """Reads the dict its namedtuple or dataclass batch holds in a field
+    into a name of its own and sets a key of it as ``how`` spells it, in
+    stage 0 or 1 (``where``); the last stage reads the key through the batch."""
+
+    def __init__(self, how: str, where: int) -> None:
+        super().__init__()
+        self.how, self.where = how, where
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, batch: Held | HeldData) -> Tensor:
+        h = self.a(batch.x)
+        for stage in (0, 1):
+            if stage == 1:
+                h = self.b(h)
+            if stage != self.where:
+                continue
+            inner = batch.inner
+            if self.how == "ior":
+                inner |= {"t": h * 2}
+            elif self.how == "set-a-key":
+                inner["t"] = h * 2
+            else:
+                inner.update(t=h * 2)
+        return self.c(h) * batch.inner["t"] + batch.inner["u"]  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("how", ["ior", "set-a-key", "update"])
+@pytest.mark.parametrize("stages", [2, 3])  # 2: written in stage 0, read in 1; 3: in 1, read in 2
+@pytest.mark.parametrize("kind", [Held, HeldData])
+@pytest.mark.parametrize("sample", [False, True])
+def test_a_key_set_in_a_dict_a_field_holds_reaches_the_later_stages(
+    how: str, stages: int, kind: type[Held | HeldData], sample: bool
+) -> None:
+    # inner |= {...} and inner.update(...) in stage 1 of 3 were refused ("held
+    # in batch where a trace cannot write it back"), and inner["t"] = v in any
+    # stage ("a dict held in a field"): batch["inner"] of a dict batch ran.
+    torch.manual_seed(0)
+    model = WritesThroughAField(how, where=stages - 2).double()
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe = Pipe(copy.deepcopy(model), split_points=["b", "c"][3 - stages :],
+                devices=[f"cpu:{i}" for i in range(stages)], split_size=2, tracer="fx",
+                sample=(kind(x, {"u": x}),) if sample else None)  # fmt: skip
+    inner = {"u": x + 1}
+    out, expected = pipe(kind(x, inner)), model(kind(x, {"u": x + 1}))
+    torch.testing.assert_close(out, expected)
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    assert_same_grads(pipe, model)
+    assert list(inner) == ["u"]  # the caller's dict: as it was
 
 
 class WritesADictInAList(nn.Module):
