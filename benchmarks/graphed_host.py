@@ -2,17 +2,19 @@
 
 ``python benchmarks/graphed_host.py gpipe,1f1b 30`` prints, as JSON, per
 schedule, parameters per stage (80, 320) and loop (the user's own,
-``train_step``): aten operators per step and per replayed task, and the
-median host time per step and per task over interleaved rounds. Two stages
-of Conv2d + BatchNorm2d blocks, 8 micro-batches, replays that do nothing
-(:class:`NoReplay`, written for the replay API before and after commit
-56df8da, so the same script measures both). ``test_graphed.py`` checks the
-counts in the benchmark suite.
+``train_step``): aten operators per step and per replayed task, Python
+function calls per replayed task (mpstream's own, whatever the torch
+version, and all of them), and the median host time per step and per task
+over interleaved rounds. Two stages of Conv2d + BatchNorm2d blocks, 8
+micro-batches, replays that do nothing (:class:`NoReplay`, written for the
+replay API before and after commit 56df8da, so the same script measures
+both). ``test_graphed.py`` checks the counts in the benchmark suite.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -24,6 +26,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import mpstream
 from mpstream import Pipe
 from mpstream.runtime.graphed import Emulated
 
@@ -110,6 +113,36 @@ def count(pipe: Pipe, step: Callable[[], None]) -> Counter[str]:
     return seen.ops
 
 
+#: Where mpstream's own code lives: its frames are the counts that do not
+#: depend on the torch version.
+OWN = os.path.dirname(os.path.abspath(mpstream.__file__)) + os.sep
+
+
+def python_calls(step: Callable[[], None]) -> tuple[int, int]:
+    """The Python function calls one step makes (after capture and a
+    replay): mpstream's own, and all (a generator's resumption counts as one)."""
+    for _ in range(3):
+        step()
+    own: dict[Any, bool] = {}
+    counts = [0, 0]
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            code = frame.f_code
+            mine = own.get(code)
+            if mine is None:
+                mine = own[code] = os.path.abspath(code.co_filename).startswith(OWN)
+            counts[0] += mine
+            counts[1] += 1
+
+    sys.setprofile(profile)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    return counts[0], counts[1]
+
+
 def main(schedules: list[str], rounds: int) -> list[dict[str, Any]]:
     steps, results = {}, {}
     for schedule in schedules:
@@ -118,20 +151,23 @@ def main(schedules: list[str], rounds: int) -> list[dict[str, Any]]:
                 pipe = pipe_of(params, schedule)
                 step = runner(pipe, run)
                 ops = sum(count(pipe, step).values())
+                own, every = python_calls(step)
                 steps[(schedule, params, run)] = step
-                results[(schedule, params, run)] = (ops, tasks(pipe), [])
+                results[(schedule, params, run)] = (ops, own, every, tasks(pipe), [])
     for _ in range(rounds):  # interleaved: drift on a shared machine hits all alike
         for key, step in steps.items():
             start = time.perf_counter()
             step()
-            results[key][2].append(time.perf_counter() - start)
+            results[key][4].append(time.perf_counter() - start)
     out = []
-    for (schedule, params, run), (ops, n, times) in results.items():
+    for (schedule, params, run), (ops, own, every, n, times) in results.items():
         median = statistics.median(times) * 1e6
         out.append(
             {
                 "schedule": schedule, "params_per_stage": params, "loop": run,
                 "ops_per_step": ops, "ops_per_task": round(ops / n, 2),
+                "mpstream_calls_per_task": round(own / n, 2),
+                "python_calls_per_task": round(every / n, 2),
                 "host_us_per_step": round(median, 1), "host_us_per_task": round(median / n, 1),
             }
         )  # fmt: skip
