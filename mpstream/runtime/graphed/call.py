@@ -236,20 +236,6 @@ class GraphedCall:
             views = [self.store.views[j] for j, _ in pairs]
             torch._foreach_add_(views, [g for _, g in pairs])
 
-    def static_buffers(self) -> list[Tensor]:
-        """The buffers this call allocated outside any memory pool: its
-        static inputs (but a producer's buffer read in place), its static
-        outputs (unless :attr:`pooled_out`), output gradients and input
-        gradients (but those written into a producer's buffer). A
-        producer's buffers are its own call's to count."""
-        borrowed = {id(t) for t in self.grad_to if t is not None}
-        return [
-            *(t for t, g in zip(self.static_in, self.given) if g is None),
-            *(() if self.pooled_out else self.static_out),
-            *self.static_grad_out,
-            *(t for t in self.static_grad_in if t is not None and id(t) not in borrowed),
-        ]
-
     def busy(self) -> bool:
         """Whether the static activations belong to a forward whose backward
         (or weight pass) may still run."""
@@ -262,7 +248,12 @@ class GraphedCall:
     def forward(self, tensors: Sequence[Tensor]) -> list[Tensor]:
         """Replays the forward on ``tensors`` (copied into the static inputs
         unless they are them); returns the static outputs."""
-        with _GradOff():
+        # no_grad(), inline: its object (or a context manager's two calls)
+        # cost the host per replayed task; inside autograd it switches nothing.
+        on = torch.is_grad_enabled()
+        if on:
+            _set_grad(False)
+        try:
             for static, t, given in zip(self.static_in, tensors, self.given):
                 if given is not None:
                     # The buffer, or (the user's loop) a Replay's alias of it.
@@ -271,6 +262,9 @@ class GraphedCall:
                 elif t is not static:
                     static.copy_(t)
             self.backend.replay(self, "forward")
+        finally:
+            if on or torch.is_grad_enabled():  # as it was, as no_grad() leaves it
+                _set_grad(on)
         if not self.backend.runs_python:
             for norm in self.norms:
                 norm.count_forward()
@@ -278,6 +272,8 @@ class GraphedCall:
 
     def rebuild(self, outs: Sequence[Tensor]) -> Any:
         """The call's output structure around ``outs``."""
+        if self.out_spec is None:  # one tensor, the common case
+            return outs[0]
         result = list(self.out_items)
         for i, t in zip(self.out_where, outs):
             result[i] = t
@@ -299,13 +295,20 @@ class GraphedCall:
         post-accumulate hook runs (a pass whose adds are then undone).
         Returns the static input gradients, None where no output that got
         a gradient reaches."""
-        none = frozenset([k for k, g in zip(self.diff_out, grads) if g is None])
-        unreached, params = self._reach(none)
+        # Loops, not comprehensions: each of those is a call, once per task.
+        missing: list[int] = []
+        for k, g in zip(self.diff_out, grads):
+            if g is None:
+                missing.append(k)
+        unreached, params = self._reach(frozenset(missing)) if missing else (frozenset(), self.full)
         store = self.store
         hooked = store.ensure(params, token, autograd) if store is not None else []
         if not hooks:
             hooked = []
-        with _GradOff():
+        on = torch.is_grad_enabled()  # no_grad(), inline (see forward)
+        if on:
+            _set_grad(False)
+        try:
             for static, g in zip(self.static_grad_out, grads):
                 if g is None:
                     static.zero_()
@@ -313,11 +316,21 @@ class GraphedCall:
                     static.copy_(g)
             if "backward" in self.passes:
                 self.backend.replay(self, "backward")
-        self._hooked = hooked
-        if weight or "weight" not in self.passes:
-            self.weight()
-        elif store is not None:
-            self._ensured = (params, token, autograd)
+        finally:
+            if on or torch.is_grad_enabled():
+                _set_grad(on)
+        if "weight" not in self.passes:  # what weight() does after W, with no W
+            self.pending = None
+            if hooked:
+                self._run_hooks(hooked)
+        else:
+            self._hooked = hooked
+            if weight:
+                self.weight()
+            elif store is not None:
+                self._ensured = (params, token, autograd)
+        if not unreached:
+            return list(self.static_grad_in)
         return [None if i in unreached else g for i, g in enumerate(self.static_grad_in)]
 
     def weight(self) -> None:
@@ -329,22 +342,31 @@ class GraphedCall:
                 # Another micro-batch's W ran hooks in between, and one may
                 # have taken .grad away: attached again before W adds.
                 self.store.ensure(*ensured)
-            with _GradOff():
+            on = torch.is_grad_enabled()  # no_grad(), inline (see forward)
+            if on:
+                _set_grad(False)
+            try:
                 self.backend.replay(self, "weight")
+            finally:
+                if on or torch.is_grad_enabled():
+                    _set_grad(on)
         hooked, self._hooked = self._hooked, []
         self.pending = None  # the slot may take another forward
+        if hooked:
+            self._run_hooks(hooked)
+
+    def _run_hooks(self, hooked: list[nn.Parameter]) -> None:
+        """After a backward's last pass: the post-accumulate hooks of ``hooked``."""
         for p in hooked:
             for hook in p._post_accumulate_grad_hooks.values():  # type: ignore[union-attr]
                 hook(p)
-        if hooked and self.store is not None:
+        if self.store is not None:
             self.store.hooks_ran(hooked)
 
     def _reach(self, none: frozenset[int]) -> tuple[frozenset[int], frozenset[int]]:
         """The inputs (positions among those needing gradients) and the
         parameters (store positions) that no output with a gradient reaches
         (eager autograd gives them none), given the outputs without one."""
-        if not none:
-            return frozenset(), self.full
         cached = self._reached.get(none)
         if cached is None:
             n = len(self.static_grad_in)
@@ -362,24 +384,6 @@ Source: TypeAlias = tuple[GraphedCall, int, bool] | None
 
 #: Sets grad mode without making an object per call (see private).
 _set_grad = private.grad_mode_switch()
-
-
-class _GradOff:
-    """``torch.no_grad()`` for a replay, for less host time (one small
-    object, none of its decorator machinery, torch's own switch), and next
-    to none where grad mode is off already (inside autograd, in the user's
-    loop): it cost a few microseconds per replayed task."""
-
-    __slots__ = ("on",)
-
-    def __enter__(self) -> None:
-        self.on = torch.is_grad_enabled()
-        if self.on:
-            _set_grad(False)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.on or torch.is_grad_enabled():  # as it was, as no_grad() leaves it
-            _set_grad(self.on)
 
 
 def _plain(items: Sequence[Any]) -> list[Any]:

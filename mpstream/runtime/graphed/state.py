@@ -27,7 +27,7 @@ from .grads import GradStore
 from .keys import Baked, Scalars, hooks_registered
 from .report import StageReport
 
-__all__ = ["StageState", "drop_stale", "storage_bytes"]
+__all__ = ["StageState", "drop_stale", "static_buffers", "storage_bytes"]
 
 _hooks = operator.attrgetter("_backward_hooks")
 #: Tuples of training flags a stage keeps numbers for (see StageState.modes).
@@ -253,9 +253,24 @@ class StageState:
             captures=self.captures,
             recaptures=self.recaptures,
             reserved_bytes=sum(c.reserved for c in self.calls.values()) + pool_bytes(self.pool),
-            static_bytes=storage_bytes(t for c in self.calls.values() for t in c.static_buffers()),
+            static_bytes=storage_bytes(t for c in self.calls.values() for t in static_buffers(c)),
             grad_bytes=0 if self.store is None else self.store.nbytes(),
         )
+
+
+def static_buffers(call: GraphedCall) -> list[Tensor]:
+    """The buffers ``call`` allocated outside any memory pool: its static
+    inputs (but a producer's buffer read in place), its static outputs
+    (unless :attr:`~.call.GraphedCall.pooled_out`), output gradients and
+    input gradients (but those written into a producer's buffer). A
+    producer's buffers are its own call's to count."""
+    borrowed = {id(t) for t in call.grad_to if t is not None}
+    return [
+        *(t for t, g in zip(call.static_in, call.given) if g is None),
+        *(() if call.pooled_out else call.static_out),
+        *call.static_grad_out,
+        *(t for t in call.static_grad_in if t is not None and id(t) not in borrowed),
+    ]
 
 
 def storage_bytes(tensors: Iterable[Tensor]) -> int:

@@ -22,12 +22,17 @@ class Call:
         self.passes = {"forward": None, "backward": None}
         self.reserved = 10
         self.label = ""
+        # No buffers of its own (state.static_buffers reads these).
+        self.static_in: list[torch.Tensor] = []
+        self.given: list[torch.Tensor | None] = []
+        self.grad_to: list[torch.Tensor | None] = []
+        self.pooled_out = True
+        self.static_out: list[torch.Tensor] = []
+        self.static_grad_out: list[torch.Tensor] = []
+        self.static_grad_in: list[torch.Tensor | None] = []
 
     def busy(self) -> bool:
         return self.pending is not None
-
-    def static_buffers(self) -> list[torch.Tensor]:
-        return []
 
 
 def state(module: nn.Module | None = None) -> StageState:
