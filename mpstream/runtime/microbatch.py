@@ -33,7 +33,7 @@ __all__ = [
     "check_output",
     "describe",
     "leaves",
-    "flat_spec",
+    "FLAT",
     "tensors_of",
     "gradless",
     "grad_dtype",
@@ -69,23 +69,23 @@ class NoChunk:
         return f"NoChunk({tuple(self.tensor.shape)})"
 
 
-# The structure of a flat tuple of tensors (the common case, kept off
-# pytree's slower path).
-_FLAT = "flat tuple"
+#: The structure :func:`leaves` gives a flat tuple of ``n`` tensors is
+#: ``(FLAT, n)`` (the common case, kept off pytree's slower path; built
+#: inline, not by a helper: once per replayed task).
+FLAT = "flat tuple"
 
 
 def leaves(value: Any) -> tuple[list[Any], Any]:
     """The leaves of ``value`` and its structure (None: ``value`` is a Tensor)."""
     if type(value) is Tensor:
         return [value], None
-    if type(value) is tuple and all(type(v) is Tensor for v in value):
-        return list(value), flat_spec(len(value))
+    if type(value) is tuple:
+        for v in value:  # a loop, not all(): its generator is a call per item
+            if type(v) is not Tensor:
+                break
+        else:
+            return list(value), (FLAT, len(value))
     return pytree.tree_flatten(value)
-
-
-def flat_spec(n: int) -> tuple[str, int]:
-    """The structure :func:`leaves` gives a flat tuple of ``n`` tensors."""
-    return (_FLAT, n)
 
 
 def grad_dtype(t: Tensor) -> bool:

@@ -25,10 +25,11 @@ from torch.utils.hooks import RemovableHandle
 
 from ... import _ext
 from .. import private
-from ..microbatch import flat_spec, leaves
+from ..microbatch import FLAT, leaves
 
 __all__ = [
-    "Baked", "Scalars", "autocast_key", "generation", "hooks_registered", "signature", "MAX_VALUES",
+    "Baked", "Scalars", "any_autocast", "autocast_key", "generation", "hooks_registered",
+    "signature", "MAX_VALUES",
 ]  # fmt: skip
 
 #: Values one plain argument of a stage may take before further values run
@@ -38,8 +39,9 @@ MAX_VALUES = 8
 _generation = 0
 _hooked = False
 _training = operator.attrgetter("training")
-#: Whether autocast is on for any device (see private.autocast_check).
-_any_autocast = private.autocast_check()
+#: Whether autocast is on for any device (see private.autocast_check): one
+#: call to torch, which spares a replayed task :func:`autocast_key` when no.
+any_autocast = private.autocast_check()
 #: torch modules whose forward reads no training flag (exact types: a
 #: subclass may read it). Their flag changes nothing a graph computes, so a
 #: run does not read it: most of a transformer's modules are of these.
@@ -156,8 +158,8 @@ def _same(a: Sequence[object], b: Sequence[object]) -> bool:
 
 def autocast_key() -> tuple[Any, ...]:
     """The autocast state a capture bakes in: (device type, dtype) of each enabled one."""
-    if not _any_autocast():
-        return ()  # the common case, once per replayed forward: one call to torch
+    if not any_autocast():
+        return ()  # the common case (StageGraphs.find asks any_autocast itself first)
     return tuple(
         (d, torch.get_autocast_dtype(d)) for d in ("cuda", "cpu") if torch.is_autocast_enabled(d)
     )
@@ -172,7 +174,7 @@ def signature(args: Sequence[Any], grads: Sequence[bool] | None = None) -> tuple
     if grads is None or len(grads) == len(args):
         # The common case, once per replayed forward: a flat sequence of
         # tensors keyed as below without copying it or walking it twice.
-        flat: list[Any] = [flat_spec(len(args))]
+        flat: list[Any] = [(FLAT, len(args))]
         for i, x in enumerate(args):
             if type(x) is not Tensor:
                 break

@@ -32,7 +32,7 @@ past its values (:class:`~.keys.Scalars`) runs eagerly, with one warning.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -44,12 +44,13 @@ from ...schedules.schedule import Schedule
 from ...schedules.slots import Slots, plan_slots
 from .. import private
 from .backends import CudaGraphs
-from .call import Backend, GraphedCall, Source, was_raised_eagerly
+from .call import Backend, GraphedCall, Source
+from .first_calls import capture, overflow
 from .grads import GradStore
-from .keys import autocast_key, signature
+from .keys import any_autocast, autocast_key, signature
 from .report import GraphReport, GraphWarning
 from .state import StageState, drop_stale
-from .tied import TiedHooks, tied_ids
+from .tied import TiedHooks
 
 __all__ = ["StageGraphs", "MAX_CALLS", "MAX_GENERATIONS"]
 
@@ -59,8 +60,6 @@ MAX_CALLS = 64
 #: Sets of graphs per slot and signature for forwards whose backward is
 #: still pending; beyond, such forwards run eagerly.
 MAX_GENERATIONS = 4
-#: Captures whose order :attr:`StageGraphs.order` keeps (the first ones).
-_ORDER_KEPT = 1024
 #: What a training step's forward leaves pending on its call until its backward.
 _STEP = object()
 
@@ -101,8 +100,8 @@ class StageGraphs:
         self.order: list[tuple[int, int]] = []
         # The stores a training step saved (None: no step's save pending),
         # and whether every gradient was known zero then.
-        self._saved: list[GradStore] | None = None
-        self._zeroed = False
+        self.saved: list[GradStore] | None = None
+        self.zeroed = False
         self._plans: weakref.WeakKeyDictionary[Schedule, dict[bool, Slots]] = (
             weakref.WeakKeyDictionary()
         )
@@ -228,17 +227,17 @@ class StageGraphs:
             Per stage whose buffers were saved, its parameters they do not
             cover (tied ones, added into ``.grad`` at the step's end).
         """
-        self._saved, self._zeroed = [], zeroed
+        self.saved, self.zeroed = [], zeroed
         left: dict[int, list[nn.Parameter]] = {}
         for st in self.stages:
             if st.store is not None and st.reason is None:
-                self._saved.append(st.store)
+                self.saved.append(st.store)
                 left[st.index] = st.store.save(zeroed)
         return left
 
     def restore(self, keep: bool) -> None:
         """Puts the saved gradients back (``keep`` False), or forgets them."""
-        stores, self._saved = self._saved or [], None
+        stores, self.saved = self.saved or [], None
         for store in stores:
             if keep:
                 store.release()
@@ -277,16 +276,21 @@ class StageGraphs:
             return None
         grad = torch.is_grad_enabled()
         ckpt = checkpoint and grad
+        # Once per replayed task: loops and inline checks, not helpers and
+        # comprehensions (each a call).
+        given: list[Any] = []
+        for x in sources:
+            given.append(None if x is None else (id(x[0]), x[1], x[2]))
         key: tuple[Any, ...] = (
             self.slots.slot[(s, m)],
             ckpt,
             grad,
             torch.is_inference_mode_enabled(),  # its buffers are inference tensors
-            autocast_key(),
+            autocast_key() if any_autocast() else (),
             sig,
             split and grad and not ckpt,
             st.modes,  # the modules' training flags, numbered (StageState.modes)
-            tuple([None if x is None else (id(x[0]), x[1], x[2]) for x in sources]),
+            tuple(given),
         )
         number = st.numbers.get(key)  # the one time a replay hashes its key
         graphed: GraphedCall | None = None
@@ -296,7 +300,7 @@ class StageGraphs:
             # admitted values stay): only a new one is checked.
             why = st.scalars.admit(sig)
             if why is not None:
-                self._overflow(st, why)
+                overflow(st, why)
                 return None
         else:
             # A call whose activations still wait for their backward (a
@@ -305,85 +309,24 @@ class StageGraphs:
             # MAX_GENERATIONS.
             for generation in range(MAX_GENERATIONS):
                 graphed = st.calls.get((number, generation))
-                if graphed is None or not graphed.busy():
+                if graphed is None or graphed.pending is None or not graphed.busy():
                     break
             else:
-                self._overflow(st, f"{MAX_GENERATIONS} forwards awaiting their backward")
+                overflow(st, f"{MAX_GENERATIONS} forwards awaiting their backward")
                 return None
         if graphed is not None:
             st.calls.move_to_end((number, generation))
             st.used.add((number, generation))
         elif st.room(self.max_calls):
             at = (st.number(key), generation)
-            graphed = self._capture(st, key, at, stage, args, needs, ckpt, sources)
+            graphed = capture(self, st, key, at, stage, args, needs, ckpt, sources)
         else:
-            self._overflow(st, f"max_calls={self.max_calls} graphed calls in use")
+            overflow(st, f"max_calls={self.max_calls} graphed calls in use")
         if graphed is not None and self.token is not None and graphed.diff_out:
             graphed.pending = _STEP  # until the step's backward (or weight) task
         elif graphed is not None and self.token is None:
             self._forwarded.append(graphed)
         return graphed
-
-    def _capture(
-        self,
-        st: StageState,
-        key: tuple[Any, ...],
-        at: tuple[int, int],
-        stage: nn.Module,
-        args: Sequence[Any],
-        needs: Sequence[bool] | None,
-        ckpt: bool,
-        sources: Sequence[Source],
-    ) -> GraphedCall | None:
-        assert st.baked is not None
-        grad = bool(key[2])
-        if grad and st.store is None and st.baked.params:
-            st.store = GradStore(
-                st.baked.params,
-                tied_ids(st.module, [o.module for o in self.stages if o is not st]),
-                self.tied,
-            )
-            if self._saved is not None:
-                # A store made during a step that saved the others (the
-                # stage changed since): its parameters' gradients as they
-                # were, for a failure to put back. The step's snapshot,
-                # taken before, left them to the stage's old store, which
-                # may not have had them (a new or newly tied parameter).
-                st.store.save(self._zeroed, every=True)
-                self._saved.append(st.store)
-        if st.pool is None and st.device.type == "cuda" and isinstance(self.backend, CudaGraphs):
-            st.pool = torch.cuda.graph_pool_handle()
-        fn: Callable[..., Any] = (lambda *a: checkpointed(stage, *a)) if ckpt else stage
-        try:
-            graphed = GraphedCall(
-                fn, args, st.module, st.device, grad, self.backend, st.store,
-                ckpt, bool(key[6]), needs, st.pool, sources,
-            )  # fmt: skip
-        except Exception as exc:  # anything a graph cannot hold: run eagerly from now on
-            if was_raised_eagerly(exc):  # the stage's own error: the caller's to see
-                raise
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            st.reason = f"capture failed: {type(exc).__name__}: {first}"
-            st.failed = True
-            # Torch may leave the pinned-memory allocator routing to the
-            # failed capture's pool: a later capture gets a pool of its own.
-            st.pool = None
-            st.calls.clear()
-            return None
-        st.add(at, graphed)
-        if len(self.order) < _ORDER_KEPT:
-            self.order.append((st.index, key[0]))
-        return graphed
-
-    def _overflow(self, st: StageState, why: str) -> None:
-        """A call beyond a bound runs eagerly; the first one says so."""
-        if not st.overflow:
-            st.overflow = True
-            warn(
-                f"{st.label}: {why}; further such calls run eagerly (run fewer forwards "
-                f"before a backward, or fewer batch shapes)",
-                GraphWarning,
-            )
 
     def report(self) -> GraphReport:
         """Which stages and passes are graphed, how many graphs, what memory."""
