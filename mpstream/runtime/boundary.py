@@ -18,14 +18,14 @@ producer's backward on its device, or by a gradient copy to another one.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from .graph import Hop, Ref
-from .microbatch import grad_dtype, leaves, rebuild_leaves
+from .microbatch import leaves, rebuild_leaves
 from .stream import AnyStream, record_stream
 
 __all__ = [
@@ -59,12 +59,21 @@ class Boundary(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, sink: GradSink, anchor: Tensor, *inputs: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
         ctx.sink = sink
-        outputs = tuple(x.detach() for x in inputs)
         # Every value of a dtype with gradients gets one: the stage's backward
-        # computes the input gradients its producer waits for.
-        ctx.mark_non_differentiable(*[y for y in outputs if not grad_dtype(y)])
+        # computes the input gradients its producer waits for. (Loops, the
+        # dtype check inline: a cut runs per task, and each comprehension or
+        # helper is a call.)
+        outputs: list[Tensor] = []
+        plain: list[Tensor] = []
+        for x in inputs:
+            y = x.detach()
+            outputs.append(y)
+            if not (y.is_floating_point() or y.is_complex()):
+                plain.append(y)
+        if plain:
+            ctx.mark_non_differentiable(*plain)
         ctx.set_materialize_grads(False)
-        return outputs
+        return tuple(outputs)
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[None, ...]:
@@ -79,9 +88,10 @@ def cut(sink: GradSink, tensors: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
     # with empty gradients during this stage's backward. A tensor with no
     # graph (a replayed stage's output buffer) links nowhere: one operator
     # fewer per input on the host.
-    out: tuple[Tensor, ...] = Boundary.apply(
-        sink, _ANCHOR, *(t.detach() if t.requires_grad else t for t in tensors)
-    )
+    linked: list[Tensor] = []
+    for t in tensors:
+        linked.append(t.detach() if t.requires_grad else t)
+    out: tuple[Tensor, ...] = Boundary.apply(sink, _ANCHOR, *linked)
     return out
 
 
@@ -119,21 +129,26 @@ def cut_inputs(
     """
     spots: list[tuple[int, list[Any], Any, list[int]]] = []
     tensors: list[Tensor] = []
+    out: list[Any] = []
+    # Loops, not comprehensions: the last stage's forward task cuts per
+    # micro-batch, and each comprehension is a call.
     for v, (ref, value) in enumerate(values):
+        out.append(value)
         if ref.stage < 0:
             continue
         items, spec = leaves(value)
-        where = [i for i, t in enumerate(items) if isinstance(t, Tensor)]
-        picked = [
-            (j, i) for j, i in enumerate(where) if only is None or only((ref.stage, ref.index, j))
-        ]
-        if not picked:
-            continue
-        spots.append((v, items, spec, [i for _, i in picked]))
-        for j, i in picked:
-            tensors.append(items[i])
-            cutting.keys.append((ref.stage, ref.index, j))
-    out = [value for _, value in values]
+        picked: list[int] = []
+        j = 0
+        for i, t in enumerate(items):
+            if isinstance(t, Tensor):
+                key = (ref.stage, ref.index, j)
+                if only is None or only(key):
+                    picked.append(i)
+                    tensors.append(t)
+                    cutting.keys.append(key)
+                j += 1
+        if picked:
+            spots.append((v, items, spec, picked))
     if not tensors:
         return out
     detached = iter(cut(cutting.sink, tuple(tensors)))
@@ -165,24 +180,26 @@ def route_grads(
     cutting: Cutting,
     s: int,
     m: int,
-    hop_of: Callable[[int, int], Hop | None],
+    hops: Mapping[tuple[int, int], Hop],
     local: dict[tuple[int, int], Grads],
     remote: dict[tuple[int, int, int], Grads],
     readers: Sequence[AnyStream | None],
     copiers: Sequence[AnyStream | None],
 ) -> None:
-    """Hands the gradients that reached stage ``s``'s inputs to their producers."""
+    """Hands the gradients that reached stage ``s``'s inputs to their
+    producers (``hops``: :attr:`~.graph.Routes.hops`, the copy from a
+    producer to a reader where there is one)."""
     for (p, k, j), g in zip(cutting.keys, cutting.sink.grads or ()):
         if g is None:
             continue
-        hop = hop_of(p, s)
+        hop = hops.get((p, s))
         if hop is None:
             # Summed by the producer's backward, on its stream.
             if readers[p] is not None and p != s:
                 record_stream(g, readers[p])  # type: ignore[arg-type]
-            local[(p, m)][(k, j)].append(g)
+            local.setdefault((p, m), {}).setdefault((k, j), []).append(g)
         else:
             # Sent back by a gradient-copy task, which reads it on hop.peer's copy stream.
             if copiers[hop.peer] is not None:
                 record_stream(g, copiers[hop.peer])  # type: ignore[arg-type]
-            remote[(p, hop.peer, m)][(k, j)].append(g)
+            remote.setdefault((p, hop.peer, m), {}).setdefault((k, j), []).append(g)

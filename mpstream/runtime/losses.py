@@ -25,10 +25,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from . import private
 from .stream import AnyStream, record_stream
 from .values import protect
 
 __all__ = ["Losses"]
+
+#: Sets grad mode without making an object per call (see private).
+_set_grad = private.grad_mode_switch()
 
 
 class Losses:
@@ -63,12 +67,21 @@ class Losses:
             TypeError: ``loss_fn`` did not return a scalar tensor.
             RuntimeError: the loss carries no gradient.
         """
-        protect([target], reader)
-        loss = _scalar(self.loss_fn(output, target))
+        if reader is not None:
+            protect([target], reader)
+        loss = self.loss_fn(output, target)
+        if type(loss) is not Tensor or loss.dim() != 0 or not loss.requires_grad:
+            loss = _scalar(loss)  # checked, reshaped (a 0-dim loss with a gradient passes)
         weight = self.weights[m]
         # Its own: no other backward starts from it (see the module's notes).
         self.seeds[m] = torch.full((), weight, dtype=loss.dtype, device=loss.device)
-        with torch.no_grad():  # now: the loss may alias a buffer a later task rewrites
+        # Summed now, under no grad: the loss may alias a buffer a later task
+        # rewrites. (torch's switch, not no_grad(): its object and decorator
+        # machinery, once per micro-batch.)
+        on = torch.is_grad_enabled()
+        if on:
+            _set_grad(False)
+        try:
             if self._total is None:
                 self._dtype = loss.dtype
                 # Half-precision losses summed in float32, as torch.sum would.
@@ -76,6 +89,9 @@ class Losses:
                 self._total = (loss.float() if low else loss) * weight
             else:
                 self._total.add_(loss, alpha=weight)
+        finally:
+            if on:
+                _set_grad(True)
         return loss if self.scale is None else self.scale(loss)
 
     def total(self, reader: AnyStream | None) -> Tensor:

@@ -44,7 +44,7 @@ from .graph import ALL, Ref, Routes
 from .graphed import GraphedCall, StageGraphs
 from .graphed.call import Source
 from .handoffs import layout, single_readers
-from .microbatch import grad_dtype, leaves, rebuild_leaves
+from .microbatch import leaves, rebuild_leaves
 
 __all__ = ["Replayed"]
 
@@ -64,6 +64,7 @@ class Replayed:
     def __init__(self, graphs: StageGraphs, routes: Routes) -> None:
         self.graphs = graphs
         self.routes = routes
+        self.hops = routes.hops  # read per task: a dict lookup, not a call
         self.outputs = routes.graph.outputs
         self.single = single_readers(routes.graph)
         self.calls: dict[tuple[int, int], tuple[GraphedCall, list[Key]]] = {}
@@ -87,17 +88,20 @@ class Replayed:
         """
         # One pass over the arguments' leaves: per tensor whether it needs a
         # gradient, and for those where it goes and where it may be read.
+        # Once per replayed task: loops and inline checks, not helpers and
+        # comprehensions (each a call).
         tensors: list[Tensor] = []
         keys: list[Key] = []  # per tensor that needs a gradient
         needs: list[bool] = []
         sources: list[Source] = []
+        args: list[Any] = []
         for ref, value in pairs:
-            flat = [value] if type(value) is Tensor else leaves(value)[0]
+            args.append(value)
             j = 0
-            for x in flat:
+            for x in (value,) if type(value) is Tensor else leaves(value)[0]:
                 if isinstance(x, Tensor):
                     tensors.append(x)
-                    need = ref.stage >= 0 and grad_dtype(x)
+                    need = ref.stage >= 0 and (x.is_floating_point() or x.is_complex())
                     needs.append(need)
                     if need:
                         keys.append((ref.stage, ref.index, j))
@@ -105,11 +109,11 @@ class Replayed:
                     else:
                         sources.append(None)
                     j += 1
-        args = [v for _, v in pairs]
         call = self.graphs.find(s, m, stage, args, checkpoint, needs, split, sources)
         if call is None:
             return False, None
-        y = call.rebuild(call.forward(tensors))
+        outs = call.forward(tensors)
+        y = outs[0] if call.out_spec is None else call.rebuild(outs)  # one tensor: inline
         self.calls[(s, m)] = (call, keys)
         return True, y
 
@@ -137,27 +141,31 @@ class Replayed:
         gradient only where this is the value's one reader."""
         p = ref.stage
         rec = self.calls.get((p, m))
-        if rec is None or ref.index == ALL or self.routes.hop(p, s) is not None:
+        if rec is None or ref.index == ALL or (p, s) in self.hops:
             return None
         producer = rec[0]
-        pos = layout(producer, self.outputs[p]).at.get((ref.index, j))
-        if pos is None or producer.static_out[pos] is not x or not self._pairs(p, s):
+        pos = (producer.layout or layout(producer, self.outputs[p])).at.get((ref.index, j))
+        if pos is None or producer.static_out[pos] is not x:
+            return None
+        paired = self._paired.get((p, s))
+        if paired is None:
+            paired = self._pairs(p, s)
+        if not paired:
             return None
         return producer, pos, (p, ref.index) in self.single
 
     def _pairs(self, p: int, s: int) -> bool:
         """Whether each of stage ``s``'s slots takes its micro-batches from
-        one slot of stage ``p``'s, in this step's schedule."""
-        found = self._paired.get((p, s))
-        if found is None:
-            slots = self.graphs.slots
-            assert slots is not None
-            seen: dict[int, int] = {}
-            found = True
-            for (q, m), b in slots.slot.items():
-                if q == s and seen.setdefault(b, slots.slot[(p, m)]) != slots.slot[(p, m)]:
-                    found = False
-            self._paired[(p, s)] = found
+        one slot of stage ``p``'s, in this step's schedule (found once per
+        step: the caller looks in :attr:`_paired` first)."""
+        slots = self.graphs.slots
+        assert slots is not None
+        seen: dict[int, int] = {}
+        found = True
+        for (q, m), b in slots.slot.items():
+            if q == s and seen.setdefault(b, slots.slot[(p, m)]) != slots.slot[(p, m)]:
+                found = False
+        self._paired[(p, s)] = found
         return found
 
     def cuts(self, s: int, m: int) -> Callable[[tuple[int, int, int]], bool]:
@@ -165,7 +173,8 @@ class Replayed:
         ``s`` reads on micro-batch ``m`` are cut: other stages' outputs, and
         ``s``'s own that carry gradients (the others, cut, would give a loss
         computed from them a gradient eager autograd refuses)."""
-        diff = layout(self.calls[(s, m)][0], self.outputs[s]).grad_at
+        call = self.calls[(s, m)][0]
+        diff = (call.layout or layout(call, self.outputs[s])).grad_at
         return lambda key: key[0] != s or (key[1], key[2]) in diff
 
     def graphed(self, s: int, m: int) -> bool:
@@ -178,15 +187,16 @@ class Replayed:
         input gradients to producers that take them so. Returns the rest, as
         a :class:`~.boundary.Cutting` to route like an eager stage's."""
         call, keys = self.calls.pop((s, m))
-        diff = layout(call, self.outputs[s]).grad_at
-        pushed = self.pushed.pop((s, m), set())
+        diff = (call.layout or layout(call, self.outputs[s])).grad_at
         grads: list[Tensor | None] = [None] * len(call.diff_out)
-        for i in pushed:
-            grads[i] = call.static_grad_out[i]  # already there
+        pushed = self.pushed.pop((s, m), None)
+        if pushed is not None:
+            for i in pushed:
+                grads[i] = call.static_grad_out[i]  # already there
         for where, parts in reached.items():
             at = diff.get(where)
             if at is not None and parts:
-                grads[at] = sum_grads(parts)
+                grads[at] = parts[0] if len(parts) == 1 else sum_grads(parts)
         ins = call.backward(grads, self.graphs.token, weight=not split)
         if split:
             self.weights[(s, m)] = call
@@ -218,10 +228,10 @@ class Replayed:
         replayed micro-batch ``m`` on this device and this stage is the
         value's only reader; whether it did."""
         rec = self.calls.get((p, m))
-        if rec is None or (p, k) not in self.single or self.routes.hop(p, s) is not None:
+        if rec is None or (p, k) not in self.single or (p, s) in self.hops:
             return False
         producer = rec[0]
-        i = layout(producer, self.outputs[p]).grad_at.get((k, j))
+        i = (producer.layout or layout(producer, self.outputs[p])).grad_at.get((k, j))
         if i is not None:
             target = producer.static_grad_out[i]
             if g is not target:  # else the reader's graph wrote it there

@@ -18,7 +18,6 @@ producer of outputs and consumer of gradients.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -143,8 +142,10 @@ class _Step:
         self.backward_seen: set[int] = set()
         self.roots: dict[tuple[int, int], list[tuple[tuple[int, int], Tensor]]] = {}
         self.cuts: dict[tuple[int, int], Cutting] = {}
-        self.local: dict[tuple[int, int], Grads] = defaultdict(lambda: defaultdict(list))
-        self.remote: dict[tuple[int, int, int], Grads] = defaultdict(lambda: defaultdict(list))
+        # Filled with setdefault (route_grads): a defaultdict's factory is a
+        # call per key.
+        self.local: dict[tuple[int, int], Grads] = {}
+        self.remote: dict[tuple[int, int, int], Grads] = {}
         # Split backwards: their weight passes, waiting for the weight tasks.
         # A checkpointed micro-batch is not split (see split_backward).
         self.split = {(s, m) for s, m in schedule.split if m >= checkpoint_stop}
@@ -165,8 +166,8 @@ class _Step:
         }
 
     def route(self, cutting: Cutting, s: int, m: int) -> None:
-        hop = self.routes.hop
-        route_grads(cutting, s, m, hop, self.local, self.remote, self.readers, self.copiers)
+        hops = self.routes.hops
+        route_grads(cutting, s, m, hops, self.local, self.remote, self.readers, self.copiers)
 
     # Everything a task issues, record_stream and the boundary cut included,
     # happens inside its handler: between the scheduler's begin and end, on
@@ -196,12 +197,18 @@ class _Step:
             )
             protect(fresh + [v for _, v in sources], reader)
         if replayed:
-            flow.store(s, m, y)
+            if flow.outputs[s] == 1 and type(y) is Tensor:  # store()'s common case, inline
+                flow.outs[m][s + 1] = (y,)
+            else:
+                flow.store(s, m, y)
             # Not cut: no autograd graph; the last stage's outputs are, for
             # the loss to differentiate.
-            inputs: list[tuple[Ref, Any]] = (
-                [(Ref(s, k), v) for k, v in enumerate(flow.outputs_of(s, m))] if s == last else []
-            )
+            inputs: list[tuple[Ref, Any]] = []
+            if s == last:
+                outs = flow.outs[m][s + 1]
+                assert outs is not None
+                for k, v in enumerate(outs):
+                    inputs.append((Ref(s, k), v))
         else:
             inputs = thin.unalias(s, m, pairs) if thin and splits else pairs
         values: list[Any] = []
@@ -216,8 +223,10 @@ class _Step:
             flow.store(s, m, y)
         if s == last:
             start = 0 if replayed else len(inputs)
-            cut = zip((inputs + sources)[start:], values[start:])
-            output = flow.result(m, {ref: v for (ref, _), v in cut})
+            replaced: dict[Ref, Any] = {}
+            for (ref, _), v in zip((inputs + sources)[start:], values[start:]):
+                replaced[ref] = v
+            output = flow.result(m, replaced)
             root = self.losses.compute(m, output, self.labels[m], reader)
             self.roots[(s, m)] = [((0, 0), root)]
         elif not replayed:
@@ -246,10 +255,13 @@ class _Step:
             self.backward_seen.add(s)
             self.before_backward(s)
         thin = self.thin
-        replayed = thin is not None and thin.graphed(s, m)
+        replayed = thin is not None and (s, m) in thin.calls  # thin.graphed(s, m), inline
         seed = self.losses.seeds[m] if s == self.last else None
         if replayed and s == self.last:
-            _backward(self.roots.pop((s, m)), None, seed)  # the loss, to the cut outputs
+            # The loss, to the cut outputs (_backward's case, inline: the
+            # last stage's roots are its loss alone).
+            ((_, loss),) = self.roots.pop((s, m))
+            torch.autograd.backward([loss], None if seed is None else [seed])
             cut = self.cuts.pop((s, m), None)
             if cut is not None:  # else no output the loss read carries a gradient
                 self.route(cut, s, m)
@@ -266,7 +278,8 @@ class _Step:
             done = self.cuts.pop((s, m), None)
         if done is not None:
             self.route(done, s, m)
-        self._ended(task)
+        if self.after_grads is not None:
+            self._ended(task)
 
     def weight(self, task: Task) -> None:
         s, m = task.stage, task.micro
@@ -275,10 +288,12 @@ class _Step:
             pending.run()
         elif self.thin is not None:
             self.thin.weight(s, m)
-        self._ended(task)
+        if self.after_grads is not None:
+            self._ended(task)
 
     def _ended(self, task: Task) -> None:
-        """After a gradient task: the stage's last one tells ``after_grads``."""
+        """After a gradient task (where ``after_grads`` is given, as the
+        callers check): the stage's last one tells ``after_grads``."""
         if self.after_grads is not None and self.final.get(task.stage) == (task.kind, task.micro):
             self.after_grads(task.stage)
 
@@ -290,7 +305,7 @@ class _Step:
         with torch.no_grad():
             for key, grads in incoming.items():
                 g = send(sum_grads(grads), dst, None, reader, force=self.force)
-                self.local[(s, m)][key].append(g)
+                self.local.setdefault((s, m), {}).setdefault(key, []).append(g)
 
 
 def run(

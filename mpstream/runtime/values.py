@@ -158,10 +158,14 @@ class Flow:
         them were copied to it by hops it receives itself (so the copies
         already marked them for its stream)."""
         out: list[tuple[Ref, Any]] = []
+        outs = self.outs[m]
         for ref, hop in self.plan[q]:
-            src = self._source(ref, hop, m)
+            # _source, inline: once per argument of every forward task.
+            src = outs[ref.stage + 1] if hop is None else self.moved[m][(hop.producer, hop.peer)]
+            assert src is not None, f"stage {ref.stage}'s output of micro-batch {m} is gone"
             if ref.index == ALL:
-                out.extend((Ref(ref.stage, i), v) for i, v in enumerate(src))
+                for i, v in enumerate(src):
+                    out.append((Ref(ref.stage, i), v))
             else:
                 out.append((ref, src[ref.index]))
         return out, self.received[q]
