@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
+from typing import Any
 
 from torch import Tensor
 
@@ -136,17 +137,21 @@ class Handoffs:
             t = aliases[pos]
             made[id(t)] = (t, (call, pos, (s, keys[pos][0]) in self.single))
 
-    def sources(self, tensors: Sequence[Tensor]) -> Sequence[Source]:
-        """Per tensor argument of a stage, the Source it is, if an alias
-        this run handed on; ``()`` where none is (the key of a call without)."""
+    def sources(self, items: Sequence[Any]) -> Sequence[Source]:
+        """Per tensor among a stage's argument leaves ``items``, the Source
+        it is, if an alias this run handed on; ``()`` where none is (the key
+        of a call without)."""
         made = self.made
-        out: list[Source] = [None] * len(tensors)
+        out: list[Source] = []
         found = False
-        for i, t in enumerate(tensors):
-            rec = made.get(id(t))
-            if rec is not None and rec[0] is t:
-                out[i] = rec[1]
-                found = True
+        for t in items:
+            if isinstance(t, Tensor):
+                rec = made.get(id(t))
+                if rec is not None and rec[0] is t:
+                    out.append(rec[1])
+                    found = True
+                else:
+                    out.append(None)
         return out if found else ()
 
 

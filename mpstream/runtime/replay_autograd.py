@@ -56,7 +56,7 @@ def run_stage(
     sources: Sequence[Source] = ()
     if handoffs is not None and handoffs.reads[s] and handoffs.made:
         items = leaves(tuple(args))[0]
-        sources = handoffs.sources([x for x in items if isinstance(x, Tensor)])
+        sources = handoffs.sources(items)
     call = graphs.find(s, m, stage, args, checkpoint, sources=sources)
     if call is None:
         return graphs.eager(s, stage, args, checkpoint)
@@ -69,10 +69,15 @@ def run_stage(
         if items is None:
             items = leaves(tuple(args))[0]
         tensors = [items[i] for i in call.where]
-    outs = replay(call, tensors)
-    if handoffs is not None and call.diff_out:
+    # Once per replayed task: replay()'s common case and rebuild()'s, inline.
+    outs = (
+        Replay.apply(call, _ANCHOR, *tensors)
+        if call.diff_out and torch.is_grad_enabled()
+        else replay(call, tensors)
+    )
+    if handoffs is not None and call.diff_out and handoffs.hands[s]:
         handoffs.keep(call, s, outs)  # Replay's aliases: the run has gradients
-    return call.rebuild(outs)
+    return outs[0] if call.out_spec is None else call.rebuild(outs)
 
 
 def replay(call: GraphedCall, tensors: Sequence[Tensor]) -> tuple[Tensor, ...]:
@@ -102,15 +107,23 @@ class Replay(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # backward tells "no gradient" from zeros
         # The gradient of a tensor no replay or copy of the pipe made goes
         # to the user (or their autograd graph): a copy, not the buffer.
-        ctx.escapes = [not _ours(t) for t in tensors]
+        # (A loop: once per replayed task, a comprehension is a call.)
+        escapes: list[bool] = []
+        for t in tensors:
+            fn = t.grad_fn
+            escapes.append(fn is None or type(fn).__name__ not in _OURS)
+        ctx.escapes = escapes
         outs = call.forward(tensors)
         call.replays += 1
         ctx.replay = call.replays
         call.pending = weakref.ref(ctx)
         # Aliases: a Function's outputs are new tensors (the buffers are not).
-        aliases = tuple(t.detach() for t in outs)
-        ctx.mark_non_differentiable(*(aliases[k] for k in call.plain_out))
-        return aliases
+        aliases: list[Tensor] = []
+        for t in outs:
+            aliases.append(t.detach())
+        if call.plain_out:
+            ctx.mark_non_differentiable(*[aliases[k] for k in call.plain_out])
+        return tuple(aliases)
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
@@ -136,12 +149,20 @@ class Replay(torch.autograd.Function):
                 f"retain_graph=True after a new forward?); run the pipe with graphs=False for that"
             )
         call.pending = None
-        picked = [grads[k] for k in call.diff_out]
-        if all(g is None for g in picked):
+        picked: list[Tensor | None] = []
+        reached = False
+        for k in call.diff_out:
+            g = grads[k]
+            picked.append(g)
+            reached = reached or g is not None
+        if not reached:
             # No gradient reached the call: eager autograd computes nothing here.
             return (None,) * (2 + len(call.static_in))
-        store, task = call.store, _graph_task()
-        if store is not None and not _accumulates(task):
+        store, task = call.store, private.current_graph_task_id()
+        seen, accumulates = _ANSWERED  # _accumulates's answer for this pass, inline
+        if store is not None and (task != seen or task == -1):
+            accumulates = _accumulates(task)
+        if store is not None and not accumulates:
             # torch.autograd.grad or backward(inputs=...): autograd leaves
             # .grad alone, and so must the graph that adds into it (no hook
             # runs on a gradient that is then taken back).
@@ -157,14 +178,10 @@ class Replay(torch.autograd.Function):
         return (None, None, *out)
 
 
+#: The nodes of what came out of a replay or a copy of a pipe (whose
+#: backward copies or consumes the gradient it is given): a tensor of
+#: theirs does not escape (Replay.forward).
 _OURS = ("ReplayBackward", "CopyBackward", "HostWaitBackward")
-
-
-def _ours(t: Tensor) -> bool:
-    """Whether ``t`` came out of a replay or a copy of a pipe (whose backward
-    copies or consumes the gradient it is given)."""
-    fn = t.grad_fn
-    return fn is not None and type(fn).__name__ in _OURS
 
 
 # The anchor's gradient accumulator, held: a leaf keeps only a weak
@@ -198,8 +215,3 @@ def _accumulates(task: int) -> bool:
     if task != -1:
         _ANSWERED = (task, answer)
     return answer
-
-
-def _graph_task() -> int:
-    """The running backward pass's id (-1 where torch cannot tell)."""
-    return private.current_graph_task_id()
