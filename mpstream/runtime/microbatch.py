@@ -266,6 +266,14 @@ def scatter(
             f"or wrap those not to split in mpstream.NoChunk"
         )
     (micros,) = counts
+    # The common cases without a rebuild per micro-batch: one tensor (its
+    # chunks), a flat tuple of tensors (the tuples of their chunks).
+    if spec is None:
+        chunked = parts[0]
+        assert chunked is not None
+        return list(chunked)
+    if type(spec) is tuple:
+        return list(zip(*parts))  # every part is a tensor's
     return [
         rebuild_leaves(
             [
