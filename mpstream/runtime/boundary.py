@@ -18,7 +18,7 @@ producer's backward on its device, or by a gradient copy to another one.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -116,16 +116,17 @@ class Cutting:
 def cut_inputs(
     values: Sequence[tuple[Ref, Any]],
     cutting: Cutting,
-    only: Callable[[tuple[int, int, int]], bool] | None = None,
+    only: tuple[int, Container[tuple[int, int]]] | None = None,
 ) -> list[Any]:
     """``values`` with the tensors of stage outputs cut; inputs stay as they are.
 
     Args:
         values: (where it comes from, value) pairs.
         cutting: takes the cut tensors' keys (stage, output, leaf).
-        only: whether to cut the tensor of a key (None: every stage
-            output's); the others stay as they are (a replayed stage's
-            outputs that carry no gradient: cut, they would give the loss one).
+        only: a stage and the (output, leaf) keys of its own to cut (None:
+            every stage output's); its other tensors stay as they are (a
+            replayed stage's outputs that carry no gradient: cut, they
+            would give the loss one). Other stages' are cut.
     """
     spots: list[tuple[int, list[Any], Any, list[int]]] = []
     tensors: list[Tensor] = []
@@ -142,7 +143,7 @@ def cut_inputs(
         for i, t in enumerate(items):
             if isinstance(t, Tensor):
                 key = (ref.stage, ref.index, j)
-                if only is None or only(key):
+                if only is None or ref.stage != only[0] or (ref.index, j) in only[1]:
                     picked.append(i)
                     tensors.append(t)
                     cutting.keys.append(key)

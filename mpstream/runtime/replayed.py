@@ -34,7 +34,7 @@ kept valid by the slots and the event plan rather than by copies:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Container, Sequence
 from typing import Any
 
 from torch import Tensor, nn
@@ -168,14 +168,14 @@ class Replayed:
         self._paired[(p, s)] = found
         return found
 
-    def cuts(self, s: int, m: int) -> Callable[[tuple[int, int, int]], bool]:
-        """Which (stage, output, leaf) keys the loss of replayed last stage
-        ``s`` reads on micro-batch ``m`` are cut: other stages' outputs, and
-        ``s``'s own that carry gradients (the others, cut, would give a loss
-        computed from them a gradient eager autograd refuses)."""
+    def cuts(self, s: int, m: int) -> tuple[int, Container[tuple[int, int]]]:
+        """Which keys the loss of replayed last stage ``s`` reads on
+        micro-batch ``m`` are cut (``cut_inputs``'s ``only``): other stages'
+        outputs, and of ``s``'s own the (output, leaf) keys that carry
+        gradients (the others, cut, would give a loss computed from them a
+        gradient eager autograd refuses)."""
         call = self.calls[(s, m)][0]
-        diff = (call.layout or layout(call, self.outputs[s])).grad_at
-        return lambda key: key[0] != s or (key[1], key[2]) in diff
+        return s, (call.layout or layout(call, self.outputs[s])).grad_at
 
     def graphed(self, s: int, m: int) -> bool:
         """Whether stage ``s``'s forward of micro-batch ``m`` was replayed."""
