@@ -61,8 +61,8 @@ class Boundary(torch.autograd.Function):
         ctx.sink = sink
         # Every value of a dtype with gradients gets one: the stage's backward
         # computes the input gradients its producer waits for. (Loops, the
-        # dtype check inline: a cut runs per task, and each comprehension or
-        # helper is a call.)
+        # dtype check inline: a cut runs per task, and each helper, and each
+        # comprehension before Python 3.12, is a call.)
         outputs: list[Tensor] = []
         plain: list[Tensor] = []
         for x in inputs:
@@ -132,7 +132,7 @@ def cut_inputs(
     tensors: list[Tensor] = []
     out: list[Any] = []
     # Loops, not comprehensions: the last stage's forward task cuts per
-    # micro-batch, and each comprehension is a call.
+    # micro-batch, and before Python 3.12 each comprehension is a call.
     for v, (ref, value) in enumerate(values):
         out.append(value)
         if ref.stage < 0:

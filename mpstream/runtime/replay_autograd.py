@@ -107,7 +107,8 @@ class Replay(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # backward tells "no gradient" from zeros
         # The gradient of a tensor no replay or copy of the pipe made goes
         # to the user (or their autograd graph): a copy, not the buffer.
-        # (A loop: once per replayed task, a comprehension is a call.)
+        # (A loop: once per replayed task; a comprehension is a call of its
+        # own before Python 3.12.)
         escapes: list[bool] = []
         for t in tensors:
             fn = t.grad_fn

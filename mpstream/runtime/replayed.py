@@ -89,7 +89,7 @@ class Replayed:
         # One pass over the arguments' leaves: per tensor whether it needs a
         # gradient, and for those where it goes and where it may be read.
         # Once per replayed task: loops and inline checks, not helpers and
-        # comprehensions (each a call).
+        # comprehensions (each a call of its own before Python 3.12).
         tensors: list[Tensor] = []
         keys: list[Key] = []  # per tensor that needs a gradient
         needs: list[bool] = []

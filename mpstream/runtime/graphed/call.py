@@ -295,7 +295,8 @@ class GraphedCall:
         post-accumulate hook runs (a pass whose adds are then undone).
         Returns the static input gradients, None where no output that got
         a gradient reaches."""
-        # Loops, not comprehensions: each of those is a call, once per task.
+        # Loops, not comprehensions: before Python 3.12 each of those is a
+        # call of its own, once per task.
         missing: list[int] = []
         for k, g in zip(self.diff_out, grads):
             if g is None:

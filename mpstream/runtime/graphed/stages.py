@@ -277,7 +277,7 @@ class StageGraphs:
         grad = torch.is_grad_enabled()
         ckpt = checkpoint and grad
         # Once per replayed task: loops and inline checks, not helpers and
-        # comprehensions (each a call).
+        # comprehensions (each a call of its own before Python 3.12).
         given: list[Any] = []
         for x in sources:
             given.append(None if x is None else (id(x[0]), x[1], x[2]))
