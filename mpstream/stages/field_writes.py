@@ -5,7 +5,8 @@
 later read of ``batch.inner`` sees the key. A stage passes values instead
 of sharing them: a later stage would read its own ``batch``, holding the
 dict unchanged. A namedtuple takes no new field in place, so the trace
-records the write-back as :func:`replaced` (``batch._replace(inner=inner)``),
+records the write-back as :func:`replaced` (``batch._replace(inner=inner)``;
+at run time ``batch`` itself, which holds the dict updated in place already),
 and the name ``batch`` stands for the result from then on
 (:func:`record_replace`), as ``batch |= {"inner": inner}`` does for a dict
 (:mod:`~mpstream.stages.item_writes`): the stages after it read the
@@ -26,15 +27,21 @@ def replaced(target: Any, fields: dict[str, Any]) -> Any:
     """``target``, a namedtuple or dataclass, with ``fields`` set: what a
     ``torch.fx`` trace records where a dict held in a field of it was
     updated (the dict is the same object; the stages after read it through
-    the result).
+    the result). ``target`` itself where its fields hold those values
+    already, as after an update in place: then it may be any object.
 
     Raises:
-        TypeError: ``target`` is neither (the call holds another object
-            where the traced one held a namedtuple or dataclass).
+        TypeError: ``target`` is neither, and a field holds another value.
     """
     if isinstance(target, fx.Proxy):
         # A stage's code traced again (a pickled pipe loaded): stay a call.
         return target.tracer.create_proxy("call_function", replaced, (target, fields), {})
+    if all(getattr(target, k, None) is v for k, v in fields.items()):
+        # The dict was updated in place, so the object holds it already
+        # (whatever its type, a trace with no call cannot tell): the node
+        # only hands the later stages this object. A copy would rerun a
+        # dataclass's __init__ (its __post_init__) for nothing.
+        return target
     if isinstance(target, tuple) and hasattr(target, "_replace"):
         return target._replace(**fields)
     if dataclasses.is_dataclass(target) and not isinstance(target, type):

@@ -253,6 +253,46 @@ def test_a_key_set_in_a_dict_a_field_holds_reaches_the_later_stages(
     assert list(inner) == ["u"]  # the caller's dict: as it was
 
 
+class Box:
+    """A batch pytree knows by its registration alone (no namedtuple, no
+    dataclass): forward reads its attributes."""
+
+    def __init__(self, x: Tensor, inner: dict[str, Tensor]) -> None:
+        self.x, self.inner = x, inner
+
+
+pytree.register_pytree_node(
+    Box,
+    lambda b: ([b.x, b.inner], None),
+    lambda children, _: Box(*children),
+    flatten_with_keys_fn=lambda b: (
+        [(pytree.GetAttrKey("x"), b.x), (pytree.GetAttrKey("inner"), b.inner)],
+        None,
+    ),
+)
+
+
+@pytest.mark.parametrize("how", ["ior", "set-a-key", "update"])
+@pytest.mark.parametrize("stages", [2, 3])
+def test_a_key_set_in_a_dict_a_registered_objects_attribute_holds_runs_with_no_sample(
+    how: str, stages: int
+) -> None:
+    # A trace with no call recorded the write-back as a namedtuple's or
+    # dataclass's copy, which raised TypeError for a Box at run time, in the
+    # writing stage, after the stages before it had run (|= and .update
+    # in stage 0 of 2 ran before the write-back).
+    torch.manual_seed(0)
+    model = WritesThroughAField(how, where=stages - 2).double()
+    x = torch.randn(7, 4, dtype=torch.float64)
+    pipe = Pipe(copy.deepcopy(model), split_points=["b", "c"][3 - stages :],
+                devices=[f"cpu:{i}" for i in range(stages)], split_size=2, tracer="fx")  # fmt: skip
+    out, expected = pipe(Box(x, {"u": x + 1})), model(Box(x, {"u": x + 1}))  # type: ignore[arg-type]
+    torch.testing.assert_close(out, expected)
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    assert_same_grads(pipe, model)
+
+
 class WritesADictInAList(nn.Module):
     """Sets a key of the dict its list batch holds first, as ``how`` spells
     it, in stage 0 or 1 (``where``); the last stage reads it."""
