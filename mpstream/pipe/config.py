@@ -162,6 +162,13 @@ class PipeConfig(PipeModule):
         """Makes ``schedule='auto'`` choose again at the next step of each size."""
         self.__dict__["_auto_choices"] = Choices()
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if "_auto_reports" in state:  # pickled before Choices held what 'auto' chose
+            choices = state["_auto_choices"] = Choices()
+            choices.by_sizes.update(state.pop("_auto_reports") or {})
+            choices.latest = state.pop("_auto_report", None)
+        super().__setstate__(state)
+
     def _choices(self) -> Choices:
         """What ``schedule='auto'`` chose (:class:`~mpstream.pipe.auto.Choices`)."""
         found = self.__dict__.get("_auto_choices")

@@ -232,3 +232,24 @@ def test_a_cached_entry_of_the_wrong_length_is_warned_about_and_measured_again(
     with pytest.warns(UserWarning, match=f"malformed entry of the tuning cache {cache}"):
         assert source().startswith("profiled")
     assert len(json.loads(cache.read_text())[key]["stage_costs"]) == 2  # replaced
+
+
+def test_a_pipe_pickled_before_its_choices_were_one_object_keeps_what_auto_chose() -> None:
+    # pipe/auto.Choices replaced the pipe's _auto_report and _auto_reports: a
+    # pipe pickled holding those loaded having chosen nothing, so
+    # schedule_report() raised and its next step measured to choose again.
+    auto = Auto(costs=UNIFORM, cache=None)
+    pipe = Pipe(mlp([5, 8, 7, 6, 4]), split_size=2, balance=[2, 2, 2, 2], devices=["cpu"] * 4,
+                schedule=auto)  # fmt: skip
+    x, y = torch.randn(6, 5, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    pipe.train_step(x, y, nn.MSELoss())
+    report = pipe.schedule_report()
+    state = pipe.__getstate__()
+    choices = state.pop("_auto_choices")
+    state["_auto_report"], state["_auto_reports"] = choices.latest, dict(choices.by_sizes)
+    old = Pipe.__new__(Pipe)
+    old.__setstate__(state)
+    assert old.schedule_report() is report
+    old.train_step(x, y, nn.MSELoss())  # the same sizes: the choice kept, none made
+    assert old.schedule_report() is report
+    assert not {"_auto_report", "_auto_reports"} & set(old.__dict__)
