@@ -325,7 +325,10 @@ def written(node: fx.Node, changes: dict[fx.Node, fx.Node]) -> tuple[fx.Node, St
     anything else lies between (a view: ``h.view(-1)``)."""
     steps: list[tuple[str, Any]] = []
     while (owner := viewed(node, changes)) is not None:
-        if node not in changes and _set_at(node, changes) is _UNSET:
+        # A key a dict update set leads on to the value set (viewed); a field
+        # field_writes.replaced set is read of the owner: a step of it.
+        set_key = node.target is operator.getitem and _set_at(node, changes) is not _UNSET
+        if node not in changes and not set_key:
             key = node.args[1] if len(node.args) > 1 else None
             if not isinstance(key, (str, int)) or isinstance(key, bool):
                 return None
