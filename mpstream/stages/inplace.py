@@ -341,6 +341,13 @@ def _changed_name(node: fx.Node, keys: tuple[Any, ...], changes: dict[fx.Node, f
     return item_name((name, steps)) if steps else f"'{name}'"
 
 
+def _written_back(node: fx.Node) -> bool:
+    """Whether ``node``, a dict's update, is written back into the dict's
+    owner (:func:`~mpstream.stages.item_writes.write_back`: ``batch |=
+    {"inner": inner}``, or ``batch.inner``'s owner replaced)."""
+    return any(u.target in (updated, replaced) and u.args[0] is not node for u in node.users)
+
+
 def _refuse(
     node: fx.Node,
     here: int,
@@ -377,6 +384,13 @@ def _refuse(
         fix = (
             f"Update {name} by its own name ({name} |= {{...}} or {name}[key] = value: the "
             f"name then stands for the updated dict, which {who} reads)"
+        )
+    elif _written_back(node):
+        # So the stale read is of a name taken before the change.
+        fix = (
+            f"{who[0].upper()}{who[1:]} reads the dict by a name taken before the change, "
+            f"which the change, handed on through {name}, misses: read it by a name taken "
+            f"after the change"
         )
     else:
         fix = (

@@ -349,3 +349,40 @@ def test_a_dict_in_a_list_runs_where_the_copying_stage_sets_it_and_is_refused_by
 
 
 _NAMES = {"ior": "ior", "set-a-key": "update", "update": "update"}
+
+
+class ReadsTheDictByANameTakenBefore(nn.Module):
+    """Takes its batch's dict (a dict's item or a namedtuple's field) by a
+    name in stage 0, sets a key of it through a name taken anew in stage 1,
+    and reads the key through the first name in stage 2."""
+
+    def __init__(self, field: bool) -> None:
+        super().__init__()
+        self.field = field
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def held(self, batch: Any) -> dict[str, Tensor]:
+        return batch.inner if self.field else batch["inner"]  # type: ignore[no-any-return]
+
+    def forward(self, batch: Any) -> Tensor:
+        old = self.held(batch)
+        h = self.b(self.a(old["u"]))
+        inner = self.held(batch)
+        inner |= {"t": h * 2}
+        return self.c(h) * old["t"]  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("field", [False, True])
+def test_a_key_read_through_a_name_taken_before_it_was_set_is_refused_saying_so(
+    field: bool,
+) -> None:
+    # The error said the dict was "held in batch where a trace cannot write it
+    # back (in a list or a field): pass tracer='export'": it was written back,
+    # and read through a name taken before.
+    with pytest.raises(ValueError) as raised:
+        Pipe(ReadsTheDictByANameTakenBefore(field), split_points=["b", "c"],
+             devices=["cpu"] * 3, tracer="fx")  # fmt: skip
+    message = str(raised.value)
+    assert "cannot write it back" not in message, message
+    assert "through its view 'getattr_1'" in message or "through its view 'getitem'" in message
+    assert "by a name taken after the change" in message, message
