@@ -30,6 +30,7 @@ from ..schedules.schedule import (
     Topology,
     schedule_arg,
 )
+from ..stages.buffer_uses import buffer_uses
 from ..stages.sequential import check_flag, check_positive
 from ..stages.tracers import SplitReport
 from .auto import Choices, auto_of
@@ -366,14 +367,15 @@ class PipeConfig(PipeModule):
         """Per-run setup; returns how many micro-batches to checkpoint.
 
         Raises:
-            ValueError: two stages would write one norm's statistics at once
-                (:mod:`~mpstream.memory.shared_writes`).
+            ValueError: one stage would write a buffer (a norm's statistics)
+                that another uses at once (:mod:`~mpstream.memory.shared_writes`).
         """
         parts = self.__dict__["_partitions"]
         found = self.__dict__.get("_shared_writes")
         now = (generation(), id(parts))
         if found is None or found[0] != now:  # a walk over every module costs
-            found = (now, SharedWrites(self, parts))
+            uses = buffer_uses(parts, self.__dict__["_graph"])
+            found = (now, SharedWrites(self, parts, uses))
             self.__dict__["_shared_writes"] = found
         found[1].check(self._labels)
         training = self.training and torch.is_grad_enabled()

@@ -280,6 +280,7 @@ def export_stages(
     gm.graph.lint()
     gm.recompile()
     stage_of = _stage_of(gm, list(split_points), module)
+    _write_back_where_made(gm, stage_of)
     copied = copy_changed_inputs(gm, stage_of)
     check_in_place(gm, stage_of)
     top = split_module(gm, module, lambda n: stage_of[n], keep_original_order=True)
@@ -297,6 +298,28 @@ def export_stages(
         device,
         ChangedInputs.of(_leaf_names(named), {holders.index(h): p for h, p in copied.items()}),
     )
+
+
+def _write_back_where_made(gm: fx.GraphModule, stage_of: dict[fx.Node, int]) -> None:
+    """Moves each write-back of a buffer to the stage that computes the value.
+
+    A forward that updates a buffer by assignment (``self.calls += 1`` on the
+    module itself) gets a ``copy_`` into it from the export, where the
+    forward ends: often a later stage than the update. That stage would
+    write the buffer from its own stream while the updating stage reads it
+    for the next micro-batch (a race), and with copies between the stages
+    it would write back the copy it received, taken before the next update
+    (counts lost). The value needs nothing from later stages; written where
+    it is made, the buffer has one writer.
+    """
+    for node in gm.graph.nodes:
+        if node.target is not torch.ops.aten.copy_.default or node.users:
+            continue
+        target, value = node.args[0], node.args[1]
+        if not (isinstance(target, fx.Node) and target.op == "get_attr"):
+            continue
+        if isinstance(value, fx.Node) and stage_of.get(value, -1) >= 0:
+            stage_of[node] = min(stage_of[node], stage_of[value])
 
 
 def _leaf_names(named: dict[str, Any]) -> list[str]:

@@ -52,6 +52,7 @@ _IN_PLACE_OPERATORS = {
     operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.imatmul,
     operator.setitem,
 }  # fmt: skip
+_IN_PLACE_DUNDERS = {f"__{op.__name__}__" for op in _IN_PLACE_OPERATORS}
 
 
 def augmented(target: Any, value: Any, op: str) -> Any:
@@ -88,7 +89,11 @@ def _changed_in_place(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
     if node.op == "call_module":
         in_place = getattr(gm.get_submodule(str(target)), "inplace", False) is True
     elif node.op == "call_method":
-        in_place = str(target).endswith("_") and not str(target).startswith("_")
+        # A method called on a plain tensor with a traced argument
+        # (``self.buf[0] = h``, a buffer fx reads as a tensor) is recorded
+        # by its own name: ``__setitem__``, ``__iadd__``.
+        name = str(target)
+        in_place = (name.endswith("_") and not name.startswith("_")) or name in _IN_PLACE_DUNDERS
     elif node.op == "call_function" and (target is updated or target is replaced):
         # A dict's keys set, or a namedtuple's fields: the structure changes, no tensor.
         return node.args[0] if isinstance(node.args[0], fx.Node) else None
