@@ -17,17 +17,21 @@ micro-batch's value it reads depends on timing, where the module reads one.
 Only buffers written count: buffers all stages merely read (tied or
 constant tensors, a norm in eval mode, frozen statistics) are safe, and
 parameters change only between runs. :class:`SharedWrites` finds such
-buffers once per set of stages and refuses a run that would write them.
+buffers once per set of stages and refuses a run that would write them; a
+module the stages run whole, whose forward no graph shows, is watched at
+its first call instead (:mod:`~mpstream.memory.buffer_watch`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 
-from torch import Tensor, nn
+from torch import Tensor, fx, nn
 from torch.nn.modules.batchnorm import _NormBase
+from torch.nn.parameter import is_lazy
 
 from .batchnorm import DeferredBatchNorm
+from .buffer_watch import Owner, Watch
 
 __all__ = ["SharedWrites"]
 
@@ -156,6 +160,13 @@ class SharedWrites:
                 note(None, b, s, True)
             for b in read:
                 note(None, b, s, False)
+        # The buffers of the modules the stages run whole (no graph shows
+        # what their forward does): each module's, and the stages reaching it.
+        whole: dict[int, tuple[nn.Module, set[int]]] = {}
+        for s, part in enumerate(partitions):
+            for m in part.modules():
+                if not isinstance(m, (fx.GraphModule, _NormBase)) and m._buffers:
+                    whole.setdefault(id(m), (m, set()))[1].add(s)
         modules: dict[int, str] = {}  # the first name of each
         for name, m in root.named_modules(remove_duplicate=False):
             modules.setdefault(id(m), name)
@@ -186,12 +197,28 @@ class SharedWrites:
                 named.add(label)
                 layer = owner is not None
                 self.shared.append(_Shared(gate, label, writers, users, layer))
+        owners = []
+        for m, stages in whole.values():
+            # A lazy buffer holds nothing yet to copy (its module sizes it
+            # at its first call, as no other stage can race with).
+            buffers = [b for b in m.buffers(recurse=False) if not is_lazy(b)]
+            # Stages whose graphs use its buffers reach them too.
+            reach = stages.union(*(found[id(b)][3] for b in buffers if id(b) in found))
+            if len(reach) > 1:
+                named_buffers = [(tensors.get(id(b), "?"), b) for b in buffers]
+                name = modules.get(id(m), type(m).__name__)
+                owners.append(Owner(m, name, named_buffers, sorted(reach)))
+        #: The modules run whole by several stages, watched at their first call.
+        self.watch = Watch(owners)
 
-    def check(self, labels: Callable[[], Sequence[str]]) -> None:
-        """Refuses a run in which one stage would write a buffer another uses.
+    def check(self, labels: Callable[[], Sequence[str]], training: bool) -> None:
+        """Refuses a run in which one stage would write a buffer another
+        uses, found in the stages' modules and graphs; then watches the
+        modules run whole by several stages (:class:`~.buffer_watch.Watch`).
 
         Args:
             labels: gives each stage's label (called only to refuse).
+            training: the run's mode.
 
         Raises:
             ValueError: naming the norm layer or buffer and the stages, and
@@ -200,3 +227,4 @@ class SharedWrites:
         for shared in self.shared:
             if _writes(shared.gate):
                 raise ValueError(shared.message(labels()))
+        self.watch.arm(labels, training)
