@@ -310,7 +310,10 @@ def _write_back_where_made(gm: fx.GraphModule, stage_of: dict[fx.Node, int]) -> 
     for the next micro-batch (a race), and with copies between the stages
     it would write back the copy it received, taken before the next update
     (counts lost). The value needs nothing from later stages; written where
-    it is made, the buffer has one writer.
+    it is made, the buffer has one writer. A stage between the two that
+    reads the buffer would see the write sooner than the module does; such
+    a stage reads a buffer another writes, which the run refuses either way
+    (:mod:`~mpstream.memory.shared_writes`).
     """
     for node in gm.graph.nodes:
         if node.target is not torch.ops.aten.copy_.default or node.users:

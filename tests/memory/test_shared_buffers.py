@@ -108,6 +108,7 @@ def _refused(pipe: Pipe, said: str) -> None:
         (_ema, "export", "ema"),
         (_item, "fx", "ema"),
         (_norm, "fx", "rm"),
+        (_norm, "export", "rm"),
         (_count, "export", "calls"),
     ],
 )
