@@ -120,6 +120,37 @@ def test_a_backward_pass_is_asked_once_whether_it_accumulates(
     assert_same_grads(graphed, eager)
 
 
+def test_where_torch_cannot_tell_the_pass_each_replayed_backward_asks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from mpstream.runtime import private, replay_autograd
+
+    # Pass id -1 (a torch without the call): no answer is kept, as -1 is
+    # also what the kept answer starts from (a False one would drop every
+    # gradient a plain backward then adds).
+    eager, graphed = pair(mlp(WIDTHS), chunks=4)
+    x, y = data()
+    for pipe in (eager, graphed):
+        user_loop(pipe, x, y)  # captures
+    monkeypatch.setattr(private, "current_graph_task_id", lambda: -1)
+    monkeypatch.setattr(replay_autograd, "_ANSWERED", (-1, False))
+    asked: list[object] = []
+    real = private.will_engine_execute_node
+
+    def counted(node: object) -> bool:
+        asked.append(node)
+        return real(node)
+
+    monkeypatch.setattr(private, "will_engine_execute_node", counted)
+    for pipe in (eager, graphed):
+        pipe.zero_grad()
+        inp = x.clone().requires_grad_()
+        torch.autograd.grad(nn.functional.mse_loss(pipe(inp), y), [inp])
+        user_loop(pipe, x, y)
+    assert len(asked) == 16  # each of a pass's 8 replayed backward tasks
+    assert_same_grads(graphed, eager)
+
+
 @pytest.mark.parametrize("run", RUNS)
 def test_a_tied_weight_s_hooks_run_once_its_pass_is_summed(run: str) -> None:
     eager, graphed = pair(tied_model(), chunks=3, balance=[2, 2, 2], devices=["cpu"] * 3)
