@@ -280,3 +280,51 @@ def test_a_replay_outside_autograd_makes_no_grad_mode_object(
     call.forward([x])
     call.backward([grad], token)
     assert made == [] and torch.is_grad_enabled()
+
+
+class Wrapped(nn.Module):
+    """Takes a one-tensor ``kind`` (tuple or list) whole, the batch itself
+    if ``first``, and returns one."""
+
+    def __init__(self, kind: type, first: bool = False) -> None:
+        super().__init__()
+        self.kind, self.first = kind, first
+        self.layer = nn.Linear(4, 4, dtype=torch.float64)
+
+    def forward(self, xs: Tensor | tuple[Tensor] | list[Tensor]) -> tuple[Tensor] | list[Tensor]:
+        if self.first:
+            x = xs
+        else:
+            assert type(xs) is self.kind, type(xs)  # not the tensor it holds
+            (x,) = xs
+        return self.kind([torch.tanh(self.layer(x))])
+
+
+@pytest.mark.parametrize("kind", [tuple, list])
+@pytest.mark.parametrize("run", ["loop", "step"])
+def test_a_one_tensor_tuple_or_list_output_stays_one_when_replayed(kind: type, run: str) -> None:
+    from mpstream import Pipe
+
+    model = nn.Sequential(Wrapped(kind, first=True), Wrapped(kind), Wrapped(kind))
+    pipe = Pipe(
+        copy.deepcopy(model), chunks=2, balance=[1, 2], devices=["cpu"] * 2, graphs=Emulated()
+    )
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+
+    def loss(out: tuple[Tensor] | list[Tensor], target: Tensor) -> Tensor:
+        assert type(out) is kind and len(out) == 1  # not the tensor it holds
+        return nn.functional.mse_loss(out[0], target)
+
+    for _ in range(3):  # the second call on replays
+        for m in (model, pipe):
+            m.zero_grad()
+        if run == "loop":
+            got = loss(pipe(x), y)
+            got.backward()
+        else:
+            got = pipe.train_step(x, y, loss)
+        want = loss(model(x), y)
+        want.backward()
+        torch.testing.assert_close(got, want)
+        assert_same_grads(pipe, model)
+    assert all(s.graphed for s in pipe.graph_report().stages)
