@@ -223,3 +223,48 @@ def test_a_replay_of_tensor_arguments_walks_them_only_to_find_handoffs(
     assert walked == []
     same_as_plain(model, pipe, x)
     assert len(walked) == 3  # stage 1, per micro-batch: it reads stage 0's handoffs
+
+
+class HandsScaled(nn.Module):
+    """Hands on a plain value before its tensor: (2.0, y)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(6, 6, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> tuple[float, torch.Tensor]:
+        return 2.0, torch.tanh(self.layer(x))
+
+
+class TakesScaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(6, 3, dtype=torch.float64)
+
+    def forward(self, k: float, y: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.layer(y) * k
+        return out
+
+
+def test_a_reader_of_a_plain_value_before_the_tensor_reads_the_tensor_in_place() -> None:
+    # The sources of a stage's arguments are per tensor among their leaves:
+    # the plain value takes no place among them.
+    model = nn.Sequential(nn.Linear(4, 6, dtype=torch.float64), HandsScaled(), TakesScaled())
+    pipe = Pipe(copy.deepcopy(model), graphs=Emulated(), balance=[2, 1], devices=["cpu"] * 2,
+                chunks=3)  # fmt: skip
+    x = torch.randn(6, 4, dtype=torch.float64)
+
+    def plain(v: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = model[2](*model[1](model[0](v)))  # the tuple spread, as the pipe does
+        return out
+
+    for _ in range(3):  # capture, then replay
+        results = []
+        for net, run in ((model, plain), (pipe, pipe)):
+            net.zero_grad()
+            v = x.clone().requires_grad_()
+            out = run(v)
+            (out * out).sum().backward()
+            results.append((out, v.grad, [p.grad for p in net.parameters()]))
+        torch.testing.assert_close(results[1], results[0])
+    assert in_place(pipe, 0, 1) == (True, True)
