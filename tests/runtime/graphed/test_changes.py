@@ -175,3 +175,19 @@ def test_a_failed_step_whose_recapture_failed_puts_an_eager_gradient_back() -> N
         assert (p.grad is None) == (b is None)
         if b is not None:
             torch.testing.assert_close(p.grad, b)
+
+
+@pytest.mark.filterwarnings("ignore::mpstream.SingleMicroBatchWarning")
+def test_the_gradient_a_hook_of_the_user_s_input_sees_outlives_the_next_backward() -> None:
+    # One micro-batch: the first stage's replay takes the user's leaf as it
+    # is, and hands its gradient back a copy, not the call's buffer, which
+    # the next backward rewrites.
+    model = mlp(WIDTHS)
+    pipe = Pipe(model, graphs=Emulated(), balance=[4, 4], devices=["cpu"] * 2, chunks=1)
+    seen: list[tuple[Tensor, Tensor]] = []
+    for _ in range(3):  # capture, then replays
+        x = torch.randn(4, WIDTHS[0], dtype=torch.float64, requires_grad=True)
+        x.register_hook(lambda g: seen.append((g, g.clone())))
+        (pipe(x) ** 2).sum().backward()
+    for g, then in seen:
+        torch.testing.assert_close(g, then)
