@@ -20,6 +20,7 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 
 from .output_paths import output_name, structure_difference
+from .rebuilds import check_rebuilds
 
 __all__ = [
     "Value",
@@ -266,6 +267,7 @@ def scatter(
             f"or wrap those not to split in mpstream.NoChunk"
         )
     (micros,) = counts
+    check_rebuilds(value, what, items, spec)
     # The common cases without a rebuild per micro-batch: one tensor (its
     # chunks), a flat tuple of tensors (the tuples of their chunks).
     if spec is None:
@@ -329,6 +331,7 @@ def gather(outputs: Sequence[Any]) -> Any:
                 )
         flat = [pytree.tree_flatten(out) for out in outputs]
         first, spec = flat[0]
+    check_rebuilds(outputs[0], "the pipeline's output", *flat[0])
     columns: list[list[Any]] = [[leaf] for leaf in first]
     for items, _ in flat[1:]:
         for column, leaf in zip(columns, items):

@@ -18,6 +18,7 @@ from torch.utils import _pytree as pytree
 
 from .graph import ALL, Hop, Ref, Routes
 from .microbatch import check_output, leaves
+from .rebuilds import check_rebuilds
 from .stream import AnyStream, is_cuda, record_stream
 
 __all__ = ["Wiring", "Flow", "tensor_leaves", "protect", "cuda_only"]
@@ -189,10 +190,14 @@ class Flow:
                 )
             for item in y:
                 check_output(item, q)
+                if not m:  # once per call: the same code builds every micro-batch's
+                    check_rebuilds(item, f"stage {q}'s output", *leaves(item))
             self.outs[m][q + 1] = y
         else:
             if type(y) is not Tensor:
                 check_output(y, q)
+                if not m:
+                    check_rebuilds(y, f"stage {q}'s output", *leaves(y))
             self.outs[m][q + 1] = (y,)
 
     def keep(self, q: int, m: int, y: Any) -> Any:
