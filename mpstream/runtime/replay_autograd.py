@@ -84,7 +84,7 @@ def replay(call: GraphedCall, tensors: Sequence[Tensor]) -> tuple[Tensor, ...]:
     """The user's loop's replay of ``call`` (through autograd when it needs
     gradients); returns its output tensors."""
     if call.diff_out and torch.is_grad_enabled():
-        out: tuple[Tensor, ...] = Replay.apply(call, _ANCHOR, *tensors)
+        out: tuple[Tensor, ...] = Replay.apply(call, _ANCHOR, *_reached(call, tensors))
         return out
     outs = call.forward(tensors)
     if call.grad:
@@ -93,6 +93,20 @@ def replay(call: GraphedCall, tensors: Sequence[Tensor]) -> tuple[Tensor, ...]:
         # next forward replays this call and rewrites them.
         return tuple(t.clone() for t in outs)
     return tuple(outs)
+
+
+def _reached(call: GraphedCall, tensors: Sequence[Tensor]) -> Sequence[Tensor]:
+    """``tensors``, those no output of the call reaches detached. Eager
+    autograd leaves such an input out of the graph, so nothing upstream of
+    it runs; given to the node, its backward's None would still run the
+    upstream graph, and a tensor hook there would be called with None."""
+    if all(g is not None for g in call.static_grad_in):
+        return tensors
+    grads = iter(call.static_grad_in)
+    return [
+        t.detach() if static.requires_grad and next(grads) is None else t
+        for t, static in zip(tensors, call.static_in)
+    ]
 
 
 class Replay(torch.autograd.Function):
