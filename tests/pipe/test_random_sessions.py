@@ -45,7 +45,7 @@ from tests.random_models import Recipe, Reference, build, leaves, micro_batches,
 #: (rtol, atol) per dtype; float64 is torch's default.
 TOLERANCE: dict[torch.dtype, tuple[float, float]] = {
     torch.float64: (1e-7, 1e-7),
-    torch.float32: (1e-4, 1e-5),
+    torch.float32: (1e-3, 1e-4),  # BatchNorm of two samples amplifies reordered sums
     torch.bfloat16: (5e-2, 5e-2),
 }
 
