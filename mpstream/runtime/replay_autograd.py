@@ -70,6 +70,8 @@ def run_stage(
             items = leaves(tuple(args))[0]
         tensors = [items[i] for i in call.where]
     # Once per replayed task: replay()'s common case and rebuild()'s, inline.
+    if call.unreached_in:
+        tensors = _reached(call, tensors)
     outs = (
         Replay.apply(call, _ANCHOR, *tensors)
         if call.diff_out and torch.is_grad_enabled()
@@ -84,7 +86,9 @@ def replay(call: GraphedCall, tensors: Sequence[Tensor]) -> tuple[Tensor, ...]:
     """The user's loop's replay of ``call`` (through autograd when it needs
     gradients); returns its output tensors."""
     if call.diff_out and torch.is_grad_enabled():
-        out: tuple[Tensor, ...] = Replay.apply(call, _ANCHOR, *_reached(call, tensors))
+        if call.unreached_in:
+            tensors = _reached(call, tensors)
+        out: tuple[Tensor, ...] = Replay.apply(call, _ANCHOR, *tensors)
         return out
     outs = call.forward(tensors)
     if call.grad:
@@ -95,18 +99,16 @@ def replay(call: GraphedCall, tensors: Sequence[Tensor]) -> tuple[Tensor, ...]:
     return tuple(outs)
 
 
-def _reached(call: GraphedCall, tensors: Sequence[Tensor]) -> Sequence[Tensor]:
-    """``tensors``, those no output of the call reaches detached. Eager
-    autograd leaves such an input out of the graph, so nothing upstream of
-    it runs; given to the node, its backward's None would still run the
-    upstream graph, and a tensor hook there would be called with None."""
-    if all(g is not None for g in call.static_grad_in):
-        return tensors
-    grads = iter(call.static_grad_in)
-    return [
-        t.detach() if static.requires_grad and next(grads) is None else t
-        for t, static in zip(tensors, call.static_in)
-    ]
+def _reached(call: GraphedCall, tensors: Sequence[Tensor]) -> list[Tensor]:
+    """``tensors``, those no output of the call reaches detached
+    (``call.unreached_in``). Eager autograd leaves such an input out of the
+    graph, so nothing upstream of it runs; given to the node, its
+    backward's None would still run the upstream graph, and a tensor hook
+    there would be called with None."""
+    out = list(tensors)
+    for i in call.unreached_in:
+        out[i] = out[i].detach()
+    return out
 
 
 class Replay(torch.autograd.Function):

@@ -171,6 +171,10 @@ def prepare(call: GraphedCall, outs: Sequence[Tensor]) -> None:
         None if not call.reached_from[i] else torch.zeros_like(t) if to is None else to
         for i, (t, to) in enumerate(needing)
     ]
+    grads = iter(call.static_grad_in)
+    call.unreached_in = tuple(
+        i for i, t in enumerate(call.static_in) if t.requires_grad and next(grads) is None
+    )
 
 
 class CudaGraphs:

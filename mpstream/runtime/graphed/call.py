@@ -162,6 +162,9 @@ class GraphedCall:
         self.static_grad_out: list[Tensor] = []  # per diff_out
         #: Per input needing a gradient, its buffer (None: no output reaches it).
         self.static_grad_in: list[Tensor | None] = []
+        #: Positions in static_in of the inputs needing a gradient that no
+        #: output reaches (replay_autograd hands them to autograd detached).
+        self.unreached_in: tuple[int, ...] = ()
         #: Per gradient target (inputs needing one, then parameters), the outputs reaching it.
         self.reached_from: list[frozenset[int]] = []
         #: The graphs captured: forward; backward (all of it, or B); weight (W).
