@@ -10,7 +10,8 @@ safe case, buffers only read (a rotary embedding's frequencies, a mask).
 
 :class:`Watch` looks at such modules' first call in each mode (training,
 eval): a hook before it notes its buffers' version counters and keeps a
-copy of them, one after it compares the counters. A write is refused there,
+copy of them, one after it compares the counters (the values, for inference
+tensors, which keep no counter). A write is refused there,
 with the buffers put back, before a second stage's call can race with it;
 each later run in that mode is refused before it starts. What ran before
 that first call in the run (layers of earlier stages) ran, as with any
@@ -31,6 +32,23 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 __all__ = ["Owner", "Watch"]
+
+
+def _version(b: Tensor) -> int | None:
+    """``b``'s version counter; None for an inference tensor, which keeps
+    none (a model built under ``torch.inference_mode()``)."""
+    return None if b.is_inference() else b._version
+
+
+def _written(b: Tensor, version: int | None, copy: Tensor) -> bool:
+    """Whether the call wrote ``b``: its counter moved on from ``version``,
+    or, with no counter, its values differ from ``copy`` (NaN equal to NaN)."""
+    if version is not None:
+        return b._version != version
+    same = b == copy
+    if b.is_floating_point() or b.is_complex():
+        same |= b.isnan() & copy.isnan()
+    return not bool(same.all())
 
 
 @dataclass
@@ -101,19 +119,19 @@ class Watch:
     def _watch(
         self, i: int, owner: Owner, labels: Callable[[], Sequence[str]], training: bool
     ) -> None:
-        seen: list[tuple[int, Tensor]] = []
+        seen: list[tuple[int | None, Tensor]] = []
         mine: list[RemovableHandle] = []
 
         def before(module: nn.Module, args: Any) -> None:
             with torch.no_grad():
-                seen[:] = [(b._version, b.detach().clone()) for _, b in owner.buffers]
+                seen[:] = [(_version(b), b.detach().clone()) for _, b in owner.buffers]
 
         def after(module: nn.Module, args: Any, output: Any) -> None:
             for handle in mine:  # the first call only
                 handle.remove()
             written = []
             for (name, b), (version, copy) in zip(owner.buffers, seen):
-                if b._version != version:
+                if _written(b, version, copy):
                     written.append(name)
                     b.data.copy_(copy)  # .data: the counter stays as the run left it
             if not written:

@@ -111,3 +111,23 @@ def test_a_module_two_stages_run_reading_its_buffers_trains_as_the_plain_model(k
         assert_same_grads(pipe, plain)
         for p in [*pipe.parameters(), *plain.parameters()]:
             p.grad = None
+
+
+@pytest.mark.parametrize("module", [_Reads, _Ema])
+def test_a_model_built_under_inference_mode_runs_under_it(module: type[nn.Module]) -> None:
+    # Its buffers are inference tensors, which keep no version counter: the
+    # watch compares their values instead (it raised RuntimeError at the
+    # first call). Only read, it runs as the plain model; written, refused.
+    with torch.inference_mode():
+        model = _sequential(module()).eval()
+        pipe = _pipe(model)
+        x = torch.randn(8, 4)
+        if module is _Reads:
+            torch.testing.assert_close(pipe(x), model(x))
+            return
+        model.train()
+        pipe.train()
+        before = model[0].shared.ema.clone()
+        with pytest.raises(ValueError, match=r"the buffer '0\.shared\.ema' of '0\.shared'"):
+            pipe(x)
+        torch.testing.assert_close(model[0].shared.ema, before)
