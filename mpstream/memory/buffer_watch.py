@@ -107,14 +107,21 @@ class Watch:
         Raises:
             ValueError: an earlier run in this mode saw an owner write.
         """
-        for handle in self.handles:  # a module the last run never called
-            handle.remove()
-        self.handles.clear()
+        self.disarm()
         if training in self.found:
             raise ValueError(self.found[training])
         for i, owner in enumerate(self.owners):
             if (i, training) not in self.clean:
                 self._watch(i, owner, labels, training)
+
+    def disarm(self) -> None:
+        """After a run: removes the hooks left on modules it never called (it
+        raised before their call, or they sit on a branch not taken). Left
+        on the user's modules, those local functions would keep them from
+        being pickled, and a copy of them would watch the original's buffers."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
 
     def _watch(
         self, i: int, owner: Owner, labels: Callable[[], Sequence[str]], training: bool

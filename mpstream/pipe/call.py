@@ -113,7 +113,7 @@ class PipeCall(PipeConfig):
         schedule = self.schedule_for(len(micro), batch_device(inputs))
         _, worker, _ = self._rt()
         staging = self._stage(inputs, self.devices[0])
-        stop = self._prepare(len(micro))
+        stop = self._prepare(len(micro))  # raising, it leaves no hook
         graphs = worker.graphs
         runs = 0 if graphs is None else graphs.runs
         try:
@@ -123,6 +123,8 @@ class PipeCall(PipeConfig):
             if graphs is not None:
                 graphs.abandon(runs)  # the next calls replay, the exception held or not
             raise
+        finally:
+            self._finish()
         split = self.__dict__["_split"]
         return gather(outputs) if split is None else split.gather(outputs)
 

@@ -380,3 +380,10 @@ class PipeConfig(PipeModule):
         found[1].check(self._labels, self.training)
         training = self.training and torch.is_grad_enabled()
         return checkpoint_stop(self.checkpoint, micros, training)
+
+    def _finish(self) -> None:
+        """Ends what :meth:`_prepare` began, whether the run raised or not:
+        the watch's hooks come off the modules it never called."""
+        found = self.__dict__.get("_shared_writes")
+        if found is not None:
+            found[1].watch.disarm()

@@ -289,6 +289,8 @@ class PipeStep(PipeCall):
                     except Exception as cleanup:  # exc stays the one raised
                         annotate(exc, f"mpstream: restoring the state raised too: {cleanup!r}")
             raise
+        finally:
+            self._finish()
         if graphs is not None:
             graphs.restore(keep=True)
         return loss

@@ -8,6 +8,7 @@ only read, and writes in another mode only, run as the plain model."""
 from __future__ import annotations
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -131,3 +132,24 @@ def test_a_model_built_under_inference_mode_runs_under_it(module: type[nn.Module
         with pytest.raises(ValueError, match=r"the buffer '0\.shared\.ema' of '0\.shared'"):
             pipe(x)
         torch.testing.assert_close(model[0].shared.ema, before)
+
+
+@pytest.mark.parametrize("call", ["pipe(x)", "train_step"])
+def test_a_run_that_never_reaches_a_watched_module_leaves_no_hook_on_it(call: str) -> None:
+    # Stage 0's layer refuses the input before the module's first call: the
+    # watch's hooks (local functions) stayed on the user's module, which
+    # then could not be pickled (torch.save(model) neither).
+    model = _sequential(_Reads())
+    pipe = _pipe(model)
+    bad = torch.randn(8, 5)
+    with pytest.raises(RuntimeError):
+        if call == "pipe(x)":
+            pipe(bad)
+        else:
+            pipe.train_step(bad, torch.randn(8, 4), nn.MSELoss())
+    shared = model[0].shared
+    assert not shared._forward_pre_hooks and not shared._forward_hooks
+    again = pickle.loads(pickle.dumps(pipe))
+    x = torch.randn(8, 4)
+    torch.testing.assert_close(again(x), model(x))
+    torch.testing.assert_close(pipe(x), model(x))
