@@ -310,10 +310,12 @@ def _write_back_where_made(gm: fx.GraphModule, stage_of: dict[fx.Node, int]) -> 
     for the next micro-batch (a race), and with copies between the stages
     it would write back the copy it received, taken before the next update
     (counts lost). The value needs nothing from later stages; written where
-    it is made, the buffer has one writer. A stage between the two that
-    reads the buffer would see the write sooner than the module does; such
-    a stage reads a buffer another writes, which the run refuses either way
-    (:mod:`~mpstream.memory.shared_writes`).
+    it is made, the buffer has one writer. Not before the last stage that
+    reads the buffer (its old value, ``out = self.b(h) + self.seen`` after
+    the split point, before ``self.seen = kept``): there the write would
+    race with that read (a run refused by
+    :mod:`~mpstream.memory.shared_writes`), where in that stage the buffer
+    keeps one user.
     """
     for node in gm.graph.nodes:
         if node.target is not torch.ops.aten.copy_.default or node.users:
@@ -322,7 +324,27 @@ def _write_back_where_made(gm: fx.GraphModule, stage_of: dict[fx.Node, int]) -> 
         if not (isinstance(target, fx.Node) and target.op == "get_attr"):
             continue
         if isinstance(value, fx.Node) and stage_of.get(value, -1) >= 0:
-            stage_of[node] = min(stage_of[node], stage_of[value])
+            where = max(stage_of[value], _last_reader(gm, target, node, stage_of))
+            stage_of[node] = min(stage_of[node], where)
+
+
+def _last_reader(
+    gm: fx.GraphModule, target: fx.Node, write: fx.Node, stage_of: dict[fx.Node, int]
+) -> int:
+    """The last stage with a node other than ``write`` that reads the buffer
+    ``target`` gets, or a view of it (through each ``get_attr`` of it); -1
+    for none."""
+    last = -1
+    todo = [n for n in gm.graph.nodes if n.op == "get_attr" and n.target == target.target]
+    while todo:
+        for user in todo.pop().users:
+            if user is write:
+                continue
+            last = max(last, stage_of.get(user, -1))
+            schema = getattr(user.target, "_schema", None)
+            if schema is not None and any(r.alias_info is not None for r in schema.returns):
+                todo.append(user)  # a view: its readers read the buffer
+    return last
 
 
 def _leaf_names(named: dict[str, Any]) -> list[str]:

@@ -215,3 +215,63 @@ def test_an_exported_counter_written_back_counts_as_the_plain_model(force_copies
     torch.testing.assert_close(loss, expected)
     assert_same_grads(pipe, plain)
     assert int(pipe.calls) == int(plain.calls) == 4
+
+
+class _LastSeen(nn.Module):
+    """Adds what it kept at the last call (read after the split point) and
+    keeps a value made before it: torch.export writes it back where the
+    forward ends, in stage 1, the one stage using the buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.register_buffer("seen", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        kept = h.detach().mean(0)
+        out = self.b(h) + self.seen
+        self.seen = kept
+        return out
+
+
+@pytest.mark.parametrize("force_copies", [False, True])
+def test_an_exported_write_back_stays_in_the_stage_reading_the_buffer(force_copies: bool) -> None:
+    # Moved to stage 0, where its value is made, the write-back made stage 0
+    # write a buffer stage 1 reads: the run was refused (it ran as the plain
+    # model before the move, stage 1 alone using the buffer).
+    torch.manual_seed(0)
+    plain = _LastSeen()
+    pipe = Pipe(copy.deepcopy(plain), chunks=2, split_points=["b"], devices=["cpu", "cpu"],
+                tracer="export", sample=torch.randn(4, 4), force_copies=force_copies)  # fmt: skip
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    loss = pipe.train_step(x, y, nn.MSELoss())
+    out = torch.cat([plain(part) for part in x.chunk(2)])
+    expected = nn.MSELoss()(out, y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    assert_same_grads(pipe, plain)
+    torch.testing.assert_close(pipe.seen, plain.seen)
+
+
+class _LastSeenOfThree(_LastSeen):
+    """``_LastSeen`` with a stage after the one reading the buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(super().forward(x))
+
+
+def test_an_exported_write_back_runs_in_the_last_stage_reading_the_buffer() -> None:
+    # At the forward's end (stage 2) it wrote the buffer stage 1 reads: a
+    # race, refused; in stage 0 as well. In stage 1 it runs as the plain model.
+    torch.manual_seed(0)
+    plain = _LastSeenOfThree()
+    pipe = Pipe(copy.deepcopy(plain), chunks=2, split_points=["b", "c"], devices=["cpu"] * 3,
+                tracer="export", sample=torch.randn(4, 4))  # fmt: skip
+    x = torch.randn(8, 4)
+    torch.testing.assert_close(pipe(x), torch.cat([plain(part) for part in x.chunk(2)]))
+    torch.testing.assert_close(pipe.seen, plain.seen)
