@@ -8,17 +8,20 @@ streams at once, or written by one while the other reads it: on a GPU a
 race. Refusing every shared module with buffers would refuse the common
 safe case, buffers only read (a rotary embedding's frequencies, a mask).
 
-:class:`Watch` looks at such modules' first call in each mode (training,
-eval): a hook before it notes its buffers' version counters and keeps a
-copy of them, one after it compares the counters (the values, for inference
-tensors, which keep no counter). A write is refused there,
-with the buffers put back, before a second stage's call can race with it;
-each later run in that mode is refused before it starts. What ran before
-that first call in the run (layers of earlier stages) ran, as with any
-error raised in a stage (``train_step`` puts its norms and gradients back).
+:class:`Watch` looks at such modules' first call in each of their own modes
+(their ``training`` flag, which the user may set apart from the pipe's): a
+hook before it notes its buffers' version counters and keeps a copy of them,
+one after it compares the counters (the values, for inference tensors, which
+keep no counter). A write is refused there, with the buffers put back,
+before a second stage's call can race with it; each later run while the
+module is in that mode is refused before it starts. What ran before that
+first call in the run (layers of earlier stages) ran, as with any error
+raised in a stage (``train_step`` puts its norms and gradients back).
 No probe runs the module beforehand: its input is made by the layers before
 it, and a second run of its forward would repeat its other side effects. A
-module called without a write is not watched again in that mode.
+module called without a write is not watched again in that mode; one seen
+writing is refused while it is in that mode (its forward may skip the write
+in another).
 """
 
 from __future__ import annotations
@@ -90,29 +93,34 @@ class Watch:
     """Watches the first call of each :class:`Owner` per mode; see the module."""
 
     owners: list[Owner]
-    #: (owner index, training) seen called without writing.
+    # Keyed by (owner index, the owner's own training flag): its forward
+    # reads its own flag, which the user may set apart from the pipe's
+    # (a shared module frozen with .eval() while the pipe trains).
+    #: The owners' modes seen called without writing.
     clean: set[tuple[int, bool]] = field(default_factory=set)
-    #: Per mode, the refusal found (raised again before each run).
-    found: dict[bool, str] = field(default_factory=dict)
+    #: The refusal found per owner's mode (raised again before each run).
+    found: dict[tuple[int, bool], str] = field(default_factory=dict)
     handles: list[RemovableHandle] = field(default_factory=list)
 
-    def arm(self, labels: Callable[[], Sequence[str]], training: bool) -> None:
-        """Before a run: refuses it where a write was seen in this mode, else
-        watches the owners not yet seen called in it.
+    def arm(self, labels: Callable[[], Sequence[str]]) -> None:
+        """Before a run: refuses it where an owner was seen writing in the
+        mode it is now in, else watches the owners not yet seen called in
+        their mode.
 
         Args:
             labels: gives each stage's label (called only to refuse).
-            training: the mode of the run.
 
         Raises:
-            ValueError: an earlier run in this mode saw an owner write.
+            ValueError: an earlier run saw an owner write in its mode.
         """
         self.disarm()
-        if training in self.found:
-            raise ValueError(self.found[training])
-        for i, owner in enumerate(self.owners):
-            if (i, training) not in self.clean:
-                self._watch(i, owner, labels, training)
+        keys = [(i, owner.module.training) for i, owner in enumerate(self.owners)]
+        for key in keys:
+            if key in self.found:
+                raise ValueError(self.found[key])
+        for key, owner in zip(keys, self.owners):
+            if key not in self.clean:
+                self._watch(key, owner, labels)
 
     def disarm(self) -> None:
         """After a run: removes the hooks left on modules it never called (it
@@ -124,7 +132,7 @@ class Watch:
         self.handles.clear()
 
     def _watch(
-        self, i: int, owner: Owner, labels: Callable[[], Sequence[str]], training: bool
+        self, key: tuple[int, bool], owner: Owner, labels: Callable[[], Sequence[str]]
     ) -> None:
         seen: list[tuple[int | None, Tensor]] = []
         mine: list[RemovableHandle] = []
@@ -142,10 +150,10 @@ class Watch:
                     written.append(name)
                     b.data.copy_(copy)  # .data: the counter stays as the run left it
             if not written:
-                self.clean.add((i, training))
+                self.clean.add(key)
                 return
-            self.found[training] = owner.message(written, labels())
-            raise ValueError(self.found[training])
+            self.found[key] = owner.message(written, labels())
+            raise ValueError(self.found[key])
 
         mine += [
             owner.module.register_forward_pre_hook(before),

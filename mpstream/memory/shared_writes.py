@@ -211,14 +211,13 @@ class SharedWrites:
         #: The modules run whole by several stages, watched at their first call.
         self.watch = Watch(owners)
 
-    def check(self, labels: Callable[[], Sequence[str]], training: bool) -> None:
+    def check(self, labels: Callable[[], Sequence[str]]) -> None:
         """Refuses a run in which one stage would write a buffer another
         uses, found in the stages' modules and graphs; then watches the
         modules run whole by several stages (:class:`~.buffer_watch.Watch`).
 
         Args:
             labels: gives each stage's label (called only to refuse).
-            training: the run's mode.
 
         Raises:
             ValueError: naming the norm layer or buffer and the stages, and
@@ -227,4 +226,4 @@ class SharedWrites:
         for shared in self.shared:
             if _writes(shared.gate):
                 raise ValueError(shared.message(labels()))
-        self.watch.arm(labels, training)
+        self.watch.arm(labels)

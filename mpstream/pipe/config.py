@@ -377,7 +377,7 @@ class PipeConfig(PipeModule):
             uses = buffer_uses(parts, self.__dict__["_graph"])
             found = (now, SharedWrites(self, parts, uses))
             self.__dict__["_shared_writes"] = found
-        found[1].check(self._labels, self.training)
+        found[1].check(self._labels)
         training = self.training and torch.is_grad_enabled()
         return checkpoint_stop(self.checkpoint, micros, training)
 

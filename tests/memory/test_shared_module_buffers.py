@@ -153,3 +153,23 @@ def test_a_run_that_never_reaches_a_watched_module_leaves_no_hook_on_it(call: st
     x = torch.randn(8, 4)
     torch.testing.assert_close(again(x), model(x))
     torch.testing.assert_close(pipe(x), model(x))
+
+
+def test_the_watch_follows_the_shared_module_s_own_mode_not_the_pipe_s() -> None:
+    # Frozen with .eval() while the pipe trains, its first call writes
+    # nothing; put back in training mode, it writes: watched again there.
+    model = _sequential(_Ema())
+    pipe = _pipe(model)
+    shared = model[0].shared
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    shared.eval()
+    pipe.train_step(x, y, nn.MSELoss())  # its eval-mode call reads only
+    ema = shared.ema.clone()
+    shared.train()
+    with pytest.raises(ValueError, match=r"'0\.shared\.ema' of '0\.shared' \(_Ema\) is written"):
+        pipe.train_step(x, y, nn.MSELoss())
+    torch.testing.assert_close(shared.ema, ema)  # put back
+    with pytest.raises(ValueError, match="is written by its forward"):
+        pipe(x)  # refused before it runs, while the module trains
+    shared.eval()  # its forward skips the write: the pipe trains again
+    pipe.train_step(x, y, nn.MSELoss())
