@@ -1,7 +1,8 @@
 """Every tensor a task reads on another stream than its allocating one is
 marked for that stream first (emulated on the CPU, see tests/runtime/uses.py),
-in forward runs and training steps of every built-in schedule; and the
-check fails when a mark goes missing."""
+in forward runs and training steps of every built-in schedule, and where a
+replayed stage (emulated graphs) neighbours an eager one; and the check
+fails when a mark goes missing."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from torch import Tensor, nn
 from mpstream import Pipe
 from mpstream.runtime import boundary, forward, training
 from mpstream.runtime import copy as copies
+from mpstream.runtime.graphed import Emulated, GraphWarning
+from mpstream.runtime.graphed.call import GraphedCall
 from tests.runtime.uses import checking_uses
 
 
@@ -107,4 +110,89 @@ def test_a_missing_mark_is_found(
                 pipe(x)
         else:
             pipe.train_step(x, y, nn.MSELoss())
+    assert uses.missing, "the check missed a dropped record_stream"
+
+
+class _Refusing(Emulated):
+    """Emulated graphs for every stage but one, whose capture fails: that
+    stage runs eagerly between replayed ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.eager: nn.Module | None = None
+
+    def capture(self, call: GraphedCall, fn: object) -> None:
+        if fn is self.eager:
+            raise RuntimeError("no graph for this stage")
+        super().capture(call, fn)  # type: ignore[arg-type]
+
+
+def _mixed(schedule: str, force: bool, eager: int) -> Pipe:
+    """The skip pipe, stage ``eager`` eager and the others replayed, its
+    graphs captured (outside any check: a slot's buffers need no mark)."""
+    torch.manual_seed(0)
+    backend = _Refusing()
+    pipe = Pipe(
+        Skip().double(),
+        split_points=["b", "c", "d"],
+        sample=torch.randn(2, 6, dtype=torch.float64),
+        chunks=4,
+        force_copies=force,
+        schedule=schedule,
+        graphs=backend,
+    )
+    backend.eager = pipe.partitions[eager]
+    x, y = batch()
+    with pytest.warns(GraphWarning, match="runs eagerly"):
+        pipe.train_step(x, y, nn.MSELoss())
+    assert [s.graphed for s in pipe.graph_report().stages] == [s != eager for s in range(4)]
+    return pipe
+
+
+@pytest.mark.parametrize("eager", [0, 1, 3])
+@pytest.mark.parametrize("force", [True, False], ids=["copies", "shared"])
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+def test_every_cross_stream_read_is_marked_beside_replayed_stages(
+    schedule: str, force: bool, eager: int
+) -> None:
+    """The thinned replay path (runtime/replayed.py): a replayed stage's
+    outputs, its input gradients (pushed into a producer's buffer, or
+    cloned and routed), an eager stage's gradients reaching a replayed
+    producer, the loss over a replayed last stage's outputs."""
+    pipe = _mixed(schedule, force, eager)
+    torch.manual_seed(0)
+    model = Skip().double()  # the pipe's, before it was split
+    x, y = batch()
+    pipe.zero_grad()
+    with checking_uses(pipe.scheduler) as uses:
+        loss = pipe.train_step(x, y, nn.MSELoss())
+        with torch.no_grad():
+            out = pipe(x)
+    assert uses.missing == []
+    assert uses.reads > 0
+    expected = nn.MSELoss()(model(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach())
+    torch.testing.assert_close(out, model(x).detach())
+    for (name, a), b in zip(pipe.named_parameters(), model.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("target", "name", "force", "eager"),
+    [
+        (boundary, "record_stream", False, 0),  # an eager stage's gradient for a replayed one
+        (boundary, "record_stream", False, 1),  # a replayed stage's for an eager one
+        (copies, "record_stream", True, 1),
+        (training, "protect", False, 0),  # a replayed stage reading an eager one's output
+    ],
+)
+def test_a_missing_mark_beside_replayed_stages_is_found(
+    target: object, name: str, force: bool, eager: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pipe = _mixed("1f1b", force, eager)
+    x, y = batch()
+    with checking_uses(pipe.scheduler) as uses:
+        monkeypatch.setattr(target, name, lambda *args, **kwargs: None)
+        pipe.train_step(x, y, nn.MSELoss())
     assert uses.missing, "the check missed a dropped record_stream"
