@@ -71,6 +71,42 @@ def test_cuda_the_users_loop_reads_the_producer_s_buffers_in_place() -> None:
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("force_copies", [False, True])
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+def test_cuda_replayed_tasks_never_make_the_host_wait(schedule: str, force_copies: bool) -> None:
+    """Once captured, a graphed pipe's training step and the user's loop
+    (forward, backward, the gradient buffers attached again after
+    ``zero_grad()``, the passes' ends) issue no synchronizing call from
+    pinned host input: CUDA's sync debug mode raises on one, where a host
+    stall would hold every task behind it."""
+    eager, graphed = pair(
+        mlp(WIDTHS), graphs=True, chunks=4, schedule=schedule, force_copies=force_copies,
+        devices=["cuda:0", "cuda:0"],
+    )  # fmt: skip
+    x, y = (t.pin_memory() for t in data(16))
+    y_gpu = y.cuda()
+
+    def step() -> None:
+        for pipe in (graphed, eager):
+            pipe.zero_grad()
+            pipe.train_step(x, y, nn.MSELoss())
+            pipe.zero_grad()
+            nn.functional.mse_loss(pipe(x), y_gpu).backward()
+
+    for _ in range(2):  # capture, then the first replays
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert_same_grads(graphed, eager)
+    assert all(s.graphed for s in graphed.graph_report().stages)
+
+
+@pytest.mark.cuda
 def test_cuda_graphs_issue_fewer_launches_than_eager() -> None:
     eager, graphed = pair(
         mlp([6] + [64] * 12 + [4]), graphs=True, chunks=4, balance=[13, 13],
