@@ -18,7 +18,8 @@ kept valid by the slots and the event plan rather than by copies:
   from one slot of the producer's (then its graph's first use of them is a
   copy inside the graph); an eager reader reads them (copied first where its
   backward is split: its weight pass may run after the producer's next
-  forward into that slot); the producer writes them again only after every
+  forward into that slot; so does the loss of an eager last stage, for the
+  values of the result it reads); the producer writes them again only after every
   reader's backward, which the schedule orders before the producer's own;
 - an input gradient goes back as the reader's static input gradient, copied
   on the reader's stream straight into the producer's static output gradient
@@ -118,9 +119,10 @@ class Replayed:
         return True, y
 
     def unalias(self, s: int, m: int, pairs: Sequence[tuple[Ref, Any]]) -> list[tuple[Ref, Any]]:
-        """``pairs`` (an eager stage's arguments) with what replayed producers
-        on this device handed on copied: the stage's split backward may run
-        its weight pass after the producer's next forward into that slot."""
+        """``pairs`` (an eager stage's arguments, or the values of the result
+        an eager last stage's loss reads) with what replayed producers on
+        this device handed on copied: the stage's split backward may run its
+        weight pass after the producer's next forward into that slot."""
         out: list[tuple[Ref, Any]] = []
         for ref, value in pairs:
             if self.graphed(ref.stage, m) and self.routes.hop(ref.stage, s) is None:

@@ -211,6 +211,10 @@ class _Step:
                     inputs.append((Ref(s, k), v))
         else:
             inputs = thin.unalias(s, m, pairs) if thin and splits else pairs
+            if thin and splits and sources:
+                # The loss's weight pass may read them too (a weight of the
+                # loss_fn's own applied to another stage's output).
+                sources = thin.unalias(s, m, sources)
         values: list[Any] = []
         if inputs or sources:  # else (a replayed stage but the last) nothing to cut
             cutting = Cutting()

@@ -85,6 +85,69 @@ def test_an_eager_stage_between_replayed_ones_reads_copies_where_its_backward_sp
     assert [s.graphed for s in graphed.graph_report().stages] == [True, False, True]
 
 
+class _Features(nn.Module):
+    """Returns its features beside the head's output: a value of the result
+    that the first stage produces."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.a(x))
+        return self.b(h), h
+
+
+class _ProjectedLoss(nn.Module):
+    """A loss with a weight matrix of its own over the features: its
+    gradient is a weight pass's work, which reads the features."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(-1, 1, 18, dtype=torch.float64).reshape(6, 3))
+
+    def forward(self, out: tuple[torch.Tensor, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
+        y, h = out
+        return nn.functional.mse_loss(y, target) + (h @ self.w).pow(2).mean()
+
+
+def test_an_eager_last_stage_s_loss_reads_a_replayed_stage_s_output_copied() -> None:
+    # Zero-bubble: the eager last stage's weight pass (the loss's weight
+    # among it) ran after stage 0's next forward rewrote the slot's output
+    # that the loss had read in place: version check failed here; on a GPU
+    # a replay bumps no version, and the gradient would be silently wrong.
+    torch.manual_seed(0)
+    model = _Features().double()
+    backend = Emulated()
+    real = backend.capture
+    sample = torch.randn(2, 6, dtype=torch.float64)
+    pipe = Pipe(copy.deepcopy(model), split_points=["b"], sample=sample, chunks=8,
+                schedule="zb_h1", graphs=backend)  # fmt: skip
+
+    def refuse(call: GraphedCall, fn: object) -> None:
+        if fn is pipe.partitions[1]:
+            raise RuntimeError("not capturable")
+        real(call, fn)  # type: ignore[arg-type]
+
+    backend.capture = refuse  # type: ignore[method-assign]
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(16, 6, generator=g, dtype=torch.float64)
+    y = torch.randn(16, 2, generator=g, dtype=torch.float64)
+    with pytest.warns(UserWarning, match="runs eagerly: capture failed"):
+        for _ in range(3):  # captured, then replayed
+            loss_fn, ref_fn = _ProjectedLoss(), _ProjectedLoss()
+            pipe.zero_grad()
+            model.zero_grad()
+            loss = pipe.train_step(x, y, loss_fn)
+            expected = sum(ref_fn(model(a), b) for a, b in zip(x.chunk(8), y.chunk(8))) / 8
+            expected.backward()  # type: ignore[union-attr]
+            torch.testing.assert_close(loss, expected.detach())  # type: ignore[union-attr]
+            torch.testing.assert_close(loss_fn.w.grad, ref_fn.w.grad)
+            for (name, a), b in zip(pipe.named_parameters(), model.parameters()):
+                torch.testing.assert_close(a.grad, b.grad, msg=name)
+    assert [s.graphed for s in pipe.graph_report().stages] == [True, False]
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_a_replayed_step_cuts_only_what_the_loss_reads(
     schedule: str, monkeypatch: pytest.MonkeyPatch
