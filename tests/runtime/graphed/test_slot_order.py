@@ -7,8 +7,10 @@ and its next forward into the same slot rewrites them. Host order is
 stream order: every task that reads a micro-batch's outputs in place (a
 reader's forward, a copy, a reader's backward through what it saved) must
 be ordered, through its stream and the events of the recorded plan, before
-the producer's forward of the next micro-batch in that slot.
-:func:`~mpstream.runtime.plan.verify_plan` checks read-after-write order
+the producer's forward of the next micro-batch in that slot, and every
+reader's backward of that next micro-batch (which may write its output
+gradient into the slot's buffer) after the producer's last pass of the
+previous one. :func:`~mpstream.runtime.plan.verify_plan` checks read-after-write order
 only; this checks the write-after-read order slots rely on, on the CPU (the
 plan a real scheduler records; graphs emulated). A reader's weight pass is
 not so ordered (it may run after the producer's next forward), which is why
@@ -92,6 +94,18 @@ def _unordered(
                         f"{kind}(stage={stage}, peer={peer}, micro={m}) is not ordered before "
                         f"stage {p}'s forward of micro-batch {later[0]} into the same slot"
                     )
+            # A reader's backward writes the next micro-batch's output
+            # gradient into the slot's buffer (Replayed._push), which the
+            # producer's last pass of this one (W, or B) reads.
+            done = max(i for key, i in runs.items() if key[1:] == (p, p, m) and key[0] != "forward")
+            for (kind, stage, _, micro), i in runs.items():
+                if kind == "backward" and micro == later[0] and stage in readers[p]:
+                    checked += 1
+                    if i not in reach(done):
+                        problems.append(
+                            f"backward(stage={stage}, micro={micro}) is not ordered after stage "
+                            f"{p}'s last pass of micro-batch {m} from the same slot"
+                        )
     return problems, checked
 
 
