@@ -122,9 +122,9 @@ class Handoffs:
         self.made: dict[int, tuple[Tensor, Source]] = {}
 
     def keep(self, call: GraphedCall, s: int, aliases: Sequence[Tensor]) -> None:
-        """Notes the aliases stage ``s``'s replay of ``call`` returned."""
-        if not self.hands[s]:
-            return
+        """Notes the aliases stage ``s``'s replay of ``call`` returned; only
+        for a stage that hands on (:attr:`hands`): the caller looks, as it
+        calls this once per replayed task."""
         made = self.made
         if self.outputs[s] == 1:
             grads = (s, 0) in self.single
