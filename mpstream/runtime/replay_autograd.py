@@ -176,7 +176,9 @@ class Replay(torch.autograd.Function):
             # No gradient reached the call: eager autograd computes nothing here.
             return (None,) * (2 + len(call.static_in))
         store, task = call.store, private.current_graph_task_id()
-        seen, accumulates = _ANSWERED  # _accumulates's answer for this pass, inline
+        # The answer for this pass, if asked before in it (an unknown pass,
+        # -1, is asked every time); read inline: once per replayed task.
+        seen, accumulates = _ANSWERED
         if store is not None and (task != seen or task == -1):
             accumulates = _accumulates(task)
         if store is not None and not accumulates:
@@ -211,6 +213,7 @@ _ANCHOR_NODE: Node = get_gradient_edge(_ANCHOR).node
 # a pass executes is fixed when it starts, and its replayed backward tasks
 # (one per stage and micro-batch) would each ask torch again. One tuple,
 # replaced whole: the engine's device threads may read it concurrently.
+# Read by Replay.backward, which asks again only for another pass.
 _ANSWERED: tuple[int, bool] = (-1, False)
 
 
@@ -218,17 +221,13 @@ def _accumulates(task: int) -> bool:
     """Whether the running backward (pass ``task``, -1: unknown) accumulates
     into leaves: a plain ``backward()``, not ``torch.autograd.grad`` nor
     ``backward(inputs=)`` (where the anchor, an input of every replay, is
-    not asked for)."""
+    not asked for). Asks torch, and notes the answer in :data:`_ANSWERED`."""
     global _ANSWERED
-    seen, answer = _ANSWERED
-    if task == seen and task != -1:
-        return answer
     try:
         answer = private.will_engine_execute_node(_ANCHOR_NODE)
     except private.PrivateApiError:
         raise  # a torch without the call: no silent loss of every gradient
     except RuntimeError:
         answer = False
-    if task != -1:
-        _ANSWERED = (task, answer)
+    _ANSWERED = (task, answer)
     return answer
