@@ -69,7 +69,7 @@ def run_stage(
         if items is None:
             items = leaves(tuple(args))[0]
         tensors = [items[i] for i in call.where]
-    # Once per replayed task: replay()'s common case and rebuild()'s, inline.
+    # Once per replayed task: replay()'s common case, inline.
     if call.unreached_in:
         tensors = _reached(call, tensors)
     outs = (
@@ -79,7 +79,7 @@ def run_stage(
     )
     if handoffs is not None and call.diff_out and handoffs.hands[s]:
         handoffs.keep(call, s, outs)  # Replay's aliases: the run has gradients
-    return outs[0] if call.out_spec is None else call.rebuild(outs)
+    return call.rebuild(outs)
 
 
 def replay(call: GraphedCall, tensors: Sequence[Tensor]) -> tuple[Tensor, ...]:

@@ -114,9 +114,10 @@ class Replayed:
         if call is None:
             return False, None
         outs = call.forward(tensors)
-        y = outs[0] if call.out_spec is None else call.rebuild(outs)  # one tensor: inline
+        if call.layout is None:  # found once per call: the tasks below read it as it is
+            layout(call, self.outputs[s])
         self.calls[(s, m)] = (call, keys)
-        return True, y
+        return True, call.rebuild(outs)
 
     def unalias(self, s: int, m: int, pairs: Sequence[tuple[Ref, Any]]) -> list[tuple[Ref, Any]]:
         """``pairs`` (an eager stage's arguments, or the values of the result
@@ -146,7 +147,7 @@ class Replayed:
         if rec is None or ref.index == ALL or (p, s) in self.hops:
             return None
         producer = rec[0]
-        pos = (producer.layout or layout(producer, self.outputs[p])).at.get((ref.index, j))
+        pos = producer.layout.at.get((ref.index, j))
         if pos is None or producer.static_out[pos] is not x:
             return None
         paired = self._paired.get((p, s))
@@ -177,7 +178,7 @@ class Replayed:
         gradients (the others, cut, would give a loss computed from them a
         gradient eager autograd refuses)."""
         call = self.calls[(s, m)][0]
-        return s, (call.layout or layout(call, self.outputs[s])).grad_at
+        return s, call.layout.grad_at
 
     def graphed(self, s: int, m: int) -> bool:
         """Whether stage ``s``'s forward of micro-batch ``m`` was replayed."""
@@ -189,7 +190,7 @@ class Replayed:
         input gradients to producers that take them so. Returns the rest, as
         a :class:`~.boundary.Cutting` to route like an eager stage's."""
         call, keys = self.calls.pop((s, m))
-        diff = (call.layout or layout(call, self.outputs[s])).grad_at
+        diff = call.layout.grad_at
         grads: list[Tensor | None] = [None] * len(call.diff_out)
         pushed = self.pushed.pop((s, m), None)
         if pushed is not None:
@@ -233,7 +234,7 @@ class Replayed:
         if rec is None or (p, k) not in self.single or (p, s) in self.hops:
             return False
         producer = rec[0]
-        i = (producer.layout or layout(producer, self.outputs[p])).grad_at.get((k, j))
+        i = producer.layout.grad_at.get((k, j))
         if i is not None:
             target = producer.static_grad_out[i]
             if g is not target:  # else the reader's graph wrote it there

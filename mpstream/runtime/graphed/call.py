@@ -21,6 +21,8 @@ an emulation for tests); what capture changes on the stage is put back
 
 from __future__ import annotations
 
+import functools
+import operator
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeAlias
@@ -155,6 +157,11 @@ class GraphedCall:
         self.norms = [n for n in deferred_norms(stage) if n.training]
         self.out_spec: Any = None
         self.out_items: list[Any] = []
+        #: The call's output structure around a replay's output tensors,
+        #: chosen when the outputs are recorded: the one tensor itself (the
+        #: common case, once per replayed task: a C call, no Python frame),
+        #: else the structure rebuilt.
+        self.rebuild: Callable[[Sequence[Tensor]], Any] = _ONE
         self.out_where: list[int] = []
         self.static_out: list[Tensor] = []
         self.diff_out: list[int] = []  # positions in static_out that carry gradients
@@ -207,6 +214,11 @@ class GraphedCall:
         self.out_items = _plain(items)
         self.out_where = [i for i, x in enumerate(items) if isinstance(x, Tensor)]
         tensors = [items[i] for i in self.out_where]
+        self.rebuild = (
+            _ONE
+            if self.out_spec is None
+            else functools.partial(_rebuilt, self.out_items, self.out_where, self.out_spec)
+        )
         self.diff_out = [k for k, t in enumerate(tensors) if self.grad and t.requires_grad]
         self.plain_out = [k for k in range(len(tensors)) if k not in self.diff_out]
         return tensors
@@ -272,15 +284,6 @@ class GraphedCall:
             for norm in self.norms:
                 norm.count_forward()
         return self.static_out
-
-    def rebuild(self, outs: Sequence[Tensor]) -> Any:
-        """The call's output structure around ``outs``."""
-        if self.out_spec is None:  # one tensor, the common case
-            return outs[0]
-        result = list(self.out_items)
-        for i, t in zip(self.out_where, outs):
-            result[i] = t
-        return rebuild_leaves(result, self.out_spec)
 
     def backward(
         self,
@@ -388,6 +391,20 @@ Source: TypeAlias = tuple[GraphedCall, int, bool] | None
 
 #: Sets grad mode without making an object per call (see private).
 _set_grad = private.grad_mode_switch()
+
+
+#: A one-tensor call's output around its tensors (see GraphedCall.rebuild).
+_ONE = operator.itemgetter(0)
+
+
+def _rebuilt(items: list[Any], where: list[int], spec: Any, outs: Sequence[Tensor]) -> Any:
+    """The structure ``spec`` of leaves ``items`` with ``outs`` at ``where``.
+    Not a method: the call holds it, and a bound method would hold the call
+    in a cycle (freed then only by the garbage collector, graphs and all)."""
+    result = list(items)
+    for i, t in zip(where, outs):
+        result[i] = t
+    return rebuild_leaves(result, spec)
 
 
 def _plain(items: Sequence[Any]) -> list[Any]:
