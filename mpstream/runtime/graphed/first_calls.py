@@ -2,10 +2,10 @@
 
 :meth:`~.stages.StageGraphs.find` looks a call up once per replayed task;
 this module is what it does for a key it has no graphs for (rare: the first
-step, a new shape, a changed stage): make the stage's gradient store, capture
-a :class:`~.call.GraphedCall`, and, where the capture fails, mark the stage
-eager with the reason its warning gives. A call past a bound runs eagerly
-too (:func:`overflow`).
+step, a new shape, a changed stage): capture a :class:`~.call.GraphedCall`
+(into the stage's gradient store, which ``find`` made first), and, where the
+capture fails, mark the stage eager with the reason its warning gives. A
+call past a bound runs eagerly too (:func:`overflow`).
 """
 
 from __future__ import annotations
@@ -20,10 +20,8 @@ from ..._warn import warn
 from ...memory.checkpoint import checkpointed
 from .backends import CudaGraphs
 from .call import Backend, GraphedCall, Source, was_raised_eagerly
-from .grads import GradStore
 from .report import GraphWarning
 from .state import StageState
-from .tied import TiedHooks, tied_ids
 
 __all__ = ["Graphs", "capture", "overflow", "ORDER_KEPT"]
 
@@ -35,13 +33,7 @@ class Graphs(Protocol):
     """What a capture reads and updates of the pipe's graphed stages
     (:class:`~.stages.StageGraphs`, which imports this module)."""
 
-    stages: list[StageState]
     backend: Backend
-    tied: TiedHooks
-    #: The stores a training step saved (None: no step's save pending).
-    saved: list[GradStore] | None
-    #: Whether every gradient was known zero then.
-    zeroed: bool
     #: (stage, slot) of each capture (the first :data:`ORDER_KEPT`), in order.
     order: list[tuple[int, int]]
 
@@ -65,22 +57,7 @@ def capture(
         Exception: the stage's own error, raised while it ran eagerly
             inside the capture (the caller's to see, as without graphs).
     """
-    assert st.baked is not None
     grad = bool(key[2])
-    if grad and st.store is None and st.baked.params:
-        st.store = GradStore(
-            st.baked.params,
-            tied_ids(st.module, [o.module for o in graphs.stages if o is not st]),
-            graphs.tied,
-        )
-        if graphs.saved is not None:
-            # A store made during a step that saved the others (the
-            # stage changed since): its parameters' gradients as they
-            # were, for a failure to put back. The step's snapshot,
-            # taken before, left them to the stage's old store, which
-            # may not have had them (a new or newly tied parameter).
-            st.store.save(graphs.zeroed, every=True)
-            graphs.saved.append(st.store)
     if st.pool is None and st.device.type == "cuda" and isinstance(graphs.backend, CudaGraphs):
         st.pool = torch.cuda.graph_pool_handle()
     fn: Callable[..., Any] = (lambda *a: checkpointed(stage, *a)) if ckpt else stage

@@ -50,7 +50,7 @@ from .grads import GradStore
 from .keys import any_autocast, autocast_key, signature
 from .report import GraphReport, GraphWarning
 from .state import StageState, drop_stale
-from .tied import TiedHooks
+from .tied import TiedHooks, tied_ids
 
 __all__ = ["StageGraphs", "MAX_CALLS", "MAX_GENERATIONS"]
 
@@ -100,8 +100,8 @@ class StageGraphs:
         self.order: list[tuple[int, int]] = []
         # The stores a training step saved (None: no step's save pending),
         # and whether every gradient was known zero then.
-        self.saved: list[GradStore] | None = None
-        self.zeroed = False
+        self._saved: list[GradStore] | None = None
+        self._zeroed = False
         self._plans: weakref.WeakKeyDictionary[Schedule, dict[bool, Slots]] = (
             weakref.WeakKeyDictionary()
         )
@@ -227,17 +227,17 @@ class StageGraphs:
             Per stage whose buffers were saved, its parameters they do not
             cover (tied ones, added into ``.grad`` at the step's end).
         """
-        self.saved, self.zeroed = [], zeroed
+        self._saved, self._zeroed = [], zeroed
         left: dict[int, list[nn.Parameter]] = {}
         for st in self.stages:
             if st.store is not None and st.reason is None:
-                self.saved.append(st.store)
+                self._saved.append(st.store)
                 left[st.index] = st.store.save(zeroed)
         return left
 
     def restore(self, keep: bool) -> None:
         """Puts the saved gradients back (``keep`` False), or forgets them."""
-        stores, self.saved = self.saved or [], None
+        stores, self._saved = self._saved or [], None
         for store in stores:
             if keep:
                 store.release()
@@ -319,6 +319,8 @@ class StageGraphs:
             st.used.add((number, generation))
         elif st.room(self.max_calls):
             at = (st.number(key), generation)
+            if grad and st.store is None:
+                self._make_store(st)
             graphed = capture(self, st, key, at, stage, args, needs, ckpt, sources)
         else:
             overflow(st, f"max_calls={self.max_calls} graphed calls in use")
@@ -327,6 +329,23 @@ class StageGraphs:
         elif graphed is not None and self.token is None:
             self._forwarded.append(graphed)
         return graphed
+
+    def _make_store(self, st: StageState) -> None:
+        """Makes stage ``st``'s gradient store (if it has parameters to
+        train), before its first capture with gradients."""
+        assert st.baked is not None
+        if not st.baked.params:
+            return
+        others = [o.module for o in self.stages if o is not st]
+        st.store = GradStore(st.baked.params, tied_ids(st.module, others), self.tied)
+        if self._saved is not None:
+            # A store made during a step that saved the others (the stage
+            # changed since): its parameters' gradients as they were, for a
+            # failure to put back. The step's snapshot, taken before, left
+            # them to the stage's old store, which may not have had them (a
+            # new or newly tied parameter).
+            st.store.save(self._zeroed, every=True)
+            self._saved.append(st.store)
 
     def report(self) -> GraphReport:
         """Which stages and passes are graphed, how many graphs, what memory."""
