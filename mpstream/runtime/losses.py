@@ -31,7 +31,7 @@ from .values import protect
 
 __all__ = ["Losses"]
 
-#: Sets grad mode without making an object per call (see private).
+#: Sets grad mode without making an object per call.
 _set_grad = private.grad_mode_switch()
 
 
@@ -75,9 +75,8 @@ class Losses:
         weight = self.weights[m]
         # Its own: no other backward starts from it (see the module's notes).
         self.seeds[m] = torch.full((), weight, dtype=loss.dtype, device=loss.device)
-        # Summed now, under no grad: the loss may alias a buffer a later task
-        # rewrites. (torch's switch, not no_grad(): its object and decorator
-        # machinery, once per micro-batch.)
+        # Summed now, grad off: the loss may alias a buffer a later task
+        # rewrites. Once per micro-batch: inline (private.grad_mode_switch).
         on = torch.is_grad_enabled()
         if on:
             _set_grad(False)
@@ -90,8 +89,8 @@ class Losses:
             else:
                 self._total.add_(loss, alpha=weight)
         finally:
-            if on:
-                _set_grad(True)
+            if on or torch.is_grad_enabled():
+                _set_grad(on)
         return loss if self.scale is None else self.scale(loss)
 
     def total(self, reader: AnyStream | None) -> Tensor:

@@ -151,7 +151,24 @@ def parse_to(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any, Any]:
 def grad_mode_switch() -> Callable[[bool], object]:
     """A function that sets grad mode: torch's own switch, which makes no
     object per call (``torch.set_grad_enabled`` is a class whose instance
-    is made and then dropped), else, on a torch without it, that class."""
+    is made and then dropped), else, on a torch without it, that class.
+
+    Code run once per replayed task turns grad mode off with it inline, as
+    ``torch.no_grad()`` would (``switch`` being this function)::
+
+        on = torch.is_grad_enabled()
+        if on:
+            switch(False)
+        try:
+            ...
+        finally:
+            if on or torch.is_grad_enabled():  # as it was, as no_grad() leaves it
+                switch(on)
+
+    torch has no context manager for it written in C: ``no_grad()`` (or any
+    Python one) costs the host an object or two Python calls per task, a
+    helper running the body one; inside autograd (grad mode already off)
+    this switches nothing."""
     fn = lookup(USED[6])
     return torch.set_grad_enabled if fn is None else fn  # type: ignore[no-any-return]
 

@@ -263,9 +263,7 @@ class GraphedCall:
     def forward(self, tensors: Sequence[Tensor]) -> list[Tensor]:
         """Replays the forward on ``tensors`` (copied into the static inputs
         unless they are them); returns the static outputs."""
-        # no_grad(), inline: its object (or a context manager's two calls)
-        # cost the host per replayed task; inside autograd it switches nothing.
-        on = torch.is_grad_enabled()
+        on = torch.is_grad_enabled()  # grad off, inline (private.grad_mode_switch)
         if on:
             _set_grad(False)
         try:
@@ -278,7 +276,7 @@ class GraphedCall:
                     static.copy_(t)
             self.backend.replay(self, "forward")
         finally:
-            if on or torch.is_grad_enabled():  # as it was, as no_grad() leaves it
+            if on or torch.is_grad_enabled():
                 _set_grad(on)
         if not self.backend.runs_python:
             for norm in self.norms:
@@ -312,7 +310,7 @@ class GraphedCall:
         hooked = store.ensure(params, token, autograd) if store is not None else []
         if not hooks:
             hooked = []
-        on = torch.is_grad_enabled()  # no_grad(), inline (see forward)
+        on = torch.is_grad_enabled()  # grad off, inline (private.grad_mode_switch)
         if on:
             _set_grad(False)
         try:
@@ -349,7 +347,7 @@ class GraphedCall:
                 # Another micro-batch's W ran hooks in between, and one may
                 # have taken .grad away: attached again before W adds.
                 self.store.ensure(*ensured)
-            on = torch.is_grad_enabled()  # no_grad(), inline (see forward)
+            on = torch.is_grad_enabled()  # grad off, inline (private.grad_mode_switch)
             if on:
                 _set_grad(False)
             try:
@@ -389,7 +387,8 @@ class GraphedCall:
 Source: TypeAlias = tuple[GraphedCall, int, bool] | None
 
 
-#: Sets grad mode without making an object per call (see private).
+#: Sets grad mode without making an object per call. Each pass's copies and
+#: replay run with grad mode off: an input buffer needing a gradient is a leaf.
 _set_grad = private.grad_mode_switch()
 
 
