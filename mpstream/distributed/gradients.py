@@ -21,7 +21,7 @@ go as one flat tensor per device and dtype (its parameters in order), in
 chunks of DDP's bucket size, whichever way the stage keeps them: a graphed
 stage's gradient buffers (``Pipe(graphs=True)``) are that tensor already
 and are reduced in place; other gradients are copied into one laid out the
-same way (:func:`~mpstream.runtime.graphed.grads.lay_out`), and back after.
+same way (:func:`~mpstream.runtime.graphed.grad_buffers.lay_out`), and back after.
 A step that fails completes the sequence with zeros
 (:meth:`StageReducer.abort`) and says so in that last all-reduce, so that a
 process that failed elsewhere in its step, or not at all, is neither left
@@ -43,7 +43,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..pipe.pipe import Pipe
 from ..runtime.graphed import generation
-from ..runtime.graphed.grads import GradStore, lay_out
+from ..runtime.graphed.grad_buffers import lay_out
+from ..runtime.graphed.grads import GradStore
 from ..runtime.stream import current_stream, record_stream
 
 __all__ = ["StageReducer", "sync_gradients"]

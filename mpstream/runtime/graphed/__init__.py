@@ -8,7 +8,8 @@ static buffers, replays them (from a training step's tasks, or inside
 autograd in the user's loop);
 :mod:`.backends` captures them with CUDA graphs and says what each pass
 computes, :mod:`.emulated` emulates them for tests; :mod:`.grads` is a stage's gradient buffers,
-which the graphs add into and ``.grad`` views, :mod:`.tied` tied
+which the graphs add into and ``.grad`` views (laid out and saved by
+:mod:`.grad_buffers`), :mod:`.tied` tied
 parameters' side buffers, :mod:`.passes` the ends of the backward passes
 they take part in; :mod:`.capturing` puts back what capture changed
 on the stage, orders the graph work sharing the CUDA

@@ -25,7 +25,8 @@ own stream, which is another where the parameter sits in stages of other
 indices in the two splits: the copy waits for the streams the other's graphs
 added on this pass, and the view is marked for that stream (the allocator's
 rule). The store taken from, alone, checks its parameters again before its
-next replay within the pass. How a pass ends: :mod:`.passes`.
+next replay within the pass. How a pass ends: :mod:`.passes`; how the
+buffers are laid out, and saved around a training step: :mod:`.grad_buffers`.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from __future__ import annotations
 import itertools
 import operator
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -41,35 +42,18 @@ from torch import Tensor, nn
 
 from ... import _ext
 from ..stream import AnyStream, CPUStream, current_stream, record_stream
+from .grad_buffers import Saved, lay_out
 from .keys import hooks_registered
 from .passes import CallerWaits, PassEnd, after, closed, finish_part, opened
 from .tied import TiedHooks
 
-__all__ = ["GradStore", "lay_out"]
+__all__ = ["GradStore"]
 
 _C = _ext.load()
 _hooks = operator.attrgetter("_post_accumulate_grad_hooks")
 #: The store of each flat buffer's view, by the view's ``id()`` (the view
 #: lives as long as its store): a store taking a ``.grad`` over finds its owner.
 _owners: weakref.WeakValueDictionary[int, GradStore] = weakref.WeakValueDictionary()
-
-
-def lay_out(
-    params: Sequence[nn.Parameter], make: Callable[..., Tensor] = torch.empty
-) -> tuple[Tensor, list[Tensor]]:
-    """One flat tensor for the gradients of ``params`` (one device and dtype),
-    made by ``make`` (``torch.empty``, ``torch.zeros``), and a view per
-    parameter, one after another, each laid out as autograd lays out a
-    gradient of it (channels-last weights keep their strides:
-    ``torch.empty_like``'s contract)."""
-    p0 = params[0]
-    flat = make(sum(p.numel() for p in params), dtype=p0.dtype, device=p0.device)
-    views, offset = [], 0
-    for p in params:
-        strides = torch.empty_like(p, device="meta").stride()
-        views.append(flat.as_strided(p.shape, strides, offset))
-        offset += p.numel()
-    return flat, views
 
 
 class GradStore:
@@ -135,12 +119,7 @@ class GradStore:
         self._hooks: set[nn.Parameter] = set()  # run at the end of the pass
         self._tied_hooks: set[nn.Parameter] = set()  # owned but tied: run by tied
         self._streams: dict[int, torch.cuda.Stream] = {}  # where this pass's graphs added
-        # What save() kept: flat buffers' copies (none when known zero), the
-        # detached parameters' gradients, and whether the buffers were zero.
-        self._saved: tuple[list[Tensor], dict[int, Tensor | None], bool] | None = None
-        # What save(every=True) kept: each parameter with its gradient
-        # tensor and a copy (None: none, or known zero).
-        self._saved_grads: list[tuple[nn.Parameter, Tensor | None, Tensor | None]] = []
+        self._saved: Saved | None = None  # what save() kept
 
     def ensure(
         self, reached: frozenset[int], token: object, autograd: bool = False
@@ -323,45 +302,17 @@ class GradStore:
         one eager autograd accumulates into in place, the capture failed)."""
         self._leave_open_pass()  # a step inside a pass of the user's loop, or after one
         detached = self._attached.detached()
-        odd = {j: self._owned_params[j].grad for j in detached}
-        copy = not zeroed and len(detached) < len(self._owned)
-        self._saved = ([f.clone() for f in self.flats] if copy else [], odd, zeroed)
-        self._saved_grads = []
-        if every:
-            for p in self.params:
-                g = p.grad
-                copied = None if g is None or zeroed else g.detach().clone()
-                self._saved_grads.append((p, g, copied))
+        one_by_one = self.params if every else ()
+        self._saved = Saved(self.flats, self._owned_params, detached, zeroed, one_by_one)
         self._pass, self._ready, self._reached_side = None, {}, set()
         return [self.params[i] for i in self._side]
 
     def restore(self) -> None:
         """Puts back what :meth:`save` saved (on the current stream)."""
-        if self._saved is None:
+        saved, self._saved = self._saved, None
+        if saved is None:
             return
-        flats, odd, zeroed = self._saved
-        saved_grads, self._saved, self._saved_grads = self._saved_grads, None, []
-        with torch.no_grad():
-            if zeroed:
-                # Only the views attached at save: a detached one's region
-                # holds nothing of its parameter's until it is attached again.
-                views = [v for j, v in enumerate(self._owned_views) if j not in odd]
-                if views:
-                    torch._foreach_zero_(views)
-            for flat, saved in zip(self.flats, flats):
-                flat.copy_(saved)
-        for j, p in enumerate(self._owned_params):
-            p.grad = odd[j] if j in odd else self._owned_views[j]
-        for p, before, copied in saved_grads:
-            if before is not None:
-                with torch.no_grad():
-                    if copied is None:
-                        before.zero_()
-                    else:
-                        # Copied on a stage's stream; the caller's reads it now.
-                        record_stream(copied, current_stream(copied.device))
-                        before.copy_(copied)
-            p.grad = before
+        saved.put_back(self.flats, self._owned_params, self._owned_views)
         self._pass, self._ready, self._reached_side, self._streams = None, {}, set(), {}
 
     @contextmanager
@@ -378,7 +329,7 @@ class GradStore:
         a failed pass's)."""
         kept = (self._pass, self._ready, self._reached_side, self._hooks, self._tied_hooks)
         streams, taken, end = self._streams, self._taken_from, self._end
-        detached, hooked, saved = self._detached, self._hooked, (self._saved, self._saved_grads)
+        detached, hooked, saved = self._detached, self._hooked, self._saved
         stream = current_stream(self.device)
         after(stream, streams.values())  # the copies below read what the pass added
         sides = [(self.views[i], self.views[i].clone()) for i in self._reached_side]
@@ -394,7 +345,7 @@ class GradStore:
                     view.copy_(before)
             self._pass, self._ready, self._reached_side, self._hooks, self._tied_hooks = kept
             self._detached, self._hooked = detached, hooked
-            self._saved, self._saved_grads = saved
+            self._saved = saved
             self._taken_from = taken or self._taken_from  # one more check costs nothing
             self._end = end
             self._waits = CallerWaits.note(self._waits, task, stream)
@@ -407,7 +358,7 @@ class GradStore:
 
     def release(self) -> None:
         """Forgets what :meth:`save` saved (a step that succeeded)."""
-        self._saved, self._saved_grads = None, []
+        self._saved = None
 
     def owned(self) -> list[tuple[nn.Parameter, Tensor]]:
         """Each parameter with a view in the flat buffers, and its view."""
