@@ -39,6 +39,8 @@ __all__ = [
     "gradless",
     "grad_dtype",
     "rebuild",
+    "untensored",
+    "placed",
 ]
 
 # What flows between the stages of a chain: one tensor, or a tuple of them
@@ -108,6 +110,21 @@ def rebuild_leaves(items: Sequence[Any], spec: Any) -> Any:
     if type(spec) is tuple:
         return tuple(items)
     return pytree.tree_unflatten(list(items), spec)
+
+
+def untensored(items: Sequence[Any]) -> list[Any]:
+    """Leaves ``items`` with None where a tensor was: what a structure keeps
+    of them to be filled again (:func:`placed`), holding no tensor alive."""
+    return [None if isinstance(x, Tensor) else x for x in items]
+
+
+def placed(items: Sequence[Any], where: Sequence[int], spec: Any, tensors: Sequence[Any]) -> Any:
+    """The structure ``spec`` (of :func:`leaves`) of leaves ``items``, with
+    ``tensors`` put at positions ``where``."""
+    out = list(items)
+    for i, t in zip(where, tensors):
+        out[i] = t
+    return rebuild_leaves(out, spec)
 
 
 def tensors_of(value: Value) -> tuple[Tensor, ...]:

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from ...memory.batchnorm import deferred_norms
 from .. import private
-from ..microbatch import leaves, rebuild_leaves
+from ..microbatch import leaves, placed, untensored
 from .capturing import restored
 from .grads import GradStore
 
@@ -152,15 +152,14 @@ class GraphedCall:
             (items[i].detach().clone() if g is None else g.detach()).requires_grad_(grad and n)
             for i, n, g in zip(self.where, need, self.given)
         ]
-        self.items = _plain(items)  # the example's tensors would live as long as the call
+        self.items = untensored(items)  # the example's tensors would live as long as the call
         self.params: list[nn.Parameter] = [] if self.store is None else list(self.store.params)
         self.norms = [n for n in deferred_norms(stage) if n.training]
         self.out_spec: Any = None
         self.out_items: list[Any] = []
-        #: The call's output structure around a replay's output tensors,
-        #: chosen when the outputs are recorded: the one tensor itself (the
-        #: common case, once per replayed task: a C call, no Python frame),
-        #: else the structure rebuilt.
+        #: The output structure around a replay's output tensors: the one
+        #: tensor itself (the common case, once per replayed task: a C call,
+        #: no Python frame), else the structure rebuilt (see outputs()).
         self.rebuild: Callable[[Sequence[Tensor]], Any] = _ONE
         self.out_where: list[int] = []
         self.static_out: list[Tensor] = []
@@ -203,21 +202,21 @@ class GraphedCall:
         needs a gradient goes in as a copy (inside the graph): the buffer is a
         leaf, which a stage beginning with an in-place op
         (``ReLU(inplace=True)``) may not modify."""
-        items = list(self.items)
-        for i, t in zip(self.where, self.static_in):
-            items[i] = t.clone() if t.requires_grad else t
-        return tuple(rebuild_leaves(items, self.spec))
+        tensors = [t.clone() if t.requires_grad else t for t in self.static_in]
+        return tuple(placed(self.items, self.where, self.spec, tensors))
 
     def outputs(self, out: Any) -> list[Tensor]:
         """Records the structure of a captured call's outputs; returns its tensors."""
         items, self.out_spec = leaves(out)
-        self.out_items = _plain(items)
+        self.out_items = untensored(items)
         self.out_where = [i for i, x in enumerate(items) if isinstance(x, Tensor)]
         tensors = [items[i] for i in self.out_where]
+        # Not a bound method: the call would hold itself in a cycle (freed,
+        # graphs and all, only by the garbage collector).
         self.rebuild = (
             _ONE
             if self.out_spec is None
-            else functools.partial(_rebuilt, self.out_items, self.out_where, self.out_spec)
+            else functools.partial(placed, self.out_items, self.out_where, self.out_spec)
         )
         self.diff_out = [k for k, t in enumerate(tensors) if self.grad and t.requires_grad]
         self.plain_out = [k for k in range(len(tensors)) if k not in self.diff_out]
@@ -394,18 +393,3 @@ _set_grad = private.grad_mode_switch()
 
 #: A one-tensor call's output around its tensors (see GraphedCall.rebuild).
 _ONE = operator.itemgetter(0)
-
-
-def _rebuilt(items: list[Any], where: list[int], spec: Any, outs: Sequence[Tensor]) -> Any:
-    """The structure ``spec`` of leaves ``items`` with ``outs`` at ``where``.
-    Not a method: the call holds it, and a bound method would hold the call
-    in a cycle (freed then only by the garbage collector, graphs and all)."""
-    result = list(items)
-    for i, t in zip(where, outs):
-        result[i] = t
-    return rebuild_leaves(result, spec)
-
-
-def _plain(items: Sequence[Any]) -> list[Any]:
-    """``items`` with None where a tensor was (a replay puts its own there)."""
-    return [None if isinstance(x, Tensor) else x for x in items]
