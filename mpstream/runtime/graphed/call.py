@@ -305,8 +305,10 @@ class GraphedCall:
             if g is None:
                 missing.append(k)
         unreached, params = self._reach(frozenset(missing)) if missing else (frozenset(), self.full)
-        store = self.store
-        hooked = store.ensure(params, token, autograd) if store is not None else []
+        store = self.store  # ensure()'s answer where it holds, inline (GradStore.ready)
+        hooked = None if store is None else store.ready.get((token, params))
+        if hooked is None:
+            hooked = [] if store is None else store.ensure(params, token, autograd)
         if not hooks:
             hooked = []
         on = torch.is_grad_enabled()  # grad off, inline (private.grad_mode_switch)

@@ -111,10 +111,14 @@ class GradStore:
         self._end: weakref.ref[PassEnd] | None = None  # its end, if the user's loop's
         self._waits: CallerWaits | None = None  # see undone()
         # Set by a store taking a .grad over from this one (in any thread),
-        # after .grad changed; cleared before a check: no take is missed.
+        # after .grad changed, before it replaces :attr:`ready`; cleared
+        # before a check: no take is missed.
         self._taken_from = False
-        # Each reached-set ensured in it (by value), and its hooked parameters
-        self._ready: dict[frozenset[int], list[nn.Parameter]] = {}
+        #: What :meth:`ensure` returned in the current pass, by (pass,
+        #: reached-set), while it still holds: a caller that finds its key
+        #: here need not call it (once per replayed task). Replaced, never
+        #: emptied in place, wherever an answer may no longer hold.
+        self.ready: dict[tuple[object, frozenset[int]], list[nn.Parameter]] = {}
         self._reached_side: set[int] = set()
         self._hooks: set[nn.Parameter] = set()  # run at the end of the pass
         self._tied_hooks: set[nn.Parameter] = set()  # owned but tied: run by tied
@@ -138,9 +142,13 @@ class GradStore:
         stream after the stage's, where the graphs added into ``.grad``. A
         pass run inside that one ends its part so far first (see
         :mod:`.passes`)."""
+        # Read before the flag: a take after this replaces the dict, so an
+        # answer noted in it below is never read.
+        ready = self.ready
         if token != self._pass:
             self._leave_open_pass()
-            self._pass, self._ready, self._taken_from = token, {}, False
+            ready = {}
+            self._pass, self.ready, self._taken_from = token, ready, False
             self._detached = {self._owned[j] for j in self._attached.detached()}
             self._hooked = self._with_hooks()
             if autograd:
@@ -149,12 +157,14 @@ class GradStore:
             # Another store took a .grad over from this one within this pass
             # (the other kind's split replayed in between): the next replay
             # must not add into this store's view, no longer .grad.
-            self._ready, self._taken_from = {}, False
+            ready = {}
+            self.ready, self._taken_from = ready, False
             self._detached = {self._owned[j] for j in self._attached.detached()}
         # By value: each slot's call holds an equal set of its own. Its
         # replay runs on the stream the first one's did (the stage's, where
         # autograd runs a Replay's backward too), already noted below.
-        hooked = self._ready.get(reached)
+        key = (token, reached)
+        hooked = ready.get(key)
         if hooked is not None:
             return hooked
         stream = current_stream(self.device)
@@ -176,7 +186,7 @@ class GradStore:
         if autograd:
             self._hooks.update(hooked)
             hooked = []
-        self._ready[reached] = hooked
+        ready[key] = hooked
         return hooked
 
     def _with_hooks(self) -> list[int]:
@@ -201,7 +211,7 @@ class GradStore:
         moved = {self._index[id(p)] for p in params if p.grad is not self.views[self._index[id(p)]]}
         if moved:
             self._detached |= moved
-            self._ready = {}
+            self.ready = {}
 
     def _attach(self, fresh: list[int], stream: AnyStream) -> None:
         """Makes the views of ``fresh`` their parameters' gradients: zeroed
@@ -235,7 +245,7 @@ class GradStore:
             for i in fresh:
                 self.params[i].grad = self.views[i]
         for owner in owners.values():
-            owner._taken_from = True  # after .grad changed (see __init__)
+            owner._taken_from, owner.ready = True, {}  # after .grad changed (see __init__)
 
     def flush(self, autograd: bool = True) -> list[torch.cuda.Stream]:
         """Ends a pass: orders the current streams after those the graphs
@@ -250,7 +260,7 @@ class GradStore:
         streams, self._streams = list(self._streams.values()), {}
         hooks, self._hooks = list(self._hooks), set()
         tied_hooks, self._tied_hooks = list(self._tied_hooks), set()
-        self._pass, self._ready, self._end = None, {}, None
+        self._pass, self.ready, self._end = None, {}, None
         closed(self)
         after(current_stream(self.device), streams)
         # A tied parameter's hooks run once, after every stage's side buffer
@@ -272,7 +282,7 @@ class GradStore:
         if self._pass is None:
             return
         after(current_stream(self.device), self._streams.values())
-        self._pass, self._ready, self._reached_side, self._end = None, {}, set(), None
+        self._pass, self.ready, self._reached_side, self._end = None, {}, set(), None
         self._hooks, self._tied_hooks, self._streams = set(), set(), {}
         self.tied.discard()
         closed(self)
@@ -304,7 +314,7 @@ class GradStore:
         detached = self._attached.detached()
         one_by_one = self.params if every else ()
         self._saved = Saved(self.flats, self._owned_params, detached, zeroed, one_by_one)
-        self._pass, self._ready, self._reached_side = None, {}, set()
+        self._pass, self.ready, self._reached_side = None, {}, set()
         return [self.params[i] for i in self._side]
 
     def restore(self) -> None:
@@ -313,7 +323,7 @@ class GradStore:
         if saved is None:
             return
         saved.put_back(self.flats, self._owned_params, self._owned_views)
-        self._pass, self._ready, self._reached_side, self._streams = None, {}, set(), {}
+        self._pass, self.ready, self._reached_side, self._streams = None, {}, set(), {}
 
     @contextmanager
     def undone(self, task: int = -1) -> Iterator[None]:
@@ -327,7 +337,7 @@ class GradStore:
         its :meth:`flush` needs: the streams its graphs added on, its side
         buffers' sums, its hooks (:meth:`save` would drop them, as it does
         a failed pass's)."""
-        kept = (self._pass, self._ready, self._reached_side, self._hooks, self._tied_hooks)
+        kept = (self._pass, self.ready, self._reached_side, self._hooks, self._tied_hooks)
         streams, taken, end = self._streams, self._taken_from, self._end
         detached, hooked, saved = self._detached, self._hooked, self._saved
         stream = current_stream(self.device)
@@ -343,10 +353,12 @@ class GradStore:
             with torch.no_grad():
                 for view, before in sides:
                     view.copy_(before)
-            self._pass, self._ready, self._reached_side, self._hooks, self._tied_hooks = kept
+            self._pass, self.ready, self._reached_side, self._hooks, self._tied_hooks = kept
             self._detached, self._hooked = detached, hooked
             self._saved = saved
             self._taken_from = taken or self._taken_from  # one more check costs nothing
+            if self._taken_from:
+                self.ready = {}  # a take inside: the pass's answers may no longer hold
             self._end = end
             self._waits = CallerWaits.note(self._waits, task, stream)
             if self._pass is not None:
