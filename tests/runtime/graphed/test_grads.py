@@ -135,21 +135,29 @@ def test_a_stage_s_parameters_are_made_ready_once_per_pass_not_per_call(
     # GPipe keeps 4 micro-batches in flight: 4 calls per stage, each with a
     # reached-set of its own, equal to the others'. The store checks its
     # parameters (and notes the stream) for the first only; its flush
-    # looks at the stream once more.
+    # looks at the stream once more. The other calls' backward tasks find
+    # its answer noted (GradStore.ready): not even a call to ensure().
     eager, graphed = pair(mlp(WIDTHS), chunks=4, schedule="gpipe")
     x, y = data()
     for _ in range(2):  # capture, then replay
         RUNS[run](graphed, x, y)
     looked: list[torch.device] = []
+    asked: list[object] = []
 
     def counted(device: torch.device) -> object:
         looked.append(device)
         return real(device)
 
-    real = grads_module.current_stream
+    def ensure(store: grads_module.GradStore, *args: object) -> list[nn.Parameter]:
+        asked.append(store)
+        return real_ensure(store, *args)
+
+    real, real_ensure = grads_module.current_stream, grads_module.GradStore.ensure
     monkeypatch.setattr(grads_module, "current_stream", counted)
+    monkeypatch.setattr(grads_module.GradStore, "ensure", ensure)
     RUNS[run](graphed, x, y)
     assert len(looked) == 2 * 2, looked  # per stage: its first call, its flush
+    assert len(asked) == len(set(map(id, asked))) == 2, asked  # per stage: its first call
     for _ in range(3):
         RUNS[run](eager, x, y)
     assert_same_grads(graphed, eager)
