@@ -34,7 +34,7 @@ MAX_OPS_PER_TASK = 3.0
 MAX_GROWTH = 1.1
 #: mpstream's own Python calls per replayed task (only frames of mpstream's
 #: files: whatever the torch version), by loop: what was counted on Python
-#: 3.11 (12.25 in the user's loop, 16.31 in ``train_step``; 26.69 and 35.38
+#: 3.11 (12.03 in the user's loop, 16.19 in ``train_step``; 26.69 and 35.38
 #: before the replays were thinned) plus a small margin (under a call per
 #: task), so that a call added per task shows. From Python 3.12 list, dict
 #: and set comprehensions are no frames of their own: fewer are counted.
