@@ -68,6 +68,7 @@ class GradStore:
         views: per parameter what its graphs add into: its view of a flat
             buffer (its ``.grad`` while attached), or its side buffer.
         device: the parameters' device.
+        ready: :meth:`ensure`'s answers that still hold (see ``__init__``).
     """
 
     def __init__(
@@ -358,7 +359,7 @@ class GradStore:
             self._saved = saved
             self._taken_from = taken or self._taken_from  # one more check costs nothing
             if self._taken_from:
-                self.ready = {}  # a take inside: the pass's answers may no longer hold
+                self.ready = {}  # as the flag asks: checked again before the next replay
             self._end = end
             self._waits = CallerWaits.note(self._waits, task, stream)
             if self._pass is not None:
