@@ -116,17 +116,22 @@ class Cutting:
 def cut_inputs(
     values: Sequence[tuple[Ref, Any]],
     cutting: Cutting,
-    only: tuple[int, Container[tuple[int, int]]] | None = None,
+    carried: Mapping[tuple[int, int], Container[tuple[int, int]]],
+    m: int,
 ) -> list[Any]:
-    """``values`` with the tensors of stage outputs cut; inputs stay as they are.
+    """``values`` with the stage outputs' tensors that carry a gradient cut;
+    the rest stay as they are.
 
     Args:
         values: (where it comes from, value) pairs.
         cutting: takes the cut tensors' keys (stage, output, leaf).
-        only: a stage and the (output, leaf) keys of its own to cut (None:
-            every stage output's); its other tensors stay as they are (a
-            replayed stage's outputs that carry no gradient: cut, they
-            would give the loss one). Other stages' are cut.
+        carried: per (stage, micro-batch), the (output, leaf) keys of its
+            outputs that carry a gradient (a stage that requires none hands
+            on values that require none, as in the plain model; a replayed
+            stage's buffers never require grad, and a copy's only where it
+            ran with gradients, so the flag of the tensor read here does not
+            tell).
+        m: the micro-batch.
     """
     spots: list[tuple[int, list[Any], Any, list[int]]] = []
     tensors: list[Tensor] = []
@@ -137,16 +142,18 @@ def cut_inputs(
         out.append(value)
         if ref.stage < 0:
             continue
+        keys = carried.get((ref.stage, m))
+        if not keys:
+            continue
         items, spec = leaves(value)
         picked: list[int] = []
         j = 0
         for i, t in enumerate(items):
             if isinstance(t, Tensor):
-                key = (ref.stage, ref.index, j)
-                if only is None or ref.stage != only[0] or (ref.index, j) in only[1]:
+                if (ref.index, j) in keys:
                     picked.append(i)
                     tensors.append(t)
-                    cutting.keys.append(key)
+                    cutting.keys.append((ref.stage, ref.index, j))
                 j += 1
         if picked:
             spots.append((v, items, spec, picked))

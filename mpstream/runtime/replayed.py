@@ -35,7 +35,7 @@ kept valid by the slots and the event plan rather than by copies:
 
 from __future__ import annotations
 
-from collections.abc import Container, Sequence
+from collections.abc import Container, Mapping, Sequence
 from typing import Any
 
 from torch import Tensor, nn
@@ -81,8 +81,14 @@ class Replayed:
         pairs: Sequence[tuple[Ref, Any]],
         checkpoint: bool,
         split: bool,
+        carried: Mapping[tuple[int, int], Container[tuple[int, int]]],
     ) -> tuple[bool, Any]:
         """Replays stage ``s``'s forward of micro-batch ``m`` if it is graphed.
+
+        Args:
+            carried: per (stage, micro-batch), the (output, leaf) keys of its
+                outputs that carry gradients (see :func:`~.boundary.cut_inputs`):
+                the arguments that need one.
 
         Returns:
             Whether it was, and then the stage's output (static buffers).
@@ -98,11 +104,12 @@ class Replayed:
         args: list[Any] = []
         for ref, value in pairs:
             args.append(value)
+            keys_of = carried.get((ref.stage, m), ()) if ref.stage >= 0 else ()
             j = 0
             for x in (value,) if type(value) is Tensor else leaves(value)[0]:
                 if isinstance(x, Tensor):
                     tensors.append(x)
-                    need = ref.stage >= 0 and (x.is_floating_point() or x.is_complex())
+                    need = (ref.index, j) in keys_of
                     needs.append(need)
                     if need:
                         keys.append((ref.stage, ref.index, j))
@@ -171,14 +178,12 @@ class Replayed:
         self._paired[(p, s)] = found
         return found
 
-    def cuts(self, s: int, m: int) -> tuple[int, Container[tuple[int, int]]]:
-        """Which keys the loss of replayed last stage ``s`` reads on
-        micro-batch ``m`` are cut (``cut_inputs``'s ``only``): other stages'
-        outputs, and of ``s``'s own the (output, leaf) keys that carry
-        gradients (the others, cut, would give a loss computed from them a
-        gradient eager autograd refuses)."""
+    def carried(self, s: int, m: int) -> Container[tuple[int, int]]:
+        """The (output, leaf) keys of replayed stage ``s``'s outputs on
+        micro-batch ``m`` that carry gradients (its buffers require none:
+        this says which values do)."""
         call = self.calls[(s, m)][0]
-        return s, call.layout.grad_at
+        return call.layout.grad_at
 
     def graphed(self, s: int, m: int) -> bool:
         """Whether stage ``s``'s forward of micro-batch ``m`` was replayed."""

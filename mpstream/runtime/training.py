@@ -18,7 +18,7 @@ producer of outputs and consumer of gradients.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -142,6 +142,12 @@ class _Step:
         self.backward_seen: set[int] = set()
         self.roots: dict[tuple[int, int], list[tuple[tuple[int, int], Tensor]]] = {}
         self.cuts: dict[tuple[int, int], Cutting] = {}
+        # Per (stage, micro-batch) run, the (output, leaf) keys of its outputs
+        # that carry gradients: only those are cut in their readers (and
+        # need a gradient there), so that a value needing none in the plain
+        # model needs none in the pipe (every parameter frozen: no gradient,
+        # as loss.backward() would refuse). Small: kept for the step.
+        self.carried: dict[tuple[int, int], Container[tuple[int, int]]] = {}
         # Filled with setdefault (route_grads): a defaultdict's factory is a
         # call per key.
         self.local: dict[tuple[int, int], Grads] = {}
@@ -184,7 +190,7 @@ class _Step:
         replayed, y = (
             (False, None)
             if thin is None
-            else thin.forward(s, m, self.parts[s], pairs, ckpt, splits)
+            else thin.forward(s, m, self.parts[s], pairs, ckpt, splits, self.carried)
         )
         reader = self.readers[s]
         if reader is not None:
@@ -197,6 +203,8 @@ class _Step:
             )
             protect(fresh + [v for _, v in sources], reader)
         if replayed:
+            assert thin is not None
+            self.carried[(s, m)] = thin.carried(s, m)
             if flow.outputs[s] == 1 and type(y) is Tensor:  # store()'s common case, inline
                 flow.outs[m][s + 1] = (y,)
             else:
@@ -218,8 +226,7 @@ class _Step:
         values: list[Any] = []
         if inputs or sources:  # else (a replayed stage but the last) nothing to cut
             cutting = Cutting()
-            only = thin.cuts(s, m) if thin is not None and replayed and s == last else None
-            values = cut_inputs(inputs + sources, cutting, only)
+            values = cut_inputs(inputs + sources, cutting, self.carried, m)
             if cutting.keys:
                 self.cuts[(s, m)] = cutting
         if not replayed:
@@ -234,7 +241,11 @@ class _Step:
             root = self.losses.compute(m, output, self.labels[m], reader)
             self.roots[(s, m)] = [((0, 0), root)]
         elif not replayed:
-            self.roots[(s, m)] = roots_of(flow.outputs_of(s, m))
+            roots = self.roots[(s, m)] = roots_of(flow.outputs_of(s, m))
+            keys: set[tuple[int, int]] = set()
+            for key, _ in roots:
+                keys.add(key)
+            self.carried[(s, m)] = keys
         flow.release(s, m)
         if s == last:
             flow.outs[m][s + 1] = None  # the loss holds what backward needs

@@ -265,17 +265,15 @@ def check(recipe: Recipe, s: Session) -> None:
             try:
                 loss = pipe.train_step(args, target, loss_fn)
             except RuntimeError as e:
-                # Every parameter the loss reads is frozen: refused, the
-                # statistics its forwards wrote put back. (Not always: a
-                # stage's input from another stage requires grad, so a loss
-                # read from one does too, and the step runs to no gradient.)
+                # Every parameter the loss reads is frozen: refused, as the
+                # plain backward is, the statistics its forwards wrote put back.
                 assert not want.requires_grad and "does not require grad" in str(e), e
                 for name, b in ref.named_buffers():
                     b.copy_(statistics[name])
                 cmp.state(pipe, ref, f"{what}: refused")
                 continue
-            if want.requires_grad:
-                want.backward()  # type: ignore[no-untyped-call]
+            assert want.requires_grad, f"{what}: a loss that needs no gradient, not refused"
+            want.backward()  # type: ignore[no-untyped-call]
             cmp.close(loss, want.detach(), f"{what}: loss")
         cmp.state(pipe, ref, what)
         if c.sgd:

@@ -19,6 +19,8 @@ from tests.pipe.test_pipe import _Abs, _Fft
 from tests.runtime.graphed.test_grads import Silent
 from tests.runtime.graphed.test_stages import WIDTHS, data, pair
 
+BALANCE = {1: [8], 2: [4, 4], 3: [2, 4, 2]}
+
 
 def calls(pipe: object, stage: int) -> list[GraphedCall]:
     graphs = pipe._rt()[1].graphs  # type: ignore[attr-defined]
@@ -195,3 +197,49 @@ def test_complex_values_between_replayed_stages_carry_their_gradients(schedule: 
         torch.testing.assert_close(loss, want.detach())
         assert_same_grads(pipe, model)
     assert all(s.graphed for s in pipe.graph_report().stages)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1"])
+@pytest.mark.parametrize("stages", [1, 2, 3])
+def test_replayed_stages_with_every_parameter_frozen_are_refused_as_eager_ones(
+    schedule: str, stages: int
+) -> None:
+    # A replayed stage's inputs were captured as needing a gradient whatever
+    # they stood for: the loss of a frozen pipe had one, and nothing trained.
+    model = mlp(WIDTHS).requires_grad_(False)
+    pipe = Pipe(model, chunks=2, balance=BALANCE[stages], devices=["cpu"] * stages,
+                graphs=Emulated(), schedule=schedule)  # fmt: skip
+    x, y = data()
+    for _ in range(2):  # captured, then replayed
+        with pytest.raises(RuntimeError, match="loss_fn returned a loss that does not require"):
+            pipe.train_step(x, y, nn.MSELoss())
+    assert all(p.grad is None for p in pipe.parameters())
+
+
+def test_a_replayed_stage_after_a_frozen_one_needs_no_input_gradient() -> None:
+    # Its graphs are captured with an input that needs no gradient, as the
+    # eager stage's input needs none: a split backward has no B pass.
+    torch.manual_seed(0)
+    model = mlp(WIDTHS)
+    model[:2].requires_grad_(False)
+    eager, graphed = pair(model, chunks=2, balance=[2, 4, 2], devices=["cpu"] * 3,
+                          schedule="zb_h1")  # fmt: skip
+    x, y = data()
+    for _ in range(2):  # captured, then replayed
+        losses = []
+        for pipe in (eager, graphed):
+            pipe.zero_grad()
+            losses.append(pipe.train_step(x, y, nn.MSELoss()))
+        torch.testing.assert_close(*losses)
+        for (name, p), (_, q) in zip(graphed.named_parameters(), eager.named_parameters()):
+            if q.grad is None:
+                assert p.grad is None, name
+            else:
+                torch.testing.assert_close(p.grad, q.grad, msg=name)
+    stages = graphed.graph_report().stages
+    assert all(s.graphed for s in stages)
+    # Stage 1 reads only what frozen stage 0 made: weights alone.
+    assert [s.passes for s in stages[1:]] == [
+        ("forward", "weight"),
+        ("forward", "backward", "weight"),
+    ]
