@@ -258,14 +258,18 @@ class Tracer(fx.Tracer):
         written in the code (a dict, keywords): each key known to hold its
         value from now on, the dict's other keys still answered from the
         call. False where they are not known (a dict traced, a mutable
-        value, no call given) or ``owner`` is no dict in the call."""
+        value) or ``owner`` is no dict in the call. With no call given, a
+        dict's update as :meth:`_dict_update` takes it: a later read of a
+        key set is the value set, as with a call (``inner.update(k=v)``
+        writes ``inner`` back into ``batch``, and ``batch["inner"]["s"] =
+        h`` then sets a key of that dict)."""
         if method == "update" and len(args) <= 2:
             given, more = (args[1] if len(args) == 2 else {}), kwargs
         elif method is augmented and len(args) == 3 and args[2] == "ior":
             given, more = args[1], {}
         else:
             return False
-        if type(given) is not dict or self.values is None or self._changed(owner):
+        if type(given) is not dict or self._changed(owner):
             return False
         entries: dict[tuple[Item, Any], Any] = {}
         for key, value in {**given, **more}.items():
@@ -273,7 +277,7 @@ class Tracer(fx.Tracer):
             if entry is None or not (value is None or isinstance(value, (fx.Proxy, *_IMMUTABLE))):
                 return False
             entries[entry] = value
-        if Lookup(owner, None, test=False).present(self.values) is None:
+        if self.values is not None and Lookup(owner, None, test=False).present(self.values) is None:
             return False  # no dict there: the object's own method
         self.known.update(entries)
         return True

@@ -236,3 +236,59 @@ def test_an_update_method_of_an_argument_that_is_no_dict_is_called_as_the_module
     )
     with pytest.raises(TypeError, match=refused):
         pipe(x.float(), Scales(scales.scale.float(), scales.shift.float()))
+
+
+class SetsKeysOfTheInnerDictByTwoNames(nn.Module):
+    """Updates the dict its batch holds through a name of its own
+    (``how``), then sets a key of it through the batch, in stage 0, or
+    updates the batch through a second name in stage 1; reads what it set
+    in stage 2, through the batch and through a name taken before."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, batch: dict[str, Any]) -> Tensor:
+        old = batch["inner"]
+        h = self.a(batch["x"])
+        inner = batch["inner"]
+        if self.how == "second-name":  # in stage 1
+            g = self.b(h)
+            other = batch
+            other |= {"t": g * 3}
+            return self.c(g) * batch["t"] + old["u"]  # type: ignore[no-any-return]
+        if self.how == "update":
+            inner.update(k=h * 3)
+        elif self.how == "ior":
+            inner |= {"k": h * 3}
+        else:
+            inner["k"] = h * 3
+        batch["inner"]["s"] = h
+        k = self.c(self.b(h)) * batch["inner"]["s"] + batch["inner"]["k"]
+        return k + old["k"] + batch["inner"]["u"]  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("how", ["update", "ior", "set-a-key", "second-name"])
+@pytest.mark.parametrize("sample", [False, True])
+def test_keys_set_through_two_names_of_one_dict_reach_the_later_stages(
+    how: str, sample: bool
+) -> None:
+    # Without a call given, the update through a name of its own left the
+    # batch "changed", so batch["inner"] was no item of it any more:
+    # "'AugmentedProxy' object does not support item assignment" (and a
+    # read through another name than the one updated was refused: a value
+    # set, read by either name, is the value set).
+    torch.manual_seed(0)
+    model = SetsKeysOfTheInnerDictByTwoNames(how).double()
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe = Pipe(copy.deepcopy(model), split_points=["b", "c"], devices=["cpu"] * 3,
+                split_size=2, tracer="fx",
+                sample=({"x": x, "inner": {"u": x}},) if sample else None)  # fmt: skip
+    inner = {"u": x + 1}
+    out, expected = pipe({"x": x, "inner": inner}), model({"x": x, "inner": {"u": x + 1}})
+    torch.testing.assert_close(out, expected)
+    assert list(inner) == ["u"]  # the caller's dict: as it was
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    assert_same_grads(pipe, model)
