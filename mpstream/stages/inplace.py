@@ -370,6 +370,16 @@ def _refuse(
     t = -1 if reader.op == "output" else stage_of[reader]
     who = "the result" if t < 0 else f"stage {t}"
     through = "" if view is base else f" through its view '{view}'"
+    if base.op == "get_attr":
+        # The module's own tensor (a buffer): no stage passes it on, each
+        # reads the one tensor on its own stream while the others run.
+        raise ValueError(
+            f"'{_name(node)}' in stage {here} changes {changed} in place, a tensor of the "
+            f"module's own, which {who} also reads{through}: stages run at once on their own "
+            f"streams, so which micro-batch's change {who} sees depends on timing, where the "
+            f"module sees this call's. Keep the code that changes it and the code that reads "
+            f"it in one stage (move a split point), or give each stage a tensor of its own"
+        )
     hint = f", take the view in stage {here} after the change" if through else ""
     if t == here:
         # It reads another copy than the one changed, which came on its own.

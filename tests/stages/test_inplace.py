@@ -245,3 +245,32 @@ class AugmentsThroughAnAttribute(nn.Module):
 
 def test_an_augmented_assignment_to_an_attribute_changes_its_tensor() -> None:
     runs_as_the_module(AugmentsThroughAnAttribute(), torch.randn(6, 4, dtype=torch.float64), "fx")
+
+
+class CountsInItsMiddleStage(nn.Module):
+    """Adds to its own buffer in stage 1 and reads it in stage 2."""
+
+    calls: Tensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.b(self.a(x))
+        self.calls += 1
+        return self.c(h) * self.calls  # type: ignore[no-any-return]
+
+
+def test_a_buffer_changed_in_one_stage_and_read_in_a_later_one_is_refused_saying_why() -> None:
+    # The message said stage 2 "would read it unchanged" and to make the
+    # operation out of place: a buffer is no value a stage passes on, and
+    # stage 2 reads the one tensor while stage 1 changes it.
+    with pytest.raises(ValueError) as raised:
+        Pipe(CountsInItsMiddleStage(), chunks=2, split_points=["b", "c"], devices=["cpu"] * 3,
+             tracer="export", sample=torch.randn(4, 4))  # fmt: skip
+    message = str(raised.value)
+    assert "in stage 1 changes 'calls' in place, a tensor of the module's own" in message
+    assert "which micro-batch's change stage 2 sees depends on timing" in message
+    assert "unchanged" not in message and "inplace=False" not in message
