@@ -34,7 +34,8 @@ from torch.utils import _pytree as pytree
 
 from ..runtime.graph import Ref, StageGraph
 from .fake_export import exported_graph, input_pattern
-from .inplace import check_in_place, copy_changed_inputs
+from .inplace import copy_changed_inputs
+from .inplace_check import check_in_place
 from .model_loss import LossShare, weigh_loss
 from .points import SplitPointError, begin_stages, units_in_order
 from .shared_inputs import NO_CHANGES, ChangedInputs

@@ -25,7 +25,8 @@ from torch.fx.passes.split_module import split_module
 
 from ..runtime.graph import StageGraph
 from .fx_tracer import Tracer
-from .inplace import changes_in_place, check_in_place, copy_changed_inputs
+from .inplace import changes_in_place, copy_changed_inputs
+from .inplace_check import check_in_place
 from .inplace_paths import updated_inputs
 from .lookups import Lookup
 from .points import begin_stages, split_candidates, units_in_order

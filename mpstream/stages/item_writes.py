@@ -82,7 +82,7 @@ def write_back(tracer: Any, changed: fx.Proxy) -> None:
     too, as the module does. A dict held in what takes no key (a list, or
     a key not a string with no call given) is left where it is: the
     in-place check refuses a later stage's stale read of it
-    (:func:`~mpstream.stages.inplace.check_in_place`)."""
+    (:func:`~mpstream.stages.inplace_check.check_in_place`)."""
     owner, item = changed.__dict__.get("_owner"), item_of(changed)
     if owner is None or item is None or not item[1]:
         return

@@ -1,8 +1,8 @@
 """In-place changes across a split: a change through a view of another
 stage's value, by either tracer, is refused at the split instead of giving
 later stages (and the gradients) the value unchanged; an augmented
-assignment changes a tensor in place, a number not (``check_in_place`` and
-``augmented`` of mpstream/stages/inplace.py)."""
+assignment changes a tensor in place, a number not (``check_in_place`` of
+mpstream/stages/inplace_check.py, ``augmented`` of mpstream/stages/inplace.py)."""
 
 from __future__ import annotations
 
