@@ -182,8 +182,8 @@ class Replayed:
         """The (output, leaf) keys of replayed stage ``s``'s outputs on
         micro-batch ``m`` that carry gradients (its buffers require none:
         this says which values do)."""
-        call = self.calls[(s, m)][0]
-        return call.layout.grad_at
+        grad_at: Container[tuple[int, int]] = self.calls[(s, m)][0].layout.grad_at
+        return grad_at
 
     def graphed(self, s: int, m: int) -> bool:
         """Whether stage ``s``'s forward of micro-batch ``m`` was replayed."""
