@@ -292,3 +292,44 @@ def test_keys_set_through_two_names_of_one_dict_reach_the_later_stages(
     out.square().sum().backward()
     expected.square().sum().backward()
     assert_same_grads(pipe, model)
+
+
+class SetsKeysInOneStageReadInLater(nn.Module):
+    """Sets a key of the batch through a second name in the stage of ``b``,
+    and one of its inner dict through the batch in the stage of ``c``;
+    reads both through every name, those taken before included."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, batch: dict[str, Any]) -> Tensor:
+        inner = batch["inner"]
+        other = batch
+        g = self.b(self.a(batch["x"]))
+        other.update(t=g)
+        h = self.c(g)
+        batch["inner"].update(k=h)
+        return h * other["t"] + batch["t"] + inner["k"] * batch["inner"]["u"]  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("points", [["b", "c"], ["b"], ["c"]])
+@pytest.mark.parametrize("force_copies", [False, True])
+def test_keys_set_without_a_sample_read_in_later_stages_train_as_the_plain_model(
+    points: list[str], force_copies: bool
+) -> None:
+    # Before the keys an update sets were known with no sample=, the run
+    # raised KeyError: 'k' where the plain model runs (the last stage's
+    # read of the key set, split from the update).
+    torch.manual_seed(0)
+    model = SetsKeysInOneStageReadInLater().double()
+    pipe = Pipe(copy.deepcopy(model), split_points=points, devices=["cpu"] * (len(points) + 1),
+                split_size=2, tracer="fx", force_copies=force_copies)  # fmt: skip
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
+    out = pipe({"x": x, "inner": {"u": x + 1}})
+    torch.testing.assert_close(out, model({"x": x, "inner": {"u": x + 1}}))
+    loss = pipe.train_step({"x": x, "inner": {"u": x + 1}}, y, nn.MSELoss())
+    want = nn.MSELoss()(model({"x": x, "inner": {"u": x + 1}}), y)
+    want.backward()
+    torch.testing.assert_close(loss, want.detach())
+    assert_same_grads(pipe, model)
