@@ -34,7 +34,7 @@ from ...memory.batchnorm import deferred_norms
 from .. import private
 from ..microbatch import leaves, placed, untensored
 from .capturing import restored
-from .grads import GradStore
+from .grads import GradStore, hooks_ran
 
 __all__ = ["Backend", "GraphedCall", "Source"]
 
@@ -366,8 +366,7 @@ class GraphedCall:
         for p in hooked:
             for hook in p._post_accumulate_grad_hooks.values():  # type: ignore[union-attr]
                 hook(p)
-        if self.store is not None:
-            self.store.hooks_ran(hooked)
+        hooks_ran()  # a hook may have taken any store's .grad away
 
     def _reach(self, none: frozenset[int]) -> tuple[frozenset[int], frozenset[int]]:
         """The inputs (positions among those needing gradients) and the

@@ -47,13 +47,29 @@ from .keys import hooks_registered
 from .passes import CallerWaits, PassEnd, after, closed, finish_part, opened
 from .tied import TiedHooks
 
-__all__ = ["GradStore"]
+__all__ = ["GradStore", "hooks_ran"]
 
 _C = _ext.load()
 _hooks = operator.attrgetter("_post_accumulate_grad_hooks")
 #: The store of each flat buffer's view, by the view's ``id()`` (the view
 #: lives as long as its store): a store taking a ``.grad`` over finds its owner.
 _owners: weakref.WeakValueDictionary[int, GradStore] = weakref.WeakValueDictionary()
+#: Every store alive (see :func:`hooks_ran`).
+_stores: weakref.WeakSet[GradStore] = weakref.WeakSet()
+
+
+def hooks_ran() -> None:
+    """After post-accumulate hooks ran within a pass (a training step's, per
+    micro-batch): a hook may have taken ``.grad`` away, set it to None or to
+    another tensor, of its own parameter (an optimizer in backward, an
+    offload) or of any other, in any store (``zero_grad()`` from a hook).
+    Every store checks its parameters again (one C++ call) before its next
+    replay adds, as after a take: a parameter taken away is attached again,
+    so that the next micro-batch's hook sees that micro-batch's gradient
+    alone, and no replay adds into a view ``.grad`` no longer is. Only when
+    a hook ran: a pass without hooks pays nothing."""
+    for store in list(_stores):
+        store._taken_from, store.ready = True, {}  # after .grad changed (see __init__)
 
 
 class GradStore:
@@ -97,12 +113,12 @@ class GradStore:
             for i, view in zip(where, views):
                 self.views[i] = view
         self.tied.shared.update(id(self.params[i]) for i in self._side)
-        self._index = {id(p): i for i, p in enumerate(self.params)}
         self._owned_params = [self.params[i] for i in self._owned]
         self._owned_views = [self.views[i] for i in self._owned]
         self._attached = _C.Attached(self._owned_params, self._owned_views)
         for view in self._owned_views:
             _owners[id(view)] = self
+        _stores.add(self)
         self.device = self.params[0].device if self.params else torch.device("cpu")
         self._detached: set[int] = set()  # positions detached at the pass's start, not since
         self._hooked: list[int] = []  # positions with post-accumulate hooks, this pass
@@ -112,8 +128,9 @@ class GradStore:
         self._end: weakref.ref[PassEnd] | None = None  # its end, if the user's loop's
         self._waits: CallerWaits | None = None  # see undone()
         # Set by a store taking a .grad over from this one (in any thread),
-        # after .grad changed, before it replaces :attr:`ready`; cleared
-        # before a check: no take is missed.
+        # or after hooks that may have (hooks_ran), after .grad changed,
+        # before :attr:`ready` is replaced; cleared before a check: no take
+        # is missed.
         self._taken_from = False
         #: What :meth:`ensure` returned in the current pass, by (pass,
         #: reached-set), while it still holds: a caller that finds its key
@@ -156,8 +173,9 @@ class GradStore:
                 self._end = opened(self, token)
         elif self._taken_from:
             # Another store took a .grad over from this one within this pass
-            # (the other kind's split replayed in between): the next replay
-            # must not add into this store's view, no longer .grad.
+            # (the other kind's split replayed in between), or a hook ran
+            # that may have taken one away: the next replay must not add
+            # into this store's view, no longer .grad.
             ready = {}
             self.ready, self._taken_from = ready, False
             self._detached = {self._owned[j] for j in self._attached.detached()}
@@ -202,17 +220,6 @@ class GradStore:
             )
             self._hooks_seen = count
         return self._hooks_at
-
-    def hooks_ran(self, params: Sequence[nn.Parameter]) -> None:
-        """After post-accumulate hooks of ``params`` ran within a pass: one
-        that took ``.grad`` away (set it to None or to another tensor, as an
-        optimizer in backward or an offload does) is attached again before
-        the pass's next replay adds into it, so that the next micro-batch's
-        hook sees that micro-batch's gradient alone, as in eager autograd."""
-        moved = {self._index[id(p)] for p in params if p.grad is not self.views[self._index[id(p)]]}
-        if moved:
-            self._detached |= moved
-            self.ready = {}
 
     def _attach(self, fresh: list[int], stream: AnyStream) -> None:
         """Makes the views of ``fresh`` their parameters' gradients: zeroed

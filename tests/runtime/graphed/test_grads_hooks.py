@@ -71,6 +71,40 @@ def test_a_hook_that_takes_grad_away_gets_each_micro_batch_alone(run: str) -> No
     assert all(p.grad is None for p in graphed.parameters())
 
 
+@pytest.mark.parametrize(
+    ("how", "schedule"),
+    # (under zb_h1 the hook runs after the first stage's last add: None either way)
+    [
+        ("none", "gpipe"),
+        ("none", "1f1b"),
+        ("other", "gpipe"),
+        ("other", "1f1b"),
+        ("other", "zb_h1"),
+    ],
+)
+def test_a_hook_that_takes_other_parameters_grad_away_loses_no_gradient(
+    how: str, schedule: str
+) -> None:
+    # A hook on the last stage's weight sets the first stage's .grad to None
+    # (or to a copy of it): that store, which ran no hook, must attach them
+    # again before its next micro-batch adds, as eager autograd starts a
+    # fresh .grad (or adds into the copy).
+    eager, graphed = pair(mlp(WIDTHS), chunks=4, schedule=schedule)
+    for pipe in (eager, graphed):
+        first = list(pipe[0].parameters())
+
+        def take(p: Tensor, first: list[nn.Parameter] = first) -> None:
+            for q in first:
+                q.grad = None if how == "none" or q.grad is None else q.grad.clone()
+
+        pipe[6].weight.register_post_accumulate_grad_hook(take)
+    x, y = data()
+    for _ in range(3):  # the first step captures
+        for pipe in (eager, graphed):
+            pipe.train_step(x, y, nn.MSELoss())
+        assert_same_grads(graphed, eager)
+
+
 def test_autograd_grad_through_a_graphed_stage_runs_no_hook() -> None:
     eager, graphed = pair(mlp(WIDTHS), chunks=2)
     x, y = data()
