@@ -1,9 +1,9 @@
 """Shared pytest configuration: seeding and clean CUDA skips.
 
 The property tests (``pipe/test_random_models.py``, ``pipe/test_random_sessions.py``,
-``pipe/test_random_failures.py`` and their helper ``random_models.py``) skip
-themselves, with a reason in the report, where hypothesis is not installed (the
-GPU machine has none)."""
+``pipe/test_random_failures.py`` and their helpers ``random_models.py`` and
+``random_sessions.py``) skip themselves, with a reason in the report, where
+hypothesis is not installed (the GPU machine has none)."""
 
 from __future__ import annotations
 

@@ -7,15 +7,21 @@ with its own batch size, train or eval mode, inputs that require grad or
 not, and kind (``no_grad``; a user loop's ``loss_fn(pipe(x), y).backward()``;
 ``train_step``), gradients zeroed before it or accumulated, a tensor hook
 registered on a parameter or a block frozen or unfrozen before it, an SGD
-step after it. The pipe has
-some blocks frozen (``requires_grad=False``), runs in float64, float32 or
-bfloat16, on 1-6 stages (up to six stages on one rank for the interleaved
-schedules), with emulated CUDA graphs often, as graphed stages re-key on
-batch size, mode and ``requires_grad``.
+step after it. The pipe (:mod:`tests.random_sessions`) has some blocks
+frozen (``requires_grad=False``), runs in float64, float32, bfloat16 or
+float16, and often under ``torch.autocast`` (bfloat16 or float16), on 1-6
+stages (up to six stages on one rank for the interleaved schedules) split
+by ``torch.fx`` or ``torch.export``, with every built-in schedule or an
+explicit order, deferred BatchNorm, and emulated CUDA graphs often, as
+graphed stages re-key on batch size, mode and ``requires_grad``.
 
-The plain model runs in the same dtype; float32 and bfloat16 are compared
-within :data:`TOLERANCE` (a micro-batch's matmuls sum in another order, and
-gradients accumulate over micro-batches in the dtype itself).
+The plain model runs in the same dtype, under the same autocast; float32
+and the 16-bit dtypes are compared within :data:`TOLERANCE` (a
+micro-batch's matmuls sum in another order, and gradients accumulate over
+micro-batches in the dtype itself). Refusals are accepted only where the
+error says what to do: deferred BatchNorm on a module ``torch.export``
+splits, a BatchNorm with ``momentum=None`` exported in training mode, and
+a ``train_step`` of another micro-batch count than its explicit order's.
 """
 
 from __future__ import annotations
@@ -24,142 +30,35 @@ import pytest
 
 pytest.importorskip("hypothesis", reason="a property test: needs hypothesis (the dev extra)")
 
+import contextlib
 import copy
 import os
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from hypothesis import HealthCheck, event, given, note, settings
-from hypothesis import strategies as st
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
-import mpstream
 from mpstream import NoChunk, Pipe
-from mpstream.memory.checkpoint import MODES
-from mpstream.runtime.graphed import Emulated
-from mpstream.schedules import PLACEMENTS
-from tests.random_models import Recipe, Reference, build, leaves, micro_batches, recipes
+from mpstream.schedules import parse
+from tests.random_models import Recipe, Reference, build, leaves, micro_batches, random_order
+from tests.random_sessions import Call, Session, make_pipe, micros, sessions
 
 #: (rtol, atol) per dtype; float64 is torch's default.
 TOLERANCE: dict[torch.dtype, tuple[float, float]] = {
     torch.float64: (1e-7, 1e-7),
     torch.float32: (1e-3, 1e-4),  # BatchNorm of two samples amplifies reordered sums
     torch.bfloat16: (5e-2, 5e-2),
+    torch.float16: (1e-2, 1e-2),  # 3 more mantissa bits than bfloat16
 }
-
-
-@dataclass(frozen=True)
-class Call:
-    """One call of the session."""
-
-    kind: str  # "no_grad", "backward" (a user loop's) or "train_step"
-    batch: int
-    training: bool
-    input_grad: bool
-    zero_grad: bool  # gradients set to None before it (else they accumulate)
-    hook: bool  # a gradient hook registered on a parameter before it
-    toggle: int | None  # a block whose parameters' requires_grad flips before it
-    sgd: bool  # an SGD step after it
-
-
-@dataclass(frozen=True)
-class Session:
-    """How the Pipe is built, and the calls made of it."""
-
-    stages: int
-    sequential: bool
-    cuts: tuple[int, ...]
-    chunks: int | None
-    split_size: int | None
-    schedule: str
-    virtual_stages: int | None
-    checkpoint: str
-    force_copies: bool
-    graphs: bool
-    dtype: torch.dtype
-    frozen: tuple[int, ...]  # blocks whose parameters are frozen
-    calls: tuple[Call, ...]
-    seed: int
-
-
-def virtual_for(schedule: str, stages: int) -> tuple[int | None, ...]:
-    """The virtual_stages a schedule takes with ``stages`` stages, all on the CPU."""
-    placement = PLACEMENTS.get(schedule, "stage")
-    if placement == "v":  # two stages per rank
-        return (2,) if stages % 2 == 0 else ()
-    if stages == 1 or placement == "stage":
-        return (None,)
-    return tuple(v for v in range(2, stages + 1) if stages % v == 0)
-
-
-@st.composite
-def sessions(draw: st.DrawFn) -> tuple[Recipe, Session]:
-    recipe = draw(recipes())
-    n = len(recipe.steps)
-    stages = min(n, draw(st.sampled_from([2, 3, 4, 6, 1])))
-    cuts = tuple(sorted(draw(st.sets(st.integers(1, n - 1), min_size=stages - 1,
-                                     max_size=stages - 1)))) if stages > 1 else ()  # fmt: skip
-    schedules = [s for s in mpstream.SCHEDULES if virtual_for(s, stages)]
-    schedule = draw(st.sampled_from(schedules))
-    how, size = draw(st.sampled_from(["chunks", "split_size", None])), draw(st.integers(1, 6))
-    call = st.builds(
-        Call,
-        kind=st.sampled_from(["backward", "train_step", "no_grad"]),
-        batch=st.integers(2, 9),
-        training=st.sampled_from([True, True, False]),
-        input_grad=st.booleans(),
-        zero_grad=st.booleans(),
-        hook=st.sampled_from([False, False, True]),
-        toggle=st.none() | st.none() | st.integers(0, n - 1),
-        sgd=st.booleans(),
-    )
-    session = Session(
-        stages=stages,
-        sequential=recipe.is_chain and draw(st.booleans()),
-        cuts=cuts,
-        chunks=size if how == "chunks" else None,
-        split_size=size if how == "split_size" else None,
-        schedule=schedule,
-        virtual_stages=draw(st.sampled_from(virtual_for(schedule, stages))),
-        checkpoint=draw(st.sampled_from(MODES)),
-        force_copies=draw(st.booleans()),
-        graphs=draw(st.sampled_from([True, True, False])),
-        dtype=draw(st.sampled_from([torch.float64, torch.float64, torch.float32, torch.bfloat16])),
-        frozen=tuple(sorted(draw(st.sets(st.integers(0, n - 1), max_size=max(1, n - 1))))),
-        calls=tuple(draw(st.lists(call, min_size=2, max_size=4))),
-        seed=draw(st.integers(0, 2**16)),
-    )
-    return recipe, session
-
-
-def make_pipe(model: nn.Module, s: Session) -> Pipe:
-    kw: dict[str, Any] = {}
-    if s.sequential:
-        bounds = [0, *s.cuts, len(model)]  # type: ignore[arg-type]
-        kw["balance"] = [b - a for a, b in zip(bounds, bounds[1:])]
-    else:
-        kw["split_points"] = [f"blocks.{k}" for k in s.cuts]
-    return Pipe(
-        model,
-        chunks=s.chunks,
-        split_size=s.split_size,
-        devices=["cpu"] * s.stages,
-        schedule=s.schedule,
-        virtual_stages=s.virtual_stages,
-        checkpoint=s.checkpoint,
-        force_copies=s.force_copies,
-        graphs=Emulated() if s.graphs else False,
-        **kw,
-    )
 
 
 class Compare:
     """Comparisons within the session's dtype's tolerance."""
 
-    def __init__(self, dtype: torch.dtype) -> None:
-        self.rtol, self.atol = TOLERANCE[dtype]
+    def __init__(self, rtol: float, atol: float) -> None:
+        self.rtol, self.atol = rtol, atol
 
     def close(self, a: Tensor, b: Tensor, what: str) -> None:
         torch.testing.assert_close(
@@ -189,16 +88,69 @@ class Compare:
             self.close(buffers[name], b, f"{what}: {name}")
 
 
+def refused(recipe: Recipe, s: Session, training: bool) -> tuple[type[Exception], str] | None:
+    """The error building the pipe (or exporting a call in ``training``
+    mode) must raise, its type and part of its message, or None."""
+    if s.tracer != "export":
+        return None
+    if s.deferred:
+        return ValueError, "which cannot run DeferredBatchNorm; use tracer='fx'"
+    if any(i < len(recipe.inputs) for i in recipe.outputs):
+        return TypeError, "the module returns one of its inputs unchanged"
+    if recipe.has_norm and recipe.momentum is None and training:
+        # BatchNorm's float(num_batches_tracked) is data-dependent for torch.export.
+        return TypeError, "could not export"
+    return None
+
+
+def order_for(model: nn.Module, recipe: Recipe, s: Session) -> tuple[str, int, list[int] | None]:
+    """A random explicit order for the session's first train_step's
+    micro-batch count, the count, and the order the stage holding a
+    BatchNorm forwards the micro-batches in (None without one)."""
+    assert s.order_rng is not None
+    reads = make_pipe(copy.deepcopy(model), s, recipe).graph.reads()
+    steps = [c.batch for c in s.calls if c.kind == "train_step"]
+    count = micros(steps[0] if steps else s.calls[0].batch, s)
+    order = random_order(reads, count, s.order_rng)
+    norms = [k for k, step in enumerate(recipe.steps) if step.norm]
+    if not norms or s.deferred:
+        return order, count, None
+    stage = sum(cut <= norms[0] for cut in s.cuts)
+    return order, count, [a.micro for a in parse(order) if a.kind == "F" and a.stage == stage]
+
+
 def check(recipe: Recipe, s: Session) -> None:
     torch.manual_seed(s.seed)
-    model = build(recipe, s.sequential).to(s.dtype)
+    split = (s.chunks, s.split_size)
+    modes = [  # BatchNorm of one sample in training: the plain model refuses it.
+        c.training and not (recipe.has_norm and min(len(m) for m in micro_batches(
+            torch.empty(c.batch), split)) == 1)
+        for c in s.calls
+    ]  # fmt: skip
+    model = build(recipe, s.sequential).to(s.dtype).train(modes[0])  # exported in this mode
     blocks = model if s.sequential else model.blocks  # type: ignore[union-attr]
     for k in s.frozen:
         blocks[k].requires_grad_(False)  # type: ignore[index]
     ref = copy.deepcopy(model)
-    pipe = make_pipe(model, s)
-    cmp = Compare(s.dtype)
-    split = (s.chunks, s.split_size)
+    order, count, norm_order = None, 0, None
+    refusal = refused(recipe, s, modes[0])
+    event("tracer", s.tracer)
+    event("schedule", "order" if s.order_rng else "built-in")
+    event("autocast", str(s.autocast))
+    event("deferred", str(s.deferred))
+    if refusal is not None:
+        with pytest.raises(refusal[0], match=refusal[1]):
+            make_pipe(model, s, recipe)
+        event("outcome", "refused when built")
+        return
+    if s.order_rng is not None:
+        order, count, norm_order = order_for(model, recipe, s)
+        note(f"order: {order}")
+    pipe = make_pipe(model, s, recipe, order)
+    rtol, atol = TOLERANCE[s.dtype]
+    if s.autocast is not None:
+        rtol, atol = max(rtol, TOLERANCE[s.autocast][0]), max(atol, TOLERANCE[s.autocast][1])
+    cmp = Compare(rtol, atol)
     trainable = [name for name, p in ref.named_parameters() if p.requires_grad]
     event("frozen", "all" if not trainable else "some" if s.frozen else "none")
     event("dtype", str(s.dtype))
@@ -207,11 +159,8 @@ def check(recipe: Recipe, s: Session) -> None:
     if recipe.gain is not None:
         scale = torch.rand(recipe.gain_width(), dtype=s.dtype) + 0.5
 
-    for i, c in enumerate(s.calls):
+    for i, (c, training) in enumerate(zip(s.calls, modes)):
         what = f"call {i} ({c.kind})"
-        smallest = min(len(m) for m in micro_batches(torch.empty(c.batch), split))
-        # BatchNorm of one sample in training: the plain model refuses it.
-        training = c.training and not (recipe.has_norm and smallest == 1)
         pipe.train(training)
         ref.train(training)
         if c.zero_grad:
@@ -229,58 +178,113 @@ def check(recipe: Recipe, s: Session) -> None:
             factor = float(i + 2)
             for module in (pipe, ref):
                 module.get_parameter(name).register_hook(lambda g, f=factor: g * f)
-        plain = Reference(ref, recipe.has_norm and training, split, deferred=False)
+        # Under autocast the plain model runs on the micro-batches too: a
+        # reduced-precision kernel rounds its sums by the batch size.
+        per_micro = recipe.has_norm and training or s.autocast is not None
+        plain = Reference(ref, per_micro, split, deferred=s.deferred and training)
+        if c.kind == "train_step":
+            plain.micro_order = norm_order
         inputs = tuple(torch.randn(c.batch, w, dtype=s.dtype) for w in recipe.inputs)
         xs = tuple(t.clone().requires_grad_(c.input_grad) for t in inputs)
         rs = tuple(t.clone().requires_grad_(c.input_grad) for t in inputs)
         kw_pipe = {} if scale is None else {"scale": NoChunk(scale), "alpha": 0.5}
         kw_ref = {} if scale is None else {"scale": scale, "alpha": 0.5}
-
-        def loss_fn(out: Any, target: Any) -> Tensor:
-            pairs = zip(leaves(out), leaves(target))
-            return sum(nn.functional.mse_loss(o, t) for o, t in pairs)  # type: ignore[return-value]
-
-        if c.kind == "no_grad":
-            with torch.no_grad():
-                cmp.same(pipe(*xs, **kw_pipe), plain(*rs, **kw_ref), what)
-        elif c.kind == "backward":
-            out, expected = pipe(*xs, **kw_pipe), plain(*rs, **kw_ref)
-            cmp.same(out, expected, what)
-            target = pytree.tree_map(torch.randn_like, expected)
-            loss, want = loss_fn(out, target), loss_fn(expected, target)
-            cmp.close(loss, want, f"{what}: loss")
-            if want.requires_grad:
-                loss.backward()  # type: ignore[no-untyped-call]
-                want.backward()  # type: ignore[no-untyped-call]
-            for x, r in zip(xs, rs):
-                cmp.grad(x.grad, r.grad, f"{what}: input gradient")
-        else:
-            statistics = {n: b.clone() for n, b in ref.named_buffers()}
-            expected = plain(*inputs, **kw_ref)
-            target = pytree.tree_map(lambda e: torch.randn_like(e.detach()), expected)
-            args: Any = inputs if len(inputs) > 1 else inputs[0]
-            if scale is not None:
-                args = (*inputs, NoChunk(scale), 0.5)
-            want = loss_fn(expected, target)
-            try:
-                loss = pipe.train_step(args, target, loss_fn)
-            except RuntimeError as e:
-                # Every parameter the loss reads is frozen: refused, as the
-                # plain backward is, the statistics its forwards wrote put back.
-                assert not want.requires_grad and "does not require grad" in str(e), e
-                for name, b in ref.named_buffers():
-                    b.copy_(statistics[name])
-                cmp.state(pipe, ref, f"{what}: refused")
-                continue
-            assert want.requires_grad, f"{what}: a loss that needs no gradient, not refused"
-            want.backward()  # type: ignore[no-untyped-call]
-            cmp.close(loss, want.detach(), f"{what}: loss")
+        autocast = (
+            torch.autocast("cpu", dtype=s.autocast)
+            if s.autocast is not None
+            else contextlib.nullcontext()
+        )
+        refusal = refused(recipe, s, training) if training != modes[0] else None
+        try:
+            with autocast:
+                call(pipe, plain, c, s, what, cmp, (xs, rs, inputs), (kw_pipe, kw_ref, scale),
+                     (order, count))  # fmt: skip
+        except (TypeError, ValueError) as e:
+            if refusal is None or not isinstance(e, refusal[0]) or refusal[1] not in str(e):
+                raise
+            event("outcome", "refused at a call")
+            cmp.state(pipe, ref, f"{what}: refused")
+            return
+        assert refusal is None, f"{what}: not refused"
         cmp.state(pipe, ref, what)
         if c.sgd:
             torch.optim.SGD(pipe.parameters(), lr=0.1).step()
             torch.optim.SGD(ref.parameters(), lr=0.1).step()
             cmp.state(pipe, ref, f"{what}: after SGD")
+        # The next call starts from the pipe's values: rounding differences
+        # within tolerance would otherwise compound, by far where a
+        # BatchNorm normalises two samples a few ulps apart (bfloat16: one
+        # ulp in a weight moved an output by 0.03, its gradient by 0.3).
+        with torch.no_grad():
+            for name, t in [*ref.named_parameters(), *ref.named_buffers()]:
+                t.copy_(pipe.get_parameter(name) if isinstance(t, nn.Parameter)
+                        else pipe.get_buffer(name))  # fmt: skip
         note(f"{what} passed")
+
+
+def call(
+    pipe: Pipe,
+    plain: Reference,
+    c: Call,
+    s: Session,
+    what: str,
+    cmp: Compare,
+    tensors: tuple[tuple[Tensor, ...], tuple[Tensor, ...], tuple[Tensor, ...]],
+    kws: tuple[dict[str, Any], dict[str, Any], Tensor | None],
+    order: tuple[str | None, int],
+) -> None:
+    """Makes call ``c`` of the pipe and of the plain model, and compares
+    what it returns and (after :meth:`Reference.settle`) nothing else."""
+    (xs, rs, inputs), (kw_pipe, kw_ref, scale) = tensors, kws
+    ref = plain.model
+
+    def loss_fn(out: Any, target: Any) -> Tensor:
+        pairs = zip(leaves(out), leaves(target))
+        return sum(nn.functional.mse_loss(o, t) for o, t in pairs)  # type: ignore[return-value]
+
+    if c.kind == "no_grad":
+        with torch.no_grad():
+            cmp.same(pipe(*xs, **kw_pipe), plain(*rs, **kw_ref), what)
+    elif c.kind == "backward":
+        out, expected = pipe(*xs, **kw_pipe), plain(*rs, **kw_ref)
+        cmp.same(out, expected, what)
+        target = pytree.tree_map(torch.randn_like, expected)
+        loss, want = loss_fn(out, target), loss_fn(expected, target)
+        cmp.close(loss, want, f"{what}: loss")
+        if want.requires_grad:
+            loss.backward()  # type: ignore[no-untyped-call]
+            want.backward()  # type: ignore[no-untyped-call]
+        for x, r in zip(xs, rs):
+            cmp.grad(x.grad, r.grad, f"{what}: input gradient")
+    else:
+        args: Any = inputs if len(inputs) > 1 else inputs[0]
+        if scale is not None:
+            args = (*inputs, NoChunk(scale), 0.5)
+        count = micros(c.batch, s)
+        if order[0] is not None and count != order[1]:
+            # Refused before anything runs, saying what to give.
+            with pytest.raises(ValueError, match=f"give an order for {count}"):
+                pipe.train_step(args, inputs[0], loss_fn)  # refused before any loss
+            event("outcome", "another micro-batch count than the order's: refused")
+            return
+        statistics = {n: b.clone() for n, b in ref.named_buffers()}
+        expected = plain(*inputs, **kw_ref)
+        target = pytree.tree_map(lambda e: torch.randn_like(e.detach()), expected)
+        want = loss_fn(expected, target)
+        try:
+            loss = pipe.train_step(args, target, loss_fn)
+        except RuntimeError as e:
+            # Every parameter the loss reads is frozen: refused, as the
+            # plain backward is, the statistics its forwards wrote put back.
+            assert not want.requires_grad and "does not require grad" in str(e), e
+            for name, b in ref.named_buffers():
+                b.copy_(statistics[name])
+            plain.stats = None
+            return
+        assert want.requires_grad, f"{what}: a loss that needs no gradient, not refused"
+        want.backward()  # type: ignore[no-untyped-call]
+        cmp.close(loss, want.detach(), f"{what}: loss")
+    plain.settle()
 
 
 EXAMPLES = int(os.environ.get("MPSTREAM_PROPERTY_EXAMPLES", "0"))  # see test_random_models
