@@ -42,6 +42,7 @@ from .shared_inputs import NO_CHANGES, ChangedInputs
 from .surgery import inline_attrs, read_stage_call
 
 __all__ = [
+    "ExportGraphError",
     "ExportedStages",
     "export_stages",
     "retarget_devices",
@@ -49,6 +50,13 @@ __all__ = [
     "call_order",
     "split_candidates",
 ]
+
+
+class ExportGraphError(TypeError):
+    """What mpstream refuses of an exported graph (a tensor constant the
+    forward creates, an input returned unchanged). Its own class so that the
+    export path passes it on as it is: worded as ``torch.export`` failing,
+    its advice (data-dependent control flow) would point elsewhere."""
 
 
 @dataclass
@@ -192,7 +200,7 @@ def _own_attrs(top: fx.GraphModule, root: nn.Module, gm: fx.GraphModule) -> None
             return value, True
         value = attribute(gm, target)
         if isinstance(value, FakeTensor):
-            raise TypeError(
+            raise ExportGraphError(
                 f"the exported graph holds a tensor constant '{target}' that the module "
                 f"creates in its forward; move it into a buffer (register_buffer) so the "
                 f"stages can read it"
@@ -222,9 +230,10 @@ def _stage_graph(top: fx.GraphModule, count: int, out_spec: pytree.TreeSpec) -> 
             read_stage_call(top, node, refs, args, outputs)
     for ref in pytree.tree_leaves(result, is_leaf=lambda x: isinstance(x, Ref)):
         if isinstance(ref, Ref) and ref.stage < 0:
-            raise TypeError(
+            raise ExportGraphError(
                 "the module returns one of its inputs unchanged; a pipeline returns what its "
-                "stages compute"
+                "stages compute: return a copy made in the forward (x.clone()), or take the "
+                "input from the call's own arguments"
             )
     return StageGraph(tuple(args), tuple(outputs), result)
 
@@ -271,6 +280,8 @@ def export_stages(
     Raises:
         SplitPointError: an unknown split point, split points out of call
             order, a stage left empty.
+        ExportGraphError: the graph holds a tensor constant the forward
+            creates, or returns an input unchanged.
         Exception: whatever ``torch.export`` raised (the caller words it).
     """
     gm, in_spec, out_spec = exported or exported_graph(module, named, device)

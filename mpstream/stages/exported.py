@@ -28,7 +28,13 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from ..runtime.microbatch import NoChunk
-from .export import ExportedStages, export_stages, retarget_devices, split_candidates
+from .export import (
+    ExportedStages,
+    ExportGraphError,
+    export_stages,
+    retarget_devices,
+    split_candidates,
+)
 from .fake_export import first_line
 from .hf import Calls, calls_for
 from .kinds import Kinds, Split, operations
@@ -133,7 +139,7 @@ class ExportSplit(Kinds):
                 self.module, self.split_points, named, self.devices[0],
                 weigh=self.calls.weighs_loss(named),
             )  # fmt: skip
-        except SplitPointError:
+        except (SplitPointError, ExportGraphError):
             raise
         except ValueError as exc:
             if not _raised_by_torch(exc):  # the model's own check of its inputs
