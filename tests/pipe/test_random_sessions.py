@@ -20,8 +20,9 @@ and the 16-bit dtypes are compared within :data:`TOLERANCE` (a
 micro-batch's matmuls sum in another order, and gradients accumulate over
 micro-batches in the dtype itself). Refusals are accepted only where the
 error says what to do: deferred BatchNorm on a module ``torch.export``
-splits, a BatchNorm with ``momentum=None`` exported in training mode, and
-a ``train_step`` of another micro-batch count than its explicit order's.
+splits, an input returned unchanged by one (return ``x.clone()``), a
+BatchNorm with ``momentum=None`` exported in training mode, and a
+``train_step`` of another micro-batch count than its explicit order's.
 """
 
 from __future__ import annotations
