@@ -96,11 +96,12 @@ def refused(recipe: Recipe, s: Session, training: bool) -> tuple[type[Exception]
         return None
     if s.deferred:
         return ValueError, "which cannot run DeferredBatchNorm; use tracer='fx'"
+    if recipe.has_norm and recipe.momentum is None and training:
+        # BatchNorm's float(num_batches_tracked) is data-dependent for
+        # torch.export, which fails before the split looks at the outputs.
+        return TypeError, "could not export"
     if any(i < len(recipe.inputs) for i in recipe.outputs):
         return TypeError, "the module returns one of its inputs unchanged"
-    if recipe.has_norm and recipe.momentum is None and training:
-        # BatchNorm's float(num_batches_tracked) is data-dependent for torch.export.
-        return TypeError, "could not export"
     return None
 
 
