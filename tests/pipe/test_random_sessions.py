@@ -197,6 +197,7 @@ def check(recipe: Recipe, s: Session) -> None:
             else contextlib.nullcontext()
         )
         refusal = refused(recipe, s, training) if training != modes[0] else None
+        statistics = {n: b.clone() for n, b in ref.named_buffers()}
         try:
             with autocast:
                 call(pipe, plain, c, s, what, cmp, (xs, rs, inputs), (kw_pipe, kw_ref, scale),
@@ -205,6 +206,9 @@ def check(recipe: Recipe, s: Session) -> None:
             if refusal is None or not isinstance(e, refusal[0]) or refusal[1] not in str(e):
                 raise
             event("outcome", "refused at a call")
+            with torch.no_grad():  # a train_step's plain forward ran first
+                for name, t in ref.named_buffers():
+                    t.copy_(statistics[name])
             cmp.state(pipe, ref, f"{what}: refused")
             return
         assert refusal is None, f"{what}: not refused"
