@@ -173,6 +173,16 @@ class SharedWrites:
         tensors: dict[int, str] = {}
         for name, b in root.named_buffers(remove_duplicate=False):
             tensors.setdefault(id(b), name)
+        # A plain tensor attribute of the model (no buffer) is held by the
+        # stages reading it, under the name the model's code spells it.
+        plain: set[int] = set()
+        for part in partitions:
+            for gm in part.modules():
+                for attr, target in getattr(gm, "_mpstream_attrs", {}).items():
+                    t = getattr(gm, attr, None)
+                    if type(t) is Tensor and id(t) not in tensors:  # not a parameter
+                        tensors[id(t)] = target
+                        plain.add(id(t))
         # A graph writes a norm's buffers as the norm's training flag was
         # when it was traced or exported (the pipe's own flag may differ:
         # pipe.eval(), then the norm alone train()): that flag says.
@@ -188,7 +198,8 @@ class SharedWrites:
                 continue
             gate = owner
             if owner is None:
-                label = f"the buffer '{tensors.get(id(b), '?')}'"
+                kind = "tensor attribute" if id(b) in plain else "buffer"
+                label = f"the {kind} '{tensors.get(id(b), '?')}'"
                 gate = norms.get(id(b))
             else:
                 name = modules.get(id(owner), type(owner).__name__)

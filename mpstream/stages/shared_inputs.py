@@ -66,7 +66,7 @@ class ChangedInputs:
         """The inputs named ``names`` (in order), of which those at the keys
         of ``paths`` are changed at those paths, and those at the keys of
         ``updates`` hold a dict the forward updates at each of its steps
-        (True: by ``.update``, see :func:`~mpstream.stages.inplace.updated_inputs`)."""
+        (True: by ``.update``, see :func:`~mpstream.stages.inplace_paths.updated_inputs`)."""
         return cls(
             tuple(names), tuple(sorted(paths.items())), tuple(sorted((updates or {}).items()))
         )

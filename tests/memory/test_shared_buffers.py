@@ -136,6 +136,27 @@ def test_a_buffer_one_stage_writes_and_another_reads_is_refused(tracer: str) -> 
     _refused(_pipe(_WriteThenRead(_ema), tracer), said)
 
 
+class _PlainAttribute(nn.Module):
+    """A count kept in a plain tensor attribute (no buffer): torch.export
+    lifts it, stage 0 updates it and stage 1 reads it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.calls = torch.zeros(())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        return self.b(self.a(x)) + self.calls
+
+
+def test_a_plain_tensor_attribute_is_named_as_the_code_spells_it() -> None:
+    # It was "the buffer '?'": the pipe holds no buffer of that name.
+    pipe = Pipe(_PlainAttribute(), chunks=2, split_points=["b"], devices=["cpu", "cpu"],
+                tracer="export", sample=torch.randn(4, 4))  # fmt: skip
+    _refused(pipe, r"the tensor attribute 'calls' is used by stages 0 and 1, .* stage 0 writes it")
+
+
 def _plain_on_micro_batches(plain: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """The loss of ``plain`` run on each half of the batch in turn, as the
     pipe's two micro-batches, back-propagated."""
