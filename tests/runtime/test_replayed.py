@@ -6,6 +6,7 @@ slot of the reader takes one slot of the producer), equal to the eager pipe."""
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from torch import nn
 
 from mpstream import Pipe
 from mpstream.runtime import boundary, replayed, training
-from mpstream.runtime.graphed import Emulated, GraphedCall
+from mpstream.runtime.graphed import Emulated, GraphedCall, GraphWarning
 from tests.helpers import Ops, assert_same_grads, mlp
 from tests.pipe.test_pipe import _Abs, _Fft
 from tests.runtime.graphed.test_grads import Silent
@@ -113,31 +114,30 @@ class _ProjectedLoss(nn.Module):
         return nn.functional.mse_loss(y, target) + (h @ self.w).pow(2).mean()
 
 
-def test_an_eager_last_stage_s_loss_reads_a_replayed_stage_s_output_copied() -> None:
-    # Zero-bubble: the eager last stage's weight pass (the loss's weight
-    # among it) ran after stage 0's next forward rewrote the slot's output
-    # that the loss had read in place: version check failed here; on a GPU
-    # a replay bumps no version, and the gradient would be silently wrong.
+def check_loss_weight_over_a_replayed_output(backend: Any, device: str) -> None:
+    """Zero-bubble, stage 0 replayed by ``backend`` on ``device``, the last
+    stage eager (its capture refused), a loss with a weight matrix over stage
+    0's output: loss, the loss's weight gradient and every parameter's
+    against the plain model, over a capture and two replays."""
     torch.manual_seed(0)
-    model = _Features().double()
-    backend = Emulated()
+    model = _Features().double().to(device)
     real = backend.capture
-    sample = torch.randn(2, 6, dtype=torch.float64)
+    sample = torch.randn(2, 6, dtype=torch.float64, device=device)
     pipe = Pipe(copy.deepcopy(model), split_points=["b"], sample=sample, chunks=8,
-                schedule="zb_h1", graphs=backend)  # fmt: skip
+                schedule="zb_h1", graphs=backend, devices=[device, device])  # fmt: skip
 
     def refuse(call: GraphedCall, fn: object) -> None:
         if fn is pipe.partitions[1]:
             raise RuntimeError("not capturable")
-        real(call, fn)  # type: ignore[arg-type]
+        real(call, fn)
 
-    backend.capture = refuse  # type: ignore[method-assign]
+    backend.capture = refuse
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(16, 6, generator=g, dtype=torch.float64)
-    y = torch.randn(16, 2, generator=g, dtype=torch.float64)
-    with pytest.warns(UserWarning, match="runs eagerly: capture failed"):
+    x = torch.randn(16, 6, generator=g, dtype=torch.float64).to(device)
+    y = torch.randn(16, 2, generator=g, dtype=torch.float64).to(device)
+    with pytest.warns(GraphWarning, match="runs eagerly: capture failed"):
         for _ in range(3):  # captured, then replayed
-            loss_fn, ref_fn = _ProjectedLoss(), _ProjectedLoss()
+            loss_fn, ref_fn = _ProjectedLoss().to(device), _ProjectedLoss().to(device)
             pipe.zero_grad()
             model.zero_grad()
             loss = pipe.train_step(x, y, loss_fn)
@@ -148,6 +148,14 @@ def test_an_eager_last_stage_s_loss_reads_a_replayed_stage_s_output_copied() -> 
             for (name, a), b in zip(pipe.named_parameters(), model.parameters()):
                 torch.testing.assert_close(a.grad, b.grad, msg=name)
     assert [s.graphed for s in pipe.graph_report().stages] == [True, False]
+
+
+def test_an_eager_last_stage_s_loss_reads_a_replayed_stage_s_output_copied() -> None:
+    # Zero-bubble: the eager last stage's weight pass (the loss's weight
+    # among it) ran after stage 0's next forward rewrote the slot's output
+    # that the loss had read in place: version check failed here; on a GPU
+    # a replay bumps no version, and the gradient would be silently wrong.
+    check_loss_weight_over_a_replayed_output(Emulated(), "cpu")
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

@@ -7,17 +7,14 @@ test_slot_order.py."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from torch import nn
 
-from mpstream import Pipe
-from mpstream.runtime.graphed import CudaGraphs, GraphWarning
+from mpstream.runtime.graphed import CudaGraphs
 from tests.helpers import assert_same_grads, mlp
 from tests.runtime.graphed.test_stages import WIDTHS, data, pair
-from tests.runtime.test_replayed import _Features, _ProjectedLoss
+from tests.runtime.test_replayed import check_loss_weight_over_a_replayed_output
 
 
 @pytest.mark.cuda
@@ -63,32 +60,4 @@ def test_cuda_an_eager_last_stage_s_loss_weight_sees_the_replayed_output_it_read
     is a weight pass's, which runs after stage 0's next forward into the
     slot (host and stream order). Read in place, it used the next
     micro-batch's output: no version check sees a replay's writes."""
-    torch.manual_seed(0)
-    model = _Features().double().cuda()
-    backend = CudaGraphs()
-    real = backend.capture
-    sample = torch.randn(2, 6, dtype=torch.float64, device="cuda")
-    pipe = Pipe(copy.deepcopy(model), split_points=["b"], sample=sample, chunks=8,
-                schedule="zb_h1", graphs=backend, devices=["cuda:0", "cuda:0"])  # fmt: skip
-
-    def refuse(call: object, fn: object) -> None:
-        if fn is pipe.partitions[1]:
-            raise RuntimeError("not capturable")
-        real(call, fn)  # type: ignore[arg-type]
-
-    backend.capture = refuse  # type: ignore[method-assign]
-    x = torch.randn(16, 6, dtype=torch.float64, device="cuda")
-    y = torch.randn(16, 2, dtype=torch.float64, device="cuda")
-    with pytest.warns(GraphWarning, match="runs eagerly: capture failed"):
-        for _ in range(3):  # captured, then replayed
-            loss_fn, ref_fn = _ProjectedLoss().cuda(), _ProjectedLoss().cuda()
-            pipe.zero_grad()
-            model.zero_grad()
-            loss = pipe.train_step(x, y, loss_fn)
-            expected = sum(ref_fn(model(a), b) for a, b in zip(x.chunk(8), y.chunk(8))) / 8
-            expected.backward()  # type: ignore[union-attr]
-            torch.testing.assert_close(loss, expected.detach())  # type: ignore[union-attr]
-            torch.testing.assert_close(loss_fn.w.grad, ref_fn.w.grad)
-            for (name, a), b in zip(pipe.named_parameters(), model.parameters()):
-                torch.testing.assert_close(a.grad, b.grad, msg=name)
-    assert [s.graphed for s in pipe.graph_report().stages] == [True, False]
+    check_loss_weight_over_a_replayed_output(CudaGraphs(), "cuda")
