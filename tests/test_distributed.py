@@ -1,21 +1,17 @@
 """mpstream.distributed: pipelines under DistributedDataParallel.
 
-Two processes with two CPU stages each train over gloo (loopback only, a
-FileStore for the rendezvous); after each step their parameters must equal a
-single process's on the whole batch, for the DDP forward/backward path and for
+Two processes with two CPU stages each train over gloo (tests/ddp_group.py);
+after each step their parameters must equal a single process's on the whole
+batch, for the DDP forward/backward path and for
 ``mpstream.distributed.train_step``, with every schedule (a user-given order
-too) and checkpoint mode.
-The example script's run under ``torchrun`` is in tests/test_examples.py.
+too) and checkpoint mode. The example script's run under ``torchrun`` is in
+tests/test_examples.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime
-import os
-import sys
 import traceback
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,25 +19,24 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import Tensor, nn
 
 from mpstream import Pipe
 from mpstream import distributed as mpdist
 from mpstream.runtime.graphed import Emulated
 from mpstream.schedules import Auto
-from tests.helpers import mlp, virtual_for
+from tests.ddp_group import (
+    BALANCE,
+    LR,
+    SPLIT,
+    WORLD,
+    batches,
+    initial_model,
+    join_group,
+    launch,
+)
+from tests.helpers import virtual_for
 
-ROOT = Path(__file__).resolve().parents[1]
-WORLD = 2
-BATCH = 8  # global batch: 4 per process, 2 micro-batches of 2
-SPLIT = 2
-LR = 0.1
-WIDTHS = [5, 8, 6, 3]  # three Linear+Tanh layers: balance [2, 4]
-BALANCE = [2, 4]
-# Bounds so a broken collective fails the test instead of hanging it.
-COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
-LAUNCH_TIMEOUT = 240.0
 # Two stages, two micro-batches per process: zb_h1's order with the weight
 # passes moved last.
 USER_ORDER = "F0m0 F1m0 F0m1 B1m0 B0m0 F1m1 B1m1 B0m1 W1m0 W0m0 W0m1 W1m1"
@@ -99,23 +94,6 @@ def _cases() -> dict[str, Case]:
 
 
 CASES = _cases()
-
-
-def batches(steps: int) -> list[tuple[Tensor, Tensor]]:
-    """The global batch of each step, the same in every process."""
-    g = torch.Generator().manual_seed(1234)
-    return [
-        (
-            torch.randn(BATCH, WIDTHS[0], generator=g, dtype=torch.float64),
-            torch.randn(BATCH, WIDTHS[-1], generator=g, dtype=torch.float64),
-        )
-        for _ in range(steps)
-    ]
-
-
-def initial_model(seed: int = 0) -> nn.Sequential:
-    torch.manual_seed(seed)
-    return mlp(WIDTHS)
 
 
 def reference(case: Case) -> dict[str, Tensor]:
@@ -320,18 +298,6 @@ def _run_buffers(rank: int, path: str, accumulate: bool = False) -> dict[str, Te
     return out
 
 
-def join_group(rank: int, store_path: str) -> None:
-    """Joins this test's gloo group of :data:`WORLD` CPU processes."""
-    if sys.platform.startswith("linux"):
-        # gloo's data connections over loopback only.
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    store = dist.FileStore(store_path, WORLD)
-    dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=WORLD, timeout=COLLECTIVE_TIMEOUT
-    )
-
-
 def _worker(rank: int, store_path: str, out_dir: str) -> None:
     try:
         join_group(rank, store_path)
@@ -348,26 +314,6 @@ def _worker(rank: int, store_path: str, out_dir: str) -> None:
     except BaseException:
         (Path(out_dir) / f"rank{rank}.err").write_text(traceback.format_exc())
         raise
-
-
-def launch(worker: Callable[[int, str, str], None], out_dir: Path) -> list[dict[str, Any]]:
-    """Runs ``worker`` in WORLD spawned processes; returns what each saved."""
-    ctx = mp.get_context("spawn")
-    store = str(out_dir / "store")
-    procs = [ctx.Process(target=worker, args=(r, store, str(out_dir))) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(LAUNCH_TIMEOUT)
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for r in hung:
-        procs[r].kill()
-        procs[r].join()
-    errors = "\n".join(f.read_text() for f in sorted(out_dir.glob("rank*.err")))
-    assert not hung, f"ranks {hung} still running after {LAUNCH_TIMEOUT} s\n{errors}"
-    codes = [p.exitcode for p in procs]
-    assert codes == [0] * WORLD, f"exit codes {codes}\n{errors}"
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
 
 
 @pytest.fixture(scope="module")

@@ -19,12 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 import mpstream
 from mpstream import Pipe
 from mpstream import distributed as mpdist
-from tests.test_distributed import (
-    BALANCE,
-    SPLIT,
-    batches,
-    initial_model,
-)
+from tests.ddp_group import BALANCE, SPLIT, batches, initial_model
 
 
 @pytest.fixture
@@ -392,64 +387,3 @@ def test_train_step_on_one_gpu_over_nccl_equals_the_models_gradients(graphs: boo
             torch.testing.assert_close(p.grad, q.grad)
     finally:
         dist.destroy_process_group()
-
-
-# -- pipelines that differ between processes ---------------------------------------
-
-# One Linear(6, 6) in float64 is 42 elements: a bucket of exactly one layer,
-# so that differently split pipelines issue all-reduces of the same sizes.
-ONE_LAYER_MB = (42 * 8 + 0.5) / 2**20
-
-
-def _layers() -> nn.Sequential:
-    torch.manual_seed(3)
-    return nn.Sequential(*(nn.Linear(6, 6) for _ in range(4))).double()
-
-
-def _mismatch_worker(rank: int, store_path: str, out_dir: str) -> None:
-    from tests.test_distributed import join_group
-
-    try:
-        join_group(rank, store_path)
-        results: dict[str, Any] = {}
-        balance = [1, 3] if rank == 0 else [3, 1]
-        pipe = Pipe(_layers(), split_size=1, balance=balance, devices=["cpu", "cpu"])
-        try:
-            mpdist.wrap(pipe, bucket_cap_mb=ONE_LAYER_MB)
-            results["wrap"] = ""
-        except ValueError as exc:
-            results["wrap"] = str(exc)
-        # Built without wrap(): train_step checks at its first call.
-        ddp = DistributedDataParallel(pipe, bucket_cap_mb=ONE_LAYER_MB)
-        x, y = torch.randn(2, 6, dtype=torch.float64), torch.randn(2, 6, dtype=torch.float64)
-        try:
-            mpdist.train_step(ddp, x, y, nn.MSELoss())
-            results["train_step"] = ""
-        except ValueError as exc:
-            results["train_step"] = str(exc)
-        results["no_grads"] = all(p.grad is None for p in pipe.parameters())
-        # The same split everywhere passes, and trains.
-        same = Pipe(_layers(), split_size=1, balance=[2, 2], devices=["cpu", "cpu"])
-        mpdist.train_step(mpdist.wrap(same, bucket_cap_mb=ONE_LAYER_MB), x, y, nn.MSELoss())
-        results["same"] = True
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-        del ddp
-        dist.destroy_process_group()
-    except BaseException:
-        import traceback
-
-        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
-
-
-def test_pipelines_split_differently_across_processes_are_refused(tmp_path: Any) -> None:
-    from tests.test_distributed import launch
-
-    # Their all-reduces would pair one process's stage 1 with the other's
-    # stage 0: the same sizes here, so nothing would fail, the gradients
-    # would just be averaged with the wrong ones.
-    for rank, results in enumerate(launch(_mismatch_worker, tmp_path)):
-        for where in ("wrap", "train_step"):
-            assert "differ between the processes" in results[where], (rank, where, results)
-        assert results["no_grads"] and results["same"]
