@@ -34,6 +34,7 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
+from mpstream import NoChunk
 from mpstream.schedules import Action
 
 ACTIVATIONS = ("tanh", "relu", "none")
@@ -215,6 +216,30 @@ def recipes(draw: st.DrawFn, max_blocks: int = 6, norm: bool = True) -> Recipe:
     momentum = draw(st.sampled_from([0.1, None]))
     gain = None if chain or draw(st.booleans()) else draw(st.integers(0, n - 1))
     return Recipe(inputs, tuple(steps), outputs, tie, container, momentum, gain)
+
+
+def split_args(
+    model: nn.Module,
+    recipe: Recipe,
+    cuts: tuple[int, ...],
+    *,
+    sequential: bool,
+    tracer: str,
+    dtype: torch.dtype,
+) -> dict[str, Any]:
+    """Pipe's arguments splitting ``recipe``'s model before blocks ``cuts``:
+    a balance for an ``nn.Sequential``, else split points, the tracer and,
+    for ``torch.export``, a sample of the inputs in ``dtype``."""
+    if sequential:
+        bounds = [0, *cuts, len(model)]  # type: ignore[arg-type]
+        return {"balance": [b - a for a, b in zip(bounds, bounds[1:])]}
+    kw: dict[str, Any] = {"split_points": [f"blocks.{k}" for k in cuts], "tracer": tracer}
+    if tracer == "export":
+        sample: tuple[Any, ...] = tuple(torch.randn(2, w, dtype=dtype) for w in recipe.inputs)
+        if recipe.gain is not None:  # alpha left out: calls give another (a new kind)
+            sample += (NoChunk(torch.ones(recipe.gain_width(), dtype=dtype)),)
+        kw["sample"] = sample
+    return kw
 
 
 def random_order(reads: tuple[tuple[int, ...], ...], micros: int, rng: random.Random) -> str:

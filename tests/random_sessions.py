@@ -18,18 +18,17 @@ pytest.importorskip("hypothesis", reason="a property test: needs hypothesis (the
 
 import random
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
 from hypothesis import strategies as st
 from torch import nn
 
 import mpstream
-from mpstream import NoChunk, Pipe
+from mpstream import Pipe
 from mpstream.memory.checkpoint import MODES
 from mpstream.runtime.graphed import Emulated
 from mpstream.schedules import PLACEMENTS
-from tests.random_models import Recipe, micro_batches, recipes
+from tests.random_models import Recipe, micro_batches, recipes, split_args
 
 __all__ = ["Call", "Session", "sessions", "make_pipe", "micros", "virtual_for"]
 
@@ -156,17 +155,7 @@ def sessions(draw: st.DrawFn) -> tuple[Recipe, Session]:
 def make_pipe(model: nn.Module, s: Session, recipe: Recipe, order: str | None = None) -> Pipe:
     """The session's Pipe of ``model``, running ``order`` when given (else
     the session's built-in schedule, or gpipe for an order yet to draw)."""
-    kw: dict[str, Any] = {}
-    if s.sequential:
-        bounds = [0, *s.cuts, len(model)]  # type: ignore[arg-type]
-        kw["balance"] = [b - a for a, b in zip(bounds, bounds[1:])]
-    else:
-        kw["split_points"] = [f"blocks.{k}" for k in s.cuts]
-        kw["tracer"] = s.tracer
-        if s.tracer == "export":
-            kw["sample"] = tuple(torch.randn(2, w, dtype=s.dtype) for w in recipe.inputs)
-            if recipe.gain is not None:  # alpha left out: calls give another (a new kind)
-                kw["sample"] += (NoChunk(torch.ones(recipe.gain_width(), dtype=s.dtype)),)
+    kw = split_args(model, recipe, s.cuts, sequential=s.sequential, tracer=s.tracer, dtype=s.dtype)
     schedule = order if order is not None else s.schedule
     return Pipe(
         model,

@@ -57,6 +57,7 @@ from tests.random_models import (
     micro_batches,
     random_order,
     recipes,
+    split_args,
 )
 
 Out = Any  # a tensor, or a tuple, list or dict of them
@@ -171,17 +172,9 @@ def refusal(recipe: Recipe, c: Config) -> tuple[type[Exception], str] | None:
 
 
 def make_pipe(model: nn.Module, c: Config, recipe: Recipe, order: str | None = None) -> Pipe:
-    kw: dict[str, Any] = {}
-    if c.sequential:
-        bounds = [0, *c.cuts, len(model)]  # type: ignore[arg-type]
-        kw["balance"] = [b - a for a, b in zip(bounds, bounds[1:])]
-    else:
-        kw["split_points"] = [f"blocks.{k}" for k in c.cuts]
-        kw["tracer"] = c.tracer
-        if c.tracer == "export":
-            kw["sample"] = tuple(torch.randn(2, w, dtype=torch.float64) for w in recipe.inputs)
-            if recipe.gain is not None:  # alpha left out: calls give another (a new kind)
-                kw["sample"] += (NoChunk(torch.ones(recipe.gain_width(), dtype=torch.float64)),)
+    kw = split_args(
+        model, recipe, c.cuts, sequential=c.sequential, tracer=c.tracer, dtype=torch.float64
+    )
     return Pipe(
         model,
         chunks=c.chunks,
