@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import types
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,7 +17,6 @@ from mpstream.observe import tuning
 from mpstream.observe.spread import noisy, spread
 from mpstream.observe.tune_cache import model_key
 from mpstream.observe.tuning import TuneResult, candidate_split_sizes, default_cache, tune
-from mpstream.runtime.graphed import Emulated
 
 # tune's clock in these tests: a Curve's forward advances it, so the curve
 # it measures does not depend on how busy the machine is.
@@ -247,67 +246,6 @@ def test_a_target_times_the_pipes_own_schedule(monkeypatch: pytest.MonkeyPatch) 
     assert pipe.split_size == split
 
 
-def test_the_key_holds_every_setting_that_changes_a_step() -> None:
-    plain = model_key(_pipe())["settings"]
-    assert model_key(_pipe(compile={"backend": "eager"}))["settings"] != plain
-    assert model_key(_pipe(graphs=True))["settings"] != plain
-    # Another graph backend replays differently (the emulated one runs the
-    # stage's Python): its own key, the same for each instance of it.
-    emulated = model_key(_pipe(graphs=Emulated()))["settings"]
-    assert emulated not in (plain, model_key(_pipe(graphs=True))["settings"])
-    assert model_key(_pipe(graphs=Emulated()))["settings"] == emulated
-    assert model_key(_pipe().eval())["settings"] != plain
-
-
-def test_the_key_holds_the_models_dtypes_and_what_trains() -> None:
-    # The repr names neither, and a batch of token ids keeps its own key.
-    plain = model_key(_pipe())
-    assert model_key(_pipe().to(torch.float64)) != plain
-    frozen = _pipe()
-    next(frozen.parameters()).requires_grad_(False)
-    assert model_key(frozen) != plain
-    assert model_key(_pipe()) == plain
-
-
-def test_the_key_holds_which_layers_are_frozen_not_only_how_many() -> None:
-    def pipe() -> Pipe:
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
-        return Pipe(model, chunks=2, balance=[2, 1], devices=["cpu"] * 2)
-
-    first, last = pipe(), pipe()
-    first[0].requires_grad_(False)
-    last[2].requires_grad_(False)
-    assert model_key(first)["trainable"] == model_key(last)["trainable"]
-    assert model_key(first) != model_key(last)
-
-
-class Wrapper(nn.Module):
-    """A model around a pipe, its split size the pipe's."""
-
-    def __init__(self, pipe: Pipe) -> None:
-        super().__init__()
-        self.pipe = pipe
-
-    @property
-    def split_size(self) -> int | None:
-        return self.pipe.split_size
-
-    @split_size.setter
-    def split_size(self, value: int) -> None:
-        self.pipe.split_size = value
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.pipe(x)  # type: ignore[no-any-return]
-
-
-def test_the_key_holds_the_settings_of_a_pipe_inside_the_model() -> None:
-    plain = model_key(Wrapper(_pipe()))
-    assert model_key(Wrapper(_pipe(checkpoint="always"))) != plain
-    assert model_key(Wrapper(_pipe(force_copies=True))) != plain
-    assert model_key(Wrapper(_pipe())) == plain
-
-
 def test_a_malformed_cache_entry_is_measured_again(tmp_path: Path) -> None:
     path = tmp_path / "c.json"
     first = tune(Curve(), SAMPLE, _total, [4, 6], cache=path, progress=False)
@@ -401,24 +339,6 @@ def test_results_written_meanwhile_by_another_run_stay(tmp_path: Path) -> None:
     model.forward = types.MethodType(step, model)  # type: ignore[method-assign]
     tune(model, SAMPLE, None, [2, 6], cache=path, progress=False)
     assert len(json.loads(path.read_text())) == 2
-
-
-def test_the_loss_key_tells_lambdas_and_partials_apart() -> None:
-    from functools import partial
-
-    from mpstream.observe.tune_cache import loss_key
-
-    def key(fn: Callable[..., Tensor]) -> str:
-        return str(loss_key(fn, None)["loss"])
-
-    first = lambda o, t: o.sum()  # noqa: E731
-    second = lambda o, t: o.mean()  # noqa: E731
-    assert key(first) != key(second) and key(first) == key(first)
-    huber = nn.functional.huber_loss
-    assert key(partial(huber, delta=1.0)) != key(partial(huber, delta=2.0))
-    assert key(nn.functional.l1_loss) == "torch.nn.functional.l1_loss"
-    # A default repr's address changes every run: left out, the key stays.
-    assert key(partial(huber, weight=object())) == key(partial(huber, weight=object()))
 
 
 def test_the_fill_drain_warning_names_the_callers_line_cached_or_not(tmp_path: Path) -> None:
