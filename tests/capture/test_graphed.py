@@ -19,7 +19,7 @@ from mpstream.capture import step as step_py
 from mpstream.capture.devices import DeviceGraphs
 from mpstream.runtime.graphed import Backend, Emulated
 from tests.capture.fakes import D0, D1, World
-from tests.capture.test_step import HostSyncSGD, assert_trains_like
+from tests.capture.steps import HostSyncSGD, assert_trains_like
 from tests.helpers import assert_same_grads, mlp
 
 

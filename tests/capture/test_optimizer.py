@@ -11,7 +11,7 @@ from torch import nn
 
 from mpstream import CapturedStep, Pipe
 from mpstream.capture.optimizer import check_optimizer, check_state
-from tests.capture.test_step import _data, _setup
+from tests.capture.steps import data, setup
 from tests.helpers import mlp
 
 GPU = torch.device("cuda:0")  # named only: nothing runs on it
@@ -85,8 +85,8 @@ def test_a_frozen_parameter_needs_no_state_before_capture() -> None:
 
 
 def test_optimizers_whose_first_state_is_not_zero_need_an_eager_step_first() -> None:
-    pipe, _, _, _ = _setup("cpu", "sgd", split_size=3)
-    x, y = _data("cpu", 1)
+    pipe, _, _, _ = setup("cpu", "sgd", split_size=3)
+    x, y = data("cpu", 1)
     for make in (
         lambda ps: torch.optim.NAdam(ps),
         lambda ps: torch.optim.Rprop(ps),
@@ -152,10 +152,10 @@ def test_optimizer_state_in_host_memory_beside_parameters_on_a_device_is_refused
 
 @pytest.mark.cuda
 def test_an_optimizer_stepping_on_the_host_is_refused_before_capture() -> None:
-    pipe, _, _, _ = _setup("cuda:0", "sgd", split_size=3)
+    pipe, _, _, _ = setup("cuda:0", "sgd", split_size=3)
     opt = torch.optim.Adagrad(pipe.parameters(), lr=0.01, lr_decay=0.01)
     before = [p.detach().clone() for p in pipe.parameters()]
-    x, y = _data("cuda:0", 0)
+    x, y = data("cuda:0", 0)
     with pytest.raises(ValueError, match="Adagrad keeps its state 'step'"):
         CapturedStep(pipe, x, y, nn.MSELoss(), optimizer=opt)
     assert all(float(s["step"]) == 0 for s in opt.state.values())  # warm-up's steps undone
@@ -164,11 +164,11 @@ def test_an_optimizer_stepping_on_the_host_is_refused_before_capture() -> None:
 
 
 def test_a_tensor_learning_rate_is_changed_in_place_not_replaced() -> None:
-    pipe, _, ref, _ = _setup("cpu", "sgd", split_size=3)
+    pipe, _, ref, _ = setup("cpu", "sgd", split_size=3)
     lr = torch.tensor(0.1)
     opt = torch.optim.SGD(pipe.parameters(), lr=lr)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    x, y = _data("cpu", 0)
+    x, y = data("cpu", 0)
     step = CapturedStep(pipe, x, y, nn.MSELoss(), optimizer=opt)
     for value in (0.1, 0.05):
         lr.fill_(value)
@@ -185,8 +185,8 @@ def test_a_tensor_learning_rate_is_changed_in_place_not_replaced() -> None:
 
 
 def test_a_changed_optimizer_setting_is_refused() -> None:
-    pipe, opt, _, _ = _setup("cpu", "sgd", split_size=3)
-    x, y = _data("cpu", 0)
+    pipe, opt, _, _ = setup("cpu", "sgd", split_size=3)
+    x, y = data("cpu", 0)
     step = CapturedStep(pipe, x, y, nn.MSELoss(), optimizer=opt)
     opt.param_groups[0]["lr"] = 0.05
     with pytest.raises(ValueError, match=r"param group 0's 'lr' changed from 0.1 to 0.05"):

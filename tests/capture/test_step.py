@@ -13,75 +13,16 @@ from torch import Tensor, nn
 
 from mpstream import CapturedStep, Pipe
 from mpstream.capture.state import Kept, Saved, Trained
-from mpstream.pipe import pipe as pipe_py
-from mpstream.pipe import snapshot
 from mpstream.runtime.graphed import Emulated
 from mpstream.runtime.stream import capturing
+from tests.capture.steps import (
+    BATCH,
+    OPTIMIZERS,
+    check_steps,
+    data,
+    setup,
+)
 from tests.helpers import mlp
-
-BATCH = 10
-Opt = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
-OPTIMIZERS: dict[str, Opt] = {
-    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
-    # capturable: needed for capture on CUDA, refused for CPU parameters.
-    "adam": lambda ps: torch.optim.Adam(ps, lr=0.01, capturable=ps[0].is_cuda),
-}
-
-
-class HostSyncSGD(torch.optim.SGD):
-    """SGD that reads a value on the host in its step, as no graph can."""
-
-    def step(self, closure: object = None) -> None:  # type: ignore[override]
-        float(self.param_groups[0]["params"][0].detach().sum())
-        super().step()
-
-
-def _data(device: str, seed: int) -> tuple[Tensor, Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(BATCH, 5, dtype=torch.float64, generator=g)
-    y = torch.randn(BATCH, 4, dtype=torch.float64, generator=g)
-    return x.to(device), y.to(device)
-
-
-def _setup(
-    device: str, optimizer: str, **kw: object
-) -> tuple[Pipe, torch.optim.Optimizer, nn.Module, torch.optim.Optimizer]:
-    model = mlp([5, 8, 7, 4]).to(device)
-    ref = copy.deepcopy(model)
-    pipe = Pipe(model, balance=[2, 4], devices=[device, device], **kw)  # type: ignore[arg-type]
-    make = OPTIMIZERS[optimizer]
-    return pipe, make(list(pipe.parameters())), ref, make(list(ref.parameters()))
-
-
-def _check_steps(device: str, optimizer: str, steps: int = 3, **kw: object) -> CapturedStep:
-    """Runs ``steps`` captured steps against plain training of a copy."""
-    pipe, opt, ref, ref_opt = _setup(device, optimizer, **kw)
-    before = [p.detach().clone() for p in pipe.parameters()]
-    step = CapturedStep(pipe, *_data(device, 0), nn.MSELoss(), optimizer=opt)
-    for p, b in zip(pipe.parameters(), before):  # capture changed nothing
-        torch.testing.assert_close(p.detach(), b)
-    assert_trains_like(step, pipe, ref, ref_opt, [_data(device, i + 1) for i in range(steps)])
-    return step
-
-
-def assert_trains_like(
-    step: CapturedStep,
-    pipe: Pipe,
-    ref: nn.Module,
-    ref_opt: torch.optim.Optimizer,
-    batches: list[tuple[Tensor, Tensor]],
-) -> None:
-    """Each batch through ``step`` and through plain training of ``ref``:
-    equal losses, then equal parameters (MSE loss)."""
-    for i, (x, y) in enumerate(batches):
-        loss = step(x, y)
-        ref_opt.zero_grad()
-        expected = nn.MSELoss()(ref(x), y)
-        expected.backward()
-        ref_opt.step()
-        torch.testing.assert_close(loss, expected.detach(), msg=f"loss of step {i}")
-    for (name, p), q in zip(pipe.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p.detach(), q.detach(), msg=f"parameter {name}")
 
 
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
@@ -91,7 +32,7 @@ def assert_trains_like(
 def test_steps_on_the_cpu_equal_plain_training(
     optimizer: str, schedule: str, checkpoint: str, split_size: int
 ) -> None:
-    step = _check_steps(
+    step = check_steps(
         "cpu", optimizer, split_size=split_size, schedule=schedule, checkpoint=checkpoint
     )
     assert not step.captured and step.reserved_bytes == 0
@@ -100,8 +41,8 @@ def test_steps_on_the_cpu_equal_plain_training(
 def test_static_bytes_are_the_storages_of_the_buffers_each_call_trains_on(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    pipe, opt, _, _ = _setup("cpu", "sgd", split_size=3)
-    wide, y = torch.randn(BATCH, 9, dtype=torch.float64), _data("cpu", 0)[1]
+    pipe, opt, _, _ = setup("cpu", "sgd", split_size=3)
+    wide, y = torch.randn(BATCH, 9, dtype=torch.float64), data("cpu", 0)[1]
     step = CapturedStep(pipe, wide[:, :5], y, nn.MSELoss(), optimizer=opt)
     read: list[Tensor] = []
     train = pipe._train_step
@@ -112,7 +53,7 @@ def test_static_bytes_are_the_storages_of_the_buffers_each_call_trains_on(
 
     monkeypatch.setattr(pipe, "_train_step", recorded)
     for i in range(2):
-        step(*_data("cpu", i + 1))
+        step(*data("cpu", i + 1))
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in read}
     # The same two buffers every call, copies of the batch's shape (not of the
     # wider tensor the example was a view of); the parameters, gradients and
@@ -122,8 +63,8 @@ def test_static_bytes_are_the_storages_of_the_buffers_each_call_trains_on(
 
 
 def test_without_zero_grad_gradients_accumulate_across_calls() -> None:
-    pipe, _, ref, _ = _setup("cpu", "sgd", split_size=3)
-    x, y = _data("cpu", 1)
+    pipe, _, ref, _ = setup("cpu", "sgd", split_size=3)
+    x, y = data("cpu", 1)
     step = CapturedStep(pipe, x, y, nn.MSELoss(), zero_grad=False)
     step(x, y)
     step(x, y)
@@ -138,8 +79,8 @@ def test_warm_up_is_undone_so_the_first_call_is_a_first_step() -> None:
     (optimizer state created by warm-up is zeroed in place) and the random
     number generator is where it was."""
     for name in OPTIMIZERS:
-        pipe, opt, ref, ref_opt = _setup("cpu", name, split_size=3)
-        x, y = _data("cpu", 1)
+        pipe, opt, ref, ref_opt = setup("cpu", name, split_size=3)
+        x, y = data("cpu", 1)
         saved = Saved(Trained(pipe, None, opt), [])
         draw = torch.rand(3, generator=torch.Generator().set_state(torch.get_rng_state()))
         for _ in range(3):
@@ -165,8 +106,8 @@ def test_warm_up_is_undone_so_the_first_call_is_a_first_step() -> None:
 
 
 def test_a_failed_capture_gives_every_gradient_tensor_back() -> None:
-    pipe, opt, _, _ = _setup("cpu", "sgd", split_size=3)
-    x, y = _data("cpu", 1)
+    pipe, opt, _, _ = setup("cpu", "sgd", split_size=3)
+    x, y = data("cpu", 1)
     saved = Saved(Trained(pipe, None, opt), [])
     pipe.train_step(x, y, nn.MSELoss())
     opt.step()
@@ -186,8 +127,8 @@ def test_a_failed_capture_gives_every_gradient_tensor_back() -> None:
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.cuda)])
 def test_replaced_gradients_state_or_parameters_are_refused(device: str) -> None:
-    pipe, opt, _, _ = _setup(device, "sgd", split_size=3)
-    x, y = _data(device, 0)
+    pipe, opt, _, _ = setup(device, "sgd", split_size=3)
+    x, y = data(device, 0)
     step = CapturedStep(pipe, x, y, nn.MSELoss(), optimizer=opt, zero_grad=False)
     # The graph's pool holds its activations (bytes the bench reports).
     assert (step.reserved_bytes > 0) == (device != "cpu")
@@ -233,7 +174,7 @@ def test_replaced_tensors_modules_or_requires_grad_are_refused(device: str) -> N
         model = nn.Sequential(nn.Sequential(nn.Linear(5, 8), nn.Tanh()), nn.Linear(8, 4))
         pipe = Pipe(model.double().to(device), balance=[1, 1], devices=[device] * 2, split_size=3)
         opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
-        x, y = _data(device, 0)
+        x, y = data(device, 0)
         step = CapturedStep(pipe, x, y, nn.MSELoss(), optimizer=opt)
         step(x, y)
         step(x, y)
@@ -263,16 +204,16 @@ class ScaledMSE(nn.Module):
 def test_parameters_the_optimizer_steps_outside_the_pipe_train_as_eagerly(
     graphs: bool, held: str
 ) -> None:
-    pipe, _, ref, _ = _setup("cpu", "sgd", split_size=3, graphs=Emulated() if graphs else False)
+    pipe, _, ref, _ = setup("cpu", "sgd", split_size=3, graphs=Emulated() if graphs else False)
     loss, ref_loss = ScaledMSE(), ScaledMSE()
     opt = torch.optim.SGD([*pipe.parameters(), loss.log_s], lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD([*ref.parameters(), ref_loss.log_s], lr=0.1, momentum=0.9)
     # Held by the loss module the step calls, or only by the optimizer.
     loss_fn = loss if held == "loss module" else (lambda o, t: loss(o, t))
-    step = CapturedStep(pipe, *_data("cpu", 0), loss_fn, optimizer=opt)
+    step = CapturedStep(pipe, *data("cpu", 0), loss_fn, optimizer=opt)
     assert float(loss.log_s.detach()) == 0.0 and loss.log_s.grad is None  # nothing ran yet
     for i in range(3):
-        x, y = _data("cpu", i + 1)
+        x, y = data("cpu", i + 1)
         got = step(x, y)
         ref_opt.zero_grad()
         expected = ref_loss(ref(x), y)
@@ -291,7 +232,7 @@ def test_a_failed_call_puts_back_the_gradients_of_parameters_outside_the_pipe(
 ) -> None:
     # train_step puts back the pipe's and a loss module's gradients; a loss
     # scale only the optimizer holds must not keep a failed step's partial sum.
-    pipe, _, _, _ = _setup("cpu", "sgd", split_size=3, schedule="1f1b")
+    pipe, _, _, _ = setup("cpu", "sgd", split_size=3, schedule="1f1b")
     loss = ScaledMSE()
     opt = torch.optim.SGD([*pipe.parameters(), loss.log_s], lr=0.1)
     fail = [False]
@@ -302,7 +243,7 @@ def test_a_failed_call_puts_back_the_gradients_of_parameters_outside_the_pipe(
         scaled: Tensor = loss(out, target)
         return scaled
 
-    x, y = _data("cpu", 0)
+    x, y = data("cpu", 0)
     step = CapturedStep(pipe, x, y, loss_fn, optimizer=opt, zero_grad=zero_grad)
     step(x, y)
     grad = loss.log_s.grad
@@ -316,8 +257,8 @@ def test_a_failed_call_puts_back_the_gradients_of_parameters_outside_the_pipe(
 
 
 def test_batches_of_another_shape_dtype_or_structure_are_refused() -> None:
-    pipe, opt, _, _ = _setup("cpu", "sgd", split_size=3)
-    x, y = _data("cpu", 0)
+    pipe, opt, _, _ = setup("cpu", "sgd", split_size=3)
+    x, y = data("cpu", 0)
     step = CapturedStep(pipe, x, y, nn.MSELoss(), optimizer=opt)
     before = [p.detach().clone() for p in pipe.parameters()]
     with pytest.raises(
@@ -344,7 +285,7 @@ def test_a_changed_plain_value_in_the_batch_is_refused() -> None:
             return out
 
     traced = Pipe(Scaled(), split_size=3, split_points=["b"], devices=["cpu", "cpu"])
-    x, y = _data("cpu", 0)
+    x, y = data("cpu", 0)
     step = CapturedStep(traced, (x, 2.0), y, nn.MSELoss())
     step((x, 2.0), y)
     with pytest.raises(ValueError, match=r"inputs leaf 1 is 3.0; the step was captured with 2.0"):
@@ -352,10 +293,10 @@ def test_a_changed_plain_value_in_the_batch_is_refused() -> None:
 
 
 def test_bad_arguments_are_named() -> None:
-    x, y = _data("cpu", 0)
+    x, y = data("cpu", 0)
     with pytest.raises(TypeError, match="needs an mpstream.Pipe, got Sequential"):
         CapturedStep(mlp([5, 4]), x, y, nn.MSELoss())  # type: ignore[arg-type]
-    pipe, _, _, _ = _setup("cpu", "sgd", split_size=3)
+    pipe, _, _, _ = setup("cpu", "sgd", split_size=3)
     with pytest.raises(ValueError, match="warmup"):
         CapturedStep(pipe, x, y, nn.MSELoss(), warmup=0)
     with pytest.raises(ValueError, match="reduction must be one of 'mean', 'sum'; got 'avg'"):
@@ -381,126 +322,30 @@ def test_outside_a_capture_nothing_is_capturing() -> None:
     assert torch.cuda.is_initialized() == before
 
 
-# -- on a GPU ------------------------------------------------------------------
-
-
-@pytest.mark.cuda
-def test_the_captured_step_takes_no_snapshot(monkeypatch: pytest.MonkeyPatch) -> None:
-    made: list[bool] = []
-
-    class Counted(snapshot.Snapshot):
-        def __init__(self, *args: object) -> None:
-            made.append(torch.cuda.is_current_stream_capturing())
-            super().__init__(*args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(pipe_py, "Snapshot", Counted)
-    pipe, opt, _, _ = _setup("cuda:0", "sgd", split_size=3)
-    step = CapturedStep(pipe, *_data("cuda:0", 0), nn.MSELoss(), optimizer=opt, warmup=2)
-    assert made == [False, False]  # the warm-up steps only: a replay clones nothing
-    step(*_data("cuda:0", 1))
-    assert len(made) == 2
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("checkpoint", ["never", "except_last"])
-def test_replays_on_one_gpu_equal_plain_training(
-    optimizer: str, schedule: str, checkpoint: str
-) -> None:
-    step = _check_steps("cuda:0", optimizer, split_size=3, schedule=schedule, checkpoint=checkpoint)
-    assert step.captured
-    assert step.reserved_bytes > 0 and step.static_bytes == BATCH * (5 + 4) * 8
-
-
-@pytest.mark.cuda
-def test_replays_keep_batch_norm_statistics_like_eager_steps() -> None:
-    def model() -> nn.Sequential:
-        torch.manual_seed(0)
-        return (
-            nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 4))
-            .double()
-            .cuda()
-        )
-
-    eager = Pipe(
-        model(), split_size=5, balance=[2, 2], devices=["cuda:0"] * 2, deferred_batch_norm=True
-    )
-    graphed = Pipe(
-        model(), split_size=5, balance=[2, 2], devices=["cuda:0"] * 2, deferred_batch_norm=True
-    )
-    step = CapturedStep(graphed, *_data("cuda:0", 0), nn.MSELoss())
-    for i in range(3):
-        x, y = _data("cuda:0", i + 1)
-        eager.zero_grad()
-        torch.testing.assert_close(step(x, y), eager.train_step(x, y, nn.MSELoss()))
-    for (name, a), b in zip(graphed.named_buffers(), eager.buffers()):
-        torch.testing.assert_close(a, b, msg=name)
-
-
-@pytest.mark.cuda
-def test_a_replay_under_a_profile_is_refused() -> None:
-    pipe, _, _, _ = _setup("cuda:0", "sgd", split_size=3)
-    x, y = _data("cuda:0", 0)
-    step = CapturedStep(pipe, x, y, nn.MSELoss())
-    pipe.scheduler.timing = True
-    with pytest.raises(ValueError, match="records nothing"):
-        step(x, y)
-    pipe.scheduler.timing = False
-    step(x, y)
-
-
-@pytest.mark.cuda
-def test_stages_on_cpu_and_gpu_or_a_traced_pipe_are_refused() -> None:
-    x, y = _data("cpu", 0)
-    mixed = Pipe(mlp([5, 8, 4]), split_size=3, balance=[2, 2], devices=["cpu", "cuda:0"])
-    with pytest.raises(ValueError, match="every stage on CPUs: stages are on cpu, cuda:0"):
-        CapturedStep(mixed, x, y, nn.MSELoss())
-    pipe, _, _, _ = _setup("cuda:0", "sgd", split_size=3)
-    pipe.scheduler.timing = True
-    with pytest.raises(ValueError, match="being traced"):
-        CapturedStep(pipe, x, y, nn.MSELoss())
-
-
-@pytest.mark.cuda
-def test_a_failed_capture_restores_the_model_and_the_optimizer() -> None:
-    pipe, _, _, _ = _setup("cuda:0", "sgd", split_size=3)
-    opt = HostSyncSGD(pipe.parameters(), lr=0.01, momentum=0.9)  # a host sync in the capture
-    before = [p.detach().clone() for p in pipe.parameters()]
-    x, y = _data("cuda:0", 0)
-    with pytest.raises(Exception) as info:
-        CapturedStep(pipe, x, y, nn.MSELoss(), optimizer=opt)
-    assert any("capturing the step failed" in n for n in getattr(info.value, "__notes__", []))
-    for p, b in zip(pipe.parameters(), before):
-        torch.testing.assert_close(p.detach(), b)
-    pipe.zero_grad()
-    pipe.train_step(x, y, nn.MSELoss())  # the pipe still works eagerly
-
-
 def test_a_call_walks_the_modules_only_when_something_changed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    pipe, opt, _, _ = _setup("cpu", "sgd", split_size=3)
-    step = CapturedStep(pipe, *_data("cpu", 0), nn.MSELoss(), optimizer=opt)
-    step(*_data("cpu", 1))  # the CPU's checks start here
+    pipe, opt, _, _ = setup("cpu", "sgd", split_size=3)
+    step = CapturedStep(pipe, *data("cpu", 0), nn.MSELoss(), optimizer=opt)
+    step(*data("cpu", 1))  # the CPU's checks start here
     walks: list[int] = []
     walk = Kept._walk
     monkeypatch.setattr(Kept, "_walk", lambda self: (walks.append(1), walk(self))[1])
-    step(*_data("cpu", 2))
+    step(*data("cpu", 2))
     assert walks == []  # nothing registered, no tensor moved: one C++ pass
     nn.Linear(3, 3)  # registered elsewhere: walked once, found to be none of the step's
-    step(*_data("cpu", 3))
-    step(*_data("cpu", 4))
+    step(*data("cpu", 3))
+    step(*data("cpu", 4))
     assert walks == [1]
     with torch.no_grad():
         next(pipe.parameters()).data = torch.zeros(8, 5, dtype=torch.float64)
     with pytest.raises(ValueError, match="moved since capture"):
-        step(*_data("cpu", 5))
+        step(*data("cpu", 5))
 
 
 def test_a_batch_spread_into_keywords_is_refused_with_what_to_do() -> None:
-    pipe, _, _, _ = _setup("cpu", "sgd", split_size=3)
-    x, y = _data("cpu", 0)
+    pipe, _, _, _ = setup("cpu", "sgd", split_size=3)
+    x, y = data("cpu", 0)
     spread = {"x": x, "y": y}
     with pytest.raises(TypeError, match=r"CapturedStep got keyword argument\(s\) 'x', 'y'"):
         CapturedStep(pipe, loss_fn=nn.MSELoss(), **spread)  # type: ignore[arg-type]
