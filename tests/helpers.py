@@ -1,4 +1,5 @@
-"""Models, comparisons and an operator counter shared by the tests."""
+"""Models, comparisons, an operator counter and a scheduler of virtual CUDA
+devices shared by the tests."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from mpstream.runtime.scheduler import EventScheduler
+from mpstream.schedules.schedule import Schedule
 
 
 def mlp(widths: Sequence[int], dtype: torch.dtype = torch.float64) -> nn.Sequential:
@@ -89,3 +93,16 @@ class Ops(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         self.ops[func.overloadpacket.__name__] += 1
         return func(*args, **(kwargs or {}))
+
+
+def run_all(sched: EventScheduler, schedule: Schedule) -> None:
+    """Runs every task of ``schedule`` in its order, then waits for the run."""
+    sched.begin_run(schedule)
+    for t in schedule.tasks:
+        sched.end(sched.begin(t.index))
+    sched.join()
+
+
+def virtual_scheduler(n: int) -> EventScheduler:
+    """A scheduler of ``n`` CUDA devices that touches none: only its plan is made."""
+    return EventScheduler([torch.device("cuda", i) for i in range(n)], virtual=True)
