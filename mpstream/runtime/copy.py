@@ -101,11 +101,12 @@ class Route:
         micro: the micro-batch.
         force: copy even between stages on the same device.
         staging: for the input batch, a pinned buffer per tensor (or None).
-        link: for a host input that requires grad, where the asynchronous
-            gradient copy leaves its event (see :class:`~.transfer.HostWait`).
+        links: for the input batch, per tensor, where the asynchronous
+            gradient copy of a host input that requires grad leaves its
+            event (see :class:`~.transfer.HostWait`); None for the others.
     """
 
-    __slots__ = ("sched", "stage", "peer", "micro", "force", "staging", "link")
+    __slots__ = ("sched", "stage", "peer", "micro", "force", "staging", "links")
 
     def __init__(
         self,
@@ -115,7 +116,7 @@ class Route:
         micro: int,
         force: bool = False,
         staging: Staging = None,
-        link: GradLink | None = None,
+        links: Sequence[GradLink | None] | None = None,
     ) -> None:
         self.sched = sched
         self.stage = stage
@@ -123,62 +124,78 @@ class Route:
         self.micro = micro
         self.force = force
         self.staging = staging
-        self.link = link
+        self.links = links
 
     def send(self, inputs: Sequence[Tensor]) -> list[Tensor]:
         """The copy task's work: ``inputs`` sent to the peer's device."""
+        return [self.send_one(k, x) for k, x in enumerate(inputs)]
+
+    def send_one(self, k: int, x: Tensor) -> Tensor:
+        """The copy task's ``k``-th tensor, ``x``, sent to the peer's device."""
         sched, stage = self.sched, self.stage
-        dst = sched.devices[self.peer]
         # The batch is read on the io stream (host memory or the caller's).
         reader = sched.copy_streams[stage] if stage >= 0 else None
-        consumer = sched.compute_streams[self.peer]
-        staging = self.staging or (None,) * len(inputs)
-        return [
-            send(x, dst, reader, consumer, force=self.force, staging=b)
-            for x, b in zip(inputs, staging)
-        ]
+        staging = None if self.staging is None else self.staging[k]
+        return send(
+            x,
+            sched.devices[self.peer],
+            reader,
+            sched.compute_streams[self.peer],
+            force=self.force,
+            staging=staging,
+        )
 
 
 class Copy(torch.autograd.Function):
-    """A copy task inside autograd (the user's own loop): its backward
-    sends the gradient back as a gradient-copy task the scheduler opens."""
+    """One tensor of a copy task inside autograd (the user's own loop): its
+    backward sends the gradient back as a gradient-copy task the scheduler
+    opens.
+
+    A hop's tensors cross in a node each, never in one together: autograd
+    runs every node an output of a node it reaches leads to, with no
+    gradient where none came, and calls the tensor hooks on its way with
+    None. A value the receiving stage reads only into a result nobody uses
+    would then run the backward of what made it, where the plain model
+    never reaches it; in a node of its own, it is not reached either.
+    """
 
     @staticmethod
-    def forward(ctx: Any, route: Route, *inputs: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
-        outputs = route.send(inputs)
+    def forward(ctx: Any, route: Route, k: int, x: Tensor) -> Tensor:  # type: ignore[override]
+        y = route.send_one(k, x)
         ctx.route = route
-        ctx.src_devices = [x.device for x in inputs]
-        ctx.mark_non_differentiable(*gradless(inputs, outputs))
+        ctx.k = k
+        ctx.src_device = x.device
+        ctx.mark_non_differentiable(*gradless((x,), (y,)))
         ctx.set_materialize_grads(False)
-        return tuple(outputs)
+        return y
 
     @staticmethod
-    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Any, ...]:
+    def backward(ctx: Any, g: Tensor | None) -> tuple[Any, ...]:
+        if g is None:
+            # Reached, but nothing came (a node taking several values, such
+            # as a stage's timing mark, reached through another): no copy.
+            return (None, None, None)
         route: Route = ctx.route
         sched, stage = route.sched, route.stage
         if stage < 0:
             # Gradient of the batch itself, on the io stream (this node's).
-            moved = [
-                None if g is None else to_host(g, d, route.link)
-                for g, d in zip(grads, ctx.src_devices)
-            ]
-            return (None, *moved)
+            link = None if route.links is None else route.links[ctx.k]
+            return (None, None, to_host(g, ctx.src_device, link))
         scope: AbstractContextManager[object] = nullcontext()
         if private.profiler_enabled():
             scope = profiler.record_function(f"mpstream/copy_grad/stage{stage}/mb{route.micro}")
-        consumer = sched.compute_streams[stage]
         handle = sched.begin_grad_copy(stage, route.peer, route.micro)
         try:
             with scope:
-                result: list[Tensor | None] = []
-                for g, d in zip(grads, ctx.src_devices):
-                    if g is None:
-                        result.append(None)
-                        continue
-                    # The scheduler made the stream that reads g current
-                    # (this node's; see Scheduler::begin_grad_copy).
-                    reader = current_stream(g.device)
-                    result.append(send(g, d, reader, consumer, force=route.force))
+                # The scheduler made the stream that reads g current (this
+                # node's; see Scheduler::begin_grad_copy).
+                moved = send(
+                    g,
+                    ctx.src_device,
+                    current_stream(g.device),
+                    sched.compute_streams[stage],
+                    force=route.force,
+                )
         finally:
             sched.end(handle)
-        return (None, *result)
+        return (None, None, moved)

@@ -4,10 +4,10 @@ A hop carries some outputs of one stage (or the pipeline's inputs) to the
 first stage on another device that reads them (:mod:`~mpstream.runtime.graph`).
 :func:`send_hop` is every copy task, in a forward run and a training step
 alike: it flattens the hop's values, sends their tensors with
-:meth:`~mpstream.runtime.copy.Route.send` (inside a
-:class:`~mpstream.runtime.copy.Copy` when autograd records the run), and
-keeps the copies in the run's :class:`~mpstream.runtime.values.Flow` for the
-stages there.
+:meth:`~mpstream.runtime.copy.Route.send` (each inside a
+:class:`~mpstream.runtime.copy.Copy` of its own when autograd records the
+run), and keeps the copies in the run's
+:class:`~mpstream.runtime.values.Flow` for the stages there.
 """
 
 from __future__ import annotations
@@ -61,19 +61,33 @@ def send_hop(
     route = Route(sched, s, task.peer, m, force and s >= 0)
     if s < 0:
         route.staging = _hop_staging(staging, m, hop, flow.outputs_of(-1, m), where)
-        if (
-            grad
-            and sched.devices[task.peer].type == "cuda"
-            and any(t.requires_grad and not t.is_cuda for t in tensors)
-        ):
-            # The input's gradient comes back asynchronously; the host
-            # consumer waits for it (transfer.py).
-            route.link = GradLink()
-            tensors = list(HostWait.apply(route.link, *tensors))
-    moved = Copy.apply(route, *tensors) if grad else route.send(tensors)
+    if not grad:
+        moved = route.send(tensors)
+    else:
+        if s < 0 and sched.devices[task.peer].type == "cuda":
+            tensors = _host_waits(route, tensors)
+        # A node per tensor (see Copy): one for the common hop of one.
+        moved = [Copy.apply(route, k, t) for k, t in enumerate(tensors)]
     for i, t in zip(where, moved):
         items[i] = t
     flow.put_moved(hop, m, _rebuild_hop(items, specs))
+
+
+def _host_waits(route: Route, tensors: list[Tensor]) -> list[Tensor]:
+    """``tensors`` (an input hop's, bound for a GPU), each host one that
+    requires grad behind a :class:`~mpstream.runtime.transfer.HostWait` of
+    its own: its gradient comes back asynchronously, and the host consumer
+    waits for it (transfer.py). Notes their links in ``route``."""
+    if not any(t.requires_grad and not t.is_cuda for t in tensors):
+        return tensors
+    links: list[GradLink | None] = []
+    waited = []
+    for t in tensors:
+        link = GradLink() if t.requires_grad and not t.is_cuda else None
+        links.append(link)
+        waited.append(t if link is None else HostWait.apply(link, t)[0])
+    route.links = links
+    return waited
 
 
 def _hop_leaves(values: Sequence[Any]) -> tuple[list[Any], list[Any], list[int]]:

@@ -1,6 +1,6 @@
 """Results on GPUs equal the CPU model's: stages on one GPU and on two, input
-from the host, training steps, the tutorial's ResNet50, a CPU stage before a
-CUDA one.
+from the host (one no loss reaches included), training steps, the tutorial's
+ResNet50, a CPU stage before a CUDA one.
 
 Marked ``cuda``: skipped cleanly without a GPU."""
 
@@ -177,3 +177,52 @@ def test_pageable_input_reuses_pinned_buffers_across_steps() -> None:
         pipe(x).sum().backward()
         torch.cuda.synchronize()
     assert torch.cuda.host_memory_stats()["num_host_alloc"] == before
+
+
+class _DeadInput(nn.Module):
+    """Of two host inputs, ``y`` goes only into a value the next stage drops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dead, self.live, self.unused, self.out = (
+            nn.Linear(2, 2, dtype=torch.float64) for _ in range(4)
+        )
+
+    def forward(self, x: Tensor, y: Tensor) -> Tensor:
+        d = self.dead(y)
+        h = self.live(x)
+        self.unused(d)
+        return self.out(h)
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+def test_host_inputs_no_loss_reaches_get_no_hook_call(pinned: bool) -> None:
+    # Each host input waits for its own gradient's copy back (a HostWait of
+    # its own): the one no loss reaches has none, and no hook sees None.
+    model = _DeadInput()
+    pipe = Pipe(
+        copy.deepcopy(model),
+        chunks=3,
+        split_points=["unused"],
+        devices=["cuda:0", "cuda:0"],
+        force_copies=True,
+    )
+    x, y = (torch.randn(BATCH, 2, dtype=torch.float64) for _ in range(2))
+    xp, yp = ((t.pin_memory() if pinned else t.clone()).requires_grad_() for t in (x, y))
+    calls: dict[str, list[bool]] = {"x": [], "y": [], "dead": []}
+    xp.register_hook(lambda g: calls["x"].append(g is None))
+    yp.register_hook(lambda g: calls["y"].append(g is None))
+    pipe.get_parameter("dead.weight").register_hook(lambda g: calls["dead"].append(g is None))
+    xr, yr = (t.detach().clone().requires_grad_() for t in (x, y))
+    out, ref = pipe(xp, yp), model(xr, yr)
+    torch.testing.assert_close(out.cpu(), ref)
+    out.pow(2).sum().backward()
+    ref.pow(2).sum().backward()
+    assert calls == {"x": [False], "y": [], "dead": []}
+    assert yp.grad is None and yr.grad is None
+    torch.testing.assert_close(xp.grad, xr.grad)
+    for name, p in model.named_parameters():
+        got = pipe.get_parameter(name).grad
+        assert (got is None) == (p.grad is None), name
+        if got is not None:
+            torch.testing.assert_close(got.cpu(), p.grad, msg=name)

@@ -178,13 +178,10 @@ def check(recipe: Recipe, s: Session) -> None:
         if c.hook and trainable:
             name = trainable[i % len(trainable)]
             factor = float(i + 2)
-            # None-safe: across a copy the pipe may call it with None where
-            # the plain model does not call it (the known difference
-            # test_hops.py pins); the gradients are compared all the same.
+            # Not None-safe: the pipe calls a hook only where the plain
+            # model does (tests/pipe/test_dead_values.py), never with None.
             for module in (pipe, ref):
-                module.get_parameter(name).register_hook(
-                    lambda g, f=factor: None if g is None else g * f
-                )
+                module.get_parameter(name).register_hook(lambda g, f=factor: g * f)
         # Under autocast the plain model runs on the micro-batches too: a
         # reduced-precision kernel rounds its sums by the batch size.
         per_micro = recipe.has_norm and training or s.autocast is not None

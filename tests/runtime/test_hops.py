@@ -80,13 +80,6 @@ class _DeadBranch(torch.nn.Module):
         return self.out(h)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="a Copy carries a hop's tensors in one autograd node: a tensor no gradient "
-    "reaches gets None from its backward, and autograd's engine then calls the hooks "
-    "of the parameters making it with None, where the plain model calls none",
-)
 def test_a_hook_on_a_parameter_no_gradient_reaches_is_not_called() -> None:
     from mpstream import Pipe
 
