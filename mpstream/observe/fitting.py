@@ -14,7 +14,8 @@ from __future__ import annotations
 import numbers
 import statistics
 from collections import defaultdict
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 
 from .cost_model import Cost
 from .timeline import Span, Timeline
@@ -101,8 +102,9 @@ def fit(timeline: Timeline, last_size: float = 1.0) -> Costs:
     # A backward with a weight pass of its own computed the input gradient
     # only; schedules such as dualpipev split some micro-batches and not
     # others, and one median of both would be neither.
-    split = {(s.stage, s.micro, s.run) for s in timeline.spans if s.kind == "weight"}
-    for s in timeline.spans:
+    spans = _per_hop(timeline.spans)
+    split = {(s.stage, s.micro, s.run) for s in spans if s.kind == "weight"}
+    for s in spans:
         whole = s.kind == "backward" and split and (s.stage, s.micro, s.run) not in split
         groups[("whole_backward" if whole else s.kind, s.stage)].append(s)
         if s.kind in ("copy", "copy_grad") and s.stage >= 0:
@@ -160,9 +162,39 @@ def issue_spread(timeline: Timeline) -> dict[tuple[str, int], tuple[int, float, 
     timeline has no issue times.
     """
     issue: dict[tuple[str, int], list[float]] = defaultdict(list)
-    for s in timeline.spans:
+    for s in _per_hop(timeline.spans):
         issue[(s.kind, s.stage)].append(s.issue_ms)
     # Timelines from before issue times were measured hold zeros: no issue times.
     if not any(v > 0 for values in issue.values() for v in values):
         return {}
     return {k: (len(v), min(v), statistics.median(v), max(v)) for k, v in sorted(issue.items())}
+
+
+def _per_hop(spans: Sequence[Span]) -> list[Span]:
+    """``spans`` with the gradient copies of one hop, micro-batch and run
+    as one span, from the first one's start, as long as they took together
+    (and issued in the time they took together).
+
+    In the user's own loop each tensor of a hop sends its gradient in a
+    copy of its own (:class:`~mpstream.runtime.copy.Copy`), where the cost
+    model, like a training step, has one per hop.
+    """
+    out: list[Span] = []
+    grads: dict[tuple[int, int, int, int], Span] = {}
+    for s in spans:
+        if s.kind != "copy_grad":
+            out.append(s)
+            continue
+        key = (s.stage, s.peer, s.micro, s.run)
+        seen = grads.get(key)
+        grads[key] = (
+            s
+            if seen is None
+            else replace(
+                seen,
+                start_ms=min(seen.start_ms, s.start_ms),
+                end_ms=min(seen.start_ms, s.start_ms) + seen.duration_ms + s.duration_ms,
+                issue_ms=seen.issue_ms + s.issue_ms,
+            )
+        )
+    return out + list(grads.values())
