@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numbers
 import statistics
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
@@ -172,29 +172,34 @@ def issue_spread(timeline: Timeline) -> dict[tuple[str, int], tuple[int, float, 
 
 def _per_hop(spans: Sequence[Span]) -> list[Span]:
     """``spans`` with the gradient copies of one hop, micro-batch and run
-    as one span, from the first one's start, as long as they took together
-    (and issued in the time they took together).
+    taken as one per backward pass: from the first one's start, each as
+    long as they took together (and issued in the time they took together)
+    over the passes.
 
     In the user's own loop each tensor of a hop sends its gradient in a
     copy of its own (:class:`~mpstream.runtime.copy.Copy`), where the cost
-    model, like a training step, has one per hop.
+    model, like a training step, has one per hop. A forward may also be
+    backed through more than once (``retain_graph=True``): all its passes
+    count in its run, so the copies are split over the passes, which the
+    receiving stage's backward spans count (a pass that sent the hop's
+    gradient reached that stage).
     """
+    passes: Counter[tuple[int, int, int]] = Counter(
+        (s.stage, s.micro, s.run) for s in spans if s.kind == "backward"
+    )
     out: list[Span] = []
-    grads: dict[tuple[int, int, int, int], Span] = {}
+    grads: dict[tuple[int, int, int, int], list[Span]] = defaultdict(list)
     for s in spans:
-        if s.kind != "copy_grad":
+        if s.kind == "copy_grad":
+            grads[(s.stage, s.peer, s.micro, s.run)].append(s)
+        else:
             out.append(s)
-            continue
-        key = (s.stage, s.peer, s.micro, s.run)
-        seen = grads.get(key)
-        grads[key] = (
-            s
-            if seen is None
-            else replace(
-                seen,
-                start_ms=min(seen.start_ms, s.start_ms),
-                end_ms=min(seen.start_ms, s.start_ms) + seen.duration_ms + s.duration_ms,
-                issue_ms=seen.issue_ms + s.issue_ms,
-            )
-        )
-    return out + list(grads.values())
+    for (stage, _, micro, run), group in grads.items():
+        # At least one copy per pass; a timeline without backward spans
+        # (a synthetic one) has one pass.
+        n = min(max(passes[(stage, micro, run)], 1), len(group))
+        start = min(s.start_ms for s in group)
+        length = sum(s.duration_ms for s in group) / n
+        issue = sum(s.issue_ms for s in group) / n
+        out += [replace(group[0], start_ms=start, end_ms=start + length, issue_ms=issue)] * n
+    return out

@@ -1,6 +1,7 @@
 """Fitting a profile of the user's own loop, where each tensor of a hop sends
 its gradient in a copy of its own: the cost model takes a hop's gradient
-copies of one micro-batch as one, as a training step times them."""
+copies of one micro-batch and backward pass as one, as a training step times
+them."""
 
 from __future__ import annotations
 
@@ -51,3 +52,33 @@ def test_a_profile_of_the_users_loop_has_a_gradient_copy_per_tensor() -> None:
         for m in range(2)
     )
     assert copy_grad == pytest.approx(sum(per_micro) / 2)
+
+
+def test_a_hops_gradient_copies_of_two_backward_passes_fit_as_one_each() -> None:
+    # One tensor per hop, one forward backed through twice (retain_graph):
+    # both passes count in the forward's run, one copy and one backward of
+    # the receiving stage each; a hop's copy is one pass's, not the sum.
+    spans = [Span(0, m, "forward", "a", 0, 1) for m in range(2)] + [
+        span
+        for m in range(2)
+        for start in (5.0, 9.0)
+        for span in (
+            Span(0, m, "copy_grad", "c", 10 * m + start, 10 * m + start + 0.5, issue_ms=0.5),
+            Span(0, m, "backward", "a", 10 * m + start + 1, 10 * m + start + 2),
+        )
+    ]
+    timeline = Timeline(spans, {"a": "d0", "c": "d0"})
+    assert fit(timeline).hops[(0, 1)] == (0.0, 0.5)
+    assert issue_spread(timeline)[("copy_grad", 0)] == (4, 0.5, 0.5, 0.5)
+
+
+def test_a_profile_of_a_graph_backed_through_twice_fits_one_passes_copy() -> None:
+    pipe = Pipe(TwoAcross(), chunks=2, split_points=["c"], devices=["cpu"] * 2, force_copies=True)
+    with profile(pipe) as prof:
+        out = pipe(torch.randn(4, 2))
+        out.sum().backward(retain_graph=True)
+        out.sum().backward()
+    grads = [s.duration_ms for s in prof.spans if s.kind == "copy_grad"]
+    assert len(grads) == 8  # two tensors, two micro-batches, two passes
+    # Per micro-batch the mean pass, and the median of two micro-batches.
+    assert fit(prof).copy_times[0][1] == pytest.approx(sum(grads) / 4)
