@@ -2,16 +2,25 @@
 
 After ``pipe(x)``, ``loss.backward()`` runs each stage's backward inside
 autograd, so no scheduler task brackets it. While timing is on, the forward
-wraps each stage's output in :class:`_Begin` and its input in :class:`_End`:
-identities whose backward records a start mark when the gradient reaches the
-stage's output and an end mark when it leaves the stage's input. Autograd
-runs both on the stage's compute stream (the stream their forward ran on), so
-on a GPU the marks are events on that stream. Each mark counts in the run
-whose forward built the graph, however many runs came in between.
+wraps each tensor of a stage's outputs in a :class:`_Begin` and each of its
+inputs in an :class:`_End`: identities whose backward records a start mark
+when the first gradient reaches the stage's outputs and an end mark when the
+last one the backward pass computes leaves its inputs. Autograd runs them on
+the stage's compute stream (the stream their forward ran on), so on a GPU
+the marks are events on that stream. Each mark counts in the run whose
+forward built the graph, however many runs came in between.
+
+A node per tensor, as for copies (:class:`~mpstream.runtime.copy.Copy`):
+one node over several values would, reached through one, run the backward
+of what made the others with no gradient, and call their tensor hooks with
+None, where the plain model never reaches them. Which of a stage's input
+marks a backward pass runs, autograd knows when the pass starts; the first
+output mark asks it (:meth:`StageMarks.open`).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,6 +28,7 @@ import torch
 from torch import Tensor
 
 from .. import _ext
+from . import private
 from .microbatch import grad_dtype, gradless, leaves, rebuild_leaves
 
 __all__ = ["StageMarks", "enter", "leave"]
@@ -30,9 +40,17 @@ _ANCHOR = torch.empty(0, requires_grad=True)
 
 
 class StageMarks:
-    """Links the begin and end marks of one stage's backward on one micro-batch."""
+    """Links the begin and end marks of one stage's backward on one
+    micro-batch, in each backward pass through them.
 
-    __slots__ = ("native", "stage", "micro", "run", "mark")
+    Attributes:
+        ends: the stage's input marks (:class:`_End` nodes, weakly held).
+        pending: how many of them the open span's pass has yet to run (0:
+            no span open).
+        task: the backward pass that opened the latest span.
+    """
+
+    __slots__ = ("native", "stage", "micro", "run", "mark", "ends", "pending", "task")
 
     def __init__(self, native: Any, stage: int, micro: int) -> None:
         self.native = native
@@ -40,44 +58,71 @@ class StageMarks:
         self.micro = micro
         self.run = native.run_tag  # the forward's run: the backward may come later
         self.mark = -1
+        self.ends: list[weakref.ref[Any]] = []
+        self.pending = 0
+        self.task = -2  # no pass yet (-1: a pass this torch cannot tell)
+
+    def open(self) -> None:
+        """At an output mark: begins the span, unless this pass has one."""
+        task = private.current_graph_task_id()
+        if task == self.task and (self.pending or task != -1):
+            return  # open, or ended by this pass's last input mark
+        self.task = task
+        # Every node a pass reaches runs (with no gradient where none came),
+        # and an input mark runs only after an output mark of its stage.
+        self.pending = 0
+        for ref in self.ends:
+            node = ref()
+            if node is not None and private.will_engine_execute_node(node):
+                self.pending += 1
+        # A pass that reaches no input mark (the stage reads integers only,
+        # or backward(inputs=) stops inside it) times nothing.
+        if self.pending:
+            self.mark = self.native.begin_mark(_BACKWARD, self.stage, self.micro, self.run)
+
+    def close(self) -> None:
+        """At an input mark: ends the span at the pass's last one."""
+        if self.pending:
+            self.pending -= 1
+            if not self.pending:
+                self.native.end_mark(self.mark)
 
 
-def _detached(tensors: tuple[Tensor, ...], ctx: Any, *, anchored: bool) -> tuple[Tensor, ...]:
-    out = tuple(t.detach() for t in tensors)
-    if anchored:
-        # Every float input gets a gradient path, so that the stage's
-        # backward ends with this mark even where its inputs need none.
-        ctx.mark_non_differentiable(*[t for t in out if not grad_dtype(t)])
-    else:
-        ctx.mark_non_differentiable(*gradless(tensors, out))
+def _detached(x: Tensor, ctx: Any, *, anchored: bool) -> Tensor:
+    out = x.detach()
+    # Anchored, every float input gets a gradient path, so that the stage's
+    # backward ends with this mark even where its inputs need none.
+    gradless_out = not grad_dtype(out) if anchored else bool(gradless((x,), (out,)))
+    if gradless_out:
+        ctx.mark_non_differentiable(out)
     ctx.set_materialize_grads(False)
     return out
 
 
 class _Begin(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, marks: StageMarks, *outputs: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+    def forward(ctx: Any, marks: StageMarks, output: Tensor) -> Tensor:  # type: ignore[override]
         ctx.marks = marks
-        return _detached(outputs, ctx, anchored=False)
+        return _detached(output, ctx, anchored=False)
 
     @staticmethod
-    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Any, ...]:
-        m: StageMarks = ctx.marks
-        m.mark = m.native.begin_mark(_BACKWARD, m.stage, m.micro, m.run)
-        return (None, *grads)
+    def backward(ctx: Any, grad: Tensor | None) -> tuple[Any, ...]:
+        # Reached with no gradient too: the stage's nodes below run all the same.
+        ctx.marks.open()
+        return (None, grad)
 
 
 class _End(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, marks: StageMarks, anchor: Tensor, *inputs: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+    def forward(ctx: Any, marks: StageMarks, anchor: Tensor, input: Tensor) -> Tensor:  # type: ignore[override]
         ctx.marks = marks
-        return _detached(inputs, ctx, anchored=True)
+        marks.ends.append(weakref.ref(ctx))  # ctx is the node autograd runs
+        return _detached(input, ctx, anchored=True)
 
     @staticmethod
-    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Any, ...]:
-        m: StageMarks = ctx.marks
-        m.native.end_mark(m.mark)
-        return (None, None, *grads)
+    def backward(ctx: Any, grad: Tensor | None) -> tuple[Any, ...]:
+        ctx.marks.close()
+        return (None, None, grad)
 
 
 def _wrap(value: Any, apply: Any) -> Any:
@@ -85,18 +130,18 @@ def _wrap(value: Any, apply: Any) -> Any:
     where = [i for i, t in enumerate(items) if isinstance(t, Tensor)]
     if not where:
         return value
-    for i, t in zip(where, apply(*[items[i] for i in where])):
-        items[i] = t
+    for i in where:
+        items[i] = apply(items[i])
     return rebuild_leaves(items, spec)
 
 
 def enter(native: Any, stage: int, micro: int, args: Sequence[Any]) -> tuple[list[Any], StageMarks]:
     """Wraps a stage's arguments; call inside the stage's task."""
     marks = StageMarks(native, stage, micro)
-    wrapped = _wrap(tuple(args), lambda *ts: _End.apply(marks, _ANCHOR, *ts))
+    wrapped = _wrap(tuple(args), lambda t: _End.apply(marks, _ANCHOR, t))
     return list(wrapped), marks
 
 
 def leave(marks: StageMarks, y: Any) -> Any:
     """Wraps a stage's outputs; call inside the stage's task."""
-    return _wrap(y, lambda *ts: _Begin.apply(marks, *ts))
+    return _wrap(y, lambda t: _Begin.apply(marks, t))

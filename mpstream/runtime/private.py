@@ -55,9 +55,19 @@ USED = (
     Private("torch._C", "_cuda_releasePool", 2, True, "undoing a failed graph capture"),
     Private("torch._C._autograd", "_profiler_enabled", 0, False, "profiler ranges per task"),
     Private(
-        "torch._C", "_will_engine_execute_node", 1, False, "replays the backward pass asks for"
+        "torch._C",
+        "_will_engine_execute_node",
+        1,
+        False,
+        "replays the backward pass asks for; where a profiled stage's backward ends",
     ),
-    Private("torch._C", "_current_graph_task_id", 0, False, "one replay per backward pass"),
+    Private(
+        "torch._C",
+        "_current_graph_task_id",
+        0,
+        False,
+        "one replay, and one profiled span of a stage, per backward pass",
+    ),
     Private("torch._C._nn", "_parse_to", None, False, "Pipe.to() arguments"),
     Private(
         "torch._C",

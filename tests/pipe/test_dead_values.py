@@ -1,12 +1,13 @@
 """Values a stage hands on that no loss reaches (a later stage reads them into
 a result it drops): with copies between stages, the pipe's backward reaches
-exactly the nodes the plain model's does, so it calls the same tensor hooks,
-never one with None, and leaves the same ``.grad`` unset; forward values and
-every gradient match the plain model."""
+exactly the nodes the plain model's does (under ``mpstream.profile`` too), so
+it calls the same tensor hooks, never one with None, and leaves the same
+``.grad`` unset; forward values and every gradient match the plain model."""
 
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from mpstream import Pipe
+from mpstream import Pipe, profile
 from mpstream.runtime.plan import Plan, verify_plan
 
 BATCH = 4
@@ -205,3 +206,29 @@ def test_a_training_step_never_calls_a_hook_with_none(
         n for n, g in grads(ref).items() if g is not None
     }
     torch.testing.assert_close(grads(pipe), grads(ref))
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_profiled_loop_calls_the_hooks_the_plain_model_calls(case: str, checkpoint: str) -> None:
+    # The timing marks around each stage's backward take a tensor each, as
+    # the copies do: a value no loss reaches runs no backward there either.
+    ref, pipe = pipe_of(case, chunks=2, checkpoint=checkpoint)
+    x = torch.randn(BATCH, 2, dtype=torch.float64)
+    x_ref, x_pipe = x.clone().requires_grad_(), x.clone().requires_grad_()
+    seen_ref, seen_pipe = watch(ref, x_ref), watch(pipe, x_pipe)
+    with profile(pipe) as prof:
+        out_pipe = pipe(x_pipe)
+        out_pipe.pow(2).sum().backward()
+    out_ref = ref(x_ref)
+    out_ref.pow(2).sum().backward()
+    torch.testing.assert_close(out_pipe, out_ref)
+    assert seen_pipe == seen_ref
+    torch.testing.assert_close(grads(pipe), grads(ref))
+    torch.testing.assert_close(x_pipe.grad, x_ref.grad)
+    # Each stage's backward is timed per micro-batch, but one that reaches
+    # none of the stage's inputs: from_input's first stage (only what it
+    # detached from the input is live) has nowhere to end.
+    timed = Counter(s.stage for s in prof.spans if s.kind == "backward")
+    stages = len(pipe.devices)
+    assert timed == {s: 2 for s in range(case == "from_input", stages)}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 from torch import nn
 
@@ -18,3 +20,32 @@ def test_a_backward_counts_in_the_run_whose_forward_built_it() -> None:
     runs = {(s.kind, s.run) for s in prof.spans}
     assert runs == {("forward", 1), ("forward", 2), ("backward", 1), ("backward", 2)}
     assert sum(s.kind == "backward" and s.run == 1 for s in prof.spans) == 4
+
+
+class _Two(nn.Module):
+    """Hands two tensors on (a mark each) and reads them back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(
+        self, v: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, ...]:
+        u, w = (v, v) if isinstance(v, torch.Tensor) else v
+        return self.a(u), self.b(w)
+
+
+def test_each_backward_pass_times_each_stage_once() -> None:
+    # Marks on every tensor: a stage's span opens at the first output a pass
+    # reaches and ends at the last input it computes, once per pass.
+    pipe = mpstream.Pipe(nn.Sequential(_Two(), _Two()), chunks=2, devices=["cpu"] * 2)
+    x = torch.randn(4, 4, requires_grad=True)
+    with mpstream.profile(pipe) as prof:
+        u, w = pipe(x)
+        (u * w).sum().backward(retain_graph=True)
+        torch.autograd.grad(u.sum(), x, retain_graph=True)
+        w.sum().backward(inputs=[x])
+    spans = [s for s in prof.spans if s.kind == "backward"]
+    assert Counter((s.stage, s.micro) for s in spans) == {(s, m): 3 for s in (0, 1) for m in (0, 1)}
+    assert all(s.end_ms >= s.start_ms for s in spans)
