@@ -92,3 +92,55 @@ def test_a_hook_on_a_parameter_no_gradient_reaches_is_not_called() -> None:
     pipe(torch.randn(2, 2)).sum().backward()
     assert seen == []  # the plain model's backward never reaches self.dead
     assert pipe.dead.bias.grad is None  # type: ignore[union-attr]
+
+
+class _Leaves(torch.nn.Module):
+    """Hands on one hop of every kind of leaf: a tensor, the same tensor
+    object again, a view of it, an integer tensor and a detached one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(2, 2, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        h = self.a(x)
+        return h, h, h[:, :1], (x > 0).long(), h.detach() * 2
+
+
+class _ReadLeaves(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.b = torch.nn.Linear(2, 2, dtype=torch.float64)
+
+    def forward(self, v: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        h, again, column, signs, constant = v
+        return self.b(h) * again + column * signs + constant
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_every_leaf_of_a_hop_crosses_as_in_the_plain_model(checkpoint: str) -> None:
+    # A Copy per tensor: the same object twice (both reached), a view, an
+    # integer and a constant; two backward passes over one forward.
+    import copy
+
+    from mpstream import Pipe
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_Leaves(), _ReadLeaves())
+    pipe = Pipe(
+        copy.deepcopy(model),
+        chunks=2,
+        devices=[CPU, CPU],
+        force_copies=True,
+        checkpoint=checkpoint,
+    )
+    x = torch.randn(4, 2, dtype=torch.float64)
+    x_pipe, x_ref = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out_pipe, out_ref = pipe(x_pipe), model(x_ref)
+    torch.testing.assert_close(out_pipe, out_ref)
+    for out in (out_pipe, out_ref):
+        out.pow(2).sum().backward(retain_graph=True)
+        out.sum().backward()
+    torch.testing.assert_close(x_pipe.grad, x_ref.grad)
+    for (name, p), q in zip(pipe.named_parameters(), model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
