@@ -33,7 +33,7 @@ from torch.fx.passes.split_module import split_module
 from torch.utils import _pytree as pytree
 
 from ..runtime.graph import Ref, StageGraph
-from .fake_export import exported_graph, input_pattern
+from .fake_export import ExportGraphError, exported_graph, input_pattern
 from .inplace import copy_changed_inputs
 from .inplace_check import check_in_place
 from .model_loss import LossShare, weigh_loss
@@ -50,13 +50,6 @@ __all__ = [
     "call_order",
     "split_candidates",
 ]
-
-
-class ExportGraphError(TypeError):
-    """What mpstream refuses of an exported graph (a tensor constant the
-    forward creates, an input returned unchanged). Its own class so that the
-    export path passes it on as it is: worded as ``torch.export`` failing,
-    its advice (data-dependent control flow) would point elsewhere."""
 
 
 @dataclass

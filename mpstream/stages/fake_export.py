@@ -26,12 +26,21 @@ from torch.utils import _pytree as pytree
 
 from ..runtime.microbatch import NoChunk, grad_dtype
 from .quiet_export import quiet_export
+from .stand_ins import stand_ins
 
-__all__ = ["exported_graph", "input_pattern", "first_line"]
+__all__ = ["ExportGraphError", "exported_graph", "input_pattern", "first_line"]
 
 # Graph nodes that only check what export saw (dtype, device): a stage run
 # under autocast sees other dtypes, and the checks compute nothing.
 _CHECKS = (torch.ops.aten._assert_tensor_metadata.default,)
+
+
+class ExportGraphError(TypeError):
+    """What mpstream refuses of an exported graph (a tensor constant the
+    forward creates, an input returned unchanged, an assignment to a plain
+    tensor attribute). Its own class so that the export path passes it on
+    as it is: worded as ``torch.export`` failing, its advice
+    (data-dependent control flow) would point elsewhere."""
 
 
 def first_line(exc: BaseException) -> str:
@@ -170,8 +179,46 @@ def _export(
     # stages run under whatever the caller's are then.
     keywords = _keywords_named(module, list(named))
     with keywords, _fake_tensors(module, device, mode), torch.enable_grad():
-        with torch.autocast(device.type, enabled=False), quiet_export():
-            return torch.export.export(module, (), examples, dynamic_shapes=shapes, strict=False)
+        with torch.autocast(device.type, enabled=False), _plain_attributes(module):
+            with quiet_export():
+                return torch.export.export(
+                    module, (), examples, dynamic_shapes=shapes, strict=False
+                )
+
+
+@contextmanager
+def _plain_attributes(module: nn.Module) -> Iterator[None]:
+    """While ``module`` is exported, copies stand in for its plain tensor
+    attributes (no buffers): export runs a forward that changes one in place
+    (``self.calls += 1``) on what the attribute holds, and records the
+    change for the stages; the real tensor is left to them.
+
+    Raises:
+        ExportGraphError: forward assigns such an attribute
+            (``self.calls = self.calls + 1``), which export drops: the
+            stages would never change it.
+    """
+    with stand_ins(module, buffers=False) as changed:
+        assigned: list[str] = []
+
+        def check(*_: Any) -> None:
+            # Export puts the module's attributes back before it returns.
+            assigned.extend(c.name for c in changed() if c.assigned)
+
+        hook = module.register_forward_hook(check)
+        try:
+            yield
+        finally:
+            hook.remove()
+    if assigned:
+        name = assigned[0]
+        attr = name.rpartition(".")[2]
+        raise ExportGraphError(
+            f"{type(module).__name__}.forward assigns the tensor attribute {name!r}, which is "
+            f"no buffer: torch.export drops the assignment, so the stages would never change "
+            f"it. Register it as a buffer in its module's __init__ "
+            f"(self.register_buffer({attr!r}, ...)), which torch.export records"
+        )
 
 
 def input_pattern(node: fx.Node) -> Any:

@@ -31,7 +31,7 @@ from .inplace_paths import updated_inputs
 from .lookups import Lookup
 from .points import begin_stages, split_candidates, units_in_order
 from .shared_inputs import NO_CHANGES, ChangedInputs
-from .stand_ins import stand_ins
+from .stand_ins import Changed, stand_ins
 from .surgery import inline_attrs, part_of, stage_graph
 from .tracers import Binder
 from .type_tests import answering_types
@@ -81,11 +81,7 @@ def _trace(
             tracer.modes = current_modes()
             graph = tracer.trace(module, arguments or None)
             if moved := changed():
-                raise BufferChange(
-                    f"forward changes buffer(s) {', '.join(repr(n) for n in moved)} "
-                    f"(in place or by assignment), which torch.fx runs once while tracing "
-                    f"instead of recording: the stages would never change them"
-                )
+                raise BufferChange(_changed_tensors(moved))
     except Exception as exc:
         inner = tracer.failed_in
         where = f" inside submodule '{inner}'" if inner else " in its own forward"
@@ -114,6 +110,28 @@ def _trace(
         if isinstance(node.type, str):
             node.type = None
     return fx.GraphModule(tracer.root, graph, type(module).__name__)
+
+
+def _changed_tensors(moved: Sequence[Changed]) -> str:
+    """Why a trace that changed the module's tensors ``moved`` is refused."""
+    buffers = ", ".join(repr(c.name) for c in moved if c.buffer)
+    plain = [c.name for c in moved if not c.buffer]
+    what = [f"buffer(s) {buffers}"] if buffers else []
+    if plain:
+        what.append(f"the tensor attribute(s) {', '.join(repr(n) for n in plain)}")
+    text = (
+        f"forward changes {' and '.join(what)} in place or by assignment, which torch.fx "
+        f"runs once while tracing instead of recording: the stages would never change them"
+    )
+    if plain:
+        # torch.export records an assignment to a buffer, not to a plain attribute.
+        attr = plain[0].rpartition(".")[2]
+        text += (
+            f". {plain[0]!r} is no buffer: register it as one in its module's __init__ "
+            f"(self.register_buffer({attr!r}, ...)), which torch.export records however "
+            f"forward changes it"
+        )
+    return text
 
 
 def traced_through(

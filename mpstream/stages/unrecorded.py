@@ -2,12 +2,13 @@
 
 fx records operations, not the state they run in: a change of the grad or
 autocast mode (a ``with torch.no_grad():`` block in forward) or of a buffer
-(``self.steps += 1``) would happen once, while tracing, and be missing from
-the stages. The :class:`~mpstream.stages.fx_tracer.Tracer` refuses the first
-as it is recorded (:func:`check_modes`, :class:`ModeChange`);
+or plain tensor attribute (``self.steps += 1``) would happen once, while
+tracing, and be missing from the stages. The
+:class:`~mpstream.stages.fx_tracer.Tracer` refuses the first as it is
+recorded (:func:`check_modes`, :class:`ModeChange`);
 :mod:`~mpstream.stages.fx` refuses the second (:class:`BufferChange`), seen
-on the copies :func:`~mpstream.stages.stand_ins.stand_ins` puts in the
-buffers' place. Both say what to do.
+on the copies :func:`~mpstream.stages.stand_ins.stand_ins` puts in their
+place. Both say what to do.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ class ModeChange(Unrecorded):
 
 
 class BufferChange(Unrecorded):
-    """A forward changes one of the module's buffers."""
+    """A forward changes one of the module's buffers or plain tensor attributes."""
 
 
 _MODE_NAMES = (
