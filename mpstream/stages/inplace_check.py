@@ -106,8 +106,16 @@ def check_in_place(gm: fx.GraphModule, stage_of: dict[fx.Node, int]) -> None:
         # A dict update changes the keys it sets alone, where the code writes them.
         written = [(*keys, k) for k in _given(node, changes)] or [keys]
         stale = []
+        rebinds = _updates(node, changes)
         for view, its in views[base]:
+            if rebinds and _taken_before(view, len(keys), node, order, changes):
+                # A dict update rebinds keys and changes no item: one taken
+                # before it is the object the module reads too (a change of
+                # that object is a change of its own, checked as such).
+                continue
             for u in view.users:
+                if _sets_keys_of(u, view, changes):
+                    continue  # its readers read the dict it gives: views of base too
                 # Taking an item reads that item alone (``batch["m"]`` of ``batch``).
                 read = _memory(u, changes)[1] if _viewed(u, changes) is view else its
                 hit = next((w for w in written if _overlap(w, read)), None)
@@ -120,6 +128,35 @@ def check_in_place(gm: fx.GraphModule, stage_of: dict[fx.Node, int]) -> None:
         if stale:
             reader, view, hit = min(stale, key=lambda r: order[r[0]])
             _refuse(node, here, base, hit, entry, reader, view, stage_of, changes)
+
+
+def _taken_before(
+    view: fx.Node,
+    depth: int,
+    node: fx.Node,
+    order: dict[fx.Node, int],
+    changes: dict[fx.Node, fx.Node],
+) -> bool:
+    """Whether ``view`` is (or views) an item of the dict ``depth`` keys
+    deep in its memory, taken from it before ``node``: the ``getitem``
+    reaching from that dict to the item comes first."""
+    at = view
+    while (owner := _viewed(at, changes)) is not None:
+        if len(_memory(owner, changes)[1]) == depth:
+            return len(_memory(at, changes)[1]) > depth and order[at] < order[node]
+        at = owner
+    return False
+
+
+def _sets_keys_of(node: fx.Node, view: fx.Node, changes: dict[fx.Node, fx.Node]) -> bool:
+    """Whether ``node`` is a dict update of ``view`` (``batch |= {"inner":
+    inner}``, the write-back of a dict held in it) that reads nothing of
+    it: it sets keys, and what it keeps is read through its result."""
+    if not _updates(node, changes) or node.args[0] is not view:
+        return False
+    rest: list[fx.Node] = []
+    fx.node.map_arg((node.args[1:], node.kwargs), rest.append)
+    return view not in rest
 
 
 def _changed_name(node: fx.Node, keys: tuple[Any, ...], changes: dict[fx.Node, fx.Node]) -> str:

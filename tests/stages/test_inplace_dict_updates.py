@@ -333,3 +333,59 @@ def test_keys_set_without_a_sample_read_in_later_stages_train_as_the_plain_model
     want.backward()
     torch.testing.assert_close(loss, want.detach())
     assert_same_grads(pipe, model)
+
+
+class UpdatesTheInnerDictAcrossAStage(nn.Module):
+    """Takes the dict its batch holds by a name in stage 0 and sets a key of
+    it (``how``); stage 1 sets another through the batch (``later``: or sets
+    the first through that name) and reads both by either name."""
+
+    def __init__(self, how: str, later: str) -> None:
+        super().__init__()
+        self.how, self.later = how, later
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, batch: dict[str, Any]) -> Tensor:
+        inner = batch["inner"]
+        h = self.a(batch["x"] + inner["u"])
+        if self.later == "through-the-batch":
+            _set(inner, "k", h, self.how)
+        g = self.b(h)
+        if self.later == "through-the-batch":
+            batch["inner"]["s"] = g
+        else:
+            _set(inner, "k", g, self.how)
+            batch["inner"]["s"] = g * 2
+        k = batch["inner"]["k"] * inner["s"] + inner["k"] * batch["inner"]["s"]
+        return g * k  # type: ignore[no-any-return]
+
+
+def _set(inner: dict[str, Tensor], key: str, value: Tensor, how: str) -> None:
+    if how == "update":
+        inner.update({key: value})
+    elif how == "ior":
+        inner |= {key: value}
+    else:
+        inner[key] = value
+
+
+@pytest.mark.parametrize("how", ["update", "ior", "set-a-key"])
+@pytest.mark.parametrize("later", ["through-the-batch", "through-the-first-name"])
+@pytest.mark.parametrize("sample", [False, True])
+def test_a_dict_updated_in_one_stage_and_set_and_read_in_the_next_trains_as_the_plain_model(
+    how: str, later: str, sample: bool
+) -> None:
+    # Both were refused: the write-back of stage 1's change into the batch
+    # (batch |= {"inner": inner}) was taken for a read of the batch stage 1
+    # received apart from the dict, with advice about "a name taken before
+    # the change" that the module does not use.
+    torch.manual_seed(0)
+    model = UpdatesTheInnerDictAcrossAStage(how, later).double()
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe = Pipe(copy.deepcopy(model), split_points=["b"], devices=["cpu"] * 2, split_size=2,
+                tracer="fx", sample=({"x": x, "inner": {"u": x}},) if sample else None)  # fmt: skip
+    out, expected = pipe({"x": x, "inner": {"u": x + 1}}), model({"x": x, "inner": {"u": x + 1}})
+    torch.testing.assert_close(out, expected)
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    assert_same_grads(pipe, model)
