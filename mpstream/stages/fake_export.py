@@ -27,6 +27,7 @@ from torch.utils import _pytree as pytree
 from ..runtime.microbatch import NoChunk, grad_dtype
 from .quiet_export import quiet_export
 from .stand_ins import stand_ins
+from .tracers import raised_in
 
 __all__ = ["ExportGraphError", "exported_graph", "input_pattern", "first_line"]
 
@@ -180,10 +181,43 @@ def _export(
     keywords = _keywords_named(module, list(named))
     with keywords, _fake_tensors(module, device, mode), torch.enable_grad():
         with torch.autocast(device.type, enabled=False), _plain_attributes(module):
-            with quiet_export():
-                return torch.export.export(
-                    module, (), examples, dynamic_shapes=shapes, strict=False
-                )
+            try:
+                with quiet_export():
+                    return torch.export.export(
+                        module, (), examples, dynamic_shapes=shapes, strict=False
+                    )
+            except Exception as exc:
+                _check_cumulative_norm(module, exc)
+                raise
+
+
+def _check_cumulative_norm(module: nn.Module, exc: BaseException) -> None:
+    """Refuses by name a BatchNorm with ``momentum=None`` in training, where
+    ``exc`` came from inside it: it averages its statistics over every batch
+    so far, by a Python float torch reads off ``num_batches_tracked``, a
+    value export cannot read (its failure names no cause).
+
+    Raises:
+        ExportGraphError: naming the BatchNorm and what to do.
+    """
+    name = raised_in(exc, module)
+    norm = module.get_submodule(name) if name else None
+    if not (
+        isinstance(norm, nn.modules.batchnorm._BatchNorm)
+        and norm.momentum is None
+        and norm.training
+        and norm.track_running_stats
+    ):
+        return
+    raise ExportGraphError(
+        f"torch.export cannot export {type(module).__name__}'s {type(norm).__name__} "
+        f"'{name}' in training with momentum=None: it updates its running statistics by a "
+        f"cumulative average, whose factor torch computes as a Python float from the "
+        f"buffer num_batches_tracked, which an export cannot read. Give it a momentum (a "
+        f"float; BatchNorm's default is 0.1), or let torch.fx split the module where it "
+        f"can trace it (tracer='fx', which runs the BatchNorm whole), or pass an "
+        f"nn.Sequential of stages; in eval mode it exports as it is"
+    ) from exc
 
 
 @contextmanager
