@@ -4,7 +4,7 @@ on every torch (torch 2.11's export could not be given one for them), and
 the module's forward is left as it was, the export failed or not; an input
 of a dataclass registered with pytree is exported and trains as with
 torch.fx. The pipeline runs such a graph on micro-batches of other sizes in
-tests/stages/test_export.py."""
+tests/stages/test_export_calls.py."""
 
 from __future__ import annotations
 
