@@ -52,16 +52,39 @@ IDRIS_SPLIT_SIZE = 8
 DeviceLike = str | torch.device
 
 
+def _here(name: str, device: DeviceLike) -> torch.device:
+    """``device`` as a ``torch.device``, refused before any layer moves if
+    this machine has no such device (torch's own error names no argument).
+
+    Raises:
+        ValueError: naming the argument ``name``, its device and the devices
+            there are.
+    """
+    d = torch.device(device)
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if d.type == "cuda" and (d.index or 0) >= count:
+        available = ", ".join(["cpu"] + [f"cuda:{i}" for i in range(count)])
+        why = "CUDA is not available" if not count else f"only {count} CUDA device(s) exist"
+        raise ValueError(f"{name} is {d}, but {why} here; available devices: {available}")
+    return d
+
+
 class ModelParallelResNet50(ResNet):  # type: ignore[misc]
-    """ResNet50 split over ``dev0`` (stem..layer2) and ``dev1`` (layer3..fc)."""
+    """ResNet50 split over ``dev0`` (stem..layer2) and ``dev1`` (layer3..fc).
+
+    Raises:
+        ValueError: ``dev0`` or ``dev1`` names a device this machine lacks
+            (``cuda:1`` with one GPU, ``cuda:0`` without CUDA), before any
+            layer moves.
+    """
 
     # Subclasses change the depth here; the split stays layer2 | layer3.
     BLOCKS: tuple[int, int, int, int] = ARCHS["resnet50"]  # type: ignore[assignment]
 
     def __init__(self, dev0: DeviceLike, dev1: DeviceLike, num_classes: int = NUM_CLASSES) -> None:
+        here = _here("dev0", dev0), _here("dev1", dev1)
         super().__init__(Bottleneck, list(self.BLOCKS), num_classes=num_classes)
-        self.dev0 = torch.device(dev0)
-        self.dev1 = torch.device(dev1)
+        self.dev0, self.dev1 = here
         self.seq1 = nn.Sequential(
             self.conv1, self.bn1, self.relu, self.maxpool, self.layer1, self.layer2
         ).to(self.dev0)
@@ -229,15 +252,16 @@ def single_device(arch: str, device: DeviceLike, num_classes: int = NUM_CLASSES)
     """torchvision's ``arch`` (a key of :data:`ARCHS`) on one device.
 
     Raises:
-        ValueError: an unknown architecture.
+        ValueError: an unknown architecture, or a device this machine lacks.
     """
     from torchvision.models import resnet50, resnet101
 
     builders = {"resnet50": resnet50, "resnet101": resnet101}
     if arch not in builders:
         raise ValueError(f"unknown architecture {arch!r}; valid: {', '.join(builders)}")
+    here = _here("device", device)
     model: nn.Module = builders[arch](num_classes=num_classes)
-    return model.to(torch.device(device))
+    return model.to(here)
 
 
 def resnet50_layers(model: ResNet | None = None) -> nn.Sequential:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from mpstream.tutorial import (
     PipelineParallelResNet50,
     StreamPipelineResNet50,
     resnet50_layers,
+    single_device_resnet50,
     train,
 )
 from tests.helpers import assert_same_grads
@@ -148,3 +150,21 @@ def test_stream_pipeline_resnet50_refuses_a_device_move_and_follows_its_mode() -
     assert sp.__dict__["pipe"].training
     sp.double()
     assert {p.dtype for p in sp.parameters()} == {torch.float64}
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda dev: ModelParallelResNet50("cpu", dev),
+        lambda dev: PipelineParallelResNet50(dev, "cpu", split_size=4),
+        lambda dev: StreamPipelineResNet50("cpu", dev, split_size=4),
+        lambda dev: single_device_resnet50(dev),
+    ],
+    ids=["model_parallel", "pipeline_parallel", "stream_pipeline", "single_device"],
+)
+def test_a_device_this_machine_lacks_is_named_before_anything_moves(make: Any) -> None:
+    # The tutorial's cuda:0 and cuda:1 copied onto a machine with fewer GPUs:
+    # the argument named, not torch's driver error from deep inside .to().
+    missing = f"cuda:{torch.cuda.device_count()}"
+    with pytest.raises(ValueError, match=rf"(dev[01]|device) is {missing}, but .* here; available"):
+        make(missing)
