@@ -47,6 +47,7 @@ __all__ = [
     "STEPS",
     "TRANSFORMER_STEPS",
     "SKIPPABLE",
+    "WORKLOAD_STEPS",
     "steps_for",
     "NAMES",
     "ARCHS",
@@ -98,6 +99,8 @@ TRANSFORMER_STEPS = (
     Step("cost-model", "Cost model", transformer_costs.cost_model, needs=("transformer_profile",)),
 )
 NAMES = tuple(s.name for s in STEPS)
+#: The steps the experiment's workload (--image-size, --batch-size, --split-sizes) sizes.
+WORKLOAD_STEPS = ("tutorial", "profile", "cost-model")
 #: What ``--skip`` takes, whatever the model.
 SKIPPABLE = tuple(dict.fromkeys(s.name for s in (*STEPS, *TRANSFORMER_STEPS)))
 ARCHS = ("resnet50", "resnet101", "transformer")
@@ -266,6 +269,12 @@ def check(options: Options) -> tuple[tuple[torch.device, torch.device], Sizes, s
         raise ValueError(f"{flags}: the tutorial's experiment's; the transformer takes --preset")
     if options.preset is not None and not transformer:
         raise ValueError("--preset sizes the transformer: give --model transformer too")
+    if given and set(WORKLOAD_STEPS) <= set(options.skip):
+        flags = ", ".join(f"--{o.replace('_', '-')}" for o in given)
+        raise ValueError(
+            f"{flags}: size steps 6-8 ({', '.join(WORKLOAD_STEPS)}), which --skip skips "
+            "all of; drop them, or run one of those steps"
+        )
     devices = detect_devices(options.devices)
     if options.sizes is not None:
         sizes, label = options.sizes, "custom"

@@ -283,6 +283,10 @@ def test_the_workload_options_size_the_experiment() -> None:
         (["--image-size", "16x64"], "--image-size 16x64: must be at least 32x32"),
         (["--batch-size", "4", "--split-sizes", "2,8"], "--split-sizes 8: larger than the batch"),
         (["--batch-size", "1"], "--batch-size 1 is below every split size"),
+        (
+            ["--split-sizes", "2", "--skip", "tutorial", "profile", "cost-model"],
+            "--split-sizes: size steps 6-8 (tutorial, profile, cost-model), which --skip skips",
+        ),
     ],
 )
 def test_bad_workload_options_exit_2(
@@ -301,8 +305,14 @@ def test_bad_workload_options_exit_2(
 def test_the_report_records_the_workload(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    def passes(_: Context) -> StepResult:
+        return StepResult("tutorial", "Tutorial experiment", PASS)
+
     monkeypatch.setattr(runner, "QUICK", TINY)
-    argv = ["doctor", "--quick", "--out", str(tmp_path), "--no-progress", "--skip", *runner.NAMES]
+    # One step the workload sizes, standing in for the real ones (a workload
+    # whose steps are all skipped is refused).
+    monkeypatch.setattr(runner, "STEPS", (runner.Step("tutorial", "Tutorial experiment", passes),))
+    argv = ["doctor", "--quick", "--out", str(tmp_path), "--no-progress"]
     assert cli.main([*argv, "--image-size", "64", "--batch-size", "6", "--split-sizes", "3"]) == 0
     assert "(experiment: 64x64 images, batch 6, split sizes 3)" in capsys.readouterr().out
     experiment = json.loads((tmp_path / "report.json").read_text())["size_values"]["experiment"]
