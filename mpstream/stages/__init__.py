@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from .balance import balance_by_size, balance_by_time, profile_layers
 from .partition import partition, stage_costs
-from .sequential import check_flag, check_positive
+from .sequential import check_device_exists, check_flag, check_positive
 from .tracers import SplitReport
 
 __all__ = [
@@ -28,4 +28,5 @@ __all__ = [
     "SplitReport",
     "check_flag",
     "check_positive",
+    "check_device_exists",
 ]

@@ -33,6 +33,7 @@ from ..runtime.microbatch import NoChunk, Value, as_value, leaves, rebuild_leave
 from ..runtime.stream import as_device
 from .fx import call_units, trace
 from .partition import partition
+from .sequential import check_device_exists
 from .tracers import call_arguments, nones_of, sample_call
 
 __all__ = [
@@ -122,7 +123,7 @@ def profile_layers(
         raise ValueError(f"repeat must be at least 1, got {repeat}")
     first = next(module.parameters(), None)
     dev = (
-        as_device(device, "device")
+        check_device_exists(as_device(device, "device"), "device")
         if device is not None
         else (first.device if first is not None else torch.device("cpu"))
     )
@@ -249,7 +250,7 @@ def profile_units(
     """
     first = next(module.parameters(), None)
     dev = (
-        as_device(device, "device")
+        check_device_exists(as_device(device, "device"), "device")
         if device is not None
         else (first.device if first is not None else torch.device("cpu"))
     )

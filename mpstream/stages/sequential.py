@@ -165,19 +165,43 @@ def check_shared(
         start += count
 
 
+def _absent(d: torch.device) -> str | None:
+    """Why this machine has no ``d`` (with the devices it has), or None."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if d.type != "cuda" or (count and (d.index is None or d.index < count)):
+        return None
+    available = ", ".join(["cpu"] + [f"cuda:{i}" for i in range(count)])
+    why = "CUDA is not available" if not count else f"only {count} CUDA device(s) exist"
+    return f"{why} here; available devices: {available}"
+
+
 def check_devices_exist(devices: Sequence[torch.device]) -> None:
     """Rejects CUDA devices this machine does not have, before anything moves.
 
     Raises:
         ValueError: naming the stage, its device and the devices available.
     """
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for s, d in enumerate(devices):
-        if d.type != "cuda" or (count and (d.index is None or d.index < count)):
-            continue
-        available = ", ".join(["cpu"] + [f"cuda:{i}" for i in range(count)])
-        why = "CUDA is not available" if not count else f"only {count} CUDA device(s) exist"
-        raise ValueError(f"stage {s} is on {d}, but {why} here; available devices: {available}")
+        why = _absent(d)
+        if why is not None:
+            raise ValueError(f"stage {s} is on {d}, but {why}")
+
+
+def check_device_exists(device: torch.device, what: str) -> torch.device:
+    """Returns ``device`` if this machine has it: checked before a model
+    moves there, since torch's own error (no driver) names no argument.
+
+    Args:
+        device: the device.
+        what: the argument that gave it, as the message names it (``device``).
+
+    Raises:
+        ValueError: naming ``what``, the device and the devices available.
+    """
+    why = _absent(device)
+    if why is not None:
+        raise ValueError(f"{what} is {device}, but {why}")
+    return device
 
 
 def _as_partition(group: list[tuple[str, nn.Module]]) -> Chain:

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from torchvision.models.resnet import Bottleneck, ResNet
 
 from ..pipe import Pipe
+from ..stages import check_device_exists
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self needs Python 3.11
@@ -53,20 +54,8 @@ DeviceLike = str | torch.device
 
 
 def _here(name: str, device: DeviceLike) -> torch.device:
-    """``device`` as a ``torch.device``, refused before any layer moves if
-    this machine has no such device (torch's own error names no argument).
-
-    Raises:
-        ValueError: naming the argument ``name``, its device and the devices
-            there are.
-    """
-    d = torch.device(device)
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if d.type == "cuda" and (d.index or 0) >= count:
-        available = ", ".join(["cpu"] + [f"cuda:{i}" for i in range(count)])
-        why = "CUDA is not available" if not count else f"only {count} CUDA device(s) exist"
-        raise ValueError(f"{name} is {d}, but {why} here; available devices: {available}")
-    return d
+    # Refused before any layer moves: torch's own error names no argument.
+    return check_device_exists(torch.device(device), name)
 
 
 class ModelParallelResNet50(ResNet):  # type: ignore[misc]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -238,3 +239,13 @@ class _DictInput(nn.Module):
 def test_units_are_profiled_on_the_device_with_a_dict_sample_from_the_host() -> None:
     names, profiles = profile_units(_DictInput().cuda(), ({"x": torch.randn(4, 4)},))
     assert names == ["b"] and len(profiles) == 2
+
+
+@pytest.mark.parametrize("how", [balance_by_time, balance_by_size])
+def test_balancing_on_a_device_this_machine_lacks_names_the_argument(how: Any) -> None:
+    # torchgpipe's device= copied onto a machine without that GPU: the
+    # argument named before the copy of the model moves, not torch's driver error.
+    missing = f"cuda:{torch.cuda.device_count()}"
+    layers = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=rf"^device is {missing}, but .* here; available devices"):
+        how(layers, torch.randn(2, 2), 2, device=missing)
