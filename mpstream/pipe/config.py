@@ -23,7 +23,7 @@ from ..runtime.graphed import GradStore, GraphReport, StageGraphs, generation
 from ..runtime.scheduler import EventScheduler
 from ..runtime.worker import Worker
 from ..schedules.auto import Auto, ScheduleReport
-from ..schedules.placement import placement_of, virtual_stages_for
+from ..schedules.placement import check_virtual_stages, placement_of, virtual_stages_for
 from ..schedules.schedule import (
     PipeSchedule,
     Schedule,
@@ -138,14 +138,15 @@ class PipeConfig(PipeModule):
     @property
     def virtual_stages(self) -> int | None:
         """Stages per pipeline rank for the schedules that place several on
-        one, or None to infer them from the devices (checked against the
-        stages at the next call); setting it makes ``schedule='auto'``
-        choose again, among the schedules it now fits."""
+        one, or None to infer them from the devices (a positive int,
+        checked when set; against the stages at the next call); setting it
+        makes ``schedule='auto'`` choose again, among the schedules it now
+        fits."""
         return self.__dict__["_virtual_stages"]  # type: ignore[no-any-return]
 
     @virtual_stages.setter
     def virtual_stages(self, value: int | None) -> None:
-        self.__dict__["_virtual_stages"] = value
+        self.__dict__["_virtual_stages"] = None if value is None else check_virtual_stages(value)
         self._forget_choices()  # chosen among what the old value fitted
 
     @property

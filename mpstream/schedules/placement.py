@@ -32,6 +32,7 @@ __all__ = [
     "virtual_stages_of",
     "v_stages_of",
     "virtual_stages_for",
+    "check_virtual_stages",
     "rank_devices",
     "default_ranks",
 ]
@@ -83,7 +84,7 @@ def virtual_stages_of(
     labels = list(dict.fromkeys(devices))
     listed = ", ".join(str(d) for d in devices)
     if virtual_stages is not None:
-        v = _positive(virtual_stages)
+        v = check_virtual_stages(virtual_stages)
         if stages % v:
             raise ValueError(
                 f"virtual_stages={v} does not divide the {stages} stages into ranks of {v} "
@@ -147,7 +148,7 @@ def v_stages_of(
     """
     stages = len(devices)
     listed = ", ".join(str(d) for d in devices)
-    if virtual_stages is not None and _positive(virtual_stages) != 2:
+    if virtual_stages is not None and check_virtual_stages(virtual_stages) != 2:
         raise ValueError(
             f"{schedule} places two stages per rank in a V: virtual_stages must be 2 "
             f"(or None), got {virtual_stages}"
@@ -303,8 +304,13 @@ def default_ranks(
     return list(range(stages)), virtual_stages
 
 
-def _positive(v: object) -> int:
-    # Any integer (numpy's too, as Schedule takes them), not True as 1.
+def check_virtual_stages(v: object) -> int:
+    """Returns ``v`` as an int if it is a positive integer (numpy's too, as
+    :class:`~mpstream.schedules.schedule.Schedule` takes them; not True as 1).
+
+    Raises:
+        ValueError: ``v`` is not a positive integer.
+    """
     if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
         raise ValueError(f"virtual_stages must be a positive int, got {v!r}")
     return int(v)
