@@ -354,6 +354,8 @@ def _sizes(split_sizes: Sequence[int] | None, batch: int) -> list[int]:
             f"split_sizes must be a list of positive ints, got {split_sizes!r}; give "
             f"[{split_sizes!r}] to time that one split size"
         ) from None
+    if not split_sizes:
+        raise ValueError("split_sizes=[] lists no split size to time: leave it out to try the default ones")
     try:
         sizes = sorted({operator.index(s) for s in split_sizes if not isinstance(s, bool)})
     except TypeError:
