@@ -3,8 +3,8 @@ schedules`` and ``mpstream trace``.
 
 The file holds what ``Pipe(schedule=...)`` takes as one string: actions such
 as ``F0m0 F1m0 B1m0 B0m0``, separated by whitespace or commas (``str()`` of
-a training step's ``pipe.schedule_for(...)`` written out is one).
-:func:`read` refuses a file it cannot read or what is not an action;
+a training step's ``pipe.schedule_for(...)`` written out is one); a ``#``
+starts a comment that runs to the end of its line. :func:`read` refuses a file it cannot read or what is not an action;
 :func:`checked` then holds the order against the run's stages and
 micro-batches with the library's own check, whose error names the action,
 its stage and its step. :func:`placed` holds it against the devices as
@@ -26,7 +26,8 @@ PLACEMENT_CHOICES = tuple(dict.fromkeys(["stage", *sorted(PLACEMENTS.values())])
 
 
 def read(path: str) -> tuple[str, ...]:
-    """The actions of the order in the file at ``path``, as strings.
+    """The actions of the order in the file at ``path``, as strings (each
+    line's ``#`` comment left out).
 
     Raises:
         UsageError: the file cannot be read, or holds something that is not
@@ -39,6 +40,8 @@ def read(path: str) -> tuple[str, ...]:
         raise UsageError(f"--order {path}: cannot read it ({exc.strerror or exc})") from None
     except UnicodeDecodeError:
         raise UsageError(f"--order {path}: not a text file of actions") from None
+    # A researcher's notes beside the actions (which stage waits, why).
+    text = "\n".join(line.partition("#")[0] for line in text.splitlines())
     try:
         return tuple(str(a) for a in parse(text))
     except ValueError as exc:

@@ -27,7 +27,8 @@ def test_schedules_draws_your_order_beside_the_built_in_ones(
     # 1F1B's order, as a researcher starts from it: the row must be 1F1B's,
     # and the order sets the stages and micro-batches.
     text = str(Schedule("1f1b", 3, 6, [False] * 3, backward=True))
-    order = _written(tmp_path, text.replace(" ", "\n", 5))
+    # Comments on lines of their own and after actions are left out.
+    order = _written(tmp_path, "# 1F1B, 3 stages\n" + text.replace(" ", "  # warm-up\n", 5))
     out = tmp_path / "o"
     assert cli.main(["schedules", "--uniform", "--order", order, "--out", str(out)]) == 0
     assert "3 stages on 2 devices, 6 micro-batches" in capsys.readouterr().out
