@@ -271,7 +271,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _check_paths(args: argparse.Namespace, created: list[Path]) -> None:
     """Creates ``--out`` and checks ``--cache`` before anything is measured:
-    a run must not end, its results lost, on a folder it cannot write.
+    a run must not end, its results lost, on a folder it cannot write, nor
+    ignore ``--cache`` or ``--refresh`` given with ``--no-cache``.
 
     Args:
         args: the parsed options.
@@ -286,7 +287,15 @@ def _check_paths(args: argparse.Namespace, created: list[Path]) -> None:
         created += [p for p in (path, *path.parents) if not p.exists()]
         _writable_folder(path, f"--out {out}", "the folder")
     cache = getattr(args, "cache", None)
-    if cache is not None and not getattr(args, "no_cache", False):
+    if getattr(args, "no_cache", False):
+        given = [o for o, v in (("--cache", cache), ("--refresh", args.refresh)) if v]
+        if given:
+            # Each asks for a cache --no-cache says not to touch.
+            raise UsageError(
+                f"--no-cache neither reads nor writes the cache, so {' and '.join(given)} "
+                f"would be ignored: drop one or the other"
+            )
+    elif cache is not None:
         if Path(cache).is_dir():
             raise UsageError(f"--cache {cache}: is a folder; give a JSON file's path")
         folder = Path(cache).parent

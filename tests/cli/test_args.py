@@ -83,9 +83,14 @@ def test_tune_refuses_a_cache_that_is_a_folder(
     assert cli.main(args) == 2
     assert f"--cache {tmp_path}: is a folder" in capsys.readouterr().err
     assert not (tmp_path / "new").exists()  # the --out it created is gone again
-    assert cli.main([*args, "--no-cache", "--devices", "cpu,cpu,cpu"]) == 2  # --cache unused
-    err = capsys.readouterr().err
-    assert "one or two comma-separated devices" in err and "--cache" not in err
+    # With --no-cache, --cache (or --refresh) would be ignored: refused before
+    # the folder is looked at.
+    for extra in (["--cache", str(tmp_path)], ["--refresh"], ["--cache", "c.json", "--refresh"]):
+        assert cli.main(["tune", *extra, "--no-cache", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        given = " and ".join(a for a in extra if a.startswith("--"))
+        assert f"--no-cache neither reads nor writes the cache, so {given} would be" in err
+    assert not (tmp_path / "new").exists()
 
 
 def test_tune_takes_no_option_it_would_ignore(capsys: pytest.CaptureFixture[str]) -> None:
