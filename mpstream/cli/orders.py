@@ -4,13 +4,14 @@ schedules`` and ``mpstream trace``.
 The file holds what ``Pipe(schedule=...)`` takes as one string: actions such
 as ``F0m0 F1m0 B1m0 B0m0``, separated by whitespace or commas (``str()`` of
 a training step's ``pipe.schedule_for(...)`` written out is one); a ``#``
-starts a comment that runs to the end of its line. :func:`read` refuses a file it cannot read or what is not an action;
-:func:`checked` then holds the order against the run's stages and
-micro-batches with the library's own check, whose error names the action,
-its stage and its step. :func:`placed` holds it against the devices as
-``--order-placement`` places its stages (an order for several stages per
-device, as the round-robin and V schedules place theirs). Each raises
-:class:`~.argtypes.UsageError`, naming ``--order`` and the file.
+starts a comment that runs to the end of its line. :func:`read` refuses a
+file it cannot read or what is not an action; :func:`checked` then holds the
+order against the run's stages and micro-batches with the library's own
+check, whose error names the action, its stage and its step. :func:`placed`
+holds it against the devices as ``--order-placement`` places its stages (an
+order for several stages per device, as the round-robin and V schedules
+place theirs). Each raises :class:`~.argtypes.UsageError`, naming
+``--order`` and the file.
 """
 
 from __future__ import annotations

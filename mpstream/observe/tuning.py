@@ -355,7 +355,9 @@ def _sizes(split_sizes: Sequence[int] | None, batch: int) -> list[int]:
             f"[{split_sizes!r}] to time that one split size"
         ) from None
     if not split_sizes:
-        raise ValueError("split_sizes=[] lists no split size to time: leave it out to try the default ones")
+        raise ValueError(
+            "split_sizes=[] lists no split size to time: leave it out to try the default ones"
+        )
     try:
         sizes = sorted({operator.index(s) for s in split_sizes if not isinstance(s, bool)})
     except TypeError:

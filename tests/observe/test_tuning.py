@@ -154,7 +154,7 @@ def test_errors() -> None:
         tune(Curve(), SAMPLE, balances=[], cache=None, progress=False)
     with pytest.raises(ValueError, match="positive ints"):
         tune(Curve(), SAMPLE, split_sizes=[0, 2], cache=None, progress=False)
-    with pytest.raises(ValueError, match=r"split_sizes=\[\] lists no split size to time: leave it out"):
+    with pytest.raises(ValueError, match=r"split_sizes=\[\] lists no split size to time"):
         tune(Curve(), SAMPLE, split_sizes=[], cache=None, progress=False)
     with pytest.raises(ValueError, match=r"split_sizes must be a list .* give \[2\]"):
         tune(Curve(), SAMPLE, split_sizes=2, cache=None, progress=False)  # type: ignore[arg-type]
