@@ -1,6 +1,6 @@
 """Any module, traced and split: outputs and every gradient equal the unsplit
 module's for chains, skips and fan-outs, every schedule and checkpoint mode;
-state_dict keys are the module's; every error says what and where."""
+state_dict keys are the module's (refusals: test_fx_errors.py)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,6 @@ import mpstream
 from mpstream import NoChunk, Pipe, PlanError, record_plan, verify_plan
 from mpstream.runtime.plan import Plan
 from mpstream.stages.fx import trace
-from mpstream.stages.placement import place
-from mpstream.stages.points import split_candidates
 from tests.helpers import assert_same_grads
 from tests.models import Decoder, Fan, UNet
 
@@ -185,76 +183,6 @@ def test_nochunk_inputs_reach_every_micro_batch_whole() -> None:
     out, seven = pipe(x, NoChunk(mask))
     torch.testing.assert_close(out, model(x, mask)[0])
     assert seven == [7, 7, 7]  # a plain output, one per micro-batch
-
-
-class Looping(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inner = Branchy()
-        self.head = nn.Linear(2, 2)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.head(self.inner(x))
-
-
-class Branchy(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(2, 2)
-
-    def forward(self, x: Tensor) -> Tensor:
-        if x.sum() > 0:  # data-dependent control flow: untraceable
-            return self.lin(x)
-        return x
-
-
-def test_untraceable_modules_say_what_where_and_what_to_do() -> None:
-    with pytest.raises(
-        TypeError, match=r"(?s)inside submodule 'inner': TraceError.*leaf_modules=\['inner'\]"
-    ):
-        Pipe(Looping(), split_points=["head"], devices=["cpu"] * 2, tracer="fx")
-    x = torch.ones(3, 2)
-    # Without tracer='fx', torch.export is tried at the first call, on its
-    # arguments: it cannot follow the branch either, and the error says both.
-    pipe = Pipe(Looping(), split_points=["head"], devices=["cpu"] * 2)
-    with pytest.raises(
-        TypeError,
-        match=r"(?s)could not export Looping inside submodule 'inner'.*"
-        r"torch.fx could not trace it either.*TraceError.*leaf_modules=\['inner'\]",
-    ):
-        pipe(x)
-    for leaf in ("inner", Branchy):
-        model = Looping()
-        expected = model(x)
-        pipe = Pipe(model, split_points=["head"], devices=["cpu"] * 2, leaf_modules=[leaf])
-        torch.testing.assert_close(pipe(x), expected)
-
-
-def test_split_point_errors() -> None:
-    with pytest.raises(ValueError, match=r"'nope'.*candidates: 'embed', 'pos'|'nope'.*'blocks.0'"):
-        Pipe(Decoder(), split_points=["nope"], devices=["cpu"] * 2)
-    with pytest.raises(ValueError, match="out of call order: 'blocks.1' runs before 'blocks.3'"):
-        Pipe(Decoder(), split_points=["blocks.3", "blocks.1"], devices=["cpu"] * 3)
-    with pytest.raises(ValueError, match="stage 1 would be empty"):
-        Pipe(Decoder(), split_points=["blocks.1", "blocks.1"], devices=["cpu"] * 3)
-    with pytest.raises(ValueError, match="devices has 2 entries but split_points make 3"):
-        Pipe(Decoder(), split_points=["blocks.1", "blocks.2"], devices=["cpu"] * 2)
-    with pytest.raises(TypeError, match="balance= partitions an nn.Sequential"):
-        Pipe(Decoder(), split_points=["blocks.1"], balance=[1, 1], devices=["cpu"] * 2)
-    # torch.distributed.pipelining's split_spec: its END would begin a stage too early.
-    with pytest.raises(TypeError, match=r"not a split_spec mapping \(\{'blocks.1': END\}\)"):
-        end = type("SplitPoint", (), {"name": "END"})()
-        Pipe(Decoder(), split_points={"blocks.1": end}, devices=["cpu"] * 2)  # type: ignore[arg-type]
-    assert "blocks.3" in split_candidates(Decoder())
-
-
-def test_tied_weights_across_devices_are_refused() -> None:
-    model = Decoder()
-    traced = trace(model, ["blocks.2"])
-    with pytest.raises(ValueError, match=r"embed.weight = head.weight is used by stage 0 \(cpu\)"):
-        place(
-            model, traced.partitions, traced.tensors, [torch.device("cpu"), torch.device("cuda", 0)]
-        )
 
 
 def test_plan_of_a_graph_with_skips_is_verified() -> None:
@@ -426,21 +354,6 @@ def test_an_augmented_assignment_changes_views_as_in_the_module() -> None:
     # In a later stage than ``v``, which reaches stage 2 unchanged: refused.
     with pytest.raises(ValueError, match="'imul' in stage 1 changes 'a' in place, which stage 2"):
         Pipe(AugmentedView("stage 1"), chunks=2, split_points=["c", "b"], devices=["cpu"] * 3)
-
-
-class ReturnsItsTensor(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 2)
-        self.shift = nn.Parameter(torch.zeros(2))
-
-    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        return self.b(self.a(x)), self.shift
-
-
-def test_a_forward_returning_its_own_tensor_is_named() -> None:
-    with pytest.raises(TypeError, match="returns its tensor 'shift' as it is"):
-        Pipe(ReturnsItsTensor(), split_points=["b"], devices=["cpu"] * 2, tracer="fx")
 
 
 class _Keyword(nn.Module):
