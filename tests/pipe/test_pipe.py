@@ -1,11 +1,10 @@
-"""mpstream.Pipe on CPU: transparency against the plain model, the
-Sequential-like surface, placement rules and every error case."""
+"""mpstream.Pipe on CPU: transparency against the plain model (micro-batch
+sizes, tuples and plain values, BatchNorm, forced copies, complex values)
+(its nn.Module surface: test_module.py; errors: test_pipe_errors.py)."""
 
 from __future__ import annotations
 
 import copy
-import io
-from collections import OrderedDict
 
 import pytest
 import torch
@@ -173,99 +172,6 @@ def test_optimizer_step_matches() -> None:
             o.step()
     for a, b in zip(pipe.parameters(), ref.parameters()):
         torch.testing.assert_close(a, b)
-
-
-# -- Sequential-like surface ---------------------------------------------------
-
-
-def test_sequential_like_access() -> None:
-    layers = [nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2)]
-    pipe = Pipe(nn.Sequential(*layers), balance=[2, 1], devices=["cpu", "cpu"], chunks=4)
-    assert len(pipe) == 3
-    assert list(pipe) == layers
-    assert pipe[0] is layers[0] and pipe[-1] is layers[2]
-    assert list(pipe[1:]) == layers[1:]
-    assert pipe.devices == [torch.device("cpu")] * 2
-    assert pipe.balance == [2, 1]
-    assert isinstance(pipe.partitions, nn.ModuleList)
-    assert all(isinstance(p, nn.Sequential) for p in pipe.partitions)
-    assert [list(p) for p in pipe.partitions] == [layers[:2], layers[2:]]
-    assert pipe.chunks == 4 and pipe.split_size is None
-    pipe.split_size = 3
-    assert pipe.split_size == 3 and pipe.chunks is None
-    pipe.chunks = 2
-    assert pipe.chunks == 2 and pipe.split_size is None
-    assert "chunks=2" in repr(pipe)
-
-
-@pytest.mark.parametrize("style", ["children", "balance"])
-def test_state_dict_keys_are_the_wrapped_sequential_keys(style: str) -> None:
-    model = nn.Sequential(
-        OrderedDict([("embed", nn.Linear(3, 4)), ("act", nn.ReLU()), ("head", nn.Linear(4, 2))])
-    )
-    plain = copy.deepcopy(model)
-    if style == "children":
-        pipe = Pipe(model)
-    else:
-        pipe = Pipe(model, balance=[2, 1], devices=["cpu", "cpu"])
-    assert list(pipe.state_dict()) == list(plain.state_dict())
-    other = Pipe(copy.deepcopy(plain), balance=[1, 2], devices=["cpu", "cpu"])
-    for p in plain.parameters():
-        p.data.add_(1.0)
-    pipe.load_state_dict(plain.state_dict())
-    other.load_state_dict(pipe.state_dict())
-    for a, b in zip(other.parameters(), plain.parameters()):
-        torch.testing.assert_close(a, b)
-
-
-def test_placement_is_fixed_but_dtype_converts() -> None:
-    pipe = Pipe(staged(mlp([2, 2, 2], dtype=torch.float32), [2, 2]), chunks=2)
-    for move in (
-        lambda: pipe.cuda(),
-        lambda: pipe.to("meta"),
-        lambda: pipe.to(torch.device("meta"), torch.float64),
-        lambda: pipe.to(torch.ones(1, dtype=torch.float64, device="meta")),
-    ):
-        with pytest.raises(TypeError, match="stage devices are fixed when it is built"):
-            move()
-    # To where every stage already is: no move (generic model.to(device) code).
-    assert pipe.cpu() is pipe and pipe.to("cpu") is pipe
-    assert pipe.to(torch.float64) is pipe
-    assert all(p.dtype == torch.float64 for p in pipe.parameters())
-    assert all(p.dtype == torch.float64 for part in pipe.partitions for p in part.parameters())
-    out = pipe(torch.randn(4, 2, dtype=torch.float64))
-    assert out.dtype == torch.float64
-    pipe.half()
-    assert all(p.dtype == torch.float16 for p in pipe.parameters())
-    assert pipe(torch.randn(4, 2, dtype=torch.float16)).dtype == torch.float16
-    pipe.to(dtype=torch.float32)
-    assert all(p.dtype == torch.float32 for p in pipe.parameters())
-
-
-def test_deepcopy_and_save_rebuild_the_runtime() -> None:
-    model = mlp([3, 4, 2])
-    pipe = Pipe(staged(model, [2, 2]), chunks=2)
-    x = torch.randn(4, 3, dtype=torch.float64)
-    expected = pipe(x)
-    twin = copy.deepcopy(pipe)
-    torch.testing.assert_close(twin(x), expected)
-    assert twin.scheduler is not pipe.scheduler
-    assert twin.partitions[0][0] is twin[0], "partitions must hold the copied layers"
-    assert twin.partitions[0] is not pipe.partitions[0]
-    buf = io.BytesIO()
-    torch.save(pipe, buf)
-    buf.seek(0)
-    loaded = torch.load(buf, weights_only=False)
-    torch.testing.assert_close(loaded(x), expected)
-
-
-def test_train_and_eval_reach_every_layer() -> None:
-    pipe = Pipe(nn.Sequential(nn.Dropout(0.5), nn.Linear(2, 2)), chunks=2)
-    pipe.eval()
-    assert not any(m.training for m in pipe.modules())
-    assert not any(m.training for part in pipe.partitions for m in part.modules())
-    pipe.train()
-    assert all(m.training for part in pipe.partitions for m in part.modules())
 
 
 @pytest.mark.parametrize("stages", [2, 3])
