@@ -11,7 +11,8 @@ computes, :mod:`.emulated` emulates them for tests; :mod:`.grads` is a stage's g
 which the graphs add into and ``.grad`` views (laid out and saved by
 :mod:`.grad_buffers`), :mod:`.tied` tied
 parameters' side buffers, :mod:`.passes` the ends of the backward passes
-they take part in; :mod:`.capturing` puts back what capture changed
+they take part in; :mod:`.zeroing` tells the stores ``.grad`` changed within a pass
+(``Pipe.zero_grad``); :mod:`.capturing` puts back what capture changed
 on the stage, orders the graph work sharing the CUDA
 generator's state and undoes a failed capture; :mod:`.keys` is what a
 capture baked in and how a run notices it changed.
@@ -29,6 +30,7 @@ from .grads import GradStore
 from .keys import generation
 from .report import GraphReport, GraphWarning, StageReport
 from .stages import MAX_CALLS, MAX_GENERATIONS, StageGraphs
+from .zeroing import grads_changed, kept_in_pass
 
 __all__ = [
     "Backend",
@@ -43,4 +45,6 @@ __all__ = [
     "StageGraphs",
     "StageReport",
     "generation",
+    "grads_changed",
+    "kept_in_pass",
 ]

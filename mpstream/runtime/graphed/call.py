@@ -34,7 +34,8 @@ from ...memory.batchnorm import deferred_norms
 from .. import private
 from ..microbatch import leaves, placed, untensored
 from .capturing import restored
-from .grads import GradStore, hooks_ran
+from .grads import GradStore
+from .zeroing import grads_changed
 
 __all__ = ["Backend", "GraphedCall", "Source"]
 
@@ -366,7 +367,7 @@ class GraphedCall:
         for p in hooked:
             for hook in p._post_accumulate_grad_hooks.values():  # type: ignore[union-attr]
                 hook(p)
-        hooks_ran()  # a hook may have taken any store's .grad away
+        grads_changed()  # a hook may have taken any store's .grad away
 
     def _reach(self, none: frozenset[int]) -> tuple[frozenset[int], frozenset[int]]:
         """The inputs (positions among those needing gradients) and the

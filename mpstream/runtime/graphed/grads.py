@@ -12,7 +12,8 @@ or to another tensor is attached again before the next replay adds into it
 (its view zeroed, or filled with that tensor's value), with one zeroing per
 buffer at most, and without capturing again. :meth:`GradStore.ensure` does
 that once per backward pass per set of parameters, so a parameter that no
-micro-batch's gradient reached keeps ``.grad=None``, as in eager autograd.
+micro-batch's gradient reached keeps ``.grad=None``, as in eager autograd;
+code that changes ``.grad`` within a pass says so (:mod:`.zeroing`).
 
 A parameter another stage also holds (tied weights on one device) is added
 into a side buffer instead, which :mod:`.tied` adds into ``.grad`` at the
@@ -46,30 +47,15 @@ from .grad_buffers import Saved, lay_out
 from .keys import hooks_registered
 from .passes import CallerWaits, PassEnd, after, closed, finish_part, opened
 from .tied import TiedHooks
+from .zeroing import track
 
-__all__ = ["GradStore", "hooks_ran"]
+__all__ = ["GradStore"]
 
 _C = _ext.load()
 _hooks = operator.attrgetter("_post_accumulate_grad_hooks")
 #: The store of each flat buffer's view, by the view's ``id()`` (the view
 #: lives as long as its store): a store taking a ``.grad`` over finds its owner.
 _owners: weakref.WeakValueDictionary[int, GradStore] = weakref.WeakValueDictionary()
-#: Every store alive (see :func:`hooks_ran`).
-_stores: weakref.WeakSet[GradStore] = weakref.WeakSet()
-
-
-def hooks_ran() -> None:
-    """After post-accumulate hooks ran within a pass (a training step's, per
-    micro-batch): a hook may have taken ``.grad`` away, set it to None or to
-    another tensor, of its own parameter (an optimizer in backward, an
-    offload) or of any other, in any store (``zero_grad()`` from a hook).
-    Every store checks its parameters again (one C++ call) before its next
-    replay adds, as after a take: a parameter taken away is attached again,
-    so that the next micro-batch's hook sees that micro-batch's gradient
-    alone, and no replay adds into a view ``.grad`` no longer is. Only when
-    a hook ran: a pass without hooks pays nothing."""
-    for store in list(_stores):
-        store._taken_from, store.ready = True, {}  # after .grad changed (see __init__)
 
 
 class GradStore:
@@ -118,9 +104,13 @@ class GradStore:
         self._attached = _C.Attached(self._owned_params, self._owned_views)
         for view in self._owned_views:
             _owners[id(view)] = self
-        _stores.add(self)
+        track(self)
         self.device = self.params[0].device if self.params else torch.device("cpu")
         self._detached: set[int] = set()  # positions detached at the pass's start, not since
+        # Positions this pass's replays added into, and those of them whose
+        # view was zeroed in this pass before (.grad was None): see added_in_pass.
+        self._added: set[int] = set()
+        self._fresh: set[int] = set()
         self._hooked: list[int] = []  # positions with post-accumulate hooks, this pass
         self._hooks_at: list[int] = []  # the same, as last scanned (see _with_hooks)
         self._hooks_seen = -1  # the hook counter then
@@ -128,7 +118,7 @@ class GradStore:
         self._end: weakref.ref[PassEnd] | None = None  # its end, if the user's loop's
         self._waits: CallerWaits | None = None  # see undone()
         # Set by a store taking a .grad over from this one (in any thread),
-        # or after hooks that may have (hooks_ran), after .grad changed,
+        # or after .grad may have changed (zeroing.grads_changed), after it changed,
         # before :attr:`ready` is replaced; cleared before a check: no take
         # is missed.
         self._taken_from = False
@@ -168,6 +158,7 @@ class GradStore:
             ready = {}
             self._pass, self.ready, self._taken_from = token, ready, False
             self._detached = {self._owned[j] for j in self._attached.detached()}
+            self._added, self._fresh = set(), set()
             self._hooked = self._with_hooks()
             if autograd:
                 self._end = opened(self, token)
@@ -193,6 +184,7 @@ class GradStore:
         if fresh:
             self._attach(fresh, stream)
             self._detached.difference_update(fresh)
+        self._added.update(reached)
         sides = [i for i in self._side if i in reached and i not in self._reached_side]
         for i in sides:
             self.views[i].zero_()
@@ -207,6 +199,23 @@ class GradStore:
             hooked = []
         ready[key] = hooked
         return hooked
+
+    def recheck(self) -> None:
+        """Checks the parameters again before the next replay adds (after
+        ``.grad`` may have changed: :func:`~.zeroing.grads_changed`)."""
+        self._taken_from, self.ready = True, {}  # after .grad changed (see __init__)
+
+    def added_in_pass(self) -> tuple[list[nn.Parameter], list[nn.Parameter]] | None:
+        """In a backward pass of the user's loop still running, the
+        parameters its replays added into whose ``.grad`` is still their
+        view: those whose ``.grad`` was None before (it holds the pass's
+        gradient alone), and the others (earlier gradients too). None
+        outside such a pass."""
+        if self._end is None or self._end() is None or self._pass is None:
+            return None
+        added = [i for i in sorted(self._added) if self.params[i].grad is self.views[i]]
+        fresh = [self.params[i] for i in added if i in self._fresh]
+        return fresh, [self.params[i] for i in added if i not in self._fresh]
 
     def _with_hooks(self) -> list[int]:
         """The positions of the parameters with post-accumulate-grad hooks,
@@ -229,6 +238,7 @@ class GradStore:
             had = [(i, self.params[i].grad) for i in fresh]
             nones = [i for i, g in had if g is None]
             others = [(i, g) for i, g in had if g is not None]
+            self._fresh.update(nones)
             if len(nones) == len(self._owned):
                 # The common case, after zero_grad(): a kernel per flat buffer
                 # (per dtype), where one list of views of several dtypes would
@@ -348,6 +358,7 @@ class GradStore:
         kept = (self._pass, self.ready, self._reached_side, self._hooks, self._tied_hooks)
         streams, taken, end = self._streams, self._taken_from, self._end
         detached, hooked, saved = self._detached, self._hooked, self._saved
+        added, fresh = self._added, self._fresh
         stream = current_stream(self.device)
         after(stream, streams.values())  # the copies below read what the pass added
         sides = [(self.views[i], self.views[i].clone()) for i in self._reached_side]
@@ -363,6 +374,7 @@ class GradStore:
                     view.copy_(before)
             self._pass, self.ready, self._reached_side, self._hooks, self._tied_hooks = kept
             self._detached, self._hooked = detached, hooked
+            self._added, self._fresh = added, fresh
             self._saved = saved
             self._taken_from = taken or self._taken_from  # one more check costs nothing
             if self._taken_from:

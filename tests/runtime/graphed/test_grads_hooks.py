@@ -260,24 +260,3 @@ def test_parameters_hooks_are_scanned_again_only_once_a_hook_was_registered(
         RUNS[run](graphed, x, y)
     assert tapped["graphed"] == tapped["eager"] > 0
     assert_same_grads(graphed, eager)
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="known: in the user's loop a stage's replays add into .grad as they run, and a "
-    "tensor hook changing .grad between two of one pass's replays goes unseen (checking "
-    "per replayed task would cost a call per task); see docs/tuning.md",
-)
-def test_a_tensor_hook_that_sets_grad_to_none_mid_pass_keeps_the_pass_s_gradient() -> None:
-    # The pipe applied twice: its second application's backward runs
-    # first, then a hook on the tensor between them zeroes .grad
-    # (set_to_none), then the first application's; eager autograd
-    # accumulates each parameter once, at the end, so .grad is the pass's.
-    eager, graphed = pair(mlp([5] * 5), chunks=2)
-    x = torch.randn(4, 5, dtype=torch.float64)
-    for _ in range(2):  # the first pass captures
-        for pipe in (eager, graphed):
-            mid = pipe(x)
-            mid.register_hook(lambda g, pipe=pipe: pipe.zero_grad(set_to_none=True))
-            pipe(mid).square().sum().backward()
-        assert_same_grads(graphed, eager)

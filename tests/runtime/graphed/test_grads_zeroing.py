@@ -1,0 +1,148 @@
+"""``pipe.zero_grad()`` in the middle of a pass through graphed stages: in a
+``train_step``'s ``loss_fn`` the micro-batches after it add into fresh
+gradients, as the eager pipe's and a plain model's gradient-accumulation
+loop do; in a backward pass of the user's loop (from a tensor hook) what the
+pass added so far is kept, as autograd accumulates at the pass's end, and
+where that cannot be told from earlier gradients it is an error (replays
+emulated on the CPU, see test_stages.py)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from mpstream import Pipe
+from mpstream.schedules import SCHEDULES, placement_of
+from tests.helpers import assert_same_grads, mlp
+from tests.runtime.graphed.test_stages import WIDTHS, data, pair
+
+
+def zeroing_at(pipe: Pipe, call: int, set_to_none: bool) -> Callable[[Tensor, Tensor], Tensor]:
+    """An MSE loss that zeroes the pipe's gradients at its ``call``-th call."""
+    calls = [0]
+
+    def loss(out: Tensor, target: Tensor) -> Tensor:
+        calls[0] += 1
+        if calls[0] == call:
+            pipe.zero_grad(set_to_none=set_to_none)
+        return nn.functional.mse_loss(out, target)
+
+    return loss
+
+
+def plain_reference(
+    model: nn.Module, pipe: Pipe, x: Tensor, y: Tensor, sizes: list[int], call: int
+) -> list[Tensor | None]:
+    """Each parameter's gradient as a plain model's gradient-accumulation loop
+    leaves it when the gradients are zeroed as the ``call``-th loss is
+    computed: the sum of the micro-batches whose backward adds into that
+    parameter's stage after that, in the pipe's schedule order."""
+    schedule = pipe.schedule_for(len(sizes), "cpu", training_step=True, target_device="cpu")
+    last = len(pipe.partitions) - 1
+    order = list(schedule.order)
+    losses = [i for i, a in enumerate(order) if a.kind == "F" and a.stage == last]
+    zeroed_at = losses[call - 1]
+    adds = {"W", "B"}
+    stage_of = {id(p): s for s, part in enumerate(pipe.partitions) for p in part.parameters()}
+    after: dict[int, set[int]] = {}
+    for i, a in enumerate(order):
+        split = (a.stage, a.micro) in schedule.split
+        if i > zeroed_at and a.kind in adds and (a.kind == "W") == split:
+            after.setdefault(a.stage, set()).add(a.micro)
+    totals: list[Tensor | None] = [None] * len(list(model.parameters()))
+    start = 0
+    for m, n in enumerate(sizes):
+        model.zero_grad(set_to_none=True)
+        xs, ys = x[start : start + n], y[start : start + n]
+        start += n
+        (nn.functional.mse_loss(model(xs), ys) * n / len(x)).backward()
+        for j, (p, q) in enumerate(zip(model.parameters(), pipe.parameters())):
+            if m in after.get(stage_of[id(q)], ()):
+                assert p.grad is not None
+                total = totals[j]
+                totals[j] = p.grad.clone() if total is None else total + p.grad
+    return totals
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+@pytest.mark.parametrize("split", [{"chunks": 5}, {"split_size": 3}], ids=["divides", "not"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_zero_grad_in_loss_fn_leaves_the_later_micro_batches_gradients(
+    schedule: str, split: dict[str, int], set_to_none: bool
+) -> None:
+    extra: dict[str, object] = (
+        {"virtual_stages": 2, "balance": [2, 2, 2, 2], "devices": ["cpu"] * 4}
+        if placement_of(schedule) != "stage"
+        else {}
+    )
+    model = mlp(WIDTHS)
+    eager, graphed = pair(model, schedule=schedule, **split, **extra)
+    x, y = data()  # 10 rows: 5 micro-batches of 2, or 3, 3, 3 and 1
+    sizes = [2] * 5 if "chunks" in split else [3, 3, 3, 1]
+    call = len(sizes) // 2 + 1
+    want = plain_reference(copy.deepcopy(model), eager, x, y, sizes, call)
+    for _ in range(3):  # the first step captures, the others replay
+        for pipe in (eager, graphed):
+            pipe.train_step(x, y, zeroing_at(pipe, call, set_to_none))
+        for pipe in (eager, graphed):
+            for (name, p), w in zip(pipe.named_parameters(), want):
+                if w is None and set_to_none:
+                    assert p.grad is None, name  # no micro-batch's backward came after
+                    continue
+                expected = torch.zeros_like(p) if w is None else w
+                assert p.grad is not None, name
+                torch.testing.assert_close(p.grad, expected, msg=f"gradient of {name}")
+
+
+def twice_with_a_zeroing_hook(pipe: nn.Module, x: Tensor, set_to_none: bool) -> None:
+    """One backward pass through the pipe applied twice: its second
+    application's backward runs first, then a hook on the value between
+    them zeroes the gradients, then the first application's."""
+    mid = pipe(x)
+    mid.register_hook(lambda g: pipe.zero_grad(set_to_none=set_to_none))  # type: ignore[operator]
+    pipe(mid).square().sum().backward()
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+@pytest.mark.parametrize("chunks", [2, 3])
+def test_a_tensor_hook_that_sets_grad_to_none_mid_pass_keeps_the_pass_s_gradient(
+    chunks: int, set_to_none: bool
+) -> None:
+    # Eager autograd accumulates each parameter once, at the pass's end, so
+    # .grad is the whole pass's: what the graphs added before the hook stays.
+    model = mlp([5] * 5)
+    plain = copy.deepcopy(model)
+    eager, graphed = pair(model, chunks=chunks)
+    x = torch.randn(4, 5, dtype=torch.float64)
+    for _ in range(3):  # the first pass captures
+        for pipe in (plain, eager, graphed):
+            pipe.zero_grad(set_to_none=True)
+            twice_with_a_zeroing_hook(pipe, x, set_to_none)
+        assert_same_grads(eager, plain)
+        assert_same_grads(graphed, plain)
+
+
+def test_zero_grad_mid_pass_over_earlier_gradients_is_an_error_naming_one() -> None:
+    # The graphs added the pass's gradient so far into .grad, which held the
+    # previous pass's too: the pass's own part cannot be told apart.
+    eager, graphed = pair(mlp([5] * 5), chunks=2)
+    x = torch.randn(4, 5, dtype=torch.float64)
+    for pipe in (eager, graphed):
+        twice_with_a_zeroing_hook(pipe, x, set_to_none=True)  # from None: right
+    before = [p.grad.clone() for p in graphed.parameters()]  # type: ignore[union-attr]
+    with pytest.raises(RuntimeError, match=r"zero_grad\(\).*'0\.weight'.*graphs=False"):
+        twice_with_a_zeroing_hook(graphed, x, set_to_none=True)
+    # Nothing zeroed: .grad holds what the graphs added before the failure
+    # (the second application's backward reached every parameter).
+    assert all(
+        p.grad is not None and not torch.equal(p.grad, b)
+        for p, b in zip(graphed.parameters(), before)
+    )
+    for pipe in (eager, graphed):  # and the next pass from None is right again
+        pipe.zero_grad(set_to_none=True)
+        twice_with_a_zeroing_hook(pipe, x, set_to_none=False)
+    assert_same_grads(graphed, eager)
