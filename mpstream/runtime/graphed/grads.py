@@ -47,7 +47,7 @@ from .grad_buffers import Saved, lay_out
 from .keys import hooks_registered
 from .passes import CallerWaits, PassEnd, after, closed, finish_part, opened
 from .tied import TiedHooks
-from .zeroing import track
+from .zeroing import grads_changed, lost, track
 
 __all__ = ["GradStore"]
 
@@ -64,6 +64,7 @@ class GradStore:
     Args:
         params: the stage's parameters that require grad, each once.
         shared: those another stage holds too (tied): added into side buffers.
+        names: how warnings name each of ``params``.
 
     Attributes:
         params: as given.
@@ -78,8 +79,10 @@ class GradStore:
         params: Sequence[nn.Parameter],
         shared: set[int] = frozenset(),  # type: ignore[assignment]
         tied: TiedHooks | None = None,
+        names: Sequence[str] = (),
     ) -> None:
         self.params = list(params)
+        self.names = list(names) or [f"parameter {i}" for i in range(len(self.params))]
         self.tied = tied or TiedHooks()
         self.flats: list[Tensor] = []
         self.views: list[Tensor] = [torch.empty(0)] * len(self.params)
@@ -111,6 +114,7 @@ class GradStore:
         # view was zeroed in this pass before (.grad was None): see added_in_pass.
         self._added: set[int] = set()
         self._fresh: set[int] = set()
+        self._since: set[int] = set()  # those added into since the last check: see flush
         self._hooked: list[int] = []  # positions with post-accumulate hooks, this pass
         self._hooks_at: list[int] = []  # the same, as last scanned (see _with_hooks)
         self._hooks_seen = -1  # the hook counter then
@@ -158,7 +162,7 @@ class GradStore:
             ready = {}
             self._pass, self.ready, self._taken_from = token, ready, False
             self._detached = {self._owned[j] for j in self._attached.detached()}
-            self._added, self._fresh = set(), set()
+            self._added, self._fresh, self._since = set(), set(), set()
             self._hooked = self._with_hooks()
             if autograd:
                 self._end = opened(self, token)
@@ -168,7 +172,7 @@ class GradStore:
             # that may have taken one away: the next replay must not add
             # into this store's view, no longer .grad.
             ready = {}
-            self.ready, self._taken_from = ready, False
+            self.ready, self._taken_from, self._since = ready, False, set()
             self._detached = {self._owned[j] for j in self._attached.detached()}
         # By value: each slot's call holds an equal set of its own. Its
         # replay runs on the stream the first one's did (the stage's, where
@@ -185,6 +189,7 @@ class GradStore:
             self._attach(fresh, stream)
             self._detached.difference_update(fresh)
         self._added.update(reached)
+        self._since.update(reached)
         sides = [i for i in self._side if i in reached and i not in self._reached_side]
         for i in sides:
             self.views[i].zero_()
@@ -204,6 +209,7 @@ class GradStore:
         """Checks the parameters again before the next replay adds (after
         ``.grad`` may have changed: :func:`~.zeroing.grads_changed`)."""
         self._taken_from, self.ready = True, {}  # after .grad changed (see __init__)
+        self._since = set()  # what changed .grad said so: nothing lost (see flush)
 
     def added_in_pass(self) -> tuple[list[nn.Parameter], list[nn.Parameter]] | None:
         """In a backward pass of the user's loop still running, the
@@ -273,7 +279,19 @@ class GradStore:
         ordered the streams (queued behind the other stores' flushes inside
         a backward pass, ``autograd``; else the caller runs it): another
         store's graphs may add into that ``.grad`` on another stream.
-        Returns the streams the graphs added on."""
+        Returns the streams the graphs added on.
+
+        Warns where ``.grad`` of a parameter the graphs added into since the
+        store last checked is no longer its view, nor another store's that
+        took it over (:func:`~.zeroing.lost`)."""
+        since, self._since = self._since, set()
+        if since:
+            # A C++ call per store and pass; a loop, not a comprehension
+            # (a Python call before 3.12), where nothing was lost.
+            for j in self._attached.detached():
+                if self._owned[j] in since:
+                    self._lost(since, autograd)
+                    break
         reached, self._reached_side = sorted(self._reached_side), set()
         streams, self._streams = list(self._streams.values()), {}
         hooks, self._hooks = list(self._hooks), set()
@@ -287,7 +305,19 @@ class GradStore:
         for p in hooks:
             for hook in p._post_accumulate_grad_hooks.values():  # type: ignore[union-attr]
                 hook(p)
+        if hooks:
+            grads_changed()  # a hook may take another store's .grad before its flush
         return streams
+
+    def _lost(self, since: set[int], autograd: bool) -> None:
+        """Warns about the first parameter of ``since`` whose ``.grad`` is
+        neither its view nor another store's (see :meth:`flush`)."""
+        for i in sorted(since):
+            g = self.params[i].grad
+            if i in self._side or g is self.views[i] or _owners.get(id(g)) not in (None, self):
+                continue
+            lost(self.names[i], autograd)
+            return
 
     def discard(self) -> None:
         """Forgets a backward pass of the user's loop that failed before its
@@ -301,7 +331,7 @@ class GradStore:
             return
         after(current_stream(self.device), self._streams.values())
         self._pass, self.ready, self._reached_side, self._end = None, {}, set(), None
-        self._hooks, self._tied_hooks, self._streams = set(), set(), {}
+        self._hooks, self._tied_hooks, self._streams, self._since = set(), set(), {}, set()
         self.tied.discard()
         closed(self)
 
@@ -342,6 +372,7 @@ class GradStore:
             return
         saved.put_back(self.flats, self._owned_params, self._owned_views)
         self._pass, self.ready, self._reached_side, self._streams = None, {}, set(), {}
+        self._since = set()  # .grad as it was: nothing lost
 
     @contextmanager
     def undone(self, task: int = -1) -> Iterator[None]:
@@ -358,7 +389,7 @@ class GradStore:
         kept = (self._pass, self.ready, self._reached_side, self._hooks, self._tied_hooks)
         streams, taken, end = self._streams, self._taken_from, self._end
         detached, hooked, saved = self._detached, self._hooked, self._saved
-        added, fresh = self._added, self._fresh
+        added, fresh, since = self._added, self._fresh, self._since
         stream = current_stream(self.device)
         after(stream, streams.values())  # the copies below read what the pass added
         sides = [(self.views[i], self.views[i].clone()) for i in self._reached_side]
@@ -374,7 +405,7 @@ class GradStore:
                     view.copy_(before)
             self._pass, self.ready, self._reached_side, self._hooks, self._tied_hooks = kept
             self._detached, self._hooked = detached, hooked
-            self._added, self._fresh = added, fresh
+            self._added, self._fresh, self._since = added, fresh, since
             self._saved = saved
             self._taken_from = taken or self._taken_from  # one more check costs nothing
             if self._taken_from:

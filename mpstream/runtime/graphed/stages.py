@@ -337,7 +337,9 @@ class StageGraphs:
         if not st.baked.params:
             return
         others = [o.module for o in self.stages if o is not st]
-        st.store = GradStore(st.baked.params, tied_ids(st.module, others), self.tied)
+        names = {id(p): n for n, p in st.module.named_parameters()}
+        labels = [f"{names.get(id(p), '?')!r} in {st.label}" for p in st.baked.params]
+        st.store = GradStore(st.baked.params, tied_ids(st.module, others), self.tied, labels)
         if self._saved is not None:
             # A store made during a step that saved the others (the stage
             # changed since): its parameters' gradients as they were, for a

@@ -7,7 +7,9 @@ change ``.grad`` between two replays of one pass says so here, and every
 store checks again (one C++ call) before its next replay adds:
 post-accumulate hooks that ran (:mod:`.call`), and ``Pipe.zero_grad``
 (:func:`kept_in_pass`). What nobody says (torch's own ``Module.zero_grad`` on a
-layer, an optimizer's ``zero_grad``, ``p.grad = None``) is not seen here.
+layer, an optimizer's ``zero_grad``, ``p.grad = None``) is not seen then;
+at the pass's end a store that finds a ``.grad`` it added into since it last
+checked no longer its buffer warns (:func:`lost`), once per store and pass.
 
 A backward pass of the user's loop is the other case: autograd accumulates
 a parameter once, when the pass's whole gradient of it is in, where the
@@ -23,10 +25,13 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterable
 from typing import Protocol
+from warnings import warn
 
 from torch import nn
 
-__all__ = ["Store", "grads_changed", "kept_in_pass", "track"]
+from .report import GraphWarning
+
+__all__ = ["Store", "grads_changed", "kept_in_pass", "lost", "track"]
 
 
 class Store(Protocol):
@@ -92,3 +97,20 @@ def kept_in_pass(named: Iterable[tuple[str, nn.Parameter]]) -> list[nn.Parameter
                 f"before that backward, or build the pipe with graphs=False"
             )
     return [p for _, p in named if id(p) in fresh]
+
+
+def lost(name: str, autograd: bool) -> None:
+    """Warns that the gradient of ``name`` was changed within a pass (a
+    backward pass of the user's loop, ``autograd``, or a training step)
+    unseen, after or before replays that added into the buffer ``.grad``
+    was: ``.grad`` misses what they added."""
+    what = "backward pass of your loop" if autograd else "training step"
+    warn(
+        f"the gradient of {name} was set to None or to another tensor during a {what} "
+        f"by code graphed stages do not see (torch's zero_grad on a layer or an optimizer, "
+        f"p.grad = ...), and the stage's graphs added that {what}'s gradients, or some of "
+        f"them, into the buffer that was .grad: .grad misses them. Call pipe.zero_grad() "
+        f"there instead (graphed stages see it), or build the pipe with graphs=False",
+        GraphWarning,
+        stacklevel=3,
+    )

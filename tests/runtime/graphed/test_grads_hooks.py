@@ -43,6 +43,7 @@ def test_post_accumulate_hooks_run_once_per_micro_batch(run: str, schedule: str)
     assert counts[1] == counts[0] == Counter({n: per_pass for n, _ in eager.named_parameters()})
 
 
+@pytest.mark.filterwarnings("error::mpstream.runtime.graphed.GraphWarning")  # nothing lost
 @pytest.mark.parametrize("run", RUNS)
 def test_a_hook_that_takes_grad_away_gets_each_micro_batch_alone(run: str) -> None:
     # An optimizer in backward, or an offload: consume .grad, set it to None.
@@ -71,6 +72,7 @@ def test_a_hook_that_takes_grad_away_gets_each_micro_batch_alone(run: str) -> No
     assert all(p.grad is None for p in graphed.parameters())
 
 
+@pytest.mark.filterwarnings("error::mpstream.runtime.graphed.GraphWarning")  # nothing lost
 @pytest.mark.parametrize(
     ("how", "schedule"),
     # (under zb_h1 the hook runs after the first stage's last add: None either way)

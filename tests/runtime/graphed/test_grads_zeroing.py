@@ -9,6 +9,7 @@ emulated on the CPU, see test_stages.py)."""
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -16,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from mpstream import Pipe
+from mpstream.runtime.graphed import GraphWarning
 from mpstream.schedules import SCHEDULES, placement_of
 from tests.helpers import assert_same_grads, mlp
 from tests.runtime.graphed.test_stages import WIDTHS, data, pair
@@ -68,6 +70,7 @@ def plain_reference(
     return totals
 
 
+@pytest.mark.filterwarnings("error::mpstream.runtime.graphed.GraphWarning")  # nothing lost
 @pytest.mark.parametrize("set_to_none", [True, False])
 @pytest.mark.parametrize("split", [{"chunks": 5}, {"split_size": 3}], ids=["divides", "not"])
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -107,6 +110,7 @@ def twice_with_a_zeroing_hook(pipe: nn.Module, x: Tensor, set_to_none: bool) -> 
     pipe(mid).square().sum().backward()
 
 
+@pytest.mark.filterwarnings("error::mpstream.runtime.graphed.GraphWarning")  # nothing lost
 @pytest.mark.parametrize("set_to_none", [True, False])
 @pytest.mark.parametrize("chunks", [2, 3])
 def test_a_tensor_hook_that_sets_grad_to_none_mid_pass_keeps_the_pass_s_gradient(
@@ -146,3 +150,56 @@ def test_zero_grad_mid_pass_over_earlier_gradients_is_an_error_naming_one() -> N
         pipe.zero_grad(set_to_none=True)
         twice_with_a_zeroing_hook(pipe, x, set_to_none=False)
     assert_same_grads(graphed, eager)
+
+
+def by_hand(pipe: Pipe) -> None:
+    for p in pipe.parameters():
+        p.grad = None
+
+
+NOT_SEEN: dict[str, Callable[[Pipe], object]] = {
+    "optimizer": lambda pipe: torch.optim.SGD(pipe.parameters(), lr=0.1).zero_grad(),
+    "layer": lambda pipe: nn.Module.zero_grad(pipe[0]),  # torch's own, on a layer
+    "by hand": by_hand,
+}
+
+
+def changing(pipe: Pipe, run: str, change: Callable[[Pipe], object]) -> None:
+    """A step whose third loss, or a backward pass of the user's loop whose
+    hook between two applications of the pipe, runs ``change``."""
+    x = torch.randn(8, 5, dtype=torch.float64)
+    if run == "step":
+        calls = [0]
+
+        def loss(out: Tensor, target: Tensor) -> Tensor:
+            calls[0] += 1
+            if calls[0] == 3:
+                change(pipe)
+            return nn.functional.mse_loss(out, target)
+
+        pipe.train_step(x, x, loss)
+    else:
+        mid = pipe(x)
+        mid.register_hook(lambda g: change(pipe))  # type: ignore[arg-type,return-value]
+        pipe(mid).square().sum().backward()
+
+
+@pytest.mark.parametrize("how", NOT_SEEN)
+@pytest.mark.parametrize("run", ["step", "loop"])
+def test_grad_changed_mid_pass_unseen_is_a_warning_naming_the_parameter(run: str, how: str) -> None:
+    # Graphed stages cannot see these (a check per replay would cost a call
+    # per task): the replays after go on adding into the buffer .grad was,
+    # and the pass's end says so, once per stage.
+    eager, graphed = pair(mlp([5] * 5), chunks=4, schedule="1f1b")
+    for pipe in (eager, graphed):
+        pipe.zero_grad(set_to_none=True)
+        changing(pipe, run, lambda pipe: None)  # captures
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            changing(pipe, run, NOT_SEEN[how])
+        lost = [str(w.message) for w in seen if issubclass(w.category, GraphWarning)]
+        if pipe is eager:
+            assert lost == []
+        else:
+            assert any("gradient of '0.weight' in stage 0 of 2" in w for w in lost)
+            assert all("pipe.zero_grad() there instead" in w for w in lost)
