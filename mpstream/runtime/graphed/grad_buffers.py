@@ -2,7 +2,8 @@
 
 :func:`lay_out` cuts one flat tensor (per device and dtype) into a view per
 parameter, each laid out as autograd would lay out that parameter's
-gradient; :class:`~.grads.GradStore` keeps its buffers so, and a stage's
+gradient; :class:`GradBuffers` keeps a stage's buffers so (and
+:class:`~.grads.GradStore`, built on it, the passes that add into them), and a stage's
 gradients are reduced that way across processes too
 (:mod:`mpstream.distributed.gradients`). :class:`Saved` is what a training
 step that may fail keeps of a store's gradients, to put back after a
@@ -16,9 +17,12 @@ from collections.abc import Callable, Collection, Sequence
 import torch
 from torch import Tensor, nn
 
+from ... import _ext
 from ..stream import current_stream, record_stream
 
-__all__ = ["Saved", "lay_out"]
+__all__ = ["GradBuffers", "Saved", "lay_out"]
+
+_C = _ext.load()
 
 
 def lay_out(
@@ -37,6 +41,72 @@ def lay_out(
         views.append(flat.as_strided(p.shape, strides, offset))
         offset += p.numel()
     return flat, views
+
+
+class GradBuffers:
+    """A graphed stage's gradient buffers, laid out: one flat tensor per
+    device and dtype cut into a view per parameter (:func:`lay_out`), or a
+    side buffer of its own for a parameter another stage holds too.
+
+    Args:
+        params: the stage's parameters that require grad, each once.
+        shared: those another stage holds too (tied), by ``id()``.
+        names: how warnings name each of ``params``.
+
+    Attributes:
+        params: as given.
+        names: as given, or by position.
+        flats: the flat buffers.
+        views: per parameter what its graphs add into: its view of a flat
+            buffer (its ``.grad`` while attached), or its side buffer.
+        device: the parameters' device.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        shared: Collection[int] = frozenset(),
+        names: Sequence[str] = (),
+    ) -> None:
+        self.params = list(params)
+        self.names = list(names) or [f"parameter {i}" for i in range(len(self.params))]
+        self.flats: list[Tensor] = []
+        self.views: list[Tensor] = [torch.empty(0)] * len(self.params)
+        self._owned: list[int] = []  # positions whose .grad is their view
+        self._side: list[int] = []
+        layouts: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for i, p in enumerate(self.params):
+            if id(p) in shared:
+                self._side.append(i)
+                self.views[i] = torch.zeros_like(p)
+            else:
+                self._owned.append(i)
+                layouts.setdefault((p.device, p.dtype), []).append(i)
+        for where in layouts.values():
+            flat, views = lay_out([self.params[i] for i in where], torch.zeros)
+            self.flats.append(flat)
+            for i, view in zip(where, views):
+                self.views[i] = view
+        self._owned_params = [self.params[i] for i in self._owned]
+        self._owned_views = [self.views[i] for i in self._owned]
+        # Which of them are attached, asked in one C++ call.
+        self._attached = _C.Attached(self._owned_params, self._owned_views)
+        self.device = self.params[0].device if self.params else torch.device("cpu")
+
+    def owned(self) -> list[tuple[nn.Parameter, Tensor]]:
+        """Each parameter with a view in the flat buffers, and its view."""
+        return list(zip(self._owned_params, self._owned_views))
+
+    def nbytes(self) -> int:
+        """Bytes of the flat and side buffers."""
+        return sum(f.numel() * f.element_size() for f in [*self.flats, *self._sides()])
+
+    def tied_params(self) -> list[nn.Parameter]:
+        """The parameters held in side buffers (another stage holds them too)."""
+        return [self.params[i] for i in self._side]
+
+    def _sides(self) -> list[Tensor]:
+        return [self.views[i] for i in self._side]
 
 
 class Saved:

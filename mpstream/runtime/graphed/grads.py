@@ -39,11 +39,10 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
-from ... import _ext
 from ..stream import AnyStream, CPUStream, current_stream, record_stream
-from .grad_buffers import Saved, lay_out
+from .grad_buffers import GradBuffers, Saved
 from .keys import hooks_registered
 from .passes import CallerWaits, PassEnd, after, closed, finish_part, opened
 from .tied import TiedHooks
@@ -51,26 +50,23 @@ from .zeroing import grads_changed, lost, track
 
 __all__ = ["GradStore"]
 
-_C = _ext.load()
 _hooks = operator.attrgetter("_post_accumulate_grad_hooks")
 #: The store of each flat buffer's view, by the view's ``id()`` (the view
 #: lives as long as its store): a store taking a ``.grad`` over finds its owner.
 _owners: weakref.WeakValueDictionary[int, GradStore] = weakref.WeakValueDictionary()
 
 
-class GradStore:
-    """The gradient buffers of one graphed stage.
+class GradStore(GradBuffers):
+    """The gradient buffers of one graphed stage (laid out by
+    :class:`~.grad_buffers.GradBuffers`), and the passes that add into them.
 
     Args:
         params: the stage's parameters that require grad, each once.
         shared: those another stage holds too (tied): added into side buffers.
+        tied: the side buffers' sums, shared by the stages of one pipe.
         names: how warnings name each of ``params``.
 
     Attributes:
-        params: as given.
-        views: per parameter what its graphs add into: its view of a flat
-            buffer (its ``.grad`` while attached), or its side buffer.
-        device: the parameters' device.
         ready: :meth:`ensure`'s answers that still hold (see ``__init__``).
     """
 
@@ -81,34 +77,12 @@ class GradStore:
         tied: TiedHooks | None = None,
         names: Sequence[str] = (),
     ) -> None:
-        self.params = list(params)
-        self.names = list(names) or [f"parameter {i}" for i in range(len(self.params))]
+        super().__init__(params, shared, names)
         self.tied = tied or TiedHooks()
-        self.flats: list[Tensor] = []
-        self.views: list[Tensor] = [torch.empty(0)] * len(self.params)
-        self._owned: list[int] = []  # positions whose .grad is their view
-        self._side: list[int] = []
-        layouts: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-        for i, p in enumerate(self.params):
-            if id(p) in shared:
-                self._side.append(i)
-                self.views[i] = torch.zeros_like(p)
-            else:
-                self._owned.append(i)
-                layouts.setdefault((p.device, p.dtype), []).append(i)
-        for where in layouts.values():
-            flat, views = lay_out([self.params[i] for i in where], torch.zeros)
-            self.flats.append(flat)
-            for i, view in zip(where, views):
-                self.views[i] = view
         self.tied.shared.update(id(self.params[i]) for i in self._side)
-        self._owned_params = [self.params[i] for i in self._owned]
-        self._owned_views = [self.views[i] for i in self._owned]
-        self._attached = _C.Attached(self._owned_params, self._owned_views)
         for view in self._owned_views:
             _owners[id(view)] = self
         track(self)
-        self.device = self.params[0].device if self.params else torch.device("cpu")
         self._detached: set[int] = set()  # positions detached at the pass's start, not since
         # Positions this pass's replays added into, and those of them whose
         # view was zeroed in this pass before (.grad was None): see added_in_pass.
@@ -422,18 +396,3 @@ class GradStore:
     def release(self) -> None:
         """Forgets what :meth:`save` saved (a step that succeeded)."""
         self._saved = None
-
-    def owned(self) -> list[tuple[nn.Parameter, Tensor]]:
-        """Each parameter with a view in the flat buffers, and its view."""
-        return list(zip(self._owned_params, self._owned_views))
-
-    def nbytes(self) -> int:
-        """Bytes of the flat and side buffers."""
-        return sum(f.numel() * f.element_size() for f in [*self.flats, *self._sides()])
-
-    def tied_params(self) -> list[nn.Parameter]:
-        """The parameters held in side buffers (another stage holds them too)."""
-        return [self.params[i] for i in self._side]
-
-    def _sides(self) -> list[Tensor]:
-        return [self.views[i] for i in self._side]
