@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from ..memory.batchnorm import converted, deferred_norms
-from ..runtime.graphed import Backend, grads_changed, kept_in_pass
+from ..runtime.graphed import Backend, grads_zeroed
 from ..runtime.microbatch import Value
 from ..schedules.schedule import PipeSchedule, check_schedule
 from ..stages.build import build, check_module, undone_on_error
@@ -292,25 +292,18 @@ class Pipe(PipeStep):
         """``nn.Module.zero_grad``, which graphed stages see even in the
         middle of a pass: a ``train_step``'s ``loss_fn``, or a hook, may
         call it, and the micro-batches after it add into fresh gradients, as
-        eager autograd's do. In a backward pass of your own loop, where
-        autograd accumulates a parameter's gradient at the pass's end, what
-        the graphs added so far in the pass is left as it is.
+        eager autograd's do. In a backward pass of your own loop, graphed
+        stages add as they run, where autograd accumulates a parameter once
+        the pass is done with it: a parameter they added into both before
+        and after the zeroing holds only the part after, and a
+        ``GraphWarning`` names it (zero before the backward, or use
+        ``graphs=False``; see docs/tuning.md).
 
         Args:
             set_to_none: set ``.grad`` to None rather than zero it in place.
-
-        Raises:
-            RuntimeError: called in a backward pass of your own loop after
-                graphed stages added into gradients that held earlier
-                passes' too (nothing is zeroed then).
         """
-        kept = [(p, p.grad) for p in kept_in_pass(self.named_parameters())]
-        for p, _ in kept:
-            p.grad = None  # skipped by the zeroing below, then put back
         super().zero_grad(set_to_none)
-        for p, grad in kept:
-            p.grad = grad
-        grads_changed()
+        grads_zeroed(self.parameters())
 
     def extra_repr(self) -> str:
         split = (

@@ -30,7 +30,7 @@ from .grads import GradStore
 from .keys import generation
 from .report import GraphReport, GraphWarning, StageReport
 from .stages import MAX_CALLS, MAX_GENERATIONS, StageGraphs
-from .zeroing import grads_changed, kept_in_pass
+from .zeroing import grads_zeroed
 
 __all__ = [
     "Backend",
@@ -45,6 +45,5 @@ __all__ = [
     "StageGraphs",
     "StageReport",
     "generation",
-    "grads_changed",
-    "kept_in_pass",
+    "grads_zeroed",
 ]

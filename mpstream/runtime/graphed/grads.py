@@ -46,7 +46,7 @@ from .grad_buffers import GradBuffers, Saved
 from .keys import hooks_registered
 from .passes import CallerWaits, PassEnd, after, closed, finish_part, opened
 from .tied import TiedHooks
-from .zeroing import grads_changed, lost, track
+from .zeroing import PassChanges, grads_changed, track, unseen, warn_all, zeroed_midway
 
 __all__ = ["GradStore"]
 
@@ -84,11 +84,7 @@ class GradStore(GradBuffers):
             _owners[id(view)] = self
         track(self)
         self._detached: set[int] = set()  # positions detached at the pass's start, not since
-        # Positions this pass's replays added into, and those of them whose
-        # view was zeroed in this pass before (.grad was None): see added_in_pass.
-        self._added: set[int] = set()
-        self._fresh: set[int] = set()
-        self._since: set[int] = set()  # those added into since the last check: see flush
+        self._changes = PassChanges()  # this pass's, checked at its end (see flush)
         self._hooked: list[int] = []  # positions with post-accumulate hooks, this pass
         self._hooks_at: list[int] = []  # the same, as last scanned (see _with_hooks)
         self._hooks_seen = -1  # the hook counter then
@@ -136,7 +132,7 @@ class GradStore(GradBuffers):
             ready = {}
             self._pass, self.ready, self._taken_from = token, ready, False
             self._detached = {self._owned[j] for j in self._attached.detached()}
-            self._added, self._fresh, self._since = set(), set(), set()
+            self._changes = PassChanges()
             self._hooked = self._with_hooks()
             if autograd:
                 self._end = opened(self, token)
@@ -146,7 +142,8 @@ class GradStore(GradBuffers):
             # that may have taken one away: the next replay must not add
             # into this store's view, no longer .grad.
             ready = {}
-            self.ready, self._taken_from, self._since = ready, False, set()
+            self.ready, self._taken_from = ready, False
+            self._changes.since = set()
             self._detached = {self._owned[j] for j in self._attached.detached()}
         # By value: each slot's call holds an equal set of its own. Its
         # replay runs on the stream the first one's did (the stage's, where
@@ -162,8 +159,11 @@ class GradStore(GradBuffers):
         if fresh:
             self._attach(fresh, stream)
             self._detached.difference_update(fresh)
-        self._added.update(reached)
-        self._since.update(reached)
+        changes = self._changes  # inline: no Python call here (see zeroing.PassChanges)
+        changes.added.update(reached)
+        changes.since.update(reached)
+        if changes.zeroed:
+            changes.again.update(changes.zeroed.intersection(reached))
         sides = [i for i in self._side if i in reached and i not in self._reached_side]
         for i in sides:
             self.views[i].zero_()
@@ -179,23 +179,19 @@ class GradStore(GradBuffers):
         ready[key] = hooked
         return hooked
 
-    def recheck(self) -> None:
+    def recheck(self, zeroed: frozenset[int] = frozenset()) -> None:
         """Checks the parameters again before the next replay adds (after
-        ``.grad`` may have changed: :func:`~.zeroing.grads_changed`)."""
+        ``.grad`` may have changed: :func:`~.zeroing.grads_changed`); in a
+        backward pass of the user's loop, notes those of ``zeroed``
+        (``id()``, by ``Pipe.zero_grad``) its replays added into so far."""
         self._taken_from, self.ready = True, {}  # after .grad changed (see __init__)
-        self._since = set()  # what changed .grad said so: nothing lost (see flush)
-
-    def added_in_pass(self) -> tuple[list[nn.Parameter], list[nn.Parameter]] | None:
-        """In a backward pass of the user's loop still running, the
-        parameters its replays added into whose ``.grad`` is still their
-        view: those whose ``.grad`` was None before (it holds the pass's
-        gradient alone), and the others (earlier gradients too). None
-        outside such a pass."""
-        if self._end is None or self._end() is None or self._pass is None:
-            return None
-        added = [i for i in sorted(self._added) if self.params[i].grad is self.views[i]]
-        fresh = [self.params[i] for i in added if i in self._fresh]
-        return fresh, [self.params[i] for i in added if i not in self._fresh]
+        changes = self._changes
+        changes.since = set()  # what changed .grad said so: nothing lost (see flush)
+        if zeroed and changes.added and self._end is not None and self._end() is not None:
+            # Not side buffers: each is added into .grad whole at the pass's end.
+            changes.zeroed.update(
+                i for i in changes.added if id(self.params[i]) in zeroed and i not in self._side
+            )
 
     def _with_hooks(self) -> list[int]:
         """The positions of the parameters with post-accumulate-grad hooks,
@@ -218,7 +214,6 @@ class GradStore(GradBuffers):
             had = [(i, self.params[i].grad) for i in fresh]
             nones = [i for i, g in had if g is None]
             others = [(i, g) for i, g in had if g is not None]
-            self._fresh.update(nones)
             if len(nones) == len(self._owned):
                 # The common case, after zero_grad(): a kernel per flat buffer
                 # (per dtype), where one list of views of several dtypes would
@@ -257,14 +252,17 @@ class GradStore(GradBuffers):
 
         Warns where ``.grad`` of a parameter the graphs added into since the
         store last checked is no longer its view, nor another store's that
-        took it over (:func:`~.zeroing.lost`)."""
-        since, self._since = self._since, set()
-        if since:
+        took it over (:func:`~.zeroing.unseen`), and where ``Pipe.zero_grad``
+        ran between replays of the pass that added into it
+        (:func:`~.zeroing.zeroed_midway`)."""
+        changes = self._changes  # replaced as the next pass begins (ensure)
+        warnings = [zeroed_midway(self.names[min(changes.again)])] if changes.again else []
+        if changes.since:
             # A C++ call per store and pass; a loop, not a comprehension
             # (a Python call before 3.12), where nothing was lost.
             for j in self._attached.detached():
-                if self._owned[j] in since:
-                    self._lost(since, autograd)
+                if self._owned[j] in changes.since:
+                    warnings += self._lost(changes.since, autograd)
                     break
         reached, self._reached_side = sorted(self._reached_side), set()
         streams, self._streams = list(self._streams.values()), {}
@@ -281,17 +279,19 @@ class GradStore(GradBuffers):
                 hook(p)
         if hooks:
             grads_changed()  # a hook may take another store's .grad before its flush
+        if warnings:
+            warn_all(warnings)  # the store's state consistent first (-W error raises)
         return streams
 
-    def _lost(self, since: set[int], autograd: bool) -> None:
-        """Warns about the first parameter of ``since`` whose ``.grad`` is
-        neither its view nor another store's (see :meth:`flush`)."""
+    def _lost(self, since: set[int], autograd: bool) -> list[str]:
+        """The warning about the first parameter of ``since`` whose ``.grad``
+        is neither its view nor another store's (see :meth:`flush`)."""
         for i in sorted(since):
             g = self.params[i].grad
             if i in self._side or g is self.views[i] or _owners.get(id(g)) not in (None, self):
                 continue
-            lost(self.names[i], autograd)
-            return
+            return [unseen(self.names[i], autograd)]
+        return []
 
     def discard(self) -> None:
         """Forgets a backward pass of the user's loop that failed before its
@@ -305,7 +305,8 @@ class GradStore(GradBuffers):
             return
         after(current_stream(self.device), self._streams.values())
         self._pass, self.ready, self._reached_side, self._end = None, {}, set(), None
-        self._hooks, self._tied_hooks, self._streams, self._since = set(), set(), {}, set()
+        self._hooks, self._tied_hooks, self._streams = set(), set(), {}
+        self._changes = PassChanges()
         self.tied.discard()
         closed(self)
 
@@ -346,7 +347,7 @@ class GradStore(GradBuffers):
             return
         saved.put_back(self.flats, self._owned_params, self._owned_views)
         self._pass, self.ready, self._reached_side, self._streams = None, {}, set(), {}
-        self._since = set()  # .grad as it was: nothing lost
+        self._changes = PassChanges()  # .grad as it was: nothing lost
 
     @contextmanager
     def undone(self, task: int = -1) -> Iterator[None]:
@@ -363,7 +364,7 @@ class GradStore(GradBuffers):
         kept = (self._pass, self.ready, self._reached_side, self._hooks, self._tied_hooks)
         streams, taken, end = self._streams, self._taken_from, self._end
         detached, hooked, saved = self._detached, self._hooked, self._saved
-        added, fresh, since = self._added, self._fresh, self._since
+        changes = self._changes
         stream = current_stream(self.device)
         after(stream, streams.values())  # the copies below read what the pass added
         sides = [(self.views[i], self.views[i].clone()) for i in self._reached_side]
@@ -379,7 +380,7 @@ class GradStore(GradBuffers):
                     view.copy_(before)
             self._pass, self.ready, self._reached_side, self._hooks, self._tied_hooks = kept
             self._detached, self._hooked = detached, hooked
-            self._added, self._fresh, self._since = added, fresh, since
+            self._changes = changes
             self._saved = saved
             self._taken_from = taken or self._taken_from  # one more check costs nothing
             if self._taken_from:

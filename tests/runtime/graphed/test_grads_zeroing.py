@@ -1,10 +1,11 @@
 """``pipe.zero_grad()`` in the middle of a pass through graphed stages: in a
 ``train_step``'s ``loss_fn`` the micro-batches after it add into fresh
 gradients, as the eager pipe's and a plain model's gradient-accumulation
-loop do; in a backward pass of the user's loop (from a tensor hook) what the
-pass added so far is kept, as autograd accumulates at the pass's end, and
-where that cannot be told from earlier gradients it is an error (replays
-emulated on the CPU, see test_stages.py)."""
+loop do; in a backward pass of the user's loop (from a tensor hook) it
+zeroes as torch's does, which autograd matches where the pass was done with
+a parameter, and a parameter the graphs add into both before and after it is
+a warning; a ``.grad`` changed by code graphed stages do not see is a warning
+too (replays emulated on the CPU, see test_stages.py)."""
 
 from __future__ import annotations
 
@@ -101,55 +102,99 @@ def test_zero_grad_in_loss_fn_leaves_the_later_micro_batches_gradients(
                 torch.testing.assert_close(p.grad, expected, msg=f"gradient of {name}")
 
 
+def same_grads(a: nn.Module, b: nn.Module) -> None:
+    """``a``'s gradients equal ``b``'s, None where ``b``'s are None."""
+    for (name, x), (_, y) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        if y.grad is None:
+            assert x.grad is None, name
+        else:
+            torch.testing.assert_close(x.grad, y.grad, msg=f"gradient of {name}")
+
+
+@pytest.mark.filterwarnings("error::mpstream.runtime.graphed.GraphWarning")  # nothing lost
+@pytest.mark.parametrize("set_to_none", [True, False])
+@pytest.mark.parametrize("zeroed_before", [True, False], ids=["zeroed", "accumulated"])
+def test_zero_grad_from_a_hook_after_the_pipe_s_backward_zeroes_as_torch_s(
+    zeroed_before: bool, set_to_none: bool
+) -> None:
+    # The pipe is only downstream of the hooked value: autograd accumulated
+    # its parameters' whole gradients before the hook ran, so the hook's
+    # zeroing leaves nothing of the pass (over earlier passes' gradients or
+    # not), and the graphs, done adding too, must leave nothing either.
+    model = mlp([5] * 5)
+    plain = copy.deepcopy(model)
+    eager, graphed = pair(model, chunks=2)
+    x = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+    for _ in range(3):  # the first pass captures
+        for pipe in (plain, eager, graphed):
+            if zeroed_before:
+                pipe.zero_grad(set_to_none=True)
+            mid = x * 2
+            mid.register_hook(lambda g, pipe=pipe: pipe.zero_grad(set_to_none=set_to_none))
+            pipe(mid).square().sum().backward()
+        same_grads(eager, plain)
+        same_grads(graphed, plain)
+    assert all((p.grad is None) == set_to_none for p in graphed.parameters())
+
+
 def twice_with_a_zeroing_hook(pipe: nn.Module, x: Tensor, set_to_none: bool) -> None:
     """One backward pass through the pipe applied twice: its second
     application's backward runs first, then a hook on the value between
     them zeroes the gradients, then the first application's."""
+    pipe.zero_grad(set_to_none=True)
     mid = pipe(x)
     mid.register_hook(lambda g: pipe.zero_grad(set_to_none=set_to_none))  # type: ignore[operator]
     pipe(mid).square().sum().backward()
 
 
-@pytest.mark.filterwarnings("error::mpstream.runtime.graphed.GraphWarning")  # nothing lost
 @pytest.mark.parametrize("set_to_none", [True, False])
-@pytest.mark.parametrize("chunks", [2, 3])
-def test_a_tensor_hook_that_sets_grad_to_none_mid_pass_keeps_the_pass_s_gradient(
-    chunks: int, set_to_none: bool
+def test_zero_grad_between_two_replays_adding_into_a_gradient_warns_naming_it(
+    set_to_none: bool,
 ) -> None:
-    # Eager autograd accumulates each parameter once, at the pass's end, so
-    # .grad is the whole pass's: what the graphs added before the hook stays.
-    model = mlp([5] * 5)
-    plain = copy.deepcopy(model)
-    eager, graphed = pair(model, chunks=chunks)
-    x = torch.randn(4, 5, dtype=torch.float64)
-    for _ in range(3):  # the first pass captures
-        for pipe in (plain, eager, graphed):
-            pipe.zero_grad(set_to_none=True)
-            twice_with_a_zeroing_hook(pipe, x, set_to_none)
-        assert_same_grads(eager, plain)
-        assert_same_grads(graphed, plain)
-
-
-def test_zero_grad_mid_pass_over_earlier_gradients_is_an_error_naming_one() -> None:
-    # The graphs added the pass's gradient so far into .grad, which held the
-    # previous pass's too: the pass's own part cannot be told apart.
+    # Autograd accumulates each parameter once the pass is done with it, so
+    # .grad is the whole pass's; the graphs added the second application's
+    # part before the zeroing and keep only the first's: not silently.
     eager, graphed = pair(mlp([5] * 5), chunks=2)
     x = torch.randn(4, 5, dtype=torch.float64)
     for pipe in (eager, graphed):
-        twice_with_a_zeroing_hook(pipe, x, set_to_none=True)  # from None: right
-    before = [p.grad.clone() for p in graphed.parameters()]  # type: ignore[union-attr]
-    with pytest.raises(RuntimeError, match=r"zero_grad\(\).*'0\.weight'.*graphs=False"):
-        twice_with_a_zeroing_hook(graphed, x, set_to_none=True)
-    # Nothing zeroed: .grad holds what the graphs added before the failure
-    # (the second application's backward reached every parameter).
-    assert all(
-        p.grad is not None and not torch.equal(p.grad, b)
-        for p, b in zip(graphed.parameters(), before)
-    )
-    for pipe in (eager, graphed):  # and the next pass from None is right again
-        pipe.zero_grad(set_to_none=True)
-        twice_with_a_zeroing_hook(pipe, x, set_to_none=False)
-    assert_same_grads(graphed, eager)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for _ in range(3):  # the first pass captures
+                twice_with_a_zeroing_hook(pipe, x, set_to_none)
+        said = [str(w.message) for w in seen if issubclass(w.category, GraphWarning)]
+        if pipe is eager:
+            assert said == []
+            continue
+        # One per store and pass, naming its first such parameter.
+        assert len(said) == 2 * 3
+        assert sum("gradient of '0.weight' in stage 0 of 2" in w for w in said) == 3
+        assert sum("gradient of '4.weight' in stage 1 of 2" in w for w in said) == 3
+        assert all("zero the gradients before the backward" in w.lower() for w in said)
+        assert all("graphs=False" in w for w in said)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="known: in the user's loop the graphs add as they run, and a parameter zeroed "
+    "between two of one pass's replays that add into it keeps only the part after "
+    "(a GraphWarning says so); see docs/tuning.md",
+)
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad_between_two_replays_adding_into_a_gradient_keeps_the_pass_s(
+    set_to_none: bool,
+) -> None:
+    model = mlp([5] * 5)
+    plain = copy.deepcopy(model)
+    eager, graphed = pair(model, chunks=2)
+    x = torch.randn(4, 5, dtype=torch.float64)
+    for _ in range(2):  # the first pass captures
+        for pipe in (plain, eager):
+            twice_with_a_zeroing_hook(pipe, x, set_to_none)
+        with pytest.warns(GraphWarning, match="between replays"):
+            twice_with_a_zeroing_hook(graphed, x, set_to_none)
+        assert_same_grads(eager, plain)
+        assert_same_grads(graphed, plain)
 
 
 def by_hand(pipe: Pipe) -> None:
