@@ -18,33 +18,48 @@ pytest.importorskip("hypothesis", reason="a property test: needs hypothesis (the
 
 import random
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 from hypothesis import strategies as st
-from torch import nn
+from torch import Tensor, nn
 
 import mpstream
 from mpstream import Pipe
 from mpstream.memory.checkpoint import MODES
+from mpstream.observe.profiling import Profile
 from mpstream.runtime.graphed import Emulated
 from mpstream.schedules import PLACEMENTS
 from tests.random_models import Recipe, micro_batches, recipes, split_args
 
-__all__ = ["Call", "Session", "sessions", "make_pipe", "micros", "virtual_for"]
+__all__ = [
+    "Call",
+    "Session",
+    "sessions",
+    "make_pipe",
+    "micros",
+    "virtual_for",
+    "strict_hook",
+    "check_profile",
+]
 
 
 @dataclass(frozen=True)
 class Call:
     """One call of the session."""
 
-    kind: str  # "no_grad", "backward" (a user loop's) or "train_step"
+    kind: str  # "no_grad", "backward" (a user loop's), "grad" (torch.autograd.grad) or "train_step"
     batch: int
     training: bool
     input_grad: bool
     zero_grad: bool  # gradients set to None before it (else they accumulate)
-    hook: bool  # a gradient hook registered on a parameter before it
+    hooks: int  # strict gradient hooks registered before it, on parameters spread over blocks
     toggle: int | None  # a block whose parameters' requires_grad flips before it
     sgd: bool  # an SGD step after it
+    profiled: bool  # runs inside ``with mpstream.profile(pipe)``
+    io_hooks: bool  # strict hooks on the inputs and the pipe's outputs ("backward", "grad")
+    retain: bool  # "backward": twice, the first with retain_graph=True
+    ignore: bool  # the loss ignores the first output leaf (of several): a dead value
 
 
 @dataclass(frozen=True)
@@ -100,14 +115,18 @@ def sessions(draw: st.DrawFn) -> tuple[Recipe, Session]:
     how, size = draw(st.sampled_from(["chunks", "split_size", None])), draw(st.integers(1, 6))
     call = st.builds(
         Call,
-        kind=st.sampled_from(["backward", "train_step", "no_grad"]),
+        kind=st.sampled_from(["backward", "train_step", "no_grad", "backward", "grad"]),
         batch=st.integers(2, 9),
         training=st.sampled_from([True, True, False]),
         input_grad=st.booleans(),
         zero_grad=st.booleans(),
-        hook=st.sampled_from([False, False, True]),
+        hooks=st.sampled_from([0, 0, 1, 3]),
         toggle=st.none() | st.none() | st.integers(0, n - 1),
         sgd=st.booleans(),
+        profiled=st.sampled_from([False, False, True]),
+        io_hooks=st.sampled_from([False, True]),
+        retain=st.sampled_from([False, False, True]),
+        ignore=st.sampled_from([False, False, True]),
     )
     sequential = recipe.is_chain and draw(st.booleans())
     dtype = draw(st.sampled_from([torch.float64] * 3 + [torch.float32] * 3
@@ -170,3 +189,42 @@ def make_pipe(model: nn.Module, s: Session, recipe: Recipe, order: str | None = 
         deferred_batch_norm=s.deferred,
         **kw,
     )
+
+
+def strict_hook(factor: float | None, what: str) -> Any:
+    """A tensor hook that fails if called with None (the pipe calls hooks
+    only where the plain model does, which never passes None), scaling the
+    gradient by ``factor`` (None: only looks)."""
+
+    def hook(grad: Tensor | None) -> Tensor | None:
+        assert grad is not None, f"{what}: a tensor hook called with None"
+        return None if factor is None else grad * factor
+
+    return hook
+
+
+def check_profile(
+    prof: Profile, s: Session, kind: str, passes: int, backward: bool, what: str
+) -> None:
+    """A profiled call's timeline: it reads (summary, chrome trace), its
+    spans are of the pipe's stages and last no negative time, and every
+    stage forwarded (none of a refused ``train_step``: a call that raises
+    leaves no spans); a call whose loss reached a backward has backward spans
+    in ``train_step`` (the scheduler times it) and at most one per stage,
+    micro-batch and backward pass (``passes``) in a user loop (autograd's
+    marks)."""
+    if kind == "train_step" and not backward:  # refused: a call that raises leaves no spans
+        assert not prof.spans, f"{what}: spans of a refused call: {prof.spans}"
+        return
+    prof.summary(echo=False)
+    prof.chrome_trace()
+    for span in prof.spans:
+        assert span.end_ms >= span.start_ms, f"{what}: {span} ends before it starts"
+        assert -1 <= span.stage < s.stages, f"{what}: {span} of no stage"
+    forwards = {span.stage for span in prof.spans if span.kind == "forward"}
+    assert forwards == set(range(s.stages)), f"{what}: forward spans of stages {forwards}"
+    backs = [(span.stage, span.micro) for span in prof.spans if span.kind == "backward"]
+    if kind == "train_step" and backward:
+        assert backs, f"{what}: a train_step with no backward span"
+    elif kind in ("backward", "grad"):
+        assert all(backs.count(b) <= passes for b in backs), f"{what}: backward spans {backs}"

@@ -4,10 +4,19 @@ keeps computing what the plain model computes.
 Where :mod:`tests.pipe.test_random_models` checks one configuration on a
 fixed sequence of calls, this draws the sequence: two to four calls, each
 with its own batch size, train or eval mode, inputs that require grad or
-not, and kind (``no_grad``; a user loop's ``loss_fn(pipe(x), y).backward()``;
-``train_step``), gradients zeroed before it or accumulated, a tensor hook
-registered on a parameter or a block frozen or unfrozen before it, an SGD
-step after it. The pipe (:mod:`tests.random_sessions`) has some blocks
+not, and kind (``no_grad``; a user loop's ``loss_fn(pipe(x), y).backward()``,
+sometimes twice, the first with ``retain_graph=True``; the same loss's
+``torch.autograd.grad`` of some parameters and the inputs; ``train_step``),
+gradients zeroed before it or accumulated, strict tensor hooks (failing if
+called with None) registered on parameters of several blocks, on the inputs
+and on the pipe's outputs, or a block frozen or unfrozen before it, an SGD
+step after it, and a loss that may ignore the first of several output
+leaves (what only it reads is a dead value, as is a block's output no later
+block reads). Some calls run inside ``mpstream.profile``; their timeline
+must read and hold sound spans (:func:`tests.random_sessions.check_profile`).
+With emulated CUDA graphs a second backward and ``torch.autograd.grad`` of
+parameters are left out (graphed stages refuse or do not give them, as
+docs/tuning.md says). The pipe (:mod:`tests.random_sessions`) has some blocks
 frozen (``requires_grad=False``), runs in float64, float32, bfloat16 or
 float16, and often under ``torch.autocast`` (bfloat16 or float16), on 1-6
 stages (up to six stages on one rank for the interleaved schedules) split
@@ -34,6 +43,7 @@ pytest.importorskip("hypothesis", reason="a property test: needs hypothesis (the
 import contextlib
 import copy
 import os
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -41,10 +51,18 @@ from hypothesis import HealthCheck, event, given, note, settings
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
-from mpstream import NoChunk, Pipe
+from mpstream import NoChunk, Pipe, profile
 from mpstream.schedules import parse
 from tests.random_models import Recipe, Reference, build, leaves, micro_batches, random_order
-from tests.random_sessions import Call, Session, make_pipe, micros, sessions
+from tests.random_sessions import (
+    Call,
+    Session,
+    check_profile,
+    make_pipe,
+    micros,
+    sessions,
+    strict_hook,
+)
 
 #: (rtol, atol) per dtype; float64 is torch's default.
 TOLERANCE: dict[torch.dtype, tuple[float, float]] = {
@@ -163,6 +181,9 @@ def check(recipe: Recipe, s: Session) -> None:
 
     for i, (c, training) in enumerate(zip(s.calls, modes)):
         what = f"call {i} ({c.kind})"
+        # Graphed stages refuse a second backward through one forward
+        # (docs/tuning.md): with graphs, once.
+        c = replace(c, retain=c.retain and not s.graphs)
         pipe.train(training)
         ref.train(training)
         if c.zero_grad:
@@ -175,13 +196,13 @@ def check(recipe: Recipe, s: Session) -> None:
                     p.requires_grad_(not p.requires_grad)
                     pipe.get_parameter(name).requires_grad_(p.requires_grad)
         trainable = [name for name, p in ref.named_parameters() if p.requires_grad]
-        if c.hook and trainable:
-            name = trainable[i % len(trainable)]
-            factor = float(i + 2)
-            # Not None-safe: the pipe calls a hook only where the plain
-            # model does (tests/pipe/test_dead_values.py), never with None.
+        for j in range(c.hooks if trainable else 0):  # spread over the blocks
+            name = trainable[(i + j * max(1, len(trainable) // c.hooks)) % len(trainable)]
+            # Strict: the pipe calls a hook only where the plain model does
+            # (tests/pipe/test_dead_values.py), never with None.
             for module in (pipe, ref):
-                module.get_parameter(name).register_hook(lambda g, f=factor: g * f)
+                hook = strict_hook(float(i + j + 2), f"{what}: hook on {name}")
+                module.get_parameter(name).register_hook(hook)
         # Under autocast the plain model runs on the micro-batches too: a
         # reduced-precision kernel rounds its sums by the batch size.
         per_micro = recipe.has_norm and training or s.autocast is not None
@@ -200,10 +221,11 @@ def check(recipe: Recipe, s: Session) -> None:
         )
         refusal = refused(recipe, s, training) if training != modes[0] else None
         statistics = {n: b.clone() for n, b in ref.named_buffers()}
+        timing = profile(pipe) if c.profiled else contextlib.nullcontext()
         try:
-            with autocast:
-                call(pipe, plain, c, s, what, cmp, (xs, rs, inputs), (kw_pipe, kw_ref, scale),
-                     (order, count))  # fmt: skip
+            with autocast, timing as prof:
+                backward = call(pipe, plain, c, s, what, cmp, (xs, rs, inputs),
+                                (kw_pipe, kw_ref, scale), (order, count))  # fmt: skip
         except (TypeError, ValueError) as e:
             if refusal is None or not isinstance(e, refusal[0]) or refusal[1] not in str(e):
                 raise
@@ -214,6 +236,9 @@ def check(recipe: Recipe, s: Session) -> None:
             cmp.state(pipe, ref, f"{what}: refused")
             return
         assert refusal is None, f"{what}: not refused"
+        if prof is not None:
+            passes = 2 if c.kind == "backward" and c.retain else 1
+            check_profile(prof, s, c.kind, passes, backward, what)
         cmp.state(pipe, ref, what)
         if c.sgd:
             torch.optim.SGD(pipe.parameters(), lr=0.1).step()
@@ -240,59 +265,105 @@ def call(
     tensors: tuple[tuple[Tensor, ...], tuple[Tensor, ...], tuple[Tensor, ...]],
     kws: tuple[dict[str, Any], dict[str, Any], Tensor | None],
     order: tuple[str | None, int],
-) -> None:
+) -> bool:
     """Makes call ``c`` of the pipe and of the plain model, and compares
-    what it returns and (after :meth:`Reference.settle`) nothing else."""
+    what it returns and (after :meth:`Reference.settle`) nothing else.
+    Returns whether the plain model's loss ran a backward."""
     (xs, rs, inputs), (kw_pipe, kw_ref, scale) = tensors, kws
     ref = plain.model
 
     def loss_fn(out: Any, target: Any) -> Tensor:
-        pairs = zip(leaves(out), leaves(target))
+        pairs = list(zip(leaves(out), leaves(target)))
+        if c.ignore and len(pairs) > 1:  # what only that leaf reads is a dead value
+            pairs = pairs[1:]
         return sum(nn.functional.mse_loss(o, t) for o, t in pairs)  # type: ignore[return-value]
 
     if c.kind == "no_grad":
         with torch.no_grad():
             cmp.same(pipe(*xs, **kw_pipe), plain(*rs, **kw_ref), what)
-    elif c.kind == "backward":
-        out, expected = pipe(*xs, **kw_pipe), plain(*rs, **kw_ref)
-        cmp.same(out, expected, what)
-        target = pytree.tree_map(torch.randn_like, expected)
-        loss, want = loss_fn(out, target), loss_fn(expected, target)
-        cmp.close(loss, want, f"{what}: loss")
-        if want.requires_grad:
-            loss.backward()  # type: ignore[no-untyped-call]
-            want.backward()  # type: ignore[no-untyped-call]
+        return False
+    if c.kind == "train_step":
+        return train_step(pipe, plain, c, s, what, cmp, inputs, (kw_ref, scale), order, loss_fn)
+    if c.io_hooks:
         for x, r in zip(xs, rs):
-            cmp.grad(x.grad, r.grad, f"{what}: input gradient")
-    else:
-        args: Any = inputs if len(inputs) > 1 else inputs[0]
-        if scale is not None:
-            args = (*inputs, NoChunk(scale), 0.5)
-        count = micros(c.batch, s)
-        if order[0] is not None and count != order[1]:
-            # Refused before anything runs, saying what to give.
-            with pytest.raises(ValueError, match=f"give an order for {count}"):
-                pipe.train_step(args, inputs[0], loss_fn)  # refused before any loss
-            event("outcome", "another micro-batch count than the order's: refused")
-            return
-        statistics = {n: b.clone() for n, b in ref.named_buffers()}
-        expected = plain(*inputs, **kw_ref)
-        target = pytree.tree_map(lambda e: torch.randn_like(e.detach()), expected)
-        want = loss_fn(expected, target)
-        try:
-            loss = pipe.train_step(args, target, loss_fn)
-        except RuntimeError as e:
-            # Every parameter the loss reads is frozen: refused, as the
-            # plain backward is, the statistics its forwards wrote put back.
-            assert not want.requires_grad and "does not require grad" in str(e), e
-            for name, b in ref.named_buffers():
-                b.copy_(statistics[name])
-            plain.stats = None
-            return
-        assert want.requires_grad, f"{what}: a loss that needs no gradient, not refused"
-        want.backward()  # type: ignore[no-untyped-call]
-        cmp.close(loss, want.detach(), f"{what}: loss")
+            if x.requires_grad:
+                x.register_hook(strict_hook(3.0, f"{what}: input hook"))
+                r.register_hook(strict_hook(3.0, f"{what}: input hook"))
+    out, expected = pipe(*xs, **kw_pipe), plain(*rs, **kw_ref)
+    cmp.same(out, expected, what)
+    if c.io_hooks:  # looking only: the pipe may return distinct tensors for one
+        for t in [*leaves(out), *leaves(expected)]:
+            if t.requires_grad:
+                t.register_hook(strict_hook(None, f"{what}: output hook"))
+    target = pytree.tree_map(torch.randn_like, expected)
+    loss, want = loss_fn(out, target), loss_fn(expected, target)
+    cmp.close(loss, want, f"{what}: loss")
+    if not want.requires_grad:
+        assert not loss.requires_grad, f"{what}: a loss that needs no gradient"
+    elif c.kind == "backward":
+        for _ in range(2 if c.retain else 1):  # the first keeps the graph when twice
+            loss.backward(retain_graph=c.retain)  # type: ignore[no-untyped-call]
+            want.backward(retain_graph=c.retain)  # type: ignore[no-untyped-call]
+    else:  # torch.autograd.grad: some parameters and the inputs, no .grad set
+        # Autograd sees no parameter of a graphed stage (docs/tuning.md):
+        # with graphs, input gradients only.
+        names = [] if s.graphs else [n for n, p in ref.named_parameters() if p.requires_grad][::2]
+        wrt = [pipe.get_parameter(n) for n in names] + [x for x in xs if x.requires_grad]
+        wrt_ref = [ref.get_parameter(n) for n in names] + [r for r in rs if r.requires_grad]
+        if wrt:
+            got = torch.autograd.grad(loss, wrt, allow_unused=True)
+            expect = torch.autograd.grad(want, wrt_ref, allow_unused=True)
+            for k, (g, e) in enumerate(zip(got, expect)):
+                cmp.grad(g, e, f"{what}: autograd.grad of {(names + ['input'] * 2)[k]}")
+    for x, r in zip(xs, rs):
+        cmp.grad(x.grad, r.grad, f"{what}: input gradient")
     plain.settle()
+    return bool(want.requires_grad)
+
+
+def train_step(
+    pipe: Pipe,
+    plain: Reference,
+    c: Call,
+    s: Session,
+    what: str,
+    cmp: Compare,
+    inputs: tuple[Tensor, ...],
+    kws: tuple[dict[str, Any], Tensor | None],
+    order: tuple[str | None, int],
+    loss_fn: Any,
+) -> bool:
+    """A ``train_step`` call of the session (see :func:`call`)."""
+    (kw_ref, scale), ref = kws, plain.model
+    args: Any = inputs if len(inputs) > 1 else inputs[0]
+    if scale is not None:
+        args = (*inputs, NoChunk(scale), 0.5)
+    count = micros(c.batch, s)
+    if order[0] is not None and count != order[1]:
+        # Refused before anything runs, saying what to give.
+        with pytest.raises(ValueError, match=f"give an order for {count}"):
+            pipe.train_step(args, inputs[0], loss_fn)  # refused before any loss
+        event("outcome", "another micro-batch count than the order's: refused")
+        return False
+    statistics = {n: b.clone() for n, b in ref.named_buffers()}
+    expected = plain(*inputs, **kw_ref)
+    target = pytree.tree_map(lambda e: torch.randn_like(e.detach()), expected)
+    want = loss_fn(expected, target)
+    try:
+        loss = pipe.train_step(args, target, loss_fn)
+    except RuntimeError as e:
+        # Every parameter the loss reads is frozen: refused, as the
+        # plain backward is, the statistics its forwards wrote put back.
+        assert not want.requires_grad and "does not require grad" in str(e), e
+        for name, b in ref.named_buffers():
+            b.copy_(statistics[name])
+        plain.stats = None
+        return False
+    assert want.requires_grad, f"{what}: a loss that needs no gradient, not refused"
+    want.backward()  # type: ignore[no-untyped-call]
+    cmp.close(loss, want.detach(), f"{what}: loss")
+    plain.settle()
+    return True
 
 
 EXAMPLES = int(os.environ.get("MPSTREAM_PROPERTY_EXAMPLES", "0"))  # see test_random_models
