@@ -13,7 +13,10 @@ forward built the graph, however many runs came in between.
 A node per tensor, as for copies (:class:`~mpstream.runtime.copy.Copy`):
 one node over several values would, reached through one, run the backward
 of what made the others with no gradient, and call their tensor hooks with
-None, where the plain model never reaches them. Which of a stage's input
+None, where the plain model never reaches them. An output that requires
+grad only through the anchor (every parameter it reads frozen, no input it
+reads requiring grad) is marked non-differentiable: it requires grad exactly
+where the plain model's does. Which of a stage's input
 marks a backward pass runs, autograd knows when the pass starts; the first
 output mark asks it (:meth:`StageMarks.open`).
 """
@@ -99,11 +102,49 @@ def _detached(x: Tensor, ctx: Any, *, anchored: bool) -> Tensor:
     return out
 
 
+def _needs_grad(output: Tensor) -> bool:
+    """Whether ``output`` would require grad without the anchor: whether its
+    graph reaches, short of the stage's input marks, a leaf that requires
+    grad other than the anchor (a parameter), or an input mark whose input
+    required grad. Depth first: a parameter is most often a step away."""
+    seen: set[Any] = set()
+    fn = output.grad_fn
+    stack = [fn]
+    call: Any = getattr(fn, "call", None)
+    if fn is not None and hasattr(call, "param_reach"):
+        # A graphed stage's replay: autograd sees none of its parameters.
+        k = output.output_nr  # a replay returns one alias per output
+        if any(p.requires_grad and k in r for p, r in zip(call.params, call.param_reach())):
+            return True
+        needing = [i for i, t in enumerate(call.static_in) if t.requires_grad]
+        edges = fn.next_functions  # the anchor's, then one per input
+        stack = [edges[1 + i][0] for n, i in enumerate(needing) if k in call.reached_from[n]]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if isinstance(node, _End._backward_cls):  # type: ignore[attr-defined]
+            if getattr(node, "real", True):  # set by _End.forward
+                return True
+            continue
+        if getattr(node, "variable", None) is _ANCHOR:
+            continue
+        if not node.next_functions:  # a leaf (or a node of a graph made elsewhere)
+            return True
+        stack.extend(fn for fn, _ in node.next_functions)
+    return False
+
+
 class _Begin(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, marks: StageMarks, output: Tensor) -> Tensor:  # type: ignore[override]
         ctx.marks = marks
-        return _detached(output, ctx, anchored=False)
+        out = _detached(output, ctx, anchored=False)
+        if output.requires_grad and not _needs_grad(output):
+            # Only the anchor made it require grad: as in the plain model, it does not.
+            ctx.mark_non_differentiable(out)
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor | None) -> tuple[Any, ...]:
@@ -116,6 +157,7 @@ class _End(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, marks: StageMarks, anchor: Tensor, input: Tensor) -> Tensor:  # type: ignore[override]
         ctx.marks = marks
+        ctx.real = input.requires_grad  # else only the anchor gives it a gradient path
         marks.ends.append(weakref.ref(ctx))  # ctx is the node autograd runs
         return _detached(input, ctx, anchored=True)
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 
+import pytest
 import torch
 from torch import nn
 
 import mpstream
+from mpstream.runtime.graphed import Emulated
 
 
 def test_a_backward_counts_in_the_run_whose_forward_built_it() -> None:
@@ -49,3 +52,32 @@ def test_each_backward_pass_times_each_stage_once() -> None:
     spans = [s for s in prof.spans if s.kind == "backward"]
     assert Counter((s.stage, s.micro) for s in spans) == {(s, m): 3 for s in (0, 1) for m in (0, 1)}
     assert all(s.end_ms >= s.start_ms for s in spans)
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphed"])
+@pytest.mark.filterwarnings("ignore::mpstream.runtime.graphed.GraphWarning")
+def test_an_output_requires_grad_where_the_plain_models_does(graphs: bool) -> None:
+    # The anchor gives every stage input a gradient path, for the end mark;
+    # an output that needs a gradient only through it must not require one.
+    model = nn.Sequential(_Two(), _Two()).double()
+    for two in model:
+        two.b.requires_grad_(False)  # type: ignore[union-attr]
+    ref = copy.deepcopy(model)
+    kw = {"graphs": Emulated() if graphs else False, "devices": ["cpu"] * 2}
+    pipe = mpstream.Pipe(model, chunks=2, **kw)
+    x = torch.randn(4, 4, dtype=torch.float64)
+    with mpstream.profile(pipe) as prof:
+        got, want = pipe(x), ref(x)
+        assert [t.requires_grad for t in got] == [t.requires_grad for t in want] == [True, False]
+        got[0].sum().backward()
+        want[0].sum().backward()
+    for p, r in zip(pipe.parameters(), ref.parameters()):
+        assert (p.grad is None) == (r.grad is None)
+        if r.grad is not None:
+            torch.testing.assert_close(p.grad, r.grad)
+    assert {(s.stage, s.micro) for s in prof.spans if s.kind == "backward"} == {
+        (s, m) for s in (0, 1) for m in (0, 1)
+    }
+    frozen = mpstream.Pipe(ref.requires_grad_(False), chunks=2, **kw)
+    with mpstream.profile(frozen):
+        assert not any(t.requires_grad for t in frozen(x))
