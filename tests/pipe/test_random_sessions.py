@@ -281,6 +281,7 @@ def call(
     if c.kind == "no_grad":
         with torch.no_grad():
             cmp.same(pipe(*xs, **kw_pipe), plain(*rs, **kw_ref), what)
+        plain.settle()  # deferred BatchNorm's statistics, in training mode
         return False
     if c.kind == "train_step":
         return train_step(pipe, plain, c, s, what, cmp, inputs, (kw_ref, scale), order, loss_fn)
