@@ -32,10 +32,10 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterable
 from typing import Protocol
-from warnings import warn
 
 from torch import nn
 
+from ..._warn import warn
 from .report import GraphWarning
 
 __all__ = [
@@ -144,6 +144,8 @@ def zeroed_midway(name: str) -> str:
 
 def warn_all(messages: Iterable[str]) -> None:
     """Issues ``messages`` as :class:`~.report.GraphWarning` (a store's, at
-    its pass's end, once its state is consistent)."""
+    its pass's end, once its state is consistent), located at the user's
+    line: the pass's end runs under autograd's engine or a training step,
+    frames of varying depth below it."""
     for message in messages:
-        warn(message, GraphWarning, stacklevel=3)
+        warn(message, GraphWarning)

@@ -248,3 +248,18 @@ def test_grad_changed_mid_pass_unseen_is_a_warning_naming_the_parameter(run: str
         else:
             assert any("gradient of '0.weight' in stage 0 of 2" in w for w in lost)
             assert all("pipe.zero_grad() there instead" in w for w in lost)
+
+
+@pytest.mark.parametrize("run", ["step", "loop"])
+def test_grad_changed_mid_pass_warning_points_at_the_user_s_line(run: str) -> None:
+    # The pass's end runs under autograd's engine (or a step): a fixed
+    # stacklevel pointed into mpstream, where a filter for the user's
+    # module would not match it.
+    _, graphed = pair(mlp([5] * 5), chunks=4, schedule="1f1b")
+    changing(graphed, run, lambda pipe: None)  # captures
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        changing(graphed, run, by_hand)
+    lost = [w for w in seen if issubclass(w.category, GraphWarning)]
+    assert lost
+    assert {w.filename for w in lost} == {__file__}
