@@ -187,7 +187,13 @@ class GradStore(GradBuffers):
         self._taken_from, self.ready = True, {}  # after .grad changed (see __init__)
         changes = self._changes
         changes.since = set()  # what changed .grad said so: nothing lost (see flush)
-        if zeroed and changes.added and self._end is not None and self._end() is not None:
+        if not zeroed:
+            return
+        if self._end is None or self._end() is None:
+            # A training step: a side buffer's sum so far is dropped with
+            # .grad (zeroed again when next reached), not added at the end.
+            self._reached_side -= {i for i in self._reached_side if id(self.params[i]) in zeroed}
+        elif changes.added:
             # Not side buffers: each is added into .grad whole at the pass's end.
             changes.zeroed.update(
                 i for i in changes.added if id(self.params[i]) in zeroed and i not in self._side

@@ -263,3 +263,22 @@ def test_grad_changed_mid_pass_warning_points_at_the_user_s_line(run: str) -> No
     lost = [w for w in seen if issubclass(w.category, GraphWarning)]
     assert lost
     assert {w.filename for w in lost} == {__file__}
+
+
+@pytest.mark.filterwarnings("error::mpstream.runtime.graphed.GraphWarning")  # nothing lost
+@pytest.mark.parametrize("set_to_none", [True, False])
+@pytest.mark.parametrize("schedule", [s for s in SCHEDULES if placement_of(s) == "stage"])
+def test_zero_grad_in_loss_fn_drops_a_tied_weight_s_earlier_micro_batches(
+    schedule: str, set_to_none: bool
+) -> None:
+    # A tied weight's side buffer is added into .grad at the step's end:
+    # what it summed before the zeroing must not be (1F1B runs backward
+    # passes before the third loss).
+    model = mlp([5] * 5)
+    model[6].weight = model[0].weight
+    eager, graphed = pair(model, chunks=4, schedule=schedule)
+    x = torch.randn(8, 5, dtype=torch.float64)
+    for _ in range(3):  # the first step captures
+        for pipe in (eager, graphed):
+            pipe.train_step(x, x, zeroing_at(pipe, 3, set_to_none))
+        same_grads(graphed, eager)
