@@ -123,8 +123,10 @@ def unseen(name: str, autograd: bool) -> str:
         f"the gradient of {name} was set to None or to another tensor during a {what} "
         f"by code graphed stages do not see (torch's zero_grad on a layer or an optimizer, "
         f"p.grad = ...), and the stage's graphs added that {what}'s gradients, or some of "
-        f"them, into the buffer that was .grad: .grad misses them. Call pipe.zero_grad() "
-        f"there instead (graphed stages see it), or build the pipe with graphs=False"
+        f"them, into the buffer that was .grad: if the change came before the stage's "
+        f"last replay of the {what}, .grad misses what it added (which the stage cannot "
+        f"tell without a check per replay). Call pipe.zero_grad() there instead (graphed "
+        f"stages see it), or build the pipe with graphs=False"
     )
 
 
