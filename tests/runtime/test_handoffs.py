@@ -18,8 +18,8 @@ from mpstream.runtime import handoffs, replay_autograd
 from mpstream.runtime.graphed import Emulated
 from tests.helpers import Ops, mlp
 from tests.models import Fan
+from tests.runtime.graphed.pairs import WIDTHS
 from tests.runtime.graphed.test_grads import Silent
-from tests.runtime.graphed.test_stages import WIDTHS
 from tests.runtime.test_replayed import calls
 
 VIRTUAL = {"virtual_stages": 2, "balance": [2, 2, 2, 2], "devices": ["cpu"] * 4}

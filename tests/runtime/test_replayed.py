@@ -17,8 +17,8 @@ from mpstream.runtime import boundary, replayed, training
 from mpstream.runtime.graphed import Emulated, GraphedCall, GraphWarning
 from tests.helpers import Ops, assert_same_grads, mlp
 from tests.pipe.test_pipe import _Abs, _Fft
+from tests.runtime.graphed.pairs import WIDTHS, data, pair
 from tests.runtime.graphed.test_grads import Silent
-from tests.runtime.graphed.test_stages import WIDTHS, data, pair
 
 BALANCE = {1: [8], 2: [4, 4], 3: [2, 4, 2]}
 

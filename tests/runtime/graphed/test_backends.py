@@ -34,7 +34,7 @@ from mpstream.runtime.graphed.call import GraphedCall
 from mpstream.runtime.graphed.grads import GradStore
 from mpstream.schedules import SCHEDULES, placement_of
 from tests.helpers import assert_same_grads, mlp
-from tests.runtime.graphed.test_stages import WIDTHS, data, pair
+from tests.runtime.graphed.pairs import WIDTHS, data, pair
 
 
 class Allocations(TorchDispatchMode):

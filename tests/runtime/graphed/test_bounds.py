@@ -20,7 +20,7 @@ from mpstream.runtime.graphed import Emulated, GraphWarning, StageGraphs
 from mpstream.runtime.graphed import call as call_module
 from mpstream.runtime.graphed import state as state_module
 from tests.helpers import assert_same_grads, mlp
-from tests.runtime.graphed.test_stages import WIDTHS, data, pair
+from tests.runtime.graphed.pairs import WIDTHS, data, pair
 
 
 def test_graphed_calls_are_bounded() -> None:

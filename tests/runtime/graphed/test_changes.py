@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from mpstream import Pipe
 from mpstream.runtime.graphed import Emulated, GraphedCall, GraphWarning
 from tests.helpers import assert_same_grads, mlp
-from tests.runtime.graphed.test_stages import WIDTHS, data, pair
+from tests.runtime.graphed.pairs import WIDTHS, data, pair
 
 
 def replace_weight(pipe: Pipe) -> None:

@@ -18,7 +18,7 @@ from mpstream import Pipe
 from mpstream.runtime.graphed import Emulated
 from mpstream.runtime.graphed import grads as grads_module
 from tests.helpers import Ops, assert_same_grads, mlp
-from tests.runtime.graphed.test_stages import WIDTHS, data, pair
+from tests.runtime.graphed.pairs import WIDTHS, data, pair
 
 
 def user_loop(pipe: Pipe, x: Tensor, y: Tensor) -> None:

@@ -16,8 +16,8 @@ from torch import Tensor, nn
 from mpstream import Pipe
 from mpstream.runtime.graphed import GraphWarning
 from tests.helpers import assert_same_grads, mlp
+from tests.runtime.graphed.pairs import WIDTHS, data, pair
 from tests.runtime.graphed.test_grads import RUNS, tied_model, user_loop
-from tests.runtime.graphed.test_stages import WIDTHS, data, pair
 
 
 def count_accumulations(pipe: Pipe) -> Counter[str]:

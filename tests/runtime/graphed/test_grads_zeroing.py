@@ -21,7 +21,7 @@ from mpstream import Pipe
 from mpstream.runtime.graphed import GraphWarning
 from mpstream.schedules import SCHEDULES, placement_of
 from tests.helpers import assert_same_grads, mlp
-from tests.runtime.graphed.test_stages import WIDTHS, data, pair
+from tests.runtime.graphed.pairs import WIDTHS, data, pair
 
 
 def zeroing_at(pipe: Pipe, call: int, set_to_none: bool) -> Callable[[Tensor, Tensor], Tensor]:

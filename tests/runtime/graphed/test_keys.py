@@ -18,7 +18,7 @@ from mpstream.runtime.graphed import keys as keys_module
 from mpstream.runtime.graphed.keys import MAX_VALUES, Baked, autocast_key, generation, signature
 from tests.helpers import assert_same_grads
 from tests.models import Fan
-from tests.runtime.graphed.test_stages import pair
+from tests.runtime.graphed.pairs import pair
 
 
 def test_what_a_capture_baked_in_notices_what_a_replay_could_not() -> None:

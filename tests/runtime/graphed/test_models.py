@@ -16,7 +16,7 @@ from mpstream.runtime.graphed import Emulated
 from mpstream.schedules import SCHEDULES, placement_of
 from tests.helpers import assert_same_grads
 from tests.models import Fan, UNet
-from tests.runtime.graphed.test_stages import data, pair
+from tests.runtime.graphed.pairs import data, pair
 
 
 def test_deferred_batch_norm_counts_replayed_forwards() -> None:

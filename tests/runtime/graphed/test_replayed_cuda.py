@@ -13,7 +13,7 @@ from torch import nn
 
 from mpstream.runtime.graphed import CudaGraphs
 from tests.helpers import assert_same_grads, mlp
-from tests.runtime.graphed.test_stages import WIDTHS, data, pair
+from tests.runtime.graphed.pairs import WIDTHS, data, pair
 from tests.runtime.test_replayed import check_loss_weight_over_a_replayed_output
 
 

@@ -18,8 +18,8 @@ from mpstream import Pipe
 from mpstream.runtime.graphed import CudaGraphs, GraphWarning
 from mpstream.schedules import SCHEDULES, placement_of
 from tests.helpers import assert_same_grads, mlp
+from tests.runtime.graphed.pairs import CHECKPOINTS, WIDTHS, data, pair
 from tests.runtime.graphed.test_call import SPLIT_STAGES, check_split
-from tests.runtime.graphed.test_stages import CHECKPOINTS, WIDTHS, data, pair
 from tests.runtime.test_handoffs import in_place
 
 
