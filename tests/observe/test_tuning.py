@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import json
-import types
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,46 +10,11 @@ import torch
 from torch import Tensor, nn
 
 from mpstream import Pipe
-from mpstream.observe import tuning
 from mpstream.observe.spread import noisy, spread
-from mpstream.observe.tune_cache import model_key
 from mpstream.observe.tuning import TuneResult, candidate_split_sizes, default_cache, tune
+from tests.observe.curves import SAMPLE, Curve, small_pipe, total
 
-# tune's clock in these tests: a Curve's forward advances it, so the curve
-# it measures does not depend on how busy the machine is.
-CLOCK = [0.0]
-
-
-@pytest.fixture(autouse=True)
-def _fake_clock(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setattr(tuning, "time", types.SimpleNamespace(perf_counter=lambda: CLOCK[0]))
-    yield
-
-
-class Curve(nn.Module):
-    """A model whose step time is a U-shaped function of its split size."""
-
-    def __init__(self, best: int = 6, step_ms: float = 4.0, floor_ms: float = 3.0) -> None:
-        super().__init__()
-        self.lin = nn.Linear(2, 2)
-        self.split_size = 1
-        self.best = best
-        self.step_ms = step_ms
-        self.floor_ms = floor_ms
-        self.calls: list[int] = []
-
-    def forward(self, x: Tensor) -> Tensor:
-        self.calls.append(self.split_size)
-        CLOCK[0] += (self.floor_ms + self.step_ms * abs(self.split_size - self.best)) / 1e3
-        return self.lin(x)
-
-
-SAMPLE = torch.randn(16, 2)
-
-
-def _total(out: Tensor) -> Tensor:
-    """One loss for the runs that share a cache entry (the key names it)."""
-    return out.sum()
+pytestmark = pytest.mark.usefixtures("tune_clock")
 
 
 def test_finds_the_minimum_and_stops_when_times_rise(tmp_path: Path) -> None:
@@ -63,58 +25,6 @@ def test_finds_the_minimum_and_stops_when_times_rise(tmp_path: Path) -> None:
     assert result.stopped_early
     assert [p.split_size for p in result.curve] == [1, 2, 3, 4, 5, 6, 8, 10]
     assert not result.cached
-
-
-def test_cache_is_plain_json_and_is_used(tmp_path: Path) -> None:
-    path = tmp_path / "cache.json"
-    first = tune(Curve(), SAMPLE, None, [2, 6, 12], cache=path, progress=False)
-    doc = json.loads(path.read_text())
-    ((key_text, entry),) = doc.items()
-    key = json.loads(key_text)
-    assert key["torch"] == torch.__version__ and key["mode"] == "forward"
-    assert key["batch"] == [[[16, 2], "torch.float32", "cpu"]] and key["devices"] == ["cpu"]
-    assert key["model"].endswith("Curve") and key["split_sizes"] == [2, 6, 12]
-    assert entry["best"]["split_size"] == 6
-    model = Curve()
-    again = tune(model, SAMPLE, None, [2, 6, 12], cache=path, progress=False)
-    assert again.cached and model.calls == [] and again.split_size == first.split_size
-    assert model.split_size == 6, "a cache hit leaves the model at the best split size too"
-    fresh = tune(model, SAMPLE, None, [2, 6, 12], cache=path, refresh=True, progress=False)
-    assert not fresh.cached and model.calls
-    # How a result is measured is not in the key (as tune's docstring says):
-    # a hit whatever they are, and refresh=True measures with them.
-    how = {"repeat": 2, "warmup": 0, "patience": 1, "tolerance": 0.5}
-    assert tune(model, SAMPLE, None, [2, 6, 12], cache=path, progress=False, **how).cached
-    again = tune(model, SAMPLE, None, [2, 6, 12], cache=path, refresh=True, progress=False, **how)
-    assert not again.cached and {len(p.times) for p in again.curve} == {2}
-
-
-def test_other_batch_shapes_miss_the_cache(tmp_path: Path) -> None:
-    path = tmp_path / "cache.json"
-    tune(Curve(), SAMPLE, None, [2, 6], cache=path, progress=False)
-    model = Curve()
-    tune(model, torch.randn(12, 2), None, [2, 6], cache=path, progress=False)
-    assert model.calls
-    assert len(json.loads(path.read_text())) == 2
-
-
-def test_unreadable_cache_warns_and_is_replaced(tmp_path: Path) -> None:
-    path = tmp_path / "cache.json"
-    path.write_text("{not json")
-    with pytest.warns(UserWarning, match="unreadable tuning cache"):
-        tune(Curve(), SAMPLE, None, [2, 6], cache=path, progress=False)
-    assert json.loads(path.read_text())
-
-
-def test_a_cache_it_cannot_write_is_warned_about_and_the_result_returned(tmp_path: Path) -> None:
-    folder = tmp_path / "cache.json"
-    folder.mkdir()  # a folder where the file should be
-    with pytest.warns(UserWarning) as caught:  # unreadable, then not writable
-        result = tune(Curve(), SAMPLE, None, [2, 6], cache=folder, progress=False)
-    assert [str(w.message).split(" ")[0] for w in caught] == ["ignoring", "could"]
-    assert result.split_size == 6
-    # No temporary file left (the lock file stays, by design).
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache.json", "cache.json.lock"]
 
 
 def test_factory_with_balances_and_plot(tmp_path: Path) -> None:
@@ -214,14 +124,8 @@ def test_tuning_a_pipe_leaves_its_state_and_keys_its_settings(tmp_path: Path) ->
     assert not other.cached
 
 
-def _pipe(schedule: str = "1f1b", **kw: object) -> Pipe:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(2, 4), nn.ReLU(), nn.Linear(4, 2))
-    return Pipe(model, chunks=2, balance=[2, 1], devices=["cpu"] * 2, schedule=schedule, **kw)
-
-
 def test_a_target_times_the_pipes_own_schedule(monkeypatch: pytest.MonkeyPatch) -> None:
-    pipe = _pipe()
+    pipe = small_pipe()
     steps: list[int] = []
     step = Pipe._train_step  # the pipe's own step, DDP-wrapped or not
     monkeypatch.setattr(
@@ -248,24 +152,13 @@ def test_a_target_times_the_pipes_own_schedule(monkeypatch: pytest.MonkeyPatch) 
     assert pipe.split_size == split
 
 
-def test_a_malformed_cache_entry_is_measured_again(tmp_path: Path) -> None:
-    path = tmp_path / "c.json"
-    first = tune(Curve(), SAMPLE, _total, [4, 6], cache=path, progress=False)
-    doc = json.loads(path.read_text())
-    (key,) = doc
-    path.write_text(json.dumps({key: {"best": {}}}))  # an older or damaged format
-    with pytest.warns(UserWarning, match="malformed entry"):
-        again = tune(Curve(), SAMPLE, _total, [4, 6], cache=path, progress=False)
-    assert not again.cached and again.split_size == first.split_size
-
-
 def test_no_progress_needs_no_tqdm(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(__import__("sys").modules, "tqdm", None)  # as if not installed
     assert tune(Curve(), SAMPLE, split_sizes=[2, 6], cache=None, progress=False).split_size == 6
 
 
 def test_a_failed_sweep_puts_the_split_setting_back() -> None:
-    pipe = _pipe("gpipe")
+    pipe = small_pipe("gpipe")
     calls = [0]
 
     def loss(out: Tensor) -> Tensor:
@@ -288,67 +181,17 @@ def test_split_sizes_any_int_type_up_to_the_batch() -> None:
         tune(Curve(), SAMPLE, split_sizes=[4, 32], cache=None, progress=False)
 
 
-@pytest.mark.parametrize(
-    "damage",
-    [{"times_s": []}, {"split_size": 0}, {"split_size": 99}],
-)
-def test_cached_values_that_cannot_be_are_measured_again(
-    damage: dict[str, object], tmp_path: Path
-) -> None:
-    path = tmp_path / "c.json"
-    tune(Curve(), SAMPLE, _total, [4, 6], cache=path, progress=False)
-    doc = json.loads(path.read_text())
-    (key,) = doc
-    doc[key]["best"].update(damage)
-    doc[key]["curve"][0].update(damage)
-    path.write_text(json.dumps(doc))
-    model = Curve()
-    with pytest.warns(UserWarning, match="malformed entry"):
-        again = tune(model, SAMPLE, _total, [4, 6], cache=path, progress=False)
-    assert not again.cached and model.split_size == 6
-
-
 def test_split_sizes_from_a_generator() -> None:
     sizes = (s for s in (2, 6))
     assert tune(Curve(), SAMPLE, split_sizes=sizes, cache=None, progress=False).split_size == 6  # type: ignore[arg-type]
 
 
-def test_another_loss_or_target_misses_the_cache(tmp_path: Path) -> None:
-    path = tmp_path / "cache.json"
-    y = torch.randn(16, 2)
-    run = dict(split_sizes=[4, 8], cache=path, progress=False, repeat=1, warmup=0)
-    tune(_pipe(), SAMPLE, nn.functional.mse_loss, target=y, **run)  # type: ignore[arg-type]
-    assert tune(_pipe(), SAMPLE, nn.functional.mse_loss, target=y, **run).cached  # type: ignore[arg-type]
-    l1 = tune(_pipe(), SAMPLE, nn.functional.l1_loss, target=y, **run)  # type: ignore[arg-type]
-    assert not l1.cached and l1.key["loss"] == "torch.nn.functional.l1_loss"
-    mean = nn.L1Loss()
-    other = tune(_pipe(), SAMPLE, lambda o, t: mean(o.mean(1), t), target=y[:, 0], **run)  # type: ignore[arg-type]
-    assert not other.cached and other.key["target"] == [[[16], "torch.float32", "cpu"]]
-    assert len(json.loads(path.read_text())) == 3
-
-
-def test_results_written_meanwhile_by_another_run_stay(tmp_path: Path) -> None:
-    path = tmp_path / "cache.json"
-    model = Curve()
-    calls = model.calls
-    forward = Curve.forward
-
-    def step(self: Curve, x: Tensor) -> Tensor:
-        if not calls:  # another run finishes while this one warms up (not timed)
-            tune(Curve(), torch.randn(8, 2), None, [2, 4], cache=path, progress=False)
-        return forward(self, x)
-
-    model.forward = types.MethodType(step, model)  # type: ignore[method-assign]
-    tune(model, SAMPLE, None, [2, 6], cache=path, progress=False)
-    assert len(json.loads(path.read_text())) == 2
-
-
 def test_the_fill_drain_warning_names_the_callers_line_cached_or_not(tmp_path: Path) -> None:
-    pipe = _pipe()  # 1F1B
+    pipe = small_pipe()  # 1F1B
     run = dict(split_sizes=[4], cache=tmp_path / "c.json", progress=False, repeat=1, warmup=0)
     for _ in range(2):  # measured, then from the cache
         with pytest.warns(UserWarning, match="runs only in a Pipe's train_step") as caught:
-            tune(pipe, SAMPLE, _total, **run)  # type: ignore[arg-type]
+            tune(pipe, SAMPLE, total, **run)  # type: ignore[arg-type]
         assert caught[0].filename == __file__
 
 
@@ -372,7 +215,7 @@ def test_the_plot_draws_every_balance_and_names_what_was_timed(
         model.split_size = split_size
         return model
 
-    tune(factory, SAMPLE, _total, [2, 4], balances=balances, repeat=1, cache=None,
+    tune(factory, SAMPLE, total, [2, 4], balances=balances, repeat=1, cache=None,
          progress=False, plot=tmp_path / "curve.png")  # fmt: skip
     ((labels, ylabel),) = drawn
     assert labels == [f"balance {b}" for b in balances]
@@ -380,31 +223,13 @@ def test_the_plot_draws_every_balance_and_names_what_was_timed(
     assert "ResNet50" not in ylabel
 
 
-class LazyCurve(Curve):
-    """A Curve whose first layer has no size until its first call."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.LazyLinear(2)
-
-
-def test_a_lazy_model_is_tuned_and_keyed_before_its_first_call(tmp_path: Path) -> None:
-    path = tmp_path / "c.json"
-    first = tune(LazyCurve(), SAMPLE, _total, [4, 6], cache=path, progress=False)
-    assert first.split_size == 6 and not first.cached
-    assert first.key["uninitialized"] == 2 and first.key["parameters"] == 0
-    again = tune(LazyCurve(), SAMPLE, _total, [4, 6], cache=path, progress=False)
-    assert again.cached, "a fresh lazy model has the same key"
-    assert "uninitialized" not in model_key(Curve())
-
-
 def test_a_sweep_that_tried_every_size_did_not_stop_early() -> None:
     # Times rise at 8 and 10, the last two sizes: patience runs out at the
     # last one, with nothing left to skip.
-    result = tune(Curve(best=6), SAMPLE, _total, [4, 6, 8, 10], cache=None, progress=False)
+    result = tune(Curve(best=6), SAMPLE, total, [4, 6, 8, 10], cache=None, progress=False)
     assert [p.split_size for p in result.curve] == [4, 6, 8, 10]
     assert not result.stopped_early
-    cut = tune(Curve(best=4), SAMPLE, _total, [4, 6, 8, 10], cache=None, progress=False)
+    cut = tune(Curve(best=4), SAMPLE, total, [4, 6, 8, 10], cache=None, progress=False)
     assert [p.split_size for p in cut.curve] == [4, 6, 8] and cut.stopped_early
 
 
@@ -414,32 +239,9 @@ def test_rounds_too_short_to_register_are_not_noisy(tmp_path: Path) -> None:
     path = tmp_path / "c.json"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        tune(Curve(step_ms=0.0, floor_ms=0.0), SAMPLE, _total, [2, 4], cache=path, progress=False)
-    assert tune(Curve(), SAMPLE, _total, [2, 4], cache=path, progress=False).cached
+        tune(Curve(step_ms=0.0, floor_ms=0.0), SAMPLE, total, [2, 4], cache=path, progress=False)
+    assert tune(Curve(), SAMPLE, total, [2, 4], cache=path, progress=False).cached
     assert not noisy([0.0, 0.0]) and noisy([0.0, 1e-3]) and spread([0.0]).max_over_min == 1.0
-
-
-def _sum(out: Tensor) -> Tensor:
-    return out.sum()
-
-
-def test_a_pipe_split_at_its_first_call_keeps_its_cache_key(tmp_path: Path) -> None:
-    # A torch.export split without sample= is cut at the first call, which
-    # tune's own steps make: its repr then shows a balance it did not before.
-    class Two(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a, self.b = nn.Linear(2, 4), nn.Linear(4, 2)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.b(torch.relu(self.a(x)))
-
-    pipe = Pipe(Two(), chunks=2, devices=["cpu"] * 2, split_points=["b"], tracer="export")
-    path = tmp_path / "cache.json"
-    first, again = (
-        tune(pipe, torch.randn(8, 2), _sum, [4, 8], cache=path, progress=False) for _ in range(2)
-    )
-    assert not first.cached and again.cached
 
 
 @pytest.mark.parametrize(
