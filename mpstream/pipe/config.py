@@ -306,6 +306,8 @@ class PipeConfig(PipeModule):
             ValueError: the schedule does not fit the stages' placement
                 (set ``virtual_stages`` or another schedule).
         """
+        if self.__dict__["_graph"] is None:
+            raise unsplit("pipe.schedule_for()")
         # A string ("cpu") equals no torch.device: it would read as a batch
         # (or target) off the stages' devices, adding transfers the run has not.
         if isinstance(input_device, str):

@@ -57,7 +57,7 @@ def test_the_first_call_splits_and_equals_the_unsplit_module() -> None:
     for what in ("graph", "balance", "partitions"):
         with pytest.raises(RuntimeError, match=rf"pipe\.{what} .*{NOT_SPLIT}"):
             getattr(pipe, what)
-    with pytest.raises(RuntimeError, match=NOT_SPLIT):
+    with pytest.raises(RuntimeError, match=rf"pipe\.schedule_for\(\) .*{NOT_SPLIT}"):
         pipe.schedule_for(2, torch.device("cpu"))
 
     x, y = data()
