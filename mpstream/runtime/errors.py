@@ -13,15 +13,18 @@ from __future__ import annotations
 import re
 from collections.abc import Collection, Sequence
 from types import CodeType, TracebackType
+from typing import Any
 
 import torch
 
 from ..schedules.schedule import Kind, Task
+from .microbatch import leaves
 
 __all__ = [
     "layers_label",
     "stage_labels",
     "task_note",
+    "input_versions",
     "inplace_hint",
     "dtype_hint",
     "annotate",
@@ -92,18 +95,30 @@ def task_note(task: Task, micros: int, labels: Sequence[str], in_loss: bool = Fa
     return f"mpstream: raised in {what}"
 
 
-def inplace_hint(exc: BaseException, task: Task) -> str | None:
-    """What to do when the first stage's backward finds a saved tensor
-    changed in place: the likely cause is the stage changing its own input,
-    which differs from the whole-batch model (whose input is one tensor)."""
-    first_backward = task.stage == 0 and task.kind in (Kind.BACKWARD, Kind.WEIGHT)
-    if not (first_backward and "modified by an inplace operation" in str(exc)):
+def input_versions(batches: Sequence[tuple[Any, ...]]) -> list[int]:
+    """The version counters of a step's input tensors, before it runs (the
+    micro-batches are views of one batch tensor each: they share its
+    counter), for :func:`inplace_hint`."""
+    if not batches:
+        return []
+    return [t._version for t in leaves(batches[0])[0] if isinstance(t, torch.Tensor)]
+
+
+def inplace_hint(
+    exc: BaseException, batches: Sequence[tuple[Any, ...]], versions: Sequence[int]
+) -> str | None:
+    """What to do when a backward finds a saved tensor changed in place
+    and a stage changed the step's input in place meanwhile: which differs
+    from the whole-batch model, whose input is one tensor. Any stage's
+    backward may be the one to find it (the first stage's output is then a
+    view of the input, saved by the next stage)."""
+    if "modified by an inplace operation" not in str(exc) or versions == input_versions(batches):
         return None
     return (
-        "mpstream: if the first stage changes the pipeline's input in place (a first "
-        "ReLU(inplace=True), x.mul_(...)), that is the cause: the micro-batches are views of "
-        "one batch tensor, so one micro-batch's change invalidates what autograd saved of "
-        "another. Make that operation out-of-place, or pass a copy of the batch"
+        "mpstream: a stage changed the pipeline's input in place (a first ReLU(inplace=True), "
+        "x.mul_(...)), and that is the cause: the micro-batches are views of one batch tensor, "
+        "so one micro-batch's change invalidates what autograd saved of another. Make that "
+        "operation out-of-place, or pass a copy of the batch"
     )
 
 

@@ -28,6 +28,7 @@ from ..memory.checkpoint import checkpointed
 from ..schedules.schedule import Kind, Schedule, Task
 from .boundary import Cutting, Grads, cut_inputs, roots_of, route_grads, sum_grads
 from .copy import Staging, send
+from .errors import annotate, inplace_hint, input_versions
 from .executor import Handlers, execute
 from .graph import Ref
 from .graphed import StageGraphs
@@ -388,5 +389,12 @@ def run(
         after_grads,
     )
     code = Losses.compute.__code__
-    execute(worker, schedule, state.handlers(), len(batches), step=True, loss=code)
+    versions = input_versions(batches)
+    try:
+        execute(worker, schedule, state.handlers(), len(batches), step=True, loss=code)
+    except Exception as exc:
+        hint = inplace_hint(exc, batches, versions)
+        if hint is not None:
+            annotate(exc, hint)
+        raise
     return state.losses.total(caller_reader)

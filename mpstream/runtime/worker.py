@@ -17,7 +17,7 @@ from torch import nn
 
 from ..schedules.schedule import Kind, Task, Topology
 from .calls import StageCalls
-from .errors import annotate, dtype_hint, inplace_hint, raised_in, task_note
+from .errors import annotate, dtype_hint, raised_in, task_note
 from .graph import Routes, StageGraph
 from .graphed import StageGraphs
 from .scheduler import EventScheduler
@@ -64,12 +64,11 @@ class Worker:
         if task is not None and isinstance(exc, Exception):
             in_loss = loss is not None and task.kind is Kind.FORWARD and raised_in(exc, loss)
             annotate(exc, task_note(task, micros, self.labels, in_loss))
-            hint = inplace_hint(exc, task)
-            if hint is None and 0 <= task.stage < len(self.partitions):
+            if 0 <= task.stage < len(self.partitions):
                 params = self.partitions[task.stage].parameters()
                 hint = dtype_hint(exc, task, {p.dtype for p in params})
-            if hint is not None:
-                annotate(exc, hint)
+                if hint is not None:
+                    annotate(exc, hint)
 
     def routes(self, topology: Topology) -> tuple[Routes, Wiring]:
         """The hops of this worker's graph for a schedule's topology, and the
