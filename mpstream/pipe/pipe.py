@@ -16,6 +16,7 @@ from torch import nn
 from ..memory.batchnorm import converted, deferred_norms
 from ..runtime.graphed import Backend, grads_zeroed
 from ..runtime.microbatch import Value
+from ..runtime.ordered_writes import ordered_write
 from ..schedules.schedule import PipeSchedule, check_schedule
 from ..stages.build import build, check_module, undone_on_error
 from ..stages.sequential import DeviceLike, check_flag, check_positive
@@ -299,10 +300,18 @@ class Pipe(PipeStep):
         ``GraphWarning`` names it (zero before the backward, or use
         ``graphs=False``; see docs/tuning.md).
 
+        Zeroed in place mid-pass, on the current streams, the gradients are
+        ordered on the device as the host issued the calls: after the
+        stages' adds queued before, before those queued after.
+
         Args:
             set_to_none: set ``.grad`` to None rather than zero it in place.
         """
-        super().zero_grad(set_to_none)
+        if set_to_none:
+            super().zero_grad(set_to_none)
+        else:
+            with ordered_write(self.__dict__.get("_scheduler")):
+                super().zero_grad(set_to_none)
         grads_zeroed(self.parameters())
 
     def extra_repr(self) -> str:

@@ -6,6 +6,7 @@ Marked ``cuda``: skipped cleanly without a GPU."""
 
 from __future__ import annotations
 
+import copy
 import time
 
 import pytest
@@ -15,6 +16,7 @@ from torch import Tensor, nn
 from mpstream import Pipe
 from tests.cuda.helpers import (
     BATCH,
+    cycles_per_ms,
 )
 from tests.helpers import mlp
 
@@ -185,3 +187,63 @@ def test_too_many_stages_on_one_gpu_warn_about_shared_streams() -> None:
     pipe = Pipe(layers, balance=[1] * 40, devices=["cuda:0"] * 40)
     with pytest.warns(StreamAliasWarning, match="stage0.compute@cuda:0 = "):
         assert pipe.scheduler is not None
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward first spins its stream for ``cycles``."""
+
+    @staticmethod
+    def forward(ctx: object, x: Tensor, cycles: int) -> Tensor:  # type: ignore[override]
+        ctx.cycles = cycles  # type: ignore[attr-defined]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: object, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        torch.cuda._sleep(ctx.cycles)  # type: ignore[attr-defined]
+        return grad.clone(), None
+
+
+class SlowBackward(nn.Module):
+    """A slow backward on the GPU (a stage's adds into .grad come late); the
+    identity on the CPU, for the reference."""
+
+    def __init__(self, cycles: int) -> None:
+        super().__init__()
+        self.cycles = cycles
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _SlowBackward.apply(x, self.cycles) if x.is_cuda else x  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphed"])
+def test_zero_grad_in_place_in_a_loss_fn_is_ordered_after_earlier_adds(graphs: bool) -> None:
+    """1F1B, two stages on one GPU: stage 0's backward of micro-batch 0 is
+    issued before the loss of micro-batch 1, which zeroes the gradients in
+    place on stage 1's stream. Stage 0's add of micro-batch 0, late on its
+    own stream, must not land after the zeroing (nor its later adds before)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(4, 8), nn.Tanh(), SlowBackward(int(20 * cycles_per_ms())),
+        nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2),
+    ).double()  # fmt: skip
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
+    ref = copy.deepcopy(model)
+    # The adds after the zeroing: micro-batches 1 to 3 of 4, on both stages.
+    later = [nn.functional.mse_loss(ref(x[m : m + 2]), y[m : m + 2]) for m in (2, 4, 6)]
+    (sum(later) / 4).backward()
+    pipe = Pipe(
+        model.cuda(), chunks=4, balance=[3, 3], devices=["cuda:0"] * 2, schedule="1f1b",
+        graphs=graphs,
+    )  # fmt: skip
+    calls = [0]
+
+    def loss(out: Tensor, target: Tensor) -> Tensor:
+        calls[0] += 1
+        if calls[0] % 4 == 2:
+            pipe.zero_grad(set_to_none=False)
+        return nn.functional.mse_loss(out, target)
+
+    for _ in range(3):  # graphed: the first step captures, the others replay
+        pipe.train_step(x.cuda(), y.cuda(), loss)
+        for (name, p), q in zip(pipe.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad.cpu(), q.grad, msg=name)  # type: ignore[union-attr]
