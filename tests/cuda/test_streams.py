@@ -112,13 +112,15 @@ def _stream_spy(monkeypatch: pytest.MonkeyPatch, module: str, name: str) -> list
 def test_inputs_and_targets_move_on_the_io_stream(monkeypatch: pytest.MonkeyPatch) -> None:
     pipe = Pipe(mlp([5, 8, 4]).float().cuda(), chunks=3, balance=[2, 2], devices=["cuda:0"] * 2)
     io = pipe.scheduler.io_streams[0].stream_id  # type: ignore[union-attr]
-    in_forward = _stream_spy(monkeypatch, "mpstream.runtime.copy", "to_device")
-    in_train = _stream_spy(monkeypatch, "mpstream.runtime.training", "to_device")
+    # Inputs move in copy tasks (runtime/copy.py), in pipe(x) and train_step
+    # alike; targets in the training step's target tasks.
+    inputs = _stream_spy(monkeypatch, "mpstream.runtime.copy", "to_device")
+    targets = _stream_spy(monkeypatch, "mpstream.runtime.training", "to_device")
     x, y = torch.randn(BATCH, 5), torch.randn(BATCH, 4)
     pipe(x).sum().backward()
     pipe.train_step(x.pin_memory(), y, nn.MSELoss())
-    assert in_forward == [io] * 3
-    assert in_train == [io] * 6  # 3 inputs, 3 targets
+    assert inputs == [io] * 6  # 3 in pipe(x), 3 in train_step
+    assert targets == [io] * 3
     sched = pipe.scheduler
     sched.timing = True
     pipe.train_step(x, y, nn.MSELoss())
@@ -134,7 +136,7 @@ def test_forced_copies_run_on_the_sending_copy_stream(monkeypatch: pytest.Monkey
         force_copies=True,
     )  # fmt: skip
     copies = [st.stream_id for st in pipe.scheduler.copy_streams]  # type: ignore[union-attr]
-    seen = _stream_spy(monkeypatch, "mpstream.runtime.copy", "move")
+    seen = _stream_spy(monkeypatch, "mpstream.runtime.copy", "send")
     x = torch.randn(BATCH, 5, device="cuda")
     out = pipe(x)
     assert seen == [copies[0], copies[0], copies[1], copies[1]]  # stage 0 -> 1, then 1 -> 2
