@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from mpstream import CapturedStep, Pipe
-from mpstream.pipe import pipe as pipe_py
 from mpstream.pipe import snapshot
+from mpstream.pipe import step as step_py
 from tests.capture.steps import BATCH, OPTIMIZERS, HostSyncSGD, check_steps, data, setup
 from tests.helpers import mlp
 
@@ -25,7 +25,7 @@ def test_the_captured_step_takes_no_snapshot(monkeypatch: pytest.MonkeyPatch) ->
             made.append(torch.cuda.is_current_stream_capturing())
             super().__init__(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(pipe_py, "Snapshot", Counted)
+    monkeypatch.setattr(step_py, "Snapshot", Counted)
     pipe, opt, _, _ = setup("cuda:0", "sgd", split_size=3)
     step = CapturedStep(pipe, *data("cuda:0", 0), nn.MSELoss(), optimizer=opt, warmup=2)
     assert made == [False, False]  # the warm-up steps only: a replay clones nothing
