@@ -198,4 +198,12 @@ class Copy(torch.autograd.Function):
                 )
         finally:
             sched.end(handle)
+        if g.device.type == "cpu" and moved.is_cuda:
+            # A host stage's gradient: this node has no stream (its forward
+            # output is on the host), so autograd's engine takes the current
+            # stream of the gradient's device, the caller's, for the one the
+            # gradient was made on, and orders the consumer after that one
+            # alone. The copy ran on the stage's copy stream: order it there.
+            seen_by_engine = current_stream(moved.device)
+            seen_by_engine.wait_stream(sched.copy_streams[stage])  # type: ignore[union-attr, arg-type]
         return (None, None, moved)

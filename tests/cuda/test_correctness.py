@@ -1,6 +1,6 @@
 """Results on GPUs equal the CPU model's: stages on one GPU and on two, input
 from the host (one no loss reaches included), training steps, the tutorial's
-ResNet50, a CPU stage before a CUDA one.
+ResNet50, a CPU stage before a CUDA one and after one.
 
 Marked ``cuda``: skipped cleanly without a GPU."""
 
@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from mpstream import Pipe
 from tests.cuda.helpers import (
     BATCH,
+    cycles_per_ms,
     run_and_compare,
     two_gpus,
 )
@@ -160,6 +161,34 @@ def test_cpu_stage_then_cuda_stage_matches_cpu(schedule: str) -> None:
     torch.testing.assert_close(loss.cpu(), expected.detach())
     for (name, a), b in zip(pipe.named_parameters(), ref.parameters()):
         torch.testing.assert_close(a.grad.cpu(), b.grad, msg=name)
+
+
+def test_cuda_stage_then_cpu_stage_orders_the_gradient_s_copy_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A GPU stage feeding a CPU stage, in the user's loop: the CPU stage's
+    gradient goes back to the GPU on the GPU stage's copy stream from a Copy
+    node autograd runs on the host, with no stream of its own (its forward
+    output is on the host), where autograd orders the GPU stage's backward
+    after the caller's current stream alone. The copy, held 20 ms on its
+    stream, must still land before that backward reads it."""
+    from mpstream.runtime import copy as copy_module
+
+    real = copy_module.to_device
+    hold = int(20 * cycles_per_ms())
+
+    def late(x: Tensor, device: torch.device, staging: Tensor | None = None) -> Tensor:
+        if device.type == "cuda" and not x.is_cuda:
+            with torch.cuda.device(device):
+                torch.cuda._sleep(hold)  # on the current stream: the copy's
+        return real(x, device, staging)
+
+    model = mlp([5, 8, 7, 4])
+    pipe = Pipe(copy.deepcopy(model), chunks=2, balance=[2, 4], devices=["cuda:0", "cpu"])
+    monkeypatch.setattr(copy_module, "to_device", late)
+    # One call only: a second could find the right values left in the
+    # gradient's new memory by the first.
+    run_and_compare(model, pipe, torch.randn(BATCH, 5, dtype=torch.float64, device="cuda:0"))
 
 
 def test_pageable_input_reuses_pinned_buffers_across_steps() -> None:
