@@ -34,7 +34,7 @@ class Streams(Protocol):
 
     devices: Sequence[torch.device]
     compute_streams: Sequence[AnyStream | None]
-    native: Any
+    native: Any  # its running flag
 
 
 def _capturing(stream: AnyStream) -> bool:
@@ -58,24 +58,22 @@ def ordered_write(sched: Streams | None) -> Iterator[None]:
         yield
         return
     assert sched is not None
-    capture = bool(sched.native.capturing)
     pairs: list[tuple[AnyStream, list[AnyStream]]] = []
     for device in dict.fromkeys(sched.devices):
         if device.type != "cuda":
             continue
         writer = current_stream(device)
+        # A stream a CUDA graph captures (a CapturedStep's, a graphed stage's
+        # capture) may be ordered only with streams of its capture: a wait
+        # across the capture's boundary is refused.
+        captured = _capturing(writer)
         stages = [
             st
             for d, st in zip(sched.devices, sched.compute_streams)
             if d == device and st is not None and is_cuda(st) and st != writer
         ]
-        if capture:
-            # Streams a graph captures may be ordered only with each other:
-            # a wait across the capture's boundary is refused.
-            if not _capturing(writer):
-                continue
-            stages = [st for st in stages if _capturing(st)]
-        pairs.append((writer, list(dict.fromkeys(stages))))
+        stages = [st for st in dict.fromkeys(stages) if _capturing(st) == captured]
+        pairs.append((writer, stages))
     for writer, stages in pairs:
         for st in stages:
             writer.wait_stream(st)  # type: ignore[union-attr, arg-type]

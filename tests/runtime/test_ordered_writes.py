@@ -31,21 +31,23 @@ class Recorded:
 
 
 def fake(
-    monkeypatch: pytest.MonkeyPatch, running: bool, capturing: bool = False
+    monkeypatch: pytest.MonkeyPatch, running: bool, captured: frozenset[str] = frozenset()
 ) -> tuple[SimpleNamespace, list[str]]:
     """A scheduler of four stages (two on cuda:0, one on cuda:1, one on the
     CPU) and the log of the waits; the current stream on cuda:0 is stage
-    1's (a loss_fn runs in the last stage's task), on cuda:1 the caller's."""
+    1's (a loss_fn runs in the last stage's task), on cuda:1 the caller's;
+    a CUDA graph captures the streams named in ``captured``."""
     log: list[str] = []
     s0, s1, s2 = (Recorded(f"stage{s}", log) for s in range(3))
     caller = Recorded("caller1", log)
     cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
     current = {cuda0: s1, cuda1: caller}
     monkeypatch.setattr(ordered_writes, "current_stream", current.__getitem__)
+    monkeypatch.setattr(ordered_writes, "_capturing", lambda st: st.name in captured)
     sched = SimpleNamespace(
         devices=[cuda0, cuda0, cuda1, torch.device("cpu")],
         compute_streams=[s0, s1, s2, CPU_STREAM],
-        native=SimpleNamespace(running=running, capturing=capturing),
+        native=SimpleNamespace(running=running),
     )
     return sched, log
 
@@ -99,12 +101,11 @@ def test_a_write_from_a_hook_in_a_backward_pass_is_ordered(
     assert log.index("write") == 2 and len(log) == 5
 
 
-def test_under_capture_only_captured_streams_are_ordered(
+def test_under_capture_only_streams_of_the_capture_are_ordered(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    sched, log = fake(monkeypatch, running=True, capturing=True)
-    captured = {"stage0", "stage1"}  # cuda:1's caller stream is not captured
-    monkeypatch.setattr(ordered_writes, "_capturing", lambda st: st.name in captured)
+    # cuda:0's streams are captured, cuda:1's caller stream is not, its stage's is.
+    sched, log = fake(monkeypatch, running=True, captured=frozenset({"stage0", "stage1", "stage2"}))
     with ordered_write(sched):  # type: ignore[arg-type]
         log.append("write")
     assert log == ["stage1 waits stage0", "write", "stage0 waits stage1"]
