@@ -22,11 +22,11 @@ import torch
 
 from .._warn import warn
 from ..memory.batchnorm import deferred_update
-from ..runtime.copy import Staging
 from ..runtime.forward import run as run_forward
 from ..runtime.microbatch import batch_device, gather, scatter
+from ..runtime.transfer import micro_staging
 from .config import PipeConfig
-from .inputs import check_holds_tensor, micro_sizes, positional, staging
+from .inputs import check_holds_tensor, micro_sizes, positional
 from .running import held
 
 __all__ = ["PipeCall", "SingleMicroBatchWarning", "warned_as_before"]
@@ -112,7 +112,7 @@ class PipeCall(PipeConfig):
             self._say_one_micro_batch(micro[0], "pipe(x) with gradients")
         schedule = self.schedule_for(len(micro), batch_device(inputs))
         _, worker, _ = self._rt()
-        staging = self._stage(inputs, self.devices[0])
+        staging = micro_staging(inputs, self.devices[0], self._chunks, self._split_size)
         stop = self._prepare(len(micro))  # raising, it leaves no hook
         graphs = worker.graphs
         runs = 0 if graphs is None else graphs.runs
@@ -186,7 +186,3 @@ class PipeCall(PipeConfig):
         split = self.__dict__["_split"]
         current = None if split is None else split.current
         return current is not None and bool(current.changed.paths)
-
-    def _stage(self, value: Any, device: torch.device) -> list[Staging] | None:
-        """Per micro-batch pinned buffers for ``value``'s pageable tensors."""
-        return staging(value, device, self._chunks, self._split_size)

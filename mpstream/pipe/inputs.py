@@ -1,10 +1,11 @@
-"""A pipeline call's inputs: positional, detached, sized, staged for transfer.
+"""A pipeline call's inputs: positional, checked, detached, sized.
 
 ``Pipe.forward`` and ``Pipe.train_step`` turn the call's arguments into the
-pipeline's positional inputs (a traced module binds them to its signature),
-split them into micro-batches (:mod:`~mpstream.runtime.microbatch`) and, when they
-sit in pageable host memory bound for a GPU, give each micro-batch a slice
-of one pinned buffer per tensor (:mod:`~mpstream.runtime.transfer`).
+pipeline's positional inputs (a traced module binds them to its signature)
+and split them into micro-batches (:mod:`~mpstream.runtime.microbatch`);
+where they sit in pageable host memory bound for a GPU, each micro-batch
+gets a slice of one pinned buffer per tensor
+(:func:`~mpstream.runtime.transfer.micro_staging`).
 """
 
 from __future__ import annotations
@@ -14,14 +15,12 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from ..runtime.microbatch import PLAIN, NoChunk, describe, leaves, split
-from ..runtime.transfer import host_staging
 
-__all__ = ["positional", "check_holds_tensor", "staging", "detached", "micro_sizes", "keywords_of"]
+__all__ = ["positional", "check_holds_tensor", "detached", "micro_sizes", "keywords_of"]
 
 
 def positional(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
@@ -142,22 +141,6 @@ def _argument(path: tuple[Any, ...], root: nn.Module | None) -> str:
         if key.idx < len(params) and params[key.idx].kind in positional:
             name = params[key.idx].name
     return name + pytree.keystr(tuple(rest))
-
-
-def staging(
-    value: Any, device: torch.device, chunks: int | None, split_size: int | None
-) -> list[tuple[Tensor | None, ...] | None] | None:
-    """Per micro-batch, pinned buffers for ``value``'s pageable tensors
-    (aligned with its leaves), split as the batch is; None if none needed."""
-    buffers = host_staging(value, device)
-    if buffers is None:
-        return None
-    parts = [None if b is None else split(b, chunks, split_size) for b in buffers]
-    micros = max(len(p) for p in parts if p is not None)
-    out: list[tuple[Tensor | None, ...] | None] = [
-        tuple(None if p is None else p[i] for p in parts) for i in range(micros)
-    ]
-    return out
 
 
 def detached(value: Any) -> Any:

@@ -24,6 +24,7 @@ from ..runtime.graphed import generation
 from ..runtime.microbatch import batch_device, scatter
 from ..runtime.stream import capturing
 from ..runtime.training import run as run_step
+from ..runtime.transfer import micro_staging
 from ..stages.exported import own_loss
 from .batchargs import batch_argument
 from .call import PipeCall
@@ -237,8 +238,11 @@ class PipeStep(PipeCall):
             target_device=None if target is None else batch_device(labels),
         )
         _, worker, _ = self._rt()
-        staging = self._stage(args, self.devices[0])
-        target_staging = None if target is None else self._stage(labels, self.devices[-1])
+        chunks, size = self._chunks, self._split_size
+        staging = micro_staging(args, self.devices[0], chunks, size)
+        target_staging = (
+            None if target is None else micro_staging(labels, self.devices[-1], chunks, size)
+        )
         # Under CUDA graph capture a snapshot's clones would be recorded, not
         # run, and then run on every replay, holding a copy of every gradient.
         graphs = worker.graphs

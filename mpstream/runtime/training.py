@@ -34,11 +34,10 @@ from .graph import Ref
 from .graphed import StageGraphs
 from .hops import send_hop
 from .losses import Losses
-from .microbatch import leaves, rebuild_leaves
 from .replayed import Replayed
 from .split_backward import WeightPass, backward_inputs
 from .stream import current_stream
-from .transfer import to_device
+from .transfer import micro_to_device
 from .values import Flow, cuda_only, protect
 
 if TYPE_CHECKING:
@@ -82,18 +81,6 @@ def _eager(
     if graphs is not None:
         return graphs.eager(s, stage, args, checkpoint)
     return checkpointed(stage, *args) if checkpoint else stage(*args)
-
-
-def _transfer(value: Any, device: torch.device, staging: Staging) -> Any:
-    """Moves a micro-batch's inputs (or its target) from the host or the caller's device."""
-    items, spec = leaves(value)
-    # One buffer per leaf, plain ones included (None there), as
-    # host_staging lines them up: indexed by leaf, not by tensor.
-    buffers = staging or (None,) * len(items)
-    for i, t in enumerate(items):
-        if isinstance(t, Tensor):
-            items[i] = to_device(t, device, buffers[i])
-    return rebuild_leaves(items, spec)
 
 
 class _Step:
@@ -263,7 +250,7 @@ class _Step:
             buffers = self.target_staging[m] if self.target_staging else None
             # Marked for the last stage's stream where the loss reads it
             # (Losses.compute), as a stage marks what it reads.
-            self.labels[m] = _transfer(self.labels[m], self.devices[last], buffers)
+            self.labels[m] = micro_to_device(self.labels[m], self.devices[last], buffers)
 
     def backward(self, task: Task) -> None:
         s, m = task.stage, task.micro

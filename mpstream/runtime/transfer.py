@@ -8,8 +8,10 @@ and could no longer run ahead of the device. Instead:
 - pageable tensors are staged through pinned memory: one buffer per tensor
   per step, from PyTorch's caching host allocator, which hands the same
   memory back on later steps once the copies that read it have finished
-  (it tracks them with events); each micro-batch's slice is filled on the
-  host inside its transfer task, then moved with ``non_blocking=True``;
+  (it tracks them with events), split into micro-batches as the batch is
+  (:func:`micro_staging`); each micro-batch's slice is filled on the host
+  inside its transfer task (an input's copy task, a target's target task:
+  :func:`micro_to_device`), then moved with ``non_blocking=True``;
 - pinned tensors (``DataLoader(pin_memory=True)``) skip the staging copy;
 - the gradient of an input that requires grad comes back into pinned memory
   asynchronously on the device's autograd thread; :class:`HostWait` makes
@@ -24,10 +26,18 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .microbatch import gradless, leaves
+from .microbatch import gradless, leaves, rebuild_leaves, split
 from .stream import current_stream, record_stream
 
-__all__ = ["host_staging", "to_device", "to_host", "GradLink", "HostWait"]
+__all__ = [
+    "host_staging",
+    "micro_staging",
+    "to_device",
+    "micro_to_device",
+    "to_host",
+    "GradLink",
+    "HostWait",
+]
 
 
 def _pageable(t: Tensor) -> bool:
@@ -57,6 +67,24 @@ def host_staging(value: Any, device: torch.device) -> tuple[Tensor | None, ...] 
     )
 
 
+def micro_staging(
+    value: Any, device: torch.device, chunks: int | None, split_size: int | None
+) -> list[tuple[Tensor | None, ...] | None] | None:
+    """Per micro-batch, pinned buffers for ``value``'s pageable tensors
+    bound for ``device`` (aligned with its leaves, as :func:`host_staging`
+    lines them up), split as :func:`~.microbatch.scatter` splits the batch;
+    None if none needed."""
+    buffers = host_staging(value, device)
+    if buffers is None:
+        return None
+    parts = [None if b is None else split(b, chunks, split_size) for b in buffers]
+    micros = max(len(p) for p in parts if p is not None)
+    out: list[tuple[Tensor | None, ...] | None] = [
+        tuple(None if p is None else p[i] for p in parts) for i in range(micros)
+    ]
+    return out
+
+
 def to_device(x: Tensor, device: torch.device, staging: Tensor | None = None) -> Tensor:
     """Moves ``x`` to ``device`` on the current stream without blocking the host.
 
@@ -79,6 +107,22 @@ def to_device(x: Tensor, device: torch.device, staging: Tensor | None = None) ->
         staging.copy_(x)
         return staging.to(device, non_blocking=True)
     return x.to(device, non_blocking=device.type == "cuda")
+
+
+def micro_to_device(
+    value: Any, device: torch.device, staging: tuple[Tensor | None, ...] | None
+) -> Any:
+    """Moves one micro-batch's inputs (or its target) to ``device`` with
+    :func:`to_device`, each pageable tensor through its buffer in
+    ``staging`` (one micro-batch's of :func:`micro_staging`, or None)."""
+    items, spec = leaves(value)
+    # One buffer per leaf, plain ones included (None there), as
+    # host_staging lines them up: indexed by leaf, not by tensor.
+    buffers = staging or (None,) * len(items)
+    for i, t in enumerate(items):
+        if isinstance(t, Tensor):
+            items[i] = to_device(t, device, buffers[i])
+    return rebuild_leaves(items, spec)
 
 
 class GradLink:

@@ -11,11 +11,17 @@ import pytest
 import torch
 from torch import nn
 
-from mpstream import Pipe
 from mpstream.runtime import forward, training, transfer
 from mpstream.runtime.microbatch import scatter
 from mpstream.runtime.scheduler import EventScheduler
-from mpstream.runtime.transfer import GradLink, HostWait, host_staging, to_device, to_host
+from mpstream.runtime.transfer import (
+    GradLink,
+    HostWait,
+    host_staging,
+    micro_staging,
+    to_device,
+    to_host,
+)
 from mpstream.runtime.worker import Worker
 from mpstream.schedules.schedule import Schedule
 
@@ -68,19 +74,21 @@ def test_host_wait_passes_integer_tensors_through() -> None:
     torch.testing.assert_close(x.grad, torch.ones(2))
 
 
-def test_pipe_splits_staging_buffers_like_the_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_staging_buffers_split_like_the_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call's pinned buffers (one per leaf, None for a leaf needing none)
+    are split into micro-batches as scatter splits the batch."""
     buffer = torch.zeros(7, 2)
-    monkeypatch.setattr("mpstream.pipe.inputs.host_staging", lambda value, device: (buffer, None))
-    pipe = Pipe(nn.Sequential(Pick(), nn.Linear(2, 2)), split_size=3, devices=["cpu", "cpu"])
-    staging = pipe._stage((torch.randn(7, 2), torch.arange(7)), torch.device("cpu"))
-    assert staging is not None and [s[1] for s in staging] == [None] * 3
-    assert [s[0].shape[0] for s in staging] == [3, 3, 1]  # type: ignore[union-attr]
-    assert (
-        [s[0].data_ptr() for s in staging]
-        == [  # type: ignore[union-attr]
-            buffer[i:].data_ptr() for i in (0, 3, 6)
-        ]
-    )
+    monkeypatch.setattr(transfer, "host_staging", lambda value, device: (buffer, None))
+    batch = (torch.randn(7, 2), torch.arange(7))
+    staging = [s for s in micro_staging(batch, torch.device("cpu"), None, 3) or () if s]
+    assert [s[1] for s in staging] == [None] * 3
+    slices = [s[0] for s in staging if s[0] is not None]
+    assert [len(t) for t in slices] == [3, 3, 1]
+    assert [t.data_ptr() for t in slices] == [buffer[i:].data_ptr() for i in (0, 3, 6)]
+    chunked = [s for s in micro_staging(batch, torch.device("cpu"), 2, None) or () if s]
+    assert [len(s[0]) for s in chunked if s[0] is not None] == [4, 3]
+    monkeypatch.setattr(transfer, "host_staging", lambda value, device: None)
+    assert micro_staging(batch, torch.device("cpu"), None, 3) is None
 
 
 def test_input_transfer_tasks_use_their_slice(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -102,11 +110,6 @@ def test_input_transfer_tasks_use_their_slice(monkeypatch: pytest.MonkeyPatch) -
     assert calls == [(2, buffer.data_ptr()), (2, buffer[2:].data_ptr()), (1, buffer[4:].data_ptr())]
 
 
-class Pick(nn.Module):
-    def forward(self, xs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        return xs[0]
-
-
 def test_target_transfer_tasks_use_their_leafs_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
     """A target's staging lines up with all its leaves, plain ones too: a
     tensor after a plain value is filled into its own buffer, not the one
@@ -118,7 +121,7 @@ def test_target_transfer_tasks_use_their_leafs_buffer(monkeypatch: pytest.Monkey
         calls.append((x.data_ptr(), None if staging is None else staging.data_ptr()))
         return real(x, device, staging)
 
-    monkeypatch.setattr("mpstream.runtime.training.to_device", spy)
+    monkeypatch.setattr("mpstream.runtime.transfer.to_device", spy)
     worker = Worker([nn.Linear(2, 2), nn.Linear(2, 2)], EventScheduler([torch.device("cpu")] * 2))
     x, y, mask = torch.randn(4, 2), torch.randn(4, 2), torch.ones(4, 2, dtype=torch.int64)
     target = ("plain", y, mask)
