@@ -208,19 +208,19 @@ class PipeStep(PipeCall):
         if loss_fn is None:
             loss_fn, reduction = own_loss(split, target), "sum"
         args = detached(args)
-        labels = detached(target)
+        target = detached(target)
         micro = scatter(args, self._chunks, self._split_size)
         if len(micro) == 1:
             self._say_one_micro_batch(micro[0], "train_step")
         micro_targets = (
             [None] * len(micro)
             if target is None
-            else scatter(labels, self._chunks, self._split_size, "target")
+            else scatter(target, self._chunks, self._split_size, "target")
         )
         sizes = micro_sizes(args, self._chunks, self._split_size)
         batch = sum(sizes)
         target_sizes = (
-            sizes if target is None else micro_sizes(labels, self._chunks, self._split_size)
+            sizes if target is None else micro_sizes(target, self._chunks, self._split_size)
         )
         if target_sizes != sizes:
             raise ValueError(
@@ -235,13 +235,13 @@ class PipeStep(PipeCall):
             len(micro),
             batch_device(args),
             training_step=True,
-            target_device=None if target is None else batch_device(labels),
+            target_device=None if target is None else batch_device(target),
         )
         _, worker, _ = self._rt()
         chunks, size = self._chunks, self._split_size
         staging = micro_staging(args, self.devices[0], chunks, size)
         target_staging = (
-            None if target is None else micro_staging(labels, self.devices[-1], chunks, size)
+            None if target is None else micro_staging(target, self.devices[-1], chunks, size)
         )
         # Under CUDA graph capture a snapshot's clones would be recorded, not
         # run, and then run on every replay, holding a copy of every gradient.

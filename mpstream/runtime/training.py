@@ -126,7 +126,7 @@ class _Step:
                 if t.kind in (Kind.BACKWARD, Kind.WEIGHT)
             }
         )
-        self.labels = list(targets)
+        self.targets = list(targets)
         self.backward_seen: set[int] = set()
         self.roots: dict[tuple[int, int], list[tuple[tuple[int, int], Tensor]]] = {}
         self.cuts: dict[tuple[int, int], Cutting] = {}
@@ -147,7 +147,7 @@ class _Step:
         self.graphs = worker.graphs
         # The graphed stages' tasks (their graphs are begun by the executor).
         graphs = self.graphs
-        self.thin = None if graphs is None else Replayed(graphs, self.routes)
+        self.replays = None if graphs is None else Replayed(graphs, self.routes)
 
     def handlers(self) -> Handlers:
         return {
@@ -171,14 +171,14 @@ class _Step:
 
     def forward(self, task: Task) -> None:
         s, m = task.stage, task.micro
-        flow, last, thin = self.flow, self.last, self.thin
+        flow, last, replays = self.flow, self.last, self.replays
         pairs, received = flow.args(s, m)
         sources = flow.result_sources(m) if s == last else []
         ckpt, splits = m < self.checkpoint_stop, (s, m) in self.split
         replayed, y = (
             (False, None)
-            if thin is None
-            else thin.forward(s, m, self.parts[s], pairs, ckpt, splits, self.carried)
+            if replays is None
+            else replays.forward(s, m, self.parts[s], pairs, ckpt, splits, self.carried)
         )
         reader = self.readers[s]
         if reader is not None:
@@ -187,12 +187,12 @@ class _Step:
             fresh = (
                 []
                 if received
-                else [v for r, v in pairs if thin is None or not thin.graphed(r.stage, m)]
+                else [v for r, v in pairs if replays is None or not replays.graphed(r.stage, m)]
             )
             protect(fresh + [v for _, v in sources], reader)
         if replayed:
-            assert thin is not None
-            self.carried[(s, m)] = thin.carried(s, m)
+            assert replays is not None
+            self.carried[(s, m)] = replays.carried(s, m)
             if flow.outputs[s] == 1 and type(y) is Tensor:  # store()'s common case, inline
                 flow.outs[m][s + 1] = (y,)
             else:
@@ -206,11 +206,11 @@ class _Step:
                 for k, v in enumerate(outs):
                     inputs.append((Ref(s, k), v))
         else:
-            inputs = thin.unalias(s, m, pairs) if thin and splits else pairs
-            if thin and splits and sources:
+            inputs = replays.unalias(s, m, pairs) if replays and splits else pairs
+            if replays and splits and sources:
                 # The loss's weight pass may read them too (a weight of the
                 # loss_fn's own applied to another stage's output).
-                sources = thin.unalias(s, m, sources)
+                sources = replays.unalias(s, m, sources)
         values: list[Any] = []
         if inputs or sources:  # else (a replayed stage but the last) nothing to cut
             cutting = Cutting()
@@ -226,7 +226,7 @@ class _Step:
             for (ref, _), v in zip((inputs + sources)[start:], values[start:]):
                 replaced[ref] = v
             output = flow.result(m, replaced)
-            root = self.losses.compute(m, output, self.labels[m], reader)
+            root = self.losses.compute(m, output, self.targets[m], reader)
             self.roots[(s, m)] = [((0, 0), root)]
         elif not replayed:
             roots = self.roots[(s, m)] = roots_of(flow.outputs_of(s, m))
@@ -250,15 +250,15 @@ class _Step:
             buffers = self.target_staging[m] if self.target_staging else None
             # Marked for the last stage's stream where the loss reads it
             # (Losses.compute), as a stage marks what it reads.
-            self.labels[m] = micro_to_device(self.labels[m], self.devices[last], buffers)
+            self.targets[m] = micro_to_device(self.targets[m], self.devices[last], buffers)
 
     def backward(self, task: Task) -> None:
         s, m = task.stage, task.micro
         if self.before_backward is not None and s not in self.backward_seen:
             self.backward_seen.add(s)
             self.before_backward(s)
-        thin = self.thin
-        replayed = thin is not None and (s, m) in thin.calls  # thin.graphed(s, m), inline
+        replays = self.replays
+        replayed = replays is not None and (s, m) in replays.calls  # replays.graphed(s, m), inline
         seed = self.losses.seeds[m] if s == self.last else None
         if replayed and s == self.last:
             # The loss, to the cut outputs (_backward's case, inline: the
@@ -270,8 +270,8 @@ class _Step:
                 self.route(cut, s, m)
         reached = None if s == self.last and not replayed else self.local.pop((s, m), {})
         if replayed:
-            assert thin is not None and reached is not None
-            done = thin.backward(s, m, reached, (s, m) in self.split)
+            assert replays is not None and reached is not None
+            done = replays.backward(s, m, reached, (s, m) in self.split)
         else:
             if (s, m) in self.split:
                 roots = self.roots.pop((s, m))
@@ -289,8 +289,8 @@ class _Step:
         pending = self.weights_left.pop((s, m), None)
         if pending is not None:
             pending.run()
-        elif self.thin is not None:
-            self.thin.weight(s, m)
+        elif self.replays is not None:
+            self.replays.weight(s, m)
         if self.after_grads is not None:
             self._ended(task)
 

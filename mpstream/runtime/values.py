@@ -92,12 +92,12 @@ class Wiring:
         self.read_by: list[list[tuple[int, list[tuple[int, int]]]]] = [
             [] for _ in range(self.stages)
         ]
-        self.readers: dict[int, int] = {}
+        self.read_counts: dict[int, int] = {}
         for q, producers in enumerate(routes.topology.reads):
             for p in sorted(producers):
                 hops = [key for key in routes.by_task if key[0] == p]
                 self.read_by[q].append((p, hops))
-                self.readers[p] = self.readers.get(p, 0) + 1
+                self.read_counts[p] = self.read_counts.get(p, 0) + 1
 
 
 class Flow:
@@ -126,7 +126,7 @@ class Flow:
         ]
         self.moved: list[dict[tuple[int, int], tuple[Any, ...]]] = [{} for _ in batches]
         # Per micro-batch, the forwards still to read each producer.
-        self.unread = [dict(wiring.readers) for _ in batches]
+        self.unread = [dict(wiring.read_counts) for _ in batches]
 
     def _source(self, ref: Ref, hop: Hop | None, m: int) -> tuple[Any, ...]:
         if hop is not None:
