@@ -16,6 +16,7 @@ name, ready for :func:`~mpstream.stages.export.export_stages` to cut.
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -220,6 +221,10 @@ def _check_cumulative_norm(module: nn.Module, exc: BaseException) -> None:
     ) from exc
 
 
+#: How torch warns that an export dropped a tensor attribute's assignment.
+_ASSIGNED_WARNING = r"The tensor attributes? .* (was|were) assigned during export"
+
+
 @contextmanager
 def _plain_attributes(module: nn.Module) -> Iterator[None]:
     """While ``module`` is exported, copies stand in for its plain tensor
@@ -232,7 +237,11 @@ def _plain_attributes(module: nn.Module) -> Iterator[None]:
             (``self.calls = self.calls + 1``), which export drops: the
             stages would never change it.
     """
-    with stand_ins(module, buffers=False) as changed:
+    with stand_ins(module, buffers=False) as changed, warnings.catch_warnings():
+        # torch's own warning of such an assignment ("must be registered as
+        # buffers"): the error below says it where it matters, naming the
+        # attribute, and hook-based norms' assignments are harmless.
+        warnings.filterwarnings("ignore", _ASSIGNED_WARNING, UserWarning)
         assigned: list[str] = []
 
         def check(*_: Any) -> None:
@@ -244,6 +253,7 @@ def _plain_attributes(module: nn.Module) -> Iterator[None]:
             yield
         finally:
             hook.remove()
+    assigned = [n for n in assigned if not _recomputed(module, n)]
     if assigned:
         name = assigned[0]
         attr = name.rpartition(".")[2]
@@ -253,6 +263,22 @@ def _plain_attributes(module: nn.Module) -> Iterator[None]:
             f"it. Register it as a buffer in its module's __init__ "
             f"(self.register_buffer({attr!r}, ...)), which torch.export records"
         )
+
+
+def _recomputed(module: nn.Module, name: str) -> bool:
+    """Whether attribute ``name`` is what torch.nn.utils' ``spectral_norm`` or
+    ``weight_norm`` (the hook-based ones) sets before each forward of its
+    module, from parameters the export sees: the forward reads the value it
+    computes, so dropping the assignment loses nothing."""
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    path, _, attr = name.rpartition(".")
+    owner = module.get_submodule(path)
+    return any(
+        isinstance(h, (SpectralNorm, WeightNorm)) and h.name == attr
+        for h in owner._forward_pre_hooks.values()
+    )
 
 
 def input_pattern(node: fx.Node) -> Any:

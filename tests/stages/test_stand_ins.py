@@ -169,3 +169,43 @@ def test_one_only_read_is_read_as_the_model_reads_it(tracer: str) -> None:
     model.scale.fill_(2.0)  # the stages read the model's own tensor
     ref.scale.fill_(2.0)
     torch.testing.assert_close(pipe(x), ref(x))
+
+
+class Normed(nn.Module):
+    """Layers normalised by torch.nn.utils' hook-based spectral_norm and
+    weight_norm, whose forward pre-hooks assign ``weight`` (a plain
+    attribute) from parameters before each call, and the newer
+    parametrization between them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.utils.spectral_norm(nn.Linear(4, 4))
+        self.b = nn.utils.parametrizations.weight_norm(nn.Linear(4, 3))
+        with pytest.warns(FutureWarning, match="weight_norm"):
+            self.c = nn.utils.weight_norm(nn.Linear(3, 2))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.c(self.b(torch.relu(self.a(x))))
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_spectral_and_weight_norm_hooks_export_and_train_as_the_model(mode: str) -> None:
+    # Their assignment is dropped by the export, harmlessly: the forward
+    # reads the weight it computes. It was refused as a plain attribute's.
+    torch.manual_seed(0)
+    model = Normed().double()
+    torch.manual_seed(0)
+    pipe = Pipe(Normed().double(), chunks=2, split_points=["b"], devices=["cpu"] * 2,
+                tracer="export")  # fmt: skip
+    getattr(model, mode)()
+    getattr(pipe, mode)()
+    for _ in range(2):  # spectral_norm's power iteration updates buffers u, v per call
+        x = torch.randn(4, 4, dtype=torch.float64)
+        ref = torch.cat([model(c) for c in x.chunk(2)])
+        out = pipe(x)
+        torch.testing.assert_close(out, ref)
+        ref.sum().backward()
+        out.sum().backward()
+        assert_same_grads(pipe, model)
+        for b, a in zip(pipe.buffers(), model.buffers(), strict=True):
+            torch.testing.assert_close(b, a)
