@@ -24,6 +24,7 @@ from ..runtime.graph import StageGraph
 from .balance import balance_by_size, balance_by_time, split_points_by
 from .export_balance import export_split_points
 from .exported import ExportSplit
+from .module_hooks import check_root_hooks
 from .sequential import DeviceLike, split_module, stage_devices
 from .traced import FxSplit
 from .tracers import SplitReport, choose_tracer
@@ -68,10 +69,13 @@ def check_module(module: object) -> None:
         TypeError: ``module`` is a list or tuple of layers (wrap them in
             ``nn.Sequential``, as torch's Pipe and torchgpipe wanted too) or
             not a module at all.
+            So is a module holding a hook of its own, which the pipe
+            would not run (register it on the Pipe).
         ValueError: a parameter or buffer is on the ``meta`` device.
     """
     if isinstance(module, nn.Module):
         _check_materialised(module)
+        check_root_hooks(module)
         return
     kind = type(module).__name__
     if isinstance(module, (list, tuple)) and all(isinstance(m, nn.Module) for m in module):

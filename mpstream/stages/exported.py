@@ -39,6 +39,7 @@ from .fake_export import first_line
 from .hf import Calls, calls_for
 from .kinds import Kinds, Split, operations
 from .model_loss import gather_with_loss
+from .module_hooks import check_traced_hooks
 from .placement import place
 from .points import SplitPointError, check_named
 from .tracers import CallSignature, SplitReport, describe_call, raised_in, sample_call
@@ -110,10 +111,12 @@ class ExportSplit(Kinds):
             The split, or None when the first call is to be the example.
 
         Raises:
-            TypeError: export failed.
+            TypeError: export failed; a module holds a hook (see
+                :mod:`~mpstream.stages.module_hooks`).
             SplitPointError: a split point names no submodule, or (exported)
                 cannot cut the forward.
         """
+        check_traced_hooks(self.module, self.module.modules(), "export")
         if sample is None:
             sample = self.calls.sample(self.module)
         if sample is None:
@@ -221,9 +224,11 @@ class ExportSplit(Kinds):
             kwargs: its keyword arguments.
 
         Raises:
-            TypeError: the call does not bind to ``forward``; export failed.
+            TypeError: the call does not bind to ``forward``; export failed;
+                a module holds a hook (see :mod:`~mpstream.stages.module_hooks`).
             ValueError: the family refuses the call (see :mod:`~mpstream.stages.hf`).
         """
+        check_traced_hooks(self.module, self.module.modules(), "export")
         named = self.calls.prepare(self.signature(args, kwargs))
         items, spec = pytree.tree_flatten(((), named))
         key = (spec, self._state())

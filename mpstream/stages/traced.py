@@ -48,6 +48,7 @@ from torch import fx, nn
 from .fx import Traced, trace, traced_through
 from .kinds import Kinds, Split, operations
 from .lookups import NOTHING, Lookup, missing_keys, value_at
+from .module_hooks import check_traced_hooks
 from .placement import place
 from .tracers import Binder, SplitReport, call_arguments, nones_of, sample_call
 
@@ -195,10 +196,13 @@ class FxSplit(Kinds):
         as None.
 
         Raises:
-            TypeError: tracing failed, or ``forward`` takes ``*args``/``**kwargs``.
+            TypeError: tracing failed, or ``forward`` takes ``*args``/``**kwargs``;
+                a module the trace follows holds a hook (see
+                :mod:`~mpstream.stages.module_hooks`).
             ValueError: a bad split point, or a tensor shared by stages on
                 different devices.
         """
+        check_traced_hooks(self.module, self.watched, "fx")
         values = None if sample is None else call_arguments(self.module, *sample_call(sample))
         split = self._trace(values, self._flags())
         self.current = split
@@ -289,12 +293,15 @@ class FxSplit(Kinds):
             kwargs: its keyword arguments.
 
         Raises:
-            TypeError: the call does not bind to ``forward``; tracing failed.
+            TypeError: the call does not bind to ``forward``; tracing failed;
+                a module the trace follows holds a hook (see
+                :mod:`~mpstream.stages.module_hooks`).
             ValueError: a split point this kind of call does not reach, or a
                 tensor the new trace reads where an earlier one placed it
                 elsewhere.
         """
         assert self.current is not None
+        check_traced_hooks(self.module, self.watched, "fx")
         values = self.current.bind.arguments(args, kwargs)  # every trace's forward binds alike
         flags = self._flags()
         split = self.kinds.get(self._key(values, flags)) or self._trace(values, flags)

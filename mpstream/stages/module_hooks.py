@@ -1,0 +1,116 @@
+"""Module hooks a pipe's stages would not run: refused, naming the module.
+
+A stage runs the layers a Sequential's partition holds, and the submodules
+``torch.fx`` calls whole (its leaves), as modules: their hooks run at every
+call, as in the plain model. The code of every other module a trace
+follows (the traced module, and each submodule ``torch.fx`` traces through;
+for ``torch.export``, every module) becomes the stages' own code when it is
+traced: a hook present then would run once, on the trace's stand-ins, its
+effect fixed into the stages (still there after ``handle.remove()``), and
+one registered later would never run. A full backward hook there would not
+see the gradients it is meant to. So these modules are checked when the
+pipe is built and at every call, and one holding a hook is refused
+(Hugging Face transformers' own output-capturing hooks aside).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from torch import nn
+
+__all__ = ["check_root_hooks", "check_traced_hooks"]
+
+# A module's hook dicts, and how a message names each kind.
+_KINDS = (
+    ("_forward_pre_hooks", "forward pre-hook (register_forward_pre_hook)"),
+    ("_forward_hooks", "forward hook (register_forward_hook)"),
+    ("_backward_pre_hooks", "backward pre-hook (register_full_backward_pre_hook)"),
+    ("_backward_hooks", "backward hook (register_full_backward_hook)"),
+)
+
+
+def _transformers_own(hook: object) -> bool:
+    """Whether Hugging Face transformers installed ``hook`` itself.
+
+    transformers keeps forward hooks on a model's layers once a call asks
+    for hidden states or attentions (its output capturing): they record
+    only while such a call runs, so a trace of that kind of call holds what
+    they record (see :mod:`~mpstream.stages.hf`), as the model's own code.
+    """
+    module = getattr(hook, "__module__", None) or ""
+    return module == "transformers" or module.startswith("transformers.")
+
+
+def _hook_kind(module: nn.Module) -> str | None:
+    """The kind of the first hook ``module`` holds (not transformers' own), or None."""
+    for attribute, kind in _KINDS:
+        hooks = getattr(module, attribute, None)
+        if hooks and not all(map(_transformers_own, hooks.values())):
+            return kind
+    return None
+
+
+def _root_error(module: nn.Module, kind: str) -> TypeError:
+    return TypeError(
+        f"the {type(module).__name__} given to Pipe has a {kind} of its own, which the pipe "
+        f"would not run: a Pipe runs the module's stages, not the module itself. Remove it "
+        f"and register it on the Pipe instead (pipe.register_forward_hook(...) and the "
+        f"like), which pipe(x) runs"
+    )
+
+
+def check_root_hooks(module: nn.Module) -> None:
+    """Refuses a module whose own hooks a Pipe over it would not run.
+
+    Args:
+        module: the module given to ``Pipe``.
+
+    Raises:
+        TypeError: ``module`` holds a forward, forward pre-, backward or
+            backward pre-hook, naming it and saying to register it on the
+            Pipe.
+    """
+    kind = _hook_kind(module)
+    if kind is not None:
+        raise _root_error(module, kind)
+
+
+def check_traced_hooks(root: nn.Module, modules: Iterable[nn.Module], tracer: str) -> None:
+    """Refuses hooks on the modules whose code a trace follows.
+
+    Args:
+        root: the traced module.
+        modules: the modules whose code the trace follows (``root`` among them).
+        tracer: ``"fx"`` or ``"export"``, for the advice.
+
+    Raises:
+        TypeError: one of ``modules`` holds a hook (see the module's
+            docstring), naming the module, the kind of hook and what to do.
+    """
+    for module in modules:
+        kind = _hook_kind(module)
+        if kind is None:
+            continue
+        if module is root:
+            raise _root_error(module, kind)
+        name = next((n for n, m in root.named_modules() if m is module), "?")
+        if tracer == "fx":
+            how = (
+                f"torch.fx traces through '{name}', so its code, hooks included, is fixed in "
+                f"the stages when traced. Name '{name}' in leaf_modules= (a leaf runs whole, "
+                f"its hooks at every call), or register the hook on a layer a stage calls "
+                f"whole"
+            )
+        else:
+            how = (
+                "torch.export traces through every submodule, so its code, hooks included, "
+                "is fixed in the stages when exported. Split the module with tracer='fx' "
+                f"and name '{name}' in leaf_modules= (a leaf runs whole, its hooks at every "
+                f"call), or register the hook on the Pipe"
+            )
+        raise TypeError(
+            f"module '{name}' has a {kind}, which the pipe cannot run at each call (added "
+            f"before the split, it would run once, on the trace's stand-ins; added after, "
+            f"never): {how}"
+        )

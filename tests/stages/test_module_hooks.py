@@ -1,0 +1,197 @@
+"""Module hooks a pipe's stages would not run are refused, naming the module
+and what to do; those the stages do run (a Sequential's layers, torch.fx's
+leaves) behave as in the plain model, registered before or after the pipe
+is built and removed again, eager and with emulated graphed stages."""
+
+from __future__ import annotations
+
+import copy
+import re
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from mpstream import Pipe
+from mpstream.runtime.graphed import Emulated
+
+Hook = Callable[[nn.Module], RemovableHandle]
+
+DOUBLING: Hook = lambda m: m.register_forward_hook(lambda _m, _i, out: out * 2)  # noqa: E731
+HOOKS: dict[str, Hook] = {
+    "forward hook": DOUBLING,
+    "forward pre-hook": lambda m: m.register_forward_pre_hook(lambda _m, args: (args[0] * 3,)),
+    "backward hook": lambda m: m.register_full_backward_hook(lambda _m, gi, _go: (gi[0] * 5,)),
+}
+
+
+class Block(nn.Module):
+    def __init__(self, width_in: int, width_out: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width_in, width_out)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(self.lin(x))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(3, 4), Block(4, 4), Block(4, 2)])
+
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def traced(model: nn.Module, tracer: str = "fx", graphs: bool = False, **kw: Any) -> Pipe:
+    if tracer == "export":
+        kw["sample"] = (torch.randn(2, 3, dtype=torch.float64),)
+    return Pipe(
+        model,
+        chunks=2,
+        devices=["cpu", "cpu"],
+        split_points=["blocks.1"],
+        tracer=tracer,
+        graphs=Emulated() if graphs else False,
+        **kw,
+    )
+
+
+def sequential() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+
+
+def assert_as_plain(pipe: nn.Module, plain: nn.Module) -> None:
+    """A user-loop call and a train_step equal the plain model on the same
+    micro-batches: output, loss and every gradient."""
+    x, y = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+    for step in (False, True):
+        pipe.zero_grad()
+        plain.zero_grad()
+        expected = torch.cat([plain(part) for part in x.chunk(2)])
+        loss = nn.functional.mse_loss(expected, y)
+        loss.backward()  # type: ignore[no-untyped-call]
+        if step:
+            torch.testing.assert_close(pipe.train_step(x, y, nn.functional.mse_loss), loss.detach())
+        else:
+            out = pipe(x)
+            torch.testing.assert_close(out, expected)
+            nn.functional.mse_loss(out, y).backward()  # type: ignore[no-untyped-call]
+        for (name, p), q in zip(pipe.named_parameters(), plain.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("kind", HOOKS)
+def test_a_hook_on_a_module_fx_traces_through_is_refused_at_construction(kind: str) -> None:
+    model = Net().double()
+    HOOKS[kind](model.blocks[1])
+    with pytest.raises(TypeError, match=rf"module 'blocks.1' has a {kind}.*leaf_modules="):
+        traced(model)
+    # Nothing was moved or traced: the model still runs as it did.
+    assert model(torch.randn(2, 3, dtype=torch.float64)).shape == (2, 2)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_hook_added_after_the_split_is_refused_at_each_call_until_removed(graphs: bool) -> None:
+    model = Net().double()
+    plain = copy.deepcopy(model)
+    pipe = traced(model, graphs=graphs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a graphed stage's eager first calls
+        assert_as_plain(pipe, plain)
+        handle = DOUBLING(pipe.blocks[1])
+        x, y = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+        message = "module 'blocks.1' has a forward hook (register_forward_hook)"
+        with pytest.raises(TypeError, match=re.escape(message)):
+            pipe(x)
+        with pytest.raises(TypeError, match=re.escape(message)):
+            pipe.train_step(x, y, nn.functional.mse_loss)
+        handle.remove()
+        assert_as_plain(pipe, plain)  # the refusal left nothing behind
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_hooked_module_named_a_leaf_runs_its_hooks_at_every_call(graphs: bool) -> None:
+    model = Net().double()
+    plain = copy.deepcopy(model)
+    handles = [DOUBLING(m.blocks[1]) for m in (model, plain)]
+    pipe = traced(model, graphs=graphs, leaf_modules=["blocks.1"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert_as_plain(pipe, plain)
+        for handle in handles:
+            handle.remove()
+        assert_as_plain(pipe, plain)  # removed: gone from the stages too
+        handles = [HOOKS["backward hook"](m.blocks[1]) for m in (pipe, plain)]
+        assert_as_plain(pipe, plain)
+
+
+def test_a_hook_on_any_module_torch_export_splits_is_refused() -> None:
+    model = Net().double()
+    HOOKS["forward pre-hook"](model.blocks[0].lin)
+    with pytest.raises(TypeError, match=r"'blocks.0.lin' has a forward pre-hook.*tracer='fx'"):
+        traced(model, "export")
+    model = Net().double()
+    plain = copy.deepcopy(model)
+    pipe = traced(model, "export")
+    handle = HOOKS["backward hook"](pipe.blocks[2].lin)
+    with pytest.raises(TypeError, match="module 'blocks.2.lin' has a backward hook"):
+        pipe(torch.randn(4, 3, dtype=torch.float64))
+    handle.remove()
+    assert_as_plain(pipe, plain)
+
+
+@pytest.mark.parametrize("how", ["sequential", "fx"])
+def test_the_module_s_own_hook_is_refused_saying_to_register_it_on_the_pipe(how: str) -> None:
+    model = sequential() if how == "sequential" else Net().double()
+    handle = DOUBLING(model)
+    message = f"the {type(model).__name__} given to Pipe has a forward hook"
+    build: Callable[[], Pipe] = (
+        (lambda: Pipe(model, chunks=2, balance=[2, 1], devices=["cpu", "cpu"]))
+        if how == "sequential"
+        else lambda: traced(model)
+    )
+    with pytest.raises(TypeError, match=f"{re.escape(message)}.*register it on the Pipe"):
+        build()
+    handle.remove()
+    pipe = build()
+    if how == "fx":  # the traced module is the pipe's still: its hooks are checked at calls
+        handle = DOUBLING(model)
+        with pytest.raises(TypeError, match=re.escape(message)):
+            pipe(torch.randn(4, 3, dtype=torch.float64))
+        handle.remove()
+    plain = copy.deepcopy(model)
+    DOUBLING(pipe)  # on the pipe, pipe(x) runs it
+    DOUBLING(plain)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    torch.testing.assert_close(pipe(x), torch.cat([plain(part) for part in x.chunk(2)]))
+
+
+@pytest.mark.parametrize("kind", HOOKS)
+@pytest.mark.parametrize("graphs", [False, True])
+def test_hooks_on_layers_a_stage_calls_whole_run_as_in_the_plain_model(
+    kind: str, graphs: bool
+) -> None:
+    model = sequential()
+    plain = copy.deepcopy(model)
+    pipe = Pipe(
+        model,
+        chunks=2,
+        balance=[2, 1],
+        devices=["cpu", "cpu"],
+        graphs=Emulated() if graphs else False,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert_as_plain(pipe, plain)
+        handles = [HOOKS[kind](m[2]) for m in (pipe, plain)]
+        assert_as_plain(pipe, plain)
+        for handle in handles:
+            handle.remove()
+        assert_as_plain(pipe, plain)
