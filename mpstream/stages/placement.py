@@ -21,6 +21,7 @@ from collections.abc import Collection, Iterable, Sequence
 
 import torch
 from torch import Tensor, fx, nn
+from torch.nn.utils import parametrize
 
 from .fx import lookup
 from .hf import is_transformers_model
@@ -135,10 +136,29 @@ def _move(module: nn.Module, name: str, device: torch.device) -> None:
 
 def rebind(part: fx.GraphModule, root: nn.Module) -> None:
     """Points a stage's own references at ``root``'s current tensors (after
-    ``.to(dtype)``, or a ``load_state_dict(assign=True)``)."""
+    ``.to(dtype)``, or a ``load_state_dict(assign=True)``).
+
+    Raises:
+        TypeError: a tensor the stage reads itself has been parametrized
+            (``torch.nn.utils.parametrize``) since it was traced.
+    """
     for name, target in getattr(part, "_mpstream_attrs", {}).items():
+        owner, _, attr = target.rpartition(".")
+        if parametrize.is_parametrized(root.get_submodule(owner) if owner else root, attr):
+            # Its value is computed at each read; the stage holds one tensor.
+            raise TypeError(
+                f"'{target}' was parametrized (torch.nn.utils.parametrize) after the pipe "
+                f"traced the code that reads it, and a stage holds the tensor it read then: "
+                f"it would not compute the parametrization at each call. Register the "
+                f"parametrization before building the Pipe (the trace then computes it), or "
+                f"remove it (parametrize.remove_parametrizations)"
+            )
         current = lookup(root, target)
+        # A parameter replaced by a buffer of the same name (or the other way
+        # round) leaves the other dict: an old entry would shadow the new one.
         if isinstance(current, nn.Parameter):
+            part._buffers.pop(name, None)
             part._parameters[name] = current
         else:
+            part._parameters.pop(name, None)
             part._buffers[name] = current

@@ -1,16 +1,25 @@
 """Where a split's tensors are placed (:mod:`mpstream.stages.placement`)
 when kinds of call read them in different stages: shared on one device,
 refused across devices once an earlier split placed them, moved in place
-and never made inference tensors."""
+and never made inference tensors; the stages pointed at a module's
+tensors again after they change (a parameter made a buffer; one
+parametrized after the trace is refused)."""
 
 from __future__ import annotations
 
+import copy
 import pickle
+import re
+import warnings
+from typing import Any
 
 import pytest
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
+from mpstream import Pipe
+from mpstream.runtime.graphed import Emulated
 from mpstream.stages import placement
 from mpstream.stages.fx import trace
 from mpstream.stages.placement import place
@@ -102,3 +111,97 @@ def test_a_tensor_data_cannot_carry_is_replaced_unless_a_parameter() -> None:
     assert model.fill.device.type == "meta"
     with pytest.raises(RuntimeError, match="incompatible tensor type"):
         placement._move(model, "b.weight", torch.device("meta"))  # a parameter stays one object
+
+
+class Direct(nn.Module):
+    """Blocks whose traced code reads their tensors itself (no layer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, 3, dtype=torch.float64))
+        self.scale = nn.Parameter(torch.rand(3, dtype=torch.float64) + 0.5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(nn.functional.linear(x, self.w) * self.scale)
+
+
+class Directs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Direct(), Direct()])
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.blocks[1](self.blocks[0](x))
+
+
+class Positive(nn.Module):
+    def forward(self, scale: Tensor) -> Tensor:
+        return scale.abs() + 0.25
+
+
+def direct_pipe(model: nn.Module, tracer: str = "fx", graphs: bool = False) -> Any:
+    sample = (torch.randn(2, 3, dtype=torch.float64),) if tracer == "export" else None
+    return Pipe(
+        model,
+        chunks=2,
+        devices=["cpu", "cpu"],
+        split_points=["blocks.1"],
+        tracer=tracer,
+        sample=sample,
+        graphs=Emulated() if graphs else False,
+    )
+
+
+def assert_as_plain(pipe: nn.Module, plain: nn.Module) -> None:
+    """pipe(x) with a backward, and a train_step, equal the plain model's."""
+    x, y = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    for step in (False, True):
+        pipe.zero_grad()
+        plain.zero_grad()
+        expected = torch.cat([plain(part) for part in x.chunk(2)])
+        loss = nn.functional.mse_loss(expected, y)
+        loss.backward()  # type: ignore[no-untyped-call]
+        if step:
+            torch.testing.assert_close(pipe.train_step(x, y, nn.functional.mse_loss), loss.detach())
+        else:
+            out = pipe(x)
+            torch.testing.assert_close(out, expected)
+            nn.functional.mse_loss(out, y).backward()  # type: ignore[no-untyped-call]
+        got = {n: p.grad for n, p in pipe.named_parameters()}
+        for name, p in plain.named_parameters():
+            torch.testing.assert_close(got[name], p.grad, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_tensor_a_stage_reads_parametrized_after_the_trace_is_refused(graphs: bool) -> None:
+    model = Directs()
+    pipe = direct_pipe(model, graphs=graphs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a graphed stage's eager first calls
+        pipe(torch.randn(4, 3, dtype=torch.float64))
+        parametrize.register_parametrization(model.blocks[1], "scale", Positive())
+        x, y = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+        message = "'blocks.1.scale' was parametrized (torch.nn.utils.parametrize) after"
+        for _ in range(2):  # refused at every call, not once
+            with pytest.raises(TypeError, match=re.escape(message)):
+                pipe(x)
+            with pytest.raises(TypeError, match=re.escape(message)):
+                pipe.train_step(x, y, nn.functional.mse_loss)
+        # Parametrized before the pipe is built, the trace computes it.
+        model = Directs()
+        parametrize.register_parametrization(model.blocks[1], "scale", Positive())
+        plain = copy.deepcopy(model)
+        assert_as_plain(direct_pipe(model, graphs=graphs), plain)
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_a_parameter_replaced_by_a_buffer_of_its_name_is_what_stages_read(tracer: str) -> None:
+    model = Directs()
+    plain = copy.deepcopy(model)
+    pipe = direct_pipe(model, tracer)
+    assert_as_plain(pipe, plain)
+    for m in (pipe, plain):
+        block = m.get_submodule("blocks.1")
+        del block.scale
+        block.register_buffer("scale", torch.full((3,), 0.75, dtype=torch.float64))
+    assert_as_plain(pipe, plain)
