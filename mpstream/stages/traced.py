@@ -45,11 +45,13 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from ..runtime.graphed import generation
 from .fx import Traced, trace, traced_through
 from .kinds import Kinds, Split, operations
 from .lookups import NOTHING, Lookup, missing_keys, value_at
 from .module_hooks import check_traced_hooks
 from .placement import place
+from .replaced import check_replaced
 from .tracers import Binder, SplitReport, call_arguments, nones_of, sample_call
 
 __all__ = ["FxSplit"]
@@ -306,6 +308,14 @@ class FxSplit(Kinds):
         flags = self._flags()
         split = self.kinds.get(self._key(values, flags)) or self._trace(values, flags)
         return split, tuple(values[n] for n in split.bind.names)
+
+    def refresh(self, force: bool = False) -> None:
+        """:meth:`Kinds.refresh`, refusing first a split whose submodules
+        were replaced since (see :mod:`~mpstream.stages.replaced`)."""
+        if force or self.__dict__.get("_bound") != generation():
+            assert self.current is not None
+            check_replaced(self.module, self.watched, self.current.partitions)
+        super().refresh(force)
 
     def report(self) -> SplitReport:
         """The tracer, why, and each kind of call traced so far."""
