@@ -51,12 +51,23 @@ def _hook_kind(module: nn.Module) -> str | None:
     return None
 
 
+# The module given to Pipe is not the pipe: its state_dict hooks would not
+# run either (the pipe's state_dict() and load_state_dict() are its own).
+_STATE_KINDS = (
+    ("_state_dict_pre_hooks", "state_dict pre-hook (register_state_dict_pre_hook)"),
+    ("_state_dict_hooks", "state_dict hook (register_state_dict_post_hook)"),
+    ("_load_state_dict_pre_hooks", "load_state_dict pre-hook (register_load_state_dict_pre_hook)"),
+    ("_load_state_dict_post_hooks", "load_state_dict hook (register_load_state_dict_post_hook)"),
+)
+
+
 def _root_error(module: nn.Module, kind: str) -> TypeError:
+    method = kind[kind.index("(") + 1 : -1]
     return TypeError(
         f"the {type(module).__name__} given to Pipe has a {kind} of its own, which the pipe "
-        f"would not run: a Pipe runs the module's stages, not the module itself. Remove it "
-        f"and register it on the Pipe instead (pipe.register_forward_hook(...) and the "
-        f"like), which pipe(x) runs"
+        f"would not run: a Pipe is a module of its own, holding the module's layers and "
+        f"running its stages, not the module itself. Remove it and register it on the Pipe "
+        f"instead (pipe.{method}(...))"
     )
 
 
@@ -68,10 +79,12 @@ def check_root_hooks(module: nn.Module) -> None:
 
     Raises:
         TypeError: ``module`` holds a forward, forward pre-, backward or
-            backward pre-hook, naming it and saying to register it on the
-            Pipe.
+            backward pre-hook, or a ``state_dict`` or ``load_state_dict``
+            hook, naming it and saying to register it on the Pipe.
     """
     kind = _hook_kind(module)
+    if kind is None:
+        kind = next((kind for attribute, kind in _STATE_KINDS if getattr(module, attribute)), None)
     if kind is not None:
         raise _root_error(module, kind)
 

@@ -195,3 +195,17 @@ def test_hooks_on_layers_a_stage_calls_whole_run_as_in_the_plain_model(
         for handle in handles:
             handle.remove()
         assert_as_plain(pipe, plain)
+
+
+def test_the_module_s_own_state_dict_hook_is_refused_saying_to_register_it_on_the_pipe() -> None:
+    model = sequential()
+    loaded: list[object] = []
+    handle = model.register_load_state_dict_post_hook(lambda module, _: loaded.append(module))
+    message = "the Sequential given to Pipe has a load_state_dict hook"
+    with pytest.raises(TypeError, match=f"{message}.*pipe.register_load_state_dict_post_hook"):
+        Pipe(model, chunks=2, balance=[2, 1], devices=["cpu", "cpu"])
+    handle.remove()
+    pipe = Pipe(model, chunks=2, balance=[2, 1], devices=["cpu", "cpu"])
+    pipe.register_load_state_dict_post_hook(lambda module, _: loaded.append(module))
+    pipe.load_state_dict(sequential().state_dict())
+    assert loaded == [pipe]
