@@ -42,6 +42,7 @@ from .model_loss import gather_with_loss
 from .module_hooks import check_traced_hooks
 from .placement import place
 from .points import SplitPointError, check_named
+from .replaced import check_forwards
 from .tracers import CallSignature, SplitReport, describe_call, raised_in, sample_call
 
 __all__ = ["ExportSplit", "own_loss"]
@@ -123,6 +124,7 @@ class ExportSplit(Kinds):
             # Until the first call, only the names can be checked.
             check_named(self.module, self.split_points, split_candidates)
             return None
+        check_forwards(self, self.module, self.module.modules(), "torch.export")
         args, kwargs = sample_call(sample)
         named = self.calls.prepare(self.signature(args, kwargs))
         items, spec = pytree.tree_flatten(((), named))
@@ -225,10 +227,13 @@ class ExportSplit(Kinds):
 
         Raises:
             TypeError: the call does not bind to ``forward``; export failed;
-                a module holds a hook (see :mod:`~mpstream.stages.module_hooks`).
+                a module holds a hook (see :mod:`~mpstream.stages.module_hooks`)
+                or has another instance ``forward`` than it had (see
+                :mod:`~mpstream.stages.replaced`).
             ValueError: the family refuses the call (see :mod:`~mpstream.stages.hf`).
         """
         check_traced_hooks(self.module, self.module.modules(), "export")
+        check_forwards(self, self.module, self.module.modules(), "torch.export")
         named = self.calls.prepare(self.signature(args, kwargs))
         items, spec = pytree.tree_flatten(((), named))
         key = (spec, self._state())

@@ -136,6 +136,7 @@ class Kinds:
         # pipe binds again on its first call.
         state = dict(self.__dict__)
         state.pop("_bound", None)
+        state.pop("_forwards", None)  # instance forwards seen: this process's objects
         return state
 
     def gather(self, outputs: Sequence[Any]) -> Any:

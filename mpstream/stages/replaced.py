@@ -1,4 +1,4 @@
-"""Submodules replaced after a ``torch.fx`` trace: refused, naming them.
+"""Submodules, or their ``forward``, replaced after a trace: refused, naming them.
 
 A ``torch.fx`` stage calls the layers the trace met (its leaves) as
 modules of its own, and holds the code of the modules it traced through:
@@ -6,16 +6,22 @@ modules of its own, and holds the code of the modules it traced through:
 new module in the model that no stage would run (the stage would go on
 calling the old one, silently). A Sequential's stages hold its layers
 themselves, and a ``torch.export`` split is exported again when its
-modules change, so only the splits ``torch.fx`` made check.
+modules change, so only the splits ``torch.fx`` made check that.
+
+Either tracer follows a ``forward`` set on a module instance
+(``block.forward = patched``) when it traces, and a stage holds what it
+did: one set, replaced or deleted later, on a module whose code a trace
+follows, is refused at every call until it is put back.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from torch import fx, nn
 
-__all__ = ["check_replaced"]
+__all__ = ["check_forwards", "check_replaced"]
 
 
 def check_replaced(
@@ -54,3 +60,34 @@ def check_replaced(
             f"on running the old one, not the new. Change the submodule in place instead "
             f"(load_state_dict, or assign its tensors), or build a new Pipe over the module"
         )
+
+
+def check_forwards(split: Any, root: nn.Module, modules: Iterable[nn.Module], tracer: str) -> None:
+    """Refuses a ``forward`` set on (or deleted from) a module instance
+    since the split's first call or trace.
+
+    Args:
+        split: the pipe's split (:class:`~mpstream.stages.kinds.Kinds`),
+            which keeps the instance forwards it first saw (not pickled: a
+            loaded pipe takes its module's as they are).
+        root: the traced module.
+        modules: the modules whose code the traces follow.
+        tracer: ``"torch.fx"`` or ``"torch.export"``, for the message.
+
+    Raises:
+        TypeError: one of ``modules`` has another instance ``forward`` than
+            it had, naming the module and what to do.
+    """
+    seen: dict[int, Any] = split.__dict__.setdefault("_forwards", {})
+    for module in modules:
+        now = module.__dict__.get("forward")
+        before = seen.setdefault(id(module), now)
+        if before is not now:
+            name = next((n for n, m in root.named_modules() if m is module), "?")
+            what = "deleted" if now is None else "set" if before is None else "replaced"
+            raise TypeError(
+                f"the forward of module '{name or type(root).__name__}' was {what} on the "
+                f"instance after {tracer} traced its code, which the stages hold as it was: "
+                f"they would not run the new one. Put it back, or build a new Pipe over the "
+                f"module (it traces the forward the module has then)"
+            )

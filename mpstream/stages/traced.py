@@ -51,7 +51,7 @@ from .kinds import Kinds, Split, operations
 from .lookups import NOTHING, Lookup, missing_keys, value_at
 from .module_hooks import check_traced_hooks
 from .placement import place
-from .replaced import check_replaced
+from .replaced import check_forwards, check_replaced
 from .tracers import Binder, SplitReport, call_arguments, nones_of, sample_call
 
 __all__ = ["FxSplit"]
@@ -205,6 +205,7 @@ class FxSplit(Kinds):
                 different devices.
         """
         check_traced_hooks(self.module, self.watched, "fx")
+        check_forwards(self, self.module, self.watched, "torch.fx")
         values = None if sample is None else call_arguments(self.module, *sample_call(sample))
         split = self._trace(values, self._flags())
         self.current = split
@@ -297,13 +298,15 @@ class FxSplit(Kinds):
         Raises:
             TypeError: the call does not bind to ``forward``; tracing failed;
                 a module the trace follows holds a hook (see
-                :mod:`~mpstream.stages.module_hooks`).
+                :mod:`~mpstream.stages.module_hooks`) or has another instance
+                ``forward`` than it had (see :mod:`~mpstream.stages.replaced`).
             ValueError: a split point this kind of call does not reach, or a
                 tensor the new trace reads where an earlier one placed it
                 elsewhere.
         """
         assert self.current is not None
         check_traced_hooks(self.module, self.watched, "fx")
+        check_forwards(self, self.module, self.watched, "torch.fx")
         values = self.current.bind.arguments(args, kwargs)  # every trace's forward binds alike
         flags = self._flags()
         split = self.kinds.get(self._key(values, flags)) or self._trace(values, flags)

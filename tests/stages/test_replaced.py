@@ -1,12 +1,15 @@
 """A submodule replaced after a torch.fx trace (:mod:`mpstream.stages.replaced`)
 is refused at every call, naming it, where the stages would silently go on
-running the old one; the same change on a module torch.export split, or a
-Sequential's layer changed inside, is run as the plain model runs it."""
+running the old one; the same change on a module torch.export split is run
+as the plain model runs it. A ``forward`` set on a module instance before
+the trace runs; set, replaced or deleted after it, it is refused (either
+tracer) until put back."""
 
 from __future__ import annotations
 
 import copy
 import re
+import types
 import warnings
 from collections.abc import Callable
 
@@ -118,3 +121,44 @@ def test_torch_export_splits_the_module_again_with_the_new_submodule(change: str
     CHANGES[change][0](pipe)
     plain = copy.deepcopy(model)
     as_plain(pipe, plain)
+
+
+def doubled(self: nn.Module, x: Tensor) -> Tensor:
+    return type(self).forward(self, x) * 2  # type: ignore[no-any-return]
+
+
+def patch(module: nn.Module) -> None:
+    module.forward = types.MethodType(doubled, module)  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize(("tracer", "name"), [("fx", "blocks.1"), ("export", "blocks.1.lin")])
+def test_a_forward_set_on_an_instance_after_the_trace_is_refused(tracer: str, name: str) -> None:
+    model = Net().double()
+    plain = copy.deepcopy(model)
+    pipe = pipe_of(model, tracer)
+    x, y = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    pipe(x)
+    patch(pipe.get_submodule(name))
+    message = f"the forward of module '{name}' was set on the instance after torch.{tracer}"
+    for _ in range(2):  # at every call, not once
+        with pytest.raises(TypeError, match=re.escape(message)):
+            pipe(x)
+        with pytest.raises(TypeError, match=re.escape(message)):
+            pipe.train_step(x, y, nn.functional.mse_loss)
+    del pipe.get_submodule(name).forward  # put back: the calls run again
+    as_plain(pipe, plain)
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_a_forward_set_before_the_trace_runs_and_removing_it_is_refused(tracer: str) -> None:
+    model = Net().double()
+    plain = copy.deepcopy(model)
+    for m in (model, plain):
+        patch(m.get_submodule("blocks.1"))
+    pipe = pipe_of(model, tracer)
+    as_plain(pipe, plain)
+    copied = copy.deepcopy(pipe)  # a copy takes its module's forwards as they are
+    as_plain(copied, copy.deepcopy(plain))
+    del pipe.get_submodule("blocks.1").forward
+    with pytest.raises(TypeError, match="the forward of module 'blocks.1' was deleted"):
+        pipe(torch.randn(4, 3, dtype=torch.float64))
