@@ -30,6 +30,9 @@ _KINDS = (
 )
 
 
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+
+
 def _transformers_own(hook: object) -> bool:
     """Whether Hugging Face transformers installed ``hook`` itself.
 
@@ -102,7 +105,8 @@ def check_traced_hooks(root: nn.Module, modules: Iterable[nn.Module], tracer: st
             docstring), naming the module, the kind of hook and what to do.
     """
     for module in modules:
-        kind = _hook_kind(module)
+        # Containers are iterated, never called: their hooks never run.
+        kind = None if isinstance(module, _CONTAINERS) else _hook_kind(module)
         if kind is None:
             continue
         if module is root:

@@ -209,3 +209,11 @@ def test_the_module_s_own_state_dict_hook_is_refused_saying_to_register_it_on_th
     pipe.register_load_state_dict_post_hook(lambda module, _: loaded.append(module))
     pipe.load_state_dict(sequential().state_dict())
     assert loaded == [pipe]
+
+
+def test_a_hook_on_a_container_no_code_calls_never_runs_as_in_the_plain_model() -> None:
+    model = Net().double()
+    plain = copy.deepcopy(model)
+    for m in (model, plain):
+        DOUBLING(m.blocks)  # a ModuleList is iterated, never called
+    assert_as_plain(traced(model), plain)
