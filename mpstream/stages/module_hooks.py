@@ -10,7 +10,10 @@ effect fixed into the stages (still there after ``handle.remove()``), and
 one registered later would never run. A full backward hook there would not
 see the gradients it is meant to. So these modules are checked when the
 pipe is built and at every call, and one holding a hook is refused
-(Hugging Face transformers' own output-capturing hooks aside).
+(Hugging Face transformers' own output-capturing hooks aside, and the
+hooks of torch.nn.utils' ``spectral_norm`` and hook-based ``weight_norm``
+on a submodule: tensor code a trace holds as the module's, run at every
+call).
 """
 
 from __future__ import annotations
@@ -45,11 +48,26 @@ def _transformers_own(hook: object) -> bool:
     return module == "transformers" or module.startswith("transformers.")
 
 
-def _hook_kind(module: nn.Module) -> str | None:
-    """The kind of the first hook ``module`` holds (not transformers' own), or None."""
+def _recomputing(hook: object) -> bool:
+    """Whether ``hook`` is torch.nn.utils' ``spectral_norm`` or hook-based
+    ``weight_norm``: it computes a weight from the module's parameters
+    (and, for spectral_norm in training, updates buffers), tensor code only,
+    so a trace holds it as the module's own code, run at every call."""
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    return isinstance(hook, (SpectralNorm, WeightNorm))
+
+
+def _hook_kind(module: nn.Module, traced: bool = False) -> str | None:
+    """The kind of the first hook ``module`` holds (not transformers' own,
+    nor, where a trace follows the module's code, a recomputing norm's),
+    or None."""
     for attribute, kind in _KINDS:
         hooks = getattr(module, attribute, None)
-        if hooks and not all(map(_transformers_own, hooks.values())):
+        if hooks and not all(
+            _transformers_own(h) or (traced and _recomputing(h)) for h in hooks.values()
+        ):
             return kind
     return None
 
@@ -106,7 +124,7 @@ def check_traced_hooks(root: nn.Module, modules: Iterable[nn.Module], tracer: st
     """
     for module in modules:
         # Containers are iterated, never called: their hooks never run.
-        kind = None if isinstance(module, _CONTAINERS) else _hook_kind(module)
+        kind = None if isinstance(module, _CONTAINERS) else _hook_kind(module, module is not root)
         if kind is None:
             continue
         if module is root:
