@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from torch import nn
+from torch.nn.modules.lazy import LazyModuleMixin
 
 __all__ = ["check_root_hooks", "check_traced_hooks"]
 
@@ -123,6 +124,15 @@ def check_traced_hooks(root: nn.Module, modules: Iterable[nn.Module], tracer: st
             docstring), naming the module, the kind of hook and what to do.
     """
     for module in modules:
+        if isinstance(module, LazyModuleMixin) and module.has_uninitialized_params():
+            # Its hook would size the parameters at the trace, too late for
+            # the stages' placement.
+            name = next((n for n, m in root.named_modules() if m is module), "?")
+            raise TypeError(
+                f"module '{name}' ({type(module).__name__}) has parameters not yet sized "
+                f"(a lazy module), which torch.{tracer} cannot split: call the model once on a "
+                f"batch before building the Pipe, which sizes them"
+            )
         # Containers are iterated, never called: their hooks never run.
         kind = None if isinstance(module, _CONTAINERS) else _hook_kind(module, module is not root)
         if kind is None:
