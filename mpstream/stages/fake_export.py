@@ -26,6 +26,7 @@ from torch import Tensor, fx, nn
 from torch.utils import _pytree as pytree
 
 from ..runtime.microbatch import NoChunk, grad_dtype
+from .module_hooks import recomputed_attribute
 from .quiet_export import quiet_export
 from .stand_ins import stand_ins
 from .tracers import raised_in
@@ -266,19 +267,13 @@ def _plain_attributes(module: nn.Module) -> Iterator[None]:
 
 
 def _recomputed(module: nn.Module, name: str) -> bool:
-    """Whether attribute ``name`` is what torch.nn.utils' ``spectral_norm`` or
-    ``weight_norm`` (the hook-based ones) sets before each forward of its
-    module, from parameters the export sees: the forward reads the value it
-    computes, so dropping the assignment loses nothing."""
-    from torch.nn.utils.spectral_norm import SpectralNorm
-    from torch.nn.utils.weight_norm import WeightNorm
-
+    """Whether attribute ``name`` is what one of torch.nn.utils' hooks
+    (``spectral_norm``, ``weight_norm``, ``prune``) sets before each forward
+    of its module, from tensors the export sees: the forward reads the
+    value it computes, so dropping the assignment loses nothing."""
     path, _, attr = name.rpartition(".")
     owner = module.get_submodule(path)
-    return any(
-        isinstance(h, (SpectralNorm, WeightNorm)) and h.name == attr
-        for h in owner._forward_pre_hooks.values()
-    )
+    return any(recomputed_attribute(h) == attr for h in owner._forward_pre_hooks.values())
 
 
 def input_pattern(node: fx.Node) -> Any:

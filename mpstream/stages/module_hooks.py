@@ -11,8 +11,8 @@ one registered later would never run. A full backward hook there would not
 see the gradients it is meant to. So these modules are checked when the
 pipe is built and at every call, and one holding a hook is refused
 (Hugging Face transformers' own output-capturing hooks aside, and the
-hooks of torch.nn.utils' ``spectral_norm`` and hook-based ``weight_norm``
-on a submodule: tensor code a trace holds as the module's, run at every
+hooks of torch.nn.utils' ``spectral_norm``, hook-based ``weight_norm``
+and ``prune`` on a submodule: tensor code a trace holds as the module's, run at every
 call).
 """
 
@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from torch import nn
 from torch.nn.modules.lazy import LazyModuleMixin
 
-__all__ = ["check_root_hooks", "check_traced_hooks"]
+__all__ = ["check_root_hooks", "check_traced_hooks", "recomputed_attribute"]
 
 # A module's hook dicts, and how a message names each kind.
 _KINDS = (
@@ -49,15 +49,26 @@ def _transformers_own(hook: object) -> bool:
     return module == "transformers" or module.startswith("transformers.")
 
 
-def _recomputing(hook: object) -> bool:
-    """Whether ``hook`` is torch.nn.utils' ``spectral_norm`` or hook-based
-    ``weight_norm``: it computes a weight from the module's parameters
-    (and, for spectral_norm in training, updates buffers), tensor code only,
-    so a trace holds it as the module's own code, run at every call."""
+def recomputed_attribute(hook: object) -> str | None:
+    """The attribute ``hook`` sets before each forward if it is one of
+    torch.nn.utils' weight reparametrizations by hook (``spectral_norm``,
+    the hook-based ``weight_norm``, ``prune``), else None. Such a hook
+    computes the weight from the module's parameters and buffers (and, for
+    spectral_norm in training, updates buffers): tensor code only, which a
+    trace holds as the module's own code, run at every call."""
+    from torch.nn.utils.prune import BasePruningMethod
     from torch.nn.utils.spectral_norm import SpectralNorm
     from torch.nn.utils.weight_norm import WeightNorm
 
-    return isinstance(hook, (SpectralNorm, WeightNorm))
+    if isinstance(hook, (SpectralNorm, WeightNorm)):
+        return hook.name
+    if isinstance(hook, BasePruningMethod):
+        return hook._tensor_name  # type: ignore[no-any-return]
+    return None
+
+
+def _recomputing(hook: object) -> bool:
+    return recomputed_attribute(hook) is not None
 
 
 def _hook_kind(module: nn.Module, traced: bool = False) -> str | None:

@@ -15,6 +15,7 @@ import copy
 import pytest
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import prune
 
 from mpstream import Pipe
 from tests.helpers import assert_same_grads
@@ -172,9 +173,9 @@ def test_one_only_read_is_read_as_the_model_reads_it(tracer: str) -> None:
 
 
 class Normed(nn.Module):
-    """Layers normalised by torch.nn.utils' hook-based spectral_norm and
-    weight_norm, whose forward pre-hooks assign ``weight`` (a plain
-    attribute) from parameters before each call, and the newer
+    """Layers reparametrized by torch.nn.utils' hooks (spectral_norm,
+    weight_norm, prune), whose forward pre-hooks assign ``weight`` (a plain
+    attribute) from parameters and buffers before each call, and the newer
     parametrization between them."""
 
     def __init__(self) -> None:
@@ -182,14 +183,15 @@ class Normed(nn.Module):
         self.a = nn.utils.spectral_norm(nn.Linear(4, 4))
         self.b = nn.utils.parametrizations.weight_norm(nn.Linear(4, 3))
         with pytest.warns(FutureWarning, match="weight_norm"):
-            self.c = nn.utils.weight_norm(nn.Linear(3, 2))
+            self.c = nn.utils.weight_norm(nn.Linear(3, 3))
+        self.d = prune.l1_unstructured(nn.Linear(3, 2), "weight", amount=0.5)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.c(self.b(torch.relu(self.a(x))))
+        return self.d(self.c(self.b(torch.relu(self.a(x)))))
 
 
 @pytest.mark.parametrize("mode", ["train", "eval"])
-def test_spectral_and_weight_norm_hooks_export_and_train_as_the_model(mode: str) -> None:
+def test_spectral_norm_weight_norm_and_prune_hooks_export_and_train_as_the_model(mode: str) -> None:
     # Their assignment is dropped by the export, harmlessly: the forward
     # reads the weight it computes. It was refused as a plain attribute's.
     torch.manual_seed(0)
