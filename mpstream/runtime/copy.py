@@ -35,7 +35,7 @@ from torch.autograd import profiler
 from . import private
 from .microbatch import gradless
 from .stream import AnyStream, current_stream, record_stream
-from .transfer import GradLink, to_device, to_host
+from .transfer import GradLink, Staging, to_device, to_host
 
 if TYPE_CHECKING:
     from .scheduler import EventScheduler
@@ -43,13 +43,8 @@ if TYPE_CHECKING:
 __all__ = [
     "Copy",
     "Route",
-    "Staging",
     "send",
 ]
-
-# Pinned staging buffers of one micro-batch, one entry per leaf of its inputs
-# (see mpstream.runtime.transfer.host_staging), or None when nothing needs staging.
-Staging = tuple[Tensor | None, ...] | None
 
 
 def send(

@@ -21,13 +21,13 @@ from torch import Tensor
 from ..memory.checkpoint import checkpointed
 from ..schedules.schedule import Kind, Schedule, Task
 from . import marks
-from .copy import Staging
 from .executor import Handlers, execute
 from .handoffs import Handoffs
 from .hops import send_hop
 from .microbatch import leaves, rebuild_leaves
 from .replay_autograd import run_stage
 from .stream import AnyStream, current_stream
+from .transfer import Staging
 from .values import Flow, cuda_only, protect
 
 if TYPE_CHECKING:

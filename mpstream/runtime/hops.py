@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 
 from ..schedules.schedule import Task
-from .copy import Copy, Route, Staging
+from .copy import Copy, Route
 from .graph import ALL, Hop
 from .microbatch import leaves, rebuild_leaves
-from .transfer import GradLink, HostWait
+from .transfer import GradLink, HostWait, Staging
 from .values import Flow
 
 if TYPE_CHECKING:

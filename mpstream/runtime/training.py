@@ -27,7 +27,7 @@ from torch import Tensor
 from ..memory.checkpoint import checkpointed
 from ..schedules.schedule import Kind, Schedule, Task
 from .boundary import Cutting, Grads, cut_inputs, roots_of, route_grads, sum_grads
-from .copy import Staging, send
+from .copy import send
 from .errors import annotate, inplace_hint, input_versions
 from .executor import Handlers, execute
 from .graph import Ref
@@ -37,7 +37,7 @@ from .losses import Losses
 from .replayed import Replayed
 from .split_backward import WeightPass, backward_inputs
 from .stream import current_stream
-from .transfer import micro_to_device
+from .transfer import Staging, micro_to_device
 from .values import Flow, cuda_only, protect
 
 if TYPE_CHECKING:

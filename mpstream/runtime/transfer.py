@@ -30,6 +30,7 @@ from .microbatch import gradless, leaves, rebuild_leaves, split
 from .stream import current_stream, record_stream
 
 __all__ = [
+    "Staging",
     "host_staging",
     "micro_staging",
     "to_device",
@@ -40,11 +41,17 @@ __all__ = [
 ]
 
 
+# Pinned staging buffers of one micro-batch (or of a whole batch), one entry
+# per leaf of its inputs as host_staging lines them up, or None when nothing
+# needs staging.
+Staging = tuple[Tensor | None, ...] | None
+
+
 def _pageable(t: Tensor) -> bool:
     return t.device.type == "cpu" and not t.is_pinned()
 
 
-def host_staging(value: Any, device: torch.device) -> tuple[Tensor | None, ...] | None:
+def host_staging(value: Any, device: torch.device) -> Staging:
     """Pinned buffers for the pageable tensors of ``value`` bound for ``device``.
 
     Returns:
@@ -69,7 +76,7 @@ def host_staging(value: Any, device: torch.device) -> tuple[Tensor | None, ...] 
 
 def micro_staging(
     value: Any, device: torch.device, chunks: int | None, split_size: int | None
-) -> list[tuple[Tensor | None, ...] | None] | None:
+) -> list[Staging] | None:
     """Per micro-batch, pinned buffers for ``value``'s pageable tensors
     bound for ``device`` (aligned with its leaves, as :func:`host_staging`
     lines them up), split as :func:`~.microbatch.scatter` splits the batch;
@@ -79,9 +86,7 @@ def micro_staging(
         return None
     parts = [None if b is None else split(b, chunks, split_size) for b in buffers]
     micros = max(len(p) for p in parts if p is not None)
-    out: list[tuple[Tensor | None, ...] | None] = [
-        tuple(None if p is None else p[i] for p in parts) for i in range(micros)
-    ]
+    out: list[Staging] = [tuple(None if p is None else p[i] for p in parts) for i in range(micros)]
     return out
 
 
@@ -109,9 +114,7 @@ def to_device(x: Tensor, device: torch.device, staging: Tensor | None = None) ->
     return x.to(device, non_blocking=device.type == "cuda")
 
 
-def micro_to_device(
-    value: Any, device: torch.device, staging: tuple[Tensor | None, ...] | None
-) -> Any:
+def micro_to_device(value: Any, device: torch.device, staging: Staging) -> Any:
     """Moves one micro-batch's inputs (or its target) to ``device`` with
     :func:`to_device`, each pageable tensor through its buffer in
     ``staging`` (one micro-batch's of :func:`micro_staging`, or None)."""
