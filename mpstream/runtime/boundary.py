@@ -11,9 +11,11 @@ leaf would forbid.
 
 Around it, what a training step (:mod:`.training`) does at each cut: cut a
 stage's inputs for one micro-batch (:class:`Cutting`, :func:`cut_inputs`),
-root its backward at its outputs (:func:`roots_of`), and hand each gradient
-that reached the cut to its producer (:func:`route_grads`): summed by the
-producer's backward on its device, or by a gradient copy to another one.
+root its backward at its outputs (:func:`roots_of`), start it there from
+the gradients that reached them (:func:`backward_starts`, :func:`backward_from`),
+and hand each gradient that reached the cut to its producer
+(:func:`route_grads`): summed by the producer's backward on its device, or by
+a gradient copy to another one.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ __all__ = [
     "Cutting",
     "GradSink",
     "Grads",
+    "backward_from",
+    "backward_starts",
     "cut",
     "cut_inputs",
     "roots_of",
@@ -182,6 +186,39 @@ def sum_grads(parts: list[Tensor]) -> Tensor:
     for g in parts[1:]:
         total = total + g
     return total
+
+
+def backward_starts(
+    roots: list[tuple[tuple[int, int], Tensor]], grads: Grads | None, seed: Tensor | None
+) -> tuple[list[Tensor], list[Tensor] | None]:
+    """Where one stage's backward starts.
+
+    Args:
+        roots: the stage's outputs that require grad (:func:`roots_of`).
+        grads: the gradients that reached them, by (output, leaf); None for
+            the last stage, whose root is its loss.
+        seed: the micro-batch's weight, the loss's gradient (None: one).
+
+    Returns:
+        The outputs that gradients reached and those gradients, summed (the
+        loss and ``seed`` for the last stage): :func:`torch.autograd.backward`'s
+        arguments, or a split backward's
+        (:func:`~.split_backward.backward_inputs`).
+    """
+    if grads is None:  # the last stage: the loss
+        return [t for _, t in roots], None if seed is None else [seed]
+    pairs = [(t, sum_grads(grads[key])) for key, t in roots if key in grads]
+    return [t for t, _ in pairs], [g for _, g in pairs]
+
+
+def backward_from(
+    roots: list[tuple[tuple[int, int], Tensor]], grads: Grads | None, seed: Tensor | None
+) -> None:
+    """Runs one stage's backward from its outputs' gradients (the arguments
+    as :func:`backward_starts` takes them); nothing when none reached them."""
+    tensors, start = backward_starts(roots, grads, seed)
+    if tensors:
+        torch.autograd.backward(tensors, start)
 
 
 def route_grads(

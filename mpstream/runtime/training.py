@@ -26,7 +26,16 @@ from torch import Tensor
 
 from ..memory.checkpoint import checkpointed
 from ..schedules.schedule import Kind, Schedule, Task
-from .boundary import Cutting, Grads, cut_inputs, roots_of, route_grads, sum_grads
+from .boundary import (
+    Cutting,
+    Grads,
+    backward_from,
+    backward_starts,
+    cut_inputs,
+    roots_of,
+    route_grads,
+    sum_grads,
+)
 from .copy import send
 from .errors import annotate, inplace_hint, input_versions
 from .executor import Handlers, execute
@@ -44,34 +53,6 @@ if TYPE_CHECKING:
     from .worker import Worker
 
 __all__ = ["run"]
-
-
-def _starts(
-    roots: list[tuple[tuple[int, int], Tensor]], grads: Grads | None, seed: Tensor | None
-) -> tuple[list[Tensor], list[Tensor] | None]:
-    """Where one stage's backward starts: its outputs that gradients reached,
-    with those gradients summed; the last stage's from its loss, with
-    ``seed``, the micro-batch's weight, as its gradient."""
-    if grads is None:  # the last stage: the loss
-        return [t for _, t in roots], None if seed is None else [seed]
-    pairs = [(t, sum_grads(grads[key])) for key, t in roots if key in grads]
-    return [t for t, _ in pairs], [g for _, g in pairs]
-
-
-def _backward(
-    roots: list[tuple[tuple[int, int], Tensor]], grads: Grads | None, seed: Tensor | None
-) -> None:
-    """One stage's backward from its outputs' gradients (see :func:`_starts`)."""
-    tensors, start = _starts(roots, grads, seed)
-    if tensors:
-        torch.autograd.backward(tensors, start)
-
-
-def _backward_inputs(
-    roots: list[tuple[tuple[int, int], Tensor]], grads: Grads | None, seed: Tensor | None
-) -> WeightPass:
-    """A split backward's first pass (input gradients); returns the second."""
-    return backward_inputs(*_starts(roots, grads, seed))
 
 
 def _eager(
@@ -261,7 +242,7 @@ class _Step:
         replayed = replays is not None and (s, m) in replays.calls  # replays.graphed(s, m), inline
         seed = self.losses.seeds[m] if s == self.last else None
         if replayed and s == self.last:
-            # The loss, to the cut outputs (_backward's case, inline: the
+            # The loss, to the cut outputs (backward_from's case, inline: the
             # last stage's roots are its loss alone).
             ((_, loss),) = self.roots.pop((s, m))
             torch.autograd.backward([loss], None if seed is None else [seed])
@@ -275,9 +256,10 @@ class _Step:
         else:
             if (s, m) in self.split:
                 roots = self.roots.pop((s, m))
-                self.weights_left[(s, m)] = _backward_inputs(roots, reached, seed)
+                starts = backward_starts(roots, reached, seed)
+                self.weights_left[(s, m)] = backward_inputs(*starts)
             else:
-                _backward(self.roots.pop((s, m)), reached, seed)
+                backward_from(self.roots.pop((s, m)), reached, seed)
             done = self.cuts.pop((s, m), None)
         if done is not None:
             self.route(done, s, m)
