@@ -58,14 +58,16 @@ def send_hop(
     s, m = task.stage, task.micro
     items, specs, where = _hop_leaves(flow.hop_values(hop, m))
     tensors = [items[i] for i in where]
-    route = Route(sched, s, task.peer, m, force and s >= 0)
+    buffers: Staging = None
+    links: list[GradLink | None] | None = None
     if s < 0:
-        route.staging = _hop_staging(staging, m, hop, flow.outputs_of(-1, m), where)
+        buffers = _hop_staging(staging, m, hop, flow.outputs_of(-1, m), where)
+        if grad and sched.devices[task.peer].type == "cuda":
+            tensors, links = _host_waits(tensors)
+    route = Route(sched, s, task.peer, m, force and s >= 0, buffers, links)
     if not grad:
         moved = route.send(tensors)
     else:
-        if s < 0 and sched.devices[task.peer].type == "cuda":
-            tensors = _host_waits(route, tensors)
         # A node per tensor (see Copy): one for the common hop of one.
         moved = [Copy.apply(route, k, t) for k, t in enumerate(tensors)]
     for i, t in zip(where, moved):
@@ -73,21 +75,21 @@ def send_hop(
     flow.put_moved(hop, m, _rebuild_hop(items, specs))
 
 
-def _host_waits(route: Route, tensors: list[Tensor]) -> list[Tensor]:
+def _host_waits(tensors: list[Tensor]) -> tuple[list[Tensor], list[GradLink | None] | None]:
     """``tensors`` (an input hop's, bound for a GPU), each host one that
     requires grad behind a :class:`~mpstream.runtime.transfer.HostWait` of
     its own: its gradient comes back asynchronously, and the host consumer
-    waits for it (transfer.py). Notes their links in ``route``."""
+    waits for it (transfer.py). Returns them with their links, the
+    :class:`~mpstream.runtime.copy.Route`'s (None: no such tensor)."""
     if not any(t.requires_grad and not t.is_cuda for t in tensors):
-        return tensors
+        return tensors, None
     links: list[GradLink | None] = []
     waited = []
     for t in tensors:
         link = GradLink() if t.requires_grad and not t.is_cuda else None
         links.append(link)
         waited.append(t if link is None else HostWait.apply(link, t)[0])
-    route.links = links
-    return waited
+    return waited, links
 
 
 def _hop_leaves(values: Sequence[Any]) -> tuple[list[Any], list[Any], list[int]]:
