@@ -111,7 +111,7 @@ class PipeCall(PipeConfig):
         if len(micro) == 1 and torch.is_grad_enabled():
             self._say_one_micro_batch(micro[0], "pipe(x) with gradients")
         schedule = self.schedule_for(len(micro), batch_device(inputs))
-        _, worker, _ = self._rt()
+        worker = self._rt().worker
         staging = micro_staging(inputs, self.devices[0], self._chunks, self._split_size)
         stop = self._prepare(len(micro))  # raising, it leaves no hook
         graphs = worker.graphs

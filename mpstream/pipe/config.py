@@ -3,14 +3,14 @@
 :class:`PipeConfig` sits between :class:`~mpstream.pipe.module.PipeModule`
 (the ``nn.Module`` side) and :class:`~mpstream.pipe.call.PipeCall` (a call;
 then :class:`~mpstream.Pipe`, a training step): the stages' devices,
-balance and split points, the micro-batch size, the runtime built on first
-use (event scheduler and stage streams, the worker, the graphed stages) and
-the cached schedule of each kind of run.
+balance and split points, the micro-batch size, and the runtime built on
+first use (:class:`Runtime`: event scheduler and stage streams, the worker
+and its graphed stages, the cached schedule of each kind of run).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -37,7 +37,16 @@ from .auto import Choices, auto_of
 from .compiling import compile_stages
 from .module import PipeModule, unsplit
 
-__all__ = ["PipeConfig"]
+__all__ = ["PipeConfig", "Runtime"]
+
+
+class Runtime(NamedTuple):
+    """What a pipe runs on, built on first use: the event scheduler and stage
+    streams, the worker, and the cached schedule of each kind of run."""
+
+    sched: EventScheduler
+    worker: Worker
+    schedules: dict[tuple[Any, ...], Schedule]
 
 
 class PipeConfig(PipeModule):
@@ -204,7 +213,7 @@ class PipeConfig(PipeModule):
             sched = self.__dict__["_scheduler"] = EventScheduler(self.devices)
         return sched  # type: ignore[no-any-return]
 
-    def _rt(self) -> tuple[EventScheduler, Worker, dict[tuple[Any, ...], Schedule]]:
+    def _rt(self) -> Runtime:
         rt = self.__dict__["_runtime"]
         if rt is None:
             sched = self.scheduler
@@ -214,8 +223,7 @@ class PipeConfig(PipeModule):
             backend = None if graphed is True else graphed
             graphs = StageGraphs(stages, self.devices, labels, backend) if graphed else None
             worker = Worker(stages, sched, self.graph, labels, graphs)
-            rt = (sched, worker, {})
-            self.__dict__["_runtime"] = rt
+            rt = self.__dict__["_runtime"] = Runtime(sched, worker, {})
         return rt  # type: ignore[no-any-return]
 
     def _labels(self) -> list[str]:
@@ -230,7 +238,7 @@ class PipeConfig(PipeModule):
     def _grad_stores(self) -> list[GradStore | None]:
         """Per stage, the gradient buffers its graphs add into (None where
         it has none: eager, or not captured yet)."""
-        graphs = self._rt()[1].graphs
+        graphs = self._rt().worker.graphs
         return graphs.stores() if graphs is not None else [None] * len(self.devices)
 
     @property
@@ -253,7 +261,7 @@ class PipeConfig(PipeModule):
             raise ValueError("this pipe replays no graphs: build it with Pipe(..., graphs=True)")
         if self.__dict__["_graph"] is None:
             raise unsplit("pipe.graph_report()")
-        graphs = self._rt()[1].graphs
+        graphs = self._rt().worker.graphs
         assert graphs is not None
         return graphs.report()
 
@@ -335,7 +343,7 @@ class PipeConfig(PipeModule):
             virtual = 1
         copy_target = training_step and target_device not in (None, devs[-1])
         key = (name, micros, input_device, training_step, copy_target, self.force_copies, virtual)
-        cache = self._rt()[2]
+        cache = self._rt().schedules
         sched = cache.get(key)
         if sched is None:
             labels = list(dict.fromkeys(devs))

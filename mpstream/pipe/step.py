@@ -237,7 +237,7 @@ class PipeStep(PipeCall):
             training_step=True,
             target_device=None if target is None else batch_device(target),
         )
-        _, worker, _ = self._rt()
+        worker = self._rt().worker
         chunks, size = self._chunks, self._split_size
         staging = micro_staging(args, self.devices[0], chunks, size)
         target_staging = (

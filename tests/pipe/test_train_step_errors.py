@@ -368,7 +368,7 @@ def test_a_failed_step_puts_the_statistics_back_though_the_graphs_restore_raises
     pipe.train_step(x, y, nn.MSELoss())  # captures
     grads = [p.grad.clone() for p in pipe.parameters() if p.grad is not None]
     stats = [b.clone() for b in pipe.buffers()]
-    graphs = pipe._rt()[1].graphs
+    graphs = pipe._rt().worker.graphs
     assert graphs is not None
 
     def broken(keep: bool) -> None:

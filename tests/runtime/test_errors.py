@@ -274,7 +274,7 @@ def test_a_device_error_ending_a_failed_run_is_said_then_checked_on_the_next_cal
     pipe = pipe_with(error, at=5)  # in the second call: 4 micro-batches each
     x, y = torch.randn(8, 4), torch.randn(8, 2)
     pipe(x)  # builds the runtime
-    sched = pipe._rt()[1].sched
+    sched = pipe._rt().worker.sched
     sched.native = _FailingAbort(sched.native)
     with pytest.raises(ValueError) as info:
         pipe(x) if path == "forward" else pipe.train_step(x, y, nn.MSELoss())

@@ -24,7 +24,7 @@ BALANCE = {1: [8], 2: [4, 4], 3: [2, 4, 2]}
 
 
 def calls(pipe: object, stage: int) -> list[GraphedCall]:
-    graphs = pipe._rt()[1].graphs  # type: ignore[attr-defined]
+    graphs = pipe._rt().worker.graphs  # type: ignore[attr-defined]
     return list(graphs.stages[stage].calls.values())
 
 

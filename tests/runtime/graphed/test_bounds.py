@@ -25,7 +25,7 @@ from tests.runtime.graphed.pairs import WIDTHS, data, pair
 
 def test_graphed_calls_are_bounded() -> None:
     eager, graphed = pair(mlp(WIDTHS), chunks=1)
-    graphs = graphed._rt()[1].graphs
+    graphs = graphed._rt().worker.graphs
     assert isinstance(graphs, StageGraphs)
     graphs.max_calls = 2
     with torch.no_grad():
@@ -47,7 +47,7 @@ def test_calls_dropped_for_room_go_with_the_stages_others_at_the_next_run() -> N
     # 2.11's destructor drops the stream's cuBLAS workspace): the next run
     # that leaves none busy drops the stage's calls together, freeing them.
     eager, graphed = pair(mlp(WIDTHS), chunks=1)
-    graphs = graphed._rt()[1].graphs
+    graphs = graphed._rt().worker.graphs
     assert isinstance(graphs, StageGraphs)
     graphs.max_calls = 2
     with torch.no_grad():
@@ -71,7 +71,7 @@ def test_readers_calls_go_with_the_producer_calls_they_read(loop: str) -> None:
         copy.deepcopy(model), balance=[2, 2, 2, 2], devices=["cpu"] * 4, graphs=Emulated(),
         split_size=3,
     )  # fmt: skip
-    graphs = graphed._rt()[1].graphs
+    graphs = graphed._rt().worker.graphs
     assert isinstance(graphs, StageGraphs)
     x, y = data(12)
     seen: list[weakref.ref[call_module.GraphedCall]] = []
@@ -100,7 +100,7 @@ def test_readers_calls_go_with_the_producer_calls_they_read(loop: str) -> None:
 def test_a_reader_call_kept_for_its_pending_backward_goes_once_that_ran() -> None:
     model = mlp(WIDTHS)
     graphed = Pipe(copy.deepcopy(model), balance=[4, 4], devices=["cpu"] * 2, graphs=Emulated())
-    graphs = graphed._rt()[1].graphs
+    graphs = graphed._rt().worker.graphs
     assert isinstance(graphs, StageGraphs)
     x, y = data()
     old = []
@@ -170,7 +170,7 @@ def _held(pipe: Pipe) -> int:
     """Bytes of every static buffer the pipe's graphed calls hold, storages
     counted once over the whole pipe (a reader's in-place input is its
     producer's output)."""
-    graphs = pipe._rt()[1].graphs
+    graphs = pipe._rt().worker.graphs
     assert graphs is not None
     calls = [c for st in graphs.stages for c in st.calls.values()]
     buffers = [

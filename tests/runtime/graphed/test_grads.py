@@ -34,7 +34,7 @@ RUNS: dict[str, Callable[[Pipe, Tensor, Tensor], None]] = {"loop": user_loop, "s
 
 def views(pipe: Pipe) -> list[Tensor]:
     """Every graphed stage's gradient buffers, per parameter."""
-    graphs = pipe._rt()[1].graphs
+    graphs = pipe._rt().worker.graphs
     assert graphs is not None
     return [v for st in graphs.stages if st.store is not None for v in st.store.views]
 

@@ -46,7 +46,7 @@ def count_hooks(model: nn.Module) -> Counter[str]:
 def assert_nothing_left(pipe: Pipe) -> None:
     """No pass is open in the pipe's gradient stores, none holds hooks or
     side sums for a later one."""
-    graphs = pipe._rt()[1].graphs
+    graphs = pipe._rt().worker.graphs
     assert graphs is not None
     for st in graphs.stages:
         store = st.store

@@ -300,7 +300,7 @@ def test_one_pipe_s_take_over_makes_no_other_pipe_s_store_check_again() -> None:
     for _ in range(2):  # captures, then replays
         run(*models)
         run(*pipes)
-    graphs = pipes[1]._rt()[1].graphs
+    graphs = pipes[1]._rt().worker.graphs
     assert graphs is not None
     stores = [st.store for st in graphs.stages if st.store is not None]
     counting = [CountingChecks(store._attached) for store in stores]

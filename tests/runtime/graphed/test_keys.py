@@ -271,7 +271,7 @@ def _graphs(stage: nn.Module) -> StageGraphs:
     with torch.no_grad():
         pipe(torch.randn(1, 2))
     graphs = StageGraphs([stage], [torch.device("cpu")], backend=Emulated())
-    graphs.begin(next(iter(pipe._rt()[2].values())), step=False)
+    graphs.begin(next(iter(pipe._rt().schedules.values())), step=False)
     return graphs
 
 

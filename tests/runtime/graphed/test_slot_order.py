@@ -73,7 +73,7 @@ def _unordered(
                     stack.append(b)
         return seen
 
-    slots = pipe._rt()[1].graphs.slots.slot
+    slots = pipe._rt().worker.graphs.slots.slot
     forwards = sorted((i, key) for key, i in runs.items() if key[0] == "forward")
     problems: list[str] = []
     checked = 0
@@ -145,7 +145,7 @@ def test_a_slot_is_rewritten_after_every_in_place_read_of_it(schedule: str, forc
     pipe = _pipe(schedule, force)
     ops = _recorded(pipe)
     assert all(s.graphed for s in pipe.graph_report().stages)
-    assert max(pipe._rt()[1].graphs.slots.counts) < 8  # slots are reused
+    assert max(pipe._rt().worker.graphs.slots.counts) < 8  # slots are reused
     problems, checked = _unordered(pipe, ops)
     assert problems == []
     assert checked > 0

@@ -261,7 +261,7 @@ def test_capture_follows_the_schedule_s_execution_order() -> None:
     _, graphed = pair(mlp(WIDTHS), chunks=4, schedule="1f1b")
     x, y = data(8)
     graphed.train_step(x, y, nn.MSELoss())
-    graphs = graphed._rt()[1].graphs
+    graphs = graphed._rt().worker.graphs
     assert graphs is not None and graphs.slots is not None
     forwards = [(s, k) for s, k, kind in graphs.slots.order if kind.label == "forward"]
     assert graphs.order == forwards  # each slot's graphs captured at its first forward

@@ -225,7 +225,7 @@ def test_cuda_dropout_in_stages_sharing_a_gpu_equals_eager() -> None:
             torch.manual_seed(step)
             pipe.train_step(x, y, nn.MSELoss())
         assert_same_grads(graphed, eager)
-    graphs = graphed._rt()[1].graphs
+    graphs = graphed._rt().worker.graphs
     assert graphs is not None
     calls = [c for st in graphs.stages for c in st.calls.values()]
     assert calls and all(c.random_passes == {"forward"} for c in calls)
