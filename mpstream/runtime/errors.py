@@ -4,8 +4,8 @@ An exception raised inside a stage reaches the caller unchanged (same object,
 type and message); the run loop only adds a note (``BaseException.add_note``,
 Python 3.11 and later) naming the stage, its layers and device, the
 micro-batch and the task kind, so a shape error in stage 3 of 8 is found at
-a glance. Stage labels are built once per pipeline; notes only once
-something has failed, so the hot path pays nothing.
+a glance (:func:`annotate_task`). Stage labels are built once per pipeline;
+notes only once something has failed, so the hot path pays nothing.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from types import CodeType, TracebackType
 from typing import Any
 
 import torch
+from torch import nn
 
 from ..schedules.schedule import Kind, Task
 from .microbatch import leaves
@@ -28,6 +29,7 @@ __all__ = [
     "inplace_hint",
     "dtype_hint",
     "annotate",
+    "annotate_task",
     "raised_in",
 ]
 
@@ -164,3 +166,34 @@ def annotate(exc: BaseException, note: str) -> None:
     add_note = getattr(exc, "add_note", None)
     if add_note is not None:
         add_note(note)
+
+
+def annotate_task(
+    exc: BaseException,
+    task: Task | None,
+    micros: int,
+    labels: Sequence[str],
+    partitions: Sequence[nn.Module],
+    loss: CodeType | None = None,
+) -> None:
+    """Notes on ``exc`` which task of a run raised it, and a hint where one
+    applies (a dtype mismatch in a stage).
+
+    Args:
+        exc: what the run raised.
+        task: the task that was running (None: none was; no note).
+        micros: the number of micro-batches of the run.
+        labels: one label per stage (see :func:`stage_labels`).
+        partitions: the stages' modules (their parameters' dtypes).
+        loss: the code of the loss computation, to tell ``loss_fn``'s errors
+            from the last stage's (None: the run has no loss).
+    """
+    # Only errors: an interrupt is not the task's fault.
+    if task is not None and isinstance(exc, Exception):
+        in_loss = loss is not None and task.kind is Kind.FORWARD and raised_in(exc, loss)
+        annotate(exc, task_note(task, micros, labels, in_loss))
+        if 0 <= task.stage < len(partitions):
+            params = partitions[task.stage].parameters()
+            hint = dtype_hint(exc, task, {p.dtype for p in params})
+            if hint is not None:
+                annotate(exc, hint)

@@ -30,7 +30,7 @@ from torch.autograd import profiler
 
 from ..schedules.schedule import Kind, Schedule, Task
 from . import private
-from .errors import annotate
+from .errors import annotate, annotate_task
 
 if TYPE_CHECKING:
     from .worker import Worker
@@ -131,5 +131,5 @@ def execute(
                     graphs.end()
                 except Exception as cleanup:  # a sticky device error: exc stays the one raised
                     annotate(exc, f"mpstream: ending the graphed stages raised too: {cleanup!r}")
-        worker.annotate(exc, task, micros, loss)
+        annotate_task(exc, task, micros, worker.labels, worker.partitions, loss)
         raise

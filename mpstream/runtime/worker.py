@@ -3,21 +3,20 @@
 A :class:`Worker` holds what every run of one pipeline shares: its stages
 (and their calls), the event scheduler owning their streams, the stage graph
 wired on the schedule's devices, the graphed stages, and how error notes
-name each stage. A run borrows it: :func:`~mpstream.runtime.forward.run`
-(``pipe(x)``) and :func:`~mpstream.runtime.training.run` (``train_step``),
-both issued by the one run loop (:mod:`~mpstream.runtime.executor`).
+name each stage (the notes themselves: :func:`~mpstream.runtime.errors.annotate_task`).
+A run borrows it: :func:`~mpstream.runtime.forward.run` (``pipe(x)``) and
+:func:`~mpstream.runtime.training.run` (``train_step``), both issued by the
+one run loop (:mod:`~mpstream.runtime.executor`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from types import CodeType
 
 from torch import nn
 
-from ..schedules.schedule import Kind, Task, Topology
+from ..schedules.schedule import Topology
 from .calls import StageCalls
-from .errors import annotate, dtype_hint, raised_in, task_note
 from .graph import Routes, StageGraph
 from .graphed import StageGraphs
 from .scheduler import EventScheduler
@@ -54,21 +53,6 @@ class Worker:
         self._routes: dict[Topology, tuple[Routes, Wiring]] = {}
         n = len(self.partitions)
         self.labels = list(labels) if labels else [f"stage {s} of {n}" for s in range(n)]
-
-    def annotate(
-        self, exc: BaseException, task: Task | None, micros: int, loss: CodeType | None = None
-    ) -> None:
-        """Notes on ``exc`` which task raised it (``loss``: the code of the
-        loss computation, to tell ``loss_fn`` errors from the stage's)."""
-        # Only errors: an interrupt is not the task's fault.
-        if task is not None and isinstance(exc, Exception):
-            in_loss = loss is not None and task.kind is Kind.FORWARD and raised_in(exc, loss)
-            annotate(exc, task_note(task, micros, self.labels, in_loss))
-            if 0 <= task.stage < len(self.partitions):
-                params = self.partitions[task.stage].parameters()
-                hint = dtype_hint(exc, task, {p.dtype for p in params})
-                if hint is not None:
-                    annotate(exc, hint)
 
     def routes(self, topology: Topology) -> tuple[Routes, Wiring]:
         """The hops of this worker's graph for a schedule's topology, and the

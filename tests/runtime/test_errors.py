@@ -16,7 +16,13 @@ import mpstream.runtime.copy
 import mpstream.runtime.training
 from mpstream import Pipe
 from mpstream.runtime import scheduler
-from mpstream.runtime.errors import dtype_hint, layers_label, stage_labels, task_note
+from mpstream.runtime.errors import (
+    annotate_task,
+    dtype_hint,
+    layers_label,
+    stage_labels,
+    task_note,
+)
 from mpstream.schedules.schedule import Kind, Task
 
 notes_supported = pytest.mark.skipif(sys.version_info < (3, 11), reason="notes need 3.11")
@@ -248,6 +254,27 @@ def test_the_dtype_hint_is_only_for_dtypes() -> None:
     )
     assert dtype_hint(RuntimeError("shapes cannot be multiplied"), task, f32) is None
     assert "which has no parameters" in (dtype_hint(RuntimeError("same dtype"), task, set()) or "")
+
+
+@notes_supported
+def test_annotate_task_notes_a_task_s_errors_and_hints_only_for_a_stage() -> None:
+    labels, stages = ["stage 0 of 1"], [nn.Linear(2, 2).double()]
+    mismatch = "expected scalar type Double but found Float"
+
+    def notes(exc: BaseException, task: Task | None) -> list[str]:
+        annotate_task(exc, task, 2, labels, stages)
+        return getattr(exc, "__notes__", [])
+
+    forward, transfer = Task(0, Kind.FORWARD, 0, 1, ()), Task(1, Kind.COPY, -1, 1, (), peer=0)
+    where, hint = notes(RuntimeError(mismatch), forward)
+    assert where == "mpstream: raised in the forward task of stage 0 of 1, micro-batch 1 (of 2)"
+    assert hint.startswith("mpstream: a dtype mismatch in stage 0") and "dtype float64" in hint
+    # The input's transfer is no stage's: no dtype hint.
+    assert notes(RuntimeError(mismatch), transfer) == [
+        "mpstream: raised in the transfer of micro-batch 1 (of 2)'s input to stage 0 of 1"
+    ]
+    assert notes(RuntimeError(mismatch), None) == []  # no task ran
+    assert notes(KeyboardInterrupt(), forward) == []  # not the task's fault
 
 
 class _FailingAbort:
