@@ -20,7 +20,7 @@ from torch import nn
 
 from ..runtime import private
 from ..stages.fx import Traced
-from ..stages.placement import rebind
+from ..stages.placement import check_parametrized, rebind
 from ..stages.traced import FxSplit
 from ..stages.tracers import Binder
 
@@ -124,6 +124,12 @@ class PipeModule(nn.Module):
                     f"parts before it have moved): move the holder's other parts alone, or "
                     f"convert dtypes only (.to(dtype))"
                 )
+        # Refused before the conversion, not by the rebinding after it: the
+        # Pipe's tensors stay as they were.
+        root = self.__dict__.get("_root")
+        if root is not None:
+            for part in self.__dict__.get("_partitions") or ():
+                check_parametrized(part, root)
         super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
         # A conversion puts new tensors in place of the buffers (and, with
         # torch.__future__'s overwrite flag, of the parameters) without

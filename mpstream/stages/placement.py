@@ -10,7 +10,8 @@ splits of a module share its tensors. What earlier splits placed is read
 from their stages (names, not tensor ids, so a pickled or copied pipe
 keeps it), not recorded beside them. :func:`rebind`
 points a stage's own references at the module's current tensors after
-they were replaced.
+they were replaced; :func:`check_parametrized` refuses, before anything
+changes, a tensor it could not point at.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from torch.nn.utils import parametrize
 from .fx import lookup
 from .hf import is_transformers_model
 
-__all__ = ["place", "rebind"]
+__all__ = ["check_parametrized", "place", "rebind"]
 
 
 def place(
@@ -134,15 +135,18 @@ def _move(module: nn.Module, name: str, device: torch.device) -> None:
             setattr(owner, attr, moved)
 
 
-def rebind(part: fx.GraphModule, root: nn.Module) -> None:
-    """Points a stage's own references at ``root``'s current tensors (after
-    ``.to(dtype)``, or a ``load_state_dict(assign=True)``).
+def check_parametrized(part: fx.GraphModule, root: nn.Module) -> None:
+    """Refuses a stage that reads a tensor itself which has been
+    parametrized (``torch.nn.utils.parametrize``) since it was traced.
+
+    Args:
+        part: a stage of ``root``'s split.
+        root: the split module.
 
     Raises:
-        TypeError: a tensor the stage reads itself has been parametrized
-            (``torch.nn.utils.parametrize``) since it was traced.
+        TypeError: such a tensor, naming it and what to do.
     """
-    for name, target in getattr(part, "_mpstream_attrs", {}).items():
+    for target in getattr(part, "_mpstream_attrs", {}).values():
         owner, _, attr = target.rpartition(".")
         if parametrize.is_parametrized(root.get_submodule(owner) if owner else root, attr):
             # Its value is computed at each read; the stage holds one tensor.
@@ -153,6 +157,19 @@ def rebind(part: fx.GraphModule, root: nn.Module) -> None:
                 f"parametrization before building the Pipe (the trace then computes it), or "
                 f"remove it (parametrize.remove_parametrizations)"
             )
+
+
+def rebind(part: fx.GraphModule, root: nn.Module) -> None:
+    """Points a stage's own references at ``root``'s current tensors (after
+    ``.to(dtype)``, or a ``load_state_dict(assign=True)``).
+
+    Raises:
+        TypeError: a tensor the stage reads itself has been parametrized
+            (``torch.nn.utils.parametrize``) since it was traced (see
+            :func:`check_parametrized`); no reference has changed then.
+    """
+    check_parametrized(part, root)
+    for name, target in getattr(part, "_mpstream_attrs", {}).items():
         current = lookup(root, target)
         # A parameter replaced by a buffer of the same name (or the other way
         # round) leaves the other dict: an old entry would shadow the new one.

@@ -205,3 +205,17 @@ def test_a_parameter_replaced_by_a_buffer_of_its_name_is_what_stages_read(tracer
         del block.scale
         block.register_buffer("scale", torch.full((3,), 0.75, dtype=torch.float64))
     assert_as_plain(pipe, plain)
+
+
+def test_a_conversion_refused_for_a_parametrization_after_the_trace_converts_nothing() -> None:
+    model = Directs()
+    pipe = direct_pipe(model)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    pipe(x)
+    parametrize.register_parametrization(model.blocks[1], "scale", Positive())
+    with pytest.raises(TypeError, match=re.escape("'blocks.1.scale' was parametrized")):
+        pipe.to(torch.float32)
+    # Refused before converting: the pipe is as it was (no tensor made float32).
+    assert {p.dtype for p in pipe.parameters()} == {torch.float64}
+    parametrize.remove_parametrizations(model.blocks[1], "scale")
+    torch.testing.assert_close(pipe(x), model(x))
