@@ -186,6 +186,9 @@ class GraphedCall:
         self.replays = 0  # forward replays whose backward may follow
         self.pending: Any = None  # a weak reference to what may still run B or W
         self.label = "the stage"
+        #: Refuses a backward once a parameter stopped requiring grad (the
+        #: stage's :meth:`~.state.StageState.check_frozen`, set when kept).
+        self.check_frozen: Callable[[], None] | None = None
         #: What the runtime derives once from the outputs' structure (see
         #: ``runtime/handoffs.py``): fixed per call, read per task.
         self.layout: Any = None
@@ -299,6 +302,9 @@ class GraphedCall:
         post-accumulate hook runs (a pass whose adds are then undone).
         Returns the static input gradients, None where no output that got
         a gradient reaches."""
+        check = self.check_frozen
+        if check is not None:
+            check()
         # Loops, not comprehensions: before Python 3.12 each of those is a
         # call of its own, once per task.
         missing: list[int] = []

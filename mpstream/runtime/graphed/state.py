@@ -153,6 +153,31 @@ class StageState:
             self._next_modes += 1
         self.modes = found
 
+    def check_frozen(self) -> None:
+        """Refuses a backward whose stage's parameters stopped requiring
+        grad since this run began (``requires_grad_(False)`` in a training
+        step's loss_fn, or a hook): the replayed backward differentiates
+        the parameters the forwards saw, and would add into the ``.grad``
+        of one that eager autograd leaves alone.
+
+        Raises:
+            RuntimeError: naming the parameter and what to do instead.
+        """
+        # One C++ call per backward task; the names only once it fires.
+        baked = self.baked
+        if baked is None or not baked.watch.changed():
+            return
+        frozen = {id(p) for p in baked.params if not p.requires_grad}
+        name = next((n for n, p in self.module.named_parameters() if id(p) in frozen), None)
+        if name is not None:
+            raise RuntimeError(
+                f"parameter '{name}' of {self.label} stopped requiring grad (requires_grad_"
+                f"(False)) between the forward the stage's graphs replayed and its backward: a "
+                f"replayed backward differentiates the parameters its forward saw. Freeze "
+                f"parameters between steps (before train_step or pipe(x)): the next step "
+                f"runs with it frozen"
+            )
+
     def number(self, key: tuple[Any, ...]) -> int:
         """The number of call key ``key`` (a new one the first time: its
         first capture)."""
@@ -232,6 +257,7 @@ class StageState:
         """Keeps a call just captured (a recapture if its key's graphs were
         dropped before)."""
         graphed.label = self.label
+        graphed.check_frozen = self.check_frozen
         self.captures += 1
         if key in self.dropped:
             self.dropped.discard(key)

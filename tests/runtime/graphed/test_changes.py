@@ -2,11 +2,13 @@
 a failed step after a stage's parameters changed puts every gradient
 back, buffers a graphed stage hands on stay what autograd saved, and a
 hook that takes ``.grad`` away between a split backward's B and W leaves
-W's gradient to the next hook (replays emulated on the CPU, see
+W's gradient to the next hook, and a parameter frozen between a replayed
+forward and its backward is named (replays emulated on the CPU, see
 test_stages.py)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -191,3 +193,36 @@ def test_the_gradient_a_hook_of_the_user_s_input_sees_outlives_the_next_backward
         (pipe(x) ** 2).sum().backward()
     for g, then in seen:
         torch.testing.assert_close(g, then)
+
+
+@pytest.mark.parametrize("loop", ["train_step", "own"])
+def test_a_parameter_frozen_between_a_replayed_forward_and_its_backward_is_named(
+    loop: str,
+) -> None:
+    # The replayed backward differentiates what the forward saw: eager
+    # autograd leaves the frozen one's .grad alone; torch's own error named
+    # nothing. The next step, frozen from its start, runs as the eager pipe.
+    eager, graphed = pair(mlp(WIDTHS), chunks=2)
+    x, y = data()
+    for pipe in (eager, graphed):
+        pipe.train_step(x, y, nn.functional.mse_loss)  # captured
+
+    def freezing(out: Tensor, target: Tensor) -> Tensor:
+        graphed[0].weight.requires_grad_(False)
+        return nn.functional.mse_loss(out, target)
+
+    message = "parameter '0.weight' of stage 0 of 2 (layers '0', '1', '2', '3' on cpu) stopped"
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        if loop == "train_step":
+            graphed.train_step(x, y, freezing)
+        else:
+            loss = freezing(graphed(x), y)
+            loss.backward()  # type: ignore[no-untyped-call]
+    eager[0].weight.requires_grad_(False)
+    for pipe in (eager, graphed):
+        pipe.zero_grad()
+        pipe.train_step(x, y, nn.functional.mse_loss)
+    for (name, a), (_, b) in zip(graphed.named_parameters(), eager.named_parameters()):
+        assert (a.grad is None) == (b.grad is None) == (name == "0.weight"), name
+        if b.grad is not None:
+            torch.testing.assert_close(a.grad, b.grad, msg=name)
