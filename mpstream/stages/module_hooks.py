@@ -135,6 +135,17 @@ def check_traced_hooks(root: nn.Module, modules: Iterable[nn.Module], tracer: st
             docstring), naming the module, the kind of hook and what to do.
     """
     for module in modules:
+        # Run at every call over every module a trace follows: a module
+        # with no hook at all (nearly all) costs four dict reads. A lazy
+        # module not yet sized has one: its sizing forward pre-hook.
+        d = module.__dict__
+        if not (
+            d.get("_forward_pre_hooks")
+            or d.get("_forward_hooks")
+            or d.get("_backward_pre_hooks")
+            or d.get("_backward_hooks")
+        ):
+            continue
         if isinstance(module, LazyModuleMixin) and module.has_uninitialized_params():
             # Its hook would size the parameters at the trace, too late for
             # the stages' placement.
