@@ -12,12 +12,13 @@ see the gradients it is meant to. So these modules are checked when the
 pipe is built and at every call, and one holding a hook is refused
 (Hugging Face transformers' own output-capturing hooks aside, and the
 hooks of torch.nn.utils' ``spectral_norm``, hook-based ``weight_norm``
-and ``prune`` on a submodule: tensor code a trace holds as the module's, run at every
-call).
+and ``prune``, and torch.ao.quantization's observer hooks, on a submodule:
+tensor code a trace holds as the module's, run at every call).
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterable
 
 from torch import nn
@@ -68,7 +69,21 @@ def recomputed_attribute(hook: object) -> str | None:
 
 
 def _recomputing(hook: object) -> bool:
-    return recomputed_attribute(hook) is not None
+    return recomputed_attribute(hook) is not None or _observing(hook)
+
+
+def _observing(hook: object) -> bool:
+    """Whether ``hook`` is one of the observer hooks torch.ao.quantization's
+    ``prepare`` and ``prepare_qat`` register (eager-mode quantization): it
+    calls the module's ``activation_post_process`` submodule (an observer
+    or a fake quantization), module code a trace follows or calls as it
+    does the model's, at every call."""
+    # The module (torch.ao.quantization's ``quantize`` name is a function).
+    quantize = importlib.import_module("torch.ao.quantization.quantize")
+    return any(
+        hook is getattr(quantize, name, None)
+        for name in ("_observer_forward_hook", "_observer_forward_pre_hook")
+    )
 
 
 def _hook_kind(module: nn.Module, traced: bool = False) -> str | None:

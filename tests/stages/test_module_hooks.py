@@ -1,7 +1,8 @@
 """Module hooks a pipe's stages would not run are refused, naming the module
 and what to do; those the stages do run (a Sequential's layers, torch.fx's
 leaves) behave as in the plain model, registered before or after the pipe
-is built and removed again, eager and with emulated graphed stages."""
+is built and removed again, eager and with emulated graphed stages; so do
+eager-mode quantization-aware training's observer hooks."""
 
 from __future__ import annotations
 
@@ -246,3 +247,54 @@ def test_a_lazy_module_torch_export_would_split_is_refused_until_sized() -> None
     fx_pipe(x)
     fx_pipe.load_state_dict(model.state_dict())
     torch.testing.assert_close(fx_pipe(x), model(x))
+
+
+class Quantized(nn.Module):
+    """Eager-mode quantization-aware training's model: stubs and layers
+    that torch.ao.quantization.prepare_qat gives observer hooks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.quant = torch.ao.quantization.QuantStub()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.dequant = torch.ao.quantization.DeQuantStub()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.dequant(self.b(torch.relu(self.a(self.quant(x)))))
+
+
+def prepared() -> nn.Module:
+    torch.manual_seed(0)
+    model = Quantized()
+    model.qconfig = torch.ao.quantization.get_default_qat_qconfig("fbgemm")  # type: ignore[assignment]
+    return torch.ao.quantization.prepare_qat(model)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.ao.quantization's own
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_quantization_aware_training_s_observer_hooks_run_as_in_the_plain_model(
+    tracer: str,
+) -> None:
+    # Their hooks call the modules' observers, code the trace holds and runs
+    # at every call: they were refused as a user's hooks.
+    model, plain = prepared(), prepared()
+    sample = (torch.randn(4, 4),) if tracer == "export" else None
+    pipe = Pipe(
+        model, chunks=2, split_points=["b"], devices=["cpu", "cpu"], tracer=tracer, sample=sample
+    )
+    for step in range(3):
+        if step == 2:  # observers frozen, as training does towards its end
+            for m in (model, plain):
+                m.apply(torch.ao.quantization.disable_observer)
+        x = torch.randn(4, 4) * (step + 1)
+        out = pipe(x)
+        expected = torch.cat([plain(part) for part in x.chunk(2)])
+        torch.testing.assert_close(out, expected)
+        pipe.zero_grad()
+        plain.zero_grad()
+        out.pow(2).sum().backward()  # type: ignore[no-untyped-call]
+        expected.pow(2).sum().backward()  # type: ignore[no-untyped-call]
+        for (name, p), q in zip(pipe.named_parameters(), plain.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, msg=name)
+    torch.testing.assert_close(dict(pipe.state_dict()), dict(plain.state_dict()))
