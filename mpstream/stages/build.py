@@ -10,6 +10,7 @@ Sequential's layers, or a traced module's own children and tensors.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator, Mapping, Sequence, Sized
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -70,10 +71,12 @@ def check_module(module: object) -> None:
             ``nn.Sequential``, as torch's Pipe and torchgpipe wanted too) or
             not a module at all.
             So is a module holding a hook of its own, which the pipe
-            would not run (register it on the Pipe).
+            would not run (register it on the Pipe), and a module
+            ``torch.compile`` wrapped (give the module and ``compile=True``).
         ValueError: a parameter or buffer is on the ``meta`` device.
     """
     if isinstance(module, nn.Module):
+        _check_compiled(module)
         _check_materialised(module)
         check_root_hooks(module)
         return
@@ -84,6 +87,20 @@ def check_module(module: object) -> None:
             f"nn.Sequential(*layers) (each layer is then a stage's unit, balance= counts them)"
         )
     raise TypeError(f"Pipe takes an nn.Module to split into stages, got {kind}")
+
+
+def _check_compiled(module: nn.Module) -> None:
+    # torch.compile's wrapper has no forward of its own for torch.fx, and
+    # takes *args for torch.export: either tracer's error blamed the code.
+    # (No such wrapper exists before torch._dynamo is imported.)
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is not None and isinstance(module, eval_frame.OptimizedModule):
+        raise TypeError(
+            f"Pipe was given a torch.compile'd module ({type(module._orig_mod).__name__} "
+            f"wrapped), which torch.fx and torch.export cannot split: give the module itself "
+            f"(model._orig_mod, its split points named without '_orig_mod.') and compile=True, "
+            f"which compiles each stage"
+        )
 
 
 def _check_materialised(module: nn.Module) -> None:

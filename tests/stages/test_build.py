@@ -1,7 +1,10 @@
 """A pipe's model put back when its build fails (mpstream.stages.build):
-the parameters and buffers it had, where and as it had them."""
+the parameters and buffers it had, where and as it had them; a module
+torch.compile wrapped refused with what to do."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -49,3 +52,15 @@ def test_a_pipe_its_schedule_refuses_leaves_the_model_on_its_device() -> None:
     with pytest.raises(ValueError, match="zbv"):
         Pipe(model, balance=[1, 1, 1], devices=["cuda:0"] * 3, schedule="zbv")
     assert {t.device.type for t in (*model.parameters(), *model.buffers())} == {"cpu"}
+
+
+def test_a_torch_compiled_module_is_refused_saying_to_give_the_module_and_compile() -> None:
+    # Either tracer failed on torch.compile's wrapper, blaming the model's code.
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 3))
+    message = "Pipe was given a torch.compile'd module (Sequential wrapped)"
+    x = torch.randn(4, 3)
+    with pytest.raises(TypeError, match=re.escape(message)):
+        compiled = torch.compile(model)
+        Pipe(compiled, chunks=2, split_points=["_orig_mod.2"], devices=["cpu", "cpu"])(x)
+    pipe = Pipe(model, chunks=2, split_points=["2"], devices=["cpu", "cpu"])  # as it says
+    torch.testing.assert_close(pipe(x), model(x))
