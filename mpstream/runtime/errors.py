@@ -118,7 +118,7 @@ def inplace_hint(
         return None
     return (
         "mpstream: a stage changed the pipeline's input in place (a first ReLU(inplace=True), "
-        "x.mul_(...)), and that is the cause: the micro-batches are views of one batch tensor, "
+        "x.mul_(...)), the likely cause: the micro-batches are views of one batch tensor, "
         "so one micro-batch's change invalidates what autograd saved of another. Make that "
         "operation out-of-place, or pass a copy of the batch"
     )
