@@ -50,17 +50,40 @@ def check_named(
     its first call is checked at construction this far).
 
     Raises:
-        SplitPointError: a split point that names no submodule, with the
-            ``candidates`` that may be named.
+        SplitPointError: a split point that names no submodule (or names
+            a parameter or buffer), with the ``candidates`` that may be
+            named.
     """
     names = {name for name, _ in module.named_modules() if name}
     for point in points:
         if point not in names:
             listed = ", ".join(f"'{c}'" for c in candidates(module))
             raise SplitPointError(
-                f"split point '{point}' names no submodule of {type(module).__name__}; "
-                f"candidates: {listed}"
+                f"split point '{point}' names {_what_it_names(module, point)}; candidates: {listed}"
             )
+
+
+def _what_it_names(module: nn.Module, point: str) -> str:
+    """What a split point that is no submodule's name names, for its error:
+    a parameter or buffer (``vit.class_token``) reads like a split point
+    but cuts nothing, so the message says to name the submodule reading it."""
+    owner, _, attr = point.rpartition(".")
+    try:
+        holder = module.get_submodule(owner)
+    except AttributeError:
+        holder = None
+    kind = None
+    if holder is not None and attr in holder._parameters:
+        kind = "parameter"
+    elif holder is not None and attr in holder._buffers:
+        kind = "buffer"
+    if kind is None:
+        return f"no submodule of {type(module).__name__}"
+    return (
+        f"a {kind} of {type(module).__name__}, not a submodule: a split point names a "
+        f"submodule (as in named_modules()), and its stage begins where that is first called; "
+        f"name the submodule whose call should begin the stage"
+    )
 
 
 def units_in_order(
@@ -102,20 +125,31 @@ def begin_stages(
     paths, which differ in what a node's owners are.
 
     Raises:
-        SplitPointError: a split point no node runs inside (``candidates`` lists
-            what may be named; ``what`` says which forward), or split
-            points out of call order.
+        SplitPointError: a split point that names no submodule (a
+            parameter, say), one no node runs inside (the ``candidates``
+            some node runs inside are listed; ``what`` says which forward),
+            or split points out of call order.
     """
+    check_named(module, points, candidates)
     begins = []
     for point in points:
         first = next(
             (i for i, n in enumerate(nodes) if any(_inside(o, point) for o in owners(n))), None
         )
         if first is None:
-            names = ", ".join(f"'{c}'" for c in candidates(module))
+            # A submodule called only in some calls (GoogLeNet's aux heads
+            # run in training only): list what this call does call.
+            called = [
+                c
+                for c in candidates(module)
+                if any(_inside(o, c) for n in nodes for o in owners(n))
+            ]
+            names = ", ".join(f"'{c}'" for c in called)
             raise SplitPointError(
-                f"split point '{point}' names no submodule that the {what} forward calls; "
-                f"candidates: {names}"
+                f"split point '{point}' names a submodule of {type(module).__name__} that the "
+                f"{what} forward does not call in this kind of call (the module calls it only "
+                f"in another mode or with other arguments); split at a submodule that every "
+                f"kind of call you make calls: candidates it calls: {names}"
             )
         begins.append(first)
     for (a, i), (b, j) in zip(zip(points, begins), zip(points[1:], begins[1:])):

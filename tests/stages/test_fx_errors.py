@@ -1,6 +1,7 @@
 """Traced splits refused, each error saying what, where and what to do: an
 untraceable submodule (and the leaf_modules that traces it), bad split
-points, tied weights across devices, a forward returning its own tensor."""
+points (a parameter's name, a submodule a kind of call does not call), tied
+weights across devices, a forward returning its own tensor."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from torch import Tensor, nn
 from mpstream import Pipe
 from mpstream.stages.fx import trace
 from mpstream.stages.placement import place
-from mpstream.stages.points import split_candidates
+from mpstream.stages.points import SplitPointError, split_candidates
 from tests.models import Decoder
 
 
@@ -74,6 +75,45 @@ def test_split_point_errors() -> None:
         end = type("SplitPoint", (), {"name": "END"})()
         Pipe(Decoder(), split_points={"blocks.1": end}, devices=["cpu"] * 2)  # type: ignore[arg-type]
     assert "blocks.3" in split_candidates(Decoder())
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_a_split_point_naming_a_parameter_is_refused_by_both_tracers(tracer: str) -> None:
+    # torchvision's ViT reads encoder.pos_embedding and class_token, which look
+    # like split points; torch.fx began a stage where one was first read, and
+    # torch.export refused it as naming no submodule.
+    with pytest.raises(SplitPointError, match="'pos' names a parameter of Decoder, not a sub"):
+        pipe = Pipe(Decoder(), split_points=["pos"], devices=["cpu"] * 2, tracer=tracer)
+        pipe(torch.randint(0, 11, (2, 5)))
+
+
+class TrainingHead(nn.Module):
+    """A head called in training only, as GoogLeNet's and Inception's aux heads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.aux, self.b = nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.a(x)
+        if self.training:
+            h = h + self.aux(h)
+        return self.b(h)
+
+
+def test_a_split_point_a_kind_of_call_does_not_call_is_named_with_those_it_calls() -> None:
+    x = torch.randn(4, 2)
+    pipe = Pipe(TrainingHead().train(), chunks=2, split_points=["aux"], devices=["cpu"] * 2)
+    pipe(x)
+    pipe.eval()
+    with pytest.raises(
+        SplitPointError,
+        match=r"'aux' names a submodule of TrainingHead that the traced forward does not call "
+        r"in this kind of call .* candidates it calls: 'a', 'b'\n\(traced for this kind of call: "
+        r"eval",
+    ):
+        pipe(x)
+    assert pipe.train()(x).shape == (4, 2)
 
 
 def test_tied_weights_across_devices_are_refused() -> None:
