@@ -52,8 +52,9 @@ class Pipe(PipeStep):
             or ``'size'`` profiles the layers on ``sample`` and picks the
             split that minimises the slowest (or largest) stage; for a
             module that is not a Sequential it picks the split points among
-            the calls of its children and of their ModuleList/Sequential
-            items.
+            the calls of its children, of their ModuleList/Sequential
+            items, and of the items of one a child holds (ViT's
+            ``encoder.layers``).
         devices: one device per stage (several stages may share a device).
             Without it, stage ``s`` goes to ``cuda:s`` (the CPU without
             CUDA), as torchgpipe placed them; a Sequential given neither

@@ -32,14 +32,25 @@ class SplitPointError(ValueError):
 
 
 def split_candidates(module: nn.Module) -> list[str]:
-    """Submodules a split point may name: the module's direct children and
-    the items of its ``nn.ModuleList`` and ``nn.Sequential`` children."""
+    """Submodules a split point may name: the module's direct children, the
+    items of its ``nn.ModuleList`` and ``nn.Sequential`` children, and the
+    items of those a child holds (torchvision's ViT keeps its blocks in
+    ``encoder.layers``: without them ``balance='time'`` could cut only
+    around the whole encoder)."""
     names = []
     for name, child in module.named_children():
         names.append(name)
-        if isinstance(child, (nn.ModuleList, nn.Sequential)):
+        if _is_list(child):
             names += [f"{name}.{item}" for item, _ in child.named_children()]
+            continue
+        for inner, held in child.named_children():
+            if _is_list(held):
+                names += [f"{name}.{inner}.{item}" for item, _ in held.named_children()]
     return names
+
+
+def _is_list(module: nn.Module) -> bool:
+    return isinstance(module, (nn.ModuleList, nn.Sequential))
 
 
 def check_named(

@@ -249,3 +249,39 @@ def test_balancing_on_a_device_this_machine_lacks_names_the_argument(how: Any) -
     layers = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     with pytest.raises(ValueError, match=rf"^device is {missing}, but .* here; available devices"):
         how(layers, torch.randn(2, 2), 2, device=missing)
+
+
+class Encoder(nn.Module):
+    """Blocks in a ModuleList held by a child, as torchvision's ViT holds
+    its encoder blocks (encoder.layers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(4)])
+
+    def forward(self, x: Tensor) -> Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class Wrapped(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.encoder, self.head = nn.Linear(4, 4), Encoder(), nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.encoder(self.stem(x)))
+
+
+def test_auto_balance_splits_among_blocks_a_child_holds_in_a_list() -> None:
+    from mpstream.stages.fx import call_units
+
+    model = Wrapped().double()
+    units = [*(f"encoder.layers.{i}" for i in range(4)), "head"]  # stem begins the forward
+    assert call_units(model) == units  # 'encoder' alone left no cut inside it
+    x = torch.randn(4, 4, dtype=torch.float64)
+    pipe = Pipe(Wrapped().double(), balance="size", sample=x, devices=["cpu"] * 2, chunks=2)
+    assert pipe.split_points == ["encoder.layers.2"]
+    pipe.load_state_dict(model.state_dict())
+    torch.testing.assert_close(pipe(x), model(x))
