@@ -28,6 +28,7 @@ __all__ = [
     "input_versions",
     "inplace_hint",
     "dtype_hint",
+    "traced_message_hint",
     "annotate",
     "annotate_task",
     "raised_in",
@@ -40,6 +41,8 @@ _DTYPE_WORDS = re.compile(
     r"same dtype|same datatype|does not match weight dtype|expected scalar type", re.IGNORECASE
 )
 _CONV_TYPES = re.compile(r"Input type \(([^)]*)\) and \w+ type \(([^)]*)\) should be the same")
+# How a torch.fx proxy prints in a message built while tracing.
+_PROXY = re.compile(r"\bProxy\(\w+\)")
 
 
 def layers_label(names: Sequence[str]) -> str:
@@ -145,6 +148,21 @@ def dtype_hint(exc: BaseException, task: Task, dtypes: Collection[torch.dtype]) 
     )
 
 
+def traced_message_hint(exc: BaseException) -> str | None:
+    """What a traced check's message means: ``torch._assert(h == 32,
+    f"... got {h}")`` in a forward ``torch.fx`` traces (torchvision's ViT
+    checks the image size so) is recorded with its message already built,
+    a proxy's name where the call's value would be."""
+    found = _PROXY.search(str(exc))
+    if not isinstance(exc, AssertionError) or found is None:
+        return None
+    return (
+        f"mpstream: torch.fx built this message when it traced the forward, so "
+        f"'{found.group(0)}' stands where this call's value would be; the check ran on this "
+        f"call's values (the plain model, called on the same input, shows them)"
+    )
+
+
 def _dtype_word(name: str) -> str:
     """``torch.cuda.FloatTensor`` and ``float`` alike: ``float``."""
     word = name.rsplit(".", 1)[-1].removesuffix("Tensor").lower()
@@ -177,7 +195,8 @@ def annotate_task(
     loss: CodeType | None = None,
 ) -> None:
     """Notes on ``exc`` which task of a run raised it, and a hint where one
-    applies (a dtype mismatch in a stage).
+    applies (a dtype mismatch in a stage, a message torch.fx built while
+    tracing).
 
     Args:
         exc: what the run raised.
@@ -192,8 +211,11 @@ def annotate_task(
     if task is not None and isinstance(exc, Exception):
         in_loss = loss is not None and task.kind is Kind.FORWARD and raised_in(exc, loss)
         annotate(exc, task_note(task, micros, labels, in_loss))
+        hint = None
         if 0 <= task.stage < len(partitions):
             params = partitions[task.stage].parameters()
             hint = dtype_hint(exc, task, {p.dtype for p in params})
-            if hint is not None:
-                annotate(exc, hint)
+        if hint is None:
+            hint = traced_message_hint(exc)
+        if hint is not None:
+            annotate(exc, hint)

@@ -317,3 +317,28 @@ def test_a_device_error_ending_a_failed_run_is_said_then_checked_on_the_next_cal
     # Working again (an error that was not sticky): forgotten, the call runs.
     monkeypatch.setattr(scheduler, "device_failure", lambda d: None)
     assert pipe(x).shape == (8, 2) and sched.device_error is None
+
+
+class Checked(nn.Module):
+    """Checks its input's width as torchvision's ViT checks the image size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        torch._assert(x.shape[1] == 4, f"expected 4 features, got {x.shape[1]}")
+        return self.b(self.a(x))
+
+
+@notes_supported
+def test_a_traced_check_s_message_built_while_tracing_is_explained() -> None:
+    pipe = Pipe(Checked(), chunks=2, split_points=["b"], devices=["cpu"] * 2, tracer="fx")
+    with pytest.raises(AssertionError, match=r"got Proxy\(getitem_1\)") as info:
+        pipe(torch.randn(4, 5))
+    assert info.value.__notes__[1] == (
+        "mpstream: torch.fx built this message when it traced the forward, so "
+        "'Proxy(getitem_1)' stands where this call's value would be; the check ran on this "
+        "call's values (the plain model, called on the same input, shows them)"
+    )
+    assert pipe(torch.randn(4, 4)).shape == (4, 4)
