@@ -149,7 +149,8 @@ def begin_stages(
         )
         if first is None:
             # A submodule called only in some calls (GoogLeNet's aux heads
-            # run in training only): list what this call does call.
+            # run in training only), or inside a module that runs whole (a
+            # leaf, nn.MultiheadAttention's out_proj): list what is called.
             called = [
                 c
                 for c in candidates(module)
@@ -158,9 +159,10 @@ def begin_stages(
             names = ", ".join(f"'{c}'" for c in called)
             raise SplitPointError(
                 f"split point '{point}' names a submodule of {type(module).__name__} that the "
-                f"{what} forward does not call in this kind of call (the module calls it only "
-                f"in another mode or with other arguments); split at a submodule that every "
-                f"kind of call you make calls: candidates it calls: {names}"
+                f"{what} forward does not call in this kind of call (it is called only in "
+                f"another mode or with other arguments, never, or inside a module that runs "
+                f"whole); split at a submodule that every kind of call you make calls: "
+                f"candidates it calls: {names}"
             )
         begins.append(first)
     for (a, i), (b, j) in zip(zip(points, begins), zip(points[1:], begins[1:])):
