@@ -204,6 +204,8 @@ def test_emulated_graphed_stages_match_the_plain_model(name: str) -> None:
     target = torch.randn(BATCH, CLASSES, dtype=torch.float64)
     pipe = pipe_of(copy.deepcopy(model), points, chunks=2, schedule="1f1b", graphs=Emulated())
     pipe.train_step(x, target, loss_fn)
+    report = pipe.graph_report()
+    assert all(s.graphed for s in report.stages) and report.replays > 0, report
     for xs, ts in zip(x.chunk(2), target.chunk(2)):
         (loss_fn(model(xs), ts) / 2).backward()
     assert_same_grads(pipe, model)
