@@ -23,10 +23,10 @@ import torch
 from .._warn import warn
 from ..memory.batchnorm import deferred_update
 from ..runtime.forward import run as run_forward
-from ..runtime.microbatch import batch_device, gather, scatter
+from ..runtime.microbatch import batch_device, gather, scatter_sized
 from ..runtime.transfer import micro_staging
 from .config import PipeConfig
-from .inputs import check_holds_tensor, micro_sizes, positional
+from .inputs import check_holds_tensor, positional
 from .running import held
 
 __all__ = ["PipeCall", "SingleMicroBatchWarning", "warned_as_before"]
@@ -107,9 +107,9 @@ class PipeCall(PipeConfig):
         the failed batch are dropped (they update only once all stages finish).
         """
         inputs = self._inputs(args, kwargs)
-        micro = scatter(inputs, self._chunks, self._split_size)
+        micro, sizes = scatter_sized(inputs, self._chunks, self._split_size)
         if len(micro) == 1 and torch.is_grad_enabled():
-            self._say_one_micro_batch(micro[0], "pipe(x) with gradients")
+            self._say_one_micro_batch(sizes[0], "pipe(x) with gradients")
         schedule = self.schedule_for(len(micro), batch_device(inputs))
         worker = self._rt().worker
         staging = micro_staging(inputs, self.devices[0], self._chunks, self._split_size)
@@ -128,15 +128,14 @@ class PipeCall(PipeConfig):
         split = self.__dict__["_split"]
         return gather(outputs) if split is None else split.gather(outputs)
 
-    def _say_one_micro_batch(self, inputs: Any, call: str) -> None:
+    def _say_one_micro_batch(self, rows: int, call: str) -> None:
         """Warns, once per pipe of several stages, that ``call`` ran its
-        batch (``inputs``, one micro-batch) with no overlap, and what to do;
-        at the user's line, whichever public call led here."""
+        batch (of ``rows`` rows, one micro-batch) with no overlap, and what
+        to do; at the user's line, whichever public call led here."""
         stages = len(self.devices)
         if stages < 2 or self.__dict__.get("_said_one_micro_batch"):
             return
         self.__dict__["_said_one_micro_batch"] = True
-        rows = micro_sizes(inputs, None, None)[0]
         if self._chunks == 1:
             why = "chunks=1"
         elif self._chunks is not None:

@@ -21,14 +21,14 @@ from torch import Tensor, nn
 from ..memory.batchnorm import deferred_update
 from ..runtime.errors import annotate
 from ..runtime.graphed import generation
-from ..runtime.microbatch import batch_device, scatter
+from ..runtime.microbatch import batch_device, scatter_sized
 from ..runtime.stream import capturing
 from ..runtime.training import run as run_step
 from ..runtime.transfer import micro_staging
 from ..stages.exported import own_loss
 from .batchargs import batch_argument
 from .call import PipeCall
-from .inputs import detached, keywords_of, micro_sizes
+from .inputs import detached, keywords_of
 from .reduction import step_reduction
 from .running import held, running_of
 from .snapshot import Norms, Snapshot
@@ -209,19 +209,16 @@ class PipeStep(PipeCall):
             loss_fn, reduction = own_loss(split, target), "sum"
         args = detached(args)
         target = detached(target)
-        micro = scatter(args, self._chunks, self._split_size)
+        micro, sizes = scatter_sized(args, self._chunks, self._split_size)
         if len(micro) == 1:
-            self._say_one_micro_batch(micro[0], "train_step")
-        micro_targets = (
-            [None] * len(micro)
-            if target is None
-            else scatter(target, self._chunks, self._split_size, "target")
-        )
-        sizes = micro_sizes(args, self._chunks, self._split_size)
+            self._say_one_micro_batch(sizes[0], "train_step")
+        if target is None:
+            micro_targets, target_sizes = [None] * len(micro), sizes
+        else:
+            micro_targets, target_sizes = scatter_sized(
+                target, self._chunks, self._split_size, "target"
+            )
         batch = sum(sizes)
-        target_sizes = (
-            sizes if target is None else micro_sizes(target, self._chunks, self._split_size)
-        )
         if target_sizes != sizes:
             raise ValueError(
                 f"target has batch size {sum(target_sizes)} but inputs have {batch}"

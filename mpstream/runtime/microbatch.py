@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import reprlib
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -29,6 +29,8 @@ __all__ = [
     "as_value",
     "batch_device",
     "scatter",
+    "Scattered",
+    "scatter_sized",
     "split",
     "gather",
     "check_output",
@@ -215,10 +217,28 @@ def split(t: Tensor, chunks: int | None, split_size: int | None) -> tuple[Tensor
     return t.chunk(chunks, dim=0)
 
 
+class Scattered(NamedTuple):
+    """A batch split by :func:`scatter_sized`: the micro-batches (each
+    structured like the batch) and their batch sizes (rows along dim 0)."""
+
+    micros: list[Any]
+    sizes: list[int]
+
+
 def scatter(
     value: Any, chunks: int | None, split_size: int | None, what: str = "input"
 ) -> list[Any]:
-    """Splits ``value`` into micro-batches.
+    """The micro-batches of ``value``: :func:`scatter_sized`'s ``micros``
+    (same arguments and errors), for callers that need not their sizes."""
+    return scatter_sized(value, chunks, split_size, what).micros
+
+
+def scatter_sized(
+    value: Any, chunks: int | None, split_size: int | None, what: str = "input"
+) -> Scattered:
+    """Splits ``value`` into micro-batches and says their batch sizes, which
+    the micro-batches alone may not tell (a :class:`NoChunk` tensor comes out
+    of the split as a plain tensor).
 
     Args:
         value: any structure of tensors, :class:`NoChunk` and plain values
@@ -232,7 +252,8 @@ def scatter(
         what: how errors name ``value``.
 
     Returns:
-        The micro-batches, each structured like ``value``.
+        The micro-batches, each structured like ``value``, and their sizes
+        (those of the first tensor split).
 
     Raises:
         TypeError: ``value`` holds no tensor to split, or a leaf that is
@@ -285,15 +306,17 @@ def scatter(
         )
     (micros,) = counts
     check_rebuilds(value, what, items, spec)
+    # The first split tensor's: a NoChunk one comes out of the split whole.
+    sizes = [t.size(0) for t in next(filter(None, parts))]
     # The common cases without a rebuild per micro-batch: one tensor (its
     # chunks), a flat tuple of tensors (the tuples of their chunks).
     if spec is None:
         chunked = parts[0]
         assert chunked is not None
-        return list(chunked)
+        return Scattered(list(chunked), sizes)
     if type(spec) is tuple:
-        return list(zip(*parts))  # every part is a tensor's
-    return [
+        return Scattered(list(zip(*parts)), sizes)  # every part is a tensor's
+    rebuilt = [
         rebuild_leaves(
             [
                 p[m] if p is not None else (leaf.tensor if isinstance(leaf, NoChunk) else leaf)
@@ -303,6 +326,7 @@ def scatter(
         )
         for m in range(micros)
     ]
+    return Scattered(rebuilt, sizes)
 
 
 def check_output(out: Any, stage: int) -> Any:

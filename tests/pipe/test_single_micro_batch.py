@@ -154,3 +154,28 @@ def test_a_tuning_curve_s_try_leaves_the_warning_to_the_user_s_own_call() -> Non
     pipe.split_size = 8
     with pytest.warns(SingleMicroBatchWarning, match="split_size=8 >= the batch's 8 rows"):
         train_step(pipe, x, y)
+
+
+class Scaled(nn.Module):
+    """A first stage taking a whole (NoChunk) scale before the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 8, dtype=torch.float64)
+
+    def forward(self, scale: Tensor, x: Tensor) -> Tensor:
+        return self.lin(x) * scale.sum()
+
+
+def test_the_rows_said_are_the_batch_s_not_a_nochunk_tensor_s() -> None:
+    # The scale (3 rows, given whole) comes first: the batch has 8 rows.
+    pipe = Pipe(
+        nn.Sequential(Scaled(), nn.Linear(8, 4, dtype=torch.float64)),
+        chunks=1,
+        balance=[1, 1],
+        devices=["cpu", "cpu"],
+    )
+    x, y = batch(8)
+    scale = mpstream.NoChunk(torch.ones(3, dtype=torch.float64))
+    with pytest.warns(SingleMicroBatchWarning, match="batch of 8 rows"):
+        pipe.train_step((scale, x), y, nn.MSELoss())

@@ -13,6 +13,7 @@ from mpstream.runtime.microbatch import (
     describe,
     gather,
     scatter,
+    scatter_sized,
 )
 
 
@@ -34,6 +35,16 @@ def test_scatter_sizes(chunks: int | None, split: int | None, sizes: list[int]) 
     parts = scatter(x, chunks, split)
     assert [len(p) for p in parts] == sizes
     torch.testing.assert_close(gather(parts), x)
+    assert scatter_sized(x, chunks, split).sizes == sizes
+
+
+def test_scatter_sized_says_the_split_tensors_sizes() -> None:
+    # A NoChunk tensor comes out whole and plain: its rows are no micro-batch's size.
+    value = {"mask": NoChunk(torch.ones(2)), "x": (torch.zeros(5, 3), "plain")}
+    micros, sizes = scatter_sized(value, 2, None)
+    assert sizes == [3, 2]
+    assert [len(m["x"][0]) for m in micros] == sizes
+    assert [len(m["mask"]) for m in micros] == [2, 2]
 
 
 def test_scatter_tuple_keeps_structure() -> None:
