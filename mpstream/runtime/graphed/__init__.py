@@ -23,8 +23,9 @@ memory policies; a forward run's and a training step's tasks call it.
 
 from __future__ import annotations
 
+from .backend import Backend
 from .backends import CudaGraphs
-from .call import Backend, GraphedCall
+from .call import GraphedCall
 from .emulated import Emulated
 from .grads import GradStore
 from .keys import generation

@@ -37,7 +37,8 @@ import torch
 from torch import Tensor
 
 from ..split_backward import Split
-from .call import GraphedCall, raised_eagerly
+from .backend import raised_eagerly
+from .call import GraphedCall
 from .capturing import capturing
 from .rng import ordered
 

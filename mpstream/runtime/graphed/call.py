@@ -14,7 +14,7 @@ The runtime drives a call from a training step's tasks
 loop (:mod:`~mpstream.runtime.replay_autograd`), through
 :meth:`forward`, :meth:`backward` and :meth:`weight`.
 
-A :class:`Backend` captures and replays (:mod:`.backends`: CUDA graphs, or
+A :class:`~.backend.Backend` captures and replays (:mod:`.backends`: CUDA graphs, or
 an emulation for tests); what capture changes on the stage is put back
 (:func:`~.capturing.restored`).
 """
@@ -25,7 +25,7 @@ import functools
 import operator
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, TypeAlias
+from typing import Any, TypeAlias
 
 import torch
 from torch import Tensor, nn
@@ -33,48 +33,12 @@ from torch import Tensor, nn
 from ...memory.batchnorm import deferred_norms
 from .. import private
 from ..microbatch import leaves, placed, untensored
+from .backend import Backend
 from .capturing import restored
 from .grads import GradStore
 from .zeroing import grads_changed
 
-__all__ = ["Backend", "GraphedCall", "Source"]
-
-
-#: Set on an exception the stage's own code raised while a backend ran it
-#: eagerly before capturing (its warm-up): the stage's error, not a capture's.
-_EAGER = "_mpstream_raised_eagerly"
-
-
-def raised_eagerly(exc: BaseException) -> None:
-    """Marks ``exc`` as raised by the stage's code run eagerly (a backend's
-    warm-up, before any capture began): the caller's error to see, where a
-    failed capture would make the stage run eagerly instead."""
-    setattr(exc, _EAGER, True)
-
-
-def was_raised_eagerly(exc: BaseException) -> bool:
-    """Whether :func:`raised_eagerly` marked ``exc``."""
-    return bool(getattr(exc, _EAGER, False))
-
-
-class Backend(Protocol):
-    """Captures and replays the graphs of one :class:`GraphedCall`.
-
-    An exception the stage's code raises while :meth:`capture` runs it
-    eagerly (before capturing) is marked with :func:`raised_eagerly`: it
-    reaches the caller, and the stage's next call captures again.
-    """
-
-    #: Whether a replay runs the stage's Python (then its side effects,
-    #: such as deferred BatchNorm's counting, happen by themselves).
-    runs_python: bool
-
-    def capture(self, call: GraphedCall, fn: Callable[..., Any]) -> None:
-        """Fills ``call``'s static buffers and arms its replays."""
-
-    def replay(self, call: GraphedCall, name: str) -> None:
-        """Replays one pass: ``forward``, ``backward`` (all of it, or B where
-        the call is split) or ``weight`` (W)."""
+__all__ = ["GraphedCall", "Source"]
 
 
 class GraphedCall:

@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 
+from .backend import raised_eagerly
 from .backends import input_pass, positions, prepare, split_of, weight_pass, whole
-from .call import GraphedCall, raised_eagerly
+from .call import GraphedCall
 
 __all__ = ["Emulated"]
 

@@ -18,8 +18,9 @@ from torch import nn
 
 from ..._warn import warn
 from ...memory.checkpoint import checkpointed
+from .backend import Backend, was_raised_eagerly
 from .backends import CudaGraphs
-from .call import Backend, GraphedCall, Source, was_raised_eagerly
+from .call import GraphedCall, Source
 from .report import GraphWarning
 from .state import StageState
 

@@ -43,8 +43,9 @@ from ...memory.checkpoint import checkpointed
 from ...schedules.schedule import Schedule
 from ...schedules.slots import Slots, plan_slots
 from .. import private
+from .backend import Backend
 from .backends import CudaGraphs
-from .call import Backend, GraphedCall, Source
+from .call import GraphedCall, Source
 from .first_calls import capture, overflow
 from .grads import GradStore
 from .keys import any_autocast, autocast_key, signature

@@ -134,8 +134,8 @@ def test_warm_up_marks_the_stages_forward_errors_only() -> None:
     # A forward error is the caller's to see; a backward the warm-up runs,
     # which the caller may never run (a forward with gradients enabled), is
     # the capture's: the stage then runs eagerly.
+    from mpstream.runtime.graphed.backend import was_raised_eagerly
     from mpstream.runtime.graphed.backends import warm_up
-    from mpstream.runtime.graphed.call import was_raised_eagerly
     from mpstream.runtime.graphed.tied import TiedHooks
 
     x = torch.randn(2, 4)

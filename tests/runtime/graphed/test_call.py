@@ -22,7 +22,8 @@ from torchvision.models.resnet import Bottleneck
 
 from mpstream.runtime.graphed import Emulated
 from mpstream.runtime.graphed import call as call_module
-from mpstream.runtime.graphed.call import Backend, GraphedCall
+from mpstream.runtime.graphed.backend import Backend
+from mpstream.runtime.graphed.call import GraphedCall
 from mpstream.runtime.graphed.grads import GradStore
 from mpstream.runtime.replay_autograd import replay
 from tests.helpers import assert_same_grads, mlp
