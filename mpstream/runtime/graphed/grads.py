@@ -25,9 +25,10 @@ that attached it last. One that takes it over copies the other's view on its
 own stream, which is another where the parameter sits in stages of other
 indices in the two splits: the copy waits for the streams the other's graphs
 added on this pass, and the view is marked for that stream (the allocator's
-rule). The store taken from, alone, checks its parameters again before its
-next replay within the pass. How a pass ends: :mod:`.passes`; how the
-buffers are laid out, and saved around a training step: :mod:`.grad_buffers`.
+rule): :mod:`.attaching`. The store taken from, alone, checks its parameters
+again before its next replay within the pass. How a pass ends:
+:mod:`.passes`; how the buffers are laid out, and saved around a training
+step: :mod:`.grad_buffers`.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from ..stream import AnyStream, CPUStream, current_stream, record_stream
+from ..stream import CPUStream, current_stream
+from .attaching import attach, own, owner_of
 from .grad_buffers import GradBuffers, Saved
 from .keys import hooks_registered
 from .passes import CallerWaits, PassEnd, after, closed, finish_part, opened
@@ -51,9 +53,6 @@ from .zeroing import PassChanges, grads_changed, track, unseen, warn_all, zeroed
 __all__ = ["GradStore"]
 
 _hooks = operator.attrgetter("_post_accumulate_grad_hooks")
-#: The store of each flat buffer's view, by the view's ``id()`` (the view
-#: lives as long as its store): a store taking a ``.grad`` over finds its owner.
-_owners: weakref.WeakValueDictionary[int, GradStore] = weakref.WeakValueDictionary()
 
 
 class GradStore(GradBuffers):
@@ -80,8 +79,7 @@ class GradStore(GradBuffers):
         super().__init__(params, shared, names)
         self.tied = tied or TiedHooks()
         self.tied.shared.update(id(self.params[i]) for i in self._side)
-        for view in self._owned_views:
-            _owners[id(view)] = self
+        own(self)
         track(self)
         self._detached: set[int] = set()  # positions detached at the pass's start, not since
         self._changes = PassChanges()  # this pass's, checked at its end (see flush)
@@ -157,7 +155,7 @@ class GradStore(GradBuffers):
             self._streams[stream.stream_id] = stream
         fresh = [i for i in self._detached if i in reached]
         if fresh:
-            self._attach(fresh, stream)
+            attach(self, fresh, stream)
             self._detached.difference_update(fresh)
         changes = self._changes  # inline: no Python call here (see zeroing.PassChanges)
         changes.added.update(reached)
@@ -212,40 +210,6 @@ class GradStore(GradBuffers):
             self._hooks_seen = count
         return self._hooks_at
 
-    def _attach(self, fresh: list[int], stream: AnyStream) -> None:
-        """Makes the views of ``fresh`` their parameters' gradients: zeroed
-        where ``.grad`` was None, filled with it where it was another tensor
-        (on ``stream``, after the streams another store's graphs added on)."""
-        with torch.no_grad():
-            had = [(i, self.params[i].grad) for i in fresh]
-            nones = [i for i, g in had if g is None]
-            others = [(i, g) for i, g in had if g is not None]
-            if len(nones) == len(self._owned):
-                # The common case, after zero_grad(): a kernel per flat buffer
-                # (per dtype), where one list of views of several dtypes would
-                # miss the multi-tensor kernel (a launch per view on a GPU).
-                for flat in self.flats:
-                    flat.zero_()
-            elif nones:
-                torch._foreach_zero_([self.views[i] for i in nones])
-            owners: dict[int, GradStore] = {}
-            if others:
-                grads = [g for _, g in others]
-                for g in grads:
-                    owner = _owners.get(id(g))
-                    if owner is not None and owner is not self:
-                        owners[id(owner)] = owner
-                after(stream, [s for o in owners.values() for s in list(o._streams.values())])
-                torch._foreach_copy_([self.views[i] for i, _ in others], grads)
-                for g in grads:
-                    # Freed once .grad lets go of it (the user's), while
-                    # this stream may still read it.
-                    record_stream(g, stream)
-            for i in fresh:
-                self.params[i].grad = self.views[i]
-        for owner in owners.values():
-            owner._taken_from, owner.ready = True, {}  # after .grad changed (see __init__)
-
     def flush(self, autograd: bool = True) -> list[torch.cuda.Stream]:
         """Ends a pass: orders the current streams after those the graphs
         added on, and runs the post-accumulate hooks left for its end; the
@@ -294,7 +258,7 @@ class GradStore(GradBuffers):
         is neither its view nor another store's (see :meth:`flush`)."""
         for i in sorted(since):
             g = self.params[i].grad
-            if i in self._side or g is self.views[i] or _owners.get(id(g)) not in (None, self):
+            if i in self._side or g is self.views[i] or owner_of(g) not in (None, self):
                 continue
             return [unseen(self.names[i], autograd)]
         return []

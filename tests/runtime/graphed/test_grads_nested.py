@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from mpstream import Pipe
 from mpstream.runtime import replay_autograd as replay
-from mpstream.runtime.graphed import Emulated, grads, passes
+from mpstream.runtime.graphed import Emulated, attaching, grads, passes
 from mpstream.runtime.graphed.call import GraphedCall
 from mpstream.runtime.graphed.grads import GradStore
 from tests.cuda.helpers import two_gpus
@@ -110,7 +110,7 @@ def on_fake_streams(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, Any
     plain, restore = torch._foreach_add_, GradStore.restore
     for module in (grads, passes):
         monkeypatch.setattr(module, "current_stream", lambda device: current[0])
-    monkeypatch.setattr(grads, "record_stream", lambda t, s: None)
+    monkeypatch.setattr(attaching, "record_stream", lambda t, s: None)
     for name in ("backward", "weight"):
         method = on_stage_stream(getattr(GraphedCall, name), lambda call, *_: call.label)
         monkeypatch.setattr(GraphedCall, name, method)

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from mpstream import Pipe
-from mpstream.runtime.graphed import Emulated, grads
+from mpstream.runtime.graphed import Emulated, attaching, grads
 from mpstream.runtime.graphed.call import GraphedCall
 from mpstream.runtime.graphed.grads import GradStore
 from tests.helpers import assert_same_grads, mlp
@@ -246,7 +246,7 @@ def test_a_take_over_from_another_kind_s_stage_waits_for_its_stream(
 
     marks: set[tuple[str, int]] = set()
     monkeypatch.setattr(grads, "current_stream", lambda device: current[0])
-    monkeypatch.setattr(grads, "record_stream", lambda t, s: marks.add((s.name, id(t))))
+    monkeypatch.setattr(attaching, "record_stream", lambda t, s: marks.add((s.name, id(t))))
     for name in ("backward", "weight"):
         monkeypatch.setattr(GraphedCall, name, on_stage_stream(getattr(GraphedCall, name)))
     monkeypatch.setattr(torch, "_foreach_copy_", logged("copy", torch._foreach_copy_))
