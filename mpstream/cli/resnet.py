@@ -196,7 +196,7 @@ def tune(args: argparse.Namespace) -> int:
     dev0, dev1 = _devices(args)
     config = _config(args)
     items = _balances(args.balances)
-    from ..observe import tuning
+    from ..observe import tune_args, tuning
     from ..tutorial import analysis
 
     out = Path(args.out)
@@ -210,7 +210,7 @@ def tune(args: argparse.Namespace) -> int:
     sizes = args.split_sizes
     if sizes is None:  # tuning's ladder, less the lone images _config refuses when given
         w, h, batch = config.image_w, config.image_h, config.batch_size
-        ladder = tuning.candidate_split_sizes(batch)
+        ladder = tune_args.candidate_split_sizes(batch)
         sizes = tuple(s for s in ladder if not lone_image(w, h, batch, s))
     out.mkdir(parents=True, exist_ok=True)
     factory = analysis.tutorial_factory(dev0, dev1, config)

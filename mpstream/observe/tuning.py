@@ -11,10 +11,7 @@ version.
 from __future__ import annotations
 
 import importlib.util
-import inspect
 import json
-import numbers
-import operator
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -28,22 +25,16 @@ from torch import Tensor, nn
 from .._warn import warn
 from ..pipe import Pipe, SingleMicroBatchWarning
 from ..runtime import Value, as_value, synchronize
-from ..stages import check_positive
 from .measuring import untouched
 from .profiling import pipes_in
 from .spread import MAX_CV, MAX_RANGE, noisy
+from .tune_args import check_knobs, checked_sizes, needs_target
 from .tune_cache import batch_shape, default_cache, load, loss_key, model_key, store
 from .tune_result import TunePoint, TuneResult, from_cache
 
-__all__ = ["TunePoint", "TuneResult", "tune", "default_cache", "candidate_split_sizes"]
+__all__ = ["TunePoint", "TuneResult", "tune", "default_cache"]
 
 Factory = Callable[..., nn.Module]
-_CANDIDATES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256)
-
-
-def candidate_split_sizes(batch: int) -> list[int]:
-    """Split sizes worth trying for a batch: a geometric-ish ladder up to it."""
-    return sorted({s for s in _CANDIDATES if s <= batch} | {batch})
 
 
 def _devices(model: nn.Module) -> list[torch.device]:
@@ -187,16 +178,16 @@ def tune(
     """
     value = as_value(sample, "sample")
     batch = (value if isinstance(value, Tensor) else value[0]).size(0)
-    sizes = _sizes(split_sizes, batch)
+    sizes = checked_sizes(split_sizes, batch)
     if target is not None and loss_fn is None:
         raise ValueError("target= times a training step: give loss_fn(output, target) too")
-    if target is None and loss_fn is not None and _needs_target(loss_fn):
+    if target is None and loss_fn is not None and needs_target(loss_fn):
         raise ValueError(
             "loss_fn takes (output, target) but tune got no target=: give target= (a Pipe's "
             "step is then its train_step, with its schedule), or a loss of the output alone "
             "(lambda out: F.mse_loss(out, y))"
         )
-    _check_knobs(repeat, warmup, patience, tolerance)
+    check_knobs(repeat, warmup, patience, tolerance)
     if balances is not None and not balances:
         raise ValueError(
             "balances=[] lists no balance to try: leave it out to tune the split alone"
@@ -302,71 +293,6 @@ def tune(
     if plot is not None:
         result.plot(plot)
     return result
-
-
-def _needs_target(loss_fn: Callable[..., Tensor]) -> bool:
-    """Whether ``loss_fn`` cannot be called with the output alone but can
-    with a target too (``nn.MSELoss()``, ``F.mse_loss``): tune would fail
-    inside its first step with the loss's own complaint."""
-    fn = loss_fn.forward if isinstance(loss_fn, nn.Module) else loss_fn
-    try:
-        signature = inspect.signature(fn)
-    except (TypeError, ValueError):  # a builtin without one: let the call say
-        return False
-    try:
-        signature.bind(None)
-        return False
-    except TypeError:
-        pass
-    try:
-        signature.bind(None, None)
-    except TypeError:
-        return False
-    return True
-
-
-def _check_knobs(repeat: object, warmup: object, patience: object, tolerance: object) -> None:
-    """Refuses counts that are not ints and a tolerance that is not a number
-    >= 0: a NaN tolerance compares false, so no size would ever count as
-    slower and the sweep would never stop early."""
-    check_positive("repeat", repeat)
-    check_positive("patience", patience)
-    if isinstance(warmup, bool) or not isinstance(warmup, numbers.Integral):
-        raise TypeError(f"warmup must be an int, got {type(warmup).__name__}")
-    if warmup < 0:
-        raise ValueError(f"warmup must not be negative, got {warmup}")
-    if isinstance(tolerance, bool) or not isinstance(tolerance, numbers.Real):
-        raise TypeError(f"tolerance must be a number, got {type(tolerance).__name__}")
-    if not float(tolerance) >= 0:  # NaN too
-        raise ValueError(
-            f"tolerance must be a number >= 0 (the relative slack, e.g. 0.05), got {tolerance}"
-        )
-
-
-def _sizes(split_sizes: Sequence[int] | None, batch: int) -> list[int]:
-    """The candidate split sizes, checked, in increasing order."""
-    if split_sizes is None:
-        return candidate_split_sizes(batch)
-    try:
-        split_sizes = list(split_sizes)  # a generator is read once
-    except TypeError:  # one size, split_sizes=4
-        raise ValueError(
-            f"split_sizes must be a list of positive ints, got {split_sizes!r}; give "
-            f"[{split_sizes!r}] to time that one split size"
-        ) from None
-    if not split_sizes:
-        raise ValueError(
-            "split_sizes=[] lists no split size to time: leave it out to try the default ones"
-        )
-    try:
-        sizes = sorted({operator.index(s) for s in split_sizes if not isinstance(s, bool)})
-    except TypeError:
-        sizes = []
-    if not sizes or len(sizes) != len(set(split_sizes)) or sizes[0] < 1:
-        raise ValueError(f"split_sizes must be positive ints, got {split_sizes!r}")
-    if sizes[-1] > batch:
-        raise ValueError(f"split size {sizes[-1]} is larger than the batch of {batch}")
-    return sizes
 
 
 @contextmanager

@@ -11,7 +11,8 @@ from torch import Tensor, nn
 
 from mpstream import Pipe
 from mpstream.observe.spread import noisy, spread
-from mpstream.observe.tuning import TuneResult, candidate_split_sizes, default_cache, tune
+from mpstream.observe.tune_args import candidate_split_sizes
+from mpstream.observe.tuning import TuneResult, default_cache, tune
 from tests.observe.curves import SAMPLE, Curve, small_pipe, total
 
 pytestmark = pytest.mark.usefixtures("tune_clock")
