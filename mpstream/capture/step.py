@@ -28,12 +28,11 @@ from torch.utils import _pytree as pytree
 
 from ..pipe.batchargs import batch_argument
 from ..pipe.pipe import Pipe
-from ..pipe.reduction import step_reduction
 from ..runtime.graphed.backends import pool_bytes
 from ..runtime.graphed.state import storage_bytes
-from ..stages.sequential import check_positive
+from .arguments import checked
 from .buffers import fill, static, tensor
-from .devices import DeviceGraphs, capture_devices
+from .devices import DeviceGraphs
 from .optimizer import check_optimizer, check_settings, hyperparameters
 from .state import Kept, Trained
 from .warmup import warm_up_and_capture
@@ -158,34 +157,10 @@ class CapturedStep:
         warmup: int = 3,
         pool: Any = None,
     ) -> None:
-        if not isinstance(pipe, Pipe):
-            raise TypeError(f"CapturedStep needs an mpstream.Pipe, got {type(pipe).__name__}")
-        check_positive("warmup", warmup)
-        # Checked here, not by the first warm-up step, which would blame capture.
-        reduction = step_reduction(reduction, loss_fn)
-        if not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"CapturedStep: optimizer must be a torch.optim.Optimizer built on the pipe's "
-                f"parameters (or None), got {type(optimizer).__name__}"
-            )
+        given = checked(pipe, loss_fn, optimizer, reduction, warmup, pool)
         #: Whether the stages replay graphs of their own (``Pipe(graphs=True)``).
-        self.graphed = pipe.graphed
-        if self.graphed and pool is not None:
-            raise ValueError(
-                "CapturedStep: pool= shares the memory of a step captured as one graph, but "
-                "this pipe's stages replay graphs of their own (graphs=True), each stage with "
-                "pools of its own; drop pool"
-            )
-        cuda = capture_devices(pipe.devices, self.graphed)
-        sched = pipe.scheduler
-        if cuda and not self.graphed and (sched.timing or sched.recording):
-            raise ValueError(
-                "CapturedStep: the pipe is being traced (its scheduler's timing or plan "
-                "recording is on); a replay would record nothing. Capture outside "
-                "mpstream.profile / trace."
-            )
+        self.graphed = given.graphed
+        cuda, reduction = given.devices, given.reduction
         self.pipe, self.loss_fn, self.optimizer = pipe, loss_fn, optimizer
         self.reduction, self.zero_grad = reduction, bool(zero_grad)
         #: The GPUs the step runs on (empty: the CPU).
