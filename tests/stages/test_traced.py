@@ -3,13 +3,12 @@ arguments are followed as the module's code follows them; outputs and
 gradients equal the unsplit module's for every kind, in any order; a trace
 that fails leaves the pipe as it was. (Training flags: test_traced_modes.py;
 None items and keys looked up: test_traced_items.py, test_traced_lookups.py;
-where tensors are placed: test_placement.py.)"""
+where tensors are placed: test_placement.py; copies and pickles:
+test_traced_copies.py.)"""
 
 from __future__ import annotations
 
 import copy
-import io
-import pickle
 from typing import Any
 
 import pytest
@@ -175,33 +174,6 @@ def test_a_kind_that_cannot_be_traced_fails_clearly_and_leaves_the_pipe_as_it_wa
     torch.testing.assert_close(pipe(x, m), model(x, m))
 
 
-@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
-def test_a_copy_keeps_every_kind(how: str) -> None:
-    model = Masked().double()
-    pipe = pipe_of(model, chunks=2)
-    x = torch.randn(4, 4, dtype=torch.float64)
-    s = torch.randn(4, 4, dtype=torch.float64)
-    pipe(x)
-    pipe(x, s)
-    if how == "deepcopy":
-        copied = copy.deepcopy(pipe)
-    else:
-        buffer = io.BytesIO()
-        torch.save(pipe, buffer)
-        buffer.seek(0)
-        copied = torch.load(buffer, weights_only=False)
-    assert len(fx_split(copied).traces) == 2
-    with torch.no_grad():
-        for p in copied.parameters():
-            p.add_(1.0)
-        for p in model.parameters():
-            p.add_(1.0)
-    for args in [(x,), (x, s), (x,)]:
-        torch.testing.assert_close(copied(*args), model(*args))
-    assert len(fx_split(copied).traces) == 2
-    assert pickle.loads(pickle.dumps(pipe.split_report())) == pipe.split_report()
-
-
 def test_balance_by_time_profiles_the_samples_kind() -> None:
     model = Masked()
     names, profiles = profile_units(model, (torch.randn(4, 4), None))
@@ -300,24 +272,6 @@ def test_profile_spans_a_switch_of_kind() -> None:
         pipe(x, s)
     assert pipe.scheduler is scheduler  # one for every kind
     assert len(prof.spans) == 2 * 8 and not scheduler.timing
-
-
-def test_a_pipe_pickled_before_kinds_loads_with_its_trace_as_the_first() -> None:
-    model = Masked().double()
-    pipe = pipe_of(model, chunks=2, leaf_modules=["proj"])
-    state = copy.deepcopy(pipe.__getstate__())
-    # What such a pickle held: the one trace's binder, no split per kind.
-    state["_bind"] = state["_split"].current.traced.bind
-    state["_split"] = None
-    old = Pipe.__new__(Pipe)
-    old.__setstate__(state)
-    split = fx_split(old)
-    assert split.leaf_modules == ["a", "b", "proj"]  # what the trace called whole
-    x = torch.randn(4, 4, dtype=torch.float64)
-    s = torch.randn(4, 4, dtype=torch.float64)
-    for args in [(x, s), (x,)]:
-        torch.testing.assert_close(old(*args), model(*args))
-    assert len(split.traces) == 2
 
 
 class OnlyTested(nn.Module):

@@ -3,11 +3,14 @@ a key that does not pickle (an enum defined in a function) and the kinds it
 tells apart too (``FxSplit.__deepcopy__``): the copy traces no kind again,
 computes what the plain module does, and shares no tensor with the
 original. Pickling still leaves such a key out (see
-test_traced_lookups.py)."""
+test_traced_lookups.py). A deep copy or a pickle keeps every kind traced; a
+pipe pickled before kinds existed loads with its trace as the first."""
 
 from __future__ import annotations
 
 import copy
+import io
+import pickle
 from typing import Any
 
 import pytest
@@ -18,7 +21,7 @@ from mpstream import Pipe
 from mpstream.stages import traced as traced_module
 from mpstream.stages.fx import trace
 from tests.helpers import assert_same_grads
-from tests.stages.test_traced import fx_split
+from tests.stages.test_traced import Masked, fx_split, pipe_of
 from tests.stages.test_traced_items import ReadAs
 from tests.stages.test_traced_lookups import LOCAL_KEY, _tests_local
 
@@ -69,3 +72,48 @@ def test_a_copied_pipe_keeps_the_kinds_a_key_that_does_not_pickle_tells_apart(
     assert all(p.grad is None for p in pipe.parameters())  # the original's: untouched
     mine = {t.data_ptr() for t in _tensors(pipe)}
     assert not any(t.data_ptr() in mine for t in _tensors(copied))
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_keeps_every_kind(how: str) -> None:
+    model = Masked().double()
+    pipe = pipe_of(model, chunks=2)
+    x = torch.randn(4, 4, dtype=torch.float64)
+    s = torch.randn(4, 4, dtype=torch.float64)
+    pipe(x)
+    pipe(x, s)
+    if how == "deepcopy":
+        copied = copy.deepcopy(pipe)
+    else:
+        buffer = io.BytesIO()
+        torch.save(pipe, buffer)
+        buffer.seek(0)
+        copied = torch.load(buffer, weights_only=False)
+    assert len(fx_split(copied).traces) == 2
+    with torch.no_grad():
+        for p in copied.parameters():
+            p.add_(1.0)
+        for p in model.parameters():
+            p.add_(1.0)
+    for args in [(x,), (x, s), (x,)]:
+        torch.testing.assert_close(copied(*args), model(*args))
+    assert len(fx_split(copied).traces) == 2
+    assert pickle.loads(pickle.dumps(pipe.split_report())) == pipe.split_report()
+
+
+def test_a_pipe_pickled_before_kinds_loads_with_its_trace_as_the_first() -> None:
+    model = Masked().double()
+    pipe = pipe_of(model, chunks=2, leaf_modules=["proj"])
+    state = copy.deepcopy(pipe.__getstate__())
+    # What such a pickle held: the one trace's binder, no split per kind.
+    state["_bind"] = state["_split"].current.traced.bind
+    state["_split"] = None
+    old = Pipe.__new__(Pipe)
+    old.__setstate__(state)
+    split = fx_split(old)
+    assert split.leaf_modules == ["a", "b", "proj"]  # what the trace called whole
+    x = torch.randn(4, 4, dtype=torch.float64)
+    s = torch.randn(4, 4, dtype=torch.float64)
+    for args in [(x, s), (x,)]:
+        torch.testing.assert_close(old(*args), model(*args))
+    assert len(split.traces) == 2
