@@ -10,7 +10,6 @@ tests/test_examples.py.
 
 from __future__ import annotations
 
-import contextlib
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +24,7 @@ from mpstream import Pipe
 from mpstream import distributed as mpdist
 from mpstream.runtime.graphed import Emulated
 from mpstream.schedules import Auto
+from tests.ddp_buffers import run_buffers
 from tests.ddp_group import (
     BALANCE,
     LR,
@@ -256,48 +256,6 @@ def _run_uneven(rank: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _norm_model() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(5, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 6), nn.BatchNorm1d(6)
-    ).double()
-
-
-def _run_buffers(rank: int, path: str, accumulate: bool = False) -> dict[str, Tensor]:
-    """Two steps with BatchNorm; the second must start from rank 0's statistics.
-    ``accumulate``: four calls, the even ones inside ``no_sync()`` (DDP then
-    broadcasts the buffers only after a call that synchronised)."""
-    pipe = Pipe(
-        _norm_model(),
-        split_size=SPLIT,
-        balance=[3, 2],
-        devices=["cpu", "cpu"],
-        schedule="1f1b",
-        checkpoint="always",
-        deferred_batch_norm=True,
-    )
-    ddp = mpdist.wrap(pipe)
-    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
-    out: dict[str, Tensor] = {}
-    for step, (x, _) in enumerate(batches(4 if accumulate else 2)):
-        xs = x.chunk(WORLD)[rank]
-        ys = torch.ones(xs.size(0), 6, dtype=torch.float64)
-        local = accumulate and step % 2 == 0
-        with ddp.no_sync() if local else contextlib.nullcontext():
-            if path == "forward":
-                nn.MSELoss()(ddp(xs), ys).backward()
-            else:
-                mpdist.train_step(ddp, xs, ys, nn.MSELoss())
-        if local:
-            continue
-        opt.step()
-        opt.zero_grad()
-        out.update({f"{k}@{step}": v.clone() for k, v in pipe.state_dict().items()})
-    mpdist.sync_buffers(ddp)
-    out.update({f"{k}@synced": v.clone() for k, v in pipe.state_dict().items()})
-    return out
-
-
 def _worker(rank: int, store_path: str, out_dir: str) -> None:
     try:
         join_group(rank, store_path)
@@ -305,10 +263,10 @@ def _worker(rank: int, store_path: str, out_dir: str) -> None:
         results["presence"] = _run_gradient_presence(rank)
         results["overlap"] = _run_overlap(rank)
         results["uneven"] = _run_uneven(rank)
-        results["buffers-forward"] = _run_buffers(rank, "forward")
-        results["buffers-train_step"] = _run_buffers(rank, "train_step")
+        results["buffers-forward"] = run_buffers(rank, "forward")
+        results["buffers-train_step"] = run_buffers(rank, "train_step")
         for path in ("forward", "train_step"):
-            results[f"buffers-{path}-accumulate"] = _run_buffers(rank, path, accumulate=True)
+            results[f"buffers-{path}-accumulate"] = run_buffers(rank, path, accumulate=True)
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
         dist.destroy_process_group()
     except BaseException:
