@@ -11,9 +11,10 @@ ones per micro-batch. Both validate and say exactly what is wrong.
 
 from __future__ import annotations
 
+import operator
 import reprlib
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -29,7 +30,6 @@ __all__ = [
     "as_value",
     "batch_device",
     "scatter",
-    "Scattered",
     "scatter_sized",
     "split",
     "gather",
@@ -217,25 +217,17 @@ def split(t: Tensor, chunks: int | None, split_size: int | None) -> tuple[Tensor
     return t.chunk(chunks, dim=0)
 
 
-class Scattered(NamedTuple):
-    """A batch split by :func:`scatter_sized`: the micro-batches (each
-    structured like the batch) and their batch sizes (rows along dim 0)."""
-
-    micros: list[Any]
-    sizes: list[int]
-
-
 def scatter(
     value: Any, chunks: int | None, split_size: int | None, what: str = "input"
 ) -> list[Any]:
-    """The micro-batches of ``value``: :func:`scatter_sized`'s ``micros``
+    """The micro-batches of ``value``: :func:`scatter_sized`'s first item
     (same arguments and errors), for callers that need not their sizes."""
-    return scatter_sized(value, chunks, split_size, what).micros
+    return scatter_sized(value, chunks, split_size, what)[0]
 
 
 def scatter_sized(
     value: Any, chunks: int | None, split_size: int | None, what: str = "input"
-) -> Scattered:
+) -> tuple[list[Any], list[int]]:
     """Splits ``value`` into micro-batches and says their batch sizes, which
     the micro-batches alone may not tell (a :class:`NoChunk` tensor comes out
     of the split as a plain tensor).
@@ -307,15 +299,17 @@ def scatter_sized(
     (micros,) = counts
     check_rebuilds(value, what, items, spec)
     # The first split tensor's: a NoChunk one comes out of the split whole.
-    sizes = [t.size(0) for t in next(filter(None, parts))]
+    # map and methodcaller, not a comprehension (a Python call before 3.12):
+    # pipe(x) gains no call from saying the sizes.
+    sizes = list(map(operator.methodcaller("size", 0), next(filter(None, parts))))
     # The common cases without a rebuild per micro-batch: one tensor (its
     # chunks), a flat tuple of tensors (the tuples of their chunks).
     if spec is None:
         chunked = parts[0]
         assert chunked is not None
-        return Scattered(list(chunked), sizes)
+        return list(chunked), sizes
     if type(spec) is tuple:
-        return Scattered(list(zip(*parts)), sizes)  # every part is a tensor's
+        return list(zip(*parts)), sizes  # every part is a tensor's
     rebuilt = [
         rebuild_leaves(
             [
@@ -326,7 +320,7 @@ def scatter_sized(
         )
         for m in range(micros)
     ]
-    return Scattered(rebuilt, sizes)
+    return rebuilt, sizes
 
 
 def check_output(out: Any, stage: int) -> Any:
