@@ -113,9 +113,9 @@ def test_inputs_and_targets_move_on_the_io_stream(monkeypatch: pytest.MonkeyPatc
     pipe = Pipe(mlp([5, 8, 4]).float().cuda(), chunks=3, balance=[2, 2], devices=["cuda:0"] * 2)
     io = pipe.scheduler.io_streams[0].stream_id  # type: ignore[union-attr]
     # Inputs move in copy tasks (runtime/copy.py), in pipe(x) and train_step
-    # alike; targets in the training step's target tasks.
+    # alike; targets in the training step's target tasks, one micro-batch a call.
     inputs = _stream_spy(monkeypatch, "mpstream.runtime.copy", "to_device")
-    targets = _stream_spy(monkeypatch, "mpstream.runtime.training", "to_device")
+    targets = _stream_spy(monkeypatch, "mpstream.runtime.training", "micro_to_device")
     x, y = torch.randn(BATCH, 5), torch.randn(BATCH, 4)
     pipe(x).sum().backward()
     pipe.train_step(x.pin_memory(), y, nn.MSELoss())
