@@ -244,6 +244,22 @@ class PipeModule(nn.Module):
             return nn.Sequential(*layers[index])
         return layers[index]
 
+    def __setitem__(self, index: int, layer: nn.Module) -> None:
+        # nn.Sequential's spelling of a replacement: refused as the
+        # attribute's (the stages hold the layers themselves).
+        self._replace(self._layer_name(index), layer)
+
+    def __delitem__(self, index: int | slice) -> None:
+        raise TypeError(
+            "the Pipe's stages read its layers: none can be deleted (build a new Pipe around "
+            "the changed module)"
+        )
+
+    def _layer_name(self, index: int) -> str:
+        """The name of the pipe's layer at ``index`` (negative counts from the end)."""
+        names = [n for n, m in self._modules.items() if m is not None]
+        return names[index]
+
     # -- placement is fixed ----------------------------------------------
     def _stays(self, device: Any) -> bool:
         """Whether every stage already sits on ``device`` (a move to it is

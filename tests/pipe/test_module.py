@@ -227,6 +227,11 @@ def test_a_replaced_layer_is_refused() -> None:
         setattr(seq, "1", nn.Linear(16, 4))
     with pytest.raises(TypeError, match="run the layer '0' they hold"):
         seq.add_module("0", nn.Linear(8, 16))
+    # nn.Sequential's spellings (Python's "does not support item assignment" said nothing).
+    with pytest.raises(TypeError, match="run the layer '1' they hold"):
+        seq[-1] = nn.Linear(16, 4)
+    with pytest.raises(TypeError, match="none can be deleted"):
+        del seq[0]
     seq.extra = nn.Linear(2, 2)  # a new attribute is the user's own
     assert seq(torch.randn(4, 8)).shape == (4, 4)
 
