@@ -137,7 +137,8 @@ def _move(module: nn.Module, name: str, device: torch.device) -> None:
 
 def check_parametrized(part: fx.GraphModule, root: nn.Module) -> None:
     """Refuses a stage that reads a tensor itself which has been
-    parametrized (``torch.nn.utils.parametrize``) since it was traced.
+    parametrized (``torch.nn.utils.parametrize``) since it was traced, or
+    which the module no longer has.
 
     Args:
         part: a stage of ``root``'s split.
@@ -148,7 +149,16 @@ def check_parametrized(part: fx.GraphModule, root: nn.Module) -> None:
     """
     for target in getattr(part, "_mpstream_attrs", {}).values():
         owner, _, attr = target.rpartition(".")
-        if parametrize.is_parametrized(root.get_submodule(owner) if owner else root, attr):
+        module = _submodule(root, owner)
+        if module is None or not hasattr(module, attr):
+            raise TypeError(
+                f"a stage reads '{target}', which the module no longer has (deleted or "
+                f"renamed since the pipe traced the code that reads it, as "
+                f"torch.nn.utils.remove_spectral_norm or remove_weight_norm do): the stage "
+                f"holds the code traced then. Build a new Pipe around the changed module (the "
+                f"old one's state_dict() loads into it where the names still match)"
+            )
+        if parametrize.is_parametrized(module, attr):
             # Its value is computed at each read; the stage holds one tensor.
             raise TypeError(
                 f"'{target}' was parametrized (torch.nn.utils.parametrize) after the pipe "
@@ -157,6 +167,14 @@ def check_parametrized(part: fx.GraphModule, root: nn.Module) -> None:
                 f"parametrization before building the Pipe (the trace then computes it), or "
                 f"remove it (parametrize.remove_parametrizations)"
             )
+
+
+def _submodule(root: nn.Module, name: str) -> nn.Module | None:
+    """``root``'s submodule ``name`` ("" for ``root``), or None if it has none."""
+    try:
+        return root.get_submodule(name) if name else root
+    except AttributeError:
+        return None
 
 
 def rebind(part: fx.GraphModule, root: nn.Module) -> None:

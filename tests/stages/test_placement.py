@@ -219,3 +219,28 @@ def test_a_conversion_refused_for_a_parametrization_after_the_trace_converts_not
     assert {p.dtype for p in pipe.parameters()} == {torch.float64}
     parametrize.remove_parametrizations(model.blocks[1], "scale")
     torch.testing.assert_close(pipe(x), model(x))
+
+
+class _SpectralNormed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.utils.spectral_norm(nn.Linear(4, 4))
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_a_tensor_a_stage_reads_removed_after_the_split_is_named() -> None:
+    # remove_spectral_norm deletes weight_orig, which the exported stage
+    # reads: the next call failed in a lookup with "'Linear' object has no
+    # attribute 'weight_orig'".
+    pipe = Pipe(_SpectralNormed().double(), chunks=2, split_points=["b"], devices=["cpu"] * 2,
+                tracer="export")  # fmt: skip
+    x = torch.randn(4, 4, dtype=torch.float64)
+    pipe.eval()
+    pipe(x)
+    nn.utils.remove_spectral_norm(pipe.a)
+    for _ in range(2):  # and again: nothing was half done
+        with pytest.raises(TypeError, match=r"reads 'a\.weight_orig', which the module no longer"):
+            pipe(x)
