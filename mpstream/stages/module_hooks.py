@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from torch import nn
 from torch.nn.modules.lazy import LazyModuleMixin
 
-__all__ = ["check_root_hooks", "check_traced_hooks", "recomputed_attribute"]
+__all__ = ["check_root_hooks", "check_traced_hooks", "name_in", "recomputed_attribute"]
 
 # A module's hook dicts, and how a message names each kind.
 _KINDS = (
@@ -36,6 +36,12 @@ _KINDS = (
 
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+
+
+def name_in(root: nn.Module, module: nn.Module) -> str:
+    """``module``'s qualified name in ``root`` (``"?"`` if it has none), for
+    a message: only looked up once something is refused."""
+    return next((n for n, m in root.named_modules() if m is module), "?")
 
 
 def _transformers_own(hook: object) -> bool:
@@ -164,7 +170,7 @@ def check_traced_hooks(root: nn.Module, modules: Iterable[nn.Module], tracer: st
         if isinstance(module, LazyModuleMixin) and module.has_uninitialized_params():
             # Its hook would size the parameters at the trace, too late for
             # the stages' placement.
-            name = next((n for n, m in root.named_modules() if m is module), "?")
+            name = name_in(root, module)
             raise TypeError(
                 f"module '{name}' ({type(module).__name__}) has parameters not yet sized "
                 f"(a lazy module), which torch.{tracer} cannot split: call the model once on a "
@@ -176,7 +182,7 @@ def check_traced_hooks(root: nn.Module, modules: Iterable[nn.Module], tracer: st
             continue
         if module is root:
             raise _root_error(module, kind)
-        name = next((n for n, m in root.named_modules() if m is module), "?")
+        name = name_in(root, module)
         if tracer == "fx":
             how = (
                 f"torch.fx traces through '{name}', so its code, hooks included, is fixed in "

@@ -21,6 +21,8 @@ from typing import Any
 
 from torch import fx, nn
 
+from .module_hooks import name_in
+
 __all__ = ["check_forwards", "check_replaced"]
 
 
@@ -83,7 +85,7 @@ def check_forwards(split: Any, root: nn.Module, modules: Iterable[nn.Module], tr
         now = module.__dict__.get("forward")
         before = seen.setdefault(id(module), now)
         if before is not now:
-            name = next((n for n, m in root.named_modules() if m is module), "?")
+            name = name_in(root, module)
             what = "deleted" if now is None else "set" if before is None else "replaced"
             raise TypeError(
                 f"the forward of module '{name or type(root).__name__}' was {what} on the "
