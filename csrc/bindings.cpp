@@ -101,12 +101,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // schedule_placements; 8: the segmented runs' scheduler methods, begin_run's
   // pull and the peer_view operator removed; 9: begin_mark's run_tag and
   // the run_tag property; 10: MutedHooks; 11: MutedHooks takes prehooks and
-  // posthooks off too, has_post_hooks).
-  m.attr("interface_version") = 11;
+  // posthooks off too, has_post_hooks; 12: Watch.frozen).
+  m.attr("interface_version") = 12;
 
   py::class_<mpstream::Watch>(m, "Watch")
       .def(py::init<std::vector<at::Tensor>>(), py::arg("tensors"))
       .def("changed", &mpstream::Watch::changed)
+      .def("frozen", &mpstream::Watch::frozen)
       .def("__len__", &mpstream::Watch::size);
   py::class_<mpstream::Attached>(m, "Attached")
       .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>>(), py::arg("params"),

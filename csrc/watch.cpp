@@ -53,6 +53,16 @@ bool Watch::changed() const {
   return false;
 }
 
+std::vector<int64_t> Watch::frozen() const {
+  std::vector<int64_t> out;
+  for (size_t i = 0; i < tensors_.size(); ++i) {
+    if (metas_[i].requires_grad && !tensors_[i].requires_grad()) {
+      out.push_back(static_cast<int64_t>(i));
+    }
+  }
+  return out;
+}
+
 Attached::Attached(std::vector<at::Tensor> params, std::vector<at::Tensor> views)
     : params_(std::move(params)), views_(std::move(views)) {
   TORCH_CHECK(params_.size() == views_.size(), "Attached: ", params_.size(),

@@ -22,6 +22,12 @@ class Watch {
   // offset, sizes, strides, dtype, device or requires_grad.
   bool changed() const;
 
+  // The positions of the tensors that required grad at construction and no
+  // longer do: the one change a run can see between a stage's forward and
+  // its backward (a freeze in a loss function or a hook), read per backward
+  // task, so it reads that one flag and nothing else.
+  std::vector<int64_t> frozen() const;
+
   size_t size() const { return tensors_.size(); }
 
  private:

@@ -30,7 +30,7 @@ MIN_TORCH = "2.7"
 # What mpstream's Python expects of the bindings (csrc/bindings.cpp's
 # interface_version): an extension built from older sources loads but
 # returns the wrong shapes.
-INTERFACE_VERSION = 11
+INTERFACE_VERSION = 12
 
 
 def _release(version: str) -> tuple[int, ...]:

@@ -163,11 +163,15 @@ class StageState:
         Raises:
             RuntimeError: naming the parameter and what to do instead.
         """
-        # One C++ call per backward task; the names only once it fires.
+        # One C++ call per backward task, reading one flag per tensor; the
+        # names only once it fires.
         baked = self.baked
-        if baked is None or not baked.watch.changed():
+        if baked is None:
             return
-        frozen = {id(p) for p in baked.params if not p.requires_grad}
+        found = baked.watch.frozen()
+        if not found:
+            return
+        frozen = {id(baked.tensors[i]) for i in found}
         name = next((n for n, p in self.module.named_parameters() if id(p) in frozen), None)
         if name is not None:
             raise RuntimeError(

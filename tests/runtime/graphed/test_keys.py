@@ -52,6 +52,20 @@ def test_what_a_capture_baked_in_notices_what_a_replay_could_not() -> None:
     assert baked.changed()
 
 
+def test_the_watch_names_the_tensors_frozen_since_and_only_those() -> None:
+    # What a backward task reads (StageState.check_frozen): the positions of
+    # tensors that required grad when watched and no longer do.
+    layer = nn.Linear(2, 2)
+    baked = Baked(layer)
+    assert list(baked.watch.frozen()) == []
+    layer.weight.data = layer.weight.data.clone()  # moved: not a freeze
+    assert list(baked.watch.frozen()) == []
+    layer.bias.requires_grad_(False)
+    assert [baked.tensors[i] is layer.bias for i in baked.watch.frozen()] == [True]
+    layer.bias.requires_grad_(True)
+    assert list(baked.watch.frozen()) == []
+
+
 def test_a_run_walks_no_module_unless_something_registered(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
