@@ -25,7 +25,7 @@ from ..runtime.graph import StageGraph
 from .balance import balance_by_size, balance_by_time, split_points_by
 from .export_balance import export_split_points
 from .exported import ExportSplit
-from .module_hooks import check_root_hooks
+from .module_hooks import HookError, check_root_hooks
 from .sequential import DeviceLike, split_module, stage_devices
 from .traced import FxSplit
 from .tracers import SplitReport, choose_tracer
@@ -163,7 +163,9 @@ def build(
         try:
             return _traced(module, split_points, balance, devices, sample, leaf_modules, why)
         except TypeError as exc:  # torch.fx could not trace it
-            if tracer == "fx" or leaf_modules:  # asked for torch.fx: no export instead
+            # No export if torch.fx was asked for, or for a hook on a module
+            # the trace entered (torch.export enters it too).
+            if tracer == "fx" or leaf_modules or isinstance(exc, HookError):
                 raise
             return _exported(module, split_points, balance, devices, sample, why, exc)
     if isinstance(balance, str):

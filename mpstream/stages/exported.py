@@ -39,7 +39,7 @@ from .fake_export import first_line
 from .hf import Calls, calls_for
 from .kinds import Kinds, Split, operations
 from .model_loss import gather_with_loss
-from .module_hooks import check_traced_hooks
+from .module_hooks import HookError, check_traced_hooks, check_unsized, entering
 from .placement import place
 from .points import SplitPointError, check_named
 from .replaced import check_forwards
@@ -112,12 +112,12 @@ class ExportSplit(Kinds):
             The split, or None when the first call is to be the example.
 
         Raises:
-            TypeError: export failed; a module holds a hook (see
-                :mod:`~mpstream.stages.module_hooks`).
+            TypeError: export failed; a module the export entered holds a
+                hook (see :mod:`~mpstream.stages.module_hooks`).
             SplitPointError: a split point names no submodule, or (exported)
                 cannot cut the forward.
         """
-        check_traced_hooks(self.module, self.module.modules(), "export")
+        check_unsized(self.module, self.module.modules(), "export")
         if sample is None:
             sample = self.calls.sample(self.module)
         if sample is None:
@@ -139,12 +139,14 @@ class ExportSplit(Kinds):
         return flags, tuple(sorted({str(t.dtype) for t in tensors}))
 
     def _export(self, named: dict[str, Any], key: Any, items: Sequence[Any]) -> _Split:
+        check_unsized(self.module, self.module.modules(), "export")
         try:
-            stages = export_stages(
-                self.module, self.split_points, named, self.devices[0],
-                weigh=self.calls.weighs_loss(named),
-            )  # fmt: skip
-        except (SplitPointError, ExportGraphError):
+            with entering(self.module, "export") as entered:
+                stages = export_stages(
+                    self.module, self.split_points, named, self.devices[0],
+                    weigh=self.calls.weighs_loss(named),
+                )  # fmt: skip
+        except (SplitPointError, ExportGraphError, HookError):
             raise
         except ValueError as exc:
             if not _raised_by_torch(exc):  # the model's own check of its inputs
@@ -173,6 +175,7 @@ class ExportSplit(Kinds):
             graph=stages.graph,
             changed=stages.changed,
             described=describe_call(named, bool(self.module.training), key[1][1]),
+            entered=tuple(entered),
         )
         self._place(split)
         self.splits.append(split)
@@ -227,12 +230,11 @@ class ExportSplit(Kinds):
 
         Raises:
             TypeError: the call does not bind to ``forward``; export failed;
-                a module holds a hook (see :mod:`~mpstream.stages.module_hooks`)
-                or has another instance ``forward`` than it had (see
-                :mod:`~mpstream.stages.replaced`).
+                a module the call's export entered holds a hook (see
+                :mod:`~mpstream.stages.module_hooks`), or a module has another
+                instance ``forward`` than it had (see :mod:`~mpstream.stages.replaced`).
             ValueError: the family refuses the call (see :mod:`~mpstream.stages.hf`).
         """
-        check_traced_hooks(self.module, self.module.modules(), "export")
         check_forwards(self, self.module, self.module.modules(), "torch.export")
         named = self.calls.prepare(self.signature(args, kwargs))
         items, spec = pytree.tree_flatten(((), named))
@@ -240,6 +242,8 @@ class ExportSplit(Kinds):
         split = next((s for s in self.splits if s.key == key and s.fits(items)), None)
         if split is None:
             split = self._export(named, key, items)
+        modules = self.module.modules() if split.entered is None else split.entered
+        check_traced_hooks(self.module, modules, "export")
         inputs = tuple(items)
         loss = split.stages.loss
         if loss is not None:

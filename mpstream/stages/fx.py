@@ -29,6 +29,7 @@ from .inplace import changes_in_place, copy_changed_inputs
 from .inplace_check import check_in_place
 from .inplace_paths import updated_inputs
 from .lookups import Lookup
+from .module_hooks import HookError
 from .points import begin_stages, split_candidates, units_in_order
 from .shared_inputs import NO_CHANGES, ChangedInputs
 from .stand_ins import Changed, stand_ins
@@ -82,6 +83,8 @@ def _trace(
             graph = tracer.trace(module, arguments or None)
             if moved := changed():
                 raise BufferChange(_changed_tensors(moved))
+    except HookError:
+        raise  # it names the module and what to do
     except Exception as exc:
         inner = tracer.failed_in
         where = f" inside submodule '{inner}'" if inner else " in its own forward"

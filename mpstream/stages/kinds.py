@@ -46,6 +46,9 @@ class Split:
         runtime: the pipe runtime, kept while another split is current.
         checked: whether the pipe's schedule was checked against the graph.
         changed: the inputs its forward changes in place.
+        entered: the modules its trace entered, whose hooks are refused
+            at each call it serves (see :mod:`~mpstream.stages.module_hooks`);
+            None: not known (a split pickled by an earlier mpstream).
     """
 
     modules: nn.ModuleList
@@ -55,6 +58,7 @@ class Split:
     runtime: Any = None
     checked: bool = False
     changed: ChangedInputs = NO_CHANGES
+    entered: tuple[nn.Module, ...] | None = None
 
     @property
     def partitions(self) -> list[fx.GraphModule]:

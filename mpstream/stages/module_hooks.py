@@ -8,23 +8,44 @@ for ``torch.export``, every module) becomes the stages' own code when it is
 traced: a hook present then would run once, on the trace's stand-ins, its
 effect fixed into the stages (still there after ``handle.remove()``), and
 one registered later would never run. A full backward hook there would not
-see the gradients it is meant to. So these modules are checked when the
-pipe is built and at every call, and one holding a hook is refused
+see the gradients it is meant to. So the modules a trace entered (called,
+and followed the code of: see :func:`entering`) are checked after each
+trace and at every call the trace serves, and one holding a hook is refused
 (Hugging Face transformers' own output-capturing hooks aside, and the
 hooks of torch.nn.utils' ``spectral_norm``, hook-based ``weight_norm``
 and ``prune``, and torch.ao.quantization's observer hooks, on a submodule:
-tensor code a trace holds as the module's, run at every call).
+tensor code a trace holds as the module's, run at every call). A module
+the traced forward never calls runs none of its hooks in the plain model
+either: its hooks are left alone.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 from torch import nn
 from torch.nn.modules.lazy import LazyModuleMixin
+from torch.nn.modules.module import register_module_forward_pre_hook
 
-__all__ = ["check_root_hooks", "check_traced_hooks", "name_in", "recomputed_attribute"]
+__all__ = [
+    "HookError",
+    "check_root_hooks",
+    "check_traced_hooks",
+    "check_unsized",
+    "entering",
+    "name_in",
+    "recomputed_attribute",
+]
+
+
+class HookError(TypeError):
+    """A hook refused on a module a trace entered: its own class so that a
+    split does not keep the refusal as its kind of call's (the call works
+    once the hook is removed)."""
+
 
 # A module's hook dicts, and how a message names each kind.
 _KINDS = (
@@ -33,9 +54,6 @@ _KINDS = (
     ("_backward_pre_hooks", "backward pre-hook (register_full_backward_pre_hook)"),
     ("_backward_hooks", "backward hook (register_full_backward_hook)"),
 )
-
-
-_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 
 
 def name_in(root: nn.Module, module: nn.Module) -> str:
@@ -115,9 +133,9 @@ _STATE_KINDS = (
 )
 
 
-def _root_error(module: nn.Module, kind: str) -> TypeError:
+def _root_error(module: nn.Module, kind: str) -> HookError:
     method = kind[kind.index("(") + 1 : -1]
-    return TypeError(
+    return HookError(
         f"the {type(module).__name__} given to Pipe has a {kind} of its own, which the pipe "
         f"would not run: a Pipe is a module of its own, holding the module's layers and "
         f"running its stages, not the module itself. Remove it and register it on the Pipe "
@@ -143,22 +161,96 @@ def check_root_hooks(module: nn.Module) -> None:
         raise _root_error(module, kind)
 
 
-def check_traced_hooks(root: nn.Module, modules: Iterable[nn.Module], tracer: str) -> None:
-    """Refuses hooks on the modules whose code a trace follows.
+@contextmanager
+def entering(root: nn.Module, tracer: str) -> Iterator[list[nn.Module]]:
+    """Records the modules of ``root`` a trace enters while the block runs,
+    refusing a hook on one as it enters it, before the hook runs.
+
+    A call that the trace follows runs the module's ``__call__``, hooks
+    included; one that ``torch.fx`` records whole (a leaf) does not. The
+    graph's ``nn_module_stack`` would miss a module that adds no operation
+    of its own (``nn.Identity``, a dropout in eval), whose hooks the plain
+    model runs all the same.
+
+    Args:
+        root: the traced module (entered, though ``torch.fx`` calls its
+            ``forward`` directly); its hooks are checked before the block.
+        tracer: ``"fx"`` or ``"export"``, for the advice.
+
+    Yields:
+        A list, filled once the block ends: ``root`` and the submodules
+        called, in ``root.modules()`` order.
+
+    Raises:
+        HookError: ``root``, or a submodule the trace enters, holds a hook
+            (see :func:`check_traced_hooks`).
+    """
+    check_traced_hooks(root, (root,), tracer)
+    # ``root`` is seen already: the export adds a forward hook of its own.
+    seen = {id(root)}
+    mine = {id(m) for m in root.modules()}
+
+    def record(module: nn.Module, _: Any) -> None:
+        # A global pre-hook runs before the module's own hooks.
+        if id(module) in mine and id(module) not in seen:
+            seen.add(id(module))
+            check_traced_hooks(root, (module,), tracer)
+
+    entered: list[nn.Module] = []
+    handle = register_module_forward_pre_hook(record)
+    try:
+        yield entered
+    finally:
+        handle.remove()
+        entered.extend(m for m in root.modules() if id(m) in seen)
+
+
+def _check_sized(root: nn.Module, module: nn.Module, tracer: str) -> None:
+    if isinstance(module, LazyModuleMixin) and module.has_uninitialized_params():
+        # Its hook would size the parameters at the trace, too late for
+        # the stages' placement.
+        name = name_in(root, module)
+        raise TypeError(
+            f"module '{name}' ({type(module).__name__}) has parameters not yet sized "
+            f"(a lazy module), which torch.{tracer} cannot split: call the model once on a "
+            f"batch before building the Pipe, which sizes them"
+        )
+
+
+def check_unsized(root: nn.Module, modules: Iterable[nn.Module], tracer: str) -> None:
+    """Refuses, before a trace, a lazy module not yet sized among those the
+    trace may follow: its sizing hook would run on the trace's stand-ins.
 
     Args:
         root: the traced module.
-        modules: the modules whose code the trace follows (``root`` among them).
+        modules: the modules whose code a trace may follow.
+        tracer: ``"fx"`` or ``"export"``, for the message.
+
+    Raises:
+        TypeError: naming the module and saying to call the model once.
+    """
+    for module in modules:
+        if module.__dict__.get("_forward_pre_hooks"):  # a lazy module's sizing hook
+            _check_sized(root, module, tracer)
+
+
+def check_traced_hooks(root: nn.Module, modules: Iterable[nn.Module], tracer: str) -> None:
+    """Refuses hooks on the modules a trace entered.
+
+    Args:
+        root: the traced module.
+        modules: the modules whose code the trace followed (``root`` among
+            them, see :func:`entering`).
         tracer: ``"fx"`` or ``"export"``, for the advice.
 
     Raises:
-        TypeError: one of ``modules`` holds a hook (see the module's
+        HookError: one of ``modules`` holds a hook (see the module's
             docstring), naming the module, the kind of hook and what to do.
+        TypeError: a lazy module not yet sized.
     """
     for module in modules:
-        # Run at every call over every module a trace follows: a module
-        # with no hook at all (nearly all) costs four dict reads. A lazy
-        # module not yet sized has one: its sizing forward pre-hook.
+        # Run at every call over every module a trace entered: a module
+        # with no hook at all (nearly all) costs four dict reads.
         d = module.__dict__
         if not (
             d.get("_forward_pre_hooks")
@@ -167,17 +259,8 @@ def check_traced_hooks(root: nn.Module, modules: Iterable[nn.Module], tracer: st
             or d.get("_backward_hooks")
         ):
             continue
-        if isinstance(module, LazyModuleMixin) and module.has_uninitialized_params():
-            # Its hook would size the parameters at the trace, too late for
-            # the stages' placement.
-            name = name_in(root, module)
-            raise TypeError(
-                f"module '{name}' ({type(module).__name__}) has parameters not yet sized "
-                f"(a lazy module), which torch.{tracer} cannot split: call the model once on a "
-                f"batch before building the Pipe, which sizes them"
-            )
-        # Containers are iterated, never called: their hooks never run.
-        kind = None if isinstance(module, _CONTAINERS) else _hook_kind(module, module is not root)
+        _check_sized(root, module, tracer)
+        kind = _hook_kind(module, module is not root)
         if kind is None:
             continue
         if module is root:
@@ -197,7 +280,7 @@ def check_traced_hooks(root: nn.Module, modules: Iterable[nn.Module], tracer: st
                 f"and name '{name}' in leaf_modules= (a leaf runs whole, its hooks at every "
                 f"call), or register the hook on the Pipe"
             )
-        raise TypeError(
+        raise HookError(
             f"module '{name}' has a {kind}, which the pipe cannot run at each call (added "
             f"before the split, it would run once, on the trace's stand-ins; added after, "
             f"never): {how}"

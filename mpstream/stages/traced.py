@@ -49,7 +49,7 @@ from ..runtime.graphed import generation
 from .fx import Traced, trace, traced_through
 from .kinds import Kinds, Split, operations
 from .lookups import NOTHING, Lookup, missing_keys, value_at
-from .module_hooks import check_traced_hooks
+from .module_hooks import HookError, check_traced_hooks, check_unsized, entering
 from .placement import place
 from .replaced import check_forwards, check_replaced
 from .tracers import Binder, SplitReport, call_arguments, nones_of, sample_call
@@ -199,12 +199,11 @@ class FxSplit(Kinds):
 
         Raises:
             TypeError: tracing failed, or ``forward`` takes ``*args``/``**kwargs``;
-                a module the trace follows holds a hook (see
+                a module the trace entered holds a hook (see
                 :mod:`~mpstream.stages.module_hooks`).
             ValueError: a bad split point, or a tensor shared by stages on
                 different devices.
         """
-        check_traced_hooks(self.module, self.watched, "fx")
         check_forwards(self, self.module, self.watched, "torch.fx")
         values = None if sample is None else call_arguments(self.module, *sample_call(sample))
         split = self._trace(values, self._flags())
@@ -245,12 +244,13 @@ class FxSplit(Kinds):
                 if missing_keys(values, run_lookups) == missing:
                     self.kinds[key] = run_split
                     return run_split
+        check_unsized(self.module, self.watched, "fx")
         traced: Traced | None = None
         looked = set[Lookup]()  # this trace's own lookups
         try:
             # Constants fx computes become the stages' tensors: never
             # inference tensors, though a kind may first come in inference.
-            with torch.inference_mode(False):
+            with torch.inference_mode(False), entering(self.module, "fx") as entered:
                 traced = trace(
                     self.module,
                     self.split_points,
@@ -267,6 +267,8 @@ class FxSplit(Kinds):
             self.lookups |= looked
             if traced is not None:
                 _drop_constants(self.module, traced)
+            if isinstance(exc, HookError):
+                raise  # not this kind's: it traces once the hook is removed
             described = _describe(values, flags, self.lookups)
             message = f"{exc}\n(traced for this kind of call: {described})"
             self.untraceable[self._key(values, flags)] = (type(exc), message)
@@ -274,8 +276,14 @@ class FxSplit(Kinds):
         self.lookups |= looked
         if split is not None:
             _drop_constants(self.module, traced)  # the shared split holds its own
+            # Code alike, though one trace may enter a module the other did
+            # not (one that adds no operation): each call it serves checks both.
+            known = split.entered or ()
+            ids = {id(m) for m in known}
+            split.entered = (*known, *(m for m in entered if id(m) not in ids))
         else:
             split = _Trace.of(traced, _describe(values, flags, self.lookups))
+            split.entered = tuple(entered)
             self.traces.append(split)
         key = self._key(values, flags)
         self.kinds[key] = split
@@ -297,19 +305,20 @@ class FxSplit(Kinds):
 
         Raises:
             TypeError: the call does not bind to ``forward``; tracing failed;
-                a module the trace follows holds a hook (see
-                :mod:`~mpstream.stages.module_hooks`) or has another instance
-                ``forward`` than it had (see :mod:`~mpstream.stages.replaced`).
+                a module the call's trace entered holds a hook (see
+                :mod:`~mpstream.stages.module_hooks`), or one the trace
+                follows has another instance ``forward`` than it had (see
+                :mod:`~mpstream.stages.replaced`).
             ValueError: a split point this kind of call does not reach, or a
                 tensor the new trace reads where an earlier one placed it
                 elsewhere.
         """
         assert self.current is not None
-        check_traced_hooks(self.module, self.watched, "fx")
         check_forwards(self, self.module, self.watched, "torch.fx")
         values = self.current.bind.arguments(args, kwargs)  # every trace's forward binds alike
         flags = self._flags()
         split = self.kinds.get(self._key(values, flags)) or self._trace(values, flags)
+        check_traced_hooks(self.module, split.entered or self.watched, "fx")
         return split, tuple(values[n] for n in split.bind.names)
 
     def refresh(self, force: bool = False) -> None:

@@ -298,3 +298,54 @@ def test_quantization_aware_training_s_observer_hooks_run_as_in_the_plain_model(
         for (name, p), q in zip(pipe.named_parameters(), plain.parameters()):
             torch.testing.assert_close(p.grad, q.grad, msg=name)
     torch.testing.assert_close(dict(pipe.state_dict()), dict(plain.state_dict()))
+
+
+class Spare(Net):
+    """Net holding submodules its forward never calls (the plain model runs
+    none of their hooks), and an ``nn.Identity`` that adds no operation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.spare = Block(4, 4)
+        self.same = nn.Identity()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(self.same(x))
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+@pytest.mark.parametrize("kind", HOOKS)
+def test_a_hook_on_a_module_the_forward_never_calls_is_left_alone(tracer: str, kind: str) -> None:
+    # It was refused as one on a module the trace follows.
+    model = Spare().double()
+    plain = copy.deepcopy(model)
+    for m in (model, plain):
+        HOOKS[kind](m.spare)
+        HOOKS[kind](m.spare.lin)
+    pipe = traced(model, tracer)
+    assert_as_plain(pipe, plain)
+    handles = [HOOKS[kind](m.spare) for m in (pipe, plain)]  # added after the split
+    assert_as_plain(pipe, plain)
+    for handle in handles:
+        handle.remove()
+    # One on a module the forward calls is refused still, the Identity too
+    # (the graph holds no operation of its own).
+    where = "blocks.1" if tracer == "fx" else "same"
+    handle = HOOKS[kind](pipe.get_submodule(where))
+    with pytest.raises(TypeError, match=f"module '{where}' has a {kind}"):
+        pipe(torch.randn(4, 3, dtype=torch.float64))
+    handle.remove()
+    assert_as_plain(pipe, plain)
+
+
+def test_a_hook_met_by_a_new_kind_s_trace_is_refused_and_not_kept_for_that_kind() -> None:
+    model = Net().double()
+    plain = copy.deepcopy(model)
+    pipe = traced(model)  # traced in training
+    handle = DOUBLING(pipe.blocks[1])
+    pipe.eval()  # a kind not traced yet: its trace enters blocks.1
+    with pytest.raises(TypeError, match="module 'blocks.1' has a forward hook"):
+        pipe(torch.randn(4, 3, dtype=torch.float64))
+    handle.remove()
+    plain.eval()
+    assert_as_plain(pipe, plain)
