@@ -23,7 +23,8 @@ import torch
 from .._warn import warn
 from ..memory.batchnorm import deferred_update
 from ..runtime.forward import run as run_forward
-from ..runtime.microbatch import batch_device, gather, scatter_sized
+from ..runtime.gathering import gather
+from ..runtime.microbatch import batch_device, scatter_sized
 from ..runtime.transfer import micro_staging
 from .config import PipeConfig
 from .inputs import check_holds_tensor, positional

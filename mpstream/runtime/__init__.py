@@ -13,7 +13,7 @@ and split the backward; :mod:`.graphed` replays stage calls from CUDA
 graphs instead of issuing their kernels (driven by :mod:`.replayed` in a
 training step, by :mod:`.replay_autograd` inside autograd in the user's own loop,
 reading what :mod:`.handoffs` says is handed on in place);
-:mod:`.microbatch` gathers.
+:mod:`.gathering` gathers.
 :mod:`.plan` records and verifies a run's stream operations without a
 device. :mod:`.stream` makes CPU and CUDA look alike, :mod:`.errors` and
 :mod:`.marks` say where a failure and a backward happened, and

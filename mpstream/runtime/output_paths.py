@@ -4,7 +4,7 @@
 indexes it (``output[1]``, ``output["aux_loss"]``); :func:`structure_difference`
 says where two micro-batches' outputs stop having the same structure (the
 containers, their keys and lengths), and what each had there, so the gather
-(:func:`~mpstream.runtime.microbatch.gather`) can name the spot.
+(:func:`~mpstream.runtime.gathering.gather`) can name the spot.
 """
 
 from __future__ import annotations

@@ -16,8 +16,9 @@ from typing import Any
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
+from .gathering import check_output
 from .graph import ALL, Hop, Ref, Routes
-from .microbatch import check_output, leaves
+from .microbatch import leaves
 from .rebuilds import check_rebuilds
 from .stream import AnyStream, is_cuda, record_stream
 

@@ -19,9 +19,9 @@ from typing import Any, cast
 import torch
 from torch import fx, nn
 
+from ..runtime.gathering import gather
 from ..runtime.graph import StageGraph
 from ..runtime.graphed import generation
-from ..runtime.microbatch import gather
 from ..schedules.schedule import check_schedule
 from .placement import rebind
 from .shared_inputs import NO_CHANGES, ChangedInputs
@@ -145,5 +145,5 @@ class Kinds:
 
     def gather(self, outputs: Sequence[Any]) -> Any:
         """The micro-batches' outputs joined (see
-        :func:`~mpstream.runtime.microbatch.gather`)."""
+        :func:`~mpstream.runtime.gathering.gather`)."""
         return gather(outputs)

@@ -32,7 +32,8 @@ import torch
 from torch import Tensor, fx
 from torch.utils import _pytree as pytree
 
-from ..runtime.microbatch import NoChunk, gather, leaves, rebuild_leaves
+from ..runtime.gathering import gather
+from ..runtime.microbatch import NoChunk, leaves, rebuild_leaves
 
 __all__ = ["LossShare", "weigh_loss", "loss_leaf", "gather_with_loss"]
 
@@ -191,7 +192,7 @@ def weigh_loss(gm: fx.GraphModule, out_spec: pytree.TreeSpec) -> LossShare | Non
 
 
 def gather_with_loss(outputs: Sequence[Any]) -> Any:
-    """:func:`~mpstream.runtime.microbatch.gather`, with a scalar ``loss`` (already
+    """:func:`~mpstream.runtime.gathering.gather`, with a scalar ``loss`` (already
     weighted by each micro-batch's share) summed over the micro-batches."""
     first = outputs[0]
     if not (isinstance(first, Mapping) and isinstance(first.get("loss"), Tensor)):

@@ -11,8 +11,9 @@ from torch import nn
 
 from mpstream import Pipe
 from mpstream.runtime import forward
+from mpstream.runtime.gathering import gather
 from mpstream.runtime.graphed import Emulated
-from mpstream.runtime.microbatch import gather, scatter
+from mpstream.runtime.microbatch import scatter
 from mpstream.runtime.plan import Plan, PlanError, verify_plan
 from mpstream.runtime.scheduler import EventScheduler
 from mpstream.runtime.worker import Worker

@@ -13,8 +13,9 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from mpstream import Pipe
+from mpstream.runtime.gathering import gather
 from mpstream.runtime.graphed import Emulated
-from mpstream.runtime.microbatch import gather, leaves, scatter
+from mpstream.runtime.microbatch import leaves, scatter
 from mpstream.runtime.rebuilds import check_rebuilds
 
 
