@@ -23,19 +23,19 @@ from ..runtime.graphed import GradStore, GraphReport, StageGraphs, generation
 from ..runtime.scheduler import EventScheduler
 from ..runtime.worker import Worker
 from ..schedules.auto import Auto, ScheduleReport
-from ..schedules.placement import check_virtual_stages, placement_of, virtual_stages_for
+from ..schedules.placement import check_virtual_stages
 from ..schedules.schedule import (
     PipeSchedule,
     Schedule,
-    Topology,
     schedule_arg,
 )
 from ..stages.buffer_uses import buffer_uses
 from ..stages.sequential import check_flag, check_positive
 from ..stages.tracers import SplitReport
-from .auto import Choices, auto_of
+from .auto import Choices
 from .compiling import compile_stages
 from .module import PipeModule, unsplit
+from .run_schedule import run_schedule, step_schedule
 
 __all__ = ["PipeConfig", "Runtime"]
 
@@ -316,54 +316,20 @@ class PipeConfig(PipeModule):
         """
         if self.__dict__["_graph"] is None:
             raise unsplit("pipe.schedule_for()")
-        # A string ("cpu") equals no torch.device: it would read as a batch
-        # (or target) off the stages' devices, adding transfers the run has not.
-        if isinstance(input_device, str):
-            input_device = torch.device(input_device)
-        if isinstance(target_device, str):
-            target_device = torch.device(target_device)
         devs = self.__dict__["_devices"]
-        name: str | tuple[str, ...] = "gpipe"
-        virtual = 1
-        if training_step and auto_of(self.schedule) is not None:
-            report = self._choices().latest
-            if report is None:
-                raise RuntimeError(
-                    "schedule='auto' has not chosen a schedule yet: it does at the first "
-                    "train_step (pipe.schedule_report() then says which and why)"
-                )
-            name, virtual = report.chosen, report.virtual_stages
-        elif training_step:
-            name = schedule_arg(self.schedule)  # type: ignore[assignment]
-            try:
-                virtual = virtual_stages_for(name, devs, self.virtual_stages)
-            except ValueError as exc:
-                raise ValueError(f"{exc} (set pipe.virtual_stages or pipe.schedule)") from None
-        if placement_of(name) == "stage":
-            virtual = 1
-        copy_target = training_step and target_device not in (None, devs[-1])
-        key = (name, micros, input_device, training_step, copy_target, self.force_copies, virtual)
-        cache = self._rt().schedules
-        sched = cache.get(key)
-        if sched is None:
-            labels = list(dict.fromkeys(devs))
-            topology = Topology(
-                self.graph.reads(),
-                tuple(labels.index(d) for d in devs),
-                labels.index(input_device) if input_device in labels else -1,
-                self.force_copies,
-            )
-            sched = Schedule(
-                name,
-                len(devs),
-                micros,
-                topology,
-                backward=training_step,
-                copy_target=copy_target,
-                virtual_stages=virtual,
-            )
-            cache[key] = sched
-        return sched
+        chosen = None  # a forward-only run's: fill-drain
+        if training_step:
+            chosen = step_schedule(self.schedule, self._choices(), devs, self.virtual_stages)
+        return run_schedule(
+            self._rt().schedules,
+            devs,
+            self.graph,
+            chosen,
+            micros,
+            input_device,
+            target_device,
+            self.force_copies,
+        )
 
     def _deferred_norms(self) -> list[DeferredBatchNorm]:
         """The deferred BatchNorm layers, found again only after one was made
