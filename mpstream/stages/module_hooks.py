@@ -3,14 +3,15 @@
 A stage runs the layers a Sequential's partition holds, and the submodules
 ``torch.fx`` calls whole (its leaves), as modules: their hooks run at every
 call, as in the plain model. The code of every other module a trace
-follows (the traced module, and each submodule ``torch.fx`` traces through;
-for ``torch.export``, every module) becomes the stages' own code when it is
-traced: a hook present then would run once, on the trace's stand-ins, its
-effect fixed into the stages (still there after ``handle.remove()``), and
-one registered later would never run. A full backward hook there would not
-see the gradients it is meant to. So the modules a trace entered (called,
-and followed the code of: see :func:`entering`) are checked after each
-trace and at every call the trace serves, and one holding a hook is refused
+enters (the traced module, and each submodule the forward calls that
+``torch.fx`` traces through; for ``torch.export``, each it calls) becomes
+the stages' own code when it is traced: a hook present then would run
+once, on the trace's stand-ins, its effect fixed into the stages (still
+there after ``handle.remove()``), and one registered later would never
+run. A full backward hook there would not see the gradients it is meant
+to. So each module a trace enters is checked as it enters it, before its
+hooks run (see :func:`entering`), and again at every call the trace
+serves, and one holding a hook is refused
 (Hugging Face transformers' own output-capturing hooks aside, and the
 hooks of torch.nn.utils' ``spectral_norm``, hook-based ``weight_norm``
 and ``prune``, and torch.ao.quantization's observer hooks, on a submodule:
