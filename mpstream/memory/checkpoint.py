@@ -17,8 +17,9 @@ from __future__ import annotations
 import inspect
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
+from functools import partial
 from types import TracebackType
 from typing import Any
 
@@ -36,6 +37,8 @@ __all__ = [
     "is_recomputing",
     "checkpointed",
     "graph_writes",
+    "run_eagerly",
+    "stage_call",
 ]
 
 MODES = ("always", "except_last", "never")
@@ -276,6 +279,23 @@ def checkpointed(stage: nn.Module, *args: Any) -> Any:
     finally:
         for watch in watchers:
             watch(None)
+
+
+def run_eagerly(stage: nn.Module, args: Sequence[Any], checkpoint: bool) -> Any:
+    """Runs ``stage(*args)`` eagerly: through :func:`checkpointed` when ``checkpoint``.
+
+    Every eager stage forward of a run is this (a forward run's, a training
+    step's, a graphed stage's that runs eagerly), and every captured one is
+    :func:`stage_call`'s: both choose alike.
+    """
+    return checkpointed(stage, *args) if checkpoint else stage(*args)
+
+
+def stage_call(stage: nn.Module, checkpoint: bool) -> Callable[..., Any]:
+    """What :func:`run_eagerly` calls, as a callable taking the arguments
+    (what a graph captures): ``stage`` itself, or :func:`checkpointed` on it
+    when ``checkpoint``."""
+    return partial(checkpointed, stage) if checkpoint else stage
 
 
 def _end_forward_contexts(exc: BaseException) -> None:

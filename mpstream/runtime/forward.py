@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from ..memory.checkpoint import checkpointed
+from ..memory.checkpoint import run_eagerly
 from ..schedules.schedule import Kind, Schedule, Task
 from . import marks
 from .executor import Handlers, execute
@@ -89,7 +89,7 @@ class _Forward:
             # Replayed where it can be (reading handoffs in place), else eager.
             y = run_stage(self.graphs, s, m, stage, args, checkpoint, self.handoffs)
         else:
-            y = checkpointed(stage, *args) if checkpoint else stage(*args)
+            y = run_eagerly(stage, args, checkpoint)
         if self.marking:
             y = marks.leave(stage_marks, y)
         out = flow.keep(s, m, y)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from ..memory.checkpoint import checkpointed
+from ..memory.checkpoint import run_eagerly
 from ..schedules.schedule import Kind, Schedule, Task
 from .boundary import (
     Cutting,
@@ -40,7 +40,6 @@ from .copy import send
 from .errors import annotate, inplace_hint, input_versions
 from .executor import Handlers, execute
 from .graph import Ref
-from .graphed import StageGraphs
 from .hops import send_hop
 from .losses import Losses
 from .replayed import Replayed
@@ -53,15 +52,6 @@ if TYPE_CHECKING:
     from .worker import Worker
 
 __all__ = ["run"]
-
-
-def _eager(
-    graphs: StageGraphs | None, s: int, stage: Any, args: Sequence[Any], checkpoint: bool
-) -> Any:
-    """Stage ``s``'s forward run eagerly (checkpointed when asked)."""
-    if graphs is not None:
-        return graphs.eager(s, stage, args, checkpoint)
-    return checkpointed(stage, *args) if checkpoint else stage(*args)
 
 
 class _Step:
@@ -199,7 +189,13 @@ class _Step:
             if cutting.keys:
                 self.cuts[(s, m)] = cutting
         if not replayed:
-            y = _eager(self.graphs, s, self.parts[s], values[: len(inputs)], ckpt)
+            args, stage = values[: len(inputs)], self.parts[s]
+            graphs = self.graphs
+            y = (
+                run_eagerly(stage, args, ckpt)
+                if graphs is None
+                else graphs.eager(s, stage, args, ckpt)
+            )
             flow.store(s, m, y)
         if s == last:
             start = 0 if replayed else len(inputs)

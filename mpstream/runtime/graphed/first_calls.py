@@ -10,14 +10,14 @@ call past a bound runs eagerly too (:func:`overflow`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from ..._warn import warn
-from ...memory.checkpoint import checkpointed
+from ...memory.checkpoint import stage_call
 from .backend import Backend, was_raised_eagerly
 from .backends import CudaGraphs
 from .call import GraphedCall, Source
@@ -61,7 +61,7 @@ def capture(
     grad = bool(key[2])
     if st.pool is None and st.device.type == "cuda" and isinstance(graphs.backend, CudaGraphs):
         st.pool = torch.cuda.graph_pool_handle()
-    fn: Callable[..., Any] = (lambda *a: checkpointed(stage, *a)) if ckpt else stage
+    fn = stage_call(stage, ckpt)
     try:
         graphed = GraphedCall(
             fn, args, st.module, st.device, grad, graphs.backend, st.store,

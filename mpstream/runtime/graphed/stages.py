@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from ..._warn import warn
-from ...memory.checkpoint import checkpointed
+from ...memory.checkpoint import run_eagerly
 from ...schedules.schedule import Schedule
 from ...schedules.slots import Slots, plan_slots
 from .. import private
@@ -178,7 +178,7 @@ class StageGraphs:
         st = self.stages[s]
         failed, st.failed = st.failed, False
         try:
-            out = checkpointed(stage, *args) if checkpoint else stage(*args)
+            out = run_eagerly(stage, args, checkpoint)
         except BaseException:
             if failed:  # the stage's own error, not a capture's: graphs stay on
                 st.reason = None
