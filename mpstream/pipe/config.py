@@ -4,8 +4,8 @@
 (the ``nn.Module`` side) and :class:`~mpstream.pipe.call.PipeCall` (a call;
 then :class:`~mpstream.Pipe`, a training step): the stages' devices,
 balance and split points, the micro-batch size, and the runtime built on
-first use (:class:`Runtime`: event scheduler and stage streams, the worker
-and its graphed stages, the cached schedule of each kind of run).
+first use (:class:`Runtime`: the worker, with the event scheduler, stage
+streams and graphed stages, and the cached schedule of each kind of run).
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ __all__ = ["PipeConfig", "Runtime"]
 
 
 class Runtime(NamedTuple):
-    """What a pipe runs on, built on first use: the event scheduler and stage
-    streams, the worker, and the cached schedule of each kind of run."""
+    """What a pipe runs on, built on first use: the worker (its event
+    scheduler and stage streams are ``worker.sched``), and the cached
+    schedule of each kind of run."""
 
-    sched: EventScheduler
     worker: Worker
     schedules: dict[tuple[Any, ...], Schedule]
 
@@ -223,7 +223,7 @@ class PipeConfig(PipeModule):
             backend = None if graphed is True else graphed
             graphs = StageGraphs(stages, self.devices, labels, backend) if graphed else None
             worker = Worker(stages, sched, self.graph, labels, graphs)
-            rt = self.__dict__["_runtime"] = Runtime(sched, worker, {})
+            rt = self.__dict__["_runtime"] = Runtime(worker, {})
         return rt  # type: ignore[no-any-return]
 
     def _labels(self) -> list[str]:
