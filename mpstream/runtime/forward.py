@@ -26,9 +26,10 @@ from .handoffs import Handoffs
 from .hops import send_hop
 from .microbatch import leaves, rebuild_leaves
 from .replay_autograd import run_stage
-from .stream import AnyStream, current_stream
+from .runs import Run
+from .stream import current_stream
 from .transfer import Staging
-from .values import Flow, cuda_only, protect
+from .values import cuda_only, protect
 
 if TYPE_CHECKING:
     from .worker import Worker
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
 __all__ = ["run"]
 
 
-class _Forward:
+class _Forward(Run):
     """The state of one forward run and its task handlers."""
 
     def __init__(
@@ -47,19 +48,8 @@ class _Forward:
         checkpoint_stop: int,
         staging: Sequence[Staging] | None,
     ) -> None:
-        sched = worker.sched
-        self.sched = sched
-        self.native = sched.native
-        self.graphs = worker.graphs
-        self.parts = worker.calls(len(batches[0]) if batches else 1)
-        self.last = len(self.parts) - 1
-        self.routes, wiring = worker.routes(schedule.topology)
-        self.flow = Flow(wiring, batches)
-        self.staging = staging
-        self.checkpoint_stop = checkpoint_stop
-        # record_stream is only needed (and only valid) for CUDA streams.
-        self.readers: list[AnyStream | None] = cuda_only(sched.compute_streams)
-        self.force = schedule.topology.force_copies  # copies between stages on one device too
+        super().__init__(worker, batches, schedule, checkpoint_stop, staging)
+        self.native = self.sched.native
         self.grad = torch.is_grad_enabled()
         # What replays hand on, for graphed readers to take in place.
         graphed = self.graphs is not None and self.grad
@@ -68,7 +58,7 @@ class _Forward:
         self.marking = self.native.timing and self.grad
         self.results: list[Any] = [None] * len(batches)
         # After the join, the caller's stream there reads the outputs.
-        (self.caller,) = cuda_only([current_stream(sched.devices[self.last])])
+        (self.caller,) = cuda_only([current_stream(self.sched.devices[self.last])])
 
     def handlers(self) -> Handlers:
         return {Kind.FORWARD: self.forward, Kind.COPY: self.copy}

@@ -43,10 +43,11 @@ from .graph import Ref
 from .hops import send_hop
 from .losses import Losses
 from .replayed import Replayed
+from .runs import Run
 from .split_backward import WeightPass, backward_inputs
 from .stream import current_stream
 from .transfer import Staging, micro_to_device
-from .values import Flow, cuda_only, protect
+from .values import cuda_only, protect
 
 if TYPE_CHECKING:
     from .worker import Worker
@@ -54,7 +55,7 @@ if TYPE_CHECKING:
 __all__ = ["run"]
 
 
-class _Step:
+class _Step(Run):
     """The state of one training step and its task handlers."""
 
     def __init__(
@@ -72,19 +73,11 @@ class _Step:
         scale: Callable[[Tensor], Tensor] | None,
         after_grads: Callable[[int], None] | None = None,
     ) -> None:
-        sched = worker.sched
-        self.sched = sched
-        self.parts = worker.calls(len(batches[0]) if batches else 1)
-        self.last = len(self.parts) - 1
-        self.devices = sched.devices
-        self.routes, wiring = worker.routes(schedule.topology)
-        self.flow = Flow(wiring, batches)
-        self.readers = cuda_only(sched.compute_streams)
-        self.copiers = cuda_only(sched.copy_streams)
-        self.force = schedule.topology.force_copies
+        super().__init__(worker, batches, schedule, checkpoint_stop, staging)
+        self.devices = self.sched.devices
+        self.copiers = cuda_only(self.sched.copy_streams)
         self.losses = Losses(loss_fn, weights, scale)
-        self.checkpoint_stop = checkpoint_stop
-        self.staging, self.target_staging = staging, target_staging
+        self.target_staging = target_staging
         self.before_backward = before_backward
         self.after_grads = after_grads
         # Per stage, its last task that accumulates into its gradients.
@@ -115,7 +108,6 @@ class _Step:
         # A checkpointed micro-batch is not split (see split_backward).
         self.split = {(s, m) for s, m in schedule.split if m >= checkpoint_stop}
         self.weights_left: dict[tuple[int, int], WeightPass] = {}
-        self.graphs = worker.graphs
         # The graphed stages' tasks (their graphs are begun by the executor).
         graphs = self.graphs
         self.replays = None if graphs is None else Replayed(graphs, self.routes)

@@ -37,7 +37,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from mpstream.runtime import boundary, copy, executor, forward, losses, training, values
+from mpstream.runtime import boundary, copy, executor, forward, losses, runs, training, values
 from mpstream.runtime.scheduler import EventScheduler
 from mpstream.runtime.stream import CPUStream
 
@@ -145,7 +145,7 @@ def _checking(sched: EventScheduler, monkeypatch: pytest.MonkeyPatch) -> Iterato
     def keep(streams: Any) -> list[Any]:
         return [s if isinstance(s, SlotStream) else None for s in streams]
 
-    for module in (values, forward, training):
+    for module in (values, runs, forward, training):
         monkeypatch.setattr(module, "cuda_only", keep)
     for module in (values, copy, boundary, losses):
         monkeypatch.setattr(module, "record_stream", uses.mark)
