@@ -10,7 +10,9 @@ and the streams overlap.
 What a task does depends on the run, not on the loop: a forward run
 (``pipe(x)``, :mod:`~mpstream.runtime.forward`) has forward and copy tasks,
 a training step (:mod:`~mpstream.runtime.training`) adds target, backward,
-weight and gradient-copy tasks. Each hands the loop one handler per kind.
+weight and gradient-copy tasks. Each hands the loop its run
+(a :class:`~mpstream.runtime.runs.Run`), which has one handler per kind and
+says whether it is a training step.
 
 If anything raises, the run is aborted (the caller's streams ordered after
 everything queued, streams restored, events released) before the exception
@@ -21,7 +23,6 @@ which task of which stage and micro-batch raised it
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from types import CodeType
 from typing import TYPE_CHECKING
@@ -31,15 +32,12 @@ from torch.autograd import profiler
 from ..schedules.schedule import Kind, Schedule, Task
 from . import private
 from .errors import annotate, annotate_task
+from .runs import Handler, Handlers, Run
 
 if TYPE_CHECKING:
     from .worker import Worker
 
 __all__ = ["Handler", "Handlers", "execute", "range_name", "task_range"]
-
-# What a run does for one kind of task, and for each kind it has.
-Handler = Callable[[Task], None]
-Handlers = Mapping[Kind, Handler]
 
 
 def range_name(kind: Kind, stage: int, micro: int) -> str:
@@ -59,10 +57,9 @@ def task_range(
 def execute(
     worker: Worker,
     schedule: Schedule,
-    handlers: Handlers,
+    run: Run,
     micros: int,
     *,
-    step: bool,
     loss: CodeType | None = None,
 ) -> None:
     """Issues every task of ``schedule``, each through its kind's handler.
@@ -70,10 +67,12 @@ def execute(
     Args:
         worker: the pipeline's stages, scheduler and graphed stages.
         schedule: the run's schedule.
-        handlers: what the run does for each kind of task.
+        run: the run's state: its :attr:`~mpstream.runtime.runs.Run.handlers`
+            do each kind of task; a training step
+            (:attr:`~mpstream.runtime.runs.Run.step`: its graphed stages end
+            with the run) or a forward run (they end with autograd's
+            backward).
         micros: the number of micro-batches (for error notes).
-        step: a training step (its graphed stages end with the run) rather
-            than a forward run (they end with autograd's backward).
         loss: the code of the loss computation, to tell ``loss_fn`` errors
             from the stage's in error notes.
 
@@ -84,6 +83,7 @@ def execute(
     sched = worker.sched
     native = sched.native  # the C++ scheduler itself: no wrapper call per task
     graphs = worker.graphs
+    handlers, step = run.handlers, run.step
     profiling = private.profiler_enabled()
     task: Task | None = None
     sched.check_device()
@@ -109,9 +109,9 @@ def execute(
             # No context manager unless profiling: this is the hot loop.
             if profiling:
                 with task_range(profiling, task.kind, task.stage, task.micro):
-                    handler(task)
+                    handler(run, task)
             else:
-                handler(task)
+                handler(run, task)
             native.end(handle)
         task = None
         native.join()

@@ -21,7 +21,7 @@ from torch import Tensor
 from ..memory.checkpoint import run_eagerly
 from ..schedules.schedule import Kind, Schedule, Task
 from . import marks
-from .executor import Handlers, execute
+from .executor import execute
 from .handoffs import Handoffs
 from .hops import send_hop
 from .microbatch import leaves, rebuild_leaves
@@ -39,6 +39,8 @@ __all__ = ["run"]
 
 class _Forward(Run):
     """The state of one forward run and its task handlers."""
+
+    step = False
 
     def __init__(
         self,
@@ -59,9 +61,6 @@ class _Forward(Run):
         self.results: list[Any] = [None] * len(batches)
         # After the join, the caller's stream there reads the outputs.
         (self.caller,) = cuda_only([current_stream(self.sched.devices[self.last])])
-
-    def handlers(self) -> Handlers:
-        return {Kind.FORWARD: self.forward, Kind.COPY: self.copy}
 
     def forward(self, task: Task) -> None:
         s, m = task.stage, task.micro
@@ -89,6 +88,8 @@ class _Forward(Run):
     def copy(self, task: Task) -> None:
         hop = self.routes.by_task[(task.stage, task.peer)]
         send_hop(self.flow, hop, self.sched, task, self.staging, force=self.force, grad=self.grad)
+
+    handlers = {Kind.FORWARD: forward, Kind.COPY: copy}
 
     def finish(self) -> list[Any]:
         """The outputs, once the run joined the caller's streams."""
@@ -124,7 +125,7 @@ def run(
         ready on the caller's current stream there.
     """
     state = _Forward(worker, batches, schedule, checkpoint_stop, staging)
-    execute(worker, schedule, state.handlers(), len(batches), step=False)
+    execute(worker, schedule, state, len(batches))
     return state.finish()
 
 

@@ -6,15 +6,16 @@ from their :class:`~mpstream.runtime.worker.Worker` and the schedule: the
 stage calls for the call's arguments, the hops and the values wired along
 them (:class:`~mpstream.runtime.values.Flow`), the graphed stages, the
 streams that read each stage's inputs. :class:`Run` sets them up; each
-kind adds its own state and handlers.
+kind adds its own state and handlers, and says what it is, for the run loop
+(:func:`~mpstream.runtime.executor.execute`) to read.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from ..schedules.schedule import Schedule
+from ..schedules.schedule import Kind, Schedule, Task
 from .stream import AnyStream
 from .transfer import Staging
 from .values import Flow, cuda_only
@@ -22,7 +23,12 @@ from .values import Flow, cuda_only
 if TYPE_CHECKING:
     from .worker import Worker
 
-__all__ = ["Run"]
+__all__ = ["Handler", "Handlers", "Run"]
+
+# What a run does for one kind of task (a method of the run's class, called
+# with the run and the task), and for each kind it has.
+Handler = Callable[[Any, Task], None]
+Handlers = Mapping[Kind, Handler]
 
 
 class Run:
@@ -39,6 +45,14 @@ class Run:
         ValueError: ``schedule`` was built for another stage graph.
         TypeError: a micro-batch is not a tuple.
     """
+
+    #: What the run does for each kind of task: methods of the subclass,
+    #: which the loop calls with the run (a class's table: nothing is built
+    #: per run).
+    handlers: ClassVar[Handlers]
+    #: A training step (its graphed stages end with the run), not a forward
+    #: run (they end with autograd's backward).
+    step: ClassVar[bool]
 
     def __init__(
         self,

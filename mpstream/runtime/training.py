@@ -38,7 +38,7 @@ from .boundary import (
 )
 from .copy import send
 from .errors import annotate, inplace_hint, input_versions
-from .executor import Handlers, execute
+from .executor import execute
 from .graph import Ref
 from .hops import send_hop
 from .losses import Losses
@@ -57,6 +57,8 @@ __all__ = ["run"]
 
 class _Step(Run):
     """The state of one training step and its task handlers."""
+
+    step = True
 
     def __init__(
         self,
@@ -111,16 +113,6 @@ class _Step(Run):
         # The graphed stages' tasks (their graphs are begun by the executor).
         graphs = self.graphs
         self.replays = None if graphs is None else Replayed(graphs, self.routes)
-
-    def handlers(self) -> Handlers:
-        return {
-            Kind.FORWARD: self.forward,
-            Kind.COPY: self.copy,
-            Kind.TARGET: self.target,
-            Kind.BACKWARD: self.backward,
-            Kind.WEIGHT: self.weight,
-            Kind.COPY_GRAD: self.copy_grad,
-        }
 
     def route(self, cutting: Cutting, s: int, m: int) -> None:
         hops = self.routes.hops
@@ -280,6 +272,15 @@ class _Step(Run):
                 g = send(sum_grads(grads), dst, None, reader, force=self.force)
                 self.local.setdefault((s, m), {}).setdefault(key, []).append(g)
 
+    handlers = {
+        Kind.FORWARD: forward,
+        Kind.COPY: copy,
+        Kind.TARGET: target,
+        Kind.BACKWARD: backward,
+        Kind.WEIGHT: weight,
+        Kind.COPY_GRAD: copy_grad,
+    }
+
 
 def run(
     worker: Worker,
@@ -348,7 +349,7 @@ def run(
     code = Losses.compute.__code__
     versions = input_versions(batches)
     try:
-        execute(worker, schedule, state.handlers(), len(batches), step=True, loss=code)
+        execute(worker, schedule, state, len(batches), loss=code)
     except Exception as exc:
         hint = inplace_hint(exc, batches, versions)
         if hint is not None:

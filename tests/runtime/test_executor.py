@@ -12,6 +12,7 @@ from mpstream.runtime import executor, forward, training
 from mpstream.runtime.executor import execute, range_name
 from mpstream.runtime.microbatch import scatter
 from mpstream.runtime.plan import Plan, verify_plan
+from mpstream.runtime.runs import Run
 from mpstream.runtime.scheduler import EventScheduler
 from mpstream.runtime.worker import Worker
 from mpstream.schedules.schedule import Kind, Schedule, Task
@@ -21,6 +22,15 @@ def two_stages() -> tuple[Worker, nn.Sequential]:
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).double()
     sched = EventScheduler([torch.device("cpu")] * 2)
     return Worker([model[0:2], model[2:]], sched), model
+
+
+class _Handled:
+    """A forward run whose every task is ``handler``'s (what the loop reads of a run)."""
+
+    step = False
+
+    def __init__(self, handler: executor.Handler) -> None:
+        self.handlers = {Kind.FORWARD: handler, Kind.COPY: handler}
 
 
 def test_range_names_carry_kind_stage_and_micro() -> None:
@@ -39,22 +49,22 @@ def test_forward_runs_and_training_steps_go_through_the_one_loop(
     real = executor.execute
 
     def spying(*args: object, **kwargs: object) -> None:
-        schedule = args[1]
-        handlers = args[2]
-        assert isinstance(schedule, Schedule)
+        schedule, state = args[1], args[2]
+        assert isinstance(schedule, Schedule) and isinstance(state, Run)
 
         def wrap(kind: Kind, h: executor.Handler) -> executor.Handler:
-            def run(task: Task) -> None:
+            def run(r: Run, task: Task) -> None:
                 seen.append(("forward" if kind is Kind.FORWARD else kind.label, task.index))
-                h(task)
+                h(r, task)
 
             return run
 
-        wrapped = {k: wrap(k, h) for k, h in handlers.items()}  # type: ignore[attr-defined]
-        real(args[0], schedule, wrapped, *args[3:], **kwargs)  # type: ignore[arg-type]
+        # The run's own table, shadowed for this run alone.
+        state.handlers = {k: wrap(k, h) for k, h in state.handlers.items()}  # type: ignore[misc]
+        real(args[0], schedule, state, *args[3:], **kwargs)  # type: ignore[arg-type]
         assert [i for _, i in seen] == [t.index for t in schedule.tasks]
         seen.clear()
-        calls.append(kwargs["step"])
+        calls.append(state.step)
 
     calls: list[object] = []
     monkeypatch.setattr(forward, "execute", spying)
@@ -87,12 +97,11 @@ def test_a_failing_handler_aborts_the_run_and_names_its_task() -> None:
     schedule = Schedule("gpipe", 2, 2, [True, True])
     micro = [(torch.randn(2, 4, dtype=torch.float64),) for _ in range(2)]
 
-    def fail(task: Task) -> None:
+    def fail(run: object, task: Task) -> None:
         raise ValueError("broken")
 
-    handlers: dict[Kind, executor.Handler] = {Kind.FORWARD: fail, Kind.COPY: fail}
     with pytest.raises(ValueError, match="broken") as info:
-        execute(worker, schedule, handlers, 2, step=False)
+        execute(worker, schedule, _Handled(fail), 2)  # type: ignore[arg-type]
     first = schedule.tasks[0]
     assert any(f"micro-batch {first.micro}" in n for n in getattr(info.value, "__notes__", []))
     out = forward.run(worker, micro, schedule)
@@ -133,12 +142,12 @@ def test_a_run_refused_as_it_begins_leaves_the_run_in_progress_alone() -> None:
     micro = [(torch.randn(2, 4, dtype=torch.float64),) for _ in range(2)]
     refused: list[RuntimeError] = []
 
-    def reenter(task: Task) -> None:
+    def reenter(run: object, task: Task) -> None:
         if not refused:
             with pytest.raises(RuntimeError, match="already in progress") as info:
                 forward.run(worker, micro, schedule)
             refused.append(info.value)
         assert worker.sched.native.running  # the outer run was not aborted
 
-    execute(worker, schedule, {Kind.FORWARD: reenter, Kind.COPY: reenter}, 2, step=False)
+    execute(worker, schedule, _Handled(reenter), 2)  # type: ignore[arg-type]
     assert refused and not worker.sched.native.running

@@ -151,22 +151,24 @@ def _checking(sched: EventScheduler, monkeypatch: pytest.MonkeyPatch) -> Iterato
         monkeypatch.setattr(module, "record_stream", uses.mark)
     real = executor.execute
 
-    def execute(worker: Any, schedule: Any, handlers: Any, *args: Any, **kwargs: Any) -> None:
+    def execute(worker: Any, schedule: Any, state: Any, *args: Any, **kwargs: Any) -> None:
         def wrap(handler: executor.Handler) -> executor.Handler:
-            def run(task: Any) -> None:
+            def run(r: Any, task: Any) -> None:
                 ops = sched.plan()
                 sched.clear_plan()
                 runs = [op for op in ops if op.op == "run" and op.task == task.index]
                 assert runs, f"no run op logged for {task}"
                 uses.slot, uses.task = runs[-1].slot, repr(task)
                 try:
-                    handler(task)
+                    handler(r, task)
                 finally:
                     uses.close()
 
             return run
 
-        real(worker, schedule, {k: wrap(h) for k, h in handlers.items()}, *args, **kwargs)
+        # The run's own table, shadowed for this run alone.
+        state.handlers = {k: wrap(h) for k, h in state.handlers.items()}
+        real(worker, schedule, state, *args, **kwargs)
 
     for module in (forward, training):
         monkeypatch.setattr(module, "execute", execute)
