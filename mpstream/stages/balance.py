@@ -32,6 +32,7 @@ from ..runtime.errors import annotate
 from ..runtime.microbatch import NoChunk, Value, as_value, leaves, rebuild_leaves
 from ..runtime.stream import as_device
 from .fx import call_units, trace
+from .module_hooks import entering
 from .partition import partition
 from .sequential import check_device_exists
 from .tracers import call_arguments, nones_of, sample_call
@@ -247,6 +248,10 @@ def profile_units(
     Returns:
         The names a split point may take (one per part after the first), and
         a profile per part.
+
+    Raises:
+        TypeError: a module the traces enter holds a hook, refused before it
+            runs (see :func:`~mpstream.stages.module_hooks.entering`).
     """
     first = next(module.parameters(), None)
     dev = (
@@ -260,8 +265,11 @@ def profile_units(
     # traces a call of the sample's kind.
     values = call_arguments(model, args, kwargs)
     nones = nones_of(values, reads=True)
-    points = call_units(model, leaf_modules, nones, values)
-    traced = trace(model, points, leaf_modules=leaf_modules, nones=nones, values=values)
+    # A hook on a module the traces enter would run on their proxies: refused
+    # as the pipe's own trace refuses it, before it runs.
+    with entering(model, "fx"):
+        points = call_units(model, leaf_modules, nones, values)
+        traced = trace(model, points, leaf_modules=leaf_modules, nones=nones, values=values)
     bound = traced.bind(args, kwargs)
     # Every tensor, inside a dict or tuple argument too (a batch {"x": ...}).
     inputs = pytree.tree_map(lambda t: t.to(dev) if isinstance(t, Tensor) else t, bound)

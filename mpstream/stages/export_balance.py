@@ -23,6 +23,7 @@ from .balance import profile_call
 from .export import call_order, export_stages
 from .fake_export import exported_graph
 from .hf import calls_for
+from .module_hooks import entering
 from .partition import partition
 from .tracers import CallSignature, sample_call
 
@@ -44,7 +45,9 @@ def export_split_points(
 
     Raises:
         ValueError: ``how`` is neither, or fewer units than stages.
-        TypeError: the module could not be exported on ``sample``.
+        TypeError: the module could not be exported on ``sample``; a module
+            the export enters holds a hook (see
+            :func:`~mpstream.stages.module_hooks.entering`).
     """
     if how not in ("time", "size"):
         raise ValueError(f"balance must be 'time' or 'size'; got {how!r}")
@@ -53,11 +56,14 @@ def export_split_points(
     args, kwargs = sample_call(sample)
     named = calls.prepare(CallSignature(model)(args, kwargs))
     try:
-        exported = exported_graph(model, named, device)
-        points = call_order(exported[0], model)
-        split = export_stages(
-            model, points, named, device, calls.weighs_loss(named), exported=exported
-        )
+        # A hook on a module the export enters would run on its stand-ins:
+        # refused as the pipe's own export refuses it, before it runs.
+        with entering(model, "export"):
+            exported = exported_graph(model, named, device)
+            points = call_order(exported[0], model)
+            split = export_stages(
+                model, points, named, device, calls.weighs_loss(named), exported=exported
+            )
     except (TypeError, ValueError):
         raise
     except Exception as exc:

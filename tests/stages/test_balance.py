@@ -285,3 +285,22 @@ def test_auto_balance_splits_among_blocks_a_child_holds_in_a_list() -> None:
     assert pipe.split_points == ["encoder.layers.2"]
     pipe.load_state_dict(model.state_dict())
     torch.testing.assert_close(pipe(x), model(x))
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+@pytest.mark.parametrize("how", ["time", "size"])
+def test_auto_balance_refuses_a_hook_on_a_module_its_trace_enters_before_it_runs(
+    tracer: str, how: str
+) -> None:
+    # Its trace ran the hook on a proxy (a stand-in for torch.export)
+    # before the pipe's own trace refused it.
+    model = Wrapped().double()
+    seen: list[Any] = []
+    handle = model.encoder.register_forward_hook(lambda m, args, out: seen.append(out))
+    x = torch.randn(4, 4, dtype=torch.float64)
+    with pytest.raises(TypeError, match="module 'encoder' has a forward hook"):
+        Pipe(model, balance=how, sample=x, devices=["cpu"] * 2, tracer=tracer)
+    assert seen == []
+    handle.remove()
+    pipe = Pipe(model, balance=how, sample=x, devices=["cpu"] * 2, tracer=tracer, chunks=2)
+    torch.testing.assert_close(pipe(x), model(x))
