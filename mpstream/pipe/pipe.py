@@ -18,8 +18,9 @@ from ..runtime.graphed import Backend, grads_zeroed
 from ..runtime.microbatch import Value
 from ..runtime.ordered_writes import ordered_write
 from ..schedules.schedule import PipeSchedule, check_schedule
-from ..stages.build import build, check_module, undone_on_error
+from ..stages.build import build, check_module
 from ..stages.sequential import DeviceLike, check_flag, check_positive
+from ..stages.undo import undone_on_error
 from .compiling import CompileOption, compile_options
 from .step import PipeStep
 

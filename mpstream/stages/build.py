@@ -11,14 +11,13 @@ Sequential's layers, or a traced module's own children and tensors.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator, Mapping, Sequence, Sized
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence, Sized
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from ..memory import DeferredBatchNorm
 from ..runtime.graph import StageGraph
@@ -30,7 +29,7 @@ from .sequential import DeviceLike, split_module, stage_devices
 from .traced import FxSplit
 from .tracers import SplitReport, choose_tracer
 
-__all__ = ["Built", "build", "check_module", "undone_on_error"]
+__all__ = ["Built", "build", "check_module"]
 
 
 @dataclass
@@ -360,41 +359,3 @@ def _auto_balance(
     if how == "time":
         return balance_by_time(module, sample, stages, device=devs[0])
     return balance_by_size(module, sample, stages, device=devs[0])
-
-
-@contextmanager
-def undone_on_error(module: nn.Module) -> Iterator[None]:
-    """``module``'s parameters and buffers put back as they were if the
-    block raises: a pipe that fails to build (a schedule its stages cannot
-    run, found once they are placed) leaves the caller's model where it
-    was, not spread over the stage devices.
-
-    A move replaces a buffer and, in place, a parameter's data and its
-    ``.grad``'s; the originals are kept until the block ends, as the model
-    held them before.
-    """
-    kept: list[tuple[dict[str, Any], str, Tensor, Tensor | None]] = [
-        (store, name, t, t.data if store is mod._parameters else None)
-        for mod in module.modules()
-        for store in (mod._parameters, mod._buffers)
-        for name, t in store.items()
-        if t is not None
-    ]
-    grads = [
-        (t, t.grad, t.grad.data)
-        for _, _, t, data in kept
-        if data is not None and t.grad is not None
-    ]
-    try:
-        yield
-    except BaseException:
-        for store, name, t, data in kept:
-            store[name] = t
-            if data is not None and t.data.data_ptr() != data.data_ptr():
-                t.data = data
-        for t, grad, data in grads:  # after the data: a .grad matches its parameter
-            if grad.data.data_ptr() != data.data_ptr():
-                grad.data = data
-            if t.grad is not grad:
-                t.grad = grad
-        raise
