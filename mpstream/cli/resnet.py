@@ -14,7 +14,7 @@ import argparse
 import dataclasses
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,7 +28,15 @@ from .signals import finish, terminate_as_interrupt
 if TYPE_CHECKING:  # the ResNet experiment's modules need torchvision: imported in the commands
     from ..tutorial.bench import Config
 
-__all__ = ["bench", "tune", "trace", "lone_image", "TUNE_REPEAT", "RESNET50_LAYERS"]
+__all__ = [
+    "bench",
+    "tune",
+    "trace",
+    "summary_lines",
+    "lone_image",
+    "TUNE_REPEAT",
+    "RESNET50_LAYERS",
+]
 
 #: A tuning curve times many configurations: fewer runs each.
 TUNE_REPEAT = 3
@@ -268,6 +276,31 @@ def _order(args: argparse.Namespace, config: Config) -> tuple[str, ...] | None:
     return order
 
 
+def summary_lines(summary: dict[str, Any]) -> list[str]:
+    """The traced run's summary as ``trace`` prints it: ``key: value``
+    lines, the keys and values of ``trace_report.json``'s ``trace_summary``.
+
+    Args:
+        summary: the traced run's :meth:`~mpstream.observe.summary.Summary.to_dict`.
+
+    Returns:
+        The lines, without indentation.
+    """
+    # bubble_fraction counts a stage idle while another stage on its device
+    # computes: on the CPU (one device) it reads 50% with the device never
+    # idle. Where stages shared a device, the device's idle share follows it.
+    lines = [f"{key}: {summary[key]}" for key in ("makespan_ms", "bubble_fraction")]
+    stages, devices = len(summary["stage_busy_ms"]), summary.get("devices", 0)
+    if 0 < devices < stages:
+        plural = "" if devices == 1 else "s"
+        lines.append(
+            f"device_idle_fraction: {summary['device_idle_fraction']}  "
+            f"({stages} stages on {devices} device{plural})"
+        )
+    lines += [f"{key}: {summary[key]}" for key in ("copy_hidden_fraction", "stage_busy_ms")]
+    return lines
+
+
 def trace(args: argparse.Namespace) -> int:
     dev0, dev1 = _devices(args)
     config = _config(args)
@@ -280,8 +313,8 @@ def trace(args: argparse.Namespace) -> int:
     summary = analysis.trace_tutorial(dev0, dev1, config, out, plot=plot, order=order)
     what = "the tutorial run" if order is None else f"train_step in your order ({args.order})"
     print(f"trace of {what} (measured):")
-    for key in ("makespan_ms", "bubble_fraction", "copy_hidden_fraction", "stage_busy_ms"):
-        print(f"  {key}: {summary[key]}")
+    for line in summary_lines(summary):
+        print(f"  {line}")
     if order is not None:
         sizes: tuple[int, ...] = (config.split_size,)
     else:

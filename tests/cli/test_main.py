@@ -95,7 +95,29 @@ def test_trace_writes_trace_timeline_and_report(
         (4, "tutorial-style"),
         (4, "balanced"),
     }
-    assert report["trace_summary"]["makespan_ms"] > 0
+    summary = report["trace_summary"]
+    assert summary["makespan_ms"] > 0
+    # Both stages on the CPU: the per-stage bubble is about 50% with the
+    # device hardly idle; the print gave the former alone.
+    assert summary["devices"] == 1 and summary["device_idle_fraction"] < 0.5
+    assert (
+        f"  device_idle_fraction: {summary['device_idle_fraction']}  (2 stages on 1 device)" in out
+    )
+    assert f"  bubble_fraction: {summary['bubble_fraction']}" in out
+
+
+def test_trace_summary_lines_show_device_idle_only_where_stages_share_a_device() -> None:
+    from mpstream.cli.resnet import summary_lines
+
+    base = {"makespan_ms": 10.0, "bubble_fraction": 0.5, "device_idle_fraction": 0.0}
+    base |= {"copy_hidden_fraction": None, "stage_busy_ms": [5.0, 5.0]}
+    shared = summary_lines({**base, "devices": 1})
+    assert shared[2] == "device_idle_fraction: 0.0  (2 stages on 1 device)"
+    apart = summary_lines({**base, "bubble_fraction": 0.2, "devices": 2})
+    assert apart == [
+        "makespan_ms: 10.0", "bubble_fraction: 0.2", "copy_hidden_fraction: None",
+        "stage_busy_ms: [5.0, 5.0]",
+    ]  # fmt: skip
 
 
 def test_schedules_with_unit_costs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
