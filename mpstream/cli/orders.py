@@ -78,14 +78,14 @@ def checked(
     """
     has = covered(order)
     names = (
-        ("stage", "stage 0", f"stages 0-{has[0] - 1}"),
-        ("micro-batch", "m0", f"m0-m{has[1] - 1}"),
+        (("stage", "stages"), "stage 0", f"stages 0-{has[0] - 1}"),
+        (("micro-batch", "micro-batches"), "m0", f"m0-m{has[1] - 1}"),
     )
     for (count, why), n, (what, one, several) in zip((stages, micros), has, names):
         if n != count:
             # Said here rather than by the library, whose advice is a Pipe's.
             raise UsageError(
-                f"--order {path}: the order is for {n} {what}{'s' if n > 1 else ''} "
+                f"--order {path}: the order is for {n} {what[n > 1]} "
                 f"({one if n == 1 else several}), but {why}"
             )
     try:

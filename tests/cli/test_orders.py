@@ -86,6 +86,12 @@ def test_schedules_measures_your_order_on_resnet50(
             "the order is for 1 micro-batch (m0), but --micro-batches 2: drop "
             "it, or give an order for 2",
         ),
+        (
+            "F0m0 F1m0 F0m1 B1m0 F1m1 B0m0 B1m1 B0m1",
+            ["--micro-batches", "3"],
+            "the order is for 2 micro-batches (m0-m1), but --micro-batches 3: drop "
+            "it, or give an order for 3",
+        ),
         ("F0m0 F2m0 B2m0 B0m0", [], "the schedule order has no action of stage 1"),
         ("", [], "the schedule order is empty"),
     ],
