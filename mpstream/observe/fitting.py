@@ -83,9 +83,13 @@ def fit(timeline: Timeline, last_size: float = 1.0) -> Costs:
         RuntimeError: a profile read inside its ``with`` block.
     """
     if not isinstance(timeline, Timeline):
+        # A path or the dict of an exported Chrome trace is not read back:
+        # the trace keeps neither a copy's receiving stage nor issue times.
         raise TypeError(
             f"simulate_fit takes a Timeline (the profile of a `with mpstream.profile(pipe) "
-            f"as prof:` block, or a Timeline.load()ed one), got {type(timeline).__name__}"
+            f"as prof:` block, a simulation's .timeline, or a Timeline(spans, "
+            f"stream_devices) of your own), got {type(timeline).__name__}; an exported "
+            f"Chrome trace (trace.json) is not read back: fit the profile itself"
         )
     if isinstance(last_size, bool) or not (
         isinstance(last_size, numbers.Real) and 0 < last_size <= 1

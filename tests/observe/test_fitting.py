@@ -28,8 +28,12 @@ def test_fit_takes_medians_per_stage_and_boundary() -> None:
     assert costs.copy_times == [(1.0, 0.5)]
     with pytest.raises(ValueError, match="no compute spans"):
         fit(Timeline([Span(0, 0, "copy", "c", 0, 1)], {"c": "d"}))
-    with pytest.raises(TypeError, match="simulate_fit takes a Timeline .* got list"):
+    with pytest.raises(TypeError, match="simulate_fit takes a Timeline .* got list") as info:
         fit([])  # type: ignore[arg-type]
+    # It named a Timeline.load() that does not exist.
+    assert "load" not in str(info.value) and not hasattr(Timeline, "load")
+    with pytest.raises(TypeError, match=r"got str; an exported Chrome trace .* is not read back"):
+        fit("trace.json")  # type: ignore[arg-type]
 
 
 def test_fit_then_simulate_reproduces_a_constant_cost_timeline() -> None:
