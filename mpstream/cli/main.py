@@ -31,6 +31,7 @@ from .argtypes import (
     positive_float,
     positive_int,
 )
+from .output import reader_may_leave
 
 __all__ = ["main", "parser"]
 
@@ -257,7 +258,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     created: list[Path] = []
     try:
         _check_paths(args, created)
-        return int(args.func(args))
+        with reader_may_leave():  # `mpstream schedules | head` still writes its files
+            return int(args.func(args))
     except UsageError as exc:
         print(f"mpstream {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,77 @@
+"""Standard output whose reader may leave: ``mpstream schedules | head``.
+
+A command's tables go to standard output, its results to files in
+``--out``. When the program reading the tables exits first (``head``,
+``less`` quit early), the next write raises ``BrokenPipeError``: where it
+is raised (an unbuffered stream, ``python -u`` or ``PYTHONUNBUFFERED``, or
+more output than the buffer holds) the command ended with a traceback
+before writing its files. :func:`reader_may_leave` sends what is printed
+after that to the null device instead, so the run ends as it would have,
+its files written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any, TextIO
+
+__all__ = ["reader_may_leave"]
+
+
+class _Tolerant:
+    """Forwards to ``stream``; once its reader has gone, points its file
+    descriptor at the null device and writes there."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._silence()
+            return self._stream.write(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._silence()
+            self._stream.flush()
+
+    def _silence(self) -> None:
+        """The stream's descriptor now writes to the null device: what it
+        still buffers, and the interpreter's last flush at exit, succeed."""
+        try:
+            fd = self._stream.fileno()
+        except (OSError, io.UnsupportedOperation):
+            raise BrokenPipeError("the reader of standard output has gone") from None
+        null = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(null, fd)
+        finally:
+            os.close(null)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def reader_may_leave() -> Iterator[None]:
+    """Within the block, ``print`` keeps working after standard output's
+    reader has gone (its output then dropped); the stream is flushed at
+    the end of the block and put back."""
+    stream = sys.stdout
+    tolerant = _Tolerant(stream)
+    sys.stdout = tolerant  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        sys.stdout = stream
+        # A stream with no descriptor to silence keeps its error, not the block's.
+        with contextlib.suppress(BrokenPipeError):
+            tolerant.flush()

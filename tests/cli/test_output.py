@@ -1,0 +1,54 @@
+"""A command whose standard output's reader has gone (``mpstream ... | head``)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TextIO
+
+import pytest
+
+from mpstream import cli
+from mpstream.cli.output import reader_may_leave
+
+
+@contextlib.contextmanager
+def reader_gone() -> Iterator[TextIO]:
+    """Standard output a pipe whose reader has exited, written line by line
+    (as ``python -u`` writes): the first line written raises BrokenPipeError.
+    Set in the test's body: pytest puts its own capture back before each test."""
+    read, write = os.pipe()
+    os.close(read)
+    with open(write, "w", buffering=1) as stream:
+        saved, sys.stdout = sys.stdout, stream
+        try:
+            yield stream
+        finally:
+            sys.stdout = saved
+
+
+def test_schedules_writes_its_json_when_the_reader_of_its_table_has_gone(
+    tmp_path: Path,
+) -> None:
+    # It ended with a BrokenPipeError traceback at the table, before the JSON.
+    args = ["schedules", "--uniform", "--stages", "2", "--micro-batches", "2", "--no-plots"]
+    with reader_gone() as stream:
+        assert cli.main([*args, "--out", str(tmp_path)]) == 0
+        assert sys.stdout is stream  # put back; its descriptor now writes to the null device
+        print("after the command", flush=True)
+    doc = json.loads((tmp_path / "schedules.json").read_text())
+    assert doc["stages"] == 2 and doc["schedules"]
+
+
+def test_reader_may_leave_passes_output_through_and_keeps_other_errors(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with reader_may_leave():
+        print("a table")
+    assert capsys.readouterr().out == "a table\n"
+    with pytest.raises(ValueError, match="the command's own"), reader_may_leave():
+        raise ValueError("the command's own")
