@@ -118,13 +118,36 @@ def pyplot() -> Any:
 
 
 def save(fig: Any, ax: Any, path: Path, title: str = "", **title_kw: Any) -> Path:
-    """Titles, lays out, writes and closes a figure."""
+    """Titles, lays out, writes and closes a figure.
+
+    Args:
+        fig: the figure.
+        ax: the axes the title goes on.
+        path: the file to write, its format from its suffix; without one,
+            a PNG at ``path`` with ``.png`` added.
+        title: the title, if any.
+        **title_kw: more of ``ax.set_title``'s arguments.
+
+    Returns:
+        The file written.
+
+    Raises:
+        ValueError: ``path`` is a folder.
+    """
+    if path.is_dir():
+        # matplotlib wrote such a figure beside the folder, as <folder>.png.
+        pyplot().close(fig)
+        raise ValueError(
+            f"{path} is a folder: give the figure's file, such as {path / 'figure.png'}"
+        )
+    # matplotlib adds .png to a name without a suffix: return the file it writes.
+    written = path if path.suffix else path.with_name(path.name + ".png")
     if title:
         ax.set_title(title, fontsize=9, **title_kw)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(written, dpi=120)
     pyplot().close(fig)
-    return path
+    return written
 
 
 #: Said on a figure with a noisy point, and the mark that points to it.

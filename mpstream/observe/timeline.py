@@ -313,15 +313,17 @@ class Timeline:
         """Draws a Gantt chart: one row per stream, bars labelled by micro-batch.
 
         Args:
-            path: the PNG to write.
+            path: the image to write, its format from its suffix (``.png``
+                added to a name without one).
             title: the figure title (default: what the timeline is).
             run: only this run (default: the last one).
 
         Returns:
-            ``path``, as a ``Path``.
+            The file written: ``path``, or ``path`` with ``.png`` added.
 
         Raises:
-            ValueError: the timeline is empty, or has no run ``run``.
+            ValueError: the timeline is empty, has no run ``run``, or
+                ``path`` is a folder.
             RuntimeError: a profile read inside its ``with`` block.
         """
         self.check_readable()

@@ -131,6 +131,20 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
         two_stage().plot(tmp_path / "none.png", run=0)
 
 
+def test_plot_returns_the_file_it_wrote(tmp_path: Path) -> None:
+    # A name without a suffix: matplotlib writes gantt.png, and plot
+    # returned tmp_path / "gantt", a file that did not exist.
+    assert two_stage().plot(tmp_path / "gantt") == tmp_path / "gantt.png"
+    assert (tmp_path / "gantt.png").read_bytes().startswith(b"\x89PNG")
+    assert two_stage().plot(tmp_path / "gantt.pdf").read_bytes().startswith(b"%PDF")
+    # A folder: the figure went beside it, as <folder>.png.
+    folder = tmp_path / "out"
+    folder.mkdir()
+    with pytest.raises(ValueError, match=r"out is a folder: give the figure's file, such as"):
+        two_stage().plot(folder)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gantt.pdf", "gantt.png", "out"]
+
+
 def test_a_long_title_stays_clear_of_the_legend(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
