@@ -243,7 +243,9 @@ def tune(args: argparse.Namespace) -> int:
     source = " (from cache)" if result.cached else ""
     extra = f", balance {result.balance}" if result.balance else ""
     print(f"best: split size {result.split_size}{extra}, {result.best.median:.4f} s{source}")
-    (out / "tune.json").write_text(json.dumps(result.to_json(), indent=2) + "\n")
+    # Said in the file as on the line above: cached times may be another run's.
+    doc = {**result.to_json(), "from_cache": result.cached}
+    (out / "tune.json").write_text(json.dumps(doc, indent=2) + "\n")
     for path in (out / "tune.json", plot):
         if path is not None:
             print(f"wrote {path}")

@@ -41,10 +41,13 @@ def test_tune_writes_the_curve_and_uses_the_cache(
     out = capsys.readouterr().out
     assert "best: split size" in out and "from cache" not in out
     doc = json.loads((tmp_path / "tune.json").read_text())
-    assert [p["split_size"] for p in doc["curve"]] == [2, 4]
+    assert [p["split_size"] for p in doc["curve"]] == [2, 4] and doc["from_cache"] is False
     assert (tmp_path / "tune_tradeoff.png").read_bytes().startswith(b"\x89PNG")
     assert cli.main(args) == 0
     assert "(from cache)" in capsys.readouterr().out
+    # The file said nothing of it: cached times read as this run's.
+    again = json.loads((tmp_path / "tune.json").read_text())
+    assert again["from_cache"] is True and again["curve"] == doc["curve"]
 
 
 def test_tune_with_balances(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
