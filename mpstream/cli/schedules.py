@@ -268,7 +268,8 @@ def run(args: argparse.Namespace) -> int:
         r.measured = measured.get(r.schedule, {})
     # The modelled copy time is said beside the costs: the table has no column for it.
     copies = f", each copy {args.copy_ms:g} ms" if args.copy_ms else ""
-    print(f"{stages} stages on {devices} devices, {micros} micro-batches{copies}; {source}")
+    plural = "" if devices == 1 else "s"
+    print(f"{stages} stages on {devices} device{plural}, {micros} micro-batches{copies}; {source}")
     for name, why in skipped.items():
         print(f"({name} left out: {why})")
     print(compare.table(rows))
@@ -298,6 +299,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {out / 'schedules.json'}")
     (out / "schedules.png").unlink(missing_ok=True)  # an earlier run's, beside these numbers
     if plots:
-        title = f"{stages} stages, {devices} devices, {micros} micro-batches{copies}; {source}"
+        title = (
+            f"{stages} stages, {devices} device{plural}, {micros} micro-batches{copies}; {source}"
+        )
         print(f"wrote {compare.plot_stacked(rows, out / 'schedules.png', title)}")
     return 0

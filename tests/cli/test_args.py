@@ -240,7 +240,7 @@ def test_schedules_old_devices_spelling_still_counts_and_warns_once(
     out = ["--uniform", "--stages", "2", "--no-plots", "--out", str(tmp_path / "o")]
     assert cli.main(["schedules", "--devices", "1", *out]) == 0
     captured = capsys.readouterr()
-    assert "2 stages on 1 devices" in captured.out
+    assert "2 stages on 1 device," in captured.out  # not "1 devices"
     assert captured.err.splitlines() == [
         "mpstream schedules: warning: --devices is deprecated and goes in the next release; "
         "use --num-devices 1"

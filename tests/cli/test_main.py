@@ -127,6 +127,8 @@ def test_schedules_with_unit_costs(tmp_path: Path, capsys: pytest.CaptureFixture
     assert cli.main(["schedules", "--uniform", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "4 stages on 2 devices, 8 micro-batches; unit costs" in out
+    # Simulated step times beside measured peaks: the column says which.
+    assert "| schedule | step (ms, simulated) | bubble |" in out
     rows = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ")]
     assert rows[2:] == list(mpstream.SCHEDULES)
     doc = json.loads((tmp_path / "schedules.json").read_text())
