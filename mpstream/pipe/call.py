@@ -21,7 +21,6 @@ from typing import Any
 import torch
 
 from .._warn import warn
-from ..memory.batchnorm import deferred_update
 from ..runtime.forward import run as run_forward
 from ..runtime.gathering import gather
 from ..runtime.microbatch import batch_device, scatter_sized
@@ -118,8 +117,8 @@ class PipeCall(PipeConfig):
         graphs = worker.graphs
         runs = 0 if graphs is None else graphs.runs
         try:
-            with deferred_update(self._deferred_norms(), len(micro)):
-                outputs = run_forward(worker, micro, schedule, stop, staging)
+            norms = self._deferred_norms()
+            outputs = run_forward(worker, micro, schedule, stop, staging, norms)
         except BaseException:
             if graphs is not None:
                 graphs.abandon(runs)  # the next calls replay, the exception held or not

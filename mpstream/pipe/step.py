@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..memory.batchnorm import deferred_update
 from ..runtime.errors import annotate
 from ..runtime.graphed import generation
 from ..runtime.microbatch import batch_device, scatter_sized
@@ -250,24 +249,21 @@ class PipeStep(PipeCall):
         try:
             with torch.enable_grad():
                 stop = self._prepare(len(micro))
-                # Held to the step's end, as for pipe(x): a norm called twice
-                # per micro-batch updates from all its calls, not from the
-                # first micro-batches' and then the rest's.
-                with deferred_update(self._deferred_norms(), len(micro)):
-                    loss = run_step(
-                        worker,
-                        micro,
-                        micro_targets,
-                        schedule,
-                        loss_fn,
-                        weights,
-                        stop,
-                        staging,
-                        target_staging,
-                        None if snapshot is None else snapshot.save_grads,
-                        None if scaler is None else scaler.scale,
-                        stage_done,
-                    )
+                loss = run_step(
+                    worker,
+                    micro,
+                    micro_targets,
+                    schedule,
+                    loss_fn,
+                    weights,
+                    stop,
+                    staging,
+                    target_staging,
+                    None if snapshot is None else snapshot.save_grads,
+                    None if scaler is None else scaler.scale,
+                    stage_done,
+                    self._deferred_norms(),
+                )
             if stage_done is not None:
                 stage_done.end()  # inside: a failure there is undone with the step
         except BaseException as exc:

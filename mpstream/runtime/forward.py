@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from ..memory.batchnorm import DeferredBatchNorm, deferred_update
 from ..memory.checkpoint import run_eagerly
 from ..schedules.schedule import Kind, Schedule, Task
 from . import marks
@@ -110,6 +111,7 @@ def run(
     schedule: Schedule,
     checkpoint_stop: int = 0,
     staging: Sequence[Staging] | None = None,
+    norms: Sequence[DeferredBatchNorm] = (),
 ) -> list[Any]:
     """Runs every task of a forward ``schedule`` over the micro-batches.
 
@@ -119,14 +121,18 @@ def run(
         schedule: a forward schedule for this pipeline.
         checkpoint_stop: micro-batches below this index are checkpointed.
         staging: per micro-batch, pinned buffers for its input transfers.
+        norms: the pipeline's deferred BatchNorm layers: they update once
+            the whole run succeeded, else drop what it accumulated
+            (:func:`~mpstream.memory.batchnorm.deferred_update`).
 
     Returns:
         The pipeline's output per micro-batch, on the last stage's device,
         ready on the caller's current stream there.
     """
-    state = _Forward(worker, batches, schedule, checkpoint_stop, staging)
-    execute(worker, schedule, state, len(batches))
-    return state.finish()
+    with deferred_update(norms, len(batches)):
+        state = _Forward(worker, batches, schedule, checkpoint_stop, staging)
+        execute(worker, schedule, state, len(batches))
+        return state.finish()
 
 
 def _copied(value: Any) -> Any:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from ..memory.batchnorm import DeferredBatchNorm, deferred_update
 from ..memory.checkpoint import run_eagerly
 from ..schedules.schedule import Kind, Schedule, Task
 from .boundary import (
@@ -295,6 +296,7 @@ def run(
     before_backward: Callable[[int], None] | None = None,
     scale: Callable[[Tensor], Tensor] | None = None,
     after_grads: Callable[[int], None] | None = None,
+    norms: Sequence[DeferredBatchNorm] = (),
 ) -> Tensor:
     """Runs forward and backward of every micro-batch in ``schedule``'s order.
 
@@ -321,6 +323,11 @@ def run(
             issued its work: no more of the step accumulates into the
             stage's own parameters (a parameter another stage shares may
             still get that stage's).
+        norms: the pipeline's deferred BatchNorm layers: they update once
+            the whole step succeeded, else drop what it accumulated
+            (:func:`~mpstream.memory.batchnorm.deferred_update`; held to the
+            step's end: a norm called twice per micro-batch updates from
+            all its calls).
 
     Returns:
         The step's loss, the sum of the micro-batches' weighted losses
@@ -331,28 +338,29 @@ def run(
         TypeError: a stage returned an unsupported value, or ``loss_fn`` did
             not return a scalar tensor.
     """
-    (caller_reader,) = cuda_only([current_stream(worker.sched.devices[-1])])
-    state = _Step(
-        worker,
-        batches,
-        targets,
-        schedule,
-        loss_fn,
-        weights,
-        checkpoint_stop,
-        staging,
-        target_staging,
-        before_backward,
-        scale,
-        after_grads,
-    )
-    code = Losses.compute.__code__
-    versions = input_versions(batches)
-    try:
-        execute(worker, schedule, state, len(batches), loss=code)
-    except Exception as exc:
-        hint = inplace_hint(exc, batches, versions)
-        if hint is not None:
-            annotate(exc, hint)
-        raise
-    return state.losses.total(caller_reader)
+    with deferred_update(norms, len(batches)):
+        (caller_reader,) = cuda_only([current_stream(worker.sched.devices[-1])])
+        state = _Step(
+            worker,
+            batches,
+            targets,
+            schedule,
+            loss_fn,
+            weights,
+            checkpoint_stop,
+            staging,
+            target_staging,
+            before_backward,
+            scale,
+            after_grads,
+        )
+        code = Losses.compute.__code__
+        versions = input_versions(batches)
+        try:
+            execute(worker, schedule, state, len(batches), loss=code)
+        except Exception as exc:
+            hint = inplace_hint(exc, batches, versions)
+            if hint is not None:
+                annotate(exc, hint)
+            raise
+        return state.losses.total(caller_reader)
