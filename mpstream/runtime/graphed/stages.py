@@ -194,11 +194,13 @@ class StageGraphs:
         exception's traceback keeps their autograd graph alive (else each
         such exception held would keep a generation of graphs busy, and
         later calls ran eagerly). ``before``: :attr:`runs` when the call
-        started; nothing is released unless its run is the latest."""
+        started; nothing is released unless its run is the latest, and a
+        run that never began (refused inside another) leaves the latest
+        one's calls to that run's own failure."""
         if self.runs == before + 1:
             for graphed in self._forwarded:
                 graphed.pending = None
-        self._forwarded = []
+            self._forwarded = []
 
     def end(self) -> None:
         """After a training step (or its failure): its side gradients added

@@ -2,7 +2,8 @@
 graph cannot hold) runs eagerly with one warning saying why, graphs=True on
 the CPU says why it runs eagerly, a stage's own error while capturing
 reaches the caller with graphs kept on, a stage failing at its first call
-stays graphed, failed calls leave no call busy, and a lazy module is graphed
+stays graphed, failed calls leave no call busy (a run refused inside
+another leaves that one's to it), and a lazy module is graphed
 from its second run (replays emulated on the CPU, see test_stages.py)."""
 
 from __future__ import annotations
@@ -203,6 +204,24 @@ def test_failed_calls_whose_exceptions_are_held_leave_no_call_busy() -> None:
         nn.functional.mse_loss(out, y).backward()
     assert_same_grads(graphed, eager)
     assert all(s.graphed for s in graphed.graph_report().stages)
+
+
+def test_a_run_refused_inside_another_leaves_that_run_s_calls_to_its_failure() -> None:
+    # forward.run entered from inside a stage (straight through the runtime)
+    # is refused as it begins, and abandons a run that never began: the run
+    # in progress, failing after, must still release the calls it replayed.
+    _, graphed = pair(mlp(WIDTHS), chunks=2)
+    x, _ = data()
+    graphed(x)  # captures
+    graphs = graphed._rt().worker.graphs
+    assert graphs is not None
+    before = graphs.runs
+    graphed(x)  # the outer run: its calls await a backward
+    calls = [c for st in graphs.stages for c in st.calls.values()]
+    assert any(c.pending is not None for c in calls)
+    graphs.abandon(graphs.runs)  # the refused inner run's
+    graphs.abandon(before)  # the outer run's, as it fails
+    assert all(c.pending is None for c in calls)
 
 
 def test_a_lazy_module_is_graphed_from_its_second_run() -> None:
