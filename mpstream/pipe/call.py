@@ -114,15 +114,9 @@ class PipeCall(PipeConfig):
         worker = self._rt().worker
         staging = micro_staging(inputs, self.devices[0], self._chunks, self._split_size)
         stop = self._prepare(len(micro))  # raising, it leaves no hook
-        graphs = worker.graphs
-        runs = 0 if graphs is None else graphs.runs
         try:
             norms = self._deferred_norms()
             outputs = run_forward(worker, micro, schedule, stop, staging, norms)
-        except BaseException:
-            if graphs is not None:
-                graphs.abandon(runs)  # the next calls replay, the exception held or not
-            raise
         finally:
             self._finish()
         split = self.__dict__["_split"]

@@ -128,11 +128,21 @@ def run(
     Returns:
         The pipeline's output per micro-batch, on the last stage's device,
         ready on the caller's current stream there.
+
+    A run that raises leaves its graphed stages' calls waiting for no
+    backward (:meth:`~mpstream.runtime.graphed.stages.StageGraphs.abandon`).
     """
-    with deferred_update(norms, len(batches)):
-        state = _Forward(worker, batches, schedule, checkpoint_stop, staging)
-        execute(worker, schedule, state, len(batches))
-        return state.finish()
+    graphs = worker.graphs
+    runs = 0 if graphs is None else graphs.runs
+    try:
+        with deferred_update(norms, len(batches)):
+            state = _Forward(worker, batches, schedule, checkpoint_stop, staging)
+            execute(worker, schedule, state, len(batches))
+            return state.finish()
+    except BaseException:
+        if graphs is not None:
+            graphs.abandon(runs)  # the next calls replay, the exception held or not
+        raise
 
 
 def _copied(value: Any) -> Any:
