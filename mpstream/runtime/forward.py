@@ -8,6 +8,11 @@ gradient back on the copy streams. A graphed stage replays inside autograd
 (:func:`~mpstream.runtime.replay_autograd.run_stage`). While timing, each stage's
 forward is wrapped in marks (:mod:`~mpstream.runtime.marks`) so that
 autograd's backward of it is timed too.
+
+Around the run loop, :func:`run` holds the rest of a run's life: deferred
+BatchNorm updates once the whole run succeeded, and a run that fails
+leaves its graphed stages' calls waiting for no backward (the loop begins
+the graphed stages' run, :func:`~mpstream.runtime.executor.execute`).
 """
 
 from __future__ import annotations

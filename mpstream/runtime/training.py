@@ -13,7 +13,9 @@ task follows it), the backward task computes the input gradients only and
 the weight task the parameter gradients (:mod:`~mpstream.runtime.split_backward`).
 A stage replayed from CUDA graphs runs its tasks without autograd, through
 :mod:`~mpstream.runtime.replayed`; to the stages around it, it is one more
-producer of outputs and consumer of gradients.
+producer of outputs and consumer of gradients. Deferred BatchNorm updates
+once the whole step succeeded (:func:`run` holds it around the loop, which
+begins and ends the graphed stages' step).
 """
 
 from __future__ import annotations
