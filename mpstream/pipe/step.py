@@ -244,8 +244,14 @@ class PipeStep(PipeCall):
         graphs = worker.graphs
         snapshot = None
         if not capturing(self.devices):
-            saved = graphs.save(zeroed) if graphs is not None else None
-            snapshot = Snapshot(self._norms(), self._stage_params(), loss_fn, saved, zeroed)
+            norms, params = self._norms(), self._stage_params()
+            try:
+                saved = graphs.save(zeroed) if graphs is not None else None
+                snapshot = Snapshot(norms, params, loss_fn, saved, zeroed)
+            except BaseException:
+                if graphs is not None:
+                    graphs.restore(keep=True)  # else its save stays pending, copies held
+                raise
         try:
             with torch.enable_grad():
                 stop = self._prepare(len(micro))

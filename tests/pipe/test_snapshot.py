@@ -1,15 +1,20 @@
 """A training step's snapshot of gradients (copied per stage in one
 multi-tensor copy per dtype) and BatchNorm buffers (one per device and
-dtype), put back as they were."""
+dtype), put back as they were; a step failing as it takes its snapshot
+leaves no save of the graphed stages' gradient buffers pending."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
+from mpstream import Pipe
 from mpstream.pipe.snapshot import Norms, Snapshot
+from mpstream.pipe.step import PipeStep
+from mpstream.runtime.graphed import Emulated
 from tests.helpers import Ops
 
 
@@ -97,3 +102,34 @@ def test_batchnorm_buffers_are_copied_once_per_dtype_and_put_back() -> None:
     norms.restore()
     for b, saved in zip(norms.buffers, before):
         assert torch.equal(b, saved)
+
+
+@pytest.mark.parametrize("where", ["finding the norms", "copying the norms"])
+def test_a_step_failing_as_it_takes_its_snapshot_leaves_no_graphs_save_pending(
+    monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    # The graphed stages' gradient buffers were saved first: a failure after
+    # (an interrupt, memory running out) left that save pending, a copy of
+    # the buffers held and every store made by later runs saving its own,
+    # until the next step.
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 2)).double()
+    pipe = Pipe(model, chunks=2, balance=[2, 1], devices=["cpu", "cpu"], graphs=Emulated())
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
+    pipe.train_step(x, y, nn.MSELoss())  # captures; the gradients exist
+    graphs = pipe._rt().worker.graphs
+    assert graphs is not None
+
+    def fail(*args: object) -> None:
+        raise KeyboardInterrupt(where)
+
+    if where == "finding the norms":
+        monkeypatch.setattr(PipeStep, "_norms", fail)
+    else:
+        monkeypatch.setattr(Norms, "save", fail)
+    with pytest.raises(KeyboardInterrupt, match=where):
+        pipe.train_step(x, y, nn.MSELoss())
+    stores = [st.store for st in graphs.stages if st.store is not None]
+    assert stores and all(store._saved is None for store in stores)
+    assert graphs._saved is None
+    monkeypatch.undo()
+    pipe.train_step(x, y, nn.MSELoss())
