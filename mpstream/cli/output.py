@@ -64,8 +64,14 @@ class _Tolerant:
 def reader_may_leave() -> Iterator[None]:
     """Within the block, ``print`` keeps working after standard output's
     reader has gone (its output then dropped); the stream is flushed at
-    the end of the block and put back."""
+    the end of the block and put back. A closed standard output (None,
+    where ``print`` writes nothing) is left as it is."""
     stream = sys.stdout
+    if stream is None:
+        # Started with its standard output closed (``>&-``): print() writes
+        # nothing then, and a wrapper would write to None.
+        yield
+        return
     tolerant = _Tolerant(stream)
     sys.stdout = tolerant  # type: ignore[assignment]
     try:

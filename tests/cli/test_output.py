@@ -52,3 +52,16 @@ def test_reader_may_leave_passes_output_through_and_keeps_other_errors(
     assert capsys.readouterr().out == "a table\n"
     with pytest.raises(ValueError, match="the command's own"), reader_may_leave():
         raise ValueError("the command's own")
+
+
+def test_schedules_with_standard_output_closed_writes_its_json(tmp_path: Path) -> None:
+    # Started with `>&-`, sys.stdout is None (print() writes nothing): the
+    # wrapper wrote to None, an AttributeError before the JSON.
+    args = ["schedules", "--uniform", "--stages", "2", "--micro-batches", "2", "--no-plots"]
+    saved, sys.stdout = sys.stdout, None  # type: ignore[assignment]
+    try:
+        assert cli.main([*args, "--out", str(tmp_path)]) == 0
+        assert sys.stdout is None
+    finally:
+        sys.stdout = saved
+    assert json.loads((tmp_path / "schedules.json").read_text())["stages"] == 2
