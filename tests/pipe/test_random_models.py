@@ -149,9 +149,13 @@ def refusal(recipe: Recipe, c: Config) -> tuple[type[Exception], str] | None:
     if c.tracer == "export" and c.deferred:
         return ValueError, "deferred_batch_norm=True: the module would be split by torch.export"
     if c.tracer == "export" and norms and c.training and recipe.momentum is None:
-        # BatchNorm's float(num_batches_tracked) is data-dependent for torch.export.
+        # BatchNorm's float(num_batches_tracked) is data-dependent for
+        # torch.export: refused by name (stages/fake_export.py).
         name = type(build(recipe)).__name__
-        return TypeError, f"could not export {name} inside submodule 'blocks.{norms[0]}.1'"
+        return TypeError, (
+            f"torch.export cannot export {name}'s BatchNorm1d 'blocks.{norms[0]}.1' in training "
+            f"with momentum=None"
+        )
     if c.tracer == "export" and any(i < len(recipe.inputs) for i in recipe.outputs):
         return TypeError, "the module returns one of its inputs unchanged"
     placement = PLACEMENTS.get(c.schedule, "stage")

@@ -116,8 +116,9 @@ def refused(recipe: Recipe, s: Session, training: bool) -> tuple[type[Exception]
         return ValueError, "which cannot run DeferredBatchNorm; use tracer='fx'"
     if recipe.has_norm and recipe.momentum is None and training:
         # BatchNorm's float(num_batches_tracked) is data-dependent for
-        # torch.export, which fails before the split looks at the outputs.
-        return TypeError, "could not export"
+        # torch.export, which fails before the split looks at the outputs:
+        # refused by name (stages/fake_export.py).
+        return TypeError, "in training with momentum=None: it updates its running statistics"
     if any(i < len(recipe.inputs) for i in recipe.outputs):
         return TypeError, "the module returns one of its inputs unchanged"
     return None
