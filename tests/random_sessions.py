@@ -191,12 +191,16 @@ def make_pipe(model: nn.Module, s: Session, recipe: Recipe, order: str | None = 
     )
 
 
-def strict_hook(factor: float | None, what: str) -> Any:
+def strict_hook(factor: float | None, what: str, none: bool = False) -> Any:
     """A tensor hook that fails if called with None (the pipe calls hooks
     only where the plain model does, which never passes None), scaling the
-    gradient by ``factor`` (None: only looks)."""
+    gradient by ``factor`` (None: only looks). ``none``: a call with None is
+    expected and returns at once (docs/tuning.md: an eager stage's value
+    that a graphed stage reads and no loss reaches)."""
 
     def hook(grad: Tensor | None) -> Tensor | None:
+        if grad is None and none:
+            return None
         assert grad is not None, f"{what}: a tensor hook called with None"
         return None if factor is None else grad * factor
 

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from mpstream import Pipe, profile
+from mpstream.runtime.graphed import Emulated
 from mpstream.runtime.plan import Plan, verify_plan
 
 BATCH = 4
@@ -168,6 +169,46 @@ def test_the_users_loop_calls_the_hooks_the_plain_model_calls(
     assert seen_ref["input"] == ([False] if case != "from_input" else [])
     torch.testing.assert_close(grads(pipe), grads(ref))
     torch.testing.assert_close(x_pipe.grad, x_ref.grad)
+
+
+class ReadBoth(nn.Module):
+    """Returns an output of each value: a loss may leave one out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.other, self.out = lin(), lin()
+
+    def forward(self, v: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        live, dead = v
+        return self.out(live), self.other(dead)
+
+
+@pytest.mark.filterwarnings("ignore:.*has a tensor hook:mpstream.runtime.graphed.GraphWarning")
+def test_a_graphed_stage_s_output_a_loss_leaves_out_calls_the_eager_hooks_behind_it_with_none() -> (
+    None
+):
+    # The documented difference (docs/tuning.md, graphed stages): a replay
+    # is one autograd node, reached through the output the loss uses, so
+    # autograd walks the eager stage that made the value only the left-out
+    # output reads, with no gradient.
+    torch.manual_seed(0)
+    model = nn.Sequential(MakeTuple(), ReadBoth())
+    ref = copy.deepcopy(model)
+    pipe = Pipe(model, balance=[1, 1], devices=["cpu"] * 2, graphs=Emulated())
+    seen_ref, seen_pipe = watch(ref[0]), watch(pipe.partitions[0])  # stage 1 stays graphed
+    x = torch.randn(BATCH, 2, dtype=torch.float64)
+    ref(x)[0].pow(2).sum().backward()
+    pipe(x)[0].pow(2).sum().backward()
+    assert seen_ref == {
+        "dead.weight": [], "dead.bias": [], "live.weight": [False], "live.bias": [False],
+    }  # fmt: skip
+    assert seen_pipe == {
+        "0.dead.weight": [True], "0.dead.bias": [True], "0.live.weight": [False],
+        "0.live.bias": [False],
+    }  # fmt: skip
+    rows = str(pipe.graph_report()).splitlines()
+    assert [rows[1].split()[2], rows[2].split()[2]] == ["no", "yes"]  # 0 eager by its hooks
+    torch.testing.assert_close(grads(pipe), grads(ref))
 
 
 def test_only_the_tensors_a_gradient_reaches_open_a_gradient_copy() -> None:
