@@ -243,6 +243,9 @@ def tune(args: argparse.Namespace) -> int:
     source = " (from cache)" if result.cached else ""
     extra = f", balance {result.balance}" if result.balance else ""
     print(f"best: split size {result.split_size}{extra}, {result.best.median:.4f} s{source}")
+    stops = result.stops()  # tune.json's "stopped_early", said where and why
+    if stops:
+        print(stops)
     # Said in the file as on the line above: cached times may be another run's.
     doc = {**result.to_json(), "from_cache": result.cached}
     (out / "tune.json").write_text(json.dumps(doc, indent=2) + "\n")

@@ -70,6 +70,37 @@ class TuneResult:
     def balance(self) -> list[int] | None:
         return self.best.balance
 
+    def stops(self) -> str:
+        """Where and why the sweeps that stopped early stopped, as the curve
+        and the key's candidates (:meth:`to_json`) have it.
+
+        Returns:
+            One line, e.g. ``stopped early after split size 12, leaving 16
+            untried: the 2 sizes timed after its fastest, 8, were slower``, a
+            part per balance that stopped (``; `` between them); ``''`` where
+            every sweep ran to its end.
+        """
+        candidates = [int(s) for s in self.key.get("split_sizes", ())]
+        sweeps: dict[str, list[TunePoint]] = {}
+        for p in self.curve:
+            sweeps.setdefault(repr(p.balance), []).append(p)
+        parts = []
+        for points in sweeps.values():
+            last = points[-1].split_size
+            untried = [s for s in candidates if s > last]
+            if not untried:
+                continue
+            fastest = min(points, key=lambda p: p.median)
+            after = len(points) - points.index(fastest) - 1
+            where = "" if fastest.balance is None else f"with balance {fastest.balance} "
+            timed = "the size timed" if after == 1 else f"the {after} sizes timed"
+            parts.append(
+                f"{where}after split size {last}, leaving {', '.join(map(str, untried))} "
+                f"untried: {timed} after its fastest, {fastest.split_size}, "
+                f"{'was' if after == 1 else 'were'} slower"
+            )
+        return f"stopped early {'; '.join(parts)}" if parts else ""
+
     def to_json(self) -> dict[str, Any]:
         return {
             "key": self.key,

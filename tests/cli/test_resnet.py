@@ -63,3 +63,27 @@ def test_the_bench_header_names_each_devices_model(
         cli.main(["bench", "--quick", "--no-plots", "--out", str(tmp_path)])
     header = capsys.readouterr().out.splitlines()[0]
     assert f"devices cpu ({machine.device_name(cpu)}), cuda:0 (NVIDIA H100) | quick" in header
+
+
+def test_tune_says_where_and_why_a_sweep_stopped_early(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # tune.json said "stopped_early": true; the printed output said nothing of it.
+    import json
+
+    from mpstream.observe import tuning
+    from mpstream.observe.tune_result import TunePoint, TuneResult
+
+    def tune(target: object, sample: object, loss_fn: object, sizes: object, **_: object) -> object:
+        curve = [TunePoint(s, None, [t]) for s, t in ((2, 0.3), (4, 0.2), (8, 0.4), (16, 0.5))]
+        return TuneResult(curve[1], curve, True, False, {"split_sizes": [2, 4, 8, 16, 32]})
+
+    monkeypatch.setattr(tuning, "tune", tune)
+    args = ["tune", "--quick", "--image-size", "32", "--batch-size", "32", "--devices", "cpu"]
+    assert cli.main([*args, "--no-cache", "--out", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[lines.index("best: split size 4, 0.2000 s") + 1] == (
+        "stopped early after split size 16, leaving 32 untried: the 2 sizes timed after its "
+        "fastest, 4, were slower"
+    )
+    assert json.loads((tmp_path / "tune.json").read_text())["stopped_early"] is True

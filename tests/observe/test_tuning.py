@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from mpstream import Pipe
 from mpstream.observe.spread import noisy, spread
 from mpstream.observe.tune_args import candidate_split_sizes
+from mpstream.observe.tune_result import TunePoint
 from mpstream.observe.tuning import TuneResult, default_cache, tune
 from tests.observe.curves import SAMPLE, Curve, small_pipe, total
 
@@ -259,3 +260,18 @@ def test_a_loss_taking_a_target_without_target_says_to_give_one(loss_fn: object)
     assert curve.calls == []  # refused before any step
     # One argument, or a second with a default, is a loss of the output alone.
     tune(Curve(), SAMPLE, lambda out, scale=1.0: out.sum() * scale, [2], cache=None, progress=False)
+
+
+def test_stops_names_each_balance_that_stopped_and_why() -> None:
+    def sweep(balance: list[int], times: list[float]) -> list[TunePoint]:
+        return [TunePoint(s, balance, [t]) for s, t in zip([2, 4, 8, 16], times)]
+
+    ran = sweep([1, 1], [0.4, 0.3, 0.2, 0.1])  # every size timed: not early
+    cut = sweep([2, 0], [0.2, 0.3])  # 8 and 16 untried
+    result = TuneResult(ran[-1], ran + cut, True, False, {"split_sizes": [2, 4, 8, 16]})
+    assert result.stops() == (
+        "stopped early with balance [2, 0] after split size 4, leaving 8, 16 untried: the size "
+        "timed after its fastest, 2, was slower"
+    )
+    whole = TuneResult(ran[-1], ran, False, False, {"split_sizes": [2, 4, 8, 16]})
+    assert whole.stops() == ""
