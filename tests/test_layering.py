@@ -29,7 +29,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "mpstream"
 # policies, the runtime, cutting modules into stages, the Pipe, and what
 # builds on a Pipe. Then the tools, each on those below it.
 CORE = [
-    {"_ext", "_version", "_warn"},
+    {"_ext", "_version", "_warn", "_words"},
     {"schedules", "memory"},
     {"runtime"},
     {"stages"},

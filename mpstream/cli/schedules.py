@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from .._words import count_of
 from ..observe.cost_model import Cost
 from ..schedules import SCHEDULES, Order
 from ..tutorial.machine import detect_devices, device_name, metadata
@@ -268,8 +269,9 @@ def run(args: argparse.Namespace) -> int:
         r.measured = measured.get(r.schedule, {})
     # The modelled copy time is said beside the costs: the table has no column for it.
     copies = f", each copy {args.copy_ms:g} ms" if args.copy_ms else ""
-    plural = "" if devices == 1 else "s"
-    print(f"{stages} stages on {devices} device{plural}, {micros} micro-batches{copies}; {source}")
+    machines = count_of(devices, "device")
+    batches = count_of(micros, "micro-batch", "micro-batches")
+    print(f"{stages} stages on {machines}, {batches}{copies}; {source}")
     for name, why in skipped.items():
         print(f"({name} left out: {why})")
     print(compare.table(rows))
@@ -299,8 +301,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {out / 'schedules.json'}")
     (out / "schedules.png").unlink(missing_ok=True)  # an earlier run's, beside these numbers
     if plots:
-        title = (
-            f"{stages} stages, {devices} device{plural}, {micros} micro-batches{copies}; {source}"
-        )
+        title = f"{stages} stages, {machines}, {batches}{copies}; {source}"
         print(f"wrote {compare.plot_stacked(rows, out / 'schedules.png', title)}")
     return 0

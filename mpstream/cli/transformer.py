@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from .._version import __version__
+from .._words import count_of
 from ..tutorial.machine import detect_devices, named_devices
 from ..workloads import bench, report, transformer
 from . import extras
@@ -78,7 +79,7 @@ def _micro_batches(args: argparse.Namespace, name: str) -> tuple[int, ...]:
     if over:
         given = "--sequences" if args.sequences else f"the {name} preset's; --sequences"
         raise UsageError(
-            f"--micro-batches {over[0]}: more than the {sequences} sequences of a step "
+            f"--micro-batches {over[0]}: more than the {count_of(sequences, 'sequence')} of a step "
             f"({given} sets them)"
         )
     return tuple(args.micro_batches)

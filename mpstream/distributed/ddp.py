@@ -34,6 +34,7 @@ from torch import Tensor
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 
+from .._words import count_of
 from ..pipe.batchargs import batch_argument
 from ..pipe.module import unsplit
 from ..pipe.pipe import Pipe
@@ -309,8 +310,8 @@ def _check_none_joined(ddp: DistributedDataParallel) -> None:
     size = dist.get_world_size(ddp.join_process_group)
     if training < size:
         raise RuntimeError(
-            f"{size - training} of the group's {size} processes ran out of batches inside "
-            f"Join([ddp]), which shadows DDP's own collectives but not train_step's "
+            f"{size - training} of the group's {count_of(size, 'process', 'processes')} ran out of "
+            f"batches inside Join([ddp]), which shadows DDP's own collectives but not train_step's "
             f"all-reduces: give every process the same number of batches "
             f"(DistributedSampler(..., drop_last=True) and a loader with drop_last=True), use "
             f"Join(..., throw_on_early_termination=True) to stop every process at once, or train "

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .._words import count_of
 from ..runtime.stream import as_device
 from ..stages.sequential import DeviceLike
 
@@ -85,7 +86,7 @@ def map_location(
     """
     if len(saved_devices) != len(devices):
         raise ValueError(
-            f"the checkpoint's pipeline has {len(saved_devices)} stages and this one "
+            f"the checkpoint's pipeline has {count_of(len(saved_devices), 'stage')} and this one "
             f"{len(devices)}; map_location pairs stages one to one"
         )
     mapping: dict[str, str] = {}

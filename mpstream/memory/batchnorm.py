@@ -25,6 +25,7 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.parameter import is_lazy
 
 from .._warn import warn
+from .._words import count_of
 from .checkpoint import is_recomputing
 
 __all__ = [
@@ -94,8 +95,8 @@ class DeferredBatchNorm(_BatchNorm):
         # single channel would broadcast into every channel's sums.
         if input.size(1) != self.num_features:
             raise ValueError(
-                f"expected input with {self.num_features} channels (dim 1, num_features), "
-                f"got shape {tuple(input.shape)}"
+                f"expected input with {count_of(self.num_features, 'channel')} (dim 1, "
+                f"num_features), got shape {tuple(input.shape)}"
             )
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
@@ -182,10 +183,10 @@ class DeferredBatchNorm(_BatchNorm):
             self.warned = True
             warn(
                 f"DeferredBatchNorm({self.num_features}) ran {self.calls} times in a mini-batch "
-                f"of {self.expected} micro-batches: called more than once per micro-batch, its "
-                f"calls' statistics are pooled, where a plain BatchNorm updates once per call "
-                f"from that call's whole batch. Use a BatchNorm per call site for the plain "
-                f"model's statistics"
+                f"of {count_of(self.expected, 'micro-batch', 'micro-batches')}: called more than "
+                f"once per micro-batch, its calls' statistics are pooled, where a plain "
+                f"BatchNorm updates once per call from that call's whole batch. Use a "
+                f"BatchNorm per call site for the plain model's statistics"
             )
 
     def _commit(self, times: int = 1) -> None:

@@ -39,6 +39,7 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 
 from .._warn import warn
+from .._words import count_of
 from ..memory import StageSavedBytes
 from ..pipe import AutoRequest, Pipe
 from ..runtime import synchronize
@@ -240,7 +241,9 @@ def _cached(
     decoded = _decoded(entry)
     triples = decoded[0]
     if len(triples) != stages:
-        raise ValueError(f"{len(triples)} stage costs for a pipe of {stages} stages")
+        raise ValueError(
+            f"{count_of(len(triples), 'stage cost')} for a pipe of {count_of(stages, 'stage')}"
+        )
     if not all(math.isfinite(c) and c >= 0 for t in triples for c in t):
         raise ValueError("a stage cost that is negative or not finite")
     return decoded

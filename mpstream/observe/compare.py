@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .._words import count_of
 from ..schedules import (
     SCHEDULES,
     Kind,
@@ -196,7 +197,10 @@ def compare(
     """
     stages = len(stage_times)
     if devices < 1 or stages < devices:
-        raise ValueError(f"{stages} stages cannot use {devices} devices (one stage at least each)")
+        raise ValueError(
+            f"{count_of(stages, 'stage')} cannot use {count_of(devices, 'device')} (one stage at "
+            f"least each)"
+        )
     out = []
     for name in schedules:
         labels = placement(stages, devices, name, order_placement)

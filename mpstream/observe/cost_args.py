@@ -19,6 +19,7 @@ import operator
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
+from .._words import count_of
 from ..schedules import Kind, Task
 
 __all__ = [
@@ -143,7 +144,9 @@ def copy_costs(
     per = [cost_pair(c, f"copy time {i}", both=True) for i, c in enumerate(copy_times)]
     if len(per) != n - 1:
         what = "one per boundary" if chain else "one per producing stage but the last"
-        raise ValueError(f"copy_times needs {n - 1} entries ({what}), got {len(per)}")
+        raise ValueError(
+            f"copy_times needs {count_of(n - 1, 'entry', 'entries')} ({what}), got {len(per)}"
+        )
     return lambda p, q: per[p] if 0 <= p < len(per) else (0.0, 0.0)
 
 

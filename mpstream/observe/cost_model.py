@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .._words import count_of
 from ..schedules import (
     Kind,
     Order,
@@ -226,7 +227,9 @@ def simulate(
         raise ValueError("simulate needs at least one stage time")
     graph = tuple(tuple(r) for r in reads) if reads is not None else None
     if graph is not None and len(graph) != n:
-        raise ValueError(f"reads needs {n} entries (one per stage), got {len(graph)}")
+        raise ValueError(
+            f"reads needs {count_of(n, 'entry', 'entries')} (one per stage), got {len(graph)}"
+        )
     copy_cost = copy_costs(copy_times, n, graph is None)
     if devices is None:
         ranks, virtual_stages = default_ranks(schedule, n, virtual_stages)

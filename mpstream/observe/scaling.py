@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._words import count_of
 from ..schedules import placement_of
 from ..stages import partition, stage_costs
 from .cost_args import Cost, backward_passes, check_listed, cost_pair, cost_size
@@ -121,8 +122,8 @@ def predict(
         len(chosen) != stages or sum(chosen) != len(pairs) or min(chosen, default=0) < 1
     ):
         raise ValueError(
-            f"balance {chosen} must give each of the {stages} stages at least one layer and "
-            f"add up to the {len(pairs)} layers"
+            f"balance {chosen} must give each of the {count_of(stages, 'stage')} at least one "
+            f"layer and add up to the {count_of(len(pairs), 'layer')}"
         )
     forward = stage_costs([f for f, _ in pairs], chosen)
     backward = stage_costs([b for _, b in pairs], chosen)
@@ -132,7 +133,8 @@ def predict(
     if issue_times is not None:
         if len(issue_times) != len(pairs):
             raise ValueError(
-                f"issue_times needs {len(pairs)} entries (one per layer), got {len(issue_times)}"
+                f"issue_times needs {count_of(len(pairs), 'entry', 'entries')} (one per layer), "
+                f"got {len(issue_times)}"
             )
         host = [cost_pair(c, f"layer {i} issue time") for i, c in enumerate(issue_times)]
         per_stage = zip(

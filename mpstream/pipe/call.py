@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from .._warn import warn
+from .._words import count_of
 from ..runtime.forward import run as run_forward
 from ..runtime.gathering import gather
 from ..runtime.microbatch import batch_device, scatter_sized
@@ -135,11 +136,11 @@ class PipeCall(PipeConfig):
         elif self._chunks is not None:
             why = f"chunks={self._chunks}, but the batch has one row"
         elif self._split_size is not None:
-            why = f"split_size={self._split_size} >= the batch's {rows} rows"
+            why = f"split_size={self._split_size} >= the batch's {count_of(rows, 'row')}"
         else:
             why = "the pipe was built with neither chunks nor split_size"
         warn(
-            f"mpstream: {call} ran the batch of {rows} rows as one micro-batch through "
+            f"mpstream: {call} ran the batch of {count_of(rows, 'row')} as one micro-batch through "
             f"{stages} stages ({why}): each stage waits for the one before it, so nothing "
             f"overlaps and the pipeline is no faster than a single device. Split the batch into "
             f"micro-batches (chunks=, at least {stages} for every stage to be busy at once, or a "

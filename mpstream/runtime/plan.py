@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._words import count_of
 from ..schedules.placement import default_ranks, virtual_stages_for
 from ..schedules.schedule import Kind, Order, Schedule, Topology
 from .scheduler import EventScheduler, PlanOp
@@ -127,7 +128,9 @@ def record_plan(
         listed = [f"cuda:{r}" for r in ranks]
     devs = [as_device(d, f"devices[{i}]") for i, d in enumerate(listed)]
     if len(devs) != stages:
-        raise ValueError(f"devices has {len(devs)} entries for {stages} stages")
+        raise ValueError(
+            f"devices has {count_of(len(devs), 'entry', 'entries')} for {count_of(stages, 'stage')}"
+        )
     src = as_device(input_device, "input_device") if input_device is not None else devs[0]
     labels = list(dict.fromkeys(devs))
     graph = tuple(tuple(r) for r in reads) if reads is not None else None

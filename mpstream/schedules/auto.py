@@ -19,6 +19,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from .._words import count_of
+
 __all__ = ["Auto", "Candidate", "ScheduleReport", "pick"]
 
 
@@ -163,8 +165,9 @@ class ScheduleReport:
             if self.memory_budget is None
             else f"a budget of {_size(self.memory_budget)} of activations per device"
         )
+        micros = count_of(self.micros, "micro-batch", "micro-batches")
         lines = [
-            f"schedule='auto' chose {self.chosen!r} for {self.micros} micro-batches: the "
+            f"schedule='auto' chose {self.chosen!r} for {micros}: the "
             f"shortest simulated step among the schedules that fit the placement, with "
             f"{budget}; costs: {self.source}",
             "",

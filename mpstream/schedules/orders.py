@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .. import _ext
+from .._words import count_of
 
 __all__ = ["Action", "KINDS", "parse", "is_order", "format_order", "grid", "check"]
 
@@ -169,9 +170,9 @@ def check(
     if missing:
         raise ValueError(
             f"the schedule order has no action of stage {', '.join(map(str, missing))}, but "
-            f"the run has {stages} stages (0-{stages - 1}), each forwarding and "
-            f"back-propagating every micro-batch: give an order for {stages} stages, or a "
-            f"pipe of the stages the order covers"
+            f"the run has {count_of(stages, 'stage')} (0-{stages - 1}), each forwarding and "
+            f"back-propagating every micro-batch: give an order for {count_of(stages, 'stage')}, "
+            f"or a pipe of the stages the order covers"
         )
     covered = 1 + max(a.micro for a in actions)
     if covered != micros:
@@ -179,7 +180,7 @@ def check(
             f"the schedule order covers {covered} micro-batch(es) (m0-m{covered - 1}) but "
             f"the run has {micros} (a pipe's: what chunks= or split_size= makes of the "
             f"batch, torch.chunk making fewer than chunks where the batch is short); give an "
-            f"order for {micros}, or a run of {covered} micro-batches"
+            f"order for {micros}, or a run of {count_of(covered, 'micro-batch', 'micro-batches')}"
         )
     step, problem = _C.check_order(micros, [list(r) for r in reads], [a.native for a in actions])
     if problem:

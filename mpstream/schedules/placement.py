@@ -24,6 +24,7 @@ import numbers
 from collections.abc import Hashable, Sequence
 
 from .. import _ext
+from .._words import count_of
 from .orders import is_order
 
 __all__ = [
@@ -87,8 +88,8 @@ def virtual_stages_of(
         v = check_virtual_stages(virtual_stages)
         if stages % v:
             raise ValueError(
-                f"virtual_stages={v} does not divide the {stages} stages into ranks of {v} "
-                f"stages each"
+                f"virtual_stages={v} does not divide the {count_of(stages, 'stage')} into ranks "
+                f"of {v} stages each"
             )
         ranks = stages // v
         for s in range(ranks, stages):
@@ -258,13 +259,19 @@ def rank_devices(
     if own == "round_robin":
         if stages % devices:
             how = "round-robin placement" if ordered else f"{schedule} places stages round-robin"
-            raise ValueError(f"{how}: {stages} stages do not divide evenly over {devices} devices")
+            do = "does" if stages == 1 else "do"
+            raise ValueError(
+                f"{how}: {count_of(stages, 'stage')} {do} not divide evenly over "
+                f"{count_of(devices, 'device')}"
+            )
         return [f"device{s % devices}" for s in range(stages)]
     if own == "v":
         if stages % 2 or stages // 2 < devices:
             how = "V placement" if ordered else f"{schedule} places two stages per rank in a V"
+            need = "needs" if stages == 1 else "need"
             raise ValueError(
-                f"{how}: {stages} stages need to be even and at least twice the {devices} devices"
+                f"{how}: {count_of(stages, 'stage')} {need} to be even and at least twice the "
+                f"{count_of(devices, 'device')}"
             )
         ranks = stages // 2
         return [f"device{min(s, stages - 1 - s) * devices // ranks}" for s in range(stages)]

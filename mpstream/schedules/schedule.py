@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import _ext
+from .._words import count_of
 from .auto import Auto
 from .orders import KINDS, Action, check, format_order, is_order, parse
 from .placement import placement_of, virtual_stages_for, virtual_stages_of
@@ -289,8 +290,8 @@ class Schedule:
             )
         if virtual_stages is not None and virtual_stages >= _INT32:
             raise ValueError(
-                f"Schedule: virtual_stages={virtual_stages} is more than the {stages} stages: "
-                f"give a divisor of the stage count"
+                f"Schedule: virtual_stages={virtual_stages} is more than the "
+                f"{count_of(stages, 'stage')}: give a divisor of the stage count"
             )
         _refuse_schedule_object(name)  # not iterable: it would fail in parse
         explicit = not isinstance(name, str) or name not in SCHEDULES

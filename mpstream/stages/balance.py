@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
+from .._words import count_of
 from ..runtime.boundary import GradSink, cut
 from ..runtime.calls import takes_several
 from ..runtime.errors import annotate
@@ -379,8 +380,8 @@ def split_points_by(
         costs = [float(p.training_bytes(float(param_scale))) for p in profiles]
     if len(costs) < stages:
         raise ValueError(
-            f"{type(module).__name__} has {len(costs)} units to split ({', '.join(points)} "
-            f"and what precedes them) but {stages} stages were asked for"
+            f"{type(module).__name__} has {count_of(len(costs), 'unit')} to split "
+            f"({', '.join(points)} and what precedes them) but {stages} stages were asked for"
         )
     balance = partition(costs, stages)
     starts = [sum(balance[:k]) for k in range(1, stages)]

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._words import count_of
 from ..memory import DeferredBatchNorm
 from ..runtime.graph import StageGraph
 from .balance import balance_by_size, balance_by_time, split_points_by
@@ -82,8 +83,9 @@ def check_module(module: object) -> None:
     kind = type(module).__name__
     if isinstance(module, (list, tuple)) and all(isinstance(m, nn.Module) for m in module):
         raise TypeError(
-            f"Pipe takes one nn.Module, got a {kind} of {len(module)} modules: wrap them in "
-            f"nn.Sequential(*layers) (each layer is then a stage's unit, balance= counts them)"
+            f"Pipe takes one nn.Module, got a {kind} of {count_of(len(module), 'module')}: "
+            f"wrap them in nn.Sequential(*layers) (each layer is then a stage's unit, balance= "
+            f"counts them)"
         )
     raise TypeError(f"Pipe takes an nn.Module to split into stages, got {kind}")
 

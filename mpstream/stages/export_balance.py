@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
+from .._words import count_of
 from ..runtime.microbatch import NoChunk
 from .balance import profile_call
 from .export import call_order, export_stages
@@ -89,8 +90,8 @@ def export_split_points(
         outs.append(y if split.graph.outputs[s] > 1 else (y,))
     if len(costs) < stages:
         raise ValueError(
-            f"{type(module).__name__} has {len(costs)} units to split ({', '.join(points)} "
-            f"and what precedes them) but {stages} stages were asked for"
+            f"{type(module).__name__} has {count_of(len(costs), 'unit')} to split "
+            f"({', '.join(points)} and what precedes them) but {stages} stages were asked for"
         )
     balance = partition(costs, stages)
     return [points[sum(balance[:k]) - 1] for k in range(1, stages)]

@@ -7,6 +7,8 @@ from __future__ import annotations
 import numbers
 from collections.abc import Sequence
 
+from .._words import count_of
+
 __all__ = ["partition", "stage_costs"]
 
 
@@ -36,7 +38,7 @@ def partition(costs: Sequence[float], stages: int) -> list[int]:
     if stages < 1:
         raise ValueError(f"stages must be at least 1, got {stages}")
     if n < stages:
-        raise ValueError(f"cannot split {n} layers into {stages} non-empty stages")
+        raise ValueError(f"cannot split {count_of(n, 'layer')} into {stages} non-empty stages")
     bad = next((i for i, c in enumerate(costs) if not 0 <= float(c) < float("inf")), None)
     if bad is not None:
         # An infinite cost ties every split at infinity (one stage came out

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .._words import count_of
 from ..runtime.calls import Chain
 from ..runtime.stream import as_device, device_type_code, explicit_device
 
@@ -263,8 +264,8 @@ def stage_devices(
         ]
         if len(devs) != stages:
             raise ValueError(
-                f"devices has {len(devs)} entries but {what} {stages} stages; give one "
-                f"device per stage"
+                f"devices has {count_of(len(devs), 'entry', 'entries')} but {what} "
+                f"{count_of(stages, 'stage')}; give one device per stage"
             )
     for d in devs:
         device_type_code(d)
@@ -281,7 +282,9 @@ def _check_balance(balance: Sequence[int], total: int) -> list[int]:
     if not out:
         raise ValueError("balance is empty; it needs one entry (layer count) per stage")
     if sum(out) != total:
-        raise ValueError(f"balance {out} sums to {sum(out)} but the module has {total} layers")
+        raise ValueError(
+            f"balance {out} sums to {sum(out)} but the module has {count_of(total, 'layer')}"
+        )
     return out
 
 
@@ -302,8 +305,9 @@ def _check_one_device_per_layer(devices: Sequence[DeviceLike] | None, layers: in
             f"{stages} stages, or "
         )
     raise ValueError(
-        f"devices has {stages} entries but the module has {layers} layers, and without "
-        f"balance= each layer is a stage: {grouped}give one device per layer"
+        f"devices has {count_of(stages, 'entry', 'entries')} but the module has "
+        f"{count_of(layers, 'layer')}, and without balance= each layer is a stage: "
+        f"{grouped}give one device per layer"
     )
 
 

@@ -119,11 +119,13 @@ def trace_tutorial(
     (out / "timeline.png").unlink(missing_ok=True)  # an earlier run's, beside this trace
     if plot:
         step = "tutorial training step" if order is None else "train_step in your order"
+        n = config.num_batches
+        steps = "the one step traced" if n == 1 else f"last of {n} steps"
         prof.plot(
             out / "timeline.png",
             title=f"{step} through mpstream on {dev0} | {dev1}, split size "
             f"{config.split_size}, {config.batch_size} images of {config.image_w}x"
-            f"{config.image_h} (last of {config.num_batches} steps; numbers are micro-batches)",
+            f"{config.image_h} ({steps}; numbers are micro-batches)",
         )
     return prof.summary(echo=False).to_dict()
 

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from .._version import __version__
+from .._words import count_of
 
 __all__ = ["detect_devices", "device_name", "named_devices", "git_commit", "metadata"]
 
@@ -75,7 +76,8 @@ def device_name(device: torch.device) -> str:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("model name"):
-                    return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} threads)"
+                    threads = count_of(os.cpu_count() or 0, "thread")
+                    return f"{line.split(':', 1)[1].strip()} ({threads})"
     except OSError:
         pass
     return platform.processor() or platform.machine() or "cpu"
@@ -102,7 +104,10 @@ def named_devices(devices: Sequence[torch.device | str], names: Sequence[str] | 
     if names is None:
         names = [device_name(torch.device(d)) for d in devices]
     if len(names) != len(devices):
-        raise ValueError(f"{len(devices)} devices but {len(names)} names: give one per device")
+        raise ValueError(
+            f"{count_of(len(devices), 'device')} but {count_of(len(names), 'name')}: give one per "
+            f"device"
+        )
     if len(set(names)) == 1:
         return f"{', '.join(str(d) for d in devices)} ({names[0]})"
     return ", ".join(f"{d} ({name})" for d, name in zip(devices, names, strict=True))

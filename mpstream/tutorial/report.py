@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from .._words import count_of
 from . import rounds
 from .design import GRAPHS, Measurement, Results, label, left_out
 from .machine import metadata
@@ -156,7 +157,8 @@ def _what_is_timed(results: Results) -> list[str]:
     said = [
         f"each time: one synchronised train() call, in seconds ({batches} of {images} of "
         f"{c.image_w}x{c.image_h}: forward, MSELoss, backward, SGD); "
-        f"{c.repeat} rounds after {c.warmup} warm-up, the configurations round-robin"
+        f"{count_of(c.repeat, 'round')} after {c.warmup} warm-up, the configurations "
+        f"round-robin"
     ]
     if all(d.type == "cpu" for d in results.devices):
         said.append(

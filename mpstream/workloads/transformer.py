@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from .._words import count_of
 from ..stages import check_positive
 
 __all__ = [
@@ -257,7 +258,7 @@ def halves(p: Preset, stages: int = 2) -> list[int]:
     blocks[0] += 1
     blocks[-1] += 1
     if min(blocks) < 1:
-        raise ValueError(f"{p.depth} blocks cannot make {stages} stages")
+        raise ValueError(f"{count_of(p.depth, 'block')} cannot make {stages} stages")
     return blocks
 
 

@@ -34,6 +34,8 @@ def test_partition_examples_and_errors() -> None:
     assert partition([1, 2, 3], 3) == [1, 1, 1]
     with pytest.raises(ValueError, match="cannot split 2 layers into 3"):
         partition([1, 1], 3)
+    with pytest.raises(ValueError, match="cannot split 1 layer into 2"):
+        partition([1], 2)
     with pytest.raises(ValueError, match="at least 1"):
         partition([1, 1], 0)
     with pytest.raises(ValueError, match="negative"):

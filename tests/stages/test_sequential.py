@@ -199,7 +199,7 @@ def test_empty_sequential() -> None:
         ([], [], ValueError, "balance is empty"),
         ("12", None, TypeError, "balance must be a list"),
         ([1.5, 1.5], None, TypeError, r"balance\[0\] must be an int"),
-        ([2, 1], ["cpu"], ValueError, "devices has 1 entries but balance has 2 stages"),
+        ([2, 1], ["cpu"], ValueError, "devices has 1 entry but balance has 2 stages"),
         ([2, 1], "cpu", TypeError, "one device per stage"),
         (
             None,

@@ -342,7 +342,7 @@ def test_a_run_on_devices_of_two_models_names_and_records_each(
     assert machine.named_devices((cpu, gpu)) == f"cpu ({here}), cuda:0 (NVIDIA H100)"
     # Devices of one model name it once, as before.
     assert machine.named_devices(["cuda:0", "cuda:1"], ["H100"] * 2) == "cuda:0, cuda:1 (H100)"
-    with pytest.raises(ValueError, match="2 devices but 1 names"):
+    with pytest.raises(ValueError, match="2 devices but 1 name:"):
         machine.named_devices((cpu, gpu), [here])
     # results.json records both devices and both models.
     results = design.Results(bench.QUICK, (cpu, gpu), [], [])
