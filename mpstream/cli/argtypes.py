@@ -112,11 +112,19 @@ def devices_here(text: str) -> list[str]:
 
 
 def int_list(text: str) -> tuple[int, ...]:
-    """Comma-separated positive sizes, e.g. ``1,3,12``."""
+    """Comma-separated positive sizes, each given once, e.g. ``1,3,12``."""
     parts = [p.strip() for p in text.split(",") if p.strip()]
     if not parts:
         raise argparse.ArgumentTypeError("expected comma-separated sizes, e.g. 1,3,12")
-    return tuple(positive_int(p) for p in parts)
+    values = tuple(positive_int(p) for p in parts)
+    # Each value is one configuration to run: a repeat would be run twice, or
+    # dropped unsaid.
+    repeated = sorted({v for v in values if values.count(v) > 1})
+    if repeated:
+        raise argparse.ArgumentTypeError(
+            f"{', '.join(map(str, repeated))} given more than once in {text!r}: give each once"
+        )
+    return values
 
 
 def image_size(text: str) -> tuple[int, int]:

@@ -80,7 +80,7 @@ def _config(args: argparse.Namespace) -> Config:
         if value is not None:
             changes[name] = value
     if args.split_sizes is not None:  # the sweep's curve and table run in increasing order
-        changes["split_sizes"] = tuple(sorted(set(args.split_sizes)))
+        changes["split_sizes"] = tuple(sorted(args.split_sizes))  # each once (int_list)
     if args.image_size is not None:
         changes["image_w"], changes["image_h"] = args.image_size
     config = dataclasses.replace(config, **changes)  # type: ignore[arg-type]
@@ -165,7 +165,11 @@ def bench(args: argparse.Namespace) -> int:
 def _balances(text: str | None) -> list[str | list[int]]:
     """``--balances`` read: 'tutorial', 'time' or layer counts, in order."""
     items: list[str | list[int]] = []
-    for item in (t.strip() for t in (text or "").split(",") if t.strip()):
+    given = [t.strip() for t in (text or "").split(",") if t.strip()]
+    repeated = list(dict.fromkeys(t for t in given if given.count(t) > 1))
+    if repeated:  # tune would time it once, unsaid
+        raise UsageError(f"--balances: {', '.join(repeated)} given more than once: give each once")
+    for item in given:
         if item in ("tutorial", "time"):
             items.append(item)
             continue

@@ -155,7 +155,7 @@ def keys_for(config: Config) -> list[Key]:
     keys: list[Key] = [(SINGLE, None, None), (NAIVE, None, None)]
     if graphed:
         keys.append((CAPTURED, None, None))
-    for m in dict.fromkeys(config.preset.micro_batches):  # --micro-batches 2,2: once
+    for m in dict.fromkeys(config.preset.micro_batches):  # a preset listing 2 twice: once
         keys += [("mpstream", s, m) for s in SCHEDULES]
         if graphed:
             keys.append((GRAPHED, "1f1b", m))

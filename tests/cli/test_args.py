@@ -17,6 +17,7 @@ from mpstream.cli.argtypes import (
     device_here,
     device_name,
     devices_here,
+    int_list,
     non_negative_float,
     positive_float,
 )
@@ -33,6 +34,7 @@ from mpstream.cli.resnet import _config
         (non_negative_float, "-0.5", "must not be negative"),
         (non_negative_float, "inf", "must be a finite number"),
         (device_name, "foo", "'foo' is not a device name"),
+        (int_list, "4,8,4,2,8", "^4, 8 given more than once in '4,8,4,2,8': give each once$"),
     ],
 )
 def test_bad_values_are_refused(parse: object, text: str, message: str) -> None:
@@ -53,6 +55,17 @@ def test_good_values_pass() -> None:
         (["schedules", "--device", "foo"], "--device: 'foo' is not a device name"),
         (["schedules", "--copy-ms", "-1"], "--copy-ms: must not be negative"),
         (["bench", "--repeat", "0"], "--repeat: must be at least 1, got 0"),
+        # Repeats were merged unsaid (the transformer's micro-batch counts too).
+        (
+            ["bench", "--split-sizes", "4,8,4,2,8"],
+            "--split-sizes: 4, 8 given more than once in '4,8,4,2,8': give each once",
+        ),
+        (
+            ["bench", "--model", "transformer", "--micro-batches", "2,2"],
+            "--micro-batches: 2 given more than once in '2,2': give each once",
+        ),
+        (["tune", "--split-sizes", "2, 2"], "--split-sizes: 2 given more than once in '2, 2'"),
+        (["doctor", "--split-sizes", "16,16"], "--split-sizes: 16 given more than once"),
     ],
 )
 def test_bad_options_exit_2_at_once(

@@ -34,11 +34,11 @@ def test_tune_leaves_lone_images_out_of_its_default_ladder(
     assert seen == [(2, 4, 6, 8, 10, 12, 16)]
 
 
-def test_split_sizes_are_swept_in_increasing_order_once_each() -> None:
+def test_split_sizes_are_swept_in_increasing_order() -> None:
     from mpstream.cli.resnet import _config
 
-    parsed = cli.parser().parse_args(["bench", "--quick", "--split-sizes", "8,2,4,2"])
-    # As given, the figure's curve ran 8 -> 2 -> 4 -> 2 and the table listed 2 twice.
+    parsed = cli.parser().parse_args(["bench", "--quick", "--split-sizes", "8,2,4"])
+    # As given, the figure's curve ran 8 -> 2 -> 4 (a size given twice is refused).
     assert _config(parsed).split_sizes == (2, 4, 8)
 
 
@@ -87,3 +87,12 @@ def test_tune_says_where_and_why_a_sweep_stopped_early(
         "fastest, 4, were slower"
     )
     assert json.loads((tmp_path / "tune.json").read_text())["stopped_early"] is True
+
+
+def test_a_balance_given_twice_is_refused() -> None:
+    from mpstream.cli.argtypes import UsageError
+    from mpstream.cli.resnet import _balances
+
+    # tune timed it once, unsaid.
+    with pytest.raises(UsageError, match="^--balances: 9:14, time given more than once: give"):
+        _balances("9:14,time,tutorial,9:14,time")
