@@ -24,6 +24,7 @@ import pytest
 pytest.importorskip("hypothesis", reason="a property test: needs hypothesis (the dev extra)")
 
 import copy
+import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -330,12 +331,15 @@ def isolated() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
+EXAMPLES = int(os.environ.get("MPSTREAM_PROPERTY_EXAMPLES", "0"))  # see test_random_models
+
+
 @pytest.mark.parametrize("k", range(len(COMBOS)), ids=lambda k: "-".join(map(str, COMBOS[k])))
 @settings(
-    derandomize=True,
+    derandomize=not EXAMPLES,
     deadline=None,
     database=None,
-    max_examples=20,
+    max_examples=EXAMPLES or 20,  # for each combination
     suppress_health_check=[HealthCheck.too_slow],
 )
 @given(data=st.data())
