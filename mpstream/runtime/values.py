@@ -267,7 +267,7 @@ class Flow:
         device (with ``replaced`` values instead of the stored ones)."""
         wiring = self.wiring
         if wiring.single and replaced is None:
-            ref, hop = wiring.result_refs[0]
+            ref, hop = self.result_refs[0]  # as result_sources reads them
             return self._source(ref, hop, m)[ref.index]
         items = []
         for ref, hop in wiring.result_items:

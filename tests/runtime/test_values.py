@@ -70,3 +70,14 @@ def test_keep_counts_reads_as_release_does() -> None:
     copy_into(flow, routes, 3)
     torch.testing.assert_close(flow.keep(3, 0, torch.ones(2)), torch.ones(2))
     assert flow.moved[0] == {}
+
+
+def test_result_and_result_sources_read_the_same_refs() -> None:
+    # result() read the wiring's list, result_sources() the flow's mirror of
+    # it: a wiring rebound after the flow was made split them.
+    flow, routes = flow_of(StageGraph.chain(2), (0, 1))
+    for q in (0, 1):
+        run_forward(flow, routes, q)
+    flow.wiring.result_refs = []
+    assert flow.result_sources(0) == []  # the last stage's output alone
+    torch.testing.assert_close(flow.result(0), torch.full((2,), 1.0))
