@@ -314,7 +314,8 @@ class PipeConfig(PipeModule):
             ValueError: the schedule does not fit the stages' placement
                 (set ``virtual_stages`` or another schedule).
         """
-        if self.__dict__["_graph"] is None:
+        graph = self.__dict__["_graph"]
+        if graph is None:
             raise unsplit("pipe.schedule_for()")
         devs = self.__dict__["_devices"]
         chosen = None  # a forward-only run's: fill-drain
@@ -323,7 +324,7 @@ class PipeConfig(PipeModule):
         return run_schedule(
             self._rt().schedules,
             devs,
-            self.graph,
+            graph,  # read above: no property call per run
             chosen,
             micros,
             input_device,
