@@ -170,7 +170,8 @@ def refusal(recipe: Recipe, c: Config) -> tuple[type[Exception], str] | None:
     if placement == "round_robin" and c.virtual_stages and c.stages % c.virtual_stages:
         return (
             ValueError,
-            f"virtual_stages={c.virtual_stages} does not divide the {c.stages} stages",
+            f"virtual_stages={c.virtual_stages} does not divide the "
+            f"{c.stages} stage{'' if c.stages == 1 else 's'} into ranks",
         )
     return None
 
