@@ -66,7 +66,12 @@ def check_knobs(repeat: object, warmup: object, patience: object, tolerance: obj
 
 
 def checked_sizes(split_sizes: Sequence[int] | None, batch: int) -> list[int]:
-    """The candidate split sizes, checked, in increasing order."""
+    """The candidate split sizes, checked, in increasing order.
+
+    Raises:
+        ValueError: not a non-empty list of positive ints, a size given more
+            than once, or one larger than ``batch``.
+    """
     if split_sizes is None:
         return candidate_split_sizes(batch)
     try:
@@ -81,11 +86,21 @@ def checked_sizes(split_sizes: Sequence[int] | None, batch: int) -> list[int]:
             "split_sizes=[] lists no split size to time: leave it out to try the default ones"
         )
     try:
-        sizes = sorted({operator.index(s) for s in split_sizes if not isinstance(s, bool)})
+        values = [operator.index(s) for s in split_sizes if not isinstance(s, bool)]
     except TypeError:
-        sizes = []
-    if not sizes or len(sizes) != len(set(split_sizes)) or sizes[0] < 1:
+        values = []
+    if len(values) != len(split_sizes) or min(values) < 1:
         raise ValueError(f"split_sizes must be positive ints, got {split_sizes!r}")
+    # Each size is one configuration timed: a repeat would be timed once,
+    # merged unsaid (the CLI's --split-sizes refuses it too).
+    repeated = sorted({v for v in values if values.count(v) > 1})
+    if repeated:
+        sizes_word = "split size" if len(repeated) == 1 else "split sizes"
+        raise ValueError(
+            f"{sizes_word} {', '.join(map(str, repeated))} given more than once in "
+            f"split_sizes={split_sizes!r}: give each once"
+        )
+    sizes = sorted(values)
     if sizes[-1] > batch:
         raise ValueError(f"split size {sizes[-1]} is larger than the batch of {batch}")
     return sizes

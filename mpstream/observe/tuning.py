@@ -140,8 +140,8 @@ def tune(
             target)``, and a Pipe's step is its ``train_step``: its own
             schedule (1F1B, zero-bubble, ...). None times the forward
             alone, without grad.
-        split_sizes: candidates up to the batch size, tried in increasing
-            order; default a ladder up to the batch size.
+        split_sizes: candidates up to the batch size, each given once,
+            tried in increasing order; default a ladder up to the batch size.
         target: the batch's target, to time ``train_step`` (see ``loss_fn``).
         balances: stage balances to try (needs a factory).
         repeat: timed steps per configuration (the median is used).
@@ -166,7 +166,7 @@ def tune(
         :mod:`~.spread`) is warned about and not cached.
 
     Raises:
-        ValueError: bad split sizes (or one larger than the batch), repeat
+        ValueError: bad split sizes (one repeated, or larger than the batch), repeat
             or patience below 1, a negative warmup, a negative or NaN
             tolerance; ``target`` without ``loss_fn``; a ``loss_fn`` of
             (output, target) without ``target``; a pipe

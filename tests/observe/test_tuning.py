@@ -66,6 +66,10 @@ def test_errors() -> None:
         tune(Curve(), SAMPLE, balances=[], cache=None, progress=False)
     with pytest.raises(ValueError, match="positive ints"):
         tune(Curve(), SAMPLE, split_sizes=[0, 2], cache=None, progress=False)
+    with pytest.raises(ValueError, match=r"split size 4 given more than once in .*give each once"):
+        tune(Curve(), SAMPLE, split_sizes=[4, 4, 8], cache=None, progress=False)
+    with pytest.raises(ValueError, match=r"split sizes 2, 6 given more than once"):
+        tune(Curve(), SAMPLE, split_sizes=[6, 2, 6, 2], cache=None, progress=False)
     with pytest.raises(ValueError, match=r"split_sizes=\[\] lists no split size to time"):
         tune(Curve(), SAMPLE, split_sizes=[], cache=None, progress=False)
     with pytest.raises(ValueError, match=r"split_sizes must be a list .* give \[2\]"):
