@@ -274,7 +274,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _check_paths(args: argparse.Namespace, created: list[Path]) -> None:
     """Creates ``--out`` and checks ``--cache`` before anything is measured:
     a run must not end, its results lost, on a folder it cannot write, nor
-    ignore ``--cache`` or ``--refresh`` given with ``--no-cache``.
+    ignore ``--cache`` or ``--refresh`` given with ``--no-cache``, nor
+    (tune) write its ``tune.json`` over the tuning cache.
 
     Args:
         args: the parsed options.
@@ -284,6 +285,8 @@ def _check_paths(args: argparse.Namespace, created: list[Path]) -> None:
         UsageError: naming the option and why.
     """
     out = getattr(args, "out", None)
+    if args.command == "tune":
+        _out_is_not_the_cache(Path(out), getattr(args, "cache", None))
     if out is not None:
         path = Path(out)
         created += [p for p in (path, *path.parents) if not p.exists()]
@@ -302,6 +305,26 @@ def _check_paths(args: argparse.Namespace, created: list[Path]) -> None:
             raise UsageError(f"--cache {cache}: is a folder; give a JSON file's path")
         folder = Path(cache).parent
         _writable_folder(folder, f"--cache {cache}", str(folder))
+
+
+def _out_is_not_the_cache(out: Path, cache: str | None) -> None:
+    """Refuses a ``tune --out`` whose ``tune.json`` is the tuning cache's
+    file (the default one or ``--cache``'s): the run would replace the cache,
+    every result stored in it, by its own curve.
+
+    Raises:
+        UsageError: naming the cache's folder.
+    """
+    from ..observe.tune_cache import default_cache
+
+    written = (out / "tune.json").resolve()
+    # The default cache too under --no-cache: it is the user's all the same.
+    for path in (default_cache(), *([Path(cache)] if cache else [])):
+        if written == path.resolve():
+            raise UsageError(
+                f"--out {out}: is the tuning cache's folder ({path.parent}), whose "
+                f"{path.name} the run's tune.json would replace: pick another folder"
+            )
 
 
 def _writable_folder(folder: Path, option: str, name: str) -> None:

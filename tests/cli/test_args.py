@@ -106,6 +106,30 @@ def test_tune_refuses_a_cache_that_is_a_folder(
     assert not (tmp_path / "new").exists()
 
 
+def test_tune_refuses_an_out_that_is_the_caches_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Its tune.json would replace the cache's file, every stored result lost.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    folder = tmp_path / "xdg" / "mpstream"
+    mine = tmp_path / "mine"
+    runs = [
+        (["--out", str(folder)], folder),
+        (["--no-cache", "--out", str(folder)], folder),  # the user's cache all the same
+        (["--cache", str(mine / "c.json"), "--out", str(folder / ".." / "mpstream")], folder),
+        (["--cache", str(mine / "tune.json"), "--out", str(mine)], mine),
+    ]
+    # Tiny, so that a run not refused ends soon.
+    tiny = "--batch-size 4 --image-size 32 --num-classes 10 --split-sizes 2 --repeat 1"
+    tiny += " --warmup 0 --no-progress --devices cpu,cpu"
+    for args, cache_folder in runs:
+        assert cli.main(["tune", *tiny.split(), *args]) == 2
+        err = capsys.readouterr().err
+        assert f"is the tuning cache's folder ({cache_folder}), whose tune.json" in err, err
+        assert err.rstrip().endswith("pick another folder")
+    assert not folder.exists() and not mine.exists()  # refused before any folder was made
+
+
 def test_tune_takes_no_option_it_would_ignore(capsys: pytest.CaptureFixture[str]) -> None:
     # tune times one mini-batch per step, over its --split-sizes.
     with pytest.raises(SystemExit) as info:
