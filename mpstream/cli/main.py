@@ -256,13 +256,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(exc, file=sys.stderr)
         return 1
     created: list[Path] = []
+    # `mpstream schedules | head` still writes its files; under 2>&1, a
+    # refusal after the reader left still exits 2.
     try:
-        _check_paths(args, created)
-        with reader_may_leave():  # `mpstream schedules | head` still writes its files
-            return int(args.func(args))
-    except UsageError as exc:
-        print(f"mpstream {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        with reader_may_leave():
+            try:
+                _check_paths(args, created)
+                return int(args.func(args))
+            except UsageError as exc:
+                print(f"mpstream {args.command}: error: {exc}", file=sys.stderr)
+                return 2
     finally:
         for folder in created:  # a run that stopped early leaves no empty --out behind
             try:

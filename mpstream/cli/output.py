@@ -1,13 +1,15 @@
-"""Standard output whose reader may leave: ``mpstream schedules | head``.
+"""Standard output and error whose reader may leave: ``mpstream schedules | head``.
 
 A command's tables go to standard output, its results to files in
 ``--out``. When the program reading the tables exits first (``head``,
 ``less`` quit early), the next write raises ``BrokenPipeError``: where it
 is raised (an unbuffered stream, ``python -u`` or ``PYTHONUNBUFFERED``, or
 more output than the buffer holds) the command ended with a traceback
-before writing its files. :func:`reader_may_leave` sends what is printed
-after that to the null device instead, so the run ends as it would have,
-its files written.
+before writing its files. Standard error too, read by the same program
+under ``2>&1``: a warning, or a refusal's one-line error, written after
+the reader left raised it as well. :func:`reader_may_leave` sends what
+either stream gets after that to the null device instead, so the run ends
+as it would have, its files written.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ class _Tolerant:
     """Forwards to ``stream``; once its reader has gone, points its file
     descriptor at the null device and writes there."""
 
-    def __init__(self, stream: TextIO) -> None:
+    def __init__(self, stream: TextIO, name: str) -> None:
         self._stream = stream
+        self._name = name
 
     def write(self, text: str) -> int:
         try:
@@ -49,7 +52,7 @@ class _Tolerant:
         try:
             fd = self._stream.fileno()
         except (OSError, io.UnsupportedOperation):
-            raise BrokenPipeError("the reader of standard output has gone") from None
+            raise BrokenPipeError(f"the reader of {self._name} has gone") from None
         null = os.open(os.devnull, os.O_WRONLY)
         try:
             os.dup2(null, fd)
@@ -62,22 +65,30 @@ class _Tolerant:
 
 @contextlib.contextmanager
 def reader_may_leave() -> Iterator[None]:
-    """Within the block, ``print`` keeps working after standard output's
-    reader has gone (its output then dropped); the stream is flushed at
-    the end of the block and put back. A closed standard output (None,
-    where ``print`` writes nothing) is left as it is."""
-    stream = sys.stdout
+    """Within the block, ``print`` keeps working after the reader of
+    standard output or standard error has gone (what it gets then is
+    dropped); each stream is flushed at the end of the block and put back.
+    A closed stream (None, where ``print`` writes nothing) is left as it
+    is."""
+    with _tolerant("stdout", "standard output"), _tolerant("stderr", "standard error"):
+        yield
+
+
+@contextlib.contextmanager
+def _tolerant(attribute: str, name: str) -> Iterator[None]:
+    """``sys.<attribute>`` wrapped in a :class:`_Tolerant` within the block."""
+    stream = getattr(sys, attribute)
     if stream is None:
-        # Started with its standard output closed (``>&-``): print() writes
-        # nothing then, and a wrapper would write to None.
+        # Started with the stream closed (``>&-``): print() writes nothing
+        # then, and a wrapper would write to None.
         yield
         return
-    tolerant = _Tolerant(stream)
-    sys.stdout = tolerant  # type: ignore[assignment]
+    tolerant = _Tolerant(stream, name)
+    setattr(sys, attribute, tolerant)
     try:
         yield
     finally:
-        sys.stdout = stream
+        setattr(sys, attribute, stream)
         # A stream with no descriptor to silence keeps its error, not the block's.
         with contextlib.suppress(BrokenPipeError):
             tolerant.flush()

@@ -44,6 +44,23 @@ def test_schedules_writes_its_json_when_the_reader_of_its_table_has_gone(
     assert doc["stages"] == 2 and doc["schedules"]
 
 
+def test_a_refusal_after_the_reader_has_gone_still_exits_2(tmp_path: Path) -> None:
+    # `mpstream tune ... 2>&1 | head`: the header is printed, then the
+    # balance refused; its one-line error on standard error, read by the
+    # same departed reader, ended in a BrokenPipeError traceback.
+    args = ["tune", "--batch-size", "4", "--image-size", "32", "--devices", "cpu,cpu"]
+    args += ["--balances", "5:5", "--no-cache", "--no-progress", "--out", str(tmp_path / "o")]
+    with reader_gone() as stream:
+        saved, sys.stderr = sys.stderr, stream  # 2>&1
+        try:
+            assert cli.main(args) == 2
+            assert sys.stderr is stream
+            print("after the command", file=sys.stderr, flush=True)
+        finally:
+            sys.stderr = saved
+    assert not (tmp_path / "o").exists()
+
+
 def test_reader_may_leave_passes_output_through_and_keeps_other_errors(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
