@@ -288,7 +288,7 @@ def _check_paths(args: argparse.Namespace, created: list[Path]) -> None:
         UsageError: naming the option and why.
     """
     out = getattr(args, "out", None)
-    if args.command == "tune":
+    if args.command == "tune" and out is not None:
         _out_is_not_the_cache(Path(out), getattr(args, "cache", None))
     if out is not None:
         path = Path(out)
