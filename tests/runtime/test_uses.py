@@ -37,7 +37,9 @@ def chain() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2))
 
 
-def pipe_of(schedule: str, skip: bool = False, force: bool = True) -> Pipe:
+def pipe_of(
+    schedule: str, skip: bool = False, force: bool = True, checkpoint: str = "never"
+) -> Pipe:
     torch.manual_seed(0)
     if skip:
         return Pipe(
@@ -48,13 +50,19 @@ def pipe_of(schedule: str, skip: bool = False, force: bool = True) -> Pipe:
             force_copies=force,
             schedule=schedule,
         )
-    if schedule in {"interleaved", "looped_bfs", "interleaved_zb"}:
+    if schedule in {"interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev"}:
         model = nn.Sequential(*list(chain())[:4], nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2))
         balance, virtual = [2, 2, 2, 1], {"virtual_stages": 2}
     else:
         model, balance, virtual = chain(), [2, 3], {}
     return Pipe(
-        model.double(), balance=balance, chunks=4, force_copies=force, schedule=schedule, **virtual
+        model.double(),
+        balance=balance,
+        chunks=4,
+        force_copies=force,
+        schedule=schedule,
+        checkpoint=checkpoint,
+        **virtual,
     )
 
 
@@ -84,6 +92,30 @@ def test_every_cross_stream_read_is_marked(schedule: str, skip: bool, force: boo
     assert uses.reads > 0
     torch.testing.assert_close(out, ref(x))
     torch.testing.assert_close(loss, ref.train_step(x, y, nn.MSELoss()))
+
+
+@pytest.mark.parametrize("force", [True, False], ids=["copies", "shared"])
+@pytest.mark.parametrize(
+    ("schedule", "checkpoint"),
+    [("zbv", "never"), ("dualpipev", "never"), ("1f1b", "always"), ("zb_h1", "always")],
+)
+def test_every_cross_stream_read_is_marked_in_v_and_checkpointed_runs(
+    schedule: str, checkpoint: str, force: bool
+) -> None:
+    """The V schedules (the first and the last stage share a rank: the loss
+    and the first stage's backward on one device) and checkpointed
+    micro-batches (the recompute reads the stage's saved inputs in its
+    backward task)."""
+    pipe = pipe_of(schedule, force=force, checkpoint=checkpoint)
+    x, y = batch()
+    ref = copy.deepcopy(pipe)
+    with checking_uses(pipe.scheduler) as uses:
+        loss = pipe.train_step(x, y, nn.MSELoss())
+    assert uses.missing == []
+    assert uses.reads > 0
+    torch.testing.assert_close(loss, ref.train_step(x, y, nn.MSELoss()))
+    for (name, a), b in zip(pipe.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, msg=name)
 
 
 @pytest.mark.parametrize(
