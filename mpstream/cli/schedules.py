@@ -69,8 +69,9 @@ def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
             "looped_bfs, interleaved_zb, zbv, dualpipev; those whose placement the stages and "
             "devices allow) for the given "
             "stages, devices and micro-batches from a measured profile of the tutorial's "
-            "ResNet50 (or unit costs), print step time, bubble and live activations per stage, "
-            "measure each schedule's peak memory in a real step, and draw one PNG with a "
+            "ResNet50 (or unit costs), print step time, device idle share and live "
+            "activations per stage, measure each schedule's peak memory in a real step, and "
+            "draw one PNG with a "
             "timeline per schedule on one time axis. With --order, your order of actions "
             "beside them."
         ),
@@ -286,7 +287,7 @@ def run(args: argparse.Namespace) -> int:
             {
                 "schedule": r.schedule,
                 "step_ms": r.step_ms,
-                "bubble_fraction": r.bubble_fraction,
+                "device_idle_fraction": r.device_idle_fraction,
                 "live_per_stage": r.live,
                 "held_per_stage": r.held,
                 "peak_activations_per_device": r.peak,

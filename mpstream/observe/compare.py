@@ -1,4 +1,4 @@
-"""Schedules side by side: simulated step and bubble, live activations,
+"""Schedules side by side: simulated step and device idle share, live activations,
 measured memory, and one picture with a timeline per schedule.
 
 A research tool built on the core: :func:`compare` simulates every schedule
@@ -136,7 +136,10 @@ class Comparison:
     Attributes:
         schedule: its name (``'your order'`` for an order of actions).
         step_ms: simulated step time.
-        bubble_fraction: simulated idle share of the devices' time.
+        device_idle_fraction: simulated share of device-time (devices x
+            step) in which no stage on a device computed, as
+            :attr:`~mpstream.observe.summary.Summary.device_idle_fraction`
+            (not its per-stage ``bubble_fraction``).
         live: per stage, peak micro-batches between forward and backward.
         held: per stage, peak micro-batches between forward and the last
             backward pass (W for split backwards).
@@ -154,7 +157,7 @@ class Comparison:
 
     schedule: str
     step_ms: float
-    bubble_fraction: float
+    device_idle_fraction: float
     live: list[int]
     held: list[int]
     devices: list[str]
@@ -220,12 +223,10 @@ def compare(
         )
         live, held = live_activations(sched)
         launches = graph_launches(sched, len(set(labels)))
-        bubble = sim.timeline.summary(echo=False).device_idle_fraction
+        idle = sim.timeline.summary(echo=False).device_idle_fraction
         peak = list(peak_activations(sched, [1.0] * stages, labels).values())
         out.append(
-            Comparison(
-                label(name), sim.step_ms, bubble, live, held, labels, sim, launches, peak=peak
-            )
+            Comparison(label(name), sim.step_ms, idle, live, held, labels, sim, launches, peak=peak)
         )
     return out
 
@@ -242,7 +243,9 @@ def table(rows: Sequence[Comparison]) -> str:
     head = (
         # Simulated from the costs on devices that need not exist here, beside
         # the measured peaks: said in the column, as docs/schedules.md shows it.
-        "| schedule | step (ms, simulated) | bubble | live per stage | held per stage "
+        # The idle share is the devices' (stages sharing one idle it only when
+        # none computes), not the per-stage bubble `mpstream trace` prints.
+        "| schedule | step (ms, simulated) | device idle | live per stage | held per stage "
         "| peak per device "
         "| launches |"
     )
@@ -254,7 +257,7 @@ def table(rows: Sequence[Comparison]) -> str:
     lines = [head, rule]
     for r in rows:
         line = (
-            f"| {r.schedule} | {r.step_ms:.1f} | {100 * r.bubble_fraction:.1f}% | "
+            f"| {r.schedule} | {r.step_ms:.1f} | {100 * r.device_idle_fraction:.1f}% | "
             f"{' '.join(map(str, r.live))} | {' '.join(map(str, r.held))} | "
             f"{' '.join(f'{p:g}' for p in r.peak)} | {r.launches} |"
         )
@@ -308,8 +311,9 @@ def plot_stacked(rows: Sequence[Comparison], path: str | Path, title: str = "") 
         ax.set_yticks(range(len(labels)))
         ax.set_yticklabels(labels, fontsize=7)
         ax.invert_yaxis()
+        idle = 100 * r.device_idle_fraction
         ax.set_title(
-            f"{r.schedule}: step {r.step_ms:.1f} ms, bubble {100 * r.bubble_fraction:.1f}%",
+            f"{r.schedule}: step {r.step_ms:.1f} ms, device idle {idle:.1f}%",
             fontsize=8,
             loc="left",
         )

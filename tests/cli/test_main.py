@@ -128,13 +128,18 @@ def test_schedules_with_unit_costs(tmp_path: Path, capsys: pytest.CaptureFixture
     out = capsys.readouterr().out
     assert "4 stages on 2 devices, 8 micro-batches; unit costs" in out
     # Simulated step times beside measured peaks: the column says which.
-    assert "| schedule | step (ms, simulated) | bubble |" in out
+    assert "| schedule | step (ms, simulated) | device idle |" in out
     rows = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ")]
     assert rows[2:] == list(mpstream.SCHEDULES)
     doc = json.loads((tmp_path / "schedules.json").read_text())
     steps = {r["schedule"]: r["step_ms"] for r in doc["schedules"]}
     assert steps["zb_h1"] < steps["interleaved_1f1b"] < steps["1f1b"] < steps["gpipe"]
     assert steps["zbv"] == steps["dualpipev"] == steps["interleaved_zb"] < steps["zb_h1"]
+    # The devices' idle share under its own name: bubble_fraction is the
+    # per-stage share, as trace_report.json holds it.
+    assert not any("bubble_fraction" in r for r in doc["schedules"])
+    idle = {r["schedule"]: r["device_idle_fraction"] for r in doc["schedules"]}
+    assert idle["gpipe"] == pytest.approx(12 / 60)  # each device idles 12 of 60 ms
     # Captured over graphed stages: a graph per forward and backward of each
     # of the 4 stages' 8 micro-batches (64), one per weight task where a
     # backward is split (all 32 in zero-bubble, 5 in DualPipe-V), less the

@@ -36,7 +36,7 @@ def test_schedules_draws_your_order_beside_the_built_in_ones(
     assert (doc["order_file"], doc["order"]) == (order, text)
     rows = {r["schedule"]: r for r in doc["schedules"]}
     mine, built_in = rows.pop("your order"), rows["1f1b"]
-    for key in ("step_ms", "bubble_fraction", "live_per_stage", "held_per_stage", "devices"):
+    for key in ("step_ms", "device_idle_fraction", "live_per_stage", "held_per_stage", "devices"):
         assert mine[key] == built_in[key], key
     assert (out / "schedules.png").read_bytes().startswith(b"\x89PNG")
 
@@ -130,7 +130,7 @@ def test_schedules_places_an_order_written_for_several_stages_per_device(
         assert doc["order_placement"] == given
         runs[given] = {r["schedule"]: r for r in doc["schedules"]}
     mine, built_in = runs[placement]["your order"], runs[placement][name]
-    keys = ("step_ms", "bubble_fraction", "peak_activations_per_device", "devices")
+    keys = ("step_ms", "device_idle_fraction", "peak_activations_per_device", "devices")
     for key in (*keys, "live_per_stage", "held_per_stage", "graph_launches"):
         assert mine[key] == built_in[key], key
     # In contiguous runs (the default) the same order is another pipeline.
