@@ -37,16 +37,16 @@ from __future__ import annotations
 
 import copy
 import pickle
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import fx, nn
+from torch import nn
 
 from ..runtime.graphed import generation
 from .fx import Traced, trace, traced_through
+from .fx_constants import drop_constants, same_code
 from .kinds import Kinds, Split, operations
 from .lookups import NOTHING, Lookup, missing_keys, value_at
 from .module_hooks import HookError, check_traced_hooks, check_unsized, entering
@@ -101,7 +101,7 @@ class _Trace(Split):
             isinstance(bind, Binder)
             and bind.names == self.bind.names
             and other.graph == self.graph
-            and all(_same_code(p, q) for p, q in zip(other.partitions, self.partitions))
+            and all(same_code(p, q) for p, q in zip(other.partitions, self.partitions))
         )
 
 
@@ -266,7 +266,7 @@ class FxSplit(Kinds):
         except (TypeError, ValueError) as exc:
             self.lookups |= looked
             if traced is not None:
-                _drop_constants(self.module, traced)
+                drop_constants(self.module, traced)
             if isinstance(exc, HookError):
                 raise  # not this kind's: it traces once the hook is removed
             described = _describe(values, flags, self.lookups)
@@ -275,7 +275,7 @@ class FxSplit(Kinds):
             raise type(exc)(message) from exc
         self.lookups |= looked
         if split is not None:
-            _drop_constants(self.module, traced)  # the shared split holds its own
+            drop_constants(self.module, traced)  # the shared split holds its own
             # Code alike, though one trace may enter a module the other did
             # not (one that adds no operation): each call it serves checks both.
             known = split.entered or ()
@@ -339,27 +339,6 @@ class FxSplit(Kinds):
         )
 
 
-# What fx names a tensor it computed while tracing (a fresh name per trace).
-_CONSTANT = re.compile(r"_attr__tensor_constant\d+")
-
-
-def _same_code(a: fx.GraphModule, b: fx.GraphModule) -> bool:
-    """Whether two stages run the same code on equal constants."""
-    names_a, names_b = (list(dict.fromkeys(_CONSTANT.findall(p.code))) for p in (a, b))
-    if len(names_a) != len(names_b):
-        return False
-    code_a, code_b = a.code, b.code
-    for i, (x, y) in enumerate(zip(names_a, names_b)):
-        code_a = re.sub(rf"\b{x}\b", f"_constant{i}_", code_a)
-        code_b = re.sub(rf"\b{y}\b", f"_constant{i}_", code_b)
-        s, t = getattr(a, x), getattr(b, y)
-        if s.dtype != t.dtype or s.shape != t.shape or s.device != t.device:
-            return False
-        if not torch.equal(s, t):
-            return False
-    return code_a == code_b
-
-
 def _pickles(lookup: Lookup) -> bool:
     """Whether a lookup pickles (its key, and those on the way to its dict)."""
     try:
@@ -367,15 +346,6 @@ def _pickles(lookup: Lookup) -> bool:
     except (pickle.PicklingError, AttributeError, TypeError):
         return False
     return True
-
-
-def _drop_constants(module: nn.Module, traced: Traced) -> None:
-    """Removes from ``module`` the constants fx put there for a trace that
-    is not kept (each trace adds its own)."""
-    for part in traced.partitions:
-        for target in getattr(part, "_mpstream_attrs", {}).values():
-            if _CONSTANT.fullmatch("_attr_" + target) and hasattr(module, target):
-                delattr(module, target)
 
 
 def _describe(values: dict[str, Any] | None, flags: tuple[bool, ...], lookups: set[Lookup]) -> str:
