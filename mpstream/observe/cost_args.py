@@ -1,7 +1,11 @@
 """How the cost model reads the costs it is given.
 
 A cost is one number (a forward alone, or both directions for a copy), a
-(forward, backward) pair or a (forward, input pass, weight pass) triple;
+(forward, backward) pair, a (forward, input pass, weight pass) triple, or a
+(forward, input pass, weight pass, backward) quadruple: a stage whose
+backward the schedule splits for some micro-batches and runs whole for
+others (``'dualpipev'``) was timed both ways, and a whole backward (one
+autograd pass) costs less than its two split passes, most for small tasks;
 :func:`cost_pair` and :func:`backward_passes` read one, :func:`issue_costs`
 and :func:`copy_costs` turn :func:`~mpstream.observe.cost_model.simulate`'s
 ``issue_times`` and ``copy_times`` into functions of a task or a hop, and
@@ -36,27 +40,31 @@ __all__ = [
     "issue_costs",
 ]
 
-Cost = float | tuple[float, float] | tuple[float, float, float]
+Cost = float | tuple[float, float] | tuple[float, float, float] | tuple[float, float, float, float]
 # Host issue time per task: one for every task, or per (kind, stage), the
-# kind as a timeline span names it ("forward", "backward", "copy", ...).
+# kind as a timeline span names it ("forward", "backward", "copy", ...), or
+# "whole_backward" for a backward the schedule does not split where it
+# splits others (as fit measures it; default: "backward" + "weight").
 IssueTimes = float | Mapping[tuple[str, int], float]
 
 
 def cost_pair(cost: Cost, what: str, *, both: bool = False) -> tuple[float, float]:
-    """A (forward, backward) pair. A single number is the forward alone, or
-    both directions with ``both`` (a gradient is as large as its activation);
-    a triple's backward is its input and weight passes together."""
+    """A (forward, backward) pair, the backward a whole one. A single number
+    is the forward alone, or both directions with ``both`` (a gradient is as
+    large as its activation); a triple's backward is its input and weight
+    passes together, a quadruple's its last entry."""
     if isinstance(cost, (int, float, numbers.Real)):
         pair = (float(cost), float(cost) if both else 0.0)
-    elif cost_size(cost) not in (2, 3):
+    elif cost_size(cost) not in (2, 3, 4):
         raise ValueError(
-            f"{what} must be a number, a (forward, backward) pair or a (forward, input_grad, "
-            f"weight_grad) triple, got {cost!r}"
+            f"{what} must be a number, a (forward, backward) pair, a (forward, input_grad, "
+            f"weight_grad) triple or a (forward, input_grad, weight_grad, backward) "
+            f"quadruple, got {cost!r}"
         )
     elif len(cost) == 3:
         pair = (float(cost[0]), float(cost[1]) + float(cost[2]))
     else:
-        pair = (float(cost[0]), float(cost[1]))
+        pair = (float(cost[0]), float(cost[-1]))
     parts = [cost] if isinstance(cost, (int, float, numbers.Real)) else list(cost)
     if not all(math.isfinite(float(c)) and float(c) >= 0 for c in parts):
         raise ValueError(f"{what} must be finite and not negative, got {cost}")
@@ -84,9 +92,9 @@ def cost_size(cost: object) -> int:
 
 def backward_passes(cost: Cost) -> tuple[float, float]:
     """(input pass, weight pass) of a stage's split backward."""
-    # Any triple (a list, an array's row), as cost_pair reads one.
-    if cost_size(cost) == 3:
-        _, inputs, weights = cast(Sequence[float], cost)
+    # Any triple or quadruple (a list, an array's row), as cost_pair reads one.
+    if cost_size(cost) in (3, 4):
+        inputs, weights = cast(Sequence[float], cost)[1:3]
         return float(inputs), float(weights)
     backward = cost_pair(cost, "stage time")[1]
     return backward / 2, backward / 2
@@ -105,7 +113,7 @@ def issue_costs(issue_times: IssueTimes | None, split: frozenset[tuple[int, int]
     table = {key: float(v) for key, v in issue_times.items()}
     if not all(math.isfinite(v) and v >= 0 for v in table.values()):
         raise ValueError(f"issue_times must be finite and not negative, got {issue_times}")
-    kinds = {k.label for k in Kind}
+    kinds = {k.label for k in Kind} | {"whole_backward"}
     for key in table:
         if not (isinstance(key, tuple) and len(key) == 2 and key[0] in kinds):
             raise ValueError(
@@ -125,7 +133,9 @@ def issue_costs(issue_times: IssueTimes | None, split: frozenset[tuple[int, int]
             return passes(t.stage)[1]
         if t.kind is Kind.BACKWARD:
             b, w = passes(t.stage)
-            return b if (t.stage, t.micro) in split else b + w
+            if (t.stage, t.micro) in split:
+                return b
+            return table.get(("whole_backward", t.stage), b + w)
         return table.get((t.kind.label, t.stage), 0.0)
 
     return of

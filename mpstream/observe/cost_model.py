@@ -24,7 +24,11 @@ task starts when its streams are free and its dependencies have finished.
 
 Every schedule is modelled, explicit orders included. A split backward's
 input pass (B) and weight pass (W) cost what the stage costs give; from a
-(forward, backward) pair, half the backward each.
+(forward, backward) pair, half the backward each. A whole backward costs a
+pair's backward, a triple's B + W, or a quadruple's own last entry: a
+schedule that splits only some backwards (``'dualpipev'``) runs the others
+as one autograd pass, which costs less than B and W apart, and a profile of
+it measures both (:func:`~mpstream.observe.fitting.fit`).
 
 A batch the split size does not divide ends in a shorter micro-batch:
 ``last_size`` (:func:`micro_batches` gives it) scales the last
@@ -142,9 +146,12 @@ def simulate(
 
     Args:
         stage_times: per stage, the forward time of one micro-batch, a
-            (forward, backward) pair, or a (forward, input_grad,
-            weight_grad) triple (the passes of a split backward; a schedule
-            that does not split adds them up).
+            (forward, backward) pair, a (forward, input_grad, weight_grad)
+            triple (the passes of a split backward; a backward the schedule
+            does not split costs their sum), or a (forward, input_grad,
+            weight_grad, backward) quadruple, a whole backward costing the
+            last (as ``simulate_fit(profile).per_stage()`` gives them from a
+            profile that split some backwards and not others).
         copy_times: per boundary (or one for all), the copy time of one
             micro-batch's activations (its gradient's copy takes as long), or
             a (forward, gradient) pair. For a stage graph (``reads``): one

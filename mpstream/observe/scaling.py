@@ -57,10 +57,13 @@ def predict(
 
     Args:
         layer_times: per layer, the cost of one micro-batch (forward,
-            (forward, backward) or (forward, input_grad, weight_grad)), e.g.
+            (forward, backward), (forward, input_grad, weight_grad) or
+            (forward, input_grad, weight_grad, backward), as
+            :func:`~mpstream.observe.cost_model.simulate` reads them), e.g.
             from :func:`mpstream.stages.balance.profile_layers`. Where any
-            layer gives a triple, each stage's split backward costs the sum
-            of its layers' passes (a pair's backward counted as half each).
+            layer gives a triple or quadruple, each stage's split backward
+            costs the sum of its layers' passes (a pair's backward counted
+            as half each).
         stages: number of devices, one stage each.
         chunks: micro-batches per step (the last of ``last_size``).
         copy_times: per boundary (or one for all), or as
@@ -73,8 +76,9 @@ def predict(
             ``'1f1b'``, ``'zb_h1'``, ...).
         overlap: mpstream's streams or the default streams.
         issue_times: per layer, the host's time to issue it for one
-            micro-batch: forward, (forward, backward) or (forward,
-            input_grad, weight_grad), as ``layer_times``; a stage's tasks
+            micro-batch: forward, (forward, backward), (forward,
+            input_grad, weight_grad) or (forward, input_grad,
+            weight_grad, backward), as ``layer_times``; a stage's tasks
             take the sum over its layers, and one host thread issues every
             task (a split backward's passes half the backward's each where
             a layer gives a pair). None: issuing is free.
@@ -143,25 +147,32 @@ def predict(
         issue = {}
         for s, (f, b) in enumerate(per_stage):
             issue[("forward", s)], issue[("backward", s)] = f, b
-        if any(cost_size(c) == 3 for c in issue_times):
-            # A split backward's passes take the layers' own issue times.
+        if any(cost_size(c) in (3, 4) for c in issue_times):
+            # A split backward's passes take the layers' own issue times; a
+            # whole one, where a layer gives a quadruple, its own.
+            wholes = {k: v for k, v in issue.items() if k[0] == "backward"}
             passes = [backward_passes(c) for c in issue_times]
             inputs = stage_costs([b for b, _ in passes], chosen)
             weights = stage_costs([w for _, w in passes], chosen)
             for s, (b, w) in enumerate(zip(inputs, weights)):
                 issue[("backward", s)], issue[("weight", s)] = b, w
+            if any(cost_size(c) == 4 for c in issue_times):
+                issue |= {("whole_backward", s): v for (_, s), v in wholes.items()}
         single_issue = {
             ("forward", 0): sum(f for f, _ in host),
             ("backward", 0): sum(b for _, b in host),
         }
     stage_times: list[Cost] = list(zip(forward, backward))
-    if any(cost_size(c) == 3 for c in layer_times):
+    if any(cost_size(c) in (3, 4) for c in layer_times):
         # A split schedule's B and W take the layers' own passes, not half
         # the stage's backward each (simulate's default for a pair).
         passes = [backward_passes(c) for c in layer_times]
         inputs = stage_costs([b for b, _ in passes], chosen)
         weights = stage_costs([w for _, w in passes], chosen)
         stage_times = list(zip(forward, inputs, weights))
+        if any(cost_size(c) == 4 for c in layer_times):
+            # A whole backward keeps the layers' whole ones (cost_pair's backward).
+            stage_times = list(zip(forward, inputs, weights, backward))
     sim = simulate(
         stage_times,
         copy_times,

@@ -305,7 +305,10 @@ def test_a_schedule_with_backwards_and_no_backward_costs_says_what_to_change() -
             {"stage_times": [(1.0,)] * 2},
             "stage 0 time must be a number, a .forward, backward. pair",
         ),
-        ({"stage_times": [(1.0, 1.0, 1.0, 5.0)] * 2}, "or a .forward, input_grad, weight_grad."),
+        (
+            {"stage_times": [(1.0, 1.0, 1.0, 5.0, 1.0)] * 2},
+            "or a .forward, input_grad, weight_grad, backward. quadruple",
+        ),
         ({"chunks": 2.0}, "chunks must be an int"),
         ({"issue_times": {("fwd", 0): 1.0}}, "issue_times key .'fwd', 0.: expected .kind, stage."),
         ({"copy_times": {(0, 2): 1.0}}, r"copy_times names hops \[\(0, 2\)\]"),

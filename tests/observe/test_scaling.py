@@ -33,6 +33,16 @@ def test_predict_keeps_the_layers_split_backwards() -> None:
     assert weights == [pytest.approx(1.0)] * len(weights) and weights
 
 
+def test_predict_keeps_the_layers_whole_backwards_apart_from_their_passes() -> None:
+    # (F, B_in, W, backward) per layer: a whole backward takes the layers'
+    # whole ones (1f1b), split passes theirs (zb_h1).
+    layers = [(1.0, 3.0, 0.5, 2.5)] * 4
+    plain = predict(layers, 2, 8, schedule="1f1b", balance=[2, 2])
+    assert plain.step_ms == pytest.approx(simulate([(2.0, 5.0)] * 2, 0.0, 8, "1f1b").step_ms)
+    split = predict(layers, 2, 8, schedule="zb_h1", balance=[2, 2])
+    assert split.step_ms == pytest.approx(simulate([(2.0, 6.0, 1.0)] * 2, 0.0, 8, "zb_h1").step_ms)
+
+
 @pytest.mark.parametrize("balance", [[1, 1], [2, 3], [1, 1, 2], [0, 4]])
 def test_predict_refuses_a_balance_that_does_not_fit(balance: list[int]) -> None:
     with pytest.raises(ValueError, match="must give each of the 2 stages at least one layer"):
