@@ -4,9 +4,13 @@ them, and a fit simulated again reproduces the timeline."""
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 import torch
+from torch import nn
 
+from mpstream import Pipe, profile
 from mpstream.observe.cost_model import simulate
 from mpstream.observe.fitting import fit
 from mpstream.observe.timeline import Span, Timeline
@@ -81,7 +85,8 @@ def test_a_timeline_that_split_some_backwards_fits_the_input_pass_from_those() -
     costs = [(1.0, 0.5, 1.5), (2.0, 1.0, 1.0)] * 2
     truth = simulate(costs, 0.0, 8, "dualpipev")
     fitted = fit(truth.timeline)
-    assert fitted.per_stage() == costs
+    # Its whole backwards fitted apart: here they cost B + W, as the triples say.
+    assert fitted.per_stage() == [(f, b, w, b + w) for f, b, w in costs]
     assert simulate(fitted.per_stage(), 0.0, 8, "dualpipev").step_ms == truth.step_ms
     # A stage whose backwards were all whole: the input pass is what the weight pass leaves.
     spans = [
@@ -92,6 +97,49 @@ def test_a_timeline_that_split_some_backwards_fits_the_input_pass_from_those() -
         Span(1, 0, "weight", "b", 3, 5),
     ]
     assert fit(Timeline(spans, {"a": "d0", "b": "d1"})).per_stage() == [
-        (1.0, 3.0, 0.0),
-        (1.0, 1.0, 2.0),
+        (1.0, 3.0, 0.0, 3.0),
+        (1.0, 1.0, 2.0, 3.0),  # no whole backward: B + W
     ]
+
+
+def test_a_fitted_whole_backward_costs_what_it_took_not_its_split_passes() -> None:
+    # One autograd pass costs less than B and W apart (on a CPU at tasks of
+    # a few tenths of a millisecond, about half): dualpipev's fitted step
+    # re-simulated 23% to 85% long when its whole backwards cost B + W.
+    costs = [(1.0, 1.5, 1.5, 2.0), (2.0, 1.0, 2.0, 1.5)] * 2
+    truth = simulate(costs, 0.0, 8, "dualpipev")
+    fitted = fit(truth.timeline)
+    assert fitted.per_stage() == costs
+    assert fitted.whole_times == [2.0, 1.5] * 2
+    assert simulate(fitted.per_stage(), 0.0, 8, "dualpipev").step_ms == truth.step_ms
+    # Each whole backward of a real step's simulation costs the median of
+    # the measured whole ones; structural, whatever the machine's load.
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(4)])
+    pipe = Pipe(
+        model,
+        chunks=8,
+        balance=[1] * 4,
+        devices=["cpu"] * 4,
+        schedule="dualpipev",
+        virtual_stages=2,
+    )
+    x, y = torch.randn(32, 32), torch.randn(32, 32)
+    pipe.train_step(x, y, nn.MSELoss())  # warm-up: the first step's passes are slower
+    with profile(pipe) as prof:
+        pipe.train_step(x, y, nn.MSELoss())
+    sim = simulate(
+        fit(prof).per_stage(), 0.0, 8, "dualpipev", devices=["cpu"] * 4, virtual_stages=2
+    )
+
+    def whole(spans: list[Span]) -> dict[int, list[float]]:
+        split = {(s.stage, s.micro) for s in spans if s.kind == "weight"}
+        out: dict[int, list[float]] = {}
+        for s in spans:
+            if s.kind == "backward" and (s.stage, s.micro) not in split:
+                out.setdefault(s.stage, []).append(s.duration_ms)
+        return out
+
+    measured, simulated = whole(prof.spans), whole(sim.timeline.spans)
+    assert sorted(measured) == sorted(simulated) == [0, 1, 2, 3]
+    for stage, durations in measured.items():
+        assert simulated[stage] == [pytest.approx(statistics.median(durations))] * len(durations)

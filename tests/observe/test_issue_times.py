@@ -134,6 +134,31 @@ def test_fit_takes_the_input_pass_issue_time_where_a_run_split_some_backwards() 
     assert issue[("backward", 1)] == 5.0  # whole, and no weight pass: as measured
 
 
+def test_a_whole_backward_issues_in_the_time_a_whole_one_took() -> None:
+    # As its cost: one autograd call to issue, not the split passes' two
+    # (1 + 2 ms here against 1.5 ms measured).
+    streams = {"stage0.compute": "d0", "stage1.compute": "d1"}
+    spans = [
+        Span(0, 0, "backward", "stage0.compute", 0.0, 1.0, issue_ms=1.0),
+        Span(0, 0, "weight", "stage0.compute", 1.0, 2.0, issue_ms=2.0),
+        Span(0, 1, "backward", "stage0.compute", 2.0, 4.0, issue_ms=1.5),
+        Span(1, 0, "forward", "stage1.compute", 0.0, 1.0, issue_ms=0.5),
+    ]
+    issue = fit(Timeline(spans, streams)).issue_times
+    assert issue[("backward", 0)] == 1.0 and issue[("whole_backward", 0)] == 1.5
+    issue = {("backward", 0): 1.0, ("weight", 0): 2.0, ("whole_backward", 0): 1.5}
+    sim = simulate([(1.0, 1.0, 2.0)] * 4, 0.0, 8, "dualpipev", issue_times=issue)
+    split = {(s.stage, s.micro) for s in sim.timeline.spans if s.kind == "weight"}
+    backwards = [s for s in sim.timeline.spans if s.kind == "backward" and s.stage == 0]
+    assert {s.issue_ms for s in backwards if (s.stage, s.micro) in split} == {1.0}
+    assert {s.issue_ms for s in backwards if (s.stage, s.micro) not in split} == {1.5}
+    # Without it, a whole backward issues both passes.
+    del issue[("whole_backward", 0)]
+    sim = simulate([(1.0, 1.0, 2.0)] * 4, 0.0, 8, "dualpipev", issue_times=issue)
+    whole = [s for s in sim.timeline.spans if s.kind == "backward" and (s.stage, s.micro) == (0, 0)]
+    assert [s.issue_ms for s in whole] == [3.0]
+
+
 def test_predict_sums_each_passs_issue_time_over_a_stages_layers() -> None:
     layers = [(1.0, 1.0, 1.0)] * 4
     triples = predict(layers, 2, 4, schedule="zb_h1", issue_times=[(0.1, 0.2, 0.3)] * 4)
@@ -142,3 +167,9 @@ def test_predict_sums_each_passs_issue_time_over_a_stages_layers() -> None:
     pairs = predict(layers, 2, 4, schedule="zb_h1", issue_times=[(0.1, 0.5)] * 4)
     assert _issued(pairs.simulation, "weight") == [pytest.approx(0.5)] * 8
     assert pairs.simulation.issue_ms == pytest.approx(triples.simulation.issue_ms)
+    # A quadruple's whole backward issues in its own time (1f1b), its passes in theirs (zb_h1).
+    quads = [(0.1, 0.2, 0.3, 0.35)] * 4
+    plain = predict(layers, 2, 4, schedule="1f1b", issue_times=quads)
+    assert _issued(plain.simulation, "backward") == [pytest.approx(0.7)] * 8
+    split = predict(layers, 2, 4, schedule="zb_h1", issue_times=quads)
+    assert _issued(split.simulation, "weight") == [pytest.approx(0.6)] * 8
