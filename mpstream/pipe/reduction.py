@@ -5,13 +5,26 @@ batch, ``'sum'`` by 1. A loss module says how it reduces itself
 (``nn.MSELoss(reduction='sum')``): that decides the step's reduction when
 none is given, and a step told otherwise is refused rather than weighted
 wrongly.
+
+``nn.CrossEntropyLoss`` and ``nn.NLLLoss`` averaging class indices divide by
+a count that depends on the targets (those not ``ignore_index``, weighted by
+their class's ``weight``), so their micro-batch means weighted by share
+would not give the batch's mean: the step sums each micro-batch's terms and
+divides by the whole batch's count instead.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["REDUCTIONS", "step_reduction"]
+import torch
+from torch import Tensor, nn
+
+from ..runtime.microbatch import NoChunk
+
+__all__ = ["REDUCTIONS", "counted_mean", "step_reduction"]
 
 REDUCTIONS = ("mean", "sum")
 
@@ -42,3 +55,62 @@ def step_reduction(reduction: str | None, loss_fn: Any) -> str:
             f"unset (it follows the loss), or give {own!r}"
         )
     return reduction
+
+
+def counted_mean(
+    loss_fn: Callable[[Any, Any], Tensor], reduction: str | None, target: Any
+) -> tuple[Callable[[Any, Any], Tensor], str | None, Any]:
+    """The step's loss, reduction and target, exact for a count-averaged loss.
+
+    An ``nn.CrossEntropyLoss`` or ``nn.NLLLoss`` (not a subclass, whose
+    ``forward`` may differ) that averages class indices becomes a sum over
+    each micro-batch divided by the whole batch's count, which reaches every
+    micro-batch's loss as a ``NoChunk`` beside its target. Anything else is
+    returned as given.
+
+    Args:
+        loss_fn: the step's loss.
+        reduction: the step's reduction (:func:`step_reduction`'s).
+        target: the whole batch's target (detached).
+
+    Returns:
+        ``(loss_fn, reduction, target)``: as given, or the summing loss,
+        ``'sum'`` and ``(target, NoChunk(count))``.
+    """
+    if (
+        type(loss_fn) not in (nn.CrossEntropyLoss, nn.NLLLoss)
+        or reduction != "mean"
+        or type(target) is not Tensor
+        or target.is_floating_point()  # class probabilities: a uniform mean
+    ):
+        return loss_fn, reduction, target
+    module: Any = loss_fn
+    kept = target != module.ignore_index
+    weight: Tensor | None = module.weight
+    if weight is None:
+        count = kept.sum()
+    else:
+        # Ignored targets index class 0, then count 0.
+        classes = torch.where(kept, target, 0)
+        count = (weight.to(target.device)[classes] * kept).sum()
+    return functools.partial(_summed, module), "sum", (target, NoChunk(count))
+
+
+def _summed(module: Any, output: Tensor, target: tuple[Tensor, Tensor]) -> Tensor:
+    """``module``'s loss summed over a micro-batch, divided by the batch's count."""
+    labels, count = target
+    summed = (
+        nn.functional.cross_entropy(
+            output,
+            labels,
+            module.weight,
+            ignore_index=module.ignore_index,
+            reduction="sum",
+            label_smoothing=module.label_smoothing,
+        )
+        if isinstance(module, nn.CrossEntropyLoss)
+        else nn.functional.nll_loss(
+            output, labels, module.weight, ignore_index=module.ignore_index, reduction="sum"
+        )
+    )
+    return summed / count

@@ -28,7 +28,7 @@ from ..stages.exported import own_loss
 from .batchargs import batch_argument
 from .call import PipeCall
 from .inputs import detached, keywords_of
-from .reduction import step_reduction
+from .reduction import counted_mean, step_reduction
 from .running import held, running_of
 from .snapshot import Norms, Snapshot
 
@@ -93,10 +93,13 @@ class PipeStep(PipeCall):
         to the whole batch: each micro-batch's loss is weighted by its share
         of the batch (``reduction='mean'``) or by 1 (``reduction='sum'``).
         The weights are exact for a loss that averages uniformly over the
-        batch's rows; one that averages over a count that depends on the
-        data (``ignore_index``, class ``weight=``) is not a weighted sum of
-        its micro-batches' means: give it ``reduction='sum'`` (the step
-        follows a loss module's own), and divide by the count yourself.
+        batch's rows. An ``nn.CrossEntropyLoss`` or ``nn.NLLLoss`` averaging
+        class indices divides by a count that depends on the targets
+        (``ignore_index``, class ``weight=``): the step sums each
+        micro-batch's terms and divides by the whole batch's count. Any
+        other loss averaging over such a count (a function) is not a
+        weighted sum of its micro-batches' means: sum in it, give
+        ``reduction='sum'``, and divide by the count yourself.
         Call ``optimizer.step()`` after. Only parameters get gradients:
         inputs and targets are detached. It is not a call of the pipe:
         forward hooks registered on the pipe itself do not run (those on
@@ -208,6 +211,7 @@ class PipeStep(PipeCall):
             loss_fn, reduction = own_loss(split, target), "sum"
         args = detached(args)
         target = detached(target)
+        step_loss, reduction, target = counted_mean(loss_fn, reduction, target)
         micro, sizes = scatter_sized(args, self._chunks, self._split_size)
         if len(micro) == 1:
             self._say_one_micro_batch(sizes[0], "train_step")
@@ -260,7 +264,7 @@ class PipeStep(PipeCall):
                     micro,
                     micro_targets,
                     schedule,
-                    loss_fn,
+                    step_loss,
                     weights,
                     stop,
                     staging,

@@ -290,6 +290,33 @@ def test_the_step_follows_a_loss_modules_own_reduction() -> None:
         pipe.train_step(x, y, summed, reduction="mean")
 
 
+COUNTED = {
+    "ignored": lambda w: nn.CrossEntropyLoss(ignore_index=0),
+    "class weights": lambda w: nn.CrossEntropyLoss(weight=w),
+    "both, smoothed": lambda w: nn.CrossEntropyLoss(weight=w, ignore_index=0, label_smoothing=0.2),
+    "nll": lambda w: nn.NLLLoss(weight=w, ignore_index=1),
+}
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("loss", list(COUNTED))
+def test_a_mean_over_counted_targets_is_the_whole_batchs(schedule: str, loss: str) -> None:
+    # Their mean divides by the targets kept (weighted by class): micro-batch
+    # means weighted by share would not give the batch's mean. The first
+    # micro-batch keeps none (a mean of its own would be 0/0).
+    torch.manual_seed(0)
+    model = mlp([4, 8, 3])
+    pipe = Pipe(copy.deepcopy(model), chunks=3, balance=[2, 2], devices=["cpu"] * 2)
+    pipe.schedule = schedule
+    loss_fn = COUNTED[loss](torch.rand(3, dtype=torch.float64))
+    x = torch.randn(BATCH, 4, dtype=torch.float64)
+    y = torch.tensor([0, 0, 0, 0, 1, 2, 2, 1, 0, 2] if loss != "nll" else [1] * 4 + [0, 2] * 3)
+    out = pipe.train_step(x, y, loss_fn)
+    expected = reference_step(model, x, y, loss_fn)
+    torch.testing.assert_close(out, expected)
+    assert_same_grads(pipe, model)
+
+
 Pair = collections.namedtuple("Pair", "x y")
 
 
