@@ -161,9 +161,33 @@ def schedule_arg(schedule: PipeSchedule) -> str | tuple[str, ...] | Auto:
         valid = ", ".join(repr(x) for x in SCHEDULES)
         raise ValueError(
             f"schedule must be one of {valid}, 'auto', or an order of actions such as "
-            f"['F0m0', 'F1m0', 'B1m0', 'B0m0']; got {schedule!r}"
+            f"['F0m0', 'F1m0', 'B1m0', 'B0m0']; got {schedule!r}{_meant(schedule)}"
         )
     return str(schedule)
+
+
+# torch.distributed.pipelining's schedule classes, by the name each has here.
+_PIPELINING = {
+    "ScheduleGPipe": "gpipe",
+    "Schedule1F1B": "1f1b",
+    "ScheduleInterleaved1F1B": "interleaved_1f1b",
+    "ScheduleLoopedBFS": "looped_bfs",
+    "ScheduleInterleavedZeroBubble": "interleaved_zb",
+    "ScheduleZBVZeroBubble": "zbv",
+    "ScheduleDualPipeV": "dualpipev",
+}
+
+
+def _meant(schedule: object) -> str:
+    """A hint for a name that is a built-in one in other letters ('1F1B') or
+    a ``torch.distributed.pipelining`` schedule class (or its name)."""
+    name = getattr(schedule, "__name__", schedule)
+    if not isinstance(name, str):
+        return ""
+    if name in _PIPELINING:
+        return f" (torch.distributed.pipelining's {name} is schedule={_PIPELINING[name]!r} here)"
+    folded = name.lower().replace("-", "_")
+    return f" (did you mean {folded!r}?)" if folded in SCHEDULES else ""
 
 
 def _refuse_schedule_object(value: object) -> None:

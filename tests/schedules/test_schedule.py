@@ -12,7 +12,14 @@ import pytest
 from mpstream.observe.compare import live_activations as live_and_held
 from mpstream.schedules import placement_of
 from mpstream.schedules.orders import Action, check, parse
-from mpstream.schedules.schedule import SCHEDULES, Kind, Schedule, Topology, virtual_stages_of
+from mpstream.schedules.schedule import (
+    SCHEDULES,
+    Kind,
+    Schedule,
+    Topology,
+    schedule_arg,
+    virtual_stages_of,
+)
 from tests.helpers import fits, virtual_for
 
 
@@ -359,3 +366,29 @@ def test_auto_outside_a_pipe_says_what_to_give_instead() -> None:
         simulate([(1.0, 1.0)] * 2, chunks=2, schedule="auto")
     with pytest.raises(ValueError, match=match):
         record_plan("auto", 2, 2, backward=True)
+
+
+@pytest.mark.parametrize(
+    ("given", "hint"),
+    [
+        ("1F1B", "(did you mean '1f1b'?)"),
+        ("ZB-H1", "(did you mean 'zb_h1'?)"),
+        ("Schedule1F1B", "Schedule1F1B is schedule='1f1b' here"),
+        ("ScheduleInterleavedZeroBubble", "is schedule='interleaved_zb' here"),
+    ],
+)
+def test_a_name_from_another_library_or_in_capitals_is_named(given: str, hint: str) -> None:
+    with pytest.raises(ValueError, match="schedule must be one of") as info:
+        schedule_arg(given)
+    assert hint in str(info.value)
+
+
+def test_a_pipelining_schedule_class_is_named() -> None:
+    pipelining = pytest.importorskip("torch.distributed.pipelining")
+    with pytest.raises(ValueError, match="ScheduleZBVZeroBubble is schedule='zbv' here"):
+        schedule_arg(pipelining.ScheduleZBVZeroBubble)
+
+
+def test_an_unknown_name_gets_no_hint() -> None:
+    with pytest.raises(ValueError, match="got 'fill_drain'$"):
+        schedule_arg("fill_drain")
