@@ -211,6 +211,40 @@ def test_a_graphed_stage_s_output_a_loss_leaves_out_calls_the_eager_hooks_behind
     torch.testing.assert_close(grads(pipe), grads(ref))
 
 
+class ReadTwo(nn.Module):
+    """Two inputs, an output of each: a loss may leave one out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = lin(), lin()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.a(x), self.b(y)
+
+
+def test_a_graphed_stage_s_left_out_output_calls_the_hooks_of_the_input_it_reads_with_none() -> (
+    None
+):
+    # The same difference for a pipe input (the user's own tensor stands
+    # where the eager stage does above): only the left-out output reads
+    # ``y``, which the plain model's backward never reaches.
+    torch.manual_seed(0)
+    model = ReadTwo()
+    ref = copy.deepcopy(model)
+    pipe = Pipe(model, split_points=[], devices=["cpu"], graphs=Emulated())
+    x = torch.randn(BATCH, 2, dtype=torch.float64)
+    y = torch.randn(BATCH, 2, dtype=torch.float64)
+    y_ref, y_pipe = y.clone().requires_grad_(), y.clone().requires_grad_()
+    # Hooks on the input only: one on a parameter would make the stage eager.
+    seen_ref, seen_pipe = watch(nn.Module(), y_ref), watch(nn.Module(), y_pipe)
+    ref(x, y_ref)[0].pow(2).sum().backward()
+    pipe(x, y_pipe)[0].pow(2).sum().backward()
+    assert seen_ref == {"input": []}
+    assert seen_pipe == {"input": [True]}
+    assert y_pipe.grad is None and y_ref.grad is None
+    torch.testing.assert_close(grads(pipe), grads(ref))
+
+
 def test_only_the_tensors_a_gradient_reaches_open_a_gradient_copy() -> None:
     # One gradient copy per hop and micro-batch in the plan, as before: the
     # dead tensor's node never runs, and the plan stays valid.
