@@ -149,9 +149,16 @@ def order_for(model: nn.Module, recipe: Recipe, s: Session) -> tuple[str, int, l
 def check(recipe: Recipe, s: Session) -> None:
     torch.manual_seed(s.seed)
     split = (s.chunks, s.split_size)
-    modes = [  # BatchNorm of one sample in training: the plain model refuses it.
+    half = {s.dtype, s.autocast} & {torch.float16, torch.bfloat16}
+    # BatchNorm of one sample in training: the plain model refuses it. Of
+    # two, it outputs +-1 whatever they are, so what feeds it gets no
+    # gradient but rounding noise, scaled by their inverse spread: in half
+    # precision each side's is its own, far apart (0.16 against 1e-3 in
+    # float64). Such calls run in eval mode.
+    fewest = 2 if half else 1
+    modes = [
         c.training and not (recipe.has_norm and min(len(m) for m in micro_batches(
-            torch.empty(c.batch), split)) == 1)
+            torch.empty(c.batch), split)) <= fewest)
         for c in s.calls
     ]  # fmt: skip
     model = build(recipe, s.sequential).to(s.dtype).train(modes[0])  # exported in this mode
@@ -181,7 +188,6 @@ def check(recipe: Recipe, s: Session) -> None:
     # training mode (the norm takes its mean out); in half precision each
     # side's is its own rounding, up to ~1 after hooks scale it (so half
     # precision sessions compare it in eval mode neither).
-    half = {s.dtype, s.autocast} & {torch.float16, torch.bfloat16}
     noise = frozenset(
         f"{'' if s.sequential else 'blocks.'}{k}.0.bias"
         for k, step in enumerate(recipe.steps)
