@@ -90,8 +90,9 @@ def counted_mean(
     if weight is None:
         count = kept.sum()
     else:
-        # Ignored targets index class 0, then count 0.
-        classes = torch.where(kept, target, 0)
+        # Ignored targets index class 0, then count 0. As integers: Byte
+        # targets, which the loss takes, would index as a mask.
+        classes = torch.where(kept, target.long(), 0)
         count = (weight.to(target.device)[classes] * kept).sum()
     return functools.partial(_summed, module), "sum", (target, NoChunk(count))
 

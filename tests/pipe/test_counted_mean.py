@@ -1,0 +1,47 @@
+"""train_step with an nn.CrossEntropyLoss / nn.NLLLoss averaging over the
+targets it keeps (pipe/reduction.py's counted mean): the targets the plain
+loss takes, and its errors, reach the pipe's loss the same way."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from mpstream import Pipe
+from tests.helpers import assert_same_grads, mlp, virtual_for
+
+BATCH = 10
+LABELS = [0, 0, 0, 0, 1, 2, 2, 1, 0, 2]
+
+
+def pipe_of(model: nn.Module, schedule: str = "1f1b") -> Pipe:
+    stages = 4 if virtual_for(schedule, 4) else 2
+    return Pipe(
+        copy.deepcopy(model),
+        split_size=4,  # 4 + 4 + 2: a last micro-batch of its own size
+        balance=[len(model) // stages] * stages,
+        devices=["cpu"] * stages,
+        schedule=schedule,
+        virtual_stages=virtual_for(schedule, stages),
+    )
+
+
+@pytest.mark.parametrize("ignore_index", [-100, 0])
+def test_byte_class_indices_count_as_classes_not_as_a_mask(ignore_index: int) -> None:
+    # The plain loss takes uint8 targets as class indices; indexing the class
+    # weights with them would select by a mask instead.
+    torch.manual_seed(0)
+    model = mlp([4, 8, 3])
+    pipe = pipe_of(model)
+    loss_fn = nn.CrossEntropyLoss(
+        weight=torch.rand(3, dtype=torch.float64), ignore_index=ignore_index
+    )
+    x, y = torch.randn(BATCH, 4, dtype=torch.float64), torch.tensor(LABELS, dtype=torch.uint8)
+    loss = pipe.train_step(x, y, loss_fn)
+    expected = loss_fn(model(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach())
+    assert_same_grads(pipe, model)
