@@ -91,8 +91,9 @@ def counted_mean(
         count = kept.sum()
     else:
         # Ignored targets index class 0, then count 0. As integers: Byte
-        # targets, which the loss takes, would index as a mask.
-        classes = torch.where(kept, target.long(), 0)
+        # targets, which the loss takes, would index as a mask. A class out
+        # of range is clamped: its micro-batch's loss raises, naming it.
+        classes = torch.where(kept, target.long(), 0).clamp_(0, weight.numel() - 1)
         count = (weight.to(target.device)[classes] * kept).sum()
     return functools.partial(_summed, module), "sum", (target, NoChunk(count))
 

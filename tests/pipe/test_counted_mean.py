@@ -45,3 +45,24 @@ def test_byte_class_indices_count_as_classes_not_as_a_mask(ignore_index: int) ->
     expected.backward()
     torch.testing.assert_close(loss, expected.detach())
     assert_same_grads(pipe, model)
+
+
+def test_a_class_out_of_range_is_the_losss_own_error_and_undone() -> None:
+    # Counting the class weights must not raise first, with an indexing
+    # error that names no target: the loss names it, on its micro-batch.
+    torch.manual_seed(0)
+    model = mlp([4, 8, 3])
+    pipe = pipe_of(model)
+    loss_fn = nn.CrossEntropyLoss(weight=torch.rand(3, dtype=torch.float64))
+    x, y = torch.randn(BATCH, 4, dtype=torch.float64), torch.tensor(LABELS)
+    bad = y.clone()
+    bad[9] = 7
+    with pytest.raises(IndexError, match="Target 7 is out of bounds") as info:
+        pipe.train_step(x, bad, loss_fn)
+    assert "loss_fn on micro-batch 2 (of 3)" in "\n".join(info.value.__notes__)
+    assert all(p.grad is None for p in pipe.parameters())
+    loss = pipe.train_step(x, y, loss_fn)  # and the next step runs
+    expected = loss_fn(model(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach())
+    assert_same_grads(pipe, model)
