@@ -96,7 +96,9 @@ class PipeStep(PipeCall):
         batch's rows. An ``nn.CrossEntropyLoss`` or ``nn.NLLLoss`` averaging
         class indices divides by a count that depends on the targets
         (``ignore_index``, class ``weight=``): the step sums each
-        micro-batch's terms and divides by the whole batch's count. Any
+        micro-batch's terms and divides by the whole batch's count (from
+        the module's settings: its hooks are not called; a subclass is
+        weighted by share). Any
         other loss averaging over such a count (a function) is not a
         weighted sum of its micro-batches' means: sum in it, give
         ``reduction='sum'``, and divide by the count yourself.
