@@ -180,8 +180,9 @@ _PIPELINING = {
 
 def _meant(schedule: object) -> str:
     """A hint for a name that is a built-in one in other letters ('1F1B') or
-    a ``torch.distributed.pipelining`` schedule class (or its name)."""
-    name = getattr(schedule, "__name__", schedule)
+    a ``torch.distributed.pipelining`` schedule class, object or name."""
+    name = schedule if isinstance(schedule, str) else getattr(schedule, "__name__", None)
+    name = type(schedule).__name__ if name is None else name  # an object: its class's
     if not isinstance(name, str):
         return ""
     if name in _PIPELINING:

@@ -387,6 +387,9 @@ def test_a_pipelining_schedule_class_is_named() -> None:
     pipelining = pytest.importorskip("torch.distributed.pipelining")
     with pytest.raises(ValueError, match="ScheduleZBVZeroBubble is schedule='zbv' here"):
         schedule_arg(pipelining.ScheduleZBVZeroBubble)
+    # What porting code holds: a schedule object (built without its stage here).
+    with pytest.raises(ValueError, match="Schedule1F1B is schedule='1f1b' here"):
+        schedule_arg(object.__new__(pipelining.Schedule1F1B))
 
 
 def test_an_unknown_name_gets_no_hint() -> None:
