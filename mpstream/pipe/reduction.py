@@ -90,29 +90,39 @@ def counted_mean(
     if weight is None:
         count = kept.sum()
     else:
-        # Ignored targets index class 0, then count 0. As integers: Byte
-        # targets, which the loss takes, would index as a mask. A class out
-        # of range is clamped: its micro-batch's loss raises, naming it.
+        # Kept targets per class, on the target's device, for the loss to
+        # weigh where the weights are: copying the weights to the target
+        # (a GPU's to the host) would block the host every step. Ignored
+        # targets count at class 0 as 0. As integers: Byte targets, which
+        # the loss takes, would index as a mask. A class out of range is
+        # clamped: its micro-batch's loss raises, naming it.
         classes = torch.where(kept, target.long(), 0).clamp_(0, weight.numel() - 1)
-        count = (weight.to(target.device)[classes] * kept).sum()
+        count = torch.zeros(weight.numel(), dtype=torch.long, device=target.device)
+        count.index_add_(0, classes.flatten(), kept.flatten().long())
     return functools.partial(_summed, module), "sum", (target, NoChunk(count))
 
 
 def _summed(module: Any, output: Tensor, target: tuple[Tensor, Tensor]) -> Tensor:
-    """``module``'s loss summed over a micro-batch, divided by the batch's count."""
+    """``module``'s loss summed over a micro-batch, divided by the batch's
+    count (given, or weighed from the kept targets per class)."""
     labels, count = target
-    summed = (
+    losses = (
         nn.functional.cross_entropy(
             output,
             labels,
             module.weight,
             ignore_index=module.ignore_index,
-            reduction="sum",
+            reduction="none",
             label_smoothing=module.label_smoothing,
         )
         if isinstance(module, nn.CrossEntropyLoss)
         else nn.functional.nll_loss(
-            output, labels, module.weight, ignore_index=module.ignore_index, reduction="sum"
+            output, labels, module.weight, ignore_index=module.ignore_index, reduction="none"
         )
     )
-    return summed / count
+    # Summed in float32 at least: a float16 micro-batch's sum overflows
+    # where the batch's mean (accumulated wider by torch's kernels) does not.
+    wide = torch.promote_types(losses.dtype, torch.float32)
+    if module.weight is not None:
+        count = (count.to(wide) * module.weight.to(wide)).sum()
+    return (losses.sum(dtype=wide) / count).to(losses.dtype)

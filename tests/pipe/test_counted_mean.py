@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from mpstream import Pipe
+from mpstream.pipe.reduction import counted_mean
 from tests.helpers import assert_same_grads, mlp, virtual_for
 
 BATCH = 10
@@ -90,3 +91,27 @@ def test_per_pixel_targets_count_over_the_whole_batch(schedule: str) -> None:
     expected.backward()
     torch.testing.assert_close(loss, expected.detach())
     assert_same_grads(pipe, model)
+
+
+def test_the_count_leaves_the_class_weights_where_they_are() -> None:
+    # Weights on a GPU and targets on the host: copying the weights to the
+    # targets' device would block the host every step. A meta tensor has no
+    # data to copy: the count must not read it.
+    labels = torch.tensor(LABELS)
+    loss_fn = nn.CrossEntropyLoss(weight=torch.rand(3, device="meta"), ignore_index=0)
+    _, reduction, (target, count) = counted_mean(loss_fn, "mean", labels)
+    assert reduction == "sum" and target is labels
+    assert count.tensor.tolist() == [0, 2, 3]  # kept targets per class
+
+
+def test_a_float16_batch_whose_sum_overflows_keeps_its_mean() -> None:
+    # The micro-batches' sums are taken wider than float16: 10000 rows of
+    # loss ~9 add up past float16's 65504, their mean does not.
+    torch.manual_seed(0)
+    logits = 8 * torch.randn(10000, 5).half()
+    labels = torch.randint(0, 5, (10000,))
+    loss_fn = nn.CrossEntropyLoss(ignore_index=0)
+    summed, _, (target, count) = counted_mean(loss_fn, "mean", labels)
+    got = summed(logits, (target, count.tensor))
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got.float(), loss_fn(logits.float(), labels), rtol=1e-3, atol=0)
