@@ -4,16 +4,18 @@
 gloo group (:func:`join_group`, loopback only, a FileStore for the
 rendezvous) and returns what each saved; :func:`batches` and
 :func:`initial_model` are the global batches and the model every process
-(and the single-process reference) starts from. Used by
+(and the single-process reference) starts from;
+:func:`one_process_group` is a group of this process alone. Used by
 tests/test_distributed*.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,7 @@ __all__ = [
     "initial_model",
     "join_group",
     "launch",
+    "one_process_group",
 ]
 
 WORLD = 2
@@ -75,6 +78,19 @@ def join_group(rank: int, store_path: str) -> None:
     dist.init_process_group(
         "gloo", store=store, rank=rank, world_size=WORLD, timeout=COLLECTIVE_TIMEOUT
     )
+
+
+@contextlib.contextmanager
+def one_process_group() -> Iterator[None]:
+    """A one-process gloo group on an in-memory store, loopback only, for
+    the tests that need a group but no second process."""
+    with contextlib.ExitStack() as undo:
+        if sys.platform.startswith("linux") and "GLOO_SOCKET_IFNAME" not in os.environ:
+            os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+            undo.callback(os.environ.pop, "GLOO_SOCKET_IFNAME", None)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        undo.callback(dist.destroy_process_group)
+        yield
 
 
 def launch(worker: Callable[[int, str, str], None], out_dir: Path) -> list[dict[str, Any]]:

@@ -5,8 +5,6 @@ handing every gradient to the reducer, tied weights and a grad scaler."""
 from __future__ import annotations
 
 import copy
-import os
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,19 +17,13 @@ from torch.nn.parallel import DistributedDataParallel
 import mpstream
 from mpstream import Pipe
 from mpstream import distributed as mpdist
-from tests.ddp_group import BALANCE, SPLIT, batches, initial_model
+from tests.ddp_group import BALANCE, SPLIT, batches, initial_model, one_process_group
 
 
 @pytest.fixture
-def group(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """A one-process gloo group on an in-memory store, loopback only."""
-    if sys.platform.startswith("linux") and "GLOO_SOCKET_IFNAME" not in os.environ:
-        monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
+def group() -> Iterator[None]:
+    with one_process_group():
         yield
-    finally:
-        dist.destroy_process_group()
 
 
 def small_pipe(**kwargs: Any) -> Pipe:
