@@ -3,7 +3,8 @@
 :mod:`.ddp` wraps a pipe in ``DistributedDataParallel`` (checking the
 options a pipeline cannot take) and runs its training step;
 :mod:`.gradients` averages the gradients over the processes, each stage's
-as soon as its backward ends; :mod:`.placement` checks the stage devices
+as soon as its backward ends; :mod:`.pending` refuses a step while DDP's
+reducer still waits for a forward's backward; :mod:`.placement` checks the stage devices
 a process group can reduce on and maps checkpoints between processes'
 devices.
 """

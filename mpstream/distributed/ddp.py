@@ -41,6 +41,7 @@ from ..pipe.pipe import Pipe
 from ..pipe.step import averaged_by
 from ..runtime.errors import annotate
 from .gradients import BUCKET_BYTES, StageReducer
+from .pending import check_idle, track
 from .placement import check_placement
 
 __all__ = [
@@ -171,6 +172,7 @@ def _check_same_pipelines(ddp: DistributedDataParallel) -> None:
         )
     setattr(ddp, _CHECKED, True)
     averaged_by(ddp.module, ddp, _UNAVERAGED)
+    track(ddp)
 
 
 def _check_ddp_pipe(ddp: object, what: str) -> Pipe:
@@ -227,9 +229,9 @@ def train_step(
     the gradients only accumulate locally; the next call outside it averages
     the accumulated sum, as with DDP.
 
-    Call it on every process of the group, with the same pipeline; do not mix
-    it with a ``ddp(x)`` whose backward has not run (DDP would then expect
-    gradients and reduce a partial one).
+    Call it on every process of the group, with the same pipeline; not after
+    a ``ddp(x)`` with gradients whose backward has not run (DDP's reducer
+    would take this step's gradients for that forward's: refused).
 
     Args:
         ddp: the pipeline wrapped by :func:`wrap` (or by
@@ -261,9 +263,11 @@ def train_step(
             (checked at the first call of a DDP module not made by
             :func:`wrap`), or bad inputs as for :meth:`~mpstream.Pipe.train_step`.
         RuntimeError: another process of the group failed this step (this
-            one's is undone too), or, inside ``Join([ddp])``, a process of
+            one's is undone too); inside ``Join([ddp])``, a process of
             the group has run out of batches (Join cannot shadow this step's
-            all-reduces).
+            all-reduces); or a ``ddp(x)`` forward with gradients has not had
+            its backward (DDP's reducer would take this step's gradients
+            for it: run such forwards under ``torch.no_grad()``).
     """
     pipe = _check_ddp_pipe(ddp, "train_step")
     _check_none_joined(ddp)
@@ -281,9 +285,13 @@ def train_step(
     # DDP's reducer arms its gradient hooks only in DDP.forward, which is not
     # called here, so the pipeline's per-micro-batch backward runs unhooked.
     if not ddp.require_backward_grad_sync:  # inside no_sync(): accumulate only
+        check_idle(ddp)  # DDP's armed reducer would take these gradients all the same
         return pipe._train_step(inputs, target, loss_fn, reduction, scaler)
     reducer = StageReducer(ddp)
     try:
+        # Inside: a process that alone ran such a forward (validation on
+        # rank 0 only) still completes the step's all-reduces.
+        check_idle(ddp)
         return pipe._train_step(inputs, target, loss_fn, reduction, scaler, stage_done=reducer)
     except BaseException as exc:
         # Also a failure before the step began (a bad batch on this process

@@ -1,0 +1,75 @@
+"""mpstream.distributed.pending: ``train_step`` after a ``ddp(x)`` forward
+whose backward never ran (a validation pass without ``torch.no_grad()``)
+is refused with what to do, before DDP's armed reducer takes its
+gradients; the forwards that leave the reducer idle are not refused."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+from torch import nn
+
+from mpstream import Pipe
+from mpstream import distributed as mpdist
+from tests.ddp_group import BALANCE, SPLIT, batches, initial_model, one_process_group
+
+
+@pytest.fixture
+def ddp() -> Iterator[torch.nn.parallel.DistributedDataParallel]:
+    with one_process_group():
+        pipe = Pipe(initial_model(), split_size=SPLIT, balance=BALANCE, devices=["cpu", "cpu"])
+        wrapped = mpdist.wrap(pipe)
+        yield wrapped
+        del wrapped  # its reducer before the group (see docs/ddp.md)
+
+
+@pytest.mark.parametrize("no_sync", [False, True])
+def test_train_step_after_a_forward_without_its_backward_is_refused_with_what_to_do(
+    ddp: torch.nn.parallel.DistributedDataParallel, no_sync: bool
+) -> None:
+    x, y = batches(1)[0]
+    ddp.eval()
+    ddp(x)  # validation with gradients on: DDP's reducer now waits for a backward
+    ddp.train()
+    with ddp.no_sync() if no_sync else contextlib.nullcontext():
+        with pytest.raises(RuntimeError, match="its backward has not") as refused:
+            mpdist.train_step(ddp, x, y, nn.MSELoss())
+    assert "torch.no_grad()" in str(refused.value)
+    assert all(p.grad is None for p in ddp.parameters())  # nothing reached the reducer
+    # The way out the message gives: a step through DDP's forward starts it afresh.
+    nn.MSELoss()(ddp(x), y).backward()
+    ddp.zero_grad()
+    mpdist.train_step(ddp, x, y, nn.MSELoss())
+    assert all(p.grad is not None for p in ddp.parameters())
+
+
+def _under_no_grad(ddp: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    with torch.no_grad():
+        ddp(x)
+
+
+def _inside_no_sync(ddp: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    with ddp.no_sync():  # type: ignore[operator]
+        ddp(x)
+
+
+def _with_its_backward(ddp: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    nn.MSELoss()(ddp(x), y).backward()
+    ddp.zero_grad()
+
+
+@pytest.mark.parametrize("forward", [_under_no_grad, _inside_no_sync, _with_its_backward])
+def test_forwards_that_leave_the_reducer_idle_do_not_refuse_the_next_step(
+    ddp: torch.nn.parallel.DistributedDataParallel,
+    forward: Callable[[nn.Module, torch.Tensor, torch.Tensor], None],
+) -> None:
+    x, y = batches(1)[0]
+    forward(ddp, x, y)
+    ref = Pipe(initial_model(), split_size=SPLIT, balance=BALANCE, devices=["cpu", "cpu"])
+    mpdist.train_step(ddp, x, y, nn.MSELoss())
+    ref.train_step(x, y, nn.MSELoss())
+    for (name, p), q in zip(ddp.module.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
