@@ -2,8 +2,9 @@
 
 What a run does, in data-path order: :mod:`.microbatch` scatters the batch;
 :mod:`.scheduler` (over the C++ ``Scheduler``) orders the streams with
-events; :mod:`.executor`, the one run loop, walks a schedule, handing each
-task to what the run does: :mod:`.forward` for ``pipe(x)``, :mod:`.training`
+events, after the previous call's caller streams (:mod:`.callers`);
+:mod:`.executor`, the one run loop, walks a schedule, handing each task to
+what the run does: :mod:`.forward` for ``pipe(x)``, :mod:`.training`
 for a training step, over the stages a :mod:`.worker` holds, calling each
 stage (:mod:`.calls`) with its arguments wired by :mod:`.graph` and
 :mod:`.values`; :mod:`.hops` (every copy task), :mod:`.copy` (one ``send``

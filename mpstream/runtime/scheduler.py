@@ -21,6 +21,7 @@ import torch
 from .. import _ext
 from .._warn import warn
 from ..schedules.schedule import Schedule
+from .callers import CallerStreams
 from .errors import annotate
 from .stream import (
     AnyStream,
@@ -177,6 +178,9 @@ class EventScheduler:
         self.slot_devices = [d for d in self.devices for _ in range(2)] + callers + callers
         self.native: Any = _C.Scheduler(stage_slots, caller_slots, caller_of_stage, io_slots)
         self.native.autograd_orders_grad_copies = AUTOGRAD_ORDERS_GRAD_COPIES
+        #: The streams the pipe's latest call was made from: a call from
+        #: another one waits on them first (:meth:`CallerStreams.follow`).
+        self.callers = CallerStreams([] if virtual else callers)
         #: A device error met ending a failed run (:meth:`abort`), until
         #: :meth:`check_device` finds the devices working again.
         self.device_error: str | None = None
