@@ -1,6 +1,6 @@
 """Which stream runs what: each stage on its own, transfers on the io stream,
 forced copies on the sender's copy stream, streams restored after a failure,
-timing events.
+timing events, a call made from another stream than the last one's.
 
 Marked ``cuda``: skipped cleanly without a GPU."""
 
@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import copy
 import time
+from typing import Any
 
 import pytest
 import torch
 from torch import Tensor, nn
 
 from mpstream import Pipe
+from mpstream.pipe import call
+from mpstream.runtime import forward, gathering
 from tests.cuda.helpers import (
     BATCH,
     cycles_per_ms,
@@ -249,3 +252,73 @@ def test_zero_grad_in_place_in_a_loss_fn_is_ordered_after_earlier_adds(graphs: b
         pipe.train_step(x.cuda(), y.cuda(), loss)
         for (name, p), q in zip(pipe.named_parameters(), ref.parameters()):
             torch.testing.assert_close(p.grad.cpu(), q.grad, msg=name)  # type: ignore[union-attr]
+
+
+def _slowed(fn: Any, cycles: int) -> Any:
+    """``fn``, after spinning the current stream for ``cycles``."""
+
+    def slow(*args: Any) -> Any:
+        torch.cuda._sleep(cycles)
+        return fn(*args)
+
+    return slow
+
+
+@pytest.mark.parametrize("chunks", [1, 2], ids=["copied", "concatenated"])
+def test_a_call_from_another_stream_leaves_the_last_outputs_alone(
+    chunks: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Graphed, without gradients: a call's outputs are the replays' buffers
+    until its caller's stream concatenates them (or copies one micro-batch's).
+    That read, slowed on stream ``a``, must come before the next call, made
+    from stream ``b``, replays into the same buffers (runtime/callers.py)."""
+    torch.manual_seed(0)
+    model = mlp([8, 16, 16, 4]).float().cuda()
+    pipe = Pipe(model, chunks=chunks, balance=[2, 1], devices=["cuda:0"] * 2, graphs=True)
+    x1, x2 = torch.randn(4, 8, device="cuda"), torch.randn(4, 8, device="cuda")
+    with torch.no_grad():
+        want = model(x1)
+        for _ in range(3):  # captured, then replayed
+            pipe(x2)
+    torch.cuda.synchronize()
+    cycles = int(50 * cycles_per_ms())
+    monkeypatch.setattr(call, "gather", _slowed(gathering.gather, cycles))
+    monkeypatch.setattr(forward, "_copied", _slowed(forward._copied, cycles))
+    a, b = torch.cuda.Stream(), torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    with torch.no_grad():
+        with torch.cuda.stream(a):
+            out = pipe(x1)
+        with torch.cuda.stream(b):
+            pipe(x2)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, want)
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphed"])
+def test_a_step_from_another_stream_waits_for_the_last_callers_read_of_the_gradients(
+    graphs: bool,
+) -> None:
+    """The gradients one step left, read late on stream ``a`` (an optimizer
+    step), must not take the adds of the next step, made from stream ``b``
+    (a graphed stage's ``.grad`` is the buffer its graphs add into)."""
+    torch.manual_seed(0)
+    model = mlp([8, 16, 16, 4]).float()
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    nn.functional.mse_loss(ref(x), y).backward()
+    pipe = Pipe(model.cuda(), chunks=2, balance=[2, 1], devices=["cuda:0"] * 2, graphs=graphs)
+    x, y = x.cuda(), y.cuda()
+    for _ in range(3):  # graphed: captured, then replayed
+        pipe.train_step(x, y, nn.MSELoss())
+        pipe.zero_grad(set_to_none=False)
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Stream(), torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    with torch.cuda.stream(a):
+        pipe.train_step(x, y, nn.MSELoss())
+        torch.cuda._sleep(int(50 * cycles_per_ms()))
+        read = [p.grad.clone() for p in pipe.parameters()]  # type: ignore[union-attr]
+    with torch.cuda.stream(b):
+        pipe.train_step(x, y, nn.MSELoss())  # adds into the same .grad
+    torch.cuda.synchronize()
+    for (name, _), got, q in zip(pipe.named_parameters(), read, ref.parameters()):
+        torch.testing.assert_close(got.cpu(), q.grad, msg=name)
