@@ -147,6 +147,19 @@ def to_host(grad: Tensor, device: torch.device, link: GradLink | None) -> Tensor
     if grad.device == device:
         return grad
     if device.type != "cpu" or not grad.is_cuda or link is None:
+        # A GPU gradient here is a GPU input's, on another device than stage
+        # 0's (a host input that requires grad has a link). The copy reads it
+        # on its device's current stream, which autograd's engine made the
+        # input Copy node's own (the io stream its forward ran on), and it
+        # needs no mark of ours. The engine marks a gradient for the stream
+        # of the node it hands it to whenever that stream is not the
+        # producing node's and the gradient sits on its device
+        # (InputBuffer::add, torch/csrc/autograd/input_buffer.cpp): since
+        # torch 2.8 (pytorch#151079) for the first producer ("Case A",
+        # record_stream_any_impl on the consumer stream), in 2.7 in cases
+        # (2b) and (3b) on the accumulation stream, there the consumer's.
+        # The copy orders its destination itself (that device's current
+        # stream waits for it), and the destination is new memory.
         return grad.to(device)
     out = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=True)
     stream = current_stream(grad.device)
