@@ -175,7 +175,13 @@ class Copy(torch.autograd.Function):
         if stage < 0:
             # Gradient of the batch itself, on the io stream (this node's).
             link = None if route.links is None else route.links[ctx.k]
-            return (None, None, to_host(g, ctx.src_device, link))
+            moved = to_host(g, ctx.src_device, link)
+            if link is None and g.is_cuda and moved is not g:
+                # Read on the io stream, which only the next call's own input
+                # copies would order its replays after (a graphed stage's
+                # buffer, rewritten by its next backward): that call waits.
+                sched.callers.note_read(sched.devices[route.peer], current_stream(g.device))
+            return (None, None, moved)
         scope: AbstractContextManager[object] = nullcontext()
         if private.profiler_enabled():
             scope = profiler.record_function(f"mpstream/copy_grad/stage{stage}/mb{route.micro}")

@@ -189,6 +189,12 @@ class Replay(torch.autograd.Function):
                 got = call.backward(picked, object(), hooks=False)
         else:
             got = call.backward(picked, task, autograd=True)
+        # The input gradients are the call's buffers, which its next backward
+        # replay rewrites on this stream. An escaping one is cloned here,
+        # before that replay in stream order; one handed to our own nodes is
+        # read on a stage's or copy stream the next call's tasks wait on, or,
+        # for the pipe's input, on the io stream the next call waits on
+        # (CallerStreams.note_read) unless the host waited (HostWait).
         it = iter(got)
         out: list[Tensor | None] = []
         for t, escapes in zip(call.static_in, ctx.escapes):

@@ -159,7 +159,9 @@ def to_host(grad: Tensor, device: torch.device, link: GradLink | None) -> Tensor
         # record_stream_any_impl on the consumer stream), in 2.7 in cases
         # (2b) and (3b) on the accumulation stream, there the consumer's.
         # The copy orders its destination itself (that device's current
-        # stream waits for it), and the destination is new memory.
+        # stream waits for it), and the destination is new memory. What
+        # orders the source's next writer (a graphed stage's backward
+        # replay into this buffer) after this read: the caller (Copy.backward).
         return grad.to(device)
     out = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=True)
     stream = current_stream(grad.device)

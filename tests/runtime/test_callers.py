@@ -1,13 +1,16 @@
 """A call of a pipe made from another stream than the previous call's waits
-on that stream first (runtime/callers.py), checked here on stand-in CUDA
-streams; on a GPU, tests/cuda/test_streams.py shows the race it closes (a
-graphed pipe's outputs and the gradients read by the previous caller)."""
+on that stream first, and on the io stream where a backward copied an
+input's gradient to another GPU (runtime/callers.py), checked here on
+stand-in CUDA streams; on a GPU, tests/cuda/test_streams.py shows the races
+they close (a graphed pipe's outputs, the gradients read by the previous
+caller, a graphed stage's input-gradient buffer)."""
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -16,7 +19,9 @@ from torch import nn
 
 from mpstream import Pipe
 from mpstream.runtime import callers, forward, training
+from mpstream.runtime import copy as copies
 from mpstream.runtime.callers import CallerStreams
+from mpstream.runtime.transfer import GradLink
 
 CUDA = [torch.device("cuda", 0), torch.device("cuda", 1)]
 
@@ -133,3 +138,64 @@ def test_each_pipe_follows_its_own_callers() -> None:
     pipe = Pipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), balance=[1, 1], chunks=2)
     other = copy.deepcopy(pipe)
     assert other.scheduler.callers is not pipe.scheduler.callers
+
+
+def test_a_read_noted_by_a_backward_is_waited_on_by_the_next_call_once(device: Device) -> None:
+    """The gradient of an input on another GPU is read on the io stream,
+    after which the next call (same caller stream, no input copy) waits on it."""
+    streams = CallerStreams(CUDA)
+    streams.follow()
+    streams.note_read(CUDA[1], FakeStream(1, "io", device))
+    streams.follow()
+    assert device.waits == [(1, "A", "io")]
+    streams.follow()
+    assert device.waits == [(1, "A", "io")]  # read once, waited on once
+
+
+def test_a_noted_read_waits_for_a_call_outside_a_capture(device: Device) -> None:
+    streams = CallerStreams(CUDA)
+    streams.follow()
+    streams.note_read(CUDA[0], FakeStream(0, "io", device))
+    device.current[0], device.capturing = "capture", True
+    streams.follow()
+    assert device.waits == []
+    device.current[0], device.capturing = "B", False
+    streams.follow()
+    assert device.waits == [(0, "B", "A"), (0, "B", "io")]
+
+
+def test_a_read_on_a_host_device_notes_nothing(device: Device) -> None:
+    streams = CallerStreams([torch.device("cpu"), CUDA[0]])
+    streams.note_read(torch.device("cpu"), FakeStream(0, "io", device))
+    assert streams.reads == {}
+
+
+class _Stub:
+    """A CUDA gradient stand-in for Copy.backward: only what it asks of one."""
+
+    is_cuda = True
+    device = CUDA[0]
+
+
+@pytest.mark.parametrize(
+    ("source", "linked", "noted"),
+    [("cuda:1", False, True), ("cpu", True, False), ("cuda:0", False, False)],
+    ids=["another GPU", "host, waited for there", "the stage's device"],
+)
+def test_the_input_gradient_copy_notes_its_read_for_the_next_call(
+    source: str, linked: bool, noted: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Copy.backward of the pipeline's input: a graphed stage's gradient is
+    its buffer, which the copy to another GPU reads on the io stream, outside
+    every task of the next call; the host's copy is waited for on the host
+    (HostWait), and an input on the stage's device gets the gradient itself."""
+    state = Device()
+    io = FakeStream(0, "io", state)
+    grad = _Stub()
+    monkeypatch.setattr(copies, "current_stream", lambda d: io)
+    monkeypatch.setattr(copies, "to_host", lambda g, d, link: g if d == g.device else object())
+    sched = SimpleNamespace(devices=CUDA, callers=CallerStreams(CUDA))
+    route = SimpleNamespace(sched=sched, stage=-1, peer=0, links=[GradLink()] if linked else None)
+    ctx = SimpleNamespace(route=route, k=0, src_device=torch.device(source))
+    copies.Copy.backward(ctx, grad)  # type: ignore[arg-type]
+    assert sched.callers.reads == ({0: io} if noted else {})
