@@ -1,6 +1,7 @@
 """Which stream runs what: each stage on its own, transfers on the io stream,
 forced copies on the sender's copy stream, streams restored after a failure,
-timing events, a call made from another stream than the last one's.
+timing events, a call made from another stream than the last one's, a
+call after a backward that copied an input's gradient to another GPU.
 
 Marked ``cuda``: skipped cleanly without a GPU."""
 
@@ -16,10 +17,12 @@ from torch import Tensor, nn
 
 from mpstream import Pipe
 from mpstream.pipe import call
-from mpstream.runtime import forward, gathering
+from mpstream.runtime import copy as copies
+from mpstream.runtime import forward, gathering, transfer
 from tests.cuda.helpers import (
     BATCH,
     cycles_per_ms,
+    two_gpus,
 )
 from tests.helpers import mlp
 
@@ -322,3 +325,37 @@ def test_a_step_from_another_stream_waits_for_the_last_callers_read_of_the_gradi
     torch.cuda.synchronize()
     for (name, _), got, q in zip(pipe.named_parameters(), read, ref.parameters()):
         torch.testing.assert_close(got.cpu(), q.grad, msg=name)
+
+
+@two_gpus
+def test_a_call_after_an_input_gradient_copied_to_another_gpu_waits_for_that_copy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Graphed stages on cuda:0, input on cuda:1: the input's gradient is
+    stage 0's static buffer, copied back on cuda:0's io stream (slowed
+    here). The next call, its input on cuda:0 (no input copy on that io
+    stream to order it), must not replay the backward into that buffer
+    before the copy read it (runtime/callers.py, note_read)."""
+    torch.manual_seed(0)
+    model = mlp([8, 16, 16, 4]).float()
+    ref = copy.deepcopy(model)
+    pipe = Pipe(model, chunks=2, balance=[2, 2], devices=["cuda:0"] * 2, graphs=True)
+    x = torch.randn(4, 8)
+    x_ref = x.clone().requires_grad_()
+    ref(x_ref).sum().backward()
+
+    def backward(device: str, scale: float) -> Tensor:
+        given = x.to(device).requires_grad_()
+        (pipe(given).sum() * scale).backward()
+        return given
+
+    for _ in range(3):  # captured, then replayed; both ways share stage 0's graphs
+        backward("cuda:1", 1.0)
+        backward("cuda:0", 1.0)
+    torch.cuda.synchronize()
+    cycles = int(50 * cycles_per_ms())
+    monkeypatch.setattr(copies, "to_host", _slowed(transfer.to_host, cycles))
+    first = backward("cuda:1", 1.0)
+    backward("cuda:0", 3.0)  # its backward writes three times the gradient into the buffer
+    torch.cuda.synchronize()
+    torch.testing.assert_close(first.grad.cpu(), x_ref.grad)  # type: ignore[union-attr]
