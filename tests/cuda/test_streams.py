@@ -277,7 +277,7 @@ def test_a_call_from_another_stream_leaves_the_last_outputs_alone(
     from stream ``b``, replays into the same buffers (runtime/callers.py)."""
     torch.manual_seed(0)
     model = mlp([8, 16, 16, 4]).float().cuda()
-    pipe = Pipe(model, chunks=chunks, balance=[2, 1], devices=["cuda:0"] * 2, graphs=True)
+    pipe = Pipe(model, chunks=chunks, balance=[4, 2], devices=["cuda:0"] * 2, graphs=True)
     x1, x2 = torch.randn(4, 8, device="cuda"), torch.randn(4, 8, device="cuda")
     with torch.no_grad():
         want = model(x1)
@@ -309,7 +309,7 @@ def test_a_step_from_another_stream_waits_for_the_last_callers_read_of_the_gradi
     ref = copy.deepcopy(model)
     x, y = torch.randn(8, 8), torch.randn(8, 4)
     nn.functional.mse_loss(ref(x), y).backward()
-    pipe = Pipe(model.cuda(), chunks=2, balance=[2, 1], devices=["cuda:0"] * 2, graphs=graphs)
+    pipe = Pipe(model.cuda(), chunks=2, balance=[4, 2], devices=["cuda:0"] * 2, graphs=graphs)
     x, y = x.cuda(), y.cuda()
     for _ in range(3):  # graphed: captured, then replayed
         pipe.train_step(x, y, nn.MSELoss())
