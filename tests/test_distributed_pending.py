@@ -26,18 +26,32 @@ def ddp() -> Iterator[torch.nn.parallel.DistributedDataParallel]:
         del wrapped  # its reducer before the group (see docs/ddp.md)
 
 
+def _validation(ddp: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    ddp.eval()
+    ddp(x)  # with gradients on: DDP's reducer now waits for a backward
+    ddp.train()
+
+
+def _input_gradient(ddp: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    # An adversarial example's direction: autograd.grad runs no parameter's
+    # accumulator, so DDP's reducer hooks never fire and it stays armed.
+    x = x.clone().requires_grad_()
+    torch.autograd.grad(nn.MSELoss()(ddp(x), y), x)
+
+
 @pytest.mark.parametrize("no_sync", [False, True])
+@pytest.mark.parametrize("forward", [_validation, _input_gradient])
 def test_train_step_after_a_forward_without_its_backward_is_refused_with_what_to_do(
-    ddp: torch.nn.parallel.DistributedDataParallel, no_sync: bool
+    ddp: torch.nn.parallel.DistributedDataParallel,
+    no_sync: bool,
+    forward: Callable[[nn.Module, torch.Tensor, torch.Tensor], None],
 ) -> None:
     x, y = batches(1)[0]
-    ddp.eval()
-    ddp(x)  # validation with gradients on: DDP's reducer now waits for a backward
-    ddp.train()
+    forward(ddp, x, y)
     with ddp.no_sync() if no_sync else contextlib.nullcontext():
         with pytest.raises(RuntimeError, match="its backward has not") as refused:
             mpdist.train_step(ddp, x, y, nn.MSELoss())
-    assert "torch.no_grad()" in str(refused.value)
+    assert "torch.no_grad()" in str(refused.value) and "ddp.module(x)" in str(refused.value)
     assert all(p.grad is None for p in ddp.parameters())  # nothing reached the reducer
     # The way out the message gives: a step through DDP's forward starts it afresh.
     nn.MSELoss()(ddp(x), y).backward()
@@ -61,7 +75,15 @@ def _with_its_backward(ddp: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None
     ddp.zero_grad()
 
 
-@pytest.mark.parametrize("forward", [_under_no_grad, _inside_no_sync, _with_its_backward])
+def _input_gradient_through_the_module(ddp: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    x = x.clone().requires_grad_()
+    torch.autograd.grad(nn.MSELoss()(ddp.module(x), y), x)  # type: ignore[operator]
+
+
+@pytest.mark.parametrize(
+    "forward",
+    [_under_no_grad, _inside_no_sync, _with_its_backward, _input_gradient_through_the_module],
+)
 def test_forwards_that_leave_the_reducer_idle_do_not_refuse_the_next_step(
     ddp: torch.nn.parallel.DistributedDataParallel,
     forward: Callable[[nn.Module, torch.Tensor, torch.Tensor], None],
@@ -73,3 +95,16 @@ def test_forwards_that_leave_the_reducer_idle_do_not_refuse_the_next_step(
     ref.train_step(x, y, nn.MSELoss())
     for (name, p), q in zip(ddp.module.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def test_an_input_gradient_through_a_static_graph_s_first_forward_does_not_refuse() -> None:
+    # Its backward ends with DDP's delayed reduction of every parameter,
+    # autograd.grad's too: the reducer is idle after it.
+    with one_process_group():
+        pipe = Pipe(initial_model(), split_size=SPLIT, balance=BALANCE, devices=["cpu", "cpu"])
+        ddp = mpdist.wrap(pipe, static_graph=True)
+        x, y = batches(1)[0]
+        _input_gradient(ddp, x, y)
+        mpdist.train_step(ddp, x, y, nn.MSELoss())
+        assert all(p.grad is not None for p in ddp.parameters())
+        del ddp  # its reducer before the group

@@ -12,7 +12,10 @@ its backward with torch's "Expected to mark a variable ready only once"
 and then every later step of either kind, or, where the schedule
 accumulates them out of the reducer's sight, leaves it armed for a later
 one. :func:`track` notes each arming forward and the end of the backward
-that reached its output; :func:`check_idle` refuses a step in between.
+that reached its output and adds into its parameters' gradients (the
+reducer's hooks sit on their accumulators: ``torch.autograd.grad`` through
+the output, say for an input's gradient, leaves it armed);
+:func:`check_idle` refuses a step in between.
 """
 
 from __future__ import annotations
@@ -21,8 +24,11 @@ import weakref
 from typing import Any
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_leaves
+
+from ..runtime import private
 
 __all__ = ["track", "check_idle"]
 
@@ -46,15 +52,24 @@ def _forward_ran(ddp: Any, args: Any, output: Any) -> None:
         return
     setattr(ddp, _PENDING, True)
     ref = weakref.ref(ddp)
+    # Static graph's first forward: the backward through its outputs ends
+    # with DDP's delayed reduction of every parameter, autograd.grad's too.
+    sink = bool(getattr(ddp, "static_graph", False)) and not getattr(
+        ddp, "_static_graph_delay_allreduce_enqueued", True
+    )
     for t in tree_leaves(output):
         if isinstance(t, torch.Tensor) and t.grad_fn is not None:
-            t.grad_fn.register_hook(lambda *_: _reached(ref))
+            t.grad_fn.register_hook(lambda *_: _reached(ref, sink))
 
 
-def _reached(ref: weakref.ref[Any]) -> None:
+def _reached(ref: weakref.ref[Any], sink: bool) -> None:
     """A backward reached an arming forward's output: DDP's reducer, which
     takes whichever gradients come, finalises by the end of that backward
-    (a callback it queues, as this one)."""
+    (a callback it queues, as this one) if the backward adds into its
+    parameters' gradients: its hooks run after their accumulators."""
+    ddp = ref()
+    if ddp is None or not (sink or _accumulates(ddp)):
+        return
 
     def ended() -> None:
         ddp = ref()
@@ -62,6 +77,21 @@ def _reached(ref: weakref.ref[Any]) -> None:
             setattr(ddp, _PENDING, False)
 
     torch.autograd.Variable._execution_engine.queue_callback(ended)
+
+
+def _accumulates(ddp: Any) -> bool:
+    """Whether the running backward pass adds into the gradient of one of
+    ``ddp``'s parameters (not ``torch.autograd.grad``, nor ``backward(inputs=)``
+    without them), running the accumulator DDP's reducer hooks."""
+    for p in ddp.parameters():
+        if not p.requires_grad:
+            continue
+        try:
+            if private.will_engine_execute_node(get_gradient_edge(p).node):
+                return True
+        except RuntimeError:  # torch.autograd.grad() asked for this parameter's gradient
+            return False
+    return False
 
 
 def check_idle(ddp: DistributedDataParallel) -> None:
@@ -76,7 +106,8 @@ def check_idle(ddp: DistributedDataParallel) -> None:
             "so DistributedDataParallel's reducer still waits for that forward's gradients and "
             "would take train_step's for them (torch then fails this step and every later one "
             "with 'Expected to mark a variable ready only once'). Run forwards you do not "
-            "train on (validation, metrics) under torch.no_grad(), or run that output's "
-            "backward first; a step trained as loss_fn(ddp(x), y).backward() also starts "
-            "the reducer afresh"
+            "train on (validation, metrics) under torch.no_grad(), take gradients you do not "
+            "train on (torch.autograd.grad, an input's gradient) through ddp.module(x), "
+            "which leaves the reducer alone, or run that output's backward first; a step "
+            "trained as loss_fn(ddp(x), y).backward() also starts the reducer afresh"
         )

@@ -59,7 +59,8 @@ USED = (
         "_will_engine_execute_node",
         1,
         False,
-        "replays the backward pass asks for; where a profiled stage's backward ends",
+        "replays the backward pass asks for; where a profiled stage's backward ends; "
+        "whether a backward reaches DDP's reducer (distributed/pending.py)",
     ),
     Private(
         "torch._C",
