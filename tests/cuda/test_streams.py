@@ -339,7 +339,7 @@ def test_a_call_after_an_input_gradient_copied_to_another_gpu_waits_for_that_cop
     torch.manual_seed(0)
     model = mlp([8, 16, 16, 4]).float()
     ref = copy.deepcopy(model)
-    pipe = Pipe(model, chunks=2, balance=[2, 2], devices=["cuda:0"] * 2, graphs=True)
+    pipe = Pipe(model, chunks=2, balance=[4, 2], devices=["cuda:0"] * 2, graphs=True)
     x = torch.randn(4, 8)
     x_ref = x.clone().requires_grad_()
     ref(x_ref).sum().backward()
