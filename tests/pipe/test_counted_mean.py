@@ -30,6 +30,17 @@ def pipe_of(model: nn.Module, schedule: str = "1f1b") -> Pipe:
     )
 
 
+def assert_step_matches(
+    pipe: Pipe, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: nn.Module
+) -> None:
+    """One train_step's loss and gradients equal the plain model's."""
+    loss = pipe.train_step(x, y, loss_fn)
+    expected = loss_fn(model(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach())
+    assert_same_grads(pipe, model)
+
+
 @pytest.mark.parametrize("ignore_index", [-100, 0])
 def test_byte_class_indices_count_as_classes_not_as_a_mask(ignore_index: int) -> None:
     # The plain loss takes uint8 targets as class indices; indexing the class
@@ -41,11 +52,7 @@ def test_byte_class_indices_count_as_classes_not_as_a_mask(ignore_index: int) ->
         weight=torch.rand(3, dtype=torch.float64), ignore_index=ignore_index
     )
     x, y = torch.randn(BATCH, 4, dtype=torch.float64), torch.tensor(LABELS, dtype=torch.uint8)
-    loss = pipe.train_step(x, y, loss_fn)
-    expected = loss_fn(model(x), y)
-    expected.backward()
-    torch.testing.assert_close(loss, expected.detach())
-    assert_same_grads(pipe, model)
+    assert_step_matches(pipe, model, x, y, loss_fn)
 
 
 def test_a_class_out_of_range_is_the_losss_own_error_and_undone() -> None:
@@ -62,11 +69,7 @@ def test_a_class_out_of_range_is_the_losss_own_error_and_undone() -> None:
         pipe.train_step(x, bad, loss_fn)
     assert "loss_fn on micro-batch 2 (of 3)" in "\n".join(info.value.__notes__)
     assert all(p.grad is None for p in pipe.parameters())
-    loss = pipe.train_step(x, y, loss_fn)  # and the next step runs
-    expected = loss_fn(model(x), y)
-    expected.backward()
-    torch.testing.assert_close(loss, expected.detach())
-    assert_same_grads(pipe, model)
+    assert_step_matches(pipe, model, x, y, loss_fn)  # and the next step runs
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "zb_h1", "zbv", "dualpipev"])
@@ -86,11 +89,7 @@ def test_per_pixel_targets_count_over_the_whole_batch(schedule: str) -> None:
     y = torch.randint(0, 3, (BATCH, 3, 3))
     y[:4] = -100
     y[6, 1] = -100
-    loss = pipe.train_step(x, y, loss_fn)
-    expected = loss_fn(model(x), y)
-    expected.backward()
-    torch.testing.assert_close(loss, expected.detach())
-    assert_same_grads(pipe, model)
+    assert_step_matches(pipe, model, x, y, loss_fn)
 
 
 def test_the_count_leaves_the_class_weights_where_they_are() -> None:
