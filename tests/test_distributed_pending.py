@@ -6,6 +6,8 @@ gradients; the forwards that leave the reducer idle are not refused."""
 from __future__ import annotations
 
 import contextlib
+import copy
+import pickle
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -108,3 +110,22 @@ def test_an_input_gradient_through_a_static_graph_s_first_forward_does_not_refus
         mpdist.train_step(ddp, x, y, nn.MSELoss())
         assert all(p.grad is not None for p in ddp.parameters())
         del ddp  # its reducer before the group
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_of_an_armed_module_has_an_idle_reducer_and_trains(
+    ddp: torch.nn.parallel.DistributedDataParallel, how: str
+) -> None:
+    # DDP rebuilds its reducer, idle, in a copy: the original's note that a
+    # forward awaits its backward must not travel with it.
+    x, y = batches(1)[0]
+    _validation(ddp, x, y)
+    copied = copy.deepcopy(ddp) if how == "deepcopy" else pickle.loads(pickle.dumps(ddp))
+    mpdist.train_step(copied, x, y, nn.MSELoss())
+    assert all(p.grad is not None for p in copied.parameters())
+    with pytest.raises(RuntimeError, match="its backward has not"):
+        mpdist.train_step(ddp, x, y, nn.MSELoss())  # the original is still armed
+    _validation(copied, x, y)  # the copy's forwards are noted too
+    with pytest.raises(RuntimeError, match="its backward has not"):
+        mpdist.train_step(copied, x, y, nn.MSELoss())
+    del copied  # its reducer before the group

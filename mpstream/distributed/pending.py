@@ -32,9 +32,12 @@ from ..runtime import private
 
 __all__ = ["track", "check_idle"]
 
-# On a DDP module: whether a forward armed its reducer and no backward ended since.
-_PENDING = "_mpstream_pending_forward"
-# On a DDP module: the forward hook noting it (registered once).
+# The DDP modules a forward armed whose backward has not ended since, weakly.
+# Kept here rather than on the module: a copy (copy.deepcopy, pickle) gets a
+# reducer of its own, idle, and must not inherit the original's note.
+_ARMED: weakref.WeakSet[Any] = weakref.WeakSet()
+# On a DDP module: the forward hook noting it (registered once; a copy
+# carries it, as it carries the module's other hooks).
 _HOOK = "_mpstream_forward_hook"
 
 
@@ -42,7 +45,6 @@ def track(ddp: DistributedDataParallel) -> None:
     """Notes, from now on, each forward of ``ddp`` that arms its reducer,
     until a backward through its output ends. Registered once per module."""
     if getattr(ddp, _HOOK, None) is None:
-        setattr(ddp, _PENDING, False)
         setattr(ddp, _HOOK, ddp.register_forward_hook(_forward_ran))
 
 
@@ -50,7 +52,7 @@ def _forward_ran(ddp: Any, args: Any, output: Any) -> None:
     # DDP's own condition for arming its reducer (its _post_forward).
     if not (torch.is_grad_enabled() and ddp.require_backward_grad_sync):
         return
-    setattr(ddp, _PENDING, True)
+    _ARMED.add(ddp)
     ref = weakref.ref(ddp)
     # Static graph's first forward: the backward through its outputs ends
     # with DDP's delayed reduction of every parameter, autograd.grad's too.
@@ -74,7 +76,7 @@ def _reached(ref: weakref.ref[Any], sink: bool) -> None:
     def ended() -> None:
         ddp = ref()
         if ddp is not None:
-            setattr(ddp, _PENDING, False)
+            _ARMED.discard(ddp)
 
     torch.autograd.Variable._execution_engine.queue_callback(ended)
 
@@ -100,7 +102,7 @@ def check_idle(ddp: DistributedDataParallel) -> None:
     Raises:
         RuntimeError: the reducer is armed by a forward :func:`track` saw.
     """
-    if getattr(ddp, _PENDING, False):
+    if ddp in _ARMED:
         raise RuntimeError(
             "train_step: a ddp(x) forward ran with gradients enabled and its backward has not, "
             "so DistributedDataParallel's reducer still waits for that forward's gradients and "
