@@ -86,7 +86,6 @@ def execute(
     handlers, step = run.handlers, run.step
     profiling = private.profiler_enabled()
     task: Task | None = None
-    sched.check_device()
     tag = native.run_tag
     try:
         # First: a run re-entered from inside a stage is refused before

@@ -274,7 +274,7 @@ class EventScheduler:
             failure: what made the run fail. An error met while ending the
                 run (a device error: CUDA's are sticky) is added to it as a
                 note rather than raised in its place; a device error is also
-                kept, for the next run's :meth:`check_device`.
+                kept, for the next call's :meth:`check_device`.
 
         Raises:
             RuntimeError: ending the run met an error and there is no
@@ -301,10 +301,23 @@ class EventScheduler:
         finally:
             self.native.capturing = False
 
+    def start_call(self) -> None:
+        """Called as a call of the pipe (``pipe(x)``, ``train_step``) starts,
+        before it issues anything: :meth:`check_device`, then the call's
+        streams wait on the previous caller's (:meth:`CallerStreams.follow`).
+        The check comes first: on a device left broken, those waits would
+        raise CUDA's own error, which says nothing of the earlier failure.
+
+        Raises:
+            RuntimeError: a device still fails (see :meth:`check_device`).
+        """
+        self.check_device()
+        self.callers.follow()
+
     def check_device(self) -> None:
-        """Before a run, after :meth:`abort` met a device error: whether the
-        devices work again (a synchronize each); if they do, the error is
-        forgotten.
+        """As a call starts (:meth:`start_call`), after :meth:`abort` met a
+        device error: whether the devices work again (a synchronize each);
+        if they do, the error is forgotten.
 
         Raises:
             RuntimeError: a device still fails; CUDA errors such as an

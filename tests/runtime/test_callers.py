@@ -18,9 +18,10 @@ import torch
 from torch import nn
 
 from mpstream import Pipe
-from mpstream.runtime import callers, forward, training
+from mpstream.runtime import callers, forward, scheduler, training
 from mpstream.runtime import copy as copies
 from mpstream.runtime.callers import CallerStreams
+from mpstream.runtime.scheduler import EventScheduler
 from mpstream.runtime.transfer import GradLink
 
 CUDA = [torch.device("cuda", 0), torch.device("cuda", 1)]
@@ -29,11 +30,13 @@ CUDA = [torch.device("cuda", 0), torch.device("cuda", 1)]
 @dataclass
 class Device:
     """What the stand-ins see: each device's current stream, by name, and
-    every wait issued, as (device, waiting stream, stream waited on)."""
+    every wait issued, as (device, waiting stream, stream waited on); a wait
+    raises ``fail`` instead while it is set (a broken device, a Ctrl-C)."""
 
     current: dict[int, str] = field(default_factory=lambda: {0: "A", 1: "A"})
     waits: list[tuple[int, str, str]] = field(default_factory=list)
     capturing: bool = False
+    fail: BaseException | None = None
 
 
 class FakeStream:
@@ -51,6 +54,8 @@ class FakeStream:
     __hash__ = None  # type: ignore[assignment]
 
     def wait_stream(self, other: FakeStream) -> None:
+        if self.log.fail is not None:
+            raise self.log.fail
         self.log.waits.append((self.index, self.name, other.name))
 
 
@@ -112,9 +117,11 @@ def test_host_devices_have_no_streams_to_follow(monkeypatch: pytest.MonkeyPatch)
 
 def test_every_call_follows_its_caller_before_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     """pipe(x) and train_step both: the wait comes before the run issues
-    anything (and a step's failure snapshot copies anything)."""
+    anything (and a step's failure snapshot copies anything), after the
+    devices are checked (once a call)."""
     events: list[str] = []
     monkeypatch.setattr(CallerStreams, "follow", lambda self: events.append("follow"))
+    monkeypatch.setattr(EventScheduler, "check_device", lambda self: events.append("check"))
     for module in (forward, training):
         run = module.execute
 
@@ -128,9 +135,29 @@ def test_every_call_follows_its_caller_before_it_runs(monkeypatch: pytest.Monkey
     pipe = Pipe(copy.deepcopy(model), balance=[2, 1], chunks=2)
     x, y = torch.randn(4, 4), torch.randn(4, 2)
     torch.testing.assert_close(pipe(x), model(x))
-    assert events == ["follow", "run"]
+    assert events == ["check", "follow", "run"]
     pipe.train_step(x, y, nn.MSELoss())
-    assert events == ["follow", "run"] * 2
+    assert events == ["check", "follow", "run"] * 2
+
+
+@pytest.mark.parametrize("path", ["forward", "train_step"])
+def test_a_device_an_earlier_call_broke_is_named_before_the_waits_meet_it(
+    path: str, device: Device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call from another stream, after a failed call's end met a sticky
+    device error: the wait on the previous caller's stream would raise
+    CUDA's own error; the devices' check says what happened first."""
+    pipe = Pipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), balance=[1, 1], chunks=2)
+    sched = pipe.scheduler
+    sched.callers = CallerStreams(CUDA)  # stand-in CUDA caller streams
+    sched.callers.follow()  # the failed call, from stream A
+    sched.device_error = "RuntimeError: CUDA error: an illegal memory access was encountered"
+    monkeypatch.setattr(scheduler, "device_failure", lambda d: "cuda:0 still fails (same)")
+    device.current[0] = "B"
+    device.fail = RuntimeError("CUDA error: an illegal memory access was encountered")
+    x, y = torch.randn(4, 4), torch.randn(4, 2)
+    with pytest.raises(RuntimeError, match="ending it raised .*; cuda:0 still fails .* sticky"):
+        pipe(x) if path == "forward" else pipe.train_step(x, y, nn.MSELoss())
 
 
 def test_each_pipe_follows_its_own_callers() -> None:
