@@ -28,6 +28,14 @@ waits on it too. (A host input's gradient needs none: the host waits for
 its copy, :class:`~.transfer.HostWait`; an input on the stage's device gets
 a copy made on the stage's own stream.)
 
+A call that fails after :meth:`CallerStreams.follow` owes the next one
+nothing more: its waits went onto its own caller's stream before anything
+else of it, and a wait on that stream (an event recorded there) covers
+what it waited on, CUDA's ordering being transitive. Only a ``follow``
+that raises part-way (a Ctrl-C) leaves waits unissued: it then keeps the
+previous call's streams as the latest and puts the reads back, so the next
+call waits on them.
+
 Host cost: one current-stream lookup per CUDA device per call; the wait
 only when the stream changed, or a backward noted a read.
 """
@@ -84,7 +92,8 @@ class CallerStreams:
         Nothing is waited on or remembered while a CUDA graph captures the
         call: an event recorded outside a capture cannot be waited on inside
         it, and the graph's replays run wherever the user replays them (the
-        reads noted stay for the next call outside a capture).
+        reads noted stay for the next call outside a capture). Raising
+        part-way, it leaves the next call owing every wait it owed.
         """
         if not self.devices:
             return
@@ -99,7 +108,13 @@ class CallerStreams:
                 if new != old:
                     new.wait_stream(old)  # type: ignore[union-attr, arg-type]
         reads, self.reads = self.reads, {}
-        for i, stream in reads.items():
-            if now[i] != stream:
-                now[i].wait_stream(stream)  # type: ignore[union-attr, arg-type]
+        try:
+            for i, stream in reads.items():
+                if now[i] != stream:
+                    now[i].wait_stream(stream)  # type: ignore[union-attr, arg-type]
+        except BaseException:
+            # A wait interrupted (Ctrl-C) or refused: the next call owes the
+            # reads (a read noted since is newer and stays).
+            self.reads = {**reads, **self.reads}
+            raise
         self.latest = now

@@ -179,6 +179,21 @@ def test_a_read_noted_by_a_backward_is_waited_on_by_the_next_call_once(device: D
     assert device.waits == [(1, "A", "io")]  # read once, waited on once
 
 
+def test_a_read_noted_stays_owed_when_the_wait_on_it_is_interrupted(device: Device) -> None:
+    """A Ctrl-C as the call's stream waits on the read: the call fails, and
+    the next call waits on it (as on one noted meanwhile, which is newer)."""
+    streams = CallerStreams(CUDA)
+    streams.follow()
+    streams.note_read(CUDA[0], FakeStream(0, "io", device))
+    device.fail = KeyboardInterrupt()
+    with pytest.raises(KeyboardInterrupt):
+        streams.follow()
+    streams.note_read(CUDA[1], FakeStream(1, "io", device))
+    device.fail = None
+    streams.follow()
+    assert sorted(device.waits) == [(0, "A", "io"), (1, "A", "io")]
+
+
 def test_a_noted_read_waits_for_a_call_outside_a_capture(device: Device) -> None:
     streams = CallerStreams(CUDA)
     streams.follow()
