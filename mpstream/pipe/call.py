@@ -107,7 +107,7 @@ class PipeCall(PipeConfig):
         :class:`~mpstream.memory.batchnorm.DeferredBatchNorm` had accumulated for
         the failed batch are dropped (they update only once all stages finish).
         """
-        self.scheduler.start_call()  # a broken device said; after the last call's reads
+        self.scheduler.start_call()  # a device left broken, named; then after the last call's reads
         inputs = self._inputs(args, kwargs)
         micro, sizes = scatter_sized(inputs, self._chunks, self._split_size)
         if len(micro) == 1 and torch.is_grad_enabled():

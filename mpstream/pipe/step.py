@@ -195,7 +195,7 @@ class PipeStep(PipeCall):
                 "trained; call it outside that block (it enables gradients itself, so under "
                 "torch.no_grad() it works)"
             )
-        self.scheduler.start_call()  # a broken device said; after the last call's reads
+        self.scheduler.start_call()  # a device left broken, named; then after the last call's reads
         given = (inputs, target, loss_fn)  # what schedule='auto' profiles, as given
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(
